@@ -1,0 +1,1 @@
+"""cancelfl protocols package."""
