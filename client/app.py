@@ -1,0 +1,37 @@
+"""The cancelfl ClientApp: dispatches each message to the configured method's client logic."""
+
+from __future__ import annotations
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+from flwr.clientapp.mod import fixedclipping_mod
+
+from client.env import ClientEnv
+from client.methods import query_actions, query_handler, train_handler
+
+app = ClientApp()
+
+
+def _cdp_clipping(msg: Message, context: Context, call_next) -> Message:
+    """Flower's ``fixedclipping_mod``, applied only when the method is central DP."""
+    if context.run_config.get("method") == "cdp":
+        return fixedclipping_mod(msg, context, call_next)
+    return call_next(msg, context)
+
+
+@app.train(mods=[_cdp_clipping])
+def train(msg: Message, context: Context) -> Message:
+    """Local training + the method's upload protection."""
+    env = ClientEnv.from_context(context)
+    return train_handler(env.cfg.method)(msg, env)
+
+
+def _register_query(action: str) -> None:
+    @app.query(action)
+    def _handle(msg: Message, context: Context) -> Message:
+        env = ClientEnv.from_context(context)
+        return query_handler(env.cfg.method, action)(msg, env)
+
+
+for _action in sorted(query_actions()):
+    _register_query(_action)

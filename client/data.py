@@ -1,0 +1,197 @@
+"""Datasets and partitioning.
+
+Offline sources: scikit-learn's bundled ``load_digits`` (8x8 images) and
+``load_breast_cancer`` (30 tabular features), and MNIST-style IDX gzip folders
+(``mnist``, ``fashion-mnist``) found under ``data-dir``.  ``hub:<name>`` loads a
+Hugging Face dataset through flwr-datasets for users who have a network (never
+used by the tests).
+
+Partitioning uses flwr-datasets partitioners over an index dataset, so every
+process (simulation worker, SuperNode, container) recomputes exactly the same
+split from ``(seed, num-partitions)`` and picks its own slice by partition id.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from server.config import ConfigError, RunConfig
+
+IDX_FILES = {
+    "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+    "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
+}
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A train/test split as float32 features and int64 labels.
+
+    ``x`` is (N, C, H, W) for images and (N, D) for tabular data.
+    """
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of one sample."""
+        return tuple(self.x_train.shape[1:])
+
+
+def _data_dir_candidates(data_dir: str) -> list[Path]:
+    if data_dir:
+        return [Path(data_dir)]
+    here = Path(__file__).resolve().parent.parent
+    env = os.environ.get("CANCELFL_DATA_DIR")
+    cands = [Path(env)] if env else []
+    return [*cands, here / "data", here.parent / "shared" / "data", Path.cwd() / "data",
+            Path.cwd().parent / "shared" / "data", Path("/work/shared/data")]
+
+
+def find_idx_folder(dataset: str, data_dir: str) -> Path:
+    """Locate the folder holding ``dataset``'s four IDX files, or raise clearly."""
+    needed = [f for pair in IDX_FILES.values() for f in pair]
+    tried = []
+    for root in _data_dir_candidates(data_dir):
+        for folder in (root / dataset, root):
+            tried.append(str(folder))
+            if all((folder / f).is_file() for f in needed):
+                return folder
+    raise ConfigError(
+        f"dataset '{dataset}': IDX files ({', '.join(needed)}) not found; tried {', '.join(tried)}. "
+        "Set run-config 'data-dir' to the folder that holds them (or its parent)."
+    )
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """Read one gzip IDX file (images uint8 N x H x W or labels uint8 N)."""
+    with gzip.open(path, "rb") as fh:
+        raw = fh.read()
+    magic = int.from_bytes(raw[:4], "big")
+    ndim = magic & 0xFF
+    if magic >> 8 != 0x08:
+        raise ValueError(f"{path}: not an unsigned-byte IDX file (magic {magic:#010x})")
+    dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
+    if data.size != int(np.prod(dims)):
+        raise ValueError(f"{path}: header says {dims}, file holds {data.size} bytes")
+    return data.reshape(dims)
+
+
+def _load_idx(name: str, data_dir: str) -> Dataset:
+    folder = find_idx_folder(name, data_dir)
+    out = {}
+    for split, (img, lab) in IDX_FILES.items():
+        x = read_idx(folder / img).astype(np.float32) / 255.0
+        # Standard MNIST normalisation keeps inputs centred for SGD.
+        x = (x - 0.1307) / 0.3081 if name == "mnist" else (x - 0.2860) / 0.3530
+        out[split] = (x[:, None, :, :], read_idx(folder / lab).astype(np.int64))
+    return Dataset(name, *out["train"], *out["test"], num_classes=10)
+
+
+def _load_sklearn(name: str, seed: int) -> Dataset:
+    from sklearn.datasets import load_breast_cancer, load_digits
+    from sklearn.model_selection import train_test_split
+
+    if name == "digits":
+        bunch = load_digits()
+        x = (bunch.data.astype(np.float32) / 16.0).reshape(-1, 1, 8, 8)
+    else:
+        bunch = load_breast_cancer()
+        x = bunch.data.astype(np.float32)
+    y = bunch.target.astype(np.int64)
+    # A fixed split (seed 0) so the test set never depends on the run seed.
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    if name == "breast-cancer":  # standardise with training statistics only
+        mu, sd = x_tr.mean(0), x_tr.std(0) + 1e-8
+        x_tr, x_te = (x_tr - mu) / sd, (x_te - mu) / sd
+    return Dataset(name, x_tr, y_tr, x_te, y_te, num_classes=int(y.max()) + 1)
+
+
+def _load_hub(name: str) -> Dataset:  # pragma: no cover - needs network
+    from flwr_datasets import FederatedDataset
+
+    fds = FederatedDataset(dataset=name, partitioners={"train": 1})
+    split = {}
+    for part in ("train", "test"):
+        ds = fds.load_split(part).with_format("numpy")
+        img_key = next(k for k in ds.column_names if k in ("image", "img", "pixels"))
+        lab_key = next(k for k in ds.column_names if k in ("label", "labels", "fine_label"))
+        x = np.asarray(ds[img_key], dtype=np.float32) / 255.0
+        x = x[:, None] if x.ndim == 3 else np.moveaxis(x, -1, 1)
+        split[part] = (x, np.asarray(ds[lab_key], dtype=np.int64))
+    return Dataset(name, *split["train"], *split["test"], num_classes=int(split["train"][1].max()) + 1)
+
+
+@lru_cache(maxsize=4)
+def load_dataset(name: str, data_dir: str = "", train_subset: int = 0, test_subset: int = 0) -> Dataset:
+    """Load a dataset by run-config name (cached per process)."""
+    if name in ("digits", "breast-cancer"):
+        ds = _load_sklearn(name, 0)
+    elif name in ("mnist", "fashion-mnist"):
+        ds = _load_idx(name, data_dir)
+    elif name.startswith("hub:"):
+        ds = _load_hub(name[4:])
+    else:
+        raise ConfigError(f"unknown dataset {name!r}")
+    if train_subset or test_subset:
+        ntr = train_subset or len(ds.y_train)
+        nte = test_subset or len(ds.y_test)
+        ds = Dataset(ds.name, ds.x_train[:ntr], ds.y_train[:ntr], ds.x_test[:nte], ds.y_test[:nte], ds.num_classes)
+    return ds
+
+
+def dataset_for(cfg: RunConfig) -> Dataset:
+    """The dataset a run config names."""
+    return load_dataset(cfg.dataset, cfg.data_dir, cfg.train_subset, cfg.test_subset)
+
+
+@lru_cache(maxsize=8)
+def partition_indices(labels_key: bytes, num_partitions: int, scheme: str, alpha: float,
+                      seed: int) -> tuple[np.ndarray, ...]:
+    """Indices of every partition (deterministic in all arguments).
+
+    ``labels_key`` is the label vector as bytes (hashable for the cache).
+    """
+    from datasets import Dataset as HFDataset
+    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, LinearPartitioner
+
+    labels = np.frombuffer(labels_key, dtype=np.int64)
+    if num_partitions > len(labels):
+        raise ConfigError(f"run-config 'num-clients' = {num_partitions} exceeds the {len(labels)} training samples")
+    # Shuffle once with the run seed so contiguous partitioners see random order.
+    order = np.random.default_rng(seed).permutation(len(labels))
+    index_ds = HFDataset.from_dict({"idx": order, "label": labels[order]})
+    if scheme == "iid":
+        part = IidPartitioner(num_partitions=num_partitions)
+    elif scheme == "dirichlet":
+        min_size = max(1, min(10, len(labels) // (4 * num_partitions)))
+        part = DirichletPartitioner(num_partitions=num_partitions, partition_by="label", alpha=alpha,
+                                    min_partition_size=min_size, self_balancing=True, seed=seed)
+    elif scheme == "size-skew":
+        part = LinearPartitioner(num_partitions=num_partitions)
+    else:
+        raise ConfigError(f"run-config 'partitioning' = {scheme!r}; choose iid, dirichlet or size-skew")
+    part.dataset = index_ds
+    return tuple(np.asarray(part.load_partition(i)["idx"], dtype=np.int64) for i in range(num_partitions))
+
+
+def client_partition(cfg: RunConfig, partition_id: int, num_partitions: int) -> tuple[np.ndarray, np.ndarray]:
+    """Training features and labels of one client."""
+    if not 0 <= partition_id < num_partitions:
+        raise ConfigError(f"partition-id {partition_id} outside [0, {num_partitions})")
+    ds = dataset_for(cfg)
+    idx = partition_indices(ds.y_train.tobytes(), num_partitions, cfg.partitioning, cfg.dirichlet_alpha, cfg.seed)
+    mine = idx[partition_id]
+    return ds.x_train[mine], ds.y_train[mine]

@@ -1,0 +1,85 @@
+"""What a ClientApp handler needs, rebuilt from Flower's ``Context`` for every message.
+
+Every message may run in a fresh process (always in deployment), so nothing
+lives in module globals except read-only caches (datasets).  Secrets that must
+survive between phases of a round (e.g. a private key) go to ``Context.state``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import Context, Message, MetricRecord, RecordDict
+from torch import nn
+
+from client.data import client_partition, dataset_for
+from client.models import build_model, get_weights, set_weights
+from client.training import train
+from server.config import ConfigError, RunConfig
+from strategies.base import Weights, from_record
+
+
+@dataclass
+class ClientEnv:
+    """A client's configuration, identity and local data for one message."""
+
+    cfg: RunConfig
+    context: Context
+    node_id: int
+    partition_id: int
+    num_partitions: int
+    x: np.ndarray
+    y: np.ndarray
+    num_classes: int
+    input_shape: tuple[int, ...]
+
+    @classmethod
+    def from_context(cls, context: Context) -> ClientEnv:
+        """Parse the run config and load this node's partition."""
+        cfg = RunConfig.from_mapping(context.run_config, strict=False)
+        try:
+            pid = int(context.node_config["partition-id"])
+            nparts = int(context.node_config["num-partitions"])
+        except KeyError as err:
+            raise ConfigError(
+                "node config needs 'partition-id' and 'num-partitions' "
+                "(flower-supernode --node-config 'partition-id=0 num-partitions=N')"
+            ) from err
+        x, y = client_partition(cfg, pid, nparts)
+        ds = dataset_for(cfg)
+        return cls(cfg, context, int(context.node_id), pid, nparts, x, y, ds.num_classes, ds.input_shape)
+
+    def model(self, weights: dict[str, np.ndarray] | None = None) -> nn.Module:
+        """A fresh model, optionally loaded with ``weights``."""
+        m = build_model(self.cfg.model, self.input_shape, self.num_classes, self.cfg.hidden_sizes, self.cfg.seed)
+        if weights is not None:
+            set_weights(m, weights)
+        return m
+
+    def round_seed(self, server_round: int, purpose: str = "train") -> int:
+        """A deterministic 63-bit seed for local randomness that is not secret (batch order)."""
+        h = hashlib.sha256(f"{self.cfg.seed}|{server_round}|{self.partition_id}|{purpose}".encode()).digest()
+        return int.from_bytes(h[:8], "big") >> 1
+
+
+def local_training(msg: Message, env: ClientEnv, *, loss: str = "ce",
+                   grad_clip: float | None = None) -> tuple[Weights, Weights, float]:
+    """Train the received global model on local data.
+
+    Returns ``(global_weights, local_weights, train_loss)``.
+    """
+    global_w = from_record(msg.content["arrays"])
+    model = env.model(global_w)
+    rnd = int(msg.content["config"]["round"])
+    train_loss = train(model, env.x, env.y, epochs=env.cfg.local_epochs, batch_size=env.cfg.batch_size,
+                       lr=env.cfg.lr, seed=env.round_seed(rnd), num_classes=env.num_classes, loss=loss,
+                       grad_clip=grad_clip)
+    return global_w, get_weights(model), train_loss
+
+
+def reply(msg: Message, arrays, num_examples: int, **metrics: float) -> Message:
+    """The standard train reply: upload arrays + metrics."""
+    rec = MetricRecord({"num-examples": int(num_examples), **{k: float(v) for k, v in metrics.items()}})
+    return Message(RecordDict({"arrays": arrays, "metrics": rec}), reply_to=msg)

@@ -1,0 +1,45 @@
+"""Client side of the baselines: FedAvg (no DP), local DP (DP-FedAvg) and central DP."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from flwr.app import Message
+
+from client.env import ClientEnv, local_training, reply
+from client.models import flatten, unflatten
+from protocols.clipping import clip_l2
+from strategies.base import to_record
+
+
+def train_fedavg(msg: Message, env: ClientEnv) -> Message:
+    """Train and upload the local model (float32), weighted by the number of examples."""
+    _, local_w, loss = local_training(msg, env)
+    return reply(msg, to_record(local_w, np.float32), len(env.y), train_loss=loss)
+
+
+def train_cdp(msg: Message, env: ClientEnv) -> Message:
+    """Like FedAvg, but with unit weight: central DP needs a uniform mean (sensitivity clip/m).
+
+    Clipping is done by Flower's ``fixedclipping_mod`` around this handler.
+    """
+    _, local_w, loss = local_training(msg, env)
+    return reply(msg, to_record(local_w, np.float32), len(env.y), train_loss=loss, dp_weight=1.0)
+
+
+def train_ldp(msg: Message, env: ClientEnv) -> Message:
+    """Client-level local DP: clip the update to ``clip`` and add Gaussian noise before upload.
+
+    The noise std (``noise-std`` in the config, = noise multiplier x clip) is
+    calibrated by the server for (epsilon, delta) over the run; the noise comes
+    from the AES-CTR CSPRNG of :mod:`protocols.prg`, freshly seeded from the OS.
+    """
+    from protocols.prg import gaussian
+
+    global_w, local_w, loss = local_training(msg, env)
+    delta = flatten(local_w) - flatten(global_w)
+    clipped, norm = clip_l2(delta, env.cfg.clip)
+    std = float(msg.content["config"]["noise-std"])
+    noisy = flatten(global_w) + clipped + gaussian(os.urandom(32), len(clipped), std)
+    return reply(msg, to_record(unflatten(noisy, global_w)), len(env.y), train_loss=loss, update_norm=norm)

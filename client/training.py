@@ -1,0 +1,65 @@
+"""Local training and evaluation loops (CPU, deterministic given a seed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def _batches(n: int, batch_size: int, rng: np.random.Generator):
+    order = rng.permutation(n)
+    for start in range(0, n, batch_size):
+        yield order[start:start + batch_size]
+
+
+def loss_fn(name: str, logits: torch.Tensor, y: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """``ce`` (cross-entropy) or ``mse`` on one-hot targets (needed by mpddp's theory)."""
+    if name == "ce":
+        return nn.functional.cross_entropy(logits, y)
+    if name == "mse":
+        target = nn.functional.one_hot(y, num_classes).to(logits.dtype)
+        return 0.5 * ((logits - target) ** 2).sum(1).mean()
+    raise ValueError(f"unknown loss {name!r}")
+
+
+def train(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, batch_size: int, lr: float,
+          seed: int, num_classes: int, loss: str = "ce", grad_clip: float | None = None) -> float:
+    """Plain SGD for ``epochs`` over (x, y); returns the mean training loss of the last epoch.
+
+    ``grad_clip`` bounds each mini-batch gradient's L2 norm (used by NADP-FL and
+    LaDP-FL, whose sensitivity analysis assumes clipped gradients).
+    """
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    xt, yt = torch.as_tensor(x), torch.as_tensor(y)
+    model.train()
+    last = 0.0
+    for _ in range(epochs):
+        total, count = 0.0, 0
+        for idx in _batches(len(y), batch_size, rng):
+            opt.zero_grad()
+            out = loss_fn(loss, model(xt[idx]), yt[idx], num_classes)
+            out.backward()
+            if grad_clip is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            opt.step()
+            total += float(out.detach()) * len(idx)
+            count += len(idx)
+        last = total / max(count, 1)
+    return last
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, *, batch_size: int = 1024) -> tuple[float, float]:
+    """Mean cross-entropy loss and accuracy of ``model`` on (x, y)."""
+    model.eval()
+    xt, yt = torch.as_tensor(x), torch.as_tensor(y)
+    loss, correct = 0.0, 0
+    for start in range(0, len(y), batch_size):
+        logits = model(xt[start:start + batch_size]).float()
+        loss += float(nn.functional.cross_entropy(logits, yt[start:start + batch_size], reduction="sum"))
+        correct += int((logits.argmax(1) == yt[start:start + batch_size]).sum())
+    n = max(len(y), 1)
+    return loss / n, correct / n

@@ -1,0 +1,216 @@
+"""Validated run configuration shared by the ServerApp and the ClientApp.
+
+Flower hands both apps the run config as a flat ``{kebab-case-key: value}``
+mapping (defaults from ``[tool.flwr.app.config]`` in ``pyproject.toml``,
+overridden by ``--run-config``).  :class:`RunConfig` turns it into typed
+fields and refuses bad values at start with a message that names the key and
+the allowed values, so a typo never silently trains the wrong thing.
+
+This module is Flower-free on purpose: the launcher, benchmarks and tests build
+configs without a running Flower app.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+METHODS = ("fedavg", "ldp", "cdp", "nadp", "niss", "mpddp", "mpdp-naive", "mpcdp", "ladp", "ddpsa")
+DATASETS = ("digits", "breast-cancer", "mnist", "fashion-mnist")
+MODELS = ("mlp", "cnn")
+PARTITIONINGS = ("iid", "dirichlet", "size-skew")
+GRAPHS = ("complete", "n-out")
+SHARE_ENCODINGS = ("seed", "vector")
+COMPOSITIONS = ("basic", "advanced")
+ALLOCATIONS = ("uniform", "exponential")
+
+
+class ConfigError(ValueError):
+    """A run-config value is missing, of the wrong type or out of range."""
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"run-config '{key}' = {value!r} is not allowed; choose one of: {', '.join(allowed)}")
+
+
+def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
+    ok = value >= 0 if allow_zero else value > 0
+    if not ok or not math.isfinite(value):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"run-config '{key}' = {value!r} must be a finite number {bound}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every run-config key, typed.  Field ``foo_bar`` is run-config key ``foo-bar``."""
+
+    # What to run
+    method: str = "fedavg"
+    dataset: str = "digits"
+    data_dir: str = ""  # folder with <dataset>/ IDX files; "" = search ../shared/data and ./data
+    model: str = "mlp"
+    hidden: str = "64"  # MLP hidden widths, comma-separated ("" = linear model)
+    train_subset: int = 0  # use only the first N training samples (0 = all)
+    test_subset: int = 0  # evaluate on the first N test samples (0 = all)
+    # Federation
+    num_clients: int = 10  # nodes the server waits for (= num-partitions)
+    sample_rate: float = 1.0  # fraction q of clients sampled per round
+    num_rounds: int = 20
+    partitioning: str = "iid"
+    dirichlet_alpha: float = 0.5
+    seed: int = 42
+    round_timeout: float = 600.0  # seconds a phase waits for replies
+    # Local training
+    local_epochs: int = 2
+    batch_size: int = 32
+    lr: float = 0.1
+    # Privacy
+    epsilon: float = 1.0
+    delta: float = 1e-5
+    clip: float = 1.0  # L2 bound of a client's model update (or gradient, per method)
+    # Method-specific (see README)
+    graph: str = "complete"  # pairwise-noise neighbour graph
+    n_out: int = 4  # neighbours each client picks in an n-out graph
+    nadp_lambda: float = 0.0  # compensation factor; 0 = derive from nadp-tau
+    nadp_tau: float = 0.5  # tolerated collusion rate for lambda (Eq. 8)
+    niss_unit_variance: float = 1.0  # sigma^2 of one noise share
+    niss_tau: float = -1.0  # distortion std; < 0 = derive from niss-rho
+    niss_rho: float = 0.5  # tolerated colluding fraction (Theorem 3)
+    niss_share_encoding: str = "seed"
+    mpddp_server_lr: float = 1.0  # xi: server learning rate
+    ladp_norm_threshold: float = 0.0  # R: layers with weight norm >= R get noise
+    ladp_kl_cap: float = 1.0  # B: cap of the KL privacy estimate
+    ddpsa_servers: str = ""  # host:port,... of intermediate servers ("" = start locally)
+    ddpsa_num_servers: int = 3
+    ddpsa_frac_bits: int = 24
+    ddpsa_composition: str = "basic"
+    ddpsa_allocation: str = "uniform"
+    ddpsa_decay: float = 0.9
+    # Output
+    out_dir: str = "runs/latest"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    # ------------------------------------------------------------------ parsing
+    @staticmethod
+    def key_of(field_name: str) -> str:
+        """Run-config key for a field name."""
+        return field_name.replace("_", "-")
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any], *, strict: bool = True) -> RunConfig:
+        """Build and validate from a Flower run config (kebab-case keys).
+
+        Unknown keys raise in ``strict`` mode (catches typos), else they are kept
+        in ``extra`` for methods that define their own keys.
+        """
+        known = {cls.key_of(f.name): f for f in fields(cls) if f.name != "extra"}
+        values: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        for key, value in raw.items():
+            f = known.get(key)
+            if f is None:
+                if strict:
+                    raise ConfigError(
+                        f"unknown run-config key '{key}'; known keys: {', '.join(sorted(known))}"
+                    )
+                extra[key] = value
+                continue
+            values[f.name] = _coerce(key, value, type(getattr(cls(), f.name)))
+        cfg = cls(**values, extra=extra)
+        cfg.validate()
+        return cfg
+
+    def to_mapping(self) -> dict[str, Any]:
+        """Inverse of :meth:`from_mapping` (for summaries and ``--run-config``)."""
+        return {self.key_of(f.name): getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+
+    def replace(self, **changes: Any) -> RunConfig:
+        """Copy with changed fields, validated."""
+        cfg = dataclasses.replace(self, **changes)
+        cfg.validate()
+        return cfg
+
+    # --------------------------------------------------------------- validation
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the key and the allowed values."""
+        _choice("method", self.method, METHODS)
+        if self.dataset not in DATASETS and not self.dataset.startswith("hub:"):
+            raise ConfigError(
+                f"run-config 'dataset' = {self.dataset!r} is not allowed; choose one of: "
+                f"{', '.join(DATASETS)}, or hub:<name> (a Hugging Face dataset, needs network)"
+            )
+        _choice("model", self.model, MODELS)
+        _choice("partitioning", self.partitioning, PARTITIONINGS)
+        _choice("graph", self.graph, GRAPHS)
+        _choice("niss-share-encoding", self.niss_share_encoding, SHARE_ENCODINGS)
+        _choice("ddpsa-composition", self.ddpsa_composition, COMPOSITIONS)
+        _choice("ddpsa-allocation", self.ddpsa_allocation, ALLOCATIONS)
+        for key in ("num-clients", "num-rounds", "local-epochs", "batch-size"):
+            if getattr(self, key.replace("-", "_")) < 1:
+                raise ConfigError(f"run-config '{key}' must be an integer >= 1")
+        for key in ("train-subset", "test-subset"):
+            if getattr(self, key.replace("-", "_")) < 0:
+                raise ConfigError(f"run-config '{key}' must be an integer >= 0 (0 = all)")
+        if not 0 < self.sample_rate <= 1:
+            raise ConfigError(f"run-config 'sample-rate' = {self.sample_rate} must be in (0, 1]")
+        if not 0 < self.delta < 1:
+            raise ConfigError(f"run-config 'delta' = {self.delta} must be in (0, 1)")
+        for key in ("lr", "epsilon", "clip", "dirichlet-alpha", "round-timeout", "niss-unit-variance",
+                    "mpddp-server-lr", "ladp-kl-cap"):
+            _positive(key, float(getattr(self, key.replace("-", "_"))))
+        _positive("ladp-norm-threshold", self.ladp_norm_threshold, allow_zero=True)
+        _positive("nadp-lambda", self.nadp_lambda, allow_zero=True)
+        if not 0 <= self.nadp_tau < 1:
+            raise ConfigError(f"run-config 'nadp-tau' = {self.nadp_tau} must be in [0, 1)")
+        if not 0 <= self.niss_rho <= 1:
+            raise ConfigError(f"run-config 'niss-rho' = {self.niss_rho} must be in [0, 1]")
+        if self.n_out < 1:
+            raise ConfigError("run-config 'n-out' must be an integer >= 1")
+        if self.ddpsa_num_servers < 2:
+            raise ConfigError("run-config 'ddpsa-num-servers' must be >= 2 (secret sharing needs >= 2 shares)")
+        if not 8 <= self.ddpsa_frac_bits <= 40:
+            raise ConfigError("run-config 'ddpsa-frac-bits' must be in [8, 40]")
+        if not 0 < self.ddpsa_decay <= 1:
+            raise ConfigError("run-config 'ddpsa-decay' must be in (0, 1]")
+        if self.model == "cnn" and self.dataset == "breast-cancer":
+            raise ConfigError("run-config 'model' = 'cnn' needs an image dataset; use 'mlp' for breast-cancer")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def hidden_sizes(self) -> tuple[int, ...]:
+        """MLP hidden layer widths."""
+        try:
+            return tuple(int(h) for h in self.hidden.split(",") if h.strip())
+        except ValueError as err:
+            raise ConfigError(f"run-config 'hidden' = {self.hidden!r} must be comma-separated integers") from err
+
+    @property
+    def clients_per_round(self) -> int:
+        """Number of clients sampled each round (at least 1)."""
+        return max(1, round(self.sample_rate * self.num_clients))
+
+
+def _coerce(key: str, value: Any, target: type) -> Any:
+    """Convert a run-config value to the field's type, or raise naming the key."""
+    try:
+        if target is bool:
+            if isinstance(value, str):
+                if value.lower() in ("true", "1", "yes"):
+                    return True
+                if value.lower() in ("false", "0", "no"):
+                    return False
+                raise ValueError(value)
+            return bool(value)
+        if target is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return int(value)
+        if target is float:
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"run-config '{key}' = {value!r} must be of type {target.__name__}") from err

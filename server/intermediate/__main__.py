@@ -1,0 +1,139 @@
+"""Run one DDP-SA intermediate aggregation server as its own OS process.
+
+    python -m server.intermediate --host 127.0.0.1 --port 50151
+
+``--port 0`` binds a free ephemeral port; the bound port is logged and, with
+``--port-file``, written atomically to that file (used by :mod:`.launcher`).
+SIGTERM/SIGINT stop the server gracefully.  With ``--parent-pid`` the server also exits
+when that process disappears, so crashed test runs leave no orphan servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from server.intermediate.servicer import (
+    DEFAULT_KEEP_ROUNDS,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_RUNS,
+    DEFAULT_MIN_CLIENTS,
+    IntermediateAggregatorServicer,
+    create_server,
+    format_address,
+)
+
+log = logging.getLogger("server.intermediate")
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m server.intermediate",
+        description="DDP-SA intermediate aggregation server (gRPC).",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    p.add_argument("--port", type=int, default=0, help="TCP port; 0 = free ephemeral port")
+    p.add_argument("--server-id", default="", help="identifier reported by Health")
+    p.add_argument("--keep-rounds", type=int, default=DEFAULT_KEEP_ROUNDS)
+    p.add_argument("--min-clients", type=int, default=DEFAULT_MIN_CLIENTS)
+    p.add_argument("--max-runs", type=int, default=DEFAULT_MAX_RUNS)
+    p.add_argument("--max-workers", type=int, default=8)
+    p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    p.add_argument("--port-file", default=None, help="write the bound port to this file")
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this pid dies")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _write_port_file(path: str, port: int) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="ascii") as f:
+        f.write(f"{port}\n")
+    os.replace(tmp, path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit code."""
+    args = _parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s",
+    )
+    servicer = IntermediateAggregatorServicer(
+        server_id=args.server_id,
+        keep_rounds=args.keep_rounds,
+        min_clients=args.min_clients,
+        max_runs=args.max_runs,
+    )
+    server, port = create_server(
+        args.host,
+        args.port,
+        servicer=servicer,
+        max_workers=args.max_workers,
+        max_message_bytes=args.max_message_bytes,
+    )
+    if not _is_loopback(args.host):
+        log.warning(
+            "bound to non-loopback %s without TLS: shares travel in the clear; an observer "
+            "of all m share links can reconstruct client updates",
+            args.host,
+        )
+    stop = threading.Event()
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        log.info("received signal %d, shutting down", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+
+    if args.parent_pid is not None:
+        parent = args.parent_pid
+
+        is_direct_parent = os.getppid() == parent
+
+        def _parent_alive() -> bool:
+            if is_direct_parent:  # reparenting is the reliable signal for our own parent
+                return os.getppid() == parent
+            try:
+                os.kill(parent, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                return True
+            return True
+
+        def _watch_parent() -> None:
+            while not stop.wait(0.5):
+                if not _parent_alive():
+                    log.warning("parent process %d is gone, shutting down", parent)
+                    stop.set()
+
+        threading.Thread(target=_watch_parent, daemon=True).start()
+
+    if args.port_file:
+        _write_port_file(args.port_file, port)
+    log.info("intermediate server %r listening on %s", args.server_id, format_address(args.host, port))
+    while not stop.wait(1.0):  # timed wait so signal handlers run promptly
+        pass
+    server.stop(grace=1.0).wait()
+    log.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""An in-process Flower ``Grid``: runs a ``ClientApp`` directly, without a SuperLink.
+
+Used by the fast ``--engine inprocess`` runner, the benchmarks and the tests.
+It keeps one ``Context`` per node (so ``Context.state`` persists across
+messages exactly as on a SuperNode), gives each node the same ``node_config``
+(``partition-id``/``num-partitions``) as Flower's simulation, turns a ClientApp
+exception into an error reply (as Flower does), and can make chosen nodes drop
+out (no reply) to test dropout handling.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Iterable
+from uuid import uuid4
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+
+SERVER_NODE_ID = 1  # the SuperLink node id Flower uses for the ServerApp
+
+
+class LocalGrid(Grid):
+    """Grid whose nodes are in-process ClientApp instances."""
+
+    def __init__(self, client_app: ClientApp, num_nodes: int, run_config: dict, *, run_id: int = 1) -> None:
+        self.client_app = client_app
+        self.run_config = dict(run_config)
+        self._run = Run.create_empty(run_id)
+        self._run.override_config = dict(run_config)
+        # Messages take their source identity from the process-wide TaskIdentity,
+        # which a SuperLink-spawned ServerApp process has set; set it here too.
+        TaskIdentity.run_id = run_id
+        TaskIdentity.node_id = SERVER_NODE_ID
+        TaskIdentity.task_id = 0
+        # Node ids are arbitrary 64-bit values in Flower; use large distinct ones.
+        self.node_ids = [1_000_003 * (i + 7) for i in range(num_nodes)]
+        self.contexts = {
+            nid: Context(run_id=run_id, node_id=nid, node_config={"partition-id": i, "num-partitions": num_nodes},
+                         state=RecordDict(), run_config=dict(run_config))
+            for i, nid in enumerate(self.node_ids)
+        }
+        #: Nodes that silently drop every message (set by tests to simulate dropout).
+        self.offline: set[int] = set()
+        #: Wall time spent inside each node's ClientApp (seconds), for overhead figures.
+        self.client_time: dict[int, float] = dict.fromkeys(self.node_ids, 0.0)
+
+    # --- Grid API -------------------------------------------------------------
+    def set_run(self, run: Run) -> None:  # noqa: D102 - Grid API
+        self._run = run
+
+    @property
+    def run(self) -> Run:  # noqa: D102 - Grid API
+        return self._run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
+                       ttl: float | None = None) -> Message:  # noqa: D102 - deprecated Grid API
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:  # noqa: D102 - Grid API
+        return list(self.node_ids)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:  # noqa: D102 - Grid API
+        raise NotImplementedError("LocalGrid delivers synchronously: use send_and_receive")
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:  # noqa: D102 - Grid API
+        raise NotImplementedError("LocalGrid delivers synchronously: use send_and_receive")
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        """Deliver each message to its node's ClientApp and collect the replies."""
+        replies = []
+        for msg in messages:
+            dst = msg.metadata.dst_node_id
+            if dst not in self.contexts:
+                raise ValueError(f"message for unknown node {dst}")
+            if dst in self.offline:
+                continue
+            msg.metadata.__dict__["_message_id"] = uuid4().hex
+            msg.metadata.__dict__["_run_id"] = self._run.run_id
+            t0 = time.perf_counter()
+            try:
+                reply = self.client_app(msg, self.contexts[dst])
+            except Exception as exc:  # noqa: BLE001 - mirrors Flower: a failing ClientApp yields an error reply
+                reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
+                reply = Message(Error(code=1, reason=reason), reply_to=msg)
+            self.client_time[dst] += time.perf_counter() - t0
+            replies.append(reply)
+        return replies
