@@ -1,0 +1,216 @@
+"""NADP-FL (Noise-Annihilation DP-FL) math, Flower-free.
+
+Public entry point for the NADP method; the allocation lives in
+:mod:`protocols.nadp_allocation`, the calibration/accounting in
+:mod:`protocols.nadp_privacy` (both re-exported here).
+
+Upload (Algorithm 1, line 15), client ``i`` with normalized weight ``p_i``::
+
+    upload_i = w_i + (1/p_i) * (n_i + lam * c_i),   c_i = sum_{j>i} n_ij - sum_{j<i} n_ij
+
+with ``c_i`` exactly ``protocols.pairwise.pairwise_noise(i, seeds, size,
+scale=allocation.counteracting_stds(i))`` (sign ``+1`` iff ``i < j`` by id).
+
+Cancellation algebra (why both ends need the *same* ``n_ij``). The server
+computes ``sum_i p_i upload_i = sum_i p_i w_i + sum_i n_i + lam * sum_i c_i``:
+the ``1/p_i`` factor cancels the aggregation weight, so the pair terms enter
+the aggregate *unweighted*. For a pair ``a < b`` they contribute ``n_ab -
+n_ba``, which is zero iff both ends draw the identical vector: same seed, same
+sampler and the same scale ``sigma_ab``. Hence ``sigma_ab`` must be a
+deterministic function of public information (sampled ids, their sizes, the
+parameters) -- :func:`upload_noise_scales` is -- and the server must weight
+with exactly the ``p_i`` the clients used. (The paper's Section 5 text writes
+``n_i^counteract = (1/p_i) sum_{j>i} n_ij - sum_{j<i} n_ij``; the ``1/p_i``
+must multiply the whole bracket, as in Algorithm 1, or nothing cancels.)
+What survives is ``sum_i n_i``, i.e. the aggregate equals the weighted average
+of ``w_i + n_i / p_i`` (up to float rounding).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from protocols.nadp_allocation import (
+    NoiseAllocation,
+    compensation_factor,
+    normalize_weights,
+    upload_noise_scales,
+)
+from protocols.nadp_privacy import (
+    AccountantSpec,
+    NadpSigmas,
+    accountant_specs,
+    calibrate_sigmas,
+    composed_epsilon,
+    epsilon_from_sigmas,
+    gaussian_sigma,
+    ldp_local_sigma,
+    rdp_epsilon,
+    sensitivity,
+)
+
+__all__ = [
+    "AccountantSpec",
+    "DropoutResidual",
+    "NadpSigmas",
+    "NoiseAllocation",
+    "accountant_specs",
+    "calibrate_sigmas",
+    "compensation_factor",
+    "composed_epsilon",
+    "dropout_residual",
+    "epsilon_from_sigmas",
+    "gaussian_sigma",
+    "ldp_local_sigma",
+    "nadp_aggregate",
+    "nadp_upload",
+    "normalize_weights",
+    "rdp_epsilon",
+    "round_plan",
+    "sensitivity",
+    "upload_noise_scales",
+]
+
+
+def _check_lam(lam: float) -> float:
+    lam = float(lam)
+    if not math.isfinite(lam) or lam < 1.0:
+        # lam < 1 would shrink the counteracting noise below what Alg. 2
+        # allocated, i.e. the upload would no longer meet sigma_up.
+        raise ValueError(f"compensation factor lam must be finite and >= 1, got {lam!r}")
+    return lam
+
+
+def nadp_upload(
+    w: np.ndarray,
+    p_i: float,
+    residual: np.ndarray,
+    counteracting_sum: np.ndarray,
+    lam: float = 1.0,
+) -> np.ndarray:
+    """``w + (residual + lam * counteracting_sum) / p_i`` as float64 (Alg. 1, line 15).
+
+    Args:
+        w: the client's (flattened) local model.
+        p_i: its normalized weight (``allocation.weights[i]``).
+        residual: ``n_i ~ N(0, allocation.residual_std[i]^2)`` per coordinate.
+        counteracting_sum: ``sum_{j>i} n_ij - sum_{j<i} n_ij`` (pairwise engine).
+        lam: noise compensation factor (>= 1), see :func:`compensation_factor`.
+    """
+    p_i = float(p_i)
+    if not math.isfinite(p_i) or not 0.0 < p_i <= 1.0:
+        raise ValueError(f"p_i must be in (0, 1], got {p_i!r}")
+    lam = _check_lam(lam)
+    w = np.asarray(w, dtype=np.float64)
+    residual = np.asarray(residual, dtype=np.float64)
+    counteracting_sum = np.asarray(counteracting_sum, dtype=np.float64)
+    if not (w.shape == residual.shape == counteracting_sum.shape):
+        raise ValueError(
+            f"shape mismatch: w {w.shape}, residual {residual.shape}, counteracting_sum {counteracting_sum.shape}"
+        )
+    return w + (residual + lam * counteracting_sum) / p_i
+
+
+def nadp_aggregate(uploads: Mapping[int, np.ndarray], weights: Mapping[int, float]) -> np.ndarray:
+    """Server side (Alg. 1, line 18): ``sum_i p_i upload_i`` over the given uploads.
+
+    ``weights`` must be the clients' ``p_i`` (normalized over the *sampled*
+    set). Summation runs in ascending id order for reproducibility. With
+    dropouts, see :func:`dropout_residual` for what remains uncancelled.
+    """
+    if not uploads:
+        raise ValueError("no uploads to aggregate")
+    ids = sorted(uploads)
+    out = np.zeros_like(np.asarray(uploads[ids[0]], dtype=np.float64))
+    for cid in ids:
+        out += float(weights[cid]) * np.asarray(uploads[cid], dtype=np.float64)
+    return out
+
+
+@dataclass(frozen=True)
+class DropoutResidual:
+    """Per-coordinate noise std in the aggregate when only ``survivors`` upload.
+
+    Attributes:
+        survivors: ids that uploaded (ascending).
+        weight_sum: ``P_S = sum_{i in S} p_i``.
+        residual_std: std of the surviving residual noise ``sum_S n_i`` (after
+            the optional ``1/P_S`` renormalization).
+        uncancelled_std: std of ``lam * sum_{i in S, j not in S} s(i,j) n_ij``,
+            the pair noise whose partner never arrived (same scaling).
+        total_std: ``sqrt(residual_std^2 + uncancelled_std^2)``.
+        uncancelled_pairs: number of (survivor, dropped) pairs.
+    """
+
+    survivors: tuple[int, ...]
+    weight_sum: float
+    residual_std: float
+    uncancelled_std: float
+    total_std: float
+    uncancelled_pairs: int
+
+
+def dropout_residual(
+    allocation: NoiseAllocation,
+    survivors: Iterable[int],
+    lam: float = 1.0,
+    *,
+    renormalize: bool = True,
+) -> DropoutResidual:
+    """Describe the noise left in the aggregate when some sampled clients drop out.
+
+    The server computes ``sum_{i in S} p_i upload_i`` (divided by ``P_S`` if
+    ``renormalize``, as a weighted average over the received results does).
+    Pair noise between two survivors still cancels; each pair (survivor ``i``,
+    dropped ``j``) leaves ``lam * n_ij`` in the aggregate. NADP has no
+    recovery step (the paper accepts this, Appendix F.2). E.g. with equal
+    sizes under Eq. 3 each pair has variance ``sigma_down^2 / k``, so ``d``
+    dropouts add ``lam^2 d (k - d) / k * sigma_down^2`` (before ``1/P_S^2``).
+    """
+    lam = _check_lam(lam)
+    surv = sorted(set(int(c) for c in survivors))
+    if not surv:
+        raise ValueError("at least one survivor is required")
+    for cid in surv:
+        if cid not in allocation.weights:
+            raise KeyError(f"survivor {cid} was not sampled this round")
+    dropped = [c for c in allocation.client_ids if c not in set(surv)]
+    p = allocation.weights
+    weight_sum = math.fsum(p[c] for c in surv)
+    res_var = math.fsum(allocation.residual_std[c] ** 2 for c in surv)
+    pair_var = math.fsum(allocation.pair_variance(i, j) for i in surv for j in dropped)
+    unc_var = lam * lam * pair_var
+    scale = 1.0 / weight_sum if renormalize else 1.0
+    return DropoutResidual(
+        survivors=tuple(surv),
+        weight_sum=weight_sum,
+        residual_std=math.sqrt(res_var) * scale,
+        uncancelled_std=math.sqrt(unc_var) * scale,
+        total_std=math.sqrt(res_var + unc_var) * scale,
+        uncancelled_pairs=len(surv) * len(dropped),
+    )
+
+
+def round_plan(
+    dataset_sizes: Mapping[int, int],
+    epsilon: float,
+    delta: float,
+    clip: float,
+    rounds: int,
+    *,
+    lr: float = 1.0,
+    local_steps: int = 1,
+    sampling_rate: float | None = None,
+) -> tuple[NadpSigmas, NoiseAllocation]:
+    """Eq. 3 calibration + Alg. 2 allocation for one round's sampled clients.
+
+    ``dataset_sizes`` maps each sampled client id to ``|D_i|`` (public).
+    """
+    sig = calibrate_sigmas(
+        epsilon, delta, clip, dataset_sizes, rounds, lr=lr, local_steps=local_steps, sampling_rate=sampling_rate
+    )
+    return sig, upload_noise_scales(dataset_sizes, sig.sigma_up, sig.sigma_down)

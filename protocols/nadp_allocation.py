@@ -1,0 +1,340 @@
+"""NADP-FL noise-intensity allocation and noise compensation factor.
+
+Paper: "Achieving better utility beyond LDP-FL by independent two-phase
+protection" (NADP-FL), Section 6, Appendix E (Theorem 2 / Algorithm 2) and
+Appendix A (Eq. 7, Eq. 8, Table 3).
+
+Notation (one round, k sampled clients, ``p_i = |D_i| / sum_k |D_k|``):
+
+* client ``i`` uploads ``w_i + (1/p_i) (n_i + lam * sum_j s(i,j) n_ij)`` with
+  ``s(i,j) = +1`` if ``i < j`` else ``-1`` (ids order) and ``n_ij = n_ji``;
+* residual noise ``n_i ~ N(0, v_i)`` survives aggregation, pair
+  (counteracting) noise ``n_ij ~ N(0, v_ij)`` cancels in ``sum_i p_i upload_i``.
+
+Requirements (Section 6): uplink ``Var(upload noise of i) >= sigma_up^2`` for
+every sampled client and downlink ``Var(sum_i n_i) = sigma_down^2``. With the
+paper's particular solution ``x_i = p_i`` (``v_i = p_i sigma_down^2``) the pair
+variances must satisfy, per client, ``sum_{j != i} v_ij = beta_i`` where
+
+    beta_i = p_i^2 sigma_up^2 - p_i sigma_down^2          (variance units).
+
+(The paper writes this in units of ``sigma_down^2`` with ``sigma_up/sigma_down
+= |D|/|D_min|``, i.e. ``beta_i = |D_i|^2/|D_min|^2 - |D_i|/|D|``; we keep
+absolute variances so that any ``sigma_up`` / ``sigma_down`` pair, including
+``sigma_down = 0``, is handled.)
+
+Algorithm 2 (the theta recursion): sort the clients by ``beta`` ascending; the
+n-th client spreads what is left of its demand evenly over its pairs with all
+later clients, ``theta_n = (beta_n - sum_{m<n} theta_m) / (k - n)`` for
+``n = 1..k-2``; the last pair gets ``theta_{k-1} = beta_k - sum_{m<k-1}
+theta_m``, which is the paper's "adjust the second-largest beta_{k-1} <-
+beta_k". Pair ``(a, b)`` then has variance ``theta_{min(rank a, rank b)}``.
+Every client's demand is met exactly except the second-largest one, which is
+over-served by ``beta_k - beta_{k-1} >= 0``: harmless, since pair noise
+cancels in the aggregate (more uplink privacy at no utility cost).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = [
+    "NoiseAllocation",
+    "compensation_factor",
+    "normalize_weights",
+    "upload_noise_scales",
+]
+
+# Relative slack accepted for "zero" demands / rounding-level negatives.
+_REL_TOL = 1e-12
+
+
+def _check_sigma(name: str, value: float) -> float:
+    value = float(value)
+    if not math.isfinite(value) or value < 0.0:
+        raise ValueError(f"{name} must be a finite non-negative number, got {value!r}")
+    return value
+
+
+def normalize_weights(weights: Mapping[int, float]) -> dict[int, float]:
+    """Return ``{id: p_id}`` with ``p_id = weights[id] / sum(weights)``, ids ascending.
+
+    ``weights`` may be dataset sizes or already-normalized ``p_i``. The sum is
+    taken with ``math.fsum`` in ascending-id order so that every party that
+    holds the same public mapping gets bit-identical ``p_i`` (needed because
+    both ends of a pair derive the pair's noise scale from them).
+    """
+    if len(weights) == 0:
+        raise ValueError("NADP allocation needs at least one sampled client")
+    ids = sorted(weights)
+    for cid in ids:
+        if isinstance(cid, bool) or not isinstance(cid, (int, np.integer)):
+            raise ValueError(f"client ids must be integers, got {cid!r}")
+    vals = [float(weights[cid]) for cid in ids]
+    for cid, val in zip(ids, vals, strict=True):
+        if not math.isfinite(val) or val <= 0.0:
+            raise ValueError(f"weight of client {cid} must be finite and > 0, got {val!r}")
+    total = math.fsum(vals)
+    return {int(cid): val / total for cid, val in zip(ids, vals, strict=True)}
+
+
+@dataclass(frozen=True)
+class NoiseAllocation:
+    """Per-round NADP noise allocation (all values derivable from public info).
+
+    Attributes:
+        client_ids: sampled client ids, ascending.
+        weights: normalized aggregation weights ``p_i`` (use exactly these in
+            the upload's ``1/p_i`` and in the server's weighted sum).
+        sigma_up: per-upload noise std requirement (Theorem 1, Eq. 3).
+        sigma_down: aggregate noise std requirement (Theorem 1, Eq. 3).
+        residual_std: std of the residual noise ``n_i`` (before ``1/p_i``):
+            ``sqrt(p_i) * sigma_down``.
+        demand: variance ``beta_i`` the pair noise must supply to client ``i``
+            (clamped at 0 when the residual alone already meets sigma_up).
+        order: ids in Algorithm-2 processing order (``beta`` ascending, ties
+            by id).
+        theta: ``theta_1..theta_{k-1}`` pair variances (absolute units).
+        aggregate_std: achieved std of the aggregated residual ``sum_i n_i``.
+    """
+
+    client_ids: tuple[int, ...]
+    weights: Mapping[int, float]
+    sigma_up: float
+    sigma_down: float
+    residual_std: Mapping[int, float]
+    demand: Mapping[int, float]
+    order: tuple[int, ...]
+    theta: tuple[float, ...]
+    aggregate_std: float
+    _rank: Mapping[int, int] = field(repr=False, compare=False)
+
+    @property
+    def k(self) -> int:
+        """Number of sampled clients."""
+        return len(self.client_ids)
+
+    def _check_id(self, cid: int) -> int:
+        if cid not in self._rank:
+            raise KeyError(f"client {cid} is not in this round's allocation")
+        return self._rank[cid]
+
+    def pair_variance(self, i: int, j: int) -> float:
+        """Variance of the shared pair noise ``n_ij`` (= ``n_ji``), before ``lam``."""
+        ri, rj = self._check_id(i), self._check_id(j)
+        if ri == rj:
+            raise ValueError("a client has no pair noise with itself")
+        return self.theta[min(ri, rj)]
+
+    def counteracting_std(self, i: int, j: int) -> float:
+        """Std of ``n_ij``; both ends of the pair get the identical float."""
+        return math.sqrt(self.pair_variance(i, j))
+
+    def counteracting_stds(self, i: int) -> dict[int, float]:
+        """``{j: std(n_ij)}`` for all peers ``j`` of ``i`` (feeds ``pairwise_noise(scale=...)``)."""
+        ri = self._check_id(i)
+        sq = [math.sqrt(t) for t in self.theta]
+        return {j: sq[min(ri, rj)] for j, rj in self._rank.items() if j != i}
+
+    def pair_variance_total(self, i: int) -> float:
+        """``sum_{j != i} Var(n_ij)`` (what Algorithm 2 assigns against ``beta_i``)."""
+        r = self._check_id(i)
+        k = self.k
+        if k == 1:
+            return 0.0
+        head = math.fsum(self.theta[:r])
+        if r <= k - 2:
+            return head + (k - 1 - r) * self.theta[r]
+        return head
+
+    def uplink_variance(self, i: int, lam: float = 1.0) -> float:
+        """Variance of client ``i``'s upload noise ``(n_i + lam*sum s n_ij)/p_i`` (marginal)."""
+        p = self.weights[i]
+        return (self.residual_std[i] ** 2 + lam * lam * self.pair_variance_total(i)) / (p * p)
+
+    def uplink_std(self, i: int, lam: float = 1.0) -> float:
+        """Std of client ``i``'s upload noise as seen in isolation (>= sigma_up for lam >= 1)."""
+        return math.sqrt(self.uplink_variance(i, lam))
+
+    def pair_matrix(self) -> np.ndarray:
+        """Dense symmetric ``k x k`` matrix of pair variances in ``client_ids`` order (zero diagonal)."""
+        ranks = np.array([self._rank[c] for c in self.client_ids], dtype=np.int64)
+        theta = np.asarray(self.theta + (0.0,), dtype=np.float64)
+        mat = theta[np.minimum.outer(ranks, ranks)]
+        np.fill_diagonal(mat, 0.0)
+        return mat
+
+    def joint_uplink_std(self, lam: float = 1.0) -> dict[int, float]:
+        """Effective upload-noise std of each client against an observer of *all* uploads.
+
+        Pair noise is correlated across uploads (``n_ij`` appears in ``i``'s
+        and ``j``'s), so an eavesdropper who sees all k uploads can partly
+        remove it. Per coordinate, the covariance of ``(p_i Z_i)_i`` is
+        ``M = diag(p) sigma_down^2 + lam^2 L`` with ``L`` the Laplacian of the
+        pair-variance graph; a shift of client i's model is then hidden by an
+        effective std ``1 / (p_i sqrt((M^-1)_ii))`` (Mahalanobis norm). This
+        view already contains the aggregate (a function of the uploads). The
+        paper's analysis (per-upload marginal + aggregate, composed) does not
+        use it; we expose it so the lead can report the stricter view too.
+        Returns 0 for every client when ``sigma_down == 0`` (aggregate exact).
+        """
+        if lam < 0:
+            raise ValueError("lam must be >= 0")
+        ids = self.client_ids
+        p = np.array([self.weights[c] for c in ids], dtype=np.float64)
+        if self.sigma_down == 0.0:
+            return {c: 0.0 for c in ids}
+        v = self.pair_matrix()
+        m = lam * lam * (np.diag(v.sum(axis=1)) - v)
+        m[np.diag_indices_from(m)] += p * self.sigma_down**2
+        # SPD (diag(p) > 0 plus a PSD Laplacian): Cholesky, then diag of inverse.
+        chol = np.linalg.cholesky(m)
+        inv_chol = np.linalg.solve(chol, np.eye(len(ids)))
+        diag_inv = np.einsum("ij,ij->j", inv_chol, inv_chol)
+        eff = 1.0 / (p * np.sqrt(diag_inv))
+        return {c: float(e) for c, e in zip(ids, eff, strict=True)}
+
+    def min_compensation_factor(self, n_colluders: int) -> float:
+        """Smallest ``lam >= 1`` keeping every honest upload at ``sigma_up`` under collusion.
+
+        Exact per-round counterpart of Eq. 7: the adversary (server plus
+        ``n_colluders`` sampled clients, worst-case choice) knows and removes
+        the pair noise an honest client shares with colluders, so client ``i``
+        keeps ``v_i + lam^2 * (sum of its k-1-n_colluders smallest pair
+        variances)`` and needs ``lam^2 * rest >= beta_i``. Returns ``inf`` when
+        some client with positive demand would have no honest partner left.
+        """
+        if n_colluders < 0:
+            raise ValueError("n_colluders must be >= 0")
+        k = self.k
+        honest_partners = k - 1 - n_colluders
+        theta = np.asarray(self.theta, dtype=np.float64)
+        worst = 1.0
+        for cid in self.client_ids:
+            beta = self.demand[cid]
+            if beta <= 0.0:
+                continue
+            if honest_partners <= 0:
+                return math.inf
+            r = self._rank[cid]
+            row = np.concatenate([theta[:r], np.full(max(k - 1 - r, 0), theta[r] if r < k - 1 else 0.0)])
+            rest = float(np.sort(row)[:honest_partners].sum())
+            if rest <= 0.0:
+                return math.inf
+            worst = max(worst, math.sqrt(beta / rest))
+        return worst
+
+
+def upload_noise_scales(weights: Mapping[int, float], sigma_up: float, sigma_down: float) -> NoiseAllocation:
+    """Allocate NADP residual / counteracting noise for one round (Alg. 2).
+
+    Args:
+        weights: ``{client_id: |D_i|}`` (or ``p_i``) for the sampled clients;
+            normalized internally (see :func:`normalize_weights`).
+        sigma_up: required std of each client's upload noise (Eq. 3).
+        sigma_down: required std of the aggregated noise (Eq. 3).
+
+    Returns:
+        A :class:`NoiseAllocation` with non-negative variances; every client's
+        marginal upload std is ``>= sigma_up`` and the aggregated residual has
+        std exactly ``sigma_down``. Deterministic in (weights, sigmas): all
+        parties holding the same public inputs compute identical floats.
+
+    Raises:
+        ValueError: invalid inputs, or infeasible (a single sampled client
+            with ``sigma_up > sigma_down``: there is nobody to cancel with, so
+            the upload -- which *is* the aggregate -- cannot carry more noise
+            than ``sigma_down``).
+    """
+    sigma_up = _check_sigma("sigma_up", sigma_up)
+    sigma_down = _check_sigma("sigma_down", sigma_down)
+    p = normalize_weights(weights)
+    ids = tuple(p)
+    k = len(ids)
+
+    # beta_i: pair variance still needed after the residual v_i = p_i sigma_down^2.
+    # Negative beta (residual alone already exceeds sigma_up, possible only when
+    # sigma_up / sigma_down < 1/sqrt(p_i), i.e. not with the paper's Eq. 3
+    # calibration) is clamped to 0: that client simply gets more uplink noise.
+    demand: dict[int, float] = {}
+    for cid in ids:
+        need = p[cid] * p[cid] * sigma_up * sigma_up
+        beta = need - p[cid] * sigma_down * sigma_down
+        demand[cid] = beta if beta > _REL_TOL * need else 0.0
+
+    if k == 1 and demand[ids[0]] > 0.0:
+        raise ValueError(
+            "NADP allocation infeasible: only one client sampled, so no counteracting "
+            f"noise is possible, but sigma_up={sigma_up} > sigma_down={sigma_down}; "
+            "sample at least two clients or use sigma_up <= sigma_down"
+        )
+
+    order = tuple(sorted(ids, key=lambda c: (demand[c], c)))
+    betas = [demand[c] for c in order]
+    theta: list[float] = []
+    acc = 0.0  # sum of theta so far
+    for n in range(k - 2):  # paper's n = 1..k-2 (0-based here)
+        t = (betas[n] - acc) / (k - 1 - n)
+        theta.append(t)
+        acc += t
+    if k >= 2:
+        theta.append(betas[k - 1] - acc)  # beta_{k-1} <- beta_k adjustment
+    scale = max(betas) if betas else 0.0
+    for idx, t in enumerate(theta):
+        # Provably >= 0 (remaining demands stay sorted and non-negative); only
+        # rounding can push a value below zero.
+        if t < -1e-9 * scale:
+            raise ValueError(f"NADP allocation produced a negative pair variance theta[{idx}]={t}")
+        theta[idx] = max(t, 0.0)
+
+    residual_std = {cid: math.sqrt(p[cid]) * sigma_down for cid in ids}
+    aggregate_std = math.sqrt(math.fsum(p[cid] * sigma_down * sigma_down for cid in ids))
+    return NoiseAllocation(
+        client_ids=ids,
+        weights=p,
+        sigma_up=sigma_up,
+        sigma_down=sigma_down,
+        residual_std=residual_std,
+        demand=demand,
+        order=order,
+        theta=tuple(theta),
+        aggregate_std=aggregate_std,
+        _rank={cid: r for r, cid in enumerate(order)},
+    )
+
+
+def compensation_factor(tau: float, *, k: int | None = None, size_ratio: float = 1.0) -> float:
+    """Noise compensation factor ``lam`` for a tolerated collusion rate (Eq. 8).
+
+    ``lam = sqrt((k * a^2 - 1) / ((1 - tau) * k - 1))`` with ``a = |D_max| /
+    |D_min|`` over the sampled clients; ``k=None`` gives the ``k -> inf``
+    limit ``a / sqrt(1 - tau)``. Table 3 of the paper lists ``a^2`` in its
+    first column (1.0, 1.5, 2.0). The bound assumes the paper's Eq. 3
+    calibration (``sigma_up / sigma_down = |D| / |D_min|``); for an exact,
+    per-round value use :meth:`NoiseAllocation.min_compensation_factor`.
+
+    Raises:
+        ValueError: ``tau`` outside ``[0, 1)``, ``size_ratio < 1``, or
+            ``(1 - tau) k <= 1`` (no honest partner left to hide behind).
+    """
+    tau = float(tau)
+    a = float(size_ratio)
+    if not 0.0 <= tau < 1.0:
+        raise ValueError(f"tau must be in [0, 1), got {tau}")
+    if not math.isfinite(a) or a < 1.0:
+        raise ValueError(f"size_ratio |D_max|/|D_min| must be >= 1, got {a}")
+    if k is None:
+        return a / math.sqrt(1.0 - tau)
+    if k < 2:
+        raise ValueError(f"k must be >= 2, got {k}")
+    honest_others = (1.0 - tau) * k - 1.0
+    if honest_others <= 0.0:
+        raise ValueError(
+            f"tau={tau} with k={k} leaves (1-tau)k-1={honest_others} <= 0 honest partners; "
+            "no compensation factor can protect an honest client"
+        )
+    return math.sqrt((k * a * a - 1.0) / honest_others)
