@@ -1,0 +1,421 @@
+"""NISS: Noise Information Secretly Sharing (Yang et al., IEEE IoT-J 2022), Flower-free math.
+
+Each client k perturbs its weighted update ``p_k * w_k`` with Gaussian DP noise of
+variance ``sigma_k**2``, but builds that noise out of ``v_k`` small *unit shares*
+``n_i`` (variance ``sigma**2`` each, ``v_k = sigma_k**2 / sigma**2``).  The negated
+copy ``-n_i`` of every share goes to a neighbour, which adds it (multiplied by its own
+distortion ``s ~ N(1, tau**2)``) to its upload.  On the server the shares cancel:
+with ``tau = 0`` the aggregate is exactly ``sum_k p_k w_k`` (Theorem 2 gives the
+residual variance ``sum_k sigma_k**2 tau_k**2``), while every single upload still
+carries noise of variance ``2 sigma_k**2``.  ``tau`` protects a client against a
+fraction ``rho`` of neighbours colluding with the server (Theorem 3).
+
+Everything here is a pure function of its inputs.  Shares are never shipped as
+vectors: a bundle of ``count`` shares from one sender to one receiver is fully
+described by a 32-byte seed (``protocols.prg``), so the message is
+``(count, share_std, seed)`` and can be sealed with ``protocols.relay_crypto`` or
+derived from a pairwise key-agreement seed (``protocols.keyagreement``).
+
+Interpretations of the paper (see also the module report):
+
+* Algorithm 2 writes ``n_i <- N(0, sigma_k^2 I_h)``; the text (Sec. IV-B, Lemma 1,
+  Theorem 2) makes clear each share is a *unit* noise ``N(0, sigma^2)``.  We follow
+  the text; otherwise the total variance would be ``v sigma_k^2``, not ``sigma_k^2``.
+* ``v = sigma_k^2 / sigma^2`` is generally not an integer.  We round *up* and rescale
+  each share to variance ``sigma_k^2 / v`` (<= sigma^2), so the client's own noise has
+  variance exactly ``sigma_k^2`` (the DP requirement) and Theorem 2 still holds
+  exactly (it only depends on the total variance a client sends out).
+* The paper's ClientShare sends share i to the i-th of ``v`` random clients (one
+  share per neighbour).  With a fixed neighbour list of size ``m < v`` we send
+  ``floor(v/m)`` or ``ceil(v/m)`` shares to every neighbour (balanced round robin;
+  which neighbours get the extra share is chosen pseudo-randomly from a seed).  With
+  ``m >= v`` this reduces to the paper's "random set of v clients".  Each received
+  share is distorted by its *own* independent ``s``, exactly as in Algorithm 2.
+* Algorithm 2 pairs sending and receiving ("send -n_i to u_i, receive r_i from
+  u_i").  We decouple the directions: a client processes whatever bundles it
+  receives.  Theorem 2 (``V = sum_k sigma_k^2 tau_k^2``) assumes every client receives
+  as much share variance as it sends; :func:`exact_aggregate_variance` gives the exact
+  residual ``sum_shares share_var * tau_receiver^2`` for any assignment, and equals
+  Theorem 2 when all ``tau`` are equal or the exchange is balanced.
+* ``s_i`` is drawn independently per coordinate (a vector ``N(1, tau^2 I_h)``): the
+  paper's analysis is per dimension ("the noise offset is conducted for each
+  dimension independently").
+* The paper's Theorem 1 (classic Gaussian mechanism) only holds for ``epsilon < 1``,
+  yet its experiments use ``epsilon = 5..15``.  :func:`gaussian_sigma` uses the
+  classic formula for ``epsilon < 1`` and the analytic Gaussian mechanism of Balle &
+  Wang (ICML 2018), which is exact for every ``epsilon > 0``, otherwise.
+* Caveat (not fixed, reported): Theorem 3 only matches the *variance* of the noise a
+  colluding server cannot remove to ``sigma_k^2``; that residual is a sum of
+  Gaussian-times-Gaussian terms, not a Gaussian, so the (epsilon, delta) claim is
+  heuristic.  Likewise, shares sent to a client that drops out are not cancelled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from scipy.optimize import brentq
+from scipy.special import log_ndtr, ndtr
+
+from protocols import prg
+
+__all__ = [
+    "SharePlan",
+    "ShareBundle",
+    "gaussian_delta",
+    "classic_gaussian_sigma",
+    "analytic_gaussian_sigma",
+    "gaussian_sigma",
+    "plan_shares",
+    "assign_shares",
+    "make_outgoing_bundles",
+    "bundle_shares",
+    "sender_noise",
+    "receiver_noise",
+    "client_upload",
+    "tau_for_collusion",
+    "collusion_variance_ratio",
+    "theorem2_variance",
+    "exact_aggregate_variance",
+]
+
+# ----------------------------------------------------------------------------------
+# Gaussian mechanism
+# ----------------------------------------------------------------------------------
+
+
+def _check_eps_delta(epsilon: float, delta: float) -> None:
+    if not (math.isfinite(epsilon) and epsilon > 0):
+        raise ValueError(f"epsilon must be a finite number > 0, got {epsilon!r}")
+    if not (0 < delta < 1):
+        raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
+
+
+def _check_sensitivity(sensitivity: float) -> None:
+    if not (math.isfinite(sensitivity) and sensitivity > 0):
+        raise ValueError(f"sensitivity must be a finite number > 0, got {sensitivity!r}")
+
+
+def _exp_times_ndtr(log_factor: float, x: float) -> float:
+    """``exp(log_factor) * Phi(x)`` computed in log space (no overflow for large eps)."""
+    return math.exp(log_factor + float(log_ndtr(x)))
+
+
+def gaussian_delta(sigma: float, epsilon: float, sensitivity: float = 1.0) -> float:
+    """Exact delta(epsilon) of the Gaussian mechanism N(0, sigma^2) with L2 sensitivity.
+
+    Balle & Wang 2018, Theorem 8: the mechanism is (epsilon, delta)-DP iff
+    ``Phi(D/(2s) - e s/D) - e^e Phi(-D/(2s) - e s/D) <= delta``.  This is the
+    *defining equation* the analytic Gaussian mechanism solves with equality.
+    """
+    if not (sigma > 0):
+        raise ValueError(f"sigma must be > 0, got {sigma!r}")
+    _check_sensitivity(sensitivity)
+    a = sensitivity / (2.0 * sigma)
+    b = epsilon * sigma / sensitivity
+    return float(ndtr(a - b)) - _exp_times_ndtr(epsilon, -a - b)
+
+
+def classic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float) -> float:
+    """Classic Gaussian mechanism (Dwork & Roth Thm A.1; NISS Theorem 1).
+
+    ``sigma = sensitivity * sqrt(2 ln(1.25/delta)) / epsilon``.  The theorem is only
+    proved for ``0 < epsilon < 1``; larger epsilon is refused (use
+    :func:`analytic_gaussian_sigma`).
+    """
+    _check_eps_delta(epsilon, delta)
+    _check_sensitivity(sensitivity)
+    if epsilon >= 1:
+        raise ValueError(
+            f"the classic Gaussian mechanism is only valid for epsilon < 1 (got {epsilon}); use analytic_gaussian_sigma"
+        )
+    return sensitivity * math.sqrt(2.0 * math.log(1.25 / delta)) / epsilon
+
+
+def _bracket_root(f, lo: float, increasing: bool) -> tuple[float, float]:
+    """Find ``hi > lo`` such that ``f`` changes sign on ``[lo, hi]`` (doubling search)."""
+    hi = max(1.0, 2.0 * lo)
+    for _ in range(200):
+        val = f(hi)
+        if (val >= 0) if increasing else (val <= 0):
+            return lo, hi
+        lo, hi = hi, 2.0 * hi
+    raise RuntimeError("could not bracket the analytic Gaussian mechanism root")
+
+
+def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float, *, tol: float = 1e-12) -> float:
+    """Analytic Gaussian mechanism (Balle & Wang, ICML 2018, Algorithm 1).
+
+    Returns the *smallest* sigma for which N(0, sigma^2) is (epsilon, delta)-DP for
+    L2 sensitivity ``sensitivity``; valid for every ``epsilon > 0``.  The result
+    satisfies :func:`gaussian_delta` ``(sigma, epsilon, sensitivity) == delta`` up to
+    the root-finding tolerance.
+    """
+    _check_eps_delta(epsilon, delta)
+    _check_sensitivity(sensitivity)
+    eps = float(epsilon)
+
+    # delta_0 = Phi(0) - e^eps Phi(-sqrt(2 eps)): the delta at alpha = 1.
+    delta0 = 0.5 - _exp_times_ndtr(eps, -math.sqrt(2.0 * eps))
+    if delta >= delta0:
+        # B+(v) = Phi(sqrt(eps v)) - e^eps Phi(-sqrt(eps (v+2))), increasing in v.
+        def b_plus(v: float) -> float:
+            return float(ndtr(math.sqrt(eps * v))) - _exp_times_ndtr(eps, -math.sqrt(eps * (v + 2.0))) - delta
+
+        if b_plus(0.0) >= 0:  # delta == delta0 exactly
+            v_star = 0.0
+        else:
+            lo, hi = _bracket_root(b_plus, 0.0, increasing=True)
+            v_star = brentq(b_plus, lo, hi, xtol=tol, rtol=4 * np.finfo(float).eps)
+        alpha = math.sqrt(1.0 + v_star / 2.0) - math.sqrt(v_star / 2.0)
+    else:
+        # B-(u) = Phi(-sqrt(eps u)) - e^eps Phi(-sqrt(eps (u+2))), decreasing in u.
+        def b_minus(u: float) -> float:
+            return float(ndtr(-math.sqrt(eps * u))) - _exp_times_ndtr(eps, -math.sqrt(eps * (u + 2.0))) - delta
+
+        lo, hi = _bracket_root(b_minus, 0.0, increasing=False)
+        u_star = brentq(b_minus, lo, hi, xtol=tol, rtol=4 * np.finfo(float).eps)
+        alpha = math.sqrt(1.0 + u_star / 2.0) + math.sqrt(u_star / 2.0)
+    return alpha * sensitivity / math.sqrt(2.0 * eps)
+
+
+def gaussian_sigma(
+    epsilon: float,
+    delta: float,
+    sensitivity: float,
+    method: Literal["auto", "classic", "analytic"] = "auto",
+) -> float:
+    """sigma_k for the NISS client noise (the paper's "Gaussian mechanism" step).
+
+    ``"auto"`` = classic formula (paper's Theorem 1) when ``epsilon < 1``, analytic
+    Gaussian mechanism otherwise (the classic one is not valid there).
+    """
+    if method == "classic":
+        return classic_gaussian_sigma(epsilon, delta, sensitivity)
+    if method == "analytic":
+        return analytic_gaussian_sigma(epsilon, delta, sensitivity)
+    if method == "auto":
+        _check_eps_delta(epsilon, delta)
+        if epsilon < 1:
+            return classic_gaussian_sigma(epsilon, delta, sensitivity)
+        return analytic_gaussian_sigma(epsilon, delta, sensitivity)
+    raise ValueError(f"unknown method {method!r}")
+
+
+# ----------------------------------------------------------------------------------
+# Shares
+# ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SharePlan:
+    """How client k splits its DP noise: ``num_shares`` shares of std ``share_std``.
+
+    ``num_shares * share_std**2 == sigma_k**2`` (up to float rounding).
+    """
+
+    sigma_k: float
+    num_shares: int
+    share_std: float
+
+
+@dataclass(frozen=True)
+class ShareBundle:
+    """``count`` unit shares from ``sender`` to ``receiver``, all derived from ``seed``.
+
+    This (plus the vector size, known to both) is the whole message: the sender adds
+    the shares to its upload, the receiver adds their distorted negation.
+    """
+
+    sender: int
+    receiver: int
+    count: int
+    share_std: float
+    seed: bytes
+
+
+def plan_shares(sigma_k: float, unit_std: float, *, max_shares: int = 100_000) -> SharePlan:
+    """Number of unit shares ``v = ceil(sigma_k^2 / sigma^2)`` and their rescaled std.
+
+    Rounding up (and shrinking each share to ``sigma_k / sqrt(v)``) keeps the total
+    own-noise variance exactly ``sigma_k^2``.  ``max_shares`` guards against a unit
+    variance chosen far too small (cost is O(v * model size) per client).
+    """
+    if not (math.isfinite(sigma_k) and sigma_k > 0):
+        raise ValueError(f"sigma_k must be finite and > 0, got {sigma_k!r}")
+    if not (math.isfinite(unit_std) and unit_std > 0):
+        raise ValueError(f"unit_std must be finite and > 0, got {unit_std!r}")
+    ratio = (sigma_k / unit_std) ** 2
+    # Tolerate float noise so that e.g. 4.000000000001 does not become 5 shares.
+    v = max(1, math.ceil(ratio * (1.0 - 1e-12)))
+    if v > max_shares:
+        raise ValueError(
+            f"sigma_k^2/sigma^2 = {ratio:.3g} shares exceeds max_shares={max_shares}; choose a larger unit noise std"
+        )
+    return SharePlan(sigma_k=float(sigma_k), num_shares=v, share_std=sigma_k / math.sqrt(v))
+
+
+def assign_shares(num_shares: int, neighbours: Sequence[int], *, seed: bytes) -> dict[int, int]:
+    """How many of a client's ``num_shares`` shares go to each neighbour.
+
+    Balanced: every neighbour gets ``floor(v/m)`` shares and ``v mod m`` of them,
+    picked by a seeded pseudo-random permutation, get one more.  For ``v <= m``
+    this is the paper's "random set of v clients, one share each".  Neighbours
+    with zero shares are omitted.  Deterministic in (num_shares, set of
+    neighbours, seed).
+    """
+    if num_shares < 0:
+        raise ValueError("num_shares must be >= 0")
+    nbrs = sorted(set(int(n) for n in neighbours))
+    if len(nbrs) != len(neighbours):
+        raise ValueError("neighbour list contains duplicates")
+    if num_shares == 0:
+        return {}
+    if not nbrs:
+        raise ValueError("a client needs at least one neighbour to share noise with")
+    m = len(nbrs)
+    base, extra = divmod(num_shares, m)
+    order = np.argsort(prg.uniform(prg.derive_subseed(seed, "niss/assign"), m), kind="stable")
+    counts = {n: base for n in nbrs}
+    for idx in order[:extra]:
+        counts[nbrs[int(idx)]] += 1
+    return {n: c for n, c in counts.items() if c > 0}
+
+
+def make_outgoing_bundles(
+    sender: int,
+    plan: SharePlan,
+    neighbours: Sequence[int],
+    seeds: Mapping[int, bytes],
+    *,
+    assign_seed: bytes,
+) -> list[ShareBundle]:
+    """The sender's outgoing bundles, one per neighbour that receives >= 1 share.
+
+    ``seeds[l]`` is a 32-byte secret known to sender and neighbour ``l``: either a
+    pairwise key-agreement seed (then nothing but ``count``/``share_std`` must be
+    sent) or a fresh random seed that is sent sealed.  The bundle seed is
+    domain-separated by direction, so a symmetric pair seed yields independent
+    shares for ``a -> b`` and ``b -> a``.
+    """
+    counts = assign_shares(plan.num_shares, neighbours, seed=assign_seed)
+    bundles = []
+    for receiver, count in counts.items():
+        if receiver == sender:
+            raise ValueError("a client cannot be its own neighbour")
+        seed = prg.derive_subseed(seeds[receiver], f"niss/bundle/{sender}->{receiver}")
+        bundles.append(ShareBundle(sender, receiver, count, plan.share_std, seed))
+    return bundles
+
+
+def bundle_shares(bundle: ShareBundle, size: int) -> np.ndarray:
+    """The bundle's ``count`` shares ``n_j`` as a ``(count, size)`` float64 array."""
+    out = np.empty((bundle.count, size), dtype=np.float64)
+    for j in range(bundle.count):
+        out[j] = _share(bundle, j, size)
+    return out
+
+
+def _share(bundle: ShareBundle, j: int, size: int) -> np.ndarray:
+    """Share ``n_j`` of a bundle: N(0, share_std^2 I) from the bundle seed."""
+    return prg.gaussian(prg.derive_subseed(bundle.seed, f"niss/share/{j}"), size, bundle.share_std)
+
+
+def sender_noise(bundles_out: Sequence[ShareBundle], size: int) -> np.ndarray:
+    """``sum_i n_i``: the client's own DP noise (variance sigma_k^2 per coordinate)."""
+    total = np.zeros(size, dtype=np.float64)
+    for b in bundles_out:
+        for j in range(b.count):
+            total += _share(b, j, size)
+    return total
+
+
+def receiver_noise(
+    bundles_in: Sequence[ShareBundle],
+    size: int,
+    tau: float,
+    rng: np.random.Generator | bytes,
+) -> np.ndarray:
+    """``sum_i s_i * r_i`` with ``r_i = -n_i`` and ``s_i ~ N(1, tau^2 I)`` per coordinate.
+
+    ``rng`` must be the receiver's *private* randomness (a numpy Generator or a
+    32-byte seed for ``protocols.prg``): the whole point of ``s`` is that nobody
+    else, in particular the sender, knows it.  ``tau == 0`` gives ``s = 1`` exactly.
+    """
+    if not (math.isfinite(tau) and tau >= 0):
+        raise ValueError(f"tau must be finite and >= 0, got {tau!r}")
+    total = np.zeros(size, dtype=np.float64)
+    k = 0
+    for b in bundles_in:
+        for j in range(b.count):
+            r = -_share(b, j, size)
+            if tau > 0:
+                if isinstance(rng, bytes):
+                    z = prg.gaussian(prg.derive_subseed(rng, f"niss/s/{k}"), size)
+                else:
+                    z = rng.standard_normal(size)
+                r = (1.0 + tau * z) * r
+            total += r
+            k += 1
+    return total
+
+
+def client_upload(
+    params: np.ndarray,
+    weight: float,
+    own_noise: np.ndarray,
+    received_noise: np.ndarray,
+) -> np.ndarray:
+    """NISS upload ``p_k * w + sum_i (n_i + s_i r_i)`` (float64, flat)."""
+    w = np.asarray(params, dtype=np.float64).ravel()
+    if own_noise.shape != w.shape or received_noise.shape != w.shape:
+        raise ValueError("noise vectors must match the flattened parameter vector")
+    return weight * w + own_noise + received_noise
+
+
+# ----------------------------------------------------------------------------------
+# Theorems 2 and 3
+# ----------------------------------------------------------------------------------
+
+
+def tau_for_collusion(rho: float) -> float:
+    """Smallest distortion std ``tau`` from Theorem 3: ``tau^2 = max(2 rho - 1, 0)``.
+
+    ``rho`` is the fraction of a client's neighbours assumed to collude with the
+    server.  ``rho <= 1/2`` needs no distortion; ``rho = 1`` gives ``tau = 1``, i.e.
+    no noise reduction at all (the paper's Remark).
+    """
+    if not (0.0 <= rho <= 1.0):
+        raise ValueError(f"rho must lie in [0, 1], got {rho!r}")
+    return math.sqrt(max(2.0 * rho - 1.0, 0.0))
+
+
+def collusion_variance_ratio(rho: float, tau: float) -> float:
+    """Left side of the paper's Eq. (12) divided by sigma_k^2.
+
+    ``(1 - rho)(tau^2 + 2) + tau^2 rho``: variance of the noise the colluding server
+    cannot remove, in units of sigma_k^2 (Theorem 3 requires >= 1).
+    """
+    return (1.0 - rho) * (tau**2 + 2.0) + tau**2 * rho
+
+
+def theorem2_variance(sigma_ks: Sequence[float], taus: Sequence[float]) -> float:
+    """Theorem 2: per-coordinate variance of the aggregated noise ``sum_k sigma_k^2 tau_k^2``."""
+    s = np.asarray(sigma_ks, dtype=np.float64)
+    t = np.asarray(taus, dtype=np.float64)
+    if s.shape != t.shape:
+        raise ValueError("sigma_ks and taus must have the same length")
+    return float(np.sum(s**2 * t**2))
+
+
+def exact_aggregate_variance(bundles: Sequence[ShareBundle], taus: Mapping[int, float]) -> float:
+    """Exact per-coordinate aggregate-noise variance for a concrete share assignment.
+
+    Each share contributes ``(1 - s) n`` with ``Var = tau_receiver^2 * share_std^2``
+    (Lemma 1), so ``V = sum_bundles count * share_std^2 * tau_receiver^2``.
+    """
+    return float(sum(b.count * b.share_std**2 * taus[b.receiver] ** 2 for b in bundles))

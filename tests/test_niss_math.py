@@ -1,0 +1,227 @@
+"""Tests for protocols.niss.
+
+Gaussian mechanisms, share planning/assignment, exact cancellation with tau = 0,
+Theorem 2 variance, Theorem 3 tau.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy import integrate, stats
+
+from protocols import niss, prg
+
+
+# ------------------------------------------------------------------ Gaussian mechanism
+def _hockey_stick_delta(sigma: float, eps: float, sens: float) -> float:
+    """delta(eps) by direct numerical integration of max(0, p(x) - e^eps q(x))."""
+    p = stats.norm(0.0, sigma)
+    q = stats.norm(sens, sigma)
+    # the integrand is positive exactly for x < x0 (privacy loss > eps)
+    x0 = sens / 2 - eps * sigma**2 / sens
+    val, _ = integrate.quad(lambda x: p.pdf(x) - math.exp(eps) * q.pdf(x), -np.inf, x0, epsabs=1e-14, epsrel=1e-10, limit=200)
+    return val
+
+
+def test_classic_sigma_and_validity() -> None:
+    assert niss.classic_gaussian_sigma(0.5, 1e-5, 2.0) == pytest.approx(2.0 * math.sqrt(2 * math.log(1.25e5)) / 0.5, rel=1e-14)
+    with pytest.raises(ValueError):
+        niss.classic_gaussian_sigma(1.0, 1e-5, 1.0)
+    for bad in [(0.0, 1e-5, 1.0), (0.5, 0.0, 1.0), (0.5, 1.0, 1.0), (0.5, 1e-5, 0.0)]:
+        with pytest.raises(ValueError):
+            niss.classic_gaussian_sigma(*bad)
+    assert niss.gaussian_sigma(0.5, 1e-5, 1.0) == niss.classic_gaussian_sigma(0.5, 1e-5, 1.0)
+    assert niss.gaussian_sigma(10.0, 1e-4, 1.0) == niss.analytic_gaussian_sigma(10.0, 1e-4, 1.0)
+
+
+def test_gaussian_delta_matches_numerical_integration() -> None:
+    for sigma, eps, sens in [(1.0, 0.5, 1.0), (3.0, 0.1, 2.0), (0.7, 2.0, 1.0)]:
+        assert niss.gaussian_delta(sigma, eps, sens) == pytest.approx(_hockey_stick_delta(sigma, eps, sens), rel=1e-6)
+
+
+@pytest.mark.parametrize("eps", [0.01, 0.1, 0.5, 0.9, 1.0, 3.0, 10.0, 50.0])
+@pytest.mark.parametrize("delta", [1e-10, 1e-5, 1e-2, 0.3])
+def test_analytic_sigma_defining_equation(eps: float, delta: float) -> None:
+    sens = 1.7
+    sigma = niss.analytic_gaussian_sigma(eps, delta, sens)
+    assert niss.gaussian_delta(sigma, eps, sens) == pytest.approx(delta, rel=1e-7)
+    # minimality: slightly less noise violates (eps, delta)
+    assert niss.gaussian_delta(sigma * (1 - 1e-4), eps, sens) > delta
+    if eps < 1:
+        assert sigma < niss.classic_gaussian_sigma(eps, delta, sens)
+
+
+def test_analytic_sigma_both_branches() -> None:
+    eps = 1.0
+    delta0 = 0.5 - math.exp(eps) * stats.norm.cdf(-math.sqrt(2 * eps))
+    for delta in (delta0 * 0.5, delta0 * 1.5):  # u* branch, v* branch
+        sigma = niss.analytic_gaussian_sigma(eps, delta, 1.0)
+        assert niss.gaussian_delta(sigma, eps, 1.0) == pytest.approx(delta, rel=1e-7)
+    # at delta0 exactly alpha = 1, sigma = sens / sqrt(2 eps)
+    assert niss.analytic_gaussian_sigma(eps, delta0, 1.0) == pytest.approx(1 / math.sqrt(2 * eps), rel=1e-6)
+
+
+# ------------------------------------------------------------------ shares
+def test_plan_shares() -> None:
+    plan = niss.plan_shares(2.0, 0.5)
+    assert plan.num_shares == 16 and plan.share_std == pytest.approx(0.5)
+    plan = niss.plan_shares(1.0, 0.3)  # v = 11.11 -> 12, rescaled
+    assert plan.num_shares == 12
+    assert plan.num_shares * plan.share_std**2 == pytest.approx(1.0, rel=1e-14)
+    assert plan.share_std <= 0.3
+    assert niss.plan_shares(0.1, 1.0).num_shares == 1
+    with pytest.raises(ValueError):
+        niss.plan_shares(100.0, 0.01, max_shares=1000)
+
+
+def test_assign_shares() -> None:
+    seed = bytes(32)
+    nbrs = [9, 3, 5, 7]
+    c = niss.assign_shares(10, nbrs, seed=seed)
+    assert sum(c.values()) == 10 and set(c) == set(nbrs)
+    assert max(c.values()) - min(c.values()) <= 1
+    assert c == niss.assign_shares(10, list(reversed(nbrs)), seed=seed)  # order-free
+    c = niss.assign_shares(3, nbrs, seed=seed)  # v < m: 3 distinct neighbours, 1 each
+    assert sorted(c.values()) == [1, 1, 1] and set(c) < set(nbrs)
+    picks = {frozenset(niss.assign_shares(1, nbrs, seed=bytes([i] * 32))) for i in range(40)}
+    assert len(picks) == 4  # the extra share goes to a seeded random neighbour
+    with pytest.raises(ValueError):
+        niss.assign_shares(3, [], seed=seed)
+    with pytest.raises(ValueError):
+        niss.assign_shares(3, [1, 1], seed=seed)
+
+
+def _random_graph(rng: np.random.Generator, n: int, p: float) -> dict[int, list[int]]:
+    """Symmetric random neighbour lists, every node with >= 1 neighbour."""
+    adj = {i: set() for i in range(n)}
+    for i in range(n):
+        for j in range(i + 1, n):
+            if rng.random() < p:
+                adj[i].add(j)
+                adj[j].add(i)
+        if not adj[i]:
+            j = (i + 1) % n
+            adj[i].add(j)
+            adj[j].add(i)
+    return {i: sorted(v) for i, v in adj.items()}
+
+
+def _pair_seed(round_seed: bytes, a: int, b: int) -> bytes:
+    lo, hi = min(a, b), max(a, b)
+    return prg.derive_subseed(round_seed, f"pair/{lo}/{hi}")
+
+
+def _simulate_round(
+    rng: np.random.Generator,
+    round_seed: bytes,
+    params: np.ndarray,
+    weights: np.ndarray,
+    sigma_ks: np.ndarray,
+    taus: np.ndarray,
+    unit_std: float,
+) -> tuple[np.ndarray, list[niss.ShareBundle], list[np.ndarray]]:
+    """One NISS round for all clients; returns (aggregate, all bundles, uploads)."""
+    n, size = params.shape
+    graph = _random_graph(rng, n, 0.25)
+    outgoing: dict[int, list[niss.ShareBundle]] = {}
+    for k in range(n):
+        plan = niss.plan_shares(float(sigma_ks[k]), unit_std)
+        seeds = {j: _pair_seed(round_seed, k, j) for j in graph[k]}
+        outgoing[k] = niss.make_outgoing_bundles(
+            k, plan, graph[k], seeds, assign_seed=prg.derive_subseed(round_seed, f"assign/{k}")
+        )
+    all_bundles = [b for bs in outgoing.values() for b in bs]
+    uploads = []
+    for k in range(n):
+        incoming = [b for b in all_bundles if b.receiver == k]
+        own = niss.sender_noise(outgoing[k], size)
+        recv = niss.receiver_noise(incoming, size, float(taus[k]), rng)
+        uploads.append(niss.client_upload(params[k], float(weights[k]), own, recv))
+    return np.sum(uploads, axis=0), all_bundles, uploads
+
+
+def test_tau_zero_cancels_exactly() -> None:
+    rng = np.random.default_rng(20)
+    n, size = 20, 3000
+    params = rng.normal(size=(n, size))
+    d = rng.integers(50, 500, n)
+    weights = d / d.sum()
+    sigma_ks = rng.uniform(0.5, 2.0, n)
+    agg, bundles, uploads = _simulate_round(rng, bytes(32), params, weights, sigma_ks, np.zeros(n), unit_std=0.3)
+    target = weights @ params
+    assert np.linalg.norm(agg - target) <= 1e-9 * np.linalg.norm(target)
+    # ... while each upload alone carries noise of variance ~ 2 sigma_k^2 (own + received
+    # negated shares when the client receives as much as it sends; here: own + received)
+    for k in range(n):
+        recv_var = sum(b.count * b.share_std**2 for b in bundles if b.receiver == k)
+        noise = uploads[k] - weights[k] * params[k]
+        assert np.var(noise) == pytest.approx(sigma_ks[k] ** 2 + recv_var, rel=0.1)
+    # each client sends exactly sigma_k^2 of share variance
+    for k in range(n):
+        sent = sum(b.count * b.share_std**2 for b in bundles if b.sender == k)
+        assert sent == pytest.approx(sigma_ks[k] ** 2, rel=1e-12)
+
+
+@pytest.mark.parametrize("hetero_tau", [False, True])
+def test_aggregate_variance_matches_theorem2(hetero_tau: bool) -> None:
+    rng = np.random.default_rng(7 + hetero_tau)
+    n, size, rounds = 20, 2000, 15
+    sigma_ks = rng.uniform(0.5, 1.5, n)
+    taus = rng.uniform(0.2, 0.9, n) if hetero_tau else np.full(n, 0.6)
+    weights = np.full(n, 1.0 / n)
+    samples, predicted = [], []
+    for t in range(rounds):
+        params = rng.normal(size=(n, size))
+        agg, bundles, _ = _simulate_round(
+            rng, prg.derive_subseed(bytes(32), f"round/{t}"), params, weights, sigma_ks, taus, unit_std=0.25
+        )
+        samples.append(agg - weights @ params)
+        predicted.append(niss.exact_aggregate_variance(bundles, dict(enumerate(taus))))
+    measured = float(np.var(np.concatenate(samples)))
+    if hetero_tau:
+        assert measured == pytest.approx(float(np.mean(predicted)), rel=0.1)
+    else:
+        thm2 = niss.theorem2_variance(sigma_ks, taus)
+        assert np.allclose(predicted, thm2, rtol=1e-12)  # equal taus: Theorem 2 is exact
+        assert measured == pytest.approx(thm2, rel=0.1)
+        # and far below plain DP-FedAvg's sum sigma_k^2
+        assert measured < 0.5 * float(np.sum(sigma_ks**2))
+
+
+def test_receiver_noise_seeded_and_tau_zero() -> None:
+    b = niss.ShareBundle(sender=1, receiver=2, count=3, share_std=0.5, seed=bytes(range(32)))
+    shares = niss.bundle_shares(b, 50)
+    assert shares.shape == (3, 50)
+    assert np.array_equal(niss.sender_noise([b], 50), shares[0] + shares[1] + shares[2])
+    assert np.allclose(niss.receiver_noise([b], 50, 0.0, bytes(32)), -shares.sum(axis=0), rtol=0, atol=1e-15)
+    r1 = niss.receiver_noise([b], 50, 0.5, bytes(32))
+    assert np.array_equal(r1, niss.receiver_noise([b], 50, 0.5, bytes(32)))
+    assert not np.allclose(r1, -shares.sum(axis=0))
+    with pytest.raises(ValueError):
+        niss.receiver_noise([b], 50, -0.1, bytes(32))
+
+
+# ------------------------------------------------------------------ Theorem 3
+def test_tau_from_collusion() -> None:
+    assert niss.tau_for_collusion(0.0) == 0.0
+    assert niss.tau_for_collusion(0.5) == 0.0
+    assert niss.tau_for_collusion(0.75) == pytest.approx(math.sqrt(0.5))
+    assert niss.tau_for_collusion(1.0) == 1.0
+    for rho in np.linspace(0, 1, 21):
+        tau = niss.tau_for_collusion(rho)
+        ratio = niss.collusion_variance_ratio(rho, tau)
+        assert ratio >= 1 - 1e-12  # Eq. (12)
+        if rho > 0.5:
+            assert ratio == pytest.approx(1.0)  # minimal: tightest tau
+            assert niss.collusion_variance_ratio(rho, tau * 0.99) < 1
+    with pytest.raises(ValueError):
+        niss.tau_for_collusion(1.5)
+
+
+def test_theorem2_formula() -> None:
+    assert niss.theorem2_variance([1.0, 2.0], [0.5, 0.1]) == pytest.approx(0.25 + 0.04)
+    with pytest.raises(ValueError):
+        niss.theorem2_variance([1.0], [0.5, 0.1])
