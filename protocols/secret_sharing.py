@@ -1,0 +1,240 @@
+"""Fixed-point encoding into the ring Z_{2^64} and full-threshold additive secret sharing.
+
+DDP-SA (Wei et al., Algorithm 1/2) encodes each client's noisy gradient as fixed-point
+integers, splits it into ``m`` additive shares (one per intermediate server) and lets the
+parameter server reconstruct only the *sum* over clients.
+
+Design choices (deviations from the paper, on purpose):
+
+* The paper works in a prime field Z_p with a decimal scaling factor ``SF = 10**dn``.
+  We use the ring Z_{2^64} (numpy ``uint64`` wrap-around arithmetic) with a binary
+  scaling factor ``2**frac_bits``.  Additive sharing is equally perfect in any finite
+  abelian group, and a power-of-two modulus makes every operation exact and vectorised:
+  no big-int arithmetic, no float drift, and ``x * 2**frac_bits`` is exact in float64.
+* The paper only says "choose p larger than the maximum possible aggregated magnitude".
+  We make that explicit: :class:`FixedPointCodec` knows ``max_clients`` and *refuses* to
+  encode any value whose sum over ``max_clients`` encodings could leave the signed range
+  ``[-(2^63 - 1), 2^63 - 1]`` (:class:`FixedPointRangeError`).  Decoding interprets the
+  ring element in two's complement, so negative sums decode correctly.
+
+Share randomness comes from a CSPRNG: ``os.urandom`` by default, or the project-wide
+AES-CTR PRG (:mod:`protocols.prg`) when an explicit seed is given (reproducible tests).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+__all__ = [
+    "RING_BITS",
+    "FixedPointCodec",
+    "FixedPointRangeError",
+    "encode_and_share",
+    "from_wire",
+    "random_ring_elements",
+    "reconstruct",
+    "ring_sum",
+    "share",
+    "to_wire",
+]
+
+RING_BITS = 64
+_SIGNED_MAX = (1 << (RING_BITS - 1)) - 1  # 2^63 - 1: largest |sum| that decodes unambiguously
+
+Ring = NDArray[np.uint64]
+
+
+class FixedPointRangeError(ValueError):
+    """A value cannot be fixed-point encoded without risking overflow of the aggregate."""
+
+
+@dataclass(frozen=True)
+class FixedPointCodec:
+    """Signed fixed-point encoding of float64 vectors into Z_{2^64}.
+
+    ``encode(x) = round(x * 2**frac_bits) mod 2^64``.  A sum of at most ``max_clients``
+    encodings decodes exactly (up to the per-value round-off ``2**-(frac_bits+1)``)
+    because :meth:`encode` only accepts ``|x| <= max_abs``, where::
+
+        max_abs = floor((2^63 - 1) / max_clients) / 2**frac_bits
+
+    e.g. ``frac_bits=32, max_clients=1024`` gives ``max_abs ~= 2.1e6`` with resolution
+    ``2.3e-10`` (the paper's ``dn = 10`` decimal places corresponds to ~33 bits).
+
+    Attributes:
+        frac_bits: number of fractional bits (precision ``2**-frac_bits``), 0..62.
+        max_clients: maximum number of encoded vectors that will ever be summed.
+    """
+
+    frac_bits: int = 32
+    max_clients: int = 1024
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.frac_bits, int) or not 0 <= self.frac_bits <= RING_BITS - 2:
+            raise ValueError(f"frac_bits must be an int in [0, {RING_BITS - 2}], got {self.frac_bits!r}")
+        if not isinstance(self.max_clients, int) or self.max_clients < 1:
+            raise ValueError(f"max_clients must be a positive int, got {self.max_clients!r}")
+
+    @property
+    def scale(self) -> float:
+        """Scaling factor ``2**frac_bits`` (exact power of two)."""
+        return math.ldexp(1.0, self.frac_bits)
+
+    @property
+    def resolution(self) -> float:
+        """Quantisation step ``2**-frac_bits``; per-value round-off is at most half of it."""
+        return math.ldexp(1.0, -self.frac_bits)
+
+    @property
+    def max_abs_int(self) -> int:
+        """Largest accepted ``|round(x * 2**frac_bits)|`` (an exact integer)."""
+        bound = _SIGNED_MAX // self.max_clients
+        # Keep the bound exactly representable as float64 so the range check is exact.
+        while float(bound) > bound:
+            bound = int(np.nextafter(float(bound), 0.0))
+        return bound
+
+    @property
+    def max_abs(self) -> float:
+        """Largest accepted ``|x|`` in real units (see class docstring)."""
+        return math.ldexp(float(self.max_abs_int), -self.frac_bits)
+
+    def encode(self, values: ArrayLike) -> Ring:
+        """Encode float values (any shape) into ring elements of the same shape.
+
+        Raises:
+            FixedPointRangeError: if any value is NaN/inf or exceeds ``max_abs``, i.e. the
+                sum over ``max_clients`` encodings could overflow the signed 64-bit range.
+        """
+        x = np.asarray(values, dtype=np.float64)
+        scaled = np.rint(x * self.scale)  # exact scaling, round-half-even
+        finite = np.isfinite(scaled)
+        if not finite.all():
+            idx = int(np.flatnonzero(~finite.ravel())[0])
+            raise FixedPointRangeError(
+                f"cannot fixed-point encode non-finite value {x.ravel()[idx]!r} at flat index {idx}"
+            )
+        bad = np.abs(scaled) > float(self.max_abs_int)
+        if bad.any():
+            idx = int(np.flatnonzero(bad.ravel())[0])
+            raise FixedPointRangeError(
+                f"value {x.ravel()[idx]!r} at flat index {idx} exceeds the fixed-point range "
+                f"|x| <= {self.max_abs:.6g} (frac_bits={self.frac_bits}, max_clients="
+                f"{self.max_clients}): a sum over {self.max_clients} clients could overflow "
+                f"Z_2^{RING_BITS}; clip/scale the input, lower frac_bits or lower max_clients"
+            )
+        # |scaled| < 2^63 and integral, so the int64 cast is exact; view as ring element.
+        return scaled.astype(np.int64).view(np.uint64)
+
+    def decode(self, ring_values: ArrayLike) -> NDArray[np.float64]:
+        """Decode a ring element (one encoding or a sum of <= max_clients) to float64.
+
+        The ring element is read as a two's-complement signed 64-bit integer.
+        """
+        r = np.asarray(ring_values)
+        if r.dtype != np.uint64:
+            raise TypeError(f"decode expects uint64 ring elements, got dtype {r.dtype}")
+        return r.view(np.int64).astype(np.float64) * self.resolution
+
+    def decode_mean(self, ring_sum_values: ArrayLike, count: int) -> NDArray[np.float64]:
+        """Decode a sum of ``count`` encodings and divide by ``count``."""
+        if not 1 <= count <= self.max_clients:
+            raise ValueError(f"count must be in [1, max_clients={self.max_clients}], got {count}")
+        return self.decode(ring_sum_values) / count
+
+
+def random_ring_elements(size: int, *, seed: bytes | None = None) -> Ring:
+    """``size`` uniform elements of Z_{2^64} from a CSPRNG.
+
+    Args:
+        size: number of elements.
+        seed: ``None`` -> fresh ``os.urandom`` bytes (production). Otherwise a 32-byte seed
+            expanded with the project AES-CTR PRG (:func:`protocols.prg.uniform_ints`);
+            the same seed always yields the same elements, so never reuse a seed for two
+            different secrets.
+    """
+    if size < 0:
+        raise ValueError(f"size must be >= 0, got {size}")
+    if seed is None:
+        return np.frombuffer(os.urandom(8 * size), dtype="<u8").astype(np.uint64)
+    # Lazy import: the project PRG is only needed for seeded (reproducible) sharing.
+    from protocols.prg import uniform_ints
+
+    return np.asarray(uniform_ints(seed, size, 1 << RING_BITS), dtype=np.uint64)
+
+
+def ring_sum(arrays: Sequence[ArrayLike]) -> Ring:
+    """Sum ring elements mod 2^64 (numpy uint64 addition wraps around exactly)."""
+    if len(arrays) == 0:
+        raise ValueError("ring_sum needs at least one array")
+    first = np.asarray(arrays[0])
+    if first.dtype != np.uint64:
+        raise TypeError(f"ring elements must be uint64, got {first.dtype}")
+    total = first.copy()
+    for a in arrays[1:]:
+        arr = np.asarray(a)
+        if arr.dtype != np.uint64:
+            raise TypeError(f"ring elements must be uint64, got {arr.dtype}")
+        if arr.shape != total.shape:
+            raise ValueError(f"shape mismatch in ring_sum: {arr.shape} vs {total.shape}")
+        np.add(total, arr, out=total)
+    return total
+
+
+def share(secret: ArrayLike, m: int, *, seed: bytes | None = None) -> list[Ring]:
+    """Split ring elements into ``m`` additive shares (Algorithm 1 of the paper).
+
+    Shares ``0..m-2`` are uniform; share ``m-1 = secret - sum(others) mod 2^64``.  Any
+    ``m-1`` shares are jointly uniform and independent of the secret; all ``m`` sum to it.
+
+    Args:
+        secret: uint64 array (any shape), e.g. from :meth:`FixedPointCodec.encode`.
+        m: number of shares / intermediate servers, ``m >= 2`` (``m = 1`` would hand the
+            plaintext to a single server, which is never what DDP-SA wants).
+        seed: see :func:`random_ring_elements`.
+    """
+    s = np.asarray(secret)
+    if s.dtype != np.uint64:
+        raise TypeError(f"secret must be uint64 ring elements, got dtype {s.dtype}")
+    if not isinstance(m, int) or m < 2:
+        raise ValueError(f"number of shares m must be an int >= 2, got {m!r}")
+    rand = random_ring_elements((m - 1) * s.size, seed=seed).reshape((m - 1, *s.shape))
+    shares = [rand[i].copy() for i in range(m - 1)]
+    last = s.copy()
+    for r in shares:
+        np.subtract(last, r, out=last)
+    shares.append(last)
+    return shares
+
+
+def reconstruct(shares: Sequence[ArrayLike]) -> Ring:
+    """Reconstruct (the sum of) secrets from all ``m`` shares: ``sum mod 2^64``."""
+    return ring_sum(shares)
+
+
+def encode_and_share(values: ArrayLike, m: int, codec: FixedPointCodec, *, seed: bytes | None = None) -> list[Ring]:
+    """Fixed-point encode float ``values`` with ``codec`` and split into ``m`` shares."""
+    return share(codec.encode(values), m, seed=seed)
+
+
+def to_wire(ring_values: ArrayLike) -> bytes:
+    """Serialise ring elements as little-endian uint64 words (flattened, C order)."""
+    r = np.asarray(ring_values)
+    if r.dtype != np.uint64:
+        raise TypeError(f"to_wire expects uint64, got {r.dtype}")
+    return r.astype("<u8", copy=False).tobytes()
+
+
+def from_wire(data: bytes, length: int | None = None) -> Ring:
+    """Parse little-endian uint64 words; checks ``length`` (element count) when given."""
+    if len(data) % 8:
+        raise ValueError(f"wire data length {len(data)} is not a multiple of 8 bytes")
+    if length is not None and len(data) != 8 * length:
+        raise ValueError(f"wire data holds {len(data) // 8} elements, expected {length}")
+    return np.frombuffer(data, dtype="<u8").astype(np.uint64)
