@@ -85,7 +85,8 @@ class CancelStrategy(Strategy):
         nodes = wait_for_nodes(grid, self.cfg.num_clients, self.cfg.round_timeout)
         rng = np.random.default_rng([self.cfg.seed, server_round, 0x5A3])
         k = min(self.cfg.clients_per_round, len(nodes))
-        self.sampled = sorted(int(n) for n in rng.choice(nodes, size=k, replace=False))
+        # Sample positions, not ids: node ids are up to 2**64 and numpy would turn them into floats.
+        self.sampled = sorted(nodes[int(i)] for i in rng.choice(len(nodes), size=k, replace=False))
         return self.sampled
 
     def make_messages(self, nodes: Iterable[int], content_fn, message_type: str = "train") -> list[Message]:

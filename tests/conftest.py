@@ -1,0 +1,34 @@
+"""Shared test fixtures: no Flower telemetry, outputs in tmp folders, fast in-process runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    """Rows of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def run_inprocess(tmp_path):
+    """Run the app in-process with run-config overrides; returns (summary, metrics rows)."""
+    from server.launch import run_inprocess as _run
+
+    def _go(**overrides):
+        overrides = {k.replace("_", "-"): v for k, v in overrides.items()}
+        overrides.setdefault("out-dir", str(tmp_path / "run"))
+        summary = _run(overrides, progress=lambda _s: None)
+        return summary, read_metrics(Path(overrides["out-dir"]))
+
+    return _go

@@ -1,0 +1,37 @@
+"""Models build, train and round-trip through model.npz."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from client.data import load_dataset
+from client.models import build_model, flatten, get_weights, load_npz_model, save_npz_model, unflatten
+from client.training import evaluate, train
+
+
+def test_mlp_and_cnn_learn_digits():
+    ds = load_dataset("digits")
+    for name in ("mlp", "cnn"):
+        model = build_model(name, ds.input_shape, 10, (64,), seed=0)
+        _, before = evaluate(model, ds.x_test, ds.y_test)
+        train(model, ds.x_train, ds.y_train, epochs=5, batch_size=32, lr=0.1, seed=0, num_classes=10)
+        _, after = evaluate(model, ds.x_test, ds.y_test)
+        assert after > 0.85 > before, (name, before, after)
+
+
+def test_npz_round_trip(tmp_path):
+    model = build_model("mlp", (1, 8, 8), 10, (16,), seed=3)
+    w = get_weights(model)
+    save_npz_model(tmp_path / "model.npz", w, {"model": "mlp", "input_shape": [1, 8, 8], "num_classes": 10,
+                                                "hidden": [16]})
+    again, meta = load_npz_model(tmp_path / "model.npz")
+    x = torch.randn(4, 1, 8, 8)
+    assert torch.allclose(model(x), again(x))
+    assert meta["model"] == "mlp"
+
+
+def test_flatten_round_trip():
+    w = get_weights(build_model("cnn", (1, 8, 8), 10, seed=1))
+    back = unflatten(flatten(w), w)
+    assert all(np.array_equal(w[k], back[k]) for k in w)
