@@ -75,6 +75,7 @@ class RunConfig:
     # Method-specific (see README)
     graph: str = "complete"  # pairwise-noise neighbour graph
     n_out: int = 4  # neighbours each client picks in an n-out graph
+    cancellation_check: bool = False  # clients report a random projection of their pairwise mask (diagnostic)
     nadp_lambda: float = 0.0  # compensation factor; 0 = derive from nadp-tau
     nadp_tau: float = 0.5  # tolerated collusion rate for lambda (Eq. 8)
     niss_unit_variance: float = 1.0  # sigma^2 of one noise share

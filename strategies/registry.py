@@ -11,6 +11,13 @@ STRATEGIES: dict[str, str] = {
     "fedavg": "strategies.baselines:FedAvgStrategy",
     "ldp": "strategies.baselines:LocalDPStrategy",
     "cdp": "strategies.baselines:CentralDPStrategy",
+    "nadp": "strategies.nadp:NadpStrategy",
+    "niss": "strategies.niss:NissStrategy",
+    "mpddp": "strategies.mpddp:MpddpStrategy",
+    "mpdp-naive": "strategies.mpddp:MpdpNaiveStrategy",
+    "mpcdp": "strategies.mpddp:MpcdpStrategy",
+    "ladp": "strategies.ladp:LadpStrategy",
+    "ddpsa": "strategies.ddpsa:DdpsaStrategy",
 }
 
 

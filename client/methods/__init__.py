@@ -15,9 +15,21 @@ TRAIN: dict[str, str] = {
     "fedavg": "client.methods.baselines:train_fedavg",
     "ldp": "client.methods.baselines:train_ldp",
     "cdp": "client.methods.baselines:train_cdp",
+    "nadp": "client.methods.nadp:train",
+    "niss": "client.methods.niss:train",
+    "mpddp": "client.methods.mpddp:train",
+    "mpdp-naive": "client.methods.mpddp:train",
+    "mpcdp": "client.methods.mpddp:train",
+    "ladp": "client.methods.ladp:train",
+    "ddpsa": "client.methods.ddpsa:train",
 }
 
-QUERIES: dict[str, dict[str, str]] = {}
+_KEYS = "client.pairwise_phase:handle_keys"
+QUERIES: dict[str, dict[str, str]] = {
+    "nadp": {"keys": _KEYS},
+    "niss": {"keys": _KEYS, "shares": "client.methods.niss:handle_shares"},
+    "mpddp": {"keys": _KEYS},
+}
 
 
 def _load(spec: str) -> Callable:
