@@ -1,0 +1,94 @@
+"""MP_Server + DDP_Client (bidirectional privacy FL): Flower-free math.
+
+Round protocol (paper Algorithm 4), per round t:
+  server:  w_hat, secret = mp_server(model, seed)            # send w_hat (2L-1 matrices); keep secret
+  client:  up = client_gradients(w_hat, x, onehot_y)           # one gradient at w_hat + Psi, Phi
+           up = ddp_client(up, own_id=..., pair_seeds=..., eta_seed=..., sigma_eta=..., sigma_delta=...)
+           send up.to_arrays()                                 # 3L arrays
+  server:  model, grad = mu_server(model, [ClientUpload.from_arrays(a) ...], secret, lr)
+Noise scales come from calibrate(epsilon, delta, K, n_out).
+"""
+
+from protocols.mpddp.ablations import add_cdp_noise, naive_client, naive_gaussian_noise
+from protocols.mpddp.calibration import (
+    Calibration,
+    calibrate,
+    calibrate_cdp,
+    calibrate_ldp,
+    max_theta,
+    satisfies_eq23,
+    theta_complete,
+    theta_n_out,
+)
+from protocols.mpddp.ddp import ddp_client, ddp_noise, flatten, unflatten
+from protocols.mpddp.expansion import (
+    Layer,
+    augment,
+    dims_of,
+    expand,
+    forward_expanded,
+    forward_mlp,
+    mse_loss,
+    one_hot,
+    split_blocks,
+)
+from protocols.mpddp.gradients import ClientUpload, client_gradients
+from protocols.mpddp.perturbation import MPSecret, draw_secret, mp_server, perturb, relative_distance
+from protocols.mpddp.recovery import aggregate, mu_server, recover, recover_blocks, sgd_update
+from protocols.mpddp.samplers import (
+    DEFAULT_TERMS,
+    Sampler,
+    dn_sampler,
+    dn_star_cf_error,
+    dn_star_sampler,
+    dn_unit_sampler,
+    sample_dn,
+    sample_dn_star,
+)
+
+__all__ = [
+    "DEFAULT_TERMS",
+    "Calibration",
+    "ClientUpload",
+    "Layer",
+    "MPSecret",
+    "Sampler",
+    "add_cdp_noise",
+    "aggregate",
+    "augment",
+    "calibrate",
+    "calibrate_cdp",
+    "calibrate_ldp",
+    "client_gradients",
+    "ddp_client",
+    "ddp_noise",
+    "dims_of",
+    "dn_sampler",
+    "dn_star_cf_error",
+    "dn_star_sampler",
+    "dn_unit_sampler",
+    "draw_secret",
+    "expand",
+    "flatten",
+    "forward_expanded",
+    "forward_mlp",
+    "max_theta",
+    "mp_server",
+    "mse_loss",
+    "mu_server",
+    "naive_client",
+    "naive_gaussian_noise",
+    "one_hot",
+    "perturb",
+    "recover",
+    "recover_blocks",
+    "relative_distance",
+    "sample_dn",
+    "sample_dn_star",
+    "satisfies_eq23",
+    "sgd_update",
+    "split_blocks",
+    "theta_complete",
+    "theta_n_out",
+    "unflatten",
+]

@@ -1,0 +1,210 @@
+"""Noise calibration: sigma_eta, sigma_Delta from (epsilon, delta, K, n) by Theorems 10, 11 (Eq. 23).
+
+Eq. (23): epsilon >= theta/2 + sqrt(theta)  and  (epsilon - theta/2)^2 >= 2 log(2 / (delta sqrt(2 pi))) theta.
+Both sides are monotone in theta, so the feasible set is [0, theta_max] with the closed form of
+`max_theta`. theta ("privacy-loss variance") for the two graphs (both from GOPA, Sabater et al. [22]):
+
+* complete graph (Theorem 10): theta = 1/(sigma_eta^2 K) + 1/(sigma_Delta^2 K).
+  The paper prints 1/(sigma_eta K) + 1/(sigma_Delta K); theta must be an inverse variance (Eq. 23 is
+  the Gaussian privacy-loss tail bound, and Theorem 11 uses sigma^-2), so we use the squared form.
+* random n-out graph (Theorem 11): theta = 1/(sigma_eta^2 K)
+  + (1/(floor((n-1)/3) - 1) + (12 + 6 log K)/K) / sigma_Delta^2, valid only if K >= 81, n < K,
+  n >= 4 log(2K/(3 delta)), n >= 6 log(K/3), n >= 3/2 + 9/4 log(2e/delta); it yields (epsilon, 3 delta)-DP,
+  so for a target delta we apply the theorem with delta/3 (reported as `delta_theorem`).
+  An n-out graph with n >= K-1 is the complete graph and uses Theorem 10.
+logs are natural. Sensitivity (L2 norm of one client's gradient, paper footnote 2 sets it to 1) scales
+both sigmas linearly. Nothing in MP_Server + DDP_Client can enforce it: clients only see perturbed
+gradients (clipping them bounds nothing in true space) and the server only sees noised ones, so the
+sensitivity is an assumption, as in the paper. Guarantees are per round; multi-round composition is not covered by the paper.
+
+One equation, two unknowns: `eta_share` is the fraction of theta_max spent on the eta term. Close to 1,
+sigma_eta approaches the CDP level sigma_CDP * sqrt(K) (aggregate noise sigma_eta/sqrt(K)) while
+sigma_Delta grows; this is the paper's design intent ("sigma_eta^2 = O(1/K)").
+
+CAVEAT (paper-level, not fixed here): the theorems treat R o eta as N(0, sigma^2), which holds only for an
+observer who does not know R. The server chose R, and conditioned on R the recovered noise R_ij eta_ij
+is Uniform(+-sqrt2 sigma R_ij): bounded, so against the server the (epsilon, delta) figures are nominal.
+
+Ablation calibrations (Section 6.3): `calibrate_ldp` (MP-DP-Naive: one client's Gaussian alone,
+theta = S^2/sigma^2) and `calibrate_cdp` (MP-CDP: Gaussian on the true mean, sensitivity S/K).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = [
+    "Calibration",
+    "calibrate",
+    "calibrate_cdp",
+    "calibrate_ldp",
+    "check_n_out_conditions",
+    "max_theta",
+    "n_out_delta_coefficient",
+    "satisfies_eq23",
+    "theta_complete",
+    "theta_n_out",
+]
+
+
+def _check_eps_delta(epsilon: float, delta: float) -> None:
+    if not (math.isfinite(epsilon) and epsilon > 0):
+        raise ValueError(f"epsilon must be a positive finite number, got {epsilon}")
+    if not (0.0 < delta < 1.0):
+        raise ValueError(f"Theorems 10/11 need delta in (0, 1), got {delta}")
+
+
+def _log_term(delta: float) -> float:
+    """log(2 / (delta sqrt(2 pi))) from Eq. (23)."""
+    return math.log(2.0 / (delta * math.sqrt(2.0 * math.pi)))
+
+
+def max_theta(epsilon: float, delta: float) -> float:
+    """Largest theta satisfying Eq. (23) (closed form; the feasible set is [0, max_theta])."""
+    _check_eps_delta(epsilon, delta)
+    theta_1 = (math.sqrt(1.0 + 2.0 * epsilon) - 1.0) ** 2  # theta/2 + sqrt(theta) <= epsilon
+    lg = max(_log_term(delta), 0.0)  # for delta > 2/sqrt(2 pi) the second condition is epsilon >= theta/2
+    theta_2 = (math.sqrt(2.0 * lg + 2.0 * epsilon) - math.sqrt(2.0 * lg)) ** 2
+    return min(theta_1, theta_2)
+
+
+def satisfies_eq23(epsilon: float, delta: float, theta: float, *, rtol: float = 1e-12) -> bool:
+    """Direct check of Eq. (23) (with a tiny relative tolerance for round-off)."""
+    _check_eps_delta(epsilon, delta)
+    slack = rtol * max(1.0, epsilon)
+    if epsilon + slack < theta / 2.0 + math.sqrt(theta):
+        return False
+    gap = epsilon - theta / 2.0
+    return gap >= -slack and gap * abs(gap) + slack >= 2.0 * _log_term(delta) * theta
+
+
+def theta_complete(sigma_eta: float, sigma_delta: float, num_clients: int) -> float:
+    """Theorem 10 theta (complete graph), squared-sigma form (see module docstring)."""
+    return 1.0 / (sigma_eta**2 * num_clients) + 1.0 / (sigma_delta**2 * num_clients)
+
+
+def n_out_delta_coefficient(num_clients: int, n_out: int) -> float:
+    """Coefficient of sigma_Delta^-2 in Theorem 11: 1/(floor((n-1)/3) - 1) + (12 + 6 log K)/K."""
+    base = (n_out - 1) // 3 - 1
+    if base < 1:
+        raise ValueError(f"Theorem 11 needs floor((n-1)/3) - 1 >= 1, i.e. n >= 7 (got n={n_out})")
+    return 1.0 / base + (12.0 + 6.0 * math.log(num_clients)) / num_clients
+
+
+def theta_n_out(sigma_eta: float, sigma_delta: float, num_clients: int, n_out: int) -> float:
+    """Theorem 11 theta (random n-out graph)."""
+    return 1.0 / (sigma_eta**2 * num_clients) + n_out_delta_coefficient(num_clients, n_out) / sigma_delta**2
+
+
+def check_n_out_conditions(num_clients: int, n_out: int, delta_theorem: float) -> None:
+    """Raise ValueError naming every Theorem 11 precondition that (K, n, delta) violates."""
+    k, n, d = num_clients, n_out, delta_theorem
+    problems = []
+    if k < 81:
+        problems.append(f"K >= 81 (K={k})")
+    if not n < k:
+        problems.append(f"n < K (n={n}, K={k})")
+    for label, bound in (
+        ("4 log(2K/(3 delta))", 4.0 * math.log(2.0 * k / (3.0 * d))),
+        ("6 log(K/3)", 6.0 * math.log(k / 3.0)),
+        ("3/2 + 9/4 log(2e/delta)", 1.5 + 2.25 * math.log(2.0 * math.e / d)),
+    ):
+        if n < bound:
+            problems.append(f"n >= {label} = {bound:.2f} (n={n})")
+    if (n - 1) // 3 - 1 < 1:
+        problems.append(f"floor((n-1)/3) - 1 >= 1 (n={n})")
+    if problems:
+        raise ValueError(
+            "Theorem 11 (random n-out graph) does not cover this setting (delta_theorem="
+            f"{d:.3g} = delta/3); violated: " + "; ".join(problems)
+        )
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Result of `calibrate`. sigma_* are the DN(sigma, 1) parameters for eta and Delta (Eqs. 16, 19)."""
+
+    sigma_eta: float
+    sigma_delta: float
+    theta: float  # theta of the chosen theorem at these sigmas (== theta_max up to round-off)
+    theta_max: float  # largest theta allowed by Eq. (23) for (epsilon, delta_theorem)
+    graph: str  # "complete" (Theorem 10) or "n_out" (Theorem 11)
+    epsilon: float
+    delta: float  # the target delta requested
+    delta_theorem: float  # delta used inside the theorem (delta, or delta/3 for n-out)
+    num_clients: int
+    n_out: int | None
+    sensitivity: float
+
+    @property
+    def aggregate_noise_std(self) -> float:
+        """Std of the noise left in the recovered mean gradient (R o mean_k eta_k): sigma_eta / sqrt(K)."""
+        return self.sigma_eta / math.sqrt(self.num_clients)
+
+
+def calibrate(
+    epsilon: float,
+    delta: float,
+    num_clients: int,
+    n_out: int | None = None,
+    *,
+    eta_share: float = 0.9,
+    sensitivity: float = 1.0,
+) -> Calibration:
+    """sigma_eta, sigma_Delta for (epsilon, delta)-DP of one round of DDP_Client (Theorems 10/11).
+
+    n_out=None or n_out >= K-1: complete graph (Theorem 10). Otherwise random n-out graph (Theorem 11,
+    preconditions enforced, delta split as delta/3). eta_share in (0, 1): fraction of theta_max given to
+    the eta term. Raises ValueError on anything the theorems do not cover.
+    """
+    _check_eps_delta(epsilon, delta)
+    if isinstance(num_clients, bool) or int(num_clients) != num_clients or num_clients < 2:
+        raise ValueError(f"num_clients must be an integer >= 2, got {num_clients}")
+    num_clients = int(num_clients)
+    if not (0.0 < eta_share < 1.0):
+        raise ValueError("eta_share must be in (0, 1): both noise terms are needed by Theorems 10/11")
+    if not (math.isfinite(sensitivity) and sensitivity > 0):
+        raise ValueError("sensitivity must be positive")
+    complete = n_out is None or n_out >= num_clients - 1
+    if not complete:
+        if int(n_out) != n_out or n_out < 1:
+            raise ValueError(f"n_out must be a positive integer, got {n_out}")
+        n_out = int(n_out)
+    delta_theorem = delta if complete else delta / 3.0
+    if not complete:
+        check_n_out_conditions(num_clients, n_out, delta_theorem)
+    th_max = max_theta(epsilon, delta_theorem)
+    th_eta, th_delta = eta_share * th_max, (1.0 - eta_share) * th_max
+    sigma_eta = 1.0 / math.sqrt(num_clients * th_eta)
+    if complete:
+        sigma_delta = 1.0 / math.sqrt(num_clients * th_delta)
+        theta = theta_complete(sigma_eta, sigma_delta, num_clients)
+    else:
+        sigma_delta = math.sqrt(n_out_delta_coefficient(num_clients, n_out) / th_delta)
+        theta = theta_n_out(sigma_eta, sigma_delta, num_clients, n_out)
+    return Calibration(
+        sigma_eta=sensitivity * sigma_eta,
+        sigma_delta=sensitivity * sigma_delta,
+        theta=theta,
+        theta_max=th_max,
+        graph="complete" if complete else "n_out",
+        epsilon=epsilon,
+        delta=delta,
+        delta_theorem=delta_theorem,
+        num_clients=num_clients,
+        n_out=None if complete else n_out,
+        sensitivity=sensitivity,
+    )
+
+
+def calibrate_ldp(epsilon: float, delta: float, *, sensitivity: float = 1.0) -> float:
+    """Gaussian sigma so one client's noisy gradient alone meets Eq. (23) with theta = S^2/sigma^2 (MP-DP-Naive)."""
+    return sensitivity / math.sqrt(max_theta(epsilon, delta))
+
+
+def calibrate_cdp(epsilon: float, delta: float, num_clients: int, *, sensitivity: float = 1.0) -> float:
+    """Gaussian sigma on the true mean gradient (MP-CDP): sensitivity S/K, theta = (S/K)^2/sigma^2."""
+    if num_clients < 1:
+        raise ValueError("num_clients must be >= 1")
+    return sensitivity / (num_clients * math.sqrt(max_theta(epsilon, delta)))

@@ -1,0 +1,124 @@
+"""Client-side model math (LMT in Algorithm 4): perturbed gradients and the correction terms Psi, Phi.
+
+Theorem 13 (App. A.2), per sample, for every expanded layer j (we only need odd j = 2l-1):
+
+    dL^/dW^(j) = (1/R^(j)) o dL/dW^(j) + r^T sigma^(j) - v beta^(j),
+    sigma^(j)  = alpha dy^/dW^(j) + (dL^/dy^)^T dalpha/dW^(j),    beta^(j) = alpha dalpha/dW^(j),
+
+with alpha = sum_i y^_i^(2L-2) (sum of the input to the final layer, constant unit included, because R^a
+also masks the bias column), y^ the perturbed output and dL^/dy^ = y^ - ybar. Since ybar is constant,
+sigma_k = d[alpha (y^_k - ybar_k)]/dW and beta = d[alpha^2 / 2]/dW, so each is the gradient of a scalar
+and batch averages commute with differentiation:
+
+    grad = d/dW  mean_b 1/2 ||y^_b - ybar_b||^2                  (nabla F(W^, D_k))
+    Psi_k = d/dW mean_b alpha_b (y^_{b,k} - ybar_{b,k})   k=1..n_L (Psi_k, stacked on axis 0)
+    Phi   = d/dW mean_b alpha_b^2 / 2                             (Phi_k; zero for the last layer)
+
+We re-derived Theorem 13 (the paper's beta uses dalpha/dW where dalpha/dW-hat is meant) and tests check
+the recovery identity against plain autograd on the original MLP.
+
+A client computes ONE gradient at W-hat per round (FedSGD): several local SGD steps in the perturbed
+space cannot be mapped back by Eq. (22), because W-hat - lr*g-hat is not of the form R o W' + R^a.
+Use float64: recovery cancels terms of size |r| * alpha against each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from protocols.mpddp.expansion import forward_expanded
+
+__all__ = ["ClientUpload", "client_gradients"]
+
+
+@dataclass(frozen=True)
+class ClientUpload:
+    """What a client returns per round, for each original layer l = 1..L (trainable rows only).
+
+    grads[l]: (n_l, n_{l-1}+1)       perturbed gradient nabla F(W^^(2l-1), D_k) (+ DP noise after DDP_Client)
+    psi[l]:   (n_L, n_l, n_{l-1}+1)  Psi_k^(2l-1)
+    phi[l]:   (n_l, n_{l-1}+1)       Phi_k^(2l-1)
+    Column n_{l-1} (the last) of each block is the bias.
+    """
+
+    grads: tuple[Tensor, ...]
+    psi: tuple[Tensor, ...]
+    phi: tuple[Tensor, ...]
+
+    def __post_init__(self) -> None:
+        if not (len(self.grads) == len(self.psi) == len(self.phi)):
+            raise ValueError("grads, psi and phi must have one entry per original layer")
+        for g, p, f in zip(self.grads, self.psi, self.phi, strict=True):
+            if g.shape != f.shape or p.shape[1:] != g.shape:
+                raise ValueError(f"inconsistent shapes: grad {tuple(g.shape)} psi {tuple(p.shape)}")
+
+    @property
+    def num_layers(self) -> int:
+        """L."""
+        return len(self.grads)
+
+    def with_grads(self, grads: Sequence[Tensor]) -> ClientUpload:
+        """Same Psi/Phi, replaced gradients (used to add DP noise)."""
+        return ClientUpload(tuple(grads), self.psi, self.phi)
+
+    def to_arrays(self) -> list[np.ndarray]:
+        """3L numpy arrays [grads..., psi..., phi...] for the wire (dtype preserved; keep float64)."""
+        return [t.detach().cpu().numpy() for t in (*self.grads, *self.psi, *self.phi)]
+
+    @classmethod
+    def from_arrays(cls, arrays: Sequence[np.ndarray], dtype: torch.dtype = torch.float64) -> ClientUpload:
+        """Inverse of `to_arrays`."""
+        if len(arrays) % 3:
+            raise ValueError("expected 3L arrays")
+        t = [torch.as_tensor(np.asarray(a)).to(dtype) for a in arrays]
+        n = len(t) // 3
+        return cls(tuple(t[:n]), tuple(t[n : 2 * n]), tuple(t[2 * n :]))
+
+
+def client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.ndarray, y: Tensor | np.ndarray) -> ClientUpload:
+    """Perturbed gradient and Psi, Phi of the odd layers on a local batch (Theorem 13, batch-averaged).
+
+    w_hat: the 2L-1 matrices received from the server (tensors or numpy arrays); x: (B, n_0) inputs;
+    y: (B, n_L) one-hot targets. Runs in w_hat's dtype (use float64). Costs n_L + 2 backward passes.
+    """
+    if len(w_hat) < 3 or len(w_hat) % 2 == 0:
+        raise ValueError("expected an expanded model with 2L-1 >= 3 layers")
+    mats = [torch.as_tensor(m).detach().clone() for m in w_hat]
+    dtype = mats[0].dtype
+    mats = [m.to(dtype) for m in mats]
+    odd = mats[0::2]
+    for m in odd:
+        m.requires_grad_(True)
+    x = torch.as_tensor(x).to(dtype)
+    y = torch.as_tensor(y).to(dtype)
+    out, last_in = forward_expanded(mats, x, return_last_input=True)
+    alpha = last_in.sum(dim=1)  # (B,)
+    err = out - y  # dL^/dy^ per sample
+    loss = 0.5 * (err**2).sum(dim=1).mean()
+    psi_scalars = (alpha.unsqueeze(1) * err).mean(dim=0)  # (n_L,)
+    phi_scalar = 0.5 * (alpha**2).mean()
+
+    def grad(scalar: Tensor) -> list[Tensor]:
+        gs = torch.autograd.grad(scalar, odd, retain_graph=True, allow_unused=True)
+        return [torch.zeros_like(m) if g is None else g for m, g in zip(odd, gs, strict=True)]
+
+    grads = grad(loss)
+    phi = grad(phi_scalar)
+    psi_rows = [grad(psi_scalars[k]) for k in range(psi_scalars.shape[0])]
+    psi = [torch.stack([row[i] for row in psi_rows]) for i in range(len(odd))]
+
+    # Drop the non-trainable constant rows of hidden layers (last row; see expansion.py).
+    def trim(ts: list[Tensor], stacked: bool = False) -> tuple[Tensor, ...]:
+        keep = []
+        for i, t in enumerate(ts):
+            if i < len(ts) - 1:
+                t = t[:, :-1] if stacked else t[:-1]
+            keep.append(t.detach())
+        return tuple(keep)
+
+    return ClientUpload(trim(grads), trim(psi, stacked=True), trim(phi))

@@ -1,0 +1,71 @@
+"""MU_Server (Algorithm 3): aggregate (Eqs. 20, 21), recover (Eq. 22), update with learning rate xi.
+
+    grad F(W_org^(l)) = R^(2l-1) o (grad F^(W^^(2l-1)) - r^T Psi^(2l-1) + v Phi^(2l-1)),  l = 1..L,
+
+where r^T Psi contracts Psi's leading n_L axis with r = gamma o r^a. With DDP_Client noise the result is
+the true mean gradient + R o mean_k(eta_k) (the Delta's cancel in the plain mean over the K clients).
+Algorithm 3 prints the update for "1 <= l < L"; all L layers must be updated (Theorem 4 covers
+l = 1..L), so we update every layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from protocols.mpddp.expansion import Layer, split_blocks
+from protocols.mpddp.gradients import ClientUpload
+from protocols.mpddp.perturbation import MPSecret
+
+__all__ = ["aggregate", "mu_server", "recover", "recover_blocks", "sgd_update"]
+
+
+def aggregate(uploads: Sequence[ClientUpload]) -> ClientUpload:
+    """Eqs. (20), (21): plain (unweighted) mean over the K uploads of grads, Psi and Phi.
+
+    Unweighted on purpose: the pairwise Delta's only cancel in an unweighted sum.
+    """
+    if not uploads:
+        raise ValueError("no uploads to aggregate")
+    k = len(uploads)
+
+    def mean(parts: Sequence[Sequence[Tensor]]) -> tuple[Tensor, ...]:
+        return tuple(torch.stack(list(ts)).sum(dim=0) / k for ts in zip(*parts, strict=True))
+
+    return ClientUpload(mean([u.grads for u in uploads]), mean([u.psi for u in uploads]), mean([u.phi for u in uploads]))
+
+
+def recover_blocks(agg: ClientUpload, secret: MPSecret) -> list[Tensor]:
+    """Eq. (22) on trainable blocks [W, b]: returns the recovered gradient per original layer."""
+    if agg.num_layers != secret.num_layers:
+        raise ValueError("upload and secret have different numbers of layers")
+    dtype = agg.grads[0].dtype
+    r = secret.r_vec.to(dtype)
+    v = secret.v.to(dtype)
+    out = []
+    for g, psi, phi, rm in zip(agg.grads, agg.psi, agg.phi, secret.trainable_R(), strict=True):
+        if rm.shape != g.shape:
+            raise ValueError(f"gradient block {tuple(g.shape)} does not match R {tuple(rm.shape)}")
+        correction = -torch.einsum("k,kij->ij", r, psi.to(dtype)) + v * phi.to(dtype)
+        out.append(rm.to(dtype) * (g + correction))
+    return out
+
+
+def recover(agg: ClientUpload, secret: MPSecret) -> list[Layer]:
+    """Eq. (22): recovered aggregate gradient as (dW, db) per original layer."""
+    return split_blocks(recover_blocks(agg, secret))
+
+
+def sgd_update(layers: Sequence[Layer], grads: Sequence[Layer], lr: float) -> list[Layer]:
+    """W <- W - xi * grad for every layer (weights and biases); returns new tensors."""
+    return [(w - lr * gw.to(w.dtype), b - lr * gb.to(b.dtype)) for (w, b), (gw, gb) in zip(layers, grads, strict=True)]
+
+
+def mu_server(
+    layers: Sequence[Layer], uploads: Sequence[ClientUpload], secret: MPSecret, lr: float
+) -> tuple[list[Layer], list[Layer]]:
+    """Algorithm 3: aggregate, recover, update. Returns (new model, recovered aggregate gradient)."""
+    grads = recover(aggregate(uploads), secret)
+    return sgd_update(layers, grads, lr), grads

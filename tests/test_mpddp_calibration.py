@@ -1,0 +1,73 @@
+"""Calibration by Theorems 10/11 (Eq. 23): correct sigmas where covered, ValueError where not."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from protocols.mpddp import calibrate, calibrate_cdp, calibrate_ldp, max_theta, satisfies_eq23, theta_complete, theta_n_out
+
+
+@pytest.mark.parametrize(("eps", "delta"), [(0.1, 1e-5), (1.0, 1e-5), (3.0, 1e-6), (8.0, 0.1), (2.0, 0.9)])
+def test_max_theta_is_the_boundary_of_eq23(eps: float, delta: float) -> None:
+    th = max_theta(eps, delta)
+    assert th > 0
+    assert satisfies_eq23(eps, delta, th)
+    assert satisfies_eq23(eps, delta, 0.5 * th)
+    assert not satisfies_eq23(eps, delta, th * (1 + 1e-6))
+
+
+def test_complete_graph_theorem10() -> None:
+    """Paper's K = n = 5 setting is a complete graph: covered by Theorem 10."""
+    cal = calibrate(1.0, 1e-5, 5, n_out=5)
+    assert cal.graph == "complete" and cal.delta_theorem == 1e-5
+    assert math.isclose(theta_complete(cal.sigma_eta, cal.sigma_delta, 5), cal.theta_max, rel_tol=1e-12)
+    assert satisfies_eq23(1.0, 1e-5, cal.theta)
+    assert calibrate(1.0, 1e-5, 5).sigma_eta == cal.sigma_eta  # n_out=None means complete
+
+
+def test_n_out_graph_theorem11() -> None:
+    cal = calibrate(1.0, 1e-5, 100, n_out=70)
+    assert cal.graph == "n_out" and math.isclose(cal.delta_theorem, 1e-5 / 3)
+    assert math.isclose(theta_n_out(cal.sigma_eta, cal.sigma_delta, 100, 70), cal.theta_max, rel_tol=1e-12)
+    assert satisfies_eq23(1.0, cal.delta_theorem, cal.theta)
+    assert cal.sigma_delta > cal.sigma_eta  # pairwise noise carries most of the local protection
+
+
+def test_sigma_eta_approaches_cdp_level() -> None:
+    """eta_share -> 1: aggregate noise sigma_eta / sqrt(K) approaches the CDP sigma on the mean."""
+    k = 100
+    cdp = calibrate_cdp(2.0, 1e-5, k)
+    cal = calibrate(2.0, 1e-5, k, eta_share=0.999)
+    assert math.isclose(cal.aggregate_noise_std, cdp, rel_tol=1e-3)
+    assert calibrate(2.0, 1e-5, k, eta_share=0.5).sigma_eta > cal.sigma_eta
+    assert calibrate_ldp(2.0, 1e-5) == pytest.approx(cdp * k)
+
+
+def test_monotone_and_sensitivity_scaling() -> None:
+    a, b = calibrate(0.5, 1e-5, 20), calibrate(4.0, 1e-5, 20)
+    assert a.sigma_eta > b.sigma_eta and a.sigma_delta > b.sigma_delta
+    c = calibrate(0.5, 1e-5, 20, sensitivity=3.0)
+    assert math.isclose(c.sigma_eta, 3 * a.sigma_eta) and math.isclose(c.sigma_delta, 3 * a.sigma_delta)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"epsilon": 1.0, "delta": 1e-5, "num_clients": 100, "n_out": 5}, "Theorem 11"),  # paper's K=100, n=5
+        ({"epsilon": 1.0, "delta": 1e-5, "num_clients": 50, "n_out": 30}, "K >= 81"),
+        ({"epsilon": 1.0, "delta": 1e-5, "num_clients": 100, "n_out": 40}, "4 log"),
+        ({"epsilon": 1.0, "delta": 0.0, "num_clients": 10}, "delta"),
+        ({"epsilon": 1.0, "delta": 1.0, "num_clients": 10}, "delta"),
+        ({"epsilon": 0.0, "delta": 1e-5, "num_clients": 10}, "epsilon"),
+        ({"epsilon": float("inf"), "delta": 1e-5, "num_clients": 10}, "epsilon"),
+        ({"epsilon": 1.0, "delta": 1e-5, "num_clients": 1}, "num_clients"),
+        ({"epsilon": 1.0, "delta": 1e-5, "num_clients": 10, "eta_share": 1.0}, "eta_share"),
+        ({"epsilon": 1.0, "delta": 1e-5, "num_clients": 10, "eta_share": 0.0}, "eta_share"),
+        ({"epsilon": 1.0, "delta": 1e-5, "num_clients": 10, "sensitivity": -1.0}, "sensitivity"),
+    ],
+)
+def test_refuses_uncovered_settings(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        calibrate(**kwargs)
