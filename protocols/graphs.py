@@ -1,0 +1,87 @@
+"""Communication graphs over which pairwise (cancelling) noise is shared.
+
+What
+----
+* ``complete_graph``: every pair of nodes shares a seed (O(n^2) pairs, maximal privacy).
+* ``n_out_graph``: each node picks ``n_out`` distinct other nodes uniformly at random; an
+  undirected edge exists if either endpoint picked the other (the random n-out graph
+  used by SecAgg+-style protocols: O(n log n) pairs suffice for connectivity w.h.p. when
+  n_out ~ log n).
+
+Why deterministic
+-----------------
+Every client must compute the *same* graph without talking to the others, otherwise a
+noise vector is added at one end of an edge but not subtracted at the other. The graph is
+therefore a pure function of (set of node ids, n_out, round_seed): node ids are sorted
+first (input order is irrelevant) and all randomness comes from the AES-CTR PRG
+(``protocols.prg``), not from numpy's RNG. Draws are exact (unbiased partial
+Fisher-Yates with rejection-sampled integers).
+
+Both functions return ``{node: sorted list of neighbours}`` (symmetric adjacency).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+from protocols.prg import derive_subseed, uniform_ints
+
+__all__ = ["complete_graph", "n_out_graph", "edges"]
+
+
+def _canonical_nodes(node_ids: Sequence[int]) -> list[int]:
+    nodes = []
+    for node in node_ids:
+        if isinstance(node, bool):
+            raise TypeError("node ids must be ints, got bool")
+        try:
+            nodes.append(operator.index(node))
+        except TypeError:
+            raise TypeError(f"node ids must be ints, got {type(node).__name__}") from None
+    ordered = sorted(nodes)
+    dupes = sorted({a for a, b in zip(ordered, ordered[1:], strict=False) if a == b})
+    if dupes:
+        raise ValueError(f"duplicate node ids: {dupes[:10]}")
+    return ordered
+
+
+def complete_graph(node_ids: Sequence[int]) -> dict[int, list[int]]:
+    """Every node adjacent to every other node (duplicate ids rejected)."""
+    nodes = _canonical_nodes(node_ids)
+    return {v: [u for u in nodes if u != v] for v in nodes}
+
+
+def n_out_graph(node_ids: Sequence[int], n_out: int, round_seed: bytes) -> dict[int, list[int]]:
+    """Random n-out graph, identical for every caller given the same inputs.
+
+    Node k (in sorted order) selects ``n_out`` distinct others by a partial Fisher-Yates
+    shuffle of the other nodes; step s uses an exact uniform integer in
+    [0, n-1-s) from the PRG stream "n-out-graph/step/<s>" at position k. Requires
+    0 < n_out < len(node_ids).
+    """
+    nodes = _canonical_nodes(node_ids)
+    n = len(nodes)
+    if isinstance(n_out, bool):
+        raise TypeError("n_out must be an int")
+    n_out = operator.index(n_out)
+    if not 0 < n_out < n:
+        raise ValueError(f"n_out must satisfy 0 < n_out < len(node_ids) = {n}, got {n_out}")
+    # one vector of draws per Fisher-Yates step, entry k belongs to node k
+    draws = [uniform_ints(derive_subseed(round_seed, f"n-out-graph/step/{s}"), n, n - 1 - s).tolist() for s in range(n_out)]
+    adjacency: dict[int, set[int]] = {v: set() for v in nodes}
+    for k, v in enumerate(nodes):
+        swapped: dict[int, int] = {}  # sparse permutation of positions 0..n-2 (others)
+        for s in range(n_out):
+            j = s + draws[s][k]
+            pick = swapped.get(j, j)
+            swapped[j] = swapped.get(s, s)
+            other = nodes[pick if pick < k else pick + 1]  # position -> other node id
+            adjacency[v].add(other)
+            adjacency[other].add(v)
+    return {v: sorted(nbrs) for v, nbrs in adjacency.items()}
+
+
+def edges(adjacency: dict[int, list[int]]) -> list[tuple[int, int]]:
+    """Undirected edge list (i < j) of a symmetric adjacency, sorted."""
+    return sorted((v, u) for v, nbrs in adjacency.items() for u in nbrs if v < u)

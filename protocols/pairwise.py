@@ -1,0 +1,83 @@
+"""Pairwise cancelling noise: the one engine every cancelfl method uses.
+
+For every edge (i, j) of the communication graph both ends expand the same pair seed
+s_ij into the same vector z_ij = sampler(s_ij, size). The lower id adds it, the higher
+id subtracts it:
+
+    noise_i = sum_j sign(i, j) * c_ij * z_ij,   sign(i, j) = +1 if i < j else -1,
+
+so sum_i noise_i = sum_{i<j} (c_ij - c_ji) z_ij = 0 whenever the per-pair scale is the
+same at both ends (c_ij == c_ji; this function cannot check the peer's value, callers
+must derive it from shared information). In float64 the aggregate cancels up to
+rounding (~1e-16 relative), because z_ij is bit-identical at both ends (``protocols.prg``
+is deterministic across machines) and s * c * z is computed identically at both ends.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from protocols.prg import gaussian
+
+__all__ = ["Sampler", "pairwise_noise", "residual_norm"]
+
+Sampler = Callable[[bytes, int], np.ndarray]  # (seed, size) -> float64 vector
+
+
+def pairwise_noise(
+    own_id: int,
+    pair_seeds: Mapping[int, bytes],
+    size: int,
+    *,
+    sampler: Sampler = gaussian,
+    scale: float | Mapping[int, float] = 1.0,
+) -> np.ndarray:
+    """Sum over peers j of sign(own_id, j) * scale_j * sampler(pair_seeds[j], size).
+
+    ``scale`` is one float for all peers or a mapping peer -> float that must contain
+    every peer. Returns a new float64 vector of length ``size`` (zeros if no peers).
+    Memory: one accumulator plus one sampler output at a time.
+    """
+    size = operator.index(size)
+    if size < 0:
+        raise ValueError(f"size must be >= 0, got {size}")
+    own_id = operator.index(own_id)
+    if own_id in pair_seeds:
+        raise ValueError(f"pair_seeds contains own id {own_id}: a node cannot pair with itself")
+    if isinstance(scale, Mapping):
+        missing = [j for j in pair_seeds if j not in scale]
+        if missing:
+            raise ValueError(f"scale mapping lacks peers {sorted(missing)[:10]}")
+        scales = {j: float(scale[j]) for j in pair_seeds}
+    else:
+        scales = dict.fromkeys(pair_seeds, float(scale))
+    bad = {j: c for j, c in scales.items() if not math.isfinite(c)}
+    if bad:
+        raise ValueError(f"non-finite scale for peers {sorted(bad)[:10]}")
+
+    acc = np.zeros(size, dtype=np.float64)
+    for peer in sorted(pair_seeds):  # fixed order: the result does not depend on dict order
+        z = np.asarray(sampler(pair_seeds[peer], size), dtype=np.float64)
+        if z.shape != (size,):
+            raise ValueError(f"sampler returned shape {z.shape}, expected ({size},)")
+        c = scales[peer]
+        if c != 1.0:
+            z = z * c  # identical operation at both ends -> bit-identical product
+        if own_id < peer:
+            acc += z
+        else:
+            acc -= z
+    return acc
+
+
+def residual_norm(vectors: Sequence[np.ndarray]) -> float:
+    """Euclidean norm of the sum of ``vectors`` (how far the noise is from cancelling)."""
+    total: np.ndarray | None = None
+    for v in vectors:
+        v = np.asarray(v, dtype=np.float64)
+        total = v.copy() if total is None else total + v
+    return 0.0 if total is None else float(np.linalg.norm(total))
