@@ -40,8 +40,15 @@ def _ints7(seed: bytes, size: int) -> np.ndarray:
 ALL_VECTOR_FUNCS = [*FLOAT_FUNCS, _ints7]
 
 
-def _digest(seed: bytes, n: int) -> str:
-    """Hash of every generator's output; recomputed in a fresh interpreter below."""
+# Hash of every generator's output. Kept as source so that a fresh interpreter can run
+# exactly the same code without importing this test module (and scipy/pytest).
+_DIGEST_SRC = """
+import hashlib
+import numpy as np
+from protocols.prg import derive_subseed, gaussian, laplace, random_bytes, uniform, uniform_ints
+
+
+def digest(seed, n):
     h = hashlib.sha256()
     for arr in (
         gaussian(seed, n),
@@ -55,6 +62,10 @@ def _digest(seed: bytes, n: int) -> str:
     h.update(random_bytes(seed, 1000))
     h.update(derive_subseed(seed, "label"))
     return h.hexdigest()
+"""
+_ns: dict = {}
+exec(_DIGEST_SRC, _ns)
+_digest = _ns["digest"]
 
 
 # --------------------------------------------------------------------------- validation
@@ -128,13 +139,11 @@ def test_same_seed_same_output_different_seed_different(func) -> None:
 def test_bit_identical_in_fresh_subprocess() -> None:
     """(c) the same seed gives bit-identical output in a fresh interpreter."""
     n = 70_001  # more than one internal chunk, not a multiple of it
-    code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[2]);"
-        "from test_prg import _digest, SEED; print(_digest(SEED, int(sys.argv[3])))"
-    )
+    main = "print(digest(bytes.fromhex(sys.argv[2]), int(sys.argv[3])))"
+    code = f"import sys; sys.path.insert(0, sys.argv[1])\n{_DIGEST_SRC}\n{main}"
     env = dict(os.environ, PYTHONHASHSEED="12345")  # a different hash seed must not matter
     res = subprocess.run(
-        [sys.executable, "-c", code, str(REPO), str(REPO / "tests"), str(n)],
+        [sys.executable, "-c", code, str(REPO), SEED.hex(), str(n)],
         capture_output=True,
         text=True,
         env=env,
