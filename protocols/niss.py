@@ -10,11 +10,12 @@ residual variance ``sum_k sigma_k**2 tau_k**2``), while every single upload stil
 carries noise of variance ``2 sigma_k**2``.  ``tau`` protects a client against a
 fraction ``rho`` of neighbours colluding with the server (Theorem 3).
 
-Everything here is a pure function of its inputs.  Shares are never shipped as
-vectors: a bundle of ``count`` shares from one sender to one receiver is fully
-described by a 32-byte seed (``protocols.prg``), so the message is
-``(count, share_std, seed)`` and can be sealed with ``protocols.relay_crypto`` or
-derived from a pairwise key-agreement seed (``protocols.keyagreement``).
+Everything here is a pure function of its inputs.  A bundle of ``count`` shares
+from one sender to one receiver is fully described by a 32-byte seed
+(``protocols.prg``), so the message can be ``(count, share_std, seed)`` sealed with
+``protocols.relay_crypto`` (the ``seed`` wire encoding) -- or the share vectors
+themselves (the ``vector`` encoding, see :func:`distorted_sum`); both give
+bit-identical uploads for the same seeds.
 
 Interpretations of the paper (see also the module report):
 
@@ -53,7 +54,7 @@ Interpretations of the paper (see also the module report):
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -70,12 +71,14 @@ __all__ = [
     "classic_gaussian_sigma",
     "analytic_gaussian_sigma",
     "gaussian_sigma",
+    "analytic_gaussian_epsilon",
     "plan_shares",
     "assign_shares",
     "make_outgoing_bundles",
     "bundle_shares",
     "sender_noise",
     "receiver_noise",
+    "distorted_sum",
     "client_upload",
     "tau_for_collusion",
     "collusion_variance_ratio",
@@ -204,6 +207,32 @@ def gaussian_sigma(
             return classic_gaussian_sigma(epsilon, delta, sensitivity)
         return analytic_gaussian_sigma(epsilon, delta, sensitivity)
     raise ValueError(f"unknown method {method!r}")
+
+
+def analytic_gaussian_epsilon(sigma: float, delta: float, sensitivity: float = 1.0) -> float:
+    """Smallest epsilon for which N(0, sigma^2) with L2 ``sensitivity`` is (epsilon, delta)-DP.
+
+    Inverse of :func:`analytic_gaussian_sigma` in epsilon: the root of
+    ``gaussian_delta(sigma, eps, sensitivity) = delta`` (decreasing in eps).  Used to
+    state what one round of a Gaussian upload costs in the paper's per-round view.
+    """
+    if not (math.isfinite(sigma) and sigma > 0):
+        raise ValueError(f"sigma must be finite and > 0, got {sigma!r}")
+    if not (0 < delta < 1):
+        raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
+    _check_sensitivity(sensitivity)
+    if gaussian_delta(sigma, 0.0, sensitivity) <= delta:
+        return 0.0
+
+    def f(eps: float) -> float:
+        return gaussian_delta(sigma, eps, sensitivity) - delta
+
+    lo, hi = 0.0, 1.0
+    while f(hi) > 0:
+        lo, hi = hi, 2.0 * hi
+        if hi > 1e6:
+            raise RuntimeError("could not bracket epsilon")
+    return float(brentq(f, lo, hi, xtol=1e-13, rtol=4 * np.finfo(float).eps))
 
 
 # ----------------------------------------------------------------------------------
@@ -346,21 +375,37 @@ def receiver_noise(
     32-byte seed for ``protocols.prg``): the whole point of ``s`` is that nobody
     else, in particular the sender, knows it.  ``tau == 0`` gives ``s = 1`` exactly.
     """
+    negated = (-_share(b, j, size) for b in bundles_in for j in range(b.count))
+    return distorted_sum(negated, size, tau, rng)
+
+
+def distorted_sum(
+    negated_shares: Iterable[np.ndarray],
+    size: int,
+    tau: float,
+    rng: np.random.Generator | bytes,
+) -> np.ndarray:
+    """``sum_i s_i * r_i`` for explicitly received negated shares ``r_i``.
+
+    Same distortion as :func:`receiver_noise` (the i-th share seen gets ``s`` from
+    sub-seed ``niss/s/i``), so a receiver that got the share *vectors* (the
+    ``vector`` wire encoding) and one that expanded them from a seed (the ``seed``
+    encoding) compute bit-identical results from the same private ``rng`` seed.
+    """
     if not (math.isfinite(tau) and tau >= 0):
         raise ValueError(f"tau must be finite and >= 0, got {tau!r}")
     total = np.zeros(size, dtype=np.float64)
-    k = 0
-    for b in bundles_in:
-        for j in range(b.count):
-            r = -_share(b, j, size)
-            if tau > 0:
-                if isinstance(rng, bytes):
-                    z = prg.gaussian(prg.derive_subseed(rng, f"niss/s/{k}"), size)
-                else:
-                    z = rng.standard_normal(size)
-                r = (1.0 + tau * z) * r
-            total += r
-            k += 1
+    for k, r in enumerate(negated_shares):
+        r = np.asarray(r, dtype=np.float64)
+        if r.shape != (size,):
+            raise ValueError(f"received share has shape {r.shape}, expected ({size},)")
+        if tau > 0:
+            if isinstance(rng, bytes):
+                z = prg.gaussian(prg.derive_subseed(rng, f"niss/s/{k}"), size)
+            else:
+                z = rng.standard_normal(size)
+            r = (1.0 + tau * z) * r
+        total += r
     return total
 
 
