@@ -212,39 +212,77 @@ def start_intermediate_servers(procs: Processes, count: int) -> list[str]:
     return addrs
 
 
+class LocalCluster:
+    """A SuperLink, N SuperNodes and (optionally) DDP-SA intermediate servers as OS processes on loopback.
+
+    Use as a context manager; :meth:`submit` runs the app against it (several
+    runs may share one cluster).  Every process is stopped on exit; ``pids``
+    lists them so callers (tests) can check that none survived.
+    """
+
+    def __init__(self, num_supernodes: int, *, tls: bool = False, intermediate_servers: int = 0,
+                 keep_workdir: str | None = None) -> None:
+        self.num_supernodes, self.tls, self.n_intermediate = num_supernodes, tls, intermediate_servers
+        self._ws = workspace(keep_workdir)
+        self.intermediate: list[str] = []
+        self.pids: list[int] = []
+
+    def __enter__(self) -> LocalCluster:
+        self.work = self._ws.__enter__()
+        self.env = flower_env(self.work / "flwr-home")
+        self.procs = Processes(self.work, self.env)
+        try:
+            certs = make_certificates(self.work / "certs") if self.tls else None
+            port = free_port()  # Flower 1.41 serves the Runtime, Control and Fleet APIs on one HTTP port
+            self.procs.start("superlink", _superlink_cmd(port, self.work, simulation=False, tls=certs))
+            wait_for_port(port, procs=self.procs)
+            if self.n_intermediate:
+                self.intermediate = start_intermediate_servers(self.procs, self.n_intermediate)
+            for i in range(self.num_supernodes):
+                node = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{port}",
+                        "--host", "127.0.0.1", "--port", str(free_port()),
+                        "--node-config", f"partition-id={i} num-partitions={self.num_supernodes}"]
+                node += ["--root-certificates", str(certs["ca"])] if certs else ["--insecure"]
+                self.procs.start(f"supernode-{i}", node)
+            self.connection = write_connection(self.work / "flwr-home", f"127.0.0.1:{port}",
+                                               root_cert=certs["ca"] if certs else None)
+            self.pids = [p.pid for _, p in self.procs.procs]
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def submit(self, overrides: dict, *, timeout: float = 1800) -> int:
+        """Run the app with run-config ``overrides``; returns 0 when ``summary.json`` was written."""
+        from server.launch import app_defaults
+
+        defaults = app_defaults()
+        overrides = {**_absolute_out_dir(overrides, defaults), "num-clients": self.num_supernodes}
+        cfg = RunConfig.from_mapping({**defaults, **overrides})
+        if cfg.method == "ddpsa" and not cfg.ddpsa_servers:
+            if len(self.intermediate) < cfg.ddpsa_num_servers:
+                raise ValueError(f"ddpsa needs {cfg.ddpsa_num_servers} intermediate servers; "
+                                 f"the cluster has {len(self.intermediate)}")
+            overrides["ddpsa-servers"] = ",".join(self.intermediate[:cfg.ddpsa_num_servers])
+        out_dir = overrides.get("out-dir") or str(Path(cfg.out_dir).resolve())
+        overrides["out-dir"] = out_dir
+        self.procs.check_alive()
+        return _final_check(out_dir, submit(self.work, self.env, self.connection, overrides, timeout=timeout))
+
+    def __exit__(self, *exc) -> None:
+        self.procs.close()
+        self._ws.__exit__(*exc)
+
+
 def run_deployment(overrides: dict, *, num_supernodes: int = 4, tls: bool = False,
                    keep_workdir: str | None = None) -> int:
     """SuperLink + ``num_supernodes`` SuperNodes as separate processes on loopback; returns an exit code."""
     from server.launch import app_defaults
 
-    defaults = app_defaults()
-    overrides = {**_absolute_out_dir(overrides, defaults), "num-clients": num_supernodes}
-    cfg = RunConfig.from_mapping({**defaults, **overrides})
-    with workspace(keep_workdir) as work:
-        env = flower_env(work / "flwr-home")
-        procs = Processes(work, env)
-        try:
-            certs = make_certificates(work / "certs") if tls else None
-            port = free_port()
-            fleet_port = free_port()
-            link = _superlink_cmd(port, work, simulation=False, tls=certs)
-            link += ["--fleet-api-address", f"127.0.0.1:{fleet_port}"]
-            procs.start("superlink", link)
-            wait_for_port(port, procs=procs)
-            wait_for_port(fleet_port, procs=procs)
-            if cfg.method == "ddpsa" and not cfg.ddpsa_servers:
-                overrides["ddpsa-servers"] = ",".join(start_intermediate_servers(procs, cfg.ddpsa_num_servers))
-            for i in range(num_supernodes):
-                node = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{fleet_port}",
-                        "--host", "127.0.0.1", "--port", str(free_port()),
-                        "--node-config", f"partition-id={i} num-partitions={num_supernodes}"]
-                node += ["--root-certificates", str(certs["ca"])] if certs else ["--insecure"]
-                procs.start(f"supernode-{i}", node)
-            conn = write_connection(work / "flwr-home", f"127.0.0.1:{port}", root_cert=certs["ca"] if certs else None)
-            code = submit(work, env, conn, overrides)
-        finally:
-            procs.close()
-        return _final_check(overrides["out-dir"], code)
+    cfg = RunConfig.from_mapping({**app_defaults(), **overrides})
+    n_inter = cfg.ddpsa_num_servers if cfg.method == "ddpsa" and not cfg.ddpsa_servers else 0
+    with LocalCluster(num_supernodes, tls=tls, intermediate_servers=n_inter, keep_workdir=keep_workdir) as cluster:
+        return cluster.submit(overrides)
 
 
 def make_certificates(folder: Path) -> dict[str, Path]:
