@@ -10,8 +10,10 @@ from protocols.accounting import GaussianAccountant, calibrate_noise_multiplier,
 
 
 def test_abadi_moments_accountant_value():
-    """Abadi et al. 2016: q=0.01, sigma=4, 10k steps, delta=1e-5 gives epsilon ~1.26 (moments accountant);
-    modern RDP conversions are slightly tighter."""
+    """Abadi et al. 2016: q=0.01, sigma=4, 10k steps, delta=1e-5 gives epsilon ~1.26.
+
+    That is the moments accountant; modern RDP conversions are slightly tighter.
+    """
     eps = gaussian_epsilon(4.0, 0.01, 10_000, 1e-5)
     assert 0.95 < eps < 1.3
 
