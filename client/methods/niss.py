@@ -1,0 +1,256 @@
+"""Client side of NISS: noise shares sealed for neighbours, distorted negated shares, noisy upload.
+
+Two phases per round (see :mod:`strategies.niss` for the protocol and the privacy
+calibration):
+
+* :func:`handle_shares` (``query.shares``): compute ``sigma_k``, split it into unit
+  shares, assign them to the neighbours named by the server (tracker) and return
+  one AES-256-GCM payload per neighbour.  The shares' seeds, the relay keys and the
+  parameters are kept in ``Context.state`` (the only storage that survives between
+  phases; in deployment every message runs in a fresh process).
+* :func:`train` (``train``): open every relayed payload first (any missing,
+  duplicated, unexpected or unauthentic payload -> no upload, the senders are
+  reported, the server fails the round); then train, clip the update, and upload
+  ``p_k w_k + sum_i n_i + sum_i s_i r_i`` in float64, ``s_i ~ N(1, tau_k^2)``
+  per coordinate from fresh private randomness.
+
+Wire format of a payload plaintext (big-endian header)::
+
+    b"NISS" | version u8 = 1 | encoding u8 (b"S" or b"V") | count u32 | share_std f64 |
+    seed:   32-byte bundle seed            (both sides expand the shares with protocols.prg)
+    vector: size u32 | count*size float64  (little-endian: the negated shares r = -n)
+
+The associated data binds (sender, receiver, round, run id, encoding), so the
+relaying server can neither read, alter, replay nor redirect a payload unnoticed.
+Every neighbour pair exchanges exactly one payload per direction (``count`` may be
+0), so a dropped payload is detected too.  With the ``vector`` encoding the
+ciphertext length reveals ``count`` to the server; with ``seed`` all payloads have
+the same length.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+
+from client.env import ClientEnv, local_training
+from client.models import flatten, get_weights, unflatten
+from client.pairwise_phase import mask_probe, pair_seeds, peers
+from protocols import niss as niss_math
+from protocols.clipping import clip_l2
+from protocols.relay_crypto import RelayAuthError, make_aad, open_sealed, seal
+from strategies.base import from_record, to_record
+from strategies.niss import client_sigma, client_tau
+
+STATE_KEY = "cancelfl-niss"
+RELAY_PURPOSE = "niss-relay-key"
+_MAGIC = b"NISS\x01"
+_HEADER = struct.Struct(">cId")  # encoding, count, share_std
+_SIZE = struct.Struct(">I")
+_MAX_COUNT = 100_000  # same guard as protocols.niss.plan_shares
+_ENC_BYTE = {"seed": b"S", "vector": b"V"}
+
+
+def _fresh_seed(label: str) -> bytes:
+    """32 bytes of fresh OS randomness; ``label`` names the use (tests replace this to make runs replayable)."""
+    del label
+    return os.urandom(32)
+
+
+def _aad(sender: int, receiver: int, rnd: int, run_id: int, encoding: str) -> bytes:
+    """Associated data binding a payload to its pair, round, run and encoding."""
+    return make_aad(sender=sender, receiver=receiver, round_num=rnd,
+                    context=int(run_id).to_bytes(8, "big") + b"niss/" + encoding.encode())
+
+
+def model_size(env: ClientEnv) -> int:
+    """Number of model parameters (the length of every share vector)."""
+    return int(sum(v.size for v in get_weights(env.model()).values()))
+
+
+# ------------------------------------------------------------------------ payloads
+def encode_payload(encoding: str, bundle: niss_math.ShareBundle, size: int) -> bytes:
+    """Plaintext of one payload (see the module docstring)."""
+    head = _MAGIC + _HEADER.pack(_ENC_BYTE[encoding], bundle.count, bundle.share_std)
+    if encoding == "seed":
+        return head + bundle.seed
+    negated = -niss_math.bundle_shares(bundle, size) if bundle.count else np.zeros((0, size))
+    return head + _SIZE.pack(size) + np.ascontiguousarray(negated, dtype="<f8").tobytes()
+
+
+def decode_payload(plain: bytes, encoding: str, sender: int, receiver: int,
+                   size: int) -> tuple[niss_math.ShareBundle, np.ndarray | None]:
+    """Parse an opened payload: the bundle and, for ``vector``, the negated shares ``(count, size)``."""
+    n_head = len(_MAGIC) + _HEADER.size
+    if len(plain) < n_head or plain[:len(_MAGIC)] != _MAGIC:
+        raise ValueError("not a NISS v1 payload")
+    enc, count, std = _HEADER.unpack_from(plain, len(_MAGIC))
+    if enc != _ENC_BYTE[encoding]:
+        raise ValueError(f"payload encoding {enc!r} does not match run-config {encoding!r}")
+    if count > _MAX_COUNT or not (math.isfinite(std) and std >= 0):
+        raise ValueError(f"implausible payload header (count={count}, share_std={std})")
+    body = plain[n_head:]
+    if encoding == "seed":
+        if len(body) != 32:
+            raise ValueError(f"seed payload body has {len(body)} bytes, expected 32")
+        return niss_math.ShareBundle(sender, receiver, count, std, body), None
+    if len(body) < _SIZE.size or _SIZE.unpack_from(body)[0] != size or len(body) != _SIZE.size + 8 * count * size:
+        raise ValueError(f"vector payload does not hold {count} shares of size {size}")
+    vectors = np.frombuffer(body, dtype="<f8", offset=_SIZE.size).reshape(count, size).astype(np.float64)
+    if not np.all(np.isfinite(vectors)):
+        raise ValueError("vector payload contains non-finite values")
+    return niss_math.ShareBundle(sender, receiver, count, std, bytes(32)), vectors
+
+
+# --------------------------------------------------------------------------- state
+@dataclass
+class _Stored:
+    """The round's secrets from the share phase (kept in Context.state)."""
+
+    round: int
+    weight: float
+    sigma: float
+    encoding: str
+    neighbours: list[int]
+    relay_keys: dict[int, bytes]
+    outgoing: list[niss_math.ShareBundle]
+
+    def to_record(self) -> ConfigRecord:
+        return ConfigRecord({
+            "round": self.round, "weight": self.weight, "sigma": self.sigma, "encoding": self.encoding,
+            "neighbours": [str(n) for n in self.neighbours],
+            "relay-keys": [self.relay_keys[n] for n in self.neighbours],
+            "out-receivers": [str(b.receiver) for b in self.outgoing],
+            "out-counts": [b.count for b in self.outgoing],
+            "out-stds": [b.share_std for b in self.outgoing],
+            "out-seeds": [b.seed for b in self.outgoing],
+        })
+
+    @classmethod
+    def load(cls, env: ClientEnv, rnd: int) -> _Stored:
+        rec = env.context.state.get(STATE_KEY)
+        if rec is None or int(rec["round"]) != rnd:
+            raise RuntimeError(f"no NISS share state for round {rnd}: the share phase did not run on this node")
+        nbrs = [int(n) for n in rec["neighbours"]]
+        me = env.node_id
+        out = [niss_math.ShareBundle(me, int(r), int(c), float(s), bytes(seed)) for r, c, s, seed in
+               zip(rec["out-receivers"], rec["out-counts"], rec["out-stds"], rec["out-seeds"], strict=True)]
+        return cls(rnd, float(rec["weight"]), float(rec["sigma"]), str(rec["encoding"]), nbrs,
+                   dict(zip(nbrs, (bytes(k) for k in rec["relay-keys"]), strict=True)), out)
+
+
+# -------------------------------------------------------------------------- phases
+def handle_shares(msg: Message, env: ClientEnv) -> Message:
+    """``query.shares``: split this client's DP noise into shares and seal one payload per neighbour."""
+    cfg = msg.content["config"]
+    rnd = int(cfg["round"])
+    weight = float(cfg["niss-weight"])
+    me = env.node_id
+    nbrs = peers(msg)
+    if not nbrs or me in nbrs or len(set(nbrs)) != len(nbrs):
+        raise ValueError(f"invalid neighbour list from the tracker: {nbrs}")
+    encoding = env.cfg.niss_share_encoding
+    sigma = client_sigma(env.cfg, weight)
+    plan = niss_math.plan_shares(sigma, math.sqrt(env.cfg.niss_unit_variance))
+    seeds = {n: _fresh_seed(f"{me}/{rnd}/share/{n}") for n in nbrs}
+    bundles = niss_math.make_outgoing_bundles(me, plan, nbrs, seeds, assign_seed=_fresh_seed(f"{me}/{rnd}/assign"))
+    by_receiver = {b.receiver: b for b in bundles}
+    keys = pair_seeds(msg, env, purpose=RELAY_PURPOSE)
+    size = model_size(env) if encoding == "vector" else 0
+    payloads = []
+    for n in nbrs:
+        # Neighbours that get no share still get a (count 0) payload: the receiver can
+        # check that nothing was dropped and the server cannot tell who got shares.
+        b = by_receiver.get(n) or niss_math.ShareBundle(me, n, 0, plan.share_std, _fresh_seed(f"{me}/{rnd}/pad/{n}"))
+        aad = _aad(me, n, rnd, env.context.run_id, encoding)
+        payloads.append(seal(keys[n], encode_payload(encoding, b, size), aad=aad))
+    env.context.state[STATE_KEY] = _Stored(rnd, weight, sigma, encoding, nbrs, keys, bundles).to_record()
+    return Message(RecordDict({"config": ConfigRecord({
+        "niss-to": [str(n) for n in nbrs], "niss-payloads": payloads})}), reply_to=msg)
+
+
+def _open_incoming(msg: Message, env: ClientEnv, st: _Stored, size: int) -> tuple[list, list[tuple[int, str]]]:
+    """Open every relayed payload; returns (sorted [(sender, bundle, vectors)], failures [(sender, reason)])."""
+    cfg = msg.content["config"]
+    rnd = st.round
+    senders = [int(s) for s in cfg.get("niss-from", [])]
+    blobs = list(cfg.get("niss-payloads", []))
+    failures: list[tuple[int, str]] = []
+    if len(senders) != len(blobs):
+        return [], [(0, "sender list and payload list differ in length")]
+    seen: dict[int, tuple] = {}
+    for s, blob in zip(senders, blobs, strict=True):
+        if s not in st.relay_keys:
+            failures.append((s, "payload from a node that is not a neighbour"))
+            continue
+        if s in seen:
+            failures.append((s, "duplicate payload"))
+            continue
+        try:
+            plain = open_sealed(st.relay_keys[s], blob, aad=_aad(s, env.node_id, rnd, env.context.run_id,
+                                                                   st.encoding))
+            bundle, vectors = decode_payload(plain, st.encoding, s, env.node_id, size)
+        except RelayAuthError as err:
+            failures.append((s, f"authentication failed ({err})"))
+            continue
+        except ValueError as err:
+            failures.append((s, f"malformed payload ({err})"))
+            continue
+        seen[s] = (s, bundle, vectors)
+    failures += [(n, "missing payload") for n in st.neighbours if n not in seen and n not in {f for f, _ in failures}]
+    return [seen[s] for s in sorted(seen)], failures
+
+
+def _negated_shares(incoming: list, size: int):
+    """Received negated shares r_i in a fixed order (sender id, then share index), for either encoding."""
+    for _s, bundle, vectors in incoming:
+        if vectors is None:
+            yield from -niss_math.bundle_shares(bundle, size)
+        else:
+            yield from vectors
+
+
+def train(msg: Message, env: ClientEnv) -> Message:
+    """Open the relayed shares, train, and upload ``p_k w_k + sum_i (n_i + s_i r_i)`` (float64)."""
+    cfg = msg.content["config"]
+    rnd = int(cfg["round"])
+    st = _Stored.load(env, rnd)
+    del env.context.state[STATE_KEY]  # one-time secrets: never reused in another round
+    if float(cfg["niss-weight"]) != st.weight:
+        # sigma_k was calibrated for the share-phase weight; a larger weight now would shrink the noise-to-signal ratio.
+        raise ValueError(f"aggregation weight changed between phases ({st.weight} -> {cfg['niss-weight']})")
+    global_w = from_record(msg.content["arrays"])
+    size = int(sum(v.size for v in global_w.values()))
+    incoming, failures = _open_incoming(msg, env, st, size)
+    if failures:
+        return Message(RecordDict({
+            "metrics": MetricRecord({"num-examples": len(env.y)}),
+            "config": ConfigRecord({"niss-auth-failed": [str(s) for s, _ in failures],
+                                    "niss-auth-reason": [why for _, why in failures]}),
+        }), reply_to=msg)
+
+    _, local_w, loss = local_training(msg, env)
+    clipped, norm = clip_l2(flatten(local_w) - flatten(global_w), env.cfg.clip)
+    params = flatten(global_w) + clipped
+    tau = client_tau(env.cfg)
+    own = niss_math.sender_noise(st.outgoing, size)
+    private = _fresh_seed(f"{env.node_id}/{rnd}/distortion")  # s_i: known to nobody but this client
+    received = niss_math.distorted_sum(_negated_shares(incoming, size), size, tau, private)
+    upload = niss_math.client_upload(params, st.weight, own, received)
+    metrics = {"num-examples": len(env.y), "train_loss": loss, "update_norm": norm,
+               "niss-sigma": st.sigma, "niss-tau": tau,
+               "niss-shares": sum(b.count for b in st.outgoing)}
+    content = {"arrays": to_record(unflatten(upload, global_w), np.float64)}
+    if env.cfg.cancellation_check:
+        # DIAGNOSTIC ONLY: hands the server this client's noiseless weighted update.
+        content["diagnostic"] = to_record(unflatten(st.weight * params, global_w), np.float64)
+        metrics["niss-received-var"] = sum(b.count * b.share_std**2 for _s, b, _v in incoming)
+        metrics["mask-probe"] = mask_probe(msg, own + received)
+    content["metrics"] = MetricRecord({k: (int(v) if k in ("num-examples", "niss-shares") else float(v))
+                                       for k, v in metrics.items()})
+    return Message(RecordDict(content), reply_to=msg)
