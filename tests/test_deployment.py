@@ -1,0 +1,67 @@
+"""End to end on real separate processes: a SuperLink and 4 SuperNodes on loopback.
+
+Runs a short training of every pairwise-noise method and of DDP-SA (with its 3
+intermediate gRPC servers as their own processes) through ``flwr run``, then
+checks that each run finished, beat chance, and that the pairwise noise
+cancelled (the run's ``cancellation_residual``).  The cluster is shared by all
+runs; every process it started must be gone afterwards.  This is what
+``cancelfl deploy`` and the docker-compose deployment do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from server.deploy import LocalCluster
+from tests.conftest import read_metrics
+
+pytestmark = [pytest.mark.deployment, pytest.mark.slow]
+
+NUM_SUPERNODES = 4
+COMMON = {"num-rounds": 2, "dataset": "digits", "cancellation-check": True, "round-timeout": 300.0}
+#: Per-method settings for a short run (the chance level on digits is 0.1).
+RUNS = {
+    "nadp": {"method": "nadp", "epsilon": 8.0},
+    "niss": {"method": "niss", "epsilon": 8.0, "niss-tau": 0.0},
+    "mpddp": {"method": "mpddp", "epsilon": 8.0},
+    "ddpsa": {"method": "ddpsa", "epsilon": 8.0},
+}
+#: Relative residual of float64 pairwise noise that cancelled (probe is ~1e-16 when it did).
+CANCEL_BOUND = 1e-9
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped) counts as gone.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def test_multiprocess_deployment(tmp_path):
+    results = {}
+    with LocalCluster(NUM_SUPERNODES, intermediate_servers=3) as cluster:
+        pids = list(cluster.pids)
+        assert len(pids) == 1 + 3 + NUM_SUPERNODES
+        for name, overrides in RUNS.items():
+            out = tmp_path / name
+            code = cluster.submit({**COMMON, **overrides, "out-dir": str(out)}, timeout=900)
+            assert code == 0, f"{name}: run failed (see the output above)"
+            summary = json.loads((out / "summary.json").read_text())
+            rows = read_metrics(out)
+            results[name] = (summary, rows)
+    assert not [p for p in pids if _alive(p)], "processes left running after the cluster closed"
+    for name, (summary, rows) in results.items():
+        assert len(rows) == COMMON["num-rounds"] and not any(r["failed"] for r in rows), name
+        assert summary["final_accuracy"] > 0.2, (name, summary["final_accuracy"])
+        if name != "ddpsa":  # ddpsa has no pairwise noise; its aggregate is exact by construction
+            residuals = [r["cancellation_residual"] for r in rows]
+            assert max(residuals) < CANCEL_BOUND, (name, residuals)
+        print(f"{name}: accuracy {summary['final_accuracy']:.3f}, epsilon {summary['epsilon']}, "
+              f"mean round {summary['mean_round_time_s']:.1f} s")
