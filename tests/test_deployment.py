@@ -65,3 +65,12 @@ def test_multiprocess_deployment(tmp_path):
             assert max(residuals) < CANCEL_BOUND, (name, residuals)
         print(f"{name}: accuracy {summary['final_accuracy']:.3f}, epsilon {summary['epsilon']}, "
               f"mean round {summary['mean_round_time_s']:.1f} s")
+
+
+def test_tls_deployment(tmp_path):
+    """SuperNodes reach the SuperLink over TLS (self-made CA), as in the compose deployment."""
+    with LocalCluster(2, tls=True) as cluster:
+        assert (cluster.work / "certs" / "ca.crt").is_file()
+        code = cluster.submit({"num-rounds": 1, "out-dir": str(tmp_path / "tls")}, timeout=600)
+    assert code == 0
+    assert json.loads((tmp_path / "tls" / "summary.json").read_text())["final_accuracy"] > 0.2
