@@ -1,0 +1,1 @@
+"""Privacy attacks used by the benchmark: gradient inversion (uplink) and membership inference (downlink)."""

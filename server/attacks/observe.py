@@ -1,0 +1,153 @@
+"""Run the app in-process while watching every message and timing the clients.
+
+:class:`ObservedLocalGrid` is a :class:`server.local_grid.LocalGrid` that
+additionally (a) attributes the ClientApp time LocalGrid measures per node to
+rounds and phases, and (b) hands every (messages, replies) batch to hooks, which
+is how the attacks intercept what a client receives and uploads on the real
+code path (the strategy, the ClientApp and the method handlers are untouched).
+
+:func:`run_observed` runs one federation through
+:func:`server.launch.run_inprocess` (temporarily making it build an
+:class:`ObservedLocalGrid`), or -- when the caller needs the strategy object,
+e.g. the mpddp attacker, who uses the server's own perturbation secret --
+builds grid, strategy and round loop exactly as ``run_inprocess`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flwr.app import Message
+
+import server.local_grid as local_grid_module
+from server.local_grid import LocalGrid
+
+Hook = Callable[[list[Message], list[Message]], None]
+
+__all__ = ["ObservedLocalGrid", "Observed", "RoundTiming", "run_observed", "observe_local_grid"]
+
+
+@dataclass
+class RoundTiming:
+    """ClientApp time of one round, summed over the clients that took part."""
+
+    round: int
+    client_time_s: float = 0.0  # sum over clients and phases
+    nodes: set[int] = field(default_factory=set)  # clients that received a message this round
+    phase_client_time_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    @property
+    def per_client_s(self) -> float:
+        """Mean ClientApp time of one client in this round (what each client spends)."""
+        return self.client_time_s / max(len(self.nodes), 1)
+
+
+def _round_of(msgs: Sequence[Message], default: int) -> int:
+    """Round number carried in the messages' config (every cancelfl phase sends it)."""
+    for m in msgs:
+        try:
+            return int(m.content["config"]["round"])
+        except (KeyError, TypeError, ValueError):
+            continue
+    return default
+
+
+class ObservedLocalGrid(LocalGrid):
+    """LocalGrid + per-round client time + message hooks (see module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.hooks: list[Hook] = []
+        self.timings: dict[int, RoundTiming] = {}
+        self._last_round = 1
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        """Deliver as LocalGrid does; attribute client time to (round, phase); call the hooks."""
+        messages = list(messages)
+        before = dict(self.client_time)
+        replies = list(super().send_and_receive(messages, timeout=timeout))
+        rnd = _round_of(messages, self._last_round)
+        self._last_round = rnd
+        timing = self.timings.setdefault(rnd, RoundTiming(rnd))
+        phase = messages[0].metadata.message_type if messages else ""
+        for m in messages:
+            dst = m.metadata.dst_node_id
+            spent = self.client_time[dst] - before.get(dst, 0.0)
+            timing.client_time_s += spent
+            timing.phase_client_time_s[phase] += spent
+            timing.nodes.add(dst)
+        for hook in self.hooks:
+            hook(messages, replies)
+        return replies
+
+
+@dataclass
+class Observed:
+    """Outputs of one observed run."""
+
+    summary: dict
+    rows: list[dict]  # metrics.jsonl
+    grid: ObservedLocalGrid
+    strategy: object | None = None  # only when run with keep_strategy=True
+
+
+@contextlib.contextmanager
+def observe_local_grid(hooks: Sequence[Hook] = ()) -> Iterator[list[ObservedLocalGrid]]:
+    """While active, ``server.local_grid.LocalGrid(...)`` builds an observed grid (collected in the list)."""
+    created: list[ObservedLocalGrid] = []
+
+    class _Collecting(ObservedLocalGrid):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.hooks = list(hooks)
+            created.append(self)
+
+    original = local_grid_module.LocalGrid
+    local_grid_module.LocalGrid = _Collecting
+    try:
+        yield created
+    finally:
+        local_grid_module.LocalGrid = original
+
+
+def _read_rows(out_dir: str) -> list[dict]:
+    path = Path(out_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def run_observed(overrides: dict, *, hooks: Sequence[Hook] = (), keep_strategy: bool = False,
+                 progress: Callable[[str], None] = lambda _s: None) -> Observed:
+    """Run one federation in-process with an observed grid (see module docstring)."""
+    from server.launch import app_defaults, run_inprocess
+
+    out_dir = str(overrides.get("out-dir", "runs/latest"))
+    if not keep_strategy:
+        with observe_local_grid(hooks) as created:
+            summary = run_inprocess(overrides, progress=progress)
+        if len(created) != 1:
+            raise RuntimeError("server.launch.run_inprocess no longer builds server.local_grid.LocalGrid at call "
+                               "time; the benchmark cannot observe its clients")
+        return Observed(summary, _read_rows(out_dir), created[0])
+    # Same steps as server.launch.run_inprocess, keeping the strategy for the attacker.
+    from client.app import app as client_app
+    from server.config import RunConfig
+    from server.runner import run_federation
+    from strategies.registry import build_strategy
+
+    raw = {**app_defaults(), **overrides}
+    cfg = RunConfig.from_mapping(raw)
+    grid = ObservedLocalGrid(client_app, cfg.num_clients, raw)
+    grid.hooks = list(hooks)
+    strategy = build_strategy(cfg)
+    try:
+        summary = run_federation(strategy, grid, cfg, progress=progress)
+    finally:
+        close = getattr(strategy, "close", None)
+        if close:
+            close()
+    return Observed(summary, _read_rows(out_dir), grid, strategy)
