@@ -1,0 +1,268 @@
+"""NISS end to end through the real message path (in-process LocalGrid, digits).
+
+* tau = 0: the summed uploads equal the noiseless weighted sum (recomputed here by
+  re-running each client's local training) to 1e-9 relative, while every single
+  upload carries noise of variance >= sigma_k^2.
+* tau > 0: the measured aggregate noise variance matches Theorem 2 within 10 %.
+* A tampered, dropped, redirected or replayed relayed payload makes the round fail
+  with a clear error (never a silently wrong model).
+* The ``seed`` and ``vector`` encodings give bit-identical aggregates for the same
+  seeds; share-phase dropouts are recovered, train-phase dropouts fail the round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord
+
+from client.app import app as client_app
+from client.data import dataset_for
+from client.env import ClientEnv, local_training
+from client.methods import niss as niss_client
+from client.models import build_model, flatten, get_weights
+from protocols import niss as niss_math
+from protocols.accounting import calibrate_noise_multiplier, gaussian_epsilon
+from protocols.clipping import clip_l2
+from protocols.relay_crypto import RelayAuthError, open_sealed, seal
+from server.config import RunConfig
+from server.launch import app_defaults
+from server.local_grid import LocalGrid
+from strategies.base import RoundFailed, from_record, to_record
+from strategies.niss import NissStrategy
+
+FAST = {"num-clients": 5, "local-epochs": 1, "batch-size": 64, "method": "niss"}
+
+
+def _setup(grid_cls=LocalGrid, **overrides):
+    raw = {**app_defaults(), **FAST, **{k.replace("_", "-"): v for k, v in overrides.items()}}
+    cfg = RunConfig.from_mapping(raw)
+    grid = grid_cls(client_app, cfg.num_clients, raw)
+    ds = dataset_for(cfg)
+    model = build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed)
+    return cfg, grid, NissStrategy(cfg), to_record(get_weights(model), np.float64)
+
+
+def _round(grid, strategy, rnd, arrays):
+    msgs = list(strategy.configure_train(rnd, arrays, ConfigRecord({"round": rnd}), grid))
+    replies = list(grid.send_and_receive(msgs))
+    return msgs, replies
+
+
+def _flat(record) -> np.ndarray:
+    return flatten(from_record(record))
+
+
+# ----------------------------------------------------------------------------- tau = 0
+@pytest.mark.parametrize("graph", ["complete", "n-out"])
+def test_tau_zero_aggregate_equals_noiseless(graph):
+    cfg, grid, strategy, arrays = _setup(niss_tau=0.0, graph=graph, n_out=1, cancellation_check=True,
+                                         niss_unit_variance=0.3)
+    msgs, replies = _round(grid, strategy, 1, arrays)
+    agg, _ = strategy.aggregate_train(1, replies)
+    # Re-run every client's math without noise: p_k * (w + clip(w_k - w)).
+    expected = np.zeros_like(_flat(arrays))
+    by_node = {r.metadata.src_node_id: r for r in replies}
+    z = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds)
+    for msg in msgs:
+        node = msg.metadata.dst_node_id
+        env = ClientEnv.from_context(grid.contexts[node])
+        glob, local, _ = local_training(msg, env)
+        clipped, _ = clip_l2(flatten(local) - flatten(glob), cfg.clip)
+        p = float(msg.content["config"]["niss-weight"])
+        clean = p * (flatten(glob) + clipped)
+        expected += clean
+        reply = by_node[node]
+        # the diagnostic side channel carries exactly this noiseless weighted update
+        np.testing.assert_allclose(_flat(reply.content["diagnostic"]), clean, rtol=0, atol=1e-12)
+        # ... while the upload itself is noisy: own shares alone have variance sigma_k^2
+        sigma = float(reply.content["metrics"]["niss-sigma"])
+        assert sigma == pytest.approx(z * p * cfg.clip, rel=1e-12)
+        assert np.var(_flat(reply.content["arrays"]) - clean) > 0.8 * sigma**2
+    assert p == pytest.approx(1 / cfg.num_clients)
+    err = np.linalg.norm(_flat(agg) - expected) / np.linalg.norm(expected)
+    assert err <= 1e-9
+    rep = strategy.round_report()
+    assert rep["theorem2_variance"] == 0.0 and rep["cancel_residual_rel"] <= 1e-9
+    assert rep["cancel_probe"] <= 1e-9
+
+
+# ------------------------------------------------------------------------- Theorem 2
+def test_measured_noise_variance_matches_theorem2(run_inprocess):
+    tau, n = 0.5, 5
+    summary, rows = run_inprocess(**FAST, niss_tau=tau, num_rounds=3, cancellation_check=True,
+                                  niss_unit_variance=0.1)
+    z = calibrate_noise_multiplier(1.0, 1e-5, 1.0, 3)
+    thm2 = n * (z / n) ** 2 * tau**2  # sum_k sigma_k^2 tau^2 with sigma_k = z * clip / m
+    assert summary["method_parameters"]["shares_per_client"] > 5  # several shares per client
+    measured = []
+    for row in rows:
+        assert not row["failed"]
+        assert row["theorem2_variance"] == pytest.approx(thm2, rel=1e-9)
+        assert row["measured_noise_variance"] == pytest.approx(thm2, rel=0.10)
+        measured.append(row["measured_noise_variance"])
+    assert np.mean(measured) == pytest.approx(thm2, rel=0.05)
+
+
+def test_tau_from_rho_and_privacy_report(run_inprocess):
+    summary, rows = run_inprocess(**FAST, niss_tau=-1.0, niss_rho=0.75, num_rounds=2, epsilon=5.0)
+    params = summary["method_parameters"]
+    assert params["tau"] == pytest.approx(math.sqrt(0.5))  # Theorem 3: tau^2 = 2 rho - 1
+    assert params["collusion_protected"] == "yes"
+    z = calibrate_noise_multiplier(5.0, 1e-5, 1.0, 2)
+    assert rows[0]["theorem2_variance"] == pytest.approx(5 * (z / 5) ** 2 * 0.5, rel=1e-9)
+    # uplink epsilon: RDP composition of the per-round Gaussian; the whole budget is spent at the end
+    assert rows[0]["epsilon"] == pytest.approx(gaussian_epsilon(z, 1.0, 1, 1e-5), rel=1e-9)
+    assert summary["epsilon"] == pytest.approx(5.0, rel=0.02)
+    assert rows[-1]["epsilon_downlink"] is not None  # tau > 0 protects the global model too
+    # per-round analytic Gaussian view: one round of noise multiplier z costs less than the total
+    assert 0 < params["epsilon_round_analytic"] < 5.0
+    cfg0 = RunConfig.from_mapping({**app_defaults(), **FAST, "niss-tau": 0.0})
+    assert NissStrategy(cfg0).privacy_report(1)["epsilon_downlink"] == math.inf  # tau = 0: noise cancels
+
+
+# ------------------------------------------------------------------------- tampering
+class TamperGrid(LocalGrid):
+    """LocalGrid whose 'server' alters relayed payloads in train messages (set ``mode``)."""
+
+    mode: str = ""
+    saved: dict = {}
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        train = [m for m in messages if m.metadata.message_type == "train"]
+        if train and self.mode:
+            rnd = int(train[0].content["config"]["round"])
+            first = train[0].content["config"]
+            blobs = list(first["niss-payloads"])
+            if self.mode == "flip":
+                b = bytearray(blobs[0])
+                b[20] ^= 0x01
+                blobs[0] = bytes(b)
+            elif self.mode == "drop":
+                blobs = blobs[1:]
+                first["niss-from"] = list(first["niss-from"])[1:]
+            elif self.mode == "swap":  # deliver another pair's payload under the same sender label
+                blobs[0] = list(train[1].content["config"]["niss-payloads"])[0]
+            elif self.mode == "replay" and rnd == 1:
+                self.saved = {m.metadata.dst_node_id: list(m.content["config"]["niss-payloads"]) for m in train}
+            elif self.mode == "replay":
+                blobs = self.saved[train[0].metadata.dst_node_id]
+            first["niss-payloads"] = blobs
+        return super().send_and_receive(messages, timeout=timeout)
+
+
+@pytest.mark.parametrize(("mode", "why"), [("flip", "authentication failed"), ("drop", "missing payload"),
+                                           ("swap", "authentication failed"), ("replay", "authentication failed")])
+def test_tampered_relay_fails_the_round(mode, why):
+    _, grid, strategy, arrays = _setup(TamperGrid, niss_tau=0.0)
+    if mode == "replay":  # round 1 untouched (payloads recorded), round 2 gets round 1's ciphertexts
+        grid.mode = "replay"
+        _, replies = _round(grid, strategy, 1, arrays)
+        strategy.aggregate_train(1, replies)
+        rnd = 2
+    else:
+        grid.mode, rnd = mode, 1
+    msgs, replies = _round(grid, strategy, rnd, arrays)
+    victim = msgs[0].metadata.dst_node_id
+    with pytest.raises(RoundFailed, match=why) as info:
+        strategy.aggregate_train(rnd, replies)
+    assert f"-> {victim}" in str(info.value) and "dropped" in str(info.value)
+    # the victim uploaded nothing; nobody else complained
+    bad = [r for r in replies if "niss-auth-failed" in r.content.get("config", {})]
+    assert [r.metadata.src_node_id for r in bad] == [victim] and "arrays" not in bad[0].content
+
+
+def test_runner_keeps_previous_model_on_tampered_round(tmp_path):
+    """Through the runner: the tampered round is marked failed and the model is not updated."""
+    from server.runner import run_federation
+
+    cfg, grid, strategy, _ = _setup(TamperGrid, niss_tau=0.0, num_rounds=2, out_dir=str(tmp_path / "t"))
+    grid.mode = "flip"
+    summary = run_federation(strategy, grid, cfg, progress=lambda _s: None)
+    assert len(summary["failed_rounds"]) == 2 and "authentication failed" in summary["failed_rounds"][0]
+
+
+# ------------------------------------------------------------------------- encodings
+def _deterministic_seed(label: str) -> bytes:
+    return hashlib.sha256(b"test/" + label.encode()).digest()
+
+
+def test_seed_and_vector_encodings_identical(run_inprocess, monkeypatch, tmp_path):
+    monkeypatch.setattr(niss_client, "_fresh_seed", _deterministic_seed)
+    out = {}
+    for enc in ("seed", "vector"):
+        summary, rows = run_inprocess(**FAST, niss_tau=0.5, num_rounds=1, niss_unit_variance=0.2,
+                                      niss_share_encoding=enc, out_dir=str(tmp_path / enc))
+        with np.load(tmp_path / enc / "model.npz") as data:
+            out[enc] = ({k: data[k] for k in data.files}, rows)
+    (w_seed, r_seed), (w_vec, r_vec) = out["seed"], out["vector"]
+    for k in w_seed:
+        assert np.array_equal(w_seed[k], w_vec[k])  # bit-identical
+    # the vector encoding ships every share (float64) through the server, the seed encoding 45 bytes
+    size = sum(v.size for v in w_seed.values())
+    extra = r_vec[0]["bytes_received_per_client"] - r_seed[0]["bytes_received_per_client"]
+    assert extra >= 8 * size  # at least one share vector per client
+    assert r_seed[0]["bytes_received_per_client"] < r_vec[0]["bytes_received_per_client"]
+
+
+def test_payload_roundtrip_and_rejection():
+    b = niss_math.ShareBundle(sender=3, receiver=9, count=2, share_std=0.25, seed=bytes(range(32)))
+    size = 17
+    for enc in ("seed", "vector"):
+        plain = niss_client.encode_payload(enc, b, size)
+        got, vec = niss_client.decode_payload(plain, enc, 3, 9, size)
+        assert (got.count, got.share_std) == (2, 0.25)
+        if enc == "seed":
+            assert got.seed == b.seed and vec is None
+        else:
+            assert np.array_equal(vec, -niss_math.bundle_shares(b, size))
+        with pytest.raises(ValueError):
+            niss_client.decode_payload(plain, "vector" if enc == "seed" else "seed", 3, 9, size)
+        with pytest.raises(ValueError):
+            niss_client.decode_payload(plain[:-1], enc, 3, 9, size)
+    aad = niss_client._aad(3, 9, 1, 1, "seed")
+    blob = seal(bytes(32), niss_client.encode_payload("seed", b, size), aad=aad)
+    with pytest.raises(RelayAuthError):
+        open_sealed(bytes(32), blob, aad=niss_client._aad(3, 9, 2, 1, "seed"))  # other round
+
+
+def test_analytic_epsilon_inverts_sigma():
+    for eps, delta in [(0.5, 1e-5), (3.0, 1e-4), (20.0, 1e-5)]:
+        sigma = niss_math.analytic_gaussian_sigma(eps, delta, 1.0)
+        assert niss_math.analytic_gaussian_epsilon(sigma, delta) == pytest.approx(eps, rel=1e-7)
+
+
+# -------------------------------------------------------------------------- dropouts
+class PhaseDropGrid(LocalGrid):
+    """LocalGrid where node ``victim`` drops messages of type ``phase``."""
+
+    victim: int = 0
+    phase: str = ""
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = [m for m in messages
+                    if not (m.metadata.dst_node_id == self.victim and m.metadata.message_type == self.phase)]
+        return super().send_and_receive(messages, timeout=timeout)
+
+
+def test_share_phase_dropout_is_recovered():
+    _, grid, strategy, arrays = _setup(PhaseDropGrid, niss_tau=0.0, cancellation_check=True)
+    grid.victim, grid.phase = grid.node_ids[2], "query.shares"
+    msgs, replies = _round(grid, strategy, 1, arrays)
+    assert len(msgs) == 4 and grid.victim not in {m.metadata.dst_node_id for m in msgs}
+    strategy.aggregate_train(1, replies)
+    rep = strategy.round_report()
+    assert rep["participants"] == 4 and rep["dropped"] == 1
+    assert rep["cancel_residual_rel"] <= 1e-9  # the survivors' shares still cancel
+
+
+def test_train_dropout_fails_the_round():
+    _, grid, strategy, arrays = _setup(PhaseDropGrid, niss_tau=0.0)
+    grid.victim, grid.phase = grid.node_ids[1], "train"
+    _, replies = _round(grid, strategy, 1, arrays)
+    with pytest.raises(RoundFailed, match="dropped out after the NISS share exchange"):
+        strategy.aggregate_train(1, replies)
