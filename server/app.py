@@ -16,4 +16,10 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     """Validate the run config (fails fast naming the bad key), then run all rounds."""
     cfg = RunConfig.from_mapping(context.run_config)
-    run_federation(build_strategy(cfg), grid, cfg)
+    strategy = build_strategy(cfg)
+    try:
+        run_federation(strategy, grid, cfg)
+    finally:
+        close = getattr(strategy, "close", None)  # e.g. DDP-SA stops its intermediate servers
+        if close:
+            close()
