@@ -1,0 +1,213 @@
+"""DDP-SA end to end: exact reconstruction, training with m = 3 server processes, failures, budget."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ConfigRecord
+
+import client.methods.ddpsa as ddpsa_client
+import strategies.ddpsa as ddpsa_strategy
+from client.app import app as client_app
+from client.data import dataset_for
+from client.models import build_model, flatten, get_weights
+from protocols.composition import exponential_allocation
+from protocols.ddpsa import laplace_noise
+from server.config import ConfigError, RunConfig
+from server.intermediate import IntermediateServerCluster, start_intermediate_servers
+from server.launch import app_defaults
+from server.local_grid import LocalGrid
+from server.runner import run_federation
+from strategies.base import from_record, to_record
+from strategies.ddpsa import DdpsaStrategy
+
+LINEAR = {"hidden": "", "lr": 10.0, "epsilon": 10.0}  # softmax regression: fast FedSGD on digits
+
+
+def _pid_gone(pid: int) -> bool:
+    """True if ``pid`` has exited (an unreaped zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _setup(**overrides) -> tuple[RunConfig, LocalGrid, DdpsaStrategy]:
+    raw = {**app_defaults(), "method": "ddpsa", **{k.replace("_", "-"): v for k, v in overrides.items()}}
+    cfg = RunConfig.from_mapping(raw)
+    return cfg, LocalGrid(client_app, cfg.num_clients, raw), DdpsaStrategy(cfg)
+
+
+def _initial(cfg: RunConfig):
+    ds = dataset_for(cfg)
+    return to_record(get_weights(build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed)),
+                     np.float64)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[IntermediateServerCluster]:
+    """Three intermediate server processes shared by the tests that pass them as 'ddpsa-servers'."""
+    with start_intermediate_servers(3) as c:
+        yield c
+    assert all(_pid_gone(p) for p in c.pids)
+
+
+@pytest.fixture
+def recorded(monkeypatch) -> dict[int, np.ndarray]:
+    """Record every client's noisy sum s_i (in call order) as it is shared."""
+    seen: dict[int, np.ndarray] = {}
+    original = ddpsa_client.noisy_gradient_sum
+    counter = iter(range(10**6))
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        seen[next(counter)] = out[0].copy()
+        return out
+
+    monkeypatch.setattr(ddpsa_client, "noisy_gradient_sum", spy)
+    # Deterministic Laplace noise per call (production draws os.urandom).
+    seeds = iter(range(10**6))
+    monkeypatch.setattr(ddpsa_client, "_noise_seed", lambda: next(seeds).to_bytes(32, "big"))
+    return seen
+
+
+# ------------------------------------------------------------------ client math
+def test_clipped_sum_matches_per_sample_loop_and_noise_is_laplace_of_seed() -> None:
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 8, 8), 10, (16,), 3)
+    rng = np.random.default_rng(1)
+    x = rng.random((300, 1, 8, 8)).astype(np.float32)  # > CHUNK: exercises chunking
+    y = rng.integers(0, 10, 300)
+    clip = 0.5
+    got, loss, frac = ddpsa_client.clipped_gradient_sum(model, x, y, clip)
+    expected = np.zeros_like(got)
+    for i in range(len(y)):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(torch.as_tensor(x[i:i + 1])), torch.as_tensor(y[i:i + 1])).backward()
+        g = np.concatenate([p.grad.detach().double().numpy().ravel() for p in model.parameters()])
+        expected += g / max(1.0, np.abs(g).sum() / clip)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert np.abs(got).sum() <= len(y) * clip * (1 + 1e-9)  # each sample contributes L1 <= Delta
+    assert 0 < frac <= 1 and loss > 0
+    seed = bytes(32)
+    noisy, _, _ = ddpsa_client.noisy_gradient_sum(model, x, y, clip, 2.0, seed=seed)
+    np.testing.assert_allclose(noisy - got, laplace_noise(got.size, clip / 2.0, seed=seed), rtol=0, atol=1e-9)
+
+
+# ------------------------------------------------------------------ reconstruction
+@pytest.mark.parametrize("frac_bits", [8, 24])
+def test_reconstruction_equals_plain_sum_of_noisy_updates(cluster, recorded, frac_bits: int) -> None:
+    """The parameter server recovers sum_i s_i up to fixed-point round-off only, and steps on it."""
+    cfg, grid, strategy = _setup(num_clients=4, num_rounds=2, ddpsa_servers=",".join(cluster.addresses),
+                                 ddpsa_frac_bits=frac_bits, **LINEAR)
+    try:
+        arrays = _initial(cfg)
+        msgs = list(strategy.configure_train(1, arrays, ConfigRecord({"round": 1}), grid))
+        replies = list(grid.send_and_receive(msgs))
+        assert not any(r.has_error() for r in replies)
+        new_arrays, metrics = strategy.aggregate_train(1, replies)
+    finally:
+        strategy.close()
+    assert strategy.cluster is None  # external servers are neither started nor stopped
+    assert all(h.is_running() for h in cluster.handles)
+    assert len(recorded) == 4
+    plain = np.sum(list(recorded.values()), axis=0)  # float64 sum of the clients' noisy sums
+    err = np.abs(strategy.last_decoded_sum - plain)
+    bound = 4 * 2.0 ** -(frac_bits + 1) + 1e-12 * np.abs(plain).max()
+    assert err.max() <= bound
+    if frac_bits == 8:
+        assert err.max() > 0  # the only error is round-off, and it is visible at 8 bits
+    # The updates are really noisy: Laplace(Delta/eps_t) per coordinate dominates the clipped sum.
+    eps_t = strategy.epsilon_of_round(1)
+    assert np.std(plain) > 0.5 * np.sqrt(2 * 4) * cfg.clip / eps_t
+    n_total = float(metrics["num-examples"])
+    expected = flatten(from_record(arrays)) - cfg.lr * plain / n_total
+    np.testing.assert_allclose(flatten(from_record(new_arrays)), expected, rtol=0, atol=cfg.lr * bound / n_total + 1e-12)
+
+
+# ------------------------------------------------------------------ end to end
+def test_trains_with_three_server_processes_and_cleans_up(run_inprocess, monkeypatch) -> None:
+    started: list[IntermediateServerCluster] = []
+    original = ddpsa_strategy.start_intermediate_servers
+
+    def spy(m: int, **kw) -> IntermediateServerCluster:
+        c = original(m, **kw)
+        started.append(c)
+        return c
+
+    monkeypatch.setattr(ddpsa_strategy, "start_intermediate_servers", spy)
+    summary, rows = run_inprocess(method="ddpsa", num_rounds=8, ddpsa_num_servers=3, **LINEAR)
+    assert len(started) == 1 and len(started[0].pids) == 3 and len(set(started[0].pids)) == 3
+    assert all(_pid_gone(p) for p in started[0].pids)  # stopped by run_inprocess -> strategy.close()
+    assert summary["failed_rounds"] == []
+    assert summary["final_accuracy"] > 0.3  # chance is 0.1
+    eps = [r["epsilon"] for r in rows]
+    np.testing.assert_allclose(eps, 10.0 * np.arange(1, 9) / 8)  # basic composition, uniform allocation
+    assert rows[-1]["epsilon_round"] == pytest.approx(10.0 / 8)
+    assert summary["method_parameters"]["num_intermediate_servers"] == 3
+
+
+class _KillingStrategy(DdpsaStrategy):
+    """Kills intermediate server #1 after the clients pushed their round-2 shares."""
+
+    def aggregate_train(self, server_round, replies):
+        if server_round == 2:
+            os.kill(self.cluster.pids[1], signal.SIGKILL)
+            self.cluster.handles[1].process.wait()
+        return super().aggregate_train(server_round, replies)
+
+
+def test_killed_intermediate_server_fails_round_naming_it(tmp_path) -> None:
+    raw = {**app_defaults(), "method": "ddpsa", "num-rounds": 3, "num-clients": 4, "out-dir": str(tmp_path),
+           **{k: v for k, v in LINEAR.items()}}
+    cfg = RunConfig.from_mapping(raw)
+    strategy = _KillingStrategy(cfg)
+    lines: list[str] = []
+    try:
+        summary = run_federation(strategy, LocalGrid(client_app, cfg.num_clients, raw), cfg, progress=lines.append)
+        pids, dead = strategy.cluster.pids, strategy.cluster.addresses[1]
+    finally:
+        strategy.close()
+    assert all(_pid_gone(p) for p in pids)
+    assert len(summary["failed_rounds"]) == 2
+    fetch_err, health_err = summary["failed_rounds"]
+    # Round 2: the shares were pushed, then the fetch of partial sum #1 failed.
+    assert "round 2" in fetch_err and "reconstruction impossible" in fetch_err
+    assert f"server #1 ({dead})" in fetch_err and "UNAVAILABLE" in fetch_err
+    # Round 3: the pre-round health check refuses to start the round.
+    assert "round 3" in health_err and f"intermediate server #1 ({dead})" in health_err
+    assert any("FAILED" in line and dead in line for line in lines)
+
+
+# ------------------------------------------------------------------ configuration and budget
+def test_config_errors_are_clear() -> None:
+    with pytest.raises(ConfigError, match="lists 2 address"):
+        _setup(ddpsa_servers="127.0.0.1:1,127.0.0.1:2", ddpsa_num_servers=3)
+    with pytest.raises(ConfigError, match="at least 2 clients per round"):
+        _setup(num_clients=2, sample_rate=0.5)
+
+
+def test_budget_schedules_and_spent_epsilon() -> None:
+    _, _, s = _setup(num_rounds=10, epsilon=5.0, ddpsa_allocation="exponential", ddpsa_decay=0.8)
+    eq12 = exponential_allocation(5.0, 10, 0.8)
+    np.testing.assert_allclose([s.epsilon_of_round(t) for t in range(1, 11)], eq12, rtol=1e-12)
+    np.testing.assert_allclose([s.privacy_report(t)["epsilon"] for t in range(1, 11)], np.cumsum(eq12), rtol=1e-12)
+    assert s.epsilon_of_round(1) > s.epsilon_of_round(10)
+    _, _, adv = _setup(num_rounds=200, epsilon=5.0, ddpsa_composition="advanced")
+    _, _, basic = _setup(num_rounds=200, epsilon=5.0, ddpsa_composition="basic")
+    # Advanced composition certifies larger per-round budgets over many rounds, same total.
+    assert adv.epsilon_of_round(1) > 1.5 * basic.epsilon_of_round(1)
+    assert adv.privacy_report(200)["epsilon"] == pytest.approx(5.0, rel=1e-9)
+    assert basic.privacy_report(200)["epsilon"] == pytest.approx(5.0, rel=1e-9)
+    spent = [adv.privacy_report(t)["epsilon"] for t in (1, 10, 100, 200)]
+    assert spent == sorted(spent) and spent[0] == pytest.approx(adv.epsilon_of_round(1))  # basic is tighter early
