@@ -40,9 +40,11 @@ __all__ = [
     "calibrate_cdp",
     "calibrate_ldp",
     "check_n_out_conditions",
+    "eq23_epsilon",
     "max_theta",
     "n_out_delta_coefficient",
     "satisfies_eq23",
+    "sigmas_for_theta",
     "theta_complete",
     "theta_n_out",
 ]
@@ -67,6 +69,40 @@ def max_theta(epsilon: float, delta: float) -> float:
     lg = max(_log_term(delta), 0.0)  # for delta > 2/sqrt(2 pi) the second condition is epsilon >= theta/2
     theta_2 = (math.sqrt(2.0 * lg + 2.0 * epsilon) - math.sqrt(2.0 * lg)) ** 2
     return min(theta_1, theta_2)
+
+
+def eq23_epsilon(theta: float, delta: float) -> float:
+    """Smallest epsilon meeting Eq. (23) for a given theta and delta (closed-form inverse of `max_theta`).
+
+    Both conditions read epsilon >= theta/2 + c sqrt(theta), with c = 1 and c = sqrt(2 log(2/(delta sqrt(2 pi)))).
+    """
+    if not (math.isfinite(theta) and theta >= 0):
+        raise ValueError(f"theta must be finite and >= 0, got {theta}")
+    if not (0.0 < delta < 1.0):
+        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    c = max(1.0, math.sqrt(2.0 * max(_log_term(delta), 0.0)))
+    return theta / 2.0 + c * math.sqrt(theta)
+
+
+def sigmas_for_theta(
+    theta: float, num_clients: int, *, eta_share: float = 0.9, sensitivity: float = 1.0
+) -> tuple[float, float]:
+    """(sigma_eta, sigma_Delta) whose complete-graph theta (Theorem 10, squared form) equals `theta`.
+
+    For callers that fix the per-round privacy-loss variance theta themselves (e.g. from a multi-round
+    accountant) instead of from a per-round (epsilon, delta) via Eq. (23). eta_share as in `calibrate`.
+    """
+    if not (math.isfinite(theta) and theta > 0):
+        raise ValueError(f"theta must be finite and > 0, got {theta}")
+    if isinstance(num_clients, bool) or int(num_clients) != num_clients or num_clients < 2:
+        raise ValueError(f"num_clients must be an integer >= 2, got {num_clients}")
+    if not (0.0 < eta_share < 1.0):
+        raise ValueError("eta_share must be in (0, 1): both noise terms are needed by Theorem 10")
+    if not (math.isfinite(sensitivity) and sensitivity > 0):
+        raise ValueError("sensitivity must be positive")
+    sigma_eta = 1.0 / math.sqrt(num_clients * eta_share * theta)
+    sigma_delta = 1.0 / math.sqrt(num_clients * (1.0 - eta_share) * theta)
+    return sensitivity * sigma_eta, sensitivity * sigma_delta
 
 
 def satisfies_eq23(epsilon: float, delta: float, theta: float, *, rtol: float = 1e-12) -> bool:
