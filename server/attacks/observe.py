@@ -16,6 +16,7 @@ builds grid, strategy and round loop exactly as ``run_inprocess`` does.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -65,10 +66,17 @@ class ObservedLocalGrid(LocalGrid):
         self.hooks: list[Hook] = []
         self.timings: dict[int, RoundTiming] = {}
         self._last_round = 1
+        #: Deliver a private copy of every message, as a real transport does.  LocalGrid hands
+        #: the same content object to each ClientApp call, and Flower's secaggplus_mod edits it
+        #: in place (so the second client would see the first one's leftovers).
+        self.isolate_messages = False
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         """Deliver as LocalGrid does; attribute client time to (round, phase); call the hooks."""
         messages = list(messages)
+        if self.isolate_messages:
+            messages = [Message(copy.deepcopy(m.content), m.metadata.dst_node_id, m.metadata.message_type,
+                                group_id=m.metadata.group_id) for m in messages]
         before = dict(self.client_time)
         replies = list(super().send_and_receive(messages, timeout=timeout))
         rnd = _round_of(messages, self._last_round)

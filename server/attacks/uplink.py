@@ -10,9 +10,10 @@ function).  :func:`uplink_attack` runs :func:`server.attacks.dlg.invert` on it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +50,7 @@ class UplinkCapture:
     reply: Message  # the victim's train reply
     x: np.ndarray  # the victim's only sample (input shape)
     y: int
+    side: np.ndarray | None = None  # what left the victim outside the Flower grid (ddpsa: its shared vector)
 
 
 @dataclass
@@ -73,7 +75,9 @@ def capture_first_round(overrides: dict, *, victim: int = 0) -> UplinkCapture:
             got.update((r.metadata.src_node_id, r) for r in replies)
 
     cfg = RunConfig.from_mapping({**_defaults(), **ov})
-    obs = run_observed(ov, hooks=[hook], keep_strategy=True)
+    side: dict[int, np.ndarray] = {}
+    with _side_channel(cfg.method, side):
+        obs = run_observed(ov, hooks=[hook], keep_strategy=True)
     node = obs.grid.node_ids[victim]  # LocalGrid gives its i-th node partition i
     if node not in sent or node not in got:
         raise RuntimeError(f"victim node {node} was not part of round 1 "
@@ -86,7 +90,33 @@ def capture_first_round(overrides: dict, *, victim: int = 0) -> UplinkCapture:
     x, y = client_partition(cfg, victim, cfg.num_clients)
     if len(y) != 1:
         raise RuntimeError(f"victim holds {len(y)} samples, expected 1")
-    return UplinkCapture(cfg, obs.strategy, w0, sent[node], got[node], x[0], int(y[0]))
+    return UplinkCapture(cfg, obs.strategy, w0, sent[node], got[node], x[0], int(y[0]), side.get(node))
+
+
+@contextlib.contextmanager
+def _side_channel(method: str, store: dict[int, np.ndarray]) -> Iterator[None]:
+    """Record uploads that bypass the Flower grid (ddpsa pushes secret shares to intermediate servers).
+
+    For ddpsa the vector handed to ``share_and_push`` is exactly what all m
+    intermediate servers together reconstruct for this client (the worst case:
+    the server colludes with every one of them).
+    """
+    if method != "ddpsa":
+        yield
+        return
+    import client.methods.ddpsa as ddpsa_client
+
+    original = ddpsa_client.share_and_push
+
+    def recording(vector, codec, addresses, run_id, rnd, node_id, *args, **kwargs):
+        store[int(node_id)] = np.array(vector, dtype=np.float64, copy=True)
+        return original(vector, codec, addresses, run_id, rnd, node_id, *args, **kwargs)
+
+    ddpsa_client.share_and_push = recording
+    try:
+        yield
+    finally:
+        ddpsa_client.share_and_push = original
 
 
 def _defaults() -> dict:
@@ -130,7 +160,35 @@ def view_niss(cap: UplinkCapture) -> AttackerView:
     return _weights_view(cap, up, "p*w_k + own noise shares + distorted received shares; divided by the public p")
 
 
+def view_nadp(cap: UplinkCapture) -> AttackerView:
+    """Method nadp: upload = w_i + (n_i + lambda c_i) / p_i (own + pairwise noise; the pair part cancels only in the sum)."""
+    variant = getattr(cap.cfg, "nadp_variant", "nadp")
+    what = ("local model (per-example clipped SGD) + (residual + counteracting pairwise noise)/p_i: gradient + noise/lr"
+            if variant == "nadp" else "local model (per-example clipped SGD) + record-level LDP noise: gradient + noise/lr")
+    return _weights_view(cap, from_record(cap.reply.content["arrays"]), what)
+
+
+def view_ddpsa(cap: UplinkCapture) -> AttackerView:
+    """Method ddpsa: alone the server sees nothing of one client; colluding, its noisy gradient.
+
+    The uniform Z_2^64 shares sit on the intermediate servers and the reply carries
+    metrics only.  Worst case -- the server colludes with all m intermediate servers --
+    it reconstructs the client's L1-clipped gradient sum + Laplace noise (FedSGD, one
+    sample here), which is what is attacked.
+    """
+    if cap.side is None:
+        return AttackerView(None, "nothing: secret shares on the intermediate servers (share vector not captured)")
+    sent = from_record(cap.sent.content["arrays"])
+    from client.models import unflatten
+
+    return AttackerView(unflatten(cap.side, sent),
+                        "alone: nothing (uniform shares); colluding with all m intermediate servers: "
+                        "L1-clipped gradient + Laplace noise (attacked here)")
+
+
 VIEWS: dict[str, Callable[[UplinkCapture], AttackerView]] = {
+    "ddpsa": view_ddpsa,
+    "nadp": view_nadp,
     "fedavg": view_plain,
     "cdp": view_plain,
     "ldp": view_ldp,
