@@ -20,12 +20,18 @@ STATE_KEY = "cancelfl-keys"
 
 
 def handle_keys(msg: Message, env: ClientEnv) -> Message:
-    """Make this round's key pair, store the private half, return the public half."""
+    """Make this round's key pair, store the private half, return the public half.
+
+    The reply also carries ``num-examples`` (the local dataset size |D_i|),
+    which methods whose noise allocation depends on public dataset sizes
+    (nadp) need before training; other methods ignore it.
+    """
     rnd = int(msg.content["config"]["round"])
     kp = generate_keypair()
     # Keep only the current round's key: older private keys are never needed again.
     env.context.state[STATE_KEY] = ConfigRecord({"round": rnd, "private": kp.private_bytes})
-    return Message(RecordDict({"config": ConfigRecord({"public-key": kp.public_bytes})}), reply_to=msg)
+    return Message(RecordDict({"config": ConfigRecord({"public-key": kp.public_bytes,
+                                                        "num-examples": len(env.y)})}), reply_to=msg)
 
 
 def peers(msg: Message) -> list[int]:

@@ -30,17 +30,19 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from protocols.nadp_allocation import NoiseAllocation
+from protocols.nadp_allocation import NoiseAllocation, normalize_weights
 
 __all__ = [
     "AccountantSpec",
     "NadpSigmas",
     "accountant_specs",
+    "calibrate_from_sensitivities",
     "calibrate_sigmas",
     "composed_epsilon",
     "epsilon_from_sigmas",
     "gaussian_sigma",
     "ldp_local_sigma",
+    "local_sgd_sensitivity",
     "rdp_epsilon",
     "sensitivity",
 ]
@@ -83,6 +85,69 @@ def sensitivity(clip: float, dataset_size: float, *, lr: float = 1.0, local_step
     if local_steps < 1:
         raise ValueError(f"local_steps must be >= 1, got {local_steps}")
     return 2.0 * _positive("clip", clip) * _positive("lr", lr) * local_steps / _positive("dataset_size", dataset_size)
+
+
+def local_sgd_sensitivity(clip: float, dataset_size: int, *, lr: float, epochs: int = 1,
+                          batch_size: int | None = None) -> float:
+    """Replace-one L2 sensitivity of local SGD with per-example clipping, valid for any loss.
+
+    The client runs ``epochs`` epochs of mini-batch SGD (batches of
+    ``batch_size``, the last one possibly smaller; ``None`` = full batch),
+    each step ``w -= lr * mean_{x in batch} clip(grad_x, C)``. Replacing one
+    record changes the step whose batch holds it by at most ``2C lr / b``;
+    every *later* step runs from different weights, so without smoothness
+    assumptions each can differ by up to ``2C lr`` (all clipped per-example
+    gradients may change). Hence
+
+        Delta = 2 C lr (1 / b_min + (steps - 1)).
+
+    For one full-batch step this is exactly Lemma 1's ``2C/|D_i|`` (times lr).
+    The paper's linear ``2C lr steps / |D_i|`` (:func:`sensitivity`) only
+    counts the record's direct contribution and is not a bound once a record
+    can influence later steps through the weights, so we do not use it for
+    multi-step training.
+    """
+    n = int(dataset_size)
+    if n < 1:
+        raise ValueError(f"dataset_size must be >= 1, got {dataset_size!r}")
+    if epochs < 1:
+        raise ValueError(f"epochs must be >= 1, got {epochs}")
+    b = n if batch_size is None else min(int(batch_size), n)
+    if b < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+    per_epoch = -(-n // b)
+    smallest = n - (per_epoch - 1) * b
+    steps = epochs * per_epoch
+    return 2.0 * _positive("clip", clip) * _positive("lr", lr) * (1.0 / smallest + (steps - 1))
+
+
+def calibrate_from_sensitivities(
+    epsilon: float,
+    delta: float,
+    rounds: int,
+    sensitivities: Mapping[int, float],
+    weights: Mapping[int, float],
+) -> NadpSigmas:
+    """Eq. 3 with per-client sensitivities: ``sigma = Delta sqrt(4T ln(1/delta)) / eps`` per phase.
+
+    ``Delta_up = max_i Delta_i`` (one upload) and ``Delta_down = max_i p_i
+    Delta_i`` (the weighted aggregate), ``p_i`` from ``weights`` (sizes). With
+    ``Delta_i = 2C lr / |D_i|`` this is exactly :func:`calibrate_sigmas`
+    (``2C lr/|D_min|`` and ``2C lr/|D|``).
+    """
+    if set(sensitivities) != set(weights):
+        raise ValueError("sensitivities and weights must have the same client ids")
+    p = normalize_weights(weights)
+    sens = {c: _positive("sensitivity", sensitivities[c]) for c in p}
+    d_up = max(sens.values())
+    d_down = max(p[c] * sens[c] for c in p)
+    t_eff = _effective_rounds(rounds, None)
+    return NadpSigmas(
+        sigma_up=gaussian_sigma(d_up, epsilon, delta, 2.0 * t_eff),
+        sigma_down=gaussian_sigma(d_down, epsilon, delta, 2.0 * t_eff),
+        sensitivity_up=d_up,
+        sensitivity_down=d_down,
+    )
 
 
 def gaussian_sigma(sens: float, epsilon: float, delta: float, num_queries: float) -> float:

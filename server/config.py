@@ -26,6 +26,7 @@ GRAPHS = ("complete", "n-out")
 SHARE_ENCODINGS = ("seed", "vector")
 COMPOSITIONS = ("basic", "advanced")
 ALLOCATIONS = ("uniform", "exponential")
+NADP_VARIANTS = ("nadp", "record-ldp")
 
 
 class ConfigError(ValueError):
@@ -78,6 +79,7 @@ class RunConfig:
     cancellation_check: bool = False  # clients report a random projection of their pairwise mask (diagnostic)
     nadp_lambda: float = 0.0  # compensation factor; 0 = derive from nadp-tau
     nadp_tau: float = 0.5  # tolerated collusion rate for lambda (Eq. 8)
+    nadp_variant: str = "nadp"  # "record-ldp" = the paper's LDP-FL comparator (same training, no cancellation)
     niss_unit_variance: float = 1.0  # sigma^2 of one noise share
     niss_tau: float = -1.0  # distortion std; < 0 = derive from niss-rho
     niss_rho: float = 0.5  # tolerated colluding fraction (Theorem 3)
@@ -150,6 +152,7 @@ class RunConfig:
         _choice("niss-share-encoding", self.niss_share_encoding, SHARE_ENCODINGS)
         _choice("ddpsa-composition", self.ddpsa_composition, COMPOSITIONS)
         _choice("ddpsa-allocation", self.ddpsa_allocation, ALLOCATIONS)
+        _choice("nadp-variant", self.nadp_variant, NADP_VARIANTS)
         for key in ("num-clients", "num-rounds", "local-epochs", "batch-size"):
             if getattr(self, key.replace("-", "_")) < 1:
                 raise ConfigError(f"run-config '{key}' must be an integer >= 1")

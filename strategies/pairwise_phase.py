@@ -50,6 +50,8 @@ class KeyRound:
     graph_seed: bytes
     probe_seed: bytes
     dropped: list[int] = field(default_factory=list)
+    #: ``num-examples`` each participant reported with its key (absent for clients that did not send it).
+    num_examples: dict[int, int] = field(default_factory=dict)
 
     def peer_config(self, node: int) -> ConfigRecord:
         """What ``node`` needs to derive its pairwise seeds, plus the probe seed."""
@@ -68,10 +70,15 @@ def run_key_phase(strategy: CancelStrategy, grid: Grid, server_round: int, nodes
     replies, _errors = strategy.exchange(
         grid, nodes, lambda _n: RecordDict({"config": ConfigRecord({"round": server_round})}), "keys")
     keys: dict[int, bytes] = {}
+    sizes: dict[int, int] = {}
     for node, reply in replies.items():
-        pk = reply.content["config"].get("public-key") if "config" in reply.content else None
+        rec = reply.content["config"] if "config" in reply.content else {}
+        pk = rec.get("public-key")
         if isinstance(pk, bytes) and len(pk) == KEY_BYTES and any(pk):
             keys[node] = pk
+            n = rec.get("num-examples")
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                sizes[node] = n
         else:
             log(WARNING, "round %d: node %s sent a malformed public key; it is left out", server_round, node)
     participants = sorted(keys)
@@ -84,7 +91,7 @@ def run_key_phase(strategy: CancelStrategy, grid: Grid, server_round: int, nodes
         neighbours = n_out_graph(participants, cfg.n_out, graph_seed)
     else:
         neighbours = complete_graph(participants)
-    return KeyRound(server_round, participants, keys, neighbours, graph_seed, os.urandom(32), dropped)
+    return KeyRound(server_round, participants, keys, neighbours, graph_seed, os.urandom(32), dropped, sizes)
 
 
 def probe_residual(replies: list[Message]) -> float | None:

@@ -1,0 +1,251 @@
+"""Client side of NADP-FL (Noise-Annihilation DP-FL, Algorithm 1 of the paper).
+
+Per round a sampled client
+
+1. answered ``query.keys`` with a fresh X25519 public key and its dataset size
+   ``|D_i|`` (:func:`client.pairwise_phase.handle_keys`);
+2. receives the global model plus the round's public plan: the participants'
+   ids and sizes, ``sigma_up``, ``sigma_down`` (Eq. 3) and the compensation
+   factor ``lambda``; it recomputes the noise allocation itself (Alg. 2,
+   :func:`protocols.nadp.upload_noise_scales`, deterministic in those public
+   values, so both ends of every pair get the identical ``sigma_ij``);
+3. trains locally with *per-example* gradient clipping at ``C`` (Lemma 1's
+   sensitivity ``2C/|D_i|`` is a bound on a mean of per-example clipped
+   gradients; clipping the mini-batch mean, as ``client.training.train(...,
+   grad_clip=)`` does, would only bound it by ``2C``);
+4. uploads ``w_i + (1/p_i) (n_i + lambda (sum_{j>i} n_ij - sum_{j<i} n_ij))``
+   (Alg. 1, line 15) in float64: ``n_i`` from a fresh secret seed
+   (``os.urandom``), ``n_ij`` from the pair's DH seed (purpose
+   ``nadp-counteract``, already distinct per round) through the shared
+   pairwise-noise engine.
+
+With run-config ``nadp-variant = "record-ldp"`` the client instead adds only
+independent noise of the std the server sends (the paper's LDP-FL comparator,
+Lemma 3): same training, same sensitivity, no cancellation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, Message
+from torch import nn
+
+from client.env import ClientEnv, reply
+from client.models import MLP, flatten, get_weights, unflatten
+from client.pairwise_phase import mask_probe, pair_seeds, peers
+from protocols.nadp import nadp_upload, upload_noise_scales
+from protocols.pairwise import pairwise_noise
+from protocols.prg import gaussian
+from strategies.base import Weights, from_record, to_record
+
+PAIR_PURPOSE = "nadp-counteract"
+#: Examples per chunk of the generic (vmap) per-example gradient path (bounds memory).
+_VMAP_CHUNK = 256
+
+
+# ------------------------------------------------------------------ round plan
+@dataclass(frozen=True)
+class RoundPlan:
+    """The public per-round values the server sends with the model (see :meth:`from_config`)."""
+
+    variant: str
+    ids: tuple[int, ...]
+    sizes: dict[int, int]
+    sigma_up: float
+    sigma_down: float
+    lam: float
+    ldp_stds: dict[int, float]
+
+    @classmethod
+    def from_config(cls, cfg: ConfigRecord) -> RoundPlan:
+        """Parse ``nadp-*`` keys (ids travel as decimal strings: they are unsigned 64-bit)."""
+        ids = tuple(int(c) for c in cfg["nadp-ids"])
+        sizes = [int(n) for n in cfg["nadp-sizes"]]
+        if len(sizes) != len(ids) or len(set(ids)) != len(ids):
+            raise ValueError("nadp round plan: 'nadp-ids' and 'nadp-sizes' must be equally long, ids distinct")
+        variant = str(cfg.get("nadp-variant", "nadp"))
+        ldp = [float(s) for s in cfg.get("nadp-ldp-stds", [])]
+        if variant == "record-ldp" and len(ldp) != len(ids):
+            raise ValueError("nadp round plan: 'nadp-ldp-stds' must hold one std per participant")
+        return cls(variant, ids, dict(zip(ids, sizes, strict=True)), float(cfg["nadp-sigma-up"]),
+                   float(cfg["nadp-sigma-down"]), float(cfg["nadp-lambda"]),
+                   dict(zip(ids, ldp, strict=True)) if ldp else {})
+
+
+def residual_seed() -> bytes:
+    """Fresh secret seed of the residual noise ``n_i`` (a function so tests can pin it)."""
+    return os.urandom(32)
+
+
+# ------------------------------------------------- per-example clipped training
+def batches(n: int, batch_size: int, rng: np.random.Generator) -> Iterator[np.ndarray]:
+    """Shuffled consecutive batches; the last one may be smaller.
+
+    The batch structure must match :func:`protocols.nadp.local_sgd_sensitivity`
+    (which the server uses to calibrate the noise).
+    """
+    order = rng.permutation(n)
+    for start in range(0, n, batch_size):
+        yield order[start:start + batch_size]
+
+
+def _mlp_clipped_grad_sum(model: MLP, x: torch.Tensor, y: torch.Tensor, clip: float
+                          ) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+    """Sum of per-example clipped gradients of an MLP, without materialising them.
+
+    For a Linear layer the per-example gradient is ``delta_i a_i^T`` (weight)
+    and ``delta_i`` (bias), with ``a_i`` the layer input and ``delta_i`` the
+    gradient of example i's loss w.r.t. the layer output, so its squared norm
+    is ``|delta_i|^2 (|a_i|^2 + 1)``; the clipped sum is ``(c * delta)^T a``.
+    Exact (same result as per-example autograd), one backward pass.
+    Returns (grads in ``model.parameters()`` order, per-example losses, #clipped).
+    """
+    acts: list[torch.Tensor] = []
+    outs: list[torch.Tensor] = []
+    h = x.flatten(1)
+    for i, layer in enumerate(model.layers):
+        acts.append(h)
+        z = layer(h)
+        outs.append(z)
+        h = torch.relu(z) if i < len(model.layers) - 1 else z
+    losses = nn.functional.cross_entropy(h, y, reduction="none")
+    deltas = torch.autograd.grad(losses.sum(), outs)
+    with torch.no_grad():
+        acts = [a.detach() for a in acts]
+        sq = torch.zeros(len(y), dtype=h.dtype)
+        for a, d in zip(acts, deltas, strict=True):
+            sq += (d * d).sum(1) * ((a * a).sum(1) + 1.0)
+        norms = sq.sqrt()
+        scale = torch.clamp(clip / (norms + 1e-12), max=1.0)
+        grads: list[torch.Tensor] = []
+        for a, d in zip(acts, deltas, strict=True):
+            cd = d * scale[:, None]
+            grads.extend([cd.t() @ a, cd.sum(0)])  # Linear: weight then bias
+    return grads, losses.detach(), int((norms > clip).sum())
+
+
+def _vmap_clipped_grad_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float
+                           ) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+    """Generic per-example clipped gradient sum with ``torch.func`` (any model without buffers)."""
+    from torch.func import functional_call, grad, vmap
+
+    names = [n for n, _ in model.named_parameters()]
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def loss_one(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        out = functional_call(model, p, (xi.unsqueeze(0),))
+        return nn.functional.cross_entropy(out, yi.unsqueeze(0))
+
+    per_example = vmap(grad(loss_one), in_dims=(None, 0, 0))
+    total = [torch.zeros_like(params[n]) for n in names]
+    clipped = 0
+    for start in range(0, len(y), _VMAP_CHUNK):
+        xs, ys = x[start:start + _VMAP_CHUNK], y[start:start + _VMAP_CHUNK]
+        g = per_example(params, xs, ys)
+        norms = torch.sqrt(sum((g[n].reshape(len(ys), -1) ** 2).sum(1) for n in names))
+        scale = torch.clamp(clip / (norms + 1e-12), max=1.0)
+        clipped += int((norms > clip).sum())
+        for t, n in zip(total, names, strict=True):
+            t += torch.einsum("b,b...->...", scale, g[n])
+    with torch.no_grad():
+        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+    return total, losses, clipped
+
+
+def clipped_grad_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float
+                     ) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+    """``sum_i clip(grad loss_i, C)`` over a batch (fast path for :class:`MLP`, else ``torch.func``)."""
+    if isinstance(model, MLP) and type(model).forward is MLP.forward:
+        return _mlp_clipped_grad_sum(model, x, y, clip)
+    return _vmap_clipped_grad_sum(model, x, y, clip)
+
+
+def clipped_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, batch_size: int, lr: float,
+                clip: float, seed: int) -> tuple[float, float]:
+    """SGD where each step uses the mean of per-example gradients clipped to L2 norm ``clip``.
+
+    Returns (mean training loss of the last epoch, fraction of clipped examples).
+    """
+    rng = np.random.default_rng(seed)
+    xt, yt = torch.as_tensor(x), torch.as_tensor(y)
+    params = list(model.parameters())
+    model.train()
+    last, clipped, seen = 0.0, 0, 0
+    for _ in range(epochs):
+        total, count = 0.0, 0
+        for idx in batches(len(yt), batch_size, rng):
+            ix = torch.as_tensor(idx)
+            grads, losses, n_clipped = clipped_grad_sum(model, xt[ix], yt[ix], clip)
+            with torch.no_grad():
+                for p, g in zip(params, grads, strict=True):
+                    p -= (lr / len(idx)) * g
+            total += float(losses.sum())
+            count += len(idx)
+            clipped += n_clipped
+            seen += len(idx)
+        last = total / max(count, 1)
+    return last, clipped / max(seen, 1)
+
+
+def clipped_local_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weights, float, float]:
+    """Train the received global model with per-example clipping at run-config ``clip``.
+
+    Deterministic given the message (batch order from the public round seed).
+    Returns ``(global_weights, local_weights, train_loss, clipped_fraction)``.
+    """
+    global_w = from_record(msg.content["arrays"])
+    model = env.model(global_w)
+    rnd = int(msg.content["config"]["round"])
+    cfg = env.cfg
+    loss, frac = clipped_sgd(model, env.x, env.y, epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr,
+                             clip=cfg.clip, seed=env.round_seed(rnd))
+    return global_w, get_weights(model), loss, frac
+
+
+# ------------------------------------------------------------------- handler
+def noise_parts(msg: Message, env: ClientEnv, plan: RoundPlan, size: int) -> tuple[float, np.ndarray, np.ndarray]:
+    """``(p_i, residual n_i, counteracting sum c_i)`` of this client for the round.
+
+    ``c_i = sum_{j>i} n_ij - sum_{j<i} n_ij`` with per-pair stds from the
+    allocation (zero vector for the record-ldp variant).
+    """
+    me = env.node_id
+    if me not in plan.sizes:
+        raise ValueError(f"node {me} is not in this round's nadp participants")
+    if plan.sizes[me] != len(env.y):
+        raise ValueError(f"server lists |D_i|={plan.sizes[me]} for node {me}, but it holds {len(env.y)} examples")
+    if plan.variant == "record-ldp":
+        total = math.fsum(plan.sizes[c] for c in sorted(plan.ids))
+        p_i = plan.sizes[me] / total
+        # upload noise std sigma_i  <=>  residual std p_i * sigma_i before the 1/p_i factor
+        return p_i, gaussian(residual_seed(), size, p_i * plan.ldp_stds[me]), np.zeros(size)
+    alloc = upload_noise_scales(plan.sizes, plan.sigma_up, plan.sigma_down)
+    others = set(plan.ids) - {me}
+    if set(peers(msg)) != others:
+        # Alg. 2 pairs every two participants; a missing pair would break cancellation.
+        raise ValueError("nadp needs the complete graph: the peer list differs from the participants")
+    seeds = pair_seeds(msg, env, purpose=PAIR_PURPOSE)
+    residual = gaussian(residual_seed(), size, alloc.residual_std[me])
+    counteract = pairwise_noise(me, seeds, size, scale=alloc.counteracting_stds(me))
+    return alloc.weights[me], residual, counteract
+
+
+def train(msg: Message, env: ClientEnv) -> Message:
+    """NADP-FL local step: clipped training, residual + counteracting noise, float64 upload."""
+    plan = RoundPlan.from_config(msg.content["config"])
+    _, local_w, loss, clip_frac = clipped_local_training(msg, env)
+    w = flatten(local_w)
+    p_i, residual, counteract = noise_parts(msg, env, plan, len(w))
+    lam = plan.lam if plan.variant == "nadp" else 1.0
+    upload = nadp_upload(w, p_i, residual, counteract, lam)
+    metrics: dict[str, float] = {"train_loss": loss, "clipped_fraction": clip_frac}
+    if env.cfg.cancellation_check and plan.variant == "nadp":
+        # The part that enters the aggregate: p_i * (lam * c_i / p_i) = lam * c_i.
+        metrics["mask-probe"] = mask_probe(msg, lam * counteract)
+    return reply(msg, to_record(unflatten(upload, local_w)), len(env.y), **metrics)

@@ -1,0 +1,238 @@
+"""NADP-FL end to end: client upload, server aggregation, dropout, utility vs LDP, accounting."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ConfigRecord
+
+from client.app import app as client_app
+from client.env import ClientEnv
+from client.methods import nadp as nadp_client
+from client.models import build_model, flatten, get_weights
+from protocols.nadp import calibrate_sigmas, local_sgd_sensitivity, upload_noise_scales
+from protocols.prg import gaussian
+from server.config import ConfigError, RunConfig
+from server.launch import app_defaults
+from server.local_grid import LocalGrid
+from server.runner import run_federation
+from strategies.base import from_record, to_record
+from strategies.nadp import NadpStrategy
+from tests.conftest import read_metrics
+
+#: One full-batch local step per round (the paper's setting, Lemma 1 exact), a linear model on digits.
+FAST = {"local-epochs": 1, "batch-size": 1000, "lr": 4.0, "clip": 1.0, "hidden": ""}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: multi-threaded torch kernels are much slower on a shared 2-core machine."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture
+def pinned_residual_seeds(monkeypatch):
+    """Replace the client's os.urandom residual seed by a deterministic sequence; returns the seeds used."""
+    used: list[bytes] = []
+
+    def fake() -> bytes:
+        seed = hashlib.sha256(f"residual-{len(used)}".encode()).digest()
+        used.append(seed)
+        return seed
+
+    monkeypatch.setattr(nadp_client, "residual_seed", fake)
+    return used
+
+
+def _setup(n: int, **overrides):
+    raw = {**app_defaults(), "method": "nadp", "num-clients": n, **FAST,
+           **{k.replace("_", "-"): v for k, v in overrides.items()}}
+    cfg = RunConfig.from_mapping(raw)
+    return cfg, LocalGrid(client_app, n, raw), NadpStrategy(cfg)
+
+
+# ----------------------------------------------------------------- (a) cancellation
+def test_aggregate_equals_weighted_average_of_model_plus_residual(pinned_residual_seeds):
+    """Through the real client handler: sum_i p_i upload_i == sum_i p_i (w_i + n_i / p_i) to 1e-9."""
+    cfg, grid, strategy = _setup(6, partitioning="size-skew")  # unequal |D_i| -> unequal p_i and sigma_ij
+    model = build_model(cfg.model, (1, 8, 8), 10, cfg.hidden_sizes, cfg.seed)
+    arrays = to_record(get_weights(model), np.float64)
+    msgs = list(strategy.configure_train(1, arrays, ConfigRecord({"round": 1}), grid))
+    replies = list(grid.send_and_receive(msgs))
+    agg_rec, _ = strategy.aggregate_train(1, replies)
+    agg = flatten(from_record(agg_rec))
+
+    st = strategy._state[1]
+    assert len(set(st.sizes.values())) > 1
+    alloc = upload_noise_scales(st.sizes, st.sigma_up, st.sigma_down)
+    assert len(pinned_residual_seeds) == len(msgs)  # one residual seed per client, in message order
+    expected = np.zeros_like(agg)
+    plain = np.zeros_like(agg)
+    uploads = {r.metadata.src_node_id: flatten(from_record(r.content["arrays"])) for r in replies}
+    for msg, seed in zip(msgs, pinned_residual_seeds, strict=True):
+        node = msg.metadata.dst_node_id
+        env = ClientEnv.from_context(grid.contexts[node])
+        _, local_w, _, _ = nadp_client.clipped_local_training(msg, env)  # deterministic: recompute w_i
+        w = flatten(local_w)
+        p = alloc.weights[node]
+        n_i = gaussian(seed, len(w), alloc.residual_std[node])
+        expected += p * (w + n_i / p)
+        plain += p * w
+        # the upload really carries large counteracting noise on top of w_i + n_i / p_i
+        assert np.linalg.norm(uploads[node] - (w + n_i / p)) > 100 * np.linalg.norm(n_i)
+    assert np.linalg.norm(agg - expected) <= 1e-9 * np.linalg.norm(expected)
+    # ... and the residual noise (std sigma_down) is what is left
+    left = agg - plain
+    assert np.std(left) == pytest.approx(alloc.aggregate_std, rel=0.15)
+
+
+def test_run_reports_cancellation_and_finite_epsilon(run_inprocess):
+    summary, rows = run_inprocess(method="nadp", num_clients=8, num_rounds=3, cancellation_check=True, **{
+        k.replace("-", "_"): v for k, v in FAST.items()})
+    for r in rows:
+        assert r["cancellation_residual"] < 1e-9
+        assert r["uncancelled_noise_norm"] == 0.0 and r["clients_dropped"] == 0
+        assert r["aggregate_noise_std"] > 0 and r["min_uplink_std"] >= r["sigma_up"] * (1 - 1e-12)
+        assert r["nadp_lambda"] >= 1.0
+    assert math.isfinite(summary["epsilon"])
+
+
+# ------------------------------------------------------------------------ (b) dropout
+class TrainDropGrid(LocalGrid):
+    """Nodes in ``drop[round]`` answer the key phase but never upload their model (dropout mid-round)."""
+
+    def __init__(self, *args, drop: dict[int, set[int]], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.drop = drop
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        train = bool(messages) and messages[0].metadata.message_type == "train"
+        rnd = int(messages[0].content["config"]["round"]) if messages else 0
+        self.offline = self.drop.get(rnd, set()) if train else set()
+        return super().send_and_receive(messages, timeout=timeout)
+
+
+def test_dropout_after_key_phase_is_reported_and_run_continues(tmp_path):
+    n = 8
+    raw = {**app_defaults(), "method": "nadp", "num-clients": n, "num-rounds": 3, "cancellation-check": True,
+           "out-dir": str(tmp_path / "drop"), **FAST}
+    cfg = RunConfig.from_mapping(raw)
+    probe = LocalGrid(client_app, n, raw)
+    dropped = {probe.node_ids[1], probe.node_ids[4]}
+    grid = TrainDropGrid(client_app, n, raw, drop={2: dropped})
+    summary = run_federation(NadpStrategy(cfg), grid, cfg, progress=lambda _s: None)
+    rows = read_metrics(Path(cfg.out_dir))
+    assert [r["failed"] for r in rows] == [False, False, False]
+    r1, r2, r3 = rows
+    assert r2["clients_dropped"] == 2
+    assert r2["uncancelled_noise_norm"] > 0
+    assert r2["cancellation_residual"] > 1e-3  # the survivors' pair noise with the dropped really stayed
+    # d = 2 of k = 8 dropped, equal sizes: lam^2 d (k-d)/k sigma_down^2 of pair variance, over P_S^2
+    p_s = (n - 2) / n
+    expect = r2["nadp_lambda"] * math.sqrt(2 * (n - 2) / n) * r2["sigma_down"] / p_s
+    assert r2["uncancelled_noise_std"] == pytest.approx(expect, rel=0.05)  # sizes differ by <= 1 example
+    for r in (r1, r3):
+        assert r["uncancelled_noise_norm"] == 0 and r["cancellation_residual"] < 1e-9
+    assert summary["final_accuracy"] > 0.1 and math.isfinite(summary["epsilon"])
+
+
+# --------------------------------------------------------- (c) utility against LDP
+def test_nadp_beats_ldp_at_epsilon_one_with_50_clients(run_inprocess, tmp_path, pinned_residual_seeds):
+    common = {"num_clients": 50, "sample_rate": 1.0, "num_rounds": 6, "epsilon": 1.0,
+              **{k.replace("-", "_"): v for k, v in FAST.items()}}
+    nadp, _ = run_inprocess(method="nadp", out_dir=str(tmp_path / "nadp"), **common)
+    ldp, _ = run_inprocess(method="ldp", out_dir=str(tmp_path / "ldp"), **common)
+    assert nadp["final_accuracy"] >= ldp["final_accuracy"] + 0.25, (nadp["final_accuracy"], ldp["final_accuracy"])
+
+
+# ---------------------------------------------------------------------- (d) epsilon
+def test_epsilon_matches_target(run_inprocess):
+    summary, rows = run_inprocess(method="nadp", num_clients=6, num_rounds=4, epsilon=2.0, nadp_lambda=1.0,
+                                  **{k.replace("-", "_"): v for k, v in FAST.items()})
+    last = rows[-1]
+    # Eq. 3 spends exactly the target under the paper's composition (2T queries, all clients every round)
+    assert last["epsilon_paper"] == pytest.approx(2.0, rel=1e-9)
+    assert last["epsilon_uplink_paper"] == pytest.approx(2.0 / math.sqrt(2), rel=1e-9)
+    # the RDP accountant (joint uplink view, lambda = 1) lands close to, and not above, the target
+    assert 0.8 * 2.0 <= summary["epsilon"] <= 2.0
+    assert last["epsilon_uplink"] >= last["epsilon_downlink"] and last["epsilon_uplink"] >= last[
+        "epsilon_uplink_marginal"]
+    eps = [r["epsilon"] for r in rows]
+    assert eps == sorted(eps) and eps[0] < eps[-1]
+
+
+def test_record_ldp_variant_carries_sqrt_kq_over_2_more_aggregate_noise(run_inprocess, tmp_path):
+    """Theorem 1: sigma_server / sigma_down = sqrt(q k / 2) (here k = 10 clients, q = 1)."""
+    common = {"num_clients": 10, "num_rounds": 1, **{k.replace("-", "_"): v for k, v in FAST.items()}}
+    _, nadp = run_inprocess(method="nadp", out_dir=str(tmp_path / "a"), **common)
+    ldp_sum, ldp = run_inprocess(method="nadp", nadp_variant="record-ldp", out_dir=str(tmp_path / "b"), **common)
+    ratio = ldp[0]["aggregate_noise_std"] / nadp[0]["aggregate_noise_std"]
+    assert ratio == pytest.approx(math.sqrt(10 / 2), rel=1e-9)
+    assert math.isfinite(ldp_sum["epsilon"]) and ldp[0]["uncancelled_noise_norm"] == 0
+
+
+# ----------------------------------------------------------------- building blocks
+def test_mlp_fast_path_matches_per_example_autograd():
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 8, 8), 10, (16, 12), 3)
+    x = torch.randn(23, 1, 8, 8)
+    y = torch.randint(0, 10, (23,))
+    unclipped, _, _ = nadp_client._vmap_clipped_grad_sum(model, x, y, math.inf)
+    norms = torch.stack([torch.sqrt(sum((g * g).sum() for g in nadp_client._vmap_clipped_grad_sum(
+        model, x[i:i + 1], y[i:i + 1], math.inf)[0])) for i in range(23)])
+    clip = float(norms.median())
+    fast, _, n_fast = nadp_client._mlp_clipped_grad_sum(model, x, y, clip)
+    slow, _, n_slow = nadp_client._vmap_clipped_grad_sum(model, x, y, clip)
+    assert n_fast == n_slow and 0 < n_fast < 23  # some, not all, examples were clipped
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    # clipped sum: each example contributes at most ``clip`` in L2 norm
+    total = torch.sqrt(sum((g * g).sum() for g in fast))
+    assert float(total) <= 23 * clip + 1e-4
+    assert not torch.allclose(fast[0], unclipped[0])
+
+
+def test_sensitivity_and_calibration_match_eq3_for_one_full_batch_step():
+    sizes = {11: 29, 22: 31, 33: 27}
+    sens = {c: local_sgd_sensitivity(0.5, n, lr=2.0) for c, n in sizes.items()}
+    assert sens[33] == pytest.approx(2 * 0.5 * 2.0 / 27, rel=1e-15)  # Lemma 1 (times lr)
+    cfg, _, strategy = _setup(3, epsilon=1.5, num_rounds=7)
+    from strategies.pairwise_phase import KeyRound
+
+    st = strategy.plan_round(1, KeyRound(1, sorted(sizes), {}, {}, b"", b"", [], sizes))
+    ref = calibrate_sigmas(1.5, cfg.delta, cfg.clip, sizes, 7, lr=cfg.lr)
+    assert st.sigma_up == pytest.approx(ref.sigma_up, rel=1e-12)
+    assert st.sigma_down == pytest.approx(ref.sigma_down, rel=1e-12)
+    # several local steps: a record also moves every later step (up to 2 C lr each)
+    assert local_sgd_sensitivity(0.5, 64, lr=2.0, epochs=2, batch_size=32) == pytest.approx(2 * 0.5 * 2 * (1 / 32 + 3))
+
+
+def test_client_refuses_a_plan_with_a_wrong_dataset_size(pinned_residual_seeds):
+    cfg, grid, strategy = _setup(4)
+    model = build_model(cfg.model, (1, 8, 8), 10, cfg.hidden_sizes, cfg.seed)
+    msgs = list(strategy.configure_train(1, to_record(get_weights(model), np.float64),
+                                         ConfigRecord({"round": 1}), grid))
+    msg = msgs[0]
+    sizes = list(msg.content["config"]["nadp-sizes"])
+    sizes[0] += 1
+    msg.content["config"]["nadp-sizes"] = sizes
+    env = ClientEnv.from_context(grid.contexts[msg.metadata.dst_node_id])
+    with pytest.raises(ValueError, match="examples"):
+        nadp_client.train(msg, env)
+
+
+def test_config_errors():
+    base = {**app_defaults(), "method": "nadp"}
+    with pytest.raises(ConfigError, match="complete"):
+        NadpStrategy(RunConfig.from_mapping({**base, "graph": "n-out"}))
+    with pytest.raises(ConfigError, match="nadp-lambda"):
+        NadpStrategy(RunConfig.from_mapping({**base, "nadp-lambda": 0.5}))
