@@ -342,24 +342,25 @@ def make_outgoing_bundles(
 
 
 def bundle_shares(bundle: ShareBundle, size: int) -> np.ndarray:
-    """The bundle's ``count`` shares ``n_j`` as a ``(count, size)`` float64 array."""
-    out = np.empty((bundle.count, size), dtype=np.float64)
-    for j in range(bundle.count):
-        out[j] = _share(bundle, j, size)
-    return out
+    """The bundle's ``count`` shares ``n_j`` as a ``(count, size)`` float64 array.
 
-
-def _share(bundle: ShareBundle, j: int, size: int) -> np.ndarray:
-    """Share ``n_j`` of a bundle: N(0, share_std^2 I) from the bundle seed."""
-    return prg.gaussian(prg.derive_subseed(bundle.seed, f"niss/share/{j}"), size, bundle.share_std)
+    One PRG stream per bundle (sub-seed ``niss/shares``), row ``j`` = share ``j``,
+    each N(0, share_std^2 I).  One stream instead of one per share: the PRG's
+    per-call cost dominates for model-sized vectors, and prefixes are stable
+    (``prg.gaussian(s, n) == prg.gaussian(s, m)[:n]``).
+    """
+    if bundle.count == 0:
+        return np.zeros((0, size), dtype=np.float64)
+    flat = prg.gaussian(prg.derive_subseed(bundle.seed, "niss/shares"), bundle.count * size, bundle.share_std)
+    return flat.reshape(bundle.count, size)
 
 
 def sender_noise(bundles_out: Sequence[ShareBundle], size: int) -> np.ndarray:
     """``sum_i n_i``: the client's own DP noise (variance sigma_k^2 per coordinate)."""
     total = np.zeros(size, dtype=np.float64)
     for b in bundles_out:
-        for j in range(b.count):
-            total += _share(b, j, size)
+        for share in bundle_shares(b, size):
+            total += share
     return total
 
 
@@ -375,7 +376,7 @@ def receiver_noise(
     32-byte seed for ``protocols.prg``): the whole point of ``s`` is that nobody
     else, in particular the sender, knows it.  ``tau == 0`` gives ``s = 1`` exactly.
     """
-    negated = (-_share(b, j, size) for b in bundles_in for j in range(b.count))
+    negated = (-share for b in bundles_in for share in bundle_shares(b, size))
     return distorted_sum(negated, size, tau, rng)
 
 
@@ -385,27 +386,32 @@ def distorted_sum(
     tau: float,
     rng: np.random.Generator | bytes,
 ) -> np.ndarray:
-    """``sum_i s_i * r_i`` for explicitly received negated shares ``r_i``.
+    """``sum_i s_i * r_i`` for explicitly received negated shares ``r_i`` (in the given order).
 
-    Same distortion as :func:`receiver_noise` (the i-th share seen gets ``s`` from
-    sub-seed ``niss/s/i``), so a receiver that got the share *vectors* (the
-    ``vector`` wire encoding) and one that expanded them from a seed (the ``seed``
-    encoding) compute bit-identical results from the same private ``rng`` seed.
+    Same distortion as :func:`receiver_noise` (row ``i`` of one N(0, I) stream from
+    sub-seed ``niss/s`` gives ``s_i = 1 + tau * z_i``), so a receiver that got the
+    share *vectors* (the ``vector`` wire encoding) and one that expanded them from
+    a seed (the ``seed`` encoding) compute bit-identical results from the same
+    private ``rng`` seed.  Holds all received shares in memory at once.
     """
     if not (math.isfinite(tau) and tau >= 0):
         raise ValueError(f"tau must be finite and >= 0, got {tau!r}")
-    total = np.zeros(size, dtype=np.float64)
-    for k, r in enumerate(negated_shares):
-        r = np.asarray(r, dtype=np.float64)
+    shares = [np.asarray(r, dtype=np.float64) for r in negated_shares]
+    for r in shares:
         if r.shape != (size,):
             raise ValueError(f"received share has shape {r.shape}, expected ({size},)")
-        if tau > 0:
-            if isinstance(rng, bytes):
-                z = prg.gaussian(prg.derive_subseed(rng, f"niss/s/{k}"), size)
-            else:
-                z = rng.standard_normal(size)
-            r = (1.0 + tau * z) * r
-        total += r
+    total = np.zeros(size, dtype=np.float64)
+    if tau > 0 and shares:
+        n = len(shares)
+        if isinstance(rng, bytes):
+            z = prg.gaussian(prg.derive_subseed(rng, "niss/s"), n * size).reshape(n, size)
+        else:
+            z = rng.standard_normal((n, size))
+        for r, zk in zip(shares, z, strict=True):
+            total += (1.0 + tau * zk) * r
+    else:
+        for r in shares:
+            total += r
     return total
 
 
