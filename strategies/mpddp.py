@@ -108,8 +108,6 @@ TestNoise = Literal["calibrated", "off", "pairwise-only"]
 
 #: Fraction of the per-round privacy-loss variance theta spent on the non-cancelling eta (see module doc).
 ETA_SHARE = 0.9
-#: Purpose string of the pairwise seeds (HKDF domain separation).
-DELTA_PURPOSE = "mpddp-delta"
 
 
 # ----------------------------------------------------------------------------- model layout
@@ -247,6 +245,7 @@ class _MpBase(CancelStrategy):
         good = [r for r in good if r.metadata.src_node_id in set(state.participants)]
         if not good:
             raise RoundFailed(f"round {server_round}: no client upload ({len(errors)} errors)")
+        self.account(state)  # uploads reached the server: the round's release happened even if it fails below
         self.check_replies(state, good, errors)
         big_l = len(state.layers)
         uploads: list[ClientUpload] = []
@@ -255,7 +254,6 @@ class _MpBase(CancelStrategy):
                 uploads.append(upload_from_record(r.content["arrays"], big_l))
             except (ValueError, KeyError) as err:
                 raise RoundFailed(f"round {server_round}: malformed upload from node {r.metadata.src_node_id}: {err}") from err
-        self.account(state)
         try:
             grads = self.recover_gradient(state, uploads)
         except ValueError as err:
@@ -346,7 +344,7 @@ class MpddpStrategy(_MpBase):
         self.report(sigma_eta=state.sigma_eta, sigma_delta=state.sigma_delta)
 
     def round_config(self, state: _RoundState) -> dict[str, float | str]:
-        return {"sigma-eta": state.sigma_eta, "sigma-delta": state.sigma_delta, "delta-purpose": DELTA_PURPOSE}
+        return {"sigma-eta": state.sigma_eta, "sigma-delta": state.sigma_delta}
 
     def check_replies(self, state: _RoundState, good: list[Message], errors: list[str]) -> None:
         got = {r.metadata.src_node_id for r in good}

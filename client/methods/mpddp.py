@@ -34,6 +34,9 @@ from client.pairwise_phase import mask_probe, pair_seeds
 from protocols.mpddp import client_gradients, ddp_noise, flatten, naive_client, one_hot, unflatten
 from strategies.base import from_record, to_record
 
+#: HKDF purpose of the pairwise Delta seeds (fixed on the client: the server cannot redirect it).
+DELTA_PURPOSE = "mpddp-delta"
+
 
 def _scale(cfg, key: str) -> float:
     value = float(cfg[key])
@@ -64,7 +67,7 @@ def train(msg: Message, env: ClientEnv) -> Message:
     if method == "mpddp":
         sigma_eta, sigma_delta = _scale(cfg, "sigma-eta"), _scale(cfg, "sigma-delta")
         flat = flatten(up.grads)
-        seeds = pair_seeds(msg, env, str(cfg["delta-purpose"]))
+        seeds = pair_seeds(msg, env, DELTA_PURPOSE)
         # Delta part and eta part drawn separately so the cancellation probe sees only the Delta's.
         delta = ddp_noise(flat.size, own_id=env.node_id, pair_seeds=seeds, eta_seed=os.urandom(32),
                           sigma_eta=0.0, sigma_delta=sigma_delta)
