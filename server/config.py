@@ -86,7 +86,7 @@ class RunConfig:
     niss_share_encoding: str = "seed"
     mpddp_server_lr: float = 1.0  # xi: server learning rate
     ladp_norm_threshold: float = 0.0  # R: layers with weight norm >= R get noise
-    ladp_kl_cap: float = 1.0  # B: cap of the KL privacy estimate
+    ladp_kl_cap: float = 1e-6  # B: cap of the KL privacy estimate (KL of whole-layer softmaxes is ~1e-7..1e-4)
     ddpsa_servers: str = ""  # host:port,... of intermediate servers ("" = start locally)
     ddpsa_num_servers: int = 3
     ddpsa_frac_bits: int = 24
