@@ -98,6 +98,7 @@ from protocols.mpddp import (
     relative_distance,
     sgd_update,
     sigmas_for_theta,
+    torch_threads,
 )
 from protocols.mpddp.expansion import Layer
 from server.config import ConfigError, RunConfig
@@ -214,6 +215,10 @@ class _MpBase(CancelStrategy):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         """MP_Server: perturb the true model with a fresh secret and send W-hat to the participants."""
+        with torch_threads(1):
+            return self._configure_train(server_round, arrays, grid)
+
+    def _configure_train(self, server_round: int, arrays: ArrayRecord, grid: Grid) -> list[Message]:
         self._round_report = {}
         self._state = None
         layers = layers_from_weights(from_record(arrays))
@@ -238,6 +243,10 @@ class _MpBase(CancelStrategy):
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """MU_Server: unweighted mean, recovery (Eq. 22), update with xi."""
+        with torch_threads(1):
+            return self._aggregate_train(server_round, list(replies))
+
+    def _aggregate_train(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord, MetricRecord]:
         state = self._state
         if state is None or state.round != server_round:
             raise RoundFailed(f"round {server_round}: no MP_Server state (configure_train did not run)")

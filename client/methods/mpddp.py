@@ -31,7 +31,7 @@ from flwr.app import Message
 
 from client.env import ClientEnv, reply
 from client.pairwise_phase import mask_probe, pair_seeds
-from protocols.mpddp import client_gradients, ddp_noise, flatten, naive_client, one_hot, unflatten
+from protocols.mpddp import client_gradients, ddp_noise, flatten, naive_client, one_hot, torch_threads, unflatten
 from strategies.base import from_record, to_record
 
 #: HKDF purpose of the pairwise Delta seeds (fixed on the client: the server cannot redirect it).
@@ -57,6 +57,11 @@ def received_model(msg: Message) -> list[torch.Tensor]:
 
 def train(msg: Message, env: ClientEnv) -> Message:
     """One round of the client: gradient + Psi, Phi at W-hat, method noise, float64 upload."""
+    with torch_threads(1):  # tiny matrices: thread hand-offs dominate otherwise
+        return _train(msg, env)
+
+
+def _train(msg: Message, env: ClientEnv) -> Message:
     method = env.cfg.method
     cfg = msg.content["config"]
     w_hat = received_model(msg)

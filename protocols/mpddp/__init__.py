@@ -47,6 +47,7 @@ from protocols.mpddp.samplers import (
     sample_dn,
     sample_dn_star,
 )
+from protocols.mpddp.threads import torch_threads
 
 __all__ = [
     "DEFAULT_TERMS",
@@ -94,5 +95,6 @@ __all__ = [
     "split_blocks",
     "theta_complete",
     "theta_n_out",
+    "torch_threads",
     "unflatten",
 ]
