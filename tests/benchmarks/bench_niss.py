@@ -1,7 +1,7 @@
 """NISS benchmark: accuracy vs tau against FedAvg and DP-FedAvg (ldp), and share-relay bytes.
 
-    python tests/benchmarks/bench_niss.py [OUT_DIR] [--dataset digits] [--epsilon 50]
-        [--num-rounds 20] [--repeats 3] [--taus 0,0.5,1]
+    python tests/benchmarks/bench_niss.py [OUT_DIR] [--dataset digits] [--epsilon 200]
+        [--num-rounds 20] [--repeats 5] [--taus 0,0.5,1]
 
 Runs (in-process, :func:`server.launch.run_inprocess`), each ``--repeats`` times
 with run-config seeds 42, 43, ... (partition, init, sampling; the DP noise itself
@@ -62,12 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", nargs="?", default=str(ROOT / "runs" / "bench-niss"))
     ap.add_argument("--dataset", default="digits")
-    ap.add_argument("--epsilon", type=float, default=50.0)
+    ap.add_argument("--epsilon", type=float, default=200.0)
     ap.add_argument("--delta", type=float, default=1e-5)
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--num-clients", type=int, default=10)
     ap.add_argument("--num-rounds", type=int, default=20)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--taus", default="0,0.5,1")
     ap.add_argument("--unit-variance", type=float, default=1e-4,
                     help="niss-unit-variance sigma^2 (small enough for tens of shares per client)")
@@ -151,6 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     if ("niss", "1") in by:
         checks.append(("tau=1 within 3 points of DP-FedAvg (ldp)", abs(by[("niss", "1")] - ldp) <= 0.03,
                        f"{by[('niss', '1')]:.4f} vs {ldp:.4f}"))
+    per_seed = {(r["method"], r["tau"]): [float(a) for a in r["accs"].split()] for r in results}
+    if ("niss", "1") in per_seed and len(per_seed[("ldp", "-")]) > 1:
+        from scipy.stats import ttest_ind
+
+        p = float(ttest_ind(per_seed[("niss", "1")], per_seed[("ldp", "-")], equal_var=False).pvalue)
+        print(f"Welch t-test niss tau=1 vs ldp over {len(per_seed[('ldp', '-')])} seeds: p = {p:.3f} "
+              "(information: p > 0.05 = no detectable difference)")
     if all(k in by for k in (("niss", "0"), ("niss", "0.5"), ("niss", "1"))):
         lo, mid, hi = by[("niss", "1")], by[("niss", "0.5")], by[("niss", "0")]
         checks.append(("tau=0.5 between tau=1 and tau=0", min(lo, hi) - 0.01 <= mid <= max(lo, hi) + 0.01,
