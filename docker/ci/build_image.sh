@@ -88,3 +88,6 @@ docker build --network host "${ADD_HOSTS[@]}" \
     --build-arg BASE_IMAGE="$CI_BASE_TAG" --build-arg TORCH_VERSION="$TORCH_VERSION" \
     -f "$REPO/docker/Dockerfile" -t "$TAG" "$STAGE/app"
 echo "app image $TAG built in $(( $(date +%s) - t0 )) s"
+# The previous build of the tag is now dangling: free its space (matters when
+# the engine's data root is kept between runs).
+docker image prune -f >/dev/null

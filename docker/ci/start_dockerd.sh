@@ -7,6 +7,9 @@
 # Prints shell assignments (DOCKER_HOST, DOCKERD_PID, DOCKERD_DIR,
 # DOCKER_CONFIG) and also writes them to STATE_DIR/env. Stop the engine with
 # docker/ci/stop_dockerd.sh STATE_DIR (kills exactly DOCKERD_PID).
+#   DOCKERD_DATA_ROOT  images/containers/build cache (default STATE_DIR/data,
+#                      deleted on stop); point it at a lasting folder to keep
+#                      images and build cache between runs (one engine at a time!).
 # Needs root, dockerd/containerd/runc (apt: docker.io) and overlayfs.
 set -euo pipefail
 
@@ -19,11 +22,14 @@ if (( ${#DIR} > 60 )); then echo "state dir path too long: $DIR" >&2; exit 1; fi
 command -v dockerd >/dev/null || { echo "dockerd not installed (apt-get install docker.io)" >&2; exit 1; }
 
 SOCK="$DIR/docker.sock"
+DATA_ROOT="${DOCKERD_DATA_ROOT:-$DIR/data}"
+mkdir -p "$DATA_ROOT"
+echo "$DATA_ROOT" >"$DIR/data-root"
 dockerd \
     --bridge=none --iptables=false --ip6tables=false \
     --ip-masq=false --ip-forward=false \
     --storage-driver overlay2 \
-    --data-root "$DIR/data" --exec-root "$DIR/exec" \
+    --data-root "$DATA_ROOT" --exec-root "$DIR/exec" \
     --pidfile "$DIR/dockerd.pid" -H "unix://$SOCK" \
     >"$DIR/dockerd.log" 2>&1 &
 PID=$!

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Stop the engine started by start_dockerd.sh (by its PID, nothing else) and
-# delete its state folder (images, containers, volumes of that engine).
+# delete its state folder (with the images, containers and volumes of that
+# engine, unless they live in a DOCKERD_DATA_ROOT outside it).
 # Usage: docker/ci/stop_dockerd.sh STATE_DIR [--keep]
 set -euo pipefail
 
@@ -25,11 +26,15 @@ if [[ -s "$PIDFILE" ]]; then
         fi
     fi
 fi
-if [[ "${2:-}" != "--keep" ]]; then
-    # overlay mounts are gone once dockerd has exited; unmount leftovers anyway
-    { grep -o " $DIR/[^ ]*" /proc/mounts || true; } | sort -r | while read -r m; do
+# Overlay mounts are gone once dockerd has exited; unmount leftovers (after a
+# SIGKILL) under the state folder and the data root anyway.
+DATA_ROOT=$(cat "$DIR/data-root" 2>/dev/null || echo "$DIR/data")
+for root in "$DIR" "$DATA_ROOT"; do
+    { grep -o " $root/[^ ]*" /proc/mounts || true; } | sort -r | while read -r m; do
         umount -l "$m" 2>/dev/null || true
     done
-    rm -rf "$DIR"
+done
+if [[ "${2:-}" != "--keep" ]]; then
+    rm -rf "$DIR"   # a DOCKERD_DATA_ROOT outside it is kept
 fi
 echo "dockerd stopped"
