@@ -225,9 +225,20 @@ def run_point(name: str, epsilon: float, clients: int, base: dict, method_sets: 
     res = RunResult(name, method, epsilon, clients)
     ov = {**base, **METHOD_DEFAULTS.get(method, {}), **variant_cfg, **method_sets.get(name, {}),
           "method": method, "epsilon": float(epsilon), "num-clients": int(clients), "out-dir": str(out_dir)}
+    side_up: dict[int, float] = {}
+
+    def side_channel(msgs, replies) -> None:
+        # Uplink that bypasses the Flower grid: ddpsa pushes shares to its intermediate servers and reports
+        # their size as the reply metric ``share_bytes``; counted per client per round.
+        if msgs and msgs[0].metadata.message_type == "train":
+            sizes = [float(r.content["metrics"]["share_bytes"]) for r in replies
+                     if not r.has_error() and "metrics" in r.content and "share_bytes" in r.content["metrics"]]
+            if sizes:
+                side_up[int(msgs[0].content["config"]["round"])] = float(np.mean(sizes))
+
     t0 = time.perf_counter()
     try:
-        obs = run_observed(ov, hooks=hooks)
+        obs = run_observed(ov, hooks=[*hooks, side_channel])
     except (ConfigError, ValueError) as err:
         res.status = f"refused: {_short(err)}"
         return res
@@ -257,7 +268,9 @@ def run_point(name: str, epsilon: float, clients: int, base: dict, method_sets: 
     res.server_s = float(np.mean(server))
     res.deployed_s = res.client_s + res.server_s
     res.bytes_down = float(np.mean([r["bytes_sent_per_client"] for r in timed]))
-    res.bytes_up = float(np.mean([r["bytes_received_per_client"] for r in timed]))
+    res.bytes_up = float(np.mean([r["bytes_received_per_client"] + side_up.get(r["round"], 0.0) for r in timed]))
+    if side_up:
+        res.extra["bytes_up_off_grid"] = float(np.mean([side_up.get(r["round"], 0.0) for r in timed]))
     return res
 
 
@@ -318,6 +331,8 @@ def cmd_grid(args: argparse.Namespace) -> list[dict]:
     total = time.perf_counter() - t0
     notes.append(f"total benchmark time {total:.0f} s ({len(points)} runs + warm-up) on this machine")
     notes.append("fedavg has no epsilon: it is run once per client count and drawn as a dashed line")
+    notes.append("bytes_up includes uploads that bypass the Flower grid (ddpsa: secret shares pushed to its "
+                 "intermediate servers, from the clients' share_bytes metric)")
     notes.append("epsilon_reported/uplink/downlink as the method reports them (inf = no guarantee); "
                  "each method's own definition (per run, except ladp/mpddp per round as documented by them)")
     table = write_table(rows, GRID_COLUMNS, out, "results", title="Privacy-utility-cost grid",
@@ -407,19 +422,25 @@ def cmd_attacks(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     dlg_rows, images = [], {}
     base = {"dataset": args.dataset, "test-subset": args.test_subset, "hidden": args.hidden, "lr": args.lr,
             "seed": args.seed, **parse_sets(args.set)}
-    for name in tqdm(methods, desc="DLG (uplink)", unit="method", dynamic_ncols=True):
-        row, img = dlg_point(name, args.epsilon, args.dlg_clients, base, msets, out / "dlg", args)
+    epsilons = [float(e) for e in args.epsilons.split(",")]
+    bar = tqdm([(m, e) for e in epsilons for m in methods], desc="DLG (uplink)", unit="run", dynamic_ncols=True)
+    for name, eps in bar:
+        bar.set_postfix_str(f"{name} eps={eps:g}")
+        row, img = dlg_point(name, eps, args.dlg_clients, base, msets, out / "dlg" / f"eps{eps:g}", args)
         dlg_rows.append(row)
         if img is not None:
-            images[name] = img
-        tqdm.write(f"DLG {name:>16}: ssim_best={_fmt(row.get('ssim_best'))} ssim_attacker={_fmt(row.get('ssim_attacker'))} "
-                   f"cos={_fmt(row.get('grad_cosine'))} {row['status']}")
+            images[f"{name}\neps={eps:g}"] = img
+        tqdm.write(f"DLG {name:>16} eps={eps:<5g}: ssim_best={_fmt(row.get('ssim_best'))} "
+                   f"ssim_attacker={_fmt(row.get('ssim_attacker'))} cos={_fmt(row.get('grad_cosine'))} {row['status']}")
     dlg_notes = notes + [
         "victim = one client holding one sample, batch size 1, one local epoch, round 1 (the DLG/iDLG setting); "
         "every client holds one sample (train-subset = clients)",
-        "ssim_best/mse_best: best reconstruction over all L-BFGS starts and variants (dlg-l2, dlg-cosine, analytic) "
-        "scored against the truth (the defender's worst case); ssim_attacker: the start the attacker picks "
-        "(smallest gradient distance)",
+        "ssim_best/mse_best: best reconstruction over all L-BFGS starts and variants (dlg-l2, dlg-cosine, analytic; "
+        "for mpddp/mpdp-naive also dlg-whitened and analytic-snr, which use the server's knowledge of R, i.e. of "
+        "each entry's noise scale) scored against the truth (the defender's worst case); ssim_attacker: the "
+        "DLG start the attacker picks (smallest gradient distance)",
+        "grad_cosine / grad_rel_error: the inferred gradient against the victim's true gradient "
+        "(1 / 0 = the server holds the exact gradient)",
         "ssim_mean_image: SSIM of the dataset's mean image (a guess that uses no upload) = the floor",
         f"reconstructed = ssim_best >= {args.success_ssim}",
     ]
@@ -431,11 +452,14 @@ def cmd_attacks(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     mbase = {"dataset": args.dataset, "train-subset": args.mia_train_subset, "test-subset": args.test_subset,
              "num-rounds": args.mia_rounds, "local-epochs": args.mia_local_epochs, "hidden": args.mia_hidden,
              "lr": args.lr, "seed": args.seed, **parse_sets(args.set)}
-    for name in tqdm(methods, desc="membership (downlink)", unit="method", dynamic_ncols=True):
-        row = mia_point(name, args.epsilon, args.mia_clients, mbase, msets, out / "mia")
+    bar = tqdm([(m, e) for e in epsilons for m in methods], desc="membership (downlink)", unit="run",
+               dynamic_ncols=True)
+    for name, eps in bar:
+        bar.set_postfix_str(f"{name} eps={eps:g}")
+        row = mia_point(name, eps, args.mia_clients, mbase, msets, out / "mia" / f"eps{eps:g}")
         mia_rows.append(row)
-        tqdm.write(f"MIA {name:>16}: acc={_fmt(row.get('final_accuracy'))} mia={_fmt(row.get('mia_received_acc'))} "
-                   f"auc={_fmt(row.get('mia_received_auc'))} {row['status']}")
+        tqdm.write(f"MIA {name:>16} eps={eps:<5g}: acc={_fmt(row.get('final_accuracy'))} "
+                   f"mia={_fmt(row.get('mia_received_acc'))} auc={_fmt(row.get('mia_received_auc'))} {row['status']}")
     total = time.perf_counter() - t0
     mia_notes = notes + [
         "loss-threshold attack (Yeom et al.) on the model a client receives in the last round "
@@ -884,7 +908,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("attacks", help="uplink DLG and downlink membership inference per method")
     _common(a, dataset="mnist", train_subset=0, test_subset=1000, rounds=1, hidden="32",
             out="runs/bench/attacks", methods="all")
-    a.add_argument("--epsilon", type=float, default=1.0)
+    a.add_argument("--epsilons", default="1")
     a.add_argument("--dlg-clients", type=int, default=10)
     a.add_argument("--dlg-restarts", type=int, default=2)
     a.add_argument("--dlg-iterations", type=int, default=300)

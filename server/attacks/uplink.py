@@ -28,7 +28,7 @@ from server.config import RunConfig
 from strategies.base import Weights, from_record
 
 __all__ = ["UplinkCapture", "AttackerView", "VIEWS", "training_loss", "capture_first_round", "attacker_view",
-           "true_gradient", "uplink_attack", "UplinkResult"]
+           "true_gradient", "uplink_attack", "UplinkResult", "received_mpddp_forward"]
 
 #: Training loss of each method (mpddp's theory needs the squared loss); default cross-entropy.
 LOSSES = {"mpddp": "mse", "mpdp-naive": "mse", "mpcdp": "mse"}
@@ -59,6 +59,7 @@ class AttackerView:
 
     gradient: Weights | None
     note: str  # what the attacker sees for this method
+    noise_scale: Weights | None = None  # per-entry noise std the attacker KNOWS (up to a common factor), if any
 
 
 def capture_first_round(overrides: dict, *, victim: int = 0) -> UplinkCapture:
@@ -186,7 +187,37 @@ def view_ddpsa(cap: UplinkCapture) -> AttackerView:
                         "L1-clipped gradient + Laplace noise (attacked here)")
 
 
+def view_mpddp_family(cap: UplinkCapture) -> AttackerView:
+    """Methods mpddp, mpdp-naive, mpcdp: the server recovers the client's own gradient with its secret R.
+
+    The upload is the gradient at the perturbed model W-hat plus the correction
+    terms Psi, Phi (unnoised, as in the paper).  The server chose R, so it runs
+    the recovery of Eq. (22) on this ONE upload (instead of on the mean): it
+    gets the client's true gradient + R o (eta_k + sum_v Delta_kv) for mpddp
+    (the Delta's do not cancel in a single upload), + R o eta_k for mpdp-naive,
+    and the exact gradient for mpcdp (noise is added by the server later).
+    """
+    from protocols.mpddp import aggregate, recover
+    from strategies.mpddp import upload_from_record, weights_from_layers
+
+    state = getattr(cap.strategy, "_state", None)
+    if state is None or getattr(state, "round", None) != 1:
+        return AttackerView(None, "server secret of round 1 not available")
+    upload = upload_from_record(cap.reply.content["arrays"], len(state.layers))
+    grads = recover(aggregate([upload]), state.secret)
+    what = {"mpddp": "own recovery (secret R) of one upload: gradient + R o (eta_k + sum of pairwise Delta_kv)",
+            "mpdp-naive": "own recovery (secret R) of one upload: gradient + R o eta_k",
+            "mpcdp": "own recovery (secret R) of one upload: the exact gradient (noise added later by the server)"}
+    scale = None
+    if cap.cfg.method != "mpcdp":  # recovered noise on entry ij is R_ij * (i.i.d. noise): the server knows R
+        scale = weights_from_layers([(rm[:, :-1].abs(), rm[:, -1].abs()) for rm in state.secret.trainable_R()])
+    return AttackerView(weights_from_layers(grads), what[cap.cfg.method], scale)
+
+
 VIEWS: dict[str, Callable[[UplinkCapture], AttackerView]] = {
+    "mpddp": view_mpddp_family,
+    "mpdp-naive": view_mpddp_family,
+    "mpcdp": view_mpddp_family,
     "ddpsa": view_ddpsa,
     "nadp": view_nadp,
     "fedavg": view_plain,
@@ -208,6 +239,14 @@ def attacker_view(cap: UplinkCapture) -> AttackerView:
         return _weights_view(cap, OrderedDict((k, up[k]) for k in cap.global_weights),
                              "upload read as a local model (no method-specific view)")
     return AttackerView(None, "no attacker view defined for this upload format")
+
+
+def received_mpddp_forward(arrays: Weights, cfg: RunConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Forward pass of the perturbed expanded model W-hat a client of the mpddp family receives."""
+    from protocols.mpddp import forward_expanded
+
+    mats = [torch.as_tensor(arrays[f"w_hat.{j}"], dtype=torch.float64) for j in range(len(arrays))]
+    return lambda t: forward_expanded(mats, t.double().reshape(len(t), -1))
 
 
 def true_gradient(cap: UplinkCapture) -> Weights:
@@ -249,7 +288,8 @@ def uplink_attack(cap: UplinkCapture, *, restarts: int = 2, iterations: int = 30
     model = build_model(cap.cfg.model, ds.input_shape, ds.num_classes, cap.cfg.hidden_sizes, cap.cfg.seed).double()
     set_weights(model, cap.global_weights)
     value_range = (float(ds.x_train.min()), float(ds.x_train.max()))
+    scales = [view.noise_scale[k] for k in truth] if view.noise_scale is not None else None
     report = invert(model, OrderedDict((k, view.gradient[k]) for k in truth), truth=cap.x, label_true=cap.y,
                     num_classes=ds.num_classes, loss=training_loss(cap.cfg.method), value_range=value_range,
-                    restarts=restarts, iterations=iterations, seed=seed)
+                    restarts=restarts, iterations=iterations, seed=seed, noise_scale=scales)
     return UplinkResult(cap.cfg.method, view.note, report, cos, rel)
