@@ -151,13 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     if ("niss", "1") in by:
         checks.append(("tau=1 within 3 points of DP-FedAvg (ldp)", abs(by[("niss", "1")] - ldp) <= 0.03,
                        f"{by[('niss', '1')]:.4f} vs {ldp:.4f}"))
+    welch = ""
     per_seed = {(r["method"], r["tau"]): [float(a) for a in r["accs"].split()] for r in results}
     if ("niss", "1") in per_seed and len(per_seed[("ldp", "-")]) > 1:
         from scipy.stats import ttest_ind
 
         p = float(ttest_ind(per_seed[("niss", "1")], per_seed[("ldp", "-")], equal_var=False).pvalue)
-        print(f"Welch t-test niss tau=1 vs ldp over {len(per_seed[('ldp', '-')])} seeds: p = {p:.3f} "
-              "(information: p > 0.05 = no detectable difference)")
+        welch = (f"Welch t-test niss tau=1 vs ldp over {len(per_seed[('ldp', '-')])} seeds: p = {p:.3f} "
+                 "(information only: p > 0.05 = no detectable difference)")
     if all(k in by for k in (("niss", "0"), ("niss", "0.5"), ("niss", "1"))):
         lo, mid, hi = by[("niss", "1")], by[("niss", "0.5")], by[("niss", "0")]
         checks.append(("tau=0.5 between tau=1 and tau=0", min(lo, hi) - 0.01 <= mid <= max(lo, hi) + 0.01,
@@ -206,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
            f"{t['accuracy']:.4f} | {t['bytes_sent_per_client_round']:.0f} | "
            f"{t['bytes_received_per_client_round']:.0f} |" for t in traffic]
     md += ["", "## Checks", ""] + [f"- [{'x' if ok else ' '}] {name}: {detail}" for name, ok, detail in checks]
+    if welch:
+        md.append(f"- {welch}")
     text = "\n".join(md) + "\n"
     (out / "results.md").write_text(text)
     print()
