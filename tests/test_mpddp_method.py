@@ -218,6 +218,17 @@ def test_n_out_graph_calibration_covered_for_large_k():
     assert strategy.privacy_report(10)["epsilon"] == pytest.approx(cfg.epsilon)
 
 
+def test_n_out_graph_round_cancels(tmp_path):
+    """Theorem 11 path end to end: K = 100, random 70-out graph, Delta's cancel, nominal epsilon spent."""
+    _, rows, strategy, grid, cfg = run("mpddp", tmp_path, dataset="breast-cancer", hidden="8", num_clients=100,
+                                       graph="n-out", n_out=70, cancellation_check=True, epsilon=2.0)
+    assert not rows[0]["failed"] and rows[0]["clients"] == 100
+    assert rows[0]["cancellation_residual"] < 1e-9
+    assert rows[0]["epsilon"] == pytest.approx(2.0)
+    degrees = [len(m.content["config"]["peer-ids"]) for m in grid.sent if m.metadata.message_type == "train"]
+    assert min(degrees) >= 70 and max(degrees) < 99  # sparse: not the complete graph
+
+
 def test_model_layout_roundtrip_and_helpers():
     cfg = RunConfig.from_mapping({**app_defaults(), "hidden": "8,5"})
     w = initial_weights(cfg)

@@ -53,6 +53,8 @@ def one_run(method: str, args: argparse.Namespace, rep: int, out: Path) -> dict:
         "epsilon_given_R": rows[-1].get("epsilon_given_R", float("nan")),
         "client_model_distance": statistics.fmean(r["client_model_distance"] for r in ok),
         "round_time_s": summary["mean_round_time_s"],
+        "upload_bytes_per_client": statistics.fmean(r["bytes_received_per_client"] for r in ok),
+        "download_bytes_per_client": statistics.fmean(r["bytes_sent_per_client"] for r in ok),
         "cancellation_residual_max": max((r.get("cancellation_residual", float("nan")) for r in ok), default=float("nan")),
         "failed_rounds": len(summary["failed_rounds"]),
         "wall_s": time.perf_counter() - t0,
