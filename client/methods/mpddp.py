@@ -1,6 +1,6 @@
 """Client side of ``mpddp`` (DDP_Client), ``mpdp-naive`` and ``mpcdp``: gradient at W-hat, Psi, Phi, noise.
 
-The train message carries the perturbed expanded model W-hat (``w_hat.0 .. w_hat.{2L-1-1}``, float64) and
+The train message carries the perturbed expanded model W-hat (``w_hat.0 .. w_hat.{2L-2}``, float64) and
 the noise scales chosen by the server (semi-honest model, as the ``ldp`` baseline: clients follow the
 protocol and use the scales they are sent).  The client computes ONE full-batch gradient of the paper's
 loss 1/2 ||y - onehot||^2 at W-hat on its whole partition, plus Psi and Phi
