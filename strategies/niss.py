@@ -61,8 +61,11 @@ record ``diagnostic`` so that the server can measure the per-coordinate variance
 of ``aggregate - sum_k p_k w_k``.  That side channel hands the server every
 client's unprotected update and must never be enabled in production; the same
 mode reports ``exact_noise_variance`` (sum over clients of received share
-variance x tau^2, which reveals share counts) and the framework's random-
-projection ``cancel_probe``.
+variance x tau^2, which reveals share counts), ``aggregate_error_rel`` =
+``||aggregate - sum_k p_k w_k|| / ||sum_k p_k w_k||`` and the framework's
+random-projection ``cancellation_residual`` of the clients' total noise
+(~1e-16 when tau = 0; O(1) by design when tau > 0, where the distortion is
+meant to survive: compare ``measured_noise_variance`` with Theorem 2 instead).
 
 Epsilon: uplink (what the server sees of one client) = RDP of ``server_round``
 Gaussian releases with noise multiplier ``z``; this assumes the receivers of a
@@ -271,11 +274,11 @@ class NissStrategy(CancelStrategy):
         values = {
             "measured_noise_variance": float(np.mean(resid**2)),
             "exact_noise_variance": float(np.sum(recv * taus**2)),
-            "cancel_residual_rel": float(np.linalg.norm(resid) / max(np.linalg.norm(noiseless), 1e-300)),
+            "aggregate_error_rel": float(np.linalg.norm(resid) / max(np.linalg.norm(noiseless), 1e-300)),
         }
         probe = probe_residual(ordered)
         if probe is not None:
-            values["cancel_probe"] = probe
+            values["cancellation_residual"] = probe
         self.report(**values)
 
     # ---------------------------------------------------------------- reporting

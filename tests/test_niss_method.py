@@ -86,8 +86,8 @@ def test_tau_zero_aggregate_equals_noiseless(graph):
     err = np.linalg.norm(_flat(agg) - expected) / np.linalg.norm(expected)
     assert err <= 1e-9
     rep = strategy.round_report()
-    assert rep["theorem2_variance"] == 0.0 and rep["cancel_residual_rel"] <= 1e-9
-    assert rep["cancel_probe"] <= 1e-9
+    assert rep["theorem2_variance"] == 0.0 and rep["aggregate_error_rel"] <= 1e-9
+    assert rep["cancellation_residual"] <= 1e-9
 
 
 # ------------------------------------------------------------------------- Theorem 2
@@ -257,7 +257,7 @@ def test_share_phase_dropout_is_recovered():
     strategy.aggregate_train(1, replies)
     rep = strategy.round_report()
     assert rep["participants"] == 4 and rep["dropped"] == 1
-    assert rep["cancel_residual_rel"] <= 1e-9  # the survivors' shares still cancel
+    assert rep["aggregate_error_rel"] <= 1e-9  # the survivors' shares still cancel
 
 
 def test_train_dropout_fails_the_round():

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "theorem2_variance": row["theorem2_variance"],
                                   "measured_noise_variance": row["measured_noise_variance"],
                                   "exact_noise_variance": row["exact_noise_variance"],
-                                  "cancel_residual_rel": row["cancel_residual_rel"]} for row in rows]
+                                  "aggregate_error_rel": row["aggregate_error_rel"]} for row in rows]
             res = {"method": name, "tau": tau, "acc_mean": _mean(accs), "acc_std": _std(accs),
                    "accs": " ".join(f"{a:.4f}" for a in accs), "epsilon": eps,
                    "noise_multiplier": params.get("noise_multiplier", ""),
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             checks.append((f"tau={t:g}: measured variance within 10% of Theorem 2 in every round ({len(ratios)})",
                            worst <= 0.10, f"mean ratio {_mean(ratios):.4f}, worst deviation {worst:.3f}"))
         else:
-            worst = max(v["cancel_residual_rel"] for v in rows_t)
+            worst = max(v["aggregate_error_rel"] for v in rows_t)
             checks.append((f"tau=0: aggregate equals noiseless to 1e-9 in every round ({len(rows_t)})",
                            worst <= 1e-9, f"worst relative residual {worst:.2e}"))
 
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         meas = _mean([v["measured_noise_variance"] for v in rows_t])
         ratios = [v["measured_noise_variance"] / v["theorem2_variance"] for v in rows_t] if t > 0 else [float("nan")]
         md.append(f"| {t:g} | {len(rows_t)} | {thm:.4g} | {meas:.4g} | {min(ratios):.3f}..{max(ratios):.3f} | "
-                  f"{max(v['cancel_residual_rel'] for v in rows_t):.3g} |")
+                  f"{max(v['aggregate_error_rel'] for v in rows_t):.3g} |")
     md += ["", "## Bytes per client per round (cancellation-check off)", "",
            "| method | encoding | unit variance | shares/client | final acc | server -> client | client -> server |",
            "|---|---|---|---|---|---|---|"]
