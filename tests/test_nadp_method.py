@@ -151,7 +151,10 @@ def test_nadp_beats_ldp_at_epsilon_one_with_50_clients(run_inprocess, tmp_path, 
               **{k.replace("-", "_"): v for k, v in FAST.items()}}
     nadp, _ = run_inprocess(method="nadp", out_dir=str(tmp_path / "nadp"), **common)
     ldp, _ = run_inprocess(method="ldp", out_dir=str(tmp_path / "ldp"), **common)
-    assert nadp["final_accuracy"] >= ldp["final_accuracy"] + 0.25, (nadp["final_accuracy"], ldp["final_accuracy"])
+    # NADP is deterministic here (pinned residual seeds; pair noise cancels): 0.5-0.65 after 6 rounds over
+    # residual seeds, while client-level LDP at eps = 1 is near chance (~0.1): its upload noise std is ~10x clip.
+    assert nadp["final_accuracy"] >= 0.35
+    assert nadp["final_accuracy"] >= ldp["final_accuracy"] + 0.2, (nadp["final_accuracy"], ldp["final_accuracy"])
 
 
 # ---------------------------------------------------------------------- (d) epsilon

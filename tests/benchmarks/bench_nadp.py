@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", default="10,50,100")
     ap.add_argument("--sample-rate", type=float, default=0.8, help="q (the paper's Table 1 uses 0.8)")
     ap.add_argument("--num-rounds", type=int, default=30)
-    ap.add_argument("--lr", type=float, default=4.0)
+    ap.add_argument("--lr", type=float, default=2.0)
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--hidden", default="", help="MLP hidden widths ('' = softmax regression)")
     ap.add_argument("--batch-size", type=int, default=100_000, help=">= |D_i|: one full-batch local step")
