@@ -5,7 +5,7 @@ three methods; every run goes through ``server.launch.run_inprocess`` (real mess
 DP noise comes from the OS CSPRNG, so each configuration is repeated and reported as mean +- std.
 
     python tests/benchmarks/bench_mpddp.py [OUT_DIR] [--dataset breast-cancer] [--clients 100]
-        [--rounds 30] [--lr 0.1] [--hidden 16] [--epsilon 1.0] [--repeats 3]
+        [--rounds 30] [--lr 0.1] [--hidden 16] [--epsilon 1.0] [--repeats 3] [--methods ...] [--first-rep 0]
 
 Prints a table (accuracy, nominal epsilon, epsilon given R, client_model_distance, round time) and
 writes ``runs.csv`` (one line per run), ``results.md`` (table + acceptance lines) and ``results.json``
@@ -85,13 +85,15 @@ def main() -> int:
     parser.add_argument("--delta", type=float, default=1e-5)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--first-rep", type=int, default=0, help="index of the first repeat (seed = 42 + index)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     print(f"bench-mpddp: {args.dataset}, K = {args.clients} clients per round, {args.rounds} rounds, "
           f"hidden {args.hidden}, xi = {args.lr}, epsilon = {args.epsilon} over the run, delta = {args.delta}")
-    results = [one_run(m, args, rep, out) for rep in range(args.repeats) for m in methods]
+    reps = range(args.first_rep, args.first_rep + args.repeats)
+    results = [one_run(m, args, rep, out) for rep in reps for m in methods]
 
     with (out / "runs.csv").open("w", newline="") as fh:
         keys = sorted({k for r in results for k in r})
