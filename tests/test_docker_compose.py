@@ -212,8 +212,9 @@ def deployment(pytestconfig: pytest.Config) -> Iterator[Deployment]:
         timings["base image"] = time.monotonic() - t0
 
         t0 = time.monotonic()
-        _run(["bash", str(CI_DIR / "build_image.sh"), str(app_dir), IMAGE], env,
-             timeout=1200)
+        build = _run(["bash", str(CI_DIR / "build_image.sh"), str(app_dir), IMAGE], env,
+                     timeout=1200)
+        (work / "build.log").write_text(build.stdout)
         timings["image build"] = time.monotonic() - t0
 
         # Ports: SuperLink, SuperNodes' local APIs, DDP-SA servers.
