@@ -23,13 +23,18 @@ pytestmark = [pytest.mark.deployment, pytest.mark.slow]
 
 NUM_SUPERNODES = 4
 COMMON = {"num-rounds": 2, "dataset": "digits", "cancellation-check": True, "round-timeout": 300.0}
-#: Per-method settings for a short run (the chance level on digits is 0.1).
+#: Per-method settings for a short run.
 RUNS = {
-    "nadp": {"method": "nadp", "epsilon": 8.0},
-    "niss": {"method": "niss", "epsilon": 8.0, "niss-tau": 0.0},
-    "mpddp": {"method": "mpddp", "epsilon": 8.0},
-    "ddpsa": {"method": "ddpsa", "epsilon": 8.0},
+    # One full-batch local step per round (the paper's setting) on a linear model learns fast.
+    "nadp": {"method": "nadp", "epsilon": 8.0, "local-epochs": 1, "batch-size": 1000, "lr": 4.0, "hidden": ""},
+    "niss": {"method": "niss", "epsilon": 8.0, "niss-tau": 0.0, "local-epochs": 1, "batch-size": 64},
+    # FedSGD on an MSE loss (what the theory requires) learns slowly on digits; breast-cancer learns in 2 rounds.
+    "mpddp": {"method": "mpddp", "epsilon": 16.0, "dataset": "breast-cancer", "hidden": "16", "mpddp-server-lr": 0.1},
+    # FedSGD with Laplace noise on per-sample-clipped gradient sums: a linear model and a large step.
+    "ddpsa": {"method": "ddpsa", "epsilon": 10.0, "hidden": "", "lr": 10.0},
 }
+#: Accuracy that shows learning: chance is 0.1 on digits, the majority class is 0.63 on breast-cancer.
+ABOVE_CHANCE = {"digits": 0.2, "breast-cancer": 0.7}
 #: Relative residual of float64 pairwise noise that cancelled (probe is ~1e-16 when it did).
 CANCEL_BOUND = 1e-9
 
@@ -59,7 +64,8 @@ def test_multiprocess_deployment(tmp_path):
     assert not [p for p in pids if _alive(p)], "processes left running after the cluster closed"
     for name, (summary, rows) in results.items():
         assert len(rows) == COMMON["num-rounds"] and not any(r["failed"] for r in rows), name
-        assert summary["final_accuracy"] > 0.2, (name, summary["final_accuracy"])
+        dataset = summary["config"]["dataset"]
+        assert summary["final_accuracy"] > ABOVE_CHANCE[dataset], (name, dataset, summary["final_accuracy"])
         if name != "ddpsa":  # ddpsa has no pairwise noise; its aggregate is exact by construction
             residuals = [r["cancellation_residual"] for r in rows]
             assert max(residuals) < CANCEL_BOUND, (name, residuals)
