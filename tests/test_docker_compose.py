@@ -157,7 +157,7 @@ def _skip_reason_or_install(env: dict[str, str]) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def deployment(pytestconfig: pytest.Config) -> Iterator[Deployment]:
+def deployment(pytestconfig: pytest.Config, request: pytest.FixtureRequest) -> Iterator[Deployment]:
     """Engine + image + compose deployment, torn down after the module."""
     app_dir = Path(os.environ.get("CANCELFL_APP_DIR", REPO)).resolve()
     if not (app_dir / "server/app.py").exists() or not (app_dir / "client/app.py").exists():
@@ -175,6 +175,7 @@ def deployment(pytestconfig: pytest.Config) -> Iterator[Deployment]:
 
     timings: dict[str, float] = {}
     t_all = time.monotonic()
+    failed_before = request.session.testsfailed
     # Short path: containerd's unix sockets live under it (108-byte limit).
     state = Path(tempfile.mkdtemp(prefix="cfl-dk.", dir="/tmp"))
     work = Path(tempfile.mkdtemp(prefix="cancelfl-docker-test."))
@@ -276,7 +277,10 @@ def deployment(pytestconfig: pytest.Config) -> Iterator[Deployment]:
         timings["total"] = time.monotonic() - t_all
         for name, secs in timings.items():
             _say(pytestconfig, f"{name:>32}: {secs:6.1f} s")
-        _say(pytestconfig, f"logs kept in {work}")
+        if request.session.testsfailed > failed_before:
+            _say(pytestconfig, f"logs (build, compose, flwr run, outputs) kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def _keep_engine_data(env: dict[str, str]):
