@@ -131,3 +131,14 @@ def test_uplink_capture_recovers_fedavg_gradient_exactly(tmp_path):
     g_hat, g = attacker_view(cap).gradient, true_gradient(cap)
     for k in g:  # float32 upload: exact up to rounding / lr
         np.testing.assert_allclose(g_hat[k], g[k], atol=2e-5)
+
+
+def test_mpcdp_server_recovers_one_clients_exact_gradient(tmp_path):
+    """The MP server knows R: recovering ONE noise-free upload gives that client's exact gradient."""
+    from server.attacks.uplink import attacker_view, capture_first_round, true_gradient
+
+    cap = capture_first_round({"method": "mpcdp", "num-clients": 4, "hidden": "16", "out-dir": str(tmp_path)})
+    view, g = attacker_view(cap), true_gradient(cap)
+    assert view.noise_scale is None  # no client-side noise to weight
+    for k in g:
+        np.testing.assert_allclose(view.gradient[k], g[k], rtol=1e-8, atol=1e-10)
