@@ -19,7 +19,9 @@ pytestmark = [pytest.mark.slow]
 
 def test_nadp_round_with_key_exchange_in_flower_simulation(tmp_path):
     out = tmp_path / "sim"
-    code = run_simulation({"method": "nadp", "num-rounds": 2, "num-clients": 5, "epsilon": 8.0,
+    # One full-batch local step per round on a linear model (the paper's setting): learns in 2 rounds.
+    code = run_simulation({"method": "nadp", "num-rounds": 2, "num-clients": 5, "epsilon": 8.0, "hidden": "",
+                           "local-epochs": 1, "batch-size": 1000, "lr": 4.0,
                            "cancellation-check": True, "out-dir": str(out)})
     assert code == 0
     rows = read_metrics(out)
