@@ -25,6 +25,13 @@ command line and the acceptance checks), ``accuracy_vs_epsilon.png`` into OUT_DI
 (default ``runs/bench-nadp/``) and prints the table. DP noise comes from the OS
 (NADP's residual seeds are secret), so repeated runs differ; ``--repeats`` > 1
 reports mean and standard deviation (run-config seeds 42, 43, ...).
+
+Measured (30 rounds, q = 0.8, eps = 1, accuracy %; No-DP / LDP / record-LDP / NADP):
+digits (defaults, 2 repeats): N=50 93.1 / 11.8 / 10.6 / 52.2, N=100 93.2 / 10.7 / 15.7 / 56.0;
+``--dataset mnist --train-subset 10000``: N=50 88.1 / 11.9 / 59.2 / 80.5, N=100 89.5 / 10.9 / 44.5 / 80.0;
+``--dataset mnist --clip 3`` (60k): N=50 90.3 / 7.5 / 83.9 / 88.6, N=100 89.8 / 15.4 / 79.2 / 88.6.
+NADP's aggregate noise scales as 1/(eps |D|) and does not grow with N; record-level LDP's is
+sqrt(qk/2) times larger (Theorem 1), client-level LDP's is far larger (whole-client sensitivity).
 """
 
 from __future__ import annotations
