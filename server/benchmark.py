@@ -369,13 +369,16 @@ def plot_grid(rows: list[dict], out: Path) -> None:
             if n == "fedavg":
                 ax.axhline(pts[0][1], ls="--", color="k", label="fedavg (no DP)")
                 continue
-            ax.plot(*zip(*pts, strict=True), marker="o", label=n, color=plt.cm.tab10(i % 10))
+            ax.plot(*zip(*pts, strict=True), marker="o", label=n, color=plt.cm.tab20(i % 20))
         ax.set_xscale("log")
+        eps_ticks = sorted({r["epsilon"] for r in rows if r["name"] != "fedavg"})
+        ax.set_xticks(eps_ticks, [f"{e:g}" for e in eps_ticks])
+        ax.minorticks_off()
         ax.set_xlabel("epsilon (as configured)")
         ax.set_ylabel("final test accuracy")
         ax.set_title(f"{k} clients")
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=8, loc="lower right")
+    axes[0][-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(out / "accuracy_vs_epsilon.png", dpi=110)
     plt.close(fig)
