@@ -142,3 +142,10 @@ def test_mpcdp_server_recovers_one_clients_exact_gradient(tmp_path):
     assert view.noise_scale is None  # no client-side noise to weight
     for k in g:
         np.testing.assert_allclose(view.gradient[k], g[k], rtol=1e-8, atol=1e-10)
+
+
+def test_membership_attack_on_a_diverged_model_is_guessing():
+    """NaN losses (a model that blew up) count as large losses: no signal, accuracy 0.5, not 0."""
+    nan = np.full(100, np.nan)
+    res = loss_threshold_attack(nan, nan, seed=0)
+    assert res.accuracy == 0.5 and res.auc == 0.5 and res.yeom_accuracy == 0.5

@@ -33,8 +33,8 @@ class MembershipResult:
     accuracy: float
     yeom_accuracy: float
     auc: float
-    member_loss: float  # mean loss on members
-    nonmember_loss: float  # mean loss on non-members
+    member_loss: float  # median loss on members (robust to the huge losses of noisy models)
+    nonmember_loss: float  # median loss on non-members
     samples: int  # members evaluated (= non-members evaluated)
 
 
@@ -103,8 +103,9 @@ def loss_threshold_attack(member_losses: np.ndarray, nonmember_losses: np.ndarra
     of ``accuracy`` is fitted on a random half of each and scored on the rest.
     """
     rng = np.random.default_rng(seed)
-    m = np.asarray(member_losses, dtype=np.float64)
-    n = np.asarray(nonmember_losses, dtype=np.float64)
+    # A diverged model gives nan losses; count them as "very large" (= predicted non-member), not as errors.
+    m = np.nan_to_num(np.asarray(member_losses, dtype=np.float64), nan=np.inf)
+    n = np.nan_to_num(np.asarray(nonmember_losses, dtype=np.float64), nan=np.inf)
     k = min(len(m), len(n))
     if k < 2:
         raise ValueError("need at least 2 members and 2 non-members")
@@ -117,7 +118,7 @@ def loss_threshold_attack(member_losses: np.ndarray, nonmember_losses: np.ndarra
         accuracy=acc,
         yeom_accuracy=_balanced_accuracy(m, n, yeom_t),
         auc=auc(m, n),
-        member_loss=float(np.mean(m)),
-        nonmember_loss=float(np.mean(n)),
+        member_loss=float(np.median(m)),
+        nonmember_loss=float(np.median(n)),
         samples=k,
     )
