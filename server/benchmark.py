@@ -438,7 +438,7 @@ def cmd_attacks(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
         row, img = dlg_point(name, eps, args.dlg_clients, base, msets, out / "dlg" / f"eps{eps:g}", args)
         dlg_rows.append(row)
         if img is not None:
-            images[f"{name}\neps={eps:g}"] = img
+            images[(name, eps)] = img
         tqdm.write(f"DLG {name:>16} eps={eps:<5g}: ssim_best={_fmt(row.get('ssim_best'))} "
                    f"ssim_attacker={_fmt(row.get('ssim_attacker'))} cos={_fmt(row.get('grad_cosine'))} {row['status']}")
     dlg_notes = notes + [
@@ -523,8 +523,8 @@ def dlg_point(name: str, epsilon: float, clients: int, base: dict, msets: dict, 
     return row, np.stack([cap.x, best.x])
 
 
-def plot_reconstructions(images: dict[str, np.ndarray], path: Path) -> None:
-    """Truth (top) and best reconstruction (bottom) per method."""
+def plot_reconstructions(images: dict[tuple[str, float], np.ndarray], path: Path) -> None:
+    """One row per epsilon, one column per method: best reconstruction; the truth in the first column."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -532,16 +532,24 @@ def plot_reconstructions(images: dict[str, np.ndarray], path: Path) -> None:
 
     if not images:
         return
-    fig, axes = plt.subplots(2, len(images), figsize=(1.6 * len(images), 3.6), squeeze=False)
-    for j, (name, pair) in enumerate(images.items()):
-        for i in range(2):
+    names = list(dict.fromkeys(n for n, _ in images))
+    eps = sorted({e for _, e in images})
+    fig, axes = plt.subplots(len(eps), len(names) + 1, figsize=(1.3 * (len(names) + 1), 1.5 * len(eps) + 0.4),
+                             squeeze=False)
+    for i, e in enumerate(eps):
+        for j, name in enumerate([None, *names]):
             ax = axes[i][j]
-            ax.imshow(pair[i].reshape(pair[i].shape[-2:]), cmap="gray")
             ax.set_xticks([])
             ax.set_yticks([])
-        axes[0][j].set_title(name, fontsize=8)
-    axes[0][0].set_ylabel("truth")
-    axes[1][0].set_ylabel("best DLG")
+            pair = images.get((name, e)) if name else next((v for (n, ee), v in images.items() if ee == e), None)
+            if pair is None:
+                ax.axis("off")
+                continue
+            img = pair[0] if name is None else pair[1]
+            ax.imshow(img.reshape(img.shape[-2:]), cmap="gray")
+            if i == 0:
+                ax.set_title("truth" if name is None else name, fontsize=7)
+        axes[i][0].set_ylabel(f"eps={e:g}", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
