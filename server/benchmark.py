@@ -709,6 +709,7 @@ def secaggplus_reference(base: dict, clients: int, num_shares: int, threshold: f
     from server.config import RunConfig
     from server.launch import app_defaults
     from server.local_grid import SERVER_NODE_ID
+    from server.runner import payload_bytes
 
     raw = {**app_defaults(), **base, "num-clients": clients, "method": "fedavg"}
     cfg = RunConfig.from_mapping(raw)
@@ -785,24 +786,6 @@ def secaggplus_reference(base: dict, clients: int, num_shares: int, threshold: f
     for col in ("client_s", "server_s", "deployed_s"):
         secure_row[f"{col}_x_legacy"] = secure_row[col] / plain[col] if plain[col] > 0 else math.nan
     return secure_row | {"legacy_fedavg_client_s": plain["client_s"], "legacy_fedavg_server_s": plain["server_s"]}
-
-
-def payload_bytes(content) -> int:
-    """:func:`server.runner.payload_bytes`, tolerating empty lists in a ConfigRecord.
-
-    Flower 1.41's ``ConfigRecord.count_bytes`` indexes ``v[0]`` of every list and
-    raises IndexError on an empty one (SecAgg+ sends empty lists); such a list
-    carries only its key.
-    """
-    from flwr.app import ConfigRecord
-
-    total = 0
-    for rec in content.values():
-        if isinstance(rec, ConfigRecord) and any(isinstance(v, list) and not v for v in rec.values()):
-            total += sum(len(k) for k, v in rec.items() if isinstance(v, list) and not v)
-            rec = ConfigRecord({k: v for k, v in rec.items() if not (isinstance(v, list) and not v)})
-        total += rec.count_bytes()
-    return total
 
 
 def plot_overhead(rows: list[dict], path: Path) -> None:

@@ -34,8 +34,19 @@ from strategies.base import CancelStrategy, RoundFailed, from_record, to_record
 
 
 def payload_bytes(content: RecordDict) -> int:
-    """Bytes of arrays, configs and metrics in a message (what travels, minus framing)."""
-    return sum(rec.count_bytes() for rec in content.values())
+    """Bytes of arrays, configs and metrics in a message (what travels, minus framing).
+
+    Flower 1.41's ``ConfigRecord.count_bytes`` indexes ``v[0]`` of every list and
+    raises IndexError on an empty one (SecAgg+ sends empty lists); such a list
+    carries only its key, so it is counted as the key's length.
+    """
+    total = 0
+    for rec in content.values():
+        if isinstance(rec, ConfigRecord) and any(isinstance(v, list) and not v for v in rec.values()):
+            total += sum(len(k) for k, v in rec.items() if isinstance(v, list) and not v)
+            rec = ConfigRecord({k: v for k, v in rec.items() if not (isinstance(v, list) and not v)})
+        total += rec.count_bytes()
+    return total
 
 
 class MeteredGrid(Grid):
