@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hmac
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cryptography.hazmat.primitives import hashes, serialization
@@ -40,6 +41,7 @@ __all__ = [
     "generate_keypair",
     "keypair_from_private",
     "agree",
+    "agree_many",
     "derive_pair_seed",
 ]
 
@@ -98,10 +100,20 @@ def agree(own: KeyPair, peer_public: bytes) -> bytes:
     Raises KeyAgreementError for a malformed peer key, a small-order point (all-zero
     secret) or a peer key equal to our own public key.
     """
-    peer = _as_key_bytes(peer_public, "peer public key")
-    if hmac.compare_digest(peer, own.public_bytes):
-        raise KeyAgreementError("peer public key equals our own public key (reflected key)")
     private = X25519PrivateKey.from_private_bytes(_as_key_bytes(own.private_bytes, "private key"))
+    return _exchange(private, own.public_bytes, peer_public)
+
+
+def agree_many(own: KeyPair, peer_publics: Iterable[bytes]) -> list[bytes]:
+    """:func:`agree` with every key of ``peer_publics`` (the private key is loaded once)."""
+    private = X25519PrivateKey.from_private_bytes(_as_key_bytes(own.private_bytes, "private key"))
+    return [_exchange(private, own.public_bytes, pk) for pk in peer_publics]
+
+
+def _exchange(private: X25519PrivateKey, own_public: bytes, peer_public: bytes) -> bytes:
+    peer = _as_key_bytes(peer_public, "peer public key")
+    if hmac.compare_digest(peer, own_public):
+        raise KeyAgreementError("peer public key equals our own public key (reflected key)")
     try:
         shared = private.exchange(X25519PublicKey.from_public_bytes(peer))
     except ValueError as exc:  # OpenSSL refuses an all-zero result (small-order point)

@@ -37,7 +37,7 @@ cancels in the aggregate (more uplink privacy at no utility cost).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +45,7 @@ import numpy as np
 __all__ = [
     "NoiseAllocation",
     "compensation_factor",
+    "graph_pair_variances",
     "normalize_weights",
     "upload_noise_scales",
 ]
@@ -112,6 +113,9 @@ class NoiseAllocation:
     theta: tuple[float, ...]
     aggregate_std: float
     _rank: Mapping[int, int] = field(repr=False, compare=False)
+    #: Pair variances ``{i: {j: Var(n_ij)}}`` when the pairs form a sparse graph (see
+    #: :func:`graph_pair_variances`); ``None`` for the complete graph of Algorithm 2 (``theta``).
+    pair_table: Mapping[int, Mapping[int, float]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def k(self) -> int:
@@ -128,6 +132,8 @@ class NoiseAllocation:
         ri, rj = self._check_id(i), self._check_id(j)
         if ri == rj:
             raise ValueError("a client has no pair noise with itself")
+        if self.pair_table is not None:
+            return self.pair_table[i].get(j, 0.0)  # not neighbours: no pair noise
         return self.theta[min(ri, rj)]
 
     def counteracting_std(self, i: int, j: int) -> float:
@@ -137,12 +143,16 @@ class NoiseAllocation:
     def counteracting_stds(self, i: int) -> dict[int, float]:
         """``{j: std(n_ij)}`` for all peers ``j`` of ``i`` (feeds ``pairwise_noise(scale=...)``)."""
         ri = self._check_id(i)
+        if self.pair_table is not None:
+            return {j: math.sqrt(v) for j, v in self.pair_table[i].items()}
         sq = [math.sqrt(t) for t in self.theta]
         return {j: sq[min(ri, rj)] for j, rj in self._rank.items() if j != i}
 
     def pair_variance_total(self, i: int) -> float:
         """``sum_{j != i} Var(n_ij)`` (what Algorithm 2 assigns against ``beta_i``)."""
         r = self._check_id(i)
+        if self.pair_table is not None:
+            return math.fsum(self.pair_table[i].values())
         k = self.k
         if k == 1:
             return 0.0
@@ -162,6 +172,13 @@ class NoiseAllocation:
 
     def pair_matrix(self) -> np.ndarray:
         """Dense symmetric ``k x k`` matrix of pair variances in ``client_ids`` order (zero diagonal)."""
+        if self.pair_table is not None:
+            pos = {c: a for a, c in enumerate(self.client_ids)}
+            mat = np.zeros((self.k, self.k))
+            for i, row in self.pair_table.items():
+                for j, v in row.items():
+                    mat[pos[i], pos[j]] = v
+            return mat
         ranks = np.array([self._rank[c] for c in self.client_ids], dtype=np.int64)
         theta = np.asarray(self.theta + (0.0,), dtype=np.float64)
         mat = theta[np.minimum.outer(ranks, ranks)]
@@ -213,6 +230,8 @@ class NoiseAllocation:
         k = self.k
         honest_partners = k - 1 - n_colluders
         theta = np.asarray(self.theta, dtype=np.float64)
+        dense = self.pair_matrix() if self.pair_table is not None else None
+        pos = {c: a for a, c in enumerate(self.client_ids)}
         worst = 1.0
         for cid in self.client_ids:
             beta = self.demand[cid]
@@ -220,8 +239,11 @@ class NoiseAllocation:
                 continue
             if honest_partners <= 0:
                 return math.inf
-            r = self._rank[cid]
-            row = np.concatenate([theta[:r], np.full(max(k - 1 - r, 0), theta[r] if r < k - 1 else 0.0)])
+            if dense is not None:  # sparse graph: the colluders are the client's largest pairs, non-pairs count 0
+                row = np.delete(dense[pos[cid]], pos[cid])
+            else:
+                r = self._rank[cid]
+                row = np.concatenate([theta[:r], np.full(max(k - 1 - r, 0), theta[r] if r < k - 1 else 0.0)])
             rest = float(np.sort(row)[:honest_partners].sum())
             if rest <= 0.0:
                 return math.inf
@@ -229,14 +251,19 @@ class NoiseAllocation:
         return worst
 
 
-def upload_noise_scales(weights: Mapping[int, float], sigma_up: float, sigma_down: float) -> NoiseAllocation:
-    """Allocate NADP residual / counteracting noise for one round (Alg. 2).
+def upload_noise_scales(weights: Mapping[int, float], sigma_up: float, sigma_down: float, *,
+                        graph: Mapping[int, Sequence[int]] | None = None) -> NoiseAllocation:
+    """Allocate NADP residual / counteracting noise for one round (Alg. 2, or a sparse graph).
 
     Args:
         weights: ``{client_id: |D_i|}`` (or ``p_i``) for the sampled clients;
             normalized internally (see :func:`normalize_weights`).
         sigma_up: required std of each client's upload noise (Eq. 3).
         sigma_down: required std of the aggregated noise (Eq. 3).
+        graph: symmetric adjacency ``{id: [neighbour ids]}`` over exactly the
+            sampled clients when pairs form a sparse graph (e.g. a random
+            n-out graph); ``None`` = every two clients pair (Algorithm 2).
+            See :func:`graph_pair_variances` for the sparse rule.
 
     Returns:
         A :class:`NoiseAllocation` with non-negative variances; every client's
@@ -274,6 +301,14 @@ def upload_noise_scales(weights: Mapping[int, float], sigma_up: float, sigma_dow
         )
 
     order = tuple(sorted(ids, key=lambda c: (demand[c], c)))
+    residual_std = {cid: math.sqrt(p[cid]) * sigma_down for cid in ids}
+    aggregate_std = math.sqrt(math.fsum(p[cid] * sigma_down * sigma_down for cid in ids))
+    if graph is not None and any(len(graph.get(c, ())) != k - 1 for c in ids):
+        table = graph_pair_variances(demand, graph)
+        return NoiseAllocation(client_ids=ids, weights=p, sigma_up=sigma_up, sigma_down=sigma_down,
+                               residual_std=residual_std, demand=demand, order=order, theta=(),
+                               aggregate_std=aggregate_std, _rank={cid: r for r, cid in enumerate(order)},
+                               pair_table=table)
     betas = [demand[c] for c in order]
     theta: list[float] = []
     acc = 0.0  # sum of theta so far
@@ -291,8 +326,6 @@ def upload_noise_scales(weights: Mapping[int, float], sigma_up: float, sigma_dow
             raise ValueError(f"NADP allocation produced a negative pair variance theta[{idx}]={t}")
         theta[idx] = max(t, 0.0)
 
-    residual_std = {cid: math.sqrt(p[cid]) * sigma_down for cid in ids}
-    aggregate_std = math.sqrt(math.fsum(p[cid] * sigma_down * sigma_down for cid in ids))
     return NoiseAllocation(
         client_ids=ids,
         weights=p,
@@ -305,6 +338,33 @@ def upload_noise_scales(weights: Mapping[int, float], sigma_up: float, sigma_dow
         aggregate_std=aggregate_std,
         _rank={cid: r for r, cid in enumerate(order)},
     )
+
+
+def graph_pair_variances(demand: Mapping[int, float], graph: Mapping[int, Sequence[int]]
+                         ) -> dict[int, dict[int, float]]:
+    """Pair variances over a sparse graph: ``Var(n_ij) = max(beta_i / deg_i, beta_j / deg_j)``.
+
+    Generalises Algorithm 2 (which needs every two clients to pair) to any
+    symmetric graph, e.g. the random n-out graph that makes the per-client cost
+    O(n) instead of O(k): each client spreads its demand evenly over its edges
+    and an edge takes the larger of its two ends' shares, so every client gets
+    ``sum_j Var(n_ij) >= beta_i`` (over-serving is harmless: pair noise cancels in
+    the aggregate, it only adds uplink privacy).  The rule uses public values only
+    (sizes -> demands, the graph), so both ends of a pair compute the same float.
+    """
+    ids = sorted(demand)
+    if sorted(graph) != ids:
+        raise ValueError("graph must list exactly the sampled clients")
+    for i in ids:
+        nbrs = list(graph[i])
+        if i in nbrs or len(set(nbrs)) != len(nbrs) or any(j not in demand for j in nbrs):
+            raise ValueError(f"graph row of client {i} has a self-loop, a duplicate or an unknown id")
+        if any(i not in graph[j] for j in nbrs):
+            raise ValueError(f"graph is not symmetric at client {i}")
+        if demand[i] > 0.0 and not nbrs:
+            raise ValueError(f"client {i} needs pair noise (beta > 0) but has no neighbour")
+    share = {i: demand[i] / len(graph[i]) if graph[i] else 0.0 for i in ids}
+    return {i: {j: max(share[i], share[j]) for j in sorted(graph[i])} for i in ids}
 
 
 def compensation_factor(tau: float, *, k: int | None = None, size_ratio: float = 1.0) -> float:

@@ -76,6 +76,7 @@ class RunConfig:
     # Method-specific (see README)
     graph: str = "complete"  # pairwise-noise neighbour graph
     n_out: int = 4  # neighbours each client picks in an n-out graph
+    key_rotation: int = 0  # rounds per X25519 key pair (0 = one pair per node for the run, 1 = fresh every round)
     cancellation_check: bool = False  # clients report a random projection of their pairwise mask (diagnostic)
     nadp_lambda: float = 0.0  # compensation factor; 0 = derive from nadp-tau
     nadp_tau: float = 0.5  # tolerated collusion rate for lambda (Eq. 8)
@@ -174,6 +175,8 @@ class RunConfig:
             raise ConfigError(f"run-config 'niss-rho' = {self.niss_rho} must be in [0, 1]")
         if self.n_out < 1:
             raise ConfigError("run-config 'n-out' must be an integer >= 1")
+        if self.key_rotation < 0:
+            raise ConfigError("run-config 'key-rotation' must be an integer >= 0 (0 = one key pair per run)")
         if self.ddpsa_num_servers < 2:
             raise ConfigError("run-config 'ddpsa-num-servers' must be >= 2 (secret sharing needs >= 2 shares)")
         if not 8 <= self.ddpsa_frac_bits <= 40:
@@ -191,6 +194,10 @@ class RunConfig:
             return tuple(int(h) for h in self.hidden.split(",") if h.strip())
         except ValueError as err:
             raise ConfigError(f"run-config 'hidden' = {self.hidden!r} must be comma-separated integers") from err
+
+    def key_epoch(self, server_round: int) -> int:
+        """Key epoch of a round: clients keep one X25519 key pair per epoch (``key-rotation`` rounds)."""
+        return 0 if self.key_rotation == 0 else (server_round - 1) // self.key_rotation
 
     @property
     def clients_per_round(self) -> int:

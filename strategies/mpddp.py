@@ -7,8 +7,9 @@ cross-entropy and accuracy).  The model perturbation (Eqs. 12-15) needs a ReLU M
 
 Round ``t`` (methods ``mpddp``, ``mpdp-naive``, ``mpcdp``):
 
-1. (``mpddp`` only) the shared key phase (:func:`strategies.pairwise_phase.run_key_phase`): fresh X25519
-   keys, neighbour graph over the clients that answered (run-config ``graph`` = complete | n-out).
+1. (``mpddp`` only) the shared key phase (:func:`strategies.pairwise_phase.run_key_phase`): X25519
+   keys of the key epoch (fetched only from clients without one), neighbour graph over the clients
+   with a key (run-config ``graph`` = complete | n-out).
 2. MP_Server (Algorithm 1): the server holds the true MLP (the runner's global ``ArrayRecord``, in the
    MLP's ``state_dict`` layout ``layers.i.weight``/``layers.i.bias``), draws a fresh one-time secret R
    from ``os.urandom`` and sends only the perturbed expanded model W-hat (2L-1 float64 matrices
@@ -106,7 +107,7 @@ from protocols.mpddp import (
 from protocols.mpddp.expansion import Layer
 from server.config import ConfigError, RunConfig
 from strategies.base import CancelStrategy, RoundFailed, Weights, from_record, split_replies, to_record
-from strategies.pairwise_phase import probe_residual, run_key_phase
+from strategies.pairwise_phase import forget_unresponsive, probe_residual, run_key_phase
 
 TestNoise = Literal["calibrated", "off", "pairwise-only"]
 
@@ -254,6 +255,7 @@ class _MpBase(CancelStrategy):
         if state is None or state.round != server_round:
             raise RoundFailed(f"round {server_round}: no MP_Server state (configure_train did not run)")
         good, errors = split_replies(list(replies))
+        forget_unresponsive(self, state.participants, good)
         good = [r for r in good if r.metadata.src_node_id in set(state.participants)]
         if not good:
             raise RoundFailed(f"round {server_round}: no client upload ({len(errors)} errors)")

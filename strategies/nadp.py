@@ -3,8 +3,9 @@
 Round ``t`` (all inside ``configure_train`` / ``aggregate_train``):
 
 1. sample ``round(q N)`` clients (run-config ``sample-rate`` = q);
-2. key phase (:func:`strategies.pairwise_phase.run_key_phase`): fresh X25519
-   keys plus each client's ``|D_i|``; the participants are those that answered;
+2. key phase (:func:`strategies.pairwise_phase.run_key_phase`): X25519
+   keys of the key epoch plus each client's ``|D_i|`` (fetched only from clients
+   the server holds no key of); the participants are those with a key;
 3. calibration (Theorem 1 / Eq. 3 with the record-level sensitivity of the
    clients' per-example-clipped local SGD, :func:`protocols.nadp.local_sgd_sensitivity`):
    ``sigma_up = Delta_up sqrt(4T ln(1/delta))/eps`` for each upload and
@@ -62,7 +63,7 @@ from protocols.nadp import (
 )
 from server.config import ConfigError, RunConfig
 from strategies.base import CancelStrategy, RoundFailed, from_record, split_replies, to_record
-from strategies.pairwise_phase import KeyRound, probe_residual, run_key_phase
+from strategies.pairwise_phase import KeyRound, forget_unresponsive, probe_residual, run_key_phase
 
 
 @dataclass
@@ -87,9 +88,6 @@ class NadpStrategy(CancelStrategy):
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
-        if cfg.graph != "complete":
-            raise ConfigError("run-config 'graph' must be 'complete' for nadp: the noise allocation (Alg. 2) "
-                              "pairs every two sampled clients")
         if 0.0 < cfg.nadp_lambda < 1.0:
             raise ConfigError(f"run-config 'nadp-lambda' = {cfg.nadp_lambda} must be 0 (derive from nadp-tau) "
                               "or >= 1 (a smaller factor would undercut sigma_up)")
@@ -115,13 +113,21 @@ class NadpStrategy(CancelStrategy):
         c = self.cfg
         return local_sgd_sensitivity(c.clip, size, lr=c.lr, epochs=c.local_epochs, batch_size=c.batch_size)
 
-    def compensation(self, sizes: Mapping[int, int]) -> float:
-        """``lambda``: run-config ``nadp-lambda`` if > 0, else Eq. 8 for ``nadp-tau`` over the sampled clients."""
+    def compensation(self, sizes: Mapping[int, int], min_degree: int | None = None) -> float:
+        """``lambda``: run-config ``nadp-lambda`` if > 0, else Eq. 8 for ``nadp-tau`` over the sampled clients.
+
+        On a sparse graph (``min_degree`` < k - 1) a client's pair noise is spread over
+        its neighbours only, so Eq. 8 is applied to the smallest neighbourhood
+        (k_eff = min degree + 1): the bound then assumes the colluders are a tau
+        fraction of every neighbourhood, which holds for a random graph drawn
+        independently of who colludes, not for a graph picked by a colluding server.
+        """
         if self.cfg.nadp_lambda > 0:
             return self.cfg.nadp_lambda
         ratio = max(sizes.values()) / min(sizes.values())
+        k = len(sizes) if min_degree is None else min(len(sizes), min_degree + 1)
         try:
-            return compensation_factor(self.cfg.nadp_tau, k=len(sizes), size_ratio=ratio)
+            return compensation_factor(self.cfg.nadp_tau, k=k, size_ratio=ratio)
         except ValueError as err:
             # (1 - tau) k <= 1: no honest partner is left to hide behind, no lambda can help.
             log(WARNING, "nadp: %s; using lambda = 1 (no collusion protection this round)", err)
@@ -147,8 +153,10 @@ class NadpStrategy(CancelStrategy):
             stds = {n: self.z_ldp * sens[n] for n in sizes}
             return RoundState(keys, sizes, weights, sens, 1.0, None, stds)
         sig = calibrate_from_sensitivities(self.cfg.epsilon, self.cfg.delta, self.cfg.num_rounds, sens, sizes)
-        alloc = upload_noise_scales(sizes, sig.sigma_up, sig.sigma_down)
-        return RoundState(keys, sizes, weights, sens, self.compensation(sizes), alloc,
+        sparse = any(len(nb) != len(sizes) - 1 for nb in keys.neighbours.values())
+        alloc = upload_noise_scales(sizes, sig.sigma_up, sig.sigma_down, graph=keys.neighbours if sparse else None)
+        min_degree = min(len(nb) for nb in keys.neighbours.values()) if sparse else None
+        return RoundState(keys, sizes, weights, sens, self.compensation(sizes, min_degree), alloc,
                           sigma_up=sig.sigma_up, sigma_down=sig.sigma_down)
 
     def plan_config(self, st: RoundState) -> ConfigRecord:
@@ -161,6 +169,8 @@ class NadpStrategy(CancelStrategy):
             "nadp-sigma-up": float(st.sigma_up),
             "nadp-sigma-down": float(st.sigma_down),
             "nadp-lambda": float(st.lam),
+            # 0: every two participants pair (Alg. 2); n: the random n-out graph of the round's graph-seed.
+            "nadp-n-out": self.cfg.n_out if st.allocation is not None and st.allocation.pair_table is not None else 0,
         })
         if st.ldp_stds:
             rec["nadp-ldp-stds"] = [float(st.ldp_stds[n]) for n in ids]
@@ -191,6 +201,7 @@ class NadpStrategy(CancelStrategy):
         if st is None:
             raise RoundFailed(f"round {server_round}: no nadp plan (configure_train did not run)")
         good, errors = split_replies(replies)
+        forget_unresponsive(self, st.keys.participants, good)
         for e in errors:
             log(WARNING, "round %d: %s", server_round, e.splitlines()[0])
         part = set(st.keys.participants)

@@ -3,7 +3,7 @@
 Round ``r`` (all phases run inside :meth:`NissStrategy.configure_train` through the Grid):
 
 1. ``query.keys`` (shared key phase, :func:`strategies.pairwise_phase.run_key_phase`):
-   every sampled client returns a fresh X25519 public key.  The server, acting as
+   sampled clients without a key of the key epoch return an X25519 public key.  The server, acting as
    the paper's *tracker*, draws the round's neighbour lists: the adjacency of a
    complete graph or of a random n-out graph over the clients with valid keys
    (run-config ``graph``/``n-out``).
@@ -98,7 +98,7 @@ from protocols.accounting import calibrate_noise_multiplier, gaussian_epsilon
 from protocols.graphs import complete_graph, n_out_graph
 from server.config import RunConfig
 from strategies.base import CancelStrategy, RoundFailed, from_record, split_replies, to_record
-from strategies.pairwise_phase import KeyRound, probe_residual, run_key_phase
+from strategies.pairwise_phase import KeyRound, forget_unresponsive, probe_residual, run_key_phase
 
 #: How often the share phase is re-run after clients failed it, before the round fails.
 MAX_SHARE_ATTEMPTS = 3
@@ -237,6 +237,7 @@ class NissStrategy(CancelStrategy):
         if state is None or state.round != server_round:
             raise RoundFailed(f"round {server_round}: no NISS share exchange state for this round")
         good, errors = split_replies(replies)
+        forget_unresponsive(self, state.participants, good)
         by_node = {r.metadata.src_node_id: r for r in good}
         auth = []
         for node, r in sorted(by_node.items()):

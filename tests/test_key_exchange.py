@@ -22,10 +22,11 @@ from protocols.pairwise import pairwise_noise
 from server.config import RunConfig
 from server.local_grid import LocalGrid
 from strategies.base import CancelStrategy, RoundFailed, from_record, split_replies, to_record
-from strategies.pairwise_phase import run_key_phase
+from strategies.pairwise_phase import forget_unresponsive, run_key_phase
 
 SIZE = 10_000
 BAD_KEY_NODES: set[int] = set()
+KEY_CALLS: list[tuple[int, int]] = []  # (round, node) of every query.keys a client answered
 
 
 def _client_app() -> ClientApp:
@@ -34,6 +35,7 @@ def _client_app() -> ClientApp:
     @app.query("keys")
     def keys(msg: Message, context) -> Message:
         out = handle_keys(msg, ClientEnv.from_context(context))
+        KEY_CALLS.append((int(msg.content["config"]["round"]), context.node_id))
         if context.node_id in BAD_KEY_NODES:  # a broken client: truncated public key
             out.content["config"]["public-key"] = out.content["config"]["public-key"][:31]
         return out
@@ -58,6 +60,8 @@ class MaskSum(CancelStrategy):
 
     def aggregate_train(self, server_round, replies):
         good, _ = split_replies(replies)
+        forget_unresponsive(self, self.key_round.participants, good)
+        self.failed = sorted(set(self.key_round.participants) - {r.metadata.src_node_id for r in good})
         masks = [from_record(r.content["arrays"])["mask"] for r in good]
         self.total = np.sum(masks, axis=0)
         self.scale = math.sqrt(sum(float(m @ m) for m in masks))
@@ -102,3 +106,46 @@ def test_silent_client_is_left_out():
 def test_too_few_keys_fails_clearly():
     with pytest.raises(RoundFailed, match="at least 2 clients"):
         _round(3, offline=2)
+
+
+def _rounds(num_clients: int, rounds: int, *, key_rotation: int, lose_state_after: dict[int, int] | None = None):
+    """Run ``rounds`` rounds on one grid; yields (strategy, grid) after each round."""
+    cfg = RunConfig(num_clients=num_clients, key_rotation=key_rotation)
+    grid = LocalGrid(_client_app(), num_clients, cfg.to_mapping())
+    strategy = MaskSum(cfg)
+    for rnd in range(1, rounds + 1):
+        msgs = strategy.configure_train(rnd, ArrayRecord(), ConfigRecord(), grid)
+        strategy.aggregate_train(rnd, grid.send_and_receive(msgs))
+        yield strategy, grid
+        for idx in (lose_state_after or {}).get(rnd, []):  # e.g. a SuperNode restarted and lost Context.state
+            grid.contexts[grid.node_ids[idx]].state = RecordDict()
+
+
+def test_session_keys_skip_the_key_phase_and_seeds_change_every_round():
+    KEY_CALLS.clear()
+    totals = []
+    for strategy, _ in _rounds(5, 3, key_rotation=0):
+        assert np.linalg.norm(strategy.total) / strategy.scale < 1e-12
+        totals.append(strategy.scale)
+    assert sorted({r for r, _ in KEY_CALLS}) == [1] and len(KEY_CALLS) == 5  # keys only in round 1
+    assert len(set(totals)) == 3  # fresh pair seeds (different masks) every round under one key pair
+
+
+def test_key_rotation_rekeys_every_epoch():
+    KEY_CALLS.clear()
+    for strategy, _ in _rounds(4, 5, key_rotation=2):
+        assert np.linalg.norm(strategy.total) / strategy.scale < 1e-12
+    assert sorted({r for r, _ in KEY_CALLS}) == [1, 3, 5] and len(KEY_CALLS) == 12
+    KEY_CALLS.clear()
+    list(_rounds(3, 3, key_rotation=1))
+    assert sorted({r for r, _ in KEY_CALLS}) == [1, 2, 3]
+
+
+def test_client_that_lost_its_keys_fails_once_then_is_rekeyed():
+    KEY_CALLS.clear()
+    runs = list((s.failed, s.total.copy(), s.scale) for s, _ in _rounds(4, 3, key_rotation=0,
+                                                                         lose_state_after={1: [2]}))
+    (f1, t1, s1), (f2, _t2, _s2), (f3, t3, s3) = runs
+    assert f1 == [] and len(f2) == 1 and f3 == []  # round 2: the node without keys cannot derive seeds
+    assert [r for r, _ in KEY_CALLS].count(3) == 1  # round 3: only that node runs the key phase again
+    assert np.linalg.norm(t1) / s1 < 1e-12 and np.linalg.norm(t3) / s3 < 1e-12

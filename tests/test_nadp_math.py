@@ -411,3 +411,37 @@ def test_joint_view_equal_sizes_closed_form() -> None:
         for c in range(k):
             assert joint[c] == pytest.approx(want, rel=1e-10)
             assert alloc.uplink_std(c, lam) == pytest.approx(math.sqrt(k * (1 + lam * lam * (k - 1))) * sd, rel=1e-12)
+
+
+# ---------------------------------------------------------------- sparse (n-out) pairing
+SPARSE_CASES = [c for c in WEIGHT_CASES if len(c[1]) == 50]
+
+
+@pytest.mark.parametrize(("name", "weights"), SPARSE_CASES, ids=[c[0] for c in SPARSE_CASES])
+def test_graph_allocation_meets_every_demand(name: str, weights: dict[int, float]) -> None:
+    from protocols.graphs import n_out_graph
+
+    ids = sorted(weights)
+    graph = n_out_graph(ids, 2, b"g" * 32)
+    p = normalize_weights(weights)
+    alloc = upload_noise_scales(weights, 0.37 / min(p.values()), 0.37, graph=graph)
+    assert alloc.pair_table is not None and alloc.aggregate_std == pytest.approx(0.37, rel=1e-12)
+    for c in ids:
+        assert alloc.uplink_std(c) >= alloc.sigma_up * (1 - 1e-12)
+        assert sorted(alloc.counteracting_stds(c)) == sorted(graph[c])  # pairs only with neighbours
+        for j, s in alloc.counteracting_stds(c).items():
+            assert alloc.counteracting_stds(j)[c] == s  # both ends: the identical float
+    mat = alloc.pair_matrix()
+    assert np.array_equal(mat, mat.T) and (mat >= 0).all()
+    # the worst-case collusion factor is finite while colluders < the smallest degree
+    assert math.isfinite(alloc.min_compensation_factor(1))
+
+
+def test_graph_allocation_rejects_bad_graphs() -> None:
+    w = {1: 10.0, 2: 20.0, 3: 30.0, 4: 40.0}
+    with pytest.raises(ValueError, match="symmetric"):
+        upload_noise_scales(w, 5.0, 1.0, graph={1: [2], 2: [3], 3: [2], 4: []})
+    with pytest.raises(ValueError, match="exactly the sampled"):
+        upload_noise_scales(w, 5.0, 1.0, graph={1: [2], 2: [1]})
+    with pytest.raises(ValueError, match="no neighbour"):
+        upload_noise_scales(w, 5.0, 1.0, graph={1: [2, 3], 2: [1, 3], 3: [1, 2], 4: []})

@@ -2,7 +2,7 @@
 
 Per round a sampled client
 
-1. answered ``query.keys`` with a fresh X25519 public key and its dataset size
+1. answered ``query.keys`` (first round of a key epoch) with an X25519 public key and its dataset size
    ``|D_i|`` (:func:`client.pairwise_phase.handle_keys`);
 2. receives the global model plus the round's public plan: the participants'
    ids and sizes, ``sigma_up``, ``sigma_down`` (Eq. 3) and the compensation
@@ -39,6 +39,7 @@ from torch import nn
 from client.env import ClientEnv, reply
 from client.models import MLP, flatten, get_weights, unflatten
 from client.pairwise_phase import mask_probe, pair_seeds, peers
+from protocols.graphs import complete_graph, n_out_graph
 from protocols.nadp import nadp_upload, upload_noise_scales
 from protocols.pairwise import pairwise_noise
 from protocols.prg import gaussian
@@ -61,6 +62,7 @@ class RoundPlan:
     sigma_down: float
     lam: float
     ldp_stds: dict[int, float]
+    n_out: int = 0  # 0 = complete graph (Alg. 2); n = random n-out graph from the round's graph-seed
 
     @classmethod
     def from_config(cls, cfg: ConfigRecord) -> RoundPlan:
@@ -75,7 +77,7 @@ class RoundPlan:
             raise ValueError("nadp round plan: 'nadp-ldp-stds' must hold one std per participant")
         return cls(variant, ids, dict(zip(ids, sizes, strict=True)), float(cfg["nadp-sigma-up"]),
                    float(cfg["nadp-sigma-down"]), float(cfg["nadp-lambda"]),
-                   dict(zip(ids, ldp, strict=True)) if ldp else {})
+                   dict(zip(ids, ldp, strict=True)) if ldp else {}, int(cfg.get("nadp-n-out", 0)))
 
 
 def residual_seed() -> bytes:
@@ -225,11 +227,13 @@ def noise_parts(msg: Message, env: ClientEnv, plan: RoundPlan, size: int) -> tup
         p_i = plan.sizes[me] / total
         # upload noise std sigma_i  <=>  residual std p_i * sigma_i before the 1/p_i factor
         return p_i, gaussian(residual_seed(), size, p_i * plan.ldp_stds[me]), np.zeros(size)
-    alloc = upload_noise_scales(plan.sizes, plan.sigma_up, plan.sigma_down)
-    others = set(plan.ids) - {me}
-    if set(peers(msg)) != others:
-        # Alg. 2 pairs every two participants; a missing pair would break cancellation.
-        raise ValueError("nadp needs the complete graph: the peer list differs from the participants")
+    # The pair variances depend on the whole graph (neighbours' degrees): rebuild it from public values.
+    graph = (n_out_graph(list(plan.ids), plan.n_out, bytes(msg.content["config"]["graph-seed"]))
+             if plan.n_out else complete_graph(list(plan.ids)))
+    alloc = upload_noise_scales(plan.sizes, plan.sigma_up, plan.sigma_down, graph=graph if plan.n_out else None)
+    if sorted(peers(msg)) != sorted(graph[me]):
+        # Every pair of the plan's graph must be keyed; a missing pair would break cancellation.
+        raise ValueError("nadp: the peer list differs from the round's pairing graph")
     seeds = pair_seeds(msg, env, purpose=PAIR_PURPOSE)
     residual = gaussian(residual_seed(), size, alloc.residual_std[me])
     counteract = pairwise_noise(me, seeds, size, scale=alloc.counteracting_stds(me))
