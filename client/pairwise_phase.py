@@ -23,8 +23,10 @@ STATE_KEY = "cancelfl-keys"
 
 
 def _epoch_of(cfg) -> int:
-    """Key epoch named by the server (older servers sent only the round: one epoch per round)."""
-    return int(cfg["key-epoch"]) if "key-epoch" in cfg else int(cfg["round"])
+    """Key epoch named by the server (every key and peer-key message carries it)."""
+    if "key-epoch" not in cfg:
+        raise ValueError("message lacks 'key-epoch': cannot tell which key pair the peer keys belong to")
+    return int(cfg["key-epoch"])
 
 
 def handle_keys(msg: Message, env: ClientEnv) -> Message:

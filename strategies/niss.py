@@ -98,7 +98,7 @@ from protocols.accounting import calibrate_noise_multiplier, gaussian_epsilon
 from protocols.graphs import complete_graph, n_out_graph
 from server.config import RunConfig
 from strategies.base import CancelStrategy, RoundFailed, from_record, split_replies, to_record
-from strategies.pairwise_phase import KeyRound, forget_unresponsive, probe_residual, run_key_phase
+from strategies.pairwise_phase import KeyRound, forget_keys, forget_unresponsive, probe_residual, run_key_phase
 
 #: How often the share phase is re-run after clients failed it, before the round fails.
 MAX_SHARE_ATTEMPTS = 3
@@ -185,6 +185,7 @@ class NissStrategy(CancelStrategy):
                     "niss-weight": weight,
                     "peer-ids": [str(p) for p in peers],
                     "peer-keys": [keys.public_keys[p] for p in peers],
+                    "key-epoch": keys.key_epoch,
                 })})
 
             replies, _errors = self.exchange(grid, participants, content, "shares")
@@ -193,6 +194,7 @@ class NissStrategy(CancelStrategy):
             if not failed:
                 return _RoundState(rnd, participants, neighbours, weight, dropped), good
             dropped += failed
+            forget_keys(self, failed)  # re-keyed when next sampled (e.g. a node that lost its state)
             participants = sorted(good)
             if len(participants) < 2:
                 break

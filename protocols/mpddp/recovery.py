@@ -32,7 +32,13 @@ def aggregate(uploads: Sequence[ClientUpload]) -> ClientUpload:
     k = len(uploads)
 
     def mean(parts: Sequence[Sequence[Tensor]]) -> tuple[Tensor, ...]:
-        return tuple(torch.stack(list(ts)).sum(dim=0) / k for ts in zip(*parts, strict=True))
+        out = []
+        for ts in zip(*parts, strict=True):
+            acc = ts[0].clone()  # running sum in upload order: no k-fold stacked copy
+            for t in ts[1:]:
+                acc.add_(t)
+            out.append(acc.div_(k))
+        return tuple(out)
 
     return ClientUpload(mean([u.grads for u in uploads]), mean([u.psi for u in uploads]), mean([u.phi for u in uploads]))
 
