@@ -355,11 +355,12 @@ def graph_pair_variances(demand: Mapping[int, float], graph: Mapping[int, Sequen
     ids = sorted(demand)
     if sorted(graph) != ids:
         raise ValueError("graph must list exactly the sampled clients")
+    rows = {i: set(graph[i]) for i in ids}
     for i in ids:
-        nbrs = list(graph[i])
-        if i in nbrs or len(set(nbrs)) != len(nbrs) or any(j not in demand for j in nbrs):
+        nbrs = rows[i]
+        if i in nbrs or len(nbrs) != len(graph[i]) or not nbrs <= rows.keys():
             raise ValueError(f"graph row of client {i} has a self-loop, a duplicate or an unknown id")
-        if any(i not in graph[j] for j in nbrs):
+        if any(i not in rows[j] for j in nbrs):
             raise ValueError(f"graph is not symmetric at client {i}")
         if demand[i] > 0.0 and not nbrs:
             raise ValueError(f"client {i} needs pair noise (beta > 0) but has no neighbour")

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from protocols.prg import gaussian
+from protocols.prg import gaussian, gaussian_many
 
 __all__ = ["Sampler", "pairwise_noise", "residual_norm"]
 
@@ -60,8 +60,13 @@ def pairwise_noise(
         raise ValueError(f"non-finite scale for peers {sorted(bad)[:10]}")
 
     acc = np.zeros(size, dtype=np.float64)
-    for peer in sorted(pair_seeds):  # fixed order: the result does not depend on dict order
-        z = np.asarray(sampler(pair_seeds[peer], size), dtype=np.float64)
+    order = sorted(pair_seeds)  # fixed order: the result does not depend on dict order
+    if sampler is gaussian:  # same bits, the ziggurat's slow path resolved for many peers at once
+        streams = gaussian_many([pair_seeds[p] for p in order], size)
+    else:
+        streams = (sampler(pair_seeds[p], size) for p in order)
+    for peer, z in zip(order, streams, strict=True):
+        z = np.asarray(z, dtype=np.float64)
         if z.shape != (size,):
             raise ValueError(f"sampler returned shape {z.shape}, expected ({size},)")
         c = scales[peer]

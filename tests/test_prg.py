@@ -279,7 +279,7 @@ def test_tail_sampler_exact(zig) -> None:
     n = 200_000
     pos = np.arange(n, dtype=np.uint64)
     mag = np.full(n, zig.r * 1.5)
-    tail = prg._resolve_slow(zig, SEED, pos, mag, np.zeros(n, dtype=np.intp))
+    tail = prg._resolve_slow(zig, [SEED], np.zeros(n, dtype=np.intp), pos, mag, np.zeros(n, dtype=np.intp))
     assert tail.min() >= zig.r
     ref = stats.truncnorm(zig.r, np.inf) if zig.name == "normal" else stats.expon(zig.r)
     assert stats.kstest(tail, ref.cdf).pvalue > 0.01
@@ -293,7 +293,8 @@ def test_wedge_sampler_exact() -> None:
     words = np.frombuffer(random_bytes(SEED2, 8 * n), dtype="<u8").astype(np.uint64)
     mag, layer, fast = prg._candidates(words, zig)
     slow = np.flatnonzero(~fast)
-    resolved = prg._resolve_slow(zig, SEED, slow.astype(np.uint64), mag[slow], layer[slow])
+    resolved = prg._resolve_slow(zig, [SEED], np.zeros(slow.size, dtype=np.intp), slow.astype(np.uint64),
+                                  mag[slow], layer[slow])
     full = mag.copy()
     full[slow] = resolved
     assert stats.kstest(full, stats.halfnorm.cdf).pvalue > 0.01
@@ -351,3 +352,20 @@ def test_streams_are_independent() -> None:
         assert abs(np.corrcoef(a, b)[0, 1]) < 5 / math.sqrt(n)
     # and adjacent seeds give uncorrelated gaussians
     assert abs(np.corrcoef(g, gaussian(SEED2, n))[0, 1]) < 5 / math.sqrt(n)
+
+
+@pytest.mark.parametrize("size", [0, 1, 1000, 70_000])
+def test_gaussian_many_is_bit_identical_to_separate_streams(size) -> None:
+    """Resolving the slow paths of several streams together must not change a single bit."""
+    seeds = [hashlib.sha256(f"many-{i}".encode()).digest() for i in range(12)]
+    together = list(prg.gaussian_many(seeds, size, 0.7))
+    assert len(together) == len(seeds)
+    for seed, got in zip(seeds, together, strict=True):
+        assert np.array_equal(got.view(np.uint64), gaussian(seed, size, 0.7).view(np.uint64))
+
+
+def test_gaussian_many_groups_bound_memory(monkeypatch) -> None:
+    monkeypatch.setattr(prg, "_MANY_MAX_ELEMENTS", 2500)  # forces groups of 2 streams of 1000
+    seeds = [hashlib.sha256(f"grp-{i}".encode()).digest() for i in range(5)]
+    for seed, got in zip(seeds, prg.gaussian_many(seeds, 1000), strict=True):
+        assert np.array_equal(got, gaussian(seed, 1000))
