@@ -117,6 +117,34 @@ def test_n_out_graph_cancels_and_meets_sigma_up_with_fewer_pairs(run_inprocess):
     assert math.isfinite(summary["epsilon"]) and summary["final_accuracy"] > 0.1
 
 
+class KeyCountGrid(LocalGrid):
+    """Counts the ``query.keys`` messages each node receives."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.key_queries: dict[int, int] = {}
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        for m in messages:
+            if m.metadata.message_type == "query.keys":
+                self.key_queries[m.metadata.dst_node_id] = self.key_queries.get(m.metadata.dst_node_id, 0) + 1
+        return super().send_and_receive(messages, timeout=timeout)
+
+
+def test_partial_participation_with_session_keys_keys_each_client_once(tmp_path):
+    """sample-rate 0.5 over 6 rounds: a client runs the key phase only when first sampled; sums always cancel."""
+    raw = {**app_defaults(), "method": "nadp", "num-clients": 8, "sample-rate": 0.5, "num-rounds": 6,
+           "cancellation-check": True, "out-dir": str(tmp_path / "pp"), **FAST}
+    cfg = RunConfig.from_mapping(raw)
+    grid = KeyCountGrid(client_app, 8, raw)
+    run_federation(NadpStrategy(cfg), grid, cfg, progress=lambda _s: None)
+    rows = read_metrics(Path(cfg.out_dir))
+    assert [r["failed"] for r in rows] == [False] * 6
+    assert all(r["cancellation_residual"] < 1e-9 for r in rows)
+    assert grid.key_queries and set(grid.key_queries.values()) == {1}  # never re-keyed
+
+
 def test_n_out_plan_pairs_only_graph_neighbours(pinned_residual_seeds):
     cfg, grid, strategy = _setup(12, graph="n-out", n_out=2)
     model = build_model(cfg.model, (1, 8, 8), 10, cfg.hidden_sizes, cfg.seed)
