@@ -195,7 +195,9 @@ def test_dropout_after_key_phase_is_reported_and_run_continues(tmp_path):
     r1, r2, r3 = rows
     assert r2["clients_dropped"] == 2
     assert r2["uncancelled_noise_norm"] > 0
-    assert r2["cancellation_residual"] > 1e-3  # the survivors' pair noise with the dropped really stayed
+    # The survivors' pair noise with the dropped really stayed: the residual is one random projection,
+    # ~0.5|N(0,1)| here (it once came out 1.6e-4), against ~1e-16 when the noise cancels.
+    assert r2["cancellation_residual"] > 1e-8
     # d = 2 of k = 8 dropped, equal sizes: lam^2 d (k-d)/k sigma_down^2 of pair variance, over P_S^2
     p_s = (n - 2) / n
     expect = r2["nadp_lambda"] * math.sqrt(2 * (n - 2) / n) * r2["sigma_down"] / p_s
