@@ -218,16 +218,22 @@ def _short(err: BaseException | str) -> str:
     return text[:160]
 
 
+def point_config(name: str, epsilon: float, clients: int, base: dict, method_sets: dict[str, dict],
+                 out_dir: Path) -> tuple[str, dict]:
+    """(method, run-config) of one benchmark point: common base, method defaults, variant, per-method sets."""
+    method, variant_cfg = VARIANTS.get(name, (name, {}))
+    return method, {**base, **METHOD_DEFAULTS.get(method, {}), **variant_cfg, **method_sets.get(name, {}),
+                    "method": method, "epsilon": float(epsilon), "num-clients": int(clients), "out-dir": str(out_dir)}
+
+
 def run_point(name: str, epsilon: float, clients: int, base: dict, method_sets: dict[str, dict], out_dir: Path,
               *, hooks: Sequence = ()) -> RunResult:
     """One federation; never raises (refusals and failures end up in ``status``)."""
     from server.attacks.observe import run_observed
     from server.config import ConfigError
 
-    method, variant_cfg = VARIANTS.get(name, (name, {}))
+    method, ov = point_config(name, epsilon, clients, base, method_sets, out_dir)
     res = RunResult(name, method, epsilon, clients)
-    ov = {**base, **METHOD_DEFAULTS.get(method, {}), **variant_cfg, **method_sets.get(name, {}),
-          "method": method, "epsilon": float(epsilon), "num-clients": int(clients), "out-dir": str(out_dir)}
     side_up: dict[int, float] = {}
 
     def side_channel(msgs, replies) -> None:
@@ -290,10 +296,8 @@ def simulation_point(name: str, epsilon: float, clients: int, base: dict, method
 
     from server.deploy import run_simulation
 
-    method, variant_cfg = VARIANTS.get(name, (name, {}))
+    method, ov = point_config(name, epsilon, clients, base, method_sets, out_dir)
     res = RunResult(name, method, epsilon, clients)
-    ov = {**base, **METHOD_DEFAULTS.get(method, {}), **variant_cfg, **method_sets.get(name, {}),
-          "method": method, "epsilon": float(epsilon), "num-clients": int(clients), "out-dir": str(out_dir)}
     t0 = time.perf_counter()
     try:
         code = run_simulation(ov)
@@ -536,10 +540,8 @@ def dlg_point(name: str, epsilon: float, clients: int, base: dict, msets: dict, 
     from server.attacks.uplink import capture_first_round, uplink_attack
     from server.config import ConfigError
 
-    method, variant_cfg = VARIANTS.get(name, (name, {}))
+    _method, ov = point_config(name, epsilon, clients, base, msets, out / name)
     row: dict = {"name": name, "epsilon": epsilon, "clients": clients, "status": "ok"}
-    ov = {**base, **METHOD_DEFAULTS.get(method, {}), **variant_cfg, **msets.get(name, {}), "method": method,
-          "epsilon": float(epsilon), "num-clients": int(clients), "out-dir": str(out / name)}
     try:
         cap = capture_first_round(ov)
         res = uplink_attack(cap, restarts=args.dlg_restarts, iterations=args.dlg_iterations, seed=args.seed)

@@ -230,7 +230,7 @@ def noise_parts(msg: Message, env: ClientEnv, plan: RoundPlan, size: int) -> tup
     # The pair variances depend on the whole graph (neighbours' degrees): rebuild it from public values.
     graph = (n_out_graph(list(plan.ids), plan.n_out, bytes(msg.content["config"]["graph-seed"]))
              if plan.n_out else complete_graph(list(plan.ids)))
-    alloc = upload_noise_scales(plan.sizes, plan.sigma_up, plan.sigma_down, graph=graph if plan.n_out else None)
+    alloc = upload_noise_scales(plan.sizes, plan.sigma_up, plan.sigma_down, graph=graph)
     if sorted(peers(msg)) != sorted(graph[me]):
         # Every pair of the plan's graph must be keyed; a missing pair would break cancellation.
         raise ValueError("nadp: the peer list differs from the round's pairing graph")
