@@ -11,6 +11,12 @@ same at both ends (c_ij == c_ji; this function cannot check the peer's value, ca
 must derive it from shared information). In float64 the aggregate cancels up to
 rounding (~1e-16 relative), because z_ij is bit-identical at both ends (``protocols.prg``
 is deterministic across machines) and s * c * z is computed identically at both ends.
+
+Fast paths (same noise law, fewer passes): ``gaussian`` resolves the ziggurat's slow path of
+all peers at once; ``symmetric_uniform`` (Uniform[-1, 1), e.g. mpddp's DN(sigma, 1) with
+scale sqrt2 * sigma) sums the peers' streams exactly as integers per distinct scale
+(:func:`protocols.prg.symmetric_uniform_sum`), so the integer parts of all parties cancel
+exactly and only one rounding per party remains.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from protocols.prg import gaussian, gaussian_many
+from protocols.prg import gaussian, gaussian_many, symmetric_uniform, symmetric_uniform_sum
 
 __all__ = ["Sampler", "pairwise_noise", "residual_norm"]
 
@@ -61,6 +67,14 @@ def pairwise_noise(
 
     acc = np.zeros(size, dtype=np.float64)
     order = sorted(pair_seeds)  # fixed order: the result does not depend on dict order
+    if sampler is symmetric_uniform:
+        for c in sorted(set(scales.values())):
+            peers = [p for p in order if scales[p] == c]
+            plus = [pair_seeds[p] for p in peers if own_id < p]
+            minus = [pair_seeds[p] for p in peers if own_id > p]
+            part = symmetric_uniform_sum(plus, minus, size)
+            acc += part if c == 1.0 else c * part
+        return acc
     if sampler is gaussian:  # same bits, the ziggurat's slow path resolved for many peers at once
         streams = gaussian_many([pair_seeds[p] for p in order], size)
     else:

@@ -76,6 +76,8 @@ __all__ = [
     "derive_subseed",
     "random_bytes",
     "uniform",
+    "symmetric_uniform",
+    "symmetric_uniform_sum",
     "gaussian",
     "gaussian_many",
     "laplace",
@@ -509,6 +511,56 @@ def uniform(seed: bytes, size: int) -> np.ndarray:
         np.negative(h, out=h)
         np.bitwise_and(h, np.uint64(0x3CA0000000000000), out=h)
         np.add(seg, h.view(np.float64), out=seg)
+    return out
+
+
+def symmetric_uniform(seed: bytes, size: int) -> np.ndarray:
+    """``size`` float64 uniforms on [-1, 1): (k - 2**52) / 2**52, k the 53-bit integer of :func:`uniform`.
+
+    Exactly ``2 * uniform(seed, size) - 1`` (same stream, no rounding).  Pairwise sums of
+    these streams have an exact integer form: see :func:`symmetric_uniform_sum`.
+    """
+    out = uniform(seed, size)
+    out *= 2.0
+    out -= 1.0  # exact: 2k/2**53 - 1 = (k - 2**52) / 2**52 is on the 2**-52 grid in [-1, 1)
+    return out
+
+
+#: Streams summed exactly in one uint64 accumulator: |sum of (k - 2**52)| < 2047 * 2**52 < 2**63.
+_EXACT_SUM_STREAMS = 2047
+
+
+def symmetric_uniform_sum(plus: Sequence[bytes], minus: Sequence[bytes], size: int) -> np.ndarray:
+    """``sum(symmetric_uniform(s) for s in plus) - sum(symmetric_uniform(s) for s in minus)``, exactly.
+
+    The sum is formed on the integers k - 2**52 (wrap-around uint64 arithmetic, exact while
+    fewer than 2048 streams are summed; more are summed in groups) and rounded to float64
+    once per group.  So when every stream appears once in some ``plus`` and once in some
+    ``minus`` (pairwise cancelling noise), the parties' integer sums add up to exactly 0
+    and the float results cancel up to one rounding each.  It is also ~2x faster than
+    summing float vectors: per stream only a shift and an integer add.
+    """
+    plus = [_check_seed(s) for s in plus]
+    minus = [_check_seed(s) for s in minus]
+    size = _check_size(size)
+    out = np.zeros(size, dtype=np.float64)
+    signed = [(s, True) for s in plus] + [(s, False) for s in minus]
+    acc = np.empty(size, dtype=np.uint64)
+    half = _scratch.a
+    for first in range(0, len(signed), _EXACT_SUM_STREAMS):
+        group = signed[first : first + _EXACT_SUM_STREAMS]
+        acc.fill(0)
+        for seed, positive in group:
+            op = np.add if positive else np.subtract
+            for start, words, _ in _word_chunks(_key(seed, b"uniform"), size):
+                m = words.size
+                h = half[:m]
+                np.right_shift(words, 11, out=h)  # k, 53 bits
+                seg = acc[start : start + m]
+                op(seg, h, out=seg)
+        offset = (sum(1 if positive else -1 for _, positive in group) << 52) % (1 << 64)
+        acc -= np.uint64(offset)  # centre every k at 2**52 (mod 2**64)
+        out += acc.view(np.int64).astype(np.float64) * 2.0**-52  # exact integer -> one rounding
     return out
 
 

@@ -11,6 +11,7 @@ from protocols.mpddp import (
     ClientUpload,
     aggregate,
     client_gradients,
+    client_gradients_autograd,
     draw_secret,
     expand,
     forward_expanded,
@@ -179,3 +180,21 @@ def test_float32_recovery_error_is_reported() -> None:
     err32 = max_rel_err(recover(up64, secret), true_grads(layers, x, y))
     print(f"float32 client recovery relative error: {err32:.2e}")
     assert err32 < 1e-1
+
+
+@pytest.mark.parametrize("dims", [*DIMS, [784, 32, 10]])
+def test_batched_backprop_matches_autograd(dims: list[int]) -> None:
+    """client_gradients' hand-written batched backward == n_L + 2 autograd passes (round-off only)."""
+    gen = torch.Generator().manual_seed(9)
+    layers = rand_mlp(dims, gen)
+    x, y = rand_batch(dims, 17, gen)
+    x[0] = 0.0  # a sample with exact zeros in the first pre-activations' inputs
+    w_hat, _ = mp_server(layers, seed(f"bp{dims}"))
+    got, want = client_gradients(w_hat, x, y), client_gradients_autograd(w_hat, x, y)
+    for part_got, part_want in zip((got.grads, got.psi, got.phi), (want.grads, want.psi, want.phi), strict=True):
+        for a, b in zip(part_got, part_want, strict=True):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            assert float((a - b).abs().max()) <= 1e-12 * max(float(b.abs().max()), 1e-300) + 1e-300
+    assert any(float(p.abs().max()) > 0 for p in got.psi)  # not trivially zero
+    with pytest.raises(ValueError):
+        client_gradients(w_hat, x[:0], y[:0])

@@ -13,7 +13,7 @@ import pytest
 from protocols.graphs import complete_graph, n_out_graph
 from protocols.keyagreement import KeyPair, agree, derive_pair_seed, generate_keypair
 from protocols.pairwise import Sampler, pairwise_noise, residual_norm
-from protocols.prg import gaussian, laplace, uniform
+from protocols.prg import gaussian, laplace, symmetric_uniform, symmetric_uniform_sum, uniform
 
 DIM = 1_000_000
 RUN_ID = b"test-run"
@@ -155,3 +155,34 @@ def test_residual_norm() -> None:
     assert residual_norm([a, b]) == 5.0
     assert residual_norm([a, -a]) == 0.0
     assert residual_norm([]) == 0.0
+
+
+def test_symmetric_uniform_is_twice_uniform_minus_one() -> None:
+    seed = b"\x05" * 32
+    assert np.array_equal(symmetric_uniform(seed, 10_000), 2.0 * uniform(seed, 10_000) - 1.0)
+
+
+def test_symmetric_uniform_fast_path_cancels_and_matches_float_sum() -> None:
+    """The exact integer path: same values as summing the float streams, and the parties' sums cancel."""
+    ids, keys = _clients(12, seed=5)
+    graph = n_out_graph(ids, 3, hashlib.sha256(b"round 5").digest())
+    resid, noise = _aggregate(graph, keys, 200_000, sampler=symmetric_uniform, scale_fn=lambda i, j: 0.5 + (i + j) % 3)
+    assert noise > 0.3 * math.sqrt(3 * 200_000)
+    assert resid < 1e-14 * noise
+    own, peers = ids[0], graph[ids[0]]
+    seeds = _pair_seeds(own, peers, keys, round_num=4)
+    scales = {j: 0.5 + (own + j) % 3 for j in peers}
+    fast = pairwise_noise(own, seeds, 50_000, sampler=symmetric_uniform, scale=scales)
+    slow = pairwise_noise(own, seeds, 50_000, sampler=lambda s, n: 2.0 * uniform(s, n) - 1.0, scale=scales)
+    assert np.allclose(fast, slow, rtol=0, atol=1e-13 * len(peers))
+
+
+def test_symmetric_uniform_sum_groups_many_streams() -> None:
+    """More streams than one exact uint64 group holds: still the float sum, still exact per group."""
+    seeds = [hashlib.sha256(b"s%d" % k).digest() for k in range(2100)]
+    plus, minus = seeds[::2], seeds[1::2]
+    got = symmetric_uniform_sum(plus, minus, 64)
+    want = sum(symmetric_uniform(s, 64) for s in plus) - sum(symmetric_uniform(s, 64) for s in minus)
+    assert np.allclose(got, want, rtol=0, atol=1e-11)
+    # Within one group the sum is an exact integer: streams added and subtracted leave exactly 0.
+    assert not np.any(symmetric_uniform_sum(seeds[:1000], seeds[:1000], 64))

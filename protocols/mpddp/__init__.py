@@ -34,7 +34,7 @@ from protocols.mpddp.expansion import (
     one_hot,
     split_blocks,
 )
-from protocols.mpddp.gradients import ClientUpload, client_gradients
+from protocols.mpddp.gradients import ClientUpload, client_gradients, client_gradients_autograd
 from protocols.mpddp.perturbation import MPSecret, draw_secret, mp_server, perturb, relative_distance
 from protocols.mpddp.recovery import aggregate, mu_server, recover, recover_blocks, sgd_update
 from protocols.mpddp.samplers import (
@@ -63,6 +63,7 @@ __all__ = [
     "calibrate_cdp",
     "calibrate_ldp",
     "client_gradients",
+    "client_gradients_autograd",
     "ddp_client",
     "ddp_noise",
     "eq23_epsilon",

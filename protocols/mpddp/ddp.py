@@ -8,14 +8,16 @@ R o Delta are exactly N(0, sigma^2) entrywise (Theorems 5, 6). Noise goes only o
 Psi and Phi are sent unnoised, as in the paper (they do leak data-dependent information to the
 server per client; routing them through secure aggregation would be the fix, outside the paper).
 
-The pairwise part uses the shared engine protocols.pairwise.pairwise_noise with the DN(1,1) sampler and
-scale=sigma_Delta: one vector over all trainable gradient entries in layer order (flatten()).
+The pairwise part uses the shared engine protocols.pairwise.pairwise_noise with DN(sigma_Delta, 1) written as
+prg.symmetric_uniform at scale sqrt2 * sigma_Delta (the engine's exact integer fast path): one vector over
+all trainable gradient entries in layer order (flatten()).
 Pair seeds must be symmetric and fresh per round, e.g.
 keyagreement.derive_pair_seed(shared, purpose="mpddp-delta", round_num=t, node_a=k, node_b=v).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -23,7 +25,8 @@ import torch
 from torch import Tensor
 
 from protocols.mpddp.gradients import ClientUpload
-from protocols.mpddp.samplers import dn_unit_sampler, sample_dn
+from protocols.mpddp.samplers import sample_dn
+from protocols.prg import symmetric_uniform
 from protocols.pairwise import pairwise_noise
 
 __all__ = ["ddp_client", "ddp_noise", "flatten", "unflatten"]
@@ -66,7 +69,8 @@ def ddp_noise(
     if sigma_eta > 0:
         noise += sample_dn(eta_seed, size, sigma_eta, 1)
     if sigma_delta > 0 and pair_seeds:
-        noise += pairwise_noise(own_id, pair_seeds, size, sampler=dn_unit_sampler, scale=sigma_delta)
+        # DN(sigma, 1) = sqrt2 * sigma * Uniform[-1, 1): the engine's exact integer fast path.
+        noise += pairwise_noise(own_id, pair_seeds, size, sampler=symmetric_uniform, scale=math.sqrt(2.0) * sigma_delta)
     return noise
 
 

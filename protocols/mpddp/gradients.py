@@ -31,9 +31,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from protocols.mpddp.expansion import forward_expanded
+from protocols.mpddp.expansion import augment_input, forward_expanded
 
-__all__ = ["ClientUpload", "client_gradients"]
+__all__ = ["ClientUpload", "client_gradients", "client_gradients_autograd"]
 
 
 @dataclass(frozen=True)
@@ -80,22 +80,96 @@ class ClientUpload:
         return cls(tuple(t[:n]), tuple(t[n : 2 * n]), tuple(t[2 * n :]))
 
 
+def _as_inputs(
+    w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.ndarray, y: Tensor | np.ndarray
+) -> tuple[list[Tensor], Tensor, Tensor]:
+    if len(w_hat) < 3 or len(w_hat) % 2 == 0:
+        raise ValueError("expected an expanded model with 2L-1 >= 3 layers")
+    mats = [torch.as_tensor(m).detach() for m in w_hat]
+    dtype = mats[0].dtype
+    mats = [m.to(dtype) for m in mats]
+    return mats, torch.as_tensor(x).to(dtype), torch.as_tensor(y).to(dtype)
+
+
+def _trim(ts: Sequence[Tensor], stacked: bool = False) -> tuple[Tensor, ...]:
+    """Drop the non-trainable constant rows of hidden layers (last row; see expansion.py)."""
+    keep = []
+    for i, t in enumerate(ts):
+        if i < len(ts) - 1:
+            t = t[:, :-1] if stacked else t[:-1]
+        keep.append(t.detach().contiguous())
+    return tuple(keep)
+
+
 def client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.ndarray, y: Tensor | np.ndarray) -> ClientUpload:
     """Perturbed gradient and Psi, Phi of the odd layers on a local batch (Theorem 13, batch-averaged).
 
     w_hat: the 2L-1 matrices received from the server (tensors or numpy arrays); x: (B, n_0) inputs;
-    y: (B, n_L) one-hot targets. Runs in w_hat's dtype (use float64). Costs n_L + 2 backward passes.
+    y: (B, n_L) one-hot targets. Runs in w_hat's dtype (use float64).
+
+    The n_L + 2 scalars (loss, Psi_1..Psi_nL, Phi) are back-propagated together by hand: their output
+    signals are stacked on a leading axis, so each layer costs one batched matmul instead of n_L + 2
+    autograd passes (~4x faster on the MNIST MLP).  :func:`client_gradients_autograd` is the plain
+    autograd reference; tests check that both agree to round-off.
     """
-    if len(w_hat) < 3 or len(w_hat) % 2 == 0:
-        raise ValueError("expected an expanded model with 2L-1 >= 3 layers")
-    mats = [torch.as_tensor(m).detach().clone() for m in w_hat]
-    dtype = mats[0].dtype
-    mats = [m.to(dtype) for m in mats]
+    mats, x, y = _as_inputs(w_hat, x, y)
+    batch = x.shape[0]
+    if batch == 0:
+        raise ValueError("empty batch")
+    # Forward, keeping each layer's input and ReLU mask.
+    h = augment_input(x)
+    inputs, masks = [], []
+    for mat in mats[:-1]:
+        inputs.append(h)
+        z = h @ mat.T
+        masks.append(z > 0)  # torch.relu's derivative: 0 at z == 0
+        h = z.clamp_min(0)
+    last = mats[-1]
+    out = h @ last.T  # (B, n_L)
+    alpha = h.sum(dim=1)  # (B,)
+    err = out - y
+    n_out, width = last.shape
+    # Signals d scalar / d h_last, stacked: [loss, Psi_1..Psi_nL, Phi] -> (n_L + 2, B, width), all / B.
+    inv_b = 1.0 / batch
+    sig = torch.empty((n_out + 2, batch, width), dtype=h.dtype)
+    sig[0] = (err @ last) * inv_b
+    sig[1 : n_out + 1] = (alpha.unsqueeze(1) * inv_b).unsqueeze(0) * last.unsqueeze(1)  # alpha_b W_k
+    sig[1 : n_out + 1] += (err.T * inv_b).unsqueeze(2)  # err_bk * d alpha / d h = err_bk * 1
+    sig[n_out + 1] = (alpha * inv_b).unsqueeze(1)
+    # Gradients w.r.t. the last matrix: loss -> err^T h / B; Psi_k -> row k = sum_b alpha_b h_b / B; Phi -> 0.
+    grad_last = (err.T @ h) * inv_b
+    psi_last = torch.zeros((n_out, n_out, width), dtype=h.dtype)
+    row = (alpha @ h) * inv_b
+    psi_last[torch.arange(n_out), torch.arange(n_out)] = row
+    grads: list[Tensor] = [grad_last]
+    psis: list[Tensor] = [psi_last]
+    phis: list[Tensor] = [torch.zeros_like(last)]
+    # Backward through layers 2L-2 .. 1 (0-based index j); odd original layers sit at even j.
+    for j in range(len(mats) - 2, -1, -1):
+        d = sig * masks[j]  # (K, B, n_j) signal at z_j
+        if j % 2 == 0:
+            k, _, n_j = d.shape
+            g = (d.transpose(1, 2).reshape(k * n_j, batch) @ inputs[j]).reshape(k, n_j, -1)
+            grads.append(g[0])
+            psis.append(g[1 : n_out + 1])
+            phis.append(g[n_out + 1])
+        if j > 0:
+            sig = d @ mats[j]
+    grads.reverse()
+    psis.reverse()
+    phis.reverse()
+    return ClientUpload(_trim(grads), _trim(psis, stacked=True), _trim(phis))
+
+
+def client_gradients_autograd(
+    w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.ndarray, y: Tensor | np.ndarray
+) -> ClientUpload:
+    """Reference implementation of :func:`client_gradients` with plain autograd (n_L + 2 backward passes)."""
+    mats, x, y = _as_inputs(w_hat, x, y)
+    mats = [m.clone() for m in mats]
     odd = mats[0::2]
     for m in odd:
         m.requires_grad_(True)
-    x = torch.as_tensor(x).to(dtype)
-    y = torch.as_tensor(y).to(dtype)
     out, last_in = forward_expanded(mats, x, return_last_input=True)
     alpha = last_in.sum(dim=1)  # (B,)
     err = out - y  # dL^/dy^ per sample
@@ -112,13 +186,4 @@ def client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.ndarra
     psi_rows = [grad(psi_scalars[k]) for k in range(psi_scalars.shape[0])]
     psi = [torch.stack([row[i] for row in psi_rows]) for i in range(len(odd))]
 
-    # Drop the non-trainable constant rows of hidden layers (last row; see expansion.py).
-    def trim(ts: list[Tensor], stacked: bool = False) -> tuple[Tensor, ...]:
-        keep = []
-        for i, t in enumerate(ts):
-            if i < len(ts) - 1:
-                t = t[:, :-1] if stacked else t[:-1]
-            keep.append(t.detach())
-        return tuple(keep)
-
-    return ClientUpload(trim(grads), trim(psi, stacked=True), trim(phi))
+    return ClientUpload(_trim(grads), _trim(psi, stacked=True), _trim(phi))

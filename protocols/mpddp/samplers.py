@@ -94,14 +94,18 @@ def sample_dn(seed: bytes, size: int, sigma: float, n: int = 1) -> np.ndarray:
     if sigma < 0 or n < 1:
         raise ValueError("need sigma >= 0 and n >= 1")
     if n == 1:
-        return math.sqrt(2.0) * sigma * (2.0 * prg.uniform(seed, size) - 1.0)
+        return math.sqrt(2.0) * sigma * prg.symmetric_uniform(seed, size)
     g = sample_gamma(prg.derive_subseed(seed, "dn-gamma"), size, 1.0 / n)
     mag = np.exp(math.log(math.sqrt(2.0) * sigma) / n - g) if sigma > 0 else np.zeros(size)
     return _signs(prg.derive_subseed(seed, "dn-sign"), size) * mag
 
 
 def dn_unit_sampler(seed: bytes, size: int) -> np.ndarray:
-    """DN(1, 1) as a pairwise `Sampler`; use `scale=sigma` in pairwise_noise for DN(sigma, 1)."""
+    """DN(1, 1) as a pairwise `Sampler`; use `scale=sigma` in pairwise_noise for DN(sigma, 1).
+
+    For many peers prefer ``sampler=prg.symmetric_uniform, scale=sqrt2 * sigma`` (as :func:`protocols.mpddp.ddp.ddp_noise` does):
+    the same law, summed exactly as integers by the engine's fast path.
+    """
     return sample_dn(seed, size, 1.0, 1)
 
 
