@@ -26,8 +26,8 @@ from torch import Tensor
 
 from protocols.mpddp.gradients import ClientUpload
 from protocols.mpddp.samplers import sample_dn
-from protocols.prg import symmetric_uniform
 from protocols.pairwise import pairwise_noise
+from protocols.prg import symmetric_uniform
 
 __all__ = ["ddp_client", "ddp_noise", "flatten", "unflatten"]
 
