@@ -30,9 +30,8 @@ import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 __all__ = [
     "KEY_BYTES",
@@ -43,6 +42,7 @@ __all__ = [
     "agree",
     "agree_many",
     "derive_pair_seed",
+    "hkdf_sha256_32",
 ]
 
 KEY_BYTES = 32
@@ -170,4 +170,14 @@ def derive_pair_seed(
         raise ValueError(f"node_a and node_b must differ, both are {int(node_a)}")
     lo, hi = min(a, b), max(a, b)  # big-endian: byte order == numeric order
     info = _INFO_PREFIX + _lp(purpose.encode("utf-8")) + _u64(round_num, "round_num") + lo + hi + _lp(bytes(context))
-    return HKDF(algorithm=hashes.SHA256(), length=_SEED_BYTES, salt=_HKDF_SALT, info=info).derive(shared)
+    return hkdf_sha256_32(shared, salt=_HKDF_SALT, info=info)
+
+
+def hkdf_sha256_32(ikm: bytes, *, salt: bytes, info: bytes) -> bytes:
+    """RFC 5869 HKDF-SHA256 with a 32-byte output (one expand block), from two one-shot HMACs.
+
+    Bit-identical to ``cryptography``'s ``HKDF(SHA256(), 32, salt, info).derive(ikm)`` (tested), ~10x
+    cheaper per call: a client derives one seed per neighbour per round (~100 with mpddp's n-out graph).
+    """
+    prk = hmac.digest(salt, ikm, "sha256")  # extract
+    return hmac.digest(prk, info + b"\x01", "sha256")  # expand: T(1) = HMAC(PRK, info || 0x01)

@@ -14,6 +14,7 @@ ArrayRecord, "config": ConfigRecord})``; a client replies with ``"arrays"``
 
 from __future__ import annotations
 
+import io
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -22,6 +23,7 @@ from logging import WARNING
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
+from flwr.common.constant import SType
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
@@ -34,9 +36,27 @@ class RoundFailed(RuntimeError):
     """A round cannot produce a correct aggregate (raised, never a silent wrong model)."""
 
 
+def numpy_array(value: np.ndarray) -> Array:
+    """A Flower ``Array`` holding exactly the bytes ``np.save`` writes, built without ``np.save``.
+
+    ``Array(ndarray)`` runs ``np.save`` into a growing ``BytesIO``: ~2 ms for a 2.4 MB mpddp upload,
+    more than the client's whole gradient step.  Here the .npy header is written by numpy's own
+    ``format`` module and joined with the raw C-order buffer in one copy (~40x faster).
+    """
+    value = np.asarray(value)
+    if value.dtype.hasobject:
+        raise TypeError("object arrays cannot be sent (np.save would need pickle)")
+    if not value.flags.c_contiguous:
+        value = np.array(value, order="C")  # keeps 0-d arrays 0-d (ascontiguousarray would not)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(value))
+    data = b"".join([header.getvalue(), memoryview(value).cast("B") if value.size else b""])
+    return Array(dtype=str(value.dtype), shape=tuple(value.shape), stype=SType.NUMPY, data=data)
+
+
 def to_record(weights: dict[str, np.ndarray], dtype: type = np.float64) -> ArrayRecord:
     """Named arrays -> ArrayRecord (``dtype`` on the wire; pairwise-noise methods need float64)."""
-    return ArrayRecord(OrderedDict((k, Array(np.ascontiguousarray(v, dtype=dtype))) for k, v in weights.items()))
+    return ArrayRecord(OrderedDict((k, numpy_array(np.asarray(v, dtype=dtype))) for k, v in weights.items()))
 
 
 def from_record(record: ArrayRecord) -> Weights:

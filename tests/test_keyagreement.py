@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import itertools
+import os
 
 import pytest
 
@@ -185,3 +186,18 @@ def test_large_node_ids_supported() -> None:
     """Flower node ids are uint64: the full range must work and stay symmetric."""
     a, b = 2**64 - 1, 2**63
     assert _seed(RFC_SHARED, node_a=a, node_b=b) == _seed(RFC_SHARED, node_a=b, node_b=a)
+
+
+def test_hkdf_matches_rfc5869_and_cryptography() -> None:
+    """hkdf_sha256_32 is RFC 5869 HKDF-SHA256 (test case 1, first 32 bytes) and equals cryptography's HKDF."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    from protocols.keyagreement import hkdf_sha256_32
+
+    okm = hkdf_sha256_32(b"\x0b" * 22, salt=bytes(range(13)), info=bytes(range(0xF0, 0xFA)))
+    assert okm.hex() == "3cb25f25faacd57a90434f64d0362f2a2d2d0a90cf1a5a4c5db02d56ecc4c5bf"
+    for k in range(20):
+        ikm, salt, info = os.urandom(32), os.urandom(k), os.urandom(3 * k)
+        want = HKDF(algorithm=hashes.SHA256(), length=32, salt=salt or None, info=info).derive(ikm)
+        assert hkdf_sha256_32(ikm, salt=salt, info=info) == want
