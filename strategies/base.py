@@ -15,6 +15,7 @@ ArrayRecord, "config": ConfigRecord})``; a client replies with ``"arrays"``
 from __future__ import annotations
 
 import io
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -57,6 +58,31 @@ def numpy_array(value: np.ndarray) -> Array:
 def to_record(weights: dict[str, np.ndarray], dtype: type = np.float64) -> ArrayRecord:
     """Named arrays -> ArrayRecord (``dtype`` on the wire; pairwise-noise methods need float64)."""
     return ArrayRecord(OrderedDict((k, numpy_array(np.asarray(v, dtype=dtype))) for k, v in weights.items()))
+
+
+def array_view(array: Array) -> np.ndarray:
+    """A read-only, zero-copy ndarray over an ``Array``'s .npy bytes (``Array.numpy()`` copies them).
+
+    For summing large uploads on the server without holding a second copy of each.  Refuses
+    non-numpy payloads and non-numeric dtypes with ``ValueError``.
+    """
+    if array.stype != SType.NUMPY:
+        raise ValueError(f"array is not numpy-serialised (stype {array.stype!r})")
+    data = array.data
+    header = io.BytesIO(data)
+    try:
+        version = np.lib.format.read_magic(header)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read(header)
+    except (ValueError, OSError) as err:
+        raise ValueError(f"malformed .npy payload: {err}") from err
+    if dtype.kind not in "biuf":
+        raise ValueError(f"array dtype {dtype} is not numeric")
+    count = math.prod(shape)
+    if header.tell() + count * dtype.itemsize != len(data):
+        raise ValueError(f"payload holds {len(data) - header.tell()} bytes, shape {shape} needs {count * dtype.itemsize}")
+    view = np.frombuffer(data, dtype=dtype, count=count, offset=header.tell())
+    return view.reshape(shape, order="F" if fortran else "C")
 
 
 def from_record(record: ArrayRecord) -> Weights:

@@ -94,7 +94,6 @@ from protocols.mpddp import (
     ClientUpload,
     MPSecret,
     add_cdp_noise,
-    aggregate,
     calibrate,
     eq23_epsilon,
     mp_server,
@@ -106,7 +105,7 @@ from protocols.mpddp import (
 )
 from protocols.mpddp.expansion import Layer
 from server.config import ConfigError, RunConfig
-from strategies.base import CancelStrategy, RoundFailed, Weights, from_record, split_replies, to_record
+from strategies.base import CancelStrategy, RoundFailed, Weights, array_view, from_record, split_replies, to_record
 from strategies.pairwise_phase import forget_unresponsive, probe_residual, run_key_phase
 
 TestNoise = Literal["calibrated", "off", "pairwise-only"]
@@ -147,6 +146,35 @@ def upload_from_record(record: ArrayRecord, num_layers: int) -> ClientUpload:
     if list(arrays) != names:
         raise ValueError(f"expected arrays {names[0]}..{names[-1]}, got {list(arrays)[:4]}...")
     return ClientUpload.from_arrays([arrays[k] for k in names])
+
+
+def mean_upload(records: Sequence[tuple[int, ArrayRecord]], num_layers: int) -> ClientUpload:
+    """Eqs. (20), (21) straight from the wire: the unweighted mean of ``(node id, upload record)`` pairs.
+
+    Sums zero-copy views of the received bytes into one float64 accumulator (in upload order, the
+    same float operations as :func:`protocols.mpddp.aggregate`), so the server never holds a second
+    copy of K uploads (K x 2.4 MB on the MNIST MLP).  ValueError names the first malformed upload.
+    """
+    if not records:
+        raise ValueError("no uploads to aggregate")
+    names = [f"up.{i}" for i in range(3 * num_layers)]
+    acc: list[np.ndarray] = []
+    for node, record in records:
+        if list(record) != names:
+            raise ValueError(f"node {node}: expected arrays {names[0]}..{names[-1]}, got {list(record)[:4]}...")
+        views = [array_view(record[k]) for k in names]
+        if any(v.dtype.kind != "f" for v in views):
+            raise ValueError(f"node {node}: upload arrays must be floating point")
+        if not acc:
+            acc = [np.array(v, dtype=np.float64) for v in views]
+            continue
+        for a, v, k in zip(acc, views, names, strict=True):
+            if v.shape != a.shape:
+                raise ValueError(f"node {node}: {k} has shape {v.shape}, the first upload {a.shape}")
+            np.add(a, v, out=a)
+    for a in acc:
+        a /= len(records)
+    return ClientUpload.from_arrays(acc)
 
 
 @lru_cache(maxsize=32)
@@ -261,17 +289,16 @@ class _MpBase(CancelStrategy):
             raise RoundFailed(f"round {server_round}: no client upload ({len(errors)} errors)")
         self.account(state)  # uploads reached the server: the round's release happened even if it fails below
         self.check_replies(state, good, errors)
-        big_l = len(state.layers)
-        uploads: list[ClientUpload] = []
+        records = []
         for r in good:
             try:
-                uploads.append(upload_from_record(r.content["arrays"], big_l))
-            except (ValueError, KeyError) as err:
+                records.append((r.metadata.src_node_id, r.content["arrays"]))
+            except KeyError as err:
                 raise RoundFailed(f"round {server_round}: malformed upload from node {r.metadata.src_node_id}: {err}") from err
         try:
-            grads = self.recover_gradient(state, uploads)
+            grads = self.recover_gradient(state, records)
         except ValueError as err:
-            raise RoundFailed(f"round {server_round}: recovery failed: {err}") from err
+            raise RoundFailed(f"round {server_round}: malformed upload or recovery failed: {err}") from err
         flat = torch.cat([t.reshape(-1) for pair in grads for t in pair])
         if not bool(torch.isfinite(flat).all()):
             raise RoundFailed(f"round {server_round}: recovered gradient is not finite")
@@ -287,9 +314,9 @@ class _MpBase(CancelStrategy):
     def check_replies(self, state: _RoundState, good: list[Message], errors: list[str]) -> None:
         """Refuse rounds whose aggregate would be wrong (mpddp: every participant must upload)."""
 
-    def recover_gradient(self, state: _RoundState, uploads: list[ClientUpload]) -> list[Layer]:
-        """Eqs. (20)-(22): recovered mean gradient."""
-        return recover(aggregate(uploads), state.secret)
+    def recover_gradient(self, state: _RoundState, records: list[tuple[int, ArrayRecord]]) -> list[Layer]:
+        """Eqs. (20)-(22): recovered mean gradient (streamed mean of the uploads, then recovery)."""
+        return recover(mean_upload(records, len(state.layers)), state.secret)
 
     def account(self, state: _RoundState) -> None:
         """Per-round privacy bookkeeping once uploads arrived (the release happened)."""
@@ -437,7 +464,13 @@ class MpdpNaiveStrategy(_MpBase):
 class MpcdpStrategy(_MpBase):
     """MP-CDP (Section 6.3): noise-free uploads, the (trusted) server clips, averages and adds Gaussian noise."""
 
-    def recover_gradient(self, state: _RoundState, uploads: list[ClientUpload]) -> list[Layer]:
+    def recover_gradient(self, state: _RoundState, records: list[tuple[int, ArrayRecord]]) -> list[Layer]:
+        uploads = []
+        for node, record in records:
+            try:
+                uploads.append(upload_from_record(record, len(state.layers)))
+            except (ValueError, KeyError) as err:
+                raise ValueError(f"node {node}: {err}") from err
         per_client = [recover(u, state.secret) for u in uploads]
         clip = self.cfg.clip
         flat = [torch.cat([t.reshape(-1) for pair in g for t in pair]) for g in per_client]
