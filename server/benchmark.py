@@ -72,6 +72,8 @@ METHOD_DEFAULTS: dict[str, dict] = {
 #: Benchmark-only variants: name -> (method, extra run-config), used when the config key exists.
 VARIANTS: dict[str, tuple[str, dict]] = {
     "nadp-record-ldp": ("nadp", {"nadp-variant": "record-ldp"}),
+    # nadp on a sparser pairing graph (~8 neighbours instead of ~16): half the pairwise streams per client.
+    "nadp-4out": ("nadp", {"graph": "n-out", "n-out": 4}),
 }
 
 
@@ -684,16 +686,25 @@ def cmd_overhead(args: argparse.Namespace) -> list[dict]:
     simulation = args.engine == "simulation"
     if not simulation:
         warm_up(base, clients, out)
-    rows = []
-    todo = [(m, k) for k in clients for m in methods]
+    repeats = max(1, args.repeats)
+    # Repeats are interleaved (fedavg, nadp, mpddp, fedavg, ...) so a slow spell of a shared machine hits
+    # every method; each ratio is taken against FedAvg of the same repeat, then the median is reported.
+    todo = [(rep, m, k) for rep in range(repeats) for k in clients for m in methods]
+    raw: list[dict] = []
     bar = tqdm(todo, desc="overhead", unit="run", dynamic_ncols=True)
-    for m, k in bar:
-        bar.set_postfix_str(f"{m} K={k}")
+    for rep, m, k in bar:
+        bar.set_postfix_str(f"{m} K={k}" + (f" repeat {rep + 1}/{repeats}" if repeats > 1 else ""))
         point = simulation_point if simulation else run_point
-        r = point(m, args.epsilon, k, base, msets, out / "runs" / f"{m}-k{k}")
-        rows.append(r.as_row())
-        tqdm.write(f"{m:>16} K={k:<4} client={_fmt(r.client_s)}s server={_fmt(r.server_s)}s "
+        r = point(m, args.epsilon, k, base, msets, out / "runs" / (f"{m}-k{k}" + (f"-r{rep}" if repeats > 1 else "")))
+        raw.append({**r.as_row(), "repeat": rep})
+        tqdm.write(f"{m:>16} K={k:<4} client={_fmt(r.client_s)}s server={_fmt(r.server_s)}s round={_fmt(r.round_s)}s "
                    f"bytes={_fmt(r.bytes_down + r.bytes_up)} {r.status}")
+    for rep in range(repeats):
+        add_ratios([r for r in raw if r["repeat"] == rep])
+    rows = median_over_repeats(raw)
+    if repeats > 1:
+        write_table(raw, ("repeat", *OVERHEAD_COLUMNS), out, "overhead_repeats", title="Overhead, every repeat",
+                    command=command_line(), notes=[])
     if not args.no_secagg and not simulation:  # SecAgg+ runs through the legacy API on the in-process grid only
         for k in clients:
             for shares in _secagg_share_counts(args.secagg_shares, k):
@@ -705,8 +716,11 @@ def cmd_overhead(args: argparse.Namespace) -> list[dict]:
                                  "status": f"error: {type(err).__name__}: {_short(err)}"})
                 tqdm.write(f"{rows[-1]['name']:>16} K={k:<4} client={_fmt(rows[-1].get('client_s'))}s "
                            f"server={_fmt(rows[-1].get('server_s'))}s {rows[-1]['status']}")
-    add_ratios(rows)
+    add_ratios([r for r in rows if str(r["name"]).startswith("secagg+")] + [r for r in rows if r["name"] == "fedavg"])
     total = time.perf_counter() - t0
+    if repeats > 1:
+        notes.append(f"{repeats} interleaved repeats per method: every figure is the median over the repeats, "
+                     "*_x_fedavg the median of the per-repeat ratios to FedAvg (all repeats: overhead_repeats.md)")
     if simulation:
         notes.append("engine = simulation: round_s is the median wall time of rounds 2.. under Flower's simulation "
                      "runtime (private SuperLink, a ClientApp per message); client_s/server_s are not measured there")
@@ -724,6 +738,24 @@ def cmd_overhead(args: argparse.Namespace) -> list[dict]:
     plot_overhead(rows, out / "overhead.png")
     print(table)
     print(f"total time: {total:.1f} s")
+    return rows
+
+
+def median_over_repeats(raw: list[dict]) -> list[dict]:
+    """One row per (name, clients): the median of every numeric column over the repeats (first-seen order)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in raw:
+        groups.setdefault((r["name"], r["clients"]), []).append(r)
+    rows = []
+    for group in groups.values():
+        row = {k: v for k, v in group[0].items() if k != "repeat"}
+        for key, value in row.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "clients":
+                vals = [float(g[key]) for g in group if isinstance(g.get(key), (int, float)) and not math.isnan(g[key])]
+                row[key] = float(np.median(vals)) if vals else math.nan
+        bad = [g["status"] for g in group if g["status"] != "ok"]
+        row["status"] = bad[0] if bad else "ok"
+        rows.append(row)
     return rows
 
 
@@ -999,6 +1031,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--engine", choices=("inprocess", "simulation"), default="inprocess",
                    help="inprocess: compute cost through the in-process grid (client/server split, SecAgg+ "
                         "reference); simulation: round wall time under Flower's simulation runtime")
+    o.add_argument("--repeats", type=int, default=1,
+                   help="interleaved repeats per method; medians are reported (the machine's speed drifts)")
     o.add_argument("--no-secagg", action="store_true")
     o.add_argument("--secagg-shares", default="all,11",
                    help="SecAgg+ num_shares values ('all' = every client, i.e. SecAgg; even values are made odd)")

@@ -43,6 +43,9 @@ def flower_env(flwr_home: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(FLWR_HOME=str(flwr_home), FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1",
                PYTHONUNBUFFERED="1")
+    # Ray (simulation runtime) otherwise binds its GCS and workers to the host's outward IP address; this
+    # switch (Ray's single-machine mode) keeps every simulation socket on 127.0.0.1.
+    env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(APP_DIR), env.get("PYTHONPATH", "")) if p)
     return env
 

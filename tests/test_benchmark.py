@@ -74,3 +74,19 @@ def test_parse_method_sets_and_unknown_method_is_skipped():
     notes: list[str] = []
     assert benchmark.resolve_methods("fedavg,nosuch", notes=notes) == ["fedavg"]
     assert notes and "nosuch" in notes[0]
+
+
+def test_median_over_repeats_takes_medians_per_method():
+    raw = [
+        {"name": "fedavg", "clients": 10, "status": "ok", "round_s": 1.0, "round_s_x_fedavg": 1.0, "repeat": 0},
+        {"name": "nadp", "clients": 10, "status": "ok", "round_s": 1.5, "round_s_x_fedavg": 1.5, "repeat": 0},
+        {"name": "fedavg", "clients": 10, "status": "ok", "round_s": 2.0, "round_s_x_fedavg": 1.0, "repeat": 1},
+        {"name": "nadp", "clients": 10, "status": "failed 1/3 rounds", "round_s": 2.4, "round_s_x_fedavg": 1.2,
+         "repeat": 1},
+        {"name": "nadp", "clients": 10, "status": "ok", "round_s": math.nan, "round_s_x_fedavg": 1.3, "repeat": 2},
+    ]
+    rows = {r["name"]: r for r in benchmark.median_over_repeats(raw)}
+    assert list(rows) == ["fedavg", "nadp"] and "repeat" not in rows["nadp"]
+    assert rows["fedavg"]["round_s"] == 1.5 and rows["nadp"]["round_s"] == pytest.approx(1.95)  # nan ignored
+    assert rows["nadp"]["round_s_x_fedavg"] == pytest.approx(1.3)  # median of per-repeat ratios
+    assert rows["nadp"]["status"] == "failed 1/3 rounds" and rows["nadp"]["clients"] == 10
