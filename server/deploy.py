@@ -116,13 +116,19 @@ def wait_for_port(port: int, timeout: float = 60.0, procs: Processes | None = No
 
 
 def write_connection(flwr_home: Path, address: str, *, root_cert: Path | None = None,
-                     num_supernodes: int | None = None) -> str:
-    """Write ``$FLWR_HOME/config.toml`` with one SuperLink connection named ``cancelfl``."""
+                     num_supernodes: int | None = None, client_cpus: int | None = None) -> str:
+    """Write ``$FLWR_HOME/config.toml`` with one SuperLink connection named ``cancelfl``.
+
+    ``num_supernodes`` makes it a simulation connection; ``client_cpus`` is the CPUs Ray reserves per
+    ClientApp (Flower's default is 2, i.e. one ClientApp at a time on a 2-core machine).
+    """
     flwr_home.mkdir(parents=True, exist_ok=True)
     lines = ["[superlink]", 'default = "cancelfl"', "", "[superlink.cancelfl]", f'address = "{address}"']
     lines.append(f'root-certificates = "{root_cert}"' if root_cert else "insecure = true")
     if num_supernodes:
         lines += ["", "[superlink.cancelfl.options]", f"num-supernodes = {num_supernodes}"]
+        if client_cpus:
+            lines += ["", "[superlink.cancelfl.options.backend.client-resources]", f"num-cpus = {int(client_cpus)}"]
     (flwr_home / "config.toml").write_text("\n".join(lines) + "\n")
     return "cancelfl"
 
@@ -181,8 +187,13 @@ def _absolute_out_dir(overrides: dict, defaults: dict) -> dict:
     return out
 
 
-def run_simulation(overrides: dict, *, keep_workdir: str | None = None) -> int:
-    """Run through a private simulation-mode SuperLink; returns a process exit code."""
+def run_simulation(overrides: dict, *, keep_workdir: str | None = None, client_cpus: int = 1) -> int:
+    """Run through a private simulation-mode SuperLink; returns a process exit code.
+
+    ``client_cpus`` = 1 by default: a ClientApp's work here is small enough that one thread is fastest
+    (Ray sets OMP_NUM_THREADS to the CPUs it reserves), and one CPU per ClientApp lets as many run at
+    once as there are cores; Flower's default of 2 runs one at a time on a 2-core machine.
+    """
     from server.launch import app_defaults
 
     defaults = app_defaults()
@@ -195,7 +206,8 @@ def run_simulation(overrides: dict, *, keep_workdir: str | None = None) -> int:
             port = free_port()
             procs.start("superlink", _superlink_cmd(port, work, simulation=True, tls=None))
             wait_for_port(port, procs=procs)
-            conn = write_connection(work / "flwr-home", f"127.0.0.1:{port}", num_supernodes=cfg.num_clients)
+            conn = write_connection(work / "flwr-home", f"127.0.0.1:{port}", num_supernodes=cfg.num_clients,
+                                    client_cpus=client_cpus)
             code = submit(work, env, conn, overrides)
         finally:
             procs.close()
