@@ -33,7 +33,9 @@ Generator and security rationale
 Transforms (bit-exact everywhere)
 ---------------------------------
 * ``uniform``: 53-bit uniforms k / 2**53, built with the IEEE exponent trick (exact,
-  and much faster than numpy's int64 -> float64 cast).
+  and much faster than numpy's int64 -> float64 cast). ``symmetric_uniform`` is exactly
+  2u - 1 = (k - 2**52) / 2**52; ``symmetric_uniform_sum`` adds/subtracts many such streams
+  as integers (exact) and rounds once, the pairwise engine's fast path for uniform noise.
 * ``gaussian``: 256-layer ziggurat (Marsaglia & Tsang 2000, numpy/Doornik layout),
   vectorised: per 64-bit word, bits 0-7 pick the layer, bit 8 the sign, bits 12-63 a
   52-bit magnitude uniform on the symmetric odd grid (2m+1)/2**53 (bits 9-11 unused;
