@@ -27,6 +27,7 @@ SHARE_ENCODINGS = ("seed", "vector")
 COMPOSITIONS = ("basic", "advanced")
 ALLOCATIONS = ("uniform", "exponential")
 NADP_VARIANTS = ("nadp", "record-ldp")
+SIDE_DTYPES = ("float64", "float32")
 
 
 class ConfigError(ValueError):
@@ -86,6 +87,7 @@ class RunConfig:
     niss_rho: float = 0.5  # tolerated colluding fraction (Theorem 3)
     niss_share_encoding: str = "seed"
     mpddp_server_lr: float = 1.0  # xi: server learning rate
+    mpddp_side_dtype: str = "float64"  # wire dtype of Psi/Phi; float32 halves the upload (recovery error ~1e-4)
     ladp_norm_threshold: float = 0.0  # R: layers with weight norm >= R get noise
     ladp_kl_cap: float = 1e-6  # B: cap of the KL privacy estimate (KL of whole-layer softmaxes is ~1e-7..1e-4)
     ddpsa_servers: str = ""  # host:port,... of intermediate servers ("" = start locally)
@@ -154,6 +156,7 @@ class RunConfig:
         _choice("ddpsa-composition", self.ddpsa_composition, COMPOSITIONS)
         _choice("ddpsa-allocation", self.ddpsa_allocation, ALLOCATIONS)
         _choice("nadp-variant", self.nadp_variant, NADP_VARIANTS)
+        _choice("mpddp-side-dtype", self.mpddp_side_dtype, SIDE_DTYPES)
         for key in ("num-clients", "num-rounds", "local-epochs", "batch-size"):
             if getattr(self, key.replace("-", "_")) < 1:
                 raise ConfigError(f"run-config '{key}' must be an integer >= 1")

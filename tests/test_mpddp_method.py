@@ -241,3 +241,23 @@ def test_model_layout_roundtrip_and_helpers():
     se, sd = sigmas_for_theta(0.02, 30, eta_share=0.9, sensitivity=2.0)
     assert theta_complete(se / 2.0, sd / 2.0, 30) == pytest.approx(0.02)
     assert se / math.sqrt(30) == pytest.approx(2.0 / (30 * math.sqrt(0.9 * 0.02)))
+
+
+def test_float32_side_information_halves_upload_and_stays_close(tmp_path):
+    """mpddp-side-dtype=float32: Psi/Phi as float32 (upload ~half), recovery off by float32 round-off only.
+
+    The gradients stay float64, so the Delta's still cancel.
+    """
+    _, rows64, _, _, _ = run("mpddp", tmp_path / "f64", test_noise="pairwise-only", cancellation_check=True)
+    summary, rows, strategy, grid, cfg = run("mpddp", tmp_path / "f32", test_noise="pairwise-only",
+                                             cancellation_check=True, mpddp_side_dtype="float32")
+    assert not rows[0]["failed"] and rows[0]["cancellation_residual"] < 1e-9
+    up = next(r for r in grid.replies if r.metadata.message_type == "train").content["arrays"]
+    big_l = len(up) // 3
+    assert [up[k].dtype for k in up] == ["float64"] * big_l + ["float32"] * (2 * big_l)
+    assert rows[0]["bytes_received_per_client"] < 0.6 * rows64[0]["bytes_received_per_client"]
+    want = true_mean_gradient(cfg, initial_weights(cfg), strategy.sampled, grid)
+    err = float((flat_layers(strategy.last_gradient) - want).norm() / want.norm())
+    assert 1e-9 < err < 1e-3  # float32 really used, and harmless next to any DP noise
+    with pytest.raises(ConfigError, match="mpddp-side-dtype"):
+        RunConfig.from_mapping({**app_defaults(), "mpddp-side-dtype": "float16"})

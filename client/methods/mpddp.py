@@ -16,7 +16,8 @@ then by method:
 * ``mpcdp``: nothing (the server adds the noise).
 
 Psi and Phi are uploaded unnoised, as in the paper (they are data-dependent: see the caveats in
-:mod:`strategies.mpddp`).  Upload: 3L float64 arrays ``up.0 ..`` = [gradients..., Psi..., Phi...].
+:mod:`strategies.mpddp`).  Upload: 3L arrays ``up.0 ..`` = [gradients..., Psi..., Phi...]; gradients float64,
+Psi/Phi in the train config's ``side-dtype`` (float64 by default; float32 halves the upload).
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from collections import OrderedDict
 
 import numpy as np
 import torch
-from flwr.app import Message
+from flwr.app import ArrayRecord, Message
 
 from client.env import ClientEnv, reply
 from client.pairwise_phase import mask_probe, pair_seeds
 from protocols.mpddp import client_gradients, ddp_noise, flatten, naive_client, one_hot, torch_threads, unflatten
-from strategies.base import from_record, to_record
+from strategies.base import from_record, numpy_array
 
 #: HKDF purpose of the pairwise Delta seeds (fixed on the client: the server cannot redirect it).
 DELTA_PURPOSE = "mpddp-delta"
@@ -85,6 +86,14 @@ def _train(msg: Message, env: ClientEnv) -> Message:
         up = naive_client(up, eta_seed=os.urandom(32), sigma=_scale(cfg, "sigma"))
     elif method != "mpcdp":
         raise ValueError(f"client.methods.mpddp does not handle method {method!r}")
+    # Gradients always in float64 (the Delta's must cancel to round-off); Psi/Phi are unnoised side
+    # information whose wire dtype the server chooses (run-config mpddp-side-dtype).
+    side_name = str(cfg.get("side-dtype", "float64"))
+    if side_name not in ("float64", "float32"):
+        raise ValueError(f"train config 'side-dtype' = {side_name!r} must be 'float64' or 'float32'")
+    side = np.dtype(side_name)
     arrays = up.to_arrays()
-    record = to_record(OrderedDict((f"up.{i}", a) for i, a in enumerate(arrays)), np.float64)
+    big_l = up.num_layers
+    record = ArrayRecord(OrderedDict((f"up.{i}", numpy_array(np.asarray(a, dtype=np.float64 if i < big_l else side)))
+                                     for i, a in enumerate(arrays)))
     return reply(msg, record, len(env.y), **metrics)
