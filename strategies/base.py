@@ -55,8 +55,11 @@ def numpy_array(value: np.ndarray) -> Array:
     return Array(dtype=str(value.dtype), shape=tuple(value.shape), stype=SType.NUMPY, data=data)
 
 
-def to_record(weights: dict[str, np.ndarray], dtype: type = np.float64) -> ArrayRecord:
-    """Named arrays -> ArrayRecord (``dtype`` on the wire; pairwise-noise methods need float64)."""
+def to_record(weights: dict[str, np.ndarray], dtype: type | None = np.float64) -> ArrayRecord:
+    """Named arrays -> ArrayRecord with ``dtype`` on the wire (None keeps each array's own dtype).
+
+    Pairwise-noise methods need float64: the masks must cancel to round-off.
+    """
     return ArrayRecord(OrderedDict((k, numpy_array(np.asarray(v, dtype=dtype))) for k, v in weights.items()))
 
 

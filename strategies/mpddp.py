@@ -263,7 +263,7 @@ class _MpBase(CancelStrategy):
         dist = relative_distance(layers, w_hat)
         self.report(client_model_distance=dist["overall"], client_model_row_cosine_l1=dist["row_cosine"][0])
         record = w_hat_record(w_hat)
-        base = {"round": server_round, "side-dtype": self.cfg.mpddp_side_dtype, **self.round_config(state)}
+        base = {"round": server_round, **self.round_config(state)}
 
         def content(node: int) -> RecordDict:
             cfg_rec = extra.get(node, ConfigRecord())

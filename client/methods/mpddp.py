@@ -17,7 +17,7 @@ then by method:
 
 Psi and Phi are uploaded unnoised, as in the paper (they are data-dependent: see the caveats in
 :mod:`strategies.mpddp`).  Upload: 3L arrays ``up.0 ..`` = [gradients..., Psi..., Phi...]; gradients float64,
-Psi/Phi in the train config's ``side-dtype`` (float64 by default; float32 halves the upload).
+Psi/Phi in run-config ``mpddp-side-dtype`` (float64 by default; float32 halves the upload).
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from collections import OrderedDict
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Message
+from flwr.app import Message
 
 from client.env import ClientEnv, reply
 from client.pairwise_phase import mask_probe, pair_seeds
 from protocols.mpddp import client_gradients, ddp_noise, flatten, naive_client, one_hot, torch_threads, unflatten
-from strategies.base import from_record, numpy_array
+from strategies.base import from_record, to_record
 
 #: HKDF purpose of the pairwise Delta seeds (fixed on the client: the server cannot redirect it).
 DELTA_PURPOSE = "mpddp-delta"
@@ -87,13 +87,8 @@ def _train(msg: Message, env: ClientEnv) -> Message:
     elif method != "mpcdp":
         raise ValueError(f"client.methods.mpddp does not handle method {method!r}")
     # Gradients always in float64 (the Delta's must cancel to round-off); Psi/Phi are unnoised side
-    # information whose wire dtype the server chooses (run-config mpddp-side-dtype).
-    side_name = str(cfg.get("side-dtype", "float64"))
-    if side_name not in ("float64", "float32"):
-        raise ValueError(f"train config 'side-dtype' = {side_name!r} must be 'float64' or 'float32'")
-    side = np.dtype(side_name)
-    arrays = up.to_arrays()
-    big_l = up.num_layers
-    record = ArrayRecord(OrderedDict((f"up.{i}", numpy_array(np.asarray(a, dtype=np.float64 if i < big_l else side)))
-                                     for i, a in enumerate(arrays)))
-    return reply(msg, record, len(env.y), **metrics)
+    # information sent in run-config mpddp-side-dtype (validated by RunConfig).
+    dtypes = [np.float64] * up.num_layers + [np.dtype(env.cfg.mpddp_side_dtype)] * (2 * up.num_layers)
+    parts = zip(up.to_arrays(), dtypes, strict=True)
+    arrays = OrderedDict((f"up.{i}", np.asarray(a, dtype=dt)) for i, (a, dt) in enumerate(parts))
+    return reply(msg, to_record(arrays, None), len(env.y), **metrics)
