@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from server.config import ConfigError, RunConfig
+from protocols.config import ConfigError, RunConfig
 
 IDX_FILES = {
     "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),

@@ -17,8 +17,8 @@ from torch import nn
 from client.data import client_partition, dataset_for
 from client.models import build_model, get_weights, set_weights
 from client.training import train
-from server.config import ConfigError, RunConfig
-from strategies.base import Weights, from_record
+from client.wire import Weights, from_record
+from protocols.config import ConfigError, RunConfig
 
 
 @dataclass

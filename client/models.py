@@ -84,24 +84,6 @@ def set_weights(model: nn.Module, weights: dict[str, np.ndarray]) -> None:
     )
 
 
-def flatten(weights: dict[str, np.ndarray]) -> np.ndarray:
-    """Concatenate named arrays into one float64 vector (in key order)."""
-    return np.concatenate([np.asarray(v, dtype=np.float64).ravel() for v in weights.values()]) if weights else np.zeros(0)
-
-
-def unflatten(vector: np.ndarray, like: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
-    """Split a flat vector back into arrays shaped like ``like``."""
-    out: OrderedDict[str, np.ndarray] = OrderedDict()
-    pos = 0
-    for k, v in like.items():
-        n = int(np.prod(np.shape(v)))
-        out[k] = np.asarray(vector[pos:pos + n], dtype=np.float64).reshape(np.shape(v))
-        pos += n
-    if pos != len(vector):
-        raise ValueError(f"vector has {len(vector)} entries, model needs {pos}")
-    return out
-
-
 def save_npz_model(path: Path, weights: dict[str, np.ndarray], meta: dict) -> None:
     """Write the model as ``model.npz`` (arrays by layer name) plus ``model.json`` metadata."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import dp_accounting
 from dp_accounting.rdp import RdpAccountant
@@ -81,6 +82,12 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sampling_rate: floa
         else:
             hi = mid
     return hi
+
+
+@lru_cache(maxsize=64)
+def noise_multiplier(epsilon: float, delta: float, num_rounds: int) -> float:
+    """``z``: smallest per-round noise std / sensitivity whose ``num_rounds`` unsampled releases are (eps, delta)-DP."""
+    return calibrate_noise_multiplier(epsilon, delta, 1.0, num_rounds)
 
 
 @dataclass

@@ -63,6 +63,8 @@ from scipy.optimize import brentq
 from scipy.special import log_ndtr, ndtr
 
 from protocols import prg
+from protocols.accounting import noise_multiplier
+from protocols.config import RunConfig
 
 __all__ = [
     "SharePlan",
@@ -470,3 +472,16 @@ def exact_aggregate_variance(bundles: Sequence[ShareBundle], taus: Mapping[int, 
     (Lemma 1), so ``V = sum_bundles count * share_std^2 * tau_receiver^2``.
     """
     return float(sum(b.count * b.share_std**2 * taus[b.receiver] ** 2 for b in bundles))
+
+
+# --------------------------------------------------------- per-client calibration (both sides)
+def client_tau(cfg: RunConfig) -> float:
+    """A client's distortion std: ``niss-tau`` if >= 0, else Theorem 3's minimum for ``niss-rho``."""
+    return float(cfg.niss_tau) if cfg.niss_tau >= 0 else tau_for_collusion(cfg.niss_rho)
+
+
+def client_sigma(cfg: RunConfig, weight: float) -> float:
+    """``sigma_k = z * p_k * clip`` (L2 sensitivity of the weighted clipped update is ``p_k * clip``)."""
+    if not (math.isfinite(weight) and weight > 0):
+        raise ValueError(f"aggregation weight must be finite and > 0, got {weight!r}")
+    return noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds) * weight * cfg.clip

@@ -97,7 +97,7 @@ def setup_process() -> Callable[[], None]:
 def method_available(name: str) -> tuple[bool, str]:
     """Whether the strategy and client modules of a method (or variant) exist yet."""
     from client.methods import TRAIN
-    from server.config import RunConfig
+    from protocols.config import RunConfig
     from strategies.registry import STRATEGIES
 
     method, extra = VARIANTS.get(name, (name, {}))
@@ -231,8 +231,8 @@ def point_config(name: str, epsilon: float, clients: int, base: dict, method_set
 def run_point(name: str, epsilon: float, clients: int, base: dict, method_sets: dict[str, dict], out_dir: Path,
               *, hooks: Sequence = ()) -> RunResult:
     """One federation; never raises (refusals and failures end up in ``status``)."""
+    from protocols.config import ConfigError
     from server.attacks.observe import run_observed
-    from server.config import ConfigError
 
     method, ov = point_config(name, epsilon, clients, base, method_sets, out_dir)
     res = RunResult(name, method, epsilon, clients)
@@ -538,9 +538,9 @@ def dlg_point(name: str, epsilon: float, clients: int, base: dict, msets: dict, 
               args: argparse.Namespace) -> tuple[dict, np.ndarray | None]:
     """Capture the victim's round-1 upload of one method and invert it."""
     from client.data import dataset_for
+    from protocols.config import ConfigError
     from server.attacks.ssim import ssim
     from server.attacks.uplink import capture_first_round, uplink_attack
-    from server.config import ConfigError
 
     _method, ov = point_config(name, epsilon, clients, base, msets, out / name)
     row: dict = {"name": name, "epsilon": epsilon, "clients": clients, "status": "ok"}
@@ -607,7 +607,7 @@ def received_forward(method: str, msg, cfg) -> tuple[Callable, str]:
     """Forward function of the model a client receives in ``msg``, and what it is."""
     from client.data import dataset_for
     from client.models import build_model, set_weights
-    from strategies.base import from_record
+    from client.wire import from_record
 
     arrays = from_record(msg.content["arrays"])
     ds = dataset_for(cfg)
@@ -627,9 +627,9 @@ def mia_point(name: str, epsilon: float, clients: int, base: dict, msets: dict, 
 
     from client.data import dataset_for
     from client.models import load_npz_model
+    from protocols.config import RunConfig
     from server.attacks.membership import loss_threshold_attack, per_sample_loss
     from server.attacks.uplink import training_loss
-    from server.config import RunConfig
 
     method = VARIANTS.get(name, (name, {}))[0]
     last: dict = {}
@@ -790,9 +790,9 @@ def secaggplus_reference(base: dict, clients: int, num_shares: int, threshold: f
     from client.data import client_partition, dataset_for
     from client.models import build_model, get_weights, set_weights
     from client.training import train
+    from protocols.config import RunConfig
     from server.attacks.observe import ObservedLocalGrid
-    from server.config import RunConfig
-    from server.launch import app_defaults
+    from server.defaults import app_defaults
     from server.local_grid import SERVER_NODE_ID
     from server.runner import payload_bytes
 

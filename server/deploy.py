@@ -25,9 +25,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from server.config import RunConfig
+from protocols.config import RunConfig
+from server.defaults import APP_DIR, app_defaults
 
-APP_DIR = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
@@ -194,8 +194,6 @@ def run_simulation(overrides: dict, *, keep_workdir: str | None = None, client_c
     (Ray sets OMP_NUM_THREADS to the CPUs it reserves), and one CPU per ClientApp lets as many run at
     once as there are cores; Flower's default of 2 runs one at a time on a 2-core machine.
     """
-    from server.launch import app_defaults
-
     defaults = app_defaults()
     cfg = RunConfig.from_mapping({**defaults, **overrides})
     overrides = _absolute_out_dir(overrides, defaults)
@@ -269,8 +267,6 @@ class LocalCluster:
 
     def submit(self, overrides: dict, *, timeout: float = 1800) -> int:
         """Run the app with run-config ``overrides``; returns 0 when ``summary.json`` was written."""
-        from server.launch import app_defaults
-
         defaults = app_defaults()
         overrides = {**_absolute_out_dir(overrides, defaults), "num-clients": self.num_supernodes}
         cfg = RunConfig.from_mapping({**defaults, **overrides})
@@ -292,8 +288,6 @@ class LocalCluster:
 def run_deployment(overrides: dict, *, num_supernodes: int = 4, tls: bool = False,
                    keep_workdir: str | None = None) -> int:
     """SuperLink + ``num_supernodes`` SuperNodes as separate processes on loopback; returns an exit code."""
-    from server.launch import app_defaults
-
     cfg = RunConfig.from_mapping({**app_defaults(), **overrides})
     n_inter = cfg.ddpsa_num_servers if cfg.method == "ddpsa" and not cfg.ddpsa_servers else 0
     with LocalCluster(num_supernodes, tls=tls, intermediate_servers=n_inter, keep_workdir=keep_workdir) as cluster:

@@ -16,12 +16,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tomllib
-from pathlib import Path
 
-from server.config import RunConfig
-
-APP_DIR = Path(__file__).resolve().parent.parent
+from protocols.config import RunConfig
+from server.defaults import app_defaults
 
 # Flower must not phone home from tests, CI or user runs started here.
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
@@ -35,31 +32,30 @@ def parse_run_config(text: str | None) -> dict:
     return dict(parse_config_args([text])) if text else {}
 
 
-def app_defaults() -> dict:
-    """The ``[tool.flwr.app.config]`` defaults of the app (what ``flwr run`` starts from)."""
-    pyproject = APP_DIR / "pyproject.toml"
-    if pyproject.is_file():
-        return dict(tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["config"])
-    return RunConfig().to_mapping()
+def run_inprocess(overrides: dict, *, progress=print, grid_factory=None, keep_strategy: list | None = None) -> dict:
+    """Run the app through an in-process grid; returns the run summary.
 
-
-def run_inprocess(overrides: dict, *, progress=print) -> dict:
-    """Run the app through the in-process LocalGrid; returns the run summary."""
+    ``grid_factory(client_app, num_nodes, run_config) -> Grid`` replaces the default
+    :class:`server.local_grid.LocalGrid` (the attack harness passes an observing grid);
+    ``keep_strategy``, if given, receives the strategy object (for inspection after the run).
+    """
     from client.app import app as client_app
+    from server.intermediate.launcher import local_intermediate_servers
     from server.local_grid import LocalGrid
     from server.runner import run_federation
     from strategies.registry import build_strategy
 
     raw = {**app_defaults(), **overrides}
-    cfg = RunConfig.from_mapping(raw)
-    grid = LocalGrid(client_app, cfg.num_clients, raw)
-    strategy = build_strategy(cfg)
-    try:
-        return run_federation(strategy, grid, cfg, progress=progress)
-    finally:
-        close = getattr(strategy, "close", None)
-        if close:
-            close()
+    with local_intermediate_servers(RunConfig.from_mapping(raw)) as cfg:
+        raw = {**raw, "ddpsa-servers": cfg.ddpsa_servers}
+        grid = (grid_factory or LocalGrid)(client_app, cfg.num_clients, raw)
+        strategy = build_strategy(cfg)
+        if keep_strategy is not None:
+            keep_strategy.append(strategy)
+        try:
+            return run_federation(strategy, grid, cfg, progress=progress)
+        finally:
+            strategy.close()
 
 
 def main(argv: list[str] | None = None) -> int:

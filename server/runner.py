@@ -29,8 +29,9 @@ from flwr.serverapp import Grid
 from client.data import dataset_for
 from client.models import build_model, get_weights, save_npz_model, set_weights
 from client.training import evaluate
-from server.config import RunConfig
-from strategies.base import CancelStrategy, RoundFailed, from_record, to_record
+from client.wire import from_record, to_record
+from protocols.config import RunConfig
+from strategies.base import CancelStrategy, RoundFailed
 
 
 def payload_bytes(content: RecordDict) -> int:

@@ -24,7 +24,7 @@ from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, 
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from protocols.accounting import calibrate_noise_multiplier, gaussian_epsilon
-from server.config import RunConfig
+from protocols.config import RunConfig
 from strategies.base import CancelStrategy, RoundFailed, split_replies
 
 

@@ -17,10 +17,11 @@ Round ``t``:
    no optimizer state) -- a documented deviation.
 
 Intermediate servers: ``ddpsa-servers`` (comma-separated ``host:port``, exactly
-``ddpsa-num-servers`` of them) for deployments; when empty the strategy starts ``m``
-server *processes* on loopback itself (:func:`server.intermediate.start_intermediate_servers`)
-at the first round and stops them in :meth:`close` (called by ``run_inprocess`` and the
-ServerApp).  Every run uses a fresh random ``run_id`` so runs sharing servers never mix.
+``ddpsa-num-servers`` of them).  The strategy never starts servers: when the user leaves
+``ddpsa-servers`` empty, the server layer starts ``m`` local ones (the one place that does:
+:func:`server.intermediate.launcher.local_intermediate_servers`) and hands their addresses
+in through the run config.  Every run uses a fresh random ``run_id`` so runs sharing servers
+never mix.
 
 Privacy budget (``privacy_report``): run-config ``epsilon``/``delta`` are the *total*
 budget; :func:`protocols.composition.per_round_epsilons` turns it into ``eps_t`` with
@@ -47,19 +48,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from client.models import flatten, unflatten
+from client.intermediate import IntermediateServerClient, PartialSumUnavailableError, reconstruct_sum
+from client.wire import Weights, from_record, to_record
+from protocols.arrays import flatten, unflatten
 from protocols.composition import BudgetSchedule, compose_advanced, per_round_epsilons
+from protocols.config import ConfigError, RunConfig
 from protocols.secret_sharing import FixedPointCodec
-from server.config import ConfigError, RunConfig
-from server.intermediate import (
-    IntermediateServerClient,
-    IntermediateServerCluster,
-    IntermediateServerStartError,
-    PartialSumUnavailableError,
-    reconstruct_sum,
-    start_intermediate_servers,
-)
-from strategies.base import CancelStrategy, RoundFailed, Weights, from_record, split_replies, to_record
+from strategies.base import CancelStrategy, RoundFailed, split_replies
 
 #: Seconds the pre-round health check waits for each intermediate server.
 HEALTH_TIMEOUT_S = 5.0
@@ -84,7 +79,12 @@ class DdpsaStrategy(CancelStrategy):
                 "intermediate servers refuse a partial sum over one client, which would expose its update"
             )
         self.external = parse_servers(cfg.ddpsa_servers)
-        if self.external and len(self.external) != self.m:
+        if not self.external:
+            raise ConfigError(
+                "method 'ddpsa' needs its intermediate servers: set run-config 'ddpsa-servers' (host:port,...), "
+                "or start the run with `cancelfl run/deploy` or the cancelfl ServerApp, which start local ones"
+            )
+        if len(self.external) != self.m:
             raise ConfigError(
                 f"run-config 'ddpsa-servers' lists {len(self.external)} address(es) but 'ddpsa-num-servers' = {self.m}; "
                 "give exactly one host:port per intermediate server"
@@ -95,7 +95,6 @@ class DdpsaStrategy(CancelStrategy):
         )
         self.codec = FixedPointCodec(frac_bits=cfg.ddpsa_frac_bits, max_clients=max(cfg.num_clients, 2))
         self.run_id = uuid.uuid4().hex
-        self.cluster: IntermediateServerCluster | None = None
         self._global: Weights | None = None
         #: Last reconstructed aggregate: decoded sum of the clients' noisy sums (diagnostics, tests).
         self.last_decoded_sum: np.ndarray | None = None
@@ -103,20 +102,8 @@ class DdpsaStrategy(CancelStrategy):
     # ------------------------------------------------------------ servers
     @property
     def addresses(self) -> list[str]:
-        """Addresses of the m intermediate servers (empty before local ones are started)."""
-        if self.external:
-            return list(self.external)
-        return self.cluster.addresses if self.cluster is not None else []
-
-    def _ensure_servers(self) -> list[str]:
-        if not self.external and self.cluster is None:
-            try:
-                self.cluster = start_intermediate_servers(self.m)
-            except IntermediateServerStartError as err:
-                raise RoundFailed(f"DDP-SA: could not start {self.m} local intermediate servers: {err}") from err
-            log(20, "DDP-SA: started %d intermediate servers %s (pids %s)", self.m, self.cluster.addresses,
-                self.cluster.pids)
-        return self.addresses
+        """Addresses of the m intermediate servers."""
+        return list(self.external)
 
     def _check_servers(self, server_round: int, addresses: list[str]) -> None:
         """Fail the round early (clients do no work) if an intermediate server is down."""
@@ -134,13 +121,6 @@ class DdpsaStrategy(CancelStrategy):
                 f"secret sharing) but {len(down)} did not answer: " + "; ".join(down)
             )
 
-    def close(self) -> None:
-        """Stop the intermediate server processes this strategy started (idempotent)."""
-        if self.cluster is not None:
-            self.cluster.stop()
-            log(20, "DDP-SA: stopped intermediate servers (pids %s)", self.cluster.pids)
-            self.cluster = None
-
     # ------------------------------------------------------------ rounds
     def epsilon_of_round(self, server_round: int) -> float:
         """``eps_t`` of round ``server_round`` (1-based)."""
@@ -151,7 +131,7 @@ class DdpsaStrategy(CancelStrategy):
         """Check the m servers, then send the model and this round's DDP-SA parameters."""
         self._round_report = {}
         nodes = self.sample_nodes(grid, server_round)
-        addresses = self._ensure_servers()
+        addresses = self.addresses
         self._check_servers(server_round, addresses)
         self._global = from_record(arrays)
         rec = self.train_config(server_round)
@@ -201,7 +181,7 @@ class DdpsaStrategy(CancelStrategy):
         eps = self.schedule.epsilons
         return {
             "num_intermediate_servers": self.m,
-            "intermediate_servers": ",".join(self.external) if self.external else "local (started per run)",
+            "intermediate_servers": ",".join(self.external),
             "composition": self.schedule.composition,
             "allocation": self.cfg.ddpsa_allocation,
             "decay": self.cfg.ddpsa_decay,

@@ -46,8 +46,8 @@ from collections.abc import Iterable
 from flwr.app import ArrayRecord, Message, MetricRecord
 
 from protocols import ladp
+from protocols.config import RunConfig
 from protocols.niss import analytic_gaussian_epsilon
-from server.config import RunConfig
 from strategies.base import CancelStrategy, split_replies
 
 

@@ -81,7 +81,6 @@ import os
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Literal
 
 import numpy as np
@@ -89,7 +88,9 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from protocols.accounting import GaussianAccountant, calibrate_noise_multiplier, gaussian_epsilon
+from client.wire import Weights, array_view, from_record, to_record
+from protocols.accounting import GaussianAccountant, gaussian_epsilon, noise_multiplier
+from protocols.config import ConfigError, RunConfig
 from protocols.mpddp import (
     ClientUpload,
     MPSecret,
@@ -104,8 +105,7 @@ from protocols.mpddp import (
     torch_threads,
 )
 from protocols.mpddp.expansion import Layer
-from server.config import ConfigError, RunConfig
-from strategies.base import CancelStrategy, RoundFailed, Weights, array_view, from_record, split_replies, to_record
+from strategies.base import CancelStrategy, RoundFailed, split_replies
 from strategies.pairwise_phase import forget_unresponsive, probe_residual, run_key_phase
 
 TestNoise = Literal["calibrated", "off", "pairwise-only"]
@@ -175,12 +175,6 @@ def mean_upload(records: Sequence[tuple[int, ArrayRecord]], num_layers: int) -> 
     for a in acc:
         a /= len(records)
     return ClientUpload.from_arrays(acc)
-
-
-@lru_cache(maxsize=32)
-def noise_multiplier(epsilon: float, delta: float, num_rounds: int) -> float:
-    """z: smallest Gaussian noise multiplier whose ``num_rounds`` releases are (epsilon, delta)-DP (RDP)."""
-    return calibrate_noise_multiplier(epsilon, delta, 1.0, num_rounds)
 
 
 def check_model(cfg: RunConfig) -> None:

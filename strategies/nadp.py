@@ -48,7 +48,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from client.models import flatten, unflatten
+from client.wire import from_record, to_record
+from protocols.arrays import flatten, unflatten
+from protocols.config import ConfigError, RunConfig
 from protocols.nadp import (
     AccountantSpec,
     NoiseAllocation,
@@ -61,8 +63,7 @@ from protocols.nadp import (
     rdp_epsilon,
     upload_noise_scales,
 )
-from server.config import ConfigError, RunConfig
-from strategies.base import CancelStrategy, RoundFailed, from_record, split_replies, to_record
+from strategies.base import CancelStrategy, RoundFailed, split_replies
 from strategies.pairwise_phase import KeyRound, forget_unresponsive, probe_residual, run_key_phase
 
 

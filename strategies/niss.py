@@ -87,40 +87,22 @@ import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
+from client.wire import from_record, to_record
 from protocols import niss as niss_math
-from protocols.accounting import calibrate_noise_multiplier, gaussian_epsilon
+from protocols.accounting import gaussian_epsilon, noise_multiplier
+from protocols.config import RunConfig
 from protocols.graphs import complete_graph, n_out_graph
-from server.config import RunConfig
-from strategies.base import CancelStrategy, RoundFailed, from_record, split_replies, to_record
+from protocols.niss import client_tau
+from strategies.base import CancelStrategy, RoundFailed, split_replies
 from strategies.pairwise_phase import KeyRound, forget_keys, forget_unresponsive, probe_residual, run_key_phase
 
 #: How often the share phase is re-run after clients failed it, before the round fails.
 MAX_SHARE_ATTEMPTS = 3
-
-
-# ----------------------------------------------------------------- shared with the client
-@lru_cache(maxsize=64)
-def noise_multiplier(epsilon: float, delta: float, num_rounds: int) -> float:
-    """``z``: per-round Gaussian noise std / sensitivity for (epsilon, delta) over the run (RDP)."""
-    return calibrate_noise_multiplier(epsilon, delta, 1.0, num_rounds)
-
-
-def client_tau(cfg: RunConfig) -> float:
-    """A client's distortion std: ``niss-tau`` if >= 0, else Theorem 3's minimum for ``niss-rho``."""
-    return float(cfg.niss_tau) if cfg.niss_tau >= 0 else niss_math.tau_for_collusion(cfg.niss_rho)
-
-
-def client_sigma(cfg: RunConfig, weight: float) -> float:
-    """``sigma_k = z * p_k * clip`` (L2 sensitivity of the weighted clipped update is ``p_k * clip``)."""
-    if not (math.isfinite(weight) and weight > 0):
-        raise ValueError(f"aggregation weight must be finite and > 0, got {weight!r}")
-    return noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds) * weight * cfg.clip
 
 
 # ------------------------------------------------------------------------------ server
@@ -314,5 +296,5 @@ class NissStrategy(CancelStrategy):
         return {"epsilon": up, "epsilon_uplink": up, "epsilon_downlink": down}
 
 
-__all__ = ["NissStrategy", "client_sigma", "client_tau", "noise_multiplier", "MAX_SHARE_ATTEMPTS"]
+__all__ = ["NissStrategy", "MAX_SHARE_ATTEMPTS"]
 

@@ -6,8 +6,9 @@ import tomllib
 
 import pytest
 
-from server.config import ConfigError, RunConfig
-from server.launch import APP_DIR, main
+from protocols.config import ConfigError, RunConfig
+from server.defaults import APP_DIR
+from server.launch import main
 
 
 def test_pyproject_defaults_match_dataclass():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from client.data import client_partition, dataset_for, find_idx_folder, load_dataset, partition_indices
-from server.config import ConfigError, RunConfig
+from protocols.config import ConfigError, RunConfig
 
 
 def test_bundled_datasets():

@@ -16,15 +16,16 @@ import client.methods.ddpsa as ddpsa_client
 import strategies.ddpsa as ddpsa_strategy
 from client.app import app as client_app
 from client.data import dataset_for
-from client.models import build_model, flatten, get_weights
+from client.models import build_model, get_weights
+from client.wire import from_record, to_record
+from protocols.arrays import flatten
 from protocols.composition import exponential_allocation
+from protocols.config import ConfigError, RunConfig
 from protocols.ddpsa import laplace_noise
-from server.config import ConfigError, RunConfig
+from server.defaults import app_defaults
 from server.intermediate import IntermediateServerCluster, start_intermediate_servers
-from server.launch import app_defaults
 from server.local_grid import LocalGrid
 from server.runner import run_federation
-from strategies.base import from_record, to_record
 from strategies.ddpsa import DdpsaStrategy
 
 LINEAR = {"hidden": "", "lr": 10.0, "epsilon": 10.0}  # softmax regression: fast FedSGD on digits

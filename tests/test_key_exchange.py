@@ -18,10 +18,11 @@ from flwr.clientapp import ClientApp
 
 from client.env import ClientEnv, reply
 from client.pairwise_phase import handle_keys, pair_seeds
+from client.wire import from_record, to_record
+from protocols.config import RunConfig
 from protocols.pairwise import pairwise_noise
-from server.config import RunConfig
 from server.local_grid import LocalGrid
-from strategies.base import CancelStrategy, RoundFailed, from_record, split_replies, to_record
+from strategies.base import CancelStrategy, RoundFailed, split_replies
 from strategies.pairwise_phase import forget_unresponsive, run_key_phase
 
 SIZE = 10_000

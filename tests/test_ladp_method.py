@@ -14,12 +14,12 @@ from client.app import app as client_app
 from client.data import dataset_for
 from client.env import ClientEnv, local_training
 from client.models import build_model, get_weights
+from client.wire import from_record, to_record
 from protocols import ladp
+from protocols.config import RunConfig
 from protocols.niss import gaussian_delta
-from server.config import RunConfig
-from server.launch import app_defaults
+from server.defaults import app_defaults
 from server.local_grid import LocalGrid
-from strategies.base import from_record, to_record
 from strategies.ladp import LadpStrategy, composed_epsilon
 
 # Full LDP = LaDP with every layer selected (R = 0) and P_j = B for every layer (B at the

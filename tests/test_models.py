@@ -6,8 +6,9 @@ import numpy as np
 import torch
 
 from client.data import load_dataset
-from client.models import build_model, flatten, get_weights, load_npz_model, save_npz_model, unflatten
+from client.models import build_model, get_weights, load_npz_model, save_npz_model
 from client.training import evaluate, train
+from protocols.arrays import flatten, unflatten
 
 
 def test_mlp_and_cnn_learn_digits():

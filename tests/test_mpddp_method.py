@@ -17,12 +17,12 @@ from client.app import app as client_app
 from client.data import client_partition, load_dataset
 from client.models import build_model, get_weights
 from client.training import evaluate
+from client.wire import from_record
+from protocols.config import ConfigError, RunConfig
 from protocols.mpddp import eq23_epsilon, max_theta, relative_distance, satisfies_eq23, sigmas_for_theta, theta_complete
-from server.config import ConfigError, RunConfig
-from server.launch import app_defaults
+from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from server.runner import run_federation
-from strategies.base import from_record
 from strategies.mpddp import (
     MpcdpStrategy,
     MpddpStrategy,

@@ -14,14 +14,15 @@ from flwr.app import ConfigRecord
 from client.app import app as client_app
 from client.env import ClientEnv
 from client.methods import nadp as nadp_client
-from client.models import build_model, flatten, get_weights
+from client.models import build_model, get_weights
+from client.wire import from_record, to_record
+from protocols.arrays import flatten
+from protocols.config import ConfigError, RunConfig
 from protocols.nadp import calibrate_sigmas, local_sgd_sensitivity, upload_noise_scales
 from protocols.prg import gaussian
-from server.config import ConfigError, RunConfig
-from server.launch import app_defaults
+from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from server.runner import run_federation
-from strategies.base import from_record, to_record
 from strategies.nadp import NadpStrategy
 from tests.conftest import read_metrics
 

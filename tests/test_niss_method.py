@@ -23,15 +23,17 @@ from client.app import app as client_app
 from client.data import dataset_for
 from client.env import ClientEnv, local_training
 from client.methods import niss as niss_client
-from client.models import build_model, flatten, get_weights
+from client.models import build_model, get_weights
+from client.wire import from_record, to_record
 from protocols import niss as niss_math
 from protocols.accounting import calibrate_noise_multiplier, gaussian_epsilon
+from protocols.arrays import flatten
 from protocols.clipping import clip_l2
+from protocols.config import RunConfig
 from protocols.relay_crypto import RelayAuthError, open_sealed, seal
-from server.config import RunConfig
-from server.launch import app_defaults
+from server.defaults import app_defaults
 from server.local_grid import LocalGrid
-from strategies.base import RoundFailed, from_record, to_record
+from strategies.base import RoundFailed
 from strategies.niss import NissStrategy
 
 FAST = {"num-clients": 5, "local-epochs": 1, "batch-size": 64, "method": "niss"}

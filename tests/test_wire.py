@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flwr.app import Array
 
-from strategies.base import array_view, from_record, numpy_array, to_record
+from client.wire import array_view, from_record, numpy_array, to_record
 
 RNG = np.random.default_rng(0)
 CASES = [

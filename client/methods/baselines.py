@@ -8,9 +8,9 @@ import numpy as np
 from flwr.app import Message
 
 from client.env import ClientEnv, local_training, reply
-from client.models import flatten, unflatten
+from client.wire import to_record
+from protocols.arrays import flatten, unflatten
 from protocols.clipping import clip_l2
-from strategies.base import to_record
 
 
 def train_fedavg(msg: Message, env: ClientEnv) -> Message:

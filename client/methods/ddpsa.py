@@ -37,10 +37,10 @@ from flwr.app import ArrayRecord, Message
 from torch import nn
 
 from client.env import ClientEnv, reply
+from client.intermediate import share_and_push
+from client.wire import from_record
 from protocols.ddpsa import l1_clip_torch, laplace_noise, laplace_scale, per_sample_gradients
 from protocols.secret_sharing import FixedPointCodec
-from server.intermediate import share_and_push
-from strategies.base import from_record
 
 #: Per-sample gradients are computed this many samples at a time (bounds memory).
 CHUNK = 256

@@ -37,8 +37,8 @@ import numpy as np
 from flwr.app import Message
 
 from client.env import ClientEnv, local_training, reply
+from client.wire import to_record
 from protocols import ladp
-from strategies.base import to_record
 
 #: Floor of the KL estimate (``P_j -> 0`` would make sigma infinite; see protocols.ladp).
 MIN_KL = 1e-12

@@ -32,8 +32,8 @@ from flwr.app import Message
 
 from client.env import ClientEnv, reply
 from client.pairwise_phase import mask_probe, pair_seeds
+from client.wire import from_record, to_record
 from protocols.mpddp import client_gradients, ddp_noise, flatten, naive_client, one_hot, torch_threads, unflatten
-from strategies.base import from_record, to_record
 
 #: HKDF purpose of the pairwise Delta seeds (fixed on the client: the server cannot redirect it).
 DELTA_PURPOSE = "mpddp-delta"

@@ -37,13 +37,14 @@ from flwr.app import ConfigRecord, Message
 from torch import nn
 
 from client.env import ClientEnv, reply
-from client.models import MLP, flatten, get_weights, unflatten
+from client.models import MLP, get_weights
 from client.pairwise_phase import mask_probe, pair_seeds, peers
+from client.wire import Weights, from_record, to_record
+from protocols.arrays import flatten, unflatten
 from protocols.graphs import complete_graph, n_out_graph
 from protocols.nadp import nadp_upload, upload_noise_scales
 from protocols.pairwise import pairwise_noise
 from protocols.prg import gaussian
-from strategies.base import Weights, from_record, to_record
 
 PAIR_PURPOSE = "nadp-counteract"
 #: Examples per chunk of the generic (vmap) per-example gradient path (bounds memory).

@@ -39,13 +39,14 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from client.env import ClientEnv, local_training
-from client.models import flatten, get_weights, unflatten
+from client.models import get_weights
 from client.pairwise_phase import mask_probe, pair_seeds, peers
+from client.wire import from_record, to_record
 from protocols import niss as niss_math
+from protocols.arrays import flatten, unflatten
 from protocols.clipping import clip_l2
+from protocols.niss import client_sigma, client_tau
 from protocols.relay_crypto import RelayAuthError, make_aad, open_sealed, seal
-from strategies.base import from_record, to_record
-from strategies.niss import client_sigma, client_tau
 
 STATE_KEY = "cancelfl-niss"
 RELAY_PURPOSE = "niss-relay-key"

@@ -7,30 +7,27 @@ is how the attacks intercept what a client receives and uploads on the real
 code path (the strategy, the ClientApp and the method handlers are untouched).
 
 :func:`run_observed` runs one federation through
-:func:`server.launch.run_inprocess` (temporarily making it build an
-:class:`ObservedLocalGrid`), or -- when the caller needs the strategy object,
-e.g. the mpddp attacker, who uses the server's own perturbation secret --
-builds grid, strategy and round loop exactly as ``run_inprocess`` does.
+:func:`server.launch.run_inprocess`, handing it a factory for an
+:class:`ObservedLocalGrid` and, when the caller needs it (e.g. the mpddp attacker,
+who uses the server's own perturbation secret), keeping the strategy object.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from flwr.app import Message
 
-import server.local_grid as local_grid_module
 from server.local_grid import LocalGrid
 
 Hook = Callable[[list[Message], list[Message]], None]
 
-__all__ = ["ObservedLocalGrid", "Observed", "RoundTiming", "run_observed", "observe_local_grid"]
+__all__ = ["ObservedLocalGrid", "Observed", "RoundTiming", "run_observed"]
 
 
 @dataclass
@@ -104,25 +101,6 @@ class Observed:
     strategy: object | None = None  # only when run with keep_strategy=True
 
 
-@contextlib.contextmanager
-def observe_local_grid(hooks: Sequence[Hook] = ()) -> Iterator[list[ObservedLocalGrid]]:
-    """While active, ``server.local_grid.LocalGrid(...)`` builds an observed grid (collected in the list)."""
-    created: list[ObservedLocalGrid] = []
-
-    class _Collecting(ObservedLocalGrid):
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            self.hooks = list(hooks)
-            created.append(self)
-
-    original = local_grid_module.LocalGrid
-    local_grid_module.LocalGrid = _Collecting
-    try:
-        yield created
-    finally:
-        local_grid_module.LocalGrid = original
-
-
 def _read_rows(out_dir: str) -> list[dict]:
     path = Path(out_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
@@ -130,32 +108,18 @@ def _read_rows(out_dir: str) -> list[dict]:
 
 def run_observed(overrides: dict, *, hooks: Sequence[Hook] = (), keep_strategy: bool = False,
                  progress: Callable[[str], None] = lambda _s: None) -> Observed:
-    """Run one federation in-process with an observed grid (see module docstring)."""
-    from server.launch import app_defaults, run_inprocess
+    """Run one federation in-process through :func:`server.launch.run_inprocess` with an observed grid."""
+    from server.launch import run_inprocess
 
     out_dir = str(overrides.get("out-dir", "runs/latest"))
-    if not keep_strategy:
-        with observe_local_grid(hooks) as created:
-            summary = run_inprocess(overrides, progress=progress)
-        if len(created) != 1:
-            raise RuntimeError("server.launch.run_inprocess no longer builds server.local_grid.LocalGrid at call "
-                               "time; the benchmark cannot observe its clients")
-        return Observed(summary, _read_rows(out_dir), created[0])
-    # Same steps as server.launch.run_inprocess, keeping the strategy for the attacker.
-    from client.app import app as client_app
-    from server.config import RunConfig
-    from server.runner import run_federation
-    from strategies.registry import build_strategy
+    grids: list[ObservedLocalGrid] = []
+    strategies: list = []
 
-    raw = {**app_defaults(), **overrides}
-    cfg = RunConfig.from_mapping(raw)
-    grid = ObservedLocalGrid(client_app, cfg.num_clients, raw)
-    grid.hooks = list(hooks)
-    strategy = build_strategy(cfg)
-    try:
-        summary = run_federation(strategy, grid, cfg, progress=progress)
-    finally:
-        close = getattr(strategy, "close", None)
-        if close:
-            close()
-    return Observed(summary, _read_rows(out_dir), grid, strategy)
+    def factory(client_app, num_nodes: int, run_config: dict) -> ObservedLocalGrid:
+        grid = ObservedLocalGrid(client_app, num_nodes, run_config)
+        grid.hooks = list(hooks)
+        grids.append(grid)
+        return grid
+
+    summary = run_inprocess(overrides, progress=progress, grid_factory=factory, keep_strategy=strategies)
+    return Observed(summary, _read_rows(out_dir), grids[0], strategies[0] if keep_strategy else None)

@@ -22,10 +22,10 @@ from flwr.app import Message
 
 from client.data import client_partition, dataset_for
 from client.models import build_model, get_weights, set_weights
+from client.wire import Weights, from_record
+from protocols.config import RunConfig
 from server.attacks.dlg import AttackReport, invert, param_gradient
 from server.attacks.observe import run_observed
-from server.config import RunConfig
-from strategies.base import Weights, from_record
 
 __all__ = ["UplinkCapture", "AttackerView", "VIEWS", "training_loss", "capture_first_round", "attacker_view",
            "true_gradient", "uplink_attack", "UplinkResult", "received_mpddp_forward"]
@@ -121,7 +121,7 @@ def _side_channel(method: str, store: dict[int, np.ndarray]) -> Iterator[None]:
 
 
 def _defaults() -> dict:
-    from server.launch import app_defaults
+    from server.defaults import app_defaults
 
     return app_defaults()
 
@@ -180,7 +180,7 @@ def view_ddpsa(cap: UplinkCapture) -> AttackerView:
     if cap.side is None:
         return AttackerView(None, "nothing: secret shares on the intermediate servers (share vector not captured)")
     sent = from_record(cap.sent.content["arrays"])
-    from client.models import unflatten
+    from protocols.arrays import unflatten
 
     return AttackerView(unflatten(cap.side, sent),
                         "alone: nothing (uniform shares); colluding with all m intermediate servers: "

@@ -10,17 +10,20 @@ pid, and the cluster registers an ``atexit`` hook, so no server outlives its own
 from __future__ import annotations
 
 import atexit
+import contextlib
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from server.intermediate.client import wait_until_healthy
+from client.intermediate import wait_until_healthy
+from protocols.config import RunConfig
 from server.intermediate.servicer import (
     DEFAULT_KEEP_ROUNDS,
     DEFAULT_MIN_CLIENTS,
@@ -35,6 +38,7 @@ __all__ = [
 ]
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
+log = logging.getLogger(__name__)
 
 
 class IntermediateServerStartError(RuntimeError):
@@ -183,3 +187,20 @@ def start_intermediate_servers(
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
     return IntermediateServerCluster(handles)
+
+
+@contextlib.contextmanager
+def local_intermediate_servers(cfg: RunConfig) -> Iterator[RunConfig]:
+    """Yield ``cfg`` with DDP-SA intermediate servers to talk to, starting local ones if it names none.
+
+    The one place that starts intermediate servers for a run: the in-process engine, the ServerApp
+    (simulation) and ``cancelfl deploy`` all come through here.  Methods other than ``ddpsa``, and
+    runs whose ``ddpsa-servers`` lists servers, get ``cfg`` back unchanged and nothing is started.
+    """
+    if cfg.method != "ddpsa" or cfg.ddpsa_servers.strip():
+        yield cfg
+        return
+    with start_intermediate_servers(cfg.ddpsa_num_servers) as cluster:
+        log.info("DDP-SA: started %d intermediate servers %s (pids %s)", len(cluster.addresses), cluster.addresses,
+                 cluster.pids)
+        yield cfg.replace(ddpsa_servers=",".join(cluster.addresses))

@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from client.intermediate import intermediate_pb2 as pb2
+from client.intermediate import intermediate_pb2_grpc as pb2_grpc
+from client.intermediate.stub import DEFAULT_MAX_MESSAGE_BYTES
 from protocols.secret_sharing import from_wire, ring_sum, to_wire
-from server.intermediate import intermediate_pb2 as pb2
-from server.intermediate import intermediate_pb2_grpc as pb2_grpc
 
 __all__ = [
     "DEFAULT_KEEP_ROUNDS",
@@ -47,8 +48,6 @@ log = logging.getLogger(__name__)
 DEFAULT_KEEP_ROUNDS = 2
 DEFAULT_MAX_RUNS = 8
 DEFAULT_MIN_CLIENTS = 2
-# Shares are 8 bytes per model parameter; gRPC's 4 MiB default is too small for CNNs.
-DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 
 
 @dataclass

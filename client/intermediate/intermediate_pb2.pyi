@@ -1,4 +1,3 @@
-# ruff: noqa
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message

@@ -15,10 +15,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("fedavg", "ldp", "cdp", "nadp", "niss", "mpddp", "mpdp-naive", "mpcdp", "ladp", "ddpsa")
+from protocols.methods import METHOD_NAMES
+
 DATASETS = ("digits", "breast-cancer", "mnist", "fashion-mnist")
 MODELS = ("mlp", "cnn")
 PARTITIONINGS = ("iid", "dirichlet", "size-skew")
@@ -98,7 +99,6 @@ class RunConfig:
     ddpsa_decay: float = 0.9
     # Output
     out_dir: str = "runs/latest"
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     # ------------------------------------------------------------------ parsing
     @staticmethod
@@ -110,12 +110,11 @@ class RunConfig:
     def from_mapping(cls, raw: Mapping[str, Any], *, strict: bool = True) -> RunConfig:
         """Build and validate from a Flower run config (kebab-case keys).
 
-        Unknown keys raise in ``strict`` mode (catches typos), else they are kept
-        in ``extra`` for methods that define their own keys.
+        Unknown keys raise in ``strict`` mode (catches typos); otherwise they are ignored (a
+        ClientApp of an older release may receive keys a newer ServerApp added).
         """
-        known = {cls.key_of(f.name): f for f in fields(cls) if f.name != "extra"}
+        known = {cls.key_of(f.name): f for f in fields(cls)}
         values: dict[str, Any] = {}
-        extra: dict[str, Any] = {}
         for key, value in raw.items():
             f = known.get(key)
             if f is None:
@@ -123,16 +122,15 @@ class RunConfig:
                     raise ConfigError(
                         f"unknown run-config key '{key}'; known keys: {', '.join(sorted(known))}"
                     )
-                extra[key] = value
                 continue
             values[f.name] = _coerce(key, value, type(getattr(cls(), f.name)))
-        cfg = cls(**values, extra=extra)
+        cfg = cls(**values)
         cfg.validate()
         return cfg
 
     def to_mapping(self) -> dict[str, Any]:
         """Inverse of :meth:`from_mapping` (for summaries and ``--run-config``)."""
-        return {self.key_of(f.name): getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        return {self.key_of(f.name): getattr(self, f.name) for f in fields(self)}
 
     def replace(self, **changes: Any) -> RunConfig:
         """Copy with changed fields, validated."""
@@ -143,7 +141,7 @@ class RunConfig:
     # --------------------------------------------------------------- validation
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key and the allowed values."""
-        _choice("method", self.method, METHODS)
+        _choice("method", self.method, METHOD_NAMES)
         if self.dataset not in DATASETS and not self.dataset.startswith("hub:"):
             raise ConfigError(
                 f"run-config 'dataset' = {self.dataset!r} is not allowed; choose one of: "

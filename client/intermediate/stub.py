@@ -21,6 +21,8 @@ import grpc
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from client.intermediate import intermediate_pb2 as pb2
+from client.intermediate import intermediate_pb2_grpc as pb2_grpc
 from protocols.secret_sharing import (
     FixedPointCodec,
     encode_and_share,
@@ -28,11 +30,9 @@ from protocols.secret_sharing import (
     ring_sum,
     to_wire,
 )
-from server.intermediate import intermediate_pb2 as pb2
-from server.intermediate import intermediate_pb2_grpc as pb2_grpc
-from server.intermediate.servicer import DEFAULT_MAX_MESSAGE_BYTES
 
 __all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_TIMEOUT_S",
     "IntermediateAggregationError",
     "IntermediateServerClient",
@@ -48,6 +48,8 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 30.0
+# Shares are 8 bytes per model parameter; gRPC's 4 MiB default is too small for CNNs.
+DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,150 @@
+"""The package layout: one import direction, no cycles, one method registry that everything agrees with.
+
+The import test parses every non-test module with :mod:`ast` (static imports, including those inside
+functions) and fails on an import that points up the order, on ``protocols`` importing Flower, and on
+a cycle between modules.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ORDER = ("server", "strategies", "client", "protocols")  # a package may import only packages to its right
+RANK = {p: i for i, p in enumerate(ORDER)}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for pkg in ORDER:
+        for path in (ROOT / pkg).rglob("*.py"):
+            if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                continue
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join(parts)] = path
+    return mods
+
+
+def _imports(path: Path, module: str) -> list[tuple[str, int]]:
+    """Absolute names of everything ``path`` imports, with line numbers (relative imports resolved)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_pkg = path.name == "__init__.py"
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".") if is_pkg else module.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            out.append((base, node.lineno))
+            out += [(f"{base}.{a.name}", node.lineno) for a in node.names]
+    return out
+
+
+def layout_violations(modules: dict[str, Path] | None = None) -> list[str]:
+    """Every upward import, every Flower import in ``protocols`` and every import cycle between modules."""
+    modules = modules if modules is not None else _modules()
+    problems: list[str] = []
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, path in modules.items():
+        own = mod.split(".")[0]
+        for name, line in _imports(path, mod):
+            top = name.split(".")[0]
+            where = f"{path.relative_to(ROOT)}:{line}"
+            if own == "protocols" and top == "flwr":
+                problems.append(f"{where}: protocols/ must not import Flower ({name})")
+            if top in RANK and RANK[top] < RANK[own]:
+                problems.append(f"{where}: {own}/ imports {name}, which is above it ({' -> '.join(ORDER)})")
+            if name in modules and name != mod:
+                graph[mod].add(name)
+    # Cycles (Tarjan's strongly connected components).
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            # A package's __init__ re-exporting its own submodules is not a cycle between files.
+            comp = [c for c in comp if not any(o.startswith(c + ".") for o in comp)]
+            if len(comp) > 1:
+                problems.append(f"import cycle between {', '.join(sorted(comp))}")
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return problems
+
+
+def test_imports_run_one_way_without_cycles():
+    problems = layout_violations()
+    assert not problems, "\n".join(problems)
+
+
+def test_the_checker_catches_an_upward_import(tmp_path):
+    """The checker is not vacuous: an added upward import and a cycle are both reported."""
+    (tmp_path / "protocols").mkdir()
+    (tmp_path / "client").mkdir()
+    up = tmp_path / "protocols" / "bad.py"
+    up.write_text("from client.wire import to_record\nimport flwr\n")
+    a, b = tmp_path / "client" / "a.py", tmp_path / "client" / "b.py"
+    a.write_text("from client import b\n")
+    b.write_text("import client.a\n")
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        problems = layout_violations({"protocols.bad": up, "client.a": a, "client.b": b})
+    finally:
+        ROOT = saved
+    assert any("imports client.wire" in p for p in problems)
+    assert any("must not import Flower" in p for p in problems)
+    assert any("cycle" in p and "client.a" in p and "client.b" in p for p in problems)
+
+
+def test_no_source_file_over_600_lines():
+    long = [f"{p.relative_to(ROOT)}: {n}" for p in _modules().values()
+            if (n := len(p.read_text().splitlines())) > 600]
+    assert not long, long
+
+
+@pytest.mark.parametrize("method", list(importlib.import_module("protocols.methods").METHOD_NAMES))
+def test_registry_entries_resolve(method):
+    """Every method of the registry has a strategy, a train handler and its query handlers."""
+    from client.methods import query_handler, train_handler
+    from protocols.config import RunConfig
+    from protocols.methods import method_spec
+    from strategies.registry import strategy_class
+
+    spec = method_spec(method)
+    assert callable(train_handler(method))
+    for action in spec.queries:
+        assert callable(query_handler(method, action))
+    assert RunConfig(method=method).method == method  # the config accepts every registered method
+    assert strategy_class(method).__name__ == spec.strategy.split(":")[1]
