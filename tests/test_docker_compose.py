@@ -11,7 +11,7 @@ What it does, with the scripts under ``docker/`` (the same a user or CI runs):
    ``docker/docker-compose.yml`` + ``docker/docker-compose.ci.yml`` + the
    override from ``docker/scale_supernodes.sh``: SuperLink, NUM_SUPERNODES
    SuperNodes (TLS to the SuperLink) and 3 DDP-SA intermediate servers;
-4. submits one short run per method in METHODS with the image's ``flwr run``
+4. submits one short run per method in RUN_SETTINGS with the image's ``flwr run``
    (compose service ``submit``) and checks that the ServerApp's
    ``<out-dir>/summary.json`` reports an accuracy well above chance;
 5. brings everything down and stops the engine by its PID.
@@ -27,7 +27,7 @@ dependency layers; ``CANCELFL_DOCKER_FRESH=1`` (or a concurrent run holding
 the lock) uses a throw-away one instead.
 
 Environment knobs: CANCELFL_APP_DIR (Flower app to deploy, default: the
-repository root), CANCELFL_DOCKER_METHODS (comma list overriding METHODS),
+repository root), CANCELFL_DOCKER_METHODS (comma list overriding RUN_SETTINGS),
 CANCELFL_DOCKER_RUN_CONFIG (extra run-config entries for every run),
 CANCELFL_DOCKER_CACHE (default ~/.cache/cancelfl-docker: base root
 filesystem, tools, engine data).
@@ -50,6 +50,8 @@ from pathlib import Path
 
 import pytest
 
+from protocols.methods import method_spec
+
 pytestmark = pytest.mark.docker
 
 # --- parameters ---------------------------------------------------------------
@@ -58,7 +60,7 @@ pytestmark = pytest.mark.docker
 #: 3 clients, 2 rounds): nadp ~0.44, ddpsa ~0.33-0.41 final accuracy on digits.
 #: nadp: one full-batch local step keeps the record sensitivity at Lemma 1's;
 #: ddpsa: a larger clip and lr let 2 rounds move past chance under Laplace noise.
-METHODS: dict[str, str] = {
+RUN_SETTINGS: dict[str, str] = {
     "nadp": "epsilon=8.0 local-epochs=1 batch-size=1000 lr=2.0",
     "ddpsa": "epsilon=8.0 lr=5.0 clip=10.0",  # + ddpsa-servers: the 3 compose servers
 }
@@ -78,7 +80,7 @@ IMAGE = "cancelfl:ci"
 
 def _methods() -> list[str]:
     env = os.environ.get("CANCELFL_DOCKER_METHODS", "")
-    return [m.strip() for m in env.split(",") if m.strip()] or list(METHODS)
+    return [m.strip() for m in env.split(",") if m.strip()] or list(RUN_SETTINGS)
 
 
 @dataclass
@@ -319,7 +321,8 @@ def test_compose_run_reaches_accuracy(deployment: Deployment, method: str,
     # num-clients: the ServerApp waits for (and samples from) that many SuperNodes.
     run_config = (f'method="{method}" dataset="{DATASET}" num-rounds={NUM_ROUNDS} '
                   f'num-clients={NUM_SUPERNODES} out-dir="{out}"')
-    if extra := METHODS.get(method, ""):
+    method_spec(method)  # a method of the registry (protocols.methods), else ValueError naming the known ones
+    if extra := RUN_SETTINGS.get(method, ""):
         run_config += f" {extra}"
     if method == "ddpsa":
         run_config += f' ddpsa-servers="{",".join(deployment.ddpsa_addresses)}"'
