@@ -76,12 +76,19 @@ def find_idx_folder(dataset: str, data_dir: str) -> Path:
 
 def read_idx(path: Path) -> np.ndarray:
     """Read one gzip IDX file (images uint8 N x H x W or labels uint8 N)."""
-    with gzip.open(path, "rb") as fh:
-        raw = fh.read()
+    try:
+        with gzip.open(path, "rb") as fh:
+            raw = fh.read()
+    except (gzip.BadGzipFile, EOFError, OSError) as err:
+        raise ValueError(f"{path}: not a complete gzip file ({err}); re-copy the IDX .gz files") from err
+    if len(raw) < 4:
+        raise ValueError(f"{path}: truncated IDX file ({len(raw)} bytes, no header)")
     magic = int.from_bytes(raw[:4], "big")
     ndim = magic & 0xFF
-    if magic >> 8 != 0x08:
+    if magic >> 8 != 0x08 or not 1 <= ndim <= 4:
         raise ValueError(f"{path}: not an unsigned-byte IDX file (magic {magic:#010x})")
+    if len(raw) < 4 + 4 * ndim:
+        raise ValueError(f"{path}: truncated IDX header ({len(raw)} bytes for {ndim} dimensions)")
     dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
     data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
     if data.size != int(np.prod(dims)):
@@ -96,7 +103,11 @@ def _load_idx(name: str, data_dir: str) -> Dataset:
         x = read_idx(folder / img).astype(np.float32) / 255.0
         # Standard MNIST normalisation keeps inputs centred for SGD.
         x = (x - 0.1307) / 0.3081 if name == "mnist" else (x - 0.2860) / 0.3530
-        out[split] = (x[:, None, :, :], read_idx(folder / lab).astype(np.int64))
+        y = read_idx(folder / lab).astype(np.int64)
+        if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
+            raise ValueError(f"dataset '{name}' in {folder}: {split} images {img} ({x.shape}) and labels {lab} "
+                             f"({y.shape}) do not match (one image of H x W per label)")
+        out[split] = (x[:, None, :, :], y)
     return Dataset(name, *out["train"], *out["test"], num_classes=10)
 
 

@@ -158,6 +158,8 @@ class RunConfig:
         for key in ("num-clients", "num-rounds", "local-epochs", "batch-size"):
             if getattr(self, key.replace("-", "_")) < 1:
                 raise ConfigError(f"run-config '{key}' must be an integer >= 1")
+        if self.seed < 0:
+            raise ConfigError(f"run-config 'seed' = {self.seed} must be an integer >= 0")
         for key in ("train-subset", "test-subset"):
             if getattr(self, key.replace("-", "_")) < 0:
                 raise ConfigError(f"run-config '{key}' must be an integer >= 0 (0 = all)")

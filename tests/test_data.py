@@ -59,3 +59,41 @@ def test_client_partition_by_id():
     with pytest.raises(ConfigError):
         client_partition(cfg, 5, 5)
     assert dataset_for(cfg).name == "digits"
+
+
+def _idx(path, dims: list[int], payload: bytes | None = None, magic: int = 0x08) -> None:
+    import gzip
+
+    head = ((magic << 8) | len(dims)).to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in dims)
+    body = payload if payload is not None else bytes(int(np.prod(dims)))
+    with gzip.open(path, "wb") as fh:
+        fh.write(head + body)
+
+
+def test_broken_idx_files_are_named_with_their_cause(tmp_path):
+    from client.data import read_idx
+
+    good = tmp_path / "good.gz"
+    _idx(good, [2, 3])
+    assert read_idx(good).shape == (2, 3)
+    short = tmp_path / "short.gz"
+    _idx(short, [2, 3], payload=bytes(5))
+    with pytest.raises(ValueError, match="header says"):
+        read_idx(short)
+    plain = tmp_path / "plain.gz"
+    plain.write_bytes(b"not gzip at all")
+    with pytest.raises(ValueError, match="gzip"):
+        read_idx(plain)
+    cut = tmp_path / "cut.gz"
+    cut.write_bytes(good.read_bytes()[:-6])  # a truncated download
+    with pytest.raises(ValueError, match="gzip|truncated|header"):
+        read_idx(cut)
+    wrong = tmp_path / "wrong.gz"
+    _idx(wrong, [2], magic=0x0D)  # float IDX
+    with pytest.raises(ValueError, match="not an unsigned-byte IDX"):
+        read_idx(wrong)
+
+
+def test_negative_seed_is_refused():
+    with pytest.raises(ConfigError, match="'seed'"):
+        RunConfig(seed=-1).validate()
