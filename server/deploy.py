@@ -4,7 +4,8 @@
   the ClientApps), submitted with ``flwr run``.
 * :func:`run_deployment` -- a SuperLink and N ``flower-supernode`` processes on
   127.0.0.1, each with its own ``partition-id``, optionally with TLS, plus the
-  DDP-SA intermediate servers when the method is ``ddpsa``.
+  DDP-SA intermediate servers when the method is ``ddpsa`` (started by
+  :mod:`server.intermediate.launcher`, the one place that starts them).
 
 Every process gets a free loopback port, a private ``FLWR_HOME`` and its own log
 file; all are stopped on exit (also on error or Ctrl-C).  This is the same
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from protocols.config import RunConfig
 from server.defaults import APP_DIR, app_defaults
+from server.intermediate.launcher import IntermediateServerCluster, start_intermediate_servers
 
 BIN = Path(sys.executable).parent
 
@@ -212,19 +214,6 @@ def run_simulation(overrides: dict, *, keep_workdir: str | None = None, client_c
         return _final_check(overrides.get("out-dir", str(Path(cfg.out_dir).resolve())), code)
 
 
-def start_intermediate_servers(procs: Processes, count: int) -> list[str]:
-    """Start ``count`` DDP-SA intermediate aggregation servers; returns their host:port list."""
-    addrs = []
-    for i in range(count):
-        port = free_port()
-        procs.start(f"intermediate-{i}", [sys.executable, "-m", "server.intermediate", "--host", "127.0.0.1",
-                                          "--port", str(port)])
-        addrs.append(f"127.0.0.1:{port}")
-    for a in addrs:
-        wait_for_port(int(a.rsplit(":", 1)[1]), procs=procs)
-    return addrs
-
-
 class LocalCluster:
     """A SuperLink, N SuperNodes and (optionally) DDP-SA intermediate servers as OS processes on loopback.
 
@@ -238,6 +227,7 @@ class LocalCluster:
         self.num_supernodes, self.tls, self.n_intermediate = num_supernodes, tls, intermediate_servers
         self._ws = workspace(keep_workdir)
         self.intermediate: list[str] = []
+        self._servers: IntermediateServerCluster | None = None
         self.pids: list[int] = []
 
     def __enter__(self) -> LocalCluster:
@@ -250,7 +240,8 @@ class LocalCluster:
             self.procs.start("superlink", _superlink_cmd(port, self.work, simulation=False, tls=certs))
             wait_for_port(port, procs=self.procs)
             if self.n_intermediate:
-                self.intermediate = start_intermediate_servers(self.procs, self.n_intermediate)
+                self._servers = start_intermediate_servers(self.n_intermediate)
+                self.intermediate = self._servers.addresses
             for i in range(self.num_supernodes):
                 node = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{port}",
                         "--host", "127.0.0.1", "--port", str(free_port()),
@@ -259,7 +250,7 @@ class LocalCluster:
                 self.procs.start(f"supernode-{i}", node)
             self.connection = write_connection(self.work / "flwr-home", f"127.0.0.1:{port}",
                                                root_cert=certs["ca"] if certs else None)
-            self.pids = [p.pid for _, p in self.procs.procs]
+            self.pids = [p.pid for _, p in self.procs.procs] + (self._servers.pids if self._servers else [])
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -282,6 +273,8 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.procs.close()
+        if self._servers:
+            self._servers.stop()
         self._ws.__exit__(*exc)
 
 

@@ -13,7 +13,7 @@ import torch
 from flwr.app import ConfigRecord
 
 import client.methods.ddpsa as ddpsa_client
-import strategies.ddpsa as ddpsa_strategy
+import server.intermediate.launcher as launcher
 from client.app import app as client_app
 from client.data import dataset_for
 from client.models import build_model, get_weights
@@ -29,6 +29,8 @@ from server.runner import run_federation
 from strategies.ddpsa import DdpsaStrategy
 
 LINEAR = {"hidden": "", "lr": 10.0, "epsilon": 10.0}  # softmax regression: fast FedSGD on digits
+#: Addresses for strategies that never reach their servers (configuration and budget tests).
+UNREACHED = "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3"
 
 
 def _pid_gone(pid: int) -> bool:
@@ -119,8 +121,7 @@ def test_reconstruction_equals_plain_sum_of_noisy_updates(cluster, recorded, fra
         new_arrays, metrics = strategy.aggregate_train(1, replies)
     finally:
         strategy.close()
-    assert strategy.cluster is None  # external servers are neither started nor stopped
-    assert all(h.is_running() for h in cluster.handles)
+    assert all(h.is_running() for h in cluster.handles)  # the strategy neither starts nor stops servers
     assert len(recorded) == 4
     plain = np.sum(list(recorded.values()), axis=0)  # float64 sum of the clients' noisy sums
     err = np.abs(strategy.last_decoded_sum - plain)
@@ -139,17 +140,17 @@ def test_reconstruction_equals_plain_sum_of_noisy_updates(cluster, recorded, fra
 # ------------------------------------------------------------------ end to end
 def test_trains_with_three_server_processes_and_cleans_up(run_inprocess, monkeypatch) -> None:
     started: list[IntermediateServerCluster] = []
-    original = ddpsa_strategy.start_intermediate_servers
+    original = launcher.start_intermediate_servers
 
     def spy(m: int, **kw) -> IntermediateServerCluster:
         c = original(m, **kw)
         started.append(c)
         return c
 
-    monkeypatch.setattr(ddpsa_strategy, "start_intermediate_servers", spy)
+    monkeypatch.setattr(launcher, "start_intermediate_servers", spy)
     summary, rows = run_inprocess(method="ddpsa", num_rounds=8, ddpsa_num_servers=3, **LINEAR)
     assert len(started) == 1 and len(started[0].pids) == 3 and len(set(started[0].pids)) == 3
-    assert all(_pid_gone(p) for p in started[0].pids)  # stopped by run_inprocess -> strategy.close()
+    assert all(_pid_gone(p) for p in started[0].pids)  # stopped when run_inprocess leaves local_intermediate_servers
     assert summary["failed_rounds"] == []
     assert summary["final_accuracy"] > 0.3  # chance is 0.1
     eps = [r["epsilon"] for r in rows]
@@ -159,26 +160,31 @@ def test_trains_with_three_server_processes_and_cleans_up(run_inprocess, monkeyp
 
 
 class _KillingStrategy(DdpsaStrategy):
-    """Kills intermediate server #1 after the clients pushed their round-2 shares."""
+    """Kills intermediate server #1 of ``victims`` after the clients pushed their round-2 shares."""
+
+    victims: IntermediateServerCluster
 
     def aggregate_train(self, server_round, replies):
         if server_round == 2:
-            os.kill(self.cluster.pids[1], signal.SIGKILL)
-            self.cluster.handles[1].process.wait()
+            os.kill(self.victims.pids[1], signal.SIGKILL)
+            self.victims.handles[1].process.wait()
         return super().aggregate_train(server_round, replies)
 
 
 def test_killed_intermediate_server_fails_round_naming_it(tmp_path) -> None:
     raw = {**app_defaults(), "method": "ddpsa", "num-rounds": 3, "num-clients": 4, "out-dir": str(tmp_path),
            **{k: v for k, v in LINEAR.items()}}
-    cfg = RunConfig.from_mapping(raw)
-    strategy = _KillingStrategy(cfg)
     lines: list[str] = []
-    try:
-        summary = run_federation(strategy, LocalGrid(client_app, cfg.num_clients, raw), cfg, progress=lines.append)
-        pids, dead = strategy.cluster.pids, strategy.cluster.addresses[1]
-    finally:
-        strategy.close()
+    with start_intermediate_servers(3) as victims:  # own servers: this test kills one
+        raw["ddpsa-servers"] = ",".join(victims.addresses)
+        cfg = RunConfig.from_mapping(raw)
+        strategy = _KillingStrategy(cfg)
+        strategy.victims = victims
+        try:
+            summary = run_federation(strategy, LocalGrid(client_app, cfg.num_clients, raw), cfg, progress=lines.append)
+        finally:
+            strategy.close()
+        pids, dead = victims.pids, victims.addresses[1]
     assert all(_pid_gone(p) for p in pids)
     assert len(summary["failed_rounds"]) == 2
     fetch_err, health_err = summary["failed_rounds"]
@@ -195,17 +201,19 @@ def test_config_errors_are_clear() -> None:
     with pytest.raises(ConfigError, match="lists 2 address"):
         _setup(ddpsa_servers="127.0.0.1:1,127.0.0.1:2", ddpsa_num_servers=3)
     with pytest.raises(ConfigError, match="at least 2 clients per round"):
-        _setup(num_clients=2, sample_rate=0.5)
+        _setup(num_clients=2, sample_rate=0.5, ddpsa_servers=UNREACHED)
+    with pytest.raises(ConfigError, match="needs its intermediate servers"):
+        _setup()  # the strategy never starts servers: with none named it refuses
 
 
 def test_budget_schedules_and_spent_epsilon() -> None:
-    _, _, s = _setup(num_rounds=10, epsilon=5.0, ddpsa_allocation="exponential", ddpsa_decay=0.8)
+    _, _, s = _setup(num_rounds=10, epsilon=5.0, ddpsa_allocation="exponential", ddpsa_decay=0.8, ddpsa_servers=UNREACHED)
     eq12 = exponential_allocation(5.0, 10, 0.8)
     np.testing.assert_allclose([s.epsilon_of_round(t) for t in range(1, 11)], eq12, rtol=1e-12)
     np.testing.assert_allclose([s.privacy_report(t)["epsilon"] for t in range(1, 11)], np.cumsum(eq12), rtol=1e-12)
     assert s.epsilon_of_round(1) > s.epsilon_of_round(10)
-    _, _, adv = _setup(num_rounds=200, epsilon=5.0, ddpsa_composition="advanced")
-    _, _, basic = _setup(num_rounds=200, epsilon=5.0, ddpsa_composition="basic")
+    _, _, adv = _setup(num_rounds=200, epsilon=5.0, ddpsa_composition="advanced", ddpsa_servers=UNREACHED)
+    _, _, basic = _setup(num_rounds=200, epsilon=5.0, ddpsa_composition="basic", ddpsa_servers=UNREACHED)
     # Advanced composition certifies larger per-round budgets over many rounds, same total.
     assert adv.epsilon_of_round(1) > 1.5 * basic.epsilon_of_round(1)
     assert adv.privacy_report(200)["epsilon"] == pytest.approx(5.0, rel=1e-9)

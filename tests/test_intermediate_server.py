@@ -16,21 +16,19 @@ import grpc
 import numpy as np
 import pytest
 
-from protocols.ddpsa import ldp_noisy_mean
-from protocols.secret_sharing import FixedPointCodec, encode_and_share, ring_sum
-from server.intermediate import (
-    IntermediateAggregatorServicer,
+from client.intermediate import (
     IntermediateServerClient,
     PartialSumUnavailableError,
     SharePushError,
-    create_server,
     push_shares,
     reconstruct_decoded,
     reconstruct_sum,
     share_and_push,
-    start_intermediate_servers,
     wait_until_healthy,
 )
+from protocols.ddpsa import ldp_noisy_mean
+from protocols.secret_sharing import FixedPointCodec, encode_and_share, ring_sum
+from server.intermediate import IntermediateAggregatorServicer, create_server, start_intermediate_servers
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -268,7 +266,7 @@ def test_servers_exit_when_owner_process_dies(tmp_path: Path) -> None:
 
 def test_modules_do_not_import_flwr() -> None:
     code = (
-        "import sys, server.intermediate, server.intermediate.__main__, protocols.secret_sharing, "
+        "import sys, client.intermediate, server.intermediate, server.intermediate.__main__, protocols.secret_sharing, "
         "protocols.ddpsa, protocols.composition; "
         "bad = sorted(m for m in sys.modules if m == 'flwr' or m.startswith('flwr.')); "
         "assert not bad, bad"
