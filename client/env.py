@@ -64,8 +64,7 @@ class ClientEnv:
         return int.from_bytes(h[:8], "big") >> 1
 
 
-def local_training(msg: Message, env: ClientEnv, *, loss: str = "ce",
-                   grad_clip: float | None = None) -> tuple[Weights, Weights, float]:
+def local_training(msg: Message, env: ClientEnv, *, grad_clip: float | None = None) -> tuple[Weights, Weights, float]:
     """Train the received global model on local data.
 
     Returns ``(global_weights, local_weights, train_loss)``.
@@ -74,8 +73,7 @@ def local_training(msg: Message, env: ClientEnv, *, loss: str = "ce",
     model = env.model(global_w)
     rnd = int(msg.content["config"]["round"])
     train_loss = train(model, env.x, env.y, epochs=env.cfg.local_epochs, batch_size=env.cfg.batch_size,
-                       lr=env.cfg.lr, seed=env.round_seed(rnd), num_classes=env.num_classes, loss=loss,
-                       grad_clip=grad_clip)
+                       lr=env.cfg.lr, seed=env.round_seed(rnd), grad_clip=grad_clip)
     return global_w, get_weights(model), train_loss
 
 

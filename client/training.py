@@ -24,8 +24,8 @@ def loss_fn(name: str, logits: torch.Tensor, y: torch.Tensor, num_classes: int) 
 
 
 def train(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, batch_size: int, lr: float,
-          seed: int, num_classes: int, loss: str = "ce", grad_clip: float | None = None) -> float:
-    """Plain SGD for ``epochs`` over (x, y); returns the mean training loss of the last epoch.
+          seed: int, grad_clip: float | None = None) -> float:
+    """Plain SGD on the cross-entropy for ``epochs`` over (x, y); returns the mean training loss of the last epoch.
 
     ``grad_clip`` bounds each mini-batch gradient's L2 norm (used by NADP-FL and
     LaDP-FL, whose sensitivity analysis assumes clipped gradients).
@@ -40,7 +40,7 @@ def train(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, batch_
         total, count = 0.0, 0
         for idx in _batches(len(y), batch_size, rng):
             opt.zero_grad()
-            out = loss_fn(loss, model(xt[idx]), yt[idx], num_classes)
+            out = nn.functional.cross_entropy(model(xt[idx]), yt[idx])
             out.backward()
             if grad_clip is not None:
                 nn.utils.clip_grad_norm_(model.parameters(), grad_clip)

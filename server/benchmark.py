@@ -812,8 +812,7 @@ def secaggplus_reference(base: dict, clients: int, num_shares: int, threshold: f
             x, y = client_partition(cfg, self.pid, clients)
             model = build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed)
             set_weights(model, dict(zip(keys, parameters, strict=True)))
-            train(model, x, y, epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr,
-                  seed=cfg.seed + self.pid, num_classes=ds.num_classes)
+            train(model, x, y, epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr, seed=cfg.seed + self.pid)
             return [v.astype(np.float32) for v in get_weights(model).values()], len(y), {}
 
     def client_fn(context: Context):

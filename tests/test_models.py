@@ -16,7 +16,7 @@ def test_mlp_and_cnn_learn_digits():
     for name in ("mlp", "cnn"):
         model = build_model(name, ds.input_shape, 10, (64,), seed=0)
         _, before = evaluate(model, ds.x_test, ds.y_test)
-        train(model, ds.x_train, ds.y_train, epochs=5, batch_size=32, lr=0.1, seed=0, num_classes=10)
+        train(model, ds.x_train, ds.y_train, epochs=5, batch_size=32, lr=0.1, seed=0)
         _, after = evaluate(model, ds.x_test, ds.y_test)
         assert after > 0.85 > before, (name, before, after)
 
