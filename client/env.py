@@ -11,10 +11,11 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message, RecordDict
 from torch import nn
 
 from client.data import client_partition, dataset_for
+from client.messages.common import TrainIns, train_metrics
 from client.models import build_model, get_weights, set_weights
 from client.training import train
 from client.wire import Weights, from_record
@@ -71,13 +72,12 @@ def local_training(msg: Message, env: ClientEnv, *, grad_clip: float | None = No
     """
     global_w = from_record(msg.content["arrays"])
     model = env.model(global_w)
-    rnd = int(msg.content["config"]["round"])
+    rnd = TrainIns.from_config(msg.content["config"]).round
     train_loss = train(model, env.x, env.y, epochs=env.cfg.local_epochs, batch_size=env.cfg.batch_size,
                        lr=env.cfg.lr, seed=env.round_seed(rnd), grad_clip=grad_clip)
     return global_w, get_weights(model), train_loss
 
 
 def reply(msg: Message, arrays, num_examples: int, **metrics: float) -> Message:
-    """The standard train reply: upload arrays + metrics."""
-    rec = MetricRecord({"num-examples": int(num_examples), **{k: float(v) for k, v in metrics.items()}})
-    return Message(RecordDict({"arrays": arrays, "metrics": rec}), reply_to=msg)
+    """The standard train reply: upload arrays + metrics (:func:`client.messages.common.train_metrics`)."""
+    return Message(RecordDict({"arrays": arrays, "metrics": train_metrics(num_examples, **metrics)}), reply_to=msg)

@@ -18,6 +18,9 @@ first (input order is irrelevant) and all randomness comes from the AES-CTR PRG
 Fisher-Yates with rejection-sampled integers).
 
 Both functions return ``{node: sorted list of neighbours}`` (symmetric adjacency).
+``round_graph`` is THE rule that picks one of them for a round (run-config ``graph``
+and ``n-out``): the server's key phase, NISS's re-graph and the nadp client all call
+it, so both ends of every pair agree on the graph.
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ from collections.abc import Sequence
 
 from protocols.prg import derive_subseed, uniform_ints
 
-__all__ = ["complete_graph", "n_out_graph", "edges"]
+__all__ = ["GRAPH_KINDS", "complete_graph", "n_out_graph", "edges", "round_graph"]
+
+#: Graph kinds understood by :func:`round_graph`.
+GRAPH_KINDS = ("complete", "n-out")
 
 
 def _canonical_nodes(node_ids: Sequence[int]) -> list[int]:
@@ -80,6 +86,20 @@ def n_out_graph(node_ids: Sequence[int], n_out: int, round_seed: bytes) -> dict[
             adjacency[v].add(other)
             adjacency[other].add(v)
     return {v: sorted(nbrs) for v, nbrs in adjacency.items()}
+
+
+def round_graph(kind: str, n_out: int, participants: Sequence[int], seed: bytes) -> dict[int, list[int]]:
+    """The neighbour graph of one round over ``participants``.
+
+    ``kind == "n-out"`` gives the random n-out graph of ``seed`` when ``n_out <
+    len(participants) - 1``; otherwise (kind "complete", or too few
+    participants for a sparse graph) every two participants are neighbours.
+    """
+    if kind not in GRAPH_KINDS:
+        raise ValueError(f"unknown graph kind {kind!r} (expected one of {GRAPH_KINDS})")
+    if kind == "n-out" and n_out < len(participants) - 1:
+        return n_out_graph(participants, n_out, seed)
+    return complete_graph(participants)
 
 
 def edges(adjacency: dict[int, list[int]]) -> list[tuple[int, int]]:

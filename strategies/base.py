@@ -1,15 +1,27 @@
-"""Common machinery of every cancelfl strategy.
+"""Common machinery of every cancelfl strategy: the round template and its hooks.
 
-A method's server side is a :class:`CancelStrategy` (a Flower ``Strategy``):
-``configure_train`` may run extra message phases through the Grid it receives
-(key exchange, share relay) before returning the train messages;
-``aggregate_train`` returns the new global model.  The runner
-(:mod:`server.runner`) drives rounds, evaluates centrally and asks the strategy
-for :meth:`privacy_report` and :meth:`round_report` to log each round.
+A method's server side is a :class:`CancelStrategy` (a Flower ``Strategy``).
+The base writes the round skeleton once (:meth:`CancelStrategy.configure_train`,
+:meth:`CancelStrategy.aggregate_train`); a method overrides small hooks:
+
+* :meth:`~CancelStrategy.prepare_round` -- after sampling: extra message
+  phases through the Grid (key exchange, share relay), calibration; returns the
+  round's :class:`RoundState` (methods subclass it);
+* :meth:`~CancelStrategy.train_content` -- the train message of one participant;
+* :meth:`~CancelStrategy.after_replies` -- bookkeeping on the good train replies
+  (by default: a key phase forgets the participants that did not reply);
+* :meth:`~CancelStrategy.aggregate` -- the new global model from the
+  participants' replies.
+
+The runner (:mod:`server.runner`) drives rounds, evaluates centrally and asks
+the strategy for :meth:`privacy_report` and :meth:`round_report` to log each
+round.
 
 Message layout (all methods): the server sends ``RecordDict({"arrays":
 ArrayRecord, "config": ConfigRecord})``; a client replies with ``"arrays"``
-(its upload) and ``"metrics"`` (``num-examples`` and method figures).
+(its upload) and ``"metrics"`` (:func:`client.messages.common.train_metrics`:
+its number of examples and method figures).  Config and metric keys belong to
+the message classes of :mod:`client.messages`.
 """
 
 from __future__ import annotations
@@ -17,7 +29,9 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from logging import WARNING
+from typing import Protocol
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -25,6 +39,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from client.messages.common import TrainIns, mean_metrics, num_examples
 from client.wire import Weights, from_record, to_record
 from protocols.config import RunConfig
 
@@ -57,16 +72,39 @@ def wait_for_nodes(grid: Grid, count: int, timeout: float) -> list[int]:
         time.sleep(1.0)
 
 
+class ForgetsUnresponsive(Protocol):
+    """What the template needs of a key phase (:class:`strategies.key_phase.KeyPhase`)."""
+
+    def forget_unresponsive(self, participants: Iterable[int], replies: Iterable[Message]) -> None: ...
+
+
+@dataclass
+class RoundState:
+    """What the server keeps between ``configure_train`` and ``aggregate_train`` of one round.
+
+    Methods subclass it with their round's secrets and plan (e.g. ``NadpRound(RoundState)``).
+    """
+
+    round: int
+    #: Nodes sent a train message this round (replies from anyone else are ignored).
+    participants: list[int]
+
+
 class CancelStrategy(Strategy):
-    """Base strategy: client sampling, weighted aggregation, reporting hooks."""
+    """Base strategy: the round template, client sampling, weighted aggregation, reporting hooks."""
 
     #: Dtype of model arrays on the wire.
     wire_dtype: type = np.float32
+    #: The key phase of a pairwise-noise method (``self.keys = KeyPhase(cfg)``,
+    #: :mod:`strategies.key_phase`); None for the others.
+    keys: ForgetsUnresponsive | None = None
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.sampled: list[int] = []
         self._round_report: dict[str, float] = {}
+        #: The current (or last) round's state, set by :meth:`configure_train`.
+        self._state: RoundState | None = None
 
     # --------------------------------------------------------------- sampling
     def sample_nodes(self, grid: Grid, server_round: int) -> list[int]:
@@ -91,45 +129,66 @@ class CancelStrategy(Strategy):
             log(WARNING, "phase %s: %s", action, e.splitlines()[0])
         return {r.metadata.src_node_id: r for r in good}, errors
 
-    # ------------------------------------------------------------ Flower API
-    def train_config(self, server_round: int) -> ConfigRecord:
-        """Per-round config sent with the model (methods extend it)."""
-        return ConfigRecord({"round": server_round})
-
+    # ------------------------------------------------- round template (Flower API)
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        """Sample clients and send them the global model."""
+        """Sample, prepare the round (:meth:`prepare_round`), send each participant its train message."""
         self._round_report = {}
+        self._state = None
         nodes = self.sample_nodes(grid, server_round)
-        cfg_rec = self.train_config(server_round)
-        return self.make_messages(nodes, lambda _n: RecordDict({"arrays": arrays, "config": cfg_rec}))
+        state = self.prepare_round(grid, server_round, nodes, arrays)
+        self._state = state
+        return self.make_messages(state.participants, lambda node: self.train_content(state, node, arrays))
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Weighted average (by ``num-examples``) of the uploaded arrays."""
+        """Split the replies, run :meth:`after_replies`, aggregate the participants' good replies."""
+        state = self._state
+        if state is None or state.round != server_round:
+            raise RoundFailed(f"round {server_round}: no round state (configure_train did not run for this round)")
         good, errors = split_replies(replies)
-        if errors:
-            for e in errors:
-                log(WARNING, "round %d: %s", server_round, e.splitlines()[0])
-        if not good:
-            raise RoundFailed(f"round {server_round}: no client replied ({len(errors)} errors)")
-        weights = [self.weight_of(r) for r in good]
-        uploads = [from_record(r.content["arrays"]) for r in good]
-        agg = weighted_average(uploads, weights)
-        return to_record(agg, self.wire_dtype), self.mean_metrics(good)
+        for e in errors:
+            log(WARNING, "round %d: %s", server_round, e.splitlines()[0])
+        self.after_replies(state, good)
+        participants = set(state.participants)
+        by_node = {r.metadata.src_node_id: r for r in good if r.metadata.src_node_id in participants}
+        if not by_node:
+            raise RoundFailed(f"round {server_round}: no participant replied ({len(errors)} errors)")
+        arrays = self.aggregate(state, by_node, errors)
+        return arrays, self.mean_metrics(list(by_node.values()))
+
+    # ------------------------------------------------------------------- hooks
+    def prepare_round(self, grid: Grid, server_round: int, nodes: list[int], arrays: ArrayRecord) -> RoundState:
+        """Everything between sampling and the train messages (extra phases, calibration); default: nothing."""
+        return RoundState(server_round, list(nodes))
+
+    def train_config(self, server_round: int) -> ConfigRecord:
+        """Config every participant gets with the model (default: the round number)."""
+        return TrainIns(server_round).to_config()
+
+    def train_content(self, state: RoundState, node: int, arrays: ArrayRecord) -> RecordDict:
+        """The train message of ``node``: the global model and :meth:`train_config`."""
+        return RecordDict({"arrays": arrays, "config": self.train_config(state.round)})
+
+    def after_replies(self, state: RoundState, good: list[Message]) -> None:
+        """Bookkeeping on the round's good replies; a key phase forgets the participants that failed."""
+        if self.keys is not None:
+            self.keys.forget_unresponsive(state.participants, good)
+
+    def aggregate(self, state: RoundState, by_node: dict[int, Message], errors: list[str]) -> ArrayRecord | None:
+        """Weighted average (:meth:`weight_of`, by default ``num-examples``) of the uploaded arrays."""
+        nodes = sorted(by_node)
+        weights = [self.weight_of(by_node[n]) for n in nodes]
+        uploads = [from_record(by_node[n].content["arrays"]) for n in nodes]
+        return to_record(weighted_average(uploads, weights), self.wire_dtype)
 
     def weight_of(self, reply: Message) -> float:
         """Aggregation weight of one reply (default: its number of examples)."""
-        return float(reply.content["metrics"]["num-examples"])
+        return float(num_examples(reply.content["metrics"]))
 
     @staticmethod
     def mean_metrics(replies: list[Message]) -> MetricRecord:
         """Example-weighted mean of every numeric client metric."""
-        total = sum(float(r.content["metrics"]["num-examples"]) for r in replies)
-        keys = set().union(*(r.content["metrics"].keys() for r in replies)) - {"num-examples"}
-        out = {k: sum(float(r.content["metrics"].get(k, 0.0)) * float(r.content["metrics"]["num-examples"])
-                      for r in replies) / total for k in keys}
-        out["num-examples"] = total
-        return MetricRecord(out)
+        return mean_metrics([r.content["metrics"] for r in replies])
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from protocols.graphs import complete_graph, edges, n_out_graph
+from protocols.graphs import complete_graph, edges, n_out_graph, round_graph
 from protocols.prg import derive_subseed, uniform_ints
 
 SEED = hashlib.sha256(b"round-seed").digest()
@@ -136,3 +136,15 @@ def test_n_out_scales() -> None:
     adj = n_out_graph(range(2000), 11, SEED)
     _assert_symmetric_sorted(adj)
     assert min(len(v) for v in adj.values()) >= 11
+
+
+def test_round_graph_rule() -> None:
+    """n-out only when it can be sparse; complete otherwise (and for kind "complete"); unknown kinds rejected."""
+    ids = [40, 10, 30, 20, 50, 60]
+    assert round_graph("n-out", 2, ids, SEED) == n_out_graph(ids, 2, SEED)
+    assert round_graph("n-out", 5, ids, SEED) == complete_graph(ids)  # n_out >= len - 1: nothing to leave out
+    assert round_graph("n-out", 4, ids, SEED) == n_out_graph(ids, 4, SEED) != complete_graph(ids)
+    assert round_graph("complete", 2, ids, SEED) == complete_graph(ids)
+    assert round_graph("n-out", 3, ids, SEED) != round_graph("n-out", 3, ids, hashlib.sha256(b"other").digest())
+    with pytest.raises(ValueError, match="graph kind"):
+        round_graph("ring", 2, ids, SEED)

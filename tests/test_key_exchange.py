@@ -1,7 +1,7 @@
 """The shared key-exchange phase through real Flower messages (in-process grid).
 
 A minimal pairwise-masking method is assembled from the production pieces
-(`run_key_phase`, `handle_keys`, `pair_seeds`, `pairwise_noise`): every client
+(the round template, `KeyPhase`, `handle_keys`, `pair_seeds`, `pairwise_noise`): every client
 uploads only its pairwise mask, so the server's sum must cancel exactly.
 Bad input (malformed key, silent node) must leave that client out of the
 round, never corrupt the sum.
@@ -17,13 +17,15 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from client.env import ClientEnv, reply
+from client.messages.common import TrainIns, merge_configs
+from client.messages.keys import KeyReply, KeyRequest
 from client.pairwise_phase import handle_keys, pair_seeds
 from client.wire import from_record, to_record
 from protocols.config import RunConfig
 from protocols.pairwise import pairwise_noise
 from server.local_grid import LocalGrid
-from strategies.base import CancelStrategy, RoundFailed, split_replies
-from strategies.pairwise_phase import forget_unresponsive, run_key_phase
+from strategies.base import CancelStrategy, RoundFailed, RoundState
+from strategies.key_phase import KeyPhase
 
 SIZE = 10_000
 BAD_KEY_NODES: set[int] = set()
@@ -36,9 +38,10 @@ def _client_app() -> ClientApp:
     @app.query("keys")
     def keys(msg: Message, context) -> Message:
         out = handle_keys(msg, ClientEnv.from_context(context))
-        KEY_CALLS.append((int(msg.content["config"]["round"]), context.node_id))
+        KEY_CALLS.append((KeyRequest.from_config(msg.content["config"]).round, context.node_id))
         if context.node_id in BAD_KEY_NODES:  # a broken client: truncated public key
-            out.content["config"]["public-key"] = out.content["config"]["public-key"][:31]
+            sent = KeyReply.from_config(out.content["config"])
+            out.content["config"] = KeyReply(sent.public_key[:31], sent.num_examples).to_config()
         return out
 
     @app.train()
@@ -53,20 +56,24 @@ def _client_app() -> ClientApp:
 class MaskSum(CancelStrategy):
     """Sums the uploaded masks (what a pairwise method's aggregate adds to the model)."""
 
-    def configure_train(self, server_round, arrays, config, grid):
-        nodes = self.sample_nodes(grid, server_round)
-        self.key_round = run_key_phase(self, grid, server_round, nodes)
-        return self.make_messages(self.key_round.participants, lambda n: RecordDict(
-            {"arrays": arrays, "config": ConfigRecord({"round": server_round, **self.key_round.peer_config(n)})}))
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.keys = KeyPhase(cfg)
 
-    def aggregate_train(self, server_round, replies):
-        good, _ = split_replies(replies)
-        forget_unresponsive(self, self.key_round.participants, good)
-        self.failed = sorted(set(self.key_round.participants) - {r.metadata.src_node_id for r in good})
-        masks = [from_record(r.content["arrays"])["mask"] for r in good]
+    def prepare_round(self, grid, server_round, nodes, arrays):
+        self.key_round = self.keys.run(self, grid, server_round, nodes)
+        return RoundState(server_round, self.key_round.participants)
+
+    def train_content(self, state, node, arrays):
+        return RecordDict({"arrays": arrays, "config": merge_configs(
+            TrainIns(state.round).to_config(), self.key_round.peer_keys(node).to_config())})
+
+    def aggregate(self, state, by_node, errors):
+        self.failed = sorted(set(state.participants) - set(by_node))
+        masks = [from_record(r.content["arrays"])["mask"] for r in by_node.values()]
         self.total = np.sum(masks, axis=0)
         self.scale = math.sqrt(sum(float(m @ m) for m in masks))
-        return None, None
+        return None
 
 
 def _round(num_clients: int, *, graph: str = "complete", offline: int = 0) -> tuple[MaskSum, LocalGrid]:

@@ -1,0 +1,146 @@
+"""Messages of the key phase shared by the pairwise-noise methods (nadp, niss, mpddp).
+
+* :class:`KeyRequest` (server -> client, ``query.keys``): make the key pair of this key epoch.
+* :class:`KeyReply` (client -> server): the X25519 public half, plus ``|D_i|`` for methods that need it.
+* :class:`PeerKeys` (server -> client, with a later message of the round): the
+  neighbours' ids and public keys, the key epoch they belong to, and the
+  round's public graph and probe seeds.
+* :class:`MaskProbe` and :func:`probe_metric` / :func:`probe_value`: the
+  optional cancellation check (public random direction; the projection of a
+  client's pairwise mask on it, reported as a train metric).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from flwr.app import ConfigRecord
+
+from client.messages.common import (
+    TrainIns,
+    merge_configs,
+    node_id_strings,
+    read_bytes,
+    read_int,
+    read_list,
+    read_node_ids,
+)
+from protocols.keyagreement import KEY_BYTES
+
+_KEY_EPOCH = "key-epoch"
+_PUBLIC_KEY = "public-key"
+_NUM_EXAMPLES = "num-examples"
+_PEER_IDS = "peer-ids"
+_PEER_KEYS = "peer-keys"
+_GRAPH_SEED = "graph-seed"
+_PROBE_SEED = "probe-seed"
+_MASK_PROBE = "mask-probe"
+
+
+def _epoch(rec: Mapping[str, Any]) -> int:
+    if _KEY_EPOCH not in rec:
+        raise ValueError(f"message lacks '{_KEY_EPOCH}': cannot tell which key pair the peer keys belong to")
+    return read_int(rec, _KEY_EPOCH, minimum=0)
+
+
+@dataclass(frozen=True)
+class KeyRequest:
+    """``query.keys``: make (and keep) a key pair for ``key_epoch``; sent in round ``round``."""
+
+    round: int
+    key_epoch: int
+
+    def to_config(self) -> ConfigRecord:
+        return merge_configs(TrainIns(self.round).to_config(), ConfigRecord({_KEY_EPOCH: int(self.key_epoch)}))
+
+    @classmethod
+    def from_config(cls, rec: Mapping[str, Any]) -> KeyRequest:
+        return cls(TrainIns.from_config(rec).round, _epoch(rec))
+
+
+@dataclass(frozen=True)
+class KeyReply:
+    """The client's public key of the requested epoch and, if known, its dataset size ``|D_i|``."""
+
+    public_key: bytes
+    num_examples: int | None = None
+
+    def to_config(self) -> ConfigRecord:
+        rec = ConfigRecord({_PUBLIC_KEY: bytes(self.public_key)})
+        if self.num_examples is not None:
+            rec[_NUM_EXAMPLES] = int(self.num_examples)
+        return rec
+
+    @classmethod
+    def from_config(cls, rec: Mapping[str, Any]) -> KeyReply:
+        """Reject a key of the wrong length or all zeros (never usable for agreement)."""
+        key = read_bytes(rec, _PUBLIC_KEY, length=KEY_BYTES)
+        if not any(key):
+            raise ValueError(f"'{_PUBLIC_KEY}' is all zeros")
+        return cls(key, read_int(rec, _NUM_EXAMPLES, minimum=1, default=None))
+
+
+@dataclass(frozen=True)
+class PeerKeys:
+    """A client's neighbours of the round and their public keys of epoch ``key_epoch``.
+
+    ``graph_seed`` is the public seed the neighbour graph was drawn from
+    (:func:`protocols.graphs.round_graph`), ``probe_seed`` the public direction
+    of the cancellation check; either may be absent from a message that does
+    not need it.
+    """
+
+    peer_ids: tuple[int, ...]
+    peer_keys: tuple[bytes, ...]
+    key_epoch: int
+    graph_seed: bytes | None = None
+    probe_seed: bytes | None = None
+
+    def to_config(self) -> ConfigRecord:
+        rec = ConfigRecord({
+            _PEER_IDS: node_id_strings(self.peer_ids),
+            _PEER_KEYS: [bytes(k) for k in self.peer_keys],
+            _KEY_EPOCH: int(self.key_epoch),
+        })
+        if self.graph_seed is not None:
+            rec[_GRAPH_SEED] = bytes(self.graph_seed)
+        if self.probe_seed is not None:
+            rec[_PROBE_SEED] = bytes(self.probe_seed)
+        return rec
+
+    @classmethod
+    def from_config(cls, rec: Mapping[str, Any]) -> PeerKeys:
+        ids = read_node_ids(rec, _PEER_IDS)
+        keys = tuple(bytes(k) for k in read_list(rec, _PEER_KEYS, bytes))
+        if len(ids) != len(keys):
+            raise ValueError(f"{len(ids)} '{_PEER_IDS}' but {len(keys)} '{_PEER_KEYS}'")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"'{_PEER_IDS}' holds a node twice")
+        return cls(ids, keys, _epoch(rec), read_bytes(rec, _GRAPH_SEED, default=None),
+                   read_bytes(rec, _PROBE_SEED, default=None))
+
+
+@dataclass(frozen=True)
+class MaskProbe:
+    """The public direction of the cancellation check (the same value as :attr:`PeerKeys.probe_seed`)."""
+
+    seed: bytes
+
+    def to_config(self) -> ConfigRecord:
+        return ConfigRecord({_PROBE_SEED: bytes(self.seed)})
+
+    @classmethod
+    def from_config(cls, rec: Mapping[str, Any]) -> MaskProbe:
+        return cls(read_bytes(rec, _PROBE_SEED))
+
+
+def probe_metric(value: float) -> dict[str, float]:
+    """The train-reply metric carrying a client's mask projection (merge into its metrics)."""
+    return {_MASK_PROBE: float(value)}
+
+
+def probe_value(metrics: Mapping[str, Any]) -> float | None:
+    """The mask projection a train reply reports (None if it reports none)."""
+    return float(metrics[_MASK_PROBE]) if _MASK_PROBE in metrics else None

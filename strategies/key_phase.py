@@ -1,0 +1,167 @@
+"""Server side of the key-exchange phase shared by every pairwise-noise method (nadp, niss, mpddp).
+
+A pairwise method owns one :class:`KeyPhase` (``self.keys = KeyPhase(cfg)``)
+and calls :meth:`KeyPhase.run` from its ``prepare_round`` hook.  Round
+structure (all inside ``configure_train``, through the Grid it receives, so it
+runs the same in simulation, deployment and in-process):
+
+1. ``query.keys`` (:class:`client.messages.keys.KeyRequest`) -- only for
+   sampled clients the server holds no public key of the current *key epoch*
+   (run-config ``key-rotation``: rounds per key pair; 0 = one pair per node for
+   the whole run, 1 = a fresh pair every round).  Such a client makes an X25519
+   key pair for the epoch (private half kept in its ``Context.state``) and
+   returns the public half (:class:`~client.messages.keys.KeyReply`).  A
+   client that does not answer or sends a malformed key is left out of the
+   round (logged); at least two must remain.  With session keys (the default)
+   the phase runs in the first round and then only for newly sampled or
+   re-keyed clients: in deployment every message phase costs a round trip per
+   client, and X25519 with every peer is the dominant cryptographic cost;
+   clients also cache their shared secrets.
+2. The server builds the neighbour graph over the clients left
+   (:func:`protocols.graphs.round_graph` from a fresh public ``graph-seed``)
+   and sends each client its neighbours' ids and public keys
+   (:meth:`KeyRound.peer_keys`) with a later message of the round.  Clients
+   derive the round's pairwise seeds themselves with HKDF over (purpose, round,
+   pair, run id), so seeds are fresh every round even under a long-lived key
+   pair; the server never learns them.  Trade-off of a long-lived pair: whoever
+   steals a client's private key can recompute that client's pair seeds of
+   every round of the epoch (``key-rotation = 1`` restores per-round forward
+   secrecy at the cost of one extra phase per round).
+3. A participant that fails or does not reply in the train phase is forgotten
+   (:meth:`KeyPhase.forget_unresponsive`, called by the round template's
+   ``after_replies``): its next selection re-runs the key phase for it, so a
+   client that lost its state (restarted SuperNode) recovers by itself.
+
+Cancellation check: with run-config ``cancellation-check = true`` each client
+also reports the projection of its pairwise-noise contribution (the part that
+must cancel in the aggregate) on a public random direction (``probe_seed``);
+:func:`probe_residual` turns the reports into the relative residual ``|sum
+p_i| / sqrt(sum p_i^2)``, ~1e-16 when the noise cancelled and O(1) when it did
+not.  It reveals one random projection of each client's pairwise mask, so it
+is a diagnostic (off by default), not for production.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from logging import WARNING
+from typing import TYPE_CHECKING
+
+from flwr.app import Message, RecordDict
+from flwr.common import log
+from flwr.serverapp import Grid
+
+from client.messages.keys import KeyReply, KeyRequest, PeerKeys, probe_value
+from protocols.config import RunConfig
+from protocols.graphs import round_graph
+from strategies.base import RoundFailed
+
+if TYPE_CHECKING:
+    from strategies.base import CancelStrategy
+
+
+@dataclass(frozen=True)
+class KeyEntry:
+    """What the server knows about one client's key pair."""
+
+    public_key: bytes
+    epoch: int
+    num_examples: int | None
+
+
+@dataclass
+class KeyRound:
+    """Outcome of one round's key phase."""
+
+    round: int
+    participants: list[int]
+    public_keys: dict[int, bytes]
+    neighbours: dict[int, list[int]]
+    graph_seed: bytes
+    probe_seed: bytes
+    dropped: list[int] = field(default_factory=list)
+    #: ``num-examples`` each participant reported with its key (absent for clients that did not send it).
+    num_examples: dict[int, int] = field(default_factory=dict)
+    #: key epoch of the round (see ``key-rotation``) and the nodes that ran the key phase this round.
+    key_epoch: int = 0
+    keyed: list[int] = field(default_factory=list)
+
+    def peer_keys(self, node: int, neighbours: Sequence[int] | None = None) -> PeerKeys:
+        """What ``node`` needs to derive its pairwise seeds (its neighbours by default), plus the public seeds."""
+        peers = list(self.neighbours[node] if neighbours is None else neighbours)
+        return PeerKeys(tuple(peers), tuple(self.public_keys[p] for p in peers), self.key_epoch,
+                        self.graph_seed, self.probe_seed)
+
+
+class KeyPhase:
+    """The server's key directory (node -> public key of an epoch) and the per-round key phase."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.directory: dict[int, KeyEntry] = {}
+
+    def graph(self, participants: Sequence[int], seed: bytes) -> dict[int, list[int]]:
+        """The neighbour graph of ``participants`` under the run's graph rule (run-config ``graph``, ``n-out``)."""
+        return round_graph(self.cfg.graph, self.cfg.n_out, participants, seed)
+
+    def run(self, strategy: CancelStrategy, grid: Grid, server_round: int, nodes: list[int]) -> KeyRound:
+        """Make sure every node in ``nodes`` has a public key of this round's epoch; build the neighbour graph."""
+        epoch = self.cfg.key_epoch(server_round)
+        directory = self.directory
+        need = [n for n in nodes if n not in directory or directory[n].epoch != epoch]
+        for n in need:
+            directory.pop(n, None)  # a stale epoch's key must never be used again
+        if need:
+            request = KeyRequest(server_round, epoch).to_config()
+            replies, _errors = strategy.exchange(grid, need, lambda _n: RecordDict({"config": request}), "keys")
+            for node, msg in replies.items():
+                try:
+                    if "config" not in msg.content:
+                        raise ValueError("reply has no config")
+                    key = KeyReply.from_config(msg.content["config"])
+                except ValueError as err:
+                    log(WARNING, "round %d: node %s sent a malformed key reply (%s); it is left out",
+                        server_round, node, err)
+                    continue
+                directory[node] = KeyEntry(key.public_key, epoch, key.num_examples)
+        participants = sorted(n for n in nodes if n in directory)
+        dropped = sorted(set(nodes) - set(participants))
+        if len(participants) < 2:
+            raise RoundFailed(f"round {server_round}: pairwise noise needs at least 2 clients with valid keys, "
+                              f"got {len(participants)} (dropped: {dropped})")
+        keys = {n: directory[n].public_key for n in participants}
+        sizes = {n: directory[n].num_examples for n in participants if directory[n].num_examples is not None}
+        graph_seed = os.urandom(32)
+        return KeyRound(server_round, participants, keys, self.graph(participants, graph_seed), graph_seed,
+                        os.urandom(32), dropped, sizes, epoch, sorted(n for n in need if n in directory))
+
+    def regraph(self, kr: KeyRound, participants: Iterable[int]) -> KeyRound:
+        """``kr`` restricted to ``participants`` (a subset) with a fresh graph over them (e.g. after dropouts)."""
+        keep = sorted(participants)
+        if not set(keep) <= set(kr.participants):
+            raise ValueError("regraph: participants must be a subset of the key round's participants")
+        graph_seed = os.urandom(32)
+        return replace(kr, participants=keep, neighbours=self.graph(keep, graph_seed), graph_seed=graph_seed,
+                       dropped=sorted(set(kr.dropped) | (set(kr.participants) - set(keep))))
+
+    def forget(self, nodes: Iterable[int]) -> None:
+        """Drop ``nodes`` from the directory: they run the key phase again when next sampled."""
+        for n in nodes:
+            self.directory.pop(int(n), None)
+
+    def forget_unresponsive(self, participants: Iterable[int], replies: Iterable[Message]) -> None:
+        """Forget every participant without a good reply (error, no reply, or a reply from elsewhere)."""
+        ok = {r.metadata.src_node_id for r in replies if not r.has_error()}
+        self.forget(n for n in participants if n not in ok)
+
+
+def probe_residual(replies: Iterable[Message]) -> float | None:
+    """Relative cancellation residual from the clients' mask-probe metrics (None if none reported)."""
+    probes = [v for v in (probe_value(r.content["metrics"]) for r in replies) if v is not None]
+    if not probes:
+        return None
+    scale = math.sqrt(sum(p * p for p in probes))
+    return abs(math.fsum(probes)) / scale if scale > 0 else 0.0
