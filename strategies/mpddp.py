@@ -7,24 +7,25 @@ cross-entropy and accuracy).  The model perturbation (Eqs. 12-15) needs a ReLU M
 
 Round ``t`` (methods ``mpddp``, ``mpdp-naive``, ``mpcdp``):
 
-1. (``mpddp`` only) the shared key phase (:func:`strategies.pairwise_phase.run_key_phase`): X25519
-   keys of the key epoch (fetched only from clients without one), neighbour graph over the clients
-   with a key (run-config ``graph`` = complete | n-out).
+1. (``mpddp`` only) the shared key phase (:class:`strategies.key_phase.KeyPhase`): X25519 keys of the
+   key epoch (fetched only from clients without one), neighbour graph over the clients with a key
+   (run-config ``graph`` = complete | n-out).
 2. MP_Server (Algorithm 1): the server holds the true MLP (the runner's global ``ArrayRecord``, in the
    MLP's ``state_dict`` layout ``layers.i.weight``/``layers.i.bias``), draws a fresh one-time secret R
-   from ``os.urandom`` and sends only the perturbed expanded model W-hat (2L-1 float64 matrices
-   ``w_hat.0 .. w_hat.{2L-2}``) to the sampled clients, never the true model.  The relative distance
+   from ``os.urandom`` and sends only the perturbed expanded model W-hat (2L-1 float64 matrices,
+   :class:`client.messages.mpddp.PerturbedModel`) to the sampled clients, never the true model.  The relative distance
    between the two is reported as ``client_model_distance`` (and ``client_model_row_cosine_l1``, see
    caveats).
 3. Clients (``client/methods/mpddp.py``) compute ONE full-batch gradient at W-hat plus Psi, Phi (FedSGD:
    local SGD steps cannot be mapped back by Eq. 22, so ``local-epochs``, ``batch-size`` and ``lr`` are
    unused) and add noise: ``mpddp`` eta_k + sum_v Delta_kv (Eq. 17, DN samplers, pairwise seeds from
    the key phase, purpose ``mpddp-delta``); ``mpdp-naive`` N(0, sigma^2) on the perturbed gradient;
-   ``mpcdp`` nothing.  Uploads are 3L float64 arrays ``up.0 ..`` (gradients, Psi, Phi).
-4. MU_Server (Algorithm 3): *unweighted* mean of the uploads (the Delta's only cancel in the plain
-   mean), recovery Eq. (22), update of every layer with the server learning rate xi
-   (``mpddp-server-lr``).  ``mpcdp`` instead recovers each client's gradient, clips it to ``clip``,
-   averages and adds N(0, (z clip / K)^2) on the server.  For ``mpddp`` every participant of the key
+   ``mpcdp`` nothing.  Uploads are 3L arrays (gradients, Psi, Phi; :func:`client.messages.mpddp.upload_record`).
+4. MU_Server (Algorithm 3, :func:`protocols.mpddp.mu_server`): *unweighted* mean of the uploads (the
+   Delta's only cancel in the plain mean; streamed from the wire by :func:`client.messages.mpddp.mean_upload`),
+   recovery Eq. (22), update of every layer with the server learning rate xi (``mpddp-server-lr``).
+   ``mpcdp`` instead recovers each client's gradient, clips it to ``clip``, averages
+   (:func:`protocols.mpddp.clipped_mean`) and adds N(0, (z clip / K)^2) on the server.  For ``mpddp`` every participant of the key
    phase must upload: a dropout leaves uncancelled Delta's in the mean, so the round fails
    (:class:`RoundFailed`) and the model is kept (there is no seed recovery in this protocol).
 
@@ -38,15 +39,18 @@ the true per-client gradient (``mpcdp``'s trusted server does clip).
   are (epsilon, delta)-DP under our RDP accountant (:mod:`protocols.accounting`, no sampling
   amplification: the server knows whom it sampled), set theta = 1/z^2 and split it between eta and Delta
   (90 % to eta, so the aggregate noise sigma_eta/sqrt(K) is within 5 % of the CDP level) with
-  :func:`protocols.mpddp.sigmas_for_theta` for the K clients that passed the key phase.  Reported
+  :func:`protocols.mpddp.sigmas_for_theta` (theta from :func:`protocols.mpddp.theta_for_noise_multiplier`)
+  for the K clients that passed the key phase.  Reported
   epsilon after t rounds: the RDP accountant's epsilon of t such releases at ``delta``.
 * ``mpddp``, random n-out graph (Theorem 11, (epsilon, 3 delta) per round, preconditions K >= 81 and
   n large enough): per round (epsilon/T, delta/T) through :func:`protocols.mpddp.calibrate` (which applies
   the theorem with delta/(3T)), composed by basic composition: epsilon after t rounds = t epsilon / T.
   Settings the theorem does not cover are refused (``ConfigError`` at construction for K =
   clients-per-round, ``RoundFailed`` if fewer clients pass the key phase).
-* ``mpdp-naive``: sigma = z S per client, the same z (the paper's naive calibration).
-* ``mpcdp``: sigma = z S / K on the recovered mean of clipped per-client gradients, same z.
+* ``mpdp-naive``: sigma = z S per client, the same z (the paper's naive calibration;
+  :func:`protocols.mpddp.calibrate_ldp`).
+* ``mpcdp``: sigma = z S / K on the recovered mean of clipped per-client gradients, same z
+  (:func:`protocols.mpddp.calibrate_cdp`).
 
 CAVEATS (found while implementing, reported, not fixed -- they are properties of the paper's scheme):
 * The uplink guarantee of ``mpddp`` is NOMINAL.  Theorems 5/6 make R o eta Gaussian only marginally over
@@ -69,9 +73,8 @@ Headline ``epsilon``/``epsilon_uplink``/``epsilon_downlink`` of ``mpddp`` and ``
 nominal (paper-model) figures described above; ``mpcdp``'s downlink figure is a real guarantee (trusted
 server, enforced clipping) and its uplink is infinite (the server sees every client's exact gradient).
 
-Test-only route: the constructor's ``test_noise`` ("calibrated" by default; "off" = no noise at all;
-"pairwise-only" = Delta's but no eta, to check exact cancellation) is not reachable from the run config;
-with anything but "calibrated" the privacy report is infinite.
+Noise hooks: :meth:`_MpBase.round_noise` (the scales sent to the clients) and
+:meth:`MpcdpStrategy.server_sigma` (MP-CDP's server noise) hold the whole calibration of a round.
 """
 
 from __future__ import annotations
@@ -79,36 +82,42 @@ from __future__ import annotations
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from client.wire import Weights, array_view, from_record, to_record
+from client.messages.common import TrainIns, merge_configs
+from client.messages.mpddp import DdpNoise, NaiveNoise, PerturbedModel, mean_upload, upload_from_record
+from client.wire import Weights, from_record, to_record
 from protocols.accounting import GaussianAccountant, gaussian_epsilon, noise_multiplier
 from protocols.config import ConfigError, RunConfig
 from protocols.mpddp import (
-    ClientUpload,
     MPSecret,
     add_cdp_noise,
     calibrate,
+    calibrate_cdp,
+    calibrate_ldp,
+    clipped_mean,
     eq23_epsilon,
     mp_server,
+    mu_server,
     recover,
     relative_distance,
     sgd_update,
     sigmas_for_theta,
+    theta_for_noise_multiplier,
     torch_threads,
 )
 from protocols.mpddp.expansion import Layer
-from strategies.base import CancelStrategy, RoundFailed, split_replies
-from strategies.pairwise_phase import forget_unresponsive, probe_residual, run_key_phase
+from strategies.base import CancelStrategy, RoundFailed, RoundState
+from strategies.key_phase import KeyPhase, KeyRound, probe_residual
 
-TestNoise = Literal["calibrated", "off", "pairwise-only"]
+__all__ = ["ETA_SHARE", "MpcdpStrategy", "MpddpStrategy", "MpdpNaiveStrategy", "check_model", "layers_from_weights",
+           "mean_upload", "weights_from_layers"]
 
 #: Fraction of the per-round privacy-loss variance theta spent on the non-cancelling eta (see module doc).
 ETA_SHARE = 0.9
@@ -134,49 +143,6 @@ def weights_from_layers(layers: Sequence[Layer]) -> Weights:
     return out
 
 
-def w_hat_record(w_hat: Sequence[torch.Tensor]) -> ArrayRecord:
-    """The 2L-1 perturbed matrices as the train message's ArrayRecord (``w_hat.j``, float64)."""
-    return to_record(OrderedDict((f"w_hat.{j}", m.detach().cpu().numpy()) for j, m in enumerate(w_hat)), np.float64)
-
-
-def upload_from_record(record: ArrayRecord, num_layers: int) -> ClientUpload:
-    """A client's ``up.0 .. up.{3L-1}`` arrays -> ClientUpload (ValueError if malformed)."""
-    arrays = from_record(record)
-    names = [f"up.{i}" for i in range(3 * num_layers)]
-    if list(arrays) != names:
-        raise ValueError(f"expected arrays {names[0]}..{names[-1]}, got {list(arrays)[:4]}...")
-    return ClientUpload.from_arrays([arrays[k] for k in names])
-
-
-def mean_upload(records: Sequence[tuple[int, ArrayRecord]], num_layers: int) -> ClientUpload:
-    """Eqs. (20), (21) straight from the wire: the unweighted mean of ``(node id, upload record)`` pairs.
-
-    Sums zero-copy views of the received bytes into one float64 accumulator (in upload order, the
-    same float operations as :func:`protocols.mpddp.aggregate`), so the server never holds a second
-    copy of K uploads (K x 2.4 MB on the MNIST MLP).  ValueError names the first malformed upload.
-    """
-    if not records:
-        raise ValueError("no uploads to aggregate")
-    names = [f"up.{i}" for i in range(3 * num_layers)]
-    acc: list[np.ndarray] = []
-    for node, record in records:
-        if list(record) != names:
-            raise ValueError(f"node {node}: expected arrays {names[0]}..{names[-1]}, got {list(record)[:4]}...")
-        views = [array_view(record[k]) for k in names]
-        if any(v.dtype.kind != "f" for v in views):
-            raise ValueError(f"node {node}: upload arrays must be floating point")
-        if not acc:
-            acc = [np.array(v, dtype=np.float64) for v in views]
-            continue
-        for a, v, k in zip(acc, views, names, strict=True):
-            if v.shape != a.shape:
-                raise ValueError(f"node {node}: {k} has shape {v.shape}, the first upload {a.shape}")
-            np.add(a, v, out=a)
-    for a in acc:
-        a /= len(records)
-    return ClientUpload.from_arrays(acc)
-
-
 def check_model(cfg: RunConfig) -> None:
     """Refuse models the model perturbation does not cover (ConfigError)."""
     if cfg.model != "mlp":
@@ -187,18 +153,24 @@ def check_model(cfg: RunConfig) -> None:
                           "Eq. 14 needs r^(1) and s^(L-1)); run-config 'hidden' is empty")
 
 
-@dataclass
-class _RoundState:
-    """What the server keeps between configure_train and aggregate_train (never sent)."""
+def _flat(grads: Sequence[Layer]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for pair in grads for t in pair])
 
-    round: int
+
+@dataclass
+class MpRound(RoundState):
+    """What MP_Server keeps between configure_train and aggregate_train (never sent, except ``model``/``noise``)."""
+
     layers: list[Layer]
     secret: MPSecret
-    participants: list[int]
-    num_clients: int  # K used for calibration
-    sigma_eta: float = 0.0
-    sigma_delta: float = 0.0
-    theta: float = 0.0  # per-round privacy-loss variance (mpddp)
+    #: W-hat as sent (one record, the same for every participant).
+    model: ArrayRecord
+    #: The noise scales sent to the clients (None for mpcdp).
+    noise: DdpNoise | NaiveNoise | None = None
+    #: Per-round privacy-loss variance (mpddp).
+    theta: float = 0.0
+    #: The round's key phase (mpddp).
+    keys: KeyRound | None = None
 
 
 # ----------------------------------------------------------------------------- strategies
@@ -207,116 +179,92 @@ class _MpBase(CancelStrategy):
 
     wire_dtype = np.float64
 
-    def __init__(self, cfg: RunConfig, *, test_noise: TestNoise = "calibrated") -> None:
+    def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
         check_model(cfg)
-        if test_noise not in ("calibrated", "off", "pairwise-only"):
-            raise ValueError(f"test_noise must be calibrated, off or pairwise-only, got {test_noise!r}")
-        self.test_noise: TestNoise = test_noise
         self.lr = float(cfg.mpddp_server_lr)
         self.z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
-        self._state: _RoundState | None = None
         self._given_r = GaussianAccountant(cfg.delta)
         #: Recovered aggregate gradient of the last successful round, [(dW, db), ...] (tests, diagnostics).
         self.last_gradient: list[Layer] | None = None
 
-    @property
-    def noisy(self) -> bool:
-        """Whether the calibrated noise is on (False only in the test-only modes)."""
-        return self.test_noise == "calibrated"
+    # ------------------------------------------------------------------ hooks of the three methods
+    def key_round(self, grid: Grid, server_round: int, nodes: list[int]) -> KeyRound | None:
+        """The round's key phase (mpddp); None for the methods without pairwise noise."""
+        return None
 
-    # ------------------------------------------------------------------ hooks for the subclasses
-    def round_config(self, state: _RoundState) -> dict[str, float | str]:
-        """Method-specific entries of the train config."""
-        return {}
+    def round_noise(self, state: MpRound) -> DdpNoise | NaiveNoise | None:
+        """Calibration: the noise scales sent to the clients of ``state`` (None: clients add none)."""
+        return None
 
-    def prepare_round(self, grid: Grid, server_round: int, nodes: list[int]) -> tuple[list[int], dict[int, ConfigRecord]]:
-        """Participants and per-node extra config (mpddp runs the key phase here)."""
-        return nodes, {}
-
-    def calibrate_round(self, state: _RoundState) -> None:
-        """Fill the noise scales of ``state`` for its number of clients."""
-
-    # ------------------------------------------------------------------ Flower API
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
-        """MP_Server: perturb the true model with a fresh secret and send W-hat to the participants."""
-        with torch_threads(1):
-            return self._configure_train(server_round, arrays, grid)
-
-    def _configure_train(self, server_round: int, arrays: ArrayRecord, grid: Grid) -> list[Message]:
-        self._round_report = {}
-        self._state = None
-        layers = layers_from_weights(from_record(arrays))
-        nodes = self.sample_nodes(grid, server_round)
-        participants, extra = self.prepare_round(grid, server_round, nodes)
-        w_hat, secret = mp_server(layers, os.urandom(32))
-        state = _RoundState(server_round, layers, secret, participants, len(participants))
-        self.calibrate_round(state)
-        self._state = state
-        dist = relative_distance(layers, w_hat)
-        self.report(client_model_distance=dist["overall"], client_model_row_cosine_l1=dist["row_cosine"][0])
-        record = w_hat_record(w_hat)
-        base = {"round": server_round, **self.round_config(state)}
-
-        def content(node: int) -> RecordDict:
-            cfg_rec = extra.get(node, ConfigRecord())
-            for k, v in base.items():
-                cfg_rec[k] = v
-            return RecordDict({"arrays": record, "config": cfg_rec})
-
-        return self.make_messages(participants, content)
-
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """MU_Server: unweighted mean, recovery (Eq. 22), update with xi."""
-        with torch_threads(1):
-            return self._aggregate_train(server_round, list(replies))
-
-    def _aggregate_train(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord, MetricRecord]:
-        state = self._state
-        if state is None or state.round != server_round:
-            raise RoundFailed(f"round {server_round}: no MP_Server state (configure_train did not run)")
-        good, errors = split_replies(list(replies))
-        forget_unresponsive(self, state.participants, good)
-        good = [r for r in good if r.metadata.src_node_id in set(state.participants)]
-        if not good:
-            raise RoundFailed(f"round {server_round}: no client upload ({len(errors)} errors)")
-        self.account(state)  # uploads reached the server: the round's release happened even if it fails below
-        self.check_replies(state, good, errors)
-        records = []
-        for r in good:
-            try:
-                records.append((r.metadata.src_node_id, r.content["arrays"]))
-            except KeyError as err:
-                raise RoundFailed(f"round {server_round}: malformed upload from node {r.metadata.src_node_id}: {err}") from err
-        try:
-            grads = self.recover_gradient(state, records)
-        except ValueError as err:
-            raise RoundFailed(f"round {server_round}: malformed upload or recovery failed: {err}") from err
-        flat = torch.cat([t.reshape(-1) for pair in grads for t in pair])
-        if not bool(torch.isfinite(flat).all()):
-            raise RoundFailed(f"round {server_round}: recovered gradient is not finite")
-        self.last_gradient = [(gw.clone(), gb.clone()) for gw, gb in grads]
-        new_layers = sgd_update(state.layers, grads, self.lr)
-        self.report(recovered_grad_norm=float(flat.norm()))
-        if self.cfg.cancellation_check:
-            res = probe_residual(good)
-            if res is not None:
-                self.report(cancellation_residual=res)
-        return to_record(weights_from_layers(new_layers), self.wire_dtype), self.mean_metrics(good)
-
-    def check_replies(self, state: _RoundState, good: list[Message], errors: list[str]) -> None:
+    def check_replies(self, state: MpRound, by_node: dict[int, Message], errors: list[str]) -> None:
         """Refuse rounds whose aggregate would be wrong (mpddp: every participant must upload)."""
 
-    def recover_gradient(self, state: _RoundState, records: list[tuple[int, ArrayRecord]]) -> list[Layer]:
-        """Eqs. (20)-(22): recovered mean gradient (streamed mean of the uploads, then recovery)."""
-        return recover(mean_upload(records, len(state.layers)), state.secret)
+    def update(self, state: MpRound, records: list[tuple[int, ArrayRecord]]) -> tuple[list[Layer], list[Layer]]:
+        """MU_Server (Algorithm 3) on the streamed mean of the uploads: (new model, recovered gradient)."""
+        return mu_server(state.layers, mean_upload(records, len(state.layers)), state.secret, self.lr)
 
-    def account(self, state: _RoundState) -> None:
+    def account(self, state: MpRound) -> None:
         """Per-round privacy bookkeeping once uploads arrived (the release happened)."""
 
+    # ------------------------------------------------------------------ round template hooks
+    def prepare_round(self, grid: Grid, server_round: int, nodes: list[int], arrays: ArrayRecord) -> MpRound:
+        """MP_Server: (key phase,) a fresh secret R, the perturbed model W-hat and the round's noise scales."""
+        with torch_threads(1):  # tiny matrices: thread hand-offs dominate otherwise
+            layers = layers_from_weights(from_record(arrays))
+            keys = self.key_round(grid, server_round, nodes)
+            participants = keys.participants if keys is not None else list(nodes)
+            w_hat, secret = mp_server(layers, os.urandom(32))
+            state = MpRound(server_round, participants, layers, secret,
+                            PerturbedModel(tuple(m.detach().cpu().numpy() for m in w_hat)).to_record(), keys=keys)
+            state.noise = self.round_noise(state)
+            if state.noise is not None:
+                self.report(**asdict(state.noise))  # sigma_eta/sigma_delta (mpddp), sigma (mpdp-naive)
+            dist = relative_distance(layers, w_hat)
+        self.report(client_model_distance=dist["overall"], client_model_row_cosine_l1=dist["row_cosine"][0])
+        return state
+
+    def train_content(self, state: MpRound, node: int, arrays: ArrayRecord) -> RecordDict:
+        """W-hat (never the true model ``arrays``), the round, and the method's noise scales and peers."""
+        parts = [TrainIns(state.round).to_config()]
+        if state.keys is not None:
+            parts.append(state.keys.peer_keys(node).to_config())
+        if state.noise is not None:
+            parts.append(state.noise.to_config())
+        return RecordDict({"arrays": state.model, "config": merge_configs(*parts)})
+
+    def aggregate(self, state: MpRound, by_node: dict[int, Message], errors: list[str]) -> ArrayRecord:
+        """MU_Server: unweighted mean, recovery (Eq. 22), update with xi."""
+        with torch_threads(1):
+            return self._aggregate(state, by_node, errors)
+
+    def _aggregate(self, state: MpRound, by_node: dict[int, Message], errors: list[str]) -> ArrayRecord:
+        rnd = state.round
+        self.account(state)  # uploads reached the server: the round's release happened even if it fails below
+        self.check_replies(state, by_node, errors)
+        records = []
+        for node, r in by_node.items():
+            try:
+                records.append((node, r.content["arrays"]))
+            except KeyError as err:
+                raise RoundFailed(f"round {rnd}: malformed upload from node {node}: {err}") from err
+        try:
+            new_layers, grads = self.update(state, records)
+        except ValueError as err:
+            raise RoundFailed(f"round {rnd}: malformed upload or recovery failed: {err}") from err
+        flat = _flat(grads)
+        if not bool(torch.isfinite(flat).all()):
+            raise RoundFailed(f"round {rnd}: recovered gradient is not finite")
+        self.last_gradient = [(gw.clone(), gb.clone()) for gw, gb in grads]
+        self.report(recovered_grad_norm=float(flat.norm()))
+        if self.cfg.cancellation_check:
+            res = probe_residual(by_node.values())
+            if res is not None:
+                self.report(cancellation_residual=res)
+        return to_record(weights_from_layers(new_layers), self.wire_dtype)
+
     # ------------------------------------------------------------------ reports
-    def _min_r(self, state: _RoundState) -> float:
+    def _min_r(self, state: MpRound) -> float:
         return float(min(float(rm.abs().min()) for rm in state.secret.trainable_R()))
 
     def _given_r_epsilon(self) -> float:
@@ -327,7 +275,6 @@ class _MpBase(CancelStrategy):
             "noise_multiplier": self.z,
             "sensitivity_assumed": self.cfg.clip,
             "server_lr": self.lr,
-            "test_noise": self.test_noise,
             "composition": "RDP accountant over num-rounds Gaussian releases, no sampling amplification",
         }
 
@@ -335,12 +282,13 @@ class _MpBase(CancelStrategy):
 class MpddpStrategy(_MpBase):
     """MP_Server + DDP_Client (Algorithms 1-4) with the shared key phase and Theorem 10/11 calibration."""
 
-    def __init__(self, cfg: RunConfig, *, test_noise: TestNoise = "calibrated") -> None:
-        super().__init__(cfg, test_noise=test_noise)
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
         k = cfg.clients_per_round
         if k < 2:
             raise ConfigError("method 'mpddp' needs at least 2 clients per round (pairwise noise); "
                               f"num-clients x sample-rate gives {k}")
+        self.keys = KeyPhase(cfg)
         self.n_out = cfg.n_out if cfg.graph == "n-out" else None
         try:
             self._calibration(k)
@@ -355,35 +303,27 @@ class MpddpStrategy(_MpBase):
         """(sigma_eta, sigma_delta, theta) for K = k clients (ValueError if not covered)."""
         cfg = self.cfg
         if self._complete(k):
-            theta = 1.0 / self.z**2
+            theta = theta_for_noise_multiplier(self.z)
             se, sd = sigmas_for_theta(theta, k, eta_share=ETA_SHARE, sensitivity=cfg.clip)
             return se, sd, theta
         t = cfg.num_rounds
         cal = calibrate(cfg.epsilon / t, cfg.delta / t, k, self.n_out, eta_share=ETA_SHARE, sensitivity=cfg.clip)
         return cal.sigma_eta, cal.sigma_delta, cal.theta
 
-    def prepare_round(self, grid: Grid, server_round: int, nodes: list[int]) -> tuple[list[int], dict[int, ConfigRecord]]:
-        kr = run_key_phase(self, grid, server_round, nodes)
-        return kr.participants, {n: kr.peer_config(n) for n in kr.participants}
+    def key_round(self, grid: Grid, server_round: int, nodes: list[int]) -> KeyRound:
+        return self.keys.run(self, grid, server_round, nodes)
 
-    def calibrate_round(self, state: _RoundState) -> None:
+    def round_noise(self, state: MpRound) -> DdpNoise:
+        k = len(state.participants)
         try:
-            state.sigma_eta, state.sigma_delta, state.theta = self._calibration(state.num_clients)
+            se, sd, state.theta = self._calibration(k)
         except ValueError as err:
-            raise RoundFailed(f"round {state.round}: {state.num_clients} clients passed the key phase and the "
+            raise RoundFailed(f"round {state.round}: {k} clients passed the key phase and the "
                               f"calibration does not cover it: {err}") from err
-        if self.test_noise == "off":
-            state.sigma_eta = state.sigma_delta = 0.0
-        elif self.test_noise == "pairwise-only":
-            state.sigma_eta = 0.0
-        self.report(sigma_eta=state.sigma_eta, sigma_delta=state.sigma_delta)
+        return DdpNoise(se, sd)
 
-    def round_config(self, state: _RoundState) -> dict[str, float | str]:
-        return {"sigma-eta": state.sigma_eta, "sigma-delta": state.sigma_delta}
-
-    def check_replies(self, state: _RoundState, good: list[Message], errors: list[str]) -> None:
-        got = {r.metadata.src_node_id for r in good}
-        missing = sorted(set(state.participants) - got)
+    def check_replies(self, state: MpRound, by_node: dict[int, Message], errors: list[str]) -> None:
+        missing = sorted(set(state.participants) - set(by_node))
         if missing:
             raise RoundFailed(
                 f"round {state.round}: {len(missing)} of {len(state.participants)} clients did not upload after the "
@@ -391,8 +331,8 @@ class MpddpStrategy(_MpBase):
                 "not cancel in the mean and DDP_Client has no seed recovery, so the round is discarded"
                 + (f"; errors: {errors[0].splitlines()[0]}" if errors else ""))
 
-    def account(self, state: _RoundState) -> None:
-        if self.noisy and state.theta > 0:
+    def account(self, state: MpRound) -> None:
+        if state.theta > 0:
             self._given_r.compose(self._min_r(state) / math.sqrt(state.theta))
             self.report(epsilon_given_R=self._given_r_epsilon())
 
@@ -418,8 +358,6 @@ class MpddpStrategy(_MpBase):
         return out
 
     def privacy_report(self, server_round: int) -> dict[str, float]:
-        if not self.noisy:
-            return {"epsilon": math.inf, "epsilon_uplink": math.inf, "epsilon_downlink": math.inf}
         if self._complete(self.cfg.clients_per_round):
             eps = gaussian_epsilon(self.z, 1.0, server_round, self.cfg.delta)
         else:
@@ -430,27 +368,20 @@ class MpddpStrategy(_MpBase):
 class MpdpNaiveStrategy(_MpBase):
     """MP-DP-Naive (Section 6.3): model perturbation + N(0, (z S)^2) on each perturbed gradient."""
 
-    def calibrate_round(self, state: _RoundState) -> None:
-        state.sigma_eta = self.z * self.cfg.clip if self.noisy else 0.0
-        self.report(sigma=state.sigma_eta)
+    def round_noise(self, state: MpRound) -> NaiveNoise:
+        return NaiveNoise(calibrate_ldp(self.z, sensitivity=self.cfg.clip))
 
-    def round_config(self, state: _RoundState) -> dict[str, float | str]:
-        return {"sigma": state.sigma_eta}
-
-    def account(self, state: _RoundState) -> None:
-        if self.noisy:
-            self._given_r.compose(self._min_r(state) * self.z)
-            self.report(epsilon_given_R=self._given_r_epsilon())
+    def account(self, state: MpRound) -> None:
+        self._given_r.compose(self._min_r(state) * self.z)
+        self.report(epsilon_given_R=self._given_r_epsilon())
 
     def describe(self) -> dict[str, float | str]:
         out = super().describe()
-        out.update({"sigma": self.z * self.cfg.clip,
+        out.update({"sigma": calibrate_ldp(self.z, sensitivity=self.cfg.clip),
                     "guarantee": "nominal: R o eta is not Gaussian (the paper's Problem 1); see epsilon_given_R"})
         return out
 
     def privacy_report(self, server_round: int) -> dict[str, float]:
-        if not self.noisy:
-            return {"epsilon": math.inf, "epsilon_uplink": math.inf, "epsilon_downlink": math.inf}
         eps = gaussian_epsilon(self.z, 1.0, server_round, self.cfg.delta)
         return {"epsilon": eps, "epsilon_uplink": eps, "epsilon_downlink": eps}
 
@@ -458,37 +389,33 @@ class MpdpNaiveStrategy(_MpBase):
 class MpcdpStrategy(_MpBase):
     """MP-CDP (Section 6.3): noise-free uploads, the (trusted) server clips, averages and adds Gaussian noise."""
 
-    def recover_gradient(self, state: _RoundState, records: list[tuple[int, ArrayRecord]]) -> list[Layer]:
-        uploads = []
+    def server_sigma(self, num_clients: int) -> float:
+        """Calibration: std of the server's Gaussian on the mean of ``num_clients`` clipped gradients."""
+        return calibrate_cdp(self.z, num_clients, sensitivity=self.cfg.clip)
+
+    def update(self, state: MpRound, records: list[tuple[int, ArrayRecord]]) -> tuple[list[Layer], list[Layer]]:
+        per_client = []
         for node, record in records:
             try:
-                uploads.append(upload_from_record(record, len(state.layers)))
+                per_client.append(recover(upload_from_record(record, len(state.layers)), state.secret))
             except (ValueError, KeyError) as err:
                 raise ValueError(f"node {node}: {err}") from err
-        per_client = [recover(u, state.secret) for u in uploads]
         clip = self.cfg.clip
-        flat = [torch.cat([t.reshape(-1) for pair in g for t in pair]) for g in per_client]
-        norms = [float(f.norm()) for f in flat]
-        mean = torch.stack([f / max(1.0, n / clip) for f, n in zip(flat, norms, strict=True)]).mean(dim=0)
-        grads: list[Layer] = []
-        off = 0
-        for gw, gb in per_client[0]:
-            grads.append((mean[off:off + gw.numel()].reshape(gw.shape), mean[off + gw.numel():off + gw.numel() + gb.numel()]))
-            off += gw.numel() + gb.numel()
-        k = len(uploads)
-        sigma = self.z * clip / k if self.noisy else 0.0
+        grads, norms = clipped_mean(per_client, clip)
+        k = len(per_client)
+        sigma = self.server_sigma(k)
         self.report(clipped_fraction=sum(n > clip for n in norms) / k, mean_client_grad_norm=float(np.mean(norms)),
                     sigma=sigma)
-        return add_cdp_noise(grads, seed=os.urandom(32), sigma=sigma) if sigma > 0 else grads
+        if sigma > 0:
+            grads = add_cdp_noise(grads, seed=os.urandom(32), sigma=sigma)
+        return sgd_update(state.layers, grads, self.lr), grads
 
     def describe(self) -> dict[str, float | str]:
         out = super().describe()
-        out.update({"aggregate_noise_std": self.z * self.cfg.clip / self.cfg.clients_per_round,
+        out.update({"aggregate_noise_std": self.server_sigma(self.cfg.clients_per_round),
                     "guarantee": "downlink CDP with enforced per-client clipping; uplink none (trusted server)"})
         return out
 
     def privacy_report(self, server_round: int) -> dict[str, float]:
-        if not self.noisy:
-            return {"epsilon": math.inf, "epsilon_uplink": math.inf, "epsilon_downlink": math.inf}
         eps = gaussian_epsilon(self.z, 1.0, server_round, self.cfg.delta)
         return {"epsilon": eps, "epsilon_uplink": math.inf, "epsilon_downlink": eps}

@@ -6,7 +6,17 @@ import math
 
 import pytest
 
-from protocols.mpddp import calibrate, calibrate_cdp, calibrate_ldp, max_theta, satisfies_eq23, theta_complete, theta_n_out
+from protocols.mpddp import (
+    calibrate,
+    calibrate_cdp,
+    calibrate_ldp,
+    max_theta,
+    satisfies_eq23,
+    sigmas_for_theta,
+    theta_complete,
+    theta_for_noise_multiplier,
+    theta_n_out,
+)
 
 
 @pytest.mark.parametrize(("eps", "delta"), [(0.1, 1e-5), (1.0, 1e-5), (3.0, 1e-6), (8.0, 0.1), (2.0, 0.9)])
@@ -38,11 +48,32 @@ def test_n_out_graph_theorem11() -> None:
 def test_sigma_eta_approaches_cdp_level() -> None:
     """eta_share -> 1: aggregate noise sigma_eta / sqrt(K) approaches the CDP sigma on the mean."""
     k = 100
-    cdp = calibrate_cdp(2.0, 1e-5, k)
+    z = max_theta(2.0, 1e-5) ** -0.5  # the one-round (Eq. 23) noise multiplier
+    cdp = calibrate_cdp(z, k)
     cal = calibrate(2.0, 1e-5, k, eta_share=0.999)
     assert math.isclose(cal.aggregate_noise_std, cdp, rel_tol=1e-3)
     assert calibrate(2.0, 1e-5, k, eta_share=0.5).sigma_eta > cal.sigma_eta
-    assert calibrate_ldp(2.0, 1e-5) == pytest.approx(cdp * k)
+    assert calibrate_ldp(z) == pytest.approx(cdp * k)
+    assert calibrate_cdp(z, k, sensitivity=3.0) == pytest.approx(3 * cdp)
+    assert calibrate_ldp(z, sensitivity=3.0) == pytest.approx(3 * cdp * k)
+
+
+def test_noise_multiplier_route_matches_theorem10() -> None:
+    """A noise multiplier z from an accountant -> theta = 1/z^2 -> sigmas: the same sigmas as the Eq. (23) route at that theta."""
+    k, z = 30, 1.7
+    theta = theta_for_noise_multiplier(z)
+    assert theta == pytest.approx(1 / z**2)
+    se, sd = sigmas_for_theta(theta, k, eta_share=0.9)
+    assert theta_complete(se, sd, k) == pytest.approx(theta)
+    # Round trip with the one-round calibration: its theta_max gives back its own sigmas.
+    cal = calibrate(1.0, 1e-5, k)
+    round_trip = sigmas_for_theta(theta_for_noise_multiplier(cal.theta_max**-0.5), k)
+    assert round_trip == pytest.approx((cal.sigma_eta, cal.sigma_delta))
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="noise_multiplier"):
+            theta_for_noise_multiplier(bad)
+    with pytest.raises(ValueError, match="num_clients"):
+        calibrate_cdp(z, 0)
 
 
 def test_monotone_and_sensitivity_scaling() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from scipy import stats
 
@@ -12,8 +13,8 @@ from protocols.mpddp import (
     add_cdp_noise,
     aggregate,
     client_gradients,
+    clipped_mean,
     ddp_client,
-    ddp_noise,
     draw_secret,
     flatten,
     forward_mlp,
@@ -119,13 +120,16 @@ def test_delta_cancels_on_n_out_graph() -> None:
     w_hat, secret = mp_server(layers, seed("round0"))
     clean = [client_gradients(w_hat, x, y) for x, y in batches]
     sigma_delta = 50.0
-    noisy = [
+    outs = [
         ddp_client(u, own_id=k, pair_seeds=seeds[k], eta_seed=seed(f"eta{k}"), sigma_eta=0.0, sigma_delta=sigma_delta)
         for k, u in zip(ids, clean, strict=True)
     ]
+    noisy = [n for n, _ in outs]
     added = [flatten(n.grads) - flatten(c.grads) for n, c in zip(noisy, clean, strict=True)]
     assert min(float(np.abs(a).max()) for a in added) > 10.0  # each client's upload is heavily masked
     assert residual_norm(added) < 1e-9
+    # With eta off, the returned pairwise part is exactly what was added (the probe sees all of it).
+    assert all(np.allclose(a, d, rtol=0, atol=1e-9) for a, (_, d) in zip(added, outs, strict=True))
     rec = flatten(recover_blocks(aggregate(noisy), secret))
     want = flatten(recover_blocks(aggregate(clean), secret))
     assert np.linalg.norm(rec - want) / np.linalg.norm(want) < 1e-9
@@ -143,18 +147,24 @@ def test_eta_survives_as_R_o_mean_eta() -> None:
     w_hat, secret = mp_server(layers, seed("round1"))
     clean = [client_gradients(w_hat, x, y) for x, y in batches]
     size = flatten(clean[0].grads).size
-    noisy = [
+    outs = [
         ddp_client(u, own_id=k, pair_seeds=seeds[k], eta_seed=seed(f"e{k}"), sigma_eta=0.2, sigma_delta=20.0)
         for k, u in zip(ids, clean, strict=True)
     ]
+    noisy = [n for n, _ in outs]
     mean_eta = sum(sample_dn(seed(f"e{k}"), size, 0.2) for k in ids) / num_clients
     expected = flatten(recover_blocks(aggregate(clean), secret)) + flatten(secret.trainable_R()) * mean_eta
     got = flatten(recover_blocks(aggregate(noisy), secret))
     assert np.allclose(got, expected, rtol=0, atol=1e-9)
-    assert np.array_equal(
-        ddp_noise(size, own_id=0, pair_seeds={}, eta_seed=seed("e0"), sigma_eta=0.2, sigma_delta=5.0),
-        sample_dn(seed("e0"), size, 0.2),
-    )
+    # Each upload = gradient + its returned Delta part + eta_k (DN(sigma_eta, 1) from its private seed).
+    for k, c, (n, delta) in zip(ids, clean, outs, strict=True):
+        assert float(np.abs(delta).max()) > 1.0
+        eta = flatten(n.grads) - flatten(c.grads) - delta
+        assert np.allclose(eta, sample_dn(seed(f"e{k}"), size, 0.2), rtol=0, atol=1e-9)
+    # No neighbours: no pairwise part at all, only eta.
+    alone, delta0 = ddp_client(clean[0], own_id=0, pair_seeds={}, eta_seed=seed("e0"), sigma_eta=0.2, sigma_delta=5.0)
+    assert not delta0.any()
+    assert np.array_equal(flatten(alone.grads), flatten(clean[0].grads) + sample_dn(seed("e0"), size, 0.2))
 
 
 def test_ablation_helpers() -> None:
@@ -174,3 +184,15 @@ def test_ablation_helpers() -> None:
     diff = flatten([t for wb in noisy for t in wb]) - flatten([t for wb in grads for t in wb])
     assert np.allclose(diff, prg.gaussian(seed("cdp"), diff.size, 0.01), rtol=0, atol=1e-15)
     assert [tuple(w.shape) for w, _ in noisy] == [tuple(w.shape) for w, _ in layers]
+    # MP-CDP's clipping: every recovered per-client gradient scaled to norm <= clip before the mean.
+    per_client = [recover(u, secret) for u in clean]
+    flat = [flatten([t for wb in g for t in wb]) for g in per_client]
+    norms = [float(np.linalg.norm(f)) for f in flat]
+    clip = 0.5 * min(norms)  # every client is clipped
+    mean, got_norms = clipped_mean(per_client, clip)
+    assert got_norms == pytest.approx(norms)
+    want = sum(f * (clip / n) for f, n in zip(flat, norms, strict=True)) / num_clients
+    assert np.allclose(flatten([t for wb in mean for t in wb]), want, rtol=1e-12, atol=0)
+    assert [tuple(w.shape) for w, _ in mean] == [tuple(w.shape) for w, _ in layers]
+    unclipped, _ = clipped_mean(per_client, 10 * max(norms))
+    assert np.allclose(flatten([t for wb in unclipped for t in wb]), sum(flat) / num_clients, rtol=1e-12, atol=0)

@@ -3,13 +3,14 @@
 Round protocol (paper Algorithm 4), per round t:
   server:  w_hat, secret = mp_server(model, seed)            # send w_hat (2L-1 matrices); keep secret
   client:  up = client_gradients(w_hat, x, onehot_y)           # one gradient at w_hat + Psi, Phi
-           up = ddp_client(up, own_id=..., pair_seeds=..., eta_seed=..., sigma_eta=..., sigma_delta=...)
+           up, delta = ddp_client(up, own_id=..., pair_seeds=..., eta_seed=..., sigma_eta=..., sigma_delta=...)
            send up.to_arrays()                                 # 3L arrays
-  server:  model, grad = mu_server(model, [ClientUpload.from_arrays(a) ...], secret, lr)
-Noise scales come from calibrate(epsilon, delta, K, n_out).
+  server:  model, grad = mu_server(model, aggregate([ClientUpload.from_arrays(a) ...]), secret, lr)
+Noise scales: sigmas_for_theta(theta_for_noise_multiplier(z), K) (Theorem 10, z from an accountant) or
+calibrate(epsilon, delta, K, n_out) (one round, Theorems 10/11); ablations calibrate_ldp / calibrate_cdp.
 """
 
-from protocols.mpddp.ablations import add_cdp_noise, naive_client, naive_gaussian_noise
+from protocols.mpddp.ablations import add_cdp_noise, clipped_mean, naive_client, naive_gaussian_noise
 from protocols.mpddp.calibration import (
     Calibration,
     calibrate,
@@ -20,9 +21,10 @@ from protocols.mpddp.calibration import (
     satisfies_eq23,
     sigmas_for_theta,
     theta_complete,
+    theta_for_noise_multiplier,
     theta_n_out,
 )
-from protocols.mpddp.ddp import ddp_client, ddp_noise, flatten, unflatten
+from protocols.mpddp.ddp import ddp_client, eta_noise, flatten, pairwise_delta, unflatten
 from protocols.mpddp.expansion import (
     Layer,
     augment,
@@ -42,7 +44,6 @@ from protocols.mpddp.samplers import (
     Sampler,
     dn_sampler,
     dn_star_cf_error,
-    dn_star_sampler,
     dn_unit_sampler,
     sample_dn,
     sample_dn_star,
@@ -57,6 +58,7 @@ __all__ = [
     "MPSecret",
     "Sampler",
     "add_cdp_noise",
+    "clipped_mean",
     "aggregate",
     "augment",
     "calibrate",
@@ -65,12 +67,11 @@ __all__ = [
     "client_gradients",
     "client_gradients_autograd",
     "ddp_client",
-    "ddp_noise",
+    "eta_noise",
     "eq23_epsilon",
     "dims_of",
     "dn_sampler",
     "dn_star_cf_error",
-    "dn_star_sampler",
     "dn_unit_sampler",
     "draw_secret",
     "expand",
@@ -84,6 +85,7 @@ __all__ = [
     "naive_client",
     "naive_gaussian_noise",
     "one_hot",
+    "pairwise_delta",
     "perturb",
     "recover",
     "recover_blocks",
@@ -95,6 +97,7 @@ __all__ = [
     "sigmas_for_theta",
     "split_blocks",
     "theta_complete",
+    "theta_for_noise_multiplier",
     "theta_n_out",
     "torch_threads",
     "unflatten",

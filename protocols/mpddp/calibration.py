@@ -25,8 +25,9 @@ CAVEAT (paper-level, not fixed here): the theorems treat R o eta as N(0, sigma^2
 observer who does not know R. The server chose R, and conditioned on R the recovered noise R_ij eta_ij
 is Uniform(+-sqrt2 sigma R_ij): bounded, so against the server the (epsilon, delta) figures are nominal.
 
-Ablation calibrations (Section 6.3): `calibrate_ldp` (MP-DP-Naive: one client's Gaussian alone,
-theta = S^2/sigma^2) and `calibrate_cdp` (MP-CDP: Gaussian on the true mean, sensitivity S/K).
+Ablation calibrations (Section 6.3), from a noise multiplier z (theta = 1/z^2, `theta_for_noise_multiplier`;
+the strategies take z from a multi-round accountant): `calibrate_ldp` (MP-DP-Naive: one client's Gaussian
+alone, sigma = z S) and `calibrate_cdp` (MP-CDP: Gaussian on the true mean, sensitivity S/K, sigma = z S/K).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ __all__ = [
     "eq23_epsilon",
     "max_theta",
     "n_out_delta_coefficient",
+    "theta_for_noise_multiplier",
     "satisfies_eq23",
     "sigmas_for_theta",
     "theta_complete",
@@ -234,13 +236,34 @@ def calibrate(
     )
 
 
-def calibrate_ldp(epsilon: float, delta: float, *, sensitivity: float = 1.0) -> float:
-    """Gaussian sigma so one client's noisy gradient alone meets Eq. (23) with theta = S^2/sigma^2 (MP-DP-Naive)."""
-    return sensitivity / math.sqrt(max_theta(epsilon, delta))
+def theta_for_noise_multiplier(noise_multiplier: float) -> float:
+    """Privacy-loss variance theta = 1/z^2 of a Gaussian release with std z S at sensitivity S.
+
+    Eq. (23) is the Gaussian tail bound of a N(theta/2, theta) privacy loss, so theta and the noise multiplier
+    z describe the same mechanism: z from a multi-round accountant gives the theta to split by
+    `sigmas_for_theta`, and ``max_theta(epsilon, delta) ** -0.5`` is the one-round (Eq. 23) multiplier.
+    """
+    if not (math.isfinite(noise_multiplier) and noise_multiplier > 0):
+        raise ValueError(f"noise_multiplier must be finite and > 0, got {noise_multiplier}")
+    return 1.0 / noise_multiplier**2
 
 
-def calibrate_cdp(epsilon: float, delta: float, num_clients: int, *, sensitivity: float = 1.0) -> float:
-    """Gaussian sigma on the true mean gradient (MP-CDP): sensitivity S/K, theta = (S/K)^2/sigma^2."""
+def _check_multiplier(noise_multiplier: float, sensitivity: float) -> None:
+    if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+        raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier}")
+    if not (math.isfinite(sensitivity) and sensitivity > 0):
+        raise ValueError("sensitivity must be positive")
+
+
+def calibrate_ldp(noise_multiplier: float, *, sensitivity: float = 1.0) -> float:
+    """MP-DP-Naive: Gaussian sigma = z S on one client's (perturbed) gradient, i.e. theta = S^2/sigma^2 per client."""
+    _check_multiplier(noise_multiplier, sensitivity)
+    return noise_multiplier * sensitivity
+
+
+def calibrate_cdp(noise_multiplier: float, num_clients: int, *, sensitivity: float = 1.0) -> float:
+    """MP-CDP: Gaussian sigma = z S / K on the mean of K clipped gradients (sensitivity S/K), theta = (S/K)^2/sigma^2."""
+    _check_multiplier(noise_multiplier, sensitivity)
     if num_clients < 1:
         raise ValueError("num_clients must be >= 1")
-    return sensitivity / (num_clients * math.sqrt(max_theta(epsilon, delta)))
+    return noise_multiplier * sensitivity / num_clients

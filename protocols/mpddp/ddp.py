@@ -29,7 +29,7 @@ from protocols.mpddp.samplers import sample_dn
 from protocols.pairwise import pairwise_noise
 from protocols.prg import symmetric_uniform
 
-__all__ = ["ddp_client", "ddp_noise", "flatten", "unflatten"]
+__all__ = ["ddp_client", "eta_noise", "flatten", "pairwise_delta", "unflatten"]
 
 
 def flatten(tensors: Sequence[Tensor]) -> np.ndarray:
@@ -49,29 +49,24 @@ def unflatten(vec: np.ndarray, like: Sequence[Tensor]) -> list[Tensor]:
     return out
 
 
-def ddp_noise(
-    size: int,
-    *,
-    own_id: int,
-    pair_seeds: Mapping[int, bytes],
-    eta_seed: bytes,
-    sigma_eta: float,
-    sigma_delta: float,
-) -> np.ndarray:
-    """Flat noise eta_k + sum_v Delta_{k,v} (float64, length `size`).
+def pairwise_delta(size: int, *, own_id: int, pair_seeds: Mapping[int, bytes], sigma_delta: float) -> np.ndarray:
+    """sum_{v in N(k)} Delta_{k,v} (Eq. 19), flat float64 of length ``size``: the part that cancels in the mean.
 
-    eta_seed: the client's private 32-byte seed (os.urandom(32) per round); pair_seeds: neighbour id ->
-    shared 32-byte seed for this round. sigma_* = 0 switches that part off.
+    pair_seeds: neighbour id -> shared 32-byte seed for this round; zeros when sigma_delta = 0 or no neighbour.
     """
-    if sigma_eta < 0 or sigma_delta < 0:
+    if sigma_delta < 0:
         raise ValueError("noise scales must be non-negative")
-    noise = np.zeros(size, dtype=np.float64)
-    if sigma_eta > 0:
-        noise += sample_dn(eta_seed, size, sigma_eta, 1)
-    if sigma_delta > 0 and pair_seeds:
-        # DN(sigma, 1) = sqrt2 * sigma * Uniform[-1, 1): the engine's exact integer fast path.
-        noise += pairwise_noise(own_id, pair_seeds, size, sampler=symmetric_uniform, scale=math.sqrt(2.0) * sigma_delta)
-    return noise
+    if sigma_delta == 0 or not pair_seeds:
+        return np.zeros(size, dtype=np.float64)
+    # DN(sigma, 1) = sqrt2 * sigma * Uniform[-1, 1): the engine's exact integer fast path.
+    return pairwise_noise(own_id, pair_seeds, size, sampler=symmetric_uniform, scale=math.sqrt(2.0) * sigma_delta)
+
+
+def eta_noise(seed: bytes, size: int, sigma_eta: float) -> np.ndarray:
+    """eta_k ~ DN(sigma_eta, 1) entrywise (Eq. 16) from the client's private 32-byte seed; zeros when sigma_eta = 0."""
+    if sigma_eta < 0:
+        raise ValueError("noise scales must be non-negative")
+    return sample_dn(seed, size, sigma_eta, 1) if sigma_eta > 0 else np.zeros(size, dtype=np.float64)
 
 
 def ddp_client(
@@ -82,19 +77,15 @@ def ddp_client(
     eta_seed: bytes,
     sigma_eta: float,
     sigma_delta: float,
-) -> ClientUpload:
-    """Algorithm 2: returns the upload with double-perturbed gradients (Eq. 17); Psi, Phi unchanged.
+) -> tuple[ClientUpload, np.ndarray]:
+    """Algorithm 2: the upload with double-perturbed gradients (Eq. 17; Psi, Phi unchanged) and its Delta part.
 
-    The noised gradients are always float64: sigma_Delta is large and must cancel to round-off in the
-    server's sum, which float32 cannot do.
+    Returns ``(noised upload, sum_v Delta_{k,v})``; the second (flat, layer order) is what must cancel in the
+    server's mean, so callers can project it for the cancellation check.  eta_seed: the client's private
+    32-byte seed (os.urandom(32) per round).  The noised gradients are always float64: sigma_Delta is large and
+    must cancel to round-off in the server's sum, which float32 cannot do.
     """
     flat = flatten(upload.grads)
-    flat = flat + ddp_noise(
-        flat.size,
-        own_id=own_id,
-        pair_seeds=pair_seeds,
-        eta_seed=eta_seed,
-        sigma_eta=sigma_eta,
-        sigma_delta=sigma_delta,
-    )
-    return upload.with_grads(unflatten(flat, [g.double() for g in upload.grads]))
+    delta = pairwise_delta(flat.size, own_id=own_id, pair_seeds=pair_seeds, sigma_delta=sigma_delta)
+    noised = flat + delta + eta_noise(eta_seed, flat.size, sigma_eta)
+    return upload.with_grads(unflatten(noised, [g.double() for g in upload.grads])), delta

@@ -69,9 +69,11 @@ def sgd_update(layers: Sequence[Layer], grads: Sequence[Layer], lr: float) -> li
     return [(w - lr * gw.to(w.dtype), b - lr * gb.to(b.dtype)) for (w, b), (gw, gb) in zip(layers, grads, strict=True)]
 
 
-def mu_server(
-    layers: Sequence[Layer], uploads: Sequence[ClientUpload], secret: MPSecret, lr: float
-) -> tuple[list[Layer], list[Layer]]:
-    """Algorithm 3: aggregate, recover, update. Returns (new model, recovered aggregate gradient)."""
-    grads = recover(aggregate(uploads), secret)
+def mu_server(layers: Sequence[Layer], mean: ClientUpload, secret: MPSecret, lr: float) -> tuple[list[Layer], list[Layer]]:
+    """Algorithm 3 from the mean upload: recover (Eq. 22), update every layer with xi = ``lr``.
+
+    ``mean`` is the unweighted mean of Eqs. (20), (21): :func:`aggregate`, or a server's streamed mean of the
+    wire records (bit-identical).  Returns (new model, recovered aggregate gradient).
+    """
+    grads = recover(mean, secret)
     return sgd_update(layers, grads, lr), grads

@@ -51,7 +51,6 @@ __all__ = [
     "dn_sampler",
     "dn_star_cf_error",
     "dn_star_cf_log",
-    "dn_star_sampler",
     "dn_unit_sampler",
     "sample_dn",
     "sample_dn_star",
@@ -168,15 +167,6 @@ def sample_dn_star(seed: bytes, size: int, m: int, *, signed: bool = True, terms
     if not signed:
         return mag
     return _signs(prg.derive_subseed(seed, "dnstar-sign"), size) * mag
-
-
-def dn_star_sampler(m: int, *, signed: bool = True, terms: int = DEFAULT_TERMS) -> Sampler:
-    """A `Sampler` (seed, size) -> DN*(m) vector."""
-
-    def _sampler(seed: bytes, size: int) -> np.ndarray:
-        return sample_dn_star(seed, size, m, signed=signed, terms=terms)
-
-    return _sampler
 
 
 def dn_star_cf_log(t: np.ndarray, m: int) -> np.ndarray:

@@ -197,8 +197,9 @@ def view_mpddp_family(cap: UplinkCapture) -> AttackerView:
     (the Delta's do not cancel in a single upload), + R o eta_k for mpdp-naive,
     and the exact gradient for mpcdp (noise is added by the server later).
     """
+    from client.messages.mpddp import upload_from_record
     from protocols.mpddp import aggregate, recover
-    from strategies.mpddp import upload_from_record, weights_from_layers
+    from strategies.mpddp import weights_from_layers
 
     state = getattr(cap.strategy, "_state", None)
     if state is None or getattr(state, "round", None) != 1:
@@ -243,9 +244,10 @@ def attacker_view(cap: UplinkCapture) -> AttackerView:
 
 def received_mpddp_forward(arrays: Weights, cfg: RunConfig) -> Callable[[torch.Tensor], torch.Tensor]:
     """Forward pass of the perturbed expanded model W-hat a client of the mpddp family receives."""
+    from client.messages.mpddp import PerturbedModel
     from protocols.mpddp import forward_expanded
 
-    mats = [torch.as_tensor(arrays[f"w_hat.{j}"], dtype=torch.float64) for j in range(len(arrays))]
+    mats = [torch.as_tensor(m) for m in PerturbedModel.from_arrays(arrays).matrices]
     return lambda t: forward_expanded(mats, t.double().reshape(len(t), -1))
 
 

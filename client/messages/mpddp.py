@@ -1,0 +1,178 @@
+"""Message vocabulary of the mpddp family (``mpddp``, ``mpdp-naive``, ``mpcdp``).
+
+Every key of these protocols lives here, as a private constant; the strategies
+(:mod:`strategies.mpddp`) and the client (:mod:`client.methods.mpddp`) only use
+the classes and functions below.
+
+Messages of one round:
+
+* ``train`` server -> client: arrays = :class:`PerturbedModel` (the 2L-1 float64
+  matrices W-hat, never the true model); config = :class:`~client.messages.common.TrainIns`
+  plus, for ``mpddp``, :class:`~client.messages.keys.PeerKeys` and :class:`DdpNoise`
+  (sigma_eta, sigma_Delta), for ``mpdp-naive`` :class:`NaiveNoise` (sigma), for
+  ``mpcdp`` nothing else (the server adds the noise).
+* ``train`` client -> server: arrays = the :class:`~protocols.mpddp.ClientUpload`
+  written by :func:`upload_record` (3L arrays: gradients, Psi, Phi), read back by
+  :func:`upload_from_record` or, summed straight from the wire, by :func:`mean_upload`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord
+
+from client.messages.common import read_float
+from client.wire import array_view, from_record, to_record
+from protocols.mpddp import ClientUpload
+
+_W_HAT = "w_hat.{}"
+_UP = "up.{}"
+_SIGMA_ETA = "sigma-eta"
+_SIGMA_DELTA = "sigma-delta"
+_SIGMA = "sigma"
+
+
+def _names(template: str, count: int) -> list[str]:
+    return [template.format(i) for i in range(count)]
+
+
+def _check_scale(key: str, value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"'{key}' must be a finite number >= 0, got {value!r}")
+
+
+# ------------------------------------------------------------------------------ train (server -> client)
+@dataclass(frozen=True)
+class PerturbedModel:
+    """``train`` arrays: the perturbed expanded model W-hat, 2L-1 >= 3 matrices in layer order (float64 on the wire)."""
+
+    matrices: tuple[np.ndarray, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.matrices)
+        if n < 3 or n % 2 == 0:
+            raise ValueError(f"expected an expanded model {_W_HAT.format(0)}..{_W_HAT.format('(2L-2)')} with L >= 2, "
+                             f"got {n} matrices")
+        for key, m in zip(_names(_W_HAT, n), self.matrices, strict=True):
+            if m.ndim != 2:
+                raise ValueError(f"'{key}' must be a matrix, got shape {m.shape}")
+
+    @property
+    def num_layers(self) -> int:
+        """L, the number of layers of the original MLP."""
+        return (len(self.matrices) + 1) // 2
+
+    def to_record(self) -> ArrayRecord:
+        return to_record(OrderedDict(zip(_names(_W_HAT, len(self.matrices)), self.matrices, strict=True)), np.float64)
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, np.ndarray]) -> PerturbedModel:
+        """Decode named arrays (``client.wire.from_record`` of the train message's record)."""
+        names = _names(_W_HAT, len(arrays))
+        if list(arrays) != names:
+            raise ValueError(f"expected arrays {_W_HAT.format(0)}..{_W_HAT.format('(2L-2)')} in order, got {list(arrays)}")
+        return cls(tuple(np.asarray(arrays[k], dtype=np.float64) for k in names))
+
+    @classmethod
+    def from_record(cls, record: ArrayRecord) -> PerturbedModel:
+        return cls.from_arrays(from_record(record))
+
+
+@dataclass(frozen=True)
+class DdpNoise:
+    """``train`` config (``mpddp``): DN(sigma_eta, 1) for eta_k (Eq. 16) and DN(sigma_Delta, 1) for each Delta_kv (Eq. 19)."""
+
+    sigma_eta: float
+    sigma_delta: float
+
+    def __post_init__(self) -> None:
+        _check_scale(_SIGMA_ETA, self.sigma_eta)
+        _check_scale(_SIGMA_DELTA, self.sigma_delta)
+
+    def to_config(self) -> ConfigRecord:
+        return ConfigRecord({_SIGMA_ETA: float(self.sigma_eta), _SIGMA_DELTA: float(self.sigma_delta)})
+
+    @classmethod
+    def from_config(cls, rec: Mapping[str, Any]) -> DdpNoise:
+        return cls(read_float(rec, _SIGMA_ETA), read_float(rec, _SIGMA_DELTA))
+
+
+@dataclass(frozen=True)
+class NaiveNoise:
+    """``train`` config (``mpdp-naive``): std of the N(0, sigma^2) noise on each perturbed gradient entry."""
+
+    sigma: float
+
+    def __post_init__(self) -> None:
+        _check_scale(_SIGMA, self.sigma)
+
+    def to_config(self) -> ConfigRecord:
+        return ConfigRecord({_SIGMA: float(self.sigma)})
+
+    @classmethod
+    def from_config(cls, rec: Mapping[str, Any]) -> NaiveNoise:
+        return cls(read_float(rec, _SIGMA))
+
+
+# ------------------------------------------------------------------------------ upload (client -> server)
+def upload_record(upload: ClientUpload, side_dtype: type | np.dtype | str = np.float64) -> ArrayRecord:
+    """``train`` reply arrays: 3L arrays [gradients..., Psi..., Phi...].
+
+    Gradients always go as float64 (the pairwise Delta's must cancel to round-off in the server's sum);
+    Psi and Phi, unnoised side information, go as ``side_dtype`` (float32 halves the upload).
+    """
+    big_l = upload.num_layers
+    dtypes = [np.dtype(np.float64)] * big_l + [np.dtype(side_dtype)] * (2 * big_l)
+    arrays = upload.to_arrays()
+    return to_record(OrderedDict((k, np.asarray(a, dtype=dt)) for k, a, dt in
+                                 zip(_names(_UP, len(arrays)), arrays, dtypes, strict=True)), None)
+
+
+def _upload_views(record: ArrayRecord, num_layers: int) -> list[np.ndarray]:
+    """Zero-copy, read-only views of one upload's 3L arrays, in order (ValueError if malformed)."""
+    names = _names(_UP, 3 * num_layers)
+    if list(record) != names:
+        raise ValueError(f"expected arrays {names[0]}..{names[-1]}, got {list(record)[:4]}...")
+    views = [array_view(record[k]) for k in names]
+    if any(v.dtype.kind != "f" for v in views):
+        raise ValueError("upload arrays must be floating point")
+    return views
+
+
+def upload_from_record(record: ArrayRecord, num_layers: int) -> ClientUpload:
+    """Decode one upload (float64 copies; ValueError if malformed)."""
+    return ClientUpload.from_arrays([np.array(v, dtype=np.float64) for v in _upload_views(record, num_layers)])
+
+
+def mean_upload(records: Sequence[tuple[int, ArrayRecord]], num_layers: int) -> ClientUpload:
+    """Eqs. (20), (21) straight from the wire: the unweighted mean of ``(node id, upload record)`` pairs.
+
+    Sums zero-copy views of the received bytes into one float64 accumulator (in upload order, the
+    same float operations as :func:`protocols.mpddp.aggregate`), so the server never holds a second
+    copy of K uploads (K x 2.4 MB on the MNIST MLP).  ValueError names the first malformed upload.
+    """
+    if not records:
+        raise ValueError("no uploads to aggregate")
+    names = _names(_UP, 3 * num_layers)
+    acc: list[np.ndarray] = []
+    for node, record in records:
+        try:
+            views = _upload_views(record, num_layers)
+        except ValueError as err:
+            raise ValueError(f"node {node}: {err}") from err
+        if not acc:
+            acc = [np.array(v, dtype=np.float64) for v in views]
+            continue
+        for a, v, k in zip(acc, views, names, strict=True):
+            if v.shape != a.shape:
+                raise ValueError(f"node {node}: {k} has shape {v.shape}, the first upload {a.shape}")
+            np.add(a, v, out=a)
+    for a in acc:
+        a /= len(records)
+    return ClientUpload.from_arrays(acc)
