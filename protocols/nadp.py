@@ -29,7 +29,7 @@ of ``w_i + n_i / p_i`` (up to float rounding).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -201,20 +201,22 @@ def dropout_residual(
 
 def round_plan(
     dataset_sizes: Mapping[int, int],
+    sensitivities: Mapping[int, float],
     epsilon: float,
     delta: float,
-    clip: float,
     rounds: int,
     *,
-    lr: float = 1.0,
-    local_steps: int = 1,
-    sampling_rate: float | None = None,
+    graph: Mapping[int, Sequence[int]] | None = None,
 ) -> tuple[NadpSigmas, NoiseAllocation]:
-    """Eq. 3 calibration + Alg. 2 allocation for one round's sampled clients.
+    """Eq. 3 calibration + noise allocation for one round's participants (what the strategy sends).
 
-    ``dataset_sizes`` maps each sampled client id to ``|D_i|`` (public).
+    ``dataset_sizes`` maps each participant to ``|D_i|`` (public; the
+    aggregation weights), ``sensitivities`` to the record-level L2 sensitivity
+    of its local model (:func:`local_sgd_sensitivity`; Lemma 1's ``2C lr/|D_i|``
+    for one full-batch step, where this equals :func:`calibrate_sigmas`).
+    ``graph`` is the round's pairing graph (:func:`protocols.graphs.round_graph`):
+    a complete one (or ``None``) gives Algorithm 2, a sparse one the graph rule
+    of :func:`upload_noise_scales`.
     """
-    sig = calibrate_sigmas(
-        epsilon, delta, clip, dataset_sizes, rounds, lr=lr, local_steps=local_steps, sampling_rate=sampling_rate
-    )
-    return sig, upload_noise_scales(dataset_sizes, sig.sigma_up, sig.sigma_down)
+    sig = calibrate_from_sensitivities(epsilon, delta, rounds, sensitivities, dataset_sizes)
+    return sig, upload_noise_scales(dataset_sizes, sig.sigma_up, sig.sigma_down, graph=graph)

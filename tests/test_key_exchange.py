@@ -18,7 +18,7 @@ from flwr.clientapp import ClientApp
 
 from client.env import ClientEnv, reply
 from client.messages.common import TrainIns, merge_configs
-from client.messages.keys import KeyReply, KeyRequest
+from client.messages.keys import KeyReply, KeyRequest, MaskProbe, PeerKeys, probe_metric, probe_value
 from client.pairwise_phase import handle_keys, pair_seeds
 from client.wire import from_record, to_record
 from protocols.config import RunConfig
@@ -157,3 +157,31 @@ def test_client_that_lost_its_keys_fails_once_then_is_rekeyed():
     assert f1 == [] and len(f2) == 1 and f3 == []  # round 2: the node without keys cannot derive seeds
     assert [r for r, _ in KEY_CALLS].count(3) == 1  # round 3: only that node runs the key phase again
     assert np.linalg.norm(t1) / s1 < 1e-12 and np.linalg.norm(t3) / s3 < 1e-12
+
+
+def test_key_messages_round_trip_and_reject_malformed_fields():
+    """Each key-phase message decodes what it encodes; a decoder names the key it rejects."""
+    req = KeyRequest(7, 3)
+    assert KeyRequest.from_config(req.to_config()) == req
+    with pytest.raises(ValueError, match="key-epoch"):
+        KeyRequest.from_config(TrainIns(7).to_config())
+    reply_ = KeyReply(bytes(range(1, 33)), 120)
+    assert KeyReply.from_config(reply_.to_config()) == reply_
+    assert KeyReply.from_config(KeyReply(bytes(range(1, 33))).to_config()).num_examples is None
+    for bad in (KeyReply(bytes(range(1, 32)), 5), KeyReply(bytes(32), 5)):  # short key, all-zero key
+        with pytest.raises(ValueError, match="public-key"):
+            KeyReply.from_config(bad.to_config())
+    with pytest.raises(ValueError, match="num-examples"):
+        KeyReply.from_config(KeyReply(bytes(range(1, 33)), 0).to_config())
+    big = 2**64 - 1  # node ids are unsigned 64-bit: they travel as decimal strings
+    peers_ = PeerKeys((big, 5), (b"a" * 32, b"b" * 32), 2, b"g" * 32, b"p" * 32)
+    rec = merge_configs(TrainIns(4).to_config(), peers_.to_config())
+    assert PeerKeys.from_config(rec) == peers_ and TrainIns.from_config(rec).round == 4
+    assert MaskProbe.from_config(rec).seed == b"p" * 32
+    assert PeerKeys.from_config(PeerKeys((5,), (b"b" * 32,), 0).to_config()).graph_seed is None
+    with pytest.raises(ValueError, match="peer-keys"):
+        PeerKeys.from_config(PeerKeys((big, 5), (b"a" * 32,), 2).to_config())
+    with pytest.raises(ValueError, match="disagree on 'round'"):
+        merge_configs(TrainIns(4).to_config(), KeyRequest(5, 0).to_config())
+    assert probe_value(reply(Message(RecordDict(), 1, "train"), ArrayRecord(), 3,
+                             **probe_metric(0.25)).content["metrics"]) == 0.25

@@ -18,6 +18,7 @@ from protocols.nadp import (
     epsilon_from_sigmas,
     gaussian_sigma,
     ldp_local_sigma,
+    local_sgd_sensitivity,
     nadp_aggregate,
     nadp_upload,
     normalize_weights,
@@ -216,11 +217,41 @@ def test_min_compensation_factor_brute_force() -> None:
 # ---------------------------------------------------------------- upload / cancellation
 
 
+def _plan(sizes, *, epsilon, delta, clip, rounds, lr=1.0, graph=None):
+    """round_plan with Lemma 1 sensitivities (one full-batch step of per-example clipped SGD)."""
+    sens = {c: local_sgd_sensitivity(clip, n, lr=lr) for c, n in sizes.items()}
+    return round_plan(sizes, sens, epsilon, delta, rounds, graph=graph)
+
+
+def test_round_plan_is_eq3_with_lemma1_and_follows_the_graph() -> None:
+    """One full-batch step: per-client sensitivities give exactly Eq. 3; a sparse graph switches the allocation."""
+    from protocols.graphs import complete_graph, n_out_graph
+
+    sizes = {5: 40, 9: 55, 14: 31, 20: 70, 33: 48, 41: 62}
+    sig, alloc = _plan(sizes, epsilon=1.5, delta=1e-5, clip=2.0, rounds=30, lr=0.5)
+    ref = calibrate_sigmas(1.5, 1e-5, 2.0, sizes, 30, lr=0.5)
+    assert sig.sigma_up == pytest.approx(ref.sigma_up, rel=1e-12)
+    assert sig.sigma_down == pytest.approx(ref.sigma_down, rel=1e-12)
+    assert alloc == upload_noise_scales(sizes, sig.sigma_up, sig.sigma_down) and alloc.pair_table is None
+    _, dense = _plan(sizes, epsilon=1.5, delta=1e-5, clip=2.0, rounds=30, lr=0.5, graph=complete_graph(sorted(sizes)))
+    assert dense == alloc  # a complete graph is Algorithm 2
+    graph = n_out_graph(sorted(sizes), 1, bytes(32))
+    assert any(len(nb) < len(sizes) - 1 for nb in graph.values())
+    _, sparse = _plan(sizes, epsilon=1.5, delta=1e-5, clip=2.0, rounds=30, lr=0.5, graph=graph)
+    assert sparse.pair_table is not None
+    assert all(sorted(sparse.pair_table[c]) == graph[c] for c in sizes)
+    # sensitivities drive the calibration: doubling one client's doubles sigma_up when it is the largest
+    sens = {c: local_sgd_sensitivity(2.0, n, lr=0.5) for c, n in sizes.items()}
+    worst = max(sens, key=sens.get)
+    sig2, _ = round_plan(sizes, {**sens, worst: 2 * sens[worst]}, 1.5, 1e-5, 30)
+    assert sig2.sigma_up == pytest.approx(2 * sig.sigma_up, rel=1e-12)
+
+
 def _explicit_round(k: int, dim: int, lam: float, seed: int):
     rng = np.random.default_rng(seed)
     ids = sorted(int(i) for i in rng.choice(10**6, size=k, replace=False))
     sizes = {c: int(s) for c, s in zip(ids, rng.integers(20, 400, size=k), strict=True)}
-    _, alloc = round_plan(sizes, epsilon=2.0, delta=1e-5, clip=10.0, rounds=200, lr=0.1)
+    _, alloc = _plan(sizes, epsilon=2.0, delta=1e-5, clip=10.0, rounds=200, lr=0.1)
     models = {c: rng.normal(0.0, 1.0, size=dim) for c in ids}
     residuals = {c: alloc.residual_std[c] * rng.standard_normal(dim) for c in ids}
     pair = {}  # one shared vector per unordered pair, i.e. n_ij == n_ji
@@ -278,7 +309,7 @@ def test_with_shared_pairwise_engine_if_available() -> None:
     prg = pytest.importorskip("protocols.prg")
     ids = [3, 11, 42, 77, 1000]
     sizes = {3: 120, 11: 60, 42: 300, 77: 90, 1000: 150}
-    _, alloc = round_plan(sizes, epsilon=1.0, delta=1e-5, clip=1.0, rounds=50)
+    _, alloc = _plan(sizes, epsilon=1.0, delta=1e-5, clip=1.0, rounds=50)
     dim = 1000
     seeds = {(a, b): bytes([a % 256, b % 256]) * 16 for a in ids for b in ids if a < b}
     rng = np.random.default_rng(0)
@@ -375,7 +406,7 @@ def test_accountant_specs_and_rdp_epsilon() -> None:
     from dp_accounting.rdp import RdpAccountant
 
     sizes = {i: 100 + 7 * i for i in range(20)}
-    sig, alloc = round_plan(sizes, epsilon=2.0, delta=1e-5, clip=10.0, rounds=200, lr=0.1)
+    sig, alloc = _plan(sizes, epsilon=2.0, delta=1e-5, clip=10.0, rounds=200, lr=0.1)
     specs = accountant_specs(alloc, sig.sensitivity_down, sampling_rate=0.8, steps=200)
     # with lam = 1 and Eq. 3, both phases have multiplier sqrt(4T ln(1/delta))/eps
     z = sig.noise_multiplier

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from pathlib import Path
@@ -13,6 +14,8 @@ from flwr.app import ConfigRecord
 
 from client.app import app as client_app
 from client.env import ClientEnv
+from client.messages.keys import PeerKeys
+from client.messages.nadp import NadpPlan
 from client.methods import nadp as nadp_client
 from client.models import build_model, get_weights
 from client.wire import from_record, to_record
@@ -71,9 +74,9 @@ def test_aggregate_equals_weighted_average_of_model_plus_residual(pinned_residua
     agg_rec, _ = strategy.aggregate_train(1, replies)
     agg = flatten(from_record(agg_rec))
 
-    st = strategy._state[1]
-    assert len(set(st.sizes.values())) > 1
-    alloc = upload_noise_scales(st.sizes, st.sigma_up, st.sigma_down)
+    st = strategy._state
+    assert st.round == 1 and len(set(st.plan.sizes.values())) > 1
+    alloc = upload_noise_scales(st.plan.sizes, st.plan.sigma_up, st.plan.sigma_down)
     assert len(pinned_residual_seeds) == len(msgs)  # one residual seed per client, in message order
     expected = np.zeros_like(agg)
     plain = np.zeros_like(agg)
@@ -151,17 +154,18 @@ def test_n_out_plan_pairs_only_graph_neighbours(pinned_residual_seeds):
     model = build_model(cfg.model, (1, 8, 8), 10, cfg.hidden_sizes, cfg.seed)
     msgs = list(strategy.configure_train(1, to_record(get_weights(model), np.float64),
                                          ConfigRecord({"round": 1}), grid))
-    st = strategy._state[1]
+    st = strategy._state
     assert st.allocation.pair_table is not None
-    degrees = [len(m.content["config"]["peer-ids"]) for m in msgs]
+    sent = {m.metadata.dst_node_id: PeerKeys.from_config(m.content["config"]) for m in msgs}
+    degrees = [len(pk.peer_ids) for pk in sent.values()]
     assert max(degrees) < 11 and min(degrees) >= 2
-    for m in msgs:  # every message's peers are exactly the allocation's pairs of that node
-        node = m.metadata.dst_node_id
-        assert sorted(int(p) for p in m.content["config"]["peer-ids"]) == sorted(st.allocation.pair_table[node])
+    for node, pk in sent.items():  # every message's peers are exactly the allocation's pairs of that node
+        assert sorted(pk.peer_ids) == sorted(st.allocation.pair_table[node])
     # a client whose peer list disagrees with the rebuilt graph refuses to upload
     bad = msgs[0]
-    bad.content["config"]["peer-ids"] = list(bad.content["config"]["peer-ids"])[:-1]
-    bad.content["config"]["peer-keys"] = list(bad.content["config"]["peer-keys"])[:-1]
+    pk = sent[bad.metadata.dst_node_id]
+    short = dataclasses.replace(pk, peer_ids=pk.peer_ids[:-1], peer_keys=pk.peer_keys[:-1])
+    bad.content["config"] = ConfigRecord({**bad.content["config"], **short.to_config()})
     with pytest.raises(ValueError, match="pairing graph"):
         nadp_client.train(bad, ClientEnv.from_context(grid.contexts[bad.metadata.dst_node_id]))
 
@@ -272,12 +276,14 @@ def test_sensitivity_and_calibration_match_eq3_for_one_full_batch_step():
     sens = {c: local_sgd_sensitivity(0.5, n, lr=2.0) for c, n in sizes.items()}
     assert sens[33] == pytest.approx(2 * 0.5 * 2.0 / 27, rel=1e-15)  # Lemma 1 (times lr)
     cfg, _, strategy = _setup(3, epsilon=1.5, num_rounds=7)
-    from strategies.pairwise_phase import KeyRound
+    from protocols.graphs import complete_graph
+    from strategies.key_phase import KeyRound
 
-    st = strategy.plan_round(1, KeyRound(1, sorted(sizes), {}, {}, b"", b"", [], sizes))
+    st = strategy.plan_round(KeyRound(1, sorted(sizes), {}, complete_graph(sorted(sizes)), b"", b"", [], sizes))
     ref = calibrate_sigmas(1.5, cfg.delta, cfg.clip, sizes, 7, lr=cfg.lr)
-    assert st.sigma_up == pytest.approx(ref.sigma_up, rel=1e-12)
-    assert st.sigma_down == pytest.approx(ref.sigma_down, rel=1e-12)
+    assert st.plan.sigma_up == pytest.approx(ref.sigma_up, rel=1e-12)
+    assert st.plan.sigma_down == pytest.approx(ref.sigma_down, rel=1e-12)
+    assert st.allocation.pair_table is None  # complete graph: Algorithm 2
     # several local steps: a record also moves every later step (up to 2 C lr each)
     assert local_sgd_sensitivity(0.5, 64, lr=2.0, epochs=2, batch_size=32) == pytest.approx(2 * 0.5 * 2 * (1 / 32 + 3))
 
@@ -288,9 +294,10 @@ def test_client_refuses_a_plan_with_a_wrong_dataset_size(pinned_residual_seeds):
     msgs = list(strategy.configure_train(1, to_record(get_weights(model), np.float64),
                                          ConfigRecord({"round": 1}), grid))
     msg = msgs[0]
-    sizes = list(msg.content["config"]["nadp-sizes"])
-    sizes[0] += 1
-    msg.content["config"]["nadp-sizes"] = sizes
+    plan = NadpPlan.from_config(msg.content["config"])
+    first = plan.ids[0]
+    wrong = dataclasses.replace(plan, sizes={**plan.sizes, first: plan.sizes[first] + 1})
+    msg.content["config"] = ConfigRecord({**msg.content["config"], **wrong.to_config()})
     env = ClientEnv.from_context(grid.contexts[msg.metadata.dst_node_id])
     with pytest.raises(ValueError, match="examples"):
         nadp_client.train(msg, env)
@@ -300,3 +307,21 @@ def test_config_errors():
     base = {**app_defaults(), "method": "nadp"}
     with pytest.raises(ConfigError, match="nadp-lambda"):
         NadpStrategy(RunConfig.from_mapping({**base, "nadp-lambda": 0.5}))
+
+
+def test_plan_message_round_trip_and_validation():
+    """The plan the strategy encodes is what the client decodes; malformed plans are refused by key."""
+    ids = (2**64 - 1, 12, 40)
+    plan = NadpPlan("nadp", ids, {ids[0]: 30, 12: 31, 40: 29}, 0.5, 0.2, 1.3)
+    assert NadpPlan.from_config(plan.to_config()) == plan
+    ldp = NadpPlan("record-ldp", ids, plan.sizes, 0.0, 0.0, 1.0, {ids[0]: 0.1, 12: 0.2, 40: 0.3})
+    assert NadpPlan.from_config(ldp.to_config()) == ldp
+    cases = {
+        "nadp-ldp-stds": dataclasses.replace(ldp, ldp_stds={}),
+        "nadp-lambda": dataclasses.replace(plan, lam=0.5),
+        "nadp-variant": dataclasses.replace(plan, variant="other"),
+        "nadp-sizes": dataclasses.replace(plan, sizes={**plan.sizes, 12: 0}),
+    }
+    for key, bad in cases.items():
+        with pytest.raises(ValueError, match=key):
+            NadpPlan.from_config(bad.to_config())

@@ -4,9 +4,12 @@ Per round a sampled client
 
 1. answered ``query.keys`` (first round of a key epoch) with an X25519 public key and its dataset size
    ``|D_i|`` (:func:`client.pairwise_phase.handle_keys`);
-2. receives the global model plus the round's public plan: the participants'
-   ids and sizes, ``sigma_up``, ``sigma_down`` (Eq. 3) and the compensation
-   factor ``lambda``; it recomputes the noise allocation itself (Alg. 2,
+2. receives the global model plus the round's public plan
+   (:class:`client.messages.nadp.NadpPlan`: the participants' ids and sizes,
+   ``sigma_up``, ``sigma_down`` (Eq. 3) and the compensation factor
+   ``lambda``) and its peer keys; it rebuilds the pairing graph
+   (:func:`protocols.graphs.round_graph` from the round's public graph seed)
+   and recomputes the noise allocation itself (Alg. 2 or the sparse-graph rule,
    :func:`protocols.nadp.upload_noise_scales`, deterministic in those public
    values, so both ends of every pair get the identical ``sigma_ij``);
 3. trains locally with *per-example* gradient clipping at ``C`` (Lemma 1's
@@ -29,19 +32,21 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord, Message
+from flwr.app import Message
 from torch import nn
 
 from client.env import ClientEnv, reply
+from client.messages.common import TrainIns
+from client.messages.keys import PeerKeys, probe_metric
+from client.messages.nadp import NadpPlan
 from client.models import MLP, get_weights
-from client.pairwise_phase import mask_probe, pair_seeds, peers
+from client.pairwise_phase import mask_probe, pair_seeds
 from client.wire import Weights, from_record, to_record
 from protocols.arrays import flatten, unflatten
-from protocols.graphs import complete_graph, n_out_graph
+from protocols.graphs import round_graph
 from protocols.nadp import nadp_upload, upload_noise_scales
 from protocols.pairwise import pairwise_noise
 from protocols.prg import gaussian
@@ -49,36 +54,6 @@ from protocols.prg import gaussian
 PAIR_PURPOSE = "nadp-counteract"
 #: Examples per chunk of the generic (vmap) per-example gradient path (bounds memory).
 _VMAP_CHUNK = 256
-
-
-# ------------------------------------------------------------------ round plan
-@dataclass(frozen=True)
-class RoundPlan:
-    """The public per-round values the server sends with the model (see :meth:`from_config`)."""
-
-    variant: str
-    ids: tuple[int, ...]
-    sizes: dict[int, int]
-    sigma_up: float
-    sigma_down: float
-    lam: float
-    ldp_stds: dict[int, float]
-    n_out: int = 0  # 0 = complete graph (Alg. 2); n = random n-out graph from the round's graph-seed
-
-    @classmethod
-    def from_config(cls, cfg: ConfigRecord) -> RoundPlan:
-        """Parse ``nadp-*`` keys (ids travel as decimal strings: they are unsigned 64-bit)."""
-        ids = tuple(int(c) for c in cfg["nadp-ids"])
-        sizes = [int(n) for n in cfg["nadp-sizes"]]
-        if len(sizes) != len(ids) or len(set(ids)) != len(ids):
-            raise ValueError("nadp round plan: 'nadp-ids' and 'nadp-sizes' must be equally long, ids distinct")
-        variant = str(cfg.get("nadp-variant", "nadp"))
-        ldp = [float(s) for s in cfg.get("nadp-ldp-stds", [])]
-        if variant == "record-ldp" and len(ldp) != len(ids):
-            raise ValueError("nadp round plan: 'nadp-ldp-stds' must hold one std per participant")
-        return cls(variant, ids, dict(zip(ids, sizes, strict=True)), float(cfg["nadp-sigma-up"]),
-                   float(cfg["nadp-sigma-down"]), float(cfg["nadp-lambda"]),
-                   dict(zip(ids, ldp, strict=True)) if ldp else {}, int(cfg.get("nadp-n-out", 0)))
 
 
 def residual_seed() -> bytes:
@@ -204,7 +179,7 @@ def clipped_local_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weigh
     """
     global_w = from_record(msg.content["arrays"])
     model = env.model(global_w)
-    rnd = int(msg.content["config"]["round"])
+    rnd = TrainIns.from_config(msg.content["config"]).round
     cfg = env.cfg
     loss, frac = clipped_sgd(model, env.x, env.y, epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr,
                              clip=cfg.clip, seed=env.round_seed(rnd))
@@ -212,7 +187,7 @@ def clipped_local_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weigh
 
 
 # ------------------------------------------------------------------- handler
-def noise_parts(msg: Message, env: ClientEnv, plan: RoundPlan, size: int) -> tuple[float, np.ndarray, np.ndarray]:
+def noise_parts(msg: Message, env: ClientEnv, plan: NadpPlan, size: int) -> tuple[float, np.ndarray, np.ndarray]:
     """``(p_i, residual n_i, counteracting sum c_i)`` of this client for the round.
 
     ``c_i = sum_{j>i} n_ij - sum_{j<i} n_ij`` with per-pair stds from the
@@ -229,10 +204,12 @@ def noise_parts(msg: Message, env: ClientEnv, plan: RoundPlan, size: int) -> tup
         # upload noise std sigma_i  <=>  residual std p_i * sigma_i before the 1/p_i factor
         return p_i, gaussian(residual_seed(), size, p_i * plan.ldp_stds[me]), np.zeros(size)
     # The pair variances depend on the whole graph (neighbours' degrees): rebuild it from public values.
-    graph = (n_out_graph(list(plan.ids), plan.n_out, bytes(msg.content["config"]["graph-seed"]))
-             if plan.n_out else complete_graph(list(plan.ids)))
+    peer_keys = PeerKeys.from_config(msg.content["config"])
+    if peer_keys.graph_seed is None:
+        raise ValueError("nadp: the train message carries no graph seed")
+    graph = round_graph(env.cfg.graph, env.cfg.n_out, plan.ids, peer_keys.graph_seed)
     alloc = upload_noise_scales(plan.sizes, plan.sigma_up, plan.sigma_down, graph=graph)
-    if sorted(peers(msg)) != sorted(graph[me]):
+    if sorted(peer_keys.peer_ids) != sorted(graph[me]):
         # Every pair of the plan's graph must be keyed; a missing pair would break cancellation.
         raise ValueError("nadp: the peer list differs from the round's pairing graph")
     seeds = pair_seeds(msg, env, purpose=PAIR_PURPOSE)
@@ -243,7 +220,7 @@ def noise_parts(msg: Message, env: ClientEnv, plan: RoundPlan, size: int) -> tup
 
 def train(msg: Message, env: ClientEnv) -> Message:
     """NADP-FL local step: clipped training, residual + counteracting noise, float64 upload."""
-    plan = RoundPlan.from_config(msg.content["config"])
+    plan = NadpPlan.from_config(msg.content["config"])
     _, local_w, loss, clip_frac = clipped_local_training(msg, env)
     w = flatten(local_w)
     p_i, residual, counteract = noise_parts(msg, env, plan, len(w))
@@ -252,5 +229,5 @@ def train(msg: Message, env: ClientEnv) -> Message:
     metrics: dict[str, float] = {"train_loss": loss, "clipped_fraction": clip_frac}
     if env.cfg.cancellation_check and plan.variant == "nadp":
         # The part that enters the aggregate: p_i * (lam * c_i / p_i) = lam * c_i.
-        metrics["mask-probe"] = mask_probe(msg, lam * counteract)
+        metrics.update(probe_metric(mask_probe(msg, lam * counteract)))
     return reply(msg, to_record(unflatten(upload, local_w)), len(env.y), **metrics)
