@@ -1,6 +1,6 @@
-"""Multi-round privacy accounting for DDP-SA (Theorem 2 and Eq. 12 of Wei et al.).
+"""Closed-form composition theorems: DDP-SA's Theorem 2 / Eq. 12 and NADP-FL's Lemma 2.
 
-Theorem 2 composes T rounds of an (eps, delta)-DP mechanism:
+DDP-SA (Wei et al.) Theorem 2 composes T rounds of an (eps, delta)-DP mechanism:
 
 * basic:     (T*eps, T*delta)
 * advanced:  (eps*sqrt(2T ln(1/delta')) + T*eps*(e^eps - 1),  T*delta + delta')   [Eq. 11]
@@ -17,12 +17,21 @@ scales the chosen allocation *shape* until the (heterogeneous) advanced-composit
 
 (Dwork, Rothblum & Vadhan 2010; Dwork & Roth 2014, Thm 3.20 generalised to per-round
 epsilons) meets the target exactly.  For T identical rounds it reduces to Eq. 11.
+:class:`protocols.privacy.accountant.PureDpAccountant` composes released rounds with these bounds.
+
+NADP-FL (Lemma 2, Eq. 2) calibrates Q composed Gaussian queries with
+``sigma = Delta sqrt(2 Q ln(1/delta)) / eps`` (:func:`lemma2_sigma`); its inverse over
+mixed ratios is ``eps = sqrt(2 ln(1/delta) sum_q (Delta_q / sigma_q)^2)``
+(:func:`lemma2_epsilon`).  Caveat: the moments-accountant bound behind it is
+``eps = rho + 2 sqrt(rho ln(1/delta))`` with ``rho = sum_q Delta_q^2 / (2 sigma_q^2)``;
+the paper (Appendix C) drops ``rho``, so these are the paper's figures, an
+*under*-estimate next to the RDP accountant's.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,6 +46,8 @@ __all__ = [
     "compose_advanced",
     "compose_basic",
     "exponential_allocation",
+    "lemma2_epsilon",
+    "lemma2_sigma",
     "per_round_epsilons",
     "uniform_allocation",
 ]
@@ -259,3 +270,45 @@ def per_round_epsilons(
         a = advanced()
         return a if a.epsilons[0] > b.epsilons[0] else b
     raise ValueError(f"unknown composition {composition!r} (use 'basic', 'advanced' or 'best')")
+
+
+# ----------------------------------------------------------------------------- NADP-FL Lemma 2
+def _check_lemma2_delta(delta: float) -> float:
+    delta = float(delta)
+    if not 0.0 < delta < 1.0:
+        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+    return delta
+
+
+def _positive(name: str, value: float) -> float:
+    value = float(value)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    return value
+
+
+def lemma2_sigma(sensitivity: float, epsilon: float, delta: float, num_queries: float) -> float:
+    """NADP-FL Lemma 2 / Eq. 2: ``Delta sqrt(2 Q ln(1/delta)) / epsilon`` for Q composed Gaussian queries."""
+    return (
+        _positive("sensitivity", sensitivity)
+        * math.sqrt(2.0 * _positive("num_queries", num_queries) * math.log(1.0 / _check_lemma2_delta(delta)))
+        / _positive("epsilon", epsilon)
+    )
+
+
+def lemma2_epsilon(terms: Iterable[tuple[float, float, float]], delta: float) -> float:
+    """Inverse of :func:`lemma2_sigma` over mixed ratios: ``sqrt(2 ln(1/delta) sum count (Delta/sigma)^2)``.
+
+    ``terms`` are ``(sensitivity, sigma, count)`` triples; a ``sigma`` of 0 gives ``inf``.
+    """
+    log_term = math.log(1.0 / _check_lemma2_delta(delta))
+    total = 0.0
+    for sens, sigma, count in terms:
+        if sigma < 0 or sens < 0 or count < 0:
+            raise ValueError("sensitivity, sigma and count must be >= 0")
+        if count == 0 or sens == 0:
+            continue
+        if sigma == 0:
+            return math.inf
+        total += count * (sens / sigma) ** 2
+    return math.sqrt(2.0 * log_term * total)

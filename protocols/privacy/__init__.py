@@ -1,0 +1,80 @@
+"""Differential privacy, in one place: mechanisms, released events, accountants, composition theorems.
+
+* :mod:`~protocols.privacy.mechanisms` -- one release: Gaussian (classic, analytic) and Laplace noise.
+* :mod:`~protocols.privacy.events` -- what was released (:class:`GaussianEvent`, :class:`LaplaceEvent`).
+* :mod:`~protocols.privacy.accountant` -- the :class:`Accountant` interface (compose events, ``epsilon(delta)``,
+  JSON state) and its implementations; every RDP figure uses :data:`RDP_ORDERS`.
+* :mod:`~protocols.privacy.calibration` -- epsilon of repeated Gaussian releases and the noise that meets a budget.
+* :mod:`~protocols.privacy.composition` -- closed-form theorems (DDP-SA Theorem 2 / Eq. 12, NADP-FL Lemma 2).
+
+No other module of the project imports dp-accounting.
+"""
+
+from protocols.privacy.accountant import (
+    RDP_ORDERS,
+    Accountant,
+    GdpAccountant,
+    Lemma2Accountant,
+    PerUnitAccountant,
+    PureDpAccountant,
+    RdpAccountant,
+    accountant_from_state,
+)
+from protocols.privacy.calibration import calibrate_noise_multiplier, gaussian_epsilon, gdp_epsilon, noise_multiplier
+from protocols.privacy.composition import (
+    BudgetSchedule,
+    PrivacyBudget,
+    advanced_composition,
+    basic_composition,
+    compose_advanced,
+    compose_basic,
+    exponential_allocation,
+    lemma2_epsilon,
+    lemma2_sigma,
+    per_round_epsilons,
+    uniform_allocation,
+)
+from protocols.privacy.events import Event, GaussianEvent, LaplaceEvent, event_from_dict, joint_gaussian
+from protocols.privacy.mechanisms import (
+    analytic_gaussian_epsilon,
+    analytic_gaussian_sigma,
+    classic_gaussian_sigma,
+    gaussian_delta,
+    laplace_scale,
+)
+
+__all__ = [
+    "RDP_ORDERS",
+    "Accountant",
+    "BudgetSchedule",
+    "Event",
+    "GaussianEvent",
+    "GdpAccountant",
+    "LaplaceEvent",
+    "Lemma2Accountant",
+    "PerUnitAccountant",
+    "PrivacyBudget",
+    "PureDpAccountant",
+    "RdpAccountant",
+    "accountant_from_state",
+    "advanced_composition",
+    "analytic_gaussian_epsilon",
+    "analytic_gaussian_sigma",
+    "basic_composition",
+    "calibrate_noise_multiplier",
+    "classic_gaussian_sigma",
+    "compose_advanced",
+    "compose_basic",
+    "event_from_dict",
+    "exponential_allocation",
+    "gaussian_delta",
+    "gaussian_epsilon",
+    "gdp_epsilon",
+    "joint_gaussian",
+    "laplace_scale",
+    "lemma2_epsilon",
+    "lemma2_sigma",
+    "noise_multiplier",
+    "per_round_epsilons",
+    "uniform_allocation",
+]

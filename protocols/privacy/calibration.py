@@ -1,0 +1,76 @@
+"""Epsilon of repeated Gaussian releases, and the noise multiplier that meets a target (epsilon, delta).
+
+* :func:`gaussian_epsilon` -- ``steps`` (Poisson-subsampled) Gaussian releases under the
+  RDP accountant (:class:`protocols.privacy.accountant.RdpAccountant`, :data:`RDP_ORDERS`).
+* :func:`calibrate_noise_multiplier` / :func:`noise_multiplier` -- its inverse: the smallest
+  noise multiplier (noise std / L2 sensitivity) whose releases stay within the budget.
+* :func:`gdp_epsilon` -- exact epsilon of unsampled Gaussian releases (Gaussian DP).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from protocols.privacy.accountant import GdpAccountant, RdpAccountant
+from protocols.privacy.events import GaussianEvent
+
+__all__ = ["calibrate_noise_multiplier", "gaussian_epsilon", "gdp_epsilon", "noise_multiplier"]
+
+
+def _check(noise_multiplier: float, sampling_rate: float, steps: int, delta: float) -> None:
+    if not noise_multiplier > 0 or not math.isfinite(noise_multiplier):
+        raise ValueError(f"noise_multiplier must be a finite number > 0, got {noise_multiplier}")
+    if not 0 < sampling_rate <= 1:
+        raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate}")
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must be in (0, 1), got {delta}")
+
+
+def gaussian_epsilon(noise_multiplier: float, sampling_rate: float, steps: int, delta: float) -> float:
+    """RDP epsilon at ``delta`` of ``steps`` Gaussian releases with ``noise_multiplier``, each on a sample of rate q."""
+    _check(noise_multiplier, sampling_rate, steps, delta)
+    return RdpAccountant([GaussianEvent(noise_multiplier, sampling_rate, steps)]).epsilon(delta)
+
+
+def calibrate_noise_multiplier(epsilon: float, delta: float, sampling_rate: float, steps: int,
+                               *, tol: float = 1e-4) -> float:
+    """Smallest noise multiplier whose ``steps`` releases stay within (epsilon, delta) under :func:`gaussian_epsilon`.
+
+    Bisection on the monotone map z -> epsilon (relative tolerance ``tol``); the result errs on the safe side.
+    """
+    if not epsilon > 0:
+        raise ValueError(f"epsilon must be > 0, got {epsilon}")
+    _check(1.0, sampling_rate, steps, delta)
+    if steps == 0:
+        raise ValueError("cannot calibrate for 0 steps")
+    lo, hi = 1e-3, 1.0
+    while gaussian_epsilon(hi, sampling_rate, steps, delta) > epsilon:
+        lo, hi = hi, hi * 2
+        if hi > 1e7:
+            raise ValueError(f"no noise multiplier reaches epsilon={epsilon} at delta={delta}")
+    while (hi - lo) / hi > tol:
+        mid = 0.5 * (lo + hi)
+        if gaussian_epsilon(mid, sampling_rate, steps, delta) > epsilon:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+@lru_cache(maxsize=64)
+def noise_multiplier(epsilon: float, delta: float, num_rounds: int) -> float:
+    """``z``: smallest per-round noise std / sensitivity whose ``num_rounds`` unsampled releases are (eps, delta)-DP."""
+    return calibrate_noise_multiplier(epsilon, delta, 1.0, num_rounds)
+
+
+def gdp_epsilon(noise_multiplier: float, releases: int, delta: float) -> float:
+    """Exact epsilon at ``delta`` of ``releases`` unsampled Gaussian releases (:class:`GdpAccountant`).
+
+    T releases with multiplier ``z`` are one release with ``z / sqrt(T)`` (Dong, Roth & Su 2019, Cor. 3.3).
+    """
+    if releases < 0:
+        raise ValueError(f"releases must be >= 0, got {releases}")
+    return GdpAccountant([GaussianEvent(noise_multiplier, 1.0, releases)]).epsilon(delta)
