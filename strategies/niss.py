@@ -1,8 +1,9 @@
 """NISS (Yang et al., IEEE IoT-J 2022): DP noise built from shares whose negations cancel on the server.
 
-Round ``r`` (all phases run inside :meth:`NissStrategy.configure_train` through the Grid):
+Round ``r`` (all phases run inside the round template's ``prepare_round`` hook, through the Grid;
+the messages are the classes of :mod:`client.messages.niss`):
 
-1. ``query.keys`` (shared key phase, :func:`strategies.pairwise_phase.run_key_phase`):
+1. ``query.keys`` (shared key phase, :class:`strategies.key_phase.KeyPhase`):
    sampled clients without a key of the key epoch return an X25519 public key.  The server, acting as
    the paper's *tracker*, draws the round's neighbour lists: the adjacency of a
    complete graph or of a random n-out graph over the clients with valid keys
@@ -83,42 +84,59 @@ approximately Gaussian).
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import os
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
+from client.messages.niss import AuthFailures, Diagnostic, NissMetrics, RelayedInbox, ShareReply, ShareRequest
 from client.wire import from_record, to_record
 from protocols import niss as niss_math
 from protocols.accounting import gaussian_epsilon, noise_multiplier
 from protocols.config import RunConfig
-from protocols.graphs import complete_graph, n_out_graph
 from protocols.niss import client_tau
-from strategies.base import CancelStrategy, RoundFailed, split_replies
-from strategies.pairwise_phase import KeyRound, forget_keys, forget_unresponsive, probe_residual, run_key_phase
+from strategies.base import CancelStrategy, RoundFailed, RoundState
+from strategies.key_phase import KeyPhase, KeyRound, probe_residual
 
 #: How often the share phase is re-run after clients failed it, before the round fails.
 MAX_SHARE_ATTEMPTS = 3
 
 
-# ------------------------------------------------------------------------------ server
 @dataclass
-class _RoundState:
-    """What the server remembers between configure_train and aggregate_train."""
+class NissRound(RoundState):
+    """The round after the share phase: its key round, the weight ``p_k`` and each participant's relayed inbox."""
 
-    round: int
-    participants: list[int]
-    neighbours: dict[int, list[int]]
+    keys: KeyRound
     weight: float
-    dropped: list[int] = field(default_factory=list)
+    #: receiver -> (sender ids, sealed payloads), in sender order.
+    inbox: dict[int, tuple[list[int], list[bytes]]]
 
 
-def _node_list(values: Iterable) -> list[int]:
-    return [int(v) for v in values]
+def _share_reply(reply: Message, expected: list[int]) -> ShareReply | None:
+    """The client's sealed payloads if they are one per neighbour in neighbour order, else None."""
+    if "config" not in reply.content:
+        return None
+    try:
+        shares = ShareReply.from_config(reply.content["config"])
+    except ValueError:
+        return None
+    return shares if list(shares.to_ids) == expected else None
+
+
+def _rejections(by_node: dict[int, Message]) -> list[str]:
+    """Every relayed payload a participant reported it could not open (``"sender -> receiver: why"``)."""
+    lines = []
+    for node, r in sorted(by_node.items()):
+        if "config" not in r.content:
+            continue
+        try:
+            lines += AuthFailures.from_config(r.content["config"]).describe(node)
+        except ValueError as err:
+            lines.append(f"? -> {node}: unreadable rejection report ({err})")
+    return lines
 
 
 class NissStrategy(CancelStrategy):
@@ -130,135 +148,84 @@ class NissStrategy(CancelStrategy):
         super().__init__(cfg)
         self.z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
         self.tau = client_tau(cfg)
-        self._state: _RoundState | None = None
+        self.keys = KeyPhase(cfg)
 
-    # ------------------------------------------------------------------ phases
-    def _graph(self, nodes: list[int]) -> dict[int, list[int]]:
-        """Tracker: each client's neighbour list (complete, or a fresh random n-out graph)."""
-        if self.cfg.graph == "n-out" and self.cfg.n_out < len(nodes) - 1:
-            return n_out_graph(nodes, self.cfg.n_out, os.urandom(32))
-        return complete_graph(nodes)
-
-    @staticmethod
-    def _valid_share_reply(reply: Message, expected: list[int]) -> bool:
-        """One sealed payload (bytes) per neighbour, in neighbour order."""
-        if "config" not in reply.content:
-            return False
-        cfg = reply.content["config"]
-        try:
-            to = _node_list(cfg["niss-to"])
-            blobs = list(cfg["niss-payloads"])
-        except (KeyError, TypeError, ValueError):
-            return False
-        return to == expected and len(blobs) == len(to) and all(isinstance(b, bytes) for b in blobs)
-
-    def _share_phase(self, grid: Grid, rnd: int, keys: KeyRound) -> tuple[_RoundState, dict[int, Message]]:
-        """Run ``query.shares`` until every remaining participant answered correctly."""
-        participants = list(keys.participants)
-        neighbours = keys.neighbours
-        dropped: list[int] = list(keys.dropped)
-        for _attempt in range(MAX_SHARE_ATTEMPTS):
-            weight = 1.0 / len(participants)
-
-            def content(node: int, nbrs=neighbours, weight=weight) -> RecordDict:
-                peers = nbrs[node]
-                return RecordDict({"config": ConfigRecord({
-                    "round": rnd,
-                    "niss-weight": weight,
-                    "peer-ids": [str(p) for p in peers],
-                    "peer-keys": [keys.public_keys[p] for p in peers],
-                    "key-epoch": keys.key_epoch,
-                })})
-
-            replies, _errors = self.exchange(grid, participants, content, "shares")
-            good = {n: r for n, r in replies.items() if n in neighbours and self._valid_share_reply(r, neighbours[n])}
-            failed = sorted(set(participants) - set(good))
-            if not failed:
-                return _RoundState(rnd, participants, neighbours, weight, dropped), good
-            dropped += failed
-            forget_keys(self, failed)  # re-keyed when next sampled (e.g. a node that lost its state)
-            participants = sorted(good)
-            if len(participants) < 2:
-                break
-            neighbours = self._graph(participants)
-        raise RoundFailed(f"round {rnd}: NISS share exchange did not complete "
-                          f"({len(participants)} client(s) left after dropping {sorted(set(dropped))})")
-
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
-        """Key phase, share phase, then the train messages carrying the relayed ciphertexts."""
-        self._round_report = {}
-        self._state = None
-        nodes = self.sample_nodes(grid, server_round)
-        keys = run_key_phase(self, grid, server_round, nodes)
-        state, replies = self._share_phase(grid, server_round, keys)
+    # ------------------------------------------------------------------ hooks
+    def prepare_round(self, grid: Grid, server_round: int, nodes: list[int], arrays: ArrayRecord) -> NissRound:
+        """Key phase, then the share phase; the server relays the payloads with the train messages."""
+        kr, replies = self._share_phase(grid, self.keys.run(self, grid, server_round, nodes))
         # Relay: the server only moves opaque ciphertexts from sender to receiver.
-        inbox: dict[int, tuple[list[str], list[bytes]]] = {n: ([], []) for n in state.participants}
-        for sender in state.participants:
-            cfg = replies[sender].content["config"]
-            for receiver, blob in zip(_node_list(cfg["niss-to"]), cfg["niss-payloads"], strict=True):
-                inbox[receiver][0].append(str(sender))
+        inbox: dict[int, tuple[list[int], list[bytes]]] = {n: ([], []) for n in kr.participants}
+        for sender in kr.participants:
+            for receiver, blob in zip(replies[sender].to_ids, replies[sender].payloads, strict=True):
+                inbox[receiver][0].append(sender)
                 inbox[receiver][1].append(blob)
-        self._state = state
-        self.report(participants=len(state.participants), dropped=len(set(state.dropped)))
+        self.report(participants=len(kr.participants), dropped=len(kr.dropped))
+        return NissRound(server_round, list(kr.participants), kr, 1.0 / len(kr.participants), inbox)
 
-        def content(node: int) -> RecordDict:
-            senders, blobs = inbox[node]
-            return RecordDict({"arrays": arrays, "config": ConfigRecord({
-                "round": server_round,
-                "niss-weight": state.weight,
-                "niss-from": senders,
-                "niss-payloads": blobs,
-                "probe-seed": keys.probe_seed,
-            })})
+    def _share_phase(self, grid: Grid, kr: KeyRound) -> tuple[KeyRound, dict[int, ShareReply]]:
+        """Run ``query.shares`` until every remaining participant answered correctly (re-graphing after failures)."""
+        for _attempt in range(MAX_SHARE_ATTEMPTS):
+            weight = 1.0 / len(kr.participants)
 
-        return self.make_messages(state.participants, content)
+            def content(node: int, kr=kr, weight=weight) -> RecordDict:
+                # Only the neighbours' ids and keys: the public seeds travel with the train message.
+                peers = dataclasses.replace(kr.peer_keys(node), graph_seed=None, probe_seed=None)
+                return RecordDict({"config": ShareRequest(kr.round, weight, peers).to_config()})
 
-    # -------------------------------------------------------------- aggregation
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+            replies, _errors = self.exchange(grid, kr.participants, content, "shares")
+            good = {n: shares for n, r in replies.items() if n in kr.neighbours
+                    and (shares := _share_reply(r, kr.neighbours[n])) is not None}
+            failed = sorted(set(kr.participants) - set(good))
+            if not failed:
+                return kr, good
+            self.keys.forget(failed)  # re-keyed when next sampled (e.g. a node that lost its state)
+            kr = self.keys.regraph(kr, good)
+            if len(kr.participants) < 2:
+                break
+        raise RoundFailed(f"round {kr.round}: NISS share exchange did not complete "
+                          f"({len(kr.participants)} client(s) left after dropping {kr.dropped})")
+
+    def train_content(self, state: NissRound, node: int, arrays: ArrayRecord) -> RecordDict:
+        """The global model and the ciphertexts addressed to ``node``."""
+        senders, blobs = state.inbox[node]
+        inbox = RelayedInbox(state.round, state.weight, tuple(senders), tuple(blobs), state.keys.probe_seed)
+        return RecordDict({"arrays": arrays, "config": inbox.to_config()})
+
+    def aggregate(self, state: NissRound, by_node: dict[int, Message], errors: list[str]) -> ArrayRecord:
         """Sum the uploads; fail the round if any share could not cancel."""
-        state = self._state
-        if state is None or state.round != server_round:
-            raise RoundFailed(f"round {server_round}: no NISS share exchange state for this round")
-        good, errors = split_replies(replies)
-        forget_unresponsive(self, state.participants, good)
-        by_node = {r.metadata.src_node_id: r for r in good}
-        auth = []
-        for node, r in sorted(by_node.items()):
-            if "config" in r.content and list(r.content["config"].get("niss-auth-failed", [])):
-                auth += [f"{s} -> {node}: {why}" for s, why in zip(r.content["config"]["niss-auth-failed"],
-                                                                     r.content["config"]["niss-auth-reason"],
-                                                                     strict=True)]
-        if auth:
-            raise RoundFailed(f"round {server_round}: relayed NISS share payload(s) rejected by the recipient "
+        rejected = _rejections(by_node)
+        if rejected:
+            raise RoundFailed(f"round {state.round}: relayed NISS share payload(s) rejected by the recipient "
                               f"(tampered, replayed, misrouted or missing); the round is dropped so that no "
-                              f"uncancelled noise enters the model: {'; '.join(auth)}")
+                              f"uncancelled noise enters the model: {'; '.join(rejected)}")
         missing = sorted(set(state.participants) - {n for n, r in by_node.items() if "arrays" in r.content})
         if missing:
-            raise RoundFailed(f"round {server_round}: client(s) {missing} dropped out after the NISS share exchange; "
+            raise RoundFailed(f"round {state.round}: client(s) {missing} dropped out after the NISS share exchange; "
                               f"the shares they exchanged cannot cancel, so the round is dropped "
                               f"({len(errors)} error replies)")
         ordered = [by_node[n] for n in state.participants]
         uploads = [from_record(r.content["arrays"]) for r in ordered]
         agg = {k: np.sum([u[k] for u in uploads], axis=0, dtype=np.float64) for k in uploads[0]}
-        sig = np.array([float(r.content["metrics"]["niss-sigma"]) for r in ordered])
-        taus = np.array([float(r.content["metrics"]["niss-tau"]) for r in ordered])
-        self.report(theorem2_variance=niss_math.theorem2_variance(sig, taus))
-        if all("diagnostic" in r.content for r in ordered):
-            self._diagnostics(agg, ordered, taus)
-        return to_record(agg, self.wire_dtype), self.mean_metrics(ordered)
+        figures = [NissMetrics.from_metrics(r.content["metrics"]) for r in ordered]
+        taus = np.array([f.tau for f in figures])
+        self.report(theorem2_variance=niss_math.theorem2_variance(np.array([f.sigma for f in figures]), taus))
+        clean = [Diagnostic.from_content(r.content) for r in ordered]
+        if all(c is not None for c in clean):
+            received = np.array([f.received_var or 0.0 for f in figures])
+            self._diagnostics(agg, [from_record(c.update) for c in clean], received * taus**2, ordered)
+        return to_record(agg, self.wire_dtype)
 
-    def _diagnostics(self, agg: dict[str, np.ndarray], ordered: list[Message], taus: np.ndarray) -> None:
+    def _diagnostics(self, agg: dict[str, np.ndarray], clean: list[dict[str, np.ndarray]],
+                     exact_var: np.ndarray, ordered: list[Message]) -> None:
         """DIAGNOSTIC (cancellation-check): measured aggregate noise against the noiseless sum."""
-        clean = [from_record(r.content["diagnostic"]) for r in ordered]
         keys = list(agg)
         noiseless = np.concatenate([np.sum([c[k] for c in clean], axis=0).ravel() for k in keys])
         total = np.concatenate([agg[k].ravel() for k in keys])
         resid = total - noiseless
-        recv = np.array([float(r.content["metrics"].get("niss-received-var", 0.0)) for r in ordered])
         values = {
             "measured_noise_variance": float(np.mean(resid**2)),
-            "exact_noise_variance": float(np.sum(recv * taus**2)),
+            "exact_noise_variance": float(np.sum(exact_var)),
             "aggregate_error_rel": float(np.linalg.norm(resid) / max(np.linalg.norm(noiseless), 1e-300)),
         }
         probe = probe_residual(ordered)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 
@@ -22,6 +23,7 @@ from flwr.app import ConfigRecord
 from client.app import app as client_app
 from client.data import dataset_for
 from client.env import ClientEnv, local_training
+from client.messages.niss import AuthFailures, Diagnostic, NissMetrics, RelayedInbox
 from client.methods import niss as niss_client
 from client.models import build_model, get_weights
 from client.wire import from_record, to_record
@@ -74,14 +76,14 @@ def test_tau_zero_aggregate_equals_noiseless(graph):
         env = ClientEnv.from_context(grid.contexts[node])
         glob, local, _ = local_training(msg, env)
         clipped, _ = clip_l2(flatten(local) - flatten(glob), cfg.clip)
-        p = float(msg.content["config"]["niss-weight"])
+        p = RelayedInbox.from_config(msg.content["config"]).weight
         clean = p * (flatten(glob) + clipped)
         expected += clean
         reply = by_node[node]
         # the diagnostic side channel carries exactly this noiseless weighted update
-        np.testing.assert_allclose(_flat(reply.content["diagnostic"]), clean, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(_flat(Diagnostic.from_content(reply.content).update), clean, rtol=0, atol=1e-12)
         # ... while the upload itself is noisy: own shares alone have variance sigma_k^2
-        sigma = float(reply.content["metrics"]["niss-sigma"])
+        sigma = NissMetrics.from_metrics(reply.content["metrics"]).sigma
         assert sigma == pytest.approx(z * p * cfg.clip, rel=1e-12)
         assert np.var(_flat(reply.content["arrays"]) - clean) > 0.8 * sigma**2
     assert p == pytest.approx(1 / cfg.num_clients)
@@ -137,23 +139,23 @@ class TamperGrid(LocalGrid):
         messages = list(messages)
         train = [m for m in messages if m.metadata.message_type == "train"]
         if train and self.mode:
-            rnd = int(train[0].content["config"]["round"])
-            first = train[0].content["config"]
-            blobs = list(first["niss-payloads"])
+            inboxes = [RelayedInbox.from_config(m.content["config"]) for m in train]
+            first = inboxes[0]
+            senders, blobs = list(first.from_ids), list(first.payloads)
             if self.mode == "flip":
                 b = bytearray(blobs[0])
                 b[20] ^= 0x01
                 blobs[0] = bytes(b)
             elif self.mode == "drop":
-                blobs = blobs[1:]
-                first["niss-from"] = list(first["niss-from"])[1:]
+                senders, blobs = senders[1:], blobs[1:]
             elif self.mode == "swap":  # deliver another pair's payload under the same sender label
-                blobs[0] = list(train[1].content["config"]["niss-payloads"])[0]
-            elif self.mode == "replay" and rnd == 1:
-                self.saved = {m.metadata.dst_node_id: list(m.content["config"]["niss-payloads"]) for m in train}
+                blobs[0] = inboxes[1].payloads[0]
+            elif self.mode == "replay" and first.round == 1:
+                self.saved = {m.metadata.dst_node_id: inbox.payloads for m, inbox in zip(train, inboxes, strict=True)}
             elif self.mode == "replay":
-                blobs = self.saved[train[0].metadata.dst_node_id]
-            first["niss-payloads"] = blobs
+                blobs = list(self.saved[train[0].metadata.dst_node_id])
+            tampered = dataclasses.replace(first, from_ids=tuple(senders), payloads=tuple(blobs))
+            train[0].content["config"] = tampered.to_config()
         return super().send_and_receive(messages, timeout=timeout)
 
 
@@ -174,7 +176,7 @@ def test_tampered_relay_fails_the_round(mode, why):
         strategy.aggregate_train(rnd, replies)
     assert f"-> {victim}" in str(info.value) and "dropped" in str(info.value)
     # the victim uploaded nothing; nobody else complained
-    bad = [r for r in replies if "niss-auth-failed" in r.content.get("config", {})]
+    bad = [r for r in replies if "config" in r.content and AuthFailures.from_config(r.content["config"])]
     assert [r.metadata.src_node_id for r in bad] == [victim] and "arrays" not in bad[0].content
 
 

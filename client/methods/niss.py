@@ -30,17 +30,21 @@ the same length.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import struct
 from dataclasses import dataclass
 
 import numpy as np
-from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Message, RecordDict
 
-from client.env import ClientEnv, local_training
+from client.env import ClientEnv, local_training, reply
+from client.messages.common import TrainIns, train_metrics
+from client.messages.keys import probe_metric
+from client.messages.niss import AuthFailures, Diagnostic, NissMetrics, RelayedInbox, ShareReply, ShareRequest
 from client.models import get_weights
-from client.pairwise_phase import mask_probe, pair_seeds, peers
+from client.pairwise_phase import mask_probe, pair_seeds
 from client.wire import from_record, to_record
 from protocols import niss as niss_math
 from protocols.arrays import flatten, unflatten
@@ -148,12 +152,10 @@ class _Stored:
 # -------------------------------------------------------------------------- phases
 def handle_shares(msg: Message, env: ClientEnv) -> Message:
     """``query.shares``: split this client's DP noise into shares and seal one payload per neighbour."""
-    cfg = msg.content["config"]
-    rnd = int(cfg["round"])
-    weight = float(cfg["niss-weight"])
-    me = env.node_id
-    nbrs = peers(msg)
-    if not nbrs or me in nbrs or len(set(nbrs)) != len(nbrs):
+    req = ShareRequest.from_config(msg.content["config"])
+    rnd, weight, me = req.round, req.weight, env.node_id
+    nbrs = list(req.peers.peer_ids)
+    if not nbrs or me in nbrs:
         raise ValueError(f"invalid neighbour list from the tracker: {nbrs}")
     encoding = env.cfg.niss_share_encoding
     sigma = client_sigma(env.cfg, weight)
@@ -171,21 +173,14 @@ def handle_shares(msg: Message, env: ClientEnv) -> Message:
         aad = _aad(me, n, rnd, env.context.run_id, encoding)
         payloads.append(seal(keys[n], encode_payload(encoding, b, size), aad=aad))
     env.context.state[STATE_KEY] = _Stored(rnd, weight, sigma, encoding, nbrs, keys, bundles).to_record()
-    return Message(RecordDict({"config": ConfigRecord({
-        "niss-to": [str(n) for n in nbrs], "niss-payloads": payloads})}), reply_to=msg)
+    return Message(RecordDict({"config": ShareReply(tuple(nbrs), tuple(payloads)).to_config()}), reply_to=msg)
 
 
-def _open_incoming(msg: Message, env: ClientEnv, st: _Stored, size: int) -> tuple[list, list[tuple[int, str]]]:
+def _open_incoming(inbox: RelayedInbox, env: ClientEnv, st: _Stored, size: int) -> tuple[list, list[tuple[int, str]]]:
     """Open every relayed payload; returns (sorted [(sender, bundle, vectors)], failures [(sender, reason)])."""
-    cfg = msg.content["config"]
-    rnd = st.round
-    senders = [int(s) for s in cfg.get("niss-from", [])]
-    blobs = list(cfg.get("niss-payloads", []))
     failures: list[tuple[int, str]] = []
-    if len(senders) != len(blobs):
-        return [], [(0, "sender list and payload list differ in length")]
     seen: dict[int, tuple] = {}
-    for s, blob in zip(senders, blobs, strict=True):
+    for s, blob in zip(inbox.from_ids, inbox.payloads, strict=True):
         if s not in st.relay_keys:
             failures.append((s, "payload from a node that is not a neighbour"))
             continue
@@ -193,7 +188,7 @@ def _open_incoming(msg: Message, env: ClientEnv, st: _Stored, size: int) -> tupl
             failures.append((s, "duplicate payload"))
             continue
         try:
-            plain = open_sealed(st.relay_keys[s], blob, aad=_aad(s, env.node_id, rnd, env.context.run_id,
+            plain = open_sealed(st.relay_keys[s], blob, aad=_aad(s, env.node_id, st.round, env.context.run_id,
                                                                    st.encoding))
             bundle, vectors = decode_payload(plain, st.encoding, s, env.node_id, size)
         except RelayAuthError as err:
@@ -216,24 +211,30 @@ def _negated_shares(incoming: list, size: int):
             yield from vectors
 
 
+def _rejected(msg: Message, env: ClientEnv, failures: list[tuple[int, str]]) -> Message:
+    """The train reply of a client that could not open its inbox: no upload, the offending senders named."""
+    report = AuthFailures(tuple(s for s, _ in failures), tuple(why for _, why in failures))
+    return Message(RecordDict({"metrics": train_metrics(len(env.y)), "config": report.to_config()}), reply_to=msg)
+
+
 def train(msg: Message, env: ClientEnv) -> Message:
     """Open the relayed shares, train, and upload ``p_k w_k + sum_i (n_i + s_i r_i)`` (float64)."""
     cfg = msg.content["config"]
-    rnd = int(cfg["round"])
+    rnd = TrainIns.from_config(cfg).round
     st = _Stored.load(env, rnd)
     del env.context.state[STATE_KEY]  # one-time secrets: never reused in another round
-    if float(cfg["niss-weight"]) != st.weight:
+    try:
+        inbox = RelayedInbox.from_config(cfg)
+    except ValueError as err:
+        return _rejected(msg, env, [(0, f"malformed relay inbox ({err})")])
+    if inbox.weight != st.weight:
         # sigma_k was calibrated for the share-phase weight; a larger weight now would shrink the noise-to-signal ratio.
-        raise ValueError(f"aggregation weight changed between phases ({st.weight} -> {cfg['niss-weight']})")
+        raise ValueError(f"aggregation weight changed between phases ({st.weight} -> {inbox.weight})")
     global_w = from_record(msg.content["arrays"])
     size = int(sum(v.size for v in global_w.values()))
-    incoming, failures = _open_incoming(msg, env, st, size)
+    incoming, failures = _open_incoming(inbox, env, st, size)
     if failures:
-        return Message(RecordDict({
-            "metrics": MetricRecord({"num-examples": len(env.y)}),
-            "config": ConfigRecord({"niss-auth-failed": [str(s) for s, _ in failures],
-                                    "niss-auth-reason": [why for _, why in failures]}),
-        }), reply_to=msg)
+        return _rejected(msg, env, failures)
 
     _, local_w, loss = local_training(msg, env)
     clipped, norm = clip_l2(flatten(local_w) - flatten(global_w), env.cfg.clip)
@@ -243,15 +244,14 @@ def train(msg: Message, env: ClientEnv) -> Message:
     private = _fresh_seed(f"{env.node_id}/{rnd}/distortion")  # s_i: known to nobody but this client
     received = niss_math.distorted_sum(_negated_shares(incoming, size), size, tau, private)
     upload = niss_math.client_upload(params, st.weight, own, received)
-    metrics = {"num-examples": len(env.y), "train_loss": loss, "update_norm": norm,
-               "niss-sigma": st.sigma, "niss-tau": tau,
-               "niss-shares": sum(b.count for b in st.outgoing)}
-    content = {"arrays": to_record(unflatten(upload, global_w), np.float64)}
+    figures = NissMetrics(st.sigma, tau, sum(b.count for b in st.outgoing))
+    probe: dict[str, float] = {}
+    if env.cfg.cancellation_check:
+        figures = dataclasses.replace(figures, received_var=sum(b.count * b.share_std**2 for _s, b, _v in incoming))
+        probe = probe_metric(mask_probe(msg, own + received))
+    out = reply(msg, to_record(unflatten(upload, global_w), np.float64), len(env.y), train_loss=loss,
+                update_norm=norm, **figures.to_metrics(), **probe)
     if env.cfg.cancellation_check:
         # DIAGNOSTIC ONLY: hands the server this client's noiseless weighted update.
-        content["diagnostic"] = to_record(unflatten(st.weight * params, global_w), np.float64)
-        metrics["niss-received-var"] = sum(b.count * b.share_std**2 for _s, b, _v in incoming)
-        metrics["mask-probe"] = mask_probe(msg, own + received)
-    content["metrics"] = MetricRecord({k: (int(v) if k in ("num-examples", "niss-shares") else float(v))
-                                       for k, v in metrics.items()})
-    return Message(RecordDict(content), reply_to=msg)
+        Diagnostic(to_record(unflatten(st.weight * params, global_w), np.float64)).add_to(out.content)
+    return out

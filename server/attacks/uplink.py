@@ -21,6 +21,7 @@ import torch
 from flwr.app import Message
 
 from client.data import client_partition, dataset_for
+from client.messages.niss import RelayedInbox
 from client.models import build_model, get_weights, set_weights
 from client.wire import Weights, from_record
 from protocols.config import RunConfig
@@ -156,7 +157,7 @@ def view_ladp(cap: UplinkCapture) -> AttackerView:
 
 def view_niss(cap: UplinkCapture) -> AttackerView:
     """niss: upload = p w_k + sum of own shares and distorted negated shares; the server knows p."""
-    p = float(cap.sent.content["config"]["niss-weight"])
+    p = RelayedInbox.from_config(cap.sent.content["config"]).weight
     up = OrderedDict((k, v / p) for k, v in from_record(cap.reply.content["arrays"]).items())
     return _weights_view(cap, up, "p*w_k + own noise shares + distorted received shares; divided by the public p")
 
