@@ -1,7 +1,7 @@
 """Client side of NISS: noise shares sealed for neighbours, distorted negated shares, noisy upload.
 
 Two phases per round (see :mod:`strategies.niss` for the protocol and the privacy
-calibration):
+calibration; the messages are the classes of :mod:`client.messages.niss`):
 
 * :func:`handle_shares` (``query.shares``): compute ``sigma_k``, split it into unit
   shares, assign them to the neighbours named by the server (tracker) and return
