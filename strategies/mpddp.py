@@ -116,8 +116,8 @@ from protocols.mpddp.expansion import Layer
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 from strategies.key_phase import KeyPhase, KeyRound, probe_residual
 
-__all__ = ["ETA_SHARE", "MpcdpStrategy", "MpddpStrategy", "MpdpNaiveStrategy", "check_model", "layers_from_weights",
-           "mean_upload", "weights_from_layers"]
+__all__ = ["ETA_SHARE", "MpRound", "MpcdpStrategy", "MpddpStrategy", "MpdpNaiveStrategy", "check_model",
+           "layers_from_weights", "weights_from_layers"]
 
 #: Fraction of the per-round privacy-loss variance theta spent on the non-cancelling eta (see module doc).
 ETA_SHARE = 0.9

@@ -69,8 +69,8 @@ def test_mean_upload_equals_protocol_aggregate() -> None:
     """The server's streamed mean over wire records is bit-identical to protocols.mpddp.aggregate."""
     import torch
 
+    from client.messages.mpddp import mean_upload
     from protocols.mpddp import ClientUpload, aggregate
-    from strategies.mpddp import mean_upload
 
     shapes = [(4, 6), (3, 5), (3, 4, 6), (3, 3, 5), (4, 6), (3, 5)]  # L = 2: grads, psi, phi
     uploads = [[RNG.standard_normal(s) * 10.0**k for s in shapes] for k in range(5)]
