@@ -64,7 +64,7 @@ import numpy as np
 from scipy.special import log_softmax
 
 from protocols import prg
-from protocols.niss import analytic_gaussian_sigma, classic_gaussian_sigma
+from protocols.privacy import analytic_gaussian_sigma, classic_gaussian_sigma
 
 __all__ = [
     "LayerNoise",

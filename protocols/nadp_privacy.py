@@ -1,4 +1,4 @@
-"""NADP-FL privacy calibration: Theorem 1 / Eq. 3, the paper's composition, RDP hooks.
+"""NADP-FL privacy calibration: sensitivities, Theorem 1 / Eq. 3, the events an accountant composes.
 
 Paper conventions (Lemma 1, Lemma 2, Theorem 1):
 
@@ -12,13 +12,16 @@ Paper conventions (Lemma 1, Lemma 2, Theorem 1):
   NADP publishes an uplink and a downlink per round, ``Q = 2T`` (Eq. 3), so
   ``sigma_up / Delta_up = sigma_down / Delta_down = sqrt(4 T ln(1/delta)) / eps``.
   Reverse (mixed ratios): ``eps = sqrt(2 ln(1/delta) * sum_q (Delta_q/sigma_q)^2)``.
+  Both formulas live in :mod:`protocols.privacy.composition` (:func:`lemma2_sigma`,
+  :func:`lemma2_epsilon`).
 
 Caveat (documented, not "fixed", since the brief asks for the paper's
 composition): the exact moments-accountant bound behind Lemma 2 is
 ``eps = rho + 2 sqrt(rho ln(1/delta))`` with ``rho = sum_q Delta_q^2 /
 (2 sigma_q^2)``; the paper (Appendix C) drops ``rho``, so its epsilon is an
 *under*-estimate (small when ``rho`` << ``ln(1/delta)``). Report the RDP
-accountant's epsilon (:func:`rdp_epsilon`) next to it. Theorem 1 also ignores
+accountant's epsilon (:class:`protocols.privacy.RdpAccountant` over :func:`accountant_events`)
+next to it. Theorem 1 also ignores
 client sampling for NADP (Appendix F.1: all clients are treated as one
 entity); ``sampling_rate`` optionally replaces T by the expected number of
 participations ``qT``, the heuristic the paper itself uses for LDP (Lemma 3).
@@ -27,23 +30,20 @@ participations ``qT``, the heuristic the paper itself uses for LDP (Lemma 3).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from protocols.nadp_allocation import NoiseAllocation, normalize_weights
+from protocols.privacy import GaussianEvent, lemma2_epsilon, lemma2_sigma
 
 __all__ = [
-    "AccountantSpec",
     "NadpSigmas",
-    "accountant_specs",
+    "accountant_events",
     "calibrate_from_sensitivities",
     "calibrate_sigmas",
-    "composed_epsilon",
     "epsilon_from_sigmas",
-    "gaussian_sigma",
     "ldp_local_sigma",
     "local_sgd_sensitivity",
-    "rdp_epsilon",
     "sensitivity",
 ]
 
@@ -53,13 +53,6 @@ def _positive(name: str, value: float) -> float:
     if not math.isfinite(value) or value <= 0.0:
         raise ValueError(f"{name} must be finite and > 0, got {value!r}")
     return value
-
-
-def _check_delta(delta: float) -> float:
-    delta = float(delta)
-    if not 0.0 < delta < 1.0:
-        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
-    return delta
 
 
 def _effective_rounds(rounds: int, sampling_rate: float | None) -> float:
@@ -143,39 +136,11 @@ def calibrate_from_sensitivities(
     d_down = max(p[c] * sens[c] for c in p)
     t_eff = _effective_rounds(rounds, None)
     return NadpSigmas(
-        sigma_up=gaussian_sigma(d_up, epsilon, delta, 2.0 * t_eff),
-        sigma_down=gaussian_sigma(d_down, epsilon, delta, 2.0 * t_eff),
+        sigma_up=lemma2_sigma(d_up, epsilon, delta, 2.0 * t_eff),
+        sigma_down=lemma2_sigma(d_down, epsilon, delta, 2.0 * t_eff),
         sensitivity_up=d_up,
         sensitivity_down=d_down,
     )
-
-
-def gaussian_sigma(sens: float, epsilon: float, delta: float, num_queries: float) -> float:
-    """Lemma 2 / Eq. 2: ``sens * sqrt(2 Q ln(1/delta)) / epsilon`` for Q composed queries."""
-    return (
-        _positive("sensitivity", sens)
-        * math.sqrt(2.0 * _positive("num_queries", num_queries) * math.log(1.0 / _check_delta(delta)))
-        / _positive("epsilon", epsilon)
-    )
-
-
-def composed_epsilon(terms: Iterable[tuple[float, float, float]], delta: float) -> float:
-    """Paper composition: ``sqrt(2 ln(1/delta) sum count*(sens/sigma)^2)``.
-
-    ``terms`` are ``(sensitivity, sigma, count)`` triples; a ``sigma`` of 0
-    gives ``inf``.
-    """
-    log_term = math.log(1.0 / _check_delta(delta))
-    total = 0.0
-    for sens, sigma, count in terms:
-        if sigma < 0 or sens < 0 or count < 0:
-            raise ValueError("sensitivity, sigma and count must be >= 0")
-        if count == 0 or sens == 0:
-            continue
-        if sigma == 0:
-            return math.inf
-        total += count * (sens / sigma) ** 2
-    return math.sqrt(2.0 * log_term * total)
 
 
 @dataclass(frozen=True)
@@ -214,8 +179,8 @@ def calibrate_sigmas(
     d_up = sensitivity(clip, min(sizes), lr=lr, local_steps=local_steps)
     d_down = sensitivity(clip, math.fsum(sizes), lr=lr, local_steps=local_steps)
     return NadpSigmas(
-        sigma_up=gaussian_sigma(d_up, epsilon, delta, 2.0 * t_eff),
-        sigma_down=gaussian_sigma(d_down, epsilon, delta, 2.0 * t_eff),
+        sigma_up=lemma2_sigma(d_up, epsilon, delta, 2.0 * t_eff),
+        sigma_down=lemma2_sigma(d_down, epsilon, delta, 2.0 * t_eff),
         sensitivity_up=d_up,
         sensitivity_down=d_down,
     )
@@ -238,7 +203,7 @@ def epsilon_from_sigmas(
     t_eff = _effective_rounds(rounds, sampling_rate)
     d_up = sensitivity(clip, min(sizes), lr=lr, local_steps=local_steps)
     d_down = sensitivity(clip, math.fsum(sizes), lr=lr, local_steps=local_steps)
-    return composed_epsilon([(d_up, sigma_up, t_eff), (d_down, sigma_down, t_eff)], delta)
+    return lemma2_epsilon([(d_up, sigma_up, t_eff), (d_down, sigma_down, t_eff)], delta)
 
 
 def ldp_local_sigma(
@@ -254,27 +219,18 @@ def ldp_local_sigma(
 ) -> float:
     """LDP-FL baseline of Lemma 3 / App. D: ``(2C/|D_i|) sqrt(2 q T ln(1/delta)) / eps``."""
     t_eff = _effective_rounds(rounds, sampling_rate)
-    return gaussian_sigma(sensitivity(clip, dataset_size, lr=lr, local_steps=local_steps), epsilon, delta, t_eff)
+    return lemma2_sigma(sensitivity(clip, dataset_size, lr=lr, local_steps=local_steps), epsilon, delta, t_eff)
 
 
-@dataclass(frozen=True)
-class AccountantSpec:
-    """Inputs for a standard RDP accountant: ``steps`` x PoissonSampled(q, Gaussian(z))."""
-
-    noise_multiplier: float
-    sampling_rate: float
-    steps: int
-
-
-def accountant_specs(
+def accountant_events(
     allocation: NoiseAllocation,
     sensitivity_down: float,
     *,
     sampling_rate: float,
     steps: int,
     lam: float = 1.0,
-) -> dict[str, AccountantSpec]:
-    """Noise multipliers of one round's allocation for an RDP accountant.
+) -> dict[str, GaussianEvent]:
+    """One round's allocation as Gaussian events for an accountant (``steps`` rounds, Poisson rate q).
 
     Client ``i``'s sensitivity is ``Delta_down / p_i`` (= ``2C lr E / |D_i|``);
     the worst-case (smallest) multiplier over the sampled clients is used.
@@ -290,8 +246,8 @@ def accountant_specs(
         Use it *alone* for that adversary; composing "uplink" and "downlink"
         is the paper's accounting (close to, but not always above, the joint
         view).
-    Pass ``[specs["uplink"], specs["downlink"]]`` to :func:`rdp_epsilon` for
-    the paper-style per-round composition under one sampling event.
+    :func:`protocols.privacy.joint_gaussian` of ``[events["uplink"], events["downlink"]]``
+    is the paper-style per-round composition under one sampling event.
     """
     d_down = _positive("sensitivity_down", sensitivity_down)
     if steps < 1:
@@ -304,36 +260,7 @@ def accountant_specs(
     z_up = min(allocation.uplink_std(c, lam) * p[c] for c in allocation.client_ids) / d_down
     z_joint = min(joint[c] * p[c] for c in allocation.client_ids) / d_down
     return {
-        "uplink": AccountantSpec(z_up, q, steps),
-        "downlink": AccountantSpec(allocation.aggregate_std / d_down, q, steps),
-        "uplink_joint": AccountantSpec(z_joint, q, steps),
+        "uplink": GaussianEvent(z_up, q, steps),
+        "downlink": GaussianEvent(allocation.aggregate_std / d_down, q, steps),
+        "uplink_joint": GaussianEvent(z_joint, q, steps),
     }
-
-
-def rdp_epsilon(
-    specs: AccountantSpec | Sequence[AccountantSpec],
-    delta: float,
-    *,
-    orders: Sequence[float] | None = None,
-) -> float:
-    """Epsilon from ``dp_accounting``'s RdpAccountant.
-
-    Several specs (same ``sampling_rate`` and ``steps``) are Gaussian releases
-    of the *same* subsampled round, so they are composed inside one
-    ``PoissonSampledDpEvent`` per step (not sampled independently).
-    """
-    from dp_accounting import dp_event
-    from dp_accounting.rdp import RdpAccountant
-
-    spec_list = [specs] if isinstance(specs, AccountantSpec) else list(specs)
-    if not spec_list:
-        raise ValueError("need at least one AccountantSpec")
-    q, steps = spec_list[0].sampling_rate, spec_list[0].steps
-    if any(s.sampling_rate != q or s.steps != steps for s in spec_list):
-        raise ValueError("specs composed per round must share sampling_rate and steps")
-    if any(s.noise_multiplier <= 0.0 for s in spec_list):
-        return math.inf
-    inner = dp_event.ComposedDpEvent([dp_event.GaussianDpEvent(s.noise_multiplier) for s in spec_list])
-    accountant = RdpAccountant(orders=list(orders)) if orders is not None else RdpAccountant()
-    accountant.compose(dp_event.PoissonSampledDpEvent(q, inner), steps)
-    return float(accountant.get_epsilon(_check_delta(delta)))

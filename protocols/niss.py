@@ -42,9 +42,9 @@ Interpretations of the paper (see also the module report):
   paper's analysis is per dimension ("the noise offset is conducted for each
   dimension independently").
 * The paper's Theorem 1 (classic Gaussian mechanism) only holds for ``epsilon < 1``,
-  yet its experiments use ``epsilon = 5..15``.  :func:`gaussian_sigma` uses the
-  classic formula for ``epsilon < 1`` and the analytic Gaussian mechanism of Balle &
-  Wang (ICML 2018), which is exact for every ``epsilon > 0``, otherwise.
+  yet its experiments use ``epsilon = 5..15``.  :func:`client_sigma` calibrates with
+  the RDP accountant over the whole run instead (:func:`protocols.privacy.noise_multiplier`),
+  valid for every ``epsilon > 0``; the mechanisms themselves live in :mod:`protocols.privacy`.
 * Caveat (not fixed, reported): Theorem 3 only matches the *variance* of the noise a
   colluding server cannot remove to ``sigma_k^2``; that residual is a sum of
   Gaussian-times-Gaussian terms, not a Gaussian, so the (epsilon, delta) claim is
@@ -56,24 +56,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
-from scipy.optimize import brentq
-from scipy.special import log_ndtr, ndtr
 
 from protocols import prg
-from protocols.accounting import noise_multiplier
 from protocols.config import RunConfig
+from protocols.privacy import noise_multiplier
 
 __all__ = [
     "SharePlan",
     "ShareBundle",
-    "gaussian_delta",
-    "classic_gaussian_sigma",
-    "analytic_gaussian_sigma",
-    "gaussian_sigma",
-    "analytic_gaussian_epsilon",
     "plan_shares",
     "assign_shares",
     "make_outgoing_bundles",
@@ -87,155 +79,6 @@ __all__ = [
     "theorem2_variance",
     "exact_aggregate_variance",
 ]
-
-# ----------------------------------------------------------------------------------
-# Gaussian mechanism
-# ----------------------------------------------------------------------------------
-
-
-def _check_eps_delta(epsilon: float, delta: float) -> None:
-    if not (math.isfinite(epsilon) and epsilon > 0):
-        raise ValueError(f"epsilon must be a finite number > 0, got {epsilon!r}")
-    if not (0 < delta < 1):
-        raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
-
-
-def _check_sensitivity(sensitivity: float) -> None:
-    if not (math.isfinite(sensitivity) and sensitivity > 0):
-        raise ValueError(f"sensitivity must be a finite number > 0, got {sensitivity!r}")
-
-
-def _exp_times_ndtr(log_factor: float, x: float) -> float:
-    """``exp(log_factor) * Phi(x)`` computed in log space (no overflow for large eps)."""
-    return math.exp(log_factor + float(log_ndtr(x)))
-
-
-def gaussian_delta(sigma: float, epsilon: float, sensitivity: float = 1.0) -> float:
-    """Exact delta(epsilon) of the Gaussian mechanism N(0, sigma^2) with L2 sensitivity.
-
-    Balle & Wang 2018, Theorem 8: the mechanism is (epsilon, delta)-DP iff
-    ``Phi(D/(2s) - e s/D) - e^e Phi(-D/(2s) - e s/D) <= delta``.  This is the
-    *defining equation* the analytic Gaussian mechanism solves with equality.
-    """
-    if not (sigma > 0):
-        raise ValueError(f"sigma must be > 0, got {sigma!r}")
-    _check_sensitivity(sensitivity)
-    a = sensitivity / (2.0 * sigma)
-    b = epsilon * sigma / sensitivity
-    return float(ndtr(a - b)) - _exp_times_ndtr(epsilon, -a - b)
-
-
-def classic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float) -> float:
-    """Classic Gaussian mechanism (Dwork & Roth Thm A.1; NISS Theorem 1).
-
-    ``sigma = sensitivity * sqrt(2 ln(1.25/delta)) / epsilon``.  The theorem is only
-    proved for ``0 < epsilon < 1``; larger epsilon is refused (use
-    :func:`analytic_gaussian_sigma`).
-    """
-    _check_eps_delta(epsilon, delta)
-    _check_sensitivity(sensitivity)
-    if epsilon >= 1:
-        raise ValueError(
-            f"the classic Gaussian mechanism is only valid for epsilon < 1 (got {epsilon}); use analytic_gaussian_sigma"
-        )
-    return sensitivity * math.sqrt(2.0 * math.log(1.25 / delta)) / epsilon
-
-
-def _bracket_root(f, lo: float, increasing: bool) -> tuple[float, float]:
-    """Find ``hi > lo`` such that ``f`` changes sign on ``[lo, hi]`` (doubling search)."""
-    hi = max(1.0, 2.0 * lo)
-    for _ in range(200):
-        val = f(hi)
-        if (val >= 0) if increasing else (val <= 0):
-            return lo, hi
-        lo, hi = hi, 2.0 * hi
-    raise RuntimeError("could not bracket the analytic Gaussian mechanism root")
-
-
-def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float, *, tol: float = 1e-12) -> float:
-    """Analytic Gaussian mechanism (Balle & Wang, ICML 2018, Algorithm 1).
-
-    Returns the *smallest* sigma for which N(0, sigma^2) is (epsilon, delta)-DP for
-    L2 sensitivity ``sensitivity``; valid for every ``epsilon > 0``.  The result
-    satisfies :func:`gaussian_delta` ``(sigma, epsilon, sensitivity) == delta`` up to
-    the root-finding tolerance.
-    """
-    _check_eps_delta(epsilon, delta)
-    _check_sensitivity(sensitivity)
-    eps = float(epsilon)
-
-    # delta_0 = Phi(0) - e^eps Phi(-sqrt(2 eps)): the delta at alpha = 1.
-    delta0 = 0.5 - _exp_times_ndtr(eps, -math.sqrt(2.0 * eps))
-    if delta >= delta0:
-        # B+(v) = Phi(sqrt(eps v)) - e^eps Phi(-sqrt(eps (v+2))), increasing in v.
-        def b_plus(v: float) -> float:
-            return float(ndtr(math.sqrt(eps * v))) - _exp_times_ndtr(eps, -math.sqrt(eps * (v + 2.0))) - delta
-
-        if b_plus(0.0) >= 0:  # delta == delta0 exactly
-            v_star = 0.0
-        else:
-            lo, hi = _bracket_root(b_plus, 0.0, increasing=True)
-            v_star = brentq(b_plus, lo, hi, xtol=tol, rtol=4 * np.finfo(float).eps)
-        alpha = math.sqrt(1.0 + v_star / 2.0) - math.sqrt(v_star / 2.0)
-    else:
-        # B-(u) = Phi(-sqrt(eps u)) - e^eps Phi(-sqrt(eps (u+2))), decreasing in u.
-        def b_minus(u: float) -> float:
-            return float(ndtr(-math.sqrt(eps * u))) - _exp_times_ndtr(eps, -math.sqrt(eps * (u + 2.0))) - delta
-
-        lo, hi = _bracket_root(b_minus, 0.0, increasing=False)
-        u_star = brentq(b_minus, lo, hi, xtol=tol, rtol=4 * np.finfo(float).eps)
-        alpha = math.sqrt(1.0 + u_star / 2.0) + math.sqrt(u_star / 2.0)
-    return alpha * sensitivity / math.sqrt(2.0 * eps)
-
-
-def gaussian_sigma(
-    epsilon: float,
-    delta: float,
-    sensitivity: float,
-    method: Literal["auto", "classic", "analytic"] = "auto",
-) -> float:
-    """sigma_k for the NISS client noise (the paper's "Gaussian mechanism" step).
-
-    ``"auto"`` = classic formula (paper's Theorem 1) when ``epsilon < 1``, analytic
-    Gaussian mechanism otherwise (the classic one is not valid there).
-    """
-    if method == "classic":
-        return classic_gaussian_sigma(epsilon, delta, sensitivity)
-    if method == "analytic":
-        return analytic_gaussian_sigma(epsilon, delta, sensitivity)
-    if method == "auto":
-        _check_eps_delta(epsilon, delta)
-        if epsilon < 1:
-            return classic_gaussian_sigma(epsilon, delta, sensitivity)
-        return analytic_gaussian_sigma(epsilon, delta, sensitivity)
-    raise ValueError(f"unknown method {method!r}")
-
-
-def analytic_gaussian_epsilon(sigma: float, delta: float, sensitivity: float = 1.0) -> float:
-    """Smallest epsilon for which N(0, sigma^2) with L2 ``sensitivity`` is (epsilon, delta)-DP.
-
-    Inverse of :func:`analytic_gaussian_sigma` in epsilon: the root of
-    ``gaussian_delta(sigma, eps, sensitivity) = delta`` (decreasing in eps).  Used to
-    state what one round of a Gaussian upload costs in the paper's per-round view.
-    """
-    if not (math.isfinite(sigma) and sigma > 0):
-        raise ValueError(f"sigma must be finite and > 0, got {sigma!r}")
-    if not (0 < delta < 1):
-        raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
-    _check_sensitivity(sensitivity)
-    if gaussian_delta(sigma, 0.0, sensitivity) <= delta:
-        return 0.0
-
-    def f(eps: float) -> float:
-        return gaussian_delta(sigma, eps, sensitivity) - delta
-
-    lo, hi = 0.0, 1.0
-    while f(hi) > 0:
-        lo, hi = hi, 2.0 * hi
-        if hi > 1e6:
-            raise RuntimeError("could not bracket epsilon")
-    return float(brentq(f, lo, hi, xtol=1e-13, rtol=4 * np.finfo(float).eps))
-
 
 # ----------------------------------------------------------------------------------
 # Shares

@@ -36,7 +36,7 @@ the true per-client gradient (``mpcdp``'s trusted server does clip).
 * ``mpddp``, complete graph (Theorem 10): the view of one round is a Gaussian mechanism whose privacy-loss
   variance is theta (Eq. 23 is exactly the Gaussian tail condition for a N(theta/2, theta) privacy loss),
   i.e. noise multiplier z = theta^-1/2.  We take the smallest z for which ``num-rounds`` compositions
-  are (epsilon, delta)-DP under our RDP accountant (:mod:`protocols.accounting`, no sampling
+  are (epsilon, delta)-DP under our RDP accountant (:mod:`protocols.privacy`, no sampling
   amplification: the server knows whom it sampled), set theta = 1/z^2 and split it between eta and Delta
   (90 % to eta, so the aggregate noise sigma_eta/sqrt(K) is within 5 % of the CDP level) with
   :func:`protocols.mpddp.sigmas_for_theta` (theta from :func:`protocols.mpddp.theta_for_noise_multiplier`)
@@ -93,7 +93,6 @@ from flwr.serverapp import Grid
 from client.messages.common import TrainIns, merge_configs
 from client.messages.mpddp import DdpNoise, NaiveNoise, PerturbedModel, mean_upload, upload_from_record
 from client.wire import Weights, from_record, to_record
-from protocols.accounting import GaussianAccountant, gaussian_epsilon, noise_multiplier
 from protocols.config import ConfigError, RunConfig
 from protocols.mpddp import (
     MPSecret,
@@ -113,6 +112,7 @@ from protocols.mpddp import (
     torch_threads,
 )
 from protocols.mpddp.expansion import Layer
+from protocols.privacy import GaussianEvent, RdpAccountant, gaussian_epsilon, noise_multiplier
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 from strategies.key_phase import KeyPhase, KeyRound, probe_residual
 
@@ -184,7 +184,7 @@ class _MpBase(CancelStrategy):
         check_model(cfg)
         self.lr = float(cfg.mpddp_server_lr)
         self.z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
-        self._given_r = GaussianAccountant(cfg.delta)
+        self._given_r = RdpAccountant()
         #: Recovered aggregate gradient of the last successful round, [(dW, db), ...] (tests, diagnostics).
         self.last_gradient: list[Layer] | None = None
 
@@ -268,7 +268,7 @@ class _MpBase(CancelStrategy):
         return float(min(float(rm.abs().min()) for rm in state.secret.trainable_R()))
 
     def _given_r_epsilon(self) -> float:
-        return self._given_r.epsilon() if self._given_r.releases else 0.0
+        return self._given_r.epsilon(self.cfg.delta)
 
     def describe(self) -> dict[str, float | str]:
         return {
@@ -333,7 +333,7 @@ class MpddpStrategy(_MpBase):
 
     def account(self, state: MpRound) -> None:
         if state.theta > 0:
-            self._given_r.compose(self._min_r(state) / math.sqrt(state.theta))
+            self._given_r.compose(GaussianEvent(self._min_r(state) / math.sqrt(state.theta)))
             self.report(epsilon_given_R=self._given_r_epsilon())
 
     def describe(self) -> dict[str, float | str]:
@@ -372,7 +372,7 @@ class MpdpNaiveStrategy(_MpBase):
         return NaiveNoise(calibrate_ldp(self.z, sensitivity=self.cfg.clip))
 
     def account(self, state: MpRound) -> None:
-        self._given_r.compose(self._min_r(state) * self.z)
+        self._given_r.compose(GaussianEvent(self._min_r(state) * self.z))
         self.report(epsilon_given_R=self._given_r_epsilon())
 
     def describe(self) -> dict[str, float | str]:

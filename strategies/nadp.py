@@ -57,17 +57,15 @@ from client.wire import from_record, to_record
 from protocols.arrays import flatten, unflatten
 from protocols.config import ConfigError, RunConfig
 from protocols.nadp import (
-    AccountantSpec,
     NoiseAllocation,
     compensation_factor,
     dropout_residual,
-    gaussian_sigma,
     local_sgd_sensitivity,
     nadp_aggregate,
     normalize_weights,
-    rdp_epsilon,
     round_plan,
 )
+from protocols.privacy import gaussian_epsilon, lemma2_sigma
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 from strategies.key_phase import KeyPhase, KeyRound, probe_residual
 
@@ -95,9 +93,9 @@ class NadpStrategy(CancelStrategy):
                               "or >= 1 (a smaller factor would undercut sigma_up)")
         self.variant = cfg.nadp_variant
         #: Eq. 3 noise multiplier sigma / Delta of each phase (paper's composition over 2T queries).
-        self.z_eq3 = gaussian_sigma(1.0, cfg.epsilon, cfg.delta, 2.0 * cfg.num_rounds)
+        self.z_eq3 = lemma2_sigma(1.0, cfg.epsilon, cfg.delta, 2.0 * cfg.num_rounds)
         #: record-ldp: Lemma 3 multiplier sqrt(2 q T ln(1/delta)) / eps.
-        self.z_ldp = gaussian_sigma(1.0, cfg.epsilon, cfg.delta, cfg.sample_rate * cfg.num_rounds)
+        self.z_ldp = lemma2_sigma(1.0, cfg.epsilon, cfg.delta, cfg.sample_rate * cfg.num_rounds)
         self.keys = KeyPhase(cfg)
         # Accountant state: per client, sum over its rounds of 1/z^2 (Gaussian RDP composes additively,
         # so T Gaussian releases with multipliers z_t are one Gaussian with z = (sum z_t^-2)^-1/2).
@@ -261,7 +259,7 @@ class NadpStrategy(CancelStrategy):
             return 0.0
         if not math.isfinite(worst):
             return math.inf
-        return rdp_epsilon(AccountantSpec(1.0 / math.sqrt(worst), 1.0, 1), self.cfg.delta)
+        return gaussian_epsilon(1.0 / math.sqrt(worst), 1.0, 1, self.cfg.delta)
 
     def privacy_report(self, server_round: int) -> dict[str, float]:
         """Accountant epsilons (uplink joint view, downlink, max) + the paper's figures via :meth:`report`."""

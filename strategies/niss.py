@@ -42,7 +42,7 @@ the ``ldp`` baseline) is ``p_k * clip``.  Run-config ``epsilon``/``delta`` is th
 client's budget for the *whole run* (the convention of every cancelfl method):
 ``sigma_k = z * p_k * clip`` with ``z`` the smallest noise multiplier for which
 ``num-rounds`` Gaussian releases are (epsilon, delta)-DP under RDP composition
-(:func:`protocols.accounting.calibrate_noise_multiplier`; no sampling
+(:func:`protocols.privacy.calibrate_noise_multiplier`; no sampling
 amplification, as the server knows who it sampled).  Each round is thus exactly
 a Gaussian mechanism; the paper's per-round view (its Theorem 1, which is only
 valid for epsilon < 1) is reported as ``epsilon_round_analytic`` (the analytic
@@ -95,9 +95,9 @@ from flwr.serverapp import Grid
 from client.messages.niss import AuthFailures, Diagnostic, NissMetrics, RelayedInbox, ShareReply, ShareRequest
 from client.wire import from_record, to_record
 from protocols import niss as niss_math
-from protocols.accounting import gaussian_epsilon, noise_multiplier
 from protocols.config import RunConfig
 from protocols.niss import client_tau
+from protocols.privacy import analytic_gaussian_epsilon, gaussian_epsilon, noise_multiplier
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 from strategies.key_phase import KeyPhase, KeyRound, probe_residual
 
@@ -248,7 +248,7 @@ class NissStrategy(CancelStrategy):
             "tau_required_theorem3": tau_needed,
             "collusion_protected": "yes" if self.tau >= tau_needed - 1e-12 else "no",
             "share_encoding": self.cfg.niss_share_encoding,
-            "epsilon_round_analytic": niss_math.analytic_gaussian_epsilon(self.z, self.cfg.delta),
+            "epsilon_round_analytic": analytic_gaussian_epsilon(self.z, self.cfg.delta),
             "theorem2_variance_full_round": m * sigma**2 * self.tau**2,
         }
 

@@ -9,24 +9,21 @@ import numpy as np
 import pytest
 
 from protocols.nadp import (
-    AccountantSpec,
-    accountant_specs,
+    accountant_events,
     calibrate_sigmas,
     compensation_factor,
-    composed_epsilon,
     dropout_residual,
     epsilon_from_sigmas,
-    gaussian_sigma,
     ldp_local_sigma,
     local_sgd_sensitivity,
     nadp_aggregate,
     nadp_upload,
     normalize_weights,
-    rdp_epsilon,
     round_plan,
     sensitivity,
     upload_noise_scales,
 )
+from protocols.privacy import RDP_ORDERS, GaussianEvent, RdpAccountant, joint_gaussian, lemma2_epsilon, lemma2_sigma
 
 # ---------------------------------------------------------------- Table 3 (Eq. 8)
 
@@ -395,41 +392,43 @@ def test_calibration_round_trip(sampling_rate: float | None) -> None:
         assert sig2.sigma_up == pytest.approx(sig.sigma_up, rel=1e-12)
         assert sig2.sigma_down == pytest.approx(sig.sigma_down, rel=1e-12)
     # single-query Lemma 2 round trip, and composition of mixed ratios
-    s = gaussian_sigma(0.3, 1.7, 1e-6, 40)
-    assert composed_epsilon([(0.3, s, 40)], 1e-6) == pytest.approx(1.7, rel=1e-12)
-    assert composed_epsilon([(1.0, 2.0, 10), (1.0, 0.0, 1)], 1e-5) == math.inf
+    s = lemma2_sigma(0.3, 1.7, 1e-6, 40)
+    assert lemma2_epsilon([(0.3, s, 40)], 1e-6) == pytest.approx(1.7, rel=1e-12)
+    assert lemma2_epsilon([(1.0, 2.0, 10), (1.0, 0.0, 1)], 1e-5) == math.inf
     assert sensitivity(10.0, 500, lr=0.1, local_steps=2) == pytest.approx(0.008)
 
 
-def test_accountant_specs_and_rdp_epsilon() -> None:
+def test_accountant_events_and_rdp_epsilon() -> None:
     from dp_accounting import dp_event
-    from dp_accounting.rdp import RdpAccountant
+    from dp_accounting.rdp import RdpAccountant as DpRdpAccountant
 
     sizes = {i: 100 + 7 * i for i in range(20)}
     sig, alloc = _plan(sizes, epsilon=2.0, delta=1e-5, clip=10.0, rounds=200, lr=0.1)
-    specs = accountant_specs(alloc, sig.sensitivity_down, sampling_rate=0.8, steps=200)
+    specs = accountant_events(alloc, sig.sensitivity_down, sampling_rate=0.8, steps=200)
     # with lam = 1 and Eq. 3, both phases have multiplier sqrt(4T ln(1/delta))/eps
     z = sig.noise_multiplier
     assert specs["uplink"].noise_multiplier == pytest.approx(z, rel=1e-9)
     assert specs["downlink"].noise_multiplier == pytest.approx(z, rel=1e-12)
     # server's joint view: never better than the aggregate alone, not better than one upload
     assert specs["uplink_joint"].noise_multiplier <= min(specs["uplink"].noise_multiplier, z) * (1 + 1e-9)
-    lam_specs = accountant_specs(alloc, sig.sensitivity_down, sampling_rate=0.8, steps=200, lam=1.5)
+    lam_specs = accountant_events(alloc, sig.sensitivity_down, sampling_rate=0.8, steps=200, lam=1.5)
     assert lam_specs["uplink"].noise_multiplier > specs["uplink"].noise_multiplier
     assert lam_specs["downlink"] == specs["downlink"]  # lam costs no downlink noise
-    # rdp_epsilon equals a direct dp_accounting computation
-    eps_up = rdp_epsilon(specs["uplink"], 1e-5)
-    acc = RdpAccountant()
+    # the RDP accountant equals a direct dp_accounting computation (same orders)
+    eps_up = RdpAccountant([specs["uplink"]]).epsilon(1e-5)
+    acc = DpRdpAccountant(list(RDP_ORDERS))
     acc.compose(dp_event.PoissonSampledDpEvent(0.8, dp_event.GaussianDpEvent(specs["uplink"].noise_multiplier)), 200)
     assert eps_up == pytest.approx(acc.get_epsilon(1e-5), rel=1e-12)
-    both = rdp_epsilon([specs["uplink"], specs["downlink"]], 1e-5)
+    both = RdpAccountant([joint_gaussian([specs["uplink"], specs["downlink"]])]).epsilon(1e-5)
     assert both > eps_up
-    # one Poisson event with two Gaussians == one Gaussian with 1/z^2 summed
-    z_comb = 1.0 / math.sqrt(specs["uplink"].noise_multiplier ** -2 + specs["downlink"].noise_multiplier ** -2)
-    assert both == pytest.approx(rdp_epsilon(AccountantSpec(z_comb, 0.8, 200), 1e-5), rel=1e-9)
+    # one Poisson event with two Gaussians (dp_accounting's composed event) == the joint Gaussian (1/z^2 summed)
+    direct = DpRdpAccountant(list(RDP_ORDERS))
+    inner = dp_event.ComposedDpEvent([dp_event.GaussianDpEvent(specs[k].noise_multiplier) for k in ("uplink", "downlink")])
+    direct.compose(dp_event.PoissonSampledDpEvent(0.8, inner), 200)
+    assert both == pytest.approx(direct.get_epsilon(1e-5), rel=1e-9)
     with pytest.raises(ValueError):
-        rdp_epsilon([AccountantSpec(1.0, 0.5, 10), AccountantSpec(1.0, 0.4, 10)], 1e-5)
-    assert rdp_epsilon(AccountantSpec(0.0, 0.5, 10), 1e-5) == math.inf
+        joint_gaussian([GaussianEvent(1.0, 0.5, 10), GaussianEvent(1.0, 0.4, 10)])
+    assert RdpAccountant([GaussianEvent(0.0, 0.5, 10)]).epsilon(1e-5) == math.inf
 
 
 def test_joint_view_equal_sizes_closed_form() -> None:

@@ -1,7 +1,7 @@
 """Tests for protocols.niss.
 
-Gaussian mechanisms, share planning/assignment, exact cancellation with tau = 0,
-Theorem 2 variance, Theorem 3 tau.
+Share planning/assignment, exact cancellation with tau = 0, Theorem 2 variance,
+Theorem 3 tau (the Gaussian mechanisms are tested in tests/test_privacy.py).
 """
 
 from __future__ import annotations
@@ -10,58 +10,8 @@ import math
 
 import numpy as np
 import pytest
-from scipy import integrate, stats
 
 from protocols import niss, prg
-
-
-# ------------------------------------------------------------------ Gaussian mechanism
-def _hockey_stick_delta(sigma: float, eps: float, sens: float) -> float:
-    """delta(eps) by direct numerical integration of max(0, p(x) - e^eps q(x))."""
-    p = stats.norm(0.0, sigma)
-    q = stats.norm(sens, sigma)
-    # the integrand is positive exactly for x < x0 (privacy loss > eps)
-    x0 = sens / 2 - eps * sigma**2 / sens
-    val, _ = integrate.quad(lambda x: p.pdf(x) - math.exp(eps) * q.pdf(x), -np.inf, x0, epsabs=1e-14, epsrel=1e-10, limit=200)
-    return val
-
-
-def test_classic_sigma_and_validity() -> None:
-    assert niss.classic_gaussian_sigma(0.5, 1e-5, 2.0) == pytest.approx(2.0 * math.sqrt(2 * math.log(1.25e5)) / 0.5, rel=1e-14)
-    with pytest.raises(ValueError):
-        niss.classic_gaussian_sigma(1.0, 1e-5, 1.0)
-    for bad in [(0.0, 1e-5, 1.0), (0.5, 0.0, 1.0), (0.5, 1.0, 1.0), (0.5, 1e-5, 0.0)]:
-        with pytest.raises(ValueError):
-            niss.classic_gaussian_sigma(*bad)
-    assert niss.gaussian_sigma(0.5, 1e-5, 1.0) == niss.classic_gaussian_sigma(0.5, 1e-5, 1.0)
-    assert niss.gaussian_sigma(10.0, 1e-4, 1.0) == niss.analytic_gaussian_sigma(10.0, 1e-4, 1.0)
-
-
-def test_gaussian_delta_matches_numerical_integration() -> None:
-    for sigma, eps, sens in [(1.0, 0.5, 1.0), (3.0, 0.1, 2.0), (0.7, 2.0, 1.0)]:
-        assert niss.gaussian_delta(sigma, eps, sens) == pytest.approx(_hockey_stick_delta(sigma, eps, sens), rel=1e-6)
-
-
-@pytest.mark.parametrize("eps", [0.01, 0.1, 0.5, 0.9, 1.0, 3.0, 10.0, 50.0])
-@pytest.mark.parametrize("delta", [1e-10, 1e-5, 1e-2, 0.3])
-def test_analytic_sigma_defining_equation(eps: float, delta: float) -> None:
-    sens = 1.7
-    sigma = niss.analytic_gaussian_sigma(eps, delta, sens)
-    assert niss.gaussian_delta(sigma, eps, sens) == pytest.approx(delta, rel=1e-7)
-    # minimality: slightly less noise violates (eps, delta)
-    assert niss.gaussian_delta(sigma * (1 - 1e-4), eps, sens) > delta
-    if eps < 1:
-        assert sigma < niss.classic_gaussian_sigma(eps, delta, sens)
-
-
-def test_analytic_sigma_both_branches() -> None:
-    eps = 1.0
-    delta0 = 0.5 - math.exp(eps) * stats.norm.cdf(-math.sqrt(2 * eps))
-    for delta in (delta0 * 0.5, delta0 * 1.5):  # u* branch, v* branch
-        sigma = niss.analytic_gaussian_sigma(eps, delta, 1.0)
-        assert niss.gaussian_delta(sigma, eps, 1.0) == pytest.approx(delta, rel=1e-7)
-    # at delta0 exactly alpha = 1, sigma = sens / sqrt(2 eps)
-    assert niss.analytic_gaussian_sigma(eps, delta0, 1.0) == pytest.approx(1 / math.sqrt(2 * eps), rel=1e-6)
 
 
 # ------------------------------------------------------------------ shares

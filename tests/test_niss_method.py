@@ -28,10 +28,10 @@ from client.methods import niss as niss_client
 from client.models import build_model, get_weights
 from client.wire import from_record, to_record
 from protocols import niss as niss_math
-from protocols.accounting import calibrate_noise_multiplier, gaussian_epsilon
 from protocols.arrays import flatten
 from protocols.clipping import clip_l2
 from protocols.config import RunConfig
+from protocols.privacy import analytic_gaussian_epsilon, analytic_gaussian_sigma, calibrate_noise_multiplier, gaussian_epsilon
 from protocols.relay_crypto import RelayAuthError, open_sealed, seal
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
@@ -236,8 +236,8 @@ def test_payload_roundtrip_and_rejection():
 
 def test_analytic_epsilon_inverts_sigma():
     for eps, delta in [(0.5, 1e-5), (3.0, 1e-4), (20.0, 1e-5)]:
-        sigma = niss_math.analytic_gaussian_sigma(eps, delta, 1.0)
-        assert niss_math.analytic_gaussian_epsilon(sigma, delta) == pytest.approx(eps, rel=1e-7)
+        sigma = analytic_gaussian_sigma(eps, delta, 1.0)
+        assert analytic_gaussian_epsilon(sigma, delta) == pytest.approx(eps, rel=1e-7)
 
 
 # -------------------------------------------------------------------------- dropouts
