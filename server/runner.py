@@ -27,6 +27,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from client.data import dataset_for
+from client.messages.common import TrainIns
 from client.models import build_model, get_weights, save_npz_model, set_weights
 from client.training import evaluate
 from client.wire import from_record, to_record
@@ -125,7 +126,7 @@ def run_federation(strategy: CancelStrategy, grid: Grid, cfg: RunConfig,
         mgrid.reset()
         t0 = time.perf_counter()
         try:
-            msgs = strategy.configure_train(rnd, arrays, ConfigRecord({"round": rnd}), mgrid)
+            msgs = strategy.configure_train(rnd, arrays, TrainIns(rnd).to_config(), mgrid)
             replies = mgrid.send_and_receive(msgs, timeout=cfg.round_timeout)
             new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
         except RoundFailed as err:
