@@ -16,16 +16,16 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg
-from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
-from protocols.accounting import calibrate_noise_multiplier, gaussian_epsilon
+from client.messages.baselines import UNIFORM_WEIGHT_KEY, ClippingNorm, LocalDpNoise
+from client.messages.common import merge_configs
 from protocols.config import RunConfig
-from strategies.base import CancelStrategy, RoundFailed, split_replies
+from protocols.privacy import calibrate_noise_multiplier, gaussian_epsilon
+from strategies.base import CancelStrategy, RoundFailed, RoundState
 
 
 class FedAvgStrategy(CancelStrategy):
@@ -45,9 +45,8 @@ class LocalDPStrategy(CancelStrategy):
         self.z = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds)
 
     def train_config(self, server_round: int) -> ConfigRecord:
-        rec = super().train_config(server_round)
-        rec["noise-std"] = self.z * self.cfg.clip
-        return rec
+        """The round number and the std of the noise each client adds (a ``LocalDpNoise``)."""
+        return merge_configs(super().train_config(server_round), LocalDpNoise(self.z * self.cfg.clip).to_config())
 
     def weight_of(self, reply: Message) -> float:
         """Uniform mean: each upload carries its own noise; size weights would change the bound."""
@@ -71,21 +70,19 @@ class CentralDPStrategy(CancelStrategy):
         self.q = cfg.clients_per_round / cfg.num_clients
         self.z = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, self.q, cfg.num_rounds)
         self.inner = DifferentialPrivacyClientSideFixedClipping(
-            FedAvg(weighted_by_key="dp_weight"), noise_multiplier=self.z, clipping_norm=cfg.clip,
+            FedAvg(weighted_by_key=UNIFORM_WEIGHT_KEY), noise_multiplier=self.z, clipping_norm=cfg.clip,
             num_sampled_clients=cfg.clients_per_round)
 
     def train_config(self, server_round: int) -> ConfigRecord:
-        rec = super().train_config(server_round)
-        rec[KEY_CLIPPING_NORM] = self.cfg.clip
-        return rec
+        """The round number and the norm ``fixedclipping_mod`` clips each update to (a ``ClippingNorm``)."""
+        return merge_configs(super().train_config(server_round), ClippingNorm(self.cfg.clip).to_config())
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        replies = list(replies)
-        good, _ = split_replies(replies)
-        if not good:
-            raise RoundFailed(f"round {server_round}: no client replied")
-        arrays, _ = self.inner.aggregate_train(server_round, good)
-        return arrays, self.mean_metrics(good)
+    def aggregate(self, state: RoundState, by_node: dict[int, Message], errors: list[str]) -> ArrayRecord | None:
+        """Flower's uniform mean of the clipped updates plus its Gaussian noise (std ``z clip / m``)."""
+        arrays, _ = self.inner.aggregate_train(state.round, [by_node[n] for n in sorted(by_node)])
+        if arrays is None:
+            raise RoundFailed(f"round {state.round}: Flower's central-DP aggregation returned no model")
+        return arrays
 
     def describe(self) -> dict[str, float | str]:
         return {"noise_multiplier": self.z, "aggregate_noise_std": self.z * self.cfg.clip / self.cfg.clients_per_round}

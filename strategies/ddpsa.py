@@ -2,13 +2,13 @@
 
 Round ``t``:
 
-1. ``configure_train`` makes sure the ``m`` intermediate servers answer ``Health``
-   (a dead one fails the round *before* clients work, naming it), then sends the global
-   model plus ``ddpsa-epsilon`` (this round's ``eps_t``), ``ddpsa-servers``,
-   ``ddpsa-run-id``, ``ddpsa-frac-bits`` and ``ddpsa-max-clients``;
+1. ``prepare_round`` makes sure the ``m`` intermediate servers answer ``Health``
+   (a dead one fails the round *before* clients work, naming it); the train message
+   carries the global model and a :class:`client.messages.ddpsa.DdpsaRound` (this
+   round's ``eps_t``, the servers, the run id and the fixed-point codec);
 2. each client (:mod:`client.methods.ddpsa`) pushes one additive share of its encoded
    noisy clipped gradient sum to every intermediate server and replies with metrics;
-3. ``aggregate_train`` asks every server for its partial sum over exactly the clients
+3. ``aggregate`` asks every server for its partial sum over exactly the clients
    that replied successfully, reconstructs only when all ``m`` arrived
    (full-threshold sharing; a missing one raises :class:`RoundFailed` naming the server),
    decodes, divides by ``N = sum N_i`` and takes the step
@@ -24,7 +24,7 @@ in through the run config.  Every run uses a fresh random ``run_id`` so runs sha
 never mix.
 
 Privacy budget (``privacy_report``): run-config ``epsilon``/``delta`` are the *total*
-budget; :func:`protocols.composition.per_round_epsilons` turns it into ``eps_t`` with
+budget; :func:`protocols.privacy.per_round_epsilons` turns it into ``eps_t`` with
 the ``ddpsa-allocation`` shape (``uniform`` or Eq. 12 ``exponential`` with
 ``alpha = ddpsa-decay``) certified by ``ddpsa-composition`` (Theorem 2: ``basic`` =
 the ``eps_t`` sum to ``epsilon``; ``advanced`` = heterogeneous advanced composition with
@@ -39,22 +39,22 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable
-from logging import WARNING
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.common import log
+from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 
 from client.intermediate import IntermediateServerClient, PartialSumUnavailableError, reconstruct_sum
+from client.messages.common import merge_configs, num_examples
+from client.messages.ddpsa import DdpsaRound
 from client.wire import Weights, from_record, to_record
 from protocols.arrays import flatten, unflatten
-from protocols.composition import BudgetSchedule, compose_advanced, per_round_epsilons
 from protocols.config import ConfigError, RunConfig
+from protocols.privacy import BudgetSchedule, compose_advanced, per_round_epsilons
 from protocols.secret_sharing import FixedPointCodec
-from strategies.base import CancelStrategy, RoundFailed, split_replies
+from strategies.base import CancelStrategy, RoundFailed, RoundState
 
 #: Seconds the pre-round health check waits for each intermediate server.
 HEALTH_TIMEOUT_S = 5.0
@@ -63,6 +63,13 @@ HEALTH_TIMEOUT_S = 5.0
 def parse_servers(text: str) -> list[str]:
     """``"h1:p1, h2:p2"`` -> ``["h1:p1", "h2:p2"]`` (empty string -> [])."""
     return [a.strip() for a in text.split(",") if a.strip()]
+
+
+@dataclass
+class DdpsaState(RoundState):
+    """One DDP-SA round: the global model the clients' gradient sums were computed at."""
+
+    global_weights: Weights
 
 
 class DdpsaStrategy(CancelStrategy):
@@ -78,15 +85,15 @@ class DdpsaStrategy(CancelStrategy):
                 "method 'ddpsa' needs at least 2 clients per round (run-config 'num-clients' x 'sample-rate'): "
                 "intermediate servers refuse a partial sum over one client, which would expose its update"
             )
-        self.external = parse_servers(cfg.ddpsa_servers)
-        if not self.external:
+        self.addresses = parse_servers(cfg.ddpsa_servers)
+        if not self.addresses:
             raise ConfigError(
                 "method 'ddpsa' needs its intermediate servers: set run-config 'ddpsa-servers' (host:port,...), "
                 "or start the run with `cancelfl run/deploy` or the cancelfl ServerApp, which start local ones"
             )
-        if len(self.external) != self.m:
+        if len(self.addresses) != self.m:
             raise ConfigError(
-                f"run-config 'ddpsa-servers' lists {len(self.external)} address(es) but 'ddpsa-num-servers' = {self.m}; "
+                f"run-config 'ddpsa-servers' lists {len(self.addresses)} address(es) but 'ddpsa-num-servers' = {self.m}; "
                 "give exactly one host:port per intermediate server"
             )
         self.schedule: BudgetSchedule = per_round_epsilons(
@@ -95,20 +102,14 @@ class DdpsaStrategy(CancelStrategy):
         )
         self.codec = FixedPointCodec(frac_bits=cfg.ddpsa_frac_bits, max_clients=max(cfg.num_clients, 2))
         self.run_id = uuid.uuid4().hex
-        self._global: Weights | None = None
         #: Last reconstructed aggregate: decoded sum of the clients' noisy sums (diagnostics, tests).
         self.last_decoded_sum: np.ndarray | None = None
 
     # ------------------------------------------------------------ servers
-    @property
-    def addresses(self) -> list[str]:
-        """Addresses of the m intermediate servers."""
-        return list(self.external)
-
-    def _check_servers(self, server_round: int, addresses: list[str]) -> None:
+    def _check_servers(self, server_round: int) -> None:
         """Fail the round early (clients do no work) if an intermediate server is down."""
         down = []
-        for j, addr in enumerate(addresses):
+        for j, addr in enumerate(self.addresses):
             with IntermediateServerClient(addr) as client:
                 try:
                     client.health(timeout=HEALTH_TIMEOUT_S)
@@ -117,71 +118,59 @@ class DdpsaStrategy(CancelStrategy):
                     down.append(f"intermediate server #{j} ({addr}): {code}")
         if down:
             raise RoundFailed(
-                f"round {server_round}: DDP-SA needs all {len(addresses)} intermediate servers (full-threshold "
+                f"round {server_round}: DDP-SA needs all {len(self.addresses)} intermediate servers (full-threshold "
                 f"secret sharing) but {len(down)} did not answer: " + "; ".join(down)
             )
 
-    # ------------------------------------------------------------ rounds
+    # ------------------------------------------------------------ round hooks
     def epsilon_of_round(self, server_round: int) -> float:
         """``eps_t`` of round ``server_round`` (1-based)."""
         return float(self.schedule.epsilons[server_round - 1])
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
-        """Check the m servers, then send the model and this round's DDP-SA parameters."""
-        self._round_report = {}
-        nodes = self.sample_nodes(grid, server_round)
-        addresses = self.addresses
-        self._check_servers(server_round, addresses)
-        self._global = from_record(arrays)
-        rec = self.train_config(server_round)
-        rec["ddpsa-epsilon"] = self.epsilon_of_round(server_round)
-        rec["ddpsa-servers"] = ",".join(addresses)
-        rec["ddpsa-run-id"] = self.run_id
-        rec["ddpsa-frac-bits"] = self.codec.frac_bits
-        rec["ddpsa-max-clients"] = self.codec.max_clients
-        return self.make_messages(nodes, lambda _n: RecordDict({"arrays": arrays, "config": rec}))
+    def prepare_round(self, grid: Grid, server_round: int, nodes: list[int], arrays: ArrayRecord) -> DdpsaState:
+        """Check the m servers before any client works; keep the model the gradients will be taken at."""
+        self._check_servers(server_round)
+        return DdpsaState(server_round, list(nodes), from_record(arrays))
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Fetch all m partial sums, reconstruct, decode, average by N and take the SGD step."""
-        good, errors = split_replies(replies)
-        for e in errors:
-            log(WARNING, "round %d: %s", server_round, e.splitlines()[0])
-        if not good:
-            first = errors[0].splitlines()[0] if errors else "no reply"
-            raise RoundFailed(f"round {server_round}: no client delivered its shares ({len(errors)} errors; first: {first})")
-        if self._global is None:
-            raise RoundFailed(f"round {server_round}: aggregate_train called before configure_train")
-        expected = sorted(r.metadata.src_node_id for r in good)
-        n_total = sum(float(r.content["metrics"]["num-examples"]) for r in good)
+    def train_config(self, server_round: int) -> ConfigRecord:
+        """The round number and this round's :class:`~client.messages.ddpsa.DdpsaRound`."""
+        plan = DdpsaRound(self.epsilon_of_round(server_round), tuple(self.addresses), self.run_id,
+                          self.codec.frac_bits, self.codec.max_clients)
+        return merge_configs(super().train_config(server_round), plan.to_config())
+
+    def aggregate(self, state: DdpsaState, by_node: dict[int, Message], errors: list[str]) -> ArrayRecord:
+        """Fetch all m partial sums over the replying clients, reconstruct, decode, average by N, take the SGD step."""
+        rnd = state.round
+        expected = sorted(by_node)
+        n_total = float(sum(num_examples(r.content["metrics"]) for r in by_node.values()))
         t0 = time.perf_counter()
         try:
-            ring_total = reconstruct_sum(self.addresses, self.run_id, server_round, expected)
+            ring_total = reconstruct_sum(self.addresses, self.run_id, rnd, expected)
         except PartialSumUnavailableError as err:
-            raise RoundFailed(f"round {server_round}: DDP-SA reconstruction impossible, {err}") from err
+            raise RoundFailed(f"round {rnd}: DDP-SA reconstruction impossible, {err}") from err
         reconstruct_time = time.perf_counter() - t0
         decoded = self.codec.decode(ring_total)
-        theta = flatten(self._global)
+        theta = flatten(state.global_weights)
         if decoded.size != theta.size:
-            raise RoundFailed(f"round {server_round}: reconstructed {decoded.size} values, the model has {theta.size}")
+            raise RoundFailed(f"round {rnd}: reconstructed {decoded.size} values, the model has {theta.size}")
         self.last_decoded_sum = decoded
         grad = decoded / n_total
-        new = unflatten(theta - self.cfg.lr * grad, self._global)
+        new = unflatten(theta - self.cfg.lr * grad, state.global_weights)
         self.report(
-            epsilon_round=self.epsilon_of_round(server_round),
+            epsilon_round=self.epsilon_of_round(rnd),
             grad_norm=float(np.linalg.norm(grad)),
             reconstruct_time_s=reconstruct_time,
             # Fixed-point round-off of the averaged gradient: <= n * 2^-(frac_bits+1) / N per coordinate.
             roundoff_bound=len(expected) * self.codec.resolution / 2 / n_total,
         )
-        return to_record(new, self.wire_dtype), self.mean_metrics(good)
+        return to_record(new, self.wire_dtype)
 
     # ------------------------------------------------------------ reporting
     def describe(self) -> dict[str, float | str]:
         eps = self.schedule.epsilons
         return {
             "num_intermediate_servers": self.m,
-            "intermediate_servers": ",".join(self.external),
+            "intermediate_servers": ",".join(self.addresses),
             "composition": self.schedule.composition,
             "allocation": self.cfg.ddpsa_allocation,
             "decay": self.cfg.ddpsa_decay,

@@ -13,10 +13,11 @@ Theorem 3.  With the corrected constant ``c = c0 B`` and ``P_j <= B`` every nois
 layer gets ``sigma_j >= c0 Delta_f / epsilon`` and the whole model moves by at most
 ``Delta_f`` (L2) between adjacent datasets, so one round is a Gaussian mechanism with
 noise multiplier ``z = sigma_min / Delta_f = c0 / epsilon`` (independent of the
-client's ``Delta_f``).  Over ``T`` rounds we compose *exactly*: ``T`` Gaussian releases
-with multiplier ``z`` are equivalent to one with multiplier ``z / sqrt(T)`` (Gaussian
-DP, Dong-Roth-Su 2019), whose epsilon at ``delta`` comes from the analytic Gaussian
-privacy profile (Balle & Wang 2018).  This is tighter than the basic composition
+client's ``Delta_f``).  Over ``T`` rounds we compose *exactly*
+(:func:`protocols.privacy.gdp_epsilon`): ``T`` Gaussian releases with multiplier ``z``
+are equivalent to one with multiplier ``z / sqrt(T)`` (Gaussian DP, Dong-Roth-Su 2019),
+whose epsilon at ``delta`` comes from the analytic Gaussian privacy profile (Balle &
+Wang 2018).  This is tighter than the basic composition
 ``(T eps, T delta)`` (also reported, as ``epsilon_basic``) and than RDP.  No sampling
 amplification: the server knows whom it sampled.  The same bound is reported for the
 downlink (the global model is post-processing of the uploads).
@@ -30,7 +31,8 @@ Honest caveats (the paper's Theorem 3 ignores them):
 * layer selection and ``sigma_j`` depend on the private local weights (data-dependent
   noise scale), which the Gaussian-mechanism argument does not cover.
 
-Round figures (``report``, written to metrics.jsonl): ``noised_layers`` (mean number
+Round figures (``report``, written to metrics.jsonl), from each client's
+:class:`client.messages.ladp.NoiseReport`: ``noised_layers`` (mean number
 of noised layers per client), ``total_noise_norm`` (mean per client of the L2 norm of
 its noise), ``aggregate_noise_norm`` (expected L2 norm of the noise left in the
 weighted mean, ``sqrt(sum_i w_i^2 ||n_i||^2)``), ``epsilon_noised_layers``,
@@ -41,25 +43,15 @@ metrics also carry ``sigma/<layer>``, ``kl/<layer>`` and ``selected/<layer>``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
-from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, Message
 
+from client.messages.common import num_examples
+from client.messages.ladp import NoiseReport
 from protocols import ladp
 from protocols.config import RunConfig
-from protocols.niss import analytic_gaussian_epsilon
-from strategies.base import CancelStrategy, split_replies
-
-
-def composed_epsilon(noise_multiplier: float, rounds: int, delta: float) -> float:
-    """Epsilon at ``delta`` of ``rounds`` Gaussian releases with ``noise_multiplier`` each.
-
-    Exact: the ``T``-fold composition of N(0, (z Delta)^2) mechanisms with L2
-    sensitivity ``Delta`` is the Gaussian mechanism with multiplier ``z / sqrt(T)``.
-    """
-    if rounds < 1:
-        return 0.0
-    return analytic_gaussian_epsilon(noise_multiplier / math.sqrt(rounds), delta, 1.0)
+from protocols.privacy import gdp_epsilon
+from strategies.base import CancelStrategy, RoundFailed, RoundState
 
 
 class LadpStrategy(CancelStrategy):
@@ -74,29 +66,31 @@ class LadpStrategy(CancelStrategy):
         #: True once some client uploaded a layer without noise (no model-level DP).
         self.unnoised_release = False
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate(self, state: RoundState, by_node: dict[int, Message], errors: list[str]) -> ArrayRecord | None:
         """Example-weighted mean (Algorithm 1 line 6) and the round's noise figures."""
-        replies = list(replies)
-        arrays, metrics = super().aggregate_train(server_round, replies)
-        good, _ = split_replies(replies)
-        client_metrics = [r.content["metrics"] for r in good]
-        weights = [float(m["num-examples"]) for m in client_metrics]
-        total_w = sum(weights)
-        n = len(client_metrics)
-        if any(int(m["noised_layers"]) < int(m["num_layers"]) for m in client_metrics):
-            self.unnoised_release = True
-        per_layer = sorted({k for m in client_metrics for k in m.keys() if k.startswith("noise_norm/")})
+        reports, weights = [], []
+        for node in sorted(by_node):
+            metrics = by_node[node].content["metrics"]
+            try:
+                reports.append(NoiseReport.from_metrics(metrics))
+            except ValueError as err:
+                raise RoundFailed(f"round {state.round}: node {node} sent a malformed LaDP noise report: {err}") from err
+            weights.append(float(num_examples(metrics)))
+        arrays = super().aggregate(state, by_node, errors)
+        self.unnoised_release |= any(r.unnoised_release for r in reports)
+        total_w, n = sum(weights), len(reports)
+        per_layer = [r.noise_norms() for r in reports]
         self.report(
-            noised_layers=sum(float(m["noised_layers"]) for m in client_metrics) / n,
-            total_noise_norm=sum(float(m["total_noise_norm"]) for m in client_metrics) / n,
+            noised_layers=sum(r.noised_layers for r in reports) / n,
+            total_noise_norm=sum(r.total_noise_norm for r in reports) / n,
             aggregate_noise_norm=math.sqrt(
-                sum((w / total_w) ** 2 * float(m["total_noise_norm"]) ** 2 for w, m in zip(weights, client_metrics, strict=True))
+                sum((w / total_w) ** 2 * r.total_noise_norm ** 2 for w, r in zip(weights, reports, strict=True))
             ),
-            epsilon_noised_layers=composed_epsilon(self.noise_multiplier, server_round, self.cfg.delta),
-            epsilon_basic=server_round * self.cfg.epsilon,
-            **{k: sum(float(m.get(k, 0.0)) for m in client_metrics) / n for k in per_layer},
+            epsilon_noised_layers=gdp_epsilon(self.noise_multiplier, state.round, self.cfg.delta),
+            epsilon_basic=state.round * self.cfg.epsilon,
+            **{k: sum(layers.get(k, 0.0) for layers in per_layer) / n for k in sorted(set().union(*per_layer))},
         )
-        return arrays, metrics
+        return arrays
 
     def describe(self) -> dict[str, float | str]:
         return {
@@ -113,7 +107,7 @@ class LadpStrategy(CancelStrategy):
 
     def privacy_report(self, server_round: int) -> dict[str, float]:
         """Composed epsilon after ``server_round`` rounds; inf once an un-noised layer was released."""
-        eps = composed_epsilon(self.noise_multiplier, server_round, self.cfg.delta)
+        eps = gdp_epsilon(self.noise_multiplier, server_round, self.cfg.delta)
         if self.unnoised_release:
             eps = math.inf
         return {"epsilon": eps, "epsilon_uplink": eps, "epsilon_downlink": eps}

@@ -6,26 +6,22 @@ import math
 
 import numpy as np
 import pytest
-import torch
 from scipy import stats
 
-from protocols.composition import (
+from protocols.ddpsa import (
+    l1_clip,
+    laplace_noise,
+    ldp_noisy_mean,
+)
+from protocols.privacy import (
     advanced_composition,
     basic_composition,
     compose_advanced,
     compose_basic,
     exponential_allocation,
+    laplace_scale,
     per_round_epsilons,
     uniform_allocation,
-)
-from protocols.ddpsa import (
-    l1_clip,
-    l1_clip_torch,
-    laplace_noise,
-    laplace_scale,
-    ldp_noisy_mean,
-    ldp_noisy_mean_torch,
-    per_sample_gradients,
 )
 
 
@@ -51,18 +47,6 @@ def test_l1_clip_bounds_norm_and_keeps_direction() -> None:
     np.testing.assert_allclose(ratio, ratio[:, :1] * np.ones_like(ratio), rtol=1e-12)  # same direction
     with pytest.raises(ValueError):
         l1_clip(g, 0.0)
-
-
-def test_l1_clip_torch_matches_numpy_over_all_parameters() -> None:
-    rng = np.random.default_rng(1)
-    a, b = rng.normal(size=(16, 4, 3)), rng.normal(size=(16, 7))
-    clip = 3.0
-    ta, tb = l1_clip_torch([torch.from_numpy(a), torch.from_numpy(b)], clip)
-    flat = np.concatenate([a.reshape(16, -1), b], axis=1)
-    ref = l1_clip(flat, clip)
-    np.testing.assert_allclose(np.concatenate([ta.numpy().reshape(16, -1), tb.numpy()], axis=1), ref, rtol=1e-12)
-    f32 = l1_clip_torch([torch.from_numpy(a).float()], clip)[0]
-    assert f32.dtype == torch.float32
 
 
 # ------------------------------------------------------------------------------ Laplace
@@ -91,33 +75,6 @@ def test_ldp_noisy_mean_is_clipped_sum_plus_laplace_over_n() -> None:
     assert stats.kstest(residual, stats.laplace(scale=clip / eps).cdf).pvalue > 1e-3
     with pytest.raises(ValueError):
         ldp_noisy_mean(g, clip, 0.0)
-
-
-def test_ldp_noisy_mean_torch_matches_definition() -> None:
-    rng = np.random.default_rng(3)
-    shapes = [(50, 40), (40,), (3, 50, 40)]
-    grads = [torch.from_numpy(rng.normal(size=(8, *s))).float() for s in shapes]
-    clip, eps = 2.0, 1.0
-    out = ldp_noisy_mean_torch(grads, clip, eps, seed=_seed(4))
-    assert [o.shape for o in out] == [torch.Size(s) for s in shapes]
-    assert all(o.dtype == torch.float32 for o in out)
-    clipped = l1_clip_torch(grads, clip)
-    residual = torch.cat([(o.double() * 8 - c.double().sum(0)).reshape(-1) for o, c in zip(out, clipped, strict=True)])
-    assert stats.kstest(residual.numpy(), stats.laplace(scale=clip / eps).cdf).pvalue > 1e-3
-
-
-def test_per_sample_gradients_match_loop() -> None:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
-    x, y = torch.randn(5, 4), torch.tensor([0, 1, 1, 0, 1])
-    loss_fn = torch.nn.CrossEntropyLoss()
-    psg = per_sample_gradients(model, loss_fn, x, y)
-    assert [t.shape[1:] for t in psg] == [p.shape for p in model.parameters()]
-    for i in range(5):
-        model.zero_grad()
-        loss_fn(model(x[i : i + 1]), y[i : i + 1]).backward()
-        for t, p in zip(psg, model.parameters(), strict=True):
-            torch.testing.assert_close(t[i], p.grad)
 
 
 # --------------------------------------------------------------------------- composition

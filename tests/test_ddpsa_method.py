@@ -19,9 +19,9 @@ from client.data import dataset_for
 from client.models import build_model, get_weights
 from client.wire import from_record, to_record
 from protocols.arrays import flatten
-from protocols.composition import exponential_allocation
 from protocols.config import ConfigError, RunConfig
 from protocols.ddpsa import laplace_noise
+from protocols.privacy import exponential_allocation
 from server.defaults import app_defaults
 from server.intermediate import IntermediateServerCluster, start_intermediate_servers
 from server.local_grid import LocalGrid

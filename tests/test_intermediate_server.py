@@ -267,7 +267,7 @@ def test_servers_exit_when_owner_process_dies(tmp_path: Path) -> None:
 def test_modules_do_not_import_flwr() -> None:
     code = (
         "import sys, client.intermediate, server.intermediate, server.intermediate.__main__, protocols.secret_sharing, "
-        "protocols.ddpsa, protocols.composition; "
+        "protocols.ddpsa, protocols.privacy; "
         "bad = sorted(m for m in sys.modules if m == 'flwr' or m.startswith('flwr.')); "
         "assert not bad, bad"
     )

@@ -14,7 +14,7 @@ from scipy import stats
 from scipy.special import rel_entr, softmax
 
 from protocols import ladp
-from protocols.niss import analytic_gaussian_sigma, gaussian_delta
+from protocols.privacy import analytic_gaussian_sigma, gaussian_delta
 
 TRAIN = dict(lr=0.1, local_steps=2, grad_clip=20.0)  # paper's Sec. VII-A: Delta_f = 8
 

@@ -13,14 +13,15 @@ import client.methods.ladp as ladp_client
 from client.app import app as client_app
 from client.data import dataset_for
 from client.env import ClientEnv, local_training
+from client.messages.ladp import NoiseReport
 from client.models import build_model, get_weights
 from client.wire import from_record, to_record
 from protocols import ladp
 from protocols.config import RunConfig
-from protocols.niss import gaussian_delta
+from protocols.privacy import gaussian_delta, gdp_epsilon
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
-from strategies.ladp import LadpStrategy, composed_epsilon
+from strategies.ladp import LadpStrategy
 
 # Full LDP = LaDP with every layer selected (R = 0) and P_j = B for every layer (B at the
 # KL floor): every entry gets the smallest LaDP sigma c0 Delta_f / eps, i.e. the paper's
@@ -56,24 +57,26 @@ def test_one_round_noise_matches_plan_and_mean_is_weighted(fixed_noise) -> None:
     uploads, weights = [], []
     for msg, rep in zip(msgs, replies, strict=True):
         m = rep.content["metrics"]
+        report = NoiseReport.from_metrics(m)  # the server's decoder accepts what the client sent
         up = from_record(rep.content["arrays"])
         # Re-run the (deterministic) clipped local training to get the clean local model.
         env = ClientEnv.from_context(grid.contexts[msg.metadata.dst_node_id])
         _, clean, _ = local_training(msg, env, grad_clip=cfg.clip)
         steps = math.ceil(len(env.y) / cfg.batch_size)
         sens = 2 * cfg.lr * steps * cfg.clip  # Theorem 2
-        assert m["local_steps"] == steps and m["sensitivity"] == pytest.approx(sens)
-        assert m["noised_layers"] == 1 and m["num_layers"] == 4
+        assert report.local_steps == steps and report.sensitivity == pytest.approx(sens)
+        assert report.noised_layers == 1 and report.num_layers == 4 and report.unnoised_release
         for name in clean:
             noise = up[name] - clean[name]
+            layer = report.layers[name]
             if name == "layers.0.weight":
-                assert m[f"selected/{name}"] == 1.0
+                assert layer.selected
                 sigma = c0 * sens / cfg.epsilon  # P = B: the smallest LaDP sigma
-                assert m[f"sigma/{name}"] == pytest.approx(sigma, rel=1e-12)
-                assert np.linalg.norm(noise) == pytest.approx(m[f"noise_norm/{name}"], rel=1e-5)
+                assert layer.sigma == pytest.approx(sigma, rel=1e-12)
+                assert np.linalg.norm(noise) == pytest.approx(layer.noise_norm, rel=1e-5)
                 assert np.std(noise) == pytest.approx(sigma, rel=0.05)  # 4096 draws
             else:  # below R: uploaded without noise (float32 wire rounding only)
-                assert m[f"selected/{name}"] == 0.0 and m[f"noise_norm/{name}"] == 0.0
+                assert not layer.selected and layer.noise_norm == 0.0
                 np.testing.assert_allclose(noise, 0.0, atol=1e-6)
         uploads.append(up)
         weights.append(float(m["num-examples"]))
@@ -86,7 +89,7 @@ def test_one_round_noise_matches_plan_and_mean_is_weighted(fixed_noise) -> None:
     assert rep["noise_norm/layers.0.weight"] == pytest.approx(rep["total_noise_norm"])
     # Un-noised layers were released: no model-level guarantee; the noised layers' one is reported.
     assert strategy.privacy_report(1)["epsilon"] == math.inf
-    assert rep["epsilon_noised_layers"] == pytest.approx(composed_epsilon(c0 / cfg.epsilon, 1, cfg.delta))
+    assert rep["epsilon_noised_layers"] == pytest.approx(gdp_epsilon(c0 / cfg.epsilon, 1, cfg.delta))
 
 
 @pytest.mark.parametrize("eps", [0.5, 4.0, 30.0])

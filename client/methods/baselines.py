@@ -8,6 +8,7 @@ import numpy as np
 from flwr.app import Message
 
 from client.env import ClientEnv, local_training, reply
+from client.messages.baselines import LocalDpNoise, uniform_weight
 from client.wire import to_record
 from protocols.arrays import flatten, unflatten
 from protocols.clipping import clip_l2
@@ -25,13 +26,13 @@ def train_cdp(msg: Message, env: ClientEnv) -> Message:
     Clipping is done by Flower's ``fixedclipping_mod`` around this handler.
     """
     _, local_w, loss = local_training(msg, env)
-    return reply(msg, to_record(local_w, np.float32), len(env.y), train_loss=loss, dp_weight=1.0)
+    return reply(msg, to_record(local_w, np.float32), len(env.y), train_loss=loss, **uniform_weight())
 
 
 def train_ldp(msg: Message, env: ClientEnv) -> Message:
     """Client-level local DP: clip the update to ``clip`` and add Gaussian noise before upload.
 
-    The noise std (``noise-std`` in the config, = noise multiplier x clip) is
+    The noise std (:class:`client.messages.baselines.LocalDpNoise`, = noise multiplier x clip) is
     calibrated by the server for (epsilon, delta) over the run; the noise comes
     from the AES-CTR CSPRNG of :mod:`protocols.prg`, freshly seeded from the OS.
     """
@@ -40,6 +41,6 @@ def train_ldp(msg: Message, env: ClientEnv) -> Message:
     global_w, local_w, loss = local_training(msg, env)
     delta = flatten(local_w) - flatten(global_w)
     clipped, norm = clip_l2(delta, env.cfg.clip)
-    std = float(msg.content["config"]["noise-std"])
+    std = LocalDpNoise.from_config(msg.content["config"]).std
     noisy = flatten(global_w) + clipped + gaussian(os.urandom(32), len(clipped), std)
     return reply(msg, to_record(unflatten(noisy, global_w)), len(env.y), train_loss=loss, update_norm=norm)

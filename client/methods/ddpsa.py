@@ -3,9 +3,9 @@
 Per round ``t``, on the received global model ``theta_t`` (FedSGD, as in the paper:
 one gradient over the whole local dataset, no local steps):
 
-1. per-sample gradients ``g_j`` of the cross-entropy loss at ``theta_t`` (``torch.func``
-   vmap, in chunks), each clipped to L1 norm ``Delta`` = run-config ``clip`` over *all*
-   parameters jointly;
+1. per-sample gradients ``g_j`` of the cross-entropy loss at ``theta_t`` (exact layer-wise
+   norms at about one backward pass, :mod:`protocols.per_example`), each clipped to L1 norm
+   ``Delta`` = run-config ``clip`` over *all* parameters jointly;
 2. ``s_i = sum_j g_j + Lap(0, Delta / eps_t)^d`` -- the Laplace mechanism on the clipped
    sum (L1 sensitivity ``Delta`` under add/remove-one-sample adjacency), with the
    round's ``eps_t`` from the server's budget schedule (Eq. 12);
@@ -19,10 +19,11 @@ secret-shared sum.  We share ``N_i g~_i = s_i`` (the noisy *sum*) instead, so th
 reconstructed ring sum divided by ``N = sum_i N_i`` is exactly Eq. (5)'s
 ``sum_i (N_i / N) g~_i`` (``N_i`` is public in the paper and sent as ``num-examples``).
 
-The upload to the Flower server is empty: only metrics (``num-examples``,
-``train_loss`` at ``theta_t``, ``clipped_fraction``, ``share_bytes``,
-``share_time_s``).  A push failure (an intermediate server down) raises
-:class:`server.intermediate.SharePushError`, which becomes an error reply naming the
+The round's parameters arrive as :class:`client.messages.ddpsa.DdpsaRound`.  The upload
+to the Flower server is empty: only metrics (``num-examples``, ``train_loss`` at
+``theta_t``, ``clipped_fraction`` and a :class:`client.messages.ddpsa.ShareReceipt`).
+A push failure (an intermediate server down) raises
+:class:`client.intermediate.SharePushError`, which becomes an error reply naming the
 server.
 """
 
@@ -38,11 +39,14 @@ from torch import nn
 
 from client.env import ClientEnv, reply
 from client.intermediate import share_and_push
+from client.messages.common import TrainIns
+from client.messages.ddpsa import DdpsaRound, ShareReceipt
 from client.wire import from_record
-from protocols.ddpsa import l1_clip_torch, laplace_noise, laplace_scale, per_sample_gradients
-from protocols.secret_sharing import FixedPointCodec
+from protocols.ddpsa import laplace_noise
+from protocols.per_example import clipped_grad_sum
+from protocols.privacy import laplace_scale
 
-#: Per-sample gradients are computed this many samples at a time (bounds memory).
+#: Per-sample clipped gradients are summed this many samples at a time (bounds memory).
 CHUNK = 256
 
 
@@ -54,7 +58,7 @@ def _noise_seed() -> bytes:
 def clipped_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: float) -> tuple[np.ndarray, float, float]:
     """``sum_j g_j / max(1, ||g_j||_1 / clip)`` over all samples, as one float64 vector.
 
-    The vector follows the model's ``state_dict`` order (that of :func:`client.models.flatten`).
+    The vector follows the model's ``state_dict`` order (that of :func:`protocols.arrays.flatten`).
     Returns ``(sum, mean loss at the current weights, fraction of samples clipped)``.
     """
     names = [k for k, p in model.named_parameters() if p.requires_grad]
@@ -62,22 +66,17 @@ def clipped_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: f
     if names != state_keys:
         raise ValueError("DDP-SA needs a model whose state_dict holds exactly its trainable parameters")
 
-    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(out, target)
-
     xt, yt = torch.as_tensor(x), torch.as_tensor(y)
     sums = [torch.zeros(p.shape, dtype=torch.float64) for _, p in model.named_parameters()]
     clipped, loss_sum = 0, 0.0
     model.eval()  # no dropout/batch-norm in our models; per-sample grads need a per-sample forward
     for start in range(0, len(yt), CHUNK):
         xb, yb = xt[start:start + CHUNK], yt[start:start + CHUNK]
-        grads = per_sample_gradients(model, loss_fn, xb, yb)
-        norms = sum(g.detach().reshape(len(yb), -1).abs().sum(1, dtype=torch.float64) for g in grads)
-        clipped += int((norms > clip).sum())
-        for acc, g in zip(sums, l1_clip_torch(grads, clip), strict=True):
-            acc += g.sum(0, dtype=torch.float64)
-        with torch.no_grad():
-            loss_sum += float(nn.functional.cross_entropy(model(xb), yb, reduction="sum"))
+        grads, losses, n_clipped = clipped_grad_sum(model, xb, yb, clip, norm="l1")  # cross-entropy per sample
+        clipped += n_clipped
+        for acc, g in zip(sums, grads, strict=True):
+            acc += g.to(torch.float64)
+        loss_sum += float(losses.sum(dtype=torch.float64))
     vec = torch.cat([s.reshape(-1) for s in sums]).numpy()
     return vec, loss_sum / max(len(yt), 1), clipped / max(len(yt), 1)
 
@@ -97,14 +96,11 @@ def noisy_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: flo
 def train(msg: Message, env: ClientEnv) -> Message:
     """One DDP-SA round: noisy clipped gradient sum, secret-shared to the m intermediate servers."""
     conf = msg.content["config"]
-    rnd = int(conf["round"])
-    epsilon = float(conf["ddpsa-epsilon"])
-    addresses = [a for a in str(conf["ddpsa-servers"]).split(",") if a]
-    codec = FixedPointCodec(frac_bits=int(conf["ddpsa-frac-bits"]), max_clients=int(conf["ddpsa-max-clients"]))
+    rnd = TrainIns.from_config(conf).round
+    plan = DdpsaRound.from_config(conf)
     model = env.model(from_record(msg.content["arrays"]))
-    noisy, loss, frac = noisy_gradient_sum(model, env.x, env.y, env.cfg.clip, epsilon, seed=_noise_seed())
+    noisy, loss, frac = noisy_gradient_sum(model, env.x, env.y, env.cfg.clip, plan.epsilon, seed=_noise_seed())
     t0 = time.perf_counter()
-    size = share_and_push(noisy, codec, addresses, str(conf["ddpsa-run-id"]), rnd, env.node_id)
-    share_time = time.perf_counter() - t0
-    return reply(msg, ArrayRecord(), len(env.y), train_loss=loss, clipped_fraction=frac,
-                 share_bytes=8 * size * len(addresses), share_time_s=share_time)
+    size = share_and_push(noisy, plan.codec(), list(plan.servers), plan.run_id, rnd, env.node_id)
+    receipt = ShareReceipt(share_bytes=8 * size * len(plan.servers), share_time_s=time.perf_counter() - t0)
+    return reply(msg, ArrayRecord(), len(env.y), train_loss=loss, clipped_fraction=frac, **receipt.to_metrics())

@@ -21,8 +21,8 @@ A "layer" is one ``state_dict`` tensor (a module's weight and bias are separate 
 ``epsilon``/``delta`` are the *per-round* guarantee of Theorem 3; the server composes
 them over rounds (:mod:`strategies.ladp`).
 
-Metrics sent with the upload (the server averages them over clients, by examples):
-``noised_layers``, ``num_layers``, ``total_noise_norm`` (L2 norm of the whole noise
+Metrics sent with the upload (a :class:`client.messages.ladp.NoiseReport`; the server
+averages them over clients, by examples): ``noised_layers``, ``num_layers``, ``total_noise_norm`` (L2 norm of the whole noise
 vector), ``sensitivity``, ``local_steps`` and per layer ``noise_norm/<layer>``,
 ``sigma/<layer>``, ``selected/<layer>`` (0/1) and ``kl/<layer>`` (raw KL).  They reveal
 the per-layer noise scale, which depends on the private local weights (a caveat of the paper's design, reported, not fixed).
@@ -37,6 +37,7 @@ import numpy as np
 from flwr.app import Message
 
 from client.env import ClientEnv, local_training, reply
+from client.messages.ladp import LayerNoise, NoiseReport
 from client.wire import to_record
 from protocols import ladp
 
@@ -72,18 +73,13 @@ def train(msg: Message, env: ClientEnv) -> Message:
         min_kl=min(MIN_KL, cfg.ladp_kl_cap),
     )
     noisy, noise_norms = ladp.apply_layer_noise(local_w, plan, _noise_seed())
-    metrics: dict[str, float] = {
-        "noised_layers": sum(p.selected for p in plan.values()),
-        "num_layers": len(plan),
-        "total_noise_norm": math.sqrt(sum(n * n for n in noise_norms.values())),
-        "sensitivity": ladp.sensitivity(cfg.lr, steps, cfg.clip),
-        "local_steps": steps,
-    }
-    for name, entry in plan.items():
-        metrics[f"noise_norm/{name}"] = noise_norms[name]
-        metrics[f"sigma/{name}"] = entry.sigma
-        metrics[f"selected/{name}"] = float(entry.selected)
-        # Algorithm 2 computes KL for selected layers only; we report it for every
-        # layer so the server-side means are not diluted by missing entries.
-        metrics[f"kl/{name}"] = entry.kl if entry.kl is not None else ladp.softmax_kl(local_w[name], global_w[name])
-    return reply(msg, to_record(noisy, np.float32), len(env.y), train_loss=loss, **metrics)
+    # Algorithm 2 computes KL for selected layers only; we report it for every
+    # layer so the server-side means are not diluted by missing entries.
+    report = NoiseReport(
+        layers={name: LayerNoise(noise_norm=noise_norms[name], sigma=entry.sigma, selected=bool(entry.selected),
+                                 kl=entry.kl if entry.kl is not None else ladp.softmax_kl(local_w[name], global_w[name]))
+                for name, entry in plan.items()},
+        sensitivity=ladp.sensitivity(cfg.lr, steps, cfg.clip),
+        local_steps=steps,
+    )
+    return reply(msg, to_record(noisy, np.float32), len(env.y), train_loss=loss, **report.to_metrics())

@@ -1,0 +1,106 @@
+"""DDP-SA message vocabulary: the round parameters of the train message and the share receipt of the reply.
+
+Every ``ddpsa-*`` key of the protocol lives here, as a private constant; the
+parameter server (:mod:`strategies.ddpsa`) and the client
+(:mod:`client.methods.ddpsa`) only use the classes below.
+
+Messages of one round:
+
+* ``train`` server -> client: the global model, :class:`~client.messages.common.TrainIns`
+  and :class:`DdpsaRound` (this round's ``eps_t``, the ``m`` intermediate servers in
+  share order, the run id that keeps runs sharing servers apart, and the fixed-point
+  codec parameters).
+* ``train`` client -> server: no arrays (the shares went to the intermediate servers);
+  metrics with the generic figures and a :class:`ShareReceipt` (bytes pushed, time taken).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from flwr.app import ConfigRecord
+
+from client.messages.common import read_float, read_int, read_list, read_str
+from protocols.secret_sharing import FixedPointCodec
+
+_EPSILON = "ddpsa-epsilon"
+_SERVERS = "ddpsa-servers"
+_RUN_ID = "ddpsa-run-id"
+_FRAC_BITS = "ddpsa-frac-bits"
+_MAX_CLIENTS = "ddpsa-max-clients"
+_SHARE_BYTES = "share_bytes"
+_SHARE_TIME = "share_time_s"
+
+
+@dataclass(frozen=True)
+class DdpsaRound:
+    """``train``, server -> client: how to noise, encode and share this round's gradient sum.
+
+    ``servers[j]`` (``host:port``) receives share ``j``; the codec built from
+    ``frac_bits``/``max_clients`` must be the one the parameter server decodes with.
+    """
+
+    epsilon: float
+    servers: tuple[str, ...]
+    run_id: str
+    frac_bits: int
+    max_clients: int
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.epsilon) and self.epsilon > 0):
+            raise ValueError(f"'{_EPSILON}' must be a positive finite number, got {self.epsilon!r}")
+        if len(self.servers) < 2:
+            raise ValueError(f"'{_SERVERS}' must name at least 2 intermediate servers, got {len(self.servers)}")
+        if any(not s or s != s.strip() for s in self.servers):
+            raise ValueError(f"'{_SERVERS}' holds an empty or padded address: {list(self.servers)}")
+        if not self.run_id:
+            raise ValueError(f"'{_RUN_ID}' must not be empty")
+        try:
+            self.codec()
+        except ValueError as err:
+            raise ValueError(f"'{_FRAC_BITS}'/'{_MAX_CLIENTS}': {err}") from None
+
+    def codec(self) -> FixedPointCodec:
+        """The fixed-point codec both sides encode and decode with."""
+        return FixedPointCodec(frac_bits=self.frac_bits, max_clients=self.max_clients)
+
+    def to_config(self) -> ConfigRecord:
+        return ConfigRecord({
+            _EPSILON: float(self.epsilon),
+            _SERVERS: list(self.servers),
+            _RUN_ID: self.run_id,
+            _FRAC_BITS: int(self.frac_bits),
+            _MAX_CLIENTS: int(self.max_clients),
+        })
+
+    @classmethod
+    def from_config(cls, rec: Mapping[str, Any]) -> DdpsaRound:
+        return cls(
+            read_float(rec, _EPSILON),
+            tuple(read_list(rec, _SERVERS, str)),
+            read_str(rec, _RUN_ID),
+            read_int(rec, _FRAC_BITS),
+            read_int(rec, _MAX_CLIENTS),
+        )
+
+
+@dataclass(frozen=True)
+class ShareReceipt:
+    """``train`` reply metrics: what the client pushed to the intermediate servers, and how long it took."""
+
+    share_bytes: int
+    share_time_s: float
+
+    def to_metrics(self) -> dict[str, float]:
+        """Figures to merge into the reply's metrics."""
+        return {_SHARE_BYTES: float(self.share_bytes), _SHARE_TIME: float(self.share_time_s)}
+
+    @classmethod
+    def from_metrics(cls, metrics: Mapping[str, Any]) -> ShareReceipt | None:
+        """The receipt a reply carries (None if it carries none: not a DDP-SA reply)."""
+        if _SHARE_BYTES not in metrics:
+            return None
+        return cls(int(read_float(metrics, _SHARE_BYTES)), read_float(metrics, _SHARE_TIME))

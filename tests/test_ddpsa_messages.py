@@ -1,0 +1,68 @@
+"""DDP-SA message vocabulary: the strategy's train config decodes on the client; bad records are refused by key."""
+
+from __future__ import annotations
+
+import pytest
+from flwr.app import ConfigRecord, MetricRecord
+
+from client.messages.common import TrainIns
+from client.messages.ddpsa import DdpsaRound, ShareReceipt
+from protocols.config import RunConfig
+from server.defaults import app_defaults
+from strategies.ddpsa import DdpsaStrategy
+
+SERVERS = ("127.0.0.1:5001", "127.0.0.1:5002", "127.0.0.1:5003")
+
+
+def _round(**changes) -> DdpsaRound:
+    fields = {"epsilon": 0.5, "servers": SERVERS, "run_id": "abc", "frac_bits": 24, "max_clients": 10, **changes}
+    return DdpsaRound(**fields)
+
+
+def test_strategy_train_config_decodes_to_the_round_plan() -> None:
+    raw = {**app_defaults(), "method": "ddpsa", "num-clients": 6, "num-rounds": 4, "epsilon": 2.0,
+           "ddpsa-servers": ",".join(SERVERS), "ddpsa-frac-bits": 20}
+    strategy = DdpsaStrategy(RunConfig.from_mapping(raw))
+    rec = strategy.train_config(3)
+    assert TrainIns.from_config(rec).round == 3
+    plan = DdpsaRound.from_config(rec)
+    assert plan.epsilon == pytest.approx(strategy.epsilon_of_round(3)) and plan.epsilon == pytest.approx(0.5)
+    assert plan.servers == SERVERS and plan.run_id == strategy.run_id
+    assert plan.codec() == strategy.codec  # the client encodes with the codec the server decodes with
+
+
+def test_round_trip_and_foreign_keys_ignored() -> None:
+    plan = _round()
+    rec = plan.to_config()
+    rec["round"] = 7  # another part's key in the same record
+    assert DdpsaRound.from_config(rec) == plan
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    ("ddpsa-epsilon", -1.0, "ddpsa-epsilon"),
+    ("ddpsa-epsilon", "1", "ddpsa-epsilon"),
+    ("ddpsa-servers", ["127.0.0.1:1"], "at least 2"),
+    ("ddpsa-servers", "127.0.0.1:1,127.0.0.1:2", "ddpsa-servers"),
+    ("ddpsa-run-id", "", "ddpsa-run-id"),
+    ("ddpsa-frac-bits", 63, "ddpsa-frac-bits"),
+    ("ddpsa-max-clients", 0, "ddpsa-max-clients"),
+])
+def test_decoder_names_the_bad_key(key: str, value, match: str) -> None:
+    rec = dict(_round().to_config())
+    rec[key] = value
+    with pytest.raises(ValueError, match=match):
+        DdpsaRound.from_config(ConfigRecord(rec))
+
+
+def test_decoder_names_a_missing_key() -> None:
+    rec = dict(_round().to_config())
+    del rec["ddpsa-run-id"]
+    with pytest.raises(ValueError, match="ddpsa-run-id"):
+        DdpsaRound.from_config(ConfigRecord(rec))
+
+
+def test_share_receipt_round_trip() -> None:
+    receipt = ShareReceipt(share_bytes=3 * 8 * 650, share_time_s=0.25)
+    metrics = MetricRecord({"num-examples": 40, **receipt.to_metrics()})
+    assert ShareReceipt.from_metrics(metrics) == receipt
+    assert ShareReceipt.from_metrics(MetricRecord({"num-examples": 40})) is None
