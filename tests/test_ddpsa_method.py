@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,22 +26,11 @@ from server.intermediate import IntermediateServerCluster, start_intermediate_se
 from server.local_grid import LocalGrid
 from server.runner import run_federation
 from strategies.ddpsa import DdpsaStrategy
+from tests.processes import pid_gone
 
 LINEAR = {"hidden": "", "lr": 10.0, "epsilon": 10.0}  # softmax regression: fast FedSGD on digits
 #: Addresses for strategies that never reach their servers (configuration and budget tests).
 UNREACHED = "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3"
-
-
-def _pid_gone(pid: int) -> bool:
-    """True if ``pid`` has exited (an unreaped zombie counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def _setup(**overrides) -> tuple[RunConfig, LocalGrid, DdpsaStrategy]:
@@ -62,7 +50,7 @@ def cluster() -> Iterator[IntermediateServerCluster]:
     """Three intermediate server processes shared by the tests that pass them as 'ddpsa-servers'."""
     with start_intermediate_servers(3) as c:
         yield c
-    assert all(_pid_gone(p) for p in c.pids)
+    assert all(pid_gone(p) for p in c.pids)
 
 
 @pytest.fixture
@@ -150,7 +138,7 @@ def test_trains_with_three_server_processes_and_cleans_up(run_inprocess, monkeyp
     monkeypatch.setattr(launcher, "start_intermediate_servers", spy)
     summary, rows = run_inprocess(method="ddpsa", num_rounds=8, ddpsa_num_servers=3, **LINEAR)
     assert len(started) == 1 and len(started[0].pids) == 3 and len(set(started[0].pids)) == 3
-    assert all(_pid_gone(p) for p in started[0].pids)  # stopped when run_inprocess leaves local_intermediate_servers
+    assert all(pid_gone(p) for p in started[0].pids)  # stopped when run_inprocess leaves local_intermediate_servers
     assert summary["failed_rounds"] == []
     assert summary["final_accuracy"] > 0.3  # chance is 0.1
     eps = [r["epsilon"] for r in rows]
@@ -185,7 +173,7 @@ def test_killed_intermediate_server_fails_round_naming_it(tmp_path) -> None:
         finally:
             strategy.close()
         pids, dead = victims.pids, victims.addresses[1]
-    assert all(_pid_gone(p) for p in pids)
+    assert all(pid_gone(p) for p in pids)
     assert len(summary["failed_rounds"]) == 2
     fetch_err, health_err = summary["failed_rounds"]
     # Round 2: the shares were pushed, then the fetch of partial sum #1 failed.

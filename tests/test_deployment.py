@@ -11,13 +11,12 @@ runs; every process it started must be gone afterwards.  This is what
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
 from server.deploy import LocalCluster
 from tests.conftest import read_metrics
+from tests.processes import pid_gone
 
 pytestmark = [pytest.mark.deployment, pytest.mark.slow]
 
@@ -39,16 +38,6 @@ ABOVE_CHANCE = {"digits": 0.2, "breast-cancer": 0.7}
 CANCEL_BOUND = 1e-9
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped) counts as gone.
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split()[2] != "Z"
-
-
 def test_multiprocess_deployment(tmp_path):
     results = {}
     with LocalCluster(NUM_SUPERNODES, intermediate_servers=3) as cluster:
@@ -61,7 +50,7 @@ def test_multiprocess_deployment(tmp_path):
             summary = json.loads((out / "summary.json").read_text())
             rows = read_metrics(out)
             results[name] = (summary, rows)
-    assert not [p for p in pids if _alive(p)], "processes left running after the cluster closed"
+    assert all(pid_gone(p) for p in pids), "processes left running after the cluster closed"
     for name, (summary, rows) in results.items():
         assert len(rows) == COMMON["num-rounds"] and not any(r["failed"] for r in rows), name
         dataset = summary["config"]["dataset"]

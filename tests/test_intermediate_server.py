@@ -29,20 +29,9 @@ from client.intermediate import (
 from protocols.ddpsa import ldp_noisy_mean
 from protocols.secret_sharing import FixedPointCodec, encode_and_share, ring_sum
 from server.intermediate import IntermediateAggregatorServicer, create_server, start_intermediate_servers
+from tests.processes import pid_gone
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _pid_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    # Still in the process table: only acceptable if it is an (unreaped) zombie.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def _children_running_intermediate() -> list[int]:
@@ -206,7 +195,7 @@ def test_end_to_end_three_server_processes_four_clients() -> None:
     finally:
         cluster.stop()
     assert all(h.process.returncode is not None for h in cluster.handles)
-    assert all(_pid_gone(p) for p in pids)
+    assert all(pid_gone(p) for p in pids)
     assert _children_running_intermediate() == []
 
 
@@ -254,12 +243,12 @@ def test_servers_exit_when_owner_process_dies(tmp_path: Path) -> None:
             assert owner.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
         pids = [int(p) for p in pid_file.read_text().split()]
-        assert not any(_pid_gone(p) for p in pids)
+        assert not any(pid_gone(p) for p in pids)
     finally:
         owner.kill()
         owner.wait()
     deadline = time.monotonic() + 10
-    while not all(_pid_gone(p) for p in pids):
+    while not all(pid_gone(p) for p in pids):
         assert time.monotonic() < deadline, "orphaned intermediate servers still running"
         time.sleep(0.1)
 

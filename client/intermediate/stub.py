@@ -31,22 +31,6 @@ from protocols.secret_sharing import (
     to_wire,
 )
 
-__all__ = [
-    "DEFAULT_MAX_MESSAGE_BYTES",
-    "DEFAULT_TIMEOUT_S",
-    "IntermediateAggregationError",
-    "IntermediateServerClient",
-    "PartialSumUnavailableError",
-    "ServerFailure",
-    "SharePushError",
-    "fetch_partial_sums",
-    "push_shares",
-    "reconstruct_decoded",
-    "reconstruct_sum",
-    "share_and_push",
-    "wait_until_healthy",
-]
-
 DEFAULT_TIMEOUT_S = 30.0
 # Shares are 8 bytes per model parameter; gRPC's 4 MiB default is too small for CNNs.
 DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024
