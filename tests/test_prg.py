@@ -21,9 +21,12 @@ from protocols.prg import (
     derive_subseed,
     gaussian,
     laplace,
+    portable_math,
     random_bytes,
+    stream,
     uniform,
     uniform_ints,
+    ziggurat,
 )
 
 SEED = bytes(range(32))
@@ -180,7 +183,7 @@ def test_prefix_and_chunk_independence(func, monkeypatch: pytest.MonkeyPatch) ->
     ref = func(SEED, n)
     assert np.array_equal(func(SEED, 1001), ref[:1001])
     for chunk in (997, 4096):
-        monkeypatch.setattr(prg, "_CHUNK_WORDS", chunk)
+        monkeypatch.setattr(stream, "CHUNK_WORDS", chunk)
         assert np.array_equal(func(SEED, n), ref)
 
 
@@ -200,9 +203,9 @@ def test_gaussian_bit_layout_matches_documentation() -> None:
     key = hmac.new(SEED, b"cancelfl/prg/v1/key/gaussian/main", hashlib.sha256).digest()
     enc = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
     words = np.frombuffer(enc.update(bytes(8 * n)), dtype="<u8").astype(np.uint64)
-    mag, layer, fast = prg._candidates(words, prg._NORMAL)
+    mag, layer, fast = ziggurat._candidates(words, ziggurat._NORMAL)
     u = ((words >> np.uint64(12)).astype(np.float64) * 2.0 + 1.0) * 2.0**-53
-    assert np.array_equal(mag, u * prg._NORMAL.width[layer])
+    assert np.array_equal(mag, u * ziggurat._NORMAL.width[layer])
     sign = np.where((words >> np.uint64(8)) & np.uint64(1), -1.0, 1.0)
     out = gaussian(SEED, n)
     assert 0.98 < fast.mean() < 0.995
@@ -214,15 +217,15 @@ def test_gaussian_bit_layout_matches_documentation() -> None:
 def test_portable_log_exp_accuracy() -> None:
     x = np.concatenate([np.geomspace(2.0**-60, 1.0, 20_001), np.linspace(0.5, 2.0, 10_001)])
     ref = np.array([math.log(v) for v in x])
-    err = np.abs(prg._log(x) - ref) / np.maximum(np.abs(ref), 1e-300)
-    assert np.all((err < 4e-16) | (np.abs(prg._log(x) - ref) < 4e-16))
+    err = np.abs(portable_math.log(x) - ref) / np.maximum(np.abs(ref), 1e-300)
+    assert np.all((err < 4e-16) | (np.abs(portable_math.log(x) - ref) < 4e-16))
     y = np.linspace(-60.0, 0.0, 30_001)
     ref = np.array([math.exp(v) for v in y])
-    assert np.max(np.abs(prg._exp(y) - ref) / ref) < 4e-16
+    assert np.max(np.abs(portable_math.exp(y) - ref) / ref) < 4e-16
 
 
 def test_ziggurat_tables() -> None:
-    for zig in (prg._NORMAL, prg._EXPONENTIAL):
+    for zig in (ziggurat._NORMAL, ziggurat._EXPONENTIAL):
         assert zig.closure < 1e-30  # top layer has the same area as all others
         assert np.all(np.diff(zig.width[1:]) < 0) and zig.inner[-1] == 0.0
         assert np.all(zig.inner < zig.width) and np.all(zig.f_span > 0)
@@ -256,7 +259,7 @@ def test_gaussian_distribution() -> None:
     p_tail = 2 * stats.norm.sf(3.0)
     assert abs(t.size - z.size * p_tail) < 5 * math.sqrt(z.size * p_tail)
     assert stats.kstest(t, stats.truncnorm(3.0, np.inf).cdf).pvalue > 0.01
-    assert np.mean(np.abs(z) > prg._NORMAL.r) > 0  # the tail is actually reached
+    assert np.mean(np.abs(z) > ziggurat._NORMAL.r) > 0  # the tail is actually reached
     assert abs(np.mean(z > 0) - 0.5) < 5 * 0.5 / math.sqrt(z.size)
 
 
@@ -267,19 +270,19 @@ def test_laplace_distribution() -> None:
     assert _equiprobable_chi2(x / b, stats.laplace.ppf, 1000) > 0.001
     _moment_checks(x, 0.0, 2 * b * b, 3.0)
     # beyond the exponential ziggurat's r = 7.697 the excess must be Exp(1) (memoryless)
-    r = prg._EXPONENTIAL.r
+    r = ziggurat._EXPONENTIAL.r
     t = np.abs(x[np.abs(x) > 5 * b]) / b - 5
     assert stats.kstest(t, "expon").pvalue > 0.01
     assert np.any(np.abs(x) / b > r)
 
 
-@pytest.mark.parametrize("zig", [prg._NORMAL, prg._EXPONENTIAL], ids=lambda z: z.name)
+@pytest.mark.parametrize("zig", [ziggurat._NORMAL, ziggurat._EXPONENTIAL], ids=lambda z: z.name)
 def test_tail_sampler_exact(zig) -> None:
     """Drive the rare (~1e-4) tail branch directly: 200k items must follow the exact tail law beyond r."""
     n = 200_000
     pos = np.arange(n, dtype=np.uint64)
     mag = np.full(n, zig.r * 1.5)
-    tail = prg._resolve_slow(zig, [SEED], np.zeros(n, dtype=np.intp), pos, mag, np.zeros(n, dtype=np.intp))
+    tail = ziggurat._resolve_slow(zig, [SEED], np.zeros(n, dtype=np.intp), pos, mag, np.zeros(n, dtype=np.intp))
     assert tail.min() >= zig.r
     ref = stats.truncnorm(zig.r, np.inf) if zig.name == "normal" else stats.expon(zig.r)
     assert stats.kstest(tail, ref.cdf).pvalue > 0.01
@@ -289,11 +292,11 @@ def test_tail_sampler_exact(zig) -> None:
 def test_wedge_sampler_exact() -> None:
     """Fast-path magnitudes completed by resolving the misses (wedges, restarts, tail) are half-normal."""
     n = 400_000
-    zig = prg._NORMAL
+    zig = ziggurat._NORMAL
     words = np.frombuffer(random_bytes(SEED2, 8 * n), dtype="<u8").astype(np.uint64)
-    mag, layer, fast = prg._candidates(words, zig)
+    mag, layer, fast = ziggurat._candidates(words, zig)
     slow = np.flatnonzero(~fast)
-    resolved = prg._resolve_slow(zig, [SEED], np.zeros(slow.size, dtype=np.intp), slow.astype(np.uint64),
+    resolved = ziggurat._resolve_slow(zig, [SEED], np.zeros(slow.size, dtype=np.intp), slow.astype(np.uint64),
                                   mag[slow], layer[slow])
     full = mag.copy()
     full[slow] = resolved
@@ -365,7 +368,7 @@ def test_gaussian_many_is_bit_identical_to_separate_streams(size) -> None:
 
 
 def test_gaussian_many_groups_bound_memory(monkeypatch) -> None:
-    monkeypatch.setattr(prg, "_MANY_MAX_ELEMENTS", 2500)  # forces groups of 2 streams of 1000
+    monkeypatch.setattr(ziggurat, "_MANY_MAX_ELEMENTS", 2500)  # forces groups of 2 streams of 1000
     seeds = [hashlib.sha256(f"grp-{i}".encode()).digest() for i in range(5)]
     for seed, got in zip(seeds, prg.gaussian_many(seeds, 1000), strict=True):
         assert np.array_equal(got, gaussian(seed, 1000))
