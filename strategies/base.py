@@ -11,11 +11,13 @@ The base writes the round skeleton once (:meth:`CancelStrategy.configure_train`,
 * :meth:`~CancelStrategy.after_replies` -- bookkeeping on the good train replies
   (by default: a key phase forgets the participants that did not reply);
 * :meth:`~CancelStrategy.aggregate` -- the new global model from the
-  participants' replies.
+  participants' replies;
+* :meth:`~CancelStrategy.account_round` -- compose what the round releases into
+  the method's :class:`~protocols.privacy.PrivacyLedger` (``self.privacy``).
 
 The runner (:mod:`server.runner`) drives rounds, evaluates centrally and asks
-the strategy for :meth:`privacy_report` and :meth:`round_report` to log each
-round.
+the strategy for :meth:`privacy_report` (read from ``self.privacy``, written
+once here) and :meth:`round_report` to log each round.
 
 Message layout (all methods): the server sends ``RecordDict({"arrays":
 ArrayRecord, "config": ConfigRecord})``; a client replies with ``"arrays"``
@@ -42,6 +44,7 @@ from flwr.serverapp.strategy import Strategy
 from client.messages.common import TrainIns, mean_metrics, num_examples
 from client.wire import Weights, from_record, to_record
 from protocols.config import RunConfig
+from protocols.privacy import PrivacyLedger
 
 
 class RoundFailed(RuntimeError):
@@ -105,6 +108,8 @@ class CancelStrategy(Strategy):
         self._round_report: dict[str, float] = {}
         #: The current (or last) round's state, set by :meth:`configure_train`.
         self._state: RoundState | None = None
+        #: The method's privacy accounts (no guarantee until a method sets its accountants).
+        self.privacy = PrivacyLedger(cfg.delta)
 
     # --------------------------------------------------------------- sampling
     def sample_nodes(self, grid: Grid, server_round: int) -> list[int]:
@@ -138,7 +143,9 @@ class CancelStrategy(Strategy):
         nodes = self.sample_nodes(grid, server_round)
         state = self.prepare_round(grid, server_round, nodes, arrays)
         self._state = state
-        return self.make_messages(state.participants, lambda node: self.train_content(state, node, arrays))
+        messages = self.make_messages(state.participants, lambda node: self.train_content(state, node, arrays))
+        self.account_round(state)  # the participants are told to train and upload: count the release now
+        return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Split the replies, run :meth:`after_replies`, aggregate the participants' good replies."""
@@ -168,6 +175,12 @@ class CancelStrategy(Strategy):
     def train_content(self, state: RoundState, node: int, arrays: ArrayRecord) -> RecordDict:
         """The train message of ``node``: the global model and :meth:`train_config`."""
         return RecordDict({"arrays": arrays, "config": self.train_config(state.round)})
+
+    def account_round(self, state: RoundState) -> None:
+        """Compose the round's releases into ``self.privacy`` (once its train messages exist); default: nothing.
+
+        Releases only known from the replies (dropouts, un-noised uploads) are composed in :meth:`aggregate`.
+        """
 
     def after_replies(self, state: RoundState, good: list[Message]) -> None:
         """Bookkeeping on the round's good replies; a key phase forgets the participants that failed."""
@@ -212,8 +225,15 @@ class CancelStrategy(Strategy):
         return {}
 
     def privacy_report(self, server_round: int) -> dict[str, float]:
-        """Epsilon spent after ``server_round`` rounds: keys ``epsilon`` (+ uplink/downlink)."""
-        return {}
+        """Epsilon spent so far, read from ``self.privacy``: ``epsilon``, ``epsilon_uplink``, ``epsilon_downlink``.
+
+        ``inf`` where the method gives no guarantee; the ledger's extra accounts go to the round report
+        (``epsilon_<name>``).  ``server_round`` is the round just finished (the accountants hold the releases).
+        """
+        extra = self.privacy.extra_report()
+        if extra:
+            self.report(**extra)
+        return self.privacy.report()
 
     def round_report(self) -> dict[str, float]:
         """Extra per-round figures (e.g. cancellation residual), reset every round."""

@@ -112,7 +112,7 @@ from protocols.mpddp import (
     torch_threads,
 )
 from protocols.mpddp.expansion import Layer
-from protocols.privacy import GaussianEvent, RdpAccountant, gaussian_epsilon, noise_multiplier
+from protocols.privacy import DpCompositionAccountant, DpEvent, GaussianEvent, PrivacyLedger, RdpAccountant, noise_multiplier
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 from strategies.key_phase import KeyPhase, KeyRound, probe_residual
 
@@ -184,6 +184,9 @@ class _MpBase(CancelStrategy):
         check_model(cfg)
         self.lr = float(cfg.mpddp_server_lr)
         self.z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
+        # Nominal (paper-model) guarantee: one bound for both views, a Gaussian release with multiplier z per round.
+        nominal = RdpAccountant()
+        self.privacy = PrivacyLedger(cfg.delta, uplink=nominal, downlink=nominal)
         self._given_r = RdpAccountant()
         #: Recovered aggregate gradient of the last successful round, [(dW, db), ...] (tests, diagnostics).
         self.last_gradient: list[Layer] | None = None
@@ -206,6 +209,13 @@ class _MpBase(CancelStrategy):
 
     def account(self, state: MpRound) -> None:
         """Per-round privacy bookkeeping once uploads arrived (the release happened)."""
+
+    def round_event(self) -> GaussianEvent | DpEvent:
+        """What one round releases under the calibration: a Gaussian with multiplier z (no sampling amplification)."""
+        return GaussianEvent(self.z)
+
+    def account_round(self, state: MpRound) -> None:
+        self.privacy.compose(self.round_event())
 
     # ------------------------------------------------------------------ round template hooks
     def prepare_round(self, grid: Grid, server_round: int, nodes: list[int], arrays: ArrayRecord) -> MpRound:
@@ -295,6 +305,9 @@ class MpddpStrategy(_MpBase):
         except ValueError as err:
             raise ConfigError(f"method 'mpddp' with K = {k} clients per round, epsilon = {cfg.epsilon}, "
                               f"delta = {cfg.delta}, graph = {cfg.graph!r}: {err}") from err
+        if not self._complete(k):  # Theorem 11 rounds compose by basic composition
+            nominal = DpCompositionAccountant()
+            self.privacy = PrivacyLedger(cfg.delta, uplink=nominal, downlink=nominal)
 
     def _complete(self, k: int) -> bool:
         return self.n_out is None or self.n_out >= k - 1
@@ -357,12 +370,11 @@ class MpddpStrategy(_MpBase):
             out["composition"] = "basic composition of Theorem 11 rounds at (epsilon/T, delta/T)"
         return out
 
-    def privacy_report(self, server_round: int) -> dict[str, float]:
+    def round_event(self) -> GaussianEvent | DpEvent:
+        """Complete graph: Gaussian with multiplier z; n-out graph: a Theorem 11 round, (epsilon/T, delta/T)-DP."""
         if self._complete(self.cfg.clients_per_round):
-            eps = gaussian_epsilon(self.z, 1.0, server_round, self.cfg.delta)
-        else:
-            eps = server_round * self.cfg.epsilon / self.cfg.num_rounds
-        return {"epsilon": eps, "epsilon_uplink": eps, "epsilon_downlink": eps}
+            return super().round_event()
+        return DpEvent(self.cfg.epsilon / self.cfg.num_rounds, self.cfg.delta / self.cfg.num_rounds)
 
 
 class MpdpNaiveStrategy(_MpBase):
@@ -381,13 +393,15 @@ class MpdpNaiveStrategy(_MpBase):
                     "guarantee": "nominal: R o eta is not Gaussian (the paper's Problem 1); see epsilon_given_R"})
         return out
 
-    def privacy_report(self, server_round: int) -> dict[str, float]:
-        eps = gaussian_epsilon(self.z, 1.0, server_round, self.cfg.delta)
-        return {"epsilon": eps, "epsilon_uplink": eps, "epsilon_downlink": eps}
 
 
 class MpcdpStrategy(_MpBase):
     """MP-CDP (Section 6.3): noise-free uploads, the (trusted) server clips, averages and adds Gaussian noise."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        # Trusted server: it sees every client's exact gradient (no uplink guarantee); the model is CDP.
+        self.privacy = PrivacyLedger(cfg.delta, downlink=RdpAccountant(), headline="downlink")
 
     def server_sigma(self, num_clients: int) -> float:
         """Calibration: std of the server's Gaussian on the mean of ``num_clients`` clipped gradients."""
@@ -416,6 +430,3 @@ class MpcdpStrategy(_MpBase):
                     "guarantee": "downlink CDP with enforced per-client clipping; uplink none (trusted server)"})
         return out
 
-    def privacy_report(self, server_round: int) -> dict[str, float]:
-        eps = gaussian_epsilon(self.z, 1.0, server_round, self.cfg.delta)
-        return {"epsilon": eps, "epsilon_uplink": math.inf, "epsilon_downlink": eps}

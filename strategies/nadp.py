@@ -21,9 +21,10 @@ Round ``t`` (hooks of the round template, :class:`strategies.base.CancelStrategy
    key phase leaves its pair noise with the survivors uncancelled; the round
    goes on over the survivors (weights renormalised) and reports it.
 
-Accounting (:meth:`NadpStrategy.privacy_report`), per record, over the rounds
-its owner took part in (sampling is public here: the server draws it from the
-run seed, so no amplification by sampling is claimed):
+Accounting (``self.privacy``, per-client accountants composed in the aggregate, read
+by the base's ``privacy_report``), per record, over the rounds its owner took part in
+(sampling is public here: the server draws it from the run seed, so no amplification
+by sampling is claimed):
 
 * ``epsilon_uplink``: RDP accountant on what the server / an eavesdropper sees
   of a client: *all* uploads jointly (pair noise is correlated across uploads,
@@ -34,7 +35,7 @@ run seed, so no amplification by sampling is claimed):
 
 The paper's own figures (Lemma 2 composition: uplink and downlink as ``2T``
 queries, no ``rho`` term) go to ``epsilon_paper``, ``epsilon_uplink_paper``,
-``epsilon_downlink_paper`` via :meth:`report`, next to
+``epsilon_downlink_paper`` (the ledger's extra accounts), next to
 ``epsilon_uplink_marginal`` (accountant on one upload seen alone, the paper's
 uplink view).
 """
@@ -65,7 +66,7 @@ from protocols.nadp import (
     normalize_weights,
     round_plan,
 )
-from protocols.privacy import gaussian_epsilon, lemma2_sigma
+from protocols.privacy import GaussianEvent, Lemma2Accountant, PerUnitAccountant, PrivacyLedger, lemma2_sigma
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 from strategies.key_phase import KeyPhase, KeyRound, probe_residual
 
@@ -97,14 +98,12 @@ class NadpStrategy(CancelStrategy):
         #: record-ldp: Lemma 3 multiplier sqrt(2 q T ln(1/delta)) / eps.
         self.z_ldp = lemma2_sigma(1.0, cfg.epsilon, cfg.delta, cfg.sample_rate * cfg.num_rounds)
         self.keys = KeyPhase(cfg)
-        # Accountant state: per client, sum over its rounds of 1/z^2 (Gaussian RDP composes additively,
-        # so T Gaussian releases with multipliers z_t are one Gaussian with z = (sum z_t^-2)^-1/2).
-        self._inv_z2_up: dict[int, float] = {}
-        self._inv_z2_up_marginal: dict[int, float] = {}
-        self._inv_z2_down: dict[int, float] = {}
-        # Paper composition: sum over rounds of (Delta/sigma)^2 per phase.
-        self._paper_up = 0.0
-        self._paper_down = 0.0
+        # Per record owner (client), over the rounds it took part in: RDP accountants of the server's joint view
+        # of the uploads, of the published aggregate and (reported) of one upload alone; the paper's Lemma 2
+        # composition per phase and of both.
+        self.privacy = PrivacyLedger(cfg.delta, uplink=PerUnitAccountant(), downlink=PerUnitAccountant(), extra={
+            "uplink_marginal": PerUnitAccountant(), "uplink_paper": Lemma2Accountant(),
+            "downlink_paper": Lemma2Accountant(), "paper": Lemma2Accountant()})
         self._warned_steps = False
 
     # ----------------------------------------------------------- calibration
@@ -227,54 +226,32 @@ class NadpStrategy(CancelStrategy):
         self.report(**figures)
 
     def _account(self, st: NadpRound, survivors: list[int]) -> None:
-        """Add this round's releases to the per-client RDP sums and to the paper's composition."""
+        """Compose this round's releases: per survivor (RDP, no sampling amplification) and the paper's figures."""
         w_s = math.fsum(st.weights[n] for n in survivors)
         total_std, _ = self._noise_after(st, survivors)
         # Downlink: a record of survivor i moves the (renormalised) aggregate by <= p_i Delta_i / P_S.
         d_down = max(st.weights[n] * st.sensitivity[n] for n in survivors) / w_s
         z_down = total_std / d_down
+        paper = self.privacy.extra
         if st.allocation is None:
             z_up = {n: st.plan.ldp_stds[n] / st.sensitivity[n] for n in survivors}
             z_marg = z_up
-            self._paper_up += self.cfg.sample_rate * max(z ** -2 for z in z_up.values())  # Lemma 3: qT queries
+            paper_events = {"uplink_paper": GaussianEvent(min(z_up.values()), self.cfg.sample_rate)}  # Lemma 3: qT
         else:
             # The server sees a subset of the uploads when clients drop out: the full joint view is a
             # conservative (more informative) stand-in for it.
             joint = st.allocation.joint_uplink_std(st.plan.lam)
             z_up = {n: joint[n] / st.sensitivity[n] for n in survivors}
             z_marg = {n: st.allocation.uplink_std(n, st.plan.lam) / st.sensitivity[n] for n in survivors}
-            self._paper_up += (max(st.sensitivity.values()) / st.plan.sigma_up) ** 2
-            self._paper_down += (d_down / total_std) ** 2
+            paper_events = {"uplink_paper": GaussianEvent(st.plan.sigma_up / max(st.sensitivity.values())),
+                            "downlink_paper": GaussianEvent(total_std / d_down)}
         for n in survivors:
-            self._inv_z2_up[n] = self._inv_z2_up.get(n, 0.0) + 1.0 / z_up[n] ** 2
-            self._inv_z2_up_marginal[n] = self._inv_z2_up_marginal.get(n, 0.0) + 1.0 / z_marg[n] ** 2
-            self._inv_z2_down[n] = self._inv_z2_down.get(n, 0.0) + 1.0 / z_down ** 2
-
-    def _accountant_epsilon(self, inv_z2: dict[int, float]) -> float:
-        """Worst client's epsilon for its composed Gaussian releases (no sampling amplification)."""
-        if not inv_z2:
-            return 0.0
-        worst = max(inv_z2.values())
-        if worst <= 0.0:
-            return 0.0
-        if not math.isfinite(worst):
-            return math.inf
-        return gaussian_epsilon(1.0 / math.sqrt(worst), 1.0, 1, self.cfg.delta)
-
-    def privacy_report(self, server_round: int) -> dict[str, float]:
-        """Accountant epsilons (uplink joint view, downlink, max) + the paper's figures via :meth:`report`."""
-        up = self._accountant_epsilon(self._inv_z2_up)
-        down = self._accountant_epsilon(self._inv_z2_down)
-        log_term = 2.0 * math.log(1.0 / self.cfg.delta)
-        paper_up = math.sqrt(log_term * self._paper_up)
-        paper_down = math.sqrt(log_term * self._paper_down)
-        self.report(
-            epsilon_uplink_marginal=self._accountant_epsilon(self._inv_z2_up_marginal),
-            epsilon_uplink_paper=paper_up,
-            epsilon_downlink_paper=paper_down,
-            epsilon_paper=math.sqrt(log_term * (self._paper_up + self._paper_down)),
-        )
-        return {"epsilon": max(up, down), "epsilon_uplink": up, "epsilon_downlink": down}
+            self.privacy.uplink.compose(GaussianEvent(z_up[n]), units=[n])
+            paper["uplink_marginal"].compose(GaussianEvent(z_marg[n]), units=[n])
+        self.privacy.downlink.compose(GaussianEvent(z_down), units=survivors)
+        for name, event in paper_events.items():
+            paper[name].compose(event)
+            paper["paper"].compose(event)
 
     def describe(self) -> dict[str, float | str]:
         """Key parameters (summary.json)."""

@@ -97,7 +97,7 @@ from client.wire import from_record, to_record
 from protocols import niss as niss_math
 from protocols.config import RunConfig
 from protocols.niss import client_tau
-from protocols.privacy import analytic_gaussian_epsilon, gaussian_epsilon, noise_multiplier
+from protocols.privacy import GaussianEvent, PrivacyLedger, RdpAccountant, analytic_gaussian_epsilon, noise_multiplier
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 from strategies.key_phase import KeyPhase, KeyRound, probe_residual
 
@@ -149,6 +149,10 @@ class NissStrategy(CancelStrategy):
         self.z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
         self.tau = client_tau(cfg)
         self.keys = KeyPhase(cfg)
+        # Uplink: RDP of the per-round Gaussian upload (headline). Downlink: the residual noise of the sum,
+        # none with tau = 0 (the shares cancel exactly).
+        self.privacy = PrivacyLedger(cfg.delta, uplink=RdpAccountant(),
+                                     downlink=RdpAccountant() if self.tau > 0 else None, headline="uplink")
 
     # ------------------------------------------------------------------ hooks
     def prepare_round(self, grid: Grid, server_round: int, nodes: list[int], arrays: ArrayRecord) -> NissRound:
@@ -252,15 +256,16 @@ class NissStrategy(CancelStrategy):
             "theorem2_variance_full_round": m * sigma**2 * self.tau**2,
         }
 
-    def privacy_report(self, server_round: int) -> dict[str, float]:
-        up = gaussian_epsilon(self.z, 1.0, server_round, self.cfg.delta)
-        m = self.cfg.clients_per_round
-        if self.tau > 0:
-            down = gaussian_epsilon(self.tau * self.z * math.sqrt(m), m / self.cfg.num_clients, server_round,
-                                    self.cfg.delta)
-        else:
-            down = math.inf
-        return {"epsilon": up, "epsilon_uplink": up, "epsilon_downlink": down}
+    def account_round(self, state: NissRound) -> None:
+        """Compose the round: each upload is a Gaussian release with multiplier z, the sum keeps ``tau z sqrt(m)``.
+
+        No sampling amplification for the uplink (the server knows whom it sampled); the published sum is
+        amplified by sampling m of N.
+        """
+        self.privacy.uplink.compose(GaussianEvent(self.z))
+        if self.privacy.downlink is not None:
+            m = self.cfg.clients_per_round
+            self.privacy.downlink.compose(GaussianEvent(self.tau * self.z * math.sqrt(m), m / self.cfg.num_clients))
 
 
 __all__ = ["NissStrategy", "MAX_SHARE_ATTEMPTS"]

@@ -25,6 +25,7 @@ from protocols.mpddp import eq23_epsilon, max_theta, relative_distance, satisfie
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from server.runner import run_federation
+from strategies.base import RoundState
 from strategies.mpddp import (
     MpcdpStrategy,
     MpddpStrategy,
@@ -244,6 +245,9 @@ def test_n_out_graph_calibration_covered_for_large_k():
     strategy = MpddpStrategy(cfg)
     params = strategy.describe()
     assert "Theorem 11" in params["graph"] and params["sigma_delta"] > params["sigma_eta"] > 0
+    for t in range(1, 11):  # ten rounds released: basic composition of (epsilon/T, delta/T) rounds
+        strategy.account_round(RoundState(t, []))
+        assert strategy.privacy_report(t)["epsilon"] == pytest.approx(t * cfg.epsilon / 10)
     assert strategy.privacy_report(10)["epsilon"] == pytest.approx(cfg.epsilon)
 
 

@@ -13,12 +13,14 @@ from scipy import integrate, stats
 
 from protocols.privacy import (
     RDP_ORDERS,
+    DpCompositionAccountant,
+    DpEvent,
     GaussianEvent,
     GdpAccountant,
     LaplaceEvent,
     Lemma2Accountant,
     PerUnitAccountant,
-    PureDpAccountant,
+    PrivacyLedger,
     RdpAccountant,
     accountant_from_state,
     advanced_composition,
@@ -26,6 +28,7 @@ from protocols.privacy import (
     analytic_gaussian_sigma,
     calibrate_noise_multiplier,
     classic_gaussian_sigma,
+    compose_advanced,
     event_from_dict,
     gaussian_delta,
     gaussian_epsilon,
@@ -220,7 +223,7 @@ def test_consecutive_equal_events_merge():
     with pytest.raises(TypeError):
         GdpAccountant().compose(LaplaceEvent(1.0))
     with pytest.raises(TypeError):
-        PureDpAccountant().compose(GaussianEvent(1.0))
+        DpCompositionAccountant().compose(GaussianEvent(1.0))
     with pytest.raises(ValueError):
         GdpAccountant().compose(GaussianEvent(1.0, 0.5))
 
@@ -249,24 +252,39 @@ def test_gdp_accountant_is_exact_gaussian_composition(z: float):
     assert GdpAccountant([GaussianEvent(1.0), GaussianEvent(0.0)]).epsilon(DELTA) == math.inf
 
 
-def test_pure_dp_accountant_matches_closed_forms():
+def test_dp_composition_accountant_matches_closed_forms():
     eps_t = [0.3, 0.2, 0.2, 0.1]
-    acc = PureDpAccountant([LaplaceEvent(e) for e in eps_t], composition="basic")
+    acc = DpCompositionAccountant([LaplaceEvent(e) for e in eps_t], composition="basic")
     assert acc.epsilon(DELTA) == pytest.approx(sum(eps_t), rel=1e-15)
-    adv = PureDpAccountant([LaplaceEvent(e) for e in eps_t], composition="advanced")
+    adv = DpCompositionAccountant([LaplaceEvent(e) for e in eps_t], composition="advanced")
     want = math.sqrt(2 * math.log(1 / DELTA) * sum(e * e for e in eps_t)) + sum(e * math.expm1(e) for e in eps_t)
     assert adv.epsilon(DELTA) == pytest.approx(want, rel=1e-14)
     # T identical rounds: Eq. 11 of DDP-SA (paper's example, eps_total ~= 24.09)
-    uniform = PureDpAccountant([LaplaceEvent(0.1, 1000)], composition="advanced")
+    uniform = DpCompositionAccountant([LaplaceEvent(0.1, 1000)], composition="advanced")
     assert uniform.epsilon(1e-4) == pytest.approx(advanced_composition(0.1, 0.0, 1000, 1e-4).epsilon, rel=1e-12)
     assert uniform.epsilon(1e-4) == pytest.approx(24.09, abs=0.01)
-    best = PureDpAccountant([LaplaceEvent(0.1, 1000)], composition="best")
+    best = DpCompositionAccountant([LaplaceEvent(0.1, 1000)], composition="best")
     assert best.epsilon(1e-4) == uniform.epsilon(1e-4) < 100.0  # advanced beats basic (100) over many rounds
-    few = PureDpAccountant([LaplaceEvent(0.5, 3)], composition="best")
+    few = DpCompositionAccountant([LaplaceEvent(0.5, 3)], composition="best")
     assert few.epsilon(DELTA) == pytest.approx(1.5)  # basic beats advanced for tiny T
-    assert PureDpAccountant(composition="advanced").epsilon(DELTA) == 0.0
+    assert DpCompositionAccountant(composition="advanced").epsilon(DELTA) == 0.0
     with pytest.raises(ValueError):
-        PureDpAccountant(composition="fancy")  # type: ignore[arg-type]
+        DpCompositionAccountant(composition="fancy")  # type: ignore[arg-type]
+
+
+def test_dp_events_with_delta_compose_by_the_theorems():
+    """Rounds certified (eps, delta)-DP by a theorem: basic needs sum delta_t <= delta, advanced uses what is left."""
+    acc = DpCompositionAccountant([DpEvent(0.1, 1e-6, 10)])
+    assert acc.epsilon(1e-5) == pytest.approx(1.0, rel=1e-12)  # 10 x 1e-6 = 1e-5 (float rounding tolerated)
+    assert acc.epsilon(5e-6) == math.inf  # the rounds' own deltas exceed the budget
+    adv = DpCompositionAccountant([DpEvent(0.1, 1e-7, 100)], composition="advanced")
+    want = compose_advanced([0.1] * 100, 1e-7, delta_prime=1e-4 - 1e-5).epsilon
+    assert adv.epsilon(1e-4) == pytest.approx(want, rel=1e-12)
+    assert adv.epsilon(1e-5) == math.inf  # no slack left for delta'
+    with pytest.raises(TypeError):
+        RdpAccountant().compose(DpEvent(1.0))
+    with pytest.raises(ValueError):
+        DpEvent(1.0, 1.0)
 
 
 def test_lemma2_accountant_is_the_papers_composition():
@@ -283,7 +301,7 @@ def _filled() -> list:
     return [
         RdpAccountant([GaussianEvent(1.1, count=20), GaussianEvent(2.5, 0.3, 4), LaplaceEvent(0.7), GaussianEvent(1.7)]),
         GdpAccountant([GaussianEvent(1.1, count=3), GaussianEvent(0.6)]),
-        PureDpAccountant([LaplaceEvent(0.2, 5), LaplaceEvent(0.1)], composition="best"),
+        DpCompositionAccountant([LaplaceEvent(0.2, 5), DpEvent(0.1, 1e-7)], composition="best"),
         Lemma2Accountant([GaussianEvent(3.0, 0.5, 6), GaussianEvent(2.0)]),
     ]
 
@@ -298,7 +316,7 @@ def test_state_round_trip_preserves_epsilon(index: int):
     for delta in (1e-7, DELTA, 1e-2):
         assert back.epsilon(delta) == acc.epsilon(delta)  # bit-identical
     # composing on after a reload gives what an uninterrupted accountant gives
-    ev = LaplaceEvent(0.3) if isinstance(acc, PureDpAccountant) else GaussianEvent(1.9)
+    ev = LaplaceEvent(0.3) if isinstance(acc, DpCompositionAccountant) else GaussianEvent(1.9)
     for a in (acc, back):
         a.compose(ev)
         a.compose(ev)
@@ -344,3 +362,46 @@ def test_per_unit_reports_the_worst_unit():
     assert isinstance(_reloaded(gdp).unit(4), GdpAccountant)
     with pytest.raises(ValueError):
         PerUnitAccountant(RdpAccountant([GaussianEvent(1.0)]))
+
+
+# ------------------------------------------------------------------ PrivacyLedger
+def test_ledger_reports_views_headline_and_no_guarantee():
+    assert PrivacyLedger(DELTA).report() == {"epsilon": math.inf, "epsilon_uplink": math.inf, "epsilon_downlink": math.inf}
+    shared = RdpAccountant()
+    both = PrivacyLedger(DELTA, uplink=shared, downlink=shared)
+    both.compose(GaussianEvent(2.0, count=3))
+    assert shared.releases == 3  # one bound for both views: composed once
+    eps = gaussian_epsilon(2.0, 1.0, 3, DELTA)
+    assert both.report() == {"epsilon": eps, "epsilon_uplink": eps, "epsilon_downlink": eps}
+    trusted = PrivacyLedger(DELTA, downlink=RdpAccountant(), headline="downlink")  # e.g. central DP
+    trusted.compose(GaussianEvent(2.0, 0.5))
+    rep = trusted.report()
+    assert rep["epsilon_uplink"] == math.inf and rep["epsilon"] == rep["epsilon_downlink"] < eps
+    local = PrivacyLedger(DELTA, uplink=RdpAccountant(), downlink=RdpAccountant(), headline="uplink")
+    local.uplink.compose(GaussianEvent(1.0))
+    local.downlink.compose(GaussianEvent(3.0))
+    rep = local.report()
+    assert rep["epsilon"] == rep["epsilon_uplink"] > rep["epsilon_downlink"] > 0
+    worst = PrivacyLedger(DELTA, uplink=local.uplink, downlink=RdpAccountant([GaussianEvent(0.5)]))
+    assert worst.report()["epsilon"] == worst.report()["epsilon_downlink"] > rep["epsilon_uplink"]
+    with pytest.raises(ValueError):
+        PrivacyLedger(DELTA, headline="best")  # type: ignore[arg-type]
+
+
+def test_ledger_per_unit_views_extras_and_state():
+    ledger = PrivacyLedger(DELTA, uplink=PerUnitAccountant(), downlink=RdpAccountant(),
+                           extra={"paper": Lemma2Accountant()})
+    ledger.compose(GaussianEvent(1.5), units=[4, 9])
+    ledger.uplink.compose(GaussianEvent(1.0), units=[9])
+    ledger.extra["paper"].compose(GaussianEvent(1.5))
+    with pytest.raises(ValueError):
+        ledger.compose(GaussianEvent(1.5))  # a per-unit view needs the clients a release used
+    rep = ledger.report()
+    assert rep["epsilon_uplink"] == ledger.uplink.unit(9).epsilon(DELTA) > ledger.uplink.unit(4).epsilon(DELTA)
+    assert rep["epsilon_downlink"] == pytest.approx(gaussian_epsilon(1.5, 1.0, 1, DELTA), rel=1e-12)
+    assert ledger.extra_report() == {"epsilon_paper": pytest.approx(lemma2_epsilon([(1.0, 1.5, 1)], DELTA))}
+    back = PrivacyLedger.from_state(json.loads(json.dumps(ledger.to_state())))
+    assert back.report() == rep and back.extra_report() == ledger.extra_report()
+    shared = RdpAccountant([GaussianEvent(2.0)])
+    back = PrivacyLedger.from_state(json.loads(json.dumps(PrivacyLedger(DELTA, uplink=shared, downlink=shared).to_state())))
+    assert back.uplink is back.downlink and back.report()["epsilon"] == shared.epsilon(DELTA)

@@ -6,6 +6,7 @@
   JSON state) and its implementations; every RDP figure uses :data:`RDP_ORDERS`.
 * :mod:`~protocols.privacy.calibration` -- epsilon of repeated Gaussian releases and the noise that meets a budget.
 * :mod:`~protocols.privacy.composition` -- closed-form theorems (DDP-SA Theorem 2 / Eq. 12, NADP-FL Lemma 2).
+* :mod:`~protocols.privacy.ledger` -- a method's accounts per adversary view (:class:`PrivacyLedger`) and its report.
 
 No other module of the project imports dp-accounting.
 """
@@ -13,10 +14,10 @@ No other module of the project imports dp-accounting.
 from protocols.privacy.accountant import (
     RDP_ORDERS,
     Accountant,
+    DpCompositionAccountant,
     GdpAccountant,
     Lemma2Accountant,
     PerUnitAccountant,
-    PureDpAccountant,
     RdpAccountant,
     accountant_from_state,
 )
@@ -34,7 +35,8 @@ from protocols.privacy.composition import (
     per_round_epsilons,
     uniform_allocation,
 )
-from protocols.privacy.events import Event, GaussianEvent, LaplaceEvent, event_from_dict, joint_gaussian
+from protocols.privacy.events import DpEvent, Event, GaussianEvent, LaplaceEvent, event_from_dict, joint_gaussian
+from protocols.privacy.ledger import Headline, PrivacyLedger
 from protocols.privacy.mechanisms import (
     analytic_gaussian_epsilon,
     analytic_gaussian_sigma,
@@ -47,14 +49,17 @@ __all__ = [
     "RDP_ORDERS",
     "Accountant",
     "BudgetSchedule",
+    "DpCompositionAccountant",
+    "DpEvent",
     "Event",
     "GaussianEvent",
     "GdpAccountant",
+    "Headline",
     "LaplaceEvent",
     "Lemma2Accountant",
     "PerUnitAccountant",
     "PrivacyBudget",
-    "PureDpAccountant",
+    "PrivacyLedger",
     "RdpAccountant",
     "accountant_from_state",
     "advanced_composition",

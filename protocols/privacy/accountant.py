@@ -10,8 +10,8 @@ persistent privacy ledger can store one per client and reload it.
   :data:`RDP_ORDERS`, so every method converts RDP to (epsilon, delta) the same way.
 * :class:`GdpAccountant` -- exact composition of unsampled Gaussian releases
   (Gaussian DP, Dong, Roth & Su 2019) read through the analytic Gaussian profile.
-* :class:`PureDpAccountant` -- basic / advanced composition of pure-DP (Laplace)
-  releases (DDP-SA Theorem 2; :mod:`protocols.privacy.composition`).
+* :class:`DpCompositionAccountant` -- basic / advanced composition of (epsilon, delta)-DP
+  releases, e.g. Laplace (DDP-SA Theorem 2; :mod:`protocols.privacy.composition`).
 * :class:`Lemma2Accountant` -- NADP-FL's own composition (Lemma 2), for the paper's figures.
 * :class:`PerUnitAccountant` -- one accountant per unit (client / record owner),
   reporting the worst unit.
@@ -31,16 +31,16 @@ import numpy as np
 from dp_accounting.rdp import RdpAccountant as _DpRdpAccountant
 
 from protocols.privacy.composition import compose_advanced, compose_basic, lemma2_epsilon
-from protocols.privacy.events import Event, GaussianEvent, LaplaceEvent, event_from_dict
+from protocols.privacy.events import DpEvent, Event, GaussianEvent, LaplaceEvent, event_from_dict
 from protocols.privacy.mechanisms import analytic_gaussian_epsilon
 
 __all__ = [
     "RDP_ORDERS",
     "Accountant",
+    "DpCompositionAccountant",
     "GdpAccountant",
     "Lemma2Accountant",
     "PerUnitAccountant",
-    "PureDpAccountant",
     "RdpAccountant",
     "accountant_from_state",
 ]
@@ -50,7 +50,7 @@ RDP_ORDERS: tuple[float, ...] = tuple(
     [1 + x / 20.0 for x in range(1, 100)] + list(range(6, 64)) + [64, 80, 96, 128, 160, 192, 256, 384, 512, 1024]
 )
 
-PureComposition = Literal["basic", "advanced", "best"]
+Composition = Literal["basic", "advanced", "best"]
 
 
 def _check_delta(delta: float) -> float:
@@ -284,37 +284,42 @@ class GdpAccountant(_EventLog):
         return analytic_gaussian_epsilon(1.0 / math.sqrt(precision), delta, 1.0)
 
 
-class PureDpAccountant(_EventLog):
-    """Composition of pure-DP (Laplace) releases by DDP-SA's Theorem 2.
+class DpCompositionAccountant(_EventLog):
+    """Composition of (epsilon, delta)-DP releases (Laplace, or rounds a theorem certifies) by DDP-SA's Theorem 2.
 
-    ``composition``: ``"basic"`` (``sum eps_t``, any delta), ``"advanced"``
-    (``sqrt(2 ln(1/delta) sum eps_t^2) + sum eps_t (e^eps_t - 1)`` with slack
-    ``delta' = delta``; Dwork, Rothblum & Vadhan 2010) or ``"best"`` (the smaller of
-    the two; both are valid bounds).  :func:`protocols.privacy.composition.compose_basic`
+    ``composition``: ``"basic"`` (``(sum eps_t, sum delta_t)``), ``"advanced"``
+    (``sqrt(2 ln(1/delta') sum eps_t^2) + sum eps_t (e^eps_t - 1)`` with
+    ``delta' = delta - sum delta_t``; Dwork, Rothblum & Vadhan 2010) or ``"best"`` (the
+    smaller of the two; both are valid bounds).  :func:`protocols.privacy.composition.compose_basic`
     and :func:`~protocols.privacy.composition.compose_advanced` hold the formulas.
     """
 
-    kind = "pure-dp"
-    accepts = (LaplaceEvent,)
+    kind = "dp-composition"
+    accepts = (LaplaceEvent, DpEvent)
 
-    def __init__(self, events: Iterable[Event] = (), *, composition: PureComposition = "basic") -> None:
+    def __init__(self, events: Iterable[Event] = (), *, composition: Composition = "basic") -> None:
         if composition not in ("basic", "advanced", "best"):
             raise ValueError(f"unknown composition {composition!r} (use 'basic', 'advanced' or 'best')")
-        self.composition: PureComposition = composition
+        self.composition: Composition = composition
         super().__init__(events)
 
     def _params(self) -> dict[str, Any]:
         return {"composition": self.composition}
 
     def epsilon(self, delta: float) -> float:
-        """Epsilon of the releases so far; ``delta`` is advanced composition's slack (unused by basic)."""
+        """Epsilon of the releases so far at total ``delta`` (``inf`` if their own deltas already exceed it)."""
+        delta = _check_delta(delta)
         if not self._events:
             return 0.0
-        eps = np.repeat([e.epsilon for e in self._events], [e.count for e in self._events])
-        basic = compose_basic(eps).epsilon
+        counts = [e.count for e in self._events]
+        eps = np.repeat([e.epsilon for e in self._events], counts)
+        deltas = np.repeat([getattr(e, "delta", 0.0) for e in self._events], counts)
+        spent_delta = float(deltas.sum())
+        basic = compose_basic(eps, deltas).epsilon if spent_delta <= delta * (1 + 1e-9) else math.inf
         if self.composition == "basic":
             return basic
-        advanced = compose_advanced(eps, delta_prime=_check_delta(delta)).epsilon
+        slack = delta - spent_delta
+        advanced = compose_advanced(eps, deltas, delta_prime=slack).epsilon if slack > 0 else math.inf
         return advanced if self.composition == "advanced" else min(basic, advanced)
 
 
@@ -407,7 +412,7 @@ class PerUnitAccountant(Accountant):
 
 
 _KINDS: dict[str, type[Accountant]] = {
-    c.kind: c for c in (RdpAccountant, GdpAccountant, PureDpAccountant, Lemma2Accountant, PerUnitAccountant)
+    c.kind: c for c in (RdpAccountant, GdpAccountant, DpCompositionAccountant, Lemma2Accountant, PerUnitAccountant)
 }
 
 

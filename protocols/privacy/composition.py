@@ -17,7 +17,7 @@ scales the chosen allocation *shape* until the (heterogeneous) advanced-composit
 
 (Dwork, Rothblum & Vadhan 2010; Dwork & Roth 2014, Thm 3.20 generalised to per-round
 epsilons) meets the target exactly.  For T identical rounds it reduces to Eq. 11.
-:class:`protocols.privacy.accountant.PureDpAccountant` composes released rounds with these bounds.
+:class:`protocols.privacy.accountant.DpCompositionAccountant` composes released rounds with these bounds.
 
 NADP-FL (Lemma 2, Eq. 2) calibrates Q composed Gaussian queries with
 ``sigma = Delta sqrt(2 Q ln(1/delta)) / eps`` (:func:`lemma2_sigma`); its inverse over

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Event", "GaussianEvent", "LaplaceEvent", "event_from_dict", "joint_gaussian"]
+__all__ = ["DpEvent", "Event", "GaussianEvent", "LaplaceEvent", "event_from_dict", "joint_gaussian"]
 
 
 def _check_count(count: int) -> None:
@@ -66,7 +66,31 @@ class LaplaceEvent:
         return {"kind": "laplace", "epsilon": float(self.epsilon), "count": int(self.count)}
 
 
-Event = GaussianEvent | LaplaceEvent
+@dataclass(frozen=True)
+class DpEvent:
+    """``count`` releases each certified ``(epsilon, delta)``-DP by a theorem (e.g. MP-DDP's Theorem 11 per round).
+
+    Only composition theorems can account these (:class:`protocols.privacy.accountant.DpCompositionAccountant`);
+    a Laplace release is :class:`LaplaceEvent` (which the RDP accountant also takes).
+    """
+
+    epsilon: float
+    delta: float = 0.0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.epsilon) and self.epsilon > 0):
+            raise ValueError(f"epsilon must be a finite number > 0, got {self.epsilon!r}")
+        if not 0.0 <= self.delta < 1.0:
+            raise ValueError(f"delta must be in [0, 1), got {self.delta!r}")
+        _check_count(self.count)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (``kind`` = ``"dp"``)."""
+        return {"kind": "dp", "epsilon": float(self.epsilon), "delta": float(self.delta), "count": int(self.count)}
+
+
+Event = GaussianEvent | LaplaceEvent | DpEvent
 
 
 def event_from_dict(data: Mapping[str, Any]) -> Event:
@@ -77,6 +101,8 @@ def event_from_dict(data: Mapping[str, Any]) -> Event:
             return GaussianEvent(float(data["noise_multiplier"]), float(data["sampling_rate"]), int(data["count"]))
         if kind == "laplace":
             return LaplaceEvent(float(data["epsilon"]), int(data["count"]))
+        if kind == "dp":
+            return DpEvent(float(data["epsilon"]), float(data["delta"]), int(data["count"]))
     except KeyError as err:
         raise ValueError(f"privacy event {dict(data)!r} lacks {err}") from err
     raise ValueError(f"unknown privacy event kind {kind!r}")
