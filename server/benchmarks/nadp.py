@@ -1,6 +1,6 @@
 """NADP-FL benchmark in the style of the paper's Table 1: accuracy of no-DP, LDP and NADP vs epsilon and N.
 
-    python tests/benchmarks/bench_nadp.py [OUT_DIR] [--dataset digits|mnist] [--train-subset 0]
+    cancelfl-bench nadp [OUT_DIR] [--dataset digits|mnist] [--train-subset 0]
         [--epsilons 0.5,1,2,4] [--clients 10,50,100] [--num-rounds 30] [--lr 2|1] [--clip 1] [--repeats 1]
 
 Methods, all with the SAME data, model, rounds, lr, clip, sampling rate and
@@ -13,7 +13,7 @@ setting and the one where Lemma 1's record sensitivity ``2C lr/|D_i|`` is exact)
 * ``record-ldp``  -- the paper's LDP-FL comparator (Lemma 3): NADP's training
   and record-level sensitivity, independent client noise
   ``sigma_i = Delta_i sqrt(2qT ln(1/delta))/eps``, no cancellation
-  (``method=nadp nadp-variant=record-ldp``);
+  (the variant ``nadp-record-ldp`` of :data:`server.benchmarks.common.VARIANTS`);
 * ``nadp``        -- NADP-FL (Eq. 3 calibration, Alg. 2 allocation, lambda by Eq. 8).
 
 ``ldp`` protects whole clients, the other two single records (the paper's
@@ -22,7 +22,7 @@ unit), so ``nadp`` vs ``ldp`` mixes two privacy units; ``nadp`` vs
 
 Writes ``results.csv`` (one row per run), ``table.md`` (Table-1 layout with the
 command line and the acceptance checks), ``accuracy_vs_epsilon.png`` into OUT_DIR
-(default ``runs/bench-nadp/``) and prints the table. DP noise comes from the OS
+(default ``runs/bench-nadp/``, relative to the working directory) and prints the table. DP noise comes from the OS
 (NADP's residual seeds are secret), so repeated runs differ; ``--repeats`` > 1
 reports mean and standard deviation (run-config seeds 42, 43, ...).
 
@@ -36,49 +36,40 @@ sqrt(qk/2) times larger (Theorem 1), client-level LDP's is far larger (whole-cli
 
 from __future__ import annotations
 
-import os
+import argparse
+import csv
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
 
-for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")  # tiny models: one thread is much faster on a shared machine
+from server.benchmarks.common import command_line, method_config, pyplot
 
-import argparse  # noqa: E402
-import csv  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import shlex  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+HELP = "NADP-FL vs client-level LDP, record-level LDP and no DP (the paper's Table 1)"
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from server.launch import run_inprocess  # noqa: E402
-
-METHODS = ("fedavg", "ldp", "record-ldp", "nadp")
+#: The arms: label -> method or variant name (the record-level comparator is a variant declared in common).
+ARMS = {"fedavg": "fedavg", "ldp": "ldp", "record-ldp": "nadp-record-ldp", "nadp": "nadp"}
+METHODS = tuple(ARMS)
 LABELS = {"fedavg": "No-DP", "ldp": "LDP (client-level)", "record-ldp": "LDP (paper, record-level)",
           "nadp": "NADP"}
 
 
 def run_config(method: str, args: argparse.Namespace, n: int, eps: float, seed: int, out: Path) -> dict:
     """The run-config of one benchmark run (identical settings for every method but the method keys)."""
-    cfg = {
+    registered, extra = method_config(ARMS[method])
+    return {
         "dataset": args.dataset, "train-subset": args.train_subset, "hidden": args.hidden, "model": "mlp",
         "num-clients": n, "sample-rate": args.sample_rate, "num-rounds": args.num_rounds,
         "local-epochs": 1, "batch-size": args.batch_size, "lr": args.lr, "clip": args.clip,
-        "epsilon": eps, "delta": args.delta, "seed": seed, "out-dir": str(out),
+        "epsilon": eps, "delta": args.delta, "seed": seed, "out-dir": str(out), **extra, "method": registered,
     }
-    if method == "record-ldp":
-        cfg.update({"method": "nadp", "nadp-variant": "record-ldp"})
-    else:
-        cfg["method"] = method
-    return cfg
 
 
 def one_run(method: str, args: argparse.Namespace, n: int, eps: float, seed: int, tmp: Path) -> dict:
     """Run once in-process; return the figures of interest."""
+    from server.launch import run_inprocess
+
     out = tmp / f"{method}-n{n}-e{eps:g}-s{seed}"
     t0 = time.perf_counter()
     summary = run_inprocess(run_config(method, args, n, eps, seed, out), progress=lambda _s: None)
@@ -140,11 +131,7 @@ def acceptance(results: dict, args: argparse.Namespace) -> list[str]:
 
 def plot(results: dict, args: argparse.Namespace, path: Path) -> None:
     """Accuracy vs epsilon, one panel per client count."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(args.client_list), figsize=(4.2 * len(args.client_list), 3.6), squeeze=False)
     for ax, n in zip(axes[0], args.client_list, strict=True):
         no_dp = _acc(results[("fedavg", n, None)])[0]
@@ -167,9 +154,9 @@ def plot(results: dict, args: argparse.Namespace, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out", nargs="?", default=str(ROOT / "runs" / "bench-nadp"))
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """Options of ``cancelfl-bench nadp``."""
+    ap.add_argument("out", nargs="?", default="runs/bench-nadp")
     ap.add_argument("--dataset", default="digits")
     ap.add_argument("--train-subset", type=int, default=0)
     ap.add_argument("--epsilons", default="0.5,1,2,4")
@@ -184,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--delta", type=float, default=1e-5)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--methods", default=",".join(METHODS))
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Every (clients, arm, epsilon) cell ``--repeats`` times; the table, the checks and the plot."""
     if args.lr is None:
         args.lr = 2.0 if args.dataset == "digits" else 1.0
     args.eps_list = [float(e) for e in args.epsilons.split(",")]
@@ -192,13 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     methods = [m.strip() for m in args.methods.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-
-    import flwr.common.logger  # noqa: F401 - sets the "flwr" logger level at import: override after it
-    import torch
-
-    torch.set_num_threads(1)
-    logging.getLogger("flwr").setLevel(logging.ERROR)
-    command = "python tests/benchmarks/bench_nadp.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = command_line(args)
     results: dict = {}
     rows = []
     t_start = time.perf_counter()
@@ -236,7 +220,3 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(text)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

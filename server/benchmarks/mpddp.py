@@ -4,12 +4,12 @@ Same data, model, rounds, server learning rate and (epsilon, delta) budget over 
 three methods; every run goes through ``server.launch.run_inprocess`` (real messages, in-process grid).
 DP noise comes from the OS CSPRNG, so each configuration is repeated and reported as mean +- std.
 
-    python tests/benchmarks/bench_mpddp.py [OUT_DIR] [--dataset breast-cancer] [--clients 100]
+    cancelfl-bench mpddp [OUT_DIR] [--dataset breast-cancer] [--clients 100]
         [--rounds 30] [--lr 0.1] [--hidden 16] [--epsilon 1.0] [--repeats 3] [--methods ...] [--first-rep 0]
 
 Prints a table (accuracy, nominal epsilon, epsilon given R, client_model_distance, round time) and
 writes ``runs.csv`` (one line per run), ``results.md`` (table + acceptance lines) and ``results.json``
-to OUT_DIR (default ``runs/bench-mpddp``).
+to OUT_DIR (default ``runs/bench-mpddp``).  The methods are the registry's ``mpddp`` family.
 
 Acceptance (issue 6): mpddp within 3 accuracy points of mpcdp and far above mpdp-naive.
 """
@@ -20,20 +20,20 @@ import argparse
 import csv
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from protocols.methods import METHODS as REGISTRY
 
-from server.launch import run_inprocess  # noqa: E402
+HELP = "MP_Server + DDP_Client against its ablations MP-CDP and MP-DP-Naive"
 
-METHODS = ("mpddp", "mpcdp", "mpdp-naive")
+METHODS = tuple(name for name, spec in REGISTRY.items() if spec.family == "mpddp")
 
 
 def one_run(method: str, args: argparse.Namespace, rep: int, out: Path) -> dict:
     """One federation; returns the figures of the table."""
+    from server.launch import run_inprocess
+
     run_dir = out / f"{method}-rep{rep}"
     overrides = {
         "method": method, "dataset": args.dataset, "hidden": args.hidden, "num-clients": args.clients,
@@ -68,14 +68,15 @@ def one_run(method: str, args: argparse.Namespace, rep: int, out: Path) -> dict:
 
 
 def mean_std(values: list[float]) -> str:
+    """``mean ± std`` over the repeats (just the value for one repeat)."""
     if len(values) == 1:
         return f"{values[0]:.4f}"
     return f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f}"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out", nargs="?", default=str(ROOT / "runs" / "bench-mpddp"))
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``cancelfl-bench mpddp``."""
+    parser.add_argument("out", nargs="?", default="runs/bench-mpddp")
     parser.add_argument("--dataset", default="breast-cancer")
     parser.add_argument("--clients", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=30)
@@ -86,7 +87,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--first-rep", type=int, default=0, help="index of the first repeat (seed = 42 + index)")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Every method ``--repeats`` times (interleaved); the table, the acceptance lines and the files."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -135,7 +139,3 @@ def main() -> int:
         f"{args.repeats} repeats (mean ± std).\n\n{table}\n\n" + "\n".join(f"- {c}" for c in checks) + "\n")
     (out / "results.json").write_text(json.dumps({"args": vars(args), "runs": results, "checks": checks}, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """NISS benchmark: accuracy vs tau against FedAvg and DP-FedAvg (ldp), and share-relay bytes.
 
-    python tests/benchmarks/bench_niss.py [OUT_DIR] [--dataset digits] [--epsilon 200]
+    cancelfl-bench niss [OUT_DIR] [--dataset digits] [--epsilon 200]
         [--num-rounds 20] [--repeats 30] [--taus 0,0.5,1]
 
 Runs (in-process, :func:`server.launch.run_inprocess`), each ``--repeats`` times
@@ -29,20 +29,18 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from server.launch import run_inprocess  # noqa: E402
+HELP = "NISS: accuracy vs tau against FedAvg and DP-FedAvg, aggregate noise variance, share-relay bytes"
 
 
 def _run(overrides: dict, tmp: Path, name: str) -> tuple[dict, list[dict]]:
-    import json
+    """One in-process run; its summary and metrics rows."""
+    from server.launch import run_inprocess
 
     out = tmp / name
     summary = run_inprocess({**overrides, "out-dir": str(out)}, progress=lambda _s: None)
@@ -58,9 +56,9 @@ def _std(xs: list[float]) -> float:
     return statistics.stdev(xs) if len(xs) > 1 else 0.0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out", nargs="?", default=str(ROOT / "runs" / "bench-niss"))
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """Options of ``cancelfl-bench niss``."""
+    ap.add_argument("out", nargs="?", default="runs/bench-niss")
     ap.add_argument("--dataset", default="digits")
     ap.add_argument("--epsilon", type=float, default=200.0)
     ap.add_argument("--delta", type=float, default=1e-5)
@@ -75,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-bytes", action="store_true", help="skip the bytes-per-encoding runs")
     ap.add_argument("--unit-variance", type=float, default=1e-4,
                     help="niss-unit-variance sigma^2 (small enough for tens of shares per client)")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The runs, the tables and the checks; exit status 1 when a check fails."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     taus = [float(t) for t in args.taus.split(",") if t]
@@ -230,7 +231,3 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     print(f"wrote {out}/results.csv, results.md, variance.csv, bytes.csv")
     return 0 if all(ok for _, ok, _ in checks) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

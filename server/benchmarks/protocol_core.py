@@ -1,6 +1,6 @@
 """Micro-benchmarks of the protocol core (single thread).
 
-Run: ``python tests/benchmarks/bench_protocol_core.py [--quick]``
+    cancelfl-bench protocol-core [--quick]
 
 Prints
 * noise-engine throughput (samples/s) of ``protocols.prg`` for Gaussian, Laplace, uniform and
@@ -9,33 +9,32 @@ Prints
 * key agreement + pair-seed derivation time per client for 100 and 1000 peers
   (X25519 exchange + HKDF-SHA256 for each peer);
 * one client's pairwise noise with 100 peers on a 1e5-dimensional model.
+
+Every numerical library is pinned to one thread (:mod:`server.benchmarks`): the figures are per core.
 """
 
 from __future__ import annotations
 
-import os
+import argparse
+import hashlib
+import platform
+import time
+from collections.abc import Callable
 
-# Pin every numerical library to one thread before numpy is imported: the figures are per core.
-for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")
+import numpy as np
 
-import argparse  # noqa: E402
-import hashlib  # noqa: E402
-import platform  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from pathlib import Path  # noqa: E402
+from protocols.keyagreement import agree, derive_pair_seed, generate_keypair
+from protocols.pairwise import pairwise_noise
+from protocols.prg import gaussian, laplace, uniform, uniform_ints
 
-import numpy as np  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from protocols.keyagreement import agree, derive_pair_seed, generate_keypair  # noqa: E402
-from protocols.pairwise import pairwise_noise  # noqa: E402
-from protocols.prg import gaussian, laplace, uniform, uniform_ints  # noqa: E402
+HELP = "noise-engine throughput, key agreement and pairwise noise (single thread)"
 
 SEED = hashlib.sha256(b"bench").digest()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``cancelfl-bench protocol-core``."""
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
 
 
 def best_time(fn: Callable[[], object], repeats: int) -> float:
@@ -50,6 +49,7 @@ def best_time(fn: Callable[[], object], repeats: int) -> float:
 
 
 def bench_prg(quick: bool) -> None:
+    """Samples per second of each generator at several vector lengths."""
     sizes = [10**5, 10**6] if quick else [10**5, 10**6, 10**7]
     pcg = np.random.default_rng(0)
     cases: list[tuple[str, Callable[[int], object]]] = [
@@ -87,10 +87,8 @@ def bench_key_agreement(peers: int, repeats: int) -> tuple[float, float]:
     return best_time(full, repeats), best_time(dh_only, repeats)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
-    args = parser.parse_args()
+def run(args: argparse.Namespace) -> int:
+    """Print the three micro-benchmarks."""
     print(f"python {platform.python_version()}, numpy {np.__version__}, {platform.machine()}, {platform.processor() or ''}")
     bench_prg(args.quick)
 
@@ -108,7 +106,4 @@ def main() -> None:
     t = best_time(lambda: pairwise_noise(0, seeds, dim), 3)
     rate = peers * dim / t / 1e6
     print(f"{peers} peers x {dim:.0e} dims (gaussian): {t * 1e3:.1f} ms ({rate:.1f} M samples/s incl. accumulation)")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

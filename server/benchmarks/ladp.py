@@ -1,6 +1,6 @@
 """LaDP-FL vs full local DP at the same per-round epsilon: accuracy and injected noise.
 
-    python tests/benchmarks/bench_ladp.py [OUT_DIR] [--eps 30 60 120] [--rounds 10] [--repeats 1]
+    cancelfl-bench ladp [OUT_DIR] [--eps 30 60 120] [--rounds 10] [--repeats 1]
 
 Arms (all through :func:`server.launch.run_inprocess`, method ``ladp`` unless noted):
 
@@ -28,34 +28,39 @@ import csv
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+HELP = "LaDP-FL vs full local DP at the same per-round epsilon: accuracy and injected noise"
 
-from client.methods.ladp import MIN_KL  # noqa: E402
-from server.launch import run_inprocess  # noqa: E402
+ARMS = ("fedavg", "full-ldp", "ladp-R3", "ladp-R1", "ladp-R0-kl")
 
-ARMS: dict[str, dict] = {
-    "fedavg": {"method": "fedavg"},
-    "full-ldp": {"method": "ladp", "ladp-norm-threshold": 0.0, "ladp-kl-cap": MIN_KL},
-    "ladp-R3": {"method": "ladp", "ladp-norm-threshold": 3.0, "ladp-kl-cap": 1e-6},
-    "ladp-R1": {"method": "ladp", "ladp-norm-threshold": 1.0, "ladp-kl-cap": 1e-6},
-    "ladp-R0-kl": {"method": "ladp", "ladp-norm-threshold": 0.0, "ladp-kl-cap": 1e-4},
-}
+
+def arm_config(name: str) -> dict:
+    """Run-config of an arm (see the module docstring)."""
+    from client.methods.ladp import MIN_KL  # imported here: the client stack is slow to import for --help
+
+    return {
+        "fedavg": {"method": "fedavg"},
+        "full-ldp": {"method": "ladp", "ladp-norm-threshold": 0.0, "ladp-kl-cap": MIN_KL},
+        "ladp-R3": {"method": "ladp", "ladp-norm-threshold": 3.0, "ladp-kl-cap": 1e-6},
+        "ladp-R1": {"method": "ladp", "ladp-norm-threshold": 1.0, "ladp-kl-cap": 1e-6},
+        "ladp-R0-kl": {"method": "ladp", "ladp-norm-threshold": 0.0, "ladp-kl-cap": 1e-4},
+    }[name]
 
 
 def _rows(out: Path) -> list[dict]:
+    """metrics.jsonl of a run."""
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def run_arm(name: str, eps: float, args: argparse.Namespace, repeat: int, out_root: Path) -> dict:
     """One run; returns its figures."""
+    from server.launch import run_inprocess
+
     out = out_root / "runs" / f"{name}-eps{eps:g}-r{repeat}"
     overrides = {
-        **ARMS[name], "dataset": args.dataset, "num-clients": args.clients, "num-rounds": args.rounds,
+        **arm_config(name), "dataset": args.dataset, "num-clients": args.clients, "num-rounds": args.rounds,
         "local-epochs": args.local_epochs, "epsilon": eps, "seed": 42 + repeat, "out-dir": str(out),
     }
     if args.train_subset:
@@ -76,19 +81,21 @@ def run_arm(name: str, eps: float, args: argparse.Namespace, repeat: int, out_ro
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run every arm at every epsilon, print the table, write CSV and Markdown."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out_dir", nargs="?", default=str(ROOT / "runs" / "bench-ladp"))
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``cancelfl-bench ladp``."""
+    p.add_argument("out_dir", nargs="?", default="runs/bench-ladp")
     p.add_argument("--eps", type=float, nargs="+", default=[30.0, 60.0, 120.0], help="per-round epsilons")
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--clients", type=int, default=10)
     p.add_argument("--local-epochs", type=int, default=1)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--dataset", default="digits")
     p.add_argument("--train-subset", type=int, default=0)
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run every arm at every epsilon, print the table, write CSV and Markdown."""
     out_root = Path(args.out_dir)
     out_root.mkdir(parents=True, exist_ok=True)
 
@@ -105,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Mean over repeats.
     table = []
-    keys = sorted({(r["eps_per_round"], r["arm"]) for r in results}, key=lambda k: (k[0], list(ARMS).index(k[1])))
+    keys = sorted({(r["eps_per_round"], r["arm"]) for r in results}, key=lambda k: (k[0], ARMS.index(k[1])))
     for eps, arm in keys:
         rs = [r for r in results if r["eps_per_round"] == eps and r["arm"] == arm]
         row = {**rs[0], "accuracy": statistics.mean(r["accuracy"] for r in rs),
@@ -140,7 +147,3 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(md))
     print(f"\nwrote {out_root / 'results.csv'} and {out_root / 'results.md'}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
