@@ -24,15 +24,12 @@ from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, 
 from client.messages.baselines import UNIFORM_WEIGHT_KEY, ClippingNorm, LocalDpNoise
 from client.messages.common import merge_configs
 from protocols.config import RunConfig
-from protocols.privacy import calibrate_noise_multiplier, gaussian_epsilon
+from protocols.privacy import GaussianEvent, PrivacyLedger, RdpAccountant, calibrate_noise_multiplier
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 
 
 class FedAvgStrategy(CancelStrategy):
-    """Federated averaging without privacy protection (the utility upper bound)."""
-
-    def privacy_report(self, server_round: int) -> dict[str, float]:
-        return {"epsilon": math.inf, "epsilon_uplink": math.inf, "epsilon_downlink": math.inf}
+    """Federated averaging without privacy protection (the utility upper bound; no accounts: epsilon inf)."""
 
 
 class LocalDPStrategy(CancelStrategy):
@@ -43,6 +40,7 @@ class LocalDPStrategy(CancelStrategy):
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
         self.z = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds)
+        self.privacy = PrivacyLedger(cfg.delta, uplink=RdpAccountant(), downlink=RdpAccountant(), headline="uplink")
 
     def train_config(self, server_round: int) -> ConfigRecord:
         """The round number and the std of the noise each client adds (a ``LocalDpNoise``)."""
@@ -55,11 +53,11 @@ class LocalDPStrategy(CancelStrategy):
     def describe(self) -> dict[str, float | str]:
         return {"noise_multiplier": self.z, "noise_std": self.z * self.cfg.clip}
 
-    def privacy_report(self, server_round: int) -> dict[str, float]:
-        up = gaussian_epsilon(self.z, 1.0, server_round, self.cfg.delta)
+    def account_round(self, state: RoundState) -> None:
+        """Each upload: Gaussian with multiplier z, no amplification; the uniform mean of m: ``z sqrt(m)``, rate m/N."""
+        self.privacy.uplink.compose(GaussianEvent(self.z))
         m = self.cfg.clients_per_round
-        down = gaussian_epsilon(self.z * math.sqrt(m), m / self.cfg.num_clients, server_round, self.cfg.delta)
-        return {"epsilon": up, "epsilon_uplink": up, "epsilon_downlink": down}
+        self.privacy.downlink.compose(GaussianEvent(self.z * math.sqrt(m), m / self.cfg.num_clients))
 
 
 class CentralDPStrategy(CancelStrategy):
@@ -69,6 +67,8 @@ class CentralDPStrategy(CancelStrategy):
         super().__init__(cfg)
         self.q = cfg.clients_per_round / cfg.num_clients
         self.z = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, self.q, cfg.num_rounds)
+        # Trusted server: no uplink guarantee; the noised mean is amplified by sampling m of N.
+        self.privacy = PrivacyLedger(cfg.delta, downlink=RdpAccountant(), headline="downlink")
         self.inner = DifferentialPrivacyClientSideFixedClipping(
             FedAvg(weighted_by_key=UNIFORM_WEIGHT_KEY), noise_multiplier=self.z, clipping_norm=cfg.clip,
             num_sampled_clients=cfg.clients_per_round)
@@ -87,6 +87,6 @@ class CentralDPStrategy(CancelStrategy):
     def describe(self) -> dict[str, float | str]:
         return {"noise_multiplier": self.z, "aggregate_noise_std": self.z * self.cfg.clip / self.cfg.clients_per_round}
 
-    def privacy_report(self, server_round: int) -> dict[str, float]:
-        down = gaussian_epsilon(self.z, self.q, server_round, self.cfg.delta)
-        return {"epsilon": down, "epsilon_uplink": math.inf, "epsilon_downlink": down}
+    def account_round(self, state: RoundState) -> None:
+        """The noised mean of the m clipped updates: a Gaussian with multiplier z, amplified by sampling (rate m/N)."""
+        self.privacy.downlink.compose(GaussianEvent(self.z, self.q))

@@ -23,14 +23,15 @@ Intermediate servers: ``ddpsa-servers`` (comma-separated ``host:port``, exactly
 in through the run config.  Every run uses a fresh random ``run_id`` so runs sharing servers
 never mix.
 
-Privacy budget (``privacy_report``): run-config ``epsilon``/``delta`` are the *total*
+Privacy budget (``self.privacy``, read by ``privacy_report``): run-config ``epsilon``/``delta`` are the *total*
 budget; :func:`protocols.privacy.per_round_epsilons` turns it into ``eps_t`` with
 the ``ddpsa-allocation`` shape (``uniform`` or Eq. 12 ``exponential`` with
 ``alpha = ddpsa-decay``) certified by ``ddpsa-composition`` (Theorem 2: ``basic`` =
 the ``eps_t`` sum to ``epsilon``; ``advanced`` = heterogeneous advanced composition with
-``delta' = delta`` meets ``epsilon``).  After round ``t`` we report the epsilon spent by
-rounds ``1..t``: the basic sum, or under ``advanced`` the smaller of the two valid
-bounds.  Each ``eps_t`` protects one *sample* of a client's data (per-sample L1
+``delta' = delta`` meets ``epsilon``).  Each round released composes ``eps_t``
+(:class:`protocols.privacy.DpCompositionAccountant`); we report the epsilon spent so far:
+the basic sum, or under ``advanced`` the smaller of the two valid bounds.  Each ``eps_t``
+protects one *sample* of a client's data (per-sample L1
 clipping, add/remove adjacency), not a whole client as the ``ldp`` baseline does.  The
 secret sharing adds no privacy loss (post-processing; Corollary 1); downlink = uplink.
 """
@@ -52,7 +53,14 @@ from client.messages.ddpsa import DdpsaRound
 from client.wire import Weights, from_record, to_record
 from protocols.arrays import flatten, unflatten
 from protocols.config import ConfigError, RunConfig
-from protocols.privacy import BudgetSchedule, compose_advanced, per_round_epsilons
+from protocols.privacy import (
+    BudgetSchedule,
+    DpCompositionAccountant,
+    LaplaceEvent,
+    PrivacyLedger,
+    laplace_scale,
+    per_round_epsilons,
+)
 from protocols.secret_sharing import FixedPointCodec
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 
@@ -100,6 +108,9 @@ class DdpsaStrategy(CancelStrategy):
             cfg.epsilon, cfg.delta, cfg.num_rounds, allocation=cfg.ddpsa_allocation, alpha=cfg.ddpsa_decay,
             composition=cfg.ddpsa_composition,
         )
+        # Rounds released so far, composed as the schedule was certified (advanced: the smaller of the two bounds).
+        spent = DpCompositionAccountant(composition="best" if self.schedule.composition == "advanced" else "basic")
+        self.privacy = PrivacyLedger(cfg.delta, uplink=spent, downlink=spent)
         self.codec = FixedPointCodec(frac_bits=cfg.ddpsa_frac_bits, max_clients=max(cfg.num_clients, 2))
         self.run_id = uuid.uuid4().hex
         #: Last reconstructed aggregate: decoded sum of the clients' noisy sums (diagnostics, tests).
@@ -178,20 +189,10 @@ class DdpsaStrategy(CancelStrategy):
             "epsilon_last_round": float(eps[-1]),
             "epsilon_total_certified": self.schedule.spent.epsilon,
             "delta_total_certified": self.schedule.spent.delta,
-            "laplace_scale_first_round": self.cfg.clip / float(eps[0]),
+            "laplace_scale_first_round": laplace_scale(self.cfg.clip, float(eps[0])),
             "frac_bits": self.codec.frac_bits,
         }
 
-    def spent(self, server_round: int) -> float:
-        """Epsilon spent by rounds ``1..server_round`` (at the run-config delta)."""
-        eps = self.schedule.epsilons[: max(0, min(server_round, len(self.schedule.epsilons)))]
-        if eps.size == 0:
-            return 0.0
-        basic = float(eps.sum())
-        if self.schedule.composition == "advanced":
-            return min(basic, compose_advanced(eps, delta_prime=self.schedule.delta_prime).epsilon)
-        return basic
-
-    def privacy_report(self, server_round: int) -> dict[str, float]:
-        eps = self.spent(server_round)
-        return {"epsilon": eps, "epsilon_uplink": eps, "epsilon_downlink": eps}
+    def account_round(self, state: RoundState) -> None:
+        """Each client's round-``t`` upload is ``eps_t``-DP (Laplace); one bound for both views."""
+        self.privacy.compose(LaplaceEvent(self.epsilon_of_round(state.round)))

@@ -6,15 +6,15 @@ noise to the layers whose weight norm reaches ``R`` (``ladp-norm-threshold``), w
 ``|D_i| / D`` (Algorithm 1 line 6) and reports, per round, which layers got noise and
 how much.
 
-Privacy accounting (``privacy_report``)
----------------------------------------
+Privacy accounting (``self.privacy``, read by ``privacy_report``)
+----------------------------------------------------------------
 ``epsilon``/``delta`` in the run config are the *per-round* guarantee of the paper's
 Theorem 3.  With the corrected constant ``c = c0 B`` and ``P_j <= B`` every noised
 layer gets ``sigma_j >= c0 Delta_f / epsilon`` and the whole model moves by at most
 ``Delta_f`` (L2) between adjacent datasets, so one round is a Gaussian mechanism with
 noise multiplier ``z = sigma_min / Delta_f = c0 / epsilon`` (independent of the
 client's ``Delta_f``).  Over ``T`` rounds we compose *exactly*
-(:func:`protocols.privacy.gdp_epsilon`): ``T`` Gaussian releases with multiplier ``z``
+(:class:`protocols.privacy.GdpAccountant`): ``T`` Gaussian releases with multiplier ``z``
 are equivalent to one with multiplier ``z / sqrt(T)`` (Gaussian DP, Dong-Roth-Su 2019),
 whose epsilon at ``delta`` comes from the analytic Gaussian privacy profile (Balle &
 Wang 2018).  This is tighter than the basic composition
@@ -50,7 +50,7 @@ from client.messages.common import num_examples
 from client.messages.ladp import NoiseReport
 from protocols import ladp
 from protocols.config import RunConfig
-from protocols.privacy import gdp_epsilon
+from protocols.privacy import GaussianEvent, GdpAccountant, PrivacyLedger
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 
 
@@ -63,8 +63,16 @@ class LadpStrategy(CancelStrategy):
         self.c0 = ladp.theorem3_c(cfg.epsilon, cfg.delta, 1.0, "corrected")
         #: Smallest noise multiplier sigma_j / Delta_f any noised layer gets.
         self.noise_multiplier = self.c0 / cfg.epsilon
-        #: True once some client uploaded a layer without noise (no model-level DP).
-        self.unnoised_release = False
+        # One exact (GDP) bound for both views; an un-noised upload composes a release without noise (inf).
+        # The paper's claim, restricted to the noised layers, is the extra account "noised_layers".
+        model = GdpAccountant()
+        self.privacy = PrivacyLedger(cfg.delta, uplink=model, downlink=model, extra={"noised_layers": GdpAccountant()})
+
+    def account_round(self, state: RoundState) -> None:
+        """Every noised layer gets at least multiplier z: the round is a Gaussian release with z (model and layers)."""
+        event = GaussianEvent(self.noise_multiplier)
+        self.privacy.compose(event)
+        self.privacy.extra["noised_layers"].compose(event)
 
     def aggregate(self, state: RoundState, by_node: dict[int, Message], errors: list[str]) -> ArrayRecord | None:
         """Example-weighted mean (Algorithm 1 line 6) and the round's noise figures."""
@@ -77,7 +85,8 @@ class LadpStrategy(CancelStrategy):
                 raise RoundFailed(f"round {state.round}: node {node} sent a malformed LaDP noise report: {err}") from err
             weights.append(float(num_examples(metrics)))
         arrays = super().aggregate(state, by_node, errors)
-        self.unnoised_release |= any(r.unnoised_release for r in reports)
+        if any(r.unnoised_release for r in reports):
+            self.privacy.compose(GaussianEvent(0.0))  # layers below R went out without noise: no model-level DP
         total_w, n = sum(weights), len(reports)
         per_layer = [r.noise_norms() for r in reports]
         self.report(
@@ -86,7 +95,7 @@ class LadpStrategy(CancelStrategy):
             aggregate_noise_norm=math.sqrt(
                 sum((w / total_w) ** 2 * r.total_noise_norm ** 2 for w, r in zip(weights, reports, strict=True))
             ),
-            epsilon_noised_layers=gdp_epsilon(self.noise_multiplier, state.round, self.cfg.delta),
+            **self.privacy.extra_report(),  # epsilon_noised_layers
             epsilon_basic=state.round * self.cfg.epsilon,
             **{k: sum(layers.get(k, 0.0) for layers in per_layer) / n for k in sorted(set().union(*per_layer))},
         )
@@ -104,10 +113,3 @@ class LadpStrategy(CancelStrategy):
             "grad_clip_Gc": self.cfg.clip,
             "composition": "exact Gaussian composition (GDP), epsilon at run-config delta",
         }
-
-    def privacy_report(self, server_round: int) -> dict[str, float]:
-        """Composed epsilon after ``server_round`` rounds; inf once an un-noised layer was released."""
-        eps = gdp_epsilon(self.noise_multiplier, server_round, self.cfg.delta)
-        if self.unnoised_release:
-            eps = math.inf
-        return {"epsilon": eps, "epsilon_uplink": eps, "epsilon_downlink": eps}

@@ -25,6 +25,7 @@ from server.defaults import app_defaults
 from server.intermediate import IntermediateServerCluster, start_intermediate_servers
 from server.local_grid import LocalGrid
 from server.runner import run_federation
+from strategies.base import RoundState
 from strategies.ddpsa import DdpsaStrategy
 from tests.processes import pid_gone
 
@@ -194,17 +195,27 @@ def test_config_errors_are_clear() -> None:
         _setup()  # the strategy never starts servers: with none named it refuses
 
 
+def _spent(strategy: DdpsaStrategy, rounds: int) -> list[float]:
+    """Epsilon reported after each of ``rounds`` released rounds (composed as configure_train does)."""
+    out = []
+    for t in range(1, rounds + 1):
+        strategy.account_round(RoundState(t, []))
+        out.append(strategy.privacy_report(t)["epsilon"])
+    return out
+
+
 def test_budget_schedules_and_spent_epsilon() -> None:
     _, _, s = _setup(num_rounds=10, epsilon=5.0, ddpsa_allocation="exponential", ddpsa_decay=0.8, ddpsa_servers=UNREACHED)
     eq12 = exponential_allocation(5.0, 10, 0.8)
     np.testing.assert_allclose([s.epsilon_of_round(t) for t in range(1, 11)], eq12, rtol=1e-12)
-    np.testing.assert_allclose([s.privacy_report(t)["epsilon"] for t in range(1, 11)], np.cumsum(eq12), rtol=1e-12)
+    np.testing.assert_allclose(_spent(s, 10), np.cumsum(eq12), rtol=1e-12)
     assert s.epsilon_of_round(1) > s.epsilon_of_round(10)
     _, _, adv = _setup(num_rounds=200, epsilon=5.0, ddpsa_composition="advanced", ddpsa_servers=UNREACHED)
     _, _, basic = _setup(num_rounds=200, epsilon=5.0, ddpsa_composition="basic", ddpsa_servers=UNREACHED)
     # Advanced composition certifies larger per-round budgets over many rounds, same total.
     assert adv.epsilon_of_round(1) > 1.5 * basic.epsilon_of_round(1)
-    assert adv.privacy_report(200)["epsilon"] == pytest.approx(5.0, rel=1e-9)
-    assert basic.privacy_report(200)["epsilon"] == pytest.approx(5.0, rel=1e-9)
-    spent = [adv.privacy_report(t)["epsilon"] for t in (1, 10, 100, 200)]
+    adv_spent, basic_spent = _spent(adv, 200), _spent(basic, 200)
+    assert adv_spent[-1] == pytest.approx(5.0, rel=1e-9)
+    assert basic_spent[-1] == pytest.approx(5.0, rel=1e-9)
+    spent = [adv_spent[t - 1] for t in (1, 10, 100, 200)]
     assert spent == sorted(spent) and spent[0] == pytest.approx(adv.epsilon_of_round(1))  # basic is tighter early

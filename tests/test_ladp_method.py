@@ -21,6 +21,7 @@ from protocols.config import RunConfig
 from protocols.privacy import gaussian_delta, gdp_epsilon
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
+from strategies.base import RoundState
 from strategies.ladp import LadpStrategy
 
 # Full LDP = LaDP with every layer selected (R = 0) and P_j = B for every layer (B at the
@@ -97,7 +98,11 @@ def test_exact_composition_is_valid_and_tighter_than_basic(eps: float) -> None:
     cfg, _, _, strategy = _setup(epsilon=eps, **FULL)
     z = ladp.theorem3_c0_corrected(eps, cfg.delta) / eps
     assert strategy.noise_multiplier == pytest.approx(z)
-    spent = [strategy.privacy_report(t)["epsilon"] for t in (1, 2, 10, 50)]
+    reported = []
+    for t in range(1, 51):  # rounds released, composed as configure_train does
+        strategy.account_round(RoundState(t, []))
+        reported.append(strategy.privacy_report(t)["epsilon"])
+    spent = [reported[t - 1] for t in (1, 2, 10, 50)]
     assert spent[0] <= eps  # the corrected Theorem 3 constant is (eps, delta)-DP per round
     for t, e in zip((1, 2, 10, 50), spent, strict=True):
         # T Gaussian releases with multiplier z == one with z/sqrt(T): exact delta at the reported epsilon.
