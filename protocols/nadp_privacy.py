@@ -132,15 +132,25 @@ def calibrate_from_sensitivities(
         raise ValueError("sensitivities and weights must have the same client ids")
     p = normalize_weights(weights)
     sens = {c: _positive("sensitivity", sensitivities[c]) for c in p}
-    d_up = max(sens.values())
-    d_down = max(p[c] * sens[c] for c in p)
-    t_eff = _effective_rounds(rounds, None)
+    return _eq3(max(sens.values()), max(p[c] * sens[c] for c in p), epsilon, delta, _effective_rounds(rounds, None))
+
+
+def _eq3(d_up: float, d_down: float, epsilon: float, delta: float, t_eff: float) -> NadpSigmas:
+    """Eq. 3: each phase's sigma for the paper's ``2T`` composed queries (T uplink + T downlink, Lemma 2)."""
     return NadpSigmas(
         sigma_up=lemma2_sigma(d_up, epsilon, delta, 2.0 * t_eff),
         sigma_down=lemma2_sigma(d_down, epsilon, delta, 2.0 * t_eff),
         sensitivity_up=d_up,
         sensitivity_down=d_down,
     )
+
+
+def _phase_sensitivities(clip: float, dataset_sizes: Mapping[int, int] | Iterable[int], lr: float,
+                         local_steps: int) -> tuple[float, float]:
+    """Lemma 1 per phase: ``(Delta_up, Delta_down) = (2C/|D_min|, 2C/|D|)`` (times ``lr * local_steps``)."""
+    sizes = _sizes(dataset_sizes)
+    return (sensitivity(clip, min(sizes), lr=lr, local_steps=local_steps),
+            sensitivity(clip, math.fsum(sizes), lr=lr, local_steps=local_steps))
 
 
 @dataclass(frozen=True)
@@ -174,16 +184,8 @@ def calibrate_sigmas(
     ``dataset_sizes`` are those of the clients sampled *this round* (the paper's
     ``|D_min|`` and ``|D|`` are per sampling round).
     """
-    sizes = _sizes(dataset_sizes)
-    t_eff = _effective_rounds(rounds, sampling_rate)
-    d_up = sensitivity(clip, min(sizes), lr=lr, local_steps=local_steps)
-    d_down = sensitivity(clip, math.fsum(sizes), lr=lr, local_steps=local_steps)
-    return NadpSigmas(
-        sigma_up=lemma2_sigma(d_up, epsilon, delta, 2.0 * t_eff),
-        sigma_down=lemma2_sigma(d_down, epsilon, delta, 2.0 * t_eff),
-        sensitivity_up=d_up,
-        sensitivity_down=d_down,
-    )
+    d_up, d_down = _phase_sensitivities(clip, dataset_sizes, lr, local_steps)
+    return _eq3(d_up, d_down, epsilon, delta, _effective_rounds(rounds, sampling_rate))
 
 
 def epsilon_from_sigmas(
@@ -199,10 +201,8 @@ def epsilon_from_sigmas(
     sampling_rate: float | None = None,
 ) -> float:
     """Reverse of :func:`calibrate_sigmas` with the paper's composition (T uplink + T downlink)."""
-    sizes = _sizes(dataset_sizes)
     t_eff = _effective_rounds(rounds, sampling_rate)
-    d_up = sensitivity(clip, min(sizes), lr=lr, local_steps=local_steps)
-    d_down = sensitivity(clip, math.fsum(sizes), lr=lr, local_steps=local_steps)
+    d_up, d_down = _phase_sensitivities(clip, dataset_sizes, lr, local_steps)
     return lemma2_epsilon([(d_up, sigma_up, t_eff), (d_down, sigma_down, t_eff)], delta)
 
 
