@@ -23,6 +23,7 @@ from pathlib import Path
 
 from flwr.app import Message
 
+from client.messages.common import TrainIns
 from server.local_grid import LocalGrid
 
 Hook = Callable[[list[Message], list[Message]], None]
@@ -49,7 +50,7 @@ def _round_of(msgs: Sequence[Message], default: int) -> int:
     """Round number carried in the messages' config (every cancelfl phase sends it)."""
     for m in msgs:
         try:
-            return int(m.content["config"]["round"])
+            return TrainIns.from_config(m.content["config"]).round
         except (KeyError, TypeError, ValueError):
             continue
     return default

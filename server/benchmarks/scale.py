@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from client.messages.keys import PeerKeys
 from server.benchmarks import common
 from server.benchmarks.runs import run_point, warm_up
 
@@ -22,6 +23,14 @@ HELP = "per-client cost at growing client counts"
 
 COLUMNS = ("name", "clients", "status", "client_s", "server_s", "deployed_s", "bytes_down", "bytes_up",
            "bytes_per_client_round", "neighbours", "total_s")
+
+
+def _degree(config) -> int:
+    """Neighbours a train message names (0 for methods without a key phase)."""
+    try:
+        return len(PeerKeys.from_config(config).peer_ids)
+    except (KeyError, ValueError):
+        return 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
         def hook(msgs, _replies, degree=degree) -> None:
             if msgs and msgs[0].metadata.message_type == "train":
-                deg = [len(list(m.content["config"].get("peer-ids", []))) for m in msgs if "config" in m.content]
+                deg = [_degree(m.content["config"]) for m in msgs if "config" in m.content]
                 degree["mean"] = float(np.mean(deg)) if deg else 0.0
 
         r = run_point(m, args.epsilon, k, base, msets, out / "runs" / f"{m}-k{k}", hooks=[hook])
