@@ -83,32 +83,42 @@ def clipped_grad_sum(model: nn.Module, x: Tensor, y: Tensor, clip: float, *, nor
         raise ValueError(f"norm must be 'l2' or 'l1', got {norm!r}")
     if not clip > 0:
         raise ValueError(f"clip must be > 0, got {clip!r}")
-    if len(y) == 0 or len(x) != len(y):
+    if y.shape[0] == 0 or x.shape[0] != y.shape[0]:
         raise ValueError("need a non-empty batch with one target per input")
-    blocker = fast_path_blocker(model)
-    if blocker is None:
-        result = _layerwise_clipped_sum(model, x, y, clip, norm, loss)
+    layers = _trainable_layers(model)
+    if not layers:
+        raise ValueError("the model has no trainable parameters")
+    if not isinstance(layers, str):
+        result = _layerwise_clipped_sum(model, layers, x, y, clip, norm, loss)
         if isinstance(result, ClippedSum):
             _log_once(model, "layer-wise")
             return result
-        blocker = result
-    _log_once(model, f"vmap ({blocker})")
+        layers = result
+    _log_once(model, f"vmap ({layers})")
     return vmap_clipped_grad_sum(model, x, y, clip, norm=norm, loss=loss)
 
 
 def fast_path_blocker(model: nn.Module) -> str | None:
     """Why ``model`` cannot take the layer-wise path (None if every trainable parameter is in a supported layer)."""
+    layers = _trainable_layers(model)
+    return layers if isinstance(layers, str) else None
+
+
+def _trainable_layers(model: nn.Module) -> list[nn.Module] | str:
+    """The modules holding trainable parameters, all supported layers; else why not."""
+    layers: list[nn.Module] = []
     owners: set[int] = set()
     for name, module in model.named_modules():
-        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        own = [id(p) for p in module.parameters(recurse=False) if p.requires_grad]
         if not own:
             continue
         if not _supported(module):
             return f"{type(module).__name__} {name!r} has no fast path"
-        if any(id(p) in owners for p in own):
+        if not owners.isdisjoint(own):
             return f"a parameter of {name!r} is shared with another layer"
-        owners.update(id(p) for p in own)
-    return None
+        owners.update(own)
+        layers.append(module)
+    return layers
 
 
 def _supported(module: nn.Module) -> bool:
@@ -138,41 +148,39 @@ class _Site:
     calls: int = 1
 
 
-def _layerwise_clipped_sum(model: nn.Module, x: Tensor, y: Tensor, clip: float, norm: Norm,
+def _layerwise_clipped_sum(model: nn.Module, layers: list[nn.Module], x: Tensor, y: Tensor, clip: float, norm: Norm,
                            loss: PerExampleLoss) -> ClippedSum | str:
     """The fast path; returns the reason instead when the forward does not fit it."""
-    sites, losses = _forward(model, x, y, loss, copy_outputs=False)
+    n = y.shape[0]
+    sites, losses = _forward(model, layers, x, y, loss, copy_outputs=False)
     if any(s.output._version != s.version for s in sites.values()):
         # an in-place op (e.g. ReLU(inplace=True)) overwrote a layer output: keep a copy instead
-        sites, losses = _forward(model, x, y, loss, copy_outputs=True)
-    layers = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+        sites, losses = _forward(model, layers, x, y, loss, copy_outputs=True)
     for m in layers:
         site = sites.get(id(m))
         if site is None or site.calls != 1:
             return f"layer {type(m).__name__} ran {0 if site is None else site.calls} times in one forward"
-        if site.inputs is None or site.inputs.dim() < 2 or site.inputs.shape[0] != len(y) or site.output.shape[0] != len(y):
+        if site.inputs is None or site.inputs.dim() < 2 or site.inputs.shape[0] != n or site.output.shape[0] != n:
             return f"layer {type(m).__name__} does not keep the batch axis first"
-    if losses.shape != (len(y),):
-        raise ValueError(f"loss must return one value per example, shape ({len(y)},), got {tuple(losses.shape)}")
+    if losses.shape != (n,):
+        raise ValueError(f"loss must return one value per example, shape ({n},), got {tuple(losses.shape)}")
     outputs = [sites[id(m)].output for m in layers]
-    deltas = torch.autograd.grad(losses.sum(), outputs, allow_unused=True, materialize_grads=True)
+    deltas = torch.autograd.grad(losses.sum(), outputs, allow_unused=True)
     with torch.no_grad():
-        forms = [_form(sites[id(m)], d) for m, d in zip(layers, deltas, strict=True)]
-        norms = torch.zeros(len(y), dtype=torch.float64, device=y.device)
-        for f in forms:
-            norms += f.norm_term(norm)
-        norms = norms.sqrt() if norm == "l2" else norms
-        scale = 1.0 / torch.clamp(norms / clip, min=1.0)
-        grads: dict[int, Tensor] = {}
-        for f in forms:
-            grads.update(f.clipped_sum(scale))
-        out = [grads.get(id(p), torch.zeros_like(p)) for p in model.parameters()]
-    return ClippedSum([g.detach() for g in out], losses.detach(), int((norms > clip).sum()))
+        forms = [_form(sites[id(m)], torch.zeros_like(z) if d is None else d)
+                 for m, z, d in zip(layers, outputs, deltas, strict=True)]
+        norms = sum(f.norm_term(norm) for f in forms[1:]) + forms[0].norm_term(norm)
+        if norm == "l2":
+            norms = norms.sqrt()
+        scale = (clip / norms).clamp_(max=1.0)  # 1 / max(1, norm / clip); a zero gradient gets scale 1
+        grads = {key: g for f in forms for key, g in f.clipped_sum(scale).items()}
+        out = [grads[id(p)] if id(p) in grads else torch.zeros_like(p) for p in model.parameters()]
+    return ClippedSum(out, losses.detach(), int((norms > clip).sum()))
 
 
-def _forward(model: nn.Module, x: Tensor, y: Tensor, loss: PerExampleLoss, *, copy_outputs: bool
-             ) -> tuple[dict[int, _Site], Tensor]:
-    """Run the model once with hooks on its supported layers; returns their sites and the per-example losses."""
+def _forward(model: nn.Module, layers: list[nn.Module], x: Tensor, y: Tensor, loss: PerExampleLoss, *,
+             copy_outputs: bool) -> tuple[dict[int, _Site], Tensor]:
+    """Run the model once with hooks on ``layers``; returns their sites and the per-example losses."""
     sites: dict[int, _Site] = {}
 
     def hook(module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> Tensor:
@@ -183,7 +191,7 @@ def _forward(model: nn.Module, x: Tensor, y: Tensor, loss: PerExampleLoss, *, co
         sites[id(module)] = _Site(module, args[0].detach() if args else None, output, output._version)
         return output.clone() if copy_outputs else output
 
-    handles = [m.register_forward_hook(hook) for m in model.modules() if _supported(m)]
+    handles = [m.register_forward_hook(hook) for m in layers]
     try:
         with torch.enable_grad():
             losses = loss(model(x), y)
@@ -202,19 +210,17 @@ class _LinearForm:
     def norm_term(self, norm: Norm) -> Tensor:
         """Per-example ``||g||_2^2`` (l2) or ``||g||_1`` (l1) of this layer's trainable parameters."""
         w, b = self.module.weight, self.module.bias
-        if norm == "l2":
-            dd = (self.d * self.d).sum(1, dtype=torch.float64)
-            aa = (self.a * self.a).sum(1, dtype=torch.float64)
-        else:
-            dd = self.d.abs().sum(1, dtype=torch.float64)
-            aa = self.a.abs().sum(1, dtype=torch.float64)
-        return dd * (aa * w.requires_grad + (b is not None and b.requires_grad))
+        dd = (self.d.square() if norm == "l2" else self.d.abs()).sum(1)
+        if not w.requires_grad:
+            return dd
+        aa = (self.a.square() if norm == "l2" else self.a.abs()).sum(1)
+        return dd * (aa + 1.0) if b is not None and b.requires_grad else dd * aa
 
     def clipped_sum(self, scale: Tensor) -> dict[int, Tensor]:
         """Gradient sums of the layer's trainable parameters, example i weighted by ``scale[i]``."""
-        sd = self.d * scale.to(self.d.dtype)[:, None]
+        sd = self.d * scale[:, None]
         w, b = self.module.weight, self.module.bias
-        out = {id(w): sd.t() @ self.a} if w.requires_grad else {}
+        out = {id(w): torch.mm(sd.t(), self.a)} if w.requires_grad else {}
         if b is not None and b.requires_grad:
             out[id(b)] = sd.sum(0)
         return out
@@ -238,13 +244,13 @@ def _unfolded_norm_term(patches: Callable[[int, int], tuple[Tensor, Tensor]], ba
         else:
             g = d @ a.transpose(2, 3)  # (b, G, O, K)
             term = g * g if norm == "l2" else g.abs()
-        terms.append(term.flatten(1).sum(1, dtype=torch.float64))
+        terms.append(term.flatten(1).sum(1))
     return torch.cat(terms)
 
 
 def _bias_norm_term(d: Tensor, norm: Norm) -> Tensor:
     """Per-example ``||d||^2`` (l2) or ``||d||_1`` (l1) of a bias gradient ``d: (B, ...)``."""
-    return (d * d if norm == "l2" else d.abs()).flatten(1).sum(1, dtype=torch.float64)
+    return (d * d if norm == "l2" else d.abs()).flatten(1).sum(1)
 
 
 class _SequenceLinearForm:
@@ -260,7 +266,7 @@ class _SequenceLinearForm:
         """Per-example ``||g||_2^2`` (l2) or ``||g||_1`` (l1) of this layer's trainable parameters."""
         (batch, positions, k), o = self.a.shape, self.d.shape[-1]
         w, b = self.module.weight, self.module.bias
-        total = torch.zeros(batch, dtype=torch.float64, device=self.a.device)
+        total = self.d.new_zeros(batch)
         if b is not None and b.requires_grad:
             total += _bias_norm_term(self.d.sum(1), norm)
         if w.requires_grad:
@@ -272,7 +278,7 @@ class _SequenceLinearForm:
 
     def clipped_sum(self, scale: Tensor) -> dict[int, Tensor]:
         """Gradient sums of the layer's trainable parameters, example i weighted by ``scale[i]``."""
-        sd = (self.d * scale.to(self.d.dtype)[:, None, None]).reshape(-1, self.d.shape[-1])
+        sd = (self.d * scale[:, None, None]).reshape(-1, self.d.shape[-1])
         w, b = self.module.weight, self.module.bias
         out = {id(w): sd.t() @ self.a.reshape(-1, self.a.shape[-1])} if w.requires_grad else {}
         if b is not None and b.requires_grad:
@@ -296,7 +302,7 @@ class _ConvForm:
         m, batch = self.module, self.a.shape[0]
         w, b = m.weight, m.bias
         groups, o = m.groups, m.out_channels // m.groups
-        total = torch.zeros(batch, dtype=torch.float64, device=self.d.device)
+        total = self.d.new_zeros(batch)
         if b is not None and b.requires_grad:
             total += _bias_norm_term(self.d.flatten(2).sum(2), norm)
         if not w.requires_grad:
@@ -329,7 +335,7 @@ class _ConvForm:
     def clipped_sum(self, scale: Tensor) -> dict[int, Tensor]:
         """Gradient sums of the layer's trainable parameters, example i weighted by ``scale[i]`` (native conv kernel)."""
         m = self.module
-        sd = self.d * scale.to(self.d.dtype)[:, None, None, None]
+        sd = self.d * scale[:, None, None, None]
         out = {}
         if m.weight.requires_grad:
             out[id(m.weight)] = torch.nn.grad.conv2d_weight(self.a, m.weight.shape, sd, stride=m.stride,
@@ -374,9 +380,9 @@ def vmap_clipped_grad_sum(model: nn.Module, x: Tensor, y: Tensor, clip: float, *
         g = per_example_gradients(model, xs, ys, loss)
         flat = [t.reshape(len(ys), -1) for t in g.values()]
         if norm == "l2":
-            norms = sum((t * t).sum(1, dtype=torch.float64) for t in flat).sqrt()
+            norms = sum((t * t).sum(1) for t in flat).sqrt()
         else:
-            norms = sum(t.abs().sum(1, dtype=torch.float64) for t in flat)
+            norms = sum(t.abs().sum(1) for t in flat)
         scale = 1.0 / torch.clamp(norms / clip, min=1.0)
         clipped += int((norms > clip).sum())
         for k, t in g.items():

@@ -19,6 +19,7 @@ from client.messages.nadp import NadpPlan
 from client.methods import nadp as nadp_client
 from client.models import build_model, get_weights
 from client.wire import from_record, to_record
+from protocols import per_example
 from protocols.arrays import flatten
 from protocols.config import ConfigError, RunConfig
 from protocols.nadp import calibrate_sigmas, local_sgd_sensitivity, upload_noise_scales
@@ -256,12 +257,12 @@ def test_mlp_fast_path_matches_per_example_autograd():
     model = build_model("mlp", (1, 8, 8), 10, (16, 12), 3)
     x = torch.randn(23, 1, 8, 8)
     y = torch.randint(0, 10, (23,))
-    unclipped, _, _ = nadp_client._vmap_clipped_grad_sum(model, x, y, math.inf)
-    norms = torch.stack([torch.sqrt(sum((g * g).sum() for g in nadp_client._vmap_clipped_grad_sum(
+    unclipped, _, _ = per_example.vmap_clipped_grad_sum(model, x, y, math.inf)
+    norms = torch.stack([torch.sqrt(sum((g * g).sum() for g in per_example.vmap_clipped_grad_sum(
         model, x[i:i + 1], y[i:i + 1], math.inf)[0])) for i in range(23)])
     clip = float(norms.median())
-    fast, _, n_fast = nadp_client._mlp_clipped_grad_sum(model, x, y, clip)
-    slow, _, n_slow = nadp_client._vmap_clipped_grad_sum(model, x, y, clip)
+    fast, _, n_fast = nadp_client.clipped_grad_sum(model, x, y, clip)
+    slow, _, n_slow = per_example.vmap_clipped_grad_sum(model, x, y, clip)
     assert n_fast == n_slow and 0 < n_fast < 23  # some, not all, examples were clipped
     for a, b in zip(fast, slow, strict=True):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)

@@ -240,3 +240,18 @@ def test_per_example_gradients_match_a_loop_and_reject_bad_arguments() -> None:
             clipped_grad_sum(model, x, y, **{"clip": 1.0, **bad})
     with pytest.raises(ValueError):
         clipped_grad_sum(model, x[:0], y[:0], 1.0)
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        clipped_grad_sum(model, x, y, 1.0)
+
+
+def test_float32_model_gets_float32_sums_close_to_float64() -> None:
+    model = build_model("cnn", (1, 8, 8), 10, seed=13)
+    gen = torch.Generator().manual_seed(14)
+    x, y = torch.rand(10, 1, 8, 8, generator=gen), torch.randint(0, 10, (10,), generator=gen)
+    for norm in ("l2", "l1"):
+        single = clipped_grad_sum(model.float(), x.float(), y, 0.5, norm=norm)
+        double = clipped_grad_sum(model.double(), x, y, 0.5, norm=norm)
+        assert all(g.dtype == torch.float32 for g in single.grads) and single.clipped == double.clipped
+        for a, b in zip(single.grads, double.grads, strict=True):
+            assert float((a.double() - b).norm() / b.norm()) < 1e-5

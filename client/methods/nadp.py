@@ -42,18 +42,17 @@ from client.env import ClientEnv, reply
 from client.messages.common import TrainIns
 from client.messages.keys import PeerKeys, probe_metric
 from client.messages.nadp import NadpPlan
-from client.models import MLP, get_weights
+from client.models import get_weights
 from client.pairwise_phase import mask_probe, pair_seeds
 from client.wire import Weights, from_record, to_record
 from protocols.arrays import flatten, unflatten
 from protocols.graphs import round_graph
 from protocols.nadp import nadp_upload, upload_noise_scales
 from protocols.pairwise import pairwise_noise
+from protocols.per_example import clipped_grad_sum
 from protocols.prg import gaussian
 
 PAIR_PURPOSE = "nadp-counteract"
-#: Examples per chunk of the generic (vmap) per-example gradient path (bounds memory).
-_VMAP_CHUNK = 256
 
 
 def residual_seed() -> bytes:
@@ -71,77 +70,6 @@ def batches(n: int, batch_size: int, rng: np.random.Generator) -> Iterator[np.nd
     order = rng.permutation(n)
     for start in range(0, n, batch_size):
         yield order[start:start + batch_size]
-
-
-def _mlp_clipped_grad_sum(model: MLP, x: torch.Tensor, y: torch.Tensor, clip: float
-                          ) -> tuple[list[torch.Tensor], torch.Tensor, int]:
-    """Sum of per-example clipped gradients of an MLP, without materialising them.
-
-    For a Linear layer the per-example gradient is ``delta_i a_i^T`` (weight)
-    and ``delta_i`` (bias), with ``a_i`` the layer input and ``delta_i`` the
-    gradient of example i's loss w.r.t. the layer output, so its squared norm
-    is ``|delta_i|^2 (|a_i|^2 + 1)``; the clipped sum is ``(c * delta)^T a``.
-    Exact (same result as per-example autograd), one backward pass.
-    Returns (grads in ``model.parameters()`` order, per-example losses, #clipped).
-    """
-    acts: list[torch.Tensor] = []
-    outs: list[torch.Tensor] = []
-    h = x.flatten(1)
-    for i, layer in enumerate(model.layers):
-        acts.append(h)
-        z = layer(h)
-        outs.append(z)
-        h = torch.relu(z) if i < len(model.layers) - 1 else z
-    losses = nn.functional.cross_entropy(h, y, reduction="none")
-    deltas = torch.autograd.grad(losses.sum(), outs)
-    with torch.no_grad():
-        acts = [a.detach() for a in acts]
-        sq = torch.zeros(len(y), dtype=h.dtype)
-        for a, d in zip(acts, deltas, strict=True):
-            sq += (d * d).sum(1) * ((a * a).sum(1) + 1.0)
-        norms = sq.sqrt()
-        scale = torch.clamp(clip / (norms + 1e-12), max=1.0)
-        grads: list[torch.Tensor] = []
-        for a, d in zip(acts, deltas, strict=True):
-            cd = d * scale[:, None]
-            grads.extend([cd.t() @ a, cd.sum(0)])  # Linear: weight then bias
-    return grads, losses.detach(), int((norms > clip).sum())
-
-
-def _vmap_clipped_grad_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float
-                           ) -> tuple[list[torch.Tensor], torch.Tensor, int]:
-    """Generic per-example clipped gradient sum with ``torch.func`` (any model without buffers)."""
-    from torch.func import functional_call, grad, vmap
-
-    names = [n for n, _ in model.named_parameters()]
-    params = {n: p.detach() for n, p in model.named_parameters()}
-
-    def loss_one(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
-        out = functional_call(model, p, (xi.unsqueeze(0),))
-        return nn.functional.cross_entropy(out, yi.unsqueeze(0))
-
-    per_example = vmap(grad(loss_one), in_dims=(None, 0, 0))
-    total = [torch.zeros_like(params[n]) for n in names]
-    clipped = 0
-    for start in range(0, len(y), _VMAP_CHUNK):
-        xs, ys = x[start:start + _VMAP_CHUNK], y[start:start + _VMAP_CHUNK]
-        g = per_example(params, xs, ys)
-        norms = torch.sqrt(sum((g[n].reshape(len(ys), -1) ** 2).sum(1) for n in names))
-        scale = torch.clamp(clip / (norms + 1e-12), max=1.0)
-        clipped += int((norms > clip).sum())
-        for t, n in zip(total, names, strict=True):
-            t += torch.einsum("b,b...->...", scale, g[n])
-    with torch.no_grad():
-        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
-    return total, losses, clipped
-
-
-def clipped_grad_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float
-                     ) -> tuple[list[torch.Tensor], torch.Tensor, int]:
-    """``sum_i clip(grad loss_i, C)`` over a batch (fast path for :class:`MLP`, else ``torch.func``)."""
-    if isinstance(model, MLP) and type(model).forward is MLP.forward:
-        return _mlp_clipped_grad_sum(model, x, y, clip)
-    return _vmap_clipped_grad_sum(model, x, y, clip)
 
 
 def clipped_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, batch_size: int, lr: float,

@@ -9,7 +9,8 @@ Across methods (every run goes through the real app in-process, see :mod:`server
 
 One method against its paper's comparators: :mod:`~server.benchmarks.nadp`,
 :mod:`~server.benchmarks.niss`, :mod:`~server.benchmarks.mpddp`, :mod:`~server.benchmarks.ladp`.
-Building blocks: :mod:`~server.benchmarks.protocol_core` (noise-engine throughput, key agreement).
+Building blocks: :mod:`~server.benchmarks.protocol_core` (noise-engine throughput, key agreement) and
+:mod:`~server.benchmarks.clipping` (per-example clipping against Opacus).
 :mod:`~server.benchmarks.cli` dispatches ``cancelfl-bench <benchmark> [options]``
 (also ``python -m server.benchmarks``); shared helpers are in :mod:`~server.benchmarks.common`.
 
