@@ -49,6 +49,9 @@ def flower_env(flwr_home: Path) -> dict[str, str]:
     # switch (Ray's single-machine mode) keeps every simulation socket on 127.0.0.1.
     env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(APP_DIR), env.get("PYTHONPATH", "")) if p)
+    # Flower's processes start each other by name (flower-superexec, flwr-clientapp): give them this
+    # interpreter's bin folder first, so `.venv/bin/cancelfl` works with the venv not activated.
+    env["PATH"] = os.pathsep.join(p for p in (str(BIN), env.get("PATH", "")) if p)
     return env
 
 
