@@ -31,6 +31,10 @@ from strategies.base import CancelStrategy, RoundFailed, RoundState
 class FedAvgStrategy(CancelStrategy):
     """Federated averaging without privacy protection (the utility upper bound; no accounts: epsilon inf)."""
 
+    def account_round(self, state: RoundState) -> None:
+        """Nothing to compose; the round adds no noise anywhere."""
+        self.report(upload_noise_std=0.0, model_noise_std=0.0)
+
 
 class LocalDPStrategy(CancelStrategy):
     """Client-level local DP (DP-FedAvg with client-side noise)."""
@@ -58,6 +62,8 @@ class LocalDPStrategy(CancelStrategy):
         self.privacy.uplink.compose(GaussianEvent(self.z))
         m = self.cfg.clients_per_round
         self.privacy.downlink.compose(GaussianEvent(self.z * math.sqrt(m), m / self.cfg.num_clients))
+        k = max(len(state.participants), 1)  # independent noises: the uniform mean keeps std z clip / sqrt(k)
+        self.report(upload_noise_std=self.z * self.cfg.clip, model_noise_std=self.z * self.cfg.clip / math.sqrt(k))
 
 
 class CentralDPStrategy(CancelStrategy):
@@ -90,3 +96,4 @@ class CentralDPStrategy(CancelStrategy):
     def account_round(self, state: RoundState) -> None:
         """The noised mean of the m clipped updates: a Gaussian with multiplier z, amplified by sampling (rate m/N)."""
         self.privacy.downlink.compose(GaussianEvent(self.z, self.q))
+        self.report(upload_noise_std=0.0, model_noise_std=self.z * self.cfg.clip / self.cfg.clients_per_round)

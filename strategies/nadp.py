@@ -57,11 +57,10 @@ from client.messages.nadp import NadpPlan
 from client.wire import from_record, to_record
 from protocols.arrays import flatten, unflatten
 from protocols.config import ConfigError, RunConfig
+from protocols.floor import nadp_compensation, nadp_sensitivity
 from protocols.nadp import (
     NoiseAllocation,
-    compensation_factor,
     dropout_residual,
-    local_sgd_sensitivity,
     nadp_aggregate,
     normalize_weights,
     round_plan,
@@ -109,8 +108,7 @@ class NadpStrategy(CancelStrategy):
     # ----------------------------------------------------------- calibration
     def record_sensitivity(self, size: int) -> float:
         """Per-record L2 sensitivity of a local model trained on ``size`` examples (public)."""
-        c = self.cfg
-        return local_sgd_sensitivity(c.clip, size, lr=c.lr, epochs=c.local_epochs, batch_size=c.batch_size)
+        return nadp_sensitivity(self.cfg, size)  # the clients recompute it (their privacy floor)
 
     def compensation(self, sizes: Mapping[int, int], min_degree: int | None = None) -> float:
         """``lambda``: run-config ``nadp-lambda`` if > 0, else Eq. 8 for ``nadp-tau`` over the sampled clients.
@@ -121,12 +119,8 @@ class NadpStrategy(CancelStrategy):
         fraction of every neighbourhood, which holds for a random graph drawn
         independently of who colludes, not for a graph picked by a colluding server.
         """
-        if self.cfg.nadp_lambda > 0:
-            return self.cfg.nadp_lambda
-        ratio = max(sizes.values()) / min(sizes.values())
-        k = len(sizes) if min_degree is None else min(len(sizes), min_degree + 1)
         try:
-            return compensation_factor(self.cfg.nadp_tau, k=k, size_ratio=ratio)
+            return nadp_compensation(self.cfg, sizes, min_degree)  # the clients recompute it (their privacy floor)
         except ValueError as err:
             # (1 - tau) k <= 1: no honest partner is left to hide behind, no lambda can help.
             log(WARNING, "nadp: %s; using lambda = 1 (no collusion protection this round)", err)
@@ -215,6 +209,9 @@ class NadpStrategy(CancelStrategy):
             figures["sigma_up"] = st.plan.sigma_up
             figures["sigma_down"] = st.plan.sigma_down
             figures["min_uplink_std"] = min(st.allocation.uplink_std(n, st.plan.lam) for n in st.allocation.client_ids)
+        # per-coordinate std of the noise in one upload (the least noised one) and left in the model (server.report)
+        figures["upload_noise_std"] = figures.get("min_uplink_std", min(st.plan.ldp_stds.values(), default=0.0))
+        figures["model_noise_std"] = total_std
         if dropped:
             log(WARNING, "nadp: %d of %d participants did not upload; their pair noise with the %d survivors "
                 "stays in the model (per-coordinate std %.3g)", len(dropped), len(st.participants),
