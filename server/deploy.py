@@ -199,9 +199,20 @@ def run_simulation(overrides: dict, *, keep_workdir: str | None = None, client_c
     (Ray sets OMP_NUM_THREADS to the CPUs it reserves), and one CPU per ClientApp lets as many run at
     once as there are cores; Flower's default of 2 runs one at a time on a 2-core machine.
     """
+    return run_simulations([overrides], keep_workdir=keep_workdir, client_cpus=client_cpus)[0]
+
+
+def run_simulations(runs: list[dict], *, keep_workdir: str | None = None, client_cpus: int = 1) -> list[int]:
+    """Several runs one after another on one private simulation-mode SuperLink (started once); exit codes.
+
+    Every run must have the same ``num-clients`` (the simulated SuperNodes of the connection).
+    """
     defaults = app_defaults()
-    cfg = RunConfig.from_mapping({**defaults, **overrides})
-    overrides = _absolute_out_dir(overrides, defaults)
+    cfgs = [RunConfig.from_mapping({**defaults, **o}) for o in runs]
+    if len({c.num_clients for c in cfgs}) != 1:
+        raise ValueError("run_simulations: every run needs the same num-clients (one simulated federation)")
+    runs = [_absolute_out_dir(o, defaults) for o in runs]
+    codes: list[int] = []
     with workspace(keep_workdir) as work:
         env = flower_env(work / "flwr-home")
         procs = Processes(work, env)
@@ -209,12 +220,14 @@ def run_simulation(overrides: dict, *, keep_workdir: str | None = None, client_c
             port = free_port()
             procs.start("superlink", _superlink_cmd(port, work, simulation=True, tls=None))
             wait_for_port(port, procs=procs)
-            conn = write_connection(work / "flwr-home", f"127.0.0.1:{port}", num_supernodes=cfg.num_clients,
+            conn = write_connection(work / "flwr-home", f"127.0.0.1:{port}", num_supernodes=cfgs[0].num_clients,
                                     client_cpus=client_cpus)
-            code = submit(work, env, conn, overrides)
+            for cfg, overrides in zip(cfgs, runs, strict=True):
+                code = submit(work, env, conn, overrides)
+                codes.append(_final_check(overrides.get("out-dir", str(Path(cfg.out_dir).resolve())), code))
         finally:
             procs.close()
-        return _final_check(overrides.get("out-dir", str(Path(cfg.out_dir).resolve())), code)
+    return codes
 
 
 class LocalCluster:

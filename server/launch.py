@@ -2,6 +2,8 @@
 
     cancelfl run [--engine inprocess|simulation] [--run-config 'method="nadp" num-rounds=5']
     cancelfl deploy --supernodes 4 [--run-config ...]     # SuperLink + SuperNodes as OS processes
+    cancelfl keys gen --out DIR --node NAME; cancelfl keys roster --out roster.json DIR/*.pub   # identities
+    cancelfl compare [--engine simulation] [--methods fedavg,ldp,cdp,nadp] [--epsilon 1]   # side by side + report
 
 ``inprocess`` drives the same ServerApp strategy and ClientApp code through
 :class:`server.local_grid.LocalGrid` (no SuperLink, no Ray: seconds instead of
@@ -70,7 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     dep.add_argument("--supernodes", type=int, default=4)
     dep.add_argument("--run-config", default="")
     dep.add_argument("--tls", action="store_true", help="TLS between SuperNodes and SuperLink (self-signed CA)")
+    from server import compare  # cancelfl compare: methods side by side at one epsilon, with a report
+
+    compare.add_arguments(sub.add_parser("compare", help="several methods at one epsilon, side by side, with a report"))
+    from server import keys  # cancelfl keys gen/roster: node identities and the roster clients trust
+
+    keys.add_arguments(sub.add_parser("keys", help="make node identities (Ed25519) and the roster"))
     args = parser.parse_args(argv)
+    if args.command == "keys":
+        return keys.run(args)
 
     overrides = parse_run_config(args.run_config)
     try:
@@ -78,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"cancelfl: {err}", file=sys.stderr)
         return 2
+    if args.command == "compare":
+        return compare.main(args, overrides)
     if args.command == "run" and args.engine == "inprocess":
         run_inprocess(overrides)
         return 0

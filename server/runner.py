@@ -32,6 +32,7 @@ from client.models import build_model, get_weights, save_npz_model, set_weights
 from client.training import evaluate
 from client.wire import from_record, to_record
 from protocols.config import RunConfig
+from server.report import write_run_report
 from strategies.base import CancelStrategy, RoundFailed
 
 
@@ -186,6 +187,7 @@ def run_federation(strategy: CancelStrategy, grid: Grid, cfg: RunConfig,
         "model_file": "model.npz",
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_run_report(out, cfg.method)  # report.md + accuracy/epsilon/noise plots (server/report.py)
     progress(f"done: final accuracy {summary['final_accuracy']:.4f}, epsilon "
              f"{'inf' if summary['epsilon'] is None else round(summary['epsilon'], 4)}, "
              f"{total:.1f} s, outputs in {out}")
