@@ -22,6 +22,13 @@ from protocols.methods import METHOD_NAMES
 
 DATASETS = ("digits", "breast-cancer", "mnist", "fashion-mnist")
 MODELS = ("mlp", "cnn")
+DEVICES = ("cpu", "cuda", "auto")
+
+
+def is_import_path(value: str) -> bool:
+    """``"package.module:attribute"`` -- a user model or dataset loaded by import path (see README)."""
+    module, sep, attr = value.partition(":")
+    return bool(sep) and all(p.isidentifier() for p in module.split(".")) and attr.isidentifier()
 PARTITIONINGS = ("iid", "dirichlet", "size-skew")
 GRAPHS = ("complete", "n-out")
 SHARE_ENCODINGS = ("seed", "vector")
@@ -71,6 +78,7 @@ class RunConfig:
     local_epochs: int = 2
     batch_size: int = 32
     lr: float = 0.1
+    device: str = "cpu"  # where models train and noise is added: cpu, cuda, auto (cuda if available)
     # Privacy
     epsilon: float = 1.0
     delta: float = 1e-5
@@ -142,12 +150,15 @@ class RunConfig:
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key and the allowed values."""
         _choice("method", self.method, METHOD_NAMES)
-        if self.dataset not in DATASETS and not self.dataset.startswith("hub:"):
+        if self.dataset not in DATASETS and not self.dataset.startswith("hub:") and not is_import_path(self.dataset):
             raise ConfigError(
                 f"run-config 'dataset' = {self.dataset!r} is not allowed; choose one of: "
-                f"{', '.join(DATASETS)}, or hub:<name> (a Hugging Face dataset, needs network)"
+                f"{', '.join(DATASETS)}, hub:<name> (a Hugging Face dataset, needs network), or "
+                "<package.module>:<function> (your own loader, see README)"
             )
-        _choice("model", self.model, MODELS)
+        if not is_import_path(self.model):
+            _choice("model", self.model, (*MODELS, "<package.module>:<name>"))
+        _choice("device", self.device, DEVICES)
         _choice("partitioning", self.partitioning, PARTITIONINGS)
         _choice("graph", self.graph, GRAPHS)
         _choice("niss-share-encoding", self.niss_share_encoding, SHARE_ENCODINGS)

@@ -17,6 +17,9 @@ from flwr.app import ConfigRecord, MetricRecord
 
 _ROUND = "round"
 _NUM_EXAMPLES = "num-examples"
+#: Peak resident memory of the client process so far, MiB (a cost diagnostic: in deployment every message runs
+#: in a fresh process, so it is that client's peak; under Flower simulation, the peak of the worker running it).
+PEAK_RSS_MB = "peak-rss-mb"
 
 _MISSING = object()
 
@@ -138,7 +141,17 @@ def train_metrics(num_examples: int, **figures: float) -> MetricRecord:
     """The train reply's metrics: the local dataset size plus the method's figures."""
     if _NUM_EXAMPLES in figures:
         raise ValueError(f"'{_NUM_EXAMPLES}' is set from num_examples, not as a figure")
-    return MetricRecord({_NUM_EXAMPLES: int(num_examples), **{k: float(v) for k, v in figures.items()}})
+    return MetricRecord({_NUM_EXAMPLES: int(num_examples), PEAK_RSS_MB: peak_rss_mb(),
+                         **{k: float(v) for k, v in figures.items()}})
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process in MiB (``getrusage``; 0 where unavailable)."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return 0.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def num_examples(metrics: Mapping[str, Any]) -> int:
