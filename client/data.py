@@ -145,6 +145,31 @@ def _load_hub(name: str) -> Dataset:  # pragma: no cover - needs network
     return Dataset(name, *split["train"], *split["test"], num_classes=int(split["train"][1].max()) + 1)
 
 
+def _load_user(path: str) -> Dataset:
+    """A dataset from run-config ``dataset = "package.module:load"``.
+
+    ``load()`` takes no arguments and returns ``(x_train, y_train, x_test, y_test)``: features as arrays of shape
+    (N, ...) (images (N, C, H, W)), labels as integers 0..C-1 (or a :class:`Dataset`).  It must return the same
+    data in every process: the server evaluates on the test split and every client takes its partition of the
+    training split by ``partition-id``.
+    """
+    from client.models import import_object
+
+    loaded = import_object(path, "dataset")()
+    if isinstance(loaded, Dataset):
+        return loaded
+    try:
+        x_tr, y_tr, x_te, y_te = loaded
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"run-config 'dataset' = {path!r} must return (x_train, y_train, x_test, y_test)") from err
+    x_tr, x_te = np.asarray(x_tr, dtype=np.float32), np.asarray(x_te, dtype=np.float32)
+    y_tr, y_te = np.asarray(y_tr, dtype=np.int64), np.asarray(y_te, dtype=np.int64)
+    if len(x_tr) != len(y_tr) or len(x_te) != len(y_te) or x_tr.shape[1:] != x_te.shape[1:]:
+        raise ValueError(f"run-config 'dataset' = {path!r}: features and labels do not match "
+                         f"(train {x_tr.shape} / {y_tr.shape}, test {x_te.shape} / {y_te.shape})")
+    return Dataset(path, x_tr, y_tr, x_te, y_te, num_classes=int(max(y_tr.max(), y_te.max())) + 1)
+
+
 @lru_cache(maxsize=4)
 def load_dataset(name: str, data_dir: str = "", train_subset: int = 0, test_subset: int = 0) -> Dataset:
     """Load a dataset by run-config name (cached per process)."""
@@ -154,6 +179,8 @@ def load_dataset(name: str, data_dir: str = "", train_subset: int = 0, test_subs
         ds = _load_idx(name, data_dir)
     elif name.startswith("hub:"):
         ds = _load_hub(name[4:])
+    elif ":" in name:
+        ds = _load_user(name)
     else:
         raise ConfigError(f"unknown dataset {name!r}")
     if train_subset or test_subset:

@@ -54,10 +54,53 @@ class SmallCNN(nn.Module):
         return self.fc(x.flatten(1))
 
 
+def resolve_device(name: str) -> torch.device:
+    """Run-config ``device``: ``cpu``, ``cuda`` (fails clearly without a GPU) or ``auto`` (cuda if available)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("run-config 'device' = 'cuda' but torch sees no CUDA device; use 'cpu' or 'auto'")
+    return torch.device(name)
+
+
+def import_object(path: str, what: str):
+    """The object named by ``"package.module:attribute"`` (run-config ``model`` / ``dataset``), or a clear error."""
+    import importlib
+
+    module, _, attr = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"run-config '{what}' = {path!r}: cannot import {attr!r} from {module!r} ({err}); "
+                         "the module must be importable where the ServerApp and the ClientApps run") from err
+
+
+def user_model(path: str, input_shape: Sequence[int], num_classes: int) -> nn.Module:
+    """A model from run-config ``model = "package.module:Name"``.
+
+    ``Name`` is an ``nn.Module`` class or a function returning one; it is called with no arguments if it takes
+    none, else as ``Name(input_shape=..., num_classes=...)``.
+    """
+    import inspect
+
+    factory = import_object(path, "model")
+    try:
+        params = inspect.signature(factory).parameters.values()
+        required = [p for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    except (TypeError, ValueError):
+        required = []
+    model = factory(input_shape=tuple(input_shape), num_classes=num_classes) if required else factory()
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"run-config 'model' = {path!r} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
 def build_model(name: str, input_shape: Sequence[int], num_classes: int, hidden: Sequence[int] = (64,),
                 seed: int = 0) -> nn.Module:
-    """Build ``mlp`` or ``cnn`` with deterministic initial weights."""
+    """Build ``mlp``, ``cnn`` or a user model (``"package.module:Name"``) with deterministic initial weights."""
     torch.manual_seed(seed)
+    if ":" in name:
+        return user_model(name, input_shape, num_classes)
     if name == "mlp":
         return MLP(int(np.prod(input_shape)), hidden, num_classes)
     if name == "cnn":

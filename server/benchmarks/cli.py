@@ -15,7 +15,19 @@ from pathlib import Path
 from types import ModuleType
 
 import server.benchmarks as package
-from server.benchmarks import attacks, clipping, grid, ladp, mpddp, nadp, niss, overhead, protocol_core, scale
+from server.benchmarks import (
+    attacks,
+    clipping,
+    grid,
+    ladp,
+    mpddp,
+    nadp,
+    niss,
+    overhead,
+    protocol_core,
+    roundtime,
+    scale,
+)
 from server.benchmarks.common import setup_process
 
 #: Subcommand -> benchmark module, in the order ``--help`` lists them.
@@ -30,6 +42,7 @@ BENCHMARKS: dict[str, ModuleType] = {
     "mpddp": mpddp,
     "ladp": ladp,
     "clipping": clipping,
+    "roundtime": roundtime,
 }
 
 #: What ``cancelfl-bench all`` runs, each with its defaults and ``--out <all's --out>/<name>``.

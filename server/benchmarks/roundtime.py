@@ -1,0 +1,125 @@
+"""Round time of every method as a ratio to FedAvg's, with realistic local data (issue 20's table).
+
+    cancelfl-bench roundtime                      # MNIST, 10 clients x ~6,000 examples, in-process
+    cancelfl-bench roundtime --engine simulation --clients 100 --rounds 3 --repeats 2
+                                                  # 100 clients x 600 examples, Flower's simulation runtime
+
+Every method trains the SAME local workload as FedAvg (``local-epochs``, ``batch-size``, ``lr``,
+``hidden`` given explicitly, so no method-specific regime changes the work): the ratio is what the
+method's privacy machinery costs on top of FedAvg's training (per-example clipping, pair noise,
+key and share phases, secret sharing, layer expansion).  The mpddp family is FedSGD by design (one
+full-batch gradient per round, its paper's setting): its ratio compares that round with FedAvg's.
+
+Repeats are interleaved (fedavg, ldp, ..., fedavg, ldp, ...) and each ratio is taken against the
+FedAvg run of the same repeat, then the median over repeats is reported, because a shared machine's
+speed drifts between minutes.  Round 1 is excluded (imports, caches, the session key phase).
+
+``round_s`` is the round's wall time: in-process the clients run one after another (so it is the
+whole federation's compute plus the server's), under simulation it is what a Flower user waits.
+``client_s`` (in-process only) is one client's mean time per round.  ``peak_rss_mb`` is the mean over
+clients of the peak resident memory of the process that ran them (the ``peak-rss-mb`` train metric):
+meaningful under the simulation runtime (one worker process per ClientApp slot); in-process every
+client shares the benchmark's process, so the column is the whole process's peak.
+Writes ``roundtime.csv``/``roundtime.md`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+from server.benchmarks import common
+from server.benchmarks.overhead import median_over_repeats, simulation_point
+from server.benchmarks.runs import RunResult, add_ratios, run_point, warm_up
+
+HELP = "round time of every method vs FedAvg with realistic local data (goals of issue 20)"
+
+#: The round-time goal of each method, as a multiple of FedAvg's round in the same run.
+GOALS: dict[str, float] = {"nadp": 1.1, "niss": 1.1, "mpddp": 1.1, "ldp": 1.2, "ladp": 1.2, "ddpsa": 1.5}
+
+COLUMNS = ("name", "clients", "status", "round_s", "round_s_x_fedavg", "goal", "meets_goal", "client_s",
+           "client_s_x_fedavg", "server_s", "peak_rss_mb", "peak_rss_x_fedavg", "bytes_per_client_round",
+           "final_accuracy")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``cancelfl-bench roundtime``."""
+    common.add_federation_arguments(p, dataset="mnist", train_subset=0, test_subset=1000, rounds=3, hidden="64",
+                                    out="runs/bench/roundtime", methods="fedavg,ldp,cdp,nadp,niss,mpddp,ladp,ddpsa",
+                                    local_epochs=2, lr=0.1, batch_size=32)
+    p.add_argument("--epsilon", type=float, default=1.0)
+    p.add_argument("--clients", type=int, default=10)
+    p.add_argument("--engine", choices=("inprocess", "simulation"), default="inprocess")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians of per-repeat ratios")
+
+
+def _peak_rss(out_dir: Path) -> float:
+    """Median over timed rounds of the mean client peak RSS (MiB) a run logged, nan if absent."""
+    path = out_dir / "metrics.jsonl"
+    if not path.exists():
+        return math.nan
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    vals = [float(r["client_peak_rss_mb"]) for r in rows if r.get("client_peak_rss_mb") is not None]
+    return float(np.median(vals)) if vals else math.nan
+
+
+def run(args: argparse.Namespace) -> int:
+    """Interleaved repeats of every method at one client count; a table of ratios to FedAvg with the goals."""
+    from tqdm import tqdm
+
+    out, notes, methods, msets = common.plan(args)
+    if "fedavg" not in methods:
+        methods.insert(0, "fedavg")
+    base = common.common_base(args)
+    base.setdefault("sample-rate", 1.0)
+    k = int(args.clients)
+    simulation = args.engine == "simulation"
+    point = simulation_point if simulation else run_point
+    t0 = time.perf_counter()
+    if not simulation:
+        warm_up(base, [k], out)
+    raw: list[dict] = []
+    todo = [(rep, m) for rep in range(max(1, args.repeats)) for m in methods]
+    for rep, m in (bar := tqdm(todo, desc="roundtime", unit="run", dynamic_ncols=True)):
+        bar.set_postfix_str(f"{m} repeat {rep + 1}/{args.repeats}")
+        run_dir = out / "runs" / f"{m}-r{rep}"
+        r: RunResult = point(m, args.epsilon, k, base, msets, run_dir)
+        row = {**r.as_row(), "repeat": rep, "peak_rss_mb": _peak_rss(run_dir)}
+        raw.append(row)
+        tqdm.write(f"{m:>8} repeat {rep}: round={common.fmt(r.round_s)}s client={common.fmt(r.client_s)}s "
+                   f"rss={common.fmt(row['peak_rss_mb'])}MiB acc={common.fmt(r.final_accuracy)} {r.status}")
+    for rep in range(max(1, args.repeats)):
+        rows_rep = [r for r in raw if r["repeat"] == rep]
+        add_ratios(rows_rep)
+        ref = next((r for r in rows_rep if r["name"] == "fedavg"), None)
+        for r in rows_rep:
+            den = (ref or {}).get("peak_rss_mb", math.nan)
+            r["peak_rss_x_fedavg"] = r["peak_rss_mb"] / den if den and not math.isnan(den) else math.nan
+    rows = median_over_repeats(raw)
+    for r in rows:
+        goal = GOALS.get(r["name"])
+        r["goal"] = f"<= {goal}x" if goal else "-"
+        ratio = r.get("round_s_x_fedavg", math.nan)
+        r["meets_goal"] = "-" if goal is None or math.isnan(ratio) else ("yes" if ratio <= goal else "NO")
+    total = time.perf_counter() - t0
+    per_client = "~" + str(round(60000 / k)) if args.train_subset == 0 and args.dataset == "mnist" else "its share"
+    notes += [
+        f"engine={args.engine}, {k} clients with {per_client} training examples each, dataset={args.dataset}, "
+        f"local-epochs={args.local_epochs}, batch-size={args.batch_size}, lr={args.lr}, hidden={args.hidden!r}, "
+        f"epsilon={args.epsilon}, {args.rounds} rounds (round 1 not timed)",
+        f"{args.repeats} interleaved repeats; every figure is the median over repeats, *_x_fedavg the median of the "
+        "per-repeat ratios to FedAvg",
+        "round_s: round wall time (in-process: clients one after another, i.e. all clients' compute + server; "
+        "simulation: what a Flower user waits); client_s: one client's time per round (in-process only)",
+        "peak_rss_mb: mean over clients of the peak RSS of the process that ran them (simulation: a Ray worker "
+        "per ClientApp slot; in-process: the whole benchmark process)",
+        f"total time {total:.0f} s",
+    ]
+    common.publish(rows, COLUMNS, args, "roundtime", title="Round time per method vs FedAvg", notes=notes,
+                   total=total)
+    return 0
