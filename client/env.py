@@ -8,6 +8,7 @@ survive between phases of a round (e.g. a private key) go to ``Context.state``.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +17,7 @@ from torch import nn
 
 from client.data import client_partition, dataset_for
 from client.messages.common import TrainIns, train_metrics
-from client.models import build_model, get_weights, set_weights
+from client.models import build_model, get_weights, resolve_device, set_weights
 from client.training import train
 from client.wire import Weights, from_record
 from protocols.config import ConfigError, RunConfig
@@ -35,6 +36,8 @@ class ClientEnv:
     y: np.ndarray
     num_classes: int
     input_shape: tuple[int, ...]
+    #: Builds the local model instead of run-config ``model`` (a user's own model, :mod:`client.api`).
+    model_fn: Callable[[], nn.Module] | None = None
 
     @classmethod
     def from_context(cls, context: Context) -> ClientEnv:
@@ -54,10 +57,11 @@ class ClientEnv:
 
     def model(self, weights: dict[str, np.ndarray] | None = None) -> nn.Module:
         """A fresh model, optionally loaded with ``weights``."""
-        m = build_model(self.cfg.model, self.input_shape, self.num_classes, self.cfg.hidden_sizes, self.cfg.seed)
+        m = self.model_fn() if self.model_fn is not None else build_model(
+            self.cfg.model, self.input_shape, self.num_classes, self.cfg.hidden_sizes, self.cfg.seed)
         if weights is not None:
             set_weights(m, weights)
-        return m
+        return m.to(resolve_device(self.cfg.device))  # run-config 'device'; training follows the model's device
 
     def round_seed(self, server_round: int, purpose: str = "train") -> int:
         """A deterministic 63-bit seed for local randomness that is not secret (batch order)."""

@@ -1,10 +1,21 @@
-"""Local training and evaluation loops (CPU, deterministic given a seed)."""
+"""Local training and evaluation loops (on the model's device, deterministic given a seed on CPU)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 from torch import nn
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where ``model``'s parameters live (run-config ``device``; CPU for a model without parameters)."""
+    return next(model.parameters(), torch.empty(0)).device
+
+
+def on_device(model: nn.Module, *arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
+    """``arrays`` as tensors on ``model``'s device (training and evaluation follow the model)."""
+    dev = model_device(model)
+    return tuple(torch.as_tensor(a, device=dev) for a in arrays)
 
 
 def _batches(n: int, batch_size: int, rng: np.random.Generator):
@@ -33,7 +44,7 @@ def train(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, batch_
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    xt, yt = torch.as_tensor(x), torch.as_tensor(y)
+    xt, yt = on_device(model, x, y)
     model.train()
     last = 0.0
     for _ in range(epochs):
@@ -55,7 +66,7 @@ def train(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, batch_
 def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, *, batch_size: int = 1024) -> tuple[float, float]:
     """Mean cross-entropy loss and accuracy of ``model`` on (x, y)."""
     model.eval()
-    xt, yt = torch.as_tensor(x), torch.as_tensor(y)
+    xt, yt = on_device(model, x, y)
     loss, correct = 0.0, 0
     for start in range(0, len(y), batch_size):
         logits = model(xt[start:start + batch_size]).float()

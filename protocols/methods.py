@@ -9,17 +9,52 @@ ClientApp dispatch (``client.methods``), the benchmarks and the tests all iterat
 
 The strings point *up* the package order (server -> strategies -> client -> protocols), which is
 why they are strings: this module imports nothing of the project.
+
+Each spec also holds the method's *regime* (:attr:`MethodSpec.regime`: the run-config values its
+paper trains with, e.g. one full-batch clipped step per round for nadp) and its *privacy semantics*
+(:attr:`MethodSpec.privacy`: the unit a guarantee protects and the adversary assumed in each
+direction).  :class:`protocols.config.RunConfig` applies the regime to every key whose run-config
+value is ``"auto"`` (the ``[tool.flwr.app.config]`` default of :data:`AUTO_KEYS`); a value the user
+sets always wins.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
+
+#: The run-config value that means "the method's regime decides" (:func:`regime`).
+AUTO = "auto"
+#: Run-config keys whose ``[tool.flwr.app.config]`` default is :data:`AUTO`: every key a regime may set.
+AUTO_KEYS: tuple[str, ...] = ("num-rounds", "local-epochs", "batch-size", "lr", "hidden", "clip", "mpddp-server-lr")
+#: Datasets of tens of thousands of records (``"large"`` regimes); the others are ``"small"``.
+LARGE_DATASETS: tuple[str, ...] = ("mnist", "fashion-mnist")
+#: ``batch-size`` of a full-batch regime: larger than any client's partition, so one step sees all its records.
+FULL_BATCH = 1_000_000
+
+
+@dataclass(frozen=True)
+class Guarantee:
+    """What a method's epsilon protects: the unit, and the adversary assumed in each direction.
+
+    ``uplink`` is the view of the uploads (the server, or an eavesdropper on the links); ``downlink``
+    the published global models (anyone who gets them).  ``None`` = no guarantee in that direction
+    (the run reports epsilon null there, never a number).
+    """
+
+    unit: str  # "record" (one training example) | "client" (all of a client's data) | "none"
+    uplink: str | None
+    downlink: str | None
+
+    def as_dict(self) -> dict[str, str | None]:
+        """For metrics.jsonl and summary.json."""
+        return {"unit": self.unit, "uplink_adversary": self.uplink, "downlink_adversary": self.downlink}
 
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """Where a method's server and client code live, and what kind of method it is."""
+    """Where a method's server and client code live, what kind of method it is, its regime and guarantee."""
 
     name: str
     strategy: str  # "strategies.<module>:<StrategyClass>"
@@ -27,33 +62,71 @@ class MethodSpec:
     queries: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # action -> handler
     family: str = "baseline"  # baseline | pairwise | mpddp | ladp | ddpsa
     paper: str = ""
+    #: Run-config values of the method's regime: ``{"small": {...}, "large": {...}}`` by dataset size
+    #: (``"large"`` entries override ``"small"`` ones on :data:`LARGE_DATASETS`).
+    regime: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    privacy: Guarantee = Guarantee("none", None, None)
 
 
 _KEYS = "client.pairwise_phase:handle_keys"
+_RECOVER = "client.recovery:handle_recover"  # dropout recovery of the pairwise noise (strategies.recovery)
 
 
 def _spec(name: str, strategy: str, train: str, *, queries: dict[str, str] | None = None, family: str = "baseline",
-          paper: str = "") -> MethodSpec:
-    return MethodSpec(name, strategy, train, MappingProxyType(dict(queries or {})), family, paper)
+          paper: str = "", regime: dict[str, dict[str, Any]] | None = None,
+          privacy: Guarantee = Guarantee("none", None, None)) -> MethodSpec:
+    regime = {size: MappingProxyType(dict(v)) for size, v in (regime or {}).items()}
+    return MethodSpec(name, strategy, train, MappingProxyType(dict(queries or {})), family, paper,
+                      MappingProxyType(regime), privacy)
+
+
+# ------------------------------------------------------------------ adversaries (one wording each)
+_SERVER = "the server and eavesdroppers (honest-but-curious server)"
+_SERVER_NO_COLLUSION = "the server and eavesdroppers, colluding with at most a nadp-tau share of a client's peers"
+_SERVER_NISS = "the server and eavesdroppers, colluding with at most a niss-rho share of a client's neighbours"
+_SERVER_SECAGG = "the server and all but one intermediate server (DDP-SA secure aggregation)"
+_MODEL = "anyone who gets the published global models"
+_MODEL_TRUSTED = "anyone who gets the published global models (the server is trusted with the uploads)"
+
+# ------------------------------------------------------------------ regimes (measured: README "Default runs")
+#: Client-level DP with ~10 clients: noise ∝ z sqrt(d) / clients, so few rounds and a linear model.
+_CLIENT_LEVEL = {"small": {"hidden": "", "num-rounds": 3, "local-epochs": 5, "lr": 0.5, "clip": 1.0}}
+#: NADP-FL's regime: one full-batch step of per-example-clipped gradients per round (Lemma 1 sensitivity).
+_NADP = {"small": {"hidden": "", "local-epochs": 1, "batch-size": FULL_BATCH, "lr": 4.0, "clip": 1.0, "num-rounds": 30}}
+#: MP_Server + DDP_Client: FedSGD on the squared loss (local-epochs/batch-size/lr unused), server step xi.
+_MP = {"small": {"hidden": "64", "num-rounds": 20, "clip": 1.0, "mpddp-server-lr": 0.1}}
+#: LaDP-FL: one clipped step per round keeps Theorem 2's sensitivity 2 lr E clip small.
+_LADP = {"small": {"hidden": "", "local-epochs": 1, "batch-size": FULL_BATCH, "lr": 1.0, "num-rounds": 3}}
+#: DDP-SA: FedSGD with per-sample L1 clipping.
+_DDPSA = {"small": {"hidden": "", "lr": 5.0, "num-rounds": 20}}
 
 
 #: Every method, in the order the README and the benchmarks list them.
 METHODS: MappingProxyType = MappingProxyType({s.name: s for s in (
     _spec("fedavg", "strategies.baselines:FedAvgStrategy", "client.methods.baselines:train_fedavg"),
-    _spec("ldp", "strategies.baselines:LocalDPStrategy", "client.methods.baselines:train_ldp"),
-    _spec("cdp", "strategies.baselines:CentralDPStrategy", "client.methods.baselines:train_cdp"),
-    _spec("nadp", "strategies.nadp:NadpStrategy", "client.methods.nadp:train", queries={"keys": _KEYS},
-          family="pairwise", paper="NADP-FL"),
+    _spec("ldp", "strategies.baselines:LocalDPStrategy", "client.methods.baselines:train_ldp",
+          regime=_CLIENT_LEVEL, privacy=Guarantee("client", _SERVER, _MODEL)),
+    _spec("cdp", "strategies.baselines:CentralDPStrategy", "client.methods.baselines:train_cdp",
+          regime=_CLIENT_LEVEL, privacy=Guarantee("client", None, _MODEL_TRUSTED)),
+    _spec("nadp", "strategies.nadp:NadpStrategy", "client.methods.nadp:train",
+          queries={"keys": _KEYS, "recover": _RECOVER},
+          family="pairwise", paper="NADP-FL", regime=_NADP, privacy=Guarantee("record", _SERVER_NO_COLLUSION, _MODEL)),
     _spec("niss", "strategies.niss:NissStrategy", "client.methods.niss:train",
-          queries={"keys": _KEYS, "shares": "client.methods.niss:handle_shares"}, family="pairwise", paper="NISS"),
-    _spec("mpddp", "strategies.mpddp:MpddpStrategy", "client.methods.mpddp:train", queries={"keys": _KEYS},
-          family="mpddp", paper="MP_Server + DDP_Client"),
+          queries={"keys": _KEYS, "shares": "client.methods.niss:handle_shares", "recover": _RECOVER},
+          family="pairwise", paper="NISS",
+          regime=_CLIENT_LEVEL, privacy=Guarantee("client", _SERVER_NISS, _MODEL)),
+    # The MP family's uplink epsilon is nominal only (Psi/Phi go up un-noised; the server knows R): no guarantee.
+    _spec("mpddp", "strategies.mpddp:MpddpStrategy", "client.methods.mpddp:train",
+          queries={"keys": _KEYS, "recover": _RECOVER}, family="mpddp", paper="MP_Server + DDP_Client",
+          regime=_MP, privacy=Guarantee("client", None, _MODEL)),
     _spec("mpdp-naive", "strategies.mpddp:MpdpNaiveStrategy", "client.methods.mpddp:train", family="mpddp",
-          paper="MP_Server + DDP_Client (ablation)"),
+          paper="MP_Server + DDP_Client (ablation)", regime=_MP, privacy=Guarantee("client", None, _MODEL)),
     _spec("mpcdp", "strategies.mpddp:MpcdpStrategy", "client.methods.mpddp:train", family="mpddp",
-          paper="MP_Server + DDP_Client (ablation)"),
-    _spec("ladp", "strategies.ladp:LadpStrategy", "client.methods.ladp:train", family="ladp", paper="LaDP-FL"),
-    _spec("ddpsa", "strategies.ddpsa:DdpsaStrategy", "client.methods.ddpsa:train", family="ddpsa", paper="DDP-SA"),
+          paper="MP_Server + DDP_Client (ablation)", regime=_MP, privacy=Guarantee("client", None, _MODEL_TRUSTED)),
+    _spec("ladp", "strategies.ladp:LadpStrategy", "client.methods.ladp:train", family="ladp", paper="LaDP-FL",
+          regime=_LADP, privacy=Guarantee("record", _SERVER, _MODEL)),
+    _spec("ddpsa", "strategies.ddpsa:DdpsaStrategy", "client.methods.ddpsa:train", family="ddpsa", paper="DDP-SA",
+          regime=_DDPSA, privacy=Guarantee("record", _SERVER_SECAGG, _MODEL)),
 )})
 
 METHOD_NAMES: tuple[str, ...] = tuple(METHODS)
@@ -70,3 +143,17 @@ def method_spec(name: str) -> MethodSpec:
 def query_actions() -> set[str]:
     """Every extra phase name any method uses (registered once on the ClientApp)."""
     return {a for spec in METHODS.values() for a in spec.queries}
+
+
+def dataset_size_class(dataset: str) -> str:
+    """``"large"`` for :data:`LARGE_DATASETS` and Hugging Face datasets (``hub:...``), else ``"small"``."""
+    return "large" if dataset in LARGE_DATASETS or dataset.startswith("hub:") else "small"
+
+
+def regime(method: str, dataset: str) -> dict[str, Any]:
+    """The run-config values ``method`` trains with on ``dataset`` (``{}`` = the run-config defaults)."""
+    spec = method_spec(method)
+    out = dict(spec.regime.get("small", {}))
+    if dataset_size_class(dataset) == "large":
+        out.update(spec.regime.get("large", {}))
+    return out

@@ -28,9 +28,10 @@ the message classes of :mod:`client.messages`.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from logging import WARNING
 from typing import Protocol
@@ -44,6 +45,7 @@ from flwr.serverapp.strategy import Strategy
 from client.messages.common import TrainIns, mean_metrics, num_examples
 from client.wire import Weights, from_record, to_record
 from protocols.config import RunConfig
+from protocols.methods import METHODS
 from protocols.privacy import PrivacyLedger
 
 
@@ -102,7 +104,26 @@ class CancelStrategy(Strategy):
     #: :mod:`strategies.key_phase`); None for the others.
     keys: ForgetsUnresponsive | None = None
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        """Every strategy also takes keyword arguments: ``NadpStrategy(epsilon=1.0, clip=1.0, num_clients=10)``.
+
+        A subclass's ``__init__(self, cfg)`` is wrapped to accept ``cfg`` or run-config options instead
+        (:func:`config_for`); the wrapped body still receives a validated :class:`RunConfig`.
+        """
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None or getattr(init, "takes_options", False):
+            return
+
+        @functools.wraps(init)
+        def __init__(self, cfg: RunConfig | None = None, /, **options: object) -> None:
+            init(self, config_for(type(self), cfg, options))
+
+        __init__.takes_options = True  # type: ignore[attr-defined]
+        cls.__init__ = __init__  # type: ignore[method-assign]
+
+    def __init__(self, cfg: RunConfig | None = None, /, **options: object) -> None:
+        cfg = config_for(type(self), cfg, options)
         self.cfg = cfg
         self.sampled: list[int] = []
         self._round_report: dict[str, float] = {}
@@ -242,6 +263,34 @@ class CancelStrategy(Strategy):
     def report(self, **values: float) -> None:
         """Record per-round figures for :meth:`round_report`."""
         self._round_report.update({k: float(v) for k, v in values.items()})
+
+
+def registered_method(cls: type) -> str | None:
+    """The registry name of a strategy class (or of its nearest registered base class); None if none."""
+    by_class = {spec.strategy: name for name, spec in METHODS.items()}
+    for klass in cls.__mro__:
+        name = by_class.get(f"{klass.__module__}:{klass.__qualname__}")
+        if name is not None:
+            return name
+    return None
+
+
+def config_for(cls: type, cfg: RunConfig | None, options: Mapping[str, object]) -> RunConfig:
+    """The :class:`RunConfig` of a strategy built as ``cls(cfg)`` or ``cls(**options)``.
+
+    ``options`` are run-config keys as Python names (``num_clients=10``, ``nadp_lambda=2.0``) or, through
+    ``**{"num-clients": 10}``, as run-config keys; they are validated like ``--run-config`` (unknown keys and
+    bad values raise :class:`protocols.config.ConfigError`), on top of ``cfg`` if given.  ``method`` defaults to
+    the class's registered method.
+    """
+    if cfg is not None and not options:
+        return cfg
+    raw = {} if cfg is None else cfg.to_mapping()
+    raw.update({str(k).replace("_", "-"): v for k, v in options.items()})
+    method = registered_method(cls)
+    if "method" not in raw and method is not None:
+        raw["method"] = method
+    return RunConfig.from_mapping(raw)
 
 
 def weighted_average(uploads: list[dict[str, np.ndarray]], weights: list[float]) -> Weights:

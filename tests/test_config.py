@@ -7,14 +7,36 @@ import tomllib
 import pytest
 
 from protocols.config import ConfigError, RunConfig
+from protocols.methods import AUTO, AUTO_KEYS, METHOD_NAMES, regime
 from server.defaults import APP_DIR
 from server.launch import main
 
 
 def test_pyproject_defaults_match_dataclass():
-    """Every run-config key is declared in pyproject (Flower refuses unknown overrides) with the same default."""
+    """Every run-config key is declared in pyproject (Flower refuses unknown overrides) with the same default.
+
+    Exactly the method-dependent keys (AUTO_KEYS) default to "auto"; fedavg's regime is the dataclass default.
+    """
     declared = tomllib.loads((APP_DIR / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    assert declared == RunConfig().to_mapping()
+    assert {k for k, v in declared.items() if v == AUTO} == set(AUTO_KEYS)
+    assert {k: v for k, v in declared.items() if v != AUTO} == {
+        k: v for k, v in RunConfig().to_mapping().items() if k not in AUTO_KEYS}
+    assert RunConfig.from_mapping(declared) == RunConfig()
+
+
+def test_regime_applies_only_to_keys_left_auto():
+    """A method's regime fills the "auto" (or absent) keys, is recorded, and never replaces a value the user set."""
+    cfg = RunConfig.from_mapping({"method": "nadp", "lr": "auto", "clip": 0.5})
+    applied = dict(cfg.regime_applied)
+    assert cfg.clip == 0.5 and "clip" not in applied  # user-set value wins
+    assert cfg.lr == applied["lr"] == regime("nadp", "digits")["lr"]
+    assert cfg.local_epochs == 1 and cfg.batch_size >= 10_000  # one full-batch step per round (the paper's regime)
+    assert "regime-applied" not in cfg.to_mapping()
+    for method in METHOD_NAMES:  # every regime is a valid config on every dataset
+        for dataset in ("digits", "mnist"):
+            RunConfig.from_mapping({"method": method, "dataset": dataset})
+    with pytest.raises(ConfigError, match="cannot be"):
+        RunConfig.from_mapping({"epsilon": "auto"})
 
 
 @pytest.mark.parametrize(

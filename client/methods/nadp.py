@@ -44,6 +44,7 @@ from client.messages.keys import PeerKeys, probe_metric
 from client.messages.nadp import NadpPlan
 from client.models import get_weights
 from client.pairwise_phase import mask_probe, pair_seeds
+from client.training import on_device
 from client.wire import Weights, from_record, to_record
 from protocols.arrays import flatten, unflatten
 from protocols.graphs import round_graph
@@ -79,14 +80,14 @@ def clipped_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, 
     Returns (mean training loss of the last epoch, fraction of clipped examples).
     """
     rng = np.random.default_rng(seed)
-    xt, yt = torch.as_tensor(x), torch.as_tensor(y)
+    xt, yt = on_device(model, x, y)  # run-config 'device': the model's device
     params = list(model.parameters())
     model.train()
     last, clipped, seen = 0.0, 0, 0
     for _ in range(epochs):
         total, count = 0.0, 0
         for idx in batches(len(yt), batch_size, rng):
-            ix = torch.as_tensor(idx)
+            ix = torch.as_tensor(idx, device=xt.device)
             grads, losses, n_clipped = clipped_grad_sum(model, xt[ix], yt[ix], clip)
             with torch.no_grad():
                 for p, g in zip(params, grads, strict=True):
