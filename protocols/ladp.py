@@ -183,6 +183,40 @@ def theorem3_c0_corrected(epsilon: float, delta: float) -> float:
     return (m + math.sqrt(m * m + 2.0 * epsilon)) / 2.0
 
 
+def round_epsilon(epsilon: float, delta: float, rounds: int) -> float:
+    """Per-round Theorem 3 epsilon whose ``rounds`` releases are ``(epsilon, delta)``-DP over the whole run.
+
+    Each round is a Gaussian release with multiplier ``z(e) = c0(e, delta) / e`` (corrected constant,
+    :func:`theorem3_c0_corrected`); ``rounds`` of them compose exactly (Gaussian DP,
+    :func:`protocols.privacy.gdp_epsilon`).  ``z`` falls as ``e`` grows, so the largest ``e`` whose
+    composition stays within ``epsilon`` is found by bisection (to 1e-9 relative).  Client and server
+    both call this: run-config ``epsilon`` is the whole-run target, as for every method.
+    """
+    from protocols.privacy import gdp_epsilon
+
+    _check_privacy_params(epsilon, delta)
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+
+    def spent(e: float) -> float:
+        return gdp_epsilon(theorem3_c0_corrected(e, delta) / e, rounds, delta)
+
+    lo, hi = 0.0, float(epsilon)
+    while spent(hi) <= epsilon:  # a single round's bound is loose: the per-round value may exceed the target
+        lo, hi = hi, 2.0 * hi
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if mid > 0 and spent(mid) <= epsilon:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-9 * hi:
+            break
+    if lo <= 0:
+        raise ValueError(f"no per-round epsilon meets epsilon={epsilon} over {rounds} rounds at delta={delta}")
+    return lo
+
+
 def theorem3_c(epsilon: float, delta: float, kl_cap: float, constant: Constant = "corrected") -> float:
     """Theorem 3's ``c_i = c0 * B`` (the smallest value the theorem allows).
 

@@ -260,6 +260,32 @@ def distorted_sum(
     return total
 
 
+def distorted_partials(
+    groups: Sequence[tuple[int, np.ndarray]],
+    size: int,
+    tau: float,
+    rng: bytes,
+) -> dict[int, np.ndarray]:
+    """Per sender, its part of :func:`distorted_sum`: ``sum_{i from sender} s_i * r_i`` (dropout recovery).
+
+    ``groups`` lists ``(sender, negated shares (count, size))`` in the order :func:`distorted_sum` got them, so
+    the distortion rows are the same (row ``i`` of the ``niss/s`` stream of the private seed ``rng``); the
+    partials add up to :func:`distorted_sum` up to float rounding.
+    """
+    if not (math.isfinite(tau) and tau >= 0):
+        raise ValueError(f"tau must be finite and >= 0, got {tau!r}")
+    n = sum(len(shares) for _, shares in groups)
+    z = prg.gaussian(prg.derive_subseed(rng, "niss/s"), n * size).reshape(n, size) if tau > 0 and n else None
+    out: dict[int, np.ndarray] = {}
+    row = 0
+    for sender, shares in groups:
+        part = np.zeros(size, dtype=np.float64)
+        for r in np.asarray(shares, dtype=np.float64).reshape(-1, size):
+            part += r if z is None else (1.0 + tau * z[row]) * r
+            row += 1
+        out[int(sender)] = part
+    return out
+
 def client_upload(
     params: np.ndarray,
     weight: float,
@@ -318,9 +344,25 @@ def exact_aggregate_variance(bundles: Sequence[ShareBundle], taus: Mapping[int, 
 
 
 # --------------------------------------------------------- per-client calibration (both sides)
+def model_tau(clients: int) -> float:
+    """The distortion std that gives the published model the uploads' guarantee: ``1 / sqrt(m)``.
+
+    The sum of m uploads keeps noise std ``tau z clip / sqrt(m)`` over the mean's sensitivity ``clip / m``,
+    i.e. noise multiplier ``tau z sqrt(m)``: with ``tau = 1/sqrt(m)`` it is ``z``, the uploads' own multiplier,
+    so the model is (epsilon, delta)-DP over the run at the client level (the CDP noise level).
+    """
+    return 1.0 / math.sqrt(max(int(clients), 1))
+
+
 def client_tau(cfg: RunConfig) -> float:
-    """A client's distortion std: ``niss-tau`` if >= 0, else Theorem 3's minimum for ``niss-rho``."""
-    return float(cfg.niss_tau) if cfg.niss_tau >= 0 else tau_for_collusion(cfg.niss_rho)
+    """A client's distortion std: ``niss-tau`` if >= 0, else the default below.
+
+    The default is the larger of Theorem 3's minimum for ``niss-rho`` and :func:`model_tau` of the clients
+    per round, so the published model is protected too.
+    """
+    if cfg.niss_tau >= 0:
+        return float(cfg.niss_tau)
+    return max(tau_for_collusion(cfg.niss_rho), model_tau(cfg.clients_per_round))
 
 
 def client_sigma(cfg: RunConfig, weight: float) -> float:
