@@ -29,12 +29,13 @@ the message classes of :mod:`client.messages`.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from logging import WARNING
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -43,10 +44,13 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from client.messages.common import TrainIns, mean_metrics, num_examples
-from client.wire import Weights, from_record, to_record
+from client.messages.ledger import SpentReport
+from client.wire import Weights, array_view, from_record, to_record
 from protocols.config import RunConfig
 from protocols.methods import METHODS
 from protocols.privacy import PrivacyLedger
+from protocols.privacy.signal import NoiseEstimate
+from strategies.validation import ReplyScreen, Strikes, UploadSpec, spec_like
 
 
 class RoundFailed(RuntimeError):
@@ -64,16 +68,27 @@ def split_replies(replies: Iterable[Message]) -> tuple[list[Message], list[str]]
     return good, errors
 
 
-def wait_for_nodes(grid: Grid, count: int, timeout: float) -> list[int]:
-    """Block until ``count`` nodes are connected (deployment nodes register over ~10 s)."""
+def wait_for_nodes(grid: Grid, want: int, timeout: float, *, minimum: int | None = None,
+                   exclude: Iterable[int] = ()) -> list[int]:
+    """The connected nodes (minus ``exclude``) once ``want`` are there, or after ``timeout`` s if ``minimum`` are.
+
+    Deployment nodes register over ~10 s; a node that died is dropped by the SuperLink after its
+    heartbeat patience (~60 s in Flower 1.41), a node that comes back is listed again.  Raises
+    :class:`RoundFailed` when fewer than ``minimum`` (default ``want``) are connected at the deadline.
+    """
+    minimum = want if minimum is None else minimum
+    skip = set(exclude)
     deadline = time.time() + timeout
     while True:
-        nodes = sorted(grid.get_node_ids())
-        if len(nodes) >= count:
+        nodes = sorted(n for n in grid.get_node_ids() if n not in skip)
+        if len(nodes) >= want:
             return nodes
         if time.time() > deadline:
-            raise RoundFailed(f"only {len(nodes)} of the {count} expected nodes connected within {timeout:.0f} s "
-                              "(run-config 'num-clients')")
+            if len(nodes) >= minimum:
+                return nodes
+            raise RoundFailed(f"only {len(nodes)} usable node(s) connected within {timeout:.0f} s, fewer than the "
+                              f"minimum of {minimum} (run-config 'min-clients', 'node-timeout'; "
+                              f"{len(skip)} node(s) left out after repeated bad replies)")
         time.sleep(1.0)
 
 
@@ -131,11 +146,29 @@ class CancelStrategy(Strategy):
         self._state: RoundState | None = None
         #: The method's privacy accounts (no guarantee until a method sets its accountants).
         self.privacy = PrivacyLedger(cfg.delta)
+        #: Largest ``num-examples`` a reply may claim (the largest partition, set by the runner); None = unknown.
+        self.max_examples: int | None = None
+        #: node -> reason of every reply excluded this round (:mod:`strategies.validation`).
+        self.excluded: dict[int, str] = {}
+        #: Consecutive exclusions per node; ``strikes.banned`` nodes are no longer sampled.
+        self.strikes = Strikes(cfg.max_strikes)
+        #: The global model the current round's participants were sent.
+        self.round_model: ArrayRecord | None = None
+        self._sampled_once = False
 
     # --------------------------------------------------------------- sampling
     def sample_nodes(self, grid: Grid, server_round: int) -> list[int]:
-        """Sample ``clients-per-round`` nodes, deterministically from (seed, round)."""
-        nodes = wait_for_nodes(grid, self.cfg.num_clients, self.cfg.round_timeout)
+        """Sample ``clients-per-round`` of the connected nodes, deterministically from (seed, round).
+
+        The first sampling waits (up to ``node-timeout`` s) for all ``num-clients`` nodes; later rounds take
+        the nodes connected now (a node that left is not waited for, one that came back is sampled again)
+        and wait only while fewer than ``min-clients`` are there.  Banned nodes (:attr:`strikes`) are skipped.
+        """
+        cfg = self.cfg
+        minimum = min(cfg.min_clients, cfg.num_clients)
+        want = minimum if self._sampled_once else cfg.num_clients
+        nodes = wait_for_nodes(grid, want, cfg.node_timeout, minimum=minimum, exclude=self.strikes.banned)
+        self._sampled_once = True
         rng = np.random.default_rng([self.cfg.seed, server_round, 0x5A3])
         k = min(self.cfg.clients_per_round, len(nodes))
         # Sample positions, not ids: node ids are up to 2**64 and numpy would turn them into floats.
@@ -161,6 +194,8 @@ class CancelStrategy(Strategy):
         """Sample, prepare the round (:meth:`prepare_round`), send each participant its train message."""
         self._round_report = {}
         self._state = None
+        self.excluded = {}
+        self.round_model = arrays
         nodes = self.sample_nodes(grid, server_round)
         state = self.prepare_round(grid, server_round, nodes, arrays)
         self._state = state
@@ -179,10 +214,68 @@ class CancelStrategy(Strategy):
         self.after_replies(state, good)
         participants = set(state.participants)
         by_node = {r.metadata.src_node_id: r for r in good if r.metadata.src_node_id in participants}
+        by_node = self.screen(state, by_node)
         if not by_node:
-            raise RoundFailed(f"round {server_round}: no participant replied ({len(errors)} errors)")
-        arrays = self.aggregate(state, by_node, errors)
+            raise RoundFailed(f"round {server_round}: no participant sent a usable reply ({len(errors)} errors, "
+                              f"{len(self.excluded)} excluded: {self.excluded})")
+        dropped = sorted(set(state.participants) - set(by_node))  # no reply, error, or excluded above
+        if dropped:
+            by_node = self.recover(state, dropped, by_node)  # pairwise methods: remove the orphaned pair noise
+        self.record_client_spending(by_node)
+        try:
+            arrays = self.aggregate(state, by_node, errors)
+        except (ValueError, KeyError, TypeError, IndexError) as err:  # a reply the checks let through
+            raise RoundFailed(f"round {server_round}: aggregation failed on the replies: "
+                              f"{type(err).__name__}: {err}") from err
+        if arrays is not None:
+            bad = non_finite_arrays(arrays)
+            if bad:
+                raise RoundFailed(f"round {server_round}: the aggregate is not finite (arrays {bad[:3]}); "
+                                  "the previous model is kept")
         return arrays, self.mean_metrics(list(by_node.values()))
+
+    # ------------------------------------------------------------ reply checks
+    def screen(self, state: RoundState, by_node: dict[int, Message]) -> dict[int, Message]:
+        """Exclude replies that fail :mod:`strategies.validation`; record reasons and strikes; the rest go on.
+
+        Excluded participants are, for the method, participants without an upload (pairwise methods treat
+        them as dropouts); :attr:`excluded` names them with their reasons.
+        """
+        pre = {n: why for n, r in by_node.items() if (why := self.reply_problem(state, n, r)) is not None}
+        # (a method may already have excluded nodes this round, e.g. niss the senders of rejected payloads)
+        checked = {n: r for n, r in by_node.items() if n not in pre}
+        screen = ReplyScreen(self.upload_spec(state), max_examples=self.max_examples)
+        result = screen.screen(checked, lambda n, flat: self.update_of(state, n, flat),
+                               lambda n: self.norm_limit(state, n))
+        self.excluded.update(pre)
+        self.excluded.update(result.excluded)
+        for node, why in sorted(self.excluded.items()):
+            log(WARNING, "round %d: node %s excluded: %s", state.round, node, why)
+        accepted = [n for n in sorted(result.accepted) if n not in self.excluded]
+        self.strikes.record(state.round, self.excluded, accepted)
+        return {n: by_node[n] for n in accepted}
+
+    def reply_problem(self, state: RoundState, node: int, reply: Message) -> str | None:
+        """A method's own check of one reply before the common ones (a reason excludes it); default: none."""
+        return None
+
+    def upload_spec(self, state: RoundState) -> UploadSpec:
+        """Names, shapes and dtypes of an upload; default: those of the global model, float32 or float64."""
+        return spec_like(self.round_model) if self.round_model is not None else {}
+
+    def update_of(self, state: RoundState, node: int, flat: np.ndarray) -> np.ndarray:
+        """The part of a flattened upload whose norm is bounded; default: upload minus the global model."""
+        if self.round_model is None:
+            return flat
+        return flat - np.concatenate([array_view(a).ravel() for a in self.round_model.values()])
+
+    def norm_limit(self, state: RoundState, node: int) -> float | None:
+        """Largest honest norm of :meth:`update_of` (clipping plus a Gaussian tail bound of the noise).
+
+        None: the method guarantees no bound; the round's median rule applies
+        (:data:`strategies.validation.OUTLIER_FACTOR`).
+        """
+        return None
 
     # ------------------------------------------------------------------- hooks
     def prepare_round(self, grid: Grid, server_round: int, nodes: list[int], arrays: ArrayRecord) -> RoundState:
@@ -208,6 +301,14 @@ class CancelStrategy(Strategy):
         if self.keys is not None:
             self.keys.forget_unresponsive(state.participants, good)
 
+    def recover(self, state: RoundState, dropped: list[int], by_node: dict[int, Message]) -> dict[int, Message]:
+        """Remove the pair noise orphaned by ``dropped`` participants before :meth:`aggregate`; default: nothing.
+
+        ``dropped``: participants whose upload is not aggregated (no reply, error, excluded).  Returns the
+        replies to aggregate.  The pairwise methods override it (:class:`strategies.recovery.PairwiseRecovery`).
+        """
+        return by_node
+
     def aggregate(self, state: RoundState, by_node: dict[int, Message], errors: list[str]) -> ArrayRecord | None:
         """Weighted average (:meth:`weight_of`, by default ``num-examples``) of the uploaded arrays."""
         nodes = sorted(by_node)
@@ -218,6 +319,22 @@ class CancelStrategy(Strategy):
     def weight_of(self, reply: Message) -> float:
         """Aggregation weight of one reply (default: its number of examples)."""
         return float(num_examples(reply.content["metrics"]))
+
+    def record_client_spending(self, by_node: Mapping[int, Message]) -> None:
+        """Each participant's lifetime epsilon as its own ledger reports it (:class:`client.messages.ledger.SpentReport`).
+
+        Kept in :attr:`client_epsilon` (node -> epsilon, ``inf`` = no guarantee; the runner writes it per round)
+        and reported as ``client_epsilon_max`` (over the clients with a finite figure).
+        """
+        spent = {}
+        for node, r in by_node.items():
+            rep = SpentReport.from_metrics(r.content["metrics"]) if "metrics" in r.content else None
+            if rep is not None:
+                spent[node] = rep.epsilon
+        self.client_epsilon: dict[int, float] = spent
+        finite = [e for e in spent.values() if math.isfinite(e)]
+        if finite:
+            self.report(client_epsilon_max=max(finite))
 
     @staticmethod
     def mean_metrics(replies: list[Message]) -> MetricRecord:
@@ -236,6 +353,19 @@ class CancelStrategy(Strategy):
     def close(self) -> None:
         """Release what the strategy holds between rounds (nothing by default); called once after the run."""
 
+    # ------------------------------------------------------------ checkpoint (server/checkpoint.py)
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to continue this strategy, as JSON types.
+
+        The privacy ledger (every accountant, so epsilon continues where it was); a method with more
+        cross-round state extends it.
+        """
+        return {"privacy": self.privacy.to_state()}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`, on a freshly built strategy of the same run config."""
+        self.privacy = PrivacyLedger.from_state(state["privacy"])
+
     def summary(self) -> None:
         """Log the method and its key parameters."""
         log(20, "cancelfl method %s: %s", self.cfg.method, self.describe())
@@ -244,6 +374,14 @@ class CancelStrategy(Strategy):
     def describe(self) -> dict[str, float | str]:
         """Key parameters of the method (logged and stored in summary.json)."""
         return {}
+
+    def noise_estimate(self, num_params: int) -> NoiseEstimate | None:
+        """Expected DP noise norm in a round's aggregate vs the clip-bounded signal norm (None: no DP noise).
+
+        Called by the runner after round 1 (so round-dependent calibrations exist) for the noise check
+        (:mod:`protocols.privacy.signal`).  ``num_params``: entries of the model.
+        """
+        return None
 
     def privacy_report(self, server_round: int) -> dict[str, float]:
         """Epsilon spent so far, read from ``self.privacy``: ``epsilon``, ``epsilon_uplink``, ``epsilon_downlink``.
@@ -260,9 +398,18 @@ class CancelStrategy(Strategy):
         """Extra per-round figures (e.g. cancellation residual), reset every round."""
         return dict(self._round_report)
 
+    def exclusions(self) -> dict[str, str]:
+        """Excluded nodes of this round with their reasons (node ids as strings, for JSON)."""
+        return {str(n): why for n, why in sorted(self.excluded.items())}
+
     def report(self, **values: float) -> None:
         """Record per-round figures for :meth:`round_report`."""
         self._round_report.update({k: float(v) for k, v in values.items()})
+
+
+def non_finite_arrays(record: ArrayRecord) -> list[str]:
+    """Names of the arrays of ``record`` holding NaN or inf."""
+    return [k for k, a in record.items() if not np.isfinite(array_view(a)).all()]
 
 
 def registered_method(cls: type) -> str | None:

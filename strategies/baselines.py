@@ -25,7 +25,9 @@ from client.messages.baselines import UNIFORM_WEIGHT_KEY, ClippingNorm, LocalDpN
 from client.messages.common import merge_configs
 from protocols.config import RunConfig
 from protocols.privacy import GaussianEvent, PrivacyLedger, RdpAccountant, calibrate_noise_multiplier
+from protocols.privacy.signal import NoiseEstimate, gaussian_norm
 from strategies.base import CancelStrategy, RoundFailed, RoundState
+from strategies.validation import gaussian_norm_bound
 
 
 class FedAvgStrategy(CancelStrategy):
@@ -56,6 +58,17 @@ class LocalDPStrategy(CancelStrategy):
 
     def describe(self) -> dict[str, float | str]:
         return {"noise_multiplier": self.z, "noise_std": self.z * self.cfg.clip}
+
+    def noise_estimate(self, num_params: int) -> NoiseEstimate:
+        """Uniform mean of m uploads: noise std ``z clip / sqrt(m)`` per entry; the clipped mean has norm <= clip."""
+        m = self.cfg.clients_per_round
+        return NoiseEstimate(gaussian_norm(self.z * self.cfg.clip / math.sqrt(m), num_params), self.cfg.clip,
+                             self.cfg.num_rounds)
+
+    def norm_limit(self, state: RoundState, node: int) -> float | None:
+        """Clipped update plus its N(0, (z clip)^2 I_d) noise: ``clip + z clip (sqrt(d) + t)`` (tail prob ~1e-14)."""
+        dim = sum(int(np.prod(a.shape)) for a in self.round_model.values()) if self.round_model is not None else 0
+        return self.cfg.clip + gaussian_norm_bound(self.z * self.cfg.clip, dim)
 
     def account_round(self, state: RoundState) -> None:
         """Each upload: Gaussian with multiplier z, no amplification; the uniform mean of m: ``z sqrt(m)``, rate m/N."""
@@ -92,6 +105,17 @@ class CentralDPStrategy(CancelStrategy):
 
     def describe(self) -> dict[str, float | str]:
         return {"noise_multiplier": self.z, "aggregate_noise_std": self.z * self.cfg.clip / self.cfg.clients_per_round}
+
+    def noise_estimate(self, num_params: int) -> NoiseEstimate:
+        """Server noise std ``z clip / m`` per entry of the mean; the mean of clipped updates has norm <= clip."""
+        return NoiseEstimate(gaussian_norm(self.z * self.cfg.clip / self.cfg.clients_per_round, num_params),
+                             self.cfg.clip, self.cfg.num_rounds)
+
+    def norm_limit(self, state: RoundState, node: int) -> float | None:
+        """``fixedclipping_mod`` clips the update to ``clip`` (in float32: a relative slack of 1e-3 plus 1e-5 ||w||)."""
+        arrays = self.round_model.values() if self.round_model is not None else []
+        norm = math.sqrt(sum(float(np.sum(np.square(a.numpy(), dtype=np.float64))) for a in arrays))
+        return self.cfg.clip * (1 + 1e-3) + 1e-5 * norm
 
     def account_round(self, state: RoundState) -> None:
         """The noised mean of the m clipped updates: a Gaussian with multiplier z, amplified by sampling (rate m/N)."""

@@ -47,7 +47,7 @@ def secaggplus_reference(base: dict, clients: int, num_shares: int, threshold: f
     from server.attacks.observe import ObservedLocalGrid
     from server.defaults import app_defaults
     from server.local_grid import SERVER_NODE_ID
-    from server.runner import payload_bytes
+    from strategies.validation import payload_bytes
 
     raw = {**app_defaults(), **base, "num-clients": clients, "method": "fedavg"}
     cfg = RunConfig.from_mapping(raw)

@@ -1,0 +1,239 @@
+"""Checks every train reply passes before it reaches a method's aggregation, and the exclusion record.
+
+The round template (:meth:`strategies.base.CancelStrategy.aggregate_train`) screens each
+participant's reply with :class:`ReplyScreen`; a reply that fails a check is *excluded* from
+the round with a named reason (logged, written to the round's ``excluded`` entry of
+metrics.jsonl) and the round aggregates the rest.  Checks, in order:
+
+1. size: the reply's payload (arrays, configs, metrics) is at most :func:`size_limit` of the
+   expected upload (``2 x`` its float64 size + 1 MiB for configs and metrics);
+2. ``num-examples``: present, an integer, ``1 <= n <= cap`` where ``cap`` is the largest
+   partition the server knows of (:attr:`CancelStrategy.max_examples`, from the run's
+   deterministic partitioning), else ``MEDIAN_EXAMPLE_FACTOR x`` the round's median claim;
+3. arrays: exactly the expected names, each numpy-serialised with an allowed dtype and the
+   expected shape, every value finite;
+4. magnitude: the norm of the reply's update (``upload - reference``, per method) is at most
+   the method's bound (:meth:`CancelStrategy.norm_limit`: what its clipping guarantees, plus a
+   Gaussian tail bound of its noise); methods without such a guarantee use a robust rule,
+   at most ``OUTLIER_FACTOR x`` the round's (lower) median update norm.
+
+:class:`Strikes` keeps, per node, how many rounds in a row it was excluded; at
+``max-strikes`` the node is left out of later rounds (``banned``).  A node that merely does
+not answer (dropout) gets no strike: it may come back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from logging import WARNING
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common import log
+
+from client.messages.common import num_examples
+from client.wire import array_view
+
+#: Tail factor t of the Gaussian norm bound ``||N(0, s^2 I_d)|| <= s (sqrt(d) + t)``, exceeded with
+#: probability <= exp(-t^2 / 2) (Gaussian concentration of a 1-Lipschitz function): ~1.3e-14 for t = 8.
+GAUSS_TAIL = 8.0
+#: Methods without a clipping guarantee: an update norm above this multiple of the round's median is excluded.
+OUTLIER_FACTOR = 25.0
+#: Without known partition sizes: a num-examples claim above this multiple of the round's median is excluded.
+MEDIAN_EXAMPLE_FACTOR = 10.0
+#: Bytes allowed for configs and metrics on top of the arrays.
+META_BYTES = 1 << 20
+#: Floating dtypes an upload may use on the wire (methods narrow it).
+FLOAT_DTYPES = ("float32", "float64")
+
+
+def payload_bytes(content: RecordDict) -> int:
+    """Bytes of arrays, configs and metrics in a message (what travels, minus framing).
+
+    Flower 1.41's ``ConfigRecord.count_bytes`` indexes ``v[0]`` of every list and
+    raises IndexError on an empty one (SecAgg+ sends empty lists); such a list
+    carries only its key, so it is counted as the key's length.
+    """
+    total = 0
+    for rec in content.values():
+        if isinstance(rec, ConfigRecord) and any(isinstance(v, list) and not v for v in rec.values()):
+            total += sum(len(k) for k, v in rec.items() if isinstance(v, list) and not v)
+            rec = ConfigRecord({k: v for k, v in rec.items() if not (isinstance(v, list) and not v)})
+        total += rec.count_bytes()
+    return total
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """What one uploaded array must look like."""
+
+    shape: tuple[int, ...]
+    dtypes: tuple[str, ...] = FLOAT_DTYPES
+
+
+#: Expected upload: array name -> spec, in wire order (empty: the method uploads no arrays).
+UploadSpec = Mapping[str, ArraySpec]
+
+
+def spec_like(record: ArrayRecord, dtypes: tuple[str, ...] = FLOAT_DTYPES) -> dict[str, ArraySpec]:
+    """An upload spec with the names and shapes of ``record`` (e.g. the global model)."""
+    return {k: ArraySpec(tuple(int(s) for s in a.shape), dtypes) for k, a in record.items()}
+
+
+def size_limit(spec: UploadSpec) -> int:
+    """Largest reply accepted for an upload of ``spec``: twice its float64 size plus :data:`META_BYTES`."""
+    return 2 * sum(8 * math.prod(s.shape) for s in spec.values()) + META_BYTES
+
+
+def gaussian_norm_bound(std: float, dim: int) -> float:
+    """``std (sqrt(dim) + GAUSS_TAIL)``: the norm of N(0, std^2 I_dim) stays below it except with prob ~1e-14."""
+    return float(std) * (math.sqrt(dim) + GAUSS_TAIL)
+
+
+def check_arrays(content: RecordDict, spec: UploadSpec) -> tuple[str | None, np.ndarray | None]:
+    """``(reason, flat float64 upload)``: reason is None when the arrays match ``spec`` and are finite."""
+    if not spec:
+        return None, np.zeros(0)
+    if "arrays" not in content or not isinstance(content["arrays"], ArrayRecord):
+        return "missing upload (no 'arrays' record)", None
+    record = content["arrays"]
+    missing = [k for k in spec if k not in record]
+    if missing:
+        return f"missing array(s) {missing[:3]}", None
+    extra = [k for k in record if k not in spec]
+    if extra:
+        return f"unexpected array(s) {extra[:3]}", None
+    parts = []
+    for name, want in spec.items():
+        try:
+            view = array_view(record[name])
+        except ValueError as err:
+            return f"malformed array '{name}': {err}", None
+        if view.dtype.name not in want.dtypes:
+            return f"array '{name}' has dtype {view.dtype.name}, expected one of {list(want.dtypes)}", None
+        if tuple(view.shape) != want.shape:
+            return f"array '{name}' has shape {tuple(view.shape)}, expected {want.shape}", None
+        if not np.isfinite(view).all():
+            return f"array '{name}' holds non-finite values (NaN or inf)", None
+        parts.append(np.asarray(view, dtype=np.float64).ravel())
+    return None, np.concatenate(parts) if parts else np.zeros(0)
+
+
+def claimed_examples(content: RecordDict) -> tuple[str | None, int | None]:
+    """``(reason, num-examples)`` of a train reply's metrics (reason None when it is an integer >= 1)."""
+    if "metrics" not in content or not isinstance(content["metrics"], MetricRecord):
+        return "missing metrics (no 'metrics' record)", None
+    try:
+        raw = content["metrics"]["num-examples"] if "num-examples" in content["metrics"] else None
+        n = num_examples(content["metrics"])
+    except (ValueError, TypeError, OverflowError) as err:
+        return f"unreadable num-examples ({err})", None
+    if isinstance(raw, float) and not (math.isfinite(raw) and raw.is_integer()):
+        return f"num-examples = {raw!r} is not an integer", None
+    if n < 1:
+        return f"num-examples = {n} < 1", None
+    return None, n
+
+
+@dataclass
+class Screened:
+    """Outcome of screening one round's replies."""
+
+    #: Replies that passed, by node.
+    accepted: dict[int, Message]
+    #: node -> reason of every excluded reply.
+    excluded: dict[int, str]
+    #: node -> its upload flattened (float64, spec order) for the accepted replies.
+    uploads: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+class ReplyScreen:
+    """Screens one round's replies against a spec, an example cap and per-node norm limits."""
+
+    def __init__(self, spec: UploadSpec, *, max_examples: int | None, max_bytes: int | None = None) -> None:
+        self.spec = dict(spec)
+        self.max_examples = max_examples
+        self.max_bytes = size_limit(self.spec) if max_bytes is None else max_bytes
+
+    def screen(self, replies: Mapping[int, Message], reference, limit) -> Screened:
+        """Check every reply; ``reference(node, flat) -> update`` and ``limit(node) -> bound | None``.
+
+        Replies without a method bound (``limit`` None) are compared with the round's median update norm.
+        """
+        out = Screened({}, {})
+        claims: dict[int, int] = {}
+        for node, reply in sorted(replies.items()):
+            size = payload_bytes(reply.content)
+            if size > self.max_bytes:
+                out.excluded[node] = f"payload of {size} bytes exceeds the limit of {self.max_bytes}"
+                continue
+            why, n = claimed_examples(reply.content)
+            if why is None and self.max_examples is not None and n > self.max_examples:
+                why = f"num-examples = {n} exceeds the largest partition ({self.max_examples})"
+            if why is None:
+                why, flat = check_arrays(reply.content, self.spec)
+            if why is not None:
+                out.excluded[node] = why
+                continue
+            claims[node] = n
+            out.accepted[node] = reply
+            out.uploads[node] = flat
+        if self.max_examples is None and len(claims) >= 3:
+            median = float(np.median(list(claims.values())))
+            for node, n in claims.items():
+                if n > MEDIAN_EXAMPLE_FACTOR * median:
+                    self._drop(out, node, f"num-examples = {n} exceeds {MEDIAN_EXAMPLE_FACTOR:g} x the round's median "
+                                          f"({median:g})")
+        if self.spec:
+            self._check_norms(out, reference, limit)
+        return out
+
+    def _check_norms(self, out: Screened, reference, limit) -> None:
+        norms = {n: float(np.linalg.norm(reference(n, flat))) for n, flat in out.uploads.items()}
+        robust = []
+        for node, norm in norms.items():
+            bound = limit(node)
+            if bound is None:
+                robust.append(node)
+            elif not norm <= bound:
+                self._drop(out, node, f"update norm {norm:.4g} exceeds the method's bound {bound:.4g}")
+        if len(robust) >= 2:
+            values = sorted(norms[n] for n in robust)
+            median = values[(len(values) - 1) // 2]  # the lower median: an outlier cannot raise it
+            cap = OUTLIER_FACTOR * median
+            for node in robust:
+                if median > 0 and norms[node] > cap:
+                    self._drop(out, node, f"update norm {norms[node]:.4g} exceeds {OUTLIER_FACTOR:g} x the round's "
+                                          f"median ({median:.4g})")
+
+    @staticmethod
+    def _drop(out: Screened, node: int, reason: str) -> None:
+        out.accepted.pop(node, None)
+        out.uploads.pop(node, None)
+        out.excluded[node] = reason
+
+
+class Strikes:
+    """Consecutive exclusions per node; a node with ``max_strikes`` in a row is left out of later rounds."""
+
+    def __init__(self, max_strikes: int) -> None:
+        self.max_strikes = max_strikes
+        self.count: dict[int, int] = {}
+        self.banned: dict[int, str] = {}
+
+    def record(self, server_round: int, excluded: Mapping[int, str], accepted: Iterable[int]) -> None:
+        """Strike every excluded node, clear the accepted ones, ban at ``max_strikes`` (0 = never)."""
+        for node in accepted:
+            self.count.pop(node, None)
+        for node, reason in excluded.items():
+            self.count[node] = self.count.get(node, 0) + 1
+            if self.max_strikes and self.count[node] >= self.max_strikes and node not in self.banned:
+                self.banned[node] = f"excluded {self.count[node]} rounds in a row (last, round {server_round}: {reason})"
+                log(WARNING, "node %s is left out of later rounds: %s", node, self.banned[node])
+
+
+__all__ = ["ArraySpec", "FLOAT_DTYPES", "GAUSS_TAIL", "OUTLIER_FACTOR", "ReplyScreen", "Screened", "Strikes",
+           "UploadSpec", "check_arrays", "claimed_examples", "gaussian_norm_bound", "payload_bytes", "size_limit",
+           "spec_like"]
