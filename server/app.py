@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from logging import WARNING
+
 from flwr.app import Context
+from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
 from protocols.config import RunConfig
-from server.intermediate.launcher import local_intermediate_servers
+from server.checkpoint import resolve_out_dir, write_error
 from server.runner import run_federation
 from strategies.registry import build_strategy
 
@@ -15,11 +18,25 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Validate the run config (fails fast naming the bad key), then run all rounds."""
-    cfg = RunConfig.from_mapping(context.run_config)
-    with local_intermediate_servers(cfg) as cfg:
+    """Validate the run config (fails fast naming the bad key), then run all rounds.
+
+    A failure is recorded in ``<out-dir>/error.json`` before it propagates: ``flwr run`` exits 0 even
+    when the ServerApp crashed, so the launcher reads the reason from there and exits non-zero.
+    """
+    out_dir = str(context.run_config.get("out-dir", ""))
+    try:
+        cfg = resolve_out_dir(RunConfig.from_mapping(context.run_config))  # "" = a fresh runs/<time>-<method>
+        out_dir = cfg.out_dir
+        for note in cfg.adjustments():
+            log(WARNING, "%s", note)
+        # DDP-SA: the ServerApp never starts intermediate servers -- the clients take them from their own
+        # configuration, so whoever submits the run names them (`cancelfl run/deploy` start local ones).
         strategy = build_strategy(cfg)
         try:
             run_federation(strategy, grid, cfg)
         finally:
             strategy.close()
+    except BaseException as err:
+        if out_dir:
+            write_error(out_dir, f"{type(err).__name__}: {err}")
+        raise

@@ -23,14 +23,21 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 from protocols.config import RunConfig
+from protocols.identity import DerivedRoster
+from protocols.tls import CertificateAuthority
+from server.checkpoint import clear_outputs, resolve_out_dir, run_outcome
 from server.defaults import APP_DIR, app_defaults
-from server.intermediate.launcher import IntermediateServerCluster, start_intermediate_servers
+from server.intermediate.launcher import IntermediateServerCluster, local_intermediate_servers, start_intermediate_servers
 
 BIN = Path(sys.executable).parent
+#: Environment variable every process of one launch inherits (a fresh id per workspace): how the launcher
+#: finds and stops the descendants that left their process group.
+LAUNCH_MARK = "CANCELFL_LAUNCH_ID"
 
 
 def free_port() -> int:
@@ -45,6 +52,7 @@ def flower_env(flwr_home: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(FLWR_HOME=str(flwr_home), FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1",
                PYTHONUNBUFFERED="1")
+    env[LAUNCH_MARK] = uuid.uuid4().hex
     # Ray (simulation runtime) otherwise binds its GCS and workers to the host's outward IP address; this
     # switch (Ray's single-machine mode) keeps every simulation socket on 127.0.0.1.
     env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -70,15 +78,25 @@ def run_config_arg(overrides: dict) -> str:
 
 
 class Processes:
-    """Start background processes with log files; stop them all (TERM, then KILL) on close."""
+    """Start background processes with log files; stop them and all their descendants on close.
+
+    Each process leads its own process group (``start_new_session``); Flower's children of a SuperNode
+    (``flower-superexec``, ``flwr-clientapp``) stay in it, so the group is signalled also when its leader
+    already died (a killed SuperNode leaves them running otherwise).  Descendants that left the group
+    (the SuperLink starts ``flower-superexec`` in a new session, Ray starts its own daemons) are found by
+    the launch mark every one of them inherits in its environment (:data:`LAUNCH_MARK`, Linux ``/proc``).
+    """
 
     def __init__(self, workdir: Path, env: dict[str, str]) -> None:
         self.workdir, self.env = workdir, env
+        self.mark = env.get(LAUNCH_MARK, "")
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self._logs: list = []
 
     def start(self, name: str, cmd: list[str]) -> subprocess.Popen:
         """Start ``cmd`` in its own process group, logging to ``<workdir>/<name>.log``."""
-        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed in close()
+        self._logs.append(log)
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=APP_DIR,
                                 start_new_session=True)
         self.procs.append((name, proc))
@@ -91,20 +109,61 @@ class Processes:
                 tail = (self.workdir / f"{name}.log").read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{tail}")
 
-    def close(self) -> None:
-        """Stop every process group started here."""
-        for _, proc in reversed(self.procs):
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.time() + 10
+    def descendants(self) -> list[int]:
+        """Live processes (other than this one) started by this launch, found by their launch mark."""
+        return marked_pids(self.mark) if self.mark else []
+
+    def _signal(self, sig: int) -> None:
+        marked = self.descendants()
+        groups = set()
+        for pid in marked:
+            with contextlib.suppress(OSError):
+                groups.add(os.getpgid(pid))
         for _, proc in self.procs:
-            try:
+            # A reaped leader's group is signalled only while a marked member is in it (its pid may be reused).
+            if proc.poll() is None or proc.pid in groups:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, sig)
+        for pid in marked:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+    def close(self, grace: float = 10.0) -> None:
+        """Stop every process started here and all their descendants: TERM, up to ``grace`` s, then KILL."""
+        self._signal(signal.SIGTERM)
+        deadline = time.time() + grace
+        for _, proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        while self.descendants() and time.time() < deadline:
+            time.sleep(0.2)
+        self._signal(signal.SIGKILL)
+        for _, proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        end = time.time() + 5
+        while self.descendants() and time.time() < end:  # SIGKILL is asynchronous
+            time.sleep(0.05)
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+
+
+def marked_pids(mark: str) -> list[int]:
+    """Pids of live processes whose environment holds ``LAUNCH_MARK=mark`` (empty where there is no /proc)."""
+    needle = f"{LAUNCH_MARK}={mark}".encode()
+    me, pids = os.getpid(), []
+    proc = Path("/proc")
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()  # empty for zombies: they are gone already
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            pids.append(int(entry.name))
+    return pids
 
 
 def wait_for_port(port: int, timeout: float = 60.0, procs: Processes | None = None) -> None:
@@ -173,22 +232,27 @@ def submit(work: Path, env: dict[str, str], connection: str, overrides: dict, *,
 
 
 def _final_check(out_dir: str, code: int) -> int:
-    summary = Path(out_dir) / "summary.json"
-    if code != 0 or not summary.is_file():
-        print(f"cancelfl: the run did not finish (flwr exit code {code}, {summary} "
-              f"{'present' if summary.is_file() else 'missing'})", file=sys.stderr)
-        return code or 1
-    print(f"cancelfl: run finished, summary at {summary}")
-    return 0
+    """Exit code of a submitted run, judged from its folder (``flwr run`` exits 0 even when the ServerApp crashed)."""
+    code, message = run_outcome(out_dir, code)
+    print(f"cancelfl: {message}", file=sys.stderr if code else sys.stdout)
+    return code
 
 
 def _absolute_out_dir(overrides: dict, defaults: dict) -> dict:
-    """The ServerApp runs in another working directory: pass out-dir (and data-dir) as absolute paths."""
+    """The ServerApp runs in another working directory: pass out-dir (and data-dir) as absolute paths.
+
+    out-dir ``""`` becomes a fresh ``runs/<time>-<method>`` here, so the launcher knows where to look; an
+    earlier run's outputs in the folder are removed before the run starts (kept when resuming), so they
+    can never be taken for this run's.
+    """
     out = dict(overrides)
-    for key in ("out-dir", "data-dir"):
-        val = out.get(key, defaults.get(key, ""))
-        if val:
-            out[key] = str(Path(val).resolve())
+    cfg = resolve_out_dir(RunConfig.from_mapping({**defaults, **out}))
+    out["out-dir"] = cfg.out_dir
+    if not cfg.resume:
+        clear_outputs(cfg.out_dir)
+    data_dir = out.get("data-dir", defaults.get("data-dir", ""))
+    if data_dir:
+        out["data-dir"] = str(Path(data_dir).resolve())
     return out
 
 
@@ -223,11 +287,20 @@ def run_simulations(runs: list[dict], *, keep_workdir: str | None = None, client
             conn = write_connection(work / "flwr-home", f"127.0.0.1:{port}", num_supernodes=cfgs[0].num_clients,
                                     client_cpus=client_cpus)
             for cfg, overrides in zip(cfgs, runs, strict=True):
-                code = submit(work, env, conn, overrides)
-                codes.append(_final_check(overrides.get("out-dir", str(Path(cfg.out_dir).resolve())), code))
+                # DDP-SA: servers trusting the simulation's (seed-derived) identities, named in the run config
+                # that both the ServerApp and the clients read.
+                with local_intermediate_servers(cfg) as started:
+                    if started is not cfg:
+                        overrides = {**overrides, **_ddpsa_keys(started)}
+                    codes.append(_final_check(overrides["out-dir"], submit(work, env, conn, overrides)))
         finally:
             procs.close()
     return codes
+
+
+def _ddpsa_keys(cfg: RunConfig) -> dict[str, str]:
+    """The run-config keys that point a DDP-SA run at its intermediate servers."""
+    return {"ddpsa-servers": cfg.ddpsa_servers, "ddpsa-ca": cfg.ddpsa_ca, "ddpsa-server-key": cfg.ddpsa_server_key}
 
 
 class LocalCluster:
@@ -256,7 +329,8 @@ class LocalCluster:
             self.procs.start("superlink", _superlink_cmd(port, self.work, simulation=False, tls=certs))
             wait_for_port(port, procs=self.procs)
             if self.n_intermediate:
-                self._servers = start_intermediate_servers(self.n_intermediate)
+                roster = DerivedRoster(RunConfig.from_mapping(app_defaults()).seed, self.num_supernodes)
+                self._servers = start_intermediate_servers(self.n_intermediate, roster)
                 self.intermediate = self._servers.addresses
             for i in range(self.num_supernodes):
                 node = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{port}",
@@ -281,11 +355,12 @@ class LocalCluster:
             if len(self.intermediate) < cfg.ddpsa_num_servers:
                 raise ValueError(f"ddpsa needs {cfg.ddpsa_num_servers} intermediate servers; "
                                  f"the cluster has {len(self.intermediate)}")
+            assert self._servers is not None
+            overrides.update(self._servers.run_config())
             overrides["ddpsa-servers"] = ",".join(self.intermediate[:cfg.ddpsa_num_servers])
-        out_dir = overrides.get("out-dir") or str(Path(cfg.out_dir).resolve())
-        overrides["out-dir"] = out_dir
         self.procs.check_alive()
-        return _final_check(out_dir, submit(self.work, self.env, self.connection, overrides, timeout=timeout))
+        return _final_check(overrides["out-dir"], submit(self.work, self.env, self.connection, overrides,
+                                                         timeout=timeout))
 
     def __exit__(self, *exc) -> None:
         self.procs.close()
@@ -304,36 +379,6 @@ def run_deployment(overrides: dict, *, num_supernodes: int = 4, tls: bool = Fals
 
 
 def make_certificates(folder: Path) -> dict[str, Path]:
-    """A self-signed CA and a SuperLink certificate for 127.0.0.1/localhost (``cryptography``)."""
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    folder.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.UTC)
-
-    def _name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (x509.CertificateBuilder().subject_name(_name("cancelfl-ca")).issuer_name(_name("cancelfl-ca"))
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=30))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(ca_key, hashes.SHA256()))
-    key = ec.generate_private_key(ec.SECP256R1())
-    san = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
-    cert = (x509.CertificateBuilder().subject_name(_name("superlink")).issuer_name(ca.subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=30))
-            .add_extension(san, critical=False).sign(ca_key, hashes.SHA256()))
-    paths = {"ca": folder / "ca.crt", "cert": folder / "server.pem", "key": folder / "server.key"}
-    paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths["key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
-    return paths
+    """A self-signed CA and a SuperLink certificate for 127.0.0.1/localhost (:mod:`protocols.tls`)."""
+    ca = CertificateAuthority("cancelfl-ca")
+    return {"ca": ca.write(folder), **ca.issue("superlink").write(folder, "server")}

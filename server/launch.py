@@ -18,8 +18,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
+from pathlib import Path
 
-from protocols.config import RunConfig
+from protocols.config import ConfigError, RunConfig, parse_run_config
+from server.checkpoint import (
+    CHECKPOINT_JSON,
+    clear_outputs,
+    earlier_outputs,
+    prepare_out_dir,
+    resolve_out_dir,
+    resume_overrides,
+    run_outcome,
+)
 from server.defaults import app_defaults
 
 # Flower must not phone home from tests, CI or user runs started here.
@@ -27,11 +38,46 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 
 
-def parse_run_config(text: str | None) -> dict:
-    """Parse Flower's ``--run-config`` syntax (``k=v k2="s"``, TOML values)."""
-    from flwr.common.config import parse_config_args
+def preflight(overrides: dict, *, warn=lambda s: print(f"cancelfl: warning: {s}", file=sys.stderr)) -> RunConfig:
+    """Check everything that can be checked before any process starts; ``ConfigError``/``ValueError`` naming the cause.
 
-    return dict(parse_config_args([text])) if text else {}
+    The run config (keys, types, ranges), the method's own constraints (its strategy is constructed, with
+    placeholder addresses for DDP-SA servers the launcher starts later) and the dataset files (truncated,
+    non-gzip or mismatched IDX files).  Settings the run adjusts are reported through ``warn``.
+    """
+    from client.data import dataset_for
+    from strategies.registry import build_strategy
+
+    cfg = RunConfig.from_mapping({**app_defaults(), **overrides})
+    probe = cfg
+    if cfg.method == "ddpsa" and not cfg.ddpsa_servers:
+        probe = cfg.replace(ddpsa_servers=",".join(f"127.0.0.1:{i + 1}" for i in range(cfg.ddpsa_num_servers)))
+    build_strategy(probe).close()
+    if not cfg.dataset.startswith("hub:"):  # a hub dataset would be downloaded twice
+        dataset_for(cfg)
+    for note in cfg.adjustments():
+        warn(note)
+    return cfg
+
+
+def choose_out_dir(cfg: RunConfig, *, overwrite: bool = False) -> str:
+    """The run's absolute out-dir, created: a fresh ``runs/<time>-<method>`` for ``""``.
+
+    A given folder holding an earlier run's outputs is refused (``ConfigError`` naming the ways out) unless
+    ``overwrite`` (they are then removed) or the run resumes from it.
+    """
+    if not cfg.out_dir:
+        return resolve_out_dir(cfg).out_dir
+    path = str(Path(cfg.out_dir).expanduser().resolve())
+    earlier = earlier_outputs(path)
+    if earlier and not cfg.resume:
+        if not overwrite:
+            raise ConfigError(f"out-dir {path} holds an earlier run's outputs ({', '.join(earlier)}); leave out-dir "
+                              "unset for a fresh runs/<time>-<method> folder, choose another, continue that run with "
+                              f"--resume {path}, or replace its outputs with --overwrite")
+        clear_outputs(path)
+    prepare_out_dir(path)
+    return path
 
 
 def run_inprocess(overrides: dict, *, progress=print, grid_factory=None, keep_strategy: list | None = None) -> dict:
@@ -48,6 +94,7 @@ def run_inprocess(overrides: dict, *, progress=print, grid_factory=None, keep_st
     from strategies.registry import build_strategy
 
     raw = {**app_defaults(), **overrides}
+    raw["out-dir"] = resolve_out_dir(RunConfig.from_mapping(raw)).out_dir  # "" = a fresh runs/<time>-<method>
     with local_intermediate_servers(RunConfig.from_mapping(raw)) as cfg:
         raw = {**raw, "ddpsa-servers": cfg.ddpsa_servers}
         grid = (grid_factory or LocalGrid)(client_app, cfg.num_clients, raw)
@@ -61,7 +108,11 @@ def run_inprocess(overrides: dict, *, progress=print, grid_factory=None, keep_st
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``cancelfl`` command."""
+    """Entry point of the ``cancelfl`` command; exit code 0 only for a run that finished with a model.
+
+    2: refused at start (bad run config, method settings, data files or out-dir); 1: the run failed
+    (the ServerApp crashed, no round succeeded, or it stopped early); 130: interrupted.
+    """
     parser = argparse.ArgumentParser(prog="cancelfl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,9 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--engine", choices=("inprocess", "simulation"), default="inprocess")
     run.add_argument("--run-config", default="", help="Flower run-config overrides, e.g. 'method=\"nadp\" num-rounds=5'")
     dep = sub.add_parser("deploy", help="start a SuperLink and N SuperNodes as processes on loopback and run")
-    dep.add_argument("--supernodes", type=int, default=4)
+    dep.add_argument("--supernodes", type=int, default=None, help="number of SuperNodes = num-clients (default 4)")
     dep.add_argument("--run-config", default="")
     dep.add_argument("--tls", action="store_true", help="TLS between SuperNodes and SuperLink (self-signed CA)")
+    for p in (run, dep):
+        p.add_argument("--resume", metavar="OUT", default=None,
+                       help="continue the crashed run in folder OUT from its last completed round (same run config)")
+        p.add_argument("--overwrite", action="store_true", help="replace an earlier run's outputs in out-dir")
     from server import compare  # cancelfl compare: methods side by side at one epsilon, with a report
 
     compare.add_arguments(sub.add_parser("compare", help="several methods at one epsilon, side by side, with a report"))
@@ -82,22 +137,62 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "keys":
         return keys.run(args)
 
-    overrides = parse_run_config(args.run_config)
     try:
-        RunConfig.from_mapping({**app_defaults(), **overrides})  # fail fast, naming the bad key
-    except ValueError as err:
+        overrides = parse_run_config(args.run_config)
+        if args.command == "compare":
+            RunConfig.from_mapping({**app_defaults(), **overrides})  # fail fast, naming the bad key
+            return compare.main(args, overrides)
+        if args.resume:
+            overrides = resume_overrides(args.resume, overrides)
+        if args.command == "deploy":
+            stored = overrides.get("num-clients") if args.resume else None
+            if stored is not None and args.supernodes not in (None, stored):
+                raise ConfigError(f"--resume: the run had {stored} SuperNodes (num-clients); --supernodes "
+                                  f"{args.supernodes} would make it a different run")
+            args.supernodes = args.supernodes or stored or 4
+            overrides["num-clients"] = args.supernodes
+        cfg = preflight(overrides)
+        overrides["out-dir"] = choose_out_dir(cfg, overwrite=args.overwrite)
+    except ValueError as err:  # ConfigError and the data loader's errors: refused before any process starts
         print(f"cancelfl: {err}", file=sys.stderr)
         return 2
-    if args.command == "compare":
-        return compare.main(args, overrides)
-    if args.command == "run" and args.engine == "inprocess":
-        run_inprocess(overrides)
-        return 0
-    from server import deploy
+    out = overrides["out-dir"]
+    print(f"cancelfl: outputs in {out}")
+    try:
+        if args.command == "run" and args.engine == "inprocess":
+            code = _inprocess_exit(overrides)
+        elif args.command == "run":
+            from server import deploy
 
-    if args.command == "run":
-        return deploy.run_simulation(overrides)
-    return deploy.run_deployment(overrides, num_supernodes=args.supernodes, tls=args.tls)
+            code = deploy.run_simulation(overrides)
+        else:
+            from server import deploy
+
+            code = deploy.run_deployment(overrides, num_supernodes=args.supernodes, tls=args.tls)
+    except KeyboardInterrupt:
+        code = 130
+        print("cancelfl: interrupted", file=sys.stderr)
+    if code and (Path(out) / CHECKPOINT_JSON).is_file():
+        print(f"cancelfl: continue it with: cancelfl {args.command} --resume {out}", file=sys.stderr)
+    return code
+
+
+def _inprocess_exit(overrides: dict) -> int:
+    """Run in-process and judge the outcome like the other engines (:func:`server.checkpoint.run_outcome`)."""
+    out = overrides["out-dir"]
+    try:
+        run_inprocess(overrides)
+    except KeyboardInterrupt:
+        print("cancelfl: interrupted", file=sys.stderr)
+        code = 130
+    except Exception as err:  # noqa: BLE001 - any failure of the run: show it, exit non-zero
+        traceback.print_exc()
+        print(f"cancelfl: the run failed: {type(err).__name__}: {err}", file=sys.stderr)
+        code = 1
+    else:
+        code, message = run_outcome(out)
+        print(f"cancelfl: {message}", file=sys.stderr if code else sys.stdout)
+    return code
 
 
 if __name__ == "__main__":

@@ -1,0 +1,282 @@
+"""The run folder: a fresh folder per run, stale outputs, the per-round checkpoint and resuming from it.
+
+* Run-config ``out-dir = ""`` (the default) gives every run a fresh folder
+  ``runs/<UTC time>-<method>`` and points ``runs/latest`` (a relative symlink) at
+  it, so runs never overwrite each other (:func:`resolve_out_dir`).
+* A fresh run in an existing folder first removes an earlier run's outputs
+  (:data:`OUTPUT_FILES`), so they are never taken for this run's; the launcher
+  refuses such a folder unless told to overwrite it (:func:`earlier_outputs`).
+* After each round the runner writes ``checkpoint.json`` + ``checkpoint.npz``
+  (atomically: a kill at any moment leaves the previous round's checkpoint):
+  the global model, the round number, the metrics rows so far, the failed
+  rounds, the wall time, the run config and the strategy's state
+  (:meth:`strategies.base.CancelStrategy.state_dict`: its privacy ledger with
+  every accountant, so epsilon continues where it was).  Client sampling is a
+  pure function of (seed, round) and DP noise comes from the OS CSPRNG, so no
+  RNG state is needed beyond the seed in the config.  Key-phase state is not
+  kept: a resumed run's clients are new processes without their private keys,
+  so they re-key in the first resumed round.
+* When the train messages of round ``r`` go out, the runner records the
+  strategy state including round ``r``'s privacy charge as ``pending``: a crash
+  during round ``r`` (its uploads may have reached the server) resumes with that
+  charge kept, and the repeated round is charged again, so epsilon is never
+  under-counted.
+* ``resume = true`` (``cancelfl run/deploy --resume OUT``) continues from the
+  last completed round of the checkpoint in ``out-dir``, with the run config
+  stored there (:func:`resume_overrides`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from protocols.config import ConfigError, RunConfig
+
+CHECKPOINT_JSON = "checkpoint.json"
+CHECKPOINT_NPZ = "checkpoint.npz"
+ERROR_FILE = "error.json"
+#: Every file a run writes into its folder (removed before a fresh run starts there).
+OUTPUT_FILES = ("metrics.jsonl", "summary.json", "model.npz", "model.json", "report.md", "accuracy.png",
+                "epsilon.png", "noise.png", ERROR_FILE, CHECKPOINT_JSON, CHECKPOINT_NPZ)
+#: Run-config keys a resumed run may change (where things are, not what is computed).
+RESUME_MAY_CHANGE = ("out-dir", "resume", "data-dir", "ddpsa-servers", "round-timeout")
+#: Folder of the default run folders, relative to the working directory.
+RUNS_ROOT = Path("runs")
+
+
+class ResumeError(ConfigError):
+    """The run in out-dir cannot be resumed (no or damaged checkpoint, or a changed run config)."""
+
+
+# --------------------------------------------------------------------------- run folders
+def fresh_run_folder(method: str, root: Path = RUNS_ROOT) -> Path:
+    """Create ``root/<UTC time>-<method>`` (suffixed ``-2``, ``-3``... if taken) and point ``root/latest`` at it."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    root.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        folder = root / (f"{stamp}-{method}" if n == 1 else f"{stamp}-{method}-{n}")
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue
+        point_latest(folder)
+        return folder
+    raise ConfigError(f"no free run folder name under {root} for {stamp}-{method}")
+
+
+def point_latest(folder: Path) -> None:
+    """Make ``<parent>/latest`` a relative symlink to ``folder``.
+
+    A real folder of that name (where every run used to write) is renamed ``<its time>-latest``, never deleted.
+    """
+    latest = folder.parent / "latest"
+    if latest.is_dir() and not latest.is_symlink():
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(latest.stat().st_mtime))
+        latest.rename(folder.parent / f"{stamp}-latest")
+    tmp = folder.parent / f".latest-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(folder.name)
+    os.replace(tmp, latest)
+
+
+def resolve_out_dir(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with an absolute out-dir: a fresh run folder when it is ``""``, else the given path."""
+    if not cfg.out_dir:
+        return cfg.replace(out_dir=str(fresh_run_folder(cfg.method).resolve()))
+    return cfg.replace(out_dir=str(Path(cfg.out_dir).expanduser().resolve()))
+
+
+def prepare_out_dir(path: str | Path) -> Path:
+    """Create the out-dir (and parents) and check it is writable; :class:`ConfigError` naming the cause if not."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as err:
+        raise ConfigError(f"run-config 'out-dir' = {str(path)!r} cannot be created: a file of that name is in "
+                          "the way") from err
+    except OSError as err:
+        raise ConfigError(f"run-config 'out-dir' = {str(path)!r} cannot be created: "
+                          f"{err.strerror or err} ({err.filename or path})") from err
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ConfigError(f"run-config 'out-dir' = {str(path)!r} is not writable")
+    return out
+
+
+def earlier_outputs(path: str | Path) -> list[str]:
+    """Names of an earlier run's output files in ``path`` (empty if none or no such folder)."""
+    out = Path(path)
+    return [name for name in OUTPUT_FILES if (out / name).exists()] if out.is_dir() else []
+
+
+def clear_outputs(path: str | Path) -> None:
+    """Remove an earlier run's output files (only :data:`OUTPUT_FILES`, nothing else) from ``path``."""
+    for name in earlier_outputs(path):
+        (Path(path) / name).unlink(missing_ok=True)
+
+
+def write_error(out_dir: str | Path, reason: str) -> None:
+    """Record why the ServerApp failed (read by the launcher, which then exits non-zero with the reason)."""
+    try:
+        _atomic_write(Path(out_dir) / ERROR_FILE, json.dumps({"error": reason}, indent=2).encode())
+    except OSError:
+        pass  # the reason is also in the ServerApp's log; the missing summary already fails the run
+
+
+def read_error(out_dir: str | Path) -> str | None:
+    """The reason recorded by :func:`write_error`, if any."""
+    try:
+        return str(json.loads((Path(out_dir) / ERROR_FILE).read_text())["error"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# --------------------------------------------------------------------------- checkpoints
+@dataclass
+class Checkpoint:
+    """Everything a resumed run needs, as of the end of round :attr:`round`."""
+
+    round: int
+    weights: OrderedDict[str, np.ndarray]
+    strategy_state: dict[str, Any]
+    rows: list[dict] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    config: dict[str, Any] = field(default_factory=dict)
+    #: Strategy state including the charge of round ``round + 1`` once its train messages went out.
+    pending: dict[str, Any] | None = None
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _meta(ckpt: Checkpoint) -> dict[str, Any]:
+    return {"format": 1, "round": ckpt.round, "config": ckpt.config, "strategy_state": ckpt.strategy_state,
+            "rows": ckpt.rows, "failures": ckpt.failures, "elapsed_s": ckpt.elapsed_s, "pending": ckpt.pending,
+            "arrays": list(ckpt.weights)}
+
+
+def save_checkpoint(out_dir: str | Path, ckpt: Checkpoint) -> None:
+    """Write the model first, then the JSON naming the round (the JSON is the commit point)."""
+    out = Path(out_dir)
+    tmp = out / f".{CHECKPOINT_NPZ}.tmp-{os.getpid()}.npz"
+    np.savez(tmp, **{f"a{i}": np.asarray(a) for i, a in enumerate(ckpt.weights.values())})
+    os.replace(tmp, out / f"{CHECKPOINT_NPZ}")
+    _atomic_write(out / CHECKPOINT_JSON, json.dumps(_meta(ckpt), allow_nan=False).encode())
+
+
+def mark_pending(out_dir: str | Path, server_round: int, strategy_state: dict[str, Any]) -> None:
+    """Record that round ``server_round``'s train messages went out, with the state that includes its charge."""
+    path = Path(out_dir) / CHECKPOINT_JSON
+    if not path.is_file():
+        return  # round 1: a crash restarts from scratch, nothing was published
+    meta = json.loads(path.read_text())
+    meta["pending"] = {"round": server_round, "strategy_state": strategy_state}
+    _atomic_write(path, json.dumps(meta, allow_nan=False).encode())
+
+
+def load_checkpoint(out_dir: str | Path) -> Checkpoint:
+    """Read the checkpoint of ``out_dir``; :class:`ResumeError` naming the problem if there is none or it is damaged."""
+    out = Path(out_dir)
+    path = out / CHECKPOINT_JSON
+    if not path.is_file():
+        raise ResumeError(f"cannot resume: {path} does not exist (the run in {out} finished no round, "
+                          "or it is not a cancelfl run folder)")
+    try:
+        meta = json.loads(path.read_text())
+        with np.load(out / CHECKPOINT_NPZ) as npz:
+            weights = OrderedDict((name, npz[f"a{i}"]) for i, name in enumerate(meta["arrays"]))
+        pending = meta.get("pending")
+        return Checkpoint(int(meta["round"]), weights, meta["strategy_state"], list(meta["rows"]),
+                          list(meta["failures"]), float(meta["elapsed_s"]), dict(meta["config"]),
+                          pending if pending and pending.get("round") == int(meta["round"]) + 1 else None)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ResumeError(f"cannot resume: the checkpoint in {out} is damaged ({type(err).__name__}: {err})") from err
+
+
+def changed_keys(stored: Mapping[str, Any], cfg: RunConfig) -> list[str]:
+    """Run-config keys whose value differs from the checkpoint's (except :data:`RESUME_MAY_CHANGE`)."""
+    now = cfg.to_mapping()
+    return sorted(k for k in set(stored) | set(now)
+                  if k not in RESUME_MAY_CHANGE and stored.get(k) != now.get(k))
+
+
+def resume_overrides(out_dir: str | Path, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The run config to resume the run in ``out_dir``: the stored one, plus ``resume`` and location keys.
+
+    Only :data:`RESUME_MAY_CHANGE` keys may be given in ``overrides``; anything else would make the
+    resumed rounds a different run (and its epsilon meaningless), so it is refused naming the keys.
+    """
+    ckpt = load_checkpoint(out_dir)
+    bad = sorted(k for k in overrides if k not in RESUME_MAY_CHANGE)
+    if bad:
+        raise ResumeError(f"--resume continues the stored run config; these keys cannot change: {', '.join(bad)} "
+                          f"(only {', '.join(RESUME_MAY_CHANGE)} may)")
+    stored = {k: v for k, v in ckpt.config.items() if k not in ("ddpsa-servers",)}
+    return {**stored, **overrides, "out-dir": str(Path(out_dir).resolve()), "resume": True}
+
+
+# --------------------------------------------------------------------------- used by the runner
+def start_run_folder(cfg: RunConfig) -> Path:
+    """The run's out-dir, created; a fresh run first removes an earlier run's outputs (a resumed one keeps them)."""
+    out = prepare_out_dir(cfg.out_dir or resolve_out_dir(cfg).out_dir)
+    if not cfg.resume:
+        clear_outputs(out)
+    else:
+        (out / ERROR_FILE).unlink(missing_ok=True)
+    return out
+
+
+def load_for_resume(out_dir: str | Path, cfg: RunConfig, strategy: Any) -> Checkpoint:
+    """Load the checkpoint, check the run config is the stored one, restore ``strategy``'s state.
+
+    With a pending round (its train messages went out before the crash) the state including that round's
+    privacy charge is restored: the repeated round is charged again, so epsilon is never under-counted.
+    """
+    ckpt = load_checkpoint(out_dir)
+    changed = changed_keys(ckpt.config, cfg)
+    if changed:
+        raise ResumeError("cannot resume: the run config differs from the checkpoint's in "
+                          + ", ".join(f"'{k}' ({ckpt.config.get(k)!r} -> {cfg.to_mapping().get(k)!r})" for k in changed))
+    strategy.load_state(ckpt.pending["strategy_state"] if ckpt.pending else ckpt.strategy_state)
+    return ckpt
+
+
+def run_outcome(out_dir: str | Path, code: int = 0) -> tuple[int, str]:
+    """Exit code and message of a finished run, from its folder (``code``: the exit code of ``flwr run``).
+
+    Non-zero when the ServerApp recorded a failure (``error.json``), when no ``summary.json`` was written,
+    when the run stopped early (``stopped``) or when no round succeeded.
+    """
+    out = Path(out_dir)
+    error = read_error(out)
+    if error is not None:
+        return 1, f"the run failed: {error} (outputs so far in {out})"
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return code or 1, (f"the run did not finish: no summary.json in {out} (flwr exit code {code}); "
+                           "the ServerApp's log above says why")
+    failed = summary.get("failed_rounds") or []
+    done = int(summary.get("rounds_completed", len(failed)))
+    if summary.get("stopped"):
+        return 1, f"the run stopped early: {summary['stopped']} (outputs in {out})"
+    if done and len(failed) >= done:
+        return 1, f"no round succeeded ({len(failed)} failed); the first failure: {failed[0]}"
+    if code:
+        return code, f"flwr exited with code {code} (outputs in {out})"
+    return 0, f"run finished, summary at {out / 'summary.json'}"
