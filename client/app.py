@@ -7,6 +7,7 @@ from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import fixedclipping_mod
 
 from client.env import ClientEnv
+from client.floor import admit
 from client.methods import query_actions, query_handler, train_handler
 
 app = ClientApp()
@@ -23,6 +24,7 @@ def _cdp_clipping(msg: Message, context: Context, call_next) -> Message:
 def train(msg: Message, context: Context) -> Message:
     """Local training + the method's upload protection."""
     env = ClientEnv.from_context(context)
+    admit(msg, env)  # the node's privacy floor and ledger: refuses before any work (client.floor)
     return train_handler(env.cfg.method)(msg, env)
 
 

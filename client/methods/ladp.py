@@ -18,8 +18,8 @@ Per round, for the received global model ``w_g``:
    mean, Algorithm 1).
 
 A "layer" is one ``state_dict`` tensor (a module's weight and bias are separate layers).
-``epsilon``/``delta`` are the *per-round* guarantee of Theorem 3; the server composes
-them over rounds (:mod:`strategies.ladp`).
+Theorem 3 is applied per round at ``epsilon_r = protocols.ladp.round_epsilon(epsilon, delta,
+num-rounds)``, so the run's ``epsilon``/``delta`` is the whole-run target (:mod:`strategies.ladp`).
 
 Metrics sent with the upload (a :class:`client.messages.ladp.NoiseReport`; the server
 averages them over clients, by examples): ``noised_layers``, ``num_layers``, ``total_noise_norm`` (L2 norm of the whole noise
@@ -37,9 +37,11 @@ import numpy as np
 from flwr.app import Message
 
 from client.env import ClientEnv, local_training, reply
+from client.floor import release
 from client.messages.ladp import LayerNoise, NoiseReport
 from client.wire import to_record
 from protocols import ladp
+from protocols.privacy import GaussianEvent
 
 #: Floor of the KL estimate (``P_j -> 0`` would make sigma infinite; see protocols.ladp).
 MIN_KL = 1e-12
@@ -60,10 +62,11 @@ def train(msg: Message, env: ClientEnv) -> Message:
     cfg = env.cfg
     global_w, local_w, loss = local_training(msg, env, grad_clip=cfg.clip)
     steps = local_steps(len(env.y), cfg.local_epochs, cfg.batch_size)
+    eps_round = ladp.round_epsilon(cfg.epsilon, cfg.delta, cfg.num_rounds)  # the run's epsilon is the target
     plan = ladp.plan_layer_noise(
         local_w,
         global_w,
-        epsilon=cfg.epsilon,
+        epsilon=eps_round,
         delta=cfg.delta,
         lr=cfg.lr,
         local_steps=steps,
@@ -82,4 +85,7 @@ def train(msg: Message, env: ClientEnv) -> Message:
         sensitivity=ladp.sensitivity(cfg.lr, steps, cfg.clip),
         local_steps=steps,
     )
-    return reply(msg, to_record(noisy, np.float32), len(env.y), train_loss=loss, **report.to_metrics())
+    # One round: a Gaussian release with multiplier >= c0 / epsilon (corrected Theorem 3; none if a layer went bare).
+    z = 0.0 if report.unnoised_release else ladp.theorem3_c0_corrected(eps_round, cfg.delta) / eps_round
+    spent = release(msg, env, GaussianEvent(z))
+    return reply(msg, to_record(noisy, np.float32), len(env.y), train_loss=loss, **report.to_metrics(), **spent)

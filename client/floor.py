@@ -1,0 +1,94 @@
+"""The client's privacy floor and ledger, around every train handler.
+
+* :func:`admit` (called by the ClientApp before any method handler runs): the node's
+  policy (:class:`protocols.floor.FloorPolicy`, from its node config) against the run
+  config, the round number against ``num-rounds`` and the rounds this node already
+  trained in the run, and a lifetime budget that is already spent.
+* :func:`release` (called by every method handler with the privacy events of its
+  upload, before anything leaves the node): refuses when the release would take the
+  node past its lifetime budget or the method adds no noise a node policy asks for,
+  records the release in the node's persistent ledger (:mod:`client.ledger`) and
+  returns the :class:`client.messages.ledger.SpentReport` metrics for the reply.
+
+A refusal is a :class:`protocols.floor.FloorViolation` raised from the handler: Flower
+turns it into an error reply whose reason names the parameter; nothing is uploaded.
+The per-method floors (the noise a method owes the client, recomputed from the run
+config) live in :mod:`protocols.floor` and are checked by the handlers themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from flwr.app import Message
+
+from client.env import ClientEnv
+from client.ledger import ClientLedger, ledger_dir
+from client.messages.common import TrainIns
+from client.messages.ledger import SpentReport
+from protocols.floor import FloorPolicy, FloorViolation, at_most, check_round
+from protocols.methods import Guarantee, method_spec
+from protocols.privacy import Event, GaussianEvent
+
+__all__ = ["FloorViolation", "admit", "guarantee", "policy", "release"]
+
+
+def policy(env: ClientEnv) -> FloorPolicy:
+    """The node's floor policy (node config; every key optional)."""
+    return FloorPolicy.from_node_config(env.context.node_config)
+
+
+def _ledger(env: ClientEnv, *, write: bool = True):
+    return ClientLedger.open(ledger_dir(env.context.node_config), env.partition_id, write=write)
+
+
+def _worst(spent: Mapping[str, float]) -> tuple[str, float]:
+    return max(spent.items(), key=lambda kv: kv[1], default=("", 0.0))
+
+
+def guarantee(env: ClientEnv) -> Guarantee:
+    """What the method's epsilon protects (unit, and whether the uploads carry a guarantee): the registry's word."""
+    return method_spec(env.cfg.method).privacy
+
+
+def admit(msg: Message, env: ClientEnv) -> None:
+    """Refuse a train message before any work: policy vs run config, round, an exhausted lifetime budget."""
+    pol = policy(env)
+    pol.check_run(env.cfg, protected=guarantee(env).uplink is not None)
+    rnd = TrainIns.from_config(msg.content["config"]).round
+    with _ledger(env, write=False) as led:
+        check_round(rnd, env.cfg, led.rounds(env.context.run_id))
+        if pol.lifetime_epsilon is not None:
+            key, eps = _worst(led.spent(pol.lifetime_delta))
+            at_most(f"lifetime-epsilon ({key})", eps, pol.lifetime_epsilon,
+                    "this node's privacy ledger is spent (node config 'lifetime-epsilon')")
+
+
+def release(msg: Message, env: ClientEnv, uplink: Event | None = None, downlink: Event | None = None
+            ) -> dict[str, float]:
+    """Check the lifetime budget and record the round's releases in the ledger, before anything leaves the node.
+
+    ``uplink``: what the upload reveals to the server per the method's privacy unit; ``downlink``: the
+    published model's part, when the client can tell it apart (else the uplink bounds it: post-processing).
+    A method whose uploads carry no guarantee (registry, :attr:`protocols.methods.MethodSpec.privacy`:
+    fedavg, cdp, the MP family) records an un-noised release (infinite epsilon) for the uplink.
+    Returns the :class:`~client.messages.ledger.SpentReport` metrics to merge into the reply.
+    """
+    pol = policy(env)
+    g = guarantee(env)
+    unit = g.unit if g.unit != "none" else "client"
+    events: dict[str, Event] = {f"uplink/{unit}": uplink if g.uplink is not None and uplink is not None
+                                else GaussianEvent(0.0)}
+    if downlink is not None:
+        events[f"downlink/{unit}"] = downlink
+    pol.check_run(env.cfg, protected=g.uplink is not None)
+    rnd = TrainIns.from_config(msg.content["config"]).round
+    with _ledger(env) as led:
+        check_round(rnd, env.cfg, led.rounds(env.context.run_id))  # again, under the lock
+        key, eps = _worst(led.projected(events, pol.lifetime_delta))
+        if pol.lifetime_epsilon is not None:
+            at_most(f"lifetime-epsilon ({key})", eps, pol.lifetime_epsilon,
+                    "this round would take the node past its lifetime budget (node config 'lifetime-epsilon')")
+        led.record(env.context.run_id, env.cfg.method, rnd, events)
+        releases = len(led.rounds(env.context.run_id))
+    return SpentReport(eps, releases).to_metrics()

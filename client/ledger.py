@@ -1,0 +1,144 @@
+"""A node's persistent privacy ledger: what its data has spent, over every run, per direction and privacy unit.
+
+One JSON file per data partition (``<ledger-dir>/client-<partition-id>.json``), in a
+folder the node config names (``ledger-dir``); without one, ``$CANCELFL_LEDGER_DIR``,
+else ``<FLWR_HOME or ~/.flwr>/cancelfl-ledger``.  The in-process engine gives its
+nodes a folder of their own (:class:`server.local_grid.LocalGrid`).  The file
+survives process restarts and new runs: every message may run in a fresh process,
+so the ledger is read, updated and written under a file lock each time.
+
+Accounts are keyed ``"<direction>/<unit>"`` (``uplink/client``, ``uplink/record``,
+``downlink/record``): ``uplink`` is what the server (or an eavesdropper) sees of
+this client's uploads, ``downlink`` the published model; ``client`` protects the
+whole dataset of the node, ``record`` one example.  Each account holds the
+project's accountants (:mod:`protocols.privacy`, JSON state via ``to_state`` /
+``accountant_from_state``): an :class:`~protocols.privacy.RdpAccountant` for
+Gaussian and Laplace releases and a :class:`~protocols.privacy.DpCompositionAccountant`
+for releases a theorem certifies as (epsilon, delta); when both hold releases their
+epsilons add up at ``delta / 2`` each (basic composition).  ``runs`` keeps, per Flower
+run id, the rounds this node trained (the privacy floor refuses a repeated round).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from protocols.privacy import DpCompositionAccountant, DpEvent, Event, RdpAccountant, accountant_from_state
+
+#: Node-config key of the ledger folder.
+LEDGER_DIR_KEY = "ledger-dir"
+_VERSION = 1
+
+
+def ledger_dir(node_config: Mapping[str, Any]) -> Path:
+    """The node's ledger folder (node config ``ledger-dir``, else ``$CANCELFL_LEDGER_DIR``, else under FLWR_HOME)."""
+    if node_config.get(LEDGER_DIR_KEY):
+        return Path(str(node_config[LEDGER_DIR_KEY])).expanduser()
+    if os.environ.get("CANCELFL_LEDGER_DIR"):
+        return Path(os.environ["CANCELFL_LEDGER_DIR"]).expanduser()
+    return Path(os.environ.get("FLWR_HOME") or Path.home() / ".flwr").expanduser() / "cancelfl-ledger"
+
+
+class Account:
+    """One direction/unit account: RDP for Gaussian/Laplace releases, composition theorems for (eps, delta) ones."""
+
+    def __init__(self, rdp: RdpAccountant | None = None, dp: DpCompositionAccountant | None = None) -> None:
+        self.rdp = rdp or RdpAccountant()
+        self.dp = dp or DpCompositionAccountant()
+
+    def compose(self, event: Event) -> None:
+        (self.dp if isinstance(event, DpEvent) else self.rdp).compose(event)
+
+    def epsilon(self, delta: float) -> float:
+        """Epsilon of everything composed, at total ``delta``."""
+        parts = [acc for acc in (self.rdp, self.dp) if acc.releases]
+        if not parts:
+            return 0.0
+        share = delta / len(parts)
+        return math.fsum(acc.epsilon(share) for acc in parts)
+
+    def to_state(self) -> dict[str, Any]:
+        return {"rdp": self.rdp.to_state(), "dp": self.dp.to_state()}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> Account:
+        rdp, dp = accountant_from_state(state["rdp"]), accountant_from_state(state["dp"])
+        if not isinstance(rdp, RdpAccountant) or not isinstance(dp, DpCompositionAccountant):
+            raise ValueError("ledger account holds accountants of the wrong kind")
+        return cls(rdp, dp)
+
+
+class ClientLedger:
+    """The parsed ledger file of one partition (use :meth:`open` to read-modify-write it under a lock)."""
+
+    def __init__(self, path: Path, data: dict[str, Any] | None = None) -> None:
+        self.path = path
+        data = data or {"version": _VERSION, "accounts": {}, "runs": {}}
+        if data.get("version") != _VERSION:
+            raise ValueError(f"privacy ledger {path}: unknown version {data.get('version')!r}")
+        self.accounts = {k: Account.from_state(v) for k, v in data["accounts"].items()}
+        self.runs: dict[str, dict[str, Any]] = {str(k): dict(v) for k, v in data["runs"].items()}
+
+    @staticmethod
+    def file_for(directory: Path, partition_id: int) -> Path:
+        return Path(directory) / f"client-{int(partition_id)}.json"
+
+    @classmethod
+    @contextmanager
+    def open(cls, directory: Path, partition_id: int, *, write: bool = True) -> Iterator[ClientLedger]:
+        """The ledger under an exclusive lock; written back atomically on normal exit when ``write``."""
+        path = cls.file_for(directory, partition_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                data = json.loads(path.read_text()) if path.exists() else None
+            except json.JSONDecodeError as err:
+                # A corrupt ledger must not read as "nothing spent".
+                raise ValueError(f"privacy ledger {path} is unreadable ({err}); refusing to train") from err
+            ledger = cls(path, data)
+            yield ledger
+            if write:
+                ledger._save()
+
+    def _save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_state(), indent=1))
+        os.replace(tmp, self.path)
+
+    def to_state(self) -> dict[str, Any]:
+        return {"version": _VERSION, "accounts": {k: a.to_state() for k, a in sorted(self.accounts.items())},
+                "runs": self.runs}
+
+    # ------------------------------------------------------------------ queries
+    def rounds(self, run_id: int) -> list[int]:
+        """Rounds this node trained in run ``run_id``."""
+        return [int(r) for r in self.runs.get(str(run_id), {}).get("rounds", [])]
+
+    def spent(self, delta: float) -> dict[str, float]:
+        """Epsilon spent per account at ``delta``."""
+        return {k: a.epsilon(delta) for k, a in self.accounts.items()}
+
+    def projected(self, events: Mapping[str, Event], delta: float) -> dict[str, float]:
+        """Epsilon per account if ``events`` were composed too (the ledger is not changed)."""
+        out = self.spent(delta)
+        for key, event in events.items():
+            acc = Account.from_state(self.accounts[key].to_state()) if key in self.accounts else Account()
+            acc.compose(event)
+            out[key] = acc.epsilon(delta)
+        return out
+
+    # ------------------------------------------------------------------ update
+    def record(self, run_id: int, method: str, rnd: int, events: Mapping[str, Event]) -> None:
+        """Compose one round's releases and remember the round of the run."""
+        for key, event in events.items():
+            self.accounts.setdefault(key, Account()).compose(event)
+        run = self.runs.setdefault(str(run_id), {"method": method, "rounds": []})
+        run["rounds"] = sorted({*run["rounds"], int(rnd)})

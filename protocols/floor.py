@@ -1,0 +1,229 @@
+"""The client's privacy floor, Flower-free: the noise a client owes itself, computed from its own configuration.
+
+A client never takes a noise parameter from the server.  It computes what it adds
+from the run config it holds (the same ``RunConfig`` the server was started with)
+and from public values it can check (its own dataset size, the participants'
+sizes, the round's graph); where the server must send something (a round plan,
+an allocation, the round number), the client recomputes it and refuses the round
+(:class:`FloorViolation`, naming the parameter) when the server's value would give
+it less protection.  On top, a node may hold a *policy* in its node config
+(:class:`FloorPolicy`): limits on the run config a server may ask it to train
+under (``max-epsilon-per-run``, ``max-delta``, ``max-clip``) and a lifetime
+budget (``lifetime-epsilon`` at ``lifetime-delta``) kept by the client's
+persistent ledger (:mod:`client.ledger`).
+
+This module holds the pure part: the policy, the violation, the comparisons and
+each method's floor (:func:`ldp_noise_std`, :func:`nadp_floor`,
+:func:`ddpsa_round_epsilon`, :func:`mpddp_floor`, :func:`mpdp_naive_sigma`), which
+the strategies use too, so both ends compute the same numbers in one place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from protocols.config import RunConfig
+from protocols.mpddp import calibrate, calibrate_ldp, sigmas_for_theta, theta_for_noise_multiplier
+from protocols.nadp import NadpSigmas, NoiseAllocation, compensation_factor, local_sgd_sensitivity, round_plan
+from protocols.privacy import calibrate_noise_multiplier, lemma2_sigma, noise_multiplier, per_round_epsilons
+
+__all__ = [
+    "ETA_SHARE",
+    "FloorPolicy",
+    "FloorViolation",
+    "NadpFloor",
+    "RTOL",
+    "at_least",
+    "at_most",
+    "ddpsa_round_epsilon",
+    "ldp_noise_std",
+    "mpddp_floor",
+    "mpdp_naive_sigma",
+    "nadp_compensation",
+    "nadp_floor",
+    "nadp_sensitivity",
+]
+
+#: Relative slack of a comparison between the server's value and the client's own (float round-off only).
+RTOL = 1e-9
+#: mpddp: fraction of the per-round privacy-loss variance theta spent on the non-cancelling eta.
+ETA_SHARE = 0.9
+
+
+class FloorViolation(ValueError):
+    """The server asked for less protection than the client's floor: the round is refused, nothing is uploaded."""
+
+    def __init__(self, parameter: str, offered: object, floor: object, why: str = "") -> None:
+        self.parameter, self.offered, self.floor = parameter, offered, floor
+        text = f"privacy floor: refusing the round: {parameter} = {offered!r} but this client's floor is {floor!r}"
+        super().__init__(text + (f" ({why})" if why else ""))
+
+
+def at_least(parameter: str, offered: float, floor: float, why: str = "") -> None:
+    """Refuse unless ``offered >= floor`` (up to :data:`RTOL`): e.g. a noise std the server announces."""
+    if not (math.isfinite(offered) and offered >= floor * (1.0 - RTOL)):
+        raise FloorViolation(parameter, offered, floor, why or "less noise than this client's own calibration")
+
+
+def at_most(parameter: str, offered: float, ceiling: float, why: str = "") -> None:
+    """Refuse unless ``offered <= ceiling`` (up to :data:`RTOL`): e.g. a per-round epsilon."""
+    if not (math.isfinite(offered) and offered <= ceiling * (1.0 + RTOL)):
+        raise FloorViolation(parameter, offered, ceiling, why or "more privacy loss than this client allows")
+
+
+# ----------------------------------------------------------------------------------------- node policy
+_POLICY_KEYS = {"max_epsilon_per_run": "max-epsilon-per-run", "max_delta": "max-delta", "max_clip": "max-clip",
+                "lifetime_epsilon": "lifetime-epsilon", "lifetime_delta": "lifetime-delta"}
+
+
+@dataclass(frozen=True)
+class FloorPolicy:
+    """A node's own limits (node config; every key optional).
+
+    Attributes:
+        max_epsilon_per_run: largest run-config ``epsilon`` the node trains under (None = any).
+        max_delta: largest run-config ``delta`` (None = any).
+        max_clip: largest run-config ``clip`` (None = any).
+        lifetime_epsilon: what the node may spend over all runs, per direction and privacy unit,
+            at ``lifetime_delta`` (None = unlimited; spending is recorded either way).
+        lifetime_delta: the delta the ledger's epsilon is read at.
+    """
+
+    max_epsilon_per_run: float | None = None
+    max_delta: float | None = None
+    max_clip: float | None = None
+    lifetime_epsilon: float | None = None
+    lifetime_delta: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"node config '{_POLICY_KEYS[f.name]}' = {value!r} must be a finite number > 0")
+        if not self.lifetime_delta < 1:
+            raise ValueError(f"node config 'lifetime-delta' = {self.lifetime_delta!r} must be < 1")
+
+    @classmethod
+    def from_node_config(cls, node_config: Mapping[str, Any]) -> FloorPolicy:
+        """Read the policy keys of a node config (other keys are ignored)."""
+        values: dict[str, float] = {}
+        for name, key in _POLICY_KEYS.items():
+            if key in node_config:
+                try:
+                    values[name] = float(node_config[key])
+                except (TypeError, ValueError) as err:
+                    raise ValueError(f"node config '{key}' = {node_config[key]!r} must be a number") from err
+        return cls(**values)
+
+    @property
+    def wants_guarantee(self) -> bool:
+        """Whether the node asks for a bounded privacy loss at all (refuses methods without one)."""
+        return self.max_epsilon_per_run is not None or self.lifetime_epsilon is not None
+
+    def check_run(self, cfg: RunConfig, *, protected: bool) -> None:
+        """Refuse a run config beyond the node's limits; ``protected`` = the method noises the upload itself."""
+        if self.wants_guarantee and not protected:
+            raise FloorViolation("method", cfg.method, "a method with client-side noise",
+                                 "this node requires a bounded privacy loss against the server (node config "
+                                 "'max-epsilon-per-run' / 'lifetime-epsilon'); this method uploads without noise")
+        if self.max_epsilon_per_run is not None:
+            at_most("epsilon", cfg.epsilon, self.max_epsilon_per_run, "node config 'max-epsilon-per-run'")
+        if self.max_delta is not None:
+            at_most("delta", cfg.delta, self.max_delta, "node config 'max-delta'")
+        if self.max_clip is not None:
+            at_most("clip", cfg.clip, self.max_clip, "node config 'max-clip'")
+
+
+def check_round(rnd: int, cfg: RunConfig, used: Sequence[int]) -> None:
+    """A train round must lie in ``1..num-rounds`` and be new in this run (the noise is calibrated for T releases)."""
+    if not 1 <= rnd <= cfg.num_rounds:
+        raise FloorViolation("round", rnd, f"1..{cfg.num_rounds}",
+                             "the noise is calibrated for run-config 'num-rounds' releases")
+    if rnd in used:
+        raise FloorViolation("round", rnd, "a round not trained before in this run",
+                             "a repeated round would release this client's data again")
+    if len(used) >= cfg.num_rounds:
+        raise FloorViolation("num-rounds", len(used) + 1, cfg.num_rounds,
+                             "this client already made every release the run's budget covers")
+
+
+# ----------------------------------------------------------------------------------------- methods
+def ldp_noise_std(cfg: RunConfig) -> float:
+    """``ldp``: Gaussian std ``z clip``, z for (epsilon, delta) over ``num-rounds`` unsampled releases (RDP)."""
+    return calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds) * cfg.clip
+
+
+def ddpsa_round_epsilon(cfg: RunConfig, rnd: int) -> float:
+    """``ddpsa``: ``eps_t`` of round ``rnd`` (1-based) from the run's budget schedule (Eq. 12 / Theorem 2)."""
+    schedule = per_round_epsilons(cfg.epsilon, cfg.delta, cfg.num_rounds, allocation=cfg.ddpsa_allocation,
+                                  alpha=cfg.ddpsa_decay, composition=cfg.ddpsa_composition)
+    return float(schedule.epsilons[rnd - 1])
+
+
+def nadp_sensitivity(cfg: RunConfig, size: int) -> float:
+    """Per-record L2 sensitivity of a NADP client's local model trained on ``size`` examples."""
+    return local_sgd_sensitivity(cfg.clip, size, lr=cfg.lr, epochs=cfg.local_epochs, batch_size=cfg.batch_size)
+
+
+def nadp_compensation(cfg: RunConfig, sizes: Mapping[int, int], min_degree: int | None = None) -> float:
+    """``lambda``: ``nadp-lambda`` if > 0, else Eq. 8 for ``nadp-tau`` over the participants.
+
+    On a sparse graph (``min_degree`` < k - 1) Eq. 8 is applied to the smallest neighbourhood
+    (k_eff = min degree + 1).  Raises ValueError when ``(1 - tau) k <= 1`` (no lambda can help).
+    """
+    if cfg.nadp_lambda > 0:
+        return cfg.nadp_lambda
+    ratio = max(sizes.values()) / min(sizes.values())
+    k = len(sizes) if min_degree is None else min(len(sizes), min_degree + 1)
+    return compensation_factor(cfg.nadp_tau, k=k, size_ratio=ratio)
+
+
+@dataclass(frozen=True)
+class NadpFloor:
+    """A NADP participant's own view of the round: Eq. 3 sigmas, allocation, lambda, its sensitivity."""
+
+    sigmas: NadpSigmas | None
+    allocation: NoiseAllocation | None
+    lam: float
+    sensitivity: float
+    ldp_std: float | None = None
+
+
+def nadp_floor(cfg: RunConfig, sizes: Mapping[int, int], me: int,
+               graph: Mapping[int, Sequence[int]] | None) -> NadpFloor:
+    """The round's noise recomputed from the run config and the public sizes/graph (both variants)."""
+    sens = {n: nadp_sensitivity(cfg, s) for n, s in sizes.items()}
+    if cfg.nadp_variant == "record-ldp":
+        z_ldp = lemma2_sigma(1.0, cfg.epsilon, cfg.delta, cfg.sample_rate * cfg.num_rounds)
+        return NadpFloor(None, None, 1.0, sens[me], z_ldp * sens[me])
+    sig, alloc = round_plan(sizes, sens, cfg.epsilon, cfg.delta, cfg.num_rounds, graph=graph)
+    min_degree = min(len(nb) for nb in graph.values()) if graph is not None and alloc.pair_table is not None else None
+    try:
+        lam = nadp_compensation(cfg, sizes, min_degree)
+    except ValueError:
+        lam = 1.0  # no honest partner left: no lambda helps (the strategy logs the same)
+    return NadpFloor(sig, alloc, lam, sens[me])
+
+
+def mpddp_floor(cfg: RunConfig, k: int) -> tuple[float, float, float]:
+    """``mpddp``: ``(sigma_eta, sigma_delta, theta)`` for ``k`` clients (Theorem 10, or 11 on an n-out graph).
+
+    Raises ValueError where the theorems do not cover the setting.
+    """
+    z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
+    n_out = cfg.n_out if cfg.graph == "n-out" else None
+    if n_out is None or n_out >= k - 1:
+        theta = theta_for_noise_multiplier(z)
+        se, sd = sigmas_for_theta(theta, k, eta_share=ETA_SHARE, sensitivity=cfg.clip)
+        return se, sd, theta
+    t = cfg.num_rounds
+    cal = calibrate(cfg.epsilon / t, cfg.delta / t, k, n_out, eta_share=ETA_SHARE, sensitivity=cfg.clip)
+    return cal.sigma_eta, cal.sigma_delta, cal.theta
+
+
+def mpdp_naive_sigma(cfg: RunConfig) -> float:
+    """``mpdp-naive``: Gaussian std ``z S`` on each perturbed gradient entry (S = ``clip``)."""
+    return calibrate_ldp(noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds), sensitivity=cfg.clip)
