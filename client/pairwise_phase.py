@@ -10,18 +10,45 @@ separated by purpose, round, pair and run id, so no seed is ever reused even
 when the key pair lives for many rounds.  The X25519 shared secrets of an epoch
 are cached next to the private key (keyed by the peer's id *and* public key, so
 a re-keyed peer is agreed anew).
+
+Authentication (:mod:`client.identity`): the key reply carries this node's
+Ed25519 signature over (run id, key epoch, roster name, node id, X25519 key);
+``pair_seeds`` verifies every peer key it has not verified before against the
+roster and refuses (``IdentityError`` naming the node) an unknown, unsigned or
+wrongly signed one, so a server substituting its own X25519 keys is caught.
+
+Consistent views (SecAgg's concern: a server must not isolate a client by
+showing it a peer set the others do not share).  Choice: bind the round's
+*view* into every pair seed, at no extra message phase.  ``round_view`` checks
+the view the message shows (own id and every peer among the participants, the
+peer list equal to this node's row of the graph rebuilt from the public graph
+seed) and hashes (run id, round, key epoch, graph rule, graph seed, sorted
+participant ids) into the HKDF context.  Two clients therefore derive the same
+pair seed only if the server showed both the same participant set and graph: a
+client shown a different set ends up with masks (and, in NISS, relay keys) that
+nobody else can derive -- its upload stays protected, the server learns
+nothing, and the round fails to cancel (NISS: every relayed payload fails
+authentication and the round is refused).  A view consisting of the client and
+colluders only is a small round the client sees and judges itself (privacy
+floor).  The alternative -- every client signing the view and the server
+relaying the signatures before anyone uploads (SecAgg's ConsistencyCheck) --
+costs one more message phase per round (6-9 s in deployment) and is only needed
+before a client *reveals* pair secrets to the server (dropout recovery).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from client.env import ClientEnv
+from client.identity import sign_key, verify_peers
 from client.messages.common import TrainIns
 from client.messages.keys import KeyReply, KeyRequest, MaskProbe, PeerKeys
+from protocols.graphs import round_neighbours
+from protocols.identity import view_digest
 from protocols.keyagreement import agree_many, derive_pair_seed, generate_keypair, keypair_from_private
 from protocols.prg import gaussian
 
@@ -37,8 +64,11 @@ class KeyStore:
     private: bytes
     #: (peer id, peer public key) -> shared secret; one entry per peer, for its latest key.
     shared: dict[tuple[int, bytes], bytes]
+    #: peer id -> roster name its cached key was verified under.
+    names: dict[int, str] = field(default_factory=dict)
 
     _EPOCH, _PRIVATE, _PEERS, _PEER_KEYS, _SECRETS = "epoch", "private", "cached-peers", "cached-keys", "cached-secrets"
+    _NAMES = "cached-names"
 
     @classmethod
     def load(cls, env: ClientEnv) -> KeyStore | None:
@@ -46,9 +76,11 @@ class KeyStore:
         rec = env.context.state.get(STATE_KEY)
         if rec is None or cls._EPOCH not in rec:
             return None
+        peers = rec.get(cls._PEERS, [])
         shared = {(int(p), bytes(k)): bytes(s) for p, k, s in
-                  zip(rec.get(cls._PEERS, []), rec.get(cls._PEER_KEYS, []), rec.get(cls._SECRETS, []), strict=True)}
-        return cls(int(rec[cls._EPOCH]), bytes(rec[cls._PRIVATE]), shared)
+                  zip(peers, rec.get(cls._PEER_KEYS, []), rec.get(cls._SECRETS, []), strict=True)}
+        names = dict(zip((int(p) for p in peers), rec.get(cls._NAMES, []), strict=True))
+        return cls(int(rec[cls._EPOCH]), bytes(rec[cls._PRIVATE]), shared, names)
 
     def save(self, env: ClientEnv) -> None:
         """Write to ``Context.state`` (Flower cannot serialise empty lists, so an empty cache is left out)."""
@@ -57,6 +89,7 @@ class KeyStore:
             rec[self._PEERS] = [str(p) for p, _ in self.shared]
             rec[self._PEER_KEYS] = [k for _, k in self.shared]
             rec[self._SECRETS] = list(self.shared.values())
+            rec[self._NAMES] = [self.names[p] for p, _ in self.shared]
         env.context.state[STATE_KEY] = rec
 
 
@@ -69,9 +102,11 @@ def handle_keys(msg: Message, env: ClientEnv) -> Message:
     """
     req = KeyRequest.from_config(msg.content["config"])
     kp = generate_keypair()
+    name, signature = sign_key(env, req.key_epoch, kp.public_bytes)  # fails before anything is stored
     # Keep only the current epoch's key (and no cached secret of an older one).
     KeyStore(req.key_epoch, kp.private_bytes, {}).save(env)
-    return Message(RecordDict({"config": KeyReply(kp.public_bytes, len(env.y)).to_config()}), reply_to=msg)
+    reply = KeyReply(kp.public_bytes, len(env.y), name, signature)
+    return Message(RecordDict({"config": reply.to_config()}), reply_to=msg)
 
 
 def peers(msg: Message) -> list[int]:
@@ -79,8 +114,35 @@ def peers(msg: Message) -> list[int]:
     return list(PeerKeys.from_config(msg.content["config"]).peer_ids)
 
 
-def pair_seeds(msg: Message, env: ClientEnv, purpose: str) -> dict[int, bytes]:
-    """One seed per neighbour for ``purpose`` and this round (both ends derive the same value)."""
+def round_view(env: ClientEnv, pk: PeerKeys, rnd: int, graph: dict[int, list[int]] | None = None) -> bytes:
+    """Check the round's view ``pk`` shows this node; its digest (bound into every pair seed, see module doc).
+
+    ``graph``: the round's graph when the caller has built it already (nadp), else rebuilt from the seed.
+    """
+    me, parts = env.node_id, pk.participants
+    if not parts or pk.graph_seed is None:
+        raise ValueError("the message lacks the round's participant list or graph seed: the view cannot be checked")
+    members = set(parts)
+    if me not in members:
+        raise ValueError(f"node {me} is not among the round's participants")
+    strangers = sorted(set(pk.peer_ids) - members)
+    if strangers:
+        raise ValueError(f"peers {strangers} are not among the round's participants")
+    if graph is not None and set(graph) != members:
+        raise ValueError("the round's plan and its participant list name different nodes")
+    row = graph[me] if graph is not None else round_neighbours(env.cfg.graph, env.cfg.n_out, parts, pk.graph_seed, me)
+    if sorted(pk.peer_ids) != sorted(row):
+        raise ValueError("the peer list differs from this node's neighbours in the round's graph")
+    return view_digest(run_id=int(env.context.run_id), round_num=rnd, key_epoch=pk.key_epoch, graph=env.cfg.graph,
+                       n_out=env.cfg.n_out, graph_seed=pk.graph_seed, participants=parts)
+
+
+def pair_seeds(msg: Message, env: ClientEnv, purpose: str,
+               graph: dict[int, list[int]] | None = None) -> dict[int, bytes]:
+    """One seed per neighbour for ``purpose`` and this round (both ends derive the same value).
+
+    Refuses an inconsistent view (:func:`round_view`) and any peer key not signed by its roster identity.
+    """
     cfg = msg.content["config"]
     rnd = TrainIns.from_config(cfg).round
     pk = PeerKeys.from_config(cfg)
@@ -88,16 +150,22 @@ def pair_seeds(msg: Message, env: ClientEnv, purpose: str) -> dict[int, bytes]:
     if store is None or store.epoch != pk.key_epoch:
         raise RuntimeError(f"no key pair for key epoch {pk.key_epoch} (round {rnd}): the key phase did not run on "
                            "this node or its state was lost; the server re-keys it when it is next sampled")
+    context = int(env.context.run_id).to_bytes(8, "big") + round_view(env, pk, rnd, graph)
     pairs = list(zip(pk.peer_ids, pk.peer_keys, strict=True))
-    new = [pair for pair in pairs if pair not in store.shared]
-    if new:
+    # A cached secret was agreed only after its key was verified under the same name.
+    fresh = [i for i, pair in enumerate(pairs) if pair not in store.shared or store.names.get(pair[0]) != pk.name_of(i)]
+    if fresh:
+        verify_peers(env, pk, fresh)
+        store.names.update((pk.peer_ids[i], pk.name_of(i)) for i in fresh)
+    new = [pairs[i] for i in fresh if pairs[i] not in store.shared]
+    if fresh:
         own = keypair_from_private(store.private)
         store.shared.update(zip(new, agree_many(own, [k for _, k in new]), strict=True))
         # One secret per peer, for its latest key (new entries come last in the dict, so they win).
         latest = {p: (k, s) for (p, k), s in store.shared.items()}
         store.shared = {(p, k): s for p, (k, s) in latest.items()}
+        store.names = {p: store.names[p] for p, _ in store.shared}
         store.save(env)
-    context = int(env.context.run_id).to_bytes(8, "big")
     return {peer: derive_pair_seed(store.shared[(peer, key)], purpose=purpose, round_num=rnd, node_a=env.node_id,
                                    node_b=peer, context=context)
             for peer, key in pairs}

@@ -6,20 +6,31 @@ messages exactly as on a SuperNode), gives each node the same ``node_config``
 (``partition-id``/``num-partitions``) as Flower's simulation, turns a ClientApp
 exception into an error reply (as Flower does), and can make chosen nodes drop
 out (no reply) to test dropout handling.
+
+Fault injection (TESTING AID, run-config ``fault-drop-rate``): in every round the grid withholds the train
+replies of ``round(rate * n)`` of the ``n`` nodes that got a train message -- after the round's key / share
+phase, so their pair noise is fixed -- chosen deterministically from (seed, round); they take no further
+part in the round (e.g. the recovery phase).  :attr:`LocalGrid.fault_dropped` records who was dropped.
 """
 
 from __future__ import annotations
 
+import secrets
+import tempfile
 import time
 import traceback
 from collections.abc import Iterable
+from pathlib import Path
 from uuid import uuid4
 
+import numpy as np
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
+
+from server.keys import make_identities
 
 SERVER_NODE_ID = 1  # the SuperLink node id Flower uses for the ServerApp
 
@@ -27,7 +38,23 @@ SERVER_NODE_ID = 1  # the SuperLink node id Flower uses for the ServerApp
 class LocalGrid(Grid):
     """Grid whose nodes are in-process ClientApp instances."""
 
-    def __init__(self, client_app: ClientApp, num_nodes: int, run_config: dict, *, run_id: int = 1) -> None:
+    def __init__(self, client_app: ClientApp, num_nodes: int, run_config: dict, *, run_id: int | None = None,
+                 node_config: dict | None = None, identities: bool = True) -> None:
+        """Nodes ``0..num_nodes-1`` with in-process contexts.
+
+        ``run_id`` None = a fresh random one (as a SuperLink gives each run); ``node_config`` is added to every
+        node's (e.g. a policy of :mod:`protocols.floor`); without a ``ledger-dir`` the nodes keep their privacy
+        ledgers (:mod:`client.ledger`) in a temporary folder of this grid.  With ``identities`` (and no
+        ``identity-key`` in ``node_config``) every node gets a real Ed25519 identity and the roster, made as
+        ``cancelfl keys`` does in a temporary folder of this grid (:mod:`client.identity`); without, the nodes
+        fall back to the derived simulation identities.
+        """
+        if run_id is None:
+            run_id = secrets.randbits(63) or 1
+        extra = dict(node_config or {})
+        if "ledger-dir" not in extra:
+            self._ledger_tmp = tempfile.TemporaryDirectory(prefix="cancelfl-ledger-")
+            extra["ledger-dir"] = self._ledger_tmp.name
         self.client_app = client_app
         self.run_config = dict(run_config)
         self._run = Run.create_empty(run_id)
@@ -40,12 +67,20 @@ class LocalGrid(Grid):
         # Node ids are arbitrary 64-bit values in Flower; use large distinct ones.
         self.node_ids = [1_000_003 * (i + 7) for i in range(num_nodes)]
         self.contexts = {
-            nid: Context(run_id=run_id, node_id=nid, node_config={"partition-id": i, "num-partitions": num_nodes},
-                         state=RecordDict(), run_config=dict(run_config))
+            nid: Context(run_id=run_id, node_id=nid, state=RecordDict(), run_config=dict(run_config),
+                         node_config={"partition-id": i, "num-partitions": num_nodes, **extra})
             for i, nid in enumerate(self.node_ids)
         }
+        if identities and "identity-key" not in extra:
+            self._identity_tmp = tempfile.TemporaryDirectory(prefix="cancelfl-identities-")
+            keys, roster = make_identities(Path(self._identity_tmp.name), [f"node-{i}" for i in range(num_nodes)])
+            for i, nid in enumerate(self.node_ids):
+                self.contexts[nid].node_config.update({"identity-key": str(keys[f"node-{i}"]), "roster": str(roster)})
         #: Nodes that silently drop every message (set by tests to simulate dropout).
         self.offline: set[int] = set()
+        #: Fault injection (run-config ``fault-drop-rate``): round -> nodes whose train reply was withheld.
+        self.fault_rate = float(run_config.get("fault-drop-rate", 0.0) or 0.0)
+        self.fault_dropped: dict[int, set[int]] = {}
         #: Wall time spent inside each node's ClientApp (seconds), for overhead figures.
         self.client_time: dict[int, float] = dict.fromkeys(self.node_ids, 0.0)
 
@@ -72,12 +107,14 @@ class LocalGrid(Grid):
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         """Deliver each message to its node's ClientApp and collect the replies."""
+        messages = list(messages)
+        faulty = self._fault_drops(messages)
         replies = []
         for msg in messages:
             dst = msg.metadata.dst_node_id
             if dst not in self.contexts:
                 raise ValueError(f"message for unknown node {dst}")
-            if dst in self.offline:
+            if dst in self.offline or dst in faulty:
                 continue
             msg.metadata.__dict__["_message_id"] = uuid4().hex
             msg.metadata.__dict__["_run_id"] = self._run.run_id
@@ -90,3 +127,19 @@ class LocalGrid(Grid):
             self.client_time[dst] += time.perf_counter() - t0
             replies.append(reply)
         return replies
+
+    def _fault_drops(self, messages: list[Message]) -> set[int]:
+        """Nodes whose train reply is withheld this round (``fault-drop-rate``; empty for other phases)."""
+        train = [m for m in messages if m.metadata.message_type == "train"]
+        if self.fault_rate <= 0 or not train:
+            return set()
+        try:
+            rnd = int(train[0].content["config"]["round"])
+        except (KeyError, TypeError, ValueError):
+            rnd = len(self.fault_dropped) + 1
+        nodes = sorted(m.metadata.dst_node_id for m in train)
+        count = min(int(round(self.fault_rate * len(nodes))), len(nodes) - 1)
+        rng = np.random.default_rng([int(self.run_config.get("seed", 0)), rnd, 0xFA17])
+        drop = {nodes[int(i)] for i in rng.choice(len(nodes), size=max(count, 0), replace=False)}
+        self.fault_dropped[rnd] = drop
+        return drop

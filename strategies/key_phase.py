@@ -19,8 +19,12 @@ runs the same in simulation, deployment and in-process):
    clients also cache their shared secrets.
 2. The server builds the neighbour graph over the clients left
    (:func:`protocols.graphs.round_graph` from a fresh public ``graph-seed``)
-   and sends each client its neighbours' ids and public keys
-   (:meth:`KeyRound.peer_keys`) with a later message of the round.  Clients
+   and sends each client its neighbours' ids, public keys, roster names and
+   signatures plus the participant list (:meth:`KeyRound.peer_keys`) with a
+   later message of the round.  Clients verify every peer key against their
+   roster (:mod:`client.identity`) and bind the participants and graph seed
+   into their seeds (:func:`client.pairwise_phase.round_view`): the server
+   relays keys it cannot forge and views it cannot split unnoticed.  Clients
    derive the round's pairwise seeds themselves with HKDF over (purpose, round,
    pair, run id), so seeds are fresh every round even under a long-lived key
    pair; the server never learns them.  Trade-off of a long-lived pair: whoever
@@ -70,6 +74,9 @@ class KeyEntry:
     public_key: bytes
     epoch: int
     num_examples: int | None
+    #: roster name and Ed25519 signature the client sent with the key (relayed; every peer verifies them).
+    name: str = ""
+    signature: bytes = b""
 
 
 @dataclass
@@ -88,12 +95,20 @@ class KeyRound:
     #: key epoch of the round (see ``key-rotation``) and the nodes that ran the key phase this round.
     key_epoch: int = 0
     keyed: list[int] = field(default_factory=list)
+    #: node -> (roster name, signature) sent with its key (relayed to its peers, who verify them).
+    signed_by: dict[int, tuple[str, bytes]] = field(default_factory=dict)
 
     def peer_keys(self, node: int, neighbours: Sequence[int] | None = None) -> PeerKeys:
-        """What ``node`` needs to derive its pairwise seeds (its neighbours by default), plus the public seeds."""
+        """What ``node`` needs to derive its pairwise seeds (its neighbours by default), plus the public seeds.
+
+        Carries the neighbours' signed keys and the round's participant list: the client checks the
+        signatures against its roster and binds the participants and graph seed into its pair seeds.
+        """
         peers = list(self.neighbours[node] if neighbours is None else neighbours)
+        signed = [self.signed_by.get(p, ("", b"")) for p in peers]
         return PeerKeys(tuple(peers), tuple(self.public_keys[p] for p in peers), self.key_epoch,
-                        self.graph_seed, self.probe_seed)
+                        self.graph_seed, self.probe_seed, tuple(n for n, _ in signed), tuple(s for _, s in signed),
+                        tuple(self.participants))
 
 
 class KeyPhase:
@@ -126,7 +141,7 @@ class KeyPhase:
                     log(WARNING, "round %d: node %s sent a malformed key reply (%s); it is left out",
                         server_round, node, err)
                     continue
-                directory[node] = KeyEntry(key.public_key, epoch, key.num_examples)
+                directory[node] = KeyEntry(key.public_key, epoch, key.num_examples, key.name, key.signature)
         participants = sorted(n for n in nodes if n in directory)
         dropped = sorted(set(nodes) - set(participants))
         if len(participants) < 2:
@@ -135,8 +150,9 @@ class KeyPhase:
         keys = {n: directory[n].public_key for n in participants}
         sizes = {n: directory[n].num_examples for n in participants if directory[n].num_examples is not None}
         graph_seed = os.urandom(32)
+        signed = {n: (directory[n].name, directory[n].signature) for n in participants}
         return KeyRound(server_round, participants, keys, self.graph(participants, graph_seed), graph_seed,
-                        os.urandom(32), dropped, sizes, epoch, sorted(n for n in need if n in directory))
+                        os.urandom(32), dropped, sizes, epoch, sorted(n for n in need if n in directory), signed)
 
     def regraph(self, kr: KeyRound, participants: Iterable[int]) -> KeyRound:
         """``kr`` restricted to ``participants`` (a subset) with a fresh graph over them (e.g. after dropouts)."""

@@ -165,16 +165,21 @@ def test_key_messages_round_trip_and_reject_malformed_fields():
     assert KeyRequest.from_config(req.to_config()) == req
     with pytest.raises(ValueError, match="key-epoch"):
         KeyRequest.from_config(TrainIns(7).to_config())
-    reply_ = KeyReply(bytes(range(1, 33)), 120)
+    sig = b"s" * 64
+    reply_ = KeyReply(bytes(range(1, 33)), 120, "node-1", sig)
     assert KeyReply.from_config(reply_.to_config()) == reply_
-    assert KeyReply.from_config(KeyReply(bytes(range(1, 33))).to_config()).num_examples is None
-    for bad in (KeyReply(bytes(range(1, 32)), 5), KeyReply(bytes(32), 5)):  # short key, all-zero key
+    assert KeyReply.from_config(KeyReply(bytes(range(1, 33)), None, "n", sig).to_config()).num_examples is None
+    for bad in (KeyReply(bytes(range(1, 32)), 5, "n", sig), KeyReply(bytes(32), 5, "n", sig)):  # short, all-zero key
         with pytest.raises(ValueError, match="public-key"):
             KeyReply.from_config(bad.to_config())
     with pytest.raises(ValueError, match="num-examples"):
-        KeyReply.from_config(KeyReply(bytes(range(1, 33)), 0).to_config())
+        KeyReply.from_config(KeyReply(bytes(range(1, 33)), 0, "n", sig).to_config())
+    with pytest.raises(ValueError, match="identity-name"):  # an unsigned key reply is malformed
+        KeyReply.from_config(KeyReply(bytes(range(1, 33)), 5).to_config())
+    with pytest.raises(ValueError, match="key-signature"):
+        KeyReply.from_config(KeyReply(bytes(range(1, 33)), 5, "n", sig[:63]).to_config())
     big = 2**64 - 1  # node ids are unsigned 64-bit: they travel as decimal strings
-    peers_ = PeerKeys((big, 5), (b"a" * 32, b"b" * 32), 2, b"g" * 32, b"p" * 32)
+    peers_ = PeerKeys((big, 5), (b"a" * 32, b"b" * 32), 2, b"g" * 32, b"p" * 32, ("x", "y"), (sig, sig), (big, 5, 9))
     rec = merge_configs(TrainIns(4).to_config(), peers_.to_config())
     assert PeerKeys.from_config(rec) == peers_ and TrainIns.from_config(rec).round == 4
     assert MaskProbe.from_config(rec).seed == b"p" * 32

@@ -1,10 +1,12 @@
 """Messages of the key phase shared by the pairwise-noise methods (nadp, niss, mpddp).
 
 * :class:`KeyRequest` (server -> client, ``query.keys``): make the key pair of this key epoch.
-* :class:`KeyReply` (client -> server): the X25519 public half, plus ``|D_i|`` for methods that need it.
+* :class:`KeyReply` (client -> server): the X25519 public half, its owner's roster name and Ed25519
+  signature over it (:func:`protocols.identity.key_statement`), plus ``|D_i|`` for methods that need it.
 * :class:`PeerKeys` (server -> client, with a later message of the round): the
-  neighbours' ids and public keys, the key epoch they belong to, and the
-  round's public graph and probe seeds.
+  neighbours' ids, public keys, roster names and signatures, the key epoch they
+  belong to, the round's participant ids, and its public graph and probe seeds
+  (the client binds participants and graph seed into its pair seeds: the view).
 * :class:`MaskProbe` and :func:`probe_metric` / :func:`probe_value`: the
   optional cancellation check (public random direction; the projection of a
   client's pairwise mask on it, reported as a train metric).
@@ -26,7 +28,9 @@ from client.messages.common import (
     read_int,
     read_list,
     read_node_ids,
+    read_str,
 )
+from protocols.identity import SIGNATURE_BYTES
 from protocols.keyagreement import KEY_BYTES
 
 _KEY_EPOCH = "key-epoch"
@@ -37,6 +41,11 @@ _PEER_KEYS = "peer-keys"
 _GRAPH_SEED = "graph-seed"
 _PROBE_SEED = "probe-seed"
 _MASK_PROBE = "mask-probe"
+_NAME = "identity-name"
+_SIGNATURE = "key-signature"
+_PEER_NAMES = "peer-names"
+_PEER_SIGNATURES = "peer-signatures"
+_PARTICIPANTS = "participants"
 
 
 def _epoch(rec: Mapping[str, Any]) -> int:
@@ -62,30 +71,39 @@ class KeyRequest:
 
 @dataclass(frozen=True)
 class KeyReply:
-    """The client's public key of the requested epoch and, if known, its dataset size ``|D_i|``."""
+    """The client's public key of the requested epoch, signed by its roster identity ``name``, and ``|D_i|``."""
 
     public_key: bytes
     num_examples: int | None = None
+    name: str = ""
+    signature: bytes = b""
 
     def to_config(self) -> ConfigRecord:
-        rec = ConfigRecord({_PUBLIC_KEY: bytes(self.public_key)})
+        rec = ConfigRecord({_PUBLIC_KEY: bytes(self.public_key), _NAME: self.name, _SIGNATURE: bytes(self.signature)})
         if self.num_examples is not None:
             rec[_NUM_EXAMPLES] = int(self.num_examples)
         return rec
 
     @classmethod
     def from_config(cls, rec: Mapping[str, Any]) -> KeyReply:
-        """Reject a key of the wrong length or all zeros (never usable for agreement)."""
+        """Reject a key of the wrong length or all zeros (never usable for agreement), or one without a signature."""
         key = read_bytes(rec, _PUBLIC_KEY, length=KEY_BYTES)
         if not any(key):
             raise ValueError(f"'{_PUBLIC_KEY}' is all zeros")
-        return cls(key, read_int(rec, _NUM_EXAMPLES, minimum=1, default=None))
+        name = read_str(rec, _NAME)
+        if not name:
+            raise ValueError(f"'{_NAME}' is empty")
+        return cls(key, read_int(rec, _NUM_EXAMPLES, minimum=1, default=None), name,
+                   read_bytes(rec, _SIGNATURE, length=SIGNATURE_BYTES))
 
 
 @dataclass(frozen=True)
 class PeerKeys:
     """A client's neighbours of the round and their public keys of epoch ``key_epoch``.
 
+    ``peer_names``/``peer_signatures`` are each key's roster name and its owner's
+    signature (empty when the server sent none: the client then refuses, naming
+    the node); ``participants`` are the round's participant ids.
     ``graph_seed`` is the public seed the neighbour graph was drawn from
     (:func:`protocols.graphs.round_graph`), ``probe_seed`` the public direction
     of the cancellation check; either may be absent from a message that does
@@ -97,6 +115,9 @@ class PeerKeys:
     key_epoch: int
     graph_seed: bytes | None = None
     probe_seed: bytes | None = None
+    peer_names: tuple[str, ...] = ()
+    peer_signatures: tuple[bytes, ...] = ()
+    participants: tuple[int, ...] = ()
 
     def to_config(self) -> ConfigRecord:
         rec = ConfigRecord({
@@ -104,6 +125,13 @@ class PeerKeys:
             _PEER_KEYS: [bytes(k) for k in self.peer_keys],
             _KEY_EPOCH: int(self.key_epoch),
         })
+        # Flower cannot serialise empty lists: absent lists mean "none sent".
+        if self.peer_names:
+            rec[_PEER_NAMES] = list(self.peer_names)
+        if self.peer_signatures:
+            rec[_PEER_SIGNATURES] = [bytes(s) for s in self.peer_signatures]
+        if self.participants:
+            rec[_PARTICIPANTS] = node_id_strings(self.participants)
         if self.graph_seed is not None:
             rec[_GRAPH_SEED] = bytes(self.graph_seed)
         if self.probe_seed is not None:
@@ -118,8 +146,24 @@ class PeerKeys:
             raise ValueError(f"{len(ids)} '{_PEER_IDS}' but {len(keys)} '{_PEER_KEYS}'")
         if len(set(ids)) != len(ids):
             raise ValueError(f"'{_PEER_IDS}' holds a node twice")
+        names = tuple(read_list(rec, _PEER_NAMES, str, default=[]))
+        sigs = tuple(bytes(s) for s in read_list(rec, _PEER_SIGNATURES, bytes, default=[]))
+        for key, values in ((_PEER_NAMES, names), (_PEER_SIGNATURES, sigs)):
+            if values and len(values) != len(ids):
+                raise ValueError(f"{len(ids)} '{_PEER_IDS}' but {len(values)} '{key}'")
+        participants = read_node_ids(rec, _PARTICIPANTS, default=())
+        if len(set(participants)) != len(participants):
+            raise ValueError(f"'{_PARTICIPANTS}' holds a node twice")
         return cls(ids, keys, _epoch(rec), read_bytes(rec, _GRAPH_SEED, default=None),
-                   read_bytes(rec, _PROBE_SEED, default=None))
+                   read_bytes(rec, _PROBE_SEED, default=None), names, sigs, tuple(participants))
+
+    def name_of(self, index: int) -> str:
+        """Roster name sent for the ``index``-th peer ('' if none)."""
+        return self.peer_names[index] if self.peer_names else ""
+
+    def signature_of(self, index: int) -> bytes:
+        """Signature sent for the ``index``-th peer's key (b'' if none)."""
+        return self.peer_signatures[index] if self.peer_signatures else b""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,274 @@
+"""Long-term Ed25519 node identities, the roster, signed key-epoch X25519 keys and the round's view digest.
+
+What
+----
+* Every node holds a long-term Ed25519 *identity* (made by ``cancelfl keys gen``; the private key in a
+  PKCS#8 PEM file its node config points at).  A *roster* -- JSON ``{"format": "cancelfl-roster/v1",
+  "nodes": {name: hex public key}}``, distributed out of band -- is what every client trusts
+  (:class:`Roster`).  A node finds its own roster name by looking up its public key.
+* Each key-epoch X25519 public key is signed by its owner over :func:`key_statement`: (run id, key
+  epoch, roster name, Flower node id, X25519 key), domain-separated and length-prefixed, so a signature
+  cannot be replayed into another run, epoch, node id or name.  :func:`verify_key` checks a peer's key
+  against the roster and raises :class:`IdentityError` naming the node when it is unknown, unsigned or
+  wrongly signed.  A server that substitutes its own X25519 keys therefore cannot make any client use
+  them: it holds no roster identity's private key.
+* :func:`view_digest` hashes the round's *view* -- run id, round, key epoch, graph rule, graph seed and
+  the sorted participant ids -- which the clients bind into every pair seed (see
+  :mod:`client.pairwise_phase`): two clients derive the same seed only if the server showed both the
+  same participant set and graph.
+
+Simulation convenience (NOT for deployment): :func:`derived_identity` and :class:`DerivedRoster` make
+identities from the run's public seed, so anyone who knows the run config -- the server included -- can
+sign as any node.  Flower's simulation cannot give nodes their own files; a real deployment uses
+``cancelfl keys`` and node config (``identity-key``, ``roster``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from protocols.keyagreement import _lp, _u64
+
+__all__ = [
+    "PUBLIC_BYTES",
+    "SIGNATURE_BYTES",
+    "ROSTER_FORMAT",
+    "IdentityError",
+    "Identity",
+    "Roster",
+    "DerivedRoster",
+    "generate_identity",
+    "identity_from_pem",
+    "derived_identity",
+    "public_identity_json",
+    "roster_from_public_files",
+    "key_statement",
+    "verify_key",
+    "view_digest",
+]
+
+PUBLIC_BYTES = 32
+SIGNATURE_BYTES = 64
+ROSTER_FORMAT = "cancelfl-roster/v1"
+IDENTITY_FORMAT = "cancelfl-identity/v1"
+_STATEMENT = b"cancelfl/key-statement/v1"
+_VIEW = b"cancelfl/round-view/v1"
+_DERIVED = b"cancelfl/simulation-identity/v1"
+
+
+class IdentityError(ValueError):
+    """A node's key cannot be authenticated against the roster (the message names the node)."""
+
+
+def _raw_public(key: Ed25519PublicKey) -> bytes:
+    return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A node's long-term signing key and its roster name."""
+
+    name: str
+    private: Ed25519PrivateKey
+
+    @property
+    def public_bytes(self) -> bytes:
+        """The raw 32-byte Ed25519 public key (the roster entry)."""
+        return _raw_public(self.private.public_key())
+
+    def sign(self, message: bytes) -> bytes:
+        """64-byte Ed25519 signature of ``message``."""
+        return self.private.sign(message)
+
+    def private_pem(self) -> bytes:
+        """The private key as unencrypted PKCS#8 PEM (``cancelfl keys gen`` writes it with mode 0600)."""
+        return self.private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption())
+
+    def __repr__(self) -> str:  # never print the private key
+        return f"Identity(name={self.name!r}, public={self.public_bytes.hex()})"
+
+
+def generate_identity(name: str) -> Identity:
+    """A fresh identity from the OS CSPRNG."""
+    return Identity(_check_name(name), Ed25519PrivateKey.generate())
+
+
+def derived_identity(seed: int, name: str) -> Identity:
+    """SIMULATION/TEST CONVENIENCE: an identity derived from the public run seed (anyone can recompute it)."""
+    raw = hashlib.sha256(_DERIVED + _u64(seed, "seed") + _lp(_check_name(name).encode())).digest()
+    return Identity(name, Ed25519PrivateKey.from_private_bytes(raw))
+
+
+def identity_from_pem(pem: bytes, roster: Mapping[str, bytes]) -> Identity:
+    """Load a PEM private key and find its name in ``roster`` (IdentityError if it is not listed)."""
+    try:
+        key = serialization.load_pem_private_key(pem, password=None)
+    except (ValueError, TypeError) as err:
+        raise IdentityError(f"identity key is not an unencrypted PEM private key ({err})") from err
+    if not isinstance(key, Ed25519PrivateKey):
+        raise IdentityError(f"identity key must be Ed25519, got {type(key).__name__}")
+    public = _raw_public(key.public_key())
+    names = [n for n, pk in roster.items() if pk == public]
+    if not names:
+        raise IdentityError(f"this node's identity (public key {public.hex()}) is not in the roster")
+    return Identity(names[0], key)
+
+
+def _check_name(name: object) -> str:
+    if not isinstance(name, str) or not name or len(name) > 256 or not name.isprintable():
+        raise IdentityError(f"node name must be a non-empty printable string of at most 256 characters, got {name!r}")
+    return name
+
+
+def _public_from_hex(name: str, text: object) -> bytes:
+    try:
+        raw = bytes.fromhex(str(text))
+        Ed25519PublicKey.from_public_bytes(raw)
+    except ValueError as err:
+        raise IdentityError(f"roster entry {name!r}: not a {PUBLIC_BYTES}-byte hex Ed25519 public key") from err
+    return raw
+
+
+class Roster(Mapping[str, bytes]):
+    """Node name -> raw Ed25519 public key: the identities a client trusts (names and keys unique)."""
+
+    def __init__(self, nodes: Mapping[str, bytes]) -> None:
+        self._nodes = {_check_name(n): bytes(k) for n, k in nodes.items()}
+        seen: dict[bytes, str] = {}
+        for name, key in self._nodes.items():
+            if len(key) != PUBLIC_BYTES:
+                raise IdentityError(f"roster entry {name!r}: public key must be {PUBLIC_BYTES} bytes, got {len(key)}")
+            if key in seen:
+                raise IdentityError(f"roster lists one public key twice ({seen[key]!r} and {name!r})")
+            seen[key] = name
+
+    def __getitem__(self, name: str) -> bytes:
+        return self._nodes[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._nodes)
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def to_json(self) -> str:
+        """The roster file's text (names sorted)."""
+        nodes = {n: self._nodes[n].hex() for n in sorted(self._nodes)}
+        return json.dumps({"format": ROSTER_FORMAT, "nodes": nodes}, indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Roster:
+        """Parse a roster file (IdentityError on any malformed part)."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise IdentityError(f"roster is not valid JSON ({err})") from err
+        if not isinstance(data, dict) or data.get("format") != ROSTER_FORMAT or not isinstance(data.get("nodes"), dict):
+            raise IdentityError(f"roster must be a JSON object with \"format\": \"{ROSTER_FORMAT}\" and a \"nodes\" object")
+        if not data["nodes"]:
+            raise IdentityError("roster lists no node")
+        return cls({n: _public_from_hex(n, k) for n, k in data["nodes"].items()})
+
+    @classmethod
+    def load(cls, path: str | Path) -> Roster:
+        """Read a roster file."""
+        return cls.from_json(Path(path).read_text())
+
+
+class DerivedRoster(Mapping[str, bytes]):
+    """SIMULATION/TEST CONVENIENCE: the roster of :func:`derived_identity` nodes ``partition-<i>``, i < ``count``.
+
+    Entries are computed on demand (a client verifies only its neighbours).
+    """
+
+    def __init__(self, seed: int, count: int) -> None:
+        self.seed, self.count = int(seed), int(count)
+
+    @staticmethod
+    def name(partition: int) -> str:
+        """Roster name of the derived identity of ``partition``."""
+        return f"partition-{int(partition)}"
+
+    def __getitem__(self, name: str) -> bytes:
+        prefix, _, num = str(name).partition("-")
+        if prefix != "partition" or not num.isdigit() or int(num) >= self.count or name != self.name(int(num)):
+            raise KeyError(name)
+        return derived_identity(self.seed, name).public_bytes
+
+    def __iter__(self) -> Iterator[str]:
+        return (self.name(i) for i in range(self.count))
+
+    def __len__(self) -> int:
+        return self.count
+
+
+def public_identity_json(identity: Identity) -> str:
+    """The public identity file ``cancelfl keys gen`` writes next to the private key (input to ``keys roster``)."""
+    return json.dumps({"format": IDENTITY_FORMAT, "name": identity.name, "public-key": identity.public_bytes.hex()},
+                      indent=2) + "\n"
+
+
+def roster_from_public_files(texts: Sequence[str]) -> Roster:
+    """A roster from public identity files (IdentityError on a malformed file or a duplicate name)."""
+    nodes: dict[str, bytes] = {}
+    for text in texts:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise IdentityError(f"public identity file is not valid JSON ({err})") from err
+        if not isinstance(data, dict) or data.get("format") != IDENTITY_FORMAT:
+            raise IdentityError(f"public identity file must have \"format\": \"{IDENTITY_FORMAT}\"")
+        name = _check_name(data.get("name"))
+        if name in nodes:
+            raise IdentityError(f"two public identity files name node {name!r}")
+        nodes[name] = _public_from_hex(name, data.get("public-key"))
+    return Roster(nodes)
+
+
+def key_statement(*, run_id: int, key_epoch: int, name: str, node_id: int, x25519_public: bytes) -> bytes:
+    """The bytes a node signs for its key-epoch X25519 key (injective, domain-separated encoding)."""
+    return (_STATEMENT + _u64(run_id, "run_id") + _u64(key_epoch, "key_epoch") + _lp(_check_name(name).encode())
+            + _u64(node_id, "node_id") + _lp(bytes(x25519_public)))
+
+
+def verify_key(roster: Mapping[str, bytes], *, name: str, signature: bytes | None, run_id: int, key_epoch: int,
+               node_id: int, x25519_public: bytes) -> None:
+    """Check ``signature`` by roster identity ``name`` over a peer's X25519 key; IdentityError naming the node."""
+    who = f"node {node_id} ({name!r})" if name else f"node {node_id}"
+    if not name:
+        raise IdentityError(f"{who}: its X25519 key comes without a roster name (unsigned key)")
+    try:
+        identity = roster[name]
+    except KeyError:
+        raise IdentityError(f"{who}: unknown node, not in the roster") from None
+    if not signature:
+        raise IdentityError(f"{who}: its X25519 key is unsigned")
+    statement = key_statement(run_id=run_id, key_epoch=key_epoch, name=name, node_id=node_id,
+                              x25519_public=x25519_public)
+    try:
+        if len(signature) != SIGNATURE_BYTES:
+            raise InvalidSignature
+        Ed25519PublicKey.from_public_bytes(identity).verify(bytes(signature), statement)
+    except InvalidSignature:
+        raise IdentityError(f"{who}: wrong signature on its X25519 key of key epoch {key_epoch} "
+                            "(not signed by the roster identity for this run, epoch and node id)") from None
+
+
+def view_digest(*, run_id: int, round_num: int, key_epoch: int, graph: str, n_out: int, graph_seed: bytes,
+                participants: Sequence[int]) -> bytes:
+    """SHA-256 of the round's view: what two clients must agree on for their pair seeds to match."""
+    ids = sorted(int(p) for p in participants)
+    h = hashlib.sha256(_VIEW + _u64(run_id, "run_id") + _u64(round_num, "round_num") + _u64(key_epoch, "key_epoch")
+                       + _lp(graph.encode()) + _u64(n_out, "n_out") + _lp(bytes(graph_seed)) + _u64(len(ids), "count"))
+    for p in ids:
+        h.update(_u64(p, "participant"))
+    return h.digest()

@@ -1,0 +1,79 @@
+"""``cancelfl keys``: make node identities and the roster every client trusts.
+
+    cancelfl keys gen --out DIR --node NAME [--node NAME ...]   # DIR/NAME.key (private, 0600) + DIR/NAME.pub
+    cancelfl keys roster --out roster.json DIR/*.pub             # the roster, distributed out of band
+
+Each node keeps its ``NAME.key`` and the roster; its node config points at both
+(``identity-key="/path/NAME.key" roster="/path/roster.json"``, see :mod:`client.identity`).
+Only the ``.pub`` files travel to whoever builds the roster; the private key never leaves the node.
+:func:`make_identities` does both steps for a set of nodes on one machine (``cancelfl deploy``, the
+in-process engine, tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from protocols.identity import IdentityError, generate_identity, public_identity_json, roster_from_public_files
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Sub-commands of ``cancelfl keys``."""
+    sub = p.add_subparsers(dest="keys_command", required=True)
+    gen = sub.add_parser("gen", help="make a node's Ed25519 identity: NAME.key (private) and NAME.pub")
+    gen.add_argument("--out", required=True, help="folder for the key files")
+    gen.add_argument("--node", action="append", required=True, help="node name (repeat for several nodes)")
+    gen.add_argument("--force", action="store_true", help="overwrite existing key files")
+    ros = sub.add_parser("roster", help="build the roster from public identity files (NAME.pub)")
+    ros.add_argument("--out", required=True, help="roster file to write (JSON)")
+    ros.add_argument("pub", nargs="+", help="public identity files")
+
+
+def generate(folder: Path, name: str, *, force: bool = False) -> tuple[Path, Path]:
+    """Write ``folder/NAME.key`` (PKCS#8 PEM, mode 0600) and ``folder/NAME.pub``; returns both paths."""
+    identity = generate_identity(name)
+    if "/" in name or name.startswith("."):
+        raise IdentityError(f"node name {name!r} cannot be a file name")
+    folder.mkdir(parents=True, exist_ok=True)
+    key, pub = folder / f"{name}.key", folder / f"{name}.pub"
+    if not force and (key.exists() or pub.exists()):
+        raise IdentityError(f"{key} or {pub} exists already (use --force to replace the identity)")
+    fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(identity.private_pem())
+    pub.write_text(public_identity_json(identity))
+    return key, pub
+
+
+def build_roster(out: Path, pub_files: list[Path]) -> Path:
+    """Write the roster of the nodes whose public identity files are given."""
+    roster = roster_from_public_files([p.read_text() for p in pub_files])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(roster.to_json())
+    return out
+
+
+def make_identities(folder: Path, names: list[str]) -> tuple[dict[str, Path], Path]:
+    """``keys gen`` for every name plus ``keys roster``: (name -> private key path, roster path)."""
+    made = {name: generate(folder, name, force=True) for name in names}
+    roster = build_roster(folder / "roster.json", [pub for _, pub in made.values()])
+    return {name: key for name, (key, _) in made.items()}, roster
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``cancelfl keys``."""
+    try:
+        if args.keys_command == "gen":
+            for name in args.node:
+                key, pub = generate(Path(args.out), name, force=args.force)
+                print(f"{name}: private key {key} (keep it on the node), public identity {pub}")
+        else:
+            out = build_roster(Path(args.out), [Path(p) for p in args.pub])
+            print(f"roster with {len(args.pub)} node(s) written to {out}")
+    except (IdentityError, OSError) as err:
+        print(f"cancelfl keys: {err}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,315 @@
+"""Authenticated key agreement: node identities, the roster, signed X25519 keys and consistent views.
+
+The attacks drive the project's real client code (the ClientApp on an in-process grid whose nodes have
+real identities made as ``cancelfl keys`` makes them) with a malicious subclass of the real strategy:
+the server substitutes its own X25519 keys (it could then read every pair seed and NISS share), strips
+the signatures, passes off a node of its own, or shows one client a participant set the others do not
+share.  Every client that is handed such a key refuses, naming the node, and the round is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from flwr.app import ConfigRecord, Message, RecordDict
+
+from client.app import app as client_app
+from client.data import dataset_for
+from client.env import ClientEnv
+from client.identity import node_identity
+from client.messages.common import TrainIns, merge_configs
+from client.messages.keys import PeerKeys
+from client.messages.niss import AuthFailures, ShareRequest
+from client.models import build_model, get_weights
+from client.pairwise_phase import pair_seeds
+from client.wire import to_record
+from protocols.config import ConfigError, RunConfig
+from protocols.identity import (
+    DerivedRoster,
+    IdentityError,
+    Roster,
+    derived_identity,
+    generate_identity,
+    identity_from_pem,
+    key_statement,
+    verify_key,
+    view_digest,
+)
+from protocols.keyagreement import generate_keypair
+from server.defaults import app_defaults
+from server.launch import main as cancelfl
+from server.local_grid import LocalGrid
+from strategies.base import RoundFailed
+from strategies.key_phase import KeyPhase, KeyRound
+from strategies.mpddp import MpddpStrategy
+from strategies.nadp import NadpStrategy
+from strategies.niss import NissStrategy
+
+STRATEGIES = {"nadp": NadpStrategy, "niss": NissStrategy, "mpddp": MpddpStrategy}
+N = 4
+
+
+# ------------------------------------------------------------------ pure crypto and the command
+def _statement_args(**over):
+    args = {"run_id": 7, "key_epoch": 2, "name": "node-0", "node_id": 123, "x25519_public": b"k" * 32}
+    return {**args, **over}
+
+
+def test_signature_binds_run_epoch_name_node_and_key():
+    me = generate_identity("node-0")
+    roster = Roster({"node-0": me.public_bytes, "node-1": generate_identity("node-1").public_bytes})
+    sig = me.sign(key_statement(**_statement_args()))
+    verify_key(roster, signature=sig, **_statement_args())
+    for field, value in (("run_id", 8), ("key_epoch", 3), ("node_id", 124), ("x25519_public", b"j" * 32)):
+        with pytest.raises(IdentityError, match="node .*wrong signature"):
+            verify_key(roster, signature=sig, **_statement_args(**{field: value}))
+    with pytest.raises(IdentityError, match="'node-1'.*wrong signature"):  # signed by another identity
+        verify_key(roster, signature=sig, **_statement_args(name="node-1"))
+    with pytest.raises(IdentityError, match="node 123 .*unknown node"):
+        verify_key(roster, signature=sig, **_statement_args(name="node-9"))
+    with pytest.raises(IdentityError, match="node 123 .*unsigned"):
+        verify_key(roster, signature=b"", **_statement_args())
+    with pytest.raises(IdentityError, match="wrong signature"):
+        verify_key(roster, signature=sig[:63], **_statement_args())
+
+
+def test_roster_parsing_rejects_malformed_files():
+    a, b = generate_identity("a"), generate_identity("b")
+    roster = Roster({"a": a.public_bytes, "b": b.public_bytes})
+    assert Roster.from_json(roster.to_json()) == roster
+    bad = [
+        "not json",
+        json.dumps({"nodes": {"a": a.public_bytes.hex()}}),  # no format
+        json.dumps({"format": "cancelfl-roster/v1", "nodes": {}}),
+        json.dumps({"format": "cancelfl-roster/v1", "nodes": {"a": "zz"}}),
+        json.dumps({"format": "cancelfl-roster/v1", "nodes": {"a": a.public_bytes.hex()[:-2]}}),
+        json.dumps({"format": "cancelfl-roster/v1", "nodes": {"a": a.public_bytes.hex(), "b": a.public_bytes.hex()}}),
+    ]
+    for text in bad:
+        with pytest.raises(IdentityError):
+            Roster.from_json(text)
+    with pytest.raises(IdentityError, match="not in the roster"):
+        identity_from_pem(generate_identity("c").private_pem(), roster)
+
+
+def test_keys_command_makes_identities_and_roster(tmp_path, capsys):
+    keys = tmp_path / "keys"
+    assert cancelfl(["keys", "gen", "--out", str(keys), "--node", "alice", "--node", "bob"]) == 0
+    assert (keys / "alice.key").stat().st_mode & 0o077 == 0  # private key readable by its owner only
+    assert cancelfl(["keys", "gen", "--out", str(keys), "--node", "alice"]) == 2  # never overwritten silently
+    assert "exists already" in capsys.readouterr().err
+    roster_file = tmp_path / "roster.json"
+    assert cancelfl(["keys", "roster", "--out", str(roster_file), str(keys / "alice.pub"), str(keys / "bob.pub")]) == 0
+    roster = Roster.load(roster_file)
+    alice = identity_from_pem((keys / "alice.key").read_bytes(), roster)
+    assert alice.name == "alice" and roster["alice"] == alice.public_bytes and set(roster) == {"alice", "bob"}
+    assert cancelfl(["keys", "roster", "--out", str(roster_file), str(keys / "alice.pub"), str(keys / "alice.pub")]) == 2
+
+
+def test_view_digest_covers_every_part_of_the_view():
+    base = {"run_id": 1, "round_num": 2, "key_epoch": 0, "graph": "complete", "n_out": 4, "graph_seed": b"g" * 32,
+            "participants": [5, 3, 9]}
+    d = view_digest(**base)
+    assert view_digest(**{**base, "participants": [9, 5, 3]}) == d  # order does not matter
+    for change in ({"run_id": 2}, {"round_num": 3}, {"key_epoch": 1}, {"graph": "n-out"}, {"n_out": 5},
+                   {"graph_seed": b"h" * 32}, {"participants": [5, 3]}, {"participants": [5, 3, 9, 11]}):
+        assert view_digest(**{**base, **change}) != d
+
+
+def test_nodes_without_identity_use_the_marked_simulation_identity_unless_required():
+    raw = {**app_defaults(), "method": "nadp", "num-clients": 3}
+    grid = LocalGrid(client_app, 3, raw, identities=False)
+    env = ClientEnv.from_context(grid.contexts[grid.node_ids[1]])
+    me = node_identity(env)
+    assert me.derived and me.name == "partition-1" and isinstance(me.roster, DerivedRoster)
+    assert me.roster["partition-2"] == derived_identity(42, "partition-2").public_bytes
+    grid.contexts[grid.node_ids[1]].node_config["require-identity"] = True
+    with pytest.raises(ConfigError, match="require-identity"):
+        node_identity(ClientEnv.from_context(grid.contexts[grid.node_ids[1]]))
+    real = LocalGrid(client_app, 3, raw)
+    assert node_identity(ClientEnv.from_context(real.contexts[real.node_ids[2]])).name == "node-2"
+
+
+# ------------------------------------------------------------------ malicious strategies
+class _Tamper(KeyPhase):
+    """A key phase whose directory the server rewrites before relaying it (``how`` picks the attack)."""
+
+    def __init__(self, cfg: RunConfig, how: str) -> None:
+        super().__init__(cfg)
+        self.how = how
+        self.attacker = generate_identity("node-99")  # an identity the server made itself: not in the roster
+
+    def run(self, strategy, grid, server_round, nodes) -> KeyRound:
+        kr = super().run(strategy, grid, server_round, nodes)
+        fake = {n: generate_keypair().public_bytes for n in kr.participants}  # the server knows their private halves
+        if self.how == "substitute":  # the server's keys under the victims' real names and signatures
+            return dataclasses.replace(kr, public_keys=fake)
+        if self.how == "unsigned":
+            return dataclasses.replace(kr, public_keys=fake, signed_by={})
+        if self.how == "unknown":  # keys properly signed, but by the server's own identity
+            sign = {n: ("node-99", self.attacker.sign(key_statement(
+                run_id=grid.run.run_id, key_epoch=kr.key_epoch, name="node-99", node_id=n, x25519_public=fake[n])))
+                for n in kr.participants}
+            return dataclasses.replace(kr, public_keys=fake, signed_by=sign)
+        raise AssertionError(self.how)
+
+
+class _RecordingGrid(LocalGrid):
+    """Keeps every error reply (any phase) so that the test can read why clients refused."""
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = list(super().send_and_receive(messages, timeout=timeout))
+        self.errors += [r.error.reason for r in replies if r.has_error()]
+        self.replies += replies
+        return replies
+
+
+def _one_round(method: str, make_strategy, **over):
+    raw = {**app_defaults(), "method": method, "num-clients": N, **over}
+    cfg = RunConfig.from_mapping(raw)
+    grid = _RecordingGrid(client_app, N, raw)
+    strategy = make_strategy(cfg)
+    ds = dataset_for(cfg)
+    arrays = to_record(get_weights(build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes,
+                                               cfg.seed)), strategy.wire_dtype)
+    grid.errors, grid.replies = [], []
+    try:
+        msgs = list(strategy.configure_train(1, arrays, ConfigRecord({"round": 1}), grid))
+        strategy.aggregate_train(1, list(grid.send_and_receive(msgs)))
+    except RoundFailed as err:
+        return grid, strategy, err
+    return grid, strategy, None
+
+
+def _tampering(method: str, how: str):
+    def make(cfg):
+        strategy = STRATEGIES[method](cfg)
+        strategy.keys = _Tamper(cfg, how)
+        return strategy
+    return make
+
+
+@pytest.mark.parametrize("method", sorted(STRATEGIES))
+def test_key_substitution_is_detected_and_the_round_refused(method):
+    """The server relays its own X25519 keys under the real names and signatures: every client refuses."""
+    grid, _, failure = _one_round(method, _tampering(method, "substitute"))
+    assert isinstance(failure, RoundFailed)  # (niss refuses already in the share phase)
+    refusals = grid.errors
+    assert len(refusals) >= N  # every client refused (niss: in the share phase, also after its re-graphs)
+    named = {int(r.split("node ")[1].split(" ")[0]) for r in refusals if "wrong signature" in r}
+    assert named <= set(grid.node_ids) and named  # the message names a real node
+    assert all("IdentityError" in r and "wrong signature" in r for r in refusals)
+
+
+@pytest.mark.parametrize("how,reason", [("unsigned", "unsigned"), ("unknown", "unknown node, not in the roster")])
+def test_unsigned_and_unknown_keys_are_refused(how, reason):
+    grid, _, failure = _one_round("nadp", _tampering("nadp", how))
+    assert isinstance(failure, RoundFailed) and len(grid.errors) == N and all(reason in r for r in grid.errors)
+
+
+def test_honest_round_with_identities_cancels():
+    grid, strategy, failure = _one_round("nadp", NadpStrategy, **{"cancellation-check": True})
+    assert failure is None and grid.errors == [] and strategy.round_report()["cancellation_residual"] < 1e-9
+
+
+# ------------------------------------------------------------------ consistent views
+def _split_view(kr: KeyRound, victim: int) -> KeyRound:
+    """The view the server shows ``victim``: one other participant left out (the victim's own checks pass)."""
+    gone = next(n for n in kr.participants if n != victim)
+    keep = [n for n in kr.participants if n != gone]
+    return dataclasses.replace(kr, participants=keep, neighbours=KeyPhase(RunConfig()).graph(keep, kr.graph_seed))
+
+
+class _SplitNiss(NissStrategy):
+    """Shows the lowest node a participant set the others do not share, in the share phase."""
+
+    def exchange(self, grid, nodes, content_fn, action):
+        if action == "shares":
+            victim = min(nodes)
+
+            def content(node, inner=content_fn):
+                rec = inner(node)
+                if node != victim:
+                    return rec
+                req = ShareRequest.from_config(rec["config"])
+                view = _split_view(self.keys.last, victim)
+                peers = dataclasses.replace(view.peer_keys(victim), probe_seed=None)
+                return RecordDict({"config": ShareRequest(req.round, req.weight, peers).to_config()})
+            return super().exchange(grid, nodes, content, action)
+        return super().exchange(grid, nodes, content_fn, action)
+
+
+class _RememberingKeys(KeyPhase):
+    def run(self, strategy, grid, server_round, nodes):
+        self.last = super().run(strategy, grid, server_round, nodes)
+        return self.last
+
+
+def test_inconsistent_view_is_refused_by_niss():
+    def make(cfg):
+        s = _SplitNiss(cfg)
+        s.keys = _RememberingKeys(cfg)
+        return s
+    grid, strategy, failure = _one_round("niss", make)
+    assert isinstance(failure, RoundFailed)
+    reports = [AuthFailures.from_config(r.content["config"]) for r in grid.replies
+               if r.metadata.message_type == "train" and not r.has_error() and "arrays" not in r.content]
+    # Relay keys derived under different views differ: the payloads between the victim and its neighbours fail
+    # authentication, and nobody uploads.
+    assert reports and all("authentication failed" in why for rep in reports for why in rep.reasons)
+    assert not [r for r in grid.replies if r.metadata.message_type == "train" and "arrays" in r.content]
+
+
+def _keyed_round(method: str = "mpddp", n: int = 5):
+    """A real key phase (signed keys from the real client handler) on an in-process grid."""
+    raw = {**app_defaults(), "method": method, "num-clients": n}
+    cfg = RunConfig.from_mapping(raw)
+    grid = LocalGrid(client_app, n, raw)
+    strategy = STRATEGIES[method](cfg)
+    return grid, strategy.keys.run(strategy, grid, 1, list(grid.node_ids))
+
+
+def _seeds(grid: LocalGrid, node: int, peers: PeerKeys) -> dict[int, bytes]:
+    msg = Message(RecordDict({"config": merge_configs(TrainIns(1).to_config(), peers.to_config())}), node, "train")
+    return pair_seeds(msg, ClientEnv.from_context(grid.contexts[node]), "test")
+
+
+def test_pair_seeds_are_bound_to_the_view():
+    """Two clients shown different participant sets derive different seeds: the split buys the server nothing.
+
+    The victim's pair noise is then derived under a view no other client holds, so no other client can
+    ever reveal (e.g. in dropout recovery) a seed that removes it, and the aggregate does not cancel.
+    """
+    grid, kr = _keyed_round()
+    victim, peer = kr.participants[0], kr.participants[-1]  # (the split view leaves out participants[1])
+    honest = _seeds(grid, victim, kr.peer_keys(victim))
+    assert honest[peer] == _seeds(grid, peer, kr.peer_keys(peer))[victim]  # same view: same seed
+    split = _split_view(kr, victim)
+    shown = _seeds(grid, victim, split.peer_keys(victim))
+    assert peer in shown and shown[peer] != _seeds(grid, peer, kr.peer_keys(peer))[victim]
+    reseeded = dataclasses.replace(kr, graph_seed=b"x" * 32)  # same participants, another graph seed
+    assert _seeds(grid, victim, reseeded.peer_keys(victim))[peer] != honest[peer]
+
+
+def test_inconsistent_peer_lists_are_refused():
+    """A view the client can see is wrong -- peers outside the round's graph, itself left out -- is refused."""
+    grid, kr = _keyed_round()
+    victim = kr.participants[0]
+    colluder_only = kr.peer_keys(victim, kr.neighbours[victim][:1])  # e.g. only a colluding neighbour
+    with pytest.raises(ValueError, match="differs from this node's neighbours"):
+        _seeds(grid, victim, colluder_only)
+    without_me = dataclasses.replace(kr.peer_keys(victim), participants=tuple(kr.participants[1:]))
+    with pytest.raises(ValueError, match="not among the round's participants"):
+        _seeds(grid, victim, without_me)
+    stranger = dataclasses.replace(kr.peer_keys(victim), participants=(victim, *kr.participants[2:]))
+    with pytest.raises(ValueError, match="not among the round's participants"):
+        _seeds(grid, victim, stranger)
+    no_view = dataclasses.replace(kr.peer_keys(victim), participants=())
+    with pytest.raises(ValueError, match="participant list or graph seed"):
+        _seeds(grid, victim, no_view)
+    twice = kr.peer_keys(victim)
+    twice = dataclasses.replace(twice, peer_names=(twice.peer_names[0],) * len(twice.peer_names))
+    with pytest.raises(IdentityError, match="wrong signature|claim roster identity"):
+        _seeds(grid, victim, twice)
