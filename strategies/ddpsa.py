@@ -63,6 +63,7 @@ from protocols.privacy import (
 )
 from protocols.secret_sharing import FixedPointCodec
 from strategies.base import CancelStrategy, RoundFailed, RoundState
+from strategies.validation import UploadSpec
 
 #: Seconds the pre-round health check waits for each intermediate server.
 HEALTH_TIMEOUT_S = 5.0
@@ -142,6 +143,10 @@ class DdpsaStrategy(CancelStrategy):
         """Check the m servers before any client works; keep the model the gradients will be taken at."""
         self._check_servers(server_round)
         return DdpsaState(server_round, list(nodes), from_record(arrays))
+
+    def upload_spec(self, state: RoundState) -> UploadSpec:
+        """No arrays: the shares go to the intermediate servers (a reply is checked for size and num-examples)."""
+        return {}
 
     def train_config(self, server_round: int) -> ConfigRecord:
         """The round number and this round's :class:`~client.messages.ddpsa.DdpsaRound`."""

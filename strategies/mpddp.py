@@ -115,6 +115,7 @@ from protocols.mpddp.expansion import Layer
 from protocols.privacy import DpCompositionAccountant, DpEvent, GaussianEvent, PrivacyLedger, RdpAccountant, noise_multiplier
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 from strategies.key_phase import KeyPhase, KeyRound, probe_residual
+from strategies.validation import FLOAT_DTYPES, ArraySpec, UploadSpec
 
 __all__ = ["ETA_SHARE", "MpRound", "MpcdpStrategy", "MpddpStrategy", "MpdpNaiveStrategy", "check_model",
            "layers_from_weights", "weights_from_layers"]
@@ -202,6 +203,18 @@ class _MpBase(CancelStrategy):
 
     def check_replies(self, state: MpRound, by_node: dict[int, Message], errors: list[str]) -> None:
         """Refuse rounds whose aggregate would be wrong (mpddp: every participant must upload)."""
+
+    def upload_spec(self, state: MpRound) -> UploadSpec:
+        """3L arrays ``up.i``: gradients (float64, (n_l, n_{l-1}+1)), Psi ((n_L, n_l, n_{l-1}+1)), Phi (as the gradient)."""
+        blocks = [(int(w.shape[0]), int(w.shape[1]) + 1) for w, _ in state.layers]
+        n_out = blocks[-1][0]
+        shapes = [*blocks, *((n_out, *b) for b in blocks), *blocks]
+        return {f"up.{i}": ArraySpec(shape, ("float64",) if i < len(blocks) else FLOAT_DTYPES)
+                for i, shape in enumerate(shapes)}
+
+    def update_of(self, state: MpRound, node: int, flat: np.ndarray) -> np.ndarray:
+        """The whole upload (gradients and side information; no bound is guaranteed: the round-median rule)."""
+        return flat
 
     def update(self, state: MpRound, records: list[tuple[int, ArrayRecord]]) -> tuple[list[Layer], list[Layer]]:
         """MU_Server (Algorithm 3) on the streamed mean of the uploads: (new model, recovered gradient)."""

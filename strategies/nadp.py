@@ -68,6 +68,7 @@ from protocols.nadp import (
 from protocols.privacy import GaussianEvent, Lemma2Accountant, PerUnitAccountant, PrivacyLedger, lemma2_sigma
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 from strategies.key_phase import KeyPhase, KeyRound, probe_residual
+from strategies.validation import gaussian_norm_bound
 
 
 @dataclass
@@ -249,6 +250,17 @@ class NadpStrategy(CancelStrategy):
         for name, event in paper_events.items():
             paper[name].compose(event)
             paper["paper"].compose(event)
+
+    def norm_limit(self, st: NadpRound, node: int) -> float | None:
+        """Per-example-clipped SGD moves the model by <= ``lr clip steps``; plus a Gaussian tail bound of the upload noise."""
+        c = self.cfg
+        size = st.plan.sizes.get(node)
+        if size is None or self.round_model is None:
+            return None
+        steps = c.local_epochs * math.ceil(size / c.batch_size)
+        std = st.plan.ldp_stds[node] if st.allocation is None else st.allocation.uplink_std(node, st.plan.lam)
+        dim = sum(math.prod(a.shape) for a in self.round_model.values())
+        return c.lr * c.clip * steps + gaussian_norm_bound(std, dim)
 
     def describe(self) -> dict[str, float | str]:
         """Key parameters (summary.json)."""

@@ -115,14 +115,20 @@ class NissRound(RoundState):
     inbox: dict[int, tuple[list[int], list[bytes]]]
 
 
-def _share_reply(reply: Message, expected: list[int]) -> ShareReply | None:
-    """The client's sealed payloads if they are one per neighbour in neighbour order, else None."""
+#: Bytes of one sealed payload besides its share vectors (header, seed, AEAD nonce and tag; ~100 in practice).
+PAYLOAD_OVERHEAD = 1024
+
+
+def _share_reply(reply: Message, expected: list[int], max_bytes: int | None = None) -> ShareReply | None:
+    """The client's sealed payloads if they are one per neighbour in neighbour order (and at most ``max_bytes``)."""
     if "config" not in reply.content:
         return None
     try:
         shares = ShareReply.from_config(reply.content["config"])
     except ValueError:
         return None
+    if max_bytes is not None and sum(len(p) for p in shares.payloads) > max_bytes:
+        return None  # never relayed: a payload larger than the shares the plan allows
     return shares if list(shares.to_ids) == expected else None
 
 
@@ -179,7 +185,7 @@ class NissStrategy(CancelStrategy):
 
             replies, _errors = self.exchange(grid, kr.participants, content, "shares")
             good = {n: shares for n, r in replies.items() if n in kr.neighbours
-                    and (shares := _share_reply(r, kr.neighbours[n])) is not None}
+                    and (shares := _share_reply(r, kr.neighbours[n], self.share_bytes(weight, n, kr))) is not None}
             failed = sorted(set(kr.participants) - set(good))
             if not failed:
                 return kr, good
@@ -189,6 +195,50 @@ class NissStrategy(CancelStrategy):
                 break
         raise RoundFailed(f"round {kr.round}: NISS share exchange did not complete "
                           f"({len(kr.participants)} client(s) left after dropping {kr.dropped})")
+
+    def share_bytes(self, weight: float, node: int, kr: KeyRound) -> int:
+        """Most bytes ``node``'s share reply may hold (larger replies are never relayed).
+
+        All its shares (plan_shares) as float64 vectors (vector encoding; a seed payload is far smaller),
+        plus :data:`PAYLOAD_OVERHEAD` per neighbour.
+        """
+        dim = sum(math.prod(a.shape) for a in self.round_model.values()) if self.round_model is not None else 0
+        try:
+            count = niss_math.plan_shares(niss_math.client_sigma(self.cfg, weight),
+                                          math.sqrt(self.cfg.niss_unit_variance)).num_shares
+        except ValueError:
+            count = 0
+        vectors = 8 * count * dim if self.cfg.niss_share_encoding == "vector" else 0
+        return vectors + PAYLOAD_OVERHEAD * max(len(kr.neighbours.get(node, [])), 1)
+
+    def update_of(self, state: NissRound, node: int, flat: np.ndarray) -> np.ndarray:
+        """A NISS upload is ``p_k w_k + noise``: its distance from ``p_k`` times the global model."""
+        return super().update_of(state, node, flat / state.weight) * state.weight
+
+    def screen(self, state: NissRound, by_node: dict[int, Message]) -> dict[int, Message]:
+        """Common checks, plus: a client that rejected relayed payloads uploaded nothing.
+
+        It is left out of this round without a strike (dropout recovery handles it); each sender it names
+        gets a strike and keeps its upload this round (its shares to the reporter are recovered).
+        """
+        reports: dict[int, AuthFailures] = {}
+        for node, reply in by_node.items():
+            try:
+                report = AuthFailures.from_config(reply.content["config"]) if "config" in reply.content else None
+            except ValueError:
+                report = None  # unreadable: the common checks exclude the reply (no upload)
+            if report:
+                reports[node] = report
+        accepted = super().screen(state, {n: r for n, r in by_node.items() if n not in reports})
+        blamed: dict[int, list[int]] = {}
+        for node, report in sorted(reports.items()):
+            self.excluded[node] = "uploaded nothing: " + "; ".join(report.describe(node))
+            for sender in report.senders:
+                if sender in state.participants and sender != node:
+                    blamed.setdefault(sender, []).append(node)
+        for sender, receivers in sorted(blamed.items()):
+            self.strikes.strike(state.round, sender, f"share payload(s) rejected by neighbour(s) {receivers}")
+        return accepted
 
     def train_content(self, state: NissRound, node: int, arrays: ArrayRecord) -> RecordDict:
         """The global model and the ciphertexts addressed to ``node``."""

@@ -223,15 +223,26 @@ class Strikes:
         self.count: dict[int, int] = {}
         self.banned: dict[int, str] = {}
 
+        self._before: dict[int, int] = {}
+
     def record(self, server_round: int, excluded: Mapping[int, str], accepted: Iterable[int]) -> None:
-        """Strike every excluded node, clear the accepted ones, ban at ``max_strikes`` (0 = never)."""
+        """The round's screening: strike every excluded node, clear the accepted ones, ban at ``max_strikes``."""
+        self._before = dict(self.count)
         for node in accepted:
             self.count.pop(node, None)
         for node, reason in excluded.items():
-            self.count[node] = self.count.get(node, 0) + 1
-            if self.max_strikes and self.count[node] >= self.max_strikes and node not in self.banned:
-                self.banned[node] = f"excluded {self.count[node]} rounds in a row (last, round {server_round}: {reason})"
-                log(WARNING, "node %s is left out of later rounds: %s", node, self.banned[node])
+            self.strike(server_round, node, reason)
+
+    def strike(self, server_round: int, node: int, reason: str) -> None:
+        """One strike for ``node`` this round (once per round, on top of its earlier rounds); ban at ``max_strikes``."""
+        before = self._before.get(node, 0)
+        if self.count.get(node, 0) > before:
+            return  # already struck this round
+        self.count[node] = before + 1
+        log(WARNING, "round %d: node %s struck (%d in a row): %s", server_round, node, self.count[node], reason)
+        if self.max_strikes and self.count[node] >= self.max_strikes and node not in self.banned:
+            self.banned[node] = f"failed {self.count[node]} rounds in a row (last, round {server_round}: {reason})"
+            log(WARNING, "node %s is left out of later rounds: %s", node, self.banned[node])
 
 
 __all__ = ["ArraySpec", "FLOAT_DTYPES", "GAUSS_TAIL", "OUTLIER_FACTOR", "ReplyScreen", "Screened", "Strikes",
