@@ -11,6 +11,9 @@
 # file is generated. `docker compose up --scale` cannot do this: with
 # network_mode: host each SuperNode needs a distinct port and partition id.
 # N < 3 also works: the surplus base services get the "disabled" profile.
+# Node identities: CANCELFL_NUM_SUPERNODES=N docker compose ... run --rm keys
+# makes node-0..node-(N-1) keys and the roster; SuperNode i mounts node-i.key
+# (the other volumes, roster included, come from supernode-0).
 set -euo pipefail
 
 N="${1:?usage: scale_supernodes.sh N}"
@@ -30,7 +33,9 @@ for ((i = 0; i < N; i++)); do
       - --host=127.0.0.1
       - --port=$((BASE + i))
       - --isolation=subprocess
-      - --node-config=partition-id=$i num-partitions=$N
+      - --node-config=partition-id=$i num-partitions=$N identity-key="/identity/node.key" roster="/identity/roster.json" require-identity=true
+    volumes:
+      - \${CANCELFL_KEYS_DIR:-./keys/generated}/node-$i.key:/identity/node.key:ro
 YAML
 done
 for ((i = N; i < 3; i++)); do

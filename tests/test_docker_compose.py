@@ -7,7 +7,10 @@ What it does, with the scripts under ``docker/`` (the same a user or CI runs):
 2. builds the image the CI way (``docker/ci/build_image.sh``: debootstrapped
    base, CI stage with the host's CA certificates and local torch CPU wheel,
    then the user-facing ``docker/Dockerfile``);
-3. creates TLS certificates (``docker/certs/make_certs.sh``) and brings up
+3. creates TLS certificates (``docker/certs/make_certs.sh``) and the node
+   identities + roster (``cancelfl keys`` in the image, compose service
+   ``keys``; every SuperNode mounts its own key and the roster, node config
+   ``identity-key``/``roster``/``require-identity``), and brings up
    ``docker/docker-compose.yml`` + ``docker/docker-compose.ci.yml`` + the
    override from ``docker/scale_supernodes.sh``: SuperLink, NUM_SUPERNODES
    SuperNodes (TLS to the SuperLink) and 3 DDP-SA intermediate servers;
@@ -232,6 +235,7 @@ def deployment(pytestconfig: pytest.Config, request: pytest.FixtureRequest) -> I
             CANCELFL_SUPERLINK_PORT=str(base),
             CANCELFL_SUPERNODE_PORT_BASE=str(sn_base),
             CANCELFL_CERTS_DIR=str(work / "certs"),
+            CANCELFL_KEYS_DIR=str(work / "keys"),
             CANCELFL_OUTPUT_DIR=str(out_dir),
             CANCELFL_DATA_DIR=str(data_dir if data_dir.is_dir() else work / "data"),
             CANCELFL_NUM_SUPERNODES=str(NUM_SUPERNODES),
@@ -243,6 +247,11 @@ def deployment(pytestconfig: pytest.Config, request: pytest.FixtureRequest) -> I
                       str(NUM_SUPERNODES)], env, timeout=30)
         (work / "docker-compose.supernodes.yml").write_text(scale.stdout)
         _run([*compose, "config", "--quiet"], env, timeout=60)
+        # Node identities with `cancelfl keys` in the image (compose service `keys`): one private key
+        # per SuperNode and the roster they all trust (each SuperNode mounts its own key only).
+        _run([*compose, "--profile", "keys", "run", "--rm", "keys"], env, timeout=120)
+        roster = json.loads((work / "keys" / "roster.json").read_text())
+        assert sorted(roster["nodes"]) == [f"node-{i}" for i in range(NUM_SUPERNODES)]
 
         t0 = time.monotonic()
         _run([*compose, "up", "-d", "--wait"], env, timeout=300)
