@@ -8,6 +8,8 @@ from flwr.clientapp.mod import fixedclipping_mod
 
 from client.env import ClientEnv
 from client.floor import admit
+from client.messages.federation import ACTION as FEDERATION
+from client.messages.federation import FederationInfo
 from client.methods import query_actions, query_handler, train_handler
 
 app = ClientApp()
@@ -37,3 +39,9 @@ def _register_query(action: str) -> None:
 
 for _action in sorted(query_actions()):
     _register_query(_action)
+
+
+@app.query(FEDERATION)
+def federation(msg: Message, context: Context) -> Message:
+    """What this node's node config says about the federation (the ServerApp's check, :mod:`server.federation`)."""
+    return Message(FederationInfo.from_node_config(context.node_config).to_content(), reply_to=msg)

@@ -10,6 +10,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from protocols.config import RunConfig
 from server.checkpoint import resolve_out_dir, write_error
+from server.federation import check_federation
 from server.runner import run_federation
 from strategies.registry import build_strategy
 
@@ -32,6 +33,7 @@ def main(grid: Grid, context: Context) -> None:
         # DDP-SA: the ServerApp never starts intermediate servers -- the clients take them from their own
         # configuration, so whoever submits the run names them (`cancelfl run/deploy` start local ones).
         strategy = build_strategy(cfg)
+        check_federation(grid, cfg)  # nodes started for another num-clients: stop now, naming the fix
         try:
             run_federation(strategy, grid, cfg)
         finally:
