@@ -179,8 +179,9 @@ class NissStrategy(CancelStrategy):
             weight = 1.0 / len(kr.participants)
 
             def content(node: int, kr=kr, weight=weight) -> RecordDict:
-                # Only the neighbours' ids and keys: the public seeds travel with the train message.
-                peers = dataclasses.replace(kr.peer_keys(node), graph_seed=None, probe_seed=None)
+                # The neighbours' signed keys and the round's view (participants, graph seed); the probe seed
+                # travels with the train message.
+                peers = dataclasses.replace(kr.peer_keys(node), probe_seed=None)
                 return RecordDict({"config": ShareRequest(kr.round, weight, peers).to_config()})
 
             replies, _errors = self.exchange(grid, kr.participants, content, "shares")
