@@ -3,7 +3,9 @@
 * :func:`run_simulation` -- a SuperLink in simulation mode (Ray backend spawns
   the ClientApps), submitted with ``flwr run``.
 * :func:`run_deployment` -- a SuperLink and N ``flower-supernode`` processes on
-  127.0.0.1, each with its own ``partition-id``, optionally with TLS, plus the
+  127.0.0.1, each with its own ``partition-id`` and its own Ed25519 identity
+  (made as ``cancelfl keys`` makes them; node config ``identity-key``,
+  ``roster``, ``require-identity``), optionally with TLS, plus the
   DDP-SA intermediate servers when the method is ``ddpsa`` (started by
   :mod:`server.intermediate.launcher`, the one place that starts them).
 
@@ -28,11 +30,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from protocols.config import RunConfig
-from protocols.identity import DerivedRoster
 from protocols.tls import CertificateAuthority
 from server.checkpoint import clear_outputs, resolve_out_dir, run_outcome
 from server.defaults import APP_DIR, app_defaults
 from server.intermediate.launcher import IntermediateServerCluster, local_intermediate_servers, start_intermediate_servers
+from server.keys import make_identities
 
 BIN = Path(sys.executable).parent
 #: Environment variable every process of one launch inherits (a fresh id per workspace): how the launcher
@@ -328,14 +330,18 @@ class LocalCluster:
             port = free_port()  # Flower 1.41 serves the Runtime, Control and Fleet APIs on one HTTP port
             self.procs.start("superlink", _superlink_cmd(port, self.work, simulation=False, tls=certs))
             wait_for_port(port, procs=self.procs)
+            # Node identities as `cancelfl keys gen` + `cancelfl keys roster` make them; each node's config points
+            # at its own private key and the roster (require-identity: no silent fall-back to derived identities).
+            keys, self.roster = make_identities(self.work / "identities",
+                                                [f"node-{i}" for i in range(self.num_supernodes)])
             if self.n_intermediate:
-                roster = DerivedRoster(RunConfig.from_mapping(app_defaults()).seed, self.num_supernodes)
-                self._servers = start_intermediate_servers(self.n_intermediate, roster)
+                self._servers = start_intermediate_servers(self.n_intermediate, self.roster)
                 self.intermediate = self._servers.addresses
             for i in range(self.num_supernodes):
+                node_config = (f'partition-id={i} num-partitions={self.num_supernodes} identity-key="{keys[f"node-{i}"]}" '
+                               f'roster="{self.roster}" require-identity=true')
                 node = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{port}",
-                        "--host", "127.0.0.1", "--port", str(free_port()),
-                        "--node-config", f"partition-id={i} num-partitions={self.num_supernodes}"]
+                        "--host", "127.0.0.1", "--port", str(free_port()), "--node-config", node_config]
                 node += ["--root-certificates", str(certs["ca"])] if certs else ["--insecure"]
                 self.procs.start(f"supernode-{i}", node)
             self.connection = write_connection(self.work / "flwr-home", f"127.0.0.1:{port}",

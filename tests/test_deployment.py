@@ -4,7 +4,9 @@ Runs a short training of every pairwise-noise method and of DDP-SA (with its 3
 intermediate gRPC servers as their own processes) through ``flwr run``, then
 checks that each run finished, beat chance, and that the pairwise noise
 cancelled (the run's ``cancellation_residual``).  The cluster is shared by all
-runs; every process it started must be gone afterwards.  This is what
+runs; every process it started must be gone afterwards.  Every SuperNode has
+its own Ed25519 identity and the roster in its node config (``cancelfl keys``),
+so the pairwise methods run with authenticated keys.  This is what
 ``cancelfl deploy`` and the docker-compose deployment do.
 """
 
@@ -14,6 +16,7 @@ import json
 
 import pytest
 
+from protocols.identity import Roster
 from server.deploy import LocalCluster
 from tests.conftest import read_metrics
 from tests.processes import pid_gone
@@ -43,6 +46,9 @@ def test_multiprocess_deployment(tmp_path):
     with LocalCluster(NUM_SUPERNODES, intermediate_servers=3) as cluster:
         pids = list(cluster.pids)
         assert len(pids) == 1 + 3 + NUM_SUPERNODES
+        # Every SuperNode runs with its own identity made by `cancelfl keys` and the roster (require-identity:
+        # a node without them would refuse instead of falling back to the derived simulation identities).
+        assert sorted(Roster.load(cluster.roster)) == [f"node-{i}" for i in range(NUM_SUPERNODES)]
         for name, overrides in RUNS.items():
             out = tmp_path / name
             code = cluster.submit({**COMMON, **overrides, "out-dir": str(out)}, timeout=900)
