@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from protocols.methods import METHOD_NAMES
+from protocols.methods import AUTO, AUTO_KEYS, METHOD_NAMES, regime
 
 DATASETS = ("digits", "breast-cancer", "mnist", "fashion-mnist")
 MODELS = ("mlp", "cnn")
@@ -78,6 +78,10 @@ class RunConfig:
     dirichlet_alpha: float = 0.5
     seed: int = 42
     round_timeout: float = 600.0  # seconds a phase waits for replies
+    min_clients: int = 2  # fewest connected nodes a round runs with (waits node-timeout s, then fails)
+    node_timeout: float = 60.0  # seconds a round waits for nodes to connect (the first round: for all num-clients)
+    max_strikes: int = 3  # rounds in a row with an excluded reply after which a node is left out (0 = never)
+    divergence_factor: float = 100.0  # stop the run when test loss > factor x initial loss or non-finite (0 = off)
     # Local training
     local_epochs: int = 2
     batch_size: int = 32
@@ -92,11 +96,12 @@ class RunConfig:
     n_out: int = 4  # neighbours each client picks in an n-out graph
     key_rotation: int = 0  # rounds per X25519 key pair (0 = one pair per node for the run, 1 = fresh every round)
     cancellation_check: bool = False  # clients report a random projection of their pairwise mask (diagnostic)
+    fault_drop_rate: float = 0.0  # TESTING AID: in-process grid withholds this fraction of train replies
     nadp_lambda: float = 0.0  # compensation factor; 0 = derive from nadp-tau
     nadp_tau: float = 0.5  # tolerated collusion rate for lambda (Eq. 8)
     nadp_variant: str = "nadp"  # "record-ldp" = the paper's LDP-FL comparator (same training, no cancellation)
     niss_unit_variance: float = 1.0  # sigma^2 of one noise share
-    niss_tau: float = -1.0  # distortion std; < 0 = derive from niss-rho
+    niss_tau: float = -1.0  # distortion std; < 0 = max(Theorem 3 for niss-rho, 1/sqrt(clients per round))
     niss_rho: float = 0.5  # tolerated colluding fraction (Theorem 3)
     niss_share_encoding: str = "seed"
     mpddp_server_lr: float = 1.0  # xi: server learning rate
@@ -104,6 +109,8 @@ class RunConfig:
     ladp_norm_threshold: float = 0.0  # R: layers with weight norm >= R get noise
     ladp_kl_cap: float = 1e-6  # B: cap of the KL privacy estimate (KL of whole-layer softmaxes is ~1e-7..1e-4)
     ddpsa_servers: str = ""  # host:port,... of intermediate servers ("" = start locally)
+    ddpsa_ca: str = ""  # PEM CA certificate of the intermediate servers' TLS certificates
+    ddpsa_server_key: str = ""  # the parameter server's Ed25519 identity key (PEM): reads partial sums
     ddpsa_num_servers: int = 3
     ddpsa_frac_bits: int = 24
     ddpsa_composition: str = "basic"
@@ -112,6 +119,8 @@ class RunConfig:
     # Output
     out_dir: str = ""  # "" = a fresh folder runs/<UTC time>-<method> (runs/latest points to the newest)
     resume: bool = False  # continue the run whose checkpoint is in out-dir (`cancelfl run/deploy --resume OUT`)
+    #: Not a run-config key: the (key, value) pairs the method's regime set (keys the user left "auto").
+    regime_applied: tuple[tuple[str, Any], ...] = dataclasses.field(default=(), compare=False)
 
     # ------------------------------------------------------------------ parsing
     @staticmethod
@@ -125,9 +134,15 @@ class RunConfig:
 
         Unknown keys raise in ``strict`` mode (catches typos); otherwise they are ignored (a
         ClientApp of an older release may receive keys a newer ServerApp added).
+
+        Keys of :data:`protocols.methods.AUTO_KEYS` that are ``"auto"`` (their ``[tool.flwr.app.config]``
+        default) or absent take the method's regime for the dataset (:func:`protocols.methods.regime`),
+        else the field default; what the regime set is kept in :attr:`regime_applied`.  A value the
+        user sets is never replaced.
         """
-        known = {cls.key_of(f.name): f for f in fields(cls)}
+        known = {cls.key_of(f.name): f for f in fields(cls) if f.name != "regime_applied"}
         values: dict[str, Any] = {}
+        unset = set(AUTO_KEYS)
         for key, value in raw.items():
             f = known.get(key)
             if f is None:
@@ -136,14 +151,26 @@ class RunConfig:
                         f"unknown run-config key '{key}'; known keys: {', '.join(sorted(known))}"
                     )
                 continue
+            if isinstance(value, str) and value.strip().lower() == AUTO and key != "device":  # device: a literal
+                if key not in AUTO_KEYS:
+                    raise ConfigError(f"run-config '{key}' cannot be \"{AUTO}\"; only {', '.join(AUTO_KEYS)} can")
+                continue
+            unset.discard(key)
             values[f.name] = _coerce(key, value, type(getattr(cls(), f.name)))
-        cfg = cls(**values)
+        method, dataset = values.get("method", cls.method), values.get("dataset", cls.dataset)
+        applied: dict[str, Any] = {}
+        if method in METHOD_NAMES:  # an unknown method is refused by validate() below
+            for key, value in regime(method, dataset).items():
+                if key in unset:
+                    f = known[key]
+                    values[f.name] = applied[key] = _coerce(key, value, type(getattr(cls(), f.name)))
+        cfg = cls(**values, regime_applied=tuple(sorted(applied.items())))
         cfg.validate()
         return cfg
 
     def to_mapping(self) -> dict[str, Any]:
-        """Inverse of :meth:`from_mapping` (for summaries and ``--run-config``)."""
-        return {self.key_of(f.name): getattr(self, f.name) for f in fields(self)}
+        """Inverse of :meth:`from_mapping` (for summaries and ``--run-config``): every key, resolved."""
+        return {self.key_of(f.name): getattr(self, f.name) for f in fields(self) if f.name != "regime_applied"}
 
     def replace(self, **changes: Any) -> RunConfig:
         """Copy with changed fields, validated."""
@@ -171,7 +198,7 @@ class RunConfig:
         _choice("ddpsa-allocation", self.ddpsa_allocation, ALLOCATIONS)
         _choice("nadp-variant", self.nadp_variant, NADP_VARIANTS)
         _choice("mpddp-side-dtype", self.mpddp_side_dtype, SIDE_DTYPES)
-        for key in ("num-clients", "num-rounds", "local-epochs", "batch-size"):
+        for key in ("num-clients", "num-rounds", "local-epochs", "batch-size", "min-clients"):
             if getattr(self, key.replace("-", "_")) < 1:
                 raise ConfigError(f"run-config '{key}' must be an integer >= 1")
         if self.seed < 0:
@@ -183,7 +210,10 @@ class RunConfig:
             raise ConfigError(f"run-config 'sample-rate' = {self.sample_rate} must be in (0, 1]")
         if not 0 < self.delta < 1:
             raise ConfigError(f"run-config 'delta' = {self.delta} must be in (0, 1)")
-        for key in ("lr", "epsilon", "clip", "dirichlet-alpha", "round-timeout", "niss-unit-variance",
+        if self.max_strikes < 0:
+            raise ConfigError("run-config 'max-strikes' must be an integer >= 0 (0 = never leave a node out)")
+        _positive("divergence-factor", self.divergence_factor, allow_zero=True)
+        for key in ("lr", "epsilon", "clip", "dirichlet-alpha", "round-timeout", "node-timeout", "niss-unit-variance",
                     "mpddp-server-lr", "ladp-kl-cap"):
             _positive(key, float(getattr(self, key.replace("-", "_"))))
         _positive("ladp-norm-threshold", self.ladp_norm_threshold, allow_zero=True)
@@ -192,6 +222,9 @@ class RunConfig:
             raise ConfigError(f"run-config 'nadp-tau' = {self.nadp_tau} must be in [0, 1)")
         if not 0 <= self.niss_rho <= 1:
             raise ConfigError(f"run-config 'niss-rho' = {self.niss_rho} must be in [0, 1]")
+        if not (math.isfinite(self.fault_drop_rate) and 0 <= self.fault_drop_rate < 1):
+            raise ConfigError(f"run-config 'fault-drop-rate' = {self.fault_drop_rate} must be in [0, 1) "
+                              "(testing aid: the fraction of sampled clients whose upload the in-process grid drops)")
         if self.n_out < 1:
             raise ConfigError("run-config 'n-out' must be an integer >= 1")
         if self.key_rotation < 0:
@@ -202,6 +235,8 @@ class RunConfig:
             raise ConfigError("run-config 'ddpsa-frac-bits' must be in [8, 40]")
         if not 0 < self.ddpsa_decay <= 1:
             raise ConfigError("run-config 'ddpsa-decay' must be in (0, 1]")
+        if self.ddpsa_servers.strip() and self.method == "ddpsa" and not self.ddpsa_ca:
+            raise ConfigError("run-config 'ddpsa-servers' needs 'ddpsa-ca' (the CA of the servers' TLS certificates)")
         if any(w < 1 for w in self.hidden_sizes):
             raise ConfigError(f"run-config 'hidden' = {self.hidden!r}: every width must be an integer >= 1 "
                               "(hidden=\"\" gives a linear model)")

@@ -41,18 +41,20 @@ os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 def preflight(overrides: dict, *, warn=lambda s: print(f"cancelfl: warning: {s}", file=sys.stderr)) -> RunConfig:
     """Check everything that can be checked before any process starts; ``ConfigError``/``ValueError`` naming the cause.
 
-    The run config (keys, types, ranges), the method's own constraints (its strategy is constructed, with
-    placeholder addresses for DDP-SA servers the launcher starts later) and the dataset files (truncated,
+    The run config (keys, types, ranges), the method's own constraints (its strategy is constructed; for
+    DDP-SA up to the intermediate servers the launcher starts later) and the dataset files (truncated,
     non-gzip or mismatched IDX files).  Settings the run adjusts are reported through ``warn``.
     """
     from client.data import dataset_for
     from strategies.registry import build_strategy
 
     cfg = RunConfig.from_mapping({**app_defaults(), **overrides})
-    probe = cfg
-    if cfg.method == "ddpsa" and not cfg.ddpsa_servers:
-        probe = cfg.replace(ddpsa_servers=",".join(f"127.0.0.1:{i + 1}" for i in range(cfg.ddpsa_num_servers)))
-    build_strategy(probe).close()
+    try:
+        build_strategy(cfg).close()
+    except ConfigError as err:
+        # DDP-SA servers (and their credentials) the launcher starts later: every check before them passed.
+        if not (cfg.method == "ddpsa" and not cfg.ddpsa_servers.strip() and "'ddpsa-servers'" in str(err)):
+            raise
     if not cfg.dataset.startswith("hub:"):  # a hub dataset would be downloaded twice
         dataset_for(cfg)
     for note in cfg.adjustments():
@@ -88,16 +90,19 @@ def run_inprocess(overrides: dict, *, progress=print, grid_factory=None, keep_st
     ``keep_strategy``, if given, receives the strategy object (for inspection after the run).
     """
     from client.app import app as client_app
-    from server.intermediate.launcher import local_intermediate_servers
+    from server.intermediate.launcher import local_intermediate_servers, roster_of
     from server.local_grid import LocalGrid
     from server.runner import run_federation
     from strategies.registry import build_strategy
 
     raw = {**app_defaults(), **overrides}
     raw["out-dir"] = resolve_out_dir(RunConfig.from_mapping(raw)).out_dir  # "" = a fresh runs/<time>-<method>
-    with local_intermediate_servers(RunConfig.from_mapping(raw)) as cfg:
-        raw = {**raw, "ddpsa-servers": cfg.ddpsa_servers}
-        grid = (grid_factory or LocalGrid)(client_app, cfg.num_clients, raw)
+    cfg = RunConfig.from_mapping(raw)
+    grid = (grid_factory or LocalGrid)(client_app, cfg.num_clients, raw)
+    # DDP-SA: local intermediate servers that trust the nodes' roster; the nodes get them in their own config.
+    with local_intermediate_servers(cfg, roster_of(c.node_config for c in grid.contexts.values())) as cfg:
+        for ctx in grid.contexts.values():
+            ctx.run_config.update({"ddpsa-servers": cfg.ddpsa_servers, "ddpsa-ca": cfg.ddpsa_ca})
         strategy = build_strategy(cfg)
         if keep_strategy is not None:
             keep_strategy.append(strategy)
@@ -172,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         code = 130
         print("cancelfl: interrupted", file=sys.stderr)
-    if code and (Path(out) / CHECKPOINT_JSON).is_file():
+    if code and (Path(out) / CHECKPOINT_JSON).is_file() and not (Path(out) / "summary.json").is_file():
         print(f"cancelfl: continue it with: cancelfl {args.command} --resume {out}", file=sys.stderr)
     return code
 

@@ -2,28 +2,35 @@
 
 Round ``t``:
 
-1. ``prepare_round`` makes sure the ``m`` intermediate servers answer ``Health``
-   (a dead one fails the round *before* clients work, naming it); the train message
+1. ``prepare_round`` registers the run and opens round ``t`` on the ``m`` intermediate
+   servers, signed with the parameter server's identity (run-config ``ddpsa-server-key``):
+   share length = model size, at most the round's participants may push; a server that
+   does not take it fails the round *before* clients work, naming it.  The train message
    carries the global model and a :class:`client.messages.ddpsa.DdpsaRound` (this
-   round's ``eps_t``, the servers, the run id and the fixed-point codec);
+   round's ``eps_t``, the servers -- which each client only compares with its own list --,
+   the run id and the fixed-point codec);
 2. each client (:mod:`client.methods.ddpsa`) pushes one additive share of its encoded
-   noisy clipped gradient sum to every intermediate server and replies with metrics;
-3. ``aggregate`` asks every server for its partial sum over exactly the clients
-   that replied successfully, reconstructs only when all ``m`` arrived
-   (full-threshold sharing; a missing one raises :class:`RoundFailed` naming the server),
-   decodes, divides by ``N = sum N_i`` and takes the step
+   noisy clipped gradient sum to every intermediate server, signed with its roster
+   identity, and replies with metrics and a receipt naming that identity;
+3. ``aggregate`` asks every server (signed) for its partial sum over exactly the roster
+   names of the clients that replied successfully, reconstructs only when all ``m`` arrived
+   (full-threshold sharing; a missing one raises :class:`RoundFailed` naming the server,
+   after sealing the round unreleased on every server it reaches: no epsilon is charged
+   for a round that produced no model), decodes, divides by ``N = sum N_i`` and takes the step
    ``theta_{t+1} = theta_t - eta * sum_i s_i / N`` (``eta`` = run-config ``lr``).  The
    paper's experiments use Adam at the server; we use plain SGD (one hyper-parameter,
    no optimizer state) -- a documented deviation.
 
 Intermediate servers: ``ddpsa-servers`` (comma-separated ``host:port``, exactly
-``ddpsa-num-servers`` of them).  The strategy never starts servers: when the user leaves
-``ddpsa-servers`` empty, the server layer starts ``m`` local ones (the one place that does:
-:func:`server.intermediate.launcher.local_intermediate_servers`) and hands their addresses
-in through the run config.  Every run uses a fresh random ``run_id`` so runs sharing servers
-never mix.
+``ddpsa-num-servers`` of them), reached over TLS verified with ``ddpsa-ca``.  The strategy never
+starts servers: when the user leaves ``ddpsa-servers`` empty, ``cancelfl run``/``deploy`` start
+``m`` local ones (the one place that does:
+:func:`server.intermediate.launcher.local_intermediate_servers`) and hand the same servers to the
+server and the clients through the run config.  Every run uses a fresh random ``run_id`` so runs
+sharing servers never mix.
 
-Privacy budget (``self.privacy``, read by ``privacy_report``): run-config ``epsilon``/``delta`` are the *total*
+Privacy budget (``self.privacy``, read by ``privacy_report``; composed when a round's sum is reconstructed,
+not when its train messages go out): run-config ``epsilon``/``delta`` are the *total*
 budget; :func:`protocols.privacy.per_round_epsilons` turns it into ``eps_t`` with
 the ``ddpsa-allocation`` shape (``uniform`` or Eq. 12 ``exponential`` with
 ``alpha = ddpsa-decay``) certified by ``ddpsa-composition`` (Theorem 2: ``basic`` =
@@ -38,18 +45,25 @@ secret sharing adds no privacy loss (post-processing; Corollary 1); downlink = u
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 
-from client.intermediate import IntermediateServerClient, PartialSumUnavailableError, reconstruct_sum
+from client.intermediate import (
+    IntermediateServers,
+    PartialSumUnavailableError,
+    abort_round,
+    reconstruct_sum,
+    register_run,
+)
+from client.intermediate.auth import load_signer
 from client.messages.common import merge_configs, num_examples
-from client.messages.ddpsa import DdpsaRound
+from client.messages.ddpsa import DdpsaRound, ShareReceipt
 from client.wire import Weights, from_record, to_record
 from protocols.arrays import flatten, unflatten
 from protocols.config import ConfigError, RunConfig
@@ -61,12 +75,13 @@ from protocols.privacy import (
     laplace_scale,
     per_round_epsilons,
 )
+from protocols.privacy.signal import NoiseEstimate, gaussian_norm
 from protocols.secret_sharing import FixedPointCodec
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 from strategies.validation import UploadSpec
 
-#: Seconds the pre-round health check waits for each intermediate server.
-HEALTH_TIMEOUT_S = 5.0
+#: Seconds the pre-round registration waits for each intermediate server.
+REGISTER_TIMEOUT_S = 5.0
 
 
 def parse_servers(text: str) -> list[str]:
@@ -98,13 +113,20 @@ class DdpsaStrategy(CancelStrategy):
         if not self.addresses:
             raise ConfigError(
                 "method 'ddpsa' needs its intermediate servers: set run-config 'ddpsa-servers' (host:port,...), "
-                "or start the run with `cancelfl run/deploy` or the cancelfl ServerApp, which start local ones"
+                "'ddpsa-ca' and 'ddpsa-server-key' (clients take the servers from their own configuration), or start "
+                "the run with `cancelfl run` / `cancelfl deploy`, which start local ones"
             )
         if len(self.addresses) != self.m:
             raise ConfigError(
                 f"run-config 'ddpsa-servers' lists {len(self.addresses)} address(es) but 'ddpsa-num-servers' = {self.m}; "
                 "give exactly one host:port per intermediate server"
             )
+        try:
+            self.servers = IntermediateServers.load(self.addresses, cfg.ddpsa_ca)
+            #: The parameter server's identity: the only signer the intermediate servers let read partial sums.
+            self.signer = load_signer(cfg.ddpsa_server_key)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"method 'ddpsa': cannot load run-config 'ddpsa-ca' / 'ddpsa-server-key' ({err})") from err
         self.schedule: BudgetSchedule = per_round_epsilons(
             cfg.epsilon, cfg.delta, cfg.num_rounds, allocation=cfg.ddpsa_allocation, alpha=cfg.ddpsa_decay,
             composition=cfg.ddpsa_composition,
@@ -118,20 +140,15 @@ class DdpsaStrategy(CancelStrategy):
         self.last_decoded_sum: np.ndarray | None = None
 
     # ------------------------------------------------------------ servers
-    def _check_servers(self, server_round: int) -> None:
-        """Fail the round early (clients do no work) if an intermediate server is down."""
-        down = []
-        for j, addr in enumerate(self.addresses):
-            with IntermediateServerClient(addr) as client:
-                try:
-                    client.health(timeout=HEALTH_TIMEOUT_S)
-                except grpc.RpcError as exc:
-                    code = exc.code().name if isinstance(exc, grpc.Call) else "ERROR"
-                    down.append(f"intermediate server #{j} ({addr}): {code}")
-        if down:
+    def _open_round(self, server_round: int, length: int, clients: int) -> None:
+        """Register the run and open the round on all m servers; fail the round early (clients do no work)."""
+        failures = register_run(self.servers, self.run_id, server_round, length, clients, self.signer,
+                                timeout=REGISTER_TIMEOUT_S)
+        if failures:
             raise RoundFailed(
                 f"round {server_round}: DDP-SA needs all {len(self.addresses)} intermediate servers (full-threshold "
-                f"secret sharing) but {len(down)} did not answer: " + "; ".join(down)
+                f"secret sharing) but {len(failures)} did not open the round: "
+                + "; ".join(f"intermediate {f}" for f in failures)
             )
 
     # ------------------------------------------------------------ round hooks
@@ -140,9 +157,10 @@ class DdpsaStrategy(CancelStrategy):
         return float(self.schedule.epsilons[server_round - 1])
 
     def prepare_round(self, grid: Grid, server_round: int, nodes: list[int], arrays: ArrayRecord) -> DdpsaState:
-        """Check the m servers before any client works; keep the model the gradients will be taken at."""
-        self._check_servers(server_round)
-        return DdpsaState(server_round, list(nodes), from_record(arrays))
+        """Open the round on the m servers before any client works; keep the model the gradients will be taken at."""
+        weights = from_record(arrays)
+        self._open_round(server_round, flatten(weights).size, max(len(nodes), 2))
+        return DdpsaState(server_round, list(nodes), weights)
 
     def upload_spec(self, state: RoundState) -> UploadSpec:
         """No arrays: the shares go to the intermediate servers (a reply is checked for size and num-examples)."""
@@ -157,14 +175,26 @@ class DdpsaStrategy(CancelStrategy):
     def aggregate(self, state: DdpsaState, by_node: dict[int, Message], errors: list[str]) -> ArrayRecord:
         """Fetch all m partial sums over the replying clients, reconstruct, decode, average by N, take the SGD step."""
         rnd = state.round
-        expected = sorted(by_node)
+        try:
+            expected = sorted(ShareReceipt.client_of(r.content) for r in by_node.values())
+        except ValueError as err:
+            expected = []
+            problem = str(err)
+        else:
+            problem = "" if len(set(expected)) == len(expected) else f"two replies name one client identity {expected}"
+        if problem:
+            abort_round(self.servers, self.run_id, rnd, self.signer)
+            raise RoundFailed(f"round {rnd}: {problem}")
         n_total = float(sum(num_examples(r.content["metrics"]) for r in by_node.values()))
         t0 = time.perf_counter()
         try:
-            ring_total = reconstruct_sum(self.addresses, self.run_id, rnd, expected)
+            ring_total = reconstruct_sum(self.servers, self.run_id, rnd, expected, self.signer)
         except PartialSumUnavailableError as err:
+            # Seal the round unreleased wherever possible and forget the partial sums: no model, no epsilon.
+            abort_round(self.servers, self.run_id, rnd, self.signer)
             raise RoundFailed(f"round {rnd}: DDP-SA reconstruction impossible, {err}") from err
         reconstruct_time = time.perf_counter() - t0
+        self.release_round(rnd)  # the round's noisy sum is reconstructed: charge its eps_t now
         decoded = self.codec.decode(ring_total)
         theta = flatten(state.global_weights)
         if decoded.size != theta.size:
@@ -182,6 +212,17 @@ class DdpsaStrategy(CancelStrategy):
         return to_record(new, self.wire_dtype)
 
     # ------------------------------------------------------------ reporting
+    def noise_estimate(self, num_params: int) -> NoiseEstimate | None:
+        """Round-1 Laplace noise in the mean gradient (m clients, std ``sqrt(2m) clip / eps_1`` / N) vs clip.
+
+        N = all clients' examples (the largest partition times the clients when the runner knows it).
+        """
+        if self.max_examples is None:
+            return None
+        m = self.cfg.clients_per_round
+        std = math.sqrt(2.0 * m) * laplace_scale(self.cfg.clip, self.epsilon_of_round(1)) / (m * self.max_examples)
+        return NoiseEstimate(gaussian_norm(std, num_params), self.cfg.clip, self.cfg.num_rounds, space="gradient")
+
     def describe(self) -> dict[str, float | str]:
         eps = self.schedule.epsilons
         return {
@@ -198,6 +239,14 @@ class DdpsaStrategy(CancelStrategy):
             "frac_bits": self.codec.frac_bits,
         }
 
+    def release_round(self, server_round: int) -> None:
+        """Compose round ``server_round``'s ``eps_t`` (Laplace; each upload is ``eps_t``-DP, one bound for both views)."""
+        self.privacy.compose(LaplaceEvent(self.epsilon_of_round(server_round)))
+
     def account_round(self, state: RoundState) -> None:
-        """Each client's round-``t`` upload is ``eps_t``-DP (Laplace); one bound for both views."""
-        self.privacy.compose(LaplaceEvent(self.epsilon_of_round(state.round)))
+        """Nothing when the train messages go out: :meth:`aggregate` composes the round's ``eps_t`` (Laplace).
+
+        A DDP-SA round releases its noisy sum only when all m partial sums are reconstructed.  Shares pushed
+        for a round whose reconstruction fails release nothing: fewer than m additive shares are
+        independent of the update, and the round is sealed unreleased on every server reached.
+        """

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from flwr.app import ConfigRecord, MetricRecord
+from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
 from client.messages.common import TrainIns
 from client.messages.ddpsa import DdpsaRound, ShareReceipt
 from protocols.config import RunConfig
 from server.defaults import app_defaults
 from strategies.ddpsa import DdpsaStrategy
+from tests.ddpsa_setup import ddpsa_credentials
 
 SERVERS = ("127.0.0.1:5001", "127.0.0.1:5002", "127.0.0.1:5003")
 
@@ -19,9 +20,9 @@ def _round(**changes) -> DdpsaRound:
     return DdpsaRound(**fields)
 
 
-def test_strategy_train_config_decodes_to_the_round_plan() -> None:
+def test_strategy_train_config_decodes_to_the_round_plan(tmp_path) -> None:
     raw = {**app_defaults(), "method": "ddpsa", "num-clients": 6, "num-rounds": 4, "epsilon": 2.0,
-           "ddpsa-servers": ",".join(SERVERS), "ddpsa-frac-bits": 20}
+           "ddpsa-servers": ",".join(SERVERS), "ddpsa-frac-bits": 20, **ddpsa_credentials(tmp_path)}
     strategy = DdpsaStrategy(RunConfig.from_mapping(raw))
     rec = strategy.train_config(3)
     assert TrainIns.from_config(rec).round == 3
@@ -62,7 +63,12 @@ def test_decoder_names_a_missing_key() -> None:
 
 
 def test_share_receipt_round_trip() -> None:
-    receipt = ShareReceipt(share_bytes=3 * 8 * 650, share_time_s=0.25)
+    receipt = ShareReceipt("node-3", share_bytes=3 * 8 * 650, share_time_s=0.25)
     metrics = MetricRecord({"num-examples": 40, **receipt.to_metrics()})
-    assert ShareReceipt.from_metrics(metrics) == receipt
-    assert ShareReceipt.from_metrics(MetricRecord({"num-examples": 40})) is None
+    reply = RecordDict({"metrics": metrics})
+    receipt.attach(reply)
+    assert ShareReceipt.from_reply(reply) == receipt and ShareReceipt.client_of(reply) == "node-3"
+    plain = RecordDict({"metrics": MetricRecord({"num-examples": 40})})
+    assert ShareReceipt.from_reply(plain) is None
+    with pytest.raises(ValueError, match="ddpsa-receipt"):
+        ShareReceipt.client_of(plain)

@@ -1,10 +1,15 @@
-"""DDP-SA end to end: exact reconstruction, training with m = 3 server processes, failures, budget."""
+"""DDP-SA end to end: exact reconstruction, training with m = 3 server processes, failures, budget.
+
+Also: clients refuse a strategy's own intermediate servers.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,10 +28,12 @@ from protocols.ddpsa import laplace_noise
 from protocols.privacy import exponential_allocation
 from server.defaults import app_defaults
 from server.intermediate import IntermediateServerCluster, start_intermediate_servers
+from server.intermediate.launcher import roster_of
 from server.local_grid import LocalGrid
 from server.runner import run_federation
 from strategies.base import RoundState
 from strategies.ddpsa import DdpsaStrategy
+from tests.ddpsa_setup import ddpsa_credentials
 from tests.processes import pid_gone
 
 LINEAR = {"hidden": "", "lr": 10.0, "epsilon": 10.0}  # softmax regression: fast FedSGD on digits
@@ -34,24 +41,46 @@ LINEAR = {"hidden": "", "lr": 10.0, "epsilon": 10.0}  # softmax regression: fast
 UNREACHED = "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def credentials(tmp_path_factory) -> dict[str, str]:
+    """A CA file and a parameter-server key for strategies whose servers are never reached."""
+    CREDENTIALS.update(ddpsa_credentials(tmp_path_factory.mktemp("ddpsa")))
+    return CREDENTIALS
+
+
+CREDENTIALS: dict[str, str] = {}
+
+
+def _raw(**overrides) -> dict:
+    return {**app_defaults(), "method": "ddpsa", **{k.replace("_", "-"): v for k, v in overrides.items()}}
+
+
 def _setup(**overrides) -> tuple[RunConfig, LocalGrid, DdpsaStrategy]:
-    raw = {**app_defaults(), "method": "ddpsa", **{k.replace("_", "-"): v for k, v in overrides.items()}}
+    raw = _raw(**overrides)
+    if raw.get("ddpsa-servers"):
+        raw = {**raw, **CREDENTIALS}
     cfg = RunConfig.from_mapping(raw)
     return cfg, LocalGrid(client_app, cfg.num_clients, raw), DdpsaStrategy(cfg)
+
+
+@contextlib.contextmanager
+def _served(**overrides) -> Iterator[tuple[RunConfig, LocalGrid, IntermediateServerCluster]]:
+    """A grid whose nodes trust m = 3 fresh server processes (in their own run config), and the run config."""
+    raw = _raw(**overrides)
+    grid = LocalGrid(client_app, RunConfig.from_mapping(raw).num_clients, raw)
+    roster = roster_of(c.node_config for c in grid.contexts.values())
+    assert roster is not None  # the in-process grid gives its nodes real identities
+    with start_intermediate_servers(3, roster) as servers:
+        for ctx in grid.contexts.values():
+            ctx.run_config.update({k: v for k, v in servers.run_config().items() if k != "ddpsa-server-key"})
+        yield RunConfig.from_mapping({**raw, **servers.run_config()}), grid, servers
+    assert all(pid_gone(p) for p in servers.pids)
 
 
 def _initial(cfg: RunConfig):
     ds = dataset_for(cfg)
     return to_record(get_weights(build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed)),
                      np.float64)
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[IntermediateServerCluster]:
-    """Three intermediate server processes shared by the tests that pass them as 'ddpsa-servers'."""
-    with start_intermediate_servers(3) as c:
-        yield c
-    assert all(pid_gone(p) for p in c.pids)
 
 
 @pytest.fixture
@@ -98,19 +127,19 @@ def test_clipped_sum_matches_per_sample_loop_and_noise_is_laplace_of_seed() -> N
 
 # ------------------------------------------------------------------ reconstruction
 @pytest.mark.parametrize("frac_bits", [8, 24])
-def test_reconstruction_equals_plain_sum_of_noisy_updates(cluster, recorded, frac_bits: int) -> None:
+def test_reconstruction_equals_plain_sum_of_noisy_updates(recorded, frac_bits: int) -> None:
     """The parameter server recovers sum_i s_i up to fixed-point round-off only, and steps on it."""
-    cfg, grid, strategy = _setup(num_clients=4, num_rounds=2, ddpsa_servers=",".join(cluster.addresses),
-                                 ddpsa_frac_bits=frac_bits, **LINEAR)
-    try:
-        arrays = _initial(cfg)
-        msgs = list(strategy.configure_train(1, arrays, ConfigRecord({"round": 1}), grid))
-        replies = list(grid.send_and_receive(msgs))
-        assert not any(r.has_error() for r in replies)
-        new_arrays, metrics = strategy.aggregate_train(1, replies)
-    finally:
-        strategy.close()
-    assert all(h.is_running() for h in cluster.handles)  # the strategy neither starts nor stops servers
+    with _served(num_clients=4, num_rounds=2, ddpsa_frac_bits=frac_bits, **LINEAR) as (cfg, grid, cluster):
+        strategy = DdpsaStrategy(cfg)
+        try:
+            arrays = _initial(cfg)
+            msgs = list(strategy.configure_train(1, arrays, ConfigRecord({"round": 1}), grid))
+            replies = list(grid.send_and_receive(msgs))
+            assert not any(r.has_error() for r in replies)
+            new_arrays, metrics = strategy.aggregate_train(1, replies)
+        finally:
+            strategy.close()
+        assert all(h.is_running() for h in cluster.handles)  # the strategy neither starts nor stops servers
     assert len(recorded) == 4
     plain = np.sum(list(recorded.values()), axis=0)  # float64 sum of the clients' noisy sums
     err = np.abs(strategy.last_decoded_sum - plain)
@@ -131,8 +160,9 @@ def test_trains_with_three_server_processes_and_cleans_up(run_inprocess, monkeyp
     started: list[IntermediateServerCluster] = []
     original = launcher.start_intermediate_servers
 
-    def spy(m: int, **kw) -> IntermediateServerCluster:
-        c = original(m, **kw)
+    def spy(m: int, roster, **kw) -> IntermediateServerCluster:
+        assert isinstance(roster, Path)  # the in-process nodes' real roster, not the seed-derived one
+        c = original(m, roster, **kw)
         started.append(c)
         return c
 
@@ -160,27 +190,25 @@ class _KillingStrategy(DdpsaStrategy):
         return super().aggregate_train(server_round, replies)
 
 
-def test_killed_intermediate_server_fails_round_naming_it(tmp_path) -> None:
-    raw = {**app_defaults(), "method": "ddpsa", "num-rounds": 3, "num-clients": 4, "out-dir": str(tmp_path),
-           **{k: v for k, v in LINEAR.items()}}
+def test_killed_intermediate_server_fails_round_naming_it_and_charges_no_epsilon(tmp_path) -> None:
     lines: list[str] = []
-    with start_intermediate_servers(3) as victims:  # own servers: this test kills one
-        raw["ddpsa-servers"] = ",".join(victims.addresses)
-        cfg = RunConfig.from_mapping(raw)
-        strategy = _KillingStrategy(cfg)
+    with _served(num_rounds=3, num_clients=4, out_dir=str(tmp_path), **LINEAR) as (cfg, grid, victims):
+        strategy = _KillingStrategy(cfg)  # own servers: this test kills one
         strategy.victims = victims
         try:
-            summary = run_federation(strategy, LocalGrid(client_app, cfg.num_clients, raw), cfg, progress=lines.append)
+            summary = run_federation(strategy, grid, cfg, progress=lines.append)
         finally:
             strategy.close()
-        pids, dead = victims.pids, victims.addresses[1]
-    assert all(pid_gone(p) for p in pids)
+        dead = victims.addresses[1]
+    # Only round 1 produced a model: the epsilon of rounds 2 and 3 is not charged.
+    assert strategy.privacy_report(3)["epsilon"] == pytest.approx(strategy.epsilon_of_round(1))
+    assert summary["epsilon"] == pytest.approx(strategy.epsilon_of_round(1))
     assert len(summary["failed_rounds"]) == 2
     fetch_err, health_err = summary["failed_rounds"]
     # Round 2: the shares were pushed, then the fetch of partial sum #1 failed.
     assert "round 2" in fetch_err and "reconstruction impossible" in fetch_err
     assert f"server #1 ({dead})" in fetch_err and "UNAVAILABLE" in fetch_err
-    # Round 3: the pre-round health check refuses to start the round.
+    # Round 3: opening the round on the servers fails before any client works.
     assert "round 3" in health_err and f"intermediate server #1 ({dead})" in health_err
     assert any("FAILED" in line and dead in line for line in lines)
 
@@ -193,13 +221,16 @@ def test_config_errors_are_clear() -> None:
         _setup(num_clients=2, sample_rate=0.5, ddpsa_servers=UNREACHED)
     with pytest.raises(ConfigError, match="needs its intermediate servers"):
         _setup()  # the strategy never starts servers: with none named it refuses
+    with pytest.raises(ConfigError, match="needs 'ddpsa-ca'"):
+        RunConfig.from_mapping(_raw(ddpsa_servers=UNREACHED))  # servers without a CA and a server key
 
 
 def _spent(strategy: DdpsaStrategy, rounds: int) -> list[float]:
-    """Epsilon reported after each of ``rounds`` released rounds (composed as configure_train does)."""
+    """Epsilon reported after each of ``rounds`` released rounds (composed as configure_train + aggregate do)."""
     out = []
     for t in range(1, rounds + 1):
-        strategy.account_round(RoundState(t, []))
+        strategy.account_round(RoundState(t, []))  # nothing: the round is charged when it is reconstructed
+        strategy.release_round(t)
         out.append(strategy.privacy_report(t)["epsilon"])
     return out
 
@@ -219,3 +250,40 @@ def test_budget_schedules_and_spent_epsilon() -> None:
     assert basic_spent[-1] == pytest.approx(5.0, rel=1e-9)
     spent = [adv_spent[t - 1] for t in (1, 10, 100, 200)]
     assert spent == sorted(spent) and spent[0] == pytest.approx(adv.epsilon_of_round(1))  # basic is tighter early
+
+
+# ------------------------------------------------------------------ a strategy's own servers are refused
+class _ForeignServers(DdpsaStrategy):
+    """A malicious parameter server that tells the clients to push to intermediate servers it controls."""
+
+    foreign: IntermediateServerCluster
+
+    def train_config(self, server_round: int) -> ConfigRecord:
+        rec = super().train_config(server_round)
+        rec["ddpsa-servers"] = list(self.foreign.addresses)
+        return rec
+
+
+def test_clients_refuse_a_strategys_own_intermediate_servers(recorded) -> None:
+    """Every client refuses with a floor violation naming the list; neither server set receives a share."""
+    from client.intermediate import IntermediateServerClient, register_run
+    from client.intermediate.auth import load_signer
+
+    with _served(num_clients=4, num_rounds=2, **LINEAR) as (cfg, grid, honest):
+        roster = roster_of(c.node_config for c in grid.contexts.values())
+        with start_intermediate_servers(3, roster) as foreign:
+            strategy = _ForeignServers(cfg)
+            strategy.foreign = foreign
+            foreign_signer = load_signer(foreign.server_key_file)
+            assert register_run(foreign.servers, strategy.run_id, 1, 650, 4, foreign_signer) == []  # ready to receive
+            msgs = list(strategy.configure_train(1, _initial(cfg), ConfigRecord({"round": 1}), grid))
+            replies = list(grid.send_and_receive(msgs))
+            assert len(replies) == 4 and all(r.has_error() for r in replies)
+            for r in replies:
+                assert "privacy floor" in r.error.reason and "ddpsa-servers" in r.error.reason
+            assert recorded == {}  # refused before any gradient was computed
+            for cluster, signer in ((foreign, foreign_signer), (honest, strategy.signer)):
+                for a in cluster.addresses:
+                    with IntermediateServerClient(a, cluster.servers.ca) as c:
+                        assert c.status(signer).stored_bytes == 0
+            strategy.close()

@@ -1,4 +1,7 @@
-"""DDP-SA intermediate aggregation servers: gRPC servicer, subprocess cluster, failures."""
+"""DDP-SA intermediate aggregation servers: gRPC servicer (TLS, signed access), subprocess cluster, failures.
+
+The attacks of issue 16 on these servers are in ``tests/test_intermediate_attacks.py``.
+"""
 
 from __future__ import annotations
 
@@ -17,21 +20,29 @@ import numpy as np
 import pytest
 
 from client.intermediate import (
+    AccessPolicy,
     IntermediateServerClient,
+    IntermediateServers,
     PartialSumUnavailableError,
     SharePushError,
+    abort_round,
     push_shares,
     reconstruct_decoded,
     reconstruct_sum,
+    register_run,
     share_and_push,
     wait_until_healthy,
 )
 from protocols.ddpsa import ldp_noisy_mean
+from protocols.identity import Identity, Roster, generate_identity, public_identity_json
 from protocols.secret_sharing import FixedPointCodec, encode_and_share, ring_sum
+from protocols.tls import CertificateAuthority
 from server.intermediate import IntermediateAggregatorServicer, create_server, start_intermediate_servers
+from server.intermediate.servicer import Limits
 from tests.processes import pid_gone
 
 REPO = Path(__file__).resolve().parents[1]
+CLIENTS = ["c11", "c12", "c13"]
 
 
 def _children_running_intermediate() -> list[int]:
@@ -48,12 +59,29 @@ def _children_running_intermediate() -> list[int]:
     return found
 
 
+@pytest.fixture(scope="module")
+def ids() -> dict[str, Identity]:
+    """Roster clients plus the parameter server's identity (key "server")."""
+    return {n: generate_identity(n) for n in [*CLIENTS, "c14", "server"]}
+
+
+def _roster(ids: dict[str, Identity]) -> Roster:
+    return Roster({n: i.public_bytes for n, i in ids.items() if n != "server"})
+
+
+@pytest.fixture(scope="module")
+def ca() -> CertificateAuthority:
+    return CertificateAuthority("test-ca")
+
+
 # ------------------------------------------------------------------ in-process servicer
 @pytest.fixture
-def local_server() -> Iterator[tuple[IntermediateAggregatorServicer, IntermediateServerClient]]:
-    servicer = IntermediateAggregatorServicer(server_id="t", keep_rounds=2, min_clients=2)
-    server, port = create_server("127.0.0.1", 0, servicer=servicer, max_workers=4)
-    client = IntermediateServerClient(f"127.0.0.1:{port}", timeout=5.0)
+def local_server(ids, ca) -> Iterator[tuple[IntermediateAggregatorServicer, IntermediateServerClient]]:
+    policy = AccessPolicy(_roster(ids), ids["server"].public_bytes)
+    servicer = IntermediateAggregatorServicer(policy, server_id="t", limits=Limits(keep_rounds=2, min_clients=2))
+    cert = ca.issue("t")
+    server, port = create_server(servicer, certificate=cert.cert_pem, private_key=cert.key_pem, max_workers=4)
+    client = IntermediateServerClient(f"127.0.0.1:{port}", ca.cert_pem, timeout=5.0)
     try:
         yield servicer, client
     finally:
@@ -65,138 +93,167 @@ def _code(exc_info: pytest.ExceptionInfo[grpc.RpcError]) -> grpc.StatusCode:
     return exc_info.value.code()  # type: ignore[attr-defined]
 
 
-def test_partial_sum_and_idempotent_push(local_server) -> None:
+def _open(client: IntermediateServerClient, ids, rnd: int, length: int = 100, run: str = "run") -> None:
+    client.register_run_future(run, rnd, length, 4, ids["server"]).result()
+
+
+def test_partial_sum_idempotent_push_and_signed_status(local_server, ids) -> None:
     servicer, client = local_server
+    _open(client, ids, 1)
     rng = np.random.default_rng(0)
-    shares = {c: rng.integers(0, 2**64, size=100, dtype=np.uint64) for c in (11, 12, 13)}
+    shares = {c: rng.integers(0, 2**64, size=100, dtype=np.uint64) for c in CLIENTS}
     for c, s in shares.items():
-        reply = client.push_share("run", 1, c, s)
+        reply = client.push_share("run", 1, ids[c], s)
         assert not reply.duplicate
     assert reply.clients_received == 3
-    assert client.push_share("run", 1, 11, shares[11]).duplicate  # identical retry is fine
-    # The partial sum covers exactly the expected set (client 13 is ignored here).
-    got = client.get_partial_sum("run", 1, [12, 11])
-    np.testing.assert_array_equal(got, ring_sum([shares[11], shares[12]]))
-    np.testing.assert_array_equal(client.get_partial_sum("run", 1, [11, 12]), got)  # cached retry
-    health = client.health()
-    assert health.status == "SERVING" and health.server_id == "t" and health.pid == os.getpid()
-    assert health.active_rounds == 1
-
-
-def test_servicer_rejects_bad_requests_with_clear_status(local_server) -> None:
-    _, client = local_server
-    s = np.arange(10, dtype=np.uint64)
-    client.push_share("run", 1, 1, s)
+    assert client.push_share("run", 1, ids["c11"], shares["c11"]).duplicate  # identical retry is fine
     with pytest.raises(grpc.RpcError) as e:
-        client.push_share("run", 1, 1, s + np.uint64(1))
+        client.push_share("run", 1, ids["c11"], shares["c12"])  # a different share under the same name
     assert _code(e) == grpc.StatusCode.ALREADY_EXISTS
+    # The partial sum covers exactly the expected set (c13 is ignored here).
+    got = client.get_partial_sum("run", 1, ["c12", "c11"], ids["server"])
+    np.testing.assert_array_equal(got, ring_sum([shares["c11"], shares["c12"]]))
+    np.testing.assert_array_equal(client.get_partial_sum("run", 1, ["c11", "c12"], ids["server"]), got)  # cached
+    status = client.status(ids["server"])
+    assert status.server_id == "t" and status.pid == os.getpid() and status.active_rounds == 1
+    assert status.stored_bytes == 800  # the shares were dropped, the 100-word partial sum is kept
+    assert servicer.stored_bytes() == 800
     with pytest.raises(grpc.RpcError) as e:
-        client.push_share("run", 1, 2, np.arange(11, dtype=np.uint64))
-    assert _code(e) == grpc.StatusCode.INVALID_ARGUMENT and "length" in e.value.details()
-    with pytest.raises(grpc.RpcError) as e:
-        client.push_share("", 1, 2, s)
-    assert _code(e) == grpc.StatusCode.INVALID_ARGUMENT
-    with pytest.raises(grpc.RpcError) as e:
-        client.get_partial_sum("run", 1, [1, 2, 3])
-    assert _code(e) == grpc.StatusCode.FAILED_PRECONDITION and "missing shares from expected clients [2, 3]" in (
-        e.value.details()
-    )
-    with pytest.raises(grpc.RpcError) as e:  # a one-client "sum" would expose a share
-        client.get_partial_sum("run", 1, [1])
-    assert _code(e) == grpc.StatusCode.FAILED_PRECONDITION and "min_clients" in e.value.details()
-    with pytest.raises(grpc.RpcError) as e:
-        client.get_partial_sum("run", 9, [1, 2])
-    assert _code(e) == grpc.StatusCode.FAILED_PRECONDITION
+        client.status(ids["c11"])  # a client learns nothing
+    assert _code(e) == grpc.StatusCode.UNAUTHENTICATED
+    assert client.health().status == "SERVING"
 
 
-def test_round_is_sealed_after_release(local_server) -> None:
+def test_servicer_rejects_bad_requests_with_clear_status(local_server, ids) -> None:
     _, client = local_server
-    for c in (1, 2, 3):
-        client.push_share("run", 5, c, np.full(4, c, dtype=np.uint64))
-    np.testing.assert_array_equal(client.get_partial_sum("run", 5, [1, 2, 3]), np.full(4, 6, dtype=np.uint64))
-    for call in (
-        lambda: client.get_partial_sum("run", 5, [1, 2]),  # difference would reveal client 3
-        lambda: client.push_share("run", 5, 4, np.zeros(4, dtype=np.uint64)),  # late share
-    ):
+    _open(client, ids, 1, length=3)
+    ok = np.arange(3, dtype=np.uint64)
+    client.push_share("run", 1, ids["c11"], ok)
+    client.push_share("run", 1, ids["c12"], ok)
+    cases = [
+        (lambda: client.push_share("run", 1, ids["c13"], np.arange(4, dtype=np.uint64)),
+         grpc.StatusCode.INVALID_ARGUMENT, "this run's shares have 24"),
+        (lambda: client.push_share("run", 2, ids["c13"], ok), grpc.StatusCode.FAILED_PRECONDITION, "round not open"),
+        (lambda: client.push_share("other", 1, ids["c13"], ok), grpc.StatusCode.NOT_FOUND, "not registered"),
+        (lambda: client.get_partial_sum("run", 1, ["c11"], ids["server"]), grpc.StatusCode.FAILED_PRECONDITION,
+         "min_clients=2"),
+        (lambda: client.get_partial_sum("run", 1, ["c11", "c13"], ids["server"]), grpc.StatusCode.FAILED_PRECONDITION,
+         "missing shares from expected clients ['c13']"),
+        (lambda: client.register_run_future("run", 1, 4, 4, ids["server"]).result(),
+         grpc.StatusCode.FAILED_PRECONDITION, "another length"),
+        (lambda: client.register_run_future("big", 1, 10**8, 4, ids["server"]).result(),
+         grpc.StatusCode.RESOURCE_EXHAUSTED, "shares up to"),
+    ]
+    for call, code, words in cases:
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert _code(e) == code and words in e.value.details(), e.value.details()  # type: ignore[attr-defined]
+
+
+def test_round_is_sealed_after_release_and_abort_releases_nothing(local_server, ids) -> None:
+    _, client = local_server
+    _open(client, ids, 1, length=4)
+    for c in CLIENTS:
+        client.push_share("run", 1, ids[c], np.full(4, 1, dtype=np.uint64))
+    client.get_partial_sum("run", 1, CLIENTS[:2], ids["server"])
+    for call in (lambda: client.get_partial_sum("run", 1, CLIENTS, ids["server"]),
+                 lambda: client.push_share("run", 1, ids["c14"], np.zeros(4, dtype=np.uint64))):
         with pytest.raises(grpc.RpcError) as e:
             call()
         assert _code(e) == grpc.StatusCode.FAILED_PRECONDITION
+    _open(client, ids, 2, length=4)
+    for c in CLIENTS:
+        client.push_share("run", 2, ids[c], np.full(4, 2, dtype=np.uint64))
+    assert client.abort_round("run", 2, ids["server"]).shares_dropped == 3
+    with pytest.raises(grpc.RpcError, match="aborted"):
+        client.get_partial_sum("run", 2, CLIENTS, ids["server"])
 
 
-def test_old_rounds_are_dropped(local_server) -> None:
+def test_old_rounds_are_dropped(local_server, ids) -> None:
     servicer, client = local_server
     for rnd in (1, 2, 3):
-        for c in (1, 2):
-            client.push_share("run", rnd, c, np.full(3, rnd, dtype=np.uint64))
+        _open(client, ids, rnd, length=2)
+        for c in CLIENTS[:2]:
+            client.push_share("run", rnd, ids[c], np.full(2, rnd, dtype=np.uint64))
     assert servicer.active_rounds() == 2  # keep_rounds=2: round 1 was dropped
+    assert servicer.stored_bytes() == 2 * 2 * 16
     with pytest.raises(grpc.RpcError) as e:
-        client.get_partial_sum("run", 1, [1, 2])
-    assert _code(e) == grpc.StatusCode.FAILED_PRECONDITION and "dropped" in e.value.details()
-    with pytest.raises(grpc.RpcError) as e:
-        client.push_share("run", 1, 3, np.zeros(3, dtype=np.uint64))
-    assert "stale" in e.value.details()
-    np.testing.assert_array_equal(client.get_partial_sum("run", 2, [1, 2]), np.full(3, 4, dtype=np.uint64))
+        client.get_partial_sum("run", 1, CLIENTS[:2], ids["server"])
+    assert _code(e) == grpc.StatusCode.FAILED_PRECONDITION
+    np.testing.assert_array_equal(client.get_partial_sum("run", 3, CLIENTS[:2], ids["server"]), [6, 6])
 
 
 # ------------------------------------------------------------- subprocess end-to-end
-def test_end_to_end_three_server_processes_four_clients() -> None:
-    m, n_clients, d = 3, 4, 5000
+def test_end_to_end_three_server_processes_four_clients(ids) -> None:
+    m, d = 3, 5000
     codec = FixedPointCodec(frac_bits=32, max_clients=64)
     rng = np.random.default_rng(7)
-    cluster = start_intermediate_servers(m)
+    cluster = start_intermediate_servers(m, _roster(ids))
     pids = cluster.pids
     try:
         assert len(set(pids)) == m and os.getpid() not in pids
         assert all(a.startswith("127.0.0.1:") for a in cluster.addresses)
+        servers = cluster.servers
+        signer = Identity("parameter-server", _load_key(cluster.server_key_file))
         for j, addr in enumerate(cluster.addresses):
-            h = wait_until_healthy(addr, timeout=5)
-            assert h.pid == pids[j] and h.server_id == f"intermediate-{j}"
+            assert wait_until_healthy(addr, servers.ca, timeout=5).status == "SERVING"
+            with IntermediateServerClient(addr, servers.ca) as c:
+                status = c.status(signer)
+            assert status.pid == pids[j] and status.server_id == f"intermediate-{j}"
 
         # Round 1: each client runs the DDP-SA LDP step and pushes shares.
-        clients = [101, 202, 303, 404]
+        clients = ["c11", "c12", "c13", "c14"]
+        assert register_run(servers, "run-A", 1, d, 4, signer) == []
         updates = []
         for i, cid in enumerate(clients):
-            per_sample = rng.normal(size=(16, d))
-            upd = ldp_noisy_mean(per_sample, clip=5.0, epsilon=1.0, seed=bytes([i]) * 32)
+            upd = ldp_noisy_mean(rng.normal(size=(16, d)), clip=5.0, epsilon=1.0, seed=bytes([i]) * 32)
             updates.append(upd)
-            assert share_and_push(upd, codec, cluster.addresses, "run-A", 1, cid) == d
-        total = reconstruct_sum(cluster.addresses, "run-A", 1, clients)
+            assert share_and_push(upd, codec, servers, "run-A", 1, ids[cid]) == d
+        total = reconstruct_sum(servers, "run-A", 1, clients, signer)
         exact = sum(codec.encode(u).view(np.int64).astype(object) for u in updates)
         assert np.array_equal(total.view(np.int64).astype(object), exact)  # bit-exact ring sum
-        err = np.abs(codec.decode(total) - np.sum(updates, axis=0)).max()
-        assert err <= n_clients * 2.0**-codec.frac_bits
-        mean = reconstruct_decoded(cluster.addresses, "run-A", 1, clients, codec, mean=True)
+        mean = reconstruct_decoded(servers, "run-A", 1, clients, signer, codec, mean=True)
         np.testing.assert_allclose(mean, np.mean(updates, axis=0), atol=2.0**-codec.frac_bits)
 
         # A client that skipped server #2: the round fails with the missing client named.
+        register_run(servers, "run-A", 2, d, 4, signer)
         for cid in clients[:3]:
-            share_and_push(rng.normal(size=d), codec, cluster.addresses, "run-A", 2, cid)
+            share_and_push(rng.normal(size=d), codec, servers, "run-A", 2, ids[cid])
         shares = encode_and_share(rng.normal(size=d), m, codec)
-        push_shares(cluster.addresses[:2], "run-A", 2, clients[3], shares[:2])
-        with pytest.raises(PartialSumUnavailableError, match="404") as e:
-            reconstruct_sum(cluster.addresses, "run-A", 2, clients)
+        push_shares(IntermediateServers(servers.addresses[:2], servers.ca), "run-A", 2, ids["c14"], shares[:2])
+        with pytest.raises(PartialSumUnavailableError, match="c14") as e:
+            reconstruct_sum(servers, "run-A", 2, clients, signer)
         assert [f.server_index for f in e.value.failures] == [2]
         assert e.value.failures[0].code == grpc.StatusCode.FAILED_PRECONDITION
 
-        # Round 3: all shares delivered, then server #1 dies -> reconstruction fails clearly.
+        # Round 3: all shares delivered, then server #1 dies -> reconstruction fails clearly; abort seals the rest.
+        register_run(servers, "run-A", 3, d, 4, signer)
         for cid in clients:
-            share_and_push(rng.normal(size=d), codec, cluster.addresses, "run-A", 3, cid)
+            share_and_push(rng.normal(size=d), codec, servers, "run-A", 3, ids[cid])
         cluster.handles[1].process.send_signal(signal.SIGKILL)
         cluster.handles[1].process.wait(timeout=10)
         with pytest.raises(PartialSumUnavailableError, match="UNAVAILABLE") as e:
-            reconstruct_sum(cluster.addresses, "run-A", 3, clients, timeout=5)
+            reconstruct_sum(servers, "run-A", 3, clients, signer, timeout=5)
         assert [f.server_index for f in e.value.failures] == [1]
-        assert e.value.failures[0].code == grpc.StatusCode.UNAVAILABLE
         assert cluster.addresses[1] in str(e.value)
-        # Round 4: pushing to the dead server fails too, naming only that server.
+        assert [f.server_index for f in abort_round(servers, "run-A", 3, signer)] == [1]
+        # Round 4: opening fails on the dead server only, and so does pushing.
+        assert [f.server_index for f in register_run(servers, "run-A", 4, d, 4, signer)] == [1]
         with pytest.raises(SharePushError) as pe:
-            share_and_push(rng.normal(size=d), codec, cluster.addresses, "run-A", 4, clients[0], timeout=5)
+            share_and_push(rng.normal(size=d), codec, servers, "run-A", 4, ids["c11"], timeout=5)
         assert [f.server_index for f in pe.value.failures] == [1]
     finally:
         cluster.stop()
     assert all(h.process.returncode is not None for h in cluster.handles)
     assert all(pid_gone(p) for p in pids)
+    assert not cluster.folder.exists()  # the throwaway CA and the server key are gone
     assert _children_running_intermediate() == []
+
+
+def _load_key(path: Path):
+    from cryptography.hazmat.primitives import serialization
+
+    return serialization.load_pem_private_key(path.read_bytes(), password=None)
 
 
 def _free_port() -> int:
@@ -205,16 +262,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_cli_explicit_port_graceful_sigterm_and_no_port_sharing() -> None:
+def _server_files(tmp_path: Path, ids, ca: CertificateAuthority) -> list[str]:
+    tls = ca.issue("cli").write(tmp_path, "cli")
+    (tmp_path / "roster.json").write_text(_roster(ids).to_json())
+    (tmp_path / "server.pub").write_text(public_identity_json(ids["server"]))
+    return ["--tls-cert", str(tls["cert"]), "--tls-key", str(tls["key"]), "--roster", str(tmp_path / "roster.json"),
+            "--server-identity", str(tmp_path / "server.pub")]
+
+
+def test_cli_explicit_port_graceful_sigterm_and_no_port_sharing(tmp_path, ids, ca) -> None:
     port = _free_port()
-    cmd = [sys.executable, "-m", "server.intermediate", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "server.intermediate", "--host", "127.0.0.1", "--port", str(port),
+           *_server_files(tmp_path, ids, ca)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     first = subprocess.Popen(cmd + ["--server-id", "cli"], cwd=REPO, env=env, stderr=subprocess.PIPE)
     try:
-        assert wait_until_healthy(f"127.0.0.1:{port}", timeout=30).server_id == "cli"
+        wait_until_healthy(f"127.0.0.1:{port}", ca.cert_pem, timeout=30)
+        with IntermediateServerClient(f"127.0.0.1:{port}", ca.cert_pem) as c:
+            assert c.status(ids["server"]).server_id == "cli"
         # A second server on the same port must fail (SO_REUSEPORT disabled), not share it.
         second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, timeout=30)
         assert second.returncode != 0 and b"cannot bind" in second.stderr
+        # Without TLS material or a roster the server does not start.
+        bare = subprocess.run(cmd[:7], cwd=REPO, env=env, capture_output=True, timeout=30)
+        assert bare.returncode != 0 and b"--tls-cert" in bare.stderr
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=15) == 0
     finally:
@@ -224,14 +295,16 @@ def test_cli_explicit_port_graceful_sigterm_and_no_port_sharing() -> None:
         first.stderr.close()  # type: ignore[union-attr]
 
 
-def test_servers_exit_when_owner_process_dies(tmp_path: Path) -> None:
+def test_servers_exit_when_owner_process_dies(tmp_path: Path, ids) -> None:
     """An owner killed with SIGKILL cannot run cleanup; its servers must still exit."""
     pid_file = tmp_path / "pids"
+    (tmp_path / "roster.json").write_text(_roster(ids).to_json())
     script = textwrap.dedent(
         f"""
         import time
+        from pathlib import Path
         from server.intermediate import start_intermediate_servers
-        c = start_intermediate_servers(2)
+        c = start_intermediate_servers(2, Path({str(tmp_path / "roster.json")!r}))
         open({str(pid_file)!r}, "w").write(" ".join(map(str, c.pids)))
         time.sleep(120)
         """

@@ -6,19 +6,43 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RegisterRunRequest(_message.Message):
+    __slots__ = ("run_id", "length", "max_clients", "round", "signature")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    length: int
+    max_clients: int
+    round: int
+    signature: bytes
+    def __init__(self, run_id: _Optional[str] = ..., length: _Optional[int] = ..., max_clients: _Optional[int] = ..., round: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class RegisterRunReply(_message.Message):
+    __slots__ = ("server_id", "active_runs")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_RUNS_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    active_runs: int
+    def __init__(self, server_id: _Optional[str] = ..., active_runs: _Optional[int] = ...) -> None: ...
+
 class PushShareRequest(_message.Message):
-    __slots__ = ("run_id", "round", "client_id", "share", "length")
+    __slots__ = ("run_id", "round", "client", "share", "length", "signature")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
-    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
     SHARE_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
-    client_id: int
+    client: str
     share: bytes
     length: int
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., client_id: _Optional[int] = ..., share: _Optional[bytes] = ..., length: _Optional[int] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., client: _Optional[str] = ..., share: _Optional[bytes] = ..., length: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class PushShareReply(_message.Message):
     __slots__ = ("clients_received", "duplicate")
@@ -29,14 +53,16 @@ class PushShareReply(_message.Message):
     def __init__(self, clients_received: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class GetPartialSumRequest(_message.Message):
-    __slots__ = ("run_id", "round", "expected_clients")
+    __slots__ = ("run_id", "round", "expected_clients", "signature")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
-    expected_clients: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., expected_clients: _Optional[_Iterable[int]] = ...) -> None: ...
+    expected_clients: _containers.RepeatedScalarFieldContainer[str]
+    signature: bytes
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., expected_clients: _Optional[_Iterable[str]] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class GetPartialSumReply(_message.Message):
     __slots__ = ("partial_sum", "length", "num_clients")
@@ -48,18 +74,50 @@ class GetPartialSumReply(_message.Message):
     num_clients: int
     def __init__(self, partial_sum: _Optional[bytes] = ..., length: _Optional[int] = ..., num_clients: _Optional[int] = ...) -> None: ...
 
+class AbortRoundRequest(_message.Message):
+    __slots__ = ("run_id", "round", "signature")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    signature: bytes
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class AbortRoundReply(_message.Message):
+    __slots__ = ("shares_dropped",)
+    SHARES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    shares_dropped: int
+    def __init__(self, shares_dropped: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("nonce", "signature")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    nonce: str
+    signature: bytes
+    def __init__(self, nonce: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("server_id", "active_runs", "active_rounds", "stored_bytes", "pid")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_RUNS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    active_runs: int
+    active_rounds: int
+    stored_bytes: int
+    pid: int
+    def __init__(self, server_id: _Optional[str] = ..., active_runs: _Optional[int] = ..., active_rounds: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+
 class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("status", "server_id", "active_rounds", "pid")
+    __slots__ = ("status",)
     STATUS_FIELD_NUMBER: _ClassVar[int]
-    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
-    ACTIVE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
-    PID_FIELD_NUMBER: _ClassVar[int]
     status: str
-    server_id: str
-    active_rounds: int
-    pid: int
-    def __init__(self, status: _Optional[str] = ..., server_id: _Optional[str] = ..., active_rounds: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    def __init__(self, status: _Optional[str] = ...) -> None: ...

@@ -34,18 +34,33 @@ class IntermediateAggregatorStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.RegisterRun = channel.unary_unary(
+                '/cancelfl.intermediate.v2.IntermediateAggregator/RegisterRun',
+                request_serializer=client_dot_intermediate_dot_intermediate__pb2.RegisterRunRequest.SerializeToString,
+                response_deserializer=client_dot_intermediate_dot_intermediate__pb2.RegisterRunReply.FromString,
+                _registered_method=True)
         self.PushShare = channel.unary_unary(
-                '/cancelfl.intermediate.v1.IntermediateAggregator/PushShare',
+                '/cancelfl.intermediate.v2.IntermediateAggregator/PushShare',
                 request_serializer=client_dot_intermediate_dot_intermediate__pb2.PushShareRequest.SerializeToString,
                 response_deserializer=client_dot_intermediate_dot_intermediate__pb2.PushShareReply.FromString,
                 _registered_method=True)
         self.GetPartialSum = channel.unary_unary(
-                '/cancelfl.intermediate.v1.IntermediateAggregator/GetPartialSum',
+                '/cancelfl.intermediate.v2.IntermediateAggregator/GetPartialSum',
                 request_serializer=client_dot_intermediate_dot_intermediate__pb2.GetPartialSumRequest.SerializeToString,
                 response_deserializer=client_dot_intermediate_dot_intermediate__pb2.GetPartialSumReply.FromString,
                 _registered_method=True)
+        self.AbortRound = channel.unary_unary(
+                '/cancelfl.intermediate.v2.IntermediateAggregator/AbortRound',
+                request_serializer=client_dot_intermediate_dot_intermediate__pb2.AbortRoundRequest.SerializeToString,
+                response_deserializer=client_dot_intermediate_dot_intermediate__pb2.AbortRoundReply.FromString,
+                _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/cancelfl.intermediate.v2.IntermediateAggregator/Status',
+                request_serializer=client_dot_intermediate_dot_intermediate__pb2.StatusRequest.SerializeToString,
+                response_deserializer=client_dot_intermediate_dot_intermediate__pb2.StatusReply.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
-                '/cancelfl.intermediate.v1.IntermediateAggregator/Health',
+                '/cancelfl.intermediate.v2.IntermediateAggregator/Health',
                 request_serializer=client_dot_intermediate_dot_intermediate__pb2.HealthRequest.SerializeToString,
                 response_deserializer=client_dot_intermediate_dot_intermediate__pb2.HealthReply.FromString,
                 _registered_method=True)
@@ -54,23 +69,45 @@ class IntermediateAggregatorStub:
 class IntermediateAggregatorServicer:
     """Missing associated documentation comment in .proto file."""
 
+    def RegisterRun(self, request, context):
+        """Parameter server only: register a run (share length, client cap per round) and open one
+        of its rounds. Pushes for a run that is not registered, or a round not opened, are refused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PushShare(self, request, context):
-        """Store one client's share for (run_id, round). Idempotent for identical retries.
+        """Store the signing client's share for (run_id, round). Idempotent for identical retries.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetPartialSum(self, request, context):
-        """Ring sum of the shares of exactly `expected_clients`. FAILED_PRECONDITION if any is
-        missing. The first successful call seals the round to that client set.
+        """Parameter server only: ring sum of the shares of exactly `expected_clients`.
+        FAILED_PRECONDITION if any is missing. The first successful call seals the round.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortRound(self, request, context):
+        """Parameter server only: seal a round without releasing anything and drop its shares.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Status(self, request, context):
+        """Parameter server only: held runs, rounds and bytes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Health(self, request, context):
-        """Liveness / identity.
+        """Liveness, for anyone: says SERVING and nothing else.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -79,6 +116,11 @@ class IntermediateAggregatorServicer:
 
 def add_IntermediateAggregatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'RegisterRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterRun,
+                    request_deserializer=client_dot_intermediate_dot_intermediate__pb2.RegisterRunRequest.FromString,
+                    response_serializer=client_dot_intermediate_dot_intermediate__pb2.RegisterRunReply.SerializeToString,
+            ),
             'PushShare': grpc.unary_unary_rpc_method_handler(
                     servicer.PushShare,
                     request_deserializer=client_dot_intermediate_dot_intermediate__pb2.PushShareRequest.FromString,
@@ -89,6 +131,16 @@ def add_IntermediateAggregatorServicer_to_server(servicer, server):
                     request_deserializer=client_dot_intermediate_dot_intermediate__pb2.GetPartialSumRequest.FromString,
                     response_serializer=client_dot_intermediate_dot_intermediate__pb2.GetPartialSumReply.SerializeToString,
             ),
+            'AbortRound': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortRound,
+                    request_deserializer=client_dot_intermediate_dot_intermediate__pb2.AbortRoundRequest.FromString,
+                    response_serializer=client_dot_intermediate_dot_intermediate__pb2.AbortRoundReply.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=client_dot_intermediate_dot_intermediate__pb2.StatusRequest.FromString,
+                    response_serializer=client_dot_intermediate_dot_intermediate__pb2.StatusReply.SerializeToString,
+            ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
                     request_deserializer=client_dot_intermediate_dot_intermediate__pb2.HealthRequest.FromString,
@@ -96,14 +148,41 @@ def add_IntermediateAggregatorServicer_to_server(servicer, server):
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'cancelfl.intermediate.v1.IntermediateAggregator', rpc_method_handlers)
+            'cancelfl.intermediate.v2.IntermediateAggregator', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('cancelfl.intermediate.v1.IntermediateAggregator', rpc_method_handlers)
+    server.add_registered_method_handlers('cancelfl.intermediate.v2.IntermediateAggregator', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
 class IntermediateAggregator:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def RegisterRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cancelfl.intermediate.v2.IntermediateAggregator/RegisterRun',
+            client_dot_intermediate_dot_intermediate__pb2.RegisterRunRequest.SerializeToString,
+            client_dot_intermediate_dot_intermediate__pb2.RegisterRunReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def PushShare(request,
@@ -119,7 +198,7 @@ class IntermediateAggregator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/cancelfl.intermediate.v1.IntermediateAggregator/PushShare',
+            '/cancelfl.intermediate.v2.IntermediateAggregator/PushShare',
             client_dot_intermediate_dot_intermediate__pb2.PushShareRequest.SerializeToString,
             client_dot_intermediate_dot_intermediate__pb2.PushShareReply.FromString,
             options,
@@ -146,9 +225,63 @@ class IntermediateAggregator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/cancelfl.intermediate.v1.IntermediateAggregator/GetPartialSum',
+            '/cancelfl.intermediate.v2.IntermediateAggregator/GetPartialSum',
             client_dot_intermediate_dot_intermediate__pb2.GetPartialSumRequest.SerializeToString,
             client_dot_intermediate_dot_intermediate__pb2.GetPartialSumReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortRound(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cancelfl.intermediate.v2.IntermediateAggregator/AbortRound',
+            client_dot_intermediate_dot_intermediate__pb2.AbortRoundRequest.SerializeToString,
+            client_dot_intermediate_dot_intermediate__pb2.AbortRoundReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cancelfl.intermediate.v2.IntermediateAggregator/Status',
+            client_dot_intermediate_dot_intermediate__pb2.StatusRequest.SerializeToString,
+            client_dot_intermediate_dot_intermediate__pb2.StatusReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -173,7 +306,7 @@ class IntermediateAggregator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/cancelfl.intermediate.v1.IntermediateAggregator/Health',
+            '/cancelfl.intermediate.v2.IntermediateAggregator/Health',
             client_dot_intermediate_dot_intermediate__pb2.HealthRequest.SerializeToString,
             client_dot_intermediate_dot_intermediate__pb2.HealthReply.FromString,
             options,

@@ -1,11 +1,17 @@
 """Client-side helpers for DDP-SA intermediate servers (plain grpcio, no Flower).
 
+The ``m`` servers of a deployment are an :class:`IntermediateServers` (addresses in share order +
+the deployment's CA certificate): every channel is TLS, verified against that CA.  Every request is
+signed (:mod:`client.intermediate.auth`) with the caller's roster identity.
+
 * ClientApps call :func:`push_shares` (or :func:`share_and_push`) to send share ``j`` of
-  their encoded noisy update to intermediate server ``j``.
-* The parameter server calls :func:`reconstruct_sum` (or :func:`reconstruct_decoded`):
+  their encoded noisy update to intermediate server ``j``, signed with their own identity.
+* The parameter server calls :func:`register_run` before each round (which also tells it
+  which servers are up), :func:`reconstruct_sum` (or :func:`reconstruct_decoded`) after it:
   it fetches all ``m`` partial sums and adds them mod 2^64.  Additive sharing is
   full-threshold, so a single unavailable server fails the round with
-  :class:`PartialSumUnavailableError` (no silent partial reconstruction).
+  :class:`PartialSumUnavailableError` (no silent partial reconstruction); :func:`abort_round`
+  then seals the round on every server it reaches, so it is never released later.
 
 All RPCs to the ``m`` servers are issued concurrently (gRPC futures) and fail fast:
 a server that is down yields ``UNAVAILABLE`` immediately instead of hanging.
@@ -13,6 +19,7 @@ a server that is down yields ``UNAVAILABLE`` immediately instead of hanging.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +28,7 @@ import grpc
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from client.intermediate import auth
 from client.intermediate import intermediate_pb2 as pb2
 from client.intermediate import intermediate_pb2_grpc as pb2_grpc
 from protocols.secret_sharing import (
@@ -32,8 +40,35 @@ from protocols.secret_sharing import (
 )
 
 DEFAULT_TIMEOUT_S = 30.0
-# Shares are 8 bytes per model parameter; gRPC's 4 MiB default is too small for CNNs.
-DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024
+# Shares are 8 bytes per model parameter (4M parameters fit); gRPC's 4 MiB default is too small for CNNs.
+DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class IntermediateServers:
+    """The ``m`` intermediate servers of a deployment.
+
+    ``addresses[j]`` gets share ``j``; ``ca`` (PEM) is the certificate of the CA that signed their TLS
+    certificates.
+    """
+
+    addresses: tuple[str, ...]
+    ca: bytes
+
+    def __post_init__(self) -> None:
+        if not self.addresses:
+            raise ValueError("no intermediate server addresses given")
+        if b"BEGIN CERTIFICATE" not in self.ca:
+            raise ValueError("the intermediate servers' CA must be a PEM certificate")
+
+    @classmethod
+    def load(cls, addresses: Sequence[str], ca_file: str) -> IntermediateServers:
+        """Addresses plus the CA certificate read from ``ca_file``."""
+        with open(ca_file, "rb") as f:
+            return cls(tuple(addresses), f.read())
+
+    def __len__(self) -> int:
+        return len(self.addresses)
 
 
 @dataclass(frozen=True)
@@ -81,19 +116,21 @@ def _failure(index: int, address: str, exc: BaseException) -> ServerFailure:
 
 
 class IntermediateServerClient:
-    """A channel + stub to one intermediate server; use as a context manager."""
+    """A TLS channel + stub to one intermediate server; use as a context manager."""
 
     def __init__(
         self,
         address: str,
+        ca: bytes,
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(
+        self._channel = grpc.secure_channel(
             address,
+            grpc.ssl_channel_credentials(root_certificates=ca),
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
@@ -103,35 +140,52 @@ class IntermediateServerClient:
         )
         self.stub = pb2_grpc.IntermediateAggregatorStub(self._channel)
 
-    def push_share(self, run_id: str, round_num: int, client_id: int, share: ArrayLike) -> pb2.PushShareReply:
-        """Send one uint64 share; raises ``grpc.RpcError`` on failure."""
-        return self.push_share_future(run_id, round_num, client_id, share).result()
+    def register_run_future(self, run_id: str, round_num: int, length: int, max_clients: int,
+                            signer: auth.Signer) -> grpc.Future:
+        """Register ``run_id`` and open ``round_num`` (parameter server's ``signer``); a ``RegisterRunReply``."""
+        sig = signer.sign(auth.register_statement(run_id, round_num, length, max_clients))
+        req = pb2.RegisterRunRequest(run_id=run_id, round=int(round_num), length=int(length),
+                                     max_clients=int(max_clients), signature=sig)
+        return self.stub.RegisterRun.future(req, timeout=self.timeout)
 
-    def push_share_future(self, run_id: str, round_num: int, client_id: int, share: ArrayLike) -> grpc.Future:
+    def push_share(self, run_id: str, round_num: int, signer: auth.Signer, share: ArrayLike) -> pb2.PushShareReply:
+        """Send one uint64 share under ``signer``'s roster name; raises ``grpc.RpcError`` on failure."""
+        return self.push_share_future(run_id, round_num, signer, share).result()
+
+    def push_share_future(self, run_id: str, round_num: int, signer: auth.Signer, share: ArrayLike) -> grpc.Future:
         """Asynchronous :meth:`push_share`."""
         data = to_wire(np.asarray(share))
-        req = pb2.PushShareRequest(
-            run_id=str(run_id),
-            round=int(round_num),
-            client_id=int(client_id),
-            share=data,
-            length=len(data) // 8,
-        )
+        sig = signer.sign(auth.push_statement(run_id, round_num, signer.name, data))
+        req = pb2.PushShareRequest(run_id=str(run_id), round=int(round_num), client=signer.name, share=data,
+                                   length=len(data) // 8, signature=sig)
         return self.stub.PushShare.future(req, timeout=self.timeout)
 
-    def get_partial_sum_future(self, run_id: str, round_num: int, expected_clients: Sequence[int]) -> grpc.Future:
-        """Asynchronous partial-sum request; result is a ``GetPartialSumReply``."""
-        req = pb2.GetPartialSumRequest(
-            run_id=str(run_id),
-            round=int(round_num),
-            expected_clients=[int(c) for c in expected_clients],
-        )
+    def get_partial_sum_future(self, run_id: str, round_num: int, expected_clients: Sequence[str],
+                               signer: auth.Signer) -> grpc.Future:
+        """Asynchronous partial-sum request (parameter server's ``signer``); a ``GetPartialSumReply``."""
+        clients = sorted(str(c) for c in expected_clients)
+        sig = signer.sign(auth.partial_sum_statement(run_id, round_num, clients))
+        req = pb2.GetPartialSumRequest(run_id=str(run_id), round=int(round_num), expected_clients=clients,
+                                       signature=sig)
         return self.stub.GetPartialSum.future(req, timeout=self.timeout)
 
-    def get_partial_sum(self, run_id: str, round_num: int, expected_clients: Sequence[int]) -> NDArray[np.uint64]:
+    def get_partial_sum(self, run_id: str, round_num: int, expected_clients: Sequence[str],
+                        signer: auth.Signer) -> NDArray[np.uint64]:
         """Return this server's ring sum over ``expected_clients`` (``grpc.RpcError`` on failure)."""
-        reply = self.get_partial_sum_future(run_id, round_num, expected_clients).result()
+        reply = self.get_partial_sum_future(run_id, round_num, expected_clients, signer).result()
         return from_wire(reply.partial_sum, reply.length)
+
+    def abort_round(self, run_id: str, round_num: int, signer: auth.Signer) -> pb2.AbortRoundReply:
+        """Seal a round unreleased (parameter server's ``signer``)."""
+        req = pb2.AbortRoundRequest(run_id=run_id, round=int(round_num),
+                                    signature=signer.sign(auth.abort_statement(run_id, round_num)))
+        return self.stub.AbortRound(req, timeout=self.timeout)
+
+    def status(self, signer: auth.Signer) -> pb2.StatusReply:
+        """Held runs, rounds, bytes and pid (parameter server's ``signer``)."""
+        nonce = os.urandom(16).hex()
+        req = pb2.StatusRequest(nonce=nonce, signature=signer.sign(auth.status_statement(nonce)))
+        return self.stub.Status(req, timeout=self.timeout)
 
     def health(self, timeout: float | None = None) -> pb2.HealthReply:
         """Health RPC; raises ``grpc.RpcError`` if the server does not answer."""
@@ -148,39 +202,67 @@ class IntermediateServerClient:
         self.close()
 
 
+def _gather(servers: IntermediateServers, call, timeout: float) -> tuple[list, list[ServerFailure]]:
+    """Run ``call(client) -> Future`` on every server concurrently; (results or None, failures)."""
+    clients = [IntermediateServerClient(a, servers.ca, timeout=timeout) for a in servers.addresses]
+    results: list = [None] * len(clients)
+    failures: list[ServerFailure] = []
+    try:
+        futs = [call(j, c) for j, c in enumerate(clients)]
+        for j, f in enumerate(futs):
+            try:
+                results[j] = f.result()
+            except grpc.RpcError as exc:
+                failures.append(_failure(j, servers.addresses[j], exc))
+    finally:
+        for c in clients:
+            c.close()
+    return results, failures
+
+
+def register_run(servers: IntermediateServers, run_id: str, round_num: int, length: int, max_clients: int,
+                 signer: auth.Signer, *, timeout: float = DEFAULT_TIMEOUT_S) -> list[ServerFailure]:
+    """Register ``run_id`` and open ``round_num`` on every server; the failures (empty when all took it)."""
+    _, failures = _gather(
+        servers, lambda _j, c: c.register_run_future(run_id, round_num, length, max_clients, signer), timeout)
+    return failures
+
+
+def abort_round(servers: IntermediateServers, run_id: str, round_num: int, signer: auth.Signer, *,
+                timeout: float = 5.0) -> list[ServerFailure]:
+    """Best effort: seal ``round_num`` unreleased on every server it reaches; the failures."""
+    failures = []
+    for j, address in enumerate(servers.addresses):
+        with IntermediateServerClient(address, servers.ca, timeout=timeout) as c:
+            try:
+                c.abort_round(run_id, round_num, signer)
+            except grpc.RpcError as exc:
+                failures.append(_failure(j, address, exc))
+    return failures
+
+
 def push_shares(
-    addresses: Sequence[str],
+    servers: IntermediateServers,
     run_id: str,
     round_num: int,
-    client_id: int,
+    signer: auth.Signer,
     shares: Sequence[ArrayLike],
     *,
     timeout: float = DEFAULT_TIMEOUT_S,
 ) -> None:
-    """Send ``shares[j]`` to ``addresses[j]`` for every j, concurrently.
+    """Send ``shares[j]`` to server ``j`` for every j, concurrently, signed by ``signer``.
 
     Raises:
         ValueError: if the numbers of shares and servers differ.
         SharePushError: listing every server that rejected or did not receive its share.
     """
-    if len(shares) != len(addresses):
-        raise ValueError(f"{len(shares)} shares for {len(addresses)} intermediate servers")
-    clients = [IntermediateServerClient(a, timeout=timeout) for a in addresses]
-    try:
-        futs = [c.push_share_future(run_id, round_num, client_id, s) for c, s in zip(clients, shares, strict=True)]
-        failures = []
-        for j, f in enumerate(futs):
-            try:
-                f.result()
-            except grpc.RpcError as exc:
-                failures.append(_failure(j, addresses[j], exc))
-    finally:
-        for c in clients:
-            c.close()
+    if len(shares) != len(servers):
+        raise ValueError(f"{len(shares)} shares for {len(servers)} intermediate servers")
+    _, failures = _gather(servers, lambda j, c: c.push_share_future(run_id, round_num, signer, shares[j]), timeout)
     if failures:
         raise SharePushError(
-            f"client {client_id} could not push its share for run {run_id!r} round "
-            f"{round_num} to {len(failures)} of {len(addresses)} intermediate server(s): "
+            f"client {signer.name!r} could not push its share for run {run_id!r} round "
+            f"{round_num} to {len(failures)} of {len(servers)} intermediate server(s): "
             + "; ".join(map(str, failures)),
             failures,
         )
@@ -189,78 +271,68 @@ def push_shares(
 def share_and_push(
     values: ArrayLike,
     codec: FixedPointCodec,
-    addresses: Sequence[str],
+    servers: IntermediateServers,
     run_id: str,
     round_num: int,
-    client_id: int,
+    signer: auth.Signer,
     *,
     timeout: float = DEFAULT_TIMEOUT_S,
 ) -> int:
     """Encode, secret-share and push a client's update; return the vector length.
 
     ``values`` is flattened to a float vector, encoded with ``codec`` and split into
-    ``len(addresses)`` shares with fresh CSPRNG randomness.
+    ``len(servers)`` shares with fresh CSPRNG randomness.
     """
     flat = np.asarray(values, dtype=np.float64).ravel()
-    shares = encode_and_share(flat, len(addresses), codec)
-    push_shares(addresses, run_id, round_num, client_id, shares, timeout=timeout)
+    shares = encode_and_share(flat, len(servers), codec)
+    push_shares(servers, run_id, round_num, signer, shares, timeout=timeout)
     return flat.size
 
 
 def fetch_partial_sums(
-    addresses: Sequence[str],
+    servers: IntermediateServers,
     run_id: str,
     round_num: int,
-    expected_clients: Sequence[int],
+    expected_clients: Sequence[str],
+    signer: auth.Signer,
     *,
     timeout: float = DEFAULT_TIMEOUT_S,
 ) -> list[NDArray[np.uint64]]:
-    """Fetch every server's partial sum over ``expected_clients`` (concurrently).
+    """Fetch every server's partial sum over ``expected_clients`` (concurrently; parameter server's ``signer``).
 
     Raises:
         PartialSumUnavailableError: if any server is unreachable, reports missing
             shares, or returns a partial sum of inconsistent length.
     """
-    if not addresses:
-        raise ValueError("no intermediate server addresses given")
-    clients = [IntermediateServerClient(a, timeout=timeout) for a in addresses]
-    sums: list[NDArray[np.uint64] | None] = [None] * len(addresses)
-    failures: list[ServerFailure] = []
-    try:
-        futs = [c.get_partial_sum_future(run_id, round_num, expected_clients) for c in clients]
-        for j, f in enumerate(futs):
+    replies, failures = _gather(
+        servers, lambda _j, c: c.get_partial_sum_future(run_id, round_num, expected_clients, signer), timeout)
+    sums: list[NDArray[np.uint64] | None] = [None] * len(servers)
+    for j, reply in enumerate(replies):
+        if reply is not None:
             try:
-                reply = f.result()
                 sums[j] = from_wire(reply.partial_sum, reply.length)
-            except grpc.RpcError as exc:
-                failures.append(_failure(j, addresses[j], exc))
             except ValueError as exc:  # malformed reply
-                failures.append(_failure(j, addresses[j], exc))
-    finally:
-        for c in clients:
-            c.close()
+                failures.append(_failure(j, servers.addresses[j], exc))
     lengths = {s.size for s in sums if s is not None}
     if not failures and len(lengths) > 1:
-        failures = [
-            ServerFailure(j, addresses[j], None, f"partial sum length {s.size}")
-            for j, s in enumerate(sums)
-            if s is not None
-        ]
+        failures = [ServerFailure(j, servers.addresses[j], None, f"partial sum length {s.size}")
+                    for j, s in enumerate(sums) if s is not None]
     if failures:
         raise PartialSumUnavailableError(
             f"cannot reconstruct run {run_id!r} round {round_num}: "
-            f"{len(failures)} of {len(addresses)} intermediate server(s) did not provide a "
-            "valid partial sum (additive sharing needs all m): " + "; ".join(map(str, failures)),
+            f"{len(failures)} of {len(servers)} intermediate server(s) did not provide a "
+            "valid partial sum (additive sharing needs all m): " + "; ".join(map(str, sorted(failures, key=str))),
             failures,
         )
     return [s for s in sums if s is not None]
 
 
 def reconstruct_sum(
-    addresses: Sequence[str],
+    servers: IntermediateServers,
     run_id: str,
     round_num: int,
-    expected_clients: Sequence[int],
+    expected_clients: Sequence[str],
+    signer: auth.Signer,
     *,
     timeout: float = DEFAULT_TIMEOUT_S,
 ) -> NDArray[np.uint64]:
@@ -269,35 +341,36 @@ def reconstruct_sum(
     Raises:
         PartialSumUnavailableError: see :func:`fetch_partial_sums`.
     """
-    return ring_sum(fetch_partial_sums(addresses, run_id, round_num, expected_clients, timeout=timeout))
+    return ring_sum(fetch_partial_sums(servers, run_id, round_num, expected_clients, signer, timeout=timeout))
 
 
 def reconstruct_decoded(
-    addresses: Sequence[str],
+    servers: IntermediateServers,
     run_id: str,
     round_num: int,
-    expected_clients: Sequence[int],
+    expected_clients: Sequence[str],
+    signer: auth.Signer,
     codec: FixedPointCodec,
     *,
     mean: bool = False,
     timeout: float = DEFAULT_TIMEOUT_S,
 ) -> NDArray[np.float64]:
     """:func:`reconstruct_sum` decoded with ``codec`` (divided by #clients if ``mean``)."""
-    total = reconstruct_sum(addresses, run_id, round_num, expected_clients, timeout=timeout)
+    total = reconstruct_sum(servers, run_id, round_num, expected_clients, signer, timeout=timeout)
     if mean:
         return codec.decode_mean(total, len(expected_clients))
     return codec.decode(total)
 
 
-def wait_until_healthy(address: str, *, timeout: float = 30.0) -> pb2.HealthReply:
-    """Poll ``Health`` until the server answers or ``timeout`` elapses.
+def wait_until_healthy(address: str, ca: bytes, *, timeout: float = 30.0) -> pb2.HealthReply:
+    """Poll ``Health`` (over TLS, verifying the server against ``ca``) until it answers or ``timeout`` elapses.
 
     Raises:
         TimeoutError: if the server did not become healthy in time.
     """
     deadline = time.monotonic() + timeout
     last: BaseException | None = None
-    with IntermediateServerClient(address) as client:
+    with IntermediateServerClient(address, ca) as client:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -11,7 +11,11 @@ Messages of one round:
   share order, the run id that keeps runs sharing servers apart, and the fixed-point
   codec parameters).
 * ``train`` client -> server: no arrays (the shares went to the intermediate servers);
-  metrics with the generic figures and a :class:`ShareReceipt` (bytes pushed, time taken).
+  metrics with the generic figures and a :class:`ShareReceipt` (the roster name the shares
+  were pushed under, bytes pushed, time taken).
+
+The servers in :class:`DdpsaRound` are never used by a client: it pushes to the servers of
+its own configuration and refuses a round whose list differs (:mod:`client.methods.ddpsa`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flwr.app import ConfigRecord
+from flwr.app import ConfigRecord, RecordDict
 
 from client.messages.common import read_float, read_int, read_list, read_str
 from protocols.secret_sharing import FixedPointCodec
@@ -31,6 +35,8 @@ _SERVERS = "ddpsa-servers"
 _RUN_ID = "ddpsa-run-id"
 _FRAC_BITS = "ddpsa-frac-bits"
 _MAX_CLIENTS = "ddpsa-max-clients"
+_RECEIPT = "ddpsa-receipt"
+_CLIENT = "ddpsa-client"
 _SHARE_BYTES = "share_bytes"
 _SHARE_TIME = "share_time_s"
 
@@ -89,18 +95,31 @@ class DdpsaRound:
 
 @dataclass(frozen=True)
 class ShareReceipt:
-    """``train`` reply metrics: what the client pushed to the intermediate servers, and how long it took."""
+    """``train`` reply: the roster name the shares were pushed under, how many bytes, and how long it took."""
 
+    client: str
     share_bytes: int
     share_time_s: float
+
+    def attach(self, content: RecordDict) -> None:
+        """Put the client's roster name into a reply's ``content`` (the figures go in its metrics)."""
+        content[_RECEIPT] = ConfigRecord({_CLIENT: self.client})
+
+    @staticmethod
+    def client_of(content: RecordDict) -> str:
+        """The roster name a DDP-SA train reply's shares were pushed under (ValueError if it names none)."""
+        if _RECEIPT not in content.config_records:
+            raise ValueError(f"DDP-SA reply without '{_RECEIPT}'")
+        return read_str(content.config_records[_RECEIPT], _CLIENT)
 
     def to_metrics(self) -> dict[str, float]:
         """Figures to merge into the reply's metrics."""
         return {_SHARE_BYTES: float(self.share_bytes), _SHARE_TIME: float(self.share_time_s)}
 
     @classmethod
-    def from_metrics(cls, metrics: Mapping[str, Any]) -> ShareReceipt | None:
-        """The receipt a reply carries (None if it carries none: not a DDP-SA reply)."""
+    def from_reply(cls, content: RecordDict) -> ShareReceipt | None:
+        """The receipt a reply's content carries (None if it carries none: not a DDP-SA reply)."""
+        metrics = content["metrics"]
         if _SHARE_BYTES not in metrics:
             return None
-        return cls(int(read_float(metrics, _SHARE_BYTES)), read_float(metrics, _SHARE_TIME))
+        return cls(cls.client_of(content), int(read_float(metrics, _SHARE_BYTES)), read_float(metrics, _SHARE_TIME))

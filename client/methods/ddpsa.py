@@ -8,10 +8,18 @@ one gradient over the whole local dataset, no local steps):
    ``Delta`` = run-config ``clip`` over *all* parameters jointly;
 2. ``s_i = sum_j g_j + Lap(0, Delta / eps_t)^d`` -- the Laplace mechanism on the clipped
    sum (L1 sensitivity ``Delta`` under add/remove-one-sample adjacency), with the
-   round's ``eps_t`` from the server's budget schedule (Eq. 12);
+   round's ``eps_t`` from the client's *own* budget schedule (Eq. 12, from its run config:
+   :func:`protocols.floor.ddpsa_round_epsilon`); a larger ``eps_t`` from the server is refused;
 3. fixed-point encoding into Z_2^64 (``2^frac_bits`` scaling instead of the paper's
    ``10^dn``; exact ring arithmetic, see :mod:`protocols.secret_sharing`), split into
-   ``m`` additive shares, share ``j`` pushed over gRPC to intermediate server ``j``.
+   ``m`` additive shares, share ``j`` pushed over gRPC (TLS, signed with the node's roster
+   identity) to intermediate server ``j``.
+
+The intermediate servers come from the client's *own* configuration (:func:`intermediate_servers`:
+node config ``ddpsa-servers``/``ddpsa-ca``, else the run config): the list in the server's
+:class:`client.messages.ddpsa.DdpsaRound` is only compared with it, and a round naming other
+servers is refused before any work (a strategy cannot make a client send shares to servers it
+controls).
 
 Deviation (weighting): the paper's client averages, ``g~_i = s_i / N_i``, and the server
 applies ``N_i / N`` to the aggregate -- a per-client weight that cannot be applied to a
@@ -38,13 +46,16 @@ from flwr.app import ArrayRecord, Message
 from torch import nn
 
 from client.env import ClientEnv, reply
-from client.intermediate import share_and_push
+from client.floor import release
+from client.identity import node_identity
+from client.intermediate import IntermediateServers, share_and_push
 from client.messages.common import TrainIns
 from client.messages.ddpsa import DdpsaRound, ShareReceipt
 from client.wire import from_record
 from protocols.ddpsa import laplace_noise
+from protocols.floor import FloorViolation, at_most, ddpsa_round_epsilon
 from protocols.per_example import clipped_grad_sum
-from protocols.privacy import laplace_scale
+from protocols.privacy import LaplaceEvent, laplace_scale
 
 #: Per-sample clipped gradients are summed this many samples at a time (bounds memory).
 CHUNK = 256
@@ -93,14 +104,46 @@ def noisy_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: flo
     return total + noise, loss, frac
 
 
+def intermediate_servers(env: ClientEnv, plan: DdpsaRound) -> IntermediateServers:
+    """The intermediate servers of this client's own configuration; refuses a round that names others.
+
+    Node config ``ddpsa-servers`` / ``ddpsa-ca`` win over the run config's (the node's own settings).
+
+    Raises:
+        FloorViolation: the client has no servers configured, or the round's list differs from its own.
+    """
+    nc = env.context.node_config
+    own = tuple(a.strip() for a in str(nc.get("ddpsa-servers", env.cfg.ddpsa_servers)).split(",") if a.strip())
+    ca = str(nc.get("ddpsa-ca", env.cfg.ddpsa_ca))
+    why = "DDP-SA shares go only to the intermediate servers of this client's own configuration"
+    if not own or not ca:
+        raise FloorViolation("ddpsa-servers", list(plan.servers), "none configured",
+                             why + " (set node config or run config 'ddpsa-servers' and 'ddpsa-ca')")
+    if tuple(plan.servers) != own:
+        raise FloorViolation("ddpsa-servers", list(plan.servers), list(own), why)
+    try:
+        return IntermediateServers.load(own, ca)
+    except (OSError, ValueError) as err:
+        raise FloorViolation("ddpsa-ca", ca, "a readable PEM CA certificate", str(err)) from err
+
+
 def train(msg: Message, env: ClientEnv) -> Message:
     """One DDP-SA round: noisy clipped gradient sum, secret-shared to the m intermediate servers."""
     conf = msg.content["config"]
     rnd = TrainIns.from_config(conf).round
     plan = DdpsaRound.from_config(conf)
+    servers = intermediate_servers(env, plan)  # before any work: a strategy's own servers are refused
+    me = node_identity(env).identity
+    # The privacy floor: eps_t from the client's own budget schedule; the server's figure is only checked.
+    eps_t = ddpsa_round_epsilon(env.cfg, rnd)
+    at_most("ddpsa-epsilon", plan.epsilon, eps_t, f"this client's eps_t of round {rnd} from its run config")
     model = env.model(from_record(msg.content["arrays"]))
-    noisy, loss, frac = noisy_gradient_sum(model, env.x, env.y, env.cfg.clip, plan.epsilon, seed=_noise_seed())
+    noisy, loss, frac = noisy_gradient_sum(model, env.x, env.y, env.cfg.clip, eps_t, seed=_noise_seed())
+    spent = release(msg, env, LaplaceEvent(eps_t))  # recorded before any share leaves
     t0 = time.perf_counter()
-    size = share_and_push(noisy, plan.codec(), list(plan.servers), plan.run_id, rnd, env.node_id)
-    receipt = ShareReceipt(share_bytes=8 * size * len(plan.servers), share_time_s=time.perf_counter() - t0)
-    return reply(msg, ArrayRecord(), len(env.y), train_loss=loss, clipped_fraction=frac, **receipt.to_metrics())
+    size = share_and_push(noisy, plan.codec(), servers, plan.run_id, rnd, me)
+    receipt = ShareReceipt(me.name, share_bytes=8 * size * len(servers), share_time_s=time.perf_counter() - t0)
+    out = reply(msg, ArrayRecord(), len(env.y), train_loss=loss, clipped_fraction=frac, **receipt.to_metrics(),
+                **spent)
+    receipt.attach(out.content)
+    return out

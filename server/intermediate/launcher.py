@@ -1,8 +1,14 @@
 """Start and stop ``m`` DDP-SA intermediate servers as separate OS processes.
 
+For a loopback run the launcher makes, in a private folder that lives as long as the cluster, a
+throwaway CA with one server certificate per server (:mod:`protocols.tls`) and the parameter
+server's identity (``cancelfl keys gen`` layout: ``parameter-server.key`` / ``.pub``); the clients'
+roster is the run's (``cancelfl keys roster`` file).  :meth:`IntermediateServerCluster.run_config`
+gives the run-config keys the parameter server and the clients need (servers, CA, server key).
+
 Each server runs ``python -m server.intermediate --port 0`` so the kernel picks a free
 port (no bind race); the child reports its port through a private temp file, then the
-launcher waits for ``Health``.  :meth:`IntermediateServerCluster.stop` sends SIGTERM,
+launcher waits for ``Health`` over TLS.  :meth:`IntermediateServerCluster.stop` sends SIGTERM,
 waits, escalates to SIGKILL and reaps every child.  Children also watch the launcher's
 pid, and the cluster registers an ``atexit`` hook, so no server outlives its owner.
 """
@@ -18,17 +24,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from client.intermediate import wait_until_healthy
+from client.intermediate import IntermediateServers, wait_until_healthy
 from protocols.config import RunConfig
-from server.intermediate.servicer import (
-    DEFAULT_KEEP_ROUNDS,
-    DEFAULT_MIN_CLIENTS,
-    format_address,
-)
+from protocols.identity import DerivedRoster, Roster
+from protocols.tls import CertificateAuthority
+from server.intermediate.servicer import format_address
+from server.keys import generate
+
+#: Roster name of the parameter server's identity made for a loopback cluster.
+PARAMETER_SERVER = "parameter-server"
 
 __all__ = [
     "IntermediateServerCluster",
@@ -67,8 +75,10 @@ class IntermediateServerHandle:
 class IntermediateServerCluster:
     """The ``m`` servers of one DDP-SA deployment; a context manager that stops them."""
 
-    def __init__(self, handles: Sequence[IntermediateServerHandle]) -> None:
+    def __init__(self, handles: Sequence[IntermediateServerHandle], folder: Path) -> None:
         self.handles: list[IntermediateServerHandle] = list(handles)
+        #: Private folder: ``ca.crt``, the servers' certificates and the parameter server's identity.
+        self.folder = folder
         self._stopped = False
         atexit.register(self.stop)
 
@@ -76,6 +86,26 @@ class IntermediateServerCluster:
     def addresses(self) -> list[str]:
         """``host:port`` of server j at index j (pass to push/reconstruct helpers)."""
         return [h.address for h in self.handles]
+
+    @property
+    def ca_file(self) -> Path:
+        """The throwaway CA certificate that signed the servers' TLS certificates."""
+        return self.folder / "ca.crt"
+
+    @property
+    def server_key_file(self) -> Path:
+        """The parameter server's private identity key (the only reader of partial sums)."""
+        return self.folder / f"{PARAMETER_SERVER}.key"
+
+    @property
+    def servers(self) -> IntermediateServers:
+        """Addresses + CA, as the clients and the parameter server use them."""
+        return IntermediateServers(tuple(self.addresses), self.ca_file.read_bytes())
+
+    def run_config(self) -> dict[str, str]:
+        """The run-config keys that point a run at this cluster."""
+        return {"ddpsa-servers": ",".join(self.addresses), "ddpsa-ca": str(self.ca_file),
+                "ddpsa-server-key": str(self.server_key_file)}
 
     @property
     def pids(self) -> list[int]:
@@ -91,6 +121,7 @@ class IntermediateServerCluster:
             return
         _terminate([h.process for h in self.handles], timeout)
         self._stopped = True
+        shutil.rmtree(self.folder, ignore_errors=True)
         atexit.unregister(self.stop)
 
     def __enter__(self) -> IntermediateServerCluster:
@@ -115,16 +146,17 @@ def _terminate(procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> None
 
 def start_intermediate_servers(
     m: int,
+    roster: Path | Roster | DerivedRoster,
     *,
     host: str = "127.0.0.1",
     startup_timeout: float = 30.0,
-    keep_rounds: int = DEFAULT_KEEP_ROUNDS,
-    min_clients: int = DEFAULT_MIN_CLIENTS,
     extra_args: Sequence[str] = (),
     python: str = sys.executable,
 ) -> IntermediateServerCluster:
     """Start ``m`` intermediate servers on free ports of ``host`` (loopback by default).
 
+    ``roster`` (a roster file, or a roster to write into the cluster's folder) lists the clients
+    that may push.  ``extra_args`` go to every server (e.g. ``["--max-clients", "10"]``).
     Returns once every server answers ``Health``.  Use the result as a context manager
     or call ``.stop()``.
 
@@ -135,20 +167,27 @@ def start_intermediate_servers(
     if m < 1:
         raise ValueError(f"need at least one intermediate server, got m={m}")
     tmpdir = Path(tempfile.mkdtemp(prefix="ddpsa-intermediate-"))
+    ca = CertificateAuthority("cancelfl-ddpsa-ca")
+    ca.write(tmpdir)
+    if not isinstance(roster, Path):
+        (tmpdir / "roster.json").write_text(Roster(dict(roster)).to_json())
+        roster = tmpdir / "roster.json"
+    _, server_pub = generate(tmpdir, PARAMETER_SERVER, force=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(_REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
     procs: list[subprocess.Popen[bytes]] = []
     handles: list[IntermediateServerHandle] = []
     try:
         for j in range(m):
+            tls = ca.issue(f"intermediate-{j}", (host, "localhost")).write(tmpdir, f"intermediate-{j}")
             cmd = [
                 python, "-m", "server.intermediate",
                 "--host", host, "--port", "0",
                 "--server-id", f"intermediate-{j}",
+                "--tls-cert", str(tls["cert"]), "--tls-key", str(tls["key"]),
+                "--roster", str(roster), "--server-identity", str(server_pub),
                 "--port-file", str(tmpdir / f"{j}.port"),
                 "--parent-pid", str(os.getpid()),
-                "--keep-rounds", str(keep_rounds),
-                "--min-clients", str(min_clients),
                 "--log-level", "WARNING",
                 *extra_args,
             ]  # fmt: skip
@@ -177,30 +216,47 @@ def start_intermediate_servers(
             port = int(port_file.read_text(encoding="ascii").strip())
             address = format_address(host, port)
             try:
-                wait_until_healthy(address, timeout=max(0.1, deadline - time.monotonic()))
+                wait_until_healthy(address, ca.cert_pem, timeout=max(0.1, deadline - time.monotonic()))
             except TimeoutError as exc:
                 raise IntermediateServerStartError(str(exc)) from exc
             handles.append(IntermediateServerHandle(j, address, port, p))
     except BaseException:
         _terminate(procs, timeout=2.0)
-        raise
-    finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
-    return IntermediateServerCluster(handles)
+        raise
+    for j in range(m):
+        (tmpdir / f"{j}.port").unlink(missing_ok=True)
+    return IntermediateServerCluster(handles, tmpdir)
+
+
+def roster_of(node_configs: Iterable[Mapping[str, object]]) -> Path | None:
+    """The one roster file the nodes' configs name (``roster``), or None when they name none.
+
+    None means the nodes fall back to the simulation identities derived from the run seed.
+    """
+    named = {str(nc.get("roster", "")) for nc in node_configs} - {""}
+    if len(named) > 1:
+        raise ValueError(f"the nodes name {len(named)} different roster files; DDP-SA servers trust one")
+    return Path(named.pop()) if named else None
 
 
 @contextlib.contextmanager
-def local_intermediate_servers(cfg: RunConfig) -> Iterator[RunConfig]:
+def local_intermediate_servers(cfg: RunConfig, roster: Path | None = None) -> Iterator[RunConfig]:
     """Yield ``cfg`` with DDP-SA intermediate servers to talk to, starting local ones if it names none.
 
-    The one place that starts intermediate servers for a run: the in-process engine, the ServerApp
-    (simulation) and ``cancelfl deploy`` all come through here.  Methods other than ``ddpsa``, and
-    runs whose ``ddpsa-servers`` lists servers, get ``cfg`` back unchanged and nothing is started.
+    The one place that starts intermediate servers for a run: the in-process engine, ``cancelfl run
+    --engine simulation`` and ``cancelfl deploy`` all come through here.  ``roster`` is the clients'
+    roster file; None = the simulation roster derived from the run seed (the identities Flower's
+    simulation gives its nodes, :class:`protocols.identity.DerivedRoster`).  Methods other than
+    ``ddpsa``, and runs whose ``ddpsa-servers`` lists servers, get ``cfg`` back unchanged and nothing
+    is started.  The yielded config carries ``ddpsa-servers``, ``ddpsa-ca`` and ``ddpsa-server-key``;
+    the caller must hand the same servers and CA to the clients through their own configuration.
     """
     if cfg.method != "ddpsa" or cfg.ddpsa_servers.strip():
         yield cfg
         return
-    with start_intermediate_servers(cfg.ddpsa_num_servers) as cluster:
+    members = roster if roster is not None else DerivedRoster(cfg.seed, cfg.num_clients)
+    with start_intermediate_servers(cfg.ddpsa_num_servers, members) as cluster:
         log.info("DDP-SA: started %d intermediate servers %s (pids %s)", len(cluster.addresses), cluster.addresses,
                  cluster.pids)
-        yield cfg.replace(ddpsa_servers=",".join(cluster.addresses))
+        yield cfg.replace(**{k.replace("-", "_"): v for k, v in cluster.run_config().items()})

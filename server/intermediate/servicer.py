@@ -4,17 +4,27 @@ One intermediate server S_j receives exactly one additive share per client and r
 and hands the parameter server the ring sum (mod 2^64) of the shares of an agreed client
 set (Wei et al., Algorithm 2, "for each server S_j").
 
-State is in memory, keyed by ``(run_id, round)``; only the ``keep_rounds`` most recent
-rounds per run and the ``max_runs`` most recently used runs are kept.
+Locked down beyond the paper's semi-honest model (issue 16):
 
-Defence in depth beyond the paper's semi-honest model: a curious parameter server could
-ask every server for the "partial sum" of a *single* client, or for two client sets that
-differ in one client, and so reconstruct an individual (noisy) update.  Therefore:
-
-* a partial sum must cover at least ``min_clients`` clients (default 2), and
-* the first successful ``GetPartialSum`` *seals* the round: later calls must name the
-  same client set (an idempotent retry gets the cached sum), late pushes are rejected,
-  and the individual shares are discarded.
+* TLS only (:func:`create_server` needs a certificate and key from the deployment's CA).
+* Every request but ``Health`` is signed (:mod:`client.intermediate.auth`): a push by the roster
+  client it names, ``RegisterRun``/``GetPartialSum``/``AbortRound``/``Status`` by the parameter
+  server.  A participant can neither push under another client's name, nor invent a client, nor
+  read a partial sum.  Unauthenticated callers get ``UNAUTHENTICATED`` and learn nothing else;
+  ``Health`` says ``SERVING`` and nothing more.
+* Runs exist only once the parameter server registered them (share length, client cap per round)
+  and take pushes only for the rounds it opened: a push for an unknown run id or a future round is
+  refused and creates no state, so junk run ids cannot evict a run nor junk rounds its shares.
+  At most ``max_runs`` runs are held; a new registration evicts the least recently used run
+  only when it has been idle for ``run_idle_s`` seconds, else it is refused.
+* Caps: gRPC messages up to ``max_message_bytes``; a registered share length up to
+  ``max_share_bytes`` and ``max_clients`` clients per round (``max_run_bytes`` for one run's
+  rounds kept); pushes beyond the run's client cap or the server's ``max_stored_bytes`` get
+  ``RESOURCE_EXHAUSTED``.
+* A partial sum covers at least ``min_clients`` clients, and the first successful
+  ``GetPartialSum`` (or ``AbortRound``) *seals* the round: later calls must name the same client
+  set (an idempotent retry gets the cached sum), late pushes are rejected, and the individual
+  shares are discarded.  An aborted round never releases anything.
 """
 
 from __future__ import annotations
@@ -22,12 +32,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
 
+from client.intermediate import auth
 from client.intermediate import intermediate_pb2 as pb2
 from client.intermediate import intermediate_pb2_grpc as pb2_grpc
 from client.intermediate.stub import DEFAULT_MAX_MESSAGE_BYTES
@@ -39,6 +51,7 @@ __all__ = [
     "DEFAULT_MAX_RUNS",
     "DEFAULT_MIN_CLIENTS",
     "IntermediateAggregatorServicer",
+    "Limits",
     "create_server",
     "format_address",
 ]
@@ -50,51 +63,71 @@ DEFAULT_MAX_RUNS = 8
 DEFAULT_MIN_CLIENTS = 2
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one intermediate server accepts (all enforced before anything is stored)."""
+
+    keep_rounds: int = DEFAULT_KEEP_ROUNDS
+    min_clients: int = DEFAULT_MIN_CLIENTS
+    max_runs: int = DEFAULT_MAX_RUNS
+    max_clients: int = 1000  # clients per round of one run
+    max_share_bytes: int = DEFAULT_MAX_MESSAGE_BYTES - 4096  # one share (8 bytes per model parameter)
+    max_run_bytes: int = 1 << 30  # max_clients x share bytes x keep_rounds of one run
+    max_stored_bytes: int = 2 << 30  # every share and partial sum held by this server
+    run_idle_s: float = 600.0  # a run idle this long may be evicted by a new registration
+
+    def __post_init__(self) -> None:
+        if min(self.keep_rounds, self.min_clients, self.max_runs, self.max_clients, self.max_share_bytes,
+               self.max_run_bytes, self.max_stored_bytes) < 1 or self.run_idle_s < 0:
+            raise ValueError(f"every intermediate-server limit must be >= 1 (run_idle_s >= 0): {self}")
+
+
 @dataclass
 class _RoundState:
-    length: int
-    shares: dict[int, bytes] = field(default_factory=dict)
-    sealed_clients: tuple[int, ...] | None = None
-    partial_sum: bytes | None = None
+    shares: dict[str, bytes] = field(default_factory=dict)
+    sealed_clients: tuple[str, ...] | None = None
+    partial_sum: bytes | None = None  # None when sealed by AbortRound
+
+    def held_bytes(self) -> int:
+        return sum(map(len, self.shares.values())) + len(self.partial_sum or b"")
 
 
 @dataclass
 class _RunState:
+    length: int
+    max_clients: int
+    last_used: float
     latest_round: int = -1
     rounds: dict[int, _RoundState] = field(default_factory=dict)
 
 
 class IntermediateAggregatorServicer(pb2_grpc.IntermediateAggregatorServicer):
-    """Thread-safe in-memory share store + ring-sum aggregator."""
+    """Thread-safe in-memory share store + ring-sum aggregator, with signed access."""
 
-    def __init__(
-        self,
-        *,
-        server_id: str = "",
-        keep_rounds: int = DEFAULT_KEEP_ROUNDS,
-        min_clients: int = DEFAULT_MIN_CLIENTS,
-        max_runs: int = DEFAULT_MAX_RUNS,
-    ) -> None:
-        if keep_rounds < 1 or min_clients < 1 or max_runs < 1:
-            raise ValueError("keep_rounds, min_clients and max_runs must all be >= 1")
+    def __init__(self, policy: auth.AccessPolicy, *, server_id: str = "", limits: Limits | None = None) -> None:
+        self.policy = policy
         self.server_id = server_id
-        self.keep_rounds = keep_rounds
-        self.min_clients = min_clients
-        self.max_runs = max_runs
+        self.limits = limits or Limits()
         self._lock = threading.Lock()
         self._runs: OrderedDict[str, _RunState] = OrderedDict()
+        self._stored = 0
 
     # ------------------------------------------------------------------ helpers
     def _oldest_kept(self, run: _RunState) -> int:
-        return run.latest_round - self.keep_rounds + 1
+        return run.latest_round - self.limits.keep_rounds + 1
 
-    def _touch_run(self, run_id: str) -> _RunState:
+    def _drop_round(self, run: _RunState, rnd: int) -> None:
+        self._stored -= run.rounds.pop(rnd).held_bytes()
+
+    def _require_server(self, context: grpc.ServicerContext, signature: bytes, statement: bytes, what: str) -> None:
+        if not self.policy.is_server(signature, statement):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{what}: not signed by the parameter server")
+
+    def _run(self, run_id: str, context: grpc.ServicerContext) -> _RunState:
         run = self._runs.get(run_id)
         if run is None:
-            run = self._runs[run_id] = _RunState()
-            while len(self._runs) > self.max_runs:
-                evicted, _ = self._runs.popitem(last=False)
-                log.info("evicted state of least recently used run %r", evicted)
+            context.abort(grpc.StatusCode.NOT_FOUND, "run is not registered with this server")
+        run.last_used = time.monotonic()
         self._runs.move_to_end(run_id)
         return run
 
@@ -103,120 +136,167 @@ class IntermediateAggregatorServicer(pb2_grpc.IntermediateAggregatorServicer):
         with self._lock:
             return sum(len(r.rounds) for r in self._runs.values())
 
+    def stored_bytes(self) -> int:
+        """Bytes of shares and partial sums currently held."""
+        with self._lock:
+            return self._stored
+
     # --------------------------------------------------------------------- RPCs
+    def RegisterRun(  # noqa: N802 (gRPC method name)
+        self, request: pb2.RegisterRunRequest, context: grpc.ServicerContext
+    ) -> pb2.RegisterRunReply:
+        """Register a run (share length, client cap per round) and open its round ``request.round``."""
+        statement = auth.register_statement(request.run_id, request.round, request.length, request.max_clients)
+        self._require_server(context, request.signature, statement, "RegisterRun")
+        lim, share_bytes = self.limits, 8 * request.length
+        if not request.run_id or request.length == 0 or request.max_clients < lim.min_clients:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"run_id, length > 0 and max_clients >= {lim.min_clients} are required")
+        if share_bytes > lim.max_share_bytes or request.max_clients > lim.max_clients:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"a run may have shares up to {lim.max_share_bytes} bytes and up to {lim.max_clients} "
+                          f"clients per round; asked {share_bytes} bytes and {request.max_clients} clients")
+        if share_bytes * request.max_clients * lim.keep_rounds > lim.max_run_bytes:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{request.max_clients} clients x {share_bytes} bytes x {lim.keep_rounds} rounds exceeds "
+                          f"this server's {lim.max_run_bytes} bytes per run")
+        with self._lock:
+            now = time.monotonic()
+            run = self._runs.get(request.run_id)
+            if run is not None:
+                if (run.length, run.max_clients) != (request.length, request.max_clients):
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                  "run already registered with another length or client cap")
+            else:
+                if len(self._runs) >= lim.max_runs:
+                    oldest_id, oldest = next(iter(self._runs.items()))
+                    if now - oldest.last_used < lim.run_idle_s:
+                        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      f"this server holds {lim.max_runs} active runs; none idle for {lim.run_idle_s:.0f} s")
+                    for rnd in list(oldest.rounds):
+                        self._drop_round(oldest, rnd)
+                    del self._runs[oldest_id]
+                    log.info("evicted idle run %r", oldest_id)
+                run = self._runs[request.run_id] = _RunState(int(request.length), int(request.max_clients), now)
+            if request.round > run.latest_round:
+                run.latest_round = int(request.round)
+                for r in [r for r in run.rounds if r < self._oldest_kept(run)]:
+                    self._drop_round(run, r)
+            run.last_used = now
+            self._runs.move_to_end(request.run_id)
+            return pb2.RegisterRunReply(server_id=self.server_id, active_runs=len(self._runs))
+
     def PushShare(  # noqa: N802 (gRPC method name)
         self, request: pb2.PushShareRequest, context: grpc.ServicerContext
     ) -> pb2.PushShareReply:
-        """Store one client's share for (run_id, round); identical retries are no-ops."""
-        tag = f"run {request.run_id!r} round {request.round} client {request.client_id}"
-        if not request.run_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "run_id must be non-empty")
-        if request.length == 0 or len(request.share) != 8 * request.length:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{tag}: share has {len(request.share)} bytes, expected 8 * length (length={request.length} > 0)",
-            )
+        """Store the signing client's share for (run_id, round); identical retries are no-ops."""
+        statement = auth.push_statement(request.run_id, request.round, request.client, request.share)
+        if not self.policy.client_may_push(request.client, request.signature, statement):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "PushShare: not signed by a roster client under the name it gives")
+        tag = f"run {request.run_id!r} round {request.round} client {request.client!r}"
         with self._lock:
-            run = self._touch_run(request.run_id)
-            if request.round < self._oldest_kept(run):
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"{tag}: stale round (latest {run.latest_round}, keeping {self.keep_rounds} round(s))",
-                )
-            if request.round > run.latest_round:
-                run.latest_round = request.round
-                for r in [r for r in run.rounds if r < self._oldest_kept(run)]:
-                    del run.rounds[r]
+            run = self._run(request.run_id, context)
+            if request.length != run.length or len(request.share) != 8 * run.length:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"{tag}: share has {len(request.share)} bytes, this run's shares have {8 * run.length}")
+            if not self._oldest_kept(run) <= request.round <= run.latest_round:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"{tag}: round not open (open: {max(self._oldest_kept(run), 0)}..{run.latest_round})")
             state = run.rounds.get(request.round)
-            if state is None:
-                state = run.rounds[request.round] = _RoundState(length=request.length)
-            if state.sealed_clients is not None:
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"{tag}: partial sum of this round was already released; late shares are rejected",
-                )
-            if state.length != request.length:
-                context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{tag}: vector length {request.length} differs from this round's length {state.length}",
-                )
-            existing = state.shares.get(request.client_id)
+            if state is not None and state.sealed_clients is not None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"{tag}: this round was already released or aborted; late shares are rejected")
+            existing = None if state is None else state.shares.get(request.client)
             if existing is not None:
                 if existing != request.share:
-                    context.abort(
-                        grpc.StatusCode.ALREADY_EXISTS,
-                        f"{tag}: a different share was already stored for this client",
-                    )
+                    context.abort(grpc.StatusCode.ALREADY_EXISTS, f"{tag}: a different share was already stored")
                 return pb2.PushShareReply(clients_received=len(state.shares), duplicate=True)
-            state.shares[request.client_id] = bytes(request.share)
+            if state is not None and len(state.shares) >= run.max_clients:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{tag}: the round already holds the run's cap of {run.max_clients} clients")
+            if self._stored + len(request.share) > self.limits.max_stored_bytes:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{tag}: this server's storage cap is reached")
+            state = run.rounds.setdefault(request.round, _RoundState())
+            state.shares[request.client] = bytes(request.share)
+            self._stored += len(request.share)
             return pb2.PushShareReply(clients_received=len(state.shares), duplicate=False)
 
     def GetPartialSum(  # noqa: N802 (gRPC method name)
         self, request: pb2.GetPartialSumRequest, context: grpc.ServicerContext
     ) -> pb2.GetPartialSumReply:
         """Ring sum of the shares of exactly ``expected_clients`` (seals the round)."""
-        tag = f"run {request.run_id!r} round {request.round}"
         expected = tuple(sorted(request.expected_clients))
-        if not request.run_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "run_id must be non-empty")
-        if not expected:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{tag}: no expected clients")
-        if len(set(expected)) != len(expected):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{tag}: duplicate expected client ids")
-        if len(expected) < self.min_clients:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"{tag}: {len(expected)} expected client(s) is below this server's "
-                f"min_clients={self.min_clients}; a partial sum over so few clients "
-                "would expose individual shares",
-            )
+        statement = auth.partial_sum_statement(request.run_id, request.round, expected)
+        self._require_server(context, request.signature, statement, "GetPartialSum")
+        tag = f"run {request.run_id!r} round {request.round}"
+        if not expected or len(set(expected)) != len(expected):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{tag}: expected clients must be non-empty and distinct")
+        if len(expected) < self.limits.min_clients:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"{tag}: {len(expected)} expected client(s) is below this server's "
+                          f"min_clients={self.limits.min_clients}; a partial sum over so few clients "
+                          "would expose individual shares")
         with self._lock:
-            run = self._runs.get(request.run_id)
-            if run is not None and request.round < self._oldest_kept(run):
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"{tag}: round was dropped (latest {run.latest_round}, keeping {self.keep_rounds} round(s))",
-                )
-            state = None if run is None else run.rounds.get(request.round)
+            run = self._run(request.run_id, context)
+            if request.round < self._oldest_kept(run):
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"{tag}: round was dropped (latest {run.latest_round}, keeping {self.limits.keep_rounds})")
+            state = run.rounds.get(request.round)
             if state is None:
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"{tag}: missing shares from all expected clients {list(expected)} "
-                    "(no share received for this round)",
-                )
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"{tag}: missing shares from all expected clients {list(expected)} "
+                              "(no share received for this round)")
             if state.sealed_clients is not None:
+                if state.partial_sum is None:
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{tag}: the round was aborted")
                 if state.sealed_clients != expected:
-                    context.abort(
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                        f"{tag}: partial sum already released for client set "
-                        f"{list(state.sealed_clients)}; refusing a different set "
-                        "(differences of partial sums would leak individual shares)",
-                    )
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"{tag}: partial sum already released for client set {list(state.sealed_clients)}; "
+                                  "refusing a different set (differences of partial sums would leak individual shares)")
             else:
                 missing = [c for c in expected if c not in state.shares]
                 if missing:
-                    context.abort(
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                        f"{tag}: missing shares from expected clients {missing} (received from {sorted(state.shares)})",
-                    )
-                total = ring_sum([from_wire(state.shares[c], state.length) for c in expected])
-                state.partial_sum = to_wire(total)
-                state.sealed_clients = expected
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"{tag}: missing shares from expected clients {missing} (received from "
+                                  f"{sorted(state.shares)})")
+                total = to_wire(ring_sum([from_wire(state.shares[c], run.length) for c in expected]))
+                self._stored += len(total) - state.held_bytes()
+                state.partial_sum, state.sealed_clients = total, expected
                 state.shares.clear()  # individual shares are no longer needed
-                self._runs.move_to_end(request.run_id)
             assert state.partial_sum is not None
-            return pb2.GetPartialSumReply(partial_sum=state.partial_sum, length=state.length, num_clients=len(expected))
+            return pb2.GetPartialSumReply(partial_sum=state.partial_sum, length=run.length, num_clients=len(expected))
+
+    def AbortRound(  # noqa: N802 (gRPC method name)
+        self, request: pb2.AbortRoundRequest, context: grpc.ServicerContext
+    ) -> pb2.AbortRoundReply:
+        """Seal a round without releasing it: its shares are dropped and no partial sum is ever given."""
+        self._require_server(context, request.signature, auth.abort_statement(request.run_id, request.round),
+                             "AbortRound")
+        with self._lock:
+            run = self._run(request.run_id, context)
+            state = run.rounds.setdefault(request.round, _RoundState())
+            dropped = len(state.shares)
+            self._stored -= state.held_bytes()
+            state.shares.clear()
+            state.partial_sum, state.sealed_clients = None, ()
+            return pb2.AbortRoundReply(shares_dropped=dropped)
+
+    def Status(  # noqa: N802 (gRPC method name)
+        self, request: pb2.StatusRequest, context: grpc.ServicerContext
+    ) -> pb2.StatusReply:
+        """Held runs, rounds, bytes and the process id -- for the parameter server only."""
+        self._require_server(context, request.signature, auth.status_statement(request.nonce), "Status")
+        with self._lock:
+            rounds = sum(len(r.rounds) for r in self._runs.values())
+            return pb2.StatusReply(server_id=self.server_id, active_runs=len(self._runs), active_rounds=rounds,
+                                   stored_bytes=self._stored, pid=os.getpid())
 
     def Health(  # noqa: N802 (gRPC method name)
         self, request: pb2.HealthRequest, context: grpc.ServicerContext
     ) -> pb2.HealthReply:
-        """Liveness probe: status, server id, number of held rounds, process id."""
-        return pb2.HealthReply(
-            status="SERVING",
-            server_id=self.server_id,
-            active_rounds=self.active_rounds(),
-            pid=os.getpid(),
-        )
+        """Liveness for anyone: ``SERVING`` and nothing else."""
+        return pb2.HealthReply(status="SERVING")
 
 
 def format_address(host: str, port: int) -> str:
@@ -227,19 +307,21 @@ def format_address(host: str, port: int) -> str:
 
 
 def create_server(
+    servicer: IntermediateAggregatorServicer,
+    *,
+    certificate: bytes,
+    private_key: bytes,
     host: str = "127.0.0.1",
     port: int = 0,
-    *,
-    servicer: IntermediateAggregatorServicer | None = None,
     max_workers: int = 8,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> tuple[grpc.Server, int]:
-    """Create and start a gRPC server with the servicer; returns ``(server, bound_port)``.
+    """Create and start a TLS gRPC server with the servicer; returns ``(server, bound_port)``.
 
+    ``certificate``/``private_key`` are PEM (a server certificate from the deployment's CA).
     ``port=0`` binds a free ephemeral port (race-free).  SO_REUSEPORT is disabled so a
     second server on an explicit, already used port fails instead of silently sharing it.
-    Transport is insecure (no TLS), as in the paper's model where confidentiality comes
-    from the secret sharing itself; deploy on a trusted network or add TLS.
+    Messages above ``max_message_bytes`` are refused by gRPC before they reach the servicer.
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
@@ -248,11 +330,13 @@ def create_server(
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.so_reuseport", 0),
         ],
+        maximum_concurrent_rpcs=4 * max_workers,
     )
-    pb2_grpc.add_IntermediateAggregatorServicer_to_server(servicer or IntermediateAggregatorServicer(), server)
+    pb2_grpc.add_IntermediateAggregatorServicer_to_server(servicer, server)
     address = format_address(host, port)
+    credentials = grpc.ssl_server_credentials([(private_key, certificate)])
     try:
-        bound = server.add_insecure_port(address)
+        bound = server.add_secure_port(address, credentials)
     except RuntimeError as exc:  # grpcio raises when the bind fails
         raise OSError(f"cannot bind intermediate server to {address}: {exc}") from exc
     if bound == 0:

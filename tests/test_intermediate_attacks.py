@@ -1,0 +1,218 @@
+"""Issue 16's attacks on the DDP-SA intermediate servers, by an outside caller against the real server processes.
+
+The attacker ("mallory") is a participant: it holds a roster identity of its own, the run id and the
+servers' CA certificate (everything a participant receives), but not the parameter server's key.
+Each attack must fail while the honest round it targets still reconstructs exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives import serialization
+
+from client.intermediate import (
+    IntermediateServerClient,
+    IntermediateServers,
+    PartialSumUnavailableError,
+    intermediate_pb2,
+    reconstruct_sum,
+    register_run,
+    share_and_push,
+)
+from client.intermediate import auth as wire_auth
+from client.intermediate import intermediate_pb2_grpc as pb2_grpc
+from protocols.identity import Identity, Roster, generate_identity
+from protocols.secret_sharing import FixedPointCodec, encode_and_share
+from server.intermediate import IntermediateServerCluster, start_intermediate_servers
+from tests.processes import pid_gone
+
+HONEST = ["victim", "alice", "bob"]
+D = 1000  # model size of the attacked run
+RUN = "run-under-attack"
+CODEC = FixedPointCodec(frac_bits=24, max_clients=16)
+
+
+@pytest.fixture(scope="module")
+def ids() -> dict[str, Identity]:
+    return {n: generate_identity(n) for n in [*HONEST, "mallory"]}
+
+
+@pytest.fixture(scope="module")
+def cluster(ids) -> Iterator[IntermediateServerCluster]:
+    roster = Roster({n: i.public_bytes for n, i in ids.items()})
+    with start_intermediate_servers(3, roster) as c:
+        yield c
+    assert all(pid_gone(p) for p in c.pids)
+
+
+@pytest.fixture(scope="module")
+def server_signer(cluster) -> Identity:
+    key = serialization.load_pem_private_key(cluster.server_key_file.read_bytes(), password=None)
+    return Identity("parameter-server", key)  # type: ignore[arg-type]
+
+
+def _code(e: pytest.ExceptionInfo) -> grpc.StatusCode:
+    return e.value.code()
+
+
+def _honest_round(cluster, ids, signer, rnd: int, run: str = RUN) -> dict[str, np.ndarray]:
+    """Open round ``rnd`` and push every honest client's update; returns the updates."""
+    servers = cluster.servers
+    assert register_run(servers, run, rnd, D, 4, signer) == []
+    rng = np.random.default_rng(rnd)
+    updates = {n: rng.normal(size=D) for n in HONEST}
+    for n, u in updates.items():
+        share_and_push(u, CODEC, servers, run, rnd, ids[n])
+    return updates
+
+
+def _assert_reconstructs(cluster, signer, rnd: int, updates: dict[str, np.ndarray], run: str = RUN) -> None:
+    total = CODEC.decode(reconstruct_sum(cluster.servers, run, rnd, sorted(updates), signer))
+    np.testing.assert_allclose(total, np.sum(list(updates.values()), axis=0), atol=len(updates) * CODEC.resolution)
+
+
+def _each(cluster) -> Iterator[IntermediateServerClient]:
+    for a in cluster.addresses:
+        with IntermediateServerClient(a, cluster.servers.ca, timeout=10) as c:
+            yield c
+
+
+def test_fake_client_partial_sum_attack_fails(cluster, ids, server_signer) -> None:
+    """Push a zero share as client 999, ask for the partial sum of {victim, 999}: refused everywhere."""
+    updates = _honest_round(cluster, ids, server_signer, 1)
+    fake = Identity("999", generate_identity("999").private)  # a key the roster does not hold
+    zero = encode_and_share(np.zeros(D), 3, CODEC)
+    for j, c in enumerate(_each(cluster)):
+        with pytest.raises(grpc.RpcError) as e:
+            c.push_share(RUN, 1, fake, zero[j])
+        assert _code(e) == grpc.StatusCode.UNAUTHENTICATED
+        for asker in (ids["mallory"], fake):  # a participant's signature does not open partial sums
+            with pytest.raises(grpc.RpcError) as e:
+                c.get_partial_sum(RUN, 1, ["victim", "999"], asker)
+            assert _code(e) == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as e:  # nor does no signature at all
+            c.stub.GetPartialSum(intermediate_pb2.GetPartialSumRequest(run_id=RUN, round=1,
+                                                                       expected_clients=["victim", "mallory"]))
+        assert _code(e) == grpc.StatusCode.UNAUTHENTICATED
+    # The round was neither sealed nor poisoned: the parameter server still gets the exact sum.
+    _assert_reconstructs(cluster, server_signer, 1, updates)
+
+
+def test_id_squatting_fails(cluster, ids, server_signer) -> None:
+    """A share pushed under an honest client's name (signed by the squatter) is refused; the owner still pushes."""
+    servers = cluster.servers
+    assert register_run(servers, RUN, 2, D, 4, server_signer) == []
+    squatter = Identity("alice", ids["mallory"].private)
+    poison = encode_and_share(np.full(D, 1e6), 3, CODEC)
+    for j, c in enumerate(_each(cluster)):
+        with pytest.raises(grpc.RpcError) as e:
+            c.push_share(RUN, 2, squatter, poison[j])
+        assert _code(e) == grpc.StatusCode.UNAUTHENTICATED
+    rng = np.random.default_rng(2)
+    updates = {n: rng.normal(size=D) for n in HONEST}
+    for n, u in updates.items():
+        share_and_push(u, CODEC, servers, RUN, 2, ids[n])  # alice is not rejected as a duplicate
+    _assert_reconstructs(cluster, server_signer, 2, updates)
+
+
+def test_run_eviction_fails(cluster, ids, server_signer) -> None:
+    """Junk run ids create no state and evict nothing (20 of them; a server holds at most 8 runs)."""
+    updates = _honest_round(cluster, ids, server_signer, 3)
+    share = np.zeros(D, dtype=np.uint64)
+    for k in range(20):
+        for c in _each(cluster):
+            with pytest.raises(grpc.RpcError) as e:
+                c.push_share(f"junk-{k}", 1, ids["mallory"], share)
+            assert _code(e) == grpc.StatusCode.NOT_FOUND
+            with pytest.raises(grpc.RpcError) as e:  # only the parameter server registers runs
+                c.register_run_future(f"junk-{k}", 1, D, 4, ids["mallory"]).result()
+            assert _code(e) == grpc.StatusCode.UNAUTHENTICATED
+    for c in _each(cluster):
+        assert c.status(server_signer).active_runs == 1
+    _assert_reconstructs(cluster, server_signer, 3, updates)
+
+
+def test_cap_on_clients_per_round() -> None:
+    """The parameter server registers at most the round's participants; a further roster client is refused."""
+    ids = {n: generate_identity(n) for n in ("a", "b", "c")}
+    with start_intermediate_servers(2, Roster({n: i.public_bytes for n, i in ids.items()})) as c:
+        key = serialization.load_pem_private_key(c.server_key_file.read_bytes(), password=None)
+        signer = Identity("parameter-server", key)  # type: ignore[arg-type]
+        assert register_run(c.servers, "r", 1, 10, 2, signer) == []
+        share_and_push(np.ones(10), CODEC, c.servers, "r", 1, ids["a"])
+        share_and_push(np.ones(10), CODEC, c.servers, "r", 1, ids["b"])
+        with pytest.raises(Exception, match="RESOURCE_EXHAUSTED"):
+            share_and_push(np.ones(10), CODEC, c.servers, "r", 1, ids["c"])
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_oversized_push_fails_and_stores_nothing(cluster, ids, server_signer) -> None:
+    """A 64 MiB push is refused by the transport; a large wrong-length one by the run's registered length."""
+    updates = _honest_round(cluster, ids, server_signer, 4)
+    address, pid = cluster.addresses[0], cluster.pids[0]
+    before = _rss_mb(pid)
+    with IntermediateServerClient(address, cluster.servers.ca, timeout=60, max_message_bytes=80 << 20) as c:
+        huge = np.zeros((64 << 20) // 8, dtype=np.uint64)
+        with pytest.raises(grpc.RpcError) as e:
+            c.push_share(RUN, 4, ids["mallory"], huge)
+        assert _code(e) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(grpc.RpcError) as e:
+            c.push_share(RUN, 4, ids["mallory"], np.zeros((16 << 20) // 8, dtype=np.uint64))
+        assert _code(e) == grpc.StatusCode.INVALID_ARGUMENT
+        status = c.status(server_signer)
+    assert status.stored_bytes == (1 + len(HONEST)) * 8 * D  # round 3's partial sum + the honest shares of round 4
+    assert _rss_mb(pid) - before < 100  # nothing of the junk was kept
+    _assert_reconstructs(cluster, server_signer, 4, updates)
+
+
+def test_unauthenticated_callers_learn_only_liveness(cluster, ids) -> None:
+    fields = [f.name for f in intermediate_pb2.HealthReply.DESCRIPTOR.fields]
+    assert fields == ["status"]  # no pid, no round counts
+    with IntermediateServerClient(cluster.addresses[0], cluster.servers.ca) as c:
+        assert c.health().status == "SERVING"
+        with pytest.raises(grpc.RpcError) as e:
+            c.status(ids["mallory"])
+        assert _code(e) == grpc.StatusCode.UNAUTHENTICATED
+    # Plaintext is not served, and a server certificate from another CA is not trusted.
+    with grpc.insecure_channel(cluster.addresses[0]) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            pb2_grpc.IntermediateAggregatorStub(ch).Health(intermediate_pb2.HealthRequest(), timeout=5)
+        assert _code(e) == grpc.StatusCode.UNAVAILABLE
+    from protocols.tls import CertificateAuthority
+
+    other = IntermediateServers(tuple(cluster.addresses), CertificateAuthority("other").cert_pem)
+    with IntermediateServerClient(other.addresses[0], other.ca, timeout=5) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.health()
+        assert _code(e) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_statements_bind_every_field() -> None:
+    """A signature over one request does not verify for any changed field."""
+    base = wire_auth.push_statement("r", 1, "alice", b"\x00" * 8)
+    assert len({base, wire_auth.push_statement("r2", 1, "alice", b"\x00" * 8),
+                wire_auth.push_statement("r", 2, "alice", b"\x00" * 8),
+                wire_auth.push_statement("r", 1, "bob", b"\x00" * 8),
+                wire_auth.push_statement("r", 1, "alice", b"\x01" + b"\x00" * 7)}) == 5
+    assert wire_auth.partial_sum_statement("r", 1, ["b", "a"]) == wire_auth.partial_sum_statement("r", 1, ["a", "b"])
+    assert wire_auth.partial_sum_statement("r", 1, ["a", "b"]) != wire_auth.partial_sum_statement("r", 1, ["ab"])
+    me = generate_identity("alice")
+    assert wire_auth.verify_signature(me.public_bytes, me.sign(base), base)
+    assert not wire_auth.verify_signature(me.public_bytes, me.sign(base), wire_auth.push_statement("r", 2, "alice",
+                                                                                                    b"\x00" * 8))
+
+
+def test_partial_sum_unavailable_names_servers(cluster, server_signer) -> None:
+    with pytest.raises(PartialSumUnavailableError, match="not registered"):
+        reconstruct_sum(cluster.servers, "never-registered", 1, ["victim", "alice"], server_signer)
