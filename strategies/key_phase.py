@@ -137,6 +137,9 @@ class KeyPhase:
                     if "config" not in msg.content:
                         raise ValueError("reply has no config")
                     key = KeyReply.from_config(msg.content["config"])
+                    cap = strategy.max_examples
+                    if key.num_examples is not None and (key.num_examples < 1 or (cap and key.num_examples > cap)):
+                        raise ValueError(f"implausible num-examples {key.num_examples} (largest partition: {cap})")
                 except ValueError as err:
                     log(WARNING, "round %d: node %s sent a malformed key reply (%s); it is left out",
                         server_round, node, err)

@@ -25,7 +25,8 @@ def _arrays(content: RecordDict) -> OrderedDict[str, np.ndarray]:
     return OrderedDict((k, np.array(a.numpy())) for k, a in content["arrays"].items())
 
 
-def _with_arrays(content: RecordDict, arrays: dict[str, np.ndarray]) -> RecordDict:
+def with_arrays(content: RecordDict, arrays: dict[str, np.ndarray]) -> RecordDict:
+    """``content`` with its upload replaced by ``arrays``."""
     out = RecordDict({k: v for k, v in content.items() if k != "arrays"})
     out["arrays"] = ArrayRecord(OrderedDict((k, numpy_array(v)) for k, v in arrays.items()))
     return out
@@ -36,27 +37,27 @@ def _set_first(content: RecordDict, value: float, add: bool = False) -> RecordDi
     first = next(iter(arrays))
     flat = arrays[first].reshape(-1)
     flat[0] = flat[0] + value if add else value
-    return _with_arrays(content, arrays)
+    return with_arrays(content, arrays)
 
 
 def _reshape(content: RecordDict) -> RecordDict:
     arrays = _arrays(content)
     first = next(iter(arrays))
     arrays[first] = np.zeros(arrays[first].size + 1, dtype=arrays[first].dtype)
-    return _with_arrays(content, arrays)
+    return with_arrays(content, arrays)
 
 
 def _retype(content: RecordDict) -> RecordDict:
     arrays = _arrays(content)
     first = next(iter(arrays))
     arrays[first] = arrays[first].astype(np.float16)
-    return _with_arrays(content, arrays)
+    return with_arrays(content, arrays)
 
 
 def _drop_array(content: RecordDict) -> RecordDict:
     arrays = _arrays(content)
     arrays.pop(next(iter(arrays)))
-    return _with_arrays(content, arrays)
+    return with_arrays(content, arrays)
 
 
 def _claim_examples(content: RecordDict) -> RecordDict:
@@ -90,12 +91,18 @@ REASON_WORD = {"nan": "non-finite", "inf": "non-finite", "huge": "norm", "shape"
                "missing": "missing", "examples": "num-examples", "oversize": "payload"}
 
 
-def faulty_grid(faults: dict[int, str], *, message_type: str = "train") -> Callable[..., LocalGrid]:
-    """A ``grid_factory`` whose node number ``i`` (partition i) corrupts its replies with ``faults[i]``."""
+def faulty_grid(faults: dict[int, Callable[[RecordDict], RecordDict] | str], *,
+                message_type: str = "train") -> Callable[..., LocalGrid]:
+    """A ``grid_factory`` whose node number ``i`` (partition i) corrupts its replies with ``faults[i]``.
+
+    A fault is a :data:`CORRUPTIONS` name or a function of the reply content; only replies to
+    ``message_type`` messages are corrupted.  ``factory.grids`` lists the grids it made.
+    """
 
     def factory(client_app, num_nodes: int, run_config: dict) -> LocalGrid:
         grid = LocalGrid(client_app, num_nodes, run_config)
-        bad = {grid.node_ids[i]: CORRUPTIONS[name] for i, name in faults.items()}
+        factory.grids.append(grid)
+        bad = {grid.node_ids[i]: CORRUPTIONS[f] if isinstance(f, str) else f for i, f in faults.items()}
 
         def app(msg: Message, context: Context) -> Message:
             reply = client_app(msg, context)
@@ -107,7 +114,8 @@ def faulty_grid(faults: dict[int, str], *, message_type: str = "train") -> Calla
         grid.client_app = app
         return grid
 
+    factory.grids = []  # the grids made, for the tests to read node ids
     return factory
 
 
-__all__ = ["CORRUPTIONS", "REASON_WORD", "faulty_grid"]
+__all__ = ["CORRUPTIONS", "REASON_WORD", "faulty_grid", "with_arrays"]
