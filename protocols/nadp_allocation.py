@@ -185,7 +185,7 @@ class NoiseAllocation:
         np.fill_diagonal(mat, 0.0)
         return mat
 
-    def joint_uplink_std(self, lam: float = 1.0) -> dict[int, float]:
+    def joint_uplink_std(self, lam: float = 1.0, among: Sequence[int] | None = None) -> dict[int, float]:
         """Effective upload-noise std of each client against an observer of *all* uploads.
 
         Pair noise is correlated across uploads (``n_ij`` appears in ``i``'s
@@ -198,14 +198,23 @@ class NoiseAllocation:
         paper's analysis (per-upload marginal + aggregate, composed) does not
         use it; we expose it so the lead can report the stricter view too.
         Returns 0 for every client when ``sigma_down == 0`` (aggregate exact).
+
+        ``among``: only these clients uploaded and their pairs with the others were revealed (dropout
+        recovery): the view of their uploads with those pairs removed.
         """
         if lam < 0:
             raise ValueError("lam must be >= 0")
-        ids = self.client_ids
+        ids = self.client_ids if among is None else tuple(sorted(among))
         p = np.array([self.weights[c] for c in ids], dtype=np.float64)
         if self.sigma_down == 0.0:
             return {c: 0.0 for c in ids}
         v = self.pair_matrix()
+        if among is not None:
+            for c in ids:
+                self._check_id(c)
+            pos = {c: i for i, c in enumerate(self.client_ids)}
+            idx = [pos[c] for c in ids]
+            v = v[np.ix_(idx, idx)]
         m = lam * lam * (np.diag(v.sum(axis=1)) - v)
         m[np.diag_indices_from(m)] += p * self.sigma_down**2
         # SPD (diag(p) > 0 plus a PSD Laplacian): Cholesky, then diag of inverse.

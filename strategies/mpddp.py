@@ -94,34 +94,44 @@ from client.messages.common import TrainIns, merge_configs
 from client.messages.mpddp import DdpNoise, NaiveNoise, PerturbedModel, mean_upload, upload_from_record
 from client.wire import Weights, from_record, to_record
 from protocols.config import ConfigError, RunConfig
+from protocols.floor import ETA_SHARE, mpddp_floor, mpdp_naive_sigma
 from protocols.mpddp import (
     MPSecret,
     add_cdp_noise,
-    calibrate,
     calibrate_cdp,
-    calibrate_ldp,
     clipped_mean,
     eq23_epsilon,
     mp_server,
     mu_server,
+    pairwise_delta,
     recover,
     relative_distance,
     sgd_update,
-    sigmas_for_theta,
-    theta_for_noise_multiplier,
+    theta_complete,
+    theta_n_out,
     torch_threads,
 )
+from protocols.mpddp import flatten as mp_flatten
+from protocols.mpddp import unflatten as mp_unflatten
 from protocols.mpddp.expansion import Layer
-from protocols.privacy import DpCompositionAccountant, DpEvent, GaussianEvent, PrivacyLedger, RdpAccountant, noise_multiplier
+from protocols.privacy import (
+    DpCompositionAccountant,
+    DpEvent,
+    GaussianEvent,
+    PrivacyLedger,
+    RdpAccountant,
+    accountant_from_state,
+    noise_multiplier,
+)
+from protocols.privacy.signal import NoiseEstimate, gaussian_norm
 from strategies.base import CancelStrategy, RoundFailed, RoundState
-from strategies.key_phase import KeyPhase, KeyRound, probe_residual
+from strategies.key_phase import KeyPhase, KeyRound
+from strategies.recovery import PairwiseRecovery, charge_shortfall, corrected_residual, probe_direction
 from strategies.validation import FLOAT_DTYPES, ArraySpec, UploadSpec
 
 __all__ = ["ETA_SHARE", "MpRound", "MpcdpStrategy", "MpddpStrategy", "MpdpNaiveStrategy", "check_model",
            "layers_from_weights", "weights_from_layers"]
 
-#: Fraction of the per-round privacy-loss variance theta spent on the non-cancelling eta (see module doc).
-ETA_SHARE = 0.9
 
 
 # ----------------------------------------------------------------------------- model layout
@@ -185,12 +195,25 @@ class _MpBase(CancelStrategy):
         check_model(cfg)
         self.lr = float(cfg.mpddp_server_lr)
         self.z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
-        # Nominal (paper-model) guarantee: one bound for both views, a Gaussian release with multiplier z per round.
+        # Nominal (paper-model) guarantee: a Gaussian release with multiplier z per round.  It is the published
+        # model's epsilon; the uploads have none (Psi/Phi go up un-noised and the server knows R), so the
+        # uplink is null and the paper's figure is the extra account "uplink_nominal" (same releases).
         nominal = RdpAccountant()
-        self.privacy = PrivacyLedger(cfg.delta, uplink=nominal, downlink=nominal)
+        self.privacy = PrivacyLedger(cfg.delta, downlink=nominal, headline="downlink", extra={"uplink_nominal": nominal})
         self._given_r = RdpAccountant()
         #: Recovered aggregate gradient of the last successful round, [(dW, db), ...] (tests, diagnostics).
         self.last_gradient: list[Layer] | None = None
+        #: Cancellation check: projections of what dropout recovery removed this round (None: not measurable).
+        self.probe_corrections: list[float] | None = []
+
+    def noise_estimate(self, num_params: int) -> NoiseEstimate:
+        """Noise in the mean gradient vs its assumed bound S = clip: the CDP level ``z S / K`` per entry.
+
+        mpddp's eta keeps it within 5 % of that level; mpdp-naive overrides (``z S / sqrt(K)``).
+        """
+        k = self.cfg.clients_per_round
+        return NoiseEstimate(gaussian_norm(self.z * self.cfg.clip / k, num_params), self.cfg.clip,
+                             self.cfg.num_rounds, space="gradient")
 
     # ------------------------------------------------------------------ hooks of the three methods
     def key_round(self, grid: Grid, server_round: int, nodes: list[int]) -> KeyRound | None:
@@ -281,7 +304,7 @@ class _MpBase(CancelStrategy):
         self.last_gradient = [(gw.clone(), gb.clone()) for gw, gb in grads]
         self.report(recovered_grad_norm=float(flat.norm()))
         if self.cfg.cancellation_check:
-            res = probe_residual(by_node.values())
+            res = corrected_residual(by_node.values(), self.probe_corrections)
             if res is not None:
                 self.report(cancellation_residual=res)
         return to_record(weights_from_layers(new_layers), self.wire_dtype)
@@ -293,6 +316,14 @@ class _MpBase(CancelStrategy):
     def _given_r_epsilon(self) -> float:
         return self._given_r.epsilon(self.cfg.delta)
 
+    def state_dict(self) -> dict:
+        """The ledger plus the given-R account (resume, :mod:`server.checkpoint`)."""
+        return {**super().state_dict(), "given_r": self._given_r.to_state()}
+
+    def load_state(self, state) -> None:
+        super().load_state(state)
+        self._given_r = accountant_from_state(state["given_r"])
+
     def describe(self) -> dict[str, float | str]:
         return {
             "noise_multiplier": self.z,
@@ -302,7 +333,7 @@ class _MpBase(CancelStrategy):
         }
 
 
-class MpddpStrategy(_MpBase):
+class MpddpStrategy(PairwiseRecovery, _MpBase):
     """MP_Server + DDP_Client (Algorithms 1-4) with the shared key phase and Theorem 10/11 calibration."""
 
     def __init__(self, cfg: RunConfig) -> None:
@@ -320,24 +351,68 @@ class MpddpStrategy(_MpBase):
                               f"delta = {cfg.delta}, graph = {cfg.graph!r}: {err}") from err
         if not self._complete(k):  # Theorem 11 rounds compose by basic composition
             nominal = DpCompositionAccountant()
-            self.privacy = PrivacyLedger(cfg.delta, uplink=nominal, downlink=nominal)
+            self.privacy = PrivacyLedger(cfg.delta, downlink=nominal, headline="downlink",
+                                         extra={"uplink_nominal": nominal})
 
     def _complete(self, k: int) -> bool:
         return self.n_out is None or self.n_out >= k - 1
 
     def _calibration(self, k: int) -> tuple[float, float, float]:
         """(sigma_eta, sigma_delta, theta) for K = k clients (ValueError if not covered)."""
-        cfg = self.cfg
-        if self._complete(k):
-            theta = theta_for_noise_multiplier(self.z)
-            se, sd = sigmas_for_theta(theta, k, eta_share=ETA_SHARE, sensitivity=cfg.clip)
-            return se, sd, theta
-        t = cfg.num_rounds
-        cal = calibrate(cfg.epsilon / t, cfg.delta / t, k, self.n_out, eta_share=ETA_SHARE, sensitivity=cfg.clip)
-        return cal.sigma_eta, cal.sigma_delta, cal.theta
+        return mpddp_floor(self.cfg, k)  # the clients' own floor: one calibration for both ends
 
     def key_round(self, grid: Grid, server_round: int, nodes: list[int]) -> KeyRound:
+        self.grid = grid  # for the dropout recovery phase (aggregate_train gets no grid)
         return self.keys.run(self, grid, server_round, nodes)
+
+    def pair_neighbours(self, state: MpRound) -> dict[int, list[int]] | None:
+        return None if state.keys is None else state.keys.neighbours
+
+    def update(self, state: MpRound, records: list[tuple[int, ArrayRecord]]) -> tuple[list[Layer], list[Layer]]:
+        """MU_Server on the survivors' mean, minus the Delta's they share with dropped peers (dropout recovery).
+
+        The survivors revealed this round's pair seeds with the dropped (:mod:`strategies.recovery`); the server
+        expands them with the client's own sampler and subtracts ``sum_i sum_{v dropped} Delta_iv / |S|``.
+        """
+        mean = mean_upload(records, len(state.layers))
+        rec = self.recovered(state)
+        self.probe_corrections = []
+        if rec is not None and isinstance(state.noise, DdpNoise):
+            flat = mp_flatten(mean.grads)
+            probe = probe_direction(state.keys.probe_seed, flat.size) if self.cfg.cancellation_check and state.keys else None
+            corr_sum = np.zeros(flat.size)
+            for node, revealed in sorted(rec.material.items()):
+                seeds = {j: seed for j, seed in revealed.items() if not rec.is_kept(node, j)}
+                corr = pairwise_delta(flat.size, own_id=node, pair_seeds=seeds, sigma_delta=state.noise.sigma_delta)
+                corr_sum += corr
+                if probe is not None:
+                    self.probe_corrections.append(float(np.dot(corr, probe)))
+            self.probe_corrections = rec.probe_corrections(self.probe_corrections)
+            mean = mean.with_grads(mp_unflatten(flat - corr_sum / len(records), list(mean.grads)))
+            self._charge_recovery(state, len(records))
+        return mu_server(state.layers, mean, state.secret, self.lr)
+
+    def _charge_recovery(self, state: MpRound, survivors: int) -> None:
+        """Charge the nominal accounts with the round's noise really there: Theorem 10/11 for the survivors."""
+        assert isinstance(state.noise, DdpNoise)
+        se, sd, n_out = state.noise.sigma_eta, state.noise.sigma_delta, self.n_out
+        try:
+            theta = (theta_complete(se, sd, survivors) if self._complete(len(state.participants))
+                     else theta_n_out(se, sd, survivors, n_out or 1))
+        except ValueError as err:
+            raise RoundFailed(f"round {state.round}: {survivors} survivors are outside the calibration: {err}") from err
+        self.report(theta_after_recovery=theta)
+        if theta <= state.theta:
+            return
+        if isinstance(self.privacy.downlink, DpCompositionAccountant):  # Theorem 11 rounds, basic composition
+            t = self.cfg.num_rounds
+            extra = eq23_epsilon(theta, self.cfg.delta / (3 * t)) - self.cfg.epsilon / t
+            if extra > 0:
+                self.privacy.downlink.compose(DpEvent(extra))
+            return
+        charge_shortfall(self.privacy.downlink, 1 / math.sqrt(state.theta), 1 / math.sqrt(theta))
+        min_r = self._min_r(state)
+        charge_shortfall(self._given_r, min_r / math.sqrt(state.theta), min_r / math.sqrt(theta))
 
     def round_noise(self, state: MpRound) -> DdpNoise:
         k = len(state.participants)
@@ -350,11 +425,14 @@ class MpddpStrategy(_MpBase):
 
     def check_replies(self, state: MpRound, by_node: dict[int, Message], errors: list[str]) -> None:
         missing = sorted(set(state.participants) - set(by_node))
-        if missing:
+        rec = self.recovered(state)
+        if missing and rec is not None and set(rec.dropped) == set(missing):
+            self.report_recovery(state, missing)
+        elif missing:
             raise RoundFailed(
                 f"round {state.round}: {len(missing)} of {len(state.participants)} clients did not upload after the "
                 f"key phase ({missing[:5]}{'...' if len(missing) > 5 else ''}); their pairwise noise Delta would "
-                "not cancel in the mean and DDP_Client has no seed recovery, so the round is discarded"
+                "not cancel in the mean and their pair seeds were not recovered, so the round is discarded"
                 + (f"; errors: {errors[0].splitlines()[0]}" if errors else ""))
 
     def account(self, state: MpRound) -> None:
@@ -394,7 +472,13 @@ class MpdpNaiveStrategy(_MpBase):
     """MP-DP-Naive (Section 6.3): model perturbation + N(0, (z S)^2) on each perturbed gradient."""
 
     def round_noise(self, state: MpRound) -> NaiveNoise:
-        return NaiveNoise(calibrate_ldp(self.z, sensitivity=self.cfg.clip))
+        return NaiveNoise(mpdp_naive_sigma(self.cfg))
+
+    def noise_estimate(self, num_params: int) -> NoiseEstimate:
+        """Independent noise ``z S`` per client: ``z S / sqrt(K)`` per entry of the mean gradient."""
+        k = self.cfg.clients_per_round
+        return NoiseEstimate(gaussian_norm(mpdp_naive_sigma(self.cfg) / math.sqrt(k), num_params), self.cfg.clip,
+                             self.cfg.num_rounds, space="gradient")
 
     def account(self, state: MpRound) -> None:
         self._given_r.compose(GaussianEvent(self._min_r(state) * self.z))
@@ -402,7 +486,7 @@ class MpdpNaiveStrategy(_MpBase):
 
     def describe(self) -> dict[str, float | str]:
         out = super().describe()
-        out.update({"sigma": calibrate_ldp(self.z, sensitivity=self.cfg.clip),
+        out.update({"sigma": mpdp_naive_sigma(self.cfg),
                     "guarantee": "nominal: R o eta is not Gaussian (the paper's Problem 1); see epsilon_given_R"})
         return out
 

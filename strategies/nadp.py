@@ -65,9 +65,12 @@ from protocols.nadp import (
     normalize_weights,
     round_plan,
 )
+from protocols.pairwise import pairwise_noise
 from protocols.privacy import GaussianEvent, Lemma2Accountant, PerUnitAccountant, PrivacyLedger, lemma2_sigma
+from protocols.privacy.signal import NoiseEstimate, gaussian_norm
 from strategies.base import CancelStrategy, RoundFailed, RoundState
-from strategies.key_phase import KeyPhase, KeyRound, probe_residual
+from strategies.key_phase import KeyPhase, KeyRound
+from strategies.recovery import PairwiseRecovery, corrected_residual, probe_direction
 from strategies.validation import gaussian_norm_bound
 
 
@@ -82,7 +85,7 @@ class NadpRound(RoundState):
     allocation: NoiseAllocation | None  # None for the record-ldp variant
 
 
-class NadpStrategy(CancelStrategy):
+class NadpStrategy(PairwiseRecovery, CancelStrategy):
     """NADP-FL: pairwise counteracting noise for the uplink, residual noise for the downlink."""
 
     wire_dtype = np.float64
@@ -158,6 +161,7 @@ class NadpStrategy(CancelStrategy):
     # ------------------------------------------------------------ round hooks
     def prepare_round(self, grid: Grid, server_round: int, nodes: list[int], arrays: ArrayRecord) -> NadpRound:
         """Key phase, then calibration and allocation over the participants."""
+        self.grid = grid  # for the dropout recovery phase (aggregate_train gets no grid)
         return self.plan_round(self.keys.run(self, grid, server_round, nodes))
 
     def train_content(self, st: NadpRound, node: int, arrays: ArrayRecord) -> RecordDict:
@@ -177,15 +181,58 @@ class NadpStrategy(CancelStrategy):
         dim = next(iter(dims))[0]
         acc = nadp_aggregate(flat, st.weights)  # ascending id order: reproducible float64 sum
         dropped = sorted(set(st.participants) - set(survivors))
+        corrections = self._remove_orphaned_pairs(st, acc)
         if dropped:
             acc /= math.fsum(st.weights[n] for n in survivors)  # renormalise over the survivors
         self._account(st, survivors)
-        self._report_round(st, list(by_node.values()), survivors, dropped, dim)
+        self._report_round(st, list(by_node.values()), survivors, dropped, dim, corrections)
         return to_record(unflatten(acc, like), self.wire_dtype)
 
+    # ------------------------------------------------------------- recovery
+    def pair_neighbours(self, st: NadpRound) -> dict[int, list[int]] | None:
+        """The round's pairing graph (None for record-ldp: no pair noise)."""
+        return None if st.allocation is None else st.keys.neighbours
+
+    def _remove_orphaned_pairs(self, st: NadpRound, acc: np.ndarray) -> list[float] | None:
+        """Subtract ``lam * n_ij`` of every (survivor i, dropped j) pair from ``acc`` (in place).
+
+        The survivors revealed the round's pair seeds (:mod:`strategies.recovery`); the server expands them
+        with the client's own engine and per-pair std.  Returns the corrections' projections on the
+        cancellation check's direction (empty without recovery or without the check; None when not measurable).
+        A survivor that kept its pairs (all its neighbours dropped) revealed nothing: they stay.
+        """
+        rec = self.recovered(st)
+        if rec is None or st.allocation is None:
+            return []
+        probe = probe_direction(st.keys.probe_seed, len(acc)) if self.cfg.cancellation_check else None
+        out: list[float] = []
+        for node, revealed in sorted(rec.material.items()):
+            seeds = {j: seed for j, seed in revealed.items() if not rec.is_kept(node, j)}
+            if not seeds:
+                continue
+            stds = st.allocation.counteracting_stds(node)
+            corr = st.plan.lam * pairwise_noise(node, seeds, len(acc), scale={j: stds[j] for j in seeds})
+            acc -= corr
+            if probe is not None:
+                out.append(float(np.dot(corr, probe)))
+        return rec.probe_corrections(out)
+
     # ------------------------------------------------------------- reporting
+    def noise_estimate(self, num_params: int) -> NoiseEstimate | None:
+        """Noise std left in the last round's aggregate vs ``lr clip steps`` (each step moves <= lr clip)."""
+        st = self._state
+        if not isinstance(st, NadpRound):
+            return None
+        c = self.cfg
+        steps = c.local_epochs * max(math.ceil(s / c.batch_size) for s in st.plan.sizes.values())
+        std, _ = self._noise_after(st, list(st.participants))
+        return NoiseEstimate(gaussian_norm(std, num_params), c.lr * c.clip * steps, c.num_rounds)
+
     def _noise_after(self, st: NadpRound, survivors: list[int]) -> tuple[float, float]:
-        """(per-coordinate std of all noise in the aggregate, of the uncancelled pair part)."""
+        """(per-coordinate std of all noise in the aggregate, of the uncancelled pair part).
+
+        After dropout recovery only the survivors' residual noise is left (no uncancelled pair noise).
+        """
         if st.allocation is None:  # record-ldp: independent noise, nothing to cancel
             w = sum(st.weights[n] for n in survivors)
             var = math.fsum((st.weights[n] * st.plan.ldp_stds[n]) ** 2 for n in survivors)
@@ -193,10 +240,15 @@ class NadpStrategy(CancelStrategy):
         if len(survivors) == len(st.allocation.client_ids):
             return st.allocation.aggregate_std, 0.0
         dr = dropout_residual(st.allocation, survivors, st.plan.lam, renormalize=True)
+        rec = self.recovered(st)
+        if rec is not None:  # removed exactly, except the pairs a survivor kept
+            kept = st.plan.lam**2 * math.fsum(st.allocation.pair_variance(i, j) for i, peers in rec.kept.items()
+                                              for j in peers) / dr.weight_sum**2
+            return math.sqrt(dr.residual_std**2 + kept), math.sqrt(kept)
         return dr.total_std, dr.uncancelled_std
 
     def _report_round(self, st: NadpRound, good: list[Message], survivors: list[int], dropped: list[int],
-                      dim: int) -> None:
+                      dim: int, corrections: list[float] | None) -> None:
         total_std, unc_std = self._noise_after(st, survivors)
         figures: dict[str, float] = {
             "aggregate_noise_std": total_std,
@@ -213,12 +265,13 @@ class NadpStrategy(CancelStrategy):
         # per-coordinate std of the noise in one upload (the least noised one) and left in the model (server.report)
         figures["upload_noise_std"] = figures.get("min_uplink_std", min(st.plan.ldp_stds.values(), default=0.0))
         figures["model_noise_std"] = total_std
-        if dropped:
+        if dropped and unc_std > 0:
             log(WARNING, "nadp: %d of %d participants did not upload; their pair noise with the %d survivors "
                 "stays in the model (per-coordinate std %.3g)", len(dropped), len(st.participants),
                 len(survivors), unc_std)
+        self.report_recovery(st, dropped)
         if self.cfg.cancellation_check and st.allocation is not None:
-            res = probe_residual([r for r in good if r.metadata.src_node_id in set(survivors)])
+            res = corrected_residual([r for r in good if r.metadata.src_node_id in set(survivors)], corrections)
             if res is not None:
                 figures["cancellation_residual"] = res
         self.report(**figures)
@@ -236,11 +289,7 @@ class NadpStrategy(CancelStrategy):
             z_marg = z_up
             paper_events = {"uplink_paper": GaussianEvent(min(z_up.values()), self.cfg.sample_rate)}  # Lemma 3: qT
         else:
-            # The server sees a subset of the uploads when clients drop out: the full joint view is a
-            # conservative (more informative) stand-in for it.
-            joint = st.allocation.joint_uplink_std(st.plan.lam)
-            z_up = {n: joint[n] / st.sensitivity[n] for n in survivors}
-            z_marg = {n: st.allocation.uplink_std(n, st.plan.lam) / st.sensitivity[n] for n in survivors}
+            z_up, z_marg = self._uplink_multipliers(st, survivors)
             paper_events = {"uplink_paper": GaussianEvent(st.plan.sigma_up / max(st.sensitivity.values())),
                             "downlink_paper": GaussianEvent(total_std / d_down)}
         for n in survivors:
@@ -250,6 +299,28 @@ class NadpStrategy(CancelStrategy):
         for name, event in paper_events.items():
             paper[name].compose(event)
             paper["paper"].compose(event)
+
+    def _uplink_multipliers(self, st: NadpRound, survivors: list[int]) -> tuple[dict[int, float], dict[int, float]]:
+        """Per survivor: noise multiplier of the server's joint view of the uploads, and of its upload alone.
+
+        Without recovery the full joint view is a conservative (more informative) stand-in for the subset of
+        uploads that arrived.  After recovery the server also holds the pairs with the dropped: the view is
+        that of the survivors' uploads with those pairs removed (noise really there).
+        """
+        alloc, lam = st.allocation, st.plan.lam
+        assert alloc is not None
+        if self.recovered(st) is None:
+            joint = alloc.joint_uplink_std(lam)
+            return ({n: joint[n] / st.sensitivity[n] for n in survivors},
+                    {n: alloc.uplink_std(n, lam) / st.sensitivity[n] for n in survivors})
+        joint = alloc.joint_uplink_std(lam, among=survivors)
+        keep = set(survivors)
+        marg = {}
+        for n in survivors:
+            pair_var = math.fsum(std * std for j, std in alloc.counteracting_stds(n).items() if j in keep)
+            var = (alloc.residual_std[n] ** 2 + lam * lam * pair_var) / alloc.weights[n] ** 2
+            marg[n] = math.sqrt(var) / st.sensitivity[n]
+        return {n: joint[n] / st.sensitivity[n] for n in survivors}, marg
 
     def norm_limit(self, st: NadpRound, node: int) -> float | None:
         """Per-example-clipped SGD moves the model by <= ``lr clip steps``; plus a Gaussian tail bound of the upload noise."""

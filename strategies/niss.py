@@ -79,7 +79,10 @@ the aggregate noise has std ``tau * z * clip / sqrt(m)`` per coordinate, i.e.
 noise multiplier ``tau * z * sqrt(m)`` over the mean's sensitivity
 ``clip / m``, accounted with sampling rate ``m / num-clients`` (infinite for
 tau = 0; also heuristic for tau > 0 because the product noise is only
-approximately Gaussian).
+approximately Gaussian).  By default (``niss-tau < 0``) tau is the larger of
+Theorem 3's minimum and ``1/sqrt(m)`` (:func:`protocols.niss.client_tau`), which
+makes the downlink multiplier ``z``: the published model gets the run's epsilon
+too (tau = 0 would publish the exact FedAvg model).
 """
 
 from __future__ import annotations
@@ -93,13 +96,17 @@ from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from client.messages.niss import AuthFailures, Diagnostic, NissMetrics, RelayedInbox, ShareReply, ShareRequest
+from client.messages.recovery import NissPairMaterial
 from client.wire import from_record, to_record
 from protocols import niss as niss_math
+from protocols.arrays import flatten, unflatten
 from protocols.config import RunConfig
-from protocols.niss import client_tau
+from protocols.niss import ShareBundle, client_tau
 from protocols.privacy import GaussianEvent, PrivacyLedger, RdpAccountant, analytic_gaussian_epsilon, noise_multiplier
+from protocols.privacy.signal import NoiseEstimate, gaussian_norm
 from strategies.base import CancelStrategy, RoundFailed, RoundState
-from strategies.key_phase import KeyPhase, KeyRound, probe_residual
+from strategies.key_phase import KeyPhase, KeyRound
+from strategies.recovery import PairwiseRecovery, charge_shortfall, corrected_residual, probe_direction
 
 #: How often the share phase is re-run after clients failed it, before the round fails.
 MAX_SHARE_ATTEMPTS = 3
@@ -145,7 +152,7 @@ def _rejections(by_node: dict[int, Message]) -> list[str]:
     return lines
 
 
-class NissStrategy(CancelStrategy):
+class NissStrategy(PairwiseRecovery, CancelStrategy):
     """Server side of NISS: tracker (neighbour lists), ciphertext relay, plain sum of uploads."""
 
     wire_dtype = np.float64
@@ -163,6 +170,7 @@ class NissStrategy(CancelStrategy):
     # ------------------------------------------------------------------ hooks
     def prepare_round(self, grid: Grid, server_round: int, nodes: list[int], arrays: ArrayRecord) -> NissRound:
         """Key phase, then the share phase; the server relays the payloads with the train messages."""
+        self.grid = grid  # for the dropout recovery phase (aggregate_train gets no grid)
         kr, replies = self._share_phase(grid, self.keys.run(self, grid, server_round, nodes))
         # Relay: the server only moves opaque ciphertexts from sender to receiver.
         inbox: dict[int, tuple[list[int], list[bytes]]] = {n: ([], []) for n in kr.participants}
@@ -254,25 +262,91 @@ class NissStrategy(CancelStrategy):
             raise RoundFailed(f"round {state.round}: relayed NISS share payload(s) rejected by the recipient "
                               f"(tampered, replayed, misrouted or missing); the round is dropped so that no "
                               f"uncancelled noise enters the model: {'; '.join(rejected)}")
-        missing = sorted(set(state.participants) - {n for n, r in by_node.items() if "arrays" in r.content})
-        if missing:
-            raise RoundFailed(f"round {state.round}: client(s) {missing} dropped out after the NISS share exchange; "
-                              f"the shares they exchanged cannot cancel, so the round is dropped "
+        survivors = sorted(n for n, r in by_node.items() if "arrays" in r.content)
+        missing = sorted(set(state.participants) - set(survivors))
+        rec = self.recovered(state)
+        if missing and (rec is None or set(rec.dropped) != set(missing)):
+            raise RoundFailed(f"round {state.round}: client(s) {missing} dropped out after the NISS share exchange "
+                              f"and their shares were not recovered, so the round is dropped "
                               f"({len(errors)} error replies)")
-        ordered = [by_node[n] for n in state.participants]
+        ordered = [by_node[n] for n in survivors]
         uploads = [from_record(r.content["arrays"]) for r in ordered]
         agg = {k: np.sum([u[k] for u in uploads], axis=0, dtype=np.float64) for k in uploads[0]}
+        corrections = self._remove_orphaned_shares(state, agg, ordered)
         figures = [NissMetrics.from_metrics(r.content["metrics"]) for r in ordered]
         taus = np.array([f.tau for f in figures])
         self.report(theorem2_variance=niss_math.theorem2_variance(np.array([f.sigma for f in figures]), taus))
         clean = [Diagnostic.from_content(r.content) for r in ordered]
         if all(c is not None for c in clean):
             received = np.array([f.received_var or 0.0 for f in figures])
-            self._diagnostics(agg, [from_record(c.update) for c in clean], received * taus**2, ordered)
+            self._diagnostics(agg, [from_record(c.update) for c in clean], received * taus**2, ordered, corrections)
+        if missing:  # the survivors' weights 1/m sum to |S|/m: renormalise (model and noise alike)
+            for k in agg:
+                agg[k] *= len(state.participants) / len(survivors)
+        self.report_recovery(state, missing)
         return to_record(agg, self.wire_dtype)
 
+    # -------------------------------------------------------------- recovery
+    def pair_neighbours(self, state: NissRound) -> dict[int, list[int]]:
+        """The share graph of the round (who exchanged shares with whom)."""
+        return state.keys.neighbours
+
+    def _remove_orphaned_shares(self, state: NissRound, agg: dict[str, np.ndarray],
+                                ordered: list[Message]) -> list[float] | None:
+        """Subtract what each survivor's upload holds because of a dropped neighbour; charge the noise lost.
+
+        Per (survivor i, dropped k) the revealed :class:`~client.messages.recovery.NissPairMaterial`: i's
+        own shares sent to k (nothing left to cancel them) and the distorted negated shares i received from
+        k.  The accountants are charged with the noise really left (:func:`strategies.recovery.charge_shortfall`):
+        uplink, the least own noise a survivor keeps; downlink (tau > 0), the shares exchanged among survivors.
+        Returns the corrections' projections on the cancellation check's direction.
+        """
+        rec = self.recovered(state)
+        if rec is None:
+            return []
+        flat = flatten(agg)
+        size = flat.size
+        probe = probe_direction(state.keys.probe_seed, size) if self.cfg.cancellation_check else None
+        sigma2 = {r.metadata.src_node_id: NissMetrics.from_metrics(r.content["metrics"]).sigma ** 2 for r in ordered}
+        kept = dict(sigma2)
+        lost_among = 0.0
+        out = []
+        for node, blobs in sorted(rec.material.items()):
+            corr = np.zeros(size)
+            for peer, blob in sorted(blobs.items()):
+                try:
+                    m = NissPairMaterial.from_bytes(blob, size)
+                except ValueError as err:
+                    raise RoundFailed(f"round {state.round}: node {node} revealed malformed NISS material: {err}") from err
+                if m.out_seed is not None:  # None: the survivor kept its own shares (they stay, as DP noise)
+                    corr += niss_math.bundle_shares(ShareBundle(node, peer, m.out_count, m.out_std, m.out_seed),
+                                                    size).sum(axis=0)
+                    kept[node] -= m.out_count * m.out_std**2
+                    lost_among += m.out_count * m.out_std**2
+                if m.in_vector is not None:
+                    corr += m.in_vector
+                else:
+                    assert m.in_seed is not None
+                    corr -= niss_math.bundle_shares(ShareBundle(peer, node, m.in_count, m.in_std, m.in_seed),
+                                                    size).sum(axis=0)
+                lost_among += m.in_count * m.in_std**2
+            flat -= corr
+            if probe is not None:
+                out.append(float(np.dot(corr, probe)))
+        agg.update(unflatten(flat, agg))
+        z_real = min(self.z * math.sqrt(max(kept[n], 0.0) / sigma2[n]) if sigma2[n] > 0 else self.z for n in kept)
+        charge_shortfall(self.privacy.uplink, self.z, z_real)
+        if self.privacy.downlink is not None:
+            m_all = len(state.participants)
+            among = max(math.fsum(sigma2.values()) - lost_among, 0.0)
+            planned = self.tau * self.z * math.sqrt(m_all)
+            real = self.tau * math.sqrt(among) * m_all / self.cfg.clip
+            charge_shortfall(self.privacy.downlink, planned, real, m_all / self.cfg.num_clients)
+        self.report(uplink_noise_multiplier_after_recovery=z_real)
+        return rec.probe_corrections(out)
+
     def _diagnostics(self, agg: dict[str, np.ndarray], clean: list[dict[str, np.ndarray]],
-                     exact_var: np.ndarray, ordered: list[Message]) -> None:
+                     exact_var: np.ndarray, ordered: list[Message], corrections: list[float] | None) -> None:
         """DIAGNOSTIC (cancellation-check): measured aggregate noise against the noiseless sum."""
         keys = list(agg)
         noiseless = np.concatenate([np.sum([c[k] for c in clean], axis=0).ravel() for k in keys])
@@ -283,7 +357,7 @@ class NissStrategy(CancelStrategy):
             "exact_noise_variance": float(np.sum(exact_var)),
             "aggregate_error_rel": float(np.linalg.norm(resid) / max(np.linalg.norm(noiseless), 1e-300)),
         }
-        probe = probe_residual(ordered)
+        probe = corrected_residual(ordered, corrections)
         if probe is not None:
             values["cancellation_residual"] = probe
         self.report(**values)
@@ -306,6 +380,12 @@ class NissStrategy(CancelStrategy):
             "epsilon_round_analytic": analytic_gaussian_epsilon(self.z, self.cfg.delta),
             "theorem2_variance_full_round": m * sigma**2 * self.tau**2,
         }
+
+    def noise_estimate(self, num_params: int) -> NoiseEstimate:
+        """The sum keeps noise std ``tau z clip / sqrt(m)`` per entry; the weighted clipped updates sum to <= clip."""
+        m = self.cfg.clients_per_round
+        std = self.tau * self.z * self.cfg.clip / math.sqrt(m)
+        return NoiseEstimate(gaussian_norm(std, num_params), self.cfg.clip, self.cfg.num_rounds)
 
     def account_round(self, state: NissRound) -> None:
         """Compose the round: each upload is a Gaussian release with multiplier z, the sum keeps ``tau z sqrt(m)``.

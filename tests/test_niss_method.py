@@ -264,9 +264,26 @@ def test_share_phase_dropout_is_recovered():
     assert rep["aggregate_error_rel"] <= 1e-9  # the survivors' shares still cancel
 
 
-def test_train_dropout_fails_the_round():
+def test_train_dropout_is_recovered():
+    """A client that drops after the share exchange: the shares it exchanged are removed exactly.
+
+    The survivors reveal them (strategies.recovery); the survivors' own shares still cancel.
+    """
+    _, grid, strategy, arrays = _setup(PhaseDropGrid, niss_tau=0.0, niss_unit_variance=1e-4, cancellation_check=True)
+    grid.victim, grid.phase = grid.node_ids[1], "train"
+    _, replies = _round(grid, strategy, 1, arrays)
+    strategy.grid = grid
+    strategy.aggregate_train(1, replies)
+    rep = strategy.round_report()
+    assert rep["dropped"] == 1 and rep["recovery"] == 1 and rep["kept_pairs"] == 0
+    assert rep["aggregate_error_rel"] <= 1e-9 and rep["cancellation_residual"] <= 1e-9
+
+
+def test_train_dropout_without_recovery_fails_the_round():
+    """A strategy whose recovery phase cannot reach the survivors fails the round instead of keeping the noise."""
     _, grid, strategy, arrays = _setup(PhaseDropGrid, niss_tau=0.0)
     grid.victim, grid.phase = grid.node_ids[1], "train"
     _, replies = _round(grid, strategy, 1, arrays)
-    with pytest.raises(RoundFailed, match="dropped out after the NISS share exchange"):
+    grid.victim, grid.phase = grid.node_ids[2], "query.recover"  # a second dropout, during recovery
+    with pytest.raises(RoundFailed, match="did not answer"):
         strategy.aggregate_train(1, replies)

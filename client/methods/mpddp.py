@@ -1,10 +1,11 @@
 """Client side of ``mpddp`` (DDP_Client), ``mpdp-naive`` and ``mpcdp``: gradient at W-hat, Psi, Phi, noise.
 
 The train message (:mod:`client.messages.mpddp`) carries the perturbed expanded model W-hat
-(:class:`~client.messages.mpddp.PerturbedModel`) and the noise scales chosen by the server
-(semi-honest model, as the ``ldp`` baseline: clients follow the protocol and use the scales they are
-sent).  The client computes ONE full-batch gradient of the paper's loss 1/2 ||y - onehot||^2 at W-hat
-on its whole partition, plus Psi and Phi (:func:`protocols.mpddp.client_gradients`; FedSGD, so
+(:class:`~client.messages.mpddp.PerturbedModel`) and the noise scales chosen by the server; the
+client checks them against its own calibration (privacy floor, :func:`ddp_floor`,
+:func:`protocols.floor.mpdp_naive_sigma`) and refuses smaller ones.  The client computes ONE
+full-batch gradient of the paper's loss 1/2 ||y - onehot||^2 at W-hat on its whole partition,
+plus Psi and Phi (:func:`protocols.mpddp.client_gradients`; FedSGD, so
 ``local-epochs``/``batch-size``/``lr`` are unused), then by method:
 
 * ``mpddp``: :func:`protocols.mpddp.ddp_client` (Algorithm 2): eta_k ~ DN(sigma_eta, 1) from a fresh
@@ -29,10 +30,15 @@ import torch
 from flwr.app import Message
 
 from client.env import ClientEnv, reply
-from client.messages.keys import probe_metric
+from client.floor import release
+from client.messages.common import TrainIns
+from client.messages.keys import PeerKeys, probe_metric
 from client.messages.mpddp import DdpNoise, NaiveNoise, PerturbedModel, upload_record
 from client.pairwise_phase import mask_probe, pair_seeds
+from client.recovery import remember
+from protocols.floor import FloorViolation, at_least, mpddp_floor, mpdp_naive_sigma
 from protocols.mpddp import client_gradients, ddp_client, naive_client, one_hot, torch_threads
+from protocols.privacy import DpEvent, GaussianEvent, noise_multiplier
 
 #: HKDF purpose of the pairwise Delta seeds (fixed on the client: the server cannot redirect it).
 DELTA_PURPOSE = "mpddp-delta"
@@ -53,13 +59,47 @@ def _train(msg: Message, env: ClientEnv) -> Message:
     up = client_gradients(w_hat, x, y)
     metrics: dict[str, float] = {}
     if method == "mpddp":
-        noise = DdpNoise.from_config(cfg)
-        up, delta = ddp_client(up, own_id=env.node_id, pair_seeds=pair_seeds(msg, env, DELTA_PURPOSE),
-                               eta_seed=os.urandom(32), sigma_eta=noise.sigma_eta, sigma_delta=noise.sigma_delta)
+        sigma_eta, sigma_delta, event = ddp_floor(msg, env)  # the client's own scales (privacy floor)
+        metrics.update(release(msg, env, downlink=event))  # the uploads: no guarantee
+        seeds = pair_seeds(msg, env, DELTA_PURPOSE)
+        remember(env, TrainIns.from_config(cfg).round, seeds)  # revealed only for neighbours that drop out
+        up, delta = ddp_client(up, own_id=env.node_id, pair_seeds=seeds,
+                               eta_seed=os.urandom(32), sigma_eta=sigma_eta, sigma_delta=sigma_delta)
         if env.cfg.cancellation_check:
             metrics.update(probe_metric(mask_probe(msg, delta)))
     elif method == "mpdp-naive":
-        up = naive_client(up, eta_seed=os.urandom(32), sigma=NaiveNoise.from_config(cfg).sigma)
-    elif method != "mpcdp":
+        sigma = mpdp_naive_sigma(env.cfg)  # the client's own; the server's figure is only checked
+        at_least("mpddp-sigma", NaiveNoise.from_config(cfg).sigma, sigma)
+        metrics.update(release(msg, env, downlink=GaussianEvent(sigma / env.cfg.clip)))
+        up = naive_client(up, eta_seed=os.urandom(32), sigma=sigma)
+    elif method == "mpcdp":
+        metrics.update(release(msg, env))  # the (trusted) server adds the noise
+    else:
         raise ValueError(f"client.methods.mpddp does not handle method {method!r}")
     return reply(msg, upload_record(up, env.cfg.mpddp_side_dtype), len(env.y), **metrics)
+
+
+def ddp_floor(msg: Message, env: ClientEnv) -> tuple[float, float, GaussianEvent | DpEvent]:
+    """``(sigma_eta, sigma_delta, round event)`` of ``mpddp`` from the client's own run config (privacy floor).
+
+    Complete graph: K = the client's peers + 1 (every participant is a neighbour), and the
+    client uses its own Theorem 10 scales.  n-out graph (Theorem 11): the client cannot
+    see K, so its floor is the calibration for run-config K = ``clients-per-round`` (the
+    scales grow as K shrinks); it uses the server's scales once they pass that floor
+    (both ends of every pair must draw the same sigma_delta).  Scales below the floor
+    are refused (:class:`protocols.floor.FloorViolation`).
+    """
+    cfg = env.cfg
+    sent = DdpNoise.from_config(msg.content["config"])
+    peers = len(PeerKeys.from_config(msg.content["config"]).peer_ids)
+    complete = cfg.graph != "n-out" or cfg.n_out >= cfg.clients_per_round - 1
+    k = peers + 1 if complete else cfg.clients_per_round
+    try:
+        se, sd, _theta = mpddp_floor(cfg, k)
+    except ValueError as err:
+        raise FloorViolation("participants", k, "a setting Theorems 10/11 cover", str(err)) from err
+    at_least("mpddp-sigma-eta", sent.sigma_eta, se)
+    at_least("mpddp-sigma-delta", sent.sigma_delta, sd)
+    if complete:
+        return se, sd, GaussianEvent(noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds))
+    return sent.sigma_eta, sent.sigma_delta, DpEvent(cfg.epsilon / cfg.num_rounds, cfg.delta / cfg.num_rounds)

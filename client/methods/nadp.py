@@ -23,8 +23,13 @@ Per round a sampled client
    pairwise-noise engine.
 
 With run-config ``nadp-variant = "record-ldp"`` the client instead adds only
-independent noise of the std the server sends (the paper's LDP-FL comparator,
-Lemma 3): same training, same sensitivity, no cancellation.
+independent noise (the paper's LDP-FL comparator, Lemma 3): same training, same
+sensitivity, no cancellation.
+
+Privacy floor (:func:`round_floor`): every std, the allocation and ``lambda`` are
+the client's own, recomputed from its run config and the public sizes and graph
+(:func:`protocols.floor.nadp_floor`); the plan's figures are only checked, and a
+plan announcing less is refused (:class:`protocols.floor.FloorViolation`).
 """
 
 from __future__ import annotations
@@ -39,19 +44,23 @@ from flwr.app import Message
 from torch import nn
 
 from client.env import ClientEnv, reply
+from client.floor import release
 from client.messages.common import TrainIns
 from client.messages.keys import PeerKeys, probe_metric
 from client.messages.nadp import NadpPlan
 from client.models import get_weights
 from client.pairwise_phase import mask_probe, pair_seeds
+from client.recovery import remember
 from client.training import on_device
 from client.wire import Weights, from_record, to_record
 from protocols.arrays import flatten, unflatten
+from protocols.floor import FloorViolation, NadpFloor, at_least, nadp_floor
 from protocols.graphs import round_graph
-from protocols.nadp import nadp_upload, upload_noise_scales
+from protocols.nadp import nadp_upload
 from protocols.pairwise import pairwise_noise
 from protocols.per_example import clipped_grad_sum
 from protocols.prg import gaussian
+from protocols.privacy import GaussianEvent
 
 PAIR_PURPOSE = "nadp-counteract"
 
@@ -116,35 +125,73 @@ def clipped_local_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weigh
 
 
 # ------------------------------------------------------------------- handler
-def noise_parts(msg: Message, env: ClientEnv, plan: NadpPlan, size: int) -> tuple[float, np.ndarray, np.ndarray]:
-    """``(p_i, residual n_i, counteracting sum c_i)`` of this client for the round.
+def round_floor(msg: Message, env: ClientEnv, plan: NadpPlan) -> tuple[NadpFloor, dict[int, list[int]] | None]:
+    """The client's own view of the round (privacy floor), checked against the server's plan.
 
-    ``c_i = sum_{j>i} n_ij - sum_{j<i} n_ij`` with per-pair stds from the
-    allocation (zero vector for the record-ldp variant).
+    Sigmas, allocation and lambda are recomputed from the run config and the public
+    sizes/graph (:func:`protocols.floor.nadp_floor`); a plan that announces less (or
+    another variant) is refused with :class:`protocols.floor.FloorViolation`.
+    Returns the floor and the round's graph (None for record-ldp).
     """
     me = env.node_id
     if me not in plan.sizes:
         raise ValueError(f"node {me} is not in this round's nadp participants")
     if plan.sizes[me] != len(env.y):
         raise ValueError(f"server lists |D_i|={plan.sizes[me]} for node {me}, but it holds {len(env.y)} examples")
-    if plan.variant == "record-ldp":
+    if plan.variant != env.cfg.nadp_variant:
+        raise FloorViolation("nadp-variant", plan.variant, env.cfg.nadp_variant, "not this client's run config")
+    graph = None
+    if plan.variant == "nadp":
+        # The pair variances depend on the whole graph (neighbours' degrees): rebuild it from public values.
+        peer_keys = PeerKeys.from_config(msg.content["config"])
+        if peer_keys.graph_seed is None:
+            raise ValueError("nadp: the train message carries no graph seed")
+        graph = round_graph(env.cfg.graph, env.cfg.n_out, plan.ids, peer_keys.graph_seed)
+        if sorted(peer_keys.peer_ids) != sorted(graph[me]):
+            # Every pair of the plan's graph must be keyed; a missing pair would break cancellation.
+            raise ValueError("nadp: the peer list differs from the round's pairing graph")
+    fl = nadp_floor(env.cfg, plan.sizes, me, graph)
+    if fl.sigmas is None:
+        at_least("nadp-ldp-stds", plan.ldp_stds[me], fl.ldp_std or 0.0)
+    else:
+        at_least("nadp-sigma-up", plan.sigma_up, fl.sigmas.sigma_up)
+        at_least("nadp-sigma-down", plan.sigma_down, fl.sigmas.sigma_down)
+        at_least("nadp-lambda", plan.lam, fl.lam, "less collusion protection than this client's own Eq. 8 factor")
+    return fl, graph
+
+
+def noise_parts(msg: Message, env: ClientEnv, plan: NadpPlan,
+                size: int) -> tuple[float, np.ndarray, np.ndarray, NadpFloor]:
+    """``(p_i, residual n_i, counteracting sum c_i, the client's floor)`` of this client for the round.
+
+    ``c_i = sum_{j>i} n_ij - sum_{j<i} n_ij`` with per-pair stds from the client's own
+    allocation (zero vector for the record-ldp variant); every std is the client's own
+    (:func:`round_floor`), never the plan's.
+    """
+    me = env.node_id
+    fl, graph = round_floor(msg, env, plan)
+    if fl.allocation is None:
         total = math.fsum(plan.sizes[c] for c in sorted(plan.ids))
         p_i = plan.sizes[me] / total
         # upload noise std sigma_i  <=>  residual std p_i * sigma_i before the 1/p_i factor
-        return p_i, gaussian(residual_seed(), size, p_i * plan.ldp_stds[me]), np.zeros(size)
-    # The pair variances depend on the whole graph (neighbours' degrees): rebuild it from public values.
-    peer_keys = PeerKeys.from_config(msg.content["config"])
-    if peer_keys.graph_seed is None:
-        raise ValueError("nadp: the train message carries no graph seed")
-    graph = round_graph(env.cfg.graph, env.cfg.n_out, plan.ids, peer_keys.graph_seed)
-    alloc = upload_noise_scales(plan.sizes, plan.sigma_up, plan.sigma_down, graph=graph)
-    if sorted(peer_keys.peer_ids) != sorted(graph[me]):
-        # Every pair of the plan's graph must be keyed; a missing pair would break cancellation.
-        raise ValueError("nadp: the peer list differs from the round's pairing graph")
-    seeds = pair_seeds(msg, env, purpose=PAIR_PURPOSE)
+        return p_i, gaussian(residual_seed(), size, p_i * (fl.ldp_std or 0.0)), np.zeros(size), fl
+    alloc = fl.allocation
+    seeds = pair_seeds(msg, env, purpose=PAIR_PURPOSE, graph=graph)  # the view is checked against this graph
+    stds = alloc.counteracting_stds(me)
+    # Revealed for a neighbour only if it drops out after this upload (client.recovery, helper D).
+    remember(env, TrainIns.from_config(msg.content["config"]).round, seeds, {j: stds[j] ** 2 for j in seeds})
     residual = gaussian(residual_seed(), size, alloc.residual_std[me])
-    counteract = pairwise_noise(me, seeds, size, scale=alloc.counteracting_stds(me))
-    return alloc.weights[me], residual, counteract
+    counteract = pairwise_noise(me, seeds, size, scale=stds)
+    return alloc.weights[me], residual, counteract, fl
+
+
+def releases(fl: NadpFloor, me: int) -> tuple[GaussianEvent, GaussianEvent | None]:
+    """(uplink, downlink) of this upload per record: the server's accounting, from the client's own allocation."""
+    if fl.allocation is None:
+        return GaussianEvent((fl.ldp_std or 0.0) / fl.sensitivity), None
+    alloc = fl.allocation
+    return (GaussianEvent(alloc.joint_uplink_std(fl.lam)[me] / fl.sensitivity),
+            GaussianEvent(alloc.aggregate_std / (alloc.weights[me] * fl.sensitivity)))
 
 
 def train(msg: Message, env: ClientEnv) -> Message:
@@ -152,10 +199,11 @@ def train(msg: Message, env: ClientEnv) -> Message:
     plan = NadpPlan.from_config(msg.content["config"])
     _, local_w, loss, clip_frac = clipped_local_training(msg, env)
     w = flatten(local_w)
-    p_i, residual, counteract = noise_parts(msg, env, plan, len(w))
-    lam = plan.lam if plan.variant == "nadp" else 1.0
+    p_i, residual, counteract, fl = noise_parts(msg, env, plan, len(w))
+    lam = fl.lam  # the client's own lambda (1 for record-ldp)
     upload = nadp_upload(w, p_i, residual, counteract, lam)
-    metrics: dict[str, float] = {"train_loss": loss, "clipped_fraction": clip_frac}
+    metrics: dict[str, float] = {"train_loss": loss, "clipped_fraction": clip_frac,
+                                 **release(msg, env, *releases(fl, env.node_id))}
     if env.cfg.cancellation_check and plan.variant == "nadp":
         # The part that enters the aggregate: p_i * (lam * c_i / p_i) = lam * c_i.
         metrics.update(probe_metric(mask_probe(msg, lam * counteract)))

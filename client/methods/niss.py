@@ -34,22 +34,27 @@ import dataclasses
 import math
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from client.env import ClientEnv, local_training, reply
+from client.floor import release
 from client.messages.common import TrainIns, train_metrics
 from client.messages.keys import probe_metric
 from client.messages.niss import AuthFailures, Diagnostic, NissMetrics, RelayedInbox, ShareReply, ShareRequest
+from client.messages.recovery import NissPairMaterial
 from client.models import get_weights
 from client.pairwise_phase import mask_probe, pair_seeds
+from client.recovery import remember
 from client.wire import from_record, to_record
 from protocols import niss as niss_math
 from protocols.arrays import flatten, unflatten
 from protocols.clipping import clip_l2
 from protocols.niss import client_sigma, client_tau
+from protocols.privacy import GaussianEvent
 from protocols.relay_crypto import RelayAuthError, make_aad, open_sealed, seal
 
 STATE_KEY = "cancelfl-niss"
@@ -211,6 +216,32 @@ def _negated_shares(incoming: list, size: int):
             yield from vectors
 
 
+def _recovery_material(st: _Stored, incoming: list, size: int, tau: float, private: bytes,
+                       probe: Callable[[np.ndarray], float] | None = None) -> tuple[dict, dict, dict, dict]:
+    """Per neighbour, what this upload holds because of it (revealed only if it drops, :mod:`client.recovery`).
+
+    Own shares sent to it (bundle seed) and the distorted negated shares received from it: its bundle seed
+    when ``tau = 0`` with the ``seed`` encoding (the server expands them), else the exact contribution vector.
+    The noise weight of a neighbour is the variance of this client's own shares it holds; the partial
+    material keeps those shares secret (and ``probe`` gives their projection for the cancellation check).
+    Returns ``(material, noise, partial, kept_probe)``.
+    """
+    out_by = {b.receiver: b for b in st.outgoing}
+    by_seed = tau == 0 and st.encoding == "seed"
+    partials = {} if by_seed else niss_math.distorted_partials(
+        [(s, -niss_math.bundle_shares(b, size) if v is None else v) for s, b, v in incoming], size, tau, private)
+    material, noise, partial, kept_probe = {}, {}, {}, {}
+    for s, b, _v in incoming:
+        o = out_by.get(s)
+        oc, ostd, oseed = (o.count, o.share_std, o.seed) if o is not None else (0, 0.0, bytes(32))
+        m = NissPairMaterial(oc, ostd, oseed, b.count, b.share_std, in_seed=b.seed if by_seed else None,
+                             in_vector=None if by_seed else partials[s])
+        material[s], noise[s], partial[s] = m.to_bytes(), oc * ostd**2, m.keep_own().to_bytes()
+        if probe is not None:
+            kept_probe[s] = probe(niss_math.sender_noise([o], size)) if o is not None else 0.0
+    return material, noise, partial, kept_probe
+
+
 def _rejected(msg: Message, env: ClientEnv, failures: list[tuple[int, str]]) -> Message:
     """The train reply of a client that could not open its inbox: no upload, the offending senders named."""
     report = AuthFailures(tuple(s for s, _ in failures), tuple(why for _, why in failures))
@@ -244,13 +275,17 @@ def train(msg: Message, env: ClientEnv) -> Message:
     private = _fresh_seed(f"{env.node_id}/{rnd}/distortion")  # s_i: known to nobody but this client
     received = niss_math.distorted_sum(_negated_shares(incoming, size), size, tau, private)
     upload = niss_math.client_upload(params, st.weight, own, received)
+    probe_fn = (lambda v: mask_probe(msg, v)) if env.cfg.cancellation_check else None
+    remember(env, rnd, *_recovery_material(st, incoming, size, tau, private, probe_fn))
     figures = NissMetrics(st.sigma, tau, sum(b.count for b in st.outgoing))
     probe: dict[str, float] = {}
     if env.cfg.cancellation_check:
         figures = dataclasses.replace(figures, received_var=sum(b.count * b.share_std**2 for _s, b, _v in incoming))
         probe = probe_metric(mask_probe(msg, own + received))
+    # sigma_k = z p_k clip (own run config, protocols.niss.client_sigma): a Gaussian release with multiplier z.
+    spent = release(msg, env, GaussianEvent(st.sigma / (st.weight * env.cfg.clip)))
     out = reply(msg, to_record(unflatten(upload, global_w), np.float64), len(env.y), train_loss=loss,
-                update_norm=norm, **figures.to_metrics(), **probe)
+                update_norm=norm, **figures.to_metrics(), **probe, **spent)
     if env.cfg.cancellation_check:
         # DIAGNOSTIC ONLY: hands the server this client's noiseless weighted update.
         Diagnostic(to_record(unflatten(st.weight * params, global_w), np.float64)).add_to(out.content)

@@ -1,0 +1,172 @@
+"""Messages of the dropout-recovery phase (``query.recover``) of the pairwise-noise methods (nadp, niss, mpddp).
+
+* :class:`RecoveryRequest` (server -> surviving client): the round, the participants whose uploads the
+  server received and those it will not aggregate (dropped or excluded).
+* :class:`RecoveryReply` (client -> server): for each dropped neighbour, this round's pair material
+  (nadp, mpddp: the per-round HKDF pair seed; niss: a :class:`NissPairMaterial`), or a refusal naming
+  why (:attr:`RecoveryReply.refused`).
+* :class:`NissPairMaterial`: what a NISS survivor's upload holds because of one dropped neighbour
+  (its own shares sent to it, and the distorted negated shares received from it).
+
+Protocol and threat model: :mod:`strategies.recovery` (server) and :mod:`client.recovery` (client).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from flwr.app import ConfigRecord
+
+from client.messages.common import (
+    TrainIns,
+    merge_configs,
+    node_id_strings,
+    read_float,
+    read_list,
+    read_node_ids,
+    read_str,
+)
+
+_RECEIVED = "recovery-received"
+_DROPPED = "recovery-dropped"
+_PEERS = "recovery-peers"
+_MATERIAL = "recovery-material"
+_REFUSED = "recovery-refused"
+_KEPT = "recovery-kept"
+_KEPT_PROBE = "recovery-kept-probe"
+
+
+@dataclass(frozen=True)
+class RecoveryRequest:
+    """``query.recover``: the server received the uploads of ``received`` and will not aggregate ``dropped``."""
+
+    round: int
+    received: tuple[int, ...]
+    dropped: tuple[int, ...]
+
+    def to_config(self) -> ConfigRecord:
+        return merge_configs(TrainIns(self.round).to_config(), ConfigRecord({
+            _RECEIVED: node_id_strings(self.received), _DROPPED: node_id_strings(self.dropped)}))
+
+    @classmethod
+    def from_config(cls, rec: Mapping[str, Any]) -> RecoveryRequest:
+        received, dropped = read_node_ids(rec, _RECEIVED), read_node_ids(rec, _DROPPED)
+        if len(set(received)) != len(received) or len(set(dropped)) != len(dropped):
+            raise ValueError(f"'{_RECEIVED}' and '{_DROPPED}' must not repeat a node")
+        return cls(TrainIns.from_config(rec).round, received, dropped)
+
+
+@dataclass(frozen=True)
+class RecoveryReply:
+    """Pair material for each dropped neighbour (``peers[i]`` -> ``material[i]``), or a refusal.
+
+    ``kept``: dropped neighbours whose pair noise *in this client's own upload* it does not reveal, because
+    revealing it would leave its upload without pairwise noise; that noise stays in the aggregate as extra
+    DP noise (nadp, mpddp: ``material`` is empty for them; niss: only the shares received from the peer).
+    ``kept_probe``: with the cancellation check, the projection of that kept noise on the check's direction.
+    """
+
+    peers: tuple[int, ...] = ()
+    material: tuple[bytes, ...] = ()
+    refused: str = ""
+    kept: tuple[int, ...] = ()
+    kept_probe: float | None = None
+
+    def to_config(self) -> ConfigRecord:
+        if self.refused:
+            return ConfigRecord({_REFUSED: self.refused})
+        # Flower cannot serialise empty lists: a reply with no dropped neighbour carries a placeholder.
+        rec = ConfigRecord({_PEERS: node_id_strings(self.peers) or [""], _MATERIAL: list(self.material) or [b""]})
+        if self.kept:
+            rec[_KEPT] = node_id_strings(self.kept)
+        if self.kept_probe is not None:
+            rec[_KEPT_PROBE] = float(self.kept_probe)
+        return rec
+
+    @classmethod
+    def from_config(cls, rec: Mapping[str, Any]) -> RecoveryReply:
+        if _REFUSED in rec:
+            return cls(refused=read_str(rec, _REFUSED) or "refused")
+        kept = read_node_ids(rec, _KEPT, default=())
+        probe = read_float(rec, _KEPT_PROBE, default=None)
+        if rec.get(_PEERS) == [""]:
+            return cls(kept=kept, kept_probe=probe)
+        peers = read_node_ids(rec, _PEERS)
+        material = tuple(bytes(m) for m in read_list(rec, _MATERIAL, bytes))
+        if len(material) != len(peers) or len(set(peers)) != len(peers):
+            raise ValueError(f"'{_PEERS}' and '{_MATERIAL}' must be equally long, peers distinct")
+        if not set(kept) <= set(peers):
+            raise ValueError(f"'{_KEPT}' names a node without material")
+        return cls(peers, material, kept=kept, kept_probe=probe)
+
+    def by_peer(self) -> dict[int, bytes]:
+        return dict(zip(self.peers, self.material, strict=True))
+
+
+# ----------------------------------------------------------------------------- NISS pair material
+_NISS = b"NRC\x01"
+_BUNDLE = struct.Struct(">Id")  # count, share std
+_KIND_SEED, _KIND_VECTOR = b"S", b"V"
+
+
+@dataclass(frozen=True)
+class NissPairMaterial:
+    """What survivor ``i``'s NISS upload holds because of dropped neighbour ``k``.
+
+    ``out_*``: the bundle of shares ``i`` generated for ``k`` (its own noise, in ``i``'s upload with nothing
+    left to cancel it); ``out_seed`` None when ``i`` keeps them (they stay in the aggregate as DP noise).
+    ``in_*``: the shares received from ``k`` (negated, distorted, in ``i``'s upload):
+    either ``k``'s bundle seed (``tau = 0`` and the ``seed`` encoding: the server expands ``-sum shares``)
+    or the exact distorted contribution vector ``in_vector`` (``tau > 0`` or the ``vector`` encoding).
+    """
+
+    out_count: int
+    out_std: float
+    out_seed: bytes | None
+    in_count: int
+    in_std: float
+    in_seed: bytes | None = None
+    in_vector: np.ndarray | None = None
+
+    def keep_own(self) -> NissPairMaterial:
+        """The same material without this client's own shares (they are kept, i.e. not revealed)."""
+        return NissPairMaterial(self.out_count, self.out_std, None, self.in_count, self.in_std, self.in_seed,
+                                self.in_vector)
+
+    def to_bytes(self) -> bytes:
+        out_seed = bytes(32) if self.out_seed is None else self.out_seed
+        head = (_NISS + (b"K" if self.out_seed is None else b"R") + _BUNDLE.pack(self.out_count, self.out_std)
+                + out_seed + _BUNDLE.pack(self.in_count, self.in_std))
+        if self.in_vector is None:
+            if self.in_seed is None or len(self.in_seed) != 32:
+                raise ValueError("NISS pair material needs the incoming bundle seed or the contribution vector")
+            return head + _KIND_SEED + self.in_seed
+        return head + _KIND_VECTOR + np.ascontiguousarray(self.in_vector, dtype="<f8").tobytes()
+
+    @classmethod
+    def from_bytes(cls, blob: bytes, size: int) -> NissPairMaterial:
+        """Parse; ``size`` is the model size (the length of a contribution vector)."""
+        n = len(_NISS) + 1
+        if blob[:n - 1] != _NISS or blob[n - 1:n] not in (b"K", b"R") or len(blob) < n + 2 * _BUNDLE.size + 33:
+            raise ValueError("not a NISS recovery material v1")
+        out_count, out_std = _BUNDLE.unpack_from(blob, n)
+        out_seed: bytes | None = blob[n + _BUNDLE.size:n + _BUNDLE.size + 32] if blob[n - 1:n] == b"R" else None
+        off = n + _BUNDLE.size + 32
+        in_count, in_std = _BUNDLE.unpack_from(blob, off)
+        off += _BUNDLE.size
+        kind, body = blob[off:off + 1], blob[off + 1:]
+        if not all(math.isfinite(s) and s >= 0 for s in (out_std, in_std)):
+            raise ValueError("NISS recovery material: share std must be finite and >= 0")
+        if kind == _KIND_SEED and len(body) == 32:
+            return cls(out_count, out_std, out_seed, in_count, in_std, in_seed=body)
+        if kind == _KIND_VECTOR and len(body) == 8 * size:
+            vec = np.frombuffer(body, dtype="<f8").astype(np.float64)
+            if not np.all(np.isfinite(vec)):
+                raise ValueError("NISS recovery material: non-finite contribution vector")
+            return cls(out_count, out_std, out_seed, in_count, in_std, in_vector=vec)
+        raise ValueError(f"NISS recovery material: bad body (kind {kind!r}, {len(body)} bytes for size {size})")

@@ -1,0 +1,237 @@
+"""Dropout recovery of the pairwise noise (nadp, niss, mpddp): the server removes orphaned pair noise exactly.
+
+A participant that drops out after the round's pairs are fixed (after the key phase / NISS share phase,
+before or during its upload), or whose upload the server excludes (:mod:`strategies.validation`), leaves
+the pair noise it shares with every surviving neighbour uncancelled in the aggregate.  The round template
+(:meth:`strategies.base.CancelStrategy.aggregate_train`) calls :meth:`PairwiseRecovery.recover` with those
+participants before aggregating; the method's ``aggregate`` then subtracts the survivors' corrections.
+
+Design chosen: **direct reveal of the round's pair material by the surviving neighbours** (not t-of-n
+Shamir shares as in SecAgg+).  One ``query.recover`` phase, run only in rounds with dropouts, sent only to
+survivors with a dropped neighbour: :class:`~client.messages.recovery.RecoveryRequest` names the received
+uploads and the dropped participants; each survivor answers with the material of *this round* for its
+dropped neighbours (:mod:`client.recovery`): nadp and mpddp the per-round HKDF pair seed (32 bytes per
+pair; fresh per round, purpose and run, so nothing of another round or another use leaks), niss its own
+shares sent to the dropped peer and the distorted negated shares received from it.  The server expands
+the material with the same PRG and subtracts it: the aggregate is then exactly what the survivors alone
+would have produced (float rounding, ~1e-16 relative; the cancellation check proves it per round).
+
+Why not Shamir: sharing the X25519 private key (SecAgg+) would reveal a dropped client's pair seeds of
+*every* round of its key epoch (``key-rotation = 0`` keeps one pair for the run), and sharing per-round
+seeds costs an extra share-distribution phase every round (6-9 s per phase in deployment) even without
+dropouts.  Direct reveal costs nothing in rounds without dropouts and one round trip otherwise.  Its
+limit: no threshold, so a *second* dropout during recovery (a survivor that does not answer) cannot be
+repaired -- that survivor's upload is already held, so its peers must not reveal pairs with it (SecAgg's
+rule) -- and the round fails cleanly (:class:`~strategies.base.RoundFailed`, the previous model is kept;
+the uploads already received were released, so their privacy charge stays).
+
+Threat model.  Honest-but-curious server: it learns the pair noise of pairs whose other end never
+uploaded, which masks nothing it holds.  Lying server: each client checks every request
+(:func:`client.recovery.check_request`) and refuses, naming the reason, if a node is named both received
+and dropped, if its own upload or any of its neighbours is missing from the two sets, if it already
+answered a *different* request this round (so "k uploaded" cannot turn into "k dropped"), or if the reveal
+would leave its own upload without pairwise noise.  The server never aggregates a dropped participant's
+upload, and the round template runs recovery after reply screening, so an upload that arrives is either
+aggregated or never recovered for.  Not covered: a server that consistently tells *all* of k's neighbours
+"k dropped" while holding k's upload learns that upload minus k's pair noise of that round -- k keeps its
+independent noise (nadp residual, mpddp eta, niss shares held by neighbours that did not drop); SecAgg+
+closes this with a self-mask, which an exact float DP upload has no room for.  A survivor that reveals
+wrong material spoils the aggregate as a garbage upload would (the cancellation check shows it).
+
+Privacy: the accountants are charged with the noise really in the aggregate (metric ``recovery`` = 1, no
+top-up): nadp composes each round from the survivors' residual noise and the uplink view restricted to
+the survivors' remaining pairs; niss and mpddp charge the shortfall of the noise left against the planned
+calibration (:func:`charge_shortfall`).  Reported per round: ``dropped``, ``recovery`` (0 = nothing to
+recover, 1 = removed exactly, accountant charged with the noise really there), ``recovered_pairs``,
+``uncancelled_noise_norm`` (0 after recovery), ``recovery_s`` and ``recovery_bytes_per_survivor``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from flwr.app import Message, RecordDict
+from flwr.serverapp import Grid
+
+from client.messages.keys import probe_value
+from client.messages.recovery import RecoveryReply, RecoveryRequest
+from protocols.prg import gaussian
+from protocols.privacy import Accountant, GaussianEvent
+from strategies.base import RoundFailed, RoundState
+
+
+@dataclass
+class RecoveryOutcome:
+    """What one round's recovery phase returned."""
+
+    round: int
+    dropped: list[int]
+    survivors: list[int]
+    #: survivor -> {dropped neighbour -> revealed material}.
+    material: dict[int, dict[int, bytes]] = field(default_factory=dict)
+    #: survivor -> dropped neighbours whose pair noise in its own upload it kept (not revealed).
+    kept: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    #: survivor -> projection of that kept noise on the cancellation check's direction (None: not given).
+    kept_probe: dict[int, float | None] = field(default_factory=dict)
+    seconds: float = 0.0
+    #: bytes of the recovery messages, down (requests) and up (replies), summed over the asked survivors.
+    bytes_down: int = 0
+    bytes_up: int = 0
+
+    @property
+    def pairs(self) -> int:
+        """Number of (survivor, dropped) pairs whose material was revealed (wholly or, if kept, in part)."""
+        return sum(len(m) for m in self.material.values())
+
+    def is_kept(self, survivor: int, peer: int) -> bool:
+        """Whether ``survivor`` kept its own pair noise with ``peer`` (it stays in the aggregate)."""
+        return peer in self.kept.get(survivor, ())
+
+    def probe_corrections(self, removed: list[float]) -> list[float] | None:
+        """Projections to subtract from the survivors' probes: what was removed plus what was kept on purpose.
+
+        None when a survivor kept noise without giving its projection (the residual cannot be measured).
+        """
+        kept = [p for n, p in self.kept_probe.items() if self.kept.get(n)]
+        if any(p is None for p in kept):
+            return None
+        return removed + [float(p) for p in kept if p is not None]
+
+
+def _config_bytes(content: RecordDict) -> int:
+    return sum(rec.count_bytes() for rec in content.values())
+
+
+class PairwiseRecovery:
+    """Mixin for the pairwise strategies (before :class:`~strategies.base.CancelStrategy` in the bases).
+
+    The method sets :attr:`grid` in ``prepare_round`` and implements :meth:`pair_neighbours`; its
+    ``aggregate`` reads :meth:`recovered` and subtracts the corrections.
+    """
+
+    #: The grid of the current round (kept from ``prepare_round``; ``aggregate_train`` gets none).
+    grid: Grid | None = None
+    #: The last round's recovery outcome (None before any).
+    recovery: RecoveryOutcome | None = None
+
+    def pair_neighbours(self, state: RoundState) -> Mapping[int, Sequence[int]] | None:
+        """Each participant's pairwise neighbours this round (None: the round has no pair noise)."""
+        raise NotImplementedError
+
+    def recovered(self, state: RoundState) -> RecoveryOutcome | None:
+        """The recovery outcome of ``state``'s round, if recovery ran in it."""
+        rec = self.recovery
+        return rec if rec is not None and rec.round == state.round else None
+
+    def recover(self, state: RoundState, dropped: list[int], by_node: dict[int, Message]) -> dict[int, Message]:
+        """Ask the survivors with a dropped neighbour for this round's pair material of the dropped peers.
+
+        Returns ``by_node`` (every survivor stays); raises :class:`RoundFailed` when a survivor refuses or
+        does not answer (no threshold: see the module docstring).
+        """
+        self.recovery = None
+        neighbours = self.pair_neighbours(state)
+        gone = sorted(set(dropped) & set(state.participants))
+        if not gone or neighbours is None:
+            return by_node
+        if self.grid is None:
+            raise RoundFailed(f"round {state.round}: dropout recovery needs the round's grid (prepare_round keeps it)")
+        survivors = sorted(by_node)
+        gone_set = set(gone)
+        ask = [n for n in survivors if gone_set & set(neighbours.get(n, ()))]
+        request = RecordDict({"config": RecoveryRequest(state.round, tuple(survivors), tuple(gone)).to_config()})
+        out = RecoveryOutcome(state.round, gone, survivors)
+        t0 = time.perf_counter()
+        replies, _errors = self.exchange(self.grid, ask, lambda _n: request, "recover")  # type: ignore[attr-defined]
+        out.seconds = time.perf_counter() - t0
+        out.bytes_down = _config_bytes(request) * len(ask)
+        silent, refused = [], []
+        for node in ask:
+            msg = replies.get(node)
+            if msg is None or "config" not in msg.content:
+                silent.append(node)
+                continue
+            out.bytes_up += _config_bytes(msg.content)
+            try:
+                rep = RecoveryReply.from_config(msg.content["config"])
+            except ValueError as err:
+                refused.append(f"node {node}: malformed reply ({err})")
+                continue
+            if rep.refused:
+                refused.append(f"node {node} refused: {rep.refused}")
+                continue
+            expected = sorted(gone_set & set(neighbours[node]))
+            if sorted(rep.peers) != expected:
+                refused.append(f"node {node}: material for {sorted(rep.peers)}, expected {expected}")
+                continue
+            out.material[node] = rep.by_peer()
+            if rep.kept:
+                out.kept[node], out.kept_probe[node] = rep.kept, rep.kept_probe
+        if silent or refused:
+            raise RoundFailed(
+                f"round {state.round}: dropout recovery of {gone} failed"
+                + (f"; survivors {silent} did not answer (a second dropout cannot be repaired without a "
+                   "threshold scheme: their uploads are held, so their pairs must stay secret)" if silent else "")
+                + (f"; {'; '.join(refused)}" if refused else ""))
+        self.recovery = out
+        return by_node
+
+    def report_recovery(self, state: RoundState, dropped: Iterable[int]) -> None:
+        """Round-report figures of the recovery (call from ``aggregate``)."""
+        rec = self.recovered(state)
+        n_dropped = len(set(dropped))
+        # ``dropped`` counts every sampled client lost this round (niss reports the share-phase ones first)
+        earlier = self.round_report().get("dropped", 0.0)  # type: ignore[attr-defined]
+        figures = {"dropped": earlier + n_dropped, "recovery": 1.0 if rec is not None else 0.0}
+        if rec is not None:
+            figures.update(recovered_pairs=rec.pairs, kept_pairs=sum(len(k) for k in rec.kept.values()),
+                           recovery_s=rec.seconds,
+                           recovery_bytes_per_survivor=(rec.bytes_down + rec.bytes_up) / max(len(rec.survivors), 1))
+        self.report(**figures)  # type: ignore[attr-defined]
+
+
+# ----------------------------------------------------------------------------- server-side helpers
+def probe_direction(seed: bytes, size: int) -> np.ndarray:
+    """The cancellation check's public random direction (what :func:`client.pairwise_phase.mask_probe` uses)."""
+    return gaussian(seed, size)
+
+
+def corrected_residual(replies: Iterable[Message], corrections: Iterable[float] | None) -> float | None:
+    """Relative cancellation residual of the survivors' mask probes after the recovery's corrections.
+
+    ``corrections``: the projections of the subtracted (and the deliberately kept) vectors on the same public
+    direction (:meth:`RecoveryOutcome.probe_corrections`); None: not measurable this round.
+    """
+    if corrections is None:
+        return None
+    probes = [v for v in (probe_value(r.content["metrics"]) for r in replies) if v is not None]
+    if not probes:
+        return None
+    scale = math.sqrt(math.fsum(p * p for p in probes))
+    total = math.fsum(probes) - math.fsum(corrections)
+    return abs(total) / scale if scale > 0 else 0.0
+
+
+def charge_shortfall(accountant: Accountant, planned: float, real: float, sampling_rate: float = 1.0,
+                     **compose_kwargs) -> None:
+    """Charge ``accountant`` for a release whose noise multiplier was ``real`` instead of the ``planned`` one.
+
+    The planned Gaussian release is already composed.  Without sampling (``sampling_rate = 1``) Gaussian
+    RDP is additive in ``1/z^2``, so the exact shortfall is one more Gaussian event with
+    ``1/z^2 = 1/real^2 - 1/planned^2``; with sampling, a whole extra event at ``real`` (an upper bound).
+    """
+    if real >= planned:
+        return
+    if real <= 0:
+        accountant.compose(GaussianEvent(0.0), **compose_kwargs)
+    elif sampling_rate >= 1.0:
+        accountant.compose(GaussianEvent(1.0 / math.sqrt(1.0 / real**2 - 1.0 / planned**2)), **compose_kwargs)
+    else:
+        accountant.compose(GaussianEvent(real, sampling_rate), **compose_kwargs)
+
+
+__all__ = ["PairwiseRecovery", "RecoveryOutcome", "charge_shortfall", "corrected_residual", "probe_direction"]
