@@ -252,6 +252,7 @@ def deployment(pytestconfig: pytest.Config, request: pytest.FixtureRequest) -> I
         _run([*compose, "--profile", "keys", "run", "--rm", "keys"], env, timeout=120)
         roster = json.loads((work / "keys" / "roster.json").read_text())
         assert sorted(roster["nodes"]) == [f"node-{i}" for i in range(NUM_SUPERNODES)]
+        assert (work / "keys" / "parameter-server.key").is_file()  # the ServerApp's DDP-SA identity, not in the roster
 
         t0 = time.monotonic()
         _run([*compose, "up", "-d", "--wait"], env, timeout=300)
@@ -334,7 +335,8 @@ def test_compose_run_reaches_accuracy(deployment: Deployment, method: str,
     if extra := RUN_SETTINGS.get(method, ""):
         run_config += f" {extra}"
     if method == "ddpsa":
-        run_config += f' ddpsa-servers="{",".join(deployment.ddpsa_addresses)}"'
+        run_config += (f' ddpsa-servers="{",".join(deployment.ddpsa_addresses)}" ddpsa-ca="/certs/ca.crt"'
+                       ' ddpsa-server-key="/identity/parameter-server.key"')
     if extra := os.environ.get("CANCELFL_DOCKER_RUN_CONFIG"):
         run_config += f" {extra}"
     env = dict(deployment.env, CANCELFL_RUN_CONFIG=run_config)

@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
-# Create a private CA and a SuperLink server certificate (openssl) for TLS
-# between the SuperNodes / the `flwr` CLI and the SuperLink.
+# Create a private CA, a SuperLink server certificate and a DDP-SA intermediate
+# server certificate (openssl): TLS between the SuperNodes / the `flwr` CLI and
+# the SuperLink, and between the clients / the ServerApp and the DDP-SA servers.
 #
 # Usage: docker/certs/make_certs.sh [OUT_DIR]
 #   OUT_DIR            default: docker/certs/generated (git-ignored)
-#   CANCELFL_CERT_SANS extra subjectAltNames for the SuperLink certificate,
+#   CANCELFL_CERT_SANS extra subjectAltNames for both server certificates,
 #                      comma separated, e.g. "DNS:superlink.example.org,IP:10.0.0.5"
 #                      (needed when SuperNodes reach the SuperLink by another
 #                      name than 127.0.0.1/localhost).
 #   FORCE=1            overwrite existing files.
-# Output: ca.crt (give to SuperNodes and to the flwr CLI as root certificate),
-#         ca.key (keep private), server.pem + server.key (SuperLink only).
+# Output: ca.crt (give to SuperNodes and to the flwr CLI as root certificate,
+#         and as run-config ddpsa-ca), ca.key (keep private), server.pem +
+#         server.key (SuperLink only), intermediate.pem + intermediate.key
+#         (DDP-SA intermediate servers only).
 set -euo pipefail
 
 OUT="${1:-$(cd "$(dirname "$0")" && pwd)/generated}"
 mkdir -p "$OUT"
-if [[ -s "$OUT/server.pem" && "${FORCE:-0}" != 1 ]]; then
+if [[ -s "$OUT/server.pem" && -s "$OUT/intermediate.pem" && "${FORCE:-0}" != 1 ]]; then
     echo "certificates already in $OUT (FORCE=1 to recreate)"
     exit 0
 fi
@@ -33,10 +36,6 @@ openssl req -x509 -new -nodes -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 \
     -addext "basicConstraints=critical,CA:TRUE" \
     -addext "keyUsage=critical,keyCertSign,cRLSign" 2>/dev/null
 
-# SuperLink server key + CSR, signed by the CA with the SANs above.
-openssl req -new -nodes -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 \
-    -keyout "$OUT/server.key" -out "$OUT/server.csr" \
-    -subj "/CN=cancelfl-superlink" 2>/dev/null
 EXT=$(mktemp)
 trap 'rm -f "$EXT"' EXIT
 cat >"$EXT" <<EXTEOF
@@ -45,11 +44,20 @@ keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=serverAuth
 subjectAltName=$SANS
 EXTEOF
-openssl x509 -req -in "$OUT/server.csr" -CA "$OUT/ca.crt" -CAkey "$OUT/ca.key" \
-    -CAcreateserial -out "$OUT/server.pem" -days "$DAYS" -sha256 \
-    -extfile "$EXT" 2>/dev/null
-rm -f "$OUT/server.csr" "$OUT/ca.srl"
+# One key + certificate per server role, signed by the CA with the SANs above:
+# server.* for the SuperLink, intermediate.* for the DDP-SA intermediate servers.
+issue() {
+    openssl req -new -nodes -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 \
+        -keyout "$OUT/$1.key" -out "$OUT/$1.csr" -subj "/CN=$2" 2>/dev/null
+    openssl x509 -req -in "$OUT/$1.csr" -CA "$OUT/ca.crt" -CAkey "$OUT/ca.key" \
+        -CAcreateserial -out "$OUT/$1.pem" -days "$DAYS" -sha256 \
+        -extfile "$EXT" 2>/dev/null
+    rm -f "$OUT/$1.csr"
+}
+issue server cancelfl-superlink
+issue intermediate cancelfl-ddpsa-intermediate
+rm -f "$OUT/ca.srl"
 # Containers read these as root; the CA certificate is public.
-chmod 644 "$OUT/ca.crt" "$OUT/server.pem"
-openssl verify -CAfile "$OUT/ca.crt" "$OUT/server.pem" >/dev/null
+chmod 644 "$OUT/ca.crt" "$OUT/server.pem" "$OUT/intermediate.pem"
+openssl verify -CAfile "$OUT/ca.crt" "$OUT/server.pem" "$OUT/intermediate.pem" >/dev/null
 echo "certificates written to $OUT (SANs: $SANS)"
