@@ -11,8 +11,6 @@ from flwr.serverapp import Grid, ServerApp
 from protocols.config import RunConfig
 from server.checkpoint import resolve_out_dir, write_error
 from server.federation import check_federation
-from server.runner import run_federation
-from strategies.registry import build_strategy
 
 app = ServerApp()
 
@@ -32,8 +30,11 @@ def main(grid: Grid, context: Context) -> None:
             log(WARNING, "%s", note)
         # DDP-SA: the ServerApp never starts intermediate servers -- the clients take them from their own
         # configuration, so whoever submits the run names them (`cancelfl run/deploy` start local ones).
-        strategy = build_strategy(cfg)
         check_federation(grid, cfg)  # nodes started for another num-clients: stop now, naming the fix
+        from server.runner import run_federation  # torch and the method's modules: after the check (seconds)
+        from strategies.registry import build_strategy
+
+        strategy = build_strategy(cfg)
         try:
             run_federation(strategy, grid, cfg)
         finally:
