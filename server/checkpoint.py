@@ -6,8 +6,9 @@
 * A fresh run in an existing folder first removes an earlier run's outputs
   (:data:`OUTPUT_FILES`), so they are never taken for this run's; the launcher
   refuses such a folder unless told to overwrite it (:func:`earlier_outputs`).
-* After each round the runner writes ``checkpoint.json`` + ``checkpoint.npz``
-  (atomically: a kill at any moment leaves the previous round's checkpoint):
+* After each round the runner writes ``checkpoint-r<round>.npz`` and then
+  ``checkpoint.json`` naming it (atomically: a kill at any moment leaves the
+  previous round's complete checkpoint):
   the global model, the round number, the metrics rows so far, the failed
   rounds, the wall time, the run config and the strategy's state
   (:meth:`strategies.base.CancelStrategy.state_dict`: its privacy ledger with
@@ -42,11 +43,12 @@ import numpy as np
 from protocols.config import ConfigError, RunConfig
 
 CHECKPOINT_JSON = "checkpoint.json"
-CHECKPOINT_NPZ = "checkpoint.npz"
+#: The model of a checkpoint: one file per round, named in checkpoint.json (older ones removed after the switch).
+CHECKPOINT_NPZ = "checkpoint-r{round}.npz"
 ERROR_FILE = "error.json"
 #: Every file a run writes into its folder (removed before a fresh run starts there).
 OUTPUT_FILES = ("metrics.jsonl", "summary.json", "model.npz", "model.json", "report.md", "accuracy.png",
-                "epsilon.png", "noise.png", ERROR_FILE, CHECKPOINT_JSON, CHECKPOINT_NPZ)
+                "epsilon.png", "noise.png", ERROR_FILE, CHECKPOINT_JSON)
 #: Run-config keys a resumed run may change (where things are, not what is computed).
 RESUME_MAY_CHANGE = ("out-dir", "resume", "data-dir", "ddpsa-servers", "round-timeout")
 #: Folder of the default run folders, relative to the working directory.
@@ -114,7 +116,13 @@ def prepare_out_dir(path: str | Path) -> Path:
 def earlier_outputs(path: str | Path) -> list[str]:
     """Names of an earlier run's output files in ``path`` (empty if none or no such folder)."""
     out = Path(path)
-    return [name for name in OUTPUT_FILES if (out / name).exists()] if out.is_dir() else []
+    if not out.is_dir():
+        return []
+    return [name for name in OUTPUT_FILES if (out / name).exists()] + sorted(p.name for p in _model_files(out))
+
+
+def _model_files(out: Path) -> list[Path]:
+    return list(out.glob(CHECKPOINT_NPZ.format(round="*")))
 
 
 def clear_outputs(path: str | Path) -> None:
@@ -171,12 +179,16 @@ def _meta(ckpt: Checkpoint) -> dict[str, Any]:
 
 
 def save_checkpoint(out_dir: str | Path, ckpt: Checkpoint) -> None:
-    """Write the model first, then the JSON naming the round (the JSON is the commit point)."""
+    """Write the round's model file, then the JSON naming it (the commit point), then drop older model files."""
     out = Path(out_dir)
-    tmp = out / f".{CHECKPOINT_NPZ}.tmp-{os.getpid()}.npz"
+    name = CHECKPOINT_NPZ.format(round=ckpt.round)
+    tmp = out / f".{name}.tmp-{os.getpid()}.npz"
     np.savez(tmp, **{f"a{i}": np.asarray(a) for i, a in enumerate(ckpt.weights.values())})
-    os.replace(tmp, out / f"{CHECKPOINT_NPZ}")
-    _atomic_write(out / CHECKPOINT_JSON, json.dumps(_meta(ckpt), allow_nan=False).encode())
+    os.replace(tmp, out / name)
+    _atomic_write(out / CHECKPOINT_JSON, json.dumps({**_meta(ckpt), "arrays_file": name}, allow_nan=False).encode())
+    for old in _model_files(out):
+        if old.name != name:
+            old.unlink(missing_ok=True)
 
 
 def mark_pending(out_dir: str | Path, server_round: int, strategy_state: dict[str, Any]) -> None:
@@ -198,7 +210,7 @@ def load_checkpoint(out_dir: str | Path) -> Checkpoint:
                           "or it is not a cancelfl run folder)")
     try:
         meta = json.loads(path.read_text())
-        with np.load(out / CHECKPOINT_NPZ) as npz:
+        with np.load(out / meta["arrays_file"]) as npz:
             weights = OrderedDict((name, npz[f"a{i}"]) for i, name in enumerate(meta["arrays"]))
         pending = meta.get("pending")
         return Checkpoint(int(meta["round"]), weights, meta["strategy_state"], list(meta["rows"]),

@@ -84,8 +84,12 @@ class PrivacyLedger:
             "headline": self.headline,
             "uplink": None if self.uplink is None else self.uplink.to_state(),
             "downlink": "uplink" if shared else (None if self.downlink is None else self.downlink.to_state()),
-            "extra": {name: acc.to_state() for name, acc in self.extra.items()},
+            "extra": {name: self._alias(acc) or acc.to_state() for name, acc in self.extra.items()},
         }
+
+    def _alias(self, acc: Accountant) -> str | None:
+        """``"uplink"``/``"downlink"`` when an extra account is that view's accountant (kept shared by :meth:`from_state`)."""
+        return "uplink" if acc is self.uplink else "downlink" if acc is self.downlink else None
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> PrivacyLedger:
@@ -93,5 +97,7 @@ class PrivacyLedger:
         up = None if state["uplink"] is None else accountant_from_state(state["uplink"])
         down_state = state["downlink"]
         down = up if down_state == "uplink" else (None if down_state is None else accountant_from_state(down_state))
-        extra = {name: accountant_from_state(s) for name, s in state.get("extra", {}).items()}
+        views = {"uplink": up, "downlink": down}
+        extra = {name: views[s] if isinstance(s, str) else accountant_from_state(s)
+                 for name, s in state.get("extra", {}).items()}
         return cls(float(state["delta"]), uplink=up, downlink=down, headline=state["headline"], extra=extra)

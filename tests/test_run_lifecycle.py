@@ -1,0 +1,318 @@
+"""The launcher's contract, end to end.
+
+Errors before any process starts, honest exit codes, fresh run folders, checkpoints and resume with
+continuous epsilon, and no process left behind.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from protocols.config import ConfigError, RunConfig, parse_run_config
+from server.checkpoint import CHECKPOINT_JSON, fresh_run_folder, load_checkpoint
+from server.deploy import LAUNCH_MARK, Processes, marked_pids
+from server.launch import main, preflight, run_inprocess
+from strategies.base import CancelStrategy, RoundFailed
+from tests.conftest import ROOT, read_metrics
+from tests.processes import pid_gone
+
+#: A small, fast federation (in-process: a few seconds).
+FAST = {"num-clients": 4, "local-epochs": 1, "hidden": "", "dataset": "digits", "train-subset": 400, "test-subset": 200}
+
+
+def _same(a: list, b: list) -> bool:
+    """Equal lists of epsilons (None = no guarantee) up to float round-off."""
+    return len(a) == len(b) and all(x == y if x is None or y is None else x == pytest.approx(y, rel=1e-12)
+                                    for x, y in zip(a, b, strict=True))
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ --run-config syntax
+@pytest.mark.parametrize(("text", "needle"), [
+    ("num-rounds=3 num-rounds=4", "'num-rounds' is given twice"),
+    ("method=nadp", 'strings must be quoted, e.g. method="nadp"'),
+    ("num-rounds=", "'num-rounds' has no value"),
+    ('method="nadp', "no closing"),
+    ("epochs", "'epochs' is not a key=value pair"),
+    ("lr=1.2.3", "'lr' = 1.2.3 is not a number"),
+])
+def test_run_config_syntax_errors_name_the_key(text, needle):
+    with pytest.raises(ConfigError, match=None) as err:
+        parse_run_config(text)
+    assert needle in str(err.value)
+
+
+def test_run_config_syntax_accepts_flowers_forms():
+    got = parse_run_config("""method="nadp" epsilon=1.0 hidden="" cancellation-check=true data-dir='/a b' seed=7""")
+    assert got == {"method": "nadp", "epsilon": 1.0, "hidden": "", "cancellation-check": True, "data-dir": "/a b",
+                   "seed": 7}
+
+
+# ------------------------------------------------------------------ errors before any process starts
+def _write_idx(path: Path, array: np.ndarray) -> None:
+    header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    with gzip.open(path, "wb") as fh:
+        fh.write(header + array.astype(np.uint8).tobytes())
+
+
+def _idx_folder(root: Path, defect: str) -> Path:
+    folder = root / "mnist"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 40), ("t10k", 20)):
+        _write_idx(folder / f"{split}-images-idx3-ubyte.gz", rng.integers(0, 255, (n, 28, 28)))
+        _write_idx(folder / f"{split}-labels-idx1-ubyte.gz", rng.integers(0, 10, n - (defect == "mismatched")))
+    images = folder / "train-images-idx3-ubyte.gz"
+    if defect == "truncated":
+        images.write_bytes(images.read_bytes()[:200])
+    elif defect == "non-gzip":
+        images.write_bytes(b"not gzip at all" * 10)
+    return root
+
+
+@pytest.mark.parametrize(("defect", "needle"), [
+    ("truncated", "train-images-idx3-ubyte.gz"),
+    ("non-gzip", "not a complete gzip file"),
+    ("mismatched", "labels"),
+])
+def test_bad_idx_files_are_refused_before_any_process(tmp_path, capsys, monkeypatch, defect, needle):
+    monkeypatch.setattr("server.deploy.run_simulation", lambda *a, **k: pytest.fail("a process was started"))
+    data = _idx_folder(tmp_path / "data", defect)
+    code, err = _cli(capsys, "run", "--engine", "simulation", "--run-config",
+                     f'dataset="mnist" data-dir="{data}" out-dir="{tmp_path / "out"}"')
+    assert code == 2 and needle in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("run_config", "needle"), [
+    ("seed=-1", "'seed' = -1"),
+    ('hidden="0"', "hidden=\"\" gives a linear model"),
+    ('method="mpddp" num-clients=1', "at least 2 clients per round"),  # the strategy's own check, via preflight
+    ("num-rounds=2 num-rounds=3", "given twice"),
+    ('method=fedavg', "strings must be quoted"),
+    ('method="ddpsa" num-clients=1', "at least 2 clients per round"),
+])
+def test_config_errors_before_any_process(tmp_path, capsys, monkeypatch, run_config, needle):
+    monkeypatch.setattr("server.deploy.run_simulation", lambda *a, **k: pytest.fail("a process was started"))
+    code, err = _cli(capsys, "run", "--engine", "simulation", "--run-config", run_config)
+    assert code == 2 and needle in err, err
+
+
+def test_out_dir_that_cannot_be_created(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    code, err = _cli(capsys, "run", "--run-config", f'out-dir="{tmp_path / "afile" / "run"}"')
+    assert code == 2 and "cannot be created" in err and "afile" in err, err
+
+
+def test_adjusted_settings_are_named_at_start():
+    notes: list[str] = []
+    preflight({"method": "niss", "niss-unit-variance": 1e-6, "num-clients": 4, "num-rounds": 5}, warn=notes.append)
+    preflight({"method": "nadp", "graph": "n-out", "n-out": 3, "num-clients": 4, "num-rounds": 5}, warn=notes.append)
+    assert any("'niss-unit-variance'" in n and "shares" in n for n in notes), notes
+    assert any("'n-out' = 3" in n and "complete graph" in n for n in notes), notes
+
+
+# ------------------------------------------------------------------ run folders and exits
+def test_default_runs_get_fresh_folders_and_latest_points_at_the_newest(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    old = tmp_path / "runs" / "latest"
+    old.mkdir(parents=True)
+    (old / "summary.json").write_text("{}")  # where runs used to write: kept, renamed
+    a, b = fresh_run_folder("nadp"), fresh_run_folder("nadp")
+    assert a != b and a.is_dir() and b.is_dir()
+    assert (tmp_path / "runs" / "latest").resolve() == b.resolve()
+    assert any((p / "summary.json").is_file() for p in (tmp_path / "runs").glob("*-latest"))
+
+
+def test_earlier_outputs_are_refused_or_replaced(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.json").write_text('{"final_accuracy": 0.99}')
+    code, err = _cli(capsys, "run", "--run-config", f'out-dir="{out}"')
+    assert code == 2 and "earlier run's outputs" in err and "--overwrite" in err
+    assert json.loads((out / "summary.json").read_text())["final_accuracy"] == 0.99
+
+
+def test_crash_gives_nonzero_exit_and_no_stale_summary(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.json").write_text('{"final_accuracy": 0.99}')
+
+    def crash(*_a, **_k):
+        raise RuntimeError("injected ServerApp crash")
+
+    monkeypatch.setattr("server.runner.evaluate", crash)
+    code, err = _cli(capsys, "run", "--overwrite", "--run-config", f'num-rounds=2 out-dir="{out}"')
+    assert code == 1 and "injected ServerApp crash" in err
+    assert not (out / "summary.json").exists()
+
+
+def test_no_successful_round_exits_nonzero(tmp_path, capsys, monkeypatch):
+    def fail(self, server_round, replies):
+        raise RoundFailed(f"round {server_round}: injected failure")
+
+    monkeypatch.setattr(CancelStrategy, "aggregate_train", fail)
+    out = tmp_path / "run"
+    code, err = _cli(capsys, "run", "--run-config", f'num-rounds=2 num-clients=3 out-dir="{out}"')
+    assert code == 1 and "no round succeeded" in err and "injected failure" in err, err
+
+
+# ------------------------------------------------------------------ checkpoint and resume
+class _Crash(Exception):
+    pass
+
+
+def _crash_after(k: int):
+    def progress(line: str) -> None:
+        if line.startswith(f"[round {k}/"):
+            raise _Crash(line)
+    return progress
+
+
+@pytest.mark.parametrize("overrides", [
+    {"method": "nadp", "sample-rate": 0.5, "batch-size": 1000, "lr": 2.0},  # per-client accounts, sampling
+    {"method": "mpddp", "dataset": "breast-cancer", "hidden": "8", "mpddp-server-lr": 0.1},  # given-R account
+], ids=["nadp", "mpddp"])
+def test_resume_after_crash_continues_rounds_and_epsilon(tmp_path, capsys, overrides):
+    cfg = {**FAST, "num-rounds": 4, **overrides}
+    run_inprocess({**cfg, "out-dir": str(tmp_path / "whole")}, progress=lambda _s: None)
+    whole = read_metrics(tmp_path / "whole")
+    out = tmp_path / "crashed"
+    with pytest.raises(_Crash):
+        run_inprocess({**cfg, "out-dir": str(out)}, progress=_crash_after(2))
+    assert load_checkpoint(out).round == 2 and not (out / "summary.json").exists()
+    code, _ = _cli(capsys, "run", "--resume", str(out))
+    assert code == 0
+    rows = read_metrics(out)
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    assert rows[2]["resumed_after_round"] == 2 and not rows[2]["recharged_round"]
+    # Every account, incl. extras (nadp's paper/marginal views); mpddp's given-R one depends on the random secret R.
+    keys = [k for k in whole[-1] if k.startswith("epsilon") and k != "epsilon_given_R"]
+    assert len(keys) >= 3
+    for key in keys:
+        assert _same([r.get(key) for r in rows], [r.get(key) for r in whole]), (key, rows, whole)
+    summary = json.loads((out / "summary.json").read_text())
+    assert _same([summary["epsilon"]], [json.loads((tmp_path / "whole" / "summary.json").read_text())["epsilon"]])
+
+
+def test_resume_refuses_a_changed_run_config(tmp_path, capsys):
+    out = tmp_path / "r"
+    with pytest.raises(_Crash):
+        run_inprocess({**FAST, "method": "ldp", "num-rounds": 3, "out-dir": str(out)}, progress=_crash_after(1))
+    code, err = _cli(capsys, "run", "--resume", str(out), "--run-config", "epsilon=8.0")
+    assert code == 2 and "epsilon" in err and "cannot change" in err
+    code, err = _cli(capsys, "run", "--resume", str(tmp_path / "nothing"))
+    assert code == 2 and "does not exist" in err
+
+
+@pytest.mark.slow
+def test_killed_process_resumes_with_continuous_epsilon(tmp_path, capsys):
+    """``cancelfl run`` killed with SIGKILL mid-run, then ``--resume``: every planned round once.
+
+    Epsilon is never reset: equal to an uninterrupted run's up to the kill, never below it after.
+    """
+    cfg = {**FAST, "method": "ldp", "num-rounds": 12, "divergence-factor": 0.0, "train-subset": 200}
+    text = " ".join(f"{k}={json.dumps(v)}" for k, v in cfg.items())
+    out = tmp_path / "killed"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "server.launch", "run", "--run-config", f'{text} out-dir="{out}"'],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if (out / CHECKPOINT_JSON).is_file() and load_checkpoint(out).round >= 2:
+            break
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    k = load_checkpoint(out).round
+    assert 2 <= k < 12, "the run was not killed mid-way"
+    assert main(["run", "--resume", str(out)]) == 0
+    rows = read_metrics(out)
+    whole = run_inprocess({**cfg, "out-dir": str(tmp_path / "whole")}, progress=lambda _s: None)
+    ref = read_metrics(tmp_path / "whole")
+    assert [r["round"] for r in rows] == list(range(1, 13))
+    eps = [r["epsilon"] for r in rows]
+    assert eps == sorted(eps)
+    assert _same(eps[:k], [r["epsilon"] for r in ref[:k]])
+    assert all(a >= b * (1 - 1e-12) for a, b in zip(eps, (r["epsilon"] for r in ref), strict=True))
+    if not rows[k]["recharged_round"]:  # killed between rounds: exactly the uninterrupted accounts
+        assert eps[-1] == pytest.approx(whole["epsilon"], rel=1e-12)
+    capsys.readouterr()
+
+
+def test_strategy_state_round_trips_for_every_method():
+    from protocols.methods import METHOD_NAMES
+    from strategies.registry import build_strategy
+
+    for method in METHOD_NAMES:
+        if method == "ddpsa":
+            continue  # needs its servers' credentials to be built; same ledger-only state as the base
+        cfg = RunConfig.from_mapping({**FAST, "method": method, "hidden": "8", "dataset": "breast-cancer"})
+        a, b = build_strategy(cfg), build_strategy(cfg)
+        state = json.loads(json.dumps(a.state_dict()))
+        b.load_state(state)
+        assert b.state_dict() == state, method
+        assert b.privacy.report() == a.privacy.report(), method
+
+
+# ------------------------------------------------------------------ processes
+def test_close_stops_groups_whose_leader_died_and_descendants_that_left(tmp_path):
+    """A leader killed first leaves its group's children; a grandchild in its own session leaves the group."""
+    script = tmp_path / "tree.py"
+    pids = tmp_path / "pids"
+    script.write_text(
+        "import os, subprocess, sys, time\n"
+        "a = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+        "b = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True)\n"
+        f"open({str(pids)!r}, 'w').write(f'{{a.pid}} {{b.pid}}')\n"
+        "time.sleep(300)\n")
+    env = dict(os.environ, **{LAUNCH_MARK: "test-" + os.urandom(6).hex()})
+    procs = Processes(tmp_path, env)
+    leader = procs.start("tree", [sys.executable, str(script)])
+    deadline = time.time() + 30
+    while not (pids.is_file() and pids.read_text().strip()) and time.time() < deadline:
+        time.sleep(0.05)
+    children = [int(p) for p in pids.read_text().split()]
+    assert sorted(marked_pids(env[LAUNCH_MARK])) == sorted([leader.pid, *children])
+    os.kill(leader.pid, signal.SIGKILL)  # the leader dies first
+    leader.wait()
+    procs.close(grace=5)
+    assert all(pid_gone(p) for p in children), "descendants left running"
+    assert marked_pids(env[LAUNCH_MARK]) == []
+
+
+def test_launch_module_needs_no_activated_venv():
+    """Flower's processes are started from this interpreter's bin folder (``.venv/bin/cancelfl`` unactivated)."""
+    from server.deploy import BIN, flower_env
+
+    fenv = flower_env(Path("/tmp/x"))
+    assert fenv["PATH"].split(os.pathsep)[0] == str(BIN) and (BIN / "flower-superexec").exists()
+    assert LAUNCH_MARK in fenv and LAUNCH_MARK not in os.environ  # the mark goes to the children only
+
+
+def test_ledger_state_keeps_an_extra_account_shared_with_a_view():
+    from protocols.privacy import GaussianEvent, PrivacyLedger, RdpAccountant
+
+    shared = RdpAccountant()
+    ledger = PrivacyLedger(1e-5, downlink=shared, headline="downlink", extra={"uplink_nominal": shared})
+    ledger.compose(GaussianEvent(2.0))
+    back = PrivacyLedger.from_state(json.loads(json.dumps(ledger.to_state())))
+    assert back.extra["uplink_nominal"] is back.downlink
+    back.compose(GaussianEvent(2.0))
+    assert back.extra_report()["epsilon_uplink_nominal"] == back.report()["epsilon_downlink"]
