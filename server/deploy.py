@@ -326,7 +326,8 @@ class LocalCluster:
         self.env = flower_env(self.work / "flwr-home")
         self.procs = Processes(self.work, self.env)
         try:
-            certs = make_certificates(self.work / "certs") if self.tls else None
+            ca = CertificateAuthority("cancelfl-ca")  # the deployment's CA: SuperLink (--tls) and DDP-SA servers
+            certs = make_certificates(self.work / "certs", ca) if self.tls else None
             port = free_port()  # Flower 1.41 serves the Runtime, Control and Fleet APIs on one HTTP port
             self.procs.start("superlink", _superlink_cmd(port, self.work, simulation=False, tls=certs))
             wait_for_port(port, procs=self.procs)
@@ -335,7 +336,7 @@ class LocalCluster:
             keys, self.roster = make_identities(self.work / "identities",
                                                 [f"node-{i}" for i in range(self.num_supernodes)])
             if self.n_intermediate:
-                self._servers = start_intermediate_servers(self.n_intermediate, self.roster)
+                self._servers = start_intermediate_servers(self.n_intermediate, self.roster, ca=ca)
                 self.intermediate = self._servers.addresses
             for i in range(self.num_supernodes):
                 node_config = (f'partition-id={i} num-partitions={self.num_supernodes} identity-key="{keys[f"node-{i}"]}" '
@@ -384,7 +385,7 @@ def run_deployment(overrides: dict, *, num_supernodes: int = 4, tls: bool = Fals
         return cluster.submit(overrides)
 
 
-def make_certificates(folder: Path) -> dict[str, Path]:
-    """A self-signed CA and a SuperLink certificate for 127.0.0.1/localhost (:mod:`protocols.tls`)."""
-    ca = CertificateAuthority("cancelfl-ca")
+def make_certificates(folder: Path, ca: CertificateAuthority | None = None) -> dict[str, Path]:
+    """A SuperLink certificate for 127.0.0.1/localhost from ``ca`` (None: a new self-signed CA, :mod:`protocols.tls`)."""
+    ca = ca or CertificateAuthority("cancelfl-ca")
     return {"ca": ca.write(folder), **ca.issue("superlink").write(folder, "server")}

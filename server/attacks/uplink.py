@@ -21,6 +21,7 @@ import torch
 from flwr.app import Message
 
 from client.data import client_partition, dataset_for
+from client.messages.ddpsa import ShareReceipt
 from client.messages.niss import RelayedInbox
 from client.models import build_model, get_weights, set_weights
 from client.wire import Weights, from_record
@@ -77,7 +78,7 @@ def capture_first_round(overrides: dict, *, victim: int = 0) -> UplinkCapture:
             got.update((r.metadata.src_node_id, r) for r in replies)
 
     cfg = RunConfig.from_mapping({**_defaults(), **ov})
-    side: dict[int, np.ndarray] = {}
+    side: dict[str, np.ndarray] = {}
     with _side_channel(cfg.method, side):
         obs = run_observed(ov, hooks=[hook], keep_strategy=True)
     node = obs.grid.node_ids[victim]  # LocalGrid gives its i-th node partition i
@@ -92,11 +93,13 @@ def capture_first_round(overrides: dict, *, victim: int = 0) -> UplinkCapture:
     x, y = client_partition(cfg, victim, cfg.num_clients)
     if len(y) != 1:
         raise RuntimeError(f"victim holds {len(y)} samples, expected 1")
-    return UplinkCapture(cfg, obs.strategy, w0, sent[node], got[node], x[0], int(y[0]), side.get(node))
+    # ddpsa's side channel is keyed by the roster name the victim pushed its shares under (its reply's receipt).
+    pushed = side.get(ShareReceipt.client_of(got[node].content)) if side else None
+    return UplinkCapture(cfg, obs.strategy, w0, sent[node], got[node], x[0], int(y[0]), pushed)
 
 
 @contextlib.contextmanager
-def _side_channel(method: str, store: dict[int, np.ndarray]) -> Iterator[None]:
+def _side_channel(method: str, store: dict[str, np.ndarray]) -> Iterator[None]:
     """Record uploads that bypass the Flower grid (ddpsa pushes secret shares to intermediate servers).
 
     For ddpsa the vector handed to ``share_and_push`` is exactly what all m
@@ -110,9 +113,9 @@ def _side_channel(method: str, store: dict[int, np.ndarray]) -> Iterator[None]:
 
     original = ddpsa_client.share_and_push
 
-    def recording(vector, codec, addresses, run_id, rnd, node_id, *args, **kwargs):
-        store[int(node_id)] = np.array(vector, dtype=np.float64, copy=True)
-        return original(vector, codec, addresses, run_id, rnd, node_id, *args, **kwargs)
+    def recording(vector, codec, servers, run_id, rnd, signer, *args, **kwargs):
+        store[signer.name] = np.array(vector, dtype=np.float64, copy=True)
+        return original(vector, codec, servers, run_id, rnd, signer, *args, **kwargs)
 
     ddpsa_client.share_and_push = recording
     try:

@@ -149,6 +149,7 @@ def start_intermediate_servers(
     roster: Path | Roster | DerivedRoster,
     *,
     host: str = "127.0.0.1",
+    ca: CertificateAuthority | None = None,
     startup_timeout: float = 30.0,
     extra_args: Sequence[str] = (),
     python: str = sys.executable,
@@ -156,7 +157,9 @@ def start_intermediate_servers(
     """Start ``m`` intermediate servers on free ports of ``host`` (loopback by default).
 
     ``roster`` (a roster file, or a roster to write into the cluster's folder) lists the clients
-    that may push.  ``extra_args`` go to every server (e.g. ``["--max-clients", "10"]``).
+    that may push.  ``ca`` issues the servers' TLS certificates (the deployment's CA, e.g. the one
+    ``cancelfl deploy --tls`` made for the SuperLink); None = a throwaway CA for this cluster.
+    ``extra_args`` go to every server (e.g. ``["--max-clients", "10"]``).
     Returns once every server answers ``Health``.  Use the result as a context manager
     or call ``.stop()``.
 
@@ -167,7 +170,7 @@ def start_intermediate_servers(
     if m < 1:
         raise ValueError(f"need at least one intermediate server, got m={m}")
     tmpdir = Path(tempfile.mkdtemp(prefix="ddpsa-intermediate-"))
-    ca = CertificateAuthority("cancelfl-ddpsa-ca")
+    ca = ca or CertificateAuthority("cancelfl-ddpsa-ca")
     ca.write(tmpdir)
     if not isinstance(roster, Path):
         (tmpdir / "roster.json").write_text(Roster(dict(roster)).to_json())
