@@ -360,11 +360,13 @@ class CancelStrategy(Strategy):
         The privacy ledger (every accountant, so epsilon continues where it was); a method with more
         cross-round state extends it.
         """
-        return {"privacy": self.privacy.to_state()}
+        return {"privacy": self.privacy.to_state(), "strikes": self.strikes.to_state()}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Inverse of :meth:`state_dict`, on a freshly built strategy of the same run config."""
         self.privacy = PrivacyLedger.from_state(state["privacy"])
+        if "strikes" in state:
+            self.strikes.load_state(state["strikes"])
 
     def summary(self) -> None:
         """Log the method and its key parameters."""

@@ -225,6 +225,16 @@ class Strikes:
 
         self._before: dict[int, int] = {}
 
+    def to_state(self) -> dict:
+        """JSON state (checkpoint/resume): strike counts and banned nodes, node ids as strings."""
+        return {"count": {str(n): c for n, c in self.count.items()},
+                "banned": {str(n): why for n, why in self.banned.items()}}
+
+    def load_state(self, state: Mapping) -> None:
+        """Inverse of :meth:`to_state`."""
+        self.count = {int(n): int(c) for n, c in state.get("count", {}).items()}
+        self.banned = {int(n): str(why) for n, why in state.get("banned", {}).items()}
+
     def record(self, server_round: int, excluded: Mapping[int, str], accepted: Iterable[int]) -> None:
         """The round's screening: strike every excluded node, clear the accepted ones, ban at ``max_strikes``."""
         self._before = dict(self.count)

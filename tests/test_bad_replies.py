@@ -152,3 +152,21 @@ def test_niss_oversized_share_payload_is_never_relayed(tmp_path):
     rows = read_metrics(out)
     assert relayed and max(relayed) < 1 << 20
     assert not any(r["failed"] for r in rows), [r.get("failure") for r in rows]
+
+
+def test_strikes_count_rounds_in_a_row_once_per_round_and_survive_a_checkpoint():
+    from strategies.validation import Strikes
+
+    s = Strikes(3)
+    s.record(1, {5: "nan"}, [6])
+    s.strike(1, 5, "again")  # at most one strike per round
+    s.record(2, {}, [5])  # an accepted reply clears the count
+    assert 5 not in s.count
+    for rnd in (3, 4):
+        s.record(rnd, {}, [5])
+        s.strike(rnd, 5, "its share payloads were rejected")  # struck although its own upload was accepted
+    assert s.count[5] == 2 and not s.banned
+    restored = Strikes(3)
+    restored.load_state(json.loads(json.dumps(s.to_state())))
+    restored.record(5, {5: "nan"}, [])
+    assert 5 in restored.banned and "3 rounds in a row" in restored.banned[5]
