@@ -32,3 +32,14 @@ def run_inprocess(tmp_path):
         return summary, read_metrics(Path(overrides["out-dir"]))
 
     return _go
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models: multi-threaded torch kernels are much slower on a shared 2-core machine."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

@@ -1,0 +1,133 @@
+"""The per-client privacy ledger (issue 16, item 4): persistent, composed with the project's accountants, enforced.
+
+* :class:`client.ledger.ClientLedger` survives reopening, composes Gaussian/Laplace (RDP) and
+  theorem-certified (epsilon, delta) rounds, and refuses to read a corrupt file as "nothing spent";
+* through the real ClientApp: a node whose lifetime budget (node config ``lifetime-epsilon``)
+  would be exceeded refuses to train -- in the same process, in a new run, and after a real
+  process restart (a subprocess with the same ``ledger-dir``); the run's metrics show each
+  client's figure (``client_epsilon``, ``client_epsilon_max``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from client.ledger import ClientLedger
+from protocols.config import RunConfig
+from protocols.floor import ldp_noise_std
+from protocols.privacy import DpCompositionAccountant, DpEvent, GaussianEvent, LaplaceEvent, RdpAccountant
+from server.launch import run_inprocess
+from server.local_grid import LocalGrid
+from tests.conftest import read_metrics
+from tests.test_privacy_floor import assert_all_refused, setup, train_round
+
+ROOT = Path(__file__).resolve().parent.parent
+LDP = {"num-clients": 3, "num-rounds": 3, "epsilon": 1.0, "delta": 1e-5}
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _run_epsilon(rounds: int) -> float:
+    """What ``rounds`` ldp releases of the LDP config cost a client (RDP, at delta 1e-5)."""
+    cfg = RunConfig(**{k.replace("-", "_"): v for k, v in LDP.items()}, method="ldp")
+    acc = RdpAccountant()
+    acc.compose(GaussianEvent(ldp_noise_std(cfg) / cfg.clip, count=rounds))
+    return acc.epsilon(1e-5)
+
+
+# ------------------------------------------------------------------------------ the ledger itself
+def test_ledger_persists_and_composes(tmp_path):
+    with ClientLedger.open(tmp_path, 3) as led:
+        led.record(11, "ldp", 1, {"uplink/client": GaussianEvent(2.0)})
+        led.record(11, "ldp", 2, {"uplink/client": GaussianEvent(2.0)})
+    with ClientLedger.open(tmp_path, 3, write=False) as led:  # a fresh read of the file
+        assert led.rounds(11) == [1, 2] and led.rounds(12) == []
+        ref = RdpAccountant()
+        ref.compose(GaussianEvent(2.0, count=2))
+        assert led.spent(1e-5)["uplink/client"] == pytest.approx(ref.epsilon(1e-5), rel=1e-12)
+        after = led.projected({"uplink/client": GaussianEvent(2.0)}, 1e-5)
+        ref.compose(GaussianEvent(2.0))
+        assert after["uplink/client"] == pytest.approx(ref.epsilon(1e-5), rel=1e-12)
+        assert led.rounds(11) == [1, 2]  # projecting changes nothing
+    # Laplace rounds (RDP) and certified (eps, delta) rounds (basic composition) add up at delta/2 each.
+    with ClientLedger.open(tmp_path, 4) as led:
+        led.record(1, "ddpsa", 1, {"uplink/record": LaplaceEvent(0.3)})
+        led.record(2, "mpddp", 1, {"uplink/record": DpEvent(0.2, 1e-7)})
+        rdp, dp = RdpAccountant([LaplaceEvent(0.3)]), DpCompositionAccountant([DpEvent(0.2, 1e-7)])
+        assert led.spent(1e-5)["uplink/record"] == pytest.approx(rdp.epsilon(5e-6) + dp.epsilon(5e-6), rel=1e-12)
+    assert json.loads(ClientLedger.file_for(tmp_path, 4).read_text())["runs"]["2"]["method"] == "mpddp"
+
+
+def test_corrupt_ledger_is_not_read_as_empty(tmp_path):
+    ClientLedger.file_for(tmp_path, 0).write_text("{not json")
+    with pytest.raises(ValueError, match="unreadable"), ClientLedger.open(tmp_path, 0):
+        pass
+
+
+# ------------------------------------------------------------------------------ through the ClientApp
+def test_budget_would_be_exceeded_mid_run_refused(tmp_path):
+    """Lifetime between the cost of 2 and 3 rounds: rounds 1-2 train, round 3 is refused by every client."""
+    budget = (_run_epsilon(2) + _run_epsilon(3)) / 2
+    cfg, grid = setup("ldp", node_config={"ledger-dir": str(tmp_path), "lifetime-epsilon": budget}, **LDP)
+    from strategies.registry import build_strategy
+
+    strategy = build_strategy(cfg)
+    for rnd in (1, 2):
+        assert all(not r.has_error() for r in train_round(strategy, cfg, grid, rnd))
+    assert_all_refused(train_round(strategy, cfg, grid, 3), "lifetime-epsilon")
+
+
+def test_spent_ledger_refuses_in_a_new_run_and_the_metrics_show_it(tmp_path):
+    """Run 1 spends the whole lifetime budget (metrics show it per client); run 2 on the same ledger is refused."""
+    ledger = tmp_path / "ledgers"
+    node_config = {"ledger-dir": str(ledger), "lifetime-epsilon": _run_epsilon(3) * 1.001}
+
+    def grid(app, n, raw):
+        return LocalGrid(app, n, raw, node_config=node_config)
+
+    base = {**LDP, "method": "ldp", "local-epochs": 1, "train-subset": 300, "test-subset": 100, "hidden": ""}
+    run_inprocess({**base, "out-dir": str(tmp_path / "run1")}, progress=lambda _s: None, grid_factory=grid)
+    rows = read_metrics(tmp_path / "run1")
+    assert [len(r["client_epsilon"]) for r in rows] == [3, 3, 3]
+    assert rows[-1]["client_epsilon_max"] == pytest.approx(_run_epsilon(3), rel=1e-9)
+    assert rows[0]["client_epsilon_max"] == pytest.approx(_run_epsilon(1), rel=1e-9)
+    assert sorted(p.name for p in ledger.glob("*.json")) == ["client-0.json", "client-1.json", "client-2.json"]
+
+    cfg, grid2 = setup("ldp", node_config=node_config, **LDP)
+    from strategies.registry import build_strategy
+
+    assert_all_refused(train_round(build_strategy(cfg), cfg, grid2), "lifetime-epsilon")
+
+
+_RESTART = """
+import json, sys
+sys.path.insert(0, {root!r})
+from tests.test_privacy_floor import setup, train_round
+from strategies.registry import build_strategy
+cfg, grid = setup("ldp", node_config={node_config!r}, **{ldp!r})
+replies = train_round(build_strategy(cfg), cfg, grid)
+print(json.dumps([r.error.reason if r.has_error() else None for r in replies]))
+"""
+
+
+def test_spent_ledger_refuses_after_a_process_restart(tmp_path):
+    """The same node, restarted as a new OS process with the same ledger-dir, still refuses."""
+    node_config = {"ledger-dir": str(tmp_path), "lifetime-epsilon": _run_epsilon(1) * 1.001}
+    cfg, grid = setup("ldp", node_config=node_config, **LDP)
+    from strategies.registry import build_strategy
+
+    assert all(not r.has_error() for r in train_round(build_strategy(cfg), cfg, grid))  # spends the budget
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    code = _RESTART.format(root=str(ROOT), node_config=node_config, ldp=LDP)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    reasons = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(reasons) == 3
+    assert all(r is not None and "privacy floor" in r and "lifetime-epsilon" in r for r in reasons), reasons

@@ -1,0 +1,217 @@
+"""The client's privacy floor (issue 16, item 1): a malicious server gets a refusal, never a weaker upload.
+
+Every test drives the real ClientApp (``client.app``) through the in-process grid with a
+*malicious strategy*: a subclass of the method's real strategy that sends less noise
+(nadp sigma / lambda, ldp noise std, ddpsa eps_t, mpddp scales), replays a round or
+runs past ``num-rounds``, or a run config beyond the node's own policy.  Every client
+of every method must answer with an error naming the parameter, and no upload.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, Message
+
+from client.app import app as client_app
+from client.data import dataset_for
+from client.messages.baselines import LocalDpNoise
+from client.messages.common import TrainIns
+from client.messages.ledger import SpentReport
+from client.messages.mpddp import NaiveNoise
+from client.models import build_model, get_weights
+from client.wire import to_record
+from protocols.config import RunConfig
+from protocols.floor import FloorPolicy, FloorViolation, ddpsa_round_epsilon, ldp_noise_std
+from protocols.methods import METHOD_NAMES, method_spec
+from server.defaults import app_defaults
+from server.local_grid import LocalGrid
+from strategies.base import CancelStrategy
+from strategies.baselines import LocalDPStrategy
+from strategies.ddpsa import DdpsaStrategy
+from strategies.mpddp import MpddpStrategy, MpdpNaiveStrategy
+from strategies.nadp import NadpStrategy
+from strategies.registry import build_strategy
+
+#: Small and fast: a linear model (mlp with one hidden layer for the mpddp family), one full-batch step.
+FAST = {"num-clients": 4, "num-rounds": 3, "local-epochs": 1, "batch-size": 1000, "hidden": "", "train-subset": 400,
+        "test-subset": 100}
+PER_METHOD = {"mpddp": {"hidden": "8"}, "mpdp-naive": {"hidden": "8"}, "mpcdp": {"hidden": "8"}}
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def ddpsa_servers():
+    """Real local intermediate servers (TLS, roster) for the DDP-SA clients' own configuration."""
+    from server.intermediate.launcher import local_intermediate_servers
+
+    with local_intermediate_servers(RunConfig.from_mapping({**app_defaults(), **FAST, "method": "ddpsa"})) as cfg:
+        PER_METHOD["ddpsa"] = {"ddpsa-servers": cfg.ddpsa_servers, "ddpsa-ca": cfg.ddpsa_ca,
+                               "ddpsa-server-key": cfg.ddpsa_server_key}
+        yield cfg
+        del PER_METHOD["ddpsa"]
+
+
+@pytest.fixture
+def methods_ready(request):
+    """Start the DDP-SA servers when a parametrised test needs them."""
+    if request.node.callspec.params.get("method") == "ddpsa":
+        request.getfixturevalue("ddpsa_servers")
+
+
+def setup(method: str, node_config: dict | None = None, **overrides) -> tuple[RunConfig, LocalGrid]:
+    raw = {**app_defaults(), **FAST, **PER_METHOD.get(method, {}), "method": method, **overrides}
+    cfg = RunConfig.from_mapping(raw)
+    return cfg, LocalGrid(client_app, cfg.num_clients, raw, node_config=node_config)
+
+
+def initial(cfg: RunConfig, strategy: CancelStrategy) -> ArrayRecord:
+    ds = dataset_for(cfg)
+    model = build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed)
+    return to_record(get_weights(model), strategy.wire_dtype)
+
+
+def train_round(strategy: CancelStrategy, cfg: RunConfig, grid: LocalGrid, rnd: int = 1) -> list[Message]:
+    """One round's train replies (the strategy's own extra phases included)."""
+    arrays = initial(cfg, strategy)
+    msgs = list(strategy.configure_train(rnd, arrays, TrainIns(rnd).to_config(), grid))
+    assert msgs
+    return list(grid.send_and_receive(msgs))
+
+
+def assert_all_refused(replies: list[Message], parameter: str) -> None:
+    assert replies
+    for r in replies:
+        assert r.has_error(), f"node {r.metadata.src_node_id} uploaded: {list(r.content.keys())}"
+        assert "privacy floor" in r.error.reason and parameter in r.error.reason, r.error.reason
+
+
+# ------------------------------------------------------------------------- malicious strategies
+class QuietLdp(LocalDPStrategy):
+    """Announces a noise std a million times smaller."""
+
+    def train_config(self, server_round: int) -> ConfigRecord:
+        rec = super().train_config(server_round)
+        rec.update(LocalDpNoise(self.z * self.cfg.clip * 1e-6).to_config())
+        return rec
+
+
+def nadp_cut(field: str, factor: float) -> type[NadpStrategy]:
+    class QuietNadp(NadpStrategy):
+        def plan_round(self, keys):
+            st = super().plan_round(keys)
+            plan = st.plan
+            value = ({n: s * factor for n, s in plan.ldp_stds.items()} if field == "ldp_stds"
+                     else getattr(plan, field) * factor)
+            st.plan = dataclasses.replace(plan, **{field: value})
+            return st
+    return QuietNadp
+
+
+class LoudDdpsa(DdpsaStrategy):
+    """Asks for eps_t = 1e9 (Laplace noise std ~1e-9)."""
+
+    def epsilon_of_round(self, server_round: int) -> float:
+        return 1e9
+
+
+def mpddp_cut(which: str) -> type[MpddpStrategy]:
+    class QuietMpddp(MpddpStrategy):
+        def round_noise(self, state):
+            noise = super().round_noise(state)
+            return dataclasses.replace(noise, **{which: getattr(noise, which) * 1e-6})
+    return QuietMpddp
+
+
+class QuietNaive(MpdpNaiveStrategy):
+    def round_noise(self, state):
+        return NaiveNoise(super().round_noise(state).sigma * 1e-6)
+
+
+ATTACKS = [
+    ("ldp", {}, QuietLdp, "noise-std"),
+    ("nadp", {}, nadp_cut("sigma_up", 1e-9), "nadp-sigma-up"),
+    ("nadp", {}, nadp_cut("sigma_down", 1e-9), "nadp-sigma-down"),
+    ("nadp", {"nadp-lambda": 3.0}, nadp_cut("lam", 1 / 3), "nadp-lambda"),
+    ("nadp", {"nadp-variant": "record-ldp"}, nadp_cut("ldp_stds", 1e-9), "nadp-ldp-stds"),
+    ("ddpsa", {}, LoudDdpsa, "ddpsa-epsilon"),
+    ("mpddp", {}, mpddp_cut("sigma_eta"), "mpddp-sigma-eta"),
+    ("mpddp", {}, mpddp_cut("sigma_delta"), "mpddp-sigma-delta"),
+    ("mpdp-naive", {}, QuietNaive, "mpddp-sigma"),
+]
+
+
+@pytest.mark.parametrize(("method", "extra", "strategy_cls", "parameter"), ATTACKS,
+                         ids=[f"{m}-{p}" for m, _, _, p in ATTACKS])
+def test_less_noise_from_the_server_is_refused_by_every_client(method, extra, strategy_cls, parameter, methods_ready):
+    cfg, grid = setup(method, **extra)
+    replies = train_round(strategy_cls(cfg), cfg, grid)
+    assert len(replies) == cfg.clients_per_round
+    assert_all_refused(replies, parameter)
+
+
+def test_honest_servers_pass_the_floor_and_clients_report_their_spending():
+    """The real strategies: every client uploads and reports its lifetime epsilon (inf where uploads have no DP)."""
+    for method in ("ldp", "nadp", "niss", "mpddp", "mpdp-naive", "ladp"):
+        cfg, grid = setup(method)
+        replies = train_round(build_strategy(cfg), cfg, grid)
+        for r in replies:
+            assert not r.has_error(), f"{method}: {r.error.reason}"
+            spent = SpentReport.from_metrics(r.content["metrics"])
+            assert spent is not None and spent.releases == 1, method
+            if method_spec(method).privacy.uplink is None:  # the MP family: Psi/Phi go up un-noised
+                assert spent.epsilon == np.inf, method
+            else:
+                assert 0 < spent.epsilon < np.inf, method
+
+
+def test_client_noise_is_its_own_not_the_servers():
+    """A server announcing *more* noise does not change what the client computes (nor does a smaller one pass)."""
+    cfg, _ = setup("ldp")
+    assert ldp_noise_std(cfg) == pytest.approx(LocalDPStrategy(cfg).z * cfg.clip)
+    assert ddpsa_round_epsilon(cfg.replace(method="ddpsa"), 1) == pytest.approx(cfg.epsilon / cfg.num_rounds)
+
+
+# --------------------------------------------------------------------------- rounds and policy
+@pytest.mark.parametrize("method", [m for m in METHOD_NAMES if m not in ("fedavg", "cdp", "mpcdp")])
+def test_rounds_beyond_the_budget_are_refused(method, methods_ready):
+    """A server that runs round T+1 (the noise is calibrated for T releases) gets a refusal from every client."""
+    cfg, grid = setup(method)
+
+    class Longer(type(build_strategy(cfg))):
+        def epsilon_of_round(self, server_round: int) -> float:  # DDP-SA's schedule has T entries
+            return super().epsilon_of_round(min(server_round, self.cfg.num_rounds))
+
+    assert_all_refused(train_round(Longer(cfg), cfg, grid, rnd=cfg.num_rounds + 1), "round")
+
+
+def test_a_replayed_round_is_refused():
+    """The same round number twice in one run would release the data again: refused."""
+    cfg, grid = setup("nadp")
+    strategy = build_strategy(cfg)
+    first = train_round(strategy, cfg, grid)
+    assert all(not r.has_error() for r in first)
+    assert_all_refused(train_round(strategy, cfg, grid), "round")
+
+
+@pytest.mark.parametrize("method", METHOD_NAMES)
+def test_node_policy_refuses_a_run_config_beyond_it(method, methods_ready):
+    """Node config max-epsilon-per-run below the run's epsilon: every client of every method refuses."""
+    cfg, grid = setup(method, node_config={"max-epsilon-per-run": 0.5}, epsilon=1.0)
+    replies = train_round(build_strategy(cfg), cfg, grid)
+    # Methods whose uploads carry no guarantee (fedavg, cdp, the MP family) are refused as such.
+    assert_all_refused(replies, "epsilon" if method_spec(method).privacy.uplink is not None else "method")
+
+
+def test_node_policy_clip_and_unprotected_methods():
+    with pytest.raises(FloorViolation, match="clip"):
+        FloorPolicy(max_clip=1.0).check_run(RunConfig(clip=2.0), protected=True)
+    with pytest.raises(FloorViolation, match="method"):
+        FloorPolicy(lifetime_epsilon=5.0).check_run(RunConfig(method="cdp"), protected=False)
+    FloorPolicy().check_run(RunConfig(method="fedavg"), protected=False)  # no policy: nothing required
+    with pytest.raises(ValueError, match="max-clip"):
+        FloorPolicy.from_node_config({"max-clip": "-1"})
