@@ -166,10 +166,10 @@ class _RecordingGrid(LocalGrid):
         return replies
 
 
-def _one_round(method: str, make_strategy, **over):
+def _one_round(method: str, make_strategy, identities: bool = True, **over):
     raw = {**app_defaults(), "method": method, "num-clients": N, **over}
     cfg = RunConfig.from_mapping(raw)
-    grid = _RecordingGrid(client_app, N, raw)
+    grid = _RecordingGrid(client_app, N, raw, identities=identities)
     strategy = make_strategy(cfg)
     ds = dataset_for(cfg)
     arrays = to_record(get_weights(build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes,
@@ -209,8 +209,9 @@ def test_unsigned_and_unknown_keys_are_refused(how, reason):
     assert isinstance(failure, RoundFailed) and len(grid.errors) == N and all(reason in r for r in grid.errors)
 
 
-def test_honest_round_with_identities_cancels():
-    grid, strategy, failure = _one_round("nadp", NadpStrategy, **{"cancellation-check": True})
+@pytest.mark.parametrize("identities", [True, False], ids=["cancelfl-keys", "simulation-derived"])
+def test_honest_round_with_identities_cancels(identities):
+    grid, strategy, failure = _one_round("nadp", NadpStrategy, identities, **{"cancellation-check": True})
     assert failure is None and grid.errors == [] and strategy.round_report()["cancellation_residual"] < 1e-9
 
 
