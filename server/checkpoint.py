@@ -50,7 +50,9 @@ ERROR_FILE = "error.json"
 OUTPUT_FILES = ("metrics.jsonl", "summary.json", "model.npz", "model.json", "report.md", "accuracy.png",
                 "epsilon.png", "noise.png", ERROR_FILE, CHECKPOINT_JSON)
 #: Run-config keys a resumed run may change (where things are, not what is computed).
-RESUME_MAY_CHANGE = ("out-dir", "resume", "data-dir", "ddpsa-servers", "round-timeout")
+#: Where the DDP-SA servers of a run are (those the launcher started are gone after a crash).
+LOCATION_KEYS = ("ddpsa-servers", "ddpsa-ca", "ddpsa-server-key")
+RESUME_MAY_CHANGE = ("out-dir", "resume", "data-dir", "round-timeout", *LOCATION_KEYS)
 #: Folder of the default run folders, relative to the working directory.
 RUNS_ROOT = Path("runs")
 
@@ -238,7 +240,8 @@ def resume_overrides(out_dir: str | Path, overrides: Mapping[str, Any]) -> dict[
     if bad:
         raise ResumeError(f"--resume continues the stored run config; these keys cannot change: {', '.join(bad)} "
                           f"(only {', '.join(RESUME_MAY_CHANGE)} may)")
-    stored = {k: v for k, v in ckpt.config.items() if k not in ("ddpsa-servers",)}
+    # DDP-SA servers the launcher started for the crashed run are gone: new ones (unless given again).
+    stored = {k: v for k, v in ckpt.config.items() if k not in LOCATION_KEYS}
     return {**stored, **overrides, "out-dir": str(Path(out_dir).resolve()), "resume": True}
 
 

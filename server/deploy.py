@@ -100,7 +100,7 @@ class Processes:
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed in close()
         self._logs.append(log)
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=APP_DIR,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_die_with_parent)
         self.procs.append((name, proc))
         return proc
 
@@ -151,9 +151,22 @@ class Processes:
         self._logs.clear()
 
 
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM it when the launcher dies, even by SIGKILL (no cleanup ran)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
 def marked_pids(mark: str) -> list[int]:
     """Pids of live processes whose environment holds ``LAUNCH_MARK=mark`` (empty where there is no /proc)."""
-    needle = f"{LAUNCH_MARK}={mark}".encode()
+    return pids_with_env(LAUNCH_MARK, mark)
+
+
+def pids_with_env(name: str, value: str) -> list[int]:
+    """Pids of live processes (not this one) whose environment holds ``name=value`` (empty without /proc)."""
+    needle = f"{name}={value}".encode()
     me, pids = os.getpid(), []
     proc = Path("/proc")
     for entry in proc.iterdir() if proc.is_dir() else ():

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -139,12 +141,27 @@ def main(argv: list[str] | None = None) -> int:
 
     keys.add_arguments(sub.add_parser("keys", help="make node identities (Ed25519) and the roster"))
     args = parser.parse_args(argv)
+    if threading.current_thread() is not threading.main_thread():
+        return _main(args)
+    previous = signal.signal(signal.SIGTERM, _terminated)  # run the cleanup (finally blocks) on `kill`, as on Ctrl-C
+    try:
+        return _main(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: argparse.Namespace) -> int:
+    """:func:`main` after parsing."""
     if args.command == "keys":
+        from server import keys
+
         return keys.run(args)
 
     try:
         overrides = parse_run_config(args.run_config)
         if args.command == "compare":
+            from server import compare
+
             RunConfig.from_mapping({**app_defaults(), **overrides})  # fail fast, naming the bad key
             return compare.main(args, overrides)
         if args.resume:
@@ -180,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     if code and (Path(out) / CHECKPOINT_JSON).is_file() and not (Path(out) / "summary.json").is_file():
         print(f"cancelfl: continue it with: cancelfl {args.command} --resume {out}", file=sys.stderr)
     return code
+
+
+def _terminated(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _inprocess_exit(overrides: dict) -> int:

@@ -112,7 +112,6 @@ def run_observed(overrides: dict, *, hooks: Sequence[Hook] = (), keep_strategy: 
     """Run one federation in-process through :func:`server.launch.run_inprocess` with an observed grid."""
     from server.launch import run_inprocess
 
-    out_dir = str(overrides.get("out-dir", "runs/latest"))
     grids: list[ObservedLocalGrid] = []
     strategies: list = []
 
@@ -123,4 +122,5 @@ def run_observed(overrides: dict, *, hooks: Sequence[Hook] = (), keep_strategy: 
         return grid
 
     summary = run_inprocess(overrides, progress=progress, grid_factory=factory, keep_strategy=strategies)
+    out_dir = str(summary["config"]["out-dir"])  # the run's folder (a fresh runs/<time>-<method> when not given)
     return Observed(summary, _read_rows(out_dir), grids[0], strategies[0] if keep_strategy else None)
