@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "ClippedSum",
+    "PerExampleClipper",
     "clipped_grad_sum",
     "cross_entropy",
     "fast_path_blocker",
@@ -77,25 +78,68 @@ def clipped_grad_sum(model: nn.Module, x: Tensor, y: Tensor, clip: float, *, nor
 
     Frozen parameters get zero gradients and do not count in the norm. ``clip`` may be
     ``math.inf`` (plain gradient sum). Layer-wise fast path where the model allows it,
-    else :func:`vmap_clipped_grad_sum`.
+    else :func:`vmap_clipped_grad_sum`.  For a training loop, build one
+    :class:`PerExampleClipper` and call it per batch (it inspects the model once).
     """
-    if norm not in ("l2", "l1"):
-        raise ValueError(f"norm must be 'l2' or 'l1', got {norm!r}")
-    if not clip > 0:
-        raise ValueError(f"clip must be > 0, got {clip!r}")
-    if y.shape[0] == 0 or x.shape[0] != y.shape[0]:
-        raise ValueError("need a non-empty batch with one target per input")
-    layers = _trainable_layers(model)
-    if not layers:
-        raise ValueError("the model has no trainable parameters")
-    if not isinstance(layers, str):
-        result = _layerwise_clipped_sum(model, layers, x, y, clip, norm, loss)
-        if isinstance(result, ClippedSum):
-            _log_once(model, "layer-wise")
-            return result
-        layers = result
-    _log_once(model, f"vmap ({layers})")
-    return vmap_clipped_grad_sum(model, x, y, clip, norm=norm, loss=loss)
+    with PerExampleClipper(model, clip, norm=norm, loss=loss) as clipper:
+        return clipper(x, y)
+
+
+class PerExampleClipper:
+    """:func:`clipped_grad_sum` for many batches of one model: the layers are inspected and hooked once.
+
+    At batch 32 on a small MLP, inspecting the model and adding and removing hooks at every step
+    cost as much as the step's arithmetic; a training loop builds one clipper and calls it per
+    batch.  Use as a context manager (or call :meth:`close`) to remove its forward hooks.
+    """
+
+    def __init__(self, model: nn.Module, clip: float, *, norm: Norm = "l2",
+                 loss: PerExampleLoss = cross_entropy) -> None:
+        if norm not in ("l2", "l1"):
+            raise ValueError(f"norm must be 'l2' or 'l1', got {norm!r}")
+        if not clip > 0:
+            raise ValueError(f"clip must be > 0, got {clip!r}")
+        self.model, self.clip, self.norm, self.loss = model, float(clip), norm, loss
+        self.params = list(model.parameters())
+        layers = _trainable_layers(model)
+        if not layers:
+            raise ValueError("the model has no trainable parameters")
+        self._layers: list[nn.Module] | None = None if isinstance(layers, str) else layers
+        self._blocker: str | None = layers if isinstance(layers, str) else None
+        self._recorder: _Recorder | None = None
+        self._logged = False
+        if self._layers is not None:
+            self._recorder = _Recorder(self._layers)
+
+    def __call__(self, x: Tensor, y: Tensor) -> ClippedSum:
+        """``sum_i clip(g_i, C)`` over the batch ``(x, y)`` (see :func:`clipped_grad_sum`)."""
+        if y.shape[0] == 0 or x.shape[0] != y.shape[0]:
+            raise ValueError("need a non-empty batch with one target per input")
+        if self._recorder is not None:
+            assert self._layers is not None
+            result = _layerwise_clipped_sum(self.model, self._layers, self._recorder, self.params, x, y, self.clip,
+                                            self.norm, self.loss)
+            if isinstance(result, ClippedSum):
+                if not self._logged:
+                    _log_once(self.model, "layer-wise")
+                    self._logged = True
+                return result
+            self._blocker = result  # this forward does not fit the fast path: fall back for good
+            self.close()
+        _log_once(self.model, f"vmap ({self._blocker})")
+        return vmap_clipped_grad_sum(self.model, x, y, self.clip, norm=self.norm, loss=self.loss)
+
+    def close(self) -> None:
+        """Remove the forward hooks (the clipper then takes the vmap path if called again)."""
+        if self._recorder is not None:
+            self._recorder.remove()
+            self._recorder = None
+
+    def __enter__(self) -> PerExampleClipper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def fast_path_blocker(model: nn.Module) -> str | None:
@@ -148,14 +192,51 @@ class _Site:
     calls: int = 1
 
 
-def _layerwise_clipped_sum(model: nn.Module, layers: list[nn.Module], x: Tensor, y: Tensor, clip: float, norm: Norm,
-                           loss: PerExampleLoss) -> ClippedSum | str:
+class _Recorder:
+    """Forward hooks on the supported layers, recording their sites only while :meth:`forward` runs."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        self.sites: dict[int, _Site] | None = None
+        self.copy_outputs = False
+        self.handles = [m.register_forward_hook(self._hook) for m in layers]
+
+    def _hook(self, module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> Tensor:
+        sites = self.sites
+        if sites is None:  # a forward outside the clipper (e.g. evaluation): not recorded
+            return output
+        site = sites.get(id(module))
+        if site is not None:
+            site.calls += 1
+            return output
+        sites[id(module)] = _Site(module, args[0].detach() if args else None, output, output._version)
+        return output.clone() if self.copy_outputs else output
+
+    def forward(self, model: nn.Module, x: Tensor, y: Tensor, loss: PerExampleLoss, *,
+                copy_outputs: bool) -> tuple[dict[int, _Site], Tensor]:
+        """Run the model once; returns the recorded sites and the per-example losses."""
+        self.sites, self.copy_outputs = {}, copy_outputs
+        try:
+            with torch.enable_grad():
+                losses = loss(model(x), y)
+            return self.sites, losses
+        finally:
+            self.sites = None
+
+    def remove(self) -> None:
+        """Remove the hooks."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def _layerwise_clipped_sum(model: nn.Module, layers: list[nn.Module], recorder: _Recorder, params: list[nn.Parameter],
+                           x: Tensor, y: Tensor, clip: float, norm: Norm, loss: PerExampleLoss) -> ClippedSum | str:
     """The fast path; returns the reason instead when the forward does not fit it."""
     n = y.shape[0]
-    sites, losses = _forward(model, layers, x, y, loss, copy_outputs=False)
+    sites, losses = recorder.forward(model, x, y, loss, copy_outputs=False)
     if any(s.output._version != s.version for s in sites.values()):
         # an in-place op (e.g. ReLU(inplace=True)) overwrote a layer output: keep a copy instead
-        sites, losses = _forward(model, layers, x, y, loss, copy_outputs=True)
+        sites, losses = recorder.forward(model, x, y, loss, copy_outputs=True)
     for m in layers:
         site = sites.get(id(m))
         if site is None or site.calls != 1:
@@ -169,36 +250,15 @@ def _layerwise_clipped_sum(model: nn.Module, layers: list[nn.Module], x: Tensor,
     with torch.no_grad():
         forms = [_form(sites[id(m)], torch.zeros_like(z) if d is None else d)
                  for m, z, d in zip(layers, outputs, deltas, strict=True)]
-        norms = sum(f.norm_term(norm) for f in forms[1:]) + forms[0].norm_term(norm)
+        norms = forms[0].norm_term(norm)
+        for f in forms[1:]:
+            norms = norms + f.norm_term(norm)
         if norm == "l2":
             norms = norms.sqrt()
         scale = (clip / norms).clamp_(max=1.0)  # 1 / max(1, norm / clip); a zero gradient gets scale 1
         grads = {key: g for f in forms for key, g in f.clipped_sum(scale).items()}
-        out = [grads[id(p)] if id(p) in grads else torch.zeros_like(p) for p in model.parameters()]
+        out = [grads[id(p)] if id(p) in grads else torch.zeros_like(p) for p in params]
     return ClippedSum(out, losses.detach(), int((norms > clip).sum()))
-
-
-def _forward(model: nn.Module, layers: list[nn.Module], x: Tensor, y: Tensor, loss: PerExampleLoss, *,
-             copy_outputs: bool) -> tuple[dict[int, _Site], Tensor]:
-    """Run the model once with hooks on ``layers``; returns their sites and the per-example losses."""
-    sites: dict[int, _Site] = {}
-
-    def hook(module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> Tensor:
-        site = sites.get(id(module))
-        if site is not None:
-            site.calls += 1
-            return output
-        sites[id(module)] = _Site(module, args[0].detach() if args else None, output, output._version)
-        return output.clone() if copy_outputs else output
-
-    handles = [m.register_forward_hook(hook) for m in layers]
-    try:
-        with torch.enable_grad():
-            losses = loss(model(x), y)
-    finally:
-        for h in handles:
-            h.remove()
-    return sites, losses
 
 
 class _LinearForm:

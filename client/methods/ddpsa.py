@@ -54,7 +54,7 @@ from client.messages.ddpsa import DdpsaRound, ShareReceipt
 from client.wire import from_record
 from protocols.ddpsa import laplace_noise
 from protocols.floor import FloorViolation, at_most, ddpsa_round_epsilon
-from protocols.per_example import clipped_grad_sum
+from protocols.per_example import PerExampleClipper
 from protocols.privacy import LaplaceEvent, laplace_scale
 
 #: Per-sample clipped gradients are summed this many samples at a time (bounds memory).
@@ -81,13 +81,13 @@ def clipped_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: f
     sums = [torch.zeros(p.shape, dtype=torch.float64) for _, p in model.named_parameters()]
     clipped, loss_sum = 0, 0.0
     model.eval()  # no dropout/batch-norm in our models; per-sample grads need a per-sample forward
-    for start in range(0, len(yt), CHUNK):
-        xb, yb = xt[start:start + CHUNK], yt[start:start + CHUNK]
-        grads, losses, n_clipped = clipped_grad_sum(model, xb, yb, clip, norm="l1")  # cross-entropy per sample
-        clipped += n_clipped
-        for acc, g in zip(sums, grads, strict=True):
-            acc += g.to(torch.float64)
-        loss_sum += float(losses.sum(dtype=torch.float64))
+    with PerExampleClipper(model, clip, norm="l1") as clip_sum:  # cross-entropy per sample
+        for start in range(0, len(yt), CHUNK):
+            grads, losses, n_clipped = clip_sum(xt[start:start + CHUNK], yt[start:start + CHUNK])
+            clipped += n_clipped
+            for acc, g in zip(sums, grads, strict=True):
+                acc += g.to(torch.float64)
+            loss_sum += float(losses.sum(dtype=torch.float64))
     vec = torch.cat([s.reshape(-1) for s in sums]).numpy()
     return vec, loss_sum / max(len(yt), 1), clipped / max(len(yt), 1)
 

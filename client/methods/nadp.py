@@ -58,7 +58,7 @@ from protocols.floor import FloorViolation, NadpFloor, at_least, nadp_floor
 from protocols.graphs import round_graph
 from protocols.nadp import nadp_upload
 from protocols.pairwise import pairwise_noise
-from protocols.per_example import clipped_grad_sum
+from protocols.per_example import PerExampleClipper
 from protocols.prg import gaussian
 from protocols.privacy import GaussianEvent
 
@@ -93,11 +93,12 @@ def clipped_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, 
     params = list(model.parameters())
     model.train()
     last, clipped, seen = 0.0, 0, 0
+    clip_sum = PerExampleClipper(model, clip)  # inspects and hooks the model once, not per step
     for _ in range(epochs):
         total, count = 0.0, 0
         for idx in batches(len(yt), batch_size, rng):
             ix = torch.as_tensor(idx, device=xt.device)
-            grads, losses, n_clipped = clipped_grad_sum(model, xt[ix], yt[ix], clip)
+            grads, losses, n_clipped = clip_sum(xt[ix], yt[ix])
             with torch.no_grad():
                 for p, g in zip(params, grads, strict=True):
                     p -= (lr / len(idx)) * g
@@ -106,6 +107,7 @@ def clipped_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, 
             clipped += n_clipped
             seen += len(idx)
         last = total / max(count, 1)
+    clip_sum.close()
     return last, clipped / max(seen, 1)
 
 
