@@ -2,8 +2,9 @@
 
     cancelfl compare --engine simulation --methods fedavg,ldp,cdp,nadp,nadp-record-ldp --epsilon 1 --out runs/compare
 
-Each method runs with the same federation (dataset, clients, rounds, seed) and the same
-whole-run privacy target ``epsilon``, in its own folder ``<out>/<method>``; then
+Each method runs with the same federation (dataset, clients, seed), the same whole-run privacy
+target ``epsilon`` and its own default regime (rounds, local steps, learning rate: the keys left
+``"auto"``, :func:`protocols.methods.regime`), in its own folder ``<out>/<method>``; then
 :func:`server.report.write_report` writes ``<out>/report.md`` with the accuracy per round
 of every method, the epsilon each spent in both directions, and the noise in one upload
 against the noise left in the model -- what noise that cancels on aggregation buys.
@@ -27,23 +28,16 @@ from pathlib import Path
 from protocols.config import RunConfig
 from server.benchmarks.common import VARIANTS, method_config
 from server.defaults import app_defaults
-from server.report import write_report
+from server.report import RunData, write_report
 
 DEFAULT_METHODS = "fedavg,ldp,cdp,nadp,nadp-record-ldp"
-
-#: The README's "Settings that work per method" for the methods whose own defaults do not fit them yet
-#: (issue 18 item 1 moves these into each method's default regime; an explicit --run-config key wins).
-README_SETTINGS: dict[str, dict] = {
-    "nadp": {"local-epochs": 1, "batch-size": 1000, "hidden": "", "lr": 2.0},
-}
-
 
 def method_runs(names: list[str], epsilon: float, out: Path, overrides: dict) -> dict[str, dict]:
     """Run-config overrides of every compared method (label -> overrides)."""
     runs = {}
     for name in names:
         method, extra = method_config(name)
-        runs[name] = {**README_SETTINGS.get(method, {}), **extra, **overrides, "method": method,
+        runs[name] = {**extra, **overrides, "method": method,
                       "epsilon": float(epsilon), "out-dir": str(out / name)}
     return runs
 
@@ -83,10 +77,11 @@ def compare(names: list[str], *, epsilon: float, out: Path, engine: str = "inpro
             notes.append(f"`{name}` did not finish (exit code {code}); its folder: {cfg['out-dir']}")
     if not done:
         raise RuntimeError("no method finished; nothing to report")
-    for name in done:
-        method, _ = method_config(name)
-        settings = {k: v for k, v in runs[name].items() if k not in ("out-dir", "epsilon")}
-        notes.append(f"`{name}` ran with " + " ".join(f"{k}={v!r}" for k, v in settings.items()))
+    for name, folder in done.items():
+        settings = {k: v for k, v in runs[name].items() if k not in ("out-dir", "epsilon", "method")}
+        regime = RunData.load(name, folder).summary.get("regime", {})
+        notes.append(f"`{name}`: method's regime " + (" ".join(f"{k}={v!r}" for k, v in regime.items()) or "-")
+                     + ("; set: " + " ".join(f"{k}={v!r}" for k, v in settings.items()) if settings else ""))
     notes.append(f"engine: {engine}; total wall time {time.perf_counter() - t0:.0f} s")
     return write_report(done, out, title=f"cancelfl: methods side by side at epsilon = {epsilon:g}",
                         command=command, notes=notes)

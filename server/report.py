@@ -160,15 +160,17 @@ def _fmt(v: float | None, digits: int = 3, none: str = "none") -> str:
 
 def summary_table(runs: Sequence[RunData]) -> list[str]:
     """Markdown table of the final figures of each run."""
-    lines = ["| method | final accuracy | epsilon: upload (server's view) | epsilon: published model | "
-             "noise std in one upload | noise std left in the model | upload / model noise | time (s) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | final accuracy | rounds | privacy unit | epsilon: upload (server's view) | "
+             "epsilon: published model | noise std in one upload | noise std left in the model | upload / model noise "
+             "| time (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         up, model = run.noise()
         ratio = (f"{up / model:.3g}" if up and model else ("-" if not up else "inf"))
         total = run.summary.get("total_time_s")
         lines.append(
-            f"| {run.name} | {_fmt(run.last('test_accuracy'))} | {_fmt(run.last('epsilon_uplink'))} | "
+            f"| {run.name} | {_fmt(run.last('test_accuracy'))} | {len(run.rows)} | "
+            f"{run.rows[-1].get('privacy_unit', '-') if run.rows else '-'} | {_fmt(run.last('epsilon_uplink'))} | "
             f"{_fmt(run.last('epsilon_downlink'))} | {_fmt(up, none='n/a')} | {_fmt(model, none='n/a')} | {ratio} | "
             f"{'-' if total is None else f'{total:.1f}'} |")
     return lines
