@@ -34,6 +34,7 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from client.env import ClientEnv
+from client.floor import admit
 from client.methods import query_actions, query_handler, train_handler
 from protocols.config import RunConfig
 
@@ -65,6 +66,7 @@ def protect(msg: Message, context: Context, model: nn.Module, x: np.ndarray, y: 
     env = client_env(context, model, x, y)
     kind = msg.metadata.message_type
     if kind == "train":
+        admit(msg, env)  # the node's privacy floor and ledger, as in the stock ClientApp (client.floor)
         return train_handler(env.cfg.method)(msg, env)
     if kind.startswith("query."):
         return query_handler(env.cfg.method, kind.split(".", 1)[1])(msg, env)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from protocols.methods import METHOD_NAMES, METHODS
+from server.report import pyplot, save_figure  # noqa: F401 - plotting has one home (lazy matplotlib, Agg backend)
 
 #: Run-config a method family needs in the benchmarks, on top of the common settings (listed in the grid's report).
 FAMILY_DEFAULTS: dict[str, dict] = {
@@ -189,20 +190,3 @@ def publish(rows: list[dict], columns: Sequence[str], args: argparse.Namespace, 
     print(f"total time: {total:.1f} s")
 
 
-def save_figure(fig, path: Path) -> None:
-    """Write a matplotlib figure as PNG (creating the folder) and close it."""
-    import matplotlib.pyplot as plt
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def pyplot():
-    """matplotlib.pyplot on the non-interactive Agg backend."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
