@@ -8,11 +8,13 @@ how much.
 
 Privacy accounting (``self.privacy``, read by ``privacy_report``)
 ----------------------------------------------------------------
-``epsilon``/``delta`` in the run config are the *per-round* guarantee of the paper's
-Theorem 3.  With the corrected constant ``c = c0 B`` and ``P_j <= B`` every noised
+``epsilon``/``delta`` in the run config are the *whole-run* target (the convention of every
+method): each round uses the paper's Theorem 3 at the per-round ``epsilon_r``
+(:func:`protocols.ladp.round_epsilon`, client and server alike) whose ``T`` releases
+compose exactly to ``epsilon``.  With the corrected constant ``c = c0 B`` and ``P_j <= B`` every noised
 layer gets ``sigma_j >= c0 Delta_f / epsilon`` and the whole model moves by at most
 ``Delta_f`` (L2) between adjacent datasets, so one round is a Gaussian mechanism with
-noise multiplier ``z = sigma_min / Delta_f = c0 / epsilon`` (independent of the
+noise multiplier ``z = sigma_min / Delta_f = c0 / epsilon_r`` (independent of the
 client's ``Delta_f``).  Over ``T`` rounds we compose *exactly*
 (:class:`protocols.privacy.GdpAccountant`): ``T`` Gaussian releases with multiplier ``z``
 are equivalent to one with multiplier ``z / sqrt(T)`` (Gaussian DP, Dong-Roth-Su 2019),
@@ -51,6 +53,7 @@ from client.messages.ladp import NoiseReport
 from protocols import ladp
 from protocols.config import RunConfig
 from protocols.privacy import GaussianEvent, GdpAccountant, PrivacyLedger
+from protocols.privacy.signal import NoiseEstimate
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 
 
@@ -59,10 +62,12 @@ class LadpStrategy(CancelStrategy):
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
+        #: Per-round Theorem 3 epsilon whose num-rounds releases compose to the run's epsilon.
+        self.epsilon_round = ladp.round_epsilon(cfg.epsilon, cfg.delta, cfg.num_rounds)
         # c0 of the corrected Theorem 3 (c = c0 * B; the B cancels in sigma_min).
-        self.c0 = ladp.theorem3_c(cfg.epsilon, cfg.delta, 1.0, "corrected")
+        self.c0 = ladp.theorem3_c(self.epsilon_round, cfg.delta, 1.0, "corrected")
         #: Smallest noise multiplier sigma_j / Delta_f any noised layer gets.
-        self.noise_multiplier = self.c0 / cfg.epsilon
+        self.noise_multiplier = self.c0 / self.epsilon_round
         # One exact (GDP) bound for both views; an un-noised upload composes a release without noise (inf).
         # The paper's claim, restricted to the noised layers, is the extra account "noised_layers".
         model = GdpAccountant()
@@ -96,14 +101,23 @@ class LadpStrategy(CancelStrategy):
                 sum((w / total_w) ** 2 * r.total_noise_norm ** 2 for w, r in zip(weights, reports, strict=True))
             ),
             **self.privacy.extra_report(),  # epsilon_noised_layers
-            epsilon_basic=state.round * self.cfg.epsilon,
+            epsilon_basic=state.round * self.epsilon_round,
             **{k: sum(layers.get(k, 0.0) for layers in per_layer) / n for k in sorted(set().union(*per_layer))},
         )
         return arrays
 
+    def noise_estimate(self, num_params: int) -> NoiseEstimate | None:
+        """Round 1's measured noise norm in the mean vs ``lr clip E`` (E clipped steps on the largest partition)."""
+        noise = self._round_report.get("aggregate_noise_norm")
+        if noise is None or self.max_examples is None:
+            return None
+        c = self.cfg
+        steps = c.local_epochs * math.ceil(self.max_examples / c.batch_size)
+        return NoiseEstimate(float(noise), c.lr * c.clip * steps, c.num_rounds)
+
     def describe(self) -> dict[str, float | str]:
         return {
-            "epsilon_per_round": self.cfg.epsilon,
+            "epsilon_per_round": self.epsilon_round,
             "delta_per_round": self.cfg.delta,
             "theorem3_c0": self.c0,
             "theorem3_c": self.c0 * self.cfg.ladp_kl_cap,

@@ -18,6 +18,7 @@ import server.benchmarks as package
 from server.benchmarks import (
     attacks,
     clipping,
+    defaults,
     grid,
     ladp,
     mpddp,
@@ -43,6 +44,7 @@ BENCHMARKS: dict[str, ModuleType] = {
     "ladp": ladp,
     "clipping": clipping,
     "roundtime": roundtime,
+    "defaults": defaults,
 }
 
 #: What ``cancelfl-bench all`` runs, each with its defaults and ``--out <all's --out>/<name>``.

@@ -17,15 +17,6 @@ from pathlib import Path
 from protocols.methods import METHOD_NAMES, METHODS
 from server.report import pyplot, save_figure  # noqa: F401 - plotting has one home (lazy matplotlib, Agg backend)
 
-#: Run-config a method family needs in the benchmarks, on top of the common settings (listed in the grid's report).
-FAMILY_DEFAULTS: dict[str, dict] = {
-    # MP_Server + DDP_Client: layer expansion is defined for MLPs only; one gradient per round (FedSGD) with
-    # the squared loss and its own server learning rate xi (run-config lr is unused).  With xi = 1 (the default)
-    # on the MNIST grid mpddp and mpdp-naive diverge (recovered gradient not finite) and mpcdp stays at 9 %
-    # (50 clients, epsilon 8); xi = 0.1, picked from 0.05 / 0.1 / 0.3 / 1 on that grid point, gives 42 / 13 / 56 %.
-    "mpddp": {"model": "mlp", "mpddp-server-lr": 0.1},
-}
-
 #: Benchmark-only variants: name -> (registered method, extra run-config).
 VARIANTS: dict[str, tuple[str, dict]] = {
     # The NADP paper's LDP-FL comparator (Lemma 3): NADP's training and record-level sensitivity, independent
@@ -47,9 +38,12 @@ def benchmark_names() -> tuple[str, ...]:
 
 
 def method_config(name: str) -> tuple[str, dict]:
-    """(registered method, run-config the benchmarks add) of a method or variant name."""
+    """(registered method, run-config the variant adds) of a method or variant name.
+
+    Keys a benchmark leaves unset take the method's regime (:func:`protocols.methods.regime`).
+    """
     method, extra = VARIANTS.get(name, (name, {}))
-    return method, {**FAMILY_DEFAULTS.get(METHODS[method].family, {}), **extra}
+    return method, dict(extra)
 
 
 def family_of(name: str) -> str:

@@ -60,10 +60,8 @@ def run(args: argparse.Namespace) -> int:
     notes.append("bytes_up includes uploads that bypass the Flower grid (ddpsa: secret shares pushed to its "
                  "intermediate servers, from the clients' share_bytes metric)")
     notes.append("epsilon_reported/uplink/downlink as the method reports them after the last round (inf = no "
-                 "guarantee); the configured epsilon is a whole-run budget except for ladp (per round, composed "
-                 "by the method over the rounds)")
-    notes.append("per-family run-config on top of the common settings: " + "; ".join(
-        f"{f}: {', '.join(f'{k}={v}' for k, v in c.items())}" for f, c in common.FAMILY_DEFAULTS.items()))
+                 "guarantee); the configured epsilon is the whole-run budget of every method")
+    notes.append("keys the grid leaves unset take each method's regime (protocols/methods.py)")
     plot(rows, out)
     common.publish(rows, COLUMNS, args, "results", title="Privacy-utility-cost grid", notes=notes, total=total)
     print(f"wrote {out}/results.csv, results.md, accuracy_vs_epsilon.png, round_time.png")
