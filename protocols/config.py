@@ -86,7 +86,7 @@ class RunConfig:
     local_epochs: int = 2
     batch_size: int = 32
     lr: float = 0.1
-    device: str = "cpu"  # where models train and noise is added: cpu, cuda, auto (cuda if available)
+    device: str = "cpu"  # where clients train: cpu, cuda, auto (cuda if available); noise stays on the CPU CSPRNG
     # Privacy
     epsilon: float = 1.0
     delta: float = 1e-5
