@@ -105,7 +105,7 @@ class RunConfig:
     niss_rho: float = 0.5  # tolerated colluding fraction (Theorem 3)
     niss_share_encoding: str = "seed"
     mpddp_server_lr: float = 1.0  # xi: server learning rate
-    mpddp_side_dtype: str = "float64"  # wire dtype of Psi/Phi; float32 halves the upload (recovery error ~1e-4)
+    mpddp_side_dtype: str = "float32"  # dtype of Psi/Phi (compute + wire); float64 = exact recovery, 2x the cost
     ladp_norm_threshold: float = 0.0  # R: layers with weight norm >= R get noise
     ladp_kl_cap: float = 1e-6  # B: cap of the KL privacy estimate (KL of whole-layer softmaxes is ~1e-7..1e-4)
     ddpsa_servers: str = ""  # host:port,... of intermediate servers ("" = start locally)

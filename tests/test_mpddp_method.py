@@ -2,18 +2,23 @@
 
 Exactness checks run test-local subclasses of the strategies that override only their noise hooks
 (``round_noise``, ``server_sigma``): ``"off"`` sends zero scales (no noise at all), ``"pairwise-only"``
-keeps the Delta's but not eta.  Everything else is the production path.
+keeps the Delta's but not eta.  Clients compute their noise themselves and refuse less (the privacy
+floor), so those runs also stand in clients that accept the server's scales (:func:`quiet_clients`).
+Everything else is the production path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 
+import client.methods.mpddp as mp_client
 from client.app import app as client_app
 from client.data import client_partition, load_dataset
 from client.messages.keys import PeerKeys
@@ -63,7 +68,9 @@ def with_noise(method: str, noise: str):
             return 0.0
 
     return Quiet
-BASE = {"dataset": "digits", "hidden": "64", "num-clients": 4, "num-rounds": 1, "mpddp-server-lr": 0.5}
+# float64 side information: the exact-recovery checks below (the default, float32, is checked on its own).
+BASE = {"dataset": "digits", "hidden": "64", "num-clients": 4, "num-rounds": 1, "mpddp-server-lr": 0.5,
+        "mpddp-side-dtype": "float64"}
 
 
 class RecordingGrid(LocalGrid):
@@ -93,8 +100,26 @@ def run(method: str, tmp_path: Path, *, noise: str = "calibrated", drop: int = 0
     grid = RecordingGrid(client_app, cfg.num_clients, raw)
     grid.drop_train = set(grid.node_ids[:drop])
     strategy = with_noise(method, noise)(cfg)
-    summary = run_federation(strategy, grid, cfg, progress=lambda _s: None)
+    with quiet_clients() if noise != "calibrated" else contextlib.nullcontext():
+        summary = run_federation(strategy, grid, cfg, progress=lambda _s: None)
     return summary, read_metrics(Path(cfg.out_dir)), strategy, grid, cfg
+
+
+@contextlib.contextmanager
+def quiet_clients():
+    """Test double: clients that take the server's noise scales (production clients refuse less than their floor)."""
+    real_floor = mp_client.ddp_floor
+
+    def server_scales(msg, env):
+        sent = DdpNoise.from_config(msg.content["config"])
+        with mock.patch.object(mp_client, "at_least", lambda *a, **k: None):
+            event = real_floor(msg, env)[2]
+        return sent.sigma_eta, sent.sigma_delta, event
+
+    with mock.patch.object(mp_client, "ddp_floor", server_scales), \
+            mock.patch.object(mp_client, "mpdp_naive_sigma", lambda cfg: 0.0), \
+            mock.patch.object(mp_client, "at_least", lambda *a, **k: None):
+        yield
 
 
 def initial_weights(cfg: RunConfig):
