@@ -2,6 +2,7 @@
 
     cancelfl run [--engine inprocess|simulation] [--run-config 'method="nadp" num-rounds=5']
     cancelfl deploy --supernodes 4 [--run-config ...]     # SuperLink + SuperNodes as OS processes
+    cancelfl run|deploy --resume OUT                      # continue a crashed run from its last round
     cancelfl keys gen --out DIR --node NAME; cancelfl keys roster --out roster.json DIR/*.pub   # identities
     cancelfl compare [--engine simulation] [--methods fedavg,ldp,cdp,nadp] [--epsilon 1]   # side by side + report
 
@@ -11,6 +12,11 @@ tens of seconds; used by tests and benchmarks).  ``simulation`` starts a private
 SuperLink in simulation mode on a free loopback port with its own ``FLWR_HOME``
 and submits the app with ``flwr run``; ``deploy`` does the same with real
 ``flower-supernode`` processes (see :mod:`server.deploy`).
+
+``run``/``deploy`` check everything they can before any process starts
+(:func:`preflight`), write to a fresh ``runs/<time>-<method>`` unless out-dir is
+given (:mod:`server.checkpoint`), exit non-zero with the reason when the run
+failed, and continue a crashed run with ``--resume OUT``.
 """
 
 from __future__ import annotations
@@ -191,9 +197,9 @@ def _main(args: argparse.Namespace) -> int:
             from server import deploy
 
             code = deploy.run_deployment(overrides, num_supernodes=args.supernodes, tls=args.tls)
-    except KeyboardInterrupt:
-        code = 130
-        print("cancelfl: interrupted", file=sys.stderr)
+    except (KeyboardInterrupt, SystemExit) as stop:  # Ctrl-C, or SIGTERM (:func:`_terminated`)
+        code = stop.code if isinstance(stop, SystemExit) and isinstance(stop.code, int) else 130
+        print("cancelfl: interrupted; every process it started is stopped", file=sys.stderr)
     if code and (Path(out) / CHECKPOINT_JSON).is_file() and not (Path(out) / "summary.json").is_file():
         print(f"cancelfl: continue it with: cancelfl {args.command} --resume {out}", file=sys.stderr)
     return code
