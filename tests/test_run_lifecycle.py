@@ -316,3 +316,31 @@ def test_ledger_state_keeps_an_extra_account_shared_with_a_view():
     assert back.extra["uplink_nominal"] is back.downlink
     back.compose(GaussianEvent(2.0))
     assert back.extra_report()["epsilon_uplink_nominal"] == back.report()["epsilon_downlink"]
+
+
+@pytest.mark.deployment
+def test_killed_supernodes_children_are_stopped_with_the_cluster():
+    """A SuperNode killed by SIGKILL leaves its ``flower-superexec`` running; closing the cluster stops it."""
+    from server.deploy import LocalCluster
+
+    with LocalCluster(1) as cluster:
+        supernode = next(p for name, p in cluster.procs.procs if name == "supernode-0")
+        deadline = time.time() + 120
+        children: list[int] = []
+        while not children and time.time() < deadline:
+            children = [p for p in cluster.procs.descendants() if p != supernode.pid and _pgid(p) == supernode.pid]
+            time.sleep(0.5)
+        assert children, "the SuperNode started no child (flower-superexec)"
+        os.kill(supernode.pid, signal.SIGKILL)
+        supernode.wait()
+        time.sleep(1.0)
+        assert not all(pid_gone(p) for p in children)  # what a leader-only stop would leave behind
+    assert all(pid_gone(p) for p in children)
+    assert cluster.procs.descendants() == []
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
