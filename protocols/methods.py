@@ -90,11 +90,16 @@ _MODEL_TRUSTED = "anyone who gets the published global models (the server is tru
 
 # ------------------------------------------------------------------ regimes (measured: README "Default runs")
 #: Client-level DP with ~10 clients: noise ∝ z sqrt(d) / clients, so few rounds and a linear model.
-_CLIENT_LEVEL = {"small": {"hidden": "", "num-rounds": 3, "local-epochs": 5, "lr": 0.5, "clip": 1.0}}
+_CLIENT_LEVEL = {"small": {"hidden": "", "num-rounds": 3, "local-epochs": 5, "lr": 0.5, "clip": 1.0},
+                 "large": {"local-epochs": 1}}
+#: FedAvg's regime is the run-config defaults; on MNIST-size data fewer, shorter rounds keep a run to minutes.
+_FEDAVG = {"large": {"num-rounds": 10, "local-epochs": 1}}
 #: NADP-FL's regime: one full-batch step of per-example-clipped gradients per round (Lemma 1 sensitivity).
 _NADP = {"small": {"hidden": "", "local-epochs": 1, "batch-size": FULL_BATCH, "lr": 4.0, "clip": 1.0, "num-rounds": 30}}
-#: MP_Server + DDP_Client: FedSGD on the squared loss (local-epochs/batch-size/lr unused), server step xi.
-_MP = {"small": {"hidden": "64", "num-rounds": 20, "clip": 1.0, "mpddp-server-lr": 0.1}}
+#: MP_Server + DDP_Client: FedSGD on the squared loss (local-epochs/batch-size/lr unused), server step xi small
+#: enough that client-level noise (∝ z sqrt(d) / K) does not make the model diverge (0.5 on digits did).
+_MP = {"small": {"hidden": "16", "num-rounds": 5, "clip": 1.0, "mpddp-server-lr": 0.05},
+       "large": {"mpddp-server-lr": 0.01}}
 #: LaDP-FL: one clipped step per round keeps Theorem 2's sensitivity 2 lr E clip small.
 _LADP = {"small": {"hidden": "", "local-epochs": 1, "batch-size": FULL_BATCH, "lr": 1.0, "num-rounds": 3}}
 #: DDP-SA: FedSGD with per-sample L1 clipping.
@@ -103,7 +108,7 @@ _DDPSA = {"small": {"hidden": "", "lr": 5.0, "num-rounds": 20}}
 
 #: Every method, in the order the README and the benchmarks list them.
 METHODS: MappingProxyType = MappingProxyType({s.name: s for s in (
-    _spec("fedavg", "strategies.baselines:FedAvgStrategy", "client.methods.baselines:train_fedavg"),
+    _spec("fedavg", "strategies.baselines:FedAvgStrategy", "client.methods.baselines:train_fedavg", regime=_FEDAVG),
     _spec("ldp", "strategies.baselines:LocalDPStrategy", "client.methods.baselines:train_ldp",
           regime=_CLIENT_LEVEL, privacy=Guarantee("client", _SERVER, _MODEL)),
     _spec("cdp", "strategies.baselines:CentralDPStrategy", "client.methods.baselines:train_cdp",
@@ -130,6 +135,26 @@ METHODS: MappingProxyType = MappingProxyType({s.name: s for s in (
 )})
 
 METHOD_NAMES: tuple[str, ...] = tuple(METHODS)
+
+#: Named variants of a method: name -> (registered method, the run-config keys it sets).  Run by the
+#: benchmarks and ``cancelfl compare`` next to the methods (not registered: a variant is a method's setting).
+VARIANTS: MappingProxyType = MappingProxyType({
+    # The NADP paper's LDP-FL comparator (Lemma 3): NADP's training and record-level sensitivity, independent
+    # client noise, no cancellation.
+    "nadp-record-ldp": ("nadp", MappingProxyType({"nadp-variant": "record-ldp"})),
+    # nadp on a sparser pairing graph (~8 neighbours instead of ~16): half the pairwise streams per client.
+    "nadp-4out": ("nadp", MappingProxyType({"graph": "n-out", "n-out": 4})),
+})
+
+
+def method_or_variant(name: str) -> tuple[str, dict]:
+    """(registered method, run-config the variant sets) of a method or variant name (ValueError if neither)."""
+    if name in VARIANTS:
+        method, extra = VARIANTS[name]
+        return method, dict(extra)
+    if name in METHODS:
+        return name, {}
+    raise ValueError(f"unknown method {name!r}; known: {', '.join((*METHOD_NAMES, *VARIANTS))}")
 
 
 def method_spec(name: str) -> MethodSpec:

@@ -169,7 +169,7 @@ def _main(args: argparse.Namespace) -> int:
             from server import compare
 
             RunConfig.from_mapping({**app_defaults(), **overrides})  # fail fast, naming the bad key
-            return compare.main(args, overrides)
+            return compare.main(args, overrides, run_inprocess)
         if args.resume:
             overrides = resume_overrides(args.resume, overrides)
         if args.command == "deploy":

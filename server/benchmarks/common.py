@@ -1,7 +1,7 @@
 """What the benchmarks share: the method names they run, process set-up, options and result tables.
 
 Method names come from the registry (:data:`protocols.methods.METHODS`); the benchmark-only
-variants of a method (a method plus a few run-config keys) are declared once, in :data:`VARIANTS`.
+variants of a method (a method plus a few run-config keys) are declared once, in :data:`protocols.methods.VARIANTS`.
 """
 
 from __future__ import annotations
@@ -14,17 +14,8 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from protocols.methods import METHOD_NAMES, METHODS
+from protocols.methods import METHOD_NAMES, METHODS, VARIANTS, method_or_variant
 from server.report import pyplot, save_figure  # noqa: F401 - plotting has one home (lazy matplotlib, Agg backend)
-
-#: Benchmark-only variants: name -> (registered method, extra run-config).
-VARIANTS: dict[str, tuple[str, dict]] = {
-    # The NADP paper's LDP-FL comparator (Lemma 3): NADP's training and record-level sensitivity, independent
-    # client noise, no cancellation.
-    "nadp-record-ldp": ("nadp", {"nadp-variant": "record-ldp"}),
-    # nadp on a sparser pairing graph (~8 neighbours instead of ~16): half the pairwise streams per client.
-    "nadp-4out": ("nadp", {"graph": "n-out", "n-out": 4}),
-}
 
 #: ``--method-set`` default of the cost benchmarks: the papers' sparse pairing (mpddp: Theorem 11 needs n ~ 80
 #: at K = 100; nadp: any n works).
@@ -42,8 +33,7 @@ def method_config(name: str) -> tuple[str, dict]:
 
     Keys a benchmark leaves unset take the method's regime (:func:`protocols.methods.regime`).
     """
-    method, extra = VARIANTS.get(name, (name, {}))
-    return method, dict(extra)
+    return method_or_variant(name)
 
 
 def family_of(name: str) -> str:
