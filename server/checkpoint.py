@@ -287,10 +287,10 @@ def run_outcome(out_dir: str | Path, code: int = 0) -> tuple[int, str]:
         return code or 1, (f"the run did not finish: no summary.json in {out} (flwr exit code {code}); "
                            "the ServerApp's log above says why")
     failed = summary.get("failed_rounds") or []
-    done = int(summary.get("rounds_completed", len(failed)))
+    done = summary.get("rounds_completed")
     if summary.get("stopped"):
         return 1, f"the run stopped early: {summary['stopped']} (outputs in {out})"
-    if done and len(failed) >= done:
+    if done and len(failed) >= int(done):
         return 1, f"no round succeeded ({len(failed)} failed); the first failure: {failed[0]}"
     if code:
         return code, f"flwr exited with code {code} (outputs in {out})"

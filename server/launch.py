@@ -29,6 +29,7 @@ import threading
 import traceback
 from pathlib import Path
 
+from protocols.adjustments import adjustments
 from protocols.config import ConfigError, RunConfig, parse_run_config
 from server.checkpoint import (
     CHECKPOINT_JSON,
@@ -65,7 +66,7 @@ def preflight(overrides: dict, *, warn=lambda s: print(f"cancelfl: warning: {s}"
             raise
     if not cfg.dataset.startswith("hub:"):  # a hub dataset would be downloaded twice
         dataset_for(cfg)
-    for note in cfg.adjustments():
+    for note in adjustments(cfg):
         warn(note)
     return cfg
 
@@ -218,8 +219,11 @@ def _inprocess_exit(overrides: dict) -> int:
         print("cancelfl: interrupted", file=sys.stderr)
         code = 130
     except Exception as err:  # noqa: BLE001 - any failure of the run: show it, exit non-zero
-        traceback.print_exc()
-        print(f"cancelfl: the run failed: {type(err).__name__}: {err}", file=sys.stderr)
+        if (Path(out) / "summary.json").is_file():  # the run ended itself (e.g. a divergence stop) and said why
+            print(f"cancelfl: {run_outcome(out)[1]}", file=sys.stderr)
+        else:
+            traceback.print_exc()
+            print(f"cancelfl: the run failed: {type(err).__name__}: {err}", file=sys.stderr)
         code = 1
     else:
         code, message = run_outcome(out)
