@@ -176,6 +176,7 @@ def run_federation(strategy: CancelStrategy, grid: Grid, cfg: RunConfig,
             mark_pending(out, rnd, strategy.state_dict())  # the round's charge survives a crash from here on
             replies = mgrid.send_and_receive(msgs, timeout=cfg.round_timeout)
             new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
+            mark_pending(out, rnd, strategy.state_dict())  # with what aggregation charged (dropouts, uploads seen)
             if new_arrays is not None and (bad := non_finite_arrays(new_arrays)):
                 raise RoundFailed(f"round {rnd}: the aggregate is not finite (arrays {bad[:3]}); the model is kept")
         except RoundFailed as err:
