@@ -12,9 +12,8 @@ against the noise left in the model -- what noise that cancels on aggregation bu
 ``--engine simulation`` runs every method through Flower's simulation runtime on one
 private SuperLink (started once, :func:`server.deploy.run_simulations`); ``inprocess``
 runs the same ServerApp and ClientApp code on the in-process grid (seconds; tests).
-Method names are the registered methods plus the benchmark variants
-(:data:`server.benchmarks.common.VARIANTS`, e.g. ``nadp-record-ldp``: NADP's training
-and noise per upload without the cancelling pairs).
+Method names are the registered methods plus their variants (:data:`protocols.methods.VARIANTS`,
+e.g. ``nadp-record-ldp``: NADP's training and noise per upload without the cancelling pairs).
 """
 
 from __future__ import annotations
@@ -23,10 +22,11 @@ import argparse
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from protocols.config import RunConfig
-from server.benchmarks.common import VARIANTS, method_config
+from protocols.methods import VARIANTS, method_or_variant
 from server.defaults import app_defaults
 from server.report import RunData, write_report
 
@@ -36,15 +36,20 @@ def method_runs(names: list[str], epsilon: float, out: Path, overrides: dict) ->
     """Run-config overrides of every compared method (label -> overrides)."""
     runs = {}
     for name in names:
-        method, extra = method_config(name)
+        method, extra = method_or_variant(name)
         runs[name] = {**extra, **overrides, "method": method,
                       "epsilon": float(epsilon), "out-dir": str(out / name)}
     return runs
 
 
 def compare(names: list[str], *, epsilon: float, out: Path, engine: str = "inprocess",
-            overrides: dict | None = None, command: str = "") -> Path:
-    """Run every method in ``names`` and write the side-by-side report; returns ``<out>/report.md``."""
+            overrides: dict | None = None, command: str = "",
+            inprocess: Callable[[dict], object] | None = None) -> Path:
+    """Run every method in ``names`` and write the side-by-side report; returns ``<out>/report.md``.
+
+    ``inprocess(overrides)`` runs one method on the in-process engine (the launcher's
+    :func:`server.launch.run_inprocess`; needed for ``engine="inprocess"``).
+    """
     out = Path(out).resolve()
     runs = method_runs(names, epsilon, out, dict(overrides or {}))
     for cfg in runs.values():
@@ -56,13 +61,13 @@ def compare(names: list[str], *, epsilon: float, out: Path, engine: str = "inpro
 
         codes = run_simulations(list(runs.values()))
     else:
-        from server.launch import run_inprocess
-
+        if inprocess is None:
+            raise ValueError("compare: the in-process engine needs the launcher's runner (inprocess=run_inprocess)")
         codes = []
         for name, cfg in runs.items():
             print(f"== {name}", flush=True)
             try:
-                run_inprocess(cfg)
+                inprocess(cfg)
                 codes.append(0)
             except Exception as err:  # noqa: BLE001 - one method's failure (e.g. divergence) is reported, not fatal
                 print(f"cancelfl compare: {name}: {err}", file=sys.stderr)
@@ -97,20 +102,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-config", default="", help="run-config for every method, e.g. 'num-rounds=10 dataset=\"mnist\"'")
 
 
-def main(args: argparse.Namespace, overrides: dict) -> int:
-    """Run ``cancelfl compare`` with parsed arguments; returns the exit code."""
+def main(args: argparse.Namespace, overrides: dict, inprocess: Callable[[dict], object]) -> int:
+    """Run ``cancelfl compare`` with parsed arguments (``inprocess``: the launcher's runner); returns the exit code."""
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     try:
         for name in names:
-            method_config(name)
-    except KeyError as err:
-        print(f"cancelfl compare: unknown method {err}", file=sys.stderr)
+            method_or_variant(name)
+    except ValueError as err:
+        print(f"cancelfl compare: {err}", file=sys.stderr)
         return 2
     out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     command = "cancelfl " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else ""
     try:
         report = compare(names, epsilon=args.epsilon, out=out, engine=args.engine, overrides=overrides,
-                         command=command)
+                         command=command, inprocess=inprocess)
     except ValueError as err:
         print(f"cancelfl compare: {err}", file=sys.stderr)
         return 2

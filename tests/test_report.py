@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from server.compare import compare
-from server.launch import main
+from server.launch import main, run_inprocess
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -17,7 +17,8 @@ def _png(path) -> bool:
 def test_compare_writes_the_side_by_side_report(tmp_path):
     out = tmp_path / "cmp"
     report = compare(["fedavg", "ldp", "nadp"], epsilon=1.0, out=out, engine="inprocess",
-                     overrides={"num-rounds": 2, "dataset": "digits"}, command="cancelfl compare ...")
+                     overrides={"num-rounds": 2, "dataset": "digits"}, command="cancelfl compare ...",
+                     inprocess=run_inprocess)
     assert report == out.resolve() / "report.md"
     for name in ("accuracy.png", "epsilon.png", "noise.png"):
         assert _png(out / name), name
