@@ -38,8 +38,6 @@ COMPOSITIONS = ("basic", "advanced")
 ALLOCATIONS = ("uniform", "exponential")
 NADP_VARIANTS = ("nadp", "record-ldp")
 SIDE_DTYPES = ("float64", "float32")
-#: NISS share count per client and round above which the run warns (run-config 'niss-unit-variance').
-MAX_NISS_SHARES_WARN = 10_000
 
 
 class ConfigError(ValueError):
@@ -262,26 +260,6 @@ class RunConfig:
     def clients_per_round(self) -> int:
         """Number of clients sampled each round (at least 1)."""
         return max(1, round(self.sample_rate * self.num_clients))
-
-    def adjustments(self) -> list[str]:
-        """Settings the run adjusts, or that make it far more costly than intended: one sentence each, naming the key.
-
-        Printed as warnings at start (launcher and ServerApp) instead of being applied silently.
-        """
-        notes = []
-        k = self.clients_per_round
-        if self.graph == "n-out" and self.n_out >= k - 1:
-            notes.append(f"run-config 'n-out' = {self.n_out} >= clients per round - 1 = {k - 1}: the n-out graph "
-                         "would connect every pair anyway, so every round uses the complete graph")
-        if self.method == "niss" and k >= 1:
-            from protocols.niss import client_sigma  # protocols.niss imports this module
-
-            shares = math.ceil(client_sigma(self, 1.0 / k) ** 2 / self.niss_unit_variance * (1.0 - 1e-12))
-            if shares > MAX_NISS_SHARES_WARN:
-                notes.append(f"run-config 'niss-unit-variance' = {self.niss_unit_variance:g} makes each client send "
-                             f"about {shares:,} noise shares per round (> {MAX_NISS_SHARES_WARN:,}; time and bytes grow "
-                             f"with it); a unit variance of {client_sigma(self, 1.0 / k) ** 2 / 100:.3g} gives 100")
-        return notes
 
 
 def _coerce(key: str, value: Any, target: type) -> Any:

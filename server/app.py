@@ -8,6 +8,7 @@ from flwr.app import Context
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
+from protocols.adjustments import adjustments
 from protocols.config import RunConfig
 from server.checkpoint import resolve_out_dir, write_error
 from server.federation import check_federation
@@ -26,7 +27,7 @@ def main(grid: Grid, context: Context) -> None:
     try:
         cfg = resolve_out_dir(RunConfig.from_mapping(context.run_config))  # "" = a fresh runs/<time>-<method>
         out_dir = cfg.out_dir
-        for note in cfg.adjustments():
+        for note in adjustments(cfg):
             log(WARNING, "%s", note)
         # DDP-SA: the ServerApp never starts intermediate servers -- the clients take them from their own
         # configuration, so whoever submits the run names them (`cancelfl run/deploy` start local ones).
