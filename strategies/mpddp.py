@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -378,6 +379,7 @@ class MpddpStrategy(PairwiseRecovery, _MpBase):
         rec = self.recovered(state)
         self.probe_corrections = []
         if rec is not None and isinstance(state.noise, DdpNoise):
+            t0 = time.process_time()
             flat = mp_flatten(mean.grads)
             probe = probe_direction(state.keys.probe_seed, flat.size) if self.cfg.cancellation_check and state.keys else None
             corr_sum = np.zeros(flat.size)
@@ -389,6 +391,7 @@ class MpddpStrategy(PairwiseRecovery, _MpBase):
                     self.probe_corrections.append(float(np.dot(corr, probe)))
             self.probe_corrections = rec.probe_corrections(self.probe_corrections)
             mean = mean.with_grads(mp_unflatten(flat - corr_sum / len(records), list(mean.grads)))
+            self.report(recovery_server_s=time.process_time() - t0)
             self._charge_recovery(state, len(records))
         return mu_server(state.layers, mean, state.secret, self.lr)
 

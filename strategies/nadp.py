@@ -43,6 +43,7 @@ uplink view).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from logging import WARNING
@@ -181,7 +182,10 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
         dim = next(iter(dims))[0]
         acc = nadp_aggregate(flat, st.weights)  # ascending id order: reproducible float64 sum
         dropped = sorted(set(st.participants) - set(survivors))
+        t0 = time.process_time()
         corrections = self._remove_orphaned_pairs(st, acc)
+        if self.recovered(st) is not None:
+            self.report(recovery_server_s=time.process_time() - t0)
         if dropped:
             acc /= math.fsum(st.weights[n] for n in survivors)  # renormalise over the survivors
         self._account(st, survivors)

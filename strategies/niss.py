@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -272,7 +273,10 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         ordered = [by_node[n] for n in survivors]
         uploads = [from_record(r.content["arrays"]) for r in ordered]
         agg = {k: np.sum([u[k] for u in uploads], axis=0, dtype=np.float64) for k in uploads[0]}
+        t0 = time.process_time()
         corrections = self._remove_orphaned_shares(state, agg, ordered)
+        if self.recovered(state) is not None:
+            self.report(recovery_server_s=time.process_time() - t0)
         figures = [NissMetrics.from_metrics(r.content["metrics"]) for r in ordered]
         taus = np.array([f.tau for f in figures])
         self.report(theorem2_variance=niss_math.theorem2_variance(np.array([f.sigma for f in figures]), taus))

@@ -43,7 +43,8 @@ top-up): nadp composes each round from the survivors' residual noise and the upl
 the survivors' remaining pairs; niss and mpddp charge the shortfall of the noise left against the planned
 calibration (:func:`charge_shortfall`).  Reported per round: ``dropped``, ``recovery`` (0 = nothing to
 recover, 1 = removed exactly, accountant charged with the noise really there), ``recovered_pairs``,
-``uncancelled_noise_norm`` (0 after recovery), ``recovery_s`` and ``recovery_bytes_per_survivor``.
+``uncancelled_noise_norm`` (0 after recovery), ``kept_pairs``, ``recovery_s`` (phase wall time),
+``recovery_server_s`` (server CPU removing the revealed noise) and ``recovery_bytes_per_survivor``.
 """
 
 from __future__ import annotations
@@ -190,6 +191,8 @@ class PairwiseRecovery:
         if rec is not None:
             figures.update(recovered_pairs=rec.pairs, kept_pairs=sum(len(k) for k in rec.kept.values()),
                            recovery_s=rec.seconds,
+                           recovery_bytes_down_per_survivor=rec.bytes_down / max(len(rec.survivors), 1),
+                           recovery_bytes_up_per_survivor=rec.bytes_up / max(len(rec.survivors), 1),
                            recovery_bytes_per_survivor=(rec.bytes_down + rec.bytes_up) / max(len(rec.survivors), 1))
         self.report(**figures)  # type: ignore[attr-defined]
 

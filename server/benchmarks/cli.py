@@ -26,6 +26,7 @@ from server.benchmarks import (
     niss,
     overhead,
     protocol_core,
+    recovery,
     roundtime,
     scale,
 )
@@ -43,6 +44,7 @@ BENCHMARKS: dict[str, ModuleType] = {
     "mpddp": mpddp,
     "ladp": ladp,
     "clipping": clipping,
+    "recovery": recovery,
     "roundtime": roundtime,
     "defaults": defaults,
 }

@@ -1,0 +1,198 @@
+"""Dropout recovery of the pairwise noise (strategies/recovery.py, client/recovery.py).
+
+* acceptance: in-process, run-config ``fault-drop-rate = 0.2`` (2 of the 10 sampled clients drop after the
+  key / share phase every round): nadp, niss and mpddp finish every round with the cancellation residual
+  <= 1e-9 relative, and the accountant is charged with the noise really left;
+* exactness through the real client code: the recovered nadp aggregate equals the survivors' weighted
+  average of ``w_i + n_i / p_i`` (pinned residual seeds);
+* a lying server (an outside caller driving the real client handler) gets refusals: a peer named both
+  received and dropped, a peer reported received earlier and dropped now, an own upload left out;
+* a survivor whose every neighbour holding its noise dropped keeps that noise instead of revealing it;
+* messages round-trip; the fault injection is deterministic from (seed, round).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Message, RecordDict
+
+from client.app import app as client_app
+from client.env import ClientEnv
+from client.messages.recovery import NissPairMaterial, RecoveryReply, RecoveryRequest
+from client.methods import nadp as nadp_client
+from client.recovery import RecoveryStore, answer, check_request, handle_recover
+from client.wire import from_record, to_record
+from protocols.arrays import flatten
+from protocols.config import ConfigError, RunConfig
+from protocols.prg import gaussian
+from server.defaults import app_defaults
+from server.local_grid import LocalGrid
+from strategies.nadp import NadpStrategy
+
+#: nadp: one full-batch step per round on a linear model (its paper's regime, fast).
+NADP_FAST = {"local-epochs": 1, "batch-size": 1000, "lr": 4.0, "clip": 1.0, "hidden": ""}
+#: niss: tau = 0 (the shares cancel exactly, so the residual is measurable) and many small shares per client.
+NISS_EXACT = {"niss-tau": 0.0, "niss-unit-variance": 0.001, "local-epochs": 1}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+# ----------------------------------------------------------------------------------- acceptance
+@pytest.mark.parametrize(("method", "extra"), [("nadp", NADP_FAST), ("niss", NISS_EXACT),
+                                               ("mpddp", {"hidden": "16", "mpddp-server-lr": 0.5})])
+def test_twenty_percent_dropping_every_round_is_recovered_exactly(run_inprocess, method, extra):
+    summary, rows = run_inprocess(method=method, num_clients=10, num_rounds=3, seed=7, cancellation_check=True,
+                                  fault_drop_rate=0.2, **{k.replace("-", "_"): v for k, v in extra.items()})
+    assert len(rows) == 3
+    for r in rows:
+        assert not r["failed"]
+        assert r["dropped"] == 2 and r["recovery"] == 1 and r["recovered_pairs"] > 0
+        assert r["cancellation_residual"] <= 1e-9, r["cancellation_residual"]
+        assert r.get("uncancelled_noise_norm", 0.0) == 0.0 and r.get("kept_pairs", 0) == 0
+        assert r["recovery_bytes_per_survivor"] > 0
+    assert summary["failed_rounds"] == [] and math.isfinite(summary["epsilon"])
+
+
+def test_recovery_charges_the_accountant_with_the_noise_left(run_inprocess):
+    """Same seed with and without dropouts: the survivors' noise is smaller, so epsilon is larger."""
+    common = {"num_clients": 10, "num_rounds": 2, "seed": 3, **{k.replace("-", "_"): v for k, v in NISS_EXACT.items()}}
+    plain, _ = run_inprocess(method="niss", fault_drop_rate=0.0, **common)
+    dropped, rows = run_inprocess(method="niss", fault_drop_rate=0.2, **common)
+    assert dropped["epsilon"] > plain["epsilon"] * 1.01
+    assert all(r["uplink_noise_multiplier_after_recovery"] < plain["method_parameters"]["noise_multiplier"]
+               for r in rows)
+
+
+def test_fault_injection_is_deterministic_and_validated():
+    raw = {**app_defaults(), "method": "nadp", "num-clients": 10, "fault-drop-rate": 0.3, "seed": 5}
+    picks = []
+    for _ in range(2):
+        grid = LocalGrid(client_app, 10, raw)
+        msgs = [Message(RecordDict({"config": ConfigRecord({"round": 4})}), n, "train") for n in grid.node_ids]
+        picks.append(grid._fault_drops(msgs))
+    assert picks[0] == picks[1] and len(picks[0]) == 3
+    with pytest.raises(ConfigError, match="fault-drop-rate"):
+        RunConfig.from_mapping({**app_defaults(), "fault-drop-rate": 1.0})
+
+
+# ------------------------------------------------------------------------ exactness (nadp, pinned)
+def test_recovered_nadp_aggregate_is_the_survivors_average(monkeypatch):
+    """Through the real client handler: after recovery the aggregate is sum_S p_i (w_i + n_i/p_i) / P_S."""
+    used: list[bytes] = []
+
+    def fake() -> bytes:
+        used.append(hashlib.sha256(f"residual-{len(used)}".encode()).digest())
+        return used[-1]
+
+    monkeypatch.setattr(nadp_client, "residual_seed", fake)
+    n = 6
+    raw = {**app_defaults(), "method": "nadp", "num-clients": n, "partitioning": "size-skew", **NADP_FAST}
+    cfg = RunConfig.from_mapping(raw)
+    grid, strategy = LocalGrid(client_app, n, raw), NadpStrategy(cfg)
+    from client.models import build_model, get_weights
+
+    arrays = to_record(get_weights(build_model(cfg.model, (1, 8, 8), 10, cfg.hidden_sizes, cfg.seed)), np.float64)
+    msgs = list(strategy.configure_train(1, arrays, ConfigRecord({"round": 1}), grid))
+    gone = {msgs[1].metadata.dst_node_id, msgs[4].metadata.dst_node_id}
+    replies = [r for r in grid.send_and_receive(msgs) if r.metadata.src_node_id not in gone]
+    agg = flatten(from_record(strategy.aggregate_train(1, replies)[0]))
+    st = strategy._state
+    expected, weight = np.zeros_like(agg), 0.0
+    for msg, seed in zip(msgs, used, strict=True):
+        node = msg.metadata.dst_node_id
+        if node in gone:
+            continue
+        env = ClientEnv.from_context(grid.contexts[node])
+        w = flatten(nadp_client.clipped_local_training(msg, env)[1])
+        p = st.weights[node]
+        expected += p * (w + gaussian(seed, len(w), st.allocation.residual_std[node]) / p)
+        weight += p
+    expected /= weight
+    assert np.linalg.norm(agg - expected) <= 1e-9 * np.linalg.norm(expected)
+    assert strategy.round_report()["recovered_pairs"] == 2 * (n - 2)
+
+
+# ----------------------------------------------------------------------------------- lying server
+def _uploaded_client(n: int = 4):
+    """A 4-client nadp round where every client uploaded; returns (grid, participants, one client's node id)."""
+    raw = {**app_defaults(), "method": "nadp", "num-clients": n, **NADP_FAST}
+    cfg = RunConfig.from_mapping(raw)
+    grid, strategy = LocalGrid(client_app, n, raw), NadpStrategy(cfg)
+    from client.models import build_model, get_weights
+
+    arrays = to_record(get_weights(build_model(cfg.model, (1, 8, 8), 10, cfg.hidden_sizes, cfg.seed)), np.float64)
+    msgs = list(strategy.configure_train(1, arrays, ConfigRecord({"round": 1}), grid))
+    replies = list(grid.send_and_receive(msgs))
+    assert len(replies) == n
+    return grid, sorted(strategy._state.participants)
+
+
+def _ask(grid: LocalGrid, node: int, received, dropped, rnd: int = 1) -> RecoveryReply:
+    req = RecoveryRequest(rnd, tuple(received), tuple(dropped)).to_config()
+    msg = Message(RecordDict({"config": req}), node, "query.recover")
+    reply = handle_recover(msg, ClientEnv.from_context(grid.contexts[node]))
+    return RecoveryReply.from_config(reply.content["config"])
+
+
+def test_lying_server_is_refused():
+    grid, ids = _uploaded_client()
+    me, peer = ids[0], ids[1]
+    # the peer's upload arrived (it is in the received set) and the server also claims it dropped
+    rep = _ask(grid, me, ids, [peer])
+    assert rep.refused and "both received and dropped" in rep.refused and not rep.material
+    # the server hides the peer's upload from the received set, but this client's own upload is left out too
+    rep = _ask(grid, me, [n for n in ids if n != me], [me])
+    assert "not in the received set" in rep.refused
+    # a neighbour in neither set
+    rep = _ask(grid, me, [me], [peer])
+    assert "neither received nor dropped" in rep.refused
+    # an honest request first (nobody dropped but the last), then a lie that the peer reported received dropped
+    honest = _ask(grid, me, ids[:3], ids[3:])
+    assert not honest.refused and honest.peers == (ids[3],) and len(honest.material[0]) == 32
+    assert _ask(grid, me, ids[:3], ids[3:]) == honest  # the same request is answered identically
+    lie = _ask(grid, me, [n for n in ids[:3] if n != peer], [peer, ids[3]])
+    assert "already answered" in lie.refused and str(peer) in lie.refused and not lie.material
+    # material of another round was never kept
+    assert "no pair material of round 2" in _ask(grid, ids[2], ids[:3], ids[3:], rnd=2).refused
+
+
+def test_reveal_that_would_strip_all_own_noise_keeps_it():
+    store = RecoveryStore(3, {5: b"a" * 32, 6: b"b" * 32}, {5: 1.0, 6: 2.0}, {5: b"x", 6: b"y"}, {5: 0.5, 6: 0.25})
+    assert check_request(store, RecoveryRequest(3, (1,), (5, 6)), 1) == ""
+    kept = answer(store, {5, 6})
+    assert kept.kept == (5, 6) and kept.material == (b"x", b"y") and kept.kept_probe == pytest.approx(0.75)
+    some = answer(store, {5})
+    assert not some.kept and some.material == (b"a" * 32,)
+
+
+# ----------------------------------------------------------------------------------- messages
+def test_messages_round_trip():
+    req = RecoveryRequest(2, (2**64 - 1, 3), (7,))
+    assert RecoveryRequest.from_config(req.to_config()) == req
+    for rep in (RecoveryReply((7,), (b"s" * 32,)), RecoveryReply(refused="no"), RecoveryReply(),
+                RecoveryReply((7, 8), (b"", b"q"), kept=(7, 8), kept_probe=-1.5)):
+        assert RecoveryReply.from_config(rep.to_config()) == rep
+    with pytest.raises(ValueError):
+        RecoveryReply.from_config({"recovery-peers": ["1"], "recovery-material": []})
+    vec = np.arange(5, dtype=np.float64)
+    for m in (NissPairMaterial(2, 0.5, b"o" * 32, 1, 0.25, in_seed=b"i" * 32),
+              NissPairMaterial(0, 0.5, None, 3, 0.25, in_vector=vec)):
+        back = NissPairMaterial.from_bytes(m.to_bytes(), 5)
+        assert (back.out_count, back.out_seed, back.in_count, back.in_seed) == (m.out_count, m.out_seed, m.in_count,
+                                                                                 m.in_seed)
+        assert (back.in_vector is None) == (m.in_vector is None)
+    with pytest.raises(ValueError):
+        NissPairMaterial.from_bytes(b"junk" * 20, 5)
+
+
+def test_round_without_dropouts_reports_no_recovery(run_inprocess):
+    _, rows = run_inprocess(method="nadp", num_clients=4, num_rounds=1,
+                            **{k.replace("-", "_"): v for k, v in NADP_FAST.items()})
+    assert rows[0]["recovery"] == 0 and rows[0]["dropped"] == 0
