@@ -138,3 +138,17 @@ def test_median_over_repeats_takes_medians_per_method():
     assert rows["fedavg"]["round_s"] == 1.5 and rows["nadp"]["round_s"] == pytest.approx(1.95)  # nan ignored
     assert rows["nadp"]["round_s_x_fedavg"] == pytest.approx(1.3)  # median of per-repeat ratios
     assert rows["nadp"]["status"] == "failed 1/3 rounds" and rows["nadp"]["clients"] == 10
+
+
+def test_recovery_benchmark_measures_recovery_and_secaggplus_unmask(tmp_path):
+    """cancelfl-bench recovery at 8 clients, 25 % dropping: every row recovers; the bytes grow with the dropped."""
+    out = tmp_path / "recovery"
+    status = cli.main(["recovery", "--clients", "8", "--dropouts", "0.25", "--methods", "nadp,mpddp", "--hidden", "8",
+                       "--out", str(out)])
+    rows = {r["name"]: r for r in _rows(out / "recovery.csv")}
+    assert status == 0 and len(rows) == 3, rows
+    for name, r in rows.items():
+        assert r["status"] == "ok" and int(r["dropped"]) == 2 and int(r["survivors"]) == 6, (name, r)
+        assert float(r["client_s"]) > 0 and float(r["bytes_up"]) > 0
+    # nadp and mpddp: one 32-byte pair seed per dropped neighbour (2 here), plus framing
+    assert float(rows["cancelfl nadp"]["bytes_up"]) >= 64 and float(rows["cancelfl nadp"]["pairs"]) == 12

@@ -65,7 +65,7 @@ def _cpu_grid(base_cls: type, phase_of, drop_in=None):
 
     ``phase_of(messages) -> str`` names a call's phase; ``drop_in(phase, messages)`` filters messages (drops).
     """
-    from server.runner import payload_bytes
+    from strategies.validation import payload_bytes
 
     class CpuGrid(base_cls):  # type: ignore[misc, valid-type]
         stats: dict
@@ -137,7 +137,6 @@ def secagg_row(rate: float, args: argparse.Namespace) -> dict:
     """Flower's SecAgg+ with ``round(rate * clients)`` clients dropping before ``collect_masked_vectors``."""
     from flwr.app import Context, Message, RecordDict
     from flwr.client import ClientApp as LegacyClientApp
-    from flwr.client import NumPyClient
     from flwr.client.mod import secaggplus_mod
     from flwr.common import ndarrays_to_parameters
     from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
@@ -145,36 +144,15 @@ def secagg_row(rate: float, args: argparse.Namespace) -> dict:
     from flwr.server.strategy import FedAvg as LegacyFedAvg
     from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 
-    from client.data import client_partition, dataset_for
-    from client.models import build_model, get_weights, set_weights
-    from client.training import train
-    from protocols.config import RunConfig
     from server import local_grid
-    from server.benchmarks.secagg import share_counts
+    from server.benchmarks.secagg import legacy_fedavg_client, share_counts
     from server.defaults import app_defaults
     from server.local_grid import SERVER_NODE_ID, LocalGrid
 
     k = args.clients
     shares = share_counts(args.secagg_shares, k)[0]
     raw = {**app_defaults(), **_base(args), "method": "fedavg"}
-    cfg = RunConfig.from_mapping(raw)
-    ds = dataset_for(cfg)
-    w0 = get_weights(build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed))
-    keys = list(w0)
-
-    class BenchClient(NumPyClient):
-        def __init__(self, pid: int) -> None:
-            self.pid = pid
-
-        def fit(self, parameters, config):
-            x, y = client_partition(cfg, self.pid, k)
-            model = build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed)
-            set_weights(model, dict(zip(keys, parameters, strict=True)))
-            train(model, x, y, epochs=1, batch_size=cfg.batch_size, lr=cfg.lr, seed=cfg.seed + self.pid)
-            return [v.astype(np.float32) for v in get_weights(model).values()], len(y), {}
-
-    def client_fn(context: Context):
-        return BenchClient(int(context.node_config["partition-id"])).to_client()
+    client_fn, w0 = legacy_fedavg_client(raw, k)
 
     def stage_of(m) -> str:
         try:

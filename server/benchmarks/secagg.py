@@ -29,34 +29,27 @@ def share_counts(spec: str, k: int) -> list[int]:
     return list(dict.fromkeys(out))
 
 
-def secaggplus_reference(base: dict, clients: int, num_shares: int, threshold: float, rounds: int = 1) -> dict:
-    """Flower's SecAgg+ on the same model/data, in-process; figures for the legacy app with and without it."""
-    from flwr.app import Context, RecordDict
-    from flwr.client import ClientApp as LegacyClientApp
+def legacy_fedavg_client(raw: dict, clients: int):
+    """``(client_fn, initial weights)`` of a legacy ``NumPyClient`` that trains like the cancelfl FedAvg client.
+
+    Same model, partition and SGD settings as the run config ``raw`` (seeded per partition); the SecAgg+
+    references (this module, :mod:`server.benchmarks.recovery`) wrap it in ``secaggplus_mod``.
+    """
+    from flwr.app import Context
     from flwr.client import NumPyClient
-    from flwr.client.mod import secaggplus_mod
-    from flwr.common import ndarrays_to_parameters
-    from flwr.server import LegacyContext, ServerConfig
-    from flwr.server.strategy import FedAvg as LegacyFedAvg
-    from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 
     from client.data import client_partition, dataset_for
     from client.models import build_model, get_weights, set_weights
     from client.training import train
     from protocols.config import RunConfig
-    from server.attacks.observe import ObservedLocalGrid
-    from server.defaults import app_defaults
-    from server.local_grid import SERVER_NODE_ID
-    from strategies.validation import payload_bytes
 
-    raw = {**app_defaults(), **base, "num-clients": clients, "method": "fedavg"}
     cfg = RunConfig.from_mapping(raw)
     ds = dataset_for(cfg)
     w0 = get_weights(build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed))
     keys = list(w0)
 
     class BenchClient(NumPyClient):
-        """Trains like the cancelfl FedAvg client: same model, partition, SGD settings (seeded per partition)."""
+        """Trains like the cancelfl FedAvg client."""
 
         def __init__(self, pid: int) -> None:
             self.pid = pid
@@ -70,6 +63,27 @@ def secaggplus_reference(base: dict, clients: int, num_shares: int, threshold: f
 
     def client_fn(context: Context):
         return BenchClient(int(context.node_config["partition-id"])).to_client()
+
+    return client_fn, w0
+
+
+def secaggplus_reference(base: dict, clients: int, num_shares: int, threshold: float, rounds: int = 1) -> dict:
+    """Flower's SecAgg+ on the same model/data, in-process; figures for the legacy app with and without it."""
+    from flwr.app import Context, RecordDict
+    from flwr.client import ClientApp as LegacyClientApp
+    from flwr.client.mod import secaggplus_mod
+    from flwr.common import ndarrays_to_parameters
+    from flwr.server import LegacyContext, ServerConfig
+    from flwr.server.strategy import FedAvg as LegacyFedAvg
+    from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
+
+    from server.attacks.observe import ObservedLocalGrid
+    from server.defaults import app_defaults
+    from server.local_grid import SERVER_NODE_ID
+    from strategies.validation import payload_bytes
+
+    raw = {**app_defaults(), **base, "num-clients": clients, "method": "fedavg"}
+    client_fn, w0 = legacy_fedavg_client(raw, clients)
 
     results = {}
     for label, secure in (("secagg+ fedavg", False), (f"secagg+ (shares={num_shares})", True)):
