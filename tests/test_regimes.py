@@ -69,12 +69,13 @@ def test_default_nadp_trains_on_digits_far_above_ldp_and_outputs_say_what_epsilo
     """Nadp and ldp with only the method set (the regimes apply): nadp learns, ldp warns that noise dwarfs signal."""
     ldp_lines: list[str] = []
     ldp, ldp_rows = _run(tmp_path, "ldp", ldp_lines, method="ldp")
-    nadp, nadp_rows = _run(tmp_path, "nadp", method="nadp", **{"num-rounds": 20})
+    nadp, nadp_rows = _run(tmp_path, "nadp", method="nadp", clip=1.0)
     # regime applied (and recorded), the user's key kept
-    assert nadp["regime"]["local-epochs"] == 1 and "num-rounds" not in nadp["regime"]
-    assert nadp["config"]["num-rounds"] == 20
-    # nadp trains (fedavg reaches ~0.9 here; chance is 0.1); client-level ldp with 10 clients at eps 1 cannot
-    assert nadp["final_accuracy"] >= 0.5
+    assert nadp["regime"]["local-epochs"] == 1 and "clip" not in nadp["regime"]
+    assert nadp["config"]["num-rounds"] == nadp["regime"]["num-rounds"] == 30
+    # nadp trains (fedavg reaches ~0.91 here, nadp 0.57-0.71 over 4 runs; chance is 0.1); client-level ldp with
+    # 10 clients at eps 1 cannot (0.1-0.2)
+    assert nadp["final_accuracy"] >= 0.4
     assert nadp["final_accuracy"] >= ldp["final_accuracy"] + 0.15
     assert any("dwarfs the signal" in line for line in ldp_lines)
     assert ldp["noise_check"]["run_ratio"] > 1 > nadp["noise_check"]["run_ratio"]
