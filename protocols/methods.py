@@ -95,7 +95,9 @@ _CLIENT_LEVEL = {"small": {"hidden": "", "num-rounds": 3, "local-epochs": 5, "lr
 #: FedAvg's regime is the run-config defaults; on MNIST-size data fewer, shorter rounds keep a run to minutes.
 _FEDAVG = {"large": {"num-rounds": 10, "local-epochs": 1}}
 #: NADP-FL's regime: one full-batch step of per-example-clipped gradients per round (Lemma 1 sensitivity).
-_NADP = {"small": {"hidden": "", "local-epochs": 1, "batch-size": FULL_BATCH, "lr": 4.0, "clip": 1.0, "num-rounds": 30}}
+#: On MNIST-size data the noise is small (run ratio ~0.02) and 60 rounds reach 0.90 instead of 0.89 at 30.
+_NADP = {"small": {"hidden": "", "local-epochs": 1, "batch-size": FULL_BATCH, "lr": 4.0, "clip": 1.0, "num-rounds": 30},
+         "large": {"num-rounds": 60}}
 #: MP_Server + DDP_Client: FedSGD on the squared loss (local-epochs/batch-size/lr unused), server step xi small
 #: enough that client-level noise (∝ z sqrt(d) / K) does not make the model diverge (0.5 on digits did).
 _MP = {"small": {"hidden": "16", "num-rounds": 5, "clip": 1.0, "mpddp-server-lr": 0.05},
