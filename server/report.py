@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -211,6 +212,14 @@ def write_report(runs: Mapping[str, Path], out: Path, *, title: str = "cancelfl 
     return path
 
 
-def write_run_report(out_dir: Path, method: str) -> Path:
-    """The report of one run, written into its own folder."""
-    return write_report({method: Path(out_dir)}, Path(out_dir), title=f"cancelfl run: {method}")
+def write_run_report(out_dir: Path, method: str) -> Path | None:
+    """The report of one run, written into its own folder (None if it could not be drawn).
+
+    The run's results are already on disk: a failure to draw (e.g. matplotlib missing) is reported on
+    stderr and never fails the finished run.
+    """
+    try:
+        return write_report({method: Path(out_dir)}, Path(out_dir), title=f"cancelfl run: {method}")
+    except Exception as err:  # noqa: BLE001 - the report is an extra; the run's outputs stand
+        print(f"cancelfl: report not written in {out_dir} ({type(err).__name__}: {err})", file=sys.stderr)
+        return None
