@@ -41,12 +41,12 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import Result, Strategy
 
 from client.messages.common import TrainIns, mean_metrics, num_examples
 from client.messages.ledger import SpentReport
 from client.wire import Weights, array_view, from_record, to_record
-from protocols.config import RunConfig
+from protocols.config import ConfigError, RunConfig
 from protocols.methods import METHODS
 from protocols.privacy import PrivacyLedger
 from protocols.privacy.signal import NoiseEstimate
@@ -155,6 +155,20 @@ class CancelStrategy(Strategy):
         #: The global model the current round's participants were sent.
         self.round_model: ArrayRecord | None = None
         self._sampled_once = False
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int | None = None,
+              timeout: float = 3600, train_config: ConfigRecord | None = None,
+              evaluate_config: ConfigRecord | None = None, evaluate_fn=None) -> Result:
+        """Flower's ``Strategy.start`` (run it in your own ServerApp) with ``num_rounds`` defaulting to the config's.
+
+        The noise is calibrated for run-config ``num-rounds``: more rounds than that would spend more than
+        ``epsilon``, so they are refused (fewer spend less; :meth:`privacy_report` says how much).
+        """
+        rounds = self.cfg.num_rounds if num_rounds is None else int(num_rounds)
+        if rounds > self.cfg.num_rounds:
+            raise ConfigError(f"start(num_rounds={rounds}): the strategy's noise is calibrated for num-rounds="
+                              f"{self.cfg.num_rounds}; build it with num_rounds={rounds} to spend epsilon over more rounds")
+        return super().start(grid, initial_arrays, rounds, timeout, train_config, evaluate_config, evaluate_fn)
 
     # --------------------------------------------------------------- sampling
     def sample_nodes(self, grid: Grid, server_round: int) -> list[int]:

@@ -93,6 +93,9 @@ def test_strategies_take_keyword_arguments_and_validate_them():
         strategies.FedAvgStrategy(num_clientz=3)
     with pytest.raises(ConfigError, match="epsilon"):
         strategies.LocalDPStrategy(epsilon=-1.0)
+    # The noise is calibrated for num-rounds: start() refuses to run more rounds than that.
+    with pytest.raises(ConfigError, match="num-rounds=2"):
+        strategies.LocalDPStrategy(num_rounds=2).start(grid=None, initial_arrays=ArrayRecord(), num_rounds=3)
 
 
 def test_model_and_dataset_by_import_path(tmp_path):
