@@ -78,7 +78,7 @@ def attach(app: ClientApp, load: Loader) -> ClientApp:
 
     For ``cdp`` the train handler also gets Flower's ``fixedclipping_mod`` (as the stock ClientApp does).
     """
-    from client.app import _cdp_clipping
+    from client.app import FEDERATION, _cdp_clipping, federation
 
     @app.train(mods=[_cdp_clipping])
     def _train(msg: Message, context: Context) -> Message:
@@ -89,6 +89,7 @@ def attach(app: ClientApp, load: Loader) -> ClientApp:
             return protect(msg, context, *load(context))
 
         app.query(action)(_query)
+    app.query(FEDERATION)(federation)  # the ServerApp's federation check (server/federation.py)
     return app
 
 
