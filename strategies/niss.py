@@ -279,7 +279,12 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
             self.report(recovery_server_s=time.process_time() - t0)
         figures = [NissMetrics.from_metrics(r.content["metrics"]) for r in ordered]
         taus = np.array([f.tau for f in figures])
-        self.report(theorem2_variance=niss_math.theorem2_variance(np.array([f.sigma for f in figures]), taus))
+        sigmas = np.array([f.sigma for f in figures])
+        variance = niss_math.theorem2_variance(sigmas, taus)
+        # Per coordinate, in model units (server.report): an upload p_k w_k carries sigma_k, i.e. sigma_k / p_k on
+        # the model scale (= z clip); the aggregate keeps Theorem 2's variance.
+        self.report(theorem2_variance=variance, upload_noise_std=self.z * self.cfg.clip,
+                    model_noise_std=float(np.sqrt(variance)))
         clean = [Diagnostic.from_content(r.content) for r in ordered]
         if all(c is not None for c in clean):
             received = np.array([f.received_var or 0.0 for f in figures])
