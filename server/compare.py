@@ -32,6 +32,7 @@ from server.report import RunData, write_report
 
 DEFAULT_METHODS = "fedavg,ldp,cdp,nadp,nadp-record-ldp"
 
+
 def method_runs(names: list[str], epsilon: float, out: Path, overrides: dict) -> dict[str, dict]:
     """Run-config overrides of every compared method (label -> overrides)."""
     runs = {}
@@ -112,6 +113,10 @@ def main(args: argparse.Namespace, overrides: dict, inprocess: Callable[[dict], 
         print(f"cancelfl compare: {err}", file=sys.stderr)
         return 2
     out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    if (out / "report.md").exists():
+        print(f"cancelfl compare: {out} holds an earlier comparison; choose another --out (or none: a fresh folder)",
+              file=sys.stderr)
+        return 2
     command = "cancelfl " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else ""
     try:
         report = compare(names, epsilon=args.epsilon, out=out, engine=args.engine, overrides=overrides,

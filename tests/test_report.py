@@ -47,3 +47,7 @@ def test_compare_command_refuses_a_bad_method_or_key(tmp_path, capsys):
     assert "nope" in capsys.readouterr().err
     assert main(["compare", "--methods", "fedavg", "--run-config", "num-roundz=2", "--out", str(tmp_path / "b")]) == 2
     assert not (tmp_path / "b" / "report.md").exists()
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "report.md").write_text("an earlier comparison")
+    assert main(["compare", "--methods", "fedavg", "--out", str(tmp_path / "c")]) == 2
+    assert "earlier comparison" in capsys.readouterr().err
