@@ -16,9 +16,14 @@ whose upload the server holds).  It refuses, with a reason, when:
   later say "k dropped"; the same request is answered again, identically).
 
 If revealing would strip all pairwise noise from its own upload (every neighbour that holds some of it
-dropped), it reveals only what does not touch its own noise (niss: the shares received from the dropped;
+dropped or was excluded), it reveals only what does not touch its own noise (niss: the shares received from the dropped;
 nadp, mpddp: nothing) and names those peers ``kept``: that pair noise stays in the aggregate as extra DP
 noise (reported by the server), with its projection for the cancellation check when the method provides it.
+
+Peers the request names ``excluded`` (uploads the server received but its reply checks rejected): the
+server holds their upload, so the client reveals only material that leaves their own noise with them
+(``protect``; niss: its own shares sent to them, not theirs; nadp, mpddp: the pair seed -- the peer keeps
+its residual / eta noise, and nadp's accountant charges its upload with that noise alone).
 
 What this does not stop (threat model, see :mod:`strategies.recovery`): a server that tells *every*
 neighbour of ``k`` the same lie ("k dropped") although it holds k's upload; it then learns k's upload minus
@@ -28,6 +33,7 @@ shares with no dropped neighbour).  Pair material is per round, so no other roun
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -53,8 +59,14 @@ class RecoveryStore:
     partial: dict[int, bytes] = field(default_factory=dict)
     #: neighbour -> projection of this client's own pair noise with it (cancellation check only).
     kept_probe: dict[int, float] = field(default_factory=dict)
-    #: (received, dropped) of the request already answered this round, if any.
-    answered: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    #: neighbour -> material to reveal when the server holds its upload (default: ``material``).
+    protect: dict[int, bytes] = field(default_factory=dict)
+    #: neighbour -> projection of what ``protect`` leaves in the aggregate (cancellation check only).
+    protect_probe: dict[int, float] = field(default_factory=dict)
+    #: neighbour -> material revealing neither noise (default: nothing).
+    shield: dict[int, bytes] = field(default_factory=dict)
+    #: (received, dropped, excluded) of the request already answered this round, if any.
+    answered: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None
 
     def save(self, env: ClientEnv) -> None:
         peers = sorted(self.material)
@@ -66,9 +78,16 @@ class RecoveryStore:
             rec["partial"] = [self.partial.get(p, b"") for p in peers]
             if self.kept_probe:
                 rec["kept-probe"] = [float(self.kept_probe.get(p, 0.0)) for p in peers]
+            if self.protect:
+                rec["protect"] = [self.protect.get(p, self.material[p]) for p in peers]
+            if self.protect_probe:
+                rec["protect-probe"] = [float(self.protect_probe.get(p, 0.0)) for p in peers]
+            if self.shield:
+                rec["shield"] = [self.shield.get(p, b"") for p in peers]
         if self.answered is not None:
             rec["answered-received"] = [str(n) for n in self.answered[0]] or [""]
             rec["answered-dropped"] = [str(n) for n in self.answered[1]] or [""]
+            rec["answered-excluded"] = [str(n) for n in self.answered[2]] or [""]
         env.context.state[STATE_KEY] = rec
 
     @classmethod
@@ -82,55 +101,86 @@ class RecoveryStore:
         partial = dict(zip(peers, (bytes(m) for m in rec.get("partial", [])), strict=True)) if "partial" in rec else {}
         kept_probe = (dict(zip(peers, (float(v) for v in rec["kept-probe"]), strict=True))
                       if "kept-probe" in rec else {})
+        protect = dict(zip(peers, (bytes(m) for m in rec["protect"]), strict=True)) if "protect" in rec else {}
+        protect_probe = (dict(zip(peers, (float(v) for v in rec["protect-probe"]), strict=True))
+                         if "protect-probe" in rec else {})
         answered = None
         if "answered-received" in rec:
             answered = tuple(tuple(int(n) for n in rec[k] if n != "") for k in ("answered-received",
-                                                                                  "answered-dropped"))
-        return cls(int(rec["round"]), material, noise, partial, kept_probe, answered)  # type: ignore[arg-type]
+                                                                                  "answered-dropped",
+                                                                                  "answered-excluded"))
+        shield = dict(zip(peers, (bytes(m) for m in rec["shield"]), strict=True)) if "shield" in rec else {}
+        return cls(int(rec["round"]), material, noise, partial, kept_probe, protect, protect_probe, shield,
+                   answered)  # type: ignore[arg-type]
 
 
 def remember(env: ClientEnv, rnd: int, material: Mapping[int, bytes], noise: Mapping[int, float] | None = None,
-             partial: Mapping[int, bytes] | None = None, kept_probe: Mapping[int, float] | None = None) -> None:
+             partial: Mapping[int, bytes] | None = None, kept_probe: Mapping[int, float] | None = None,
+             protect: Mapping[int, bytes] | None = None, protect_probe: Mapping[int, float] | None = None,
+             shield: Mapping[int, bytes] | None = None) -> None:
     """Keep this round's pair material (called by the method's train handler when it uploads).
 
     ``noise[j]``: how much of this client's own pairwise noise lives with neighbour ``j`` (any positive unit;
     default 1 per neighbour); ``partial[j]``: the material to reveal instead when revealing ``material`` would
     leave none of it (default: nothing); ``kept_probe[j]``: the cancellation check's projection of the own
-    noise that then stays in the aggregate.
+    noise that then stays in the aggregate; ``protect[j]``: the material for a neighbour whose upload the
+    server holds (default: ``material``) and ``protect_probe[j]`` the projection of what it leaves;
+    ``shield[j]``: the material revealing neither noise (default: nothing).
     """
     RecoveryStore(int(rnd), dict(material), dict(noise) if noise is not None else dict.fromkeys(material, 1.0),
-                  dict(partial or {}), dict(kept_probe or {})).save(env)
+                  dict(partial or {}), dict(kept_probe or {}), dict(protect or {}), dict(protect_probe or {}),
+                  dict(shield or {})).save(env)
 
 
 def check_request(store: RecoveryStore | None, req: RecoveryRequest, me: int) -> str:
     """Why this client must refuse ``req`` ("" when it may answer)."""
     if store is None or store.round != req.round:
         return f"no pair material of round {req.round} (this node did not upload in that round)"
-    received, dropped = set(req.received), set(req.dropped)
-    if me not in received:
-        return f"this node's upload (node {me}) is not in the received set"
+    received, dropped, excluded = set(req.received), set(req.dropped), set(req.excluded)
+    if me not in received or me in excluded:
+        return f"this node's upload (node {me}) is not in the received set, or excluded"
+    if not excluded <= received:
+        return f"node(s) {sorted(excluded - received)} named excluded but not received"
     both = sorted(received & dropped)
     if both:
         return f"node(s) {both} named both received and dropped"
     neither = sorted(set(store.material) - received - dropped)
     if neither:
         return f"neighbour(s) {neither} are neither received nor dropped"
-    if store.answered is not None and (set(store.answered[0]), set(store.answered[1])) != (received, dropped):
+    if store.answered is not None and tuple(set(a) for a in store.answered) != (received, dropped, excluded):
         moved = sorted(set(store.answered[0]) & dropped)
         why = f"; node(s) {moved} were reported received before" if moved else ""
         return f"a different recovery request for round {req.round} was already answered{why}"
     return ""
 
 
-def answer(store: RecoveryStore, dropped: set[int]) -> RecoveryReply:
-    """The material of the dropped neighbours; their ``partial`` material if the full one strips all own noise."""
-    peers = tuple(sorted(p for p in store.material if p in dropped))
+def answer(store: RecoveryStore, dropped: set[int], excluded: set[int] = frozenset()) -> RecoveryReply:  # type: ignore[assignment]
+    """The material of the dropped and excluded neighbours (see the module docstring for what is kept)."""
+    gone = dropped | excluded
+    peers = tuple(sorted(p for p in store.material if p in gone))
     total = sum(store.noise.values())
-    left = sum(v for p, v in store.noise.items() if p not in dropped)
-    if total > 0 and left <= 0:
-        probe = sum(store.kept_probe[p] for p in peers) if all(p in store.kept_probe for p in peers) else None
-        return RecoveryReply(peers, tuple(store.partial.get(p, b"") for p in peers), kept=peers, kept_probe=probe)
-    return RecoveryReply(peers, tuple(store.material[p] for p in peers))
+    left = sum(v for p, v in store.noise.items() if p not in gone)
+    strip = total > 0 and left <= 0
+    material, kept, probes = [], [], []
+    for p in peers:
+        if p in excluded and strip:  # neither this node's noise nor the held peer's: both stay in the aggregate
+            material.append(store.shield.get(p, b""))
+            kept.append(p)
+            both = [store.kept_probe.get(p), store.protect_probe.get(p)] if p in store.protect else [None]
+            probes.append(None if None in both else math.fsum(v for v in both if v is not None))
+        elif p in excluded:
+            material.append(store.protect.get(p, store.material[p]))
+            if p in store.protect:
+                kept.append(p)
+                probes.append(store.protect_probe.get(p))
+        elif strip:
+            material.append(store.partial.get(p, b""))
+            kept.append(p)
+            probes.append(store.kept_probe.get(p))
+        else:
+            material.append(store.material[p])
+    probe = math.fsum(v for v in probes if v is not None) if kept and all(v is not None for v in probes) else None
+    return RecoveryReply(peers, tuple(material), kept=tuple(kept), kept_probe=probe)
 
 
 def handle_recover(msg: Message, env: ClientEnv) -> Message:
@@ -142,7 +192,8 @@ def handle_recover(msg: Message, env: ClientEnv) -> Message:
         out = RecoveryReply(refused=why)
     else:
         assert store is not None  # check_request refuses otherwise
-        out = answer(store, set(req.dropped))
-        store.answered = (tuple(sorted(req.received)), tuple(sorted(req.dropped)))
-        store.save(env)
+        out = answer(store, set(req.dropped), set(req.excluded))
+        if not out.refused:
+            store.answered = (tuple(sorted(req.received)), tuple(sorted(req.dropped)), tuple(sorted(req.excluded)))
+            store.save(env)
     return Message(RecordDict({"config": out.to_config()}), reply_to=msg)

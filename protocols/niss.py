@@ -73,6 +73,9 @@ __all__ = [
     "sender_noise",
     "receiver_noise",
     "distorted_sum",
+    "distorted_partials",
+    "distorted_contribution",
+    "distortion_seed",
     "client_upload",
     "tau_for_collusion",
     "collusion_variance_ratio",
@@ -260,31 +263,45 @@ def distorted_sum(
     return total
 
 
+def distortion_seed(private: bytes, sender: int) -> bytes:
+    """The receiver's distortion seed for the shares of ``sender`` (one sub-seed of its private seed per sender).
+
+    Per-sender streams let a receiver reveal the distortion of one dropped sender's shares (dropout recovery,
+    :mod:`client.recovery`) without revealing anything about the other senders' shares.
+    """
+    return prg.derive_subseed(private, f"niss/s/{int(sender)}")
+
+
+def distorted_contribution(negated: np.ndarray, tau: float, dseed: bytes) -> np.ndarray:
+    """``sum_i s_i * r_i`` over one sender's negated shares ``(count, size)``, ``s_i = 1 + tau * z_i``.
+
+    ``z`` is row ``i`` of the N(0, I) stream of ``dseed`` (:func:`distortion_seed`); ``tau = 0`` gives the plain sum.
+    """
+    if not (math.isfinite(tau) and tau >= 0):
+        raise ValueError(f"tau must be finite and >= 0, got {tau!r}")
+    r = np.asarray(negated, dtype=np.float64)
+    if r.ndim != 2:
+        raise ValueError(f"negated shares must be (count, size), got shape {r.shape}")
+    if tau == 0 or len(r) == 0:
+        return r.sum(axis=0)
+    z = prg.gaussian(dseed, r.size).reshape(r.shape)
+    return ((1.0 + tau * z) * r).sum(axis=0)
+
+
 def distorted_partials(
     groups: Sequence[tuple[int, np.ndarray]],
     size: int,
     tau: float,
     rng: bytes,
 ) -> dict[int, np.ndarray]:
-    """Per sender, its part of :func:`distorted_sum`: ``sum_{i from sender} s_i * r_i`` (dropout recovery).
+    """Per sender, ``sum_{i from sender} s_i * r_i`` with the sender's own distortion stream (the client's upload).
 
-    ``groups`` lists ``(sender, negated shares (count, size))`` in the order :func:`distorted_sum` got them, so
-    the distortion rows are the same (row ``i`` of the ``niss/s`` stream of the private seed ``rng``); the
-    partials add up to :func:`distorted_sum` up to float rounding.
+    ``groups`` lists ``(sender, negated shares (count, size))``; ``rng`` is the receiver's private seed.  Same
+    law as :func:`distorted_sum` (whose one stream serves the Theorem 2 checks), one stream per sender.
     """
-    if not (math.isfinite(tau) and tau >= 0):
-        raise ValueError(f"tau must be finite and >= 0, got {tau!r}")
-    n = sum(len(shares) for _, shares in groups)
-    z = prg.gaussian(prg.derive_subseed(rng, "niss/s"), n * size).reshape(n, size) if tau > 0 and n else None
-    out: dict[int, np.ndarray] = {}
-    row = 0
-    for sender, shares in groups:
-        part = np.zeros(size, dtype=np.float64)
-        for r in np.asarray(shares, dtype=np.float64).reshape(-1, size):
-            part += r if z is None else (1.0 + tau * z[row]) * r
-            row += 1
-        out[int(sender)] = part
-    return out
+    return {int(sender): distorted_contribution(np.asarray(shares, dtype=np.float64).reshape(-1, size), tau,
+                                                distortion_seed(rng, sender))
+            for sender, shares in groups}
 
 def client_upload(
     params: np.ndarray,

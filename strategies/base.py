@@ -152,6 +152,8 @@ class CancelStrategy(Strategy):
         self.excluded: dict[int, str] = {}
         #: Consecutive exclusions per node; ``strikes.banned`` nodes are no longer sampled.
         self.strikes = Strikes(cfg.max_strikes)
+        #: Participants of the current round whose upload arrived (set by :meth:`aggregate_train`).
+        self.uploaded: set[int] = set()
         #: The global model the current round's participants were sent.
         self.round_model: ArrayRecord | None = None
         self._sampled_once = False
@@ -228,6 +230,7 @@ class CancelStrategy(Strategy):
         self.after_replies(state, good)
         participants = set(state.participants)
         by_node = {r.metadata.src_node_id: r for r in good if r.metadata.src_node_id in participants}
+        self.uploaded = {n for n, r in by_node.items() if "arrays" in r.content}
         by_node = self.screen(state, by_node)
         if not by_node:
             raise RoundFailed(f"round {server_round}: no participant sent a usable reply ({len(errors)} errors, "

@@ -303,6 +303,12 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
         for name, event in paper_events.items():
             paper[name].compose(event)
             paper["paper"].compose(event)
+        rec = self.recovered(st)
+        if rec is not None and st.allocation is not None:
+            # An excluded upload the server holds, with its pair seeds revealed: only its residual noise is left.
+            for n in rec.excluded:
+                z = st.allocation.residual_std[n] / (st.allocation.weights[n] * st.sensitivity[n])
+                self.privacy.uplink.compose(GaussianEvent(z), units=[n])
 
     def _uplink_multipliers(self, st: NadpRound, survivors: list[int]) -> tuple[dict[int, float], dict[int, float]]:
         """Per survivor: noise multiplier of the server's joint view of the uploads, and of its upload alone.

@@ -153,6 +153,26 @@ def _rejections(by_node: dict[int, Message]) -> list[str]:
     return lines
 
 
+def pair_contribution(m: NissPairMaterial, node: int, peer: int, size: int, tau: float) -> np.ndarray:
+    """What survivor ``node``'s upload holds because of dropped ``peer``, from the material it revealed.
+
+    Its own shares sent to ``peer`` (unless it kept them) plus the distorted negated shares received from
+    ``peer`` (``tau``: the survivor's distortion std, used with its revealed distortion seed).
+    """
+    out = np.zeros(size)
+    if m.out_seed is not None:
+        out += niss_math.bundle_shares(ShareBundle(node, peer, m.out_count, m.out_std, m.out_seed), size).sum(axis=0)
+    if m.in_kept:  # the peer's upload is held: its shares stay in the aggregate
+        return out
+    if m.in_vector is not None:
+        return out + m.in_vector
+    assert m.in_seed is not None
+    shares = niss_math.bundle_shares(ShareBundle(peer, node, m.in_count, m.in_std, m.in_seed), size)
+    if m.in_dseed is None:
+        return out - shares.sum(axis=0)
+    return out + niss_math.distorted_contribution(-shares, tau, m.in_dseed)
+
+
 class NissStrategy(PairwiseRecovery, CancelStrategy):
     """Server side of NISS: tracker (neighbour lists), ciphertext relay, plain sum of uploads."""
 
@@ -316,7 +336,8 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         flat = flatten(agg)
         size = flat.size
         probe = probe_direction(state.keys.probe_seed, size) if self.cfg.cancellation_check else None
-        sigma2 = {r.metadata.src_node_id: NissMetrics.from_metrics(r.content["metrics"]).sigma ** 2 for r in ordered}
+        figures = {r.metadata.src_node_id: NissMetrics.from_metrics(r.content["metrics"]) for r in ordered}
+        sigma2 = {n: f.sigma**2 for n, f in figures.items()}
         kept = dict(sigma2)
         lost_among = 0.0
         out = []
@@ -327,18 +348,12 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
                     m = NissPairMaterial.from_bytes(blob, size)
                 except ValueError as err:
                     raise RoundFailed(f"round {state.round}: node {node} revealed malformed NISS material: {err}") from err
+                corr += pair_contribution(m, node, peer, size, figures[node].tau)
                 if m.out_seed is not None:  # None: the survivor kept its own shares (they stay, as DP noise)
-                    corr += niss_math.bundle_shares(ShareBundle(node, peer, m.out_count, m.out_std, m.out_seed),
-                                                    size).sum(axis=0)
                     kept[node] -= m.out_count * m.out_std**2
                     lost_among += m.out_count * m.out_std**2
-                if m.in_vector is not None:
-                    corr += m.in_vector
-                else:
-                    assert m.in_seed is not None
-                    corr -= niss_math.bundle_shares(ShareBundle(peer, node, m.in_count, m.in_std, m.in_seed),
-                                                    size).sum(axis=0)
-                lost_among += m.in_count * m.in_std**2
+                if not m.in_kept:
+                    lost_among += m.in_count * m.in_std**2
             flat -= corr
             if probe is not None:
                 out.append(float(np.dot(corr, probe)))

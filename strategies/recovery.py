@@ -38,6 +38,14 @@ independent noise (nadp residual, mpddp eta, niss shares held by neighbours that
 closes this with a self-mask, which an exact float DP upload has no room for.  A survivor that reveals
 wrong material spoils the aggregate as a garbage upload would (the cancellation check shows it).
 
+Uploads that arrived but fail the reply checks (:mod:`strategies.validation`) are excluded, and the server
+holds them: the request names them ``excluded`` (a subset of ``received``) and the survivors reveal only
+what leaves those peers' own noise with them -- niss: their own shares sent to the peer, never the peer's
+shares (they stay in the aggregate as DP noise); nadp, mpddp: the pair seed (the peer keeps its residual /
+eta noise; nadp's accountant charges the excluded upload with its residual noise alone).  A niss server
+that tampers with a relayed payload so that its receiver names an honest sender therefore learns nothing
+of that sender's noise.
+
 Privacy: the accountants are charged with the noise really in the aggregate (metric ``recovery`` = 1, no
 top-up): nadp composes each round from the survivors' residual noise and the uplink view restricted to
 the survivors' remaining pairs; niss and mpddp charge the shortfall of the noise left against the planned
@@ -63,6 +71,7 @@ from client.messages.recovery import RecoveryReply, RecoveryRequest
 from protocols.prg import gaussian
 from protocols.privacy import Accountant, GaussianEvent
 from strategies.base import RoundFailed, RoundState
+from strategies.validation import payload_bytes
 
 
 @dataclass
@@ -74,6 +83,8 @@ class RecoveryOutcome:
     survivors: list[int]
     #: survivor -> {dropped neighbour -> revealed material}.
     material: dict[int, dict[int, bytes]] = field(default_factory=dict)
+    #: participants whose upload arrived but was excluded (their own noise is never revealed).
+    excluded: list[int] = field(default_factory=list)
     #: survivor -> dropped neighbours whose pair noise in its own upload it kept (not revealed).
     kept: dict[int, tuple[int, ...]] = field(default_factory=dict)
     #: survivor -> projection of that kept noise on the cancellation check's direction (None: not given).
@@ -101,10 +112,6 @@ class RecoveryOutcome:
         if any(p is None for p in kept):
             return None
         return removed + [float(p) for p in kept if p is not None]
-
-
-def _config_bytes(content: RecordDict) -> int:
-    return sum(rec.count_bytes() for rec in content.values())
 
 
 class PairwiseRecovery:
@@ -143,20 +150,25 @@ class PairwiseRecovery:
             raise RoundFailed(f"round {state.round}: dropout recovery needs the round's grid (prepare_round keeps it)")
         survivors = sorted(by_node)
         gone_set = set(gone)
+        # Uploads that arrived but were excluded by the reply checks: the server holds them, so the request says
+        # so and the clients reveal only what leaves those peers' own noise with them (client.recovery).
+        held = sorted(gone_set & set(getattr(self, "uploaded", ())))
+        lost = sorted(gone_set - set(held))
         ask = [n for n in survivors if gone_set & set(neighbours.get(n, ()))]
-        request = RecordDict({"config": RecoveryRequest(state.round, tuple(survivors), tuple(gone)).to_config()})
-        out = RecoveryOutcome(state.round, gone, survivors)
+        request = RecordDict({"config": RecoveryRequest(state.round, tuple(survivors) + tuple(held), tuple(lost),
+                                                        tuple(held)).to_config()})
+        out = RecoveryOutcome(state.round, gone, survivors, excluded=held)
         t0 = time.perf_counter()
         replies, _errors = self.exchange(self.grid, ask, lambda _n: request, "recover")  # type: ignore[attr-defined]
         out.seconds = time.perf_counter() - t0
-        out.bytes_down = _config_bytes(request) * len(ask)
+        out.bytes_down = payload_bytes(request) * len(ask)
         silent, refused = [], []
         for node in ask:
             msg = replies.get(node)
             if msg is None or "config" not in msg.content:
                 silent.append(node)
                 continue
-            out.bytes_up += _config_bytes(msg.content)
+            out.bytes_up += payload_bytes(msg.content)
             try:
                 rep = RecoveryReply.from_config(msg.content["config"])
             except ValueError as err:

@@ -196,3 +196,38 @@ def test_round_without_dropouts_reports_no_recovery(run_inprocess):
     _, rows = run_inprocess(method="nadp", num_clients=4, num_rounds=1,
                             **{k.replace("-", "_"): v for k, v in NADP_FAST.items()})
     assert rows[0]["recovery"] == 0 and rows[0]["dropped"] == 0
+
+
+@pytest.mark.parametrize(("tau", "encoding"), [(0.0, "seed"), (0.7, "seed"), (0.7, "vector")])
+def test_niss_material_expands_to_exactly_what_the_survivor_added(tau, encoding):
+    """The server's expansion of a NISS survivor's revealed material is exactly what its upload added.
+
+    strategies.niss.pair_contribution = own shares to the dropped peer + the distorted shares received from it.
+    """
+    from client.methods import niss as niss_client
+    from protocols import niss as niss_math
+    from strategies.niss import pair_contribution
+
+    me, size = 5, 40
+    seed = lambda label: hashlib.sha256(label.encode()).digest()  # noqa: E731
+    out = [niss_math.ShareBundle(me, 7, 3, 0.4, seed("o7")), niss_math.ShareBundle(me, 9, 2, 0.4, seed("o9"))]
+    bundles = {p: niss_math.ShareBundle(p, me, c, 0.3, seed(f"i{p}")) for p, c in ((7, 2), (8, 1), (9, 4))}
+    incoming = [(p, b, -niss_math.bundle_shares(b, size) if encoding == "vector" else None)
+                for p, b in sorted(bundles.items())]
+    stored = niss_client._Stored(1, 0.25, 1.0, encoding, [7, 8, 9], {}, out)
+    private = seed("private")
+    partials = niss_client._received(incoming, size, tau, private)
+    material, noise, partial, _, protect, _, _ = niss_client._recovery_material(stored, incoming, partials, size, tau,
+                                                                            private)
+    assert noise == {7: pytest.approx(3 * 0.16), 8: 0.0, 9: pytest.approx(2 * 0.16)}
+    for peer in (7, 8, 9):
+        own = niss_math.sender_noise([b for b in out if b.receiver == peer], size)
+        m = NissPairMaterial.from_bytes(material[peer], size)
+        assert np.allclose(pair_contribution(m, me, peer, size, tau), own + partials[peer], rtol=0, atol=1e-12)
+        kept = NissPairMaterial.from_bytes(partial[peer], size)  # own shares kept secret: only the received part
+        assert kept.out_seed is None
+        assert np.allclose(pair_contribution(kept, me, peer, size, tau), partials[peer], rtol=0, atol=1e-12)
+        shielded = NissPairMaterial.from_bytes(protect[peer], size)  # the peer's upload is held: its shares stay
+        assert shielded.in_kept and np.allclose(pair_contribution(shielded, me, peer, size, tau), own, rtol=0, atol=0)
+    if encoding == "seed":  # seeds, not vectors, travel: 32-byte bundle seed (+ 32-byte distortion seed if tau > 0)
+        assert len(material[7]) <= 128

@@ -34,6 +34,7 @@ from client.messages.common import (
 
 _RECEIVED = "recovery-received"
 _DROPPED = "recovery-dropped"
+_EXCLUDED = "recovery-excluded"
 _PEERS = "recovery-peers"
 _MATERIAL = "recovery-material"
 _REFUSED = "recovery-refused"
@@ -43,22 +44,32 @@ _KEPT_PROBE = "recovery-kept-probe"
 
 @dataclass(frozen=True)
 class RecoveryRequest:
-    """``query.recover``: the server received the uploads of ``received`` and will not aggregate ``dropped``."""
+    """``query.recover``: the server received the uploads of ``received`` and none of ``dropped``.
+
+    ``excluded`` (a subset of ``received``): uploads the server received but will not aggregate (its reply
+    checks excluded them); their own noise must stay with them, so clients reveal less for them.
+    """
 
     round: int
     received: tuple[int, ...]
     dropped: tuple[int, ...]
+    excluded: tuple[int, ...] = ()
 
     def to_config(self) -> ConfigRecord:
-        return merge_configs(TrainIns(self.round).to_config(), ConfigRecord({
-            _RECEIVED: node_id_strings(self.received), _DROPPED: node_id_strings(self.dropped)}))
+        rec = ConfigRecord({_RECEIVED: node_id_strings(self.received)})
+        if self.dropped:  # Flower cannot serialise empty lists
+            rec[_DROPPED] = node_id_strings(self.dropped)
+        if self.excluded:
+            rec[_EXCLUDED] = node_id_strings(self.excluded)
+        return merge_configs(TrainIns(self.round).to_config(), rec)
 
     @classmethod
     def from_config(cls, rec: Mapping[str, Any]) -> RecoveryRequest:
-        received, dropped = read_node_ids(rec, _RECEIVED), read_node_ids(rec, _DROPPED)
-        if len(set(received)) != len(received) or len(set(dropped)) != len(dropped):
-            raise ValueError(f"'{_RECEIVED}' and '{_DROPPED}' must not repeat a node")
-        return cls(TrainIns.from_config(rec).round, received, dropped)
+        received, dropped = read_node_ids(rec, _RECEIVED), read_node_ids(rec, _DROPPED, default=())
+        excluded = read_node_ids(rec, _EXCLUDED, default=())
+        if any(len(set(ids)) != len(ids) for ids in (received, dropped, excluded)):
+            raise ValueError(f"'{_RECEIVED}', '{_DROPPED}' and '{_EXCLUDED}' must not repeat a node")
+        return cls(TrainIns.from_config(rec).round, received, dropped, excluded)
 
 
 @dataclass(frozen=True)
@@ -111,7 +122,7 @@ class RecoveryReply:
 # ----------------------------------------------------------------------------- NISS pair material
 _NISS = b"NRC\x01"
 _BUNDLE = struct.Struct(">Id")  # count, share std
-_KIND_SEED, _KIND_VECTOR = b"S", b"V"
+_KIND_SEED, _KIND_DISTORTED, _KIND_VECTOR, _KIND_KEPT = b"S", b"D", b"V", b"K"
 
 
 @dataclass(frozen=True)
@@ -120,9 +131,10 @@ class NissPairMaterial:
 
     ``out_*``: the bundle of shares ``i`` generated for ``k`` (its own noise, in ``i``'s upload with nothing
     left to cancel it); ``out_seed`` None when ``i`` keeps them (they stay in the aggregate as DP noise).
-    ``in_*``: the shares received from ``k`` (negated, distorted, in ``i``'s upload):
-    either ``k``'s bundle seed (``tau = 0`` and the ``seed`` encoding: the server expands ``-sum shares``)
-    or the exact distorted contribution vector ``in_vector`` (``tau > 0`` or the ``vector`` encoding).
+    ``in_*``: the shares received from ``k`` (negated, distorted, in ``i``'s upload): with the ``seed``
+    encoding ``k``'s bundle seed and, when ``tau > 0``, ``i``'s distortion seed for ``k``'s shares
+    (:func:`protocols.niss.distortion_seed`; the server expands ``sum (1 + tau z) (-share)``); with the
+    ``vector`` encoding the exact distorted contribution vector ``in_vector``.
     """
 
     out_count: int
@@ -132,19 +144,33 @@ class NissPairMaterial:
     in_std: float
     in_seed: bytes | None = None
     in_vector: np.ndarray | None = None
+    in_dseed: bytes | None = None
+
+    @property
+    def in_kept(self) -> bool:
+        """Whether the received shares are not revealed (the peer's own noise stays in the aggregate)."""
+        return self.in_seed is None and self.in_vector is None
+
+    def keep_in(self) -> NissPairMaterial:
+        """The same material without the peer's shares (for a peer whose upload the server holds)."""
+        return NissPairMaterial(self.out_count, self.out_std, self.out_seed, self.in_count, self.in_std)
 
     def keep_own(self) -> NissPairMaterial:
         """The same material without this client's own shares (they are kept, i.e. not revealed)."""
         return NissPairMaterial(self.out_count, self.out_std, None, self.in_count, self.in_std, self.in_seed,
-                                self.in_vector)
+                                self.in_vector, self.in_dseed)
 
     def to_bytes(self) -> bytes:
         out_seed = bytes(32) if self.out_seed is None else self.out_seed
         head = (_NISS + (b"K" if self.out_seed is None else b"R") + _BUNDLE.pack(self.out_count, self.out_std)
                 + out_seed + _BUNDLE.pack(self.in_count, self.in_std))
+        if self.in_kept:
+            return head + _KIND_KEPT
         if self.in_vector is None:
             if self.in_seed is None or len(self.in_seed) != 32:
-                raise ValueError("NISS pair material needs the incoming bundle seed or the contribution vector")
+                raise ValueError("NISS pair material needs a 32-byte incoming bundle seed")
+            if self.in_dseed is not None:
+                return head + _KIND_DISTORTED + self.in_seed + self.in_dseed
             return head + _KIND_SEED + self.in_seed
         return head + _KIND_VECTOR + np.ascontiguousarray(self.in_vector, dtype="<f8").tobytes()
 
@@ -162,8 +188,12 @@ class NissPairMaterial:
         kind, body = blob[off:off + 1], blob[off + 1:]
         if not all(math.isfinite(s) and s >= 0 for s in (out_std, in_std)):
             raise ValueError("NISS recovery material: share std must be finite and >= 0")
+        if kind == _KIND_KEPT and not body:
+            return cls(out_count, out_std, out_seed, in_count, in_std)
         if kind == _KIND_SEED and len(body) == 32:
             return cls(out_count, out_std, out_seed, in_count, in_std, in_seed=body)
+        if kind == _KIND_DISTORTED and len(body) == 64:
+            return cls(out_count, out_std, out_seed, in_count, in_std, in_seed=body[:32], in_dseed=body[32:])
         if kind == _KIND_VECTOR and len(body) == 8 * size:
             vec = np.frombuffer(body, dtype="<f8").astype(np.float64)
             if not np.all(np.isfinite(vec)):

@@ -207,39 +207,39 @@ def _open_incoming(inbox: RelayedInbox, env: ClientEnv, st: _Stored, size: int) 
     return [seen[s] for s in sorted(seen)], failures
 
 
-def _negated_shares(incoming: list, size: int):
-    """Received negated shares r_i in a fixed order (sender id, then share index), for either encoding."""
-    for _s, bundle, vectors in incoming:
-        if vectors is None:
-            yield from -niss_math.bundle_shares(bundle, size)
-        else:
-            yield from vectors
+def _received(incoming: list, size: int, tau: float, private: bytes) -> dict[int, np.ndarray]:
+    """Per sender, the distorted negated shares received from it (one distortion stream per sender)."""
+    return niss_math.distorted_partials(
+        [(s, -niss_math.bundle_shares(b, size) if v is None else v) for s, b, v in incoming], size, tau, private)
 
 
-def _recovery_material(st: _Stored, incoming: list, size: int, tau: float, private: bytes,
-                       probe: Callable[[np.ndarray], float] | None = None) -> tuple[dict, dict, dict, dict]:
+def _recovery_material(st: _Stored, incoming: list, partials: dict[int, np.ndarray], size: int, tau: float,
+                       private: bytes, probe: Callable[[np.ndarray], float] | None = None) -> tuple[dict, ...]:
     """Per neighbour, what this upload holds because of it (revealed only if it drops, :mod:`client.recovery`).
 
-    Own shares sent to it (bundle seed) and the distorted negated shares received from it: its bundle seed
-    when ``tau = 0`` with the ``seed`` encoding (the server expands them), else the exact contribution vector.
-    The noise weight of a neighbour is the variance of this client's own shares it holds; the partial
-    material keeps those shares secret (and ``probe`` gives their projection for the cancellation check).
-    Returns ``(material, noise, partial, kept_probe)``.
+    Own shares sent to it (bundle seed) and the distorted negated shares received from it: with the ``seed``
+    encoding its bundle seed and this client's distortion seed for it (:func:`protocols.niss.distortion_seed`,
+    which distorts nothing else), with the ``vector`` encoding the exact contribution vector.  The noise
+    weight of a neighbour is the variance of this client's own shares it holds; the partial material keeps
+    those shares secret (and ``probe`` gives their projection for the cancellation check); the protecting
+    material, for a neighbour whose upload the server holds, keeps that neighbour's shares secret instead.
+    Returns ``(material, noise, partial, kept_probe, protect, protect_probe, shield)`` (shield: neither).
     """
     out_by = {b.receiver: b for b in st.outgoing}
-    by_seed = tau == 0 and st.encoding == "seed"
-    partials = {} if by_seed else niss_math.distorted_partials(
-        [(s, -niss_math.bundle_shares(b, size) if v is None else v) for s, b, v in incoming], size, tau, private)
-    material, noise, partial, kept_probe = {}, {}, {}, {}
+    by_seed = st.encoding == "seed"
+    material, noise, partial, kept_probe, protect, protect_probe, shield = {}, {}, {}, {}, {}, {}, {}
     for s, b, _v in incoming:
         o = out_by.get(s)
         oc, ostd, oseed = (o.count, o.share_std, o.seed) if o is not None else (0, 0.0, bytes(32))
         m = NissPairMaterial(oc, ostd, oseed, b.count, b.share_std, in_seed=b.seed if by_seed else None,
+                             in_dseed=niss_math.distortion_seed(private, s) if by_seed and tau > 0 else None,
                              in_vector=None if by_seed else partials[s])
         material[s], noise[s], partial[s] = m.to_bytes(), oc * ostd**2, m.keep_own().to_bytes()
+        protect[s], shield[s] = m.keep_in().to_bytes(), m.keep_own().keep_in().to_bytes()
         if probe is not None:
             kept_probe[s] = probe(niss_math.sender_noise([o], size)) if o is not None else 0.0
-    return material, noise, partial, kept_probe
+            protect_probe[s] = probe(partials[s])
+    return material, noise, partial, kept_probe, protect, protect_probe, shield
 
 
 def _rejected(msg: Message, env: ClientEnv, failures: list[tuple[int, str]]) -> Message:
@@ -273,10 +273,13 @@ def train(msg: Message, env: ClientEnv) -> Message:
     tau = client_tau(env.cfg)
     own = niss_math.sender_noise(st.outgoing, size)
     private = _fresh_seed(f"{env.node_id}/{rnd}/distortion")  # s_i: known to nobody but this client
-    received = niss_math.distorted_sum(_negated_shares(incoming, size), size, tau, private)
+    partials = _received(incoming, size, tau, private)
+    received = np.zeros(size)
+    for s in sorted(partials):
+        received += partials[s]
     upload = niss_math.client_upload(params, st.weight, own, received)
     probe_fn = (lambda v: mask_probe(msg, v)) if env.cfg.cancellation_check else None
-    remember(env, rnd, *_recovery_material(st, incoming, size, tau, private, probe_fn))
+    remember(env, rnd, *_recovery_material(st, incoming, partials, size, tau, private, probe_fn))
     figures = NissMetrics(st.sigma, tau, sum(b.count for b in st.outgoing))
     probe: dict[str, float] = {}
     if env.cfg.cancellation_check:
