@@ -98,7 +98,7 @@ def plot_accuracy(runs: Sequence[RunData], path: Path) -> None:
     ax.set_ylabel("test accuracy")
     ax.set_ylim(0.0, 1.0)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5))  # outside: the curves end top right
     ax.set_title("Accuracy of the global model")
     save_figure(fig, path)
 
