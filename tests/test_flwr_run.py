@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from server.defaults import APP_DIR
+from server.defaults import APP_DIR, app_defaults
 from server.deploy import BIN, flower_env, free_port
 from tests.processes import pid_gone
 
@@ -60,7 +60,7 @@ def _flwr_run(home: Path) -> tuple[str, float | None]:
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
-            if found_at is None and "num-supernodes=10" in line:
+            if found_at is None and "--federation-config 'num-supernodes=" in line:
                 found_at = time.monotonic() - t0
         proc.wait(timeout=120)
     finally:
@@ -78,7 +78,8 @@ def test_plain_flwr_run_on_the_default_federation_names_the_fix(tmp_path):
         out, found_at = _flwr_run(home)
     assert (home / "config.toml").is_file() and ":local:" in (home / "config.toml").read_text()
     assert found_at is not None, out[-3000:]
-    assert "flwr run . --stream --federation-config 'num-supernodes=10'" in out
+    clients = app_defaults()["num-clients"]  # the app's default; Flower's local federation has 2 SuperNodes
+    assert f"flwr run . --stream --federation-config 'num-supernodes={clients}'" in out
     assert "flwr run . --stream --run-config 'num-clients=2'" in out
     # The ServerApp stops before any round; the whole command (SuperLink and Ray start included) within 2 min.
     assert "[round 1/" not in out
