@@ -162,13 +162,28 @@ def test_n_out_plan_pairs_only_graph_neighbours(pinned_residual_seeds):
     assert max(degrees) < 11 and min(degrees) >= 2
     for node, pk in sent.items():  # every message's peers are exactly the allocation's pairs of that node
         assert sorted(pk.peer_ids) == sorted(st.allocation.pair_table[node])
-    # a client whose peer list disagrees with the rebuilt graph refuses to upload
+    # a client whose peer list disagrees with the rebuilt graph refuses to upload: a missing neighbour, or a
+    # non-neighbour paired in its place (every per-peer list is changed consistently, with the real key, roster
+    # name and signature of the peer, so only the graph check can refuse it)
     bad = msgs[0]
-    pk = sent[bad.metadata.dst_node_id]
-    short = dataclasses.replace(pk, peer_ids=pk.peer_ids[:-1], peer_keys=pk.peer_keys[:-1])
-    bad.content["config"] = ConfigRecord({**bad.content["config"], **short.to_config()})
-    with pytest.raises(ValueError, match="pairing graph"):
-        nadp_client.train(bad, ClientEnv.from_context(grid.contexts[bad.metadata.dst_node_id]))
+    node = bad.metadata.dst_node_id
+    pk = sent[node]
+    original = dict(bad.content["config"])
+    entry = {}  # peer id -> (key, name, signature) as the server sent it to someone
+    for other in sent.values():
+        for i, pid in enumerate(other.peer_ids):
+            entry[pid] = (other.peer_keys[i], other.name_of(i), other.signature_of(i))
+    stranger = next(n for n in sorted(entry) if n != node and n not in pk.peer_ids)
+    short = dataclasses.replace(pk, peer_ids=pk.peer_ids[:-1], peer_keys=pk.peer_keys[:-1],
+                                peer_names=pk.peer_names[:-1], peer_signatures=pk.peer_signatures[:-1])
+    key, name, sig = entry[stranger]
+    swapped = dataclasses.replace(pk, peer_ids=(*pk.peer_ids[:-1], stranger), peer_keys=(*pk.peer_keys[:-1], key),
+                                  peer_names=(*pk.peer_names[:-1], name),
+                                  peer_signatures=(*pk.peer_signatures[:-1], sig))
+    for plan in (short, swapped):
+        bad.content["config"] = ConfigRecord({**original, **plan.to_config()})
+        with pytest.raises(ValueError, match="pairing graph"):
+            nadp_client.train(bad, ClientEnv.from_context(grid.contexts[node]))
 
 
 # ------------------------------------------------------------------------ (b) dropout
