@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 
 import numpy as np
@@ -143,12 +144,17 @@ class TamperGrid(LocalGrid):
     mode: str = ""
     saved: dict = {}
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tampered: list[tuple[int, int]] = []  # (victim, sender of the altered payload) per tampered round
+
     def send_and_receive(self, messages, *, timeout=None):
         messages = list(messages)
         train = [m for m in messages if m.metadata.message_type == "train"]
         if train and self.mode:
             inboxes = [RelayedInbox.from_config(m.content["config"]) for m in train]
             first = inboxes[0]
+            self.tampered.append((train[0].metadata.dst_node_id, first.from_ids[0]))
             senders, blobs = list(first.from_ids), list(first.payloads)
             if self.mode == "flip":
                 b = bytearray(blobs[0])
@@ -185,23 +191,51 @@ def test_tampered_relay_leaves_the_victim_out_and_is_recovered(mode, why):
         grid.mode, rnd = mode, 1
     msgs, replies = _round(grid, strategy, rnd, arrays)
     victim = msgs[0].metadata.dst_node_id
-    strategy.aggregate_train(rnd, replies)
+    assert grid.tampered[-1][0] == victim
+    new_arrays, _ = strategy.aggregate_train(rnd, replies)
+    # the victim is the only one excluded, with the reason it reported; it gets no strike (not its fault)
+    assert list(strategy.excluded) == [victim]
     assert why in strategy.excluded[victim] and "uploaded nothing" in strategy.excluded[victim]
+    assert victim not in strategy.strikes.count
     rep = strategy.round_report()
     assert rep["recovery"] == 1 and rep["cancellation_residual"] <= 1e-9 and rep["aggregate_error_rel"] <= 1e-9
+    assert new_arrays is not None and np.all(np.isfinite(_flat(new_arrays)))
     # the victim uploaded nothing; nobody else complained
     bad = [r for r in replies if "config" in r.content and AuthFailures.from_config(r.content["config"])]
     assert [r.metadata.src_node_id for r in bad] == [victim] and "arrays" not in bad[0].content
+    # the sender(s) the victim names are struck once and keep their upload; nobody else is struck
+    named = set(AuthFailures.from_config(bad[0].content["config"]).senders)
+    if mode != "replay":  # one altered payload: its sender label is the one the victim names
+        assert named == {grid.tampered[-1][1]}
+    assert named and victim not in named and strategy.strikes.count == dict.fromkeys(named, 1)
+    assert named <= strategy.uploaded and not named & set(strategy.excluded) and not strategy.strikes.banned
 
 
 def test_runner_completes_tampered_rounds(tmp_path):
-    """Through the runner: every round with a tampered payload completes without the victim."""
+    """Through the runner: every round with a tampered payload completes without its victim.
+
+    The sender the victim names is struck each round; at ``max-strikes`` rounds in a row it is left out of later
+    rounds.  Every round's model comes only from the honest uploads (the noise cancels exactly).
+    """
     from server.runner import run_federation
 
-    cfg, grid, strategy, _ = _setup(TamperGrid, niss_tau=0.0, num_rounds=2, out_dir=str(tmp_path / "t"))
+    cfg, grid, strategy, _ = _setup(TamperGrid, niss_tau=0.0, num_rounds=3, max_strikes=2,
+                                    niss_unit_variance=1e-4, cancellation_check=True, out_dir=str(tmp_path / "t"))
     grid.mode = "flip"
     summary = run_federation(strategy, grid, cfg, progress=lambda _s: None)
-    assert summary["failed_rounds"] == []
+    assert summary["failed_rounds"] == [] and summary["rounds_completed"] == 3 and summary["model_round"] == 3
+    rows = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and len(grid.tampered) == 3
+    for row, (victim, _sender) in zip(rows, grid.tampered, strict=True):
+        assert not row["failed"] and list(row["excluded"]) == [str(victim)]
+        assert "authentication failed" in row["excluded"][str(victim)]
+        assert row["recovery"] == 1 and row["cancellation_residual"] <= 1e-9 and row["aggregate_error_rel"] <= 1e-9
+    (v1, s1), (v2, s2), (_v3, s3) = grid.tampered
+    assert (v1, s1) == (v2, s2)  # the same pair is tampered while both take part
+    assert rows[0]["left_out"] == [] and rows[1]["left_out"] == rows[2]["left_out"] == [str(s1)]
+    assert s3 != s1 and rows[2]["clients"] == cfg.num_clients - 1  # the banned sender is no longer sampled
+    assert list(strategy.strikes.banned) == [s1] and "failed 2 rounds in a row" in strategy.strikes.banned[s1]
+    assert f"rejected by neighbour(s) [{v1}]" in strategy.strikes.banned[s1]
 
 
 # ------------------------------------------------------------------------- encodings
