@@ -45,11 +45,18 @@ def _one_thread(one_thread):
 
 
 # ----------------------------------------------------------------------------------- acceptance
-@pytest.mark.parametrize(("method", "extra"), [("nadp", NADP_FAST), ("niss", NISS_EXACT),
-                                               ("mpddp", {"hidden": "16", "mpddp-server-lr": 0.5})])
-def test_twenty_percent_dropping_every_round_is_recovered_exactly(run_inprocess, method, extra):
-    summary, rows = run_inprocess(method=method, num_clients=10, num_rounds=3, seed=7, cancellation_check=True,
-                                  fault_drop_rate=0.2, **{k.replace("-", "_"): v for k, v in extra.items()})
+#: Accuracy tolerance of a run with dropouts against the same run without (fresh DP noise each run): about 3 sd of
+#: the difference of two runs' final accuracies at these settings (README, "Dropout recovery").
+ACCURACY_TOLERANCE = {"nadp": 0.12, "niss": 0.08, "mpddp": 0.2}
+
+
+@pytest.mark.parametrize(("method", "extra"), [("nadp", {**NADP_FAST, "epsilon": 8.0}), ("niss", NISS_EXACT),
+                                               ("mpddp", {"dataset": "breast-cancer", "hidden": "16", "epsilon": 8.0})])
+def test_twenty_percent_dropping_every_round_is_recovered_exactly(run_inprocess, tmp_path, method, extra):
+    common = {"method": method, "num_clients": 10, "num_rounds": 3, "seed": 7,
+              **{k.replace("-", "_"): v for k, v in extra.items()}}
+    plain, _ = run_inprocess(out_dir=str(tmp_path / "plain"), **common)
+    summary, rows = run_inprocess(cancellation_check=True, fault_drop_rate=0.2, **common)
     assert len(rows) == 3
     for r in rows:
         assert not r["failed"]
@@ -58,6 +65,9 @@ def test_twenty_percent_dropping_every_round_is_recovered_exactly(run_inprocess,
         assert r.get("uncancelled_noise_norm", 0.0) == 0.0 and r.get("kept_pairs", 0) == 0
         assert r["recovery_bytes_per_survivor"] > 0
     assert summary["failed_rounds"] == [] and math.isfinite(summary["epsilon"])
+    gap = abs(summary["final_accuracy"] - plain["final_accuracy"])
+    assert gap <= ACCURACY_TOLERANCE[method], (summary["final_accuracy"], plain["final_accuracy"])
+    print(method, "accuracy with dropouts", summary["final_accuracy"], "without", plain["final_accuracy"])
 
 
 def test_recovery_charges_the_accountant_with_the_noise_left(run_inprocess):
