@@ -25,9 +25,11 @@ Round ``t`` (methods ``mpddp``, ``mpdp-naive``, ``mpcdp``):
    Delta's only cancel in the plain mean; streamed from the wire by :func:`client.messages.mpddp.mean_upload`),
    recovery Eq. (22), update of every layer with the server learning rate xi (``mpddp-server-lr``).
    ``mpcdp`` instead recovers each client's gradient, clips it to ``clip``, averages
-   (:func:`protocols.mpddp.clipped_mean`) and adds N(0, (z clip / K)^2) on the server.  For ``mpddp`` every participant of the key
-   phase must upload: a dropout leaves uncancelled Delta's in the mean, so the round fails
-   (:class:`RoundFailed`) and the model is kept (there is no seed recovery in this protocol).
+   (:func:`protocols.mpddp.clipped_mean`) and adds N(0, (z clip / K)^2) on the server.  For ``mpddp`` a
+   participant of the key phase that does not upload leaves uncancelled Delta's in the mean: the survivors
+   reveal that round's Delta seeds with it and the server subtracts them (dropout recovery,
+   :mod:`strategies.recovery`; the paper has none); if that fails, the round fails (:class:`RoundFailed`) and
+   the model is kept.
 
 Calibration (run-config ``epsilon``/``delta`` = the budget over the whole run, the project convention).
 Sensitivity S = run-config ``clip`` (the paper sets S = 1).  It is an ASSUMPTION for ``mpddp`` and

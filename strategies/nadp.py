@@ -18,8 +18,10 @@ Round ``t`` (hooks of the round template, :class:`strategies.base.CancelStrategy
 5. aggregation ``sum_i p_i upload_i`` in float64 (:func:`protocols.nadp.nadp_aggregate`):
    the pair noise cancels, the
    residual noise (std ``sigma_down``) stays. A client that drops out after the
-   key phase leaves its pair noise with the survivors uncancelled; the round
-   goes on over the survivors (weights renormalised) and reports it.
+   key phase would leave its pair noise with the survivors uncancelled: the
+   survivors reveal that round's pair seeds with it and the server subtracts
+   them (dropout recovery, :mod:`strategies.recovery`); the round goes on over
+   the survivors (weights renormalised) and reports it.
 
 Accounting (``self.privacy``, per-client accountants composed in the aggregate, read
 by the base's ``privacy_report``), per record, over the rounds its owner took part in

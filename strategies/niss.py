@@ -25,14 +25,14 @@ the messages are the classes of :mod:`client.messages.niss`):
 3. ``train``: the server relays each client's incoming ciphertexts (it never sees
    a share) with the global model.  The client opens all of them *before*
    training; if any payload is missing, duplicated or fails authentication it
-   uploads nothing and reports the offending senders, and the server fails the
-   round (:class:`RoundFailed`, naming the pairs).  Dropping the pair instead is
-   not possible consistently: the sender has already added its share to its own
-   upload, and removing it would mean revealing part of the sender's noise to the
-   server.  Otherwise the client uploads ``p_k w_k + sum_i (n_i + s_i r_i)``
-   (float64) with ``s_i ~ N(1, tau_k^2)`` per coordinate from its private
-   randomness.  The server *sums* the uploads; a client that drops out after the
-   share exchange also fails the round (its shares cannot cancel).
+   uploads nothing and reports the offending senders (who are struck); it leaves
+   the round like a client that drops out after the share exchange.  Otherwise the
+   client uploads ``p_k w_k + sum_i (n_i + s_i r_i)`` (float64) with
+   ``s_i ~ N(1, tau_k^2)`` per coordinate from its private randomness (one stream
+   per sender).  The server *sums* the uploads; the shares a missing client
+   exchanged are removed exactly by the dropout recovery (:mod:`strategies.recovery`:
+   the survivors reveal their shares to it and the shares they received from it,
+   never their own noise entirely) and the sum is renormalised to the survivors.
 
 Privacy calibration (documented interpretation).  A client clips its model
 update ``Delta_k = w_k - w`` to L2 norm ``clip`` and uploads the weighted model

@@ -10,9 +10,12 @@ calibration; the messages are the classes of :mod:`client.messages.niss`):
   phases; in deployment every message runs in a fresh process).
 * :func:`train` (``train``): open every relayed payload first (any missing,
   duplicated, unexpected or unauthentic payload -> no upload, the senders are
-  reported, the server fails the round); then train, clip the update, and upload
+  reported; the client leaves the round and the dropout recovery removes the
+  shares it exchanged); then train, clip the update, and upload
   ``p_k w_k + sum_i n_i + sum_i s_i r_i`` in float64, ``s_i ~ N(1, tau_k^2)``
-  per coordinate from fresh private randomness.
+  per coordinate from fresh private randomness (one stream per sender,
+  :func:`protocols.niss.distortion_seed`), and keep this round's pair material
+  for the dropout recovery (:mod:`client.recovery`).
 
 Wire format of a payload plaintext (big-endian header)::
 
