@@ -241,3 +241,17 @@ def test_niss_material_expands_to_exactly_what_the_survivor_added(tau, encoding)
         assert shielded.in_kept and np.allclose(pair_contribution(shielded, me, peer, size, tau), own, rtol=0, atol=0)
     if encoding == "seed":  # seeds, not vectors, travel: 32-byte bundle seed (+ 32-byte distortion seed if tau > 0)
         assert len(material[7]) <= 128
+
+
+def test_a_held_upload_keeps_its_own_noise():
+    """A peer the server names excluded (its upload is held): only the protecting material is revealed for it."""
+    store = RecoveryStore(3, {5: b"full5", 6: b"full6", 7: b"full7"}, {5: 1.0, 6: 1.0, 7: 1.0},
+                          protect={5: b"mine5"}, protect_probe={5: 0.5}, shield={5: b"none5"})
+    reply = answer(store, {6}, {5})
+    assert reply.material == (b"mine5", b"full6") and reply.kept == (5,) and reply.kept_probe == 0.5
+    # excluded must be received; this node must not be excluded itself
+    assert "not received" in check_request(store, RecoveryRequest(3, (1, 6, 7), (), (5,)), 1)
+    assert "excluded" in check_request(store, RecoveryRequest(3, (1, 5, 6, 7), (), (1,)), 1)
+    # every neighbour holding this node's noise gone: neither noise is revealed for the held peer
+    both = answer(store, {6, 7}, {5})
+    assert both.material == (b"none5", b"", b"") and set(both.kept) == {5, 6, 7}
