@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from protocols.methods import AUTO, AUTO_KEYS, METHOD_NAMES, regime
+from protocols.methods import AUTO, AUTO_KEYS, METHOD_NAMES, SPARSE_BY_DEFAULT, auto_graph, regime
 
 DATASETS = ("digits", "breast-cancer", "mnist", "fashion-mnist")
 MODELS = ("mlp", "cnn")
@@ -162,6 +162,11 @@ class RunConfig:
                 if key in unset:
                     f = known[key]
                     values[f.name] = applied[key] = _coerce(key, value, type(getattr(cls(), f.name)))
+        if "graph" in unset and "graph" not in applied:
+            k = max(1, round(values.get("sample_rate", cls.sample_rate) * values.get("num_clients", cls.num_clients)))
+            values["graph"] = auto_graph(method, k)
+            if method in SPARSE_BY_DEFAULT:  # a decision for these methods: printed with the regime
+                applied["graph"] = values["graph"]
         cfg = cls(**values, regime_applied=tuple(sorted(applied.items())))
         cfg.validate()
         return cfg

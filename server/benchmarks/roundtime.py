@@ -77,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
         methods.insert(0, "fedavg")
     base = common.common_base(args)
     base.setdefault("sample-rate", 1.0)
+    # Timing only: a noisy run whose loss grows (e.g. ldp at epsilon 1) must not stop before its rounds are timed.
+    base.setdefault("divergence-factor", 0.0)
     k = int(args.clients)
     simulation = args.engine == "simulation"
     point = simulation_point if simulation else run_point
