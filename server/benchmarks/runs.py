@@ -78,6 +78,7 @@ def point_config(name: str, epsilon: float, clients: int, base: dict, method_set
 def run_point(name: str, epsilon: float, clients: int, base: dict, method_sets: dict[str, dict], out_dir: Path,
               *, hooks: Sequence = ()) -> RunResult:
     """One federation; never raises (refusals and failures end up in ``status``)."""
+    from client.messages.ddpsa import ShareReceipt
     from protocols.config import ConfigError
     from server.attacks.observe import run_observed
 
@@ -87,10 +88,11 @@ def run_point(name: str, epsilon: float, clients: int, base: dict, method_sets: 
 
     def side_channel(msgs, replies) -> None:
         # Uplink that bypasses the Flower grid: ddpsa pushes shares to its intermediate servers and reports
-        # their size as the reply metric ``share_bytes``; counted per client per round.
+        # their size in the reply's ShareReceipt; counted per client per round.
         if msgs and msgs[0].metadata.message_type == "train":
-            sizes = [float(r.content["metrics"]["share_bytes"]) for r in replies
-                     if not r.has_error() and "metrics" in r.content and "share_bytes" in r.content["metrics"]]
+            receipts = [ShareReceipt.from_reply(r.content) for r in replies
+                        if not r.has_error() and "metrics" in r.content]
+            sizes = [float(rc.share_bytes) for rc in receipts if rc is not None]
             if sizes:
                 side_up[int(msgs[0].content["config"]["round"])] = float(np.mean(sizes))
 
