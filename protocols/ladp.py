@@ -65,6 +65,7 @@ from scipy.special import log_softmax
 
 from protocols import prg
 from protocols.privacy import analytic_gaussian_sigma, classic_gaussian_sigma
+from protocols.privacy.mechanisms import check_eps_delta
 
 __all__ = [
     "LayerNoise",
@@ -104,13 +105,6 @@ class LayerNoise:
 # ----------------------------------------------------------------------------------
 # Building blocks
 # ----------------------------------------------------------------------------------
-
-
-def _check_privacy_params(epsilon: float, delta: float) -> None:
-    if not (math.isfinite(epsilon) and epsilon > 0):
-        raise ValueError(f"epsilon must be a finite number > 0, got {epsilon!r}")
-    if not (0 < delta < 1):
-        raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
 
 
 def sensitivity(lr: float, local_steps: int, grad_clip: float) -> float:
@@ -161,7 +155,7 @@ def theorem3_c0_paper(epsilon: float, delta: float) -> float:
     ``d <= sqrt(2/(pi e^4))``, else ``(1 + sqrt(1 + 2 e)) / 2``.  NOT (eps, delta)-DP
     in general (see module docstring); kept for comparison only.
     """
-    _check_privacy_params(epsilon, delta)
+    check_eps_delta(epsilon, delta)
     if delta <= math.sqrt(2.0 / (math.pi * math.e**4)):
         l2 = math.log(2.0 / (math.pi * delta**2))
         return (math.sqrt(l2) + math.sqrt(l2 + 8.0 * epsilon)) / 4.0
@@ -177,7 +171,7 @@ def theorem3_c0_corrected(epsilon: float, delta: float) -> float:
     is sufficient (``ln u >= 0`` and ``u^2/2 >= L^2/2``) and is a quadratic in c0.
     Valid for every eps > 0 and 0 < delta < 1.
     """
-    _check_privacy_params(epsilon, delta)
+    check_eps_delta(epsilon, delta)
     l2 = math.log(2.0 / (math.pi * delta**2))
     m = max(1.0, math.sqrt(l2)) if l2 > 0 else 1.0
     return (m + math.sqrt(m * m + 2.0 * epsilon)) / 2.0
@@ -194,7 +188,7 @@ def round_epsilon(epsilon: float, delta: float, rounds: int) -> float:
     """
     from protocols.privacy import gdp_epsilon
 
-    _check_privacy_params(epsilon, delta)
+    check_eps_delta(epsilon, delta)
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
 
@@ -224,7 +218,7 @@ def theorem3_c(epsilon: float, delta: float, kl_cap: float, constant: Constant =
     ``"paper"`` (Eq. (11) verbatim) or ``"analytic"`` (``c0 = eps * sigma_aGM /
     Delta``, exact and tightest).
     """
-    _check_privacy_params(epsilon, delta)
+    check_eps_delta(epsilon, delta)
     if not (math.isfinite(kl_cap) and kl_cap > 0):
         raise ValueError(f"kl_cap (B) must be > 0, got {kl_cap!r}")
     if constant == "corrected":

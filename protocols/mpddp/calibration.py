@@ -35,6 +35,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from protocols.privacy.mechanisms import check_eps_delta
+
 __all__ = [
     "Calibration",
     "calibrate",
@@ -52,13 +54,6 @@ __all__ = [
 ]
 
 
-def _check_eps_delta(epsilon: float, delta: float) -> None:
-    if not (math.isfinite(epsilon) and epsilon > 0):
-        raise ValueError(f"epsilon must be a positive finite number, got {epsilon}")
-    if not (0.0 < delta < 1.0):
-        raise ValueError(f"Theorems 10/11 need delta in (0, 1), got {delta}")
-
-
 def _log_term(delta: float) -> float:
     """log(2 / (delta sqrt(2 pi))) from Eq. (23)."""
     return math.log(2.0 / (delta * math.sqrt(2.0 * math.pi)))
@@ -66,7 +61,7 @@ def _log_term(delta: float) -> float:
 
 def max_theta(epsilon: float, delta: float) -> float:
     """Largest theta satisfying Eq. (23) (closed form; the feasible set is [0, max_theta])."""
-    _check_eps_delta(epsilon, delta)
+    check_eps_delta(epsilon, delta)
     theta_1 = (math.sqrt(1.0 + 2.0 * epsilon) - 1.0) ** 2  # theta/2 + sqrt(theta) <= epsilon
     lg = max(_log_term(delta), 0.0)  # for delta > 2/sqrt(2 pi) the second condition is epsilon >= theta/2
     theta_2 = (math.sqrt(2.0 * lg + 2.0 * epsilon) - math.sqrt(2.0 * lg)) ** 2
@@ -109,7 +104,7 @@ def sigmas_for_theta(
 
 def satisfies_eq23(epsilon: float, delta: float, theta: float, *, rtol: float = 1e-12) -> bool:
     """Direct check of Eq. (23) (with a tiny relative tolerance for round-off)."""
-    _check_eps_delta(epsilon, delta)
+    check_eps_delta(epsilon, delta)
     slack = rtol * max(1.0, epsilon)
     if epsilon + slack < theta / 2.0 + math.sqrt(theta):
         return False
@@ -196,7 +191,7 @@ def calibrate(
     preconditions enforced, delta split as delta/3). eta_share in (0, 1): fraction of theta_max given to
     the eta term. Raises ValueError on anything the theorems do not cover.
     """
-    _check_eps_delta(epsilon, delta)
+    check_eps_delta(epsilon, delta)
     if isinstance(num_clients, bool) or int(num_clients) != num_clients or num_clients < 2:
         raise ValueError(f"num_clients must be an integer >= 2, got {num_clients}")
     num_clients = int(num_clients)

@@ -21,6 +21,7 @@ from scipy.special import log_ndtr, ndtr
 
 __all__ = [
     "analytic_gaussian_epsilon",
+    "check_eps_delta",
     "analytic_gaussian_sigma",
     "classic_gaussian_sigma",
     "gaussian_delta",
@@ -28,7 +29,8 @@ __all__ = [
 ]
 
 
-def _check_eps_delta(epsilon: float, delta: float) -> None:
+def check_eps_delta(epsilon: float, delta: float) -> None:
+    """ValueError unless ``epsilon`` is finite and > 0 and ``delta`` lies in (0, 1) (every (epsilon, delta) calibration)."""
     if not (math.isfinite(epsilon) and epsilon > 0):
         raise ValueError(f"epsilon must be a finite number > 0, got {epsilon!r}")
     if not (0 < delta < 1):
@@ -67,7 +69,7 @@ def classic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float) -> 
     proved for ``0 < epsilon < 1``; larger epsilon is refused (use
     :func:`analytic_gaussian_sigma`).
     """
-    _check_eps_delta(epsilon, delta)
+    check_eps_delta(epsilon, delta)
     _check_sensitivity(sensitivity)
     if epsilon >= 1:
         raise ValueError(
@@ -95,7 +97,7 @@ def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float, *,
     satisfies :func:`gaussian_delta` ``(sigma, epsilon, sensitivity) == delta`` up to
     the root-finding tolerance.
     """
-    _check_eps_delta(epsilon, delta)
+    check_eps_delta(epsilon, delta)
     _check_sensitivity(sensitivity)
     eps = float(epsilon)
 
