@@ -163,7 +163,7 @@ class RunConfig:
                     f = known[key]
                     values[f.name] = applied[key] = _coerce(key, value, type(getattr(cls(), f.name)))
         if "graph" in unset and "graph" not in applied:
-            k = max(1, round(values.get("sample_rate", cls.sample_rate) * values.get("num_clients", cls.num_clients)))
+            k = clients_sampled(values.get("sample_rate", cls.sample_rate), values.get("num_clients", cls.num_clients))
             values["graph"] = auto_graph(method, k)
             if method in SPARSE_BY_DEFAULT:  # a decision for these methods: printed with the regime
                 applied["graph"] = values["graph"]
@@ -264,7 +264,12 @@ class RunConfig:
     @property
     def clients_per_round(self) -> int:
         """Number of clients sampled each round (at least 1)."""
-        return max(1, round(self.sample_rate * self.num_clients))
+        return clients_sampled(self.sample_rate, self.num_clients)
+
+
+def clients_sampled(sample_rate: float, num_clients: int) -> int:
+    """Clients sampled per round: ``round(q N)``, at least 1."""
+    return max(1, round(sample_rate * num_clients))
 
 
 def _coerce(key: str, value: Any, target: type) -> Any:
