@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from server.benchmarks import common
-from server.benchmarks.runs import RunResult, add_ratios, point_config, run_point, short_error, warm_up
+from server.benchmarks.runs import RunResult, add_ratios, peak_rss, point_config, run_point, short_error, warm_up
 from server.benchmarks.secagg import secaggplus_reference, share_counts
 
 HELP = "client/server time and bytes vs FedAvg, and SecAgg+"
@@ -194,6 +194,7 @@ def simulation_point(name: str, epsilon: float, clients: int, base: dict, method
     res.bytes_up = float(np.mean([r["bytes_received_per_client"] for r in timed]))
     res.final_accuracy = rows[-1].get("test_accuracy", math.nan)
     res.extra["first_round_s"] = rows[0]["round_time_s"]
+    res.extra["peak_rss_mb"] = peak_rss(timed)
     res.extra["phases"] = "+".join(sorted(timed[-1].get("phase_time_s", {})))
     if any(r["failed"] for r in rows):
         res.status = f"failed {sum(r['failed'] for r in rows)}/{len(rows)} rounds"

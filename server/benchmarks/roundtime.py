@@ -26,12 +26,8 @@ Writes ``roundtime.csv``/``roundtime.md`` into ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
-from pathlib import Path
-
-import numpy as np
 
 from server.benchmarks import common
 from server.benchmarks.overhead import median_over_repeats, simulation_point
@@ -58,16 +54,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians of per-repeat ratios")
 
 
-def _peak_rss(out_dir: Path) -> float:
-    """Median over timed rounds of the mean client peak RSS (MiB) a run logged, nan if absent."""
-    path = out_dir / "metrics.jsonl"
-    if not path.exists():
-        return math.nan
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    vals = [float(r["client_peak_rss_mb"]) for r in rows if r.get("client_peak_rss_mb") is not None]
-    return float(np.median(vals)) if vals else math.nan
-
-
 def run(args: argparse.Namespace) -> int:
     """Interleaved repeats of every method at one client count; a table of ratios to FedAvg with the goals."""
     from tqdm import tqdm
@@ -91,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         bar.set_postfix_str(f"{m} repeat {rep + 1}/{args.repeats}")
         run_dir = out / "runs" / f"{m}-r{rep}"
         r: RunResult = point(m, args.epsilon, k, base, msets, run_dir)
-        row = {**r.as_row(), "repeat": rep, "peak_rss_mb": _peak_rss(run_dir)}
+        row = {"peak_rss_mb": math.nan, **r.as_row(), "repeat": rep}  # a failed run has no RSS figure
         raw.append(row)
         tqdm.write(f"{m:>8} repeat {rep}: round={common.fmt(r.round_s)}s client={common.fmt(r.client_s)}s "
                    f"rss={common.fmt(row['peak_rss_mb'])}MiB acc={common.fmt(r.final_accuracy)} {r.status}")

@@ -129,9 +129,16 @@ def run_point(name: str, epsilon: float, clients: int, base: dict, method_sets: 
     res.deployed_s = res.client_s + res.server_s
     res.bytes_down = float(np.mean([r["bytes_sent_per_client"] for r in timed]))
     res.bytes_up = float(np.mean([r["bytes_received_per_client"] + side_up.get(r["round"], 0.0) for r in timed]))
+    res.extra["peak_rss_mb"] = peak_rss(timed)
     if side_up:
         res.extra["bytes_up_off_grid"] = float(np.mean([side_up.get(r["round"], 0.0) for r in timed]))
     return res
+
+
+def peak_rss(rows: list[dict]) -> float:
+    """Median over ``rows`` of the round's mean client peak RSS (MiB; the ``client_peak_rss_mb`` column), nan if absent."""
+    vals = [float(r["client_peak_rss_mb"]) for r in rows if r.get("client_peak_rss_mb") is not None]
+    return float(np.median(vals)) if vals else math.nan
 
 
 def warm_up(base: dict, clients: Iterable[int], out: Path) -> None:
