@@ -93,21 +93,20 @@ def clipped_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, 
     params = list(model.parameters())
     model.train()
     last, clipped, seen = 0.0, 0, 0
-    clip_sum = PerExampleClipper(model, clip)  # inspects and hooks the model once, not per step
-    for _ in range(epochs):
-        total, count = 0.0, 0
-        for idx in batches(len(yt), batch_size, rng):
-            ix = torch.as_tensor(idx, device=xt.device)
-            grads, losses, n_clipped = clip_sum(xt[ix], yt[ix])
-            with torch.no_grad():
-                for p, g in zip(params, grads, strict=True):
-                    p -= (lr / len(idx)) * g
-            total += float(losses.sum())
-            count += len(idx)
-            clipped += n_clipped
-            seen += len(idx)
-        last = total / max(count, 1)
-    clip_sum.close()
+    with PerExampleClipper(model, clip) as clip_sum:  # inspects and hooks the model once, not per step
+        for _ in range(epochs):
+            total, count = 0.0, 0
+            for idx in batches(len(yt), batch_size, rng):
+                ix = torch.as_tensor(idx, device=xt.device)
+                grads, losses, n_clipped = clip_sum(xt[ix], yt[ix])
+                with torch.no_grad():
+                    for p, g in zip(params, grads, strict=True):
+                        p -= (lr / len(idx)) * g
+                total += float(losses.sum())
+                count += len(idx)
+                clipped += n_clipped
+                seen += len(idx)
+            last = total / max(count, 1)
     return last, clipped / max(seen, 1)
 
 
