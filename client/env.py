@@ -18,7 +18,7 @@ from torch import nn
 from client.data import client_partition, dataset_for
 from client.messages.common import TrainIns, train_metrics
 from client.models import build_model, get_weights, resolve_device, set_weights
-from client.training import train
+from client.training import clipped_sgd, train
 from client.wire import Weights, from_record
 from protocols.config import ConfigError, RunConfig
 
@@ -80,6 +80,24 @@ def local_training(msg: Message, env: ClientEnv, *, grad_clip: float | None = No
     train_loss = train(model, env.x, env.y, epochs=env.cfg.local_epochs, batch_size=env.cfg.batch_size,
                        lr=env.cfg.lr, seed=env.round_seed(rnd), grad_clip=grad_clip)
     return global_w, get_weights(model), train_loss
+
+
+def record_level_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weights, float, float]:
+    """Train the received global model with per-example clipping at run-config ``clip`` (record-level DP).
+
+    The training every record-level method runs; its sensitivity is
+    :func:`protocols.privacy.record_sensitivity` of the run config and the client's dataset size.
+
+    Deterministic given the message (batch order from the public round seed).
+    Returns ``(global_weights, local_weights, train_loss, clipped_fraction)``.
+    """
+    global_w = from_record(msg.content["arrays"])
+    model = env.model(global_w)
+    rnd = TrainIns.from_config(msg.content["config"]).round
+    cfg = env.cfg
+    loss, frac = clipped_sgd(model, env.x, env.y, epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr,
+                             clip=cfg.clip, seed=env.round_seed(rnd))
+    return global_w, get_weights(model), loss, frac
 
 
 def reply(msg: Message, arrays, num_examples: int, **metrics: float) -> Message:

@@ -6,6 +6,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from protocols.per_example import PerExampleClipper
+
 
 def model_device(model: nn.Module) -> torch.device:
     """Where ``model``'s parameters live (run-config ``device``; CPU for a model without parameters)."""
@@ -19,6 +21,7 @@ def on_device(model: nn.Module, *arrays: np.ndarray) -> tuple[torch.Tensor, ...]
 
 
 def _batches(n: int, batch_size: int, rng: np.random.Generator):
+    """Shuffled consecutive batches, the last one possibly smaller (as local_sgd_sensitivity assumes)."""
     order = rng.permutation(n)
     for start in range(0, n, batch_size):
         yield order[start:start + batch_size]
@@ -91,3 +94,32 @@ def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, *, batch_size: int 
         correct += int((logits.argmax(1) == yt[start:start + batch_size]).sum())
     n = max(len(y), 1)
     return loss / n, correct / n
+
+
+# ------------------------------------------------- per-example clipped training (record-level DP)
+def clipped_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, batch_size: int, lr: float,
+                clip: float, seed: int) -> tuple[float, float]:
+    """SGD where each step uses the mean of per-example gradients clipped to L2 norm ``clip``.
+
+    Returns (mean training loss of the last epoch, fraction of clipped examples).
+    """
+    rng = np.random.default_rng(seed)
+    xt, yt = on_device(model, x, y)  # run-config 'device': the model's device
+    params = list(model.parameters())
+    model.train()
+    last, clipped, seen = 0.0, 0, 0
+    with PerExampleClipper(model, clip) as clip_sum:  # inspects and hooks the model once, not per step
+        for _ in range(epochs):
+            total, count = 0.0, 0
+            for idx in _batches(len(yt), batch_size, rng):
+                ix = torch.as_tensor(idx, device=xt.device)
+                grads, losses, n_clipped = clip_sum(xt[ix], yt[ix])
+                with torch.no_grad():
+                    for p, g in zip(params, grads, strict=True):
+                        p -= (lr / len(idx)) * g
+                total += float(losses.sum())
+                count += len(idx)
+                clipped += n_clipped
+                seen += len(idx)
+            last = total / max(count, 1)
+    return last, clipped / max(seen, 1)

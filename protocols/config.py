@@ -20,7 +20,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from protocols.methods import AUTO, AUTO_KEYS, METHOD_NAMES, SPARSE_BY_DEFAULT, auto_graph, regime
+from protocols.methods import (
+    AUTO,
+    AUTO_KEYS,
+    METHOD_NAMES,
+    PRIVACY_UNITS,
+    SPARSE_BY_DEFAULT,
+    auto_graph,
+    method_spec,
+    regime,
+)
 
 DATASETS = ("digits", "breast-cancer", "mnist", "fashion-mnist")
 MODELS = ("mlp", "cnn")
@@ -88,6 +97,7 @@ class RunConfig:
     # Privacy
     epsilon: float = 1.0
     delta: float = 1e-5
+    privacy_unit: str = "record"  # what epsilon protects: "record" (one example) or "client" (ldp, cdp only)
     clip: float = 1.0  # L2 bound of a client's model update (or gradient, per method)
     # Method-specific (see README)
     graph: str = "complete"  # pairwise-noise neighbour graph
@@ -201,6 +211,11 @@ class RunConfig:
         _choice("ddpsa-allocation", self.ddpsa_allocation, ALLOCATIONS)
         _choice("nadp-variant", self.nadp_variant, NADP_VARIANTS)
         _choice("mpddp-side-dtype", self.mpddp_side_dtype, SIDE_DTYPES)
+        _choice("privacy-unit", self.privacy_unit, PRIVACY_UNITS)
+        try:
+            method_spec(self.method).guarantee(self.privacy_unit)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         for key in ("num-clients", "num-rounds", "local-epochs", "batch-size", "min-clients"):
             if getattr(self, key.replace("-", "_")) < 1:
                 raise ConfigError(f"run-config '{key}' must be an integer >= 1")

@@ -27,8 +27,8 @@ from typing import Any
 
 from protocols.config import RunConfig
 from protocols.mpddp import calibrate, calibrate_ldp, sigmas_for_theta, theta_for_noise_multiplier
-from protocols.nadp import NadpSigmas, NoiseAllocation, compensation_factor, local_sgd_sensitivity, round_plan
-from protocols.privacy import calibrate_noise_multiplier, lemma2_sigma, noise_multiplier, per_round_epsilons
+from protocols.nadp import NadpSigmas, NoiseAllocation, compensation_factor, round_plan
+from protocols.privacy import calibrate_noise_multiplier, lemma2_sigma, noise_multiplier, per_round_epsilons, record_sensitivity
 
 __all__ = [
     "ETA_SHARE",
@@ -165,7 +165,7 @@ def ddpsa_round_epsilon(cfg: RunConfig, rnd: int) -> float:
 
 def nadp_sensitivity(cfg: RunConfig, size: int) -> float:
     """Per-record L2 sensitivity of a NADP client's local model trained on ``size`` examples."""
-    return local_sgd_sensitivity(cfg.clip, size, lr=cfg.lr, epochs=cfg.local_epochs, batch_size=cfg.batch_size)
+    return record_sensitivity(cfg, size)
 
 
 def nadp_compensation(cfg: RunConfig, sizes: Mapping[int, int], min_degree: int | None = None) -> float:

@@ -27,8 +27,18 @@ from typing import Any
 #: The run-config value that means "the method's regime decides" (:func:`regime`).
 AUTO = "auto"
 #: Run-config keys whose ``[tool.flwr.app.config]`` default is :data:`AUTO`: every key a regime may set.
-AUTO_KEYS: tuple[str, ...] = ("num-rounds", "local-epochs", "batch-size", "lr", "hidden", "clip", "mpddp-server-lr",
-                               "graph")
+AUTO_KEYS: tuple[str, ...] = ("num-clients", "num-rounds", "local-epochs", "batch-size", "lr", "hidden", "clip",
+                               "mpddp-server-lr", "graph")
+#: The federation every method runs on by default, by dataset size (``num-clients = "auto"``): about 600
+#: training records per client (McMahan et al.'s MNIST setting), 10 clients on the small datasets.  One value
+#: for every method, so a comparison is always on the same federation.  Why not 10 everywhere: NADP-FL's
+#: advantage over local DP is the sqrt(K) of noise cancellation (its Table 1: +4 points at K = 10, +40 at
+#: K = 100 on MNIST, epsilon 1); 10 clients would hide what the product is for.
+FEDERATION: MappingProxyType = MappingProxyType({"small": MappingProxyType({"num-clients": 10}),
+                                                 "large": MappingProxyType({"num-clients": 100})})
+#: Privacy units: ``record`` (one training example, the unit of every paper's neighbouring datasets) or
+#: ``client`` (all of a client's data, DP-FedAvg).  Run-config ``privacy-unit``; the default is ``record``.
+PRIVACY_UNITS: tuple[str, ...] = ("record", "client")
 #: Methods whose ``graph`` = "auto" becomes the sparse n-out graph from :data:`SPARSE_FROM` clients per round on
 #: (their per-client pair-noise cost is O(neighbours); measured: nadp on the complete graph at 100 clients spends
 #: 2x its local training generating 99 pair streams).  mpddp keeps the complete graph: Theorem 11 needs n ~ 0.8 K.
@@ -77,6 +87,17 @@ class MethodSpec:
     #: (``"large"`` entries override ``"small"`` ones on :data:`LARGE_DATASETS`).
     regime: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     privacy: Guarantee = Guarantee("none", None, None)
+    #: Privacy units the method implements (run-config ``privacy-unit``); empty = no DP (fedavg).
+    units: tuple[str, ...] = ("record",)
+
+    def guarantee(self, unit: str) -> Guarantee:
+        """What ``epsilon`` protects when the run asks for privacy unit ``unit`` (``none`` for fedavg)."""
+        if not self.units:
+            return self.privacy
+        if unit not in self.units:
+            raise ValueError(f"method {self.name!r} protects a {' or a '.join(self.units)}, not a {unit!r} "
+                             f"(run-config 'privacy-unit')")
+        return Guarantee(unit, self.privacy.uplink, self.privacy.downlink)
 
 
 _KEYS = "client.pairwise_phase:handle_keys"
@@ -85,10 +106,10 @@ _RECOVER = "client.recovery:handle_recover"  # dropout recovery of the pairwise 
 
 def _spec(name: str, strategy: str, train: str, *, queries: dict[str, str] | None = None, family: str = "baseline",
           paper: str = "", regime: dict[str, dict[str, Any]] | None = None,
-          privacy: Guarantee = Guarantee("none", None, None)) -> MethodSpec:
+          privacy: Guarantee = Guarantee("none", None, None), units: tuple[str, ...] = ("record",)) -> MethodSpec:
     regime = {size: MappingProxyType(dict(v)) for size, v in (regime or {}).items()}
     return MethodSpec(name, strategy, train, MappingProxyType(dict(queries or {})), family, paper,
-                      MappingProxyType(regime), privacy)
+                      MappingProxyType(regime), privacy, units)
 
 
 # ------------------------------------------------------------------ adversaries (one wording each)
@@ -121,11 +142,12 @@ _DDPSA = {"small": {"hidden": "", "lr": 5.0, "num-rounds": 20}}
 
 #: Every method, in the order the README and the benchmarks list them.
 METHODS: MappingProxyType = MappingProxyType({s.name: s for s in (
-    _spec("fedavg", "strategies.baselines:FedAvgStrategy", "client.methods.baselines:train_fedavg", regime=_FEDAVG),
+    _spec("fedavg", "strategies.baselines:FedAvgStrategy", "client.methods.baselines:train_fedavg", regime=_FEDAVG,
+          units=()),
     _spec("ldp", "strategies.baselines:LocalDPStrategy", "client.methods.baselines:train_ldp",
-          regime=_CLIENT_LEVEL, privacy=Guarantee("client", _SERVER, _MODEL)),
+          regime=_CLIENT_LEVEL, privacy=Guarantee("client", _SERVER, _MODEL), units=PRIVACY_UNITS),
     _spec("cdp", "strategies.baselines:CentralDPStrategy", "client.methods.baselines:train_cdp",
-          regime=_CLIENT_LEVEL, privacy=Guarantee("client", None, _MODEL_TRUSTED)),
+          regime=_CLIENT_LEVEL, privacy=Guarantee("client", None, _MODEL_TRUSTED), units=PRIVACY_UNITS),
     _spec("nadp", "strategies.nadp:NadpStrategy", "client.methods.nadp:train",
           queries={"keys": _KEYS, "recover": _RECOVER},
           family="pairwise", paper="NADP-FL", regime=_NADP, privacy=Guarantee("record", _SERVER_NO_COLLUSION, _MODEL)),
@@ -189,9 +211,10 @@ def dataset_size_class(dataset: str) -> str:
 
 
 def regime(method: str, dataset: str) -> dict[str, Any]:
-    """The run-config values ``method`` trains with on ``dataset`` (``{}`` = the run-config defaults)."""
+    """The run-config values ``method`` trains with on ``dataset``: :data:`FEDERATION`, then the method's regime."""
     spec = method_spec(method)
-    out = dict(spec.regime.get("small", {}))
+    out = dict(FEDERATION[dataset_size_class(dataset)])
+    out.update(spec.regime.get("small", {}))
     if dataset_size_class(dataset) == "large":
         out.update(spec.regime.get("large", {}))
     return out

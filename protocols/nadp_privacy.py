@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from protocols.nadp_allocation import NoiseAllocation, normalize_weights
-from protocols.privacy import GaussianEvent, lemma2_epsilon, lemma2_sigma
+from protocols.privacy import GaussianEvent, lemma2_epsilon, lemma2_sigma, local_sgd_sensitivity
 
 __all__ = [
     "NadpSigmas",
@@ -78,40 +78,6 @@ def sensitivity(clip: float, dataset_size: float, *, lr: float = 1.0, local_step
     if local_steps < 1:
         raise ValueError(f"local_steps must be >= 1, got {local_steps}")
     return 2.0 * _positive("clip", clip) * _positive("lr", lr) * local_steps / _positive("dataset_size", dataset_size)
-
-
-def local_sgd_sensitivity(clip: float, dataset_size: int, *, lr: float, epochs: int = 1,
-                          batch_size: int | None = None) -> float:
-    """Replace-one L2 sensitivity of local SGD with per-example clipping, valid for any loss.
-
-    The client runs ``epochs`` epochs of mini-batch SGD (batches of
-    ``batch_size``, the last one possibly smaller; ``None`` = full batch),
-    each step ``w -= lr * mean_{x in batch} clip(grad_x, C)``. Replacing one
-    record changes the step whose batch holds it by at most ``2C lr / b``;
-    every *later* step runs from different weights, so without smoothness
-    assumptions each can differ by up to ``2C lr`` (all clipped per-example
-    gradients may change). Hence
-
-        Delta = 2 C lr (1 / b_min + (steps - 1)).
-
-    For one full-batch step this is exactly Lemma 1's ``2C/|D_i|`` (times lr).
-    The paper's linear ``2C lr steps / |D_i|`` (:func:`sensitivity`) only
-    counts the record's direct contribution and is not a bound once a record
-    can influence later steps through the weights, so we do not use it for
-    multi-step training.
-    """
-    n = int(dataset_size)
-    if n < 1:
-        raise ValueError(f"dataset_size must be >= 1, got {dataset_size!r}")
-    if epochs < 1:
-        raise ValueError(f"epochs must be >= 1, got {epochs}")
-    b = n if batch_size is None else min(int(batch_size), n)
-    if b < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
-    per_epoch = -(-n // b)
-    smallest = n - (per_epoch - 1) * b
-    steps = epochs * per_epoch
-    return 2.0 * _positive("clip", clip) * _positive("lr", lr) * (1.0 / smallest + (steps - 1))
 
 
 def calibrate_from_sensitivities(

@@ -25,7 +25,7 @@ def preamble(cfg: RunConfig) -> list[str]:
     if applied:
         lines.append(f"{cfg.method} regime on {cfg.dataset} (keys left \"auto\"; set any to override): "
                      + " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in applied.items()))
-    g = method_spec(cfg.method).privacy
+    g = method_spec(cfg.method).guarantee(cfg.privacy_unit)
     if g.unit == "none":
         lines.append(f"privacy: {cfg.method} gives no DP guarantee (epsilon is reported as null)")
     else:
@@ -40,7 +40,7 @@ def privacy_summary(cfg: RunConfig, last_row: dict[str, Any]) -> dict[str, Any]:
 
     A direction without a guarantee has adversary and epsilon null, whatever an accountant holds.
     """
-    g = method_spec(cfg.method).privacy
+    g = method_spec(cfg.method).guarantee(cfg.privacy_unit)
     return {
         "target_epsilon": cfg.epsilon if g.unit != "none" else None,
         "delta": cfg.delta,

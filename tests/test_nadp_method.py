@@ -85,7 +85,7 @@ def test_aggregate_equals_weighted_average_of_model_plus_residual(pinned_residua
     for msg, seed in zip(msgs, pinned_residual_seeds, strict=True):
         node = msg.metadata.dst_node_id
         env = ClientEnv.from_context(grid.contexts[node])
-        _, local_w, _, _ = nadp_client.clipped_local_training(msg, env)  # deterministic: recompute w_i
+        _, local_w, _, _ = nadp_client.record_level_training(msg, env)  # deterministic: recompute w_i
         w = flatten(local_w)
         p = alloc.weights[node]
         n_i = gaussian(seed, len(w), alloc.residual_std[node])

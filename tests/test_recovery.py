@@ -120,7 +120,7 @@ def test_recovered_nadp_aggregate_is_the_survivors_average(monkeypatch):
         if node in gone:
             continue
         env = ClientEnv.from_context(grid.contexts[node])
-        w = flatten(nadp_client.clipped_local_training(msg, env)[1])
+        w = flatten(nadp_client.record_level_training(msg, env)[1])
         p = st.weights[node]
         expected += p * (w + gaussian(seed, len(w), st.allocation.residual_std[node]) / p)
         weight += p

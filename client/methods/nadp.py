@@ -36,29 +36,23 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
 
 import numpy as np
-import torch
 from flwr.app import Message
-from torch import nn
 
-from client.env import ClientEnv, reply
+from client.env import ClientEnv, record_level_training, reply
 from client.floor import release
 from client.messages.common import TrainIns
 from client.messages.keys import PeerKeys, probe_metric
 from client.messages.nadp import NadpPlan
-from client.models import get_weights
 from client.pairwise_phase import mask_probe, pair_seeds
 from client.recovery import remember
-from client.training import on_device
-from client.wire import Weights, from_record, to_record
+from client.wire import to_record
 from protocols.arrays import flatten, unflatten
 from protocols.floor import FloorViolation, NadpFloor, at_least, nadp_floor
 from protocols.graphs import round_graph
 from protocols.nadp import nadp_upload
 from protocols.pairwise import pairwise_noise
-from protocols.per_example import PerExampleClipper
 from protocols.prg import gaussian
 from protocols.privacy import GaussianEvent
 
@@ -68,61 +62,6 @@ PAIR_PURPOSE = "nadp-counteract"
 def residual_seed() -> bytes:
     """Fresh secret seed of the residual noise ``n_i`` (a function so tests can pin it)."""
     return os.urandom(32)
-
-
-# ------------------------------------------------- per-example clipped training
-def batches(n: int, batch_size: int, rng: np.random.Generator) -> Iterator[np.ndarray]:
-    """Shuffled consecutive batches; the last one may be smaller.
-
-    The batch structure must match :func:`protocols.nadp.local_sgd_sensitivity`
-    (which the server uses to calibrate the noise).
-    """
-    order = rng.permutation(n)
-    for start in range(0, n, batch_size):
-        yield order[start:start + batch_size]
-
-
-def clipped_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, batch_size: int, lr: float,
-                clip: float, seed: int) -> tuple[float, float]:
-    """SGD where each step uses the mean of per-example gradients clipped to L2 norm ``clip``.
-
-    Returns (mean training loss of the last epoch, fraction of clipped examples).
-    """
-    rng = np.random.default_rng(seed)
-    xt, yt = on_device(model, x, y)  # run-config 'device': the model's device
-    params = list(model.parameters())
-    model.train()
-    last, clipped, seen = 0.0, 0, 0
-    with PerExampleClipper(model, clip) as clip_sum:  # inspects and hooks the model once, not per step
-        for _ in range(epochs):
-            total, count = 0.0, 0
-            for idx in batches(len(yt), batch_size, rng):
-                ix = torch.as_tensor(idx, device=xt.device)
-                grads, losses, n_clipped = clip_sum(xt[ix], yt[ix])
-                with torch.no_grad():
-                    for p, g in zip(params, grads, strict=True):
-                        p -= (lr / len(idx)) * g
-                total += float(losses.sum())
-                count += len(idx)
-                clipped += n_clipped
-                seen += len(idx)
-            last = total / max(count, 1)
-    return last, clipped / max(seen, 1)
-
-
-def clipped_local_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weights, float, float]:
-    """Train the received global model with per-example clipping at run-config ``clip``.
-
-    Deterministic given the message (batch order from the public round seed).
-    Returns ``(global_weights, local_weights, train_loss, clipped_fraction)``.
-    """
-    global_w = from_record(msg.content["arrays"])
-    model = env.model(global_w)
-    rnd = TrainIns.from_config(msg.content["config"]).round
-    cfg = env.cfg
-    loss, frac = clipped_sgd(model, env.x, env.y, epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr,
-                             clip=cfg.clip, seed=env.round_seed(rnd))
-    return global_w, get_weights(model), loss, frac
 
 
 # ------------------------------------------------------------------- handler
@@ -198,7 +137,7 @@ def releases(fl: NadpFloor, me: int) -> tuple[GaussianEvent, GaussianEvent | Non
 def train(msg: Message, env: ClientEnv) -> Message:
     """NADP-FL local step: clipped training, residual + counteracting noise, float64 upload."""
     plan = NadpPlan.from_config(msg.content["config"])
-    _, local_w, loss, clip_frac = clipped_local_training(msg, env)
+    _, local_w, loss, clip_frac = record_level_training(msg, env)
     w = flatten(local_w)
     p_i, residual, counteract, fl = noise_parts(msg, env, plan, len(w))
     lam = fl.lam  # the client's own lambda (1 for record-ldp)

@@ -6,6 +6,7 @@
   JSON state) and its implementations; every RDP figure uses :data:`RDP_ORDERS`.
 * :mod:`~protocols.privacy.calibration` -- epsilon of repeated Gaussian releases and the noise that meets a budget.
 * :mod:`~protocols.privacy.composition` -- closed-form theorems (DDP-SA Theorem 2 / Eq. 12, NADP-FL Lemma 2).
+* :mod:`~protocols.privacy.sensitivity` -- record-level sensitivity of per-example-clipped local SGD.
 * :mod:`~protocols.privacy.ledger` -- a method's accounts per adversary view (:class:`PrivacyLedger`) and its report.
 
 No other module of the project imports dp-accounting.
@@ -44,6 +45,7 @@ from protocols.privacy.mechanisms import (
     gaussian_delta,
     laplace_scale,
 )
+from protocols.privacy.sensitivity import local_sgd_sensitivity, record_sensitivity
 
 __all__ = [
     "RDP_ORDERS",
@@ -79,7 +81,9 @@ __all__ = [
     "laplace_scale",
     "lemma2_epsilon",
     "lemma2_sigma",
+    "local_sgd_sensitivity",
     "noise_multiplier",
     "per_round_epsilons",
+    "record_sensitivity",
     "uniform_allocation",
 ]

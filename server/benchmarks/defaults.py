@@ -51,7 +51,7 @@ def run_one(method: str, dataset: str, out: Path) -> dict:
     """One default run; a refused or failed run gets the reason in ``status``."""
     from server.launch import run_inprocess
 
-    row = {"dataset": dataset, "method": method, "unit": method_spec(method).privacy.unit, "status": "ok"}
+    row = {"dataset": dataset, "method": method, "unit": method_spec(method).guarantee("record").unit, "status": "ok"}
     t0 = time.perf_counter()
     try:
         s = run_inprocess({"method": method, "dataset": dataset, "out-dir": str(out / f"{dataset}-{method}")},
