@@ -45,6 +45,7 @@ __all__ = [
     "nadp_compensation",
     "nadp_floor",
     "nadp_sensitivity",
+    "ldp_noise_multiplier",
 ]
 
 #: Relative slack of a comparison between the server's value and the client's own (float round-off only).
@@ -151,9 +152,25 @@ def check_round(rnd: int, cfg: RunConfig, used: Sequence[int]) -> None:
 
 
 # ----------------------------------------------------------------------------------------- methods
-def ldp_noise_std(cfg: RunConfig) -> float:
-    """``ldp``: Gaussian std ``z clip``, z for (epsilon, delta) over ``num-rounds`` unsampled releases (RDP)."""
-    return calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds) * cfg.clip
+def ldp_noise_multiplier(cfg: RunConfig) -> float:
+    """``ldp``: noise multiplier z for (epsilon, delta) over ``num-rounds`` unsampled releases (exact RDP)."""
+    return calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds)
+
+
+def ldp_noise_std(cfg: RunConfig, dataset_size: int | None = None) -> float:
+    """``ldp``: the Gaussian std a client adds to its upload, ``z`` x the upload's sensitivity.
+
+    ``privacy-unit = "client"``: the clipped update, sensitivity ``clip``.  ``"record"``: the model trained by
+    per-example-clipped SGD on ``dataset_size`` records, sensitivity :func:`record_sensitivity` (``2 C lr / n_k``
+    for one full-batch step: the NADP paper's LDP-FL comparator, Lemma 3, but with the exact RDP multiplier
+    instead of Lemma 2's closed form).
+    """
+    z = ldp_noise_multiplier(cfg)
+    if cfg.privacy_unit == "client":
+        return z * cfg.clip
+    if dataset_size is None:
+        raise ValueError("record-level ldp: the noise std depends on the client's dataset size")
+    return z * record_sensitivity(cfg, dataset_size)
 
 
 def ddpsa_round_epsilon(cfg: RunConfig, rnd: int) -> float:

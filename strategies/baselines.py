@@ -1,32 +1,54 @@
-"""Baselines: FedAvg without DP, local DP (client-level DP-FedAvg) and central DP.
+"""Baselines: FedAvg without DP, local DP (DP-FedAvg) and central DP, at record or client level.
 
 * ``fedavg``: example-weighted average, no noise.
-* ``ldp``: each client clips its update to ``clip`` and adds N(0, (z*clip)^2)
-  itself, so the server only ever sees noised uploads.  z is calibrated with
-  the RDP accountant for (epsilon, delta) over ``num-rounds`` releases without
-  sampling amplification (the server knows who it sampled).  Flower's
-  ``LocalDpMod`` does not fit: it calibrates each release separately with the
-  classic Gaussian mechanism (valid only for epsilon < 1) and composes nothing.
-* ``cdp``: clients clip (Flower's ``fixedclipping_mod``), the server adds
-  Gaussian noise once to the uniform mean (Flower's
-  ``DifferentialPrivacyClientSideFixedClipping``), std z*clip/m, z calibrated
-  for (epsilon, delta) with sampling rate q = m/N over the run.
+* ``ldp``: each client noises its own upload, so the server only ever sees noised uploads.
+  The noise multiplier z is calibrated with the RDP accountant for (epsilon, delta) over
+  ``num-rounds`` releases without sampling amplification (the server knows who it sampled);
+  the server announces z (:class:`client.messages.baselines.LocalDpNoise`) and each client
+  refuses a smaller one.
+
+  - record level (``privacy-unit = "record"``, the default): per-example-clipped local
+    training, the local model plus N(0, (z Delta_k)^2), ``Delta_k = 2 C lr / n_k``
+    (:func:`protocols.privacy.record_sensitivity`): the NADP paper's LDP-FL comparator
+    (Lemma 3) with the exact RDP multiplier instead of its closed form; example-weighted
+    mean of the noised models.
+  - client level: the update clipped to ``clip`` plus N(0, (z clip)^2), uniform mean.
+    Flower's ``LocalDpMod`` does not fit: it calibrates each release separately with the
+    classic Gaussian mechanism (valid only for epsilon < 1) and composes nothing.
+
+* ``cdp`` (trusted server, no uplink guarantee): the server adds Gaussian noise once to the
+  mean, z calibrated for (epsilon, delta) with sampling rate q = m/N over the run.
+
+  - record level (default): clients upload their per-example-clipped local models un-noised;
+    the server adds N(0, (z Delta)^2) to the example-weighted mean (:func:`record_mean_sensitivity`).
+  - client level: clients clip (Flower's ``fixedclipping_mod``), the server adds noise std
+    ``z clip / m`` to the uniform mean (Flower's ``DifferentialPrivacyClientSideFixedClipping``).
+
+Sampling: the default ``sample-rate`` is 1 (no amplification anywhere).  With q < 1, cdp's
+multiplier is calibrated and accounted at rate q, as the client-level path always did; for
+record level this is the same argument (a record is in a round's mean only if its client is
+sampled), with the accountant's Poisson-sampling bound standing in for the fixed-size sample.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Mapping
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg
 
 from client.messages.baselines import UNIFORM_WEIGHT_KEY, ClippingNorm, LocalDpNoise
-from client.messages.common import merge_configs
+from client.messages.common import merge_configs, num_examples
+from client.wire import from_record, to_record
+from protocols.arrays import flatten, unflatten
 from protocols.config import RunConfig
-from protocols.privacy import GaussianEvent, PrivacyLedger, RdpAccountant, calibrate_noise_multiplier
+from protocols.floor import ldp_noise_multiplier
+from protocols.privacy import GaussianEvent, PrivacyLedger, RdpAccountant, calibrate_noise_multiplier, record_sensitivity
 from protocols.privacy.signal import NoiseEstimate, gaussian_norm
-from strategies.base import CancelStrategy, RoundFailed, RoundState
+from strategies.base import CancelStrategy, RoundFailed, RoundState, weighted_average
 from strategies.validation import gaussian_norm_bound
 
 
@@ -38,49 +60,136 @@ class FedAvgStrategy(CancelStrategy):
         self.report(upload_noise_std=0.0, model_noise_std=0.0)
 
 
-class LocalDPStrategy(CancelStrategy):
-    """Client-level local DP (DP-FedAvg with client-side noise)."""
+def record_mean_sensitivity(cfg: RunConfig, sizes: Mapping[int, int]) -> float:
+    """Record sensitivity of the example-weighted mean ``sum_k (n_k / N) w_k`` of per-example-clipped models.
+
+    Replace-one convention (neighbouring datasets differ in one record's value, every ``n_k`` and
+    ``N = sum n_k`` stay the same): a record of client k moves ``w_k`` by at most
+    ``Delta_k`` (:func:`protocols.privacy.record_sensitivity`) and the mean by ``n_k Delta_k / N``;
+    the worst client bounds it.  For one full-batch step ``n_k Delta_k = 2 C lr`` for every k, so
+    this is ``2 C lr / N``.  (Adding or removing a record would change N and the weights as well;
+    we do not claim that convention.)
+    """
+    total = sum(sizes.values())
+    if total <= 0:
+        raise RoundFailed("no records among the uploads")
+    return max(n * record_sensitivity(cfg, n) for n in sizes.values()) / total
+
+
+class _RecordLevel(CancelStrategy):
+    """What both record-level baselines need: each upload's ``n_k`` (read before the reply checks)."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        self.record_level = cfg.privacy_unit == "record"
+        #: node -> n_k its reply claims, this round (the screen checks the claim against the partitions).
+        self.sizes: dict[int, int] = {}
+
+    def configure_train(self, server_round, arrays, config, grid):
+        self.sizes = {}
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def reply_problem(self, state: RoundState, node: int, reply: Message) -> str | None:
+        """Note the reply's ``n_k`` (its noise std and update bound depend on it); a missing one is the screen's."""
+        try:
+            self.sizes[node] = num_examples(reply.content["metrics"])
+        except (KeyError, ValueError, TypeError):
+            pass
+        return None
+
+    def _steps(self, size: int) -> int:
+        c = self.cfg
+        return c.local_epochs * math.ceil(size / min(c.batch_size, size))
+
+    def _dim(self) -> int:
+        return sum(int(np.prod(a.shape)) for a in self.round_model.values()) if self.round_model is not None else 0
+
+
+class LocalDPStrategy(_RecordLevel):
+    """Local DP: every client noises its own upload (record level by default, or client level)."""
 
     wire_dtype = np.float64
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
-        self.z = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds)
+        self.z = ldp_noise_multiplier(cfg)  # the clients compute the same (their privacy floor)
         self.privacy = PrivacyLedger(cfg.delta, uplink=RdpAccountant(), downlink=RdpAccountant(), headline="uplink")
 
     def train_config(self, server_round: int) -> ConfigRecord:
-        """The round number and the std of the noise each client adds (a ``LocalDpNoise``)."""
-        return merge_configs(super().train_config(server_round), LocalDpNoise(self.z * self.cfg.clip).to_config())
+        """The round number and the noise multiplier each client must at least use (a ``LocalDpNoise``)."""
+        return merge_configs(super().train_config(server_round), LocalDpNoise(self.z).to_config())
 
     def weight_of(self, reply: Message) -> float:
-        """Uniform mean: each upload carries its own noise; size weights would change the bound."""
-        return 1.0
+        """Record level: ``n_k`` (example-weighted FedAvg).  Client level: uniform (size weights change the bound)."""
+        return super().weight_of(reply) if self.record_level else 1.0
+
+    def upload_std(self, size: int) -> float:
+        """Std of the Gaussian noise in one upload of a client with ``size`` records."""
+        return self.z * (record_sensitivity(self.cfg, size) if self.record_level else self.cfg.clip)
 
     def describe(self) -> dict[str, float | str]:
-        return {"noise_multiplier": self.z, "noise_std": self.z * self.cfg.clip}
+        if self.record_level:
+            return {"noise_multiplier": self.z, "privacy_unit": "record",
+                    "noise_std": "noise_multiplier * record sensitivity (2 clip lr / n_k for one full-batch step)"}
+        return {"noise_multiplier": self.z, "privacy_unit": "client", "noise_std": self.z * self.cfg.clip}
+
+    def mean_noise(self, sizes: Mapping[int, int]) -> tuple[float, float]:
+        """(per-coordinate noise std, record sensitivity) of the example-weighted mean of these uploads."""
+        total = sum(sizes.values())
+        std = math.sqrt(math.fsum((n / total * self.upload_std(n)) ** 2 for n in sizes.values()))
+        return std, record_mean_sensitivity(self.cfg, sizes)
 
     def noise_estimate(self, num_params: int) -> NoiseEstimate:
-        """Uniform mean of m uploads: noise std ``z clip / sqrt(m)`` per entry; the clipped mean has norm <= clip."""
-        m = self.cfg.clients_per_round
-        return NoiseEstimate(gaussian_norm(self.z * self.cfg.clip / math.sqrt(m), num_params), self.cfg.clip,
-                             self.cfg.num_rounds)
+        """Noise std in the mean vs the signal: ``lr clip steps`` (record level) or ``clip`` (client level)."""
+        c = self.cfg
+        if self.record_level and self.sizes:
+            std, _ = self.mean_noise(self.sizes)
+            signal = c.lr * c.clip * max(self._steps(n) for n in self.sizes.values())
+            return NoiseEstimate(gaussian_norm(std, num_params), signal, c.num_rounds)
+        m = c.clients_per_round
+        return NoiseEstimate(gaussian_norm(self.z * c.clip / math.sqrt(m), num_params), c.clip, c.num_rounds)
 
     def norm_limit(self, state: RoundState, node: int) -> float | None:
-        """Clipped update plus its N(0, (z clip)^2 I_d) noise: ``clip + z clip (sqrt(d) + t)`` (tail prob ~1e-14)."""
-        dim = sum(int(np.prod(a.shape)) for a in self.round_model.values()) if self.round_model is not None else 0
-        return self.cfg.clip + gaussian_norm_bound(self.z * self.cfg.clip, dim)
+        """Movement of the local training plus a Gaussian tail bound of the upload's noise.
+
+        Record level: per-example-clipped SGD moves the model by <= ``lr clip steps``; client level: the clipped
+        update has norm <= ``clip``.
+        """
+        if not self.record_level:
+            return self.cfg.clip + gaussian_norm_bound(self.z * self.cfg.clip, self._dim())
+        size = self.sizes.get(node)
+        if size is None or size < 1:
+            return None
+        return self.cfg.lr * self.cfg.clip * self._steps(size) + gaussian_norm_bound(self.upload_std(size), self._dim())
 
     def account_round(self, state: RoundState) -> None:
-        """Each upload: Gaussian with multiplier z, no amplification; the uniform mean of m: ``z sqrt(m)``, rate m/N."""
+        """Each upload: a Gaussian with multiplier z, no amplification (every participant is told to release)."""
         self.privacy.uplink.compose(GaussianEvent(self.z))
+        if self.record_level:
+            return  # the mean's downlink event depends on the uploads' sizes: composed in aggregate()
         m = self.cfg.clients_per_round
         self.privacy.downlink.compose(GaussianEvent(self.z * math.sqrt(m), m / self.cfg.num_clients))
         k = max(len(state.participants), 1)  # independent noises: the uniform mean keeps std z clip / sqrt(k)
         self.report(upload_noise_std=self.z * self.cfg.clip, model_noise_std=self.z * self.cfg.clip / math.sqrt(k))
 
+    def aggregate(self, state: RoundState, by_node: dict[int, Message], errors: list[str]) -> ArrayRecord | None:
+        """The weighted mean; record level also composes the published mean's event (noise really in it).
 
-class CentralDPStrategy(CancelStrategy):
-    """Central DP through Flower's client-side fixed-clipping wrapper."""
+        Independent noises: the mean of K full-batch uploads keeps std ``z sqrt(K) 2 C lr / N`` against
+        a record sensitivity ``2 C lr / N``, i.e. multiplier ``z sqrt(K)``; with rate m / N_clients as at
+        client level (the published model does not say who was sampled).
+        """
+        arrays = super().aggregate(state, by_node, errors)
+        if self.record_level:
+            sizes = {n: num_examples(by_node[n].content["metrics"]) for n in by_node}
+            std, sens = self.mean_noise(sizes)
+            self.privacy.downlink.compose(GaussianEvent(std / sens, self.cfg.clients_per_round / self.cfg.num_clients))
+            self.report(upload_noise_std=min(self.upload_std(n) for n in sizes.values()), model_noise_std=std)
+        return arrays
+
+
+class CentralDPStrategy(_RecordLevel):
+    """Central DP: the trusted server noises the mean (record level by default, or Flower's client level)."""
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
@@ -88,36 +197,76 @@ class CentralDPStrategy(CancelStrategy):
         self.z = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, self.q, cfg.num_rounds)
         # Trusted server: no uplink guarantee; the noised mean is amplified by sampling m of N.
         self.privacy = PrivacyLedger(cfg.delta, downlink=RdpAccountant(), headline="downlink")
-        self.inner = DifferentialPrivacyClientSideFixedClipping(
+        self.inner = None if self.record_level else DifferentialPrivacyClientSideFixedClipping(
             FedAvg(weighted_by_key=UNIFORM_WEIGHT_KEY), noise_multiplier=self.z, clipping_norm=cfg.clip,
             num_sampled_clients=cfg.clients_per_round)
+        self._last_std: float | None = None
 
     def train_config(self, server_round: int) -> ConfigRecord:
-        """The round number and the norm ``fixedclipping_mod`` clips each update to (a ``ClippingNorm``)."""
+        """The round number; client level: the norm ``fixedclipping_mod`` clips each update to (a ``ClippingNorm``)."""
+        if self.record_level:
+            return super().train_config(server_round)
         return merge_configs(super().train_config(server_round), ClippingNorm(self.cfg.clip).to_config())
 
     def aggregate(self, state: RoundState, by_node: dict[int, Message], errors: list[str]) -> ArrayRecord | None:
-        """Flower's uniform mean of the clipped updates plus its Gaussian noise (std ``z clip / m``)."""
-        arrays, _ = self.inner.aggregate_train(state.round, [by_node[n] for n in sorted(by_node)])
-        if arrays is None:
-            raise RoundFailed(f"round {state.round}: Flower's central-DP aggregation returned no model")
-        return arrays
+        """Record level: example-weighted mean + N(0, (z Delta)^2), Delta = :func:`record_mean_sensitivity`.
+
+        Client level: Flower's uniform mean of the clipped updates plus its Gaussian noise (std ``z clip / m``).
+        The record-level noise comes from the AES-CTR CSPRNG (:mod:`protocols.prg`), seeded from the OS.
+        """
+        if self.inner is not None:
+            arrays, _ = self.inner.aggregate_train(state.round, [by_node[n] for n in sorted(by_node)])
+            if arrays is None:
+                raise RoundFailed(f"round {state.round}: Flower's central-DP aggregation returned no model")
+            return arrays
+        from protocols.prg import gaussian
+
+        nodes = sorted(by_node)
+        sizes = {n: num_examples(by_node[n].content["metrics"]) for n in nodes}
+        uploads = [from_record(by_node[n].content["arrays"]) for n in nodes]
+        mean = weighted_average(uploads, [float(sizes[n]) for n in nodes])
+        flat = flatten(mean)
+        std = self.z * record_mean_sensitivity(self.cfg, sizes)
+        noisy = flat + gaussian(os.urandom(32), len(flat), std)
+        self._last_std = std
+        self.report(upload_noise_std=0.0, model_noise_std=std)
+        return to_record(unflatten(noisy, mean), self.wire_dtype)
 
     def describe(self) -> dict[str, float | str]:
-        return {"noise_multiplier": self.z, "aggregate_noise_std": self.z * self.cfg.clip / self.cfg.clients_per_round}
+        if self.record_level:
+            return {"noise_multiplier": self.z, "privacy_unit": "record",
+                    "aggregate_noise_std": "noise_multiplier * 2 clip lr / N (N: the round's records, one full-batch "
+                                           "step; max_k n_k Delta_k / N in general)"}
+        return {"noise_multiplier": self.z, "privacy_unit": "client",
+                "aggregate_noise_std": self.z * self.cfg.clip / self.cfg.clients_per_round}
 
-    def noise_estimate(self, num_params: int) -> NoiseEstimate:
-        """Server noise std ``z clip / m`` per entry of the mean; the mean of clipped updates has norm <= clip."""
-        return NoiseEstimate(gaussian_norm(self.z * self.cfg.clip / self.cfg.clients_per_round, num_params),
-                             self.cfg.clip, self.cfg.num_rounds)
+    def noise_estimate(self, num_params: int) -> NoiseEstimate | None:
+        """Server noise per entry of the mean vs the signal: ``lr clip steps`` (record) or ``clip`` (client)."""
+        c = self.cfg
+        if self.record_level:
+            if self._last_std is None or not self.sizes:
+                return None
+            signal = c.lr * c.clip * max(self._steps(n) for n in self.sizes.values())
+            return NoiseEstimate(gaussian_norm(self._last_std, num_params), signal, c.num_rounds)
+        return NoiseEstimate(gaussian_norm(self.z * c.clip / c.clients_per_round, num_params), c.clip, c.num_rounds)
 
     def norm_limit(self, state: RoundState, node: int) -> float | None:
-        """``fixedclipping_mod`` clips the update to ``clip`` (in float32: a relative slack of 1e-3 plus 1e-5 ||w||)."""
+        """Record level: per-example-clipped SGD moves the model by <= ``lr clip steps`` (float32 slack as below).
+
+        Client level: ``fixedclipping_mod`` clips the update to ``clip`` (in float32: a relative slack of 1e-3
+        plus 1e-5 ||w||).
+        """
         arrays = self.round_model.values() if self.round_model is not None else []
         norm = math.sqrt(sum(float(np.sum(np.square(a.numpy(), dtype=np.float64))) for a in arrays))
-        return self.cfg.clip * (1 + 1e-3) + 1e-5 * norm
+        if not self.record_level:
+            return self.cfg.clip * (1 + 1e-3) + 1e-5 * norm
+        size = self.sizes.get(node)
+        if size is None or size < 1:
+            return None
+        return self.cfg.lr * self.cfg.clip * self._steps(size) * (1 + 1e-3) + 1e-5 * norm
 
     def account_round(self, state: RoundState) -> None:
-        """The noised mean of the m clipped updates: a Gaussian with multiplier z, amplified by sampling (rate m/N)."""
+        """The noised mean: a Gaussian with multiplier z (std / sensitivity), amplified by sampling (rate m/N)."""
         self.privacy.downlink.compose(GaussianEvent(self.z, self.q))
-        self.report(upload_noise_std=0.0, model_noise_std=self.z * self.cfg.clip / self.cfg.clients_per_round)
+        if not self.record_level:
+            self.report(upload_noise_std=0.0, model_noise_std=self.z * self.cfg.clip / self.cfg.clients_per_round)

@@ -1,41 +1,130 @@
-"""Baseline message parts: ldp's noise std and cdp's clipping norm reach the client as the strategy meant them."""
+"""Baseline message parts: ldp's noise multiplier and cdp's clipping norm reach the client as the strategy meant them.
+
+And what the real client does with them: it refuses a smaller ldp multiplier, and its noise is its own.
+"""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from flwr.app import ConfigRecord
+from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
+from client.app import app as client_app
+from client.env import ClientEnv, record_level_training
 from client.messages.baselines import ClippingNorm, LocalDpNoise
-from client.messages.common import TrainIns
+from client.messages.common import TrainIns, train_metrics
+from client.wire import from_record, to_record
+from protocols.arrays import flatten
 from protocols.config import RunConfig
+from protocols.floor import ldp_noise_multiplier, ldp_noise_std
+from protocols.privacy import calibrate_noise_multiplier
 from server.defaults import app_defaults
-from strategies.baselines import CentralDPStrategy, LocalDPStrategy
+from server.local_grid import LocalGrid
+from strategies.baselines import CentralDPStrategy, LocalDPStrategy, record_mean_sensitivity
+from tests.test_privacy_floor import FAST, initial
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _cfg(method: str) -> RunConfig:
-    return RunConfig.from_mapping({**app_defaults(), "method": method, "num-clients": 5, "num-rounds": 3})
+def _cfg(method: str, **extra) -> RunConfig:
+    return RunConfig.from_mapping({**app_defaults(), "method": method, "num-clients": 5, "num-rounds": 3, **extra})
 
 
-def test_ldp_train_config_carries_the_calibrated_std() -> None:
+def test_ldp_train_config_carries_the_calibrated_multiplier() -> None:
     strategy = LocalDPStrategy(_cfg("ldp"))
     rec = strategy.train_config(2)
     assert TrainIns.from_config(rec).round == 2
-    assert LocalDpNoise.from_config(rec).std == pytest.approx(strategy.z * strategy.cfg.clip)
+    z = calibrate_noise_multiplier(1.0, 1e-5, 1.0, 3)  # exact RDP, no sampling, num-rounds releases
+    assert LocalDpNoise.from_config(rec).multiplier == pytest.approx(z) == strategy.z
+    assert ldp_noise_multiplier(strategy.cfg) == strategy.z
 
 
-def test_cdp_train_config_carries_the_clip_under_flowers_key() -> None:
-    strategy = CentralDPStrategy(_cfg("cdp"))
+def test_ldp_std_rule_by_privacy_unit() -> None:
+    rec = _cfg("ldp", **{"batch-size": 1_000_000, "local-epochs": 1, "lr": 4.0, "clip": 1.0})
+    z = ldp_noise_multiplier(rec)
+    assert ldp_noise_std(rec, 150) == pytest.approx(z * 2 * 1.0 * 4.0 / 150)  # Lemma 1: 2 C lr / n_k
+    with pytest.raises(ValueError, match="dataset size"):
+        ldp_noise_std(rec)
+    client = _cfg("ldp", **{"privacy-unit": "client", "clip": 0.5})
+    assert ldp_noise_std(client, 150) == pytest.approx(ldp_noise_multiplier(client) * 0.5)
+
+
+def test_cdp_train_config_carries_the_clip_under_flowers_key_only_at_client_level() -> None:
+    strategy = CentralDPStrategy(_cfg("cdp", **{"privacy-unit": "client"}))
     rec = strategy.train_config(1)
     assert rec[KEY_CLIPPING_NORM] == pytest.approx(strategy.cfg.clip)  # what fixedclipping_mod reads
+    assert KEY_CLIPPING_NORM not in CentralDPStrategy(_cfg("cdp")).train_config(1)  # record level: no mod
 
 
 @pytest.mark.parametrize("bad", [-0.1, float("inf"), "1.0"])
-def test_noise_std_decoder_names_the_key(bad) -> None:
-    with pytest.raises(ValueError, match="noise-std"):
-        LocalDpNoise.from_config(ConfigRecord({"noise-std": bad}))
+def test_noise_multiplier_decoder_names_the_key(bad) -> None:
+    with pytest.raises(ValueError, match="noise-multiplier"):
+        LocalDpNoise.from_config(ConfigRecord({"noise-multiplier": bad}))
 
 
 def test_clipping_norm_must_be_positive() -> None:
     with pytest.raises(ValueError, match=KEY_CLIPPING_NORM):
         ClippingNorm(0.0)
+
+
+# ------------------------------------------------------------------ the real client, through the grid
+def _announcing(factor: float) -> type[LocalDPStrategy]:
+    class Announcing(LocalDPStrategy):
+        def train_config(self, server_round: int) -> ConfigRecord:
+            rec = super().train_config(server_round)
+            rec.update(LocalDpNoise(self.z * factor).to_config())
+            return rec
+    return Announcing
+
+
+def _ldp_round(factor: float, **extra):
+    raw = {**app_defaults(), **FAST, "method": "ldp", "lr": 4.0, "clip": 1.0, **extra}
+    cfg = RunConfig.from_mapping(raw)
+    grid = LocalGrid(client_app, cfg.num_clients, raw)
+    strategy = _announcing(factor)(cfg)
+    msgs = list(strategy.configure_train(1, initial(cfg, strategy), TrainIns(1).to_config(), grid))
+    return cfg, grid, msgs, list(grid.send_and_receive(msgs))
+
+
+def test_a_smaller_announced_multiplier_is_refused_by_the_real_client() -> None:
+    _, _, _, replies = _ldp_round(0.5)
+    assert replies
+    for r in replies:
+        assert r.has_error() and "privacy floor" in r.error.reason and "noise-multiplier" in r.error.reason
+
+
+@pytest.mark.parametrize("factor", [1.0, 3.0])
+def test_record_level_ldp_upload_noise_is_z_times_2_clip_lr_over_n_k(factor) -> None:
+    """The noise measured in real uploads: std z 2 C lr / n_k (one full-batch step), whatever larger z is announced."""
+    cfg, grid, msgs, replies = _ldp_round(factor)
+    z = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds)
+    normalised = []
+    for msg, r in zip(msgs, replies, strict=True):
+        assert not r.has_error(), r.error.reason
+        env = ClientEnv.from_context(grid.contexts[msg.metadata.dst_node_id])
+        n_k = len(env.y)
+        _, local_w, _, _ = record_level_training(msg, env)  # deterministic: the model before the noise
+        noise = flatten(from_record(r.content["arrays"])) - flatten(local_w)
+        expected = z * 2 * cfg.clip * cfg.lr / n_k
+        assert r.content["metrics"]["noise_std"] == pytest.approx(expected)
+        normalised.append(noise / expected)
+    pooled = np.concatenate(normalised)  # ~2600 draws: the std is within a few % of 1
+    assert abs(pooled.mean()) < 0.1
+    assert pooled.std() == pytest.approx(1.0, rel=0.08)
+
+
+def test_record_level_cdp_server_noise_is_z_times_2_clip_lr_over_n() -> None:
+    """The server's noise on the example-weighted mean has std z 2 C lr / N (N = the participants' records)."""
+    cfg = _cfg("cdp", **{"batch-size": 1_000_000, "local-epochs": 1, "lr": 4.0, "clip": 1.0})
+    strategy = CentralDPStrategy(cfg)
+    sizes = {11: 100, 12: 300, 13: 50}
+    models = {n: np.full(20_000, float(i), dtype=np.float32) for i, n in enumerate(sizes)}
+    by_node = {n: Message(RecordDict({"arrays": to_record({"w": models[n]}, np.float32),
+                                      "metrics": train_metrics(sizes[n])}), n, "train") for n in sizes}
+    out = flatten(from_record(strategy.aggregate(None, by_node, [])))
+    mean = sum(sizes[n] * models[n].astype(np.float64) for n in sizes) / sum(sizes.values())
+    expected = strategy.z * 2 * 1.0 * 4.0 / 450
+    assert record_mean_sensitivity(cfg, sizes) == pytest.approx(2 * 4.0 / 450)
+    assert (out - mean).std() == pytest.approx(expected, rel=0.03)
+    assert abs((out - mean).mean()) < 0.05 * expected

@@ -1,11 +1,15 @@
-"""Message parts of the baselines: local DP's noise std and central DP's clipping norm and uniform weight.
+"""Message parts of the baselines: local DP's noise multiplier and central DP's clipping norm and uniform weight.
 
-* ``ldp`` train config: :class:`LocalDpNoise` (std of the Gaussian noise the client adds
-  to its clipped update, calibrated by the server for the whole run).
-* ``cdp`` train config: :class:`ClippingNorm`, under the key Flower's
-  ``fixedclipping_mod`` reads; the reply's metrics carry :func:`uniform_weight`, the
+* ``ldp`` train config: :class:`LocalDpNoise`, the noise multiplier ``z`` the server calibrated for the
+  whole run.  The client's std is ``z`` times the sensitivity of its own upload, which the client computes
+  itself (:func:`protocols.floor.ldp_noise_std`: ``clip`` at client level, ``2 C lr / n_k`` at record
+  level with its own ``n_k``): a multiplier is the one number both units share, and it lets the client
+  refuse a weaker one without trusting any size the server would have to send.
+* ``cdp`` at client level (``privacy-unit = "client"``): :class:`ClippingNorm`, under the key
+  Flower's ``fixedclipping_mod`` reads; the reply's metrics carry :func:`uniform_weight`, the
   weight Flower's ``FedAvg`` averages by (:data:`UNIFORM_WEIGHT_KEY`, its ``weighted_by_key``):
-  central DP needs the uniform mean, whose sensitivity is ``clip / m``.
+  client-level central DP needs the uniform mean, whose sensitivity is ``clip / m``.  Record-level
+  ``cdp`` sends nothing extra (per-example clipping happens in training; the example-weighted mean).
 """
 
 from __future__ import annotations
@@ -20,27 +24,27 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from client.messages.common import read_float
 
-_NOISE_STD = "noise-std"
+_NOISE_MULTIPLIER = "noise-multiplier"
 #: Name of the reply metric Flower's ``FedAvg(weighted_by_key=...)`` weighs central DP's uploads by.
 UNIFORM_WEIGHT_KEY = "dp_weight"
 
 
 @dataclass(frozen=True)
 class LocalDpNoise:
-    """``train``, server -> client (``ldp``): the std of the client's Gaussian noise (noise multiplier x clip)."""
+    """``train``, server -> client (``ldp``): the noise multiplier z (std / sensitivity of one upload)."""
 
-    std: float
+    multiplier: float
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.std) and self.std >= 0):
-            raise ValueError(f"'{_NOISE_STD}' must be a finite number >= 0, got {self.std!r}")
+        if not (math.isfinite(self.multiplier) and self.multiplier >= 0):
+            raise ValueError(f"'{_NOISE_MULTIPLIER}' must be a finite number >= 0, got {self.multiplier!r}")
 
     def to_config(self) -> ConfigRecord:
-        return ConfigRecord({_NOISE_STD: float(self.std)})
+        return ConfigRecord({_NOISE_MULTIPLIER: float(self.multiplier)})
 
     @classmethod
     def from_config(cls, rec: Mapping[str, Any]) -> LocalDpNoise:
-        return cls(read_float(rec, _NOISE_STD))
+        return cls(read_float(rec, _NOISE_MULTIPLIER))
 
 
 @dataclass(frozen=True)
@@ -61,5 +65,5 @@ class ClippingNorm:
 
 
 def uniform_weight() -> dict[str, float]:
-    """The ``cdp`` reply metric giving every upload weight 1 (merge into the reply's metrics)."""
+    """The client-level ``cdp`` reply metric giving every upload weight 1 (merge into the reply's metrics)."""
     return {UNIFORM_WEIGHT_KEY: 1.0}

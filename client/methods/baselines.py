@@ -1,4 +1,10 @@
-"""Client side of the baselines: FedAvg (no DP), local DP (DP-FedAvg) and central DP."""
+"""Client side of the baselines: FedAvg (no DP), local DP (DP-FedAvg) and central DP.
+
+``ldp`` and ``cdp`` protect a *record* by default (run-config ``privacy-unit = "record"``): the client
+trains with per-example clipping (:func:`client.env.record_level_training`), whose replace-one
+sensitivity is :func:`protocols.privacy.record_sensitivity` (``2 C lr / n_k`` for one full-batch step).
+``privacy-unit = "client"`` keeps client-level DP-FedAvg: the whole update is clipped to ``clip``.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +13,14 @@ import os
 import numpy as np
 from flwr.app import Message
 
-from client.env import ClientEnv, local_training, reply
+from client.env import ClientEnv, local_training, record_level_training, reply
 from client.floor import release
 from client.messages.baselines import LocalDpNoise, uniform_weight
 from client.wire import to_record
 from protocols.arrays import flatten, unflatten
 from protocols.clipping import clip_l2
-from protocols.floor import at_least, ldp_noise_std
-from protocols.privacy import GaussianEvent
+from protocols.floor import at_least, ldp_noise_multiplier, ldp_noise_std
+from protocols.privacy import GaussianEvent, record_sensitivity
 
 
 def train_fedavg(msg: Message, env: ClientEnv) -> Message:
@@ -24,31 +30,53 @@ def train_fedavg(msg: Message, env: ClientEnv) -> Message:
 
 
 def train_cdp(msg: Message, env: ClientEnv) -> Message:
-    """Like FedAvg, but with unit weight: central DP needs a uniform mean (sensitivity clip/m).
+    """Central DP: upload the local model un-noised (the server is trusted and adds the noise to the mean).
 
-    Clipping is done by Flower's ``fixedclipping_mod`` around this handler.
+    Record level: per-example-clipped training, upload weighted by ``n_k`` (the server's
+    example-weighted mean has record sensitivity ``2 C lr / N``).  Client level: plain training,
+    unit weight (the uniform mean, sensitivity ``clip / m``); the update is clipped by Flower's
+    ``fixedclipping_mod`` around this handler.
     """
-    _, local_w, loss = local_training(msg, env)
-    return reply(msg, to_record(local_w, np.float32), len(env.y), train_loss=loss, **uniform_weight(),
+    if env.cfg.privacy_unit == "client":
+        _, local_w, loss = local_training(msg, env)
+        return reply(msg, to_record(local_w, np.float32), len(env.y), train_loss=loss, **uniform_weight(),
+                     **release(msg, env))
+    _, local_w, loss, frac = record_level_training(msg, env)
+    return reply(msg, to_record(local_w, np.float32), len(env.y), train_loss=loss, clipped_fraction=frac,
                  **release(msg, env))
 
 
 def train_ldp(msg: Message, env: ClientEnv) -> Message:
-    """Client-level local DP: clip the update to ``clip`` and add Gaussian noise before upload.
+    """Local DP: the client noises its own upload, so the server only ever sees noised models.
 
-    The noise std (noise multiplier x clip, for (epsilon, delta) over the run) is the client's
-    own (:func:`protocols.floor.ldp_noise_std` of its run config); the server's
-    :class:`client.messages.baselines.LocalDpNoise` is only checked against it (a smaller
-    one is refused).  The noise comes from the AES-CTR CSPRNG of :mod:`protocols.prg`,
-    freshly seeded from the OS.
+    The noise multiplier z (for (epsilon, delta) over the run, exact RDP) and the std
+    (:func:`protocols.floor.ldp_noise_std`) are the client's own, from its run config and its own
+    dataset size; the server's :class:`client.messages.baselines.LocalDpNoise` multiplier is only
+    checked against z (a smaller one is refused).  The noise comes from the AES-CTR CSPRNG of
+    :mod:`protocols.prg`, freshly seeded from the OS.
+
+    * record level (default): per-example-clipped training, then the local *model* plus
+      N(0, (z * 2 C lr / n_k)^2) per coordinate (the NADP paper's LDP-FL comparator, Lemma 3).
+    * client level: the update clipped to ``clip`` plus N(0, (z clip)^2).
     """
     from protocols.prg import gaussian
 
-    std = ldp_noise_std(env.cfg)
-    at_least("noise-std", LocalDpNoise.from_config(msg.content["config"]).std, std)
-    global_w, local_w, loss = local_training(msg, env)
-    delta = flatten(local_w) - flatten(global_w)
-    clipped, norm = clip_l2(delta, env.cfg.clip)
-    noisy = flatten(global_w) + clipped + gaussian(os.urandom(32), len(clipped), std)
-    spent = release(msg, env, GaussianEvent(std / env.cfg.clip))
-    return reply(msg, to_record(unflatten(noisy, global_w)), len(env.y), train_loss=loss, update_norm=norm, **spent)
+    z = ldp_noise_multiplier(env.cfg)
+    at_least("noise-multiplier", LocalDpNoise.from_config(msg.content["config"]).multiplier, z)
+    n_k = len(env.y)
+    if env.cfg.privacy_unit == "client":
+        global_w, local_w, loss = local_training(msg, env)
+        delta = flatten(local_w) - flatten(global_w)
+        clipped, norm = clip_l2(delta, env.cfg.clip)
+        std = ldp_noise_std(env.cfg)
+        noisy = flatten(global_w) + clipped + gaussian(os.urandom(32), len(clipped), std)
+        spent = release(msg, env, GaussianEvent(std / env.cfg.clip))
+        return reply(msg, to_record(unflatten(noisy, global_w)), n_k, train_loss=loss, update_norm=norm, **spent)
+    global_w, local_w, loss, frac = record_level_training(msg, env)
+    sens = record_sensitivity(env.cfg, n_k)
+    std = ldp_noise_std(env.cfg, n_k)
+    flat = flatten(local_w)
+    noisy = flat + gaussian(os.urandom(32), len(flat), std)
+    spent = release(msg, env, GaussianEvent(std / sens))
+    return reply(msg, to_record(unflatten(noisy, global_w)), n_k, train_loss=loss, clipped_fraction=frac,
+                 noise_std=std, **spent)
