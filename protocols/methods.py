@@ -136,6 +136,10 @@ _FEDAVG = {"large": {"num-rounds": 10, "local-epochs": 1}}
 #: On MNIST-size data the noise is small (run ratio ~0.02) and 60 rounds reach 0.90 instead of 0.89 at 30.
 _NADP = {"small": {"hidden": "", "local-epochs": 1, "batch-size": FULL_BATCH, "lr": 4.0, "clip": 1.0, "num-rounds": 30},
          "large": {"num-rounds": 60}}
+#: NISS at record level: NADP-FL's regime (one full-batch step of per-example-clipped gradients per round, so the
+#: record sensitivity is Lemma 1's 2 C lr / n_k); the noise left in the model is tau sqrt(m) sigma_k = sigma_k.
+_NISS = {"small": {"hidden": "", "local-epochs": 1, "batch-size": FULL_BATCH, "lr": 4.0, "clip": 1.0, "num-rounds": 30},
+         "large": {"num-rounds": 60}}
 #: MP_Server + DDP_Client: FedSGD on the squared loss (local-epochs/batch-size/lr unused), server step xi small
 #: enough that client-level noise (∝ z sqrt(d) / K) does not make the model diverge (0.5 on digits did).
 _MP = {"small": {"hidden": "16", "num-rounds": 5, "clip": 1.0, "mpddp-server-lr": 0.05},
@@ -160,7 +164,7 @@ METHODS: MappingProxyType = MappingProxyType({s.name: s for s in (
     _spec("niss", "strategies.niss:NissStrategy", "client.methods.niss:train",
           queries={"keys": _KEYS, "shares": "client.methods.niss:handle_shares", "recover": _RECOVER},
           family="pairwise", paper="NISS",
-          regime=_CLIENT_LEVEL, privacy=Guarantee("client", _SERVER_NISS, _MODEL)),
+          regime=_NISS, privacy=Guarantee("record", _SERVER_NISS, _MODEL), units=PRIVACY_UNITS),
     # The MP family's uplink epsilon is nominal only (Psi/Phi go up un-noised; the server knows R): no guarantee.
     _spec("mpddp", "strategies.mpddp:MpddpStrategy", "client.methods.mpddp:train",
           queries={"keys": _KEYS, "recover": _RECOVER}, family="mpddp", paper="MP_Server + DDP_Client",

@@ -26,6 +26,18 @@ Interpretations of the paper (see also the module report):
   each share to variance ``sigma_k^2 / v`` (<= sigma^2), so the client's own noise has
   variance exactly ``sigma_k^2`` (the DP requirement) and Theorem 2 still holds
   exactly (it only depends on the total variance a client sends out).
+* The paper assumes ``sigma << sigma_k`` (many shares, ``rho v >> 1`` in Theorem 3's
+  central-limit step) and sends one share to each of ``v`` clients.  A fixed unit
+  variance cannot keep that promise for every calibration: at record level ``sigma_k``
+  is ~0.01-0.1, so the old default ``sigma^2 = 1`` gave one share (held by a single
+  neighbour: if it colludes, the client's whole noise is known), and a unit variance
+  small enough for record level makes ``v`` explode at client level (16,000 shares in
+  issue 18).  We therefore take ``v = max(ceil(sigma_k^2 / sigma^2), m)`` with ``m``
+  the client's neighbours (:func:`share_count`): at least one share per neighbour, so
+  a colluding fraction ``rho`` of the neighbours holds a fraction ``rho`` of the noise
+  as Theorem 3 assumes, and with the default ``niss-unit-variance = 1`` exactly ``m``
+  shares (bounded by the graph degree: <= clients - 1, ~2 n-out on the n-out graph).
+  A smaller ``niss-unit-variance`` gives more shares, as in the paper.
 * The paper's ClientShare sends share i to the i-th of ``v`` random clients (one
   share per neighbour).  With a fixed neighbour list of size ``m < v`` we send
   ``floor(v/m)`` or ``ceil(v/m)`` shares to every neighbour (balanced round robin;
@@ -43,8 +55,17 @@ Interpretations of the paper (see also the module report):
   dimension independently").
 * The paper's Theorem 1 (classic Gaussian mechanism) only holds for ``epsilon < 1``,
   yet its experiments use ``epsilon = 5..15``.  :func:`client_sigma` calibrates with
-  the RDP accountant over the whole run instead (:func:`protocols.privacy.noise_multiplier`),
-  valid for every ``epsilon > 0``; the mechanisms themselves live in :mod:`protocols.privacy`.
+  the RDP accountant over the whole run instead (:func:`protocols.privacy.noise_multiplier`,
+  the exact RDP multiplier ``z`` for ``num-rounds`` releases, so the reported epsilon is
+  the target), valid for every ``epsilon > 0``.
+* Privacy unit.  The paper's DP is per *record* (neighbouring datasets differ in one
+  record) with ``Delta f_k`` the sensitivity of the local update function
+  ``f_k(D_k, w, p_k)`` -- which it never bounds (its experiments clip the update, i.e.
+  client level).  By default (run-config ``privacy-unit = "record"``) a client trains
+  with per-example clipping (:func:`client.env.record_level_training`) and
+  ``Delta f_k = p_k * record_sensitivity(cfg, n_k)`` (``= 2 C lr p_k / n_k`` for one
+  full-batch step, NADP-FL's Lemma 1); ``privacy-unit = "client"`` clips the update
+  instead (``Delta f_k = p_k * clip``, DP-FedAvg's unit).
 * Caveat (not fixed, reported): Theorem 3 only matches the *variance* of the noise a
   colluding server cannot remove to ``sigma_k^2``; that residual is a sum of
   Gaussian-times-Gaussian terms, not a Gaussian, so the (epsilon, delta) claim is
@@ -61,7 +82,7 @@ import numpy as np
 
 from protocols import prg
 from protocols.config import RunConfig
-from protocols.privacy import noise_multiplier
+from protocols.privacy import noise_multiplier, record_sensitivity
 
 __all__ = [
     "SharePlan",
@@ -81,6 +102,15 @@ __all__ = [
     "collusion_variance_ratio",
     "theorem2_variance",
     "exact_aggregate_variance",
+    "share_count",
+    "client_plan",
+    "unit_sensitivity",
+    "upload_sensitivity",
+    "client_sigma",
+    "client_tau",
+    "model_tau",
+    "sizes_tau",
+    "downlink_multiplier",
 ]
 
 # ----------------------------------------------------------------------------------
@@ -115,12 +145,13 @@ class ShareBundle:
     seed: bytes
 
 
-def plan_shares(sigma_k: float, unit_std: float, *, max_shares: int = 100_000) -> SharePlan:
-    """Number of unit shares ``v = ceil(sigma_k^2 / sigma^2)`` and their rescaled std.
+def plan_shares(sigma_k: float, unit_std: float, *, min_shares: int = 1, max_shares: int = 100_000) -> SharePlan:
+    """Number of unit shares ``v = max(ceil(sigma_k^2 / sigma^2), min_shares)`` and their rescaled std.
 
     Rounding up (and shrinking each share to ``sigma_k / sqrt(v)``) keeps the total
-    own-noise variance exactly ``sigma_k^2``.  ``max_shares`` guards against a unit
-    variance chosen far too small (cost is O(v * model size) per client).
+    own-noise variance exactly ``sigma_k^2``.  ``min_shares`` (the neighbour count, see
+    :func:`share_count`) keeps at least one share per neighbour.  ``max_shares`` guards
+    against a unit variance chosen far too small (cost is O(v * model size) per client).
     """
     if not (math.isfinite(sigma_k) and sigma_k > 0):
         raise ValueError(f"sigma_k must be finite and > 0, got {sigma_k!r}")
@@ -128,10 +159,11 @@ def plan_shares(sigma_k: float, unit_std: float, *, max_shares: int = 100_000) -
         raise ValueError(f"unit_std must be finite and > 0, got {unit_std!r}")
     ratio = (sigma_k / unit_std) ** 2
     # Tolerate float noise so that e.g. 4.000000000001 does not become 5 shares.
-    v = max(1, math.ceil(ratio * (1.0 - 1e-12)))
+    v = max(1, int(min_shares), math.ceil(ratio * (1.0 - 1e-12)))
     if v > max_shares:
         raise ValueError(
-            f"sigma_k^2/sigma^2 = {ratio:.3g} shares exceeds max_shares={max_shares}; choose a larger unit noise std"
+            f"max(sigma_k^2/sigma^2 = {ratio:.3g}, {min_shares} neighbours) shares exceeds max_shares={max_shares}; "
+            "choose a larger unit noise std"
         )
     return SharePlan(sigma_k=float(sigma_k), num_shares=v, share_std=sigma_k / math.sqrt(v))
 
@@ -364,26 +396,93 @@ def exact_aggregate_variance(bundles: Sequence[ShareBundle], taus: Mapping[int, 
 def model_tau(clients: int) -> float:
     """The distortion std that gives the published model the uploads' guarantee: ``1 / sqrt(m)``.
 
-    The sum of m uploads keeps noise std ``tau z clip / sqrt(m)`` over the mean's sensitivity ``clip / m``,
-    i.e. noise multiplier ``tau z sqrt(m)``: with ``tau = 1/sqrt(m)`` it is ``z``, the uploads' own multiplier,
-    so the model is (epsilon, delta)-DP over the run at the client level (the CDP noise level).
+    The sum of m uploads keeps noise variance ``tau^2 sum_k sigma_k^2`` (Theorem 2) with ``sigma_k = z Delta f_k``.
+    Client level (``Delta f_k = clip / m`` for all k) that is std ``tau z clip / sqrt(m)`` over the mean's
+    sensitivity ``clip / m``: noise multiplier ``tau z sqrt(m)``, i.e. ``z`` (the uploads' own) for
+    ``tau = 1/sqrt(m)``.  Record level the rule still holds: a record of client k moves the sum by
+    ``Delta f_k = p_k record_sensitivity(n_k)`` and the multiplier is ``tau z sqrt(sum_j Delta f_j^2) / Delta f_k``,
+    which is ``tau z sqrt(m)`` for equal dataset sizes; with unequal sizes the client with the smallest dataset
+    would get less (the default digits partitions, 143-144 records: downlink epsilon 1.005 for a target of 1), so
+    clients that get the round's sizes use :func:`sizes_tau` instead, and the server accounts the multiplier
+    really obtained (:func:`downlink_multiplier`).  A record-level tau cannot
+    be smaller: the record-level noise is already the smallest that protects the upload, and the model must not be
+    published with less protection than the uploads (tau = 0 publishes the exact FedAvg model).
     """
     return 1.0 / math.sqrt(max(int(clients), 1))
 
 
-def client_tau(cfg: RunConfig) -> float:
+def sizes_tau(cfg: RunConfig, sizes: Iterable[int]) -> float:
+    """``max_k Delta f_k / sqrt(sum_j Delta f_j^2)`` over the round's participants' dataset sizes.
+
+    The distortion that gives the worst-off record of the published sum the uploads' multiplier ``z``
+    (:func:`downlink_multiplier`); ``1/sqrt(m)`` (:func:`model_tau`) for equal sizes and at client level,
+    larger otherwise (the default partitions differ by one record: ~0.5 % larger).
+    """
+    d = [unit_sensitivity(cfg, int(n)) for n in sizes]
+    if not d:
+        raise ValueError("sizes_tau needs at least one dataset size")
+    return max(d) / math.sqrt(math.fsum(x * x for x in d))
+
+
+def client_tau(cfg: RunConfig, sizes: Iterable[int] | None = None) -> float:
     """A client's distortion std: ``niss-tau`` if >= 0, else the default below.
 
-    The default is the larger of Theorem 3's minimum for ``niss-rho`` and :func:`model_tau` of the clients
-    per round, so the published model is protected too.
+    The default is the larger of Theorem 3's minimum for ``niss-rho`` and the distortion that protects the
+    published model as much as the uploads: :func:`sizes_tau` of the round's participants' dataset ``sizes``
+    (public, sent by the server), never below :func:`model_tau` of the clients per round (so no list of sizes
+    the server sends can lower it).  See :func:`model_tau` for why
+    the rule holds at record level.
     """
     if cfg.niss_tau >= 0:
         return float(cfg.niss_tau)
-    return max(tau_for_collusion(cfg.niss_rho), model_tau(cfg.clients_per_round))
+    sizes = list(sizes or ())
+    protect_model = max(model_tau(cfg.clients_per_round), sizes_tau(cfg, sizes) if sizes else 0.0)
+    return max(tau_for_collusion(cfg.niss_rho), protect_model)
 
 
-def client_sigma(cfg: RunConfig, weight: float) -> float:
-    """``sigma_k = z * p_k * clip`` (L2 sensitivity of the weighted clipped update is ``p_k * clip``)."""
+def unit_sensitivity(cfg: RunConfig, num_examples: int) -> float:
+    """L2 sensitivity of the client's model ``w_k`` (before the weight ``p_k``) per the run's privacy unit.
+
+    ``record``: :func:`protocols.privacy.record_sensitivity` of the per-example-clipped local training
+    (``2 C lr / n_k`` for one full-batch step); ``client``: ``clip`` (the clipped update).
+    """
+    if cfg.privacy_unit == "client":
+        return float(cfg.clip)
+    return record_sensitivity(cfg, int(num_examples))
+
+
+def upload_sensitivity(cfg: RunConfig, weight: float, num_examples: int) -> float:
+    """``Delta f_k``: L2 sensitivity of the weighted upload ``p_k w_k`` (:func:`unit_sensitivity` times ``p_k``)."""
     if not (math.isfinite(weight) and weight > 0):
         raise ValueError(f"aggregation weight must be finite and > 0, got {weight!r}")
-    return noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds) * weight * cfg.clip
+    return weight * unit_sensitivity(cfg, num_examples)
+
+
+def client_sigma(cfg: RunConfig, weight: float, num_examples: int) -> float:
+    """``sigma_k = z * Delta f_k`` with ``z`` the exact RDP multiplier of ``num-rounds`` releases at (epsilon, delta).
+
+    Computed by the client from its own run config and dataset size (never from the server's figures).
+    """
+    return noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds) * upload_sensitivity(cfg, weight, num_examples)
+
+
+def share_count(cfg: RunConfig, sigma_k: float, neighbours: int) -> SharePlan:
+    """The client's shares: ``max(ceil(sigma_k^2 / niss-unit-variance), neighbours)`` (module docstring)."""
+    return plan_shares(sigma_k, math.sqrt(cfg.niss_unit_variance), min_shares=max(int(neighbours), 1))
+
+
+def client_plan(cfg: RunConfig, weight: float, num_examples: int, neighbours: int) -> SharePlan:
+    """:func:`share_count` of :func:`client_sigma`: everything a client needs to split its noise."""
+    return share_count(cfg, client_sigma(cfg, weight, num_examples), neighbours)
+
+
+def downlink_multiplier(tau: float, sigma_ks: Sequence[float], z: float) -> float:
+    """Noise multiplier of the published sum for the worst-off record: ``tau z sqrt(sum_j sigma_j^2) / max_k sigma_k``.
+
+    The sum keeps Theorem 2's std ``tau sqrt(sum_j sigma_j^2)`` (equal tau); a record of client k moves it by
+    ``Delta f_k = sigma_k / z``.  Equal sigmas give ``tau z sqrt(m)`` (:func:`model_tau`).
+    """
+    s = np.asarray(sigma_ks, dtype=np.float64)
+    if s.size == 0 or not np.all(s > 0):
+        raise ValueError("downlink_multiplier needs positive sigma_k")
+    return float(tau * z * math.sqrt(float(np.sum(s**2))) / float(np.max(s)))

@@ -34,25 +34,27 @@ the messages are the classes of :mod:`client.messages.niss`):
    the survivors reveal their shares to it and the shares they received from it,
    never their own noise entirely) and the sum is renormalised to the survivors.
 
-Privacy calibration (documented interpretation).  A client clips its model
-update ``Delta_k = w_k - w`` to L2 norm ``clip`` and uploads the weighted model
-``p_k (w + Delta_k)``; since ``w`` and ``p_k`` are public, the L2 sensitivity of
-the upload w.r.t. client k's data (client-level DP, add/remove convention, as
-the ``ldp`` baseline) is ``p_k * clip``.  Run-config ``epsilon``/``delta`` is the
-client's budget for the *whole run* (the convention of every cancelfl method):
-``sigma_k = z * p_k * clip`` with ``z`` the smallest noise multiplier for which
-``num-rounds`` Gaussian releases are (epsilon, delta)-DP under RDP composition
-(:func:`protocols.privacy.calibrate_noise_multiplier`; no sampling
-amplification, as the server knows who it sampled).  Each round is thus exactly
-a Gaussian mechanism; the paper's per-round view (its Theorem 1, which is only
-valid for epsilon < 1) is reported as ``epsilon_round_analytic`` (the analytic
-Gaussian mechanism of one round at the same delta).  With ``tau = 1`` the
-aggregate noise variance ``sum_k sigma_k^2`` equals that of ``ldp`` at the same
-epsilon (uniform mean, noise std ``z * clip`` per update), so the two are
-directly comparable.  Weights are uniform, ``p_k = 1/m`` (m = clients left
-after the share phase): data-size weights would need the sizes before the share
-phase (one more round trip) and would make the sensitivity depend on other
-clients' data; the ``ldp`` baseline averages uniformly for the same reason.
+Privacy calibration (documented interpretation).  The paper's DP is per record with
+``Delta f_k`` the sensitivity of the local update function, which it never bounds.  By
+default (run-config ``privacy-unit = "record"``) a client trains with per-example clipping
+and uploads the weighted model ``p_k w_k``; since the global model and ``p_k`` are public,
+the L2 sensitivity of the upload to one of its records is ``Delta f_k = p_k *
+record_sensitivity(cfg, n_k)`` (``2 C lr p_k / n_k`` for one full-batch step).  With
+``privacy-unit = "client"`` it clips its update to ``clip`` instead (``Delta f_k = p_k
+clip``, DP-FedAvg's client level).  Run-config ``epsilon``/``delta`` is the budget for the
+*whole run* (the convention of every cancelfl method): ``sigma_k = z * Delta f_k`` with
+``z`` the smallest noise multiplier for which ``num-rounds`` Gaussian releases are
+(epsilon, delta)-DP under RDP composition (:func:`protocols.privacy.calibrate_noise_multiplier`;
+no sampling amplification, as the server knows who it sampled).  Each client computes its
+``sigma_k`` itself (:func:`protocols.niss.client_sigma`, from its run config and ``n_k``);
+the server never sends a noise figure.  Each round is thus exactly a Gaussian mechanism;
+the paper's per-round view (its Theorem 1, which is only valid for epsilon < 1) is
+reported as ``epsilon_round_analytic`` (the analytic Gaussian mechanism of one round at
+the same delta).  Weights are uniform, ``p_k = 1/m`` (m = clients left after the share
+phase): data-size weights would make a client's sensitivity depend on other clients' data.
+Shares: ``max(ceil(sigma_k^2 / niss-unit-variance), neighbours)`` per client
+(:func:`protocols.niss.share_count`): at least one per neighbour, bounded by the degree
+with the default unit variance.
 
 Reported each round: ``theorem2_variance`` = ``sum_k sigma_k^2 tau_k^2`` (paper's
 Theorem 2, from the clients' reported sigma_k, tau_k), and -- DIAGNOSTIC ONLY,
@@ -75,11 +77,13 @@ client's shares do not collude with the server.  Against a colluding fraction
 only matches the *variance* of the residual noise (a Gaussian-times-Gaussian
 sum, not a Gaussian), so that case is heuristic and ``describe()`` states
 whether the configured tau meets it.  Downlink (what the global model reveals):
-the aggregate noise has std ``tau * z * clip / sqrt(m)`` per coordinate, i.e.
-noise multiplier ``tau * z * sqrt(m)`` over the mean's sensitivity
-``clip / m``, accounted with sampling rate ``m / num-clients`` (infinite for
-tau = 0; also heuristic for tau > 0 because the product noise is only
-approximately Gaussian).  By default (``niss-tau < 0``) tau is the larger of
+the aggregate noise has std ``tau sqrt(sum_k sigma_k^2)`` per coordinate, i.e.
+noise multiplier ``tau z sqrt(sum_j Delta f_j^2) / Delta f_k`` for a record of
+client k (``tau z sqrt(m)`` for equal dataset sizes; the worst participant is
+charged, :func:`protocols.niss.downlink_multiplier`, from the sizes the clients
+reported with their keys), accounted with sampling rate ``m / num-clients``
+(infinite for tau = 0; also heuristic for tau > 0 because the product noise is
+only approximately Gaussian).  By default (``niss-tau < 0``) tau is the larger of
 Theorem 3's minimum and ``1/sqrt(m)`` (:func:`protocols.niss.client_tau`), which
 makes the downlink multiplier ``z``: the published model gets the run's epsilon
 too (tau = 0 would publish the exact FedAvg model).
@@ -102,7 +106,7 @@ from client.wire import from_record, to_record
 from protocols import niss as niss_math
 from protocols.arrays import flatten, unflatten
 from protocols.config import RunConfig
-from protocols.niss import ShareBundle, client_tau
+from protocols.niss import ShareBundle, client_tau, downlink_multiplier
 from protocols.privacy import GaussianEvent, PrivacyLedger, RdpAccountant, analytic_gaussian_epsilon, noise_multiplier
 from protocols.privacy.signal import NoiseEstimate, gaussian_norm
 from strategies.base import CancelStrategy, RoundFailed, RoundState
@@ -121,6 +125,8 @@ class NissRound(RoundState):
     weight: float
     #: receiver -> (sender ids, sealed payloads), in sender order.
     inbox: dict[int, tuple[list[int], list[bytes]]]
+    #: The distortion std the clients derive for this round (:func:`protocols.niss.client_tau` of the sizes sent).
+    tau: float = 0.0
 
 
 #: Bytes of one sealed payload besides its share vectors (header, seed, AEAD nonce and tag; ~100 in practice).
@@ -138,6 +144,11 @@ def _share_reply(reply: Message, expected: list[int], max_bytes: int | None = No
     if max_bytes is not None and sum(len(p) for p in shares.payloads) > max_bytes:
         return None  # never relayed: a payload larger than the shares the plan allows
     return shares if list(shares.to_ids) == expected else None
+
+
+def _sizes(kr: KeyRound) -> dict[int, int]:
+    """The participants' dataset sizes as reported with their keys (public; the clients derive tau from them)."""
+    return {n: kr.num_examples[n] for n in kr.participants if n in kr.num_examples}
 
 
 def _rejections(by_node: dict[int, Message]) -> list[str]:
@@ -183,6 +194,8 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         self.z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
         self.tau = client_tau(cfg)
         self.keys = KeyPhase(cfg)
+        #: The last aggregated round's client reports (sigma_k, tau_k, shares): describe() and noise_estimate().
+        self._figures: list[NissMetrics] = []
         # Uplink: RDP of the per-round Gaussian upload (headline). Downlink: the residual noise of the sum,
         # none with tau = 0 (the shares cancel exactly).
         self.privacy = PrivacyLedger(cfg.delta, uplink=RdpAccountant(),
@@ -200,7 +213,8 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
                 inbox[receiver][0].append(sender)
                 inbox[receiver][1].append(blob)
         self.report(participants=len(kr.participants), dropped=len(kr.dropped))
-        return NissRound(server_round, list(kr.participants), kr, 1.0 / len(kr.participants), inbox)
+        tau = client_tau(self.cfg, _sizes(kr).values())
+        return NissRound(server_round, list(kr.participants), kr, 1.0 / len(kr.participants), inbox, tau)
 
     def _share_phase(self, grid: Grid, kr: KeyRound) -> tuple[KeyRound, dict[int, ShareReply]]:
         """Run ``query.shares`` until every remaining participant answered correctly (re-graphing after failures)."""
@@ -211,7 +225,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
                 # The neighbours' signed keys and the round's view (participants, graph seed); the probe seed
                 # travels with the train message.
                 peers = dataclasses.replace(kr.peer_keys(node), probe_seed=None)
-                return RecordDict({"config": ShareRequest(kr.round, weight, peers).to_config()})
+                return RecordDict({"config": ShareRequest(kr.round, weight, peers, _sizes(kr)).to_config()})
 
             replies, _errors = self.exchange(grid, kr.participants, content, "shares")
             good = {n: shares for n, r in replies.items() if n in kr.neighbours
@@ -229,17 +243,21 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
     def share_bytes(self, weight: float, node: int, kr: KeyRound) -> int:
         """Most bytes ``node``'s share reply may hold (larger replies are never relayed).
 
-        All its shares (plan_shares) as float64 vectors (vector encoding; a seed payload is far smaller),
-        plus :data:`PAYLOAD_OVERHEAD` per neighbour.
+        All its shares (:func:`protocols.niss.client_plan` for the size it reported with its key, or the largest
+        partition when unknown) as float64 vectors (vector encoding; a seed payload is far smaller), plus
+        :data:`PAYLOAD_OVERHEAD` per neighbour.
         """
         dim = sum(math.prod(a.shape) for a in self.round_model.values()) if self.round_model is not None else 0
-        try:
-            count = niss_math.plan_shares(niss_math.client_sigma(self.cfg, weight),
-                                          math.sqrt(self.cfg.niss_unit_variance)).num_shares
-        except ValueError:
-            count = 0
-        vectors = 8 * count * dim if self.cfg.niss_share_encoding == "vector" else 0
-        return vectors + PAYLOAD_OVERHEAD * max(len(kr.neighbours.get(node, [])), 1)
+        degree = len(kr.neighbours.get(node, []))
+        count = 0
+        if self.cfg.niss_share_encoding == "vector":
+            # A smaller dataset means a larger record sensitivity, hence more shares: bound with the smallest size.
+            n_k = kr.num_examples.get(node, 1)
+            try:
+                count = niss_math.client_plan(self.cfg, weight, n_k, degree).num_shares
+            except ValueError:
+                count = 0
+        return 8 * count * dim + PAYLOAD_OVERHEAD * max(degree, 1)
 
     def update_of(self, state: NissRound, node: int, flat: np.ndarray) -> np.ndarray:
         """A NISS upload is ``p_k w_k + noise``: its distance from ``p_k`` times the global model."""
@@ -301,10 +319,12 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         taus = np.array([f.tau for f in figures])
         sigmas = np.array([f.sigma for f in figures])
         variance = niss_math.theorem2_variance(sigmas, taus)
-        # Per coordinate, in model units (server.report): an upload p_k w_k carries sigma_k, i.e. sigma_k / p_k on
-        # the model scale (= z clip); the aggregate keeps Theorem 2's variance.
-        self.report(theorem2_variance=variance, upload_noise_std=self.z * self.cfg.clip,
-                    model_noise_std=float(np.sqrt(variance)))
+        self._figures = figures
+        # Per coordinate, in model units (server.report): an upload p_k w_k carries own noise sigma_k, i.e.
+        # sigma_k / p_k on the model scale (mean over the clients); the aggregate keeps Theorem 2's variance.
+        self.report(theorem2_variance=variance, upload_noise_std=float(np.mean(sigmas)) / state.weight,
+                    model_noise_std=float(np.sqrt(variance)),
+                    shares_per_client=float(np.mean([f.shares for f in figures])))
         clean = [Diagnostic.from_content(r.content) for r in ordered]
         if all(c is not None for c in clean):
             received = np.array([f.received_var or 0.0 for f in figures])
@@ -361,10 +381,11 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         z_real = min(self.z * math.sqrt(max(kept[n], 0.0) / sigma2[n]) if sigma2[n] > 0 else self.z for n in kept)
         charge_shortfall(self.privacy.uplink, self.z, z_real)
         if self.privacy.downlink is not None:
+            # Multiplier = std left / the worst record's sensitivity max_k sigma_k / z (protocols.niss.downlink_multiplier).
             m_all = len(state.participants)
             among = max(math.fsum(sigma2.values()) - lost_among, 0.0)
-            planned = self.tau * self.z * math.sqrt(m_all)
-            real = self.tau * math.sqrt(among) * m_all / self.cfg.clip
+            planned = self._downlink_multiplier(state)
+            real = state.tau * self.z * math.sqrt(among) / math.sqrt(max(sigma2.values()))
             charge_shortfall(self.privacy.downlink, planned, real, m_all / self.cfg.num_clients)
         self.report(uplink_noise_multiplier_after_recovery=z_real)
         return rec.probe_corrections(out)
@@ -387,40 +408,82 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         self.report(**values)
 
     # ---------------------------------------------------------------- reporting
+    def _planned_sigmas(self, sizes: list[int], m: int) -> list[float]:
+        """The ``sigma_k`` clients with ``sizes`` compute for weight ``1/m`` (:func:`protocols.niss.client_sigma`)."""
+        return [niss_math.client_sigma(self.cfg, 1.0 / m, n) for n in sizes]
+
+    def _typical_size(self) -> int:
+        """Records per client for the estimates before any round: the largest partition (runner), else 1."""
+        return max(int(self.max_examples or 1), 1)
+
     def describe(self) -> dict[str, float | str]:
+        """Key parameters (summary.json): from the last round's client reports when there is one, else planned."""
         m = self.cfg.clients_per_round
-        sigma = self.z * self.cfg.clip / m
         tau_needed = niss_math.tau_for_collusion(self.cfg.niss_rho)
+        figures = self._figures
+        tau = self.tau
+        if figures:
+            sigma = float(np.mean([f.sigma for f in figures]))
+            shares: float = float(np.mean([f.shares for f in figures]))
+            tau = float(np.mean([f.tau for f in figures]))
+        else:
+            sigma = self._planned_sigmas([self._typical_size()], m)[0]
+            degree = m - 1 if self.cfg.graph == "complete" else min(2 * self.cfg.n_out, m - 1)
+            shares = niss_math.share_count(self.cfg, sigma, degree).num_shares
         return {
+            "privacy_unit": self.cfg.privacy_unit,
             "noise_multiplier": self.z,
             "sigma_k": sigma,
             "unit_variance": self.cfg.niss_unit_variance,
-            "shares_per_client": niss_math.plan_shares(sigma, math.sqrt(self.cfg.niss_unit_variance)).num_shares,
-            "tau": self.tau,
+            "shares_per_client": shares,
+            "tau": tau,
             "rho": self.cfg.niss_rho,
             "tau_required_theorem3": tau_needed,
-            "collusion_protected": "yes" if self.tau >= tau_needed - 1e-12 else "no",
+            "collusion_protected": "yes" if tau >= tau_needed - 1e-12 else "no",
             "share_encoding": self.cfg.niss_share_encoding,
             "epsilon_round_analytic": analytic_gaussian_epsilon(self.z, self.cfg.delta),
-            "theorem2_variance_full_round": m * sigma**2 * self.tau**2,
+            "theorem2_variance_full_round": m * sigma**2 * tau**2,
         }
 
     def noise_estimate(self, num_params: int) -> NoiseEstimate:
-        """The sum keeps noise std ``tau z clip / sqrt(m)`` per entry; the weighted clipped updates sum to <= clip."""
-        m = self.cfg.clients_per_round
-        std = self.tau * self.z * self.cfg.clip / math.sqrt(m)
-        return NoiseEstimate(gaussian_norm(std, num_params), self.cfg.clip, self.cfg.num_rounds)
+        """The sum keeps noise std ``tau sqrt(sum_k sigma_k^2)`` per entry; the signal is bounded by the clipping.
+
+        Record level: the mean of the local updates moves at most ``lr clip steps`` (each per-example-clipped step
+        moves <= lr clip); client level: the weighted clipped updates sum to <= clip.
+        """
+        c = self.cfg
+        m = c.clients_per_round
+        figures = self._figures
+        sigmas = [f.sigma for f in figures] if figures else self._planned_sigmas([self._typical_size()] * m, m)
+        tau = float(np.mean([f.tau for f in figures])) if figures else self.tau
+        std = tau * math.sqrt(math.fsum(s * s for s in sigmas))
+        if c.privacy_unit == "client":
+            signal = c.clip
+        else:
+            steps = c.local_epochs * math.ceil(self._typical_size() / min(c.batch_size, self._typical_size()))
+            signal = c.lr * c.clip * steps
+        return NoiseEstimate(gaussian_norm(std, num_params), signal, c.num_rounds)
+
+    def _downlink_multiplier(self, state: NissRound) -> float:
+        """The published sum's multiplier for the worst-off record of the round (:func:`protocols.niss.downlink_multiplier`).
+
+        From the sizes the participants reported with their keys (a participant without one: its record
+        sensitivity is bounded with one record, the worst case); equal sigmas at client level.
+        """
+        m = len(state.participants)
+        sizes = [state.keys.num_examples.get(n, 1) for n in state.participants]
+        return downlink_multiplier(state.tau, self._planned_sigmas(sizes, m), self.z)
 
     def account_round(self, state: NissRound) -> None:
-        """Compose the round: each upload is a Gaussian release with multiplier z, the sum keeps ``tau z sqrt(m)``.
+        """Compose the round: each upload is a Gaussian release with multiplier z, the sum keeps ``tau sqrt(sum sigma^2)``.
 
         No sampling amplification for the uplink (the server knows whom it sampled); the published sum is
         amplified by sampling m of N.
         """
         self.privacy.uplink.compose(GaussianEvent(self.z))
         if self.privacy.downlink is not None:
-            m = self.cfg.clients_per_round
-            self.privacy.downlink.compose(GaussianEvent(self.tau * self.z * math.sqrt(m), m / self.cfg.num_clients))
+            q = self.cfg.clients_per_round / self.cfg.num_clients
+            self.privacy.downlink.compose(GaussianEvent(self._downlink_multiplier(state), q))
 
 
 __all__ = ["NissStrategy", "MAX_SHARE_ATTEMPTS"]

@@ -12,6 +12,9 @@ import numpy as np
 import pytest
 
 from protocols import niss, prg
+from protocols.config import RunConfig
+from protocols.privacy import calibrate_noise_multiplier, noise_multiplier, record_sensitivity
+from server.defaults import app_defaults
 
 
 # ------------------------------------------------------------------ shares
@@ -25,6 +28,46 @@ def test_plan_shares() -> None:
     assert niss.plan_shares(0.1, 1.0).num_shares == 1
     with pytest.raises(ValueError):
         niss.plan_shares(100.0, 0.01, max_shares=1000)
+    # at least one share per neighbour: record-level sigma_k (~0.1) with the default unit variance 1
+    plan = niss.plan_shares(0.1, 1.0, min_shares=9)
+    assert plan.num_shares == 9 and plan.num_shares * plan.share_std**2 == pytest.approx(0.01, rel=1e-14)
+    assert niss.plan_shares(2.0, 0.5, min_shares=9).num_shares == 16  # more shares than neighbours: the paper's v
+
+
+def _cfg(**kw) -> RunConfig:
+    return RunConfig.from_mapping({**app_defaults(), "method": "niss", **kw})
+
+
+def test_record_level_sigma_and_bounded_share_count() -> None:
+    """sigma_k = z p_k 2 C lr / n_k (one full-batch step); the default share count = the neighbour count."""
+    cfg = _cfg()
+    assert (cfg.privacy_unit, cfg.lr, cfg.clip, cfg.local_epochs, cfg.num_rounds) == ("record", 4.0, 1.0, 1, 30)
+    z = calibrate_noise_multiplier(1.0, 1e-5, 1.0, 30)
+    assert niss.client_sigma(cfg, 0.1, 144) == pytest.approx(z * 0.1 * 2 * 1.0 * 4.0 / 144, rel=1e-12)
+    assert niss.upload_sensitivity(cfg, 0.1, 144) == pytest.approx(0.1 * record_sensitivity(cfg, 144))
+    for degree in (1, 4, 9, 99):
+        assert niss.client_plan(cfg, 0.1, 144, degree).num_shares == degree
+    client = _cfg(**{"privacy-unit": "client"})
+    assert niss.client_sigma(client, 0.1, 144) == pytest.approx(noise_multiplier(1.0, 1e-5, 30) * 0.1 * client.clip)
+    assert niss.client_sigma(client, 0.1, 144) == niss.client_sigma(client, 0.1, 5)  # no record count at client level
+
+
+def test_default_tau_protects_the_model_like_the_uploads() -> None:
+    """Default tau = max_k Delta_k / sqrt(sum Delta_j^2) makes the worst record's downlink multiplier z; never below 1/sqrt(m)."""
+    cfg = _cfg()
+    z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
+    m = cfg.clients_per_round
+    assert niss.client_tau(cfg) == pytest.approx(1 / math.sqrt(m))
+    sizes = [143, 144, 144, 143, 144, 144, 144, 143, 144, 144]
+    tau = niss.client_tau(cfg, sizes)
+    assert tau > 1 / math.sqrt(m)
+    sigmas = [niss.client_sigma(cfg, 1 / m, n) for n in sizes]
+    assert niss.downlink_multiplier(tau, sigmas, z) == pytest.approx(z, rel=1e-12)
+    assert niss.downlink_multiplier(1 / math.sqrt(m), sigmas, z) < z  # the plain 1/sqrt(m) falls short
+    assert niss.client_tau(cfg, [144] * m) == pytest.approx(1 / math.sqrt(m))
+    assert niss.client_tau(cfg, [10**6] * 1000) == pytest.approx(1 / math.sqrt(m))  # no size list lowers it
+    assert niss.client_tau(_cfg(**{"niss-rho": 1.0}), sizes) == 1.0  # Theorem 3 wins
+    assert niss.client_tau(_cfg(**{"niss-tau": 0.0}), sizes) == 0.0  # explicit
 
 
 def test_assign_shares() -> None:

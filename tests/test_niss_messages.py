@@ -26,6 +26,14 @@ def test_share_request_round_trip_carries_round_and_peers():
     assert ShareRequest.from_config(rec) == req
     assert PeerKeys.from_config(rec) == peers  # the peer part is the key phase's own vocabulary
     assert ShareRequest.from_config(ConfigRecord({**rec, "unrelated": 1})) == req  # foreign keys ignored
+    sized = ShareRequest(5, 0.25, peers, {BIG: 144, 7: 143})
+    assert ShareRequest.from_config(sized.to_config()) == sized and req.sizes == {}
+    with pytest.raises(ValueError, match="niss-sizes"):
+        ShareRequest(5, 0.25, peers, {7: 0})
+    bad = sized.to_config()
+    bad["niss-sizes"] = [144]
+    with pytest.raises(ValueError, match="niss-size"):
+        ShareRequest.from_config(bad)
 
 
 @pytest.mark.parametrize("weight", [0.0, -0.1, 1.5, float("nan")])

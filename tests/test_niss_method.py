@@ -1,8 +1,9 @@
 """NISS end to end through the real message path (in-process LocalGrid, digits).
 
 * tau = 0: the summed uploads equal the noiseless weighted sum (recomputed here by
-  re-running each client's local training) to 1e-9 relative, while every single
-  upload carries noise of variance >= sigma_k^2.
+  re-running each client's per-example-clipped training) to 1e-9 relative, while every
+  single upload carries its own noise of std sigma_k = z p_k 2 C lr / n_k (record level,
+  one full-batch step) plus the shares it received.
 * tau > 0: the measured aggregate noise variance matches Theorem 2 within 10 %.
 * A tampered, dropped, redirected or replayed relayed payload: its receiver uploads
   nothing and names the sender; the round goes on without it, its shares removed
@@ -24,9 +25,9 @@ import pytest
 from flwr.app import ConfigRecord
 
 from client.app import app as client_app
-from client.data import dataset_for
-from client.env import ClientEnv, local_training
-from client.messages.niss import AuthFailures, Diagnostic, NissMetrics, RelayedInbox
+from client.data import client_partition, dataset_for
+from client.env import ClientEnv, local_training, record_level_training
+from client.messages.niss import AuthFailures, Diagnostic, NissMetrics, RelayedInbox, ShareRequest
 from client.methods import niss as niss_client
 from client.models import build_model, get_weights
 from client.wire import from_record, to_record
@@ -34,14 +35,29 @@ from protocols import niss as niss_math
 from protocols.arrays import flatten
 from protocols.clipping import clip_l2
 from protocols.config import RunConfig
-from protocols.privacy import analytic_gaussian_epsilon, analytic_gaussian_sigma, calibrate_noise_multiplier, gaussian_epsilon
+from protocols.privacy import (
+    analytic_gaussian_epsilon,
+    analytic_gaussian_sigma,
+    calibrate_noise_multiplier,
+    gaussian_epsilon,
+    record_sensitivity,
+)
 from protocols.relay_crypto import RelayAuthError, open_sealed, seal
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies.base import RoundFailed
 from strategies.niss import NissStrategy
 
-FAST = {"num-clients": 5, "local-epochs": 1, "batch-size": 64, "method": "niss"}
+#: 5 clients on digits in niss's regime (linear model, one full-batch per-example-clipped step per round).
+FAST = {"num-clients": 5, "method": "niss"}
+
+
+def _sigmas(cfg: RunConfig, rounds: int | None = None) -> np.ndarray:
+    """Every client's sigma_k = z p_k 2 C lr / n_k (record level, one full-batch step), p_k = 1/m."""
+    z = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, rounds or cfg.num_rounds)
+    m = cfg.num_clients
+    sizes = [len(client_partition(cfg, i, m)[1]) for i in range(m)]
+    return np.array([z / m * 2 * cfg.clip * cfg.lr / n for n in sizes])
 
 
 def _setup(grid_cls=LocalGrid, **overrides):
@@ -68,33 +84,57 @@ def _flat(record) -> np.ndarray:
 def test_tau_zero_aggregate_equals_noiseless(graph):
     cfg, grid, strategy, arrays = _setup(niss_tau=0.0, graph=graph, n_out=1, cancellation_check=True,
                                          niss_unit_variance=0.3)
+    assert cfg.privacy_unit == "record" and cfg.batch_size >= 1000 and cfg.local_epochs == 1
     msgs, replies = _round(grid, strategy, 1, arrays)
     agg, _ = strategy.aggregate_train(1, replies)
-    # Re-run every client's math without noise: p_k * (w + clip(w_k - w)).
+    # Re-run every client's training without noise: p_k * w_k (per-example-clipped full-batch step).
     expected = np.zeros_like(_flat(arrays))
     by_node = {r.metadata.src_node_id: r for r in replies}
     z = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds)
     for msg in msgs:
         node = msg.metadata.dst_node_id
         env = ClientEnv.from_context(grid.contexts[node])
-        glob, local, _ = local_training(msg, env)
-        clipped, _ = clip_l2(flatten(local) - flatten(glob), cfg.clip)
+        _, local, _, _ = record_level_training(msg, env)
         p = RelayedInbox.from_config(msg.content["config"]).weight
-        clean = p * (flatten(glob) + clipped)
+        clean = p * flatten(local)
         expected += clean
         reply = by_node[node]
         # the diagnostic side channel carries exactly this noiseless weighted update
         np.testing.assert_allclose(_flat(Diagnostic.from_content(reply.content).update), clean, rtol=0, atol=1e-12)
-        # ... while the upload itself is noisy: own shares alone have variance sigma_k^2
-        sigma = NissMetrics.from_metrics(reply.content["metrics"]).sigma
-        assert sigma == pytest.approx(z * p * cfg.clip, rel=1e-12)
-        assert np.var(_flat(reply.content["arrays"]) - clean) > 0.8 * sigma**2
+        # ... while the upload itself is noisy: own shares of std sigma_k = z p_k 2 C lr / n_k (Lemma 1) plus the
+        # shares received (their variance is reported in the cancellation-check mode)
+        figures = NissMetrics.from_metrics(reply.content["metrics"])
+        sigma = figures.sigma
+        assert sigma == pytest.approx(z * p * 2 * cfg.clip * cfg.lr / len(env.y), rel=1e-12)
+        assert sigma == pytest.approx(z * p * record_sensitivity(cfg, len(env.y)), rel=1e-12)
+        noise = _flat(reply.content["arrays"]) - clean
+        assert np.std(noise) == pytest.approx(math.sqrt(sigma**2 + figures.received_var), rel=0.12)
+        # one share per neighbour (the default unit variance 0.3 >> sigma_k^2)
+        assert figures.shares == len(strategy._state.keys.neighbours[node])
     assert p == pytest.approx(1 / cfg.num_clients)
     err = np.linalg.norm(_flat(agg) - expected) / np.linalg.norm(expected)
     assert err <= 1e-9
     rep = strategy.round_report()
     assert rep["theorem2_variance"] == 0.0 and rep["aggregate_error_rel"] <= 1e-9
     assert rep["cancellation_residual"] <= 1e-9
+
+
+def test_client_level_unit_keeps_the_clipped_update_calibration():
+    """privacy-unit = "client": local training, update clipped to clip, sigma_k = z p_k clip."""
+    cfg, grid, strategy, arrays = _setup(niss_tau=0.0, privacy_unit="client", cancellation_check=True)
+    msgs, replies = _round(grid, strategy, 1, arrays)
+    agg, _ = strategy.aggregate_train(1, replies)
+    z = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds)
+    expected = np.zeros_like(_flat(arrays))
+    for msg, reply in zip(msgs, replies, strict=True):
+        env = ClientEnv.from_context(grid.contexts[msg.metadata.dst_node_id])
+        glob, local, _ = local_training(msg, env)
+        clipped, _ = clip_l2(flatten(local) - flatten(glob), cfg.clip)
+        expected += (flatten(glob) + clipped) / cfg.num_clients
+        assert NissMetrics.from_metrics(reply.content["metrics"]).sigma == pytest.approx(z / cfg.num_clients * cfg.clip,
+                                                                                          rel=1e-12)
+    assert np.linalg.norm(_flat(agg) - expected) <= 1e-9 * np.linalg.norm(expected)
+    assert strategy.describe()["privacy_unit"] == "client"
 
 
 # ------------------------------------------------------------------------- Theorem 2
@@ -106,11 +146,11 @@ def test_measured_noise_variance_matches_theorem2(run_inprocess):
     # 10 %, 2.9e-5 for the 3-round mean at 5 %).
     tau, n = 0.5, 5
     summary, rows = run_inprocess(**FAST, niss_tau=tau, num_rounds=3, cancellation_check=True,
-                                  niss_unit_variance=0.1, hidden="64")
+                                  niss_unit_variance=1e-4, hidden="64")
     assert summary["config"]["hidden"] == "64"
-    z = calibrate_noise_multiplier(1.0, 1e-5, 1.0, 3)
-    thm2 = n * (z / n) ** 2 * tau**2  # sum_k sigma_k^2 tau^2 with sigma_k = z * clip / m
-    assert summary["method_parameters"]["shares_per_client"] > 5  # several shares per client
+    cfg = RunConfig.from_mapping({**app_defaults(), **FAST, "num-rounds": 3, "hidden": "64"})
+    thm2 = float(np.sum(_sigmas(cfg) ** 2)) * tau**2  # sum_k sigma_k^2 tau^2, sigma_k = z p_k 2 C lr / n_k
+    assert summary["method_parameters"]["shares_per_client"] > 2 * (n - 1)  # more shares than neighbours
     measured = []
     for row in rows:
         assert not row["failed"]
@@ -126,15 +166,57 @@ def test_tau_from_rho_and_privacy_report(run_inprocess):
     assert params["tau"] == pytest.approx(math.sqrt(0.5))  # Theorem 3: tau^2 = 2 rho - 1
     assert params["collusion_protected"] == "yes"
     z = calibrate_noise_multiplier(5.0, 1e-5, 1.0, 2)
-    assert rows[0]["theorem2_variance"] == pytest.approx(5 * (z / 5) ** 2 * 0.5, rel=1e-9)
+    cfg = RunConfig.from_mapping({**app_defaults(), **FAST, "num-rounds": 2, "epsilon": 5.0})
+    assert rows[0]["theorem2_variance"] == pytest.approx(float(np.sum(_sigmas(cfg) ** 2)) * 0.5, rel=1e-9)
     # uplink epsilon: RDP composition of the per-round Gaussian; the whole budget is spent at the end
     assert rows[0]["epsilon"] == pytest.approx(gaussian_epsilon(z, 1.0, 1, 1e-5), rel=1e-9)
     assert summary["epsilon"] == pytest.approx(5.0, rel=0.02)
     assert rows[-1]["epsilon_downlink"] is not None  # tau > 0 protects the global model too
+    assert summary["epsilon_downlink"] <= 5.0  # tau (Theorem 3) above the model's own need: within the target
     # per-round analytic Gaussian view: one round of noise multiplier z costs less than the total
     assert 0 < params["epsilon_round_analytic"] < 5.0
     cfg0 = RunConfig.from_mapping({**app_defaults(), **FAST, "niss-tau": 0.0})
     assert NissStrategy(cfg0).privacy_report(1)["epsilon_downlink"] == math.inf  # tau = 0: noise cancels
+
+
+def test_default_tau_gives_the_model_the_uploads_epsilon(run_inprocess):
+    """Default tau (from the round's sizes, 287-288 records here): the published model's epsilon is the target."""
+    summary, rows = run_inprocess(**FAST, num_rounds=2)
+    cfg = RunConfig.from_mapping({**app_defaults(), **FAST, "num-rounds": 2})
+    sig = _sigmas(cfg)
+    tau = summary["method_parameters"]["tau"]
+    assert tau == pytest.approx(sig.max() / math.sqrt(np.sum(sig**2)), rel=1e-9)  # sizes_tau
+    assert tau >= 1 / math.sqrt(cfg.num_clients)
+    assert rows[0]["theorem2_variance"] == pytest.approx(float(np.sum(sig**2)) * tau**2, rel=1e-9)
+    assert summary["epsilon_uplink"] <= cfg.epsilon and summary["epsilon_uplink"] == pytest.approx(cfg.epsilon, rel=1e-3)
+    assert summary["epsilon_downlink"] == pytest.approx(summary["epsilon_uplink"], rel=1e-6)
+    assert summary["privacy"]["unit"] == "record"
+
+
+def test_a_wrong_size_for_the_client_is_refused():
+    """The share request's size list must name this client's own dataset size (it derives tau from the list)."""
+    cfg, grid, strategy, arrays = _setup()
+
+    class Liar(NissStrategy):
+        def exchange(self, grid, nodes, content_fn, action):
+            if action != "shares":
+                return super().exchange(grid, nodes, content_fn, action)
+
+            def content(node, inner=content_fn):
+                rec = inner(node)
+                req = ShareRequest.from_config(rec["config"])
+                sizes = {n: v + 1 for n, v in req.sizes.items()}
+                rec["config"] = dataclasses.replace(req, sizes=sizes).to_config()
+                return rec
+            replies, errors = super().exchange(grid, nodes, content, action)
+            self.errors += errors
+            return replies, errors
+
+    liar = Liar(cfg)
+    liar.errors = []
+    with pytest.raises(RoundFailed, match="share exchange did not complete"):
+        _round(grid, liar, 1, arrays)
+    assert liar.errors and all("examples" in e for e in liar.errors)
 
 
 # ------------------------------------------------------------------------- tampering

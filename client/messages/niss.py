@@ -9,7 +9,8 @@ so one ConfigRecord can carry several parts.
 Messages of one round:
 
 * ``query.shares`` server -> client: :class:`ShareRequest` (aggregation weight
-  ``p_k``; the round and the neighbours' ids and keys travel in the same record).
+  ``p_k`` and the participants' dataset sizes as reported with their keys; the round
+  and the neighbours' ids and keys travel in the same record).
 * ``query.shares`` client -> server: :class:`ShareReply` (one sealed payload per
   neighbour, in neighbour order).
 * ``train`` server -> client: the global model and a :class:`RelayedInbox` (the
@@ -22,14 +23,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from client.messages.common import TrainIns, merge_configs, node_id_strings, read_float, read_list, read_node_ids
+from client.messages.common import (
+    TrainIns,
+    merge_configs,
+    node_id_strings,
+    read_float,
+    read_list,
+    read_node_ids,
+)
 from client.messages.keys import MaskProbe, PeerKeys
 
 _WEIGHT = "niss-weight"
+_SIZE_IDS = "niss-size-ids"
+_SIZES = "niss-sizes"
 _TO = "niss-to"
 _FROM = "niss-from"
 _PAYLOADS = "niss-payloads"
@@ -58,23 +68,36 @@ class ShareRequest:
     """``query.shares``, server -> client: the round, the weight ``p_k`` to calibrate ``sigma_k`` for, the neighbours.
 
     ``peers`` names the neighbours (the tracker's list for this client) and
-    their public keys, from which the client derives the relay keys.
+    their public keys, from which the client derives the relay keys.  ``sizes``
+    are the round's participants' dataset sizes as they reported them with their
+    keys (empty = not sent): the client checks its own entry and derives the
+    distortion that protects the published model from them
+    (:func:`protocols.niss.client_tau`; a wrong size can only raise it).
     """
 
     round: int
     weight: float
     peers: PeerKeys
+    sizes: Mapping[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_weight(self.weight)
+        if any(int(n) < 1 for n in self.sizes.values()):
+            raise ValueError(f"'{_SIZES}' must hold dataset sizes >= 1")
 
     def to_config(self) -> ConfigRecord:
+        ids = sorted(self.sizes)
+        sizes = {_SIZE_IDS: node_id_strings(ids), _SIZES: [int(self.sizes[n]) for n in ids]} if ids else {}
         return merge_configs(TrainIns(self.round).to_config(), self.peers.to_config(),
-                             ConfigRecord({_WEIGHT: float(self.weight)}))
+                             ConfigRecord({_WEIGHT: float(self.weight), **sizes}))
 
     @classmethod
     def from_config(cls, rec: Mapping) -> ShareRequest:
-        return cls(TrainIns.from_config(rec).round, read_float(rec, _WEIGHT), PeerKeys.from_config(rec))
+        ids = read_node_ids(rec, _SIZE_IDS, default=())
+        sizes = read_list(rec, _SIZES, int, default=[])
+        _check_lengths(ids, sizes, _SIZE_IDS, _SIZES)
+        return cls(TrainIns.from_config(rec).round, read_float(rec, _WEIGHT), PeerKeys.from_config(rec),
+                   dict(zip(ids, sizes, strict=True)))
 
 
 @dataclass(frozen=True)

@@ -3,15 +3,20 @@
 Two phases per round (see :mod:`strategies.niss` for the protocol and the privacy
 calibration; the messages are the classes of :mod:`client.messages.niss`):
 
-* :func:`handle_shares` (``query.shares``): compute ``sigma_k``, split it into unit
-  shares, assign them to the neighbours named by the server (tracker) and return
+* :func:`handle_shares` (``query.shares``): compute ``sigma_k`` from its own run config
+  and dataset size (:func:`protocols.niss.client_sigma`: ``z p_k`` times the record-level
+  sensitivity of its training, or ``z p_k clip`` with ``privacy-unit = "client"``), split
+  it into at least one share per neighbour (:func:`protocols.niss.share_count`),
+  assign them to the neighbours named by the server (tracker) and return
   one AES-256-GCM payload per neighbour.  The shares' seeds, the relay keys and the
   parameters are kept in ``Context.state`` (the only storage that survives between
   phases; in deployment every message runs in a fresh process).
 * :func:`train` (``train``): open every relayed payload first (any missing,
   duplicated, unexpected or unauthentic payload -> no upload, the senders are
   reported; the client leaves the round and the dropout recovery removes the
-  shares it exchanged); then train, clip the update, and upload
+  shares it exchanged); then train (record level: per-example-clipped SGD,
+  :func:`client.env.record_level_training`; client level: local training and the
+  update clipped to ``clip``), and upload
   ``p_k w_k + sum_i n_i + sum_i s_i r_i`` in float64, ``s_i ~ N(1, tau_k^2)``
   per coordinate from fresh private randomness (one stream per sender,
   :func:`protocols.niss.distortion_seed`), and keep this round's pair material
@@ -43,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from client.env import ClientEnv, local_training, reply
+from client.env import ClientEnv, local_training, record_level_training, reply
 from client.floor import release
 from client.messages.common import TrainIns, train_metrics
 from client.messages.keys import probe_metric
@@ -56,7 +61,7 @@ from client.wire import from_record, to_record
 from protocols import niss as niss_math
 from protocols.arrays import flatten, unflatten
 from protocols.clipping import clip_l2
-from protocols.niss import client_sigma, client_tau
+from protocols.niss import client_plan, client_tau, upload_sensitivity
 from protocols.privacy import GaussianEvent
 from protocols.relay_crypto import RelayAuthError, make_aad, open_sealed, seal
 
@@ -128,6 +133,7 @@ class _Stored:
     round: int
     weight: float
     sigma: float
+    tau: float
     encoding: str
     neighbours: list[int]
     relay_keys: dict[int, bytes]
@@ -135,7 +141,8 @@ class _Stored:
 
     def to_record(self) -> ConfigRecord:
         return ConfigRecord({
-            "round": self.round, "weight": self.weight, "sigma": self.sigma, "encoding": self.encoding,
+            "round": self.round, "weight": self.weight, "sigma": self.sigma, "tau": self.tau,
+            "encoding": self.encoding,
             "neighbours": [str(n) for n in self.neighbours],
             "relay-keys": [self.relay_keys[n] for n in self.neighbours],
             "out-receivers": [str(b.receiver) for b in self.outgoing],
@@ -153,7 +160,7 @@ class _Stored:
         me = env.node_id
         out = [niss_math.ShareBundle(me, int(r), int(c), float(s), bytes(seed)) for r, c, s, seed in
                zip(rec["out-receivers"], rec["out-counts"], rec["out-stds"], rec["out-seeds"], strict=True)]
-        return cls(rnd, float(rec["weight"]), float(rec["sigma"]), str(rec["encoding"]), nbrs,
+        return cls(rnd, float(rec["weight"]), float(rec["sigma"]), float(rec["tau"]), str(rec["encoding"]), nbrs,
                    dict(zip(nbrs, (bytes(k) for k in rec["relay-keys"]), strict=True)), out)
 
 
@@ -166,8 +173,12 @@ def handle_shares(msg: Message, env: ClientEnv) -> Message:
     if not nbrs or me in nbrs:
         raise ValueError(f"invalid neighbour list from the tracker: {nbrs}")
     encoding = env.cfg.niss_share_encoding
-    sigma = client_sigma(env.cfg, weight)
-    plan = niss_math.plan_shares(sigma, math.sqrt(env.cfg.niss_unit_variance))
+    # The client's own calibration (run config, its dataset size, the neighbour count): never the server's figures.
+    plan = client_plan(env.cfg, weight, len(env.y), len(nbrs))
+    sigma = plan.sigma_k
+    if req.sizes and req.sizes.get(me) != len(env.y):
+        raise ValueError(f"server lists |D_k|={req.sizes.get(me)} for node {me}, but it holds {len(env.y)} examples")
+    tau = client_tau(env.cfg, req.sizes.values())  # the sizes can only raise tau above 1/sqrt(m)
     seeds = {n: _fresh_seed(f"{me}/{rnd}/share/{n}") for n in nbrs}
     bundles = niss_math.make_outgoing_bundles(me, plan, nbrs, seeds, assign_seed=_fresh_seed(f"{me}/{rnd}/assign"))
     by_receiver = {b.receiver: b for b in bundles}
@@ -180,7 +191,7 @@ def handle_shares(msg: Message, env: ClientEnv) -> Message:
         b = by_receiver.get(n) or niss_math.ShareBundle(me, n, 0, plan.share_std, _fresh_seed(f"{me}/{rnd}/pad/{n}"))
         aad = _aad(me, n, rnd, env.context.run_id, encoding)
         payloads.append(seal(keys[n], encode_payload(encoding, b, size), aad=aad))
-    env.context.state[STATE_KEY] = _Stored(rnd, weight, sigma, encoding, nbrs, keys, bundles).to_record()
+    env.context.state[STATE_KEY] = _Stored(rnd, weight, sigma, tau, encoding, nbrs, keys, bundles).to_record()
     return Message(RecordDict({"config": ShareReply(tuple(nbrs), tuple(payloads)).to_config()}), reply_to=msg)
 
 
@@ -251,6 +262,22 @@ def _rejected(msg: Message, env: ClientEnv, failures: list[tuple[int, str]]) -> 
     return Message(RecordDict({"metrics": train_metrics(len(env.y)), "config": report.to_config()}), reply_to=msg)
 
 
+def _trained(msg: Message, env: ClientEnv, global_w) -> tuple[np.ndarray, float, float, dict[str, float]]:
+    """Local training per the run's privacy unit: ``(flat local model, train loss, update norm, extra metrics)``.
+
+    Record level: per-example-clipped SGD (its record sensitivity is what ``sigma_k`` was calibrated for);
+    client level: ordinary local training with the update clipped to ``clip``.
+    """
+    g = flatten(global_w)
+    if env.cfg.privacy_unit == "client":
+        _, local_w, loss = local_training(msg, env)
+        clipped, norm = clip_l2(flatten(local_w) - g, env.cfg.clip)
+        return g + clipped, loss, norm, {}
+    _, local_w, loss, frac = record_level_training(msg, env)
+    w = flatten(local_w)
+    return w, loss, float(np.linalg.norm(w - g)), {"clipped_fraction": frac}
+
+
 def train(msg: Message, env: ClientEnv) -> Message:
     """Open the relayed shares, train, and upload ``p_k w_k + sum_i (n_i + s_i r_i)`` (float64)."""
     cfg = msg.content["config"]
@@ -270,10 +297,8 @@ def train(msg: Message, env: ClientEnv) -> Message:
     if failures:
         return _rejected(msg, env, failures)
 
-    _, local_w, loss = local_training(msg, env)
-    clipped, norm = clip_l2(flatten(local_w) - flatten(global_w), env.cfg.clip)
-    params = flatten(global_w) + clipped
-    tau = client_tau(env.cfg)
+    params, loss, norm, extra = _trained(msg, env, global_w)
+    tau = st.tau  # chosen in the share phase (the round's sizes)
     own = niss_math.sender_noise(st.outgoing, size)
     private = _fresh_seed(f"{env.node_id}/{rnd}/distortion")  # s_i: known to nobody but this client
     partials = _received(incoming, size, tau, private)
@@ -288,10 +313,11 @@ def train(msg: Message, env: ClientEnv) -> Message:
     if env.cfg.cancellation_check:
         figures = dataclasses.replace(figures, received_var=sum(b.count * b.share_std**2 for _s, b, _v in incoming))
         probe = probe_metric(mask_probe(msg, own + received))
-    # sigma_k = z p_k clip (own run config, protocols.niss.client_sigma): a Gaussian release with multiplier z.
-    spent = release(msg, env, GaussianEvent(st.sigma / (st.weight * env.cfg.clip)))
+    # sigma_k = z Delta f_k (own run config and n_k, protocols.niss.client_sigma): one Gaussian release whose
+    # multiplier is the noise really added (own shares: variance exactly sigma_k^2) over the upload's sensitivity.
+    spent = release(msg, env, GaussianEvent(st.sigma / upload_sensitivity(env.cfg, st.weight, len(env.y))))
     out = reply(msg, to_record(unflatten(upload, global_w), np.float64), len(env.y), train_loss=loss,
-                update_norm=norm, **figures.to_metrics(), **probe, **spent)
+                update_norm=norm, **extra, **figures.to_metrics(), **probe, **spent)
     if env.cfg.cancellation_check:
         # DIAGNOSTIC ONLY: hands the server this client's noiseless weighted update.
         Diagnostic(to_record(unflatten(st.weight * params, global_w), np.float64)).add_to(out.content)
