@@ -133,11 +133,12 @@ class _Stored:
     round: int
     weight: float
     sigma: float
-    tau: float
     encoding: str
     neighbours: list[int]
     relay_keys: dict[int, bytes]
     outgoing: list[niss_math.ShareBundle]
+    #: the distortion std chosen in the share phase (protocols.niss.client_tau of the round's sizes)
+    tau: float = 0.0
 
     def to_record(self) -> ConfigRecord:
         return ConfigRecord({
@@ -160,8 +161,8 @@ class _Stored:
         me = env.node_id
         out = [niss_math.ShareBundle(me, int(r), int(c), float(s), bytes(seed)) for r, c, s, seed in
                zip(rec["out-receivers"], rec["out-counts"], rec["out-stds"], rec["out-seeds"], strict=True)]
-        return cls(rnd, float(rec["weight"]), float(rec["sigma"]), float(rec["tau"]), str(rec["encoding"]), nbrs,
-                   dict(zip(nbrs, (bytes(k) for k in rec["relay-keys"]), strict=True)), out)
+        return cls(rnd, float(rec["weight"]), float(rec["sigma"]), str(rec["encoding"]), nbrs,
+                   dict(zip(nbrs, (bytes(k) for k in rec["relay-keys"]), strict=True)), out, float(rec["tau"]))
 
 
 # -------------------------------------------------------------------------- phases
@@ -191,7 +192,7 @@ def handle_shares(msg: Message, env: ClientEnv) -> Message:
         b = by_receiver.get(n) or niss_math.ShareBundle(me, n, 0, plan.share_std, _fresh_seed(f"{me}/{rnd}/pad/{n}"))
         aad = _aad(me, n, rnd, env.context.run_id, encoding)
         payloads.append(seal(keys[n], encode_payload(encoding, b, size), aad=aad))
-    env.context.state[STATE_KEY] = _Stored(rnd, weight, sigma, tau, encoding, nbrs, keys, bundles).to_record()
+    env.context.state[STATE_KEY] = _Stored(rnd, weight, sigma, encoding, nbrs, keys, bundles, tau).to_record()
     return Message(RecordDict({"config": ShareReply(tuple(nbrs), tuple(payloads)).to_config()}), reply_to=msg)
 
 
