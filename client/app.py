@@ -16,8 +16,8 @@ app = ClientApp()
 
 
 def _cdp_clipping(msg: Message, context: Context, call_next) -> Message:
-    """Flower's ``fixedclipping_mod``, applied only when the method is central DP."""
-    if context.run_config.get("method") == "cdp":
+    """Flower's ``fixedclipping_mod``, applied only to client-level central DP (record level clips per example)."""
+    if context.run_config.get("method") == "cdp" and context.run_config.get("privacy-unit", "record") == "client":
         return fixedclipping_mod(msg, context, call_next)
     return call_next(msg, context)
 
