@@ -2,7 +2,8 @@
 
 Client side of the paper (Algorithms 2-4):
 
-1. sensitivity ``Delta_f = 2 * eta * E * G_c`` (Theorem 2);
+1. sensitivity ``Delta_f`` of the local model to one training record (see below: we replace
+   Theorem 2's ``2 * eta * E * G_c`` by the per-example bound);
 2. layer selection: a layer gets noise iff ``||w_local_j||_2 >= R``;
 3. privacy estimation (Algorithm 3): ``P_j = min(KL(softmax(w_local_j) ||
    softmax(w_global_j)), B)`` on the flattened layer;
@@ -10,6 +11,18 @@ Client side of the paper (Algorithms 2-4):
    with ``c`` from Theorem 3, i.e. ``c = c0 * B`` where ``c0`` is a Gaussian-
    mechanism constant.  Because ``P_j <= B`` we get ``sigma_j >= c0 * Delta_f /
    epsilon``, which is where the (epsilon, delta) guarantee comes from.
+
+Sensitivity: Theorem 2 replaced by the per-example bound (correct and tighter).  Theorem 2's
+``Delta_f = 2 eta E G_c`` (:func:`sensitivity`, kept for reference) bounds how far the local model
+moves when the *clipped mini-batch mean* gradient can change arbitrarily, i.e. when the whole
+local dataset changes: it is a client-level bound, and with it the noise at epsilon 1 is
+hundreds of times the update (measured: chance accuracy on digits).  The paper's adjacency is one
+record, so the client trains with *per-example* clipping (:func:`client.training.clipped_sgd`)
+and passes ``Delta_f = protocols.privacy.record_sensitivity`` of that training to
+:func:`plan_layer_noise` (``2 G_c eta / N_i`` for one full-batch step, NADP-FL's Lemma 1; the
+multi-step bound of :func:`protocols.privacy.local_sgd_sensitivity` otherwise).  Everything else
+below (layer selection, KL privacy estimate, Theorem 3's ``c``) is LaDP's, applied with this
+``Delta_f``.
 
 Interpretations and corrections (each is also noted where it is implemented):
 
@@ -31,10 +44,11 @@ Interpretations and corrections (each is also noted where it is implemented):
   Theorem 1's ``epsilon < 1``); we refuse ``epsilon <= 0``, ``delta`` outside
   ``(0, 1)``, ``B <= 0`` and non-positive training parameters.  The classic
   "Full DP" baseline (Theorem 1) is refused for ``epsilon >= 1``.
-* ``E`` ("local epochs") is the number of *clipped gradient steps*: Eq. (2) and
-  Algorithm 2 take one full-gradient step per "epoch".  With minibatch SGD pass
-  ``local_steps = epochs * batches_per_epoch``.  (Algorithm 2's ``while e <= E``
-  starting at 0 is an off-by-one; we count ``E`` steps.)
+* ``E`` ("local epochs", Theorem 2 only) is the number of *clipped gradient steps*:
+  Eq. (2) and Algorithm 2 take one full-gradient step per "epoch".  With minibatch SGD
+  pass ``local_steps = epochs * batches_per_epoch``.  (Algorithm 2's ``while e <= E``
+  starting at 0 is an off-by-one; we count ``E`` steps.)  The record-level bound counts
+  steps the same way (:func:`protocols.privacy.local_sgd_sensitivity`).
 * Algorithm 2 line 13 compares with ``w_g^t`` which the client does not have yet;
   we use the global model the client received at the start of the round.
 * ``P_j -> 0`` (local layer equal to global) makes ``sigma_j`` explode; the paper's
@@ -111,7 +125,10 @@ def sensitivity(lr: float, local_steps: int, grad_clip: float) -> float:
     """Theorem 2: ``Delta_f = 2 * eta * E * G_c`` (L2, per layer and whole model).
 
     Each of the ``E`` clipped steps moves the weights by at most ``eta * G_c`` on
-    either of two adjacent datasets, hence ``2 eta G_c`` apart per step.
+    either of two adjacent datasets, hence ``2 eta G_c`` apart per step.  Kept for
+    reference and comparison only: it holds for *any* two local datasets (a client-level
+    bound); the client calibrates to the record-level
+    :func:`protocols.privacy.record_sensitivity` instead (module docstring).
     """
     if not (math.isfinite(lr) and lr > 0):
         raise ValueError(f"lr must be > 0, got {lr!r}")
@@ -120,6 +137,13 @@ def sensitivity(lr: float, local_steps: int, grad_clip: float) -> float:
     if not (math.isfinite(grad_clip) and grad_clip > 0):
         raise ValueError(f"grad_clip must be > 0, got {grad_clip!r}")
     return 2.0 * lr * int(local_steps) * grad_clip
+
+
+def _check_sensitivity(value: float) -> float:
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"sensitivity Delta_f must be finite and > 0, got {value!r}")
+    return value
 
 
 def softmax_kl(local: np.ndarray, global_: np.ndarray) -> float:
@@ -250,9 +274,7 @@ def plan_layer_noise(
     *,
     epsilon: float,
     delta: float,
-    lr: float,
-    local_steps: int,
-    grad_clip: float,
+    sensitivity: float,
     norm_threshold: float,
     kl_cap: float,
     constant: Constant = "corrected",
@@ -261,7 +283,9 @@ def plan_layer_noise(
     """Per-layer LaDP noise plan (Algorithm 2 lines 10-14, Algorithms 3-4).
 
     ``local_layers`` are the trained local weights, ``global_layers`` the global
-    model received this round (same keys and shapes).  Layers with L2 norm
+    model received this round (same keys and shapes); ``sensitivity`` is ``Delta_f``, the L2
+    sensitivity of the local model to one record (the client passes
+    :func:`protocols.privacy.record_sensitivity`; :func:`sensitivity` is Theorem 2's).  Layers with L2 norm
     ``>= norm_threshold`` (R) are selected and get
     ``sigma = c * Delta_f / (epsilon * P)`` with ``P = max(min(KL, B), min_kl)``;
     the others get sigma 0.
@@ -272,7 +296,7 @@ def plan_layer_noise(
         raise ValueError(f"norm_threshold (R) must be >= 0, got {norm_threshold!r}")
     if not (0 < min_kl <= kl_cap):
         raise ValueError(f"need 0 < min_kl <= kl_cap, got min_kl={min_kl!r}, kl_cap={kl_cap!r}")
-    sens = sensitivity(lr, local_steps, grad_clip)
+    sens = _check_sensitivity(sensitivity)
     c = theorem3_c(epsilon, delta, kl_cap, constant)
     plan: dict[str, LayerNoise] = {}
     for name, local in local_layers.items():
@@ -295,9 +319,7 @@ def full_ldp_plan(
     *,
     epsilon: float,
     delta: float,
-    lr: float,
-    local_steps: int,
-    grad_clip: float,
+    sensitivity: float,
     baseline: Literal["classic", "corrected", "analytic"] = "classic",
 ) -> dict[str, LayerNoise]:
     """Noise a *full* LDP client would add: every layer, same sigma.
@@ -306,8 +328,9 @@ def full_ldp_plan(
     ``sigma = sqrt(2 ln(1.25/delta)) Delta_f / eps`` (refused for eps >= 1).
     ``"corrected"`` / ``"analytic"``: LaDP's own constant with every layer selected
     and ``P = B`` (the smallest sigma LaDP would ever use), i.e. ``c0 Delta_f/eps``.
+    ``sensitivity`` is ``Delta_f`` (as in :func:`plan_layer_noise`).
     """
-    sens = sensitivity(lr, local_steps, grad_clip)
+    sens = _check_sensitivity(sensitivity)
     if baseline == "classic":
         sigma = classic_gaussian_sigma(epsilon, delta, sens)
     elif baseline in ("corrected", "analytic"):

@@ -1,8 +1,10 @@
 """LaDP-FL server (Li et al., Algorithm 1): example-weighted mean of layer-wise noised models.
 
-Clients (:mod:`client.methods.ladp`) train with clipped gradients and add Gaussian
+Clients (:mod:`client.methods.ladp`) train with per-example clipped gradients and add Gaussian
 noise to the layers whose weight norm reaches ``R`` (``ladp-norm-threshold``), with
-``sigma_j = c Delta_f / (epsilon P_j)``; the server only averages the noisy uploads by
+``sigma_j = c Delta_f / (epsilon P_j)`` and ``Delta_f`` the record-level sensitivity of their
+training (``2 G_c eta / N_i`` for one full-batch step; it replaces Theorem 2's ``2 eta E G_c``,
+see :mod:`protocols.ladp`); the server only averages the noisy uploads by
 ``|D_i| / D`` (Algorithm 1 line 6) and reports, per round, which layers got noise and
 how much.
 
@@ -13,7 +15,7 @@ method): each round uses the paper's Theorem 3 at the per-round ``epsilon_r``
 (:func:`protocols.ladp.round_epsilon`, client and server alike) whose ``T`` releases
 compose exactly to ``epsilon``.  With the corrected constant ``c = c0 B`` and ``P_j <= B`` every noised
 layer gets ``sigma_j >= c0 Delta_f / epsilon`` and the whole model moves by at most
-``Delta_f`` (L2) between adjacent datasets, so one round is a Gaussian mechanism with
+``Delta_f`` (L2) between datasets that differ in one record, so one round is a Gaussian mechanism with
 noise multiplier ``z = sigma_min / Delta_f = c0 / epsilon_r`` (independent of the
 client's ``Delta_f``).  Over ``T`` rounds we compose *exactly*
 (:class:`protocols.privacy.GdpAccountant`): ``T`` Gaussian releases with multiplier ``z``

@@ -16,7 +16,8 @@ from scipy.special import rel_entr, softmax
 from protocols import ladp
 from protocols.privacy import analytic_gaussian_sigma, gaussian_delta
 
-TRAIN = dict(lr=0.1, local_steps=2, grad_clip=20.0)  # paper's Sec. VII-A: Delta_f = 8
+# Delta_f = 8: Theorem 2 at the paper's Sec. VII-A setting (the client passes the record-level bound instead).
+TRAIN = dict(sensitivity=ladp.sensitivity(lr=0.1, local_steps=2, grad_clip=20.0))
 
 
 # ------------------------------------------------------------------ KL estimate
@@ -76,6 +77,28 @@ def test_sensitivity() -> None:
     for bad in [(0.0, 2, 1.0), (0.1, 0, 1.0), (0.1, 1.5, 1.0), (0.1, 2, -1.0)]:
         with pytest.raises(ValueError):
             ladp.sensitivity(*bad)
+    local = {"w": np.ones(3)}
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError):
+            ladp.plan_layer_noise(local, local, epsilon=0.5, delta=1e-5, sensitivity=bad, norm_threshold=0.0,
+                                  kl_cap=1.0)
+
+
+def test_record_level_sensitivity_replaces_theorem2() -> None:
+    """One full-batch per-example-clipped step: Delta_f = 2 G_c eta / N_i, N_i times below Theorem 2's 2 eta E G_c."""
+    from types import SimpleNamespace
+
+    from protocols.privacy import record_sensitivity
+
+    cfg = SimpleNamespace(clip=1.0, lr=4.0, local_epochs=1, batch_size=1_000_000)
+    for n in (1, 144, 600):
+        sens = record_sensitivity(cfg, n)
+        assert sens == pytest.approx(2 * 1.0 * 4.0 / n, rel=1e-12)
+        assert sens == pytest.approx(ladp.sensitivity(4.0, 1, 1.0) / n, rel=1e-12)
+        plan = ladp.plan_layer_noise({"w": np.arange(3.0)}, {"w": np.zeros(3)}, epsilon=0.5, delta=1e-5,
+                                     sensitivity=sens, norm_threshold=0.0, kl_cap=1e-9)
+        # P = B (the KL is far above the cap): sigma = c0 Delta_f / eps with the record-level Delta_f.
+        assert plan["w"].sigma == pytest.approx(ladp.theorem3_c0_corrected(0.5, 1e-5) * sens / 0.5, rel=1e-12)
 
 
 def test_sigma_matches_hand_computation() -> None:

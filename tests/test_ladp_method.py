@@ -12,13 +12,13 @@ from flwr.app import ConfigRecord
 import client.methods.ladp as ladp_client
 from client.app import app as client_app
 from client.data import dataset_for
-from client.env import ClientEnv, local_training
+from client.env import ClientEnv, record_level_training
 from client.messages.ladp import NoiseReport
 from client.models import build_model, get_weights
 from client.wire import from_record, to_record
 from protocols import ladp
 from protocols.config import RunConfig
-from protocols.privacy import gaussian_delta, gdp_epsilon
+from protocols.privacy import gaussian_delta, gdp_epsilon, local_sgd_sensitivity
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies.base import RoundState
@@ -29,8 +29,9 @@ from strategies.ladp import LadpStrategy
 # "Full DP" baseline with the same (corrected) Gaussian constant.
 FULL = {"ladp-norm-threshold": 0.0, "ladp-kl-cap": ladp_client.MIN_KL}
 # LaDP: layers with ||w|| >= 3 get noise (the 64x64 input layer; ||.|| ~ 4.6, the others < 2),
-# KL cap on the KL scale of one round (~1e-6..1e-4).
-LADP = {"ladp-norm-threshold": 3.0, "ladp-kl-cap": 1e-6}
+# KL cap below the KL of one round of per-example clipped SGD (~1e-8..1e-6 here; a layer whose KL falls
+# below B gets B/KL times more noise).
+LADP = {"ladp-norm-threshold": 3.0, "ladp-kl-cap": 1e-9}
 # The MLP and local SGD these tests were written for (pinned: ladp's own regime is a linear model, one step).
 MLP_SGD = {"hidden": "64", "lr": 0.1, "batch-size": 32, "clip": 1.0}
 
@@ -63,11 +64,15 @@ def test_one_round_noise_matches_plan_and_mean_is_weighted(fixed_noise) -> None:
         m = rep.content["metrics"]
         report = NoiseReport.from_metrics(m)  # the server's decoder accepts what the client sent
         up = from_record(rep.content["arrays"])
-        # Re-run the (deterministic) clipped local training to get the clean local model.
+        # Re-run the (deterministic) per-example clipped local training to get the clean local model.
         env = ClientEnv.from_context(grid.contexts[msg.metadata.dst_node_id])
-        _, clean, _ = local_training(msg, env, grad_clip=cfg.clip)
-        steps = math.ceil(len(env.y) / cfg.batch_size)
-        sens = 2 * cfg.lr * steps * cfg.clip  # Theorem 2
+        _, clean, _, _ = record_level_training(msg, env)
+        n, b = len(env.y), cfg.batch_size
+        steps = math.ceil(n / b)
+        # Record-level sensitivity (replaces Theorem 2's 2 lr E clip): 2 clip lr (1/b_last + steps - 1).
+        sens = 2 * cfg.clip * cfg.lr * (1 / (n - (steps - 1) * b) + steps - 1)
+        assert sens == pytest.approx(local_sgd_sensitivity(cfg.clip, n, lr=cfg.lr, batch_size=b), rel=1e-12)
+        assert sens < 2 * cfg.lr * steps * cfg.clip  # tighter than Theorem 2
         assert report.local_steps == steps and report.sensitivity == pytest.approx(sens)
         assert report.noised_layers == 1 and report.num_layers == 4 and report.unnoised_release
         for name in clean:
@@ -131,3 +136,24 @@ def test_ladp_adds_less_noise_and_beats_full_ldp_at_same_epsilon(run_inprocess, 
     assert noise_ladp < noise_full
     assert acc_ladp > acc_full + 0.1
     assert eps_ladp == pytest.approx(eps_full)  # same per-layer guarantee on the noised layers
+
+
+def test_default_regime_is_record_level_and_trains_on_digits(run_inprocess, fixed_noise) -> None:
+    """Only the method set: one full-batch step per round, sigma = c0 (2 clip lr / N_i) / eps_r, well above chance."""
+    summary, rows = run_inprocess(method="ladp")
+    cfg = RunConfig.from_mapping({**app_defaults(), "method": "ladp"})
+    assert cfg.batch_size >= 10_000 and cfg.local_epochs == 1 and cfg.hidden_sizes == ()
+    eps_r = ladp.round_epsilon(cfg.epsilon, cfg.delta, cfg.num_rounds)
+    c0 = ladp.theorem3_c0_corrected(eps_r, cfg.delta)
+    sizes = [len(ClientEnv.from_context(ctx).y) for ctx in LocalGrid(client_app, cfg.num_clients,
+                                                                       {**app_defaults(), "method": "ladp"}
+                                                                       ).contexts.values()]
+    # Every layer is noised (R = 0) with sigma_j >= c0 Delta_f / eps_r, Delta_f = 2 clip lr / N_i; the per-layer
+    # sigma the server averages lies between the clients' floors (P_j = B unless a layer barely moved).
+    lo, hi = (c0 * 2 * cfg.clip * cfg.lr / max(sizes) / eps_r, c0 * 2 * cfg.clip * cfg.lr / min(sizes) / eps_r)
+    for row in rows:
+        assert row["noised_layers"] == 2
+    assert summary["epsilon"] <= cfg.epsilon * (1 + 1e-9)
+    assert summary["epsilon"] == pytest.approx(cfg.epsilon, rel=1e-6)
+    assert summary["final_accuracy"] > 0.25  # chance is 0.1; measured 0.40-0.48 over repeated draws
+    assert lo <= hi

@@ -2,11 +2,15 @@
 
 Per round, for the received global model ``w_g``:
 
-1. local SGD with every mini-batch gradient clipped to L2 norm ``G_c`` = run-config
-   ``clip`` (Algorithm 2 lines 3-8);
-2. sensitivity ``Delta_f = 2 eta E G_c`` (Theorem 2).  ``E`` is the number of *clipped
-   gradient steps* (``local-epochs x ceil(N_i / batch-size)``): the paper's Eq. (2)
-   takes one clipped step per "epoch", and the bound is per clipped step;
+1. local SGD with every *per-example* gradient clipped to L2 norm ``G_c`` = run-config
+   ``clip`` (:func:`client.env.record_level_training`; Algorithm 2 lines 3-8 clip the
+   mini-batch gradient instead);
+2. sensitivity ``Delta_f`` = :func:`protocols.privacy.record_sensitivity` of that training and
+   the client's own ``N_i``: ``2 G_c eta / N_i`` for one full-batch step (the default regime).
+   This replaces Theorem 2's ``2 eta E G_c``: that bound only holds because the mini-batch
+   mean's clip bounds what *any* change of the data can do (a client-level bound, at chance
+   accuracy at epsilon 1); per-example clipping makes the one-record bound -- the paper's
+   adjacency -- correct and ``N_i`` times tighter (:mod:`protocols.ladp`);
 3. layer selection ``||w_local_j||_2 >= R`` (``ladp-norm-threshold``), privacy estimate
    ``P_j = min(KL(softmax(w_local_j) || softmax(w_g_j)), B)`` (``ladp-kl-cap``) and
    ``sigma_j = c Delta_f / (epsilon P_j)`` with ``c = c0 B`` (Algorithms 3-4) -- all in
@@ -36,12 +40,12 @@ import os
 import numpy as np
 from flwr.app import Message
 
-from client.env import ClientEnv, local_training, reply
+from client.env import ClientEnv, record_level_training, reply
 from client.floor import release
 from client.messages.ladp import LayerNoise, NoiseReport
 from client.wire import to_record
 from protocols import ladp
-from protocols.privacy import GaussianEvent
+from protocols.privacy import GaussianEvent, record_sensitivity
 
 #: Floor of the KL estimate (``P_j -> 0`` would make sigma infinite; see protocols.ladp).
 MIN_KL = 1e-12
@@ -53,24 +57,23 @@ def _noise_seed() -> bytes:
 
 
 def local_steps(num_examples: int, local_epochs: int, batch_size: int) -> int:
-    """Number of clipped SGD steps ``E`` of one round (the ``E`` of Theorem 2)."""
+    """Number of clipped SGD steps ``E`` of one round (reported; the ``E`` of Theorem 2)."""
     return local_epochs * math.ceil(num_examples / batch_size)
 
 
 def train(msg: Message, env: ClientEnv) -> Message:
-    """Clipped local training + LaDP layer-wise noise; uploads the noisy local model."""
+    """Per-example clipped local training + LaDP layer-wise noise; uploads the noisy local model."""
     cfg = env.cfg
-    global_w, local_w, loss = local_training(msg, env, grad_clip=cfg.clip)
+    global_w, local_w, loss, clip_frac = record_level_training(msg, env)
     steps = local_steps(len(env.y), cfg.local_epochs, cfg.batch_size)
+    sens = record_sensitivity(cfg, len(env.y))  # the client's own N_i: nothing comes from the server
     eps_round = ladp.round_epsilon(cfg.epsilon, cfg.delta, cfg.num_rounds)  # the run's epsilon is the target
     plan = ladp.plan_layer_noise(
         local_w,
         global_w,
         epsilon=eps_round,
         delta=cfg.delta,
-        lr=cfg.lr,
-        local_steps=steps,
-        grad_clip=cfg.clip,
+        sensitivity=sens,
         norm_threshold=cfg.ladp_norm_threshold,
         kl_cap=cfg.ladp_kl_cap,
         min_kl=min(MIN_KL, cfg.ladp_kl_cap),
@@ -82,10 +85,12 @@ def train(msg: Message, env: ClientEnv) -> Message:
         layers={name: LayerNoise(noise_norm=noise_norms[name], sigma=entry.sigma, selected=bool(entry.selected),
                                  kl=entry.kl if entry.kl is not None else ladp.softmax_kl(local_w[name], global_w[name]))
                 for name, entry in plan.items()},
-        sensitivity=ladp.sensitivity(cfg.lr, steps, cfg.clip),
+        sensitivity=sens,
         local_steps=steps,
     )
-    # One round: a Gaussian release with multiplier >= c0 / epsilon (corrected Theorem 3; none if a layer went bare).
+    # One round: a Gaussian release with multiplier min_j sigma_j / Delta_f >= c0 / epsilon (corrected Theorem 3;
+    # none if a layer went bare).
     z = 0.0 if report.unnoised_release else ladp.theorem3_c0_corrected(eps_round, cfg.delta) / eps_round
     spent = release(msg, env, GaussianEvent(z))
-    return reply(msg, to_record(noisy, np.float32), len(env.y), train_loss=loss, **report.to_metrics(), **spent)
+    return reply(msg, to_record(noisy, np.float32), len(env.y), train_loss=loss, clipped_fraction=clip_frac,
+                 **report.to_metrics(), **spent)
