@@ -9,6 +9,7 @@ import pytest
 from client.data import load_dataset
 from client.models import load_npz_model
 from client.training import evaluate
+from protocols.privacy import calibrate_noise_multiplier
 
 
 def test_fedavg_digits_learns_and_writes_outputs(run_inprocess, tmp_path):
@@ -27,17 +28,40 @@ def test_fedavg_digits_learns_and_writes_outputs(run_inprocess, tmp_path):
     assert evaluate(model, ds.x_test, ds.y_test)[1] == pytest.approx(summary["final_accuracy"])
 
 
+@pytest.mark.parametrize("unit", ["record", "client"])
 @pytest.mark.parametrize("method", ["ldp", "cdp"])
-def test_dp_baselines_report_epsilon(run_inprocess, method):
-    summary, rows = run_inprocess(method=method, num_rounds=4, epsilon=1.0)
-    assert summary["epsilon"] == pytest.approx(1.0, rel=0.02)  # the calibrated budget is spent over the run
+def test_dp_baselines_report_epsilon(run_inprocess, method, unit):
+    """The calibrated budget is spent over the run and never exceeded, at either privacy unit."""
+    summary, rows = run_inprocess(method=method, num_rounds=4, epsilon=1.0, privacy_unit=unit)
+    assert 0.98 <= summary["epsilon"] <= 1.0
     eps = [r["epsilon"] for r in rows]
     assert eps == sorted(eps) and eps[0] < eps[-1]
     assert summary["method_parameters"]["noise_multiplier"] > 1
+    assert summary["privacy"]["unit"] == unit and rows[-1]["privacy_unit"] == unit
 
 
-def test_ldp_noise_hurts_more_than_cdp_at_large_epsilon(run_inprocess):
-    """Same epsilon: local noise (each upload) costs more accuracy than central noise (the mean)."""
-    ldp, _ = run_inprocess(method="ldp", num_rounds=10, epsilon=50.0, num_clients=20)
-    cdp, _ = run_inprocess(method="cdp", num_rounds=10, epsilon=50.0, num_clients=20)
-    assert cdp["final_accuracy"] > ldp["final_accuracy"]
+def test_record_level_noise_reported_is_the_calibrated_one(run_inprocess):
+    """Default ldp/cdp (record level, one full-batch step): the noise figures are z 2 C lr / n_k and / N."""
+    ldp, ldp_rows = run_inprocess(method="ldp", num_rounds=2)
+    cdp, cdp_rows = run_inprocess(method="cdp", num_rounds=2, out_dir=str(ldp["config"]["out-dir"]) + "-cdp")
+    cfg = ldp["config"]
+    z = calibrate_noise_multiplier(1.0, cfg["delta"], 1.0, 2)
+    assert ldp["method_parameters"]["noise_multiplier"] == pytest.approx(z)
+    assert cdp["method_parameters"]["noise_multiplier"] == pytest.approx(z)  # sample-rate 1: same calibration
+    n = len(load_dataset("digits").y_train)
+    two_c_lr = 2 * cfg["clip"] * cfg["lr"]
+    # cdp: the server's noise on the example-weighted mean of all N training records
+    assert cdp_rows[-1]["model_noise_std"] == pytest.approx(z * two_c_lr / n, rel=1e-6)
+    # ldp: the least-noised upload is the largest client's; K independent noises in the mean: z sqrt(K) 2 C lr / N
+    k = cfg["num-clients"]
+    assert ldp_rows[-1]["upload_noise_std"] >= z * two_c_lr / (n / k) * 0.8
+    assert ldp_rows[-1]["model_noise_std"] == pytest.approx(z * k**0.5 * two_c_lr / n, rel=1e-6)
+
+
+def test_cdp_beats_ldp_and_both_beat_chance_on_digits(run_inprocess):
+    """Same epsilon (1) and federation: central noise (the mean) costs much less accuracy than local noise."""
+    ldp, _ = run_inprocess(method="ldp", num_rounds=10, num_clients=20)
+    cdp, _ = run_inprocess(method="cdp", num_rounds=10, num_clients=20, out_dir=str(ldp["config"]["out-dir"]) + "-c")
+    assert cdp["final_accuracy"] > 0.5  # chance: 0.1
+    assert ldp["final_accuracy"] > 0.2
+    assert cdp["final_accuracy"] > ldp["final_accuracy"] + 0.1
