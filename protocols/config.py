@@ -88,6 +88,7 @@ class RunConfig:
     min_clients: int = 2  # fewest connected nodes a round runs with (waits node-timeout s, then fails)
     node_timeout: float = 60.0  # seconds a round waits for nodes to connect (the first round: for all num-clients)
     max_strikes: int = 3  # rounds in a row with an excluded reply after which a node is left out (0 = never)
+    model_ema: float = 0.0  # published model = EMA of the global models with this decay (0 = the last one)
     divergence_factor: float = 100.0  # stop the run when test loss > factor x initial loss or non-finite (0 = off)
     # Local training
     local_epochs: int = 2
@@ -231,6 +232,9 @@ class RunConfig:
         if self.max_strikes < 0:
             raise ConfigError("run-config 'max-strikes' must be an integer >= 0 (0 = never leave a node out)")
         _positive("divergence-factor", self.divergence_factor, allow_zero=True)
+        if not (math.isfinite(self.model_ema) and 0 <= self.model_ema < 1):
+            raise ConfigError(f"run-config 'model-ema' = {self.model_ema} must be in [0, 1) (0 = publish the last "
+                              "global model)")
         for key in ("lr", "epsilon", "clip", "dirichlet-alpha", "round-timeout", "node-timeout", "niss-unit-variance",
                     "mpddp-server-lr", "ladp-kl-cap"):
             _positive(key, float(getattr(self, key.replace("-", "_"))))

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -191,6 +192,11 @@ def dropout_residual(
     )
 
 
+#: ``round_plan(calibration="rdp")``: how far (relative) the joint upload view's noise multiplier may stay below
+#: the aggregate's; the published model then carries at most this much more noise than its target needs.
+JOINT_SLACK = 0.02
+
+
 def round_plan(
     dataset_sizes: Mapping[int, int],
     sensitivities: Mapping[int, float],
@@ -199,8 +205,9 @@ def round_plan(
     rounds: int,
     *,
     graph: Mapping[int, Sequence[int]] | None = None,
+    calibration: str = "rdp",
 ) -> tuple[NadpSigmas, NoiseAllocation]:
-    """Eq. 3 calibration + noise allocation for one round's participants (what the strategy sends).
+    """Calibration + noise allocation for one round's participants (what the strategy sends, what clients check).
 
     ``dataset_sizes`` maps each participant to ``|D_i|`` (public; the
     aggregation weights), ``sensitivities`` to the record-level L2 sensitivity
@@ -209,6 +216,63 @@ def round_plan(
     ``graph`` is the round's pairing graph (:func:`protocols.graphs.round_graph`):
     a complete one (or ``None``) gives Algorithm 2, a sparse one the graph rule
     of :func:`upload_noise_scales`.
+
+    ``calibration``:
+
+    * ``"rdp"`` (default): both views the run reports get the RDP noise multiplier of ``rounds`` releases at
+      ``(epsilon, delta)`` (:func:`protocols.privacy.calibrate_noise_multiplier`), with (almost) nothing to
+      spare in the published model: the aggregate (downlink: ``sigma_down / max_i p_i Delta_i``) and the
+      server's *joint* view of all uploads (uplink: :meth:`NoiseAllocation.joint_uplink_std` at ``lam = 1``;
+      a larger ``lam`` only adds noise).  The joint view approaches the aggregate's multiplier from below as
+      the pair noise grows (the uploads then reveal little more than their sum), so ``sigma_up`` starts at
+      Eq. 3's ratio to ``sigma_down`` and doubles until the joint view is within :data:`JOINT_SLACK` of the
+      aggregate's; then both are scaled to the target.  Pair noise cancels, so it costs no accuracy.
+      Why not the paper's Eq. 3 as is: Lemma 2 composes uplink and downlink as ``2T`` queries against one
+      adversary, but the server's view of the uploads already contains the aggregate and the model's
+      recipients see only the aggregate, so each adversary sees ``T`` releases; and Lemma 2's closed form is
+      loose besides.  At epsilon 1 Eq. 3 spends ~0.7 of the budget (measured), with ~1.7x the model noise.
+    * ``"eq3"``: the paper's Eq. 3 (``sigma = Delta sqrt(4 T ln(1/delta)) / eps``).
     """
+    key = (tuple(sorted(dataset_sizes.items())), tuple(sorted(sensitivities.items())), float(epsilon), float(delta),
+           int(rounds), None if graph is None else tuple(sorted((c, tuple(sorted(nb))) for c, nb in graph.items())),
+           calibration)
+    return _round_plan_cached(key)
+
+
+@lru_cache(maxsize=16)
+def _round_plan_cached(key: tuple) -> tuple[NadpSigmas, NoiseAllocation]:
+    """:func:`round_plan` of one hashable key, computed once per process.
+
+    In one process (in-process runs, simulation workers) the server and every client of a round compute
+    the same plan; the rdp calibration's joint views cost ~0.1 s at 100 clients.
+    """
+    sizes_t, sens_t, epsilon, delta, rounds, graph_t, calibration = key
+    dataset_sizes, sensitivities = dict(sizes_t), dict(sens_t)
+    graph = None if graph_t is None else {c: list(nb) for c, nb in graph_t}
     sig = calibrate_from_sensitivities(epsilon, delta, rounds, sensitivities, dataset_sizes)
+    alloc = upload_noise_scales(dataset_sizes, sig.sigma_up, sig.sigma_down, graph=graph)
+    if calibration == "eq3":
+        return sig, alloc
+    if calibration != "rdp":
+        raise ValueError(f"calibration must be 'rdp' or 'eq3', got {calibration!r}")
+    from protocols.privacy import calibrate_noise_multiplier
+
+    target = calibrate_noise_multiplier(epsilon, delta, 1.0, rounds)
+    p = alloc.weights
+    d_down = max(p[c] * sensitivities[c] for c in alloc.client_ids)
+
+    def multipliers(a: NoiseAllocation) -> tuple[float, float]:
+        joint = a.joint_uplink_std(1.0) if a.k > 1 else {c: a.uplink_std(c) for c in a.client_ids}
+        return a.aggregate_std / d_down, min(joint[c] / sensitivities[c] for c in a.client_ids)
+
+    sigma_up = sig.sigma_up
+    z_down, z_up = multipliers(alloc)
+    for _ in range(12):  # a complete or connected graph gets there in a few doublings
+        if z_up >= (1.0 - JOINT_SLACK) * z_down or alloc.k == 1:
+            break
+        sigma_up *= 2.0
+        alloc = upload_noise_scales(dataset_sizes, sigma_up, sig.sigma_down, graph=graph)
+        z_down, z_up = multipliers(alloc)
+    scale = target / min(z_down, z_up)  # the allocation is linear in (sigma_up, sigma_down)
+    sig = NadpSigmas(sigma_up * scale, sig.sigma_down * scale, sig.sensitivity_up, sig.sensitivity_down)
     return sig, upload_noise_scales(dataset_sizes, sig.sigma_up, sig.sigma_down, graph=graph)

@@ -163,6 +163,8 @@ class Checkpoint:
     config: dict[str, Any] = field(default_factory=dict)
     #: Strategy state including the charge of round ``round + 1`` once its train messages went out.
     pending: dict[str, Any] | None = None
+    #: The published model (run-config ``model-ema``: an average of the global models) when it is not ``weights``.
+    published: OrderedDict[str, np.ndarray] | None = None
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -185,7 +187,8 @@ def save_checkpoint(out_dir: str | Path, ckpt: Checkpoint) -> None:
     out = Path(out_dir)
     name = CHECKPOINT_NPZ.format(round=ckpt.round)
     tmp = out / f".{name}.tmp-{os.getpid()}.npz"
-    np.savez(tmp, **{f"a{i}": np.asarray(a) for i, a in enumerate(ckpt.weights.values())})
+    extra = {} if ckpt.published is None else {f"p{i}": np.asarray(a) for i, a in enumerate(ckpt.published.values())}
+    np.savez(tmp, **{f"a{i}": np.asarray(a) for i, a in enumerate(ckpt.weights.values())}, **extra)
     os.replace(tmp, out / name)
     _atomic_write(out / CHECKPOINT_JSON, json.dumps({**_meta(ckpt), "arrays_file": name}, allow_nan=False).encode())
     for old in _model_files(out):
@@ -214,10 +217,13 @@ def load_checkpoint(out_dir: str | Path) -> Checkpoint:
         meta = json.loads(path.read_text())
         with np.load(out / meta["arrays_file"]) as npz:
             weights = OrderedDict((name, npz[f"a{i}"]) for i, name in enumerate(meta["arrays"]))
+            published = (OrderedDict((name, npz[f"p{i}"]) for i, name in enumerate(meta["arrays"]))
+                         if "p0" in npz.files else None)
         pending = meta.get("pending")
         return Checkpoint(int(meta["round"]), weights, meta["strategy_state"], list(meta["rows"]),
                           list(meta["failures"]), float(meta["elapsed_s"]), dict(meta["config"]),
-                          pending if pending and pending.get("round") == int(meta["round"]) + 1 else None)
+                          pending if pending and pending.get("round") == int(meta["round"]) + 1 else None,
+                          published)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ResumeError(f"cannot resume: the checkpoint in {out} is damaged ({type(err).__name__}: {err})") from err
 

@@ -69,7 +69,14 @@ from protocols.nadp import (
     round_plan,
 )
 from protocols.pairwise import pairwise_noise
-from protocols.privacy import GaussianEvent, Lemma2Accountant, PerUnitAccountant, PrivacyLedger, lemma2_sigma
+from protocols.privacy import (
+    GaussianEvent,
+    Lemma2Accountant,
+    PerUnitAccountant,
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    lemma2_sigma,
+)
 from protocols.privacy.signal import NoiseEstimate, gaussian_norm
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 from strategies.key_phase import KeyPhase, KeyRound
@@ -99,10 +106,11 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
             raise ConfigError(f"run-config 'nadp-lambda' = {cfg.nadp_lambda} must be 0 (derive from nadp-tau) "
                               "or >= 1 (a smaller factor would undercut sigma_up)")
         self.variant = cfg.nadp_variant
-        #: Eq. 3 noise multiplier sigma / Delta of each phase (paper's composition over 2T queries).
+        #: Noise multiplier of every reported view (RDP, T releases, no sampling amplification claimed): nadp's
+        #: aggregate and joint upload view (:func:`protocols.nadp.round_plan`), record-ldp's single upload.
+        self.z = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds)
+        #: The paper's Eq. 3 multiplier (Lemma 2 over 2T queries), reported for comparison only.
         self.z_eq3 = lemma2_sigma(1.0, cfg.epsilon, cfg.delta, 2.0 * cfg.num_rounds)
-        #: record-ldp: Lemma 3 multiplier sqrt(2 q T ln(1/delta)) / eps.
-        self.z_ldp = lemma2_sigma(1.0, cfg.epsilon, cfg.delta, cfg.sample_rate * cfg.num_rounds)
         self.keys = KeyPhase(cfg)
         # Per record owner (client), over the rounds it took part in: RDP accountants of the server's joint view
         # of the uploads, of the published aggregate and (reported) of one upload alone; the paper's Lemma 2
@@ -152,7 +160,7 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
         sens = {n: self.record_sensitivity(s) for n, s in sizes.items()}
         if self.variant == "record-ldp":
             # Lemma 3: each client meets (eps, delta) alone over ~qT releases with its own sensitivity.
-            plan = NadpPlan(self.variant, ids, sizes, 0.0, 0.0, 1.0, {n: self.z_ldp * sens[n] for n in ids})
+            plan = NadpPlan(self.variant, ids, sizes, 0.0, 0.0, 1.0, {n: self.z * sens[n] for n in ids})
             return NadpRound(rnd, list(ids), keys, plan, weights, sens, None)
         sig, alloc = round_plan(sizes, sens, self.cfg.epsilon, self.cfg.delta, self.cfg.num_rounds,
                                 graph=keys.neighbours)
@@ -350,7 +358,8 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
         c = self.cfg
         out: dict[str, float | str] = {
             "variant": self.variant,
-            "noise_multiplier_eq3": self.z_eq3 if self.variant == "nadp" else self.z_ldp,
+            "noise_multiplier": self.z,
+            "noise_multiplier_eq3_paper": self.z_eq3,
             "lambda": c.nadp_lambda if c.nadp_lambda > 0 else f"Eq. 8 (tau={c.nadp_tau})",
             "local_epochs": float(c.local_epochs),
             "batch_size": float(c.batch_size),

@@ -214,10 +214,37 @@ def test_min_compensation_factor_brute_force() -> None:
 # ---------------------------------------------------------------- upload / cancellation
 
 
-def _plan(sizes, *, epsilon, delta, clip, rounds, lr=1.0, graph=None):
+def _plan(sizes, *, epsilon, delta, clip, rounds, lr=1.0, graph=None, calibration="eq3"):
     """round_plan with Lemma 1 sensitivities (one full-batch step of per-example clipped SGD)."""
     sens = {c: local_sgd_sensitivity(clip, n, lr=lr) for c, n in sizes.items()}
-    return round_plan(sizes, sens, epsilon, delta, rounds, graph=graph)
+    return round_plan(sizes, sens, epsilon, delta, rounds, graph=graph, calibration=calibration)
+
+
+@pytest.mark.parametrize("graph_kind", ["complete", "n-out"])
+def test_rdp_calibration_spends_the_budget_in_both_views(graph_kind) -> None:
+    """round_plan's default: the published aggregate gets exactly the RDP multiplier of T releases at (eps, delta),
+    the server's joint view of the uploads at least that; Eq. 3 leaves budget unspent and noise in the model.
+    """
+    from protocols.graphs import round_graph
+    from protocols.nadp import JOINT_SLACK
+    from protocols.privacy import calibrate_noise_multiplier, gaussian_epsilon
+
+    rng = np.random.default_rng(3)
+    ids = list(range(1, 41))
+    sizes = {c: int(s) for c, s in zip(ids, rng.integers(100, 300, size=len(ids)), strict=True)}
+    graph = round_graph(graph_kind, 4, ids, bytes(32))
+    sens = {c: local_sgd_sensitivity(1.0, n, lr=4.0) for c, n in sizes.items()}
+    sig, alloc = round_plan(sizes, sens, 1.0, 1e-5, 30, graph=graph)
+    p = alloc.weights
+    z_down = alloc.aggregate_std / max(p[c] * sens[c] for c in ids)
+    joint = alloc.joint_uplink_std(1.0)
+    z_up = min(joint[c] / sens[c] for c in ids)
+    target = calibrate_noise_multiplier(1.0, 1e-5, 1.0, 30)
+    assert min(z_down, z_up) == pytest.approx(target, rel=1e-9)
+    assert z_down <= target / (1 - JOINT_SLACK) * (1 + 1e-9)  # the model carries (almost) no extra noise
+    assert gaussian_epsilon(min(z_down, z_up), 1.0, 30, 1e-5) <= 1.0
+    eq3, _ = round_plan(sizes, sens, 1.0, 1e-5, 30, graph=graph, calibration="eq3")
+    assert sig.sigma_down < 0.75 * eq3.sigma_down  # Eq. 3 puts > 1.3x more noise into the model
 
 
 def test_round_plan_is_eq3_with_lemma1_and_follows_the_graph() -> None:
@@ -240,7 +267,7 @@ def test_round_plan_is_eq3_with_lemma1_and_follows_the_graph() -> None:
     # sensitivities drive the calibration: doubling one client's doubles sigma_up when it is the largest
     sens = {c: local_sgd_sensitivity(2.0, n, lr=0.5) for c, n in sizes.items()}
     worst = max(sens, key=sens.get)
-    sig2, _ = round_plan(sizes, {**sens, worst: 2 * sens[worst]}, 1.5, 1e-5, 30)
+    sig2, _ = round_plan(sizes, {**sens, worst: 2 * sens[worst]}, 1.5, 1e-5, 30, calibration="eq3")
     assert sig2.sigma_up == pytest.approx(2 * sig.sigma_up, rel=1e-12)
 
 

@@ -22,7 +22,7 @@ from client.wire import from_record, to_record
 from protocols import per_example
 from protocols.arrays import flatten
 from protocols.config import ConfigError, RunConfig
-from protocols.nadp import calibrate_sigmas, local_sgd_sensitivity, upload_noise_scales
+from protocols.nadp import calibrate_sigmas, local_sgd_sensitivity, round_plan, upload_noise_scales
 from protocols.prg import gaussian
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
@@ -246,11 +246,12 @@ def test_epsilon_matches_target(run_inprocess):
     summary, rows = run_inprocess(method="nadp", num_clients=6, num_rounds=4, epsilon=2.0, nadp_lambda=1.0,
                                   **{k.replace("-", "_"): v for k, v in FAST.items()})
     last = rows[-1]
-    # Eq. 3 spends exactly the target under the paper's composition (2T queries, all clients every round)
-    assert last["epsilon_paper"] == pytest.approx(2.0, rel=1e-9)
-    assert last["epsilon_uplink_paper"] == pytest.approx(2.0 / math.sqrt(2), rel=1e-9)
-    # the RDP accountant (joint uplink view, lambda = 1) lands close to, and not above, the target
-    assert 0.8 * 2.0 <= summary["epsilon"] <= 2.0
+    # round_plan's RDP calibration: the worse view (joint uplink at lambda = 1) spends the target, not more,
+    # and the published model (downlink) within the joint-view slack of it
+    assert 0.999 * 2.0 <= summary["epsilon"] <= 2.0
+    assert 0.95 * 2.0 <= last["epsilon_downlink"] <= 2.0
+    # the paper's Lemma 2 composition (2T queries) of the same noise reads more: it is the looser bound
+    assert last["epsilon_paper"] > 2.0
     assert last["epsilon_uplink"] >= last["epsilon_downlink"] and last["epsilon_uplink"] >= last[
         "epsilon_uplink_marginal"]
     eps = [r["epsilon"] for r in rows]
@@ -258,12 +259,15 @@ def test_epsilon_matches_target(run_inprocess):
 
 
 def test_record_ldp_variant_carries_sqrt_kq_over_2_more_aggregate_noise(run_inprocess, tmp_path):
-    """Theorem 1: sigma_server / sigma_down = sqrt(q k / 2) (here k = 10 clients, q = 1)."""
+    """Theorem 1 with one accountant for both: the independent-noise comparator leaves sqrt(k) times the noise
+    in the aggregate (k = 10 clients; Eq. 3's 2T composition made it sqrt(k / 2)); nadp's joint-view slack
+    (protocols.nadp.JOINT_SLACK) may add up to 2 % to nadp's.
+    """
     common = {"num_clients": 10, "num_rounds": 1, **{k.replace("-", "_"): v for k, v in FAST.items()}}
     _, nadp = run_inprocess(method="nadp", out_dir=str(tmp_path / "a"), **common)
     ldp_sum, ldp = run_inprocess(method="nadp", nadp_variant="record-ldp", out_dir=str(tmp_path / "b"), **common)
     ratio = ldp[0]["aggregate_noise_std"] / nadp[0]["aggregate_noise_std"]
-    assert ratio == pytest.approx(math.sqrt(10 / 2), rel=1e-9)
+    assert math.sqrt(10) * 0.97 <= ratio <= math.sqrt(10) * 1.01  # sizes 143-144: p_i almost equal
     assert math.isfinite(ldp_sum["epsilon"]) and ldp[0]["uncancelled_noise_norm"] == 0
 
 
@@ -298,9 +302,12 @@ def test_sensitivity_and_calibration_match_eq3_for_one_full_batch_step():
     from strategies.key_phase import KeyRound
 
     st = strategy.plan_round(KeyRound(1, sorted(sizes), {}, complete_graph(sorted(sizes)), b"", b"", [], sizes))
-    ref = calibrate_sigmas(1.5, cfg.delta, cfg.clip, sizes, 7, lr=cfg.lr)
-    assert st.plan.sigma_up == pytest.approx(ref.sigma_up, rel=1e-12)
-    assert st.plan.sigma_down == pytest.approx(ref.sigma_down, rel=1e-12)
+    ref = calibrate_sigmas(1.5, cfg.delta, cfg.clip, sizes, 7, lr=cfg.lr)  # the paper's Eq. 3
+    rdp, _ = round_plan(sizes, {c: local_sgd_sensitivity(cfg.clip, n, lr=cfg.lr) for c, n in sizes.items()}, 1.5,
+                        cfg.delta, 7, graph=complete_graph(sorted(sizes)))
+    assert st.plan.sigma_up == pytest.approx(rdp.sigma_up, rel=1e-12)
+    assert st.plan.sigma_down == pytest.approx(rdp.sigma_down, rel=1e-12)
+    assert st.plan.sigma_down < ref.sigma_down  # the exact accountant needs less noise in the model than Eq. 3
     assert st.allocation.pair_table is None  # complete graph: Algorithm 2
     # several local steps: a record also moves every later step (up to 2 C lr each)
     assert local_sgd_sensitivity(0.5, 64, lr=2.0, epochs=2, batch_size=32) == pytest.approx(2 * 0.5 * 2 * (1 / 32 + 3))

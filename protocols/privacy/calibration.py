@@ -35,6 +35,7 @@ def gaussian_epsilon(noise_multiplier: float, sampling_rate: float, steps: int, 
     return RdpAccountant([GaussianEvent(noise_multiplier, sampling_rate, steps)]).epsilon(delta)
 
 
+@lru_cache(maxsize=64)
 def calibrate_noise_multiplier(epsilon: float, delta: float, sampling_rate: float, steps: int,
                                *, tol: float = 1e-4) -> float:
     """Smallest noise multiplier whose ``steps`` releases stay within (epsilon, delta) under :func:`gaussian_epsilon`.
