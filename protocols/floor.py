@@ -26,7 +26,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from protocols.config import RunConfig
-from protocols.mpddp import calibrate, calibrate_ldp, sigmas_for_theta, theta_for_noise_multiplier
+from protocols.mpddp import (
+    calibrate,
+    calibrate_ldp,
+    mp_record_sensitivity,
+    sigmas_for_theta,
+    theta_for_noise_multiplier,
+)
 from protocols.nadp import NadpSigmas, NoiseAllocation, compensation_factor, round_plan
 from protocols.privacy import calibrate_noise_multiplier, lemma2_sigma, noise_multiplier, per_round_epsilons, record_sensitivity
 
@@ -225,22 +231,29 @@ def nadp_floor(cfg: RunConfig, sizes: Mapping[int, int], me: int,
     return NadpFloor(sig, alloc, lam, sens[me])
 
 
-def mpddp_floor(cfg: RunConfig, k: int) -> tuple[float, float, float]:
+def mpddp_floor(cfg: RunConfig, k: int, min_size: int) -> tuple[float, float, float]:
     """``mpddp``: ``(sigma_eta, sigma_delta, theta)`` for ``k`` clients (Theorem 10, or 11 on an n-out graph).
 
+    Record level: the sensitivity is :func:`protocols.mpddp.mp_record_sensitivity` of the smallest
+    participant (``min_size`` = the smallest public ``|D_i|`` of the round), the largest record sensitivity
+    among the participants: each pair Delta_kv = -Delta_vk needs ONE std at both ends, and with one
+    sensitivity for all every participant computes the same scales from the same public sizes (the
+    clients whose n_k is larger get more noise than they need: simple, and never less).
     Raises ValueError where the theorems do not cover the setting.
     """
+    sens = mp_record_sensitivity(cfg.clip, min_size)
     z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
     n_out = cfg.n_out if cfg.graph == "n-out" else None
     if n_out is None or n_out >= k - 1:
         theta = theta_for_noise_multiplier(z)
-        se, sd = sigmas_for_theta(theta, k, eta_share=ETA_SHARE, sensitivity=cfg.clip)
+        se, sd = sigmas_for_theta(theta, k, eta_share=ETA_SHARE, sensitivity=sens)
         return se, sd, theta
     t = cfg.num_rounds
-    cal = calibrate(cfg.epsilon / t, cfg.delta / t, k, n_out, eta_share=ETA_SHARE, sensitivity=cfg.clip)
+    cal = calibrate(cfg.epsilon / t, cfg.delta / t, k, n_out, eta_share=ETA_SHARE, sensitivity=sens)
     return cal.sigma_eta, cal.sigma_delta, cal.theta
 
 
-def mpdp_naive_sigma(cfg: RunConfig) -> float:
-    """``mpdp-naive``: Gaussian std ``z S`` on each perturbed gradient entry (S = ``clip``)."""
-    return calibrate_ldp(noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds), sensitivity=cfg.clip)
+def mpdp_naive_sigma(cfg: RunConfig, size: int) -> float:
+    """``mpdp-naive``: Gaussian std ``z S`` on each perturbed gradient entry, S = ``2 clip / size`` (the client's own)."""
+    return calibrate_ldp(noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds),
+                         sensitivity=mp_record_sensitivity(cfg.clip, size))

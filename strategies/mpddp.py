@@ -93,23 +93,22 @@ import torch
 from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from client.messages.common import TrainIns, merge_configs
-from client.messages.mpddp import DdpNoise, NaiveNoise, PerturbedModel, mean_upload, upload_from_record
+from client.messages.common import TrainIns, merge_configs, num_examples
+from client.messages.mpddp import DdpNoise, NaiveNoise, PerturbedModel, mean_upload
 from client.wire import Weights, from_record, to_record
 from protocols.config import ConfigError, RunConfig
 from protocols.floor import ETA_SHARE, mpddp_floor, mpdp_naive_sigma
 from protocols.mpddp import (
     MPSecret,
-    add_cdp_noise,
     calibrate_cdp,
-    clipped_mean,
     eq23_epsilon,
+    mp_record_sensitivity,
     mp_server,
     mu_server,
+    naive_client,
+    output_scale,
     pairwise_delta,
-    recover,
     relative_distance,
-    sgd_update,
     theta_complete,
     theta_n_out,
     torch_threads,
@@ -185,6 +184,8 @@ class MpRound(RoundState):
     theta: float = 0.0
     #: The round's key phase (mpddp).
     keys: KeyRound | None = None
+    #: ``|D_i|`` of the uploads (the replies' num-examples; mpcdp's record sensitivity).
+    sizes: dict[int, int] | None = None
 
 
 # ----------------------------------------------------------------------------- strategies
@@ -208,15 +209,24 @@ class _MpBase(CancelStrategy):
         self.last_gradient: list[Layer] | None = None
         #: Cancellation check: projections of what dropout recovery removed this round (None: not measurable).
         self.probe_corrections: list[float] | None = []
+        #: Smallest ``|D_i|`` among the last round's uploads (None before the first round).
+        self.min_size: int | None = None
 
-    def noise_estimate(self, num_params: int) -> NoiseEstimate:
-        """Noise in the mean gradient vs its assumed bound S = clip: the CDP level ``z S / K`` per entry.
+    def record_sensitivity(self, size: int) -> float:
+        """``2 clip / size``: one record's L2 effect on the mean of ``size`` per-example-clipped perturbed gradients."""
+        return mp_record_sensitivity(self.cfg.clip, size)
 
-        mpddp's eta keeps it within 5 % of that level; mpdp-naive overrides (``z S / sqrt(K)``).
+    def noise_estimate(self, num_params: int) -> NoiseEstimate | None:
+        """Noise in the mean gradient vs the clipped mean's bound ``clip``: the CDP level ``z S / K`` per entry.
+
+        S = the record sensitivity of the smallest client; mpddp's eta keeps the noise within 5 % of that
+        level; mpdp-naive overrides (``z S / sqrt(K)``).
         """
+        if self.min_size is None:
+            return None
         k = self.cfg.clients_per_round
-        return NoiseEstimate(gaussian_norm(self.z * self.cfg.clip / k, num_params), self.cfg.clip,
-                             self.cfg.num_rounds, space="gradient")
+        std = self.z * self.record_sensitivity(self.min_size) / k
+        return NoiseEstimate(gaussian_norm(std, num_params), self.cfg.clip, self.cfg.num_rounds, space="gradient")
 
     # ------------------------------------------------------------------ hooks of the three methods
     def key_round(self, grid: Grid, server_round: int, nodes: list[int]) -> KeyRound | None:
@@ -263,12 +273,12 @@ class _MpBase(CancelStrategy):
             layers = layers_from_weights(from_record(arrays))
             keys = self.key_round(grid, server_round, nodes)
             participants = keys.participants if keys is not None else list(nodes)
-            w_hat, secret = mp_server(layers, os.urandom(32))
+            w_hat, secret = mp_server(layers, os.urandom(32), additive_scale=output_scale(layers))
             state = MpRound(server_round, participants, layers, secret,
                             PerturbedModel(tuple(m.detach().cpu().numpy() for m in w_hat)).to_record(), keys=keys)
             state.noise = self.round_noise(state)
             if state.noise is not None:
-                self.report(**asdict(state.noise))  # sigma_eta/sigma_delta (mpddp), sigma (mpdp-naive)
+                self.report(**{k: v for k, v in asdict(state.noise).items() if k != "sizes"})  # the scales
             dist = relative_distance(layers, w_hat)
         self.report(client_model_distance=dist["overall"], client_model_row_cosine_l1=dist["row_cosine"][0])
         return state
@@ -289,18 +299,21 @@ class _MpBase(CancelStrategy):
 
     def _aggregate(self, state: MpRound, by_node: dict[int, Message], errors: list[str]) -> ArrayRecord:
         rnd = state.round
+        state.sizes = {}
         self.account(state)  # uploads reached the server: the round's release happened even if it fails below
         self.check_replies(state, by_node, errors)
         records = []
         for node, r in by_node.items():
             try:
                 records.append((node, r.content["arrays"]))
+                state.sizes[node] = num_examples(r.content["metrics"])
             except KeyError as err:
                 raise RoundFailed(f"round {rnd}: malformed upload from node {node}: {err}") from err
         try:
             new_layers, grads = self.update(state, records)
         except ValueError as err:
             raise RoundFailed(f"round {rnd}: malformed upload or recovery failed: {err}") from err
+        self.min_size = min(state.sizes.values())
         flat = _flat(grads)
         if not bool(torch.isfinite(flat).all()):
             raise RoundFailed(f"round {rnd}: recovered gradient is not finite")
@@ -330,7 +343,10 @@ class _MpBase(CancelStrategy):
     def describe(self) -> dict[str, float | str]:
         return {
             "noise_multiplier": self.z,
-            "sensitivity_assumed": self.cfg.clip,
+            "privacy_unit": "record",
+            "per_example_clip": self.cfg.clip,
+            "sensitivity": "2 clip / |D_i| of the perturbed gradient (replace-one record; the paper's S_f = B is "
+                           "a client-level bound)",
             "server_lr": self.lr,
             "composition": "RDP accountant over num-rounds Gaussian releases, no sampling amplification",
         }
@@ -348,7 +364,7 @@ class MpddpStrategy(PairwiseRecovery, _MpBase):
         self.keys = KeyPhase(cfg)
         self.n_out = cfg.n_out if cfg.graph == "n-out" else None
         try:
-            self._calibration(k)
+            self._calibration(k, 1)  # coverage only: the sensitivity just scales the sigmas
         except ValueError as err:
             raise ConfigError(f"method 'mpddp' with K = {k} clients per round, epsilon = {cfg.epsilon}, "
                               f"delta = {cfg.delta}, graph = {cfg.graph!r}: {err}") from err
@@ -360,9 +376,9 @@ class MpddpStrategy(PairwiseRecovery, _MpBase):
     def _complete(self, k: int) -> bool:
         return self.n_out is None or self.n_out >= k - 1
 
-    def _calibration(self, k: int) -> tuple[float, float, float]:
-        """(sigma_eta, sigma_delta, theta) for K = k clients (ValueError if not covered)."""
-        return mpddp_floor(self.cfg, k)  # the clients' own floor: one calibration for both ends
+    def _calibration(self, k: int, min_size: int) -> tuple[float, float, float]:
+        """(sigma_eta, sigma_delta, theta) for K = k clients, the smallest of size ``min_size`` (ValueError if not covered)."""
+        return mpddp_floor(self.cfg, k, min_size)  # the clients' own floor: one calibration for both ends
 
     def key_round(self, grid: Grid, server_round: int, nodes: list[int]) -> KeyRound:
         self.grid = grid  # for the dropout recovery phase (aggregate_train gets no grid)
@@ -421,12 +437,17 @@ class MpddpStrategy(PairwiseRecovery, _MpBase):
 
     def round_noise(self, state: MpRound) -> DdpNoise:
         k = len(state.participants)
+        sizes = state.keys.num_examples if state.keys is not None else {}
+        if any(n not in sizes for n in state.participants):
+            raise RoundFailed(f"round {state.round}: a participant sent no |D_i| in the key phase; the record "
+                              "sensitivity cannot be computed")
+        listed = tuple(int(sizes[n]) for n in state.participants)  # PeerKeys.participants order
         try:
-            se, sd, state.theta = self._calibration(k)
+            se, sd, state.theta = self._calibration(k, min(listed))
         except ValueError as err:
             raise RoundFailed(f"round {state.round}: {k} clients passed the key phase and the "
                               f"calibration does not cover it: {err}") from err
-        return DdpNoise(se, sd)
+        return DdpNoise(se, sd, listed)
 
     def check_replies(self, state: MpRound, by_node: dict[int, Message], errors: list[str]) -> None:
         missing = sorted(set(state.participants) - set(by_node))
@@ -447,16 +468,16 @@ class MpddpStrategy(PairwiseRecovery, _MpBase):
 
     def describe(self) -> dict[str, float | str]:
         k = self.cfg.clients_per_round
-        se, sd, theta = self._calibration(k)
+        se, sd, theta = self._calibration(k, 1)
         out = super().describe()
         out.update({
             "graph": "complete (Theorem 10)" if self._complete(k) else f"n-out n={self.n_out} (Theorem 11)",
             "clients_per_round": k,
-            "sigma_eta": se,
-            "sigma_delta": sd,
+            "sigma_eta_per_sensitivity": se / self.record_sensitivity(1),
+            "sigma_delta_per_sensitivity": sd / self.record_sensitivity(1),
             "theta_round": theta,
             "eta_share": ETA_SHARE,
-            "aggregate_noise_std": se / math.sqrt(k),
+            "aggregate_noise_std_per_sensitivity": se / self.record_sensitivity(1) / math.sqrt(k),
             "epsilon_round_eq23": eq23_epsilon(theta, self.cfg.delta) if self._complete(k) else
             self.cfg.epsilon / self.cfg.num_rounds,
             "guarantee": "nominal (paper model): not valid against the server, which knows R and gets Psi/Phi "
@@ -477,13 +498,16 @@ class MpdpNaiveStrategy(_MpBase):
     """MP-DP-Naive (Section 6.3): model perturbation + N(0, (z S)^2) on each perturbed gradient."""
 
     def round_noise(self, state: MpRound) -> NaiveNoise:
-        return NaiveNoise(mpdp_naive_sigma(self.cfg))
+        """The multiplier z: each client adds ``z 2 clip / |D_k|`` from its own size (the server need not know it)."""
+        return NaiveNoise(self.z)
 
-    def noise_estimate(self, num_params: int) -> NoiseEstimate:
+    def noise_estimate(self, num_params: int) -> NoiseEstimate | None:
         """Independent noise ``z S`` per client: ``z S / sqrt(K)`` per entry of the mean gradient."""
+        if self.min_size is None:
+            return None
         k = self.cfg.clients_per_round
-        return NoiseEstimate(gaussian_norm(mpdp_naive_sigma(self.cfg) / math.sqrt(k), num_params), self.cfg.clip,
-                             self.cfg.num_rounds, space="gradient")
+        return NoiseEstimate(gaussian_norm(mpdp_naive_sigma(self.cfg, self.min_size) / math.sqrt(k), num_params),
+                             self.cfg.clip, self.cfg.num_rounds, space="gradient")
 
     def account(self, state: MpRound) -> None:
         self._given_r.compose(GaussianEvent(self._min_r(state) * self.z))
@@ -491,44 +515,43 @@ class MpdpNaiveStrategy(_MpBase):
 
     def describe(self) -> dict[str, float | str]:
         out = super().describe()
-        out.update({"sigma": mpdp_naive_sigma(self.cfg),
+        out.update({"sigma_per_sensitivity": self.z,
                     "guarantee": "nominal: R o eta is not Gaussian (the paper's Problem 1); see epsilon_given_R"})
         return out
 
 
 
 class MpcdpStrategy(_MpBase):
-    """MP-CDP (Section 6.3): noise-free uploads, the (trusted) server clips, averages and adds Gaussian noise."""
+    """MP-CDP (Section 6.3): noise-free uploads of per-example-clipped means; the (trusted) server adds the Gaussian.
+
+    Record level: the server cannot clip per record (it gets per-client means), so the clients clip per
+    example on W-hat as in mpddp and the server adds ``N(0, (z S / K)^2)`` to the mean PERTURBED gradient,
+    ``S = 2 clip / min |D_i|`` of the uploads (their num-examples): the same place and the same record
+    sensitivity as mpddp's eta (which is within 5 % of this level), so the two differ only in who adds the noise.
+    """
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
         # Trusted server: it sees every client's exact gradient (no uplink guarantee); the model is CDP.
         self.privacy = PrivacyLedger(cfg.delta, downlink=RdpAccountant(), headline="downlink")
 
-    def server_sigma(self, num_clients: int) -> float:
-        """Calibration: std of the server's Gaussian on the mean of ``num_clients`` clipped gradients."""
-        return calibrate_cdp(self.z, num_clients, sensitivity=self.cfg.clip)
+    def server_sigma(self, num_clients: int, min_size: int) -> float:
+        """Calibration: std of the server's Gaussian on the mean of ``num_clients`` clipped means (smallest ``min_size``)."""
+        return calibrate_cdp(self.z, num_clients, sensitivity=self.record_sensitivity(min_size))
 
     def update(self, state: MpRound, records: list[tuple[int, ArrayRecord]]) -> tuple[list[Layer], list[Layer]]:
-        per_client = []
-        for node, record in records:
-            try:
-                per_client.append(recover(upload_from_record(record, len(state.layers)), state.secret))
-            except (ValueError, KeyError) as err:
-                raise ValueError(f"node {node}: {err}") from err
-        clip = self.cfg.clip
-        grads, norms = clipped_mean(per_client, clip)
-        k = len(per_client)
-        sigma = self.server_sigma(k)
-        self.report(clipped_fraction=sum(n > clip for n in norms) / k, mean_client_grad_norm=float(np.mean(norms)),
-                    sigma=sigma)
+        mean = mean_upload(records, len(state.layers))
+        sizes = state.sizes or {}
+        min_size = min(sizes[node] for node, _ in records) if sizes else 1
+        sigma = self.server_sigma(len(records), min_size)
+        self.report(sigma=sigma)
         if sigma > 0:
-            grads = add_cdp_noise(grads, seed=os.urandom(32), sigma=sigma)
-        return sgd_update(state.layers, grads, self.lr), grads
+            mean = naive_client(mean, eta_seed=os.urandom(32), sigma=sigma)
+        return mu_server(state.layers, mean, state.secret, self.lr)
 
     def describe(self) -> dict[str, float | str]:
         out = super().describe()
-        out.update({"aggregate_noise_std": self.server_sigma(self.cfg.clients_per_round),
-                    "guarantee": "downlink CDP with enforced per-client clipping; uplink none (trusted server)"})
+        out.update({"aggregate_noise_std_per_sensitivity": self.z / self.cfg.clients_per_round,
+                    "guarantee": "downlink CDP on the perturbed mean (record level, per-example clipping on W-hat); "
+                                 "uplink none (trusted server)"})
         return out
-

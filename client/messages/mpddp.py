@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord
 
-from client.messages.common import read_float
+from client.messages.common import read_float, read_list
 from client.wire import array_view, from_record, to_record
 from protocols.mpddp import ClientUpload
 
@@ -36,6 +36,7 @@ _UP = "up.{}"
 _SIGMA_ETA = "sigma-eta"
 _SIGMA_DELTA = "sigma-delta"
 _SIGMA = "sigma"
+_SIZES = "mpddp-sizes"
 
 
 def _names(template: str, count: int) -> list[str]:
@@ -86,26 +87,43 @@ class PerturbedModel:
 
 @dataclass(frozen=True)
 class DdpNoise:
-    """``train`` config (``mpddp``): DN(sigma_eta, 1) for eta_k (Eq. 16) and DN(sigma_Delta, 1) for each Delta_kv (Eq. 19)."""
+    """``train`` config (``mpddp``): DN(sigma_eta, 1) for eta_k (Eq. 16) and DN(sigma_Delta, 1) for each Delta_kv (Eq. 19).
+
+    ``sizes``: ``|D_i|`` of the round's participants, in the order of
+    :attr:`client.messages.keys.PeerKeys.participants` (from the key phase); every client recomputes
+    the scales from the smallest (the record sensitivity, :func:`protocols.floor.mpddp_floor`) and
+    checks its own entry.  The server's sigmas are only checked against that floor.
+    """
 
     sigma_eta: float
     sigma_delta: float
+    sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check_scale(_SIGMA_ETA, self.sigma_eta)
         _check_scale(_SIGMA_DELTA, self.sigma_delta)
+        if any(isinstance(n, bool) or int(n) != n or n < 1 for n in self.sizes):
+            raise ValueError(f"'{_SIZES}' must hold integers >= 1")
 
     def to_config(self) -> ConfigRecord:
-        return ConfigRecord({_SIGMA_ETA: float(self.sigma_eta), _SIGMA_DELTA: float(self.sigma_delta)})
+        rec = ConfigRecord({_SIGMA_ETA: float(self.sigma_eta), _SIGMA_DELTA: float(self.sigma_delta)})
+        if self.sizes:  # Flower cannot serialise empty lists
+            rec[_SIZES] = [int(n) for n in self.sizes]
+        return rec
 
     @classmethod
     def from_config(cls, rec: Mapping[str, Any]) -> DdpNoise:
-        return cls(read_float(rec, _SIGMA_ETA), read_float(rec, _SIGMA_DELTA))
+        return cls(read_float(rec, _SIGMA_ETA), read_float(rec, _SIGMA_DELTA),
+                   tuple(read_list(rec, _SIZES, int, default=[])))
 
 
 @dataclass(frozen=True)
 class NaiveNoise:
-    """``train`` config (``mpdp-naive``): std of the N(0, sigma^2) noise on each perturbed gradient entry."""
+    """``train`` config (``mpdp-naive``): the noise MULTIPLIER z (std / record sensitivity) of the N(0, (z S_k)^2) noise.
+
+    Record level: each client's sensitivity ``S_k = 2 clip / |D_k|`` is its own (the server need not
+    know the sizes), so the server announces the multiplier; the client refuses one below its own.
+    """
 
     sigma: float
 

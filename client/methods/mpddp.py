@@ -5,15 +5,22 @@ The train message (:mod:`client.messages.mpddp`) carries the perturbed expanded 
 client checks them against its own calibration (privacy floor, :func:`ddp_floor`,
 :func:`protocols.floor.mpdp_naive_sigma`) and refuses smaller ones.  The client computes ONE
 full-batch gradient of the paper's loss 1/2 ||y - onehot||^2 at W-hat on its whole partition,
-plus Psi and Phi (:func:`protocols.mpddp.client_gradients`; FedSGD, so
-``local-epochs``/``batch-size``/``lr`` are unused), then by method:
+plus Psi and Phi (FedSGD, so ``local-epochs``/``batch-size``/``lr`` are unused), then by method.
+
+Record-level DP (the paper's DP definition neighbours datasets differing in one record, but its
+calibration sets "S_f = B = 1 for simplicity", a loose CLIENT-level bound: with K = 10..100 clients at
+epsilon 1 that noise drowns the gradient): each example's perturbed gradient is clipped to ``clip``
+and the client uploads their mean over its n_k records (:func:`protocols.mpddp.clipped_client_gradients`,
+Psi and Phi weighted alike so recovery stays exact), whose replace-one sensitivity is ``2 clip / n_k``
+(:func:`protocols.mpddp.mp_record_sensitivity`).
 
 * ``mpddp``: :func:`protocols.mpddp.ddp_client` (Algorithm 2): eta_k ~ DN(sigma_eta, 1) from a fresh
   ``os.urandom`` seed plus sum_v Delta_kv with Delta_kv ~ DN(sigma_Delta, 1) from the pairwise seeds of
   the round's key phase (purpose ``mpddp-delta``; :func:`client.pairwise_phase.pair_seeds`).  With
   run-config ``cancellation-check`` it also reports the projection of its Delta part on the round's
   public direction (diagnostic only).
-* ``mpdp-naive``: :func:`protocols.mpddp.naive_client`, N(0, sigma^2) on the perturbed gradient.
+  Scales from the smallest public size of the round (:func:`protocols.floor.mpddp_floor`).
+* ``mpdp-naive``: :func:`protocols.mpddp.naive_client`, N(0, (z 2 clip / n_k)^2) on the perturbed gradient.
 * ``mpcdp``: nothing (the server adds the noise).
 
 Psi and Phi are uploaded unnoised, as in the paper (they are data-dependent: see the caveats in
@@ -38,7 +45,14 @@ from client.messages.mpddp import DdpNoise, NaiveNoise, PerturbedModel, upload_r
 from client.pairwise_phase import mask_probe, pair_seeds
 from client.recovery import remember
 from protocols.floor import FloorViolation, at_least, mpddp_floor, mpdp_naive_sigma
-from protocols.mpddp import client_gradients, ddp_client, naive_client, one_hot, torch_threads
+from protocols.mpddp import (
+    clipped_client_gradients,
+    ddp_client,
+    mp_record_sensitivity,
+    naive_client,
+    one_hot,
+    torch_threads,
+)
 from protocols.privacy import DpEvent, GaussianEvent, noise_multiplier
 
 #: HKDF purpose of the pairwise Delta seeds (fixed on the client: the server cannot redirect it).
@@ -62,10 +76,10 @@ def _train(msg: Message, env: ClientEnv) -> Message:
     w_hat = [torch.from_numpy(m).to(dtype) for m in PerturbedModel.from_record(msg.content["arrays"]).matrices]
     x = torch.from_numpy(np.asarray(env.x).reshape(len(env.x), -1)).to(dtype)
     y = one_hot(torch.from_numpy(np.asarray(env.y)), env.num_classes, dtype)
-    up = client_gradients(w_hat, x, y)
+    up, clipped = clipped_client_gradients(w_hat, x, y, env.cfg.clip)
     if dtype != torch.float64:
         up = up.with_grads([g.double() for g in up.grads])
-    metrics: dict[str, float] = {}
+    metrics: dict[str, float] = {"clipped_fraction": clipped}
     if method == "mpddp":
         sigma_eta, sigma_delta, event = ddp_floor(msg, env)  # the client's own scales (privacy floor)
         metrics.update(release(msg, env, downlink=event))  # the uploads: no guarantee
@@ -76,9 +90,11 @@ def _train(msg: Message, env: ClientEnv) -> Message:
         if env.cfg.cancellation_check:
             metrics.update(probe_metric(mask_probe(msg, delta)))
     elif method == "mpdp-naive":
-        sigma = mpdp_naive_sigma(env.cfg)  # the client's own; the server's figure is only checked
-        at_least("mpddp-sigma", NaiveNoise.from_config(cfg).sigma, sigma)
-        metrics.update(release(msg, env, downlink=GaussianEvent(sigma / env.cfg.clip)))
+        size = len(env.y)
+        sigma = mpdp_naive_sigma(env.cfg, size)  # the client's own; the server's multiplier is only checked
+        z = sigma / mp_record_sensitivity(env.cfg.clip, size)
+        at_least("mpddp-sigma", NaiveNoise.from_config(cfg).sigma, z)
+        metrics.update(release(msg, env, downlink=GaussianEvent(z)))
         up = naive_client(up, eta_seed=os.urandom(32), sigma=sigma)
     elif method == "mpcdp":
         metrics.update(release(msg, env))  # the (trusted) server adds the noise
@@ -90,20 +106,32 @@ def _train(msg: Message, env: ClientEnv) -> Message:
 def ddp_floor(msg: Message, env: ClientEnv) -> tuple[float, float, GaussianEvent | DpEvent]:
     """``(sigma_eta, sigma_delta, round event)`` of ``mpddp`` from the client's own run config (privacy floor).
 
-    Complete graph: K = the client's peers + 1 (every participant is a neighbour), and the
-    client uses its own Theorem 10 scales.  n-out graph (Theorem 11): the client cannot
-    see K, so its floor is the calibration for run-config K = ``clients-per-round`` (the
-    scales grow as K shrinks); it uses the server's scales once they pass that floor
-    (both ends of every pair must draw the same sigma_delta).  Scales below the floor
+    Sensitivity: the record sensitivity of the smallest participant, from the public sizes the train
+    message lists for the round's participants (the key phase's ``|D_i|``); the client checks that its
+    own entry is its own size (a smaller one than the truth only adds noise; a server that inflates the
+    others' sizes is outside the honest-server model these methods assume: their uploads carry no
+    guarantee, see :mod:`strategies.mpddp`).
+
+    Complete graph: K = the client's peers + 1 (every participant is a neighbour), and the client uses
+    its own Theorem 10 scales.  n-out graph (Theorem 11): the client cannot see K, so its floor is the
+    calibration for run-config K = ``clients-per-round`` (the scales grow as K shrinks); it uses the
+    server's scales once they pass that floor (both ends of every pair must draw the same sigma_delta).
+    Scales below the floor
     are refused (:class:`protocols.floor.FloorViolation`).
     """
     cfg = env.cfg
     sent = DdpNoise.from_config(msg.content["config"])
-    peers = len(PeerKeys.from_config(msg.content["config"]).peer_ids)
+    pk = PeerKeys.from_config(msg.content["config"])
+    if len(sent.sizes) != len(pk.participants) or env.node_id not in pk.participants:
+        raise ValueError(f"the train message lists {len(sent.sizes)} sizes for {len(pk.participants)} participants "
+                         f"(node {env.node_id} must be among them): the record sensitivity cannot be checked")
+    own = sent.sizes[pk.participants.index(env.node_id)]
+    if own != len(env.y):
+        raise ValueError(f"server lists |D_i|={own} for node {env.node_id}, but it holds {len(env.y)} examples")
     complete = cfg.graph != "n-out" or cfg.n_out >= cfg.clients_per_round - 1
-    k = peers + 1 if complete else cfg.clients_per_round
+    k = len(pk.peer_ids) + 1 if complete else cfg.clients_per_round
     try:
-        se, sd, _theta = mpddp_floor(cfg, k)
+        se, sd, _theta = mpddp_floor(cfg, k, min(sent.sizes))
     except ValueError as err:
         raise FloorViolation("participants", k, "a setting Theorems 10/11 cover", str(err)) from err
     at_least("mpddp-sigma-eta", sent.sigma_eta, se)

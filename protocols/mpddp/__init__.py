@@ -18,6 +18,7 @@ from protocols.mpddp.calibration import (
     calibrate_ldp,
     eq23_epsilon,
     max_theta,
+    mp_record_sensitivity,
     satisfies_eq23,
     sigmas_for_theta,
     theta_complete,
@@ -36,8 +37,14 @@ from protocols.mpddp.expansion import (
     one_hot,
     split_blocks,
 )
-from protocols.mpddp.gradients import ClientUpload, client_gradients, client_gradients_autograd
-from protocols.mpddp.perturbation import MPSecret, draw_secret, mp_server, perturb, relative_distance
+from protocols.mpddp.gradients import (
+    ClientUpload,
+    client_gradients,
+    client_gradients_autograd,
+    clipped_client_gradients,
+    per_example_grad_norms,
+)
+from protocols.mpddp.perturbation import MPSecret, draw_secret, mp_server, output_scale, perturb, relative_distance
 from protocols.mpddp.recovery import aggregate, mu_server, recover, recover_blocks, sgd_update
 from protocols.mpddp.samplers import (
     DEFAULT_TERMS,
@@ -66,6 +73,7 @@ __all__ = [
     "calibrate_ldp",
     "client_gradients",
     "client_gradients_autograd",
+    "clipped_client_gradients",
     "ddp_client",
     "eta_noise",
     "eq23_epsilon",
@@ -79,12 +87,15 @@ __all__ = [
     "forward_expanded",
     "forward_mlp",
     "max_theta",
+    "mp_record_sensitivity",
     "mp_server",
     "mse_loss",
     "mu_server",
     "naive_client",
     "naive_gaussian_noise",
     "one_hot",
+    "output_scale",
+    "per_example_grad_norms",
     "pairwise_delta",
     "perturb",
     "recover",

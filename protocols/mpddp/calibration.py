@@ -45,6 +45,7 @@ __all__ = [
     "check_n_out_conditions",
     "eq23_epsilon",
     "max_theta",
+    "mp_record_sensitivity",
     "n_out_delta_coefficient",
     "theta_for_noise_multiplier",
     "satisfies_eq23",
@@ -229,6 +230,22 @@ def calibrate(
         n_out=None if complete else n_out,
         sensitivity=sensitivity,
     )
+
+
+def mp_record_sensitivity(clip: float, dataset_size: int) -> float:
+    """Replace-one record sensitivity ``2 clip / n`` of a client's upload: the mean of its n per-example-clipped gradients.
+
+    The paper sets "S_f = B = 1 for simplicity" (footnote 2): B bounds one CLIENT's whole gradient, a
+    loose client-level figure, while its DP definition protects one RECORD.  The record figure is the
+    L2 change of the mean of n clipped per-example gradients when one record is replaced (one
+    full-batch step of :func:`protocols.privacy.local_sgd_sensitivity` with lr 1: FedSGD uploads the
+    gradient, the server applies xi).
+    """
+    if isinstance(dataset_size, bool) or int(dataset_size) != dataset_size or dataset_size < 1:
+        raise ValueError(f"dataset_size must be an integer >= 1, got {dataset_size!r}")
+    if not (math.isfinite(clip) and clip > 0):
+        raise ValueError(f"clip must be finite and > 0, got {clip!r}")
+    return 2.0 * clip / int(dataset_size)
 
 
 def theta_for_noise_multiplier(noise_multiplier: float) -> float:

@@ -33,7 +33,8 @@ from torch import Tensor
 
 from protocols.mpddp.expansion import augment_input, forward_expanded
 
-__all__ = ["ClientUpload", "client_gradients", "client_gradients_autograd"]
+__all__ = ["ClientUpload", "client_gradients", "client_gradients_autograd", "clipped_client_gradients",
+           "per_example_grad_norms"]
 
 
 @dataclass(frozen=True)
@@ -101,11 +102,15 @@ def _trim(ts: Sequence[Tensor], stacked: bool = False) -> tuple[Tensor, ...]:
     return tuple(keep)
 
 
-def client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.ndarray, y: Tensor | np.ndarray) -> ClientUpload:
+def client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.ndarray, y: Tensor | np.ndarray,
+                     weights: Tensor | None = None) -> ClientUpload:
     """Perturbed gradient and Psi, Phi of the odd layers on a local batch (Theorem 13, batch-averaged).
 
     w_hat: the 2L-1 matrices received from the server (tensors or numpy arrays); x: (B, n_0) inputs;
-    y: (B, n_L) one-hot targets. Runs in w_hat's dtype (use float64).
+    y: (B, n_L) one-hot targets. Runs in w_hat's dtype (use float64).  ``weights`` (B,): per-example
+    weights of the sums (default 1/B, the plain mean); :func:`clipped_client_gradients` passes
+    ``min(1, C / ||g^_b||) / B``.  Grad, Psi and Phi of an example get the same weight, so recovery
+    (Eq. 22, linear per example) returns the same weighted sum of the true per-example gradients.
 
     The n_L + 2 scalars (loss, Psi_1..Psi_nL, Phi) are back-propagated together by hand: their output
     signals are stacked on a leading axis, so each layer costs one batched matmul instead of n_L + 2
@@ -129,17 +134,22 @@ def client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.ndarra
     alpha = h.sum(dim=1)  # (B,)
     err = out - y
     n_out, width = last.shape
-    # Signals d scalar / d h_last, stacked: [loss, Psi_1..Psi_nL, Phi] -> (n_L + 2, B, width), all / B.
-    inv_b = 1.0 / batch
+    # Signals d scalar / d h_last, stacked: [loss, Psi_1..Psi_nL, Phi] -> (n_L + 2, B, width), all * w_b.
+    if weights is None:
+        w = torch.full((batch,), 1.0 / batch, dtype=h.dtype)
+    else:
+        w = torch.as_tensor(weights).to(h.dtype).reshape(-1)
+        if w.shape[0] != batch:
+            raise ValueError(f"weights has {w.shape[0]} entries for a batch of {batch}")
     sig = torch.empty((n_out + 2, batch, width), dtype=h.dtype)
-    sig[0] = (err @ last) * inv_b
-    sig[1 : n_out + 1] = (alpha.unsqueeze(1) * inv_b).unsqueeze(0) * last.unsqueeze(1)  # alpha_b W_k
-    sig[1 : n_out + 1] += (err.T * inv_b).unsqueeze(2)  # err_bk * d alpha / d h = err_bk * 1
-    sig[n_out + 1] = (alpha * inv_b).unsqueeze(1)
+    sig[0] = (err @ last) * w.unsqueeze(1)
+    sig[1 : n_out + 1] = (alpha * w).unsqueeze(1).unsqueeze(0) * last.unsqueeze(1)  # alpha_b W_k
+    sig[1 : n_out + 1] += (err.T * w).unsqueeze(2)  # err_bk * d alpha / d h = err_bk * 1
+    sig[n_out + 1] = (alpha * w).unsqueeze(1)
     # Gradients w.r.t. the last matrix: loss -> err^T h / B; Psi_k -> row k = sum_b alpha_b h_b / B; Phi -> 0.
-    grad_last = (err.T @ h) * inv_b
+    grad_last = (err.T * w) @ h
     psi_last = torch.zeros((n_out, n_out, width), dtype=h.dtype)
-    row = (alpha @ h) * inv_b
+    row = (alpha * w) @ h
     psi_last[torch.arange(n_out), torch.arange(n_out)] = row
     grads: list[Tensor] = [grad_last]
     psis: list[Tensor] = [psi_last]
@@ -159,6 +169,51 @@ def client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.ndarra
     psis.reverse()
     phis.reverse()
     return ClientUpload(_trim(grads), _trim(psis, stacked=True), _trim(phis))
+
+
+def per_example_grad_norms(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.ndarray,
+                           y: Tensor | np.ndarray) -> Tensor:
+    """(B,) L2 norms of each example's perturbed gradient over the uploaded (odd, trimmed) blocks.
+
+    One forward and one backward pass of the loss signal: for a linear layer the per-example gradient is
+    the outer product d_b h_b^T, so its squared norm is ||d_b||^2 ||h_b||^2 (no per-example tensors).
+    """
+    mats, x, y = _as_inputs(w_hat, x, y)
+    h = augment_input(x)
+    inputs, masks = [], []
+    for mat in mats[:-1]:
+        inputs.append(h)
+        z = h @ mat.T
+        masks.append(z > 0)
+        h = z.clamp_min(0)
+    err = h @ mats[-1].T - y
+    sq = (err**2).sum(1) * (h**2).sum(1)  # last layer: err_b h_b^T (not trimmed)
+    sig = err @ mats[-1]
+    for j in range(len(mats) - 2, -1, -1):
+        d = sig * masks[j]
+        if j % 2 == 0:  # an uploaded block; its last row (constant unit) is trimmed
+            sq = sq + (d[:, :-1] ** 2).sum(1) * (inputs[j] ** 2).sum(1)
+        if j > 0:
+            sig = d @ mats[j]
+    return sq.sqrt()
+
+
+def clipped_client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.ndarray, y: Tensor | np.ndarray,
+                             clip: float) -> tuple[ClientUpload, float]:
+    """:func:`client_gradients` of the mean of per-example-clipped perturbed gradients; also the clipped fraction.
+
+    Example b is weighted ``min(1, clip / ||g^_b||) / B`` (its gradient, Psi and Phi alike, so recovery stays
+    exact for the clipped mean).  Replacing one of the B records moves the uploaded gradient by at most
+    ``2 clip / B`` in L2 (replace-one record sensitivity, :func:`protocols.privacy.local_sgd_sensitivity` of
+    one full-batch step with lr 1).  The bound holds for the perturbed gradient, the quantity that gets the
+    DP noise; Psi, Phi and the recovered true-space gradient are not bounded by it (see :mod:`strategies.mpddp`).
+    """
+    if not (clip > 0 and np.isfinite(clip)):
+        raise ValueError(f"clip must be finite and > 0, got {clip!r}")
+    norms = per_example_grad_norms(w_hat, x, y)
+    scale = torch.clamp(clip / norms.clamp_min(1e-300), max=1.0)
+    up = client_gradients(w_hat, x, y, weights=scale / norms.shape[0])
+    return up, float((norms > clip).double().mean())
 
 
 def client_gradients_autograd(

@@ -12,6 +12,12 @@ gamma and r^a: the paper only says they are random vectors in R^{n_L}. Only r = 
 (R^a_ij = gamma_i r^a_i, and recovery uses r and v = r^T r). We draw gamma_i ~ Uniform(0.5, 1.5) and
 r^a_i ~ N(0, additive_scale^2): the additive mask must be comparable to or larger than the output-layer
 weights to hide them; its size also scales the Psi/Phi cancellation in recovery (fine in float64).
+The server uses :func:`output_scale` (the RMS of the output layer's weights and bias): "comparable to" the
+weights it hides, and no larger, because the additive mask inflates the PERTURBED gradient the client
+clips and noises: with r^a ~ N(0, 1) on a 16-unit MLP at init (output weights ~0.14), per-example
+perturbed gradients are ~100x the true ones (the excess cancels in recovery), so record-level noise
+calibrated to the perturbed gradient's clip is ~100x the true signal; at the output layer's own scale
+they are ~2x (measured on digits), see :mod:`client.methods.mpddp`.
 """
 
 from __future__ import annotations
@@ -28,7 +34,17 @@ from protocols import prg
 from protocols.mpddp.expansion import Layer, augment, dims_of, expand, odd_trainable
 from protocols.mpddp.samplers import DEFAULT_TERMS, sample_dn_star
 
-__all__ = ["MPSecret", "draw_secret", "mp_server", "perturb", "relative_distance"]
+__all__ = ["MPSecret", "draw_secret", "mp_server", "output_scale", "perturb", "relative_distance"]
+
+#: Smallest additive scale :func:`output_scale` returns (an all-zero output layer still gets a mask).
+MIN_ADDITIVE_SCALE = 1e-3
+
+
+def output_scale(layers: Sequence[Layer]) -> float:
+    """RMS of the output layer's weights and bias: the additive mask's scale r^a ~ N(0, scale^2) (module doc)."""
+    w, b = layers[-1]
+    flat = torch.cat([w.reshape(-1), b.reshape(-1)]).double()
+    return max(float(flat.pow(2).mean().sqrt()), MIN_ADDITIVE_SCALE)
 
 
 @dataclass(frozen=True)
