@@ -38,8 +38,8 @@ the ``eps_t`` sum to ``epsilon``; ``advanced`` = heterogeneous advanced composit
 ``delta' = delta`` meets ``epsilon``).  Each round released composes ``eps_t``
 (:class:`protocols.privacy.DpCompositionAccountant`); we report the epsilon spent so far:
 the basic sum, or under ``advanced`` the smaller of the two valid bounds.  Each ``eps_t``
-protects one *sample* of a client's data (per-sample L1
-clipping, add/remove adjacency), not a whole client as the ``ldp`` baseline does.  The
+protects one *sample* of a client's data (per-sample L1 clipping; replace-one adjacency, noise
+scale ``2 Delta / eps_t``, since ``N_i`` is published: :mod:`protocols.ddpsa`), not a whole client.  The
 secret sharing adds no privacy loss (post-processing; Corollary 1); downlink = uplink.
 """
 
@@ -67,6 +67,7 @@ from client.messages.ddpsa import DdpsaRound, ShareReceipt
 from client.wire import Weights, from_record, to_record
 from protocols.arrays import flatten, unflatten
 from protocols.config import ConfigError, RunConfig
+from protocols.ddpsa import l1_sensitivity
 from protocols.privacy import (
     BudgetSchedule,
     DpCompositionAccountant,
@@ -213,14 +214,15 @@ class DdpsaStrategy(CancelStrategy):
 
     # ------------------------------------------------------------ reporting
     def noise_estimate(self, num_params: int) -> NoiseEstimate | None:
-        """Round-1 Laplace noise in the mean gradient (m clients, std ``sqrt(2m) clip / eps_1`` / N) vs clip.
+        """Round-1 Laplace noise in the mean gradient (m clients, std ``sqrt(2m) 2 clip / eps_1`` / N) vs clip.
 
         N = all clients' examples (the largest partition times the clients when the runner knows it).
         """
         if self.max_examples is None:
             return None
         m = self.cfg.clients_per_round
-        std = math.sqrt(2.0 * m) * laplace_scale(self.cfg.clip, self.epsilon_of_round(1)) / (m * self.max_examples)
+        b = laplace_scale(l1_sensitivity(self.cfg.clip), self.epsilon_of_round(1))
+        std = math.sqrt(2.0 * m) * b / (m * self.max_examples)
         return NoiseEstimate(gaussian_norm(std, num_params), self.cfg.clip, self.cfg.num_rounds, space="gradient")
 
     def describe(self) -> dict[str, float | str]:
@@ -235,7 +237,7 @@ class DdpsaStrategy(CancelStrategy):
             "epsilon_last_round": float(eps[-1]),
             "epsilon_total_certified": self.schedule.spent.epsilon,
             "delta_total_certified": self.schedule.spent.delta,
-            "laplace_scale_first_round": laplace_scale(self.cfg.clip, float(eps[0])),
+            "laplace_scale_first_round": laplace_scale(l1_sensitivity(self.cfg.clip), float(eps[0])),
             "frac_bits": self.codec.frac_bits,
         }
 

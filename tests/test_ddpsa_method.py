@@ -122,7 +122,8 @@ def test_clipped_sum_matches_per_sample_loop_and_noise_is_laplace_of_seed() -> N
     assert 0 < frac <= 1 and loss > 0
     seed = bytes(32)
     noisy, _, _ = ddpsa_client.noisy_gradient_sum(model, x, y, clip, 2.0, seed=seed)
-    np.testing.assert_allclose(noisy - got, laplace_noise(got.size, clip / 2.0, seed=seed), rtol=0, atol=1e-9)
+    # Lap(2 Delta / eps): replace-one sensitivity of the clipped sum (N_i is published).
+    np.testing.assert_allclose(noisy - got, laplace_noise(got.size, 2 * clip / 2.0, seed=seed), rtol=0, atol=1e-9)
 
 
 # ------------------------------------------------------------------ reconstruction
@@ -147,9 +148,9 @@ def test_reconstruction_equals_plain_sum_of_noisy_updates(recorded, frac_bits: i
     assert err.max() <= bound
     if frac_bits == 8:
         assert err.max() > 0  # the only error is round-off, and it is visible at 8 bits
-    # The updates are really noisy: Laplace(Delta/eps_t) per coordinate dominates the clipped sum.
+    # The updates are really noisy: Laplace(2 Delta/eps_t) per coordinate dominates the clipped sum.
     eps_t = strategy.epsilon_of_round(1)
-    assert np.std(plain) > 0.5 * np.sqrt(2 * 4) * cfg.clip / eps_t
+    assert np.std(plain) > 0.5 * np.sqrt(2 * 4) * 2 * cfg.clip / eps_t
     n_total = float(metrics["num-examples"])
     expected = flatten(from_record(arrays)) - cfg.lr * plain / n_total
     np.testing.assert_allclose(flatten(from_record(new_arrays)), expected, rtol=0, atol=cfg.lr * bound / n_total + 1e-12)
@@ -287,3 +288,14 @@ def test_clients_refuse_a_strategys_own_intermediate_servers(recorded) -> None:
                     with IntermediateServerClient(a, cluster.servers.ca) as c:
                         assert c.status(signer).stored_bytes == 0
             strategy.close()
+
+
+def test_default_regime_spends_exactly_the_target_with_replace_one_laplace(run_inprocess) -> None:
+    """Only the method set: the regime's rounds share epsilon (basic composition), noise scale 2 clip / eps_t."""
+    summary, rows = run_inprocess(method="ddpsa")
+    cfg = RunConfig.from_mapping(_raw())
+    assert summary["failed_rounds"] == [] and len(rows) == cfg.num_rounds
+    eps_t = cfg.epsilon / cfg.num_rounds
+    assert [r["epsilon_round"] for r in rows] == pytest.approx([eps_t] * cfg.num_rounds)
+    assert summary["epsilon"] == pytest.approx(cfg.epsilon) and summary["epsilon"] <= cfg.epsilon * (1 + 1e-12)
+    assert summary["method_parameters"]["laplace_scale_first_round"] == pytest.approx(2 * cfg.clip / eps_t)

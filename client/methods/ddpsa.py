@@ -6,8 +6,9 @@ one gradient over the whole local dataset, no local steps):
 1. per-sample gradients ``g_j`` of the cross-entropy loss at ``theta_t`` (exact layer-wise
    norms at about one backward pass, :mod:`protocols.per_example`), each clipped to L1 norm
    ``Delta`` = run-config ``clip`` over *all* parameters jointly;
-2. ``s_i = sum_j g_j + Lap(0, Delta / eps_t)^d`` -- the Laplace mechanism on the clipped
-   sum (L1 sensitivity ``Delta`` under add/remove-one-sample adjacency), with the
+2. ``s_i = sum_j g_j + Lap(0, 2 Delta / eps_t)^d`` -- the Laplace mechanism on the clipped
+   sum (L1 sensitivity ``2 Delta`` to replacing one sample, :func:`protocols.ddpsa.l1_sensitivity`;
+   the paper's ``Delta / eps_t`` assumes add/remove adjacency, which publishing ``N_i`` breaks), with the
    round's ``eps_t`` from the client's *own* budget schedule (Eq. 12, from its run config:
    :func:`protocols.floor.ddpsa_round_epsilon`); a larger ``eps_t`` from the server is refused;
 3. fixed-point encoding into Z_2^64 (``2^frac_bits`` scaling instead of the paper's
@@ -52,7 +53,7 @@ from client.intermediate import IntermediateServers, share_and_push
 from client.messages.common import TrainIns
 from client.messages.ddpsa import DdpsaRound, ShareReceipt
 from client.wire import from_record
-from protocols.ddpsa import laplace_noise
+from protocols.ddpsa import l1_sensitivity, laplace_noise
 from protocols.floor import FloorViolation, at_most, ddpsa_round_epsilon
 from protocols.per_example import PerExampleClipper
 from protocols.privacy import LaplaceEvent, laplace_scale
@@ -94,13 +95,13 @@ def clipped_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: f
 
 def noisy_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: float, epsilon: float,
                        *, seed: bytes | None = None) -> tuple[np.ndarray, float, float]:
-    """Algorithm 2's client step before encoding: clipped sum + ``Lap(clip / epsilon)`` per coordinate.
+    """Algorithm 2's client step before encoding: clipped sum + ``Lap(2 clip / epsilon)`` per coordinate.
 
     Returns ``(noisy sum s_i, mean loss, clipped fraction)``; ``seed`` = None draws fresh
     OS randomness.
     """
     total, loss, frac = clipped_gradient_sum(model, x, y, clip)
-    noise = laplace_noise(total.size, laplace_scale(clip, epsilon), seed=seed)
+    noise = laplace_noise(total.size, laplace_scale(l1_sensitivity(clip), epsilon), seed=seed)
     return total + noise, loss, frac
 
 
