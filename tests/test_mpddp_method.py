@@ -246,7 +246,8 @@ def test_clients_receive_only_the_perturbed_model_and_privacy_report(tmp_path):
     true = layers_from_weights(initial_weights(cfg))
     w_hat = [torch.as_tensor(m) for m in first.matrices]
     dist = relative_distance(true, w_hat)["overall"]
-    assert dist > 1.0 and rows[0]["client_model_distance"] == pytest.approx(dist)
+    # (additive mask at the output layer's own RMS, protocols.mpddp.output_scale: ~0.65 here, > 1 with r^a ~ N(0, 1))
+    assert dist > 0.3 and rows[0]["client_model_distance"] == pytest.approx(dist)
     assert all(r["client_model_distance"] > 0.3 for r in rows)
     # Layer-1 rows keep their direction exactly (documented leak of the perturbation).
     assert rows[0]["client_model_row_cosine_l1"] == pytest.approx(1.0, abs=1e-12)
