@@ -102,3 +102,29 @@ def test_monotone_and_sensitivity_scaling() -> None:
 def test_refuses_uncovered_settings(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         calibrate(**kwargs)
+
+
+# --------------------------------------------------------------------------- record level
+def test_record_level_scales_are_z_times_two_clip_over_n():
+    """The MP family's noise: Theorem 10 multipliers (mpddp) or z (mpdp-naive) times 2 clip / n (replace-one record)."""
+    from protocols.config import RunConfig
+    from protocols.floor import ETA_SHARE, mpddp_floor, mpdp_naive_sigma
+    from protocols.mpddp import mp_record_sensitivity
+    from protocols.privacy import gaussian_epsilon, noise_multiplier
+    from server.defaults import app_defaults
+
+    cfg = RunConfig.from_mapping({**app_defaults(), "method": "mpddp", "num-rounds": 30, "clip": 0.5, "epsilon": 1.0})
+    z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
+    assert gaussian_epsilon(z, 1.0, cfg.num_rounds, cfg.delta) <= cfg.epsilon  # the reported epsilon meets the target
+    assert mp_record_sensitivity(0.5, 180) == pytest.approx(2 * 0.5 / 180)
+    assert mpdp_naive_sigma(cfg, 180) == pytest.approx(z * 2 * 0.5 / 180)
+    se, sd, theta = mpddp_floor(cfg, 10, 180)
+    assert theta == pytest.approx(1 / z**2)
+    s = 2 * 0.5 / 180
+    assert se == pytest.approx(s * z / math.sqrt(10 * ETA_SHARE)) and sd == pytest.approx(s * z / math.sqrt(10 * (1 - ETA_SHARE)))
+    # the mean's eta noise, sigma_eta / sqrt(K), covers the record sensitivity of the mean, s / K, with multiplier >= z
+    assert (se / math.sqrt(10)) / (s / 10) >= z
+    # the smallest participant sets the scales: half the size, twice the noise
+    assert mpddp_floor(cfg, 10, 90)[0] == pytest.approx(2 * se)
+    with pytest.raises(ValueError):
+        mp_record_sensitivity(1.0, 0)
