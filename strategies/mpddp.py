@@ -24,17 +24,24 @@ Round ``t`` (methods ``mpddp``, ``mpdp-naive``, ``mpcdp``):
 4. MU_Server (Algorithm 3, :func:`protocols.mpddp.mu_server`): *unweighted* mean of the uploads (the
    Delta's only cancel in the plain mean; streamed from the wire by :func:`client.messages.mpddp.mean_upload`),
    recovery Eq. (22), update of every layer with the server learning rate xi (``mpddp-server-lr``).
-   ``mpcdp`` instead recovers each client's gradient, clips it to ``clip``, averages
-   (:func:`protocols.mpddp.clipped_mean`) and adds N(0, (z clip / K)^2) on the server.  For ``mpddp`` a
+   ``mpcdp`` adds N(0, (z S / K)^2) to the mean perturbed gradient before recovery.  For ``mpddp`` a
    participant of the key phase that does not upload leaves uncancelled Delta's in the mean: the survivors
    reveal that round's Delta seeds with it and the server subtracts them (dropout recovery,
    :mod:`strategies.recovery`; the paper has none); if that fails, the round fails (:class:`RoundFailed`) and
    the model is kept.
 
 Calibration (run-config ``epsilon``/``delta`` = the budget over the whole run, the project convention).
-Sensitivity S = run-config ``clip`` (the paper sets S = 1).  It is an ASSUMPTION for ``mpddp`` and
-``mpdp-naive``: clients only see perturbed gradients and the server only noised ones, so nobody can clip
-the true per-client gradient (``mpcdp``'s trusted server does clip).
+Privacy unit: one RECORD (the paper's DP definition; its calibration's "S_f = B = 1" bounds a whole
+client's gradient, a loose client-level figure: with 10-100 clients at epsilon 1 that noise drowns the
+model).  Each client clips every example's PERTURBED gradient (on W-hat) to ``clip`` and uploads their mean
+(:func:`protocols.mpddp.clipped_client_gradients`), so one record moves the noised upload by at most
+S = 2 clip / n_k (replace-one, :func:`protocols.mpddp.mp_record_sensitivity`): enforced, in the space the
+noise is added in.  The true-space gradient (what the published model moves by) is NOT bounded by it:
+the client cannot compute it (it does not know R), so, as in the paper, the true-space figure is nominal.
+The additive mask r^a is drawn at the output layer's RMS (:func:`protocols.mpddp.output_scale`): at
+N(0, 1) the perturbed per-example gradients were ~100x the true ones and the noise ~100x the signal.
+mpddp uses S of the round's smallest participant (public key-phase sizes, every client recomputes the
+scales, :func:`protocols.floor.mpddp_floor`); mpdp-naive each client's own n_k; mpcdp the smallest upload's.
 * ``mpddp``, complete graph (Theorem 10): the view of one round is a Gaussian mechanism whose privacy-loss
   variance is theta (Eq. 23 is exactly the Gaussian tail condition for a N(theta/2, theta) privacy loss),
   i.e. noise multiplier z = theta^-1/2.  We take the smallest z for which ``num-rounds`` compositions
@@ -49,9 +56,9 @@ the true per-client gradient (``mpcdp``'s trusted server does clip).
   the theorem with delta/(3T)), composed by basic composition: epsilon after t rounds = t epsilon / T.
   Settings the theorem does not cover are refused (``ConfigError`` at construction for K =
   clients-per-round, ``RoundFailed`` if fewer clients pass the key phase).
-* ``mpdp-naive``: sigma = z S per client, the same z (the paper's naive calibration;
-  :func:`protocols.mpddp.calibrate_ldp`).
-* ``mpcdp``: sigma = z S / K on the recovered mean of clipped per-client gradients, same z
+* ``mpdp-naive``: sigma = z S_k per client, the same z (the paper's naive calibration;
+  :func:`protocols.mpddp.calibrate_ldp`); the server announces z only (it need not know n_k).
+* ``mpcdp``: sigma = z S / K on the mean perturbed gradient (the place of mpddp's eta), same z
   (:func:`protocols.mpddp.calibrate_cdp`).
 
 CAVEATS (found while implementing, reported, not fixed -- they are properties of the paper's scheme):
@@ -62,8 +69,7 @@ CAVEATS (found while implementing, reported, not fixed -- they are properties of
   conditional noise, worst coordinate).  On our one-hidden-layer MLPs it is about 5x the nominal
   figure (R entries are single |DN*(1)| factors, min ~ 0.2); deeper MLPs multiply factors r_i s_j and
   get smaller minima.  The same figure is reported for ``mpdp-naive`` (whose noise is Gaussian given R).
-* The sensitivity S = ``clip`` is assumed, not enforced (see above); ``mpcdp`` measures it: on
-  breast-cancer with K = 100, round-1 client gradients have mean L2 norm ~1.7, so S = 1 is violated.
+* The record sensitivity S = 2 clip / n_k is enforced for the perturbed gradient only (see above).
 * Psi_k and Phi_k are uploaded unnoised (as in the paper); they are deterministic functions of client
   k's data at W-hat, so strictly there is no DP guarantee for the uplink at all; ``epsilon_given_R``
   ignores them too.
