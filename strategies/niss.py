@@ -84,9 +84,11 @@ charged, :func:`protocols.niss.downlink_multiplier`, from the sizes the clients
 reported with their keys), accounted with sampling rate ``m / num-clients``
 (infinite for tau = 0; also heuristic for tau > 0 because the product noise is
 only approximately Gaussian).  By default (``niss-tau < 0``) tau is the larger of
-Theorem 3's minimum and ``1/sqrt(m)`` (:func:`protocols.niss.client_tau`), which
-makes the downlink multiplier ``z``: the published model gets the run's epsilon
-too (tau = 0 would publish the exact FedAvg model).
+Theorem 3's minimum and ``max_k Delta f_k / sqrt(sum_j Delta f_j^2)`` over the sizes
+sent with the share request (``1/sqrt(m)`` for equal sizes, never less;
+:func:`protocols.niss.client_tau`), which makes the downlink multiplier ``z``: the
+published model gets the run's epsilon too (tau = 0 would publish the exact FedAvg
+model).
 """
 
 from __future__ import annotations
@@ -243,8 +245,8 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
     def share_bytes(self, weight: float, node: int, kr: KeyRound) -> int:
         """Most bytes ``node``'s share reply may hold (larger replies are never relayed).
 
-        All its shares (:func:`protocols.niss.client_plan` for the size it reported with its key, or the largest
-        partition when unknown) as float64 vectors (vector encoding; a seed payload is far smaller), plus
+        All its shares (:func:`protocols.niss.client_plan` for the size it reported with its key, or one record
+        when unknown: the most shares) as float64 vectors (vector encoding; a seed payload is far smaller), plus
         :data:`PAYLOAD_OVERHEAD` per neighbour.
         """
         dim = sum(math.prod(a.shape) for a in self.round_model.values()) if self.round_model is not None else 0
