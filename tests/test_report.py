@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from server.compare import compare
 from server.launch import main, run_inprocess
 
@@ -38,7 +40,8 @@ def test_compare_writes_the_side_by_side_report(tmp_path):
     assert noise["fedavg"]["upload_noise_std"] == 0 == noise["fedavg"]["model_noise_std"]
     ldp_ratio = noise["ldp"]["upload_noise_std"] / noise["ldp"]["model_noise_std"]
     nadp_ratio = noise["nadp"]["upload_noise_std"] / noise["nadp"]["model_noise_std"]
-    assert abs(ldp_ratio - 10 ** 0.5) < 1e-6 and nadp_ratio > 2 * ldp_ratio
+    # record-level ldp: each client's std follows its n_k (143-144 records here), so sqrt(10) up to 1 %
+    assert ldp_ratio == pytest.approx(10 ** 0.5, rel=1e-2) and nadp_ratio > 2 * ldp_ratio
     assert "| fedavg | " in text and "| none | none |" in text  # fedavg: no guarantee in either direction
 
 
