@@ -344,3 +344,40 @@ def _pgid(pid: int) -> int | None:
         return os.getpgid(pid)
     except OSError:
         return None
+
+
+def _model(out: Path) -> dict[str, np.ndarray]:
+    with np.load(out / "model.npz") as npz:
+        return {k: npz[k] for k in npz.files if not k.startswith("__")}
+
+
+def test_model_ema_publishes_the_average_of_the_global_models_and_survives_resume(tmp_path, capsys):
+    """model-ema: the saved model is decay * average + (1 - decay) * the latest global model.
+
+    fedavg is deterministic given the seed, so the global models of rounds 1 and 2 are those of plain runs.
+    """
+    base = {**FAST, "method": "fedavg"}
+    run_inprocess({**base, "num-rounds": 1, "model-ema": 0.0, "out-dir": str(tmp_path / "r1")}, progress=lambda _s: None)
+    run_inprocess({**base, "num-rounds": 2, "model-ema": 0.0, "out-dir": str(tmp_path / "r2")}, progress=lambda _s: None)
+    ema = run_inprocess({**base, "num-rounds": 2, "model-ema": 0.75, "out-dir": str(tmp_path / "ema")},
+                        progress=lambda _s: None)
+    w1, w2, got = _model(tmp_path / "r1"), _model(tmp_path / "r2"), _model(tmp_path / "ema")
+    assert set(got) == set(w1) and any(not np.allclose(w1[k], w2[k]) for k in w1)
+    for k in got:
+        np.testing.assert_allclose(got[k], 0.75 * w1[k] + 0.25 * w2[k], rtol=1e-5, atol=1e-6)
+    assert ema["config"]["model-ema"] == 0.75
+    # the checkpoint keeps the global model (training goes on from it) and the published average apart
+    ckpt = load_checkpoint(tmp_path / "ema")
+    for k in got:
+        np.testing.assert_allclose(ckpt.weights[k], w2[k], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(ckpt.published[k], got[k], rtol=1e-6, atol=1e-7)
+    # a crash after round 1 and a resume give the same published model as the uninterrupted run
+    out = tmp_path / "crashed"
+    with pytest.raises(_Crash):
+        run_inprocess({**base, "num-rounds": 2, "model-ema": 0.75, "out-dir": str(out)}, progress=_crash_after(1))
+    assert load_checkpoint(out).published is not None
+    code, _ = _cli(capsys, "run", "--resume", str(out))
+    assert code == 0
+    resumed = _model(out)
+    for k in got:
+        np.testing.assert_allclose(resumed[k], got[k], rtol=1e-5, atol=1e-6)
