@@ -48,7 +48,7 @@ def _worst(spent: Mapping[str, float]) -> tuple[str, float]:
 
 def guarantee(env: ClientEnv) -> Guarantee:
     """What the method's epsilon protects (unit, and whether the uploads carry a guarantee): the registry's word."""
-    return method_spec(env.cfg.method).privacy
+    return method_spec(env.cfg.method).guarantee(env.cfg.privacy_unit)
 
 
 def admit(msg: Message, env: ClientEnv) -> None:

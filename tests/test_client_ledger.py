@@ -20,7 +20,7 @@ import pytest
 
 from client.ledger import ClientLedger
 from protocols.config import RunConfig
-from protocols.floor import ldp_noise_std
+from protocols.floor import ldp_noise_multiplier
 from protocols.privacy import DpCompositionAccountant, DpEvent, GaussianEvent, LaplaceEvent, RdpAccountant
 from server.launch import run_inprocess
 from server.local_grid import LocalGrid
@@ -38,7 +38,7 @@ def _run_epsilon(rounds: int) -> float:
     """What ``rounds`` ldp releases of the LDP config cost a client (RDP, at delta 1e-5)."""
     cfg = RunConfig(**{k.replace("-", "_"): v for k, v in LDP.items()}, method="ldp")
     acc = RdpAccountant()
-    acc.compose(GaussianEvent(ldp_noise_std(cfg) / cfg.clip, count=rounds))
+    acc.compose(GaussianEvent(ldp_noise_multiplier(cfg), count=rounds))
     return acc.epsilon(1e-5)
 
 

@@ -24,7 +24,7 @@ from client.messages.mpddp import NaiveNoise
 from client.models import build_model, get_weights
 from client.wire import to_record
 from protocols.config import RunConfig
-from protocols.floor import FloorPolicy, FloorViolation, ddpsa_round_epsilon, ldp_noise_std
+from protocols.floor import FloorPolicy, FloorViolation, ddpsa_round_epsilon, ldp_noise_multiplier, ldp_noise_std
 from protocols.methods import METHOD_NAMES, method_spec
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
@@ -92,11 +92,11 @@ def assert_all_refused(replies: list[Message], parameter: str) -> None:
 
 # ------------------------------------------------------------------------- malicious strategies
 class QuietLdp(LocalDPStrategy):
-    """Announces a noise std a million times smaller."""
+    """Announces a noise multiplier a million times smaller."""
 
     def train_config(self, server_round: int) -> ConfigRecord:
         rec = super().train_config(server_round)
-        rec.update(LocalDpNoise(self.z * self.cfg.clip * 1e-6).to_config())
+        rec.update(LocalDpNoise(self.z * 1e-6).to_config())
         return rec
 
 
@@ -133,7 +133,8 @@ class QuietNaive(MpdpNaiveStrategy):
 
 
 ATTACKS = [
-    ("ldp", {}, QuietLdp, "noise-std"),
+    ("ldp", {}, QuietLdp, "noise-multiplier"),
+    ("ldp", {"privacy-unit": "client"}, QuietLdp, "noise-multiplier"),
     ("nadp", {}, nadp_cut("sigma_up", 1e-9), "nadp-sigma-up"),
     ("nadp", {}, nadp_cut("sigma_down", 1e-9), "nadp-sigma-down"),
     ("nadp", {"nadp-lambda": 3.0}, nadp_cut("lam", 1 / 3), "nadp-lambda"),
@@ -172,7 +173,8 @@ def test_honest_servers_pass_the_floor_and_clients_report_their_spending():
 def test_client_noise_is_its_own_not_the_servers():
     """A server announcing *more* noise does not change what the client computes (nor does a smaller one pass)."""
     cfg, _ = setup("ldp")
-    assert ldp_noise_std(cfg) == pytest.approx(LocalDPStrategy(cfg).z * cfg.clip)
+    assert ldp_noise_multiplier(cfg) == pytest.approx(LocalDPStrategy(cfg).z)
+    assert ldp_noise_std(cfg, 100) == pytest.approx(LocalDPStrategy(cfg).upload_std(100))
     assert ddpsa_round_epsilon(cfg.replace(method="ddpsa"), 1) == pytest.approx(cfg.epsilon / cfg.num_rounds)
 
 
