@@ -34,7 +34,7 @@ from protocols.mpddp import (
     theta_for_noise_multiplier,
 )
 from protocols.nadp import NadpSigmas, NoiseAllocation, compensation_factor, round_plan
-from protocols.privacy import calibrate_noise_multiplier, lemma2_sigma, noise_multiplier, per_round_epsilons, record_sensitivity
+from protocols.privacy import calibrate_noise_multiplier, noise_multiplier, per_round_epsilons, record_sensitivity
 
 __all__ = [
     "ETA_SHARE",
@@ -45,13 +45,13 @@ __all__ = [
     "at_least",
     "at_most",
     "ddpsa_round_epsilon",
+    "ldp_noise_multiplier",
     "ldp_noise_std",
     "mpddp_floor",
     "mpdp_naive_sigma",
     "nadp_compensation",
     "nadp_floor",
     "nadp_sensitivity",
-    "ldp_noise_multiplier",
 ]
 
 #: Relative slack of a comparison between the server's value and the client's own (float round-off only).
@@ -220,7 +220,7 @@ def nadp_floor(cfg: RunConfig, sizes: Mapping[int, int], me: int,
     """The round's noise recomputed from the run config and the public sizes/graph (both variants)."""
     sens = {n: nadp_sensitivity(cfg, s) for n, s in sizes.items()}
     if cfg.nadp_variant == "record-ldp":
-        z_ldp = lemma2_sigma(1.0, cfg.epsilon, cfg.delta, cfg.sample_rate * cfg.num_rounds)
+        z_ldp = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds)
         return NadpFloor(None, None, 1.0, sens[me], z_ldp * sens[me])
     sig, alloc = round_plan(sizes, sens, cfg.epsilon, cfg.delta, cfg.num_rounds, graph=graph)
     min_degree = min(len(nb) for nb in graph.values()) if graph is not None and alloc.pair_table is not None else None
