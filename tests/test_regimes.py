@@ -12,7 +12,7 @@ import math
 import pytest
 
 from protocols import ladp as ladp_math
-from protocols.config import RunConfig
+from protocols.config import ConfigError, RunConfig
 from protocols.methods import METHOD_NAMES, METHODS, regime
 from protocols.niss import client_tau
 from protocols.privacy import gdp_epsilon
@@ -33,14 +33,34 @@ def test_every_method_has_a_guarantee_and_a_regime_that_differs_from_fedavg_wher
         g = spec.privacy
         assert g.unit in ("record", "client", "none")
         if name == "fedavg":
-            assert g.unit == "none" and g.uplink is None and g.downlink is None
+            assert g.unit == "none" and g.uplink is None and g.downlink is None and not spec.units
         else:
             assert g.downlink is not None, f"{name}: every DP method protects the published model"
+            # every DP method protects a record by default (the papers' neighbouring datasets)
+            assert spec.units[0] == "record" and RunConfig.from_mapping({"method": name}).privacy_unit == "record"
+            assert spec.guarantee("record").unit == "record"
     # the papers' regimes: one full-batch clipped step per round (nadp), FedSGD with a server step (mpddp)
     nadp = regime("nadp", "digits")
     assert nadp["local-epochs"] == 1 and nadp["batch-size"] >= 100_000
-    assert 0 < regime("mpddp", "mnist")["mpddp-server-lr"] <= 0.1
-    assert all(RunConfig.from_mapping({"method": m}).num_rounds >= 3 for m in METHOD_NAMES)
+    assert regime("mpddp", "mnist")["mpddp-server-lr"] > 0
+    assert all(RunConfig.from_mapping({"method": m}).num_rounds >= 2 for m in METHOD_NAMES)
+
+
+def test_client_level_is_asked_for_by_name_and_refused_where_not_implemented():
+    assert RunConfig.from_mapping({"method": "ldp", "privacy-unit": "client"}).privacy_unit == "client"
+    assert RunConfig.from_mapping({"method": "cdp", "privacy-unit": "client"}).privacy_unit == "client"
+    with pytest.raises(ConfigError, match="protects a record, not a 'client'"):
+        RunConfig.from_mapping({"method": "nadp", "privacy-unit": "client"})
+    with pytest.raises(ConfigError, match="privacy-unit"):
+        RunConfig.from_mapping({"method": "ldp", "privacy-unit": "user"})
+
+
+def test_one_federation_per_dataset_for_every_method_and_dp_methods_publish_an_average():
+    for dataset, k in (("digits", 10), ("breast-cancer", 10), ("mnist", 100), ("fashion-mnist", 100)):
+        assert {RunConfig.from_mapping({"method": m, "dataset": dataset}).num_clients for m in METHOD_NAMES} == {k}
+    assert RunConfig.from_mapping({"method": "nadp", "dataset": "mnist", "num-clients": 7}).num_clients == 7
+    assert RunConfig.from_mapping({"method": "fedavg"}).model_ema == 0.0
+    assert all(RunConfig.from_mapping({"method": m}).model_ema == 0.8 for m in METHOD_NAMES if m != "fedavg")
 
 
 def test_ladp_epsilon_is_the_whole_run_target():
@@ -66,23 +86,26 @@ def test_noise_estimate_run_ratio():
 
 @pytest.mark.slow
 def test_default_nadp_trains_on_digits_far_above_ldp_and_outputs_say_what_epsilon_means(tmp_path):
-    """Nadp and ldp with only the method set (the regimes apply): nadp learns, ldp warns that noise dwarfs signal."""
+    """Nadp and ldp with only the method set (the regimes apply): both protect a record at epsilon 1.
+
+    Same 10 clients; nadp's pair noise cancels, ldp's independent noise leaves sqrt(10) times more in the model.
+    """
     ldp_lines: list[str] = []
     ldp, ldp_rows = _run(tmp_path, "ldp", ldp_lines, method="ldp")
     nadp, nadp_rows = _run(tmp_path, "nadp", method="nadp", clip=1.0)
     # regime applied (and recorded), the user's key kept
     assert nadp["regime"]["local-epochs"] == 1 and "clip" not in nadp["regime"]
-    assert nadp["config"]["num-rounds"] == nadp["regime"]["num-rounds"] == 30
-    # nadp trains (fedavg reaches ~0.91 here, nadp 0.57-0.71 over 4 runs; chance is 0.1); client-level ldp with
-    # 10 clients at eps 1 cannot (0.1-0.2)
-    assert nadp["final_accuracy"] >= 0.4
-    assert nadp["final_accuracy"] >= ldp["final_accuracy"] + 0.15
-    assert any("dwarfs the signal" in line for line in ldp_lines)
-    assert ldp["noise_check"]["run_ratio"] > 1 > nadp["noise_check"]["run_ratio"]
-    # the whole-run target is met, the unit and the directions are stated
-    assert nadp["epsilon"] <= 1.0 + 1e-9 and ldp["epsilon"] <= 1.0 + 1e-9
-    assert nadp["privacy"]["unit"] == "record" and ldp["privacy"]["unit"] == "client"
-    assert all(r["privacy_unit"] == "record" for r in nadp_rows) and all(r["privacy_unit"] == "client" for r in ldp_rows)
+    assert nadp["config"]["num-rounds"] == nadp["regime"]["num-rounds"]
+    assert nadp["config"]["num-clients"] == ldp["config"]["num-clients"] == 10
+    # nadp trains (fedavg reaches ~0.91 here, nadp 0.79-0.84, record-level ldp 0.34-0.48; chance is 0.1)
+    assert nadp["final_accuracy"] >= 0.7
+    assert nadp["final_accuracy"] >= ldp["final_accuracy"] + 0.2
+    assert ldp["final_accuracy"] >= 0.2
+    assert ldp["noise_check"]["run_ratio"] > nadp["noise_check"]["run_ratio"]
+    # the whole-run target is met and spent (exact RDP calibration), the unit and the directions are stated
+    assert 0.99 <= nadp["epsilon"] <= 1.0 + 1e-9 and 0.99 <= ldp["epsilon"] <= 1.0 + 1e-9
+    assert nadp["privacy"]["unit"] == ldp["privacy"]["unit"] == "record"
+    assert all(r["privacy_unit"] == "record" for r in nadp_rows + ldp_rows)
     assert nadp["privacy"]["downlink"]["adversary"] and nadp["privacy"]["downlink"]["epsilon"] <= 1.0 + 1e-9
 
 
