@@ -138,14 +138,16 @@ def test_mpcdp_server_recovers_one_clients_exact_gradient(tmp_path):
     from server.attacks.uplink import attacker_view, capture_first_round, true_gradient
 
     # float64 side information: exact recovery (the float32 default rounds Psi/Phi, recovery error ~1e-4)
+    # (clip 1e3: no example is clipped, so the upload is the client's true mean gradient)
     cap = capture_first_round({"method": "mpcdp", "num-clients": 4, "hidden": "16", "mpddp-side-dtype": "float64",
-                               "out-dir": str(tmp_path / "f64")})
+                               "clip": 1e3, "out-dir": str(tmp_path / "f64")})
     view, g = attacker_view(cap), true_gradient(cap)
     assert view.noise_scale is None  # no client-side noise to weight
     for k in g:
         np.testing.assert_allclose(view.gradient[k], g[k], rtol=1e-8, atol=1e-10)
     # the default float32 side information leaks the same gradient up to float32 rounding
-    cap = capture_first_round({"method": "mpcdp", "num-clients": 4, "hidden": "16", "out-dir": str(tmp_path / "f32")})
+    cap = capture_first_round({"method": "mpcdp", "num-clients": 4, "hidden": "16", "clip": 1e3,
+                               "out-dir": str(tmp_path / "f32")})
     assert cap.cfg.mpddp_side_dtype == "float32"
     view, g = attacker_view(cap), true_gradient(cap)
     for k in g:
