@@ -222,8 +222,9 @@ def _plan(sizes, *, epsilon, delta, clip, rounds, lr=1.0, graph=None, calibratio
 
 @pytest.mark.parametrize("graph_kind", ["complete", "n-out"])
 def test_rdp_calibration_spends_the_budget_in_both_views(graph_kind) -> None:
-    """round_plan's default: the published aggregate gets exactly the RDP multiplier of T releases at (eps, delta),
-    the server's joint view of the uploads at least that; Eq. 3 leaves budget unspent and noise in the model.
+    """round_plan's default spends the budget: the aggregate gets exactly the RDP multiplier of T releases.
+
+    The server's joint view of the uploads gets at least that; Eq. 3 leaves budget unspent and noise in the model.
     """
     from protocols.graphs import round_graph
     from protocols.nadp import JOINT_SLACK

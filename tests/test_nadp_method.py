@@ -259,8 +259,9 @@ def test_epsilon_matches_target(run_inprocess):
 
 
 def test_record_ldp_variant_carries_sqrt_kq_over_2_more_aggregate_noise(run_inprocess, tmp_path):
-    """Theorem 1 with one accountant for both: the independent-noise comparator leaves sqrt(k) times the noise
-    in the aggregate (k = 10 clients; Eq. 3's 2T composition made it sqrt(k / 2)); nadp's joint-view slack
+    """Theorem 1 with one accountant for both: independent noise leaves sqrt(k) times nadp's in the aggregate.
+
+    k = 10 clients (Eq. 3's 2T composition made it sqrt(k / 2)); nadp's joint-view slack
     (protocols.nadp.JOINT_SLACK) may add up to 2 % to nadp's.
     """
     common = {"num_clients": 10, "num_rounds": 1, **{k.replace("-", "_"): v for k, v in FAST.items()}}
