@@ -125,31 +125,22 @@ _MODEL = "anyone who gets the published global models"
 _MODEL_TRUSTED = "anyone who gets the published global models (the server is trusted with the uploads)"
 
 # ------------------------------------------------------------------ regimes (measured: README "Default runs")
-#: Client-level DP with ~10 clients: noise ∝ z sqrt(d) / clients, so few rounds and a linear model.
-_CLIENT_LEVEL = {"small": {"hidden": "", "num-rounds": 3, "local-epochs": 5, "lr": 0.5, "clip": 1.0},
-                 "large": {"local-epochs": 1}}
-#: ldp / cdp at record level (their default): NADP-FL's regime (one full-batch per-example-clipped step per round,
-#: Lemma 1 sensitivity 2 C lr / n_k).  One regime per method: a privacy-unit="client" run gets it too unless the
-#: user sets the keys (client-level DP cannot train at epsilon 1 with 10-100 clients in any regime we measured).
-_RECORD_BASELINE = {"small": {"hidden": "", "local-epochs": 1, "batch-size": FULL_BATCH, "lr": 4.0, "clip": 1.0,
-                              "num-rounds": 30},
-                    "large": {"num-rounds": 60}}
+#: NADP-FL's regime, the record-level step every full-batch method shares: one full-batch step of per-example-clipped
+#: gradients per round, so a record moves a client's model by at most Lemma 1's 2 C lr / n_k.  nadp, niss and cdp
+#: leave the central noise (z 2 C lr / N) in the model and train with it as is; 60 rounds on MNIST-size data reach
+#: 0.90 instead of 0.89 at 30.  One regime per method: a privacy-unit="client" run gets it too unless the user sets
+#: the keys (client-level DP cannot train at epsilon 1 with 10-100 clients in any regime we measured).
+_RECORD_STEP = {"small": {"hidden": "", "local-epochs": 1, "batch-size": FULL_BATCH, "lr": 4.0, "clip": 1.0,
+                          "num-rounds": 30},
+                "large": {"num-rounds": 60}}
 #: ldp at record level: the same step, fewer rounds.  Every client's noise stays in the mean (std z sqrt(K) 2 C lr / N)
 #: and z grows like sqrt(T) under exact RDP composition, so the run's noise grows like T while later rounds' clipped
 #: gradients shrink.  Measured with a numpy replica of this training (6-8 repeats, digits): last model 0.39 at T=5,
 #: 0.41 at T=10, 0.34 at T=20, 0.31 at T=30; model-ema 0.8: 0.35, 0.41, 0.41, 0.39.  Clip 0.1-2 (lr scaled) changes
 #: nothing (every per-example gradient is clipped); lr 1 or 16 is worse than 4.
-_LDP = {"small": {**_RECORD_BASELINE["small"], "num-rounds": 10}, "large": {"num-rounds": 20}}
+_LDP = {"small": {**_RECORD_STEP["small"], "num-rounds": 10}, "large": {"num-rounds": 20}}
 #: FedAvg's regime is the run-config defaults; on MNIST-size data fewer, shorter rounds keep a run to minutes.
 _FEDAVG = {"large": {"num-rounds": 10, "local-epochs": 1}}
-#: NADP-FL's regime: one full-batch step of per-example-clipped gradients per round (Lemma 1 sensitivity).
-#: On MNIST-size data the noise is small (run ratio ~0.02) and 60 rounds reach 0.90 instead of 0.89 at 30.
-_NADP = {"small": {"hidden": "", "local-epochs": 1, "batch-size": FULL_BATCH, "lr": 4.0, "clip": 1.0, "num-rounds": 30},
-         "large": {"num-rounds": 60}}
-#: NISS at record level: NADP-FL's regime (one full-batch step of per-example-clipped gradients per round, so the
-#: record sensitivity is Lemma 1's 2 C lr / n_k); the noise left in the model is tau sqrt(m) sigma_k = sigma_k.
-_NISS = {"small": {"hidden": "", "local-epochs": 1, "batch-size": FULL_BATCH, "lr": 4.0, "clip": 1.0, "num-rounds": 30},
-         "large": {"num-rounds": 60}}
 #: MP_Server + DDP_Client at record level: FedSGD on the squared loss (local-epochs/batch-size/lr unused), each
 #: example's perturbed gradient clipped to 1 on W-hat.  The clipped gradient is small (~0.1 on digits), so the server
 #: step xi is large; 3 is stable (10 oscillated on digits even without noise, the MSE dynamics), 30 rounds.
@@ -158,7 +149,7 @@ _MP = {"small": {"hidden": "16", "num-rounds": 30, "clip": 1.0, "mpddp-server-lr
 #: LaDP-FL, record level: one full-batch step of per-example-clipped gradients per round (sensitivity 2 clip lr / N_i,
 #: replacing Theorem 2's 2 lr E clip).  Local DP (no cancellation): each round's noise is ~sqrt(K) times nadp's, and
 #: under exact Gaussian composition the run's signal-to-noise hardly depends on T, so ~20 rounds (digits 0.40-0.48).
-_LADP = {"small": {"hidden": "", "local-epochs": 1, "batch-size": FULL_BATCH, "lr": 2.0, "clip": 1.0, "num-rounds": 20}}
+_LADP = {"small": {**_RECORD_STEP["small"], "lr": 2.0, "num-rounds": 20}}
 #: DDP-SA: FedSGD with per-sample L1 clipping and per-client Laplace noise (2 clip / eps_t, pure eps, basic
 #: composition).  Signal-to-noise per coordinate ~ N_i eps_t / d (L1 geometry), so the whole budget goes into two
 #: rounds with a large server step (round 1 from the initial model is a class-mean classifier): the run's
@@ -174,14 +165,14 @@ METHODS: MappingProxyType = MappingProxyType({s.name: s for s in (
     _spec("ldp", "strategies.baselines:LocalDPStrategy", "client.methods.baselines:train_ldp",
           regime=_LDP, privacy=Guarantee("record", _SERVER, _MODEL), units=PRIVACY_UNITS),
     _spec("cdp", "strategies.baselines:CentralDPStrategy", "client.methods.baselines:train_cdp",
-          regime=_RECORD_BASELINE, privacy=Guarantee("record", None, _MODEL_TRUSTED), units=PRIVACY_UNITS),
+          regime=_RECORD_STEP, privacy=Guarantee("record", None, _MODEL_TRUSTED), units=PRIVACY_UNITS),
     _spec("nadp", "strategies.nadp:NadpStrategy", "client.methods.nadp:train",
           queries={"keys": _KEYS, "recover": _RECOVER},
-          family="pairwise", paper="NADP-FL", regime=_NADP, privacy=Guarantee("record", _SERVER_NO_COLLUSION, _MODEL)),
+          family="pairwise", paper="NADP-FL", regime=_RECORD_STEP, privacy=Guarantee("record", _SERVER_NO_COLLUSION, _MODEL)),
     _spec("niss", "strategies.niss:NissStrategy", "client.methods.niss:train",
           queries={"keys": _KEYS, "shares": "client.methods.niss:handle_shares", "recover": _RECOVER},
           family="pairwise", paper="NISS",
-          regime=_NISS, privacy=Guarantee("record", _SERVER_NISS, _MODEL), units=PRIVACY_UNITS),
+          regime=_RECORD_STEP, privacy=Guarantee("record", _SERVER_NISS, _MODEL), units=PRIVACY_UNITS),
     # The MP family's uplink epsilon is nominal only (Psi/Phi go up un-noised; the server knows R): no guarantee.
     _spec("mpddp", "strategies.mpddp:MpddpStrategy", "client.methods.mpddp:train",
           queries={"keys": _KEYS, "recover": _RECOVER}, family="mpddp", paper="MP_Server + DDP_Client",
