@@ -27,13 +27,15 @@ def test_grid_records_results_refusals_and_skips(tmp_path):
     out = tmp_path / "grid"
     argv = ["grid", "--dataset", "digits", "--train-subset", "0", "--test-subset", "200", "--methods",
             "fedavg,ldp,cdp,nosuch", "--epsilons", "1,4", "--clients", "4", "--rounds", "2", "--hidden", "16",
-            "--batch-size", "16", "--method-set", "cdp:delta=2.0", "--out", str(out)]
+            "--batch-size", "16", "--method-set", "cdp:delta=2.0", "ldp:privacy-unit=\"client\"", "--out", str(out)]
     assert cli.main(argv) == 0
     rows = _rows(out / "results.csv")
     assert [(r["name"], float(r["epsilon"])) for r in rows] == [("fedavg", 1.0), ("ldp", 1.0), ("ldp", 4.0),
                                                                  ("cdp", 1.0), ("cdp", 4.0)]
     fedavg, ldp1, ldp4, cdp1, _ = rows
-    # two rounds of mini-batch SGD learn digits far above chance (0.1); ldp's noise at epsilon 1 destroys that
+    # two rounds of mini-batch SGD learn digits far above chance (0.1); client-level ldp's noise at epsilon 1
+    # destroys that (record-level ldp with 16-example batches would stop on divergence: many steps, each record
+    # moving every later one, make its sensitivity 2 C lr (1/b + steps - 1))
     assert fedavg["status"] == "ok" and float(fedavg["final_accuracy"]) > 0.5
     assert float(ldp1["final_accuracy"]) < float(fedavg["final_accuracy"]) - 0.3
     assert math.isinf(float(fedavg["epsilon_reported"]))
