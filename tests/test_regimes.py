@@ -55,12 +55,13 @@ def test_client_level_is_asked_for_by_name_and_refused_where_not_implemented():
         RunConfig.from_mapping({"method": "ldp", "privacy-unit": "user"})
 
 
-def test_one_federation_per_dataset_for_every_method_and_dp_methods_publish_an_average():
+def test_one_federation_per_dataset_for_every_method_and_record_step_methods_publish_an_average():
     for dataset, k in (("digits", 10), ("breast-cancer", 10), ("mnist", 100), ("fashion-mnist", 100)):
         assert {RunConfig.from_mapping({"method": m, "dataset": dataset}).num_clients for m in METHOD_NAMES} == {k}
     assert RunConfig.from_mapping({"method": "nadp", "dataset": "mnist", "num-clients": 7}).num_clients == 7
-    assert RunConfig.from_mapping({"method": "fedavg"}).model_ema == 0.0
-    assert all(RunConfig.from_mapping({"method": m}).model_ema == 0.8 for m in METHOD_NAMES if m != "fedavg")
+    ema = {m: RunConfig.from_mapping({"method": m}).model_ema for m in METHOD_NAMES}
+    assert {m for m, d in ema.items() if d > 0} == {"ldp", "cdp", "nadp", "niss", "ladp"}  # the record-step regimes
+    assert RunConfig.from_mapping({"method": "mpddp", "model-ema": 0.5}).model_ema == 0.5
 
 
 def test_ladp_epsilon_is_the_whole_run_target():
