@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from protocols.config import RunConfig
 from server.defaults import APP_DIR, app_defaults
 from server.deploy import BIN, flower_env, free_port
 from tests.processes import pid_gone
@@ -78,7 +79,8 @@ def test_plain_flwr_run_on_the_default_federation_names_the_fix(tmp_path):
         out, found_at = _flwr_run(home)
     assert (home / "config.toml").is_file() and ":local:" in (home / "config.toml").read_text()
     assert found_at is not None, out[-3000:]
-    clients = app_defaults()["num-clients"]  # the app's default; Flower's local federation has 2 SuperNodes
+    # the app's default ("auto": 10 on the default dataset); Flower's local federation has 2 SuperNodes
+    clients = RunConfig.from_mapping(app_defaults()).num_clients
     assert f"flwr run . --stream --federation-config 'num-supernodes={clients}'" in out
     assert "flwr run . --stream --run-config 'num-clients=2'" in out
     # The ServerApp stops before any round; the whole command (SuperLink and Ray start included) within 2 min.
