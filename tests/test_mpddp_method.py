@@ -137,22 +137,25 @@ def initial_weights(cfg: RunConfig):
     return get_weights(build_model("mlp", ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed))
 
 
-def true_mean_gradient(cfg: RunConfig, weights, nodes: list[int], grid: LocalGrid, clip: float | None = None):
-    """Unweighted mean over ``nodes`` of each client's full-batch MSE gradient, by plain torch autograd."""
+def true_mean_gradient(cfg: RunConfig, weights, nodes: list[int], grid: LocalGrid, *, w_hat=None,
+                       clip: float | None = None):
+    """Unweighted mean over ``nodes`` of each client's full-batch MSE gradient, by plain torch autograd.
+
+    With ``w_hat`` and ``clip`` (record level): each client's mean of TRUE per-example gradients, example b
+    weighted ``min(1, clip / ||g^_b||)`` with g^_b its gradient at W-hat (autograd on the original model;
+    norms on W-hat).
+    """
     ds = load_dataset(cfg.dataset)
     model = build_model("mlp", ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed).double()
     model.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()})
     per_client = []
     for node in nodes:
         x, y = client_partition(cfg, int(grid.contexts[node].node_config["partition-id"]), cfg.num_clients)
-        out = model(torch.as_tensor(x, dtype=torch.float64))
+        x = torch.as_tensor(np.asarray(x).reshape(len(x), -1), dtype=torch.float64)
         target = torch.nn.functional.one_hot(torch.as_tensor(y), ds.num_classes).double()
-        loss = 0.5 * ((out - target) ** 2).sum(1).mean()
-        g = torch.autograd.grad(loss, list(model.parameters()))
-        flat = torch.cat([t.reshape(-1) for t in g])
-        if clip is not None:
-            flat = flat / max(1.0, float(flat.norm()) / clip)
-        per_client.append(flat)
+        scale = 1.0 if clip is None else torch.clamp(clip / per_example_grad_norms(w_hat, x, target), max=1.0)
+        loss = 0.5 * (((model(x) - target) ** 2).sum(1) * scale).mean()
+        per_client.append(torch.cat([t.reshape(-1) for t in torch.autograd.grad(loss, list(model.parameters()))]))
     return torch.stack(per_client).mean(0)
 
 
@@ -195,26 +198,6 @@ def test_pairwise_noise_cancels_through_messages(tmp_path):
             assert grads.std() > 0.75 * sigma_delta * math.sqrt(k - 1)
 
 
-def clipped_true_gradient(cfg: RunConfig, weights, w_hat, nodes: list[int], grid: LocalGrid, clip: float):
-    """Mean over ``nodes`` of each client's mean of TRUE per-example gradients, clip-weighted on W-hat.
-
-    Example b is weighted ``min(1, clip / ||g^_b||)`` with g^_b its gradient at W-hat (autograd on the
-    original model; norms on W-hat).
-    """
-    ds = load_dataset(cfg.dataset)
-    model = build_model("mlp", ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed).double()
-    model.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()})
-    per_client = []
-    for node in nodes:
-        x, y = client_partition(cfg, int(grid.contexts[node].node_config["partition-id"]), cfg.num_clients)
-        x = torch.as_tensor(np.asarray(x).reshape(len(x), -1), dtype=torch.float64)
-        target = torch.nn.functional.one_hot(torch.as_tensor(y), ds.num_classes).double()
-        scale = torch.clamp(clip / per_example_grad_norms(w_hat, x, target), max=1.0)
-        loss = 0.5 * (((model(x) - target) ** 2).sum(1) * scale).mean()
-        per_client.append(torch.cat([t.reshape(-1) for t in torch.autograd.grad(loss, list(model.parameters()))]))
-    return torch.stack(per_client).mean(0)
-
-
 def test_per_example_clipping_on_w_hat_is_recovered_exactly(tmp_path):
     """Record level: per-example clipping on W-hat is recovered exactly.
 
@@ -225,7 +208,7 @@ def test_per_example_clipping_on_w_hat_is_recovered_exactly(tmp_path):
     _, rows, strategy, grid, cfg = run("mpcdp", tmp_path, noise="off", clip=clip)
     w_hat = [torch.as_tensor(m) for m in PerturbedModel.from_record(
         next(m for m in grid.sent if m.metadata.message_type == "train").content["arrays"]).matrices]
-    want = clipped_true_gradient(cfg, initial_weights(cfg), w_hat, strategy.sampled, grid, clip)
+    want = true_mean_gradient(cfg, initial_weights(cfg), strategy.sampled, grid, w_hat=w_hat, clip=clip)
     plain = true_mean_gradient(cfg, initial_weights(cfg), strategy.sampled, grid)
     got = flat_layers(strategy.last_gradient)
     assert float((got - want).norm() / want.norm()) < 1e-6
