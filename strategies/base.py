@@ -280,6 +280,10 @@ class CancelStrategy(Strategy):
         """Names, shapes and dtypes of an upload; default: those of the global model, float32 or float64."""
         return spec_like(self.round_model) if self.round_model is not None else {}
 
+    def model_dim(self) -> int:
+        """Entries of the round's global model (0 before the first round)."""
+        return sum(math.prod(a.shape) for a in self.round_model.values()) if self.round_model is not None else 0
+
     def update_of(self, state: RoundState, node: int, flat: np.ndarray) -> np.ndarray:
         """The part of a flattened upload whose norm is bounded; default: upload minus the global model."""
         if self.round_model is None:

@@ -46,7 +46,14 @@ from client.wire import from_record, to_record
 from protocols.arrays import flatten, unflatten
 from protocols.config import RunConfig
 from protocols.floor import ldp_noise_multiplier
-from protocols.privacy import GaussianEvent, PrivacyLedger, RdpAccountant, calibrate_noise_multiplier, record_sensitivity
+from protocols.privacy import (
+    GaussianEvent,
+    PrivacyLedger,
+    RdpAccountant,
+    calibrate_noise_multiplier,
+    record_sensitivity,
+    record_training_movement,
+)
 from protocols.privacy.signal import NoiseEstimate, gaussian_norm
 from strategies.base import CancelStrategy, RoundFailed, RoundState, weighted_average
 from strategies.validation import gaussian_norm_bound
@@ -97,13 +104,6 @@ class _RecordLevel(CancelStrategy):
             pass
         return None
 
-    def _steps(self, size: int) -> int:
-        c = self.cfg
-        return c.local_epochs * math.ceil(size / min(c.batch_size, size))
-
-    def _dim(self) -> int:
-        return sum(int(np.prod(a.shape)) for a in self.round_model.values()) if self.round_model is not None else 0
-
 
 class LocalDPStrategy(_RecordLevel):
     """Local DP: every client noises its own upload (record level by default, or client level)."""
@@ -144,7 +144,7 @@ class LocalDPStrategy(_RecordLevel):
         c = self.cfg
         if self.record_level and self.sizes:
             std, _ = self.mean_noise(self.sizes)
-            signal = c.lr * c.clip * max(self._steps(n) for n in self.sizes.values())
+            signal = max(record_training_movement(c, n) for n in self.sizes.values())
             return NoiseEstimate(gaussian_norm(std, num_params), signal, c.num_rounds)
         m = c.clients_per_round
         return NoiseEstimate(gaussian_norm(self.z * c.clip / math.sqrt(m), num_params), c.clip, c.num_rounds)
@@ -156,11 +156,11 @@ class LocalDPStrategy(_RecordLevel):
         update has norm <= ``clip``.
         """
         if not self.record_level:
-            return self.cfg.clip + gaussian_norm_bound(self.z * self.cfg.clip, self._dim())
+            return self.cfg.clip + gaussian_norm_bound(self.z * self.cfg.clip, self.model_dim())
         size = self.sizes.get(node)
         if size is None or size < 1:
             return None
-        return self.cfg.lr * self.cfg.clip * self._steps(size) + gaussian_norm_bound(self.upload_std(size), self._dim())
+        return record_training_movement(self.cfg, size) + gaussian_norm_bound(self.upload_std(size), self.model_dim())
 
     def account_round(self, state: RoundState) -> None:
         """Each upload: a Gaussian with multiplier z, no amplification (every participant is told to release)."""
@@ -246,7 +246,7 @@ class CentralDPStrategy(_RecordLevel):
         if self.record_level:
             if self._last_std is None or not self.sizes:
                 return None
-            signal = c.lr * c.clip * max(self._steps(n) for n in self.sizes.values())
+            signal = max(record_training_movement(c, n) for n in self.sizes.values())
             return NoiseEstimate(gaussian_norm(self._last_std, num_params), signal, c.num_rounds)
         return NoiseEstimate(gaussian_norm(self.z * c.clip / c.clients_per_round, num_params), c.clip, c.num_rounds)
 
@@ -263,7 +263,7 @@ class CentralDPStrategy(_RecordLevel):
         size = self.sizes.get(node)
         if size is None or size < 1:
             return None
-        return self.cfg.lr * self.cfg.clip * self._steps(size) * (1 + 1e-3) + 1e-5 * norm
+        return record_training_movement(self.cfg, size) * (1 + 1e-3) + 1e-5 * norm
 
     def account_round(self, state: RoundState) -> None:
         """The noised mean: a Gaussian with multiplier z (std / sensitivity), amplified by sampling (rate m/N)."""

@@ -54,7 +54,7 @@ from client.messages.common import num_examples
 from client.messages.ladp import NoiseReport
 from protocols import ladp
 from protocols.config import RunConfig
-from protocols.privacy import GaussianEvent, GdpAccountant, PrivacyLedger
+from protocols.privacy import GaussianEvent, GdpAccountant, PrivacyLedger, record_training_movement
 from protocols.privacy.signal import NoiseEstimate
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 
@@ -114,8 +114,7 @@ class LadpStrategy(CancelStrategy):
         if noise is None or self.max_examples is None:
             return None
         c = self.cfg
-        steps = c.local_epochs * math.ceil(self.max_examples / c.batch_size)
-        return NoiseEstimate(float(noise), c.lr * c.clip * steps, c.num_rounds)
+        return NoiseEstimate(float(noise), record_training_movement(c, self.max_examples), c.num_rounds)
 
     def describe(self) -> dict[str, float | str]:
         return {

@@ -76,6 +76,7 @@ from protocols.privacy import (
     PrivacyLedger,
     calibrate_noise_multiplier,
     lemma2_sigma,
+    record_training_movement,
 )
 from protocols.privacy.signal import NoiseEstimate, gaussian_norm
 from strategies.base import CancelStrategy, RoundFailed, RoundState
@@ -238,9 +239,9 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
         if not isinstance(st, NadpRound):
             return None
         c = self.cfg
-        steps = c.local_epochs * max(math.ceil(s / c.batch_size) for s in st.plan.sizes.values())
+        signal = max(record_training_movement(c, s) for s in st.plan.sizes.values())
         std, _ = self._noise_after(st, list(st.participants))
-        return NoiseEstimate(gaussian_norm(std, num_params), c.lr * c.clip * steps, c.num_rounds)
+        return NoiseEstimate(gaussian_norm(std, num_params), signal, c.num_rounds)
 
     def _noise_after(self, st: NadpRound, survivors: list[int]) -> tuple[float, float]:
         """(per-coordinate std of all noise in the aggregate, of the uncancelled pair part).
@@ -348,10 +349,8 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
         size = st.plan.sizes.get(node)
         if size is None or self.round_model is None:
             return None
-        steps = c.local_epochs * math.ceil(size / c.batch_size)
         std = st.plan.ldp_stds[node] if st.allocation is None else st.allocation.uplink_std(node, st.plan.lam)
-        dim = sum(math.prod(a.shape) for a in self.round_model.values())
-        return c.lr * c.clip * steps + gaussian_norm_bound(std, dim)
+        return record_training_movement(c, size) + gaussian_norm_bound(std, self.model_dim())
 
     def describe(self) -> dict[str, float | str]:
         """Key parameters (summary.json)."""

@@ -109,7 +109,14 @@ from protocols import niss as niss_math
 from protocols.arrays import flatten, unflatten
 from protocols.config import RunConfig
 from protocols.niss import ShareBundle, client_tau, downlink_multiplier
-from protocols.privacy import GaussianEvent, PrivacyLedger, RdpAccountant, analytic_gaussian_epsilon, noise_multiplier
+from protocols.privacy import (
+    GaussianEvent,
+    PrivacyLedger,
+    RdpAccountant,
+    analytic_gaussian_epsilon,
+    noise_multiplier,
+    record_training_movement,
+)
 from protocols.privacy.signal import NoiseEstimate, gaussian_norm
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 from strategies.key_phase import KeyPhase, KeyRound
@@ -249,7 +256,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         when unknown: the most shares) as float64 vectors (vector encoding; a seed payload is far smaller), plus
         :data:`PAYLOAD_OVERHEAD` per neighbour.
         """
-        dim = sum(math.prod(a.shape) for a in self.round_model.values()) if self.round_model is not None else 0
+        dim = self.model_dim()
         degree = len(kr.neighbours.get(node, []))
         count = 0
         if self.cfg.niss_share_encoding == "vector":
@@ -462,8 +469,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         if c.privacy_unit == "client":
             signal = c.clip
         else:
-            steps = c.local_epochs * math.ceil(self._typical_size() / min(c.batch_size, self._typical_size()))
-            signal = c.lr * c.clip * steps
+            signal = record_training_movement(c, self._typical_size())
         return NoiseEstimate(gaussian_norm(std, num_params), signal, c.num_rounds)
 
     def _downlink_multiplier(self, state: NissRound) -> float:

@@ -34,7 +34,6 @@ the per-layer noise scale, which depends on the private local weights (a caveat 
 
 from __future__ import annotations
 
-import math
 import os
 
 import numpy as np
@@ -45,7 +44,7 @@ from client.floor import release
 from client.messages.ladp import LayerNoise, NoiseReport
 from client.wire import to_record
 from protocols import ladp
-from protocols.privacy import GaussianEvent, record_sensitivity
+from protocols.privacy import GaussianEvent, local_sgd_steps, record_sensitivity
 
 #: Floor of the KL estimate (``P_j -> 0`` would make sigma infinite; see protocols.ladp).
 MIN_KL = 1e-12
@@ -58,7 +57,7 @@ def _noise_seed() -> bytes:
 
 def local_steps(num_examples: int, local_epochs: int, batch_size: int) -> int:
     """Number of clipped SGD steps ``E`` of one round (reported; the ``E`` of Theorem 2)."""
-    return local_epochs * math.ceil(num_examples / batch_size)
+    return local_sgd_steps(num_examples, epochs=local_epochs, batch_size=batch_size)
 
 
 def train(msg: Message, env: ClientEnv) -> Message:

@@ -45,7 +45,12 @@ from protocols.privacy.mechanisms import (
     gaussian_delta,
     laplace_scale,
 )
-from protocols.privacy.sensitivity import local_sgd_sensitivity, record_sensitivity
+from protocols.privacy.sensitivity import (
+    local_sgd_sensitivity,
+    local_sgd_steps,
+    record_sensitivity,
+    record_training_movement,
+)
 
 __all__ = [
     "RDP_ORDERS",
@@ -82,8 +87,10 @@ __all__ = [
     "lemma2_epsilon",
     "lemma2_sigma",
     "local_sgd_sensitivity",
+    "local_sgd_steps",
     "noise_multiplier",
     "per_round_epsilons",
     "record_sensitivity",
+    "record_training_movement",
     "uniform_allocation",
 ]

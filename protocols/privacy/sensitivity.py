@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["local_sgd_sensitivity", "record_sensitivity"]
+__all__ = ["local_sgd_sensitivity", "local_sgd_steps", "record_sensitivity", "record_training_movement"]
 
 
 def _positive(name: str, value: float) -> float:
@@ -18,6 +18,11 @@ def _positive(name: str, value: float) -> float:
     if not math.isfinite(value) or value <= 0.0:
         raise ValueError(f"{name} must be finite and > 0, got {value!r}")
     return value
+
+
+def local_sgd_steps(dataset_size: int, *, epochs: int, batch_size: int) -> int:
+    """SGD steps of ``epochs`` epochs over ``dataset_size`` records in batches of ``batch_size`` (last one smaller)."""
+    return epochs * -(-int(dataset_size) // int(batch_size))
 
 
 def local_sgd_sensitivity(clip: float, dataset_size: int, *, lr: float, epochs: int = 1,
@@ -48,9 +53,8 @@ def local_sgd_sensitivity(clip: float, dataset_size: int, *, lr: float, epochs: 
     b = n if batch_size is None else min(int(batch_size), n)
     if b < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
-    per_epoch = -(-n // b)
-    smallest = n - (per_epoch - 1) * b
-    steps = epochs * per_epoch
+    steps = local_sgd_steps(n, epochs=epochs, batch_size=b)
+    smallest = n - (steps // epochs - 1) * b
     return 2.0 * _positive("clip", clip) * _positive("lr", lr) * (1.0 / smallest + (steps - 1))
 
 
@@ -60,3 +64,12 @@ def record_sensitivity(cfg, dataset_size: int) -> float:
     ``cfg`` is a :class:`protocols.config.RunConfig` (duck-typed: this module imports nothing of the project).
     """
     return local_sgd_sensitivity(cfg.clip, dataset_size, lr=cfg.lr, epochs=cfg.local_epochs, batch_size=cfg.batch_size)
+
+
+def record_training_movement(cfg, dataset_size: int) -> float:
+    """The most per-example-clipped local SGD on ``dataset_size`` records moves a model: ``lr clip steps``.
+
+    Each step moves it by at most ``lr`` times a mean of vectors of norm <= ``clip``.  The signal side of the
+    noise check and the honest-norm bound of the reply checks.
+    """
+    return cfg.lr * cfg.clip * local_sgd_steps(dataset_size, epochs=cfg.local_epochs, batch_size=cfg.batch_size)
