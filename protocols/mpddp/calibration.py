@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass
 
 from protocols.privacy.mechanisms import check_eps_delta
+from protocols.privacy.sensitivity import local_sgd_sensitivity
 
 __all__ = [
     "Calibration",
@@ -243,9 +244,7 @@ def mp_record_sensitivity(clip: float, dataset_size: int) -> float:
     """
     if isinstance(dataset_size, bool) or int(dataset_size) != dataset_size or dataset_size < 1:
         raise ValueError(f"dataset_size must be an integer >= 1, got {dataset_size!r}")
-    if not (math.isfinite(clip) and clip > 0):
-        raise ValueError(f"clip must be finite and > 0, got {clip!r}")
-    return 2.0 * clip / int(dataset_size)
+    return local_sgd_sensitivity(clip, int(dataset_size), lr=1.0)
 
 
 def theta_for_noise_multiplier(noise_multiplier: float) -> float:
