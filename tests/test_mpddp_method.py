@@ -256,8 +256,10 @@ def test_clients_receive_only_the_perturbed_model_and_privacy_report(tmp_path):
 
 def test_mpddp_trains_above_chance(tmp_path):
     """Calibrated record-level noise (epsilon 16 over 10 rounds, K = 6): from majority-class guessing to well above it."""
+    # server step 1.0: at 3.0 (the digits/MNIST regime) the run oscillates on breast-cancer (0.63-0.95 over 6
+    # runs: flaky against the bar below); at 1.0 it lands at 0.94-0.97
     summary, rows, _, _, cfg = run("mpddp", tmp_path, dataset="breast-cancer", hidden="16", num_clients=6,
-                                   num_rounds=10, epsilon=16.0, mpddp_server_lr=3.0, clip=1.0)
+                                   num_rounds=10, epsilon=16.0, mpddp_server_lr=1.0, clip=1.0)
     ds = load_dataset("breast-cancer")
     majority = max(np.mean(ds.y_test), 1 - np.mean(ds.y_test))
     start = build_model("mlp", ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed)
