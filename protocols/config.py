@@ -25,11 +25,13 @@ from protocols.methods import (
     AUTO_KEYS,
     METHOD_NAMES,
     PRIVACY_UNITS,
+    SERVER_STEP_FAMILIES,
     SPARSE_BY_DEFAULT,
     auto_graph,
     method_spec,
     regime,
 )
+from protocols.server_optimizers import SERVER_OPTIMIZERS
 
 DATASETS = ("digits", "breast-cancer", "mnist", "fashion-mnist")
 MODELS = ("mlp", "cnn")
@@ -114,6 +116,7 @@ class RunConfig:
     niss_rho: float = 0.5  # tolerated colluding fraction (Theorem 3)
     niss_share_encoding: str = "seed"
     mpddp_server_lr: float = 1.0  # xi: server learning rate
+    server_optimizer: str = "sgd"  # the FedSGD methods' server step (mpddp family, ddpsa): sgd | adam
     mpddp_side_dtype: str = "float32"  # dtype of Psi/Phi (compute + wire); float64 = exact recovery, 2x the cost
     ladp_norm_threshold: float = 0.0  # R: layers with weight norm >= R get noise
     ladp_kl_cap: float = 1e-6  # B: cap of the KL privacy estimate (KL of whole-layer softmaxes is ~1e-7..1e-4)
@@ -173,6 +176,9 @@ class RunConfig:
                 if key in unset:
                     f = known[key]
                     values[f.name] = applied[key] = _coerce(key, value, type(getattr(cls(), f.name)))
+        lr_key = SERVER_STEP_FAMILIES.get(method_spec(method).family) if method in METHOD_NAMES else None
+        if "server-optimizer" in applied and lr_key not in unset:  # the user's xi / lr is the paper's SGD step
+            values["server_optimizer"] = applied["server-optimizer"] = "sgd"
         if "graph" in unset and "graph" not in applied:
             k = clients_sampled(values.get("sample_rate", cls.sample_rate), values.get("num_clients", cls.num_clients))
             values["graph"] = auto_graph(method, k)
@@ -213,6 +219,11 @@ class RunConfig:
         _choice("nadp-variant", self.nadp_variant, NADP_VARIANTS)
         _choice("mpddp-side-dtype", self.mpddp_side_dtype, SIDE_DTYPES)
         _choice("privacy-unit", self.privacy_unit, PRIVACY_UNITS)
+        _choice("server-optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
+        if self.server_optimizer != "sgd" and method_spec(self.method).family not in SERVER_STEP_FAMILIES:
+            raise ConfigError(f"run-config 'server-optimizer' = {self.server_optimizer!r} applies to the methods "
+                              "whose server steps with a released gradient (mpddp, mpcdp, mpdp-naive, ddpsa); "
+                              f"{self.method!r} averages models")
         try:
             method_spec(self.method).guarantee(self.privacy_unit)
         except ValueError as err:

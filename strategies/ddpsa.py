@@ -78,6 +78,7 @@ from protocols.privacy import (
 )
 from protocols.privacy.signal import NoiseEstimate, gaussian_norm
 from protocols.secret_sharing import FixedPointCodec
+from protocols.server_optimizers import make_server_optimizer, optimizer_from_state
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 from strategies.validation import UploadSpec
 
@@ -137,6 +138,8 @@ class DdpsaStrategy(CancelStrategy):
         self.privacy = PrivacyLedger(cfg.delta, uplink=spent, downlink=spent)
         self.codec = FixedPointCodec(frac_bits=cfg.ddpsa_frac_bits, max_clients=max(cfg.num_clients, 2))
         self.run_id = uuid.uuid4().hex
+        #: The step with the reconstructed mean gradient: SGD with ``lr`` (Algorithm 2) or Adam (the paper's Sec. VI).
+        self.optimizer = make_server_optimizer(cfg.server_optimizer, cfg.lr)
         #: Last reconstructed aggregate: decoded sum of the clients' noisy sums (diagnostics, tests).
         self.last_decoded_sum: np.ndarray | None = None
 
@@ -202,7 +205,11 @@ class DdpsaStrategy(CancelStrategy):
             raise RoundFailed(f"round {rnd}: reconstructed {decoded.size} values, the model has {theta.size}")
         self.last_decoded_sum = decoded
         grad = decoded / n_total
-        new = unflatten(theta - self.cfg.lr * grad, state.global_weights)
+        try:  # the server's step with the released gradient (post-processing; run-config server-optimizer)
+            (theta_new,) = self.optimizer.step([theta], [grad])
+        except ValueError as err:
+            raise RoundFailed(f"round {rnd}: {err}") from err
+        new = unflatten(theta_new, state.global_weights)
         self.report(
             epsilon_round=self.epsilon_of_round(rnd),
             grad_norm=float(np.linalg.norm(grad)),
@@ -239,7 +246,17 @@ class DdpsaStrategy(CancelStrategy):
             "delta_total_certified": self.schedule.spent.delta,
             "laplace_scale_first_round": laplace_scale(l1_sensitivity(self.cfg.clip), float(eps[0])),
             "frac_bits": self.codec.frac_bits,
+            "server_optimizer": self.optimizer.describe(),
         }
+
+    def state_dict(self) -> dict:
+        """The ledger plus the server optimizer's moments (resume continues the same Adam)."""
+        return {**super().state_dict(), "optimizer": self.optimizer.to_state()}
+
+    def load_state(self, state) -> None:
+        super().load_state(state)
+        if "optimizer" in state:
+            self.optimizer = optimizer_from_state(state["optimizer"])
 
     def release_round(self, server_round: int) -> None:
         """Compose round ``server_round``'s ``eps_t`` (Laplace; each upload is ``eps_t``-DP, one bound for both views)."""

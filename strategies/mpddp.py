@@ -132,6 +132,7 @@ from protocols.privacy import (
     noise_multiplier,
 )
 from protocols.privacy.signal import NoiseEstimate, gaussian_norm
+from protocols.server_optimizers import make_server_optimizer, optimizer_from_state
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 from strategies.key_phase import KeyPhase, KeyRound
 from strategies.recovery import PairwiseRecovery, charge_shortfall, corrected_residual, probe_direction
@@ -204,6 +205,8 @@ class _MpBase(CancelStrategy):
         super().__init__(cfg)
         check_model(cfg)
         self.lr = float(cfg.mpddp_server_lr)
+        #: The server's step with the recovered gradient (xi = ``lr``; Adam by the regime: post-processing).
+        self.optimizer = make_server_optimizer(cfg.server_optimizer, self.lr)
         self.z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
         # Nominal (paper-model) guarantee: a Gaussian release with multiplier z per round.  It is the published
         # model's epsilon; the uploads have none (Psi/Phi go up un-noised and the server knows R), so the
@@ -260,7 +263,7 @@ class _MpBase(CancelStrategy):
 
     def update(self, state: MpRound, records: list[tuple[int, ArrayRecord]]) -> tuple[list[Layer], list[Layer]]:
         """MU_Server (Algorithm 3) on the streamed mean of the uploads: (new model, recovered gradient)."""
-        return mu_server(state.layers, mean_upload(records, len(state.layers)), state.secret, self.lr)
+        return mu_server(state.layers, mean_upload(records, len(state.layers)), state.secret, self.optimizer)
 
     def account(self, state: MpRound) -> None:
         """Per-round privacy bookkeeping once uploads arrived (the release happened)."""
@@ -340,11 +343,13 @@ class _MpBase(CancelStrategy):
 
     def state_dict(self) -> dict:
         """The ledger plus the given-R account (resume, :mod:`server.checkpoint`)."""
-        return {**super().state_dict(), "given_r": self._given_r.to_state()}
+        return {**super().state_dict(), "given_r": self._given_r.to_state(), "optimizer": self.optimizer.to_state()}
 
     def load_state(self, state) -> None:
         super().load_state(state)
         self._given_r = accountant_from_state(state["given_r"])
+        if "optimizer" in state:
+            self.optimizer = optimizer_from_state(state["optimizer"])
 
     def describe(self) -> dict[str, float | str]:
         return {
@@ -354,6 +359,7 @@ class _MpBase(CancelStrategy):
             "sensitivity": "2 clip / |D_i| of the perturbed gradient (replace-one record; the paper's S_f = B is "
                            "a client-level bound)",
             "server_lr": self.lr,
+            "server_optimizer": self.optimizer.describe(),
             "composition": "RDP accountant over num-rounds Gaussian releases, no sampling amplification",
         }
 
@@ -417,7 +423,7 @@ class MpddpStrategy(PairwiseRecovery, _MpBase):
             mean = mean.with_grads(mp_unflatten(flat - corr_sum / len(records), list(mean.grads)))
             self.report(recovery_server_s=time.process_time() - t0)
             self._charge_recovery(state, len(records))
-        return mu_server(state.layers, mean, state.secret, self.lr)
+        return mu_server(state.layers, mean, state.secret, self.optimizer)
 
     def _charge_recovery(self, state: MpRound, survivors: int) -> None:
         """Charge the nominal accounts with the round's noise really there: Theorem 10/11 for the survivors."""
@@ -553,7 +559,7 @@ class MpcdpStrategy(_MpBase):
         self.report(sigma=sigma)
         if sigma > 0:
             mean = naive_client(mean, eta_seed=os.urandom(32), sigma=sigma)
-        return mu_server(state.layers, mean, state.secret, self.lr)
+        return mu_server(state.layers, mean, state.secret, self.optimizer)
 
     def describe(self) -> dict[str, float | str]:
         out = super().describe()

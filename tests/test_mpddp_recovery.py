@@ -119,7 +119,7 @@ def test_mu_server_update_matches_plain_sgd() -> None:
     layers = rand_mlp(dims, gen)
     batches = [rand_batch(dims, 10, gen) for _ in range(3)]
     w_hat, secret = mp_server(layers, seed("mu"))
-    new_layers, _ = mu_server(layers, aggregate([client_gradients(w_hat, x, y) for x, y in batches]), secret, lr=0.1)
+    new_layers, _ = mu_server(layers, aggregate([client_gradients(w_hat, x, y) for x, y in batches]), secret, 0.1)
     per_client = [true_grads(layers, x, y) for x, y in batches]
     mean = [tuple(sum(c[i][j] for c in per_client) / 3 for j in range(2)) for i in range(len(layers))]
     want = sgd_update(layers, mean, 0.1)

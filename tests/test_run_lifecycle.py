@@ -186,7 +186,7 @@ def _crash_after(k: int):
 
 @pytest.mark.parametrize("overrides", [
     {"method": "nadp", "sample-rate": 0.5, "batch-size": 1000, "lr": 2.0},  # per-client accounts, sampling
-    {"method": "mpddp", "dataset": "breast-cancer", "hidden": "8", "mpddp-server-lr": 0.1},  # given-R account
+    {"method": "mpddp", "dataset": "breast-cancer", "hidden": "8"},  # given-R account, the server's Adam moments
 ], ids=["nadp", "mpddp"])
 def test_resume_after_crash_continues_rounds_and_epsilon(tmp_path, capsys, overrides):
     cfg = {**FAST, "num-rounds": 4, **overrides}
@@ -208,6 +208,8 @@ def test_resume_after_crash_continues_rounds_and_epsilon(tmp_path, capsys, overr
         assert _same([r.get(key) for r in rows], [r.get(key) for r in whole]), (key, rows, whole)
     summary = json.loads((out / "summary.json").read_text())
     assert _same([summary["epsilon"]], [json.loads((tmp_path / "whole" / "summary.json").read_text())["epsilon"]])
+    if overrides["method"] == "mpddp":  # the resumed server continued the crashed run's Adam, not a fresh one
+        assert load_checkpoint(out).strategy_state["optimizer"]["t"] == 4
 
 
 def test_resume_refuses_a_changed_run_config(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""MU_Server (Algorithm 3): aggregate (Eqs. 20, 21), recover (Eq. 22), update with learning rate xi.
+"""MU_Server (Algorithm 3): aggregate (Eqs. 20, 21), recover (Eq. 22), update (xi, or a server optimizer).
 
     grad F(W_org^(l)) = R^(2l-1) o (grad F^(W^^(2l-1)) - r^T Psi^(2l-1) + v Phi^(2l-1)),  l = 1..L,
 
@@ -18,8 +18,9 @@ from torch import Tensor
 from protocols.mpddp.expansion import Layer, split_blocks
 from protocols.mpddp.gradients import ClientUpload
 from protocols.mpddp.perturbation import MPSecret
+from protocols.server_optimizers import ServerOptimizer
 
-__all__ = ["aggregate", "mu_server", "recover", "recover_blocks", "sgd_update"]
+__all__ = ["aggregate", "mu_server", "optimizer_update", "recover", "recover_blocks", "sgd_update"]
 
 
 def aggregate(uploads: Sequence[ClientUpload]) -> ClientUpload:
@@ -69,11 +70,24 @@ def sgd_update(layers: Sequence[Layer], grads: Sequence[Layer], lr: float) -> li
     return [(w - lr * gw.to(w.dtype), b - lr * gb.to(b.dtype)) for (w, b), (gw, gb) in zip(layers, grads, strict=True)]
 
 
-def mu_server(layers: Sequence[Layer], mean: ClientUpload, secret: MPSecret, lr: float) -> tuple[list[Layer], list[Layer]]:
-    """Algorithm 3 from the mean upload: recover (Eq. 22), update every layer with xi = ``lr``.
+def optimizer_update(layers: Sequence[Layer], grads: Sequence[Layer], optimizer: ServerOptimizer) -> list[Layer]:
+    """One step of a server optimizer (:mod:`protocols.server_optimizers`) on every layer; returns new tensors."""
+    flat = optimizer.step([t.detach().cpu().numpy() for layer in layers for t in layer],
+                          [t.detach().cpu().numpy() for grad in grads for t in grad])
+    new = [torch.from_numpy(a).to(layers[0][0].dtype) for a in flat]
+    return [(new[2 * i], new[2 * i + 1]) for i in range(len(layers))]
 
-    ``mean`` is the unweighted mean of Eqs. (20), (21): :func:`aggregate`, or a server's streamed mean of the
-    wire records (bit-identical).  Returns (new model, recovered aggregate gradient).
+
+def mu_server(layers: Sequence[Layer], mean: ClientUpload, secret: MPSecret,
+              step: float | ServerOptimizer) -> tuple[list[Layer], list[Layer]]:
+    """Algorithm 3 from the mean upload: recover (Eq. 22), update every layer.
+
+    ``step``: a float is the paper's xi (``W <- W - xi grad``); a :class:`ServerOptimizer` takes its own step
+    (Adam: post-processing of the released gradient, no privacy cost).  ``mean`` is the unweighted mean of
+    Eqs. (20), (21): :func:`aggregate`, or a server's streamed mean of the wire records (bit-identical).
+    Returns (new model, recovered aggregate gradient).
     """
     grads = recover(mean, secret)
-    return sgd_update(layers, grads, lr), grads
+    if isinstance(step, ServerOptimizer):
+        return optimizer_update(layers, grads, step), grads
+    return sgd_update(layers, grads, step), grads
