@@ -15,7 +15,12 @@ project's accountants (:mod:`protocols.privacy`, JSON state via ``to_state`` /
 ``accountant_from_state``): an :class:`~protocols.privacy.RdpAccountant` for
 Gaussian and Laplace releases and a :class:`~protocols.privacy.DpCompositionAccountant`
 for releases a theorem certifies as (epsilon, delta); when both hold releases their
-epsilons add up at ``delta / 2`` each (basic composition).  ``runs`` keeps, per Flower
+epsilons add up at ``delta / 2`` each (basic composition).  While an account holds only
+unsampled Gaussian releases, its epsilon is their exact Gaussian-DP composition (the
+analytic Gaussian profile of one Gaussian with the summed ``1/z^2``, :class:`GdpAccountant`),
+which is tighter than RDP's conversion and equal to the figure of a server that accounts
+exactly (LaDP): with RDP a node whose ``lifetime-epsilon`` was a run's target refused
+that run's last rounds (LaDP at epsilon 1 read 1.09).  ``runs`` keeps, per Flower
 run id, the rounds this node trained (the privacy floor refuses a repeated round).
 """
 
@@ -30,7 +35,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from protocols.privacy import DpCompositionAccountant, DpEvent, Event, RdpAccountant, accountant_from_state
+from protocols.privacy import (
+    DpCompositionAccountant,
+    DpEvent,
+    Event,
+    GdpAccountant,
+    RdpAccountant,
+    accountant_from_state,
+)
 
 #: Node-config key of the ledger folder.
 LEDGER_DIR_KEY = "ledger-dir"
@@ -62,7 +74,14 @@ class Account:
         if not parts:
             return 0.0
         share = delta / len(parts)
-        return math.fsum(acc.epsilon(share) for acc in parts)
+        return math.fsum(self._exact(acc).epsilon(share) for acc in parts)
+
+    @staticmethod
+    def _exact(acc: RdpAccountant | DpCompositionAccountant) -> GdpAccountant | RdpAccountant | DpCompositionAccountant:
+        """The exact Gaussian-DP view of an RDP account that holds only unsampled Gaussians (tighter), else ``acc``."""
+        if isinstance(acc, RdpAccountant) and acc.epsilon_rank() is not None:
+            return GdpAccountant(acc.events)
+        return acc
 
     def to_state(self) -> dict[str, Any]:
         return {"rdp": self.rdp.to_state(), "dp": self.dp.to_state()}

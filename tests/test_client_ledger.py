@@ -21,7 +21,14 @@ import pytest
 from client.ledger import ClientLedger
 from protocols.config import RunConfig
 from protocols.floor import ldp_noise_multiplier
-from protocols.privacy import DpCompositionAccountant, DpEvent, GaussianEvent, LaplaceEvent, RdpAccountant
+from protocols.privacy import (
+    DpCompositionAccountant,
+    DpEvent,
+    GaussianEvent,
+    GdpAccountant,
+    LaplaceEvent,
+    RdpAccountant,
+)
 from server.launch import run_inprocess
 from server.local_grid import LocalGrid
 from tests.conftest import read_metrics
@@ -35,9 +42,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _run_epsilon(rounds: int) -> float:
-    """What ``rounds`` ldp releases of the LDP config cost a client (RDP, at delta 1e-5)."""
+    """What ``rounds`` ldp releases of the LDP config cost a client (exact Gaussian DP, at delta 1e-5)."""
     cfg = RunConfig(**{k.replace("-", "_"): v for k, v in LDP.items()}, method="ldp")
-    acc = RdpAccountant()
+    acc = GdpAccountant()
     acc.compose(GaussianEvent(ldp_noise_multiplier(cfg), count=rounds))
     return acc.epsilon(1e-5)
 
@@ -49,8 +56,9 @@ def test_ledger_persists_and_composes(tmp_path):
         led.record(11, "ldp", 2, {"uplink/client": GaussianEvent(2.0)})
     with ClientLedger.open(tmp_path, 3, write=False) as led:  # a fresh read of the file
         assert led.rounds(11) == [1, 2] and led.rounds(12) == []
-        ref = RdpAccountant()
+        ref = GdpAccountant()  # only unsampled Gaussians: their exact composition, below RDP's conversion
         ref.compose(GaussianEvent(2.0, count=2))
+        assert ref.epsilon(1e-5) < RdpAccountant([GaussianEvent(2.0, count=2)]).epsilon(1e-5)
         assert led.spent(1e-5)["uplink/client"] == pytest.approx(ref.epsilon(1e-5), rel=1e-12)
         after = led.projected({"uplink/client": GaussianEvent(2.0)}, 1e-5)
         ref.compose(GaussianEvent(2.0))
@@ -104,6 +112,22 @@ def test_spent_ledger_refuses_in_a_new_run_and_the_metrics_show_it(tmp_path):
     from strategies.registry import build_strategy
 
     assert_all_refused(train_round(build_strategy(cfg), cfg, grid2), "lifetime-epsilon")
+
+
+def test_a_lifetime_budget_equal_to_the_runs_target_lets_ladp_finish(tmp_path):
+    """LaDP's server accounts its Gaussian rounds exactly; the node's ledger must not read more (it read 1.09 at 1)."""
+    node_config = {"ledger-dir": str(tmp_path / "ledgers"), "lifetime-epsilon": 1.0}
+
+    def grid(app, n, raw):
+        return LocalGrid(app, n, raw, node_config=node_config)
+
+    cfg = {"method": "ladp", "num-clients": 3, "num-rounds": 4, "epsilon": 1.0, "train-subset": 300,
+           "test-subset": 100, "out-dir": str(tmp_path / "run")}
+    summary = run_inprocess(cfg, progress=lambda _s: None, grid_factory=grid)
+    rows = read_metrics(tmp_path / "run")
+    assert [len(r["client_epsilon"]) for r in rows] == [3, 3, 3, 3]  # no round refused
+    assert rows[-1]["client_epsilon_max"] <= 1.0
+    assert rows[-1]["client_epsilon_max"] == pytest.approx(summary["epsilon"], rel=1e-6)
 
 
 _RESTART = """
