@@ -120,6 +120,7 @@ class RunConfig:
     mpddp_side_dtype: str = "float32"  # dtype of Psi/Phi (compute + wire); float64 = exact recovery, 2x the cost
     ladp_norm_threshold: float = 0.0  # R: layers with weight norm >= R get noise
     ladp_kl_cap: float = 1e-6  # B: cap of the KL privacy estimate (KL of whole-layer softmaxes is ~1e-7..1e-4)
+    ladp_max_boost: float = 3.0  # the most LaDP's KL-adaptive noise multiplies a layer's floor noise (P >= B / this)
     ddpsa_servers: str = ""  # host:port,... of intermediate servers ("" = start locally)
     ddpsa_ca: str = ""  # PEM CA certificate of the intermediate servers' TLS certificates
     ddpsa_server_key: str = ""  # the parameter server's Ed25519 identity key (PEM): reads partial sums
@@ -250,6 +251,9 @@ class RunConfig:
                     "mpddp-server-lr", "ladp-kl-cap"):
             _positive(key, float(getattr(self, key.replace("-", "_"))))
         _positive("ladp-norm-threshold", self.ladp_norm_threshold, allow_zero=True)
+        if not (math.isfinite(self.ladp_max_boost) and self.ladp_max_boost >= 1):
+            raise ConfigError(f"run-config 'ladp-max-boost' = {self.ladp_max_boost} must be a number >= 1 (1 = every "
+                              "selected layer gets the floor noise)")
         _positive("nadp-lambda", self.nadp_lambda, allow_zero=True)
         if not 0 <= self.nadp_tau < 1:
             raise ConfigError(f"run-config 'nadp-tau' = {self.nadp_tau} must be in [0, 1)")

@@ -157,3 +157,28 @@ def test_default_regime_is_record_level_and_trains_on_digits(run_inprocess, fixe
     assert summary["epsilon"] == pytest.approx(cfg.epsilon, rel=1e-6)
     assert summary["final_accuracy"] > 0.25  # chance is 0.1; measured 0.40-0.48 over repeated draws
     assert lo <= hi
+
+
+def test_a_layer_that_did_not_move_gets_at_most_max_boost_times_the_floor(fixed_noise) -> None:
+    """KL -> 0 made Algorithm 4's sigma_j = c0 B Delta_f / (eps P_j) explode (up to 1e6x the floor, runs diverged).
+
+    With a vanishing learning rate every layer's KL is ~0, so every layer sits at the bound: exactly
+    ``ladp-max-boost`` times the floor c0 Delta_f / eps_r, for the default and for a user's value.
+    """
+    for boost in (3.0, 1.5):
+        raw = {**app_defaults(), "method": "ladp", "num-clients": 3, "lr": 1e-9, "ladp-max-boost": boost}
+        cfg = RunConfig.from_mapping(raw)
+        grid, strategy = LocalGrid(client_app, cfg.num_clients, raw), LadpStrategy(cfg)
+        ds = dataset_for(cfg)
+        arrays = to_record(get_weights(build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes,
+                                                   cfg.seed)))
+        replies = list(grid.send_and_receive(strategy.configure_train(1, arrays, ConfigRecord({"round": 1}), grid)))
+        assert not any(r.has_error() for r in replies)
+        eps_r = ladp.round_epsilon(cfg.epsilon, cfg.delta, cfg.num_rounds)
+        c0 = ladp.theorem3_c0_corrected(eps_r, cfg.delta)
+        for rep in replies:
+            report = NoiseReport.from_metrics(rep.content["metrics"])
+            floor = c0 * report.sensitivity / eps_r
+            for layer in report.layers.values():
+                assert layer.selected and layer.kl < cfg.ladp_kl_cap / boost
+                assert layer.sigma == pytest.approx(boost * floor, rel=1e-9)

@@ -46,7 +46,7 @@ from client.wire import to_record
 from protocols import ladp
 from protocols.privacy import GaussianEvent, local_sgd_steps, record_sensitivity
 
-#: Floor of the KL estimate (``P_j -> 0`` would make sigma infinite; see protocols.ladp).
+#: A KL cap B below any whole-layer KL: every selected layer gets the floor noise (the "full LDP" comparator).
 MIN_KL = 1e-12
 
 
@@ -75,7 +75,7 @@ def train(msg: Message, env: ClientEnv) -> Message:
         sensitivity=sens,
         norm_threshold=cfg.ladp_norm_threshold,
         kl_cap=cfg.ladp_kl_cap,
-        min_kl=min(MIN_KL, cfg.ladp_kl_cap),
+        min_kl=cfg.ladp_kl_cap / cfg.ladp_max_boost,  # a layer's noise is at most max-boost x the floor
     )
     noisy, noise_norms = ladp.apply_layer_noise(local_w, plan, _noise_seed())
     # Algorithm 2 computes KL for selected layers only; we report it for every
