@@ -96,6 +96,7 @@ class RunConfig:
     local_epochs: int = 2
     batch_size: int = 32
     lr: float = 0.1
+    input_centering: bool = False  # each image minus its own mean (a per-record transform: no privacy cost)
     device: str = "cpu"  # where clients train: cpu, cuda, auto (cuda if available); noise stays on the CPU CSPRNG
     # Privacy
     epsilon: float = 1.0

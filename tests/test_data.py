@@ -97,3 +97,17 @@ def test_broken_idx_files_are_named_with_their_cause(tmp_path):
 def test_negative_seed_is_refused():
     with pytest.raises(ConfigError, match="'seed'"):
         RunConfig(seed=-1).validate()
+
+
+def test_input_centering_is_per_record_and_only_for_images():
+    """input-centering: each image minus its own mean (no dataset statistic), tabular data as loaded."""
+    plain = dataset_for(RunConfig(dataset="digits"))
+    centred = dataset_for(RunConfig(dataset="digits", input_centering=True))
+    for x, xc in ((plain.x_train, centred.x_train), (plain.x_test, centred.x_test)):
+        np.testing.assert_allclose(xc.mean(axis=(1, 2, 3)), 0.0, atol=1e-6)
+        np.testing.assert_allclose(xc, x - x.mean(axis=(1, 2, 3), keepdims=True), rtol=0, atol=1e-6)
+    # One record's transform does not depend on the others: a client's partition gives the same records.
+    part = client_partition(RunConfig(dataset="digits", input_centering=True, num_clients=3), 1, 3)[0]
+    np.testing.assert_allclose(part.mean(axis=(1, 2, 3)), 0.0, atol=1e-6)
+    tab, tab_c = (dataset_for(RunConfig(dataset="breast-cancer", input_centering=c)) for c in (False, True))
+    np.testing.assert_array_equal(tab.x_train, tab_c.x_train)

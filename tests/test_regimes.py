@@ -28,6 +28,13 @@ def _run(tmp_path, name: str, lines: list[str] | None = None, **overrides) -> tu
     return summary, rows
 
 
+def test_record_step_regimes_centre_images_and_the_others_do_not():
+    centred = {m for m in METHOD_NAMES if RunConfig.from_mapping({"method": m}).input_centering}
+    assert centred == {"nadp", "niss", "cdp", "ldp", "ladp"}
+    assert not RunConfig.from_mapping({"method": "nadp", "input-centering": False}).input_centering
+    assert RunConfig.from_mapping({"method": "fedavg", "input-centering": True}).input_centering
+
+
 def test_every_method_has_a_guarantee_and_a_regime_that_differs_from_fedavg_where_the_paper_says_so():
     for name, spec in METHODS.items():
         g = spec.privacy
