@@ -47,20 +47,20 @@ def _one_thread(one_thread):
 # ----------------------------------------------------------------------------------- acceptance
 #: Accuracy tolerance of a run with dropouts against the same run without (fresh DP noise each run): about 3 sd of
 #: the difference of two runs' final accuracies at these settings (README, "Dropout recovery").
-ACCURACY_TOLERANCE = {"nadp": 0.12, "niss": 0.08, "mpddp": 0.2}
+ACCURACY_TOLERANCE = {"nadp": 0.12, "niss": 0.08, "mpddp": 0.1}
 
 
 @pytest.mark.parametrize(("method", "extra"), [("nadp", {**NADP_FAST, "epsilon": 8.0}), ("niss", NISS_EXACT),
                                                ("mpddp", {"dataset": "breast-cancer", "hidden": "16", "epsilon": 32.0,
-                                                          # the regime's step 3.0 oscillates on breast-cancer
-                                                          # (0.37 vs 0.90 seen); 1.0 and less noise: 0.78-0.93
-                                                          "mpddp-server-lr": 1.0})])
+                                                          # the regime's Adam step, 10 rounds: 3 plain-SGD rounds at
+                                                          # xi 1.0 oscillated (0.64 vs 0.95 seen)
+                                                          "num-rounds": 10})])
 def test_twenty_percent_dropping_every_round_is_recovered_exactly(run_inprocess, tmp_path, method, extra):
     common = {"method": method, "num_clients": 10, "num_rounds": 3, "seed": 7,
               **{k.replace("-", "_"): v for k, v in extra.items()}}
     plain, _ = run_inprocess(out_dir=str(tmp_path / "plain"), **common)
     summary, rows = run_inprocess(cancellation_check=True, fault_drop_rate=0.2, **common)
-    assert len(rows) == 3
+    assert len(rows) == common["num_rounds"]
     for r in rows:
         assert not r["failed"]
         assert r["dropped"] == 2 and r["recovery"] == 1 and r["recovered_pairs"] > 0
