@@ -24,6 +24,7 @@ from protocols.methods import (
     AUTO,
     AUTO_KEYS,
     METHOD_NAMES,
+    METHODS,
     PRIVACY_UNITS,
     SERVER_STEP_FAMILIES,
     SPARSE_BY_DEFAULT,
@@ -223,9 +224,10 @@ class RunConfig:
         _choice("privacy-unit", self.privacy_unit, PRIVACY_UNITS)
         _choice("server-optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
         if self.server_optimizer != "sgd" and method_spec(self.method).family not in SERVER_STEP_FAMILIES:
+            stepping = ", ".join(m for m, spec in METHODS.items() if spec.family in SERVER_STEP_FAMILIES)
             raise ConfigError(f"run-config 'server-optimizer' = {self.server_optimizer!r} applies to the methods "
-                              "whose server steps with a released gradient (mpddp, mpcdp, mpdp-naive, ddpsa); "
-                              f"{self.method!r} averages models")
+                              f"whose server steps with a released gradient ({stepping}); {self.method!r} averages "
+                              "models")
         try:
             method_spec(self.method).guarantee(self.privacy_unit)
         except ValueError as err:

@@ -25,11 +25,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SERVER_OPTIMIZERS", "ServerAdam", "ServerOptimizer", "ServerSgd", "make_server_optimizer",
-           "optimizer_from_state"]
+__all__ = ["SERVER_OPTIMIZERS", "NonFiniteGradient", "ServerAdam", "ServerOptimizer", "ServerSgd",
+           "make_server_optimizer", "optimizer_from_state"]
 
 #: Run-config ``server-optimizer`` values.
 SERVER_OPTIMIZERS: tuple[str, ...] = ("sgd", "adam")
+
+
+class NonFiniteGradient(ValueError):
+    """The released gradient holds NaN or inf: refused before any optimizer state moves."""
 
 
 class ServerOptimizer:
@@ -50,7 +54,7 @@ class ServerOptimizer:
             if np.shape(p) != np.shape(g):
                 raise ValueError(f"gradient of shape {np.shape(g)} for a parameter of shape {np.shape(p)}")
             if not np.isfinite(g).all():  # checked before any state moves: a failed round leaves Adam's moments
-                raise ValueError("the gradient is not finite; the server optimizer did not step")
+                raise NonFiniteGradient("the gradient is not finite; the server optimizer did not step")
         return self._step([np.asarray(p, np.float64) for p in params], [np.asarray(g, np.float64) for g in grads])
 
     def _step(self, params: list[np.ndarray], grads: list[np.ndarray]) -> list[np.ndarray]:

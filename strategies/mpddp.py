@@ -132,7 +132,7 @@ from protocols.privacy import (
     noise_multiplier,
 )
 from protocols.privacy.signal import NoiseEstimate, gaussian_norm
-from protocols.server_optimizers import make_server_optimizer, optimizer_from_state
+from protocols.server_optimizers import NonFiniteGradient, make_server_optimizer, optimizer_from_state
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 from strategies.key_phase import KeyPhase, KeyRound
 from strategies.recovery import PairwiseRecovery, charge_shortfall, corrected_residual, probe_direction
@@ -204,9 +204,8 @@ class _MpBase(CancelStrategy):
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
         check_model(cfg)
-        self.lr = float(cfg.mpddp_server_lr)
-        #: The server's step with the recovered gradient (xi = ``lr``; Adam by the regime: post-processing).
-        self.optimizer = make_server_optimizer(cfg.server_optimizer, self.lr)
+        #: The server's step with the recovered gradient (xi = ``mpddp-server-lr``; Adam by the regime: post-processing).
+        self.optimizer = make_server_optimizer(cfg.server_optimizer, cfg.mpddp_server_lr)
         self.z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
         # Nominal (paper-model) guarantee: a Gaussian release with multiplier z per round.  It is the published
         # model's epsilon; the uploads have none (Psi/Phi go up un-noised and the server knows R), so the
@@ -320,12 +319,13 @@ class _MpBase(CancelStrategy):
                 raise RoundFailed(f"round {rnd}: malformed upload from node {node}: {err}") from err
         try:
             new_layers, grads = self.update(state, records)
+        except NonFiniteGradient as err:  # the server optimizer refused it before stepping
+            self.min_size = min(state.sizes.values())
+            raise RoundFailed(f"round {rnd}: recovered gradient is not finite") from err
         except ValueError as err:
             raise RoundFailed(f"round {rnd}: malformed upload or recovery failed: {err}") from err
         self.min_size = min(state.sizes.values())
         flat = _flat(grads)
-        if not bool(torch.isfinite(flat).all()):
-            raise RoundFailed(f"round {rnd}: recovered gradient is not finite")
         self.last_gradient = [(gw.clone(), gb.clone()) for gw, gb in grads]
         self.report(recovered_grad_norm=float(flat.norm()))
         if self.cfg.cancellation_check:
@@ -358,7 +358,7 @@ class _MpBase(CancelStrategy):
             "per_example_clip": self.cfg.clip,
             "sensitivity": "2 clip / |D_i| of the perturbed gradient (replace-one record; the paper's S_f = B is "
                            "a client-level bound)",
-            "server_lr": self.lr,
+            "server_lr": self.optimizer.lr,
             "server_optimizer": self.optimizer.describe(),
             "composition": "RDP accountant over num-rounds Gaussian releases, no sampling amplification",
         }

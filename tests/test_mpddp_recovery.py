@@ -23,8 +23,8 @@ from protocols.mpddp import (
     perturb,
     recover,
     relative_distance,
-    sgd_update,
 )
+from protocols.server_optimizers import make_server_optimizer
 
 DIMS = [[5, 7, 3], [6, 8, 9, 4], [10, 12, 7, 9, 5], [20, 16, 10]]
 
@@ -119,10 +119,11 @@ def test_mu_server_update_matches_plain_sgd() -> None:
     layers = rand_mlp(dims, gen)
     batches = [rand_batch(dims, 10, gen) for _ in range(3)]
     w_hat, secret = mp_server(layers, seed("mu"))
-    new_layers, _ = mu_server(layers, aggregate([client_gradients(w_hat, x, y) for x, y in batches]), secret, 0.1)
+    new_layers, _ = mu_server(layers, aggregate([client_gradients(w_hat, x, y) for x, y in batches]), secret,
+                              make_server_optimizer("sgd", 0.1))
     per_client = [true_grads(layers, x, y) for x, y in batches]
     mean = [tuple(sum(c[i][j] for c in per_client) / 3 for j in range(2)) for i in range(len(layers))]
-    want = sgd_update(layers, mean, 0.1)
+    want = [(w - 0.1 * gw, b - 0.1 * gb) for (w, b), (gw, gb) in zip(layers, mean, strict=True)]  # the paper's xi
     for (w, b), (ww, wb) in zip(new_layers, want, strict=True):
         torch.testing.assert_close(w, ww, rtol=1e-9, atol=1e-12)
         torch.testing.assert_close(b, wb, rtol=1e-9, atol=1e-12)

@@ -5,7 +5,7 @@ Round protocol (paper Algorithm 4), per round t:
   client:  up = client_gradients(w_hat, x, onehot_y)           # one gradient at w_hat + Psi, Phi
            up, delta = ddp_client(up, own_id=..., pair_seeds=..., eta_seed=..., sigma_eta=..., sigma_delta=...)
            send up.to_arrays()                                 # 3L arrays
-  server:  model, grad = mu_server(model, aggregate([ClientUpload.from_arrays(a) ...]), secret, lr)
+  server:  model, grad = mu_server(model, aggregate([ClientUpload.from_arrays(a) ...]), secret, optimizer)
 Noise scales: sigmas_for_theta(theta_for_noise_multiplier(z), K) (Theorem 10, z from an accountant) or
 calibrate(epsilon, delta, K, n_out) (one round, Theorems 10/11); ablations calibrate_ldp / calibrate_cdp.
 """
@@ -45,7 +45,7 @@ from protocols.mpddp.gradients import (
     per_example_grad_norms,
 )
 from protocols.mpddp.perturbation import MPSecret, draw_secret, mp_server, output_scale, perturb, relative_distance
-from protocols.mpddp.recovery import aggregate, mu_server, recover, recover_blocks, sgd_update
+from protocols.mpddp.recovery import aggregate, mu_server, recover, recover_blocks
 from protocols.mpddp.samplers import (
     DEFAULT_TERMS,
     Sampler,
@@ -104,7 +104,6 @@ __all__ = [
     "sample_dn",
     "sample_dn_star",
     "satisfies_eq23",
-    "sgd_update",
     "sigmas_for_theta",
     "split_blocks",
     "theta_complete",

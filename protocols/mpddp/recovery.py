@@ -20,7 +20,7 @@ from protocols.mpddp.gradients import ClientUpload
 from protocols.mpddp.perturbation import MPSecret
 from protocols.server_optimizers import ServerOptimizer
 
-__all__ = ["aggregate", "mu_server", "optimizer_update", "recover", "recover_blocks", "sgd_update"]
+__all__ = ["aggregate", "mu_server", "optimizer_update", "recover", "recover_blocks"]
 
 
 def aggregate(uploads: Sequence[ClientUpload]) -> ClientUpload:
@@ -65,11 +65,6 @@ def recover(agg: ClientUpload, secret: MPSecret) -> list[Layer]:
     return split_blocks(recover_blocks(agg, secret))
 
 
-def sgd_update(layers: Sequence[Layer], grads: Sequence[Layer], lr: float) -> list[Layer]:
-    """W <- W - xi * grad for every layer (weights and biases); returns new tensors."""
-    return [(w - lr * gw.to(w.dtype), b - lr * gb.to(b.dtype)) for (w, b), (gw, gb) in zip(layers, grads, strict=True)]
-
-
 def optimizer_update(layers: Sequence[Layer], grads: Sequence[Layer], optimizer: ServerOptimizer) -> list[Layer]:
     """One step of a server optimizer (:mod:`protocols.server_optimizers`) on every layer; returns new tensors."""
     flat = optimizer.step([t.detach().cpu().numpy() for layer in layers for t in layer],
@@ -79,15 +74,13 @@ def optimizer_update(layers: Sequence[Layer], grads: Sequence[Layer], optimizer:
 
 
 def mu_server(layers: Sequence[Layer], mean: ClientUpload, secret: MPSecret,
-              step: float | ServerOptimizer) -> tuple[list[Layer], list[Layer]]:
-    """Algorithm 3 from the mean upload: recover (Eq. 22), update every layer.
+              optimizer: ServerOptimizer) -> tuple[list[Layer], list[Layer]]:
+    """Algorithm 3 from the mean upload: recover (Eq. 22), update every layer with ``optimizer``.
 
-    ``step``: a float is the paper's xi (``W <- W - xi grad``); a :class:`ServerOptimizer` takes its own step
-    (Adam: post-processing of the released gradient, no privacy cost).  ``mean`` is the unweighted mean of
-    Eqs. (20), (21): :func:`aggregate`, or a server's streamed mean of the wire records (bit-identical).
+    The paper's xi step ``W <- W - xi grad`` is ``make_server_optimizer("sgd", xi)``; Adam is
+    post-processing of the released gradient, no privacy cost.  ``mean`` is the unweighted mean of Eqs. (20),
+    (21): :func:`aggregate`, or a server's streamed mean of the wire records (bit-identical).
     Returns (new model, recovered aggregate gradient).
     """
     grads = recover(mean, secret)
-    if isinstance(step, ServerOptimizer):
-        return optimizer_update(layers, grads, step), grads
-    return sgd_update(layers, grads, step), grads
+    return optimizer_update(layers, grads, optimizer), grads
