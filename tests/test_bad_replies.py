@@ -104,6 +104,17 @@ def test_overflowing_aggregate_fails_the_round_and_keeps_the_model(tmp_path):
     assert _model_finite(out)
 
 
+def test_overflowing_mp_gradient_fails_the_round_before_the_server_optimizer_steps(tmp_path):
+    """An mpcdp run with 1e308 uploads: the recovered gradient overflows; the rounds fail, the model stays finite."""
+    def overflow(content: RecordDict) -> RecordDict:
+        return with_arrays(content, {k: np.full(a.shape, 1e308) for k, a in content["arrays"].items()})
+
+    _summary, rows, _grid, out = _run(tmp_path, "mpcdp", dict.fromkeys(range(3), overflow),
+                                      {"num-clients": 3, "num-rounds": 2, "hidden": "8"})
+    assert all(r["failed"] and "recovered gradient is not finite" in r["failure"] for r in rows)
+    assert _model_finite(out)
+
+
 def _garbage_shares(content: RecordDict) -> RecordDict:
     """Flip every byte of every sealed share payload (same length: only the receiver can tell)."""
     reply = ShareReply.from_config(content["config"])
