@@ -138,10 +138,12 @@ def round_view(env: ClientEnv, pk: PeerKeys, rnd: int, graph: dict[int, list[int
 
 
 def pair_seeds(msg: Message, env: ClientEnv, purpose: str,
-               graph: dict[int, list[int]] | None = None) -> dict[int, bytes]:
+               graph: dict[int, list[int]] | None = None, view_extra: bytes = b"") -> dict[int, bytes]:
     """One seed per neighbour for ``purpose`` and this round (both ends derive the same value).
 
     Refuses an inconsistent view (:func:`round_view`) and any peer key not signed by its roster identity.
+    ``view_extra``: more of the round's public view the method relies on (NISS: the participants' sizes),
+    bound into the seeds like the participant list.
     """
     cfg = msg.content["config"]
     rnd = TrainIns.from_config(cfg).round
@@ -150,7 +152,7 @@ def pair_seeds(msg: Message, env: ClientEnv, purpose: str,
     if store is None or store.epoch != pk.key_epoch:
         raise RuntimeError(f"no key pair for key epoch {pk.key_epoch} (round {rnd}): the key phase did not run on "
                            "this node or its state was lost; the server re-keys it when it is next sampled")
-    context = int(env.context.run_id).to_bytes(8, "big") + round_view(env, pk, rnd, graph)
+    context = int(env.context.run_id).to_bytes(8, "big") + round_view(env, pk, rnd, graph) + bytes(view_extra)
     pairs = list(zip(pk.peer_ids, pk.peer_keys, strict=True))
     # A cached secret was agreed only after its key was verified under the same name.
     fresh = [i for i, pair in enumerate(pairs) if pair not in store.shared or store.names.get(pair[0]) != pk.name_of(i)]

@@ -66,6 +66,10 @@ Interpretations of the paper (see also the module report):
   ``Delta f_k = p_k * record_sensitivity(cfg, n_k)`` (``= 2 C lr p_k / n_k`` for one
   full-batch step, NADP-FL's Lemma 1); ``privacy-unit = "client"`` clips the update
   instead (``Delta f_k = p_k * clip``, DP-FedAvg's unit).
+* Weights ``p_k``: the paper's "usually ``d_k / sum_i d_i``" at record level (every
+  ``sigma_k`` then equal for one full-batch step), ``1/m`` at client level; both ends
+  compute them from the round's public view and the client refuses any other
+  (:func:`aggregation_weights`).
 * Caveat (not fixed, reported): Theorem 3 only matches the *variance* of the noise a
   colluding server cannot remove to ``sigma_k^2``; that residual is a sum of
   Gaussian-times-Gaussian terms, not a Gaussian, so the (epsilon, delta) claim is
@@ -74,6 +78,7 @@ Interpretations of the paper (see also the module report):
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -87,6 +92,8 @@ from protocols.privacy import noise_multiplier, record_sensitivity
 __all__ = [
     "SharePlan",
     "ShareBundle",
+    "aggregation_weights",
+    "sizes_digest",
     "plan_shares",
     "assign_shares",
     "make_outgoing_bundles",
@@ -401,30 +408,70 @@ def model_tau(clients: int) -> float:
     sensitivity ``clip / m``: noise multiplier ``tau z sqrt(m)``, i.e. ``z`` (the uploads' own) for
     ``tau = 1/sqrt(m)``.  Record level the rule still holds: a record of client k moves the sum by
     ``Delta f_k = p_k record_sensitivity(n_k)`` and the multiplier is ``tau z sqrt(sum_j Delta f_j^2) / Delta f_k``,
-    which is ``tau z sqrt(m)`` for equal dataset sizes; with unequal sizes the client with the smallest dataset
-    would get less (the default digits partitions, 143-144 records: downlink epsilon 1.005 for a target of 1), so
-    clients that get the round's sizes use :func:`sizes_tau` instead, and the server accounts the multiplier
-    really obtained (:func:`downlink_multiplier`).  A record-level tau cannot
+    which is ``tau z sqrt(m)`` whenever the ``Delta f_k`` are equal (data-size weights and one full-batch step,
+    :func:`aggregation_weights`); where they are not (multi-step local training) the worst-off record would get
+    less, so clients that get the round's sizes use :func:`sizes_tau` instead, and the server accounts the
+    multiplier really obtained (:func:`downlink_multiplier`).  A record-level tau cannot
     be smaller: the record-level noise is already the smallest that protects the upload, and the model must not be
     published with less protection than the uploads (tau = 0 publishes the exact FedAvg model).
     """
     return 1.0 / math.sqrt(max(int(clients), 1))
 
 
-def sizes_tau(cfg: RunConfig, sizes: Iterable[int]) -> float:
-    """``max_k Delta f_k / sqrt(sum_j Delta f_j^2)`` over the round's participants' dataset sizes.
+def aggregation_weights(cfg: RunConfig, participants: Sequence[int], sizes: Mapping[int, int]) -> dict[int, float]:
+    """``p_k`` of every participant: ``|D_k| / sum_j |D_j|`` at record level (the paper's "usually"), ``1/m`` at client level.
 
-    The distortion that gives the worst-off record of the published sum the uploads' multiplier ``z``
-    (:func:`downlink_multiplier`); ``1/sqrt(m)`` (:func:`model_tau`) for equal sizes and at client level,
-    larger otherwise (the default partitions differ by one record: ~0.5 % larger).
+    Record level, data-size weights make every record's sensitivity on the published sum the same,
+    ``p_k 2 C lr / n_k = 2 C lr / N`` for one full-batch step, so every ``sigma_k`` is equal and the sum keeps
+    the central noise whatever the partition.  With uniform weights a client with few records had a large
+    ``sigma_k`` that the distortion tau must keep in the model to protect it (Dirichlet partitions on digits:
+    niss 0.51 against nadp's 0.83).  Client level keeps ``1/m`` (every client's whole update is bounded by
+    ``clip``: size weights would give a large client a larger sensitivity).
+
+    Both ends compute the weights from the round's public view: the participants (bound into every pair and
+    relay key, :func:`client.pairwise_phase.round_view`) and the sizes they reported with their keys (bound into
+    the relay keys by the client, who checks its own entry).  A server that showed one client other sizes than
+    the rest to shrink its weight -- and with it the noise that hides the negated shares it holds -- would leave
+    it with relay keys nobody else derives.  Raises ValueError when a participant has no size (record level).
     """
-    d = [unit_sensitivity(cfg, int(n)) for n in sizes]
-    if not d:
+    parts = [int(n) for n in participants]
+    if not parts:
+        raise ValueError("aggregation_weights needs at least one participant")
+    if cfg.privacy_unit == "client":
+        return {n: 1.0 / len(parts) for n in parts}
+    missing = [n for n in parts if n not in sizes]
+    if missing:
+        raise ValueError(f"no dataset size for participant(s) {missing}: record-level NISS weights need every size")
+    if any(int(sizes[n]) < 1 for n in parts):
+        raise ValueError("dataset sizes must be >= 1")
+    total = math.fsum(int(sizes[n]) for n in parts)
+    return {n: int(sizes[n]) / total for n in parts}
+
+
+def sizes_digest(sizes: Mapping[int, int]) -> bytes:
+    """SHA-256 of the round's (node, size) list in node order: the part of the view the weights come from."""
+    h = hashlib.sha256(b"cancelfl/niss-sizes/v1")
+    for n in sorted(sizes):
+        h.update(int(n).to_bytes(8, "big") + int(sizes[n]).to_bytes(8, "big"))
+    return h.digest()
+
+
+def sizes_tau(cfg: RunConfig, sizes: Mapping[int, int]) -> float:
+    """``max_k Delta f_k / sqrt(sum_j Delta f_j^2)`` over the round's participants (``sizes``: node -> ``|D_k|``).
+
+    ``Delta f_k = p_k * unit_sensitivity(n_k)`` with :func:`aggregation_weights`: the distortion that gives the
+    worst-off record of the published sum the uploads' multiplier ``z`` (:func:`downlink_multiplier`).  It is
+    ``1/sqrt(m)`` (:func:`model_tau`) whenever the ``Delta f_k`` are equal: at client level, and at record level
+    for one full-batch step (``2 C lr / N`` for every client); larger for multi-step local training.
+    """
+    if not sizes:
         raise ValueError("sizes_tau needs at least one dataset size")
+    weights = aggregation_weights(cfg, list(sizes), sizes)
+    d = [weights[n] * unit_sensitivity(cfg, int(s)) for n, s in sizes.items()]
     return max(d) / math.sqrt(math.fsum(x * x for x in d))
 
 
-def client_tau(cfg: RunConfig, sizes: Iterable[int] | None = None) -> float:
+def client_tau(cfg: RunConfig, sizes: Mapping[int, int] | None = None) -> float:
     """A client's distortion std: ``niss-tau`` if >= 0, else the default below.
 
     The default is the larger of Theorem 3's minimum for ``niss-rho`` and the distortion that protects the
@@ -435,7 +482,6 @@ def client_tau(cfg: RunConfig, sizes: Iterable[int] | None = None) -> float:
     """
     if cfg.niss_tau >= 0:
         return float(cfg.niss_tau)
-    sizes = list(sizes or ())
     protect_model = max(model_tau(cfg.clients_per_round), sizes_tau(cfg, sizes) if sizes else 0.0)
     return max(tau_for_collusion(cfg.niss_rho), protect_model)
 

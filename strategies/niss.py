@@ -50,8 +50,13 @@ no sampling amplification, as the server knows who it sampled).  Each client com
 the server never sends a noise figure.  Each round is thus exactly a Gaussian mechanism;
 the paper's per-round view (its Theorem 1, which is only valid for epsilon < 1) is
 reported as ``epsilon_round_analytic`` (the analytic Gaussian mechanism of one round at
-the same delta).  Weights are uniform, ``p_k = 1/m`` (m = clients left after the share
-phase): data-size weights would make a client's sensitivity depend on other clients' data.
+the same delta).  Weights (:func:`protocols.niss.aggregation_weights`): the paper's
+``p_k = |D_k| / sum_j |D_j|`` over the clients left after the share phase at record level
+(every ``sigma_k`` is then the central ``z 2 C lr / N``, whatever the partition), ``1/m`` at
+client level.  Each client recomputes its ``p_k`` from the round's view (participants and
+sizes, both bound into its relay keys) and refuses any other: a weight only scales a
+client's own upload and noise together, but a server that shrank some clients' weights
+would shrink the noise that hides the negated shares they hold.
 Shares: ``max(ceil(sigma_k^2 / niss-unit-variance), neighbours)`` per client
 (:func:`protocols.niss.share_count`): at least one per neighbour, bounded by the degree
 with the default unit variance.
@@ -96,6 +101,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -128,10 +134,11 @@ MAX_SHARE_ATTEMPTS = 3
 
 @dataclass
 class NissRound(RoundState):
-    """The round after the share phase: its key round, the weight ``p_k`` and each participant's relayed inbox."""
+    """The round after the share phase: its key round, the weights ``p_k`` and each participant's relayed inbox."""
 
     keys: KeyRound
-    weight: float
+    #: node -> ``p_k`` (:func:`protocols.niss.aggregation_weights` of the round's view; they sum to 1).
+    weights: dict[int, float]
     #: receiver -> (sender ids, sealed payloads), in sender order.
     inbox: dict[int, tuple[list[int], list[bytes]]]
     #: The distortion std the clients derive for this round (:func:`protocols.niss.client_tau` of the sizes sent).
@@ -222,30 +229,37 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
                 inbox[receiver][0].append(sender)
                 inbox[receiver][1].append(blob)
         self.report(participants=len(kr.participants), dropped=len(kr.dropped))
-        tau = client_tau(self.cfg, _sizes(kr).values())
-        return NissRound(server_round, list(kr.participants), kr, 1.0 / len(kr.participants), inbox, tau)
+        tau = client_tau(self.cfg, _sizes(kr))
+        return NissRound(server_round, list(kr.participants), kr, self._weights(kr), inbox, tau)
+
+    def _weights(self, kr: KeyRound) -> dict[int, float]:
+        return niss_math.aggregation_weights(self.cfg, kr.participants, _sizes(kr))
 
     def _share_phase(self, grid: Grid, kr: KeyRound) -> tuple[KeyRound, dict[int, ShareReply]]:
         """Run ``query.shares`` until every remaining participant answered correctly (re-graphing after failures)."""
+        if self.cfg.privacy_unit == "record":
+            unsized = [n for n in kr.participants if n not in kr.num_examples]
+            if unsized:  # no size, no weight (protocols.niss.aggregation_weights): left out of this round
+                kr = self.keys.regraph(kr, [n for n in kr.participants if n in kr.num_examples])
         for _attempt in range(MAX_SHARE_ATTEMPTS):
-            weight = 1.0 / len(kr.participants)
+            if len(kr.participants) < 2:
+                break
+            weights = self._weights(kr)
 
-            def content(node: int, kr=kr, weight=weight) -> RecordDict:
+            def content(node: int, kr=kr, weights=weights) -> RecordDict:
                 # The neighbours' signed keys and the round's view (participants, graph seed); the probe seed
                 # travels with the train message.
                 peers = dataclasses.replace(kr.peer_keys(node), probe_seed=None)
-                return RecordDict({"config": ShareRequest(kr.round, weight, peers, _sizes(kr)).to_config()})
+                return RecordDict({"config": ShareRequest(kr.round, weights[node], peers, _sizes(kr)).to_config()})
 
             replies, _errors = self.exchange(grid, kr.participants, content, "shares")
             good = {n: shares for n, r in replies.items() if n in kr.neighbours
-                    and (shares := _share_reply(r, kr.neighbours[n], self.share_bytes(weight, n, kr))) is not None}
+                    and (shares := _share_reply(r, kr.neighbours[n], self.share_bytes(weights[n], n, kr))) is not None}
             failed = sorted(set(kr.participants) - set(good))
             if not failed:
                 return kr, good
             self.keys.forget(failed)  # re-keyed when next sampled (e.g. a node that lost its state)
             kr = self.keys.regraph(kr, good)
-            if len(kr.participants) < 2:
-                break
         raise RoundFailed(f"round {kr.round}: NISS share exchange did not complete "
                           f"({len(kr.participants)} client(s) left after dropping {kr.dropped})")
 
@@ -270,7 +284,8 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
 
     def update_of(self, state: NissRound, node: int, flat: np.ndarray) -> np.ndarray:
         """A NISS upload is ``p_k w_k + noise``: its distance from ``p_k`` times the global model."""
-        return super().update_of(state, node, flat / state.weight) * state.weight
+        p = state.weights[node]
+        return super().update_of(state, node, flat / p) * p
 
     def screen(self, state: NissRound, by_node: dict[int, Message]) -> dict[int, Message]:
         """Common checks, plus: a client that rejected relayed payloads uploaded nothing.
@@ -300,7 +315,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
     def train_content(self, state: NissRound, node: int, arrays: ArrayRecord) -> RecordDict:
         """The global model and the ciphertexts addressed to ``node``."""
         senders, blobs = state.inbox[node]
-        inbox = RelayedInbox(state.round, state.weight, tuple(senders), tuple(blobs), state.keys.probe_seed)
+        inbox = RelayedInbox(state.round, state.weights[node], tuple(senders), tuple(blobs), state.keys.probe_seed)
         return RecordDict({"arrays": arrays, "config": inbox.to_config()})
 
     def aggregate(self, state: NissRound, by_node: dict[int, Message], errors: list[str]) -> ArrayRecord:
@@ -331,16 +346,18 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         self._figures = figures
         # Per coordinate, in model units (server.report): an upload p_k w_k carries own noise sigma_k, i.e.
         # sigma_k / p_k on the model scale (mean over the clients); the aggregate keeps Theorem 2's variance.
-        self.report(theorem2_variance=variance, upload_noise_std=float(np.mean(sigmas)) / state.weight,
+        p = np.array([state.weights[n] for n in survivors])
+        self.report(theorem2_variance=variance, upload_noise_std=float(np.mean(sigmas / p)),
                     model_noise_std=float(np.sqrt(variance)),
                     shares_per_client=float(np.mean([f.shares for f in figures])))
         clean = [Diagnostic.from_content(r.content) for r in ordered]
         if all(c is not None for c in clean):
             received = np.array([f.received_var or 0.0 for f in figures])
             self._diagnostics(agg, [from_record(c.update) for c in clean], received * taus**2, ordered, corrections)
-        if missing:  # the survivors' weights 1/m sum to |S|/m: renormalise (model and noise alike)
+        if missing:  # the survivors' weights sum to less than 1: renormalise (model and noise alike)
+            kept = math.fsum(state.weights[n] for n in survivors)
             for k in agg:
-                agg[k] *= len(state.participants) / len(survivors)
+                agg[k] /= kept
         self.report_recovery(state, missing)
         return to_record(agg, self.wire_dtype)
 
@@ -417,9 +434,14 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         self.report(**values)
 
     # ---------------------------------------------------------------- reporting
-    def _planned_sigmas(self, sizes: list[int], m: int) -> list[float]:
-        """The ``sigma_k`` clients with ``sizes`` compute for weight ``1/m`` (:func:`protocols.niss.client_sigma`)."""
-        return [niss_math.client_sigma(self.cfg, 1.0 / m, n) for n in sizes]
+    def _planned_sigmas(self, sizes: Mapping[int, int]) -> list[float]:
+        """The ``sigma_k`` the participants with ``sizes`` (node -> ``|D_k|``) compute (:func:`protocols.niss.client_sigma`)."""
+        weights = niss_math.aggregation_weights(self.cfg, list(sizes), sizes)
+        return [niss_math.client_sigma(self.cfg, weights[n], size) for n, size in sizes.items()]
+
+    def _typical_sizes(self) -> dict[int, int]:
+        """A full round of clients of :meth:`_typical_size` records (estimates before any round)."""
+        return dict.fromkeys(range(self.cfg.clients_per_round), self._typical_size())
 
     def _typical_size(self) -> int:
         """Records per client for the estimates before any round: the largest partition (runner), else 1."""
@@ -436,7 +458,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
             shares: float = float(np.mean([f.shares for f in figures]))
             tau = float(np.mean([f.tau for f in figures]))
         else:
-            sigma = self._planned_sigmas([self._typical_size()], m)[0]
+            sigma = self._planned_sigmas(self._typical_sizes())[0]
             degree = m - 1 if self.cfg.graph == "complete" else min(2 * self.cfg.n_out, m - 1)
             shares = niss_math.share_count(self.cfg, sigma, degree).num_shares
         return {
@@ -461,9 +483,8 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         moves <= lr clip); client level: the weighted clipped updates sum to <= clip.
         """
         c = self.cfg
-        m = c.clients_per_round
         figures = self._figures
-        sigmas = [f.sigma for f in figures] if figures else self._planned_sigmas([self._typical_size()] * m, m)
+        sigmas = [f.sigma for f in figures] if figures else self._planned_sigmas(self._typical_sizes())
         tau = float(np.mean([f.tau for f in figures])) if figures else self.tau
         std = tau * math.sqrt(math.fsum(s * s for s in sigmas))
         if c.privacy_unit == "client":
@@ -475,12 +496,12 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
     def _downlink_multiplier(self, state: NissRound) -> float:
         """The published sum's multiplier for the worst-off record of the round (:func:`protocols.niss.downlink_multiplier`).
 
-        From the sizes the participants reported with their keys (a participant without one: its record
-        sensitivity is bounded with one record, the worst case); equal sigmas at client level.
+        From the round's weights and the sizes the participants reported with their keys (every participant has
+        one at record level; the size does not matter at client level).
         """
-        m = len(state.participants)
-        sizes = [state.keys.num_examples.get(n, 1) for n in state.participants]
-        return downlink_multiplier(state.tau, self._planned_sigmas(sizes, m), self.z)
+        sigmas = [niss_math.client_sigma(self.cfg, state.weights[n], state.keys.num_examples.get(n, 1))
+                  for n in state.participants]
+        return downlink_multiplier(state.tau, sigmas, self.z)
 
     def account_round(self, state: NissRound) -> None:
         """Compose the round: each upload is a Gaussian release with multiplier z, the sum keeps ``tau sqrt(sum sigma^2)``.

@@ -38,6 +38,7 @@ from protocols.identity import (
     view_digest,
 )
 from protocols.keyagreement import generate_keypair
+from protocols.niss import aggregation_weights
 from server.defaults import app_defaults
 from server.launch import main as cancelfl
 from server.local_grid import LocalGrid
@@ -237,7 +238,10 @@ class _SplitNiss(NissStrategy):
                 req = ShareRequest.from_config(rec["config"])
                 view = _split_view(self.keys.last, victim)
                 peers = dataclasses.replace(view.peer_keys(victim), probe_seed=None)
-                return RecordDict({"config": ShareRequest(req.round, req.weight, peers).to_config()})
+                # sizes and weight of the split view itself: the victim's own checks pass
+                sizes = {n: req.sizes[n] for n in view.participants}
+                weight = aggregation_weights(self.cfg, view.participants, sizes)[victim]
+                return RecordDict({"config": ShareRequest(req.round, weight, peers, sizes).to_config()})
             return super().exchange(grid, nodes, content, action)
         return super().exchange(grid, nodes, content_fn, action)
 

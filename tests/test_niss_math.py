@@ -58,16 +58,37 @@ def test_default_tau_protects_the_model_like_the_uploads() -> None:
     z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
     m = cfg.clients_per_round
     assert niss.client_tau(cfg) == pytest.approx(1 / math.sqrt(m))
-    sizes = [143, 144, 144, 143, 144, 144, 144, 143, 144, 144]
-    tau = niss.client_tau(cfg, sizes)
+    # Unequal sizes (a Dirichlet partition): data-size weights give every record the central sensitivity
+    # 2 C lr / N for one full-batch step, so the sigmas are equal and 1/sqrt(m) already protects the model.
+    sizes = dict(enumerate([12, 30, 144, 500, 144, 80, 144, 143, 300, 90]))
+    weights = niss.aggregation_weights(cfg, list(sizes), sizes)
+    assert math.fsum(weights.values()) == pytest.approx(1.0, rel=1e-15)
+    assert weights[3] == pytest.approx(500 / sum(sizes.values()), rel=1e-15)
+    sigmas = [niss.client_sigma(cfg, weights[n], sizes[n]) for n in sizes]
+    assert max(sigmas) == pytest.approx(min(sigmas), rel=1e-12)
+    assert niss.client_tau(cfg, sizes) == pytest.approx(1 / math.sqrt(m), rel=1e-12)
+    assert niss.downlink_multiplier(1 / math.sqrt(m), sigmas, z) == pytest.approx(z, rel=1e-12)
+    # Multi-step local training: a record's sensitivity no longer shrinks like 1/n_k, the sigmas differ and tau rises.
+    mini = _cfg(**{"batch-size": 32, "local-epochs": 2})
+    weights = niss.aggregation_weights(mini, list(sizes), sizes)
+    sigmas = [niss.client_sigma(mini, weights[n], sizes[n]) for n in sizes]
+    tau = niss.client_tau(mini, sizes)
     assert tau > 1 / math.sqrt(m)
-    sigmas = [niss.client_sigma(cfg, 1 / m, n) for n in sizes]
     assert niss.downlink_multiplier(tau, sigmas, z) == pytest.approx(z, rel=1e-12)
     assert niss.downlink_multiplier(1 / math.sqrt(m), sigmas, z) < z  # the plain 1/sqrt(m) falls short
-    assert niss.client_tau(cfg, [144] * m) == pytest.approx(1 / math.sqrt(m))
-    assert niss.client_tau(cfg, [10**6] * 1000) == pytest.approx(1 / math.sqrt(m))  # no size list lowers it
+    assert niss.client_tau(cfg, dict.fromkeys(range(1000), 10**6)) == pytest.approx(1 / math.sqrt(m))  # never lower
     assert niss.client_tau(_cfg(**{"niss-rho": 1.0}), sizes) == 1.0  # Theorem 3 wins
     assert niss.client_tau(_cfg(**{"niss-tau": 0.0}), sizes) == 0.0  # explicit
+
+
+def test_aggregation_weights_need_every_size_at_record_level() -> None:
+    cfg = _cfg()
+    with pytest.raises(ValueError, match="no dataset size"):
+        niss.aggregation_weights(cfg, [1, 2, 3], {1: 10, 2: 20})
+    client = _cfg(**{"privacy-unit": "client"})
+    assert niss.aggregation_weights(client, [1, 2, 3], {}) == {1: 1 / 3, 2: 1 / 3, 3: 1 / 3}
+    assert niss.sizes_digest({1: 10, 2: 20}) != niss.sizes_digest({1: 10, 2: 21})
+    assert niss.sizes_digest({2: 20, 1: 10}) == niss.sizes_digest({1: 10, 2: 20})
 
 
 def test_assign_shares() -> None:

@@ -53,11 +53,12 @@ FAST = {"num-clients": 5, "method": "niss"}
 
 
 def _sigmas(cfg: RunConfig, rounds: int | None = None) -> np.ndarray:
-    """Every client's sigma_k = z p_k 2 C lr / n_k (record level, one full-batch step), p_k = 1/m."""
+    """Every client's sigma_k = z p_k 2 C lr / n_k (record level, one full-batch step), p_k = n_k / N: z 2 C lr / N."""
     z = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, rounds or cfg.num_rounds)
     m = cfg.num_clients
     sizes = [len(client_partition(cfg, i, m)[1]) for i in range(m)]
-    return np.array([z / m * 2 * cfg.clip * cfg.lr / n for n in sizes])
+    total = sum(sizes)
+    return np.array([z * (n / total) * 2 * cfg.clip * cfg.lr / n for n in sizes])
 
 
 def _setup(grid_cls=LocalGrid, **overrides):
@@ -91,6 +92,7 @@ def test_tau_zero_aggregate_equals_noiseless(graph):
     expected = np.zeros_like(_flat(arrays))
     by_node = {r.metadata.src_node_id: r for r in replies}
     z = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds)
+    total = sum(len(ClientEnv.from_context(grid.contexts[m.metadata.dst_node_id]).y) for m in msgs)
     for msg in msgs:
         node = msg.metadata.dst_node_id
         env = ClientEnv.from_context(grid.contexts[node])
@@ -111,7 +113,9 @@ def test_tau_zero_aggregate_equals_noiseless(graph):
         assert np.std(noise) == pytest.approx(math.sqrt(sigma**2 + figures.received_var), rel=0.12)
         # one share per neighbour (the default unit variance 0.3 >> sigma_k^2)
         assert figures.shares == len(strategy._state.keys.neighbours[node])
-    assert p == pytest.approx(1 / cfg.num_clients)
+        # the paper's data-size weight: every sigma_k is the central z 2 C lr / N (protocols.niss.aggregation_weights)
+        assert p == pytest.approx(len(env.y) / total, rel=1e-12)
+        assert sigma == pytest.approx(z * 2 * cfg.clip * cfg.lr / total, rel=1e-12)
     err = np.linalg.norm(_flat(agg) - expected) / np.linalg.norm(expected)
     assert err <= 1e-9
     rep = strategy.round_report()
@@ -186,6 +190,7 @@ def test_default_tau_gives_the_model_the_uploads_epsilon(run_inprocess):
     sig = _sigmas(cfg)
     tau = summary["method_parameters"]["tau"]
     assert tau == pytest.approx(sig.max() / math.sqrt(np.sum(sig**2)), rel=1e-9)  # sizes_tau
+    assert tau == pytest.approx(1 / math.sqrt(cfg.num_clients), rel=1e-12)  # data-size weights: equal sigma_k
     assert tau >= 1 / math.sqrt(cfg.num_clients)
     assert rows[0]["theorem2_variance"] == pytest.approx(float(np.sum(sig**2)) * tau**2, rel=1e-9)
     assert summary["epsilon_uplink"] <= cfg.epsilon and summary["epsilon_uplink"] == pytest.approx(cfg.epsilon, rel=1e-3)
@@ -217,6 +222,86 @@ def test_a_wrong_size_for_the_client_is_refused():
     with pytest.raises(RoundFailed, match="share exchange did not complete"):
         _round(grid, liar, 1, arrays)
     assert liar.errors and all("examples" in e for e in liar.errors)
+
+
+class _ShareLiar(NissStrategy):
+    """A server that rewrites the share request of its ``victims`` with ``rewrite(node, request)``."""
+
+    victims: tuple[int, ...] = ()
+
+    def rewrite(self, node: int, req: ShareRequest) -> ShareRequest:
+        raise NotImplementedError
+
+    def exchange(self, grid, nodes, content_fn, action):
+        if action != "shares":
+            return super().exchange(grid, nodes, content_fn, action)
+
+        def content(node, inner=content_fn):
+            rec = inner(node)
+            if node in self.victims:
+                rec["config"] = self.rewrite(node, ShareRequest.from_config(rec["config"])).to_config()
+            return rec
+        replies, errors = super().exchange(grid, nodes, content, action)
+        self.errors += errors
+        return replies, errors
+
+
+def test_a_shrunken_weight_is_refused():
+    """A server that gives some clients a smaller p_k is refused.
+
+    Less weight means less noise next to the negated shares they hold, which would expose a target's shares;
+    each client computes p_k from the round's view itself.
+    """
+    cfg, grid, _, arrays = _setup()
+
+    class Shrinker(_ShareLiar):
+        def rewrite(self, node, req):
+            return dataclasses.replace(req, weight=req.weight / 100)
+
+    liar = Shrinker(cfg)
+    liar.errors = []
+    liar.victims = tuple(grid.node_ids[1:])  # everyone but the target
+    with pytest.raises(RoundFailed, match="share exchange did not complete"):
+        _round(grid, liar, 1, arrays)
+    assert liar.errors and all("does not match the round's view" in e for e in liar.errors)
+
+
+def test_sizes_shown_to_one_client_only_leave_it_keys_nobody_shares():
+    """Sizes shown to one client only: its relay keys match nobody's.
+
+    A server that inflates a peer's size in one client's view (and sends the weight that view gives) shrinks
+    that client's p_k consistently, but the sizes are part of the view bound into the relay keys: the victim
+    cannot open its peers' payloads nor they its, and it uploads nothing.
+    """
+    cfg, grid, _, arrays = _setup()
+
+    class Inflater(_ShareLiar):
+        lied: dict[int, float] = {}
+
+        def rewrite(self, node, req):
+            other = next(n for n in sorted(req.sizes) if n != node)
+            sizes = {**req.sizes, other: req.sizes[other] * 100}
+            self.lied[node] = niss_math.aggregation_weights(cfg, req.peers.participants, sizes)[node]
+            return dataclasses.replace(req, sizes=sizes, weight=self.lied[node])
+
+        def train_content(self, state, node, arrays):  # the same weight again with the relayed payloads
+            content = super().train_content(state, node, arrays)
+            if node in self.lied:
+                inbox = RelayedInbox.from_config(content["config"])
+                content["config"] = dataclasses.replace(inbox, weight=self.lied[node]).to_config()
+            return content
+
+    liar = Inflater(cfg)
+    liar.errors = []
+    victim = grid.node_ids[0]
+    liar.victims = (victim,)
+    _msgs, replies = _round(grid, liar, 1, arrays)
+    assert not liar.errors  # the victim accepted the (self-consistent) request ...
+    by_node = {r.metadata.src_node_id: r for r in replies}
+    report = AuthFailures.from_config(by_node[victim].content["config"])
+    assert report and "arrays" not in by_node[victim].content  # ... but its shrunken-weight upload never left it
+    assert all(AuthFailures.from_config(r.content["config"]).senders == (victim,)
+               for n, r in by_node.items() if n != victim)  # its peers cannot open its payloads either
 
 
 # ------------------------------------------------------------------------- tampering

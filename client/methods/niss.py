@@ -61,7 +61,7 @@ from client.wire import from_record, to_record
 from protocols import niss as niss_math
 from protocols.arrays import flatten, unflatten
 from protocols.clipping import clip_l2
-from protocols.niss import client_plan, client_tau, upload_sensitivity
+from protocols.niss import aggregation_weights, client_plan, client_tau, sizes_digest, upload_sensitivity
 from protocols.privacy import GaussianEvent
 from protocols.relay_crypto import RelayAuthError, make_aad, open_sealed, seal
 
@@ -174,16 +174,23 @@ def handle_shares(msg: Message, env: ClientEnv) -> Message:
     if not nbrs or me in nbrs:
         raise ValueError(f"invalid neighbour list from the tracker: {nbrs}")
     encoding = env.cfg.niss_share_encoding
-    # The client's own calibration (run config, its dataset size, the neighbour count): never the server's figures.
-    plan = client_plan(env.cfg, weight, len(env.y), len(nbrs))
-    sigma = plan.sigma_k
     if req.sizes and req.sizes.get(me) != len(env.y):
         raise ValueError(f"server lists |D_k|={req.sizes.get(me)} for node {me}, but it holds {len(env.y)} examples")
-    tau = client_tau(env.cfg, req.sizes.values())  # the sizes can only raise tau above 1/sqrt(m)
+    # p_k from the round's public view, never the server's figure: a server that shrank some clients' weights
+    # would shrink the noise hiding the negated shares they hold (protocols.niss.aggregation_weights).
+    own_weight = aggregation_weights(env.cfg, req.peers.participants, req.sizes)[me]
+    if not math.isclose(weight, own_weight, rel_tol=1e-9):
+        raise ValueError(f"aggregation weight {weight!r} does not match the round's view "
+                         f"(participants and sizes give {own_weight!r})")
+    # The client's own calibration (run config, its dataset size, the neighbour count): never the server's figures.
+    plan = client_plan(env.cfg, own_weight, len(env.y), len(nbrs))
+    sigma = plan.sigma_k
+    tau = client_tau(env.cfg, req.sizes)  # the sizes can only raise tau above 1/sqrt(m)
     seeds = {n: _fresh_seed(f"{me}/{rnd}/share/{n}") for n in nbrs}
     bundles = niss_math.make_outgoing_bundles(me, plan, nbrs, seeds, assign_seed=_fresh_seed(f"{me}/{rnd}/assign"))
     by_receiver = {b.receiver: b for b in bundles}
-    keys = pair_seeds(msg, env, purpose=RELAY_PURPOSE)
+    # The sizes (hence every p_k) are part of the view: shown other sizes, a client derives relay keys no peer shares.
+    keys = pair_seeds(msg, env, purpose=RELAY_PURPOSE, view_extra=sizes_digest(req.sizes))
     size = model_size(env) if encoding == "vector" else 0
     payloads = []
     for n in nbrs:
@@ -192,7 +199,7 @@ def handle_shares(msg: Message, env: ClientEnv) -> Message:
         b = by_receiver.get(n) or niss_math.ShareBundle(me, n, 0, plan.share_std, _fresh_seed(f"{me}/{rnd}/pad/{n}"))
         aad = _aad(me, n, rnd, env.context.run_id, encoding)
         payloads.append(seal(keys[n], encode_payload(encoding, b, size), aad=aad))
-    env.context.state[STATE_KEY] = _Stored(rnd, weight, sigma, encoding, nbrs, keys, bundles, tau).to_record()
+    env.context.state[STATE_KEY] = _Stored(rnd, own_weight, sigma, encoding, nbrs, keys, bundles, tau).to_record()
     return Message(RecordDict({"config": ShareReply(tuple(nbrs), tuple(payloads)).to_config()}), reply_to=msg)
 
 
@@ -289,7 +296,7 @@ def train(msg: Message, env: ClientEnv) -> Message:
         inbox = RelayedInbox.from_config(cfg)
     except ValueError as err:
         return _rejected(msg, env, [(0, f"malformed relay inbox ({err})")])
-    if inbox.weight != st.weight:
+    if not math.isclose(inbox.weight, st.weight, rel_tol=1e-9):
         # sigma_k was calibrated for the share-phase weight; a larger weight now would shrink the noise-to-signal ratio.
         raise ValueError(f"aggregation weight changed between phases ({st.weight} -> {inbox.weight})")
     global_w = from_record(msg.content["arrays"])
