@@ -36,3 +36,19 @@ def test_flatten_round_trip():
     w = get_weights(build_model("cnn", (1, 8, 8), 10, seed=1))
     back = unflatten(flatten(w), w)
     assert all(np.array_equal(w[k], back[k]) for k in w)
+
+
+def test_a_linear_model_starts_at_zero_and_learns_one_class_mean_step():
+    """A linear model (hidden = "") starts at zero; one step of the mean gradient is a class-mean classifier."""
+    ds = load_dataset("digits")
+    linear = build_model("mlp", ds.input_shape, ds.num_classes, (), seed=3)
+    assert all(np.all(w == 0) for w in get_weights(linear).values())
+    mlp = build_model("mlp", ds.input_shape, ds.num_classes, (16,), seed=3)
+    assert all(np.any(w != 0) for k, w in get_weights(mlp).items() if k.endswith("weight"))  # symmetry broken
+    x, y = torch.from_numpy(ds.x_train), torch.from_numpy(ds.y_train)
+    loss = torch.nn.functional.cross_entropy(linear(x), y)
+    loss.backward()
+    with torch.no_grad():
+        for p in linear.parameters():
+            p -= 100.0 * p.grad
+    assert evaluate(linear, ds.x_test, ds.y_test)[1] > 0.8
