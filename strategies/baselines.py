@@ -17,17 +17,22 @@
     classic Gaussian mechanism (valid only for epsilon < 1) and composes nothing.
 
 * ``cdp`` (trusted server, no uplink guarantee): the server adds Gaussian noise once to the
-  mean, z calibrated for (epsilon, delta) with sampling rate q = m/N over the run.
+  mean, z calibrated for (epsilon, delta) over the run.
 
   - record level (default): clients upload their per-example-clipped local models un-noised;
     the server adds N(0, (z Delta)^2) to the example-weighted mean (:func:`record_mean_sensitivity`).
   - client level: clients clip (Flower's ``fixedclipping_mod``), the server adds noise std
     ``z clip / m`` to the uniform mean (Flower's ``DifferentialPrivacyClientSideFixedClipping``).
 
-Sampling: the default ``sample-rate`` is 1 (no amplification anywhere).  With q < 1, cdp's
-multiplier is calibrated and accounted at rate q, as the client-level path always did; for
-record level this is the same argument (a record is in a round's mean only if its client is
-sampled), with the accountant's Poisson-sampling bound standing in for the fixed-size sample.
+  z is calibrated for ``num-rounds`` unsampled releases (see Sampling below).
+
+Sampling: no amplification by sampling is claimed, for any method or direction.  The server draws
+each round's sample from the run seed (public: it is in summary.json), so whoever gets the model can know
+whether a client took part, and amplification needs a sample the adversary does not know.  With
+``sample-rate`` q < 1 every round is composed as an unsampled release (an upper bound: a record whose
+client sat a round out spent nothing in it); cdp's multiplier is calibrated the same way.  (Earlier
+versions accounted cdp's and ldp's published mean at rate m/N with the Poisson bound: unsound with a
+public sample, and the add/remove Poisson bound does not cover fixed-size sampling under replace-one.)
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from protocols.privacy import (
     GaussianEvent,
     PrivacyLedger,
     RdpAccountant,
-    calibrate_noise_multiplier,
+    noise_multiplier,
     record_sensitivity,
     record_training_movement,
 )
@@ -168,7 +173,7 @@ class LocalDPStrategy(_RecordLevel):
         if self.record_level:
             return  # the mean's downlink event depends on the uploads' sizes: composed in aggregate()
         m = self.cfg.clients_per_round
-        self.privacy.downlink.compose(GaussianEvent(self.z * math.sqrt(m), m / self.cfg.num_clients))
+        self.privacy.downlink.compose(GaussianEvent(self.z * math.sqrt(m)))  # public sample: no amplification
         k = max(len(state.participants), 1)  # independent noises: the uniform mean keeps std z clip / sqrt(k)
         self.report(upload_noise_std=self.z * self.cfg.clip, model_noise_std=self.z * self.cfg.clip / math.sqrt(k))
 
@@ -176,14 +181,14 @@ class LocalDPStrategy(_RecordLevel):
         """The weighted mean; record level also composes the published mean's event (noise really in it).
 
         Independent noises: the mean of K full-batch uploads keeps std ``z sqrt(K) 2 C lr / N`` against
-        a record sensitivity ``2 C lr / N``, i.e. multiplier ``z sqrt(K)``; with rate m / N_clients as at
-        client level (the published model does not say who was sampled).
+        a record sensitivity ``2 C lr / N``, i.e. multiplier ``z sqrt(K)``; no amplification by sampling (the
+        sample is drawn from the public run seed).
         """
         arrays = super().aggregate(state, by_node, errors)
         if self.record_level:
             sizes = {n: num_examples(by_node[n].content["metrics"]) for n in by_node}
             std, sens = self.mean_noise(sizes)
-            self.privacy.downlink.compose(GaussianEvent(std / sens, self.cfg.clients_per_round / self.cfg.num_clients))
+            self.privacy.downlink.compose(GaussianEvent(std / sens))
             self.report(upload_noise_std=min(self.upload_std(n) for n in sizes.values()), model_noise_std=std)
         return arrays
 
@@ -193,9 +198,8 @@ class CentralDPStrategy(_RecordLevel):
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
-        self.q = cfg.clients_per_round / cfg.num_clients
-        self.z = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, self.q, cfg.num_rounds)
-        # Trusted server: no uplink guarantee; the noised mean is amplified by sampling m of N.
+        self.z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
+        # Trusted server: no uplink guarantee; the noised mean is one unsampled release per round (public sample).
         self.privacy = PrivacyLedger(cfg.delta, downlink=RdpAccountant(), headline="downlink")
         self.inner = None if self.record_level else DifferentialPrivacyClientSideFixedClipping(
             FedAvg(weighted_by_key=UNIFORM_WEIGHT_KEY), noise_multiplier=self.z, clipping_norm=cfg.clip,
@@ -266,7 +270,7 @@ class CentralDPStrategy(_RecordLevel):
         return record_training_movement(self.cfg, size) * (1 + 1e-3) + 1e-5 * norm
 
     def account_round(self, state: RoundState) -> None:
-        """The noised mean: a Gaussian with multiplier z (std / sensitivity), amplified by sampling (rate m/N)."""
-        self.privacy.downlink.compose(GaussianEvent(self.z, self.q))
+        """The noised mean: a Gaussian with multiplier z (std / sensitivity); no amplification (public sample)."""
+        self.privacy.downlink.compose(GaussianEvent(self.z))
         if not self.record_level:
             self.report(upload_noise_std=0.0, model_noise_std=self.z * self.cfg.clip / self.cfg.clients_per_round)

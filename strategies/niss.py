@@ -86,9 +86,10 @@ the aggregate noise has std ``tau sqrt(sum_k sigma_k^2)`` per coordinate, i.e.
 noise multiplier ``tau z sqrt(sum_j Delta f_j^2) / Delta f_k`` for a record of
 client k (``tau z sqrt(m)`` for equal dataset sizes; the worst participant is
 charged, :func:`protocols.niss.downlink_multiplier`, from the sizes the clients
-reported with their keys), accounted with sampling rate ``m / num-clients``
-(infinite for tau = 0; also heuristic for tau > 0 because the product noise is
-only approximately Gaussian).  By default (``niss-tau < 0``) tau is the larger of
+reported with their keys), accounted without amplification by sampling (the
+sample is drawn from the public run seed, and the server sampled it); infinite for
+tau = 0, and heuristic for tau > 0 because the product noise is only approximately
+Gaussian.  By default (``niss-tau < 0``) tau is the larger of
 Theorem 3's minimum and ``max_k Delta f_k / sqrt(sum_j Delta f_j^2)`` over the sizes
 sent with the share request (``1/sqrt(m)`` for equal sizes, never less;
 :func:`protocols.niss.client_tau`), which makes the downlink multiplier ``z``: the
@@ -408,11 +409,10 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         charge_shortfall(self.privacy.uplink, self.z, z_real)
         if self.privacy.downlink is not None:
             # Multiplier = std left / the worst record's sensitivity max_k sigma_k / z (protocols.niss.downlink_multiplier).
-            m_all = len(state.participants)
             among = max(math.fsum(sigma2.values()) - lost_among, 0.0)
             planned = self._downlink_multiplier(state)
             real = state.tau * self.z * math.sqrt(among) / math.sqrt(max(sigma2.values()))
-            charge_shortfall(self.privacy.downlink, planned, real, m_all / self.cfg.num_clients)
+            charge_shortfall(self.privacy.downlink, planned, real)
         self.report(uplink_noise_multiplier_after_recovery=z_real)
         return rec.probe_corrections(out)
 
@@ -506,13 +506,12 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
     def account_round(self, state: NissRound) -> None:
         """Compose the round: each upload is a Gaussian release with multiplier z, the sum keeps ``tau sqrt(sum sigma^2)``.
 
-        No sampling amplification for the uplink (the server knows whom it sampled); the published sum is
-        amplified by sampling m of N.
+        No amplification by sampling in either direction: the server knows whom it sampled, and the sample is
+        drawn from the public run seed, so whoever gets the published model can know it too.
         """
         self.privacy.uplink.compose(GaussianEvent(self.z))
         if self.privacy.downlink is not None:
-            q = self.cfg.clients_per_round / self.cfg.num_clients
-            self.privacy.downlink.compose(GaussianEvent(self._downlink_multiplier(state), q))
+            self.privacy.downlink.compose(GaussianEvent(self._downlink_multiplier(state)))
 
 
 __all__ = ["NissStrategy", "MAX_SHARE_ATTEMPTS"]

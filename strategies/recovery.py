@@ -231,22 +231,18 @@ def corrected_residual(replies: Iterable[Message], corrections: Iterable[float] 
     return abs(total) / scale if scale > 0 else 0.0
 
 
-def charge_shortfall(accountant: Accountant, planned: float, real: float, sampling_rate: float = 1.0,
-                     **compose_kwargs) -> None:
+def charge_shortfall(accountant: Accountant, planned: float, real: float, **compose_kwargs) -> None:
     """Charge ``accountant`` for a release whose noise multiplier was ``real`` instead of the ``planned`` one.
 
-    The planned Gaussian release is already composed.  Without sampling (``sampling_rate = 1``) Gaussian
-    RDP is additive in ``1/z^2``, so the exact shortfall is one more Gaussian event with
-    ``1/z^2 = 1/real^2 - 1/planned^2``; with sampling, a whole extra event at ``real`` (an upper bound).
+    The planned (unsampled) Gaussian release is already composed.  Gaussian RDP is additive in ``1/z^2``, so
+    the exact shortfall is one more Gaussian event with ``1/z^2 = 1/real^2 - 1/planned^2``.
     """
     if real >= planned:
         return
     if real <= 0:
         accountant.compose(GaussianEvent(0.0), **compose_kwargs)
-    elif sampling_rate >= 1.0:
-        accountant.compose(GaussianEvent(1.0 / math.sqrt(1.0 / real**2 - 1.0 / planned**2)), **compose_kwargs)
     else:
-        accountant.compose(GaussianEvent(real, sampling_rate), **compose_kwargs)
+        accountant.compose(GaussianEvent(1.0 / math.sqrt(1.0 / real**2 - 1.0 / planned**2)), **compose_kwargs)
 
 
 __all__ = ["PairwiseRecovery", "RecoveryOutcome", "charge_shortfall", "corrected_residual", "probe_direction"]

@@ -405,3 +405,19 @@ def test_ledger_per_unit_views_extras_and_state():
     shared = RdpAccountant([GaussianEvent(2.0)])
     back = PrivacyLedger.from_state(json.loads(json.dumps(PrivacyLedger(DELTA, uplink=shared, downlink=shared).to_state())))
     assert back.uplink is back.downlink and back.report()["epsilon"] == shared.epsilon(DELTA)
+
+
+def test_non_converged_fractional_orders_stay_out_of_the_log(caplog):
+    """dp-accounting's per-order non-convergence warnings stay out of run logs.
+
+    For a sampled Gaussian with a large multiplier it drops the fractional orders it cannot sum (epsilon stays
+    a valid bound) and logs one warning per order and evaluation.
+    """
+    import logging
+
+    from protocols.privacy import GaussianEvent, RdpAccountant
+
+    with caplog.at_level(logging.WARNING):
+        eps = RdpAccountant([GaussianEvent(14.0, 0.5, 3)]).epsilon(1e-5)
+    assert 0 < eps < 1
+    assert not [r for r in caplog.records if "failed to converge" in r.getMessage()]
