@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -238,7 +239,17 @@ def partition_indices(labels_key: bytes, num_partitions: int, scheme: str, alpha
     else:
         raise ConfigError(f"run-config 'partitioning' = {scheme!r}; choose iid, dirichlet or size-skew")
     part.dataset = index_ds
-    return tuple(np.asarray(part.load_partition(i)["idx"], dtype=np.int64) for i in range(num_partitions))
+    try:
+        with warnings.catch_warnings():  # flwr-datasets warns on every failed Dirichlet draw; the error below says it
+            warnings.simplefilter("ignore", UserWarning)
+            return tuple(np.asarray(part.load_partition(i)["idx"], dtype=np.int64) for i in range(num_partitions))
+    except ValueError as err:  # flwr-datasets: Dirichlet draws never gave every client its minimum
+        if scheme != "dirichlet":
+            raise
+        raise ConfigError(
+            f"run-config 'partitioning' = 'dirichlet' with 'dirichlet-alpha' = {alpha} cannot give each of the "
+            f"{num_partitions} clients at least {min_size} of the {len(labels)} training records (flwr-datasets: "
+            f"{err}); raise 'dirichlet-alpha' or lower 'num-clients'") from err
 
 
 def client_partition(cfg: RunConfig, partition_id: int, num_partitions: int) -> tuple[np.ndarray, np.ndarray]:

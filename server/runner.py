@@ -32,7 +32,7 @@ from client.messages.common import PEAK_RSS_MB, TrainIns
 from client.models import build_model, get_weights, save_npz_model, set_weights
 from client.training import evaluate
 from client.wire import from_record, to_record
-from protocols.config import RunConfig
+from protocols.config import ConfigError, RunConfig
 from protocols.methods import method_spec
 from server.checkpoint import Checkpoint, load_for_resume, mark_pending, save_checkpoint, start_run_folder
 from server.report import write_run_report
@@ -63,9 +63,15 @@ def dumps(value, **kwargs) -> str:
 
 
 def largest_partition(cfg: RunConfig, ds) -> int | None:
-    """Size of the largest client partition of the run (None if it cannot be computed here)."""
+    """Size of the largest client partition of the run (None if it cannot be computed here).
+
+    A partitioning no client can get (:class:`ConfigError`, e.g. a Dirichlet split too skewed for its clients)
+    stops the run here, before round 1: every client would fail the same way in every round.
+    """
     try:
         idx = partition_indices(ds.y_train.tobytes(), cfg.num_clients, cfg.partitioning, cfg.dirichlet_alpha, cfg.seed)
+    except ConfigError:
+        raise
     except Exception:  # noqa: BLE001 - the cap is a safeguard; without it the round median rule applies
         return None
     return max(len(i) for i in idx)

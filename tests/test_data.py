@@ -33,6 +33,19 @@ def test_missing_idx_folder_is_clear(tmp_path):
         load_dataset("mnist", str(tmp_path), 0, 0)
 
 
+def test_an_impossible_dirichlet_split_stops_the_run_before_round_1(run_inprocess):
+    """dirichlet-alpha 0.05 over 20 clients: no draw gives every client its minimum.
+
+    It used to fail every client in every round ("no participant sent a usable reply"); now the partitioning
+    names the keys to change, and the server stops before the first round.
+    """
+    y = load_dataset("digits").y_train
+    with pytest.raises(ConfigError, match="dirichlet-alpha"):
+        partition_indices.__wrapped__(y.tobytes(), 20, "dirichlet", 0.05, 42)
+    with pytest.raises(ConfigError, match="raise 'dirichlet-alpha' or lower 'num-clients'"):
+        run_inprocess(method="fedavg", partitioning="dirichlet", dirichlet_alpha=0.05, num_clients=20, num_rounds=2)
+
+
 @pytest.mark.parametrize("scheme", ["iid", "dirichlet", "size-skew"])
 def test_partitions_disjoint_complete_reproducible(scheme):
     y = load_dataset("digits").y_train
