@@ -22,7 +22,9 @@ showing it a peer set the others do not share).  Choice: bind the round's
 *view* into every pair seed, at no extra message phase.  ``round_view`` checks
 the view the message shows (own id and every peer among the participants, the
 peer list equal to this node's row of the graph rebuilt from the public graph
-seed) and hashes (run id, round, key epoch, graph rule, graph seed, sorted
+seed, and that seed equal to the one the run, round, key epoch and participants
+determine, :func:`protocols.identity.view_graph_seed`, so the server cannot try
+seeds until a target's neighbours are its colluders) and hashes (run id, round, key epoch, graph rule, graph seed, sorted
 participant ids) into the HKDF context.  Two clients therefore derive the same
 pair seed only if the server showed both the same participant set and graph: a
 client shown a different set ends up with masks (and, in NISS, relay keys) that
@@ -48,7 +50,7 @@ from client.identity import sign_key, verify_peers
 from client.messages.common import TrainIns
 from client.messages.keys import KeyReply, KeyRequest, MaskProbe, PeerKeys
 from protocols.graphs import round_neighbours
-from protocols.identity import view_digest
+from protocols.identity import view_digest, view_graph_seed
 from protocols.keyagreement import agree_many, derive_pair_seed, generate_keypair, keypair_from_private
 from protocols.prg import gaussian
 
@@ -130,10 +132,15 @@ def round_view(env: ClientEnv, pk: PeerKeys, rnd: int, graph: dict[int, list[int
         raise ValueError(f"peers {strangers} are not among the round's participants")
     if graph is not None and set(graph) != members:
         raise ValueError("the round's plan and its participant list name different nodes")
+    run_id = int(env.context.run_id)
+    if pk.graph_seed != view_graph_seed(run_id=run_id, round_num=rnd, key_epoch=pk.key_epoch, participants=parts):
+        # A seed of the server's choosing could place this node among colluding neighbours.
+        raise ValueError("the graph seed is not the one the round's run, round, key epoch and participants "
+                         "determine: the server may not choose the pairing graph")
     row = graph[me] if graph is not None else round_neighbours(env.cfg.graph, env.cfg.n_out, parts, pk.graph_seed, me)
     if sorted(pk.peer_ids) != sorted(row):
         raise ValueError("the peer list differs from this node's neighbours in the round's graph")
-    return view_digest(run_id=int(env.context.run_id), round_num=rnd, key_epoch=pk.key_epoch, graph=env.cfg.graph,
+    return view_digest(run_id=run_id, round_num=rnd, key_epoch=pk.key_epoch, graph=env.cfg.graph,
                        n_out=env.cfg.n_out, graph_seed=pk.graph_seed, participants=parts)
 
 

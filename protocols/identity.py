@@ -53,6 +53,7 @@ __all__ = [
     "key_statement",
     "verify_key",
     "view_digest",
+    "view_graph_seed",
 ]
 
 PUBLIC_BYTES = 32
@@ -61,6 +62,7 @@ ROSTER_FORMAT = "cancelfl-roster/v1"
 IDENTITY_FORMAT = "cancelfl-identity/v1"
 _STATEMENT = b"cancelfl/key-statement/v1"
 _VIEW = b"cancelfl/round-view/v1"
+_GRAPH_SEED = b"cancelfl/graph-seed/v1"
 _DERIVED = b"cancelfl/simulation-identity/v1"
 
 
@@ -261,6 +263,23 @@ def verify_key(roster: Mapping[str, bytes], *, name: str, signature: bytes | Non
     except InvalidSignature:
         raise IdentityError(f"{who}: wrong signature on its X25519 key of key epoch {key_epoch} "
                             "(not signed by the roster identity for this run, epoch and node id)") from None
+
+
+def view_graph_seed(*, run_id: int, round_num: int, key_epoch: int, participants: Sequence[int]) -> bytes:
+    """The round's neighbour-graph seed: SHA-256 of the run, round, key epoch and participant ids.
+
+    Not a server choice: with a seed of its own picking, a server could try seeds until a target's n-out
+    neighbours are nodes it controls (with 8 neighbours and 30 % colluders, ~1 seed in 5 puts half of them
+    there), and that target's pair noise would then be known to the colluders.  Every client recomputes it
+    from its view and refuses another (:func:`client.pairwise_phase.round_view`), so the graph can only be
+    steered through the participant list, which the server cannot change without dropping nodes visibly.
+    """
+    ids = sorted(int(p) for p in participants)
+    h = hashlib.sha256(_GRAPH_SEED + _u64(run_id, "run_id") + _u64(round_num, "round_num")
+                       + _u64(key_epoch, "key_epoch") + _u64(len(ids), "count"))
+    for p in ids:
+        h.update(_u64(p, "participant"))
+    return h.digest()
 
 
 def view_digest(*, run_id: int, round_num: int, key_epoch: int, graph: str, n_out: int, graph_seed: bytes,

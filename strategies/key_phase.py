@@ -18,7 +18,9 @@ runs the same in simulation, deployment and in-process):
    client, and X25519 with every peer is the dominant cryptographic cost;
    clients also cache their shared secrets.
 2. The server builds the neighbour graph over the clients left
-   (:func:`protocols.graphs.round_graph` from a fresh public ``graph-seed``)
+   (:func:`protocols.graphs.round_graph` from the public ``graph-seed`` that the
+   run, round, key epoch and participant list determine,
+   :func:`protocols.identity.view_graph_seed`: the server does not pick it)
    and sends each client its neighbours' ids, public keys, roster names and
    signatures plus the participant list (:meth:`KeyRound.peer_keys`) with a
    later message of the round.  Clients verify every peer key against their
@@ -61,6 +63,7 @@ from flwr.serverapp import Grid
 from client.messages.keys import KeyReply, KeyRequest, PeerKeys, probe_value
 from protocols.config import RunConfig
 from protocols.graphs import round_graph
+from protocols.identity import view_graph_seed
 from strategies.base import RoundFailed
 
 if TYPE_CHECKING:
@@ -97,6 +100,8 @@ class KeyRound:
     keyed: list[int] = field(default_factory=list)
     #: node -> (roster name, signature) sent with its key (relayed to its peers, who verify them).
     signed_by: dict[int, tuple[str, bytes]] = field(default_factory=dict)
+    #: the Flower run id (part of the graph seed, :func:`protocols.identity.view_graph_seed`).
+    run_id: int = 0
 
     def peer_keys(self, node: int, neighbours: Sequence[int] | None = None) -> PeerKeys:
         """What ``node`` needs to derive its pairwise seeds (its neighbours by default), plus the public seeds.
@@ -152,17 +157,19 @@ class KeyPhase:
                               f"got {len(participants)} (dropped: {dropped})")
         keys = {n: directory[n].public_key for n in participants}
         sizes = {n: directory[n].num_examples for n in participants if directory[n].num_examples is not None}
-        graph_seed = os.urandom(32)
+        run_id = int(grid.run.run_id)
+        graph_seed = view_graph_seed(run_id=run_id, round_num=server_round, key_epoch=epoch, participants=participants)
         signed = {n: (directory[n].name, directory[n].signature) for n in participants}
         return KeyRound(server_round, participants, keys, self.graph(participants, graph_seed), graph_seed,
-                        os.urandom(32), dropped, sizes, epoch, sorted(n for n in need if n in directory), signed)
+                        os.urandom(32), dropped, sizes, epoch, sorted(n for n in need if n in directory), signed,
+                        run_id)
 
     def regraph(self, kr: KeyRound, participants: Iterable[int]) -> KeyRound:
         """``kr`` restricted to ``participants`` (a subset) with a fresh graph over them (e.g. after dropouts)."""
         keep = sorted(participants)
         if not set(keep) <= set(kr.participants):
             raise ValueError("regraph: participants must be a subset of the key round's participants")
-        graph_seed = os.urandom(32)
+        graph_seed = view_graph_seed(run_id=kr.run_id, round_num=kr.round, key_epoch=kr.key_epoch, participants=keep)
         return replace(kr, participants=keep, neighbours=self.graph(keep, graph_seed), graph_seed=graph_seed,
                        dropped=sorted(set(kr.dropped) | (set(kr.participants) - set(keep))))
 

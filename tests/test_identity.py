@@ -21,7 +21,7 @@ from client.env import ClientEnv
 from client.identity import node_identity
 from client.messages.common import TrainIns, merge_configs
 from client.messages.keys import PeerKeys
-from client.messages.niss import AuthFailures, ShareRequest
+from client.messages.niss import ShareRequest
 from client.models import build_model, get_weights
 from client.pairwise_phase import pair_seeds
 from client.wire import to_record
@@ -36,6 +36,7 @@ from protocols.identity import (
     key_statement,
     verify_key,
     view_digest,
+    view_graph_seed,
 )
 from protocols.keyagreement import generate_keypair
 from protocols.niss import aggregation_weights
@@ -221,15 +222,19 @@ def _split_view(kr: KeyRound, victim: int) -> KeyRound:
     """The view the server shows ``victim``: one other participant left out (the victim's own checks pass)."""
     gone = next(n for n in kr.participants if n != victim)
     keep = [n for n in kr.participants if n != gone]
-    return dataclasses.replace(kr, participants=keep, neighbours=KeyPhase(RunConfig()).graph(keep, kr.graph_seed))
+    return KeyPhase(RunConfig()).regraph(kr, keep)  # the graph seed of the split view, as a client recomputes it
 
 
 class _SplitNiss(NissStrategy):
     """Shows the lowest node a participant set the others do not share, in the share phase."""
 
+    victim: int | None = None
+
     def exchange(self, grid, nodes, content_fn, action):
-        if action == "shares":
-            victim = min(nodes)
+        if self.victim is None and action == "shares":
+            self.victim = min(nodes)
+        if action == "shares" and self.victim in nodes:
+            victim = self.victim
 
             def content(node, inner=content_fn):
                 rec = inner(node)
@@ -253,23 +258,38 @@ class _RememberingKeys(KeyPhase):
 
 
 def test_inconsistent_view_is_refused_by_niss():
+    """The lowest node is shown a participant set the others do not share, in the share phase.
+
+    Its shares follow its own view (neighbours, relay keys bound to that view), which no other client shares:
+    the server's check of the share reply against the round's graph, or the receivers' relay authentication,
+    refuses them, and the split node is left out; the rest re-graph under one consistent view (whose graph
+    seed the server cannot pick, so a "split" of the same participants is the honest view again). The split
+    node never uploads.
+    """
     def make(cfg):
         s = _SplitNiss(cfg)
         s.keys = _RememberingKeys(cfg)
         return s
     grid, strategy, failure = _one_round("niss", make)
-    assert isinstance(failure, RoundFailed)
-    reports = [AuthFailures.from_config(r.content["config"]) for r in grid.replies
-               if r.metadata.message_type == "train" and not r.has_error() and "arrays" not in r.content]
-    # Relay keys derived under different views differ: the payloads between the victim and its neighbours fail
-    # authentication, and nobody uploads.
-    assert reports and all("authentication failed" in why for rep in reports for why in rep.reasons)
-    assert not [r for r in grid.replies if r.metadata.message_type == "train" and "arrays" in r.content]
+    victim = strategy.victim
+    uploaders = {r.metadata.src_node_id for r in grid.replies
+                 if r.metadata.message_type == "train" and not r.has_error() and "arrays" in r.content}
+    assert victim is not None and victim not in uploaders
+    if failure is None:  # the others completed the round among themselves, with a consistent view
+        assert uploaders == set(strategy.keys.last.participants) - {victim}
+        assert strategy.round_report()["participants"] == len(uploaders)
+    else:
+        assert isinstance(failure, RoundFailed) and not uploaders
 
 
-def _keyed_round(method: str = "mpddp", n: int = 5):
+def kr_cfg(graph: str = "complete", n_out: int = 2) -> RunConfig:
+    """The run config of :func:`_keyed_round`'s graph rule (for rebuilding a graph as the server would)."""
+    return RunConfig.from_mapping({**app_defaults(), "method": "nadp", "graph": graph, "n-out": n_out})
+
+
+def _keyed_round(method: str = "mpddp", n: int = 5, graph: str = "auto", n_out: int = 4):
     """A real key phase (signed keys from the real client handler) on an in-process grid."""
-    raw = {**app_defaults(), "method": method, "num-clients": n}
+    raw = {**app_defaults(), "method": method, "num-clients": n, "graph": graph, "n-out": n_out}
     cfg = RunConfig.from_mapping(raw)
     grid = LocalGrid(client_app, n, raw)
     strategy = STRATEGIES[method](cfg)
@@ -294,8 +314,25 @@ def test_pair_seeds_are_bound_to_the_view():
     split = _split_view(kr, victim)
     shown = _seeds(grid, victim, split.peer_keys(victim))
     assert peer in shown and shown[peer] != _seeds(grid, peer, kr.peer_keys(peer))[victim]
-    reseeded = dataclasses.replace(kr, graph_seed=b"x" * 32)  # same participants, another graph seed
-    assert _seeds(grid, victim, reseeded.peer_keys(victim))[peer] != honest[peer]
+
+
+@pytest.mark.parametrize("graph", ["complete", "n-out"])
+def test_a_graph_seed_of_the_servers_choosing_is_refused(graph):
+    """The pairing graph follows from the round's view, not from the server.
+
+    A server that picks the graph seed itself (e.g. trying seeds until a target's n-out neighbours are
+    colluders) sends the same participants with another seed, and with it the graph that seed gives: the real
+    client handler refuses before deriving any pair seed.  The honest seed is the one both sides recompute.
+    """
+    grid, kr = _keyed_round("nadp", n=8, graph=graph, n_out=2)
+    victim = kr.participants[0]
+    assert kr.graph_seed == view_graph_seed(run_id=grid.run.run_id, round_num=1, key_epoch=kr.key_epoch,
+                                            participants=kr.participants)
+    assert _seeds(grid, victim, kr.peer_keys(victim))  # the honest view is accepted
+    chosen = b"x" * 32
+    steered = dataclasses.replace(kr, graph_seed=chosen, neighbours=KeyPhase(kr_cfg(graph)).graph(kr.participants, chosen))
+    with pytest.raises(ValueError, match="graph seed is not the one"):
+        _seeds(grid, victim, steered.peer_keys(victim))
 
 
 def test_inconsistent_peer_lists_are_refused():
