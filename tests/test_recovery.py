@@ -83,6 +83,26 @@ def test_recovery_charges_the_accountant_with_the_noise_left(run_inprocess):
                for r in rows)
 
 
+def test_mpddp_recovery_charges_exactly_the_survivors_theta(run_inprocess):
+    """Record-level mpddp, 2 of 10 dropping every round: the survivors' Theorem 10 theta is 10/8 of the plan's.
+
+    Gaussian RDP is additive in 1/z^2, so the run must report exactly the epsilon of ``num-rounds`` releases at
+    multiplier z sqrt(8/10).  (theta used to be computed from the absolute sigmas while the plan's is per unit
+    sensitivity: a record-level run was charged theta / sens^2, epsilon ~8 here instead of 1.2.)
+    """
+    from protocols.privacy import GaussianEvent, RdpAccountant
+
+    summary, rows = run_inprocess(method="mpddp", num_clients=10, num_rounds=3, seed=5, epsilon=1.0,
+                                  fault_drop_rate=0.2)
+    assert all(r["dropped"] == 2 and r["recovery"] == 1 for r in rows)
+    z = summary["method_parameters"]["noise_multiplier"]
+    theta = summary["method_parameters"]["theta_round"]
+    assert all(r["theta_after_recovery"] == pytest.approx(theta * 10 / 8, rel=1e-9) for r in rows)
+    expected = RdpAccountant([GaussianEvent(z * math.sqrt(8 / 10), 1.0, 3)]).epsilon(summary["config"]["delta"])
+    assert summary["epsilon"] == pytest.approx(expected, rel=1e-6)
+    assert 1.0 < summary["epsilon"] < 1.3
+
+
 def test_fault_injection_is_deterministic_and_validated():
     raw = {**app_defaults(), "method": "nadp", "num-clients": 10, "fault-drop-rate": 0.3, "seed": 5}
     picks = []
