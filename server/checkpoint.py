@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -49,6 +50,9 @@ ERROR_FILE = "error.json"
 #: Every file a run writes into its folder (removed before a fresh run starts there).
 OUTPUT_FILES = ("metrics.jsonl", "summary.json", "model.npz", "model.json", "report.md", "accuracy.png",
                 "epsilon.png", "noise.png", ERROR_FILE, CHECKPOINT_JSON)
+#: Folder of the in-process engine's client privacy ledgers (:mod:`client.ledger`): in the run folder, so that a
+#: resumed run's clients continue their spend instead of starting from zero; a fresh run removes it.
+LEDGER_DIR = "client-ledgers"
 #: Run-config keys a resumed run may change (where things are, not what is computed).
 #: Where the DDP-SA servers of a run are (those the launcher started are gone after a crash).
 LOCATION_KEYS = ("ddpsa-servers", "ddpsa-ca", "ddpsa-server-key")
@@ -120,7 +124,8 @@ def earlier_outputs(path: str | Path) -> list[str]:
     out = Path(path)
     if not out.is_dir():
         return []
-    return [name for name in OUTPUT_FILES if (out / name).exists()] + sorted(p.name for p in _model_files(out))
+    return ([name for name in (*OUTPUT_FILES, LEDGER_DIR) if (out / name).exists()]
+            + sorted(p.name for p in _model_files(out)))
 
 
 def _model_files(out: Path) -> list[Path]:
@@ -128,9 +133,13 @@ def _model_files(out: Path) -> list[Path]:
 
 
 def clear_outputs(path: str | Path) -> None:
-    """Remove an earlier run's output files (only :data:`OUTPUT_FILES`, nothing else) from ``path``."""
+    """Remove an earlier run's outputs (only :data:`OUTPUT_FILES`, checkpoints and :data:`LEDGER_DIR`) from ``path``."""
     for name in earlier_outputs(path):
-        (Path(path) / name).unlink(missing_ok=True)
+        target = Path(path) / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        else:
+            target.unlink(missing_ok=True)
 
 
 def write_error(out_dir: str | Path, reason: str) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from protocols.config import ConfigError, RunConfig, parse_run_config
-from server.checkpoint import CHECKPOINT_JSON, fresh_run_folder, load_checkpoint
+from server.checkpoint import CHECKPOINT_JSON, LEDGER_DIR, fresh_run_folder, load_checkpoint
 from server.deploy import LAUNCH_MARK, Processes, marked_pids
 from server.launch import main, preflight, run_inprocess
 from strategies.base import CancelStrategy, RoundFailed
@@ -206,6 +206,9 @@ def test_resume_after_crash_continues_rounds_and_epsilon(tmp_path, capsys, overr
     assert len(keys) >= 3
     for key in keys:
         assert _same([r.get(key) for r in rows], [r.get(key) for r in whole]), (key, rows, whole)
+    # The clients' own ledgers (in the run folder) continue too: their lifetime figure is not reset by the crash.
+    assert (out / LEDGER_DIR).is_dir()
+    assert _same([r.get("client_epsilon_max") for r in rows], [r.get("client_epsilon_max") for r in whole])
     summary = json.loads((out / "summary.json").read_text())
     assert _same([summary["epsilon"]], [json.loads((tmp_path / "whole" / "summary.json").read_text())["epsilon"]])
     if overrides["method"] == "mpddp":  # the resumed server continued the crashed run's Adam, not a fresh one
