@@ -31,7 +31,7 @@ from pathlib import Path
 
 from protocols.config import RunConfig
 from protocols.tls import CertificateAuthority
-from server.checkpoint import clear_outputs, resolve_out_dir, run_outcome
+from server.checkpoint import LEDGER_DIR, clear_outputs, resolve_out_dir, run_outcome
 from server.defaults import APP_DIR, app_defaults
 from server.intermediate.launcher import IntermediateServerCluster, local_intermediate_servers, start_intermediate_servers
 from server.keys import make_identities
@@ -294,6 +294,10 @@ def run_simulations(runs: list[dict], *, keep_workdir: str | None = None, client
     codes: list[int] = []
     with workspace(keep_workdir) as work:
         env = flower_env(work / "flwr-home")
+        if len(runs) == 1 and not os.environ.get("CANCELFL_LEDGER_DIR"):
+            # The simulated clients' privacy ledgers in the run folder (not the throwaway FLWR_HOME): a resumed
+            # run continues them (client.ledger reads $CANCELFL_LEDGER_DIR).
+            env["CANCELFL_LEDGER_DIR"] = str(Path(runs[0]["out-dir"]).resolve() / LEDGER_DIR)
         procs = Processes(work, env)
         try:
             port = free_port()
@@ -327,8 +331,10 @@ class LocalCluster:
     """
 
     def __init__(self, num_supernodes: int, *, tls: bool = False, intermediate_servers: int = 0,
-                 keep_workdir: str | None = None) -> None:
+                 keep_workdir: str | None = None, ledger_dir: str | None = None) -> None:
         self.num_supernodes, self.tls, self.n_intermediate = num_supernodes, tls, intermediate_servers
+        #: node-config ``ledger-dir`` of every SuperNode (None: under each node's FLWR_HOME, thrown away on exit)
+        self.ledger_dir = ledger_dir
         self._ws = workspace(keep_workdir)
         self.intermediate: list[str] = []
         self._servers: IntermediateServerCluster | None = None
@@ -354,6 +360,8 @@ class LocalCluster:
             for i in range(self.num_supernodes):
                 node_config = (f'partition-id={i} num-partitions={self.num_supernodes} identity-key="{keys[f"node-{i}"]}" '
                                f'roster="{self.roster}" require-identity=true')
+                if self.ledger_dir:
+                    node_config += f' ledger-dir="{self.ledger_dir}"'
                 node = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{port}",
                         "--host", "127.0.0.1", "--port", str(free_port()), "--node-config", node_config]
                 node += ["--root-certificates", str(certs["ca"])] if certs else ["--insecure"]
@@ -394,7 +402,10 @@ def run_deployment(overrides: dict, *, num_supernodes: int = 4, tls: bool = Fals
     """SuperLink + ``num_supernodes`` SuperNodes as separate processes on loopback; returns an exit code."""
     cfg = RunConfig.from_mapping({**app_defaults(), **overrides})
     n_inter = cfg.ddpsa_num_servers if cfg.method == "ddpsa" and not cfg.ddpsa_servers else 0
-    with LocalCluster(num_supernodes, tls=tls, intermediate_servers=n_inter, keep_workdir=keep_workdir) as cluster:
+    # The nodes' privacy ledgers in the run folder, so that `cancelfl deploy --resume` continues them.
+    ledgers = str(Path(cfg.out_dir).resolve() / LEDGER_DIR) if cfg.out_dir else None
+    with LocalCluster(num_supernodes, tls=tls, intermediate_servers=n_inter, keep_workdir=keep_workdir,
+                      ledger_dir=ledgers) as cluster:
         return cluster.submit(overrides)
 
 
