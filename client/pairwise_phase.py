@@ -24,8 +24,8 @@ the view the message shows (own id and every peer among the participants, the
 peer list equal to this node's row of the graph rebuilt from the public graph
 seed, and that seed equal to the one the run, round, key epoch and participants
 determine, :func:`protocols.identity.view_graph_seed`, so the server cannot try
-seeds until a target's neighbours are its colluders) and hashes (run id, round, key epoch, graph rule, graph seed, sorted
-participant ids) into the HKDF context.  Two clients therefore derive the same
+seeds until a target's neighbours are its colluders) and hashes (run id, round,
+key epoch, graph rule, graph seed, sorted participant ids) into the HKDF context.  Two clients therefore derive the same
 pair seed only if the server showed both the same participant set and graph: a
 client shown a different set ends up with masks (and, in NISS, relay keys) that
 nobody else can derive -- its upload stays protected, the server learns

@@ -274,20 +274,22 @@ def view_graph_seed(*, run_id: int, round_num: int, key_epoch: int, participants
     from its view and refuses another (:func:`client.pairwise_phase.round_view`), so the graph can only be
     steered through the participant list, which the server cannot change without dropping nodes visibly.
     """
-    ids = sorted(int(p) for p in participants)
-    h = hashlib.sha256(_GRAPH_SEED + _u64(run_id, "run_id") + _u64(round_num, "round_num")
-                       + _u64(key_epoch, "key_epoch") + _u64(len(ids), "count"))
-    for p in ids:
-        h.update(_u64(p, "participant"))
-    return h.digest()
+    h = hashlib.sha256(_GRAPH_SEED + _u64(run_id, "run_id") + _u64(round_num, "round_num") + _u64(key_epoch, "key_epoch"))
+    return _with_participants(h, participants)
 
 
 def view_digest(*, run_id: int, round_num: int, key_epoch: int, graph: str, n_out: int, graph_seed: bytes,
                 participants: Sequence[int]) -> bytes:
     """SHA-256 of the round's view: what two clients must agree on for their pair seeds to match."""
-    ids = sorted(int(p) for p in participants)
     h = hashlib.sha256(_VIEW + _u64(run_id, "run_id") + _u64(round_num, "round_num") + _u64(key_epoch, "key_epoch")
-                       + _lp(graph.encode()) + _u64(n_out, "n_out") + _lp(bytes(graph_seed)) + _u64(len(ids), "count"))
+                       + _lp(graph.encode()) + _u64(n_out, "n_out") + _lp(bytes(graph_seed)))
+    return _with_participants(h, participants)
+
+
+def _with_participants(h, participants: Sequence[int]) -> bytes:
+    """``h`` over the participant count and the sorted ids (the order the server sent does not matter)."""
+    ids = sorted(int(p) for p in participants)
+    h.update(_u64(len(ids), "count"))
     for p in ids:
         h.update(_u64(p, "participant"))
     return h.digest()

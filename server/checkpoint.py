@@ -50,8 +50,8 @@ ERROR_FILE = "error.json"
 #: Every file a run writes into its folder (removed before a fresh run starts there).
 OUTPUT_FILES = ("metrics.jsonl", "summary.json", "model.npz", "model.json", "report.md", "accuracy.png",
                 "epsilon.png", "noise.png", ERROR_FILE, CHECKPOINT_JSON)
-#: Folder of the in-process engine's client privacy ledgers (:mod:`client.ledger`): in the run folder, so that a
-#: resumed run's clients continue their spend instead of starting from zero; a fresh run removes it.
+#: Folder of the privacy ledgers (:mod:`client.ledger`) of the clients the launcher starts: in the run folder, so
+#: that a resumed run's clients continue their spend instead of starting from zero; a fresh run removes it.
 LEDGER_DIR = "client-ledgers"
 #: Run-config keys a resumed run may change (where things are, not what is computed).
 #: Where the DDP-SA servers of a run are (those the launcher started are gone after a crash).
@@ -59,6 +59,11 @@ LOCATION_KEYS = ("ddpsa-servers", "ddpsa-ca", "ddpsa-server-key")
 RESUME_MAY_CHANGE = ("out-dir", "resume", "data-dir", "round-timeout", *LOCATION_KEYS)
 #: Folder of the default run folders, relative to the working directory.
 RUNS_ROOT = Path("runs")
+
+
+def ledger_dir(out_dir: str | Path) -> Path:
+    """Absolute :data:`LEDGER_DIR` of the run folder ``out_dir`` (for nodes whose working directory differs)."""
+    return Path(out_dir).resolve() / LEDGER_DIR
 
 
 class ResumeError(ConfigError):

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from protocols.config import RunConfig
 from protocols.tls import CertificateAuthority
-from server.checkpoint import LEDGER_DIR, clear_outputs, resolve_out_dir, run_outcome
+from server.checkpoint import clear_outputs, ledger_dir, resolve_out_dir, run_outcome
 from server.defaults import APP_DIR, app_defaults
 from server.intermediate.launcher import IntermediateServerCluster, local_intermediate_servers, start_intermediate_servers
 from server.keys import make_identities
@@ -297,7 +297,7 @@ def run_simulations(runs: list[dict], *, keep_workdir: str | None = None, client
         if len(runs) == 1 and not os.environ.get("CANCELFL_LEDGER_DIR"):
             # The simulated clients' privacy ledgers in the run folder (not the throwaway FLWR_HOME): a resumed
             # run continues them (client.ledger reads $CANCELFL_LEDGER_DIR).
-            env["CANCELFL_LEDGER_DIR"] = str(Path(runs[0]["out-dir"]).resolve() / LEDGER_DIR)
+            env["CANCELFL_LEDGER_DIR"] = str(ledger_dir(runs[0]["out-dir"]))
         procs = Processes(work, env)
         try:
             port = free_port()
@@ -403,7 +403,7 @@ def run_deployment(overrides: dict, *, num_supernodes: int = 4, tls: bool = Fals
     cfg = RunConfig.from_mapping({**app_defaults(), **overrides})
     n_inter = cfg.ddpsa_num_servers if cfg.method == "ddpsa" and not cfg.ddpsa_servers else 0
     # The nodes' privacy ledgers in the run folder, so that `cancelfl deploy --resume` continues them.
-    ledgers = str(Path(cfg.out_dir).resolve() / LEDGER_DIR) if cfg.out_dir else None
+    ledgers = str(ledger_dir(cfg.out_dir)) if cfg.out_dir else None
     with LocalCluster(num_supernodes, tls=tls, intermediate_servers=n_inter, keep_workdir=keep_workdir,
                       ledger_dir=ledgers) as cluster:
         return cluster.submit(overrides)

@@ -33,9 +33,9 @@ from protocols.adjustments import adjustments
 from protocols.config import ConfigError, RunConfig, parse_run_config
 from server.checkpoint import (
     CHECKPOINT_JSON,
-    LEDGER_DIR,
     clear_outputs,
     earlier_outputs,
+    ledger_dir,
     prepare_out_dir,
     resolve_out_dir,
     resume_overrides,
@@ -109,8 +109,7 @@ def run_inprocess(overrides: dict, *, progress=print, grid_factory=None, keep_st
     raw["out-dir"] = resolve_out_dir(RunConfig.from_mapping(raw)).out_dir  # "" = a fresh runs/<time>-<method>
     cfg = RunConfig.from_mapping(raw)
     if grid_factory is None:  # the clients' privacy ledgers live in the run folder: a resumed run continues them
-        ledgers = Path(cfg.out_dir).resolve() / LEDGER_DIR
-        grid = LocalGrid(client_app, cfg.num_clients, raw, node_config={"ledger-dir": str(ledgers)})
+        grid = LocalGrid(client_app, cfg.num_clients, raw, node_config={"ledger-dir": str(ledger_dir(cfg.out_dir))})
     else:
         grid = grid_factory(client_app, cfg.num_clients, raw)
     # DDP-SA: local intermediate servers that trust the nodes' roster; the nodes get them in their own config.

@@ -127,6 +127,12 @@ class KeyPhase:
         """The neighbour graph of ``participants`` under the run's graph rule (run-config ``graph``, ``n-out``)."""
         return round_graph(self.cfg.graph, self.cfg.n_out, participants, seed)
 
+    def view_graph(self, run_id: int, server_round: int, key_epoch: int,
+                   participants: Sequence[int]) -> tuple[bytes, dict[int, list[int]]]:
+        """(graph seed, graph) the round's view determines: the seed every client recomputes and checks."""
+        seed = view_graph_seed(run_id=run_id, round_num=server_round, key_epoch=key_epoch, participants=participants)
+        return seed, self.graph(participants, seed)
+
     def run(self, strategy: CancelStrategy, grid: Grid, server_round: int, nodes: list[int]) -> KeyRound:
         """Make sure every node in ``nodes`` has a public key of this round's epoch; build the neighbour graph."""
         epoch = self.cfg.key_epoch(server_round)
@@ -158,19 +164,18 @@ class KeyPhase:
         keys = {n: directory[n].public_key for n in participants}
         sizes = {n: directory[n].num_examples for n in participants if directory[n].num_examples is not None}
         run_id = int(grid.run.run_id)
-        graph_seed = view_graph_seed(run_id=run_id, round_num=server_round, key_epoch=epoch, participants=participants)
+        graph_seed, graph = self.view_graph(run_id, server_round, epoch, participants)
         signed = {n: (directory[n].name, directory[n].signature) for n in participants}
-        return KeyRound(server_round, participants, keys, self.graph(participants, graph_seed), graph_seed,
-                        os.urandom(32), dropped, sizes, epoch, sorted(n for n in need if n in directory), signed,
-                        run_id)
+        return KeyRound(server_round, participants, keys, graph, graph_seed, os.urandom(32), dropped, sizes, epoch,
+                        sorted(n for n in need if n in directory), signed, run_id)
 
     def regraph(self, kr: KeyRound, participants: Iterable[int]) -> KeyRound:
         """``kr`` restricted to ``participants`` (a subset) with a fresh graph over them (e.g. after dropouts)."""
         keep = sorted(participants)
         if not set(keep) <= set(kr.participants):
             raise ValueError("regraph: participants must be a subset of the key round's participants")
-        graph_seed = view_graph_seed(run_id=kr.run_id, round_num=kr.round, key_epoch=kr.key_epoch, participants=keep)
-        return replace(kr, participants=keep, neighbours=self.graph(keep, graph_seed), graph_seed=graph_seed,
+        graph_seed, graph = self.view_graph(kr.run_id, kr.round, kr.key_epoch, keep)
+        return replace(kr, participants=keep, neighbours=graph, graph_seed=graph_seed,
                        dropped=sorted(set(kr.dropped) | (set(kr.participants) - set(keep))))
 
     def forget(self, nodes: Iterable[int]) -> None:

@@ -431,7 +431,7 @@ class MpddpStrategy(PairwiseRecovery, _MpBase):
         # theta is per unit sensitivity (state.theta is), the sigmas are absolute: divide by the round's record
         # sensitivity (mpddp_floor's, from the smallest listed |D_i|).  Without it a record-level round with
         # dropouts was charged theta / sens^2: epsilon 9.6 instead of ~1.1 for 10 % dropouts on digits.
-        sens = mp_record_sensitivity(self.cfg.clip, min(state.noise.sizes)) if state.noise.sizes else 1.0
+        sens = self.record_sensitivity(min(state.noise.sizes))
         se, sd, n_out = state.noise.sigma_eta / sens, state.noise.sigma_delta / sens, self.n_out
         try:
             theta = (theta_complete(se, sd, survivors) if self._complete(len(state.participants))

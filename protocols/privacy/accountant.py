@@ -60,7 +60,6 @@ def _check_delta(delta: float) -> float:
     return float(delta)
 
 
-
 class _DropNonConvergedOrders(logging.Filter):
     """Drops dp-accounting's "_compute_log_a_frac failed to converge" warnings (one per order and evaluation).
 
@@ -75,6 +74,7 @@ class _DropNonConvergedOrders(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_DropNonConvergedOrders())
+
 
 class Accountant(ABC):
     """One privacy guarantee (e.g. a client's uplink): events in, ``epsilon(delta)`` out."""
