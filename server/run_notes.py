@@ -1,21 +1,29 @@
-"""What a run states about itself: the regime it applied, what its epsilon means, and the noise check.
+"""What a run states about itself: regime, meaning of epsilon, noise check, and whether it learned.
 
 The runner (:mod:`server.runner`) prints these lines at start and after round 1, and writes the
 same facts to ``summary.json`` (``regime``, ``privacy``, ``noise_check``) and ``privacy_unit`` to
 every ``metrics.jsonl`` row.  The facts come from the method registry
 (:data:`protocols.methods.METHODS`: regime and :class:`~protocols.methods.Guarantee`) and from the
-strategy's :meth:`~strategies.base.CancelStrategy.noise_estimate`.
+strategy's :meth:`~strategies.base.CancelStrategy.noise_estimate`, and the signal measured in what the
+rounds released (:class:`protocols.privacy.signal.MeasuredSignal`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from protocols.config import RunConfig
 from protocols.methods import method_spec
+from protocols.privacy.signal import MeasuredSignal
 from strategies.base import CancelStrategy
 
-__all__ = ["noise_check", "preamble", "privacy_summary"]
+__all__ = ["ABOVE_CHANCE", "chance_level", "learning_check", "noise_check", "preamble", "privacy_summary"]
+
+#: A published model whose test accuracy is not this far above chance did not learn (the run warns).
+ABOVE_CHANCE = 0.05
 
 
 def preamble(cfg: RunConfig) -> list[str]:
@@ -58,3 +66,27 @@ def noise_check(strategy: CancelStrategy, num_params: int) -> tuple[dict | None,
     if est is None:
         return None, None
     return est.as_dict(), (f"warning: {est.message()}" if est.dwarfs else None)
+
+
+def chance_level(labels: Sequence[int] | np.ndarray) -> float:
+    """Share of the most frequent class among ``labels``: what always answering that class scores."""
+    y = np.asarray(labels, dtype=np.int64).ravel()
+    return float(np.bincount(y).max() / len(y)) if len(y) else 0.0
+
+
+def learning_check(final_accuracy: float, chance: float, measured: MeasuredSignal) -> tuple[dict, str | None]:
+    """Whether the published model is clearly above chance: (summary.json's ``learning_check``, warning or None).
+
+    The a-priori noise check trusts the clip bound as the signal; where the released signal is far below it
+    (the MP family, DDP-SA at epsilon 1 on small data) a run can end at chance without it firing.  This check
+    reads the outcome itself and quotes what the rounds released (``measured``).
+    """
+    learned = final_accuracy >= chance + ABOVE_CHANCE
+    info = {"final_accuracy": final_accuracy, "chance": chance, "margin": ABOVE_CHANCE, "learned": learned}
+    if learned:
+        return info, None
+    why = (f"; {measured.describe()}: the privacy noise dwarfs what this method's updates carry here. A larger "
+           "'epsilon', more clients per round, a smaller model or (record-level methods) more data per client "
+           "reduce it" if measured.rounds else "; check the learning rate and the number of rounds")
+    return info, (f"warning: the published model is not clearly better than chance (test accuracy "
+                  f"{final_accuracy:.3f}, most frequent class {chance:.3f}, margin {ABOVE_CHANCE:g}){why}")

@@ -34,9 +34,10 @@ from client.training import evaluate
 from client.wire import from_record, to_record
 from protocols.config import ConfigError, RunConfig
 from protocols.methods import method_spec
+from protocols.privacy.signal import MeasuredSignal
 from server.checkpoint import Checkpoint, load_for_resume, mark_pending, save_checkpoint, start_run_folder
 from server.report import write_run_report
-from server.run_notes import noise_check, preamble, privacy_summary
+from server.run_notes import chance_level, learning_check, noise_check, preamble, privacy_summary
 from strategies.base import CancelStrategy, RoundFailed, non_finite_arrays
 from strategies.validation import payload_bytes
 
@@ -176,6 +177,9 @@ def run_federation(strategy: CancelStrategy, grid: Grid, cfg: RunConfig,
     for line in preamble(cfg):  # the regime applied and what epsilon protects (server/run_notes.py)
         progress(line)
     noise_info, noise_checked = None, False
+    num_params = sum(int(p.numel()) for p in model.parameters())
+    # The signal the released aggregates carried, measured against their known noise (protocols/privacy/signal.py).
+    measured = MeasuredSignal(planned_rounds=cfg.num_rounds)
     metrics_path = out / "metrics.jsonl"
     metrics_path.write_text("")
     t_start = time.perf_counter()
@@ -214,6 +218,8 @@ def run_federation(strategy: CancelStrategy, grid: Grid, cfg: RunConfig,
             new_arrays, train_metrics = None, None
         wall = time.perf_counter() - t0
         if new_arrays is not None:
+            if (release := strategy.released(arrays, new_arrays, num_params)) is not None:
+                measured.add(release)
             arrays = new_arrays
             published = model_average(published, arrays, cfg.model_ema, strategy.wire_dtype)
         set_weights(model, from_record(published if published is not None else arrays))
@@ -253,9 +259,11 @@ def run_federation(strategy: CancelStrategy, grid: Grid, cfg: RunConfig,
         rounds.append(row)
         if not noise_checked and not row["failed"]:  # after round 1: round-dependent calibrations exist
             noise_checked = True
-            noise_info, warning = noise_check(strategy, sum(int(p.numel()) for p in model.parameters()))
+            noise_info, warning = noise_check(strategy, num_params)
             if warning:
                 progress(warning)
+            if noise_info is not None:
+                measured.space = str(noise_info["space"])
         with metrics_path.open("a") as fh:
             fh.write(dumps(row) + "\n")
         stopped = divergence(loss, initial_loss, cfg.divergence_factor)
@@ -278,6 +286,9 @@ def run_federation(strategy: CancelStrategy, grid: Grid, cfg: RunConfig,
         "hidden": list(cfg.hidden_sizes), "dataset": cfg.dataset,
     })
     last = rounds[-1]
+    learned, warning = learning_check(last["test_accuracy"], chance_level(ds.y_test), measured)
+    if warning:
+        progress(warning)
     summary = {
         "config": cfg.to_mapping(),
         "method": cfg.method,
@@ -289,7 +300,8 @@ def run_federation(strategy: CancelStrategy, grid: Grid, cfg: RunConfig,
         "epsilon_downlink": last["epsilon_downlink"],
         "regime": dict(cfg.regime_applied),
         "privacy": privacy_summary(cfg, last),
-        "noise_check": noise_info,
+        "noise_check": None if noise_info is None else {**noise_info, "measured": measured.as_dict()},
+        "learning_check": learned,
         "total_time_s": total,
         "mean_round_time_s": sum(r["round_time_s"] for r in rounds) / len(rounds),
         "failed_rounds": failures,

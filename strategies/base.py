@@ -46,10 +46,11 @@ from flwr.serverapp.strategy import Result, Strategy
 from client.messages.common import TrainIns, mean_metrics, num_examples
 from client.messages.ledger import SpentReport
 from client.wire import Weights, array_view, from_record, to_record
+from protocols.arrays import flatten
 from protocols.config import ConfigError, RunConfig
 from protocols.methods import METHODS
 from protocols.privacy import PrivacyLedger
-from protocols.privacy.signal import NoiseEstimate
+from protocols.privacy.signal import NoiseEstimate, Release
 from strategies.validation import ReplyScreen, Strikes, UploadSpec, spec_like
 
 
@@ -405,6 +406,20 @@ class CancelStrategy(Strategy):
         (:mod:`protocols.privacy.signal`).  ``num_params``: entries of the model.
         """
         return None
+
+    def released(self, previous: ArrayRecord, new: ArrayRecord, num_params: int) -> Release | None:
+        """The round just aggregated as released, with its noise power, for the measured noise check.
+
+        Called by the runner after every successful round (:class:`protocols.privacy.signal.MeasuredSignal`).
+        Default: the change of the global model, ``new - previous``, and the square of
+        :meth:`noise_estimate`'s per-round noise norm (the space it states: "model update").  FedSGD methods
+        whose server optimizer steps with a noisy *gradient* override this to release that gradient.
+        """
+        est = self.noise_estimate(num_params)
+        if est is None:
+            return None
+        delta = flatten(from_record(new)) - flatten(from_record(previous))
+        return Release(delta, est.noise_norm ** 2)
 
     def privacy_report(self, server_round: int) -> dict[str, float]:
         """Epsilon spent so far, read from ``self.privacy``: ``epsilon``, ``epsilon_uplink``, ``epsilon_downlink``.

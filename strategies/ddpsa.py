@@ -76,7 +76,7 @@ from protocols.privacy import (
     laplace_scale,
     per_round_epsilons,
 )
-from protocols.privacy.signal import NoiseEstimate, gaussian_norm
+from protocols.privacy.signal import NoiseEstimate, Release, gaussian_norm
 from protocols.secret_sharing import FixedPointCodec
 from protocols.server_optimizers import make_server_optimizer, optimizer_from_state
 from strategies.base import CancelStrategy, RoundFailed, RoundState
@@ -142,6 +142,8 @@ class DdpsaStrategy(CancelStrategy):
         self.optimizer = make_server_optimizer(cfg.server_optimizer, cfg.lr)
         #: Last reconstructed aggregate: decoded sum of the clients' noisy sums (diagnostics, tests).
         self.last_decoded_sum: np.ndarray | None = None
+        #: The last reconstructed mean gradient and its Laplace noise power, for the runner's measured noise check.
+        self.last_release: Release | None = None
 
     # ------------------------------------------------------------ servers
     def _open_round(self, server_round: int, length: int, clients: int) -> None:
@@ -205,6 +207,9 @@ class DdpsaStrategy(CancelStrategy):
             raise RoundFailed(f"round {rnd}: reconstructed {decoded.size} values, the model has {theta.size}")
         self.last_decoded_sum = decoded
         grad = decoded / n_total
+        # What the server steps with, and its noise: each client's Lap(b) per entry of its sum, over n_total.
+        b = laplace_scale(l1_sensitivity(self.cfg.clip), self.epsilon_of_round(rnd))
+        self.last_release = Release(grad.copy(), grad.size * len(by_node) * 2.0 * b * b / (n_total * n_total))
         try:  # the server's step with the released gradient (post-processing; run-config server-optimizer)
             (theta_new,) = self.optimizer.step([theta], [grad])
         except ValueError as err:
@@ -231,6 +236,10 @@ class DdpsaStrategy(CancelStrategy):
         b = laplace_scale(l1_sensitivity(self.cfg.clip), self.epsilon_of_round(1))
         std = math.sqrt(2.0 * m) * b / (m * self.max_examples)
         return NoiseEstimate(gaussian_norm(std, num_params), self.cfg.clip, self.cfg.num_rounds, space="gradient")
+
+    def released(self, previous: ArrayRecord, new: ArrayRecord, num_params: int) -> Release | None:
+        """The reconstructed mean gradient the server optimizer stepped with (not the model change)."""
+        return self.last_release
 
     def describe(self) -> dict[str, float | str]:
         eps = self.schedule.epsilons

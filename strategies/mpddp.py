@@ -131,7 +131,7 @@ from protocols.privacy import (
     accountant_from_state,
     noise_multiplier,
 )
-from protocols.privacy.signal import NoiseEstimate, gaussian_norm
+from protocols.privacy.signal import NoiseEstimate, Release, gaussian_norm
 from protocols.server_optimizers import NonFiniteGradient, make_server_optimizer, optimizer_from_state
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 from strategies.key_phase import KeyPhase, KeyRound
@@ -215,6 +215,8 @@ class _MpBase(CancelStrategy):
         self._given_r = RdpAccountant()
         #: Recovered aggregate gradient of the last successful round, [(dW, db), ...] (tests, diagnostics).
         self.last_gradient: list[Layer] | None = None
+        #: That gradient with its expected noise power, for the runner's measured noise check.
+        self.last_release: Release | None = None
         #: Cancellation check: projections of what dropout recovery removed this round (None: not measurable).
         self.probe_corrections: list[float] | None = []
         #: Smallest ``|D_i|`` among the last round's uploads (None before the first round).
@@ -224,17 +226,39 @@ class _MpBase(CancelStrategy):
         """``2 clip / size``: one record's L2 effect on the mean of ``size`` per-example-clipped perturbed gradients."""
         return mp_record_sensitivity(self.cfg.clip, size)
 
-    def noise_estimate(self, num_params: int) -> NoiseEstimate | None:
-        """Noise in the mean gradient vs the clipped mean's bound ``clip``: the CDP level ``z S / K`` per entry.
+    def mean_noise_std(self) -> float | None:
+        """Per-entry std of the DP noise in the mean perturbed gradient (None before the first round).
 
-        S = the record sensitivity of the smallest client; mpddp's eta keeps the noise within 5 % of that
-        level; mpdp-naive overrides (``z S / sqrt(K)``).
+        The CDP level ``z S / K``, S = the record sensitivity of the smallest client; mpddp's eta keeps the
+        noise within 5 % of it; mpdp-naive overrides (``z S / sqrt(K)``).
         """
         if self.min_size is None:
             return None
-        k = self.cfg.clients_per_round
-        std = self.z * self.record_sensitivity(self.min_size) / k
+        return self.z * self.record_sensitivity(self.min_size) / self.cfg.clients_per_round
+
+    def noise_estimate(self, num_params: int) -> NoiseEstimate | None:
+        """Noise in the mean gradient (:meth:`mean_noise_std` per entry) vs the clipped mean's bound ``clip``."""
+        std = self.mean_noise_std()
+        if std is None:
+            return None
         return NoiseEstimate(gaussian_norm(std, num_params), self.cfg.clip, self.cfg.num_rounds, space="gradient")
+
+    def released(self, previous: ArrayRecord, new: ArrayRecord, num_params: int) -> Release | None:
+        """The recovered mean gradient the server optimizer stepped with, and its noise R o mean(eta).
+
+        The server's update is Adam's (or xi's) step, not the gradient, so the model change would not do.
+        """
+        return self.last_release
+
+    def _release(self, flat: torch.Tensor, secret: MPSecret) -> Release | None:
+        """Recovery multiplies the mean noise entrywise by R: power std^2 sum R^2, effective dim (sum R^2)^2 / sum R^4."""
+        std = self.mean_noise_std()
+        if std is None:
+            return None
+        r2 = [rm.detach().double().square() for rm in secret.trainable_R()]
+        p2 = math.fsum(float(x.sum()) for x in r2)
+        p4 = math.fsum(float(x.square().sum()) for x in r2)
+        return Release(flat.detach().double().cpu().numpy(), std * std * p2, p2 * p2 / p4 if p4 > 0 else None)
 
     # ------------------------------------------------------------------ hooks of the three methods
     def key_round(self, grid: Grid, server_round: int, nodes: list[int]) -> KeyRound | None:
@@ -327,6 +351,7 @@ class _MpBase(CancelStrategy):
         self.min_size = min(state.sizes.values())
         flat = _flat(grads)
         self.last_gradient = [(gw.clone(), gb.clone()) for gw, gb in grads]
+        self.last_release = self._release(flat, state.secret)
         self.report(recovered_grad_norm=float(flat.norm()))
         if self.cfg.cancellation_check:
             res = corrected_residual(by_node.values(), self.probe_corrections)
@@ -517,13 +542,11 @@ class MpdpNaiveStrategy(_MpBase):
         """The multiplier z: each client adds ``z 2 clip / |D_k|`` from its own size (the server need not know it)."""
         return NaiveNoise(self.z)
 
-    def noise_estimate(self, num_params: int) -> NoiseEstimate | None:
+    def mean_noise_std(self) -> float | None:
         """Independent noise ``z S`` per client: ``z S / sqrt(K)`` per entry of the mean gradient."""
         if self.min_size is None:
             return None
-        k = self.cfg.clients_per_round
-        return NoiseEstimate(gaussian_norm(mpdp_naive_sigma(self.cfg, self.min_size) / math.sqrt(k), num_params),
-                             self.cfg.clip, self.cfg.num_rounds, space="gradient")
+        return mpdp_naive_sigma(self.cfg, self.min_size) / math.sqrt(self.cfg.clients_per_round)
 
     def account(self, state: MpRound) -> None:
         self._given_r.compose(GaussianEvent(self._min_r(state) * self.z))

@@ -25,8 +25,6 @@ HELP = "every method with only method and dataset set (its regime applied): fina
 COLUMNS = ("dataset", "method", "unit", "final_accuracy", "epsilon_uplink", "epsilon_downlink", "run_ratio",
            "rounds", "total_s", "regime", "status")
 
-#: Test-set chance level (the most frequent class) is computed per dataset; DP methods must beat it by this much.
-ABOVE_CHANCE = 0.05
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,13 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def chance(dataset: str) -> float:
     """Share of the most frequent class in the dataset's test set."""
-    import numpy as np
-
     from client.data import dataset_for
     from protocols.config import RunConfig
+    from server.run_notes import chance_level
 
-    y = np.asarray(dataset_for(RunConfig(dataset=dataset)).y_test)
-    return float(np.bincount(y).max() / len(y))
+    return chance_level(dataset_for(RunConfig(dataset=dataset)).y_test)
 
 
 def run_one(method: str, dataset: str, out: Path) -> dict:
@@ -70,6 +66,8 @@ def run_one(method: str, dataset: str, out: Path) -> dict:
 
 def acceptance(rows: list[dict], chance_of: dict[str, float]) -> list[str]:
     """The failed acceptance rules, one sentence each (empty = all hold)."""
+    from server.run_notes import ABOVE_CHANCE  # the run's own learning check uses the same margin
+
     failed = []
     for dataset, floor in chance_of.items():
         acc = {r["method"]: r.get("final_accuracy") for r in rows if r["dataset"] == dataset}
