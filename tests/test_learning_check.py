@@ -62,7 +62,7 @@ def test_a_run_that_does_not_learn_warns_and_says_so_in_its_summary(tmp_path):
 
 
 def test_the_mp_familys_released_signal_is_measured_far_below_its_clip_bound(tmp_path):
-    """mpcdp's recovered gradient is what its server steps with; the clip bound (1) overstates it many times."""
+    """The recovered gradient mpcdp's server steps with is far shorter than the clip bound (1) says."""
     from server.launch import run_inprocess
 
     lines: list[str] = []

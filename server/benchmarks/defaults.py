@@ -23,7 +23,7 @@ from server.benchmarks import common
 HELP = "every method with only method and dataset set (its regime applied): final accuracy and the acceptance rules"
 
 COLUMNS = ("dataset", "method", "unit", "final_accuracy", "epsilon_uplink", "epsilon_downlink", "run_ratio",
-           "rounds", "total_s", "regime", "status")
+           "measured_run_ratio", "learned", "rounds", "total_s", "regime", "status")
 
 
 
@@ -59,6 +59,8 @@ def run_one(method: str, dataset: str, out: Path) -> dict:
     check = s.get("noise_check") or {}
     row.update(final_accuracy=s["final_accuracy"], epsilon_uplink=s["epsilon_uplink"],
                epsilon_downlink=s["epsilon_downlink"], run_ratio=check.get("run_ratio"),
+               measured_run_ratio=(check.get("measured") or {}).get("run_ratio"),
+               learned=s["learning_check"]["learned"],
                rounds=s["config"]["num-rounds"], total_s=time.perf_counter() - t0,
                regime=" ".join(f"{k}={v}" for k, v in s["regime"].items()))
     return row
@@ -101,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
     notes = ["chance (most frequent test class): " + ", ".join(f"{d} {c:.3f}" for d, c in chance_of.items()),
              "run_ratio: noise left in the model over the run / the most the clipped updates can move it "
              "(protocols/privacy/signal.py); above 1 the run warns",
+             "measured_run_ratio: the same with the signal the rounds actually released in place of the clip "
+             "bound (null: none measurable); learned: the run's learning check (5 points above chance, else it warns)",
              *(["acceptance: all rules hold"] if not failed else [f"acceptance FAILED: {f}" for f in failed])]
     common.publish(rows, COLUMNS, args, "defaults", title="Every method with its defaults", notes=notes,
                    total=time.perf_counter() - t0)
