@@ -20,7 +20,8 @@ from protocols.methods import method_spec
 from protocols.privacy.signal import MeasuredSignal
 from strategies.base import CancelStrategy
 
-__all__ = ["ABOVE_CHANCE", "chance_level", "learning_check", "noise_check", "preamble", "privacy_summary"]
+__all__ = ["ABOVE_CHANCE", "chance_level", "learning_check", "noise_check", "over_target", "preamble",
+           "privacy_summary"]
 
 #: A published model whose test accuracy is not this far above chance did not learn (the run warns).
 ABOVE_CHANCE = 0.05
@@ -51,6 +52,7 @@ def privacy_summary(cfg: RunConfig, last_row: dict[str, Any]) -> dict[str, Any]:
     g = method_spec(cfg.method).guarantee(cfg.privacy_unit)
     return {
         "target_epsilon": cfg.epsilon if g.unit != "none" else None,
+        "over_target": over_target(cfg, last_row) is not None,
         "delta": cfg.delta,
         "unit": g.unit,
         "uplink": {"view": "the uploads, as the server or an eavesdropper sees them", "adversary": g.uplink,
@@ -58,6 +60,24 @@ def privacy_summary(cfg: RunConfig, last_row: dict[str, Any]) -> dict[str, Any]:
         "downlink": {"view": "the published global models", "adversary": g.downlink,
                      "epsilon": last_row.get("epsilon_downlink") if g.downlink else None},
     }
+
+
+def over_target(cfg: RunConfig, row: dict[str, Any]) -> str | None:
+    """The warning when the epsilon spent so far is above the run's target (None while within it).
+
+    Calibrations are exact for the clients a round starts with.  When some drop after the noise was fixed
+    (pairwise methods, then dropout recovery), the accountants charge the noise really left, with no top-up
+    (README "Dropout recovery"), so the run can end above its target: it must say so.
+    """
+    spent = row.get("epsilon")
+    if spent is None or method_spec(cfg.method).guarantee(cfg.privacy_unit).unit == "none":
+        return None
+    if spent <= cfg.epsilon * (1.0 + 1e-6):
+        return None
+    return (f"warning: round {row['round']}: epsilon spent {spent:.4g} is above the run's target {cfg.epsilon:g}: "
+            "clients dropped after the round's noise was calibrated (see 'dropped' in metrics.jsonl) and the "
+            "accountant charges the noise really left, with no top-up. A node caps its own spending with its "
+            "'lifetime-epsilon' (rounds beyond it are refused)")
 
 
 def noise_check(strategy: CancelStrategy, num_params: int) -> tuple[dict | None, str | None]:

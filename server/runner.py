@@ -37,7 +37,7 @@ from protocols.methods import method_spec
 from protocols.privacy.signal import MeasuredSignal
 from server.checkpoint import Checkpoint, load_for_resume, mark_pending, save_checkpoint, start_run_folder
 from server.report import write_run_report
-from server.run_notes import chance_level, learning_check, noise_check, preamble, privacy_summary
+from server.run_notes import chance_level, learning_check, noise_check, over_target, preamble, privacy_summary
 from strategies.base import CancelStrategy, RoundFailed, non_finite_arrays
 from strategies.validation import payload_bytes
 
@@ -180,6 +180,7 @@ def run_federation(strategy: CancelStrategy, grid: Grid, cfg: RunConfig,
     num_params = sum(int(p.numel()) for p in model.parameters())
     # The signal the released aggregates carried, measured against their known noise (protocols/privacy/signal.py).
     measured = MeasuredSignal(planned_rounds=cfg.num_rounds)
+    warned_over_target = False
     metrics_path = out / "metrics.jsonl"
     metrics_path.write_text("")
     t_start = time.perf_counter()
@@ -264,6 +265,9 @@ def run_federation(strategy: CancelStrategy, grid: Grid, cfg: RunConfig,
                 progress(warning)
             if noise_info is not None:
                 measured.space = str(noise_info["space"])
+        if not warned_over_target and (warning := over_target(cfg, row)):
+            warned_over_target = True
+            progress(warning)
         with metrics_path.open("a") as fh:
             fh.write(dumps(row) + "\n")
         stopped = divergence(loss, initial_loss, cfg.divergence_factor)

@@ -101,6 +101,23 @@ def test_mpddp_recovery_charges_exactly_the_survivors_theta(run_inprocess):
     expected = RdpAccountant([GaussianEvent(z * math.sqrt(8 / 10), 1.0, 3)]).epsilon(summary["config"]["delta"])
     assert summary["epsilon"] == pytest.approx(expected, rel=1e-6)
     assert 1.0 < summary["epsilon"] < 1.3
+    assert summary["privacy"]["over_target"] is True
+
+
+def test_a_run_that_ends_above_its_epsilon_target_says_so(tmp_path):
+    """No top-up after dropouts: the run may end above its target, and then it warns and records it."""
+    from server.launch import run_inprocess
+
+    common = {"method": "mpddp", "num-clients": 10, "num-rounds": 2, "seed": 5, "epsilon": 1.0}
+    lines: list[str] = []
+    plain = run_inprocess({**common, "out-dir": str(tmp_path / "plain")}, progress=lines.append)
+    assert plain["epsilon"] <= 1.0 and plain["privacy"]["over_target"] is False
+    assert not any("above the run's target" in s for s in lines)
+    dropped = run_inprocess({**common, "fault-drop-rate": 0.2, "out-dir": str(tmp_path / "dropped")},
+                            progress=lines.append)
+    assert dropped["epsilon"] > 1.0 and dropped["privacy"]["over_target"] is True
+    warnings = [s for s in lines if "above the run's target 1" in s]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: round ")  # once, at the round it happened
 
 
 def test_fault_injection_is_deterministic_and_validated():
