@@ -291,7 +291,7 @@ def run_federation(strategy: CancelStrategy, grid: Grid, cfg: RunConfig,
     })
     last = rounds[-1]
     learned, warning = learning_check(last["test_accuracy"], chance_level(ds.y_test), measured)
-    if warning:
+    if warning and stopped is None:  # a stopped run has said why already (divergence, not the noise)
         progress(warning)
     summary = {
         "config": cfg.to_mapping(),
