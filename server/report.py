@@ -177,6 +177,21 @@ def summary_table(runs: Sequence[RunData]) -> list[str]:
     return lines
 
 
+def run_flags(runs: Sequence[RunData]) -> list[str]:
+    """One line per run that did not learn or ended above its epsilon target (from its summary.json)."""
+    lines = []
+    for run in runs:
+        check = run.summary.get("learning_check") or {}
+        if check.get("learned") is False:
+            lines.append(f"**{run.name} did not learn**: final accuracy {_fmt(check.get('final_accuracy'))}, most "
+                         f"frequent test class {_fmt(check.get('chance'))} (margin {check.get('margin')}).")
+        privacy = run.summary.get("privacy") or {}
+        if privacy.get("over_target"):
+            lines.append(f"**{run.name} ended above its epsilon target** {privacy.get('target_epsilon')}: clients "
+                         "dropped after the noise was calibrated, and the accountant charged the noise left.")
+    return lines
+
+
 def write_report(runs: Mapping[str, Path], out: Path, *, title: str = "cancelfl run report", command: str = "",
                  notes: Sequence[str] = ()) -> Path:
     """Write ``report.md``, ``accuracy.png``, ``epsilon.png`` and ``noise.png`` into ``out``; returns report.md.
@@ -201,6 +216,7 @@ def write_report(runs: Mapping[str, Path], out: Path, *, title: str = "cancelfl 
            "guarantee in that direction. Noise figures are the calibrated per-coordinate standard deviations "
            "(median over rounds) of the noise in one client's upload and of the noise that stays in the "
            "aggregated model; a large ratio means the upload noise cancels on aggregation.", ""]
+    notes = [*run_flags(data), *notes]
     md += [f"- {n}" for n in notes]
     if notes:
         md.append("")

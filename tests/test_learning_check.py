@@ -59,6 +59,7 @@ def test_a_run_that_does_not_learn_warns_and_says_so_in_its_summary(tmp_path):
     check = summary["learning_check"]
     assert check["learned"] is False and check["final_accuracy"] < check["chance"] + ABOVE_CHANCE
     assert any(s.startswith("warning: the published model is not clearly better than chance") for s in lines)
+    assert "**fedavg did not learn**" in (tmp_path / "run" / "report.md").read_text()  # the run's report says it too
 
 
 def test_the_mp_familys_released_signal_is_measured_far_below_its_clip_bound(tmp_path):

@@ -118,6 +118,8 @@ def test_a_run_that_ends_above_its_epsilon_target_says_so(tmp_path):
     assert dropped["epsilon"] > 1.0 and dropped["privacy"]["over_target"] is True
     warnings = [s for s in lines if "above the run's target 1" in s]
     assert len(warnings) == 1 and warnings[0].startswith("warning: round ")  # once, at the round it happened
+    assert "ended above its epsilon target" in (tmp_path / "dropped" / "report.md").read_text()
+    assert "ended above its epsilon target" not in (tmp_path / "plain" / "report.md").read_text()
 
 
 def test_fault_injection_is_deterministic_and_validated():
