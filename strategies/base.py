@@ -149,6 +149,9 @@ class CancelStrategy(Strategy):
         self.privacy = PrivacyLedger(cfg.delta)
         #: Largest ``num-examples`` a reply may claim (the largest partition, set by the runner); None = unknown.
         self.max_examples: int | None = None
+        #: The last successful round's release, set by FedSGD methods whose server optimizer steps with a noisy
+        #: gradient (not the model change); :meth:`released` prefers it.
+        self.last_release: Release | None = None
         #: node -> reason of every reply excluded this round (:mod:`strategies.validation`).
         self.excluded: dict[int, str] = {}
         #: Consecutive exclusions per node; ``strikes.banned`` nodes are no longer sampled.
@@ -411,10 +414,13 @@ class CancelStrategy(Strategy):
         """The round just aggregated as released, with its noise power, for the measured noise check.
 
         Called by the runner after every successful round (:class:`protocols.privacy.signal.MeasuredSignal`).
-        Default: the change of the global model, ``new - previous``, and the square of
-        :meth:`noise_estimate`'s per-round noise norm (the space it states: "model update").  FedSGD methods
-        whose server optimizer steps with a noisy *gradient* override this to release that gradient.
+        FedSGD methods whose server optimizer steps with a noisy *gradient* set :attr:`last_release` to that
+        gradient when they aggregate (the model change is the optimizer's step, not what was released).
+        Otherwise: the change of the global model, ``new - previous``, and the square of
+        :meth:`noise_estimate`'s per-round noise norm (the space it states: "model update").
         """
+        if self.last_release is not None:
+            return self.last_release
         est = self.noise_estimate(num_params)
         if est is None:
             return None

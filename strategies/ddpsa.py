@@ -142,8 +142,6 @@ class DdpsaStrategy(CancelStrategy):
         self.optimizer = make_server_optimizer(cfg.server_optimizer, cfg.lr)
         #: Last reconstructed aggregate: decoded sum of the clients' noisy sums (diagnostics, tests).
         self.last_decoded_sum: np.ndarray | None = None
-        #: The last reconstructed mean gradient and its Laplace noise power, for the runner's measured noise check.
-        self.last_release: Release | None = None
 
     # ------------------------------------------------------------ servers
     def _open_round(self, server_round: int, length: int, clients: int) -> None:
@@ -207,9 +205,8 @@ class DdpsaStrategy(CancelStrategy):
             raise RoundFailed(f"round {rnd}: reconstructed {decoded.size} values, the model has {theta.size}")
         self.last_decoded_sum = decoded
         grad = decoded / n_total
-        # What the server steps with, and its noise: each client's Lap(b) per entry of its sum, over n_total.
-        b = laplace_scale(l1_sensitivity(self.cfg.clip), self.epsilon_of_round(rnd))
-        self.last_release = Release(grad.copy(), grad.size * len(by_node) * 2.0 * b * b / (n_total * n_total))
+        # What the server steps with (the runner's measured noise check), and the noise in it.
+        self.last_release = Release(grad.copy(), grad.size * self.mean_noise_std(len(by_node), n_total, rnd) ** 2)
         try:  # the server's step with the released gradient (post-processing; run-config server-optimizer)
             (theta_new,) = self.optimizer.step([theta], [grad])
         except ValueError as err:
@@ -225,21 +222,24 @@ class DdpsaStrategy(CancelStrategy):
         return to_record(new, self.wire_dtype)
 
     # ------------------------------------------------------------ reporting
+    def mean_noise_std(self, clients: int, examples: float, server_round: int) -> float:
+        """Per-entry std of the Laplace noise in the mean gradient: ``clients`` sums, each with Lap(b), over ``examples``.
+
+        b = 2 clip / eps_t (Var Lap(b) = 2 b^2), so the std is ``sqrt(2 clients) b / examples``.
+        """
+        b = laplace_scale(l1_sensitivity(self.cfg.clip), self.epsilon_of_round(server_round))
+        return math.sqrt(2.0 * clients) * b / examples
+
     def noise_estimate(self, num_params: int) -> NoiseEstimate | None:
-        """Round-1 Laplace noise in the mean gradient (m clients, std ``sqrt(2m) 2 clip / eps_1`` / N) vs clip.
+        """Round-1 Laplace noise in the mean gradient (:meth:`mean_noise_std`, m clients) vs clip.
 
         N = all clients' examples (the largest partition times the clients when the runner knows it).
         """
         if self.max_examples is None:
             return None
         m = self.cfg.clients_per_round
-        b = laplace_scale(l1_sensitivity(self.cfg.clip), self.epsilon_of_round(1))
-        std = math.sqrt(2.0 * m) * b / (m * self.max_examples)
+        std = self.mean_noise_std(m, m * self.max_examples, 1)
         return NoiseEstimate(gaussian_norm(std, num_params), self.cfg.clip, self.cfg.num_rounds, space="gradient")
-
-    def released(self, previous: ArrayRecord, new: ArrayRecord, num_params: int) -> Release | None:
-        """The reconstructed mean gradient the server optimizer stepped with (not the model change)."""
-        return self.last_release
 
     def describe(self) -> dict[str, float | str]:
         eps = self.schedule.epsilons

@@ -215,8 +215,6 @@ class _MpBase(CancelStrategy):
         self._given_r = RdpAccountant()
         #: Recovered aggregate gradient of the last successful round, [(dW, db), ...] (tests, diagnostics).
         self.last_gradient: list[Layer] | None = None
-        #: That gradient with its expected noise power, for the runner's measured noise check.
-        self.last_release: Release | None = None
         #: Cancellation check: projections of what dropout recovery removed this round (None: not measurable).
         self.probe_corrections: list[float] | None = []
         #: Smallest ``|D_i|`` among the last round's uploads (None before the first round).
@@ -243,15 +241,12 @@ class _MpBase(CancelStrategy):
             return None
         return NoiseEstimate(gaussian_norm(std, num_params), self.cfg.clip, self.cfg.num_rounds, space="gradient")
 
-    def released(self, previous: ArrayRecord, new: ArrayRecord, num_params: int) -> Release | None:
-        """The recovered mean gradient the server optimizer stepped with, and its noise R o mean(eta).
-
-        The server's update is Adam's (or xi's) step, not the gradient, so the model change would not do.
-        """
-        return self.last_release
-
     def _release(self, flat: torch.Tensor, secret: MPSecret) -> Release | None:
-        """Recovery multiplies the mean noise entrywise by R: power std^2 sum R^2, effective dim (sum R^2)^2 / sum R^4."""
+        """The recovered mean gradient the server optimizer steps with (:attr:`last_release`), and its noise.
+
+        Recovery multiplies the mean noise entrywise by R: power std^2 sum R^2, effective dim
+        (sum R^2)^2 / sum R^4.
+        """
         std = self.mean_noise_std()
         if std is None:
             return None

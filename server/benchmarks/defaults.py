@@ -26,7 +26,6 @@ COLUMNS = ("dataset", "method", "unit", "final_accuracy", "epsilon_uplink", "eps
            "measured_run_ratio", "learned", "rounds", "total_s", "regime", "status")
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``cancelfl-bench defaults``."""
     parser.add_argument("--datasets", default="digits,mnist", help="comma list of datasets")
