@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.adversary.dlg import infer_label, invert, param_gradient
+from benchmarks.adversary.membership import auc, loss_threshold_attack, per_sample_loss
+from benchmarks.adversary.ssim import ssim
 from client.data import load_dataset
 from client.models import build_model
-from server.attacks.dlg import infer_label, invert, param_gradient
-from server.attacks.membership import auc, loss_threshold_attack, per_sample_loss
-from server.attacks.ssim import ssim
 
 
 # ------------------------------------------------------------------------------ SSIM
@@ -124,7 +124,7 @@ def test_per_sample_loss_matches_cross_entropy(digits_target):
 
 # ------------------------------------------------------------- uplink on the real code path
 def test_uplink_capture_recovers_fedavg_gradient_exactly(tmp_path):
-    from server.attacks.uplink import attacker_view, capture_first_round, true_gradient
+    from benchmarks.adversary.uplink import attacker_view, capture_first_round, true_gradient
 
     cap = capture_first_round({"method": "fedavg", "num-clients": 6, "hidden": "16", "out-dir": str(tmp_path)})
     assert cap.x.shape == (1, 8, 8)
@@ -135,7 +135,7 @@ def test_uplink_capture_recovers_fedavg_gradient_exactly(tmp_path):
 
 def test_mpcdp_server_recovers_one_clients_exact_gradient(tmp_path):
     """The MP server knows R: recovering ONE noise-free upload gives that client's exact gradient."""
-    from server.attacks.uplink import attacker_view, capture_first_round, true_gradient
+    from benchmarks.adversary.uplink import attacker_view, capture_first_round, true_gradient
 
     # float64 side information: exact recovery (the float32 default rounds Psi/Phi, recovery error ~1e-4)
     # (clip 1e3: no example is clipped, so the upload is the client's true mean gradient)

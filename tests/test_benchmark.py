@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-import server.benchmarks
+import benchmarks
+from benchmarks import cli, mpddp, nadp, overhead
+from benchmarks.common import VARIANTS, method_config, parse_method_sets, resolve_methods
 from protocols.config import RunConfig
 from protocols.methods import METHOD_NAMES, METHODS
-from server.benchmarks import cli, mpddp, nadp, overhead
-from server.benchmarks.common import VARIANTS, method_config, parse_method_sets, resolve_methods
 from server.defaults import app_defaults
 
 
@@ -110,8 +110,8 @@ def test_every_benchmark_method_config_is_a_valid_run_config(name):
 
 
 def test_cli_registers_every_benchmark_module_and_parses_its_defaults():
-    helpers = {"cli", "common", "runs", "secagg", "__main__"}
-    modules = {m.name for m in pkgutil.iter_modules(server.benchmarks.__path__)} - helpers
+    helpers = {"cli", "common", "runs", "secagg", "__main__", "adversary"}
+    modules = {m.name for m in pkgutil.iter_modules(benchmarks.__path__)} - helpers
     assert {mod.__name__.rsplit(".", 1)[1] for mod in cli.BENCHMARKS.values()} == modules
     parser = cli.build_parser()
     for name, module in cli.BENCHMARKS.items():

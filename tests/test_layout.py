@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-ORDER = ("server", "strategies", "client", "protocols")  # a package may import only packages to its right
+ORDER = ("benchmarks", "server", "strategies", "client", "protocols")  # a package may import only packages to its right
 RANK = {p: i for i, p in enumerate(ORDER)}
 
 

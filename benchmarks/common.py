@@ -93,7 +93,7 @@ def parse_method_sets(items: Sequence[str] | None) -> dict[str, dict]:
 def add_federation_arguments(p: argparse.ArgumentParser, *, dataset: str, train_subset: int, test_subset: int,
                              rounds: int, hidden: str, out: str, methods: str, local_epochs: int = 1, lr: float = 0.1,
                              batch_size: int = 32) -> None:
-    """Options of the benchmarks that run many methods through :func:`server.benchmarks.runs.run_point`."""
+    """Options of the benchmarks that run many methods through :func:`benchmarks.runs.run_point`."""
     p.add_argument("--methods", default=methods, help="'all' or a comma list (variants: " + ", ".join(VARIANTS) + ")")
     p.add_argument("--dataset", default=dataset)
     p.add_argument("--train-subset", type=int, default=train_subset)

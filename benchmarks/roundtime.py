@@ -29,9 +29,9 @@ import argparse
 import math
 import time
 
-from server.benchmarks import common
-from server.benchmarks.overhead import median_over_repeats, simulation_point
-from server.benchmarks.runs import RunResult, add_ratios, run_point, warm_up
+from benchmarks import common
+from benchmarks.overhead import median_over_repeats, simulation_point
+from benchmarks.runs import RunResult, add_ratios, run_point, warm_up
 
 HELP = "round time of every method vs FedAvg with realistic local data (goals of issue 20)"
 

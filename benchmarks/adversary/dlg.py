@@ -1,7 +1,7 @@
 """Gradient inversion: iDLG with L-BFGS (Zhu et al. 2019; Zhao et al. 2020) and the analytic bias attack.
 
 The attacker (the server) holds the model weights it sent and a gradient it
-inferred from one client's upload (see :mod:`server.attacks.uplink` for what
+inferred from one client's upload (see :mod:`benchmarks.adversary.uplink` for what
 that is per method).  With a one-sample batch:
 
 * :func:`infer_label` -- iDLG: for cross-entropy the last layer's bias gradient
@@ -20,7 +20,7 @@ that is per method).  With a one-sample batch:
   because of noise.
 
 Every reconstruction is scored against the true sample by MSE and SSIM
-(:func:`server.attacks.ssim.ssim`) after clipping to the data's value range
+(:func:`benchmarks.adversary.ssim.ssim`) after clipping to the data's value range
 (the attacker knows it).  Scores are reported for the *best* reconstruction
 over starts and variants (an oracle choice, i.e. the defender's worst case);
 the attacker's own choice (smallest gradient distance) is reported too.
@@ -35,8 +35,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from benchmarks.adversary.ssim import ssim
 from client.training import loss_fn
-from server.attacks.ssim import ssim
 
 __all__ = ["Reconstruction", "AttackReport", "infer_label", "param_gradient", "dlg_attack", "analytic_attack",
            "score", "invert"]

@@ -17,8 +17,8 @@ import argparse
 import time
 from pathlib import Path
 
+from benchmarks import common
 from protocols.methods import METHOD_NAMES, method_spec
-from server.benchmarks import common
 
 HELP = "every method with only method and dataset set (its regime applied): final accuracy and the acceptance rules"
 

@@ -33,7 +33,7 @@ def legacy_fedavg_client(raw: dict, clients: int):
     """``(client_fn, initial weights)`` of a legacy ``NumPyClient`` that trains like the cancelfl FedAvg client.
 
     Same model, partition and SGD settings as the run config ``raw`` (seeded per partition); the SecAgg+
-    references (this module, :mod:`server.benchmarks.recovery`) wrap it in ``secaggplus_mod``.
+    references (this module, :mod:`benchmarks.recovery`) wrap it in ``secaggplus_mod``.
     """
     from flwr.app import Context
     from flwr.client import NumPyClient
@@ -77,7 +77,7 @@ def secaggplus_reference(base: dict, clients: int, num_shares: int, threshold: f
     from flwr.server.strategy import FedAvg as LegacyFedAvg
     from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 
-    from server.attacks.observe import ObservedLocalGrid
+    from benchmarks.adversary.observe import ObservedLocalGrid
     from server.defaults import app_defaults
     from server.local_grid import SERVER_NODE_ID
     from strategies.validation import payload_bytes

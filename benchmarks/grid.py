@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from server.benchmarks import common
-from server.benchmarks.runs import add_ratios, run_point, warm_up
+from benchmarks import common
+from benchmarks.runs import add_ratios, run_point, warm_up
 
 HELP = "methods x epsilon x clients"
 

@@ -13,7 +13,7 @@ Prints
   view digest over the participant list;
 * one client's pairwise noise with 100 peers on a 1e5-dimensional model.
 
-Every numerical library is pinned to one thread (:mod:`server.benchmarks`): the figures are per core.
+Every numerical library is pinned to one thread (:mod:`benchmarks`): the figures are per core.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from server.benchmarks import common
+from benchmarks import common
 
 HELP = "cost of dropout recovery per surviving client vs Flower's SecAgg+"
 
@@ -145,8 +145,8 @@ def secagg_row(rate: float, args: argparse.Namespace) -> dict:
     from flwr.server.strategy import FedAvg as LegacyFedAvg
     from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 
+    from benchmarks.secagg import legacy_fedavg_client, share_counts
     from server import local_grid
-    from server.benchmarks.secagg import legacy_fedavg_client, share_counts
     from server.defaults import app_defaults
     from server.local_grid import SERVER_NODE_ID, LocalGrid
 

@@ -4,8 +4,8 @@
         [--repeats 1] [--no-secagg] [--secagg-shares all,11] ...
 
 ``--engine inprocess`` splits each round into client and server time on the in-process grid
-(:mod:`server.benchmarks.runs`) and adds Flower's SecAgg+ on the same model and data
-(:mod:`server.benchmarks.secagg`); ``--engine simulation`` times whole rounds under Flower's
+(:mod:`benchmarks.runs`) and adds Flower's SecAgg+ on the same model and data
+(:mod:`benchmarks.secagg`); ``--engine simulation`` times whole rounds under Flower's
 simulation runtime.  Repeats are interleaved and reported as medians.  Writes
 ``overhead.csv``/``overhead.md`` (and ``overhead_repeats.*``) and ``overhead.png`` into ``--out``.
 """
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from server.benchmarks import common
-from server.benchmarks.runs import RunResult, add_ratios, peak_rss, point_config, run_point, short_error, warm_up
-from server.benchmarks.secagg import secaggplus_reference, share_counts
+from benchmarks import common
+from benchmarks.runs import RunResult, add_ratios, peak_rss, point_config, run_point, short_error, warm_up
+from benchmarks.secagg import secaggplus_reference, share_counts
 
 HELP = "client/server time and bytes vs FedAvg, and SecAgg+"
 

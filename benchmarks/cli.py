@@ -1,4 +1,4 @@
-"""``cancelfl-bench <benchmark> [options]`` (also ``python -m server.benchmarks``).
+"""``cancelfl-bench <benchmark> [options]`` (also ``python -m benchmarks``).
 
 Every benchmark module exposes ``HELP`` (one line), ``add_arguments(parser)`` and
 ``run(args) -> exit status``; this module only builds the parser from them and dispatches.
@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-import server.benchmarks as package
-from server.benchmarks import (
+import benchmarks as package
+from benchmarks import (
     attacks,
     clipping,
     defaults,
@@ -30,7 +30,7 @@ from server.benchmarks import (
     roundtime,
     scale,
 )
-from server.benchmarks.common import setup_process
+from benchmarks.common import setup_process
 
 #: Subcommand -> benchmark module, in the order ``--help`` lists them.
 BENCHMARKS: dict[str, ModuleType] = {

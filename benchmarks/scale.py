@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import common
+from benchmarks.runs import run_point, warm_up
 from client.messages.keys import PeerKeys
-from server.benchmarks import common
-from server.benchmarks.runs import run_point, warm_up
 
 HELP = "per-client cost at growing client counts"
 

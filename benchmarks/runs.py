@@ -1,7 +1,7 @@
 """One benchmark point = one observed federation, reduced to one row of figures.
 
 Every run goes through the real app in-process (:func:`server.launch.run_inprocess` with an
-observed :class:`server.local_grid.LocalGrid`, see :mod:`server.attacks.observe`).  A method
+observed :class:`server.local_grid.LocalGrid`, see :mod:`benchmarks.adversary.observe`).  A method
 that refuses a setting (config or calibration error, failed rounds) gets the reason in the
 ``status`` column instead of stopping the benchmark.
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from server.benchmarks.common import method_config
+from benchmarks.common import method_config
 
 
 @dataclass
@@ -78,9 +78,9 @@ def point_config(name: str, epsilon: float, clients: int, base: dict, method_set
 def run_point(name: str, epsilon: float, clients: int, base: dict, method_sets: dict[str, dict], out_dir: Path,
               *, hooks: Sequence = ()) -> RunResult:
     """One federation; never raises (refusals and failures end up in ``status``)."""
+    from benchmarks.adversary.observe import run_observed
     from client.messages.ddpsa import ShareReceipt
     from protocols.config import ConfigError
-    from server.attacks.observe import run_observed
 
     method, ov = point_config(name, epsilon, clients, base, method_sets, out_dir)
     res = RunResult(name, method, epsilon, clients)

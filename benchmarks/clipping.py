@@ -1,7 +1,7 @@
 """Per-example clipping throughput: our layer-wise clipping against Opacus and the vmap reference.
 
     cancelfl-bench clipping [--models mlp,cnn] [--batch-sizes 32,256] [--repeats 5] [--clip 1.0]
-    python -m server.benchmarks.clipping [same options]
+    python -m benchmarks.clipping [same options]
 
 Examples per second of ``sum_i clip(g_i, C)`` on MNIST batches (the real images from the
 shared data folder, random ones of the same shape if it is missing), one thread, for the
@@ -190,7 +190,7 @@ def ddpsa_client_seconds(x: torch.Tensor, y: torch.Tensor, clip: float) -> float
 
 def run(args: argparse.Namespace) -> int:
     """Measure, print the Markdown table and write ``clipping.csv``/``clipping.md`` into ``--out``."""
-    from server.benchmarks.common import command_line, write_table
+    from benchmarks.common import command_line, write_table
 
     notes: list[str] = []
     models = [m for m in args.models.split(",") if m]
@@ -219,15 +219,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m server.benchmarks.clipping``: the same as ``cancelfl-bench clipping``."""
-    from server.benchmarks.common import setup_process
+    """``python -m benchmarks.clipping``: the same as ``cancelfl-bench clipping``."""
+    from benchmarks.common import setup_process
 
-    parser = argparse.ArgumentParser(prog="python -m server.benchmarks.clipping", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.clipping", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    args.command_line = "python -m server.benchmarks.clipping " + " ".join(argv)
+    args.command_line = "python -m benchmarks.clipping " + " ".join(argv)
     undo = setup_process()
     try:
         return run(args)

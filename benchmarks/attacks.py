@@ -3,10 +3,10 @@
     cancelfl-bench attacks [--methods all] [--epsilons 1,8,64] [--dlg-clients 10] [--mia-clients 10] ...
 
 Uplink: round 1 of each method with one sample per client (the DLG/iDLG setting), the
-victim's upload turned into the gradient the server can infer (:mod:`server.attacks.uplink`)
+victim's upload turned into the gradient the server can infer (:mod:`benchmarks.adversary.uplink`)
 and inverted with L-BFGS; scored by SSIM against the truth.  Downlink: a loss-threshold
 membership attack on the model a client receives in the last round and on the final model
-(:mod:`server.attacks.membership`).  Writes ``dlg.csv``/``dlg.md``, ``membership.csv``/
+(:mod:`benchmarks.adversary.membership`).  Writes ``dlg.csv``/``dlg.md``, ``membership.csv``/
 ``membership.md`` and ``dlg_reconstructions.png`` into ``--out``.
 """
 
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from server.benchmarks import common
-from server.benchmarks.runs import point_config, run_point, short_error
+from benchmarks import common
+from benchmarks.runs import point_config, run_point, short_error
 
 HELP = "uplink DLG and downlink membership inference per method"
 
@@ -118,10 +118,10 @@ def run(args: argparse.Namespace) -> int:
 def dlg_point(name: str, epsilon: float, clients: int, base: dict, msets: dict, out: Path,
               args: argparse.Namespace) -> tuple[dict, np.ndarray | None]:
     """Capture the victim's round-1 upload of one method and invert it."""
+    from benchmarks.adversary.ssim import ssim
+    from benchmarks.adversary.uplink import capture_first_round, uplink_attack
     from client.data import dataset_for
     from protocols.config import ConfigError
-    from server.attacks.ssim import ssim
-    from server.attacks.uplink import capture_first_round, uplink_attack
 
     _method, ov = point_config(name, epsilon, clients, base, msets, out / name)
     row: dict = {"name": name, "epsilon": epsilon, "clients": clients, "status": "ok"}
@@ -187,7 +187,7 @@ def received_forward(method: str, msg, cfg) -> tuple[Callable, str]:
     arrays = from_record(msg.content["arrays"])
     ds = dataset_for(cfg)
     if common.family_of(method) == "mpddp":
-        from server.attacks.uplink import received_mpddp_forward
+        from benchmarks.adversary.uplink import received_mpddp_forward
 
         return received_mpddp_forward(arrays, cfg), "perturbed model W-hat sent by the server"
     model = build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed).double()
@@ -200,11 +200,11 @@ def mia_point(name: str, epsilon: float, clients: int, base: dict, msets: dict, 
     """Train one method in an overfitting-prone setting; attack what clients receive and the final model."""
     import torch
 
+    from benchmarks.adversary.membership import loss_threshold_attack, per_sample_loss
+    from benchmarks.adversary.uplink import training_loss
     from client.data import dataset_for
     from client.models import load_npz_model
     from protocols.config import RunConfig
-    from server.attacks.membership import loss_threshold_attack, per_sample_loss
-    from server.attacks.uplink import training_loss
 
     method = common.method_config(name)[0]
     last: dict = {}

@@ -5,7 +5,7 @@ ClientApp and method code) with one sample per client, batch size 1 and one
 local epoch -- the setting of DLG/iDLG -- and intercepts the victim's train
 message and reply on the grid.  :func:`attacker_view` turns the reply into the
 gradient the server can infer, per method (``VIEWS``; documented in each
-function).  :func:`uplink_attack` runs :func:`server.attacks.dlg.invert` on it.
+function).  :func:`uplink_attack` runs :func:`benchmarks.adversary.dlg.invert` on it.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import numpy as np
 import torch
 from flwr.app import Message
 
+from benchmarks.adversary.dlg import AttackReport, invert, param_gradient
+from benchmarks.adversary.observe import run_observed
 from client.data import client_partition, dataset_for
 from client.messages.ddpsa import ShareReceipt
 from client.messages.niss import RelayedInbox
 from client.models import build_model, get_weights, set_weights
 from client.wire import Weights, from_record
 from protocols.config import RunConfig
-from server.attacks.dlg import AttackReport, invert, param_gradient
-from server.attacks.observe import run_observed
 
 __all__ = ["UplinkCapture", "AttackerView", "VIEWS", "training_loss", "capture_first_round", "attacker_view",
            "true_gradient", "uplink_attack", "UplinkResult", "received_mpddp_forward"]

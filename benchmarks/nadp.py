@@ -13,7 +13,7 @@ setting and the one where Lemma 1's record sensitivity ``2C lr/|D_i|`` is exact)
 * ``record-ldp``  -- the paper's LDP-FL comparator (Lemma 3): NADP's training
   and record-level sensitivity, independent client noise
   ``sigma_i = Delta_i sqrt(2qT ln(1/delta))/eps``, no cancellation
-  (the variant ``nadp-record-ldp`` of :data:`server.benchmarks.common.VARIANTS`);
+  (the variant ``nadp-record-ldp`` of :data:`benchmarks.common.VARIANTS`);
 * ``nadp``        -- NADP-FL (Eq. 3 calibration, Alg. 2 allocation, lambda by Eq. 8).
 
 ``ldp`` protects whole clients, the other two single records (the paper's
@@ -44,7 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from server.benchmarks.common import command_line, method_config, pyplot
+from benchmarks.common import command_line, method_config, pyplot
 
 HELP = "NADP-FL vs client-level LDP, record-level LDP and no DP (the paper's Table 1)"
 

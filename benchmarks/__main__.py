@@ -1,0 +1,7 @@
+"""``python -m benchmarks <benchmark> [options]`` = ``cancelfl-bench``."""
+
+import sys
+
+from benchmarks.cli import main
+
+sys.exit(main())
