@@ -48,6 +48,8 @@ GRAPHS = ("complete", "n-out")
 SHARE_ENCODINGS = ("seed", "vector")
 COMPOSITIONS = ("basic", "advanced")
 ALLOCATIONS = ("uniform", "exponential")
+#: ``ddpsa-noise``: one central Laplace split over the participants (:mod:`protocols.ddpsa`), or the paper's per client.
+DDPSA_NOISE_MODES = ("distributed", "local")
 NADP_VARIANTS = ("nadp", "record-ldp")
 SIDE_DTYPES = ("float64", "float32")
 
@@ -131,6 +133,8 @@ class RunConfig:
     ddpsa_composition: str = "basic"
     ddpsa_allocation: str = "uniform"
     ddpsa_decay: float = 0.9
+    ddpsa_noise: str = "distributed"  # distributed (one central Laplace split over participants) | local (paper)
+    ddpsa_collude_frac: float = 0.1  # distributed noise: fraction of participants that may collude or not push
     # Output
     out_dir: str = ""  # "" = a fresh folder runs/<UTC time>-<method> (runs/latest points to the newest)
     resume: bool = False  # continue the run whose checkpoint is in out-dir (`cancelfl run/deploy --resume OUT`)
@@ -219,6 +223,7 @@ class RunConfig:
         _choice("niss-share-encoding", self.niss_share_encoding, SHARE_ENCODINGS)
         _choice("ddpsa-composition", self.ddpsa_composition, COMPOSITIONS)
         _choice("ddpsa-allocation", self.ddpsa_allocation, ALLOCATIONS)
+        _choice("ddpsa-noise", self.ddpsa_noise, DDPSA_NOISE_MODES)
         _choice("nadp-variant", self.nadp_variant, NADP_VARIANTS)
         _choice("mpddp-side-dtype", self.mpddp_side_dtype, SIDE_DTYPES)
         _choice("privacy-unit", self.privacy_unit, PRIVACY_UNITS)
@@ -275,6 +280,9 @@ class RunConfig:
             raise ConfigError("run-config 'ddpsa-frac-bits' must be in [8, 40]")
         if not 0 < self.ddpsa_decay <= 1:
             raise ConfigError("run-config 'ddpsa-decay' must be in (0, 1]")
+        if not (math.isfinite(self.ddpsa_collude_frac) and 0 <= self.ddpsa_collude_frac < 1):
+            raise ConfigError(f"run-config 'ddpsa-collude-frac' = {self.ddpsa_collude_frac} must be in [0, 1) "
+                              "(the fraction of a round's participants that may collude with the server)")
         if self.ddpsa_servers.strip() and self.method == "ddpsa" and not self.ddpsa_ca:
             raise ConfigError("run-config 'ddpsa-servers' needs 'ddpsa-ca' (the CA of the servers' TLS certificates)")
         if any(w < 1 for w in self.hidden_sizes):

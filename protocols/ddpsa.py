@@ -18,7 +18,25 @@ record-level method here, e.g. NADP-FL's ``2C/|D_i|``), and the clipped sum's L1
 ``2 Delta`` (:func:`l1_sensitivity`): the noise scale is ``2 Delta / eps``, which makes each round
 eps-DP per record with ``N_i`` published.  Averaging by ``N_i`` is then post-processing.
 
-Laplace noise comes from the project CSPRNG (:func:`protocols.prg.laplace`); without an
+Distributed noise (run-config ``ddpsa-noise = "distributed"``, the default; ``"local"`` is the
+paper's step above).  With exact secure aggregation the parameter server only sees the *sum* of
+the clients' uploads, so one central ``Lap(2 Delta / eps_t)`` in that sum is enough for ``eps_t``-DP
+per record (one record moves the sum by at most ``2 Delta`` in L1); the paper's local Laplace puts
+``n`` of them there.  Each of the ``n`` participants instead adds (:func:`distributed_laplace_share`)::
+
+    Gamma(1/n', b) - Gamma(1/n', b)   per coordinate,  b = 2 Delta / eps_t,  n' = n - floor(f n)
+
+(Goryczka & Xiong: ``Lap(b)`` is the sum over ``n'`` of such differences; ``f`` = run-config
+``ddpsa-collude-frac``, :func:`honest_participants`).  Trust assumption: at most ``floor(f n)`` of a
+round's participants collude with the parameter server or fail to push (their shares of noise are
+known to it or missing), and the intermediate servers do not collude to reconstruct an individual
+upload.  Then the honest shares present sum to at least ``n'`` differences, i.e. ``Lap(b)`` plus
+independent noise, and the round is ``eps_t``-DP -- pure DP like the paper's.  When fewer than ``n'``
+honest shares are present (participants dropped) the noise is ``Gamma(a, b) - Gamma(a, b)`` with
+``a < 1``, which is no longer Laplace: :func:`gamma_difference_epsilon` gives the epsilon it really
+provides (infinite for ``a <= 1/2``), which the parameter server's accountant charges.
+
+Laplace and Gamma noise come from the project CSPRNG (:mod:`protocols.prg`); without an
 explicit seed a fresh ``os.urandom`` seed is drawn for every call.
 
 The numpy functions here state the step on materialised per-sample gradients; the client
@@ -28,14 +46,22 @@ with ``norm="l1"``), and the tests check the two agree.
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
+from scipy.special import gammaln, kve
 
+from protocols.config import DDPSA_NOISE_MODES as NOISE_MODES
 from protocols.privacy import laplace_scale
 
 __all__ = [
+    "NOISE_MODES",
+    "distributed_laplace_share",
+    "gamma_difference_epsilon",
+    "gamma_noise",
+    "honest_participants",
     "l1_clip",
     "l1_sensitivity",
     "laplace_noise",
@@ -95,3 +121,107 @@ def ldp_noisy_mean(
     total = clipped.sum(axis=0)
     noise = laplace_noise(total.size, laplace_scale(l1_sensitivity(clip), epsilon), seed=seed).reshape(total.shape)
     return (total + noise) / clipped.shape[0]
+
+
+# ----------------------------------------------------------------------------- distributed noise
+def honest_participants(participants: int, collude_frac: float) -> int:
+    """``n' = n - floor(f n)``: the participants whose noise shares are counted on (module docstring).
+
+    Raises:
+        ValueError: ``participants < 1`` or ``collude_frac`` outside ``[0, 1)``.
+    """
+    if participants < 1:
+        raise ValueError(f"participants must be >= 1, got {participants!r}")
+    if not (math.isfinite(collude_frac) and 0 <= collude_frac < 1):
+        raise ValueError(f"colluding fraction must be in [0, 1), got {collude_frac!r}")
+    return int(participants) - math.floor(collude_frac * participants)
+
+
+def gamma_noise(size: int, shape: float, scale: float, *, seed: bytes | None = None) -> NDArray[np.float64]:
+    """``size`` i.i.d. Gamma(shape, scale) draws from the CSPRNG (fresh os.urandom seed if None).
+
+    Marsaglia & Tsang's squeeze method on the PRG's normals and uniforms; for ``shape < 1`` the
+    draw is ``Gamma(shape + 1) U^(1/shape)``.
+    """
+    from protocols.prg import gaussian, uniform
+    from protocols.prg.stream import derive_subseed
+
+    if not (math.isfinite(shape) and shape > 0):
+        raise ValueError(f"Gamma shape must be > 0, got {shape!r}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"Gamma scale must be > 0, got {scale!r}")
+    seed = os.urandom(32) if seed is None else seed
+    a = shape + 1.0 if shape < 1 else float(shape)
+    d = a - 1.0 / 3.0
+    c = 1.0 / math.sqrt(9.0 * d)
+    out = np.empty(int(size), dtype=np.float64)
+    todo = np.arange(int(size))
+    attempt = 0
+    while todo.size:
+        x = gaussian(derive_subseed(seed, f"gamma/normal/{attempt}"), todo.size)
+        u = uniform(derive_subseed(seed, f"gamma/uniform/{attempt}"), todo.size)
+        v = (1.0 + c * x) ** 3
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ok = (v > 0) & (np.log(u) < 0.5 * x * x + d - d * v + d * np.log(np.where(v > 0, v, 1.0)))
+        out[todo[ok]] = d * v[ok]
+        todo = todo[~ok]
+        attempt += 1
+    if shape < 1:
+        u = uniform(derive_subseed(seed, "gamma/boost"), out.size)
+        with np.errstate(divide="ignore"):
+            out *= np.exp(np.log(u) / shape)  # U^(1/shape); U = 0 gives 0
+    return out * scale
+
+
+def distributed_laplace_share(size: int, scale: float, honest: int, *, seed: bytes | None = None
+                              ) -> NDArray[np.float64]:
+    """One participant's share of a central ``Lap(scale)``: ``Gamma(1/honest, scale) - Gamma(1/honest, scale)``.
+
+    Any ``honest`` such shares sum to exactly ``Lap(scale)`` per coordinate (module docstring).
+    """
+    from protocols.prg.stream import derive_subseed
+
+    if honest < 1:
+        raise ValueError(f"honest participants must be >= 1, got {honest!r}")
+    seed = os.urandom(32) if seed is None else seed
+    shape = 1.0 / honest
+    return (gamma_noise(size, shape, scale, seed=derive_subseed(seed, "plus"))
+            - gamma_noise(size, shape, scale, seed=derive_subseed(seed, "minus")))
+
+
+def _log_density(z: float, shape: float) -> float:
+    """Log of the density of ``Gamma(shape, 1) - Gamma(shape, 1)`` at ``z`` (``shape > 1/2``; z = 0 allowed).
+
+    ``p(z) = (|z|/2)^(a-1/2) K_(a-1/2)(|z|) / (sqrt(pi) Gamma(a))``; ``p(0) = Gamma(a-1/2) / (2 sqrt(pi) Gamma(a))``.
+    """
+    nu = shape - 0.5
+    norm = 0.5 * math.log(math.pi) + float(gammaln(shape))
+    if z == 0:
+        return float(gammaln(nu)) - math.log(2.0) - norm
+    z = abs(z)
+    return nu * math.log(z / 2.0) + math.log(float(kve(nu, z))) - z - norm
+
+
+def gamma_difference_epsilon(shape: float, sensitivity_over_scale: float, dim: int) -> float:
+    """Pure-DP epsilon of adding ``Gamma(shape, b) - Gamma(shape, b)`` i.i.d. to ``dim`` coordinates.
+
+    For a query of L1 sensitivity ``S b``: ``shape >= 1`` is ``Lap(b)`` plus independent noise, so
+    epsilon is ``S`` (post-processing).  For ``1/2 < shape < 1`` the negative log-density ``h`` is
+    concave on ``[0, inf)`` and symmetric, so the worst log-ratio of a shift ``s`` is
+    ``g(s) = h(s) - h(0)`` (concave, ``g(0) = 0``) and the worst shift of L1 norm ``S`` spreads evenly
+    over all coordinates: epsilon = ``dim * g(S / dim)``.  For ``shape <= 1/2`` the density is
+    unbounded at 0 and no finite epsilon holds (returns ``inf``).
+
+    Args:
+        shape: Gamma shape ``a`` of each side (honest shares present / shares needed).
+        sensitivity_over_scale: ``S`` = L1 sensitivity / ``b`` (= ``eps_t`` at ``b = Delta_1 / eps_t``).
+        dim: number of noised coordinates.
+    """
+    if not (math.isfinite(sensitivity_over_scale) and sensitivity_over_scale > 0) or dim < 1:
+        raise ValueError(f"need S > 0 and dim >= 1, got S={sensitivity_over_scale!r}, dim={dim!r}")
+    if shape >= 1:
+        return float(sensitivity_over_scale)
+    if shape <= 0.5:
+        return math.inf
+    s = sensitivity_over_scale / dim
+    return float(dim * (_log_density(0.0, shape) - _log_density(s, shape)))

@@ -14,7 +14,7 @@ persistent ledger (:mod:`client.ledger`).
 
 This module holds the pure part: the policy, the violation, the comparisons and
 each method's floor (:func:`ldp_noise_std`, :func:`nadp_floor`,
-:func:`ddpsa_round_epsilon`, :func:`mpddp_floor`, :func:`mpdp_naive_sigma`), which
+:func:`ddpsa_round_epsilon`, :func:`ddpsa_noise_share`, :func:`mpddp_floor`, :func:`mpdp_naive_sigma`), which
 the strategies use too, so both ends compute the same numbers in one place.
 """
 
@@ -26,6 +26,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from protocols.config import RunConfig
+from protocols.ddpsa import honest_participants
 from protocols.mpddp import (
     calibrate,
     calibrate_ldp,
@@ -44,6 +45,7 @@ __all__ = [
     "RTOL",
     "at_least",
     "at_most",
+    "ddpsa_noise_share",
     "ddpsa_round_epsilon",
     "ldp_noise_multiplier",
     "ldp_noise_std",
@@ -184,6 +186,25 @@ def ddpsa_round_epsilon(cfg: RunConfig, rnd: int) -> float:
     schedule = per_round_epsilons(cfg.epsilon, cfg.delta, cfg.num_rounds, allocation=cfg.ddpsa_allocation,
                                   alpha=cfg.ddpsa_decay, composition=cfg.ddpsa_composition)
     return float(schedule.epsilons[rnd - 1])
+
+
+def ddpsa_noise_share(cfg: RunConfig, noise: str, participants: int) -> int | None:
+    """``ddpsa``: ``n'`` such that this client adds ``Gamma(1/n', b) - Gamma(1/n', b)``, or None for a full Laplace.
+
+    A ``"local"`` round gets the paper's full ``Lap(b)`` (never less than the client's floor).  A
+    ``"distributed"`` round splits one ``Lap(b)`` over ``n' = n - floor(f n)`` participants
+    (:func:`protocols.ddpsa.honest_participants`, ``f`` = the client's own ``ddpsa-collude-frac``); it is
+    refused when the client's run config asks for local noise, or when the participant list is longer
+    than the client's own ``clients_per_round`` (a longer list would shrink its share).
+    """
+    if noise == "local":
+        return None
+    if cfg.ddpsa_noise == "local":
+        raise FloorViolation("ddpsa-noise", noise, "local",
+                             "this client's run config adds the paper's full Laplace noise itself")
+    at_most("ddpsa-participants", participants, cfg.clients_per_round,
+            "the distributed noise is split over the participants: a longer list would shrink this client's share")
+    return honest_participants(participants, cfg.ddpsa_collude_frac)
 
 
 def nadp_sensitivity(cfg: RunConfig, size: int) -> float:

@@ -196,7 +196,8 @@ METHODS: MappingProxyType = MappingProxyType({s.name: s for s in (
           paper="MP_Server + DDP_Client (ablation)", regime=_MP, privacy=Guarantee("record", None, _MODEL_TRUSTED)),
     _spec("ladp", "strategies.ladp:LadpStrategy", "client.methods.ladp:train", family="ladp", paper="LaDP-FL",
           regime=_LADP, privacy=Guarantee("record", _SERVER, _MODEL)),
-    _spec("ddpsa", "strategies.ddpsa:DdpsaStrategy", "client.methods.ddpsa:train", family="ddpsa", paper="DDP-SA",
+    _spec("ddpsa", "strategies.ddpsa:DdpsaStrategy", "client.methods.ddpsa:train",
+          queries={"ddpsa_identity": "client.methods.ddpsa:identity"}, family="ddpsa", paper="DDP-SA",
           regime=_DDPSA, privacy=Guarantee("record", _SERVER_SECAGG, _MODEL)),
 )})
 

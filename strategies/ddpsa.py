@@ -2,13 +2,16 @@
 
 Round ``t``:
 
+0. ``prepare_round`` learns the roster name of every sampled node it does not know yet
+   (``query.ddpsa_identity``, once per node; a node that does not answer, or two nodes giving one
+   name, are left out of the round): the round's participant list.
 1. ``prepare_round`` registers the run and opens round ``t`` on the ``m`` intermediate
    servers, signed with the parameter server's identity (run-config ``ddpsa-server-key``):
    share length = model size, at most the round's participants may push; a server that
    does not take it fails the round *before* clients work, naming it.  The train message
    carries the global model and a :class:`client.messages.ddpsa.DdpsaRound` (this
-   round's ``eps_t``, the servers -- which each client only compares with its own list --,
-   the run id and the fixed-point codec);
+   round's ``eps_t``, the noise mode, the participants' roster names, the servers -- which
+   each client only compares with its own list --, the run id and the fixed-point codec);
 2. each client (:mod:`client.methods.ddpsa`) pushes one additive share of its encoded
    noisy clipped gradient sum to every intermediate server, signed with its roster
    identity, and replies with metrics and a receipt naming that identity;
@@ -41,6 +44,17 @@ the basic sum, or under ``advanced`` the smaller of the two valid bounds.  Each 
 protects one *sample* of a client's data (per-sample L1 clipping; replace-one adjacency, noise
 scale ``2 Delta / eps_t``, since ``N_i`` is published: :mod:`protocols.ddpsa`), not a whole client.  The
 secret sharing adds no privacy loss (post-processing; Corollary 1); downlink = uplink.
+
+Noise (run-config ``ddpsa-noise``, :mod:`protocols.ddpsa`): ``"local"`` is the paper's ``Lap(b)`` per
+client, so every round released costs ``eps_t`` whoever drops.  ``"distributed"`` (the default) splits
+one central ``Lap(b)`` over the ``n`` participants, ``Gamma(1/n', b) - Gamma(1/n', b)`` each with
+``n' = n - floor(f n)`` (``f`` = ``ddpsa-collude-frac``).  Trust assumption: at most ``floor(f n)`` of a
+round's participants collude with the parameter server, and the intermediate servers do not collude to
+reconstruct an individual upload.  A round reconstructed over ``k`` of the ``n`` participants holds at
+least ``k - floor(f n)`` honest shares, i.e. ``Gamma(a, b) - Gamma(a, b)`` with ``a = (k - floor(f n)) / n'``:
+``a >= 1`` costs ``eps_t``; a smaller ``a`` (participants dropped) is charged the epsilon that noise
+really gives (:func:`protocols.ddpsa.gamma_difference_epsilon` over the model's coordinates), and a round
+where it is unbounded (``a <= 1/2``) is aborted unreleased (:class:`RoundFailed`, no epsilon).
 """
 
 from __future__ import annotations
@@ -48,10 +62,13 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
+from logging import WARNING
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.common import log
 from flwr.serverapp import Grid
 
 from client.intermediate import (
@@ -63,11 +80,11 @@ from client.intermediate import (
 )
 from client.intermediate.auth import load_signer
 from client.messages.common import merge_configs, num_examples
-from client.messages.ddpsa import DdpsaRound, ShareReceipt
+from client.messages.ddpsa import IDENTITY_ACTION, DdpsaRound, RosterName, ShareReceipt
 from client.wire import Weights, from_record, to_record
 from protocols.arrays import flatten, unflatten
 from protocols.config import ConfigError, RunConfig
-from protocols.ddpsa import l1_sensitivity
+from protocols.ddpsa import gamma_difference_epsilon, honest_participants, l1_sensitivity
 from protocols.privacy import (
     BudgetSchedule,
     DpCompositionAccountant,
@@ -93,9 +110,11 @@ def parse_servers(text: str) -> list[str]:
 
 @dataclass
 class DdpsaState(RoundState):
-    """One DDP-SA round: the global model the clients' gradient sums were computed at."""
+    """One DDP-SA round: the global model the clients' gradient sums were computed at, the participants' names."""
 
     global_weights: Weights
+    #: participant node -> its roster name (the names its shares are pushed under).
+    names: dict[int, str]
 
 
 class DdpsaStrategy(CancelStrategy):
@@ -142,6 +161,8 @@ class DdpsaStrategy(CancelStrategy):
         self.optimizer = make_server_optimizer(cfg.server_optimizer, cfg.lr)
         #: Last reconstructed aggregate: decoded sum of the clients' noisy sums (diagnostics, tests).
         self.last_decoded_sum: np.ndarray | None = None
+        #: node -> roster name, learned once per node (``query.ddpsa_identity``).
+        self.names: dict[int, str] = {}
 
     # ------------------------------------------------------------ servers
     def _open_round(self, server_round: int, length: int, clients: int) -> None:
@@ -160,36 +181,69 @@ class DdpsaStrategy(CancelStrategy):
         """``eps_t`` of round ``server_round`` (1-based)."""
         return float(self.schedule.epsilons[server_round - 1])
 
+    def learn_names(self, grid: Grid, nodes: list[int]) -> dict[int, str]:
+        """Roster names of ``nodes`` (asked once per node); nodes without one, or sharing one, are left out."""
+        unknown = [n for n in nodes if n not in self.names]
+        if unknown:
+            replies, _ = self.exchange(grid, unknown, lambda _n: RecordDict(), IDENTITY_ACTION)
+            for node, reply in replies.items():
+                try:
+                    self.names[node] = RosterName.from_content(reply.content).name
+                except ValueError as err:
+                    log(WARNING, "node %s: no roster name (%s); left out", node, err)
+        named = {n: self.names[n] for n in nodes if n in self.names}
+        counts = Counter(named.values())
+        for n in [n for n, name in named.items() if counts[name] > 1]:
+            log(WARNING, "node %s gives the roster name %r of another sampled node; left out", n, named.pop(n))
+        return named
+
     def prepare_round(self, grid: Grid, server_round: int, nodes: list[int], arrays: ArrayRecord) -> DdpsaState:
-        """Open the round on the m servers before any client works; keep the model the gradients will be taken at."""
+        """Learn the participants' names, open the round on the m servers before any client works."""
         weights = from_record(arrays)
-        self._open_round(server_round, flatten(weights).size, max(len(nodes), 2))
-        return DdpsaState(server_round, list(nodes), weights)
+        names = self.learn_names(grid, nodes)
+        if len(names) < 2:
+            raise RoundFailed(f"round {server_round}: {len(names)} sampled node(s) gave a usable roster name; "
+                              "DDP-SA needs at least 2")
+        self._open_round(server_round, flatten(weights).size, len(names))
+        return DdpsaState(server_round, sorted(names), weights, names)
 
     def upload_spec(self, state: RoundState) -> UploadSpec:
         """No arrays: the shares go to the intermediate servers (a reply is checked for size and num-examples)."""
         return {}
 
     def train_config(self, server_round: int) -> ConfigRecord:
-        """The round number and this round's :class:`~client.messages.ddpsa.DdpsaRound`."""
-        plan = DdpsaRound(self.epsilon_of_round(server_round), tuple(self.addresses), self.run_id,
+        """The round number and this round's :class:`~client.messages.ddpsa.DdpsaRound` (after :meth:`prepare_round`)."""
+        state = self._state
+        if not isinstance(state, DdpsaState) or state.round != server_round:
+            raise RoundFailed(f"round {server_round}: no participant list (prepare_round did not run for this round)")
+        plan = DdpsaRound(self.epsilon_of_round(server_round), self.cfg.ddpsa_noise,
+                          tuple(sorted(state.names.values())), tuple(self.addresses), self.run_id,
                           self.codec.frac_bits, self.codec.max_clients)
         return merge_configs(super().train_config(server_round), plan.to_config())
 
     def aggregate(self, state: DdpsaState, by_node: dict[int, Message], errors: list[str]) -> ArrayRecord:
         """Fetch all m partial sums over the replying clients, reconstruct, decode, average by N, take the SGD step."""
         rnd = state.round
-        try:
-            expected = sorted(ShareReceipt.client_of(r.content) for r in by_node.values())
-        except ValueError as err:
-            expected = []
-            problem = str(err)
-        else:
-            problem = "" if len(set(expected)) == len(expected) else f"two replies name one client identity {expected}"
+        problem = ""
+        for node, r in by_node.items():
+            try:
+                named = ShareReceipt.client_of(r.content)
+            except ValueError as err:
+                named = f"none ({err})"
+            if named != state.names.get(node):
+                problem = f"node {node} pushed as {named!r}, not as its roster name {state.names.get(node)!r}"
+        expected = sorted(state.names[n] for n in by_node)
         if problem:
             abort_round(self.servers, self.run_id, rnd, self.signer)
             raise RoundFailed(f"round {rnd}: {problem}")
         n_total = float(sum(num_examples(r.content["metrics"]) for r in by_node.values()))
+        epsilon = self.round_charge(rnd, len(state.names), len(expected), flatten(state.global_weights).size)
+        if not math.isfinite(epsilon):
+            abort_round(self.servers, self.run_id, rnd, self.signer)
+            raise RoundFailed(
+                f"round {rnd}: only {len(expected)} of {len(state.names)} participants pushed their shares; the "
+                f"distributed noise present gives no finite epsilon (ddpsa-collude-frac "
+                f"{self.cfg.ddpsa_collude_frac}), so the round is aborted unreleased")
         t0 = time.perf_counter()
         try:
             ring_total = reconstruct_sum(self.servers, self.run_id, rnd, expected, self.signer)
@@ -198,7 +252,7 @@ class DdpsaStrategy(CancelStrategy):
             abort_round(self.servers, self.run_id, rnd, self.signer)
             raise RoundFailed(f"round {rnd}: DDP-SA reconstruction impossible, {err}") from err
         reconstruct_time = time.perf_counter() - t0
-        self.release_round(rnd)  # the round's noisy sum is reconstructed: charge its eps_t now
+        self.release_round(rnd, epsilon)  # the round's noisy sum is reconstructed: charge the noise present now
         decoded = self.codec.decode(ring_total)
         theta = flatten(state.global_weights)
         if decoded.size != theta.size:
@@ -206,14 +260,15 @@ class DdpsaStrategy(CancelStrategy):
         self.last_decoded_sum = decoded
         grad = decoded / n_total
         # What the server steps with (the runner's measured noise check), and the noise in it.
-        self.last_release = Release(grad.copy(), grad.size * self.mean_noise_std(len(by_node), n_total, rnd) ** 2)
+        std = self.mean_noise_std(len(expected), n_total, rnd, participants=len(state.names))
+        self.last_release = Release(grad.copy(), grad.size * std ** 2)
         try:  # the server's step with the released gradient (post-processing; run-config server-optimizer)
             (theta_new,) = self.optimizer.step([theta], [grad])
         except ValueError as err:
             raise RoundFailed(f"round {rnd}: {err}") from err
         new = unflatten(theta_new, state.global_weights)
         self.report(
-            epsilon_round=self.epsilon_of_round(rnd),
+            epsilon_round=epsilon,
             grad_norm=float(np.linalg.norm(grad)),
             reconstruct_time_s=reconstruct_time,
             # Fixed-point round-off of the averaged gradient: <= n * 2^-(frac_bits+1) / N per coordinate.
@@ -222,13 +277,34 @@ class DdpsaStrategy(CancelStrategy):
         return to_record(new, self.wire_dtype)
 
     # ------------------------------------------------------------ reporting
-    def mean_noise_std(self, clients: int, examples: float, server_round: int) -> float:
-        """Per-entry std of the Laplace noise in the mean gradient: ``clients`` sums, each with Lap(b), over ``examples``.
+    def round_charge(self, server_round: int, participants: int, pushed: int, dim: int) -> float:
+        """Epsilon of round ``server_round`` when ``pushed`` of ``participants`` shares are summed (module docstring).
 
-        b = 2 clip / eps_t (Var Lap(b) = 2 b^2), so the std is ``sqrt(2 clients) b / examples``.
+        ``"local"``: ``eps_t``.  ``"distributed"``: the honest shares present, ``pushed - floor(f n)``, out of the
+        ``n'`` that make one ``Lap(b)``: :func:`protocols.ddpsa.gamma_difference_epsilon` (``inf`` when unbounded).
+        """
+        eps_t = self.epsilon_of_round(server_round)
+        if self.cfg.ddpsa_noise == "local":
+            return eps_t
+        honest = honest_participants(participants, self.cfg.ddpsa_collude_frac)
+        present = pushed - (participants - honest)
+        if present <= 0:
+            return math.inf
+        return gamma_difference_epsilon(present / honest, eps_t, dim)
+
+    def mean_noise_std(self, clients: int, examples: float, server_round: int, *, participants: int | None = None
+                       ) -> float:
+        """Per-entry std of the noise in the mean gradient: ``clients`` noisy sums over ``examples``.
+
+        b = 2 clip / eps_t.  Local: each sum holds Lap(b) (variance 2 b^2), std ``sqrt(2 clients) b / examples``.
+        Distributed: each holds a Gamma(1/n', b) difference (variance 2 b^2 / n', ``n'`` from ``participants``,
+        default ``clients``), std ``sqrt(2 clients / n') b / examples``.
         """
         b = laplace_scale(l1_sensitivity(self.cfg.clip), self.epsilon_of_round(server_round))
-        return math.sqrt(2.0 * clients) * b / examples
+        shares = 1
+        if self.cfg.ddpsa_noise == "distributed":
+            shares = honest_participants(clients if participants is None else participants, self.cfg.ddpsa_collude_frac)
+        return math.sqrt(2.0 * clients / shares) * b / examples
 
     def noise_estimate(self, num_params: int) -> NoiseEstimate | None:
         """Round-1 Laplace noise in the mean gradient (:meth:`mean_noise_std`, m clients) vs clip.
@@ -254,6 +330,8 @@ class DdpsaStrategy(CancelStrategy):
             "epsilon_total_certified": self.schedule.spent.epsilon,
             "delta_total_certified": self.schedule.spent.delta,
             "laplace_scale_first_round": laplace_scale(l1_sensitivity(self.cfg.clip), float(eps[0])),
+            "noise": self.cfg.ddpsa_noise,
+            "collude_frac": self.cfg.ddpsa_collude_frac,
             "frac_bits": self.codec.frac_bits,
             "server_optimizer": self.optimizer.describe(),
         }
@@ -267,9 +345,9 @@ class DdpsaStrategy(CancelStrategy):
         if "optimizer" in state:
             self.optimizer = optimizer_from_state(state["optimizer"])
 
-    def release_round(self, server_round: int) -> None:
-        """Compose round ``server_round``'s ``eps_t`` (Laplace; each upload is ``eps_t``-DP, one bound for both views)."""
-        self.privacy.compose(LaplaceEvent(self.epsilon_of_round(server_round)))
+    def release_round(self, server_round: int, epsilon: float | None = None) -> None:
+        """Compose round ``server_round``'s pure-DP release: ``epsilon`` (:meth:`round_charge`), default ``eps_t``."""
+        self.privacy.compose(LaplaceEvent(self.epsilon_of_round(server_round) if epsilon is None else epsilon))
 
     def account_round(self, state: RoundState) -> None:
         """Nothing when the train messages go out: :meth:`aggregate` composes the round's ``eps_t`` (Laplace).

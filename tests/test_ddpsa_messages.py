@@ -9,14 +9,16 @@ from client.messages.common import TrainIns
 from client.messages.ddpsa import DdpsaRound, ShareReceipt
 from protocols.config import RunConfig
 from server.defaults import app_defaults
-from strategies.ddpsa import DdpsaStrategy
+from strategies.base import RoundFailed
+from strategies.ddpsa import DdpsaState, DdpsaStrategy
 from tests.ddpsa_setup import ddpsa_credentials
 
 SERVERS = ("127.0.0.1:5001", "127.0.0.1:5002", "127.0.0.1:5003")
 
 
 def _round(**changes) -> DdpsaRound:
-    fields = {"epsilon": 0.5, "servers": SERVERS, "run_id": "abc", "frac_bits": 24, "max_clients": 10, **changes}
+    fields = {"epsilon": 0.5, "noise": "distributed", "participants": ("node-1", "node-2"), "servers": SERVERS,
+              "run_id": "abc", "frac_bits": 24, "max_clients": 10, **changes}
     return DdpsaRound(**fields)
 
 
@@ -24,9 +26,13 @@ def test_strategy_train_config_decodes_to_the_round_plan(tmp_path) -> None:
     raw = {**app_defaults(), "method": "ddpsa", "num-clients": 6, "num-rounds": 4, "epsilon": 2.0,
            "ddpsa-servers": ",".join(SERVERS), "ddpsa-frac-bits": 20, **ddpsa_credentials(tmp_path)}
     strategy = DdpsaStrategy(RunConfig.from_mapping(raw))
+    with pytest.raises(RoundFailed, match="no participant list"):  # the plan names the round's participants
+        strategy.train_config(3)
+    strategy._state = DdpsaState(3, [11, 12], [], {11: "node-b", 12: "node-a"})
     rec = strategy.train_config(3)
     assert TrainIns.from_config(rec).round == 3
     plan = DdpsaRound.from_config(rec)
+    assert plan.participants == ("node-a", "node-b") and plan.noise == "distributed"
     assert plan.epsilon == pytest.approx(strategy.epsilon_of_round(3)) and plan.epsilon == pytest.approx(0.5)
     assert plan.servers == SERVERS and plan.run_id == strategy.run_id
     assert plan.codec() == strategy.codec  # the client encodes with the codec the server decodes with
@@ -45,6 +51,9 @@ def test_round_trip_and_foreign_keys_ignored() -> None:
     ("ddpsa-servers", ["127.0.0.1:1"], "at least 2"),
     ("ddpsa-servers", "127.0.0.1:1,127.0.0.1:2", "ddpsa-servers"),
     ("ddpsa-run-id", "", "ddpsa-run-id"),
+    ("ddpsa-noise", "central", "ddpsa-noise"),
+    ("ddpsa-participants", ["a", "a"], "ddpsa-participants"),
+    ("ddpsa-participants", [], "ddpsa-participants"),
     ("ddpsa-frac-bits", 63, "ddpsa-frac-bits"),
     ("ddpsa-max-clients", 0, "ddpsa-max-clients"),
 ])

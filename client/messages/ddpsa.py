@@ -6,10 +6,12 @@ parameter server (:mod:`strategies.ddpsa`) and the client
 
 Messages of one round:
 
+* ``query.ddpsa_identity`` server -> client (empty), once per node: the reply is a
+  :class:`RosterName`, the roster name the node pushes its shares under.
 * ``train`` server -> client: the global model, :class:`~client.messages.common.TrainIns`
-  and :class:`DdpsaRound` (this round's ``eps_t``, the ``m`` intermediate servers in
-  share order, the run id that keeps runs sharing servers apart, and the fixed-point
-  codec parameters).
+  and :class:`DdpsaRound` (this round's ``eps_t``, the noise mode, the roster names of the
+  round's participants, the ``m`` intermediate servers in share order, the run id that keeps
+  runs sharing servers apart, and the fixed-point codec parameters).
 * ``train`` client -> server: no arrays (the shares went to the intermediate servers);
   metrics with the generic figures and a :class:`ShareReceipt` (the roster name the shares
   were pushed under, bytes pushed, time taken).
@@ -28,9 +30,15 @@ from typing import Any
 from flwr.app import ConfigRecord, RecordDict
 
 from client.messages.common import read_float, read_int, read_list, read_str
+from protocols.config import DDPSA_NOISE_MODES
 from protocols.secret_sharing import FixedPointCodec
 
+#: The query action (message type ``query.ddpsa_identity``) that asks a node for its roster name.
+IDENTITY_ACTION = "ddpsa_identity"
+
 _EPSILON = "ddpsa-epsilon"
+_NOISE = "ddpsa-noise"
+_PARTICIPANTS = "ddpsa-participants"
 _SERVERS = "ddpsa-servers"
 _RUN_ID = "ddpsa-run-id"
 _FRAC_BITS = "ddpsa-frac-bits"
@@ -47,9 +55,14 @@ class DdpsaRound:
 
     ``servers[j]`` (``host:port``) receives share ``j``; the codec built from
     ``frac_bits``/``max_clients`` must be the one the parameter server decodes with.
+    ``noise`` is ``"distributed"`` or ``"local"`` (run-config ``ddpsa-noise``); ``participants``
+    are the roster names of the round's participants (distinct; the distributed noise is split
+    over them).
     """
 
     epsilon: float
+    noise: str
+    participants: tuple[str, ...]
     servers: tuple[str, ...]
     run_id: str
     frac_bits: int
@@ -58,6 +71,10 @@ class DdpsaRound:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.epsilon) and self.epsilon > 0):
             raise ValueError(f"'{_EPSILON}' must be a positive finite number, got {self.epsilon!r}")
+        if self.noise not in DDPSA_NOISE_MODES:
+            raise ValueError(f"'{_NOISE}' must be one of {DDPSA_NOISE_MODES}, got {self.noise!r}")
+        if not self.participants or len(set(self.participants)) != len(self.participants):
+            raise ValueError(f"'{_PARTICIPANTS}' must be non-empty and distinct, got {list(self.participants)}")
         if len(self.servers) < 2:
             raise ValueError(f"'{_SERVERS}' must name at least 2 intermediate servers, got {len(self.servers)}")
         if any(not s or s != s.strip() for s in self.servers):
@@ -76,6 +93,8 @@ class DdpsaRound:
     def to_config(self) -> ConfigRecord:
         return ConfigRecord({
             _EPSILON: float(self.epsilon),
+            _NOISE: self.noise,
+            _PARTICIPANTS: list(self.participants),
             _SERVERS: list(self.servers),
             _RUN_ID: self.run_id,
             _FRAC_BITS: int(self.frac_bits),
@@ -86,6 +105,8 @@ class DdpsaRound:
     def from_config(cls, rec: Mapping[str, Any]) -> DdpsaRound:
         return cls(
             read_float(rec, _EPSILON),
+            read_str(rec, _NOISE),
+            tuple(read_list(rec, _PARTICIPANTS, str)),
             tuple(read_list(rec, _SERVERS, str)),
             read_str(rec, _RUN_ID),
             read_int(rec, _FRAC_BITS),
@@ -123,3 +144,18 @@ class ShareReceipt:
         if _SHARE_BYTES not in metrics:
             return None
         return cls(cls.client_of(content), int(read_float(metrics, _SHARE_BYTES)), read_float(metrics, _SHARE_TIME))
+
+
+@dataclass(frozen=True)
+class RosterName:
+    """``query.ddpsa_identity`` reply: the roster name a node signs its pushes with."""
+
+    name: str
+
+    def to_content(self) -> RecordDict:
+        return RecordDict({_RECEIPT: ConfigRecord({_CLIENT: self.name})})
+
+    @classmethod
+    def from_content(cls, content: RecordDict) -> RosterName:
+        """ValueError if the reply names nobody."""
+        return cls(ShareReceipt.client_of(content))

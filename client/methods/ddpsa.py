@@ -6,11 +6,15 @@ one gradient over the whole local dataset, no local steps):
 1. per-sample gradients ``g_j`` of the cross-entropy loss at ``theta_t`` (exact layer-wise
    norms at about one backward pass, :mod:`protocols.per_example`), each clipped to L1 norm
    ``Delta`` = run-config ``clip`` over *all* parameters jointly;
-2. ``s_i = sum_j g_j + Lap(0, 2 Delta / eps_t)^d`` -- the Laplace mechanism on the clipped
-   sum (L1 sensitivity ``2 Delta`` to replacing one sample, :func:`protocols.ddpsa.l1_sensitivity`;
-   the paper's ``Delta / eps_t`` assumes add/remove adjacency, which publishing ``N_i`` breaks), with the
-   round's ``eps_t`` from the client's *own* budget schedule (Eq. 12, from its run config:
-   :func:`protocols.floor.ddpsa_round_epsilon`); a larger ``eps_t`` from the server is refused;
+2. ``s_i = sum_j g_j + noise`` with ``b = 2 Delta / eps_t`` (L1 sensitivity ``2 Delta`` to replacing
+   one sample, :func:`protocols.ddpsa.l1_sensitivity`; the paper's ``Delta / eps_t`` assumes add/remove
+   adjacency, which publishing ``N_i`` breaks) and the round's ``eps_t`` from the client's *own* budget
+   schedule (Eq. 12, from its run config: :func:`protocols.floor.ddpsa_round_epsilon`; a larger ``eps_t``
+   from the server is refused).  ``noise`` is the paper's ``Lap(0, b)^d`` in a ``"local"`` round, or in a
+   ``"distributed"`` round this participant's share ``Gamma(1/n', b) - Gamma(1/n', b)`` of one central
+   ``Lap(b)`` (:func:`protocols.ddpsa.distributed_laplace_share`, ``n'`` from the round's participant
+   list and the client's own ``ddpsa-collude-frac``: :func:`protocols.floor.ddpsa_noise_share`; the
+   client must be on the list);
 3. fixed-point encoding into Z_2^64 (``2^frac_bits`` scaling instead of the paper's
    ``10^dn``; exact ring arithmetic, see :mod:`protocols.secret_sharing`), split into
    ``m`` additive shares, share ``j`` pushed over gRPC (TLS, signed with the node's roster
@@ -28,7 +32,8 @@ secret-shared sum.  We share ``N_i g~_i = s_i`` (the noisy *sum*) instead, so th
 reconstructed ring sum divided by ``N = sum_i N_i`` is exactly Eq. (5)'s
 ``sum_i (N_i / N) g~_i`` (``N_i`` is public in the paper and sent as ``num-examples``).
 
-The round's parameters arrive as :class:`client.messages.ddpsa.DdpsaRound`.  The upload
+The round's parameters arrive as :class:`client.messages.ddpsa.DdpsaRound`.  ``query.ddpsa_identity``
+(:func:`identity`) answers the node's roster name, which the parameter server lists as a participant.  The upload
 to the Flower server is empty: only metrics (``num-examples``, ``train_loss`` at
 ``theta_t``, ``clipped_fraction`` and a :class:`client.messages.ddpsa.ShareReceipt`).
 A push failure (an intermediate server down) raises
@@ -51,10 +56,10 @@ from client.floor import release
 from client.identity import node_identity
 from client.intermediate import IntermediateServers, share_and_push
 from client.messages.common import TrainIns
-from client.messages.ddpsa import DdpsaRound, ShareReceipt
+from client.messages.ddpsa import DdpsaRound, RosterName, ShareReceipt
 from client.wire import from_record
-from protocols.ddpsa import l1_sensitivity, laplace_noise
-from protocols.floor import FloorViolation, at_most, ddpsa_round_epsilon
+from protocols.ddpsa import distributed_laplace_share, l1_sensitivity, laplace_noise
+from protocols.floor import FloorViolation, at_most, ddpsa_noise_share, ddpsa_round_epsilon
 from protocols.per_example import PerExampleClipper
 from protocols.privacy import LaplaceEvent, laplace_scale
 
@@ -94,14 +99,19 @@ def clipped_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: f
 
 
 def noisy_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: float, epsilon: float,
-                       *, seed: bytes | None = None) -> tuple[np.ndarray, float, float]:
-    """Algorithm 2's client step before encoding: clipped sum + ``Lap(2 clip / epsilon)`` per coordinate.
+                       *, honest: int | None = None, seed: bytes | None = None) -> tuple[np.ndarray, float, float]:
+    """Algorithm 2's client step before encoding: clipped sum + noise of scale ``b = 2 clip / epsilon``.
 
-    Returns ``(noisy sum s_i, mean loss, clipped fraction)``; ``seed`` = None draws fresh
-    OS randomness.
+    ``honest`` None: ``Lap(b)`` per coordinate (the paper's local noise); else this client's share
+    ``Gamma(1/honest, b) - Gamma(1/honest, b)`` of one central ``Lap(b)``.  Returns ``(noisy sum s_i,
+    mean loss, clipped fraction)``; ``seed`` = None draws fresh OS randomness.
     """
     total, loss, frac = clipped_gradient_sum(model, x, y, clip)
-    noise = laplace_noise(total.size, laplace_scale(l1_sensitivity(clip), epsilon), seed=seed)
+    b = laplace_scale(l1_sensitivity(clip), epsilon)
+    if honest is None:
+        noise = laplace_noise(total.size, b, seed=seed)
+    else:
+        noise = distributed_laplace_share(total.size, b, honest, seed=seed)
     return total + noise, loss, frac
 
 
@@ -128,6 +138,11 @@ def intermediate_servers(env: ClientEnv, plan: DdpsaRound) -> IntermediateServer
         raise FloorViolation("ddpsa-ca", ca, "a readable PEM CA certificate", str(err)) from err
 
 
+def identity(msg: Message, env: ClientEnv) -> Message:
+    """``query.ddpsa_identity``: the roster name this node pushes its shares under."""
+    return Message(RosterName(node_identity(env).identity.name).to_content(), reply_to=msg)
+
+
 def train(msg: Message, env: ClientEnv) -> Message:
     """One DDP-SA round: noisy clipped gradient sum, secret-shared to the m intermediate servers."""
     conf = msg.content["config"]
@@ -138,8 +153,13 @@ def train(msg: Message, env: ClientEnv) -> Message:
     # The privacy floor: eps_t from the client's own budget schedule; the server's figure is only checked.
     eps_t = ddpsa_round_epsilon(env.cfg, rnd)
     at_most("ddpsa-epsilon", plan.epsilon, eps_t, f"this client's eps_t of round {rnd} from its run config")
+    if me.name not in plan.participants:
+        raise FloorViolation("ddpsa-participants", list(plan.participants), f"a list naming {me.name!r}",
+                             "the round's noise is split over the listed participants")
+    honest = ddpsa_noise_share(env.cfg, plan.noise, len(plan.participants))
     model = env.model(from_record(msg.content["arrays"]))
-    noisy, loss, frac = noisy_gradient_sum(model, env.x, env.y, env.cfg.clip, eps_t, seed=_noise_seed())
+    noisy, loss, frac = noisy_gradient_sum(model, env.x, env.y, env.cfg.clip, eps_t, honest=honest,
+                                           seed=_noise_seed())
     spent = release(msg, env, LaplaceEvent(eps_t))  # recorded before any share leaves
     t0 = time.perf_counter()
     size = share_and_push(noisy, plan.codec(), servers, plan.run_id, rnd, me)
