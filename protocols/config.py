@@ -135,6 +135,7 @@ class RunConfig:
     ddpsa_decay: float = 0.9
     ddpsa_noise: str = "distributed"  # distributed (one central Laplace split over participants) | local (paper)
     ddpsa_collude_frac: float = 0.1  # distributed noise: fraction of participants that may collude or not push
+    ddpsa_threshold: int = 0  # servers needed to reconstruct (Shamir); = num-servers: additive; 0 = auto (m - 1, >= 2)
     # Output
     out_dir: str = ""  # "" = a fresh folder runs/<UTC time>-<method> (runs/latest points to the newest)
     resume: bool = False  # continue the run whose checkpoint is in out-dir (`cancelfl run/deploy --resume OUT`)
@@ -280,6 +281,9 @@ class RunConfig:
             raise ConfigError("run-config 'ddpsa-frac-bits' must be in [8, 40]")
         if not 0 < self.ddpsa_decay <= 1:
             raise ConfigError("run-config 'ddpsa-decay' must be in (0, 1]")
+        if self.ddpsa_threshold != 0 and not 2 <= self.ddpsa_threshold <= self.ddpsa_num_servers:
+            raise ConfigError(f"run-config 'ddpsa-threshold' = {self.ddpsa_threshold} must be 0 (auto) or in "
+                              f"[2, ddpsa-num-servers = {self.ddpsa_num_servers}]")
         if not (math.isfinite(self.ddpsa_collude_frac) and 0 <= self.ddpsa_collude_frac < 1):
             raise ConfigError(f"run-config 'ddpsa-collude-frac' = {self.ddpsa_collude_frac} must be in [0, 1) "
                               "(the fraction of a round's participants that may collude with the server)")
@@ -307,9 +311,24 @@ class RunConfig:
         return 0 if self.key_rotation == 0 else (server_round - 1) // self.key_rotation
 
     @property
+    def ddpsa_sharing_threshold(self) -> int:
+        """Intermediate servers whose partial sums reconstruct a DDP-SA round (``ddpsa-threshold``; 0 = auto).
+
+        Auto: ``m - 1`` (one server may be lost) but at least 2 (one server alone must learn nothing).  Equal to
+        ``m``: the paper's additive sharing; smaller: Shamir sharing.  Fewer than this many servers colluding
+        learn nothing of an individual upload.
+        """
+        return sharing_threshold(self.ddpsa_threshold, self.ddpsa_num_servers)
+
+    @property
     def clients_per_round(self) -> int:
         """Number of clients sampled each round (at least 1)."""
         return clients_sampled(self.sample_rate, self.num_clients)
+
+
+def sharing_threshold(threshold: int, servers: int) -> int:
+    """``ddpsa-threshold`` resolved for ``servers`` intermediate servers: itself, or for 0 ``max(2, servers - 1)``."""
+    return int(threshold) if threshold else max(2, int(servers) - 1)
 
 
 def clients_sampled(sample_rate: float, num_clients: int) -> int:

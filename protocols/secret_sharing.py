@@ -1,8 +1,17 @@
-"""Fixed-point encoding into the ring Z_{2^64} and full-threshold additive secret sharing.
+"""Fixed-point encoding into Z_{2^64}, full-threshold additive sharing and t-of-m Shamir sharing.
 
 DDP-SA (Wei et al., Algorithm 1/2) encodes each client's noisy gradient as fixed-point
-integers, splits it into ``m`` additive shares (one per intermediate server) and lets the
-parameter server reconstruct only the *sum* over clients.
+integers, splits it into ``m`` shares (one per intermediate server) and lets the
+parameter server reconstruct only the *sum* over clients.  Two schemes:
+
+* additive (:func:`share`, the paper's): all ``m`` shares are needed; any ``m - 1`` reveal nothing;
+* Shamir (:func:`shamir_share`, :func:`shamir_reconstruct`): share ``j`` is ``f(j + 1)`` for a random
+  polynomial ``f`` of degree ``t - 1`` with ``f(0)`` = the secret, over the prime field
+  ``Z_p``, ``p = 2^64 - 59`` (:data:`SHAMIR_PRIME`); any ``t`` shares reconstruct (Lagrange at 0),
+  any ``t - 1`` reveal nothing, so ``m - t`` servers may be lost.  Shares are linear: the sum of
+  clients' shares held by one server is a share of the sum.  Ring elements map into the field
+  by their signed value (:func:`to_field`, :func:`from_field`), exact for ``|x| <= (p - 1) / 2``,
+  which :class:`FixedPointCodec` guarantees for sums of up to ``max_clients`` encodings.
 
 Design choices (deviations from the paper, on purpose):
 
@@ -23,9 +32,10 @@ AES-CTR PRG (:mod:`protocols.prg`) when an explicit seed is given (reproducible 
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,19 +43,30 @@ from numpy.typing import ArrayLike, NDArray
 
 __all__ = [
     "RING_BITS",
+    "SHAMIR_PRIME",
     "FixedPointCodec",
     "FixedPointRangeError",
     "encode_and_share",
+    "field_sum",
+    "from_field",
     "from_wire",
     "random_ring_elements",
     "reconstruct",
     "ring_sum",
+    "shamir_reconstruct",
+    "shamir_share",
     "share",
+    "to_field",
     "to_wire",
 ]
 
 RING_BITS = 64
-_SIGNED_MAX = (1 << (RING_BITS - 1)) - 1  # 2^63 - 1: largest |sum| that decodes unambiguously
+#: The Shamir field's modulus: the largest prime below 2^64.
+SHAMIR_PRIME = (1 << 64) - 59
+_P_GAP = np.uint64((1 << 64) - SHAMIR_PRIME)  # 59 = 2^64 mod p
+_P = np.uint64(SHAMIR_PRIME)
+#: Largest |sum| that decodes unambiguously from the ring and from the Shamir field: (p - 1) / 2 = 2^63 - 30.
+_SIGNED_MAX = (SHAMIR_PRIME - 1) // 2
 
 Ring = NDArray[np.uint64]
 
@@ -59,10 +80,10 @@ class FixedPointCodec:
     """Signed fixed-point encoding of float64 vectors into Z_{2^64}.
 
     ``encode(x) = round(x * 2**frac_bits) mod 2^64``.  A sum of at most ``max_clients``
-    encodings decodes exactly (up to the per-value round-off ``2**-(frac_bits+1)``)
-    because :meth:`encode` only accepts ``|x| <= max_abs``, where::
+    encodings decodes exactly (up to the per-value round-off ``2**-(frac_bits+1)``), from the ring
+    or from the Shamir field, because :meth:`encode` only accepts ``|x| <= max_abs``, where::
 
-        max_abs = floor((2^63 - 1) / max_clients) / 2**frac_bits
+        max_abs = floor((2^63 - 30) / max_clients) / 2**frac_bits
 
     e.g. ``frac_bits=32, max_clients=1024`` gives ``max_abs ~= 2.1e6`` with resolution
     ``2.3e-10`` (the paper's ``dn = 10`` decimal places corresponds to ~33 bits).
@@ -218,9 +239,141 @@ def reconstruct(shares: Sequence[ArrayLike]) -> Ring:
     return ring_sum(shares)
 
 
-def encode_and_share(values: ArrayLike, m: int, codec: FixedPointCodec, *, seed: bytes | None = None) -> list[Ring]:
-    """Fixed-point encode float ``values`` with ``codec`` and split into ``m`` shares."""
-    return share(codec.encode(values), m, seed=seed)
+def encode_and_share(values: ArrayLike, m: int, codec: FixedPointCodec, *, threshold: int | None = None,
+                     seed: bytes | None = None) -> list[Ring]:
+    """Fixed-point encode float ``values`` with ``codec`` and split into ``m`` shares.
+
+    ``threshold`` None: additive shares (all ``m`` needed); else Shamir shares, any ``threshold`` of which
+    reconstruct.
+    """
+    if threshold is None:
+        return share(codec.encode(values), m, seed=seed)
+    return shamir_share(codec.encode(values), m, threshold, seed=seed)
+
+
+# ----------------------------------------------------------------------------- Shamir over Z_p
+def _add_mod(a: Ring, b: Ring) -> Ring:
+    """``(a + b) mod p`` for field elements (< p) as uint64, without overflow."""
+    total = a + b  # wraps mod 2^64
+    total = np.where(total < a, total + _P_GAP, total)  # 2^64 = 59 (mod p); no second wrap
+    return np.where(total >= _P, total - _P, total)
+
+
+def _sub_mod(a: Ring, b: Ring) -> Ring:
+    """``(a - b) mod p`` for field elements (< p)."""
+    diff = a - b
+    return np.where(a < b, diff - _P_GAP, diff)
+
+
+def _mul_scalar_mod(vec: Ring, c: int) -> Ring:
+    """``vec * c mod p`` for field elements ``vec`` and an integer ``c`` (double and add)."""
+    c %= SHAMIR_PRIME
+    out = np.zeros_like(vec)
+    base = vec.copy()
+    while c:
+        if c & 1:
+            out = _add_mod(out, base)
+        c >>= 1
+        if c:
+            base = _add_mod(base, base)
+    return out
+
+
+def to_field(ring_values: ArrayLike) -> Ring:
+    """Ring elements (two's-complement signed) -> Z_p elements of the same signed value."""
+    r = np.asarray(ring_values)
+    if r.dtype != np.uint64:
+        raise TypeError(f"to_field expects uint64 ring elements, got {r.dtype}")
+    return np.where(r >= np.uint64(1 << 63), r - _P_GAP, r)  # negative v: 2^64 + v -> p + v
+
+
+def from_field(field_values: ArrayLike) -> Ring:
+    """Z_p elements -> ring elements, reading ``x > (p - 1) / 2`` as ``x - p`` (inverse of :func:`to_field`)."""
+    f = np.asarray(field_values)
+    if f.dtype != np.uint64:
+        raise TypeError(f"from_field expects uint64 field elements, got {f.dtype}")
+    return np.where(f > np.uint64(_SIGNED_MAX), f + _P_GAP, f)  # x - p in two's complement = x + 59
+
+
+def field_sum(arrays: Sequence[ArrayLike]) -> Ring:
+    """Sum Z_p elements mod p (e.g. one server's Shamir shares of many clients)."""
+    if len(arrays) == 0:
+        raise ValueError("field_sum needs at least one array")
+    total = None
+    for a in arrays:
+        arr = np.asarray(a)
+        if arr.dtype != np.uint64:
+            raise TypeError(f"field elements must be uint64, got {arr.dtype}")
+        if (arr >= _P).any():
+            raise ValueError(f"field elements must be < p = 2^64 - {int(_P_GAP)}")
+        if total is not None and arr.shape != total.shape:
+            raise ValueError(f"shape mismatch in field_sum: {arr.shape} vs {total.shape}")
+        total = arr.copy() if total is None else _add_mod(total, arr)
+    return total
+
+
+def _random_field(size: int, seed: bytes | None) -> Ring:
+    """``size`` uniform elements of Z_p (uniform 64-bit words, the rare ones >= p redrawn)."""
+    out = random_ring_elements(size, seed=seed)
+    attempt = 0
+    while (bad := out >= _P).any():
+        attempt += 1
+        sub = None if seed is None else hashlib.sha256(seed + b"shamir-redraw" + attempt.to_bytes(4, "big")).digest()
+        out[bad] = random_ring_elements(int(bad.sum()), seed=sub)
+    return out
+
+
+def shamir_share(secret: ArrayLike, m: int, threshold: int, *, seed: bytes | None = None) -> list[Ring]:
+    """Split ring elements into ``m`` Shamir shares over Z_p, any ``threshold`` of which reconstruct.
+
+    Share ``j`` (0-based, for server ``j``) is ``f(j + 1)``, ``f(x) = to_field(secret) + a_1 x + ... +
+    a_(t-1) x^(t-1)`` with uniform coefficients (one polynomial per element).
+
+    Args:
+        secret: uint64 ring elements (any shape), e.g. from :meth:`FixedPointCodec.encode`.
+        m: number of shares (>= 2).
+        threshold: ``t``, ``2 <= t <= m`` (``t = 1`` would hand the plaintext to every server).
+        seed: see :func:`random_ring_elements`.
+    """
+    s = np.asarray(secret)
+    if s.dtype != np.uint64:
+        raise TypeError(f"secret must be uint64 ring elements, got dtype {s.dtype}")
+    if not isinstance(m, int) or m < 2 or not isinstance(threshold, int) or not 2 <= threshold <= m:
+        raise ValueError(f"need ints m >= 2 and 2 <= threshold <= m, got m={m!r}, threshold={threshold!r}")
+    flat = to_field(s.ravel())
+    coeffs = _random_field((threshold - 1) * flat.size, seed).reshape(threshold - 1, flat.size)
+    shares = []
+    for j in range(m):
+        x = j + 1
+        acc = np.zeros_like(flat)
+        for k in range(threshold - 2, -1, -1):  # Horner over a_(t-1) .. a_1
+            acc = _add_mod(_mul_scalar_mod(acc, x), coeffs[k])
+        shares.append(_add_mod(_mul_scalar_mod(acc, x), flat).reshape(s.shape))
+    return shares
+
+
+def shamir_reconstruct(points: Mapping[int, ArrayLike]) -> Ring:
+    """The ring value at ``x = 0`` of the polynomial through ``{server index j: share}`` (``x = j + 1``).
+
+    Give at least ``threshold`` points of one sharing (or of a sum of sharings); all points given are
+    interpolated, so they must be consistent.  Returns ring elements (:func:`from_field`).
+    """
+    if len(points) < 1:
+        raise ValueError("shamir_reconstruct needs at least one point")
+    xs = [int(j) + 1 for j in points]
+    if len(set(xs)) != len(xs) or min(xs) < 1:
+        raise ValueError(f"server indices must be distinct and >= 0, got {sorted(points)}")
+    total = None
+    for y, xj in zip(points.values(), xs, strict=True):
+        num, den = 1, 1
+        for xk in xs:
+            if xk != xj:
+                num = num * xk % SHAMIR_PRIME
+                den = den * (xk - xj) % SHAMIR_PRIME
+        term = _mul_scalar_mod(field_sum([y]), num * pow(den, -1, SHAMIR_PRIME))
+        total = term if total is None else _add_mod(total, term)
+    assert total is not None
+    return from_field(total)
 
 
 def to_wire(ring_values: ArrayLike) -> bytes:

@@ -295,7 +295,7 @@ def run_outcome(out_dir: str | Path, code: int = 0) -> tuple[int, str]:
     """Exit code and message of a finished run, from its folder (``code``: the exit code of ``flwr run``).
 
     Non-zero when the ServerApp recorded a failure (``error.json``), when no ``summary.json`` was written,
-    when the run stopped early (``stopped``) or when no round succeeded.
+    when the run stopped early (``stopped``) or when most rounds (more than half) failed.
     """
     out = Path(out_dir)
     error = read_error(out)
@@ -312,6 +312,9 @@ def run_outcome(out_dir: str | Path, code: int = 0) -> tuple[int, str]:
         return 1, f"the run stopped early: {summary['stopped']} (outputs in {out})"
     if done and len(failed) >= int(done):
         return 1, f"no round succeeded ({len(failed)} failed); the first failure: {failed[0]}"
+    if done and 2 * len(failed) > int(done):
+        return 1, (f"most rounds failed ({len(failed)} of {done}; the model is that of the rounds that succeeded); "
+                   f"the first failure: {failed[0]}")
     if code:
         return code, f"flwr exited with code {code} (outputs in {out})"
     return 0, f"run finished, summary at {out / 'summary.json'}"

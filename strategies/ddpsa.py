@@ -7,22 +7,29 @@ Round ``t``:
    name, are left out of the round): the round's participant list.
 1. ``prepare_round`` registers the run and opens round ``t`` on the ``m`` intermediate
    servers, signed with the parameter server's identity (run-config ``ddpsa-server-key``):
-   share length = model size, at most the round's participants may push; a server that
-   does not take it fails the round *before* clients work, naming it.  The train message
+   share length = model size, share field, and the participants' roster names -- the only
+   clients the servers take this round's pushes from; when fewer than the sharing threshold
+   ``t`` take it the round fails *before* clients work, naming the servers.  The train message
    carries the global model and a :class:`client.messages.ddpsa.DdpsaRound` (this
    round's ``eps_t``, the noise mode, the participants' roster names, the servers -- which
    each client only compares with its own list --, the run id and the fixed-point codec);
-2. each client (:mod:`client.methods.ddpsa`) pushes one additive share of its encoded
+2. each client (:mod:`client.methods.ddpsa`) pushes one share of its encoded
    noisy clipped gradient sum to every intermediate server, signed with its roster
    identity, and replies with metrics and a receipt naming that identity;
 3. ``aggregate`` asks every server (signed) for its partial sum over exactly the roster
-   names of the clients that replied successfully, reconstructs only when all ``m`` arrived
-   (full-threshold sharing; a missing one raises :class:`RoundFailed` naming the server,
-   after sealing the round unreleased on every server it reaches: no epsilon is charged
-   for a round that produced no model), decodes, divides by ``N = sum N_i`` and takes the step
+   names of the clients that replied successfully, reconstructs only when ``t`` arrived
+   (fewer raise :class:`RoundFailed` naming the servers, after sealing the round unreleased
+   on every server it reaches: no epsilon is charged for a round that produced no model),
+   decodes, divides by ``N = sum N_i`` and takes the step
    ``theta_{t+1} = theta_t - eta * sum_i s_i / N`` (``eta`` = run-config ``lr``).  The
    paper's experiments use Adam at the server; we use plain SGD (one hyper-parameter,
    no optimizer state) -- a documented deviation.
+
+Sharing (run-config ``ddpsa-threshold``, :attr:`protocols.config.RunConfig.ddpsa_sharing_threshold`):
+``t = m`` is the paper's additive sharing (every server needed, any ``m - 1`` colluding learn nothing);
+``t < m`` is Shamir sharing over ``Z_p`` (:mod:`protocols.secret_sharing`): the run survives ``m - t``
+lost servers, and fewer than ``t`` colluding servers learn nothing.  The default (0 = auto) is
+``t = max(2, m - 1)``: with ``m = 3``, one server may be lost and no two may collude.
 
 Intermediate servers: ``ddpsa-servers`` (comma-separated ``host:port``, exactly
 ``ddpsa-num-servers`` of them), reached over TLS verified with ``ddpsa-ca``.  The strategy never
@@ -156,6 +163,9 @@ class DdpsaStrategy(CancelStrategy):
         spent = DpCompositionAccountant(composition="best" if self.schedule.composition == "advanced" else "basic")
         self.privacy = PrivacyLedger(cfg.delta, uplink=spent, downlink=spent)
         self.codec = FixedPointCodec(frac_bits=cfg.ddpsa_frac_bits, max_clients=max(cfg.num_clients, 2))
+        #: Servers whose partial sums reconstruct a round; ``shamir`` is it for Shamir sharing, None for additive.
+        self.threshold = cfg.ddpsa_sharing_threshold
+        self.shamir: int | None = None if self.threshold == self.m else self.threshold
         self.run_id = uuid.uuid4().hex
         #: The step with the reconstructed mean gradient: SGD with ``lr`` (Algorithm 2) or Adam (the paper's Sec. VI).
         self.optimizer = make_server_optimizer(cfg.server_optimizer, cfg.lr)
@@ -165,16 +175,21 @@ class DdpsaStrategy(CancelStrategy):
         self.names: dict[int, str] = {}
 
     # ------------------------------------------------------------ servers
-    def _open_round(self, server_round: int, length: int, clients: int) -> None:
-        """Register the run and open the round on all m servers; fail the round early (clients do no work)."""
-        failures = register_run(self.servers, self.run_id, server_round, length, clients, self.signer,
+    def _open_round(self, server_round: int, length: int, participants: list[str]) -> None:
+        """Open the round for ``participants`` on the m servers; fail it early (clients do no work) below threshold."""
+        failures = register_run(self.servers, self.run_id, server_round, length, max(self.cfg.clients_per_round, 2), self.signer,
+                                participants=participants, prime_field=self.shamir is not None,
                                 timeout=REGISTER_TIMEOUT_S)
-        if failures:
+        if self.m - len(failures) < self.threshold:
+            scheme = "additive" if self.shamir is None else f"{self.threshold}-of-{self.m} Shamir"
             raise RoundFailed(
-                f"round {server_round}: DDP-SA needs all {len(self.addresses)} intermediate servers (full-threshold "
+                f"round {server_round}: DDP-SA needs {self.threshold} of {self.m} intermediate servers ({scheme} "
                 f"secret sharing) but {len(failures)} did not open the round: "
                 + "; ".join(f"intermediate {f}" for f in failures)
             )
+        for f in failures:
+            log(WARNING, "round %d: intermediate %s is down; %d-of-%d sharing goes on without it", server_round, f,
+                self.threshold, self.m)
 
     # ------------------------------------------------------------ round hooks
     def epsilon_of_round(self, server_round: int) -> float:
@@ -204,7 +219,7 @@ class DdpsaStrategy(CancelStrategy):
         if len(names) < 2:
             raise RoundFailed(f"round {server_round}: {len(names)} sampled node(s) gave a usable roster name; "
                               "DDP-SA needs at least 2")
-        self._open_round(server_round, flatten(weights).size, len(names))
+        self._open_round(server_round, flatten(weights).size, sorted(names.values()))
         return DdpsaState(server_round, sorted(names), weights, names)
 
     def upload_spec(self, state: RoundState) -> UploadSpec:
@@ -217,7 +232,7 @@ class DdpsaStrategy(CancelStrategy):
         if not isinstance(state, DdpsaState) or state.round != server_round:
             raise RoundFailed(f"round {server_round}: no participant list (prepare_round did not run for this round)")
         plan = DdpsaRound(self.epsilon_of_round(server_round), self.cfg.ddpsa_noise,
-                          tuple(sorted(state.names.values())), tuple(self.addresses), self.run_id,
+                          tuple(sorted(state.names.values())), tuple(self.addresses), self.threshold, self.run_id,
                           self.codec.frac_bits, self.codec.max_clients)
         return merge_configs(super().train_config(server_round), plan.to_config())
 
@@ -246,7 +261,7 @@ class DdpsaStrategy(CancelStrategy):
                 f"{self.cfg.ddpsa_collude_frac}), so the round is aborted unreleased")
         t0 = time.perf_counter()
         try:
-            ring_total = reconstruct_sum(self.servers, self.run_id, rnd, expected, self.signer)
+            ring_total = reconstruct_sum(self.servers, self.run_id, rnd, expected, self.signer, threshold=self.shamir)
         except PartialSumUnavailableError as err:
             # Seal the round unreleased wherever possible and forget the partial sums: no model, no epsilon.
             abort_round(self.servers, self.run_id, rnd, self.signer)
@@ -333,6 +348,7 @@ class DdpsaStrategy(CancelStrategy):
             "noise": self.cfg.ddpsa_noise,
             "collude_frac": self.cfg.ddpsa_collude_frac,
             "frac_bits": self.codec.frac_bits,
+            "sharing_threshold": self.threshold,
             "server_optimizer": self.optimizer.describe(),
         }
 
@@ -352,7 +368,8 @@ class DdpsaStrategy(CancelStrategy):
     def account_round(self, state: RoundState) -> None:
         """Nothing when the train messages go out: :meth:`aggregate` composes the round's ``eps_t`` (Laplace).
 
-        A DDP-SA round releases its noisy sum only when all m partial sums are reconstructed.  Shares pushed
-        for a round whose reconstruction fails release nothing: fewer than m additive shares are
-        independent of the update, and the round is sealed unreleased on every server reached.
+        A DDP-SA round releases its noisy sum only when ``t`` partial sums are reconstructed.  Shares pushed
+        for a round whose reconstruction fails release nothing to the parameter server, which holds fewer
+        than ``t`` partial sums (independent of the updates), and the round is sealed unreleased on every
+        server reached.
         """

@@ -18,7 +18,7 @@ SERVERS = ("127.0.0.1:5001", "127.0.0.1:5002", "127.0.0.1:5003")
 
 def _round(**changes) -> DdpsaRound:
     fields = {"epsilon": 0.5, "noise": "distributed", "participants": ("node-1", "node-2"), "servers": SERVERS,
-              "run_id": "abc", "frac_bits": 24, "max_clients": 10, **changes}
+              "threshold": 2, "run_id": "abc", "frac_bits": 24, "max_clients": 10, **changes}
     return DdpsaRound(**fields)
 
 
@@ -33,6 +33,7 @@ def test_strategy_train_config_decodes_to_the_round_plan(tmp_path) -> None:
     assert TrainIns.from_config(rec).round == 3
     plan = DdpsaRound.from_config(rec)
     assert plan.participants == ("node-a", "node-b") and plan.noise == "distributed"
+    assert plan.threshold == 2 and plan.shamir_threshold == 2  # auto: m - 1 of m = 3 servers
     assert plan.epsilon == pytest.approx(strategy.epsilon_of_round(3)) and plan.epsilon == pytest.approx(0.5)
     assert plan.servers == SERVERS and plan.run_id == strategy.run_id
     assert plan.codec() == strategy.codec  # the client encodes with the codec the server decodes with
@@ -52,6 +53,8 @@ def test_round_trip_and_foreign_keys_ignored() -> None:
     ("ddpsa-servers", "127.0.0.1:1,127.0.0.1:2", "ddpsa-servers"),
     ("ddpsa-run-id", "", "ddpsa-run-id"),
     ("ddpsa-noise", "central", "ddpsa-noise"),
+    ("ddpsa-threshold", 1, "ddpsa-threshold"),
+    ("ddpsa-threshold", 4, "ddpsa-threshold"),
     ("ddpsa-participants", ["a", "a"], "ddpsa-participants"),
     ("ddpsa-participants", [], "ddpsa-participants"),
     ("ddpsa-frac-bits", 63, "ddpsa-frac-bits"),

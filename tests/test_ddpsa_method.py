@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flwr.app import ConfigRecord
+from flwr.app import ConfigRecord, Message, RecordDict
 
 import client.methods.ddpsa as ddpsa_client
 import server.intermediate.launcher as launcher
@@ -75,6 +75,14 @@ def _served(**overrides) -> Iterator[tuple[RunConfig, LocalGrid, IntermediateSer
             ctx.run_config.update({k: v for k, v in servers.run_config().items() if k != "ddpsa-server-key"})
         yield RunConfig.from_mapping({**raw, **servers.run_config()}), grid, servers
     assert all(pid_gone(p) for p in servers.pids)
+
+
+def _roster_names(grid: LocalGrid) -> list[str]:
+    """The roster names of the grid's nodes (what query.ddpsa_identity answers)."""
+    from client.messages.ddpsa import RosterName
+
+    replies = grid.send_and_receive([Message(RecordDict(), n, "query.ddpsa_identity") for n in grid.node_ids])
+    return sorted(RosterName.from_content(r.content).name for r in replies)
 
 
 def _initial(cfg: RunConfig):
@@ -193,9 +201,10 @@ class _KillingStrategy(DdpsaStrategy):
         return super().aggregate_train(server_round, replies)
 
 
-def test_killed_intermediate_server_fails_round_naming_it_and_charges_no_epsilon(tmp_path) -> None:
+def test_killed_intermediate_server_fails_additive_round_naming_it_and_charges_no_epsilon(tmp_path) -> None:
+    """ddpsa-threshold = m: the paper's additive sharing needs every server."""
     lines: list[str] = []
-    with _served(num_rounds=3, num_clients=4, out_dir=str(tmp_path), **LINEAR) as (cfg, grid, victims):
+    with _served(num_rounds=3, num_clients=4, out_dir=str(tmp_path), ddpsa_threshold=3, **LINEAR) as (cfg, grid, victims):
         strategy = _KillingStrategy(cfg)  # own servers: this test kills one
         strategy.victims = victims
         try:
@@ -214,6 +223,23 @@ def test_killed_intermediate_server_fails_round_naming_it_and_charges_no_epsilon
     # Round 3: opening the round on the servers fails before any client works.
     assert "round 3" in health_err and f"intermediate server #1 ({dead})" in health_err
     assert any("FAILED" in line and dead in line for line in lines)
+
+
+def test_run_keeps_training_when_one_of_three_servers_is_killed(tmp_path) -> None:
+    """Default 2-of-3 Shamir sharing: server #1 dies after round 2's pushes; every round still trains and is charged."""
+    with _served(num_rounds=4, num_clients=4, out_dir=str(tmp_path), **{**LINEAR, "epsilon": 30.0}) as (
+            cfg, grid, victims):
+        strategy = _KillingStrategy(cfg)
+        strategy.victims = victims
+        try:
+            summary = run_federation(strategy, grid, cfg, progress=lambda _s: None)
+        finally:
+            strategy.close()
+        assert not victims.handles[1].is_running() and victims.handles[0].is_running()
+    assert summary["failed_rounds"] == [] and summary["rounds_completed"] == 4
+    assert summary["epsilon"] == pytest.approx(30.0)  # all four rounds released and charged
+    assert summary["final_accuracy"] > 0.3  # chance is 0.1
+    assert summary["method_parameters"]["sharing_threshold"] == 2
 
 
 # ------------------------------------------------------------------ configuration and budget
@@ -278,7 +304,8 @@ def test_clients_refuse_a_strategys_own_intermediate_servers(recorded) -> None:
             strategy = _ForeignServers(cfg)
             strategy.foreign = foreign
             foreign_signer = load_signer(foreign.server_key_file)
-            assert register_run(foreign.servers, strategy.run_id, 1, 650, 4, foreign_signer) == []  # ready to receive
+            assert register_run(foreign.servers, strategy.run_id, 1, 650, 4, foreign_signer,
+                                participants=_roster_names(grid)) == []  # ready to receive
             msgs = list(strategy.configure_train(1, _initial(cfg), ConfigRecord({"round": 1}), grid))
             replies = list(grid.send_and_receive(msgs))
             assert len(replies) == 4 and all(r.has_error() for r in replies)
@@ -301,3 +328,40 @@ def test_default_regime_spends_exactly_the_target_with_replace_one_laplace(run_i
     assert [r["epsilon_round"] for r in rows] == pytest.approx([eps_t] * cfg.num_rounds)
     assert summary["epsilon"] == pytest.approx(cfg.epsilon) and summary["epsilon"] <= cfg.epsilon * (1 + 1e-12)
     assert summary["method_parameters"]["laplace_scale_first_round"] == pytest.approx(2 * cfg.clip / eps_t)
+
+
+def test_a_run_whose_rounds_mostly_failed_exits_non_zero(tmp_path, monkeypatch, capsys) -> None:
+    """Cancelfl run (in-process): two of three servers die after round 1, rounds 2-5 fail: exit status 1."""
+    from server.launch import _inprocess_exit
+
+    started: list[IntermediateServerCluster] = []
+    original_start = launcher.start_intermediate_servers
+    original_prepare = DdpsaStrategy.prepare_round
+
+    def start(m: int, roster, **kw) -> IntermediateServerCluster:
+        started.append(original_start(m, roster, **kw))
+        return started[-1]
+
+    def prepare(self, grid, server_round, nodes, arrays):
+        if server_round == 2:
+            for j in (1, 2):
+                os.kill(started[0].pids[j], signal.SIGKILL)
+                started[0].handles[j].process.wait()
+        return original_prepare(self, grid, server_round, nodes, arrays)
+
+    monkeypatch.setattr(launcher, "start_intermediate_servers", start)
+    monkeypatch.setattr(DdpsaStrategy, "prepare_round", prepare)
+    out = tmp_path / "run"
+    code = _inprocess_exit({"method": "ddpsa", "num-clients": 4, "num-rounds": 5, "out-dir": str(out),
+                            **{k: v for k, v in LINEAR.items()}})
+    assert code == 1
+    assert "most rounds failed (4 of 5" in capsys.readouterr().err
+    import json
+
+    from server.checkpoint import run_outcome
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["failed_rounds"]) == 4 and summary["rounds_completed"] == 5
+    summary["failed_rounds"] = summary["failed_rounds"][:2]  # 2 of 5 failed: a run that mostly trained exits 0
+    (out / "summary.json").write_text(json.dumps(summary))
+    assert run_outcome(out)[0] == 0

@@ -222,5 +222,15 @@ def test_dropped_participants_are_charged_in_a_real_run(run_inprocess, tmp_path)
 
 
 def test_plan_round_trip_carries_noise_and_participants() -> None:
-    plan = DdpsaRound(0.5, "distributed", ("a", "b"), ("127.0.0.1:1", "127.0.0.1:2"), "r", 24, 10)
+    plan = DdpsaRound(0.5, "distributed", ("a", "b"), ("127.0.0.1:1", "127.0.0.1:2"), 2, "r", 24, 10)
     assert DdpsaRound.from_config(plan.to_config()) == plan
+
+
+def test_client_floor_refuses_a_lower_sharing_threshold(noise_seen) -> None:
+    """A client whose own config asks 3-of-3 refuses a 2-of-3 round: two servers could then rebuild its upload."""
+    with _served(num_clients=4, num_rounds=2, **LINEAR) as (cfg, grid, _):
+        for ctx in grid.contexts.values():
+            ctx.run_config["ddpsa-threshold"] = 3
+        _, replies, arrays = _one_round(cfg, grid)
+    assert arrays is None and all(r.has_error() and "ddpsa-threshold" in r.error.reason for r in replies)
+    assert noise_seen == []

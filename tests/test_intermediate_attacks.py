@@ -19,6 +19,7 @@ from client.intermediate import (
     IntermediateServerClient,
     IntermediateServers,
     PartialSumUnavailableError,
+    SharePushError,
     intermediate_pb2,
     reconstruct_sum,
     register_run,
@@ -32,6 +33,8 @@ from server.intermediate import IntermediateServerCluster, start_intermediate_se
 from tests.processes import pid_gone
 
 HONEST = ["victim", "alice", "bob"]
+#: The round's participants: the honest clients and mallory.
+PARTICIPANTS = [*HONEST, "mallory"]
 D = 1000  # model size of the attacked run
 RUN = "run-under-attack"
 CODEC = FixedPointCodec(frac_bits=24, max_clients=16)
@@ -63,7 +66,7 @@ def _code(e: pytest.ExceptionInfo) -> grpc.StatusCode:
 def _honest_round(cluster, ids, signer, rnd: int, run: str = RUN) -> dict[str, np.ndarray]:
     """Open round ``rnd`` and push every honest client's update; returns the updates."""
     servers = cluster.servers
-    assert register_run(servers, run, rnd, D, 4, signer) == []
+    assert register_run(servers, run, rnd, D, 4, signer, participants=PARTICIPANTS) == []
     rng = np.random.default_rng(rnd)
     updates = {n: rng.normal(size=D) for n in HONEST}
     for n, u in updates.items():
@@ -106,7 +109,7 @@ def test_fake_client_partial_sum_attack_fails(cluster, ids, server_signer) -> No
 def test_id_squatting_fails(cluster, ids, server_signer) -> None:
     """A share pushed under an honest client's name (signed by the squatter) is refused; the owner still pushes."""
     servers = cluster.servers
-    assert register_run(servers, RUN, 2, D, 4, server_signer) == []
+    assert register_run(servers, RUN, 2, D, 4, server_signer, participants=PARTICIPANTS) == []
     squatter = Identity("alice", ids["mallory"].private)
     poison = encode_and_share(np.full(D, 1e6), 3, CODEC)
     for j, c in enumerate(_each(cluster)):
@@ -130,24 +133,35 @@ def test_run_eviction_fails(cluster, ids, server_signer) -> None:
                 c.push_share(f"junk-{k}", 1, ids["mallory"], share)
             assert _code(e) == grpc.StatusCode.NOT_FOUND
             with pytest.raises(grpc.RpcError) as e:  # only the parameter server registers runs
-                c.register_run_future(f"junk-{k}", 1, D, 4, ids["mallory"]).result()
+                c.register_run_future(f"junk-{k}", 1, D, 4, ids["mallory"], participants=PARTICIPANTS).result()
             assert _code(e) == grpc.StatusCode.UNAUTHENTICATED
     for c in _each(cluster):
         assert c.status(server_signer).active_runs == 1
     _assert_reconstructs(cluster, server_signer, 3, updates)
 
 
-def test_cap_on_clients_per_round() -> None:
-    """The parameter server registers at most the round's participants; a further roster client is refused."""
+def test_roster_client_outside_the_round_cannot_push_nor_fill_the_cap() -> None:
+    """Round {a, b} at a cap of 2: roster client c pushes first and is refused; a and b are accepted and sum exactly."""
     ids = {n: generate_identity(n) for n in ("a", "b", "c")}
     with start_intermediate_servers(2, Roster({n: i.public_bytes for n, i in ids.items()})) as c:
         key = serialization.load_pem_private_key(c.server_key_file.read_bytes(), password=None)
         signer = Identity("parameter-server", key)  # type: ignore[arg-type]
-        assert register_run(c.servers, "r", 1, 10, 2, signer) == []
+        assert register_run(c.servers, "r", 1, 10, 2, signer, participants=["a", "b"]) == []
+        with pytest.raises(SharePushError) as e:  # a zero share from outside the round, before the honest ones
+            share_and_push(np.zeros(10), CODEC, c.servers, "r", 1, ids["c"])
+        assert [f.code for f in e.value.failures] == [grpc.StatusCode.PERMISSION_DENIED] * 2
+        assert "not one of the participants" in str(e.value)
         share_and_push(np.ones(10), CODEC, c.servers, "r", 1, ids["a"])
-        share_and_push(np.ones(10), CODEC, c.servers, "r", 1, ids["b"])
-        with pytest.raises(Exception, match="RESOURCE_EXHAUSTED"):
-            share_and_push(np.ones(10), CODEC, c.servers, "r", 1, ids["c"])
+        share_and_push(np.full(10, 2.0), CODEC, c.servers, "r", 1, ids["b"])
+        total = CODEC.decode(reconstruct_sum(c.servers, "r", 1, ["a", "b"], signer))
+        np.testing.assert_allclose(total, 3.0, atol=2 * CODEC.resolution)
+        with pytest.raises(PartialSumUnavailableError, match="c"):  # c's share was never stored
+            reconstruct_sum(c.servers, "r", 1, ["a", "c"], signer)
+        # The next round is opened for {b, c}: now c pushes and a is refused.
+        assert register_run(c.servers, "r", 2, 10, 2, signer, participants=["b", "c"]) == []
+        share_and_push(np.ones(10), CODEC, c.servers, "r", 2, ids["c"])
+        with pytest.raises(SharePushError, match="PERMISSION_DENIED"):
+            share_and_push(np.ones(10), CODEC, c.servers, "r", 2, ids["a"])
 
 
 def _rss_mb(pid: int) -> float:
@@ -207,6 +221,11 @@ def test_statements_bind_every_field() -> None:
                 wire_auth.push_statement("r", 1, "alice", b"\x01" + b"\x00" * 7)}) == 5
     assert wire_auth.partial_sum_statement("r", 1, ["b", "a"]) == wire_auth.partial_sum_statement("r", 1, ["a", "b"])
     assert wire_auth.partial_sum_statement("r", 1, ["a", "b"]) != wire_auth.partial_sum_statement("r", 1, ["ab"])
+    reg = wire_auth.register_statement("r", 1, 8, 4, False, ["a", "b"])
+    assert wire_auth.register_statement("r", 1, 8, 4, False, ["b", "a"]) == reg  # order-free
+    assert len({reg, wire_auth.register_statement("r", 1, 8, 4, True, ["a", "b"]),
+                wire_auth.register_statement("r", 1, 8, 4, False, ["a", "b", "c"]),
+                wire_auth.register_statement("r", 1, 8, 4, False, ["ab"])}) == 4
     me = generate_identity("alice")
     assert wire_auth.verify_signature(me.public_bytes, me.sign(base), base)
     assert not wire_auth.verify_signature(me.public_bytes, me.sign(base), wire_auth.push_statement("r", 2, "alice",

@@ -94,7 +94,7 @@ def _code(exc_info: pytest.ExceptionInfo[grpc.RpcError]) -> grpc.StatusCode:
 
 
 def _open(client: IntermediateServerClient, ids, rnd: int, length: int = 100, run: str = "run") -> None:
-    client.register_run_future(run, rnd, length, 4, ids["server"]).result()
+    client.register_run_future(run, rnd, length, 4, ids["server"], participants=[*CLIENTS, "c14"]).result()
 
 
 def test_partial_sum_idempotent_push_and_signed_status(local_server, ids) -> None:
@@ -139,9 +139,9 @@ def test_servicer_rejects_bad_requests_with_clear_status(local_server, ids) -> N
          "min_clients=2"),
         (lambda: client.get_partial_sum("run", 1, ["c11", "c13"], ids["server"]), grpc.StatusCode.FAILED_PRECONDITION,
          "missing shares from expected clients ['c13']"),
-        (lambda: client.register_run_future("run", 1, 4, 4, ids["server"]).result(),
+        (lambda: client.register_run_future("run", 1, 4, 4, ids["server"], participants=CLIENTS).result(),
          grpc.StatusCode.FAILED_PRECONDITION, "another length"),
-        (lambda: client.register_run_future("big", 1, 10**8, 4, ids["server"]).result(),
+        (lambda: client.register_run_future("big", 1, 10**8, 4, ids["server"], participants=CLIENTS).result(),
          grpc.StatusCode.RESOURCE_EXHAUSTED, "shares up to"),
     ]
     for call, code, words in cases:
@@ -203,7 +203,7 @@ def test_end_to_end_three_server_processes_four_clients(ids) -> None:
 
         # Round 1: each client runs the DDP-SA LDP step and pushes shares.
         clients = ["c11", "c12", "c13", "c14"]
-        assert register_run(servers, "run-A", 1, d, 4, signer) == []
+        assert register_run(servers, "run-A", 1, d, 4, signer, participants=clients) == []
         updates = []
         for i, cid in enumerate(clients):
             upd = ldp_noisy_mean(rng.normal(size=(16, d)), clip=5.0, epsilon=1.0, seed=bytes([i]) * 32)
@@ -216,7 +216,7 @@ def test_end_to_end_three_server_processes_four_clients(ids) -> None:
         np.testing.assert_allclose(mean, np.mean(updates, axis=0), atol=2.0**-codec.frac_bits)
 
         # A client that skipped server #2: the round fails with the missing client named.
-        register_run(servers, "run-A", 2, d, 4, signer)
+        register_run(servers, "run-A", 2, d, 4, signer, participants=clients)
         for cid in clients[:3]:
             share_and_push(rng.normal(size=d), codec, servers, "run-A", 2, ids[cid])
         shares = encode_and_share(rng.normal(size=d), m, codec)
@@ -227,7 +227,7 @@ def test_end_to_end_three_server_processes_four_clients(ids) -> None:
         assert e.value.failures[0].code == grpc.StatusCode.FAILED_PRECONDITION
 
         # Round 3: all shares delivered, then server #1 dies -> reconstruction fails clearly; abort seals the rest.
-        register_run(servers, "run-A", 3, d, 4, signer)
+        register_run(servers, "run-A", 3, d, 4, signer, participants=clients)
         for cid in clients:
             share_and_push(rng.normal(size=d), codec, servers, "run-A", 3, ids[cid])
         cluster.handles[1].process.send_signal(signal.SIGKILL)
@@ -238,10 +238,21 @@ def test_end_to_end_three_server_processes_four_clients(ids) -> None:
         assert cluster.addresses[1] in str(e.value)
         assert [f.server_index for f in abort_round(servers, "run-A", 3, signer)] == [1]
         # Round 4: opening fails on the dead server only, and so does pushing.
-        assert [f.server_index for f in register_run(servers, "run-A", 4, d, 4, signer)] == [1]
+        assert [f.server_index for f in register_run(servers, "run-A", 4, d, 4, signer, participants=clients)] == [1]
         with pytest.raises(SharePushError) as pe:
             share_and_push(rng.normal(size=d), codec, servers, "run-A", 4, ids["c11"], timeout=5)
         assert [f.server_index for f in pe.value.failures] == [1]
+        # A 2-of-3 Shamir run on the same servers goes on without server #1: pushes succeed, the sum is exact.
+        assert [f.server_index for f in register_run(servers, "run-B", 1, d, 4, signer, participants=clients,
+                                                     prime_field=True)] == [1]
+        updates = [rng.normal(size=d) for _ in clients]
+        for cid, upd in zip(clients, updates, strict=True):
+            assert share_and_push(upd, codec, servers, "run-B", 1, ids[cid], threshold=2, timeout=5) == d
+        total = reconstruct_sum(servers, "run-B", 1, clients, signer, threshold=2, timeout=5)
+        exact = sum(codec.encode(u).view(np.int64).astype(object) for u in updates)
+        assert np.array_equal(total.view(np.int64).astype(object), exact)
+        with pytest.raises(PartialSumUnavailableError, match="Shamir sharing needs 3"):  # 3-of-3 cannot
+            reconstruct_sum(servers, "run-B", 1, clients, signer, threshold=3, timeout=5)
     finally:
         cluster.stop()
     assert all(h.process.returncode is not None for h in cluster.handles)

@@ -65,9 +65,15 @@ def push_statement(run_id: str, round_num: int, client: str, share: bytes) -> by
     return _statement("push", run_id, int(round_num), client, len(share), hashlib.sha256(share).digest())
 
 
-def register_statement(run_id: str, round_num: int, length: int, max_clients: int) -> bytes:
-    """What the parameter server signs to open round ``round_num`` of run ``run_id`` (share length, client cap)."""
-    return _statement("register", run_id, int(round_num), int(length), int(max_clients))
+def register_statement(run_id: str, round_num: int, length: int, max_clients: int, prime_field: bool,
+                       participants: Sequence[str]) -> bytes:
+    """What the parameter server signs to open round ``round_num`` of run ``run_id``.
+
+    Binds the share length, the client cap, the share field (Shamir's Z_p or the ring) and the round's
+    participants (order-free).
+    """
+    return _statement("register", run_id, int(round_num), int(length), int(max_clients), int(bool(prime_field)),
+                      *sorted(participants))
 
 
 def partial_sum_statement(run_id: str, round_num: int, clients: Sequence[str]) -> bytes:

@@ -24,37 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&client/intermediate/intermediate.proto\x12\x18\x63\x61ncelfl.intermediate.v2\"k\n\x12RegisterRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x13\n\x0bmax_clients\x18\x03 \x01(\r\x12\r\n\x05round\x18\x04 \x01(\x04\x12\x11\n\tsignature\x18\x05 \x01(\x0c\":\n\x10RegisterRunReply\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x63tive_runs\x18\x02 \x01(\r\"s\n\x10PushShareRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06\x63lient\x18\x03 \x01(\t\x12\r\n\x05share\x18\x04 \x01(\x0c\x12\x0e\n\x06length\x18\x05 \x01(\x04\x12\x11\n\tsignature\x18\x06 \x01(\x0c\"=\n\x0ePushShareReply\x12\x18\n\x10\x63lients_received\x18\x01 \x01(\r\x12\x11\n\tduplicate\x18\x02 \x01(\x08\"b\n\x14GetPartialSumRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x18\n\x10\x65xpected_clients\x18\x03 \x03(\t\x12\x11\n\tsignature\x18\x04 \x01(\x0c\"N\n\x12GetPartialSumReply\x12\x13\n\x0bpartial_sum\x18\x01 \x01(\x0c\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x13\n\x0bnum_clients\x18\x03 \x01(\r\"E\n\x11\x41\x62ortRoundRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x11\n\tsignature\x18\x03 \x01(\x0c\")\n\x0f\x41\x62ortRoundReply\x12\x16\n\x0eshares_dropped\x18\x01 \x01(\r\"1\n\rStatusRequest\x12\r\n\x05nonce\x18\x01 \x01(\t\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"o\n\x0bStatusReply\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x63tive_runs\x18\x02 \x01(\r\x12\x15\n\ractive_rounds\x18\x03 \x01(\r\x12\x14\n\x0cstored_bytes\x18\x04 \x01(\x04\x12\x0b\n\x03pid\x18\x05 \x01(\x04\"\x0f\n\rHealthRequest\"\x1d\n\x0bHealthReply\x12\x0e\n\x06status\x18\x01 \x01(\t2\xed\x04\n\x16IntermediateAggregator\x12g\n\x0bRegisterRun\x12,.cancelfl.intermediate.v2.RegisterRunRequest\x1a*.cancelfl.intermediate.v2.RegisterRunReply\x12\x61\n\tPushShare\x12*.cancelfl.intermediate.v2.PushShareRequest\x1a(.cancelfl.intermediate.v2.PushShareReply\x12m\n\rGetPartialSum\x12..cancelfl.intermediate.v2.GetPartialSumRequest\x1a,.cancelfl.intermediate.v2.GetPartialSumReply\x12\x64\n\nAbortRound\x12+.cancelfl.intermediate.v2.AbortRoundRequest\x1a).cancelfl.intermediate.v2.AbortRoundReply\x12X\n\x06Status\x12\'.cancelfl.intermediate.v2.StatusRequest\x1a%.cancelfl.intermediate.v2.StatusReply\x12X\n\x06Health\x12\'.cancelfl.intermediate.v2.HealthRequest\x1a%.cancelfl.intermediate.v2.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&client/intermediate/intermediate.proto\x12\x18\x63\x61ncelfl.intermediate.v2\"\x96\x01\n\x12RegisterRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x13\n\x0bmax_clients\x18\x03 \x01(\r\x12\r\n\x05round\x18\x04 \x01(\x04\x12\x11\n\tsignature\x18\x05 \x01(\x0c\x12\x13\n\x0bprime_field\x18\x06 \x01(\x08\x12\x14\n\x0cparticipants\x18\x07 \x03(\t\":\n\x10RegisterRunReply\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x63tive_runs\x18\x02 \x01(\r\"s\n\x10PushShareRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06\x63lient\x18\x03 \x01(\t\x12\r\n\x05share\x18\x04 \x01(\x0c\x12\x0e\n\x06length\x18\x05 \x01(\x04\x12\x11\n\tsignature\x18\x06 \x01(\x0c\"=\n\x0ePushShareReply\x12\x18\n\x10\x63lients_received\x18\x01 \x01(\r\x12\x11\n\tduplicate\x18\x02 \x01(\x08\"b\n\x14GetPartialSumRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x18\n\x10\x65xpected_clients\x18\x03 \x03(\t\x12\x11\n\tsignature\x18\x04 \x01(\x0c\"N\n\x12GetPartialSumReply\x12\x13\n\x0bpartial_sum\x18\x01 \x01(\x0c\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x13\n\x0bnum_clients\x18\x03 \x01(\r\"E\n\x11\x41\x62ortRoundRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x11\n\tsignature\x18\x03 \x01(\x0c\")\n\x0f\x41\x62ortRoundReply\x12\x16\n\x0eshares_dropped\x18\x01 \x01(\r\"1\n\rStatusRequest\x12\r\n\x05nonce\x18\x01 \x01(\t\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"o\n\x0bStatusReply\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x63tive_runs\x18\x02 \x01(\r\x12\x15\n\ractive_rounds\x18\x03 \x01(\r\x12\x14\n\x0cstored_bytes\x18\x04 \x01(\x04\x12\x0b\n\x03pid\x18\x05 \x01(\x04\"\x0f\n\rHealthRequest\"\x1d\n\x0bHealthReply\x12\x0e\n\x06status\x18\x01 \x01(\t2\xed\x04\n\x16IntermediateAggregator\x12g\n\x0bRegisterRun\x12,.cancelfl.intermediate.v2.RegisterRunRequest\x1a*.cancelfl.intermediate.v2.RegisterRunReply\x12\x61\n\tPushShare\x12*.cancelfl.intermediate.v2.PushShareRequest\x1a(.cancelfl.intermediate.v2.PushShareReply\x12m\n\rGetPartialSum\x12..cancelfl.intermediate.v2.GetPartialSumRequest\x1a,.cancelfl.intermediate.v2.GetPartialSumReply\x12\x64\n\nAbortRound\x12+.cancelfl.intermediate.v2.AbortRoundRequest\x1a).cancelfl.intermediate.v2.AbortRoundReply\x12X\n\x06Status\x12\'.cancelfl.intermediate.v2.StatusRequest\x1a%.cancelfl.intermediate.v2.StatusReply\x12X\n\x06Health\x12\'.cancelfl.intermediate.v2.HealthRequest\x1a%.cancelfl.intermediate.v2.HealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'client.intermediate.intermediate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REGISTERRUNREQUEST']._serialized_start=68
-  _globals['_REGISTERRUNREQUEST']._serialized_end=175
-  _globals['_REGISTERRUNREPLY']._serialized_start=177
-  _globals['_REGISTERRUNREPLY']._serialized_end=235
-  _globals['_PUSHSHAREREQUEST']._serialized_start=237
-  _globals['_PUSHSHAREREQUEST']._serialized_end=352
-  _globals['_PUSHSHAREREPLY']._serialized_start=354
-  _globals['_PUSHSHAREREPLY']._serialized_end=415
-  _globals['_GETPARTIALSUMREQUEST']._serialized_start=417
-  _globals['_GETPARTIALSUMREQUEST']._serialized_end=515
-  _globals['_GETPARTIALSUMREPLY']._serialized_start=517
-  _globals['_GETPARTIALSUMREPLY']._serialized_end=595
-  _globals['_ABORTROUNDREQUEST']._serialized_start=597
-  _globals['_ABORTROUNDREQUEST']._serialized_end=666
-  _globals['_ABORTROUNDREPLY']._serialized_start=668
-  _globals['_ABORTROUNDREPLY']._serialized_end=709
-  _globals['_STATUSREQUEST']._serialized_start=711
-  _globals['_STATUSREQUEST']._serialized_end=760
-  _globals['_STATUSREPLY']._serialized_start=762
-  _globals['_STATUSREPLY']._serialized_end=873
-  _globals['_HEALTHREQUEST']._serialized_start=875
-  _globals['_HEALTHREQUEST']._serialized_end=890
-  _globals['_HEALTHREPLY']._serialized_start=892
-  _globals['_HEALTHREPLY']._serialized_end=921
-  _globals['_INTERMEDIATEAGGREGATOR']._serialized_start=924
-  _globals['_INTERMEDIATEAGGREGATOR']._serialized_end=1545
+  _globals['_REGISTERRUNREQUEST']._serialized_start=69
+  _globals['_REGISTERRUNREQUEST']._serialized_end=219
+  _globals['_REGISTERRUNREPLY']._serialized_start=221
+  _globals['_REGISTERRUNREPLY']._serialized_end=279
+  _globals['_PUSHSHAREREQUEST']._serialized_start=281
+  _globals['_PUSHSHAREREQUEST']._serialized_end=396
+  _globals['_PUSHSHAREREPLY']._serialized_start=398
+  _globals['_PUSHSHAREREPLY']._serialized_end=459
+  _globals['_GETPARTIALSUMREQUEST']._serialized_start=461
+  _globals['_GETPARTIALSUMREQUEST']._serialized_end=559
+  _globals['_GETPARTIALSUMREPLY']._serialized_start=561
+  _globals['_GETPARTIALSUMREPLY']._serialized_end=639
+  _globals['_ABORTROUNDREQUEST']._serialized_start=641
+  _globals['_ABORTROUNDREQUEST']._serialized_end=710
+  _globals['_ABORTROUNDREPLY']._serialized_start=712
+  _globals['_ABORTROUNDREPLY']._serialized_end=753
+  _globals['_STATUSREQUEST']._serialized_start=755
+  _globals['_STATUSREQUEST']._serialized_end=804
+  _globals['_STATUSREPLY']._serialized_start=806
+  _globals['_STATUSREPLY']._serialized_end=917
+  _globals['_HEALTHREQUEST']._serialized_start=919
+  _globals['_HEALTHREQUEST']._serialized_end=934
+  _globals['_HEALTHREPLY']._serialized_start=936
+  _globals['_HEALTHREPLY']._serialized_end=965
+  _globals['_INTERMEDIATEAGGREGATOR']._serialized_start=968
+  _globals['_INTERMEDIATEAGGREGATOR']._serialized_end=1589
 # @@protoc_insertion_point(module_scope)

@@ -7,18 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRunRequest(_message.Message):
-    __slots__ = ("run_id", "length", "max_clients", "round", "signature")
+    __slots__ = ("run_id", "length", "max_clients", "round", "signature", "prime_field", "participants")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_CLIENTS_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    PRIME_FIELD_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     length: int
     max_clients: int
     round: int
     signature: bytes
-    def __init__(self, run_id: _Optional[str] = ..., length: _Optional[int] = ..., max_clients: _Optional[int] = ..., round: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    prime_field: bool
+    participants: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., length: _Optional[int] = ..., max_clients: _Optional[int] = ..., round: _Optional[int] = ..., signature: _Optional[bytes] = ..., prime_field: _Optional[bool] = ..., participants: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterRunReply(_message.Message):
     __slots__ = ("server_id", "active_runs")

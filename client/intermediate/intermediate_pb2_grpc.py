@@ -70,8 +70,9 @@ class IntermediateAggregatorServicer:
     """Missing associated documentation comment in .proto file."""
 
     def RegisterRun(self, request, context):
-        """Parameter server only: register a run (share length, client cap per round) and open one
-        of its rounds. Pushes for a run that is not registered, or a round not opened, are refused.
+        """Parameter server only: register a run (share length, client cap per round, share field) and
+        open one of its rounds for its participants. Pushes for a run that is not registered, a round
+        not opened, or by a client that is not one of the round's participants are refused.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

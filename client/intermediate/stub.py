@@ -6,12 +6,16 @@ signed (:mod:`client.intermediate.auth`) with the caller's roster identity.
 
 * ClientApps call :func:`push_shares` (or :func:`share_and_push`) to send share ``j`` of
   their encoded noisy update to intermediate server ``j``, signed with their own identity.
-* The parameter server calls :func:`register_run` before each round (which also tells it
-  which servers are up), :func:`reconstruct_sum` (or :func:`reconstruct_decoded`) after it:
-  it fetches all ``m`` partial sums and adds them mod 2^64.  Additive sharing is
-  full-threshold, so a single unavailable server fails the round with
-  :class:`PartialSumUnavailableError` (no silent partial reconstruction); :func:`abort_round`
-  then seals the round on every server it reaches, so it is never released later.
+* The parameter server calls :func:`register_run` before each round (naming the round's
+  participants, the only clients the servers then take pushes from; it also tells it which
+  servers are up), :func:`reconstruct_sum` (or :func:`reconstruct_decoded`) after it.
+  Additive sharing (``threshold`` None) is full-threshold: all ``m`` partial sums are added
+  mod 2^64 and a single unavailable server fails the round.  Shamir sharing (``threshold = t``)
+  needs any ``t``: pushes succeed when ``t`` servers took the share, and the partial sums of the
+  servers that answered are interpolated at 0 (:func:`protocols.secret_sharing.shamir_reconstruct`).
+  Too few partial sums raise :class:`PartialSumUnavailableError` (no silent partial
+  reconstruction); :func:`abort_round` then seals the round on every server it reaches, so it
+  is never released later.
 
 All RPCs to the ``m`` servers are issued concurrently (gRPC futures) and fail fast:
 a server that is down yields ``UNAVAILABLE`` immediately instead of hanging.
@@ -36,6 +40,7 @@ from protocols.secret_sharing import (
     encode_and_share,
     from_wire,
     ring_sum,
+    shamir_reconstruct,
     to_wire,
 )
 
@@ -102,10 +107,9 @@ class SharePushError(IntermediateAggregationError):
 
 
 class PartialSumUnavailableError(IntermediateAggregationError):
-    """The parameter server did not obtain all m partial sums for a round.
+    """The parameter server did not obtain enough partial sums for a round (all m, or t of a Shamir sharing).
 
-    Full-threshold additive sharing needs every server, so the round cannot be
-    reconstructed; ``failures`` says which servers failed and why.
+    ``failures`` says which servers failed and why.
     """
 
 
@@ -141,11 +145,17 @@ class IntermediateServerClient:
         self.stub = pb2_grpc.IntermediateAggregatorStub(self._channel)
 
     def register_run_future(self, run_id: str, round_num: int, length: int, max_clients: int,
-                            signer: auth.Signer) -> grpc.Future:
-        """Register ``run_id`` and open ``round_num`` (parameter server's ``signer``); a ``RegisterRunReply``."""
-        sig = signer.sign(auth.register_statement(run_id, round_num, length, max_clients))
+                            signer: auth.Signer, *, participants: Sequence[str], prime_field: bool = False
+                            ) -> grpc.Future:
+        """Register ``run_id`` and open ``round_num`` for ``participants`` (parameter server's ``signer``).
+
+        ``prime_field``: Shamir shares in Z_p (else additive shares in Z_2^64).  A ``RegisterRunReply``.
+        """
+        names = sorted(str(p) for p in participants)
+        sig = signer.sign(auth.register_statement(run_id, round_num, length, max_clients, prime_field, names))
         req = pb2.RegisterRunRequest(run_id=run_id, round=int(round_num), length=int(length),
-                                     max_clients=int(max_clients), signature=sig)
+                                     max_clients=int(max_clients), signature=sig, prime_field=bool(prime_field),
+                                     participants=names)
         return self.stub.RegisterRun.future(req, timeout=self.timeout)
 
     def push_share(self, run_id: str, round_num: int, signer: auth.Signer, share: ArrayLike) -> pb2.PushShareReply:
@@ -221,10 +231,12 @@ def _gather(servers: IntermediateServers, call, timeout: float) -> tuple[list, l
 
 
 def register_run(servers: IntermediateServers, run_id: str, round_num: int, length: int, max_clients: int,
-                 signer: auth.Signer, *, timeout: float = DEFAULT_TIMEOUT_S) -> list[ServerFailure]:
-    """Register ``run_id`` and open ``round_num`` on every server; the failures (empty when all took it)."""
+                 signer: auth.Signer, *, participants: Sequence[str], prime_field: bool = False,
+                 timeout: float = DEFAULT_TIMEOUT_S) -> list[ServerFailure]:
+    """Register ``run_id`` and open ``round_num`` for ``participants`` on every server; the failures (empty: all)."""
     _, failures = _gather(
-        servers, lambda _j, c: c.register_run_future(run_id, round_num, length, max_clients, signer), timeout)
+        servers, lambda _j, c: c.register_run_future(run_id, round_num, length, max_clients, signer,
+                                                     participants=participants, prime_field=prime_field), timeout)
     return failures
 
 
@@ -248,24 +260,29 @@ def push_shares(
     signer: auth.Signer,
     shares: Sequence[ArrayLike],
     *,
+    threshold: int | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
-) -> None:
+) -> list[ServerFailure]:
     """Send ``shares[j]`` to server ``j`` for every j, concurrently, signed by ``signer``.
+
+    Returns the servers that did not take their share: none for additive shares (``threshold`` None),
+    at most ``m - threshold`` for Shamir shares.
 
     Raises:
         ValueError: if the numbers of shares and servers differ.
-        SharePushError: listing every server that rejected or did not receive its share.
+        SharePushError: listing every server that rejected or did not receive its share, when more failed.
     """
     if len(shares) != len(servers):
         raise ValueError(f"{len(shares)} shares for {len(servers)} intermediate servers")
     _, failures = _gather(servers, lambda j, c: c.push_share_future(run_id, round_num, signer, shares[j]), timeout)
-    if failures:
+    if len(servers) - len(failures) < (len(servers) if threshold is None else threshold):
         raise SharePushError(
             f"client {signer.name!r} could not push its share for run {run_id!r} round "
             f"{round_num} to {len(failures)} of {len(servers)} intermediate server(s): "
             + "; ".join(map(str, failures)),
             failures,
         )
+    return failures
 
 
 def share_and_push(
@@ -276,16 +293,18 @@ def share_and_push(
     round_num: int,
     signer: auth.Signer,
     *,
+    threshold: int | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
 ) -> int:
     """Encode, secret-share and push a client's update; return the vector length.
 
     ``values`` is flattened to a float vector, encoded with ``codec`` and split into
-    ``len(servers)`` shares with fresh CSPRNG randomness.
+    ``len(servers)`` shares with fresh CSPRNG randomness: additive (``threshold`` None) or Shamir
+    (any ``threshold`` reconstruct; the push succeeds when that many servers took their share).
     """
     flat = np.asarray(values, dtype=np.float64).ravel()
-    shares = encode_and_share(flat, len(servers), codec)
-    push_shares(servers, run_id, round_num, signer, shares, timeout=timeout)
+    shares = encode_and_share(flat, len(servers), codec, threshold=threshold)
+    push_shares(servers, run_id, round_num, signer, shares, threshold=threshold, timeout=timeout)
     return flat.size
 
 
@@ -296,35 +315,39 @@ def fetch_partial_sums(
     expected_clients: Sequence[str],
     signer: auth.Signer,
     *,
+    threshold: int | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
-) -> list[NDArray[np.uint64]]:
-    """Fetch every server's partial sum over ``expected_clients`` (concurrently; parameter server's ``signer``).
+) -> dict[int, NDArray[np.uint64]]:
+    """Every answering server's partial sum over ``expected_clients`` by server index (parameter server's ``signer``).
 
     Raises:
-        PartialSumUnavailableError: if any server is unreachable, reports missing
-            shares, or returns a partial sum of inconsistent length.
+        PartialSumUnavailableError: fewer than ``threshold`` (None: all m) servers gave a valid partial sum
+            (unreachable, missing shares, malformed), or the partial sums differ in length.
     """
     replies, failures = _gather(
         servers, lambda _j, c: c.get_partial_sum_future(run_id, round_num, expected_clients, signer), timeout)
-    sums: list[NDArray[np.uint64] | None] = [None] * len(servers)
+    sums: dict[int, NDArray[np.uint64]] = {}
     for j, reply in enumerate(replies):
         if reply is not None:
             try:
                 sums[j] = from_wire(reply.partial_sum, reply.length)
             except ValueError as exc:  # malformed reply
                 failures.append(_failure(j, servers.addresses[j], exc))
-    lengths = {s.size for s in sums if s is not None}
-    if not failures and len(lengths) > 1:
-        failures = [ServerFailure(j, servers.addresses[j], None, f"partial sum length {s.size}")
-                    for j, s in enumerate(sums) if s is not None]
-    if failures:
+    lengths = {s.size for s in sums.values()}
+    if len(lengths) > 1:
+        failures += [ServerFailure(j, servers.addresses[j], None, f"partial sum length {s.size}")
+                     for j, s in sums.items()]
+        sums = {}
+    need = len(servers) if threshold is None else threshold
+    if len(sums) < need:
+        scheme = "additive sharing needs all m" if threshold is None else f"Shamir sharing needs {threshold}"
         raise PartialSumUnavailableError(
             f"cannot reconstruct run {run_id!r} round {round_num}: "
             f"{len(failures)} of {len(servers)} intermediate server(s) did not provide a "
-            "valid partial sum (additive sharing needs all m): " + "; ".join(map(str, sorted(failures, key=str))),
+            f"valid partial sum ({scheme}): " + "; ".join(map(str, sorted(failures, key=str))),
             failures,
         )
-    return [s for s in sums if s is not None]
+    return sums
 
 
 def reconstruct_sum(
@@ -334,14 +357,19 @@ def reconstruct_sum(
     expected_clients: Sequence[str],
     signer: auth.Signer,
     *,
+    threshold: int | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
 ) -> NDArray[np.uint64]:
-    """Ring sum (mod 2^64) of all clients' secrets = sum of all m partial sums.
+    """Ring sum (mod 2^64) of all clients' secrets, from all m partial sums or any ``threshold`` Shamir ones.
 
     Raises:
         PartialSumUnavailableError: see :func:`fetch_partial_sums`.
     """
-    return ring_sum(fetch_partial_sums(servers, run_id, round_num, expected_clients, signer, timeout=timeout))
+    sums = fetch_partial_sums(servers, run_id, round_num, expected_clients, signer, threshold=threshold,
+                              timeout=timeout)
+    if threshold is None:
+        return ring_sum(list(sums.values()))
+    return shamir_reconstruct(sums)
 
 
 def reconstruct_decoded(
@@ -353,10 +381,12 @@ def reconstruct_decoded(
     codec: FixedPointCodec,
     *,
     mean: bool = False,
+    threshold: int | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
 ) -> NDArray[np.float64]:
     """:func:`reconstruct_sum` decoded with ``codec`` (divided by #clients if ``mean``)."""
-    total = reconstruct_sum(servers, run_id, round_num, expected_clients, signer, timeout=timeout)
+    total = reconstruct_sum(servers, run_id, round_num, expected_clients, signer, threshold=threshold,
+                            timeout=timeout)
     if mean:
         return codec.decode_mean(total, len(expected_clients))
     return codec.decode(total)

@@ -40,6 +40,7 @@ _EPSILON = "ddpsa-epsilon"
 _NOISE = "ddpsa-noise"
 _PARTICIPANTS = "ddpsa-participants"
 _SERVERS = "ddpsa-servers"
+_THRESHOLD = "ddpsa-threshold"
 _RUN_ID = "ddpsa-run-id"
 _FRAC_BITS = "ddpsa-frac-bits"
 _MAX_CLIENTS = "ddpsa-max-clients"
@@ -57,13 +58,15 @@ class DdpsaRound:
     ``frac_bits``/``max_clients`` must be the one the parameter server decodes with.
     ``noise`` is ``"distributed"`` or ``"local"`` (run-config ``ddpsa-noise``); ``participants``
     are the roster names of the round's participants (distinct; the distributed noise is split
-    over them).
+    over them).  ``threshold`` servers reconstruct: equal to ``len(servers)`` for additive
+    shares, smaller for Shamir shares.
     """
 
     epsilon: float
     noise: str
     participants: tuple[str, ...]
     servers: tuple[str, ...]
+    threshold: int
     run_id: str
     frac_bits: int
     max_clients: int
@@ -79,12 +82,19 @@ class DdpsaRound:
             raise ValueError(f"'{_SERVERS}' must name at least 2 intermediate servers, got {len(self.servers)}")
         if any(not s or s != s.strip() for s in self.servers):
             raise ValueError(f"'{_SERVERS}' holds an empty or padded address: {list(self.servers)}")
+        if not 2 <= self.threshold <= len(self.servers):
+            raise ValueError(f"'{_THRESHOLD}' must be in [2, {len(self.servers)}], got {self.threshold!r}")
         if not self.run_id:
             raise ValueError(f"'{_RUN_ID}' must not be empty")
         try:
             self.codec()
         except ValueError as err:
             raise ValueError(f"'{_FRAC_BITS}'/'{_MAX_CLIENTS}': {err}") from None
+
+    @property
+    def shamir_threshold(self) -> int | None:
+        """``threshold`` for Shamir sharing, None for additive (all servers needed)."""
+        return None if self.threshold == len(self.servers) else self.threshold
 
     def codec(self) -> FixedPointCodec:
         """The fixed-point codec both sides encode and decode with."""
@@ -96,6 +106,7 @@ class DdpsaRound:
             _NOISE: self.noise,
             _PARTICIPANTS: list(self.participants),
             _SERVERS: list(self.servers),
+            _THRESHOLD: int(self.threshold),
             _RUN_ID: self.run_id,
             _FRAC_BITS: int(self.frac_bits),
             _MAX_CLIENTS: int(self.max_clients),
@@ -108,6 +119,7 @@ class DdpsaRound:
             read_str(rec, _NOISE),
             tuple(read_list(rec, _PARTICIPANTS, str)),
             tuple(read_list(rec, _SERVERS, str)),
+            read_int(rec, _THRESHOLD),
             read_str(rec, _RUN_ID),
             read_int(rec, _FRAC_BITS),
             read_int(rec, _MAX_CLIENTS),

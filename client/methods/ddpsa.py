@@ -17,8 +17,11 @@ one gradient over the whole local dataset, no local steps):
    client must be on the list);
 3. fixed-point encoding into Z_2^64 (``2^frac_bits`` scaling instead of the paper's
    ``10^dn``; exact ring arithmetic, see :mod:`protocols.secret_sharing`), split into
-   ``m`` additive shares, share ``j`` pushed over gRPC (TLS, signed with the node's roster
-   identity) to intermediate server ``j``.
+   ``m`` shares -- additive, or Shamir with threshold ``t < m`` (any ``t`` servers reconstruct,
+   ``t - 1`` learn nothing; the round's ``t`` is refused below the client's own
+   ``ddpsa-threshold``) -- share ``j`` pushed over gRPC (TLS, signed with the node's roster
+   identity) to intermediate server ``j``; with Shamir shares the push succeeds when ``t``
+   servers took theirs.
 
 The intermediate servers come from the client's *own* configuration (:func:`intermediate_servers`:
 node config ``ddpsa-servers``/``ddpsa-ca``, else the run config): the list in the server's
@@ -58,8 +61,9 @@ from client.intermediate import IntermediateServers, share_and_push
 from client.messages.common import TrainIns
 from client.messages.ddpsa import DdpsaRound, RosterName, ShareReceipt
 from client.wire import from_record
+from protocols.config import sharing_threshold
 from protocols.ddpsa import distributed_laplace_share, l1_sensitivity, laplace_noise
-from protocols.floor import FloorViolation, at_most, ddpsa_noise_share, ddpsa_round_epsilon
+from protocols.floor import FloorViolation, at_least, at_most, ddpsa_noise_share, ddpsa_round_epsilon
 from protocols.per_example import PerExampleClipper
 from protocols.privacy import LaplaceEvent, laplace_scale
 
@@ -157,12 +161,14 @@ def train(msg: Message, env: ClientEnv) -> Message:
         raise FloorViolation("ddpsa-participants", list(plan.participants), f"a list naming {me.name!r}",
                              "the round's noise is split over the listed participants")
     honest = ddpsa_noise_share(env.cfg, plan.noise, len(plan.participants))
+    at_least("ddpsa-threshold", plan.threshold, sharing_threshold(env.cfg.ddpsa_threshold, len(servers)),
+             "fewer intermediate servers than this client's 'ddpsa-threshold' could reconstruct its upload")
     model = env.model(from_record(msg.content["arrays"]))
     noisy, loss, frac = noisy_gradient_sum(model, env.x, env.y, env.cfg.clip, eps_t, honest=honest,
                                            seed=_noise_seed())
     spent = release(msg, env, LaplaceEvent(eps_t))  # recorded before any share leaves
     t0 = time.perf_counter()
-    size = share_and_push(noisy, plan.codec(), servers, plan.run_id, rnd, me)
+    size = share_and_push(noisy, plan.codec(), servers, plan.run_id, rnd, me, threshold=plan.shamir_threshold)
     receipt = ShareReceipt(me.name, share_bytes=8 * size * len(servers), share_time_s=time.perf_counter() - t0)
     out = reply(msg, ArrayRecord(), len(env.y), train_loss=loss, clipped_fraction=frac, **receipt.to_metrics(),
                 **spent)

@@ -1,8 +1,9 @@
 """gRPC servicer of a DDP-SA intermediate aggregation server (plain grpcio, no Flower).
 
-One intermediate server S_j receives exactly one additive share per client and round,
-and hands the parameter server the ring sum (mod 2^64) of the shares of an agreed client
-set (Wei et al., Algorithm 2, "for each server S_j").
+One intermediate server S_j receives exactly one share per client and round, and hands the
+parameter server the sum of the shares of an agreed client set (Wei et al., Algorithm 2, "for
+each server S_j"): mod 2^64 for additive shares, mod p = 2^64 - 59 for Shamir shares (the run's
+``prime_field``; elements >= p are refused).
 
 Locked down beyond the paper's semi-honest model (issue 16):
 
@@ -12,9 +13,11 @@ Locked down beyond the paper's semi-honest model (issue 16):
   server.  A participant can neither push under another client's name, nor invent a client, nor
   read a partial sum.  Unauthenticated callers get ``UNAUTHENTICATED`` and learn nothing else;
   ``Health`` says ``SERVING`` and nothing more.
-* Runs exist only once the parameter server registered them (share length, client cap per round)
-  and take pushes only for the rounds it opened: a push for an unknown run id or a future round is
-  refused and creates no state, so junk run ids cannot evict a run nor junk rounds its shares.
+* Runs exist only once the parameter server registered them (share length, client cap per round,
+  share field) and take pushes only for the rounds it opened, and only from the participants it
+  registered for that round (``PERMISSION_DENIED`` for any other roster client): a push for an
+  unknown run id or a future round is refused and creates no state, so junk run ids cannot evict a
+  run nor junk rounds its shares, and a roster client outside the round cannot fill its client cap.
   At most ``max_runs`` runs are held; a new registration evicts the least recently used run
   only when it has been idle for ``run_idle_s`` seconds, else it is refused.
 * Caps: gRPC messages up to ``max_message_bytes``; a registered share length up to
@@ -43,7 +46,7 @@ from client.intermediate import auth
 from client.intermediate import intermediate_pb2 as pb2
 from client.intermediate import intermediate_pb2_grpc as pb2_grpc
 from client.intermediate.stub import DEFAULT_MAX_MESSAGE_BYTES
-from protocols.secret_sharing import from_wire, ring_sum, to_wire
+from protocols.secret_sharing import SHAMIR_PRIME, field_sum, from_wire, ring_sum, to_wire
 
 __all__ = [
     "DEFAULT_KEEP_ROUNDS",
@@ -84,6 +87,7 @@ class Limits:
 
 @dataclass
 class _RoundState:
+    participants: frozenset[str] | None = None  # None: not opened by RegisterRun (aborted before)
     shares: dict[str, bytes] = field(default_factory=dict)
     sealed_clients: tuple[str, ...] | None = None
     partial_sum: bytes | None = None  # None when sealed by AbortRound
@@ -97,6 +101,7 @@ class _RunState:
     length: int
     max_clients: int
     last_used: float
+    prime_field: bool = False
     latest_round: int = -1
     rounds: dict[int, _RoundState] = field(default_factory=dict)
 
@@ -145,13 +150,20 @@ class IntermediateAggregatorServicer(pb2_grpc.IntermediateAggregatorServicer):
     def RegisterRun(  # noqa: N802 (gRPC method name)
         self, request: pb2.RegisterRunRequest, context: grpc.ServicerContext
     ) -> pb2.RegisterRunReply:
-        """Register a run (share length, client cap per round) and open its round ``request.round``."""
-        statement = auth.register_statement(request.run_id, request.round, request.length, request.max_clients)
+        """Register a run (share length, client cap, share field) and open round ``request.round`` for its participants."""
+        participants = tuple(sorted(request.participants))
+        statement = auth.register_statement(request.run_id, request.round, request.length, request.max_clients,
+                                            request.prime_field, participants)
         self._require_server(context, request.signature, statement, "RegisterRun")
         lim, share_bytes = self.limits, 8 * request.length
         if not request.run_id or request.length == 0 or request.max_clients < lim.min_clients:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"run_id, length > 0 and max_clients >= {lim.min_clients} are required")
+        if (len(set(participants)) != len(participants) or not lim.min_clients <= len(participants)
+                or len(participants) > request.max_clients):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"a round needs {lim.min_clients}..max_clients={request.max_clients} distinct participants, "
+                          f"got {len(participants)}")
         if share_bytes > lim.max_share_bytes or request.max_clients > lim.max_clients:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"a run may have shares up to {lim.max_share_bytes} bytes and up to {lim.max_clients} "
@@ -164,9 +176,10 @@ class IntermediateAggregatorServicer(pb2_grpc.IntermediateAggregatorServicer):
             now = time.monotonic()
             run = self._runs.get(request.run_id)
             if run is not None:
-                if (run.length, run.max_clients) != (request.length, request.max_clients):
+                if (run.length, run.max_clients, run.prime_field) != (request.length, request.max_clients,
+                                                                      request.prime_field):
                     context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                  "run already registered with another length or client cap")
+                                  "run already registered with another length, client cap or share field")
             else:
                 if len(self._runs) >= lim.max_runs:
                     oldest_id, oldest = next(iter(self._runs.items()))
@@ -177,7 +190,16 @@ class IntermediateAggregatorServicer(pb2_grpc.IntermediateAggregatorServicer):
                         self._drop_round(oldest, rnd)
                     del self._runs[oldest_id]
                     log.info("evicted idle run %r", oldest_id)
-                run = self._runs[request.run_id] = _RunState(int(request.length), int(request.max_clients), now)
+                run = self._runs[request.run_id] = _RunState(int(request.length), int(request.max_clients), now,
+                                                             bool(request.prime_field))
+            if request.round < self._oldest_kept(run):
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"round {request.round} was already dropped")
+            opened = run.rounds.get(request.round)
+            if opened is not None and opened.participants is not None and opened.participants != set(participants):
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"round {request.round} is already open for other participants")
+            if opened is None:
+                run.rounds[request.round] = _RoundState(frozenset(participants))
             if request.round > run.latest_round:
                 run.latest_round = int(request.round)
                 for r in [r for r in run.rounds if r < self._oldest_kept(run)]:
@@ -207,17 +229,19 @@ class IntermediateAggregatorServicer(pb2_grpc.IntermediateAggregatorServicer):
             if state is not None and state.sealed_clients is not None:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"{tag}: this round was already released or aborted; late shares are rejected")
-            existing = None if state is None else state.shares.get(request.client)
+            if state is None or state.participants is None or request.client not in state.participants:
+                context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                              f"{tag}: not one of the participants the parameter server registered for this round")
+            if run.prime_field and (from_wire(request.share, run.length) >= SHAMIR_PRIME).any():
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{tag}: a Shamir share element is not below p")
+            existing = state.shares.get(request.client)
             if existing is not None:
                 if existing != request.share:
                     context.abort(grpc.StatusCode.ALREADY_EXISTS, f"{tag}: a different share was already stored")
                 return pb2.PushShareReply(clients_received=len(state.shares), duplicate=True)
-            if state is not None and len(state.shares) >= run.max_clients:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"{tag}: the round already holds the run's cap of {run.max_clients} clients")
+            # (at most the round's participants push: the run's client cap bounds them at registration)
             if self._stored + len(request.share) > self.limits.max_stored_bytes:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{tag}: this server's storage cap is reached")
-            state = run.rounds.setdefault(request.round, _RoundState())
             state.shares[request.client] = bytes(request.share)
             self._stored += len(request.share)
             return pb2.PushShareReply(clients_received=len(state.shares), duplicate=False)
@@ -260,7 +284,8 @@ class IntermediateAggregatorServicer(pb2_grpc.IntermediateAggregatorServicer):
                     context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"{tag}: missing shares from expected clients {missing} (received from "
                                   f"{sorted(state.shares)})")
-                total = to_wire(ring_sum([from_wire(state.shares[c], run.length) for c in expected]))
+                add = field_sum if run.prime_field else ring_sum
+                total = to_wire(add([from_wire(state.shares[c], run.length) for c in expected]))
                 self._stored += len(total) - state.held_bytes()
                 state.partial_sum, state.sealed_clients = total, expected
                 state.shares.clear()  # individual shares are no longer needed
