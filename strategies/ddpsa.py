@@ -239,18 +239,22 @@ class DdpsaStrategy(CancelStrategy):
     def aggregate(self, state: DdpsaState, by_node: dict[int, Message], errors: list[str]) -> ArrayRecord:
         """Fetch all m partial sums over the replying clients, reconstruct, decode, average by N, take the SGD step."""
         rnd = state.round
-        problem = ""
-        for node, r in by_node.items():
+        by_node = dict(by_node)
+        for node, r in list(by_node.items()):
             try:
                 named = ShareReceipt.client_of(r.content)
             except ValueError as err:
                 named = f"none ({err})"
-            if named != state.names.get(node):
-                problem = f"node {node} pushed as {named!r}, not as its roster name {state.names.get(node)!r}"
+            if named != state.names.get(node):  # left out of the sum (as a dropout); its name is asked again
+                log(WARNING, "round %d: node %s pushed as %r, not as its roster name %r; left out", rnd, node, named,
+                    state.names.get(node))
+                del by_node[node]
+                self.names.pop(node, None)
         expected = sorted(state.names[n] for n in by_node)
-        if problem:
+        if len(expected) < 2:
             abort_round(self.servers, self.run_id, rnd, self.signer)
-            raise RoundFailed(f"round {rnd}: {problem}")
+            raise RoundFailed(f"round {rnd}: {len(expected)} participant(s) pushed under their roster names; "
+                              "a partial sum needs at least 2")
         n_total = float(sum(num_examples(r.content["metrics"]) for r in by_node.values()))
         epsilon = self.round_charge(rnd, len(state.names), len(expected), flatten(state.global_weights).size)
         if not math.isfinite(epsilon):

@@ -234,3 +234,22 @@ def test_client_floor_refuses_a_lower_sharing_threshold(noise_seen) -> None:
         _, replies, arrays = _one_round(cfg, grid)
     assert arrays is None and all(r.has_error() and "ddpsa-threshold" in r.error.reason for r in replies)
     assert noise_seen == []
+
+
+def test_reply_naming_another_client_is_left_out_and_charged_as_a_dropout(tmp_path) -> None:
+    """Node 0's receipt names node 1: it is left out of the sum, the round trains and is charged for 3 of 4 shares."""
+    from flwr.app import ConfigRecord as Rec
+
+    from server.launch import run_inprocess
+    from tests.faulty_client import faulty_grid
+
+    def impostor(content):
+        content["ddpsa-receipt"] = Rec({"ddpsa-client": "partition-1"})
+        return content
+
+    summary = run_inprocess({"method": "ddpsa", "num-clients": 4, "num-rounds": 2, "ddpsa-collude-frac": 0.0,
+                             "out-dir": str(tmp_path / "run"), **LINEAR},
+                            grid_factory=faulty_grid({0: impostor}), progress=lambda _s: None)
+    assert summary["failed_rounds"] == []
+    eps_t = LINEAR["epsilon"] / 2
+    assert summary["epsilon"] == pytest.approx(2 * gamma_difference_epsilon(3 / 4, eps_t, 650))
