@@ -37,7 +37,7 @@ def chance(dataset: str) -> float:
     """Share of the most frequent class in the dataset's test set."""
     from client.data import dataset_for
     from protocols.config import RunConfig
-    from server.run_notes import chance_level
+    from strategies.run.notes import chance_level
 
     return chance_level(dataset_for(RunConfig(dataset=dataset)).y_test)
 
@@ -67,7 +67,7 @@ def run_one(method: str, dataset: str, out: Path) -> dict:
 
 def acceptance(rows: list[dict], chance_of: dict[str, float]) -> list[str]:
     """The failed acceptance rules, one sentence each (empty = all hold)."""
-    from server.run_notes import ABOVE_CHANCE  # the run's own learning check uses the same margin
+    from strategies.run.notes import ABOVE_CHANCE  # the run's own learning check uses the same margin
 
     failed = []
     for dataset, floor in chance_of.items():

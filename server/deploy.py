@@ -31,10 +31,10 @@ from pathlib import Path
 
 from protocols.config import RunConfig
 from protocols.tls import CertificateAuthority
-from server.checkpoint import clear_outputs, ledger_dir, resolve_out_dir, run_outcome
 from server.defaults import APP_DIR, app_defaults
 from server.intermediate.launcher import IntermediateServerCluster, local_intermediate_servers, start_intermediate_servers
 from server.keys import make_identities
+from strategies.run.checkpoint import clear_outputs, ledger_dir, resolve_out_dir, run_outcome
 
 BIN = Path(sys.executable).parent
 #: Environment variable every process of one launch inherits (a fresh id per workspace): how the launcher

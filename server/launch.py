@@ -15,7 +15,7 @@ and submits the app with ``flwr run``; ``deploy`` does the same with real
 
 ``run``/``deploy`` check everything they can before any process starts
 (:func:`preflight`), write to a fresh ``runs/<time>-<method>`` unless out-dir is
-given (:mod:`server.checkpoint`), exit non-zero with the reason when the run
+given (:mod:`strategies.run.checkpoint`), exit non-zero with the reason when the run
 failed, and continue a crashed run with ``--resume OUT``.
 """
 
@@ -31,7 +31,8 @@ from pathlib import Path
 
 from protocols.adjustments import adjustments
 from protocols.config import ConfigError, RunConfig, parse_run_config
-from server.checkpoint import (
+from server.defaults import app_defaults
+from strategies.run.checkpoint import (
     CHECKPOINT_JSON,
     clear_outputs,
     earlier_outputs,
@@ -41,7 +42,6 @@ from server.checkpoint import (
     resume_overrides,
     run_outcome,
 )
-from server.defaults import app_defaults
 
 # Flower must not phone home from tests, CI or user runs started here.
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
@@ -215,7 +215,7 @@ def _terminated(signum: int, _frame) -> None:
 
 
 def _inprocess_exit(overrides: dict) -> int:
-    """Run in-process and judge the outcome like the other engines (:func:`server.checkpoint.run_outcome`)."""
+    """Run in-process and judge the outcome like the other engines (:func:`strategies.run.checkpoint.run_outcome`)."""
     out = overrides["out-dir"]
     try:
         run_inprocess(overrides)

@@ -362,7 +362,7 @@ class _MpBase(CancelStrategy):
         return self._given_r.epsilon(self.cfg.delta)
 
     def state_dict(self) -> dict:
-        """The ledger plus the given-R account (resume, :mod:`server.checkpoint`)."""
+        """The ledger plus the given-R account (resume, :mod:`strategies.run.checkpoint`)."""
         return {**super().state_dict(), "given_r": self._given_r.to_state(), "optimizer": self.optimizer.to_state()}
 
     def load_state(self, state) -> None:

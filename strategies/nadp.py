@@ -277,7 +277,7 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
             figures["sigma_up"] = st.plan.sigma_up
             figures["sigma_down"] = st.plan.sigma_down
             figures["min_uplink_std"] = min(st.allocation.uplink_std(n, st.plan.lam) for n in st.allocation.client_ids)
-        # per-coordinate std of the noise in one upload (the least noised one) and left in the model (server.report)
+        # per-coordinate std of the noise in one upload (the least noised one) and left in the model (strategies.run.report)
         figures["upload_noise_std"] = figures.get("min_uplink_std", min(st.plan.ldp_stds.values(), default=0.0))
         figures["model_noise_std"] = total_std
         if dropped and unc_std > 0:

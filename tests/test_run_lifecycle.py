@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 from protocols.config import ConfigError, RunConfig, parse_run_config
-from server.checkpoint import CHECKPOINT_JSON, LEDGER_DIR, fresh_run_folder, load_checkpoint
 from server.deploy import LAUNCH_MARK, Processes, marked_pids
 from server.launch import main, preflight, run_inprocess
 from strategies.base import CancelStrategy, RoundFailed
+from strategies.run.checkpoint import CHECKPOINT_JSON, LEDGER_DIR, fresh_run_folder, load_checkpoint
 from tests.conftest import ROOT, read_metrics
 from tests.processes import pid_gone
 
