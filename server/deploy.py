@@ -362,7 +362,8 @@ class LocalCluster:
                                f'roster="{self.roster}" require-identity=true')
                 if self.ledger_dir:
                     node_config += f' ledger-dir="{self.ledger_dir}"'
-                node = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{port}",
+                # Flower's SuperNode with a warm ClientApp process and short polls (server/supernode.py).
+                node = [sys.executable, "-m", "server.supernode", "--superlink", f"127.0.0.1:{port}",
                         "--host", "127.0.0.1", "--port", str(free_port()), "--node-config", node_config]
                 node += ["--root-certificates", str(certs["ca"])] if certs else ["--insecure"]
                 self.procs.start(f"supernode-{i}", node)
