@@ -15,9 +15,6 @@ strategy aggregates.  The audit only chooses the model and the data:
   record-level method calibrates to (``record_sensitivity``).  Labels are drawn at random per record and
   release; every record is one trial, read from its own coordinates (orthogonal canaries in an isotropic
   noise are independent trials; the noise of every method is drawn independently per coordinate).
-* **black-box input canaries** (``canary="input"``): the same records, but the statistic uses only what a
-  client of the published model can query: the model's logit margin on the canary input.  With one output
-  layer this is the white-box statistic of one view (model direction) scaled, so the bounds agree there.
 
 Views (``direction``): ``upload`` = what the server holds of the uploads (all of them: pair noise is
 correlated across uploads), optionally with ``colluders`` peers handing the server their round's pair material
@@ -63,7 +60,7 @@ from strategies.registry import strategy_class
 __all__ = ["AUDITED", "DIRECTIONS", "FAULTS", "AuditReport", "AuditSpec", "run_audit"]
 
 DIRECTIONS: tuple[str, ...] = ("upload", "model")
-CANARIES: tuple[str, ...] = ("gradient", "input")
+CANARIES: tuple[str, ...] = ("gradient",)
 FAULTS: tuple[str, ...] = ("halve-noise", "skip-pair-noise", "strip-pair-noise")
 #: Methods the audit drives, and the adjacency their claim uses.
 AUDITED: tuple[str, ...] = ("ldp", "cdp", "nadp")
@@ -228,7 +225,7 @@ def _client_app(canaries: _Canaries) -> ClientApp:
 
 
 def _direction_scores(weight: np.ndarray) -> np.ndarray:
-    """Per input coordinate k: the released weights projected on ``v_k`` (larger = label 1 more likely)."""
+    """Per input coordinate k: the released weights projected on ``v_k`` (larger = label 0 more likely)."""
     w = np.asarray(weight, dtype=np.float64).reshape(2, -1)
     return (w[0] - w[1]) / math.sqrt(2.0)
 
@@ -457,8 +454,7 @@ def add_arguments(p) -> None:
                    help="upload: what the server holds of the uploads; model: the published aggregate")
     p.add_argument("--epsilon", type=float, default=4.0, help="the run's epsilon (one round: the audited claim)")
     p.add_argument("--trials", type=int, default=AuditSpec.trials, help="canary records over all releases")
-    p.add_argument("--canary", choices=CANARIES, default="gradient",
-                   help="gradient: white-box (released weights); input: black-box (the model's output on the canary)")
+    p.add_argument("--canary", choices=CANARIES, default="gradient", help="gradient: white-box gradient canaries")
     p.add_argument("--colluders", type=int, default=0, help="upload view: peers handing the server their pair material")
     p.add_argument("--fault", choices=FAULTS, default=None, help="plant a fault in the release code (audit self-test)")
     p.add_argument("--clients", type=int, default=AuditSpec.clients)

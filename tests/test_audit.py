@@ -99,3 +99,20 @@ def test_bad_audit_options_are_refused_naming_them():
                        (AuditSpec("ldp", trials=10), "trials")):
         with pytest.raises(ConfigError, match=word):
             spec.validate()
+
+
+def test_cancelfl_audit_command(tmp_path, capsys):
+    """``cancelfl audit`` prints claimed vs audited and writes the JSON report; a bad method exits 2."""
+    import json
+
+    from server.launch import main
+
+    out = tmp_path / "audit.json"
+    code = main(["audit", "--method", "ldp", "--direction", "model", "--epsilon", "1", "--trials", "8000",
+                 "--clients", "2", "--json", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "claimed" in printed and "epsilon_lb" in printed and "replace-one" in printed
+    report = json.loads(out.read_text())
+    assert report["violation"] is False and report["claimed_epsilon"] <= 1.0 + 1e-9
+    assert main(["audit", "--method", "fedavg"]) == 2
