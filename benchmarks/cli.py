@@ -17,6 +17,7 @@ from types import ModuleType
 import benchmarks as package
 from benchmarks import (
     attacks,
+    audit,
     clipping,
     defaults,
     grid,
@@ -47,6 +48,7 @@ BENCHMARKS: dict[str, ModuleType] = {
     "recovery": recovery,
     "roundtime": roundtime,
     "defaults": defaults,
+    "audit": audit,
 }
 
 #: What ``cancelfl-bench all`` runs, each with its defaults and ``--out <all's --out>/<name>``.

@@ -5,6 +5,7 @@
     cancelfl run|deploy --resume OUT                      # continue a crashed run from its last round
     cancelfl keys gen --out DIR --node NAME; cancelfl keys roster --out roster.json DIR/*.pub   # identities
     cancelfl compare [--engine simulation] [--methods fedavg,ldp,cdp,nadp] [--epsilon 1]   # side by side + report
+    cancelfl audit --method M [--direction upload|model] [--epsilon E] [--trials N]   # claimed vs audited epsilon
 
 ``inprocess`` drives the same ServerApp strategy and ClientApp code through
 :class:`server.local_grid.LocalGrid` (no SuperLink, no Ray: seconds instead of
@@ -151,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     from server import keys  # cancelfl keys gen/roster: node identities and the roster clients trust
 
     keys.add_arguments(sub.add_parser("keys", help="make node identities (Ed25519) and the roster"))
+    from server import audit  # cancelfl audit: empirical epsilon lower bound of a method's real release code
+
+    audit.add_arguments(sub.add_parser("audit", help="empirical epsilon lower bound of a method vs its claim"))
     args = parser.parse_args(argv)
     if threading.current_thread() is not threading.main_thread():
         return _main(args)
@@ -167,6 +171,10 @@ def _main(args: argparse.Namespace) -> int:
         from server import keys
 
         return keys.run(args)
+    if args.command == "audit":
+        from server import audit
+
+        return audit.main(args)
 
     try:
         overrides = parse_run_config(args.run_config)
