@@ -327,6 +327,14 @@ class PairwiseRecovery:
             if n in flat:
                 flat[n] = flat[n] - self_mask(seed, len(flat[n]), std)
 
+    def mask_sum(self, state: RoundState, size: int) -> np.ndarray:
+        """Sum of the rebuilt self-masks of ``state``'s round (zeros without double masking)."""
+        total = np.zeros(size)
+        rec = self.recovered(state)
+        for _n, (seed, std) in sorted(rec.masks.items()) if rec is not None else ():
+            total += self_mask(seed, size, std)
+        return total
+
     def report_recovery(self, state: RoundState, dropped: Iterable[int]) -> None:
         """Round-report figures of the recovery (call from ``aggregate``)."""
         rec = self.recovered(state)

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import os
 
 import numpy as np
 import pytest
+import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from client.app import app as client_app
@@ -249,3 +251,46 @@ def test_second_dropout_during_recovery_does_not_fail_the_round(pinned):
     left = (agg - expected) * weight
     pair_std = st.plan.lam * st.allocation.counteracting_stds(second)[first]
     assert np.std(left) == pytest.approx(pair_std, rel=0.1)
+
+
+# ----------------------------------------------------------------------------------- mpddp
+@pytest.mark.parametrize("self_mask", [True, False])
+def test_mpddp_recovery_lie_leaves_the_target_its_upload_noise(self_mask):
+    """mpddp, 8 real clients: all of k's neighbours told "k dropped" reveal their Delta seeds with k, no mask share."""
+    from client.messages.mpddp import PerturbedModel, upload_from_record
+    from protocols.mpddp import clipped_client_gradients, one_hot, pairwise_delta
+    from protocols.mpddp import flatten as mp_flatten
+    from strategies.mpddp import MpddpStrategy
+
+    n = 8
+    raw = {**app_defaults(), "method": "mpddp", "num-clients": n, "dataset": "digits", "hidden": "16",
+           "mpddp-side-dtype": "float64", "self-mask": self_mask}
+    cfg = RunConfig.from_mapping(raw)
+    grid, strategy = LocalGrid(client_app, n, raw), MpddpStrategy(cfg)
+    arrays = to_record(get_weights(build_model("mlp", (1, 8, 8), 10, cfg.hidden_sizes, cfg.seed)), np.float64)
+    msgs = list(strategy.configure_train(1, arrays, ConfigRecord({"round": 1}), grid))
+    replies = {r.metadata.src_node_id: r for r in grid.send_and_receive(msgs)}
+    st = strategy._state
+    graph = st.keys.neighbours
+    k = msgs[0].metadata.dst_node_id
+    seeds, shares = {}, []
+    for j in graph[k]:
+        rep = _ask(grid, j, [x for x in graph if x != k], [k], _forwarded(replies, j, graph) if self_mask else None)
+        assert not rep.refused
+        seeds[j] = rep.by_peer()[k]
+        shares += [s for x, s in zip(rep.mask_peers, rep.mask_shares, strict=True) if x == k]
+    env = ClientEnv.from_context(grid.contexts[k])
+    w_hat = [torch.from_numpy(m).double() for m in PerturbedModel.from_record(msgs[0].content["arrays"]).matrices]
+    x = torch.from_numpy(np.asarray(env.x).reshape(len(env.x), -1)).double()
+    y = one_hot(torch.from_numpy(np.asarray(env.y)), env.num_classes, torch.float64)
+    grad = mp_flatten(clipped_client_gradients(w_hat, x, y, cfg.clip)[0].grads)
+    upload = mp_flatten(upload_from_record(replies[k].content["arrays"], len(cfg.hidden_sizes) + 1).grads)
+    left = upload - grad - pairwise_delta(grad.size, own_id=k, pair_seeds=seeds, sigma_delta=st.noise.sigma_delta)
+    eta_std = math.sqrt(2 / 3) * st.noise.sigma_eta  # DN(s, 1) has std sqrt(2/3) s
+    upload_std = math.sqrt(2 / 3 * (st.noise.sigma_eta**2 + len(graph[k]) * st.noise.sigma_delta**2))
+    if self_mask:
+        assert shares == []
+        assert np.std(left) >= 0.95 * upload_std, (np.std(left), upload_std)
+    else:  # without double masking only eta is left
+        assert np.std(left) == pytest.approx(eta_std, rel=0.1)
+        assert eta_std < 0.5 * upload_std

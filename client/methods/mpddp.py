@@ -31,6 +31,7 @@ float64 for exact recovery).
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -43,7 +44,7 @@ from client.messages.common import TrainIns
 from client.messages.keys import PeerKeys, probe_metric
 from client.messages.mpddp import DdpNoise, NaiveNoise, PerturbedModel, upload_record
 from client.pairwise_phase import mask_probe, pair_seeds
-from client.recovery import remember
+from client.recovery import remember, self_mask_upload
 from protocols.floor import FloorViolation, at_least, mpddp_floor, mpdp_naive_sigma
 from protocols.mpddp import (
     clipped_client_gradients,
@@ -53,6 +54,8 @@ from protocols.mpddp import (
     one_hot,
     torch_threads,
 )
+from protocols.mpddp import flatten as mp_flatten
+from protocols.mpddp import unflatten as mp_unflatten
 from protocols.privacy import DpEvent, GaussianEvent, noise_multiplier
 
 #: HKDF purpose of the pairwise Delta seeds (fixed on the client: the server cannot redirect it).
@@ -84,12 +87,19 @@ def _train(msg: Message, env: ClientEnv) -> Message:
         sigma_eta, sigma_delta, event = ddp_floor(msg, env)  # the client's own scales (privacy floor)
         metrics.update(release(msg, env, downlink=event))  # the uploads: no guarantee
         seeds = pair_seeds(msg, env, DELTA_PURPOSE)
-        remember(env, TrainIns.from_config(cfg).round, seeds)  # revealed only for neighbours that drop out
+        size = sum(int(np.prod(g.shape)) for g in up.grads)
+        # Self-mask with the std of the upload's whole gradient noise (DN(s, 1) has variance 2 s^2 / 3 per entry).
+        mask = self_mask_upload(msg, env, size, math.sqrt(2.0 / 3.0 * (sigma_eta**2 + len(seeds) * sigma_delta**2)))
+        remember(env, TrainIns.from_config(cfg).round, seeds,  # revealed only for neighbours that drop out
+                 mask_keys=mask.keys if mask else None, threshold=mask.threshold if mask else 0)
         up, delta = ddp_client(up, own_id=env.node_id, pair_seeds=seeds,
                                eta_seed=os.urandom(32), sigma_eta=sigma_eta, sigma_delta=sigma_delta)
+        if mask is not None:
+            up = up.with_grads(mp_unflatten(mp_flatten(up.grads) + mask.vector, list(up.grads)))
         if env.cfg.cancellation_check:
             metrics.update(probe_metric(mask_probe(msg, delta)))
     elif method == "mpdp-naive":
+        mask = None
         size = len(env.y)
         sigma = mpdp_naive_sigma(env.cfg, size)  # the client's own; the server's multiplier is only checked
         z = sigma / mp_record_sensitivity(env.cfg.clip, size)
@@ -97,10 +107,12 @@ def _train(msg: Message, env: ClientEnv) -> Message:
         metrics.update(release(msg, env, downlink=GaussianEvent(z)))
         up = naive_client(up, eta_seed=os.urandom(32), sigma=sigma)
     elif method == "mpcdp":
+        mask = None
         metrics.update(release(msg, env))  # the (trusted) server adds the noise
     else:
         raise ValueError(f"client.methods.mpddp does not handle method {method!r}")
-    return reply(msg, upload_record(up, env.cfg.mpddp_side_dtype), len(env.y), **metrics)
+    out = reply(msg, upload_record(up, env.cfg.mpddp_side_dtype), len(env.y), **metrics)
+    return mask.attach(out) if mask is not None else out
 
 
 def ddp_floor(msg: Message, env: ClientEnv) -> tuple[float, float, GaussianEvent | DpEvent]:
