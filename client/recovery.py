@@ -217,7 +217,7 @@ def check_request(store: RecoveryStore | None, req: RecoveryRequest, me: int) ->
     if store is None or store.round != req.round:
         return f"no pair material of round {req.round} (this node did not upload in that round)"
     received, dropped, excluded = set(req.received), set(req.dropped), set(req.excluded)
-    if me not in received or me in excluded:
+    if me not in received or (me in excluded and not store.mask_keys):
         return f"this node's upload (node {me}) is not in the received set, or excluded"
     if not excluded <= received:
         return f"node(s) {sorted(excluded - received)} named excluded but not received"
@@ -266,15 +266,19 @@ def answer(store: RecoveryStore, dropped: set[int], excluded: set[int] = frozens
 def answer_masked(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv) -> RecoveryReply:
     """Double masking: self-mask shares of the received neighbours, pair seeds of the dropped and excluded.
 
-    Refuses (and reveals nothing) when fewer than ``threshold`` neighbours are named received and kept, or
-    when the request asks for the other kind of material of a peer than this client already revealed.
+    An excluded client (its upload held, not aggregated) answers too: it holds its neighbours' shares.
+    Refuses (and reveals nothing) when fewer than ``threshold`` neighbours are named received and not
+    excluded while this client's own upload is to be aggregated, or when the request asks for the other kind of material of a
+    peer than this client already revealed.
     """
     excluded = set(req.excluded)
     kept = set(req.received) - excluded
     nbrs = set(store.material)
     alive = nbrs & kept
     gone = nbrs - alive
-    if len(alive) < store.threshold:
+    # Pair seeds go out for every neighbour not aggregated (dropped or excluded): at most d - t of them, else a
+    # server splitting the neighbours' views could collect this node's self-mask and all its pair seeds.
+    if env.node_id not in excluded and len(alive) < store.threshold:
         return RecoveryReply(refused=(
             f"only {len(alive)} of this node's {len(nbrs)} neighbours are named received, fewer than the "
             f"{store.threshold} needed to rebuild its own self-mask: the round cannot use its upload"))

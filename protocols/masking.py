@@ -153,14 +153,15 @@ def rebuild_seed(shares: Sequence[bytes], threshold: int, expected: bytes) -> by
     return None
 
 
-def unmaskable(neighbours: Mapping[int, Iterable[int]], received: Iterable[int],
+def unmaskable(neighbours: Mapping[int, Iterable[int]], candidates: Iterable[int],
                thresholds: Mapping[int, int]) -> set[int]:
-    """The received nodes whose self-mask can be rebuilt: at least ``t`` of their neighbours are kept too.
+    """The ``candidates`` that can be aggregated: at least ``t`` of their neighbours are aggregated too.
 
-    A node with too few kept neighbours is left out (its upload is held but not aggregated), which may
-    leave a neighbour of it short: repeated until stable.
+    A client reveals its pair seeds with every neighbour that is not aggregated, so it answers only when
+    at least ``t`` are (:func:`client.recovery.answer_masked`).  Leaving out a short node may leave a
+    neighbour of it short: repeated until stable.
     """
-    keep = set(received)
+    keep = set(candidates)
     while True:
         short = {n for n in keep if len(keep & set(neighbours.get(n, ()))) < thresholds[n]}
         if not short:

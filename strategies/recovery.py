@@ -232,16 +232,17 @@ class PairwiseRecovery:
 
     def unmask(self, state: RoundState, dropped: list[int], by_node: dict[int, Message],
                neighbours: Mapping[int, Sequence[int]]) -> dict[int, Message]:
-        """Double masking: one ``query.recover`` phase to every kept survivor, every round.
+        """Double masking: one ``query.recover`` phase to every participant whose upload arrived, every round.
 
-        Kept: the received uploads with at least ``t`` kept neighbours (:func:`protocols.masking.unmaskable`);
-        the others are excluded (held, not aggregated; their neighbours reveal their pair seeds instead).
-        Each kept survivor gets the request with the sealed self-mask shares its neighbours made for it and
-        reveals its shares of the kept neighbours' seeds and its pair seeds with the dropped and excluded.
-        Every kept upload's seed is rebuilt from any ``t`` shares (checked against its commitment); a
-        survivor that does not answer (a further dropout) is unmasked the same way and its pairs with the
-        dropped stay in the aggregate as extra noise (``kept``).  Raises :class:`RoundFailed` only when a
-        kept upload's seed cannot be rebuilt (fewer than ``t`` of its neighbours answered).
+        Kept: the aggregatable uploads with at least ``t`` kept neighbours (:func:`protocols.masking.unmaskable`);
+        the others are excluded too (held, not aggregated; their neighbours reveal their pair seeds instead).
+        Every participant whose upload arrived (excluded ones included: they hold shares) gets the request
+        with the sealed self-mask shares its neighbours made for it, and reveals its shares of the kept
+        neighbours' seeds and its pair seeds with the others.  Every kept upload's seed is rebuilt from any
+        ``t`` shares (checked against its commitment); a survivor that does not answer (a further dropout)
+        is unmasked the same way and its pairs with the dropped stay in the aggregate as extra noise
+        (``kept``).  Raises :class:`RoundFailed` only when a kept upload's seed cannot be rebuilt (fewer
+        than ``t`` of its neighbours answered).
         """
         if self.grid is None:
             raise RoundFailed(f"round {state.round}: unmasking needs the round's grid (prepare_round keeps it)")
@@ -255,10 +256,10 @@ class PairwiseRecovery:
         thresholds = self.mask_thresholds(neighbours)
         held = sorted(set(dropped) & set(getattr(self, "uploaded", ())))
         masked = {n for n in by_node if n in shares_of}
+        received = sorted(set(by_node) | set(held))
         keep = unmaskable(neighbours, set(by_node), {n: thresholds.get(n, 0) for n in by_node})
         keep -= {n for n in keep if n not in masked and neighbours.get(n)}  # a pairwise upload without its shares
         excluded = sorted(set(held) | (set(by_node) - keep))
-        received = sorted(set(by_node) | set(held))
         lost = sorted(set(state.participants) - set(received))
         gone = sorted(set(lost) | set(excluded))
         out = RecoveryOutcome(state.round, gone, sorted(keep), excluded=excluded)
@@ -269,7 +270,7 @@ class PairwiseRecovery:
             return RecordDict({"config": RecoveryRequest(state.round, tuple(received), tuple(lost), tuple(excluded),
                                                          fwd).to_config()})
 
-        ask = sorted(keep)
+        ask = received
         requests = {n: content(n) for n in ask}
         t0 = time.perf_counter()
         replies, _errors = self.exchange(self.grid, ask, lambda n: requests[n], "recover")  # type: ignore[attr-defined]
@@ -296,10 +297,11 @@ class PairwiseRecovery:
                 rep = None
             if rep is None:
                 out.silent.append(node)
-                if expected:
+                if expected and node in keep:
                     out.kept[node], out.kept_probe[node] = tuple(expected), None
                 continue
-            out.material[node] = rep.by_peer()
+            if node in keep:
+                out.material[node] = rep.by_peer()
             for x, share in zip(rep.mask_peers, rep.mask_shares, strict=True):
                 if x in collected and node in neighbours.get(x, ()):
                     collected[x].append(share)

@@ -83,7 +83,7 @@ def test_threshold_is_a_majority_beyond_the_colluders():
             assert t <= d and (t == d or 2 * t > d + c) and t > min(c, d - 1)
     p = mask_parameters(20, 0.1, 0.1)
     assert p.threshold == 12 and 0 < p.p_exposed < 1e-6 and 0 < p.p_unrecoverable < 1e-2
-    # a node with too few kept neighbours is left out, and that may leave a neighbour short too
+    # a node with fewer than t aggregated neighbours is left out, and that may leave a neighbour short too
     graph = {1: [2, 3], 2: [1, 3], 3: [1, 2, 4], 4: [3]}
     assert unmaskable(graph, {1, 2, 3, 4}, dict.fromkeys(graph, 1)) == {1, 2, 3, 4}
     assert unmaskable(graph, {1, 3, 4}, {1: 2, 2: 2, 3: 2, 4: 1}) == set()
@@ -110,8 +110,9 @@ def _clean(grid, strategy, msg, seed) -> np.ndarray:
     return w + gaussian(seed, len(w), st.allocation.residual_std[node]) / st.weights[node]
 
 
-def _ask(grid, node, received, dropped, forwarded=None) -> RecoveryReply:
-    req = RecoveryRequest(1, tuple(sorted(received)), tuple(sorted(dropped)), (), forwarded).to_config()
+def _ask(grid, node, received, dropped, forwarded=None, excluded=()) -> RecoveryReply:
+    req = RecoveryRequest(1, tuple(sorted(received)), tuple(sorted(dropped)), tuple(sorted(excluded)),
+                          forwarded).to_config()
     reply = handle_recover(Message(RecordDict({"config": req}), node, "query.recover"),
                            ClientEnv.from_context(grid.contexts[node]))
     return RecoveryReply.from_config(reply.content["config"])
@@ -215,6 +216,9 @@ def test_split_lie_is_refused_by_the_target(pinned):
         rep = _ask(grid, j, [n for n in graph if n != k], [k], _forwarded(replies, j, graph))
         seeds[j] = rep.by_peer()[k]
     lie = _ask(grid, k, [n for n in graph if n not in a], a, _forwarded(replies, k, graph))
+    assert "fewer than the" in lie.refused and not lie.material
+    # naming the first lot "excluded" (uploads held) instead of dropped is refused alike
+    lie = _ask(grid, k, list(graph), [], _forwarded(replies, k, graph), excluded=a)
     assert "fewer than the" in lie.refused and not lie.material
     commit = SelfMaskShares.from_config(replies[k].content[SELF_MASK_RECORD]).commitment
     seed = rebuild_seed(shares, t, commit)
