@@ -21,7 +21,9 @@ Round ``t`` (hooks of the round template, :class:`strategies.base.CancelStrategy
    key phase would leave its pair noise with the survivors uncancelled: the
    survivors reveal that round's pair seeds with it and the server subtracts
    them (dropout recovery, :mod:`strategies.recovery`); the round goes on over
-   the survivors (weights renormalised) and reports it.
+   the survivors (weights renormalised) and reports it.  With run-config
+   ``self-mask`` every upload also carries a self-mask that the server removes
+   after one unmasking phase per round (double masking, :mod:`strategies.recovery`).
 
 Accounting (``self.privacy``, per-client accountants composed in the aggregate, read
 by the base's ``privacy_report``), per record, over the rounds its owner took part in

@@ -23,6 +23,10 @@ Psi and Phi weighted alike so recovery stays exact), whose replace-one sensitivi
 * ``mpdp-naive``: :func:`protocols.mpddp.naive_client`, N(0, (z 2 clip / n_k)^2) on the perturbed gradient.
 * ``mpcdp``: nothing (the server adds the noise).
 
+With run-config ``self-mask`` (default) the mpddp gradient upload also carries a self-mask with the std of
+its whole gradient noise, its seed Shamir-shared among the neighbours (double masking,
+:mod:`protocols.masking`); the server removes it after the unmasking phase (:mod:`strategies.recovery`).
+
 Psi and Phi are uploaded unnoised, as in the paper (they are data-dependent: see the caveats in
 :mod:`strategies.mpddp`).  Upload (:func:`client.messages.mpddp.upload_record`): gradients float64,
 Psi/Phi in run-config ``mpddp-side-dtype`` (float32 by default: half the upload and half the client's compute;

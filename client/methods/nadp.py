@@ -20,7 +20,11 @@ Per round a sampled client
    (Alg. 1, line 15) in float64: ``n_i`` from a fresh secret seed
    (``os.urandom``), ``n_ij`` from the pair's DH seed (purpose
    ``nadp-counteract``, already distinct per round) through the shared
-   pairwise-noise engine.
+   pairwise-noise engine; with run-config ``self-mask`` (default) plus a
+   self-mask of std ``uplink_std`` whose seed is Shamir-shared among the
+   neighbours (double masking, :mod:`protocols.masking`; the sealed shares
+   ride on the reply and the server removes the mask after the unmasking
+   phase, :mod:`strategies.recovery`).
 
 With run-config ``nadp-variant = "record-ldp"`` the client instead adds only
 independent noise (the paper's LDP-FL comparator, Lemma 3): same training, same
