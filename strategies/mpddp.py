@@ -93,12 +93,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from logging import INFO
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, Message, RecordDict
-from flwr.common import log
 from flwr.serverapp import Grid
 
 from client.messages.common import TrainIns, merge_configs, num_examples
@@ -396,7 +394,6 @@ class MpddpStrategy(PairwiseRecovery, _MpBase):
             raise ConfigError("method 'mpddp' needs at least 2 clients per round (pairwise noise); "
                               f"num-clients x sample-rate gives {k}")
         self.keys = KeyPhase(cfg)
-        self._described_mask = False
         self.n_out = cfg.n_out if cfg.graph == "n-out" else None
         try:
             self._calibration(k, 1)  # coverage only: the sensitivity just scales the sigmas
@@ -418,9 +415,7 @@ class MpddpStrategy(PairwiseRecovery, _MpBase):
     def key_round(self, grid: Grid, server_round: int, nodes: list[int]) -> KeyRound:
         self.grid = grid  # for the dropout recovery phase (aggregate_train gets no grid)
         kr = self.keys.run(self, grid, server_round, nodes)
-        if self.cfg.self_mask and not self._described_mask:
-            self._described_mask = True
-            log(INFO, "mpddp %s", self.describe_masking(min(len(nb) for nb in kr.neighbours.values())))
+        self.announce_masking(kr.neighbours)
         return kr
 
     def pair_neighbours(self, state: MpRound) -> dict[int, list[int]] | None:

@@ -50,7 +50,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from logging import INFO, WARNING
+from logging import WARNING
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
@@ -122,7 +122,6 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
             "uplink_marginal": PerUnitAccountant(), "uplink_paper": Lemma2Accountant(),
             "downlink_paper": Lemma2Accountant(), "paper": Lemma2Accountant()})
         self._warned_steps = False
-        self._described_mask = False
 
     # ----------------------------------------------------------- calibration
     def record_sensitivity(self, size: int) -> float:
@@ -178,9 +177,8 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
         """Key phase, then calibration and allocation over the participants."""
         self.grid = grid  # for the dropout recovery phase (aggregate_train gets no grid)
         st = self.plan_round(self.keys.run(self, grid, server_round, nodes))
-        if self.cfg.self_mask and st.allocation is not None and not self._described_mask:
-            self._described_mask = True
-            log(INFO, "nadp %s", self.describe_masking(min(len(nb) for nb in st.keys.neighbours.values())))
+        if st.allocation is not None:
+            self.announce_masking(st.keys.neighbours)
         return st
 
     def train_content(self, st: NadpRound, node: int, arrays: ArrayRecord) -> RecordDict:

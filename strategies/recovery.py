@@ -74,7 +74,7 @@ import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from logging import WARNING
+from logging import INFO, WARNING
 
 import numpy as np
 from flwr.app import Message, RecordDict
@@ -229,6 +229,12 @@ class PairwiseRecovery:
         """The start-of-run line on the self-mask threshold at ``degree`` (Bell et al.'s two failure figures)."""
         cfg = self.cfg  # type: ignore[attr-defined]
         return mask_parameters(degree, cfg.mask_dropout_rate, cfg.mask_corruption_rate).describe()
+
+    def announce_masking(self, neighbours: Mapping[int, Sequence[int]]) -> None:
+        """Log :meth:`describe_masking` for the smallest degree of the first masked round (once per run)."""
+        if self.cfg.self_mask and not self.__dict__.get("_announced_mask") and neighbours:  # type: ignore[attr-defined]
+            self.__dict__["_announced_mask"] = True
+            log(INFO, "%s %s", self.cfg.method, self.describe_masking(min(len(nb) for nb in neighbours.values())))  # type: ignore[attr-defined]
 
     def unmask(self, state: RoundState, dropped: list[int], by_node: dict[int, Message],
                neighbours: Mapping[int, Sequence[int]]) -> dict[int, Message]:
