@@ -110,6 +110,9 @@ class RunConfig:
     key_rotation: int = 0  # rounds per X25519 key pair (0 = one pair per node for the run, 1 = fresh every round)
     cancellation_check: bool = False  # clients report a random projection of their pairwise mask (diagnostic)
     fault_drop_rate: float = 0.0  # TESTING AID: in-process grid withholds this fraction of train replies
+    self_mask: bool = True  # nadp, mpddp: double masking (a Shamir-shared self-mask on every pairwise upload)
+    mask_dropout_rate: float = 0.1  # assumed dropout rate: the self-mask threshold's correctness figure
+    mask_corruption_rate: float = 0.1  # assumed colluding fraction of a neighbourhood: sets the threshold t
     nadp_lambda: float = 0.0  # compensation factor; 0 = derive from nadp-tau
     nadp_tau: float = 0.5  # tolerated collusion rate for lambda (Eq. 8)
     nadp_variant: str = "nadp"  # "record-ldp" = the paper's LDP-FL comparator (same training, no cancellation)
@@ -265,6 +268,10 @@ class RunConfig:
         if not (math.isfinite(self.fault_drop_rate) and 0 <= self.fault_drop_rate < 1):
             raise ConfigError(f"run-config 'fault-drop-rate' = {self.fault_drop_rate} must be in [0, 1) "
                               "(testing aid: the fraction of sampled clients whose upload the in-process grid drops)")
+        for key in ("mask-dropout-rate", "mask-corruption-rate"):
+            rate = float(getattr(self, key.replace("-", "_")))
+            if not (math.isfinite(rate) and 0 <= rate < 0.5):
+                raise ConfigError(f"run-config '{key}' = {rate} must be in [0, 0.5) (an assumed rate per neighbourhood)")
         if self.n_out < 1:
             raise ConfigError("run-config 'n-out' must be an integer >= 1")
         if self.key_rotation < 0:

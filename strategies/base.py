@@ -263,8 +263,7 @@ class CancelStrategy(Strategy):
             raise RoundFailed(f"round {server_round}: no participant sent a usable reply ({len(errors)} errors, "
                               f"{len(self.excluded)} excluded: {self.excluded})")
         dropped = sorted(set(state.participants) - set(by_node))  # no reply, error, or excluded above
-        if dropped:
-            by_node = self.recover(state, dropped, by_node)  # pairwise methods: remove the orphaned pair noise
+        by_node = self.recover(state, dropped, by_node)  # pairwise methods: self-masks, orphaned pair noise
         self.record_client_spending(by_node)
         try:
             arrays = self.aggregate(state, by_node, errors)
@@ -350,7 +349,7 @@ class CancelStrategy(Strategy):
             self.keys.forget_unresponsive(state.participants, good)
 
     def recover(self, state: RoundState, dropped: list[int], by_node: dict[int, Message]) -> dict[int, Message]:
-        """Remove the pair noise orphaned by ``dropped`` participants before :meth:`aggregate`; default: nothing.
+        """Remove self-masks and the pair noise orphaned by ``dropped`` before :meth:`aggregate`; default: nothing.
 
         ``dropped``: participants whose upload is not aggregated (no reply, error, excluded).  Returns the
         replies to aggregate.  The pairwise methods override it (:class:`strategies.recovery.PairwiseRecovery`).
