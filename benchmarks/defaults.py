@@ -1,4 +1,4 @@
-"""Every method out of the box: ``method`` and ``dataset`` set, nothing else (the acceptance table of issue 18).
+"""Every method out of the box: ``method`` and ``dataset`` set, nothing else (with the acceptance rules).
 
 Each run is ``cancelfl run --run-config 'method="M" dataset="D"'`` done in-process
 (:func:`server.launch.run_inprocess`): the app's defaults plus the method's regime

@@ -1,4 +1,4 @@
-"""Round time of every method as a ratio to FedAvg's, with realistic local data (issue 20's table).
+"""Round time of every method as a ratio to FedAvg's, with realistic local data.
 
     cancelfl-bench roundtime                      # MNIST, 10 clients x ~6,000 examples, in-process
     cancelfl-bench roundtime --engine simulation --clients 100 --rounds 3 --repeats 2
@@ -37,7 +37,7 @@ from benchmarks import common
 from benchmarks.overhead import deployment_point, median_over_repeats, simulation_point
 from benchmarks.runs import RunResult, add_ratios, run_point, warm_up
 
-HELP = "round time of every method vs FedAvg with realistic local data (goals of issue 20)"
+HELP = "round time of every method vs FedAvg with realistic local data (with per-method goals)"
 
 #: The round-time goal of each method, as a multiple of FedAvg's round in the same run.
 GOALS: dict[str, float] = {"nadp": 1.1, "niss": 1.1, "mpddp": 1.1, "ldp": 1.2, "ladp": 1.2, "ddpsa": 1.5}
