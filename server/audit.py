@@ -30,7 +30,7 @@ accountant gives for it; ``inf`` where the method claims no guarantee in that di
 Planted faults (``fault``, for the audit's own tests): ``halve-noise`` (the method's Gaussian std halved in the
 release code), ``skip-pair-noise`` (one nadp client uploads without its pair noise), ``strip-pair-noise`` (the
 server tells every neighbour of one client that it dropped while holding its upload, and removes the revealed
-pair noise from it: the recovery attack :mod:`strategies.recovery` names as not covered).
+pair noise from it; planted with ``self-mask = false``, since with double masking the clients refuse).
 """
 
 from __future__ import annotations
@@ -120,7 +120,10 @@ class AuditSpec:
                 "num-clients": self.clients, "sample-rate": 1.0, "min-clients": self.clients,
                 "local-epochs": 1, "batch-size": FULL_BATCH, "lr": self.lr, "clip": self.clip, "hidden": "",
                 "model-ema": 0.0, "input-centering": False, "privacy-unit": "record", "graph": "complete",
-                "divergence-factor": 0.0}
+                "divergence-factor": 0.0,
+                # The recovery fault is the server stripping pair noise as it could without double masking: with
+                # self-masks the clients refuse to reveal it (tests/test_masking.py drives that lie).
+                **({"self-mask": False} if self.fault == "strip-pair-noise" else {})}
 
 
 @dataclass
@@ -315,6 +318,7 @@ def _release(spec: AuditSpec, cfg: RunConfig, canaries: _Canaries, rng: np.rando
         views = _direction_scores(from_record(aggregate)["linear.weight"])[None, :]
     else:
         uploads = {n: np.array(u, dtype=np.float64) for n, u in uploads.items()}
+        _unmask(strategy, uploads)  # the server removes every self-mask it rebuilt (double masking)
         if spec.fault == "strip-pair-noise":
             target = victim["node"]
             _strip(strategy, grid, target, [n for n in uploads if n != target], uploads, replies)
@@ -326,6 +330,16 @@ def _release(spec: AuditSpec, cfg: RunConfig, canaries: _Canaries, rng: np.rando
         views = np.stack([_direction_scores(uploads[n]) for n in sorted(uploads, key=part.get)])
     signs = np.where(canaries.labels == 0, 1, -1)  # label 0: W[0] grows along v_k
     return _Release(views, signs, audited, owner, claims)
+
+
+def _unmask(strategy, uploads: dict[int, np.ndarray]) -> None:
+    """Subtract the self-masks the strategy rebuilt this round from ``uploads`` (in place): the server's view."""
+    if getattr(strategy, "remove_masks", None) is None or strategy._state is None:
+        return
+    flat = {n: u.ravel() for n, u in uploads.items()}
+    strategy.remove_masks(strategy._state, flat)
+    for n, u in flat.items():
+        uploads[n] = u.reshape(uploads[n].shape)
 
 
 def _material(grid: LocalGrid, canaries: _Canaries, colluder: int, target: int) -> bytes:
