@@ -3,12 +3,21 @@
 Every benchmark module exposes ``HELP`` (one line), ``add_arguments(parser)`` and
 ``run(args) -> exit status``; this module only builds the parser from them and dispatches.
 ``cancelfl-bench all`` runs grid, attacks, overhead and scale with their defaults.
+
+A benchmark that writes into an output folder also gets ``record.json`` there (:func:`write_record`): the
+command, the UTC date, the machine and the commit that produced the folder's tables.  The documentation's
+benchmarks page renders such folders from ``docs/results/`` (``docs/hooks.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import os
+import platform
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,6 +26,7 @@ from types import ModuleType
 import benchmarks as package
 from benchmarks import (
     attacks,
+    audit,
     clipping,
     defaults,
     grid,
@@ -47,6 +57,7 @@ BENCHMARKS: dict[str, ModuleType] = {
     "recovery": recovery,
     "roundtime": roundtime,
     "defaults": defaults,
+    "audit": audit,
 }
 
 #: What ``cancelfl-bench all`` runs, each with its defaults and ``--out <all's --out>/<name>``.
@@ -70,10 +81,72 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _commit() -> str | None:
+    """``git rev-parse HEAD`` of the source tree of this package (``+dirty`` with uncommitted changes), or None."""
+    root = Path(package.__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def machine() -> dict:
+    """What ran a benchmark: OS, CPU, core count, load average at start, Python and torch versions."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(),
+            "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+            "python": platform.python_version(), "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def write_record(out: Path, *, benchmark: str, command: str, status: int, started: str, wall_s: float,
+                 host: dict) -> Path:
+    """Write ``out/record.json``: the provenance of the tables a benchmark wrote into ``out``.
+
+    Args:
+        out: the benchmark's output folder (created if missing).
+        benchmark: subcommand name.
+        command: the full command line.
+        status: the benchmark's exit status.
+        started: UTC start time, ISO 8601.
+        wall_s: wall time in seconds.
+        host: :func:`machine` taken at start (its load average is the start's).
+
+    Returns:
+        The path written.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    files = sorted(p.name for p in out.iterdir() if p.is_file() and p.name != "record.json")
+    record = {"benchmark": benchmark, "command": command, "date": started, "machine": host, "commit": _commit(),
+              "exit_status": status, "wall_s": round(wall_s, 1), "files": files}
+    path = out / "record.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
+
+
 def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     args = parser.parse_args(argv)
     args.command_line = "cancelfl-bench " + shlex.join(argv)
-    return BENCHMARKS[args.benchmark].run(args)
+    out = getattr(args, "out", None) or getattr(args, "out_dir", None)
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    host, t0 = machine(), time.perf_counter()
+    status = BENCHMARKS[args.benchmark].run(args)
+    if out:
+        write_record(Path(out), benchmark=args.benchmark, command=args.command_line, status=status, started=started,
+                     wall_s=time.perf_counter() - t0, host=host)
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,13 +1,13 @@
-"""Fixed-point encoding into Z_{2^64}, full-threshold additive sharing and t-of-m Shamir sharing.
+"""Fixed-point encoding into Z_{2^64}, full-threshold additive sharing and Shamir t-of-n sharing.
 
 DDP-SA (Wei et al., Algorithm 1/2) encodes each client's noisy gradient as fixed-point
 integers, splits it into ``m`` shares (one per intermediate server) and lets the
 parameter server reconstruct only the *sum* over clients.  Two schemes:
 
 * additive (:func:`share`, the paper's): all ``m`` shares are needed; any ``m - 1`` reveal nothing;
-* Shamir (:func:`shamir_share`, :func:`shamir_reconstruct`): share ``j`` is ``f(j + 1)`` for a random
+* Shamir (:func:`shamir_share_vector`, :func:`shamir_reconstruct_vector`): share ``j`` is ``f(j + 1)`` for a random
   polynomial ``f`` of degree ``t - 1`` with ``f(0)`` = the secret, over the prime field
-  ``Z_p``, ``p = 2^64 - 59`` (:data:`SHAMIR_PRIME`); any ``t`` shares reconstruct (Lagrange at 0),
+  ``Z_p``, ``p = 2^64 - 59`` (:data:`VECTOR_PRIME`); any ``t`` shares reconstruct (Lagrange at 0),
   any ``t - 1`` reveal nothing, so ``m - t`` servers may be lost.  Shares are linear: the sum of
   clients' shares held by one server is a share of the sum.  Ring elements map into the field
   by their signed value (:func:`to_field`, :func:`from_field`), exact for ``|x| <= (p - 1) / 2``,
@@ -26,6 +26,10 @@ Design choices (deviations from the paper, on purpose):
   ``[-(2^63 - 1), 2^63 - 1]`` (:class:`FixedPointRangeError`).  Decoding interprets the
   ring element in two's complement, so negative sums decode correctly.
 
+:func:`shamir_split` / :func:`shamir_combine`: Shamir's t-of-n sharing of a short byte string (at most
+64 bytes, e.g. a 32-byte seed) over the prime field GF(2^521 - 1), shares evaluated at x = 1..n; any t
+shares give the secret, any t - 1 are independent of it (the self-mask seeds of :mod:`protocols.masking`).
+
 Share randomness comes from a CSPRNG: ``os.urandom`` by default, or the project-wide
 AES-CTR PRG (:mod:`protocols.prg`) when an explicit seed is given (reproducible tests).
 """
@@ -35,7 +39,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,7 +47,7 @@ from numpy.typing import ArrayLike, NDArray
 
 __all__ = [
     "RING_BITS",
-    "SHAMIR_PRIME",
+    "VECTOR_PRIME",
     "FixedPointCodec",
     "FixedPointRangeError",
     "encode_and_share",
@@ -53,20 +57,23 @@ __all__ = [
     "random_ring_elements",
     "reconstruct",
     "ring_sum",
-    "shamir_reconstruct",
-    "shamir_share",
+    "shamir_reconstruct_vector",
+    "shamir_share_vector",
     "share",
+    "lagrange_at_zero",
+    "shamir_combine",
+    "shamir_split",
     "to_field",
     "to_wire",
 ]
 
 RING_BITS = 64
-#: The Shamir field's modulus: the largest prime below 2^64.
-SHAMIR_PRIME = (1 << 64) - 59
-_P_GAP = np.uint64((1 << 64) - SHAMIR_PRIME)  # 59 = 2^64 mod p
-_P = np.uint64(SHAMIR_PRIME)
+#: The field of Shamir-shared vectors: the largest prime below 2^64 (one uint64 word per element).
+VECTOR_PRIME = (1 << 64) - 59
+_P_GAP = np.uint64((1 << 64) - VECTOR_PRIME)  # 59 = 2^64 mod p
+_P = np.uint64(VECTOR_PRIME)
 #: Largest |sum| that decodes unambiguously from the ring and from the Shamir field: (p - 1) / 2 = 2^63 - 30.
-_SIGNED_MAX = (SHAMIR_PRIME - 1) // 2
+_SIGNED_MAX = (VECTOR_PRIME - 1) // 2
 
 Ring = NDArray[np.uint64]
 
@@ -248,7 +255,7 @@ def encode_and_share(values: ArrayLike, m: int, codec: FixedPointCodec, *, thres
     """
     if threshold is None:
         return share(codec.encode(values), m, seed=seed)
-    return shamir_share(codec.encode(values), m, threshold, seed=seed)
+    return shamir_share_vector(codec.encode(values), m, threshold, seed=seed)
 
 
 # ----------------------------------------------------------------------------- Shamir over Z_p
@@ -267,7 +274,7 @@ def _sub_mod(a: Ring, b: Ring) -> Ring:
 
 def _mul_scalar_mod(vec: Ring, c: int) -> Ring:
     """``vec * c mod p`` for field elements ``vec`` and an integer ``c`` (double and add)."""
-    c %= SHAMIR_PRIME
+    c %= VECTOR_PRIME
     out = np.zeros_like(vec)
     base = vec.copy()
     while c:
@@ -323,7 +330,7 @@ def _random_field(size: int, seed: bytes | None) -> Ring:
     return out
 
 
-def shamir_share(secret: ArrayLike, m: int, threshold: int, *, seed: bytes | None = None) -> list[Ring]:
+def shamir_share_vector(secret: ArrayLike, m: int, threshold: int, *, seed: bytes | None = None) -> list[Ring]:
     """Split ring elements into ``m`` Shamir shares over Z_p, any ``threshold`` of which reconstruct.
 
     Share ``j`` (0-based, for server ``j``) is ``f(j + 1)``, ``f(x) = to_field(secret) + a_1 x + ... +
@@ -352,7 +359,7 @@ def shamir_share(secret: ArrayLike, m: int, threshold: int, *, seed: bytes | Non
     return shares
 
 
-def shamir_reconstruct(points: Mapping[int, ArrayLike]) -> Ring:
+def shamir_reconstruct_vector(points: Mapping[int, ArrayLike]) -> Ring:
     """The ring value at ``x = 0`` of the polynomial through ``{server index j: share}`` (``x = j + 1``).
 
     Give at least ``threshold`` points of one sharing (or of a sum of sharings); all points given are
@@ -363,14 +370,10 @@ def shamir_reconstruct(points: Mapping[int, ArrayLike]) -> Ring:
     xs = [int(j) + 1 for j in points]
     if len(set(xs)) != len(xs) or min(xs) < 1:
         raise ValueError(f"server indices must be distinct and >= 0, got {sorted(points)}")
+    weights = lagrange_at_zero(xs, VECTOR_PRIME)
     total = None
     for y, xj in zip(points.values(), xs, strict=True):
-        num, den = 1, 1
-        for xk in xs:
-            if xk != xj:
-                num = num * xk % SHAMIR_PRIME
-                den = den * (xk - xj) % SHAMIR_PRIME
-        term = _mul_scalar_mod(field_sum([y]), num * pow(den, -1, SHAMIR_PRIME))
+        term = _mul_scalar_mod(field_sum([y]), weights[xj])
         total = term if total is None else _add_mod(total, term)
     assert total is not None
     return from_field(total)
@@ -391,3 +394,77 @@ def from_wire(data: bytes, length: int | None = None) -> Ring:
     if length is not None and len(data) != 8 * length:
         raise ValueError(f"wire data holds {len(data) // 8} elements, expected {length}")
     return np.frombuffer(data, dtype="<u8").astype(np.uint64)
+
+
+# ----------------------------------------------------------------------------- Shamir t-of-n
+#: The Mersenne prime 2^521 - 1: every secret of at most 64 bytes is a field element.
+SHAMIR_PRIME = (1 << 521) - 1
+SHAMIR_SECRET_MAX = 64
+#: Bytes of one encoded share: x (2 bytes) || y (66 bytes).
+SHAMIR_SHARE_BYTES = 2 + 66
+
+
+def shamir_split(secret: bytes, n: int, t: int) -> list[bytes]:
+    """Split ``secret`` (1..64 bytes) into ``n`` shares, any ``t`` of which reconstruct it (1 <= t <= n < 2^16).
+
+    Returns share ``i`` (i = 0..n-1) encoded as ``x || y`` with x = i + 1 (big-endian), coefficients from
+    the OS CSPRNG.  The secret's length is bound into the polynomial's constant term (length prefix).
+    """
+    secret = bytes(secret)
+    if not 1 <= len(secret) <= SHAMIR_SECRET_MAX:
+        raise ValueError(f"a Shamir secret must be 1..{SHAMIR_SECRET_MAX} bytes, got {len(secret)}")
+    if not (isinstance(n, int) and isinstance(t, int) and 1 <= t <= n < 1 << 16):
+        raise ValueError(f"need 1 <= t <= n < 65536, got t={t!r}, n={n!r}")
+    coeffs = [int.from_bytes(bytes([len(secret)]) + secret, "big")]
+    coeffs += [int.from_bytes(os.urandom(66), "big") % SHAMIR_PRIME for _ in range(t - 1)]
+    out = []
+    for x in range(1, n + 1):
+        y = 0
+        for c in reversed(coeffs):  # Horner
+            y = (y * x + c) % SHAMIR_PRIME
+        out.append(x.to_bytes(2, "big") + y.to_bytes(66, "big"))
+    return out
+
+
+def shamir_combine(shares: Sequence[bytes]) -> bytes:
+    """The secret from at least ``t`` distinct shares of :func:`shamir_split` (Lagrange interpolation at 0).
+
+    Raises ValueError for malformed or repeated shares, or when the interpolated value is no secret
+    (too few shares, or shares of different secrets: the length prefix does not match, w.h.p.).
+    """
+    points: dict[int, int] = {}
+    for sh in shares:
+        sh = bytes(sh)
+        if len(sh) != SHAMIR_SHARE_BYTES:
+            raise ValueError(f"a Shamir share is {SHAMIR_SHARE_BYTES} bytes, got {len(sh)}")
+        x, y = int.from_bytes(sh[:2], "big"), int.from_bytes(sh[2:], "big")
+        if x == 0 or y >= SHAMIR_PRIME:
+            raise ValueError("malformed Shamir share")
+        if x in points and points[x] != y:
+            raise ValueError(f"two different Shamir shares at x = {x}")
+        points[x] = y
+    if not points:
+        raise ValueError("no Shamir shares")
+    weights = lagrange_at_zero(points, SHAMIR_PRIME)
+    total = sum(yi * weights[xi] for xi, yi in points.items()) % SHAMIR_PRIME
+    raw = total.to_bytes(66, "big").lstrip(b"\x00")
+    if not raw or raw[0] == 0 or raw[0] > SHAMIR_SECRET_MAX or len(raw) != raw[0] + 1:
+        raise ValueError("the Shamir shares do not reconstruct a secret (too few, or of different secrets)")
+    return raw[1:]
+
+
+def lagrange_at_zero(xs: Iterable[int], prime: int) -> dict[int, int]:
+    """Lagrange weights at 0 over Z_prime: ``f(0) = sum_i w_i f(x_i)`` for any polynomial of degree < len(xs).
+
+    ``w_i = prod_{j != i} x_j / (x_j - x_i) mod prime``; the ``xs`` must be distinct and nonzero mod ``prime``.
+    """
+    points = [int(x) for x in xs]
+    weights = {}
+    for xi in points:
+        num, den = 1, 1
+        for xj in points:
+            if xj != xi:
+                num = num * xj % prime
+                den = den * (xj - xi) % prime
+        weights[xi] = num * pow(den, -1, prime) % prime
+    return weights

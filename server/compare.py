@@ -5,7 +5,7 @@
 Each method runs with the same federation (dataset, clients, seed), the same whole-run privacy
 target ``epsilon`` and its own default regime (rounds, local steps, learning rate: the keys left
 ``"auto"``, :func:`protocols.methods.regime`), in its own folder ``<out>/<method>``; then
-:func:`server.report.write_report` writes ``<out>/report.md`` with the accuracy per round
+:func:`strategies.run.report.write_report` writes ``<out>/report.md`` with the accuracy per round
 of every method, the epsilon each spent in both directions, and the noise in one upload
 against the noise left in the model -- what noise that cancels on aggregation buys.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from protocols.config import RunConfig
 from protocols.methods import VARIANTS, method_or_variant
 from server.defaults import app_defaults
-from server.report import RunData, write_report
+from strategies.run.report import RunData, write_report
 
 DEFAULT_METHODS = "fedavg,ldp,cdp,nadp,nadp-record-ldp"
 

@@ -31,10 +31,10 @@ from pathlib import Path
 
 from protocols.config import RunConfig
 from protocols.tls import CertificateAuthority
-from server.checkpoint import clear_outputs, ledger_dir, resolve_out_dir, run_outcome
 from server.defaults import APP_DIR, app_defaults
 from server.intermediate.launcher import IntermediateServerCluster, local_intermediate_servers, start_intermediate_servers
 from server.keys import make_identities
+from strategies.run.checkpoint import clear_outputs, ledger_dir, resolve_out_dir, run_outcome
 
 BIN = Path(sys.executable).parent
 #: Environment variable every process of one launch inherits (a fresh id per workspace): how the launcher
@@ -362,7 +362,8 @@ class LocalCluster:
                                f'roster="{self.roster}" require-identity=true')
                 if self.ledger_dir:
                     node_config += f' ledger-dir="{self.ledger_dir}"'
-                node = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{port}",
+                # Flower's SuperNode with a warm ClientApp process and short polls (server/supernode.py).
+                node = [sys.executable, "-m", "server.supernode", "--superlink", f"127.0.0.1:{port}",
                         "--host", "127.0.0.1", "--port", str(free_port()), "--node-config", node_config]
                 node += ["--root-certificates", str(certs["ca"])] if certs else ["--insecure"]
                 self.procs.start(f"supernode-{i}", node)

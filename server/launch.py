@@ -5,6 +5,7 @@
     cancelfl run|deploy --resume OUT                      # continue a crashed run from its last round
     cancelfl keys gen --out DIR --node NAME; cancelfl keys roster --out roster.json DIR/*.pub   # identities
     cancelfl compare [--engine simulation] [--methods fedavg,ldp,cdp,nadp] [--epsilon 1]   # side by side + report
+    cancelfl audit --method M [--direction upload|model] [--epsilon E] [--trials N]   # claimed vs audited epsilon
 
 ``inprocess`` drives the same ServerApp strategy and ClientApp code through
 :class:`server.local_grid.LocalGrid` (no SuperLink, no Ray: seconds instead of
@@ -15,7 +16,7 @@ and submits the app with ``flwr run``; ``deploy`` does the same with real
 
 ``run``/``deploy`` check everything they can before any process starts
 (:func:`preflight`), write to a fresh ``runs/<time>-<method>`` unless out-dir is
-given (:mod:`server.checkpoint`), exit non-zero with the reason when the run
+given (:mod:`strategies.run.checkpoint`), exit non-zero with the reason when the run
 failed, and continue a crashed run with ``--resume OUT``.
 """
 
@@ -31,7 +32,8 @@ from pathlib import Path
 
 from protocols.adjustments import adjustments
 from protocols.config import ConfigError, RunConfig, parse_run_config
-from server.checkpoint import (
+from server.defaults import app_defaults
+from strategies.run.checkpoint import (
     CHECKPOINT_JSON,
     clear_outputs,
     earlier_outputs,
@@ -41,7 +43,6 @@ from server.checkpoint import (
     resume_overrides,
     run_outcome,
 )
-from server.defaults import app_defaults
 
 # Flower must not phone home from tests, CI or user runs started here.
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
@@ -151,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     from server import keys  # cancelfl keys gen/roster: node identities and the roster clients trust
 
     keys.add_arguments(sub.add_parser("keys", help="make node identities (Ed25519) and the roster"))
+    from server import audit  # cancelfl audit: empirical epsilon lower bound of a method's real release code
+
+    audit.add_arguments(sub.add_parser("audit", help="empirical epsilon lower bound of a method vs its claim"))
     args = parser.parse_args(argv)
     if threading.current_thread() is not threading.main_thread():
         return _main(args)
@@ -167,6 +171,10 @@ def _main(args: argparse.Namespace) -> int:
         from server import keys
 
         return keys.run(args)
+    if args.command == "audit":
+        from server import audit
+
+        return audit.main(args)
 
     try:
         overrides = parse_run_config(args.run_config)
@@ -215,7 +223,7 @@ def _terminated(signum: int, _frame) -> None:
 
 
 def _inprocess_exit(overrides: dict) -> int:
-    """Run in-process and judge the outcome like the other engines (:func:`server.checkpoint.run_outcome`)."""
+    """Run in-process and judge the outcome like the other engines (:func:`strategies.run.checkpoint.run_outcome`)."""
     out = overrides["out-dir"]
     try:
         run_inprocess(overrides)

@@ -16,10 +16,10 @@ import time
 import numpy as np
 from flwr.app import RecordDict
 
-from server.checkpoint import run_outcome
 from server.launch import run_inprocess
 from server.local_grid import LocalGrid
 from server.runner import dumps, non_finite_keys
+from strategies.run.checkpoint import run_outcome
 from tests.conftest import read_metrics
 from tests.faulty_client import faulty_grid, with_arrays
 

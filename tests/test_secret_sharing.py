@@ -175,7 +175,7 @@ def test_statistical_checks_have_power() -> None:
 
 # ----------------------------------------------------------------------------- Shamir over Z_p
 def test_shamir_any_t_of_m_reconstruct_a_sum_of_sharings_exactly() -> None:
-    from protocols.secret_sharing import SHAMIR_PRIME, field_sum, shamir_reconstruct, shamir_share
+    from protocols.secret_sharing import VECTOR_PRIME, field_sum, shamir_reconstruct_vector, shamir_share_vector
 
     codec = FixedPointCodec(frac_bits=24, max_clients=8)
     rng = np.random.default_rng(3)
@@ -183,36 +183,36 @@ def test_shamir_any_t_of_m_reconstruct_a_sum_of_sharings_exactly() -> None:
     secrets[0][:2] = [codec.max_abs, -codec.max_abs]  # the range edges decode too
     secrets[1][:2] = [codec.max_abs, -codec.max_abs]
     m, t = 5, 3
-    sharings = [shamir_share(codec.encode(x), m, t, seed=bytes([i]) * 32) for i, x in enumerate(secrets)]
+    sharings = [shamir_share_vector(codec.encode(x), m, t, seed=bytes([i]) * 32) for i, x in enumerate(secrets)]
     held = [field_sum([s[j] for s in sharings]) for j in range(m)]  # each server sums its shares mod p
-    assert all((h < np.uint64(SHAMIR_PRIME)).all() for h in held)
+    assert all((h < np.uint64(VECTOR_PRIME)).all() for h in held)
     exact = sum(codec.encode(x).view(np.int64).astype(object) for x in secrets)
     for subset in itertools.combinations(range(m), t):
-        total = shamir_reconstruct({j: held[j] for j in subset})
+        total = shamir_reconstruct_vector({j: held[j] for j in subset})
         assert np.array_equal(total.view(np.int64).astype(object), exact), subset
-    assert np.array_equal(shamir_reconstruct(dict(enumerate(held))).view(np.int64).astype(object), exact)
+    assert np.array_equal(shamir_reconstruct_vector(dict(enumerate(held))).view(np.int64).astype(object), exact)
     # t - 1 points interpolate a different (random) polynomial: not the sum.
-    wrong = shamir_reconstruct({0: held[0], 3: held[3]})
+    wrong = shamir_reconstruct_vector({0: held[0], 3: held[3]})
     assert np.mean(wrong.view(np.int64).astype(object) == exact) < 0.01
 
 
 def test_shamir_t_minus_one_shares_are_uniform_whatever_the_secret() -> None:
     """One share of a 2-of-3 sharing (many sharings of 0 and of a large secret): uniform top bits in both cases."""
-    from protocols.secret_sharing import shamir_share
+    from protocols.secret_sharing import shamir_share_vector
 
     for secret in (0, 123456789):
-        share = shamir_share(np.full(20_000, secret, dtype=np.uint64), 3, 2, seed=bytes([secret % 251]) * 32)[1]
+        share = shamir_share_vector(np.full(20_000, secret, dtype=np.uint64), 3, 2, seed=bytes([secret % 251]) * 32)[1]
         top = (share >> np.uint64(56)).astype(np.int64)  # 256 buckets
         counts = np.bincount(top, minlength=256)
         assert stats.chisquare(counts).pvalue > 1e-3
 
 
 def test_shamir_refuses_bad_parameters_and_field_elements() -> None:
-    from protocols.secret_sharing import SHAMIR_PRIME, field_sum, shamir_share
+    from protocols.secret_sharing import VECTOR_PRIME, field_sum, shamir_share_vector
 
     x = np.zeros(3, dtype=np.uint64)
     for m, t in ((3, 1), (3, 4), (1, 1)):
         with pytest.raises(ValueError):
-            shamir_share(x, m, t)
+            shamir_share_vector(x, m, t)
     with pytest.raises(ValueError, match="below p|< p"):
-        field_sum([np.full(3, SHAMIR_PRIME, dtype=np.uint64)])
+        field_sum([np.full(3, VECTOR_PRIME, dtype=np.uint64)])

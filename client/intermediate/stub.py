@@ -12,7 +12,7 @@ signed (:mod:`client.intermediate.auth`) with the caller's roster identity.
   Additive sharing (``threshold`` None) is full-threshold: all ``m`` partial sums are added
   mod 2^64 and a single unavailable server fails the round.  Shamir sharing (``threshold = t``)
   needs any ``t``: pushes succeed when ``t`` servers took the share, and the partial sums of the
-  servers that answered are interpolated at 0 (:func:`protocols.secret_sharing.shamir_reconstruct`).
+  servers that answered are interpolated at 0 (:func:`protocols.secret_sharing.shamir_reconstruct_vector`).
   Too few partial sums raise :class:`PartialSumUnavailableError` (no silent partial
   reconstruction); :func:`abort_round` then seals the round on every server it reaches, so it
   is never released later.
@@ -40,7 +40,7 @@ from protocols.secret_sharing import (
     encode_and_share,
     from_wire,
     ring_sum,
-    shamir_reconstruct,
+    shamir_reconstruct_vector,
     to_wire,
 )
 
@@ -369,7 +369,7 @@ def reconstruct_sum(
                               timeout=timeout)
     if threshold is None:
         return ring_sum(list(sums.values()))
-    return shamir_reconstruct(sums)
+    return shamir_reconstruct_vector(sums)
 
 
 def reconstruct_decoded(

@@ -46,7 +46,7 @@ from client.intermediate import auth
 from client.intermediate import intermediate_pb2 as pb2
 from client.intermediate import intermediate_pb2_grpc as pb2_grpc
 from client.intermediate.stub import DEFAULT_MAX_MESSAGE_BYTES
-from protocols.secret_sharing import SHAMIR_PRIME, field_sum, from_wire, ring_sum, to_wire
+from protocols.secret_sharing import VECTOR_PRIME, field_sum, from_wire, ring_sum, to_wire
 
 __all__ = [
     "DEFAULT_KEEP_ROUNDS",
@@ -232,7 +232,7 @@ class IntermediateAggregatorServicer(pb2_grpc.IntermediateAggregatorServicer):
             if state is None or state.participants is None or request.client not in state.participants:
                 context.abort(grpc.StatusCode.PERMISSION_DENIED,
                               f"{tag}: not one of the participants the parameter server registered for this round")
-            if run.prime_field and (from_wire(request.share, run.length) >= SHAMIR_PRIME).any():
+            if run.prime_field and (from_wire(request.share, run.length) >= VECTOR_PRIME).any():
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{tag}: a Shamir share element is not below p")
             existing = state.shares.get(request.client)
             if existing is not None:

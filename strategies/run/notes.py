@@ -18,7 +18,6 @@ import numpy as np
 from protocols.config import RunConfig
 from protocols.methods import method_spec
 from protocols.privacy.signal import MeasuredSignal
-from strategies.base import CancelStrategy
 
 __all__ = ["ABOVE_CHANCE", "chance_level", "learning_check", "noise_check", "over_target", "preamble",
            "privacy_summary"]
@@ -80,7 +79,7 @@ def over_target(cfg: RunConfig, row: dict[str, Any]) -> str | None:
             "'lifetime-epsilon' (rounds beyond it are refused)")
 
 
-def noise_check(strategy: CancelStrategy, num_params: int) -> tuple[dict | None, str | None]:
+def noise_check(strategy: Any, num_params: int) -> tuple[dict | None, str | None]:
     """(summary.json's ``noise_check``, the warning or None), from the strategy's estimate after round 1."""
     est = strategy.noise_estimate(num_params)
     if est is None:
