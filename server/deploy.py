@@ -258,7 +258,8 @@ _NEVER_SHOWN = ("default simulated SuperNodes changed from", "To change federati
                 "flwr federation simulation-config")
 #: Flower's start-up and shut-down chatter, shown with ``--verbose`` only.
 _VERBOSE_ONLY = ("Using SuperLink:", "Successfully started run", "Starting logstream for run_id", "Starting Flower Simulation",
-                 "Successfully installed ", "Manually terminating ClientAppActor", "simulated SuperNodes)")
+                 "Successfully installed ", "Manually terminating ClientAppActor", "simulated SuperNodes)",
+                 "Start `flwr-serverapp` process")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
