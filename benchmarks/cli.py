@@ -12,7 +12,10 @@ benchmarks page renders such folders from ``docs/results/`` (``docs/hooks.py``).
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
+import importlib
+import importlib.util
 import json
 import os
 import platform
@@ -20,44 +23,31 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 
 import benchmarks as package
-from benchmarks import (
-    attacks,
-    audit,
-    clipping,
-    defaults,
-    grid,
-    ladp,
-    mpddp,
-    nadp,
-    niss,
-    overhead,
-    protocol_core,
-    recovery,
-    roundtime,
-    scale,
-)
-from benchmarks.common import setup_process
+from server.cli_text import plain_text
 
-#: Subcommand -> benchmark module, in the order ``--help`` lists them.
-BENCHMARKS: dict[str, ModuleType] = {
-    "grid": grid,
-    "attacks": attacks,
-    "overhead": overhead,
-    "scale": scale,
-    "protocol-core": protocol_core,
-    "nadp": nadp,
-    "niss": niss,
-    "mpddp": mpddp,
-    "ladp": ladp,
-    "clipping": clipping,
-    "recovery": recovery,
-    "roundtime": roundtime,
-    "defaults": defaults,
-    "audit": audit,
+#: Subcommand -> benchmark module, in the order ``--help`` lists them.  A module is imported only when its
+#: benchmark runs (or its own ``--help`` is asked for): they import torch and Flower, seconds each.
+BENCHMARKS: dict[str, str] = {
+    "grid": "benchmarks.grid",
+    "attacks": "benchmarks.attacks",
+    "overhead": "benchmarks.overhead",
+    "scale": "benchmarks.scale",
+    "protocol-core": "benchmarks.protocol_core",
+    "nadp": "benchmarks.nadp",
+    "niss": "benchmarks.niss",
+    "mpddp": "benchmarks.mpddp",
+    "ladp": "benchmarks.ladp",
+    "clipping": "benchmarks.clipping",
+    "recovery": "benchmarks.recovery",
+    "roundtime": "benchmarks.roundtime",
+    "defaults": "benchmarks.defaults",
+    "audit": "benchmarks.audit",
 }
 
 #: What ``cancelfl-bench all`` runs, each with its defaults and ``--out <all's --out>/<name>``.
@@ -68,14 +58,39 @@ class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
     """Module docstrings verbatim, defaults after each option's help."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Argument parser of ``cancelfl-bench``: one subcommand per benchmark, plus ``all``."""
-    parser = argparse.ArgumentParser(prog="cancelfl-bench", description=package.__doc__,
+def module(name: str) -> ModuleType:
+    """The benchmark module of subcommand ``name`` (imported now)."""
+    return importlib.import_module(BENCHMARKS[name])
+
+
+@cache
+def summary(name: str) -> tuple[str, str]:
+    """(``HELP`` line, docstring) of benchmark ``name``, read from its source without importing it."""
+    spec = importlib.util.find_spec(BENCHMARKS[name])
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError(BENCHMARKS[name])
+    tree = ast.parse(Path(spec.origin).read_text())
+    line = next((node.value.value for node in tree.body if isinstance(node, ast.Assign)
+                 and any(isinstance(t, ast.Name) and t.id == "HELP" for t in node.targets)
+                 and isinstance(node.value, ast.Constant)), "")
+    return str(line), ast.get_docstring(tree, clean=False) or ""
+
+
+def build_parser(load: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """Argument parser of ``cancelfl-bench``: one subcommand per benchmark, plus ``all``.
+
+    ``load``: the benchmarks whose options are added (their modules imported); None = every one.
+    The others parse their name only, enough for the listing of ``cancelfl-bench --help``.
+    """
+    load = set(BENCHMARKS if load is None else load)
+    parser = argparse.ArgumentParser(prog="cancelfl-bench", description=plain_text(package.__doc__ or ""),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="benchmark", required=True)
-    for name, module in BENCHMARKS.items():
-        module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.__doc__,
-                                            formatter_class=_Formatter))
+    for name in BENCHMARKS:
+        line, doc = summary(name)
+        p = sub.add_parser(name, help=line, description=plain_text(doc), formatter_class=_Formatter)
+        if name in load:
+            module(name).add_arguments(p)
     everything = sub.add_parser("all", help=f"{', '.join(ALL)} with their defaults", formatter_class=_Formatter)
     everything.add_argument("--out", default="runs/bench")
     return parser
@@ -142,7 +157,7 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     out = getattr(args, "out", None) or getattr(args, "out_dir", None)
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     host, t0 = machine(), time.perf_counter()
-    status = BENCHMARKS[args.benchmark].run(args)
+    status = module(args.benchmark).run(args)
     if out:
         write_record(Path(out), benchmark=args.benchmark, command=args.command_line, status=status, started=started,
                      wall_s=time.perf_counter() - t0, host=host)
@@ -152,8 +167,11 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``cancelfl-bench``; returns the benchmark's exit status (e.g. niss: 1 if a check fails)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(ALL if chosen == "all" else [chosen] if chosen in BENCHMARKS else [])
     args = parser.parse_args(argv)
+    from benchmarks.common import setup_process  # torch and Flower: only once a benchmark runs
+
     undo = setup_process()
     t0 = time.perf_counter()
     try:

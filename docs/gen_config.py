@@ -175,12 +175,13 @@ def _demote(markdown: str) -> str:
 
 def render_benchmarks(results: Path, page_dir: str = "results") -> str:
     """The benchmarks page body: one section per benchmark, each from its ``record.json`` (or 'no result')."""
-    from benchmarks.cli import BENCHMARKS
+    from benchmarks.cli import BENCHMARKS, summary
 
     commands = bench_commands()
     lines: list[str] = []
-    for name, module in BENCHMARKS.items():
-        lines += ["", f"## {name}", "", f"{module.HELP[:1].upper()}{module.HELP[1:]}.", ""]
+    for name in BENCHMARKS:
+        line = summary(name)[0]  # the benchmark's HELP, read without importing it
+        lines += ["", f"## {name}", "", f"{line[:1].upper()}{line[1:]}.", ""]
         folder = results / name
         record_file = folder / "record.json"
         if not record_file.is_file():

@@ -65,11 +65,14 @@ class AppTask:
 
 
 def run_federation(strategy: CancelStrategy, grid: Grid, cfg: RunConfig,
-                   progress: Callable[[str], None] = print) -> dict:
-    """Run all rounds of ``strategy`` on the run config's task, write outputs to ``cfg.out_dir``, return the summary."""
+                   progress: Callable[[str], None] = print, *, verbose: bool | None = None) -> dict:
+    """Run all rounds of ``strategy`` on the run config's task, write outputs to ``cfg.out_dir``, return the summary.
+
+    ``verbose``: detailed round lines (:func:`strategies.run.loop.round_line`); None = ``$CANCELFL_VERBOSE``.
+    """
     if cfg != strategy.cfg:
         raise ValueError("run_federation: cfg is not the strategy's run config (build the strategy from cfg)")
     task = AppTask(cfg, strategy.wire_dtype)
     if strategy.max_examples is None:
         strategy.max_examples = largest_partition(cfg, task.ds)
-    return run_rounds(strategy, grid, task, progress=progress).summary
+    return run_rounds(strategy, grid, task, progress=progress, verbose=verbose).summary

@@ -358,7 +358,7 @@ def test_a_run_whose_rounds_mostly_failed_exits_non_zero(tmp_path, monkeypatch, 
     assert "most rounds failed (4 of 5" in capsys.readouterr().err
     import json
 
-    from server.checkpoint import run_outcome
+    from strategies.run.checkpoint import run_outcome
 
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["failed_rounds"]) == 4 and summary["rounds_completed"] == 5

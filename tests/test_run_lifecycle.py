@@ -179,7 +179,7 @@ class _Crash(Exception):
 
 def _crash_after(k: int):
     def progress(line: str) -> None:
-        if line.startswith(f"[round {k}/"):
+        if line.startswith(f"round {k}/"):
             raise _Crash(line)
     return progress
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -228,8 +229,57 @@ def model_average(published: ArrayRecord | None, arrays: ArrayRecord, decay: flo
 
 
 
+#: Environment variable that turns on the detailed round lines (``1``): how ``cancelfl run/deploy/compare
+#: --verbose`` reaches a ServerApp that Flower runs in another process.
+VERBOSE_ENV = "CANCELFL_VERBOSE"
+
+
+def verbose_from_env() -> bool:
+    """True when :data:`VERBOSE_ENV` is ``1``/``true``/``yes``."""
+    return os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def _kb(n: float) -> str:
+    return f"{n / 1e3:.1f} kB" if n < 1e6 else f"{n / 1e6:.2f} MB"
+
+
+def round_line(row: dict, total_rounds: int, target: float | None, *, verbose: bool = False,
+               figures: dict[str, float] | None = None) -> str:
+    """The progress line of one round (``row``: its metrics.jsonl row).
+
+    Default: round, test accuracy, epsilon spent of the run's ``target`` (``none`` for a method without a
+    guarantee, ``target`` None) and the round's seconds, e.g. ``round 3/20  acc 0.842  eps 0.31/1.00  1.8 s``.
+    ``verbose`` adds the loss, epsilon per direction, clients, bytes per client and the method's own figures
+    (``figures``, e.g. the paper's accounting, marked as such).
+    """
+    acc = row.get("test_accuracy")
+    eps = row.get("epsilon")
+    parts = [f"round {row['round']}/{total_rounds}"]
+    if acc is not None:
+        parts.append(f"acc {acc:.3f}")
+    parts.append("eps none (no DP)" if target is None else
+                 f"eps {'inf' if eps is None else f'{eps:.2f}'}/{target:.2f}")
+    parts.append(f"{row['round_time_s']:.1f} s")
+    line = "  ".join(parts)
+    if not verbose:
+        return line
+    details = []
+    if row.get("test_loss") is not None:
+        details.append(f"loss {row['test_loss']:.4f}")
+    if target is not None:
+        details.append("eps upload " + ("none" if row.get("epsilon_uplink") is None else f"{row['epsilon_uplink']:.3f}")
+                       + ", model " + ("none" if row.get("epsilon_downlink") is None else f"{row['epsilon_downlink']:.3f}"))
+    details.append(f"clients {row.get('clients', 0)}")
+    details.append(f"sent {_kb(row.get('bytes_sent_per_client', 0.0))}, "
+                   f"received {_kb(row.get('bytes_received_per_client', 0.0))} per client")
+    line += "  | " + "  ".join(details)
+    if figures:
+        line += "  | method figures: " + " ".join(f"{k}={v:.3g}" for k, v in figures.items())
+    return line
+
+
 def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int | None = None,
-               progress: Callable[[str], None] = print) -> RunOutcome:
+               progress: Callable[[str], None] = print, verbose: bool | None = None) -> RunOutcome:
     """Run the strategy's rounds on ``grid``, write the run folder, return the summary and the final model.
 
     Args:
@@ -239,6 +289,8 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
         task: the model and evaluation (:class:`RunTask`).
         num_rounds: rounds to run (default and maximum: run-config ``num-rounds``, which the noise is calibrated for).
         progress: where one line per round and the run's notes go.
+        verbose: detailed round lines and the method's parameters (:func:`round_line`); None = the
+            environment variable :data:`VERBOSE_ENV`.
 
     Returns:
         :class:`RunOutcome`: the summary written to ``summary.json``, the rows of ``metrics.jsonl`` and the final
@@ -252,8 +304,11 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
     out = start_run_folder(cfg)  # created; an earlier run's outputs removed unless resuming
     arrays = task.initial
     mgrid = MeteredGrid(grid)
-    strategy.summary()
-    for line in preamble(cfg):  # the regime applied and what epsilon protects
+    verbose = verbose_from_env() if verbose is None else verbose
+    target = None if method_spec(cfg.method).guarantee(cfg.privacy_unit).unit == "none" else cfg.epsilon
+    if verbose:
+        strategy.summary()  # the method's parameters (Flower's log)
+    for line in preamble(cfg, verbose=verbose):  # the regime applied and what epsilon protects
         progress(line)
     noise_info, noise_checked = None, False
     num_params = task.num_params
@@ -281,6 +336,8 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
         progress(f"resuming after round {ckpt.round} of {total_rounds} from {out}")
     else:  # round 0: a crash in round 1 resumes with that round's charge kept
         save_checkpoint(out, Checkpoint(0, from_record(arrays), strategy.state_dict(), [], [], 0.0, cfg.to_mapping()))
+    if first <= total_rounds:  # the first round also starts the clients (a simulation's workers): say so
+        progress(f"starting round {first} of {total_rounds} ...")
     for rnd in range(first, total_rounds + 1):
         mgrid.reset()
         t0 = time.perf_counter()
@@ -294,7 +351,7 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
                 raise RoundFailed(f"round {rnd}: the aggregate is not finite (arrays {bad[:3]}); the model is kept")
         except RoundFailed as err:
             failures.append(str(err))
-            progress(f"[round {rnd}/{total_rounds}] FAILED: {err}")
+            progress(f"round {rnd}/{total_rounds}  FAILED: {err}")
             new_arrays, train_metrics = None, None
         wall = time.perf_counter() - t0
         if new_arrays is not None:
@@ -356,13 +413,9 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
                                             time.perf_counter() - t_start, cfg.to_mapping(),
                                             published=None if published is None else from_record(published)))
         else:
-            progress(f"[round {rnd}/{total_rounds}] STOPPED: {stopped}; the model of round {kept_round} is kept")
+            progress(f"round {rnd}/{total_rounds}  STOPPED: {stopped}; the model of round {kept_round} is kept")
             break
-        eps = row["epsilon"]
-        progress(f"[round {rnd}/{total_rounds}] method={cfg.method} "
-                 + ("" if acc is None else f"acc={acc:.4f} loss={loss:.4f} ")
-                 + f"eps={'inf' if eps is None else f'{eps:.3f}'} time={wall:.2f}s clients={row['clients']}"
-                 + "".join(f" {k}={v:.3g}" for k, v in strategy.round_report().items()))
+        progress(round_line(row, total_rounds, target, verbose=verbose, figures=strategy.round_report()))
     total = time.perf_counter() - t_start
     model_file = task.save_model(out, from_record(kept_arrays))
     last = rounds[-1] if rounds else {"test_accuracy": None, "test_loss": None, "epsilon": None,

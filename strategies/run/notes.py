@@ -26,8 +26,11 @@ __all__ = ["ABOVE_CHANCE", "chance_level", "learning_check", "noise_check", "ove
 ABOVE_CHANCE = 0.05
 
 
-def preamble(cfg: RunConfig) -> list[str]:
-    """Lines printed at start: the regime values applied (keys left "auto") and the guarantee's meaning."""
+def preamble(cfg: RunConfig, *, verbose: bool = True) -> list[str]:
+    """Lines printed at start: the regime values applied (keys left "auto") and the guarantee's meaning.
+
+    ``verbose`` False: the guarantee names the views it protects, not the adversaries assumed.
+    """
     applied = dict(cfg.regime_applied)
     lines = []
     if applied:
@@ -36,6 +39,10 @@ def preamble(cfg: RunConfig) -> list[str]:
     g = method_spec(cfg.method).guarantee(cfg.privacy_unit)
     if g.unit == "none":
         lines.append(f"privacy: {cfg.method} gives no DP guarantee (epsilon is reported as null)")
+    elif not verbose:
+        views = " and ".join(v for v, adv in (("the uploads", g.uplink), ("the published model", g.downlink)) if adv)
+        lines.append(f"privacy: epsilon {cfg.epsilon:g} (delta {cfg.delta:g}) per {g.unit} over the whole run, "
+                     f"protecting {views}")
     else:
         lines.append(f"privacy: epsilon={cfg.epsilon:g}, delta={cfg.delta:g} over the whole run, per {g.unit}; "
                      f"uplink (the uploads): {g.uplink or 'no guarantee'}; "
