@@ -123,6 +123,36 @@ def test_mpcdp_uploads_claim_nothing_and_the_server_recovers_them_exactly():
     assert report.bound.false_positives == 0 and report.bound.true_positives > 0 and report.epsilon_lb > 1
 
 
+def test_mp_record_moves_the_published_model_by_more_than_the_clip_in_noise_units():
+    """The MP family clips g^ per record; the model moves by R o (g^ + r^T Psi - v Phi), its noise is R o eta.
+
+    Flipping one canary's label and recovering with the real MP_Server secret and Eq. (22): the move divided
+    entrywise by R (the noise's units) exceeds the claimed replace-one sensitivity 2 clip for some secrets.
+    """
+    import os
+
+    import torch
+
+    from client.models import get_weights
+    from protocols.mpddp import clipped_client_gradients, mp_server, one_hot, output_scale, recover_blocks
+    from server.audit_canaries import canary_mlp
+    from strategies.mpddp import layers_from_weights
+
+    layers = layers_from_weights(get_weights(canary_mlp(8)))
+    x = torch.zeros(1, 8, dtype=torch.float64)
+    x[0, 0] = 10.0
+    ratios = []
+    for _ in range(300):
+        w_hat, secret = mp_server(layers, os.urandom(32), additive_scale=output_scale(layers))
+        moved = []
+        for y in (0, 1):
+            up, _ = clipped_client_gradients(w_hat, x, one_hot(torch.tensor([y]), 2, torch.float64), 1.0)
+            moved.append(torch.cat([(b / r).reshape(-1) for b, r in zip(recover_blocks(up, secret),
+                                                                         secret.trainable_R(), strict=True)]))
+        ratios.append(float((moved[0] - moved[1]).norm()) / 2.0)
+    assert max(ratios) > 1.5, max(ratios)
+
+
 def test_bad_audit_options_are_refused_naming_them():
     for spec, word in ((AuditSpec("fedavg"), "method"), (AuditSpec("ldp", canary="adaptive"), "ladp"),
                        (AuditSpec("nadp", fault="private-kl"), "ladp"), (AuditSpec("mpddp", fault="halve-noise"), "halve"),
