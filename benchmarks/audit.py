@@ -1,6 +1,7 @@
 """Claimed vs audited epsilon of every audited method and view (:mod:`server.audit`).
 
-    cancelfl-bench audit [--methods ldp,cdp,nadp] [--epsilons 1,4] [--trials 300000] [--colluders 1,2]
+    cancelfl-bench audit [--methods ldp,cdp,nadp,ladp,mpddp,mpdp-naive,mpcdp] [--epsilons 1,4] [--trials N]
+                         [--colluders 1,2]
 
 Each row runs ``cancelfl audit``: one-round releases of the method's real strategy and client handlers on
 white-box gradient canaries, the empirical lower bound ``epsilon_lb`` (95 %, Clopper-Pearson) beside the
@@ -8,7 +9,10 @@ one-round epsilon the run's accountant claims for that view (``inf`` = no guaran
 ``epsilon_lb > claimed`` is a violation (exit status 1).  ``--colluders`` adds nadp upload rows with that many
 of the 3 peers handing the server their pair material (nadp's epsilon_uplink assumes no colluding client, so
 those rows show the degradation, not a violation).  Writes ``audit.md``/``audit.csv``,
-``audit.json`` and the plot ``audit.png`` into ``--out``.
+``audit.json`` and the plot ``audit.png`` into ``--out``.  Trials and federation per method: :func:`server.audit.federation`
+(ladp: adaptive canaries, 16 clients per release; the MP family: an MLP canary, one counted canary per release);
+``--trials`` overrides the trials of every row.  ladp also gets a row with the planted fault ``private-kl`` (the
+paper's data-dependent P_j), which must be flagged.
 """
 
 from __future__ import annotations
@@ -20,12 +24,12 @@ import time
 from pathlib import Path
 
 from benchmarks.common import publish, pyplot, save_figure
-from server.audit import AUDITED, DIRECTIONS, AuditSpec, run_audit
+from server.audit import AUDITED, DIRECTIONS, AuditSpec, federation, run_audit
 
 HELP = "claimed vs empirically audited epsilon of every method and view (planted-fault self-test included)"
 
-COLUMNS = ("method", "direction", "colluders", "epsilon", "claimed", "epsilon_lb", "epsilon_ub", "point", "ratio",
-           "tp", "fp", "trials", "seconds", "verdict")
+COLUMNS = ("method", "direction", "canary", "fault", "colluders", "epsilon", "claimed", "epsilon_lb", "epsilon_ub",
+           "point", "ratio", "tp", "fp", "trials", "seconds", "verdict")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default=",".join(AUDITED))
     p.add_argument("--directions", default=",".join(DIRECTIONS))
     p.add_argument("--epsilons", default="1,4")
-    p.add_argument("--trials", type=int, default=AuditSpec.trials)
+    p.add_argument("--trials", type=int, default=None, help="canaries per row (default: per method, server.audit.federation)")
     p.add_argument("--colluders", default="1,2", help="nadp upload rows with these numbers of colluding peers ('' = none)")
     p.add_argument("--seed", type=int, default=None, help="canary labels (default: fresh)")
     p.add_argument("--out", default="runs/bench/audit")
@@ -43,14 +47,17 @@ def _row(spec: AuditSpec, seed: int | None) -> dict:
     rep = run_audit(spec, seed=seed)
     b = rep.bound
     claimed = rep.claimed_epsilon
-    if math.isinf(claimed):
+    if spec.fault:
+        verdict = "fault caught" if rep.violation else "FAULT MISSED"
+    elif math.isinf(claimed):
         verdict = "no claim"
     else:
         verdict = "VIOLATION" if rep.violation else "ok"
         if rep.violation and spec.colluders:
             verdict = "outside claim"  # epsilon_uplink assumes no colluding client (protocols.methods)
     print(rep.line(), flush=True)
-    return {"method": spec.method, "direction": spec.direction, "colluders": spec.colluders, "epsilon": spec.epsilon,
+    return {"method": spec.method, "direction": spec.direction, "canary": rep.canary, "fault": spec.fault or "",
+            "colluders": spec.colluders, "epsilon": spec.epsilon,
             "claimed": claimed, "epsilon_lb": b.epsilon_lb, "epsilon_ub": b.epsilon_ub, "point": b.epsilon_point,
             "ratio": b.epsilon_lb / claimed if math.isfinite(claimed) and claimed > 0 else None,
             "tp": b.true_positives, "fp": b.false_positives, "trials": b.trials, "seconds": round(rep.seconds, 1),
@@ -60,7 +67,8 @@ def _row(spec: AuditSpec, seed: int | None) -> dict:
 def _plot(rows: list[dict], path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    labels = [f"{r['method']} {r['direction']}" + (f" c={r['colluders']}" if r["colluders"] else "") + f" e={r['epsilon']:g}"
+    labels = [f"{r['method']} {r['direction']}" + (f" c={r['colluders']}" if r["colluders"] else "")
+              + (f" {r['fault']}" if r["fault"] else "") + f" e={r['epsilon']:g}"
               for r in rows]
     xs = range(len(rows))
     cap = max((r["claimed"] for r in rows if math.isfinite(r["claimed"])), default=1.0) * 1.6
@@ -83,13 +91,21 @@ def run(args: argparse.Namespace) -> int:
     epsilons = [float(e) for e in args.epsilons.split(",") if e]
     colluders = [int(c) for c in args.colluders.split(",") if c.strip()]
     rows = []
+
+    def spec(method: str, direction: str, eps: float, **kw) -> AuditSpec:
+        fed = federation(method, direction)
+        return AuditSpec(method, direction, eps, args.trials or fed["trials"], clients=fed["clients"],
+                         per_client=fed["per_client"], **kw)
+
     for eps in epsilons:
         for method in methods:
             for direction in directions:
-                rows.append(_row(AuditSpec(method, direction, eps, args.trials), args.seed))
+                rows.append(_row(spec(method, direction, eps), args.seed))
             if method == "nadp" and "upload" in directions:
                 for c in colluders:
-                    rows.append(_row(AuditSpec(method, "upload", eps, args.trials, colluders=c), args.seed))
+                    rows.append(_row(spec(method, "upload", eps, colluders=c), args.seed))
+            if method == "ladp" and "upload" in directions:
+                rows.append(_row(spec(method, "upload", eps, fault="private-kl"), args.seed))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "audit.json").write_text(json.dumps([r["report"] for r in rows], indent=2) + "\n")
@@ -100,8 +116,12 @@ def run(args: argparse.Namespace) -> int:
              "releases); epsilon_ub: the upper end of what this test could show; ratio = epsilon_lb / claimed",
              "adjacency: replace-one record; canaries: white-box gradient canaries (clipped gradient +-clip along "
              "their own coordinate), 4 clients x 500 per release",
+             "ladp: adaptive canaries (the label also moves the layer's KL estimate; one trial per client upload); "
+             "fault private-kl = the paper's P_j from the trained local model (a data-dependent noise scale)",
+             "MP family (mpddp, mpdp-naive, mpcdp): canary MLP (4 hidden units), the paper's xi step; the secret R "
+             "of a release scales all its canaries' noise, so the bound counts one canary per release (low power)",
              "colluders: peers of each audited client handing the server their pair material; nadp's epsilon_uplink "
              "assumes no colluding client, so 'outside claim' marks a bound above it in those rows (the degradation)"]
     publish(rows, COLUMNS, args, "audit", title="Privacy audit: claimed vs audited epsilon", notes=notes,
             total=time.perf_counter() - t0)
-    return 1 if any(r["verdict"] == "VIOLATION" for r in rows) else 0
+    return 1 if any(r["verdict"] in ("VIOLATION", "FAULT MISSED") for r in rows) else 0

@@ -67,10 +67,15 @@ Interpretations and corrections (each is also noted where it is implemented):
   ``kl_div(input, target)`` argument order mentioned in Algorithm 3.
 * A "layer" is one entry of the ``dict`` (e.g. one state_dict tensor; weight and
   bias of a module are separate layers unless the caller concatenates them).
-* Caveats (not fixed, reported): unselected layers are released without noise, so
-  the model-level guarantee only covers the selected layers; and selection and
-  ``sigma_j`` depend on the private local weights, which the paper's Theorem 3
-  ignores.
+* Data-dependent noise scale (fixed): Algorithm 2 selects layers and sets ``P_j`` from the trained
+  local model, so ``sigma_j`` is a function of the private data; one record that moves the KL across
+  ``[min_kl, B]`` changes the noise std up to ``B / min_kl`` times, and the upload's own noise reveals
+  it (``cancelfl audit --method ladp``, canary ``adaptive``: epsilon_lb 5.3 against a claimed 1).  The
+  client therefore uses :func:`plan_public_noise`: selection on the received global model and ``P_j``
+  from :func:`public_estimates` (the KL between the last two published global models, sent by the
+  server), i.e. the layer's change one round late.  :func:`plan_layer_noise` keeps the paper's form.
+* Unselected layers are released without noise, so the model-level guarantee only covers the
+  selected layers (the run then reports epsilon infinite).
 """
 
 from __future__ import annotations
@@ -97,6 +102,8 @@ __all__ = [
     "theorem3_c",
     "layer_sigma",
     "plan_layer_noise",
+    "plan_public_noise",
+    "public_estimates",
     "apply_layer_noise",
     "full_ldp_plan",
     "expected_noise_sq_norm",
@@ -317,6 +324,63 @@ def plan_layer_noise(
         kl = softmax_kl(w, g)
         p = max(min(kl, kl_cap), min_kl)
         plan[name] = LayerNoise(selected=True, norm=norm, kl=kl, privacy=p, sigma=layer_sigma(c, sens, epsilon, p))
+    return plan
+
+
+def public_estimates(current: Mapping[str, np.ndarray], previous: Mapping[str, np.ndarray] | None) -> dict[str, float]:
+    """The server's per-layer privacy estimate: ``KL(softmax(w_g^t_j) || softmax(w_g^(t-1)_j))`` of two published models.
+
+    Algorithm 3 on the layer's change over the last round, measured on public models (post-processing of
+    earlier releases), so the noise scale it sets does not depend on this round's private data.  ``previous``
+    None (round 1): no estimate (empty dict; the client then uses ``B``, the floor noise).
+    """
+    if previous is None:
+        return {}
+    return {name: softmax_kl(current[name], previous[name]) for name in current if name in previous}
+
+
+def plan_public_noise(
+    global_layers: Mapping[str, np.ndarray],
+    estimates: Mapping[str, float],
+    *,
+    epsilon: float,
+    delta: float,
+    sensitivity: float,
+    norm_threshold: float,
+    kl_cap: float,
+    constant: Constant = "corrected",
+    min_kl: float = 1e-12,
+) -> dict[str, LayerNoise]:
+    """Per-layer LaDP noise plan from public inputs only: the data-independent form of :func:`plan_layer_noise`.
+
+    Selection ``||w_g_j|| >= R`` on the received global model and ``P_j = max(min(estimates[j], B), min_kl)``
+    (a layer without an estimate gets ``P_j = B``, the floor noise) with ``estimates`` from
+    :func:`public_estimates`; ``sigma_j = c Delta_f / (epsilon P_j)`` (Eq. 10).  Neither depends on the local
+    data, so each noised layer is a Gaussian mechanism with a fixed ``sigma_j >= c0 Delta_f / epsilon``.
+    :func:`plan_layer_noise` computes both from the trained local model: its noise scale is a function of the
+    private data (a record that moves the KL across ``[min_kl, B]`` changes sigma up to ``B / min_kl`` times,
+    which the noise itself reveals), which Theorem 3 does not cover.
+    """
+    if not (math.isfinite(norm_threshold) and norm_threshold >= 0):
+        raise ValueError(f"norm_threshold (R) must be >= 0, got {norm_threshold!r}")
+    if not (0 < min_kl <= kl_cap):
+        raise ValueError(f"need 0 < min_kl <= kl_cap, got min_kl={min_kl!r}, kl_cap={kl_cap!r}")
+    unknown = set(estimates) - set(global_layers)
+    if unknown:
+        raise ValueError(f"estimates for unknown layers: {sorted(unknown)}")
+    sens = _check_sensitivity(sensitivity)
+    c = theorem3_c(epsilon, delta, kl_cap, constant)
+    plan: dict[str, LayerNoise] = {}
+    for name, layer in global_layers.items():
+        norm = float(np.linalg.norm(np.asarray(layer, dtype=np.float64).ravel()))
+        if norm < norm_threshold:
+            plan[name] = LayerNoise(selected=False, norm=norm, kl=None, privacy=None, sigma=0.0)
+            continue
+        est = float(estimates.get(name, kl_cap))
+        if not (math.isfinite(est) and est >= 0):
+            raise ValueError(f"layer {name!r}: privacy estimate must be finite and >= 0, got {est!r}")
+        p = max(min(est, kl_cap), min_kl)
+        plan[name] = LayerNoise(selected=True, norm=norm, kl=est, privacy=p, sigma=layer_sigma(c, sens, epsilon, p))
     return plan
 
 

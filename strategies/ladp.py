@@ -26,32 +26,35 @@ Wang 2018).  This is tighter than the basic composition
 amplification: the server knows whom it sampled.  The same bound is reported for the
 downlink (the global model is post-processing of the uploads).
 
-Honest caveats (the paper's Theorem 3 ignores them):
+Data-independent noise scale: the paper's Algorithm 2 selects layers and sets ``P_j`` from the trained local
+model, a function of the private data that the Gaussian-mechanism argument does not cover (a record that moves
+the KL changes sigma, which the upload reveals).  Here the server sends each round the KL between the last two
+global models it published (:func:`protocols.ladp.public_estimates`, none in round 1) and the client selects
+on the received global model's layer norms (:func:`protocols.ladp.plan_public_noise`), so every sigma_j is
+fixed before the client touches its data.
 
-* layers below ``R`` are uploaded *without* noise, so there is no model-level
-  guarantee: once any client has released an un-noised layer, ``epsilon`` is reported
-  as infinite (``math.inf``); the guarantee restricted to the noised layers (the
-  paper's claim) is reported per round as ``epsilon_noised_layers``;
-* layer selection and ``sigma_j`` depend on the private local weights (data-dependent
-  noise scale), which the Gaussian-mechanism argument does not cover.
+Honest caveat: layers below ``R`` are uploaded *without* noise, so there is no model-level guarantee: once any
+client has released an un-noised layer, ``epsilon`` is reported as infinite (``math.inf``); the guarantee
+restricted to the noised layers (the paper's claim) is reported per round as ``epsilon_noised_layers``.
 
 Round figures (``report``, written to metrics.jsonl), from each client's
 :class:`client.messages.ladp.NoiseReport`: ``noised_layers`` (mean number
 of noised layers per client), ``total_noise_norm`` (mean per client of the L2 norm of
 its noise), ``aggregate_noise_norm`` (expected L2 norm of the noise left in the
 weighted mean, ``sqrt(sum_i w_i^2 ||n_i||^2)``), ``epsilon_noised_layers``,
-``epsilon_basic`` and ``noise_norm/<layer>`` (mean per client).  The aggregated client
-metrics also carry ``sigma/<layer>``, ``kl/<layer>`` and ``selected/<layer>``.
+``epsilon_basic`` and ``noise_norm/<layer>`` (expected, mean per client).  The aggregated client
+metrics also carry ``sigma/<layer>``, ``kl/<layer>`` (the public estimate used) and ``selected/<layer>``.
 """
 
 from __future__ import annotations
 
 import math
 
-from flwr.app import ArrayRecord, Message
+from flwr.app import ArrayRecord, Message, RecordDict
 
-from client.messages.common import num_examples
-from client.messages.ladp import NoiseReport
+from client.messages.common import merge_configs, num_examples
+from client.messages.ladp import NoiseReport, PublicEstimates
+from client.wire import from_record
 from protocols import ladp
 from protocols.config import RunConfig
 from protocols.privacy import GaussianEvent, GdpAccountant, PrivacyLedger, record_training_movement
@@ -74,6 +77,21 @@ class LadpStrategy(CancelStrategy):
         # The paper's claim, restricted to the noised layers, is the extra account "noised_layers".
         model = GdpAccountant()
         self.privacy = PrivacyLedger(cfg.delta, uplink=model, downlink=model, extra={"noised_layers": GdpAccountant()})
+        #: The global model of the previous round (public) and this round's per-layer estimates from it.
+        self._previous: dict | None = None
+        self._estimates: dict[str, float] = {}
+
+    def train_content(self, state: RoundState, node: int, arrays: ArrayRecord) -> RecordDict:
+        """The global model, the round, and the public per-layer privacy estimates (:mod:`protocols.ladp`)."""
+        return RecordDict({"arrays": arrays, "config": merge_configs(
+            self.train_config(state.round), PublicEstimates(self._estimates).to_config())})
+
+    def prepare_round(self, grid, server_round: int, nodes: list[int], arrays: ArrayRecord) -> RoundState:
+        """Set the round's estimates: KL between the model sent now and the one sent last round (both published)."""
+        current = from_record(arrays)
+        self._estimates = ladp.public_estimates(current, self._previous)
+        self._previous = current
+        return super().prepare_round(grid, server_round, nodes, arrays)
 
     def account_round(self, state: RoundState) -> None:
         """Every noised layer gets at least multiplier z: the round is a Gaussian release with z (model and layers)."""

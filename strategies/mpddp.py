@@ -78,8 +78,12 @@ CAVEATS (found while implementing, reported, not fixed -- they are properties of
 * What a client receives hides the model only up to positive row scales in layer 1 (R^(1)_ij = r_i):
   ``client_model_row_cosine_l1`` = 1 exactly, i.e. the direction of every first-layer neuron is revealed.
 Headline ``epsilon``/``epsilon_uplink``/``epsilon_downlink`` of ``mpddp`` and ``mpdp-naive`` are the
-nominal (paper-model) figures described above; ``mpcdp``'s downlink figure is a real guarantee (trusted
-server, enforced clipping) and its uplink is infinite (the server sees every client's exact gradient).
+nominal (paper-model) figures described above.  ``mpcdp``'s downlink figure is nominal too: the clip bounds
+a record's perturbed gradient g^, but the published model moves by R o (g^ + r^T Psi - v Phi) for that
+record while its noise is R o eta, so in the noise's own units the record moves it by ||g^ + r^T Psi - v Phi||,
+which the clip does not bound (white-box, ``tests/test_audit.py``: above 2 clip for some secrets R).  The
+audit (``cancelfl audit``) has not shown a violation with its canaries.  Its uplink is infinite (the server
+sees every client's exact gradient).
 
 Noise hooks: :meth:`_MpBase.round_noise` (the scales sent to the clients) and
 :meth:`MpcdpStrategy.server_sigma` (MP-CDP's server noise) hold the whole calibration of a round.

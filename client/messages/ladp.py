@@ -1,7 +1,8 @@
 """LaDP-FL message vocabulary: the layer-wise noise report a client sends with its noisy model.
 
-The train message carries nothing LaDP-specific (the client reads epsilon, delta,
-``R``, ``B`` and the clip from its run config); the reply's metrics carry a
+The train message carries the server's public per-layer privacy estimates (:class:`PublicEstimates`:
+the KL between the last two published global models; the client reads epsilon, delta, ``R``, ``B``
+and the clip from its run config); the reply's metrics carry a
 :class:`NoiseReport`, which the server (:mod:`strategies.ladp`) decodes to report
 which layers got noise and how much, and to notice an un-noised release.  Every
 metric key of that report lives here, as a private constant or prefix.
@@ -13,6 +14,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from flwr.app import ConfigRecord
 
 from client.messages.common import read_float
 
@@ -26,11 +29,38 @@ _NOISE_NORM = "noise_norm/"
 _SIGMA = "sigma/"
 _SELECTED = "selected/"
 _KL = "kl/"
+#: Train-config prefix of the server's public estimate of a layer (``ladp-estimate/<layer name>``).
+_ESTIMATE = "ladp-estimate/"
+
+
+@dataclass(frozen=True)
+class PublicEstimates:
+    """The train message's per-layer privacy estimates ``P_j`` (public: :func:`protocols.ladp.public_estimates`).
+
+    Empty in round 1.  The client clamps each to ``[B / max-boost, B]``, so a server can only add noise.
+    """
+
+    layers: Mapping[str, float]
+
+    def to_config(self) -> ConfigRecord:
+        return ConfigRecord({_ESTIMATE + name: float(v) for name, v in self.layers.items()})
+
+    @classmethod
+    def from_config(cls, rec: Mapping[str, Any]) -> PublicEstimates:
+        """Decode (ValueError naming a key that is not a finite number >= 0)."""
+        out = {}
+        for key in rec:
+            if key.startswith(_ESTIMATE):
+                value = read_float(rec, key)
+                if not (math.isfinite(value) and value >= 0):
+                    raise ValueError(f"'{key}' must be a finite number >= 0, got {value!r}")
+                out[key[len(_ESTIMATE):]] = value
+        return cls(out)
 
 
 @dataclass(frozen=True)
 class LayerNoise:
-    """What one layer (one ``state_dict`` tensor) got: noise L2 norm, ``sigma_j``, selection, raw KL."""
+    """What one layer (one ``state_dict`` tensor) got: expected noise L2 norm, ``sigma_j``, selection, public estimate."""
 
     noise_norm: float
     sigma: float

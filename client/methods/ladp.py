@@ -11,10 +11,13 @@ Per round, for the received global model ``w_g``:
    mean's clip bounds what *any* change of the data can do (a client-level bound, at chance
    accuracy at epsilon 1); per-example clipping makes the one-record bound -- the paper's
    adjacency -- correct and ``N_i`` times tighter (:mod:`protocols.ladp`);
-3. layer selection ``||w_local_j||_2 >= R`` (``ladp-norm-threshold``), privacy estimate
-   ``P_j = min(KL(softmax(w_local_j) || softmax(w_g_j)), B)`` (``ladp-kl-cap``) and
-   ``sigma_j = c Delta_f / (epsilon P_j)`` with ``c = c0 B`` (Algorithms 3-4) -- all in
-   :func:`protocols.ladp.plan_layer_noise`, which uses the *corrected* Theorem 3
+3. layer selection ``||w_g_j||_2 >= R`` (``ladp-norm-threshold``) on the received global model, privacy
+   estimate ``P_j = min(est_j, B)`` (``ladp-kl-cap``) from the server's public estimate ``est_j`` (the KL
+   between the last two published global models, :class:`client.messages.ladp.PublicEstimates`; ``B`` in
+   round 1), floored at ``B / ladp-max-boost``, and ``sigma_j = c Delta_f / (epsilon P_j)`` with ``c = c0 B``
+   (Algorithms 3-4) -- all in :func:`protocols.ladp.plan_public_noise`.  Algorithm 2 computes selection and
+   ``P_j`` from the trained local model, which makes the noise scale a function of the private data (not
+   DP: :mod:`protocols.ladp`).  The plan uses the *corrected* Theorem 3
    constant ``c0 = (m + sqrt(m^2 + 2 eps)) / 2``, ``m = max(1, sqrt(ln(2/(pi delta^2))))``
    (the paper's Eq. (11) has ``L/2`` in place of ``L`` and is not (eps, delta)-DP);
 4. Gaussian noise from the AES-CTR CSPRNG (fresh ``os.urandom`` seed) added to the
@@ -28,12 +31,13 @@ num-rounds)``, so the run's ``epsilon``/``delta`` is the whole-run target (:mod:
 Metrics sent with the upload (a :class:`client.messages.ladp.NoiseReport`; the server
 averages them over clients, by examples): ``noised_layers``, ``num_layers``, ``total_noise_norm`` (L2 norm of the whole noise
 vector), ``sensitivity``, ``local_steps`` and per layer ``noise_norm/<layer>``,
-``sigma/<layer>``, ``selected/<layer>`` (0/1) and ``kl/<layer>`` (raw KL).  They reveal
-the per-layer noise scale, which depends on the private local weights (a caveat of the paper's design, reported, not fixed).
+``sigma/<layer>``, ``selected/<layer>`` (0/1) and ``kl/<layer>`` (the public estimate used); the noise
+norms are the expected ones (``sigma_j sqrt(size_j)``): every figure is a function of public inputs.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -41,7 +45,7 @@ from flwr.app import Message
 
 from client.env import ClientEnv, record_level_training, reply
 from client.floor import release
-from client.messages.ladp import LayerNoise, NoiseReport
+from client.messages.ladp import LayerNoise, NoiseReport, PublicEstimates
 from client.wire import to_record
 from protocols import ladp
 from protocols.privacy import GaussianEvent, local_sgd_steps, record_sensitivity
@@ -60,6 +64,11 @@ def local_steps(num_examples: int, local_epochs: int, batch_size: int) -> int:
     return local_sgd_steps(num_examples, epochs=local_epochs, batch_size=batch_size)
 
 
+def privacy_estimates(msg: Message, local_w: dict[str, np.ndarray], global_w: dict[str, np.ndarray]) -> dict[str, float]:
+    """The per-layer ``P_j`` the noise is set from: the server's public estimates (never the local model)."""
+    return dict(PublicEstimates.from_config(msg.content["config"]).layers)
+
+
 def train(msg: Message, env: ClientEnv) -> Message:
     """Per-example clipped local training + LaDP layer-wise noise; uploads the noisy local model."""
     cfg = env.cfg
@@ -67,9 +76,9 @@ def train(msg: Message, env: ClientEnv) -> Message:
     steps = local_steps(len(env.y), cfg.local_epochs, cfg.batch_size)
     sens = record_sensitivity(cfg, len(env.y))  # the client's own N_i: nothing comes from the server
     eps_round = ladp.round_epsilon(cfg.epsilon, cfg.delta, cfg.num_rounds)  # the run's epsilon is the target
-    plan = ladp.plan_layer_noise(
-        local_w,
+    plan = ladp.plan_public_noise(
         global_w,
+        privacy_estimates(msg, local_w, global_w),
         epsilon=eps_round,
         delta=cfg.delta,
         sensitivity=sens,
@@ -77,12 +86,11 @@ def train(msg: Message, env: ClientEnv) -> Message:
         kl_cap=cfg.ladp_kl_cap,
         min_kl=cfg.ladp_kl_cap / cfg.ladp_max_boost,  # a layer's noise is at most max-boost x the floor
     )
-    noisy, noise_norms = ladp.apply_layer_noise(local_w, plan, _noise_seed())
-    # Algorithm 2 computes KL for selected layers only; we report it for every
-    # layer so the server-side means are not diluted by missing entries.
+    noisy, _ = ladp.apply_layer_noise(local_w, plan, _noise_seed())
+    # Every reported figure is public (the plan's): the realised noise norm would reveal the noise itself.
     report = NoiseReport(
-        layers={name: LayerNoise(noise_norm=noise_norms[name], sigma=entry.sigma, selected=bool(entry.selected),
-                                 kl=entry.kl if entry.kl is not None else ladp.softmax_kl(local_w[name], global_w[name]))
+        layers={name: LayerNoise(noise_norm=entry.sigma * math.sqrt(np.size(local_w[name])), sigma=entry.sigma,
+                                 selected=bool(entry.selected), kl=entry.privacy if entry.privacy is not None else 0.0)
                 for name, entry in plan.items()},
         sensitivity=sens,
         local_steps=steps,
