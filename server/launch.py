@@ -240,6 +240,10 @@ def _main(args: argparse.Namespace) -> int:
             args.supernodes = args.supernodes or given or 4
             overrides["num-clients"] = args.supernodes
         cfg = preflight(overrides)
+        if args.command == "deploy":
+            from server.deploy import check_capacity
+
+            check_capacity(args.supernodes)  # every SuperNode is a process on this machine
         overrides["out-dir"] = choose_out_dir(cfg, overwrite=args.overwrite)
     except ValueError as err:  # ConfigError and the data loader's errors: refused before any process starts
         print(f"cancelfl: {err}", file=sys.stderr)

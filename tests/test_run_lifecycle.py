@@ -222,6 +222,19 @@ def test_supernodes_and_num_clients(tmp_path, capsys, monkeypatch, argv, nodes, 
                          "clients"] if warned else []), err
 
 
+def test_more_supernodes_than_memory_holds_is_refused_at_start(tmp_path, capsys, monkeypatch):
+    """``cancelfl deploy`` starts every SuperNode here: more than the available memory holds is refused, naming how many fit."""
+    seen: list[int] = []
+    monkeypatch.setattr("server.deploy.available_memory_mb", lambda: 2048.0)  # 2 GB: 7 idle SuperNodes of 260 MB
+    monkeypatch.setattr("server.deploy.run_deployment", lambda o, *, num_supernodes, tls: seen.append(num_supernodes) or 0)
+    code, err = _cli(capsys, "deploy", "--supernodes", "8", "--run-config", f'out-dir="{tmp_path / "a"}"')
+    assert code == 2 and "--supernodes / run-config 'num-clients' = 8" in err and "at most 7 fit here" in err, err
+    code, err = _cli(capsys, "deploy", "--run-config", f'num-clients=8 out-dir="{tmp_path / "b"}"')
+    assert code == 2 and "at most 7 fit here" in err and seen == [], err
+    assert _cli(capsys, "deploy", "--supernodes", "7", "--run-config", f'out-dir="{tmp_path / "c"}"')[0] == 0
+    assert seen == [7]
+
+
 def test_out_dir_that_cannot_be_created(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     code, err = _cli(capsys, "run", "--run-config", f'out-dir="{tmp_path / "afile" / "run"}"')
