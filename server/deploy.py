@@ -48,9 +48,10 @@ BIN = Path(sys.executable).parent
 LAUNCH_MARK = "CANCELFL_LAUNCH_ID"
 
 
-#: Resident memory of one idle SuperNode with its SuperExec (Flower 1.41: about 136 + 127 MB); a node also runs
-#: a ClientApp process during the rounds, so this is a lower bound of what each SuperNode needs.
-SUPERNODE_IDLE_MB = 260
+#: Private (anonymous) memory of one idle ``cancelfl-supernode`` in MB, Flower 1.41: the SuperNode about 95, its warm
+#: ClientApp process with torch imported about 415, its SuperExec about 90.  Training adds to it, so this is a
+#: lower bound of what each SuperNode needs.
+SUPERNODE_IDLE_MB = 600
 
 
 def available_memory_mb() -> float | None:

@@ -102,7 +102,7 @@ def test_bad_idx_files_are_refused_before_any_process(tmp_path, capsys, monkeypa
 @pytest.mark.parametrize(("run_config", "needle"), [
     ("seed=-1", "'seed' = -1"),
     ('hidden="0"', "hidden=\"\" gives a linear model"),
-    ('method="mpddp" num-clients=1', "at least 2 clients per round"),  # the strategy's own check, via preflight
+    ('method="mpddp" num-clients=1', "at least 2 clients per round"),
     ("num-rounds=2 num-rounds=3", "given twice"),
     ('method=fedavg', "strings must be quoted"),
     ('method="ddpsa" num-clients=1', "at least 2 clients per round"),
@@ -206,7 +206,7 @@ def test_zero_supernodes_is_an_argument_error(capsys, monkeypatch):
 def test_supernodes_and_num_clients(tmp_path, capsys, monkeypatch, argv, nodes, warned):
     seen: list[tuple[int, int]] = []
 
-    def deployment(overrides, *, num_supernodes, tls):
+    def deployment(overrides, *, num_supernodes, **_):
         seen.append((num_supernodes, overrides["num-clients"]))
         return 0
 
@@ -224,9 +224,11 @@ def test_supernodes_and_num_clients(tmp_path, capsys, monkeypatch, argv, nodes, 
 
 def test_more_supernodes_than_memory_holds_is_refused_at_start(tmp_path, capsys, monkeypatch):
     """``cancelfl deploy`` starts every SuperNode here: more than the available memory holds is refused, naming how many fit."""
+    from server.deploy import SUPERNODE_IDLE_MB
+
     seen: list[int] = []
-    monkeypatch.setattr("server.deploy.available_memory_mb", lambda: 2048.0)  # 2 GB: 7 idle SuperNodes of 260 MB
-    monkeypatch.setattr("server.deploy.run_deployment", lambda o, *, num_supernodes, tls: seen.append(num_supernodes) or 0)
+    monkeypatch.setattr("server.deploy.available_memory_mb", lambda: 7.5 * SUPERNODE_IDLE_MB)  # 7 idle SuperNodes fit
+    monkeypatch.setattr("server.deploy.run_deployment", lambda o, *, num_supernodes, **_: seen.append(num_supernodes) or 0)
     code, err = _cli(capsys, "deploy", "--supernodes", "8", "--run-config", f'out-dir="{tmp_path / "a"}"')
     assert code == 2 and "--supernodes / run-config 'num-clients' = 8" in err and "at most 7 fit here" in err, err
     code, err = _cli(capsys, "deploy", "--run-config", f'num-clients=8 out-dir="{tmp_path / "b"}"')
