@@ -12,9 +12,9 @@ the messages are the classes of :mod:`client.messages.niss`):
    aggregation weight ``p_k``.  It calibrates ``sigma_k`` (below), splits its noise
    into one share of variance ``sigma_k^2 / m`` per neighbour (``m`` neighbours,
    :func:`protocols.niss.plan_shares`), and returns *one* AES-256-GCM-sealed payload
-   per neighbour (so the server cannot drop a payload unnoticed).  The relay key is the pairwise HKDF seed for purpose
-   ``niss-relay-key``; the associated data binds (sender, receiver, round, run id,
-   encoding).  Payload: ``seed`` encoding = (count, share std, 32-byte seed) from
+   per neighbour (so the server cannot drop a payload unnoticed).  The relay key is
+   the pairwise HKDF seed for purpose ``niss-relay-key``; the associated data binds
+   (sender, receiver, round, run id, encoding).  Payload: ``seed`` encoding = (count, share std, 32-byte seed) from
    which both sides expand the same shares with :mod:`protocols.prg`;
    ``vector`` encoding = the negated share vectors themselves (float64).
    A client that fails this phase (or answers malformed) is removed, the graph is

@@ -7,10 +7,11 @@ calibration; the messages are the classes of :mod:`client.messages.niss`):
   and dataset size (:func:`protocols.niss.client_sigma`: ``z p_k`` times the record-level
   sensitivity of its training, or ``z p_k clip`` with ``privacy-unit = "client"``), split
   it into one share per neighbour named by the server (tracker), of variance
-  ``sigma_k^2 / m`` each (:func:`protocols.niss.client_plan`; the count does not depend on
-  ``sigma_k``), and return one AES-256-GCM payload per neighbour.  The shares' seeds, the relay keys and the
-  parameters are kept in ``Context.state`` (the only storage that survives between
-  phases; in deployment every message runs in a fresh process).
+  ``sigma_k^2 / m`` each (:func:`protocols.niss.client_plan`; the count does not
+  depend on ``sigma_k``), and return one AES-256-GCM payload per neighbour.  The
+  shares' seeds, the relay keys and the parameters are kept in ``Context.state`` (the
+  only storage that survives between phases; in deployment every message runs in a
+  fresh process).
 * :func:`train` (``train``): open every relayed payload first (any missing,
   duplicated, unexpected or unauthentic payload -> no upload, the senders are
   reported; the client leaves the round and the dropout recovery removes the
