@@ -15,8 +15,7 @@ comes from the OS):
   noise variance next to Theorem 2 -- it does not change the training,
 * ``niss`` (tau = 0, cancellation-check off, one run each, full length so the
   noise calibration is the same) with the ``seed`` and ``vector`` share
-  encodings, at ``--unit-variance`` and at unit variance 1.0 (one share per
-  client), for the bytes per client per round: the runner's
+  encodings (one share per neighbour), for the bytes per client per round: the runner's
   ``bytes_sent_per_client`` (server -> client) and ``bytes_received_per_client``
   (client -> server), summed over all phases of a round.
 
@@ -71,8 +70,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--baselines", default="fedavg,ldp", help="comma list of fedavg, ldp ('' = none)")
     ap.add_argument("--first-seed", type=int, default=42)
     ap.add_argument("--no-bytes", action="store_true", help="skip the bytes-per-encoding runs")
-    ap.add_argument("--unit-variance", type=float, default=1e-4,
-                    help="niss-unit-variance sigma^2 (small enough for tens of shares per client)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     taus = [float(t) for t in args.taus.split(",") if t]
     base = {"dataset": args.dataset, "num-clients": args.num_clients, "num-rounds": args.num_rounds,
             "epsilon": args.epsilon, "delta": args.delta, "clip": args.clip}
-    niss = {**base, "method": "niss", "niss-unit-variance": args.unit_variance}
+    niss = {**base, "method": "niss"}
     configs = [(b, "-", {**base, "method": b}) for b in args.baselines.split(",") if b]
     configs += [("niss", f"{t:g}", {**niss, "niss-tau": t, "cancellation-check": True}) for t in taus]
 
@@ -118,21 +115,18 @@ def run(args: argparse.Namespace) -> int:
 
         # Bytes per client per round for both encodings (no diagnostic side channel).
         traffic = []
-        for uv in () if args.no_bytes else (args.unit_variance, 1.0):
-            for enc in ("seed", "vector"):
-                if enc == "seed" and uv == 1.0:
-                    continue  # seed payloads do not depend on the number of shares
-                summary, rows = _run({**niss, "niss-tau": 0.0, "niss-unit-variance": uv, "seed": 42,
-                                      "niss-share-encoding": enc}, tmp, f"bytes-{enc}-{uv}")
-                traffic.append({"method": "niss", "encoding": enc, "unit_variance": uv,
-                                "shares_per_client": summary["method_parameters"]["shares_per_client"],
-                                "accuracy": summary["final_accuracy"],
-                                "bytes_sent_per_client_round": _mean([r["bytes_sent_per_client"] for r in rows]),
-                                "bytes_received_per_client_round": _mean([r["bytes_received_per_client"]
-                                                                         for r in rows])})
-                print(f"bytes   {enc:6s} unit-variance={uv:g}: {traffic[-1]}", flush=True)
+        for enc in () if args.no_bytes else ("seed", "vector"):
+            summary, rows = _run({**niss, "niss-tau": 0.0, "seed": 42, "niss-share-encoding": enc}, tmp,
+                                 f"bytes-{enc}")
+            traffic.append({"method": "niss", "encoding": enc,
+                            "shares_per_client": summary["method_parameters"]["shares_per_client"],
+                            "accuracy": summary["final_accuracy"],
+                            "bytes_sent_per_client_round": _mean([r["bytes_sent_per_client"] for r in rows]),
+                            "bytes_received_per_client_round": _mean([r["bytes_received_per_client"]
+                                                                     for r in rows])})
+            print(f"bytes   {enc:6s}: {traffic[-1]}", flush=True)
         for r in [r for r in results if r["method"] != "niss"]:
-            traffic.append({"method": r["method"], "encoding": "-", "unit_variance": "-", "shares_per_client": 0,
+            traffic.append({"method": r["method"], "encoding": "-", "shares_per_client": 0,
                             "accuracy": r["acc_mean"], "bytes_sent_per_client_round": r["bytes_sent_per_client_round"],
                             "bytes_received_per_client_round": r["bytes_received_per_client_round"]})
 
@@ -192,8 +186,7 @@ def run(args: argparse.Namespace) -> int:
                            worst <= 1e-9, f"worst relative residual {worst:.2e}"))
 
     md = [f"# NISS benchmark ({args.dataset}, {args.num_clients} clients, {args.num_rounds} rounds, "
-          f"epsilon={args.epsilon:g}, delta={args.delta:g}, clip={args.clip:g}, "
-          f"niss-unit-variance={args.unit_variance:g}, {args.repeats} repeats)", "",
+          f"epsilon={args.epsilon:g}, delta={args.delta:g}, clip={args.clip:g}, {args.repeats} repeats)", "",
           "| method | tau | accuracy (mean ± std) | per seed | epsilon | z | shares/client | "
           "bytes S->C /client/round | bytes C->S /client/round | time/run (s) |",
           "|---|---|---|---|---|---|---|---|---|---|"]
@@ -217,9 +210,9 @@ def run(args: argparse.Namespace) -> int:
         md.append(f"| {t:g} | {len(rows_t)} | {thm:.4g} | {meas:.4g} | {min(ratios):.3f}..{max(ratios):.3f} | "
                   f"{max(v['aggregate_error_rel'] for v in rows_t):.3g} |")
     md += ["", "## Bytes per client per round (cancellation-check off)", "",
-           "| method | encoding | unit variance | shares/client | final acc | server -> client | client -> server |",
-           "|---|---|---|---|---|---|---|"]
-    md += [f"| {t['method']} | {t['encoding']} | {t['unit_variance']} | {t['shares_per_client']} | "
+           "| method | encoding | shares/client | final acc | server -> client | client -> server |",
+           "|---|---|---|---|---|---|"]
+    md += [f"| {t['method']} | {t['encoding']} | {t['shares_per_client']} | "
            f"{t['accuracy']:.4f} | {t['bytes_sent_per_client_round']:.0f} | "
            f"{t['bytes_received_per_client_round']:.0f} |" for t in traffic]
     md += ["", "## Checks", ""] + [f"- [{'x' if ok else ' '}] {name}: {detail}" for name, ok, detail in checks]

@@ -35,6 +35,8 @@ from protocols.methods import (
 from protocols.server_optimizers import SERVER_OPTIMIZERS
 
 DATASETS = ("digits", "breast-cancer", "mnist", "fashion-mnist")
+#: Keys of earlier releases that no longer mean anything: refused (strict mode) with the reason.
+REMOVED_KEYS = {"niss-unit-variance": "NISS sends one noise share per neighbour whatever the noise variance"}
 MODELS = ("mlp", "cnn")
 DEVICES = ("cpu", "cuda", "auto")
 
@@ -118,7 +120,6 @@ class RunConfig:
     nadp_lambda: float = 0.0  # compensation factor; 0 = derive from nadp-tau
     nadp_tau: float = 0.5  # tolerated collusion rate for lambda (Eq. 8)
     nadp_variant: str = "nadp"  # "record-ldp" = the paper's LDP-FL comparator (same training, no cancellation)
-    niss_unit_variance: float = 1.0  # sigma^2 of one noise share
     niss_tau: float = -1.0  # distortion std; < 0 = max(Theorem 3 for niss-rho, 1/sqrt(clients per round))
     niss_rho: float = 0.5  # tolerated colluding fraction (Theorem 3)
     niss_share_encoding: str = "seed"  # a share travels as an encrypted 32-byte seed, or as the vector itself
@@ -169,6 +170,8 @@ class RunConfig:
         for key, value in raw.items():
             f = known.get(key)
             if f is None:
+                if strict and key in REMOVED_KEYS:
+                    raise ConfigError(f"run-config '{key}' was removed: {REMOVED_KEYS[key]}")
                 if strict:
                     raise ConfigError(
                         f"unknown run-config key '{key}'; known keys: {', '.join(sorted(known))}"
@@ -266,8 +269,8 @@ class RunConfig:
         if not (math.isfinite(self.model_ema) and 0 <= self.model_ema < 1):
             raise ConfigError(f"run-config 'model-ema' = {self.model_ema} must be in [0, 1) (0 = publish the last "
                               "global model)")
-        for key in ("lr", "epsilon", "clip", "dirichlet-alpha", "round-timeout", "node-timeout", "niss-unit-variance",
-                    "mpddp-server-lr", "ladp-kl-cap"):
+        for key in ("lr", "epsilon", "clip", "dirichlet-alpha", "round-timeout", "node-timeout", "mpddp-server-lr",
+                    "ladp-kl-cap"):
             _positive(key, float(getattr(self, key.replace("-", "_"))))
         _positive("ladp-norm-threshold", self.ladp_norm_threshold, allow_zero=True)
         if not (math.isfinite(self.ladp_max_boost) and self.ladp_max_boost >= 1):

@@ -1,49 +1,45 @@
 """NISS: Noise Information Secretly Sharing (Yang et al., IEEE IoT-J 2022), Flower-free math.
 
 Each client k perturbs its weighted update ``p_k * w_k`` with Gaussian DP noise of
-variance ``sigma_k**2``, but builds that noise out of ``v_k`` small *unit shares*
-``n_i`` (variance ``sigma**2`` each, ``v_k = sigma_k**2 / sigma**2``).  The negated
-copy ``-n_i`` of every share goes to a neighbour, which adds it (multiplied by its own
-distortion ``s ~ N(1, tau**2)``) to its upload.  On the server the shares cancel:
-with ``tau = 0`` the aggregate is exactly ``sum_k p_k w_k`` (Theorem 2 gives the
-residual variance ``sum_k sigma_k**2 tau_k**2``), while every single upload still
-carries noise of variance ``2 sigma_k**2``.  ``tau`` protects a client against a
-fraction ``rho`` of neighbours colluding with the server (Theorem 3).
+variance ``sigma_k**2``, but builds that noise out of one share ``n_l`` per neighbour
+``l`` (``m`` neighbours, variance ``sigma_k**2 / m`` each).  The negated copy ``-n_l``
+goes to neighbour ``l``, which adds it (multiplied by its own distortion
+``s ~ N(1, tau**2)``) to its upload.  On the server the shares cancel: with
+``tau = 0`` the aggregate is exactly ``sum_k p_k w_k`` (Theorem 2 gives the residual
+variance ``sum_k sigma_k**2 tau_k**2``), while every single upload still carries noise
+of variance ``2 sigma_k**2`` (when it receives as much as it sends).  ``tau`` protects
+a client against a fraction ``rho`` of neighbours colluding with the server (Theorem 3).
 
 Everything here is a pure function of its inputs.  A bundle of ``count`` shares
-from one sender to one receiver is fully described by a 32-byte seed
-(``protocols.prg``), so the message can be ``(count, share_std, seed)`` sealed with
-``protocols.relay_crypto`` (the ``seed`` wire encoding) -- or the share vectors
-themselves (the ``vector`` encoding, see :func:`distorted_sum`); both give
+from one sender to one receiver (the protocol sends ``count = 1``) is fully described
+by a 32-byte seed (``protocols.prg``), so the message can be ``(count, share_std, seed)``
+sealed with ``protocols.relay_crypto`` (the ``seed`` wire encoding) -- or the share
+vectors themselves (the ``vector`` encoding, see :func:`distorted_sum`); both give
 bit-identical uploads for the same seeds.
 
 Interpretations of the paper (see also the module report):
 
-* Algorithm 2 writes ``n_i <- N(0, sigma_k^2 I_h)``; the text (Sec. IV-B, Lemma 1,
-  Theorem 2) makes clear each share is a *unit* noise ``N(0, sigma^2)``.  We follow
-  the text; otherwise the total variance would be ``v sigma_k^2``, not ``sigma_k^2``.
-* ``v = sigma_k^2 / sigma^2`` is generally not an integer.  We round *up* and rescale
-  each share to variance ``sigma_k^2 / v`` (<= sigma^2), so the client's own noise has
-  variance exactly ``sigma_k^2`` (the DP requirement) and Theorem 2 still holds
-  exactly (it only depends on the total variance a client sends out).
-* The paper assumes ``sigma << sigma_k`` (many shares, ``rho v >> 1`` in Theorem 3's
-  central-limit step) and sends one share to each of ``v`` clients.  A fixed unit
-  variance cannot keep that promise for every calibration: at record level ``sigma_k``
-  is ~0.01-0.1, so the old default ``sigma^2 = 1`` gave one share (held by a single
-  neighbour: if it colludes, the client's whole noise is known), and a unit variance
-  small enough for record level makes ``v`` explode at client level (16,000 shares in
-  issue 18).  We therefore take ``v = max(ceil(sigma_k^2 / sigma^2), m)`` with ``m``
-  the client's neighbours (:func:`share_count`): at least one share per neighbour, so
-  a colluding fraction ``rho`` of the neighbours holds a fraction ``rho`` of the noise
-  as Theorem 3 assumes, and with the default ``niss-unit-variance = 1`` exactly ``m``
-  shares (bounded by the graph degree: <= clients - 1, ~2 n-out on the n-out graph).
-  A smaller ``niss-unit-variance`` gives more shares, as in the paper.
-* The paper's ClientShare sends share i to the i-th of ``v`` random clients (one
-  share per neighbour).  With a fixed neighbour list of size ``m < v`` we send
-  ``floor(v/m)`` or ``ceil(v/m)`` shares to every neighbour (balanced round robin;
-  which neighbours get the extra share is chosen pseudo-randomly from a seed).  With
-  ``m >= v`` this reduces to the paper's "random set of v clients".  Each received
-  share is distorted by its *own* independent ``s``, exactly as in Algorithm 2.
+* Share count.  Sec. IV-A splits ``n^k`` into ``v`` shares ``N(0, sigma_k^2 / v)``
+  sent to ``v`` neighbouring clients, one each; Sec. IV-B and Algorithm 2 instead fix
+  a common unit variance ``sigma^2 << sigma_k^2`` and take ``v = sigma_k^2 / sigma^2``.
+  The latter makes every per-round cost (PRG expansion, memory, the ``vector``
+  encoding's bytes) grow with the noise variance -- thousands of shares per client at
+  small epsilon or with multi-step local training -- and no single unit variance
+  fits both record level (``sigma_k`` ~0.01) and client level.  We follow Sec. IV-A:
+  ``v = m``, one share of variance ``sigma_k^2 / m`` per neighbour of the tracker's
+  list (:func:`plan_shares`), whatever ``sigma_k``; per-round work is
+  ``O(m * model size)``.  Algorithm 2's ``n_i <- N(0, sigma_k^2 I_h)`` would make the
+  total ``v sigma_k^2``; each share has variance ``sigma_k^2 / v`` so the client's own
+  noise is exactly ``sigma_k^2`` (the DP requirement).
+* Collusion with one share per neighbour.  Each neighbour holds exactly ``1 / m`` of
+  the client's noise variance, so ``r`` colluding neighbours know exactly the fraction
+  ``rho = r / m`` Theorem 3 assumes (``rho`` is a fraction of the *neighbours*).
+  Lemma 1, Theorem 2 and :func:`exact_aggregate_variance` depend only on the variance
+  each share carries, so they hold as stated.  Theorem 3's central-limit step (Eq. 10,
+  ``rho v >> 1``) holds in expectation only: per coordinate the colluders' residual
+  ``tau^2 sum_i r_i^2`` over the ``rho m`` shares they sent has mean
+  ``tau^2 rho sigma_k^2`` (when the client receives as much variance as it sends) and
+  fluctuates like a chi-square with ``rho m`` degrees of freedom; see the caveat below.
 * Algorithm 2 pairs sending and receiving ("send -n_i to u_i, receive r_i from
   u_i").  We decouple the directions: a client processes whatever bundles it
   receives.  Theorem 2 (``V = sum_k sigma_k^2 tau_k^2``) assumes every client receives
@@ -90,12 +86,12 @@ from protocols.config import RunConfig
 from protocols.privacy import noise_multiplier, record_sensitivity
 
 __all__ = [
+    "SHARES_PER_NEIGHBOUR",
     "SharePlan",
     "ShareBundle",
     "aggregation_weights",
     "sizes_digest",
     "plan_shares",
-    "assign_shares",
     "make_outgoing_bundles",
     "bundle_shares",
     "sender_noise",
@@ -109,7 +105,6 @@ __all__ = [
     "collusion_variance_ratio",
     "theorem2_variance",
     "exact_aggregate_variance",
-    "share_count",
     "client_plan",
     "unit_sensitivity",
     "upload_sensitivity",
@@ -125,9 +120,13 @@ __all__ = [
 # ----------------------------------------------------------------------------------
 
 
+#: Shares a client sends to each neighbour per round (the paper's ``v`` = the number of neighbours contacted).
+SHARES_PER_NEIGHBOUR = 1
+
+
 @dataclass(frozen=True)
 class SharePlan:
-    """How client k splits its DP noise: ``num_shares`` shares of std ``share_std``.
+    """How client k splits its DP noise: ``num_shares`` shares (one per neighbour) of std ``share_std``.
 
     ``num_shares * share_std**2 == sigma_k**2`` (up to float rounding).
     """
@@ -139,10 +138,11 @@ class SharePlan:
 
 @dataclass(frozen=True)
 class ShareBundle:
-    """``count`` unit shares from ``sender`` to ``receiver``, all derived from ``seed``.
+    """``count`` shares from ``sender`` to ``receiver``, all derived from ``seed``.
 
     This (plus the vector size, known to both) is the whole message: the sender adds
-    the shares to its upload, the receiver adds their distorted negation.
+    the shares to its upload, the receiver adds their distorted negation.  The
+    protocol sends ``count = SHARES_PER_NEIGHBOUR``; recovery material may name 0.
     """
 
     sender: int
@@ -152,54 +152,18 @@ class ShareBundle:
     seed: bytes
 
 
-def plan_shares(sigma_k: float, unit_std: float, *, min_shares: int = 1, max_shares: int = 100_000) -> SharePlan:
-    """Number of unit shares ``v = max(ceil(sigma_k^2 / sigma^2), min_shares)`` and their rescaled std.
+def plan_shares(sigma_k: float, neighbours: int) -> SharePlan:
+    """One share per neighbour: ``v = neighbours`` shares of std ``sigma_k / sqrt(v)`` (module docstring).
 
-    Rounding up (and shrinking each share to ``sigma_k / sqrt(v)``) keeps the total
-    own-noise variance exactly ``sigma_k^2``.  ``min_shares`` (the neighbour count, see
-    :func:`share_count`) keeps at least one share per neighbour.  ``max_shares`` guards
-    against a unit variance chosen far too small (cost is O(v * model size) per client).
+    The count does not depend on ``sigma_k``, so no per-round cost grows with the noise.
+    Raises ValueError for a non-positive or non-finite ``sigma_k`` or fewer than one neighbour.
     """
     if not (math.isfinite(sigma_k) and sigma_k > 0):
         raise ValueError(f"sigma_k must be finite and > 0, got {sigma_k!r}")
-    if not (math.isfinite(unit_std) and unit_std > 0):
-        raise ValueError(f"unit_std must be finite and > 0, got {unit_std!r}")
-    ratio = (sigma_k / unit_std) ** 2
-    # Tolerate float noise so that e.g. 4.000000000001 does not become 5 shares.
-    v = max(1, int(min_shares), math.ceil(ratio * (1.0 - 1e-12)))
-    if v > max_shares:
-        raise ValueError(
-            f"max(sigma_k^2/sigma^2 = {ratio:.3g}, {min_shares} neighbours) shares exceeds max_shares={max_shares}; "
-            "choose a larger unit noise std"
-        )
-    return SharePlan(sigma_k=float(sigma_k), num_shares=v, share_std=sigma_k / math.sqrt(v))
-
-
-def assign_shares(num_shares: int, neighbours: Sequence[int], *, seed: bytes) -> dict[int, int]:
-    """How many of a client's ``num_shares`` shares go to each neighbour.
-
-    Balanced: every neighbour gets ``floor(v/m)`` shares and ``v mod m`` of them,
-    picked by a seeded pseudo-random permutation, get one more.  For ``v <= m``
-    this is the paper's "random set of v clients, one share each".  Neighbours
-    with zero shares are omitted.  Deterministic in (num_shares, set of
-    neighbours, seed).
-    """
-    if num_shares < 0:
-        raise ValueError("num_shares must be >= 0")
-    nbrs = sorted(set(int(n) for n in neighbours))
-    if len(nbrs) != len(neighbours):
-        raise ValueError("neighbour list contains duplicates")
-    if num_shares == 0:
-        return {}
-    if not nbrs:
+    if int(neighbours) < 1:
         raise ValueError("a client needs at least one neighbour to share noise with")
-    m = len(nbrs)
-    base, extra = divmod(num_shares, m)
-    order = np.argsort(prg.uniform(prg.derive_subseed(seed, "niss/assign"), m), kind="stable")
-    counts = {n: base for n in nbrs}
-    for idx in order[:extra]:
-        counts[nbrs[int(idx)]] += 1
-    return {n: c for n, c in counts.items() if c > 0}
+    v = SHARES_PER_NEIGHBOUR * int(neighbours)
+    return SharePlan(sigma_k=float(sigma_k), num_shares=v, share_std=sigma_k / math.sqrt(v))
 
 
 def make_outgoing_bundles(
@@ -207,25 +171,26 @@ def make_outgoing_bundles(
     plan: SharePlan,
     neighbours: Sequence[int],
     seeds: Mapping[int, bytes],
-    *,
-    assign_seed: bytes,
 ) -> list[ShareBundle]:
-    """The sender's outgoing bundles, one per neighbour that receives >= 1 share.
+    """The sender's outgoing bundles: one per neighbour, in sorted neighbour order, ``SHARES_PER_NEIGHBOUR`` shares each.
 
     ``seeds[l]`` is a 32-byte secret known to sender and neighbour ``l``: either a
     pairwise key-agreement seed (then nothing but ``count``/``share_std`` must be
     sent) or a fresh random seed that is sent sealed.  The bundle seed is
     domain-separated by direction, so a symmetric pair seed yields independent
-    shares for ``a -> b`` and ``b -> a``.
+    shares for ``a -> b`` and ``b -> a``.  Raises ValueError when the neighbour list has
+    duplicates, contains ``sender`` or does not match ``plan`` (:func:`plan_shares`).
     """
-    counts = assign_shares(plan.num_shares, neighbours, seed=assign_seed)
-    bundles = []
-    for receiver, count in counts.items():
-        if receiver == sender:
-            raise ValueError("a client cannot be its own neighbour")
-        seed = prg.derive_subseed(seeds[receiver], f"niss/bundle/{sender}->{receiver}")
-        bundles.append(ShareBundle(sender, receiver, count, plan.share_std, seed))
-    return bundles
+    nbrs = sorted(int(n) for n in neighbours)
+    if len(set(nbrs)) != len(nbrs):
+        raise ValueError("neighbour list contains duplicates")
+    if sender in nbrs:
+        raise ValueError("a client cannot be its own neighbour")
+    if plan.num_shares != SHARES_PER_NEIGHBOUR * len(nbrs):
+        raise ValueError(f"plan has {plan.num_shares} shares for {len(nbrs)} neighbours "
+                         f"(expected {SHARES_PER_NEIGHBOUR} per neighbour)")
+    return [ShareBundle(sender, n, SHARES_PER_NEIGHBOUR, plan.share_std,
+                        prg.derive_subseed(seeds[n], f"niss/bundle/{sender}->{n}")) for n in nbrs]
 
 
 def bundle_shares(bundle: ShareBundle, size: int) -> np.ndarray:
@@ -512,14 +477,9 @@ def client_sigma(cfg: RunConfig, weight: float, num_examples: int) -> float:
     return noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds) * upload_sensitivity(cfg, weight, num_examples)
 
 
-def share_count(cfg: RunConfig, sigma_k: float, neighbours: int) -> SharePlan:
-    """The client's shares: ``max(ceil(sigma_k^2 / niss-unit-variance), neighbours)`` (module docstring)."""
-    return plan_shares(sigma_k, math.sqrt(cfg.niss_unit_variance), min_shares=max(int(neighbours), 1))
-
-
 def client_plan(cfg: RunConfig, weight: float, num_examples: int, neighbours: int) -> SharePlan:
-    """:func:`share_count` of :func:`client_sigma`: everything a client needs to split its noise."""
-    return share_count(cfg, client_sigma(cfg, weight, num_examples), neighbours)
+    """:func:`plan_shares` of :func:`client_sigma`: everything a client needs to split its noise."""
+    return plan_shares(client_sigma(cfg, weight, num_examples), neighbours)
 
 
 def downlink_multiplier(tau: float, sigma_ks: Sequence[float], z: float) -> float:

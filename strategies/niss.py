@@ -10,13 +10,11 @@ the messages are the classes of :mod:`client.messages.niss`):
    (run-config ``graph``/``n-out``).
 2. ``query.shares``: each client gets its neighbours' ids and public keys and its
    aggregation weight ``p_k``.  It calibrates ``sigma_k`` (below), splits its noise
-   into ``v = ceil(sigma_k^2 / sigma^2)`` unit shares (``sigma^2`` = run-config
-   ``niss-unit-variance``), assigns them to its neighbours, and returns *one*
-   AES-256-GCM-sealed payload per neighbour (count may be 0, so the server cannot
-   drop a payload unnoticed and, with the ``seed`` encoding, cannot see who got
-   shares).  The relay key is the pairwise HKDF seed for purpose
-   ``niss-relay-key``; the associated data binds (sender, receiver, round, run id,
-   encoding).  Payload: ``seed`` encoding = (count, share std, 32-byte seed) from
+   into one share of variance ``sigma_k^2 / m`` per neighbour (``m`` neighbours,
+   :func:`protocols.niss.plan_shares`), and returns *one* AES-256-GCM-sealed payload
+   per neighbour (so the server cannot drop a payload unnoticed).  The relay key is
+   the pairwise HKDF seed for purpose ``niss-relay-key``; the associated data binds
+   (sender, receiver, round, run id, encoding).  Payload: ``seed`` encoding = (count, share std, 32-byte seed) from
    which both sides expand the same shares with :mod:`protocols.prg`;
    ``vector`` encoding = the negated share vectors themselves (float64).
    A client that fails this phase (or answers malformed) is removed, the graph is
@@ -57,9 +55,8 @@ client level.  Each client recomputes its ``p_k`` from the round's view (partici
 sizes, both bound into its relay keys) and refuses any other: a weight only scales a
 client's own upload and noise together, but a server that shrank some clients' weights
 would shrink the noise that hides the negated shares they hold.
-Shares: ``max(ceil(sigma_k^2 / niss-unit-variance), neighbours)`` per client
-(:func:`protocols.niss.share_count`): at least one per neighbour, bounded by the degree
-with the default unit variance.
+Shares: one per neighbour (:func:`protocols.niss.plan_shares`), whatever ``sigma_k``: the
+share phase's work and bytes grow with the graph degree, never with the noise variance.
 
 Reported each round: ``theorem2_variance`` = ``sum_k sigma_k^2 tau_k^2`` (paper's
 Theorem 2, from the clients' reported sigma_k, tau_k), and -- DIAGNOSTIC ONLY,
@@ -255,7 +252,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
 
             replies, _errors = self.exchange(grid, kr.participants, content, "shares")
             good = {n: shares for n, r in replies.items() if n in kr.neighbours
-                    and (shares := _share_reply(r, kr.neighbours[n], self.share_bytes(weights[n], n, kr))) is not None}
+                    and (shares := _share_reply(r, kr.neighbours[n], self.share_bytes(n, kr))) is not None}
             failed = sorted(set(kr.participants) - set(good))
             if not failed:
                 return kr, good
@@ -264,24 +261,15 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         raise RoundFailed(f"round {kr.round}: NISS share exchange did not complete "
                           f"({len(kr.participants)} client(s) left after dropping {kr.dropped})")
 
-    def share_bytes(self, weight: float, node: int, kr: KeyRound) -> int:
+    def share_bytes(self, node: int, kr: KeyRound) -> int:
         """Most bytes ``node``'s share reply may hold (larger replies are never relayed).
 
-        All its shares (:func:`protocols.niss.client_plan` for the size it reported with its key, or one record
-        when unknown: the most shares) as float64 vectors (vector encoding; a seed payload is far smaller), plus
-        :data:`PAYLOAD_OVERHEAD` per neighbour.
+        Its one share per neighbour (:data:`protocols.niss.SHARES_PER_NEIGHBOUR`) as float64 vectors (vector
+        encoding; a seed payload is far smaller), plus :data:`PAYLOAD_OVERHEAD` per neighbour.
         """
-        dim = self.model_dim()
         degree = len(kr.neighbours.get(node, []))
-        count = 0
-        if self.cfg.niss_share_encoding == "vector":
-            # A smaller dataset means a larger record sensitivity, hence more shares: bound with the smallest size.
-            n_k = kr.num_examples.get(node, 1)
-            try:
-                count = niss_math.client_plan(self.cfg, weight, n_k, degree).num_shares
-            except ValueError:
-                count = 0
-        return 8 * count * dim + PAYLOAD_OVERHEAD * max(degree, 1)
+        count = niss_math.SHARES_PER_NEIGHBOUR * degree if self.cfg.niss_share_encoding == "vector" else 0
+        return 8 * count * self.model_dim() + PAYLOAD_OVERHEAD * max(degree, 1)
 
     def update_of(self, state: NissRound, node: int, flat: np.ndarray) -> np.ndarray:
         """A NISS upload is ``p_k w_k + noise``: its distance from ``p_k`` times the global model."""
@@ -460,12 +448,11 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         else:
             sigma = self._planned_sigmas(self._typical_sizes())[0]
             degree = m - 1 if self.cfg.graph == "complete" else min(2 * self.cfg.n_out, m - 1)
-            shares = niss_math.share_count(self.cfg, sigma, degree).num_shares
+            shares = niss_math.SHARES_PER_NEIGHBOUR * degree
         return {
             "privacy_unit": self.cfg.privacy_unit,
             "noise_multiplier": self.z,
             "sigma_k": sigma,
-            "unit_variance": self.cfg.niss_unit_variance,
             "shares_per_client": shares,
             "tau": tau,
             "rho": self.cfg.niss_rho,

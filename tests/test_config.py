@@ -65,6 +65,12 @@ def test_unknown_key_is_refused():
         RunConfig.from_mapping({"num-round": 3})
 
 
+def test_removed_key_is_refused_with_the_reason():
+    with pytest.raises(ConfigError, match="'niss-unit-variance' was removed: NISS sends one noise share per neighbour"):
+        RunConfig.from_mapping({"method": "niss", "niss-unit-variance": 1.0})
+    assert RunConfig.from_mapping({"niss-unit-variance": 1.0}, strict=False).method == "fedavg"  # older peers: ignored
+
+
 def test_types_are_coerced():
     cfg = RunConfig.from_mapping({"num-rounds": "5", "lr": 1, "epsilon": "0.5"})
     assert (cfg.num_rounds, cfg.lr, cfg.epsilon) == (5, 1.0, 0.5)

@@ -18,20 +18,16 @@ from server.defaults import app_defaults
 
 
 # ------------------------------------------------------------------ shares
-def test_plan_shares() -> None:
-    plan = niss.plan_shares(2.0, 0.5)
-    assert plan.num_shares == 16 and plan.share_std == pytest.approx(0.5)
-    plan = niss.plan_shares(1.0, 0.3)  # v = 11.11 -> 12, rescaled
-    assert plan.num_shares == 12
-    assert plan.num_shares * plan.share_std**2 == pytest.approx(1.0, rel=1e-14)
-    assert plan.share_std <= 0.3
-    assert niss.plan_shares(0.1, 1.0).num_shares == 1
-    with pytest.raises(ValueError):
-        niss.plan_shares(100.0, 0.01, max_shares=1000)
-    # at least one share per neighbour: record-level sigma_k (~0.1) with the default unit variance 1
-    plan = niss.plan_shares(0.1, 1.0, min_shares=9)
-    assert plan.num_shares == 9 and plan.num_shares * plan.share_std**2 == pytest.approx(0.01, rel=1e-14)
-    assert niss.plan_shares(2.0, 0.5, min_shares=9).num_shares == 16  # more shares than neighbours: the paper's v
+def test_plan_shares_one_per_neighbour() -> None:
+    """The share count is the neighbour count whatever sigma_k; the shares' variances add up to sigma_k^2 exactly."""
+    for sigma in (1e-3, 0.1, 2.0, 52.6, 1e4):
+        for m in (1, 4, 9, 99):
+            plan = niss.plan_shares(sigma, m)
+            assert plan.num_shares == m * niss.SHARES_PER_NEIGHBOUR
+            assert plan.num_shares * plan.share_std**2 == pytest.approx(sigma**2, rel=1e-14)
+    for bad in ((0.0, 3), (math.inf, 3), (-1.0, 3), (1.0, 0)):
+        with pytest.raises(ValueError):
+            niss.plan_shares(*bad)
 
 
 def _cfg(**kw) -> RunConfig:
@@ -39,7 +35,7 @@ def _cfg(**kw) -> RunConfig:
 
 
 def test_record_level_sigma_and_bounded_share_count() -> None:
-    """sigma_k = z p_k 2 C lr / n_k (one full-batch step); the default share count = the neighbour count."""
+    """sigma_k = z p_k 2 C lr / n_k (one full-batch step); the share count = the neighbour count."""
     cfg = _cfg()
     assert (cfg.privacy_unit, cfg.lr, cfg.clip, cfg.local_epochs, cfg.num_rounds) == ("record", 4.0, 1.0, 1, 30)
     z = calibrate_noise_multiplier(1.0, 1e-5, 1.0, 30)
@@ -91,21 +87,19 @@ def test_aggregation_weights_need_every_size_at_record_level() -> None:
     assert niss.sizes_digest({2: 20, 1: 10}) == niss.sizes_digest({1: 10, 2: 20})
 
 
-def test_assign_shares() -> None:
-    seed = bytes(32)
-    nbrs = [9, 3, 5, 7]
-    c = niss.assign_shares(10, nbrs, seed=seed)
-    assert sum(c.values()) == 10 and set(c) == set(nbrs)
-    assert max(c.values()) - min(c.values()) <= 1
-    assert c == niss.assign_shares(10, list(reversed(nbrs)), seed=seed)  # order-free
-    c = niss.assign_shares(3, nbrs, seed=seed)  # v < m: 3 distinct neighbours, 1 each
-    assert sorted(c.values()) == [1, 1, 1] and set(c) < set(nbrs)
-    picks = {frozenset(niss.assign_shares(1, nbrs, seed=bytes([i] * 32))) for i in range(40)}
-    assert len(picks) == 4  # the extra share goes to a seeded random neighbour
-    with pytest.raises(ValueError):
-        niss.assign_shares(3, [], seed=seed)
-    with pytest.raises(ValueError):
-        niss.assign_shares(3, [1, 1], seed=seed)
+def test_outgoing_bundles_one_per_neighbour() -> None:
+    plan = niss.plan_shares(2.0, 4)
+    seeds = {n: bytes([n] * 32) for n in (9, 3, 5, 7)}
+    bundles = niss.make_outgoing_bundles(1, plan, [9, 3, 5, 7], seeds)
+    assert [b.receiver for b in bundles] == [3, 5, 7, 9] and all(b.count == 1 for b in bundles)
+    assert sum(b.count * b.share_std**2 for b in bundles) == pytest.approx(4.0, rel=1e-14)
+    assert len({b.seed for b in bundles}) == 4  # independent shares per receiver
+    with pytest.raises(ValueError, match="duplicates"):
+        niss.make_outgoing_bundles(1, plan, [3, 3, 5, 7], seeds)
+    with pytest.raises(ValueError, match="own neighbour"):
+        niss.make_outgoing_bundles(3, plan, [3, 5, 7, 9], seeds)
+    with pytest.raises(ValueError, match="per neighbour"):
+        niss.make_outgoing_bundles(1, plan, [3, 5, 7], seeds)
 
 
 def _random_graph(rng: np.random.Generator, n: int, p: float) -> dict[int, list[int]]:
@@ -135,18 +129,15 @@ def _simulate_round(
     weights: np.ndarray,
     sigma_ks: np.ndarray,
     taus: np.ndarray,
-    unit_std: float,
 ) -> tuple[np.ndarray, list[niss.ShareBundle], list[np.ndarray]]:
     """One NISS round for all clients; returns (aggregate, all bundles, uploads)."""
     n, size = params.shape
     graph = _random_graph(rng, n, 0.25)
     outgoing: dict[int, list[niss.ShareBundle]] = {}
     for k in range(n):
-        plan = niss.plan_shares(float(sigma_ks[k]), unit_std)
+        plan = niss.plan_shares(float(sigma_ks[k]), len(graph[k]))
         seeds = {j: _pair_seed(round_seed, k, j) for j in graph[k]}
-        outgoing[k] = niss.make_outgoing_bundles(
-            k, plan, graph[k], seeds, assign_seed=prg.derive_subseed(round_seed, f"assign/{k}")
-        )
+        outgoing[k] = niss.make_outgoing_bundles(k, plan, graph[k], seeds)
     all_bundles = [b for bs in outgoing.values() for b in bs]
     uploads = []
     for k in range(n):
@@ -164,7 +155,7 @@ def test_tau_zero_cancels_exactly() -> None:
     d = rng.integers(50, 500, n)
     weights = d / d.sum()
     sigma_ks = rng.uniform(0.5, 2.0, n)
-    agg, bundles, uploads = _simulate_round(rng, bytes(32), params, weights, sigma_ks, np.zeros(n), unit_std=0.3)
+    agg, bundles, uploads = _simulate_round(rng, bytes(32), params, weights, sigma_ks, np.zeros(n))
     target = weights @ params
     assert np.linalg.norm(agg - target) <= 1e-9 * np.linalg.norm(target)
     # ... while each upload alone carries noise of variance ~ 2 sigma_k^2 (own + received
@@ -190,7 +181,7 @@ def test_aggregate_variance_matches_theorem2(hetero_tau: bool) -> None:
     for t in range(rounds):
         params = rng.normal(size=(n, size))
         agg, bundles, _ = _simulate_round(
-            rng, prg.derive_subseed(bytes(32), f"round/{t}"), params, weights, sigma_ks, taus, unit_std=0.25
+            rng, prg.derive_subseed(bytes(32), f"round/{t}"), params, weights, sigma_ks, taus
         )
         samples.append(agg - weights @ params)
         predicted.append(niss.exact_aggregate_variance(bundles, dict(enumerate(taus))))

@@ -35,8 +35,8 @@ from strategies.nadp import NadpStrategy
 
 #: nadp: one full-batch step per round on a linear model (its paper's regime, fast).
 NADP_FAST = {"local-epochs": 1, "batch-size": 1000, "lr": 4.0, "clip": 1.0, "hidden": ""}
-#: niss: tau = 0 (the shares cancel exactly, so the residual is measurable) and many small shares per client.
-NISS_EXACT = {"niss-tau": 0.0, "niss-unit-variance": 0.001, "local-epochs": 1}
+#: niss: tau = 0 (the shares cancel exactly, so the residual is measurable), one share per neighbour.
+NISS_EXACT = {"niss-tau": 0.0, "local-epochs": 1}
 
 
 @pytest.fixture(autouse=True)
@@ -239,14 +239,16 @@ def test_messages_round_trip():
     with pytest.raises(ValueError):
         RecoveryReply.from_config({"recovery-peers": ["1"], "recovery-material": []})
     vec = np.arange(5, dtype=np.float64)
-    for m in (NissPairMaterial(2, 0.5, b"o" * 32, 1, 0.25, in_seed=b"i" * 32),
-              NissPairMaterial(0, 0.5, None, 3, 0.25, in_vector=vec)):
+    for m in (NissPairMaterial(1, 0.5, b"o" * 32, 1, 0.25, in_seed=b"i" * 32),
+              NissPairMaterial(0, 0.5, None, 1, 0.25, in_vector=vec)):
         back = NissPairMaterial.from_bytes(m.to_bytes(), 5)
         assert (back.out_count, back.out_seed, back.in_count, back.in_seed) == (m.out_count, m.out_seed, m.in_count,
                                                                                  m.in_seed)
         assert (back.in_vector is None) == (m.in_vector is None)
     with pytest.raises(ValueError):
         NissPairMaterial.from_bytes(b"junk" * 20, 5)
+    with pytest.raises(ValueError, match="at most 1 share"):  # one share per neighbour and direction
+        NissPairMaterial.from_bytes(NissPairMaterial(2, 0.5, b"o" * 32, 1, 0.25, in_seed=b"i" * 32).to_bytes(), 5)
 
 
 def test_round_without_dropouts_reports_no_recovery(run_inprocess):
@@ -267,8 +269,9 @@ def test_niss_material_expands_to_exactly_what_the_survivor_added(tau, encoding)
 
     me, size = 5, 40
     seed = lambda label: hashlib.sha256(label.encode()).digest()  # noqa: E731
-    out = [niss_math.ShareBundle(me, 7, 3, 0.4, seed("o7")), niss_math.ShareBundle(me, 9, 2, 0.4, seed("o9"))]
-    bundles = {p: niss_math.ShareBundle(p, me, c, 0.3, seed(f"i{p}")) for p, c in ((7, 2), (8, 1), (9, 4))}
+    # one share per neighbour and direction; no share of this client's went to peer 8 (out_count 0)
+    out = [niss_math.ShareBundle(me, 7, 1, 0.4, seed("o7")), niss_math.ShareBundle(me, 9, 1, 0.5, seed("o9"))]
+    bundles = {p: niss_math.ShareBundle(p, me, 1, std, seed(f"i{p}")) for p, std in ((7, 0.3), (8, 0.2), (9, 0.6))}
     incoming = [(p, b, -niss_math.bundle_shares(b, size) if encoding == "vector" else None)
                 for p, b in sorted(bundles.items())]
     stored = niss_client._Stored(1, 0.25, 1.0, encoding, [7, 8, 9], {}, out)
@@ -276,7 +279,7 @@ def test_niss_material_expands_to_exactly_what_the_survivor_added(tau, encoding)
     partials = niss_client._received(incoming, size, tau, private)
     material, noise, partial, _, protect, _, _ = niss_client._recovery_material(stored, incoming, partials, size, tau,
                                                                             private)
-    assert noise == {7: pytest.approx(3 * 0.16), 8: 0.0, 9: pytest.approx(2 * 0.16)}
+    assert noise == {7: pytest.approx(0.16), 8: 0.0, 9: pytest.approx(0.25)}
     for peer in (7, 8, 9):
         own = niss_math.sender_noise([b for b in out if b.receiver == peer], size)
         m = NissPairMaterial.from_bytes(material[peer], size)

@@ -34,6 +34,7 @@ from client.messages.common import (
     read_node_ids,
     read_str,
 )
+from protocols.niss import SHARES_PER_NEIGHBOUR
 
 _RECEIVED = "recovery-received"
 _DROPPED = "recovery-dropped"
@@ -249,6 +250,9 @@ class NissPairMaterial:
         kind, body = blob[off:off + 1], blob[off + 1:]
         if not all(math.isfinite(s) and s >= 0 for s in (out_std, in_std)):
             raise ValueError("NISS recovery material: share std must be finite and >= 0")
+        if max(out_count, in_count) > SHARES_PER_NEIGHBOUR:
+            raise ValueError(f"NISS recovery material: a pair exchanges at most {SHARES_PER_NEIGHBOUR} share(s) "
+                             f"per direction, got {out_count} out / {in_count} in")
         if kind == _KIND_KEPT and not body:
             return cls(out_count, out_std, out_seed, in_count, in_std)
         if kind == _KIND_SEED and len(body) == 32:

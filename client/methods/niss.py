@@ -6,11 +6,12 @@ calibration; the messages are the classes of :mod:`client.messages.niss`):
 * :func:`handle_shares` (``query.shares``): compute ``sigma_k`` from its own run config
   and dataset size (:func:`protocols.niss.client_sigma`: ``z p_k`` times the record-level
   sensitivity of its training, or ``z p_k clip`` with ``privacy-unit = "client"``), split
-  it into at least one share per neighbour (:func:`protocols.niss.share_count`),
-  assign them to the neighbours named by the server (tracker) and return
-  one AES-256-GCM payload per neighbour.  The shares' seeds, the relay keys and the
-  parameters are kept in ``Context.state`` (the only storage that survives between
-  phases; in deployment every message runs in a fresh process).
+  it into one share per neighbour named by the server (tracker), of variance
+  ``sigma_k^2 / m`` each (:func:`protocols.niss.client_plan`; the count does not
+  depend on ``sigma_k``), and return one AES-256-GCM payload per neighbour.  The
+  shares' seeds, the relay keys and the parameters are kept in ``Context.state`` (the
+  only storage that survives between phases; in deployment every message runs in a
+  fresh process).
 * :func:`train` (``train``): open every relayed payload first (any missing,
   duplicated, unexpected or unauthentic payload -> no upload, the senders are
   reported; the client leaves the round and the dropout recovery removes the
@@ -30,10 +31,9 @@ Wire format of a payload plaintext (big-endian header)::
 
 The associated data binds (sender, receiver, round, run id, encoding), so the
 relaying server can neither read, alter, replay nor redirect a payload unnoticed.
-Every neighbour pair exchanges exactly one payload per direction (``count`` may be
-0), so a dropped payload is detected too.  With the ``vector`` encoding the
-ciphertext length reveals ``count`` to the server; with ``seed`` all payloads have
-the same length.
+Every neighbour pair exchanges exactly one payload per direction, holding exactly
+``SHARES_PER_NEIGHBOUR`` share(s) (a payload with another ``count`` is refused), so a
+dropped payload is detected too, and all payloads of a round have the same length.
 """
 
 from __future__ import annotations
@@ -70,7 +70,6 @@ RELAY_PURPOSE = "niss-relay-key"
 _MAGIC = b"NISS\x01"
 _HEADER = struct.Struct(">cId")  # encoding, count, share_std
 _SIZE = struct.Struct(">I")
-_MAX_COUNT = 100_000  # same guard as protocols.niss.plan_shares
 _ENC_BYTE = {"seed": b"S", "vector": b"V"}
 
 
@@ -110,8 +109,10 @@ def decode_payload(plain: bytes, encoding: str, sender: int, receiver: int,
     enc, count, std = _HEADER.unpack_from(plain, len(_MAGIC))
     if enc != _ENC_BYTE[encoding]:
         raise ValueError(f"payload encoding {enc!r} does not match run-config {encoding!r}")
-    if count > _MAX_COUNT or not (math.isfinite(std) and std >= 0):
-        raise ValueError(f"implausible payload header (count={count}, share_std={std})")
+    if count != niss_math.SHARES_PER_NEIGHBOUR:
+        raise ValueError(f"payload holds {count} shares, the protocol sends {niss_math.SHARES_PER_NEIGHBOUR}")
+    if not (math.isfinite(std) and std >= 0):
+        raise ValueError(f"implausible payload header (share_std={std})")
     body = plain[n_head:]
     if encoding == "seed":
         if len(body) != 32:
@@ -187,18 +188,15 @@ def handle_shares(msg: Message, env: ClientEnv) -> Message:
     sigma = plan.sigma_k
     tau = client_tau(env.cfg, req.sizes)  # the sizes can only raise tau above 1/sqrt(m)
     seeds = {n: _fresh_seed(f"{me}/{rnd}/share/{n}") for n in nbrs}
-    bundles = niss_math.make_outgoing_bundles(me, plan, nbrs, seeds, assign_seed=_fresh_seed(f"{me}/{rnd}/assign"))
+    bundles = niss_math.make_outgoing_bundles(me, plan, nbrs, seeds)
     by_receiver = {b.receiver: b for b in bundles}
     # The sizes (hence every p_k) are part of the view: shown other sizes, a client derives relay keys no peer shares.
     keys = pair_seeds(msg, env, purpose=RELAY_PURPOSE, view_extra=sizes_digest(req.sizes))
     size = model_size(env) if encoding == "vector" else 0
     payloads = []
-    for n in nbrs:
-        # Neighbours that get no share still get a (count 0) payload: the receiver can
-        # check that nothing was dropped and the server cannot tell who got shares.
-        b = by_receiver.get(n) or niss_math.ShareBundle(me, n, 0, plan.share_std, _fresh_seed(f"{me}/{rnd}/pad/{n}"))
+    for n in nbrs:  # one payload per neighbour, in the tracker's order
         aad = _aad(me, n, rnd, env.context.run_id, encoding)
-        payloads.append(seal(keys[n], encode_payload(encoding, b, size), aad=aad))
+        payloads.append(seal(keys[n], encode_payload(encoding, by_receiver[n], size), aad=aad))
     env.context.state[STATE_KEY] = _Stored(rnd, own_weight, sigma, encoding, nbrs, keys, bundles, tau).to_record()
     return Message(RecordDict({"config": ShareReply(tuple(nbrs), tuple(payloads)).to_config()}), reply_to=msg)
 
