@@ -14,6 +14,7 @@ split from ``(seed, num-partitions)`` and picks its own slice by partition id.
 from __future__ import annotations
 
 import gzip
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -212,6 +213,57 @@ def dataset_for(cfg: RunConfig) -> Dataset:
     return load_dataset(cfg.dataset, cfg.data_dir, cfg.train_subset, cfg.test_subset, cfg.input_centering)
 
 
+def _linear_sizes(num_records: int, num_partitions: int) -> np.ndarray:
+    """Partition sizes of flwr-datasets' ``LinearPartitioner`` (client i gets ~ i / sum of 1..n of the records)."""
+    units = np.linspace(start=1, stop=num_partitions, num=num_partitions)
+    sizes = np.array(units / units.sum() * num_records, dtype=np.int64)
+    sizes[-1] += num_records - sizes.sum()
+    return sizes
+
+
+def max_partitions(num_records: int, scheme: str) -> int:
+    """The most clients ``scheme`` can split ``num_records`` records into, each client getting at least one.
+
+    ``iid`` and ``dirichlet``: one record per client (a Dirichlet split may need fewer clients still: its draws
+    must give every client its minimum, see :func:`partition_indices`).  ``size-skew``: client ``i`` of ``n``
+    gets about ``i / (n (n + 1) / 2)`` of the records, rounded down, so ``n (n + 1) / 2 <= num_records`` roughly.
+    """
+    if scheme != "size-skew" or num_records < 1:
+        return max(num_records, 0)
+    n = math.isqrt(2 * num_records) + 1
+    while n > 1 and _linear_sizes(num_records, n).min() < 1:
+        n -= 1
+    return n
+
+
+def partitions_for(cfg: RunConfig) -> tuple[np.ndarray, ...]:
+    """Indices of every client's training records for ``cfg`` (:func:`partition_indices`).
+
+    Raises:
+        ConfigError: naming 'num-clients', the dataset and the most clients it can serve, when some client
+            would get no record; or the Dirichlet split's own refusal (:func:`partition_indices`).
+    """
+    ds = dataset_for(cfg)
+    records = len(ds.y_train)
+    most = max_partitions(records, cfg.partitioning)
+    if cfg.num_clients > most:
+        where = f"dataset {cfg.dataset!r} has {records} training records" + (
+            f" (run-config 'train-subset' = {cfg.train_subset})" if cfg.train_subset else "")
+        how = (f"'partitioning' = 'size-skew' gives client i of n about i / (n (n + 1) / 2) of them, so at most "
+               f"{most} clients get a record; lower 'num-clients' to {most} or use 'partitioning' = 'iid' (at most "
+               f"{records})" if cfg.partitioning == "size-skew"
+               else f"at most {most} clients get a record each; lower 'num-clients' to {most} or fewer")
+        raise ConfigError(f"run-config 'num-clients' = {cfg.num_clients} leaves clients without training data: "
+                          f"{where}; {how}")
+    idx = partition_indices(ds.y_train.tobytes(), cfg.num_clients, cfg.partitioning, cfg.dirichlet_alpha, cfg.seed)
+    empty = [i for i, part in enumerate(idx) if len(part) == 0]
+    if empty:
+        raise ConfigError(f"run-config 'num-clients' = {cfg.num_clients} with 'partitioning' = {cfg.partitioning!r} "
+                          f"leaves {len(empty)} client(s) without training records (partition ids {empty[:5]}); "
+                          "lower 'num-clients'")
+    return idx
+
+
 @lru_cache(maxsize=8)
 def partition_indices(labels_key: bytes, num_partitions: int, scheme: str, alpha: float,
                       seed: int) -> tuple[np.ndarray, ...]:
@@ -223,8 +275,9 @@ def partition_indices(labels_key: bytes, num_partitions: int, scheme: str, alpha
     from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, LinearPartitioner
 
     labels = np.frombuffer(labels_key, dtype=np.int64)
-    if num_partitions > len(labels):
-        raise ConfigError(f"run-config 'num-clients' = {num_partitions} exceeds the {len(labels)} training samples")
+    if num_partitions > (most := max_partitions(len(labels), scheme)):
+        raise ConfigError(f"run-config 'num-clients' = {num_partitions}: {scheme} partitioning of the {len(labels)} "
+                          f"training records gives at most {most} clients a record each; lower 'num-clients'")
     # Shuffle once with the run seed so contiguous partitioners see random order.
     order = np.random.default_rng(seed).permutation(len(labels))
     index_ds = HFDataset.from_dict({"idx": order, "label": labels[order]})
@@ -244,6 +297,9 @@ def partition_indices(labels_key: bytes, num_partitions: int, scheme: str, alpha
             warnings.simplefilter("ignore", UserWarning)
             return tuple(np.asarray(part.load_partition(i)["idx"], dtype=np.int64) for i in range(num_partitions))
     except ValueError as err:  # flwr-datasets: Dirichlet draws never gave every client its minimum
+        if scheme == "size-skew":  # an empty client (max_partitions refuses it first)
+            raise ConfigError(f"run-config 'num-clients' = {num_partitions} with 'partitioning' = 'size-skew' leaves "
+                              f"a client without training records (flwr-datasets: {err}); lower 'num-clients'") from err
         if scheme != "dirichlet":
             raise
         raise ConfigError(

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from protocols.config import ConfigError
+
 
 class MLP(nn.Module):
     """ReLU multilayer perceptron; flattens image inputs.
@@ -66,7 +68,8 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("run-config 'device' = 'cuda' but torch sees no CUDA device; use 'cpu' or 'auto'")
+        raise ConfigError("run-config 'device' = 'cuda' but torch sees no CUDA device on this machine; use 'cpu' or "
+                          "'auto' (cuda where available)")
     return torch.device(name)
 
 

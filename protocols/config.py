@@ -251,6 +251,13 @@ class RunConfig:
                 raise ConfigError(f"run-config '{key}' must be an integer >= 0 (0 = all)")
         if not 0 < self.sample_rate <= 1:
             raise ConfigError(f"run-config 'sample-rate' = {self.sample_rate} must be in (0, 1]")
+        need = method_spec(self.method).min_per_round
+        if self.clients_per_round < need:
+            fix = (f"set 'num-clients' >= {need}" if self.num_clients < need
+                   else f"raise 'sample-rate' to at least {need / self.num_clients:.3g}")
+            raise ConfigError(f"method {self.method!r} needs at least {need} clients per round (its protection works "
+                              f"between the clients of a round): run-config 'num-clients' = {self.num_clients} x "
+                              f"'sample-rate' = {self.sample_rate:g} gives {self.clients_per_round}; {fix}")
         if not 0 < self.delta < 1:
             raise ConfigError(f"run-config 'delta' = {self.delta} must be in (0, 1)")
         if self.max_strikes < 0:

@@ -93,6 +93,9 @@ class MethodSpec:
     privacy: Guarantee = Guarantee("none", None, None)
     #: Privacy units the method implements (run-config ``privacy-unit``); empty = no DP (fedavg).
     units: tuple[str, ...] = ("record",)
+    #: Fewest clients a round of the method can aggregate (2 where noise cancels between clients or an
+    #: intermediate server would see one client's update); run-config ``num-clients`` x ``sample-rate``.
+    min_per_round: int = 1
 
     def guarantee(self, unit: str) -> Guarantee:
         """What ``epsilon`` protects when the run asks for privacy unit ``unit`` (``none`` for fedavg)."""
@@ -110,10 +113,11 @@ _RECOVER = "client.recovery:handle_recover"  # dropout recovery of the pairwise 
 
 def _spec(name: str, strategy: str, train: str, *, queries: dict[str, str] | None = None, family: str = "baseline",
           paper: str = "", regime: dict[str, dict[str, Any]] | None = None,
-          privacy: Guarantee = Guarantee("none", None, None), units: tuple[str, ...] = ("record",)) -> MethodSpec:
+          privacy: Guarantee = Guarantee("none", None, None), units: tuple[str, ...] = ("record",),
+          min_per_round: int = 1) -> MethodSpec:
     regime = {size: MappingProxyType(dict(v)) for size, v in (regime or {}).items()}
     return MethodSpec(name, strategy, train, MappingProxyType(dict(queries or {})), family, paper,
-                      MappingProxyType(regime), privacy, units)
+                      MappingProxyType(regime), privacy, units, min_per_round)
 
 
 # ------------------------------------------------------------------ adversaries (one wording each)
@@ -187,15 +191,16 @@ METHODS: MappingProxyType = MappingProxyType({s.name: s for s in (
           regime=_RECORD_STEP, privacy=Guarantee("record", None, _MODEL_TRUSTED), units=PRIVACY_UNITS),
     _spec("nadp", "strategies.nadp:NadpStrategy", "client.methods.nadp:train",
           queries={"keys": _KEYS, "recover": _RECOVER},
-          family="pairwise", paper="NADP-FL", regime=_RECORD_STEP, privacy=Guarantee("record", _SERVER_NO_COLLUSION, _MODEL)),
+          family="pairwise", paper="NADP-FL", regime=_RECORD_STEP, privacy=Guarantee("record", _SERVER_NO_COLLUSION, _MODEL),
+          min_per_round=2),
     _spec("niss", "strategies.niss:NissStrategy", "client.methods.niss:train",
           queries={"keys": _KEYS, "shares": "client.methods.niss:handle_shares", "recover": _RECOVER},
           family="pairwise", paper="NISS",
-          regime=_RECORD_STEP, privacy=Guarantee("record", _SERVER_NISS, _MODEL), units=PRIVACY_UNITS),
+          regime=_RECORD_STEP, privacy=Guarantee("record", _SERVER_NISS, _MODEL), units=PRIVACY_UNITS, min_per_round=2),
     # The MP family's uplink epsilon is nominal only (Psi/Phi go up un-noised; the server knows R): no guarantee.
     _spec("mpddp", "strategies.mpddp:MpddpStrategy", "client.methods.mpddp:train",
           queries={"keys": _KEYS, "recover": _RECOVER}, family="mpddp", paper="MP_Server + DDP_Client",
-          regime=_MP, privacy=Guarantee("record", None, _MODEL)),
+          regime=_MP, privacy=Guarantee("record", None, _MODEL), min_per_round=2),
     _spec("mpdp-naive", "strategies.mpddp:MpdpNaiveStrategy", "client.methods.mpddp:train", family="mpddp",
           paper="MP_Server + DDP_Client (ablation)", regime=_MP, privacy=Guarantee("record", None, _MODEL)),
     _spec("mpcdp", "strategies.mpddp:MpcdpStrategy", "client.methods.mpddp:train", family="mpddp",
@@ -204,7 +209,7 @@ METHODS: MappingProxyType = MappingProxyType({s.name: s for s in (
           regime=_LADP, privacy=Guarantee("record", _SERVER, _MODEL)),
     _spec("ddpsa", "strategies.ddpsa:DdpsaStrategy", "client.methods.ddpsa:train",
           queries={"ddpsa_identity": "client.methods.ddpsa:identity"}, family="ddpsa", paper="DDP-SA",
-          regime=_DDPSA, privacy=Guarantee("record", _SERVER_SECAGG, _MODEL)),
+          regime=_DDPSA, privacy=Guarantee("record", _SERVER_SECAGG, _MODEL), min_per_round=2),
 )})
 
 METHOD_NAMES: tuple[str, ...] = tuple(METHODS)

@@ -8,6 +8,7 @@ from flwr.app import Context
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
+from client.data import partitions_for
 from protocols.adjustments import adjustments
 from protocols.config import RunConfig
 from server.federation import check_federation
@@ -31,6 +32,8 @@ def main(grid: Grid, context: Context) -> None:
             log(WARNING, "%s", note)
         # DDP-SA: the ServerApp never starts intermediate servers -- the clients take them from their own
         # configuration, so whoever submits the run names them (`cancelfl run/deploy` start local ones).
+        if not cfg.dataset.startswith("hub:"):
+            partitions_for(cfg)  # a client without records: stop now, naming 'num-clients' and the dataset's maximum
         check_federation(grid, cfg)  # nodes started for another num-clients: stop now, naming the fix
         from server.runner import run_federation  # torch and the method's modules: after the check (seconds)
         from strategies.registry import build_strategy

@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from protocols.config import RunConfig
+from protocols.config import ConfigError, RunConfig
 from protocols.tls import CertificateAuthority
 from server.defaults import APP_DIR, app_defaults
 from server.intermediate.launcher import IntermediateServerCluster, local_intermediate_servers, start_intermediate_servers
@@ -46,6 +46,41 @@ BIN = Path(sys.executable).parent
 #: Environment variable every process of one launch inherits (a fresh id per workspace): how the launcher
 #: finds and stops the descendants that left their process group.
 LAUNCH_MARK = "CANCELFL_LAUNCH_ID"
+
+
+#: Private (anonymous) memory of one idle ``cancelfl-supernode`` in MB, Flower 1.41: the SuperNode about 95, its warm
+#: ClientApp process with torch imported about 415, its SuperExec about 90.  Training adds to it, so this is a
+#: lower bound of what each SuperNode needs.
+SUPERNODE_IDLE_MB = 600
+
+
+def available_memory_mb() -> float | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in MB (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_capacity(num_supernodes: int, available_mb: float | None = None) -> None:
+    """Refuse a local deployment whose idle SuperNodes alone exceed this machine's available memory.
+
+    Raises:
+        ConfigError: naming ``--supernodes`` / ``num-clients`` and how many fit, when ``num_supernodes`` x
+            :data:`SUPERNODE_IDLE_MB` exceeds ``available_mb`` (default: :func:`available_memory_mb`; no check
+            where that is unknown).
+    """
+    available_mb = available_memory_mb() if available_mb is None else available_mb
+    if available_mb is None or num_supernodes * SUPERNODE_IDLE_MB <= available_mb:
+        return
+    most = int(available_mb // SUPERNODE_IDLE_MB)
+    raise ConfigError(f"--supernodes / run-config 'num-clients' = {num_supernodes}: {num_supernodes} SuperNode processes "
+                      f"need at least {num_supernodes * SUPERNODE_IDLE_MB / 1024:.1f} GB ({SUPERNODE_IDLE_MB} MB each, "
+                      f"idle), this machine has {available_mb / 1024:.1f} GB available; at most {most} fit here (use "
+                      "`cancelfl run` for more simulated clients)")
 
 
 def free_port() -> int:

@@ -50,14 +50,32 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 
 
-def preflight(overrides: dict, *, warn=lambda s: print(f"cancelfl: warning: {s}", file=sys.stderr)) -> RunConfig:
+def _warn(message: str) -> None:
+    print(f"cancelfl: warning: {message}", file=sys.stderr)
+
+
+def local_checks(cfg: RunConfig) -> None:
+    """What the clients of a run on this machine need, checked before any of them starts (``ConfigError``).
+
+    Every client gets at least one training record (run-config ``num-clients`` against the dataset's records,
+    :func:`client.data.partitions_for`; also the dataset files are read) and run-config ``device`` exists here.
+    """
+    from client.data import partitions_for
+    from client.models import resolve_device
+
+    if not cfg.dataset.startswith("hub:"):  # a hub dataset would be downloaded twice
+        partitions_for(cfg)
+    resolve_device(cfg.device)
+
+
+def preflight(overrides: dict, *, warn=_warn) -> RunConfig:
     """Check everything that can be checked before any process starts; ``ConfigError``/``ValueError`` naming the cause.
 
     The run config (keys, types, ranges), the method's own constraints (its strategy is constructed; for
-    DDP-SA up to the intermediate servers the launcher starts later) and the dataset files (truncated,
-    non-gzip or mismatched IDX files).  Settings the run adjusts are reported through ``warn``.
+    DDP-SA up to the intermediate servers the launcher starts later), the dataset files (truncated,
+    non-gzip or mismatched IDX files) and :func:`local_checks`.  Settings the run adjusts are reported
+    through ``warn``.
     """
-    from client.data import dataset_for
     from protocols.adjustments import adjustments
     from strategies.registry import build_strategy
 
@@ -68,8 +86,7 @@ def preflight(overrides: dict, *, warn=lambda s: print(f"cancelfl: warning: {s}"
         # DDP-SA servers (and their credentials) the launcher starts later: every check before them passed.
         if not (cfg.method == "ddpsa" and not cfg.ddpsa_servers.strip() and "'ddpsa-servers'" in str(err)):
             raise
-    if not cfg.dataset.startswith("hub:"):  # a hub dataset would be downloaded twice
-        dataset_for(cfg)
+    local_checks(cfg)
     for note in adjustments(cfg):
         warn(note)
     return cfg
@@ -113,6 +130,7 @@ def run_inprocess(overrides: dict, *, progress=print, grid_factory=None, keep_st
     raw = {**app_defaults(), **overrides}
     raw["out-dir"] = resolve_out_dir(RunConfig.from_mapping(raw)).out_dir  # "" = a fresh runs/<time>-<method>
     cfg = RunConfig.from_mapping(raw)
+    local_checks(cfg)  # before the grid makes num-clients identities and contexts
     if grid_factory is None:  # the clients' privacy ledgers live in the run folder: a resumed run continues them
         grid = LocalGrid(client_app, cfg.num_clients, raw, node_config={"ledger-dir": str(ledger_dir(cfg.out_dir))})
     else:
@@ -155,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                          formatter_class=raw, epilog=epilog,
                          description="Start a Flower SuperLink and N SuperNodes as processes on 127.0.0.1 (each node "
                                      "with its own identity) and run one training on them.")
-    dep.add_argument("--supernodes", type=int, default=None, help="number of SuperNodes = num-clients (default 4)")
+    dep.add_argument("--supernodes", type=_positive_int, default=None,
+                     help="number of SuperNodes = num-clients (default: run-config num-clients if set, else 4)")
     dep.add_argument("--run-config", default="", help="run-config keys, as for run (below)")
     dep.add_argument("--tls", action="store_true", help="TLS between SuperNodes and SuperLink (self-signed CA)")
     for p in (run, dep):
@@ -210,9 +229,21 @@ def _main(args: argparse.Namespace) -> int:
             if stored is not None and args.supernodes not in (None, stored):
                 raise ConfigError(f"--resume: the run had {stored} SuperNodes (num-clients); --supernodes "
                                   f"{args.supernodes} would make it a different run")
-            args.supernodes = args.supernodes or stored or 4
+            given = overrides.get("num-clients")
+            if isinstance(given, str) and given.strip().lower() == "auto":
+                given = None
+            if given is not None and args.supernodes is None:  # the user's num-clients: refused by name when bad
+                given = RunConfig.from_mapping({**app_defaults(), **overrides}).num_clients
+            elif given is not None and given != args.supernodes:
+                _warn(f"--supernodes {args.supernodes} overrides run-config 'num-clients' = {given}: the run has "
+                      f"{args.supernodes} clients")
+            args.supernodes = args.supernodes or given or 4
             overrides["num-clients"] = args.supernodes
         cfg = preflight(overrides)
+        if args.command == "deploy":
+            from server.deploy import check_capacity
+
+            check_capacity(args.supernodes)  # every SuperNode is a process on this machine
         overrides["out-dir"] = choose_out_dir(cfg, overwrite=args.overwrite)
     except ValueError as err:  # ConfigError and the data loader's errors: refused before any process starts
         print(f"cancelfl: {err}", file=sys.stderr)
@@ -236,6 +267,17 @@ def _main(args: argparse.Namespace) -> int:
     if code and (Path(out) / CHECKPOINT_JSON).is_file() and not (Path(out) / "summary.json").is_file():
         print(f"cancelfl: continue it with: cancelfl {args.command} --resume {out}", file=sys.stderr)
     return code
+
+
+def _positive_int(text: str) -> int:
+    """The ``--supernodes`` type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
 
 
 def _terminated(signum: int, _frame) -> None:

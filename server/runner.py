@@ -13,7 +13,7 @@ from pathlib import Path
 from flwr.app import ArrayRecord
 from flwr.serverapp import Grid
 
-from client.data import dataset_for, partition_indices
+from client.data import dataset_for, partitions_for
 from client.models import build_model, get_weights, save_npz_model, set_weights
 from client.training import evaluate
 from client.wire import from_record, to_record
@@ -24,14 +24,14 @@ from strategies.run.loop import run_rounds
 from strategies.run.notes import chance_level
 
 
-def largest_partition(cfg: RunConfig, ds) -> int | None:
+def largest_partition(cfg: RunConfig) -> int | None:
     """Size of the largest client partition of the run (None if it cannot be computed here).
 
-    A partitioning no client can get (:class:`ConfigError`, e.g. a Dirichlet split too skewed for its clients)
-    stops the run here, before round 1: every client would fail the same way in every round.
+    A partitioning no client can get (:class:`ConfigError`: a client without records, a Dirichlet split too
+    skewed for its clients) stops the run here, before round 1: every client would fail the same way in every round.
     """
     try:
-        idx = partition_indices(ds.y_train.tobytes(), cfg.num_clients, cfg.partitioning, cfg.dirichlet_alpha, cfg.seed)
+        idx = partitions_for(cfg)
     except ConfigError:
         raise
     except Exception:  # noqa: BLE001 - the cap is a safeguard; without it the round median rule applies
@@ -74,5 +74,5 @@ def run_federation(strategy: CancelStrategy, grid: Grid, cfg: RunConfig,
         raise ValueError("run_federation: cfg is not the strategy's run config (build the strategy from cfg)")
     task = AppTask(cfg, strategy.wire_dtype)
     if strategy.max_examples is None:
-        strategy.max_examples = largest_partition(cfg, task.ds)
+        strategy.max_examples = largest_partition(cfg)
     return run_rounds(strategy, grid, task, progress=progress, verbose=verbose).summary

@@ -74,3 +74,22 @@ def test_types_are_coerced():
 def test_cli_refuses_bad_config_at_start(capsys):
     assert main(["run", "--run-config", 'method="nope"']) == 2
     assert "method" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("raw", "needle"), [
+    ({"method": "nadp", "num-clients": 1}, "set 'num-clients' >= 2"),
+    ({"method": "niss", "num-clients": 10, "sample-rate": 0.1}, "raise 'sample-rate' to at least 0.2"),
+    ({"method": "mpddp", "num-clients": 4, "sample-rate": 0.2}, "'sample-rate' = 0.2 gives 1"),
+    ({"method": "ddpsa", "num-clients": 1}, "'num-clients' = 1"),
+])
+def test_methods_that_need_two_clients_per_round_refuse_one(raw, needle):
+    """Pairwise-noise and secure-sum methods with one client per round: refused by the config, naming the keys."""
+    with pytest.raises(ConfigError, match="needs at least 2 clients per round") as err:
+        RunConfig.from_mapping(raw)
+    assert needle in str(err.value)
+
+
+def test_one_client_per_round_stays_allowed_where_it_works():
+    """Methods whose round works with one client keep accepting it (fedavg, the baselines, the MP ablations)."""
+    for method in ("fedavg", "ldp", "cdp", "mpdp-naive", "mpcdp", "ladp"):
+        assert RunConfig.from_mapping({"method": method, "num-clients": 4, "sample-rate": 0.2}).clients_per_round == 1

@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from client.data import client_partition, dataset_for, find_idx_folder, load_dataset, partition_indices
+from client.data import (
+    client_partition,
+    dataset_for,
+    find_idx_folder,
+    load_dataset,
+    max_partitions,
+    partition_indices,
+    partitions_for,
+)
 from protocols.config import ConfigError, RunConfig
 
 
@@ -124,3 +132,35 @@ def test_input_centering_is_per_record_and_only_for_images():
     np.testing.assert_allclose(part.mean(axis=(1, 2, 3)), 0.0, atol=1e-6)
     tab, tab_c = (dataset_for(RunConfig(dataset="breast-cancer", input_centering=c)) for c in (False, True))
     np.testing.assert_array_equal(tab.x_train, tab_c.x_train)
+
+
+@pytest.mark.parametrize("scheme", ["iid", "size-skew"])
+def test_max_partitions_is_the_most_clients_the_real_partitioner_gives_a_record(scheme):
+    """At max_partitions every client of the real (flwr-datasets) split gets a record; one more is refused by name."""
+    y = load_dataset("digits").y_train[:300]
+    most = max_partitions(len(y), scheme)
+    assert most == (300 if scheme == "iid" else 24)
+    parts = partition_indices.__wrapped__(y.tobytes(), most, scheme, 0.5, 1)
+    assert min(len(p) for p in parts) >= 1 and sum(len(p) for p in parts) == len(y)
+    if scheme == "size-skew":  # flwr-datasets itself leaves a client empty at most + 1
+        from datasets import Dataset as HFDataset
+        from flwr_datasets.partitioner import LinearPartitioner
+
+        part = LinearPartitioner(num_partitions=most + 1)
+        part.dataset = HFDataset.from_dict({"idx": np.arange(len(y))})
+        with pytest.raises(ValueError, match="not greater than 0"):
+            part.load_partition(0)
+    with pytest.raises(ConfigError, match=f"'num-clients' = {most + 1}.*at most {most} clients"):
+        partition_indices.__wrapped__(y.tobytes(), most + 1, scheme, 0.5, 1)
+
+
+def test_clients_without_records_are_refused_naming_the_dataset_maximum():
+    """A size-skew split with empty clients names 'num-clients', the dataset, its records and the maximum."""
+    cfg = RunConfig.from_mapping({"partitioning": "size-skew", "num-clients": 60})
+    with pytest.raises(ConfigError) as err:
+        partitions_for(cfg)
+    msg = str(err.value)
+    assert "'num-clients' = 60" in msg and "'digits' has 1437 training records" in msg and "to 53" in msg
+    assert len(partitions_for(cfg.replace(num_clients=53))) == 53
+    with pytest.raises(ConfigError, match="'num-clients' = 1438.*lower 'num-clients' to 1437"):
+        partitions_for(RunConfig.from_mapping({"num-clients": 1438}))

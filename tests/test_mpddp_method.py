@@ -296,7 +296,6 @@ def test_ablations_tolerate_dropouts(tmp_path):
     ({"model": "cnn"}, "supports only model = 'mlp'"),
     ({"hidden": ""}, "at least one hidden layer"),
     ({"graph": "n-out", "n-out": 4, "num-clients": 20}, "Theorem 11"),
-    ({"num-clients": 1}, "at least 2 clients per round"),
 ])
 def test_refused_settings(overrides, message):
     cfg = RunConfig.from_mapping({**app_defaults(), "method": "mpddp", **overrides})

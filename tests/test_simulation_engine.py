@@ -33,7 +33,7 @@ def test_nadp_round_with_key_exchange_in_flower_simulation(tmp_path):
 def test_serverapp_crash_exits_nonzero_without_stale_summary_or_processes(tmp_path, capsys):
     """``flwr run`` exits 0 when the ServerApp crashes: the launcher must still fail, with the reason.
 
-    mpddp with one client passes the run-config checks but its strategy refuses it inside the ServerApp
+    mpddp with a CNN passes the run-config checks but its strategy refuses it inside the ServerApp
     (``cancelfl run`` would refuse it before starting anything; the library call does not check).
     An earlier run's summary.json in out-dir must not be taken for this run's; every process started
     for the run (SuperLink, its SuperExec in its own session, the ServerApp, Ray) must be gone.
@@ -45,10 +45,10 @@ def test_serverapp_crash_exits_nonzero_without_stale_summary_or_processes(tmp_pa
     out.mkdir()
     (out / "summary.json").write_text('{"final_accuracy": 0.99}')
     work = tmp_path / "work"
-    code = run_simulation({"method": "mpddp", "num-clients": 1, "num-rounds": 1, "out-dir": str(out)},
+    code = run_simulation({"method": "mpddp", "model": "cnn", "num-clients": 2, "num-rounds": 1, "out-dir": str(out)},
                           keep_workdir=str(work))
     assert code == 1
     assert not (out / "summary.json").exists()
-    assert "at least 2 clients per round" in read_error(out)
+    assert "supports only model = 'mlp'" in read_error(out)
     assert "the run failed" in capsys.readouterr().err
     assert pids_with_env("FLWR_HOME", str(work / "flwr-home")) == []
