@@ -115,8 +115,8 @@ class RunConfig:
     cancellation_check: bool = False  # clients report a random projection of their pairwise mask (diagnostic)
     fault_drop_rate: float = 0.0  # TESTING AID: in-process grid withholds this fraction of train replies
     self_mask: bool = True  # nadp, mpddp: double masking (a Shamir-shared self-mask on every pairwise upload)
-    mask_dropout_rate: float = 0.1  # assumed dropout rate: the self-mask threshold's correctness figure
-    mask_corruption_rate: float = 0.1  # assumed colluding fraction of a neighbourhood: sets the threshold t
+    mask_dropout_rate: float = 0.1  # assumed dropout rate, in [0, 0.5): only feeds the logged P[< t surviving neighbours]
+    mask_corruption_rate: float = 0.1  # assumed colluding share of a neighbourhood, in [0, 0.5): sets the self-mask threshold t
     nadp_lambda: float = 0.0  # compensation factor; 0 = derive from nadp-tau
     nadp_tau: float = 0.5  # tolerated collusion rate for lambda (Eq. 8)
     nadp_variant: str = "nadp"  # "record-ldp" = the paper's LDP-FL comparator (same training, no cancellation)

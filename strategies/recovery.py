@@ -1,6 +1,6 @@
 """Dropout recovery of the pairwise noise (nadp, niss, mpddp): the server removes orphaned pair noise exactly.
 
-Double masking (run-config ``self-mask``, nadp; :mod:`protocols.masking`, :meth:`PairwiseRecovery.unmask`):
+Double masking (run-config ``self-mask``, nadp and mpddp; :mod:`protocols.masking`, :meth:`PairwiseRecovery.unmask`):
 every upload also carries a self-mask whose seed is Shamir-shared t-of-n among the client's neighbours, the
 sealed shares travelling with the upload itself.  One ``query.recover`` phase then runs *every* round, to
 every kept survivor: each reveals its shares of the received neighbours' seeds and its pair seeds with the
@@ -47,8 +47,8 @@ would leave its own upload without pairwise noise.  The server never aggregates 
 upload, and the round template runs recovery after reply screening, so an upload that arrives is either
 aggregated or never recovered for.  Not covered: a server that consistently tells *all* of k's neighbours
 "k dropped" while holding k's upload learns that upload minus k's pair noise of that round -- k keeps its
-independent noise (nadp residual, mpddp eta, niss shares held by neighbours that did not drop); SecAgg+
-closes this with a self-mask, which an exact float DP upload has no room for.  A survivor that reveals
+independent noise (nadp residual, mpddp eta, niss shares held by neighbours that did not drop); the
+self-mask of double masking (above; nadp and mpddp) closes this.  A survivor that reveals
 wrong material spoils the aggregate as a garbage upload would (the cancellation check shows it).
 
 Uploads that arrived but fail the reply checks (:mod:`strategies.validation`) are excluded, and the server
