@@ -99,4 +99,4 @@ def run_epilog(defaults: dict) -> str:
             "main run-config keys (--run-config 'key=value key2=\"text\"'), with defaults:\n"
             f"{keys_text(defaults)}\n\n"
             '"auto" = the method\'s own setting for the dataset (printed when the run starts; set the key to\n'
-            "override it).  Every other key is listed in the README.\n")
+            "override it).  Every other key is in the configuration reference (docs/reference).\n")
