@@ -207,6 +207,10 @@ def _trainable_layers(model: nn.Module) -> list[nn.Module] | str:
 
 
 def _supported(module: nn.Module) -> bool:
+    """A plain Linear or Conv2d: its class's ``forward`` (or a clipper's recording wrapper of it)."""
+    own = vars(module).get("forward")
+    if own is not None and not getattr(own, "_records_layer", False):
+        return False
     if isinstance(module, nn.Linear):
         return type(module).forward is nn.Linear.forward
     if isinstance(module, nn.Conv2d):
@@ -237,8 +241,8 @@ class _Site:
 class _Recorder:
     """Records the supported layers' sites, only while :meth:`forward` runs.
 
-    Each layer gets an instance attribute ``forward`` that calls its class's ``forward`` and notes
-    the input and output (removed by :meth:`remove`).  Unlike a forward hook this keeps
+    Each layer gets an instance attribute ``forward`` that calls the layer's own ``forward`` and
+    notes the input and output (undone by :meth:`remove`; clippers on one model nest).  Unlike a forward hook this keeps
     ``nn.Module.__call__`` on its hook-free fast path (a hook sends every call of the layer
     through the slow one).
     """
@@ -246,15 +250,15 @@ class _Recorder:
     def __init__(self, layers: list[nn.Module]) -> None:
         self.sites: dict[int, _Site] | None = None
         self.copy_outputs = False
-        self.layers: list[nn.Module] = []
+        #: (layer, the instance ``forward`` it had before, if any): restored by :meth:`remove`.
+        self.wrapped: list[tuple[nn.Module, Callable[..., Tensor] | None]] = []
         for m in layers:
-            if "forward" in vars(m):
-                raise ValueError(f"{type(m).__name__} already has an instance attribute 'forward'")
-            m.forward = self._recording_forward(m)
-            self.layers.append(m)
+            previous = vars(m).get("forward")
+            m.forward = self._recording_forward(m, previous)
+            self.wrapped.append((m, previous))
 
-    def _recording_forward(self, module: nn.Module) -> Callable[..., Tensor]:
-        base = type(module).forward.__get__(module)
+    def _recording_forward(self, module: nn.Module, previous: Callable[..., Tensor] | None) -> Callable[..., Tensor]:
+        base = previous if previous is not None else type(module).forward.__get__(module)
         key = id(module)
         w, b = module.weight, module.bias
         trainable = (w if w.requires_grad else None, b if b is not None and b.requires_grad else None)
@@ -272,6 +276,7 @@ class _Recorder:
             sites[key] = _Site(module, trainable, None if a is None else a.detach(), output, output._version)
             return output.clone() if self.copy_outputs else output
 
+        forward._records_layer = True  # type: ignore[attr-defined]  # another clipper may wrap it again
         return forward
 
     def forward(self, model: nn.Module, x: Tensor, y: Tensor, loss: PerExampleLoss, *,
@@ -286,10 +291,13 @@ class _Recorder:
             self.sites = None
 
     def remove(self) -> None:
-        """Give the layers back their class's ``forward``."""
-        for m in self.layers:
-            vars(m).pop("forward", None)
-        self.layers = []
+        """Give the layers back the ``forward`` they had (their class's, or an instance one set before)."""
+        for m, previous in reversed(self.wrapped):
+            if previous is None:
+                vars(m).pop("forward", None)
+            else:
+                m.forward = previous
+        self.wrapped = []
 
 
 def _layerwise_forms(model: nn.Module, layers: list[nn.Module], recorder: _Recorder, x: Tensor, y: Tensor,

@@ -291,7 +291,7 @@ def test_descend_is_one_step_of_the_clipped_sum(norm: str) -> None:
     _descend_matches_clipped_sum(layers, x, y, _middle_clip(_norms(layers, x, y, norm)), norm)
 
 
-def test_descend_on_the_vmap_path_and_the_layers_get_their_forward_back() -> None:
+def test_descend_on_the_vmap_path_and_the_layers_get_their_forward_back_nested() -> None:
     class Normed(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -306,12 +306,19 @@ def test_descend_on_the_vmap_path_and_the_layers_get_their_forward_back() -> Non
     model = build_model("mlp", (1, 8, 8), 10, (16,), 18).double()
     xs = torch.rand(5, 1, 8, 8, generator=gen)
     plain = model(xs)
+    ys = torch.arange(5)
     with PerExampleClipper(model, 1.0) as clipper:
         assert all("forward" in vars(m) for m in model.layers)
         torch.testing.assert_close(model(xs), plain, rtol=0, atol=0)  # unrecorded outside a step, same output
-        clipper(xs, torch.arange(5))
+        _assert_same(clipped_grad_sum(model, xs, ys, 0.1), vmap_clipped_grad_sum(model, xs, ys, 0.1))  # nested
+        _assert_same(clipper(xs, ys), vmap_clipped_grad_sum(model, xs, ys, 1.0))  # still recording after it
     assert not any("forward" in vars(m) for m in model.layers)
     torch.testing.assert_close(model(xs), plain, rtol=0, atol=0)
+    # a layer with its own instance forward (here: doubling the output) takes the vmap path, its forward untouched
+    doubled = model.layers[1].forward = lambda t, _lin=model.layers[1]: 2 * nn.Linear.forward(_lin, t)
+    assert fast_path_blocker(model) == "Linear 'layers.1' has no fast path"
+    _assert_same(clipped_grad_sum(model, xs, ys, 0.1), vmap_clipped_grad_sum(model, xs, ys, 0.1))
+    assert vars(model.layers[1])["forward"] is doubled
 
 
 def test_clipped_sgd_equals_a_loop_of_reference_steps() -> None:
