@@ -3,50 +3,51 @@
 Every benchmark module exposes ``HELP`` (one line), ``add_arguments(parser)`` and
 ``run(args) -> exit status``; this module only builds the parser from them and dispatches.
 ``cancelfl-bench all`` runs grid, attacks, overhead and scale with their defaults.
+
+A benchmark that writes into an output folder also gets ``record.json`` there (:func:`write_record`): the
+command, the UTC date, the machine and the commit that produced the folder's tables.  The documentation's
+benchmarks page renders such folders from ``docs/results/`` (``docs/hooks.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import datetime
+import importlib
+import importlib.util
+import json
+import os
+import platform
 import shlex
+import subprocess
 import sys
 import time
+from collections.abc import Iterable
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 
 import benchmarks as package
-from benchmarks import (
-    attacks,
-    clipping,
-    defaults,
-    grid,
-    ladp,
-    mpddp,
-    nadp,
-    niss,
-    overhead,
-    protocol_core,
-    recovery,
-    roundtime,
-    scale,
-)
-from benchmarks.common import setup_process
+from server.cli_text import plain_text
 
-#: Subcommand -> benchmark module, in the order ``--help`` lists them.
-BENCHMARKS: dict[str, ModuleType] = {
-    "grid": grid,
-    "attacks": attacks,
-    "overhead": overhead,
-    "scale": scale,
-    "protocol-core": protocol_core,
-    "nadp": nadp,
-    "niss": niss,
-    "mpddp": mpddp,
-    "ladp": ladp,
-    "clipping": clipping,
-    "recovery": recovery,
-    "roundtime": roundtime,
-    "defaults": defaults,
+#: Subcommand -> benchmark module, in the order ``--help`` lists them.  A module is imported only when its
+#: benchmark runs (or its own ``--help`` is asked for): they import torch and Flower, seconds each.
+BENCHMARKS: dict[str, str] = {
+    "grid": "benchmarks.grid",
+    "attacks": "benchmarks.attacks",
+    "overhead": "benchmarks.overhead",
+    "scale": "benchmarks.scale",
+    "protocol-core": "benchmarks.protocol_core",
+    "nadp": "benchmarks.nadp",
+    "niss": "benchmarks.niss",
+    "mpddp": "benchmarks.mpddp",
+    "ladp": "benchmarks.ladp",
+    "clipping": "benchmarks.clipping",
+    "recovery": "benchmarks.recovery",
+    "roundtime": "benchmarks.roundtime",
+    "defaults": "benchmarks.defaults",
+    "audit": "benchmarks.audit",
 }
 
 #: What ``cancelfl-bench all`` runs, each with its defaults and ``--out <all's --out>/<name>``.
@@ -57,30 +58,120 @@ class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
     """Module docstrings verbatim, defaults after each option's help."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Argument parser of ``cancelfl-bench``: one subcommand per benchmark, plus ``all``."""
-    parser = argparse.ArgumentParser(prog="cancelfl-bench", description=package.__doc__,
+def module(name: str) -> ModuleType:
+    """The benchmark module of subcommand ``name`` (imported now)."""
+    return importlib.import_module(BENCHMARKS[name])
+
+
+@cache
+def summary(name: str) -> tuple[str, str]:
+    """(``HELP`` line, docstring) of benchmark ``name``, read from its source without importing it."""
+    spec = importlib.util.find_spec(BENCHMARKS[name])
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError(BENCHMARKS[name])
+    tree = ast.parse(Path(spec.origin).read_text())
+    line = next((node.value.value for node in tree.body if isinstance(node, ast.Assign)
+                 and any(isinstance(t, ast.Name) and t.id == "HELP" for t in node.targets)
+                 and isinstance(node.value, ast.Constant)), "")
+    return str(line), ast.get_docstring(tree, clean=False) or ""
+
+
+def build_parser(load: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """Argument parser of ``cancelfl-bench``: one subcommand per benchmark, plus ``all``.
+
+    ``load``: the benchmarks whose options are added (their modules imported); None = every one.
+    The others parse their name only, enough for the listing of ``cancelfl-bench --help``.
+    """
+    load = set(BENCHMARKS if load is None else load)
+    parser = argparse.ArgumentParser(prog="cancelfl-bench", description=plain_text(package.__doc__ or ""),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="benchmark", required=True)
-    for name, module in BENCHMARKS.items():
-        module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.__doc__,
-                                            formatter_class=_Formatter))
+    for name in BENCHMARKS:
+        line, doc = summary(name)
+        p = sub.add_parser(name, help=line, description=plain_text(doc), formatter_class=_Formatter)
+        if name in load:
+            module(name).add_arguments(p)
     everything = sub.add_parser("all", help=f"{', '.join(ALL)} with their defaults", formatter_class=_Formatter)
     everything.add_argument("--out", default="runs/bench")
     return parser
 
 
+def _commit() -> str | None:
+    """``git rev-parse HEAD`` of the source tree of this package (``+dirty`` with uncommitted changes), or None."""
+    root = Path(package.__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def machine() -> dict:
+    """What ran a benchmark: OS, CPU, core count, load average at start, Python and torch versions."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(),
+            "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+            "python": platform.python_version(), "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def write_record(out: Path, *, benchmark: str, command: str, status: int, started: str, wall_s: float,
+                 host: dict) -> Path:
+    """Write ``out/record.json``: the provenance of the tables a benchmark wrote into ``out``.
+
+    Args:
+        out: the benchmark's output folder (created if missing).
+        benchmark: subcommand name.
+        command: the full command line.
+        status: the benchmark's exit status.
+        started: UTC start time, ISO 8601.
+        wall_s: wall time in seconds.
+        host: :func:`machine` taken at start (its load average is the start's).
+
+    Returns:
+        The path written.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    files = sorted(p.name for p in out.iterdir() if p.is_file() and p.name != "record.json")
+    record = {"benchmark": benchmark, "command": command, "date": started, "machine": host, "commit": _commit(),
+              "exit_status": status, "wall_s": round(wall_s, 1), "files": files}
+    path = out / "record.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
+
+
 def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     args = parser.parse_args(argv)
     args.command_line = "cancelfl-bench " + shlex.join(argv)
-    return BENCHMARKS[args.benchmark].run(args)
+    out = getattr(args, "out", None) or getattr(args, "out_dir", None)
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    host, t0 = machine(), time.perf_counter()
+    status = module(args.benchmark).run(args)
+    if out:
+        write_record(Path(out), benchmark=args.benchmark, command=args.command_line, status=status, started=started,
+                     wall_s=time.perf_counter() - t0, host=host)
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``cancelfl-bench``; returns the benchmark's exit status (e.g. niss: 1 if a check fails)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(ALL if chosen == "all" else [chosen] if chosen in BENCHMARKS else [])
     args = parser.parse_args(argv)
+    from benchmarks.common import setup_process  # torch and Flower: only once a benchmark runs
+
     undo = setup_process()
     t0 = time.perf_counter()
     try:

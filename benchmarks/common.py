@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from protocols.methods import METHOD_NAMES, METHODS, VARIANTS, method_or_variant
-from server.report import pyplot, save_figure  # noqa: F401 - plotting has one home (lazy matplotlib, Agg backend)
+from strategies.run.report import pyplot, save_figure  # noqa: F401 - plotting has one home (lazy matplotlib, Agg backend)
 
 #: ``--method-set`` default of the cost benchmarks: the papers' sparse pairing (mpddp: Theorem 11 needs n ~ 80
 #: at K = 100; nadp: any n works).

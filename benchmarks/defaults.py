@@ -1,4 +1,4 @@
-"""Every method out of the box: ``method`` and ``dataset`` set, nothing else (the acceptance table of issue 18).
+"""Every method out of the box: ``method`` and ``dataset`` set, nothing else (with the acceptance rules).
 
 Each run is ``cancelfl run --run-config 'method="M" dataset="D"'`` done in-process
 (:func:`server.launch.run_inprocess`): the app's defaults plus the method's regime
@@ -37,7 +37,7 @@ def chance(dataset: str) -> float:
     """Share of the most frequent class in the dataset's test set."""
     from client.data import dataset_for
     from protocols.config import RunConfig
-    from server.run_notes import chance_level
+    from strategies.run.notes import chance_level
 
     return chance_level(dataset_for(RunConfig(dataset=dataset)).y_test)
 
@@ -67,7 +67,7 @@ def run_one(method: str, dataset: str, out: Path) -> dict:
 
 def acceptance(rows: list[dict], chance_of: dict[str, float]) -> list[str]:
     """The failed acceptance rules, one sentence each (empty = all hold)."""
-    from server.run_notes import ABOVE_CHANCE  # the run's own learning check uses the same margin
+    from strategies.run.notes import ABOVE_CHANCE  # the run's own learning check uses the same margin
 
     failed = []
     for dataset, floor in chance_of.items():

@@ -11,7 +11,7 @@ Prints a table (accuracy, nominal epsilon, epsilon given R, client_model_distanc
 writes ``runs.csv`` (one line per run), ``results.md`` (table + acceptance lines) and ``results.json``
 to OUT_DIR (default ``runs/bench-mpddp``).  The methods are the registry's ``mpddp`` family.
 
-Acceptance (issue 6): mpddp within 3 accuracy points of mpcdp and far above mpdp-naive.
+Acceptance: mpddp within 3 accuracy points of mpcdp and far above mpdp-naive.
 """
 
 from __future__ import annotations

@@ -168,18 +168,51 @@ def simulation_point(name: str, epsilon: float, clients: int, base: dict, method
     the in-process grid leaves out.  Rounds after the first are timed (the first
     includes Ray's start-up and, for pairwise methods, the session key phase).
     """
-    import json
-
     from server.deploy import run_simulation
+
+    return _engine_point(name, epsilon, clients, base, method_sets, out_dir, run_simulation, "simulation")
+
+
+def deployment_point(cluster, name: str, epsilon: float, clients: int, base: dict, method_sets: dict[str, dict],
+                     out_dir: Path) -> RunResult:
+    """One federation submitted to ``cluster`` (a running :class:`server.deploy.LocalCluster`: real processes).
+
+    Timed as :func:`simulation_point`; ``clients`` must be the cluster's SuperNodes.
+    """
+    return _engine_point(name, epsilon, clients, base, method_sets, out_dir, cluster.submit, "deployment")
+
+
+def _engine_point(name: str, epsilon: float, clients: int, base: dict, method_sets: dict[str, dict], out_dir: Path,
+                  submit, engine: str) -> RunResult:
+    import json
 
     method, ov = point_config(name, epsilon, clients, base, method_sets, out_dir)
     res = RunResult(name, method, epsilon, clients)
     t0 = time.perf_counter()
     try:
-        code = run_simulation(ov)
+        code = submit(ov)
     except Exception as err:  # noqa: BLE001 - the benchmark records any failure and goes on
         res.status = f"error: {type(err).__name__}: {short_error(err)}"
         return res
+    res.total_s = time.perf_counter() - t0
+    metrics = out_dir / "metrics.jsonl"
+    if code != 0 or not metrics.exists():
+        res.status = f"error: {engine} exit code {code}"
+        return res
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    res.rounds = len(rows)
+    timed = [r for r in rows if r["round"] > 1 and not r["failed"]] or rows
+    res.round_s = float(np.median([r["round_time_s"] for r in timed]))
+    res.deployed_s = res.round_s
+    res.bytes_down = float(np.mean([r["bytes_sent_per_client"] for r in timed]))
+    res.bytes_up = float(np.mean([r["bytes_received_per_client"] for r in timed]))
+    res.final_accuracy = rows[-1].get("test_accuracy", math.nan)
+    res.extra["first_round_s"] = rows[0]["round_time_s"]
+    res.extra["peak_rss_mb"] = peak_rss(timed)
+    res.extra["phases"] = "+".join(sorted(timed[-1].get("phase_time_s", {})))
+    if any(r["failed"] for r in rows):
+        res.status = f"failed {sum(r['failed'] for r in rows)}/{len(rows)} rounds"
+    return res
     res.total_s = time.perf_counter() - t0
     metrics = out_dir / "metrics.jsonl"
     if code != 0 or not metrics.exists():

@@ -1,8 +1,10 @@
-"""Round time of every method as a ratio to FedAvg's, with realistic local data (issue 20's table).
+"""Round time of every method as a ratio to FedAvg's, with realistic local data.
 
     cancelfl-bench roundtime                      # MNIST, 10 clients x ~6,000 examples, in-process
     cancelfl-bench roundtime --engine simulation --clients 100 --rounds 3 --repeats 2
                                                   # 100 clients x 600 examples, Flower's simulation runtime
+    cancelfl-bench roundtime --engine deployment --clients 4 --dataset digits --rounds 4 --repeats 2
+                                                  # a SuperLink and 4 SuperNodes as processes (cancelfl deploy)
 
 Every method trains the SAME local workload as FedAvg (``local-epochs``, ``batch-size``, ``lr``,
 ``hidden`` given explicitly, so no method-specific regime changes the work): the ratio is what the
@@ -15,7 +17,7 @@ FedAvg run of the same repeat, then the median over repeats is reported, because
 speed drifts between minutes.  Round 1 is excluded (imports, caches, the session key phase).
 
 ``round_s`` is the round's wall time: in-process the clients run one after another (so it is the
-whole federation's compute plus the server's), under simulation it is what a Flower user waits.
+whole federation's compute plus the server's), under simulation and deployment it is what a Flower user waits.
 ``client_s`` (in-process only) is one client's mean time per round.  ``peak_rss_mb`` is the mean over
 clients of the peak resident memory of the process that ran them (the ``peak-rss-mb`` train metric):
 meaningful under the simulation runtime (one worker process per ClientApp slot); in-process every
@@ -26,17 +28,22 @@ Writes ``roundtime.csv``/``roundtime.md`` into ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import math
 import time
 
 from benchmarks import common
-from benchmarks.overhead import median_over_repeats, simulation_point
+from benchmarks.overhead import deployment_point, median_over_repeats, simulation_point
 from benchmarks.runs import RunResult, add_ratios, run_point, warm_up
 
-HELP = "round time of every method vs FedAvg with realistic local data (goals of issue 20)"
+HELP = "round time of every method vs FedAvg with realistic local data (with per-method goals)"
 
 #: The round-time goal of each method, as a multiple of FedAvg's round in the same run.
 GOALS: dict[str, float] = {"nadp": 1.1, "niss": 1.1, "mpddp": 1.1, "ldp": 1.1, "cdp": 1.1, "ladp": 1.1, "ddpsa": 1.5}
+
+#: In deployment every method's round within 1.2x FedAvg's (each extra message phase is one more round trip).
+DEPLOYMENT_GOALS: dict[str, float] = {m: 1.2 for m in ("nadp", "niss", "mpddp", "ldp", "cdp", "ladp", "ddpsa")}
 
 COLUMNS = ("name", "clients", "status", "round_s", "round_s_x_fedavg", "goal", "meets_goal", "client_s",
            "client_s_x_fedavg", "server_s", "peak_rss_mb", "peak_rss_x_fedavg", "bytes_per_client_round",
@@ -50,14 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                     local_epochs=2, lr=0.1, batch_size=32)
     p.add_argument("--epsilon", type=float, default=1.0)
     p.add_argument("--clients", type=int, default=10)
-    p.add_argument("--engine", choices=("inprocess", "simulation"), default="inprocess")
+    p.add_argument("--engine", choices=("inprocess", "simulation", "deployment"), default="inprocess")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians of per-repeat ratios")
 
 
 def run(args: argparse.Namespace) -> int:
     """Interleaved repeats of every method at one client count; a table of ratios to FedAvg with the goals."""
-    from tqdm import tqdm
-
     out, notes, methods, msets = common.plan(args)
     if "fedavg" not in methods:
         methods.insert(0, "fedavg")
@@ -66,34 +71,20 @@ def run(args: argparse.Namespace) -> int:
     # Timing only: a noisy run whose loss grows (e.g. ldp at epsilon 1) must not stop before its rounds are timed.
     base.setdefault("divergence-factor", 0.0)
     k = int(args.clients)
-    simulation = args.engine == "simulation"
-    point = simulation_point if simulation else run_point
     t0 = time.perf_counter()
-    if not simulation:
-        warm_up(base, [k], out)
-    raw: list[dict] = []
-    todo = [(rep, m) for rep in range(max(1, args.repeats)) for m in methods]
-    for rep, m in (bar := tqdm(todo, desc="roundtime", unit="run", dynamic_ncols=True)):
-        bar.set_postfix_str(f"{m} repeat {rep + 1}/{args.repeats}")
-        run_dir = out / "runs" / f"{m}-r{rep}"
-        r: RunResult = point(m, args.epsilon, k, base, msets, run_dir)
-        row = {"peak_rss_mb": math.nan, **r.as_row(), "repeat": rep}  # a failed run has no RSS figure
-        raw.append(row)
-        tqdm.write(f"{m:>8} repeat {rep}: round={common.fmt(r.round_s)}s client={common.fmt(r.client_s)}s "
-                   f"rss={common.fmt(row['peak_rss_mb'])}MiB acc={common.fmt(r.final_accuracy)} {r.status}")
-    for rep in range(max(1, args.repeats)):
-        rows_rep = [r for r in raw if r["repeat"] == rep]
-        add_ratios(rows_rep)
-        ref = next((r for r in rows_rep if r["name"] == "fedavg"), None)
-        for r in rows_rep:
-            den = (ref or {}).get("peak_rss_mb", math.nan)
-            r["peak_rss_x_fedavg"] = r["peak_rss_mb"] / den if den and not math.isnan(den) else math.nan
-    rows = median_over_repeats(raw)
-    for r in rows:
-        goal = GOALS.get(r["name"])
-        r["goal"] = f"<= {goal}x" if goal else "-"
-        ratio = r.get("round_s_x_fedavg", math.nan)
-        r["meets_goal"] = "-" if goal is None or math.isnan(ratio) else ("yes" if ratio <= goal else "NO")
+    with contextlib.ExitStack() as stack:
+        if args.engine == "deployment":
+            from server.deploy import LocalCluster
+
+            cluster = stack.enter_context(LocalCluster(k, intermediate_servers=3 if "ddpsa" in methods else 0))
+            point = functools.partial(deployment_point, cluster)
+        elif args.engine == "simulation":
+            point = simulation_point
+        else:
+            point = run_point
+            warm_up(base, [k], out)
+        raw = _timed_runs(args, methods, point, k, base, msets, out)
+    rows = _ratios(raw, args.repeats, DEPLOYMENT_GOALS if args.engine == "deployment" else GOALS)
     total = time.perf_counter() - t0
     per_client = "~" + str(round(60000 / k)) if args.train_subset == 0 and args.dataset == "mnist" else "its share"
     notes += [
@@ -111,3 +102,39 @@ def run(args: argparse.Namespace) -> int:
     common.publish(rows, COLUMNS, args, "roundtime", title="Round time per method vs FedAvg", notes=notes,
                    total=total)
     return 0
+
+
+def _timed_runs(args: argparse.Namespace, methods: list[str], point, k: int, base: dict, msets: dict,
+                out) -> list[dict]:
+    """Every (repeat, method) run, interleaved; one row each."""
+    from tqdm import tqdm
+
+    raw: list[dict] = []
+    todo = [(rep, m) for rep in range(max(1, args.repeats)) for m in methods]
+    for rep, m in (bar := tqdm(todo, desc="roundtime", unit="run", dynamic_ncols=True)):
+        bar.set_postfix_str(f"{m} repeat {rep + 1}/{args.repeats}")
+        run_dir = out / "runs" / f"{m}-r{rep}"
+        r: RunResult = point(m, args.epsilon, k, base, msets, run_dir)
+        row = {"peak_rss_mb": math.nan, **r.as_row(), "repeat": rep}  # a failed run has no RSS figure
+        raw.append(row)
+        tqdm.write(f"{m:>8} repeat {rep}: round={common.fmt(r.round_s)}s client={common.fmt(r.client_s)}s "
+                   f"rss={common.fmt(row['peak_rss_mb'])}MiB acc={common.fmt(r.final_accuracy)} {r.status}")
+    return raw
+
+
+def _ratios(raw: list[dict], repeats: int, goals: dict[str, float]) -> list[dict]:
+    """Per-repeat ratios to FedAvg, then medians over repeats, with each method's goal."""
+    for rep in range(max(1, repeats)):
+        rows_rep = [r for r in raw if r["repeat"] == rep]
+        add_ratios(rows_rep)
+        ref = next((r for r in rows_rep if r["name"] == "fedavg"), None)
+        for r in rows_rep:
+            den = (ref or {}).get("peak_rss_mb", math.nan)
+            r["peak_rss_x_fedavg"] = r["peak_rss_mb"] / den if den and not math.isnan(den) else math.nan
+    rows = median_over_repeats(raw)
+    for r in rows:
+        goal = goals.get(r["name"])
+        r["goal"] = f"<= {goal}x" if goal else "-"
+        ratio = r.get("round_s_x_fedavg", math.nan)
+        r["meets_goal"] = "-" if goal is None or math.isnan(ratio) else ("yes" if ratio <= goal else "NO")
+    return rows

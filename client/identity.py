@@ -12,16 +12,19 @@ Without ``identity-key`` and ``roster`` -- Flower's simulation cannot give a nod
 node falls back to a SIMULATION/TEST CONVENIENCE: identities derived from the run-config ``seed``
 (:func:`protocols.identity.derived_identity`, roster names ``partition-<i>``).  Everybody who knows the
 run config, the server included, can sign for such identities: they authenticate nothing against a
-malicious server, and a warning says so.  ``cancelfl deploy``, docker-compose and the in-process engine
+malicious server, and a warning says so, once per run on each machine (a simulation runs its clients in
+several processes: a marker file per run id in the temp folder).  ``cancelfl deploy``, docker-compose and the in-process engine
 give every node a real identity through node config.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from logging import WARNING
+from pathlib import Path
 
 from flwr.common import log
 
@@ -45,7 +48,7 @@ REQUIRE_KEY = "require-identity"
 
 #: Read-only cache of parsed identity files, by (paths, modification times): files, not secrets of a run.
 _LOADED: dict[tuple, NodeIdentity] = {}
-_WARNED: set[int] = set()
+_WARNED: set[int] = set()  # run ids this process has warned about
 
 
 @dataclass(frozen=True)
@@ -74,13 +77,33 @@ def node_identity(env: ClientEnv) -> NodeIdentity:
     if str(nc.get(REQUIRE_KEY, "false")).lower() in ("true", "1", "yes"):
         raise ConfigError(f"node config sets '{REQUIRE_KEY}' but no '{IDENTITY_KEY}'/'{ROSTER_KEY}' "
                           "(make them with `cancelfl keys gen` and `cancelfl keys roster`)")
-    if env.partition_id not in _WARNED:
-        _WARNED.add(env.partition_id)
-        log(WARNING, "node %s has no identity-key/roster in its node config: using the SIMULATION identity derived "
-            "from the public run seed, which authenticates nothing against a malicious server", env.partition_id)
+    run_id = int(env.context.run_id)
+    if run_id not in _WARNED:
+        _WARNED.add(run_id)
+        if first_notice_of_run("simulation-identity", run_id):
+            log(WARNING, "nodes without identity-key/roster in their node config (node %s, and likely the others) use "
+                "SIMULATION identities derived from the public run seed, which authenticate nothing against a "
+                "malicious server (said once per run)", env.partition_id)
     seed = int(env.cfg.seed)
     name = DerivedRoster.name(env.partition_id)
     return NodeIdentity(derived_identity(seed, name), DerivedRoster(seed, env.num_partitions), derived=True)
+
+
+def first_notice_of_run(topic: str, run_id: int) -> bool:
+    """True the first time any process on this machine asks for ``(topic, run_id)``; False afterwards.
+
+    A marker file under the temp folder (per user), created exclusively; where it cannot be written the
+    answer is True (a notice said twice rather than never).
+    """
+    folder = Path(tempfile.gettempdir()) / f"cancelfl-notices-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        os.close(os.open(folder / f"{topic}-{run_id}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def _load(key_path: str, roster_path: str) -> NodeIdentity:

@@ -25,10 +25,19 @@ server holds their upload, so the client reveals only material that leaves their
 (``protect``; niss: its own shares sent to them, not theirs; nadp, mpddp: the pair seed -- the peer keeps
 its residual / eta noise, and nadp's accountant charges its upload with that noise alone).
 
-What this does not stop (threat model, see :mod:`strategies.recovery`): a server that tells *every*
-neighbour of ``k`` the same lie ("k dropped") although it holds k's upload; it then learns k's upload minus
-k's pair noise of that round, i.e. k keeps only its independent noise (nadp's residual, mpddp's eta, niss's
-shares with no dropped neighbour).  Pair material is per round, so no other round is exposed.
+Double masking (nadp, mpddp with run-config ``self-mask``, :mod:`protocols.masking`): the upload also
+carries a self-mask whose seed is Shamir-shared among the neighbours (:func:`self_mask_upload`); the
+request forwards this client the sealed shares its neighbours made for it, and :func:`answer_masked`
+reveals, per neighbour, *either* its share of the neighbour's self-mask seed (received, not excluded) *or*
+its pair seed with it (dropped or excluded), never both in one round (the store records what was revealed
+per peer and refuses the other).  It refuses when fewer than its threshold ``t`` of its neighbours are
+named received: its own self-mask could then not be rebuilt, so the view is a lie or the round cannot use
+its upload.  The strip rule above does not apply: the self-mask keeps the floor noise in the upload.
+
+Without double masking (niss), what this does not stop (threat model, see :mod:`strategies.recovery`): a
+server that tells *every* neighbour of ``k`` the same lie ("k dropped") although it holds k's upload; it then
+learns k's upload minus k's pair noise of that round, i.e. k keeps only its independent noise (niss's shares
+with no dropped neighbour).  Pair material is per round, so no other round is exposed.
 """
 
 from __future__ import annotations
@@ -37,10 +46,23 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from client.env import ClientEnv
-from client.messages.recovery import RecoveryReply, RecoveryRequest
+from client.messages.common import TrainIns
+from client.messages.recovery import SELF_MASK_RECORD, RecoveryReply, RecoveryRequest, SelfMaskShares
+from client.pairwise_phase import pair_seeds
+from protocols.masking import (
+    SHARE_PURPOSE,
+    commitment,
+    mask_threshold,
+    new_mask_seed,
+    open_share,
+    seal_shares,
+    self_mask,
+)
+from protocols.relay_crypto import RelayAuthError
 
 #: ``Context.state`` record of the last upload's pair material.
 STATE_KEY = "cancelfl-recovery"
@@ -67,6 +89,13 @@ class RecoveryStore:
     shield: dict[int, bytes] = field(default_factory=dict)
     #: (received, dropped, excluded) of the request already answered this round, if any.
     answered: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None
+    #: double masking: neighbour -> key opening the self-mask share it sealed for this client (empty: unmasked).
+    mask_keys: dict[int, bytes] = field(default_factory=dict)
+    #: shares of this client's own self-mask seed needed to rebuild it.
+    threshold: int = 0
+    #: neighbours whose self-mask share / pair seed this client revealed this round.
+    revealed_mask: set[int] = field(default_factory=set)
+    revealed_pair: set[int] = field(default_factory=set)
 
     def save(self, env: ClientEnv) -> None:
         peers = sorted(self.material)
@@ -84,6 +113,13 @@ class RecoveryStore:
                 rec["protect-probe"] = [float(self.protect_probe.get(p, 0.0)) for p in peers]
             if self.shield:
                 rec["shield"] = [self.shield.get(p, b"") for p in peers]
+        if self.mask_keys:
+            rec["mask-peers"] = [str(p) for p in sorted(self.mask_keys)]
+            rec["mask-keys"] = [self.mask_keys[p] for p in sorted(self.mask_keys)]
+            rec["threshold"] = int(self.threshold)
+        for key, nodes in (("revealed-mask", self.revealed_mask), ("revealed-pair", self.revealed_pair)):
+            if nodes:
+                rec[key] = [str(n) for n in sorted(nodes)]
         if self.answered is not None:
             rec["answered-received"] = [str(n) for n in self.answered[0]] or [""]
             rec["answered-dropped"] = [str(n) for n in self.answered[1]] or [""]
@@ -110,14 +146,18 @@ class RecoveryStore:
                                                                                   "answered-dropped",
                                                                                   "answered-excluded"))
         shield = dict(zip(peers, (bytes(m) for m in rec["shield"]), strict=True)) if "shield" in rec else {}
+        mask_keys = dict(zip((int(p) for p in rec.get("mask-peers", [])), (bytes(k) for k in rec.get("mask-keys", [])),
+                             strict=True))
         return cls(int(rec["round"]), material, noise, partial, kept_probe, protect, protect_probe, shield,
-                   answered)  # type: ignore[arg-type]
+                   answered, mask_keys, int(rec.get("threshold", 0)),  # type: ignore[arg-type]
+                   {int(n) for n in rec.get("revealed-mask", [])}, {int(n) for n in rec.get("revealed-pair", [])})
 
 
 def remember(env: ClientEnv, rnd: int, material: Mapping[int, bytes], noise: Mapping[int, float] | None = None,
              partial: Mapping[int, bytes] | None = None, kept_probe: Mapping[int, float] | None = None,
              protect: Mapping[int, bytes] | None = None, protect_probe: Mapping[int, float] | None = None,
-             shield: Mapping[int, bytes] | None = None) -> None:
+             shield: Mapping[int, bytes] | None = None, mask_keys: Mapping[int, bytes] | None = None,
+             threshold: int = 0) -> None:
     """Keep this round's pair material (called by the method's train handler when it uploads).
 
     ``noise[j]``: how much of this client's own pairwise noise lives with neighbour ``j`` (any positive unit;
@@ -125,11 +165,51 @@ def remember(env: ClientEnv, rnd: int, material: Mapping[int, bytes], noise: Map
     leave none of it (default: nothing); ``kept_probe[j]``: the cancellation check's projection of the own
     noise that then stays in the aggregate; ``protect[j]``: the material for a neighbour whose upload the
     server holds (default: ``material``) and ``protect_probe[j]`` the projection of what it leaves;
-    ``shield[j]``: the material revealing neither noise (default: nothing).
+    ``shield[j]``: the material revealing neither noise (default: nothing).  ``mask_keys``/``threshold``: the
+    upload is self-masked (:func:`self_mask_upload`); recovery then follows :func:`answer_masked`.
     """
     RecoveryStore(int(rnd), dict(material), dict(noise) if noise is not None else dict.fromkeys(material, 1.0),
                   dict(partial or {}), dict(kept_probe or {}), dict(protect or {}), dict(protect_probe or {}),
-                  dict(shield or {})).save(env)
+                  dict(shield or {}), None, dict(mask_keys or {}), int(threshold)).save(env)
+
+
+def _share_context(env: ClientEnv) -> bytes:
+    return int(env.context.run_id).to_bytes(8, "big")
+
+
+@dataclass(frozen=True)
+class SelfMask:
+    """The round's self-mask of an upload: the vector to add, the reply record, and what recovery needs."""
+
+    vector: np.ndarray
+    shares: SelfMaskShares
+    keys: dict[int, bytes]
+    threshold: int
+
+    def attach(self, out: Message) -> Message:
+        """Put the sealed shares into the train reply ``out`` (returned)."""
+        out.content[SELF_MASK_RECORD] = self.shares.to_config()
+        return out
+
+
+def self_mask_upload(msg: Message, env: ClientEnv, size: int, std: float,
+                     graph: dict[int, list[int]] | None = None) -> SelfMask | None:
+    """A fresh self-mask ``N(0, std^2)`` for this round's upload, its seed shared t-of-n among the neighbours.
+
+    ``std``: at least the client's floor upload noise (what stays in the upload if all its pair noise is
+    revealed).  None when the run has ``self-mask = false`` or the client has no neighbour.  Each share is
+    sealed under a pair key (purpose :data:`protocols.masking.SHARE_PURPOSE`) bound to the round's view.
+    """
+    if not env.cfg.self_mask:
+        return None
+    keys = pair_seeds(msg, env, purpose=SHARE_PURPOSE, graph=graph)
+    if not keys:
+        return None
+    rnd = TrainIns.from_config(msg.content["config"]).round
+    t = mask_threshold(len(keys), env.cfg.mask_corruption_rate)
+    seed = new_mask_seed()
+    sealed = seal_shares(seed, keys, t, sender=env.node_id, round_num=rnd, context=_share_context(env))
+    return SelfMask(self_mask(seed, size, std), SelfMaskShares(sealed, commitment(seed), std), keys, t)
 
 
 def check_request(store: RecoveryStore | None, req: RecoveryRequest, me: int) -> str:
@@ -137,7 +217,7 @@ def check_request(store: RecoveryStore | None, req: RecoveryRequest, me: int) ->
     if store is None or store.round != req.round:
         return f"no pair material of round {req.round} (this node did not upload in that round)"
     received, dropped, excluded = set(req.received), set(req.dropped), set(req.excluded)
-    if me not in received or me in excluded:
+    if me not in received or (me in excluded and not store.mask_keys):
         return f"this node's upload (node {me}) is not in the received set, or excluded"
     if not excluded <= received:
         return f"node(s) {sorted(excluded - received)} named excluded but not received"
@@ -183,6 +263,46 @@ def answer(store: RecoveryStore, dropped: set[int], excluded: set[int] = frozens
     return RecoveryReply(peers, tuple(material), kept=tuple(kept), kept_probe=probe)
 
 
+def answer_masked(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv) -> RecoveryReply:
+    """Double masking: self-mask shares of the received neighbours, pair seeds of the dropped and excluded.
+
+    An excluded client (its upload held, not aggregated) answers too: it holds its neighbours' shares.
+    Refuses (and reveals nothing) when fewer than ``threshold`` neighbours are named received and not
+    excluded while this client's own upload is to be aggregated, or when the request asks for the other kind of material of a
+    peer than this client already revealed.
+    """
+    excluded = set(req.excluded)
+    kept = set(req.received) - excluded
+    nbrs = set(store.material)
+    alive = nbrs & kept
+    gone = nbrs - alive
+    # Pair seeds go out for every neighbour not aggregated (dropped or excluded): at most d - t of them, else a
+    # server splitting the neighbours' views could collect this node's self-mask and all its pair seeds.
+    if env.node_id not in excluded and len(alive) < store.threshold:
+        return RecoveryReply(refused=(
+            f"only {len(alive)} of this node's {len(nbrs)} neighbours are named received, fewer than the "
+            f"{store.threshold} needed to rebuild its own self-mask: the round cannot use its upload"))
+    conflict = sorted((alive & store.revealed_pair) | (gone & store.revealed_mask))
+    if conflict:
+        return RecoveryReply(refused=f"node(s) {conflict}: the other kind of material was already revealed this round")
+    forwarded = req.forwarded or {}
+    mask_peers, shares = [], []
+    for x in sorted(alive):
+        if x not in forwarded or x not in store.mask_keys:
+            continue
+        try:
+            shares.append(open_share(store.mask_keys[x], forwarded[x], sender=x, receiver=env.node_id,
+                                     round_num=req.round, context=_share_context(env)))
+        except RelayAuthError:
+            continue  # a tampered or misdirected share is not revealed
+        mask_peers.append(x)
+    peers = tuple(sorted(gone))
+    store.revealed_mask |= set(mask_peers)
+    store.revealed_pair |= set(peers)
+    return RecoveryReply(peers, tuple(store.material[p] for p in peers), mask_peers=tuple(mask_peers),
+                         mask_shares=tuple(shares))
+
+
 def handle_recover(msg: Message, env: ClientEnv) -> Message:
     """``query.recover``: this round's pair material of the dropped neighbours, or a refusal with the reason."""
     req = RecoveryRequest.from_config(msg.content["config"])
@@ -192,7 +312,7 @@ def handle_recover(msg: Message, env: ClientEnv) -> Message:
         out = RecoveryReply(refused=why)
     else:
         assert store is not None  # check_request refuses otherwise
-        out = answer(store, set(req.dropped), set(req.excluded))
+        out = answer_masked(store, req, env) if store.mask_keys else answer(store, set(req.dropped), set(req.excluded))
         if not out.refused:
             store.answered = (tuple(sorted(req.received)), tuple(sorted(req.dropped)), tuple(sorted(req.excluded)))
             store.save(env)

@@ -27,7 +27,7 @@ for ((i = 0; i < N; i++)); do
   supernode-$i:
     extends: {file: docker-compose.yml, service: supernode-0}
     command:
-      - flower-supernode
+      - cancelfl-supernode
       - --superlink=127.0.0.1:\${CANCELFL_SUPERLINK_PORT:-19093}
       - --root-certificates=/certs/ca.crt
       - --host=127.0.0.1

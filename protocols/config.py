@@ -73,20 +73,20 @@ class RunConfig:
     """Every run-config key, typed.  Field ``foo_bar`` is run-config key ``foo-bar``."""
 
     # What to run
-    method: str = "fedavg"
-    dataset: str = "digits"
-    data_dir: str = ""  # folder with <dataset>/ IDX files; "" = search ../shared/data and ./data
-    model: str = "mlp"
+    method: str = "fedavg"  # the method to run (registry: protocols/methods.py)
+    dataset: str = "digits"  # digits, breast-cancer, mnist, fashion-mnist, hub:<name>, or "package.module:load"
+    data_dir: str = ""  # folder with <dataset>/ IDX files; "" = search $CANCELFL_DATA_DIR, ./data, ../shared/data
+    model: str = "mlp"  # mlp, cnn (image datasets), or "package.module:Net" (your nn.Module class or factory)
     hidden: str = "64"  # MLP hidden widths, comma-separated ("" = linear model)
     train_subset: int = 0  # use only the first N training samples (0 = all)
     test_subset: int = 0  # evaluate on the first N test samples (0 = all)
     # Federation
     num_clients: int = 10  # nodes the server waits for (= num-partitions)
     sample_rate: float = 1.0  # fraction q of clients sampled per round
-    num_rounds: int = 20
-    partitioning: str = "iid"
-    dirichlet_alpha: float = 0.5
-    seed: int = 42
+    num_rounds: int = 20  # federated rounds; the noise is calibrated for exactly this many releases
+    partitioning: str = "iid"  # how the training split is divided among clients (flwr-datasets partitioners)
+    dirichlet_alpha: float = 0.5  # concentration of the dirichlet label split (smaller = more skew)
+    seed: int = 42  # partitioning, sampling, initial model, batch order (never DP noise: OS CSPRNG)
     round_timeout: float = 600.0  # seconds a phase waits for replies
     min_clients: int = 2  # fewest connected nodes a round runs with (waits node-timeout s, then fails)
     node_timeout: float = 60.0  # seconds a round waits for nodes to connect (the first round: for all num-clients)
@@ -94,29 +94,32 @@ class RunConfig:
     model_ema: float = 0.0  # published model = EMA of the global models with this decay (0 = the last one)
     divergence_factor: float = 100.0  # stop the run when test loss > factor x initial loss or non-finite (0 = off)
     # Local training
-    local_epochs: int = 2
-    batch_size: int = 32
-    lr: float = 0.1
+    local_epochs: int = 2  # local passes over the client data per round
+    batch_size: int = 32  # local batch size (larger than a partition = one full-batch step)
+    lr: float = 0.1  # local learning rate (ddpsa: its server step)
     input_centering: bool = False  # each image minus its own mean (a per-record transform: no privacy cost)
     device: str = "cpu"  # where clients train: cpu, cuda, auto (cuda if available); noise stays on the CPU CSPRNG
     # Privacy
-    epsilon: float = 1.0
-    delta: float = 1e-5
+    epsilon: float = 1.0  # privacy target over the whole run, every method
+    delta: float = 1e-5  # delta of the (epsilon, delta) target
     privacy_unit: str = "record"  # what epsilon protects: "record" (one example) or "client" (ldp, cdp only)
     clip: float = 1.0  # L2 bound of a client's model update (or gradient, per method)
-    # Method-specific (see README)
+    # Method-specific
     graph: str = "complete"  # pairwise-noise neighbour graph
     n_out: int = 4  # neighbours each client picks in an n-out graph
     key_rotation: int = 0  # rounds per X25519 key pair (0 = one pair per node for the run, 1 = fresh every round)
     cancellation_check: bool = False  # clients report a random projection of their pairwise mask (diagnostic)
     fault_drop_rate: float = 0.0  # TESTING AID: in-process grid withholds this fraction of train replies
+    self_mask: bool = True  # nadp, mpddp: double masking (a Shamir-shared self-mask on every pairwise upload)
+    mask_dropout_rate: float = 0.1  # assumed dropout rate: the self-mask threshold's correctness figure
+    mask_corruption_rate: float = 0.1  # assumed colluding fraction of a neighbourhood: sets the threshold t
     nadp_lambda: float = 0.0  # compensation factor; 0 = derive from nadp-tau
     nadp_tau: float = 0.5  # tolerated collusion rate for lambda (Eq. 8)
     nadp_variant: str = "nadp"  # "record-ldp" = the paper's LDP-FL comparator (same training, no cancellation)
     niss_unit_variance: float = 1.0  # sigma^2 of one noise share
     niss_tau: float = -1.0  # distortion std; < 0 = max(Theorem 3 for niss-rho, 1/sqrt(clients per round))
     niss_rho: float = 0.5  # tolerated colluding fraction (Theorem 3)
-    niss_share_encoding: str = "seed"
+    niss_share_encoding: str = "seed"  # a share travels as an encrypted 32-byte seed, or as the vector itself
     mpddp_server_lr: float = 1.0  # xi: server learning rate
     server_optimizer: str = "sgd"  # the FedSGD methods' server step (mpddp family, ddpsa): sgd | adam
     mpddp_side_dtype: str = "float32"  # dtype of Psi/Phi (compute + wire); float64 = exact recovery, 2x the cost
@@ -126,11 +129,11 @@ class RunConfig:
     ddpsa_servers: str = ""  # host:port,... of intermediate servers ("" = start locally)
     ddpsa_ca: str = ""  # PEM CA certificate of the intermediate servers' TLS certificates
     ddpsa_server_key: str = ""  # the parameter server's Ed25519 identity key (PEM): reads partial sums
-    ddpsa_num_servers: int = 3
-    ddpsa_frac_bits: int = 24
-    ddpsa_composition: str = "basic"
-    ddpsa_allocation: str = "uniform"
-    ddpsa_decay: float = 0.9
+    ddpsa_num_servers: int = 3  # m: secret shares = intermediate servers
+    ddpsa_frac_bits: int = 24  # fixed-point fractional bits of the Z_2^64 encoding
+    ddpsa_composition: str = "basic"  # how DDP-SA splits epsilon over rounds (Theorem 2)
+    ddpsa_allocation: str = "uniform"  # per-round budget schedule (Eq. 12)
+    ddpsa_decay: float = 0.9  # decay of the exponential allocation
     # Output
     out_dir: str = ""  # "" = a fresh folder runs/<UTC time>-<method> (runs/latest points to the newest)
     resume: bool = False  # continue the run whose checkpoint is in out-dir (`cancelfl run/deploy --resume OUT`)
@@ -265,6 +268,10 @@ class RunConfig:
         if not (math.isfinite(self.fault_drop_rate) and 0 <= self.fault_drop_rate < 1):
             raise ConfigError(f"run-config 'fault-drop-rate' = {self.fault_drop_rate} must be in [0, 1) "
                               "(testing aid: the fraction of sampled clients whose upload the in-process grid drops)")
+        for key in ("mask-dropout-rate", "mask-corruption-rate"):
+            rate = float(getattr(self, key.replace("-", "_")))
+            if not (math.isfinite(rate) and 0 <= rate < 0.5):
+                raise ConfigError(f"run-config '{key}' = {rate} must be in [0, 0.5) (an assumed rate per neighbourhood)")
         if self.n_out < 1:
             raise ConfigError("run-config 'n-out' must be an integer >= 1")
         if self.key_rotation < 0:

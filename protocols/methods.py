@@ -118,7 +118,11 @@ def _spec(name: str, strategy: str, train: str, *, queries: dict[str, str] | Non
 
 # ------------------------------------------------------------------ adversaries (one wording each)
 _SERVER = "the server and eavesdroppers (honest-but-curious server)"
-_SERVER_NO_COLLUSION = "the server and eavesdroppers, colluding with at most a nadp-tau share of a client's peers"
+#: nadp's epsilon_uplink is the joint view of all uploads without colluding clients: with one of 3 peers colluding
+#: (within nadp-tau 0.5) the exact Gaussian view of a one-round run at epsilon 4 is epsilon 4.65, not the 3.95
+#: reported (``cancelfl audit --colluders``); lambda (Eq. 8) only keeps each upload's marginal noise against them.
+_SERVER_NO_COLLUSION = ("the server and eavesdroppers, no colluding client (nadp-tau's lambda protects each upload "
+                        "seen alone against a tau share of colluding peers, not the joint view)")
 _SERVER_NISS = "the server and eavesdroppers, colluding with at most a niss-rho share of a client's neighbours"
 _SERVER_SECAGG = "the server and all but one intermediate server (DDP-SA secure aggregation)"
 _MODEL = "anyone who gets the published global models"

@@ -1,4 +1,4 @@
-"""Fixed-point encoding into the ring Z_{2^64} and full-threshold additive secret sharing.
+"""Fixed-point encoding into the ring Z_{2^64}, full-threshold additive secret sharing, t-of-n Shamir sharing.
 
 DDP-SA (Wei et al., Algorithm 1/2) encodes each client's noisy gradient as fixed-point
 integers, splits it into ``m`` additive shares (one per intermediate server) and lets the
@@ -16,6 +16,10 @@ Design choices (deviations from the paper, on purpose):
   encode any value whose sum over ``max_clients`` encodings could leave the signed range
   ``[-(2^63 - 1), 2^63 - 1]`` (:class:`FixedPointRangeError`).  Decoding interprets the
   ring element in two's complement, so negative sums decode correctly.
+
+:func:`shamir_split` / :func:`shamir_combine`: Shamir's t-of-n sharing of a short byte string (at most
+64 bytes, e.g. a 32-byte seed) over the prime field GF(2^521 - 1), shares evaluated at x = 1..n; any t
+shares give the secret, any t - 1 are independent of it (the self-mask seeds of :mod:`protocols.masking`).
 
 Share randomness comes from a CSPRNG: ``os.urandom`` by default, or the project-wide
 AES-CTR PRG (:mod:`protocols.prg`) when an explicit seed is given (reproducible tests).
@@ -41,6 +45,8 @@ __all__ = [
     "reconstruct",
     "ring_sum",
     "share",
+    "shamir_combine",
+    "shamir_split",
     "to_wire",
 ]
 
@@ -238,3 +244,66 @@ def from_wire(data: bytes, length: int | None = None) -> Ring:
     if length is not None and len(data) != 8 * length:
         raise ValueError(f"wire data holds {len(data) // 8} elements, expected {length}")
     return np.frombuffer(data, dtype="<u8").astype(np.uint64)
+
+
+# ----------------------------------------------------------------------------- Shamir t-of-n
+#: The Mersenne prime 2^521 - 1: every secret of at most 64 bytes is a field element.
+SHAMIR_PRIME = (1 << 521) - 1
+SHAMIR_SECRET_MAX = 64
+#: Bytes of one encoded share: x (2 bytes) || y (66 bytes).
+SHAMIR_SHARE_BYTES = 2 + 66
+
+
+def shamir_split(secret: bytes, n: int, t: int) -> list[bytes]:
+    """Split ``secret`` (1..64 bytes) into ``n`` shares, any ``t`` of which reconstruct it (1 <= t <= n < 2^16).
+
+    Returns share ``i`` (i = 0..n-1) encoded as ``x || y`` with x = i + 1 (big-endian), coefficients from
+    the OS CSPRNG.  The secret's length is bound into the polynomial's constant term (length prefix).
+    """
+    secret = bytes(secret)
+    if not 1 <= len(secret) <= SHAMIR_SECRET_MAX:
+        raise ValueError(f"a Shamir secret must be 1..{SHAMIR_SECRET_MAX} bytes, got {len(secret)}")
+    if not (isinstance(n, int) and isinstance(t, int) and 1 <= t <= n < 1 << 16):
+        raise ValueError(f"need 1 <= t <= n < 65536, got t={t!r}, n={n!r}")
+    coeffs = [int.from_bytes(bytes([len(secret)]) + secret, "big")]
+    coeffs += [int.from_bytes(os.urandom(66), "big") % SHAMIR_PRIME for _ in range(t - 1)]
+    out = []
+    for x in range(1, n + 1):
+        y = 0
+        for c in reversed(coeffs):  # Horner
+            y = (y * x + c) % SHAMIR_PRIME
+        out.append(x.to_bytes(2, "big") + y.to_bytes(66, "big"))
+    return out
+
+
+def shamir_combine(shares: Sequence[bytes]) -> bytes:
+    """The secret from at least ``t`` distinct shares of :func:`shamir_split` (Lagrange interpolation at 0).
+
+    Raises ValueError for malformed or repeated shares, or when the interpolated value is no secret
+    (too few shares, or shares of different secrets: the length prefix does not match, w.h.p.).
+    """
+    points: dict[int, int] = {}
+    for sh in shares:
+        sh = bytes(sh)
+        if len(sh) != SHAMIR_SHARE_BYTES:
+            raise ValueError(f"a Shamir share is {SHAMIR_SHARE_BYTES} bytes, got {len(sh)}")
+        x, y = int.from_bytes(sh[:2], "big"), int.from_bytes(sh[2:], "big")
+        if x == 0 or y >= SHAMIR_PRIME:
+            raise ValueError("malformed Shamir share")
+        if x in points and points[x] != y:
+            raise ValueError(f"two different Shamir shares at x = {x}")
+        points[x] = y
+    if not points:
+        raise ValueError("no Shamir shares")
+    total = 0
+    for xi, yi in points.items():
+        num, den = 1, 1
+        for xj in points:
+            if xj != xi:
+                num = num * (-xj) % SHAMIR_PRIME
+                den = den * (xi - xj) % SHAMIR_PRIME
+        total = (total + yi * num * pow(den, -1, SHAMIR_PRIME)) % SHAMIR_PRIME
+    raw = total.to_bytes(66, "big").lstrip(b"\x00")
+    if not raw or raw[0] == 0 or raw[0] > SHAMIR_SECRET_MAX or len(raw) != raw[0] + 1:
+        raise ValueError("the Shamir shares do not reconstruct a secret (too few, or of different secrets)")
+    return raw[1:]

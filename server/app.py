@@ -10,8 +10,8 @@ from flwr.serverapp import Grid, ServerApp
 
 from protocols.adjustments import adjustments
 from protocols.config import RunConfig
-from server.checkpoint import resolve_out_dir, write_error
 from server.federation import check_federation
+from strategies.run.checkpoint import resolve_out_dir, write_error
 
 app = ServerApp()
 

@@ -5,7 +5,7 @@
 Each method runs with the same federation (dataset, clients, seed), the same whole-run privacy
 target ``epsilon`` and its own default regime (rounds, local steps, learning rate: the keys left
 ``"auto"``, :func:`protocols.methods.regime`), in its own folder ``<out>/<method>``; then
-:func:`server.report.write_report` writes ``<out>/report.md`` with the accuracy per round
+:func:`strategies.run.report.write_report` writes ``<out>/report.md`` with the accuracy per round
 of every method, the epsilon each spent in both directions, and the noise in one upload
 against the noise left in the model -- what noise that cancels on aggregation buys.
 
@@ -26,11 +26,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 from protocols.config import RunConfig
-from protocols.methods import VARIANTS, method_or_variant
+from protocols.methods import method_or_variant
 from server.defaults import app_defaults
-from server.report import RunData, write_report
+from strategies.run.report import RunData, write_report
 
 DEFAULT_METHODS = "fedavg,ldp,cdp,nadp,nadp-record-ldp"
+
+#: ``cancelfl compare --help``'s description (plain text).
+DESCRIPTION = """\
+Run several methods with the same data, clients and privacy target (--epsilon), each with
+its own default settings, then write <out>/report.md: a verdict per DP method against the
+baselines, a table of final figures, and plots of accuracy, epsilon spent (uploads and
+published model) and noise per round.  Each method's run is in <out>/<method>.
+"""
 
 
 def method_runs(names: list[str], epsilon: float, out: Path, overrides: dict) -> dict[str, dict]:
@@ -45,11 +53,11 @@ def method_runs(names: list[str], epsilon: float, out: Path, overrides: dict) ->
 
 def compare(names: list[str], *, epsilon: float, out: Path, engine: str = "inprocess",
             overrides: dict | None = None, command: str = "",
-            inprocess: Callable[[dict], object] | None = None) -> Path:
+            inprocess: Callable[..., object] | None = None, verbose: bool = False) -> Path:
     """Run every method in ``names`` and write the side-by-side report; returns ``<out>/report.md``.
 
-    ``inprocess(overrides)`` runs one method on the in-process engine (the launcher's
-    :func:`server.launch.run_inprocess`; needed for ``engine="inprocess"``).
+    ``inprocess(overrides, verbose=...)`` runs one method on the in-process engine (the launcher's
+    :func:`server.launch.run_inprocess`; needed for ``engine="inprocess"``); ``verbose``: detailed round lines.
     """
     out = Path(out).resolve()
     runs = method_runs(names, epsilon, out, dict(overrides or {}))
@@ -60,7 +68,7 @@ def compare(names: list[str], *, epsilon: float, out: Path, engine: str = "inpro
     if engine == "simulation":
         from server.deploy import run_simulations
 
-        codes = run_simulations(list(runs.values()))
+        codes = run_simulations(list(runs.values()), verbose=verbose)
     else:
         if inprocess is None:
             raise ValueError("compare: the in-process engine needs the launcher's runner (inprocess=run_inprocess)")
@@ -68,7 +76,7 @@ def compare(names: list[str], *, epsilon: float, out: Path, engine: str = "inpro
         for name, cfg in runs.items():
             print(f"== {name}", flush=True)
             try:
-                inprocess(cfg)
+                inprocess(cfg, verbose=verbose)
                 codes.append(0)
             except Exception as err:  # noqa: BLE001 - one method's failure (e.g. divergence) is reported, not fatal
                 print(f"cancelfl compare: {name}: {err}", file=sys.stderr)
@@ -95,9 +103,10 @@ def compare(names: list[str], *, epsilon: float, out: Path, engine: str = "inpro
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``compare`` subcommand's options."""
-    p.add_argument("--engine", choices=("inprocess", "simulation"), default="inprocess")
+    p.add_argument("--engine", choices=("inprocess", "simulation"), default="inprocess",
+                   help="inprocess: in this process, no Ray (default); simulation: Flower's simulation, one SuperLink")
     p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help=f"comma-separated methods or variants ({', '.join(VARIANTS)}); default {DEFAULT_METHODS}")
+                   help=f"comma-separated methods or variants (list below); default {DEFAULT_METHODS}")
     p.add_argument("--epsilon", type=float, default=1.0, help="whole-run privacy target of every method")
     p.add_argument("--out", default="", help="report folder (default: runs/compare-<date>-<time>, never overwritten)")
     p.add_argument("--run-config", default="", help="run-config for every method, e.g. 'num-rounds=10 dataset=\"mnist\"'")
@@ -120,7 +129,7 @@ def main(args: argparse.Namespace, overrides: dict, inprocess: Callable[[dict], 
     command = "cancelfl " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else ""
     try:
         report = compare(names, epsilon=args.epsilon, out=out, engine=args.engine, overrides=overrides,
-                         command=command, inprocess=inprocess)
+                         command=command, inprocess=inprocess, verbose=getattr(args, "verbose", False))
     except ValueError as err:
         print(f"cancelfl compare: {err}", file=sys.stderr)
         return 2

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -31,10 +33,14 @@ from pathlib import Path
 
 from protocols.config import RunConfig
 from protocols.tls import CertificateAuthority
-from server.checkpoint import clear_outputs, ledger_dir, resolve_out_dir, run_outcome
 from server.defaults import APP_DIR, app_defaults
 from server.intermediate.launcher import IntermediateServerCluster, local_intermediate_servers, start_intermediate_servers
 from server.keys import make_identities
+from strategies.run.checkpoint import clear_outputs, ledger_dir, resolve_out_dir, run_outcome
+
+#: Environment variable of detailed round lines (the value of :data:`strategies.run.loop.VERBOSE_ENV`; that
+#: module imports Flower and torch, which the launcher loads only in the processes it starts).
+VERBOSE_ENV = "CANCELFL_VERBOSE"
 
 BIN = Path(sys.executable).parent
 #: Environment variable every process of one launch inherits (a fresh id per workspace): how the launcher
@@ -49,11 +55,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def flower_env(flwr_home: Path) -> dict[str, str]:
-    """Environment for Flower processes: private config home, no telemetry or update check."""
+#: Python warning filter every launched process gets: Ray's tip that a future Ray will stop hiding GPUs from
+#: actors that asked for none (a note for Ray's own users; the behaviour here is today's, unchanged).
+RAY_TIP_FILTER = "ignore::FutureWarning:ray._private.worker"
+
+
+def flower_env(flwr_home: Path, *, verbose: bool = False) -> dict[str, str]:
+    """Environment for Flower processes: private config home, no telemetry or update check.
+
+    ``verbose``: the ServerApp prints detailed round lines (``CANCELFL_VERBOSE``, read by
+    :func:`strategies.run.loop.run_rounds`) and :func:`submit` echoes Flower's own start-up messages.
+    """
     env = dict(os.environ)
     env.update(FLWR_HOME=str(flwr_home), FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1",
                PYTHONUNBUFFERED="1")
+    env[VERBOSE_ENV] = "1" if verbose else "0"
+    env["PYTHONWARNINGS"] = ",".join(w for w in (env.get("PYTHONWARNINGS", ""), RAY_TIP_FILTER) if w)
     env[LAUNCH_MARK] = uuid.uuid4().hex
     # Ray (simulation runtime) otherwise binds its GCS and workers to the host's outward IP address; this
     # switch (Ray's single-machine mode) keeps every simulation socket on 127.0.0.1.
@@ -235,15 +252,60 @@ def _superlink_cmd(port: int, work: Path, *, simulation: bool, tls: dict[str, Pa
     return cmd
 
 
+#: Flower output that never concerns a cancelfl user: the launcher sets the number of simulated SuperNodes
+#: itself, so Flower's notice of its changed default and its advice on resizing are beside the point.
+_NEVER_SHOWN = ("default simulated SuperNodes changed from", "To change federation size, use the following command",
+                "flwr federation simulation-config")
+#: Flower's start-up and shut-down chatter, shown with ``--verbose`` only.
+_VERBOSE_ONLY = ("Using SuperLink:", "Successfully started run", "Starting logstream for run_id", "Starting Flower Simulation",
+                 "Successfully installed ", "Manually terminating ClientAppActor", "simulated SuperNodes)",
+                 "Start `flwr-serverapp` process")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def shown(line: str, *, verbose: bool) -> bool:
+    """Whether a line of ``flwr run --stream`` output reaches the user (:data:`_NEVER_SHOWN`, :data:`_VERBOSE_ONLY`)."""
+    text = _ANSI.sub("", line).strip()
+    if any(s in text for s in _NEVER_SHOWN):
+        return False
+    if verbose:
+        return True
+    return bool(text) and text not in ("INFO :", "INFO:") and not any(s in text for s in _VERBOSE_ONLY)
+
+
 def submit(work: Path, env: dict[str, str], connection: str, overrides: dict, *,
            federation_config: str | None = None, timeout: float = 3600) -> int:
-    """``flwr run <app> <connection> --stream``; returns its exit code (its output is echoed)."""
+    """``flwr run <app> <connection> --stream``; returns its exit code.
+
+    Its output is echoed line by line, less what :func:`shown` filters (more with ``env`` verbose).
+    Raises ``subprocess.TimeoutExpired`` after ``timeout`` seconds (the command is killed).
+    """
     cmd = [str(BIN / "flwr"), "run", str(APP_DIR), connection, "--stream"]
     if overrides:
         cmd += ["--run-config", run_config_arg(overrides)]
     if federation_config:
         cmd += ["--federation-config", federation_config]
-    return subprocess.run(cmd, env=env, cwd=APP_DIR, timeout=timeout, check=False).returncode
+    verbose = env.get(VERBOSE_ENV) == "1"
+    proc = subprocess.Popen(cmd, env=env, cwd=APP_DIR, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", bufsize=1)
+    expired = threading.Event()
+    timer = threading.Timer(timeout, lambda: (expired.set(), proc.kill()))
+    timer.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if shown(line, verbose=verbose):
+                sys.stdout.write(line)
+                sys.stdout.flush()
+        code = proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if expired.is_set():
+        raise subprocess.TimeoutExpired(cmd, timeout)
+    return code
 
 
 def _final_check(out_dir: str, code: int) -> int:
@@ -271,20 +333,23 @@ def _absolute_out_dir(overrides: dict, defaults: dict) -> dict:
     return out
 
 
-def run_simulation(overrides: dict, *, keep_workdir: str | None = None, client_cpus: int = 1) -> int:
+def run_simulation(overrides: dict, *, keep_workdir: str | None = None, client_cpus: int = 1,
+                   verbose: bool = False) -> int:
     """Run through a private simulation-mode SuperLink; returns a process exit code.
 
     ``client_cpus`` = 1 by default: a ClientApp's work here is small enough that one thread is fastest
     (Ray sets OMP_NUM_THREADS to the CPUs it reserves), and one CPU per ClientApp lets as many run at
     once as there are cores; Flower's default of 2 runs one at a time on a 2-core machine.
+    ``verbose``: detailed round lines and Flower's start-up messages (:func:`flower_env`).
     """
-    return run_simulations([overrides], keep_workdir=keep_workdir, client_cpus=client_cpus)[0]
+    return run_simulations([overrides], keep_workdir=keep_workdir, client_cpus=client_cpus, verbose=verbose)[0]
 
 
-def run_simulations(runs: list[dict], *, keep_workdir: str | None = None, client_cpus: int = 1) -> list[int]:
+def run_simulations(runs: list[dict], *, keep_workdir: str | None = None, client_cpus: int = 1,
+                    verbose: bool = False) -> list[int]:
     """Several runs one after another on one private simulation-mode SuperLink (started once); exit codes.
 
-    Every run must have the same ``num-clients`` (the simulated SuperNodes of the connection).
+    Every run must have the same ``num-clients`` (the simulated SuperNodes, ``flwr run --federation-config``).
     """
     defaults = app_defaults()
     cfgs = [RunConfig.from_mapping({**defaults, **o}) for o in runs]
@@ -293,25 +358,28 @@ def run_simulations(runs: list[dict], *, keep_workdir: str | None = None, client
     runs = [_absolute_out_dir(o, defaults) for o in runs]
     codes: list[int] = []
     with workspace(keep_workdir) as work:
-        env = flower_env(work / "flwr-home")
+        env = flower_env(work / "flwr-home", verbose=verbose)
         if len(runs) == 1 and not os.environ.get("CANCELFL_LEDGER_DIR"):
             # The simulated clients' privacy ledgers in the run folder (not the throwaway FLWR_HOME): a resumed
             # run continues them (client.ledger reads $CANCELFL_LEDGER_DIR).
             env["CANCELFL_LEDGER_DIR"] = str(ledger_dir(runs[0]["out-dir"]))
         procs = Processes(work, env)
         try:
+            print(f"cancelfl: starting a SuperLink and {cfgs[0].num_clients} simulated clients (Ray); the first "
+                  "round waits for Ray's workers (tens of seconds) ...", flush=True)
             port = free_port()
             procs.start("superlink", _superlink_cmd(port, work, simulation=True, tls=None))
             wait_for_port(port, procs=procs)
-            conn = write_connection(work / "flwr-home", f"127.0.0.1:{port}", num_supernodes=cfgs[0].num_clients,
-                                    client_cpus=client_cpus)
+            conn = write_connection(work / "flwr-home", f"127.0.0.1:{port}")
+            federation = f"num-supernodes={cfgs[0].num_clients} client-resources-num-cpus={int(client_cpus)}"
             for cfg, overrides in zip(cfgs, runs, strict=True):
                 # DDP-SA: servers trusting the simulation's (seed-derived) identities, named in the run config
                 # that both the ServerApp and the clients read.
                 with local_intermediate_servers(cfg) as started:
                     if started is not cfg:
                         overrides = {**overrides, **_ddpsa_keys(started)}
-                    codes.append(_final_check(overrides["out-dir"], submit(work, env, conn, overrides)))
+                    codes.append(_final_check(overrides["out-dir"], submit(work, env, conn, overrides,
+                                                                           federation_config=federation)))
         finally:
             procs.close()
     return codes
@@ -331,7 +399,8 @@ class LocalCluster:
     """
 
     def __init__(self, num_supernodes: int, *, tls: bool = False, intermediate_servers: int = 0,
-                 keep_workdir: str | None = None, ledger_dir: str | None = None) -> None:
+                 keep_workdir: str | None = None, ledger_dir: str | None = None, verbose: bool = False) -> None:
+        self.verbose = verbose
         self.num_supernodes, self.tls, self.n_intermediate = num_supernodes, tls, intermediate_servers
         #: node-config ``ledger-dir`` of every SuperNode (None: under each node's FLWR_HOME, thrown away on exit)
         self.ledger_dir = ledger_dir
@@ -342,8 +411,10 @@ class LocalCluster:
 
     def __enter__(self) -> LocalCluster:
         self.work = self._ws.__enter__()
-        self.env = flower_env(self.work / "flwr-home")
+        self.env = flower_env(self.work / "flwr-home", verbose=self.verbose)
         self.procs = Processes(self.work, self.env)
+        print(f"cancelfl: starting a SuperLink and {self.num_supernodes} SuperNodes (processes on 127.0.0.1) ...",
+              flush=True)
         try:
             ca = CertificateAuthority("cancelfl-ca")  # the deployment's CA: SuperLink (--tls) and DDP-SA servers
             certs = make_certificates(self.work / "certs", ca) if self.tls else None
@@ -362,7 +433,8 @@ class LocalCluster:
                                f'roster="{self.roster}" require-identity=true')
                 if self.ledger_dir:
                     node_config += f' ledger-dir="{self.ledger_dir}"'
-                node = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{port}",
+                # Flower's SuperNode with a warm ClientApp process and short polls (server/supernode.py).
+                node = [sys.executable, "-m", "server.supernode", "--superlink", f"127.0.0.1:{port}",
                         "--host", "127.0.0.1", "--port", str(free_port()), "--node-config", node_config]
                 node += ["--root-certificates", str(certs["ca"])] if certs else ["--insecure"]
                 self.procs.start(f"supernode-{i}", node)
@@ -398,14 +470,17 @@ class LocalCluster:
 
 
 def run_deployment(overrides: dict, *, num_supernodes: int = 4, tls: bool = False,
-                   keep_workdir: str | None = None) -> int:
-    """SuperLink + ``num_supernodes`` SuperNodes as separate processes on loopback; returns an exit code."""
+                   keep_workdir: str | None = None, verbose: bool = False) -> int:
+    """SuperLink + ``num_supernodes`` SuperNodes as separate processes on loopback; returns an exit code.
+
+    ``verbose``: detailed round lines and Flower's start-up messages (:func:`flower_env`).
+    """
     cfg = RunConfig.from_mapping({**app_defaults(), **overrides})
     n_inter = cfg.ddpsa_num_servers if cfg.method == "ddpsa" and not cfg.ddpsa_servers else 0
     # The nodes' privacy ledgers in the run folder, so that `cancelfl deploy --resume` continues them.
     ledgers = str(ledger_dir(cfg.out_dir)) if cfg.out_dir else None
     with LocalCluster(num_supernodes, tls=tls, intermediate_servers=n_inter, keep_workdir=keep_workdir,
-                      ledger_dir=ledgers) as cluster:
+                      ledger_dir=ledgers, verbose=verbose) as cluster:
         return cluster.submit(overrides)
 
 

@@ -4,7 +4,8 @@
     cancelfl deploy --supernodes 4 [--run-config ...]     # SuperLink + SuperNodes as OS processes
     cancelfl run|deploy --resume OUT                      # continue a crashed run from its last round
     cancelfl keys gen --out DIR --node NAME; cancelfl keys roster --out roster.json DIR/*.pub   # identities
-    cancelfl compare [--engine simulation] [--methods fedavg,ldp,cdp,nadp] [--epsilon 1]   # side by side + report
+    cancelfl compare [--engine simulation] [--methods fedavg,cdp,nadp] [--epsilon 1]   # side by side + report
+    cancelfl audit --method M [--direction upload|model] [--epsilon E] [--trials N]   # claimed vs audited epsilon
 
 ``inprocess`` drives the same ServerApp strategy and ClientApp code through
 :class:`server.local_grid.LocalGrid` (no SuperLink, no Ray: seconds instead of
@@ -15,8 +16,10 @@ and submits the app with ``flwr run``; ``deploy`` does the same with real
 
 ``run``/``deploy`` check everything they can before any process starts
 (:func:`preflight`), write to a fresh ``runs/<time>-<method>`` unless out-dir is
-given (:mod:`server.checkpoint`), exit non-zero with the reason when the run
-failed, and continue a crashed run with ``--resume OUT``.
+given (:mod:`strategies.run.checkpoint`), exit non-zero with the reason when the run
+failed, and continue a crashed run with ``--resume OUT``.  ``--verbose`` prints each round's details
+(:func:`strategies.run.loop.round_line`).  The help (:mod:`server.cli_text`) is plain text; torch, Flower and
+the accountants are imported only when a command runs.
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ import threading
 import traceback
 from pathlib import Path
 
-from protocols.adjustments import adjustments
 from protocols.config import ConfigError, RunConfig, parse_run_config
-from server.checkpoint import (
+from server.defaults import app_defaults
+from strategies.run.checkpoint import (
     CHECKPOINT_JSON,
     clear_outputs,
     earlier_outputs,
@@ -41,7 +44,6 @@ from server.checkpoint import (
     resume_overrides,
     run_outcome,
 )
-from server.defaults import app_defaults
 
 # Flower must not phone home from tests, CI or user runs started here.
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
@@ -56,6 +58,7 @@ def preflight(overrides: dict, *, warn=lambda s: print(f"cancelfl: warning: {s}"
     non-gzip or mismatched IDX files).  Settings the run adjusts are reported through ``warn``.
     """
     from client.data import dataset_for
+    from protocols.adjustments import adjustments
     from strategies.registry import build_strategy
 
     cfg = RunConfig.from_mapping({**app_defaults(), **overrides})
@@ -92,12 +95,14 @@ def choose_out_dir(cfg: RunConfig, *, overwrite: bool = False) -> str:
     return path
 
 
-def run_inprocess(overrides: dict, *, progress=print, grid_factory=None, keep_strategy: list | None = None) -> dict:
+def run_inprocess(overrides: dict, *, progress=print, grid_factory=None, keep_strategy: list | None = None,
+                  verbose: bool = False) -> dict:
     """Run the app through an in-process grid; returns the run summary.
 
     ``grid_factory(client_app, num_nodes, run_config) -> Grid`` replaces the default
     :class:`server.local_grid.LocalGrid` (the attack harness passes an observing grid);
-    ``keep_strategy``, if given, receives the strategy object (for inspection after the run).
+    ``keep_strategy``, if given, receives the strategy object (for inspection after the run);
+    ``verbose``: detailed round lines.
     """
     from client.app import app as client_app
     from server.intermediate.launcher import local_intermediate_servers, roster_of
@@ -120,7 +125,7 @@ def run_inprocess(overrides: dict, *, progress=print, grid_factory=None, keep_st
         if keep_strategy is not None:
             keep_strategy.append(strategy)
         try:
-            return run_federation(strategy, grid, cfg, progress=progress)
+            return run_federation(strategy, grid, cfg, progress=progress, verbose=verbose)
         finally:
             strategy.close()
 
@@ -131,26 +136,45 @@ def main(argv: list[str] | None = None) -> int:
     2: refused at start (bad run config, method settings, data files or out-dir); 1: the run failed
     (the ServerApp crashed, no round succeeded, or it stopped early); 130: interrupted.
     """
-    parser = argparse.ArgumentParser(prog="cancelfl", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run one federated training")
-    run.add_argument("--engine", choices=("inprocess", "simulation"), default="inprocess")
-    run.add_argument("--run-config", default="", help="Flower run-config overrides, e.g. 'method=\"nadp\" num-rounds=5'")
-    dep = sub.add_parser("deploy", help="start a SuperLink and N SuperNodes as processes on loopback and run")
+    from server import cli_text, compare, keys  # plain-language help; compare and keys' options (light imports)
+
+    raw = argparse.RawDescriptionHelpFormatter
+    epilog = cli_text.run_epilog(app_defaults())
+    parser = argparse.ArgumentParser(
+        prog="cancelfl", formatter_class=raw, description=cli_text.DESCRIPTION,
+        epilog=f"methods:\n{cli_text.methods_text()}\n\nrun-config keys and defaults: cancelfl run --help")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,deploy,compare,keys,audit}")
+    run = sub.add_parser("run", help="run one federated training", formatter_class=raw, epilog=epilog,
+                         description="Run one federated training: the method, data and privacy target come from "
+                                     "--run-config.")
+    run.add_argument("--engine", choices=("inprocess", "simulation"), default="inprocess",
+                     help="inprocess: server and clients in this process, no Ray (default); simulation: Flower's "
+                          "simulation on a private SuperLink")
+    run.add_argument("--run-config", default="", help="run-config keys, e.g. 'method=\"nadp\" num-rounds=5' (below)")
+    dep = sub.add_parser("deploy", help="start a SuperLink and N SuperNodes as processes on loopback and run",
+                         formatter_class=raw, epilog=epilog,
+                         description="Start a Flower SuperLink and N SuperNodes as processes on 127.0.0.1 (each node "
+                                     "with its own identity) and run one training on them.")
     dep.add_argument("--supernodes", type=int, default=None, help="number of SuperNodes = num-clients (default 4)")
-    dep.add_argument("--run-config", default="")
+    dep.add_argument("--run-config", default="", help="run-config keys, as for run (below)")
     dep.add_argument("--tls", action="store_true", help="TLS between SuperNodes and SuperLink (self-signed CA)")
     for p in (run, dep):
         p.add_argument("--resume", metavar="OUT", default=None,
                        help="continue the crashed run in folder OUT from its last completed round (same run config)")
         p.add_argument("--overwrite", action="store_true", help="replace an earlier run's outputs in out-dir")
-    from server import compare  # cancelfl compare: methods side by side at one epsilon, with a report
-
-    compare.add_arguments(sub.add_parser("compare", help="several methods at one epsilon, side by side, with a report"))
-    from server import keys  # cancelfl keys gen/roster: node identities and the roster clients trust
-
+    cmp = sub.add_parser("compare", help="several methods at one epsilon, side by side, with a report",
+                         formatter_class=raw, epilog=epilog, description=compare.DESCRIPTION)
+    compare.add_arguments(cmp)
+    for p in (run, dep, cmp):
+        p.add_argument("--verbose", "-v", action="store_true",
+                       help="each round's details: epsilon per direction, clients, bytes, the method's own figures")
     keys.add_arguments(sub.add_parser("keys", help="make node identities (Ed25519) and the roster"))
+    audit_parser = sub.add_parser("audit", help="empirical epsilon lower bound of a method vs its claim")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if next((a for a in argv if not a.startswith("-")), None) == "audit":  # its module imports torch and Flower
+        from server import audit  # cancelfl audit: empirical epsilon lower bound of a method's real release code
+
+        audit.add_arguments(audit_parser)
     args = parser.parse_args(argv)
     if threading.current_thread() is not threading.main_thread():
         return _main(args)
@@ -167,6 +191,10 @@ def _main(args: argparse.Namespace) -> int:
         from server import keys
 
         return keys.run(args)
+    if args.command == "audit":
+        from server import audit
+
+        return audit.main(args)
 
     try:
         overrides = parse_run_config(args.run_config)
@@ -193,15 +221,15 @@ def _main(args: argparse.Namespace) -> int:
     print(f"cancelfl: outputs in {out}")
     try:
         if args.command == "run" and args.engine == "inprocess":
-            code = _inprocess_exit(overrides)
+            code = _inprocess_exit(overrides, verbose=args.verbose)
         elif args.command == "run":
             from server import deploy
 
-            code = deploy.run_simulation(overrides)
+            code = deploy.run_simulation(overrides, verbose=args.verbose)
         else:
             from server import deploy
 
-            code = deploy.run_deployment(overrides, num_supernodes=args.supernodes, tls=args.tls)
+            code = deploy.run_deployment(overrides, num_supernodes=args.supernodes, tls=args.tls, verbose=args.verbose)
     except (KeyboardInterrupt, SystemExit) as stop:  # Ctrl-C, or SIGTERM (:func:`_terminated`)
         code = stop.code if isinstance(stop, SystemExit) and isinstance(stop.code, int) else 130
         print("cancelfl: interrupted; every process it started is stopped", file=sys.stderr)
@@ -214,11 +242,13 @@ def _terminated(signum: int, _frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def _inprocess_exit(overrides: dict) -> int:
-    """Run in-process and judge the outcome like the other engines (:func:`server.checkpoint.run_outcome`)."""
+def _inprocess_exit(overrides: dict, *, verbose: bool = False) -> int:
+    """Run in-process and judge the outcome like the other engines (:func:`strategies.run.checkpoint.run_outcome`)."""
     out = overrides["out-dir"]
+    num_clients = RunConfig.from_mapping({**app_defaults(), **overrides}).num_clients
+    print(f"cancelfl: starting {num_clients} in-process clients (loading torch and Flower) ...", flush=True)
     try:
-        run_inprocess(overrides)
+        run_inprocess(overrides, verbose=verbose)
     except KeyboardInterrupt:
         print("cancelfl: interrupted", file=sys.stderr)
         code = 130

@@ -15,7 +15,7 @@ The base writes the round skeleton once (:meth:`CancelStrategy.configure_train`,
 * :meth:`~CancelStrategy.account_round` -- compose what the round releases into
   the method's :class:`~protocols.privacy.PrivacyLedger` (``self.privacy``).
 
-The runner (:mod:`server.runner`) drives rounds, evaluates centrally and asks
+The round loop (:mod:`strategies.run.loop`) drives rounds, evaluates centrally and asks
 the strategy for :meth:`privacy_report` (read from ``self.privacy``, written
 once here) and :meth:`round_report` to log each round.
 
@@ -28,13 +28,14 @@ the message classes of :mod:`client.messages`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from logging import WARNING
+from logging import INFO, WARNING
 from typing import Any, Protocol
 
 import numpy as np
@@ -51,11 +52,8 @@ from protocols.config import ConfigError, RunConfig
 from protocols.methods import METHODS
 from protocols.privacy import PrivacyLedger
 from protocols.privacy.signal import NoiseEstimate, Release
-from strategies.validation import ReplyScreen, Strikes, UploadSpec, spec_like
-
-
-class RoundFailed(RuntimeError):
-    """A round cannot produce a correct aggregate (raised, never a silent wrong model)."""
+from strategies.run.loop import FlowerTask, run_rounds
+from strategies.validation import ReplyScreen, RoundFailed, Strikes, UploadSpec, non_finite_arrays, spec_like
 
 
 def split_replies(replies: Iterable[Message]) -> tuple[list[Message], list[str]]:
@@ -163,18 +161,43 @@ class CancelStrategy(Strategy):
         self._sampled_once = False
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int | None = None,
-              timeout: float = 3600, train_config: ConfigRecord | None = None,
+              timeout: float | None = None, train_config: ConfigRecord | None = None,
               evaluate_config: ConfigRecord | None = None, evaluate_fn=None) -> Result:
-        """Flower's ``Strategy.start`` (run it in your own ServerApp) with ``num_rounds`` defaulting to the config's.
+        """Flower's ``Strategy.start`` for your own ServerApp: the same round loop as ``cancelfl run``.
 
-        The noise is calibrated for run-config ``num-rounds``: more rounds than that would spend more than
-        ``epsilon``, so they are refused (fewer spend less; :meth:`privacy_report` says how much).
+        Runs :func:`strategies.run.loop.run_rounds`, so checkpoints, ``resume``, accounting, the noise and
+        learning checks, ``metrics.jsonl``, ``summary.json`` and ``report.md`` work as in the cancelfl app
+        (folder: run-config ``out-dir``, default a fresh ``runs/<time>-<method>``).
+
+        Args:
+            grid: the ServerApp's grid.
+            initial_arrays: the initial global model.
+            num_rounds: default and maximum: run-config ``num-rounds`` (the noise is calibrated for it).
+            timeout: per-round reply timeout (default: run-config ``round-timeout``).
+            train_config: unused (the method sends its own configuration).
+            evaluate_config: unused (the server evaluates centrally with ``evaluate_fn``).
+            evaluate_fn: Flower's ``evaluate_fn(server_round, arrays) -> MetricRecord | None``; its ``loss``
+                and ``accuracy`` feed the metrics, the divergence stop and the learning check.
+
+        Returns:
+            Flower's ``Result``: the final global model and the central evaluation per round.
+
+        Raises:
+            ConfigError: ``num_rounds`` above run-config ``num-rounds``.
         """
         rounds = self.cfg.num_rounds if num_rounds is None else int(num_rounds)
         if rounds > self.cfg.num_rounds:
             raise ConfigError(f"start(num_rounds={rounds}): the strategy's noise is calibrated for num-rounds="
                               f"{self.cfg.num_rounds}; build it with num_rounds={rounds} to spend epsilon over more rounds")
-        return super().start(grid, initial_arrays, rounds, timeout, train_config, evaluate_config, evaluate_fn)
+        if timeout is not None and timeout != self.cfg.round_timeout:
+            self.cfg = dataclasses.replace(self.cfg, round_timeout=float(timeout))
+        task = FlowerTask(initial_arrays, evaluate_fn)
+        outcome = run_rounds(self, grid, task, num_rounds=rounds, progress=lambda line: log(INFO, "%s", line))
+        result = Result(arrays=outcome.arrays)
+        for row in outcome.rows:
+            result.evaluate_metrics_serverapp[int(row["round"])] = MetricRecord(
+                {k: float(row[k]) for k in ("test_loss", "test_accuracy", "epsilon") if row.get(k) is not None})
+        return result
 
     # --------------------------------------------------------------- sampling
     def sample_nodes(self, grid: Grid, server_round: int) -> list[int]:
@@ -240,8 +263,7 @@ class CancelStrategy(Strategy):
             raise RoundFailed(f"round {server_round}: no participant sent a usable reply ({len(errors)} errors, "
                               f"{len(self.excluded)} excluded: {self.excluded})")
         dropped = sorted(set(state.participants) - set(by_node))  # no reply, error, or excluded above
-        if dropped:
-            by_node = self.recover(state, dropped, by_node)  # pairwise methods: remove the orphaned pair noise
+        by_node = self.recover(state, dropped, by_node)  # pairwise methods: self-masks, orphaned pair noise
         self.record_client_spending(by_node)
         try:
             arrays = self.aggregate(state, by_node, errors)
@@ -327,7 +349,7 @@ class CancelStrategy(Strategy):
             self.keys.forget_unresponsive(state.participants, good)
 
     def recover(self, state: RoundState, dropped: list[int], by_node: dict[int, Message]) -> dict[int, Message]:
-        """Remove the pair noise orphaned by ``dropped`` participants before :meth:`aggregate`; default: nothing.
+        """Remove self-masks and the pair noise orphaned by ``dropped`` before :meth:`aggregate`; default: nothing.
 
         ``dropped``: participants whose upload is not aggregated (no reply, error, excluded).  Returns the
         replies to aggregate.  The pairwise methods override it (:class:`strategies.recovery.PairwiseRecovery`).
@@ -449,11 +471,6 @@ class CancelStrategy(Strategy):
     def report(self, **values: float) -> None:
         """Record per-round figures for :meth:`round_report`."""
         self._round_report.update({k: float(v) for k, v in values.items()})
-
-
-def non_finite_arrays(record: ArrayRecord) -> list[str]:
-    """Names of the arrays of ``record`` holding NaN or inf."""
-    return [k for k, a in record.items() if not np.isfinite(array_view(a)).all()]
 
 
 def registered_method(cls: type) -> str | None:

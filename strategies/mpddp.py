@@ -362,7 +362,7 @@ class _MpBase(CancelStrategy):
         return self._given_r.epsilon(self.cfg.delta)
 
     def state_dict(self) -> dict:
-        """The ledger plus the given-R account (resume, :mod:`server.checkpoint`)."""
+        """The ledger plus the given-R account (resume, :mod:`strategies.run.checkpoint`)."""
         return {**super().state_dict(), "given_r": self._given_r.to_state(), "optimizer": self.optimizer.to_state()}
 
     def load_state(self, state) -> None:
@@ -414,7 +414,9 @@ class MpddpStrategy(PairwiseRecovery, _MpBase):
 
     def key_round(self, grid: Grid, server_round: int, nodes: list[int]) -> KeyRound:
         self.grid = grid  # for the dropout recovery phase (aggregate_train gets no grid)
-        return self.keys.run(self, grid, server_round, nodes)
+        kr = self.keys.run(self, grid, server_round, nodes)
+        self.announce_masking(kr.neighbours)
+        return kr
 
     def pair_neighbours(self, state: MpRound) -> dict[int, list[int]] | None:
         return None if state.keys is None else state.keys.neighbours
@@ -431,6 +433,8 @@ class MpddpStrategy(PairwiseRecovery, _MpBase):
         if rec is not None and isinstance(state.noise, DdpNoise):
             t0 = time.process_time()
             flat = mp_flatten(mean.grads)
+            if rec.masks:  # double masking: the rebuilt self-masks come off the mean
+                flat = flat - self.mask_sum(state, flat.size) / len(records)
             probe = probe_direction(state.keys.probe_seed, flat.size) if self.cfg.cancellation_check and state.keys else None
             corr_sum = np.zeros(flat.size)
             for node, revealed in sorted(rec.material.items()):
@@ -442,7 +446,8 @@ class MpddpStrategy(PairwiseRecovery, _MpBase):
             self.probe_corrections = rec.probe_corrections(self.probe_corrections)
             mean = mean.with_grads(mp_unflatten(flat - corr_sum / len(records), list(mean.grads)))
             self.report(recovery_server_s=time.process_time() - t0)
-            self._charge_recovery(state, len(records))
+            if rec.gone_any:
+                self._charge_recovery(state, len(records))
         return mu_server(state.layers, mean, state.secret, self.optimizer)
 
     def _charge_recovery(self, state: MpRound, survivors: int) -> None:
@@ -488,7 +493,7 @@ class MpddpStrategy(PairwiseRecovery, _MpBase):
     def check_replies(self, state: MpRound, by_node: dict[int, Message], errors: list[str]) -> None:
         missing = sorted(set(state.participants) - set(by_node))
         rec = self.recovered(state)
-        if missing and rec is not None and set(rec.dropped) == set(missing):
+        if rec is not None and set(rec.dropped) == set(missing):
             self.report_recovery(state, missing)
         elif missing:
             raise RoundFailed(

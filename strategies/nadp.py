@@ -21,7 +21,9 @@ Round ``t`` (hooks of the round template, :class:`strategies.base.CancelStrategy
    key phase would leave its pair noise with the survivors uncancelled: the
    survivors reveal that round's pair seeds with it and the server subtracts
    them (dropout recovery, :mod:`strategies.recovery`); the round goes on over
-   the survivors (weights renormalised) and reports it.
+   the survivors (weights renormalised) and reports it.  With run-config
+   ``self-mask`` every upload also carries a self-mask that the server removes
+   after one unmasking phase per round (double masking, :mod:`strategies.recovery`).
 
 Accounting (``self.privacy``, per-client accountants composed in the aggregate, read
 by the base's ``privacy_report``), per record, over the rounds its owner took part in
@@ -174,7 +176,10 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
     def prepare_round(self, grid: Grid, server_round: int, nodes: list[int], arrays: ArrayRecord) -> NadpRound:
         """Key phase, then calibration and allocation over the participants."""
         self.grid = grid  # for the dropout recovery phase (aggregate_train gets no grid)
-        return self.plan_round(self.keys.run(self, grid, server_round, nodes))
+        st = self.plan_round(self.keys.run(self, grid, server_round, nodes))
+        if st.allocation is not None:
+            self.announce_masking(st.keys.neighbours)
+        return st
 
     def train_content(self, st: NadpRound, node: int, arrays: ArrayRecord) -> RecordDict:
         """Model + round + the public plan + this node's peer keys."""
@@ -187,6 +192,7 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
         uploads = {n: from_record(by_node[n].content["arrays"]) for n in survivors}
         like = uploads[survivors[0]]
         flat = {n: flatten(u) for n, u in uploads.items()}
+        self.remove_masks(st, flat)  # double masking: the rebuilt self-masks come off first
         dims = {v.shape for v in flat.values()}
         if len(dims) != 1:
             raise RoundFailed(f"round {st.round}: uploads have different shapes {sorted(dims)}")
@@ -277,7 +283,7 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
             figures["sigma_up"] = st.plan.sigma_up
             figures["sigma_down"] = st.plan.sigma_down
             figures["min_uplink_std"] = min(st.allocation.uplink_std(n, st.plan.lam) for n in st.allocation.client_ids)
-        # per-coordinate std of the noise in one upload (the least noised one) and left in the model (server.report)
+        # per-coordinate std of the noise in one upload (the least noised one) and left in the model (strategies.run.report)
         figures["upload_noise_std"] = figures.get("min_uplink_std", min(st.plan.ldp_stds.values(), default=0.0))
         figures["model_noise_std"] = total_std
         if dropped and unc_std > 0:
@@ -330,7 +336,8 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
         """
         alloc, lam = st.allocation, st.plan.lam
         assert alloc is not None
-        if self.recovered(st) is None:
+        rec = self.recovered(st)
+        if rec is None or not rec.gone_any:
             joint = alloc.joint_uplink_std(lam)
             return ({n: joint[n] / st.sensitivity[n] for n in survivors},
                     {n: alloc.uplink_std(n, lam) / st.sensitivity[n] for n in survivors})
@@ -350,6 +357,8 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
         if size is None or self.round_model is None:
             return None
         std = st.plan.ldp_stds[node] if st.allocation is None else st.allocation.uplink_std(node, st.plan.lam)
+        if st.allocation is not None and self.cfg.self_mask:
+            std *= math.sqrt(2.0)  # the self-mask has the upload noise's std (client.methods.nadp.noise_parts)
         return record_training_movement(c, size) + gaussian_norm_bound(std, self.model_dim())
 
     def describe(self) -> dict[str, float | str]:

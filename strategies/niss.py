@@ -345,7 +345,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         sigmas = np.array([f.sigma for f in figures])
         variance = niss_math.theorem2_variance(sigmas, taus)
         self._figures = figures
-        # Per coordinate, in model units (server.report): an upload p_k w_k carries own noise sigma_k, i.e.
+        # Per coordinate, in model units (strategies.run.report): an upload p_k w_k carries own noise sigma_k, i.e.
         # sigma_k / p_k on the model scale (mean over the clients); the aggregate keeps Theorem 2's variance.
         p = np.array([state.weights[n] for n in survivors])
         self.report(theorem2_variance=variance, upload_noise_std=float(np.mean(sigmas / p)),

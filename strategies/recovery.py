@@ -1,5 +1,18 @@
 """Dropout recovery of the pairwise noise (nadp, niss, mpddp): the server removes orphaned pair noise exactly.
 
+Double masking (run-config ``self-mask``, nadp; :mod:`protocols.masking`, :meth:`PairwiseRecovery.unmask`):
+every upload also carries a self-mask whose seed is Shamir-shared t-of-n among the client's neighbours, the
+sealed shares travelling with the upload itself.  One ``query.recover`` phase then runs *every* round, to
+every kept survivor: each reveals its shares of the received neighbours' seeds and its pair seeds with the
+dropped and excluded ones, never both for one peer.  The server rebuilds each self-mask from any ``t``
+shares and subtracts it.  A survivor silent in this phase (a second dropout) no longer fails the round: its
+self-mask is rebuilt from its neighbours' shares and its pair noise with the dropped stays in the aggregate as
+extra noise (reported as ``kept_pairs``, ``unmask_silent``).  The round fails only when an upload's seed
+cannot be rebuilt (fewer than ``t`` of its neighbours answered).  A server that tells all of k's neighbours
+"k dropped" while holding k's upload gets k's pair seeds but not its self-mask, which has the std of k's
+whole upload noise.  Cost: one extra round trip per round, ``unmask_s`` and ``unmask_bytes_per_client``
+reported.  The rest of this docstring describes the path without double masking (niss, ``self-mask = false``).
+
 A participant that drops out after the round's pairs are fixed (after the key phase / NISS share phase,
 before or during its upload), or whose upload the server excludes (:mod:`strategies.validation`), leaves
 the pair noise it shares with every surviving neighbour uncancelled in the aggregate.  The round template
@@ -61,13 +74,16 @@ import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from logging import INFO, WARNING
 
 import numpy as np
 from flwr.app import Message, RecordDict
+from flwr.common import log
 from flwr.serverapp import Grid
 
 from client.messages.keys import probe_value
-from client.messages.recovery import RecoveryReply, RecoveryRequest
+from client.messages.recovery import SELF_MASK_RECORD, RecoveryReply, RecoveryRequest, SelfMaskShares
+from protocols.masking import mask_parameters, mask_threshold, rebuild_seed, self_mask, unmaskable
 from protocols.prg import gaussian
 from protocols.privacy import Accountant, GaussianEvent
 from strategies.base import RoundFailed, RoundState
@@ -90,9 +106,18 @@ class RecoveryOutcome:
     #: survivor -> projection of that kept noise on the cancellation check's direction (None: not given).
     kept_probe: dict[int, float | None] = field(default_factory=dict)
     seconds: float = 0.0
+    #: double masking: node -> (rebuilt self-mask seed, std) of every aggregated upload.
+    masks: dict[int, tuple[bytes, float]] = field(default_factory=dict)
+    #: survivors that did not answer (or refused) the unmasking request: their pairs with the dropped stay.
+    silent: list[int] = field(default_factory=list)
     #: bytes of the recovery messages, down (requests) and up (replies), summed over the asked survivors.
     bytes_down: int = 0
     bytes_up: int = 0
+
+    @property
+    def gone_any(self) -> bool:
+        """Whether some participant's pair noise had to be recovered (dropped or excluded)."""
+        return bool(self.dropped)
 
     @property
     def pairs(self) -> int:
@@ -138,11 +163,13 @@ class PairwiseRecovery:
     def recover(self, state: RoundState, dropped: list[int], by_node: dict[int, Message]) -> dict[int, Message]:
         """Ask the survivors with a dropped neighbour for this round's pair material of the dropped peers.
 
-        Returns ``by_node`` (every survivor stays); raises :class:`RoundFailed` when a survivor refuses or
-        does not answer (no threshold: see the module docstring).
+        Self-masked uploads (:meth:`unmask`): every round.  Otherwise returns ``by_node`` (every survivor
+        stays); raises :class:`RoundFailed` when a survivor refuses or does not answer (no threshold).
         """
         self.recovery = None
         neighbours = self.pair_neighbours(state)
+        if neighbours is not None and any(SELF_MASK_RECORD in m.content for m in by_node.values()):
+            return self.unmask(state, dropped, by_node, neighbours)
         gone = sorted(set(dropped) & set(state.participants))
         if not gone or neighbours is None:
             return by_node
@@ -193,14 +220,141 @@ class PairwiseRecovery:
         self.recovery = out
         return by_node
 
+    def mask_thresholds(self, neighbours: Mapping[int, Sequence[int]]) -> dict[int, int]:
+        """Each node's self-mask threshold, from its degree and run-config ``mask-corruption-rate``."""
+        rate = self.cfg.mask_corruption_rate  # type: ignore[attr-defined]
+        return {n: mask_threshold(len(nb), rate) for n, nb in neighbours.items() if nb}
+
+    def describe_masking(self, degree: int) -> str:
+        """The start-of-run line on the self-mask threshold at ``degree`` (Bell et al.'s two failure figures)."""
+        cfg = self.cfg  # type: ignore[attr-defined]
+        return mask_parameters(degree, cfg.mask_dropout_rate, cfg.mask_corruption_rate).describe()
+
+    def announce_masking(self, neighbours: Mapping[int, Sequence[int]]) -> None:
+        """Log :meth:`describe_masking` for the smallest degree of the first masked round (once per run)."""
+        if self.cfg.self_mask and not self.__dict__.get("_announced_mask") and neighbours:  # type: ignore[attr-defined]
+            self.__dict__["_announced_mask"] = True
+            log(INFO, "%s %s", self.cfg.method, self.describe_masking(min(len(nb) for nb in neighbours.values())))  # type: ignore[attr-defined]
+
+    def unmask(self, state: RoundState, dropped: list[int], by_node: dict[int, Message],
+               neighbours: Mapping[int, Sequence[int]]) -> dict[int, Message]:
+        """Double masking: one ``query.recover`` phase to every participant whose upload arrived, every round.
+
+        Kept: the aggregatable uploads with at least ``t`` kept neighbours (:func:`protocols.masking.unmaskable`);
+        the others are excluded too (held, not aggregated; their neighbours reveal their pair seeds instead).
+        Every participant whose upload arrived (excluded ones included: they hold shares) gets the request
+        with the sealed self-mask shares its neighbours made for it, and reveals its shares of the kept
+        neighbours' seeds and its pair seeds with the others.  Every kept upload's seed is rebuilt from any
+        ``t`` shares (checked against its commitment); a survivor that does not answer (a further dropout)
+        is unmasked the same way and its pairs with the dropped stay in the aggregate as extra noise
+        (``kept``).  Raises :class:`RoundFailed` only when a kept upload's seed cannot be rebuilt (fewer
+        than ``t`` of its neighbours answered).
+        """
+        if self.grid is None:
+            raise RoundFailed(f"round {state.round}: unmasking needs the round's grid (prepare_round keeps it)")
+        shares_of: dict[int, SelfMaskShares] = {}
+        for n, m in by_node.items():
+            if SELF_MASK_RECORD in m.content:
+                try:
+                    shares_of[n] = SelfMaskShares.from_config(m.content[SELF_MASK_RECORD])
+                except ValueError as err:
+                    raise RoundFailed(f"round {state.round}: node {n} sent malformed self-mask shares ({err})") from err
+        thresholds = self.mask_thresholds(neighbours)
+        held = sorted(set(dropped) & set(getattr(self, "uploaded", ())))
+        masked = {n for n in by_node if n in shares_of}
+        received = sorted(set(by_node) | set(held))
+        keep = unmaskable(neighbours, set(by_node), {n: thresholds.get(n, 0) for n in by_node})
+        keep -= {n for n in keep if n not in masked and neighbours.get(n)}  # a pairwise upload without its shares
+        excluded = sorted(set(held) | (set(by_node) - keep))
+        lost = sorted(set(state.participants) - set(received))
+        gone = sorted(set(lost) | set(excluded))
+        out = RecoveryOutcome(state.round, gone, sorted(keep), excluded=excluded)
+
+        def content(node: int) -> RecordDict:
+            fwd = {x: shares_of[x].sealed[node] for x in neighbours.get(node, ())
+                   if x in keep and x in shares_of and node in shares_of[x].sealed}
+            return RecordDict({"config": RecoveryRequest(state.round, tuple(received), tuple(lost), tuple(excluded),
+                                                         fwd).to_config()})
+
+        ask = received
+        requests = {n: content(n) for n in ask}
+        t0 = time.perf_counter()
+        replies, _errors = self.exchange(self.grid, ask, lambda n: requests[n], "recover")  # type: ignore[attr-defined]
+        out.seconds = time.perf_counter() - t0
+        out.bytes_down = sum(payload_bytes(r) for r in requests.values())
+        collected: dict[int, list[bytes]] = {n: [] for n in keep}
+        gone_set = set(gone)
+        for node in ask:
+            msg = replies.get(node)
+            rep = None
+            if msg is not None and "config" in msg.content:
+                out.bytes_up += payload_bytes(msg.content)
+                try:
+                    rep = RecoveryReply.from_config(msg.content["config"])
+                except ValueError as err:
+                    log(WARNING, "round %d: node %s sent a malformed unmasking reply (%s)", state.round, node, err)
+            if rep is not None and rep.refused:
+                log(WARNING, "round %d: node %s refused to unmask: %s", state.round, node, rep.refused)
+                rep = None
+            expected = sorted(gone_set & set(neighbours.get(node, ())))
+            if rep is not None and sorted(rep.peers) != expected:
+                log(WARNING, "round %d: node %s revealed pair material for %s, expected %s", state.round, node,
+                    sorted(rep.peers), expected)
+                rep = None
+            if rep is None:
+                out.silent.append(node)
+                if expected and node in keep:
+                    out.kept[node], out.kept_probe[node] = tuple(expected), None
+                continue
+            if node in keep:
+                out.material[node] = rep.by_peer()
+            for x, share in zip(rep.mask_peers, rep.mask_shares, strict=True):
+                if x in collected and node in neighbours.get(x, ()):
+                    collected[x].append(share)
+        missing = []
+        for x in sorted(keep):
+            if x not in shares_of:
+                continue
+            seed = rebuild_seed(collected[x], thresholds[x], shares_of[x].commitment)
+            if seed is None:
+                missing.append(f"node {x} ({len(collected[x])} shares, needs {thresholds[x]})")
+            else:
+                out.masks[x] = (seed, shares_of[x].std)
+        if missing:
+            raise RoundFailed(f"round {state.round}: self-masks cannot be removed: {'; '.join(missing)}; "
+                              f"survivors {out.silent} did not answer or refused")
+        self.recovery = out
+        return {n: by_node[n] for n in sorted(keep)}
+
+    def remove_masks(self, state: RoundState, flat: dict[int, np.ndarray]) -> None:
+        """Subtract each upload's rebuilt self-mask from ``flat`` (node -> flat upload, in place)."""
+        rec = self.recovered(state)
+        if rec is None:
+            return
+        for n, (seed, std) in rec.masks.items():
+            if n in flat:
+                flat[n] = flat[n] - self_mask(seed, len(flat[n]), std)
+
+    def mask_sum(self, state: RoundState, size: int) -> np.ndarray:
+        """Sum of the rebuilt self-masks of ``state``'s round (zeros without double masking)."""
+        total = np.zeros(size)
+        rec = self.recovered(state)
+        for _n, (seed, std) in sorted(rec.masks.items()) if rec is not None else ():
+            total += self_mask(seed, size, std)
+        return total
+
     def report_recovery(self, state: RoundState, dropped: Iterable[int]) -> None:
         """Round-report figures of the recovery (call from ``aggregate``)."""
         rec = self.recovered(state)
         n_dropped = len(set(dropped))
         # ``dropped`` counts every sampled client lost this round (niss reports the share-phase ones first)
         earlier = self.round_report().get("dropped", 0.0)  # type: ignore[attr-defined]
-        figures = {"dropped": earlier + n_dropped, "recovery": 1.0 if rec is not None else 0.0}
-        if rec is not None:
+        figures = {"dropped": earlier + n_dropped, "recovery": 1.0 if rec is not None and rec.gone_any else 0.0}
+        if rec is not None and rec.masks:
+            n = max(len(rec.survivors), 1)
+            figures.update(unmask_s=rec.seconds, unmask_bytes_per_client=(rec.bytes_down + rec.bytes_up) / n,
+                           self_masks_removed=float(len(rec.masks)), unmask_silent=float(len(rec.silent)))
+        if rec is not None and rec.gone_any:
             figures.update(recovered_pairs=rec.pairs, kept_pairs=sum(len(k) for k in rec.kept.values()),
                            recovery_s=rec.seconds,
                            recovery_bytes_down_per_survivor=rec.bytes_down / max(len(rec.survivors), 1),

@@ -258,3 +258,12 @@ class Strikes:
 __all__ = ["ArraySpec", "FLOAT_DTYPES", "GAUSS_TAIL", "OUTLIER_FACTOR", "ReplyScreen", "Screened", "Strikes",
            "UploadSpec", "check_arrays", "claimed_examples", "gaussian_norm_bound", "payload_bytes", "size_limit",
            "spec_like"]
+
+
+class RoundFailed(RuntimeError):
+    """A round cannot produce a correct aggregate (raised, never a silent wrong model)."""
+
+
+def non_finite_arrays(record: ArrayRecord) -> list[str]:
+    """Names of the arrays of ``record`` holding NaN or inf."""
+    return [k for k, a in record.items() if not np.isfinite(array_view(a)).all()]

@@ -57,7 +57,9 @@ def _model_finite(out: Path) -> bool:
 @pytest.mark.parametrize("method", list(FAMILIES))
 def test_every_kind_of_bad_reply_is_excluded_with_its_reason(tmp_path, method):
     faults = dict(enumerate(CORRUPTIONS))
-    summary, rows, grid, out = _run(tmp_path, method, faults, {"num-clients": len(faults) + 3})
+    # Most participants are faulty here: with double masking no honest nadp / mpddp client would have its
+    # self-mask threshold of aggregated neighbours (test_masking covers that); the reply checks are the subject.
+    summary, rows, grid, out = _run(tmp_path, method, faults, {"num-clients": len(faults) + 3, "self-mask": False})
     bad = {str(grid.node_ids[i]): kind for i, kind in faults.items()}
     honest = [str(n) for n in grid.node_ids[len(faults):]]
     assert len(rows) == FAST["num-rounds"]

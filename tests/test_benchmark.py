@@ -112,10 +112,12 @@ def test_every_benchmark_method_config_is_a_valid_run_config(name):
 def test_cli_registers_every_benchmark_module_and_parses_its_defaults():
     helpers = {"cli", "common", "runs", "secagg", "__main__", "adversary"}
     modules = {m.name for m in pkgutil.iter_modules(benchmarks.__path__)} - helpers
-    assert {mod.__name__.rsplit(".", 1)[1] for mod in cli.BENCHMARKS.values()} == modules
+    assert {path.rsplit(".", 1)[1] for path in cli.BENCHMARKS.values()} == modules
     parser = cli.build_parser()
-    for name, module in cli.BENCHMARKS.items():
+    for name in cli.BENCHMARKS:
+        module = cli.module(name)
         assert callable(module.run) and module.HELP
+        assert cli.summary(name) == (module.HELP, module.__doc__)  # the listing read without importing
         assert parser.parse_args([name]).benchmark == name
     for name in ("all", *cli.ALL):
         assert parser.parse_args([name]).benchmark == name

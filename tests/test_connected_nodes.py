@@ -16,10 +16,10 @@ import time
 import numpy as np
 from flwr.app import RecordDict
 
-from server.checkpoint import run_outcome
 from server.launch import run_inprocess
 from server.local_grid import LocalGrid
-from server.runner import dumps, non_finite_keys
+from strategies.run.checkpoint import run_outcome
+from strategies.run.loop import dumps, non_finite_keys
 from tests.conftest import read_metrics
 from tests.faulty_client import faulty_grid, with_arrays
 
@@ -42,10 +42,10 @@ def test_a_node_leaves_and_rejoins_with_fresh_state(tmp_path):
     def progress(line: str) -> None:
         grid = grids[0]
         node = grid.node_ids[0]
-        if line.startswith("[round 1/"):
+        if line.startswith("round 1/"):
             grid.hidden.add(node)
             grid.offline.add(node)
-        elif line.startswith("[round 2/"):
+        elif line.startswith("round 2/"):
             grid.hidden.discard(node)
             grid.offline.discard(node)
             grid.contexts[node].state = RecordDict()  # a restarted SuperNode: keys and pair material are gone

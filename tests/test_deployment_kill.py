@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from server.checkpoint import run_outcome
 from server.deploy import LocalCluster
+from strategies.run.checkpoint import run_outcome
 from tests.conftest import read_metrics
 from tests.processes import pid_gone
 

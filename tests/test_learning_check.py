@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from protocols.privacy.signal import MeasuredSignal, Release
-from server.run_notes import ABOVE_CHANCE, chance_level, learning_check
+from strategies.run.notes import ABOVE_CHANCE, chance_level, learning_check
 
 
 def test_the_measured_signal_recovers_a_known_signal_under_known_noise():

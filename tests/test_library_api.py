@@ -6,6 +6,7 @@ model defined here (outside the model zoo), and models/datasets by import path.
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -54,12 +55,12 @@ def _client_data(context) -> tuple[nn.Module, np.ndarray, np.ndarray]:
     return TinyNet(), x[pid::NUM_CLIENTS], y[pid::NUM_CLIENTS]
 
 
-def test_nadp_trains_a_user_model_through_the_library_api():
+def test_nadp_trains_a_user_model_through_the_library_api(tmp_path):
     """NadpStrategy(**kwargs).start() in place of a ServerApp body, a user ClientApp with attach(), TinyNet."""
     from strategies import NadpStrategy
 
     strategy = NadpStrategy(epsilon=4.0, clip=1.0, num_clients=NUM_CLIENTS, num_rounds=8, local_epochs=1,
-                            batch_size=1000, lr=2.0, seed=3)
+                            batch_size=1000, lr=2.0, seed=3, out_dir=str(tmp_path))
     assert strategy.cfg.method == "nadp" and strategy.cfg.epsilon == 4.0
     app = attach(ClientApp(), _client_data)
     grid = LocalGrid(app, NUM_CLIENTS, strategy.cfg.to_mapping())
@@ -117,3 +118,44 @@ def test_model_and_dataset_by_import_path(tmp_path):
     with pytest.raises(ValueError, match="cannot import"):
         build_model("no_such_pkg.net:Net", (64,), 10)
     assert math.isfinite(evaluate(model, ds.x_test, ds.y_test)[0])
+
+
+def test_start_in_a_users_server_app_writes_the_run_folder_and_resumes(tmp_path):
+    """Strategy.start() runs the app's round loop: metrics, summary, report, checkpoint; resume continues it."""
+    from flwr.app import MetricRecord
+
+    from strategies import NadpStrategy
+    from strategies.run.checkpoint import load_checkpoint
+
+    _, _, x_test, y_test = digits_flat()
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        model = TinyNet()
+        model.load_state_dict({k: torch.as_tensor(v.numpy()) for k, v in arrays.items()})
+        loss, acc = evaluate(model, x_test, y_test)
+        return MetricRecord({"loss": loss, "accuracy": acc})
+
+    opts = dict(epsilon=4.0, clip=1.0, num_clients=NUM_CLIENTS, num_rounds=3, local_epochs=1, batch_size=1000,
+                lr=2.0, seed=3, out_dir=str(tmp_path / "run"))
+    app = attach(ClientApp(), _client_data)
+    strategy = NadpStrategy(**opts)
+    grid = LocalGrid(app, NUM_CLIENTS, strategy.cfg.to_mapping())
+    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(TinyNet().state_dict()), num_rounds=2,
+                            evaluate_fn=evaluate_fn)
+    out = tmp_path / "run"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2] and all(r["test_accuracy"] is not None for r in rows)
+    assert sorted(result.evaluate_metrics_serverapp) == [1, 2]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds_completed"] == 2 and 0 < summary["epsilon"] <= 4.0 + 1e-9
+    assert summary["learning_check"] is None  # no chance level known for a user's task: no verdict invented
+    assert (out / "report.md").exists() and (out / "model.npz").exists()
+    assert load_checkpoint(out).round == 2
+
+    resumed = NadpStrategy(**{**opts, "resume": True})
+    grid = LocalGrid(app, NUM_CLIENTS, resumed.cfg.to_mapping())
+    resumed.start(grid=grid, initial_arrays=ArrayRecord(TinyNet().state_dict()), evaluate_fn=evaluate_fn)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3] and rows[2]["resumed_after_round"] == 2
+    # the resumed run continues the privacy account: round 3 spends more than round 2 had
+    assert rows[2]["epsilon"] > rows[1]["epsilon"]

@@ -275,8 +275,10 @@ def test_dropout_after_key_phase_is_recovered(tmp_path):
 
     The survivors reveal that round's Delta seeds with it (strategies.recovery).
     """
-    summary, rows, _, _, cfg = run("mpddp", tmp_path, drop=1, cancellation_check=True)
+    # no colluders assumed: self-mask threshold 2 of 3 neighbours (3 of 3 at the default rate: no dropout allowed)
+    summary, rows, _, _, cfg = run("mpddp", tmp_path, drop=1, cancellation_check=True, mask_corruption_rate=0.0)
     assert not rows[0]["failed"] and rows[0]["dropped"] == 1 and rows[0]["recovery"] == 1
+    assert rows[0]["self_masks_removed"] == 3
     assert rows[0]["cancellation_residual"] < 1e-9
     final = np.load(Path(cfg.out_dir) / "model.npz")
     init = initial_weights(cfg)

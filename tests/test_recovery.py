@@ -145,7 +145,9 @@ def test_recovered_nadp_aggregate_is_the_survivors_average(monkeypatch):
 
     monkeypatch.setattr(nadp_client, "residual_seed", fake)
     n = 6
-    raw = {**app_defaults(), "method": "nadp", "num-clients": n, "partitioning": "size-skew", **NADP_FAST}
+    # no colluders assumed: self-mask threshold t = 3 of 5, so 2 of 6 may drop (t = 4 at the default rate)
+    raw = {**app_defaults(), "method": "nadp", "num-clients": n, "partitioning": "size-skew", **NADP_FAST,
+           "mask-corruption-rate": 0.0}
     cfg = RunConfig.from_mapping(raw)
     grid, strategy = LocalGrid(client_app, n, raw), NadpStrategy(cfg)
     from client.models import build_model, get_weights
@@ -173,8 +175,11 @@ def test_recovered_nadp_aggregate_is_the_survivors_average(monkeypatch):
 
 # ----------------------------------------------------------------------------------- lying server
 def _uploaded_client(n: int = 4):
-    """A 4-client nadp round where every client uploaded; returns (grid, participants, one client's node id)."""
-    raw = {**app_defaults(), "method": "nadp", "num-clients": n, **NADP_FAST}
+    """A 4-client nadp round where every client uploaded; returns (grid, participants, one client's node id).
+
+    No colluders assumed, so the self-mask threshold is 2 of 3 neighbours: one may drop.
+    """
+    raw = {**app_defaults(), "method": "nadp", "num-clients": n, **NADP_FAST, "mask-corruption-rate": 0.0}
     cfg = RunConfig.from_mapping(raw)
     grid, strategy = LocalGrid(client_app, n, raw), NadpStrategy(cfg)
     from client.models import build_model, get_weights

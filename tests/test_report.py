@@ -54,3 +54,85 @@ def test_compare_command_refuses_a_bad_method_or_key(tmp_path, capsys):
     (tmp_path / "c" / "report.md").write_text("an earlier comparison")
     assert main(["compare", "--methods", "fedavg", "--out", str(tmp_path / "c")]) == 2
     assert "earlier comparison" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ verdicts and plots from synthetic run folders
+def _write_run(folder, *, acc, views=(), rounds=3, up_noise=None, model_noise=None, target=1.0):
+    """A run folder as the round loop writes it: metrics.jsonl and summary.json (views: what epsilon protects)."""
+    folder.mkdir(parents=True)
+    privacy = {"target_epsilon": target if views else None, "unit": "record" if views else "none",
+               "uplink": {"adversary": "server" if "uploads" in views else None,
+                          "epsilon": 0.99 if "uploads" in views else None},
+               "downlink": {"adversary": "anyone" if "published model" in views else None,
+                            "epsilon": 0.98 if "published model" in views else None}}
+    rows = [{"round": r, "test_accuracy": acc * r / rounds, "round_time_s": 0.1,
+             "epsilon_uplink": 0.99 * r / rounds if "uploads" in views else None,
+             "epsilon_downlink": 0.98 * r / rounds if "published model" in views else None,
+             "upload_noise_std": up_noise, "model_noise_std": model_noise} for r in range(1, rounds + 1)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "summary.json").write_text(json.dumps({
+        "config": {"dataset": "digits", "num-clients": 10, "num-rounds": rounds, "epsilon": target, "delta": 1e-5},
+        "final_accuracy": acc, "privacy": privacy}))
+    return folder
+
+
+BOTH = ("uploads", "published model")
+
+
+def test_verdict_names_the_price_of_the_extra_protection(tmp_path):
+    from strategies.run.report import write_report
+
+    runs = {"fedavg": _write_run(tmp_path / "fedavg", acc=0.91, rounds=10, up_noise=0.0, model_noise=0.0),
+            "cdp": _write_run(tmp_path / "cdp", acc=0.858, views=("published model",), rounds=20, up_noise=0.0,
+                              model_noise=0.03),
+            "nadp": _write_run(tmp_path / "nadp", acc=0.864, views=BOTH, rounds=20, up_noise=0.8, model_noise=0.03),
+            "ldp": _write_run(tmp_path / "ldp", acc=0.52, views=BOTH, rounds=30, up_noise=0.3, model_noise=0.1)}
+    text = write_report(runs, tmp_path / "report").read_text()
+    lines = {line.split("**")[1]: line for line in text.splitlines() if line.startswith("- **")}
+    assert "the accuracy of cdp (which protects the published model), 0.864 vs 0.858, with the uploads protected too" \
+        in lines["nadp"]
+    assert "epsilon 1 per record" in lines["nadp"] and "uploads 0.99" in lines["nadp"]
+    assert "against ldp, which protects the same: above it (0.864 vs 0.520)" in lines["nadp"]
+    # worse is said as worse, with the comparator that protects less
+    assert "0.338 below cdp (which protects the published model), 0.520 vs 0.858" in lines["ldp"]
+    assert "0.052 below fedavg (no DP), 0.858 vs 0.910, the price of protecting the published model." in lines["cdp"]
+    assert "fedavg" not in lines  # no guarantee: no verdict
+    # the header states each run's own rounds; the table says them per run
+    assert "num-rounds: fedavg 10, cdp 20, nadp 20, ldp 30" in text
+    assert "No guarantee, so no line: uploads: fedavg, cdp; published model: fedavg." in text
+
+
+def test_single_run_has_no_verdict(tmp_path):
+    from strategies.run.report import write_report
+
+    text = write_report({"nadp": _write_run(tmp_path / "nadp", acc=0.8, views=BOTH)}, tmp_path / "r").read_text()
+    assert "## Verdict" not in text
+
+
+def test_plots_draw_every_series_and_no_bar_for_zero_or_missing_noise(tmp_path):
+    from matplotlib.colors import to_hex
+
+    from strategies.run.report import RunData, accuracy_figure, epsilon_figure, noise_figure, pyplot
+
+    folders = {"fedavg": _write_run(tmp_path / "fedavg", acc=0.9, up_noise=0.0, model_noise=0.0),
+               "old": _write_run(tmp_path / "old", acc=0.7, views=BOTH),  # no noise figures at all (n/a)
+               "cdp": _write_run(tmp_path / "cdp", acc=0.85, views=("published model",), up_noise=0.0,
+                                 model_noise=0.03),
+               "nadp": _write_run(tmp_path / "nadp", acc=0.86, views=BOTH, up_noise=0.8, model_noise=0.03)}
+    runs = [RunData.load(name, folder) for name, folder in folders.items()]
+    fig = noise_figure(runs)
+    (ax,) = fig.axes
+    heights = sorted(round(bar.get_height(), 6) for bar in ax.patches)
+    assert heights == [0.03, 0.03, 0.8]  # positive figures only: no bar for fedavg's 0 or old's n/a
+    texts = [t.get_text() for t in ax.texts]
+    assert texts.count("0") == 3 and texts.count("n/a") == 2
+    fig = epsilon_figure(runs)
+    upload, model = fig.axes
+    assert [line.get_label() for line in upload.lines if not line.get_label().startswith("_")] == ["old", "nadp"]
+    assert [line.get_label() for line in model.lines if not line.get_label().startswith("_")] == ["old", "cdp", "nadp"]
+    assert "no guarantee: fedavg, cdp" in upload.get_xlabel() and "no guarantee: fedavg" in model.get_xlabel()
+    fig = accuracy_figure(runs)
+    styles = {(to_hex(line.get_color()), line.get_linestyle(), line.get_marker()) for line in fig.axes[0].lines}
+    assert len(styles) == len(runs)  # every run its own colour, line style and marker
+    assert len({line.get_linestyle() for line in fig.axes[0].lines}) > 1
+    pyplot().close("all")

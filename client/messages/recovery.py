@@ -5,6 +5,9 @@
 * :class:`RecoveryReply` (client -> server): for each dropped neighbour, this round's pair material
   (nadp, mpddp: the per-round HKDF pair seed; niss: a :class:`NissPairMaterial`), or a refusal naming
   why (:attr:`RecoveryReply.refused`).
+* :class:`SelfMaskShares` (client -> server, with the upload): the sealed Shamir shares of the upload's
+  self-mask seed (one per neighbour), a commitment to the seed and the mask's std (:mod:`protocols.masking`);
+  the server forwards each neighbour its sealed shares with the recovery request (``forwarded``).
 * :class:`NissPairMaterial`: what a NISS survivor's upload holds because of one dropped neighbour
   (its own shares sent to it, and the distorted negated shares received from it).
 
@@ -40,6 +43,13 @@ _MATERIAL = "recovery-material"
 _REFUSED = "recovery-refused"
 _KEPT = "recovery-kept"
 _KEPT_PROBE = "recovery-kept-probe"
+_FWD_FROM = "recovery-shares-from"
+_FWD_BLOBS = "recovery-shares"
+_MASK_PEERS = "recovery-mask-peers"
+_MASK_SHARES = "recovery-mask-shares"
+#: Key of the train reply's record holding :class:`SelfMaskShares`.
+SELF_MASK_RECORD = "self-mask"
+_SM_PEERS, _SM_SEALED, _SM_COMMIT, _SM_STD = "peers", "sealed-shares", "commitment", "std"
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,8 @@ class RecoveryRequest:
     received: tuple[int, ...]
     dropped: tuple[int, ...]
     excluded: tuple[int, ...] = ()
+    #: self-masked methods: sender -> the sealed share of its self-mask seed it made for this recipient.
+    forwarded: Mapping[int, bytes] | None = None
 
     def to_config(self) -> ConfigRecord:
         rec = ConfigRecord({_RECEIVED: node_id_strings(self.received)})
@@ -61,6 +73,10 @@ class RecoveryRequest:
             rec[_DROPPED] = node_id_strings(self.dropped)
         if self.excluded:
             rec[_EXCLUDED] = node_id_strings(self.excluded)
+        if self.forwarded:
+            senders = sorted(self.forwarded)
+            rec[_FWD_FROM] = node_id_strings(senders)
+            rec[_FWD_BLOBS] = [bytes(self.forwarded[n]) for n in senders]
         return merge_configs(TrainIns(self.round).to_config(), rec)
 
     @classmethod
@@ -69,7 +85,12 @@ class RecoveryRequest:
         excluded = read_node_ids(rec, _EXCLUDED, default=())
         if any(len(set(ids)) != len(ids) for ids in (received, dropped, excluded)):
             raise ValueError(f"'{_RECEIVED}', '{_DROPPED}' and '{_EXCLUDED}' must not repeat a node")
-        return cls(TrainIns.from_config(rec).round, received, dropped, excluded)
+        senders = read_node_ids(rec, _FWD_FROM, default=())
+        blobs = tuple(bytes(b) for b in read_list(rec, _FWD_BLOBS, bytes, default=[]))
+        if len(senders) != len(blobs) or len(set(senders)) != len(senders):
+            raise ValueError(f"'{_FWD_FROM}' and '{_FWD_BLOBS}' must be equally long, senders distinct")
+        forwarded = dict(zip(senders, blobs, strict=True)) if senders else None
+        return cls(TrainIns.from_config(rec).round, received, dropped, excluded, forwarded)
 
 
 @dataclass(frozen=True)
@@ -87,6 +108,9 @@ class RecoveryReply:
     refused: str = ""
     kept: tuple[int, ...] = ()
     kept_probe: float | None = None
+    #: self-masked methods: received neighbours whose self-mask share this reply reveals, and the shares.
+    mask_peers: tuple[int, ...] = ()
+    mask_shares: tuple[bytes, ...] = ()
 
     def to_config(self) -> ConfigRecord:
         if self.refused:
@@ -97,6 +121,9 @@ class RecoveryReply:
             rec[_KEPT] = node_id_strings(self.kept)
         if self.kept_probe is not None:
             rec[_KEPT_PROBE] = float(self.kept_probe)
+        if self.mask_peers:
+            rec[_MASK_PEERS] = node_id_strings(self.mask_peers)
+            rec[_MASK_SHARES] = [bytes(s) for s in self.mask_shares]
         return rec
 
     @classmethod
@@ -105,18 +132,52 @@ class RecoveryReply:
             return cls(refused=read_str(rec, _REFUSED) or "refused")
         kept = read_node_ids(rec, _KEPT, default=())
         probe = read_float(rec, _KEPT_PROBE, default=None)
+        mask_peers = read_node_ids(rec, _MASK_PEERS, default=())
+        mask_shares = tuple(bytes(s) for s in read_list(rec, _MASK_SHARES, bytes, default=[]))
+        if len(mask_peers) != len(mask_shares) or len(set(mask_peers)) != len(mask_peers):
+            raise ValueError(f"'{_MASK_PEERS}' and '{_MASK_SHARES}' must be equally long, peers distinct")
         if rec.get(_PEERS) == [""]:
-            return cls(kept=kept, kept_probe=probe)
+            return cls(kept=kept, kept_probe=probe, mask_peers=mask_peers, mask_shares=mask_shares)
         peers = read_node_ids(rec, _PEERS)
         material = tuple(bytes(m) for m in read_list(rec, _MATERIAL, bytes))
         if len(material) != len(peers) or len(set(peers)) != len(peers):
             raise ValueError(f"'{_PEERS}' and '{_MATERIAL}' must be equally long, peers distinct")
         if not set(kept) <= set(peers):
             raise ValueError(f"'{_KEPT}' names a node without material")
-        return cls(peers, material, kept=kept, kept_probe=probe)
+        if set(mask_peers) & set(peers):
+            raise ValueError("a reply reveals both a self-mask share and pair material of one peer")
+        return cls(peers, material, kept=kept, kept_probe=probe, mask_peers=mask_peers, mask_shares=mask_shares)
 
     def by_peer(self) -> dict[int, bytes]:
         return dict(zip(self.peers, self.material, strict=True))
+
+
+@dataclass(frozen=True)
+class SelfMaskShares:
+    """With a self-masked upload: peer -> sealed share of the self-mask seed, its commitment, the mask's std."""
+
+    sealed: Mapping[int, bytes]
+    commitment: bytes
+    std: float
+
+    def to_config(self) -> ConfigRecord:
+        peers = sorted(self.sealed)
+        return ConfigRecord({_SM_PEERS: node_id_strings(peers), _SM_SEALED: [bytes(self.sealed[p]) for p in peers],
+                             _SM_COMMIT: bytes(self.commitment), _SM_STD: float(self.std)})
+
+    @classmethod
+    def from_config(cls, rec: Mapping[str, Any]) -> SelfMaskShares:
+        peers = read_node_ids(rec, _SM_PEERS)
+        blobs = tuple(bytes(b) for b in read_list(rec, _SM_SEALED, bytes))
+        if len(peers) != len(blobs) or len(set(peers)) != len(peers):
+            raise ValueError(f"'{_SM_PEERS}' and '{_SM_SEALED}' must be equally long, peers distinct")
+        commit = rec.get(_SM_COMMIT)
+        if not isinstance(commit, bytes) or len(commit) != 32:
+            raise ValueError(f"'{_SM_COMMIT}' must be 32 bytes")
+        std = read_float(rec, _SM_STD)
+        if not (math.isfinite(std) and std >= 0):
+            raise ValueError(f"'{_SM_STD}' must be finite and >= 0")
+        return cls(dict(zip(peers, blobs, strict=True)), commit, std)
 
 
 # ----------------------------------------------------------------------------- NISS pair material

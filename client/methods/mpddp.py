@@ -23,6 +23,10 @@ Psi and Phi weighted alike so recovery stays exact), whose replace-one sensitivi
 * ``mpdp-naive``: :func:`protocols.mpddp.naive_client`, N(0, (z 2 clip / n_k)^2) on the perturbed gradient.
 * ``mpcdp``: nothing (the server adds the noise).
 
+With run-config ``self-mask`` (default) the mpddp gradient upload also carries a self-mask with the std of
+its whole gradient noise, its seed Shamir-shared among the neighbours (double masking,
+:mod:`protocols.masking`); the server removes it after the unmasking phase (:mod:`strategies.recovery`).
+
 Psi and Phi are uploaded unnoised, as in the paper (they are data-dependent: see the caveats in
 :mod:`strategies.mpddp`).  Upload (:func:`client.messages.mpddp.upload_record`): gradients float64,
 Psi/Phi in run-config ``mpddp-side-dtype`` (float32 by default: half the upload and half the client's compute;
@@ -31,6 +35,7 @@ float64 for exact recovery).
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -43,7 +48,7 @@ from client.messages.common import TrainIns
 from client.messages.keys import PeerKeys, probe_metric
 from client.messages.mpddp import DdpNoise, NaiveNoise, PerturbedModel, upload_record
 from client.pairwise_phase import mask_probe, pair_seeds
-from client.recovery import remember
+from client.recovery import remember, self_mask_upload
 from protocols.floor import FloorViolation, at_least, mpddp_floor, mpdp_naive_sigma
 from protocols.mpddp import (
     clipped_client_gradients,
@@ -53,6 +58,8 @@ from protocols.mpddp import (
     one_hot,
     torch_threads,
 )
+from protocols.mpddp import flatten as mp_flatten
+from protocols.mpddp import unflatten as mp_unflatten
 from protocols.privacy import DpEvent, GaussianEvent, noise_multiplier
 
 #: HKDF purpose of the pairwise Delta seeds (fixed on the client: the server cannot redirect it).
@@ -84,12 +91,19 @@ def _train(msg: Message, env: ClientEnv) -> Message:
         sigma_eta, sigma_delta, event = ddp_floor(msg, env)  # the client's own scales (privacy floor)
         metrics.update(release(msg, env, downlink=event))  # the uploads: no guarantee
         seeds = pair_seeds(msg, env, DELTA_PURPOSE)
-        remember(env, TrainIns.from_config(cfg).round, seeds)  # revealed only for neighbours that drop out
+        size = sum(int(np.prod(g.shape)) for g in up.grads)
+        # Self-mask with the std of the upload's whole gradient noise (DN(s, 1) has variance 2 s^2 / 3 per entry).
+        mask = self_mask_upload(msg, env, size, math.sqrt(2.0 / 3.0 * (sigma_eta**2 + len(seeds) * sigma_delta**2)))
+        remember(env, TrainIns.from_config(cfg).round, seeds,  # revealed only for neighbours that drop out
+                 mask_keys=mask.keys if mask else None, threshold=mask.threshold if mask else 0)
         up, delta = ddp_client(up, own_id=env.node_id, pair_seeds=seeds,
                                eta_seed=os.urandom(32), sigma_eta=sigma_eta, sigma_delta=sigma_delta)
+        if mask is not None:
+            up = up.with_grads(mp_unflatten(mp_flatten(up.grads) + mask.vector, list(up.grads)))
         if env.cfg.cancellation_check:
             metrics.update(probe_metric(mask_probe(msg, delta)))
     elif method == "mpdp-naive":
+        mask = None
         size = len(env.y)
         sigma = mpdp_naive_sigma(env.cfg, size)  # the client's own; the server's multiplier is only checked
         z = sigma / mp_record_sensitivity(env.cfg.clip, size)
@@ -97,10 +111,12 @@ def _train(msg: Message, env: ClientEnv) -> Message:
         metrics.update(release(msg, env, downlink=GaussianEvent(z)))
         up = naive_client(up, eta_seed=os.urandom(32), sigma=sigma)
     elif method == "mpcdp":
+        mask = None
         metrics.update(release(msg, env))  # the (trusted) server adds the noise
     else:
         raise ValueError(f"client.methods.mpddp does not handle method {method!r}")
-    return reply(msg, upload_record(up, env.cfg.mpddp_side_dtype), len(env.y), **metrics)
+    out = reply(msg, upload_record(up, env.cfg.mpddp_side_dtype), len(env.y), **metrics)
+    return mask.attach(out) if mask is not None else out
 
 
 def ddp_floor(msg: Message, env: ClientEnv) -> tuple[float, float, GaussianEvent | DpEvent]:

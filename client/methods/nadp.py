@@ -20,7 +20,11 @@ Per round a sampled client
    (Alg. 1, line 15) in float64: ``n_i`` from a fresh secret seed
    (``os.urandom``), ``n_ij`` from the pair's DH seed (purpose
    ``nadp-counteract``, already distinct per round) through the shared
-   pairwise-noise engine.
+   pairwise-noise engine; with run-config ``self-mask`` (default) plus a
+   self-mask of std ``uplink_std`` whose seed is Shamir-shared among the
+   neighbours (double masking, :mod:`protocols.masking`; the sealed shares
+   ride on the reply and the server removes the mask after the unmasking
+   phase, :mod:`strategies.recovery`).
 
 With run-config ``nadp-variant = "record-ldp"`` the client instead adds only
 independent noise (the paper's LDP-FL comparator, Lemma 3): same training, same
@@ -46,7 +50,7 @@ from client.messages.common import TrainIns
 from client.messages.keys import PeerKeys, probe_metric
 from client.messages.nadp import NadpPlan
 from client.pairwise_phase import mask_probe, pair_seeds
-from client.recovery import remember
+from client.recovery import SelfMask, remember, self_mask_upload
 from client.wire import to_record
 from protocols.arrays import flatten, unflatten
 from protocols.floor import FloorViolation, NadpFloor, at_least, nadp_floor
@@ -101,12 +105,14 @@ def round_floor(msg: Message, env: ClientEnv, plan: NadpPlan) -> tuple[NadpFloor
 
 
 def noise_parts(msg: Message, env: ClientEnv, plan: NadpPlan,
-                size: int) -> tuple[float, np.ndarray, np.ndarray, NadpFloor]:
-    """``(p_i, residual n_i, counteracting sum c_i, the client's floor)`` of this client for the round.
+                size: int) -> tuple[float, np.ndarray, np.ndarray, NadpFloor, SelfMask | None]:
+    """``(p_i, residual n_i, counteracting sum c_i, the client's floor, self-mask)`` of this client for the round.
 
     ``c_i = sum_{j>i} n_ij - sum_{j<i} n_ij`` with per-pair stds from the client's own
     allocation (zero vector for the record-ldp variant); every std is the client's own
-    (:func:`round_floor`), never the plan's.
+    (:func:`round_floor`), never the plan's.  The self-mask (run-config ``self-mask``, nadp variant only;
+    :mod:`protocols.masking`) has the std of the client's whole upload noise, ``uplink_std`` (>= sigma_up),
+    so the upload keeps at least that much noise even if all its pair seeds are revealed.
     """
     me = env.node_id
     fl, graph = round_floor(msg, env, plan)
@@ -114,15 +120,17 @@ def noise_parts(msg: Message, env: ClientEnv, plan: NadpPlan,
         total = math.fsum(plan.sizes[c] for c in sorted(plan.ids))
         p_i = plan.sizes[me] / total
         # upload noise std sigma_i  <=>  residual std p_i * sigma_i before the 1/p_i factor
-        return p_i, gaussian(residual_seed(), size, p_i * (fl.ldp_std or 0.0)), np.zeros(size), fl
+        return p_i, gaussian(residual_seed(), size, p_i * (fl.ldp_std or 0.0)), np.zeros(size), fl, None
     alloc = fl.allocation
     seeds = pair_seeds(msg, env, purpose=PAIR_PURPOSE, graph=graph)  # the view is checked against this graph
     stds = alloc.counteracting_stds(me)
+    mask = self_mask_upload(msg, env, size, alloc.uplink_std(me, fl.lam), graph)
     # Revealed for a neighbour only if it drops out after this upload (client.recovery, helper D).
-    remember(env, TrainIns.from_config(msg.content["config"]).round, seeds, {j: stds[j] ** 2 for j in seeds})
+    remember(env, TrainIns.from_config(msg.content["config"]).round, seeds, {j: stds[j] ** 2 for j in seeds},
+             mask_keys=mask.keys if mask else None, threshold=mask.threshold if mask else 0)
     residual = gaussian(residual_seed(), size, alloc.residual_std[me])
     counteract = pairwise_noise(me, seeds, size, scale=stds)
-    return alloc.weights[me], residual, counteract, fl
+    return alloc.weights[me], residual, counteract, fl, mask
 
 
 def releases(fl: NadpFloor, me: int) -> tuple[GaussianEvent, GaussianEvent | None]:
@@ -139,12 +147,15 @@ def train(msg: Message, env: ClientEnv) -> Message:
     plan = NadpPlan.from_config(msg.content["config"])
     _, local_w, loss, clip_frac = record_level_training(msg, env)
     w = flatten(local_w)
-    p_i, residual, counteract, fl = noise_parts(msg, env, plan, len(w))
+    p_i, residual, counteract, fl, mask = noise_parts(msg, env, plan, len(w))
     lam = fl.lam  # the client's own lambda (1 for record-ldp)
     upload = nadp_upload(w, p_i, residual, counteract, lam)
+    if mask is not None:
+        upload = upload + mask.vector
     metrics: dict[str, float] = {"train_loss": loss, "clipped_fraction": clip_frac,
                                  **release(msg, env, *releases(fl, env.node_id))}
     if env.cfg.cancellation_check and plan.variant == "nadp":
         # The part that enters the aggregate: p_i * (lam * c_i / p_i) = lam * c_i.
         metrics.update(probe_metric(mask_probe(msg, lam * counteract)))
-    return reply(msg, to_record(unflatten(upload, local_w)), len(env.y), **metrics)
+    out = reply(msg, to_record(unflatten(upload, local_w)), len(env.y), **metrics)
+    return mask.attach(out) if mask is not None else out

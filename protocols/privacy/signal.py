@@ -17,7 +17,7 @@ expected power P_t = E||n_t||^2 drawn after s_t, so ||A_t||^2 - P_t is an unbias
 privacy cost).  It is a diagnostic, not a verdict: parameter-space norms do not say how much the noise
 moves the model's *outputs* (on digits nadp learns to 0.85 with a measured run ratio of ~2, mpcdp stays
 at 0.19 with ~1.5), so the run's warning that it did not learn comes from its test accuracy against
-chance (:func:`server.run_notes.learning_check`), quoting these figures.
+chance (:func:`strategies.run.notes.learning_check`), quoting these figures.
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ import numpy as np
 from protocols.config import RunConfig
 from protocols.methods import method_spec
 from protocols.privacy.signal import MeasuredSignal
-from strategies.base import CancelStrategy
 
 __all__ = ["ABOVE_CHANCE", "chance_level", "learning_check", "noise_check", "over_target", "preamble",
            "privacy_summary"]
@@ -27,8 +26,11 @@ __all__ = ["ABOVE_CHANCE", "chance_level", "learning_check", "noise_check", "ove
 ABOVE_CHANCE = 0.05
 
 
-def preamble(cfg: RunConfig) -> list[str]:
-    """Lines printed at start: the regime values applied (keys left "auto") and the guarantee's meaning."""
+def preamble(cfg: RunConfig, *, verbose: bool = True) -> list[str]:
+    """Lines printed at start: the regime values applied (keys left "auto") and the guarantee's meaning.
+
+    ``verbose`` False: the guarantee names the views it protects, not the adversaries assumed.
+    """
     applied = dict(cfg.regime_applied)
     lines = []
     if applied:
@@ -37,6 +39,10 @@ def preamble(cfg: RunConfig) -> list[str]:
     g = method_spec(cfg.method).guarantee(cfg.privacy_unit)
     if g.unit == "none":
         lines.append(f"privacy: {cfg.method} gives no DP guarantee (epsilon is reported as null)")
+    elif not verbose:
+        views = " and ".join(v for v, adv in (("the uploads", g.uplink), ("the published model", g.downlink)) if adv)
+        lines.append(f"privacy: epsilon {cfg.epsilon:g} (delta {cfg.delta:g}) per {g.unit} over the whole run, "
+                     f"protecting {views}")
     else:
         lines.append(f"privacy: epsilon={cfg.epsilon:g}, delta={cfg.delta:g} over the whole run, per {g.unit}; "
                      f"uplink (the uploads): {g.uplink or 'no guarantee'}; "
@@ -80,7 +86,7 @@ def over_target(cfg: RunConfig, row: dict[str, Any]) -> str | None:
             "'lifetime-epsilon' (rounds beyond it are refused)")
 
 
-def noise_check(strategy: CancelStrategy, num_params: int) -> tuple[dict | None, str | None]:
+def noise_check(strategy: Any, num_params: int) -> tuple[dict | None, str | None]:
     """(summary.json's ``noise_check``, the warning or None), from the strategy's estimate after round 1."""
     est = strategy.noise_estimate(num_params)
     if est is None:

@@ -1,0 +1,169 @@
+"""Double masking of the pairwise-noise uploads (SecAgg+'s rule, Bell et al. 2020, applied to DP noise).
+
+What
+----
+Each masked upload carries, on top of its DP noise and pair noise, a *self-mask* ``b_i = N(0, std^2)``
+expanded (:func:`protocols.prg.gaussian`) from a fresh per-round seed ``s_i`` (OS CSPRNG).  ``s_i`` is
+Shamir-shared t-of-n among the client's neighbours of the round (:func:`protocols.secret_sharing.shamir_split`);
+each share is sealed (:func:`protocols.relay_crypto.seal`) under a pair key only the neighbour can derive
+(purpose :data:`SHARE_PURPOSE`) and relayed by the server.  After the uploads, every surviving neighbour
+reveals, per peer ``x``, *either* its share of ``s_x`` (``x``'s upload was received) *or* its pair material
+with ``x`` (``x`` dropped or was excluded), never both in one round.  The server rebuilds ``s_x`` from any
+``t_x`` shares and subtracts ``b_x``: the subtraction is exact up to float rounding (~1e-16 relative to
+``b_x``), the same PRG bits at both ends.
+
+Why
+---
+A server that keeps client ``k``'s upload and tells every neighbour of ``k`` "k dropped" obtains k's pair
+material, but no honest neighbour then gives it a share of ``s_k``: ``k``'s upload keeps ``b_k``, whose std
+is at least the client's floor upload noise, plus its independent noise.
+
+Threshold (:func:`mask_threshold`): ``t = floor((d + c) / 2) + 1`` for a client of degree ``d`` with
+``c = ceil(corruption * d)`` assumed colluding neighbours.  ``t > c``: the colluders alone cannot rebuild
+``s_k``.  ``2t > d + c``: a server that tells some honest neighbours "k received" (for ``t - c`` shares of
+``s_k``) and others "k dropped" (for their pair seeds) still misses the pair seeds with the first group,
+since ``k`` itself refuses to reveal pairs for more than ``d - t`` dropped neighbours (then its own mask
+could not be rebuilt: the view is a lie or the round cannot unmask it).  Correctness needs ``t`` surviving
+neighbours: with dropout rate ``dropout`` the chance of fewer is :attr:`MaskParameters.p_unrecoverable`.
+
+Limit: such a *split* lie still yields ``k``'s self-mask and its pair seeds with the neighbours told "k
+dropped" (at most ``d - t``), so ``k`` keeps its independent noise plus at least ``t - c`` honest pairs, not
+its whole floor.  Closing that needs every neighbour to see the same survivor set before revealing (SecAgg's
+signed consistency check: one more message phase per round).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from protocols.prg import gaussian
+from protocols.relay_crypto import make_aad, open_sealed, seal
+from protocols.secret_sharing import shamir_combine, shamir_split
+
+__all__ = ["SHARE_PURPOSE", "MaskParameters", "commitment", "mask_parameters", "mask_threshold", "new_mask_seed",
+           "open_share", "rebuild_seed", "seal_shares", "self_mask", "unmaskable"]
+
+#: Purpose of the pair key that seals a self-mask share (:func:`protocols.keyagreement.derive_pair_seed`).
+SHARE_PURPOSE = "self-mask-share"
+_AAD_CONTEXT = b"cancelfl/self-mask-share/v1"
+
+
+def mask_threshold(degree: int, corruption: float) -> int:
+    """Shares needed to rebuild a self-mask seed of a client with ``degree`` neighbours (see the module doc)."""
+    if degree < 1:
+        raise ValueError(f"a masked client needs at least one neighbour, got degree {degree}")
+    if not 0.0 <= corruption < 1.0:
+        raise ValueError(f"corruption rate must be in [0, 1), got {corruption}")
+    c = math.ceil(corruption * degree - 1e-12)
+    return min(degree, (degree + c) // 2 + 1)
+
+
+def _binom_tail(n: int, p: float, k: int) -> float:
+    """P[Binomial(n, p) >= k]."""
+    if k <= 0:
+        return 1.0
+    return math.fsum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1))
+
+
+@dataclass(frozen=True)
+class MaskParameters:
+    """Degree, threshold and the two failure probabilities of Bell et al. for one neighbourhood."""
+
+    degree: int
+    threshold: int
+    dropout: float
+    corruption: float
+    #: P[at least t of the neighbours collude] (they could rebuild the seed without the server's lie).
+    p_exposed: float
+    #: P[fewer than t neighbours survive] (the client's upload cannot be unmasked; the round fails).
+    p_unrecoverable: float
+
+    def describe(self) -> str:
+        """One line for the start of a run."""
+        return (f"self-mask: degree {self.degree}, threshold t = {self.threshold} "
+                f"(tolerates {self.degree - self.threshold} dropped neighbours); at dropout {self.dropout:g} and "
+                f"corruption {self.corruption:g}: P[>= t colluding neighbours] = {self.p_exposed:.2e}, "
+                f"P[< t surviving neighbours] = {self.p_unrecoverable:.2e}")
+
+
+def mask_parameters(degree: int, dropout: float, corruption: float) -> MaskParameters:
+    """The threshold of ``degree`` and its failure probabilities at the assumed rates (independent nodes)."""
+    t = mask_threshold(degree, corruption)
+    return MaskParameters(degree, t, dropout, corruption, _binom_tail(degree, corruption, t),
+                          _binom_tail(degree, dropout, degree - t + 1))
+
+
+def new_mask_seed() -> bytes:
+    """A fresh self-mask seed from the OS CSPRNG."""
+    return os.urandom(32)
+
+
+def commitment(seed: bytes) -> bytes:
+    """SHA-256 commitment to a self-mask seed (sent with the upload; lets the server check a rebuilt seed)."""
+    return hashlib.sha256(b"cancelfl/self-mask-commitment/v1" + bytes(seed)).digest()
+
+
+def self_mask(seed: bytes, size: int, std: float) -> np.ndarray:
+    """The self-mask vector ``b = N(0, std^2)^size`` of ``seed`` (both ends expand the same bits)."""
+    return gaussian(seed, size, std)
+
+
+def _aad(sender: int, receiver: int, round_num: int, context: bytes) -> bytes:
+    return make_aad(sender=sender, receiver=receiver, round_num=round_num, context=_AAD_CONTEXT + bytes(context))
+
+
+def seal_shares(seed: bytes, keys: Mapping[int, bytes], threshold: int, *, sender: int, round_num: int,
+                context: bytes = b"") -> dict[int, bytes]:
+    """Shamir-share ``seed`` t-of-n among the peers of ``keys`` (peer -> sealing key) and seal each share.
+
+    Returns peer -> sealed share (bound to sender, receiver, round and ``context``).
+    """
+    peers = sorted(keys)
+    shares = shamir_split(seed, len(peers), threshold)
+    return {p: seal(keys[p], sh, aad=_aad(sender, p, round_num, context)) for p, sh in zip(peers, shares, strict=True)}
+
+
+def open_share(key: bytes, blob: bytes, *, sender: int, receiver: int, round_num: int, context: bytes = b"") -> bytes:
+    """The share ``sender`` sealed for ``receiver`` (:class:`protocols.relay_crypto.RelayAuthError` if tampered)."""
+    return open_sealed(key, blob, aad=_aad(sender, receiver, round_num, context))
+
+
+def rebuild_seed(shares: Sequence[bytes], threshold: int, expected: bytes) -> bytes | None:
+    """The seed whose :func:`commitment` is ``expected`` from ``shares`` (None with fewer than ``threshold``).
+
+    Tries all shares, then the first subsets of size ``threshold`` (a neighbour may have sent a bad share).
+    """
+    if len(shares) < threshold:
+        return None
+    candidates = itertools.chain([tuple(shares)], itertools.islice(itertools.combinations(shares, threshold), 256))
+    for subset in candidates:
+        try:
+            seed = shamir_combine(subset)
+        except ValueError:
+            continue
+        if commitment(seed) == expected:
+            return seed
+    return None
+
+
+def unmaskable(neighbours: Mapping[int, Iterable[int]], candidates: Iterable[int],
+               thresholds: Mapping[int, int]) -> set[int]:
+    """The ``candidates`` that can be aggregated: at least ``t`` of their neighbours are aggregated too.
+
+    A client reveals its pair seeds with every neighbour that is not aggregated, so it answers only when
+    at least ``t`` are (:func:`client.recovery.answer_masked`).  Leaving out a short node may leave a
+    neighbour of it short: repeated until stable.
+    """
+    keep = set(candidates)
+    while True:
+        short = {n for n in keep if len(keep & set(neighbours.get(n, ()))) < thresholds[n]}
+        if not short:
+            return keep
+        keep -= short

@@ -1,0 +1,171 @@
+"""Empirical privacy auditing, Flower-free: a lower bound on epsilon from a distinguishing test's error rates.
+
+An (epsilon, delta)-DP mechanism bounds every test that tells a dataset D from a neighbour D' by its output:
+``TPR <= e^epsilon FPR + delta`` and ``1 - FPR <= e^epsilon (1 - TPR) + delta`` (Kairouz et al. 2015).  Measured
+rates with Clopper-Pearson intervals turn this around into a lower bound ``epsilon_lb`` that holds with the
+stated confidence (Jagielski et al. 2020, Nasr et al. 2021): :func:`epsilon_lower_bound`.
+
+:func:`audit_scores` runs the whole test on scores of canary trials: trial i carries its canary's value
+``label_i`` in {+1, -1} (which of the two neighbouring records was in the data) and a score ``T_i`` whose sign
+guesses it.  With ``R = label * T`` the pooled test counts ``R > t`` (a correct confident guess, either
+direction) as a true positive and ``R < -t`` as a false positive: per trial this is the test "T > t" for a
++1 canary and its mirror "T < -t" for a -1 canary, each bounded by the DP inequality.  The evaluation set is
+balanced (as many +1 as -1 trials, excess trials dropped by an index rule that ignores the scores) so the
+pooled rates are the mean of the two directions' rates and obey the same inequality; the pooled count of
+independent non-identical Bernoulli trials has tails no heavier than the binomial of the same mean
+(Hoeffding 1956), so the Clopper-Pearson bounds stay conservative.  The threshold t is chosen on one half
+of the releases (``group``) and the bound computed on the other half only, so the choice does not bias it.
+
+Assumption of the caller: trials are independent given their labels (one release's canaries in orthogonal
+coordinates of an isotropic noise, or one canary per release).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from scipy.stats import beta
+
+__all__ = ["AuditBound", "audit_scores", "balanced", "clopper_pearson", "epsilon_from_rates",
+           "epsilon_lower_bound", "select_threshold"]
+
+
+def clopper_pearson(k: int | np.ndarray, n: int | np.ndarray, alpha: float = 0.05
+                    ) -> tuple[np.ndarray | float, np.ndarray | float]:
+    """Two-sided ``1 - alpha`` Clopper-Pearson interval of a binomial proportion (``k`` successes of ``n``).
+
+    Each end has one-sided coverage ``1 - alpha / 2``.  Vectorised over ``k``/``n``; raises ValueError on
+    ``k`` outside ``0..n`` or ``alpha`` outside (0, 1).
+    """
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    k = np.asarray(k, dtype=np.float64)
+    n = np.asarray(n, dtype=np.float64)
+    if np.any(k < 0) or np.any(k > n):
+        raise ValueError("successes must lie in 0..trials")
+    with np.errstate(invalid="ignore"):
+        lo = np.where(k > 0, beta.ppf(alpha / 2, k, n - k + 1), 0.0)
+        hi = np.where(k < n, beta.ppf(1 - alpha / 2, k + 1, n - k), 1.0)
+    if lo.ndim == 0:
+        return float(lo), float(hi)
+    return lo, hi
+
+
+def epsilon_from_rates(tpr: float | np.ndarray, fpr: float | np.ndarray, delta: float) -> float | np.ndarray:
+    """The largest epsilon a test with these rates proves: ``max(ln((TPR - d) / FPR), ln((1 - FPR - d) / (1 - TPR)))``.
+
+    0 where neither ratio exceeds 1; ``inf`` where a denominator is 0 and its numerator positive.
+    """
+    tpr = np.asarray(tpr, dtype=np.float64)
+    fpr = np.asarray(fpr, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        a = np.where(tpr - delta > 0, np.log(np.maximum(tpr - delta, 1e-300)) - np.log(fpr), -np.inf)
+        b = np.where(1 - fpr - delta > 0, np.log(np.maximum(1 - fpr - delta, 1e-300)) - np.log(1 - tpr), -np.inf)
+    out = np.maximum(np.maximum(a, b), 0.0)
+    return float(out) if out.ndim == 0 else out
+
+
+@dataclass(frozen=True)
+class AuditBound:
+    """A test's counts and what they prove: ``epsilon_lb`` holds with probability ``1 - alpha``."""
+
+    threshold: float
+    true_positives: int
+    false_positives: int
+    trials: int  # the pooled rates' denominator
+    tpr: tuple[float, float]  # Clopper-Pearson interval
+    fpr: tuple[float, float]
+    epsilon_lb: float  # lower end: from the TPR lower and FPR upper ends
+    epsilon_point: float  # from the measured rates
+    epsilon_ub: float  # upper end of what this test could show (inf when no false positive was seen)
+    alpha: float
+
+    def as_dict(self) -> dict[str, float | int | list[float]]:
+        """JSON types (``inf`` as a float)."""
+        d = asdict(self)
+        d["tpr"], d["fpr"] = list(self.tpr), list(self.fpr)
+        return d
+
+
+def epsilon_lower_bound(tp: int, fp: int, n: int, delta: float, alpha: float = 0.05,
+                        threshold: float = math.nan) -> AuditBound:
+    """What ``tp`` true and ``fp`` false positives in ``n`` trials prove at confidence ``1 - alpha``.
+
+    ``epsilon_lb`` uses the lower Clopper-Pearson end of TPR and the upper end of FPR (each one-sided
+    ``1 - alpha / 2``, so both hold together with probability ``1 - alpha``).
+    """
+    if n <= 0:
+        raise ValueError("an audit needs at least one trial")
+    tpr_lo, tpr_hi = clopper_pearson(tp, n, alpha)
+    fpr_lo, fpr_hi = clopper_pearson(fp, n, alpha)
+    return AuditBound(float(threshold), int(tp), int(fp), int(n), (float(tpr_lo), float(tpr_hi)),
+                      (float(fpr_lo), float(fpr_hi)), float(epsilon_from_rates(tpr_lo, fpr_hi, delta)),
+                      float(epsilon_from_rates(tp / n, fp / n, delta)), float(epsilon_from_rates(tpr_hi, fpr_lo, delta)),
+                      alpha)
+
+
+def _counts(r: np.ndarray, thresholds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(#{r > t}, #{r < -t}) for every t."""
+    s = np.sort(r)
+    tp = len(s) - np.searchsorted(s, thresholds, side="right")
+    fp = np.searchsorted(s, -thresholds, side="left")
+    return tp, fp
+
+
+def select_threshold(r: np.ndarray, delta: float, alpha: float = 0.05, candidates: int = 400) -> float:
+    """The threshold t maximising the epsilon lower bound of the pooled test ``R > t`` vs ``R < -t`` on ``r``.
+
+    Candidates: quantiles of ``|r|`` from the median up to the largest value (fine steps in the tail).
+    """
+    r = np.asarray(r, dtype=np.float64)
+    if r.size == 0:
+        raise ValueError("no trials to select a threshold on")
+    q = 1.0 - np.geomspace(0.5, 0.5 / r.size, candidates)
+    ts = np.unique(np.quantile(np.abs(r), q))
+    tp, fp = _counts(r, ts)
+    n = r.size
+    tpr_lo, _ = clopper_pearson(np.minimum(tp, n), np.full_like(tp, n), alpha)
+    _, fpr_hi = clopper_pearson(np.minimum(fp, n), np.full_like(fp, n), alpha)
+    eps = epsilon_from_rates(tpr_lo, fpr_hi, delta)
+    return float(ts[int(np.argmax(eps))])
+
+
+def balanced(labels: np.ndarray) -> np.ndarray:
+    """Indices of an equal number of +1 and -1 labels: the first ``min(#+, #-)`` of each, in index order."""
+    labels = np.asarray(labels)
+    pos = np.flatnonzero(labels > 0)
+    neg = np.flatnonzero(labels < 0)
+    k = min(len(pos), len(neg))
+    return np.sort(np.concatenate([pos[:k], neg[:k]]))
+
+
+def audit_scores(scores: np.ndarray, labels: np.ndarray, groups: np.ndarray, delta: float,
+                 alpha: float = 0.05) -> AuditBound:
+    """Threshold chosen on the releases of even ``groups``, epsilon lower bound from those of odd ``groups``.
+
+    ``scores``: the test statistic per trial (larger = the +1 record more likely); ``labels``: +1/-1 per
+    trial; ``groups``: the release each trial came from (trials of one release stay on one side).
+    Each side is balanced (:func:`balanced`); the bound counts ``labels * scores > t`` against ``< -t``
+    over the evaluation side: every trial is one draw of the pooled TPR and of the pooled FPR (``trials`` = its
+    size; the two bounds hold together by the union bound, no independence between them needed).
+    """
+    scores = np.asarray(scores, dtype=np.float64)
+    labels = np.asarray(labels)
+    groups = np.asarray(groups)
+    if not (scores.shape == labels.shape == groups.shape):
+        raise ValueError("scores, labels and groups must have one entry per trial")
+    if not np.all(np.isin(labels, (-1, 1))):
+        raise ValueError("labels must be +1 or -1")
+    r = labels * scores
+    select = groups % 2 == 0
+    sel = np.flatnonzero(select)
+    ev = np.flatnonzero(~select)
+    sel = sel[balanced(labels[sel])]
+    ev = ev[balanced(labels[ev])]
+    if sel.size == 0 or ev.size == 0:
+        raise ValueError("an audit needs +1 and -1 trials from at least two releases")
+    t = select_threshold(r[sel], delta, alpha)
+    tp, fp = _counts(r[ev], np.array([t]))
+    return epsilon_lower_bound(int(tp[0]), int(fp[0]), ev.size, delta, alpha, threshold=t)

@@ -1,0 +1,118 @@
+"""The privacy audit: its statistics, an honest mechanism not flagged, planted faults in the real release code caught."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy.stats import binomtest, norm
+
+from protocols.config import ConfigError
+from protocols.privacy import calibrate_noise_multiplier
+from protocols.privacy.audit import audit_scores, clopper_pearson, epsilon_from_rates, epsilon_lower_bound
+from server.audit import AuditSpec, run_audit
+
+DELTA = 1e-5
+
+
+def test_clopper_pearson_matches_scipy_exact_interval():
+    for k, n in [(0, 10), (1, 10), (5, 10), (10, 10), (3, 1000), (997, 1000), (0, 50_000), (412, 99_616)]:
+        ci = binomtest(k, n).proportion_ci(confidence_level=0.95, method="exact")
+        lo, hi = clopper_pearson(k, n, 0.05)
+        assert lo == pytest.approx(ci.low, rel=1e-9, abs=1e-15)
+        assert hi == pytest.approx(ci.high, rel=1e-9, abs=1e-15)
+    with pytest.raises(ValueError):
+        clopper_pearson(11, 10)
+
+
+def test_epsilon_from_rates_is_the_dp_inequality():
+    assert epsilon_from_rates(0.5, 0.5 * math.exp(-2.0), 0.0) == pytest.approx(2.0)
+    assert epsilon_from_rates(1 - 0.5 * math.exp(-1.5), 0.5, 0.0) == pytest.approx(1.5)  # the second inequality
+    assert epsilon_from_rates(0.3, 0.4, DELTA) == 0.0
+    bound = epsilon_lower_bound(300, 0, 1000, DELTA)
+    assert 0 < bound.epsilon_lb < math.log(300 / 1000 / (3.69 / 1000)) and math.isinf(bound.epsilon_ub)
+
+
+def _gaussian_scores(mu: float, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    labels = rng.choice([-1, 1], size=n)
+    return labels * mu / 2 + rng.standard_normal(n), labels, np.arange(n) // 1000
+
+
+def _true_epsilon(mu: float, delta: float) -> float:
+    """Epsilon of a Gaussian mechanism with sensitivity / std = mu at delta (Balle & Wang 2018)."""
+    lo, hi = 0.0, 50.0
+    for _ in range(100):
+        eps = (lo + hi) / 2
+        d = norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * norm.cdf(-eps / mu - mu / 2)
+        lo, hi = (eps, hi) if d > delta else (lo, eps)
+    return hi
+
+
+def test_audit_scores_bound_is_below_the_true_epsilon_and_has_power():
+    """Gaussian trials of known privacy: the bound never passes the truth, and gets close with many trials."""
+    rng = np.random.default_rng(7)
+    z = calibrate_noise_multiplier(4.0, DELTA, 1.0, 1)
+    truth = _true_epsilon(1 / z, DELTA)
+    bounds = [audit_scores(*_gaussian_scores(1 / z, 40_000, rng), DELTA).epsilon_lb for _ in range(10)]
+    assert max(bounds) <= truth
+    big = audit_scores(*_gaussian_scores(1 / z, 300_000, rng), DELTA)
+    assert big.epsilon_lb >= 0.5 * 4.0
+
+
+# --------------------------------------------------------------------- the real release code
+def test_honest_mechanisms_are_not_flagged():
+    for spec in (AuditSpec("ldp", "upload", 1.0, trials=16_000, clients=2),
+                 AuditSpec("cdp", "model", 1.0, trials=16_000, clients=2),
+                 AuditSpec("nadp", "upload", 1.0, trials=16_000, clients=4, per_client=250)):
+        report = run_audit(spec, seed=3)
+        assert math.isfinite(report.claimed_epsilon) and report.claimed_epsilon <= spec.epsilon * (1 + 1e-9)
+        assert report.trials >= spec.trials and not report.violation, report.line()
+
+
+def test_cdp_uploads_claim_nothing_and_the_audit_shows_why():
+    report = run_audit(AuditSpec("cdp", "upload", 1.0, trials=8_000, clients=2), seed=3)
+    assert math.isinf(report.claimed_epsilon)
+    assert report.bound.false_positives == 0 and report.epsilon_lb > 5  # un-noised uploads: perfectly separable
+
+
+def test_planted_fault_halved_noise_is_caught():
+    report = run_audit(AuditSpec("ldp", "upload", 4.0, trials=100_000, clients=2, fault="halve-noise"), seed=5)
+    assert report.epsilon_lb > report.claimed_epsilon, report.line()
+
+
+def test_planted_fault_client_skipping_pair_noise_is_caught():
+    spec = AuditSpec("nadp", "upload", 4.0, trials=16_000, clients=8, per_client=250, fault="skip-pair-noise")
+    report = run_audit(spec, seed=5)
+    assert report.epsilon_lb > report.claimed_epsilon, report.line()
+
+
+def test_planted_fault_server_recovery_stripping_pair_noise_is_caught():
+    spec = AuditSpec("nadp", "upload", 4.0, trials=16_000, clients=8, per_client=250, fault="strip-pair-noise")
+    report = run_audit(spec, seed=5)
+    assert report.epsilon_lb > report.claimed_epsilon, report.line()
+
+
+def test_bad_audit_options_are_refused_naming_them():
+    for spec, word in ((AuditSpec("fedavg"), "method"), (AuditSpec("ldp", direction="down"), "direction"),
+                       (AuditSpec("ldp", fault="skip-pair-noise"), "nadp"), (AuditSpec("nadp", colluders=3), "colluders"),
+                       (AuditSpec("ldp", trials=10), "trials")):
+        with pytest.raises(ConfigError, match=word):
+            spec.validate()
+
+
+def test_cancelfl_audit_command(tmp_path, capsys):
+    """``cancelfl audit`` prints claimed vs audited and writes the JSON report; a bad method exits 2."""
+    import json
+
+    from server.launch import main
+
+    out = tmp_path / "audit.json"
+    code = main(["audit", "--method", "ldp", "--direction", "model", "--epsilon", "1", "--trials", "8000",
+                 "--clients", "2", "--json", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "claimed" in printed and "epsilon_lb" in printed and "replace-one" in printed
+    report = json.loads(out.read_text())
+    assert report["violation"] is False and report["claimed_epsilon"] <= 1.0 + 1e-9
+    assert main(["audit", "--method", "fedavg"]) == 2

@@ -1,0 +1,135 @@
+"""The documentation: it builds strictly, its generated pages follow the code, and what it cites exists.
+
+* the site builds with ``mkdocs build --strict`` (broken links, anchors, API references fail it);
+* the configuration reference lists every ``RunConfig`` key with its ``pyproject.toml`` default;
+* the benchmarks page shows a recorded result (command, date, commit, the table) and, for a benchmark
+  with no record, its command and "no result";
+* every ``cancelfl``/``cancelfl-bench`` subcommand and repository path the README and docs cite exists;
+* the README keeps the CI contract: its first two commands are the set-up and ``python -m pytest -q``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+sys.path.insert(0, str(DOCS))
+
+import gen_config  # noqa: E402 - docs/ is not a package
+
+PAGES = sorted(DOCS.rglob("*.md"))
+
+
+def _documents() -> list[Path]:
+    return [ROOT / "README.md", *(p for p in PAGES if "results" not in p.relative_to(DOCS).parts)]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocstrings") is None,
+                    reason="mkdocs / mkdocstrings not installed: pip install -e '.[docs]'")
+def test_docs_build_strict(tmp_path):
+    """``mkdocs build --strict`` succeeds and the generated configuration page holds every run-config key."""
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    page = (tmp_path / "site" / "reference" / "configuration" / "index.html").read_text()
+    for f in gen_config.config_fields():
+        assert f"<code>{f.key}</code>" in page, f.key
+
+
+def test_configuration_reference_covers_every_key():
+    """Every RunConfig field appears with the default ``[tool.flwr.app.config]`` gives it, and every method's regime."""
+    from protocols.config import RunConfig
+    from protocols.methods import METHODS
+
+    with (ROOT / "pyproject.toml").open("rb") as fh:
+        toml_defaults = tomllib.load(fh)["tool"]["flwr"]["app"]["config"]
+    fields = {f.key: f for f in gen_config.config_fields()}
+    assert set(fields) == set(RunConfig().to_mapping())
+    text = gen_config.render_config()
+    for key, f in fields.items():
+        assert f.toml_default == toml_defaults[key]
+        row = next(line for line in text.splitlines() if line.startswith(f"| `{key}` |"))
+        assert f"`{gen_config._toml(toml_defaults[key])}`" in row, row
+    for name in METHODS:
+        assert f"| `{name}` | small |" in text and f"| `{name}` | large |" in text
+
+
+def test_benchmarks_page_renders_recorded_results(tmp_path):
+    """A folder written as ``cancelfl-bench`` writes it is shown with its provenance; others say no result."""
+    from benchmarks.cli import BENCHMARKS, machine, write_record
+
+    folder = tmp_path / "clipping"
+    folder.mkdir()
+    (folder / "clipping.md").write_text("# Per-example clipping\n\n| model | examples/s |\n|---|---|\n| mlp | 1234 |\n")
+    write_record(folder, benchmark="clipping", command="cancelfl-bench clipping --out X", status=0,
+                 started="2030-01-02T03:04:05+00:00", wall_s=1.0, host=machine())
+    record = json.loads((folder / "record.json").read_text())
+    assert record["files"] == ["clipping.md"] and record["machine"]["cores"] >= 1
+    page = gen_config.render_benchmarks(tmp_path)
+    section = page.split("## clipping", 1)[1].split("\n## ", 1)[0]
+    assert "cancelfl-bench clipping --out X" in section and "2030-01-02T03:04:05+00:00" in section
+    assert "| mlp | 1234 |" in section and "\n### Per-example clipping" in section
+    assert (record["commit"] or "unknown") in section
+    for name in BENCHMARKS:
+        if name != "clipping":
+            other = page.split(f"## {name}\n", 1)[1].split("\n## ", 1)[0]
+            assert "No result has been recorded yet." in other and gen_config.bench_commands()[name] in other
+
+
+def _subcommands(parser) -> set[str]:
+    import argparse
+
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return set(action.choices)
+
+
+def _cancelfl_subcommands() -> set[str]:
+    """The subcommands ``cancelfl --help`` lists (its usage line ``{run,deploy,...}``)."""
+    import contextlib
+    import io
+
+    from server.launch import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        main(["--help"])
+    return set(re.search(r"\{([\w,-]+)\}", out.getvalue()).group(1).split(","))
+
+
+def test_cited_commands_and_paths_exist():
+    """``cancelfl X`` / ``cancelfl-bench X`` in the README and docs are real subcommands; cited paths exist."""
+    from benchmarks.cli import build_parser as bench_parser
+
+    cli, bench = _cancelfl_subcommands(), _subcommands(bench_parser()) | {"<benchmark>"}
+    path_re = re.compile(r"`((?:protocols|client|strategies|server|benchmarks|tests|docker|docs|\.ci)/[\w./-]*)`")
+    for doc in _documents():
+        text = doc.read_text()
+        code = " ".join(re.findall(r"```.*?```|`[^`\n]+`", text, flags=re.S))  # commands are cited as code
+        for word in re.findall(r"(?<![\w-])cancelfl ([a-z][\w-]*)", code):
+            assert word in cli, f"{doc.name}: 'cancelfl {word}' is not a cancelfl subcommand"
+        for word in re.findall(r"(?<![\w-])cancelfl-bench ([a-z][\w-]*)", code):
+            assert word in bench, f"{doc.name}: 'cancelfl-bench {word}' is not a benchmark"
+        for m in path_re.finditer(text):
+            path = m.group(1).split("::")[0]
+            assert (ROOT / path).exists(), f"{doc.name}: cites {path}, which does not exist"
+
+
+def test_readme_keeps_the_ci_commands_and_its_size():
+    """README: <= 12,000 characters; its first command sets up and runs the main job, its second runs the tests."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme) <= 12_000, len(readme)
+    block = readme.split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert commands[0] == ("python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[dev]' && "
+                           "cancelfl compare --engine simulation --epsilon 1")
+    assert commands[1].endswith("python -m pytest -q")
+    assert "python -m pytest -q" in (ROOT / ".ci" / "run").read_text()

@@ -1,0 +1,300 @@
+"""Double masking of the pairwise uploads (protocols/masking.py, client/recovery.py, strategies/recovery.py).
+
+* Shamir t-of-n (protocols/secret_sharing.py): any t shares give the seed, t - 1 do not;
+* the self-mask comes off exactly: the nadp aggregate equals the survivors' ``w_i + n_i / p_i`` (1e-9),
+  driven through the real clients;
+* recovery lie against the real clients: a server that holds client k's upload and tells every neighbour of
+  k "k dropped" gets k's pair seeds but no share of k's self-mask; what it can strip leaves at least k's
+  floor upload noise (and the same attack without double masking leaves far less: the test can fail);
+* split lie: some neighbours told "k received" (for mask shares), the others "k dropped" (pair seeds),
+  k told the first group dropped: k refuses, and k's upload keeps its residual and its pairs with the first group;
+* the per-peer rule: after revealing one kind of material of a peer, a client refuses the other;
+* a second dropout during recovery (a survivor silent in the unmasking phase) does not fail the round:
+  its self-mask is rebuilt from t shares and its pair noise with the dropped stays as extra noise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ConfigRecord, Message, RecordDict
+
+from client.app import app as client_app
+from client.env import ClientEnv
+from client.messages.recovery import SELF_MASK_RECORD, RecoveryReply, RecoveryRequest, SelfMaskShares
+from client.methods import nadp as nadp_client
+from client.models import build_model, get_weights
+from client.recovery import RecoveryStore, handle_recover
+from client.wire import from_record, to_record
+from protocols.arrays import flatten
+from protocols.config import RunConfig
+from protocols.masking import mask_parameters, mask_threshold, rebuild_seed, unmaskable
+from protocols.pairwise import pairwise_noise
+from protocols.prg import gaussian
+from protocols.secret_sharing import shamir_combine, shamir_split
+from server.defaults import app_defaults
+from server.local_grid import LocalGrid
+from strategies.nadp import NadpStrategy
+
+NADP_FAST = {"local-epochs": 1, "batch-size": 1000, "lr": 4.0, "clip": 1.0, "hidden": ""}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+@pytest.fixture
+def pinned(monkeypatch):
+    """Deterministic residual seeds (the test recomputes each client's noise-free part)."""
+    used: list[bytes] = []
+
+    def fake() -> bytes:
+        used.append(hashlib.sha256(f"residual-{len(used)}".encode()).digest())
+        return used[-1]
+
+    monkeypatch.setattr(nadp_client, "residual_seed", fake)
+    return used
+
+
+# ----------------------------------------------------------------------------------- primitives
+def test_shamir_any_t_shares_rebuild_and_fewer_do_not():
+    secret = os.urandom(32)
+    shares = shamir_split(secret, 6, 4)
+    for subset in itertools.combinations(shares, 4):
+        assert shamir_combine(subset) == secret
+    for subset in itertools.combinations(shares, 3):
+        with pytest.raises(ValueError):
+            assert shamir_combine(subset) != secret  # wrong value: rejected by the length prefix, or differs
+    assert shamir_combine(shamir_split(b"\x00\x01", 3, 1)[:1]) == b"\x00\x01"
+
+
+def test_threshold_is_a_majority_beyond_the_colluders():
+    for d in range(1, 40):
+        for rate in (0.0, 0.1, 0.3):
+            t = mask_threshold(d, rate)
+            c = -(-int(round(rate * d * 1e9)) // 10**9)
+            assert t <= d and (t == d or 2 * t > d + c) and t > min(c, d - 1)
+    p = mask_parameters(20, 0.1, 0.1)
+    assert p.threshold == 12 and 0 < p.p_exposed < 1e-6 and 0 < p.p_unrecoverable < 1e-2
+    # a node with fewer than t aggregated neighbours is left out, and that may leave a neighbour short too
+    graph = {1: [2, 3], 2: [1, 3], 3: [1, 2, 4], 4: [3]}
+    assert unmaskable(graph, {1, 2, 3, 4}, dict.fromkeys(graph, 1)) == {1, 2, 3, 4}
+    assert unmaskable(graph, {1, 3, 4}, {1: 2, 2: 2, 3: 2, 4: 1}) == set()
+
+
+# ----------------------------------------------------------------------------------- a round of real clients
+def _round(n: int, pinned_seeds: list[bytes] | None = None, **extra):
+    raw = {**app_defaults(), "method": "nadp", "num-clients": n, **NADP_FAST,
+           **{k.replace("_", "-"): v for k, v in extra.items()}}
+    cfg = RunConfig.from_mapping(raw)
+    grid, strategy = LocalGrid(client_app, n, raw), NadpStrategy(cfg)
+    arrays = to_record(get_weights(build_model(cfg.model, (1, 8, 8), 10, cfg.hidden_sizes, cfg.seed)), np.float64)
+    msgs = list(strategy.configure_train(1, arrays, ConfigRecord({"round": 1}), grid))
+    replies = {r.metadata.src_node_id: r for r in grid.send_and_receive(msgs)}
+    return grid, strategy, msgs, replies
+
+
+def _clean(grid, strategy, msg, seed) -> np.ndarray:
+    """``w_i + n_i / p_i`` of the client of ``msg`` (recomputed; pinned residual ``seed``)."""
+    node = msg.metadata.dst_node_id
+    env = ClientEnv.from_context(grid.contexts[node])
+    w = flatten(nadp_client.record_level_training(msg, env)[1])
+    st = strategy._state
+    return w + gaussian(seed, len(w), st.allocation.residual_std[node]) / st.weights[node]
+
+
+def _ask(grid, node, received, dropped, forwarded=None, excluded=()) -> RecoveryReply:
+    req = RecoveryRequest(1, tuple(sorted(received)), tuple(sorted(dropped)), tuple(sorted(excluded)),
+                          forwarded).to_config()
+    reply = handle_recover(Message(RecordDict({"config": req}), node, "query.recover"),
+                           ClientEnv.from_context(grid.contexts[node]))
+    return RecoveryReply.from_config(reply.content["config"])
+
+
+def _forwarded(replies, node, neighbours) -> dict[int, bytes]:
+    out = {}
+    for x in neighbours[node]:
+        if SELF_MASK_RECORD in replies[x].content:
+            out[x] = SelfMaskShares.from_config(replies[x].content[SELF_MASK_RECORD]).sealed[node]
+    return out
+
+
+def test_self_masked_aggregate_is_exact(pinned):
+    """With 2 of 8 dropped: every kept self-mask is rebuilt and removed, aggregate == survivors' average to 1e-9."""
+    grid, strategy, msgs, replies = _round(8)
+    gone = {msgs[2].metadata.dst_node_id, msgs[5].metadata.dst_node_id}
+    agg = flatten(from_record(strategy.aggregate_train(1, [r for n, r in replies.items() if n not in gone])[0]))
+    st = strategy._state
+    expected, weight = np.zeros_like(agg), 0.0
+    for msg, seed in zip(msgs, pinned, strict=True):
+        node = msg.metadata.dst_node_id
+        if node not in gone:
+            expected += st.weights[node] * _clean(grid, strategy, msg, seed)
+            weight += st.weights[node]
+        upload = flatten(from_record(replies[node].content["arrays"]))
+        assert SELF_MASK_RECORD in replies[node].content and np.all(np.isfinite(upload))
+    expected /= weight
+    assert np.linalg.norm(agg - expected) <= 1e-9 * np.linalg.norm(expected)
+    report = strategy.round_report()
+    assert report["self_masks_removed"] == 6 and report["unmask_silent"] == 0 and report["recovery"] == 1
+    assert report["unmask_bytes_per_client"] > 0
+
+
+def _stripped_noise(grid, strategy, msgs, replies, pinned, target, pair_seeds: dict[int, bytes]) -> np.ndarray:
+    """What a server knowing ``target``'s training result and these pair seeds cannot remove from its upload."""
+    st = strategy._state
+    msg = next(m for m in msgs if m.metadata.dst_node_id == target)
+    i = [m.metadata.dst_node_id for m in msgs].index(target)
+    env = ClientEnv.from_context(grid.contexts[target])
+    w = flatten(nadp_client.record_level_training(msg, env)[1])
+    upload = flatten(from_record(replies[target].content["arrays"]))
+    stds = st.allocation.counteracting_stds(target)
+    pairs = pairwise_noise(target, pair_seeds, len(w), scale={j: stds[j] for j in pair_seeds}) if pair_seeds else 0.0
+    left = upload - w - st.plan.lam * pairs / st.weights[target]
+    assert pinned[i]  # the residual seed was drawn (the floor compares against the whole upload noise)
+    return left
+
+
+@pytest.mark.parametrize("self_mask", [True, False])
+def test_recovery_lie_leaves_the_target_its_floor_noise(pinned, self_mask):
+    """The server keeps k's upload and tells every neighbour of k "k dropped"."""
+    grid, strategy, msgs, replies = _round(10, self_mask=self_mask)
+    st = strategy._state
+    graph = st.keys.neighbours
+    k = msgs[0].metadata.dst_node_id
+    others = [n for n in graph if n != k]
+    seeds, shares_of_k = {}, []
+    for j in graph[k]:
+        rep = _ask(grid, j, others, [k], _forwarded(replies, j, graph) if self_mask else None)
+        assert not rep.refused and k in rep.peers
+        seeds[j] = rep.by_peer()[k]  # the pair seed of (j, k)
+        store = RecoveryStore.load(ClientEnv.from_context(grid.contexts[j]))
+        assert not self_mask or (k in store.revealed_pair and k not in store.revealed_mask)
+        shares_of_k += [s for x, s in zip(rep.mask_peers, rep.mask_shares, strict=True) if x == k]
+        # having revealed its pair seed with k, the neighbour refuses k's self-mask share afterwards
+        again = _ask(grid, j, list(graph), [], _forwarded(replies, j, graph) if self_mask else None)
+        assert again.refused
+    left = _stripped_noise(grid, strategy, msgs, replies, pinned, k, seeds)
+    floor = st.allocation.uplink_std(k, st.plan.lam)
+    assert floor >= st.plan.sigma_up * (1 - 1e-12)
+    if self_mask:
+        assert shares_of_k == []
+        commit = SelfMaskShares.from_config(replies[k].content[SELF_MASK_RECORD]).commitment
+        assert rebuild_seed(shares_of_k, mask_threshold(len(graph[k]), 0.1), commit) is None
+        assert np.std(left) >= 0.95 * floor, (np.std(left), floor)
+    else:  # the attack works without double masking: only the residual noise is left
+        assert np.std(left) < 0.5 * floor, (np.std(left), floor)
+
+
+def test_split_lie_is_refused_by_the_target(pinned):
+    """Some neighbours told "k received" (mask shares), the rest "k dropped" (pair seeds); k told the first lot dropped.
+
+    k refuses (more than d - t of its neighbours named dropped), so the server, holding k's self-mask, still
+    misses k's pair noise with the first lot: k keeps its residual plus t of its d pairs (2t > d + c).  That is
+    less than the full floor (the split needs a signed consistency phase to close; see the module doc of
+    protocols.masking); the test pins exactly what is left.
+    """
+    grid, strategy, msgs, replies = _round(10)
+    st = strategy._state
+    graph = st.keys.neighbours
+    k = msgs[0].metadata.dst_node_id
+    nbrs = sorted(graph[k])
+    t = mask_threshold(len(nbrs), 0.1)
+    a, b = nbrs[:t], nbrs[t:]  # a: enough for k's mask shares
+    seeds, shares = {}, []
+    for j in a:
+        rep = _ask(grid, j, list(graph), [], _forwarded(replies, j, graph))
+        shares += [s for x, s in zip(rep.mask_peers, rep.mask_shares, strict=True) if x == k]
+    for j in b:
+        rep = _ask(grid, j, [n for n in graph if n != k], [k], _forwarded(replies, j, graph))
+        seeds[j] = rep.by_peer()[k]
+    lie = _ask(grid, k, [n for n in graph if n not in a], a, _forwarded(replies, k, graph))
+    assert "fewer than the" in lie.refused and not lie.material
+    # naming the first lot "excluded" (uploads held) instead of dropped is refused alike
+    lie = _ask(grid, k, list(graph), [], _forwarded(replies, k, graph), excluded=a)
+    assert "fewer than the" in lie.refused and not lie.material
+    commit = SelfMaskShares.from_config(replies[k].content[SELF_MASK_RECORD]).commitment
+    seed = rebuild_seed(shares, t, commit)
+    assert seed is not None  # the server did get k's self-mask ...
+    left = _stripped_noise(grid, strategy, msgs, replies, pinned, k, seeds)
+    left -= SelfMaskShares.from_config(replies[k].content[SELF_MASK_RECORD]).std * gaussian(seed, len(left))
+    # ... but not k's pair seeds with the first lot: residual + those t pairs stay
+    alloc, lam = st.allocation, st.plan.lam
+    stds = alloc.counteracting_stds(k)
+    kept = np.sqrt(alloc.residual_std[k] ** 2 + lam**2 * sum(stds[j] ** 2 for j in a)) / alloc.weights[k]
+    assert np.std(left) == pytest.approx(kept, rel=0.1)
+    assert kept >= np.sqrt(len(a) / len(nbrs)) * alloc.uplink_std(k, lam)
+
+
+def test_second_dropout_during_recovery_does_not_fail_the_round(pinned):
+    """One client drops before uploading, one survivor goes silent in the unmasking phase: the round goes on."""
+    grid, strategy, msgs, replies = _round(10)
+    st = strategy._state
+    ids = [m.metadata.dst_node_id for m in msgs]
+    first = ids[3]
+    second = next(n for n in st.keys.neighbours[first] if n != ids[0])
+    grid.offline.add(second)  # answers the train message, then is gone for the recovery phase
+    agg = flatten(from_record(strategy.aggregate_train(1, [r for n, r in replies.items() if n != first])[0]))
+    report = strategy.round_report()
+    assert report["unmask_silent"] == 1 and report["self_masks_removed"] == 9 and report["kept_pairs"] == 1
+    expected, weight = np.zeros_like(agg), 0.0
+    for msg, seed in zip(msgs, pinned, strict=True):
+        node = msg.metadata.dst_node_id
+        if node != first:
+            expected += st.weights[node] * _clean(grid, strategy, msg, seed)
+            weight += st.weights[node]
+    expected /= weight
+    # what is left is the silent survivor's pair noise with the first dropout: lam n_ij, no self-mask
+    left = (agg - expected) * weight
+    pair_std = st.plan.lam * st.allocation.counteracting_stds(second)[first]
+    assert np.std(left) == pytest.approx(pair_std, rel=0.1)
+
+
+# ----------------------------------------------------------------------------------- mpddp
+@pytest.mark.parametrize("self_mask", [True, False])
+def test_mpddp_recovery_lie_leaves_the_target_its_upload_noise(self_mask):
+    """mpddp, 8 real clients: all of k's neighbours told "k dropped" reveal their Delta seeds with k, no mask share."""
+    from client.messages.mpddp import PerturbedModel, upload_from_record
+    from protocols.mpddp import clipped_client_gradients, one_hot, pairwise_delta
+    from protocols.mpddp import flatten as mp_flatten
+    from strategies.mpddp import MpddpStrategy
+
+    n = 8
+    raw = {**app_defaults(), "method": "mpddp", "num-clients": n, "dataset": "digits", "hidden": "16",
+           "mpddp-side-dtype": "float64", "self-mask": self_mask}
+    cfg = RunConfig.from_mapping(raw)
+    grid, strategy = LocalGrid(client_app, n, raw), MpddpStrategy(cfg)
+    arrays = to_record(get_weights(build_model("mlp", (1, 8, 8), 10, cfg.hidden_sizes, cfg.seed)), np.float64)
+    msgs = list(strategy.configure_train(1, arrays, ConfigRecord({"round": 1}), grid))
+    replies = {r.metadata.src_node_id: r for r in grid.send_and_receive(msgs)}
+    st = strategy._state
+    graph = st.keys.neighbours
+    k = msgs[0].metadata.dst_node_id
+    seeds, shares = {}, []
+    for j in graph[k]:
+        rep = _ask(grid, j, [x for x in graph if x != k], [k], _forwarded(replies, j, graph) if self_mask else None)
+        assert not rep.refused
+        seeds[j] = rep.by_peer()[k]
+        shares += [s for x, s in zip(rep.mask_peers, rep.mask_shares, strict=True) if x == k]
+    env = ClientEnv.from_context(grid.contexts[k])
+    w_hat = [torch.from_numpy(m).double() for m in PerturbedModel.from_record(msgs[0].content["arrays"]).matrices]
+    x = torch.from_numpy(np.asarray(env.x).reshape(len(env.x), -1)).double()
+    y = one_hot(torch.from_numpy(np.asarray(env.y)), env.num_classes, torch.float64)
+    grad = mp_flatten(clipped_client_gradients(w_hat, x, y, cfg.clip)[0].grads)
+    upload = mp_flatten(upload_from_record(replies[k].content["arrays"], len(cfg.hidden_sizes) + 1).grads)
+    left = upload - grad - pairwise_delta(grad.size, own_id=k, pair_seeds=seeds, sigma_delta=st.noise.sigma_delta)
+    eta_std = math.sqrt(2 / 3) * st.noise.sigma_eta  # DN(s, 1) has std sqrt(2/3) s
+    upload_std = math.sqrt(2 / 3 * (st.noise.sigma_eta**2 + len(graph[k]) * st.noise.sigma_delta**2))
+    if self_mask:
+        assert shares == []
+        assert np.std(left) >= 0.95 * upload_std, (np.std(left), upload_std)
+    else:  # without double masking only eta is left
+        assert np.std(left) == pytest.approx(eta_std, rel=0.1)
+        assert eta_std < 0.5 * upload_std

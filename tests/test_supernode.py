@@ -1,0 +1,125 @@
+"""cancelfl-supernode: the warm ClientApp process (zygote + shim) and the short polls, driven for real."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from server.clientapp_zygote import write_shim
+from server.supernode import _PollClock
+
+REAL = shutil.which("flwr-clientapp") or str(Path(sys.executable).parent / "flwr-clientapp")
+
+
+@pytest.fixture
+def zygote(tmp_path):
+    sock = tmp_path / "z.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "server.clientapp_zygote", str(sock), "--parent-pid", str(os.getpid())])
+    deadline = time.time() + 120
+    while not sock.exists() and time.time() < deadline:
+        time.sleep(0.1)
+    assert sock.exists(), "the zygote did not start serving"
+    yield sock
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def _shim_env(tmp_path: Path, sock: Path) -> tuple[Path, dict]:
+    shim = write_shim(tmp_path / "bin")
+    return shim, {**os.environ, "CANCELFL_ZYGOTE": str(sock), "CANCELFL_REAL_CLIENTAPP": REAL}
+
+
+def test_the_shim_runs_flwr_clientapp_in_a_forked_child_with_its_streams_and_exit_code(tmp_path, zygote):
+    shim, env = _shim_env(tmp_path, zygote)
+    ok = subprocess.run([str(shim), "--help"], env=env, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "--token" in ok.stdout  # Flower's own flwr-clientapp parser answered
+    bad = subprocess.run([str(shim), "--no-such-flag"], env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "flwr-clientapp: error:" in bad.stderr  # the child's exit code and stderr
+
+
+def test_without_a_zygote_the_shim_runs_the_real_flwr_clientapp(tmp_path):
+    shim, env = _shim_env(tmp_path, tmp_path / "absent.sock")
+    out = subprocess.run([str(shim), "--help"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "--token" in out.stdout
+
+
+def test_forked_children_do_not_share_numpy_draws():
+    """Each message's child reseeds numpy's generator: two forks of one process draw differently."""
+    from server import clientapp_zygote
+
+    draws = []
+    for _ in range(2):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            import numpy
+
+            clientapp_zygote._child_setup()
+            os.write(w, str(numpy.random.randint(1 << 30)).encode())
+            os._exit(0)
+        os.close(w)
+        draws.append(os.read(r, 64))
+        os.waitpid(pid, 0)
+    assert draws[0] != draws[1]
+
+
+def test_the_poll_clock_shortens_flowers_waits_only():
+    clock = _PollClock(0.01)
+    t = time.perf_counter()
+    clock.sleep(3)  # Flower's idle poll
+    clock.sleep(0.5)  # Flower's reply wait
+    assert time.perf_counter() - t < 0.5
+    t = time.perf_counter()
+    clock.sleep(0.05)  # shorter waits are kept
+    assert time.perf_counter() - t >= 0.05
+    assert clock.monotonic is time.monotonic  # everything else is the time module's
+
+
+def test_the_round_loop_pulls_deployment_replies_without_flowers_3_s_wait(monkeypatch):
+    """MeteredGrid polls Flower's HttpGrid itself (50-250 ms) and still honours the timeout."""
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from flwr.serverapp import Grid
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from strategies.run.loop import MeteredGrid
+
+    for key, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 0)):
+        monkeypatch.setattr(TaskIdentity, key, value)
+
+    class HttpGrid(Grid):  # noqa: D101 - the name is what the loop recognises as Flower's deployment grid
+        def __init__(self, ready_after: float) -> None:
+            self.ready_after, self.pushed = ready_after, {}
+
+        def push_messages(self, messages):  # noqa: D102
+            self.t0 = time.monotonic()
+            for i, m in enumerate(messages):
+                self.pushed[str(i)] = m
+            return list(self.pushed)
+
+        def pull_messages(self, message_ids):  # noqa: D102
+            if time.monotonic() - self.t0 < self.ready_after:
+                return []
+            return [SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=mid, src_node_id=int(mid) + 1),
+                                    has_error=lambda: False,
+                                    content=RecordDict({"c": ConfigRecord({"ok": 1})})) for mid in message_ids]
+
+        def send_and_receive(self, messages, *, timeout=None):  # noqa: D102
+            raise AssertionError("Flower's 3 s polling loop must not be used")
+
+        create_message = get_node_ids = set_run = run = None
+
+    msgs = [Message(RecordDict({"c": ConfigRecord({"x": 1})}), dst_node_id=n, message_type="train") for n in (1, 2)]
+    t = time.perf_counter()
+    replies = MeteredGrid(HttpGrid(ready_after=0.3)).send_and_receive(msgs, timeout=10)
+    assert len(replies) == 2 and time.perf_counter() - t < 1.5
+    t = time.perf_counter()
+    assert MeteredGrid(HttpGrid(ready_after=60)).send_and_receive(msgs, timeout=0.5) == []
+    assert time.perf_counter() - t < 2.0
