@@ -101,25 +101,23 @@ def clipped_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, 
                 clip: float, seed: int) -> tuple[float, float]:
     """SGD where each step uses the mean of per-example gradients clipped to L2 norm ``clip``.
 
+    Batches as :func:`_batches` draws them from ``seed``; each step is
+    :meth:`protocols.per_example.PerExampleClipper.descend` with step size ``lr / len(batch)``.
     Returns (mean training loss of the last epoch, fraction of clipped examples).
     """
     rng = np.random.default_rng(seed)
     xt, yt = on_device(model, x, y)  # run-config 'device': the model's device
-    params = list(model.parameters())
+    n = len(yt)
     model.train()
-    last, clipped, seen = 0.0, 0, 0
-    with PerExampleClipper(model, clip) as clip_sum:  # inspects and hooks the model once, not per step
+    last, clipped = 0.0, []
+    with PerExampleClipper(model, clip) as clipper:  # inspects and instruments the model once, not per step
         for _ in range(epochs):
-            total, count = 0.0, 0
-            for idx in _batches(len(yt), batch_size, rng):
-                ix = torch.as_tensor(idx, device=xt.device)
-                grads, losses, n_clipped = clip_sum(xt[ix], yt[ix])
-                with torch.no_grad():
-                    for p, g in zip(params, grads, strict=True):
-                        p -= (lr / len(idx)) * g
-                total += float(losses.sum())
-                count += len(idx)
-                clipped += n_clipped
-                seen += len(idx)
-            last = total / max(count, 1)
-    return last, clipped / max(seen, 1)
+            order = torch.as_tensor(rng.permutation(n), device=xt.device)  # the order _batches draws
+            losses = []
+            for start in range(0, n, batch_size):
+                ix = order[start:start + batch_size]
+                step = clipper.descend(xt[ix], yt[ix], lr / len(ix))
+                losses.append(step.losses)
+                clipped.append(step.clipped)
+            last = float(torch.cat(losses).double().sum()) / n if losses else 0.0
+    return last, float(torch.stack(clipped).sum()) / (n * epochs) if clipped else 0.0

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "ClippedSum",
+    "Descent",
     "PerExampleClipper",
     "clipped_grad_sum",
     "cross_entropy",
@@ -57,6 +58,13 @@ _logged: set[tuple[str, str]] = set()
 VMAP_CHUNK = 256
 #: Elements per chunk of materialised per-example conv gradients or Gram matrices.
 _CHUNK_ELEMENTS = 1 << 23
+
+
+class Descent(NamedTuple):
+    """What :meth:`PerExampleClipper.descend` returns: per-example losses ``(B,)`` and the number clipped (0-dim)."""
+
+    losses: Tensor
+    clipped: Tensor
 
 
 class ClippedSum(NamedTuple):
@@ -86,11 +94,12 @@ def clipped_grad_sum(model: nn.Module, x: Tensor, y: Tensor, clip: float, *, nor
 
 
 class PerExampleClipper:
-    """:func:`clipped_grad_sum` for many batches of one model: the layers are inspected and hooked once.
+    """:func:`clipped_grad_sum` for many batches of one model: the layers are inspected and instrumented once.
 
-    At batch 32 on a small MLP, inspecting the model and adding and removing hooks at every step
-    cost as much as the step's arithmetic; a training loop builds one clipper and calls it per
-    batch.  Use as a context manager (or call :meth:`close`) to remove its forward hooks.
+    At batch 32 on a small MLP, inspecting and instrumenting the model at every step cost as
+    much as the step's arithmetic; a training loop builds one clipper and calls it (or
+    :meth:`descend`) per batch.  Use as a context manager (or call :meth:`close`) to give the
+    layers back their own ``forward``.
     """
 
     def __init__(self, model: nn.Module, clip: float, *, norm: Norm = "l2",
@@ -113,13 +122,45 @@ class PerExampleClipper:
 
     def __call__(self, x: Tensor, y: Tensor) -> ClippedSum:
         """``sum_i clip(g_i, C)`` over the batch ``(x, y)`` (see :func:`clipped_grad_sum`)."""
+        forms = self._forms(x, y)
+        if forms is None:
+            return vmap_clipped_grad_sum(self.model, x, y, self.clip, norm=self.norm, loss=self.loss)
+        layer_forms, losses = forms
+        with torch.no_grad():
+            norms, scale = _clip_scales(layer_forms, self.clip, self.norm)
+            grads = {key: g for f in layer_forms for key, g in f.clipped_sum(scale).items()}
+            out = [grads[id(p)] if id(p) in grads else torch.zeros_like(p) for p in self.params]
+        return ClippedSum(out, losses, int((norms > self.clip).sum()))
+
+    def descend(self, x: Tensor, y: Tensor, step: float) -> Descent:
+        """One SGD step in place: ``p <- p - step * sum_i clip(g_i, C)`` for every parameter.
+
+        The same update as subtracting ``step`` times :meth:`__call__`'s sums (to rounding: the
+        weight update is one fused ``addmm_``), without forming the sums as separate tensors
+        and without a host synchronisation (the results stay tensors).
+        """
+        forms = self._forms(x, y)
+        with torch.no_grad():
+            if forms is None:
+                r = vmap_clipped_grad_sum(self.model, x, y, self.clip, norm=self.norm, loss=self.loss)
+                for p, g in zip(self.params, r.grads, strict=True):
+                    if p.requires_grad:
+                        p.add_(g, alpha=-step)
+                return Descent(r.losses, torch.tensor(r.clipped))
+            layer_forms, losses = forms
+            norms, scale = _clip_scales(layer_forms, self.clip, self.norm)
+            for f in layer_forms:
+                f.add_clipped_sum_(scale, -step)
+        return Descent(losses, (norms > self.clip).sum())
+
+    def _forms(self, x: Tensor, y: Tensor) -> tuple[list[_ClosedForm], Tensor] | None:
+        """The layer-wise closed forms and losses of the batch; None when the model takes the vmap path."""
         if y.shape[0] == 0 or x.shape[0] != y.shape[0]:
             raise ValueError("need a non-empty batch with one target per input")
         if self._recorder is not None:
             assert self._layers is not None
-            result = _layerwise_clipped_sum(self.model, self._layers, self._recorder, self.params, x, y, self.clip,
-                                            self.norm, self.loss)
-            if isinstance(result, ClippedSum):
+            result = _layerwise_forms(self.model, self._layers, self._recorder, x, y, self.loss)
+            if not isinstance(result, str):
                 if not self._logged:
                     _log_once(self.model, "layer-wise")
                     self._logged = True
@@ -127,10 +168,10 @@ class PerExampleClipper:
             self._blocker = result  # this forward does not fit the fast path: fall back for good
             self.close()
         _log_once(self.model, f"vmap ({self._blocker})")
-        return vmap_clipped_grad_sum(self.model, x, y, self.clip, norm=self.norm, loss=self.loss)
+        return None
 
     def close(self) -> None:
-        """Remove the forward hooks (the clipper then takes the vmap path if called again)."""
+        """Give the layers back their own ``forward`` (the clipper then takes the vmap path if called again)."""
         if self._recorder is not None:
             self._recorder.remove()
             self._recorder = None
@@ -166,6 +207,10 @@ def _trainable_layers(model: nn.Module) -> list[nn.Module] | str:
 
 
 def _supported(module: nn.Module) -> bool:
+    """A plain Linear or Conv2d: its class's ``forward`` (or a clipper's recording wrapper of it)."""
+    own = vars(module).get("forward")
+    if own is not None and not getattr(own, "_records_layer", False):
+        return False
     if isinstance(module, nn.Linear):
         return type(module).forward is nn.Linear.forward
     if isinstance(module, nn.Conv2d):
@@ -186,6 +231,7 @@ class _Site:
     """One supported layer's forward: its input (detached) and output (in the graph)."""
 
     module: nn.Module
+    trainable: tuple[Tensor | None, Tensor | None]  # (weight, bias) where trainable, else None
     inputs: Tensor | None  # None when the layer was called without a positional input
     output: Tensor
     version: int
@@ -193,23 +239,45 @@ class _Site:
 
 
 class _Recorder:
-    """Forward hooks on the supported layers, recording their sites only while :meth:`forward` runs."""
+    """Records the supported layers' sites, only while :meth:`forward` runs.
+
+    Each layer gets an instance attribute ``forward`` that calls the layer's own ``forward`` and
+    notes the input and output (undone by :meth:`remove`; clippers on one model nest).  Unlike a forward hook this keeps
+    ``nn.Module.__call__`` on its hook-free fast path (a hook sends every call of the layer
+    through the slow one).
+    """
 
     def __init__(self, layers: list[nn.Module]) -> None:
         self.sites: dict[int, _Site] | None = None
         self.copy_outputs = False
-        self.handles = [m.register_forward_hook(self._hook) for m in layers]
+        #: (layer, the instance ``forward`` it had before, if any): restored by :meth:`remove`.
+        self.wrapped: list[tuple[nn.Module, Callable[..., Tensor] | None]] = []
+        for m in layers:
+            previous = vars(m).get("forward")
+            m.forward = self._recording_forward(m, previous)
+            self.wrapped.append((m, previous))
 
-    def _hook(self, module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> Tensor:
-        sites = self.sites
-        if sites is None:  # a forward outside the clipper (e.g. evaluation): not recorded
-            return output
-        site = sites.get(id(module))
-        if site is not None:
-            site.calls += 1
-            return output
-        sites[id(module)] = _Site(module, args[0].detach() if args else None, output, output._version)
-        return output.clone() if self.copy_outputs else output
+    def _recording_forward(self, module: nn.Module, previous: Callable[..., Tensor] | None) -> Callable[..., Tensor]:
+        base = previous if previous is not None else type(module).forward.__get__(module)
+        key = id(module)
+        w, b = module.weight, module.bias
+        trainable = (w if w.requires_grad else None, b if b is not None and b.requires_grad else None)
+
+        def forward(*args: Tensor, **kwargs: Tensor) -> Tensor:
+            output = base(*args, **kwargs)
+            sites = self.sites
+            if sites is None:  # a forward outside the clipper (e.g. evaluation): not recorded
+                return output
+            site = sites.get(key)
+            if site is not None:
+                site.calls += 1
+                return output
+            a = args[0] if args else kwargs.get("input")
+            sites[key] = _Site(module, trainable, None if a is None else a.detach(), output, output._version)
+            return output.clone() if self.copy_outputs else output
+
+        forward._records_layer = True  # type: ignore[attr-defined]  # another clipper may wrap it again
+        return forward
 
     def forward(self, model: nn.Module, x: Tensor, y: Tensor, loss: PerExampleLoss, *,
                 copy_outputs: bool) -> tuple[dict[int, _Site], Tensor]:
@@ -223,67 +291,109 @@ class _Recorder:
             self.sites = None
 
     def remove(self) -> None:
-        """Remove the hooks."""
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+        """Give the layers back the ``forward`` they had (their class's, or an instance one set before)."""
+        for m, previous in reversed(self.wrapped):
+            if previous is None:
+                vars(m).pop("forward", None)
+            else:
+                m.forward = previous
+        self.wrapped = []
 
 
-def _layerwise_clipped_sum(model: nn.Module, layers: list[nn.Module], recorder: _Recorder, params: list[nn.Parameter],
-                           x: Tensor, y: Tensor, clip: float, norm: Norm, loss: PerExampleLoss) -> ClippedSum | str:
-    """The fast path; returns the reason instead when the forward does not fit it."""
+def _layerwise_forms(model: nn.Module, layers: list[nn.Module], recorder: _Recorder, x: Tensor, y: Tensor,
+                     loss: PerExampleLoss) -> tuple[list[_ClosedForm], Tensor] | str:
+    """One forward and one backward to the layer outputs: each layer's closed form and the per-example losses.
+
+    Returns the reason instead when the forward does not fit the fast path.
+    """
     n = y.shape[0]
     sites, losses = recorder.forward(model, x, y, loss, copy_outputs=False)
     if any(s.output._version != s.version for s in sites.values()):
         # an in-place op (e.g. ReLU(inplace=True)) overwrote a layer output: keep a copy instead
         sites, losses = recorder.forward(model, x, y, loss, copy_outputs=True)
+    recorded = []
     for m in layers:
         site = sites.get(id(m))
         if site is None or site.calls != 1:
             return f"layer {type(m).__name__} ran {0 if site is None else site.calls} times in one forward"
         if site.inputs is None or site.inputs.dim() < 2 or site.inputs.shape[0] != n or site.output.shape[0] != n:
             return f"layer {type(m).__name__} does not keep the batch axis first"
+        recorded.append(site)
     if losses.shape != (n,):
         raise ValueError(f"loss must return one value per example, shape ({n},), got {tuple(losses.shape)}")
-    outputs = [sites[id(m)].output for m in layers]
-    deltas = torch.autograd.grad(losses.sum(), outputs, allow_unused=True)
-    with torch.no_grad():
-        forms = [_form(sites[id(m)], torch.zeros_like(z) if d is None else d)
-                 for m, z, d in zip(layers, outputs, deltas, strict=True)]
-        norms = forms[0].norm_term(norm)
-        for f in forms[1:]:
-            norms = norms + f.norm_term(norm)
-        if norm == "l2":
-            norms = norms.sqrt()
-        scale = (clip / norms).clamp_(max=1.0)  # 1 / max(1, norm / clip); a zero gradient gets scale 1
-        grads = {key: g for f in forms for key, g in f.clipped_sum(scale).items()}
-        out = [grads[id(p)] if id(p) in grads else torch.zeros_like(p) for p in params]
-    return ClippedSum(out, losses.detach(), int((norms > clip).sum()))
+    deltas = torch.autograd.grad(losses.sum(), [s.output for s in recorded], allow_unused=True)
+    forms = [_form(s, torch.zeros_like(s.output) if d is None else d) for s, d in zip(recorded, deltas, strict=True)]
+    return forms, losses.detach()
 
 
-class _LinearForm:
-    """A Linear layer on ``(B, K)``: per-example gradient ``d_i a_i^T`` in closed form."""
+def _clip_scales(forms: list[_ClosedForm], clip: float, norm: Norm) -> tuple[Tensor, Tensor]:
+    """Per-example ``(||g_i||, 1 / max(1, ||g_i|| / clip))`` (a zero gradient gets scale 1)."""
+    norms = forms[0].norm_term(norm)
+    for f in forms[1:]:
+        norms = norms.add_(f.norm_term(norm))
+    if norm == "l2":
+        norms = norms.sqrt_()
+    return norms, (clip / norms).clamp_(max=1.0)
 
-    def __init__(self, module: nn.Linear, a: Tensor, d: Tensor) -> None:
-        self.module, self.a, self.d = module, a, d
+
+class _ClosedForm:
+    """What every closed form shares: applying its clipped sum to its layer's parameters."""
+
+    module: nn.Module
 
     def norm_term(self, norm: Norm) -> Tensor:
-        """Per-example ``||g||_2^2`` (l2) or ``||g||_1`` (l1) of this layer's trainable parameters."""
-        w, b = self.module.weight, self.module.bias
-        dd = (self.d.square() if norm == "l2" else self.d.abs()).sum(1)
-        if not w.requires_grad:
+        """Per-example ``||g||_2^2`` (l2) or ``||g||_1`` (l1) of the layer's trainable parameters (a new tensor)."""
+        raise NotImplementedError
+
+    def clipped_sum(self, scale: Tensor) -> dict[int, Tensor]:
+        """Gradient sums of the layer's trainable parameters by ``id``, example i weighted by ``scale[i]``."""
+        raise NotImplementedError
+
+    def add_clipped_sum_(self, scale: Tensor, alpha: float) -> None:
+        """``p += alpha * (clipped gradient sum of p)`` for each trainable parameter of the layer."""
+        sums = self.clipped_sum(scale)
+        for p in self.module.parameters(recurse=False):
+            g = sums.get(id(p))
+            if g is not None:
+                p.add_(g, alpha=alpha)
+
+
+class _LinearForm(_ClosedForm):
+    """A Linear layer on ``(B, K)``: per-example gradient ``d_i a_i^T`` in closed form.
+
+    ``w`` and ``b`` are the layer's weight and bias where trainable, else None.
+    """
+
+    def __init__(self, module: nn.Linear, w: Tensor | None, b: Tensor | None, a: Tensor, d: Tensor) -> None:
+        self.module, self.w, self.b, self.a, self.d = module, w, b, a, d
+
+    def norm_term(self, norm: Norm) -> Tensor:
+        """Per-example ``||g||_2^2`` (l2) or ``||g||_1`` (l1) of this layer's trainable parameters (a new tensor)."""
+        if norm == "l2":
+            dd = torch.linalg.vecdot(self.d, self.d)
+            aa = torch.linalg.vecdot(self.a, self.a) if self.w is not None else None
+        else:
+            dd = torch.linalg.vector_norm(self.d, 1, dim=1)
+            aa = torch.linalg.vector_norm(self.a, 1, dim=1) if self.w is not None else None
+        if aa is None:
             return dd
-        aa = (self.a.square() if norm == "l2" else self.a.abs()).sum(1)
-        return dd * (aa + 1.0) if b is not None and b.requires_grad else dd * aa
+        return torch.addcmul(dd, dd, aa) if self.b is not None else dd.mul_(aa)
 
     def clipped_sum(self, scale: Tensor) -> dict[int, Tensor]:
         """Gradient sums of the layer's trainable parameters, example i weighted by ``scale[i]``."""
         sd = self.d * scale[:, None]
-        w, b = self.module.weight, self.module.bias
-        out = {id(w): torch.mm(sd.t(), self.a)} if w.requires_grad else {}
-        if b is not None and b.requires_grad:
-            out[id(b)] = sd.sum(0)
+        out = {} if self.w is None else {id(self.w): torch.mm(sd.t(), self.a)}
+        if self.b is not None:
+            out[id(self.b)] = sd.sum(0)
         return out
+
+    def add_clipped_sum_(self, scale: Tensor, alpha: float) -> None:
+        """``p += alpha * (clipped gradient sum of p)``; the weight's in one fused ``addmm_``."""
+        sd = self.d * scale[:, None]
+        if self.w is not None:
+            self.w.addmm_(sd.t(), self.a, alpha=alpha)
+        if self.b is not None:
+            self.b.add_(sd.sum(0), alpha=alpha)
 
 
 def _unfolded_norm_term(patches: Callable[[int, int], tuple[Tensor, Tensor]], batch: int, shape: tuple[int, int, int, int],
@@ -313,7 +423,7 @@ def _bias_norm_term(d: Tensor, norm: Norm) -> Tensor:
     return (d * d if norm == "l2" else d.abs()).flatten(1).sum(1)
 
 
-class _SequenceLinearForm:
+class _SequenceLinearForm(_ClosedForm):
     """A Linear layer on ``(B, T..., K)``: per-example weight gradient ``sum_t d_t a_t^T``."""
 
     def __init__(self, module: nn.Linear, a: Tensor, d: Tensor) -> None:
@@ -346,7 +456,7 @@ class _SequenceLinearForm:
         return out
 
 
-class _ConvForm:
+class _ConvForm(_ClosedForm):
     """A Conv2d layer: per-example weight gradient ``D_i A_i^T`` with ``A_i`` the unfolded input patches."""
 
     def __init__(self, module: nn.Conv2d, a: Tensor, d: Tensor) -> None:
@@ -405,13 +515,13 @@ class _ConvForm:
         return out
 
 
-def _form(site: _Site, delta: Tensor) -> _LinearForm | _SequenceLinearForm | _ConvForm:
+def _form(site: _Site, delta: Tensor) -> _ClosedForm:
     """The closed form of one layer's per-example gradients from its input and output gradient."""
     m, a = site.module, site.inputs
     assert a is not None
     if isinstance(m, nn.Conv2d):
         return _ConvForm(m, a, delta)
-    return _LinearForm(m, a, delta) if a.dim() == 2 else _SequenceLinearForm(m, a, delta)
+    return _LinearForm(m, *site.trainable, a, delta) if a.dim() == 2 else _SequenceLinearForm(m, a, delta)
 
 
 # ------------------------------------------------------------------ vmap reference / fallback

@@ -20,6 +20,7 @@ optimizer (:meth:`ServerOptimizer.to_state`, :func:`optimizer_from_state`).
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -116,11 +117,15 @@ class ServerAdam(ServerOptimizer):
 
 
 def _array_state(a: np.ndarray) -> dict[str, Any]:
-    return {"shape": list(a.shape), "values": a.reshape(-1).tolist()}  # float repr round-trips exactly
+    """An array as JSON types: its little-endian float64 bytes in base64 (exact, and fast to encode and parse)."""
+    return {"shape": list(a.shape), "f8_base64": base64.b64encode(np.ascontiguousarray(a, "<f8").tobytes()).decode()}
 
 
 def _array_from_state(s: Mapping[str, Any]) -> np.ndarray:
-    return np.asarray(s["values"], np.float64).reshape(s["shape"])
+    """Inverse of :func:`_array_state`; also reads a ``values`` list of floats."""
+    if "values" in s:
+        return np.asarray(s["values"], np.float64).reshape(s["shape"])
+    return np.frombuffer(base64.b64decode(s["f8_base64"]), "<f8").astype(np.float64).reshape(s["shape"])
 
 
 def make_server_optimizer(name: str, lr: float) -> ServerOptimizer:

@@ -12,6 +12,7 @@ from protocols.mpddp import (
     aggregate,
     client_gradients,
     client_gradients_autograd,
+    clipped_client_gradients,
     draw_secret,
     expand,
     forward_expanded,
@@ -20,6 +21,7 @@ from protocols.mpddp import (
     mse_loss,
     mu_server,
     one_hot,
+    per_example_grad_norms,
     perturb,
     recover,
     relative_distance,
@@ -199,3 +201,27 @@ def test_batched_backprop_matches_autograd(dims: list[int]) -> None:
     assert any(float(p.abs().max()) > 0 for p in got.psi)  # not trivially zero
     with pytest.raises(ValueError):
         client_gradients(w_hat, x[:0], y[:0])
+
+
+@pytest.mark.parametrize("dims", [DIMS[1], [20, 16, 10]])
+def test_clipped_gradients_weight_each_example_by_its_clip_scale(dims: list[int]) -> None:
+    """Per-example norms equal single-example autograd gradients' norms; the clipped upload is their weighted sum.
+
+    Weights min(1, C / ||g_b||) / B on the autograd reference's per-example grad, Psi and Phi.
+    """
+    gen = torch.Generator().manual_seed(10)
+    layers = rand_mlp(dims, gen)
+    x, y = rand_batch(dims, 9, gen)
+    w_hat, _ = mp_server(layers, seed(f"clip{dims}"))
+    singles = [client_gradients_autograd(w_hat, x[b:b + 1], y[b:b + 1]) for b in range(9)]
+    want_norms = torch.stack([torch.sqrt(sum((g * g).sum() for g in s.grads)) for s in singles])
+    norms = per_example_grad_norms(w_hat, x, y)
+    assert float((norms - want_norms).abs().max()) <= 1e-12 * float(want_norms.max())
+    clip = float(want_norms.median())
+    weights = torch.clamp(clip / want_norms, max=1.0) / 9
+    got, frac = clipped_client_gradients(w_hat, x, y, clip)
+    assert frac == float((want_norms > clip).double().mean()) and 0 < frac < 1
+    for name in ("grads", "psi", "phi"):
+        for i, a in enumerate(getattr(got, name)):
+            b = sum(wb * getattr(s, name)[i] for wb, s in zip(weights, singles, strict=True))
+            assert float((a - b).abs().max()) <= 1e-12 * max(float(b.abs().max()), 1e-300) + 1e-300

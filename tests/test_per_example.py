@@ -13,6 +13,7 @@ from torch import nn
 from client.models import MLP, SmallCNN, build_model
 from protocols.ddpsa import l1_clip
 from protocols.per_example import (
+    PerExampleClipper,
     clipped_grad_sum,
     cross_entropy,
     fast_path_blocker,
@@ -255,3 +256,93 @@ def test_float32_model_gets_float32_sums_close_to_float64() -> None:
         assert all(g.dtype == torch.float32 for g in single.grads) and single.clipped == double.clipped
         for a, b in zip(single.grads, double.grads, strict=True):
             assert float((a.double() - b).norm() / b.norm()) < 1e-5
+
+
+def _descend_matches_clipped_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float, norm: str) -> None:
+    """``descend(step)`` moves every parameter by ``-step`` times the reference clipped sum; same losses and count."""
+    ref = vmap_clipped_grad_sum(model, x, y, clip, norm=norm)
+    before = [p.detach().clone() for p in model.parameters()]
+    with PerExampleClipper(model, clip, norm=norm) as clipper:
+        step = clipper.descend(x, y, 0.3)
+    assert int(step.clipped) == ref.clipped
+    torch.testing.assert_close(step.losses, ref.losses, rtol=RTOL, atol=0)
+    for p, p0, g in zip(model.parameters(), before, ref.grads, strict=True):
+        moved = p.detach() - p0
+        if not p.requires_grad:
+            assert not moved.any()
+        else:
+            assert float((moved + 0.3 * g).norm() / (0.3 * g).norm()) <= RTOL
+
+
+@pytest.mark.parametrize("norm", ["l2", "l1"])
+def test_descend_is_one_step_of_the_clipped_sum(norm: str) -> None:
+    gen = torch.Generator().manual_seed(15)
+    for model, shape in _zoo().values():
+        x, y = torch.rand(12, *shape, generator=gen), torch.randint(0, 10, (12,), generator=gen)
+        clip = _middle_clip(_norms(model, x, y, norm))
+        _descend_matches_clipped_sum(model, x, y, clip, norm)
+    frozen = build_model("mlp", (1, 8, 8), 10, (16,), 16).double()
+    frozen.layers[0].bias.requires_grad_(False)
+    frozen.layers[1].weight.requires_grad_(False)
+    x, y = torch.rand(9, 1, 8, 8, generator=gen), torch.randint(0, 10, (9,), generator=gen)
+    _descend_matches_clipped_sum(frozen, x, y, _middle_clip(_norms(frozen, x, y, norm)), norm)
+    layers = _Layers()  # conv and sequence forms
+    x, y = torch.randn(7, 2, 13, 13, generator=gen), torch.randint(0, 3, (7,), generator=gen)
+    _descend_matches_clipped_sum(layers, x, y, _middle_clip(_norms(layers, x, y, norm)), norm)
+
+
+def test_descend_on_the_vmap_path_and_the_layers_get_their_forward_back_nested() -> None:
+    class Normed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.norm = nn.Linear(4, 3), nn.LayerNorm(3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.lin(x))
+
+    gen = torch.Generator().manual_seed(17)
+    x, y = torch.randn(6, 4, generator=gen), torch.tensor([0, 1, 2, 0, 1, 2])
+    _descend_matches_clipped_sum(Normed(), x, y, 0.2, "l2")
+    model = build_model("mlp", (1, 8, 8), 10, (16,), 18).double()
+    xs = torch.rand(5, 1, 8, 8, generator=gen)
+    plain = model(xs)
+    ys = torch.arange(5)
+    with PerExampleClipper(model, 1.0) as clipper:
+        assert all("forward" in vars(m) for m in model.layers)
+        torch.testing.assert_close(model(xs), plain, rtol=0, atol=0)  # unrecorded outside a step, same output
+        _assert_same(clipped_grad_sum(model, xs, ys, 0.1), vmap_clipped_grad_sum(model, xs, ys, 0.1))  # nested
+        _assert_same(clipper(xs, ys), vmap_clipped_grad_sum(model, xs, ys, 1.0))  # still recording after it
+    assert not any("forward" in vars(m) for m in model.layers)
+    torch.testing.assert_close(model(xs), plain, rtol=0, atol=0)
+    # a layer with its own instance forward (here: doubling the output) takes the vmap path, its forward untouched
+    doubled = model.layers[1].forward = lambda t, _lin=model.layers[1]: 2 * nn.Linear.forward(_lin, t)
+    assert fast_path_blocker(model) == "Linear 'layers.1' has no fast path"
+    _assert_same(clipped_grad_sum(model, xs, ys, 0.1), vmap_clipped_grad_sum(model, xs, ys, 0.1))
+    assert vars(model.layers[1])["forward"] is doubled
+
+
+def test_clipped_sgd_equals_a_loop_of_reference_steps() -> None:
+    """Two epochs of client training equal SGD with the vmap reference's clipped sums on the same batches."""
+    from client.training import _batches, clipped_sgd
+
+    rng = np.random.default_rng(19)
+    x, y = rng.random((70, 1, 8, 8)), rng.integers(0, 10, 70)
+    model = build_model("mlp", (1, 8, 8), 10, (16,), 20).double()
+    ref = build_model("mlp", (1, 8, 8), 10, (16,), 20).double()
+    loss, frac = clipped_sgd(model, x, y, epochs=2, batch_size=16, lr=0.5, clip=2.0, seed=21)
+    order = np.random.default_rng(21)
+    xt, yt = torch.as_tensor(x), torch.as_tensor(y)
+    clipped, last = 0, []
+    for _ in range(2):
+        last = []
+        for idx in _batches(70, 16, order):
+            r = vmap_clipped_grad_sum(ref, xt[idx], yt[idx], 2.0)
+            with torch.no_grad():
+                for p, g in zip(ref.parameters(), r.grads, strict=True):
+                    p -= 0.5 / len(idx) * g
+            clipped += r.clipped
+            last.append(r.losses)
+    assert 0 < clipped < 140 and frac == clipped / 140
+    assert loss == pytest.approx(float(torch.cat(last).sum()) / 70, rel=1e-9)
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        assert float((a - b).detach().norm() / b.detach().norm()) <= 1e-9

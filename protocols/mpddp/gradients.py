@@ -113,15 +113,33 @@ def client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.ndarra
     (Eq. 22, linear per example) returns the same weighted sum of the true per-example gradients.
 
     The n_L + 2 scalars (loss, Psi_1..Psi_nL, Phi) are back-propagated together by hand: their output
-    signals are stacked on a leading axis, so each layer costs one batched matmul instead of n_L + 2
-    autograd passes (~4x faster on the MNIST MLP).  :func:`client_gradients_autograd` is the plain
-    autograd reference; tests check that both agree to round-off.
+    signals are stacked on an axis after the batch, so each layer costs one matmul instead of n_L + 2
+    autograd passes.  :func:`client_gradients_autograd` is the plain autograd reference; tests check that
+    both agree to round-off.
     """
     mats, x, y = _as_inputs(w_hat, x, y)
-    batch = x.shape[0]
-    if batch == 0:
+    if x.shape[0] == 0:
         raise ValueError("empty batch")
-    # Forward, keeping each layer's input and ReLU mask.
+    fwd = _forward(mats, x)
+    if weights is None:
+        w = torch.full((x.shape[0],), 1.0 / x.shape[0], dtype=fwd.h.dtype)
+    else:
+        w = torch.as_tensor(weights).to(fwd.h.dtype).reshape(-1)
+        if w.shape[0] != x.shape[0]:
+            raise ValueError(f"weights has {w.shape[0]} entries for a batch of {x.shape[0]}")
+    return _weighted_gradients(mats, fwd, y, w)
+
+
+@dataclass(frozen=True)
+class _Forward:
+    """A forward pass of the expanded model: each layer's input, each hidden layer's ReLU mask, the last input."""
+
+    inputs: list[Tensor]
+    masks: list[Tensor]
+    h: Tensor
+
+
+def _forward(mats: Sequence[Tensor], x: Tensor) -> _Forward:
     h = augment_input(x)
     inputs, masks = [], []
     for mat in mats[:-1]:
@@ -129,37 +147,36 @@ def client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.ndarra
         z = h @ mat.T
         masks.append(z > 0)  # torch.relu's derivative: 0 at z == 0
         h = z.clamp_min(0)
+    return _Forward(inputs, masks, h)
+
+
+def _weighted_gradients(mats: Sequence[Tensor], fwd: _Forward, y: Tensor, w: Tensor) -> ClientUpload:
+    """:func:`client_gradients` from a forward pass, example b weighted ``w[b]``."""
+    h, batch = fwd.h, fwd.h.shape[0]
     last = mats[-1]
-    out = h @ last.T  # (B, n_L)
     alpha = h.sum(dim=1)  # (B,)
-    err = out - y
+    err = h @ last.T - y  # (B, n_L)
     n_out, width = last.shape
-    # Signals d scalar / d h_last, stacked: [loss, Psi_1..Psi_nL, Phi] -> (n_L + 2, B, width), all * w_b.
-    if weights is None:
-        w = torch.full((batch,), 1.0 / batch, dtype=h.dtype)
-    else:
-        w = torch.as_tensor(weights).to(h.dtype).reshape(-1)
-        if w.shape[0] != batch:
-            raise ValueError(f"weights has {w.shape[0]} entries for a batch of {batch}")
-    sig = torch.empty((n_out + 2, batch, width), dtype=h.dtype)
-    sig[0] = (err @ last) * w.unsqueeze(1)
-    sig[1 : n_out + 1] = (alpha * w).unsqueeze(1).unsqueeze(0) * last.unsqueeze(1)  # alpha_b W_k
-    sig[1 : n_out + 1] += (err.T * w).unsqueeze(2)  # err_bk * d alpha / d h = err_bk * 1
-    sig[n_out + 1] = (alpha * w).unsqueeze(1)
+    k = n_out + 2
+    aw, ew = alpha * w, err * w.unsqueeze(1)
+    # Signals d scalar / d h_last, stacked: [loss, Psi_1..Psi_nL, Phi] -> (B, n_L + 2, width), all * w_b.
+    sig = torch.empty((batch, k, width), dtype=h.dtype)
+    torch.mul(err @ last, w.unsqueeze(1), out=sig[:, 0])
+    torch.mul(aw[:, None, None], last, out=sig[:, 1 : n_out + 1])  # alpha_b W_k
+    sig[:, 1 : n_out + 1] += ew.unsqueeze(2)  # err_bk * d alpha / d h = err_bk * 1
+    sig[:, n_out + 1] = aw.unsqueeze(1)
     # Gradients w.r.t. the last matrix: loss -> err^T h / B; Psi_k -> row k = sum_b alpha_b h_b / B; Phi -> 0.
-    grad_last = (err.T * w) @ h
     psi_last = torch.zeros((n_out, n_out, width), dtype=h.dtype)
-    row = (alpha * w) @ h
-    psi_last[torch.arange(n_out), torch.arange(n_out)] = row
-    grads: list[Tensor] = [grad_last]
+    psi_last[torch.arange(n_out), torch.arange(n_out)] = aw @ h
+    grads: list[Tensor] = [ew.T @ h]
     psis: list[Tensor] = [psi_last]
     phis: list[Tensor] = [torch.zeros_like(last)]
     # Backward through layers 2L-2 .. 1 (0-based index j); odd original layers sit at even j.
     for j in range(len(mats) - 2, -1, -1):
-        d = sig * masks[j]  # (K, B, n_j) signal at z_j
-        if j % 2 == 0:
-            k, _, n_j = d.shape
-            g = (d.transpose(1, 2).reshape(k * n_j, batch) @ inputs[j]).reshape(k, n_j, -1)
+        d = sig.mul_(fwd.masks[j].unsqueeze(1))  # (B, K, n_j) signal at z_j
+        n_j = d.shape[2]
+        if j % 2 == 0:  # one matmul for all K signals, the (B, K n_j) view read transposed (no copy)
+            g = (d.reshape(batch, k * n_j).T @ fwd.inputs[j]).reshape(k, n_j, -1)
             grads.append(g[0])
             psis.append(g[1 : n_out + 1])
             phis.append(g[n_out + 1])
@@ -179,20 +196,19 @@ def per_example_grad_norms(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.
     the outer product d_b h_b^T, so its squared norm is ||d_b||^2 ||h_b||^2 (no per-example tensors).
     """
     mats, x, y = _as_inputs(w_hat, x, y)
-    h = augment_input(x)
-    inputs, masks = [], []
-    for mat in mats[:-1]:
-        inputs.append(h)
-        z = h @ mat.T
-        masks.append(z > 0)
-        h = z.clamp_min(0)
+    return _grad_norms(mats, _forward(mats, x), y)
+
+
+def _grad_norms(mats: Sequence[Tensor], fwd: _Forward, y: Tensor) -> Tensor:
+    h = fwd.h
     err = h @ mats[-1].T - y
-    sq = (err**2).sum(1) * (h**2).sum(1)  # last layer: err_b h_b^T (not trimmed)
+    sq = torch.linalg.vecdot(err, err) * torch.linalg.vecdot(h, h)  # last layer: err_b h_b^T (not trimmed)
     sig = err @ mats[-1]
     for j in range(len(mats) - 2, -1, -1):
-        d = sig * masks[j]
+        d = sig * fwd.masks[j]
         if j % 2 == 0:  # an uploaded block; its last row (constant unit) is trimmed
-            sq = sq + (d[:, :-1] ** 2).sum(1) * (inputs[j] ** 2).sum(1)
+            kept = d[:, :-1]
+            sq = sq + torch.linalg.vecdot(kept, kept) * torch.linalg.vecdot(fwd.inputs[j], fwd.inputs[j])
         if j > 0:
             sig = d @ mats[j]
     return sq.sqrt()
@@ -207,12 +223,17 @@ def clipped_client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | n
     ``2 clip / B`` in L2 (replace-one record sensitivity, :func:`protocols.privacy.local_sgd_sensitivity` of
     one full-batch step with lr 1).  The bound holds for the perturbed gradient, the quantity that gets the
     DP noise; Psi, Phi and the recovered true-space gradient are not bounded by it (see :mod:`strategies.mpddp`).
+    The norms and the sums share one forward pass.
     """
     if not (clip > 0 and np.isfinite(clip)):
         raise ValueError(f"clip must be finite and > 0, got {clip!r}")
-    norms = per_example_grad_norms(w_hat, x, y)
+    mats, x, y = _as_inputs(w_hat, x, y)
+    if x.shape[0] == 0:
+        raise ValueError("empty batch")
+    fwd = _forward(mats, x)
+    norms = _grad_norms(mats, fwd, y)
     scale = torch.clamp(clip / norms.clamp_min(1e-300), max=1.0)
-    up = client_gradients(w_hat, x, y, weights=scale / norms.shape[0])
+    up = _weighted_gradients(mats, fwd, y, scale / norms.shape[0])
     return up, float((norms > clip).double().mean())
 
 
