@@ -27,9 +27,8 @@ its residual / eta noise, and nadp's accountant charges its upload with that noi
 
 Double masking (nadp, niss, mpddp with run-config ``self-mask``, :mod:`protocols.masking`): the upload also
 carries a self-mask whose seed is Shamir-shared among the neighbours (:func:`self_mask_upload`,
-:func:`seal_self_mask`); the
-request forwards this client the sealed shares its neighbours made for it, and :func:`answer_masked`
-reveals, per neighbour, *either* its share of the neighbour's self-mask seed (received, not excluded) *or*
+:func:`seal_self_mask`); the request forwards this client the sealed shares its neighbours made for it, and
+:func:`answer_masked` reveals, per neighbour, *either* its share of the neighbour's self-mask seed (received, not excluded) *or*
 its pair material with it (dropped or excluded), never both in one round (the store records what was revealed
 per peer and refuses the other).  It refuses when fewer than its threshold ``t`` of its neighbours are
 named received: its own self-mask could then not be rebuilt, so the view is a lie or the round cannot use
@@ -211,7 +210,7 @@ def seal_self_mask(keys: Mapping[int, bytes], rnd: int, env: ClientEnv, size: in
     """A fresh self-mask ``N(0, std^2)`` of round ``rnd``, its seed shared t-of-n among the peers of ``keys``.
 
     ``keys``: neighbour -> sealing key (purpose :data:`protocols.masking.SHARE_PURPOSE`, bound to the round's
-    view); None when there is no neighbour.  :func:`self_mask_upload` derives the keys from a train message
+    view).  Returns None when ``keys`` is empty.  :func:`self_mask_upload` derives the keys from a train message
     carrying peer keys; niss derives them in its share phase.
     """
     if not keys:
