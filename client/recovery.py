@@ -25,16 +25,16 @@ server holds their upload, so the client reveals only material that leaves their
 (``protect``; niss: its own shares sent to them, not theirs; nadp, mpddp: the pair seed -- the peer keeps
 its residual / eta noise, and nadp's accountant charges its upload with that noise alone).
 
-Double masking (nadp, mpddp with run-config ``self-mask``, :mod:`protocols.masking`): the upload also
-carries a self-mask whose seed is Shamir-shared among the neighbours (:func:`self_mask_upload`); the
-request forwards this client the sealed shares its neighbours made for it, and :func:`answer_masked`
-reveals, per neighbour, *either* its share of the neighbour's self-mask seed (received, not excluded) *or*
-its pair seed with it (dropped or excluded), never both in one round (the store records what was revealed
+Double masking (nadp, niss, mpddp with run-config ``self-mask``, :mod:`protocols.masking`): the upload also
+carries a self-mask whose seed is Shamir-shared among the neighbours (:func:`self_mask_upload`,
+:func:`seal_self_mask`); the request forwards this client the sealed shares its neighbours made for it, and
+:func:`answer_masked` reveals, per neighbour, *either* its share of the neighbour's self-mask seed (received, not excluded) *or*
+its pair material with it (dropped or excluded), never both in one round (the store records what was revealed
 per peer and refuses the other).  It refuses when fewer than its threshold ``t`` of its neighbours are
 named received: its own self-mask could then not be rebuilt, so the view is a lie or the round cannot use
 its upload.  The strip rule above does not apply: the self-mask keeps the floor noise in the upload.
 
-Without double masking (niss), what this does not stop (threat model, see :mod:`strategies.recovery`): a
+Without double masking (``self-mask = false``), what this does not stop (threat model, see :mod:`strategies.recovery`): a
 server that tells *every* neighbour of ``k`` the same lie ("k dropped") although it holds k's upload; it then
 learns k's upload minus k's pair noise of that round, i.e. k keeps only its independent noise (niss's shares
 with no dropped neighbour).  Pair material is per round, so no other round is exposed.
@@ -203,9 +203,19 @@ def self_mask_upload(msg: Message, env: ClientEnv, size: int, std: float,
     if not env.cfg.self_mask:
         return None
     keys = pair_seeds(msg, env, purpose=SHARE_PURPOSE, graph=graph)
+    return seal_self_mask(keys, TrainIns.from_config(msg.content["config"]).round, env, size, std)
+
+
+def seal_self_mask(keys: Mapping[int, bytes], rnd: int, env: ClientEnv, size: int, std: float) -> SelfMask | None:
+    """A fresh self-mask ``N(0, std^2)`` of round ``rnd``, its seed shared t-of-n among the peers of ``keys``.
+
+    ``keys``: neighbour -> sealing key (purpose :data:`protocols.masking.SHARE_PURPOSE`, bound to the round's
+    view).  Returns None when ``keys`` is empty.  :func:`self_mask_upload` derives the keys from a train message
+    carrying peer keys; niss derives them in its share phase.
+    """
     if not keys:
         return None
-    rnd = TrainIns.from_config(msg.content["config"]).round
+    keys = dict(keys)
     t = mask_threshold(len(keys), env.cfg.mask_corruption_rate)
     seed = new_mask_seed()
     sealed = seal_shares(seed, keys, t, sender=env.node_id, round_num=rnd, context=_share_context(env))

@@ -114,7 +114,7 @@ class RunConfig:
     key_rotation: int = 0  # rounds per X25519 key pair (0 = one pair per node for the run, 1 = fresh every round)
     cancellation_check: bool = False  # clients report a random projection of their pairwise mask (diagnostic)
     fault_drop_rate: float = 0.0  # TESTING AID: in-process grid withholds this fraction of train replies
-    self_mask: bool = True  # nadp, mpddp: double masking (a Shamir-shared self-mask on every pairwise upload)
+    self_mask: bool = True  # nadp, niss, mpddp: double masking (a Shamir-shared self-mask on every pairwise upload)
     mask_dropout_rate: float = 0.1  # assumed dropout rate, in [0, 0.5): only feeds the logged P[< t surviving neighbours]
     mask_corruption_rate: float = 0.1  # assumed colluding share of a neighbourhood, in [0, 0.5): sets the self-mask threshold t
     nadp_lambda: float = 0.0  # compensation factor; 0 = derive from nadp-tau

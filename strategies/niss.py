@@ -31,6 +31,11 @@ the messages are the classes of :mod:`client.messages.niss`):
    exchanged are removed exactly by the dropout recovery (:mod:`strategies.recovery`:
    the survivors reveal their shares to it and the shares they received from it,
    never their own noise entirely) and the sum is renormalised to the survivors.
+   Double masking (run-config ``self-mask``, default on; :mod:`strategies.recovery`): each upload also
+   carries a self-mask of std ``sigma_k`` whose seed is Shamir-shared t-of-n among the neighbours (the sealed
+   shares ride on the train reply); the one ``query.recover`` phase of every round rebuilds and removes it,
+   so a server that tells all of k's neighbours "k dropped" while holding k's upload still faces ``sigma_k``,
+   and a survivor silent in that phase no longer fails the round.
 
 Privacy calibration (documented interpretation).  The paper's DP is per record with
 ``Delta f_k`` the sensitivity of the local update function, which it never bounds.  By
@@ -227,6 +232,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
                 inbox[receiver][0].append(sender)
                 inbox[receiver][1].append(blob)
         self.report(participants=len(kr.participants), dropped=len(kr.dropped))
+        self.announce_masking(kr.neighbours)
         tau = client_tau(self.cfg, _sizes(kr))
         return NissRound(server_round, list(kr.participants), kr, self._weights(kr), inbox, tau)
 
@@ -324,6 +330,9 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         ordered = [by_node[n] for n in survivors]
         uploads = [from_record(r.content["arrays"]) for r in ordered]
         agg = {k: np.sum([u[k] for u in uploads], axis=0, dtype=np.float64) for k in uploads[0]}
+        if rec is not None and rec.masks:  # double masking: the rebuilt self-masks come off the sum first
+            flat = flatten(agg)
+            agg.update(unflatten(flat - self.mask_sum(state, flat.size), agg))
         t0 = time.process_time()
         corrections = self._remove_orphaned_shares(state, agg, ordered)
         if self.recovered(state) is not None:

@@ -1,6 +1,6 @@
 """Dropout recovery of the pairwise noise (nadp, niss, mpddp): the server removes orphaned pair noise exactly.
 
-Double masking (run-config ``self-mask``, nadp and mpddp; :mod:`protocols.masking`, :meth:`PairwiseRecovery.unmask`):
+Double masking (run-config ``self-mask``, nadp, niss and mpddp; :mod:`protocols.masking`, :meth:`PairwiseRecovery.unmask`):
 every upload also carries a self-mask whose seed is Shamir-shared t-of-n among the client's neighbours, the
 sealed shares travelling with the upload itself.  One ``query.recover`` phase then runs *every* round, to
 every kept survivor: each reveals its shares of the received neighbours' seeds and its pair seeds with the
@@ -11,7 +11,7 @@ extra noise (reported as ``kept_pairs``, ``unmask_silent``).  The round fails on
 cannot be rebuilt (fewer than ``t`` of its neighbours answered).  A server that tells all of k's neighbours
 "k dropped" while holding k's upload gets k's pair seeds but not its self-mask, which has the std of k's
 whole upload noise.  Cost: one extra round trip per round, ``unmask_s`` and ``unmask_bytes_per_client``
-reported.  The rest of this docstring describes the path without double masking (niss, ``self-mask = false``).
+reported.  The rest of this docstring describes the path without double masking (``self-mask = false``).
 
 A participant that drops out after the round's pairs are fixed (after the key phase / NISS share phase,
 before or during its upload), or whose upload the server excludes (:mod:`strategies.validation`), leaves
@@ -48,7 +48,7 @@ upload, and the round template runs recovery after reply screening, so an upload
 aggregated or never recovered for.  Not covered: a server that consistently tells *all* of k's neighbours
 "k dropped" while holding k's upload learns that upload minus k's pair noise of that round -- k keeps its
 independent noise (nadp residual, mpddp eta, niss shares held by neighbours that did not drop); the
-self-mask of double masking (above; nadp and mpddp) closes this.  A survivor that reveals
+self-mask of double masking (above) closes this.  A survivor that reveals
 wrong material spoils the aggregate as a garbage upload would (the cancellation check shows it).
 
 Uploads that arrived but fail the reply checks (:mod:`strategies.validation`) are excluded, and the server
@@ -265,6 +265,9 @@ class PairwiseRecovery:
         received = sorted(set(by_node) | set(held))
         keep = unmaskable(neighbours, set(by_node), {n: thresholds.get(n, 0) for n in by_node})
         keep -= {n for n in keep if n not in masked and neighbours.get(n)}  # a pairwise upload without its shares
+        if not keep:
+            raise RoundFailed(f"round {state.round}: no upload can be unmasked (each has fewer kept neighbours than its "
+                              f"self-mask threshold; {len(by_node)} of {len(state.participants)} uploads arrived)")
         excluded = sorted(set(held) | (set(by_node) - keep))
         lost = sorted(set(state.participants) - set(received))
         gone = sorted(set(lost) | set(excluded))

@@ -298,3 +298,109 @@ def test_mpddp_recovery_lie_leaves_the_target_its_upload_noise(self_mask):
     else:  # without double masking only eta is left
         assert np.std(left) == pytest.approx(eta_std, rel=0.1)
         assert eta_std < 0.5 * upload_std
+
+
+# ----------------------------------------------------------------------------------- niss
+def _niss_round(n: int, **extra):
+    """One niss round of ``n`` real clients on digits (seed encoding, noiseless updates in the diagnostic record)."""
+    from client.data import dataset_for
+    from strategies.niss import NissStrategy
+
+    raw = {**app_defaults(), "method": "niss", "num-clients": n, "niss-share-encoding": "seed",
+           "cancellation-check": True, **{k.replace("_", "-"): v for k, v in extra.items()}}
+    cfg = RunConfig.from_mapping(raw)
+    ds = dataset_for(cfg)
+    grid, strategy = LocalGrid(client_app, n, raw), NissStrategy(cfg)
+    arrays = to_record(get_weights(build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed)),
+                       np.float64)
+    msgs = list(strategy.configure_train(1, arrays, ConfigRecord({"round": 1}), grid))
+    replies = {r.metadata.src_node_id: r for r in grid.send_and_receive(msgs)}
+    return grid, strategy, msgs, replies
+
+
+def _niss_clean(reply) -> np.ndarray:
+    """``p_k w_k`` of a niss reply (the cancellation-check diagnostic record)."""
+    from client.messages.niss import Diagnostic
+
+    return flatten(from_record(Diagnostic.from_content(reply.content).update))
+
+
+@pytest.mark.parametrize(("self_mask", "tau"), [(True, 0.0), (False, 0.0), (True, -1.0), (False, -1.0)])
+def test_niss_recovery_lie_leaves_the_target_its_floor_noise(self_mask, tau):
+    """niss, 10 real clients: the server keeps k's upload and tells every neighbour of k "k dropped".
+
+    Each reveals its shares to k and k's shares to it (k's whole own noise).  With double masking no
+    neighbour gives a share of k's self-mask (std sigma_k), so at least sigma_k stays; without it the server
+    is left with only k's distortion of the shares it received (nothing at tau = 0: the exact update).
+    ``tau = -1``: the default (``client_tau`` of the round's sizes).
+    """
+    from client.messages.niss import NissMetrics
+    from client.messages.recovery import NissPairMaterial
+    from protocols.niss import ShareBundle, bundle_shares
+
+    grid, strategy, msgs, replies = _niss_round(10, self_mask=self_mask, niss_tau=tau)
+    graph = strategy._state.keys.neighbours
+    k = msgs[0].metadata.dst_node_id
+    upload = flatten(from_record(replies[k].content["arrays"]))
+    size = upload.size
+    assert size >= 500  # the linear model on digits (650 coordinates): the std bounds below are many sds wide
+    stripped, shares_of_k = np.zeros(size), []
+    for j in graph[k]:
+        rep = _ask(grid, j, [x for x in graph if x != k], [k], _forwarded(replies, j, graph) if self_mask else None)
+        assert not rep.refused and k in rep.peers
+        m = NissPairMaterial.from_bytes(rep.by_peer()[k], size)
+        stripped += bundle_shares(ShareBundle(k, j, m.in_count, m.in_std, m.in_seed), size).sum(axis=0)  # k's own
+        stripped -= bundle_shares(ShareBundle(j, k, m.out_count, m.out_std, m.out_seed), size).sum(axis=0)  # to k
+        shares_of_k += [s for x, s in zip(rep.mask_peers, rep.mask_shares, strict=True) if x == k]
+        if self_mask:  # having revealed its pair material with k, the neighbour refuses k's self-mask share
+            assert _ask(grid, j, list(graph), [], _forwarded(replies, j, graph)).refused
+    left = upload - _niss_clean(replies[k]) - stripped
+    floor = NissMetrics.from_metrics(replies[k].content["metrics"]).sigma
+    assert floor > 0
+    if self_mask:
+        assert shares_of_k == []
+        commit = SelfMaskShares.from_config(replies[k].content[SELF_MASK_RECORD]).commitment
+        assert rebuild_seed(shares_of_k, mask_threshold(len(graph[k]), 0.1), commit) is None
+        # the self-mask alone has std floor: over the model's 650 coordinates the sample std is within ~3 % of it
+        assert np.std(left) >= 0.85 * floor, (np.std(left), floor)
+    else:  # the attack works without double masking
+        assert SELF_MASK_RECORD not in replies[k].content
+        assert np.std(left) < 0.5 * floor, (np.std(left), floor)
+        if tau == 0.0:
+            assert np.linalg.norm(left) <= 1e-9 * np.linalg.norm(upload)  # the exact update p_k w_k
+
+
+@pytest.mark.parametrize("second", [False, True])
+def test_niss_dropouts_with_self_masks_cancel_and_a_second_dropout_does_not_fail_the_round(second):
+    """niss, 10 real clients, tau = 0: one drops before uploading, with ``second`` a neighbour of it goes silent too.
+
+    The second one answered the train message and is gone in the unmasking phase.  The round completes; the
+    aggregate is the survivors' noiseless sum to 1e-9, plus, with ``second``, exactly the silent survivor's pair
+    noise with the first dropout (kept as extra noise).
+    """
+    from client.messages.recovery import NissPairMaterial
+    from strategies.niss import pair_contribution
+
+    grid, strategy, msgs, replies = _niss_round(10, niss_tau=0.0)
+    st = strategy._state
+    ids = [m.metadata.dst_node_id for m in msgs]
+    first = ids[3]
+    silent = next(n for n in st.keys.neighbours[first] if n != ids[0])
+    if second:
+        grid.offline.add(silent)  # answered the train message, then gone for the unmasking phase
+    agg = flatten(from_record(strategy.aggregate_train(1, [r for n, r in replies.items() if n != first])[0]))
+    report = strategy.round_report()
+    assert report["self_masks_removed"] == 9 and report["unmask_silent"] == int(second)
+    assert report["kept_pairs"] == int(second) and report["recovery"] == 1
+    survivors = [n for n in ids if n != first]
+    kept_weight = math.fsum(st.weights[n] for n in survivors)
+    expected = np.sum([_niss_clean(replies[n]) for n in survivors], axis=0)
+    if second:  # the silent survivor's own share to `first` and the negated share received from it stay
+        store = RecoveryStore.load(ClientEnv.from_context(grid.contexts[silent]))
+        m = NissPairMaterial.from_bytes(store.material[first], agg.size)
+        extra = pair_contribution(m, silent, first, agg.size, 0.0)
+        assert np.linalg.norm(extra) > 1e-3 * np.linalg.norm(expected)
+        expected += extra
+    else:
+        assert report["cancellation_residual"] <= 1e-9
+    assert np.linalg.norm(agg * kept_weight - expected) <= 1e-9 * np.linalg.norm(expected)

@@ -24,10 +24,12 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord
 
+from client import recovery as recovery_client
 from client.app import app as client_app
 from client.data import client_partition, dataset_for
 from client.env import ClientEnv, local_training, record_level_training
 from client.messages.niss import AuthFailures, Diagnostic, NissMetrics, RelayedInbox, ShareRequest
+from client.messages.recovery import SELF_MASK_RECORD, SelfMaskShares
 from client.methods import niss as niss_client
 from client.models import build_model, get_weights
 from client.wire import from_record, to_record
@@ -109,7 +111,10 @@ def test_tau_zero_aggregate_equals_noiseless(graph):
         assert sigma == pytest.approx(z * p * 2 * cfg.clip * cfg.lr / len(env.y), rel=1e-12)
         assert sigma == pytest.approx(z * p * record_sensitivity(cfg, len(env.y)), rel=1e-12)
         noise = _flat(reply.content["arrays"]) - clean
-        assert np.std(noise) == pytest.approx(math.sqrt(sigma**2 + figures.received_var), rel=0.12)
+        # double masking (self-mask = true by default): plus a self-mask of std sigma_k, removed by the server
+        mask_std = SelfMaskShares.from_config(reply.content[SELF_MASK_RECORD]).std
+        assert mask_std == sigma
+        assert np.std(noise) == pytest.approx(math.sqrt(sigma**2 + mask_std**2 + figures.received_var), rel=0.12)
         # one share per neighbour
         assert figures.shares == len(strategy._state.keys.neighbours[node])
         # the paper's data-size weight: every sigma_k is the central z 2 C lr / N (protocols.niss.aggregation_weights)
@@ -384,7 +389,8 @@ def test_runner_completes_tampered_rounds(tmp_path):
     """
     from server.runner import run_federation
 
-    cfg, grid, strategy, _ = _setup(TamperGrid, niss_tau=0.0, num_rounds=3, max_strikes=2,
+    # round 3 has 4 clients (3 neighbours each): no colluders assumed, so the self-mask threshold 2 of 3 lets one drop
+    cfg, grid, strategy, _ = _setup(TamperGrid, niss_tau=0.0, num_rounds=3, max_strikes=2, mask_corruption_rate=0.0,
                                     cancellation_check=True, out_dir=str(tmp_path / "t"))
     grid.mode = "flip"
     summary = run_federation(strategy, grid, cfg, progress=lambda _s: None)
@@ -410,6 +416,8 @@ def _deterministic_seed(label: str) -> bytes:
 
 def test_seed_and_vector_encodings_identical(run_inprocess, monkeypatch, tmp_path):
     monkeypatch.setattr(niss_client, "_fresh_seed", _deterministic_seed)
+    # the self-mask comes off to float rounding only; the same mask in both runs keeps them bit-identical
+    monkeypatch.setattr(recovery_client, "new_mask_seed", lambda: _deterministic_seed("self-mask"))
     out = {}
     for enc in ("seed", "vector"):
         summary, rows = run_inprocess(**FAST, niss_tau=0.5, num_rounds=1, niss_share_encoding=enc,

@@ -21,7 +21,10 @@ calibration; the messages are the classes of :mod:`client.messages.niss`):
   ``p_k w_k + sum_i n_i + sum_i s_i r_i`` in float64, ``s_i ~ N(1, tau_k^2)``
   per coordinate from fresh private randomness (one stream per sender,
   :func:`protocols.niss.distortion_seed`), and keep this round's pair material
-  for the dropout recovery (:mod:`client.recovery`).
+  for the dropout recovery (:mod:`client.recovery`).  With run-config ``self-mask`` the upload also
+  carries a self-mask ``N(0, sigma_k^2)`` whose seed is Shamir-shared among the neighbours, sealed under
+  keys derived in the share phase (purpose :data:`protocols.masking.SHARE_PURPOSE`, same view as the
+  relay keys) and sent with the upload (:func:`client.recovery.seal_self_mask`).
 
 Wire format of a payload plaintext (big-endian header)::
 
@@ -56,11 +59,12 @@ from client.messages.niss import AuthFailures, Diagnostic, NissMetrics, RelayedI
 from client.messages.recovery import NissPairMaterial
 from client.models import get_weights
 from client.pairwise_phase import mask_probe, pair_seeds
-from client.recovery import remember
+from client.recovery import remember, seal_self_mask
 from client.wire import from_record, to_record
 from protocols import niss as niss_math
 from protocols.arrays import flatten, unflatten
 from protocols.clipping import clip_l2
+from protocols.masking import SHARE_PURPOSE
 from protocols.niss import aggregation_weights, client_plan, client_tau, sizes_digest, upload_sensitivity
 from protocols.privacy import GaussianEvent
 from protocols.relay_crypto import RelayAuthError, make_aad, open_sealed, seal
@@ -140,9 +144,11 @@ class _Stored:
     outgoing: list[niss_math.ShareBundle]
     #: the distortion std chosen in the share phase (protocols.niss.client_tau of the round's sizes)
     tau: float = 0.0
+    #: double masking: neighbour -> key sealing this client's self-mask share for it (empty: ``self-mask = false``)
+    mask_keys: dict[int, bytes] = dataclasses.field(default_factory=dict)
 
     def to_record(self) -> ConfigRecord:
-        return ConfigRecord({
+        rec = ConfigRecord({
             "round": self.round, "weight": self.weight, "sigma": self.sigma, "tau": self.tau,
             "encoding": self.encoding,
             "neighbours": [str(n) for n in self.neighbours],
@@ -152,6 +158,9 @@ class _Stored:
             "out-stds": [b.share_std for b in self.outgoing],
             "out-seeds": [b.seed for b in self.outgoing],
         })
+        if self.mask_keys:
+            rec["mask-keys"] = [self.mask_keys[n] for n in self.neighbours]
+        return rec
 
     @classmethod
     def load(cls, env: ClientEnv, rnd: int) -> _Stored:
@@ -162,8 +171,10 @@ class _Stored:
         me = env.node_id
         out = [niss_math.ShareBundle(me, int(r), int(c), float(s), bytes(seed)) for r, c, s, seed in
                zip(rec["out-receivers"], rec["out-counts"], rec["out-stds"], rec["out-seeds"], strict=True)]
+        mask_keys = dict(zip(nbrs, (bytes(k) for k in rec["mask-keys"]), strict=True)) if "mask-keys" in rec else {}
         return cls(rnd, float(rec["weight"]), float(rec["sigma"]), str(rec["encoding"]), nbrs,
-                   dict(zip(nbrs, (bytes(k) for k in rec["relay-keys"]), strict=True)), out, float(rec["tau"]))
+                   dict(zip(nbrs, (bytes(k) for k in rec["relay-keys"]), strict=True)), out, float(rec["tau"]),
+                   mask_keys)
 
 
 # -------------------------------------------------------------------------- phases
@@ -192,12 +203,16 @@ def handle_shares(msg: Message, env: ClientEnv) -> Message:
     by_receiver = {b.receiver: b for b in bundles}
     # The sizes (hence every p_k) are part of the view: shown other sizes, a client derives relay keys no peer shares.
     keys = pair_seeds(msg, env, purpose=RELAY_PURPOSE, view_extra=sizes_digest(req.sizes))
+    # Double masking: keys sealing this round's self-mask shares (sent with the upload, client.recovery).
+    mask_keys = (pair_seeds(msg, env, purpose=SHARE_PURPOSE, view_extra=sizes_digest(req.sizes))
+                 if env.cfg.self_mask else {})
     size = model_size(env) if encoding == "vector" else 0
     payloads = []
     for n in nbrs:  # one payload per neighbour, in the tracker's order
         aad = _aad(me, n, rnd, env.context.run_id, encoding)
         payloads.append(seal(keys[n], encode_payload(encoding, by_receiver[n], size), aad=aad))
-    env.context.state[STATE_KEY] = _Stored(rnd, own_weight, sigma, encoding, nbrs, keys, bundles, tau).to_record()
+    env.context.state[STATE_KEY] = _Stored(rnd, own_weight, sigma, encoding, nbrs, keys, bundles, tau,
+                                           mask_keys).to_record()
     return Message(RecordDict({"config": ShareReply(tuple(nbrs), tuple(payloads)).to_config()}), reply_to=msg)
 
 
@@ -312,8 +327,13 @@ def train(msg: Message, env: ClientEnv) -> Message:
     for s in sorted(partials):
         received += partials[s]
     upload = niss_math.client_upload(params, st.weight, own, received)
+    # Double masking: a self-mask with the std of the own noise sigma_k, its seed shared t-of-n among the neighbours.
+    mask = seal_self_mask(st.mask_keys, rnd, env, size, st.sigma)
+    if mask is not None:
+        upload = upload + mask.vector
     probe_fn = (lambda v: mask_probe(msg, v)) if env.cfg.cancellation_check else None
-    remember(env, rnd, *_recovery_material(st, incoming, partials, size, tau, private, probe_fn))
+    remember(env, rnd, *_recovery_material(st, incoming, partials, size, tau, private, probe_fn),
+             mask_keys=mask.keys if mask else None, threshold=mask.threshold if mask else 0)
     figures = NissMetrics(st.sigma, tau, sum(b.count for b in st.outgoing))
     probe: dict[str, float] = {}
     if env.cfg.cancellation_check:
@@ -327,4 +347,4 @@ def train(msg: Message, env: ClientEnv) -> Message:
     if env.cfg.cancellation_check:
         # DIAGNOSTIC ONLY: hands the server this client's noiseless weighted update.
         Diagnostic(to_record(unflatten(st.weight * params, global_w), np.float64)).add_to(out.content)
-    return out
+    return mask.attach(out) if mask is not None else out
