@@ -70,6 +70,25 @@ def test_honest_mechanisms_are_not_flagged():
         assert report.trials >= spec.trials and not report.violation, report.line()
 
 
+def test_niss_and_ddpsa_are_audited_on_their_real_protocols_and_not_flagged():
+    """niss: real share phase and distorted shares; ddpsa: real shares pushed to local intermediate servers.
+
+    ddpsa's claim is pure epsilon-DP: the bound uses delta = 0 and the upload view is the reconstructed sum.
+    """
+    for spec in (AuditSpec("niss", "upload", 1.0, trials=16_000), AuditSpec("niss", "model", 1.0, trials=16_000),
+                 AuditSpec("ddpsa", "upload", 4.0, trials=16_000)):
+        report = run_audit(spec, seed=3)
+        assert math.isfinite(report.claimed_epsilon) and report.claimed_epsilon <= spec.epsilon * (1 + 1e-9)
+        assert report.trials >= spec.trials and not report.violation, report.line()
+    assert report.delta == 0.0 and report.epsilon_lb > 1.0, report.line()  # ddpsa: pure DP, and the test has power
+
+
+def test_planted_fault_halved_noise_is_caught_in_niss_and_ddpsa():
+    for method in ("niss", "ddpsa"):
+        report = run_audit(AuditSpec(method, "upload", 4.0, trials=8_000, fault="halve-noise"), seed=5)
+        assert report.epsilon_lb > report.claimed_epsilon, report.line()
+
+
 def test_cdp_uploads_claim_nothing_and_the_audit_shows_why():
     report = run_audit(AuditSpec("cdp", "upload", 1.0, trials=8_000, clients=2), seed=3)
     assert math.isinf(report.claimed_epsilon)
@@ -158,6 +177,7 @@ def test_bad_audit_options_are_refused_naming_them():
                        (AuditSpec("nadp", fault="private-kl"), "ladp"), (AuditSpec("mpddp", fault="halve-noise"), "halve"),
                        (AuditSpec("ldp", direction="down"), "direction"),
                        (AuditSpec("ldp", fault="skip-pair-noise"), "nadp"), (AuditSpec("nadp", colluders=3), "colluders"),
+                       (AuditSpec("niss", colluders=1), "nadp"), (AuditSpec("ddpsa", canary="adaptive"), "ladp"),
                        (AuditSpec("ldp", trials=10), "trials")):
         with pytest.raises(ConfigError, match=word):
             spec.validate()
