@@ -107,6 +107,8 @@ def federation(method: str, direction: str = "upload", canary: str | None = None
             {"trials": 400, "clients": 2, "per_client": 2}
     if method in MP_FAMILY:
         return {"trials": 12_000, "clients": 3, "per_client": 10}
+    if method == "niss":  # its heavier-tailed noise (distorted shares) needs more trials for the same power
+        return {"trials": 600_000, "clients": AuditSpec.clients, "per_client": AuditSpec.per_client}
     return {"trials": AuditSpec.trials, "clients": AuditSpec.clients, "per_client": AuditSpec.per_client}
 
 
