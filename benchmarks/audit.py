@@ -1,6 +1,6 @@
 """Claimed vs audited epsilon of every audited method and view (:mod:`server.audit`).
 
-    cancelfl-bench audit [--methods ldp,cdp,nadp,ladp,mpddp,mpdp-naive,mpcdp] [--epsilons 1,4] [--trials N]
+    cancelfl-bench audit [--methods ldp,cdp,nadp,niss,ladp,mpddp,mpdp-naive,mpcdp,ddpsa] [--epsilons 1,4] [--trials N]
                          [--colluders 1,2]
 
 Each row runs ``cancelfl audit``: one-round releases of the method's real strategy and client handlers on
@@ -12,7 +12,8 @@ those rows show the degradation, not a violation).  Writes ``audit.md``/``audit.
 ``audit.json`` and the plot ``audit.png`` into ``--out``.  Trials and federation per method: :func:`server.audit.federation`
 (ladp: adaptive canaries, 16 clients per release; the MP family: an MLP canary, one counted canary per release);
 ``--trials`` overrides the trials of every row.  ladp also gets a row with the planted fault ``private-kl`` (the
-paper's data-dependent P_j), which must be flagged.
+paper's data-dependent P_j), niss and ddpsa a row with ``halve-noise``; those must be flagged.  ddpsa's claim is
+pure epsilon-DP (its bound uses delta = 0); its rows start local intermediate servers.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from pathlib import Path
 
 from benchmarks.common import publish, pyplot, save_figure
 from server.audit import AUDITED, DIRECTIONS, AuditSpec, federation, run_audit
+
+#: Trials of a planted-fault row (halving the noise is caught with a few releases).
+FAULT_TRIALS = 16_000
 
 HELP = "claimed vs empirically audited epsilon of every method and view (planted-fault self-test included)"
 
@@ -106,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
                     rows.append(_row(spec(method, "upload", eps, colluders=c), args.seed))
             if method == "ladp" and "upload" in directions:
                 rows.append(_row(spec(method, "upload", eps, fault="private-kl"), args.seed))
+            if method in ("niss", "ddpsa") and "upload" in directions:
+                rows.append(_row(AuditSpec(method, "upload", eps, FAULT_TRIALS, fault="halve-noise"), args.seed))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "audit.json").write_text(json.dumps([r["report"] for r in rows], indent=2) + "\n")
@@ -120,6 +126,10 @@ def run(args: argparse.Namespace) -> int:
              "fault private-kl = the paper's P_j from the trained local model (a data-dependent noise scale)",
              "MP family (mpddp, mpdp-naive, mpcdp): canary MLP (4 hidden units), the paper's xi step; the secret R "
              "of a release scales all its canaries' noise, so the bound counts one canary per release (low power)",
+             "niss: the real share phase (sealed noise shares relayed by the strategy, distortion s ~ N(1, tau^2)); "
+             "upload view: all the uploads together; fault halve-noise: every share and distortion std halved",
+             "ddpsa: L1-clipped canaries, real shares pushed to 3 local intermediate servers; the parameter server "
+             "reconstructs only the sum, so its upload view is the model's vector; pure epsilon-DP: bound with delta = 0",
              "colluders: peers of each audited client handing the server their pair material; nadp's epsilon_uplink "
              "assumes no colluding client, so 'outside claim' marks a bound above it in those rows (the degradation)"]
     publish(rows, COLUMNS, args, "audit", title="Privacy audit: claimed vs audited epsilon", notes=notes,

@@ -24,9 +24,18 @@ strategy aggregates.  The audit only chooses the model and the data:
   moves the layer's KL estimate across ladp's whole ``[B / max-boost, B]`` range, and the statistic reads
   the noise scale as well as the shift: a data-dependent noise scale is caught.
 
+* **niss**: the gradient canaries on the linear model; the real share phase (keys, sealed noise shares relayed by
+  the strategy) and the uploads ``p_k w_k + own shares + sum_i s_i r_i``.
+* **ddpsa**: the gradient canaries on the linear model (its L1 clipping: a record's clipped gradient is
+  ``+-clip / 2`` on each of its two coordinates, the whole L1 budget); ``m`` local intermediate servers
+  (TLS, the derived simulation roster) are started once per audit and every release pushes real shares to them.
+  Its claim is pure epsilon-DP: the bound is computed with ``delta = 0`` (``AuditSpec.claim_delta``).
+
 Views (``direction``): ``upload`` = what the server holds of the uploads (all of them: pair noise is
 correlated across uploads), optionally with ``colluders`` peers handing the server their round's pair material
-(:class:`client.recovery.RecoveryStore`, what a colluding client holds); ``model`` = the published aggregate.
+(:class:`client.recovery.RecoveryStore`, what a colluding client holds; nadp); for ddpsa the sum the
+parameter server reconstructs (the shares are secret-shared over the intermediate servers), the same vector as
+its model view; ``model`` = the published aggregate.
 The statistic per record is Fisher's linear discriminant of its coordinates across the view's vectors,
 fitted on one half of the releases (no trust in the implementation's own noise covariance) and tested on the
 other half (:func:`protocols.privacy.audit.audit_scores`).
@@ -36,7 +45,7 @@ The claim audited is the run's own: the strategy's privacy ledger after the roun
 accountant gives for it; ``inf`` where the method claims no guarantee in that direction.
 
 Planted faults (``fault``, for the audit's own tests): ``halve-noise`` (the method's Gaussian std halved in the
-release code), ``private-kl`` (ladp's P_j computed from the client's trained local model, as the paper's
+release code; ddpsa: its Laplace scale), ``private-kl`` (ladp's P_j computed from the client's trained local model, as the paper's
 Algorithm 3 does, instead of the server's public estimate), ``skip-pair-noise`` (one nadp client uploads
 without its pair noise), ``strip-pair-noise`` (the server tells every neighbour of one client that it dropped
 while holding its upload, and removes the revealed pair noise from it; planted with ``self-mask = false``,
@@ -59,7 +68,7 @@ from client.api import client_env
 from client.models import get_weights
 from client.wire import from_record, to_record
 from protocols.config import ConfigError, RunConfig
-from protocols.methods import FULL_BATCH, method_spec
+from protocols.methods import FULL_BATCH
 from protocols.pairwise import pairwise_noise
 from protocols.privacy.audit import AuditBound, audit_scores
 from server.audit_canaries import MLP_HIDDEN, CanaryModel, _AdaptiveCanaries, _Canaries, _client_app
@@ -75,8 +84,12 @@ CANARIES: tuple[str, ...] = ("gradient", "adaptive")
 FAULTS: tuple[str, ...] = ("halve-noise", "skip-pair-noise", "strip-pair-noise", "private-kl")
 #: The MP family: model perturbation by the server, per-example clipping on W-hat, recovery (an MLP is audited).
 MP_FAMILY: tuple[str, ...] = ("mpddp", "mpdp-naive", "mpcdp")
+#: Methods the ``halve-noise`` fault is planted in.
+HALVE_NOISE: tuple[str, ...] = ("ldp", "cdp", "nadp", "niss", "ladp", "mpdp-naive", "mpcdp", "ddpsa")
+#: Methods whose claim is pure epsilon-DP (delta = 0): the bound is computed with delta = 0.
+PURE_DP: tuple[str, ...] = ("ddpsa",)
 #: Methods the audit drives, and the adjacency their claim uses.
-AUDITED: tuple[str, ...] = ("ldp", "cdp", "nadp", "ladp", *MP_FAMILY)
+AUDITED: tuple[str, ...] = ("ldp", "cdp", "nadp", "niss", "ladp", *MP_FAMILY, "ddpsa")
 ADJACENCY = "replace-one record (a canary's label flipped)"
 #: Input scale of a canary in units of clip: its gradient norm at W = 0 is ``scale clip / sqrt 2`` > clip.
 CANARY_SCALE = 10.0
@@ -94,6 +107,8 @@ def federation(method: str, direction: str = "upload", canary: str | None = None
             {"trials": 400, "clients": 2, "per_client": 2}
     if method in MP_FAMILY:
         return {"trials": 12_000, "clients": 3, "per_client": 10}
+    if method == "niss":  # its heavier-tailed noise (distorted shares) needs more trials for the same power
+        return {"trials": 600_000, "clients": AuditSpec.clients, "per_client": AuditSpec.per_client}
     return {"trials": AuditSpec.trials, "clients": AuditSpec.clients, "per_client": AuditSpec.per_client}
 
 
@@ -136,16 +151,21 @@ class AuditSpec:
             raise ConfigError(f"audit: fault {self.fault!r} plants a pair-noise fault: method must be nadp")
         if self.fault == "private-kl" and self.method != "ladp":
             raise ConfigError("audit: fault 'private-kl' plants a data-dependent noise scale: method must be ladp")
-        if self.fault == "halve-noise" and self.method not in ("ldp", "cdp", "nadp", "ladp", "mpdp-naive", "mpcdp"):
+        if self.fault == "halve-noise" and self.method not in HALVE_NOISE:
             raise ConfigError(f"audit: fault 'halve-noise' is not planted for method {self.method!r}")
         if self.clients < 2 or self.per_client < 2:
             raise ConfigError("audit: clients and per-client canaries must be >= 2")
         if not 0 <= self.colluders <= self.clients - 2:
             raise ConfigError(f"audit: colluders must be in 0..clients-2 (clients={self.clients})")
-        if self.colluders and (self.direction != "upload" or method_spec(self.method).family != "pairwise"):
+        if self.colluders and (self.direction != "upload" or self.method != "nadp"):
             raise ConfigError("audit: colluders apply to the upload view of a pairwise method (nadp)")
         if self.trials < 4 * self.audited_per_release():
             raise ConfigError(f"audit: trials must be >= {4 * self.audited_per_release()} (4 releases)")
+
+    @property
+    def claim_delta(self) -> float:
+        """The delta of the audited claim: 0 for ddpsa (pure epsilon-DP, Laplace noise), else ``delta``."""
+        return 0.0 if self.method in PURE_DP else self.delta
 
     @property
     def canary_kind(self) -> str:
@@ -172,6 +192,8 @@ class AuditSpec:
             # without it, and the recovery below reads the uploads as they stand.
             cfg.update({"hidden": str(MLP_HIDDEN), "server-optimizer": "sgd", "mpddp-server-lr": self.lr,
                         "mpddp-side-dtype": "float64", "self-mask": False})
+        if self.method == "ddpsa":  # the server's plain SGD step (lr) with the reconstructed sum: a linear release
+            cfg["server-optimizer"] = "sgd"
         if self.fault == "strip-pair-noise":  # the server strips pair noise as it could without double masking:
             cfg["self-mask"] = False  # with self-masks the clients refuse (tests/test_masking.py drives that lie)
         return cfg
@@ -228,8 +250,8 @@ class AuditReport:
 
 # ------------------------------------------------------------------------------------------- planted faults
 @contextlib.contextmanager
-def planted(fault: str | None, victim: Callable[[], int | None]) -> Iterator[None]:
-    """Patch the release code with ``fault`` for the duration (module attributes the handlers look up).
+def planted(fault: str | None, victim: Callable[[], int | None], method: str = "") -> Iterator[None]:
+    """Patch the release code of ``method`` with ``fault`` for the duration (module attributes the handlers look up).
 
     ``victim()``: the node id of the client a per-client fault hits (the first participant of the release).
     """
@@ -237,14 +259,24 @@ def planted(fault: str | None, victim: Callable[[], int | None]) -> Iterator[Non
         yield
         return
     patches: list[tuple[object, str, object]] = []
-    if fault == "halve-noise":
+    if fault == "halve-noise" and method == "ddpsa":
+        import client.methods.ddpsa as ddpsa_client
+
+        # The Laplace scale of the local noise or of the distributed share (a Gamma difference) halved; the PRG's
+        # normals stay as they are (the Gamma sampler draws from them).
+        for name in ("laplace_noise", "distributed_laplace_share"):
+            orig_noise = getattr(ddpsa_client, name)
+            patches.append((ddpsa_client, name, orig_noise))
+            setattr(ddpsa_client, name, (lambda f: lambda size, scale, *a, **k: f(size, scale / 2, *a, **k))(orig_noise))
+    elif fault == "halve-noise":
         import client.methods.nadp as nadp_client
         import protocols.prg as prg
 
         def halved(orig):
             return lambda seed, size, std=1.0, *a, **k: orig(seed, size, std / 2, *a, **k)
 
-        # ldp and cdp import protocols.prg.gaussian when they release; nadp holds its own reference.
+        # ldp, cdp and niss (its shares and distortions) call protocols.prg.gaussian when they release; nadp holds
+        # its own reference.
         for mod in (prg, nadp_client):
             patches.append((mod, "gaussian", mod.gaussian))
             mod.gaussian = halved(mod.gaussian)
@@ -289,15 +321,18 @@ class _Release:
 
 
 def _release(spec: AuditSpec, cfg: RunConfig, canaries: _Canaries | _AdaptiveCanaries,
-             rng: np.random.Generator) -> _Release:
-    """Run one round of the method on fresh canaries; return the adversary's view."""
+             rng: np.random.Generator, raw: dict | None = None) -> _Release:
+    """Run one round of the method on fresh canaries; return the adversary's view.
+
+    ``raw``: the run config the nodes get (default ``spec.run_config()``; ddpsa: with its intermediate servers).
+    """
     canaries.draw(rng, spec.direction)
-    grid = LocalGrid(_client_app(canaries), spec.clients, spec.run_config(), identities=False)
+    grid = LocalGrid(_client_app(canaries), spec.clients, spec.run_config() if raw is None else raw, identities=False)
     strategy = strategy_class(spec.method)(cfg)
     strategy.max_examples = canaries.per_client
     arrays = to_record(get_weights(canaries.model()), strategy.wire_dtype)
     victim = {"node": None}
-    with planted(spec.fault, lambda: victim["node"]):
+    with planted(spec.fault, lambda: victim["node"], spec.method):
         msgs = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
         victim["node"] = min(m.metadata.dst_node_id for m in msgs)
         replies = list(grid.send_and_receive(msgs))
@@ -313,7 +348,7 @@ def _release(spec: AuditSpec, cfg: RunConfig, canaries: _Canaries | _AdaptiveCan
     audited = np.ones(len(owner), dtype=bool)
     if spec.fault in ("skip-pair-noise", "strip-pair-noise"):
         audited = owner == part[victim["node"]]  # a per-client fault: the audit of that client's records
-    if spec.direction == "model":
+    if spec.direction == "model" or spec.method == "ddpsa":  # ddpsa: the server reconstructs only the sum
         features = canaries.features([from_record(aggregate)])
     elif spec.method in MP_FAMILY:
         features = canaries.features(_mp_recovered(strategy, replies, part))
@@ -455,8 +490,34 @@ def _canaries(spec: AuditSpec) -> _Canaries | _AdaptiveCanaries:
     return _Canaries(spec.clients, spec.per_client, CANARY_SCALE * spec.clip, mlp=spec.method in MP_FAMILY)
 
 
+@contextlib.contextmanager
+def _run_config(spec: AuditSpec) -> Iterator[dict]:
+    """The releases' run config; for ddpsa with local intermediate servers (started here, stopped on exit).
+
+    The nodes use the derived simulation identities of the run seed, the roster the servers trust.
+    """
+    raw = spec.run_config()
+    if spec.method != "ddpsa":
+        yield raw
+        return
+    from protocols.identity import DerivedRoster
+    from server.intermediate.launcher import start_intermediate_servers
+
+    cfg = RunConfig.from_mapping(raw)
+    # Every release is a run of its own (a fresh run id): the servers may evict a finished one at once.
+    with start_intermediate_servers(cfg.ddpsa_num_servers, DerivedRoster(cfg.seed, cfg.num_clients),
+                                    extra_args=["--run-idle-s", "0"]) as cluster:
+        yield {**raw, **cluster.run_config()}
+
+
 def _run_audit(spec: AuditSpec, seed: int | None, progress: Callable[[str], None] | None) -> AuditReport:
-    cfg = RunConfig.from_mapping(spec.run_config())
+    with _run_config(spec) as raw:
+        return _audit_releases(spec, raw, seed, progress)
+
+
+def _audit_releases(spec: AuditSpec, raw: dict, seed: int | None, progress: Callable[[str], None] | None
+                    ) -> AuditReport:
+    cfg = RunConfig.from_mapping(raw)
     rng = np.random.default_rng(seed)
     canaries = _canaries(spec)
     releases = math.ceil(spec.trials / spec.audited_per_release())
@@ -464,7 +525,7 @@ def _run_audit(spec: AuditSpec, seed: int | None, progress: Callable[[str], None
     feats, labels, owners, groups, keep = [], [], [], [], []
     claims: dict[str, float] = {}
     for i in range(releases):
-        rel = _release(spec, cfg, canaries, rng)
+        rel = _release(spec, cfg, canaries, rng, raw)
         feats.append(rel.features)
         labels.append(rel.labels)
         owners.append(rel.owner)
@@ -482,16 +543,23 @@ def _run_audit(spec: AuditSpec, seed: int | None, progress: Callable[[str], None
     if spec.method in MP_FAMILY:  # one secret R per release scales every canary's noise: one trial per release
         first = np.r_[True, grp[1:] != grp[:-1]]  # the threshold is chosen for the same count (the fit used all)
         scores, lab, grp = scores[first], lab[first], grp[first]
-    bound = audit_scores(scores, lab, grp, spec.delta, spec.alpha)
+    bound = audit_scores(scores, lab, grp, spec.claim_delta, spec.alpha)
     key = "epsilon_uplink" if spec.direction == "upload" else "epsilon_downlink"
     claimed = float(claims.get(key, math.inf))
     notes = [f"claim: the run's {key} after one round at epsilon={spec.epsilon} (one-round mechanism)"]
+    if spec.method == "niss" and spec.direction == "upload":
+        notes.append("niss: epsilon_uplink is accounted with each upload's own noise sigma_k; the server's best linear "
+                     "combination of all uploads keeps less (sigma_k^2 (2 + tau^2 + 2/m) / (1 + 2/(m tau^2)) for a "
+                     "complete graph of m + 1 clients: 0.795 sigma_k^2 at 4 clients), so the claim is below the "
+                     "joint view's Gaussian-equivalent epsilon")
+    if spec.method in PURE_DP:
+        notes.append("claim: pure epsilon-DP (Laplace); the bound uses delta = 0")
     if spec.canary_kind == "adaptive":
         notes.append("canary: adaptive (a label flip that also moves ladp's KL estimate; statistic: shift and noise scale)")
     if spec.method in MP_FAMILY:
         notes.append("MP family: the release's secret R scales the noise of all its canaries, so the threshold and the "
                      "bound count one canary per release (the others fit the test)")
-    return AuditReport(spec.method, spec.direction, spec.canary_kind, spec.colluders, spec.fault, claimed, spec.delta,
+    return AuditReport(spec.method, spec.direction, spec.canary_kind, spec.colluders, spec.fault, claimed, spec.claim_delta,
                        ADJACENCY, bound, int(keep_all.sum()), releases, time.perf_counter() - t0, notes)
 
 
