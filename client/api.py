@@ -1,7 +1,9 @@
 """Use a cancelfl method in your own Flower ClientApp, with your own PyTorch model and local data.
 
-Two ways, both driven by the run config the ServerApp's strategy was built with (``method``,
-``epsilon``, ``clip``, ...; put the same keys in your app's ``[tool.flwr.app.config]``):
+Two ways, both driven by the settings the ServerApp's strategy was built with (``method``, ``epsilon``,
+``clip``, ...): the strategy sends them in every message (:mod:`client.messages.settings`), so the client
+needs no copy and works without a run config (``flwr.simulation.run_simulation``).  Where the client's
+run config names a ``method`` too, it must be the strategy's; otherwise the message is refused with the fix:
 
 * :func:`attach` registers the method's train handler and its extra message phases (key
   exchange, share relay) on your ``ClientApp``; ``load(context)`` returns your model and this
@@ -35,6 +37,7 @@ from torch import nn
 
 from client.env import ClientEnv
 from client.floor import admit
+from client.messages.settings import settings_of
 from client.methods import query_actions, query_handler, train_handler
 from protocols.config import RunConfig
 
@@ -42,9 +45,15 @@ from protocols.config import RunConfig
 Loader = Callable[[Context], tuple[nn.Module, np.ndarray, np.ndarray]]
 
 
-def client_env(context: Context, model: nn.Module, x: np.ndarray, y: np.ndarray) -> ClientEnv:
-    """The method's view of this client: run config, identity, your data, copies of your model."""
-    cfg = RunConfig.from_mapping(context.run_config, strict=False)
+def client_env(context: Context, model: nn.Module, x: np.ndarray, y: np.ndarray,
+               msg: Message | None = None) -> ClientEnv:
+    """The method's view of this client: settings, identity, your data, copies of your model.
+
+    Settings come from ``msg`` (what the strategy sent, checked against the run config) or, without
+    ``msg``, from the run config (ConfigError if it names no method, or a mismatch).
+    """
+    cfg = settings_of(msg, context.run_config) if msg is not None else RunConfig.from_mapping(context.run_config,
+                                                                                              strict=False)
     x = np.asarray(x, dtype=np.float32)
     y = np.asarray(y, dtype=np.int64)
     if len(x) != len(y) or len(y) == 0:
@@ -63,7 +72,7 @@ def protect(msg: Message, context: Context, model: nn.Module, x: np.ndarray, y: 
     ``train`` messages: the method's local step and upload protection; ``query.<action>`` messages: the
     method's extra phases.  ``model`` itself is not modified (the method trains a copy).
     """
-    env = client_env(context, model, x, y)
+    env = client_env(context, model, x, y, msg)
     kind = msg.metadata.message_type
     if kind == "train":
         admit(msg, env)  # the node's privacy floor and ledger, as in the stock ClientApp (client.floor)

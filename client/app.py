@@ -10,6 +10,7 @@ from client.env import ClientEnv
 from client.floor import admit
 from client.messages.federation import ACTION as FEDERATION
 from client.messages.federation import FederationInfo
+from client.messages.settings import settings_of
 from client.methods import query_actions, query_handler, train_handler
 
 app = ClientApp()
@@ -17,7 +18,8 @@ app = ClientApp()
 
 def _cdp_clipping(msg: Message, context: Context, call_next) -> Message:
     """Flower's ``fixedclipping_mod``, applied only to client-level central DP (record level clips per example)."""
-    if context.run_config.get("method") == "cdp" and context.run_config.get("privacy-unit", "record") == "client":
+    settings = settings_of(msg, context.run_config)
+    if settings.method == "cdp" and settings.privacy_unit == "client":
         return fixedclipping_mod(msg, context, call_next)
     return call_next(msg, context)
 

@@ -46,6 +46,7 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from client.messages.common import TrainIns, mean_metrics, num_examples
 from client.messages.ledger import SpentReport
+from client.messages.settings import MISMATCH, with_settings
 from client.wire import Weights, array_view, from_record, to_record
 from protocols.arrays import flatten
 from protocols.config import ConfigError, RunConfig
@@ -57,10 +58,17 @@ from strategies.validation import ReplyScreen, RoundFailed, Strikes, UploadSpec,
 
 
 def split_replies(replies: Iterable[Message]) -> tuple[list[Message], list[str]]:
-    """Separate good replies from failures, describing each failure."""
+    """Separate good replies from failures, describing each failure.
+
+    Raises:
+        ConfigError: a client refused the strategy's settings (another method configured on the client side).
+    """
     good, errors = [], []
     for r in replies:
         if r.has_error():
+            if MISMATCH in r.error.reason:
+                line = next(ln for ln in r.error.reason.splitlines() if MISMATCH in ln)
+                raise ConfigError(line[line.index(MISMATCH):])
             errors.append(f"node {r.metadata.src_node_id}: {r.error.reason}")
         else:
             good.append(r)
@@ -219,8 +227,11 @@ class CancelStrategy(Strategy):
         return self.sampled
 
     def make_messages(self, nodes: Iterable[int], content_fn, message_type: str = "train") -> list[Message]:
-        """One message per node with content from ``content_fn(node_id) -> RecordDict``."""
-        return [Message(content_fn(n), n, message_type) for n in nodes]
+        """One message per node with content from ``content_fn(node_id) -> RecordDict``.
+
+        Each carries the strategy's settings (:mod:`client.messages.settings`): the client acts on them.
+        """
+        return [Message(with_settings(content_fn(n), self.cfg), n, message_type) for n in nodes]
 
     def exchange(self, grid: Grid, nodes: Iterable[int], content_fn, action: str) -> tuple[dict[int, Message], list[str]]:
         """Run one extra ``query.<action>`` phase; returns good replies by node and errors."""
