@@ -70,7 +70,7 @@ from client.wire import from_record, to_record
 from protocols.config import ConfigError, RunConfig
 from protocols.methods import FULL_BATCH
 from protocols.pairwise import pairwise_noise
-from protocols.privacy.audit import AuditBound, audit_scores
+from protocols.privacy.audit import AuditBound, audit_scores, fisher_scores
 from server.audit_canaries import MLP_HIDDEN, CanaryModel, _AdaptiveCanaries, _Canaries, _client_app
 from server.local_grid import LocalGrid
 from strategies.registry import strategy_class
@@ -440,26 +440,6 @@ def _strip(strategy, grid: LocalGrid, target: int, survivors: list[int], uploads
 
 
 # ------------------------------------------------------------------------------------------- the audit
-def _fisher_scores(views: np.ndarray, labels: np.ndarray, owner: np.ndarray, fit: np.ndarray) -> np.ndarray:
-    """Fisher discriminant per owner, fitted on the trials ``fit``; scores of every trial.
-
-    ``views``: (trials, v) coordinates of each canary in each view vector.  Within-class covariance pooled
-    over owners and labels (ridge 1e-12 x trace for views without noise).
-    """
-    scores = np.empty(len(labels))
-    for o in np.unique(owner):
-        rows = owner == o
-        f = fit & rows
-        mu_p = views[f & (labels > 0)].mean(0)
-        mu_n = views[f & (labels < 0)].mean(0)
-        centred = np.where((labels[f] > 0)[:, None], views[f] - mu_p, views[f] - mu_n)
-        cov = centred.T @ centred / max(len(centred) - 2, 1)
-        cov += np.eye(len(cov)) * (1e-12 * np.trace(cov) + 1e-300)
-        w = np.linalg.solve(cov, mu_p - mu_n)
-        scores[rows] = (views[rows] - (mu_p + mu_n) / 2) @ w
-    return scores
-
-
 def run_audit(spec: AuditSpec, *, seed: int | None = None, progress: Callable[[str], None] | None = None
               ) -> AuditReport:
     """Run ``spec``: releases until ``trials`` canaries, then the test; ``seed`` fixes the canary labels only."""
@@ -539,7 +519,7 @@ def _audit_releases(spec: AuditSpec, raw: dict, seed: int | None, progress: Call
     lab = np.concatenate(labels)[keep_all]
     own = np.concatenate(owners)[keep_all]
     grp = np.concatenate(groups)[keep_all]
-    scores = _fisher_scores(v, lab, own, grp % 2 == 0)
+    scores = fisher_scores(v, lab, own, grp % 2 == 0)
     if spec.method in MP_FAMILY:  # one secret R per release scales every canary's noise: one trial per release
         first = np.r_[True, grp[1:] != grp[:-1]]  # the threshold is chosen for the same count (the fit used all)
         scores, lab, grp = scores[first], lab[first], grp[first]

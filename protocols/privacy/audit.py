@@ -169,3 +169,23 @@ def audit_scores(scores: np.ndarray, labels: np.ndarray, groups: np.ndarray, del
     t = select_threshold(r[sel], delta, alpha)
     tp, fp = _counts(r[ev], np.array([t]))
     return epsilon_lower_bound(int(tp[0]), int(fp[0]), ev.size, delta, alpha, threshold=t)
+
+
+def fisher_scores(views: np.ndarray, labels: np.ndarray, owner: np.ndarray, fit: np.ndarray) -> np.ndarray:
+    """Fisher discriminant per owner, fitted on the trials ``fit``; scores of every trial.
+
+    ``views``: (trials, v) coordinates of each canary in each view vector.  Within-class covariance pooled
+    over owners and labels (ridge 1e-12 x trace for views without noise).
+    """
+    scores = np.empty(len(labels))
+    for o in np.unique(owner):
+        rows = owner == o
+        f = fit & rows
+        mu_p = views[f & (labels > 0)].mean(0)
+        mu_n = views[f & (labels < 0)].mean(0)
+        centred = np.where((labels[f] > 0)[:, None], views[f] - mu_p, views[f] - mu_n)
+        cov = centred.T @ centred / max(len(centred) - 2, 1)
+        cov += np.eye(len(cov)) * (1e-12 * np.trace(cov) + 1e-300)
+        w = np.linalg.solve(cov, mu_p - mu_n)
+        scores[rows] = (views[rows] - (mu_p + mu_n) / 2) @ w
+    return scores
