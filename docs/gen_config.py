@@ -182,31 +182,39 @@ def render_benchmarks(results: Path, page_dir: str = "results") -> str:
     for name in BENCHMARKS:
         line = summary(name)[0]  # the benchmark's HELP, read without importing it
         lines += ["", f"## {name}", "", f"{line[:1].upper()}{line[1:]}.", ""]
-        folder = results / name
-        record_file = folder / "record.json"
-        if not record_file.is_file():
+        # docs/results/<name>/ and any docs/results/<name>-<setting>/ (e.g. roundtime-deployment): one record each
+        folders = [f for f in (results / name, *sorted(results.glob(f"{name}-*"))) if (f / "record.json").is_file()]
+        if not folders:
             lines += ["To record a result:", "", "```bash", commands[name], "```", "",
                       "No result has been recorded yet.", ""]
             continue
-        record = json.loads(record_file.read_text())
-        host = record.get("machine") or {}
-        load = host.get("load_average")
-        lines += ["| | |", "|---|---|",
-                  f"| command | `{_cell(record.get('command', '?'))}` |",
-                  f"| date (UTC) | {record.get('date', '?')} |",
-                  f"| commit | `{record.get('commit') or 'unknown'}` |",
-                  f"| machine | {_text(str(host.get('cpu', '?')))}, {host.get('cores', '?')} cores"
-                  + (f", GPU {host['gpu']}" if host.get("gpu") else "")
-                  + (f", load average at start {load[0]}" if load else "") + " |",
-                  f"| exit status | {record.get('exit_status', '?')} (wall {record.get('wall_s', '?')} s) |", ""]
-        for file in sorted(record.get("files", [])):
-            path = folder / file
-            if path.suffix == ".md" and path.is_file():
-                lines += [_demote(path.read_text()).strip(), ""]
-        for file in sorted(record.get("files", [])):
-            if file.endswith(".png") and (folder / file).is_file():
-                lines += [f"![{name}: {file}]({page_dir}/{name}/{file})", ""]
+        for folder in folders:
+            lines += _render_record(folder, name if folder.name == name else folder.name, page_dir)
     return "\n".join(lines).strip() + "\n"
+
+
+def _render_record(folder: Path, title: str, page_dir: str) -> list[str]:
+    """One recorded result: its provenance table, its markdown tables and its plots."""
+    lines: list[str] = [] if "-" not in title else [f"### {title}", ""]
+    record = json.loads((folder / "record.json").read_text())
+    host = record.get("machine") or {}
+    load = host.get("load_average")
+    lines += ["| | |", "|---|---|",
+              f"| command | `{_cell(record.get('command', '?'))}` |",
+              f"| date (UTC) | {record.get('date', '?')} |",
+              f"| commit | `{record.get('commit') or 'unknown'}` |",
+              f"| machine | {_text(str(host.get('cpu', '?')))}, {host.get('cores', '?')} cores"
+              + (f", GPU {host['gpu']}" if host.get("gpu") else "")
+              + (f", load average at start {load[0]}" if load else "") + " |",
+              f"| exit status | {record.get('exit_status', '?')} (wall {record.get('wall_s', '?')} s) |", ""]
+    for file in sorted(record.get("files", [])):
+        path = folder / file
+        if path.suffix == ".md" and path.is_file():
+            lines += [_demote(path.read_text()).strip(), ""]
+    for file in sorted(record.get("files", [])):
+        if file.endswith(".png") and (folder / file).is_file():
+            lines += [f"![{title}: {file}]({page_dir}/{folder.name}/{file})", ""]
+    return lines
 
 
 if __name__ == "__main__":
