@@ -124,8 +124,24 @@ def _run_child(argv: list[str], fds: list[int]) -> None:
         os._exit(code)
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this process when the process that started it exits, whatever this one is doing."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+
+
 def serve(path: Path, parent_pid: int | None = None, poll: float = 0.05) -> None:
-    """Serve ``flwr-clientapp`` requests on the Unix socket ``path`` until ``parent_pid`` is gone."""
+    """Serve ``flwr-clientapp`` requests on the Unix socket ``path`` until ``parent_pid`` is gone.
+
+    Until the socket exists (the preload takes seconds) the shim runs the real ``flwr-clientapp``.
+    """
+    _die_with_parent()
+    if parent_pid is not None and not _alive(parent_pid):
+        return
     _preload()
     path.unlink(missing_ok=True)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -123,3 +123,25 @@ def test_the_round_loop_pulls_deployment_replies_without_flowers_3_s_wait(monkey
     t = time.perf_counter()
     assert MeteredGrid(HttpGrid(ready_after=60)).send_and_receive(msgs, timeout=0.5) == []
     assert time.perf_counter() - t < 2.0
+
+
+def test_the_zygote_exits_with_the_process_that_started_it(tmp_path):
+    """A SuperNode that dies while its zygote is stuck importing leaves no zygote behind (parent-death signal)."""
+    stuck = ("import time, server.clientapp_zygote as z; z._preload = lambda: time.sleep(3600); "
+             f"z.main([{str(tmp_path / 'z.sock')!r}])")  # no --parent-pid: only the death signal can end it
+    starter = ("import os, subprocess, sys, time; "
+               f"p = subprocess.Popen([sys.executable, '-c', {stuck!r}]); print(p.pid, flush=True); time.sleep(2)")
+    parent = subprocess.Popen([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True)
+    zygote = int(parent.stdout.readline())
+    parent.wait(timeout=60)
+    deadline = time.time() + 30
+    while time.time() < deadline and Path(f"/proc/{zygote}").exists() and "Z" not in _state(zygote):
+        time.sleep(0.1)
+    assert not Path(f"/proc/{zygote}").exists() or "Z" in _state(zygote)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
