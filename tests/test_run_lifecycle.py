@@ -450,7 +450,7 @@ def test_ledger_state_keeps_an_extra_account_shared_with_a_view():
 
 @pytest.mark.deployment
 def test_killed_supernodes_children_are_stopped_with_the_cluster():
-    """A SuperNode killed by SIGKILL leaves its ``flower-superexec`` running; closing the cluster stops it."""
+    """A SuperNode killed by SIGKILL can leave its ``flower-superexec`` running; closing the cluster stops it."""
     from server.deploy import LocalCluster
 
     with LocalCluster(1) as cluster:
@@ -462,10 +462,8 @@ def test_killed_supernodes_children_are_stopped_with_the_cluster():
                         and "flower-superexec" in _cmdline(p)]  # the warm ClientApp process dies with its SuperNode
             time.sleep(0.5)
         assert children, "the SuperNode started no child (flower-superexec)"
-        os.kill(supernode.pid, signal.SIGKILL)
+        os.kill(supernode.pid, signal.SIGKILL)  # its children may outlive it (Flower's parent monitor polls)
         supernode.wait()
-        time.sleep(1.0)
-        assert not all(pid_gone(p) for p in children)  # what a leader-only stop would leave behind
     assert all(pid_gone(p) for p in children)
     assert cluster.procs.descendants() == []
 
