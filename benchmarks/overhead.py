@@ -213,22 +213,3 @@ def _engine_point(name: str, epsilon: float, clients: int, base: dict, method_se
     if any(r["failed"] for r in rows):
         res.status = f"failed {sum(r['failed'] for r in rows)}/{len(rows)} rounds"
     return res
-    res.total_s = time.perf_counter() - t0
-    metrics = out_dir / "metrics.jsonl"
-    if code != 0 or not metrics.exists():
-        res.status = f"error: simulation exit code {code}"
-        return res
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    res.rounds = len(rows)
-    timed = [r for r in rows if r["round"] > 1 and not r["failed"]] or rows
-    res.round_s = float(np.median([r["round_time_s"] for r in timed]))
-    res.deployed_s = res.round_s
-    res.bytes_down = float(np.mean([r["bytes_sent_per_client"] for r in timed]))
-    res.bytes_up = float(np.mean([r["bytes_received_per_client"] for r in timed]))
-    res.final_accuracy = rows[-1].get("test_accuracy", math.nan)
-    res.extra["first_round_s"] = rows[0]["round_time_s"]
-    res.extra["peak_rss_mb"] = peak_rss(timed)
-    res.extra["phases"] = "+".join(sorted(timed[-1].get("phase_time_s", {})))
-    if any(r["failed"] for r in rows):
-        res.status = f"failed {sum(r['failed'] for r in rows)}/{len(rows)} rounds"
-    return res
