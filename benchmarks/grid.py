@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
                  "intermediate servers, from the clients' share_bytes metric)")
     notes.append("epsilon_reported/uplink/downlink as the method reports them after the last round (inf = no "
                  "guarantee); the configured epsilon is the whole-run budget of every method")
-    notes.append("keys the grid leaves unset take each method's regime (protocols/methods.py)")
+    notes.append("keys the grid leaves unset take each method's regime (protocols/methods/)")
     plot(rows, out)
     common.publish(rows, COLUMNS, args, "results", title="Privacy-utility-cost grid", notes=notes, total=total)
     print(f"wrote {out}/results.csv, results.md, accuracy_vs_epsilon.png, round_time.png")

@@ -83,13 +83,10 @@ def protect(msg: Message, context: Context, model: nn.Module, x: np.ndarray, y: 
 
 
 def attach(app: ClientApp, load: Loader) -> ClientApp:
-    """Register every cancelfl handler (train and all extra phases) on ``app``; returns ``app``.
+    """Register every cancelfl handler (train and all extra phases) on ``app``; returns ``app``."""
+    from client.app import FEDERATION, federation
 
-    For ``cdp`` the train handler also gets Flower's ``fixedclipping_mod`` (as the stock ClientApp does).
-    """
-    from client.app import FEDERATION, _cdp_clipping, federation
-
-    @app.train(mods=[_cdp_clipping])
+    @app.train()
     def _train(msg: Message, context: Context) -> Message:
         return protect(msg, context, *load(context))
 

@@ -7,7 +7,7 @@ post-processing: any optimizer costs no privacy.  Two are offered (run-config ``
 * ``sgd``:  theta <- theta - lr g                         (the MP paper's xi; DDP-SA's Algorithm 2)
 * ``adam``: theta <- theta - lr m_hat / (sqrt(v_hat) + eps)   (Kingma & Ba, bias-corrected moments)
 
-Why Adam is the default of these methods (protocols/methods.py): DDP-SA's own experiments train its LDP and
+Why Adam is the default of these methods (protocols/methods/): DDP-SA's own experiments train its LDP and
 DDP-SA arms with Adam (its Sec. VI, "the Adam optimizer with learning rate 0.001"), and the MP family's
 squared-loss MLP is badly conditioned for plain SGD.  Measured (mpcdp, 30 rounds): noise-free digits
 0.39 with SGD xi = 3 against 0.72 with Adam lr = 0.01; breast-cancer at epsilon 1 0.57 against 0.95.  Adam's

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from protocols.config import ConfigError, RunConfig
+from protocols.methods import local_services
 from protocols.tls import CertificateAuthority
 from server.defaults import APP_DIR, app_defaults
 from server.intermediate.launcher import IntermediateServerCluster, local_intermediate_servers, start_intermediate_servers
@@ -486,13 +487,13 @@ class LocalCluster:
         defaults = app_defaults()
         overrides = {**_absolute_out_dir(overrides, defaults), "num-clients": self.num_supernodes}
         cfg = RunConfig.from_mapping({**defaults, **overrides})
-        if cfg.method == "ddpsa" and not cfg.ddpsa_servers:
-            if len(self.intermediate) < cfg.ddpsa_num_servers:
-                raise ValueError(f"ddpsa needs {cfg.ddpsa_num_servers} intermediate servers; "
+        if need := local_services(cfg):
+            if len(self.intermediate) < need:
+                raise ValueError(f"{cfg.method} needs {need} intermediate servers; "
                                  f"the cluster has {len(self.intermediate)}")
             assert self._servers is not None
             overrides.update(self._servers.run_config())
-            overrides["ddpsa-servers"] = ",".join(self.intermediate[:cfg.ddpsa_num_servers])
+            overrides["ddpsa-servers"] = ",".join(self.intermediate[:need])
         self.procs.check_alive()
         return _final_check(overrides["out-dir"], submit(self.work, self.env, self.connection, overrides,
                                                          timeout=timeout))
@@ -511,7 +512,7 @@ def run_deployment(overrides: dict, *, num_supernodes: int = 4, tls: bool = Fals
     ``verbose``: detailed round lines and Flower's start-up messages (:func:`flower_env`).
     """
     cfg = RunConfig.from_mapping({**app_defaults(), **overrides})
-    n_inter = cfg.ddpsa_num_servers if cfg.method == "ddpsa" and not cfg.ddpsa_servers else 0
+    n_inter = local_services(cfg)
     # The nodes' privacy ledgers in the run folder, so that `cancelfl deploy --resume` continues them.
     ledgers = str(ledger_dir(cfg.out_dir)) if cfg.out_dir else None
     with LocalCluster(num_supernodes, tls=tls, intermediate_servers=n_inter, keep_workdir=keep_workdir,

@@ -33,6 +33,7 @@ import traceback
 from pathlib import Path
 
 from protocols.config import ConfigError, RunConfig, parse_run_config
+from protocols.methods import local_services
 from server.defaults import app_defaults
 from strategies.run.checkpoint import (
     CHECKPOINT_JSON,
@@ -84,7 +85,7 @@ def preflight(overrides: dict, *, warn=_warn) -> RunConfig:
         build_strategy(cfg).close()
     except ConfigError as err:
         # DDP-SA servers (and their credentials) the launcher starts later: every check before them passed.
-        if not (cfg.method == "ddpsa" and not cfg.ddpsa_servers.strip() and "'ddpsa-servers'" in str(err)):
+        if not (local_services(cfg) and "'ddpsa-servers'" in str(err)):
             raise
     local_checks(cfg)
     for note in adjustments(cfg):
