@@ -39,6 +39,9 @@ from client.models import build_model
 from protocols.per_example import clipped_grad_sum, fast_path_blocker, vmap_clipped_grad_sum
 
 HELP = "per-example clipping examples/s: ours vs Opacus (L2) and the vmap reference (L1)"
+#: What ``cancelfl-bench reproduce`` compares (column -> relative tolerance) and the row key.
+FIGURES: dict[str, float] = {"x_plain": 0.3, "ours_speedup": 0.3}
+KEY = ("model", "batch", "norm", "implementation")
 COLUMNS = ("model", "batch", "norm", "implementation", "examples_per_s", "x_plain", "ours_speedup", "max_rel_diff")
 
 Step = Callable[[], list[torch.Tensor]]

@@ -45,6 +45,11 @@ GOALS: dict[str, float] = {"nadp": 1.1, "niss": 1.1, "mpddp": 1.1, "ldp": 1.1, "
 #: In deployment every method's round within 1.2x FedAvg's (each extra message phase is one more round trip).
 DEPLOYMENT_GOALS: dict[str, float] = {m: 1.2 for m in ("nadp", "niss", "mpddp", "ldp", "cdp", "ladp", "ddpsa")}
 
+#: What ``cancelfl-bench reproduce`` compares (column -> relative tolerance; text columns exactly) and the row key.
+FIGURES: dict[str, float] = {"status": 0.0, "round_s_x_fedavg": 0.15, "client_s_x_fedavg": 0.2, "peak_rss_x_fedavg": 0.2,
+                             "bytes_per_client_round": 0.05}
+KEY = ("name",)
+
 COLUMNS = ("name", "clients", "status", "round_s", "round_s_x_fedavg", "goal", "meets_goal", "client_s",
            "client_s_x_fedavg", "server_s", "peak_rss_mb", "peak_rss_x_fedavg", "bytes_per_client_round",
            "final_accuracy")
