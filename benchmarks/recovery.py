@@ -18,7 +18,7 @@ with or without dropouts; cancelfl runs its recovery phase only in rounds with d
 
 In-process, sequential clients, CPU seconds (``time.process_time``: the shared machine's load does not
 inflate them): ``client_s`` is what one surviving client spends, ``server_s`` what the server spends; a
-deployment adds one round trip (6-9 s per phase with Flower 1.41's polling SuperNodes).
+deployment adds one round trip per phase.
 """
 
 from __future__ import annotations

@@ -227,10 +227,7 @@ def round_plan(
       the pair noise grows (the uploads then reveal little more than their sum), so ``sigma_up`` starts at
       Eq. 3's ratio to ``sigma_down`` and doubles until the joint view is within :data:`JOINT_SLACK` of the
       aggregate's; then both are scaled to the target.  Pair noise cancels, so it costs no accuracy.
-      Why not the paper's Eq. 3 as is: Lemma 2 composes uplink and downlink as ``2T`` queries against one
-      adversary, but the server's view of the uploads already contains the aggregate and the model's
-      recipients see only the aggregate, so each adversary sees ``T`` releases; and Lemma 2's closed form is
-      loose besides.  At epsilon 1 Eq. 3 spends ~0.7 of the budget (measured), with ~1.7x the model noise.
+      Each adversary (the server, the model's recipients) sees ``T`` releases, not Lemma 2's ``2T``.
     * ``"eq3"``: the paper's Eq. 3 (``sigma = Delta sqrt(4 T ln(1/delta)) / eps``).
     """
     key = (tuple(sorted(dataset_sizes.items())), tuple(sorted(sensitivities.items())), float(epsilon), float(delta),
@@ -244,7 +241,7 @@ def _round_plan_cached(key: tuple) -> tuple[NadpSigmas, NoiseAllocation]:
     """:func:`round_plan` of one hashable key, computed once per process.
 
     In one process (in-process runs, simulation workers) the server and every client of a round compute
-    the same plan; the rdp calibration's joint views cost ~0.1 s at 100 clients.
+    the same plan, and the rdp calibration's joint views are the costly part.
     """
     sizes_t, sens_t, epsilon, delta, rounds, graph_t, calibration = key
     dataset_sizes, sensitivities = dict(sizes_t), dict(sens_t)

@@ -109,7 +109,7 @@ class NoiseAllocation:
     #: :func:`graph_pair_variances`); ``None`` for the complete graph of Algorithm 2 (``theta``).
     pair_table: Mapping[int, Mapping[int, float]] | None = field(default=None, repr=False, compare=False)
     #: :meth:`joint_uplink_std` results by (lam, among): the server and, in one process, every client ask for
-    #: the same view of a round (a k x k Cholesky each; ~0.1 s at k = 100 on a busy machine).
+    #: the same view of a round (a k x k Cholesky each).
     _joint_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
