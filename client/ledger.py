@@ -19,8 +19,7 @@ epsilons add up at ``delta / 2`` each (basic composition).  While an account hol
 unsampled Gaussian releases, its epsilon is their exact Gaussian-DP composition (the
 analytic Gaussian profile of one Gaussian with the summed ``1/z^2``, :class:`GdpAccountant`),
 which is tighter than RDP's conversion and equal to the figure of a server that accounts
-exactly (LaDP): with RDP a node whose ``lifetime-epsilon`` was a run's target refused
-that run's last rounds (LaDP at epsilon 1 read 1.09).  ``runs`` keeps, per Flower
+exactly (LaDP), so a ``lifetime-epsilon`` equal to a run's target admits the whole run.  ``runs`` keeps, per Flower
 run id, the rounds this node trained (the privacy floor refuses a repeated round).
 """
 
