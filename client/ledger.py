@@ -19,7 +19,7 @@ epsilons add up at ``delta / 2`` each (basic composition).  While an account hol
 unsampled Gaussian releases, its epsilon is their exact Gaussian-DP composition (the
 analytic Gaussian profile of one Gaussian with the summed ``1/z^2``, :class:`GdpAccountant`),
 which is tighter than RDP's conversion and equal to the figure of a server that accounts
-exactly (LaDP), so a ``lifetime-epsilon`` equal to a run's target admits the whole run.  ``runs`` keeps, per Flower
+exactly (LaDP), so a ``lifetime-epsilon`` equal to such a run's target admits all its rounds.  ``runs`` keeps, per Flower
 run id, the rounds this node trained (the privacy floor refuses a repeated round).
 """
 
