@@ -14,7 +14,7 @@ full-batch gradient per round, its paper's setting): its ratio compares that rou
 
 Repeats are interleaved (fedavg, ldp, ..., fedavg, ldp, ...) and each ratio is taken against the
 FedAvg run of the same repeat, then the median over repeats is reported, because a shared machine's
-speed drifts between minutes.  Round 1 is excluded (imports, caches, the session key phase).
+speed drifts between minutes.  Round 1 is excluded (imports, caches, the first key phase).
 
 ``round_s`` is the round's wall time: in-process the clients run one after another (so it is the
 whole federation's compute plus the server's), under simulation and deployment it is what a Flower user waits.
