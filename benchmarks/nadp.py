@@ -93,7 +93,7 @@ def table(results: dict, args: argparse.Namespace) -> str:
 
 
 def acceptance(results: dict, args: argparse.Namespace) -> list[str]:
-    """The brief's checks at eps = 1 and N >= 50 (+ the like-for-like one against record-level LDP)."""
+    """Acceptance checks at eps = 1 and N >= 50: NADP >= 20 points above LDP and record-level LDP, within 5 of no-DP."""
     out = []
     for n in args.client_list:
         if n < 50 or 1.0 not in args.eps_list:
