@@ -11,10 +11,9 @@ Round ``t``:
    of them (else :class:`RoundFailed`, the round sealed unreleased, no epsilon charged), divides by
    ``N = sum N_i`` and steps ``theta_{t+1} = theta_t - eta * sum_i s_i / N``.
 
-``self.privacy`` composes this round's ``eps_t`` (:func:`protocols.privacy.per_round_epsilons`, Theorem 2,
-Eq. 12) when its sum is reconstructed; with distributed noise and dropouts it charges the epsilon the noise
-really gives (:func:`protocols.ddpsa.gamma_difference_epsilon`).  The strategy never starts intermediate
-servers.  Sharing, noise modes and trust assumptions: ``docs/methods/ddpsa.md``.
+``self.privacy`` composes ``eps_t`` (:func:`protocols.privacy.per_round_epsilons`, Theorem 2, Eq. 12) when a
+round's sum is reconstructed, or the epsilon the noise present really gives
+(:func:`protocols.ddpsa.gamma_difference_epsilon`).  Sharing, noise, trust: ``docs/methods/ddpsa.md``.
 """
 
 from __future__ import annotations

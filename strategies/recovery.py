@@ -12,8 +12,8 @@ subtracts the survivors' corrections, so the aggregate is what the survivors alo
 * direct reveal (``self-mask = false``): the phase runs only in rounds with dropouts; survivors reveal that
   round's pair material with the dropped; a second dropout fails the round (:class:`~strategies.base.RoundFailed`).
 
-Clients check every request (:func:`client.recovery.check_request`).  Accountants are charged with the noise
-really left (:func:`charge_shortfall`).  Threat model, costs and round fields: ``docs/robustness.md``.
+Accountants are charged with the noise really left (:func:`charge_shortfall`).  Threat model, client-side
+checks (:func:`client.recovery.check_request`), costs and round fields: ``docs/robustness.md``.
 """
 
 from __future__ import annotations
