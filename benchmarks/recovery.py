@@ -8,9 +8,10 @@ the server's time (including removing the revealed noise) and the phase's bytes 
 
 Flower's SecAgg+ (``SecAggPlusWorkflow`` + ``secaggplus_mod``, same model and data, ``--secagg-shares`` shares,
 threshold ``--secagg-threshold``): the same fraction drops before ``collect_masked_vectors`` and its ``unmask``
-stage is measured the same way.  SecAgg+ runs that stage every round; cancelfl's direct reveal only in rounds with
-dropouts.  Times are CPU seconds (``time.process_time``, so machine load does not inflate them) of sequential
-in-process clients; a deployment adds one round trip per phase.
+stage is measured the same way.  SecAgg+ runs that stage every round, as does cancelfl's double masking
+(``self-mask``); its direct reveal runs only in rounds with dropouts.  Times are CPU seconds
+(``time.process_time``, so machine load does not inflate them) of sequential in-process clients; a deployment
+adds one round trip per phase.
 """
 
 from __future__ import annotations
