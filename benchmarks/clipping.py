@@ -11,14 +11,14 @@ MLP 784-128-10 and the SmallCNN of :mod:`client.models`:
   (per-sample gradients by hooks, then ``DPOptimizer.clip_and_accumulate``) and
   ``GradSampleModuleFastGradientClipping`` with ghost clipping (two backward passes);
 * L1 (DDP-SA): the same function with ``norm="l1"`` against our ``torch.func`` vmap reference
-  (:func:`protocols.per_example.vmap_clipped_grad_sum`, what DDP-SA used before);
+  (:func:`protocols.per_example.vmap_clipped_grad_sum`);
 * a plain forward and backward of the summed loss as the floor (``x plain`` = time / its time).
 
 Repeats are interleaved and reported as medians; every competitor's clipped sum is checked
 against ours on the timed batch (``max rel diff``; Opacus adds 1e-6 to the norm). Opacus is
 a benchmark-only dependency (``pip install -e .[bench]``); without it its rows say so.
-Also times the DDP-SA client's clipped L1 gradient sum over one client's 6,000 MNIST
-examples (``--ddpsa-examples``), the step that dominated a DDP-SA round.
+Also times the DDP-SA client's clipped L1 gradient sum over one client's MNIST examples
+(``--ddpsa-examples``), the main cost of its round.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ COLUMNS = ("name", "epsilon", "clients", "status", "final_accuracy", "epsilon_re
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Options of ``cancelfl-bench grid`` (defaults: ~14 min on 2 shared cores)."""
+    """Options of ``cancelfl-bench grid`` (the defaults run for several minutes)."""
     common.add_federation_arguments(p, dataset="mnist", train_subset=6000, test_subset=2000, rounds=15, hidden="32",
                              out="runs/bench/grid", methods="all", batch_size=100000, lr=0.5)
     p.add_argument("--epsilons", default="1,8")

@@ -1,41 +1,14 @@
 """Client side of the key-exchange phase shared by every pairwise-noise method.
 
-``handle_keys`` answers ``query.keys`` (:class:`client.messages.keys.KeyRequest`)
-with a fresh X25519 public key for the server's key epoch (run-config
-``key-rotation``) and keeps the private key in ``Context.state`` (the only
-storage that survives between phases and rounds: in deployment every message
-runs in a new process).  ``pair_seeds`` derives one 32-byte seed per neighbour
-named in the message's :class:`~client.messages.keys.PeerKeys` with HKDF,
-separated by purpose, round, pair and run id, so no seed is ever reused even
-when the key pair lives for many rounds.  The X25519 shared secrets of an epoch
-are cached next to the private key (keyed by the peer's id *and* public key, so
-a re-keyed peer is agreed anew).
-
-Authentication (:mod:`client.identity`): the key reply carries this node's
-Ed25519 signature over (run id, key epoch, roster name, node id, X25519 key);
-``pair_seeds`` verifies every peer key it has not verified before against the
-roster and refuses (``IdentityError`` naming the node) an unknown, unsigned or
-wrongly signed one, so a server substituting its own X25519 keys is caught.
-
-Consistent views (SecAgg's concern: a server must not isolate a client by
-showing it a peer set the others do not share).  Choice: bind the round's
-*view* into every pair seed, at no extra message phase.  ``round_view`` checks
-the view the message shows (own id and every peer among the participants, the
-peer list equal to this node's row of the graph rebuilt from the public graph
-seed, and that seed equal to the one the run, round, key epoch and participants
-determine, :func:`protocols.identity.view_graph_seed`, so the server cannot try
-seeds until a target's neighbours are its colluders) and hashes (run id, round,
-key epoch, graph rule, graph seed, sorted participant ids) into the HKDF context.  Two clients therefore derive the same
-pair seed only if the server showed both the same participant set and graph: a
-client shown a different set ends up with masks (and, in NISS, relay keys) that
-nobody else can derive -- its upload stays protected, the server learns
-nothing, and the round fails to cancel (NISS: every relayed payload fails
-authentication and the round is refused).  A view consisting of the client and
-colluders only is a small round the client sees and judges itself (privacy
-floor).  The alternative -- every client signing the view and the server
-relaying the signatures before anyone uploads (SecAgg's ConsistencyCheck) --
-costs one more message phase per round (6-9 s in deployment) and is only needed
-before a client *reveals* pair secrets to the server (dropout recovery).
+* :func:`handle_keys` answers ``query.keys`` (:class:`client.messages.keys.KeyRequest`) with a fresh X25519 public
+  key for the server's key epoch, signed with the node's Ed25519 identity (:mod:`client.identity`); the private
+  key and the epoch's shared secrets (keyed by peer id and public key) stay in ``Context.state``.
+* :func:`pair_seeds` derives one 32-byte seed per neighbour with HKDF, separated by purpose, round, pair, run id
+  and the round's view; it refuses (``IdentityError`` naming the node) an unknown, unsigned or wrongly signed
+  peer key.
+* :func:`round_view` checks the view the message shows (participants, this node's row of the graph rebuilt from
+  :func:`protocols.identity.view_graph_seed`) and hashes it, so clients shown different views derive no common
+  seed.  Rationale: ``docs/concepts.md`` (Key exchange).
 """
 
 from __future__ import annotations

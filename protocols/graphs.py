@@ -1,26 +1,14 @@
 """Communication graphs over which pairwise (cancelling) noise is shared.
 
-What
-----
-* ``complete_graph``: every pair of nodes shares a seed (O(n^2) pairs, maximal privacy).
-* ``n_out_graph``: each node picks ``n_out`` distinct other nodes uniformly at random; an
-  undirected edge exists if either endpoint picked the other (the random n-out graph
-  used by SecAgg+-style protocols: O(n log n) pairs suffice for connectivity w.h.p. when
-  n_out ~ log n).
+* :func:`complete_graph`: every pair of nodes shares a seed (O(n^2) pairs).
+* :func:`n_out_graph`: each node picks ``n_out`` distinct others uniformly; an undirected edge exists if either
+  endpoint picked the other (SecAgg+-style; ``n_out ~ log n`` keeps it connected w.h.p.).
 
-Why deterministic
------------------
-Every client must compute the *same* graph without talking to the others, otherwise a
-noise vector is added at one end of an edge but not subtracted at the other. The graph is
-therefore a pure function of (set of node ids, n_out, round_seed): node ids are sorted
-first (input order is irrelevant) and all randomness comes from the AES-CTR PRG
-(``protocols.prg``), not from numpy's RNG. Draws are exact (unbiased partial
-Fisher-Yates with rejection-sampled integers).
-
-Both functions return ``{node: sorted list of neighbours}`` (symmetric adjacency).
-``round_graph`` is THE rule that picks one of them for a round (run-config ``graph``
-and ``n-out``): the server's key phase, NISS's re-graph and the nadp client all call
-it, so both ends of every pair agree on the graph.
+Both return ``{node: sorted neighbours}`` (symmetric) and are pure functions of (node ids, n_out, round seed):
+ids are sorted first and randomness comes from :mod:`protocols.prg` (unbiased partial Fisher-Yates), because
+every client must compute the same graph without talking to the others.  :func:`round_graph` is the one rule
+that picks the graph of a round (run-config ``graph``, ``n-out``), used by the server's key phase, NISS and the
+nadp client alike.
 """
 
 from __future__ import annotations

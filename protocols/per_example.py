@@ -1,29 +1,17 @@
 """Per-example gradient clipping at about the cost of one backward pass (L2 for DP-SGD, L1 for DDP-SA).
 
-Record-level DP methods need ``sum_i clip(g_i, C)`` over a batch, where ``g_i`` is the
-gradient of example i's loss and ``clip`` rescales it to norm ``<= C``. Materialising every
-``g_i`` (``torch.func.vmap``) costs hundreds of plain backward passes. For the layers
-DP models are made of, the norm and the clipped sum follow from what one backward pass
-already has: the layer input ``a_i`` and the gradient ``delta_i`` of the loss w.r.t. the
-layer output (examples are independent, so backpropagating ``sum_i loss_i`` gives every
-``delta_i``).
+Record-level DP needs ``sum_i clip(g_i, C)`` over a batch.  For the supported layers the per-example norms and the
+clipped sum follow from one backward pass: the layer input ``a_i`` and the output gradient ``delta_i``.
 
-- ``nn.Linear`` on ``(B, in)``: the per-example weight gradient is the outer product
-  ``delta_i a_i^T``, so ``||.||_2^2 = |delta_i|^2 |a_i|^2`` and ``||.||_1 = |delta_i|_1 |a_i|_1``
-  exactly; the bias gradient is ``delta_i``.
-- ``nn.Conv2d`` (and ``nn.Linear`` with extra axes): with the input unfolded into patches
-  ``A_i`` (``K x L``, one column per output position) and ``D_i`` (``O x L``), the weight
-  gradient is ``D_i A_i^T``. It is built per example in chunks (L1, or L2 when cheaper),
-  or its L2 norm comes from the Gram matrices, ``<A_i^T A_i, D_i^T D_i>`` ("ghost norm"),
-  when ``L^2 (K + O) < O K L``.
-- The clipped sum is a second contraction with each example's scale folded into its
-  delta: ``sum_i s_i D_i A_i^T = (s * D) A^T``, one matmul per layer.
+- ``nn.Linear`` on ``(B, in)``: the weight gradient is ``delta_i a_i^T``, so ``||.||_2^2 = |delta_i|^2 |a_i|^2``
+  and ``||.||_1 = |delta_i|_1 |a_i|_1`` exactly; the bias gradient is ``delta_i``.
+- ``nn.Conv2d`` (and ``nn.Linear`` with extra axes): with unfolded patches ``A_i`` and ``D_i`` the weight gradient
+  is ``D_i A_i^T``, built per example in chunks or, for L2 when cheaper, normed via Gram matrices ("ghost norm").
+- The clipped sum is ``(s * D) A^T``: one matmul per layer with each example's scale folded into its delta.
 
-Models with any trainable parameter outside a supported layer (or a supported layer
-called other than once per forward) take the generic ``torch.func`` path,
-:func:`vmap_clipped_grad_sum`, which is also the reference the tests compare against.
-Which path a model class takes is logged once. Both paths need a forward pass in which
-examples do not interact (no batch norm in train mode).
+Models with a trainable parameter outside a supported layer (or a layer called other than once per forward)
+take the generic ``torch.func`` path, :func:`vmap_clipped_grad_sum`, also the tests' reference.  Both paths need
+examples that do not interact in the forward pass (no batch norm in train mode).
 """
 
 from __future__ import annotations

@@ -1,55 +1,17 @@
 """Privacy audit: an empirical lower bound on epsilon from the method's real release code (``cancelfl audit``).
 
 Every release is a one-round run of the method on the in-process grid (:class:`server.local_grid.LocalGrid`):
-the registered strategy (:mod:`strategies.registry`) samples, runs its phases (key exchange, shares), sends
-the train messages, and the stock handlers of the method (:func:`client.api.attach`: the same train and query
-handlers a run uses, with the client's privacy floor and ledger) train and noise the uploads, which the
-strategy aggregates.  The audit only chooses the model and the data:
+the registered strategy (:mod:`strategies.registry`) and the method's stock client handlers
+(:func:`client.api.attach`, with the client's privacy floor and ledger) produce the uploads and the aggregate.
+The audit only chooses the model and the data: canary records (:mod:`server.audit_canaries`) whose label flip is
+a replace-one neighbour at the record sensitivity.  Views (``direction``): ``upload`` (what the server holds of
+the uploads, optionally with ``colluders`` handing it their pair material) or ``model`` (the published
+aggregate).  Each record's statistic is scored by :func:`protocols.privacy.audit.audit_scores` and compared with
+the claim of the strategy's own ledger after the round (``inf`` where none is made).
 
-* **white-box gradient canaries** (default): a bias-free linear model ``W`` (2 x d) starting at 0, and per
-  client ``m`` records ``x = 10 clip e_k`` in its own block of input coordinates ``k``.  At ``W = 0`` record
-  k's per-example gradient points along ``v_k = (e_{1,k} - e_{0,k}) / sqrt 2`` (sign set by its label) with
-  norm above ``clip``, so its clipped gradient is exactly ``+-clip v_k``: the strongest record (the whole
-  clipping budget) in a direction no other record touches.  Flipping one label is a replace-one neighbour,
-  and it moves the full-batch step by ``2 clip lr / n_k`` along ``v_k``: the record sensitivity every
-  record-level method calibrates to (``record_sensitivity``).  Labels are drawn at random per record and
-  release; every record is one trial, read from its own coordinates (orthogonal canaries in an isotropic
-  noise are independent trials; the noise of every method is drawn independently per coordinate).
-* **MP family** (mpddp, mpdp-naive, mpcdp): the same records on a one-hidden-layer MLP
-  (:func:`server.audit_canaries.canary_mlp`) trained by FedSGD with the paper's xi step; a record's
-  coordinates are its column of the first layer.  The round's secret R scales the noise of every canary of
-  a release alike, so the threshold and the bound count one canary per release (the rest fit the test).
-  Upload view: each upload recovered alone with the round's R (what the server can compute).
-* **adaptive canaries** (ladp's default, :class:`server.audit_canaries._AdaptiveCanaries`): the label also
-  moves the layer's KL estimate across ladp's whole ``[B / max-boost, B]`` range, and the statistic reads
-  the noise scale as well as the shift: a data-dependent noise scale is caught.
-
-* **niss**: the gradient canaries on the linear model; the real share phase (keys, sealed noise shares relayed by
-  the strategy) and the uploads ``p_k w_k + own shares + sum_i s_i r_i``.
-* **ddpsa**: the gradient canaries on the linear model (its L1 clipping: a record's clipped gradient is
-  ``+-clip / 2`` on each of its two coordinates, the whole L1 budget); ``m`` local intermediate servers
-  (TLS, the derived simulation roster) are started once per audit and every release pushes real shares to them.
-  Its claim is pure epsilon-DP: the bound is computed with ``delta = 0`` (``AuditSpec.claim_delta``).
-
-Views (``direction``): ``upload`` = what the server holds of the uploads (all of them: pair noise is
-correlated across uploads), optionally with ``colluders`` peers handing the server their round's pair material
-(:class:`client.recovery.RecoveryStore`, what a colluding client holds; nadp); for ddpsa the sum the
-parameter server reconstructs (the shares are secret-shared over the intermediate servers), the same vector as
-its model view; ``model`` = the published aggregate.
-The statistic per record is Fisher's linear discriminant of its coordinates across the view's vectors,
-fitted on one half of the releases (no trust in the implementation's own noise covariance) and tested on the
-other half (:func:`protocols.privacy.audit.audit_scores`).
-
-The claim audited is the run's own: the strategy's privacy ledger after the round (``epsilon_uplink`` /
-``epsilon_downlink`` of a one-round run at ``epsilon``), i.e. the one-round mechanism against the epsilon the
-accountant gives for it; ``inf`` where the method claims no guarantee in that direction.
-
-Planted faults (``fault``, for the audit's own tests): ``halve-noise`` (the method's Gaussian std halved in the
-release code; ddpsa: its Laplace scale), ``private-kl`` (ladp's P_j computed from the client's trained local model, as the paper's
-Algorithm 3 does, instead of the server's public estimate), ``skip-pair-noise`` (one nadp client uploads
-without its pair noise), ``strip-pair-noise`` (the server tells every neighbour of one client that it dropped
-while holding its upload, and removes the revealed pair noise from it; planted with ``self-mask = false``,
-since with double masking the clients refuse).
+Planted faults (``fault``, the audit's self-test): ``halve-noise``, ``private-kl`` (ladp's paper rule),
+``skip-pair-noise`` (one nadp client without pair noise), ``strip-pair-noise`` (the recovery lie, with
+``self-mask = false``).  Canary design and findings: ``docs/privacy.md``.
 """
 
 from __future__ import annotations

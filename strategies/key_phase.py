@@ -1,50 +1,18 @@
 """Server side of the key-exchange phase shared by every pairwise-noise method (nadp, niss, mpddp).
 
-A pairwise method owns one :class:`KeyPhase` (``self.keys = KeyPhase(cfg)``)
-and calls :meth:`KeyPhase.run` from its ``prepare_round`` hook.  Round
-structure (all inside ``configure_train``, through the Grid it receives, so it
-runs the same in simulation, deployment and in-process):
+A pairwise method owns one :class:`KeyPhase` (``self.keys = KeyPhase(cfg)``) and calls :meth:`KeyPhase.run` from
+its ``prepare_round`` hook, inside ``configure_train`` (the same in simulation, deployment and in-process):
 
-1. ``query.keys`` (:class:`client.messages.keys.KeyRequest`) -- only for
-   sampled clients the server holds no public key of the current *key epoch*
-   (run-config ``key-rotation``: rounds per key pair; 0 = one pair per node for
-   the whole run, 1 = a fresh pair every round).  Such a client makes an X25519
-   key pair for the epoch (private half kept in its ``Context.state``) and
-   returns the public half (:class:`~client.messages.keys.KeyReply`).  A
-   client that does not answer or sends a malformed key is left out of the
-   round (logged); at least two must remain.  With session keys (the default)
-   the phase runs in the first round and then only for newly sampled or
-   re-keyed clients: in deployment every message phase costs a round trip per
-   client, and X25519 with every peer is the dominant cryptographic cost;
-   clients also cache their shared secrets.
-2. The server builds the neighbour graph over the clients left
-   (:func:`protocols.graphs.round_graph` from the public ``graph-seed`` that the
-   run, round, key epoch and participant list determine,
-   :func:`protocols.identity.view_graph_seed`: the server does not pick it)
-   and sends each client its neighbours' ids, public keys, roster names and
-   signatures plus the participant list (:meth:`KeyRound.peer_keys`) with a
-   later message of the round.  Clients verify every peer key against their
-   roster (:mod:`client.identity`) and bind the participants and graph seed
-   into their seeds (:func:`client.pairwise_phase.round_view`): the server
-   relays keys it cannot forge and views it cannot split unnoticed.  Clients
-   derive the round's pairwise seeds themselves with HKDF over (purpose, round,
-   pair, run id), so seeds are fresh every round even under a long-lived key
-   pair; the server never learns them.  Trade-off of a long-lived pair: whoever
-   steals a client's private key can recompute that client's pair seeds of
-   every round of the epoch (``key-rotation = 1`` restores per-round forward
-   secrecy at the cost of one extra phase per round).
-3. A participant that fails or does not reply in the train phase is forgotten
-   (:meth:`KeyPhase.forget_unresponsive`, called by the round template's
-   ``after_replies``): its next selection re-runs the key phase for it, so a
-   client that lost its state (restarted SuperNode) recovers by itself.
+1. ``query.keys`` (:class:`client.messages.keys.KeyRequest`) goes only to sampled clients without a public key
+   for the current key epoch (``key-rotation``); a client that does not answer or sends a malformed key is left
+   out of the round (logged); at least two must remain.
+2. The neighbour graph over the rest comes from the public view (:func:`protocols.identity.view_graph_seed`, not
+   chosen by the server); each client gets its neighbours' ids, keys, roster names and signatures and the
+   participant list (:meth:`KeyRound.peer_keys`) and derives the pair seeds itself.
+3. A participant that fails in the train phase is forgotten (:meth:`KeyPhase.forget_unresponsive`): its next
+   selection re-runs the key phase for it.
 
-Cancellation check: with run-config ``cancellation-check = true`` each client
-also reports the projection of its pairwise-noise contribution (the part that
-must cancel in the aggregate) on a public random direction (``probe_seed``);
-:func:`probe_residual` turns the reports into the relative residual ``|sum
-p_i| / sqrt(sum p_i^2)``, ~1e-16 when the noise cancelled and O(1) when it did
-not.  It reveals one random projection of each client's pairwise mask, so it
-is a diagnostic (off by default), not for production.
+:func:`probe_residual` evaluates the optional cancellation check.  Design and trade-offs: ``docs/concepts.md``.
 """
 
 from __future__ import annotations
@@ -190,7 +158,10 @@ class KeyPhase:
 
 
 def probe_residual(replies: Iterable[Message]) -> float | None:
-    """Relative cancellation residual from the clients' mask-probe metrics (None if none reported)."""
+    """Relative cancellation residual ``|sum p_i| / sqrt(sum p_i^2)`` of the clients' mask probes (None if none).
+
+    About 1e-16 when the pairwise noise cancelled, O(1) when it did not.
+    """
     probes = [v for v in (probe_value(r.content["metrics"]) for r in replies) if v is not None]
     if not probes:
         return None
