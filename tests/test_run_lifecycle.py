@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from protocols.config import ConfigError, RunConfig, parse_run_config
-from server.deploy import LAUNCH_MARK, Processes, marked_pids
 from server.launch import main, preflight, run_inprocess
+from server.processes import LAUNCH_MARK, Processes, marked_pids
 from strategies.base import CancelStrategy, RoundFailed
 from strategies.run.checkpoint import CHECKPOINT_JSON, LEDGER_DIR, ResumeError, fresh_run_folder, load_checkpoint
 from tests.conftest import ROOT, read_metrics
@@ -429,7 +429,7 @@ def test_close_stops_groups_whose_leader_died_and_descendants_that_left(tmp_path
 
 def test_launch_module_needs_no_activated_venv():
     """Flower's processes are started from this interpreter's bin folder (``.venv/bin/cancelfl`` unactivated)."""
-    from server.deploy import BIN, flower_env
+    from server.flower_commands import BIN, flower_env
 
     fenv = flower_env(Path("/tmp/x"))
     assert fenv["PATH"].split(os.pathsep)[0] == str(BIN) and (BIN / "flower-superexec").exists()
