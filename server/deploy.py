@@ -67,7 +67,6 @@ def check_capacity(num_supernodes: int, available_mb: float | None = None) -> No
                       "`cancelfl run` for more simulated clients)")
 
 
-
 def _final_check(out_dir: str, code: int) -> int:
     """Exit code of a submitted run, judged from its folder (``flwr run`` exits 0 even when the ServerApp crashed)."""
     code, message = run_outcome(out_dir, code)

@@ -25,6 +25,7 @@ __all__ = ["BIN", "RAY_TIP_FILTER", "VERBOSE_ENV", "flower_env", "run_config_arg
 #: module imports Flower and torch, which the launcher loads only in the processes it starts).
 VERBOSE_ENV = "CANCELFL_VERBOSE"
 
+#: This interpreter's bin folder: the Flower commands (``flower-superlink``, ``flwr``) the launcher runs.
 BIN = Path(sys.executable).parent
 
 #: Python warning filter every launched process gets: Ray's tip that a future Ray will stop hiding GPUs from
@@ -68,7 +69,6 @@ def run_config_arg(overrides: dict) -> str:
     return " ".join(f"{k}={toml_value(v)}" for k, v in overrides.items())
 
 
-
 def write_connection(flwr_home: Path, address: str, *, root_cert: Path | None = None,
                      num_supernodes: int | None = None, client_cpus: int | None = None) -> str:
     """Write ``$FLWR_HOME/config.toml`` with one SuperLink connection named ``cancelfl``.
@@ -85,7 +85,6 @@ def write_connection(flwr_home: Path, address: str, *, root_cert: Path | None = 
             lines += ["", "[superlink.cancelfl.options.backend.client-resources]", f"num-cpus = {int(client_cpus)}"]
     (flwr_home / "config.toml").write_text("\n".join(lines) + "\n")
     return "cancelfl"
-
 
 
 def superlink_cmd(port: int, work: Path, *, simulation: bool, tls: dict[str, Path] | None) -> list[str]:

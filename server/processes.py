@@ -36,7 +36,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-
 class Processes:
     """Start background processes with log files; stop them and all their descendants on close.
 
@@ -150,7 +149,6 @@ def wait_for_port(port: int, timeout: float = 60.0, procs: Processes | None = No
             procs.check_alive()
         time.sleep(0.2)
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout:.0f} s")
-
 
 
 @contextlib.contextmanager

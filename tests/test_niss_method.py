@@ -171,7 +171,6 @@ def test_default_tau_gives_the_model_the_uploads_epsilon(run_inprocess):
     assert summary["privacy"]["unit"] == "record"
 
 
-
 # ------------------------------------------------------------------------- encodings
 def _deterministic_seed(label: str) -> bytes:
     return hashlib.sha256(b"test/" + label.encode()).digest()

@@ -16,7 +16,7 @@ PerExampleLoss = Callable[[Tensor, Tensor], Tensor]
 
 
 class Descent(NamedTuple):
-    """What :meth:`PerExampleClipper.descend` returns: per-example losses ``(B,)`` and the number clipped (0-dim)."""
+    """Per-example losses ``(B,)`` and the number clipped (0-dim) (:meth:`protocols.per_example.PerExampleClipper.descend`)."""
 
     losses: Tensor
     clipped: Tensor

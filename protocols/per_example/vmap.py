@@ -1,7 +1,7 @@
 """The reference engine: per-example gradients materialised with ``torch.func.vmap``, then clipped and summed.
 
-Any model whose forward keeps examples independent; also the fallback of :class:`PerExampleClipper` for models the
-layer-wise closed forms do not cover.
+Any model whose forward keeps examples independent; also the fallback of
+:class:`protocols.per_example.PerExampleClipper` for models the layer-wise closed forms do not cover.
 """
 
 from __future__ import annotations
