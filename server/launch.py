@@ -192,9 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     audit_parser = sub.add_parser("audit", help="empirical epsilon lower bound of a method vs its claim")
     argv = list(sys.argv[1:] if argv is None else argv)
     if next((a for a in argv if not a.startswith("-")), None) == "audit":  # its module imports torch and Flower
-        from server import audit  # cancelfl audit: empirical epsilon lower bound of a method's real release code
+        from server import audit_cli  # cancelfl audit: empirical epsilon lower bound of a method's real release code
 
-        audit.add_arguments(audit_parser)
+        audit_cli.add_arguments(audit_parser)
     args = parser.parse_args(argv)
     if threading.current_thread() is not threading.main_thread():
         return _main(args)
@@ -212,9 +212,9 @@ def _main(args: argparse.Namespace) -> int:
 
         return keys.run(args)
     if args.command == "audit":
-        from server import audit
+        from server import audit_cli
 
-        return audit.main(args)
+        return audit_cli.main(args)
 
     try:
         overrides = parse_run_config(args.run_config)
