@@ -97,11 +97,10 @@ def compare_tables(recorded: Path, rerun: Path, figures: dict[str, float], toler
 
 def _declared(benchmark: str) -> tuple[dict[str, float], tuple[str, ...]]:
     """The benchmark module's ``FIGURES`` and ``KEY`` (empty when it declares none)."""
-    from benchmarks.cli import BENCHMARKS
-
-    if benchmark not in BENCHMARKS:
+    try:
+        mod = importlib.import_module(f"benchmarks.{benchmark.replace('-', '_')}")  # cli.BENCHMARKS' naming
+    except ImportError:
         return {}, ()
-    mod = importlib.import_module(BENCHMARKS[benchmark])
     return dict(getattr(mod, "FIGURES", {})), tuple(getattr(mod, "KEY", ()))
 
 
