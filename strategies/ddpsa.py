@@ -2,10 +2,10 @@
 
 Round ``t``:
 
-0. ``prepare_round`` learns the roster name of every sampled node it does not know yet
+0. plan (:mod:`strategies.stages`) learns the roster name of every sampled node it does not know yet
    (``query.ddpsa_identity``, once per node; a node that does not answer, or two nodes giving one
    name, are left out of the round): the round's participant list.
-1. ``prepare_round`` registers the run and opens round ``t`` on the ``m`` intermediate
+1. plan also registers the run and opens round ``t`` on the ``m`` intermediate
    servers, signed with the parameter server's identity (run-config ``ddpsa-server-key``):
    share length = model size, share field, and the participants' roster names -- the only
    clients the servers take this round's pushes from; when fewer than the sharing threshold
@@ -16,7 +16,7 @@ Round ``t``:
 2. each client (:mod:`client.methods.ddpsa`) pushes one share of its encoded
    noisy clipped gradient sum to every intermediate server, signed with its roster
    identity, and replies with metrics and a receipt naming that identity;
-3. ``aggregate`` asks every server (signed) for its partial sum over exactly the roster
+3. aggregate asks every server (signed) for its partial sum over exactly the roster
    names of the clients that replied successfully, reconstructs only when ``t`` arrived
    (fewer raise :class:`RoundFailed` naming the servers, after sealing the round unreleased
    on every server it reaches: no epsilon is charged for a round that produced no model),
@@ -74,7 +74,7 @@ from dataclasses import dataclass
 from logging import WARNING
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
@@ -122,6 +122,8 @@ class DdpsaState(RoundState):
     global_weights: Weights
     #: participant node -> its roster name (the names its shares are pushed under).
     names: dict[int, str]
+    #: Epsilon of the round's reconstructed sum (set by the aggregate stage; None: nothing released).
+    released_epsilon: float | None = None
 
 
 class DdpsaStrategy(CancelStrategy):
@@ -212,10 +214,16 @@ class DdpsaStrategy(CancelStrategy):
             log(WARNING, "node %s gives the roster name %r of another sampled node; left out", n, named.pop(n))
         return named
 
-    def prepare_round(self, grid: Grid, server_round: int, nodes: list[int], arrays: ArrayRecord) -> DdpsaState:
-        """Learn the participants' names, open the round on the m servers before any client works."""
-        weights = from_record(arrays)
-        names = self.learn_names(grid, nodes)
+    def plan(self, grid: Grid, st: RoundState) -> DdpsaState:
+        """Plan stage: learn the participants' names, open the round on the m servers before any client works.
+
+        Raises:
+            RoundFailed: fewer than 2 sampled nodes gave a usable roster name, or the servers refused the round.
+        """
+        assert self.round_model is not None
+        server_round = st.round
+        weights = from_record(self.round_model)
+        names = self.learn_names(grid, st.participants)
         if len(names) < 2:
             raise RoundFailed(f"round {server_round}: {len(names)} sampled node(s) gave a usable roster name; "
                               "DDP-SA needs at least 2")
@@ -227,19 +235,24 @@ class DdpsaStrategy(CancelStrategy):
         return {}
 
     def train_config(self, server_round: int) -> ConfigRecord:
-        """The round number and this round's :class:`~client.messages.ddpsa.DdpsaRound` (after :meth:`prepare_round`)."""
+        """The round number and this round's :class:`~client.messages.ddpsa.DdpsaRound` (after :meth:`plan`)."""
         state = self._state
         if not isinstance(state, DdpsaState) or state.round != server_round:
-            raise RoundFailed(f"round {server_round}: no participant list (prepare_round did not run for this round)")
+            raise RoundFailed(f"round {server_round}: no participant list (the plan stage did not run for this round)")
         plan = DdpsaRound(self.epsilon_of_round(server_round), self.cfg.ddpsa_noise,
                           tuple(sorted(state.names.values())), tuple(self.addresses), self.threshold, self.run_id,
                           self.codec.frac_bits, self.codec.max_clients)
         return merge_configs(super().train_config(server_round), plan.to_config())
 
-    def aggregate(self, state: DdpsaState, by_node: dict[int, Message], errors: list[str]) -> ArrayRecord:
-        """Fetch all m partial sums over the replying clients, reconstruct, decode, average by N, take the SGD step."""
+    def aggregate(self, state: DdpsaState) -> ArrayRecord:
+        """Aggregate stage: fetch the m partial sums over the replying clients, reconstruct, decode, average by N, step.
+
+        Raises:
+            RoundFailed: too few pushed under their roster names, no finite epsilon, or the reconstruction failed
+                (each seals the round unreleased on the servers), or the decoded sum does not fit the model.
+        """
         rnd = state.round
-        by_node = dict(by_node)
+        by_node = dict(state.replies)
         for node, r in list(by_node.items()):
             try:
                 named = ShareReceipt.client_of(r.content)
@@ -271,7 +284,7 @@ class DdpsaStrategy(CancelStrategy):
             abort_round(self.servers, self.run_id, rnd, self.signer)
             raise RoundFailed(f"round {rnd}: DDP-SA reconstruction impossible, {err}") from err
         reconstruct_time = time.perf_counter() - t0
-        self.release_round(rnd, epsilon)  # the round's noisy sum is reconstructed: charge the noise present now
+        state.released_epsilon = epsilon  # the round's noisy sum is reconstructed: the account stage charges it
         decoded = self.codec.decode(ring_total)
         theta = flatten(state.global_weights)
         if decoded.size != theta.size:
@@ -369,11 +382,13 @@ class DdpsaStrategy(CancelStrategy):
         """Compose round ``server_round``'s pure-DP release: ``epsilon`` (:meth:`round_charge`), default ``eps_t``."""
         self.privacy.compose(LaplaceEvent(self.epsilon_of_round(server_round) if epsilon is None else epsilon))
 
-    def account_round(self, state: RoundState) -> None:
-        """Nothing when the train messages go out: :meth:`aggregate` composes the round's ``eps_t`` (Laplace).
+    def account(self, state: DdpsaState) -> None:
+        """Account stage: the round's pure-DP release (Laplace), once its noisy sum was reconstructed.
 
-        A DDP-SA round releases its noisy sum only when ``t`` partial sums are reconstructed.  Shares pushed
-        for a round whose reconstruction fails release nothing to the parameter server, which holds fewer
-        than ``t`` partial sums (independent of the updates), and the round is sealed unreleased on every
-        server reached.
+        Nothing is charged when the train messages go out: a DDP-SA round releases its noisy sum only when
+        ``t`` partial sums are reconstructed.  Shares pushed for a round whose reconstruction fails release
+        nothing to the parameter server, which holds fewer than ``t`` partial sums (independent of the
+        updates), and the round is sealed unreleased on every server reached.
         """
+        if state.released_epsilon is not None:
+            self.release_round(state.round, state.released_epsilon)

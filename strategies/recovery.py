@@ -1,71 +1,34 @@
-"""Dropout recovery of the pairwise noise (nadp, niss, mpddp): the server removes orphaned pair noise exactly.
+"""Recover stage of the pairwise methods (nadp, niss, mpddp): the server removes orphaned pair noise exactly.
 
-Double masking (run-config ``self-mask``, nadp, niss and mpddp; :mod:`protocols.masking`, :meth:`PairwiseRecovery.unmask`):
-every upload also carries a self-mask whose seed is Shamir-shared t-of-n among the client's neighbours, the
-sealed shares travelling with the upload itself.  One ``query.recover`` phase then runs *every* round, to
-every kept survivor: each reveals its shares of the received neighbours' seeds and its pair seeds with the
-dropped and excluded ones, never both for one peer.  The server rebuilds each self-mask from any ``t``
-shares and subtracts it.  A survivor silent in this phase (a second dropout) no longer fails the round: its
-self-mask is rebuilt from its neighbours' shares and its pair noise with the dropped stays in the aggregate as
-extra noise (reported as ``kept_pairs``, ``unmask_silent``).  The round fails only when an upload's seed
-cannot be rebuilt (fewer than ``t`` of its neighbours answered).  A server that tells all of k's neighbours
-"k dropped" while holding k's upload gets k's pair seeds but not its self-mask, which has the std of k's
-whole upload noise.  Cost: one extra round trip per round, ``unmask_s`` and ``unmask_bytes_per_client``
-reported.  The rest of this docstring describes the path without double masking (``self-mask = false``).
+A participant that drops out after the round's pairs are fixed, or whose upload the reply checks exclude
+(:mod:`strategies.validation`), leaves the pair noise it shares with every surviving neighbour uncancelled.
+:meth:`PairwiseRecovery.recover` (the recover stage, :mod:`strategies.stages`) runs one ``query.recover``
+phase through the grid it receives; the method's ``aggregate`` then subtracts the survivors' corrections.
 
-A participant that drops out after the round's pairs are fixed (after the key phase / NISS share phase,
-before or during its upload), or whose upload the server excludes (:mod:`strategies.validation`), leaves
-the pair noise it shares with every surviving neighbour uncancelled in the aggregate.  The round template
-(:meth:`strategies.base.CancelStrategy.aggregate_train`) calls :meth:`PairwiseRecovery.recover` with those
-participants before aggregating; the method's ``aggregate`` then subtracts the survivors' corrections.
+* Double masking (run-config ``self-mask``; :mod:`protocols.masking`, :meth:`PairwiseRecovery.unmask`): every
+  upload carries a self-mask whose seed is Shamir-shared t-of-n among the client's neighbours (the sealed
+  shares travel with the upload).  The phase runs every round, to every participant whose upload arrived:
+  each reveals its shares of the kept neighbours' seeds and its pair seeds with the dropped and excluded
+  ones, never both for one peer.  A survivor silent in this phase keeps its pairs with the dropped in the
+  aggregate as extra noise (``kept_pairs``, ``unmask_silent``); the round fails only when a kept upload's
+  seed cannot be rebuilt from ``t`` shares.
+* Without it (``self-mask = false``): the phase runs only in rounds with dropouts, to the survivors with a
+  dropped neighbour (:class:`~client.messages.recovery.RecoveryRequest`); each reveals this round's material
+  for its dropped neighbours (:mod:`client.recovery`): nadp and mpddp the per-round HKDF pair seed, niss its
+  own shares sent to the peer and the distorted negated shares received from it.  No threshold: a survivor
+  that does not answer fails the round (:class:`~strategies.base.RoundFailed`; the previous model is kept).
 
-Design chosen: **direct reveal of the round's pair material by the surviving neighbours** (not t-of-n
-Shamir shares as in SecAgg+).  One ``query.recover`` phase, run only in rounds with dropouts, sent only to
-survivors with a dropped neighbour: :class:`~client.messages.recovery.RecoveryRequest` names the received
-uploads and the dropped participants; each survivor answers with the material of *this round* for its
-dropped neighbours (:mod:`client.recovery`): nadp and mpddp the per-round HKDF pair seed (32 bytes per
-pair; fresh per round, purpose and run, so nothing of another round or another use leaks), niss its own
-shares sent to the dropped peer and the distorted negated shares received from it.  The server expands
-the material with the same PRG and subtracts it: the aggregate is then exactly what the survivors alone
-would have produced (float rounding, ~1e-16 relative; the cancellation check proves it per round).
+Threat model: each client checks every request (:func:`client.recovery.check_request`) and refuses one that
+names a node both received and dropped, omits itself or a neighbour, contradicts a request it answered this
+round, or would leave its own upload without pairwise noise.  An upload that arrived but was excluded is named
+``excluded``: the survivors reveal only what leaves that peer's own noise with it.  Without double masking, a
+server that tells all of k's neighbours "k dropped" while holding k's upload learns it minus k's pair noise
+(k keeps its independent noise); the self-mask closes this.
 
-Why not Shamir: sharing the X25519 private key (SecAgg+) would reveal a dropped client's pair seeds of
-*every* round of its key epoch (``key-rotation = 0`` keeps one pair for the run), and sharing per-round
-seeds costs an extra share-distribution phase every round (6-9 s per phase in deployment) even without
-dropouts.  Direct reveal costs nothing in rounds without dropouts and one round trip otherwise.  Its
-limit: no threshold, so a *second* dropout during recovery (a survivor that does not answer) cannot be
-repaired -- that survivor's upload is already held, so its peers must not reveal pairs with it (SecAgg's
-rule) -- and the round fails cleanly (:class:`~strategies.base.RoundFailed`, the previous model is kept;
-the uploads already received were released, so their privacy charge stays).
-
-Threat model.  Honest-but-curious server: it learns the pair noise of pairs whose other end never
-uploaded, which masks nothing it holds.  Lying server: each client checks every request
-(:func:`client.recovery.check_request`) and refuses, naming the reason, if a node is named both received
-and dropped, if its own upload or any of its neighbours is missing from the two sets, if it already
-answered a *different* request this round (so "k uploaded" cannot turn into "k dropped"), or if the reveal
-would leave its own upload without pairwise noise.  The server never aggregates a dropped participant's
-upload, and the round template runs recovery after reply screening, so an upload that arrives is either
-aggregated or never recovered for.  Not covered: a server that consistently tells *all* of k's neighbours
-"k dropped" while holding k's upload learns that upload minus k's pair noise of that round -- k keeps its
-independent noise (nadp residual, mpddp eta, niss shares held by neighbours that did not drop); the
-self-mask of double masking (above) closes this.  A survivor that reveals
-wrong material spoils the aggregate as a garbage upload would (the cancellation check shows it).
-
-Uploads that arrived but fail the reply checks (:mod:`strategies.validation`) are excluded, and the server
-holds them: the request names them ``excluded`` (a subset of ``received``) and the survivors reveal only
-what leaves those peers' own noise with them -- niss: their own shares sent to the peer, never the peer's
-shares (they stay in the aggregate as DP noise); nadp, mpddp: the pair seed (the peer keeps its residual /
-eta noise; nadp's accountant charges the excluded upload with its residual noise alone).  A niss server
-that tampers with a relayed payload so that its receiver names an honest sender therefore learns nothing
-of that sender's noise.
-
-Privacy: the accountants are charged with the noise really in the aggregate (metric ``recovery`` = 1, no
-top-up): nadp composes each round from the survivors' residual noise and the uplink view restricted to
-the survivors' remaining pairs; niss and mpddp charge the shortfall of the noise left against the planned
-calibration (:func:`charge_shortfall`).  Reported per round: ``dropped``, ``recovery`` (0 = nothing to
-recover, 1 = removed exactly, accountant charged with the noise really there), ``recovered_pairs``,
-``uncancelled_noise_norm`` (0 after recovery), ``kept_pairs``, ``recovery_s`` (phase wall time),
-``recovery_server_s`` (server CPU removing the revealed noise) and ``recovery_bytes_per_survivor``.
+Privacy: the accountants are charged with the noise really left in the aggregate (nadp: the survivors'
+residual noise and remaining pairs; niss and mpddp: :func:`charge_shortfall`).  Reported per round:
+``dropped``, ``recovery`` (0 = nothing to recover, 1 = removed exactly), ``recovered_pairs``, ``kept_pairs``,
+``recovery_s``, ``recovery_server_s``, ``recovery_bytes_per_survivor`` (and ``unmask_*`` with double masking).
 """
 
 from __future__ import annotations
@@ -140,53 +103,58 @@ class RecoveryOutcome:
 
 
 class PairwiseRecovery:
-    """Mixin for the pairwise strategies (before :class:`~strategies.base.CancelStrategy` in the bases).
+    """Keys and recover stages of the pairwise strategies (before :class:`~strategies.base.CancelStrategy` in the bases).
 
-    The method sets :attr:`grid` in ``prepare_round`` and implements :meth:`pair_neighbours`; its
-    ``aggregate`` reads :meth:`recovered` and subtracts the corrections.
+    The method implements :meth:`pair_neighbours`; its ``aggregate`` reads :meth:`recovered` and subtracts
+    the corrections.
     """
 
-    #: The grid of the current round (kept from ``prepare_round``; ``aggregate_train`` gets none).
-    grid: Grid | None = None
-    #: The last round's recovery outcome (None before any).
-    recovery: RecoveryOutcome | None = None
+    def exchange_keys(self, grid: Grid, st: RoundState) -> None:
+        """Keys stage: the shared key phase over the sampled nodes; the participants are those with a key."""
+        kr = self.keys.run(self, grid, st.round, st.participants)  # type: ignore[attr-defined]
+        st.keys, st.participants = kr, list(kr.participants)
 
     def pair_neighbours(self, state: RoundState) -> Mapping[int, Sequence[int]] | None:
         """Each participant's pairwise neighbours this round (None: the round has no pair noise)."""
         raise NotImplementedError
 
-    def recovered(self, state: RoundState) -> RecoveryOutcome | None:
-        """The recovery outcome of ``state``'s round, if recovery ran in it."""
-        rec = self.recovery
-        return rec if rec is not None and rec.round == state.round else None
+    @staticmethod
+    def recovered(state: RoundState) -> RecoveryOutcome | None:
+        """The recover stage's outcome of ``state``'s round, if a recovery phase ran in it."""
+        return state.recovery
 
-    def recover(self, state: RoundState, dropped: list[int], by_node: dict[int, Message]) -> dict[int, Message]:
-        """Ask the survivors with a dropped neighbour for this round's pair material of the dropped peers.
+    def recover(self, grid: Grid | None, st: RoundState) -> None:
+        """Recover stage: ask the survivors with a dropped neighbour for this round's pair material of the dropped.
 
-        Self-masked uploads (:meth:`unmask`): every round.  Otherwise returns ``by_node`` (every survivor
-        stays); raises :class:`RoundFailed` when a survivor refuses or does not answer (no threshold).
+        Self-masked uploads (:meth:`unmask`): every round.  Otherwise every survivor stays in ``st.replies``;
+        sets ``st.recovery`` when a phase ran.
+
+        Raises:
+            RoundFailed: a survivor refuses or does not answer (no threshold), or a phase is needed and
+                ``grid`` is None.
         """
-        self.recovery = None
-        neighbours = self.pair_neighbours(state)
+        st.recovery = None
+        by_node = st.replies
+        neighbours = self.pair_neighbours(st)
         if neighbours is not None and any(SELF_MASK_RECORD in m.content for m in by_node.values()):
-            return self.unmask(state, dropped, by_node, neighbours)
-        gone = sorted(set(dropped) & set(state.participants))
+            self.unmask(_need_grid(grid, st, "unmasking"), st, neighbours)
+            return
+        gone = sorted(set(st.dropped) & set(st.participants))
         if not gone or neighbours is None:
-            return by_node
-        if self.grid is None:
-            raise RoundFailed(f"round {state.round}: dropout recovery needs the round's grid (prepare_round keeps it)")
+            return
+        grid = _need_grid(grid, st, "dropout recovery")
         survivors = sorted(by_node)
         gone_set = set(gone)
         # Uploads that arrived but were excluded by the reply checks: the server holds them, so the request says
         # so and the clients reveal only what leaves those peers' own noise with them (client.recovery).
-        held = sorted(gone_set & set(getattr(self, "uploaded", ())))
+        held = sorted(gone_set & st.uploaded)
         lost = sorted(gone_set - set(held))
         ask = [n for n in survivors if gone_set & set(neighbours.get(n, ()))]
-        request = RecordDict({"config": RecoveryRequest(state.round, tuple(survivors) + tuple(held), tuple(lost),
+        request = RecordDict({"config": RecoveryRequest(st.round, tuple(survivors) + tuple(held), tuple(lost),
                                                         tuple(held)).to_config()})
-        out = RecoveryOutcome(state.round, gone, survivors, excluded=held)
+        out = RecoveryOutcome(st.round, gone, survivors, excluded=held)
         t0 = time.perf_counter()
-        replies, _errors = self.exchange(self.grid, ask, lambda _n: request, "recover")  # type: ignore[attr-defined]
+        replies, _errors = self.exchange(grid, ask, lambda _n: request, "recover")  # type: ignore[attr-defined]
         out.seconds = time.perf_counter() - t0
         out.bytes_down = payload_bytes(request) * len(ask)
         silent, refused = [], []
@@ -213,12 +181,11 @@ class PairwiseRecovery:
                 out.kept[node], out.kept_probe[node] = rep.kept, rep.kept_probe
         if silent or refused:
             raise RoundFailed(
-                f"round {state.round}: dropout recovery of {gone} failed"
+                f"round {st.round}: dropout recovery of {gone} failed"
                 + (f"; survivors {silent} did not answer (a second dropout cannot be repaired without a "
                    "threshold scheme: their uploads are held, so their pairs must stay secret)" if silent else "")
                 + (f"; {'; '.join(refused)}" if refused else ""))
-        self.recovery = out
-        return by_node
+        st.recovery = out
 
     def mask_thresholds(self, neighbours: Mapping[int, Sequence[int]]) -> dict[int, int]:
         """Each node's self-mask threshold, from its degree and run-config ``mask-corruption-rate``."""
@@ -236,8 +203,7 @@ class PairwiseRecovery:
             self.__dict__["_announced_mask"] = True
             log(INFO, "%s %s", self.cfg.method, self.describe_masking(min(len(nb) for nb in neighbours.values())))  # type: ignore[attr-defined]
 
-    def unmask(self, state: RoundState, dropped: list[int], by_node: dict[int, Message],
-               neighbours: Mapping[int, Sequence[int]]) -> dict[int, Message]:
+    def unmask(self, grid: Grid, state: RoundState, neighbours: Mapping[int, Sequence[int]]) -> None:
         """Double masking: one ``query.recover`` phase to every participant whose upload arrived, every round.
 
         Kept: the aggregatable uploads with at least ``t`` kept neighbours (:func:`protocols.masking.unmaskable`);
@@ -247,11 +213,12 @@ class PairwiseRecovery:
         neighbours' seeds and its pair seeds with the others.  Every kept upload's seed is rebuilt from any
         ``t`` shares (checked against its commitment); a survivor that does not answer (a further dropout)
         is unmasked the same way and its pairs with the dropped stay in the aggregate as extra noise
-        (``kept``).  Raises :class:`RoundFailed` only when a kept upload's seed cannot be rebuilt (fewer
-        than ``t`` of its neighbours answered).
+        (``kept``).  Narrows ``state.replies`` to the kept uploads and sets ``state.recovery``.
+
+        Raises:
+            RoundFailed: a kept upload's seed cannot be rebuilt (fewer than ``t`` of its neighbours answered).
         """
-        if self.grid is None:
-            raise RoundFailed(f"round {state.round}: unmasking needs the round's grid (prepare_round keeps it)")
+        by_node = state.replies
         shares_of: dict[int, SelfMaskShares] = {}
         for n, m in by_node.items():
             if SELF_MASK_RECORD in m.content:
@@ -260,7 +227,7 @@ class PairwiseRecovery:
                 except ValueError as err:
                     raise RoundFailed(f"round {state.round}: node {n} sent malformed self-mask shares ({err})") from err
         thresholds = self.mask_thresholds(neighbours)
-        held = sorted(set(dropped) & set(getattr(self, "uploaded", ())))
+        held = sorted(set(state.dropped) & state.uploaded)
         masked = {n for n in by_node if n in shares_of}
         received = sorted(set(by_node) | set(held))
         keep = unmaskable(neighbours, set(by_node), {n: thresholds.get(n, 0) for n in by_node})
@@ -282,7 +249,7 @@ class PairwiseRecovery:
         ask = received
         requests = {n: content(n) for n in ask}
         t0 = time.perf_counter()
-        replies, _errors = self.exchange(self.grid, ask, lambda n: requests[n], "recover")  # type: ignore[attr-defined]
+        replies, _errors = self.exchange(grid, ask, lambda n: requests[n], "recover")  # type: ignore[attr-defined]
         out.seconds = time.perf_counter() - t0
         out.bytes_down = sum(payload_bytes(r) for r in requests.values())
         collected: dict[int, list[bytes]] = {n: [] for n in keep}
@@ -326,8 +293,8 @@ class PairwiseRecovery:
         if missing:
             raise RoundFailed(f"round {state.round}: self-masks cannot be removed: {'; '.join(missing)}; "
                               f"survivors {out.silent} did not answer or refused")
-        self.recovery = out
-        return {n: by_node[n] for n in sorted(keep)}
+        state.recovery = out
+        state.replies = {n: by_node[n] for n in sorted(keep)}
 
     def remove_masks(self, state: RoundState, flat: dict[int, np.ndarray]) -> None:
         """Subtract each upload's rebuilt self-mask from ``flat`` (node -> flat upload, in place)."""
@@ -367,6 +334,13 @@ class PairwiseRecovery:
 
 
 # ----------------------------------------------------------------------------- server-side helpers
+def _need_grid(grid: Grid | None, st: RoundState, phase: str) -> Grid:
+    """``grid``, or :class:`RoundFailed` when the round needs a phase with the clients and has none."""
+    if grid is None:
+        raise RoundFailed(f"round {st.round}: {phase} needs the grid (drive the round with strategies.stages.run_round)")
+    return grid
+
+
 def probe_direction(seed: bytes, size: int) -> np.ndarray:
     """The cancellation check's public random direction (what :func:`client.pairwise_phase.mask_probe` uses)."""
     return gaussian(seed, size)

@@ -49,6 +49,7 @@ from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies.base import RoundFailed
 from strategies.niss import NissStrategy
+from strategies.stages import close_round
 
 #: 5 clients on digits in niss's regime (linear model, one full-batch per-example-clipped step per round).
 FAST = {"num-clients": 5, "method": "niss"}
@@ -88,7 +89,7 @@ def test_tau_zero_aggregate_equals_noiseless(graph):
     cfg, grid, strategy, arrays = _setup(niss_tau=0.0, graph=graph, n_out=1, cancellation_check=True)
     assert cfg.privacy_unit == "record" and cfg.batch_size >= 1000 and cfg.local_epochs == 1
     msgs, replies = _round(grid, strategy, 1, arrays)
-    agg, _ = strategy.aggregate_train(1, replies)
+    agg, _ = close_round(strategy, grid, strategy._state, replies)
     # Re-run every client's training without noise: p_k * w_k (per-example-clipped full-batch step).
     expected = np.zeros_like(_flat(arrays))
     by_node = {r.metadata.src_node_id: r for r in replies}
@@ -131,7 +132,7 @@ def test_client_level_unit_keeps_the_clipped_update_calibration():
     """privacy-unit = "client": local training, update clipped to clip, sigma_k = z p_k clip."""
     cfg, grid, strategy, arrays = _setup(niss_tau=0.0, privacy_unit="client", cancellation_check=True)
     msgs, replies = _round(grid, strategy, 1, arrays)
-    agg, _ = strategy.aggregate_train(1, replies)
+    agg, _ = close_round(strategy, grid, strategy._state, replies)
     z = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds)
     expected = np.zeros_like(_flat(arrays))
     for msg, reply in zip(msgs, replies, strict=True):
@@ -355,14 +356,14 @@ def test_tampered_relay_leaves_the_victim_out_and_is_recovered(mode, why):
     if mode == "replay":  # round 1 untouched (payloads recorded), round 2 gets round 1's ciphertexts
         grid.mode = "replay"
         _, replies = _round(grid, strategy, 1, arrays)
-        strategy.aggregate_train(1, replies)
+        close_round(strategy, grid, strategy._state, replies)
         rnd = 2
     else:
         grid.mode, rnd = mode, 1
     msgs, replies = _round(grid, strategy, rnd, arrays)
     victim = msgs[0].metadata.dst_node_id
     assert grid.tampered[-1][0] == victim
-    new_arrays, _ = strategy.aggregate_train(rnd, replies)
+    new_arrays, _ = close_round(strategy, grid, strategy._state, replies)
     # the victim is the only one excluded, with the reason it reported; it gets no strike (not its fault)
     assert list(strategy.excluded) == [victim]
     assert why in strategy.excluded[victim] and "uploaded nothing" in strategy.excluded[victim]
@@ -513,7 +514,7 @@ def test_share_phase_dropout_is_recovered():
     grid.victim, grid.phase = grid.node_ids[2], "query.shares"
     msgs, replies = _round(grid, strategy, 1, arrays)
     assert len(msgs) == 4 and grid.victim not in {m.metadata.dst_node_id for m in msgs}
-    strategy.aggregate_train(1, replies)
+    close_round(strategy, grid, strategy._state, replies)
     rep = strategy.round_report()
     assert rep["participants"] == 4 and rep["dropped"] == 1
     assert rep["aggregate_error_rel"] <= 1e-9  # the survivors' shares still cancel
@@ -527,8 +528,7 @@ def test_train_dropout_is_recovered():
     _, grid, strategy, arrays = _setup(PhaseDropGrid, niss_tau=0.0, cancellation_check=True)
     grid.victim, grid.phase = grid.node_ids[1], "train"
     _, replies = _round(grid, strategy, 1, arrays)
-    strategy.grid = grid
-    strategy.aggregate_train(1, replies)
+    close_round(strategy, grid, strategy._state, replies)
     rep = strategy.round_report()
     assert rep["dropped"] == 1 and rep["recovery"] == 1 and rep["kept_pairs"] == 0
     assert rep["aggregate_error_rel"] <= 1e-9 and rep["cancellation_residual"] <= 1e-9
@@ -541,4 +541,4 @@ def test_train_dropout_without_recovery_fails_the_round():
     _, replies = _round(grid, strategy, 1, arrays)
     grid.victim, grid.phase = grid.node_ids[2], "query.recover"  # a second dropout, during recovery
     with pytest.raises(RoundFailed, match="did not answer"):
-        strategy.aggregate_train(1, replies)
+        close_round(strategy, grid, strategy._state, replies)
