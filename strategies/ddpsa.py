@@ -1,8 +1,8 @@
 """DDP-SA parameter server (Wei et al., Algorithm 2): reconstruct the secret-shared noisy sum.
 
-Round ``t``:
+Round ``t`` (the stages of :mod:`strategies.stages`):
 
-0. plan (:mod:`strategies.stages`) learns the roster name of every sampled node it does not know yet
+0. plan learns the roster name of every sampled node it does not know yet
    (``query.ddpsa_identity``, once per node; a node that does not answer, or two nodes giving one
    name, are left out of the round): the round's participant list.
 1. plan also registers the run and opens round ``t`` on the ``m`` intermediate
@@ -20,10 +20,9 @@ Round ``t``:
    names of the clients that replied successfully, reconstructs only when ``t`` arrived
    (fewer raise :class:`RoundFailed` naming the servers, after sealing the round unreleased
    on every server it reaches: no epsilon is charged for a round that produced no model),
-   decodes, divides by ``N = sum N_i`` and takes the step
-   ``theta_{t+1} = theta_t - eta * sum_i s_i / N`` (``eta`` = run-config ``lr``).  The
-   paper's experiments use Adam at the server; we use plain SGD (one hyper-parameter,
-   no optimizer state) -- a documented deviation.
+   decodes, divides by ``N = sum N_i`` and steps with the server optimizer (run-config
+   ``server-optimizer``, learning rate ``lr``; SGD: ``theta_{t+1} = theta_t - eta * sum_i s_i / N``);
+4. the account stage composes the round's ``eps_t`` once its sum was reconstructed.
 
 Sharing (run-config ``ddpsa-threshold``, :attr:`protocols.config.RunConfig.ddpsa_sharing_threshold`):
 ``t = m`` is the paper's additive sharing (every server needed, any ``m - 1`` colluding learn nothing);
