@@ -194,11 +194,11 @@ class _KillingStrategy(DdpsaStrategy):
 
     victims: IntermediateServerCluster
 
-    def aggregate_train(self, server_round, replies):
-        if server_round == 2:
+    def aggregate(self, state):
+        if state.round == 2:
             os.kill(self.victims.pids[1], signal.SIGKILL)
             self.victims.handles[1].process.wait()
-        return super().aggregate_train(server_round, replies)
+        return super().aggregate(state)
 
 
 def test_killed_intermediate_server_fails_additive_round_naming_it_and_charges_no_epsilon(tmp_path) -> None:
@@ -255,10 +255,10 @@ def test_config_errors_are_clear() -> None:
 
 
 def _spent(strategy: DdpsaStrategy, rounds: int) -> list[float]:
-    """Epsilon reported after each of ``rounds`` released rounds (composed as configure_train + aggregate do)."""
+    """Epsilon reported after each of ``rounds`` released rounds (composed as the train and account stages do)."""
     out = []
     for t in range(1, rounds + 1):
-        strategy.account_round(RoundState(t, []))  # nothing: the round is charged when it is reconstructed
+        strategy.charge_release(RoundState(t, []))  # nothing: the round is charged when it is reconstructed
         strategy.release_round(t)
         out.append(strategy.privacy_report(t)["epsilon"])
     return out
@@ -336,21 +336,21 @@ def test_a_run_whose_rounds_mostly_failed_exits_non_zero(tmp_path, monkeypatch, 
 
     started: list[IntermediateServerCluster] = []
     original_start = launcher.start_intermediate_servers
-    original_prepare = DdpsaStrategy.prepare_round
+    original_plan = DdpsaStrategy.plan
 
     def start(m: int, roster, **kw) -> IntermediateServerCluster:
         started.append(original_start(m, roster, **kw))
         return started[-1]
 
-    def prepare(self, grid, server_round, nodes, arrays):
-        if server_round == 2:
+    def plan(self, grid, st):
+        if st.round == 2:
             for j in (1, 2):
                 os.kill(started[0].pids[j], signal.SIGKILL)
                 started[0].handles[j].process.wait()
-        return original_prepare(self, grid, server_round, nodes, arrays)
+        return original_plan(self, grid, st)
 
     monkeypatch.setattr(launcher, "start_intermediate_servers", start)
-    monkeypatch.setattr(DdpsaStrategy, "prepare_round", prepare)
+    monkeypatch.setattr(DdpsaStrategy, "plan", plan)
     out = tmp_path / "run"
     code = _inprocess_exit({"method": "ddpsa", "num-clients": 4, "num-rounds": 5, "out-dir": str(out),
                             **{k: v for k, v in LINEAR.items()}})

@@ -41,6 +41,7 @@ from protocols.secret_sharing import shamir_combine, shamir_split
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies.nadp import NadpStrategy
+from strategies.stages import close_round
 
 NADP_FAST = {"local-epochs": 1, "batch-size": 1000, "lr": 4.0, "clip": 1.0, "hidden": ""}
 
@@ -130,7 +131,7 @@ def test_self_masked_aggregate_is_exact(pinned):
     """With 2 of 8 dropped: every kept self-mask is rebuilt and removed, aggregate == survivors' average to 1e-9."""
     grid, strategy, msgs, replies = _round(8)
     gone = {msgs[2].metadata.dst_node_id, msgs[5].metadata.dst_node_id}
-    agg = flatten(from_record(strategy.aggregate_train(1, [r for n, r in replies.items() if n not in gone])[0]))
+    agg = flatten(from_record(close_round(strategy, grid, strategy._state, [r for n, r in replies.items() if n not in gone])[0]))
     st = strategy._state
     expected, weight = np.zeros_like(agg), 0.0
     for msg, seed in zip(msgs, pinned, strict=True):
@@ -241,7 +242,7 @@ def test_second_dropout_during_recovery_does_not_fail_the_round(pinned):
     first = ids[3]
     second = next(n for n in st.keys.neighbours[first] if n != ids[0])
     grid.offline.add(second)  # answers the train message, then is gone for the recovery phase
-    agg = flatten(from_record(strategy.aggregate_train(1, [r for n, r in replies.items() if n != first])[0]))
+    agg = flatten(from_record(close_round(strategy, grid, strategy._state, [r for n, r in replies.items() if n != first])[0]))
     report = strategy.round_report()
     assert report["unmask_silent"] == 1 and report["self_masks_removed"] == 9 and report["kept_pairs"] == 1
     expected, weight = np.zeros_like(agg), 0.0
@@ -388,7 +389,7 @@ def test_niss_dropouts_with_self_masks_cancel_and_a_second_dropout_does_not_fail
     silent = next(n for n in st.keys.neighbours[first] if n != ids[0])
     if second:
         grid.offline.add(silent)  # answered the train message, then gone for the unmasking phase
-    agg = flatten(from_record(strategy.aggregate_train(1, [r for n, r in replies.items() if n != first])[0]))
+    agg = flatten(from_record(close_round(strategy, grid, strategy._state, [r for n, r in replies.items() if n != first])[0]))
     report = strategy.round_report()
     assert report["self_masks_removed"] == 9 and report["unmask_silent"] == int(second)
     assert report["kept_pairs"] == int(second) and report["recovery"] == 1

@@ -28,6 +28,7 @@ from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from server.runner import run_federation
 from strategies.nadp import NadpStrategy
+from strategies.stages import close_round
 from tests.conftest import read_metrics
 
 #: One full-batch local step per round (the paper's setting, Lemma 1 exact), a linear model on digits.
@@ -72,7 +73,7 @@ def test_aggregate_equals_weighted_average_of_model_plus_residual(pinned_residua
     arrays = to_record(get_weights(model), np.float64)
     msgs = list(strategy.configure_train(1, arrays, ConfigRecord({"round": 1}), grid))
     replies = list(grid.send_and_receive(msgs))
-    agg_rec, _ = strategy.aggregate_train(1, replies)
+    agg_rec, _ = close_round(strategy, grid, strategy._state, replies)
     agg = flatten(from_record(agg_rec))
 
     st = strategy._state
