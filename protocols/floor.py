@@ -255,7 +255,7 @@ def mpddp_floor(cfg: RunConfig, k: int, min_size: int) -> tuple[float, float, fl
     clients whose n_k is larger get more noise than they need: simple, and never less).
     Raises ValueError where the theorems do not cover the setting.
     """
-    sens = mp_record_sensitivity(cfg.clip, min_size)
+    sens = mp_record_sensitivity(cfg.clip, min_size, cfg.adjacency)
     z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
     n_out = cfg.n_out if cfg.graph == "n-out" else None
     if n_out is None or n_out >= k - 1:
@@ -270,4 +270,4 @@ def mpddp_floor(cfg: RunConfig, k: int, min_size: int) -> tuple[float, float, fl
 def mpdp_naive_sigma(cfg: RunConfig, size: int) -> float:
     """``mpdp-naive``: Gaussian std ``z S`` on each perturbed gradient entry, S = ``2 clip / size`` (the client's own)."""
     return calibrate_ldp(noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds),
-                         sensitivity=mp_record_sensitivity(cfg.clip, size))
+                         sensitivity=mp_record_sensitivity(cfg.clip, size, cfg.adjacency))

@@ -286,7 +286,7 @@ class DdpsaStrategy(CancelStrategy):
         Distributed: each holds a Gamma(1/n', b) difference (variance 2 b^2 / n', ``n'`` from ``participants``,
         default ``clients``), std ``sqrt(2 clients / n') b / examples``.
         """
-        b = laplace_scale(l1_sensitivity(self.cfg.clip), self.epsilon_of_round(server_round))
+        b = laplace_scale(l1_sensitivity(self.cfg.clip, self.cfg.adjacency), self.epsilon_of_round(server_round))
         shares = 1
         if self.cfg.ddpsa_noise == "distributed":
             shares = honest_participants(clients if participants is None else participants, self.cfg.ddpsa_collude_frac)
@@ -315,7 +315,7 @@ class DdpsaStrategy(CancelStrategy):
             "epsilon_last_round": float(eps[-1]),
             "epsilon_total_certified": self.schedule.spent.epsilon,
             "delta_total_certified": self.schedule.spent.delta,
-            "laplace_scale_first_round": laplace_scale(l1_sensitivity(self.cfg.clip), float(eps[0])),
+            "laplace_scale_first_round": laplace_scale(l1_sensitivity(self.cfg.clip, self.cfg.adjacency), float(eps[0])),
             "noise": self.cfg.ddpsa_noise,
             "collude_frac": self.cfg.ddpsa_collude_frac,
             "frac_bits": self.codec.frac_bits,
