@@ -319,15 +319,15 @@ def test_clients_refuse_a_strategys_own_intermediate_servers(recorded) -> None:
             strategy.close()
 
 
-def test_default_regime_spends_exactly_the_target_with_replace_one_laplace(run_inprocess) -> None:
-    """Only the method set: the regime's rounds share epsilon (basic composition), noise scale 2 clip / eps_t."""
+def test_default_regime_spends_exactly_the_target_with_zero_out_laplace(run_inprocess) -> None:
+    """Only the method set: the regime's rounds share epsilon (basic composition), noise scale clip / eps_t."""
     summary, rows = run_inprocess(method="ddpsa")
     cfg = RunConfig.from_mapping(_raw())
     assert summary["failed_rounds"] == [] and len(rows) == cfg.num_rounds
     eps_t = cfg.epsilon / cfg.num_rounds
     assert [r["epsilon_round"] for r in rows] == pytest.approx([eps_t] * cfg.num_rounds)
     assert summary["epsilon"] == pytest.approx(cfg.epsilon) and summary["epsilon"] <= cfg.epsilon * (1 + 1e-12)
-    assert summary["method_parameters"]["laplace_scale_first_round"] == pytest.approx(2 * cfg.clip / eps_t)
+    assert summary["method_parameters"]["laplace_scale_first_round"] == pytest.approx(cfg.clip / eps_t)
 
 
 def test_a_run_whose_rounds_mostly_failed_exits_non_zero(tmp_path, monkeypatch, capsys) -> None:
