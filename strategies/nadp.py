@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from logging import WARNING
 
@@ -62,14 +61,13 @@ from client.messages.common import TrainIns, merge_configs
 from client.messages.nadp import NadpPlan
 from client.wire import from_record, to_record
 from protocols.arrays import flatten, unflatten
-from protocols.config import ConfigError, RunConfig
-from protocols.floor import nadp_compensation, nadp_sensitivity
+from protocols.config import RunConfig
+from protocols.floor import nadp_round_noise, nadp_sensitivity
 from protocols.nadp import (
     NoiseAllocation,
     dropout_residual,
     nadp_aggregate,
     normalize_weights,
-    round_plan,
 )
 from protocols.pairwise import pairwise_noise
 from protocols.privacy import (
@@ -107,9 +105,6 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
-        if 0.0 < cfg.nadp_lambda < 1.0:
-            raise ConfigError(f"run-config 'nadp-lambda' = {cfg.nadp_lambda} must be 0 (derive from nadp-tau) "
-                              "or >= 1 (a smaller factor would undercut sigma_up)")
         self.variant = cfg.nadp_variant
         #: Noise multiplier of every reported view (RDP, T releases, no sampling amplification claimed): nadp's
         #: aggregate and joint upload view (:func:`protocols.nadp.round_plan`), record-ldp's single upload.
@@ -129,22 +124,6 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
     def record_sensitivity(self, size: int) -> float:
         """Per-record L2 sensitivity of a local model trained on ``size`` examples (public)."""
         return nadp_sensitivity(self.cfg, size)  # the clients recompute it (their privacy floor)
-
-    def compensation(self, sizes: Mapping[int, int], min_degree: int | None = None) -> float:
-        """``lambda``: run-config ``nadp-lambda`` if > 0, else Eq. 8 for ``nadp-tau`` over the sampled clients.
-
-        On a sparse graph (``min_degree`` < k - 1) a client's pair noise is spread over
-        its neighbours only, so Eq. 8 is applied to the smallest neighbourhood
-        (k_eff = min degree + 1): the bound then assumes the colluders are a tau
-        fraction of every neighbourhood, which holds for a random graph drawn
-        independently of who colludes, not for a graph picked by a colluding server.
-        """
-        try:
-            return nadp_compensation(self.cfg, sizes, min_degree)  # the clients recompute it (their privacy floor)
-        except ValueError as err:
-            # (1 - tau) k <= 1: no honest partner is left to hide behind, no lambda can help.
-            log(WARNING, "nadp: %s; using lambda = 1 (no collusion protection this round)", err)
-            return 1.0
 
     def plan_round(self, keys: KeyRound) -> NadpRound:
         """Calibrate and allocate the round's noise from the participants' reported sizes.
@@ -166,17 +145,16 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
                 "above Lemma 1's 2C*lr/|D_i|. Use local-epochs=1 and batch-size >= |D_i| (one full-batch step, as "
                 "in the paper's experiments) for a useful model.", self.cfg.local_epochs, self.cfg.batch_size)
         weights = normalize_weights(sizes)
-        sens = {n: self.record_sensitivity(s) for n, s in sizes.items()}
-        if self.variant == "record-ldp":
-            # Lemma 3: each client meets (eps, delta) alone over ~qT releases with its own sensitivity.
-            plan = NadpPlan(self.variant, ids, sizes, 0.0, 0.0, 1.0, {n: self.z * sens[n] for n in ids})
+        noise = nadp_round_noise(self.cfg, sizes, keys.neighbours)  # the clients derive the same (their floor)
+        sens = dict(noise.sensitivities)
+        if noise.ldp_stds is not None:  # record-ldp (Lemma 3)
+            plan = NadpPlan(self.variant, ids, sizes, 0.0, 0.0, 1.0, dict(noise.ldp_stds))
             return NadpRound(rnd, list(ids), plan, weights, sens, None, keys=keys)
-        sig, alloc = round_plan(sizes, sens, self.cfg.epsilon, self.cfg.delta, self.cfg.num_rounds,
-                                graph=keys.neighbours)
-        # On a sparse graph, Eq. 8 holds for the smallest neighbourhood (see :meth:`compensation`).
-        min_degree = min(len(nb) for nb in keys.neighbours.values()) if alloc.pair_table is not None else None
-        plan = NadpPlan(self.variant, ids, sizes, sig.sigma_up, sig.sigma_down, self.compensation(sizes, min_degree))
-        return NadpRound(rnd, list(ids), plan, weights, sens, alloc, keys=keys)
+        if noise.lam_problem is not None:
+            log(WARNING, "nadp: %s; using lambda = 1 (no collusion protection this round)", noise.lam_problem)
+        assert noise.sigmas is not None
+        plan = NadpPlan(self.variant, ids, sizes, noise.sigmas.sigma_up, noise.sigmas.sigma_down, noise.lam)
+        return NadpRound(rnd, list(ids), plan, weights, sens, noise.allocation, keys=keys)
 
     # ------------------------------------------------------------ stages
     def plan(self, grid: Grid, st: RoundState) -> NadpRound:

@@ -305,7 +305,8 @@ def test_sensitivity_and_calibration_match_eq3_for_one_full_batch_step():
 
     st = strategy.plan_round(KeyRound(1, sorted(sizes), {}, complete_graph(sorted(sizes)), b"", b"", [], sizes))
     ref = calibrate_sigmas(1.5, cfg.delta, cfg.clip, sizes, 7, lr=cfg.lr)  # the paper's Eq. 3
-    rdp, _ = round_plan(sizes, {c: local_sgd_sensitivity(cfg.clip, n, lr=cfg.lr) for c, n in sizes.items()}, 1.5,
+    sens = {c: local_sgd_sensitivity(cfg.clip, n, lr=cfg.lr, adjacency=cfg.adjacency) for c, n in sizes.items()}
+    rdp, _ = round_plan(sizes, sens, 1.5,
                         cfg.delta, 7, graph=complete_graph(sorted(sizes)))
     assert st.plan.sigma_up == pytest.approx(rdp.sigma_up, rel=1e-12)
     assert st.plan.sigma_down == pytest.approx(rdp.sigma_down, rel=1e-12)
