@@ -1,4 +1,4 @@
-"""NADP-FL privacy calibration: sensitivities, Theorem 1 / Eq. 3, the events an accountant composes.
+"""NADP-FL's own calibration (Lemma 1, Eq. 3): the paper's figures a run reports beside its RDP accountant.
 
 * Sensitivity (Lemma 1): ``2 C / |D_i|`` for a client's mean of per-example clipped gradients (replace-one);
   uplink ``Delta_up = 2C/|D_min|`` over the sampled clients, downlink ``Delta_down = 2C/|D|``, both scaled by
@@ -7,8 +7,7 @@
   ``sigma_up / Delta_up = sigma_down / Delta_down = sqrt(4 T ln(1/delta)) / eps``; the formulas are
   :func:`protocols.privacy.composition.lemma2_sigma` and :func:`~protocols.privacy.composition.lemma2_epsilon`.
 * The paper's Lemma 2 drops ``rho`` from the moments-accountant bound, so its epsilon is an under-estimate; the
-  RDP accountant's epsilon (:class:`protocols.privacy.RdpAccountant` over :func:`accountant_events`) is reported
-  beside it.  ``sampling_rate`` optionally replaces T by ``qT`` (the paper's heuristic for LDP, Lemma 3).
+  RDP accountant's epsilon (the strategy's ledger, :func:`protocols.floor.nadp_round_noise`) is the guarantee.  ``sampling_rate`` optionally replaces T by ``qT`` (the paper's heuristic for LDP, Lemma 3).
 """
 
 from __future__ import annotations
