@@ -7,7 +7,8 @@
   ``sigma_up / Delta_up = sigma_down / Delta_down = sqrt(4 T ln(1/delta)) / eps``; the formulas are
   :func:`protocols.privacy.composition.lemma2_sigma` and :func:`~protocols.privacy.composition.lemma2_epsilon`.
 * The paper's Lemma 2 drops ``rho`` from the moments-accountant bound, so its epsilon is an under-estimate; the
-  RDP accountant's epsilon (the strategy's ledger, :func:`protocols.floor.nadp_round_noise`) is the guarantee.  ``sampling_rate`` optionally replaces T by ``qT`` (the paper's heuristic for LDP, Lemma 3).
+  RDP accountant's epsilon (the strategy's ledger, :func:`protocols.floor.nadp_round_noise`) is the guarantee.
+  ``sampling_rate`` optionally replaces T by ``qT`` (the paper's heuristic for LDP, Lemma 3).
 """
 
 from __future__ import annotations
