@@ -108,7 +108,7 @@ def test_planted_fault_client_skipping_pair_noise_is_caught():
 
 
 def test_planted_fault_server_recovery_stripping_pair_noise_is_caught():
-    spec = AuditSpec("nadp", "upload", 4.0, trials=16_000, clients=8, per_client=250, fault="strip-pair-noise")
+    spec = AuditSpec("nadp", "upload", 4.0, trials=32_000, clients=8, per_client=250, fault="strip-pair-noise")
     report = run_audit(spec, seed=5)
     assert report.epsilon_lb > report.claimed_epsilon, report.line()
 
