@@ -15,6 +15,7 @@ from client.env import ClientEnv, record_level_training
 from client.messages.baselines import ClippingNorm, LocalDpNoise
 from client.messages.common import TrainIns, train_metrics
 from client.wire import from_record, to_record
+from protocols.adjacency import adjacency_factor
 from protocols.arrays import flatten
 from protocols.config import RunConfig
 from protocols.floor import ldp_noise_multiplier, ldp_noise_std
@@ -44,7 +45,9 @@ def test_ldp_train_config_carries_the_calibrated_multiplier() -> None:
 def test_ldp_std_rule_by_privacy_unit() -> None:
     rec = _cfg("ldp", **{"batch-size": 1_000_000, "local-epochs": 1, "lr": 4.0, "clip": 1.0})
     z = ldp_noise_multiplier(rec)
-    assert ldp_noise_std(rec, 150) == pytest.approx(z * 2 * 1.0 * 4.0 / 150)  # Lemma 1: 2 C lr / n_k
+    assert rec.adjacency == "zero-out" and ldp_noise_std(rec, 150) == pytest.approx(z * 1.0 * 4.0 / 150)  # C lr / n_k
+    replace_one = rec.replace(adjacency="replace-one")
+    assert ldp_noise_std(replace_one, 150) == pytest.approx(z * 2 * 1.0 * 4.0 / 150)  # Lemma 1: 2 C lr / n_k
     with pytest.raises(ValueError, match="dataset size"):
         ldp_noise_std(rec)
     client = _cfg("ldp", **{"privacy-unit": "client", "clip": 0.5})
@@ -107,7 +110,7 @@ def test_record_level_ldp_upload_noise_is_z_times_2_clip_lr_over_n_k(factor) -> 
         n_k = len(env.y)
         _, local_w, _, _ = record_level_training(msg, env)  # deterministic: the model before the noise
         noise = flatten(from_record(r.content["arrays"])) - flatten(local_w)
-        expected = z * 2 * cfg.clip * cfg.lr / n_k
+        expected = z * adjacency_factor(cfg.adjacency) * cfg.clip * cfg.lr / n_k
         assert r.content["metrics"]["noise_std"] == pytest.approx(expected)
         normalised.append(noise / expected)
     pooled = np.concatenate(normalised)  # ~2600 draws: the std is within a few % of 1
@@ -125,7 +128,7 @@ def test_record_level_cdp_server_noise_is_z_times_2_clip_lr_over_n() -> None:
                                       "metrics": train_metrics(sizes[n])}), n, "train") for n in sizes}
     out = flatten(from_record(strategy.aggregate(RoundState(1, sorted(sizes), replies=by_node))))
     mean = sum(sizes[n] * models[n].astype(np.float64) for n in sizes) / sum(sizes.values())
-    expected = strategy.z * 2 * 1.0 * 4.0 / 450
-    assert record_mean_sensitivity(cfg, sizes) == pytest.approx(2 * 4.0 / 450)
+    expected = strategy.z * 1.0 * 4.0 / 450  # zero-out: C lr / N
+    assert record_mean_sensitivity(cfg, sizes) == pytest.approx(4.0 / 450)
     assert (out - mean).std() == pytest.approx(expected, rel=0.03)
     assert abs((out - mean).mean()) < 0.05 * expected

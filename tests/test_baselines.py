@@ -9,6 +9,7 @@ import pytest
 from client.data import load_dataset
 from client.models import load_npz_model
 from client.training import evaluate
+from protocols.adjacency import adjacency_factor
 from protocols.privacy import calibrate_noise_multiplier, gaussian_epsilon
 
 
@@ -68,7 +69,7 @@ def test_record_level_noise_reported_is_the_calibrated_one(run_inprocess):
     assert ldp["method_parameters"]["noise_multiplier"] == pytest.approx(z)
     assert cdp["method_parameters"]["noise_multiplier"] == pytest.approx(z)  # sample-rate 1: same calibration
     n = len(load_dataset("digits").y_train)
-    two_c_lr = 2 * cfg["clip"] * cfg["lr"]
+    two_c_lr = adjacency_factor(cfg["adjacency"]) * cfg["clip"] * cfg["lr"]  # zero-out: C lr; replace-one: 2 C lr
     # cdp: the server's noise on the example-weighted mean of all N training records
     assert cdp_rows[-1]["model_noise_std"] == pytest.approx(z * two_c_lr / n, rel=1e-6)
     # ldp: the least-noised upload is the largest client's; K independent noises in the mean: z sqrt(K) 2 C lr / N
