@@ -8,7 +8,7 @@ Per round a sampled client
    (:class:`client.messages.nadp.NadpPlan`: the participants' ids and sizes,
    ``sigma_up``, ``sigma_down`` (Eq. 3) and the compensation factor
    ``lambda``) and its peer keys; it rebuilds the pairing graph
-   (:func:`protocols.graphs.round_graph` from the round's public graph seed)
+   (the roster's graph of the round restricted to the participants, :func:`client.pairwise_phase.view_graph`)
    and recomputes the noise allocation itself (Alg. 2 or the sparse-graph rule,
    :func:`protocols.nadp.upload_noise_scales`, deterministic in those public
    values, so both ends of every pair get the identical ``sigma_ij``);
@@ -47,14 +47,13 @@ from flwr.app import Message
 from client.env import ClientEnv, record_level_training, reply
 from client.floor import release
 from client.messages.common import TrainIns
-from client.messages.keys import PeerKeys, probe_metric
+from client.messages.keys import probe_metric
 from client.messages.nadp import NadpPlan
-from client.pairwise_phase import mask_probe, pair_seeds
+from client.pairwise_phase import mask_probe, pair_seeds, view_graph
 from client.recovery import SelfMask, remember, self_mask_upload
 from client.wire import to_record
 from protocols.arrays import flatten, unflatten
 from protocols.floor import FloorViolation, NadpFloor, at_least, nadp_floor
-from protocols.graphs import round_graph
 from protocols.nadp import nadp_upload
 from protocols.pairwise import pairwise_noise
 from protocols.prg import gaussian
@@ -86,14 +85,11 @@ def round_floor(msg: Message, env: ClientEnv, plan: NadpPlan) -> tuple[NadpFloor
         raise FloorViolation("nadp-variant", plan.variant, env.cfg.nadp_variant, "not this client's run config")
     graph = None
     if plan.variant == "nadp":
-        # The pair variances depend on the whole graph (neighbours' degrees): rebuild it from public values.
-        peer_keys = PeerKeys.from_config(msg.content["config"])
-        if peer_keys.graph_seed is None:
-            raise ValueError("nadp: the train message carries no graph seed")
-        graph = round_graph(env.cfg.graph, env.cfg.n_out, plan.ids, peer_keys.graph_seed)
-        if sorted(peer_keys.peer_ids) != sorted(graph[me]):
-            # Every pair of the plan's graph must be keyed; a missing pair would break cancellation.
-            raise ValueError("nadp: the peer list differs from the round's pairing graph")
+        # The pair variances depend on the whole graph (neighbours' degrees): the roster's graph restricted
+        # to the participants, rebuilt and checked from public values (client.pairwise_phase.check_view).
+        graph = view_graph(msg, env)
+        if sorted(graph) != sorted(plan.ids):
+            raise ValueError("nadp: the plan's participants differ from the round's participant list")
     fl = nadp_floor(env.cfg, plan.sizes, me, graph)
     if fl.sigmas is None:
         at_least("nadp-ldp-stds", plan.ldp_stds[me], fl.ldp_std or 0.0)
