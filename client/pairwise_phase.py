@@ -191,7 +191,7 @@ def _checked(env: ClientEnv, pk: PeerKeys, rnd: int, *, full: bool) -> tuple[Rou
     ids_of = {name: node for node, name in present.items()}
     row = sorted(ids_of[m] for m in mine if m in ids_of)
     if sorted(pk.peer_ids) != row:
-        raise ValueError("the peer list differs from this node's neighbours in the roster's graph of the round")
+        raise ValueError("the peer list differs from this node's neighbours in the roster's pairing graph of the round")
     for i, peer in enumerate(pk.peer_ids):
         if pk.peer_names and pk.name_of(i) != present[peer]:
             raise ValueError(f"peer {peer} carries roster name {pk.name_of(i)!r}, the participant list {present[peer]!r}")
