@@ -60,7 +60,7 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from logging import WARNING
 from typing import TYPE_CHECKING
@@ -127,6 +127,18 @@ class KeyRound:
         return PeerKeys(tuple(peers), tuple(self.public_keys[p] for p in peers), self.key_epoch,
                         self.graph_seed, self.probe_seed, tuple(n for n, _ in signed), tuple(s for _, s in signed),
                         tuple(self.participants), tuple(self.signed_by.get(p, ("", b""))[0] for p in self.participants))
+
+
+    def calibration_size(self, complete: Callable[[int], bool]) -> int:
+        """The participant count K to calibrate for, where ``complete(K)`` says the calibration assumes a complete graph.
+
+        Raises RoundFailed when it would while the roster's graph of the round is sparse (too few present).
+        """
+        k = len(self.participants)
+        if self.roster_round is not None and not self.roster_round.complete and complete(k):
+            raise RoundFailed(f"round {self.round}: only {k} of the roster's {len(self.roster_round.sample)} sampled "
+                              "clients take part, too few for the sparse graph's calibration")
+        return k
 
 
 class KeyPhase:

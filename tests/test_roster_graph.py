@@ -279,3 +279,12 @@ def test_key_phase_round_failure_without_roster():
     strategy = NadpStrategy(RunConfig.from_mapping(raw))
     with pytest.raises(RoundFailed, match="roster"):
         strategy.keys.run(strategy, grid, 1, list(grid.node_ids))
+
+
+def test_a_sparse_roster_graph_is_never_calibrated_as_complete():
+    """mpddp: so few of an n-out sample present that a complete-graph calibration would apply: the round fails."""
+    rr = roster_round("n-out", 2, [f"n{i}" for i in range(10)], 10, hashlib.sha256(b"r").digest())
+    kr = KeyRound(1, [1, 2, 3], {}, {}, rr.seed, b"", roster_round=rr)
+    with pytest.raises(RoundFailed, match="too few for the sparse graph"):
+        kr.calibration_size(lambda k: 2 >= k - 1)
+    assert dataclasses.replace(kr, participants=list(range(5))).calibration_size(lambda k: 2 >= k - 1) == 5
