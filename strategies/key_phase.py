@@ -7,6 +7,8 @@ runs the same in simulation, deployment and in-process):
 
 1. ``query.keys`` (:class:`client.messages.keys.KeyRequest`) -- only for
    sampled clients the server holds no public key of the current *key epoch*
+   and for connected nodes whose roster name it does not know yet (in the first
+   round: every connected node)
    (run-config ``key-rotation``: rounds per key pair; 0 = one pair per node for
    the whole run, 1 = a fresh pair every round).  Such a client makes an X25519
    key pair for the epoch (private half kept in its ``Context.state``) and
