@@ -15,8 +15,8 @@ Building blocks: :mod:`~benchmarks.protocol_core` (noise-engine throughput, key 
 (also ``python -m benchmarks``); shared helpers are in :mod:`~benchmarks.common`.
 
 Threads: importing this package pins BLAS/OpenMP to one thread (``OMP_NUM_THREADS=1`` unless
-set), and the CLI sets ``torch.set_num_threads(1)``: on a small shared machine multi-threaded
-kernels for these tiny models are 10-20x slower, and the protocol-core figures are per core.
+set), and the CLI sets ``torch.set_num_threads(1)``: multi-threaded kernels only add hand-off overhead on
+these tiny models, and the protocol-core figures are per core.
 """
 
 import os

@@ -9,7 +9,7 @@ one-round epsilon the run's accountant claims for that view (``inf`` = no guaran
 ``epsilon_lb > claimed`` is a violation (exit status 1).  ``--colluders`` adds nadp upload rows with that many
 of the 3 peers handing the server their pair material (nadp's epsilon_uplink assumes no colluding client, so
 those rows show the degradation, not a violation).  Writes ``audit.md``/``audit.csv``,
-``audit.json`` and the plot ``audit.png`` into ``--out``.  Trials and federation per method: :func:`server.audit.federation`
+``audit.json`` and the plot ``audit.png`` into ``--out``.  Trials and federation per method: :func:`server.audit_spec.federation`
 (ladp: adaptive canaries, 16 clients per release; the MP family: an MLP canary, one counted canary per release);
 ``--trials`` overrides the trials of every row.  ladp also gets a row with the planted fault ``private-kl`` (the
 paper's data-dependent P_j), niss and ddpsa a row with ``halve-noise``; those must be flagged.  ddpsa's claim is
@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 from benchmarks.common import publish, pyplot, save_figure
-from server.audit import AUDITED, DIRECTIONS, AuditSpec, federation, run_audit
+from server.audit import run_audit
+from server.audit_spec import AUDITED, DIRECTIONS, AuditSpec, federation
 
 #: Trials of a planted-fault row (halving the noise is caught with a few releases).
 FAULT_TRIALS = 16_000
@@ -41,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default=",".join(AUDITED))
     p.add_argument("--directions", default=",".join(DIRECTIONS))
     p.add_argument("--epsilons", default="1,4")
-    p.add_argument("--trials", type=int, default=None, help="canaries per row (default: per method, server.audit.federation)")
+    p.add_argument("--trials", type=int, default=None, help="canaries per row (default: per method, audit_spec.federation)")
     p.add_argument("--colluders", default="1,2", help="nadp upload rows with these numbers of colluding peers ('' = none)")
     p.add_argument("--seed", type=int, default=None, help="canary labels (default: fresh)")
     p.add_argument("--out", default="runs/bench/audit")

@@ -91,6 +91,8 @@ def build_parser(load: Iterable[str] | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=line, description=plain_text(doc), formatter_class=_Formatter)
         if name in load:
             module(name).add_arguments(p)
+    sub.add_parser("reproduce", help="rerun a recorded result (docs/results/<name>) and fail when a figure no longer "
+                   "reproduces", add_help=False)
     everything = sub.add_parser("all", help=f"{', '.join(ALL)} with their defaults", formatter_class=_Formatter)
     everything.add_argument("--out", default="runs/bench")
     return parser
@@ -167,6 +169,13 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``cancelfl-bench``; returns the benchmark's exit status (e.g. niss: 1 if a check fails)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["reproduce"]:  # a tool over recorded results, not a benchmark: no record of its own
+        from benchmarks import reproduce
+
+        p = argparse.ArgumentParser(prog="cancelfl-bench reproduce", description=plain_text(reproduce.__doc__ or ""),
+                                    formatter_class=_Formatter)
+        reproduce.add_arguments(p)
+        return reproduce.run(p.parse_args(argv[1:]))
     chosen = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(ALL if chosen == "all" else [chosen] if chosen in BENCHMARKS else [])
     args = parser.parse_args(argv)

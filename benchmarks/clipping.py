@@ -11,14 +11,14 @@ MLP 784-128-10 and the SmallCNN of :mod:`client.models`:
   (per-sample gradients by hooks, then ``DPOptimizer.clip_and_accumulate``) and
   ``GradSampleModuleFastGradientClipping`` with ghost clipping (two backward passes);
 * L1 (DDP-SA): the same function with ``norm="l1"`` against our ``torch.func`` vmap reference
-  (:func:`protocols.per_example.vmap_clipped_grad_sum`, what DDP-SA used before);
+  (:func:`protocols.per_example.vmap_clipped_grad_sum`);
 * a plain forward and backward of the summed loss as the floor (``x plain`` = time / its time).
 
 Repeats are interleaved and reported as medians; every competitor's clipped sum is checked
 against ours on the timed batch (``max rel diff``; Opacus adds 1e-6 to the norm). Opacus is
 a benchmark-only dependency (``pip install -e .[bench]``); without it its rows say so.
-Also times the DDP-SA client's clipped L1 gradient sum over one client's 6,000 MNIST
-examples (``--ddpsa-examples``), the step that dominated a DDP-SA round.
+Also times the DDP-SA client's clipped L1 gradient sum over one client's MNIST examples
+(``--ddpsa-examples``), the main cost of its round.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ from client.models import build_model
 from protocols.per_example import clipped_grad_sum, fast_path_blocker, vmap_clipped_grad_sum
 
 HELP = "per-example clipping examples/s: ours vs Opacus (L2) and the vmap reference (L1)"
+#: What ``cancelfl-bench reproduce`` compares (column -> relative tolerance) and the row key.
+FIGURES: dict[str, float] = {"x_plain": 0.3, "ours_speedup": 0.3}
+KEY = ("model", "batch", "norm", "implementation")
 COLUMNS = ("model", "batch", "norm", "implementation", "examples_per_s", "x_plain", "ours_speedup", "max_rel_diff")
 
 Step = Callable[[], list[torch.Tensor]]

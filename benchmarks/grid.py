@@ -27,7 +27,7 @@ COLUMNS = ("name", "epsilon", "clients", "status", "final_accuracy", "epsilon_re
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Options of ``cancelfl-bench grid`` (defaults: ~14 min on 2 shared cores)."""
+    """Options of ``cancelfl-bench grid`` (the defaults run for several minutes)."""
     common.add_federation_arguments(p, dataset="mnist", train_subset=6000, test_subset=2000, rounds=15, hidden="32",
                              out="runs/bench/grid", methods="all", batch_size=100000, lr=0.5)
     p.add_argument("--epsilons", default="1,8")
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
                  "intermediate servers, from the clients' share_bytes metric)")
     notes.append("epsilon_reported/uplink/downlink as the method reports them after the last round (inf = no "
                  "guarantee); the configured epsilon is the whole-run budget of every method")
-    notes.append("keys the grid leaves unset take each method's regime (protocols/methods.py)")
+    notes.append("keys the grid leaves unset take each method's regime (protocols/methods/)")
     plot(rows, out)
     common.publish(rows, COLUMNS, args, "results", title="Privacy-utility-cost grid", notes=notes, total=total)
     print(f"wrote {out}/results.csv, results.md, accuracy_vs_epsilon.png, round_time.png")

@@ -3,35 +3,15 @@
     cancelfl-bench nadp [OUT_DIR] [--dataset digits|mnist] [--train-subset 0]
         [--epsilons 0.5,1,2,4] [--clients 10,50,100] [--num-rounds 30] [--lr 2|1] [--clip 1] [--repeats 1]
 
-Methods, all with the SAME data, model, rounds, lr, clip, sampling rate and
-local training budget (one full-batch local step per round, the paper's
-setting and the one where Lemma 1's record sensitivity ``2C lr/|D_i|`` is exact):
+All methods get the same data, model, rounds, lr, clip, sampling rate and one full-batch local step per round
+(where Lemma 1's record sensitivity ``2C lr/|D_i|`` is exact): ``fedavg`` (no DP), ``ldp`` (client-level
+DP-FedAvg), ``record-ldp`` (the paper's LDP-FL comparator, Lemma 3: NADP's training, independent noise) and
+``nadp`` (Eq. 3, Algorithm 2, Eq. 8).  ``nadp`` vs ``record-ldp`` is the paper's like-for-like comparison;
+``ldp`` protects whole clients.  NADP's aggregate noise scales as 1/(eps |D|) and does not grow with N.
 
-* ``fedavg``      -- no DP (the utility ceiling);
-* ``ldp``         -- the framework's LDP baseline: client-level DP-FedAvg
-  (update clipped to ``clip``, client-side Gaussian noise, RDP-calibrated);
-* ``record-ldp``  -- the paper's LDP-FL comparator (Lemma 3): NADP's training
-  and record-level sensitivity, independent client noise
-  ``sigma_i = Delta_i sqrt(2qT ln(1/delta))/eps``, no cancellation
-  (the variant ``nadp-record-ldp`` of :data:`benchmarks.common.VARIANTS`);
-* ``nadp``        -- NADP-FL (Eq. 3 calibration, Alg. 2 allocation, lambda by Eq. 8).
-
-``ldp`` protects whole clients, the other two single records (the paper's
-unit), so ``nadp`` vs ``ldp`` mixes two privacy units; ``nadp`` vs
-``record-ldp`` is the like-for-like comparison of the paper. Both are printed.
-
-Writes ``results.csv`` (one row per run), ``table.md`` (Table-1 layout with the
-command line and the acceptance checks), ``accuracy_vs_epsilon.png`` into OUT_DIR
-(default ``runs/bench-nadp/``, relative to the working directory) and prints the table. DP noise comes from the OS
-(NADP's residual seeds are secret), so repeated runs differ; ``--repeats`` > 1
-reports mean and standard deviation (run-config seeds 42, 43, ...).
-
-Measured (30 rounds, q = 0.8, eps = 1, accuracy %; No-DP / LDP / record-LDP / NADP):
-digits (defaults, 2 repeats): N=50 93.1 / 11.8 / 10.6 / 52.2, N=100 93.2 / 10.7 / 15.7 / 56.0;
-``--dataset mnist --train-subset 10000``: N=50 88.1 / 11.9 / 59.2 / 80.5, N=100 89.5 / 10.9 / 44.5 / 80.0;
-``--dataset mnist --clip 3`` (60k): N=50 90.3 / 7.5 / 83.9 / 88.6, N=100 89.8 / 15.4 / 79.2 / 88.6.
-NADP's aggregate noise scales as 1/(eps |D|) and does not grow with N; record-level LDP's is
-sqrt(qk/2) times larger (Theorem 1), client-level LDP's is far larger (whole-client sensitivity).
+Writes ``results.csv``, ``table.md`` (with the command line and acceptance checks) and
+``accuracy_vs_epsilon.png`` into OUT_DIR (default ``runs/bench-nadp/``) and prints the table.  DP noise comes
+from the OS, so runs differ; ``--repeats`` > 1 reports mean and standard deviation (seeds 42, 43, ...).
 """
 
 from __future__ import annotations
@@ -113,7 +93,7 @@ def table(results: dict, args: argparse.Namespace) -> str:
 
 
 def acceptance(results: dict, args: argparse.Namespace) -> list[str]:
-    """The brief's checks at eps = 1 and N >= 50 (+ the like-for-like one against record-level LDP)."""
+    """Acceptance checks at eps = 1 and N >= 50: NADP >= 20 points above LDP and record-level LDP, within 5 of no-DP."""
     out = []
     for n in args.client_list:
         if n < 50 or 1.0 not in args.eps_list:

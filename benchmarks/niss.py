@@ -3,25 +3,17 @@
     cancelfl-bench niss [OUT_DIR] [--dataset digits] [--epsilon 200]
         [--num-rounds 20] [--repeats 30] [--taus 0,0.5,1]
 
-Runs (in-process, :func:`server.launch.run_inprocess`), each ``--repeats`` times
-with run-config seeds 42, 43, ... (partition, init, sampling; the DP noise itself
-comes from the OS):
+In-process runs, each ``--repeats`` times with seeds 42, 43, ... (the DP noise comes from the OS):
 
-* ``fedavg`` (no DP) and ``ldp`` (client-level DP-FedAvg at ``--epsilon``),
-* ``niss`` with tau in ``--taus`` at the same epsilon/delta/clip (the paper's
-  Fig. 3 setting: tau = 0 ~ FedAvg, tau = 1 ~ DP-FedAvg), with
-  ``cancellation-check = true`` (DIAGNOSTIC side channel: clients also send their
-  noiseless weighted update) so that every round gives the measured aggregate
-  noise variance next to Theorem 2 -- it does not change the training,
-* ``niss`` (tau = 0, cancellation-check off, one run each, full length so the
-  noise calibration is the same) with the ``seed`` and ``vector`` share
-  encodings (one share per neighbour), for the bytes per client per round: the runner's
-  ``bytes_sent_per_client`` (server -> client) and ``bytes_received_per_client``
-  (client -> server), summed over all phases of a round.
+* ``fedavg`` and ``ldp`` (client-level DP-FedAvg at ``--epsilon``);
+* ``niss`` for each tau in ``--taus`` at the same epsilon/delta/clip (the paper's Fig. 3: tau = 0 ~ FedAvg,
+  tau = 1 ~ DP-FedAvg), with ``cancellation-check = true`` so every round reports the aggregate noise variance
+  next to Theorem 2 (a diagnostic side channel; training is unchanged);
+* ``niss`` (tau = 0, one run each) with the ``seed`` and ``vector`` share encodings, for the bytes per client and
+  round in both directions, summed over the round's phases.
 
-Prints the tables and the acceptance checks, writes ``results.csv``,
-``results.md``, ``bytes.csv`` and ``variance.csv`` to OUT_DIR (default
-``runs/bench-niss/``).
+Prints the tables and acceptance checks; writes ``results.csv``, ``results.md``, ``bytes.csv`` and
+``variance.csv`` to OUT_DIR (default ``runs/bench-niss/``).
 """
 
 from __future__ import annotations
@@ -162,8 +154,8 @@ def run(args: argparse.Namespace) -> int:
         welch = (f"Welch t-test niss tau=1 vs ldp over {len(b)} seeds: p = {float(test.pvalue):.3f} "
                  "(information only: p > 0.05 = no detectable difference)")
         # Equivalence (TOST at a 3-point margin): the 90 % CI of the mean difference lies inside +-0.03.
-        # The final accuracy of one run varies by ~4 points between runs (DP noise from the OS), so a
-        # point comparison of 5-run means misses the margin by chance ~25 % of the time; this does not.
+        # One run's final accuracy varies with the OS-drawn DP noise, so comparing two means alone would miss
+        # the margin by chance; the interval accounts for that spread.
         ci = test.confidence_interval(confidence_level=0.90)
         diff = _mean(a) - _mean(b)
         checks.append(("tau=1 equivalent to DP-FedAvg within 3 points (90 % CI of the difference inside +-0.03)",

@@ -2,23 +2,16 @@
 
     cancelfl-bench recovery [--clients 100] [--dropouts 0.1,0.3] [--methods nadp,niss,mpddp] ...
 
-cancelfl (:mod:`strategies.recovery`): one in-process round per method and dropout rate, complete pairing
-graph (the worst case: every survivor pairs with every dropped client), run-config ``fault-drop-rate``;
-the survivors with a dropped neighbour answer one ``query.recover`` phase, the server expands the revealed
-material and subtracts it.  Reported: the recovery phase's client time per surviving client, the server's
-time (phase wall minus client time, plus the removal of the revealed noise from the aggregate), and the
-phase's bytes (request + reply) per surviving client.
+cancelfl (:mod:`strategies.recovery`): one in-process round per method and dropout rate on the complete graph (the
+worst case), drops from run-config ``fault-drop-rate``; reported: the recovery phase's client time per survivor,
+the server's time (including removing the revealed noise) and the phase's bytes per survivor.
 
-Flower's SecAgg+ (``SecAggPlusWorkflow`` + ``secaggplus_mod`` on the same model and data, legacy FedAvg;
-``--secagg-shares`` shares, threshold ``--secagg-threshold``): the same fraction of the sampled clients
-drops after the share-keys stage (no reply to ``collect_masked_vectors``); its ``unmask`` stage (every
-survivor sends shares of the survivors' self-mask seeds and of the dropped clients' mask keys; the server
-reconstructs and regenerates the masks) is measured the same way.  SecAgg+ runs that stage in every round,
-with or without dropouts; cancelfl runs its recovery phase only in rounds with dropouts.
-
-In-process, sequential clients, CPU seconds (``time.process_time``: the shared machine's load does not
-inflate them): ``client_s`` is what one surviving client spends, ``server_s`` what the server spends; a
-deployment adds one round trip (6-9 s per phase with Flower 1.41's polling SuperNodes).
+Flower's SecAgg+ (``SecAggPlusWorkflow`` + ``secaggplus_mod``, same model and data, ``--secagg-shares`` shares,
+threshold ``--secagg-threshold``): the same fraction drops before ``collect_masked_vectors`` and its ``unmask``
+stage is measured the same way.  SecAgg+ runs that stage every round, as does cancelfl's double masking
+(``self-mask``); its direct reveal runs only in rounds with dropouts.  Times are CPU seconds
+(``time.process_time``, so machine load does not inflate them) of sequential in-process clients; a deployment
+adds one round trip per phase.
 """
 
 from __future__ import annotations

@@ -2,27 +2,17 @@
 
     cancelfl-bench roundtime                      # MNIST, 10 clients x ~6,000 examples, in-process
     cancelfl-bench roundtime --engine simulation --clients 100 --rounds 3 --repeats 2
-                                                  # 100 clients x 600 examples, Flower's simulation runtime
     cancelfl-bench roundtime --engine deployment --clients 4 --dataset digits --rounds 4 --repeats 2
-                                                  # a SuperLink and 4 SuperNodes as processes (cancelfl deploy)
 
-Every method trains the SAME local workload as FedAvg (``local-epochs``, ``batch-size``, ``lr``,
-``hidden`` given explicitly, so no method-specific regime changes the work): the ratio is what the
-method's privacy machinery costs on top of FedAvg's training (per-example clipping, pair noise,
-key and share phases, secret sharing, layer expansion).  The mpddp family is FedSGD by design (one
-full-batch gradient per round, its paper's setting): its ratio compares that round with FedAvg's.
+Every method trains FedAvg's local workload (``local-epochs``, ``batch-size``, ``lr``, ``hidden`` given
+explicitly), so the ratio is what its privacy machinery costs on top; the mpddp family is FedSGD by design (one
+full-batch gradient per round).  Repeats are interleaved, each ratio is taken against the FedAvg run of the same
+repeat and the median is reported; round 1 (imports, caches, the first key phase) is excluded.
 
-Repeats are interleaved (fedavg, ldp, ..., fedavg, ldp, ...) and each ratio is taken against the
-FedAvg run of the same repeat, then the median over repeats is reported, because a shared machine's
-speed drifts between minutes.  Round 1 is excluded (imports, caches, the session key phase).
-
-``round_s`` is the round's wall time: in-process the clients run one after another (so it is the
-whole federation's compute plus the server's), under simulation and deployment it is what a Flower user waits.
-``client_s`` (in-process only) is one client's mean time per round.  ``peak_rss_mb`` is the mean over
-clients of the peak resident memory of the process that ran them (the ``peak-rss-mb`` train metric):
-meaningful under the simulation runtime (one worker process per ClientApp slot); in-process every
-client shares the benchmark's process, so the column is the whole process's peak.
-Writes ``roundtime.csv``/``roundtime.md`` into ``--out``.
+``round_s``: the round's wall time (in-process the clients run one after another).  ``client_s`` (in-process
+only): one client's mean time per round.  ``peak_rss_mb``: the mean over clients of their process's peak
+resident memory (meaningful under simulation; in-process it is the whole process's).  Writes
+``roundtime.csv``/``roundtime.md`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -44,6 +34,11 @@ GOALS: dict[str, float] = {"nadp": 1.1, "niss": 1.1, "mpddp": 1.1, "ldp": 1.1, "
 
 #: In deployment every method's round within 1.2x FedAvg's (each extra message phase is one more round trip).
 DEPLOYMENT_GOALS: dict[str, float] = {m: 1.2 for m in ("nadp", "niss", "mpddp", "ldp", "cdp", "ladp", "ddpsa")}
+
+#: What ``cancelfl-bench reproduce`` compares (column -> relative tolerance; text columns exactly) and the row key.
+FIGURES: dict[str, float] = {"status": 0.0, "round_s_x_fedavg": 0.15, "client_s_x_fedavg": 0.2, "peak_rss_x_fedavg": 0.2,
+                             "bytes_per_client_round": 0.05}
+KEY = ("name",)
 
 COLUMNS = ("name", "clients", "status", "round_s", "round_s_x_fedavg", "goal", "meets_goal", "client_s",
            "client_s_x_fedavg", "server_s", "peak_rss_mb", "peak_rss_x_fedavg", "bytes_per_client_round",

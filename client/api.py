@@ -1,28 +1,18 @@
 """Use a cancelfl method in your own Flower ClientApp, with your own PyTorch model and local data.
 
-Two ways, both driven by the settings the ServerApp's strategy was built with (``method``, ``epsilon``,
-``clip``, ...): the strategy sends them in every message (:mod:`client.messages.settings`), so the client
-needs no copy and works without a run config (``flwr.simulation.run_simulation``).  Where the client's
-run config names a ``method`` too, it must be the strategy's; otherwise the message is refused with the fix:
-
-* :func:`attach` registers the method's train handler and its extra message phases (key
-  exchange, share relay) on your ``ClientApp``; ``load(context)`` returns your model and this
-  node's data::
+* :func:`attach` registers the method's train handler and its extra message phases (key exchange, share relay,
+  dropout recovery) on your ``ClientApp``; ``load(context)`` returns your model and this node's data::
 
       app = ClientApp()
       attach(app, lambda context: (Net(), x_local, y_local))
 
-* :func:`protect` handles one message inside a handler you write yourself: for a ``train``
-  message it runs the method's local step on a copy of ``model`` loaded with the received global
-  weights -- local training as the method's privacy analysis assumes it (e.g. nadp: per-example
-  clipped SGD) and the method's protection of the upload (clipping, calibrated noise, pairwise
-  noise that cancels in the aggregate) -- and returns the reply to send.
+* :func:`protect` handles one message inside a handler you write yourself and returns the reply to send.
 
-The protection is only as good as its premises: the method trains your model itself (a DP
-guarantee covers a training procedure, not an arbitrary update), ``y`` are integer class labels
-(cross-entropy), and the model's ``state_dict`` keys match the arrays the server sends.  Noise is
-drawn on the CPU from the OS CSPRNG / AES-CTR streams (a GPU generator is not a CSPRNG) and
-applied to the uploaded weights; training runs on run-config ``device``.
+The strategy sends its settings (``method``, ``epsilon``, ``clip``, ...) in every message
+(:mod:`client.messages.settings`), so the client needs no run config; a client run config naming another
+``method`` is refused.  Premises of the protection: the method trains your model itself (a DP guarantee covers
+a training procedure, not an arbitrary update), ``y`` holds integer class labels, and the model's ``state_dict``
+keys match the server's arrays.  Noise is drawn on the CPU from the OS CSPRNG; training runs on ``device``.
 """
 
 from __future__ import annotations
@@ -83,13 +73,10 @@ def protect(msg: Message, context: Context, model: nn.Module, x: np.ndarray, y: 
 
 
 def attach(app: ClientApp, load: Loader) -> ClientApp:
-    """Register every cancelfl handler (train and all extra phases) on ``app``; returns ``app``.
+    """Register every cancelfl handler (train and all extra phases) on ``app``; returns ``app``."""
+    from client.app import FEDERATION, federation
 
-    For ``cdp`` the train handler also gets Flower's ``fixedclipping_mod`` (as the stock ClientApp does).
-    """
-    from client.app import FEDERATION, _cdp_clipping, federation
-
-    @app.train(mods=[_cdp_clipping])
+    @app.train()
     def _train(msg: Message, context: Context) -> Message:
         return protect(msg, context, *load(context))
 

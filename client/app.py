@@ -4,27 +4,17 @@ from __future__ import annotations
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
-from flwr.clientapp.mod import fixedclipping_mod
 
 from client.env import ClientEnv
 from client.floor import admit
 from client.messages.federation import ACTION as FEDERATION
 from client.messages.federation import FederationInfo
-from client.messages.settings import settings_of
 from client.methods import query_actions, query_handler, train_handler
 
 app = ClientApp()
 
 
-def _cdp_clipping(msg: Message, context: Context, call_next) -> Message:
-    """Flower's ``fixedclipping_mod``, applied only to client-level central DP (record level clips per example)."""
-    settings = settings_of(msg, context.run_config)
-    if settings.method == "cdp" and settings.privacy_unit == "client":
-        return fixedclipping_mod(msg, context, call_next)
-    return call_next(msg, context)
-
-
-@app.train(mods=[_cdp_clipping])
+@app.train()
 def train(msg: Message, context: Context) -> Message:
     """Local training + the method's upload protection."""
     env = ClientEnv.from_context(context)

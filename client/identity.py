@@ -1,20 +1,15 @@
 """A node's long-term identity and the roster it trusts (from its node config); signing and checking keys.
 
-Node config (``flower-supernode --node-config '... identity-key="/keys/node-0.key" roster="/keys/roster.json"'``):
+Node config (``flower-supernode --node-config 'identity-key="/keys/node-0.key" roster="/keys/roster.json"'``):
+``identity-key`` is the node's Ed25519 private key (``cancelfl keys gen``), ``roster`` the roster file
+(``cancelfl keys roster``, distributed out of band; the node's name is the entry holding its public key), and
+``require-identity = true`` refuses to run without them (recommended for real deployments).
 
-* ``identity-key`` -- path of this node's Ed25519 private key (PEM, made by ``cancelfl keys gen``);
-* ``roster`` -- path of the roster file (``cancelfl keys roster``), distributed out of band: the only
-  identities this client trusts.  The node's own roster name is the entry holding its public key;
-* ``require-identity`` -- optional; ``true`` makes the node refuse to run without the two above
-  (recommended for every real deployment).
-
-Without ``identity-key`` and ``roster`` -- Flower's simulation cannot give a node its own files -- the
-node falls back to a SIMULATION/TEST CONVENIENCE: identities derived from the run-config ``seed``
-(:func:`protocols.identity.derived_identity`, roster names ``partition-<i>``).  Everybody who knows the
-run config, the server included, can sign for such identities: they authenticate nothing against a
-malicious server, and a warning says so, once per run on each machine (a simulation runs its clients in
-several processes: a marker file per run id in the temp folder).  ``cancelfl deploy``, docker-compose and the in-process engine
-give every node a real identity through node config.
+Without them (Flower's simulation cannot give a node files) the node uses identities derived from the run-config
+``seed`` (:func:`protocols.identity.derived_identity`, names ``partition-<i>``): anyone who knows the run config,
+the server included, can sign for them, so they authenticate nothing against a malicious server; a warning says so
+once per run and machine (:func:`first_notice_of_run`).  ``cancelfl deploy``, docker-compose and the in-process
+engine give every node a real identity.
 """
 
 from __future__ import annotations

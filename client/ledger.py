@@ -1,27 +1,14 @@
 """A node's persistent privacy ledger: what its data has spent, over every run, per direction and privacy unit.
 
-One JSON file per data partition (``<ledger-dir>/client-<partition-id>.json``), in a
-folder the node config names (``ledger-dir``); without one, ``$CANCELFL_LEDGER_DIR``,
-else ``<FLWR_HOME or ~/.flwr>/cancelfl-ledger``.  The in-process engine gives its
-nodes a folder of their own (:class:`server.local_grid.LocalGrid`).  The file
-survives process restarts and new runs: every message may run in a fresh process,
-so the ledger is read, updated and written under a file lock each time.
-
-Accounts are keyed ``"<direction>/<unit>"`` (``uplink/client``, ``uplink/record``,
-``downlink/record``): ``uplink`` is what the server (or an eavesdropper) sees of
-this client's uploads, ``downlink`` the published model; ``client`` protects the
-whole dataset of the node, ``record`` one example.  Each account holds the
-project's accountants (:mod:`protocols.privacy`, JSON state via ``to_state`` /
-``accountant_from_state``): an :class:`~protocols.privacy.RdpAccountant` for
-Gaussian and Laplace releases and a :class:`~protocols.privacy.DpCompositionAccountant`
-for releases a theorem certifies as (epsilon, delta); when both hold releases their
-epsilons add up at ``delta / 2`` each (basic composition).  While an account holds only
-unsampled Gaussian releases, its epsilon is their exact Gaussian-DP composition (the
-analytic Gaussian profile of one Gaussian with the summed ``1/z^2``, :class:`GdpAccountant`),
-which is tighter than RDP's conversion and equal to the figure of a server that accounts
-exactly (LaDP): with RDP a node whose ``lifetime-epsilon`` was a run's target refused
-that run's last rounds (LaDP at epsilon 1 read 1.09).  ``runs`` keeps, per Flower
-run id, the rounds this node trained (the privacy floor refuses a repeated round).
+One JSON file per data partition, ``<ledger-dir>/client-<partition-id>.json`` (node config ``ledger-dir``, else
+``$CANCELFL_LEDGER_DIR``, else ``<FLWR_HOME or ~/.flwr>/cancelfl-ledger``), read, updated and written under a
+file lock by every message, so it survives restarts and new runs.  Accounts are keyed ``"<direction>/<unit>"``
+(``uplink`` = the uploads, ``downlink`` = the published model; ``client`` = the node's whole dataset,
+``record`` = one example).  Each holds an :class:`~protocols.privacy.RdpAccountant` for Gaussian and Laplace
+releases and a :class:`~protocols.privacy.DpCompositionAccountant` for theorem-certified ones (both in use: their
+epsilons add at ``delta / 2`` each).  While an account holds only unsampled Gaussian releases its epsilon is
+their exact Gaussian-DP composition (:class:`GdpAccountant`), the figure a server that accounts exactly (LaDP)
+reports.  ``runs`` keeps, per Flower run id, the rounds this node trained (a repeated round is refused).
 """
 
 from __future__ import annotations

@@ -33,8 +33,7 @@ class MLP(nn.Module):
         if not hidden:
             # A linear model (multinomial logistic regression) starts at zero: its loss is convex, there is no
             # symmetry to break, and a random start is an error every early step must first undo -- one the
-            # noisy methods with few rounds cannot afford (ddpsa's first step on digits: 0.32 from a random
-            # start, 0.86 from zero, without noise).
+            # noisy methods with few rounds cannot afford.
             nn.init.zeros_(self.layers[0].weight)
             nn.init.zeros_(self.layers[0].bias)
 

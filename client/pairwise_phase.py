@@ -1,43 +1,17 @@
 """Client side of the key-exchange phase shared by every pairwise-noise method.
 
-``handle_keys`` answers ``query.keys`` (:class:`client.messages.keys.KeyRequest`)
-with a fresh X25519 public key for the server's key epoch (run-config
-``key-rotation``) and keeps the private key in ``Context.state`` (the only
-storage that survives between phases and rounds: in deployment every message
-runs in a new process).  ``pair_seeds`` derives one 32-byte seed per neighbour
-named in the message's :class:`~client.messages.keys.PeerKeys` with HKDF,
-separated by purpose, round, pair and run id, so no seed is ever reused even
-when the key pair lives for many rounds.  The X25519 shared secrets of an epoch
-are cached next to the private key (keyed by the peer's id *and* public key, so
-a re-keyed peer is agreed anew).
-
-Authentication (:mod:`client.identity`): the key reply carries this node's
-Ed25519 signature over (run id, key epoch, roster name, node id, X25519 key);
-``pair_seeds`` verifies every peer key it has not verified before against the
-roster and refuses (``IdentityError`` naming the node) an unknown, unsigned or
-wrongly signed one, so a server substituting its own X25519 keys is caught.
-
-The pairing graph is the roster's, not the server's (:func:`check_view`).  The round's public seed is
-:func:`protocols.identity.roster_round_seed` of the roster this node trusts and the round number; from it
-follow the round's public sample of roster names and the graph over them
-(:func:`protocols.graphs.roster_round`).  The participants the server lists (ids with roster names) are a
-subset of that sample, and this node's peers must be exactly its roster neighbours among them: a
-participant left out of a round is an absent neighbour, never a reason to draw another graph, so a server
-that leaves honest nodes out cannot give colluders more of a target's neighbours than the roster graph
-does.  The node refuses a graph seed of another roster or of the server's choosing, a participant outside
-the sample, a peer list that is not its present roster neighbours, fewer present neighbours than
-:func:`protocols.graphs.present_floor` allows, and a roster that changed within its key epoch.
-
-Consistent views (SecAgg's concern: a server must not isolate a client by showing it a peer set the
-others do not share).  Choice: bind the round's *view* into every pair seed, at no extra message phase:
-(run id, round, key epoch, graph rule, graph seed, sorted participant ids and names) go into the HKDF
-context.  Two clients therefore derive the same pair seed only if the server showed both the same
-participant set: a client shown a different set ends up with masks (and, in NISS, relay keys) that nobody
-else can derive -- its upload stays protected, the server learns nothing, and the round fails to cancel
-(NISS: every relayed payload fails authentication and the round is refused).  The alternative -- every
-client signing the view and the server relaying the signatures before anyone uploads (SecAgg's
-ConsistencyCheck) -- costs one more message phase per round and is only needed before a client *reveals*
-pair secrets to the server (dropout recovery).
+* :func:`handle_keys` answers ``query.keys`` (:class:`client.messages.keys.KeyRequest`) with a fresh X25519 public
+  key for the server's key epoch, signed with the node's Ed25519 identity (:mod:`client.identity`), and the digest
+  (or, when asked, the text) of the roster it trusts; the private key, the roster digest and the epoch's shared
+  secrets (keyed by peer id and public key) stay in ``Context.state``.
+* :func:`check_view` checks the view the message shows against the roster's pairing graph of the round
+  (:func:`roster_round_of`: seed, public sample and graph from the roster and the round number only): the graph
+  seed, every participant in the sample under its signed name, the peer list equal to this node's roster
+  neighbours among the participants, at least :func:`protocols.graphs.present_floor` of them, and the roster
+  unchanged within the key epoch; it hashes the view, so clients shown different views derive no common seed.
+* :func:`pair_seeds` derives one 32-byte seed per neighbour with HKDF, separated by purpose, round, pair, run id
+  and the round's view; it refuses (``IdentityError`` naming the node) an unknown, unsigned or wrongly signed
+  peer key.  Rationale: ``docs/concepts.md`` (Key exchange).
 """
 
 from __future__ import annotations

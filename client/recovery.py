@@ -1,43 +1,17 @@
 """Client side of dropout recovery (``query.recover``) for the pairwise-noise methods nadp, niss and mpddp.
 
-When it uploads, a client keeps (in ``Context.state``, :class:`RecoveryStore`) the material of *this round*
-that its upload holds because of each neighbour: nadp and mpddp the per-round HKDF pair seed
-(:func:`client.pairwise_phase.pair_seeds`, fresh per round, purpose-separated), niss a
-:class:`~client.messages.recovery.NissPairMaterial` (own shares sent to the neighbour, distorted negated
-shares received from it).  The next train message overwrites it.
+When it uploads, a client keeps (:class:`RecoveryStore`, in ``Context.state``) this round's material its upload
+holds because of each neighbour: nadp and mpddp the per-round pair seed, niss a
+:class:`~client.messages.recovery.NissPairMaterial`.  The next train message overwrites it.
 
 :func:`handle_recover` answers a :class:`~client.messages.recovery.RecoveryRequest` with the material of the
-dropped neighbours only, after checking the request (SecAgg's rule: never reveal pair material of a peer
-whose upload the server holds).  It refuses, with a reason, when:
-
-* it holds no material of that round (it did not upload in it), or its own upload is not in ``received``;
-* a node is both ``received`` and ``dropped``, or one of its neighbours is in neither set;
-* it already answered a *different* request for the round (a server that first said "k uploaded" cannot
-  later say "k dropped"; the same request is answered again, identically).
-
-If revealing would strip all pairwise noise from its own upload (every neighbour that holds some of it
-dropped or was excluded), it reveals only what does not touch its own noise (niss: the shares received from the dropped;
-nadp, mpddp: nothing) and names those peers ``kept``: that pair noise stays in the aggregate as extra DP
-noise (reported by the server), with its projection for the cancellation check when the method provides it.
-
-Peers the request names ``excluded`` (uploads the server received but its reply checks rejected): the
-server holds their upload, so the client reveals only material that leaves their own noise with them
-(``protect``; niss: its own shares sent to them, not theirs; nadp, mpddp: the pair seed -- the peer keeps
-its residual / eta noise, and nadp's accountant charges its upload with that noise alone).
-
-Double masking (nadp, niss, mpddp with run-config ``self-mask``, :mod:`protocols.masking`): the upload also
-carries a self-mask whose seed is Shamir-shared among the neighbours (:func:`self_mask_upload`,
-:func:`seal_self_mask`); the request forwards this client the sealed shares its neighbours made for it, and
-:func:`answer_masked` reveals, per neighbour, *either* its share of the neighbour's self-mask seed (received, not excluded) *or*
-its pair material with it (dropped or excluded), never both in one round (the store records what was revealed
-per peer and refuses the other).  It refuses when fewer than its threshold ``t`` of its neighbours are
-named received: its own self-mask could then not be rebuilt, so the view is a lie or the round cannot use
-its upload.  The strip rule above does not apply: the self-mask keeps the floor noise in the upload.
-
-Without double masking (``self-mask = false``), what this does not stop (threat model, see :mod:`strategies.recovery`): a
-server that tells *every* neighbour of ``k`` the same lie ("k dropped") although it holds k's upload; it then
-learns k's upload minus k's pair noise of that round, i.e. k keeps only its independent noise (niss's shares
-with no dropped neighbour).  Pair material is per round, so no other round is exposed.
+dropped neighbours only, after :func:`check_request`: it refuses, naming the reason, a round it did not upload in,
+a request without its own upload in ``received``, a node both received and dropped, a neighbour in neither set,
+or a different request than the one it already answered this round.  Material that would strip all pair noise
+from its own upload is kept (``kept``); for ``excluded`` peers it reveals only what leaves their own noise in.
+With double masking (:func:`answer_masked`, :mod:`protocols.masking`) it reveals per neighbour either its share of
+the neighbour's self-mask seed or their pair material, never both, and refuses when fewer than its threshold of
+neighbours are named received.  Threat model: ``docs/robustness.md``.
 """
 
 from __future__ import annotations

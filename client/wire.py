@@ -23,9 +23,9 @@ __all__ = ["Weights", "array_view", "from_record", "numpy_array", "to_record"]
 def numpy_array(value: np.ndarray) -> Array:
     """A Flower ``Array`` holding exactly the bytes ``np.save`` writes, built without ``np.save``.
 
-    ``Array(ndarray)`` runs ``np.save`` into a growing ``BytesIO``: ~2 ms for a 2.4 MB mpddp upload,
-    more than the client's whole gradient step.  Here the .npy header is written by numpy's own
-    ``format`` module and joined with the raw C-order buffer in one copy (~40x faster).
+    ``Array(ndarray)`` runs ``np.save`` into a growing ``BytesIO``, which can cost more than the client's
+    whole gradient step; here the .npy header is written by numpy's own ``format`` module and joined with
+    the raw C-order buffer in one copy.
     """
     value = np.asarray(value)
     if value.dtype.hasobject:

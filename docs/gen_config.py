@@ -1,7 +1,8 @@
 """Generators of the documentation's reference pages, from the code (used by ``docs/hooks.py`` at build time).
 
 * :func:`render_config`: the run-configuration reference, read from :class:`protocols.config.RunConfig` (field
-  names, types, defaults and the comment on each field's line), ``[tool.flwr.app.config]`` in ``pyproject.toml``
+  names, types, defaults and the comment on each field's line), each method's options class (its keys' help and
+  allowed values, :mod:`protocols.options`), ``[tool.flwr.app.config]`` in ``pyproject.toml``
   (the defaults a run starts from), the allowed values ``RunConfig.validate`` checks, and the method registry
   (:mod:`protocols.methods`: each method's regime for the keys left ``"auto"`` and its privacy guarantee).
 * :func:`render_benchmarks`: the benchmark results recorded under ``docs/results/<benchmark>/`` by
@@ -87,11 +88,17 @@ def config_fields() -> list[Field]:
         above = comments.get(node.lineno - 1, "")
         if above and not above.startswith(":") and source.splitlines()[node.lineno - 2].strip().startswith("#"):
             section = above
-        if name == "regime_applied":
+        if name in ("regime_applied", "options"):
             continue
         key = config.RunConfig.key_of(name)
         out.append(Field(section, key, ast.unparse(node.annotation), getattr(defaults, name),
                          toml_defaults.get(key, "(missing)"), comments.get(node.lineno, ""), allowed.get(key, ())))
+    from protocols.methods import options_classes
+
+    for opt_cls in options_classes():  # each method's own keys, from its options class (protocols/methods/<method>.py)
+        for key, f in opt_cls.keys().items():
+            out.append(Field(opt_cls.title or opt_cls.__name__, key, str(f.type), f.default,
+                             toml_defaults.get(key, "(missing)"), f.metadata["help"], f.metadata["choices"]))
     return out
 
 
@@ -130,7 +137,7 @@ def render_config() -> str:
         allowed = ", ".join(f"`{a}`" for a in f.allowed)
         lines.append(f"| `{f.key}` | {_cell(default)} | {f.type} | {_text(f.comment)} | {_cell(allowed)} |")
     lines += ["", "### Regimes: what `\"auto\"` becomes", "",
-              "Keys whose default is `\"auto\"` take the method's regime for the dataset (`protocols/methods.py`); "
+              "Keys whose default is `\"auto\"` take the method's regime for the dataset (its card in `protocols/methods/`); "
               "small datasets are digits, breast-cancer and your own loaders, large ones MNIST, Fashion-MNIST and "
               "`hub:` datasets. A value you set always wins; the run prints the regime it applied and writes it to "
               "`summary.json` (`regime`). `graph = \"auto\"` is decided from the clients per round "

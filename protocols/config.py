@@ -23,15 +23,19 @@ from typing import Any
 from protocols.methods import (
     AUTO,
     AUTO_KEYS,
-    METHOD_NAMES,
     METHODS,
     PRIVACY_UNITS,
     SERVER_STEP_FAMILIES,
     SPARSE_BY_DEFAULT,
     auto_graph,
     method_spec,
+    options_classes,
     regime,
 )
+from protocols.methods.ddpsa import DdpsaOptions, sharing_threshold
+from protocols.methods.nadp import NadpOptions
+from protocols.options import ConfigError, MethodOptions
+from protocols.options import choice as _choice
 from protocols.server_optimizers import SERVER_OPTIMIZERS
 
 DATASETS = ("digits", "breast-cancer", "mnist", "fashion-mnist")
@@ -46,23 +50,10 @@ def is_import_path(value: str) -> bool:
     module, sep, attr = value.partition(":")
     return bool(sep) and all(p.isidentifier() for p in module.split(".")) and attr.isidentifier()
 PARTITIONINGS = ("iid", "dirichlet", "size-skew")
-GRAPHS = ("complete", "n-out")
-SHARE_ENCODINGS = ("seed", "vector")
-COMPOSITIONS = ("basic", "advanced")
-ALLOCATIONS = ("uniform", "exponential")
 #: ``ddpsa-noise``: one central Laplace split over the participants (:mod:`protocols.ddpsa`), or the paper's per client.
-DDPSA_NOISE_MODES = ("distributed", "local")
-NADP_VARIANTS = ("nadp", "record-ldp")
-SIDE_DTYPES = ("float64", "float32")
-
-
-class ConfigError(ValueError):
-    """A run-config value is missing, of the wrong type or out of range."""
-
-
-def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"run-config '{key}' = {value!r} is not allowed; choose one of: {', '.join(allowed)}")
+DDPSA_NOISE_MODES: tuple[str, ...] = DdpsaOptions.keys()["ddpsa-noise"].metadata["choices"]
+NADP_VARIANTS: tuple[str, ...] = NadpOptions.keys()["nadp-variant"].metadata["choices"]
+__all__ = ["ConfigError", "RunConfig", "clients_sampled", "parse_run_config", "sharing_threshold"]
 
 
 def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
@@ -77,7 +68,7 @@ class RunConfig:
     """Every run-config key, typed.  Field ``foo_bar`` is run-config key ``foo-bar``."""
 
     # What to run
-    method: str = "fedavg"  # the method to run (registry: protocols/methods.py)
+    method: str = "fedavg"  # the method to run (registry: protocols/methods/)
     dataset: str = "digits"  # digits, breast-cancer, mnist, fashion-mnist, hub:<name>, or "package.module:load"
     data_dir: str = ""  # folder with <dataset>/ IDX files; "" = search $CANCELFL_DATA_DIR, ./data, ../shared/data
     model: str = "mlp"  # mlp, cnn (image datasets), or "package.module:Net" (your nn.Module class or factory)
@@ -108,43 +99,37 @@ class RunConfig:
     delta: float = 1e-5  # delta of the (epsilon, delta) target
     privacy_unit: str = "record"  # what epsilon protects: "record" (one example) or "client" (ldp, cdp only)
     clip: float = 1.0  # L2 bound of a client's model update (or gradient, per method)
-    # Method-specific
-    graph: str = "complete"  # pairwise-noise neighbour graph
-    n_out: int = 4  # neighbours each client picks in an n-out graph
-    key_rotation: int = 0  # rounds per X25519 key pair (0 = one pair per node for the run, 1 = fresh every round)
-    cancellation_check: bool = False  # clients report a random projection of their pairwise mask (diagnostic)
+    # Server step and testing
     fault_drop_rate: float = 0.0  # TESTING AID: in-process grid withholds this fraction of train replies
-    self_mask: bool = True  # nadp, niss, mpddp: double masking (a Shamir-shared self-mask on every pairwise upload)
-    mask_dropout_rate: float = 0.1  # assumed dropout rate, in [0, 0.5): only feeds the logged P[< t surviving neighbours]
-    mask_corruption_rate: float = 0.1  # assumed colluding share of a neighbourhood, in [0, 0.5): sets the self-mask threshold t
-    nadp_lambda: float = 0.0  # compensation factor; 0 = derive from nadp-tau
-    nadp_tau: float = 0.5  # tolerated collusion rate for lambda (Eq. 8)
-    nadp_variant: str = "nadp"  # "record-ldp" = the paper's LDP-FL comparator (same training, no cancellation)
-    niss_tau: float = -1.0  # distortion std; < 0 = max(Theorem 3 for niss-rho, 1/sqrt(clients per round))
-    niss_rho: float = 0.5  # tolerated colluding fraction (Theorem 3)
-    niss_share_encoding: str = "seed"  # a share travels as an encrypted 32-byte seed, or as the vector itself
-    mpddp_server_lr: float = 1.0  # xi: server learning rate
     server_optimizer: str = "sgd"  # the FedSGD methods' server step (mpddp family, ddpsa): sgd | adam
-    mpddp_side_dtype: str = "float32"  # dtype of Psi/Phi (compute + wire); float64 = exact recovery, 2x the cost
-    ladp_norm_threshold: float = 0.0  # R: layers with weight norm >= R get noise
-    ladp_kl_cap: float = 1e-6  # B: cap of the KL privacy estimate (KL of whole-layer softmaxes is ~1e-7..1e-4)
-    ladp_max_boost: float = 3.0  # the most LaDP's KL-adaptive noise multiplies a layer's floor noise (P >= B / this)
-    ddpsa_servers: str = ""  # host:port,... of intermediate servers ("" = start locally)
-    ddpsa_ca: str = ""  # PEM CA certificate of the intermediate servers' TLS certificates
-    ddpsa_server_key: str = ""  # the parameter server's Ed25519 identity key (PEM): reads partial sums
-    ddpsa_num_servers: int = 3  # m: secret shares = intermediate servers
-    ddpsa_frac_bits: int = 24  # fixed-point fractional bits of the Z_2^64 encoding
-    ddpsa_composition: str = "basic"  # how DDP-SA splits epsilon over rounds (Theorem 2)
-    ddpsa_allocation: str = "uniform"  # per-round budget schedule (Eq. 12)
-    ddpsa_decay: float = 0.9  # decay of the exponential allocation
-    ddpsa_noise: str = "distributed"  # distributed (one central Laplace split over participants) | local (paper)
-    ddpsa_collude_frac: float = 0.1  # distributed noise: fraction of participants that may collude or not push
-    ddpsa_threshold: int = 0  # servers needed to reconstruct (Shamir); = num-servers: additive; 0 = auto (m - 1, >= 2)
     # Output
     out_dir: str = ""  # "" = a fresh folder runs/<UTC time>-<method> (runs/latest points to the newest)
     resume: bool = False  # continue the run whose checkpoint is in out-dir (`cancelfl run/deploy --resume OUT`)
+    #: The registered methods' own keys, one :class:`protocols.options.MethodOptions` per class; read them as
+    #: ``cfg.nadp_tau`` (the key with ``_``) or ``cfg.options_of(NadpOptions).tau``.
+    options: tuple[MethodOptions, ...] = dataclasses.field(default_factory=lambda: _default_options())
     #: Not a run-config key: the (key, value) pairs the method's regime set (keys the user left "auto").
     regime_applied: tuple[tuple[str, Any], ...] = dataclasses.field(default=(), compare=False)
+
+    def __getattr__(self, name: str) -> Any:
+        """A method option by its run-config attribute (``nadp_tau``) or ``<prefix>_<attribute>`` of its class."""
+        if name.startswith("__") or name in ("options", "regime_applied"):
+            raise AttributeError(name)
+        for opts in self.__dict__.get("options", ()):
+            field_name = type(opts).attribute_names().get(name)
+            if field_name is not None:
+                return getattr(opts, field_name)
+            prefix = f"{type(opts).prefix}_"
+            if type(opts).prefix and name.startswith(prefix) and hasattr(opts, name[len(prefix):]):
+                return getattr(opts, name[len(prefix):])
+        raise AttributeError(f"RunConfig has no key or method option {name!r}")
+
+    def options_of(self, cls: type[MethodOptions]) -> MethodOptions:
+        """The run's values of options class ``cls`` (its defaults if the class was registered after this config)."""
+        for opts in self.options:
+            if type(opts) is cls:
+                return opts
+        return cls()
 
     # ------------------------------------------------------------------ parsing
     @staticmethod
@@ -164,7 +149,9 @@ class RunConfig:
         else the field default; what the regime set is kept in :attr:`regime_applied`.  A value the
         user sets is never replaced.
         """
-        known = {cls.key_of(f.name): f for f in fields(cls) if f.name != "regime_applied"}
+        known = {cls.key_of(f.name): f for f in _common_fields()}
+        owners = _option_owners()
+        known.update({key: f for key, (_c, f) in owners.items()})
         values: dict[str, Any] = {}
         unset = set(AUTO_KEYS)
         for key, value in raw.items():
@@ -182,15 +169,14 @@ class RunConfig:
                     raise ConfigError(f"run-config '{key}' cannot be \"{AUTO}\"; only {', '.join(AUTO_KEYS)} can")
                 continue
             unset.discard(key)
-            values[f.name] = _coerce(key, value, type(getattr(cls(), f.name)))
+            values[_attr(key)] = _coerce(key, value, _type_of(f))
         method, dataset = values.get("method", cls.method), values.get("dataset", cls.dataset)
         applied: dict[str, Any] = {}
-        if method in METHOD_NAMES:  # an unknown method is refused by validate() below
+        if method in METHODS:  # an unknown method is refused by validate() below
             for key, value in regime(method, dataset).items():
                 if key in unset:
-                    f = known[key]
-                    values[f.name] = applied[key] = _coerce(key, value, type(getattr(cls(), f.name)))
-        lr_key = SERVER_STEP_FAMILIES.get(method_spec(method).family) if method in METHOD_NAMES else None
+                    values[_attr(key)] = applied[key] = _coerce(key, value, _type_of(known[key]))
+        lr_key = SERVER_STEP_FAMILIES.get(method_spec(method).family) if method in METHODS else None
         if "server-optimizer" in applied and lr_key not in unset:  # the user's xi / lr is the paper's SGD step
             values["server_optimizer"] = applied["server-optimizer"] = "sgd"
         if "graph" in unset and "graph" not in applied:
@@ -198,24 +184,53 @@ class RunConfig:
             values["graph"] = auto_graph(method, k)
             if method in SPARSE_BY_DEFAULT:  # a decision for these methods: printed with the regime
                 applied["graph"] = values["graph"]
-        cfg = cls(**values, regime_applied=tuple(sorted(applied.items())))
+        cfg = cls.of(**values, regime_applied=tuple(sorted(applied.items())))
         cfg.validate()
         return cfg
 
+    @classmethod
+    def of(cls, **values: Any) -> RunConfig:
+        """Build from attribute names (``nadp_tau=0.3``), common keys and method options alike; not validated."""
+        common = {f.name for f in fields(cls)}
+        own = {k: v for k, v in values.items() if k in common}
+        rest = {k: v for k, v in values.items() if k not in common}
+        options = []
+        for opt_cls in options_classes():
+            names = opt_cls.attribute_names()
+            options.append(opt_cls(**{names[k]: rest.pop(k) for k in list(rest) if k in names}))
+        if rest:
+            raise ConfigError(f"unknown run-config key(s): {', '.join(sorted(cls.key_of(k) for k in rest))}")
+        return cls(**own, options=tuple(options))
+
     def to_mapping(self) -> dict[str, Any]:
         """Inverse of :meth:`from_mapping` (for summaries and ``--run-config``): every key, resolved."""
-        return {self.key_of(f.name): getattr(self, f.name) for f in fields(self) if f.name != "regime_applied"}
+        out = {self.key_of(f.name): getattr(self, f.name) for f in _common_fields()}
+        for cls in options_classes():
+            out.update(self.options_of(cls).as_mapping())
+        return out
 
     def replace(self, **changes: Any) -> RunConfig:
-        """Copy with changed fields, validated."""
-        cfg = dataclasses.replace(self, **changes)
+        """Copy with changed common keys or method options (attribute names), validated."""
+        common = {f.name for f in fields(self)}
+        own = {k: v for k, v in changes.items() if k in common}
+        cfg = dataclasses.replace(self, **own)
+        rest = {k: v for k, v in changes.items() if k not in common}
+        if rest:
+            options = []
+            for opts in cfg.options:
+                names = type(opts).attribute_names()
+                mine = {names[k]: rest.pop(k) for k in list(rest) if k in names}
+                options.append(dataclasses.replace(opts, **mine) if mine else opts)
+            if rest:
+                raise ConfigError(f"unknown run-config key(s): {', '.join(sorted(self.key_of(k) for k in rest))}")
+            cfg = dataclasses.replace(cfg, options=tuple(options))
         cfg.validate()
         return cfg
 
     # --------------------------------------------------------------- validation
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key and the allowed values."""
-        _choice("method", self.method, METHOD_NAMES)
+        _choice("method", self.method, tuple(METHODS))
         if self.dataset not in DATASETS and not self.dataset.startswith("hub:") and not is_import_path(self.dataset):
             raise ConfigError(
                 f"run-config 'dataset' = {self.dataset!r} is not allowed; choose one of: "
@@ -226,13 +241,6 @@ class RunConfig:
             _choice("model", self.model, (*MODELS, "<package.module>:<name>"))
         _choice("device", self.device, DEVICES)
         _choice("partitioning", self.partitioning, PARTITIONINGS)
-        _choice("graph", self.graph, GRAPHS)
-        _choice("niss-share-encoding", self.niss_share_encoding, SHARE_ENCODINGS)
-        _choice("ddpsa-composition", self.ddpsa_composition, COMPOSITIONS)
-        _choice("ddpsa-allocation", self.ddpsa_allocation, ALLOCATIONS)
-        _choice("ddpsa-noise", self.ddpsa_noise, DDPSA_NOISE_MODES)
-        _choice("nadp-variant", self.nadp_variant, NADP_VARIANTS)
-        _choice("mpddp-side-dtype", self.mpddp_side_dtype, SIDE_DTYPES)
         _choice("privacy-unit", self.privacy_unit, PRIVACY_UNITS)
         _choice("server-optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
         if self.server_optimizer != "sgd" and method_spec(self.method).family not in SERVER_STEP_FAMILIES:
@@ -269,46 +277,20 @@ class RunConfig:
         if not (math.isfinite(self.model_ema) and 0 <= self.model_ema < 1):
             raise ConfigError(f"run-config 'model-ema' = {self.model_ema} must be in [0, 1) (0 = publish the last "
                               "global model)")
-        for key in ("lr", "epsilon", "clip", "dirichlet-alpha", "round-timeout", "node-timeout", "mpddp-server-lr",
-                    "ladp-kl-cap"):
+        for key in ("lr", "epsilon", "clip", "dirichlet-alpha", "round-timeout", "node-timeout"):
             _positive(key, float(getattr(self, key.replace("-", "_"))))
-        _positive("ladp-norm-threshold", self.ladp_norm_threshold, allow_zero=True)
-        if not (math.isfinite(self.ladp_max_boost) and self.ladp_max_boost >= 1):
-            raise ConfigError(f"run-config 'ladp-max-boost' = {self.ladp_max_boost} must be a number >= 1 (1 = every "
-                              "selected layer gets the floor noise)")
-        _positive("nadp-lambda", self.nadp_lambda, allow_zero=True)
-        if not 0 <= self.nadp_tau < 1:
-            raise ConfigError(f"run-config 'nadp-tau' = {self.nadp_tau} must be in [0, 1)")
-        if not 0 <= self.niss_rho <= 1:
-            raise ConfigError(f"run-config 'niss-rho' = {self.niss_rho} must be in [0, 1]")
         if not (math.isfinite(self.fault_drop_rate) and 0 <= self.fault_drop_rate < 1):
             raise ConfigError(f"run-config 'fault-drop-rate' = {self.fault_drop_rate} must be in [0, 1) "
                               "(testing aid: the fraction of sampled clients whose upload the in-process grid drops)")
-        for key in ("mask-dropout-rate", "mask-corruption-rate"):
-            rate = float(getattr(self, key.replace("-", "_")))
-            if not (math.isfinite(rate) and 0 <= rate < 0.5):
-                raise ConfigError(f"run-config '{key}' = {rate} must be in [0, 0.5) (an assumed rate per neighbourhood)")
-        if self.n_out < 1:
-            raise ConfigError("run-config 'n-out' must be an integer >= 1")
-        if self.key_rotation < 0:
-            raise ConfigError("run-config 'key-rotation' must be an integer >= 0 (0 = one key pair per run)")
-        if self.ddpsa_num_servers < 2:
-            raise ConfigError("run-config 'ddpsa-num-servers' must be >= 2 (secret sharing needs >= 2 shares)")
-        if not 8 <= self.ddpsa_frac_bits <= 40:
-            raise ConfigError("run-config 'ddpsa-frac-bits' must be in [8, 40]")
-        if not 0 < self.ddpsa_decay <= 1:
-            raise ConfigError("run-config 'ddpsa-decay' must be in (0, 1]")
-        if self.ddpsa_threshold != 0 and not 2 <= self.ddpsa_threshold <= self.ddpsa_num_servers:
-            raise ConfigError(f"run-config 'ddpsa-threshold' = {self.ddpsa_threshold} must be 0 (auto) or in "
-                              f"[2, ddpsa-num-servers = {self.ddpsa_num_servers}]")
-        if not (math.isfinite(self.ddpsa_collude_frac) and 0 <= self.ddpsa_collude_frac < 1):
-            raise ConfigError(f"run-config 'ddpsa-collude-frac' = {self.ddpsa_collude_frac} must be in [0, 1) "
-                              "(the fraction of a round's participants that may collude with the server)")
-        if self.ddpsa_servers.strip() and self.method == "ddpsa" and not self.ddpsa_ca:
-            raise ConfigError("run-config 'ddpsa-servers' needs 'ddpsa-ca' (the CA of the servers' TLS certificates)")
         if any(w < 1 for w in self.hidden_sizes):
             raise ConfigError(f"run-config 'hidden' = {self.hidden!r}: every width must be an integer >= 1 "
                               "(hidden=\"\" gives a linear model)")
+        active = set(method_spec(self.method).options)
+        for cls in options_classes():
+            opts = self.options_of(cls)
+            opts.check()
+            if cls in active:
+                opts.validate_run(self)
         if self.resume and not self.out_dir:
             raise ConfigError("run-config 'resume' = true needs 'out-dir': the folder of the run to continue")
         if self.model == "cnn" and self.dataset == "breast-cancer":
@@ -328,29 +310,38 @@ class RunConfig:
         return 0 if self.key_rotation == 0 else (server_round - 1) // self.key_rotation
 
     @property
-    def ddpsa_sharing_threshold(self) -> int:
-        """Intermediate servers whose partial sums reconstruct a DDP-SA round (``ddpsa-threshold``; 0 = auto).
-
-        Auto: ``m - 1`` (one server may be lost) but at least 2 (one server alone must learn nothing).  Equal to
-        ``m``: the paper's additive sharing; smaller: Shamir sharing.  Fewer than this many servers colluding
-        learn nothing of an individual upload.
-        """
-        return sharing_threshold(self.ddpsa_threshold, self.ddpsa_num_servers)
-
-    @property
     def clients_per_round(self) -> int:
         """Number of clients sampled each round (at least 1)."""
         return clients_sampled(self.sample_rate, self.num_clients)
 
 
-def sharing_threshold(threshold: int, servers: int) -> int:
-    """``ddpsa-threshold`` resolved for ``servers`` intermediate servers: itself, or for 0 ``max(2, servers - 1)``."""
-    return int(threshold) if threshold else max(2, int(servers) - 1)
-
-
 def clients_sampled(sample_rate: float, num_clients: int) -> int:
     """Clients sampled per round: ``round(q N)``, at least 1."""
     return max(1, round(sample_rate * num_clients))
+
+
+def _common_fields() -> list[dataclasses.Field]:
+    """The run-config fields of :class:`RunConfig` itself (every key but the methods' options)."""
+    return [f for f in fields(RunConfig) if f.name not in ("options", "regime_applied")]
+
+
+def _default_options() -> tuple[MethodOptions, ...]:
+    return tuple(cls() for cls in options_classes())
+
+
+def _option_owners() -> dict[str, tuple[type[MethodOptions], dataclasses.Field]]:
+    """Run-config key -> (options class, field) of every registered method option."""
+    return {key: (cls, f) for cls in options_classes() for key, f in cls.keys().items()}
+
+
+def _attr(key: str) -> str:
+    return key.replace("-", "_")
+
+
+def _type_of(f: dataclasses.Field) -> type:
+    """The Python type of a field's default (the type a run-config value is coerced to)."""
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    return type(default)
 
 
 def _coerce(key: str, value: Any, target: type) -> Any:

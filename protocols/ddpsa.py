@@ -1,47 +1,18 @@
-"""DDP-SA client-side local DP step (Wei et al., Algorithm 2, client loop).
+"""DDP-SA client-side local DP step (Wei et al., Algorithm 2, client loop), Flower-free math.
 
 For one client and one round::
 
-    g_j      <- per-sample gradient of sample j
-    g_j      <- g_j / max(1, ||g_j||_1 / Delta)          (L1 clipping)
-    g_tilde  <- (sum_j g_j + Lap(0, 2 Delta/eps)^d) / N_i   (Laplace mechanism, then average)
+    g_j      <- per-sample gradient of sample j, clipped: g_j / max(1, ||g_j||_1 / Delta)
+    g_tilde  <- (sum_j g_j + Lap(0, 2 Delta/eps)^d) / N_i
 
-The result is then fixed-point encoded and secret-shared (:mod:`protocols.secret_sharing`).
-
-Privacy note (a correction of the paper's calibration): the paper adds ``Lap(Delta/eps)``, the
-clipped sum's L1 sensitivity under add/remove-one-sample adjacency (its Definition 1, histograms
-with ``||x - y||_1 <= 1``).  But ``N_i`` is public -- the paper's server weights by ``N_i / N``
-and our clients send it as ``num-examples`` -- and publishing the exact count is not DP under
-add/remove adjacency (it tells a dataset from its neighbour with certainty).  With ``N_i`` public
-the neighbouring datasets are those that differ by *replacing* one sample (the unit of every
-record-level method here, e.g. NADP-FL's ``2C/|D_i|``), and the clipped sum's L1 sensitivity is
-``2 Delta`` (:func:`l1_sensitivity`): the noise scale is ``2 Delta / eps``, which makes each round
-eps-DP per record with ``N_i`` published.  Averaging by ``N_i`` is then post-processing.
-
-Distributed noise (run-config ``ddpsa-noise = "distributed"``, the default; ``"local"`` is the
-paper's step above).  With exact secure aggregation the parameter server only sees the *sum* of
-the clients' uploads, so one central ``Lap(2 Delta / eps_t)`` in that sum is enough for ``eps_t``-DP
-per record (one record moves the sum by at most ``2 Delta`` in L1); the paper's local Laplace puts
-``n`` of them there.  Each of the ``n`` participants instead adds (:func:`distributed_laplace_share`)::
-
-    Gamma(1/n', b) - Gamma(1/n', b)   per coordinate,  b = 2 Delta / eps_t,  n' = n - floor(f n)
-
-(Goryczka & Xiong: ``Lap(b)`` is the sum over ``n'`` of such differences; ``f`` = run-config
-``ddpsa-collude-frac``, :func:`honest_participants`).  Trust assumption: at most ``floor(f n)`` of a
-round's participants collude with the parameter server or fail to push (their shares of noise are
-known to it or missing), and the intermediate servers do not collude to reconstruct an individual
-upload.  Then the honest shares present sum to at least ``n'`` differences, i.e. ``Lap(b)`` plus
-independent noise, and the round is ``eps_t``-DP -- pure DP like the paper's.  When fewer than ``n'``
-honest shares are present (participants dropped) the noise is ``Gamma(a, b) - Gamma(a, b)`` with
-``a < 1``, which is no longer Laplace: :func:`gamma_difference_epsilon` gives the epsilon it really
-provides (infinite for ``a <= 1/2``), which the parameter server's accountant charges.
-
-Laplace and Gamma noise come from the project CSPRNG (:mod:`protocols.prg`); without an
-explicit seed a fresh ``os.urandom`` seed is drawn for every call.
-
-The numpy functions here state the step on materialised per-sample gradients; the client
-computes the clipped sum without materialising them (:func:`protocols.per_example.clipped_grad_sum`
-with ``norm="l1"``), and the tests check the two agree.
+The noise scale is ``2 Delta / eps`` (:func:`l1_sensitivity`): ``N_i`` is published, so adjacency is replace-one,
+not the paper's add/remove.  ``"distributed"`` noise (:func:`distributed_laplace_share`) gives each of ``n``
+participants ``Gamma(1/n', b) - Gamma(1/n', b)``, ``n' = n - floor(f n)`` (:func:`honest_participants`), so
+``n'`` honest shares sum to one central ``Lap(b)``; fewer give the epsilon :func:`gamma_difference_epsilon`
+returns.  Noise comes from :mod:`protocols.prg` with a fresh ``os.urandom`` seed unless one is given.  These
+numpy functions work on materialised per-sample gradients; the client uses
+:func:`protocols.per_example.clipped_grad_sum` (``norm="l1"``), which the tests check agrees.
+Trust assumptions: ``docs/methods/ddpsa.md``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """The client's privacy floor, Flower-free: the noise a client owes itself, computed from its own configuration.
 
-A client never takes a noise parameter from the server.  It computes what it adds
-from the run config it holds (the same ``RunConfig`` the server was started with)
-and from public values it can check (its own dataset size, the participants'
-sizes, the round's graph); where the server must send something (a round plan,
-an allocation, the round number), the client recomputes it and refuses the round
-(:class:`FloorViolation`, naming the parameter) when the server's value would give
-it less protection.  On top, a node may hold a *policy* in its node config
-(:class:`FloorPolicy`): limits on the run config a server may ask it to train
-under (``max-epsilon-per-run``, ``max-delta``, ``max-clip``) and a lifetime
-budget (``lifetime-epsilon`` at ``lifetime-delta``) kept by the client's
-persistent ledger (:mod:`client.ledger`).
+A client never takes a noise parameter from the server: it computes its noise from its own run config and public
+values it can check (its dataset size, the participants' sizes, the round's graph), and refuses a round
+(:class:`FloorViolation`, naming the parameter) whose server-sent values would give it less protection.  A node
+may also hold a :class:`FloorPolicy` in its node config: limits on the run config (``max-epsilon-per-run``,
+``max-delta``, ``max-clip``) and a lifetime budget kept by :mod:`client.ledger`.
 
-This module holds the pure part: the policy, the violation, the comparisons and
-each method's floor (:func:`ldp_noise_std`, :func:`nadp_floor`,
-:func:`ddpsa_round_epsilon`, :func:`ddpsa_noise_share`, :func:`mpddp_floor`, :func:`mpdp_naive_sigma`), which
-the strategies use too, so both ends compute the same numbers in one place.
+This module is the pure part: the policy, the violation and each method's floor (:func:`ldp_noise_std`,
+:func:`nadp_floor`, :func:`ddpsa_round_epsilon`, :func:`ddpsa_noise_share`, :func:`mpddp_floor`,
+:func:`mpdp_naive_sigma`), which the strategies use too, so both ends compute the same numbers.
 """
 
 from __future__ import annotations

@@ -1,37 +1,20 @@
 """Communication graphs over which pairwise (cancelling) noise is shared.
 
-What
-----
-* ``complete_graph``: every pair of nodes shares a seed (O(n^2) pairs, maximal privacy).
-* ``n_out_graph``: each node picks ``n_out`` distinct other nodes uniformly at random; an
-  undirected edge exists if either endpoint picked the other (the random n-out graph
-  used by SecAgg+-style protocols: O(n log n) pairs suffice for connectivity w.h.p. when
-  n_out ~ log n).
+* :func:`complete_graph`: every pair of nodes shares a seed (O(n^2) pairs).
+* :func:`n_out_graph`: each node picks ``n_out`` distinct others uniformly; an undirected edge exists if either
+  endpoint picked the other (SecAgg+-style; ``n_out ~ log n`` keeps it connected w.h.p.).
 
-Why deterministic
------------------
-Every client must compute the *same* graph without talking to the others, otherwise a
-noise vector is added at one end of an edge but not subtracted at the other. The graph is
-therefore a pure function of (set of node ids, n_out, round_seed): node ids are sorted
-first (input order is irrelevant) and all randomness comes from the AES-CTR PRG
-(``protocols.prg``), not from numpy's RNG. Draws are exact (unbiased partial
-Fisher-Yates with rejection-sampled integers).
+Both return ``{node: sorted neighbours}`` (symmetric) and are pure functions of (node ids, n_out, round seed):
+ids are sorted first and randomness comes from :mod:`protocols.prg` (unbiased partial Fisher-Yates), because
+every client must compute the same graph without talking to the others.  :func:`round_graph` is the one rule
+that picks the graph of a round (run-config ``graph``, ``n-out``).
 
-Both functions return ``{node: sorted list of neighbours}`` (symmetric adjacency).
-``round_graph`` is THE rule that picks one of them for a round (run-config ``graph``
-and ``n-out``).
-
-Roster graph (what the pairwise methods use)
---------------------------------------------
-The pairing graph of a round is drawn over the run's *roster* (the roster names every client
-trusts, sorted), never over the participant list a server announces: :func:`roster_round`
-draws the round's public sample of roster names (``sample_size`` of them, exact partial
-Fisher-Yates) and the ``round_graph`` over that sample, both from one public seed
-(:func:`protocols.identity.roster_round_seed`: the roster digest and the round number).
-:func:`present_graph` restricts it to the node ids present in the round: a roster neighbour
-left out is an absent neighbour, it never re-draws the graph.  So leaving honest nodes out
-cannot give anyone a neighbour the roster graph does not give it.
-:func:`present_floor` is the fewest present neighbours a client accepts.
+The pairwise methods draw it over the roster, never over the participants a server announces:
+:func:`roster_round` gives the round's public sample of roster names and the graph over it, both from the seed
+:func:`protocols.identity.roster_round_seed` (roster digest, round number); :func:`present_graph` restricts it
+to the nodes present (an absent roster neighbour is just absent, nothing is re-drawn), so leaving honest nodes
+out gives nobody a neighbour the roster graph does not; :func:`present_floor` is the fewest present neighbours
+a client accepts.
 """
 
 from __future__ import annotations

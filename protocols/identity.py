@@ -1,30 +1,20 @@
 """Long-term Ed25519 node identities, the roster, signed key-epoch X25519 keys and the round's view digest.
 
-What
-----
-* Every node holds a long-term Ed25519 *identity* (made by ``cancelfl keys gen``; the private key in a
-  PKCS#8 PEM file its node config points at).  A *roster* -- JSON ``{"format": "cancelfl-roster/v1",
-  "nodes": {name: hex public key}}``, distributed out of band -- is what every client trusts
-  (:class:`Roster`).  A node finds its own roster name by looking up its public key.
-* Each key-epoch X25519 public key is signed by its owner over :func:`key_statement`: (run id, key
-  epoch, roster name, Flower node id, X25519 key), domain-separated and length-prefixed, so a signature
-  cannot be replayed into another run, epoch, node id or name.  :func:`verify_key` checks a peer's key
-  against the roster and raises :class:`IdentityError` naming the node when it is unknown, unsigned or
-  wrongly signed.  A server that substitutes its own X25519 keys therefore cannot make any client use
-  them: it holds no roster identity's private key.
-* :func:`roster_digest` hashes a roster (sorted names and keys); :func:`roster_round_seed` turns it and the
-  round number into the round's public seed, from which the pairing graph and the round's sample of
-  roster names follow (:func:`protocols.graphs.roster_round`).  Nothing the server chooses enters it (not
-  the participants, not the run id a SuperLink assigns, not the key epoch a run config sets).
-* :func:`view_digest` hashes the round's *view* -- run id, round, key epoch, graph rule, graph seed and
-  the sorted participant ids with their roster names -- which the clients bind into every pair seed (see
-  :mod:`client.pairwise_phase`): two clients derive the same seed only if the server showed both the
-  same participant set.
+* A node's identity is an Ed25519 key (``cancelfl keys gen``, PKCS#8 PEM named by node config); the
+  :class:`Roster` (JSON ``{"format": "cancelfl-roster/v1", "nodes": {name: hex public key}}``, distributed out of
+  band) is what every client trusts.
+* Each key-epoch X25519 key is signed over :func:`key_statement` (run id, key epoch, roster name, Flower node id,
+  key; domain-separated), so a signature cannot be replayed elsewhere; :func:`verify_key` raises
+  :class:`IdentityError` naming an unknown, unsigned or wrongly signed node.  A server holding no roster
+  identity cannot make a client use its own keys.
+* :func:`roster_digest` hashes a roster; :func:`roster_round_seed` (roster digest, round number) is the round's
+  public seed, from which its sample of roster names and its pairing graph follow
+  (:func:`protocols.graphs.roster_round`); nothing the server chooses enters it.
+* :func:`view_digest` hashes the round's view (run id, round, key epoch, graph rule and seed, sorted
+  participants with their roster names), which clients bind into every pair seed (:mod:`client.pairwise_phase`).
 
-Simulation convenience (NOT for deployment): :func:`derived_identity` and :class:`DerivedRoster` make
-identities from the run's public seed, so anyone who knows the run config -- the server included -- can
-sign as any node.  Flower's simulation cannot give nodes their own files; a real deployment uses
-``cancelfl keys`` and node config (``identity-key``, ``roster``).
+Simulation only: :func:`derived_identity` and :class:`DerivedRoster` derive identities from the run's public seed,
+so anyone knowing the run config can sign as any node; deployments use ``cancelfl keys`` and node config.
 """
 
 from __future__ import annotations

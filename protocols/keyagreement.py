@@ -1,26 +1,14 @@
 """X25519 key agreement and HKDF-SHA256 pair-seed derivation.
 
-What
-----
-Each client holds an X25519 key pair; the server relays public keys. Two clients i and j
-compute the same raw shared secret ``agree(own, peer_public)`` and expand it with
-``derive_pair_seed`` into 32-byte seeds for the noise PRG (``protocols.prg``) and for
-relay keys (``protocols.relay_crypto``).
+Two clients compute the same raw secret ``agree(own, peer_public)`` and expand it with ``derive_pair_seed`` into
+32-byte seeds for the noise PRG (:mod:`protocols.prg`) and relay keys (:mod:`protocols.relay_crypto`).
 
-Why this construction
----------------------
-* Raw X25519 output is not uniformly random (it is a curve coordinate), so it is only
-  ever used as HKDF input keying material, never directly as a seed or key.
-* Seed separation: the HKDF ``info`` is an unambiguous, length-prefixed encoding of
-  (version, purpose, round, min(a, b), max(a, b), context). Different purposes (e.g.
-  "noise" vs "relay"), rounds, pairs or run ids therefore yield computationally
-  independent seeds, so one DH secret can be reused across rounds without ever reusing a
-  PRG seed (reusing a seed would let anyone difference two masked updates). Node ids are
-  sorted, making the seed symmetric: both ends derive it without coordination.
-* Malformed keys are rejected with ``KeyAgreementError``: wrong type/length, the
-  all-zero shared secret produced by small-order points (RFC 7748 section 6.1: a
-  malicious peer or server could otherwise force a known "secret"), and a peer key
-  equal to our own (a reflected key: a sign of a misbehaving relay).
+* Raw X25519 output is a curve coordinate, not uniform: it is only ever HKDF input keying material.
+* The HKDF ``info`` is a length-prefixed encoding of (version, purpose, round, min(a, b), max(a, b), context),
+  so purposes, rounds, pairs and runs get independent seeds (one DH secret serves many rounds without reusing a
+  PRG seed) and both ends derive the same seed without coordination.
+* :class:`KeyAgreementError` rejects malformed keys, the all-zero secret of small-order points (RFC 7748
+  section 6.1) and a peer key equal to one's own (a reflected key).
 """
 
 from __future__ import annotations
@@ -176,8 +164,8 @@ def derive_pair_seed(
 def hkdf_sha256_32(ikm: bytes, *, salt: bytes, info: bytes) -> bytes:
     """RFC 5869 HKDF-SHA256 with a 32-byte output (one expand block), from two one-shot HMACs.
 
-    Bit-identical to ``cryptography``'s ``HKDF(SHA256(), 32, salt, info).derive(ikm)`` (tested), ~10x
-    cheaper per call: a client derives one seed per neighbour per round (~100 with mpddp's n-out graph).
+    Bit-identical to ``cryptography``'s ``HKDF(SHA256(), 32, salt, info).derive(ikm)`` (tested) with less
+    per-call overhead, which matters because a client derives one seed per neighbour per round.
     """
     prk = hmac.digest(salt, ikm, "sha256")  # extract
     return hmac.digest(prk, info + b"\x01", "sha256")  # expand: T(1) = HMAC(PRK, info || 0x01)

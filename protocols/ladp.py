@@ -1,81 +1,17 @@
-"""LaDP-FL: local layer-wise differential privacy (Li et al., 2025), Flower-free math.
+"""LaDP-FL: local layer-wise differential privacy (Li et al., 2025, Algorithms 2-4), Flower-free math.
 
-Client side of the paper (Algorithms 2-4):
+* selection: a layer gets noise iff ``||w_j||_2 >= R`` (Algorithm 2, lines 10-14);
+* privacy estimate: ``P_j = min(KL(softmax(w_j) || softmax(w_ref_j)), B)`` (Algorithm 3, Eq. 8),
+  floored at ``min_kl`` so a layer that barely moved cannot get unbounded noise;
+* noise: ``sigma_j = c * Delta_f / (epsilon * P_j)`` with ``c = c0 * B`` (Algorithm 4, Eq. 10, Theorem 3);
+  ``P_j <= B`` gives ``sigma_j >= c0 * Delta_f / epsilon``, the (epsilon, delta) guarantee.
 
-1. sensitivity ``Delta_f`` of the local model to one training record (see below: we replace
-   Theorem 2's ``2 * eta * E * G_c`` by the per-example bound);
-2. layer selection: a layer gets noise iff ``||w_local_j||_2 >= R``;
-3. privacy estimation (Algorithm 3): ``P_j = min(KL(softmax(w_local_j) ||
-   softmax(w_global_j)), B)`` on the flattened layer;
-4. noise injection (Algorithm 4): ``sigma_j = c * Delta_f / (epsilon * P_j)``
-   with ``c`` from Theorem 3, i.e. ``c = c0 * B`` where ``c0`` is a Gaussian-
-   mechanism constant.  Because ``P_j <= B`` we get ``sigma_j >= c0 * Delta_f /
-   epsilon``, which is where the (epsilon, delta) guarantee comes from.
-
-Sensitivity: Theorem 2 replaced by the per-example bound (correct and tighter).  Theorem 2's
-``Delta_f = 2 eta E G_c`` (:func:`sensitivity`, kept for reference) bounds how far the local model
-moves when the *clipped mini-batch mean* gradient can change arbitrarily, i.e. when the whole
-local dataset changes: it is a client-level bound, and with it the noise at epsilon 1 is
-hundreds of times the update (measured: chance accuracy on digits).  The paper's adjacency is one
-record, so the client trains with *per-example* clipping (:func:`client.training.clipped_sgd`)
-and passes ``Delta_f = protocols.privacy.record_sensitivity`` of that training to
-:func:`plan_layer_noise` (``2 G_c eta / N_i`` for one full-batch step, NADP-FL's Lemma 1; the
-multi-step bound of :func:`protocols.privacy.local_sgd_sensitivity` otherwise).  Everything else
-below (layer selection, KL privacy estimate, Theorem 3's ``c``) is LaDP's, applied with this
-``Delta_f``.
-
-Interpretations and corrections (each is also noted where it is implemented):
-
-* **Theorem 3 is wrong by a factor of 2 inside its first case.**  Its proof sketch
-  is the Dwork-Roth tail-bound argument: with ``u = c0 - eps/(2 c0)`` one needs
-  ``ln u + u^2/2 >= ln(sqrt(2/pi)/delta) = L^2/2`` with
-  ``L = sqrt(ln(2/(pi delta^2)))``.  Solving ``u >= max(1, L)`` gives
-  ``c0 = (m + sqrt(m^2 + 2 eps)) / 2`` with ``m = max(1, L)`` (the case split is at
-  ``delta = sqrt(2/(pi e))``).  The paper's formula
-  ``(L + sqrt(L^2 + 8 eps)) / 4`` (split at ``sqrt(2/(pi e^4))``) equals this with
-  ``L`` replaced by ``L/2``; it roughly halves sigma and is *not* (eps, delta)-DP,
-  e.g. at ``delta = 1e-5, eps = 0.5`` the exact delta of the resulting mechanism is
-  5.6e-4 (tests check this against the exact Gaussian privacy profile).  The default
-  ``constant="corrected"`` uses the fixed formula; ``"paper"`` reproduces Eq. (11)
-  verbatim for comparison; ``"analytic"`` uses the exact analytic Gaussian mechanism
-  (Balle & Wang 2018) for ``c0``, the smallest valid constant.
-* Validity: both the corrected and analytic constants are valid for every
-  ``epsilon > 0`` and ``0 < delta < 1`` (the tail-bound argument does not need
-  Theorem 1's ``epsilon < 1``); we refuse ``epsilon <= 0``, ``delta`` outside
-  ``(0, 1)``, ``B <= 0`` and non-positive training parameters.  The classic
-  "Full DP" baseline (Theorem 1) is refused for ``epsilon >= 1``.
-* ``E`` ("local epochs", Theorem 2 only) is the number of *clipped gradient steps*:
-  Eq. (2) and Algorithm 2 take one full-gradient step per "epoch".  With minibatch SGD
-  pass ``local_steps = epochs * batches_per_epoch``.  (Algorithm 2's ``while e <= E``
-  starting at 0 is an off-by-one; we count ``E`` steps.)  The record-level bound counts
-  steps the same way (:func:`protocols.privacy.local_sgd_sensitivity`).
-* Algorithm 2 line 13 compares with ``w_g^t`` which the client does not have yet;
-  we use the global model the client received at the start of the round.
-* ``P_j -> 0`` (local layer equal to global) makes ``sigma_j`` explode; the paper's
-  claim that the cap ``B`` prevents this is wrong (``B`` is an upper cap).  We floor
-  ``P_j`` at ``min_kl``: this only *lowers* sigma where it would be astronomically
-  large and keeps ``sigma_j >= c0 Delta_f / eps`` (so privacy is unaffected as long
-  as ``min_kl <= B``).  The client uses ``min_kl = B / ladp-max-boost`` (default 3): a
-  layer's noise is at most 3x the floor.  With a floor of 1e-12 a layer that barely moved
-  (a 2-entry bias, KL ~1e-11) got up to 1e5x the floor noise: on breast-cancer at epsilon 1
-  three of four default runs were stopped by the divergence guard; with 3 none were
-  (0.88-0.90).  Digits is unchanged within its run-to-run spread (0.32-0.67 over five runs,
-  0.35-0.47 before).  The boost is extra noise that buys no privacy: the guarantee comes
-  from the floor.  Note KL between softmaxes of whole layers is tiny (typically
-  1e-7..1e-3), so ``B`` must be chosen on that scale or the noise is huge.
-* KL direction follows Eq. (8), ``KL(local || global)``, not torch's
-  ``kl_div(input, target)`` argument order mentioned in Algorithm 3.
-* A "layer" is one entry of the ``dict`` (e.g. one state_dict tensor; weight and
-  bias of a module are separate layers unless the caller concatenates them).
-* Data-dependent noise scale (fixed): Algorithm 2 selects layers and sets ``P_j`` from the trained
-  local model, so ``sigma_j`` is a function of the private data; one record that moves the KL across
-  ``[min_kl, B]`` changes the noise std up to ``B / min_kl`` times, and the upload's own noise reveals
-  it (``cancelfl audit --method ladp``, canary ``adaptive``: epsilon_lb 5.3 against a claimed 1).  The
-  client therefore uses :func:`plan_public_noise`: selection on the received global model and ``P_j``
-  from :func:`public_estimates` (the KL between the last two published global models, sent by the
-  server), i.e. the layer's change one round late.  :func:`plan_layer_noise` keeps the paper's form.
-* Unselected layers are released without noise, so the model-level guarantee only covers the
-  selected layers (the run then reports epsilon infinite).
+``Delta_f`` is the record-level sensitivity of per-example-clipped training
+(:func:`protocols.privacy.record_sensitivity`); Theorem 2's client-level bound is :func:`sensitivity`.
+The client uses :func:`plan_public_noise` (selection and ``P_j`` from published global models, so the noise
+scale does not depend on private data); :func:`plan_layer_noise` is the paper's data-dependent form.
+``theorem3_c0_corrected`` fixes a factor-2 error in Eq. 11 (``theorem3_c0_paper`` keeps it for comparison).
+Unselected layers are released without noise.  Where the paper is vague or wrong: ``docs/methods/ladp.md``.
 """
 
 from __future__ import annotations
@@ -141,7 +77,7 @@ def sensitivity(lr: float, local_steps: int, grad_clip: float) -> float:
     either of two adjacent datasets, hence ``2 eta G_c`` apart per step.  Kept for
     reference and comparison only: it holds for *any* two local datasets (a client-level
     bound); the client calibrates to the record-level
-    :func:`protocols.privacy.record_sensitivity` instead (module docstring).
+    :func:`protocols.privacy.record_sensitivity` instead.
     """
     if not (math.isfinite(lr) and lr > 0):
         raise ValueError(f"lr must be > 0, got {lr!r}")
@@ -190,7 +126,7 @@ def theorem3_c0_paper(epsilon: float, delta: float) -> float:
 
     ``(sqrt(ln(2/(pi d^2))) + sqrt(ln(2/(pi d^2)) + 8 e)) / 4`` if
     ``d <= sqrt(2/(pi e^4))``, else ``(1 + sqrt(1 + 2 e)) / 2``.  NOT (eps, delta)-DP
-    in general (see module docstring); kept for comparison only.
+    in general (it roughly halves sigma; ``docs/methods/ladp.md``); kept for comparison only.
     """
     check_eps_delta(epsilon, delta)
     if delta <= math.sqrt(2.0 / (math.pi * math.e**4)):

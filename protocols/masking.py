@@ -1,35 +1,17 @@
 """Double masking of the pairwise-noise uploads (SecAgg+'s rule, Bell et al. 2020, applied to DP noise).
 
-What
-----
-Each masked upload carries, on top of its DP noise and pair noise, a *self-mask* ``b_i = N(0, std^2)``
-expanded (:func:`protocols.prg.gaussian`) from a fresh per-round seed ``s_i`` (OS CSPRNG).  ``s_i`` is
-Shamir-shared t-of-n among the client's neighbours of the round (:func:`protocols.secret_sharing.shamir_split`);
-each share is sealed (:func:`protocols.relay_crypto.seal`) under a pair key only the neighbour can derive
-(purpose :data:`SHARE_PURPOSE`) and relayed by the server.  After the uploads, every surviving neighbour
-reveals, per peer ``x``, *either* its share of ``s_x`` (``x``'s upload was received) *or* its pair material
-with ``x`` (``x`` dropped or was excluded), never both in one round.  The server rebuilds ``s_x`` from any
-``t_x`` shares and subtracts ``b_x``: the subtraction is exact up to float rounding (~1e-16 relative to
-``b_x``), the same PRG bits at both ends.
+Each masked upload carries, on top of its DP and pair noise, a self-mask ``b_i = N(0, std^2)`` expanded
+(:func:`protocols.prg.gaussian`) from a fresh per-round OS-CSPRNG seed ``s_i``.  ``s_i`` is Shamir-shared t-of-n
+among the client's neighbours (:func:`protocols.secret_sharing.shamir_split`), each share sealed
+(:func:`protocols.relay_crypto.seal`) under a pair key only that neighbour derives (purpose :data:`SHARE_PURPOSE`).
+After the uploads each surviving neighbour reveals, per peer ``x``, either its share of ``s_x`` (``x``'s upload
+received) or its pair material with ``x`` (dropped or excluded), never both; the server rebuilds ``s_x`` from any
+``t_x`` shares and subtracts ``b_x`` exactly.  A server that holds ``k``'s upload and claims "k dropped" gets
+k's pair material but no share of ``s_k``, so ``b_k`` stays in the upload.
 
-Why
----
-A server that keeps client ``k``'s upload and tells every neighbour of ``k`` "k dropped" obtains k's pair
-material, but no honest neighbour then gives it a share of ``s_k``: ``k``'s upload keeps ``b_k``, whose std
-is at least the client's floor upload noise, plus its independent noise.
-
-Threshold (:func:`mask_threshold`): ``t = floor((d + c) / 2) + 1`` for a client of degree ``d`` with
-``c = ceil(corruption * d)`` assumed colluding neighbours.  ``t > c``: the colluders alone cannot rebuild
-``s_k``.  ``2t > d + c``: a server that tells some honest neighbours "k received" (for ``t - c`` shares of
-``s_k``) and others "k dropped" (for their pair seeds) still misses the pair seeds with the first group,
-since ``k`` itself refuses to reveal pairs for more than ``d - t`` dropped neighbours (then its own mask
-could not be rebuilt: the view is a lie or the round cannot unmask it).  Correctness needs ``t`` surviving
-neighbours: with dropout rate ``dropout`` the chance of fewer is :attr:`MaskParameters.p_unrecoverable`.
-
-Limit: such a *split* lie still yields ``k``'s self-mask and its pair seeds with the neighbours told "k
-dropped" (at most ``d - t``), so ``k`` keeps its independent noise plus at least ``t - c`` honest pairs, not
-its whole floor.  Closing that needs every neighbour to see the same survivor set before revealing (SecAgg's
-signed consistency check: one more message phase per round).
+:func:`mask_threshold`: ``t = floor((d + c) / 2) + 1`` for degree ``d`` and ``c = ceil(corruption * d)``
+colluders (``t > c`` and ``2t > d + c``); :attr:`MaskParameters.p_unrecoverable` is the chance of fewer than
+``t`` survivors.  Threat model and the split-lie limit: ``docs/robustness.md``.
 """
 
 from __future__ import annotations

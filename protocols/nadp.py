@@ -1,29 +1,17 @@
 """NADP-FL (Noise-Annihilation DP-FL) math, Flower-free.
 
-Public entry point for the NADP method; the allocation lives in
-:mod:`protocols.nadp_allocation`, the calibration/accounting in
-:mod:`protocols.nadp_privacy` (both re-exported here).
-
-Upload (Algorithm 1, line 15), client ``i`` with normalized weight ``p_i``::
+Public entry point of the method; the allocation lives in :mod:`protocols.nadp_allocation`, the calibration
+and accounting in :mod:`protocols.nadp_privacy` (both re-exported here).  Upload (Algorithm 1, line 15) of
+client ``i`` with normalized weight ``p_i``::
 
     upload_i = w_i + (1/p_i) * (n_i + lam * c_i),   c_i = sum_{j>i} n_ij - sum_{j<i} n_ij
 
-with ``c_i`` exactly ``protocols.pairwise.pairwise_noise(i, seeds, size,
-scale=allocation.counteracting_stds(i))`` (sign ``+1`` iff ``i < j`` by id).
-
-Cancellation algebra (why both ends need the *same* ``n_ij``). The server
-computes ``sum_i p_i upload_i = sum_i p_i w_i + sum_i n_i + lam * sum_i c_i``:
-the ``1/p_i`` factor cancels the aggregation weight, so the pair terms enter
-the aggregate *unweighted*. For a pair ``a < b`` they contribute ``n_ab -
-n_ba``, which is zero iff both ends draw the identical vector: same seed, same
-sampler and the same scale ``sigma_ab``. Hence ``sigma_ab`` must be a
-deterministic function of public information (sampled ids, their sizes, the
-parameters) -- :func:`upload_noise_scales` is -- and the server must weight
-with exactly the ``p_i`` the clients used. (The paper's Section 5 text writes
-``n_i^counteract = (1/p_i) sum_{j>i} n_ij - sum_{j<i} n_ij``; the ``1/p_i``
-must multiply the whole bracket, as in Algorithm 1, or nothing cancels.)
-What survives is ``sum_i n_i``, i.e. the aggregate equals the weighted average
-of ``w_i + n_i / p_i`` (up to float rounding).
+with ``c_i`` = ``protocols.pairwise.pairwise_noise(i, seeds, size, scale=allocation.counteracting_stds(i))``.
+The ``1/p_i`` multiplies the whole bracket (as in Algorithm 1, not Section 5's text), so in
+``sum_i p_i upload_i`` the pair terms enter unweighted and a pair ``a < b`` contributes ``n_ab - n_ba``: zero
+only if both ends draw the same vector (same seed, sampler and ``sigma_ab``).  Hence ``sigma_ab`` is a
+deterministic function of public values (:func:`upload_noise_scales`) and the server weights with exactly the
+clients' ``p_i``; the aggregate is the weighted mean of ``w_i + n_i / p_i`` up to float rounding.
 """
 
 from __future__ import annotations
@@ -227,10 +215,7 @@ def round_plan(
       the pair noise grows (the uploads then reveal little more than their sum), so ``sigma_up`` starts at
       Eq. 3's ratio to ``sigma_down`` and doubles until the joint view is within :data:`JOINT_SLACK` of the
       aggregate's; then both are scaled to the target.  Pair noise cancels, so it costs no accuracy.
-      Why not the paper's Eq. 3 as is: Lemma 2 composes uplink and downlink as ``2T`` queries against one
-      adversary, but the server's view of the uploads already contains the aggregate and the model's
-      recipients see only the aggregate, so each adversary sees ``T`` releases; and Lemma 2's closed form is
-      loose besides.  At epsilon 1 Eq. 3 spends ~0.7 of the budget (measured), with ~1.7x the model noise.
+      Each adversary (the server, the model's recipients) sees ``T`` releases, not Lemma 2's ``2T``.
     * ``"eq3"``: the paper's Eq. 3 (``sigma = Delta sqrt(4 T ln(1/delta)) / eps``).
     """
     key = (tuple(sorted(dataset_sizes.items())), tuple(sorted(sensitivities.items())), float(epsilon), float(delta),
@@ -244,7 +229,7 @@ def _round_plan_cached(key: tuple) -> tuple[NadpSigmas, NoiseAllocation]:
     """:func:`round_plan` of one hashable key, computed once per process.
 
     In one process (in-process runs, simulation workers) the server and every client of a round compute
-    the same plan; the rdp calibration's joint views cost ~0.1 s at 100 clients.
+    the same plan, and the rdp calibration's joint views are the costly part.
     """
     sizes_t, sens_t, epsilon, delta, rounds, graph_t, calibration = key
     dataset_sizes, sensitivities = dict(sizes_t), dict(sens_t)

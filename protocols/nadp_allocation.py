@@ -1,37 +1,19 @@
 """NADP-FL noise-intensity allocation and noise compensation factor.
 
-Paper: "Achieving better utility beyond LDP-FL by independent two-phase
-protection" (NADP-FL), Section 6, Appendix E (Theorem 2 / Algorithm 2) and
-Appendix A (Eq. 7, Eq. 8, Table 3).
+Paper: "Achieving better utility beyond LDP-FL by independent two-phase protection" (NADP-FL), Section 6,
+Appendix E (Theorem 2 / Algorithm 2) and Appendix A (Eq. 7, Eq. 8, Table 3).
 
-Notation (one round, k sampled clients, ``p_i = |D_i| / sum_k |D_k|``):
+One round, ``k`` sampled clients, ``p_i = |D_i| / sum_k |D_k|``: client ``i`` uploads
+``w_i + (1/p_i) (n_i + lam * sum_j s(i,j) n_ij)`` with ``s(i,j) = +1`` if ``i < j`` else ``-1`` and
+``n_ij = n_ji``; the residual noise ``n_i ~ N(0, v_i)`` survives aggregation, the pair noise
+``n_ij ~ N(0, v_ij)`` cancels in ``sum_i p_i upload_i``.  Requirements (Section 6): every upload's noise
+variance ``>= sigma_up^2`` and ``Var(sum_i n_i) = sigma_down^2``.  With the paper's ``v_i = p_i sigma_down^2``
+each client's pair variances must sum to
 
-* client ``i`` uploads ``w_i + (1/p_i) (n_i + lam * sum_j s(i,j) n_ij)`` with
-  ``s(i,j) = +1`` if ``i < j`` else ``-1`` (ids order) and ``n_ij = n_ji``;
-* residual noise ``n_i ~ N(0, v_i)`` survives aggregation, pair
-  (counteracting) noise ``n_ij ~ N(0, v_ij)`` cancels in ``sum_i p_i upload_i``.
+    beta_i = p_i^2 sigma_up^2 - p_i sigma_down^2          (absolute variances, so sigma_down = 0 is handled).
 
-Requirements (Section 6): uplink ``Var(upload noise of i) >= sigma_up^2`` for
-every sampled client and downlink ``Var(sum_i n_i) = sigma_down^2``. With the
-paper's particular solution ``x_i = p_i`` (``v_i = p_i sigma_down^2``) the pair
-variances must satisfy, per client, ``sum_{j != i} v_ij = beta_i`` where
-
-    beta_i = p_i^2 sigma_up^2 - p_i sigma_down^2          (variance units).
-
-(The paper writes this in units of ``sigma_down^2`` with ``sigma_up/sigma_down
-= |D|/|D_min|``, i.e. ``beta_i = |D_i|^2/|D_min|^2 - |D_i|/|D|``; we keep
-absolute variances so that any ``sigma_up`` / ``sigma_down`` pair, including
-``sigma_down = 0``, is handled.)
-
-Algorithm 2 (the theta recursion): sort the clients by ``beta`` ascending; the
-n-th client spreads what is left of its demand evenly over its pairs with all
-later clients, ``theta_n = (beta_n - sum_{m<n} theta_m) / (k - n)`` for
-``n = 1..k-2``; the last pair gets ``theta_{k-1} = beta_k - sum_{m<k-1}
-theta_m``, which is the paper's "adjust the second-largest beta_{k-1} <-
-beta_k". Pair ``(a, b)`` then has variance ``theta_{min(rank a, rank b)}``.
-Every client's demand is met exactly except the second-largest one, which is
-over-served by ``beta_k - beta_{k-1} >= 0``: harmless, since pair noise
-cancels in the aggregate (more uplink privacy at no utility cost).
+:func:`upload_noise_scales` solves this (Algorithm 2, or a sparse graph); :func:`compensation_factor` gives
+``lambda`` (Eq. 7-8).
 """
 
 from __future__ import annotations
@@ -127,7 +109,7 @@ class NoiseAllocation:
     #: :func:`graph_pair_variances`); ``None`` for the complete graph of Algorithm 2 (``theta``).
     pair_table: Mapping[int, Mapping[int, float]] | None = field(default=None, repr=False, compare=False)
     #: :meth:`joint_uplink_std` results by (lam, among): the server and, in one process, every client ask for
-    #: the same view of a round (a k x k Cholesky each; ~0.1 s at k = 100 on a busy machine).
+    #: the same view of a round (a k x k Cholesky each).
     _joint_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -237,7 +219,7 @@ class NoiseAllocation:
         m = lam * lam * (np.diag(v.sum(axis=1)) - v)
         m[np.diag_indices_from(m)] += p * self.sigma_down**2
         # SPD (diag(p) > 0 plus a PSD Laplacian): Cholesky, then diag of inverse.
-        with _one_blas_thread():  # k x k is small: BLAS threads only spin (measured 0.2 s vs 0.4 ms on 2 busy cores)
+        with _one_blas_thread():  # k x k is small: extra BLAS threads only add spin overhead
             chol = np.linalg.cholesky(m)
             inv_chol = np.linalg.solve(chol, np.eye(len(ids)))
         diag_inv = np.einsum("ij,ij->j", inv_chol, inv_chol)
@@ -283,6 +265,12 @@ class NoiseAllocation:
 def upload_noise_scales(weights: Mapping[int, float], sigma_up: float, sigma_down: float, *,
                         graph: Mapping[int, Sequence[int]] | None = None) -> NoiseAllocation:
     """Allocate NADP residual / counteracting noise for one round (Alg. 2, or a sparse graph).
+
+    Algorithm 2 (complete graph): sort the clients by ``beta`` ascending; the n-th spreads what is left of its
+    demand over its pairs with all later clients, ``theta_n = (beta_n - sum_{m<n} theta_m) / (k - n)`` for
+    ``n = 1..k-2``, and ``theta_{k-1} = beta_k - sum_{m<k-1} theta_m`` (the paper's "adjust beta_{k-1} <- beta_k");
+    pair ``(a, b)`` gets ``theta_{min(rank a, rank b)}``.  Only the second-largest demand is over-served, which
+    costs no utility (pair noise cancels).
 
     Args:
         weights: ``{client_id: |D_i|}`` (or ``p_i``) for the sampled clients;

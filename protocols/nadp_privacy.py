@@ -1,30 +1,14 @@
 """NADP-FL privacy calibration: sensitivities, Theorem 1 / Eq. 3, the events an accountant composes.
 
-Paper conventions (Lemma 1, Lemma 2, Theorem 1):
-
-* sensitivity of a client's update ``2 C / |D_i|`` (clipped per-example
-  gradients averaged over the client's data, replace-one bound); uplink uses
-  the smallest sampled client ``Delta_up = 2C/|D_min|``, downlink the sampled
-  total ``Delta_down = 2C/|D|``. We scale by ``lr * local_steps`` so the noise
-  can be added to model parameters (the paper's experiments: 1 local step,
-  lr 0.1); with lr decay the initial lr is a conservative choice.
-* Lemma 2 composition of Q Gaussian queries: ``sigma = Delta sqrt(2 Q ln(1/delta)) / eps``;
-  NADP publishes an uplink and a downlink per round, ``Q = 2T`` (Eq. 3), so
-  ``sigma_up / Delta_up = sigma_down / Delta_down = sqrt(4 T ln(1/delta)) / eps``.
-  Reverse (mixed ratios): ``eps = sqrt(2 ln(1/delta) * sum_q (Delta_q/sigma_q)^2)``.
-  Both formulas live in :mod:`protocols.privacy.composition` (:func:`lemma2_sigma`,
-  :func:`lemma2_epsilon`).
-
-Caveat (documented, not "fixed", since the brief asks for the paper's
-composition): the exact moments-accountant bound behind Lemma 2 is
-``eps = rho + 2 sqrt(rho ln(1/delta))`` with ``rho = sum_q Delta_q^2 /
-(2 sigma_q^2)``; the paper (Appendix C) drops ``rho``, so its epsilon is an
-*under*-estimate (small when ``rho`` << ``ln(1/delta)``). Report the RDP
-accountant's epsilon (:class:`protocols.privacy.RdpAccountant` over :func:`accountant_events`)
-next to it. Theorem 1 also ignores
-client sampling for NADP (Appendix F.1: all clients are treated as one
-entity); ``sampling_rate`` optionally replaces T by the expected number of
-participations ``qT``, the heuristic the paper itself uses for LDP (Lemma 3).
+* Sensitivity (Lemma 1): ``2 C / |D_i|`` for a client's mean of per-example clipped gradients (replace-one);
+  uplink ``Delta_up = 2C/|D_min|`` over the sampled clients, downlink ``Delta_down = 2C/|D|``, both scaled by
+  ``lr * local_steps`` so the noise goes on model parameters (with lr decay the initial lr is conservative).
+* Eq. 3 (Lemma 2 with ``Q = 2T``: an uplink and a downlink per round):
+  ``sigma_up / Delta_up = sigma_down / Delta_down = sqrt(4 T ln(1/delta)) / eps``; the formulas are
+  :func:`protocols.privacy.composition.lemma2_sigma` and :func:`~protocols.privacy.composition.lemma2_epsilon`.
+* The paper's Lemma 2 drops ``rho`` from the moments-accountant bound, so its epsilon is an under-estimate; the
+  RDP accountant's epsilon (:class:`protocols.privacy.RdpAccountant` over :func:`accountant_events`) is reported
+  beside it.  ``sampling_rate`` optionally replaces T by ``qT`` (the paper's heuristic for LDP, Lemma 3).
 """
 
 from __future__ import annotations

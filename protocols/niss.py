@@ -1,75 +1,17 @@
 """NISS: Noise Information Secretly Sharing (Yang et al., IEEE IoT-J 2022), Flower-free math.
 
-Each client k perturbs its weighted update ``p_k * w_k`` with Gaussian DP noise of
-variance ``sigma_k**2``, but builds that noise out of one share ``n_l`` per neighbour
-``l`` (``m`` neighbours, variance ``sigma_k**2 / m`` each).  The negated copy ``-n_l``
-goes to neighbour ``l``, which adds it (multiplied by its own distortion
-``s ~ N(1, tau**2)``) to its upload.  On the server the shares cancel: with
-``tau = 0`` the aggregate is exactly ``sum_k p_k w_k`` (Theorem 2 gives the residual
-variance ``sum_k sigma_k**2 tau_k**2``), while every single upload still carries noise
-of variance ``2 sigma_k**2`` (when it receives as much as it sends).  ``tau`` protects
-a client against a fraction ``rho`` of neighbours colluding with the server (Theorem 3).
+Client k perturbs its weighted update ``p_k * w_k`` with Gaussian noise of variance ``sigma_k**2`` built from
+one share per neighbour (``m`` neighbours, variance ``sigma_k**2 / m`` each; Sec. IV-A, :func:`plan_shares`).
+The negated share goes to that neighbour, which adds it times its distortion ``s ~ N(1, tau**2)`` (drawn per
+coordinate) to its upload (Algorithm 2).  On the server the shares cancel: with ``tau = 0`` the aggregate is
+exactly ``sum_k p_k w_k``; otherwise the residual variance is ``sum_k sigma_k**2 tau_k**2`` (Theorem 2,
+:func:`exact_aggregate_variance` for any share assignment).  ``tau`` protects against a fraction ``rho`` of a
+client's neighbours colluding with the server (Theorem 3, :func:`tau_for_collusion`).
 
-Everything here is a pure function of its inputs.  A bundle of ``count`` shares
-from one sender to one receiver (the protocol sends ``count = 1``) is fully described
-by a 32-byte seed (``protocols.prg``), so the message can be ``(count, share_std, seed)``
-sealed with ``protocols.relay_crypto`` (the ``seed`` wire encoding) -- or the share
-vectors themselves (the ``vector`` encoding, see :func:`distorted_sum`); both give
-bit-identical uploads for the same seeds.
-
-Interpretations of the paper (see also the module report):
-
-* Share count.  Sec. IV-A splits ``n^k`` into ``v`` shares ``N(0, sigma_k^2 / v)``
-  sent to ``v`` neighbouring clients, one each; Sec. IV-B and Algorithm 2 instead fix
-  a common unit variance ``sigma^2 << sigma_k^2`` and take ``v = sigma_k^2 / sigma^2``.
-  The latter makes every per-round cost (PRG expansion, memory, the ``vector``
-  encoding's bytes) grow with the noise variance -- thousands of shares per client at
-  small epsilon or with multi-step local training -- and no single unit variance
-  fits both record level (``sigma_k`` ~0.01) and client level.  We follow Sec. IV-A:
-  ``v = m``, one share of variance ``sigma_k^2 / m`` per neighbour of the tracker's
-  list (:func:`plan_shares`), whatever ``sigma_k``; per-round work is
-  ``O(m * model size)``.  Algorithm 2's ``n_i <- N(0, sigma_k^2 I_h)`` would make the
-  total ``v sigma_k^2``; each share has variance ``sigma_k^2 / v`` so the client's own
-  noise is exactly ``sigma_k^2`` (the DP requirement).
-* Collusion with one share per neighbour.  Each neighbour holds exactly ``1 / m`` of
-  the client's noise variance, so ``r`` colluding neighbours know exactly the fraction
-  ``rho = r / m`` Theorem 3 assumes (``rho`` is a fraction of the *neighbours*).
-  Lemma 1, Theorem 2 and :func:`exact_aggregate_variance` depend only on the variance
-  each share carries, so they hold as stated.  Theorem 3's central-limit step (Eq. 10,
-  ``rho v >> 1``) holds in expectation only: per coordinate the colluders' residual
-  ``tau^2 sum_i r_i^2`` over the ``rho m`` shares they sent has mean
-  ``tau^2 rho sigma_k^2`` (when the client receives as much variance as it sends) and
-  fluctuates like a chi-square with ``rho m`` degrees of freedom; see the caveat below.
-* Algorithm 2 pairs sending and receiving ("send -n_i to u_i, receive r_i from
-  u_i").  We decouple the directions: a client processes whatever bundles it
-  receives.  Theorem 2 (``V = sum_k sigma_k^2 tau_k^2``) assumes every client receives
-  as much share variance as it sends; :func:`exact_aggregate_variance` gives the exact
-  residual ``sum_shares share_var * tau_receiver^2`` for any assignment, and equals
-  Theorem 2 when all ``tau`` are equal or the exchange is balanced.
-* ``s_i`` is drawn independently per coordinate (a vector ``N(1, tau^2 I_h)``): the
-  paper's analysis is per dimension ("the noise offset is conducted for each
-  dimension independently").
-* The paper's Theorem 1 (classic Gaussian mechanism) only holds for ``epsilon < 1``,
-  yet its experiments use ``epsilon = 5..15``.  :func:`client_sigma` calibrates with
-  the RDP accountant over the whole run instead (:func:`protocols.privacy.noise_multiplier`,
-  the exact RDP multiplier ``z`` for ``num-rounds`` releases, so the reported epsilon is
-  the target), valid for every ``epsilon > 0``.
-* Privacy unit.  The paper's DP is per *record* (neighbouring datasets differ in one
-  record) with ``Delta f_k`` the sensitivity of the local update function
-  ``f_k(D_k, w, p_k)`` -- which it never bounds (its experiments clip the update, i.e.
-  client level).  By default (run-config ``privacy-unit = "record"``) a client trains
-  with per-example clipping (:func:`client.env.record_level_training`) and
-  ``Delta f_k = p_k * record_sensitivity(cfg, n_k)`` (``= 2 C lr p_k / n_k`` for one
-  full-batch step, NADP-FL's Lemma 1); ``privacy-unit = "client"`` clips the update
-  instead (``Delta f_k = p_k * clip``, DP-FedAvg's unit).
-* Weights ``p_k``: the paper's "usually ``d_k / sum_i d_i``" at record level (every
-  ``sigma_k`` then equal for one full-batch step), ``1/m`` at client level; both ends
-  compute them from the round's public view and the client refuses any other
-  (:func:`aggregation_weights`).
-* Caveat (not fixed, reported): Theorem 3 only matches the *variance* of the noise a
-  colluding server cannot remove to ``sigma_k^2``; that residual is a sum of
-  Gaussian-times-Gaussian terms, not a Gaussian, so the (epsilon, delta) claim is
-  heuristic.  Likewise, shares sent to a client that drops out are not cancelled.
+Pure functions of their inputs.  A bundle of shares from one sender to one receiver is described by a 32-byte
+seed (:mod:`protocols.prg`), so it travels as ``(count, share_std, seed)`` or as the vectors themselves
+(:func:`distorted_sum`); both give bit-identical uploads.  ``sigma_k`` uses the exact RDP multiplier for the run
+(:func:`client_sigma`), not Theorem 1.  Choices where the paper is vague or wrong: ``docs/methods/niss.md``.
 """
 
 from __future__ import annotations
@@ -153,7 +95,7 @@ class ShareBundle:
 
 
 def plan_shares(sigma_k: float, neighbours: int) -> SharePlan:
-    """One share per neighbour: ``v = neighbours`` shares of std ``sigma_k / sqrt(v)`` (module docstring).
+    """One share per neighbour: ``v = neighbours`` shares of std ``sigma_k / sqrt(v)`` (Sec. IV-A).
 
     The count does not depend on ``sigma_k``, so no per-round cost grows with the noise.
     Raises ValueError for a non-positive or non-finite ``sigma_k`` or fewer than one neighbour.
@@ -389,9 +331,8 @@ def aggregation_weights(cfg: RunConfig, participants: Sequence[int], sizes: Mapp
     Record level, data-size weights make every record's sensitivity on the published sum the same,
     ``p_k 2 C lr / n_k = 2 C lr / N`` for one full-batch step, so every ``sigma_k`` is equal and the sum keeps
     the central noise whatever the partition.  With uniform weights a client with few records had a large
-    ``sigma_k`` that the distortion tau must keep in the model to protect it (Dirichlet partitions on digits:
-    niss 0.51 against nadp's 0.83).  Client level keeps ``1/m`` (every client's whole update is bounded by
-    ``clip``: size weights would give a large client a larger sensitivity).
+    ``sigma_k`` that the distortion tau must keep in the model to protect it.  Client level keeps ``1/m`` (every
+    client's whole update is bounded by ``clip``: size weights would give a large client a larger sensitivity).
 
     Both ends compute the weights from the round's public view: the participants (bound into every pair and
     relay key, :func:`client.pairwise_phase.check_view`) and the sizes they reported with their keys (bound into

@@ -1,22 +1,15 @@
 """Pairwise cancelling noise: the one engine every cancelfl method uses.
 
-For every edge (i, j) of the communication graph both ends expand the same pair seed
-s_ij into the same vector z_ij = sampler(s_ij, size). The lower id adds it, the higher
-id subtracts it:
+For every edge (i, j) both ends expand the same pair seed ``s_ij`` into ``z_ij = sampler(s_ij, size)``; the lower
+id adds it, the higher subtracts it::
 
-    noise_i = sum_j sign(i, j) * c_ij * z_ij,   sign(i, j) = +1 if i < j else -1,
+    noise_i = sum_j sign(i, j) * c_ij * z_ij,   sign(i, j) = +1 if i < j else -1
 
-so sum_i noise_i = sum_{i<j} (c_ij - c_ji) z_ij = 0 whenever the per-pair scale is the
-same at both ends (c_ij == c_ji; this function cannot check the peer's value, callers
-must derive it from shared information). In float64 the aggregate cancels up to
-rounding (~1e-16 relative), because z_ij is bit-identical at both ends (``protocols.prg``
-is deterministic across machines) and s * c * z is computed identically at both ends.
-
-Fast paths (same noise law, fewer passes): ``gaussian`` resolves the ziggurat's slow path of
-all peers at once; ``symmetric_uniform`` (Uniform[-1, 1), e.g. mpddp's DN(sigma, 1) with
-scale sqrt2 * sigma) sums the peers' streams exactly as integers per distinct scale
-(:func:`protocols.prg.symmetric_uniform_sum`), so the integer parts of all parties cancel
-exactly and only one rounding per party remains.
+so ``sum_i noise_i = 0`` up to float rounding whenever ``c_ij == c_ji`` (callers derive the scale from shared
+information; ``z_ij`` is bit-identical at both ends, :mod:`protocols.prg`).  Fast paths with the same law:
+``gaussian`` resolves the ziggurat's slow path for all peers at once; ``symmetric_uniform`` sums the peers'
+streams exactly as integers per distinct scale (:func:`protocols.prg.symmetric_uniform_sum`), leaving one
+rounding per party.
 """
 
 from __future__ import annotations

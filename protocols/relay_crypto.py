@@ -1,21 +1,11 @@
 """AES-256-GCM for client-to-client payloads relayed by an honest-but-curious server.
 
-What
-----
-``seal(key, plaintext, aad=...)`` returns ``nonce (12 B) || ciphertext || tag (16 B)``;
-``open_sealed`` verifies and decrypts it. The key is a 32-byte pair key, e.g.
-``derive_pair_seed(shared, purpose="relay", ...)`` from ``protocols.keyagreement``.
-
-Why
----
-* Confidentiality: the relaying server must not read shares/seeds meant for a peer.
-* Integrity + binding: GCM authenticates the ciphertext *and* the associated data; put
-  (sender, receiver, round, run id) in ``aad`` (``make_aad``) so the server cannot
-  replay a payload into another round or redirect it to another recipient undetected.
-* Nonces are 96-bit random (os.urandom). With one key per pair and round, far fewer
-  than the 2**32 messages per key allowed by NIST SP 800-38D for random nonces are sent.
-Any failure (tampered bit, wrong key, wrong aad, truncated blob) raises RelayAuthError
-and no plaintext is released.
+``seal(key, plaintext, aad=...)`` returns ``nonce (12 B) || ciphertext || tag (16 B)``; ``open_sealed`` verifies
+and decrypts it.  The key is a 32-byte pair key (``derive_pair_seed(shared, purpose="relay", ...)``,
+:mod:`protocols.keyagreement`).  The server can neither read a payload nor, with (sender, receiver, round, run id)
+in the associated data (:func:`make_aad`), replay or redirect it unnoticed.  Nonces are 96-bit random; one key per
+pair and round stays far below NIST SP 800-38D's limit for random nonces.  Any failure (tampering, wrong key or
+aad, truncation) raises :class:`RelayAuthError` and releases no plaintext.
 """
 
 from __future__ import annotations

@@ -1,37 +1,19 @@
 """Fixed-point encoding into Z_{2^64}, full-threshold additive sharing and Shamir t-of-n sharing.
 
-DDP-SA (Wei et al., Algorithm 1/2) encodes each client's noisy gradient as fixed-point
-integers, splits it into ``m`` shares (one per intermediate server) and lets the
-parameter server reconstruct only the *sum* over clients.  Two schemes:
+DDP-SA (Wei et al., Algorithms 1-2) encodes each client's noisy gradient as fixed-point integers, splits it into
+``m`` shares (one per intermediate server) and lets the parameter server reconstruct only the sum over clients.
 
-* additive (:func:`share`, the paper's): all ``m`` shares are needed; any ``m - 1`` reveal nothing;
-* Shamir (:func:`shamir_share_vector`, :func:`shamir_reconstruct_vector`): share ``j`` is ``f(j + 1)`` for a random
-  polynomial ``f`` of degree ``t - 1`` with ``f(0)`` = the secret, over the prime field
-  ``Z_p``, ``p = 2^64 - 59`` (:data:`VECTOR_PRIME`); any ``t`` shares reconstruct (Lagrange at 0),
-  any ``t - 1`` reveal nothing, so ``m - t`` servers may be lost.  Shares are linear: the sum of
-  clients' shares held by one server is a share of the sum.  Ring elements map into the field
-  by their signed value (:func:`to_field`, :func:`from_field`), exact for ``|x| <= (p - 1) / 2``,
-  which :class:`FixedPointCodec` guarantees for sums of up to ``max_clients`` encodings.
+* :class:`FixedPointCodec`: ``x * 2**frac_bits`` in the ring Z_{2^64} (exact, vectorised ``uint64`` arithmetic,
+  two's-complement decoding); it refuses (:class:`FixedPointRangeError`) a value whose sum over ``max_clients``
+  encodings could leave the signed range;
+* additive (:func:`share`, the paper's): all ``m`` shares needed, any ``m - 1`` reveal nothing;
+* Shamir (:func:`shamir_share_vector`, :func:`shamir_reconstruct_vector`): share ``j`` is ``f(j + 1)`` of a random
+  degree ``t - 1`` polynomial over ``Z_p``, ``p = 2^64 - 59`` (:data:`VECTOR_PRIME`); any ``t`` reconstruct, any
+  ``t - 1`` reveal nothing; shares are linear, so a server's sum of shares is a share of the sum;
+* :func:`shamir_split` / :func:`shamir_combine`: t-of-n sharing of a byte string of at most 64 bytes over
+  GF(2^521 - 1) (the self-mask seeds of :mod:`protocols.masking`).
 
-Design choices (deviations from the paper, on purpose):
-
-* The paper works in a prime field Z_p with a decimal scaling factor ``SF = 10**dn``.
-  We use the ring Z_{2^64} (numpy ``uint64`` wrap-around arithmetic) with a binary
-  scaling factor ``2**frac_bits``.  Additive sharing is equally perfect in any finite
-  abelian group, and a power-of-two modulus makes every operation exact and vectorised:
-  no big-int arithmetic, no float drift, and ``x * 2**frac_bits`` is exact in float64.
-* The paper only says "choose p larger than the maximum possible aggregated magnitude".
-  We make that explicit: :class:`FixedPointCodec` knows ``max_clients`` and *refuses* to
-  encode any value whose sum over ``max_clients`` encodings could leave the signed range
-  ``[-(2^63 - 1), 2^63 - 1]`` (:class:`FixedPointRangeError`).  Decoding interprets the
-  ring element in two's complement, so negative sums decode correctly.
-
-:func:`shamir_split` / :func:`shamir_combine`: Shamir's t-of-n sharing of a short byte string (at most
-64 bytes, e.g. a 32-byte seed) over the prime field GF(2^521 - 1), shares evaluated at x = 1..n; any t
-shares give the secret, any t - 1 are independent of it (the self-mask seeds of :mod:`protocols.masking`).
-
-Share randomness comes from a CSPRNG: ``os.urandom`` by default, or the project-wide
-AES-CTR PRG (:mod:`protocols.prg`) when an explicit seed is given (reproducible tests).
+Share randomness: ``os.urandom``, or :mod:`protocols.prg` when an explicit seed is given (tests).
 """
 
 from __future__ import annotations

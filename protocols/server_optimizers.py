@@ -7,12 +7,9 @@ post-processing: any optimizer costs no privacy.  Two are offered (run-config ``
 * ``sgd``:  theta <- theta - lr g                         (the MP paper's xi; DDP-SA's Algorithm 2)
 * ``adam``: theta <- theta - lr m_hat / (sqrt(v_hat) + eps)   (Kingma & Ba, bias-corrected moments)
 
-Why Adam is the default of these methods (protocols/methods.py): DDP-SA's own experiments train its LDP and
-DDP-SA arms with Adam (its Sec. VI, "the Adam optimizer with learning rate 0.001"), and the MP family's
-squared-loss MLP is badly conditioned for plain SGD.  Measured (mpcdp, 30 rounds): noise-free digits
-0.39 with SGD xi = 3 against 0.72 with Adam lr = 0.01; breast-cancer at epsilon 1 0.57 against 0.95.  Adam's
-step is scale-free (about lr per coordinate), so one lr suits datasets whose gradients differ by orders of
-magnitude, where SGD's xi had to be chosen per dataset.
+Adam is the MP family's default (its regime in :mod:`protocols.methods`): its squared-loss MLP is badly
+conditioned for plain SGD, and Adam's step is scale-free (about lr per coordinate), so one lr suits datasets
+whose gradients differ by orders of magnitude.  DDP-SA's own experiments use Adam too (its Sec. VI).
 
 The state (moments and step count) is part of the strategy's checkpoint: a resumed run continues the same
 optimizer (:meth:`ServerOptimizer.to_state`, :func:`optimizer_from_state`).

@@ -33,6 +33,7 @@ import traceback
 from pathlib import Path
 
 from protocols.config import ConfigError, RunConfig, parse_run_config
+from protocols.methods import local_services
 from server.defaults import app_defaults
 from strategies.run.checkpoint import (
     CHECKPOINT_JSON,
@@ -84,7 +85,7 @@ def preflight(overrides: dict, *, warn=_warn) -> RunConfig:
         build_strategy(cfg).close()
     except ConfigError as err:
         # DDP-SA servers (and their credentials) the launcher starts later: every check before them passed.
-        if not (cfg.method == "ddpsa" and not cfg.ddpsa_servers.strip() and "'ddpsa-servers'" in str(err)):
+        if not (local_services(cfg) and "'ddpsa-servers'" in str(err)):
             raise
     local_checks(cfg)
     for note in adjustments(cfg):
@@ -191,9 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     audit_parser = sub.add_parser("audit", help="empirical epsilon lower bound of a method vs its claim")
     argv = list(sys.argv[1:] if argv is None else argv)
     if next((a for a in argv if not a.startswith("-")), None) == "audit":  # its module imports torch and Flower
-        from server import audit  # cancelfl audit: empirical epsilon lower bound of a method's real release code
+        from server import audit_cli  # cancelfl audit: empirical epsilon lower bound of a method's real release code
 
-        audit.add_arguments(audit_parser)
+        audit_cli.add_arguments(audit_parser)
     args = parser.parse_args(argv)
     if threading.current_thread() is not threading.main_thread():
         return _main(args)
@@ -211,9 +212,9 @@ def _main(args: argparse.Namespace) -> int:
 
         return keys.run(args)
     if args.command == "audit":
-        from server import audit
+        from server import audit_cli
 
-        return audit.main(args)
+        return audit_cli.main(args)
 
     try:
         overrides = parse_run_config(args.run_config)

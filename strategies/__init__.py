@@ -20,7 +20,8 @@ import importlib
 from protocols.methods import METHODS
 
 #: Public class name -> its module, for every registered method's strategy.
-STRATEGY_CLASSES: dict[str, str] = {spec.strategy.split(":")[1]: spec.strategy.split(":")[0] for spec in METHODS.values()}
+STRATEGY_CLASSES: dict[str, str] = {spec.strategy.split(":")[1]: spec.strategy.split(":")[0] for spec in METHODS.values()
+                                    if isinstance(spec.strategy, str)}
 
 __all__ = ["CancelStrategy", "RoundFailed", "build_strategy", "strategy_class", *sorted(STRATEGY_CLASSES)]
 

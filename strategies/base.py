@@ -491,7 +491,8 @@ class CancelStrategy(Strategy):
 
 def registered_method(cls: type) -> str | None:
     """The registry name of a strategy class (or of its nearest registered base class); None if none."""
-    by_class = {spec.strategy: name for name, spec in METHODS.items()}
+    by_class = {spec.strategy if isinstance(spec.strategy, str) else f"{spec.strategy.__module__}:"
+                f"{spec.strategy.__qualname__}": name for name, spec in METHODS.items()}
     for klass in cls.__mro__:
         name = by_class.get(f"{klass.__module__}:{klass.__qualname__}")
         if name is not None:

@@ -1,38 +1,17 @@
 """Baselines: FedAvg without DP, local DP (DP-FedAvg) and central DP, at record or client level.
 
 * ``fedavg``: example-weighted average, no noise.
-* ``ldp``: each client noises its own upload, so the server only ever sees noised uploads.
-  The noise multiplier z is calibrated with the RDP accountant for (epsilon, delta) over
-  ``num-rounds`` releases without sampling amplification (the server knows who it sampled);
-  the server announces z (:class:`client.messages.baselines.LocalDpNoise`) and each client
-  refuses a smaller one.
+* ``ldp``: each client noises its own upload; the server announces the RDP-calibrated multiplier ``z`` for
+  ``num-rounds`` releases (:class:`client.messages.baselines.LocalDpNoise`) and each client refuses a smaller one.
+  Record level: the local model plus ``N(0, (z Delta_k)^2)``, ``Delta_k = 2 C lr / n_k`` (NADP-FL's Lemma 3
+  comparator), example-weighted mean; client level: the update clipped to ``clip`` plus ``N(0, (z clip)^2)``,
+  uniform mean.
+* ``cdp`` (trusted server, no uplink guarantee): the server adds Gaussian noise once to the mean.  Record level:
+  ``N(0, (z Delta)^2)`` on the example-weighted mean (:func:`record_mean_sensitivity`); client level: Flower's
+  ``fixedclipping_mod`` and ``DifferentialPrivacyClientSideFixedClipping``.
 
-  - record level (``privacy-unit = "record"``, the default): per-example-clipped local
-    training, the local model plus N(0, (z Delta_k)^2), ``Delta_k = 2 C lr / n_k``
-    (:func:`protocols.privacy.record_sensitivity`): the NADP paper's LDP-FL comparator
-    (Lemma 3) with the exact RDP multiplier instead of its closed form; example-weighted
-    mean of the noised models.
-  - client level: the update clipped to ``clip`` plus N(0, (z clip)^2), uniform mean.
-    Flower's ``LocalDpMod`` does not fit: it calibrates each release separately with the
-    classic Gaussian mechanism (valid only for epsilon < 1) and composes nothing.
-
-* ``cdp`` (trusted server, no uplink guarantee): the server adds Gaussian noise once to the
-  mean, z calibrated for (epsilon, delta) over the run.
-
-  - record level (default): clients upload their per-example-clipped local models un-noised;
-    the server adds N(0, (z Delta)^2) to the example-weighted mean (:func:`record_mean_sensitivity`).
-  - client level: clients clip (Flower's ``fixedclipping_mod``), the server adds noise std
-    ``z clip / m`` to the uniform mean (Flower's ``DifferentialPrivacyClientSideFixedClipping``).
-
-  z is calibrated for ``num-rounds`` unsampled releases (see Sampling below).
-
-Sampling: no amplification by sampling is claimed, for any method or direction.  The server draws
-each round's sample from the run seed (public: it is in summary.json), so whoever gets the model can know
-whether a client took part, and amplification needs a sample the adversary does not know.  With
-``sample-rate`` q < 1 every round is composed as an unsampled release (an upper bound: a record whose
-client sat a round out spent nothing in it); cdp's multiplier is calibrated the same way.  (Earlier
-versions accounted cdp's and ldp's published mean at rate m/N with the Poisson bound: unsound with a
-public sample, and the add/remove Poisson bound does not cover fixed-size sampling under replace-one.)
+No amplification by sampling is claimed (the sample is drawn from the public run seed): with ``sample-rate``
+< 1 every round is composed as an unsampled release.  See ``docs/methods/baselines.md``.
 """
 
 from __future__ import annotations

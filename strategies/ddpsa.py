@@ -2,66 +2,18 @@
 
 Round ``t``:
 
-0. ``prepare_round`` learns the roster name of every sampled node it does not know yet
-   (``query.ddpsa_identity``, once per node; a node that does not answer, or two nodes giving one
-   name, are left out of the round): the round's participant list.
-1. ``prepare_round`` registers the run and opens round ``t`` on the ``m`` intermediate
-   servers, signed with the parameter server's identity (run-config ``ddpsa-server-key``):
-   share length = model size, share field, and the participants' roster names -- the only
-   clients the servers take this round's pushes from; when fewer than the sharing threshold
-   ``t`` take it the round fails *before* clients work, naming the servers.  The train message
-   carries the global model and a :class:`client.messages.ddpsa.DdpsaRound` (this
-   round's ``eps_t``, the noise mode, the participants' roster names, the servers -- which
-   each client only compares with its own list --, the run id and the fixed-point codec);
-2. each client (:mod:`client.methods.ddpsa`) pushes one share of its encoded
-   noisy clipped gradient sum to every intermediate server, signed with its roster
-   identity, and replies with metrics and a receipt naming that identity;
-3. ``aggregate`` asks every server (signed) for its partial sum over exactly the roster
-   names of the clients that replied successfully, reconstructs only when ``t`` arrived
-   (fewer raise :class:`RoundFailed` naming the servers, after sealing the round unreleased
-   on every server it reaches: no epsilon is charged for a round that produced no model),
-   decodes, divides by ``N = sum N_i`` and takes the step
-   ``theta_{t+1} = theta_t - eta * sum_i s_i / N`` (``eta`` = run-config ``lr``).  The
-   paper's experiments use Adam at the server; we use plain SGD (one hyper-parameter,
-   no optimizer state) -- a documented deviation.
+1. ``prepare_round`` learns each new sampled node's roster name (``query.ddpsa_identity``), then opens the round
+   on the ``m`` intermediate servers (signed with ``ddpsa-server-key``) with the participants' names; fewer than
+   the sharing threshold ``t`` taking it fails the round before clients work;
+2. each client (:mod:`client.methods.ddpsa`) pushes one share of its encoded noisy clipped gradient sum to every
+   intermediate server and replies with a receipt;
+3. ``aggregate`` asks every server for its partial sum over the clients that replied, reconstructs from ``t``
+   of them (else :class:`RoundFailed`, the round sealed unreleased, no epsilon charged), divides by
+   ``N = sum N_i`` and steps ``theta_{t+1} = theta_t - eta * sum_i s_i / N``.
 
-Sharing (run-config ``ddpsa-threshold``, :attr:`protocols.config.RunConfig.ddpsa_sharing_threshold`):
-``t = m`` is the paper's additive sharing (every server needed, any ``m - 1`` colluding learn nothing);
-``t < m`` is Shamir sharing over ``Z_p`` (:mod:`protocols.secret_sharing`): the run survives ``m - t``
-lost servers, and fewer than ``t`` colluding servers learn nothing.  The default (0 = auto) is
-``t = max(2, m - 1)``: with ``m = 3``, one server may be lost and no two may collude.
-
-Intermediate servers: ``ddpsa-servers`` (comma-separated ``host:port``, exactly
-``ddpsa-num-servers`` of them), reached over TLS verified with ``ddpsa-ca``.  The strategy never
-starts servers: when the user leaves ``ddpsa-servers`` empty, ``cancelfl run``/``deploy`` start
-``m`` local ones (the one place that does:
-:func:`server.intermediate.launcher.local_intermediate_servers`) and hand the same servers to the
-server and the clients through the run config.  Every run uses a fresh random ``run_id`` so runs
-sharing servers never mix.
-
-Privacy budget (``self.privacy``, read by ``privacy_report``; composed when a round's sum is reconstructed,
-not when its train messages go out): run-config ``epsilon``/``delta`` are the *total*
-budget; :func:`protocols.privacy.per_round_epsilons` turns it into ``eps_t`` with
-the ``ddpsa-allocation`` shape (``uniform`` or Eq. 12 ``exponential`` with
-``alpha = ddpsa-decay``) certified by ``ddpsa-composition`` (Theorem 2: ``basic`` =
-the ``eps_t`` sum to ``epsilon``; ``advanced`` = heterogeneous advanced composition with
-``delta' = delta`` meets ``epsilon``).  Each round released composes ``eps_t``
-(:class:`protocols.privacy.DpCompositionAccountant`); we report the epsilon spent so far:
-the basic sum, or under ``advanced`` the smaller of the two valid bounds.  Each ``eps_t``
-protects one *sample* of a client's data (per-sample L1 clipping; replace-one adjacency, noise
-scale ``2 Delta / eps_t``, since ``N_i`` is published: :mod:`protocols.ddpsa`), not a whole client.  The
-secret sharing adds no privacy loss (post-processing; Corollary 1); downlink = uplink.
-
-Noise (run-config ``ddpsa-noise``, :mod:`protocols.ddpsa`): ``"local"`` is the paper's ``Lap(b)`` per
-client, so every round released costs ``eps_t`` whoever drops.  ``"distributed"`` (the default) splits
-one central ``Lap(b)`` over the ``n`` participants, ``Gamma(1/n', b) - Gamma(1/n', b)`` each with
-``n' = n - floor(f n)`` (``f`` = ``ddpsa-collude-frac``).  Trust assumption: at most ``floor(f n)`` of a
-round's participants collude with the parameter server, and the intermediate servers do not collude to
-reconstruct an individual upload.  A round reconstructed over ``k`` of the ``n`` participants holds at
-least ``k - floor(f n)`` honest shares, i.e. ``Gamma(a, b) - Gamma(a, b)`` with ``a = (k - floor(f n)) / n'``:
-``a >= 1`` costs ``eps_t``; a smaller ``a`` (participants dropped) is charged the epsilon that noise
-really gives (:func:`protocols.ddpsa.gamma_difference_epsilon` over the model's coordinates), and a round
-where it is unbounded (``a <= 1/2``) is aborted unreleased (:class:`RoundFailed`, no epsilon).
+``self.privacy`` composes ``eps_t`` (:func:`protocols.privacy.per_round_epsilons`, Theorem 2, Eq. 12) when a
+round's sum is reconstructed, or the epsilon the noise present really gives
+(:func:`protocols.ddpsa.gamma_difference_epsilon`).  Sharing, noise, trust: ``docs/methods/ddpsa.md``.
 """
 
 from __future__ import annotations
@@ -297,7 +249,7 @@ class DdpsaStrategy(CancelStrategy):
 
     # ------------------------------------------------------------ reporting
     def round_charge(self, server_round: int, participants: int, pushed: int, dim: int) -> float:
-        """Epsilon of round ``server_round`` when ``pushed`` of ``participants`` shares are summed (module docstring).
+        """Epsilon of round ``server_round`` when ``pushed`` of ``participants`` shares are summed.
 
         ``"local"``: ``eps_t``.  ``"distributed"``: the honest shares present, ``pushed - floor(f n)``, out of the
         ``n'`` that make one ``Lap(b)``: :func:`protocols.ddpsa.gamma_difference_epsilon` (``inf`` when unbounded).

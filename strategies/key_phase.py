@@ -1,60 +1,23 @@
 """Server side of the key-exchange phase shared by every pairwise-noise method (nadp, niss, mpddp).
 
-A pairwise method owns one :class:`KeyPhase` (``self.keys = KeyPhase(cfg)``)
-and calls :meth:`KeyPhase.run` from its ``prepare_round`` hook.  Round
-structure (all inside ``configure_train``, through the Grid it receives, so it
-runs the same in simulation, deployment and in-process):
+A pairwise method owns one :class:`KeyPhase` (``self.keys = KeyPhase(cfg)``) and calls :meth:`KeyPhase.run` from
+its ``prepare_round`` hook, inside ``configure_train`` (the same in simulation, deployment and in-process):
 
-1. ``query.keys`` (:class:`client.messages.keys.KeyRequest`) -- only for
-   sampled clients the server holds no public key of the current *key epoch*
-   and for connected nodes whose roster name it does not know yet (in the first
-   round: every connected node)
-   (run-config ``key-rotation``: rounds per key pair; 0 = one pair per node for
-   the whole run, 1 = a fresh pair every round).  Such a client makes an X25519
-   key pair for the epoch (private half kept in its ``Context.state``) and
-   returns the public half (:class:`~client.messages.keys.KeyReply`).  A
-   client that does not answer or sends a malformed key is left out of the
-   round (logged); at least two must remain.  With session keys (the default)
-   the phase runs in the first round and then only for newly sampled or
-   re-keyed clients: in deployment every message phase costs a round trip per
-   client, and X25519 with every peer is the dominant cryptographic cost;
-   clients also cache their shared secrets.
-2. The round's participants and graph come from the run's *roster* (the identities every client trusts),
-   not from whom the server lists: the round's public seed is
-   :func:`protocols.identity.roster_round_seed` (roster digest, round number), from which follow the
-   round's public sample of roster names (run-config ``clients-per-round`` of them) and the pairing graph
-   over that sample (:func:`protocols.graphs.roster_round`).  The participants are the connected nodes
-   whose signed roster name is in the sample and that hold a key of the epoch; the graph is restricted to
-   them (:func:`protocols.graphs.present_graph`): an absent roster neighbour is just absent, nothing is
-   re-drawn, so leaving honest nodes out (and retrying) cannot steer anybody's neighbours.  A participant
-   with fewer present neighbours than :func:`protocols.graphs.present_floor` is left out (it would refuse).
-   The server learns the roster from the clients: every key reply carries the digest of the roster its
-   node trusts; while the server holds none it asks the first few nodes for the roster's text and adopts
-   the one whose digest most replies carry.  It learns each connected node's roster name from its signed
-   key (checked against the roster): nodes whose name it does not know are keyed as they connect.
-   Each participant gets its neighbours' ids, public keys, roster names and signatures plus the
-   participant list with roster names (:meth:`KeyRound.peer_keys`) with a later message of the round.
-   Clients verify every peer key against their roster (:mod:`client.identity`), rebuild the graph from the
-   roster they trust and bind the participants into their seeds (:func:`client.pairwise_phase.check_view`):
-   the server relays keys it cannot forge and views it cannot split or steer unnoticed.  Clients
-   derive the round's pairwise seeds themselves with HKDF over (purpose, round,
-   pair, run id), so seeds are fresh every round even under a long-lived key
-   pair; the server never learns them.  Trade-off of a long-lived pair: whoever
-   steals a client's private key can recompute that client's pair seeds of
-   every round of the epoch (``key-rotation = 1`` restores per-round forward
-   secrecy at the cost of one extra phase per round).
-3. A participant that fails or does not reply in the train phase is forgotten
-   (:meth:`KeyPhase.forget_unresponsive`, called by the round template's
-   ``after_replies``): its next selection re-runs the key phase for it, so a
-   client that lost its state (restarted SuperNode) recovers by itself.
+1. ``query.keys`` (:class:`client.messages.keys.KeyRequest`) goes only to sampled clients without a public key
+   for the current key epoch (``key-rotation``) and to connected nodes whose roster name the server does not
+   know yet (in the first round: every connected node); a client that does not answer, sends a malformed key or
+   one not signed by its roster identity is left out of the round (logged); at least two must remain.  The server
+   learns the roster from the replies (each carries its node's roster digest; while the server holds none, the
+   first :attr:`KeyPhase.ROSTER_ASKS` send the text, and the one most replies vouch for is adopted).
+2. The round's sample and graph are the roster's (:func:`client.pairwise_phase.roster_round_of`: from the
+   roster digest and the round number only), restricted to the sampled nodes present with a key
+   (:func:`protocols.graphs.present_graph`); a participant with fewer present neighbours than its floor is left
+   out (it would refuse).  Each client gets its neighbours' ids, keys, roster names and signatures and the
+   participant list with roster names (:meth:`KeyRound.peer_keys`) and derives the pair seeds itself.
+3. A participant that fails in the train phase is forgotten (:meth:`KeyPhase.forget_unresponsive`): it is asked
+   for a key again at the next key phase.
 
-Cancellation check: with run-config ``cancellation-check = true`` each client
-also reports the projection of its pairwise-noise contribution (the part that
-must cancel in the aggregate) on a public random direction (``probe_seed``);
-:func:`probe_residual` turns the reports into the relative residual ``|sum
-p_i| / sqrt(sum p_i^2)``, ~1e-16 when the noise cancelled and O(1) when it did
-not.  It reveals one random projection of each client's pairwise mask, so it
-is a diagnostic (off by default), not for production.
+:func:`probe_residual` evaluates the optional cancellation check.  Design and trade-offs: ``docs/concepts.md``.
 """
 
 from __future__ import annotations
@@ -292,7 +255,10 @@ def _above_floor(cfg: RunConfig, rr: RosterRound, present: dict[int, str]) -> tu
 
 
 def probe_residual(replies: Iterable[Message]) -> float | None:
-    """Relative cancellation residual from the clients' mask-probe metrics (None if none reported)."""
+    """Relative cancellation residual ``|sum p_i| / sqrt(sum p_i^2)`` of the clients' mask probes (None if none).
+
+    About 1e-16 when the pairwise noise cancelled, O(1) when it did not.
+    """
     probes = [v for v in (probe_value(r.content["metrics"]) for r in replies) if v is not None]
     if not probes:
         return None

@@ -1,49 +1,18 @@
 """LaDP-FL server (Li et al., Algorithm 1): example-weighted mean of layer-wise noised models.
 
-Clients (:mod:`client.methods.ladp`) train with per-example clipped gradients and add Gaussian
-noise to the layers whose weight norm reaches ``R`` (``ladp-norm-threshold``), with
-``sigma_j = c Delta_f / (epsilon P_j)`` and ``Delta_f`` the record-level sensitivity of their
-training (``2 G_c eta / N_i`` for one full-batch step; it replaces Theorem 2's ``2 eta E G_c``,
-see :mod:`protocols.ladp`); the server only averages the noisy uploads by
-``|D_i| / D`` (Algorithm 1 line 6) and reports, per round, which layers got noise and
-how much.
+Clients (:mod:`client.methods.ladp`) add Gaussian noise to their selected layers (:mod:`protocols.ladp`); the
+server averages the uploads by ``|D_i| / D`` (Algorithm 1, line 6), sends each round the public KL estimates
+(:func:`protocols.ladp.public_estimates` of the last two published global models, none in round 1) and reports
+which layers got noise and how much.
 
-Privacy accounting (``self.privacy``, read by ``privacy_report``)
-----------------------------------------------------------------
-``epsilon``/``delta`` in the run config are the *whole-run* target (the convention of every
-method): each round uses the paper's Theorem 3 at the per-round ``epsilon_r``
-(:func:`protocols.ladp.round_epsilon`, client and server alike) whose ``T`` releases
-compose exactly to ``epsilon``.  With the corrected constant ``c = c0 B`` and ``P_j <= B`` every noised
-layer gets ``sigma_j >= c0 Delta_f / epsilon`` and the whole model moves by at most
-``Delta_f`` (L2) between datasets that differ in one record, so one round is a Gaussian mechanism with
-noise multiplier ``z = sigma_min / Delta_f = c0 / epsilon_r`` (independent of the
-client's ``Delta_f``).  Over ``T`` rounds we compose *exactly*
-(:class:`protocols.privacy.GdpAccountant`): ``T`` Gaussian releases with multiplier ``z``
-are equivalent to one with multiplier ``z / sqrt(T)`` (Gaussian DP, Dong-Roth-Su 2019),
-whose epsilon at ``delta`` comes from the analytic Gaussian privacy profile (Balle &
-Wang 2018).  This is tighter than the basic composition
-``(T eps, T delta)`` (also reported, as ``epsilon_basic``) and than RDP.  No sampling
-amplification: the server knows whom it sampled.  The same bound is reported for the
-downlink (the global model is post-processing of the uploads).
+``self.privacy`` (read by ``privacy_report``) composes ``T`` Gaussian releases of multiplier
+``c0 / epsilon_r`` exactly (:class:`protocols.privacy.GdpAccountant`, :func:`protocols.ladp.round_epsilon`);
+downlink = uplink (post-processing).  Once any client released an un-noised layer the model-level epsilon
+is ``math.inf``; ``epsilon_noised_layers`` gives the guarantee of the noised layers alone.
 
-Data-independent noise scale: the paper's Algorithm 2 selects layers and sets ``P_j`` from the trained local
-model, a function of the private data that the Gaussian-mechanism argument does not cover (a record that moves
-the KL changes sigma, which the upload reveals).  Here the server sends each round the KL between the last two
-global models it published (:func:`protocols.ladp.public_estimates`, none in round 1) and the client selects
-on the received global model's layer norms (:func:`protocols.ladp.plan_public_noise`), so every sigma_j is
-fixed before the client touches its data.
-
-Honest caveat: layers below ``R`` are uploaded *without* noise, so there is no model-level guarantee: once any
-client has released an un-noised layer, ``epsilon`` is reported as infinite (``math.inf``); the guarantee
-restricted to the noised layers (the paper's claim) is reported per round as ``epsilon_noised_layers``.
-
-Round figures (``report``, written to metrics.jsonl), from each client's
-:class:`client.messages.ladp.NoiseReport`: ``noised_layers`` (mean number
-of noised layers per client), ``total_noise_norm`` (mean per client of the L2 norm of
-its noise), ``aggregate_noise_norm`` (expected L2 norm of the noise left in the
-weighted mean, ``sqrt(sum_i w_i^2 ||n_i||^2)``), ``epsilon_noised_layers``,
-``epsilon_basic`` and ``noise_norm/<layer>`` (expected, mean per client).  The aggregated client
-metrics also carry ``sigma/<layer>``, ``kl/<layer>`` (the public estimate used) and ``selected/<layer>``.
+Round figures (from each :class:`client.messages.ladp.NoiseReport`): ``noised_layers``, ``total_noise_norm``,
+``aggregate_noise_norm`` (``sqrt(sum_i w_i^2 ||n_i||^2)``), ``epsilon_noised_layers``, ``epsilon_basic`` and
+``noise_norm/<layer>``.  Accounting details: ``docs/methods/ladp.md``.
 """
 
 from __future__ import annotations

@@ -1,71 +1,19 @@
 """Dropout recovery of the pairwise noise (nadp, niss, mpddp): the server removes orphaned pair noise exactly.
 
-Double masking (run-config ``self-mask``, nadp, niss and mpddp; :mod:`protocols.masking`, :meth:`PairwiseRecovery.unmask`):
-every upload also carries a self-mask whose seed is Shamir-shared t-of-n among the client's neighbours, the
-sealed shares travelling with the upload itself.  One ``query.recover`` phase then runs *every* round, to
-every kept survivor: each reveals its shares of the received neighbours' seeds and its pair seeds with the
-dropped and excluded ones, never both for one peer.  The server rebuilds each self-mask from any ``t``
-shares and subtracts it.  A survivor silent in this phase (a second dropout) no longer fails the round: its
-self-mask is rebuilt from its neighbours' shares and its pair noise with the dropped stays in the aggregate as
-extra noise (reported as ``kept_pairs``, ``unmask_silent``).  The round fails only when an upload's seed
-cannot be rebuilt (fewer than ``t`` of its neighbours answered).  A server that tells all of k's neighbours
-"k dropped" while holding k's upload gets k's pair seeds but not its self-mask, which has the std of k's
-whole upload noise.  Cost: one extra round trip per round, ``unmask_s`` and ``unmask_bytes_per_client``
-reported.  The rest of this docstring describes the path without double masking (``self-mask = false``).
+A participant that drops out after the round's pairs are fixed, or whose upload the server excludes
+(:mod:`strategies.validation`), leaves its pair noise with every surviving neighbour uncancelled.  The round
+template (:meth:`strategies.base.CancelStrategy.aggregate_train`) calls :meth:`PairwiseRecovery.recover` (or,
+with double masking, :meth:`PairwiseRecovery.unmask`) before aggregating; the method's ``aggregate`` then
+subtracts the survivors' corrections, so the aggregate is what the survivors alone would have produced.
 
-A participant that drops out after the round's pairs are fixed (after the key phase / NISS share phase,
-before or during its upload), or whose upload the server excludes (:mod:`strategies.validation`), leaves
-the pair noise it shares with every surviving neighbour uncancelled in the aggregate.  The round template
-(:meth:`strategies.base.CancelStrategy.aggregate_train`) calls :meth:`PairwiseRecovery.recover` with those
-participants before aggregating; the method's ``aggregate`` then subtracts the survivors' corrections.
+* double masking (``self-mask``): a ``query.recover`` phase every round; each survivor reveals, per peer, either
+  its share of the peer's self-mask seed or their pair seed, never both; a round fails only when a self-mask
+  cannot be rebuilt from ``t`` shares;
+* direct reveal (``self-mask = false``): the phase runs only in rounds with dropouts; survivors reveal that
+  round's pair material with the dropped; a second dropout fails the round (:class:`~strategies.base.RoundFailed`).
 
-Design chosen: **direct reveal of the round's pair material by the surviving neighbours** (not t-of-n
-Shamir shares as in SecAgg+).  One ``query.recover`` phase, run only in rounds with dropouts, sent only to
-survivors with a dropped neighbour: :class:`~client.messages.recovery.RecoveryRequest` names the received
-uploads and the dropped participants; each survivor answers with the material of *this round* for its
-dropped neighbours (:mod:`client.recovery`): nadp and mpddp the per-round HKDF pair seed (32 bytes per
-pair; fresh per round, purpose and run, so nothing of another round or another use leaks), niss its own
-shares sent to the dropped peer and the distorted negated shares received from it.  The server expands
-the material with the same PRG and subtracts it: the aggregate is then exactly what the survivors alone
-would have produced (float rounding, ~1e-16 relative; the cancellation check proves it per round).
-
-Why not Shamir: sharing the X25519 private key (SecAgg+) would reveal a dropped client's pair seeds of
-*every* round of its key epoch (``key-rotation = 0`` keeps one pair for the run), and sharing per-round
-seeds costs an extra share-distribution phase every round (6-9 s per phase in deployment) even without
-dropouts.  Direct reveal costs nothing in rounds without dropouts and one round trip otherwise.  Its
-limit: no threshold, so a *second* dropout during recovery (a survivor that does not answer) cannot be
-repaired -- that survivor's upload is already held, so its peers must not reveal pairs with it (SecAgg's
-rule) -- and the round fails cleanly (:class:`~strategies.base.RoundFailed`, the previous model is kept;
-the uploads already received were released, so their privacy charge stays).
-
-Threat model.  Honest-but-curious server: it learns the pair noise of pairs whose other end never
-uploaded, which masks nothing it holds.  Lying server: each client checks every request
-(:func:`client.recovery.check_request`) and refuses, naming the reason, if a node is named both received
-and dropped, if its own upload or any of its neighbours is missing from the two sets, if it already
-answered a *different* request this round (so "k uploaded" cannot turn into "k dropped"), or if the reveal
-would leave its own upload without pairwise noise.  The server never aggregates a dropped participant's
-upload, and the round template runs recovery after reply screening, so an upload that arrives is either
-aggregated or never recovered for.  Not covered: a server that consistently tells *all* of k's neighbours
-"k dropped" while holding k's upload learns that upload minus k's pair noise of that round -- k keeps its
-independent noise (nadp residual, mpddp eta, niss shares held by neighbours that did not drop); the
-self-mask of double masking (above) closes this.  A survivor that reveals
-wrong material spoils the aggregate as a garbage upload would (the cancellation check shows it).
-
-Uploads that arrived but fail the reply checks (:mod:`strategies.validation`) are excluded, and the server
-holds them: the request names them ``excluded`` (a subset of ``received``) and the survivors reveal only
-what leaves those peers' own noise with them -- niss: their own shares sent to the peer, never the peer's
-shares (they stay in the aggregate as DP noise); nadp, mpddp: the pair seed (the peer keeps its residual /
-eta noise; nadp's accountant charges the excluded upload with its residual noise alone).  A niss server
-that tampers with a relayed payload so that its receiver names an honest sender therefore learns nothing
-of that sender's noise.
-
-Privacy: the accountants are charged with the noise really in the aggregate (metric ``recovery`` = 1, no
-top-up): nadp composes each round from the survivors' residual noise and the uplink view restricted to
-the survivors' remaining pairs; niss and mpddp charge the shortfall of the noise left against the planned
-calibration (:func:`charge_shortfall`).  Reported per round: ``dropped``, ``recovery`` (0 = nothing to
-recover, 1 = removed exactly, accountant charged with the noise really there), ``recovered_pairs``,
-``uncancelled_noise_norm`` (0 after recovery), ``kept_pairs``, ``recovery_s`` (phase wall time),
-``recovery_server_s`` (server CPU removing the revealed noise) and ``recovery_bytes_per_survivor``.
+Accountants are charged with the noise really left (:func:`charge_shortfall`).  Threat model, client-side
+checks (:func:`client.recovery.check_request`), costs and round fields: ``docs/robustness.md``.
 """
 
 from __future__ import annotations

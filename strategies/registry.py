@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 from protocols.config import RunConfig
 from protocols.methods import method_spec
 from strategies.base import CancelStrategy
@@ -11,8 +9,7 @@ from strategies.base import CancelStrategy
 
 def strategy_class(method: str) -> type[CancelStrategy]:
     """The strategy class of ``method`` (imported lazily; ValueError if unknown)."""
-    module, name = method_spec(method).strategy.split(":")
-    return getattr(importlib.import_module(module), name)
+    return method_spec(method).load(method_spec(method).strategy)
 
 
 def build_strategy(cfg: RunConfig) -> CancelStrategy:

@@ -1,25 +1,18 @@
 """Checks every train reply passes before it reaches a method's aggregation, and the exclusion record.
 
-The round template (:meth:`strategies.base.CancelStrategy.aggregate_train`) screens each
-participant's reply with :class:`ReplyScreen`; a reply that fails a check is *excluded* from
-the round with a named reason (logged, written to the round's ``excluded`` entry of
-metrics.jsonl) and the round aggregates the rest.  Checks, in order:
+The round template (:meth:`strategies.base.CancelStrategy.aggregate_train`) screens each reply with
+:class:`ReplyScreen`; a failing reply is excluded with a named reason (logged, in the round's ``excluded``) and
+the rest are aggregated.  Checks, in order:
 
-1. size: the reply's payload (arrays, configs, metrics) is at most :func:`size_limit` of the
-   expected upload (``2 x`` its float64 size + 1 MiB for configs and metrics);
-2. ``num-examples``: present, an integer, ``1 <= n <= cap`` where ``cap`` is the largest
-   partition the server knows of (:attr:`CancelStrategy.max_examples`, from the run's
-   deterministic partitioning), else ``MEDIAN_EXAMPLE_FACTOR x`` the round's median claim;
-3. arrays: exactly the expected names, each numpy-serialised with an allowed dtype and the
-   expected shape, every value finite;
-4. magnitude: the norm of the reply's update (``upload - reference``, per method) is at most
-   the method's bound (:meth:`CancelStrategy.norm_limit`: what its clipping guarantees, plus a
-   Gaussian tail bound of its noise); methods without such a guarantee use a robust rule,
-   at most ``OUTLIER_FACTOR x`` the round's (lower) median update norm.
+1. size: at most :func:`size_limit` (twice the expected float64 upload + 1 MiB for configs and metrics);
+2. ``num-examples``: an integer in ``[1, cap]``, ``cap`` the largest known partition
+   (:attr:`CancelStrategy.max_examples`), else ``MEDIAN_EXAMPLE_FACTOR x`` the round's median claim;
+3. arrays: exactly the expected names, allowed dtype, expected shape, finite values;
+4. magnitude: the update norm at most :meth:`CancelStrategy.norm_limit` (clipping bound plus a Gaussian tail
+   bound of the noise), else at most ``OUTLIER_FACTOR x`` the round's median update norm.
 
-:class:`Strikes` keeps, per node, how many rounds in a row it was excluded; at
-``max-strikes`` the node is left out of later rounds (``banned``).  A node that merely does
-not answer (dropout) gets no strike: it may come back.
+:class:`Strikes` counts a node's consecutive exclusions and leaves it out after ``max-strikes``; a dropout gets
+no strike.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ from scipy.stats import binomtest, norm
 from protocols.config import ConfigError
 from protocols.privacy import calibrate_noise_multiplier
 from protocols.privacy.audit import audit_scores, clopper_pearson, epsilon_from_rates, epsilon_lower_bound
-from server.audit import AuditSpec, run_audit
+from server.audit import run_audit
+from server.audit_spec import AuditSpec
 
 DELTA = 1e-5
 
@@ -213,14 +214,15 @@ def test_niss_joint_upload_view_has_less_noise_than_the_uplink_claim_assumes():
     from protocols.config import RunConfig
     from protocols.niss import client_tau
     from protocols.privacy import noise_multiplier
-    from server.audit import _canaries, _quiet, _release
+    from server.audit import canaries_for, quiet
+    from server.audit_release import release
 
     spec = AuditSpec("niss", "upload", 4.0, clients=4, per_client=500)
     cfg = RunConfig.from_mapping(spec.run_config())
     rng = np.random.default_rng(11)
-    canaries = _canaries(spec)
-    with _quiet():
-        releases = [_release(spec, cfg, canaries, rng) for _ in range(40)]
+    canaries = canaries_for(spec)
+    with quiet():
+        releases = [release(spec, cfg, canaries, rng) for _ in range(40)]
     feats = np.concatenate([r.features for r in releases])
     labels = np.concatenate([r.labels for r in releases])
     owner = np.concatenate([r.owner for r in releases])

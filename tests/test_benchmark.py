@@ -156,3 +156,46 @@ def test_recovery_benchmark_measures_recovery_and_secaggplus_unmask(tmp_path):
         assert float(r["client_s"]) > 0 and float(r["bytes_up"]) > 0
     # nadp and mpddp: one 32-byte pair seed per dropped neighbour (2 here), plus framing
     assert float(rows["cancelfl nadp"]["bytes_up"]) >= 64 and float(rows["cancelfl nadp"]["pairs"]) == 12
+
+
+def _table(path: Path, rows: list[dict]) -> None:
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def test_compare_tables_names_every_figure_that_moved(tmp_path):
+    from benchmarks.reproduce import compare_tables
+
+    base = [{"name": "fedavg", "status": "ok", "x": 1.0}, {"name": "nadp", "status": "ok", "x": 1.1}]
+    _table(tmp_path / "a.csv", base)
+    _table(tmp_path / "same.csv", [{**r, "x": r["x"] * 1.05} for r in base])
+    assert compare_tables(tmp_path / "a.csv", tmp_path / "same.csv", {"status": 0.0, "x": 0.15}, None, ("name",)) == []
+    _table(tmp_path / "moved.csv", [base[0], {"name": "nadp", "status": "failed", "x": 1.5}])
+    problems = compare_tables(tmp_path / "a.csv", tmp_path / "moved.csv", {"status": 0.0, "x": 0.15}, None, ("name",))
+    assert len(problems) == 2 and "nadp status" in problems[0] and "nadp x: recorded 1.1, now 1.5" in problems[1]
+    _table(tmp_path / "gone.csv", [base[0]])
+    assert compare_tables(tmp_path / "a.csv", tmp_path / "gone.csv", {"x": 0.15}, None, ("name",)) == [
+        "a.csv: row 'nadp' is gone"]
+
+
+def test_reproduce_reruns_the_recorded_command_and_fails_on_a_figure_that_no_longer_holds(tmp_path, capsys):
+    """A recorded roundtime result, one figure tampered: the rerun reproduces the rest and names only that one."""
+    import json
+
+    out = tmp_path / "roundtime"
+    argv = ["roundtime", "--methods", "fedavg,ldp", "--clients", "3", "--dataset", "digits", "--rounds", "2",
+            "--repeats", "1", "--test-subset", "100", "--out", str(out)]
+    assert cli.main(argv) == 0
+    assert json.loads((out / "record.json").read_text())["command"] == "cancelfl-bench " + " ".join(argv)
+    with (out / "roundtime.csv").open(newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    rows[1]["bytes_per_client_round"] = str(float(rows[1]["bytes_per_client_round"]) / 5)  # ldp's bytes: planted
+    _table(out / "roundtime.csv", rows)
+    capsys.readouterr()
+    # Timing ratios of a 2-round run on a shared machine are noisy: a wide tolerance for every column but the
+    # planted one (now 5x the record) still tells them apart.
+    assert cli.main(["reproduce", str(out), "--tolerance", "1.5"]) == 1
+    err = capsys.readouterr().err
+    assert "NOT REPRODUCED" in err and "ldp bytes_per_client_round" in err and "(1 figure(s))" in err, err

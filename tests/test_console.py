@@ -17,7 +17,7 @@ from client.identity import first_notice_of_run, node_identity
 from protocols.methods import METHOD_NAMES, VARIANTS
 from server.compare import DEFAULT_METHODS
 from server.defaults import app_defaults
-from server.deploy import shown
+from server.flower_commands import shown
 from server.launch import main as cancelfl
 from server.launch import run_inprocess
 from server.local_grid import LocalGrid

@@ -20,7 +20,8 @@ import pytest
 
 from protocols.config import RunConfig
 from server.defaults import APP_DIR, app_defaults
-from server.deploy import BIN, flower_env, free_port
+from server.flower_commands import BIN, flower_env
+from server.processes import free_port
 from tests.processes import pid_gone
 
 pytestmark = [pytest.mark.slow, pytest.mark.deployment]

@@ -77,7 +77,7 @@ class MaskSum(CancelStrategy):
 
 
 def _round(num_clients: int, *, graph: str = "complete", offline: int = 0) -> tuple[MaskSum, LocalGrid]:
-    cfg = RunConfig(num_clients=num_clients, graph=graph, n_out=3)
+    cfg = RunConfig.of(num_clients=num_clients, graph=graph, n_out=3)
     grid = LocalGrid(_client_app(), num_clients, cfg.to_mapping())
     grid.offline = set(grid.node_ids[:offline])
     strategy = MaskSum(cfg)
@@ -118,7 +118,7 @@ def test_too_few_keys_fails_clearly():
 
 def _rounds(num_clients: int, rounds: int, *, key_rotation: int, lose_state_after: dict[int, int] | None = None):
     """Run ``rounds`` rounds on one grid; yields (strategy, grid) after each round."""
-    cfg = RunConfig(num_clients=num_clients, key_rotation=key_rotation)
+    cfg = RunConfig.of(num_clients=num_clients, key_rotation=key_rotation)
     grid = LocalGrid(_client_app(), num_clients, cfg.to_mapping())
     strategy = MaskSum(cfg)
     for rnd in range(1, rounds + 1):

@@ -38,7 +38,7 @@ def test_serverapp_crash_exits_nonzero_without_stale_summary_or_processes(tmp_pa
     An earlier run's summary.json in out-dir must not be taken for this run's; every process started
     for the run (SuperLink, its SuperExec in its own session, the ServerApp, Ray) must be gone.
     """
-    from server.deploy import pids_with_env
+    from server.processes import pids_with_env
     from strategies.run.checkpoint import read_error
 
     out = tmp_path / "crash"

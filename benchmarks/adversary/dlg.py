@@ -1,29 +1,17 @@
 """Gradient inversion: iDLG with L-BFGS (Zhu et al. 2019; Zhao et al. 2020) and the analytic bias attack.
 
-The attacker (the server) holds the model weights it sent and a gradient it
-inferred from one client's upload (see :mod:`benchmarks.adversary.uplink` for what
-that is per method).  With a one-sample batch:
+The attacker (the server) holds the weights it sent and a gradient inferred from one client's upload
+(:mod:`benchmarks.adversary.uplink`).  With a one-sample batch:
 
-* :func:`infer_label` -- iDLG: for cross-entropy the last layer's bias gradient
-  is ``softmax - onehot``, negative only at the true label; for the squared loss
-  (mpddp) it is ``y_hat - onehot``, most negative at the label in practice.  So
-  the label is the argmin of the last bias gradient.
-* :func:`dlg_attack` -- optimise a dummy input so that its gradient matches the
-  target, with L-BFGS (strong-Wolfe line search), from several random starts.
-  ``match="l2"`` is DLG's squared distance; ``match="cosine"`` (Geiping et al.
-  2020) ignores the gradient's scale, which matters when the client clipped its
-  gradient (nadp, ladp) and the attacker does not know the clipping factor.
-* :func:`analytic_attack` -- for a first fully connected layer with bias and a
-  single sample, ``dW1[i, :] = delta_i x`` and ``db1[i] = delta_i``, so
-  ``x = dW1[i] / db1[i]`` exactly (Phong et al. 2017).  It is the strongest
-  possible attack on an MLP gradient and needs no optimisation; it fails only
-  because of noise.
+* :func:`infer_label` (iDLG): the label is the argmin of the last layer's bias gradient;
+* :func:`dlg_attack`: optimise a dummy input so that its gradient matches the target (L-BFGS, several random
+  starts); ``match="cosine"`` (Geiping et al. 2020) ignores the gradient's scale, for clipped gradients;
+* :func:`analytic_attack`: for a first fully connected layer with bias, ``x = dW1[i] / db1[i]`` exactly
+  (Phong et al. 2017); only noise defeats it.
 
-Every reconstruction is scored against the true sample by MSE and SSIM
-(:func:`benchmarks.adversary.ssim.ssim`) after clipping to the data's value range
-(the attacker knows it).  Scores are reported for the *best* reconstruction
-over starts and variants (an oracle choice, i.e. the defender's worst case);
-the attacker's own choice (smallest gradient distance) is reported too.
+Reconstructions are scored by MSE and SSIM (:func:`benchmarks.adversary.ssim.ssim`) after clipping to the data's
+range; the best over starts and variants (the defender's worst case) and the attacker's own choice (smallest
+gradient distance) are both reported.
 """
 
 from __future__ import annotations

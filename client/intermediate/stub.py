@@ -1,24 +1,15 @@
 """Client-side helpers for DDP-SA intermediate servers (plain grpcio, no Flower).
 
-The ``m`` servers of a deployment are an :class:`IntermediateServers` (addresses in share order +
-the deployment's CA certificate): every channel is TLS, verified against that CA.  Every request is
-signed (:mod:`client.intermediate.auth`) with the caller's roster identity.
+The ``m`` servers are an :class:`IntermediateServers` (addresses in share order + the deployment's CA): every
+channel is TLS verified against that CA and every request is signed (:mod:`client.intermediate.auth`).
 
-* ClientApps call :func:`push_shares` (or :func:`share_and_push`) to send share ``j`` of
-  their encoded noisy update to intermediate server ``j``, signed with their own identity.
-* The parameter server calls :func:`register_run` before each round (naming the round's
-  participants, the only clients the servers then take pushes from; it also tells it which
-  servers are up), :func:`reconstruct_sum` (or :func:`reconstruct_decoded`) after it.
-  Additive sharing (``threshold`` None) is full-threshold: all ``m`` partial sums are added
-  mod 2^64 and a single unavailable server fails the round.  Shamir sharing (``threshold = t``)
-  needs any ``t``: pushes succeed when ``t`` servers took the share, and the partial sums of the
-  servers that answered are interpolated at 0 (:func:`protocols.secret_sharing.shamir_reconstruct_vector`).
-  Too few partial sums raise :class:`PartialSumUnavailableError` (no silent partial
-  reconstruction); :func:`abort_round` then seals the round on every server it reaches, so it
-  is never released later.
+* ClientApps call :func:`push_shares` (or :func:`share_and_push`): share ``j`` to server ``j``.
+* The parameter server calls :func:`register_run` before each round (naming its participants) and
+  :func:`reconstruct_sum` (or :func:`reconstruct_decoded`) after it.  Additive sharing (``threshold`` None) needs
+  every server; Shamir (``threshold = t``) needs any ``t`` (:func:`protocols.secret_sharing.shamir_reconstruct_vector`).
+  Too few partial sums raise :class:`PartialSumUnavailableError`; :func:`abort_round` then seals the round.
 
-All RPCs to the ``m`` servers are issued concurrently (gRPC futures) and fail fast:
-a server that is down yields ``UNAVAILABLE`` immediately instead of hanging.
+RPCs to the ``m`` servers run concurrently and fail fast (a server that is down answers ``UNAVAILABLE``).
 """
 
 from __future__ import annotations

@@ -49,9 +49,9 @@ class LocalDpNoise:
 
 @dataclass(frozen=True)
 class ClippingNorm:
-    """``train``, server -> client (``cdp``): the L2 norm Flower's ``fixedclipping_mod`` clips the update to.
+    """``train``, server -> client (client-level ``cdp``): the L2 norm the client clips its update to.
 
-    Encoder only: the reader is Flower's mod, which looks the norm up under Flower's own key.
+    Stored under Flower's own key, so Flower's ``fixedclipping_mod`` reads the same record.
     """
 
     clip: float
@@ -62,6 +62,10 @@ class ClippingNorm:
 
     def to_config(self) -> ConfigRecord:
         return ConfigRecord({KEY_CLIPPING_NORM: float(self.clip)})
+
+    @classmethod
+    def from_config(cls, rec: Mapping[str, Any]) -> ClippingNorm:
+        return cls(read_float(rec, KEY_CLIPPING_NORM))
 
 
 def uniform_weight() -> dict[str, float]:

@@ -1,23 +1,15 @@
 """DDP-SA message vocabulary: the round parameters of the train message and the share receipt of the reply.
 
-Every ``ddpsa-*`` key of the protocol lives here, as a private constant; the
-parameter server (:mod:`strategies.ddpsa`) and the client
-(:mod:`client.methods.ddpsa`) only use the classes below.
+Every ``ddpsa-*`` key lives here as a private constant; :mod:`strategies.ddpsa` and :mod:`client.methods.ddpsa`
+use only the classes below.  One round:
 
-Messages of one round:
+* ``query.ddpsa_identity`` server -> client (once per node): the reply is a :class:`RosterName`;
+* ``train`` server -> client: the global model, :class:`~client.messages.common.TrainIns` and :class:`DdpsaRound`
+  (``eps_t``, the noise mode, the participants' roster names, the intermediate servers in share order, the run
+  id and the fixed-point codec);
+* ``train`` client -> server: no arrays; metrics and a :class:`ShareReceipt` (roster name, bytes, time).
 
-* ``query.ddpsa_identity`` server -> client (empty), once per node: the reply is a
-  :class:`RosterName`, the roster name the node pushes its shares under.
-* ``train`` server -> client: the global model, :class:`~client.messages.common.TrainIns`
-  and :class:`DdpsaRound` (this round's ``eps_t``, the noise mode, the roster names of the
-  round's participants, the ``m`` intermediate servers in share order, the run id that keeps
-  runs sharing servers apart, and the fixed-point codec parameters).
-* ``train`` client -> server: no arrays (the shares went to the intermediate servers);
-  metrics with the generic figures and a :class:`ShareReceipt` (the roster name the shares
-  were pushed under, bytes pushed, time taken).
-
-The servers in :class:`DdpsaRound` are never used by a client: it pushes to the servers of
-its own configuration and refuses a round whose list differs (:mod:`client.methods.ddpsa`).
+The servers listed in :class:`DdpsaRound` are only compared with the client's own configuration.
 """
 
 from __future__ import annotations

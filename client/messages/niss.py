@@ -1,22 +1,14 @@
 """NISS message vocabulary: the share phase and the relayed inbox of the train message.
 
-Every ``niss-*`` key of the protocol lives here, as a private constant; the strategy
-(:mod:`strategies.niss`) and the client (:mod:`client.methods.niss`) only use the
-classes below.  Each class has one encoder and one decoder; decoders validate and
-raise ``ValueError`` naming the offending key, and ignore keys that are not theirs,
-so one ConfigRecord can carry several parts.
+Every ``niss-*`` key lives here as a private constant; :mod:`strategies.niss` and :mod:`client.methods.niss` use
+only the classes below.  Decoders validate, raise ``ValueError`` naming the key, and ignore other keys, so one
+ConfigRecord can carry several parts.  One round:
 
-Messages of one round:
-
-* ``query.shares`` server -> client: :class:`ShareRequest` (aggregation weight
-  ``p_k`` and the participants' dataset sizes as reported with their keys; the round
-  and the neighbours' ids and keys travel in the same record).
-* ``query.shares`` client -> server: :class:`ShareReply` (one sealed payload per
-  neighbour, in neighbour order).
-* ``train`` server -> client: the global model and a :class:`RelayedInbox` (the
-  ciphertexts addressed to this client and the weight again).
-* ``train`` client -> server: the upload with :class:`NissMetrics`, or only an
-  :class:`AuthFailures` report when a relayed payload could not be opened.
+* ``query.shares`` server -> client: :class:`ShareRequest` (weight ``p_k``, the participants' reported sizes);
+* ``query.shares`` client -> server: :class:`ShareReply` (one sealed payload per neighbour, in neighbour order);
+* ``train`` server -> client: the global model and a :class:`RelayedInbox` (this client's ciphertexts);
+* ``train`` client -> server: the upload with :class:`NissMetrics`, or only :class:`AuthFailures` when a relayed
+  payload could not be opened.
 """
 
 from __future__ import annotations

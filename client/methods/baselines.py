@@ -15,7 +15,7 @@ from flwr.app import Message
 
 from client.env import ClientEnv, local_training, record_level_training, reply
 from client.floor import release
-from client.messages.baselines import LocalDpNoise, uniform_weight
+from client.messages.baselines import ClippingNorm, LocalDpNoise, uniform_weight
 from client.wire import to_record
 from protocols.arrays import flatten, unflatten
 from protocols.clipping import clip_l2
@@ -34,12 +34,15 @@ def train_cdp(msg: Message, env: ClientEnv) -> Message:
 
     Record level: per-example-clipped training, upload weighted by ``n_k`` (the server's
     example-weighted mean has record sensitivity ``2 C lr / N``).  Client level: plain training,
-    unit weight (the uniform mean, sensitivity ``clip / m``); the update is clipped by Flower's
-    ``fixedclipping_mod`` around this handler.
+    unit weight (the uniform mean, sensitivity ``clip / m``), the update clipped to the norm the
+    server's :class:`client.messages.baselines.ClippingNorm` names (Flower's ``fixedclipping_mod`` rule).
     """
     if env.cfg.privacy_unit == "client":
-        _, local_w, loss = local_training(msg, env)
-        return reply(msg, to_record(local_w, np.float32), len(env.y), train_loss=loss, **uniform_weight(),
+        global_w, local_w, loss = local_training(msg, env)
+        norm = min(ClippingNorm.from_config(msg.content["config"]).clip, env.cfg.clip)  # never above its own clip
+        clipped, _ = clip_l2(flatten(local_w) - flatten(global_w), norm)
+        clipped_w = unflatten(flatten(global_w) + clipped, global_w)
+        return reply(msg, to_record(clipped_w, np.float32), len(env.y), train_loss=loss, **uniform_weight(),
                      **release(msg, env))
     _, local_w, loss, frac = record_level_training(msg, env)
     return reply(msg, to_record(local_w, np.float32), len(env.y), train_loss=loss, clipped_fraction=frac,

@@ -1,47 +1,18 @@
-"""DDP-SA client (Wei et al., Algorithm 2, client loop): Laplace LDP + additive secret sharing.
+"""DDP-SA client (Wei et al., Algorithm 2, client loop): Laplace DP noise + secret sharing.
 
-Per round ``t``, on the received global model ``theta_t`` (FedSGD, as in the paper:
-one gradient over the whole local dataset, no local steps):
+Per round ``t`` on the received global model (FedSGD: one gradient over the whole local dataset):
 
-1. per-sample gradients ``g_j`` of the cross-entropy loss at ``theta_t`` (exact layer-wise
-   norms at about one backward pass, :mod:`protocols.per_example`), each clipped to L1 norm
-   ``Delta`` = run-config ``clip`` over *all* parameters jointly;
-2. ``s_i = sum_j g_j + noise`` with ``b = 2 Delta / eps_t`` (L1 sensitivity ``2 Delta`` to replacing
-   one sample, :func:`protocols.ddpsa.l1_sensitivity`; the paper's ``Delta / eps_t`` assumes add/remove
-   adjacency, which publishing ``N_i`` breaks) and the round's ``eps_t`` from the client's *own* budget
-   schedule (Eq. 12, from its run config: :func:`protocols.floor.ddpsa_round_epsilon`; a larger ``eps_t``
-   from the server is refused).  ``noise`` is the paper's ``Lap(0, b)^d`` in a ``"local"`` round, or in a
-   ``"distributed"`` round this participant's share ``Gamma(1/n', b) - Gamma(1/n', b)`` of one central
-   ``Lap(b)`` (:func:`protocols.ddpsa.distributed_laplace_share`, ``n'`` from the round's participant
-   list and the client's own ``ddpsa-collude-frac``: :func:`protocols.floor.ddpsa_noise_share`; the
-   client must be on the list);
-3. fixed-point encoding into Z_2^64 (``2^frac_bits`` scaling instead of the paper's
-   ``10^dn``; exact ring arithmetic, see :mod:`protocols.secret_sharing`), split into
-   ``m`` shares -- additive, or Shamir with threshold ``t < m`` (any ``t`` servers reconstruct,
-   ``t - 1`` learn nothing; the round's ``t`` is refused below the client's own
-   ``ddpsa-threshold``) -- share ``j`` pushed over gRPC (TLS, signed with the node's roster
-   identity) to intermediate server ``j``; with Shamir shares the push succeeds when ``t``
-   servers took theirs.
+1. per-sample gradients clipped to L1 norm ``Delta`` = run-config ``clip`` (:mod:`protocols.per_example`);
+2. ``s_i = sum_j g_j + noise``, ``b = 2 Delta / eps_t`` with ``eps_t`` from the client's own schedule
+   (:func:`protocols.floor.ddpsa_round_epsilon`, Eq. 12) and the noise share from
+   :func:`protocols.floor.ddpsa_noise_share` (the client must be on the participant list);
+3. ``s_i`` (the noisy sum, not the paper's average: a shared sum cannot be weighted) fixed-point encoded
+   (:mod:`protocols.secret_sharing`), split into ``m`` shares and each pushed, signed, to its intermediate server.
 
-The intermediate servers come from the client's *own* configuration (:func:`intermediate_servers`:
-node config ``ddpsa-servers``/``ddpsa-ca``, else the run config): the list in the server's
-:class:`client.messages.ddpsa.DdpsaRound` is only compared with it, and a round naming other
-servers is refused before any work (a strategy cannot make a client send shares to servers it
-controls).
-
-Deviation (weighting): the paper's client averages, ``g~_i = s_i / N_i``, and the server
-applies ``N_i / N`` to the aggregate -- a per-client weight that cannot be applied to a
-secret-shared sum.  We share ``N_i g~_i = s_i`` (the noisy *sum*) instead, so the
-reconstructed ring sum divided by ``N = sum_i N_i`` is exactly Eq. (5)'s
-``sum_i (N_i / N) g~_i`` (``N_i`` is public in the paper and sent as ``num-examples``).
-
-The round's parameters arrive as :class:`client.messages.ddpsa.DdpsaRound`.  ``query.ddpsa_identity``
-(:func:`identity`) answers the node's roster name, which the parameter server lists as a participant.  The upload
-to the Flower server is empty: only metrics (``num-examples``, ``train_loss`` at
-``theta_t``, ``clipped_fraction`` and a :class:`client.messages.ddpsa.ShareReceipt`).
-A push failure (an intermediate server down) raises
-:class:`client.intermediate.SharePushError`, which becomes an error reply naming the
-server.
+The servers come from the client's own configuration (:func:`intermediate_servers`); the round's parameters
+arrive as :class:`client.messages.ddpsa.DdpsaRound` and are refused when looser than the client's own.
+``query.ddpsa_identity`` (:func:`identity`) answers the roster name.  The reply carries only metrics and a
+:class:`client.messages.ddpsa.ShareReceipt`; a failed push raises :class:`client.intermediate.SharePushError`.
 """
 
 from __future__ import annotations

@@ -2,37 +2,18 @@
 
 Per round, for the received global model ``w_g``:
 
-1. local SGD with every *per-example* gradient clipped to L2 norm ``G_c`` = run-config
-   ``clip`` (:func:`client.env.record_level_training`; Algorithm 2 lines 3-8 clip the
-   mini-batch gradient instead);
-2. sensitivity ``Delta_f`` = :func:`protocols.privacy.record_sensitivity` of that training and
-   the client's own ``N_i``: ``2 G_c eta / N_i`` for one full-batch step (the default regime).
-   This replaces Theorem 2's ``2 eta E G_c``: that bound only holds because the mini-batch
-   mean's clip bounds what *any* change of the data can do (a client-level bound, at chance
-   accuracy at epsilon 1); per-example clipping makes the one-record bound -- the paper's
-   adjacency -- correct and ``N_i`` times tighter (:mod:`protocols.ladp`);
-3. layer selection ``||w_g_j||_2 >= R`` (``ladp-norm-threshold``) on the received global model, privacy
-   estimate ``P_j = min(est_j, B)`` (``ladp-kl-cap``) from the server's public estimate ``est_j`` (the KL
-   between the last two published global models, :class:`client.messages.ladp.PublicEstimates`; ``B`` in
-   round 1), floored at ``B / ladp-max-boost``, and ``sigma_j = c Delta_f / (epsilon P_j)`` with ``c = c0 B``
-   (Algorithms 3-4) -- all in :func:`protocols.ladp.plan_public_noise`.  Algorithm 2 computes selection and
-   ``P_j`` from the trained local model, which makes the noise scale a function of the private data (not
-   DP: :mod:`protocols.ladp`).  The plan uses the *corrected* Theorem 3
-   constant ``c0 = (m + sqrt(m^2 + 2 eps)) / 2``, ``m = max(1, sqrt(ln(2/(pi delta^2))))``
-   (the paper's Eq. (11) has ``L/2`` in place of ``L`` and is not (eps, delta)-DP);
-4. Gaussian noise from the AES-CTR CSPRNG (fresh ``os.urandom`` seed) added to the
-   selected layers; the noisy model is uploaded (the server takes the example-weighted
-   mean, Algorithm 1).
+1. local SGD with every per-example gradient clipped to ``G_c`` = run-config ``clip``
+   (:func:`client.env.record_level_training`);
+2. ``Delta_f`` = :func:`protocols.privacy.record_sensitivity` of that training (replaces Theorem 2);
+3. the noise plan from public inputs only (:func:`protocols.ladp.plan_public_noise`, Algorithms 3-4): selection
+   ``||w_g_j||_2 >= R`` on the received model, ``P_j`` from the server's
+   :class:`client.messages.ladp.PublicEstimates` floored at ``B / ladp-max-boost``, the corrected Theorem 3
+   constant, at ``epsilon_r = protocols.ladp.round_epsilon(epsilon, delta, num-rounds)``;
+4. Gaussian noise from :mod:`protocols.prg` (fresh ``os.urandom`` seed) on the selected layers; upload.
 
-A "layer" is one ``state_dict`` tensor (a module's weight and bias are separate layers).
-Theorem 3 is applied per round at ``epsilon_r = protocols.ladp.round_epsilon(epsilon, delta,
-num-rounds)``, so the run's ``epsilon``/``delta`` is the whole-run target (:mod:`strategies.ladp`).
-
-Metrics sent with the upload (a :class:`client.messages.ladp.NoiseReport`; the server
-averages them over clients, by examples): ``noised_layers``, ``num_layers``, ``total_noise_norm`` (L2 norm of the whole noise
-vector), ``sensitivity``, ``local_steps`` and per layer ``noise_norm/<layer>``,
-``sigma/<layer>``, ``selected/<layer>`` (0/1) and ``kl/<layer>`` (the public estimate used); the noise
-norms are the expected ones (``sigma_j sqrt(size_j)``): every figure is a function of public inputs.
+The upload carries a :class:`client.messages.ladp.NoiseReport` (``noised_layers``, ``num_layers``,
+``total_noise_norm``, ``sensitivity``, ``local_steps``, per layer ``noise_norm``, ``sigma``, ``selected``,
+``kl``); noise norms are expected ones (``sigma_j sqrt(size_j)``), so every figure depends on public inputs only.
 """
 
 from __future__ import annotations

@@ -1,36 +1,19 @@
 """Client side of ``mpddp`` (DDP_Client), ``mpdp-naive`` and ``mpcdp``: gradient at W-hat, Psi, Phi, noise.
 
-The train message (:mod:`client.messages.mpddp`) carries the perturbed expanded model W-hat
-(:class:`~client.messages.mpddp.PerturbedModel`) and the noise scales chosen by the server; the
-client checks them against its own calibration (privacy floor, :func:`ddp_floor`,
-:func:`protocols.floor.mpdp_naive_sigma`) and refuses smaller ones.  The client computes ONE
-full-batch gradient of the paper's loss 1/2 ||y - onehot||^2 at W-hat on its whole partition,
-plus Psi and Phi (FedSGD, so ``local-epochs``/``batch-size``/``lr`` are unused), then by method.
+The train message (:mod:`client.messages.mpddp`) carries the perturbed expanded model W-hat and the server's noise
+scales, which the client checks against its own calibration (:func:`ddp_floor`,
+:func:`protocols.floor.mpdp_naive_sigma`) and refuses when smaller.  The client computes one full-batch gradient
+of the paper's loss ``1/2 ||y - onehot||^2`` at W-hat plus Psi and Phi (FedSGD), each example's perturbed
+gradient clipped to ``clip`` (:func:`protocols.mpddp.clipped_client_gradients`; record sensitivity
+``2 clip / n_k``, :func:`protocols.mpddp.mp_record_sensitivity`), then by method:
 
-Record-level DP (the paper's DP definition neighbours datasets differing in one record, but its
-calibration sets "S_f = B = 1 for simplicity", a loose CLIENT-level bound: with K = 10..100 clients at
-epsilon 1 that noise drowns the gradient): each example's perturbed gradient is clipped to ``clip``
-and the client uploads their mean over its n_k records (:func:`protocols.mpddp.clipped_client_gradients`,
-Psi and Phi weighted alike so recovery stays exact), whose replace-one sensitivity is ``2 clip / n_k``
-(:func:`protocols.mpddp.mp_record_sensitivity`).
+* ``mpddp``: :func:`protocols.mpddp.ddp_client` (Algorithm 2): ``eta_k ~ DN(sigma_eta, 1)`` from a fresh
+  ``os.urandom`` seed plus ``sum_v Delta_kv``, ``Delta_kv ~ DN(sigma_Delta, 1)`` from the pair seeds (purpose
+  ``mpddp-delta``), and with ``self-mask`` a Shamir-shared self-mask (:mod:`protocols.masking`);
+* ``mpdp-naive``: :func:`protocols.mpddp.naive_client`, ``N(0, (z 2 clip / n_k)^2)`` on the perturbed gradient;
+* ``mpcdp``: no client noise (the server adds it).
 
-* ``mpddp``: :func:`protocols.mpddp.ddp_client` (Algorithm 2): eta_k ~ DN(sigma_eta, 1) from a fresh
-  ``os.urandom`` seed plus sum_v Delta_kv with Delta_kv ~ DN(sigma_Delta, 1) from the pairwise seeds of
-  the round's key phase (purpose ``mpddp-delta``; :func:`client.pairwise_phase.pair_seeds`).  With
-  run-config ``cancellation-check`` it also reports the projection of its Delta part on the round's
-  public direction (diagnostic only).
-  Scales from the smallest public size of the round (:func:`protocols.floor.mpddp_floor`).
-* ``mpdp-naive``: :func:`protocols.mpddp.naive_client`, N(0, (z 2 clip / n_k)^2) on the perturbed gradient.
-* ``mpcdp``: nothing (the server adds the noise).
-
-With run-config ``self-mask`` (default) the mpddp gradient upload also carries a self-mask with the std of
-its whole gradient noise, its seed Shamir-shared among the neighbours (double masking,
-:mod:`protocols.masking`); the server removes it after the unmasking phase (:mod:`strategies.recovery`).
-
-Psi and Phi are uploaded unnoised, as in the paper (they are data-dependent: see the caveats in
-:mod:`strategies.mpddp`).  Upload (:func:`client.messages.mpddp.upload_record`): gradients float64,
-Psi/Phi in run-config ``mpddp-side-dtype`` (float32 by default: half the upload and half the client's compute;
-float64 for exact recovery).
+Psi and Phi go up unnoised, as in the paper, in ``mpddp-side-dtype`` (:func:`client.messages.mpddp.upload_record`).
 """
 
 from __future__ import annotations
@@ -76,9 +59,9 @@ def _train(msg: Message, env: ClientEnv) -> Message:
     method = env.cfg.method
     cfg = msg.content["config"]
     # Theorem 13's n_L + 2 gradients are the client's whole cost.  With float32 side information they are
-    # computed in float32 (half the time; recovered gradient off by ~3e-4 relative on the MNIST MLP, far below
-    # any DP noise) and the gradient is widened to float64 before the pair noise is added, so the Delta's still
-    # cancel exactly.  With float64 side information everything stays float64 (exact recovery).
+    # computed in float32 (half the time; the recovery error stays far below any DP noise) and the gradient is
+    # widened to float64 before the pair noise is added, so the Delta's still cancel exactly.  With float64 side
+    # information everything stays float64 (exact recovery).
     dtype = torch.float32 if np.dtype(env.cfg.mpddp_side_dtype) == np.float32 else torch.float64
     w_hat = [torch.from_numpy(m).to(dtype) for m in PerturbedModel.from_record(msg.content["arrays"]).matrices]
     x = torch.from_numpy(np.asarray(env.x).reshape(len(env.x), -1)).to(dtype)

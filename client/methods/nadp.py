@@ -1,39 +1,21 @@
 """Client side of NADP-FL (Noise-Annihilation DP-FL, Algorithm 1 of the paper).
 
-Per round a sampled client
+Per round a sampled client, after the key phase (:func:`client.pairwise_phase.handle_keys`),
 
-1. answered ``query.keys`` (first round of a key epoch) with an X25519 public key and its dataset size
-   ``|D_i|`` (:func:`client.pairwise_phase.handle_keys`);
-2. receives the global model plus the round's public plan
-   (:class:`client.messages.nadp.NadpPlan`: the participants' ids and sizes,
-   ``sigma_up``, ``sigma_down`` (Eq. 3) and the compensation factor
-   ``lambda``) and its peer keys; it rebuilds the pairing graph
-   (the roster's graph of the round restricted to the participants, :func:`client.pairwise_phase.view_graph`)
-   and recomputes the noise allocation itself (Alg. 2 or the sparse-graph rule,
-   :func:`protocols.nadp.upload_noise_scales`, deterministic in those public
-   values, so both ends of every pair get the identical ``sigma_ij``);
-3. trains locally with *per-example* gradient clipping at ``C`` (Lemma 1's
-   sensitivity ``2C/|D_i|`` is a bound on a mean of per-example clipped
-   gradients; clipping the mini-batch mean, as ``client.training.train(...,
-   grad_clip=)`` does, would only bound it by ``2C``);
-4. uploads ``w_i + (1/p_i) (n_i + lambda (sum_{j>i} n_ij - sum_{j<i} n_ij))``
-   (Alg. 1, line 15) in float64: ``n_i`` from a fresh secret seed
-   (``os.urandom``), ``n_ij`` from the pair's DH seed (purpose
-   ``nadp-counteract``, already distinct per round) through the shared
-   pairwise-noise engine; with run-config ``self-mask`` (default) plus a
-   self-mask of std ``uplink_std`` whose seed is Shamir-shared among the
-   neighbours (double masking, :mod:`protocols.masking`; the sealed shares
-   ride on the reply and the server removes the mask after the unmasking
-   phase, :mod:`strategies.recovery`).
+1. receives the global model, the round's public plan (:class:`client.messages.nadp.NadpPlan`) and its peer keys;
+2. rebuilds the pairing graph (the roster's graph of the round restricted to the participants,
+   :func:`client.pairwise_phase.view_graph`) and recomputes the noise allocation itself
+   (:func:`protocols.nadp.upload_noise_scales`, deterministic in public values, so both ends of a pair get the
+   same ``sigma_ij``);
+3. trains with per-example clipping at ``C`` (Lemma 1's sensitivity ``2C/|D_i|`` bounds a mean of per-example
+   clipped gradients);
+4. uploads ``w_i + (1/p_i) (n_i + lambda (sum_{j>i} n_ij - sum_{j<i} n_ij))`` (Algorithm 1, line 15) in float64,
+   ``n_i`` from a fresh ``os.urandom`` seed, ``n_ij`` from the pair seed, plus a Shamir-shared self-mask with
+   ``self-mask`` (:mod:`protocols.masking`).
 
-With run-config ``nadp-variant = "record-ldp"`` the client instead adds only
-independent noise (the paper's LDP-FL comparator, Lemma 3): same training, same
-sensitivity, no cancellation.
-
-Privacy floor (:func:`round_floor`): every std, the allocation and ``lambda`` are
-the client's own, recomputed from its run config and the public sizes and graph
-(:func:`protocols.floor.nadp_floor`); the plan's figures are only checked, and a
-plan announcing less is refused (:class:`protocols.floor.FloorViolation`).
+``nadp-variant = "record-ldp"`` adds only independent noise (Lemma 3's LDP comparator).  Privacy floor
+(:func:`round_floor`, :func:`protocols.floor.nadp_floor`): every std, the allocation and ``lambda`` are the
+client's own; a plan announcing less is refused (:class:`protocols.floor.FloorViolation`).
 """
 
 from __future__ import annotations

@@ -1,42 +1,18 @@
 """Client side of NISS: noise shares sealed for neighbours, distorted negated shares, noisy upload.
 
-Two phases per round (see :mod:`strategies.niss` for the protocol and the privacy
-calibration; the messages are the classes of :mod:`client.messages.niss`):
+Two phases per round (protocol: :mod:`strategies.niss`; messages: :mod:`client.messages.niss`):
 
-* :func:`handle_shares` (``query.shares``): compute ``sigma_k`` from its own run config
-  and dataset size (:func:`protocols.niss.client_sigma`: ``z p_k`` times the record-level
-  sensitivity of its training, or ``z p_k clip`` with ``privacy-unit = "client"``), split
-  it into one share per neighbour named by the server (tracker), of variance
-  ``sigma_k^2 / m`` each (:func:`protocols.niss.client_plan`; the count does not
-  depend on ``sigma_k``), and return one AES-256-GCM payload per neighbour.  The
-  shares' seeds, the relay keys and the parameters are kept in ``Context.state`` (the
-  only storage that survives between phases; in deployment every message runs in a
-  fresh process).
-* :func:`train` (``train``): open every relayed payload first (any missing,
-  duplicated, unexpected or unauthentic payload -> no upload, the senders are
-  reported; the client leaves the round and the dropout recovery removes the
-  shares it exchanged); then train (record level: per-example-clipped SGD,
-  :func:`client.env.record_level_training`; client level: local training and the
-  update clipped to ``clip``), and upload
-  ``p_k w_k + sum_i n_i + sum_i s_i r_i`` in float64, ``s_i ~ N(1, tau_k^2)``
-  per coordinate from fresh private randomness (one stream per sender,
-  :func:`protocols.niss.distortion_seed`), and keep this round's pair material
-  for the dropout recovery (:mod:`client.recovery`).  With run-config ``self-mask`` the upload also
-  carries a self-mask ``N(0, sigma_k^2)`` whose seed is Shamir-shared among the neighbours, sealed under
-  keys derived in the share phase (purpose :data:`protocols.masking.SHARE_PURPOSE`, same view as the
-  relay keys) and sent with the upload (:func:`client.recovery.seal_self_mask`).
+* :func:`handle_shares` (``query.shares``): ``sigma_k`` from the client's own run config and dataset size
+  (:func:`protocols.niss.client_sigma`), one share of variance ``sigma_k^2 / m`` per neighbour the server names
+  (:func:`protocols.niss.client_plan`), returned as one AES-256-GCM payload per neighbour; seeds, relay keys and
+  parameters are kept in ``Context.state`` for the next phase.
+* :func:`train` (``train``): open every relayed payload first (a missing, duplicated, unexpected or unauthentic
+  one means no upload, the senders reported), train, and upload ``p_k w_k + sum_i n_i + sum_i s_i r_i`` in
+  float64 with ``s_i ~ N(1, tau_k^2)`` per coordinate (:func:`protocols.niss.distortion_seed`); keep the round's
+  pair material for :mod:`client.recovery`; with ``self-mask`` also add a self-mask ``N(0, sigma_k^2)`` whose
+  seed is Shamir-shared among the neighbours (:func:`client.recovery.seal_self_mask`).
 
-Wire format of a payload plaintext (big-endian header)::
-
-    b"NISS" | version u8 = 1 | encoding u8 (b"S" or b"V") | count u32 | share_std f64 |
-    seed:   32-byte bundle seed            (both sides expand the shares with protocols.prg)
-    vector: size u32 | count*size float64  (little-endian: the negated shares r = -n)
-
-The associated data binds (sender, receiver, round, run id, encoding), so the
-relaying server can neither read, alter, replay nor redirect a payload unnoticed.
-Every neighbour pair exchanges exactly one payload per direction, holding exactly
-``SHARES_PER_NEIGHBOUR`` share(s) (a payload with another ``count`` is refused), so a
-dropped payload is detected too, and all payloads of a round have the same length.
+Payload format: :func:`encode_payload`.
 """
 
 from __future__ import annotations
@@ -96,7 +72,19 @@ def model_size(env: ClientEnv) -> int:
 
 # ------------------------------------------------------------------------ payloads
 def encode_payload(encoding: str, bundle: niss_math.ShareBundle, size: int) -> bytes:
-    """Plaintext of one payload (see the module docstring)."""
+    """Plaintext of one payload.
+
+    Format (big-endian header)::
+
+        b"NISS" | version u8 = 1 | encoding u8 (b"S" or b"V") | count u32 | share_std f64 |
+        seed:   32-byte bundle seed            (both sides expand the shares with protocols.prg)
+        vector: size u32 | count*size float64  (little-endian: the negated shares r = -n)
+
+    The sealing's associated data binds (sender, receiver, round, run id, encoding): the relaying server can
+    neither read, alter, replay nor redirect a payload unnoticed.  Each neighbour pair exchanges exactly one
+    payload per direction holding ``SHARES_PER_NEIGHBOUR`` share(s), so a dropped payload is detected and all
+    payloads of a round have the same length.
+    """
     head = _MAGIC + _HEADER.pack(_ENC_BYTE[encoding], bundle.count, bundle.share_std)
     if encoding == "seed":
         return head + bundle.seed

@@ -1,33 +1,18 @@
 """Noise calibration: sigma_eta, sigma_Delta from (epsilon, delta, K, n) by Theorems 10, 11 (Eq. 23).
 
-Eq. (23): epsilon >= theta/2 + sqrt(theta)  and  (epsilon - theta/2)^2 >= 2 log(2 / (delta sqrt(2 pi))) theta.
-Both sides are monotone in theta, so the feasible set is [0, theta_max] with the closed form of
-`max_theta`. theta ("privacy-loss variance") for the two graphs (both from GOPA, Sabater et al. [22]):
+Eq. 23: ``epsilon >= theta/2 + sqrt(theta)`` and ``(epsilon - theta/2)^2 >= 2 log(2 / (delta sqrt(2 pi))) theta``;
+the feasible set is ``[0, theta_max]`` (:func:`max_theta`).  The privacy-loss variance theta (GOPA):
 
-* complete graph (Theorem 10): theta = 1/(sigma_eta^2 K) + 1/(sigma_Delta^2 K).
-  The paper prints 1/(sigma_eta K) + 1/(sigma_Delta K); theta must be an inverse variance (Eq. 23 is
-  the Gaussian privacy-loss tail bound, and Theorem 11 uses sigma^-2), so we use the squared form.
-* random n-out graph (Theorem 11): theta = 1/(sigma_eta^2 K)
-  + (1/(floor((n-1)/3) - 1) + (12 + 6 log K)/K) / sigma_Delta^2, valid only if K >= 81, n < K,
-  n >= 4 log(2K/(3 delta)), n >= 6 log(K/3), n >= 3/2 + 9/4 log(2e/delta); it yields (epsilon, 3 delta)-DP,
-  so for a target delta we apply the theorem with delta/3 (reported as `delta_theorem`).
-  An n-out graph with n >= K-1 is the complete graph and uses Theorem 10.
-logs are natural. Sensitivity (L2 norm of one client's gradient, paper footnote 2 sets it to 1) scales
-both sigmas linearly. Nothing in MP_Server + DDP_Client can enforce it: clients only see perturbed
-gradients (clipping them bounds nothing in true space) and the server only sees noised ones, so the
-sensitivity is an assumption, as in the paper. Guarantees are per round; multi-round composition is not covered by the paper.
+* complete graph (Theorem 10): ``1/(sigma_eta^2 K) + 1/(sigma_Delta^2 K)`` (squared: the printed form is not
+  an inverse variance);
+* random n-out graph (Theorem 11): ``1/(sigma_eta^2 K) + (1/(floor((n-1)/3) - 1) + (12 + 6 log K)/K) /
+  sigma_Delta^2``, valid only for ``K >= 81`` and the theorem's bounds on ``n``; it gives (epsilon, 3 delta),
+  so it is applied at ``delta / 3``; ``n >= K - 1`` uses Theorem 10.
 
-One equation, two unknowns: `eta_share` is the fraction of theta_max spent on the eta term. Close to 1,
-sigma_eta approaches the CDP level sigma_CDP * sqrt(K) (aggregate noise sigma_eta/sqrt(K)) while
-sigma_Delta grows; this is the paper's design intent ("sigma_eta^2 = O(1/K)").
-
-CAVEAT (paper-level, not fixed here): the theorems treat R o eta as N(0, sigma^2), which holds only for an
-observer who does not know R. The server chose R, and conditioned on R the recovered noise R_ij eta_ij
-is Uniform(+-sqrt2 sigma R_ij): bounded, so against the server the (epsilon, delta) figures are nominal.
-
-Ablation calibrations (Section 6.3), from a noise multiplier z (theta = 1/z^2, `theta_for_noise_multiplier`;
-the strategies take z from a multi-round accountant): `calibrate_ldp` (MP-DP-Naive: one client's Gaussian
-alone, sigma = z S) and `calibrate_cdp` (MP-CDP: Gaussian on the true mean, sensitivity S/K, sigma = z S/K).
+``eta_share`` is the fraction of ``theta_max`` spent on the eta term.  The sensitivity scales both sigmas and is an
+assumption, as in the paper.  Against the server, which knows R, the figures are nominal (``docs/methods/mpddp.md``).
+Ablations (Section 6.3) from a noise multiplier z (:func:`theta_for_noise_multiplier`): :func:`calibrate_ldp`
+(MP-DP-Naive, ``sigma = z S``) and :func:`calibrate_cdp` (MP-CDP, ``sigma = z S / K``).
 """
 
 from __future__ import annotations

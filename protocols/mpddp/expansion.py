@@ -1,22 +1,14 @@
 """MLP representation, bias handling and the 2L-1 layer expansion of Eq. (12).
 
-The paper's MLP has no biases: y^(l) = ReLU(W^(l) y^(l-1)), output layer linear, loss 1/2||y - ybar||^2.
-We handle biases by the exact homogeneous-coordinates trick, so every statement of the paper applies
-verbatim to an equivalent bias-free network:
+The paper's MLP has no biases (``y^(l) = ReLU(W^(l) y^(l-1))``, linear output, loss ``1/2 ||y - ybar||^2``).
+Biases are handled by homogeneous coordinates, so the paper applies verbatim to an equivalent bias-free network:
+every activation gets a last constant unit 1; hidden layer l becomes ``[[W, b], [0...0, 1]]`` (ReLU(1) = 1
+keeps the unit), the output layer ``[W, b]``.  The constant unit gets its own ``r_c, s_c`` in MP_Server like any
+hidden unit; its row is not trainable and is dropped from the upload.  A client can read ``1/s_c`` from the
+constant unit, so bias columns are hidden only up to the row scale ``r_i``, as the paper accepts for layer 1.
 
-* every activation vector (input and hidden) gets an extra constant unit equal to 1 (appended last);
-* hidden layer l becomes W~ = [[W, b], [0...0, 1]] (shape (n_l+1, n_{l-1}+1)): the last row reproduces
-  the constant unit, which survives ReLU because ReLU(1) = 1;
-* the output layer becomes W~ = [W, b] (shape (n_L, n_{L-1}+1)).
-
-So biases are an extra input column and the constant unit is an ordinary hidden unit that gets its own
-r_c, s_c in MP_Server: the bias column is perturbed by r_i s_c like any other column, and R o eta is
-Gaussian on bias entries too. The constant row is not trainable; the client drops it from its upload.
-(A client can read 1/s_c from the constant unit's activation, so bias columns are hidden only up to the
-row scale r_i, the same exposure the paper accepts for layer-1 weights, where R^(1)_ij = r_i.)
-
-A model is given as a list of (W, b) torch tensors, W of shape (out, in) and b of shape (out,),
-i.e. the layout of torch.nn.Linear. Expanded/augmented models are lists of matrices.
+Models are lists of ``(W, b)`` torch tensors in ``torch.nn.Linear`` layout (W: (out, in), b: (out,));
+expanded/augmented models are lists of matrices.
 """
 
 from __future__ import annotations

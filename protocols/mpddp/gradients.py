@@ -1,25 +1,17 @@
 """Client-side model math (LMT in Algorithm 4): perturbed gradients and the correction terms Psi, Phi.
 
-Theorem 13 (App. A.2), per sample, for every expanded layer j (we only need odd j = 2l-1):
+Theorem 13 (App. A.2), per sample, for odd expanded layers ``j = 2l-1``::
 
-    dL^/dW^(j) = (1/R^(j)) o dL/dW^(j) + r^T sigma^(j) - v beta^(j),
-    sigma^(j)  = alpha dy^/dW^(j) + (dL^/dy^)^T dalpha/dW^(j),    beta^(j) = alpha dalpha/dW^(j),
+    dL^/dW^(j) = (1/R^(j)) o dL/dW^(j) + r^T sigma^(j) - v beta^(j)
 
-with alpha = sum_i y^_i^(2L-2) (sum of the input to the final layer, constant unit included, because R^a
-also masks the bias column), y^ the perturbed output and dL^/dy^ = y^ - ybar. Since ybar is constant,
-sigma_k = d[alpha (y^_k - ybar_k)]/dW and beta = d[alpha^2 / 2]/dW, so each is the gradient of a scalar
-and batch averages commute with differentiation:
+with ``alpha = sum_i y^_i^(2L-2)`` (constant unit included: R^a also masks the bias column).  Since ``ybar`` is
+constant, ``sigma_k`` and ``beta`` are gradients of scalars, so batch means commute with differentiation:
+``grad = d/dW mean_b 1/2 ||y^_b - ybar_b||^2``, ``Psi_k = d/dW mean_b alpha_b (y^_{b,k} - ybar_{b,k})``
+(stacked on axis 0), ``Phi = d/dW mean_b alpha_b^2 / 2`` (zero for the last layer).  The paper's ``beta`` writes
+dalpha/dW where dalpha/dW-hat is meant; tests check the recovery identity against autograd on the original MLP.
 
-    grad = d/dW  mean_b 1/2 ||y^_b - ybar_b||^2                  (nabla F(W^, D_k))
-    Psi_k = d/dW mean_b alpha_b (y^_{b,k} - ybar_{b,k})   k=1..n_L (Psi_k, stacked on axis 0)
-    Phi   = d/dW mean_b alpha_b^2 / 2                             (Phi_k; zero for the last layer)
-
-We re-derived Theorem 13 (the paper's beta uses dalpha/dW where dalpha/dW-hat is meant) and tests check
-the recovery identity against plain autograd on the original MLP.
-
-A client computes ONE gradient at W-hat per round (FedSGD): several local SGD steps in the perturbed
-space cannot be mapped back by Eq. (22), because W-hat - lr*g-hat is not of the form R o W' + R^a.
-Use float64: recovery cancels terms of size |r| * alpha against each other.
+One gradient at W-hat per round (FedSGD): local SGD steps in the perturbed space cannot be mapped back by
+Eq. 22.  Use float64: recovery cancels terms of size ``|r| * alpha``.
 """
 
 from __future__ import annotations

@@ -8,16 +8,10 @@ Distributions (Eq. 13), magnitudes only (r, s must be > 0 for ReLU; the sign liv
     r^(1), s^(L-1) ~ |DN*(1)|,  r^(l) ~ |DN*(2)| for 1 < l <= L-1,  s^(l) ~ |DN*(2)| for 1 <= l < L-1.
 For L = 2, r^(1) and s^(1) are both |DN*(1)| (each odd layer's R has a single factor).
 
-gamma and r^a: the paper only says they are random vectors in R^{n_L}. Only r = gamma o r^a matters
-(R^a_ij = gamma_i r^a_i, and recovery uses r and v = r^T r). We draw gamma_i ~ Uniform(0.5, 1.5) and
-r^a_i ~ N(0, additive_scale^2): the additive mask must be comparable to or larger than the output-layer
-weights to hide them; its size also scales the Psi/Phi cancellation in recovery (fine in float64).
-The server uses :func:`output_scale` (the RMS of the output layer's weights and bias): "comparable to" the
-weights it hides, and no larger, because the additive mask inflates the PERTURBED gradient the client
-clips and noises: with r^a ~ N(0, 1) on a 16-unit MLP at init (output weights ~0.14), per-example
-perturbed gradients are ~100x the true ones (the excess cancels in recovery), so record-level noise
-calibrated to the perturbed gradient's clip is ~100x the true signal; at the output layer's own scale
-they are ~2x (measured on digits), see :mod:`client.methods.mpddp`.
+gamma and r^a (the paper only says "random vectors in R^{n_L}"; only r = gamma o r^a matters):
+gamma_i ~ Uniform(0.5, 1.5), r^a_i ~ N(0, additive_scale^2) with the server's :func:`output_scale` (the RMS of
+the output layer): large enough to hide those weights, no larger, because the mask inflates the perturbed
+gradient the client clips and noises (the excess cancels in recovery, the noise calibrated to it does not).
 """
 
 from __future__ import annotations

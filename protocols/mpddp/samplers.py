@@ -1,35 +1,17 @@
 """Seeded samplers for Theorem 3's Gaussian-decomposition distributions DN(sigma, n) and DN*(m).
 
-Theorem 3 (MP_Server + DDP_Client paper): if X_1..X_m ~iid DN*(m) and Y_1..Y_n ~iid DN(sigma, n)
-are independent, then X_1...X_m * Y_1...Y_n ~ N(0, sigma^2), where (G ~ Gamma(shape, 1), beta Rademacher)
+Theorem 3 (MP_Server + DDP_Client paper): if X_1..X_m ~iid DN*(m) and Y_1..Y_n ~iid DN(sigma, n) are independent,
+then X_1...X_m * Y_1...Y_n ~ N(0, sigma^2), where (G ~ Gamma(shape, 1), beta Rademacher)
 
     DN*(m)       = beta * exp{-sum_{l>=1} [G_{1/m,l} / (2l+1) - ln(1 + 1/l) / (2m)]}
     DN(sigma, n) = beta * exp{ln(sqrt(2) sigma) / n - G_{1/n}}
 
-Derivation (App. A.1): ln|Z| = ln(sqrt2 sigma) + 1/2 ln Gamma(1/2); its characteristic function is
-split with Euler's product for Gamma into an Exp(1) term (divided over the n Y's, Exp(1) being a sum of
-n Gamma(1/n)) and an infinite series of scaled exponentials (divided over the m X's).
-The paper's text says every G is Gamma(1/n, 1); the series variables must be Gamma(1/m, 1) for the
-product to be Gaussian (that is what the proof uses), so we use Gamma(1/m, 1) there.
-
-Closed forms used here (exact, and cheaper than the series):
-* DN(sigma, 1) = beta * sqrt2 * sigma * e^{-Exp(1)} = Uniform(-sqrt2 sigma, +sqrt2 sigma).
-* DN*(1): the product of all m factors has ln-magnitude distributed as 1/2 ln V, V ~ Gamma(3/2, 1)
-  (cf. Gamma((3+it)/2) / Gamma(3/2)), so |DN*(1)| = sqrt(V) = ||(Z1, Z2, Z3)|| / sqrt2 (Maxwell / sqrt2).
-  (Sanity: Uniform * Maxwell is the classic Khintchine representation of the normal law.)
-* DN*(m), m >= 2: no closed form is known, so we sample the series truncated after `terms` summands
-  and replace the dropped tail by a moment-matched shifted, reflected Gamma variable whose first three
-  cumulants equal those of the tail exactly (computed from polygamma identities). The only error is in
-  cumulants >= 4 of ln|X|: |kappa_4 mismatch| ~ 1/(32 m N^3) (N = terms); for N = 100 this is ~ 3e-8 / m.
-  `dn_star_cf_error` computes the exact sup-distance between the characteristic functions of ln|X|
-  under the truncated sampler and under the exact law; tests assert it is below 1e-6.
-
-MP_Server needs r, s > 0 (ReLU positive homogeneity), so the server draws magnitudes |DN*(m)|
-(`signed=False`). The product stays N(0, sigma^2) because the client's DN(sigma, 1) factor carries a
-symmetric sign: beta_1 beta_2 |X||Y| has the same law as beta_2 |X||Y|.
-
-All randomness comes from protocols.prg (AES-CTR keyed by a 32-byte seed), so clients that share a
-pairwise seed derive bit-identical noise on any machine.
+The series variables are Gamma(1/m, 1), as the proof (App. A.1) requires; the text's Gamma(1/n, 1) is a typo.
+Closed forms: DN(sigma, 1) = Uniform(-sqrt2 sigma, sqrt2 sigma); |DN*(1)| = Maxwell / sqrt2.  DN*(m >= 2)
+samples the series truncated after ``terms`` summands plus a tail matched in its first three cumulants
+(:func:`dn_star_cf_error` bounds the error; tests keep it below 1e-6).  The server draws magnitudes
+(``signed=False``, MP_Server needs r, s > 0); the client's symmetric DN factor keeps the product N(0, sigma^2).
+All randomness comes from :mod:`protocols.prg`, so holders of a pair seed derive bit-identical noise.
 """
 
 from __future__ import annotations
@@ -42,7 +24,7 @@ from scipy import special
 from protocols import prg
 from protocols.pairwise import Sampler
 
-#: Default number of explicit series terms for DN*(m), m >= 2 (see module docstring for the error).
+#: Default number of explicit series terms for DN*(m), m >= 2 (error bound: :func:`dn_star_cf_error`).
 DEFAULT_TERMS = 100
 
 __all__ = [

@@ -1,9 +1,8 @@
 """Run small torch work single-threaded.
 
 The model-perturbation math works on small matrices (a client's batch times an MLP layer). With the
-default intra-op thread pool, each tiny op pays a thread hand-off; on a loaded machine that made one
-client's `client_gradients` 30x slower (0.13 s instead of 4 ms on the 30-16-2 MLP). The context manager
-restores the previous setting, so other code in the same process (in-process runs) is unaffected.
+default intra-op thread pool, each tiny op pays a thread hand-off, which dominates on a loaded machine.
+The context manager restores the previous setting, so other code in the same process (in-process runs) is unaffected.
 """
 
 from __future__ import annotations

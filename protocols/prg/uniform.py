@@ -66,8 +66,8 @@ def symmetric_uniform_sum(plus: Sequence[bytes], minus: Sequence[bytes], size: i
     fewer than 2048 streams are summed; more are summed in groups) and rounded to float64
     once per group.  So when every stream appears once in some ``plus`` and once in some
     ``minus`` (pairwise cancelling noise), the parties' integer sums add up to exactly 0
-    and the float results cancel up to one rounding each.  It is also ~2x faster than
-    summing float vectors: per stream only a shift and an integer add.
+    and the float results cancel up to one rounding each.  It is also cheaper than summing
+    float vectors: per stream only a shift and an integer add.
     """
     plus = [check_seed(s) for s in plus]
     minus = [check_seed(s) for s in minus]

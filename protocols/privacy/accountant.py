@@ -1,20 +1,14 @@
 """Accountants: the privacy a sequence of released events has spent, one interface for every method.
 
-An :class:`Accountant` composes :mod:`events <protocols.privacy.events>` as they are
-released and answers ``epsilon(delta)``; its state is a plain JSON object
-(:meth:`Accountant.to_state`, :func:`accountant_from_state`), so a per-client,
-persistent privacy ledger can store one per client and reload it.
+An :class:`Accountant` composes :mod:`events <protocols.privacy.events>` and answers ``epsilon(delta)``; its state
+is plain JSON (:meth:`Accountant.to_state`, :func:`accountant_from_state`), so a client's ledger can persist it.
 
-* :class:`RdpAccountant` -- Renyi DP over Google's dp-accounting (Mironov 2017;
-  subsampled Gaussian of Mironov, Talwar & Zhang 2019), always with the orders
-  :data:`RDP_ORDERS`, so every method converts RDP to (epsilon, delta) the same way.
-* :class:`GdpAccountant` -- exact composition of unsampled Gaussian releases
-  (Gaussian DP, Dong, Roth & Su 2019) read through the analytic Gaussian profile.
-* :class:`DpCompositionAccountant` -- basic / advanced composition of (epsilon, delta)-DP
-  releases, e.g. Laplace (DDP-SA Theorem 2; :mod:`protocols.privacy.composition`).
-* :class:`Lemma2Accountant` -- NADP-FL's own composition (Lemma 2), for the paper's figures.
-* :class:`PerUnitAccountant` -- one accountant per unit (client / record owner),
-  reporting the worst unit.
+* :class:`RdpAccountant`: Renyi DP over Google's dp-accounting (Mironov 2017; subsampled Gaussian of Mironov,
+  Talwar & Zhang 2019) with the fixed orders :data:`RDP_ORDERS`;
+* :class:`GdpAccountant`: exact composition of unsampled Gaussian releases (Dong, Roth & Su 2019);
+* :class:`DpCompositionAccountant`: basic / advanced composition of (epsilon, delta)-DP releases (DDP-SA Theorem 2);
+* :class:`Lemma2Accountant`: NADP-FL's Lemma 2, for the paper's figures;
+* :class:`PerUnitAccountant`: one accountant per unit, reporting the worst.
 """
 
 from __future__ import annotations

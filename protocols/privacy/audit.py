@@ -1,23 +1,16 @@
 """Empirical privacy auditing, Flower-free: a lower bound on epsilon from a distinguishing test's error rates.
 
-An (epsilon, delta)-DP mechanism bounds every test that tells a dataset D from a neighbour D' by its output:
-``TPR <= e^epsilon FPR + delta`` and ``1 - FPR <= e^epsilon (1 - TPR) + delta`` (Kairouz et al. 2015).  Measured
-rates with Clopper-Pearson intervals turn this around into a lower bound ``epsilon_lb`` that holds with the
-stated confidence (Jagielski et al. 2020, Nasr et al. 2021): :func:`epsilon_lower_bound`.
+An (epsilon, delta)-DP mechanism bounds every test between neighbours D, D': ``TPR <= e^epsilon FPR + delta`` and
+``1 - FPR <= e^epsilon (1 - TPR) + delta`` (Kairouz et al. 2015).  Observed rates with Clopper-Pearson intervals
+give a lower bound ``epsilon_lb`` at the stated confidence (Jagielski et al. 2020; Nasr et al. 2021):
+:func:`epsilon_lower_bound`.
 
-:func:`audit_scores` runs the whole test on scores of canary trials: trial i carries its canary's value
-``label_i`` in {+1, -1} (which of the two neighbouring records was in the data) and a score ``T_i`` whose sign
-guesses it.  With ``R = label * T`` the pooled test counts ``R > t`` (a correct confident guess, either
-direction) as a true positive and ``R < -t`` as a false positive: per trial this is the test "T > t" for a
-+1 canary and its mirror "T < -t" for a -1 canary, each bounded by the DP inequality.  The evaluation set is
-balanced (as many +1 as -1 trials, excess trials dropped by an index rule that ignores the scores) so the
-pooled rates are the mean of the two directions' rates and obey the same inequality; the pooled count of
-independent non-identical Bernoulli trials has tails no heavier than the binomial of the same mean
-(Hoeffding 1956), so the Clopper-Pearson bounds stay conservative.  The threshold t is chosen on one half
-of the releases (``group``) and the bound computed on the other half only, so the choice does not bias it.
-
-Assumption of the caller: trials are independent given their labels (one release's canaries in orthogonal
-coordinates of an isotropic noise, or one canary per release).
+:func:`audit_scores` runs the test on canary trials with labels in {+1, -1} and scores ``T_i``: with
+``R = label * T``, ``R > t`` counts as a true and ``R < -t`` as a false positive (the test "T > t" for +1 canaries
+and its mirror for -1).  The evaluation set is balanced by an index rule that ignores the scores, so pooled rates
+obey the same inequality; the pooled count of independent trials has tails no heavier than the binomial
+(Hoeffding 1956), so the bounds stay conservative.  The threshold is chosen on one half of the releases
+(``group``) and the bound computed on the other.  The caller must supply trials independent given their labels.
 """
 
 from __future__ import annotations

@@ -1,31 +1,16 @@
 """Closed-form composition theorems: DDP-SA's Theorem 2 / Eq. 12 and NADP-FL's Lemma 2.
 
-DDP-SA (Wei et al.) Theorem 2 composes T rounds of an (eps, delta)-DP mechanism:
+DDP-SA (Wei et al.) Theorem 2 composes T rounds of an (eps, delta)-DP mechanism: basic ``(T eps, T delta)``;
+advanced ``(eps sqrt(2T ln(1/delta')) + T eps (e^eps - 1), T delta + delta')`` (Eq. 11).  Eq. 12 allocates a
+total budget uniformly or with decay ``eps_t = eps_total alpha^(t-1) / sum_i alpha^(i-1)``.  Splitting so that the
+``eps_t`` sum to the total is right only under basic composition; under advanced composition
+:func:`per_round_epsilons` scales the allocation shape until the heterogeneous bound
+``sqrt(2 ln(1/delta') sum_t eps_t^2) + sum_t eps_t (e^{eps_t} - 1)`` (Dwork & Roth 2014, Thm 3.20) meets it.
 
-* basic:     (T*eps, T*delta)
-* advanced:  (eps*sqrt(2T ln(1/delta')) + T*eps*(e^eps - 1),  T*delta + delta')   [Eq. 11]
-
-Eq. 12 allocates a total budget over rounds either uniformly or with exponential decay
-``eps_t = eps_total * alpha^(t-1) / sum_i alpha^(i-1)``.
-
-Note on Eq. 12 (a clarification of the paper): splitting ``eps_total`` so that the
-``eps_t`` *sum* to it is only correct under *basic* composition.  Under advanced
-composition the per-round values can be larger; :func:`per_round_epsilons` therefore
-scales the chosen allocation *shape* until the (heterogeneous) advanced-composition bound
-
-    eps_total = sqrt(2 ln(1/delta') * sum_t eps_t^2) + sum_t eps_t (e^{eps_t} - 1)
-
-(Dwork, Rothblum & Vadhan 2010; Dwork & Roth 2014, Thm 3.20 generalised to per-round
-epsilons) meets the target exactly.  For T identical rounds it reduces to Eq. 11.
+NADP-FL (Lemma 2, Eq. 2): ``sigma = Delta sqrt(2 Q ln(1/delta)) / eps`` for Q Gaussian queries
+(:func:`lemma2_sigma`) and its inverse :func:`lemma2_epsilon`.  These are the paper's figures: its Appendix C
+drops ``rho`` from the moments-accountant bound ``rho + 2 sqrt(rho ln(1/delta))``, so they under-estimate epsilon.
 :class:`protocols.privacy.accountant.DpCompositionAccountant` composes released rounds with these bounds.
-
-NADP-FL (Lemma 2, Eq. 2) calibrates Q composed Gaussian queries with
-``sigma = Delta sqrt(2 Q ln(1/delta)) / eps`` (:func:`lemma2_sigma`); its inverse over
-mixed ratios is ``eps = sqrt(2 ln(1/delta) sum_q (Delta_q / sigma_q)^2)``
-(:func:`lemma2_epsilon`).  Caveat: the moments-accountant bound behind it is
-``eps = rho + 2 sqrt(rho ln(1/delta))`` with ``rho = sum_q Delta_q^2 / (2 sigma_q^2)``;
-the paper (Appendix C) drops ``rho``, so these are the paper's figures, an
-*under*-estimate next to the RDP accountant's.
 """
 
 from __future__ import annotations

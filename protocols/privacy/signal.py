@@ -1,23 +1,15 @@
 """How much the configured privacy noise outweighs what the clipped updates can say: the noise check.
 
-A method's strategy states, for one round, the expected L2 norm of the DP noise its published
-aggregate carries and the largest norm the signal in that aggregate can have given the clipping
-(:class:`NoiseEstimate`).  Over ``T`` rounds independent noise adds up to ``sqrt(T)`` times the
-per-round norm while the signal adds up to at most ``T`` times its bound (every round's update
-pointing the same way), so the *run ratio* ``noise sqrt(T) / (signal T)`` is an optimistic measure:
-above 1 the noise left in the model exceeds everything the updates could have moved it, and the
-model cannot be expected to learn.  The runner warns with the ratio and writes it to summary.json.
+A strategy states for one round the expected L2 norm of the noise in its published aggregate and the largest norm
+the clipped signal can have (:class:`NoiseEstimate`).  Over ``T`` rounds noise adds up to ``sqrt(T)`` times its
+per-round norm and the signal to at most ``T`` times its bound, so the run ratio ``noise sqrt(T) / (signal T)``
+is optimistic: above 1 the model cannot be expected to learn, and the runner warns.
 
-That a-priori ratio trusts the clip bound as the signal.  Where the released signal is far below it
-(the MP family clips *perturbed* gradients whose recovered part is 4-11x shorter; DDP-SA bounds the
-L1 norm, whose L2 mean is far smaller) the run can sit at chance with a ratio of 0.2.  So the runner
-also *measures* the signal: every round's released aggregate A_t = s_t + n_t carries noise of a known
-expected power P_t = E||n_t||^2 drawn after s_t, so ||A_t||^2 - P_t is an unbiased estimate of
-||s_t||^2 (:class:`MeasuredSignal`).  This reads only what the round released (post-processing: no
-privacy cost).  It is a diagnostic, not a verdict: parameter-space norms do not say how much the noise
-moves the model's *outputs* (on digits nadp learns to 0.85 with a measured run ratio of ~2, mpcdp stays
-at 0.19 with ~1.5), so the run's warning that it did not learn comes from its test accuracy against
-chance (:func:`strategies.run.notes.learning_check`), quoting these figures.
+Where the released signal is far below the clip bound (the MP family clips perturbed gradients; DDP-SA bounds the
+L1 norm) the runner also measures it: each released aggregate ``A_t = s_t + n_t`` carries noise of known power
+``P_t``, so ``||A_t||^2 - P_t`` estimates ``||s_t||^2`` without bias (:class:`MeasuredSignal`; post-processing,
+no privacy cost).  Parameter-space norms do not say how much noise moves the model's outputs, so whether a run
+learned is judged by its test accuracy (:func:`strategies.run.notes.learning_check`), which quotes these figures.
 """
 
 from __future__ import annotations

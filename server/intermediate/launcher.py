@@ -31,6 +31,7 @@ from pathlib import Path
 from client.intermediate import IntermediateServers, wait_until_healthy
 from protocols.config import RunConfig
 from protocols.identity import DerivedRoster, Roster
+from protocols.methods import local_services
 from protocols.tls import CertificateAuthority
 from server.intermediate.servicer import format_address
 from server.keys import generate
@@ -255,11 +256,12 @@ def local_intermediate_servers(cfg: RunConfig, roster: Path | None = None) -> It
     is started.  The yielded config carries ``ddpsa-servers``, ``ddpsa-ca`` and ``ddpsa-server-key``;
     the caller must hand the same servers and CA to the clients through their own configuration.
     """
-    if cfg.method != "ddpsa" or cfg.ddpsa_servers.strip():
+    count = local_services(cfg)
+    if not count:
         yield cfg
         return
     members = roster if roster is not None else DerivedRoster(cfg.seed, cfg.num_clients)
-    with start_intermediate_servers(cfg.ddpsa_num_servers, members) as cluster:
+    with start_intermediate_servers(count, members) as cluster:
         log.info("DDP-SA: started %d intermediate servers %s (pids %s)", len(cluster.addresses), cluster.addresses,
                  cluster.pids)
         yield cfg.replace(**{k.replace("-", "_"): v for k, v in cluster.run_config().items()})

@@ -1,33 +1,19 @@
 """gRPC servicer of a DDP-SA intermediate aggregation server (plain grpcio, no Flower).
 
-One intermediate server S_j receives exactly one share per client and round, and hands the
-parameter server the sum of the shares of an agreed client set (Wei et al., Algorithm 2, "for
-each server S_j"): mod 2^64 for additive shares, mod p = 2^64 - 59 for Shamir shares (the run's
-``prime_field``; elements >= p are refused).
+One intermediate server S_j receives one share per client and round and hands the parameter server the sum of
+the shares of an agreed client set (Wei et al., Algorithm 2): mod 2^64 for additive shares, mod
+p = 2^64 - 59 for Shamir shares (elements >= p are refused).  Beyond the paper's semi-honest model:
 
-Locked down beyond the paper's semi-honest model (issue 16):
-
-* TLS only (:func:`create_server` needs a certificate and key from the deployment's CA).
-* Every request but ``Health`` is signed (:mod:`client.intermediate.auth`): a push by the roster
-  client it names, ``RegisterRun``/``GetPartialSum``/``AbortRound``/``Status`` by the parameter
-  server.  A participant can neither push under another client's name, nor invent a client, nor
-  read a partial sum.  Unauthenticated callers get ``UNAUTHENTICATED`` and learn nothing else;
-  ``Health`` says ``SERVING`` and nothing more.
-* Runs exist only once the parameter server registered them (share length, client cap per round,
-  share field) and take pushes only for the rounds it opened, and only from the participants it
-  registered for that round (``PERMISSION_DENIED`` for any other roster client): a push for an
-  unknown run id or a future round is refused and creates no state, so junk run ids cannot evict a
-  run nor junk rounds its shares, and a roster client outside the round cannot fill its client cap.
-  At most ``max_runs`` runs are held; a new registration evicts the least recently used run
-  only when it has been idle for ``run_idle_s`` seconds, else it is refused.
-* Caps: gRPC messages up to ``max_message_bytes``; a registered share length up to
-  ``max_share_bytes`` and ``max_clients`` clients per round (``max_run_bytes`` for one run's
-  rounds kept); pushes beyond the run's client cap or the server's ``max_stored_bytes`` get
-  ``RESOURCE_EXHAUSTED``.
-* A partial sum covers at least ``min_clients`` clients, and the first successful
-  ``GetPartialSum`` (or ``AbortRound``) *seals* the round: later calls must name the same client
-  set (an idempotent retry gets the cached sum), late pushes are rejected, and the individual
-  shares are discarded.  An aborted round never releases anything.
+* TLS only (:func:`create_server`); every request but ``Health`` is signed (:mod:`client.intermediate.auth`):
+  pushes by the roster client they name, ``RegisterRun``/``GetPartialSum``/``AbortRound``/``Status`` by the
+  parameter server; other callers get ``UNAUTHENTICATED``;
+* pushes are taken only for registered runs, opened rounds and that round's registered participants; unknown
+  run ids and future rounds create no state; at most ``max_runs`` runs, the least recently used evicted only
+  after ``run_idle_s`` idle seconds;
+* size caps (``max_message_bytes``, ``max_share_bytes``, ``max_clients``, ``max_run_bytes``,
+  ``max_stored_bytes``) answer ``RESOURCE_EXHAUSTED``;
+* a partial sum covers at least ``min_clients`` clients and the first ``GetPartialSum`` or ``AbortRound`` seals
+  the round: same client set on retry, late pushes refused, individual shares discarded.
 """
 
 from __future__ import annotations

@@ -1,30 +1,16 @@
 """The run folder: a fresh folder per run, stale outputs, the per-round checkpoint and resuming from it.
 
-* Run-config ``out-dir = ""`` (the default) gives every run a fresh folder
-  ``runs/<UTC time>-<method>`` and points ``runs/latest`` (a relative symlink) at
-  it, so runs never overwrite each other (:func:`resolve_out_dir`).
-* A fresh run in an existing folder first removes an earlier run's outputs
-  (:data:`OUTPUT_FILES`), so they are never taken for this run's; the launcher
-  refuses such a folder unless told to overwrite it (:func:`earlier_outputs`).
-* After each round the runner writes ``checkpoint-r<round>.npz`` and then
-  ``checkpoint.json`` naming it (atomically: a kill at any moment leaves the
-  previous round's complete checkpoint):
-  the global model, the round number, the metrics rows so far, the failed
-  rounds, the wall time, the run config and the strategy's state
-  (:meth:`strategies.base.CancelStrategy.state_dict`: its privacy ledger with
-  every accountant, so epsilon continues where it was).  Client sampling is a
-  pure function of (seed, round) and DP noise comes from the OS CSPRNG, so no
-  RNG state is needed beyond the seed in the config.  Key-phase state is not
-  kept: a resumed run's clients are new processes without their private keys,
-  so they re-key in the first resumed round.
-* When the train messages of round ``r`` go out, the runner records the
-  strategy state including round ``r``'s privacy charge as ``pending``: a crash
-  during round ``r`` (its uploads may have reached the server) resumes with that
-  charge kept, and the repeated round is charged again, so epsilon is never
-  under-counted.
-* ``resume = true`` (``cancelfl run/deploy --resume OUT``) continues from the
-  last completed round of the checkpoint in ``out-dir``, with the run config
-  stored there (:func:`resume_overrides`).
+* ``out-dir = ""`` gives every run a fresh ``runs/<UTC time>-<method>`` and points the ``runs/latest`` symlink at
+  it (:func:`resolve_out_dir`); a fresh run in an existing folder first removes an earlier run's outputs
+  (:data:`OUTPUT_FILES`), and the launcher refuses such a folder unless told to overwrite (:func:`earlier_outputs`).
+* After each round the runner writes ``checkpoint-r<round>.npz`` and then ``checkpoint.json`` naming it,
+  atomically: the model, round, metrics rows, failed rounds, wall time, run config and the strategy's
+  :meth:`~strategies.base.CancelStrategy.state_dict` (its privacy ledger).  Sampling depends only on
+  (seed, round) and DP noise on the OS CSPRNG, so no RNG state is kept; clients re-key after a resume.
+* When round ``r``'s train messages go out, its privacy charge is recorded as ``pending``: a crash during the
+  round keeps the charge, and the repeated round is charged again (epsilon is never under-counted).
+* ``resume = true`` continues from the last completed round in ``out-dir`` with the stored run config
+  (:func:`resume_overrides`).
 """
 
 from __future__ import annotations
@@ -89,7 +75,7 @@ def fresh_run_folder(method: str, root: Path = RUNS_ROOT) -> Path:
 def point_latest(folder: Path) -> None:
     """Make ``<parent>/latest`` a relative symlink to ``folder``.
 
-    A real folder of that name (where every run used to write) is renamed ``<its time>-latest``, never deleted.
+    A real directory named ``latest`` is renamed ``<its mtime>-latest``, never deleted.
     """
     latest = folder.parent / "latest"
     if latest.is_dir() and not latest.is_symlink():

@@ -1,22 +1,16 @@
 """The run report: Markdown plus PNG plots, for one run or several runs side by side.
 
-Reads what :mod:`server.runner` writes in each run folder (``metrics.jsonl``,
-``summary.json``) and writes, into one folder:
+Reads ``metrics.jsonl`` and ``summary.json`` of each run folder and writes into one folder:
 
-* ``accuracy.png`` -- test accuracy of the global model per round, one line per method;
-* ``epsilon.png`` -- epsilon spent per round in both directions: what the server sees of one
-  client's upload and what the published model reveals (a method with no guarantee in a
-  direction has no line there: the panel's caption lists it as "no guarantee");
-* ``noise.png`` -- per-coordinate std of the noise in one upload against the noise left in the
-  aggregated model (the strategies' calibrated figures ``upload_noise_std`` and
-  ``model_noise_std``), log scale: noise that cancels on aggregation shows as a tall first bar
-  over a short second one; no noise (0) or no figure (n/a) is written at the axis, not drawn;
-* ``report.md`` -- one verdict line per DP method (:func:`verdicts`), a table of the final figures,
-  the plots, and the command that made it.
+* ``accuracy.png``: the global model's test accuracy per round, one line per method;
+* ``epsilon.png``: epsilon spent per round on the uplink and the downlink (a method without a guarantee in a
+  direction is listed as "no guarantee" instead of drawn);
+* ``noise.png``: per-coordinate noise std in one upload against that left in the model (``upload_noise_std``,
+  ``model_noise_std``; log scale), so noise that cancels shows as a tall bar over a short one;
+* ``report.md``: a verdict line per DP method (:func:`verdicts`), the final figures, the plots and the command.
 
-Every run keeps one colour, line style and marker in all plots, so lines that overlap stay visible.
-
-matplotlib is imported only when a report is written (on the non-interactive Agg backend).
+Every run keeps one colour, line style and marker in all plots; matplotlib (Agg) is imported only when a report is
+written.
 """
 
 from __future__ import annotations

@@ -1,0 +1,23 @@
+"""What several method cards share: the record-level regime and the wording of each adversary."""
+
+from __future__ import annotations
+
+from protocols.methods.spec import FULL_BATCH
+
+#: ``model-ema`` of the record-step regimes: publish an average of the global models (post-processing, no privacy
+#: cost); the DP noise adds up in the last model like a random walk while the signal saturates early.
+MODEL_EMA = 0.8
+#: The record-level step of NADP-FL that every full-batch method shares: one full-batch step of per-example-clipped
+#: gradients per round, so a record moves a client's model by at most Lemma 1's 2 C lr / n_k.  ``input-centering``
+#: (each image minus its own mean pixel, a per-record transform) speeds up a few noisy full-batch steps.
+RECORD_STEP = {"small": {"hidden": "", "local-epochs": 1, "batch-size": FULL_BATCH, "lr": 4.0, "clip": 1.0,
+                         "num-rounds": 30, "model-ema": MODEL_EMA, "input-centering": True},
+               "large": {"num-rounds": 60}}
+
+SERVER = "the server and eavesdroppers (honest-but-curious server)"
+MODEL = "anyone who gets the published global models"
+MODEL_TRUSTED = "anyone who gets the published global models (the server is trusted with the uploads)"
+#: The MP family's model epsilon: clipping bounds a record's gradient in the perturbed space, not the recovered step
+#: R o (g + r^T Psi - v Phi) that moves the published model (tests/test_audit.py shows a label flip exceeding it).
+MODEL_NOMINAL = ("nominal: anyone who gets the published global models, under the paper's sensitivity bound, which "
+                 "clipping in the perturbed space does not guarantee")

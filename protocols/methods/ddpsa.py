@@ -1,0 +1,75 @@
+"""DDP-SA's card: its options, regime, guarantee and registry entry (formulas: :mod:`protocols.ddpsa`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from protocols.methods.common import MODEL
+from protocols.methods.registry import register
+from protocols.methods.spec import Guarantee, MethodSpec
+from protocols.options import ConfigError, MethodOptions, option
+
+SERVER_SECAGG = ("the server, fewer than ddpsa-threshold colluding intermediate servers and at most a ddpsa-collude-frac "
+                 "share of the round's participants colluding (DDP-SA)")
+#: FedSGD with per-sample L1 clipping and Laplace noise (pure epsilon, basic composition): the signal-to-noise of a
+#: run falls like eps / sqrt(T), so the budget goes into two rounds with a large server step.
+DDPSA_REGIME = {"small": {"hidden": "", "lr": 100.0, "clip": 1.0, "num-rounds": 2}}
+
+
+def sharing_threshold(threshold: int, servers: int) -> int:
+    """``ddpsa-threshold`` resolved for ``servers`` intermediate servers: itself, or for 0 ``max(2, servers - 1)``."""
+    return int(threshold) if threshold else max(2, int(servers) - 1)
+
+
+@dataclass(frozen=True)
+class DdpsaOptions(MethodOptions):
+    """DDP-SA's intermediate servers, secret sharing, per-round budget (Theorem 2, Eq. 12) and noise placement."""
+
+    prefix = "ddpsa"
+    title = "DDP-SA"
+
+    servers: str = option("", "host:port,... of intermediate servers (\"\" = start locally)")
+    ca: str = option("", "PEM CA certificate of the intermediate servers' TLS certificates")
+    server_key: str = option("", "the parameter server's Ed25519 identity key (PEM): reads partial sums")
+    num_servers: int = option(3, "m: secret shares = intermediate servers (>= 2)", low=2)
+    frac_bits: int = option(24, "fixed-point fractional bits of the Z_2^64 encoding", low=8, high=40)
+    composition: str = option("basic", "how DDP-SA splits epsilon over rounds (Theorem 2)",
+                              choices=("basic", "advanced"))
+    allocation: str = option("uniform", "per-round budget schedule (Eq. 12)", choices=("uniform", "exponential"))
+    decay: float = option(0.9, "decay of the exponential allocation", low=0.0, high=1.0, low_open=True)
+    noise: str = option("distributed", "distributed (one central Laplace split over participants) | local (paper)",
+                        choices=("distributed", "local"))
+    collude_frac: float = option(0.1, "distributed noise: fraction of participants that may collude or not push",
+                                 low=0.0, high=1.0, high_open=True)
+    threshold: int = option(0, "servers needed to reconstruct (Shamir); = num-servers: additive; 0 = auto (m - 1, "
+                               ">= 2)")
+
+    @property
+    def sharing_threshold(self) -> int:
+        """Intermediate servers whose partial sums reconstruct a round (``ddpsa-threshold``; 0 = auto).
+
+        Auto: ``m - 1`` (one server may be lost) but at least 2 (one server alone must learn nothing); equal to
+        ``m``: the paper's additive sharing; smaller: Shamir sharing.
+        """
+        return sharing_threshold(self.threshold, self.num_servers)
+
+    def validate(self) -> None:
+        if self.threshold != 0 and not 2 <= self.threshold <= self.num_servers:
+            raise ConfigError(f"run-config 'ddpsa-threshold' = {self.threshold} must be 0 (auto) or in "
+                              f"[2, ddpsa-num-servers = {self.num_servers}]")
+
+    def validate_run(self, cfg: Any) -> None:
+        if self.servers.strip() and not self.ca:
+            raise ConfigError("run-config 'ddpsa-servers' needs 'ddpsa-ca' (the CA of the servers' TLS certificates)")
+
+
+def local_servers(cfg: Any) -> int:
+    """Intermediate servers ``cancelfl`` starts for a run: ``ddpsa-num-servers`` unless ``ddpsa-servers`` names them."""
+    return 0 if cfg.ddpsa_servers.strip() else cfg.ddpsa_num_servers
+
+
+register(MethodSpec("ddpsa", "strategies.ddpsa:DdpsaStrategy", "client.methods.ddpsa:train",
+                    queries={"ddpsa_identity": "client.methods.ddpsa:identity"}, family="ddpsa", paper="DDP-SA",
+                    options=(DdpsaOptions,), regime=DDPSA_REGIME, privacy=Guarantee("record", SERVER_SECAGG, MODEL),
+                    min_per_round=2, local_services=local_servers))

@@ -1,0 +1,33 @@
+"""LaDP-FL's card: its options, regime, guarantee and registry entry (formulas: :mod:`protocols.ladp`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocols.methods.common import MODEL, RECORD_STEP, SERVER
+from protocols.methods.registry import register
+from protocols.methods.spec import Guarantee, MethodSpec
+from protocols.options import MethodOptions, option
+
+#: Record level: one full-batch step of per-example-clipped gradients per round (sensitivity 2 clip lr / N_i,
+#: replacing Theorem 2's 2 lr E clip); local DP, so ~20 rounds.
+LADP_REGIME = {"small": {**RECORD_STEP["small"], "lr": 2.0, "num-rounds": 20}}
+
+
+@dataclass(frozen=True)
+class LadpOptions(MethodOptions):
+    """LaDP-FL's layer selection R and its KL-adaptive noise (Eq. 10-12)."""
+
+    prefix = "ladp"
+    title = "LaDP-FL"
+
+    norm_threshold: float = option(0.0, "R: layers with weight norm >= R get noise", low=0.0)
+    kl_cap: float = option(1e-6, "B: cap of the KL privacy estimate (KL of whole-layer softmaxes is ~1e-7..1e-4)",
+                           low=0.0, low_open=True)
+    max_boost: float = option(3.0, "the most LaDP's KL-adaptive noise multiplies a layer's floor noise (P >= B / "
+                                   "this); 1 = every selected layer gets the floor noise", low=1.0)
+
+
+register(MethodSpec("ladp", "strategies.ladp:LadpStrategy", "client.methods.ladp:train", family="ladp",
+                    paper="LaDP-FL", options=(LadpOptions,), regime=LADP_REGIME,
+                    privacy=Guarantee("record", SERVER, MODEL)))

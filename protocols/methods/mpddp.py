@@ -1,0 +1,48 @@
+"""The MP family's card (MP_Server + DDP_Client and its two ablations): options, regime, guarantee, registry entries.
+
+Formulas: :mod:`protocols.mpddp`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocols.methods.common import MODEL_NOMINAL
+from protocols.methods.nadp import KEYS, RECOVER
+from protocols.methods.pairwise import PairwiseOptions
+from protocols.methods.registry import register
+from protocols.methods.spec import Guarantee, MethodSpec
+from protocols.options import MethodOptions, option
+
+#: FedSGD on the squared loss (local-epochs/batch-size/lr unused), each example's perturbed gradient clipped to 1 on
+#: W-hat; the server steps with Adam (post-processing of the recovered gradient: the squared-loss MLP is badly
+#: conditioned for the paper's plain xi step, whose right size differs by dataset).
+MP_REGIME = {"small": {"hidden": "16", "num-rounds": 30, "clip": 1.0, "server-optimizer": "adam",
+                       "mpddp-server-lr": 0.01},
+             "large": {"mpddp-server-lr": 0.003, "num-rounds": 60}}
+
+
+@dataclass(frozen=True)
+class MpddpOptions(MethodOptions):
+    """The MP family's server step xi and the dtype of its un-noised sides Psi/Phi."""
+
+    prefix = "mpddp"
+    title = "MP_Server + DDP_Client (mpddp, mpdp-naive, mpcdp)"
+
+    server_lr: float = option(1.0, "xi: server learning rate", low=0.0, low_open=True)
+    side_dtype: str = option("float32", "dtype of Psi/Phi (compute + wire); float64 = exact recovery, 2x the cost",
+                             choices=("float64", "float32"))
+
+
+_NO_UPLINK = dict(family="mpddp", options=(MpddpOptions,), regime=MP_REGIME)  # uplink epsilon nominal: no guarantee
+register(MethodSpec("mpddp", "strategies.mpddp:MpddpStrategy", "client.methods.mpddp:train",
+                    queries={"keys": KEYS, "recover": RECOVER}, family="mpddp", paper="MP_Server + DDP_Client",
+                    options=(PairwiseOptions, MpddpOptions), regime=MP_REGIME,
+                    privacy=Guarantee("record", None, MODEL_NOMINAL), min_per_round=2))
+register(MethodSpec("mpdp-naive", "strategies.mpddp:MpdpNaiveStrategy", "client.methods.mpddp:train",
+                    paper="MP_Server + DDP_Client (ablation)", privacy=Guarantee("record", None, MODEL_NOMINAL),
+                    **_NO_UPLINK))
+register(MethodSpec("mpcdp", "strategies.mpddp:MpcdpStrategy", "client.methods.mpddp:train",
+                    paper="MP_Server + DDP_Client (ablation)",
+                    privacy=Guarantee("record", None, MODEL_NOMINAL + " (the server is trusted with the uploads)"),
+                    **_NO_UPLINK))

@@ -1,0 +1,38 @@
+"""NADP-FL's card: its options, regime, guarantee and registry entry (formulas: :mod:`protocols.nadp`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocols.methods.common import MODEL, RECORD_STEP
+from protocols.methods.pairwise import PairwiseOptions
+from protocols.methods.registry import register
+from protocols.methods.spec import Guarantee, MethodSpec
+from protocols.options import MethodOptions, option
+
+KEYS = "client.pairwise_phase:handle_keys"
+RECOVER = "client.recovery:handle_recover"  # dropout recovery of the pairwise noise (strategies.recovery)
+#: nadp's epsilon_uplink is the joint view of all uploads without colluding clients; lambda (Eq. 8) keeps each
+#: upload's marginal noise against a nadp-tau share of colluding peers, not the joint view (``cancelfl audit
+#: --colluders`` measures the difference).
+SERVER_NO_COLLUSION = ("the server and eavesdroppers, no colluding client (nadp-tau's lambda protects each upload "
+                       "seen alone against a tau share of colluding peers, not the joint view)")
+
+
+@dataclass(frozen=True)
+class NadpOptions(MethodOptions):
+    """NADP-FL's compensation factor lambda (Eq. 8) and its LDP-FL comparator variant."""
+
+    prefix = "nadp"
+    title = "NADP-FL"
+
+    lambda_: float = option(0.0, "compensation factor; 0 = derive from nadp-tau", low=0.0)
+    tau: float = option(0.5, "tolerated collusion rate for lambda (Eq. 8)", low=0.0, high=1.0, high_open=True)
+    variant: str = option("nadp", "\"record-ldp\" = the paper's LDP-FL comparator (same training, no cancellation)",
+                          choices=("nadp", "record-ldp"))
+
+
+register(MethodSpec("nadp", "strategies.nadp:NadpStrategy", "client.methods.nadp:train",
+                    queries={"keys": KEYS, "recover": RECOVER}, family="pairwise", paper="NADP-FL",
+                    options=(PairwiseOptions, NadpOptions), regime=RECORD_STEP,
+                    privacy=Guarantee("record", SERVER_NO_COLLUSION, MODEL), min_per_round=2))

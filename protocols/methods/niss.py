@@ -1,0 +1,33 @@
+"""NISS's card: its options, regime, guarantee and registry entry (formulas: :mod:`protocols.niss`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocols.methods.common import MODEL, RECORD_STEP
+from protocols.methods.nadp import KEYS, RECOVER
+from protocols.methods.pairwise import PairwiseOptions
+from protocols.methods.registry import register
+from protocols.methods.spec import PRIVACY_UNITS, Guarantee, MethodSpec
+from protocols.options import MethodOptions, option
+
+SERVER_NISS = "the server and eavesdroppers, colluding with at most a niss-rho share of a client's neighbours"
+
+
+@dataclass(frozen=True)
+class NissOptions(MethodOptions):
+    """NISS's share distortion tau and tolerated collusion rho (Theorem 3), and how a share travels."""
+
+    prefix = "niss"
+    title = "NISS"
+
+    tau: float = option(-1.0, "distortion std; < 0 = max(Theorem 3 for niss-rho, 1/sqrt(clients per round))")
+    rho: float = option(0.5, "tolerated colluding fraction (Theorem 3)", low=0.0, high=1.0)
+    share_encoding: str = option("seed", "a share travels as an encrypted 32-byte seed, or as the vector itself",
+                                 choices=("seed", "vector"))
+
+
+register(MethodSpec("niss", "strategies.niss:NissStrategy", "client.methods.niss:train",
+                    queries={"keys": KEYS, "shares": "client.methods.niss:handle_shares", "recover": RECOVER},
+                    family="pairwise", paper="NISS", options=(PairwiseOptions, NissOptions), regime=RECORD_STEP,
+                    privacy=Guarantee("record", SERVER_NISS, MODEL), units=PRIVACY_UNITS, min_per_round=2))

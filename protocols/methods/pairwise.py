@@ -1,0 +1,37 @@
+"""What the pairwise-noise methods (nadp, niss, mpddp) share: the pairing graph and double-masking options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocols.options import MethodOptions, option
+
+#: Methods whose ``graph = "auto"`` is the sparse n-out graph from :data:`SPARSE_FROM` clients per round on (their
+#: per-client pair-noise cost is O(neighbours)); mpddp keeps the complete graph (its Theorem 11 needs n ~ 0.8 K).
+SPARSE_BY_DEFAULT: tuple[str, ...] = ("nadp", "niss")
+SPARSE_FROM = 32
+GRAPHS = ("complete", "n-out")
+
+
+def auto_graph(method: str, clients_per_round: int) -> str:
+    """The neighbour graph of ``graph = "auto"``: n-out for nadp/niss from 32 clients per round, else complete."""
+    return "n-out" if method in SPARSE_BY_DEFAULT and clients_per_round >= SPARSE_FROM else "complete"
+
+
+@dataclass(frozen=True)
+class PairwiseOptions(MethodOptions):
+    """The pairing graph, key rotation and double masking of nadp, niss and mpddp."""
+
+    prefix = ""
+    title = "Pairwise noise (nadp, niss, mpddp)"
+
+    graph: str = option("complete", "pairwise-noise neighbour graph", choices=GRAPHS)
+    n_out: int = option(4, "neighbours each client picks in an n-out graph", low=1)
+    key_rotation: int = option(0, "rounds per X25519 key pair (0 = one pair per node for the run, 1 = fresh every "
+                                  "round)", low=0)
+    cancellation_check: bool = option(False, "clients report a random projection of their pairwise mask (diagnostic)")
+    self_mask: bool = option(True, "double masking: a Shamir-shared self-mask on every pairwise upload")
+    mask_dropout_rate: float = option(0.1, "assumed dropout rate, in [0, 0.5): only feeds the logged P[< t surviving "
+                                           "neighbours]", low=0.0, high=0.5, high_open=True)
+    mask_corruption_rate: float = option(0.1, "assumed colluding share of a neighbourhood, in [0, 0.5): sets the "
+                                              "self-mask threshold t", low=0.0, high=0.5, high_open=True)

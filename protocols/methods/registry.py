@@ -1,0 +1,124 @@
+"""The method registry: :func:`register` adds a method; every list of methods and options reads from here."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import MappingProxyType
+from typing import Any
+
+from protocols.methods.spec import FEDERATION, LARGE_DATASETS, MethodSpec
+from protocols.options import MethodOptions
+
+_REGISTRY: dict[str, MethodSpec] = {}
+#: Every registered method by name (a live, read-only view: methods registered later appear in it).
+METHODS: MappingProxyType = MappingProxyType(_REGISTRY)
+#: Named variants of a method: name -> (registered method, the run-config keys it sets).  Run by the benchmarks and
+#: ``cancelfl compare`` next to the methods (a variant is a method's setting, not a method).
+VARIANTS: MappingProxyType = MappingProxyType({
+    # The NADP paper's LDP-FL comparator (Lemma 3): NADP's training and sensitivity, no cancellation.
+    "nadp-record-ldp": ("nadp", MappingProxyType({"nadp-variant": "record-ldp"})),
+    # nadp on a sparser pairing graph (~8 neighbours instead of ~16): half the pairwise streams per client.
+    "nadp-4out": ("nadp", MappingProxyType({"graph": "n-out", "n-out": 4})),
+})
+
+
+class _Registration:
+    """What :func:`register` returns: ``unregister()`` it, or use it as a context manager."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def unregister(self) -> None:
+        """Remove the method again (tests; the built-in methods stay)."""
+        _REGISTRY.pop(self.name, None)
+
+    def __enter__(self) -> _Registration:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.unregister()
+
+
+def register(spec: MethodSpec) -> _Registration:
+    """Add ``spec`` to the registry: the run config, the server, the ClientApp and the benchmarks then know it.
+
+    Raises:
+        ValueError: the name is taken, or one of its option keys is another class's key.
+    """
+    if spec.name in _REGISTRY:
+        raise ValueError(f"method {spec.name!r} is already registered")
+    taken = {key: cls for cls in options_classes() for key in cls.keys()}
+    for cls in spec.options:
+        if not (isinstance(cls, type) and issubclass(cls, MethodOptions)):
+            raise ValueError(f"method {spec.name!r}: options {cls!r} is not a MethodOptions subclass")
+        for key in cls.keys():
+            if key in taken and taken[key] is not cls:
+                raise ValueError(f"method {spec.name!r}: run-config key {key!r} of {cls.__name__} is already "
+                                 f"declared by {taken[key].__name__}")
+    _REGISTRY[spec.name] = spec
+    return _Registration(spec.name)
+
+
+@contextmanager
+def registered(spec: MethodSpec) -> Iterator[MethodSpec]:
+    """Register ``spec`` for the duration of a ``with`` block only."""
+    with register(spec):
+        yield spec
+
+
+def method_names() -> tuple[str, ...]:
+    """Every registered method, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def method_spec(name: str) -> MethodSpec:
+    """The spec of ``name`` (ValueError listing the known methods)."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; known: {', '.join(_REGISTRY)}") from None
+
+
+def options_classes() -> tuple[type[MethodOptions], ...]:
+    """Every registered options class, once each, in registration order."""
+    out: dict[type[MethodOptions], None] = {}
+    for spec in _REGISTRY.values():
+        out.update(dict.fromkeys(spec.options))
+    return tuple(out)
+
+
+def local_services(cfg: Any) -> int:
+    """Intermediate servers ``cancelfl`` must start for the run config ``cfg`` (its method's ``local_services``)."""
+    hook = method_spec(cfg.method).local_services
+    return int(hook(cfg)) if hook is not None else 0
+
+
+def method_or_variant(name: str) -> tuple[str, dict]:
+    """(registered method, run-config the variant sets) of a method or variant name (ValueError if neither)."""
+    if name in VARIANTS:
+        method, extra = VARIANTS[name]
+        return method, dict(extra)
+    if name in _REGISTRY:
+        return name, {}
+    raise ValueError(f"unknown method {name!r}; known: {', '.join((*_REGISTRY, *VARIANTS))}")
+
+
+def query_actions() -> set[str]:
+    """Every extra phase name any method uses (registered once on the ClientApp)."""
+    return {a for spec in _REGISTRY.values() for a in spec.queries}
+
+
+def dataset_size_class(dataset: str) -> str:
+    """``"large"`` for :data:`LARGE_DATASETS` and Hugging Face datasets (``hub:...``), else ``"small"``."""
+    return "large" if dataset in LARGE_DATASETS or dataset.startswith("hub:") else "small"
+
+
+def regime(method: str, dataset: str) -> dict[str, Any]:
+    """The run-config values ``method`` trains with on ``dataset``: :data:`FEDERATION`, then the method's regime."""
+    spec = method_spec(method)
+    out = dict(FEDERATION[dataset_size_class(dataset)])
+    out.update(spec.regime.get("small", {}))
+    if dataset_size_class(dataset) == "large":
+        out.update(spec.regime.get("large", {}))
+    return out

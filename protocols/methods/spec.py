@@ -1,0 +1,111 @@
+"""What the registry knows of a method: :class:`MethodSpec` and its :class:`Guarantee`, and the shared constants."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from protocols.options import MethodOptions
+
+#: The run-config value that means "the method's regime decides" (:func:`protocols.methods.regime`).
+AUTO = "auto"
+#: Run-config keys whose ``[tool.flwr.app.config]`` default is :data:`AUTO`: every key a regime may set.
+AUTO_KEYS: tuple[str, ...] = ("num-clients", "num-rounds", "local-epochs", "batch-size", "lr", "hidden", "clip",
+                               "mpddp-server-lr", "server-optimizer", "graph", "model-ema", "input-centering")
+#: The federation every method runs on by default, by dataset size (``num-clients = "auto"``): about 600 training
+#: records per client on MNIST-size data, 10 clients on the small datasets; one value for every method, so a
+#: comparison is always on the same federation.
+FEDERATION: MappingProxyType = MappingProxyType({"small": MappingProxyType({"num-clients": 10}),
+                                                 "large": MappingProxyType({"num-clients": 100})})
+#: Privacy units: ``record`` (one training example) or ``client`` (all of a client's data, DP-FedAvg).
+PRIVACY_UNITS: tuple[str, ...] = ("record", "client")
+#: Method families whose server steps with the round's released gradient (FedSGD), and the run-config key of that
+#: step's learning rate: run-config ``server-optimizer`` applies to them only.
+SERVER_STEP_FAMILIES: MappingProxyType = MappingProxyType({"mpddp": "mpddp-server-lr", "ddpsa": "lr"})
+#: Datasets of tens of thousands of records (``"large"`` regimes); the others are ``"small"``.
+LARGE_DATASETS: tuple[str, ...] = ("mnist", "fashion-mnist")
+#: ``batch-size`` of a full-batch regime: larger than any client's partition, so one step sees all its records.
+FULL_BATCH = 1_000_000
+
+
+@dataclass(frozen=True)
+class Guarantee:
+    """What a method's epsilon protects: the unit, and the adversary assumed in each direction.
+
+    ``uplink`` is the view of the uploads (the server, or an eavesdropper on the links); ``downlink``
+    the published global models.  ``None`` = no guarantee in that direction (epsilon null, never a number).
+    """
+
+    unit: str  # "record" (one training example) | "client" (all of a client's data) | "none"
+    uplink: str | None
+    downlink: str | None
+
+    def as_dict(self) -> dict[str, str | None]:
+        """For metrics.jsonl and summary.json."""
+        return {"unit": self.unit, "uplink_adversary": self.uplink, "downlink_adversary": self.downlink}
+
+
+def _frozen(mapping: dict | MappingProxyType | None) -> MappingProxyType:
+    return MappingProxyType(dict(mapping or {}))
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One method: where its server and client code live, its options, regime and guarantee.
+
+    ``strategy``, ``train`` and the ``queries`` handlers are objects or ``"module:attribute"`` strings (imported
+    on first use, so a process loads only the method it runs); :meth:`load` resolves either.
+
+    Attributes:
+        name: the run-config ``method`` value.
+        strategy: the server side, a :class:`strategies.base.CancelStrategy` subclass.
+        train: the client's train handler ``fn(msg, env) -> Message``.
+        queries: extra message phases, ``action -> handler`` (phase ``query.<action>``).
+        family: baseline | pairwise | mpddp | ladp | ddpsa (shared behaviour, e.g. :data:`SERVER_STEP_FAMILIES`).
+        paper: the paper it implements ("" for the baselines).
+        options: the classes of its own run-config keys (:class:`protocols.options.MethodOptions`).
+        regime: run-config values it trains with, ``{"small": {...}, "large": {...}}`` by dataset size, applied
+            to keys left ``"auto"`` (``"large"`` entries override ``"small"`` ones on :data:`LARGE_DATASETS`).
+        privacy: what its epsilon protects.
+        units: privacy units it implements (run-config ``privacy-unit``); empty = no DP.
+        min_per_round: fewest clients a round can aggregate (2 where protection works between the clients).
+        local_services: run-config -> how many intermediate servers ``cancelfl`` must start for a run (DDP-SA's).
+    """
+
+    name: str
+    strategy: str | type
+    train: str | Callable
+    queries: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    family: str = "baseline"
+    paper: str = ""
+    options: tuple[type[MethodOptions], ...] = ()
+    regime: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    privacy: Guarantee = Guarantee("none", None, None)
+    units: tuple[str, ...] = ("record",)
+    min_per_round: int = 1
+    local_services: Callable[[Any], int] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "queries", _frozen(self.queries))
+        object.__setattr__(self, "regime", MappingProxyType({k: _frozen(v) for k, v in self.regime.items()}))
+        object.__setattr__(self, "options", tuple(self.options))
+
+    def guarantee(self, unit: str) -> Guarantee:
+        """What ``epsilon`` protects when the run asks for privacy unit ``unit`` (ValueError if not implemented)."""
+        if not self.units:
+            return self.privacy
+        if unit not in self.units:
+            raise ValueError(f"method {self.name!r} protects a {' or a '.join(self.units)}, not a {unit!r} "
+                             f"(run-config 'privacy-unit')")
+        return Guarantee(unit, self.privacy.uplink, self.privacy.downlink)
+
+    @staticmethod
+    def load(target: str | Any) -> Any:
+        """``target`` itself, or the attribute a ``"module:attribute"`` string names."""
+        if not isinstance(target, str):
+            return target
+        module, _, attr = target.partition(":")
+        return getattr(importlib.import_module(module), attr)

@@ -1,0 +1,114 @@
+"""A method's own run-config keys: :class:`MethodOptions` and the :func:`option` that declares one key.
+
+A method declares its keys once, as a frozen dataclass of :func:`option` fields; the registry
+(:func:`protocols.methods.register`) makes :class:`protocols.config.RunConfig` parse, validate and
+document them, and ``[tool.flwr.app.config]`` and the docs' configuration reference are checked
+against them (``tests/test_config.py``).  Field ``foo_bar`` of a class with ``prefix = "nadp"`` is
+run-config key ``nadp-foo-bar`` (``prefix = ""``: key ``foo-bar``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+class ConfigError(ValueError):
+    """A run-config value is missing, of the wrong type or out of range."""
+
+
+def choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is one of ``allowed``."""
+    if value not in allowed:
+        raise ConfigError(f"run-config '{key}' = {value!r} is not allowed; choose one of: {', '.join(allowed)}")
+
+
+def in_range(key: str, value: float, low: float | None, high: float | None, *, low_open: bool = False,
+             high_open: bool = False, why: str = "") -> None:
+    """Raise :class:`ConfigError` unless ``value`` is finite and within the bounds (``None`` = unbounded)."""
+    ok = math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        lo = "(-inf" if low is None else ("(" if low_open else "[") + f"{low:g}"
+        hi = "inf)" if high is None else f"{high:g}" + (")" if high_open else "]")
+        raise ConfigError(f"run-config '{key}' = {value!r} must be in {lo}, {hi}{f' ({why})' if why else ''}")
+
+
+def option(default: Any, help: str, *, choices: tuple[str, ...] = (), low: float | None = None,  # noqa: A002
+           high: float | None = None, low_open: bool = False, high_open: bool = False, key: str = "") -> Any:
+    """One run-config key of a :class:`MethodOptions` class.
+
+    Args:
+        default: the value when the run config does not set the key (also the ``[tool.flwr.app.config]`` default).
+        help: one line for ``--help`` and the configuration reference.
+        choices: the allowed values of a string key.
+        low: lower bound of a number key (checked by :meth:`MethodOptions.check`); ``None`` = none.
+        high: upper bound of a number key; ``None`` = none.
+        low_open: the lower bound itself is refused.
+        high_open: the upper bound itself is refused.
+        key: the run-config key, when it is not ``<prefix>-<field-name>`` (e.g. a Python keyword).
+    """
+    meta = {"help": help, "choices": tuple(choices), "low": low, "high": high, "low_open": low_open,
+            "high_open": high_open, "key": key}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class MethodOptions:
+    """Base of a method's options: a frozen dataclass whose fields are :func:`option` keys.
+
+    Subclasses set :attr:`prefix` and :attr:`title` and may override :meth:`validate` for rules
+    between keys.  Every registered options class is parsed and checked on every run (a typo in
+    any key is refused), while :meth:`validate_run` runs only when the run's method uses the class.
+    """
+
+    #: Key prefix (``"nadp"`` -> ``nadp-<field>``); ``""`` = the field name alone.
+    prefix: ClassVar[str] = ""
+    #: Heading of these keys in the configuration reference.
+    title: ClassVar[str] = ""
+
+    @classmethod
+    def key_of(cls, f: dataclasses.Field) -> str:
+        """The run-config key of field ``f``."""
+        if f.metadata.get("key"):
+            return f.metadata["key"]
+        name = f.name.rstrip("_").replace("_", "-")
+        return f"{cls.prefix}-{name}" if cls.prefix else name
+
+    @classmethod
+    def keys(cls) -> dict[str, dataclasses.Field]:
+        """Run-config key -> field, in declaration order."""
+        return {cls.key_of(f): f for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def attribute_names(cls) -> dict[str, str]:
+        """``RunConfig`` attribute (the key with ``_``) -> field name, e.g. ``nadp_tau`` -> ``tau``."""
+        return {key.replace("-", "_"): f.name for key, f in cls.keys().items()}
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` for a value outside its field's choices or bounds, then :meth:`validate`."""
+        for key, f in self.keys().items():
+            value, m = getattr(self, f.name), f.metadata
+            if m.get("choices"):
+                choice(key, value, m["choices"])
+            if (m.get("low") is not None or m.get("high") is not None) and not isinstance(value, str):
+                in_range(key, float(value), m["low"], m["high"], low_open=m["low_open"], high_open=m["high_open"])
+        self.validate()
+
+    def validate(self) -> None:
+        """Rules between this class's own keys (override); raise :class:`ConfigError`."""
+
+    def validate_run(self, cfg: Any) -> None:
+        """Rules against the common keys of ``cfg`` (a :class:`protocols.config.RunConfig`); override.
+
+        Checked only when the run's method uses these options; raise :class:`ConfigError`.
+        """
+
+    def as_mapping(self) -> dict[str, Any]:
+        """Run-config key -> value."""
+        return {key: getattr(self, f.name) for key, f in self.keys().items()}

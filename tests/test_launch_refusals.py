@@ -1,0 +1,229 @@
+"""The launcher refuses bad input before any process starts: exit code 2 and a message naming the key.
+
+Run-config syntax, unreadable datasets, invalid settings, more clients than records or SuperNodes than memory
+holds; settings the launcher adjusts are named at start.
+"""
+
+from __future__ import annotations
+
+import gzip
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from protocols.config import ConfigError, parse_run_config
+from server.launch import main, preflight, run_inprocess
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ --run-config syntax
+@pytest.mark.parametrize(("text", "needle"), [
+    ("num-rounds=3 num-rounds=4", "'num-rounds' is given twice"),
+    ("method=nadp", 'strings must be quoted, e.g. method="nadp"'),
+    ("num-rounds=", "'num-rounds' has no value"),
+    ('method="nadp', "no closing"),
+    ("epochs", "'epochs' is not a key=value pair"),
+    ("lr=1.2.3", "'lr' = 1.2.3 is not a number"),
+])
+def test_run_config_syntax_errors_name_the_key(text, needle):
+    with pytest.raises(ConfigError, match=None) as err:
+        parse_run_config(text)
+    assert needle in str(err.value)
+
+
+def test_run_config_syntax_accepts_flowers_forms():
+    got = parse_run_config("""method="nadp" epsilon=1.0 hidden="" cancellation-check=true data-dir='/a b' seed=7""")
+    assert got == {"method": "nadp", "epsilon": 1.0, "hidden": "", "cancellation-check": True, "data-dir": "/a b",
+                   "seed": 7}
+
+
+# ------------------------------------------------------------------ errors before any process starts
+def _write_idx(path: Path, array: np.ndarray) -> None:
+    header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    with gzip.open(path, "wb") as fh:
+        fh.write(header + array.astype(np.uint8).tobytes())
+
+
+def _idx_folder(root: Path, defect: str) -> Path:
+    folder = root / "mnist"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 40), ("t10k", 20)):
+        _write_idx(folder / f"{split}-images-idx3-ubyte.gz", rng.integers(0, 255, (n, 28, 28)))
+        _write_idx(folder / f"{split}-labels-idx1-ubyte.gz", rng.integers(0, 10, n - (defect == "mismatched")))
+    images = folder / "train-images-idx3-ubyte.gz"
+    if defect == "truncated":
+        images.write_bytes(images.read_bytes()[:200])
+    elif defect == "non-gzip":
+        images.write_bytes(b"not gzip at all" * 10)
+    return root
+
+
+@pytest.mark.parametrize(("defect", "needle"), [
+    ("truncated", "train-images-idx3-ubyte.gz"),
+    ("non-gzip", "not a complete gzip file"),
+    ("mismatched", "labels"),
+])
+def test_bad_idx_files_are_refused_before_any_process(tmp_path, capsys, monkeypatch, defect, needle):
+    monkeypatch.setattr("server.deploy.run_simulation", lambda *a, **k: pytest.fail("a process was started"))
+    data = _idx_folder(tmp_path / "data", defect)
+    code, err = _cli(capsys, "run", "--engine", "simulation", "--run-config",
+                     f'dataset="mnist" data-dir="{data}" out-dir="{tmp_path / "out"}"')
+    assert code == 2 and needle in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("run_config", "needle"), [
+    ("seed=-1", "'seed' = -1"),
+    ('hidden="0"', "hidden=\"\" gives a linear model"),
+    ('method="mpddp" num-clients=1', "at least 2 clients per round"),
+    ("num-rounds=2 num-rounds=3", "given twice"),
+    ('method=fedavg', "strings must be quoted"),
+    ('method="ddpsa" num-clients=1', "at least 2 clients per round"),
+])
+def test_config_errors_before_any_process(tmp_path, capsys, monkeypatch, run_config, needle):
+    monkeypatch.setattr("server.deploy.run_simulation", lambda *a, **k: pytest.fail("a process was started"))
+    code, err = _cli(capsys, "run", "--engine", "simulation", "--run-config", run_config)
+    assert code == 2 and needle in err, err
+
+
+def _no_process(monkeypatch) -> None:
+    """Fail the test if any engine starts: the in-process grid, the simulation or the deployment."""
+    def started(*_a, **_k):
+        pytest.fail("a run was started")
+
+    monkeypatch.setattr("server.deploy.run_simulation", started)
+    monkeypatch.setattr("server.deploy.run_deployment", started)
+    monkeypatch.setattr("server.local_grid.LocalGrid.__init__", started)
+
+
+@pytest.mark.parametrize("argv", [
+    ("run",), ("run", "--engine", "simulation"), ("deploy",),
+])
+def test_more_clients_than_records_is_refused_at_once(tmp_path, capsys, monkeypatch, argv):
+    """num-clients=100000 on digits (1437 records): refused naming the key and the maximum, on every engine."""
+    _no_process(monkeypatch)
+    code, err = _cli(capsys, *argv, "--run-config", f'num-clients=100000 out-dir="{tmp_path / "out"}"')
+    assert code == 2 and "'num-clients' = 100000" in err and "lower 'num-clients' to 1437" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_more_clients_than_records_is_refused_before_the_in_process_grid(monkeypatch):
+    """The library call checks before making num-clients identities and contexts (where the time went)."""
+    _no_process(monkeypatch)
+    with pytest.raises(ConfigError, match="'num-clients' = 100000"):
+        run_inprocess({"num-clients": 100000}, progress=lambda _s: None)
+
+
+def test_size_skew_with_empty_clients_is_refused_at_start(tmp_path, capsys, monkeypatch):
+    _no_process(monkeypatch)
+    code, err = _cli(capsys, "run", "--run-config", 'partitioning="size-skew" num-clients=60 method="nadp"')
+    assert code == 2 and "'num-clients' = 60" in err and "'size-skew'" in err and "to 53" in err, err
+
+
+def test_size_skew_with_empty_clients_stops_the_serverapp_before_any_message(tmp_path):
+    """Submitted without the launcher (flwr run): the ServerApp refuses before it asks any node anything."""
+    from flwr.app import Context, RecordDict
+
+    from client.app import app as client_app
+    from server.app import main as server_main
+    from server.local_grid import LocalGrid
+    from strategies.run.checkpoint import read_error
+
+    class Counting(LocalGrid):
+        sent = 0
+
+        def send_and_receive(self, messages, *, timeout=None):
+            messages = list(messages)
+            self.sent += len(messages)
+            return super().send_and_receive(messages, timeout=timeout)
+
+    (tmp_path / "out").mkdir()  # the launcher makes it (server.launch.choose_out_dir)
+    raw = {"partitioning": "size-skew", "num-clients": 60, "out-dir": str(tmp_path / "out")}
+    grid = Counting(client_app, 2, raw)
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=raw)
+    with pytest.raises(ConfigError, match="'num-clients' = 60"):
+        server_main(grid, context)
+    assert grid.sent == 0 and "'num-clients' = 60" in read_error(tmp_path / "out")
+
+
+@pytest.mark.parametrize("run_config", ['method="nadp" num-clients=1', 'method="niss" num-clients=10 sample-rate=0.1'])
+def test_one_client_per_round_is_refused_at_start(capsys, monkeypatch, run_config):
+    _no_process(monkeypatch)
+    code, err = _cli(capsys, "run", "--run-config", run_config)
+    assert code == 2 and "needs at least 2 clients per round" in err and "'num-clients'" in err, err
+
+
+def test_cuda_without_a_gpu_is_refused_at_start(capsys, monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    _no_process(monkeypatch)
+    code, err = _cli(capsys, "run", "--run-config", 'device="cuda"')
+    assert code == 2 and "run-config 'device' = 'cuda'" in err and "no CUDA device" in err, err
+
+
+def test_zero_supernodes_is_an_argument_error(capsys, monkeypatch):
+    _no_process(monkeypatch)
+    with pytest.raises(SystemExit) as stop:
+        main(["deploy", "--supernodes", "0"])
+    assert stop.value.code == 2 and "--supernodes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "nodes", "warned"), [
+    (["--supernodes", "3", "--run-config", "num-clients=5"], 3, True),  # the flag wins, and says so once
+    (["--run-config", "num-clients=5"], 5, False),  # num-clients alone: that many SuperNodes
+    (["--supernodes", "5", "--run-config", "num-clients=5"], 5, False),
+    ([], 4, False),
+])
+def test_supernodes_and_num_clients(tmp_path, capsys, monkeypatch, argv, nodes, warned):
+    seen: list[tuple[int, int]] = []
+
+    def deployment(overrides, *, num_supernodes, **_):
+        seen.append((num_supernodes, overrides["num-clients"]))
+        return 0
+
+    monkeypatch.setattr("server.deploy.run_deployment", deployment)
+    if argv and argv[-2] == "--run-config":
+        argv = [*argv[:-1], f'{argv[-1]} out-dir="{tmp_path / "out"}"']
+    else:
+        argv = [*argv, "--run-config", f'out-dir="{tmp_path / "out"}"']
+    code, err = _cli(capsys, "deploy", *argv)
+    assert code == 0 and seen == [(nodes, nodes)], err
+    warnings = [line for line in err.splitlines() if "--supernodes" in line and "overrides" in line]
+    assert warnings == (["cancelfl: warning: --supernodes 3 overrides run-config 'num-clients' = 5: the run has 3 "
+                         "clients"] if warned else []), err
+
+
+def test_more_supernodes_than_memory_holds_is_refused_at_start(tmp_path, capsys, monkeypatch):
+    """``cancelfl deploy`` starts every SuperNode here: more than the available memory holds is refused, naming how many fit."""
+    from server.deploy import SUPERNODE_IDLE_MB
+
+    seen: list[int] = []
+    monkeypatch.setattr("server.deploy.available_memory_mb", lambda: 7.5 * SUPERNODE_IDLE_MB)  # 7 idle SuperNodes fit
+    monkeypatch.setattr("server.deploy.run_deployment", lambda o, *, num_supernodes, **_: seen.append(num_supernodes) or 0)
+    code, err = _cli(capsys, "deploy", "--supernodes", "8", "--run-config", f'out-dir="{tmp_path / "a"}"')
+    assert code == 2 and "--supernodes / run-config 'num-clients' = 8" in err and "at most 7 fit here" in err, err
+    code, err = _cli(capsys, "deploy", "--run-config", f'num-clients=8 out-dir="{tmp_path / "b"}"')
+    assert code == 2 and "at most 7 fit here" in err and seen == [], err
+    assert _cli(capsys, "deploy", "--supernodes", "7", "--run-config", f'out-dir="{tmp_path / "c"}"')[0] == 0
+    assert seen == [7]
+
+
+def test_out_dir_that_cannot_be_created(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    code, err = _cli(capsys, "run", "--run-config", f'out-dir="{tmp_path / "afile" / "run"}"')
+    assert code == 2 and "cannot be created" in err and "afile" in err, err
+
+
+def test_adjusted_settings_are_named_at_start():
+    notes: list[str] = []
+    preflight({"method": "nadp", "graph": "n-out", "n-out": 3, "num-clients": 4, "num-rounds": 5}, warn=notes.append)
+    assert any("'n-out' = 3" in n and "complete graph" in n for n in notes), notes

@@ -1,0 +1,109 @@
+"""A method is one unit: a new method added from this module alone, with one registry call, runs end to end.
+
+``gldp`` is a Gaussian local-DP variant whose clients add ``gldp-noise-boost`` times ldp's noise.  Its options
+class, server strategy and client handler are defined here; :func:`protocols.methods.registered` is the only
+call into the project's registry.  The run goes through ``cancelfl run`` in-process: checkpoint, crash, resume,
+metrics, accounting and the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import pytest
+from flwr.app import Message
+
+from client.env import ClientEnv, record_level_training, reply
+from client.floor import release
+from client.messages.baselines import LocalDpNoise
+from client.wire import to_record
+from protocols.arrays import flatten, unflatten
+from protocols.config import ConfigError, RunConfig
+from protocols.floor import at_least, ldp_noise_multiplier
+from protocols.methods import Guarantee, MethodSpec, registered
+from protocols.options import MethodOptions, option
+from protocols.privacy import GaussianEvent, record_sensitivity
+from server.launch import main, run_inprocess
+from strategies.baselines import LocalDPStrategy
+from strategies.run.checkpoint import load_checkpoint
+from tests.conftest import read_metrics
+
+
+@dataclass(frozen=True)
+class GaussLdpOptions(MethodOptions):
+    """gldp's own key: how many times ldp's noise multiplier its clients use."""
+
+    prefix = "gldp"
+    title = "Gaussian LDP (test method)"
+
+    noise_boost: float = option(2.0, "multiplier of ldp's noise", low=1.0)
+
+
+class GaussLdpStrategy(LocalDPStrategy):
+    """ldp's server with the boosted noise multiplier (its accounting follows ``self.z``)."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        self.z *= cfg.options_of(GaussLdpOptions).noise_boost
+
+
+def train_gldp(msg: Message, env: ClientEnv) -> Message:
+    """Per-example-clipped full-batch step, then the local model plus N(0, (boost z 2 C lr / n_k)^2)."""
+    from protocols.prg import gaussian
+
+    z = env.cfg.options_of(GaussLdpOptions).noise_boost * ldp_noise_multiplier(env.cfg)
+    at_least("noise-multiplier", LocalDpNoise.from_config(msg.content["config"]).multiplier, z)
+    global_w, local_w, loss, frac = record_level_training(msg, env)
+    std = z * record_sensitivity(env.cfg, len(env.y))
+    flat = flatten(local_w)
+    noisy = flat + gaussian(os.urandom(32), len(flat), std)
+    spent = release(msg, env, GaussianEvent(z))
+    return reply(msg, to_record(unflatten(noisy, global_w)), len(env.y), train_loss=loss, clipped_fraction=frac,
+                 noise_std=std, **spent)
+
+
+GLDP = MethodSpec("gldp", GaussLdpStrategy, train_gldp, options=(GaussLdpOptions,),
+                  privacy=Guarantee("record", "the server and eavesdroppers", "anyone who gets the models"))
+RUN = {"method": "gldp", "num-clients": 4, "num-rounds": 3, "local-epochs": 1, "batch-size": 1_000_000, "lr": 4.0,
+       "hidden": "", "dataset": "digits", "train-subset": 400, "test-subset": 200}
+
+
+class _Crash(Exception):
+    pass
+
+
+def _crash_after(k: int):
+    def progress(line: str) -> None:
+        if line.startswith(f"round {k}/"):
+            raise _Crash(line)
+    return progress
+
+
+def test_a_method_registered_from_a_test_module_runs_crashes_resumes_and_reports(tmp_path, capsys):
+    out = tmp_path / "gldp"
+    with registered(GLDP):
+        with pytest.raises(ConfigError, match="gldp-noise-boost"):  # its own key, validated by its options class
+            RunConfig.from_mapping({**RUN, "gldp-noise-boost": 0.5})
+        with pytest.raises(_Crash):
+            run_inprocess({**RUN, "out-dir": str(out)}, progress=_crash_after(2))
+        assert load_checkpoint(out).round == 2 and not (out / "summary.json").exists()
+        assert main(["run", "--resume", str(out)]) == 0
+        capsys.readouterr()
+        rows = read_metrics(out)
+        summary = json.loads((out / "summary.json").read_text())
+        plain = RunConfig.from_mapping({**RUN, "method": "ldp"})
+    assert [r["round"] for r in rows] == [1, 2, 3] and rows[2]["resumed_after_round"] == 2
+    assert summary["config"]["gldp-noise-boost"] == 2.0
+    eps = [r["epsilon"] for r in rows]
+    assert eps[0] < eps[1] < eps[2] == pytest.approx(summary["epsilon"])
+    # Twice ldp's noise multiplier: the same 3 rounds cost far less than the target ldp would spend.
+    assert summary["epsilon"] < 0.6 * plain.epsilon
+    assert 0 < rows[-1]["client_epsilon_max"] <= summary["epsilon"]  # the clients' ledgers ran through the resume
+    assert (out / "report.md").is_file() and "gldp" in (out / "report.md").read_text()
+    # Outside the block the method and its key are unknown again.
+    with pytest.raises(ConfigError, match="unknown run-config key 'gldp-noise-boost'"):
+        RunConfig.from_mapping({"gldp-noise-boost": 2.0})
+    with pytest.raises(ConfigError, match="gldp"):
+        RunConfig.from_mapping({**RUN, "method": "gldp"})
