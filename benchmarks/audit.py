@@ -121,9 +121,10 @@ def run(args: argparse.Namespace) -> int:
              "no guarantee claimed in that view (cdp uploads are un-noised: the server is trusted)",
              "epsilon_lb: 95 % lower bound (Clopper-Pearson on TPR and FPR, threshold fitted on the other half of the "
              "releases); epsilon_ub: the upper end of what this test could show; ratio = epsilon_lb / claimed",
-             "adjacency: replace-one record; canaries: white-box gradient canaries (clipped gradient +-clip along "
-             "their own coordinate), 4 clients x 500 per release",
-             "ladp: adaptive canaries (the label also moves the layer's KL estimate; one trial per client upload); "
+             "adjacency: zero-out record (the run-config default; a canary present or its input zeroed); canaries: "
+             "white-box gradient canaries (clipped gradient clip along their own coordinate), 4 clients x 500 per "
+             "release",
+             "ladp: adaptive canaries, replace-one (the label also moves the layer's KL estimate; one trial per client upload); "
              "fault private-kl = the paper's P_j from the trained local model (a data-dependent noise scale)",
              "MP family (mpddp, mpdp-naive, mpcdp): canary MLP (4 hidden units), the paper's xi step; the secret R "
              "of a release scales all its canaries' noise, so the bound counts one canary per release (low power)",

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from protocols.adjacency import ADJACENCIES
 from protocols.methods import (
     AUTO,
     AUTO_KEYS,
@@ -98,6 +99,7 @@ class RunConfig:
     epsilon: float = 1.0  # privacy target over the whole run, every method
     delta: float = 1e-5  # delta of the (epsilon, delta) target
     privacy_unit: str = "record"  # what epsilon protects: "record" (one example) or "client" (ldp, cdp only)
+    adjacency: str = "zero-out"  # neighbouring datasets: one record zeroed (sizes fixed; Opacus' convention) | replace-one
     clip: float = 1.0  # L2 bound of a client's model update (or gradient, per method)
     # Server step and testing
     fault_drop_rate: float = 0.0  # TESTING AID: in-process grid withholds this fraction of train replies
@@ -242,6 +244,7 @@ class RunConfig:
         _choice("device", self.device, DEVICES)
         _choice("partitioning", self.partitioning, PARTITIONINGS)
         _choice("privacy-unit", self.privacy_unit, PRIVACY_UNITS)
+        _choice("adjacency", self.adjacency, tuple(ADJACENCIES))
         _choice("server-optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
         if self.server_optimizer != "sgd" and method_spec(self.method).family not in SERVER_STEP_FAMILIES:
             stepping = ", ".join(m for m, spec in METHODS.items() if spec.family in SERVER_STEP_FAMILIES)

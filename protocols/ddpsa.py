@@ -24,6 +24,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from scipy.special import gammaln, kve
 
+from protocols.adjacency import adjacency_factor
 from protocols.config import DDPSA_NOISE_MODES as NOISE_MODES
 from protocols.privacy import laplace_scale
 
@@ -40,15 +41,15 @@ __all__ = [
 ]
 
 
-def l1_sensitivity(clip: float) -> float:
-    """L1 sensitivity of the clipped per-sample gradient *sum* to replacing one sample: ``2 Delta``.
+def l1_sensitivity(clip: float, adjacency: str = "replace-one") -> float:
+    """L1 sensitivity of the clipped per-sample gradient *sum* to one sample: ``Delta`` (zero-out) or ``2 Delta``.
 
-    Each sample contributes a vector of L1 norm at most ``Delta``; replacing it moves the sum by
-    at most ``2 Delta`` (add/remove would give ``Delta``, but ``N_i`` is published: module docstring).
+    Each sample contributes a vector of L1 norm at most ``Delta``; zeroing it moves the sum by at most
+    ``Delta``, replacing it by ``2 Delta`` (``N_i`` is published either way: sizes are fixed).
     """
     if not clip > 0:
         raise ValueError(f"clipping threshold Delta must be > 0, got {clip!r}")
-    return 2.0 * float(clip)
+    return adjacency_factor(adjacency) * float(clip)
 
 
 def laplace_noise(size: int, scale: float, *, seed: bytes | None = None) -> NDArray[np.float64]:

@@ -219,6 +219,43 @@ def nadp_compensation(cfg: RunConfig, sizes: Mapping[int, int], min_degree: int 
 
 
 @dataclass(frozen=True)
+class NadpRoundNoise:
+    """A NADP round's noise, derived alike by the server and every client (public sizes and graph).
+
+    Sensitivities (Lemma 1), sigmas (Eq. 3 / RDP), the pair allocation, lambda (Eq. 8).
+
+    ``ldp_stds``: the record-ldp variant's per-client std (then ``sigmas`` and ``allocation`` are None).
+    ``lam_problem``: why Eq. 8 has no solution this round (lambda is then 1: no honest partner is left).
+    """
+
+    sensitivities: Mapping[int, float]
+    sigmas: NadpSigmas | None
+    allocation: NoiseAllocation | None
+    lam: float
+    ldp_stds: Mapping[int, float] | None = None
+    lam_problem: str | None = None
+
+
+def nadp_round_noise(cfg: RunConfig, sizes: Mapping[int, int],
+                     graph: Mapping[int, Sequence[int]] | None) -> NadpRoundNoise:
+    """The round's noise for the participants ``sizes`` (node -> |D_i|) on the pairing ``graph`` (None: complete).
+
+    Record-ldp variant (Lemma 3): each client alone meets (epsilon, delta) over the run with its own sensitivity.
+    On a sparse graph Eq. 8 is applied to the smallest neighbourhood (k_eff = min degree + 1).
+    """
+    sens = {n: nadp_sensitivity(cfg, s) for n, s in sizes.items()}
+    if cfg.nadp_variant == "record-ldp":
+        z_ldp = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds)
+        return NadpRoundNoise(sens, None, None, 1.0, {n: z_ldp * s for n, s in sens.items()})
+    sig, alloc = round_plan(sizes, sens, cfg.epsilon, cfg.delta, cfg.num_rounds, graph=graph)
+    min_degree = min(len(nb) for nb in graph.values()) if graph is not None and alloc.pair_table is not None else None
+    try:
+        return NadpRoundNoise(sens, sig, alloc, nadp_compensation(cfg, sizes, min_degree))
+    except ValueError as err:  # (1 - tau) k <= 1: no honest partner is left to hide behind
+        return NadpRoundNoise(sens, sig, alloc, 1.0, lam_problem=str(err))
+
+
+@dataclass(frozen=True)
 class NadpFloor:
     """A NADP participant's own view of the round: Eq. 3 sigmas, allocation, lambda, its sensitivity."""
 
@@ -231,18 +268,9 @@ class NadpFloor:
 
 def nadp_floor(cfg: RunConfig, sizes: Mapping[int, int], me: int,
                graph: Mapping[int, Sequence[int]] | None) -> NadpFloor:
-    """The round's noise recomputed from the run config and the public sizes/graph (both variants)."""
-    sens = {n: nadp_sensitivity(cfg, s) for n, s in sizes.items()}
-    if cfg.nadp_variant == "record-ldp":
-        z_ldp = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds)
-        return NadpFloor(None, None, 1.0, sens[me], z_ldp * sens[me])
-    sig, alloc = round_plan(sizes, sens, cfg.epsilon, cfg.delta, cfg.num_rounds, graph=graph)
-    min_degree = min(len(nb) for nb in graph.values()) if graph is not None and alloc.pair_table is not None else None
-    try:
-        lam = nadp_compensation(cfg, sizes, min_degree)
-    except ValueError:
-        lam = 1.0  # no honest partner left: no lambda helps (the strategy logs the same)
-    return NadpFloor(sig, alloc, lam, sens[me])
+    """Participant ``me``'s share of :func:`nadp_round_noise` (the server's plan must announce at least this)."""
+    r = nadp_round_noise(cfg, sizes, graph)
+    return NadpFloor(r.sigmas, r.allocation, r.lam, r.sensitivities[me], None if r.ldp_stds is None else r.ldp_stds[me])
 
 
 def mpddp_floor(cfg: RunConfig, k: int, min_size: int) -> tuple[float, float, float]:
@@ -255,7 +283,7 @@ def mpddp_floor(cfg: RunConfig, k: int, min_size: int) -> tuple[float, float, fl
     clients whose n_k is larger get more noise than they need: simple, and never less).
     Raises ValueError where the theorems do not cover the setting.
     """
-    sens = mp_record_sensitivity(cfg.clip, min_size)
+    sens = mp_record_sensitivity(cfg.clip, min_size, cfg.adjacency)
     z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
     n_out = cfg.n_out if cfg.graph == "n-out" else None
     if n_out is None or n_out >= k - 1:
@@ -270,4 +298,4 @@ def mpddp_floor(cfg: RunConfig, k: int, min_size: int) -> tuple[float, float, fl
 def mpdp_naive_sigma(cfg: RunConfig, size: int) -> float:
     """``mpdp-naive``: Gaussian std ``z S`` on each perturbed gradient entry, S = ``2 clip / size`` (the client's own)."""
     return calibrate_ldp(noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds),
-                         sensitivity=mp_record_sensitivity(cfg.clip, size))
+                         sensitivity=mp_record_sensitivity(cfg.clip, size, cfg.adjacency))

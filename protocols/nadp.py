@@ -31,11 +31,8 @@ from protocols.nadp_allocation import (
 )
 from protocols.nadp_privacy import (
     NadpSigmas,
-    accountant_events,
     calibrate_from_sensitivities,
     calibrate_sigmas,
-    epsilon_from_sigmas,
-    ldp_local_sigma,
     local_sgd_sensitivity,
     sensitivity,
 )
@@ -44,13 +41,10 @@ __all__ = [
     "DropoutResidual",
     "NadpSigmas",
     "NoiseAllocation",
-    "accountant_events",
     "calibrate_from_sensitivities",
     "calibrate_sigmas",
     "compensation_factor",
     "dropout_residual",
-    "epsilon_from_sigmas",
-    "ldp_local_sigma",
     "local_sgd_sensitivity",
     "nadp_aggregate",
     "nadp_upload",

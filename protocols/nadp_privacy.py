@@ -1,4 +1,4 @@
-"""NADP-FL privacy calibration: sensitivities, Theorem 1 / Eq. 3, the events an accountant composes.
+"""NADP-FL's own calibration (Lemma 1, Eq. 3): the paper's figures a run reports beside its RDP accountant.
 
 * Sensitivity (Lemma 1): ``2 C / |D_i|`` for a client's mean of per-example clipped gradients (replace-one);
   uplink ``Delta_up = 2C/|D_min|`` over the sampled clients, downlink ``Delta_down = 2C/|D|``, both scaled by
@@ -7,8 +7,8 @@
   ``sigma_up / Delta_up = sigma_down / Delta_down = sqrt(4 T ln(1/delta)) / eps``; the formulas are
   :func:`protocols.privacy.composition.lemma2_sigma` and :func:`~protocols.privacy.composition.lemma2_epsilon`.
 * The paper's Lemma 2 drops ``rho`` from the moments-accountant bound, so its epsilon is an under-estimate; the
-  RDP accountant's epsilon (:class:`protocols.privacy.RdpAccountant` over :func:`accountant_events`) is reported
-  beside it.  ``sampling_rate`` optionally replaces T by ``qT`` (the paper's heuristic for LDP, Lemma 3).
+  RDP accountant's epsilon (the strategy's ledger, :func:`protocols.floor.nadp_round_noise`) is the guarantee.
+  ``sampling_rate`` optionally replaces T by ``qT`` (the paper's heuristic for LDP, Lemma 3).
 """
 
 from __future__ import annotations
@@ -17,16 +17,13 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from protocols.nadp_allocation import NoiseAllocation, normalize_weights
-from protocols.privacy import GaussianEvent, lemma2_epsilon, lemma2_sigma, local_sgd_sensitivity
+from protocols.nadp_allocation import normalize_weights
+from protocols.privacy import lemma2_sigma, local_sgd_sensitivity
 
 __all__ = [
     "NadpSigmas",
-    "accountant_events",
     "calibrate_from_sensitivities",
     "calibrate_sigmas",
-    "epsilon_from_sigmas",
-    "ldp_local_sigma",
     "local_sgd_sensitivity",
     "sensitivity",
 ]
@@ -136,81 +133,3 @@ def calibrate_sigmas(
     """
     d_up, d_down = _phase_sensitivities(clip, dataset_sizes, lr, local_steps)
     return _eq3(d_up, d_down, epsilon, delta, _effective_rounds(rounds, sampling_rate))
-
-
-def epsilon_from_sigmas(
-    sigma_up: float,
-    sigma_down: float,
-    delta: float,
-    clip: float,
-    dataset_sizes: Mapping[int, int] | Iterable[int],
-    rounds: int,
-    *,
-    lr: float = 1.0,
-    local_steps: int = 1,
-    sampling_rate: float | None = None,
-) -> float:
-    """Reverse of :func:`calibrate_sigmas` with the paper's composition (T uplink + T downlink)."""
-    t_eff = _effective_rounds(rounds, sampling_rate)
-    d_up, d_down = _phase_sensitivities(clip, dataset_sizes, lr, local_steps)
-    return lemma2_epsilon([(d_up, sigma_up, t_eff), (d_down, sigma_down, t_eff)], delta)
-
-
-def ldp_local_sigma(
-    epsilon: float,
-    delta: float,
-    clip: float,
-    dataset_size: float,
-    rounds: int,
-    sampling_rate: float,
-    *,
-    lr: float = 1.0,
-    local_steps: int = 1,
-) -> float:
-    """LDP-FL baseline of Lemma 3 / App. D: ``(2C/|D_i|) sqrt(2 q T ln(1/delta)) / eps``."""
-    t_eff = _effective_rounds(rounds, sampling_rate)
-    return lemma2_sigma(sensitivity(clip, dataset_size, lr=lr, local_steps=local_steps), epsilon, delta, t_eff)
-
-
-def accountant_events(
-    allocation: NoiseAllocation,
-    sensitivity_down: float,
-    *,
-    sampling_rate: float,
-    steps: int,
-    lam: float = 1.0,
-) -> dict[str, GaussianEvent]:
-    """One round's allocation as Gaussian events for an accountant (``steps`` rounds, Poisson rate q).
-
-    Client ``i``'s sensitivity is ``Delta_down / p_i`` (= ``2C lr E / |D_i|``);
-    the worst-case (smallest) multiplier over the sampled clients is used.
-
-    Keys:
-      * ``"uplink"``: one upload seen alone (residual + lam * counteracting
-        noise), ``z = min_i uplink_std_i * p_i / Delta_down``; under Eq. 3 and
-        lam = 1 this equals ``sigma_up / Delta_up``.
-      * ``"downlink"``: the aggregate (residual noise only),
-        ``z = aggregate_std / Delta_down``.
-      * ``"uplink_joint"``: the server's full view (all uploads, which also
-        determine the aggregate), from :meth:`NoiseAllocation.joint_uplink_std`.
-        Use it *alone* for that adversary; composing "uplink" and "downlink"
-        is the paper's accounting (close to, but not always above, the joint
-        view).
-    :func:`protocols.privacy.joint_gaussian` of ``[events["uplink"], events["downlink"]]``
-    is the paper-style per-round composition under one sampling event.
-    """
-    d_down = _positive("sensitivity_down", sensitivity_down)
-    if steps < 1:
-        raise ValueError("steps must be >= 1")
-    q = float(sampling_rate)
-    if not 0.0 < q <= 1.0:
-        raise ValueError(f"sampling_rate must be in (0, 1], got {q}")
-    p = allocation.weights
-    joint = allocation.joint_uplink_std(lam)
-    z_up = min(allocation.uplink_std(c, lam) * p[c] for c in allocation.client_ids) / d_down
-    z_joint = min(joint[c] * p[c] for c in allocation.client_ids) / d_down
-    return {
-        "uplink": GaussianEvent(z_up, q, steps),
-        "downlink": GaussianEvent(allocation.aggregate_std / d_down, q, steps),
-        "uplink_joint": GaussianEvent(z_joint, q, steps),
-    }

@@ -379,9 +379,11 @@ def from_wire(data: bytes, length: int | None = None) -> Ring:
 
 
 # ----------------------------------------------------------------------------- Shamir t-of-n
-#: The Mersenne prime 2^521 - 1: every secret of at most 64 bytes is a field element.
+#: The Mersenne prime 2^521 - 1: the encoded secret (length, secret, tag: at most 65 bytes) is a field element.
 SHAMIR_PRIME = (1 << 521) - 1
-SHAMIR_SECRET_MAX = 64
+#: Bytes of the integrity tag bound into the secret: shares that do not reconstruct it pass with odds 2^-64.
+SHAMIR_TAG_BYTES = 8
+SHAMIR_SECRET_MAX = 65 - 1 - SHAMIR_TAG_BYTES
 #: Bytes of one encoded share: x (2 bytes) || y (66 bytes).
 SHAMIR_SHARE_BYTES = 2 + 66
 
@@ -390,14 +392,15 @@ def shamir_split(secret: bytes, n: int, t: int) -> list[bytes]:
     """Split ``secret`` (1..64 bytes) into ``n`` shares, any ``t`` of which reconstruct it (1 <= t <= n < 2^16).
 
     Returns share ``i`` (i = 0..n-1) encoded as ``x || y`` with x = i + 1 (big-endian), coefficients from
-    the OS CSPRNG.  The secret's length is bound into the polynomial's constant term (length prefix).
+    the OS CSPRNG.  The polynomial's constant term is ``len || secret || tag`` (:func:`_shamir_tag`), so
+    :func:`shamir_combine` detects too few or mixed shares.
     """
     secret = bytes(secret)
     if not 1 <= len(secret) <= SHAMIR_SECRET_MAX:
         raise ValueError(f"a Shamir secret must be 1..{SHAMIR_SECRET_MAX} bytes, got {len(secret)}")
     if not (isinstance(n, int) and isinstance(t, int) and 1 <= t <= n < 1 << 16):
         raise ValueError(f"need 1 <= t <= n < 65536, got t={t!r}, n={n!r}")
-    coeffs = [int.from_bytes(bytes([len(secret)]) + secret, "big")]
+    coeffs = [int.from_bytes(bytes([len(secret)]) + secret + _shamir_tag(secret), "big")]
     coeffs += [int.from_bytes(os.urandom(66), "big") % SHAMIR_PRIME for _ in range(t - 1)]
     out = []
     for x in range(1, n + 1):
@@ -412,7 +415,7 @@ def shamir_combine(shares: Sequence[bytes]) -> bytes:
     """The secret from at least ``t`` distinct shares of :func:`shamir_split` (Lagrange interpolation at 0).
 
     Raises ValueError for malformed or repeated shares, or when the interpolated value is no secret
-    (too few shares, or shares of different secrets: the length prefix does not match, w.h.p.).
+    (too few shares, or shares of different secrets: its length and tag do not match, but with odds 2^-64).
     """
     points: dict[int, int] = {}
     for sh in shares:
@@ -430,9 +433,16 @@ def shamir_combine(shares: Sequence[bytes]) -> bytes:
     weights = lagrange_at_zero(points, SHAMIR_PRIME)
     total = sum(yi * weights[xi] for xi, yi in points.items()) % SHAMIR_PRIME
     raw = total.to_bytes(66, "big").lstrip(b"\x00")
-    if not raw or raw[0] == 0 or raw[0] > SHAMIR_SECRET_MAX or len(raw) != raw[0] + 1:
+    n = raw[0] if raw else 0
+    secret = raw[1:1 + n]
+    if not 1 <= n <= SHAMIR_SECRET_MAX or len(raw) != 1 + n + SHAMIR_TAG_BYTES or raw[1 + n:] != _shamir_tag(secret):
         raise ValueError("the Shamir shares do not reconstruct a secret (too few, or of different secrets)")
-    return raw[1:]
+    return secret
+
+
+def _shamir_tag(secret: bytes) -> bytes:
+    """The integrity tag of a Shamir secret: the first :data:`SHAMIR_TAG_BYTES` of SHA-256 over it."""
+    return hashlib.sha256(b"cancelfl/shamir/v1" + bytes([len(secret)]) + secret).digest()[:SHAMIR_TAG_BYTES]
 
 
 def lagrange_at_zero(xs: Iterable[int], prime: int) -> dict[int, int]:

@@ -36,7 +36,7 @@ from protocols.config import RunConfig
 from protocols.privacy.audit import audit_scores, fisher_scores
 from server.audit_canaries import _AdaptiveCanaries, _Canaries
 from server.audit_release import release
-from server.audit_spec import ADJACENCY, CANARY_SCALE, MP_FAMILY, PURE_DP, AuditReport, AuditSpec
+from server.audit_spec import ADJACENCY_TEXT, CANARY_SCALE, MP_FAMILY, PURE_DP, AuditReport, AuditSpec
 
 __all__ = ["canaries_for", "quiet", "run_audit"]
 
@@ -69,7 +69,8 @@ def canaries_for(spec: AuditSpec) -> _Canaries | _AdaptiveCanaries:
     """The canaries of ``spec``'s releases (fresh labels are drawn per release)."""
     if spec.canary_kind == "adaptive":
         return _AdaptiveCanaries(spec.clients, CANARY_SCALE * spec.clip)
-    return _Canaries(spec.clients, spec.per_client, CANARY_SCALE * spec.clip, mlp=spec.method in MP_FAMILY)
+    return _Canaries(spec.clients, spec.per_client, CANARY_SCALE * spec.clip, mlp=spec.method in MP_FAMILY,
+                     zero_out=spec.adjacency_used == "zero-out")
 
 
 @contextlib.contextmanager
@@ -142,4 +143,4 @@ def _audit_releases(spec: AuditSpec, raw: dict, seed: int | None, progress: Call
         notes.append("MP family: the release's secret R scales the noise of all its canaries, so the threshold and the "
                      "bound count one canary per release (the others fit the test)")
     return AuditReport(spec.method, spec.direction, spec.canary_kind, spec.colluders, spec.fault, claimed, spec.claim_delta,
-                       ADJACENCY, bound, int(keep_all.sum()), releases, time.perf_counter() - t0, notes)
+                       ADJACENCY_TEXT[spec.adjacency_used], bound, int(keep_all.sum()), releases, time.perf_counter() - t0, notes)

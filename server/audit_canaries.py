@@ -61,13 +61,15 @@ class _Canaries:
     """White-box gradient canaries of one release: client c holds ``scale e_k`` for k in its block, labels in {0, 1}.
 
     ``mlp``: the records train :func:`canary_mlp` (the MP family) instead of :class:`CanaryModel`; a record's
-    coordinates are then its column of the first layer.
+    coordinates are then its column of the first layer.  ``zero_out``: a canary's secret bit says whether it is
+    present (label 0) or its input is zero (no gradient: the zero-out neighbour); else the bit is its label.
     """
 
     clients: int
     per_client: int
     scale: float
     mlp: bool = False
+    zero_out: bool = False
     labels: np.ndarray = field(init=False)  # (clients * per_client,) in {0, 1}
 
     def __post_init__(self) -> None:
@@ -86,15 +88,19 @@ class _Canaries:
         """(x, y) of ``client``."""
         block = slice(client * self.per_client, (client + 1) * self.per_client)
         x = np.zeros((self.per_client, self.dim), dtype=np.float32)
+        bits = self.labels[block]
+        if self.zero_out:  # absent canaries: input 0, so no gradient on their own coordinates (the zero-out neighbour)
+            x[np.arange(self.per_client), np.arange(block.start, block.stop)] = np.where(bits == 0, self.scale, 0.0)
+            return x, np.zeros(self.per_client, dtype=np.int64)
         x[np.arange(self.per_client), np.arange(block.start, block.stop)] = self.scale
-        return x, self.labels[block].astype(np.int64)
+        return x, bits.astype(np.int64)
 
     def owner(self) -> np.ndarray:
         """The client holding each canary."""
         return np.repeat(np.arange(self.clients), self.per_client)
 
     def signs(self) -> np.ndarray:
-        """+1 / -1 per trial (label 0: ``W[0]`` grows along ``v_k``)."""
+        """+1 / -1 per trial (+1: label 0 or present, ``W[0]`` grows along ``v_k``)."""
         return np.where(self.labels == 0, 1, -1)
 
     def features(self, vectors: list[dict[str, np.ndarray]]) -> np.ndarray:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from protocols.config import ConfigError
 from server.audit import run_audit
-from server.audit_spec import AUDITED, CANARIES, DIRECTIONS, FAULTS, AuditSpec, federation
+from server.audit_spec import ADJACENCY_TEXT, AUDITED, CANARIES, DIRECTIONS, FAULTS, AuditSpec, federation
 
 __all__ = ["add_arguments", "main"]
 
@@ -27,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fault", choices=FAULTS, default=None, help="plant a fault in the release code (audit self-test)")
     p.add_argument("--clients", type=int, default=None, help="clients per release (default: per method)")
     p.add_argument("--per-client", type=int, default=None, help="canaries per client and release (default: per method)")
+    p.add_argument("--adjacency", choices=tuple(ADJACENCY_TEXT), default=None,
+                   help="neighbouring datasets of the claim and the canaries (default: zero-out; adaptive: replace-one)")
     p.add_argument("--json", default="", help="also write the report as JSON to this file")
 
 
@@ -34,7 +36,8 @@ def main(args: argparse.Namespace) -> int:
     """``cancelfl audit``: 0 = no violation, 1 = the audit proves more privacy loss than claimed, 2 = refused."""
     fed = federation(args.method, args.direction, args.canary)
     spec = AuditSpec(args.method, args.direction, args.epsilon, args.trials or fed["trials"], args.canary, args.colluders,
-                     args.fault, args.clients or fed["clients"], args.per_client or fed["per_client"])
+                     args.fault, args.clients or fed["clients"], args.per_client or fed["per_client"],
+                     adjacency=args.adjacency)
     try:
         spec.validate()
     except ConfigError as err:

@@ -14,6 +14,7 @@ which the strategy aggregates.  Views (``direction``):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,7 @@ from server.audit_faults import planted
 from server.audit_spec import MP_FAMILY, AuditSpec
 from server.local_grid import LocalGrid
 from strategies.registry import strategy_class
+from strategies.stages import close_round
 
 __all__ = ["Release", "release"]
 
@@ -63,7 +65,7 @@ def release(spec: AuditSpec, cfg: RunConfig, canaries: _Canaries | _AdaptiveCana
         errors = [r.error.reason for r in replies if r.has_error()]
         if errors:
             raise RuntimeError(f"audit release failed on the client: {errors[0]}")
-        aggregate, _ = strategy.aggregate_train(1, replies)
+        aggregate, _ = close_round(strategy, grid, strategy._state, replies)
     if aggregate is None:
         raise RuntimeError("audit release: the strategy published no model")
     part = {nid: i for i, nid in enumerate(grid.node_ids)}  # node -> partition (LocalGrid's order)
@@ -154,10 +156,10 @@ def _strip_with(strategy, target: int, seeds: dict[int, bytes], uploads: dict[in
 def _strip(strategy, grid: LocalGrid, target: int, survivors: list[int], uploads: dict[int, np.ndarray],
            replies: list[Message]) -> None:
     """The planted server fault: the real recovery phase run for ``target`` although its upload is held."""
-    st = strategy._state
-    by_node = {r.metadata.src_node_id: r for r in replies if r.metadata.src_node_id in survivors}
-    strategy.uploaded = set(survivors)  # the lie: target's upload "never arrived"
-    strategy.recover(st, [target], by_node)
+    st = dataclasses.replace(strategy._state, recovery=None)  # the round again, as the lying server tells it
+    st.replies = {r.metadata.src_node_id: r for r in replies if r.metadata.src_node_id in survivors}
+    st.uploaded, st.dropped = set(survivors), [target]  # the lie: target's upload "never arrived"
+    strategy.recover(grid, st)
     rec = strategy.recovered(st)
     seeds = {j: m[target] for j, m in rec.material.items() if target in m and not rec.is_kept(j, target)}
     _strip_with(strategy, target, seeds, uploads)

@@ -16,7 +16,7 @@ from protocols.methods import FULL_BATCH
 from protocols.privacy.audit import AuditBound
 from server.audit_canaries import MLP_HIDDEN
 
-__all__ = ["ADJACENCY", "AUDITED", "CANARIES", "CANARY_SCALE", "DIRECTIONS", "FAULTS", "HALVE_NOISE", "MP_FAMILY",
+__all__ = ["ADJACENCY_TEXT", "AUDITED", "CANARIES", "CANARY_SCALE", "DIRECTIONS", "FAULTS", "HALVE_NOISE", "MP_FAMILY",
            "PURE_DP", "AuditReport", "AuditSpec", "default_canary", "federation"]
 
 DIRECTIONS: tuple[str, ...] = ("upload", "model")
@@ -32,7 +32,9 @@ HALVE_NOISE: tuple[str, ...] = ("ldp", "cdp", "nadp", "niss", "ladp", "mpdp-naiv
 PURE_DP: tuple[str, ...] = ("ddpsa",)
 #: Methods the audit drives, and the adjacency their claim uses.
 AUDITED: tuple[str, ...] = ("ldp", "cdp", "nadp", "niss", "ladp", *MP_FAMILY, "ddpsa")
-ADJACENCY = "replace-one record (a canary's label flipped)"
+#: How the canaries make neighbouring datasets, per adjacency (run-config ``adjacency``).
+ADJACENCY_TEXT: dict[str, str] = {"zero-out": "zero-out record (a canary present or its input zeroed)",
+                                  "replace-one": "replace-one record (a canary's label flipped)"}
 #: Input scale of a canary in units of clip: its gradient norm at W = 0 is ``scale clip / sqrt 2`` > clip.
 CANARY_SCALE = 10.0
 
@@ -76,6 +78,7 @@ class AuditSpec:
     alpha: float = 0.05
     clip: float = 1.0
     lr: float = 1.0
+    adjacency: str | None = None  # None: zero-out (the run-config default), replace-one for adaptive canaries
 
     def validate(self) -> None:
         """Refuse a spec the audit cannot run, naming the option (:class:`ConfigError`)."""
@@ -85,6 +88,10 @@ class AuditSpec:
             raise ConfigError(f"audit: direction {self.direction!r}; choose one of {', '.join(DIRECTIONS)}")
         if self.canary_kind not in CANARIES:
             raise ConfigError(f"audit: canary {self.canary!r}; choose one of {', '.join(CANARIES)}")
+        if self.adjacency_used not in ADJACENCY_TEXT:
+            raise ConfigError(f"audit: adjacency {self.adjacency!r}; choose one of {', '.join(ADJACENCY_TEXT)}")
+        if self.canary_kind == "adaptive" and self.adjacency_used != "replace-one":
+            raise ConfigError("audit: adaptive canaries are label flips: adjacency must be replace-one")
         if self.canary_kind == "adaptive" and self.method != "ladp":
             raise ConfigError("audit: canary 'adaptive' exercises ladp's data-dependent noise scale: method must be ladp")
         if self.fault is not None and self.fault not in FAULTS:
@@ -110,6 +117,13 @@ class AuditSpec:
         return 0.0 if self.method in PURE_DP else self.delta
 
     @property
+    def adjacency_used(self) -> str:
+        """The neighbouring datasets the canaries make and the claim is computed for."""
+        if self.adjacency is not None:
+            return self.adjacency
+        return "replace-one" if self.canary_kind == "adaptive" else "zero-out"
+
+    @property
     def canary_kind(self) -> str:
         """The canary used: ``canary``, or the method's default."""
         return self.canary if self.canary is not None else default_canary(self.method)
@@ -128,7 +142,7 @@ class AuditSpec:
                "num-clients": self.clients, "sample-rate": 1.0, "min-clients": self.clients,
                "local-epochs": 1, "batch-size": FULL_BATCH, "lr": self.lr, "clip": self.clip, "hidden": "",
                "model-ema": 0.0, "input-centering": False, "privacy-unit": "record", "graph": "complete",
-               "divergence-factor": 0.0}
+               "divergence-factor": 0.0, "adjacency": self.adjacency_used}
         if self.method in MP_FAMILY:  # FedSGD on the canary MLP; the paper's xi step (SGD) so the model is linear
             # self-mask off: the server removes the self-mask of every upload it holds, so its view is the same
             # without it, and the recovery below reads the uploads as they stand.

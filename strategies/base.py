@@ -1,23 +1,16 @@
-"""Common machinery of every cancelfl strategy: the round template and its hooks.
+"""Common machinery of every cancelfl strategy: sampling, reply checks, stage defaults, reporting.
 
-A method's server side is a :class:`CancelStrategy` (a Flower ``Strategy``).
-The base writes the round skeleton once (:meth:`CancelStrategy.configure_train`,
-:meth:`CancelStrategy.aggregate_train`); a method overrides small hooks:
-
-* :meth:`~CancelStrategy.prepare_round` -- after sampling: extra message
-  phases through the Grid (key exchange, share relay), calibration; returns the
-  round's :class:`RoundState` (methods subclass it);
-* :meth:`~CancelStrategy.train_content` -- the train message of one participant;
-* :meth:`~CancelStrategy.after_replies` -- bookkeeping on the good train replies
-  (by default: a key phase forgets the participants that did not reply);
-* :meth:`~CancelStrategy.aggregate` -- the new global model from the
-  participants' replies;
-* :meth:`~CancelStrategy.account_round` -- compose what the round releases into
-  the method's :class:`~protocols.privacy.PrivacyLedger` (``self.privacy``).
+A method's server side is a :class:`CancelStrategy` (a Flower ``Strategy``).  A round is the sequence of
+stages of :mod:`strategies.stages` (keys -> plan -> train -> recover -> aggregate -> account); a method
+overrides the stages it needs (:meth:`~CancelStrategy.exchange_keys`, :meth:`~CancelStrategy.plan`,
+:meth:`~CancelStrategy.train_content`, :meth:`~CancelStrategy.charge_release`,
+:meth:`~CancelStrategy.recover`, :meth:`~CancelStrategy.aggregate`, :meth:`~CancelStrategy.account`).
+The stages that talk to clients receive the grid; per-round data lives in the
+:class:`~strategies.stages.RoundState`.  Privacy accounts live in ``self.privacy``
+(:class:`~protocols.privacy.PrivacyLedger`).
 
 The round loop (:mod:`strategies.run.loop`) drives rounds, evaluates centrally and asks
-the strategy for :meth:`privacy_report` (read from ``self.privacy``, written
-once here) and :meth:`round_report` to log each round.
+the strategy for :meth:`privacy_report` and :meth:`round_report` to log each round.
 
 Message layout (all methods): the server sends ``RecordDict({"arrays":
 ArrayRecord, "config": ConfigRecord})``; a client replies with ``"arrays"``
@@ -31,12 +24,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -46,7 +37,7 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from client.messages.common import TrainIns, mean_metrics, num_examples
 from client.messages.ledger import SpentReport
-from client.messages.settings import MISMATCH, with_settings
+from client.messages.settings import with_settings
 from client.wire import Weights, array_view, from_record, to_record
 from protocols.arrays import flatten
 from protocols.config import ConfigError, RunConfig
@@ -54,67 +45,16 @@ from protocols.methods import METHODS
 from protocols.privacy import PrivacyLedger
 from protocols.privacy.signal import NoiseEstimate, Release
 from strategies.run.loop import FlowerTask, run_rounds
-from strategies.validation import ReplyScreen, RoundFailed, Strikes, UploadSpec, non_finite_arrays, spec_like
-
-
-def split_replies(replies: Iterable[Message]) -> tuple[list[Message], list[str]]:
-    """Separate good replies from failures, describing each failure.
-
-    Raises:
-        ConfigError: a client refused the strategy's settings (another method configured on the client side).
-    """
-    good, errors = [], []
-    for r in replies:
-        if r.has_error():
-            if MISMATCH in r.error.reason:
-                line = next(ln for ln in r.error.reason.splitlines() if MISMATCH in ln)
-                raise ConfigError(line[line.index(MISMATCH):])
-            errors.append(f"node {r.metadata.src_node_id}: {r.error.reason}")
-        else:
-            good.append(r)
-    return good, errors
-
-
-def wait_for_nodes(grid: Grid, want: int, timeout: float, *, minimum: int | None = None,
-                   exclude: Iterable[int] = ()) -> list[int]:
-    """The connected nodes (minus ``exclude``) once ``want`` are there, or after ``timeout`` s if ``minimum`` are.
-
-    Deployment nodes register over ~10 s; a node that died is dropped by the SuperLink after its
-    heartbeat patience (~60 s in Flower 1.41), a node that comes back is listed again.  Raises
-    :class:`RoundFailed` when fewer than ``minimum`` (default ``want``) are connected at the deadline.
-    """
-    minimum = want if minimum is None else minimum
-    skip = set(exclude)
-    deadline = time.time() + timeout
-    while True:
-        nodes = sorted(n for n in grid.get_node_ids() if n not in skip)
-        if len(nodes) >= want:
-            return nodes
-        if time.time() > deadline:
-            if len(nodes) >= minimum:
-                return nodes
-            raise RoundFailed(f"only {len(nodes)} usable node(s) connected within {timeout:.0f} s, fewer than the "
-                              f"minimum of {minimum} (run-config 'min-clients', 'node-timeout'; "
-                              f"{len(skip)} node(s) left out after repeated bad replies)")
-        time.sleep(1.0)
-
-
-class ForgetsUnresponsive(Protocol):
-    """What the template needs of a key phase (:class:`strategies.key_phase.KeyPhase`)."""
-
-    def forget_unresponsive(self, participants: Iterable[int], replies: Iterable[Message]) -> None: ...
-
-
-@dataclass
-class RoundState:
-    """What the server keeps between ``configure_train`` and ``aggregate_train`` of one round.
-
-    Methods subclass it with their round's secrets and plan (e.g. ``NadpRound(RoundState)``).
-    """
-
-    round: int
-    #: Nodes sent a train message this round (replies from anyone else are ignored).
-    participants: list[int]
+from strategies.stages import (
+    ForgetsUnresponsive,
+    RoundState,
+    close_round,
+    open_round,
+    split_replies,
+    train_messages,
+    wait_for_nodes,
+)
+from strategies.validation import ReplyScreen, RoundFailed, Strikes, UploadSpec, spec_like
 
 
 class CancelStrategy(Strategy):
@@ -149,7 +89,7 @@ class CancelStrategy(Strategy):
         self.cfg = cfg
         self.sampled: list[int] = []
         self._round_report: dict[str, float] = {}
-        #: The current (or last) round's state, set by :meth:`configure_train`.
+        #: The current (or last) round's state, set by :func:`strategies.stages.open_round`.
         self._state: RoundState | None = None
         #: The method's privacy accounts (no guarantee until a method sets its accountants).
         self.privacy = PrivacyLedger(cfg.delta)
@@ -162,7 +102,7 @@ class CancelStrategy(Strategy):
         self.excluded: dict[int, str] = {}
         #: Consecutive exclusions per node; ``strikes.banned`` nodes are no longer sampled.
         self.strikes = Strikes(cfg.max_strikes)
-        #: Participants of the current round whose upload arrived (set by :meth:`aggregate_train`).
+        #: Participants of the current round whose upload arrived (set by the train stage, :func:`strategies.stages.receive`).
         self.uploaded: set[int] = set()
         #: The global model the current round's participants were sent.
         self.round_model: ArrayRecord | None = None
@@ -247,51 +187,25 @@ class CancelStrategy(Strategy):
             log(WARNING, "phase %s: %s", action, e.splitlines()[0])
         return {r.metadata.src_node_id: r for r in good}, errors
 
-    # ------------------------------------------------- round template (Flower API)
+    # ------------------------------------------------- Flower's Strategy API
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        """Sample, prepare the round (:meth:`prepare_round`), send each participant its train message."""
-        self._round_report = {}
-        self._state = None
-        self.excluded = {}
-        self.round_model = arrays
-        nodes = self.sample_nodes(grid, server_round)
-        state = self.prepare_round(grid, server_round, nodes, arrays)
-        self._state = state
-        messages = self.make_messages(state.participants, lambda node: self.train_content(state, node, arrays))
-        self.account_round(state)  # the participants are told to train and upload: count the release now
-        return messages
+        """Sampling, the keys and plan stages, then the train messages (:mod:`strategies.stages`)."""
+        return train_messages(self, open_round(self, grid, server_round, arrays))
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Split the replies, run :meth:`after_replies`, aggregate the participants' good replies."""
+        """The recover, aggregate and account stages on the replies, without a grid.
+
+        A round that needs a recovery phase (pairwise methods with dropouts or double masking) fails here:
+        drive those with :func:`strategies.stages.run_round` (as :meth:`start` does).
+
+        Raises:
+            RoundFailed: as :func:`strategies.stages.close_round`, or no state of ``server_round``.
+        """
         state = self._state
         if state is None or state.round != server_round:
             raise RoundFailed(f"round {server_round}: no round state (configure_train did not run for this round)")
-        good, errors = split_replies(replies)
-        for e in errors:
-            log(WARNING, "round %d: %s", server_round, e.splitlines()[0])
-        self.after_replies(state, good)
-        participants = set(state.participants)
-        by_node = {r.metadata.src_node_id: r for r in good if r.metadata.src_node_id in participants}
-        self.uploaded = {n for n, r in by_node.items() if "arrays" in r.content}
-        by_node = self.screen(state, by_node)
-        if not by_node:
-            raise RoundFailed(f"round {server_round}: no participant sent a usable reply ({len(errors)} errors, "
-                              f"{len(self.excluded)} excluded: {self.excluded})")
-        dropped = sorted(set(state.participants) - set(by_node))  # no reply, error, or excluded above
-        by_node = self.recover(state, dropped, by_node)  # pairwise methods: self-masks, orphaned pair noise
-        self.record_client_spending(by_node)
-        try:
-            arrays = self.aggregate(state, by_node, errors)
-        except (ValueError, KeyError, TypeError, IndexError) as err:  # a reply the checks let through
-            raise RoundFailed(f"round {server_round}: aggregation failed on the replies: "
-                              f"{type(err).__name__}: {err}") from err
-        if arrays is not None:
-            bad = non_finite_arrays(arrays)
-            if bad:
-                raise RoundFailed(f"round {server_round}: the aggregate is not finite (arrays {bad[:3]}); "
-                                  "the previous model is kept")
-        return arrays, self.mean_metrics(list(by_node.values()))
+        return close_round(self, None, state, replies)
 
     # ------------------------------------------------------------ reply checks
     def screen(self, state: RoundState, by_node: dict[int, Message]) -> dict[int, Message]:
@@ -340,44 +254,56 @@ class CancelStrategy(Strategy):
         """
         return None
 
-    # ------------------------------------------------------------------- hooks
-    def prepare_round(self, grid: Grid, server_round: int, nodes: list[int], arrays: ArrayRecord) -> RoundState:
-        """Everything between sampling and the train messages (extra phases, calibration); default: nothing."""
-        return RoundState(server_round, list(nodes))
+    # ------------------------------------------------------------------ stages
+    def begin_round(self, arrays: ArrayRecord) -> None:
+        """Reset the per-round reports before sampling; ``arrays``: the global model the round starts from."""
+        self._round_report = {}
+        self._state = None
+        self.excluded = {}
+        self.round_model = arrays
+
+    def exchange_keys(self, grid: Grid, st: RoundState) -> None:
+        """Keys stage: fill ``st.keys`` and narrow ``st.participants`` to the nodes with keys; default: nothing."""
+
+    def plan(self, grid: Grid, st: RoundState) -> RoundState:
+        """Plan stage: calibration and extra phases; returns the round's state (a method's subclass); default: ``st``."""
+        return st
 
     def train_config(self, server_round: int) -> ConfigRecord:
         """Config every participant gets with the model (default: the round number)."""
         return TrainIns(server_round).to_config()
 
-    def train_content(self, state: RoundState, node: int, arrays: ArrayRecord) -> RecordDict:
-        """The train message of ``node``: the global model and :meth:`train_config`."""
-        return RecordDict({"arrays": arrays, "config": self.train_config(state.round)})
+    def train_content(self, st: RoundState, node: int, arrays: ArrayRecord) -> RecordDict:
+        """Train stage: the message of ``node``; default: the global model and :meth:`train_config`."""
+        return RecordDict({"arrays": arrays, "config": self.train_config(st.round)})
 
-    def account_round(self, state: RoundState) -> None:
-        """Compose the round's releases into ``self.privacy`` (once its train messages exist); default: nothing.
+    def charge_release(self, st: RoundState) -> None:
+        """Train stage: compose what the train messages commit the participants to releasing; default: nothing.
 
-        Releases only known from the replies (dropouts, un-noised uploads) are composed in :meth:`aggregate`.
+        Runs before the messages leave (the runner's pending checkpoint keeps it).  What only the replies
+        determine is composed by :meth:`account`.
         """
 
-    def after_replies(self, state: RoundState, good: list[Message]) -> None:
-        """Bookkeeping on the round's good replies; a key phase forgets the participants that failed."""
-        if self.keys is not None:
-            self.keys.forget_unresponsive(state.participants, good)
+    def recover(self, grid: Grid | None, st: RoundState) -> None:
+        """Recover stage: remove self-masks and pair noise orphaned by ``st.dropped``; default: nothing.
 
-    def recover(self, state: RoundState, dropped: list[int], by_node: dict[int, Message]) -> dict[int, Message]:
-        """Remove self-masks and the pair noise orphaned by ``dropped`` before :meth:`aggregate`; default: nothing.
-
-        ``dropped``: participants whose upload is not aggregated (no reply, error, excluded).  Returns the
-        replies to aggregate.  The pairwise methods override it (:class:`strategies.recovery.PairwiseRecovery`).
+        May narrow ``st.replies`` and sets ``st.recovery``; the pairwise methods implement it
+        (:class:`strategies.recovery.PairwiseRecovery`).  ``grid`` None: a phase that needs it fails the round.
         """
-        return by_node
 
-    def aggregate(self, state: RoundState, by_node: dict[int, Message], errors: list[str]) -> ArrayRecord | None:
-        """Weighted average (:meth:`weight_of`, by default ``num-examples``) of the uploaded arrays."""
+    def aggregate(self, st: RoundState) -> ArrayRecord | None:
+        """Aggregate stage: weighted average (:meth:`weight_of`, default ``num-examples``) of ``st.replies``."""
+        by_node = st.replies
         nodes = sorted(by_node)
         weights = [self.weight_of(by_node[n]) for n in nodes]
         uploads = [from_record(by_node[n].content["arrays"]) for n in nodes]
         return to_record(weighted_average(uploads, weights), self.wire_dtype)
+
+    def account(self, st: RoundState) -> None:
+        """Account stage: compose what the replies determined (survivors, recovery); default: nothing.
+
+        Runs once the aggregate stage has started (``st.aggregating``), also when it failed.
+        """
 
     def weight_of(self, reply: Message) -> float:
         """Aggregation weight of one reply (default: its number of examples)."""
@@ -530,3 +456,7 @@ def weighted_average(uploads: list[dict[str, np.ndarray]], weights: list[float])
             acc += (w / total) * up[k]
         out[k] = acc
     return out
+
+
+__all__ = ["CancelStrategy", "RoundFailed", "RoundState", "config_for", "registered_method", "split_replies",
+           "wait_for_nodes", "weighted_average"]

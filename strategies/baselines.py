@@ -19,9 +19,11 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.serverapp import Grid
 from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg
 
 from client.messages.baselines import UNIFORM_WEIGHT_KEY, ClippingNorm, LocalDpNoise
@@ -46,7 +48,7 @@ from strategies.validation import gaussian_norm_bound
 class FedAvgStrategy(CancelStrategy):
     """Federated averaging without privacy protection (the utility upper bound; no accounts: epsilon inf)."""
 
-    def account_round(self, state: RoundState) -> None:
+    def charge_release(self, state: RoundState) -> None:
         """Nothing to compose; the round adds no noise anywhere."""
         self.report(upload_noise_std=0.0, model_noise_std=0.0)
 
@@ -67,6 +69,14 @@ def record_mean_sensitivity(cfg: RunConfig, sizes: Mapping[int, int]) -> float:
     return max(n * record_sensitivity(cfg, n) for n in sizes.values()) / total
 
 
+@dataclass
+class RecordRound(RoundState):
+    """A record-level baseline's round: the multiplier of the published mean, once the aggregate stage knows it."""
+
+    #: Noise std / record sensitivity of the mean (:meth:`LocalDPStrategy.aggregate`); None: not released.
+    mean_multiplier: float | None = None
+
+
 class _RecordLevel(CancelStrategy):
     """What both record-level baselines need: each upload's ``n_k`` (read before the reply checks)."""
 
@@ -76,9 +86,14 @@ class _RecordLevel(CancelStrategy):
         #: node -> n_k its reply claims, this round (the screen checks the claim against the partitions).
         self.sizes: dict[int, int] = {}
 
-    def configure_train(self, server_round, arrays, config, grid):
+    def begin_round(self, arrays: ArrayRecord) -> None:
+        """Also forget the last round's claimed sizes."""
+        super().begin_round(arrays)
         self.sizes = {}
-        return super().configure_train(server_round, arrays, config, grid)
+
+    def plan(self, grid: Grid, st: RoundState) -> RecordRound:
+        """Plan stage: nothing to calibrate (the noise depends on each client's own size)."""
+        return RecordRound(st.round, list(st.participants))
 
     def reply_problem(self, state: RoundState, node: int, reply: Message) -> str | None:
         """Note the reply's ``n_k`` (its noise std and update bound depend on it); a missing one is the screen's."""
@@ -146,7 +161,7 @@ class LocalDPStrategy(_RecordLevel):
             return None
         return record_training_movement(self.cfg, size) + gaussian_norm_bound(self.upload_std(size), self.model_dim())
 
-    def account_round(self, state: RoundState) -> None:
+    def charge_release(self, state: RoundState) -> None:
         """Each upload: a Gaussian with multiplier z, no amplification (every participant is told to release)."""
         self.privacy.uplink.compose(GaussianEvent(self.z))
         if self.record_level:
@@ -156,20 +171,26 @@ class LocalDPStrategy(_RecordLevel):
         k = max(len(state.participants), 1)  # independent noises: the uniform mean keeps std z clip / sqrt(k)
         self.report(upload_noise_std=self.z * self.cfg.clip, model_noise_std=self.z * self.cfg.clip / math.sqrt(k))
 
-    def aggregate(self, state: RoundState, by_node: dict[int, Message], errors: list[str]) -> ArrayRecord | None:
-        """The weighted mean; record level also composes the published mean's event (noise really in it).
+    def aggregate(self, state: RecordRound) -> ArrayRecord | None:
+        """Aggregate stage: the weighted mean; record level also notes the published mean's multiplier.
 
         Independent noises: the mean of K full-batch uploads keeps std ``z sqrt(K) 2 C lr / N`` against
         a record sensitivity ``2 C lr / N``, i.e. multiplier ``z sqrt(K)``; no amplification by sampling (the
         sample is drawn from the public run seed).
         """
-        arrays = super().aggregate(state, by_node, errors)
+        arrays = super().aggregate(state)
         if self.record_level:
+            by_node = state.replies
             sizes = {n: num_examples(by_node[n].content["metrics"]) for n in by_node}
             std, sens = self.mean_noise(sizes)
-            self.privacy.downlink.compose(GaussianEvent(std / sens))
+            state.mean_multiplier = std / sens
             self.report(upload_noise_std=min(self.upload_std(n) for n in sizes.values()), model_noise_std=std)
         return arrays
+
+    def account(self, state: RecordRound) -> None:
+        """Account stage (record level): the published mean, with the noise really in it."""
+        if state.mean_multiplier is not None:
+            self.privacy.downlink.compose(GaussianEvent(state.mean_multiplier))
 
 
 class CentralDPStrategy(_RecordLevel):
@@ -191,12 +212,13 @@ class CentralDPStrategy(_RecordLevel):
             return super().train_config(server_round)
         return merge_configs(super().train_config(server_round), ClippingNorm(self.cfg.clip).to_config())
 
-    def aggregate(self, state: RoundState, by_node: dict[int, Message], errors: list[str]) -> ArrayRecord | None:
-        """Record level: example-weighted mean + N(0, (z Delta)^2), Delta = :func:`record_mean_sensitivity`.
+    def aggregate(self, state: RoundState) -> ArrayRecord | None:
+        """Aggregate stage, record level: example-weighted mean + N(0, (z Delta)^2), Delta = :func:`record_mean_sensitivity`.
 
         Client level: Flower's uniform mean of the clipped updates plus its Gaussian noise (std ``z clip / m``).
         The record-level noise comes from the AES-CTR CSPRNG (:mod:`protocols.prg`), seeded from the OS.
         """
+        by_node = state.replies
         if self.inner is not None:
             arrays, _ = self.inner.aggregate_train(state.round, [by_node[n] for n in sorted(by_node)])
             if arrays is None:
@@ -248,7 +270,7 @@ class CentralDPStrategy(_RecordLevel):
             return None
         return record_training_movement(self.cfg, size) * (1 + 1e-3) + 1e-5 * norm
 
-    def account_round(self, state: RoundState) -> None:
+    def charge_release(self, state: RoundState) -> None:
         """The noised mean: a Gaussian with multiplier z (std / sensitivity); no amplification (public sample)."""
         self.privacy.downlink.compose(GaussianEvent(self.z))
         if not self.record_level:

@@ -1,15 +1,17 @@
 """DDP-SA parameter server (Wei et al., Algorithm 2): reconstruct the secret-shared noisy sum.
 
-Round ``t``:
+Round ``t`` (the stages of :mod:`strategies.stages`):
 
-1. ``prepare_round`` learns each new sampled node's roster name (``query.ddpsa_identity``), then opens the round
+1. ``plan`` learns each new sampled node's roster name (``query.ddpsa_identity``), then opens the round
    on the ``m`` intermediate servers (signed with ``ddpsa-server-key``) with the participants' names; fewer than
    the sharing threshold ``t`` taking it fails the round before clients work;
 2. each client (:mod:`client.methods.ddpsa`) pushes one share of its encoded noisy clipped gradient sum to every
    intermediate server and replies with a receipt;
 3. ``aggregate`` asks every server for its partial sum over the clients that replied, reconstructs from ``t``
    of them (else :class:`RoundFailed`, the round sealed unreleased, no epsilon charged), divides by
-   ``N = sum N_i`` and steps ``theta_{t+1} = theta_t - eta * sum_i s_i / N``.
+   ``N = sum N_i`` and steps with the server optimizer (``server-optimizer``; SGD:
+   ``theta_{t+1} = theta_t - eta * sum_i s_i / N``);
+4. ``account`` composes the round's ``eps_t`` once its sum was reconstructed.
 
 ``self.privacy`` composes ``eps_t`` (:func:`protocols.privacy.per_round_epsilons`, Theorem 2, Eq. 12) when a
 round's sum is reconstructed, or the epsilon the noise present really gives
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 from logging import WARNING
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
@@ -74,6 +76,8 @@ class DdpsaState(RoundState):
     global_weights: Weights
     #: participant node -> its roster name (the names its shares are pushed under).
     names: dict[int, str]
+    #: Epsilon of the round's reconstructed sum (set by the aggregate stage; None: nothing released).
+    released_epsilon: float | None = None
 
 
 class DdpsaStrategy(CancelStrategy):
@@ -164,10 +168,16 @@ class DdpsaStrategy(CancelStrategy):
             log(WARNING, "node %s gives the roster name %r of another sampled node; left out", n, named.pop(n))
         return named
 
-    def prepare_round(self, grid: Grid, server_round: int, nodes: list[int], arrays: ArrayRecord) -> DdpsaState:
-        """Learn the participants' names, open the round on the m servers before any client works."""
-        weights = from_record(arrays)
-        names = self.learn_names(grid, nodes)
+    def plan(self, grid: Grid, st: RoundState) -> DdpsaState:
+        """Plan stage: learn the participants' names, open the round on the m servers before any client works.
+
+        Raises:
+            RoundFailed: fewer than 2 sampled nodes gave a usable roster name, or the servers refused the round.
+        """
+        assert self.round_model is not None
+        server_round = st.round
+        weights = from_record(self.round_model)
+        names = self.learn_names(grid, st.participants)
         if len(names) < 2:
             raise RoundFailed(f"round {server_round}: {len(names)} sampled node(s) gave a usable roster name; "
                               "DDP-SA needs at least 2")
@@ -179,19 +189,24 @@ class DdpsaStrategy(CancelStrategy):
         return {}
 
     def train_config(self, server_round: int) -> ConfigRecord:
-        """The round number and this round's :class:`~client.messages.ddpsa.DdpsaRound` (after :meth:`prepare_round`)."""
+        """The round number and this round's :class:`~client.messages.ddpsa.DdpsaRound` (after :meth:`plan`)."""
         state = self._state
         if not isinstance(state, DdpsaState) or state.round != server_round:
-            raise RoundFailed(f"round {server_round}: no participant list (prepare_round did not run for this round)")
+            raise RoundFailed(f"round {server_round}: no participant list (the plan stage did not run for this round)")
         plan = DdpsaRound(self.epsilon_of_round(server_round), self.cfg.ddpsa_noise,
                           tuple(sorted(state.names.values())), tuple(self.addresses), self.threshold, self.run_id,
                           self.codec.frac_bits, self.codec.max_clients)
         return merge_configs(super().train_config(server_round), plan.to_config())
 
-    def aggregate(self, state: DdpsaState, by_node: dict[int, Message], errors: list[str]) -> ArrayRecord:
-        """Fetch all m partial sums over the replying clients, reconstruct, decode, average by N, take the SGD step."""
+    def aggregate(self, state: DdpsaState) -> ArrayRecord:
+        """Aggregate stage: fetch the m partial sums over the replying clients, reconstruct, decode, average by N, step.
+
+        Raises:
+            RoundFailed: too few pushed under their roster names, no finite epsilon, or the reconstruction failed
+                (each seals the round unreleased on the servers), or the decoded sum does not fit the model.
+        """
         rnd = state.round
-        by_node = dict(by_node)
+        by_node = dict(state.replies)
         for node, r in list(by_node.items()):
             try:
                 named = ShareReceipt.client_of(r.content)
@@ -223,7 +238,7 @@ class DdpsaStrategy(CancelStrategy):
             abort_round(self.servers, self.run_id, rnd, self.signer)
             raise RoundFailed(f"round {rnd}: DDP-SA reconstruction impossible, {err}") from err
         reconstruct_time = time.perf_counter() - t0
-        self.release_round(rnd, epsilon)  # the round's noisy sum is reconstructed: charge the noise present now
+        state.released_epsilon = epsilon  # the round's noisy sum is reconstructed: the account stage charges it
         decoded = self.codec.decode(ring_total)
         theta = flatten(state.global_weights)
         if decoded.size != theta.size:
@@ -271,7 +286,7 @@ class DdpsaStrategy(CancelStrategy):
         Distributed: each holds a Gamma(1/n', b) difference (variance 2 b^2 / n', ``n'`` from ``participants``,
         default ``clients``), std ``sqrt(2 clients / n') b / examples``.
         """
-        b = laplace_scale(l1_sensitivity(self.cfg.clip), self.epsilon_of_round(server_round))
+        b = laplace_scale(l1_sensitivity(self.cfg.clip, self.cfg.adjacency), self.epsilon_of_round(server_round))
         shares = 1
         if self.cfg.ddpsa_noise == "distributed":
             shares = honest_participants(clients if participants is None else participants, self.cfg.ddpsa_collude_frac)
@@ -300,7 +315,7 @@ class DdpsaStrategy(CancelStrategy):
             "epsilon_last_round": float(eps[-1]),
             "epsilon_total_certified": self.schedule.spent.epsilon,
             "delta_total_certified": self.schedule.spent.delta,
-            "laplace_scale_first_round": laplace_scale(l1_sensitivity(self.cfg.clip), float(eps[0])),
+            "laplace_scale_first_round": laplace_scale(l1_sensitivity(self.cfg.clip, self.cfg.adjacency), float(eps[0])),
             "noise": self.cfg.ddpsa_noise,
             "collude_frac": self.cfg.ddpsa_collude_frac,
             "frac_bits": self.codec.frac_bits,
@@ -321,11 +336,13 @@ class DdpsaStrategy(CancelStrategy):
         """Compose round ``server_round``'s pure-DP release: ``epsilon`` (:meth:`round_charge`), default ``eps_t``."""
         self.privacy.compose(LaplaceEvent(self.epsilon_of_round(server_round) if epsilon is None else epsilon))
 
-    def account_round(self, state: RoundState) -> None:
-        """Nothing when the train messages go out: :meth:`aggregate` composes the round's ``eps_t`` (Laplace).
+    def account(self, state: DdpsaState) -> None:
+        """Account stage: the round's pure-DP release (Laplace), once its noisy sum was reconstructed.
 
-        A DDP-SA round releases its noisy sum only when ``t`` partial sums are reconstructed.  Shares pushed
-        for a round whose reconstruction fails release nothing to the parameter server, which holds fewer
-        than ``t`` partial sums (independent of the updates), and the round is sealed unreleased on every
-        server reached.
+        Nothing is charged when the train messages go out: a DDP-SA round releases its noisy sum only when
+        ``t`` partial sums are reconstructed.  Shares pushed for a round whose reconstruction fails release
+        nothing to the parameter server, which holds fewer than ``t`` partial sums (independent of the
+        updates), and the round is sealed unreleased on every server reached.
         """
+        if state.released_epsilon is not None:
+            self.release_round(state.round, state.released_epsilon)

@@ -18,8 +18,10 @@ Round figures (from each :class:`client.messages.ladp.NoiseReport`): ``noised_la
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.app import ArrayRecord, RecordDict
+from flwr.serverapp import Grid
 
 from client.messages.common import merge_configs, num_examples
 from client.messages.ladp import NoiseReport, PublicEstimates
@@ -29,6 +31,13 @@ from protocols.config import RunConfig
 from protocols.privacy import GaussianEvent, GdpAccountant, PrivacyLedger, record_training_movement
 from protocols.privacy.signal import NoiseEstimate
 from strategies.base import CancelStrategy, RoundFailed, RoundState
+
+
+@dataclass
+class LadpRound(RoundState):
+    """A LaDP round: whether some upload released un-noised layers (set by the aggregate stage)."""
+
+    unnoised: bool = False
 
 
 class LadpStrategy(CancelStrategy):
@@ -55,21 +64,27 @@ class LadpStrategy(CancelStrategy):
         return RecordDict({"arrays": arrays, "config": merge_configs(
             self.train_config(state.round), PublicEstimates(self._estimates).to_config())})
 
-    def prepare_round(self, grid, server_round: int, nodes: list[int], arrays: ArrayRecord) -> RoundState:
-        """Set the round's estimates: KL between the model sent now and the one sent last round (both published)."""
-        current = from_record(arrays)
+    def plan(self, grid: Grid, st: RoundState) -> LadpRound:
+        """Plan stage: the round's estimates, KL between the model sent now and the one sent last round (both published)."""
+        assert self.round_model is not None
+        current = from_record(self.round_model)
         self._estimates = ladp.public_estimates(current, self._previous)
         self._previous = current
-        return super().prepare_round(grid, server_round, nodes, arrays)
+        return LadpRound(st.round, list(st.participants))
 
-    def account_round(self, state: RoundState) -> None:
+    def charge_release(self, state: RoundState) -> None:
         """Every noised layer gets at least multiplier z: the round is a Gaussian release with z (model and layers)."""
         event = GaussianEvent(self.noise_multiplier)
         self.privacy.compose(event)
         self.privacy.extra["noised_layers"].compose(event)
 
-    def aggregate(self, state: RoundState, by_node: dict[int, Message], errors: list[str]) -> ArrayRecord | None:
-        """Example-weighted mean (Algorithm 1 line 6) and the round's noise figures."""
+    def aggregate(self, state: LadpRound) -> ArrayRecord | None:
+        """Aggregate stage: example-weighted mean (Algorithm 1 line 6) and the round's noise figures.
+
+        Raises:
+            RoundFailed: a reply's noise report is malformed.
+        """
+        by_node = state.replies
         reports, weights = [], []
         for node in sorted(by_node):
             metrics = by_node[node].content["metrics"]
@@ -78,9 +93,8 @@ class LadpStrategy(CancelStrategy):
             except ValueError as err:
                 raise RoundFailed(f"round {state.round}: node {node} sent a malformed LaDP noise report: {err}") from err
             weights.append(float(num_examples(metrics)))
-        arrays = super().aggregate(state, by_node, errors)
-        if any(r.unnoised_release for r in reports):
-            self.privacy.compose(GaussianEvent(0.0))  # layers below R went out without noise: no model-level DP
+        arrays = super().aggregate(state)
+        state.unnoised = any(r.unnoised_release for r in reports)
         total_w, n = sum(weights), len(reports)
         per_layer = [r.noise_norms() for r in reports]
         self.report(
@@ -94,6 +108,11 @@ class LadpStrategy(CancelStrategy):
             **{k: sum(layers.get(k, 0.0) for layers in per_layer) / n for k in sorted(set().union(*per_layer))},
         )
         return arrays
+
+    def account(self, state: LadpRound) -> None:
+        """Account stage: an upload with layers below R went out without noise, so no model-level DP is left."""
+        if state.unnoised:
+            self.privacy.compose(GaussianEvent(0.0))
 
     def noise_estimate(self, num_params: int) -> NoiseEstimate | None:
         """Round 1's measured noise norm in the mean vs ``lr clip E`` (E clipped steps on the largest partition)."""

@@ -1,21 +1,21 @@
 """Server side of NADP-FL (Noise-Annihilation DP-FL).
 
-Round ``t`` (hooks of the round template, :class:`strategies.base.CancelStrategy`):
+Round ``t`` (the stages of :mod:`strategies.stages`):
 
 1. sample ``round(q N)`` clients (run-config ``sample-rate`` = q);
-2. key phase (:class:`strategies.key_phase.KeyPhase`): X25519
+2. keys (:class:`strategies.key_phase.KeyPhase`): X25519
    keys of the key epoch plus each client's ``|D_i|`` (fetched only from clients
    the server holds no key of); the participants are those with a key;
-3. calibration (Theorem 1 / Eq. 3 with the record-level sensitivity of the
+3. plan: calibration (Theorem 1 / Eq. 3 with the record-level sensitivity of the
    clients' per-example-clipped local SGD, :func:`protocols.nadp.local_sgd_sensitivity`):
    ``sigma_up = Delta_up sqrt(4T ln(1/delta))/eps`` for each upload and
    ``sigma_down = Delta_down sqrt(4T ln(1/delta))/eps`` for the aggregate;
    ``lambda`` from ``nadp-lambda`` (> 0) or Eq. 8 from ``nadp-tau``;
-4. the train message carries the public plan (:class:`client.messages.nadp.NadpPlan`:
+4. train: the message carries the public plan (:class:`client.messages.nadp.NadpPlan`:
    ids, sizes, sigmas, lambda) and the client's peer keys; each client recomputes
    the allocation (Alg. 2 over :func:`protocols.graphs.round_graph`) and uploads
    its noised model;
-5. aggregation ``sum_i p_i upload_i`` in float64 (:func:`protocols.nadp.nadp_aggregate`):
+5. recover, aggregate: ``sum_i p_i upload_i`` in float64 (:func:`protocols.nadp.nadp_aggregate`):
    the pair noise cancels, the
    residual noise (std ``sigma_down``) stays. A client that drops out after the
    key phase would leave its pair noise with the survivors uncancelled: the
@@ -23,9 +23,10 @@ Round ``t`` (hooks of the round template, :class:`strategies.base.CancelStrategy
    them (dropout recovery, :mod:`strategies.recovery`); the round goes on over
    the survivors (weights renormalised) and reports it.  With run-config
    ``self-mask`` every upload also carries a self-mask that the server removes
-   after one unmasking phase per round (double masking, :mod:`strategies.recovery`).
+   after one unmasking phase per round (double masking, :mod:`strategies.recovery`);
+6. account: the survivors' releases.
 
-Accounting (``self.privacy``, per-client accountants composed in the aggregate, read
+Accounting (``self.privacy``, per-client accountants composed by the account stage, read
 by the base's ``privacy_report``), per record, over the rounds its owner took part in
 (sampling is public here: the server draws it from the run seed, so no amplification
 by sampling is claimed):
@@ -48,7 +49,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from logging import WARNING
 
@@ -61,14 +61,13 @@ from client.messages.common import TrainIns, merge_configs
 from client.messages.nadp import NadpPlan
 from client.wire import from_record, to_record
 from protocols.arrays import flatten, unflatten
-from protocols.config import ConfigError, RunConfig
-from protocols.floor import nadp_compensation, nadp_sensitivity
+from protocols.config import RunConfig
+from protocols.floor import nadp_round_noise, nadp_sensitivity
 from protocols.nadp import (
     NoiseAllocation,
     dropout_residual,
     nadp_aggregate,
     normalize_weights,
-    round_plan,
 )
 from protocols.pairwise import pairwise_noise
 from protocols.privacy import (
@@ -89,13 +88,14 @@ from strategies.validation import gaussian_norm_bound
 
 @dataclass
 class NadpRound(RoundState):
-    """What the server keeps between ``configure_train`` and ``aggregate_train`` of one round."""
+    """The round's plan (``keys`` is the key stage's round): public plan, weights, sensitivities, allocation."""
 
-    keys: KeyRound
     plan: NadpPlan  # what every participant gets (public)
     weights: dict[int, float]  # normalised p_i
     sensitivity: dict[int, float]  # per-record L2 sensitivity of each client's local model
     allocation: NoiseAllocation | None  # None for the record-ldp variant
+    #: The survivors whose releases the account stage composes (set by the aggregate stage).
+    survivors: list[int] | None = None
 
 
 class NadpStrategy(PairwiseRecovery, CancelStrategy):
@@ -105,9 +105,6 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
-        if 0.0 < cfg.nadp_lambda < 1.0:
-            raise ConfigError(f"run-config 'nadp-lambda' = {cfg.nadp_lambda} must be 0 (derive from nadp-tau) "
-                              "or >= 1 (a smaller factor would undercut sigma_up)")
         self.variant = cfg.nadp_variant
         #: Noise multiplier of every reported view (RDP, T releases, no sampling amplification claimed): nadp's
         #: aggregate and joint upload view (:func:`protocols.nadp.round_plan`), record-ldp's single upload.
@@ -128,24 +125,12 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
         """Per-record L2 sensitivity of a local model trained on ``size`` examples (public)."""
         return nadp_sensitivity(self.cfg, size)  # the clients recompute it (their privacy floor)
 
-    def compensation(self, sizes: Mapping[int, int], min_degree: int | None = None) -> float:
-        """``lambda``: run-config ``nadp-lambda`` if > 0, else Eq. 8 for ``nadp-tau`` over the sampled clients.
-
-        On a sparse graph (``min_degree`` < k - 1) a client's pair noise is spread over
-        its neighbours only, so Eq. 8 is applied to the smallest neighbourhood
-        (k_eff = min degree + 1): the bound then assumes the colluders are a tau
-        fraction of every neighbourhood, which holds for a random graph drawn
-        independently of who colludes, not for a graph picked by a colluding server.
-        """
-        try:
-            return nadp_compensation(self.cfg, sizes, min_degree)  # the clients recompute it (their privacy floor)
-        except ValueError as err:
-            # (1 - tau) k <= 1: no honest partner is left to hide behind, no lambda can help.
-            log(WARNING, "nadp: %s; using lambda = 1 (no collusion protection this round)", err)
-            return 1.0
-
     def plan_round(self, keys: KeyRound) -> NadpRound:
-        """Calibrate and allocate the round's noise from the participants' reported sizes."""
+        """Calibrate and allocate the round's noise from the participants' reported sizes.
+
+        Raises:
+            RoundFailed: a participant reported no ``|D_i|`` with its key.
+        """
         rnd = keys.round
         missing = [n for n in keys.participants if n not in keys.num_examples]
         if missing:
@@ -160,23 +145,22 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
                 "above Lemma 1's 2C*lr/|D_i|. Use local-epochs=1 and batch-size >= |D_i| (one full-batch step, as "
                 "in the paper's experiments) for a useful model.", self.cfg.local_epochs, self.cfg.batch_size)
         weights = normalize_weights(sizes)
-        sens = {n: self.record_sensitivity(s) for n, s in sizes.items()}
-        if self.variant == "record-ldp":
-            # Lemma 3: each client meets (eps, delta) alone over ~qT releases with its own sensitivity.
-            plan = NadpPlan(self.variant, ids, sizes, 0.0, 0.0, 1.0, {n: self.z * sens[n] for n in ids})
-            return NadpRound(rnd, list(ids), keys, plan, weights, sens, None)
-        sig, alloc = round_plan(sizes, sens, self.cfg.epsilon, self.cfg.delta, self.cfg.num_rounds,
-                                graph=keys.neighbours)
-        # On a sparse graph, Eq. 8 holds for the smallest neighbourhood (see :meth:`compensation`).
-        min_degree = min(len(nb) for nb in keys.neighbours.values()) if alloc.pair_table is not None else None
-        plan = NadpPlan(self.variant, ids, sizes, sig.sigma_up, sig.sigma_down, self.compensation(sizes, min_degree))
-        return NadpRound(rnd, list(ids), keys, plan, weights, sens, alloc)
+        noise = nadp_round_noise(self.cfg, sizes, keys.neighbours)  # the clients derive the same (their floor)
+        sens = dict(noise.sensitivities)
+        if noise.ldp_stds is not None:  # record-ldp (Lemma 3)
+            plan = NadpPlan(self.variant, ids, sizes, 0.0, 0.0, 1.0, dict(noise.ldp_stds))
+            return NadpRound(rnd, list(ids), plan, weights, sens, None, keys=keys)
+        if noise.lam_problem is not None:
+            log(WARNING, "nadp: %s; using lambda = 1 (no collusion protection this round)", noise.lam_problem)
+        assert noise.sigmas is not None
+        plan = NadpPlan(self.variant, ids, sizes, noise.sigmas.sigma_up, noise.sigmas.sigma_down, noise.lam)
+        return NadpRound(rnd, list(ids), plan, weights, sens, noise.allocation, keys=keys)
 
-    # ------------------------------------------------------------ round hooks
-    def prepare_round(self, grid: Grid, server_round: int, nodes: list[int], arrays: ArrayRecord) -> NadpRound:
-        """Key phase, then calibration and allocation over the participants."""
-        self.grid = grid  # for the dropout recovery phase (aggregate_train gets no grid)
-        st = self.plan_round(self.keys.run(self, grid, server_round, nodes))
+    # ------------------------------------------------------------ stages
+    def plan(self, grid: Grid, st: RoundState) -> NadpRound:
+        """Plan stage: calibration and allocation over the key stage's participants."""
+        assert st.keys is not None
+        st = self.plan_round(st.keys)
         if st.allocation is not None:
             self.announce_masking(st.keys.neighbours)
         return st
@@ -186,8 +170,13 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
         return RecordDict({"arrays": arrays, "config": merge_configs(
             TrainIns(st.round).to_config(), st.plan.to_config(), st.keys.peer_keys(node).to_config())})
 
-    def aggregate(self, st: NadpRound, by_node: dict[int, Message], errors: list[str]) -> ArrayRecord:
-        """``sum_{i in S} p_i upload_i / P_S`` over the survivors S (float64), with dropout reporting."""
+    def aggregate(self, st: NadpRound) -> ArrayRecord:
+        """Aggregate stage: ``sum_{i in S} p_i upload_i / P_S`` over the survivors S (float64), with dropout reporting.
+
+        Raises:
+            RoundFailed: the uploads have different shapes.
+        """
+        by_node = st.replies
         survivors = sorted(by_node)
         uploads = {n: from_record(by_node[n].content["arrays"]) for n in survivors}
         like = uploads[survivors[0]]
@@ -205,7 +194,7 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
             self.report(recovery_server_s=time.process_time() - t0)
         if dropped:
             acc /= math.fsum(st.weights[n] for n in survivors)  # renormalise over the survivors
-        self._account(st, survivors)
+        st.survivors = survivors
         self._report_round(st, list(by_node.values()), survivors, dropped, dim, corrections)
         return to_record(unflatten(acc, like), self.wire_dtype)
 
@@ -297,8 +286,14 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
                 figures["cancellation_residual"] = res
         self.report(**figures)
 
-    def _account(self, st: NadpRound, survivors: list[int]) -> None:
-        """Compose this round's releases: per survivor (RDP, no sampling amplification) and the paper's figures."""
+    def account(self, st: NadpRound) -> None:
+        """Account stage: the survivors' releases (RDP, no sampling amplification) and the paper's figures.
+
+        Composed once the aggregate stage reached the survivors (``st.survivors``); nothing otherwise.
+        """
+        survivors = st.survivors
+        if survivors is None:
+            return
         w_s = math.fsum(st.weights[n] for n in survivors)
         total_std, _ = self._noise_after(st, survivors)
         # Downlink: a record of survivor i moves the (renormalised) aggregate by <= p_i Delta_i / P_S.

@@ -1,102 +1,41 @@
 """NISS (Yang et al., IEEE IoT-J 2022): DP noise built from shares whose negations cancel on the server.
 
-Round ``r`` (all phases run inside the round template's ``prepare_round`` hook, through the Grid;
-the messages are the classes of :mod:`client.messages.niss`):
+Round ``r`` (the stages of :mod:`strategies.stages`; messages of :mod:`client.messages.niss`):
 
-1. ``query.keys`` (shared key phase, :class:`strategies.key_phase.KeyPhase`):
-   sampled clients without a key of the key epoch return an X25519 public key.  The server, acting as
-   the paper's *tracker*, draws the round's neighbour lists: the adjacency of a
-   complete graph or of a random n-out graph over the clients with valid keys
-   (run-config ``graph``/``n-out``).
-2. ``query.shares``: each client gets its neighbours' ids and public keys and its
-   aggregation weight ``p_k``.  It calibrates ``sigma_k`` (below), splits its noise
-   into one share of variance ``sigma_k^2 / m`` per neighbour (``m`` neighbours,
-   :func:`protocols.niss.plan_shares`), and returns *one* AES-256-GCM-sealed payload
-   per neighbour (so the server cannot drop a payload unnoticed).  The relay key is
-   the pairwise HKDF seed for purpose ``niss-relay-key``; the associated data binds
-   (sender, receiver, round, run id, encoding).  Payload: ``seed`` encoding = (count, share std, 32-byte seed) from
-   which both sides expand the same shares with :mod:`protocols.prg`;
-   ``vector`` encoding = the negated share vectors themselves (float64).
-   A client that fails this phase (or answers malformed) is removed, the graph is
-   rebuilt over the others and the phase is re-run (fresh shares), so every share
-   that is sent is also received.
-3. ``train``: the server relays each client's incoming ciphertexts (it never sees
-   a share) with the global model.  The client opens all of them *before*
-   training; if any payload is missing, duplicated or fails authentication it
-   uploads nothing and reports the offending senders (who are struck); it leaves
-   the round like a client that drops out after the share exchange.  Otherwise the
-   client uploads ``p_k w_k + sum_i (n_i + s_i r_i)`` (float64) with
-   ``s_i ~ N(1, tau_k^2)`` per coordinate from its private randomness (one stream
-   per sender).  The server *sums* the uploads; the shares a missing client
-   exchanged are removed exactly by the dropout recovery (:mod:`strategies.recovery`:
-   the survivors reveal their shares to it and the shares they received from it,
-   never their own noise entirely) and the sum is renormalised to the survivors.
-   Double masking (run-config ``self-mask``, default on; :mod:`strategies.recovery`): each upload also
-   carries a self-mask of std ``sigma_k`` whose seed is Shamir-shared t-of-n among the neighbours (the sealed
-   shares ride on the train reply); the one ``query.recover`` phase of every round rebuilds and removes it,
-   so a server that tells all of k's neighbours "k dropped" while holding k's upload still faces ``sigma_k``,
-   and a survivor silent in that phase no longer fails the round.
+1. keys: the shared key phase (:class:`strategies.key_phase.KeyPhase`); the server, as the paper's
+   *tracker*, draws the neighbour lists (complete or random n-out graph, run-config ``graph``/``n-out``).
+2. plan: ``query.shares`` -- each client gets its neighbours' keys and its weight ``p_k``, splits its noise
+   into one share of variance ``sigma_k^2 / m`` per neighbour (:func:`protocols.niss.plan_shares`) and
+   returns one AES-256-GCM-sealed payload per neighbour (relay key: the pairwise HKDF seed for purpose
+   ``niss-relay-key``; associated data binds sender, receiver, round, run id, encoding).  Clients that fail
+   the phase are removed and it is re-run over a new graph (at most :data:`MAX_SHARE_ATTEMPTS`).
+3. train: the server relays each client's incoming ciphertexts with the global model (it never sees a
+   share).  A client that cannot open every payload uploads nothing and names the senders (struck); else
+   it uploads ``p_k w_k + sum_i (n_i + s_i r_i)`` (float64), ``s_i ~ N(1, tau_k^2)`` per coordinate.
+4. recover (:mod:`strategies.recovery`): the shares a missing client exchanged are removed exactly; with
+   double masking (run-config ``self-mask``, default on) every upload's self-mask of std ``sigma_k`` too.
+5. aggregate: the plain sum of the uploads, renormalised to the survivors.
+6. account: the shortfall of the noise left after recovery (:func:`strategies.recovery.charge_shortfall`).
 
-Privacy calibration (documented interpretation).  The paper's DP is per record with
-``Delta f_k`` the sensitivity of the local update function, which it never bounds.  By
-default (run-config ``privacy-unit = "record"``) a client trains with per-example clipping
-and uploads the weighted model ``p_k w_k``; since the global model and ``p_k`` are public,
-the L2 sensitivity of the upload to one of its records is ``Delta f_k = p_k *
-record_sensitivity(cfg, n_k)`` (``2 C lr p_k / n_k`` for one full-batch step).  With
-``privacy-unit = "client"`` it clips its update to ``clip`` instead (``Delta f_k = p_k
-clip``, DP-FedAvg's client level).  Run-config ``epsilon``/``delta`` is the budget for the
-*whole run* (the convention of every cancelfl method): ``sigma_k = z * Delta f_k`` with
-``z`` the smallest noise multiplier for which ``num-rounds`` Gaussian releases are
-(epsilon, delta)-DP under RDP composition (:func:`protocols.privacy.calibrate_noise_multiplier`;
-no sampling amplification, as the server knows who it sampled).  Each client computes its
-``sigma_k`` itself (:func:`protocols.niss.client_sigma`, from its run config and ``n_k``);
-the server never sends a noise figure.  Each round is thus exactly a Gaussian mechanism;
-the paper's per-round view (its Theorem 1, which is only valid for epsilon < 1) is
-reported as ``epsilon_round_analytic`` (the analytic Gaussian mechanism of one round at
-the same delta).  Weights (:func:`protocols.niss.aggregation_weights`): the paper's
-``p_k = |D_k| / sum_j |D_j|`` over the clients left after the share phase at record level
-(every ``sigma_k`` is then the central ``z 2 C lr / N``, whatever the partition), ``1/m`` at
-client level.  Each client recomputes its ``p_k`` from the round's view (participants and
-sizes, both bound into its relay keys) and refuses any other: a weight only scales a
-client's own upload and noise together, but a server that shrank some clients' weights
-would shrink the noise that hides the negated shares they hold.
-Shares: one per neighbour (:func:`protocols.niss.plan_shares`), whatever ``sigma_k``: the
-share phase's work and bytes grow with the graph degree, never with the noise variance.
+Calibration.  Run-config ``epsilon``/``delta`` is the budget of the whole run: ``sigma_k = z Delta f_k`` with
+``z`` the smallest multiplier for which ``num-rounds`` Gaussian releases are (epsilon, delta)-DP under RDP
+(:func:`protocols.privacy.calibrate_noise_multiplier`; no sampling amplification: the server knows whom it
+sampled).  ``privacy-unit = "record"`` (default): per-example clipping, ``Delta f_k = p_k
+record_sensitivity(cfg, n_k)`` and ``p_k = |D_k| / sum_j |D_j|``; ``"client"``: update clipped to ``clip``,
+``Delta f_k = p_k clip``, ``p_k = 1/m``.  Each client computes ``sigma_k`` and ``p_k`` itself
+(:func:`protocols.niss.client_sigma`, :func:`protocols.niss.aggregation_weights`) and refuses another weight.
 
-Reported each round: ``theorem2_variance`` = ``sum_k sigma_k^2 tau_k^2`` (paper's
-Theorem 2, from the clients' reported sigma_k, tau_k), and -- DIAGNOSTIC ONLY,
-with run-config ``cancellation-check = true`` -- ``measured_noise_variance``:
-clients then also send their noiseless weighted update ``p_k w_k`` in a side
-record ``diagnostic`` so that the server can measure the per-coordinate variance
-of ``aggregate - sum_k p_k w_k``.  That side channel hands the server every
-client's unprotected update and must never be enabled in production; the same
-mode reports ``exact_noise_variance`` (sum over clients of received share
-variance x tau^2, which reveals share counts), ``aggregate_error_rel`` =
-``||aggregate - sum_k p_k w_k|| / ||sum_k p_k w_k||`` and the framework's
-random-projection ``cancellation_residual`` of the clients' total noise
-(~1e-16 when tau = 0; O(1) by design when tau > 0, where the distortion is
-meant to survive: compare ``measured_noise_variance`` with Theorem 2 instead).
+Epsilon: uplink (one client's upload) = RDP of the rounds' Gaussian releases with multiplier ``z``,
+assuming the receivers of its shares do not collude with the server (Theorem 3 asks ``tau^2 >= max(2 rho -
+1, 0)`` against a colluding fraction ``rho``; heuristic, ``describe()`` states whether tau meets it).
+Downlink (the published sum): noise std ``tau sqrt(sum_k sigma_k^2)``, multiplier
+:func:`protocols.niss.downlink_multiplier` (heuristic for tau > 0, infinite for tau = 0).  Default tau
+(``niss-tau < 0``, :func:`protocols.niss.client_tau`) makes the downlink multiplier ``z``.
 
-Epsilon: uplink (what the server sees of one client) = RDP of ``server_round``
-Gaussian releases with noise multiplier ``z``; this assumes the receivers of a
-client's shares do not collude with the server.  Against a colluding fraction
-``rho`` of neighbours, Theorem 3 asks ``tau^2 >= max(2 rho - 1, 0)``; the paper
-only matches the *variance* of the residual noise (a Gaussian-times-Gaussian
-sum, not a Gaussian), so that case is heuristic and ``describe()`` states
-whether the configured tau meets it.  Downlink (what the global model reveals):
-the aggregate noise has std ``tau sqrt(sum_k sigma_k^2)`` per coordinate, i.e.
-noise multiplier ``tau z sqrt(sum_j Delta f_j^2) / Delta f_k`` for a record of
-client k (``tau z sqrt(m)`` for equal dataset sizes; the worst participant is
-charged, :func:`protocols.niss.downlink_multiplier`, from the sizes the clients
-reported with their keys), accounted without amplification by sampling (the
-sample is drawn from the public run seed, and the server sampled it); infinite for
-tau = 0, and heuristic for tau > 0 because the product noise is only approximately
-Gaussian.  By default (``niss-tau < 0``) tau is the larger of
-Theorem 3's minimum and ``max_k Delta f_k / sqrt(sum_j Delta f_j^2)`` over the sizes
-sent with the share request (``1/sqrt(m)`` for equal sizes, never less;
-:func:`protocols.niss.client_tau`), which makes the downlink multiplier ``z``: the
-published model gets the run's epsilon too (tau = 0 would publish the exact FedAvg
-model).
+Reported each round: ``theorem2_variance`` (Theorem 2, ``sum_k sigma_k^2 tau_k^2``); with run-config
+``cancellation-check`` (DIAGNOSTIC ONLY: clients then also send their noiseless ``p_k w_k``, which hands the
+server every update) ``measured_noise_variance``, ``exact_noise_variance``, ``aggregate_error_rel`` and
+``cancellation_residual``; ``epsilon_round_analytic`` in ``describe()`` (the paper's per-round view).
 """
 
 from __future__ import annotations
@@ -137,15 +76,17 @@ MAX_SHARE_ATTEMPTS = 3
 
 @dataclass
 class NissRound(RoundState):
-    """The round after the share phase: its key round, the weights ``p_k`` and each participant's relayed inbox."""
+    """The round after the share phase (``keys``: its key round): the weights ``p_k``, each participant's inbox."""
 
-    keys: KeyRound
     #: node -> ``p_k`` (:func:`protocols.niss.aggregation_weights` of the round's view; they sum to 1).
     weights: dict[int, float]
     #: receiver -> (sender ids, sealed payloads), in sender order.
     inbox: dict[int, tuple[list[int], list[bytes]]]
     #: The distortion std the clients derive for this round (:func:`protocols.niss.client_tau` of the sizes sent).
     tau: float = 0.0
+    #: Noise left after recovery, set by the aggregate stage for the account stage: (uplink multiplier of the
+    #: least-noised survivor, variance of the shares exchanged among survivors); None without recovery.
+    noise_left: tuple[float, float] | None = None
 
 
 #: Bytes of one sealed payload besides its share vectors (header, seed, AEAD nonce and tag; ~100 in practice).
@@ -220,11 +161,15 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         self.privacy = PrivacyLedger(cfg.delta, uplink=RdpAccountant(),
                                      downlink=RdpAccountant() if self.tau > 0 else None, headline="uplink")
 
-    # ------------------------------------------------------------------ hooks
-    def prepare_round(self, grid: Grid, server_round: int, nodes: list[int], arrays: ArrayRecord) -> NissRound:
-        """Key phase, then the share phase; the server relays the payloads with the train messages."""
-        self.grid = grid  # for the dropout recovery phase (aggregate_train gets no grid)
-        kr, replies = self._share_phase(grid, self.keys.run(self, grid, server_round, nodes))
+    # ------------------------------------------------------------------ stages
+    def plan(self, grid: Grid, st: RoundState) -> NissRound:
+        """Plan stage: the share phase over the key stage's round; the inboxes the train messages relay.
+
+        Raises:
+            RoundFailed: the share phase did not complete (:data:`MAX_SHARE_ATTEMPTS`).
+        """
+        assert st.keys is not None
+        kr, replies = self._share_phase(grid, st.keys)
         # Relay: the server only moves opaque ciphertexts from sender to receiver.
         inbox: dict[int, tuple[list[int], list[bytes]]] = {n: ([], []) for n in kr.participants}
         for sender in kr.participants:
@@ -234,7 +179,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         self.report(participants=len(kr.participants), dropped=len(kr.dropped))
         self.announce_masking(kr.neighbours)
         tau = client_tau(self.cfg, _sizes(kr))
-        return NissRound(server_round, list(kr.participants), kr, self._weights(kr), inbox, tau)
+        return NissRound(st.round, list(kr.participants), self._weights(kr), inbox, tau, keys=kr)
 
     def _weights(self, kr: KeyRound) -> dict[int, float]:
         return niss_math.aggregation_weights(self.cfg, kr.participants, _sizes(kr))
@@ -313,8 +258,13 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         inbox = RelayedInbox(state.round, state.weights[node], tuple(senders), tuple(blobs), state.keys.probe_seed)
         return RecordDict({"arrays": arrays, "config": inbox.to_config()})
 
-    def aggregate(self, state: NissRound, by_node: dict[int, Message], errors: list[str]) -> ArrayRecord:
-        """Sum the uploads; fail the round if any share could not cancel."""
+    def aggregate(self, state: NissRound) -> ArrayRecord:
+        """Aggregate stage: the sum of the uploads, renormalised to the survivors.
+
+        Raises:
+            RoundFailed: a relayed payload was rejected, or a missing client's shares were not recovered.
+        """
+        by_node, errors = state.replies, state.errors
         rejected = _rejections(by_node)
         if rejected:
             raise RoundFailed(f"round {state.round}: relayed NISS share payload(s) rejected by the recipient "
@@ -366,13 +316,16 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
 
     def _remove_orphaned_shares(self, state: NissRound, agg: dict[str, np.ndarray],
                                 ordered: list[Message]) -> list[float] | None:
-        """Subtract what each survivor's upload holds because of a dropped neighbour; charge the noise lost.
+        """Subtract what each survivor's upload holds because of a dropped neighbour; note the noise left.
 
         Per (survivor i, dropped k) the revealed :class:`~client.messages.recovery.NissPairMaterial`: i's
         own shares sent to k (nothing left to cancel them) and the distorted negated shares i received from
-        k.  The accountants are charged with the noise really left (:func:`strategies.recovery.charge_shortfall`):
-        uplink, the least own noise a survivor keeps; downlink (tau > 0), the shares exchanged among survivors.
+        k.  ``state.noise_left`` (for the account stage): the uplink multiplier of the least own noise a
+        survivor keeps, the downlink multiplier of the shares exchanged among survivors.
         Returns the corrections' projections on the cancellation check's direction.
+
+        Raises:
+            RoundFailed: a survivor revealed malformed material.
         """
         rec = self.recovered(state)
         if rec is None:
@@ -403,13 +356,12 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
                 out.append(float(np.dot(corr, probe)))
         agg.update(unflatten(flat, agg))
         z_real = min(self.z * math.sqrt(max(kept[n], 0.0) / sigma2[n]) if sigma2[n] > 0 else self.z for n in kept)
-        charge_shortfall(self.privacy.uplink, self.z, z_real)
+        real = 0.0
         if self.privacy.downlink is not None:
             # Multiplier = std left / the worst record's sensitivity max_k sigma_k / z (protocols.niss.downlink_multiplier).
             among = max(math.fsum(sigma2.values()) - lost_among, 0.0)
-            planned = self._downlink_multiplier(state)
             real = state.tau * self.z * math.sqrt(among) / math.sqrt(max(sigma2.values()))
-            charge_shortfall(self.privacy.downlink, planned, real)
+        state.noise_left = (z_real, real)
         self.report(uplink_noise_multiplier_after_recovery=z_real)
         return rec.probe_corrections(out)
 
@@ -499,8 +451,8 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
                   for n in state.participants]
         return downlink_multiplier(state.tau, sigmas, self.z)
 
-    def account_round(self, state: NissRound) -> None:
-        """Compose the round: each upload is a Gaussian release with multiplier z, the sum keeps ``tau sqrt(sum sigma^2)``.
+    def charge_release(self, state: NissRound) -> None:
+        """The planned round: each upload a Gaussian release with multiplier z, the sum ``tau sqrt(sum sigma^2)``.
 
         No amplification by sampling in either direction: the server knows whom it sampled, and the sample is
         drawn from the public run seed, so whoever gets the published model can know it too.
@@ -508,6 +460,15 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         self.privacy.uplink.compose(GaussianEvent(self.z))
         if self.privacy.downlink is not None:
             self.privacy.downlink.compose(GaussianEvent(self._downlink_multiplier(state)))
+
+    def account(self, state: NissRound) -> None:
+        """Account stage: after a recovery, the shortfall of the noise really left against the planned release."""
+        if state.noise_left is None:
+            return
+        z_real, real = state.noise_left
+        charge_shortfall(self.privacy.uplink, self.z, z_real)
+        if self.privacy.downlink is not None:
+            charge_shortfall(self.privacy.downlink, self._downlink_multiplier(state), real)
 
 
 __all__ = ["NissStrategy", "MAX_SHARE_ATTEMPTS"]

@@ -1,10 +1,10 @@
-"""Dropout recovery of the pairwise noise (nadp, niss, mpddp): the server removes orphaned pair noise exactly.
+"""Recover stage of the pairwise methods (nadp, niss, mpddp): the server removes orphaned pair noise exactly.
 
 A participant that drops out after the round's pairs are fixed, or whose upload the server excludes
-(:mod:`strategies.validation`), leaves its pair noise with every surviving neighbour uncancelled.  The round
-template (:meth:`strategies.base.CancelStrategy.aggregate_train`) calls :meth:`PairwiseRecovery.recover` (or,
-with double masking, :meth:`PairwiseRecovery.unmask`) before aggregating; the method's ``aggregate`` then
-subtracts the survivors' corrections, so the aggregate is what the survivors alone would have produced.
+(:mod:`strategies.validation`), leaves its pair noise with every surviving neighbour uncancelled.  The recover
+stage (:mod:`strategies.stages`) calls :meth:`PairwiseRecovery.recover` (or, with double masking,
+:meth:`PairwiseRecovery.unmask`) with the grid it receives; the method's ``aggregate`` then subtracts the
+survivors' corrections, so the aggregate is what the survivors alone would have produced.
 
 * double masking (``self-mask``): a ``query.recover`` phase every round; each survivor reveals, per peer, either
   its share of the peer's self-mask seed or their pair seed, never both; a round fails only when a self-mask
@@ -88,53 +88,58 @@ class RecoveryOutcome:
 
 
 class PairwiseRecovery:
-    """Mixin for the pairwise strategies (before :class:`~strategies.base.CancelStrategy` in the bases).
+    """Keys and recover stages of the pairwise strategies (before :class:`~strategies.base.CancelStrategy` in the bases).
 
-    The method sets :attr:`grid` in ``prepare_round`` and implements :meth:`pair_neighbours`; its
-    ``aggregate`` reads :meth:`recovered` and subtracts the corrections.
+    The method implements :meth:`pair_neighbours`; its ``aggregate`` reads :meth:`recovered` and subtracts
+    the corrections.
     """
 
-    #: The grid of the current round (kept from ``prepare_round``; ``aggregate_train`` gets none).
-    grid: Grid | None = None
-    #: The last round's recovery outcome (None before any).
-    recovery: RecoveryOutcome | None = None
+    def exchange_keys(self, grid: Grid, st: RoundState) -> None:
+        """Keys stage: the shared key phase over the sampled nodes; the participants are those with a key."""
+        kr = self.keys.run(self, grid, st.round, st.participants)  # type: ignore[attr-defined]
+        st.keys, st.participants = kr, list(kr.participants)
 
     def pair_neighbours(self, state: RoundState) -> Mapping[int, Sequence[int]] | None:
         """Each participant's pairwise neighbours this round (None: the round has no pair noise)."""
         raise NotImplementedError
 
-    def recovered(self, state: RoundState) -> RecoveryOutcome | None:
-        """The recovery outcome of ``state``'s round, if recovery ran in it."""
-        rec = self.recovery
-        return rec if rec is not None and rec.round == state.round else None
+    @staticmethod
+    def recovered(state: RoundState) -> RecoveryOutcome | None:
+        """The recover stage's outcome of ``state``'s round, if a recovery phase ran in it."""
+        return state.recovery
 
-    def recover(self, state: RoundState, dropped: list[int], by_node: dict[int, Message]) -> dict[int, Message]:
-        """Ask the survivors with a dropped neighbour for this round's pair material of the dropped peers.
+    def recover(self, grid: Grid | None, st: RoundState) -> None:
+        """Recover stage: ask the survivors with a dropped neighbour for this round's pair material of the dropped.
 
-        Self-masked uploads (:meth:`unmask`): every round.  Otherwise returns ``by_node`` (every survivor
-        stays); raises :class:`RoundFailed` when a survivor refuses or does not answer (no threshold).
+        Self-masked uploads (:meth:`unmask`): every round.  Otherwise every survivor stays in ``st.replies``;
+        sets ``st.recovery`` when a phase ran.
+
+        Raises:
+            RoundFailed: a survivor refuses or does not answer (no threshold), or a phase is needed and
+                ``grid`` is None.
         """
-        self.recovery = None
-        neighbours = self.pair_neighbours(state)
+        st.recovery = None
+        by_node = st.replies
+        neighbours = self.pair_neighbours(st)
         if neighbours is not None and any(SELF_MASK_RECORD in m.content for m in by_node.values()):
-            return self.unmask(state, dropped, by_node, neighbours)
-        gone = sorted(set(dropped) & set(state.participants))
+            self.unmask(_need_grid(grid, st, "unmasking"), st, neighbours)
+            return
+        gone = sorted(set(st.dropped) & set(st.participants))
         if not gone or neighbours is None:
-            return by_node
-        if self.grid is None:
-            raise RoundFailed(f"round {state.round}: dropout recovery needs the round's grid (prepare_round keeps it)")
+            return
+        grid = _need_grid(grid, st, "dropout recovery")
         survivors = sorted(by_node)
         gone_set = set(gone)
         # Uploads that arrived but were excluded by the reply checks: the server holds them, so the request says
         # so and the clients reveal only what leaves those peers' own noise with them (client.recovery).
-        held = sorted(gone_set & set(getattr(self, "uploaded", ())))
+        held = sorted(gone_set & st.uploaded)
         lost = sorted(gone_set - set(held))
         ask = [n for n in survivors if gone_set & set(neighbours.get(n, ()))]
-        request = RecordDict({"config": RecoveryRequest(state.round, tuple(survivors) + tuple(held), tuple(lost),
+        request = RecordDict({"config": RecoveryRequest(st.round, tuple(survivors) + tuple(held), tuple(lost),
                                                         tuple(held)).to_config()})
-        out = RecoveryOutcome(state.round, gone, survivors, excluded=held)
+        out = RecoveryOutcome(st.round, gone, survivors, excluded=held)
         t0 = time.perf_counter()
-        replies, _errors = self.exchange(self.grid, ask, lambda _n: request, "recover")  # type: ignore[attr-defined]
+        replies, _errors = self.exchange(grid, ask, lambda _n: request, "recover")  # type: ignore[attr-defined]
         out.seconds = time.perf_counter() - t0
         out.bytes_down = payload_bytes(request) * len(ask)
         silent, refused = [], []
@@ -161,12 +166,11 @@ class PairwiseRecovery:
                 out.kept[node], out.kept_probe[node] = rep.kept, rep.kept_probe
         if silent or refused:
             raise RoundFailed(
-                f"round {state.round}: dropout recovery of {gone} failed"
+                f"round {st.round}: dropout recovery of {gone} failed"
                 + (f"; survivors {silent} did not answer (a second dropout cannot be repaired without a "
                    "threshold scheme: their uploads are held, so their pairs must stay secret)" if silent else "")
                 + (f"; {'; '.join(refused)}" if refused else ""))
-        self.recovery = out
-        return by_node
+        st.recovery = out
 
     def mask_thresholds(self, neighbours: Mapping[int, Sequence[int]]) -> dict[int, int]:
         """Each node's self-mask threshold, from its degree and run-config ``mask-corruption-rate``."""
@@ -184,8 +188,7 @@ class PairwiseRecovery:
             self.__dict__["_announced_mask"] = True
             log(INFO, "%s %s", self.cfg.method, self.describe_masking(min(len(nb) for nb in neighbours.values())))  # type: ignore[attr-defined]
 
-    def unmask(self, state: RoundState, dropped: list[int], by_node: dict[int, Message],
-               neighbours: Mapping[int, Sequence[int]]) -> dict[int, Message]:
+    def unmask(self, grid: Grid, state: RoundState, neighbours: Mapping[int, Sequence[int]]) -> None:
         """Double masking: one ``query.recover`` phase to every participant whose upload arrived, every round.
 
         Kept: the aggregatable uploads with at least ``t`` kept neighbours (:func:`protocols.masking.unmaskable`);
@@ -195,11 +198,12 @@ class PairwiseRecovery:
         neighbours' seeds and its pair seeds with the others.  Every kept upload's seed is rebuilt from any
         ``t`` shares (checked against its commitment); a survivor that does not answer (a further dropout)
         is unmasked the same way and its pairs with the dropped stay in the aggregate as extra noise
-        (``kept``).  Raises :class:`RoundFailed` only when a kept upload's seed cannot be rebuilt (fewer
-        than ``t`` of its neighbours answered).
+        (``kept``).  Narrows ``state.replies`` to the kept uploads and sets ``state.recovery``.
+
+        Raises:
+            RoundFailed: a kept upload's seed cannot be rebuilt (fewer than ``t`` of its neighbours answered).
         """
-        if self.grid is None:
-            raise RoundFailed(f"round {state.round}: unmasking needs the round's grid (prepare_round keeps it)")
+        by_node = state.replies
         shares_of: dict[int, SelfMaskShares] = {}
         for n, m in by_node.items():
             if SELF_MASK_RECORD in m.content:
@@ -208,7 +212,7 @@ class PairwiseRecovery:
                 except ValueError as err:
                     raise RoundFailed(f"round {state.round}: node {n} sent malformed self-mask shares ({err})") from err
         thresholds = self.mask_thresholds(neighbours)
-        held = sorted(set(dropped) & set(getattr(self, "uploaded", ())))
+        held = sorted(set(state.dropped) & state.uploaded)
         masked = {n for n in by_node if n in shares_of}
         received = sorted(set(by_node) | set(held))
         keep = unmaskable(neighbours, set(by_node), {n: thresholds.get(n, 0) for n in by_node})
@@ -230,7 +234,7 @@ class PairwiseRecovery:
         ask = received
         requests = {n: content(n) for n in ask}
         t0 = time.perf_counter()
-        replies, _errors = self.exchange(self.grid, ask, lambda n: requests[n], "recover")  # type: ignore[attr-defined]
+        replies, _errors = self.exchange(grid, ask, lambda n: requests[n], "recover")  # type: ignore[attr-defined]
         out.seconds = time.perf_counter() - t0
         out.bytes_down = sum(payload_bytes(r) for r in requests.values())
         collected: dict[int, list[bytes]] = {n: [] for n in keep}
@@ -274,8 +278,8 @@ class PairwiseRecovery:
         if missing:
             raise RoundFailed(f"round {state.round}: self-masks cannot be removed: {'; '.join(missing)}; "
                               f"survivors {out.silent} did not answer or refused")
-        self.recovery = out
-        return {n: by_node[n] for n in sorted(keep)}
+        state.recovery = out
+        state.replies = {n: by_node[n] for n in sorted(keep)}
 
     def remove_masks(self, state: RoundState, flat: dict[int, np.ndarray]) -> None:
         """Subtract each upload's rebuilt self-mask from ``flat`` (node -> flat upload, in place)."""
@@ -315,6 +319,13 @@ class PairwiseRecovery:
 
 
 # ----------------------------------------------------------------------------- server-side helpers
+def _need_grid(grid: Grid | None, st: RoundState, phase: str) -> Grid:
+    """``grid``, or :class:`RoundFailed` when the round needs a phase with the clients and has none."""
+    if grid is None:
+        raise RoundFailed(f"round {st.round}: {phase} needs the grid (drive the round with strategies.stages.run_round)")
+    return grid
+
+
 def probe_direction(seed: bytes, size: int) -> np.ndarray:
     """The cancellation check's public random direction (what :func:`client.pairwise_phase.mask_probe` uses)."""
     return gaussian(seed, size)

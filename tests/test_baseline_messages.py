@@ -22,6 +22,7 @@ from protocols.privacy import calibrate_noise_multiplier
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies.baselines import CentralDPStrategy, LocalDPStrategy, record_mean_sensitivity
+from strategies.stages import RoundState
 from tests.test_privacy_floor import FAST, initial
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -122,7 +123,7 @@ def test_record_level_cdp_server_noise_is_z_times_2_clip_lr_over_n() -> None:
     models = {n: np.full(20_000, float(i), dtype=np.float32) for i, n in enumerate(sizes)}
     by_node = {n: Message(RecordDict({"arrays": to_record({"w": models[n]}, np.float32),
                                       "metrics": train_metrics(sizes[n])}), n, "train") for n in sizes}
-    out = flatten(from_record(strategy.aggregate(None, by_node, [])))
+    out = flatten(from_record(strategy.aggregate(RoundState(1, sorted(sizes), replies=by_node))))
     mean = sum(sizes[n] * models[n].astype(np.float64) for n in sizes) / sum(sizes.values())
     expected = strategy.z * 2 * 1.0 * 4.0 / 450
     assert record_mean_sensitivity(cfg, sizes) == pytest.approx(2 * 4.0 / 450)

@@ -194,11 +194,11 @@ class _KillingStrategy(DdpsaStrategy):
 
     victims: IntermediateServerCluster
 
-    def aggregate_train(self, server_round, replies):
-        if server_round == 2:
+    def aggregate(self, state):
+        if state.round == 2:
             os.kill(self.victims.pids[1], signal.SIGKILL)
             self.victims.handles[1].process.wait()
-        return super().aggregate_train(server_round, replies)
+        return super().aggregate(state)
 
 
 def test_killed_intermediate_server_fails_additive_round_naming_it_and_charges_no_epsilon(tmp_path) -> None:
@@ -255,10 +255,10 @@ def test_config_errors_are_clear() -> None:
 
 
 def _spent(strategy: DdpsaStrategy, rounds: int) -> list[float]:
-    """Epsilon reported after each of ``rounds`` released rounds (composed as configure_train + aggregate do)."""
+    """Epsilon reported after each of ``rounds`` released rounds (composed as the train and account stages do)."""
     out = []
     for t in range(1, rounds + 1):
-        strategy.account_round(RoundState(t, []))  # nothing: the round is charged when it is reconstructed
+        strategy.charge_release(RoundState(t, []))  # nothing: the round is charged when it is reconstructed
         strategy.release_round(t)
         out.append(strategy.privacy_report(t)["epsilon"])
     return out
@@ -319,15 +319,15 @@ def test_clients_refuse_a_strategys_own_intermediate_servers(recorded) -> None:
             strategy.close()
 
 
-def test_default_regime_spends_exactly_the_target_with_replace_one_laplace(run_inprocess) -> None:
-    """Only the method set: the regime's rounds share epsilon (basic composition), noise scale 2 clip / eps_t."""
+def test_default_regime_spends_exactly_the_target_with_zero_out_laplace(run_inprocess) -> None:
+    """Only the method set: the regime's rounds share epsilon (basic composition), noise scale clip / eps_t."""
     summary, rows = run_inprocess(method="ddpsa")
     cfg = RunConfig.from_mapping(_raw())
     assert summary["failed_rounds"] == [] and len(rows) == cfg.num_rounds
     eps_t = cfg.epsilon / cfg.num_rounds
     assert [r["epsilon_round"] for r in rows] == pytest.approx([eps_t] * cfg.num_rounds)
     assert summary["epsilon"] == pytest.approx(cfg.epsilon) and summary["epsilon"] <= cfg.epsilon * (1 + 1e-12)
-    assert summary["method_parameters"]["laplace_scale_first_round"] == pytest.approx(2 * cfg.clip / eps_t)
+    assert summary["method_parameters"]["laplace_scale_first_round"] == pytest.approx(cfg.clip / eps_t)
 
 
 def test_a_run_whose_rounds_mostly_failed_exits_non_zero(tmp_path, monkeypatch, capsys) -> None:
@@ -336,21 +336,21 @@ def test_a_run_whose_rounds_mostly_failed_exits_non_zero(tmp_path, monkeypatch, 
 
     started: list[IntermediateServerCluster] = []
     original_start = launcher.start_intermediate_servers
-    original_prepare = DdpsaStrategy.prepare_round
+    original_plan = DdpsaStrategy.plan
 
     def start(m: int, roster, **kw) -> IntermediateServerCluster:
         started.append(original_start(m, roster, **kw))
         return started[-1]
 
-    def prepare(self, grid, server_round, nodes, arrays):
-        if server_round == 2:
+    def plan(self, grid, st):
+        if st.round == 2:
             for j in (1, 2):
                 os.kill(started[0].pids[j], signal.SIGKILL)
                 started[0].handles[j].process.wait()
-        return original_prepare(self, grid, server_round, nodes, arrays)
+        return original_plan(self, grid, st)
 
     monkeypatch.setattr(launcher, "start_intermediate_servers", start)
-    monkeypatch.setattr(DdpsaStrategy, "prepare_round", prepare)
+    monkeypatch.setattr(DdpsaStrategy, "plan", plan)
     out = tmp_path / "run"
     code = _inprocess_exit({"method": "ddpsa", "num-clients": 4, "num-rounds": 5, "out-dir": str(out),
                             **{k: v for k, v in LINEAR.items()}})

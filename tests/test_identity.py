@@ -50,6 +50,7 @@ from strategies.key_phase import KeyPhase, KeyRound
 from strategies.mpddp import MpddpStrategy
 from strategies.nadp import NadpStrategy
 from strategies.niss import NissStrategy
+from strategies.stages import close_round
 
 STRATEGIES = {"nadp": NadpStrategy, "niss": NissStrategy, "mpddp": MpddpStrategy}
 N = 4
@@ -185,7 +186,7 @@ def _one_round(method: str, make_strategy, identities: bool = True, **over):
     grid.errors, grid.replies = [], []
     try:
         msgs = list(strategy.configure_train(1, arrays, ConfigRecord({"round": 1}), grid))
-        strategy.aggregate_train(1, list(grid.send_and_receive(msgs)))
+        close_round(strategy, grid, strategy._state, list(grid.send_and_receive(msgs)))
     except RoundFailed as err:
         return grid, strategy, err
     return grid, strategy, None

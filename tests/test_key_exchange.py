@@ -24,8 +24,9 @@ from client.wire import from_record, to_record
 from protocols.config import RunConfig
 from protocols.pairwise import pairwise_noise
 from server.local_grid import LocalGrid
-from strategies.base import CancelStrategy, RoundFailed, RoundState
+from strategies.base import CancelStrategy, RoundFailed
 from strategies.key_phase import KeyPhase
+from strategies.stages import close_round
 
 SIZE = 10_000
 BAD_KEY_NODES: set[int] = set()
@@ -60,15 +61,16 @@ class MaskSum(CancelStrategy):
         super().__init__(cfg)
         self.keys = KeyPhase(cfg)
 
-    def prepare_round(self, grid, server_round, nodes, arrays):
-        self.key_round = self.keys.run(self, grid, server_round, nodes)
-        return RoundState(server_round, self.key_round.participants)
+    def exchange_keys(self, grid, st):
+        self.key_round = st.keys = self.keys.run(self, grid, st.round, st.participants)
+        st.participants = list(self.key_round.participants)
 
     def train_content(self, state, node, arrays):
         return RecordDict({"arrays": arrays, "config": merge_configs(
-            TrainIns(state.round).to_config(), self.key_round.peer_keys(node).to_config())})
+            TrainIns(state.round).to_config(), state.keys.peer_keys(node).to_config())})
 
-    def aggregate(self, state, by_node, errors):
+    def aggregate(self, state):
+        by_node = state.replies
         self.failed = sorted(set(state.participants) - set(by_node))
         masks = [from_record(r.content["arrays"])["mask"] for r in by_node.values()]
         self.total = np.sum(masks, axis=0)
@@ -82,7 +84,7 @@ def _round(num_clients: int, *, graph: str = "complete", offline: int = 0) -> tu
     grid.offline = set(grid.node_ids[:offline])
     strategy = MaskSum(cfg)
     msgs = strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid)
-    strategy.aggregate_train(1, grid.send_and_receive(msgs))
+    close_round(strategy, grid, strategy._state, grid.send_and_receive(msgs))
     return strategy, grid
 
 
@@ -123,7 +125,7 @@ def _rounds(num_clients: int, rounds: int, *, key_rotation: int, lose_state_afte
     strategy = MaskSum(cfg)
     for rnd in range(1, rounds + 1):
         msgs = strategy.configure_train(rnd, ArrayRecord(), ConfigRecord(), grid)
-        strategy.aggregate_train(rnd, grid.send_and_receive(msgs))
+        close_round(strategy, grid, strategy._state, grid.send_and_receive(msgs))
         yield strategy, grid
         for idx in (lose_state_after or {}).get(rnd, []):  # e.g. a SuperNode restarted and lost Context.state
             grid.contexts[grid.node_ids[idx]].state = RecordDict()

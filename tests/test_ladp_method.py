@@ -111,7 +111,7 @@ def test_exact_composition_is_valid_and_tighter_than_basic(eps: float) -> None:
     assert strategy.noise_multiplier == pytest.approx(z)
     reported = []
     for t in range(1, 51):  # rounds released, composed as configure_train does
-        strategy.account_round(RoundState(t, []))
+        strategy.charge_release(RoundState(t, []))
         reported.append(strategy.privacy_report(t)["epsilon"])
     spent = [reported[t - 1] for t in (1, 2, 10, 50)]
     assert spent[0] <= eps_r  # the corrected Theorem 3 constant is (eps_r, delta)-DP per round

@@ -146,6 +146,60 @@ def test_no_module_over_500_lines():
     assert not long, long
 
 
+def test_no_strategies_module_over_500_lines():
+    long = [f"{p.relative_to(ROOT)}: {n}" for p in (ROOT / "strategies").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 500]
+    assert not long, long
+
+
+GRID_NAMES = ("grid", "_grid")
+
+
+def grid_kept(paths: list[Path]) -> list[str]:
+    """Places where a strategy keeps a grid on itself.
+
+    ``self.grid`` / ``self._grid`` assigned in any form (``setattr`` included) or a class attribute of that name.
+    """
+    found = []
+    for path in paths:
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, ast.AnnAssign | ast.AugAssign):
+                targets = [node.target]
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                  and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in GRID_NAMES):
+                found.append(f"{path.name}:{node.lineno}: setattr {node.args[1].value}")
+            elif isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if (isinstance(item, ast.AnnAssign | ast.Assign) and any(
+                            isinstance(t, ast.Name) and t.id in GRID_NAMES
+                            for t in (item.targets if isinstance(item, ast.Assign) else [item.target]))):
+                        found.append(f"{path.name}:{item.lineno}: class attribute of {node.name}")
+            for t in targets:
+                for sub in ast.walk(t):
+                    if (isinstance(sub, ast.Attribute) and sub.attr in GRID_NAMES and isinstance(sub.value, ast.Name)
+                            and sub.value.id == "self"):
+                        found.append(f"{path.name}:{node.lineno}: self.{sub.attr}")
+    return found
+
+
+def test_no_strategy_keeps_the_grid():
+    """The round stages get the grid as an argument (strategies.stages); no strategy stores it."""
+    found = grid_kept(sorted((ROOT / "strategies").rglob("*.py")))
+    assert not found, found
+
+
+def test_the_grid_check_catches_each_form(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("class S:\n    grid: object = None\n\n    def f(self, grid):\n        self.grid = grid\n"
+                   "        self._grid: object = grid\n        setattr(self, 'grid', grid)\n        a = self.grid\n")
+    found = grid_kept([bad])
+    assert [f.split(": ", 1)[1] for f in found] == ["class attribute of S", "self.grid", "self._grid", "setattr grid"]
+
+
 @pytest.mark.parametrize("method", list(importlib.import_module("protocols.methods").METHOD_NAMES))
 def test_registry_entries_resolve(method):
     """Every method of the registry has a strategy, a train handler and its query handlers."""

@@ -41,6 +41,7 @@ from protocols.secret_sharing import shamir_combine, shamir_split
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies.nadp import NadpStrategy
+from strategies.stages import close_round
 
 NADP_FAST = {"local-epochs": 1, "batch-size": 1000, "lr": 4.0, "clip": 1.0, "hidden": ""}
 
@@ -71,8 +72,17 @@ def test_shamir_any_t_shares_rebuild_and_fewer_do_not():
         assert shamir_combine(subset) == secret
     for subset in itertools.combinations(shares, 3):
         with pytest.raises(ValueError):
-            assert shamir_combine(subset) != secret  # wrong value: rejected by the length prefix, or differs
+            shamir_combine(subset)  # too few: the length and tag do not match (odds 2^-64)
     assert shamir_combine(shamir_split(b"\x00\x01", 3, 1)[:1]) == b"\x00\x01"
+
+
+def test_shamir_mixed_or_too_few_shares_never_pass_as_a_secret():
+    """2,000 wrong combinations (a length prefix alone lets about 1 in 500 through): every one is refused."""
+    for _ in range(1_000):
+        a, b = shamir_split(os.urandom(32), 5, 3), shamir_split(os.urandom(32), 5, 3)
+        for wrong in ((a[0], a[1], b[2]), (a[3], a[4])):
+            with pytest.raises(ValueError):
+                shamir_combine(wrong)
 
 
 def test_threshold_is_a_majority_beyond_the_colluders():
@@ -130,7 +140,7 @@ def test_self_masked_aggregate_is_exact(pinned):
     """With 2 of 8 dropped: every kept self-mask is rebuilt and removed, aggregate == survivors' average to 1e-9."""
     grid, strategy, msgs, replies = _round(8)
     gone = {msgs[2].metadata.dst_node_id, msgs[5].metadata.dst_node_id}
-    agg = flatten(from_record(strategy.aggregate_train(1, [r for n, r in replies.items() if n not in gone])[0]))
+    agg = flatten(from_record(close_round(strategy, grid, strategy._state, [r for n, r in replies.items() if n not in gone])[0]))
     st = strategy._state
     expected, weight = np.zeros_like(agg), 0.0
     for msg, seed in zip(msgs, pinned, strict=True):
@@ -241,7 +251,7 @@ def test_second_dropout_during_recovery_does_not_fail_the_round(pinned):
     first = ids[3]
     second = next(n for n in st.keys.neighbours[first] if n != ids[0])
     grid.offline.add(second)  # answers the train message, then is gone for the recovery phase
-    agg = flatten(from_record(strategy.aggregate_train(1, [r for n, r in replies.items() if n != first])[0]))
+    agg = flatten(from_record(close_round(strategy, grid, strategy._state, [r for n, r in replies.items() if n != first])[0]))
     report = strategy.round_report()
     assert report["unmask_silent"] == 1 and report["self_masks_removed"] == 9 and report["kept_pairs"] == 1
     expected, weight = np.zeros_like(agg), 0.0
@@ -388,7 +398,7 @@ def test_niss_dropouts_with_self_masks_cancel_and_a_second_dropout_does_not_fail
     silent = next(n for n in st.keys.neighbours[first] if n != ids[0])
     if second:
         grid.offline.add(silent)  # answered the train message, then gone for the unmasking phase
-    agg = flatten(from_record(strategy.aggregate_train(1, [r for n, r in replies.items() if n != first])[0]))
+    agg = flatten(from_record(close_round(strategy, grid, strategy._state, [r for n, r in replies.items() if n != first])[0]))
     report = strategy.round_report()
     assert report["self_masks_removed"] == 9 and report["unmask_silent"] == int(second)
     assert report["kept_pairs"] == int(second) and report["recovery"] == 1

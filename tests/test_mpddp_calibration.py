@@ -116,11 +116,12 @@ def test_record_level_scales_are_z_times_two_clip_over_n():
     cfg = RunConfig.from_mapping({**app_defaults(), "method": "mpddp", "num-rounds": 30, "clip": 0.5, "epsilon": 1.0})
     z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
     assert gaussian_epsilon(z, 1.0, cfg.num_rounds, cfg.delta) <= cfg.epsilon  # the reported epsilon meets the target
-    assert mp_record_sensitivity(0.5, 180) == pytest.approx(2 * 0.5 / 180)
-    assert mpdp_naive_sigma(cfg, 180) == pytest.approx(z * 2 * 0.5 / 180)
+    assert mp_record_sensitivity(0.5, 180) == pytest.approx(2 * 0.5 / 180)  # replace-one
+    assert mp_record_sensitivity(0.5, 180, "zero-out") == pytest.approx(0.5 / 180)
+    assert cfg.adjacency == "zero-out" and mpdp_naive_sigma(cfg, 180) == pytest.approx(z * 0.5 / 180)
     se, sd, theta = mpddp_floor(cfg, 10, 180)
     assert theta == pytest.approx(1 / z**2)
-    s = 2 * 0.5 / 180
+    s = 0.5 / 180  # zero-out
     assert se == pytest.approx(s * z / math.sqrt(10 * ETA_SHARE)) and sd == pytest.approx(s * z / math.sqrt(10 * (1 - ETA_SHARE)))
     # the mean's eta noise, sigma_eta / sqrt(K), covers the record sensitivity of the mean, s / K, with multiplier >= z
     assert (se / math.sqrt(10)) / (s / 10) >= z

@@ -244,10 +244,10 @@ def test_clients_receive_only_the_perturbed_model_and_privacy_report(tmp_path):
     params = summary["method_parameters"]
     k = cfg.clients_per_round
     assert params["theta_round"] == pytest.approx(1 / params["noise_multiplier"] ** 2)
-    # Record level: the scales are the Theorem 10 multipliers times 2 clip / min |D_i| of the participants.
+    # Record level: the scales are the Theorem 10 multipliers times clip / min |D_i| of the participants (zero-out).
     sizes = DdpNoise.from_config(train[0].content["config"]).sizes
     assert len(sizes) == k and sum(sizes) == sum(len(client_partition(cfg, i, k)[1]) for i in range(k))
-    sens = 2 * cfg.clip / min(sizes)
+    sens = cfg.clip / min(sizes)
     assert rows[0]["sigma_eta"] == pytest.approx(params["sigma_eta_per_sensitivity"] * sens)
     assert rows[0]["sigma_delta"] == pytest.approx(params["sigma_delta_per_sensitivity"] * sens)
     assert theta_complete(rows[0]["sigma_eta"] / sens, rows[0]["sigma_delta"] / sens, k) == pytest.approx(
@@ -311,7 +311,7 @@ def test_n_out_graph_calibration_covered_for_large_k():
     assert "Theorem 11" in params["graph"]
     assert params["sigma_delta_per_sensitivity"] > params["sigma_eta_per_sensitivity"] > 0
     for t in range(1, 11):  # ten rounds released: basic composition of (epsilon/T, delta/T) rounds
-        strategy.account_round(RoundState(t, []))
+        strategy.charge_release(RoundState(t, []))
         assert strategy.privacy_report(t)["epsilon"] == pytest.approx(t * cfg.epsilon / 10)
     assert strategy.privacy_report(10)["epsilon"] == pytest.approx(cfg.epsilon)
 

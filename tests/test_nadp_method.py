@@ -28,6 +28,7 @@ from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from server.runner import run_federation
 from strategies.nadp import NadpStrategy
+from strategies.stages import close_round
 from tests.conftest import read_metrics
 
 #: One full-batch local step per round (the paper's setting, Lemma 1 exact), a linear model on digits.
@@ -72,7 +73,7 @@ def test_aggregate_equals_weighted_average_of_model_plus_residual(pinned_residua
     arrays = to_record(get_weights(model), np.float64)
     msgs = list(strategy.configure_train(1, arrays, ConfigRecord({"round": 1}), grid))
     replies = list(grid.send_and_receive(msgs))
-    agg_rec, _ = strategy.aggregate_train(1, replies)
+    agg_rec, _ = close_round(strategy, grid, strategy._state, replies)
     agg = flatten(from_record(agg_rec))
 
     st = strategy._state
@@ -304,7 +305,8 @@ def test_sensitivity_and_calibration_match_eq3_for_one_full_batch_step():
 
     st = strategy.plan_round(KeyRound(1, sorted(sizes), {}, complete_graph(sorted(sizes)), b"", b"", [], sizes))
     ref = calibrate_sigmas(1.5, cfg.delta, cfg.clip, sizes, 7, lr=cfg.lr)  # the paper's Eq. 3
-    rdp, _ = round_plan(sizes, {c: local_sgd_sensitivity(cfg.clip, n, lr=cfg.lr) for c, n in sizes.items()}, 1.5,
+    sens = {c: local_sgd_sensitivity(cfg.clip, n, lr=cfg.lr, adjacency=cfg.adjacency) for c, n in sizes.items()}
+    rdp, _ = round_plan(sizes, sens, 1.5,
                         cfg.delta, 7, graph=complete_graph(sorted(sizes)))
     assert st.plan.sigma_up == pytest.approx(rdp.sigma_up, rel=1e-12)
     assert st.plan.sigma_down == pytest.approx(rdp.sigma_down, rel=1e-12)

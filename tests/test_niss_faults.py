@@ -22,6 +22,7 @@ from protocols import niss as niss_math
 from server.local_grid import LocalGrid
 from strategies.base import RoundFailed
 from strategies.niss import NissStrategy
+from strategies.stages import close_round
 from tests.niss_setup import flat, niss_round, niss_setup
 
 
@@ -179,14 +180,14 @@ def test_tampered_relay_leaves_the_victim_out_and_is_recovered(mode, why):
     if mode == "replay":  # round 1 untouched (payloads recorded), round 2 gets round 1's ciphertexts
         grid.mode = "replay"
         _, replies = niss_round(grid, strategy, 1, arrays)
-        strategy.aggregate_train(1, replies)
+        close_round(strategy, grid, strategy._state, replies)
         rnd = 2
     else:
         grid.mode, rnd = mode, 1
     msgs, replies = niss_round(grid, strategy, rnd, arrays)
     victim = msgs[0].metadata.dst_node_id
     assert grid.tampered[-1][0] == victim
-    new_arrays, _ = strategy.aggregate_train(rnd, replies)
+    new_arrays, _ = close_round(strategy, grid, strategy._state, replies)
     # the victim is the only one excluded, with the reason it reported; it gets no strike (not its fault)
     assert list(strategy.excluded) == [victim]
     assert why in strategy.excluded[victim] and "uploaded nothing" in strategy.excluded[victim]
@@ -251,7 +252,7 @@ def test_share_phase_dropout_is_recovered():
     grid.victim, grid.phase = grid.node_ids[2], "query.shares"
     msgs, replies = niss_round(grid, strategy, 1, arrays)
     assert len(msgs) == 4 and grid.victim not in {m.metadata.dst_node_id for m in msgs}
-    strategy.aggregate_train(1, replies)
+    close_round(strategy, grid, strategy._state, replies)
     rep = strategy.round_report()
     assert rep["participants"] == 4 and rep["dropped"] == 1
     assert rep["aggregate_error_rel"] <= 1e-9  # the survivors' shares still cancel
@@ -265,8 +266,7 @@ def test_train_dropout_is_recovered():
     _, grid, strategy, arrays = niss_setup(PhaseDropGrid, niss_tau=0.0, cancellation_check=True)
     grid.victim, grid.phase = grid.node_ids[1], "train"
     _, replies = niss_round(grid, strategy, 1, arrays)
-    strategy.grid = grid
-    strategy.aggregate_train(1, replies)
+    close_round(strategy, grid, strategy._state, replies)
     rep = strategy.round_report()
     assert rep["dropped"] == 1 and rep["recovery"] == 1 and rep["kept_pairs"] == 0
     assert rep["aggregate_error_rel"] <= 1e-9 and rep["cancellation_residual"] <= 1e-9
@@ -279,4 +279,4 @@ def test_train_dropout_without_recovery_fails_the_round():
     _, replies = niss_round(grid, strategy, 1, arrays)
     grid.victim, grid.phase = grid.node_ids[2], "query.recover"  # a second dropout, during recovery
     with pytest.raises(RoundFailed, match="did not answer"):
-        strategy.aggregate_train(1, replies)
+        close_round(strategy, grid, strategy._state, replies)

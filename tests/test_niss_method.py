@@ -40,6 +40,7 @@ from protocols.privacy import (
 from protocols.relay_crypto import RelayAuthError, open_sealed, seal
 from server.defaults import app_defaults
 from strategies.niss import NissStrategy
+from strategies.stages import close_round
 from tests.niss_setup import FAST, flat, niss_round, niss_setup
 
 
@@ -58,7 +59,7 @@ def test_tau_zero_aggregate_equals_noiseless(graph):
     cfg, grid, strategy, arrays = niss_setup(niss_tau=0.0, graph=graph, n_out=1, cancellation_check=True)
     assert cfg.privacy_unit == "record" and cfg.batch_size >= 1000 and cfg.local_epochs == 1
     msgs, replies = niss_round(grid, strategy, 1, arrays)
-    agg, _ = strategy.aggregate_train(1, replies)
+    agg, _ = close_round(strategy, grid, strategy._state, replies)
     # Re-run every client's training without noise: p_k * w_k (per-example-clipped full-batch step).
     expected = np.zeros_like(flat(arrays))
     by_node = {r.metadata.src_node_id: r for r in replies}
@@ -101,7 +102,7 @@ def test_client_level_unit_keeps_the_clipped_update_calibration():
     """privacy-unit = "client": local training, update clipped to clip, sigma_k = z p_k clip."""
     cfg, grid, strategy, arrays = niss_setup(niss_tau=0.0, privacy_unit="client", cancellation_check=True)
     msgs, replies = niss_round(grid, strategy, 1, arrays)
-    agg, _ = strategy.aggregate_train(1, replies)
+    agg, _ = close_round(strategy, grid, strategy._state, replies)
     z = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds)
     expected = np.zeros_like(flat(arrays))
     for msg, reply in zip(msgs, replies, strict=True):

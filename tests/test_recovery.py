@@ -32,6 +32,7 @@ from protocols.prg import gaussian
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies.nadp import NadpStrategy
+from strategies.stages import close_round
 
 #: nadp: one full-batch step per round on a linear model (its paper's regime, fast).
 NADP_FAST = {"local-epochs": 1, "batch-size": 1000, "lr": 4.0, "clip": 1.0, "hidden": ""}
@@ -156,7 +157,7 @@ def test_recovered_nadp_aggregate_is_the_survivors_average(monkeypatch):
     msgs = list(strategy.configure_train(1, arrays, ConfigRecord({"round": 1}), grid))
     gone = {msgs[1].metadata.dst_node_id, msgs[4].metadata.dst_node_id}
     replies = [r for r in grid.send_and_receive(msgs) if r.metadata.src_node_id not in gone]
-    agg = flatten(from_record(strategy.aggregate_train(1, replies)[0]))
+    agg = flatten(from_record(close_round(strategy, grid, strategy._state, replies)[0]))
     st = strategy._state
     expected, weight = np.zeros_like(agg), 0.0
     for msg, seed in zip(msgs, used, strict=True):

@@ -76,10 +76,10 @@ def test_crash_gives_nonzero_exit_and_no_stale_summary(tmp_path, capsys, monkeyp
 
 
 def test_no_successful_round_exits_nonzero(tmp_path, capsys, monkeypatch):
-    def fail(self, server_round, replies):
-        raise RoundFailed(f"round {server_round}: injected failure")
+    def fail(self, state):
+        raise RoundFailed(f"round {state.round}: injected failure")
 
-    monkeypatch.setattr(CancelStrategy, "aggregate_train", fail)
+    monkeypatch.setattr(CancelStrategy, "aggregate", fail)
     out = tmp_path / "run"
     code, err = _cli(capsys, "run", "--run-config", f'num-rounds=2 num-clients=3 out-dir="{out}"')
     assert code == 1 and "no round succeeded" in err and "injected failure" in err, err

@@ -74,15 +74,18 @@ def clipped_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: f
 
 
 def noisy_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: float, epsilon: float,
-                       *, honest: int | None = None, seed: bytes | None = None) -> tuple[np.ndarray, float, float]:
-    """Algorithm 2's client step before encoding: clipped sum + noise of scale ``b = 2 clip / epsilon``.
+                       *, honest: int | None = None, seed: bytes | None = None, adjacency: str = "replace-one"
+                       ) -> tuple[np.ndarray, float, float]:
+    """Algorithm 2's client step before encoding: clipped sum + noise of scale ``b = a clip / epsilon``.
+
+    ``a`` = :func:`protocols.privacy.sensitivity.adjacency_factor` of ``adjacency`` (2: the paper's replace-one).
 
     ``honest`` None: ``Lap(b)`` per coordinate (the paper's local noise); else this client's share
     ``Gamma(1/honest, b) - Gamma(1/honest, b)`` of one central ``Lap(b)``.  Returns ``(noisy sum s_i,
     mean loss, clipped fraction)``; ``seed`` = None draws fresh OS randomness.
     """
     total, loss, frac = clipped_gradient_sum(model, x, y, clip)
-    b = laplace_scale(l1_sensitivity(clip), epsilon)
+    b = laplace_scale(l1_sensitivity(clip, adjacency), epsilon)
     if honest is None:
         noise = laplace_noise(total.size, b, seed=seed)
     else:
@@ -136,7 +139,7 @@ def train(msg: Message, env: ClientEnv) -> Message:
              "fewer intermediate servers than this client's 'ddpsa-threshold' could reconstruct its upload")
     model = env.model(from_record(msg.content["arrays"]))
     noisy, loss, frac = noisy_gradient_sum(model, env.x, env.y, env.cfg.clip, eps_t, honest=honest,
-                                           seed=_noise_seed())
+                                           seed=_noise_seed(), adjacency=env.cfg.adjacency)
     spent = release(msg, env, LaplaceEvent(eps_t))  # recorded before any share leaves
     t0 = time.perf_counter()
     size = share_and_push(noisy, plan.codec(), servers, plan.run_id, rnd, me, threshold=plan.shamir_threshold)

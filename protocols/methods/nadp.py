@@ -8,7 +8,7 @@ from protocols.methods.common import MODEL, RECORD_STEP
 from protocols.methods.pairwise import PairwiseOptions
 from protocols.methods.registry import register
 from protocols.methods.spec import Guarantee, MethodSpec
-from protocols.options import MethodOptions, option
+from protocols.options import ConfigError, MethodOptions, option
 
 KEYS = "client.pairwise_phase:handle_keys"
 RECOVER = "client.recovery:handle_recover"  # dropout recovery of the pairwise noise (strategies.recovery)
@@ -30,6 +30,11 @@ class NadpOptions(MethodOptions):
     tau: float = option(0.5, "tolerated collusion rate for lambda (Eq. 8)", low=0.0, high=1.0, high_open=True)
     variant: str = option("nadp", "\"record-ldp\" = the paper's LDP-FL comparator (same training, no cancellation)",
                           choices=("nadp", "record-ldp"))
+
+    def validate(self) -> None:
+        if 0.0 < self.lambda_ < 1.0:
+            raise ConfigError(f"run-config 'nadp-lambda' = {self.lambda_} must be 0 (derive from nadp-tau) "
+                              "or >= 1 (a smaller factor would undercut sigma_up)")
 
 
 register(MethodSpec("nadp", "strategies.nadp:NadpStrategy", "client.methods.nadp:train",

@@ -218,8 +218,10 @@ def calibrate(
     )
 
 
-def mp_record_sensitivity(clip: float, dataset_size: int) -> float:
-    """Replace-one record sensitivity ``2 clip / n`` of a client's upload: the mean of its n per-example-clipped gradients.
+def mp_record_sensitivity(clip: float, dataset_size: int, adjacency: str = "replace-one") -> float:
+    """Record sensitivity ``a clip / n`` of a client's upload, the mean of its n per-example-clipped gradients.
+
+    ``a`` = 1 under zero-out, 2 under replace-one adjacency (:func:`protocols.privacy.sensitivity.adjacency_factor`).
 
     The paper sets "S_f = B = 1 for simplicity" (footnote 2): B bounds one CLIENT's whole gradient, a
     loose client-level figure, while its DP definition protects one RECORD.  The record figure is the
@@ -229,7 +231,7 @@ def mp_record_sensitivity(clip: float, dataset_size: int) -> float:
     """
     if isinstance(dataset_size, bool) or int(dataset_size) != dataset_size or dataset_size < 1:
         raise ValueError(f"dataset_size must be an integer >= 1, got {dataset_size!r}")
-    return local_sgd_sensitivity(clip, int(dataset_size), lr=1.0)
+    return local_sgd_sensitivity(clip, int(dataset_size), lr=1.0, adjacency=adjacency)
 
 
 def theta_for_noise_multiplier(noise_multiplier: float) -> float:

@@ -3,14 +3,19 @@
 Every method that protects a *record* (one training example: the unit of the papers' definitions of
 neighbouring datasets) trains with per-example clipping (:func:`client.training.clipped_sgd`) and
 calibrates its noise to :func:`local_sgd_sensitivity` of that training.  With the default regime (one
-full-batch step per round) this is Lemma 1 of NADP-FL, ``2 C lr / |D_i|``.
+full-batch step per round) this is ``C lr / |D_i|`` under zero-out adjacency (run-config ``adjacency``, the
+default: one record's gradient replaced by zero, dataset sizes fixed, Opacus' and dp-accounting's DP-SGD
+convention) and Lemma 1 of NADP-FL, ``2 C lr / |D_i|``, under replace-one adjacency.
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["local_sgd_sensitivity", "local_sgd_steps", "record_sensitivity", "record_training_movement"]
+from protocols.adjacency import ADJACENCIES, adjacency_factor
+
+__all__ = ["ADJACENCIES", "adjacency_factor", "local_sgd_sensitivity", "local_sgd_steps", "record_sensitivity",
+           "record_training_movement"]
 
 
 def _positive(name: str, value: float) -> float:
@@ -26,24 +31,25 @@ def local_sgd_steps(dataset_size: int, *, epochs: int, batch_size: int) -> int:
 
 
 def local_sgd_sensitivity(clip: float, dataset_size: int, *, lr: float, epochs: int = 1,
-                          batch_size: int | None = None) -> float:
-    """Replace-one L2 sensitivity of local SGD with per-example clipping, valid for any loss.
+                          batch_size: int | None = None, adjacency: str = "replace-one") -> float:
+    """L2 sensitivity of local SGD with per-example clipping, valid for any loss.
 
     The client runs ``epochs`` epochs of mini-batch SGD (batches of
     ``batch_size``, the last one possibly smaller; ``None`` = full batch),
-    each step ``w -= lr * mean_{x in batch} clip(grad_x, C)``. Replacing one
-    record changes the step whose batch holds it by at most ``2C lr / b``;
-    every *later* step runs from different weights, so without smoothness
-    assumptions each can differ by up to ``2C lr`` (all clipped per-example
-    gradients may change). Hence
+    each step ``w -= lr * mean_{x in batch} clip(grad_x, C)``.  Changing one
+    record moves the step whose batch holds it by at most ``a C lr / b``
+    (``a`` = :func:`adjacency_factor`: 1 zero-out, 2 replace-one); every *later*
+    step runs from different weights, so without smoothness assumptions each
+    can differ by up to ``2C lr`` (all clipped per-example gradients may change):
 
-        Delta = 2 C lr (1 / b_min + (steps - 1)).
+        Delta = a C lr / b_min + 2 C lr (steps - 1).
 
-    For one full-batch step this is exactly Lemma 1's ``2C/|D_i|`` (times lr).
-    The paper's linear ``2C lr steps / |D_i|`` (:func:`sensitivity`) only
-    counts the record's direct contribution and is not a bound once a record
-    can influence later steps through the weights, so we do not use it for
-    multi-step training.
+    For one full-batch step under replace-one this is Lemma 1's ``2C/|D_i|`` (times lr).
+    The paper's linear ``2C lr steps / |D_i|`` only counts the record's direct
+    contribution and is not a bound once a record can influence later steps.
+
+    Raises:
+        ValueError: a size, epoch count or batch size below 1, a non-positive clip or lr, an unknown adjacency.
     """
     n = int(dataset_size)
     if n < 1:
@@ -55,15 +61,17 @@ def local_sgd_sensitivity(clip: float, dataset_size: int, *, lr: float, epochs: 
         raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
     steps = local_sgd_steps(n, epochs=epochs, batch_size=b)
     smallest = n - (steps // epochs - 1) * b
-    return 2.0 * _positive("clip", clip) * _positive("lr", lr) * (1.0 / smallest + (steps - 1))
+    c_lr = _positive("clip", clip) * _positive("lr", lr)
+    return adjacency_factor(adjacency) * c_lr / smallest + 2.0 * c_lr * (steps - 1)
 
 
 def record_sensitivity(cfg, dataset_size: int) -> float:
-    """:func:`local_sgd_sensitivity` of the training a run config describes (``clip``, ``lr``, epochs, batch size).
+    """:func:`local_sgd_sensitivity` of the training a run config describes (clip, lr, epochs, batch size, adjacency).
 
     ``cfg`` is a :class:`protocols.config.RunConfig` (duck-typed: this module imports nothing of the project).
     """
-    return local_sgd_sensitivity(cfg.clip, dataset_size, lr=cfg.lr, epochs=cfg.local_epochs, batch_size=cfg.batch_size)
+    return local_sgd_sensitivity(cfg.clip, dataset_size, lr=cfg.lr, epochs=cfg.local_epochs, batch_size=cfg.batch_size,
+                                 adjacency=cfg.adjacency)
 
 
 def record_training_movement(cfg, dataset_size: int) -> float:

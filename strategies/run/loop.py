@@ -31,7 +31,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from client.messages.common import PEAK_RSS_MB, TrainIns
+from client.messages.common import PEAK_RSS_MB
 from client.wire import from_record, to_record
 from protocols.arrays import Weights
 from protocols.methods import method_spec
@@ -39,6 +39,7 @@ from protocols.privacy.signal import MeasuredSignal
 from strategies.run.checkpoint import Checkpoint, load_for_resume, mark_pending, save_checkpoint, start_run_folder
 from strategies.run.notes import learning_check, noise_check, over_target, preamble, privacy_summary
 from strategies.run.report import write_run_report
+from strategies.stages import run_round
 from strategies.validation import RoundFailed, non_finite_arrays, payload_bytes
 
 
@@ -342,10 +343,8 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
         mgrid.reset()
         t0 = time.perf_counter()
         try:
-            msgs = strategy.configure_train(rnd, arrays, TrainIns(rnd).to_config(), mgrid)
-            mark_pending(out, rnd, strategy.state_dict())  # the round's charge survives a crash from here on
-            replies = mgrid.send_and_receive(msgs, timeout=cfg.round_timeout)
-            new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
+            new_arrays, train_metrics = run_round(  # the round's charge survives a crash once the messages are built
+                strategy, mgrid, rnd, arrays, before_send=lambda r=rnd: mark_pending(out, r, strategy.state_dict()))
             mark_pending(out, rnd, strategy.state_dict())  # with what aggregation charged (dropouts, uploads seen)
             if new_arrays is not None and (bad := non_finite_arrays(new_arrays)):
                 raise RoundFailed(f"round {rnd}: the aggregate is not finite (arrays {bad[:3]}); the model is kept")

@@ -61,6 +61,7 @@ def privacy_summary(cfg: RunConfig, last_row: dict[str, Any]) -> dict[str, Any]:
         "over_target": over_target(cfg, last_row) is not None,
         "delta": cfg.delta,
         "unit": g.unit,
+        "adjacency": cfg.adjacency if g.unit == "record" else None,
         "uplink": {"view": "the uploads, as the server or an eavesdropper sees them", "adversary": g.uplink,
                    "epsilon": last_row.get("epsilon_uplink") if g.uplink else None},
         "downlink": {"view": "the published global models", "adversary": g.downlink,
