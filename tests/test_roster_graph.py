@@ -16,7 +16,7 @@ import json
 import random
 
 import pytest
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import Message, RecordDict
 
 from client.app import app as client_app
 from client.data import dataset_for
@@ -37,8 +37,20 @@ from strategies.key_phase import KeyPhase, KeyRound
 from strategies.mpddp import MpddpStrategy
 from strategies.nadp import NadpStrategy
 from strategies.niss import NissStrategy
+from strategies.stages import run_round
 
 STRATEGIES = {"nadp": NadpStrategy, "niss": NissStrategy, "mpddp": MpddpStrategy}
+
+
+class _RecordingGrid(LocalGrid):
+    """Keeps the reason of every error reply (any phase)."""
+
+    errors: list[str]
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = list(super().send_and_receive(messages, timeout=timeout))
+        self.errors = getattr(self, "errors", []) + [r.error.reason for r in replies if r.has_error()]
+        return replies
 
 
 def _raw(method: str, n: int, **over) -> dict:
@@ -116,7 +128,7 @@ def test_a_full_round_with_honest_nodes_left_out_keeps_the_roster_graph_and_canc
     n = 10
     raw = _raw("nadp", n, **{"cancellation-check": True})
     cfg = RunConfig.from_mapping(raw)
-    grid = LocalGrid(client_app, n, raw)
+    grid = _RecordingGrid(client_app, n, raw)
     left_out = set(grid.node_ids[3:5])
 
     class Omitting(KeyPhase):
@@ -129,10 +141,8 @@ def test_a_full_round_with_honest_nodes_left_out_keeps_the_roster_graph_and_canc
     ds = dataset_for(cfg)
     arrays = to_record(get_weights(build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes,
                                                cfg.seed)), strategy.wire_dtype)
-    msgs = list(strategy.configure_train(1, arrays, ConfigRecord({"round": 1}), grid))
-    replies = list(grid.send_and_receive(msgs))
-    assert not [r.error.reason for r in replies if r.has_error()]
-    strategy.aggregate_train(1, replies)
+    run_round(strategy, grid, 1, arrays)
+    assert grid.errors == []
     assert strategy.round_report()["cancellation_residual"] < 1e-9
     kr = strategy.keys.last
     assert not set(kr.participants) & left_out
@@ -148,16 +158,14 @@ def test_offline_nodes_are_absent_neighbours_and_the_round_completes():
     n = 8
     raw = _raw("mpddp", n, graph="complete", **{"cancellation-check": True})
     cfg = RunConfig.from_mapping(raw)
-    grid = LocalGrid(client_app, n, raw)
+    grid = _RecordingGrid(client_app, n, raw)
     grid.offline = {grid.node_ids[1]}
     strategy = MpddpStrategy(cfg)
     ds = dataset_for(cfg)
     arrays = to_record(get_weights(build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes,
                                                cfg.seed)), strategy.wire_dtype)
-    msgs = list(strategy.configure_train(1, arrays, ConfigRecord({"round": 1}), grid))
-    replies = list(grid.send_and_receive(msgs))
-    assert not [r.error.reason for r in replies if r.has_error()]
-    strategy.aggregate_train(1, replies)
+    run_round(strategy, grid, 1, arrays)
+    assert grid.errors == []
     assert grid.node_ids[1] not in strategy.sampled
     assert strategy.round_report()["cancellation_residual"] < 1e-9
 
