@@ -105,11 +105,21 @@ def peers(msg: Message) -> list[int]:
 def roster_round_of(cfg: RunConfig, roster: Mapping[str, bytes], rnd: int) -> RosterRound:
     """The round's public sample and pairing graph of ``roster`` under the run's graph rule (both ends call it).
 
-    Sample size: run-config ``clients-per-round`` of the roster's names (all of them if it lists fewer).
+    Sample size: run-config ``clients-per-round`` of the roster's names (all of them if it lists fewer).  The
+    last few are kept per process (a client checks the same round's view several times per message).
     """
-    seed = roster_round_seed(roster_digest(roster), rnd)
-    names = list(roster)
-    return roster_round(cfg.graph, cfg.n_out, names, min(len(names), cfg.clients_per_round), seed)
+    digest = roster_digest(roster)
+    key = (cfg.graph, cfg.n_out, cfg.clients_per_round, digest, int(rnd))
+    if key not in _ROUNDS:
+        names = list(roster)
+        _ROUNDS[key] = roster_round(cfg.graph, cfg.n_out, names, min(len(names), cfg.clients_per_round),
+                                    roster_round_seed(digest, rnd))
+        while len(_ROUNDS) > 8:
+            _ROUNDS.pop(next(iter(_ROUNDS)))
+    return _ROUNDS[key]
+
+
+_ROUNDS: dict[tuple, RosterRound] = {}
 
 
 @dataclass(frozen=True)
