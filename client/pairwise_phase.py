@@ -1,29 +1,34 @@
 """Client side of the key-exchange phase shared by every pairwise-noise method.
 
 * :func:`handle_keys` answers ``query.keys`` (:class:`client.messages.keys.KeyRequest`) with a fresh X25519 public
-  key for the server's key epoch, signed with the node's Ed25519 identity (:mod:`client.identity`); the private
-  key and the epoch's shared secrets (keyed by peer id and public key) stay in ``Context.state``.
+  key for the server's key epoch, signed with the node's Ed25519 identity (:mod:`client.identity`), and the digest
+  (or, when asked, the text) of the roster it trusts; the private key, the roster digest and the epoch's shared
+  secrets (keyed by peer id and public key) stay in ``Context.state``.
+* :func:`check_view` checks the view the message shows against the roster's pairing graph of the round
+  (:func:`roster_round_of`: seed, public sample and graph from the roster and the round number only): the graph
+  seed, every participant in the sample under its signed name, the peer list equal to this node's roster
+  neighbours among the participants, at least :func:`protocols.graphs.present_floor` of them, and the roster
+  unchanged within the key epoch; it hashes the view, so clients shown different views derive no common seed.
 * :func:`pair_seeds` derives one 32-byte seed per neighbour with HKDF, separated by purpose, round, pair, run id
   and the round's view; it refuses (``IdentityError`` naming the node) an unknown, unsigned or wrongly signed
-  peer key.
-* :func:`round_view` checks the view the message shows (participants, this node's row of the graph rebuilt from
-  :func:`protocols.identity.view_graph_seed`) and hashes it, so clients shown different views derive no common
-  seed.  Rationale: ``docs/concepts.md`` (Key exchange).
+  peer key.  Rationale: ``docs/concepts.md`` (Key exchange).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from client.env import ClientEnv
-from client.identity import sign_key, verify_peers
+from client.identity import node_identity, sign_key, verify_peers
 from client.messages.common import TrainIns
 from client.messages.keys import KeyReply, KeyRequest, MaskProbe, PeerKeys
-from protocols.graphs import round_neighbours
-from protocols.identity import view_digest, view_graph_seed
+from protocols.config import RunConfig
+from protocols.graphs import RosterRound, present_floor, present_graph, roster_round
+from protocols.identity import Roster, roster_digest, roster_round_seed, view_digest
 from protocols.keyagreement import agree_many, derive_pair_seed, generate_keypair, keypair_from_private
 from protocols.prg import gaussian
 
@@ -41,9 +46,11 @@ class KeyStore:
     shared: dict[tuple[int, bytes], bytes]
     #: peer id -> roster name its cached key was verified under.
     names: dict[int, str] = field(default_factory=dict)
+    #: digest of the roster the node trusted when it made the key pair (fixed for the key epoch).
+    roster: bytes = b""
 
     _EPOCH, _PRIVATE, _PEERS, _PEER_KEYS, _SECRETS = "epoch", "private", "cached-peers", "cached-keys", "cached-secrets"
-    _NAMES = "cached-names"
+    _NAMES, _ROSTER = "cached-names", "roster-digest"
 
     @classmethod
     def load(cls, env: ClientEnv) -> KeyStore | None:
@@ -55,11 +62,13 @@ class KeyStore:
         shared = {(int(p), bytes(k)): bytes(s) for p, k, s in
                   zip(peers, rec.get(cls._PEER_KEYS, []), rec.get(cls._SECRETS, []), strict=True)}
         names = dict(zip((int(p) for p in peers), rec.get(cls._NAMES, []), strict=True))
-        return cls(int(rec[cls._EPOCH]), bytes(rec[cls._PRIVATE]), shared, names)
+        return cls(int(rec[cls._EPOCH]), bytes(rec[cls._PRIVATE]), shared, names, bytes(rec.get(cls._ROSTER, b"")))
 
     def save(self, env: ClientEnv) -> None:
         """Write to ``Context.state`` (Flower cannot serialise empty lists, so an empty cache is left out)."""
         rec = ConfigRecord({self._EPOCH: self.epoch, self._PRIVATE: self.private})
+        if self.roster:
+            rec[self._ROSTER] = self.roster
         if self.shared:
             rec[self._PEERS] = [str(p) for p, _ in self.shared]
             rec[self._PEER_KEYS] = [k for _, k in self.shared]
@@ -73,14 +82,18 @@ def handle_keys(msg: Message, env: ClientEnv) -> Message:
 
     The reply also carries ``|D_i|`` (the local dataset size), which methods
     whose noise allocation depends on public dataset sizes (nadp) need before
-    training; other methods ignore it.
+    training; other methods ignore it; and, when the server asks (it holds no
+    roster yet), the roster this node trusts (public).
     """
     req = KeyRequest.from_config(msg.content["config"])
     kp = generate_keypair()
     name, signature = sign_key(env, req.key_epoch, kp.public_bytes)  # fails before anything is stored
+    roster = node_identity(env).roster
+    digest = roster_digest(roster)
     # Keep only the current epoch's key (and no cached secret of an older one).
-    KeyStore(req.key_epoch, kp.private_bytes, {}).save(env)
-    reply = KeyReply(kp.public_bytes, len(env.y), name, signature)
+    KeyStore(req.key_epoch, kp.private_bytes, {}, roster=digest).save(env)
+    text = Roster(dict(roster)).to_json() if req.want_roster else ""
+    reply = KeyReply(kp.public_bytes, len(env.y), name, signature, digest, text)
     return Message(RecordDict({"config": reply.to_config()}), reply_to=msg)
 
 
@@ -89,58 +102,132 @@ def peers(msg: Message) -> list[int]:
     return list(PeerKeys.from_config(msg.content["config"]).peer_ids)
 
 
-def round_view(env: ClientEnv, pk: PeerKeys, rnd: int, graph: dict[int, list[int]] | None = None) -> bytes:
-    """Check the round's view ``pk`` shows this node; its digest (bound into every pair seed, see module doc).
+def roster_round_of(cfg: RunConfig, roster: Mapping[str, bytes], rnd: int) -> RosterRound:
+    """The round's public sample and pairing graph of ``roster`` under the run's graph rule (both ends call it).
 
-    ``graph``: the round's graph when the caller has built it already (nadp), else rebuilt from the seed.
+    Sample size: run-config ``clients-per-round`` of the roster's names (all of them if it lists fewer).  The
+    last few are kept per process (a client checks the same round's view several times per message).
     """
-    me, parts = env.node_id, pk.participants
+    digest = roster_digest(roster)
+    key = (cfg.graph, cfg.n_out, cfg.clients_per_round, digest, int(rnd))
+    if key not in _ROUNDS:
+        names = list(roster)
+        _ROUNDS[key] = roster_round(cfg.graph, cfg.n_out, names, min(len(names), cfg.clients_per_round),
+                                    roster_round_seed(digest, rnd))
+        while len(_ROUNDS) > 8:
+            _ROUNDS.pop(next(iter(_ROUNDS)))
+    return _ROUNDS[key]
+
+
+_ROUNDS: dict[tuple, RosterRound] = {}
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """A checked view: its digest (bound into the pair seeds), this node's present neighbours, the graph."""
+
+    digest: bytes
+    neighbours: list[int]
+    #: the present graph over all participants (only when asked for: O(K^2) for a complete graph).
+    graph: dict[int, list[int]] | None = None
+
+
+def check_view(env: ClientEnv, pk: PeerKeys, rnd: int, *, full: bool = False) -> RoundView:
+    """Check the round's view ``pk`` against the roster graph (see the module doc); ``full``: also the graph.
+
+    Authenticates the peers' keys first (and agrees the missing secrets).  Raises IdentityError naming a
+    peer whose key is not its roster identity's, ValueError naming what the view contradicts.
+    """
+    return _checked(env, pk, rnd, full=full)[0]
+
+
+def _checked(env: ClientEnv, pk: PeerKeys, rnd: int, *, full: bool) -> tuple[RoundView, KeyStore]:
+    store = _authenticated(env, pk, rnd)
+    me, parts, names = env.node_id, pk.participants, pk.participant_names
     if not parts or pk.graph_seed is None:
         raise ValueError("the message lacks the round's participant list or graph seed: the view cannot be checked")
-    members = set(parts)
-    if me not in members:
+    if len(names) != len(parts):
+        raise ValueError("the message lacks the participants' roster names: the view cannot be checked")
+    present = dict(zip(parts, names, strict=True))
+    if me not in present:
         raise ValueError(f"node {me} is not among the round's participants")
-    strangers = sorted(set(pk.peer_ids) - members)
+    strangers = sorted(set(pk.peer_ids) - set(present))
     if strangers:
         raise ValueError(f"peers {strangers} are not among the round's participants")
-    if graph is not None and set(graph) != members:
-        raise ValueError("the round's plan and its participant list name different nodes")
-    run_id = int(env.context.run_id)
-    if pk.graph_seed != view_graph_seed(run_id=run_id, round_num=rnd, key_epoch=pk.key_epoch, participants=parts):
+    ident = node_identity(env)
+    if present[me] != ident.name:
+        raise ValueError(f"the participant list names node {me} {present[me]!r}, not this node's {ident.name!r}")
+    digest = roster_digest(ident.roster)
+    if store.roster and store.roster != digest:
+        raise ValueError(f"this node's roster changed within key epoch {store.epoch}: the pairing graph follows the "
+                         "roster of the key epoch")
+    rr = roster_round_of(env.cfg, ident.roster, rnd)
+    if pk.graph_seed != rr.seed:
         # A seed of the server's choosing could place this node among colluding neighbours.
-        raise ValueError("the graph seed is not the one the round's run, round, key epoch and participants "
-                         "determine: the server may not choose the pairing graph")
-    row = graph[me] if graph is not None else round_neighbours(env.cfg.graph, env.cfg.n_out, parts, pk.graph_seed, me)
-    if sorted(pk.peer_ids) != sorted(row):
-        raise ValueError("the peer list differs from this node's neighbours in the round's graph")
-    return view_digest(run_id=run_id, round_num=rnd, key_epoch=pk.key_epoch, graph=env.cfg.graph,
-                       n_out=env.cfg.n_out, graph_seed=pk.graph_seed, participants=parts)
+        raise ValueError("the graph seed is not the one this node's roster and the round determine: the server may "
+                         "not choose the pairing graph (or it holds another roster)")
+    if len(set(names)) != len(names):
+        raise ValueError("the participant list names one roster identity twice")
+    outside = sorted(set(names) - set(rr.sample))
+    if outside:
+        raise ValueError(f"participants {outside[:5]} are not in the round's public sample of the roster")
+    mine = rr.neighbours(ident.name)
+    ids_of = {name: node for node, name in present.items()}
+    row = sorted(ids_of[m] for m in mine if m in ids_of)
+    if sorted(pk.peer_ids) != row:
+        raise ValueError("the peer list differs from this node's neighbours in the roster's pairing graph of the round")
+    for i, peer in enumerate(pk.peer_ids):
+        if pk.peer_names and pk.name_of(i) != present[peer]:
+            raise ValueError(f"peer {peer} carries roster name {pk.name_of(i)!r}, the participant list {present[peer]!r}")
+    floor = present_floor(len(mine), env.cfg.mask_corruption_rate)
+    if len(row) < floor:
+        raise ValueError(f"only {len(row)} of this node's {len(mine)} roster neighbours take part in round {rnd}; "
+                         f"it needs at least {floor} (run-config 'mask-corruption-rate')")
+    view = view_digest(run_id=int(env.context.run_id), round_num=rnd, key_epoch=pk.key_epoch, graph=env.cfg.graph,
+                       n_out=env.cfg.n_out, graph_seed=pk.graph_seed, participants=parts, names=names)
+    return RoundView(view, row, present_graph(rr, present) if full else None), store
+
+
+def view_graph(msg: Message, env: ClientEnv) -> dict[int, list[int]]:
+    """The round's present graph over all participants, from the train message's checked view."""
+    cfg = msg.content["config"]
+    return check_view(env, PeerKeys.from_config(cfg), TrainIns.from_config(cfg).round, full=True).graph or {}
 
 
 def pair_seeds(msg: Message, env: ClientEnv, purpose: str,
                graph: dict[int, list[int]] | None = None, view_extra: bytes = b"") -> dict[int, bytes]:
     """One seed per neighbour for ``purpose`` and this round (both ends derive the same value).
 
-    Refuses an inconsistent view (:func:`round_view`) and any peer key not signed by its roster identity.
+    Refuses any peer key not signed by its roster identity, then an inconsistent view (:func:`check_view`).
+    ``graph``: the round's graph if the caller built it (it must agree with the roster's).
     ``view_extra``: more of the round's public view the method relies on (NISS: the participants' sizes),
     bound into the seeds like the participant list.
     """
     cfg = msg.content["config"]
     rnd = TrainIns.from_config(cfg).round
     pk = PeerKeys.from_config(cfg)
+    view, store = _checked(env, pk, rnd, full=False)
+    if graph is not None and sorted(graph.get(env.node_id, ())) != view.neighbours:
+        raise ValueError("the round's plan and the roster's graph give this node different neighbours")
+    context = int(env.context.run_id).to_bytes(8, "big") + view.digest + bytes(view_extra)
+    return {peer: derive_pair_seed(store.shared[(peer, key)], purpose=purpose, round_num=rnd, node_a=env.node_id,
+                                   node_b=peer, context=context)
+            for peer, key in zip(pk.peer_ids, pk.peer_keys, strict=True)}
+
+
+def _authenticated(env: ClientEnv, pk: PeerKeys, rnd: int) -> KeyStore:
+    """The key store with a verified, agreed secret for every peer of ``pk`` (IdentityError naming a bad peer)."""
     store = KeyStore.load(env)
     if store is None or store.epoch != pk.key_epoch:
         raise RuntimeError(f"no key pair for key epoch {pk.key_epoch} (round {rnd}): the key phase did not run on "
                            "this node or its state was lost; the server re-keys it when it is next sampled")
-    context = int(env.context.run_id).to_bytes(8, "big") + round_view(env, pk, rnd, graph) + bytes(view_extra)
     pairs = list(zip(pk.peer_ids, pk.peer_keys, strict=True))
     # A cached secret was agreed only after its key was verified under the same name.
     fresh = [i for i, pair in enumerate(pairs) if pair not in store.shared or store.names.get(pair[0]) != pk.name_of(i)]
     if fresh:
         verify_peers(env, pk, fresh)
         store.names.update((pk.peer_ids[i], pk.name_of(i)) for i in fresh)
-    new = [pairs[i] for i in fresh if pairs[i] not in store.shared]
-    if fresh:
+        new = [pairs[i] for i in fresh if pairs[i] not in store.shared]
         own = keypair_from_private(store.private)
         store.shared.update(zip(new, agree_many(own, [k for _, k in new]), strict=True))
         # One secret per peer, for its latest key (new entries come last in the dict, so they win).
@@ -148,9 +235,7 @@ def pair_seeds(msg: Message, env: ClientEnv, purpose: str,
         store.shared = {(p, k): s for p, (k, s) in latest.items()}
         store.names = {p: store.names[p] for p, _ in store.shared}
         store.save(env)
-    return {peer: derive_pair_seed(store.shared[(peer, key)], purpose=purpose, round_num=rnd, node_a=env.node_id,
-                                   node_b=peer, context=context)
-            for peer, key in pairs}
+    return store
 
 
 def mask_probe(msg: Message, mask: np.ndarray) -> float:

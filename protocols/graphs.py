@@ -7,18 +7,28 @@
 Both return ``{node: sorted neighbours}`` (symmetric) and are pure functions of (node ids, n_out, round seed):
 ids are sorted first and randomness comes from :mod:`protocols.prg` (unbiased partial Fisher-Yates), because
 every client must compute the same graph without talking to the others.  :func:`round_graph` is the one rule
-that picks the graph of a round (run-config ``graph``, ``n-out``), used by the server's key phase, NISS and the
-nadp client alike.
+that picks the graph of a round (run-config ``graph``, ``n-out``).
+
+The pairwise methods draw it over the roster, never over the participants a server announces:
+:func:`roster_round` gives the round's public sample of roster names and the graph over it, both from the seed
+:func:`protocols.identity.roster_round_seed` (roster digest, round number); :func:`present_graph` restricts it
+to the nodes present (an absent roster neighbour is just absent, nothing is re-drawn), so leaving honest nodes
+out gives nobody a neighbour the roster graph does not; :func:`present_floor` is the fewest present neighbours
+a client accepts.
 """
 
 from __future__ import annotations
 
+import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
+from protocols.masking import mask_threshold
 from protocols.prg import derive_subseed, uniform_ints
 
-__all__ = ["GRAPH_KINDS", "complete_graph", "n_out_graph", "edges", "round_graph", "round_neighbours"]
+__all__ = ["GRAPH_KINDS", "complete_graph", "n_out_graph", "edges", "round_graph", "round_neighbours",
+           "RosterRound", "roster_round", "roster_sample", "present_graph", "present_floor"]
 
 #: Graph kinds understood by :func:`round_graph`.
 GRAPH_KINDS = ("complete", "n-out")
@@ -105,3 +115,97 @@ def round_neighbours(kind: str, n_out: int, participants: Sequence[int], seed: b
 def edges(adjacency: dict[int, list[int]]) -> list[tuple[int, int]]:
     """Undirected edge list (i < j) of a symmetric adjacency, sorted."""
     return sorted((v, u) for v, nbrs in adjacency.items() for u in nbrs if v < u)
+
+
+def roster_sample(names: Sequence[str], size: int, seed: bytes) -> list[str]:
+    """``size`` of the roster ``names`` drawn from ``seed`` (all of them when ``size >= len(names)``), sorted.
+
+    Exact partial Fisher-Yates over the sorted names: step s swaps position s with s + an exact
+    uniform integer in [0, n - s) from the PRG stream "roster-sample/step/<s>".
+    """
+    ordered = sorted(set(names))
+    if len(ordered) != len(names):
+        raise ValueError("roster names must be distinct")
+    n = len(ordered)
+    if size >= n:
+        return ordered
+    if size < 1:
+        raise ValueError(f"sample size must be >= 1, got {size}")
+    pool = list(ordered)
+    for s in range(size):
+        j = s + int(uniform_ints(derive_subseed(seed, f"roster-sample/step/{s}"), 1, n - s)[0])
+        pool[s], pool[j] = pool[j], pool[s]
+    return sorted(pool[:size])
+
+
+@dataclass(frozen=True)
+class RosterRound:
+    """The round's public sample of roster names and its pairing graph over them (names).
+
+    ``graph`` is None when every two sampled names are neighbours (kind "complete", or ``n_out``
+    too large for a sparse graph over the sample).
+    """
+
+    seed: bytes
+    sample: tuple[str, ...]
+    graph: Mapping[str, Sequence[str]] | None
+
+    @property
+    def complete(self) -> bool:
+        """Every two sampled names are neighbours."""
+        return self.graph is None
+
+    def neighbours(self, name: str) -> list[str]:
+        """Roster neighbours of ``name`` in the round (KeyError if it is not sampled)."""
+        if self.graph is not None:
+            return list(self.graph[name])
+        if name not in self.sample:
+            raise KeyError(name)
+        return [m for m in self.sample if m != name]
+
+
+def roster_round(kind: str, n_out: int, names: Sequence[str], sample_size: int, seed: bytes) -> RosterRound:
+    """The round's sample of ``names`` (:func:`roster_sample`) and the ``round_graph`` over its sorted positions."""
+    sample = roster_sample(names, sample_size, seed)
+    if kind not in GRAPH_KINDS:
+        raise ValueError(f"unknown graph kind {kind!r} (expected one of {GRAPH_KINDS})")
+    if kind == "n-out" and n_out < len(sample) - 1:
+        by_pos = n_out_graph(range(len(sample)), n_out, derive_subseed(seed, "roster-graph"))
+        return RosterRound(seed, tuple(sample), {sample[i]: [sample[j] for j in nb] for i, nb in by_pos.items()})
+    return RosterRound(seed, tuple(sample), None)
+
+
+def present_graph(rr: RosterRound, present: Mapping[int, str]) -> dict[int, list[int]]:
+    """The roster graph restricted to the present nodes (node id -> roster name, every name sampled).
+
+    Node ids are adjacent iff their names are; an absent roster neighbour is just not there.
+    Raises ValueError for a name outside the round's sample or two ids under one name.
+    """
+    ids_of = {name: node for node, name in present.items()}
+    if len(ids_of) != len(present):
+        raise ValueError("two present nodes carry one roster name")
+    sampled = set(rr.sample)
+    strangers = sorted(n for n in ids_of if n not in sampled)
+    if strangers:
+        raise ValueError(f"roster names {strangers[:5]} are not in the round's public sample")
+    if rr.graph is None:
+        return complete_graph(list(present))
+    return {node: sorted(ids_of[m] for m in rr.graph[name] if m in ids_of) for node, name in present.items()}
+
+
+def present_floor(roster_degree: int, corruption: float) -> int:
+    """Fewest present neighbours a client with ``roster_degree`` roster neighbours accepts (0 if it has none).
+
+    The colluders assumed among its roster neighbours, ``c = ceil(corruption * roster_degree)``
+    (run-config ``mask-corruption-rate``; the roster graph does not depend on who colludes), must
+    stay below the self-mask threshold of the present neighbourhood
+    (:func:`protocols.masking.mask_threshold`), so they alone can never rebuild its self-mask; and at
+    least one neighbour must be present (pair noise needs a partner).
+    """
+    if roster_degree < 1:
+        return 0
+    colluders = math.ceil(corruption * roster_degree - 1e-12)
+    for d in range(1, roster_degree + 1):
+        if mask_threshold(d, corruption) > colluders:
+            return d
+    return roster_degree

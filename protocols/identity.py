@@ -7,8 +7,11 @@
   key; domain-separated), so a signature cannot be replayed elsewhere; :func:`verify_key` raises
   :class:`IdentityError` naming an unknown, unsigned or wrongly signed node.  A server holding no roster
   identity cannot make a client use its own keys.
+* :func:`roster_digest` hashes a roster; :func:`roster_round_seed` (roster digest, round number) is the round's
+  public seed, from which its sample of roster names and its pairing graph follow
+  (:func:`protocols.graphs.roster_round`); nothing the server chooses enters it.
 * :func:`view_digest` hashes the round's view (run id, round, key epoch, graph rule and seed, sorted
-  participants), which clients bind into every pair seed (:mod:`client.pairwise_phase`).
+  participants with their roster names), which clients bind into every pair seed (:mod:`client.pairwise_phase`).
 
 Simulation only: :func:`derived_identity` and :class:`DerivedRoster` derive identities from the run's public seed,
 so anyone knowing the run config can sign as any node; deployments use ``cancelfl keys`` and node config.
@@ -16,6 +19,7 @@ so anyone knowing the run config can sign as any node; deployments use ``cancelf
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterator, Mapping, Sequence
@@ -44,7 +48,8 @@ __all__ = [
     "key_statement",
     "verify_key",
     "view_digest",
-    "view_graph_seed",
+    "roster_digest",
+    "roster_round_seed",
 ]
 
 PUBLIC_BYTES = 32
@@ -53,7 +58,8 @@ ROSTER_FORMAT = "cancelfl-roster/v1"
 IDENTITY_FORMAT = "cancelfl-identity/v1"
 _STATEMENT = b"cancelfl/key-statement/v1"
 _VIEW = b"cancelfl/round-view/v1"
-_GRAPH_SEED = b"cancelfl/graph-seed/v1"
+_ROSTER = b"cancelfl/roster/v1"
+_ROSTER_ROUND = b"cancelfl/roster-round/v1"
 _DERIVED = b"cancelfl/simulation-identity/v1"
 
 
@@ -153,6 +159,12 @@ class Roster(Mapping[str, bytes]):
     def __len__(self) -> int:
         return len(self._nodes)
 
+    def digest(self) -> bytes:
+        """:func:`roster_digest` of this roster (computed once)."""
+        if getattr(self, "_digest", None) is None:
+            self._digest = _digest_of(self)
+        return self._digest
+
     def to_json(self) -> str:
         """The roster file's text (names sorted)."""
         nodes = {n: self._nodes[n].hex() for n in sorted(self._nodes)}
@@ -202,6 +214,15 @@ class DerivedRoster(Mapping[str, bytes]):
 
     def __len__(self) -> int:
         return self.count
+
+    def digest(self) -> bytes:
+        """:func:`roster_digest` of this roster (computed once per seed and count in a process)."""
+        return _derived_digest(self.seed, self.count)
+
+
+@functools.lru_cache(maxsize=8)
+def _derived_digest(seed: int, count: int) -> bytes:
+    return _digest_of(DerivedRoster(seed, count))
 
 
 def public_identity_json(identity: Identity) -> str:
@@ -256,31 +277,45 @@ def verify_key(roster: Mapping[str, bytes], *, name: str, signature: bytes | Non
                             "(not signed by the roster identity for this run, epoch and node id)") from None
 
 
-def view_graph_seed(*, run_id: int, round_num: int, key_epoch: int, participants: Sequence[int]) -> bytes:
-    """The round's neighbour-graph seed: SHA-256 of the run, round, key epoch and participant ids.
+def _digest_of(roster: Mapping[str, bytes]) -> bytes:
+    names = sorted(roster)
+    h = hashlib.sha256(_ROSTER + _u64(len(names), "count"))
+    for name in names:
+        h.update(_lp(name.encode()) + _lp(bytes(roster[name])))
+    return h.digest()
 
-    Not a server choice: with a seed of its own picking, a server could try seeds until a target's n-out
-    neighbours are nodes it controls (with 8 neighbours and 30 % colluders, ~1 seed in 5 puts half of them
-    there), and that target's pair noise would then be known to the colluders.  Every client recomputes it
-    from its view and refuses another (:func:`client.pairwise_phase.round_view`), so the graph can only be
-    steered through the participant list, which the server cannot change without dropping nodes visibly.
+
+def roster_digest(roster: Mapping[str, bytes]) -> bytes:
+    """SHA-256 of a roster: its sorted names with their Ed25519 public keys (cached by :class:`Roster`)."""
+    digest = getattr(roster, "digest", None)
+    return digest() if callable(digest) else _digest_of(roster)
+
+
+def roster_round_seed(digest: bytes, round_num: int) -> bytes:
+    """The round's public seed: SHA-256 of the roster digest and the round number (the graph seed).
+
+    Not a server choice: with a seed it could influence (a participant list, a run id, a key epoch) a
+    server could retry until a target's n-out neighbours are nodes it controls.  Every client recomputes
+    it from the roster it trusts and refuses another (:func:`client.pairwise_phase.check_view`).  Each round
+    number is used once per run (the client ledger refuses a repeat).
     """
-    h = hashlib.sha256(_GRAPH_SEED + _u64(run_id, "run_id") + _u64(round_num, "round_num") + _u64(key_epoch, "key_epoch"))
-    return _with_participants(h, participants)
+    if len(digest) != 32:
+        raise ValueError(f"roster digest must be 32 bytes, got {len(digest)}")
+    return hashlib.sha256(_ROSTER_ROUND + bytes(digest) + _u64(round_num, "round_num")).digest()
 
 
 def view_digest(*, run_id: int, round_num: int, key_epoch: int, graph: str, n_out: int, graph_seed: bytes,
-                participants: Sequence[int]) -> bytes:
-    """SHA-256 of the round's view: what two clients must agree on for their pair seeds to match."""
+                participants: Sequence[int], names: Sequence[str] = ()) -> bytes:
+    """SHA-256 of the round's view: what two clients must agree on for their pair seeds to match.
+
+    ``names``: the participants' roster names, in the order of ``participants`` (empty: none).
+    """
     h = hashlib.sha256(_VIEW + _u64(run_id, "run_id") + _u64(round_num, "round_num") + _u64(key_epoch, "key_epoch")
                        + _lp(graph.encode()) + _u64(n_out, "n_out") + _lp(bytes(graph_seed)))
-    return _with_participants(h, participants)
-
-
-def _with_participants(h, participants: Sequence[int]) -> bytes:
-    """``h`` over the participant count and the sorted ids (the order the server sent does not matter)."""
-    ids = sorted(int(p) for p in participants)
-    h.update(_u64(len(ids), "count"))
-    for p in ids:
-        h.update(_u64(p, "participant"))
+    if names and len(names) != len(participants):
+        raise ValueError(f"{len(participants)} participants but {len(names)} names")
+    rows = sorted(zip((int(p) for p in participants), names or [""] * len(participants), strict=True))
+    h.update(_u64(len(rows), "count"))
+    for p, name in rows:
+        h.update(_u64(p, "participant") + _lp(name.encode()))
     return h.digest()

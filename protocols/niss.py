@@ -335,7 +335,7 @@ def aggregation_weights(cfg: RunConfig, participants: Sequence[int], sizes: Mapp
     client's whole update is bounded by ``clip``: size weights would give a large client a larger sensitivity).
 
     Both ends compute the weights from the round's public view: the participants (bound into every pair and
-    relay key, :func:`client.pairwise_phase.round_view`) and the sizes they reported with their keys (bound into
+    relay key, :func:`client.pairwise_phase.check_view`) and the sizes they reported with their keys (bound into
     the relay keys by the client, who checks its own entry).  A server that showed one client other sizes than
     the rest to shrink its weight -- and with it the noise that hides the negated shares it holds -- would leave
     it with relay keys nobody else derives.  Raises ValueError when a participant has no size (record level).

@@ -13,11 +13,20 @@ in-process engine, tests).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 from pathlib import Path
 
-from protocols.identity import IdentityError, generate_identity, public_identity_json, roster_from_public_files
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from protocols.identity import (
+    Identity,
+    IdentityError,
+    generate_identity,
+    public_identity_json,
+    roster_from_public_files,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,9 +41,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ros.add_argument("pub", nargs="+", help="public identity files")
 
 
-def generate(folder: Path, name: str, *, force: bool = False) -> tuple[Path, Path]:
-    """Write ``folder/NAME.key`` (PKCS#8 PEM, mode 0600) and ``folder/NAME.pub``; returns both paths."""
-    identity = generate_identity(name)
+def generate(folder: Path, name: str, *, force: bool = False, seed: int | None = None) -> tuple[Path, Path]:
+    """Write ``folder/NAME.key`` (PKCS#8 PEM, mode 0600) and ``folder/NAME.pub``; returns both paths.
+
+    ``seed``: derive the key from this seed and the name instead of the OS CSPRNG (the in-process engine only,
+    where nothing separates the nodes from the server anyway: its runs then sample the same clients for the
+    same run seed, the roster being the sample's only randomness).
+    """
+    identity = generate_identity(name) if seed is None else seeded_identity(seed, name)
     if "/" in name or name.startswith("."):
         raise IdentityError(f"node name {name!r} cannot be a file name")
     folder.mkdir(parents=True, exist_ok=True)
@@ -56,9 +70,19 @@ def build_roster(out: Path, pub_files: list[Path]) -> Path:
     return out
 
 
-def make_identities(folder: Path, names: list[str]) -> tuple[dict[str, Path], Path]:
-    """``keys gen`` for every name plus ``keys roster``: (name -> private key path, roster path)."""
-    made = {name: generate(folder, name, force=True) for name in names}
+def seeded_identity(seed: int, name: str) -> Identity:
+    """An identity derived from ``seed`` and ``name`` (see :func:`generate`; anyone knowing both can sign as it)."""
+    raw = hashlib.sha256(b"cancelfl/in-process-identity/v1" + int(seed).to_bytes(8, "big", signed=True)
+                         + name.encode()).digest()
+    return Identity(name, Ed25519PrivateKey.from_private_bytes(raw))
+
+
+def make_identities(folder: Path, names: list[str], *, seed: int | None = None) -> tuple[dict[str, Path], Path]:
+    """``keys gen`` for every name plus ``keys roster``: (name -> private key path, roster path).
+
+    ``seed``: derive the keys from it (see :func:`generate`).
+    """
+    made = {name: generate(folder, name, force=True, seed=seed) for name in names}
     roster = build_roster(folder / "roster.json", [pub for _, pub in made.values()])
     return {name: key for name, (key, _) in made.items()}, roster
 

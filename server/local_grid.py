@@ -45,9 +45,10 @@ class LocalGrid(Grid):
         ``run_id`` None = a fresh random one (as a SuperLink gives each run); ``node_config`` is added to every
         node's (e.g. a policy of :mod:`protocols.floor`); without a ``ledger-dir`` the nodes keep their privacy
         ledgers (:mod:`client.ledger`) in a temporary folder of this grid.  With ``identities`` (and no
-        ``identity-key`` in ``node_config``) every node gets a real Ed25519 identity and the roster, made as
-        ``cancelfl keys`` does in a temporary folder of this grid (:mod:`client.identity`); without, the nodes
-        fall back to the derived simulation identities.
+        ``identity-key`` in ``node_config``) every node gets an Ed25519 identity file and the roster, made as
+        ``cancelfl keys`` does in a temporary folder of this grid (:mod:`client.identity`), its key derived from
+        the run seed (:func:`server.keys.generate`); without, the nodes fall back to the derived simulation
+        identities.
         """
         if run_id is None:
             run_id = secrets.randbits(63) or 1
@@ -73,7 +74,9 @@ class LocalGrid(Grid):
         }
         if identities and "identity-key" not in extra:
             self._identity_tmp = tempfile.TemporaryDirectory(prefix="cancelfl-identities-")
-            keys, roster = make_identities(Path(self._identity_tmp.name), [f"node-{i}" for i in range(num_nodes)])
+            # Seeded by the run seed: a run with the same seed samples the same clients (see server.keys.generate).
+            keys, roster = make_identities(Path(self._identity_tmp.name), [f"node-{i}" for i in range(num_nodes)],
+                                           seed=int(run_config.get("seed", 0) or 0))
             for i, nid in enumerate(self.node_ids):
                 self.contexts[nid].node_config.update({"identity-key": str(keys[f"node-{i}"]), "roster": str(roster)})
         #: Nodes that silently drop every message (set by tests to simulate dropout).

@@ -154,12 +154,17 @@ class CancelStrategy(Strategy):
         The first sampling waits (up to ``node-timeout`` s) for all ``num-clients`` nodes; later rounds take
         the nodes connected now (a node that left is not waited for, one that came back is sampled again)
         and wait only while fewer than ``min-clients`` are there.  Banned nodes (:attr:`strikes`) are skipped.
+        A key phase that samples the roster itself (:attr:`strategies.key_phase.KeyPhase.samples_roster`) gets
+        every usable node.
         """
         cfg = self.cfg
         minimum = min(cfg.min_clients, cfg.num_clients)
         want = minimum if self._sampled_once else cfg.num_clients
         nodes = wait_for_nodes(grid, want, cfg.node_timeout, minimum=minimum, exclude=self.strikes.banned)
         self._sampled_once = True
+        if getattr(self.keys, "samples_roster", False):  # the key phase draws the roster's public sample
+            self.sampled = nodes
+            return nodes
         rng = np.random.default_rng([self.cfg.seed, server_round, 0x5A3])
         k = min(self.cfg.clients_per_round, len(nodes))
         # Sample positions, not ids: node ids are up to 2**64 and numpy would turn them into floats.

@@ -4,13 +4,18 @@ A pairwise method owns one :class:`KeyPhase` (``self.keys = KeyPhase(cfg)``) and
 its ``prepare_round`` hook, inside ``configure_train`` (the same in simulation, deployment and in-process):
 
 1. ``query.keys`` (:class:`client.messages.keys.KeyRequest`) goes only to sampled clients without a public key
-   for the current key epoch (``key-rotation``); a client that does not answer or sends a malformed key is left
-   out of the round (logged); at least two must remain.
-2. The neighbour graph over the rest comes from the public view (:func:`protocols.identity.view_graph_seed`, not
-   chosen by the server); each client gets its neighbours' ids, keys, roster names and signatures and the
-   participant list (:meth:`KeyRound.peer_keys`) and derives the pair seeds itself.
-3. A participant that fails in the train phase is forgotten (:meth:`KeyPhase.forget_unresponsive`): its next
-   selection re-runs the key phase for it.
+   for the current key epoch (``key-rotation``) and to connected nodes whose roster name the server does not
+   know yet (in the first round: every connected node); a client that does not answer, sends a malformed key or
+   one not signed by its roster identity is left out of the round (logged); at least two must remain.  The server
+   learns the roster from the replies (each carries its node's roster digest; while the server holds none, the
+   first :attr:`KeyPhase.ROSTER_ASKS` send the text, and the one most replies vouch for is adopted).
+2. The round's sample and graph are the roster's (:func:`client.pairwise_phase.roster_round_of`: from the
+   roster digest and the round number only), restricted to the sampled nodes present with a key
+   (:func:`protocols.graphs.present_graph`); a participant with fewer present neighbours than its floor is left
+   out (it would refuse).  Each client gets its neighbours' ids, keys, roster names and signatures and the
+   participant list with roster names (:meth:`KeyRound.peer_keys`) and derives the pair seeds itself.
+3. A participant that fails in the train phase is forgotten (:meth:`KeyPhase.forget_unresponsive`): it is asked
+   for a key again at the next key phase.
 
 :func:`probe_residual` evaluates the optional cancellation check.  Design and trade-offs: ``docs/concepts.md``.
 """
@@ -19,7 +24,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from logging import WARNING
 from typing import TYPE_CHECKING
@@ -29,9 +35,10 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from client.messages.keys import KeyReply, KeyRequest, PeerKeys, probe_value
+from client.pairwise_phase import roster_round_of
 from protocols.config import RunConfig
-from protocols.graphs import round_graph
-from protocols.identity import view_graph_seed
+from protocols.graphs import RosterRound, present_floor, present_graph
+from protocols.identity import IdentityError, Roster, verify_key
 from strategies.base import RoundFailed
 
 if TYPE_CHECKING:
@@ -68,50 +75,78 @@ class KeyRound:
     keyed: list[int] = field(default_factory=list)
     #: node -> (roster name, signature) sent with its key (relayed to its peers, who verify them).
     signed_by: dict[int, tuple[str, bytes]] = field(default_factory=dict)
-    #: the Flower run id (part of the graph seed, :func:`protocols.identity.view_graph_seed`).
+    #: the Flower run id (signed into every key).
     run_id: int = 0
+    #: the round's public sample of roster names and its graph (None only for a hand-made round).
+    roster_round: RosterRound | None = None
 
     def peer_keys(self, node: int, neighbours: Sequence[int] | None = None) -> PeerKeys:
         """What ``node`` needs to derive its pairwise seeds (its neighbours by default), plus the public seeds.
 
-        Carries the neighbours' signed keys and the round's participant list: the client checks the
-        signatures against its roster and binds the participants and graph seed into its pair seeds.
+        Carries the neighbours' signed keys and the round's participant list with roster names: the client
+        checks the signatures against its roster, the graph against the roster's and binds the participants
+        and graph seed into its pair seeds.
         """
         peers = list(self.neighbours[node] if neighbours is None else neighbours)
         signed = [self.signed_by.get(p, ("", b"")) for p in peers]
         return PeerKeys(tuple(peers), tuple(self.public_keys[p] for p in peers), self.key_epoch,
                         self.graph_seed, self.probe_seed, tuple(n for n, _ in signed), tuple(s for _, s in signed),
-                        tuple(self.participants))
+                        tuple(self.participants), tuple(self.signed_by.get(p, ("", b""))[0] for p in self.participants))
+
+
+    def calibration_size(self, complete: Callable[[int], bool]) -> int:
+        """The participant count K to calibrate for, where ``complete(K)`` says the calibration assumes a complete graph.
+
+        Raises RoundFailed when it would while the roster's graph of the round is sparse (too few present).
+        """
+        k = len(self.participants)
+        if self.roster_round is not None and not self.roster_round.complete and complete(k):
+            raise RoundFailed(f"round {self.round}: only {k} of the roster's {len(self.roster_round.sample)} sampled "
+                              "clients take part, too few for the sparse graph's calibration")
+        return k
 
 
 class KeyPhase:
-    """The server's key directory (node -> public key of an epoch) and the per-round key phase."""
+    """The server's key directory (node -> public key of an epoch and roster name) and the per-round key phase."""
+
+    #: the key phase draws the round's sample itself (from the roster): the strategy hands it every usable node.
+    samples_roster = True
+    #: nodes asked for the roster's text while the server holds none.
+    ROSTER_ASKS = 3
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.directory: dict[int, KeyEntry] = {}
+        #: the roster the clients trust (learned from their key replies).
+        self.roster: Roster | None = None
 
-    def graph(self, participants: Sequence[int], seed: bytes) -> dict[int, list[int]]:
-        """The neighbour graph of ``participants`` under the run's graph rule (run-config ``graph``, ``n-out``)."""
-        return round_graph(self.cfg.graph, self.cfg.n_out, participants, seed)
-
-    def view_graph(self, run_id: int, server_round: int, key_epoch: int,
-                   participants: Sequence[int]) -> tuple[bytes, dict[int, list[int]]]:
-        """(graph seed, graph) the round's view determines: the seed every client recomputes and checks."""
-        seed = view_graph_seed(run_id=run_id, round_num=server_round, key_epoch=key_epoch, participants=participants)
-        return seed, self.graph(participants, seed)
+    def roster_round(self, server_round: int) -> RosterRound:
+        """The round's public sample of roster names and its graph (what every client recomputes)."""
+        if self.roster is None:
+            raise RoundFailed(f"round {server_round}: no roster learned from the clients yet")
+        return roster_round_of(self.cfg, self.roster, server_round)
 
     def run(self, strategy: CancelStrategy, grid: Grid, server_round: int, nodes: list[int]) -> KeyRound:
-        """Make sure every node in ``nodes`` has a public key of this round's epoch; build the neighbour graph."""
+        """Key the round's public sample among ``nodes`` (the usable connected nodes); build its graph.
+
+        Also sets ``strategy.sampled`` to the participants.
+        """
         epoch = self.cfg.key_epoch(server_round)
+        run_id = int(grid.run.run_id)
         directory = self.directory
-        need = [n for n in nodes if n not in directory or directory[n].epoch != epoch]
-        for n in need:
+        sample = set(self.roster_round(server_round).sample) if self.roster is not None else set()
+        unknown = [n for n in nodes if n not in directory]
+        stale = [n for n in nodes if n in directory and directory[n].name in sample and directory[n].epoch != epoch]
+        need = sorted(set(unknown) | set(stale))
+        for n in stale:
             directory.pop(n, None)  # a stale epoch's key must never be used again
         if need:
-            request = KeyRequest(server_round, epoch).to_config()
-            replies, _errors = strategy.exchange(grid, need, lambda _n: RecordDict({"config": request}), "keys")
-            for node, msg in replies.items():
+            asks = set(need[:self.ROSTER_ASKS]) if self.roster is None else set()
+            replies, _errors = strategy.exchange(
+                grid, need, lambda n: RecordDict({"config": KeyRequest(server_round, epoch, n in asks).to_config()}),
+                "keys")
+            keys = {}
+            for node, msg in sorted(replies.items()):
                 try:
                     if "config" not in msg.content:
                         raise ValueError("reply has no config")
@@ -123,28 +158,54 @@ class KeyPhase:
                     log(WARNING, "round %d: node %s sent a malformed key reply (%s); it is left out",
                         server_round, node, err)
                     continue
-                directory[node] = KeyEntry(key.public_key, epoch, key.num_examples, key.name, key.signature)
-        participants = sorted(n for n in nodes if n in directory)
-        dropped = sorted(set(nodes) - set(participants))
+                keys[node] = key
+            if self.roster is None:
+                self.roster = _adopt_roster(keys.values())
+            for node, key in keys.items():
+                self._enter(node, key, epoch, run_id, server_round)
+        if self.roster is None:
+            raise RoundFailed(f"round {server_round}: no client sent the roster it trusts (asked {need[:self.ROSTER_ASKS]})")
+        rr = self.roster_round(server_round)
+        sample = set(rr.sample)
+        present = {n: directory[n].name for n in sorted(nodes) if n in directory
+                   and directory[n].epoch == epoch and directory[n].name in sample}
+        participants, graph = _above_floor(self.cfg, rr, present)
+        strategy.sampled = list(participants)
+        dropped = sorted((set(need) & set(nodes)) - set(directory)) + sorted(set(present) - set(participants))
         if len(participants) < 2:
             raise RoundFailed(f"round {server_round}: pairwise noise needs at least 2 clients with valid keys, "
-                              f"got {len(participants)} (dropped: {dropped})")
-        keys = {n: directory[n].public_key for n in participants}
+                              f"got {len(participants)} of the {len(rr.sample)} the roster samples (dropped: {dropped})")
+        keys_of = {n: directory[n].public_key for n in participants}
         sizes = {n: directory[n].num_examples for n in participants if directory[n].num_examples is not None}
-        run_id = int(grid.run.run_id)
-        graph_seed, graph = self.view_graph(run_id, server_round, epoch, participants)
         signed = {n: (directory[n].name, directory[n].signature) for n in participants}
-        return KeyRound(server_round, participants, keys, graph, graph_seed, os.urandom(32), dropped, sizes, epoch,
-                        sorted(n for n in need if n in directory), signed, run_id)
+        return KeyRound(server_round, participants, keys_of, graph, rr.seed, os.urandom(32), sorted(dropped), sizes,
+                        epoch, sorted(n for n in need if n in participants), signed, run_id, rr)
+
+    def _enter(self, node: int, key: KeyReply, epoch: int, run_id: int, server_round: int) -> None:
+        """Record a key reply whose signature checks against the roster (a newer node id under a name wins)."""
+        assert self.roster is not None
+        try:
+            if key.roster_digest and key.roster_digest != self.roster.digest():
+                raise IdentityError("it trusts another roster than the run's")
+            verify_key(self.roster, name=key.name, signature=key.signature, run_id=run_id, key_epoch=epoch,
+                       node_id=node, x25519_public=key.public_key)
+        except IdentityError as err:
+            log(WARNING, "round %d: node %s is left out: %s", server_round, node, err)
+            return
+        for other in [n for n, e in self.directory.items() if e.name == key.name and n != node]:
+            log(WARNING, "round %d: node %s now answers as %r; node %s is forgotten", server_round, node, key.name, other)
+            self.directory.pop(other)
+        self.directory[node] = KeyEntry(key.public_key, epoch, key.num_examples, key.name, key.signature)
 
     def regraph(self, kr: KeyRound, participants: Iterable[int]) -> KeyRound:
-        """``kr`` restricted to ``participants`` (a subset) with a fresh graph over them (e.g. after dropouts)."""
-        keep = sorted(participants)
-        if not set(keep) <= set(kr.participants):
+        """``kr`` restricted to ``participants`` (a subset, e.g. after failures): the same roster graph, fewer present."""
+        keep = set(participants)
+        if not keep <= set(kr.participants):
             raise ValueError("regraph: participants must be a subset of the key round's participants")
-        graph_seed, graph = self.view_graph(kr.run_id, kr.round, kr.key_epoch, keep)
-        return replace(kr, participants=keep, neighbours=graph, graph_seed=graph_seed,
-                       dropped=sorted(set(kr.dropped) | (set(kr.participants) - set(keep))))
+        rr = kr.roster_round if kr.roster_round is not None else self.roster_round(kr.round)
+        parts, graph = _above_floor(self.cfg, rr, {n: kr.signed_by[n][0] for n in sorted(keep)})
+        return replace(kr, participants=parts, neighbours=graph,
+                       dropped=sorted(set(kr.dropped) | (set(kr.participants) - set(parts))))
 
     def forget(self, nodes: Iterable[int]) -> None:
         """Drop ``nodes`` from the directory: they run the key phase again when next sampled."""
@@ -155,6 +216,42 @@ class KeyPhase:
         """Forget every participant without a good reply (error, no reply, or a reply from elsewhere)."""
         ok = {r.metadata.src_node_id for r in replies if not r.has_error()}
         self.forget(n for n in participants if n not in ok)
+
+
+def _adopt_roster(replies: Iterable[KeyReply]) -> Roster | None:
+    """The roster text whose digest most replies carry (None if no reply sent a matching text)."""
+    replies = list(replies)
+    votes = Counter(r.roster_digest for r in replies if r.roster_digest)
+    texts = {}
+    for r in replies:
+        if r.roster:
+            try:
+                roster = Roster.from_json(r.roster)
+            except IdentityError as err:
+                log(WARNING, "a client sent a malformed roster (%s)", err)
+                continue
+            texts.setdefault(roster.digest(), roster)
+    for digest, _count in sorted(votes.items(), key=lambda kv: (-kv[1], kv[0])):
+        if digest in texts:
+            if len(votes) > 1:
+                log(WARNING, "the clients trust %d different rosters; the run uses the one %d of %d replies carry",
+                    len(votes), votes[digest], sum(votes.values()))
+            return texts[digest]
+    return None
+
+
+def _above_floor(cfg: RunConfig, rr: RosterRound, present: dict[int, str]) -> tuple[list[int], dict[int, list[int]]]:
+    """Participants and present graph after leaving out, repeatedly, every node below its present floor."""
+    present = dict(present)
+    while True:
+        graph = present_graph(rr, present)
+        short = [n for n, nb in graph.items()
+                 if len(nb) < present_floor(len(rr.neighbours(present[n])), cfg.mask_corruption_rate)]
+        if not short:
+            return sorted(present), graph
+        log(WARNING, "round: nodes %s have fewer present roster neighbours than their floor; left out", short[:10])
+        for n in short:
+            present.pop(n)
 
 
 def probe_residual(replies: Iterable[Message]) -> float | None:

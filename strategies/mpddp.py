@@ -187,7 +187,7 @@ class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
         charge_shortfall(self._given_r, min_r / math.sqrt(state.theta), min_r / math.sqrt(theta))
 
     def round_noise(self, state: MpRound) -> DdpNoise:
-        k = len(state.participants)
+        k = state.keys.calibration_size(self._complete) if state.keys is not None else len(state.participants)
         sizes = state.keys.num_examples if state.keys is not None else {}
         if any(n not in sizes for n in state.participants):
             raise RoundFailed(f"round {state.round}: a participant sent no |D_i| in the key phase; the record "

@@ -26,6 +26,7 @@ from client.models import build_model, get_weights
 from client.pairwise_phase import pair_seeds
 from client.wire import to_record
 from protocols.config import ConfigError, RunConfig
+from protocols.graphs import present_graph, roster_round
 from protocols.identity import (
     DerivedRoster,
     IdentityError,
@@ -34,9 +35,10 @@ from protocols.identity import (
     generate_identity,
     identity_from_pem,
     key_statement,
+    roster_digest,
+    roster_round_seed,
     verify_key,
     view_digest,
-    view_graph_seed,
 )
 from protocols.keyagreement import generate_keypair
 from protocols.niss import aggregation_weights
@@ -117,8 +119,12 @@ def test_view_digest_covers_every_part_of_the_view():
     d = view_digest(**base)
     assert view_digest(**{**base, "participants": [9, 5, 3]}) == d  # order does not matter
     for change in ({"run_id": 2}, {"round_num": 3}, {"key_epoch": 1}, {"graph": "n-out"}, {"n_out": 5},
-                   {"graph_seed": b"h" * 32}, {"participants": [5, 3]}, {"participants": [5, 3, 9, 11]}):
+                   {"graph_seed": b"h" * 32}, {"participants": [5, 3]}, {"participants": [5, 3, 9, 11]},
+                   {"names": ["a", "b", "c"]}):
         assert view_digest(**{**base, **change}) != d
+    named = view_digest(**{**base, "names": ["a", "b", "c"]})
+    assert view_digest(**{**base, "participants": [9, 3, 5], "names": ["c", "b", "a"]}) == named  # same pairs
+    assert view_digest(**{**base, "names": ["b", "a", "c"]}) != named  # ids swapped between names
 
 
 def test_nodes_without_identity_use_the_marked_simulation_identity_unless_required():
@@ -318,7 +324,7 @@ def test_pair_seeds_are_bound_to_the_view():
 
 @pytest.mark.parametrize("graph", ["complete", "n-out"])
 def test_a_graph_seed_of_the_servers_choosing_is_refused(graph):
-    """The pairing graph follows from the round's view, not from the server.
+    """The pairing graph follows from the roster and the round, not from the server.
 
     A server that picks the graph seed itself (e.g. trying seeds until a target's n-out neighbours are
     colluders) sends the same participants with another seed, and with it the graph that seed gives: the real
@@ -326,11 +332,13 @@ def test_a_graph_seed_of_the_servers_choosing_is_refused(graph):
     """
     grid, kr = _keyed_round("nadp", n=8, graph=graph, n_out=2)
     victim = kr.participants[0]
-    assert kr.graph_seed == view_graph_seed(run_id=grid.run.run_id, round_num=1, key_epoch=kr.key_epoch,
-                                            participants=kr.participants)
+    roster = node_identity(ClientEnv.from_context(grid.contexts[victim])).roster
+    assert kr.graph_seed == roster_round_seed(roster_digest(roster), 1)
     assert _seeds(grid, victim, kr.peer_keys(victim))  # the honest view is accepted
     chosen = b"x" * 32
-    steered = dataclasses.replace(kr, graph_seed=chosen, neighbours=KeyPhase(_graph_cfg(graph)).graph(kr.participants, chosen))
+    rr = roster_round(graph, 2, list(roster), len(roster), chosen)
+    steered = dataclasses.replace(kr, graph_seed=chosen, neighbours=present_graph(rr, {n: kr.signed_by[n][0]
+                                                                                    for n in kr.participants}))
     with pytest.raises(ValueError, match="graph seed is not the one"):
         _seeds(grid, victim, steered.peer_keys(victim))
 
@@ -342,13 +350,15 @@ def test_inconsistent_peer_lists_are_refused():
     colluder_only = kr.peer_keys(victim, kr.neighbours[victim][:1])  # e.g. only a colluding neighbour
     with pytest.raises(ValueError, match="differs from this node's neighbours"):
         _seeds(grid, victim, colluder_only)
-    without_me = dataclasses.replace(kr.peer_keys(victim), participants=tuple(kr.participants[1:]))
+    pk = kr.peer_keys(victim)
+    without_me = dataclasses.replace(pk, participants=pk.participants[1:], participant_names=pk.participant_names[1:])
     with pytest.raises(ValueError, match="not among the round's participants"):
         _seeds(grid, victim, without_me)
-    stranger = dataclasses.replace(kr.peer_keys(victim), participants=(victim, *kr.participants[2:]))
+    stranger = dataclasses.replace(pk, participants=(victim, *pk.participants[2:]),
+                                   participant_names=(pk.participant_names[0], *pk.participant_names[2:]))
     with pytest.raises(ValueError, match="not among the round's participants"):
         _seeds(grid, victim, stranger)
-    no_view = dataclasses.replace(kr.peer_keys(victim), participants=())
+    no_view = dataclasses.replace(kr.peer_keys(victim), participants=(), participant_names=())
     with pytest.raises(ValueError, match="participant list or graph seed"):
         _seeds(grid, victim, no_view)
     twice = kr.peer_keys(victim)

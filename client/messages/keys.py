@@ -1,11 +1,13 @@
 """Messages of the key phase shared by the pairwise-noise methods (nadp, niss, mpddp).
 
-* :class:`KeyRequest` (server -> client, ``query.keys``): make the key pair of this key epoch.
+* :class:`KeyRequest` (server -> client, ``query.keys``): make the key pair of this key epoch (and, while
+  the server holds no roster, send the roster this node trusts).
 * :class:`KeyReply` (client -> server): the X25519 public half, its owner's roster name and Ed25519
-  signature over it (:func:`protocols.identity.key_statement`), plus ``|D_i|`` for methods that need it.
+  signature over it (:func:`protocols.identity.key_statement`), plus ``|D_i|`` for methods that need it,
+  the digest of the roster it trusts and, when asked, the roster file's text.
 * :class:`PeerKeys` (server -> client, with a later message of the round): the
   neighbours' ids, public keys, roster names and signatures, the key epoch they
-  belong to, the round's participant ids, and its public graph and probe seeds
+  belong to, the round's participant ids with their roster names, and its public graph and probe seeds
   (the client binds participants and graph seed into its pair seeds: the view).
 * :class:`MaskProbe` and :func:`probe_metric` / :func:`probe_value`: the
   optional cancellation check (public random direction; the projection of a
@@ -46,6 +48,10 @@ _SIGNATURE = "key-signature"
 _PEER_NAMES = "peer-names"
 _PEER_SIGNATURES = "peer-signatures"
 _PARTICIPANTS = "participants"
+_PARTICIPANT_NAMES = "participant-names"
+_WANT_ROSTER = "want-roster"
+_ROSTER = "roster"
+_ROSTER_DIGEST = "roster-digest"
 
 
 def _epoch(rec: Mapping[str, Any]) -> int:
@@ -60,13 +66,18 @@ class KeyRequest:
 
     round: int
     key_epoch: int
+    #: the server holds no roster yet: the reply carries the roster this node trusts.
+    want_roster: bool = False
 
     def to_config(self) -> ConfigRecord:
-        return merge_configs(TrainIns(self.round).to_config(), ConfigRecord({_KEY_EPOCH: int(self.key_epoch)}))
+        rec = ConfigRecord({_KEY_EPOCH: int(self.key_epoch)})
+        if self.want_roster:
+            rec[_WANT_ROSTER] = True
+        return merge_configs(TrainIns(self.round).to_config(), rec)
 
     @classmethod
     def from_config(cls, rec: Mapping[str, Any]) -> KeyRequest:
-        return cls(TrainIns.from_config(rec).round, _epoch(rec))
+        return cls(TrainIns.from_config(rec).round, _epoch(rec), rec.get(_WANT_ROSTER) is True)
 
 
 @dataclass(frozen=True)
@@ -77,11 +88,19 @@ class KeyReply:
     num_examples: int | None = None
     name: str = ""
     signature: bytes = b""
+    #: :func:`protocols.identity.roster_digest` of the roster this node trusts (b"": not sent).
+    roster_digest: bytes = b""
+    #: the roster file's text (``cancelfl-roster/v1`` JSON) when the request asked for it, else "".
+    roster: str = ""
 
     def to_config(self) -> ConfigRecord:
         rec = ConfigRecord({_PUBLIC_KEY: bytes(self.public_key), _NAME: self.name, _SIGNATURE: bytes(self.signature)})
         if self.num_examples is not None:
             rec[_NUM_EXAMPLES] = int(self.num_examples)
+        if self.roster_digest:
+            rec[_ROSTER_DIGEST] = bytes(self.roster_digest)
+        if self.roster:
+            rec[_ROSTER] = self.roster
         return rec
 
     @classmethod
@@ -94,7 +113,8 @@ class KeyReply:
         if not name:
             raise ValueError(f"'{_NAME}' is empty")
         return cls(key, read_int(rec, _NUM_EXAMPLES, minimum=1, default=None), name,
-                   read_bytes(rec, _SIGNATURE, length=SIGNATURE_BYTES))
+                   read_bytes(rec, _SIGNATURE, length=SIGNATURE_BYTES), read_bytes(rec, _ROSTER_DIGEST, length=32, default=b""),
+                   read_str(rec, _ROSTER, default=""))
 
 
 @dataclass(frozen=True)
@@ -103,9 +123,10 @@ class PeerKeys:
 
     ``peer_names``/``peer_signatures`` are each key's roster name and its owner's
     signature (empty when the server sent none: the client then refuses, naming
-    the node); ``participants`` are the round's participant ids.
+    the node); ``participants`` are the round's participant ids and ``participant_names``
+    their roster names (same order).
     ``graph_seed`` is the public seed the neighbour graph was drawn from
-    (:func:`protocols.graphs.round_graph`), ``probe_seed`` the public direction
+    (:func:`protocols.graphs.roster_round`), ``probe_seed`` the public direction
     of the cancellation check; either may be absent from a message that does
     not need it.
     """
@@ -118,6 +139,7 @@ class PeerKeys:
     peer_names: tuple[str, ...] = ()
     peer_signatures: tuple[bytes, ...] = ()
     participants: tuple[int, ...] = ()
+    participant_names: tuple[str, ...] = ()
 
     def to_config(self) -> ConfigRecord:
         rec = ConfigRecord({
@@ -132,6 +154,8 @@ class PeerKeys:
             rec[_PEER_SIGNATURES] = [bytes(s) for s in self.peer_signatures]
         if self.participants:
             rec[_PARTICIPANTS] = node_id_strings(self.participants)
+        if self.participant_names:
+            rec[_PARTICIPANT_NAMES] = list(self.participant_names)
         if self.graph_seed is not None:
             rec[_GRAPH_SEED] = bytes(self.graph_seed)
         if self.probe_seed is not None:
@@ -154,8 +178,11 @@ class PeerKeys:
         participants = read_node_ids(rec, _PARTICIPANTS, default=())
         if len(set(participants)) != len(participants):
             raise ValueError(f"'{_PARTICIPANTS}' holds a node twice")
+        part_names = tuple(read_list(rec, _PARTICIPANT_NAMES, str, default=[]))
+        if part_names and len(part_names) != len(participants):
+            raise ValueError(f"{len(participants)} '{_PARTICIPANTS}' but {len(part_names)} '{_PARTICIPANT_NAMES}'")
         return cls(ids, keys, _epoch(rec), read_bytes(rec, _GRAPH_SEED, default=None),
-                   read_bytes(rec, _PROBE_SEED, default=None), names, sigs, tuple(participants))
+                   read_bytes(rec, _PROBE_SEED, default=None), names, sigs, tuple(participants), part_names)
 
     def name_of(self, index: int) -> str:
         """Roster name sent for the ``index``-th peer ('' if none)."""

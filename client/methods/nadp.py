@@ -3,8 +3,10 @@
 Per round a sampled client, after the key phase (:func:`client.pairwise_phase.handle_keys`),
 
 1. receives the global model, the round's public plan (:class:`client.messages.nadp.NadpPlan`) and its peer keys;
-2. recomputes the pairing graph and the noise allocation itself (:func:`protocols.nadp.upload_noise_scales`,
-   deterministic in public values, so both ends of a pair get the same ``sigma_ij``);
+2. rebuilds the pairing graph (the roster's graph of the round restricted to the participants,
+   :func:`client.pairwise_phase.view_graph`) and recomputes the noise allocation itself
+   (:func:`protocols.nadp.upload_noise_scales`, deterministic in public values, so both ends of a pair get the
+   same ``sigma_ij``);
 3. trains with per-example clipping at ``C`` (Lemma 1's sensitivity ``2C/|D_i|`` bounds a mean of per-example
    clipped gradients);
 4. uploads ``w_i + (1/p_i) (n_i + lambda (sum_{j>i} n_ij - sum_{j<i} n_ij))`` (Algorithm 1, line 15) in float64,
@@ -27,14 +29,13 @@ from flwr.app import Message
 from client.env import ClientEnv, record_level_training, reply
 from client.floor import release
 from client.messages.common import TrainIns
-from client.messages.keys import PeerKeys, probe_metric
+from client.messages.keys import probe_metric
 from client.messages.nadp import NadpPlan
-from client.pairwise_phase import mask_probe, pair_seeds
+from client.pairwise_phase import mask_probe, pair_seeds, view_graph
 from client.recovery import SelfMask, remember, self_mask_upload
 from client.wire import to_record
 from protocols.arrays import flatten, unflatten
 from protocols.floor import FloorViolation, NadpFloor, at_least, nadp_floor
-from protocols.graphs import round_graph
 from protocols.nadp import nadp_upload
 from protocols.pairwise import pairwise_noise
 from protocols.prg import gaussian
@@ -66,14 +67,11 @@ def round_floor(msg: Message, env: ClientEnv, plan: NadpPlan) -> tuple[NadpFloor
         raise FloorViolation("nadp-variant", plan.variant, env.cfg.nadp_variant, "not this client's run config")
     graph = None
     if plan.variant == "nadp":
-        # The pair variances depend on the whole graph (neighbours' degrees): rebuild it from public values.
-        peer_keys = PeerKeys.from_config(msg.content["config"])
-        if peer_keys.graph_seed is None:
-            raise ValueError("nadp: the train message carries no graph seed")
-        graph = round_graph(env.cfg.graph, env.cfg.n_out, plan.ids, peer_keys.graph_seed)
-        if sorted(peer_keys.peer_ids) != sorted(graph[me]):
-            # Every pair of the plan's graph must be keyed; a missing pair would break cancellation.
-            raise ValueError("nadp: the peer list differs from the round's pairing graph")
+        # The pair variances depend on the whole graph (neighbours' degrees): the roster's graph restricted
+        # to the participants, rebuilt and checked from public values (client.pairwise_phase.check_view).
+        graph = view_graph(msg, env)
+        if sorted(graph) != sorted(plan.ids):
+            raise ValueError("nadp: the plan's participants differ from the round's participant list")
     fl = nadp_floor(env.cfg, plan.sizes, me, graph)
     if fl.sigmas is None:
         at_least("nadp-ldp-stds", plan.ldp_stds[me], fl.ldp_std or 0.0)
