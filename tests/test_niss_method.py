@@ -2,7 +2,7 @@
 
 * tau = 0: the summed uploads equal the noiseless weighted sum (recomputed here by
   re-running each client's per-example-clipped training) to 1e-9 relative, while every
-  single upload carries its own noise of std sigma_k = z p_k 2 C lr / n_k (record level,
+  single upload carries its own noise of std sigma_k = z p_k C lr / n_k (record level,
   one full-batch step) plus the shares it received.
 * tau > 0: the measured aggregate noise variance matches Theorem 2 within 10 %.
 * The ``seed`` and ``vector`` encodings give bit-identical aggregates for the same
@@ -27,6 +27,7 @@ from client.messages.niss import Diagnostic, NissMetrics, RelayedInbox
 from client.messages.recovery import SELF_MASK_RECORD, SelfMaskShares
 from client.methods import niss as niss_client
 from protocols import niss as niss_math
+from protocols.adjacency import adjacency_factor
 from protocols.arrays import flatten
 from protocols.clipping import clip_l2
 from protocols.config import RunConfig
@@ -50,7 +51,7 @@ def _sigmas(cfg: RunConfig, rounds: int | None = None) -> np.ndarray:
     m = cfg.num_clients
     sizes = [len(client_partition(cfg, i, m)[1]) for i in range(m)]
     total = sum(sizes)
-    return np.array([z * (n / total) * 2 * cfg.clip * cfg.lr / n for n in sizes])
+    return np.array([z * (n / total) * adjacency_factor(cfg.adjacency) * cfg.clip * cfg.lr / n for n in sizes])
 
 
 # ----------------------------------------------------------------------------- tau = 0
@@ -79,7 +80,7 @@ def test_tau_zero_aggregate_equals_noiseless(graph):
         # shares received (their variance is reported in the cancellation-check mode)
         figures = NissMetrics.from_metrics(reply.content["metrics"])
         sigma = figures.sigma
-        assert sigma == pytest.approx(z * p * 2 * cfg.clip * cfg.lr / len(env.y), rel=1e-12)
+        assert sigma == pytest.approx(z * p * cfg.clip * cfg.lr / len(env.y), rel=1e-12)  # zero-out: C lr / n_k
         assert sigma == pytest.approx(z * p * record_sensitivity(cfg, len(env.y)), rel=1e-12)
         noise = flat(reply.content["arrays"]) - clean
         # double masking (self-mask = true by default): plus a self-mask of std sigma_k, removed by the server
@@ -90,7 +91,7 @@ def test_tau_zero_aggregate_equals_noiseless(graph):
         assert figures.shares == len(strategy._state.keys.neighbours[node])
         # the paper's data-size weight: every sigma_k is the central z 2 C lr / N (protocols.niss.aggregation_weights)
         assert p == pytest.approx(len(env.y) / total, rel=1e-12)
-        assert sigma == pytest.approx(z * 2 * cfg.clip * cfg.lr / total, rel=1e-12)
+        assert sigma == pytest.approx(z * cfg.clip * cfg.lr / total, rel=1e-12)
     err = np.linalg.norm(flat(agg) - expected) / np.linalg.norm(expected)
     assert err <= 1e-9
     rep = strategy.round_report()
