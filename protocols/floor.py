@@ -237,17 +237,26 @@ class NadpRoundNoise:
 
 
 def nadp_round_noise(cfg: RunConfig, sizes: Mapping[int, int],
-                     graph: Mapping[int, Sequence[int]] | None) -> NadpRoundNoise:
+                     graph: Mapping[int, Sequence[int]] | None, scale: float = 1.0) -> NadpRoundNoise:
     """The round's noise for the participants ``sizes`` (node -> |D_i|) on the pairing ``graph`` (None: complete).
 
     Record-ldp variant (Lemma 3): each client alone meets (epsilon, delta) over the run with its own sensitivity.
     On a sparse graph Eq. 8 is applied to the smallest neighbourhood (k_eff = min degree + 1).
+    ``scale`` (>= 1, the plan's ``noise_scale``): every std times it, as the server plans when the run's budget
+    left needs more noise (:mod:`strategies.run.budget`): the allocation is computed for the sensitivities times
+    ``scale``, while ``sensitivities`` stay the real ones, so the accounts charge the noise really added.
+
+    Raises:
+        FloorViolation: ``scale`` < 1 (less noise than the run's calibration).
     """
+    if not (math.isfinite(scale) and scale >= 1.0):
+        raise FloorViolation("nadp-noise-scale", scale, 1.0, "less noise than this client's own calibration")
     sens = {n: nadp_sensitivity(cfg, s) for n, s in sizes.items()}
     if cfg.nadp_variant == "record-ldp":
         z_ldp = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds)
-        return NadpRoundNoise(sens, None, None, 1.0, {n: z_ldp * s for n, s in sens.items()})
-    sig, alloc = round_plan(sizes, sens, cfg.epsilon, cfg.delta, cfg.num_rounds, graph=graph)
+        return NadpRoundNoise(sens, None, None, 1.0, {n: z_ldp * s * scale for n, s in sens.items()})
+    sig, alloc = round_plan(sizes, {n: v * scale for n, v in sens.items()}, cfg.epsilon, cfg.delta, cfg.num_rounds,
+                            graph=graph)
     min_degree = min(len(nb) for nb in graph.values()) if graph is not None and alloc.pair_table is not None else None
     try:
         return NadpRoundNoise(sens, sig, alloc, nadp_compensation(cfg, sizes, min_degree))
@@ -267,13 +276,13 @@ class NadpFloor:
 
 
 def nadp_floor(cfg: RunConfig, sizes: Mapping[int, int], me: int,
-               graph: Mapping[int, Sequence[int]] | None) -> NadpFloor:
+               graph: Mapping[int, Sequence[int]] | None, scale: float = 1.0) -> NadpFloor:
     """Participant ``me``'s share of :func:`nadp_round_noise` (the server's plan must announce at least this)."""
-    r = nadp_round_noise(cfg, sizes, graph)
+    r = nadp_round_noise(cfg, sizes, graph, scale)
     return NadpFloor(r.sigmas, r.allocation, r.lam, r.sensitivities[me], None if r.ldp_stds is None else r.ldp_stds[me])
 
 
-def mpddp_floor(cfg: RunConfig, k: int, min_size: int) -> tuple[float, float, float]:
+def mpddp_floor(cfg: RunConfig, k: int, min_size: int, scale: float = 1.0) -> tuple[float, float, float]:
     """``mpddp``: ``(sigma_eta, sigma_delta, theta)`` for ``k`` clients (Theorem 10, or 11 on an n-out graph).
 
     Record level: the sensitivity is :func:`protocols.mpddp.mp_record_sensitivity` of the smallest
@@ -281,6 +290,8 @@ def mpddp_floor(cfg: RunConfig, k: int, min_size: int) -> tuple[float, float, fl
     among the participants: each pair Delta_kv = -Delta_vk needs ONE std at both ends, and with one
     sensitivity for all every participant computes the same scales from the same public sizes (the
     clients whose n_k is larger get more noise than they need: simple, and never less).
+    ``scale`` (>= 1): both sigmas times it, theta over its square (the server raises a round's noise when the
+    run's epsilon budget left needs it; :mod:`strategies.run.budget`).
     Raises ValueError where the theorems do not cover the setting.
     """
     sens = mp_record_sensitivity(cfg.clip, min_size, cfg.adjacency)
@@ -289,10 +300,10 @@ def mpddp_floor(cfg: RunConfig, k: int, min_size: int) -> tuple[float, float, fl
     if n_out is None or n_out >= k - 1:
         theta = theta_for_noise_multiplier(z)
         se, sd = sigmas_for_theta(theta, k, eta_share=ETA_SHARE, sensitivity=sens)
-        return se, sd, theta
+        return se * scale, sd * scale, theta / scale**2
     t = cfg.num_rounds
     cal = calibrate(cfg.epsilon / t, cfg.delta / t, k, n_out, eta_share=ETA_SHARE, sensitivity=sens)
-    return cal.sigma_eta, cal.sigma_delta, cal.theta
+    return cal.sigma_eta * scale, cal.sigma_delta * scale, cal.theta / scale**2
 
 
 def mpdp_naive_sigma(cfg: RunConfig, size: int) -> float:

@@ -108,6 +108,10 @@ class LocalDPStrategy(_RecordLevel):
     """Local DP: every client noises its own upload (record level by default, or client level)."""
 
     wire_dtype = np.float64
+    #: The round loop may raise the round's multiplier to ``z * noise_scale`` (>= z; the clients use the larger of
+    #: it and their own z) to keep epsilon within the run's target (:mod:`strategies.run.budget`).
+    scales_noise = True
+    noise_scale = 1.0
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
@@ -116,7 +120,7 @@ class LocalDPStrategy(_RecordLevel):
 
     def train_config(self, server_round: int) -> ConfigRecord:
         """The round number and the noise multiplier each client must at least use (a ``LocalDpNoise``)."""
-        return merge_configs(super().train_config(server_round), LocalDpNoise(self.z).to_config())
+        return merge_configs(super().train_config(server_round), LocalDpNoise(self.z * self.noise_scale).to_config())
 
     def weight_of(self, reply: Message) -> float:
         """Record level: ``n_k`` (example-weighted FedAvg).  Client level: uniform (size weights change the bound)."""
@@ -124,7 +128,7 @@ class LocalDPStrategy(_RecordLevel):
 
     def upload_std(self, size: int) -> float:
         """Std of the Gaussian noise in one upload of a client with ``size`` records."""
-        return self.z * (record_sensitivity(self.cfg, size) if self.record_level else self.cfg.clip)
+        return self.z * self.noise_scale * (record_sensitivity(self.cfg, size) if self.record_level else self.cfg.clip)
 
     def describe(self) -> dict[str, float | str]:
         if self.record_level:
@@ -163,13 +167,14 @@ class LocalDPStrategy(_RecordLevel):
 
     def charge_release(self, state: RoundState) -> None:
         """Each upload: a Gaussian with multiplier z, no amplification (every participant is told to release)."""
-        self.privacy.uplink.compose(GaussianEvent(self.z))
+        z = self.z * self.noise_scale
+        self.privacy.uplink.compose(GaussianEvent(z))
         if self.record_level:
             return  # the mean's downlink event depends on the uploads' sizes: composed in aggregate()
         m = self.cfg.clients_per_round
-        self.privacy.downlink.compose(GaussianEvent(self.z * math.sqrt(m)))  # public sample: no amplification
+        self.privacy.downlink.compose(GaussianEvent(z * math.sqrt(m)))  # public sample: no amplification
         k = max(len(state.participants), 1)  # independent noises: the uniform mean keeps std z clip / sqrt(k)
-        self.report(upload_noise_std=self.z * self.cfg.clip, model_noise_std=self.z * self.cfg.clip / math.sqrt(k))
+        self.report(upload_noise_std=z * self.cfg.clip, model_noise_std=z * self.cfg.clip / math.sqrt(k))
 
     def aggregate(self, state: RecordRound) -> ArrayRecord | None:
         """Aggregate stage: the weighted mean; record level also notes the published mean's multiplier.

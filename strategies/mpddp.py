@@ -90,6 +90,11 @@ __all__ = ["ETA_SHARE", "MpRound", "MpcdpStrategy", "MpddpStrategy", "MpdpNaiveS
 class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
     """MP_Server + DDP_Client (Algorithms 1-4) with the shared key phase and Theorem 10/11 calibration."""
 
+    #: The round loop may raise both scales by ``noise_scale`` (theta / scale^2) to keep epsilon within the run's
+    #: target (:mod:`strategies.run.budget`); the clients use the larger of the sent scales and their own.
+    scales_noise = True
+    noise_scale = 1.0
+
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
         k = cfg.clients_per_round
@@ -111,9 +116,9 @@ class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
     def _complete(self, k: int) -> bool:
         return self.n_out is None or self.n_out >= k - 1
 
-    def _calibration(self, k: int, min_size: int) -> tuple[float, float, float]:
+    def _calibration(self, k: int, min_size: int, scale: float = 1.0) -> tuple[float, float, float]:
         """(sigma_eta, sigma_delta, theta) for K = k clients, the smallest of size ``min_size`` (ValueError if not covered)."""
-        return mpddp_floor(self.cfg, k, min_size)  # the clients' own floor: one calibration for both ends
+        return mpddp_floor(self.cfg, k, min_size, scale)  # the clients' own floor: one calibration for both ends
 
     def exchange_keys(self, grid: Grid, st: RoundState) -> None:
         """Keys stage: the shared key phase (:meth:`PairwiseRecovery.exchange_keys`), then the masking line."""
@@ -194,7 +199,7 @@ class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
                               "sensitivity cannot be computed")
         listed = tuple(int(sizes[n]) for n in state.participants)  # PeerKeys.participants order
         try:
-            se, sd, state.theta = self._calibration(k, min(listed))
+            se, sd, state.theta = self._calibration(k, min(listed), self.noise_scale)
         except ValueError as err:
             raise RoundFailed(f"round {state.round}: {k} clients passed the key phase and the "
                               f"calibration does not cover it: {err}") from err
@@ -246,7 +251,7 @@ class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
     def charge_release(self, state: MpRound) -> None:
         """The planned round: a Gaussian with multiplier z (complete graph) or a Theorem 11 round, (eps/T, delta/T)-DP."""
         if self._complete(self.cfg.clients_per_round):
-            super().charge_release(state)
+            self.privacy.compose(GaussianEvent(self.z * self.noise_scale))
         else:
             self.privacy.compose(DpEvent(self.cfg.epsilon / self.cfg.num_rounds, self.cfg.delta / self.cfg.num_rounds))
 

@@ -14,7 +14,8 @@ Round ``t`` (the stages of :mod:`strategies.stages`):
 4. train: the message carries the public plan (:class:`client.messages.nadp.NadpPlan`:
    ids, sizes, sigmas, lambda) and the client's peer keys; each client recomputes
    the allocation (Alg. 2 over :func:`protocols.graphs.round_graph`) and uploads
-   its noised model;
+   its noised model; the round is charged as the messages leave, every participant as planned
+   (a crash before aggregation resumes with the charge kept, as the clients' ledgers keep it);
 5. recover, aggregate: ``sum_i p_i upload_i`` in float64 (:func:`protocols.nadp.nadp_aggregate`):
    the pair noise cancels, the
    residual noise (std ``sigma_down``) stays. A client that drops out after the
@@ -24,12 +25,14 @@ Round ``t`` (the stages of :mod:`strategies.stages`):
    the survivors (weights renormalised) and reports it.  With run-config
    ``self-mask`` every upload also carries a self-mask that the server removes
    after one unmasking phase per round (double masking, :mod:`strategies.recovery`);
-6. account: the survivors' releases.
+6. account: after dropouts, what the survivors' noise really left beyond the plan
+   (:func:`protocols.privacy.budget.top_up`).
 
-Accounting (``self.privacy``, per-client accountants composed by the account stage, read
-by the base's ``privacy_report``), per record, over the rounds its owner took part in
-(sampling is public here: the server draws it from the run seed, so no amplification
-by sampling is claimed):
+The round loop may raise a round's noise (:attr:`NadpStrategy.noise_scale`) to keep the run
+within its target (:mod:`strategies.run.budget`).
+Accounting (``self.privacy``, per-client accountants, read by the base's ``privacy_report``),
+per record, over the rounds its owner took part in (sampling is public here: the server
+draws it from the run seed, so no amplification by sampling is claimed):
 
 * ``epsilon_uplink``: RDP accountant on what the server / an eavesdropper sees
   of a client: *all* uploads jointly (pair noise is correlated across uploads,
@@ -79,6 +82,7 @@ from protocols.privacy import (
     lemma2_sigma,
     record_training_movement,
 )
+from protocols.privacy.budget import empty_like, top_up
 from protocols.privacy.signal import NoiseEstimate, gaussian_norm
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 from strategies.key_phase import KeyPhase, KeyRound
@@ -102,6 +106,10 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
     """NADP-FL: pairwise counteracting noise for the uplink, residual noise for the downlink."""
 
     wire_dtype = np.float64
+    #: The round loop may raise every noise std of a round by :attr:`noise_scale` (>= 1) to keep epsilon
+    #: within the run's target after rounds that cost more than planned (:mod:`strategies.run.budget`).
+    scales_noise = True
+    noise_scale = 1.0
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
@@ -145,15 +153,16 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
                 "above Lemma 1's 2C*lr/|D_i|. Use local-epochs=1 and batch-size >= |D_i| (one full-batch step, as "
                 "in the paper's experiments) for a useful model.", self.cfg.local_epochs, self.cfg.batch_size)
         weights = normalize_weights(sizes)
-        noise = nadp_round_noise(self.cfg, sizes, keys.neighbours)  # the clients derive the same (their floor)
+        scale = self.noise_scale  # the clients derive the same (their floor), every std times the plan's scale
+        noise = nadp_round_noise(self.cfg, sizes, keys.neighbours, scale)
         sens = dict(noise.sensitivities)
         if noise.ldp_stds is not None:  # record-ldp (Lemma 3)
-            plan = NadpPlan(self.variant, ids, sizes, 0.0, 0.0, 1.0, dict(noise.ldp_stds))
+            plan = NadpPlan(self.variant, ids, sizes, 0.0, 0.0, 1.0, dict(noise.ldp_stds), scale)
             return NadpRound(rnd, list(ids), plan, weights, sens, None, keys=keys)
         if noise.lam_problem is not None:
             log(WARNING, "nadp: %s; using lambda = 1 (no collusion protection this round)", noise.lam_problem)
         assert noise.sigmas is not None
-        plan = NadpPlan(self.variant, ids, sizes, noise.sigmas.sigma_up, noise.sigmas.sigma_down, noise.lam)
+        plan = NadpPlan(self.variant, ids, sizes, noise.sigmas.sigma_up, noise.sigmas.sigma_down, noise.lam, {}, scale)
         return NadpRound(rnd, list(ids), plan, weights, sens, noise.allocation, keys=keys)
 
     # ------------------------------------------------------------ stages
@@ -286,14 +295,32 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
                 figures["cancellation_residual"] = res
         self.report(**figures)
 
-    def account(self, st: NadpRound) -> None:
-        """Account stage: the survivors' releases (RDP, no sampling amplification) and the paper's figures.
+    def charge_release(self, st: NadpRound) -> None:
+        """Train stage: charge the round when its noise is released, every participant as planned."""
+        self._compose(st, list(st.participants))
+        self._planned_charge = self._round_charge(st, list(st.participants))
 
-        Composed once the aggregate stage reached the survivors (``st.survivors``); nothing otherwise.
+    def account(self, st: NadpRound) -> None:
+        """Account stage: after dropouts, charge the survivors what their noise really left beyond the plan.
+
+        Nothing more when every participant survived or the aggregate stage did not reach the survivors
+        (``st.survivors``): the planned charge of :meth:`charge_release` stands.
         """
         survivors = st.survivors
-        if survivors is None:
-            return
+        if survivors is not None and set(survivors) != set(st.participants):
+            top_up(self.privacy, self._planned_charge, self._round_charge(st, survivors))
+
+    def _round_charge(self, st: NadpRound, survivors: list[int]) -> PrivacyLedger:
+        """The round's charge alone (:meth:`_compose` into empty accountants parallel to ``self.privacy``)."""
+        ledger, self.privacy = self.privacy, empty_like(self.privacy)
+        try:
+            self._compose(st, survivors)
+            return self.privacy
+        finally:
+            self.privacy = ledger
+
+    def _compose(self, st: NadpRound, survivors: list[int]) -> None:
+        """The releases of ``survivors`` (RDP, no sampling amplification) and the paper's figures."""
         w_s = math.fsum(st.weights[n] for n in survivors)
         total_std, _ = self._noise_after(st, survivors)
         # Downlink: a record of survivor i moves the (renormalised) aggregate by <= p_i Delta_i / P_S.

@@ -14,12 +14,13 @@ from client.app import app as client_app
 from client.env import ClientEnv, record_level_training
 from client.messages.baselines import ClippingNorm, LocalDpNoise
 from client.messages.common import TrainIns, train_metrics
+from client.messages.ledger import SpentReport
 from client.wire import from_record, to_record
 from protocols.adjacency import adjacency_factor
 from protocols.arrays import flatten
 from protocols.config import RunConfig
 from protocols.floor import ldp_noise_multiplier, ldp_noise_std
-from protocols.privacy import calibrate_noise_multiplier
+from protocols.privacy import GaussianEvent, GdpAccountant, calibrate_noise_multiplier
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies.baselines import CentralDPStrategy, LocalDPStrategy, record_mean_sensitivity
@@ -100,7 +101,10 @@ def test_a_smaller_announced_multiplier_is_refused_by_the_real_client() -> None:
 
 @pytest.mark.parametrize("factor", [1.0, 3.0])
 def test_record_level_ldp_upload_noise_is_z_times_2_clip_lr_over_n_k(factor) -> None:
-    """The noise measured in real uploads: std z 2 C lr / n_k (one full-batch step), whatever larger z is announced."""
+    """The noise measured in real uploads: std z' 2 C lr / n_k (one full-batch step), charged so in the ledger.
+
+    z' is the larger of the announced z and the client's own (the server raises it to keep a run within its target).
+    """
     cfg, grid, msgs, replies = _ldp_round(factor)
     z = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds)
     normalised = []
@@ -110,8 +114,10 @@ def test_record_level_ldp_upload_noise_is_z_times_2_clip_lr_over_n_k(factor) -> 
         n_k = len(env.y)
         _, local_w, _, _ = record_level_training(msg, env)  # deterministic: the model before the noise
         noise = flatten(from_record(r.content["arrays"])) - flatten(local_w)
-        expected = z * adjacency_factor(cfg.adjacency) * cfg.clip * cfg.lr / n_k
+        expected = factor * z * adjacency_factor(cfg.adjacency) * cfg.clip * cfg.lr / n_k
         assert r.content["metrics"]["noise_std"] == pytest.approx(expected)
+        spent = GdpAccountant([GaussianEvent(factor * z)]).epsilon(cfg.delta)  # one release at the multiplier used
+        assert SpentReport.from_metrics(r.content["metrics"]).epsilon == pytest.approx(spent, rel=1e-6)
         normalised.append(noise / expected)
     pooled = np.concatenate(normalised)  # ~2600 draws: the std is within a few % of 1
     assert abs(pooled.mean()) < 0.1

@@ -142,7 +142,9 @@ def test_resume_refuses_a_changed_run_config(tmp_path, capsys):
 def test_killed_process_resumes_with_continuous_epsilon(tmp_path, capsys):
     """``cancelfl run`` killed with SIGKILL mid-run, then ``--resume``: every planned round once.
 
-    Epsilon is never reset: equal to an uninterrupted run's up to the kill, never below it after.
+    Epsilon is never reset: equal to an uninterrupted run's up to the kill.  A round killed after its train
+    messages went out is charged again; the rounds after it get more noise, so the run still ends within
+    its target (strategies/run/budget.py).
     """
     cfg = {**FAST, "method": "ldp", "num-rounds": 12, "divergence-factor": 0.0, "train-subset": 200}
     text = " ".join(f"{k}={json.dumps(v)}" for k, v in cfg.items())
@@ -165,15 +167,19 @@ def test_killed_process_resumes_with_continuous_epsilon(tmp_path, capsys):
     assert 2 <= k < 12, "the run was not killed mid-way"
     assert main(["run", "--resume", str(out)]) == 0
     rows = read_metrics(out)
-    whole = run_inprocess({**cfg, "out-dir": str(tmp_path / "whole")}, progress=lambda _s: None)
+    run_inprocess({**cfg, "out-dir": str(tmp_path / "whole")}, progress=lambda _s: None)
     ref = read_metrics(tmp_path / "whole")
     assert [r["round"] for r in rows] == list(range(1, 13))
     eps = [r["epsilon"] for r in rows]
     assert eps == sorted(eps)
     assert _same(eps[:k], [r["epsilon"] for r in ref[:k]])
-    assert all(a >= b * (1 - 1e-12) for a, b in zip(eps, (r["epsilon"] for r in ref), strict=True))
     if not rows[k]["recharged_round"]:  # killed between rounds: exactly the uninterrupted accounts
-        assert eps[-1] == pytest.approx(whole["epsilon"], rel=1e-12)
+        assert _same(eps, [r["epsilon"] for r in ref])
+    else:  # the killed round counts twice: dearer than the uninterrupted run's, the rest with raised noise
+        assert eps[k] > ref[k]["epsilon"] * (1 + 1e-9)
+        assert rows[k]["noise_scale"] > 1.0  # (later rounds go back to 1 once the reserve held back covers them)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["epsilon"] <= summary["privacy"]["target_epsilon"] and not summary["privacy"]["over_target"]
     capsys.readouterr()
 
 

@@ -27,6 +27,7 @@ _SIGMA_UP = "nadp-sigma-up"
 _SIGMA_DOWN = "nadp-sigma-down"
 _LAMBDA = "nadp-lambda"
 _LDP_STDS = "nadp-ldp-stds"
+_NOISE_SCALE = "nadp-noise-scale"
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ class NadpPlan:
         sigma_up, sigma_down: Eq. 3 stds of one upload and of the aggregate (0 for record-ldp).
         lam: compensation factor ``lambda >= 1`` (Eq. 8 or run-config ``nadp-lambda``).
         ldp_stds: record-ldp only: each participant's upload noise std.
+        noise_scale: factor on every std of the round's calibration (>= 1 for a client to accept it): the
+            server raises the noise when the run's epsilon budget left needs it (:mod:`strategies.run.budget`).
+            Sent only when not 1.
     """
 
     variant: str
@@ -49,6 +53,7 @@ class NadpPlan:
     sigma_down: float
     lam: float
     ldp_stds: dict[int, float] = field(default_factory=dict)
+    noise_scale: float = 1.0
 
     def to_config(self) -> ConfigRecord:
         rec = ConfigRecord({
@@ -61,6 +66,8 @@ class NadpPlan:
         })
         if self.ldp_stds:
             rec[_LDP_STDS] = [float(self.ldp_stds[n]) for n in self.ids]
+        if self.noise_scale != 1.0:
+            rec[_NOISE_SCALE] = float(self.noise_scale)
         return rec
 
     @classmethod
@@ -85,5 +92,8 @@ class NadpPlan:
             raise ValueError(f"'{_LDP_STDS}' must hold one std per participant")
         if any(not (math.isfinite(s) and s >= 0) for s in ldp):
             raise ValueError(f"'{_LDP_STDS}' must be finite and >= 0")
+        scale = read_float(rec, _NOISE_SCALE, default=1.0)
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"'{_NOISE_SCALE}' must be finite and > 0, got {scale}")
         return cls(variant, ids, dict(zip(ids, sizes, strict=True)), sigma_up, sigma_down, lam,
-                   dict(zip(ids, ldp, strict=True)) if ldp else {})
+                   dict(zip(ids, ldp, strict=True)) if ldp else {}, scale)

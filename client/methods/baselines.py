@@ -54,9 +54,10 @@ def train_ldp(msg: Message, env: ClientEnv) -> Message:
 
     The noise multiplier z (for (epsilon, delta) over the run, exact RDP) and the std
     (:func:`protocols.floor.ldp_noise_std`) are the client's own, from its run config and its own
-    dataset size; the server's :class:`client.messages.baselines.LocalDpNoise` multiplier is only
-    checked against z (a smaller one is refused).  The noise comes from the AES-CTR CSPRNG of
-    :mod:`protocols.prg`, freshly seeded from the OS.
+    dataset size; the server's :class:`client.messages.baselines.LocalDpNoise` multiplier is checked
+    against z (a smaller one is refused) and used when larger (the server raises it to keep the run
+    within its epsilon target): more noise than the floor, never less.  The noise comes from the
+    AES-CTR CSPRNG of :mod:`protocols.prg`, freshly seeded from the OS.
 
     * record level (default): per-example-clipped training, then the local *model* plus
       N(0, (z * 2 C lr / n_k)^2) per coordinate (the NADP paper's LDP-FL comparator, Lemma 3).
@@ -65,19 +66,21 @@ def train_ldp(msg: Message, env: ClientEnv) -> Message:
     from protocols.prg import gaussian
 
     z = ldp_noise_multiplier(env.cfg)
-    at_least("noise-multiplier", LocalDpNoise.from_config(msg.content["config"]).multiplier, z)
+    asked = LocalDpNoise.from_config(msg.content["config"]).multiplier
+    at_least("noise-multiplier", asked, z)
+    scale = max(asked / z, 1.0)  # every std below times it: 1.0 exactly unless the server asked for more
     n_k = len(env.y)
     if env.cfg.privacy_unit == "client":
         global_w, local_w, loss = local_training(msg, env)
         delta = flatten(local_w) - flatten(global_w)
         clipped, norm = clip_l2(delta, env.cfg.clip)
-        std = ldp_noise_std(env.cfg)
+        std = ldp_noise_std(env.cfg) * scale
         noisy = flatten(global_w) + clipped + gaussian(os.urandom(32), len(clipped), std)
         spent = release(msg, env, GaussianEvent(std / env.cfg.clip))
         return reply(msg, to_record(unflatten(noisy, global_w)), n_k, train_loss=loss, update_norm=norm, **spent)
     global_w, local_w, loss, frac = record_level_training(msg, env)
     sens = record_sensitivity(env.cfg, n_k)
-    std = ldp_noise_std(env.cfg, n_k)
+    std = ldp_noise_std(env.cfg, n_k) * scale
     flat = flatten(local_w)
     noisy = flat + gaussian(os.urandom(32), len(flat), std)
     spent = release(msg, env, GaussianEvent(std / sens))

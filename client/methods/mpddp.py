@@ -112,11 +112,12 @@ def ddp_floor(msg: Message, env: ClientEnv) -> tuple[float, float, GaussianEvent
     guarantee, see :mod:`strategies.mpddp`).
 
     Complete graph: K = the client's peers + 1 (every participant is a neighbour), and the client uses
-    its own Theorem 10 scales.  n-out graph (Theorem 11): the client cannot see K, so its floor is the
-    calibration for run-config K = ``clients-per-round`` (the scales grow as K shrinks); it uses the
-    server's scales once they pass that floor (both ends of every pair must draw the same sigma_delta).
-    Scales below the floor
-    are refused (:class:`protocols.floor.FloorViolation`).
+    its own Theorem 10 scales, or the server's where larger (the server raises them to keep the run within
+    its epsilon target; the round event's multiplier grows by the smaller of the two factors).
+    n-out graph (Theorem 11): the client cannot see K, so its floor is the calibration for run-config
+    K = ``clients-per-round`` (the scales grow as K shrinks); it uses the server's scales once they pass
+    that floor (both ends of every pair must draw the same sigma_delta).  Scales below the floor are
+    refused (:class:`protocols.floor.FloorViolation`).
     """
     cfg = env.cfg
     sent = DdpNoise.from_config(msg.content["config"])
@@ -136,5 +137,7 @@ def ddp_floor(msg: Message, env: ClientEnv) -> tuple[float, float, GaussianEvent
     at_least("mpddp-sigma-eta", sent.sigma_eta, se)
     at_least("mpddp-sigma-delta", sent.sigma_delta, sd)
     if complete:
-        return se, sd, GaussianEvent(noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds))
+        eta, pair = max(sent.sigma_eta, se), max(sent.sigma_delta, sd)  # more noise than the floor, never less
+        scale = min((a / b for a, b in ((eta, se), (pair, sd)) if b > 0), default=1.0)
+        return eta, pair, GaussianEvent(noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds) * scale)
     return sent.sigma_eta, sent.sigma_delta, DpEvent(cfg.epsilon / cfg.num_rounds, cfg.delta / cfg.num_rounds)

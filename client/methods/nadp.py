@@ -72,7 +72,7 @@ def round_floor(msg: Message, env: ClientEnv, plan: NadpPlan) -> tuple[NadpFloor
         graph = view_graph(msg, env)
         if sorted(graph) != sorted(plan.ids):
             raise ValueError("nadp: the plan's participants differ from the round's participant list")
-    fl = nadp_floor(env.cfg, plan.sizes, me, graph)
+    fl = nadp_floor(env.cfg, plan.sizes, me, graph, plan.noise_scale)  # more noise than the floor, never less
     if fl.sigmas is None:
         at_least("nadp-ldp-stds", plan.ldp_stds[me], fl.ldp_std or 0.0)
     else:

@@ -8,6 +8,8 @@
 * :mod:`~protocols.privacy.composition` -- closed-form theorems (DDP-SA Theorem 2 / Eq. 12, NADP-FL Lemma 2).
 * :mod:`~protocols.privacy.sensitivity` -- record-level sensitivity of per-example-clipped local SGD.
 * :mod:`~protocols.privacy.ledger` -- a method's accounts per adversary view (:class:`PrivacyLedger`) and its report.
+* :mod:`~protocols.privacy.budget` -- epsilon as a hard cap: the budget left as shares, the noise scale of the next
+  round (with a reserve), charges topped up to the noise really left.
 
 No other module of the project imports dp-accounting.
 """

@@ -36,6 +36,7 @@ from client.wire import from_record, to_record
 from protocols.arrays import Weights
 from protocols.methods import method_spec
 from protocols.privacy.signal import MeasuredSignal
+from strategies.run.budget import STATE_KEY, BudgetGuard
 from strategies.run.checkpoint import Checkpoint, load_for_resume, mark_pending, save_checkpoint, start_run_folder
 from strategies.run.notes import learning_check, noise_check, over_target, preamble, privacy_summary
 from strategies.run.report import write_run_report
@@ -325,8 +326,15 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
     kept_arrays, kept_round, stopped = arrays, 0, None
     published: ArrayRecord | None = None  # run-config model-ema: the average the run evaluates and saves
     first, resume_note = 1, {}
+    guard = BudgetGuard(cfg, strategy, total_rounds)  # epsilon is a hard cap (strategies.run.budget)
+    stopped_for = None
+
+    def state() -> dict:
+        return {**strategy.state_dict(), STATE_KEY: guard.to_state()}
+
     if cfg.resume:  # continue after the checkpoint's last completed round, with its accounts and metrics
         ckpt = load_for_resume(out, cfg, strategy)
+        guard.load_state((ckpt.pending or {}).get("strategy_state", ckpt.strategy_state).get(STATE_KEY))
         arrays = kept_arrays = to_record(ckpt.weights, strategy.wire_dtype)
         if ckpt.published is not None:
             published = kept_arrays = to_record(ckpt.published, strategy.wire_dtype)
@@ -336,16 +344,20 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
         resume_note = {"resumed_after_round": ckpt.round, "recharged_round": ckpt.pending is not None}
         progress(f"resuming after round {ckpt.round} of {total_rounds} from {out}")
     else:  # round 0: a crash in round 1 resumes with that round's charge kept
-        save_checkpoint(out, Checkpoint(0, from_record(arrays), strategy.state_dict(), [], [], 0.0, cfg.to_mapping()))
+        save_checkpoint(out, Checkpoint(0, from_record(arrays), state(), [], [], 0.0, cfg.to_mapping()))
     if first <= total_rounds:  # the first round also starts the clients (a simulation's workers): say so
         progress(f"starting round {first} of {total_rounds} ...")
     for rnd in range(first, total_rounds + 1):
+        if (stopped := guard.before_round(rnd)) is not None:  # before any noise of the round is released
+            stopped_for = "privacy budget"
+            progress(f"round {rnd}/{total_rounds}  STOPPED: {stopped}; the model of round {kept_round} is kept")
+            break
         mgrid.reset()
         t0 = time.perf_counter()
         try:
             new_arrays, train_metrics = run_round(  # the round's charge survives a crash once the messages are built
-                strategy, mgrid, rnd, arrays, before_send=lambda r=rnd: mark_pending(out, r, strategy.state_dict()))
-            mark_pending(out, rnd, strategy.state_dict())  # with what aggregation charged (dropouts, uploads seen)
+                strategy, mgrid, rnd, arrays, before_send=lambda r=rnd: mark_pending(out, r, state()))
+            mark_pending(out, rnd, state())  # with what aggregation charged (dropouts, uploads seen)
             if new_arrays is not None and (bad := non_finite_arrays(new_arrays)):
                 raise RoundFailed(f"round {rnd}: the aggregate is not finite (arrays {bad[:3]}); the model is kept")
         except RoundFailed as err:
@@ -353,6 +365,7 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
             progress(f"round {rnd}/{total_rounds}  FAILED: {err}")
             new_arrays, train_metrics = None, None
         wall = time.perf_counter() - t0
+        guard.after_round()
         if new_arrays is not None:
             if (release := strategy.released(arrays, new_arrays, num_params)) is not None:
                 measured.add(release)
@@ -377,6 +390,7 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
             "phase_time_s": dict(mgrid.phase_times),
             "failed": new_arrays is None,
             **strategy.round_report(),
+            **guard.report(),
             "excluded": strategy.exclusions(),
             "left_out": sorted(str(n) for n in strategy.strikes.banned),
         }
@@ -408,10 +422,11 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
         stopped = None if loss is None else divergence(loss, initial_loss, cfg.divergence_factor)
         if stopped is None:
             kept_arrays, kept_round = (published if published is not None else arrays), rnd
-            save_checkpoint(out, Checkpoint(rnd, from_record(arrays), strategy.state_dict(), rounds, failures,
+            save_checkpoint(out, Checkpoint(rnd, from_record(arrays), state(), rounds, failures,
                                             time.perf_counter() - t_start, cfg.to_mapping(),
                                             published=None if published is None else from_record(published)))
         else:
+            stopped_for = "divergence"
             progress(f"round {rnd}/{total_rounds}  STOPPED: {stopped}; the model of round {kept_round} is kept")
             break
         progress(round_line(row, total_rounds, target, verbose=verbose, figures=strategy.round_report()))
@@ -442,6 +457,7 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
         "failed_rounds": failures,
         "rounds_completed": len(rounds),
         "stopped": stopped,
+        "stopped_for": stopped_for,
         "initial_loss": initial_loss,
         "model_file": model_file,
         "model_round": kept_round,

@@ -73,8 +73,9 @@ def over_target(cfg: RunConfig, row: dict[str, Any]) -> str | None:
     """The warning when the epsilon spent so far is above the run's target (None while within it).
 
     Calibrations are exact for the clients a round starts with.  When some drop after the noise was fixed
-    (pairwise methods, then dropout recovery), the accountants charge the noise really left, with no top-up
-    (README "Dropout recovery"), so the run can end above its target: it must say so.
+    (pairwise methods, then dropout recovery), the accountants charge the noise really left.  The budget
+    guard (:mod:`strategies.run.budget`) keeps Gaussian accounts within the target (more noise, or a stop);
+    a run whose accounts it cannot read (Laplace, (epsilon, delta) rounds) can end above it: it must say so.
     """
     spent = row.get("epsilon")
     if spent is None or method_spec(cfg.method).guarantee(cfg.privacy_unit).unit == "none":
@@ -83,8 +84,8 @@ def over_target(cfg: RunConfig, row: dict[str, Any]) -> str | None:
         return None
     return (f"warning: round {row['round']}: epsilon spent {spent:.4g} is above the run's target {cfg.epsilon:g}: "
             "clients dropped after the round's noise was calibrated (see 'dropped' in metrics.jsonl) and the "
-            "accountant charges the noise really left, with no top-up. A node caps its own spending with its "
-            "'lifetime-epsilon' (rounds beyond it are refused)")
+            "accountant charges the noise really left (the budget guard cannot hold this method's accounts). "
+            "A node caps its own spending with its 'lifetime-epsilon' (rounds beyond it are refused)")
 
 
 def noise_check(strategy: Any, num_params: int) -> tuple[dict | None, str | None]:

@@ -1,0 +1,101 @@
+"""The run's epsilon as a hard cap: the round loop asks :class:`BudgetGuard` before every round.
+
+The guard reads the strategy's privacy ledger (``strategy.privacy``) as shares of the budget per view
+and unit (:func:`protocols.privacy.budget.budget_shares`), learns from each finished round what one round
+really costs (at noise scale 1) and, before the next, decides with :func:`protocols.privacy.budget.plan_round`:
+
+* run it as calibrated (every clean run: the noise is never changed);
+* run it with every noise std raised by ``strategy.noise_scale`` (methods with ``scales_noise = True``:
+  the clients accept more noise than their floor, never less), after rounds that cost more than planned;
+* stop before it, when even that cannot keep the run within its target (the loop ends the run, the
+  summary says it stopped for the privacy budget and ``cancelfl run`` exits non-zero).
+
+Methods whose accounts are not Gaussian precisions (Laplace, (epsilon, delta) rounds, sampled releases)
+are not guarded here.  The guard's own state travels in the checkpoint (:data:`STATE_KEY`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from protocols.config import RunConfig
+from protocols.methods import method_spec
+from protocols.privacy.budget import RoundBudget, budget_shares, plan_round
+
+#: Key of the guard's state in the checkpoint's strategy state.
+STATE_KEY = "budget_guard"
+
+
+class BudgetGuard:
+    """Keeps a run's spent epsilon at or below its target (see the module docstring).
+
+    Use: :meth:`before_round` (stop message or None; sets the strategy's noise scale), then
+    :meth:`after_round` once the round's replies were accounted (or the round failed).
+    """
+
+    def __init__(self, cfg: RunConfig, strategy: Any, total_rounds: int) -> None:
+        self.strategy = strategy
+        self.total_rounds = int(total_rounds)
+        #: Whether the method has a guarantee to guard.
+        self.guarded = method_spec(cfg.method).guarantee(cfg.privacy_unit).unit != "none"
+        self.epsilon, self.delta = float(cfg.epsilon), float(cfg.delta)
+        #: Largest share of the budget one unit was charged in one round so far, at noise scale 1.
+        self.dearest = 0.0
+        #: The current round's decision and the precisions before it.
+        self.decision = RoundBudget()
+        self._before: dict | None = None
+
+    @property
+    def scalable(self) -> bool:
+        """Whether the strategy raises its noise on request: ``scales_noise = True`` in its own class.
+
+        Not inherited: a subclass (e.g. a method of your own on ldp's server) may pair with clients that do not
+        add the raised noise, so it declares ``scales_noise`` itself once they do.
+        """
+        return bool(type(self.strategy).__dict__.get("scales_noise", False))
+
+    def before_round(self, rnd: int) -> str | None:
+        """Decide round ``rnd``: set ``strategy.noise_scale``; return why the run must stop before it, or None."""
+        self.decision = RoundBudget()
+        self._before = None
+        shares = budget_shares(self.strategy.privacy, self.epsilon) if self.guarded else None
+        if shares is not None:
+            self._before = shares
+            spent = max(shares.values(), default=0.0)
+            self.decision = plan_round(1.0, spent, self.dearest, self.total_rounds - rnd + 1, scalable=self.scalable)
+            if self.decision.stop is not None:
+                eps_spent = self.strategy.privacy.report()["epsilon"]
+                return (f"privacy budget: round {rnd} would take the run past its target epsilon {self.epsilon:g} "
+                        f"(delta {self.delta:g}); epsilon spent so far {eps_spent:.4g} "
+                        f"({spent:.1%} of the budget): {self.decision.stop}. Earlier rounds cost more "
+                        "than planned (clients dropped after the noise was fixed, or a round was charged again "
+                        "after a resume)")
+        if self.scalable:
+            self.strategy.noise_scale = self.decision.scale
+        return None
+
+    def after_round(self) -> None:
+        """Learn what the round just accounted cost per unit (normalised to noise scale 1)."""
+        if self._before is None:
+            return
+        now = budget_shares(self.strategy.privacy, self.epsilon)
+        if now is None:
+            return
+        costs = [p - self._before.get(key, 0.0) for key, p in now.items()]
+        cost = max((c for c in costs if math.isfinite(c)), default=0.0)
+        self.dearest = max(self.dearest, cost * self.decision.scale**2)
+        self._before = None
+
+    def report(self) -> dict[str, float]:
+        """Figures for the round's metrics row: the noise scale when the budget raised it."""
+        return {"noise_scale": self.decision.scale} if self.decision.scale != 1.0 else {}
+
+    def to_state(self) -> dict[str, float]:
+        """JSON state (what a resumed run needs to go on guarding)."""
+        return {"dearest": self.dearest}
+
+    def load_state(self, state: dict[str, Any] | None) -> None:
+        """Inverse of :meth:`to_state` (None or missing: nothing learnt yet)."""
+        if state:
+            self.dearest = float(state.get("dearest", 0.0))
