@@ -90,7 +90,7 @@ def test_record_level_sensitivity_replaces_theorem2() -> None:
 
     from protocols.privacy import record_sensitivity
 
-    cfg = SimpleNamespace(clip=1.0, lr=4.0, local_epochs=1, batch_size=1_000_000)
+    cfg = SimpleNamespace(clip=1.0, lr=4.0, local_epochs=1, batch_size=1_000_000, adjacency="replace-one")
     for n in (1, 144, 600):
         sens = record_sensitivity(cfg, n)
         assert sens == pytest.approx(2 * 1.0 * 4.0 / n, rel=1e-12)

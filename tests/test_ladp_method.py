@@ -69,9 +69,10 @@ def test_one_round_noise_matches_plan_and_mean_is_weighted(fixed_noise) -> None:
         _, clean, _, _ = record_level_training(msg, env)
         n, b = len(env.y), cfg.batch_size
         steps = math.ceil(n / b)
-        # Record-level sensitivity (replaces Theorem 2's 2 lr E clip): 2 clip lr (1/b_last + steps - 1).
-        sens = 2 * cfg.clip * cfg.lr * (1 / (n - (steps - 1) * b) + steps - 1)
-        assert sens == pytest.approx(local_sgd_sensitivity(cfg.clip, n, lr=cfg.lr, batch_size=b), rel=1e-12)
+        # Record-level sensitivity (replaces Theorem 2's 2 lr E clip), zero-out: clip lr / b_last + 2 clip lr (steps - 1).
+        sens = cfg.clip * cfg.lr * (1 / (n - (steps - 1) * b) + 2 * (steps - 1))
+        assert sens == pytest.approx(local_sgd_sensitivity(cfg.clip, n, lr=cfg.lr, batch_size=b,
+                                                           adjacency=cfg.adjacency), rel=1e-12)
         assert sens < 2 * cfg.lr * steps * cfg.clip  # tighter than Theorem 2
         assert report.local_steps == steps and report.sensitivity == pytest.approx(sens)
         assert report.noised_layers == 1 and report.num_layers == 4 and report.unnoised_release

@@ -35,11 +35,11 @@ def _cfg(**kw) -> RunConfig:
 
 
 def test_record_level_sigma_and_bounded_share_count() -> None:
-    """sigma_k = z p_k 2 C lr / n_k (one full-batch step); the share count = the neighbour count."""
+    """sigma_k = z p_k C lr / n_k (one full-batch step, zero-out); the share count = the neighbour count."""
     cfg = _cfg()
     assert (cfg.privacy_unit, cfg.lr, cfg.clip, cfg.local_epochs, cfg.num_rounds) == ("record", 4.0, 1.0, 1, 30)
     z = calibrate_noise_multiplier(1.0, 1e-5, 1.0, 30)
-    assert niss.client_sigma(cfg, 0.1, 144) == pytest.approx(z * 0.1 * 2 * 1.0 * 4.0 / 144, rel=1e-12)
+    assert niss.client_sigma(cfg, 0.1, 144) == pytest.approx(z * 0.1 * 1.0 * 4.0 / 144, rel=1e-12)
     assert niss.upload_sensitivity(cfg, 0.1, 144) == pytest.approx(0.1 * record_sensitivity(cfg, 144))
     for degree in (1, 4, 9, 99):
         assert niss.client_plan(cfg, 0.1, 144, degree).num_shares == degree

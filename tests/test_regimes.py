@@ -105,9 +105,9 @@ def test_default_nadp_trains_on_digits_far_above_ldp_and_outputs_say_what_epsilo
     assert nadp["regime"]["local-epochs"] == 1 and "clip" not in nadp["regime"]
     assert nadp["config"]["num-rounds"] == nadp["regime"]["num-rounds"]
     assert nadp["config"]["num-clients"] == ldp["config"]["num-clients"] == 10
-    # nadp trains (fedavg reaches ~0.91 here, nadp 0.79-0.84, record-level ldp 0.34-0.48; chance is 0.1)
-    assert nadp["final_accuracy"] >= 0.7
-    assert nadp["final_accuracy"] >= ldp["final_accuracy"] + 0.2
+    # nadp trains (fedavg reaches ~0.91 here; zero-out adjacency: nadp ~0.89-0.91, record-level ldp ~0.75-0.78)
+    assert nadp["final_accuracy"] >= 0.8
+    assert nadp["final_accuracy"] >= ldp["final_accuracy"] + 0.05
     assert ldp["final_accuracy"] >= 0.2
     assert ldp["noise_check"]["run_ratio"] > nadp["noise_check"]["run_ratio"]
     # the whole-run target is met and spent (exact RDP calibration), the unit and the directions are stated
