@@ -132,23 +132,12 @@ def test_the_checker_catches_an_upward_import(tmp_path):
 LINE_LIMIT = 500
 
 
-def _over_limit_allowed(rel: Path) -> bool:
-    """Modules still allowed over :data:`LINE_LIMIT`."""
-    return rel.parts[0] == "strategies" and len(rel.parts) == 2  # being split
-
-
 def test_no_module_over_500_lines():
     files = [p for d in (*ORDER, "tests", "examples", "docs") for p in (ROOT / d).rglob("*.py")
              if not p.name.endswith(("_pb2.py", "_pb2_grpc.py"))]
     assert len(files) > 100  # the walk finds the project
     long = [f"{rel}: {n}" for p in files
-            if (n := len(p.read_text().splitlines())) > LINE_LIMIT and not _over_limit_allowed(rel := p.relative_to(ROOT))]
-    assert not long, long
-
-
-def test_no_strategies_module_over_500_lines():
-    long = [f"{p.relative_to(ROOT)}: {n}" for p in (ROOT / "strategies").rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 500]
+            if (n := len(p.read_text().splitlines())) > LINE_LIMIT and (rel := p.relative_to(ROOT))]
     assert not long, long
 
 
