@@ -38,6 +38,7 @@ MAIN_KEYS: dict[str, str] = {
     "epsilon": "privacy target for the whole run (smaller = more private)",
     "delta": "DP delta of the whole run",
     "privacy-unit": "what epsilon protects: record (one example) or client (all of a client's data)",
+    "adjacency": "neighbouring datasets: zero-out (a record zeroed, Opacus' convention) or replace-one (2x noise)",
     "local-epochs": "passes over its data per client and round",
     "batch-size": "examples per local step",
     "lr": "client learning rate",
