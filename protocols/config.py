@@ -33,8 +33,6 @@ from protocols.methods import (
     options_classes,
     regime,
 )
-from protocols.methods.ddpsa import DdpsaOptions, sharing_threshold
-from protocols.methods.nadp import NadpOptions
 from protocols.options import ConfigError, MethodOptions
 from protocols.options import choice as _choice
 from protocols.server_optimizers import SERVER_OPTIMIZERS
@@ -51,10 +49,7 @@ def is_import_path(value: str) -> bool:
     module, sep, attr = value.partition(":")
     return bool(sep) and all(p.isidentifier() for p in module.split(".")) and attr.isidentifier()
 PARTITIONINGS = ("iid", "dirichlet", "size-skew")
-#: ``ddpsa-noise``: one central Laplace split over the participants (:mod:`protocols.ddpsa`), or the paper's per client.
-DDPSA_NOISE_MODES: tuple[str, ...] = DdpsaOptions.keys()["ddpsa-noise"].metadata["choices"]
-NADP_VARIANTS: tuple[str, ...] = NadpOptions.keys()["nadp-variant"].metadata["choices"]
-__all__ = ["ConfigError", "RunConfig", "clients_sampled", "parse_run_config", "sharing_threshold"]
+__all__ = ["ConfigError", "RunConfig", "clients_sampled", "parse_run_config"]
 
 
 def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
@@ -152,8 +147,7 @@ class RunConfig:
         user sets is never replaced.
         """
         known = {cls.key_of(f.name): f for f in _common_fields()}
-        owners = _option_owners()
-        known.update({key: f for key, (_c, f) in owners.items()})
+        known.update({key: f for opt_cls in options_classes() for key, f in opt_cls.keys().items()})
         values: dict[str, Any] = {}
         unset = set(AUTO_KEYS)
         for key, value in raw.items():
@@ -196,13 +190,7 @@ class RunConfig:
         common = {f.name for f in fields(cls)}
         own = {k: v for k, v in values.items() if k in common}
         rest = {k: v for k, v in values.items() if k not in common}
-        options = []
-        for opt_cls in options_classes():
-            names = opt_cls.attribute_names()
-            options.append(opt_cls(**{names[k]: rest.pop(k) for k in list(rest) if k in names}))
-        if rest:
-            raise ConfigError(f"unknown run-config key(s): {', '.join(sorted(cls.key_of(k) for k in rest))}")
-        return cls(**own, options=tuple(options))
+        return cls(**own, options=_with_options(_default_options(), rest))
 
     def to_mapping(self) -> dict[str, Any]:
         """Inverse of :meth:`from_mapping` (for summaries and ``--run-config``): every key, resolved."""
@@ -215,17 +203,8 @@ class RunConfig:
         """Copy with changed common keys or method options (attribute names), validated."""
         common = {f.name for f in fields(self)}
         own = {k: v for k, v in changes.items() if k in common}
-        cfg = dataclasses.replace(self, **own)
         rest = {k: v for k, v in changes.items() if k not in common}
-        if rest:
-            options = []
-            for opts in cfg.options:
-                names = type(opts).attribute_names()
-                mine = {names[k]: rest.pop(k) for k in list(rest) if k in names}
-                options.append(dataclasses.replace(opts, **mine) if mine else opts)
-            if rest:
-                raise ConfigError(f"unknown run-config key(s): {', '.join(sorted(self.key_of(k) for k in rest))}")
-            cfg = dataclasses.replace(cfg, options=tuple(options))
+        cfg = dataclasses.replace(self, **own, options=_with_options(self.options, rest))
         cfg.validate()
         return cfg
 
@@ -332,9 +311,21 @@ def _default_options() -> tuple[MethodOptions, ...]:
     return tuple(cls() for cls in options_classes())
 
 
-def _option_owners() -> dict[str, tuple[type[MethodOptions], dataclasses.Field]]:
-    """Run-config key -> (options class, field) of every registered method option."""
-    return {key: (cls, f) for cls in options_classes() for key, f in cls.keys().items()}
+def _with_options(options: tuple[MethodOptions, ...], values: dict[str, Any]) -> tuple[MethodOptions, ...]:
+    """``options`` with ``values`` (RunConfig attribute names, e.g. ``nadp_tau``) applied to the class owning each.
+
+    Raises:
+        ConfigError: a name no options class owns.
+    """
+    rest = dict(values)
+    out = []
+    for opts in options:
+        names = type(opts).attribute_names()
+        mine = {names[k]: rest.pop(k) for k in list(rest) if k in names}
+        out.append(dataclasses.replace(opts, **mine) if mine else opts)
+    if rest:
+        raise ConfigError(f"unknown run-config key(s): {', '.join(sorted(RunConfig.key_of(k) for k in rest))}")
+    return tuple(out)
 
 
 def _attr(key: str) -> str:

@@ -10,8 +10,11 @@ run-config key ``nadp-foo-bar`` (``prefix = ""``: key ``foo-bar``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 
@@ -81,14 +84,16 @@ class MethodOptions:
         return f"{cls.prefix}-{name}" if cls.prefix else name
 
     @classmethod
-    def keys(cls) -> dict[str, dataclasses.Field]:
-        """Run-config key -> field, in declaration order."""
-        return {cls.key_of(f): f for f in dataclasses.fields(cls)}
+    @functools.cache
+    def keys(cls) -> Mapping[str, dataclasses.Field]:
+        """Run-config key -> field, in declaration order (computed once per class: every option read uses it)."""
+        return MappingProxyType({cls.key_of(f): f for f in dataclasses.fields(cls)})
 
     @classmethod
-    def attribute_names(cls) -> dict[str, str]:
+    @functools.cache
+    def attribute_names(cls) -> Mapping[str, str]:
         """``RunConfig`` attribute (the key with ``_``) -> field name, e.g. ``nadp_tau`` -> ``tau``."""
-        return {key.replace("-", "_"): f.name for key, f in cls.keys().items()}
+        return MappingProxyType({key.replace("-", "_"): f.name for key, f in cls.keys().items()})
 
     def check(self) -> None:
         """Raise :class:`ConfigError` for a value outside its field's choices or bounds, then :meth:`validate`."""
