@@ -25,7 +25,7 @@ from numpy.typing import ArrayLike, NDArray
 from scipy.special import gammaln, kve
 
 from protocols.adjacency import adjacency_factor
-from protocols.config import DDPSA_NOISE_MODES as NOISE_MODES
+from protocols.methods.ddpsa import NOISE_MODES
 from protocols.privacy import laplace_scale
 
 __all__ = [

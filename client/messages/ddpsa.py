@@ -22,7 +22,7 @@ from typing import Any
 from flwr.app import ConfigRecord, RecordDict
 
 from client.messages.common import read_float, read_int, read_list, read_str
-from protocols.config import DDPSA_NOISE_MODES
+from protocols.methods.ddpsa import NOISE_MODES as DDPSA_NOISE_MODES
 from protocols.secret_sharing import FixedPointCodec
 
 #: The query action (message type ``query.ddpsa_identity``) that asks a node for its roster name.

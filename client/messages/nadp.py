@@ -18,7 +18,7 @@ from typing import Any
 from flwr.app import ConfigRecord
 
 from client.messages.common import node_id_strings, read_float, read_list, read_node_ids, read_str
-from protocols.config import NADP_VARIANTS
+from protocols.methods.nadp import VARIANTS as NADP_VARIANTS
 
 _VARIANT = "nadp-variant"
 _IDS = "nadp-ids"

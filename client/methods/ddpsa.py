@@ -32,9 +32,9 @@ from client.intermediate import IntermediateServers, share_and_push
 from client.messages.common import TrainIns
 from client.messages.ddpsa import DdpsaRound, RosterName, ShareReceipt
 from client.wire import from_record
-from protocols.config import sharing_threshold
 from protocols.ddpsa import distributed_laplace_share, l1_sensitivity, laplace_noise
 from protocols.floor import FloorViolation, at_least, at_most, ddpsa_noise_share, ddpsa_round_epsilon
+from protocols.methods.ddpsa import sharing_threshold
 from protocols.per_example import PerExampleClipper
 from protocols.privacy import LaplaceEvent, laplace_scale
 

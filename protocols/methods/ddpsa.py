@@ -14,6 +14,8 @@ SERVER_SECAGG = ("the server, fewer than ddpsa-threshold colluding intermediate 
                  "share of the round's participants colluding (DDP-SA)")
 #: FedSGD with per-sample L1 clipping and Laplace noise (pure epsilon, basic composition): the signal-to-noise of a
 #: run falls like eps / sqrt(T), so the budget goes into two rounds with a large server step.
+#: ``ddpsa-noise``: one central Laplace split over the participants (:mod:`protocols.ddpsa`), or the paper's per client.
+NOISE_MODES: tuple[str, ...] = ("distributed", "local")
 DDPSA_REGIME = {"small": {"hidden": "", "lr": 100.0, "clip": 1.0, "num-rounds": 2}}
 
 
@@ -39,7 +41,7 @@ class DdpsaOptions(MethodOptions):
     allocation: str = option("uniform", "per-round budget schedule (Eq. 12)", choices=("uniform", "exponential"))
     decay: float = option(0.9, "decay of the exponential allocation", low=0.0, high=1.0, low_open=True)
     noise: str = option("distributed", "distributed (one central Laplace split over participants) | local (paper)",
-                        choices=("distributed", "local"))
+                        choices=NOISE_MODES)
     collude_frac: float = option(0.1, "distributed noise: fraction of participants that may collude or not push",
                                  low=0.0, high=1.0, high_open=True)
     threshold: int = option(0, "servers needed to reconstruct (Shamir); = num-servers: additive; 0 = auto (m - 1, "

@@ -15,6 +15,8 @@ RECOVER = "client.recovery:handle_recover"  # dropout recovery of the pairwise n
 #: nadp's epsilon_uplink is the joint view of all uploads without colluding clients; lambda (Eq. 8) keeps each
 #: upload's marginal noise against a nadp-tau share of colluding peers, not the joint view (``cancelfl audit
 #: --colluders`` measures the difference).
+#: ``nadp-variant``: NADP-FL, or the paper's LDP-FL comparator (same training, no cancellation).
+VARIANTS: tuple[str, ...] = ("nadp", "record-ldp")
 SERVER_NO_COLLUSION = ("the server and eavesdroppers, no colluding client (nadp-tau's lambda protects each upload "
                        "seen alone against a tau share of colluding peers, not the joint view)")
 
@@ -29,7 +31,7 @@ class NadpOptions(MethodOptions):
     lambda_: float = option(0.0, "compensation factor; 0 = derive from nadp-tau", low=0.0)
     tau: float = option(0.5, "tolerated collusion rate for lambda (Eq. 8)", low=0.0, high=1.0, high_open=True)
     variant: str = option("nadp", "\"record-ldp\" = the paper's LDP-FL comparator (same training, no cancellation)",
-                          choices=("nadp", "record-ldp"))
+                          choices=VARIANTS)
 
     def validate(self) -> None:
         if 0.0 < self.lambda_ < 1.0:
