@@ -1,7 +1,7 @@
 """A method is one unit: a new method added from this module alone, with one registry call, runs end to end.
 
 ``gldp`` is a Gaussian local-DP variant whose clients add ``gldp-noise-boost`` times ldp's noise.  Its options
-class, server strategy and client handler are defined here; :func:`protocols.methods.registered` is the only
+class, server strategy and client handler are defined here; :func:`protocols.methods.register` (as a ``with`` block) is the only
 call into the project's registry.  The run goes through ``cancelfl run`` in-process: checkpoint, crash, resume,
 metrics, accounting and the report.
 """
@@ -22,13 +22,13 @@ from client.wire import to_record
 from protocols.arrays import flatten, unflatten
 from protocols.config import ConfigError, RunConfig
 from protocols.floor import at_least, ldp_noise_multiplier
-from protocols.methods import Guarantee, MethodSpec, registered
+from protocols.methods import Guarantee, MethodSpec, register
 from protocols.options import MethodOptions, option
 from protocols.privacy import GaussianEvent, record_sensitivity
 from server.launch import main, run_inprocess
 from strategies.baselines import LocalDPStrategy
 from strategies.run.checkpoint import load_checkpoint
-from tests.conftest import read_metrics
+from tests.conftest import Crash, crash_after, read_metrics
 
 
 @dataclass(frozen=True)
@@ -70,24 +70,13 @@ RUN = {"method": "gldp", "num-clients": 4, "num-rounds": 3, "local-epochs": 1, "
        "hidden": "", "dataset": "digits", "train-subset": 400, "test-subset": 200}
 
 
-class _Crash(Exception):
-    pass
-
-
-def _crash_after(k: int):
-    def progress(line: str) -> None:
-        if line.startswith(f"round {k}/"):
-            raise _Crash(line)
-    return progress
-
-
 def test_a_method_registered_from_a_test_module_runs_crashes_resumes_and_reports(tmp_path, capsys):
     out = tmp_path / "gldp"
-    with registered(GLDP):
+    with register(GLDP):
         with pytest.raises(ConfigError, match="gldp-noise-boost"):  # its own key, validated by its options class
             RunConfig.from_mapping({**RUN, "gldp-noise-boost": 0.5})
-        with pytest.raises(_Crash):
-            run_inprocess({**RUN, "out-dir": str(out)}, progress=_crash_after(2))
+        with pytest.raises(Crash):
+            run_inprocess({**RUN, "out-dir": str(out)}, progress=crash_after(2))
         assert load_checkpoint(out).round == 2 and not (out / "summary.json").exists()
         assert main(["run", "--resume", str(out)]) == 0
         capsys.readouterr()

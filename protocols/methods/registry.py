@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from types import MappingProxyType
 from typing import Any
 
@@ -58,13 +56,6 @@ def register(spec: MethodSpec) -> _Registration:
                                  f"declared by {taken[key].__name__}")
     _REGISTRY[spec.name] = spec
     return _Registration(spec.name)
-
-
-@contextmanager
-def registered(spec: MethodSpec) -> Iterator[MethodSpec]:
-    """Register ``spec`` for the duration of a ``with`` block only."""
-    with register(spec):
-        yield spec
 
 
 def method_names() -> tuple[str, ...]:
