@@ -15,6 +15,18 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 
 
+class Crash(Exception):
+    """Raised by :func:`crash_after`: a run killed mid-way (its checkpoint is what a crash leaves)."""
+
+
+def crash_after(k: int):
+    """A ``progress`` callback for ``run_inprocess`` that raises :class:`Crash` once round ``k`` is reported."""
+    def progress(line: str) -> None:
+        if line.startswith(f"round {k}/"):
+            raise Crash(line)
+    return progress
+
+
 def read_metrics(out_dir: Path) -> list[dict]:
     """Rows of a run's metrics.jsonl."""
     return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -22,7 +22,7 @@ from server.launch import main, run_inprocess
 from server.processes import LAUNCH_MARK, Processes, marked_pids
 from strategies.base import CancelStrategy, RoundFailed
 from strategies.run.checkpoint import CHECKPOINT_JSON, LEDGER_DIR, ResumeError, fresh_run_folder, load_checkpoint
-from tests.conftest import ROOT, read_metrics
+from tests.conftest import ROOT, Crash, crash_after, read_metrics
 from tests.processes import pid_gone
 
 #: A small, fast federation (in-process: a few seconds).
@@ -86,17 +86,6 @@ def test_no_successful_round_exits_nonzero(tmp_path, capsys, monkeypatch):
 
 
 # ------------------------------------------------------------------ checkpoint and resume
-class _Crash(Exception):
-    pass
-
-
-def _crash_after(k: int):
-    def progress(line: str) -> None:
-        if line.startswith(f"round {k}/"):
-            raise _Crash(line)
-    return progress
-
-
 @pytest.mark.parametrize("overrides", [
     {"method": "nadp", "sample-rate": 0.5, "batch-size": 1000, "lr": 2.0},  # per-client accounts, sampling
     {"method": "mpddp", "dataset": "breast-cancer", "hidden": "8"},  # given-R account, the server's Adam moments
@@ -106,8 +95,8 @@ def test_resume_after_crash_continues_rounds_and_epsilon(tmp_path, capsys, overr
     run_inprocess({**cfg, "out-dir": str(tmp_path / "whole")}, progress=lambda _s: None)
     whole = read_metrics(tmp_path / "whole")
     out = tmp_path / "crashed"
-    with pytest.raises(_Crash):
-        run_inprocess({**cfg, "out-dir": str(out)}, progress=_crash_after(2))
+    with pytest.raises(Crash):
+        run_inprocess({**cfg, "out-dir": str(out)}, progress=crash_after(2))
     assert load_checkpoint(out).round == 2 and not (out / "summary.json").exists()
     code, _ = _cli(capsys, "run", "--resume", str(out))
     assert code == 0
@@ -130,8 +119,8 @@ def test_resume_after_crash_continues_rounds_and_epsilon(tmp_path, capsys, overr
 
 def test_resume_refuses_a_changed_run_config(tmp_path, capsys):
     out = tmp_path / "r"
-    with pytest.raises(_Crash):
-        run_inprocess({**FAST, "method": "ldp", "num-rounds": 3, "out-dir": str(out)}, progress=_crash_after(1))
+    with pytest.raises(Crash):
+        run_inprocess({**FAST, "method": "ldp", "num-rounds": 3, "out-dir": str(out)}, progress=crash_after(1))
     code, err = _cli(capsys, "run", "--resume", str(out), "--run-config", "epsilon=8.0")
     assert code == 2 and "epsilon" in err and "cannot change" in err
     code, err = _cli(capsys, "run", "--resume", str(tmp_path / "nothing"))
@@ -299,8 +288,8 @@ def test_model_ema_publishes_the_average_of_the_global_models_and_survives_resum
         np.testing.assert_allclose(ckpt.published[k], got[k], rtol=1e-6, atol=1e-7)
     # a crash after round 1 and a resume give the same published model as the uninterrupted run
     out = tmp_path / "crashed"
-    with pytest.raises(_Crash):
-        run_inprocess({**base, "num-rounds": 2, "model-ema": 0.75, "out-dir": str(out)}, progress=_crash_after(1))
+    with pytest.raises(Crash):
+        run_inprocess({**base, "num-rounds": 2, "model-ema": 0.75, "out-dir": str(out)}, progress=crash_after(1))
     assert load_checkpoint(out).published is not None
     code, _ = _cli(capsys, "run", "--resume", str(out))
     assert code == 0
