@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         p = argparse.ArgumentParser(prog="cancelfl-bench reproduce", description=plain_text(reproduce.__doc__ or ""),
                                     formatter_class=_Formatter)
         reproduce.add_arguments(p)
-        return reproduce.run(p.parse_args(argv[1:]))
+        return reproduce.run(p.parse_args(argv[1:]), module)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(ALL if chosen == "all" else [chosen] if chosen in BENCHMARKS else [])
     args = parser.parse_args(argv)

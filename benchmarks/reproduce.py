@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib
 import json
 import math
 import shlex
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 HELP = "rerun a recorded result (docs/results/<name>) and fail when a figure no longer reproduces"
 DEFAULT_TOLERANCE = 0.25
@@ -95,11 +96,11 @@ def compare_tables(recorded: Path, rerun: Path, figures: dict[str, float], toler
     return problems
 
 
-def _declared(benchmark: str) -> tuple[dict[str, float], tuple[str, ...]]:
-    """The benchmark module's ``FIGURES`` and ``KEY`` (empty when it declares none)."""
+def _declared(module_of: Callable[[str], ModuleType], benchmark: str) -> tuple[dict[str, float], tuple[str, ...]]:
+    """The benchmark module's ``FIGURES`` and ``KEY`` (empty when it declares none or is unknown)."""
     try:
-        mod = importlib.import_module(f"benchmarks.{benchmark.replace('-', '_')}")  # cli.BENCHMARKS' naming
-    except ImportError:
+        mod = module_of(benchmark)
+    except (KeyError, ImportError):
         return {}, ()
     return dict(getattr(mod, "FIGURES", {})), tuple(getattr(mod, "KEY", ()))
 
@@ -116,8 +117,11 @@ def _rerun_argv(command: str, out: Path) -> list[str]:
     return argv
 
 
-def run(args: argparse.Namespace) -> int:
-    """Rerun the folder's recorded command and compare; see the module docstring for the exit status."""
+def run(args: argparse.Namespace, module_of: Callable[[str], ModuleType]) -> int:
+    """Rerun the folder's recorded command and compare; see the module docstring for the exit status.
+
+    ``module_of``: benchmark name -> its module (:func:`benchmarks.cli.module`), for its ``FIGURES`` and ``KEY``.
+    """
     folder = Path(args.folder)
     path = folder / "record.json"
     if not path.is_file():
@@ -133,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         status = subprocess.run([sys.executable, "-m", "benchmarks", *argv], check=False).returncode
         problems = [] if status == record.get("exit_status", 0) else [
             f"exit status {status}, recorded {record.get('exit_status')}"]
-        figures, key = _declared(record.get("benchmark", ""))
+        figures, key = _declared(module_of, record.get("benchmark", ""))
         for table in tables:
             problems += compare_tables(table, out / table.name, figures, args.tolerance, key)
     if problems:
