@@ -46,7 +46,6 @@ __all__ = [
     "mpdp_naive_sigma",
     "nadp_compensation",
     "nadp_floor",
-    "nadp_sensitivity",
 ]
 
 #: Relative slack of a comparison between the server's value and the client's own (float round-off only).
@@ -200,11 +199,6 @@ def ddpsa_noise_share(cfg: RunConfig, noise: str, participants: int) -> int | No
     return honest_participants(participants, cfg.ddpsa_collude_frac)
 
 
-def nadp_sensitivity(cfg: RunConfig, size: int) -> float:
-    """Per-record L2 sensitivity of a NADP client's local model trained on ``size`` examples."""
-    return record_sensitivity(cfg, size)
-
-
 def nadp_compensation(cfg: RunConfig, sizes: Mapping[int, int], min_degree: int | None = None) -> float:
     """``lambda``: ``nadp-lambda`` if > 0, else Eq. 8 for ``nadp-tau`` over the participants.
 
@@ -251,7 +245,7 @@ def nadp_round_noise(cfg: RunConfig, sizes: Mapping[int, int],
     """
     if not (math.isfinite(scale) and scale >= 1.0):
         raise FloorViolation("nadp-noise-scale", scale, 1.0, "less noise than this client's own calibration")
-    sens = {n: nadp_sensitivity(cfg, s) for n, s in sizes.items()}
+    sens = {n: record_sensitivity(cfg, s) for n, s in sizes.items()}  # Lemma 1
     if cfg.nadp_variant == "record-ldp":
         z_ldp = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds)
         return NadpRoundNoise(sens, None, None, 1.0, {n: z_ldp * s * scale for n, s in sens.items()})

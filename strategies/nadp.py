@@ -65,7 +65,7 @@ from client.messages.nadp import NadpPlan
 from client.wire import from_record, to_record
 from protocols.arrays import flatten, unflatten
 from protocols.config import RunConfig
-from protocols.floor import nadp_round_noise, nadp_sensitivity
+from protocols.floor import nadp_round_noise
 from protocols.nadp import (
     NoiseAllocation,
     dropout_residual,
@@ -129,10 +129,6 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
         self._warned_steps = False
 
     # ----------------------------------------------------------- calibration
-    def record_sensitivity(self, size: int) -> float:
-        """Per-record L2 sensitivity of a local model trained on ``size`` examples (public)."""
-        return nadp_sensitivity(self.cfg, size)  # the clients recompute it (their privacy floor)
-
     def plan_round(self, keys: KeyRound) -> NadpRound:
         """Calibrate and allocate the round's noise from the participants' reported sizes.
 
