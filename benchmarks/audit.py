@@ -6,14 +6,16 @@
 Each row runs ``cancelfl audit``: one-round releases of the method's real strategy and client handlers on
 white-box gradient canaries, the empirical lower bound ``epsilon_lb`` (95 %, Clopper-Pearson) beside the
 one-round epsilon the run's accountant claims for that view (``inf`` = no guarantee claimed).  A row with
-``epsilon_lb > claimed`` is a violation (exit status 1).  ``--colluders`` adds nadp upload rows with that many
-of the 3 peers handing the server their pair material (nadp's epsilon_uplink assumes no colluding client, so
-those rows show the degradation, not a violation).  Writes ``audit.md``/``audit.csv``,
-``audit.json`` and the plot ``audit.png`` into ``--out``.  Trials and federation per method: :func:`server.audit_spec.federation`
-(ladp: adaptive canaries, 16 clients per release; the MP family: an MLP canary, one counted canary per release);
-``--trials`` overrides the trials of every row.  ladp also gets a row with the planted fault ``private-kl`` (the
-paper's data-dependent P_j), niss and ddpsa a row with ``halve-noise``; those must be flagged.  ddpsa's claim is
-pure epsilon-DP (its bound uses delta = 0); its rows start local intermediate servers.
+``epsilon_lb > claimed`` is a violation (exit status 1).  ``--colluders`` adds upload rows of the methods whose
+adapter allows colluders (nadp) with that many of the 3 peers handing the server their pair material (nadp's
+epsilon_uplink assumes no colluding client, so those rows show the degradation, not a violation).  Writes
+``audit.md``/``audit.csv``, ``audit.json`` and the plot ``audit.png`` into ``--out``.  Trials and federation per
+method: :func:`server.audit_spec.federation` (ladp: adaptive canaries, 16 clients per release; the MP family: an
+MLP canary, one counted canary per release); ``--trials`` overrides the trials of every row but the self-tests
+that fix their own.  Each method's adapter names its self-test rows
+(:attr:`server.audit_adapter.AuditAdapter.self_tests`): ladp's planted fault ``private-kl`` (the paper's
+data-dependent P_j), niss's and ddpsa's ``halve-noise``; those must be flagged.  ddpsa's claim is pure
+epsilon-DP (its bound uses delta = 0); its rows start local intermediate servers.
 """
 
 from __future__ import annotations
@@ -26,10 +28,7 @@ from pathlib import Path
 
 from benchmarks.common import publish, pyplot, save_figure
 from server.audit import run_audit
-from server.audit_spec import AUDITED, DIRECTIONS, AuditSpec, federation
-
-#: Trials of a planted-fault row (halving the noise is caught with a few releases).
-FAULT_TRIALS = 16_000
+from server.audit_spec import DIRECTIONS, AuditSpec, audit_adapter, auditable_methods, federation
 
 HELP = "claimed vs empirically audited epsilon of every method and view (planted-fault self-test included)"
 
@@ -39,7 +38,7 @@ COLUMNS = ("method", "direction", "canary", "fault", "colluders", "epsilon", "cl
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``cancelfl-bench audit``."""
-    p.add_argument("--methods", default=",".join(AUDITED))
+    p.add_argument("--methods", default=",".join(auditable_methods()))
     p.add_argument("--directions", default=",".join(DIRECTIONS))
     p.add_argument("--epsilons", default="1,4")
     p.add_argument("--trials", type=int, default=None, help="canaries per row (default: per method, audit_spec.federation)")
@@ -97,22 +96,22 @@ def run(args: argparse.Namespace) -> int:
     colluders = [int(c) for c in args.colluders.split(",") if c.strip()]
     rows = []
 
-    def spec(method: str, direction: str, eps: float, **kw) -> AuditSpec:
+    def spec(method: str, direction: str, eps: float, trials: int | None = None, **kw) -> AuditSpec:
         fed = federation(method, direction)
-        return AuditSpec(method, direction, eps, args.trials or fed["trials"], clients=fed["clients"],
+        return AuditSpec(method, direction, eps, trials or args.trials or fed["trials"], clients=fed["clients"],
                          per_client=fed["per_client"], **kw)
 
     for eps in epsilons:
         for method in methods:
+            adapter = audit_adapter(method)
             for direction in directions:
                 rows.append(_row(spec(method, direction, eps), args.seed))
-            if method == "nadp" and "upload" in directions:
-                for c in colluders:
-                    rows.append(_row(spec(method, "upload", eps, colluders=c), args.seed))
-            if method == "ladp" and "upload" in directions:
-                rows.append(_row(spec(method, "upload", eps, fault="private-kl"), args.seed))
-            if method in ("niss", "ddpsa") and "upload" in directions:
-                rows.append(_row(AuditSpec(method, "upload", eps, FAULT_TRIALS, fault="halve-noise"), args.seed))
+            if "upload" not in directions:
+                continue
+            for c in colluders if adapter.colluders else ():
+                rows.append(_row(spec(method, "upload", eps, colluders=c), args.seed))
+            for fault, trials in adapter.self_tests:  # the method's planted faults: each row must be flagged
+                rows.append(_row(spec(method, "upload", eps, trials, fault=fault), args.seed))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "audit.json").write_text(json.dumps([r["report"] for r in rows], indent=2) + "\n")

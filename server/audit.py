@@ -11,15 +11,13 @@ view's vectors, fitted on one half of the releases and tested on the other
   (the whole clipping budget, in a direction no other record touches).  Flipping its label (drawn at random per
   record and release) is a replace-one neighbour that moves the full-batch step by the record sensitivity
   ``2 clip lr / n_k``.  Every record is one trial (the noise of every method is independent per coordinate).
-  ddpsa (L1 clipping): ``+-clip / 2`` on each of the record's two coordinates.
-* **MP family** (mpddp, mpdp-naive, mpcdp): the same records on a one-hidden-layer MLP trained by FedSGD with
-  the paper's xi step; the round's secret R scales the noise of every canary of a release alike, so the
-  threshold and the bound count one canary per release.
-* **adaptive canaries** (ladp's default): the label also moves ladp's KL estimate across its whole
-  ``[B / max-boost, B]`` range, and the statistic reads the noise scale as well as the shift.
+  An adapter may ask for the one-hidden-layer MLP instead (``mlp_canaries``), and for one counted canary per
+  release where a release's secret scales all its canaries' noise (``one_trial_per_release``).
+* **adaptive canaries**: the label also moves a data-dependent noise scale across its whole range, and the
+  statistic reads the noise scale as well as the shift.
 
-niss runs its real share phase, ddpsa pushes real shares to ``m`` local intermediate servers (TLS, the derived
-simulation roster) started once per audit.  Planted faults for the audit's own tests: :mod:`server.audit_faults`.
+What differs by method (canaries, planted faults, federation, services its releases need such as intermediate
+servers, the view) is its card's audit adapter (:class:`server.audit_adapter.AuditAdapter`, :mod:`server.audits`).
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ from protocols.config import RunConfig
 from protocols.privacy.audit import audit_scores, fisher_scores
 from server.audit_canaries import _AdaptiveCanaries, _Canaries
 from server.audit_release import release
-from server.audit_spec import ADJACENCY_TEXT, CANARY_SCALE, MP_FAMILY, PURE_DP, AuditReport, AuditSpec
+from server.audit_spec import ADJACENCY_TEXT, CANARY_SCALE, AuditReport, AuditSpec
 
 __all__ = ["canaries_for", "quiet", "run_audit"]
 
@@ -69,32 +67,12 @@ def canaries_for(spec: AuditSpec) -> _Canaries | _AdaptiveCanaries:
     """The canaries of ``spec``'s releases (fresh labels are drawn per release)."""
     if spec.canary_kind == "adaptive":
         return _AdaptiveCanaries(spec.clients, CANARY_SCALE * spec.clip)
-    return _Canaries(spec.clients, spec.per_client, CANARY_SCALE * spec.clip, mlp=spec.method in MP_FAMILY,
+    return _Canaries(spec.clients, spec.per_client, CANARY_SCALE * spec.clip, mlp=spec.adapter.mlp_canaries,
                      zero_out=spec.adjacency_used == "zero-out")
 
 
-@contextlib.contextmanager
-def _run_config(spec: AuditSpec) -> Iterator[dict]:
-    """The releases' run config; for ddpsa with local intermediate servers (started here, stopped on exit).
-
-    The nodes use the derived simulation identities of the run seed, the roster the servers trust.
-    """
-    raw = spec.run_config()
-    if spec.method != "ddpsa":
-        yield raw
-        return
-    from protocols.identity import DerivedRoster
-    from server.intermediate.launcher import start_intermediate_servers
-
-    cfg = RunConfig.from_mapping(raw)
-    # Every release is a run of its own (a fresh run id): the servers may evict a finished one at once.
-    with start_intermediate_servers(cfg.ddpsa_num_servers, DerivedRoster(cfg.seed, cfg.num_clients),
-                                    extra_args=["--run-idle-s", "0"]) as cluster:
-        yield {**raw, **cluster.run_config()}
-
-
 def _run_audit(spec: AuditSpec, seed: int | None, progress: Callable[[str], None] | None) -> AuditReport:
-    with _run_config(spec) as raw:
+    with spec.adapter.services(spec, spec.run_config()) as raw:  # e.g. intermediate servers, stopped on exit
         return _audit_releases(spec, raw, seed, progress)
 
 
@@ -123,24 +101,13 @@ def _audit_releases(spec: AuditSpec, raw: dict, seed: int | None, progress: Call
     own = np.concatenate(owners)[keep_all]
     grp = np.concatenate(groups)[keep_all]
     scores = fisher_scores(v, lab, own, grp % 2 == 0)
-    if spec.method in MP_FAMILY:  # one secret R per release scales every canary's noise: one trial per release
+    if spec.adapter.one_trial_per_release:  # one secret per release scales every canary's noise
         first = np.r_[True, grp[1:] != grp[:-1]]  # the threshold is chosen for the same count (the fit used all)
         scores, lab, grp = scores[first], lab[first], grp[first]
     bound = audit_scores(scores, lab, grp, spec.claim_delta, spec.alpha)
     key = "epsilon_uplink" if spec.direction == "upload" else "epsilon_downlink"
     claimed = float(claims.get(key, math.inf))
     notes = [f"claim: the run's {key} after one round at epsilon={spec.epsilon} (one-round mechanism)"]
-    if spec.method == "niss" and spec.direction == "upload":
-        notes.append("niss: epsilon_uplink is accounted with each upload's own noise sigma_k; the server's best linear "
-                     "combination of all uploads keeps less (sigma_k^2 (2 + tau^2 + 2/m) / (1 + 2/(m tau^2)) for a "
-                     "complete graph of m + 1 clients: 0.795 sigma_k^2 at 4 clients), so the claim is below the "
-                     "joint view's Gaussian-equivalent epsilon")
-    if spec.method in PURE_DP:
-        notes.append("claim: pure epsilon-DP (Laplace); the bound uses delta = 0")
-    if spec.canary_kind == "adaptive":
-        notes.append("canary: adaptive (a label flip that also moves ladp's KL estimate; statistic: shift and noise scale)")
-    if spec.method in MP_FAMILY:
-        notes.append("MP family: the release's secret R scales the noise of all its canaries, so the threshold and the "
-                     "bound count one canary per release (the others fit the test)")
+    notes += spec.adapter.notes(spec)
     return AuditReport(spec.method, spec.direction, spec.canary_kind, spec.colluders, spec.fault, claimed, spec.claim_delta,
                        ADJACENCY_TEXT[spec.adjacency_used], bound, int(keep_all.sum()), releases, time.perf_counter() - t0, notes)

@@ -9,22 +9,22 @@ from pathlib import Path
 
 from protocols.config import ConfigError
 from server.audit import run_audit
-from server.audit_spec import ADJACENCY_TEXT, AUDITED, CANARIES, DIRECTIONS, FAULTS, AuditSpec, federation
+from server.audit_spec import ADJACENCY_TEXT, CANARIES, DIRECTIONS, AuditSpec, auditable_methods, faults, federation
 
 __all__ = ["add_arguments", "main"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``cancelfl audit``."""
-    p.add_argument("--method", required=True, help=f"method to audit ({', '.join(AUDITED)})")
+    p.add_argument("--method", required=True, help=f"method to audit ({', '.join(auditable_methods())})")
     p.add_argument("--direction", choices=DIRECTIONS, default="upload",
                    help="upload: what the server holds of the uploads; model: the published aggregate")
     p.add_argument("--epsilon", type=float, default=4.0, help="the run's epsilon (one round: the audited claim)")
     p.add_argument("--trials", type=int, default=None, help="canary records over all releases (default: per method)")
     p.add_argument("--canary", choices=CANARIES, default=None,
-                   help="gradient: white-box gradient canaries; adaptive: ladp's data-dependent noise scale (its default)")
+                   help="gradient: white-box gradient canaries; adaptive: a data-dependent noise scale (default: per method)")
     p.add_argument("--colluders", type=int, default=0, help="upload view: peers handing the server their pair material")
-    p.add_argument("--fault", choices=FAULTS, default=None, help="plant a fault in the release code (audit self-test)")
+    p.add_argument("--fault", choices=faults(), default=None, help="plant a fault in the release code (audit self-test)")
     p.add_argument("--clients", type=int, default=None, help="clients per release (default: per method)")
     p.add_argument("--per-client", type=int, default=None, help="canaries per client and release (default: per method)")
     p.add_argument("--adjacency", choices=tuple(ADJACENCY_TEXT), default=None,
@@ -34,11 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """``cancelfl audit``: 0 = no violation, 1 = the audit proves more privacy loss than claimed, 2 = refused."""
-    fed = federation(args.method, args.direction, args.canary)
-    spec = AuditSpec(args.method, args.direction, args.epsilon, args.trials or fed["trials"], args.canary, args.colluders,
-                     args.fault, args.clients or fed["clients"], args.per_client or fed["per_client"],
-                     adjacency=args.adjacency)
     try:
+        fed = federation(args.method, args.direction, args.canary)
+        spec = AuditSpec(args.method, args.direction, args.epsilon, args.trials or fed["trials"], args.canary,
+                         args.colluders, args.fault, args.clients or fed["clients"], args.per_client or fed["per_client"],
+                         adjacency=args.adjacency)
         spec.validate()
     except ConfigError as err:
         print(f"cancelfl audit: {err}", file=sys.stderr)

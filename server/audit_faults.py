@@ -1,78 +1,73 @@
-"""Planted faults in the real release code, for the audit's own tests (:func:`planted`).
+"""Planted faults for the audit's own tests: what a fault is (:class:`Fault`) and the tools adapters build them from.
 
-* ``halve-noise``: the method's Gaussian std halved where its clients draw it (ddpsa: its Laplace scale).
-* ``skip-pair-noise``: one nadp client uploads without its pair noise.
-* ``private-kl``: ladp's P_j computed from the client's trained local model (the paper's Algorithm 3) instead of
-  the server's public estimate.
-* ``strip-pair-noise`` (server side, run by the release itself, :mod:`server.audit_release`): the server tells
-  every neighbour of one client that it dropped while holding its upload, and removes the revealed pair noise
-  from it; planted with ``self-mask = false`` (with double masking the clients refuse).
+A method's audit adapter (:attr:`server.audit_adapter.AuditAdapter.faults`) names the faults planted in its
+release code; ``cancelfl audit --fault NAME`` runs one, and the audit must flag it.  Shared here:
+:func:`patched` (module attributes replaced for the duration) and :data:`HALVE_GAUSSIAN` (the Gaussian std
+halved where clients draw it from :func:`protocols.prg.gaussian`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
 
-import numpy as np
+__all__ = ["HALVE_GAUSSIAN", "HALVE_NOISE", "SELF_TEST_TRIALS", "Fault", "halved_std", "patched"]
 
-__all__ = ["planted"]
+#: The fault every noising method plants: its noise std halved where its clients draw it.
+HALVE_NOISE = "halve-noise"
+#: Trials of a benchmark self-test row whose fault halves the noise (caught within a few releases).
+SELF_TEST_TRIALS = 16_000
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault planted in a method's release code.
+
+    Attributes:
+        plant: ``plant(victim) -> context manager`` that patches the release code for one release; ``victim()``
+            is the node id of the client a per-client fault hits (the release's first participant).  ``None``:
+            a server-side fault the adapter's view runs itself (it reads ``spec.fault``).
+        per_client: only the victim's canaries are audited (a fault that hits one client).
+        run_config: run-config keys the fault's releases set (e.g. a protection the fault needs switched off).
+    """
+
+    plant: Callable[[Callable[[], int | None]], AbstractContextManager] | None = None
+    per_client: bool = False
+    run_config: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
 
 @contextlib.contextmanager
-def planted(fault: str | None, victim: Callable[[], int | None], method: str = "") -> Iterator[None]:
-    """Patch the release code of ``method`` with ``fault`` for the duration (module attributes the handlers look up).
+def patched(*patches: tuple[object, str, Callable[[Any], Any]]) -> Iterator[None]:
+    """Set each ``module.name`` to ``wrap(original)`` for the duration; every original is restored on exit.
 
-    ``victim()``: the node id of the client a per-client fault hits (the first participant of the release).
+    Handlers look these attributes up at call time, so the patch reaches the real release code.
     """
-    if fault is None or fault == "strip-pair-noise":  # the server-side fault is run by the audit itself
-        yield
-        return
-    patches: list[tuple[object, str, object]] = []
-    if fault == "halve-noise" and method == "ddpsa":
-        import client.methods.ddpsa as ddpsa_client
-
-        # The Laplace scale of the local noise or of the distributed share (a Gamma difference) halved; the PRG's
-        # normals stay as they are (the Gamma sampler draws from them).
-        for name in ("laplace_noise", "distributed_laplace_share"):
-            orig_noise = getattr(ddpsa_client, name)
-            patches.append((ddpsa_client, name, orig_noise))
-            setattr(ddpsa_client, name, (lambda f: lambda size, scale, *a, **k: f(size, scale / 2, *a, **k))(orig_noise))
-    elif fault == "halve-noise":
-        import client.methods.nadp as nadp_client
-        import protocols.prg as prg
-
-        def halved(orig):
-            return lambda seed, size, std=1.0, *a, **k: orig(seed, size, std / 2, *a, **k)
-
-        # ldp, cdp and niss (its shares and distortions) call protocols.prg.gaussian when they release; nadp holds
-        # its own reference.
-        for mod in (prg, nadp_client):
-            patches.append((mod, "gaussian", mod.gaussian))
-            mod.gaussian = halved(mod.gaussian)
-        orig_pairs = nadp_client.pairwise_noise
-        patches.append((nadp_client, "pairwise_noise", orig_pairs))
-        nadp_client.pairwise_noise = lambda *a, scale=1.0, **k: orig_pairs(  # type: ignore[assignment]
-            *a, scale={j: s / 2 for j, s in scale.items()} if isinstance(scale, dict) else scale / 2, **k)
-    elif fault == "skip-pair-noise":
-        import client.methods.nadp as nadp_client
-
-        orig = nadp_client.pairwise_noise
-        patches.append((nadp_client, "pairwise_noise", orig))
-
-        def skipping(own_id, seeds, size, **kw):
-            return np.zeros(size) if own_id == victim() else orig(own_id, seeds, size, **kw)
-
-        nadp_client.pairwise_noise = skipping  # type: ignore[assignment]
-    elif fault == "private-kl":
-        import client.methods.ladp as ladp_client
-        from protocols.ladp import softmax_kl
-
-        patches.append((ladp_client, "privacy_estimates", ladp_client.privacy_estimates))
-        ladp_client.privacy_estimates = lambda msg, local_w, global_w: {  # type: ignore[assignment]
-            name: softmax_kl(local_w[name], global_w[name]) for name in local_w}
+    saved: list[tuple[object, str, Any]] = []
     try:
+        for mod, name, wrap in patches:
+            orig = getattr(mod, name)
+            saved.append((mod, name, orig))
+            setattr(mod, name, wrap(orig))
         yield
     finally:
-        for mod, name, value in reversed(patches):
-            setattr(mod, name, value)
+        for mod, name, orig in reversed(saved):
+            setattr(mod, name, orig)
+
+
+def halved_std(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``orig(seed, size, std, ...)`` with ``std`` halved (the signature of :func:`protocols.prg.gaussian`)."""
+    return lambda seed, size, std=1.0, *a, **k: orig(seed, size, std / 2, *a, **k)
+
+
+def _halve_gaussian(victim: Callable[[], int | None]) -> AbstractContextManager:
+    import protocols.prg as prg
+
+    return patched((prg, "gaussian", halved_std))
+
+
+#: ``halve-noise`` of a method whose clients draw their Gaussian noise from :func:`protocols.prg.gaussian`.
+HALVE_GAUSSIAN = Fault(_halve_gaussian)

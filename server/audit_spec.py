@@ -1,37 +1,29 @@
-"""What an audit is: its options (:class:`AuditSpec`), its result (:class:`AuditReport`) and the per-method defaults.
+"""What an audit is: its options (:class:`AuditSpec`), its result (:class:`AuditReport`) and the method's adapter.
 
 The claim audited is the run's own: the strategy's privacy ledger after one round at ``epsilon``
 (``epsilon_uplink`` for the ``upload`` view, ``epsilon_downlink`` for ``model``); ``inf`` where the method claims
-no guarantee in that direction.  ddpsa claims pure epsilon-DP: its bound is computed with ``delta = 0``
-(:attr:`AuditSpec.claim_delta`).
+no guarantee in that direction.  What the audit knows of a method comes from its card's audit adapter
+(:attr:`protocols.methods.MethodSpec.audit`, :class:`server.audit_adapter.AuditAdapter`): its canaries, planted
+faults, federation, extra run config, and whether its claim is pure epsilon-DP (bound with ``delta = 0``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from protocols.config import ConfigError
-from protocols.methods import FULL_BATCH
+from protocols.methods import FULL_BATCH, MethodSpec, method_names, method_spec
 from protocols.privacy.audit import AuditBound
-from server.audit_canaries import MLP_HIDDEN
 
-__all__ = ["ADJACENCY_TEXT", "AUDITED", "CANARIES", "CANARY_SCALE", "DIRECTIONS", "FAULTS", "HALVE_NOISE", "MP_FAMILY",
-           "PURE_DP", "AuditReport", "AuditSpec", "default_canary", "federation"]
+__all__ = ["ADJACENCY_TEXT", "CANARIES", "DIRECTIONS", "CANARY_SCALE", "AuditReport", "AuditSpec", "audit_adapter",
+           "auditable_methods", "default_canary", "faults", "federation", "methods_where"]
 
 DIRECTIONS: tuple[str, ...] = ("upload", "model")
 #: ``gradient``: white-box gradient canaries (label flips, every method); ``adaptive``: canaries that move a
-#: data-dependent noise scale (ladp's KL estimate), one per client.
+#: data-dependent noise scale, one per client (:mod:`server.audit_canaries`).
 CANARIES: tuple[str, ...] = ("gradient", "adaptive")
-FAULTS: tuple[str, ...] = ("halve-noise", "skip-pair-noise", "strip-pair-noise", "private-kl")
-#: The MP family: model perturbation by the server, per-example clipping on W-hat, recovery (an MLP is audited).
-MP_FAMILY: tuple[str, ...] = ("mpddp", "mpdp-naive", "mpcdp")
-#: Methods the ``halve-noise`` fault is planted in.
-HALVE_NOISE: tuple[str, ...] = ("ldp", "cdp", "nadp", "niss", "ladp", "mpdp-naive", "mpcdp", "ddpsa")
-#: Methods whose claim is pure epsilon-DP (delta = 0): the bound is computed with delta = 0.
-PURE_DP: tuple[str, ...] = ("ddpsa",)
-#: Methods the audit drives, and the adjacency their claim uses.
-AUDITED: tuple[str, ...] = ("ldp", "cdp", "nadp", "niss", "ladp", *MP_FAMILY, "ddpsa")
 #: How the canaries make neighbouring datasets, per adjacency (run-config ``adjacency``).
 ADJACENCY_TEXT: dict[str, str] = {"zero-out": "zero-out record (a canary present or its input zeroed)",
                                   "replace-one": "replace-one record (a canary's label flipped)"}
@@ -39,26 +31,47 @@ ADJACENCY_TEXT: dict[str, str] = {"zero-out": "zero-out record (a canary present
 CANARY_SCALE = 10.0
 
 
-def federation(method: str, direction: str = "upload", canary: str | None = None) -> dict[str, int]:
-    """Default ``trials``, ``clients`` and ``per_client`` of an audit: about a minute on 2 shared cores.
+def audit_adapter(method: str) -> Any:
+    """The audit adapter ``method``'s card declares (:attr:`MethodSpec.audit`), loaded and instantiated.
 
-    Gradient canaries give ``clients x per_client`` trials per release; adaptive canaries one per client
-    (``upload``) or one per release (``model``); the MP family's bound counts one canary per release.
+    Raises:
+        ConfigError: ``method`` is unknown, or its card declares no adapter (not auditable).
     """
-    kind = canary if canary is not None else default_canary(method)
-    if kind == "adaptive":
-        return {"trials": 3_200, "clients": 16, "per_client": 2} if direction == "upload" else \
-            {"trials": 400, "clients": 2, "per_client": 2}
-    if method in MP_FAMILY:
-        return {"trials": 12_000, "clients": 3, "per_client": 10}
-    if method == "niss":  # its heavier-tailed noise (distorted shares) needs more trials for the same power
-        return {"trials": 600_000, "clients": AuditSpec.clients, "per_client": AuditSpec.per_client}
-    return {"trials": AuditSpec.trials, "clients": AuditSpec.clients, "per_client": AuditSpec.per_client}
+    try:
+        target = method_spec(method).audit
+    except ValueError as err:
+        raise ConfigError(f"audit: {err}") from None
+    if target is None:
+        raise ConfigError(f"audit: method {method!r} is not auditable (its card declares no audit adapter, "
+                          f"MethodSpec.audit); auditable: {', '.join(auditable_methods())}")
+    adapter = MethodSpec.load(target)
+    return adapter() if isinstance(adapter, type) else adapter
+
+
+def auditable_methods() -> tuple[str, ...]:
+    """Every registered method with an audit adapter, in registration order."""
+    return tuple(m for m in method_names() if method_spec(m).audit is not None)
+
+
+def methods_where(test: Any) -> tuple[str, ...]:
+    """The auditable methods whose adapter passes ``test(adapter)`` (named in refusals)."""
+    return tuple(m for m in auditable_methods() if test(audit_adapter(m)))
+
+
+def faults() -> tuple[str, ...]:
+    """Every fault some auditable method plants (``cancelfl audit --fault``), first-seen order."""
+    return tuple(dict.fromkeys(f for m in auditable_methods() for f in audit_adapter(m).faults))
+
+
+def federation(method: str, direction: str = "upload", canary: str | None = None) -> dict[str, int]:
+    """Default ``trials``, ``clients`` and ``per_client`` of an audit of ``method`` (its adapter's choice)."""
+    adapter = audit_adapter(method)
+    return adapter.federation(direction, canary if canary is not None else adapter.canaries[0])
 
 
 def default_canary(method: str) -> str:
-    """The canary a method is audited with by default: ``adaptive`` for ladp (its noise scale is data-dependent)."""
-    return "adaptive" if method == "ladp" else "gradient"
+    """The canary a method is audited with by default: the first its adapter lists."""
+    return audit_adapter(method).canaries[0]
 
 
 @dataclass(frozen=True)
@@ -69,7 +82,7 @@ class AuditSpec:
     direction: str = "upload"
     epsilon: float = 4.0
     trials: int = 300_000  # canary records over all releases (half select the test, half bound epsilon)
-    canary: str | None = None  # None: default_canary(method)
+    canary: str | None = None  # None: the adapter's first canary (default_canary)
     colluders: int = 0  # upload view: peers that hand the server their pair material
     fault: str | None = None
     clients: int = 4
@@ -82,8 +95,7 @@ class AuditSpec:
 
     def validate(self) -> None:
         """Refuse a spec the audit cannot run, naming the option (:class:`ConfigError`)."""
-        if self.method not in AUDITED:
-            raise ConfigError(f"audit: method {self.method!r} is not audited yet; audited: {', '.join(AUDITED)}")
+        adapter = self.adapter
         if self.direction not in DIRECTIONS:
             raise ConfigError(f"audit: direction {self.direction!r}; choose one of {', '.join(DIRECTIONS)}")
         if self.canary_kind not in CANARIES:
@@ -92,29 +104,35 @@ class AuditSpec:
             raise ConfigError(f"audit: adjacency {self.adjacency!r}; choose one of {', '.join(ADJACENCY_TEXT)}")
         if self.canary_kind == "adaptive" and self.adjacency_used != "replace-one":
             raise ConfigError("audit: adaptive canaries are label flips: adjacency must be replace-one")
-        if self.canary_kind == "adaptive" and self.method != "ladp":
-            raise ConfigError("audit: canary 'adaptive' exercises ladp's data-dependent noise scale: method must be ladp")
-        if self.fault is not None and self.fault not in FAULTS:
-            raise ConfigError(f"audit: fault {self.fault!r}; choose one of {', '.join(FAULTS)}")
-        if self.fault in ("skip-pair-noise", "strip-pair-noise") and self.method != "nadp":
-            raise ConfigError(f"audit: fault {self.fault!r} plants a pair-noise fault: method must be nadp")
-        if self.fault == "private-kl" and self.method != "ladp":
-            raise ConfigError("audit: fault 'private-kl' plants a data-dependent noise scale: method must be ladp")
-        if self.fault == "halve-noise" and self.method not in HALVE_NOISE:
-            raise ConfigError(f"audit: fault 'halve-noise' is not planted for method {self.method!r}")
+        if self.canary_kind not in adapter.canaries:
+            with_it = methods_where(lambda a: self.canary_kind in a.canaries)
+            raise ConfigError(f"audit: canary {self.canary_kind!r} is not one method {self.method!r} is audited with "
+                              f"({', '.join(adapter.canaries)}); audited with it: {', '.join(with_it)}")
+        if self.fault is not None and self.fault not in adapter.faults:
+            if self.fault not in faults():
+                raise ConfigError(f"audit: fault {self.fault!r}; choose one of {', '.join(faults())}")
+            planted = methods_where(lambda a: self.fault in a.faults)
+            raise ConfigError(f"audit: fault {self.fault!r} is not planted in method {self.method!r}; planted in: "
+                              f"{', '.join(planted)}")
         if self.clients < 2 or self.per_client < 2:
             raise ConfigError("audit: clients and per-client canaries must be >= 2")
         if not 0 <= self.colluders <= self.clients - 2:
             raise ConfigError(f"audit: colluders must be in 0..clients-2 (clients={self.clients})")
-        if self.colluders and (self.direction != "upload" or self.method != "nadp"):
-            raise ConfigError("audit: colluders apply to the upload view of a pairwise method (nadp)")
+        if self.colluders and (self.direction != "upload" or not adapter.colluders):
+            raise ConfigError("audit: colluders apply to the upload view of a method whose peers can hand the server "
+                              f"their pair material ({', '.join(methods_where(lambda a: a.colluders))})")
         if self.trials < 4 * self.audited_per_release():
             raise ConfigError(f"audit: trials must be >= {4 * self.audited_per_release()} (4 releases)")
 
     @property
+    def adapter(self) -> Any:
+        """The method's audit adapter (:func:`audit_adapter`; ConfigError if it has none)."""
+        return audit_adapter(self.method)
+
+    @property
     def claim_delta(self) -> float:
-        """The delta of the audited claim: 0 for ddpsa (pure epsilon-DP, Laplace noise), else ``delta``."""
-        return 0.0 if self.method in PURE_DP else self.delta
+        """The delta of the audited claim: 0 where the method claims pure epsilon-DP (its adapter), else ``delta``."""
+        return 0.0 if self.adapter.pure_dp else self.delta
 
     @property
     def adjacency_used(self) -> str:
@@ -126,13 +144,13 @@ class AuditSpec:
     @property
     def canary_kind(self) -> str:
         """The canary used: ``canary``, or the method's default."""
-        return self.canary if self.canary is not None else default_canary(self.method)
+        return self.canary if self.canary is not None else self.adapter.canaries[0]
 
     def audited_per_release(self) -> int:
         """Canaries of one release the audit reads: the victim's (per-client faults), the non-colluders', or all."""
         if self.canary_kind == "adaptive":
             return 1 if self.direction == "model" else self.clients
-        if self.fault in ("skip-pair-noise", "strip-pair-noise"):
+        if self.fault is not None and self.adapter.faults[self.fault].per_client:
             return self.per_client
         return (self.clients - self.colluders) * self.per_client
 
@@ -143,15 +161,9 @@ class AuditSpec:
                "local-epochs": 1, "batch-size": FULL_BATCH, "lr": self.lr, "clip": self.clip, "hidden": "",
                "model-ema": 0.0, "input-centering": False, "privacy-unit": "record", "graph": "complete",
                "divergence-factor": 0.0, "adjacency": self.adjacency_used}
-        if self.method in MP_FAMILY:  # FedSGD on the canary MLP; the paper's xi step (SGD) so the model is linear
-            # self-mask off: the server removes the self-mask of every upload it holds, so its view is the same
-            # without it, and the recovery below reads the uploads as they stand.
-            cfg.update({"hidden": str(MLP_HIDDEN), "server-optimizer": "sgd", "mpddp-server-lr": self.lr,
-                        "mpddp-side-dtype": "float64", "self-mask": False})
-        if self.method == "ddpsa":  # the server's plain SGD step (lr) with the reconstructed sum: a linear release
-            cfg["server-optimizer"] = "sgd"
-        if self.fault == "strip-pair-noise":  # the server strips pair noise as it could without double masking:
-            cfg["self-mask"] = False  # with self-masks the clients refuse (tests/test_masking.py drives that lie)
+        cfg.update(self.adapter.run_config(self))
+        if self.fault is not None:
+            cfg.update(self.adapter.faults[self.fault].run_config)
         return cfg
 
 

@@ -30,4 +30,5 @@ class LadpOptions(MethodOptions):
 
 register(MethodSpec("ladp", "strategies.ladp:LadpStrategy", "client.methods.ladp:train", family="ladp",
                     paper="LaDP-FL", options=(LadpOptions,), regime=LADP_REGIME,
-                    privacy=Guarantee("record", SERVER, MODEL)))
+                    privacy=Guarantee("record", SERVER, MODEL),
+                    audit="server.audits.ladp:LadpAudit"))

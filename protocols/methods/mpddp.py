@@ -34,11 +34,13 @@ class MpddpOptions(MethodOptions):
                              choices=("float64", "float32"))
 
 
-_NO_UPLINK = dict(family="mpddp", options=(MpddpOptions,), regime=MP_REGIME)  # uplink epsilon nominal: no guarantee
+#: The ablations' shared entries (uplink epsilon nominal: no guarantee), their audit adapter included.
+_NO_UPLINK = dict(family="mpddp", options=(MpddpOptions,), regime=MP_REGIME, audit="server.audits.mpddp:MpAudit")
 register(MethodSpec("mpddp", "strategies.mpddp:MpddpStrategy", "client.methods.mpddp:train",
                     queries={"keys": KEYS, "recover": RECOVER}, family="mpddp", paper="MP_Server + DDP_Client",
                     options=(PairwiseOptions, MpddpOptions), regime=MP_REGIME,
-                    privacy=Guarantee("record", None, MODEL_NOMINAL), min_per_round=2))
+                    privacy=Guarantee("record", None, MODEL_NOMINAL), min_per_round=2,
+                    audit="server.audits.mpddp:MpddpAudit"))
 register(MethodSpec("mpdp-naive", "strategies.mpddp:MpdpNaiveStrategy", "client.methods.mpddp:train",
                     paper="MP_Server + DDP_Client (ablation)", privacy=Guarantee("record", None, MODEL_NOMINAL),
                     **_NO_UPLINK))

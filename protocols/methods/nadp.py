@@ -42,4 +42,5 @@ class NadpOptions(MethodOptions):
 register(MethodSpec("nadp", "strategies.nadp:NadpStrategy", "client.methods.nadp:train",
                     queries={"keys": KEYS, "recover": RECOVER}, family="pairwise", paper="NADP-FL",
                     options=(PairwiseOptions, NadpOptions), regime=RECORD_STEP,
-                    privacy=Guarantee("record", SERVER_NO_COLLUSION, MODEL), min_per_round=2))
+                    privacy=Guarantee("record", SERVER_NO_COLLUSION, MODEL), min_per_round=2,
+                    audit="server.audits.nadp:NadpAudit"))

@@ -30,4 +30,5 @@ class NissOptions(MethodOptions):
 register(MethodSpec("niss", "strategies.niss:NissStrategy", "client.methods.niss:train",
                     queries={"keys": KEYS, "shares": "client.methods.niss:handle_shares", "recover": RECOVER},
                     family="pairwise", paper="NISS", options=(PairwiseOptions, NissOptions), regime=RECORD_STEP,
-                    privacy=Guarantee("record", SERVER_NISS, MODEL), units=PRIVACY_UNITS, min_per_round=2))
+                    privacy=Guarantee("record", SERVER_NISS, MODEL), units=PRIVACY_UNITS, min_per_round=2,
+                    audit="server.audits.niss:NissAudit"))

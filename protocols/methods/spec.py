@@ -73,6 +73,9 @@ class MethodSpec:
         units: privacy units it implements (run-config ``privacy-unit``); empty = no DP.
         min_per_round: fewest clients a round can aggregate (2 where protection works between the clients).
         local_services: run-config -> how many intermediate servers ``cancelfl`` must start for a run (DDP-SA's).
+        audit: its privacy-audit adapter (a :class:`server.audit_adapter.AuditAdapter` subclass or instance, usually
+            ``"server.audits.<method>:<Adapter>"``): which release it drives, its canaries and planted faults;
+            ``None`` = ``cancelfl audit`` refuses it as not auditable.
     """
 
     name: str
@@ -87,6 +90,7 @@ class MethodSpec:
     units: tuple[str, ...] = ("record",)
     min_per_round: int = 1
     local_services: Callable[[Any], int] | None = None
+    audit: str | Any | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "queries", _frozen(self.queries))

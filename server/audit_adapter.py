@@ -1,0 +1,130 @@
+"""What a method's audit adapter declares: :class:`AuditAdapter` (the default: an honest-but-curious server).
+
+A method becomes auditable by naming an adapter on its card (``MethodSpec(..., audit=...)``, a subclass, an
+instance or a ``"module:attr"`` string; the built-in ones live in :mod:`server.audits`).  The generic engine
+(:mod:`server.audit`, :mod:`server.audit_release`) runs the method's registered strategy and client handlers and
+asks the adapter only what differs by method: the canaries it is audited with, the faults planted in its release
+code, its federation and run config, services its releases need, and the adversary's view of one release.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+from flwr.app import Message
+
+from client.wire import from_record
+from server.audit_canaries import _AdaptiveCanaries, _Canaries
+from server.audit_faults import Fault
+from server.audit_spec import AuditSpec
+from server.local_grid import LocalGrid
+
+__all__ = ["AuditAdapter", "ReleaseView"]
+
+
+@dataclass
+class ReleaseView:
+    """One finished release as the server holds it; an adapter's :meth:`AuditAdapter.view` reads it.
+
+    ``part``: node id -> partition (the canaries' client index); ``victim``: the node a per-client fault hits;
+    ``audited``: bool per canary, part of the audit (an adapter may narrow it, e.g. to the non-colluders').
+    """
+
+    spec: AuditSpec
+    strategy: Any
+    grid: LocalGrid
+    replies: list[Message]
+    aggregate: Any
+    canaries: _Canaries | _AdaptiveCanaries
+    part: dict[int, int]
+    victim: int
+    audited: np.ndarray
+
+    def uploads(self) -> dict[int, np.ndarray]:
+        """Every client's upload (the canary model's weight, float64) with the self-masks the strategy rebuilt removed.
+
+        Pair noise is left in: it is correlated across the uploads, and the audit reads all of them together.
+        """
+        uploads = {r.metadata.src_node_id: np.array(from_record(r.content["arrays"])["linear.weight"], dtype=np.float64)
+                   for r in self.replies}
+        strategy = self.strategy
+        if getattr(strategy, "remove_masks", None) is not None and strategy._state is not None:
+            flat = {n: u.ravel() for n, u in uploads.items()}
+            strategy.remove_masks(strategy._state, flat)
+            uploads = {n: u.reshape(uploads[n].shape) for n, u in flat.items()}
+        return uploads
+
+    def features_of(self, uploads: dict[int, np.ndarray]) -> np.ndarray:
+        """The canaries' features in ``uploads`` (node -> canary-model weight), in partition order."""
+        return self.canaries.features([{"linear.weight": uploads[n]} for n in sorted(uploads, key=self.part.get)])
+
+
+class AuditAdapter:
+    """A method's audit knowledge; the defaults fit a method whose server sees each client's noised upload.
+
+    Attributes:
+        canaries: the canary kinds it is audited with (:data:`server.audit_spec.CANARIES`); the first is the default.
+        faults: the faults planted in its release code, by ``--fault`` name (:class:`server.audit_faults.Fault`).
+        colluders: the upload view may include peers handing the server their pair material (``--colluders``).
+        pure_dp: its claim is pure epsilon-DP: the bound is computed with ``delta = 0``.
+        mlp_canaries: gradient canaries train the MLP (:func:`server.audit_canaries.canary_mlp`), not the linear model.
+        one_trial_per_release: the canaries of one release share a secret noise scale, so the threshold and the
+            bound count one canary per release.
+        self_tests: ``(fault, trials)`` rows ``cancelfl-bench audit`` adds to the method's upload rows (they must
+            be flagged); ``trials`` ``None`` = the row's default.
+    """
+
+    canaries: tuple[str, ...] = ("gradient",)
+    faults: Mapping[str, Fault] = MappingProxyType({})
+    colluders: bool = False
+    pure_dp: bool = False
+    mlp_canaries: bool = False
+    one_trial_per_release: bool = False
+    self_tests: tuple[tuple[str, int | None], ...] = ()
+
+    def federation(self, direction: str, canary: str) -> dict[str, int]:
+        """Default ``trials``, ``clients`` and ``per_client``: about a minute on 2 shared cores.
+
+        Gradient canaries give ``clients x per_client`` trials per release; adaptive canaries one per client
+        (``upload``) or one per release (``model``).
+        """
+        if canary == "adaptive":
+            return {"trials": 3_200, "clients": 16, "per_client": 2} if direction == "upload" else \
+                {"trials": 400, "clients": 2, "per_client": 2}
+        return {"trials": AuditSpec.trials, "clients": AuditSpec.clients, "per_client": AuditSpec.per_client}
+
+    def run_config(self, spec: AuditSpec) -> dict[str, Any]:
+        """Run-config keys the method's releases set beyond :meth:`AuditSpec.run_config`'s (none by default)."""
+        return {}
+
+    @contextlib.contextmanager
+    def services(self, spec: AuditSpec, raw: dict) -> Iterator[dict]:
+        """Start what every release needs for the audit's duration; yield the nodes' run config (``raw`` itself)."""
+        yield raw
+
+    def notes(self, spec: AuditSpec) -> list[str]:
+        """Lines the report adds after its claim (what a reader must know about this method's bound)."""
+        return []
+
+    def view(self, rel: ReleaseView) -> np.ndarray:
+        """(trials, f) features of one release in the adversary's view of ``rel.spec.direction``."""
+        return self.model_view(rel) if rel.spec.direction == "model" else self.upload_view(rel)
+
+    def model_view(self, rel: ReleaseView) -> np.ndarray:
+        """The published aggregate."""
+        return rel.canaries.features([from_record(rel.aggregate)])
+
+    def upload_view(self, rel: ReleaseView) -> np.ndarray:
+        """What the server holds of the uploads: all of them, self-masks removed (:meth:`ReleaseView.uploads`).
+
+        Adaptive canaries: one trial per client, read from its own upload.
+        """
+        if isinstance(rel.canaries, _AdaptiveCanaries):
+            by_part = {rel.part[r.metadata.src_node_id]: from_record(r.content["arrays"]) for r in rel.replies}
+            return np.concatenate([rel.canaries.features([by_part[c]]) for c in range(rel.spec.clients)])
+        return rel.features_of(rel.uploads())
