@@ -1,8 +1,9 @@
 """The privacy audit's canaries (:mod:`server.audit`): the records, the initial model and each trial's features.
 
 * :class:`_Canaries`: white-box gradient canaries, one input coordinate per record, labels flipped at random;
-  on :class:`CanaryModel` (linear) or, for the MP family, on :func:`canary_mlp`.
-* :class:`_AdaptiveCanaries`: canaries whose label also moves a data-dependent noise scale (ladp).
+  on :class:`CanaryModel` (linear) or, where the method's audit adapter asks (``mlp_canaries``), on
+  :func:`canary_mlp`.
+* :class:`_AdaptiveCanaries`: canaries whose label also moves a data-dependent noise scale (ladp's KL estimate).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from client.api import attach
 
 #: Input dimension of the adaptive canaries' linear model (the noise scale is read from the other dim - 1).
 ADAPTIVE_DIM = 64
-#: Hidden width and output weights of the MP family's canary MLP (:func:`canary_mlp`).
+#: Hidden width and output weights of the canary MLP (:func:`canary_mlp`).
 MLP_HIDDEN = 4
 MLP_OUT_WEIGHT = 0.5
 
