@@ -56,8 +56,8 @@ def _frozen(mapping: dict | MappingProxyType | None) -> MappingProxyType:
 class MethodSpec:
     """One method: where its server and client code live, its options, regime and guarantee.
 
-    ``strategy``, ``train`` and the ``queries`` handlers are objects or ``"module:attribute"`` strings (imported
-    on first use, so a process loads only the method it runs); :meth:`load` resolves either.
+    ``strategy``, ``train``, the ``queries`` handlers and ``audit`` are objects or ``"module:attribute"`` strings
+    (imported on first use, so a process loads only the method it runs); :meth:`load` resolves either.
 
     Attributes:
         name: the run-config ``method`` value.
