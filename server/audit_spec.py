@@ -17,7 +17,7 @@ from protocols.config import ConfigError
 from protocols.methods import FULL_BATCH, MethodSpec, method_names, method_spec
 from protocols.privacy.audit import AuditBound
 
-__all__ = ["ADJACENCY_TEXT", "CANARIES", "DIRECTIONS", "CANARY_SCALE", "AuditReport", "AuditSpec", "audit_adapter",
+__all__ = ["ADJACENCY_TEXT", "CANARIES", "CANARY_SCALE", "DIRECTIONS", "AuditReport", "AuditSpec", "audit_adapter",
            "auditable_methods", "default_canary", "faults", "federation", "methods_where"]
 
 DIRECTIONS: tuple[str, ...] = ("upload", "model")
