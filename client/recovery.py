@@ -31,7 +31,7 @@ from client.messages.common import TrainIns
 from client.messages.consistency import CONSISTENCY_RECORD, SignedOutcomes
 from client.messages.recovery import SELF_MASK_RECORD, RecoveryReply, RecoveryRequest, SelfMaskShares
 from client.pairwise_phase import pair_seeds, participants_of, roster_round_of
-from protocols.consistency import outcome_digest, valid_signers
+from protocols.consistency import SignedOutcome, outcome_digest, valid_signers
 from protocols.masking import (
     SHARE_PURPOSE,
     commitment,
@@ -275,16 +275,31 @@ def unsigned(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv, gone: s
     if present is None:
         return f"this node holds no checked view of round {req.round}"
     me = node_identity(env)
-    valid = valid_signers(me.roster, signatures.entries if signatures else (), present, run_id=int(env.context.run_id),
-                          round_num=req.round, digest=digest) | {env.node_id}
+    offered: dict[int, list[SignedOutcome]] = {}
+    for e in signatures.entries if signatures else ():
+        offered.setdefault(e.node, []).append(e)
+    checked = {env.node_id: True}  # node -> whether it offers a valid signature (each verified at most once)
+
+    def valid(n: int) -> bool:
+        if n not in checked:
+            checked[n] = bool(valid_signers(me.roster, offered[n], present, run_id=int(env.context.run_id),
+                                            round_num=req.round, digest=digest))
+        return checked[n]
+
     rr = roster_round_of(env.cfg, me.roster, req.round)
     short = []
     for k in sorted(gone):
         roster_nbrs = set(rr.neighbours(present[k]))
-        nbrs = {n for n, name in present.items() if name in roster_nbrs}
-        need = signatures_needed(len(nbrs), len(roster_nbrs), env.cfg.mask_corruption_rate)
-        if len(valid & nbrs) < need:
-            short.append(f"node {k}: {len(valid & nbrs)} of {need}")
+        nbrs = sorted(n for n, name in present.items() if name in roster_nbrs and (n in offered or n == env.node_id))
+        need = signatures_needed(len([n for n, name in present.items() if name in roster_nbrs]), len(roster_nbrs),
+                                 env.cfg.mask_corruption_rate)
+        have = 0
+        for n in nbrs:  # stop verifying once enough are valid
+            have += valid(n)
+            if have >= need:
+                break
+        if have < need:
+            short.append(f"node {k}: {have} of {need}")
     if short:
         return (f"too few valid signatures of this outcome from the neighbours of the nodes declared not aggregated "
                 f"({'; '.join(short)}): their pair material stays secret")

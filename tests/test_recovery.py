@@ -77,6 +77,7 @@ def test_twenty_percent_dropping_every_round_is_recovered_exactly(run_inprocess,
     for r in rows:
         assert not r["failed"]
         assert r["dropped"] == 2 and r["recovery"] == 1 and r["recovered_pairs"] > 0
+        assert r["consistency_signatures"] == 8  # every survivor signed the round's outcome
         assert r["cancellation_residual"] <= 1e-9, r["cancellation_residual"]
         assert r.get("uncancelled_noise_norm", 0.0) == 0.0 and r.get("kept_pairs", 0) == 0
         assert r["recovery_bytes_per_survivor"] > 0
