@@ -91,7 +91,15 @@ class MaskParameters:
                 f"(tolerates {self.degree - self.threshold} dropped neighbours; its pair seeds need {self.signatures} "
                 f"signed outcomes, t + s > d + c); at dropout {self.dropout:g} and "
                 f"corruption {self.corruption:g}: P[>= t colluding neighbours] = {self.p_exposed:.2e}, "
-                f"P[< t surviving neighbours] = {self.p_unrecoverable:.2e}")
+                f"P[< t surviving neighbours] = {self.p_unrecoverable:.2e}" + self._warning())
+
+    def _warning(self) -> str:
+        c = math.ceil(self.corruption * self.degree - 1e-12)
+        if self.threshold > c:
+            return ""
+        return (f"; with {self.degree} neighbour(s) t <= c = {c} assumed colluders: they alone rebuild the self-mask "
+                "and no pair seed is ever revealed for a dropped neighbour (run-config 'mask-corruption-rate' = 0, "
+                "or more neighbours per client)")
 
 
 def mask_parameters(degree: int, dropout: float, corruption: float) -> MaskParameters:
