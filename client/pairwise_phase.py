@@ -34,6 +34,8 @@ from protocols.prg import gaussian
 
 #: ``Context.state`` record holding the epoch's key pair and cached shared secrets (:class:`KeyStore`).
 STATE_KEY = "cancelfl-keys"
+#: ``Context.state`` record of the last checked view's participants and roster names (:func:`participants_of`).
+VIEW_KEY = "cancelfl-view"
 
 
 @dataclass
@@ -185,7 +187,17 @@ def _checked(env: ClientEnv, pk: PeerKeys, rnd: int, *, full: bool) -> tuple[Rou
                          f"it needs at least {floor} (run-config 'mask-corruption-rate')")
     view = view_digest(run_id=int(env.context.run_id), round_num=rnd, key_epoch=pk.key_epoch, graph=env.cfg.graph,
                        n_out=env.cfg.n_out, graph_seed=pk.graph_seed, participants=parts, names=names)
+    env.context.state[VIEW_KEY] = ConfigRecord({"round": int(rnd), "participants": [str(p) for p in parts],
+                                                "names": list(names)})
     return RoundView(view, row, present_graph(rr, present) if full else None), store
+
+
+def participants_of(env: ClientEnv, rnd: int) -> dict[int, str] | None:
+    """Participant -> roster name of the last view this node checked, if it was round ``rnd``'s (else None)."""
+    rec = env.context.state.get(VIEW_KEY)
+    if rec is None or rec.get("round") != int(rnd):
+        return None
+    return dict(zip((int(p) for p in rec["participants"]), (str(n) for n in rec["names"]), strict=True))
 
 
 def view_graph(msg: Message, env: ClientEnv) -> dict[int, list[int]]:

@@ -11,7 +11,9 @@ or a different request than the one it already answered this round.  Material th
 from its own upload is kept (``kept``); for ``excluded`` peers it reveals only what leaves their own noise in.
 With double masking (:func:`answer_masked`, :mod:`protocols.masking`) it reveals per neighbour either its share of
 the neighbour's self-mask seed or their pair material, never both, and refuses when fewer than its threshold of
-neighbours are named received.  Threat model: ``docs/robustness.md``.
+neighbours are named received; pair material of a neighbour ``k`` not aggregated goes out only for the outcome this
+client signed (:mod:`client.consistency`) and with enough valid signatures of it from ``k``'s neighbours
+(:func:`unsigned`, :mod:`protocols.consistency`).  Threat model: ``docs/robustness.md``.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from client.env import ClientEnv
+from client.identity import node_identity
 from client.messages.common import TrainIns
+from client.messages.consistency import CONSISTENCY_RECORD, SignedOutcomes
 from client.messages.recovery import SELF_MASK_RECORD, RecoveryReply, RecoveryRequest, SelfMaskShares
-from client.pairwise_phase import pair_seeds
+from client.pairwise_phase import pair_seeds, participants_of, roster_round_of
+from protocols.consistency import SignedOutcome, outcome_digest, valid_signers
 from protocols.masking import (
     SHARE_PURPOSE,
     commitment,
@@ -35,6 +40,7 @@ from protocols.masking import (
     open_share,
     seal_shares,
     self_mask,
+    signatures_needed,
 )
 from protocols.relay_crypto import RelayAuthError
 
@@ -70,6 +76,8 @@ class RecoveryStore:
     #: neighbours whose self-mask share / pair seed this client revealed this round.
     revealed_mask: set[int] = field(default_factory=set)
     revealed_pair: set[int] = field(default_factory=set)
+    #: digest of the round outcome this client signed (:mod:`client.consistency`; empty: none yet).
+    signed: bytes = b""
 
     def save(self, env: ClientEnv) -> None:
         peers = sorted(self.material)
@@ -94,6 +102,8 @@ class RecoveryStore:
         for key, nodes in (("revealed-mask", self.revealed_mask), ("revealed-pair", self.revealed_pair)):
             if nodes:
                 rec[key] = [str(n) for n in sorted(nodes)]
+        if self.signed:
+            rec["signed"] = self.signed
         if self.answered is not None:
             rec["answered-received"] = [str(n) for n in self.answered[0]] or [""]
             rec["answered-dropped"] = [str(n) for n in self.answered[1]] or [""]
@@ -124,7 +134,8 @@ class RecoveryStore:
                              strict=True))
         return cls(int(rec["round"]), material, noise, partial, kept_probe, protect, protect_probe, shield,
                    answered, mask_keys, int(rec.get("threshold", 0)),  # type: ignore[arg-type]
-                   {int(n) for n in rec.get("revealed-mask", [])}, {int(n) for n in rec.get("revealed-pair", [])})
+                   {int(n) for n in rec.get("revealed-mask", [])}, {int(n) for n in rec.get("revealed-pair", [])},
+                   bytes(rec.get("signed", b"")))
 
 
 def remember(env: ClientEnv, rnd: int, material: Mapping[int, bytes], noise: Mapping[int, float] | None = None,
@@ -247,13 +258,64 @@ def answer(store: RecoveryStore, dropped: set[int], excluded: set[int] = frozens
     return RecoveryReply(peers, tuple(material), kept=tuple(kept), kept_probe=probe)
 
 
-def answer_masked(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv) -> RecoveryReply:
+def unsigned(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv, gone: set[int],
+             signatures: SignedOutcomes | None) -> str:
+    """Why pair material of the neighbours ``gone`` (not aggregated) must not go out ("" when it may).
+
+    Requires that this client signed the request's outcome (:func:`client.consistency.handle_consistency`) and,
+    for each ``k`` in ``gone``, valid signatures on that same outcome from at least
+    :func:`protocols.masking.signatures_needed` of ``k``'s present neighbours (this client counts for itself),
+    each checked against the roster under the name the round's checked view gives its node.
+    """
+    digest = outcome_digest(req.round, req.received, req.dropped, req.excluded)
+    if store.signed != digest:
+        return (f"the request declares neighbour(s) {sorted(gone)} not aggregated, but this node signed "
+                f"{'another' if store.signed else 'no'} outcome of round {req.round} (consistency check)")
+    present = participants_of(env, req.round)
+    if present is None:
+        return f"this node holds no checked view of round {req.round}"
+    me = node_identity(env)
+    offered: dict[int, list[SignedOutcome]] = {}
+    for e in signatures.entries if signatures else ():
+        offered.setdefault(e.node, []).append(e)
+    checked = {env.node_id: True}  # node -> whether it offers a valid signature (each verified at most once)
+
+    def valid(n: int) -> bool:
+        if n not in checked:
+            checked[n] = bool(valid_signers(me.roster, offered[n], present, run_id=int(env.context.run_id),
+                                            round_num=req.round, digest=digest))
+        return checked[n]
+
+    rr = roster_round_of(env.cfg, me.roster, req.round)
+    short = []
+    for k in sorted(gone):
+        roster_nbrs = set(rr.neighbours(present[k]))
+        nbrs = sorted(n for n, name in present.items() if name in roster_nbrs and (n in offered or n == env.node_id))
+        need = signatures_needed(len([n for n, name in present.items() if name in roster_nbrs]), len(roster_nbrs),
+                                 env.cfg.mask_corruption_rate)
+        have = 0
+        for n in nbrs:  # stop verifying once enough are valid
+            have += valid(n)
+            if have >= need:
+                break
+        if have < need:
+            short.append(f"node {k}: {have} of {need}")
+    if short:
+        return (f"too few valid signatures of this outcome from the neighbours of the nodes declared not aggregated "
+                f"({'; '.join(short)}): their pair material stays secret")
+    return ""
+
+
+def answer_masked(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv,
+                  signatures: SignedOutcomes | None = None) -> RecoveryReply:
     """Double masking: self-mask shares of the received neighbours, pair seeds of the dropped and excluded.
 
     An excluded client (its upload held, not aggregated) answers too: it holds its neighbours' shares.
     Refuses (and reveals nothing) when fewer than ``threshold`` neighbours are named received and not
-    excluded while this client's own upload is to be aggregated, or when the request asks for the other kind of material of a
-    peer than this client already revealed.
+    excluded while this client's own upload is to be aggregated, when the request asks for the other kind of
+    material of a peer than this client already revealed, when the request's outcome differs from the one
+    this client signed, or when pair material would go out without enough signatures (:func:`unsigned`).
+    ``signatures``: those the server collected in the consistency phase.
     """
     excluded = set(req.excluded)
     kept = set(req.received) - excluded
@@ -269,6 +331,11 @@ def answer_masked(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv) ->
     conflict = sorted((alive & store.revealed_pair) | (gone & store.revealed_mask))
     if conflict:
         return RecoveryReply(refused=f"node(s) {conflict}: the other kind of material was already revealed this round")
+    if store.signed and store.signed != outcome_digest(req.round, req.received, req.dropped, req.excluded):
+        return RecoveryReply(refused=f"the request's outcome differs from the one this node signed for round {req.round}")
+    why = unsigned(store, req, env, gone, signatures) if gone else ""
+    if why:
+        return RecoveryReply(refused=why)
     forwarded = req.forwarded or {}
     mask_peers, shares = [], []
     for x in sorted(alive):
@@ -296,7 +363,16 @@ def handle_recover(msg: Message, env: ClientEnv) -> Message:
         out = RecoveryReply(refused=why)
     else:
         assert store is not None  # check_request refuses otherwise
-        out = answer_masked(store, req, env) if store.mask_keys else answer(store, set(req.dropped), set(req.excluded))
+        if store.mask_keys:
+            try:
+                sigs = (SignedOutcomes.from_config(msg.content[CONSISTENCY_RECORD])
+                        if CONSISTENCY_RECORD in msg.content else None)
+            except ValueError as err:
+                out = RecoveryReply(refused=f"malformed signatures ({err})")
+            else:
+                out = answer_masked(store, req, env, sigs)
+        else:
+            out = answer(store, set(req.dropped), set(req.excluded))
         if not out.refused:
             store.answered = (tuple(sorted(req.received)), tuple(sorted(req.dropped)), tuple(sorted(req.excluded)))
             store.save(env)

@@ -9,9 +9,12 @@ received) or its pair material with ``x`` (dropped or excluded), never both; the
 ``t_x`` shares and subtracts ``b_x`` exactly.  A server that holds ``k``'s upload and claims "k dropped" gets
 k's pair material but no share of ``s_k``, so ``b_k`` stays in the upload.
 
-:func:`mask_threshold`: ``t = floor((d + c) / 2) + 1`` for degree ``d`` and ``c = ceil(corruption * d)``
-colluders (``t > c`` and ``2t > d + c``); :attr:`MaskParameters.p_unrecoverable` is the chance of fewer than
-``t`` survivors.  Threat model and the split-lie limit: ``docs/robustness.md``.
+:func:`mask_threshold`: ``t = min(d, floor((d + c) / 2) + 1)`` for degree ``d`` and ``c = ceil(corruption * d)``
+colluders (``t > c`` and ``2t > d + c`` whenever ``d > c``); :attr:`MaskParameters.p_unrecoverable` is the chance
+of fewer than ``t`` survivors.  A server that splits the neighbours' views (``t`` told "k received", the others
+"k dropped") is stopped by the signed consistency check (:mod:`protocols.consistency`): pair material for a
+dropped ``k`` needs :func:`signatures_needed` signatures of one outcome from ``k``'s neighbours.  Threat model:
+``docs/robustness.md``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from protocols.relay_crypto import make_aad, open_sealed, seal
 from protocols.secret_sharing import shamir_combine, shamir_split
 
 __all__ = ["SHARE_PURPOSE", "MaskParameters", "commitment", "mask_parameters", "mask_threshold", "new_mask_seed",
-           "open_share", "rebuild_seed", "seal_shares", "self_mask", "unmaskable"]
+           "open_share", "rebuild_seed", "seal_shares", "self_mask", "signatures_needed", "unmaskable"]
 
 #: Purpose of the pair key that seals a self-mask share (:func:`protocols.keyagreement.derive_pair_seed`).
 SHARE_PURPOSE = "self-mask-share"
@@ -45,6 +48,19 @@ def mask_threshold(degree: int, corruption: float) -> int:
         raise ValueError(f"corruption rate must be in [0, 1), got {corruption}")
     c = math.ceil(corruption * degree - 1e-12)
     return min(degree, (degree + c) // 2 + 1)
+
+
+def signatures_needed(degree: int, roster_degree: int, corruption: float) -> int:
+    """Signed outcomes from a dropped node's neighbours needed before its pair material is revealed.
+
+    ``s = d + c - t + 1`` for its ``degree`` present neighbours, its threshold ``t = mask_threshold(degree)`` and
+    ``c = ceil(corruption * roster_degree)`` colluders assumed among its roster neighbours (all may be present):
+    then ``t + s > d + c``, so no split of the neighbours' views yields both ``t`` self-mask shares and ``s``
+    signatures (:mod:`protocols.consistency`).  ``s <= d`` (honest recovery possible) whenever ``t > c``, which
+    :func:`protocols.graphs.present_floor` makes every client require of its own present neighbourhood.
+    """
+    c = math.ceil(corruption * max(roster_degree, degree) - 1e-12)
+    return degree + c - mask_threshold(degree, corruption) + 1
 
 
 def _binom_tail(n: int, p: float, k: int) -> float:
@@ -66,20 +82,31 @@ class MaskParameters:
     p_exposed: float
     #: P[fewer than t neighbours survive] (the client's upload cannot be unmasked; the round fails).
     p_unrecoverable: float
+    #: signed outcomes from the neighbours before a neighbour reveals pair material of the node (dropped).
+    signatures: int = 0
 
     def describe(self) -> str:
         """One line for the start of a run."""
         return (f"self-mask: degree {self.degree}, threshold t = {self.threshold} "
-                f"(tolerates {self.degree - self.threshold} dropped neighbours); at dropout {self.dropout:g} and "
+                f"(tolerates {self.degree - self.threshold} dropped neighbours; its pair seeds need {self.signatures} "
+                f"signed outcomes, t + s > d + c); at dropout {self.dropout:g} and "
                 f"corruption {self.corruption:g}: P[>= t colluding neighbours] = {self.p_exposed:.2e}, "
-                f"P[< t surviving neighbours] = {self.p_unrecoverable:.2e}")
+                f"P[< t surviving neighbours] = {self.p_unrecoverable:.2e}" + self._warning())
+
+    def _warning(self) -> str:
+        c = math.ceil(self.corruption * self.degree - 1e-12)
+        if self.threshold > c:
+            return ""
+        return (f"; with {self.degree} neighbour(s) t <= c = {c} assumed colluders: they alone rebuild the self-mask "
+                "and no pair seed is ever revealed for a dropped neighbour (run-config 'mask-corruption-rate' = 0, "
+                "or more neighbours per client)")
 
 
 def mask_parameters(degree: int, dropout: float, corruption: float) -> MaskParameters:
     """The threshold of ``degree`` and its failure probabilities at the assumed rates (independent nodes)."""
     t = mask_threshold(degree, corruption)
     return MaskParameters(degree, t, dropout, corruption, _binom_tail(degree, corruption, t),
-                          _binom_tail(degree, dropout, degree - t + 1))
+                          _binom_tail(degree, dropout, degree - t + 1), signatures_needed(degree, degree, corruption))
 
 
 def new_mask_seed() -> bytes:

@@ -8,7 +8,9 @@ survivors' corrections, so the aggregate is what the survivors alone would have 
 
 * double masking (``self-mask``): a ``query.recover`` phase every round; each survivor reveals, per peer, either
   its share of the peer's self-mask seed or their pair seed, never both; a round fails only when a self-mask
-  cannot be rebuilt from ``t`` shares;
+  cannot be rebuilt from ``t`` shares.  Rounds with an upload not aggregated first run ``query.consistency``
+  (:meth:`PairwiseRecovery.collect_signatures`): every survivor signs the round's outcome, and the recovery
+  request carries the signatures each client checks before revealing pair seeds (:mod:`protocols.consistency`);
 * direct reveal (``self-mask = false``): the phase runs only in rounds with dropouts; survivors reveal that
   round's pair material with the dropped; a second dropout fails the round (:class:`~strategies.base.RoundFailed`).
 
@@ -25,12 +27,14 @@ from dataclasses import dataclass, field
 from logging import INFO, WARNING
 
 import numpy as np
-from flwr.app import Message, RecordDict
+from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
+from client.messages.consistency import CONSISTENCY_RECORD, ConsistencyReply, ConsistencyRequest, SignedOutcomes
 from client.messages.keys import probe_value
 from client.messages.recovery import SELF_MASK_RECORD, RecoveryReply, RecoveryRequest, SelfMaskShares
+from protocols.consistency import SignedOutcome
 from protocols.masking import mask_parameters, mask_threshold, rebuild_seed, self_mask, unmaskable
 from protocols.prg import gaussian
 from protocols.privacy import Accountant, GaussianEvent
@@ -61,6 +65,8 @@ class RecoveryOutcome:
     #: bytes of the recovery messages, down (requests) and up (replies), summed over the asked survivors.
     bytes_down: int = 0
     bytes_up: int = 0
+    #: signed outcomes collected in the consistency phase (rounds with uploads not aggregated; double masking).
+    signatures: int = 0
 
     @property
     def gone_any(self) -> bool:
@@ -194,8 +200,9 @@ class PairwiseRecovery:
         Kept: the aggregatable uploads with at least ``t`` kept neighbours (:func:`protocols.masking.unmaskable`);
         the others are excluded too (held, not aggregated; their neighbours reveal their pair seeds instead).
         Every participant whose upload arrived (excluded ones included: they hold shares) gets the request
-        with the sealed self-mask shares its neighbours made for it, and reveals its shares of the kept
-        neighbours' seeds and its pair seeds with the others.  Every kept upload's seed is rebuilt from any
+        with the sealed self-mask shares its neighbours made for it (and, when some upload is not aggregated,
+        the signatures of the consistency phase, :meth:`collect_signatures`), and reveals its shares of the
+        kept neighbours' seeds and its pair seeds with the others.  Every kept upload's seed is rebuilt from any
         ``t`` shares (checked against its commitment); a survivor that does not answer (a further dropout)
         is unmasked the same way and its pairs with the dropped stay in the aggregate as extra noise
         (``kept``).  Narrows ``state.replies`` to the kept uploads and sets ``state.recovery``.
@@ -224,21 +231,29 @@ class PairwiseRecovery:
         lost = sorted(set(state.participants) - set(received))
         gone = sorted(set(lost) | set(excluded))
         out = RecoveryOutcome(state.round, gone, sorted(keep), excluded=excluded)
+        ask = received
+        t0 = time.perf_counter()
+        signed = self.collect_signatures(grid, out, ConsistencyRequest(state.round, tuple(received), tuple(lost),
+                                                                       tuple(excluded)), ask) if gone else {}
+        gone_set = set(gone)
 
         def content(node: int) -> RecordDict:
             fwd = {x: shares_of[x].sealed[node] for x in neighbours.get(node, ())
                    if x in keep and x in shares_of and node in shares_of[x].sealed}
-            return RecordDict({"config": RecoveryRequest(state.round, tuple(received), tuple(lost), tuple(excluded),
-                                                         fwd).to_config()})
+            rd = RecordDict({"config": RecoveryRequest(state.round, tuple(received), tuple(lost), tuple(excluded),
+                                                       fwd).to_config()})
+            # the signatures this node checks: those of the neighbours of its neighbours not aggregated
+            signers = {s for k in gone_set & set(neighbours.get(node, ())) for s in neighbours.get(k, ())}
+            entries = tuple(signed[s] for s in sorted(signers & set(signed)))
+            if entries:
+                rd[CONSISTENCY_RECORD] = ConfigRecord(SignedOutcomes(entries).to_config())
+            return rd
 
-        ask = received
         requests = {n: content(n) for n in ask}
-        t0 = time.perf_counter()
         replies, _errors = self.exchange(grid, ask, lambda n: requests[n], "recover")  # type: ignore[attr-defined]
         out.seconds = time.perf_counter() - t0
-        out.bytes_down = sum(payload_bytes(r) for r in requests.values())
+        out.bytes_down += sum(payload_bytes(r) for r in requests.values())
         collected: dict[int, list[bytes]] = {n: [] for n in keep}
-        gone_set = set(gone)
         for node in ask:
             msg = replies.get(node)
             rep = None
@@ -281,6 +296,35 @@ class PairwiseRecovery:
         state.recovery = out
         state.replies = {n: by_node[n] for n in sorted(keep)}
 
+    def collect_signatures(self, grid: Grid, out: RecoveryOutcome, request: ConsistencyRequest,
+                           ask: Sequence[int]) -> dict[int, SignedOutcome]:
+        """Consistency phase (``query.consistency``): every node of ``ask`` signs the round's outcome ``request``.
+
+        Run only in rounds that declare some upload not aggregated (pair material is revealed only there).
+        Returns node -> its signature (refusals and silence are logged; the clients check the signatures).
+        Adds the phase's bytes to ``out`` and the number of signatures to ``out.signatures``.
+        """
+        content = RecordDict({"config": ConfigRecord(request.to_config())})
+        replies, _errors = self.exchange(grid, ask, lambda _n: content, "consistency")  # type: ignore[attr-defined]
+        out.bytes_down += payload_bytes(content) * len(ask)
+        signed = {}
+        for node in ask:
+            msg = replies.get(node)
+            if msg is None or "config" not in msg.content:
+                continue
+            out.bytes_up += payload_bytes(msg.content)
+            try:
+                rep = ConsistencyReply.from_config(msg.content["config"])
+            except ValueError as err:
+                log(WARNING, "round %d: node %s sent a malformed consistency reply (%s)", request.round, node, err)
+                continue
+            if rep.refused:
+                log(WARNING, "round %d: node %s refused to sign the outcome: %s", request.round, node, rep.refused)
+                continue
+            signed[node] = SignedOutcome(node, rep.name, rep.signature)
+        out.signatures = len(signed)
+        return signed
+
     def remove_masks(self, state: RoundState, flat: dict[int, np.ndarray]) -> None:
         """Subtract each upload's rebuilt self-mask from ``flat`` (node -> flat upload, in place)."""
         rec = self.recovered(state)
@@ -308,6 +352,7 @@ class PairwiseRecovery:
         if rec is not None and rec.masks:
             n = max(len(rec.survivors), 1)
             figures.update(unmask_s=rec.seconds, unmask_bytes_per_client=(rec.bytes_down + rec.bytes_up) / n,
+                           consistency_signatures=float(rec.signatures),
                            self_masks_removed=float(len(rec.masks)), unmask_silent=float(len(rec.silent)))
         if rec is not None and rec.gone_any:
             figures.update(recovered_pairs=rec.pairs, kept_pairs=sum(len(k) for k in rec.kept.values()),

@@ -6,8 +6,8 @@
 * recovery lie against the real clients: a server that holds client k's upload and tells every neighbour of
   k "k dropped" gets k's pair seeds but no share of k's self-mask; what it can strip leaves at least k's
   floor upload noise (and the same attack without double masking leaves far less: the test can fail);
-* split lie: some neighbours told "k received" (for mask shares), the others "k dropped" (pair seeds),
-  k told the first group dropped: k refuses, and k's upload keeps its residual and its pairs with the first group;
+  (the lying server collects the neighbours' signatures of its one outcome first, :mod:`tests.consistency_setup`;
+  the split lie is in ``tests/test_consistency.py``);
 * the per-peer rule: after revealing one kind of material of a peer, a client refuses the other;
 * a second dropout during recovery (a survivor silent in the unmasking phase) does not fail the round:
   its self-mask is rebuilt from t shares and its pair noise with the dropped stays as extra noise.
@@ -23,14 +23,14 @@ import os
 import numpy as np
 import pytest
 import torch
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import ConfigRecord
 
 from client.app import app as client_app
 from client.env import ClientEnv
-from client.messages.recovery import SELF_MASK_RECORD, RecoveryReply, RecoveryRequest, SelfMaskShares
+from client.messages.recovery import SELF_MASK_RECORD, RecoveryReply, SelfMaskShares
 from client.methods import nadp as nadp_client
 from client.models import build_model, get_weights
-from client.recovery import RecoveryStore, handle_recover
+from client.recovery import RecoveryStore
 from client.wire import from_record, to_record
 from protocols.arrays import flatten
 from protocols.config import RunConfig
@@ -42,6 +42,7 @@ from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies.nadp import NadpStrategy
 from strategies.stages import close_round
+from tests.consistency_setup import recover, sign, signed
 
 NADP_FAST = {"local-epochs": 1, "batch-size": 1000, "lr": 4.0, "clip": 1.0, "hidden": ""}
 
@@ -120,12 +121,8 @@ def _clean(grid, strategy, msg, seed) -> np.ndarray:
     return w + gaussian(seed, len(w), st.allocation.residual_std[node]) / st.weights[node]
 
 
-def _ask(grid, node, received, dropped, forwarded=None, excluded=()) -> RecoveryReply:
-    req = RecoveryRequest(1, tuple(sorted(received)), tuple(sorted(dropped)), tuple(sorted(excluded)),
-                          forwarded).to_config()
-    reply = handle_recover(Message(RecordDict({"config": req}), node, "query.recover"),
-                           ClientEnv.from_context(grid.contexts[node]))
-    return RecoveryReply.from_config(reply.content["config"])
+def _ask(grid, node, received, dropped, forwarded=None, excluded=(), signatures=None) -> RecoveryReply:
+    return recover(grid, node, received, dropped, forwarded=forwarded, excluded=excluded, signatures=signatures)
 
 
 def _forwarded(replies, node, neighbours) -> dict[int, bytes]:
@@ -154,6 +151,7 @@ def test_self_masked_aggregate_is_exact(pinned):
     assert np.linalg.norm(agg - expected) <= 1e-9 * np.linalg.norm(expected)
     report = strategy.round_report()
     assert report["self_masks_removed"] == 6 and report["unmask_silent"] == 0 and report["recovery"] == 1
+    assert report["consistency_signatures"] == 6  # the survivors signed the outcome before revealing pair seeds
     assert report["unmask_bytes_per_client"] > 0
 
 
@@ -180,9 +178,10 @@ def test_recovery_lie_leaves_the_target_its_floor_noise(pinned, self_mask):
     graph = st.keys.neighbours
     k = msgs[0].metadata.dst_node_id
     others = [n for n in graph if n != k]
+    sigs = signed(sign(grid, others, others, [k]))  # one consistent lie: every survivor signs it
     seeds, shares_of_k = {}, []
     for j in graph[k]:
-        rep = _ask(grid, j, others, [k], _forwarded(replies, j, graph) if self_mask else None)
+        rep = _ask(grid, j, others, [k], _forwarded(replies, j, graph) if self_mask else None, signatures=sigs)
         assert not rep.refused and k in rep.peers
         seeds[j] = rep.by_peer()[k]  # the pair seed of (j, k)
         store = RecoveryStore.load(ClientEnv.from_context(grid.contexts[j]))
@@ -201,46 +200,6 @@ def test_recovery_lie_leaves_the_target_its_floor_noise(pinned, self_mask):
         assert np.std(left) >= 0.95 * floor, (np.std(left), floor)
     else:  # the attack works without double masking: only the residual noise is left
         assert np.std(left) < 0.5 * floor, (np.std(left), floor)
-
-
-def test_split_lie_is_refused_by_the_target(pinned):
-    """Some neighbours told "k received" (mask shares), the rest "k dropped" (pair seeds); k told the first lot dropped.
-
-    k refuses (more than d - t of its neighbours named dropped), so the server, holding k's self-mask, still
-    misses k's pair noise with the first lot: k keeps its residual plus t of its d pairs (2t > d + c).  That is
-    less than the full floor (the split needs a signed consistency phase to close; see the module doc of
-    protocols.masking); the test pins exactly what is left.
-    """
-    grid, strategy, msgs, replies = _round(10)
-    st = strategy._state
-    graph = st.keys.neighbours
-    k = msgs[0].metadata.dst_node_id
-    nbrs = sorted(graph[k])
-    t = mask_threshold(len(nbrs), 0.1)
-    a, b = nbrs[:t], nbrs[t:]  # a: enough for k's mask shares
-    seeds, shares = {}, []
-    for j in a:
-        rep = _ask(grid, j, list(graph), [], _forwarded(replies, j, graph))
-        shares += [s for x, s in zip(rep.mask_peers, rep.mask_shares, strict=True) if x == k]
-    for j in b:
-        rep = _ask(grid, j, [n for n in graph if n != k], [k], _forwarded(replies, j, graph))
-        seeds[j] = rep.by_peer()[k]
-    lie = _ask(grid, k, [n for n in graph if n not in a], a, _forwarded(replies, k, graph))
-    assert "fewer than the" in lie.refused and not lie.material
-    # naming the first lot "excluded" (uploads held) instead of dropped is refused alike
-    lie = _ask(grid, k, list(graph), [], _forwarded(replies, k, graph), excluded=a)
-    assert "fewer than the" in lie.refused and not lie.material
-    commit = SelfMaskShares.from_config(replies[k].content[SELF_MASK_RECORD]).commitment
-    seed = rebuild_seed(shares, t, commit)
-    assert seed is not None  # the server did get k's self-mask ...
-    left = _stripped_noise(grid, strategy, msgs, replies, pinned, k, seeds)
-    left -= SelfMaskShares.from_config(replies[k].content[SELF_MASK_RECORD]).std * gaussian(seed, len(left))
-    # ... but not k's pair seeds with the first lot: residual + those t pairs stay
-    alloc, lam = st.allocation, st.plan.lam
-    stds = alloc.counteracting_stds(k)
-    kept = np.sqrt(alloc.residual_std[k] ** 2 + lam**2 * sum(stds[j] ** 2 for j in a)) / alloc.weights[k]
-    assert np.std(left) == pytest.approx(kept, rel=0.1)
-    assert kept >= np.sqrt(len(a) / len(nbrs)) * alloc.uplink_std(k, lam)
 
 
 def test_second_dropout_during_recovery_does_not_fail_the_round(pinned):
@@ -287,9 +246,11 @@ def test_mpddp_recovery_lie_leaves_the_target_its_upload_noise(self_mask):
     st = strategy._state
     graph = st.keys.neighbours
     k = msgs[0].metadata.dst_node_id
+    others = [x for x in graph if x != k]
+    sigs = signed(sign(grid, others, others, [k]))
     seeds, shares = {}, []
     for j in graph[k]:
-        rep = _ask(grid, j, [x for x in graph if x != k], [k], _forwarded(replies, j, graph) if self_mask else None)
+        rep = _ask(grid, j, others, [k], _forwarded(replies, j, graph) if self_mask else None, signatures=sigs)
         assert not rep.refused
         seeds[j] = rep.by_peer()[k]
         shares += [s for x, s in zip(rep.mask_peers, rep.mask_shares, strict=True) if x == k]
@@ -354,9 +315,11 @@ def test_niss_recovery_lie_leaves_the_target_its_floor_noise(self_mask, tau):
     upload = flatten(from_record(replies[k].content["arrays"]))
     size = upload.size
     assert size >= 500  # the linear model on digits (650 coordinates): the std bounds below are many sds wide
+    others = [x for x in graph if x != k]
+    sigs = signed(sign(grid, others, others, [k]))
     stripped, shares_of_k = np.zeros(size), []
     for j in graph[k]:
-        rep = _ask(grid, j, [x for x in graph if x != k], [k], _forwarded(replies, j, graph) if self_mask else None)
+        rep = _ask(grid, j, others, [k], _forwarded(replies, j, graph) if self_mask else None, signatures=sigs)
         assert not rep.refused and k in rep.peers
         m = NissPairMaterial.from_bytes(rep.by_peer()[k], size)
         stripped += bundle_shares(ShareBundle(k, j, m.in_count, m.in_std, m.in_seed), size).sum(axis=0)  # k's own
@@ -402,6 +365,7 @@ def test_niss_dropouts_with_self_masks_cancel_and_a_second_dropout_does_not_fail
     report = strategy.round_report()
     assert report["self_masks_removed"] == 9 and report["unmask_silent"] == int(second)
     assert report["kept_pairs"] == int(second) and report["recovery"] == 1
+    assert report["consistency_signatures"] == 9 - int(second)
     survivors = [n for n in ids if n != first]
     kept_weight = math.fsum(st.weights[n] for n in survivors)
     expected = np.sum([_niss_clean(replies[n]) for n in survivors], axis=0)

@@ -26,7 +26,7 @@ from client.app import app as client_app
 from client.env import ClientEnv
 from client.messages.recovery import NissPairMaterial, RecoveryReply, RecoveryRequest
 from client.methods import nadp as nadp_client
-from client.recovery import RecoveryStore, answer, check_request, handle_recover
+from client.recovery import RecoveryStore, answer, check_request
 from client.wire import from_record, to_record
 from protocols.arrays import flatten
 from protocols.config import ConfigError, RunConfig
@@ -35,6 +35,7 @@ from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies.nadp import NadpStrategy
 from strategies.stages import close_round
+from tests.consistency_setup import recover, sign, signed
 
 #: nadp: one full-batch step per round on a linear model (its paper's regime, fast).
 NADP_FAST = {"local-epochs": 1, "batch-size": 1000, "lr": 4.0, "clip": 1.0, "hidden": ""}
@@ -76,6 +77,7 @@ def test_twenty_percent_dropping_every_round_is_recovered_exactly(run_inprocess,
     for r in rows:
         assert not r["failed"]
         assert r["dropped"] == 2 and r["recovery"] == 1 and r["recovered_pairs"] > 0
+        assert r["consistency_signatures"] == 8  # every survivor signed the round's outcome
         assert r["cancellation_residual"] <= 1e-9, r["cancellation_residual"]
         assert r.get("uncancelled_noise_norm", 0.0) == 0.0 and r.get("kept_pairs", 0) == 0
         assert r["recovery_bytes_per_survivor"] > 0
@@ -203,11 +205,8 @@ def _uploaded_client(n: int = 4):
     return grid, sorted(strategy._state.participants)
 
 
-def _ask(grid: LocalGrid, node: int, received, dropped, rnd: int = 1) -> RecoveryReply:
-    req = RecoveryRequest(rnd, tuple(received), tuple(dropped)).to_config()
-    msg = Message(RecordDict({"config": req}), node, "query.recover")
-    reply = handle_recover(msg, ClientEnv.from_context(grid.contexts[node]))
-    return RecoveryReply.from_config(reply.content["config"])
+def _ask(grid: LocalGrid, node: int, received, dropped, signatures=None, rnd: int = 1) -> RecoveryReply:
+    return recover(grid, node, received, dropped, signatures=signatures, rnd=rnd)
 
 
 def test_lying_server_is_refused():
@@ -222,10 +221,13 @@ def test_lying_server_is_refused():
     # a neighbour in neither set
     rep = _ask(grid, me, [me], [peer])
     assert "neither received nor dropped" in rep.refused
-    # an honest request first (nobody dropped but the last), then a lie that the peer reported received dropped
-    honest = _ask(grid, me, ids[:3], ids[3:])
+    # an honest request first (nobody dropped but the last; its surviving neighbours signed that outcome), then
+    # a lie that the peer reported received dropped
+    assert "signed no outcome" in _ask(grid, me, ids[:3], ids[3:]).refused  # unsigned: refused
+    sigs = signed(sign(grid, ids[:3], ids[:3], ids[3:]))
+    honest = _ask(grid, me, ids[:3], ids[3:], sigs)
     assert not honest.refused and honest.peers == (ids[3],) and len(honest.material[0]) == 32
-    assert _ask(grid, me, ids[:3], ids[3:]) == honest  # the same request is answered identically
+    assert _ask(grid, me, ids[:3], ids[3:], sigs) == honest  # the same request is answered identically
     lie = _ask(grid, me, [n for n in ids[:3] if n != peer], [peer, ids[3]])
     assert "already answered" in lie.refused and str(peer) in lie.refused and not lie.material
     # material of another round was never kept

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocols.methods.common import MODEL_NOMINAL
-from protocols.methods.nadp import KEYS, RECOVER
+from protocols.methods.nadp import CONSISTENCY, KEYS, RECOVER
 from protocols.methods.pairwise import PairwiseOptions
 from protocols.methods.registry import register
 from protocols.methods.spec import Guarantee, MethodSpec
@@ -37,7 +37,8 @@ class MpddpOptions(MethodOptions):
 #: The ablations' shared entries (uplink epsilon nominal: no guarantee), their audit adapter included.
 _NO_UPLINK = dict(family="mpddp", options=(MpddpOptions,), regime=MP_REGIME, audit="server.audits.mpddp:MpAudit")
 register(MethodSpec("mpddp", "strategies.mpddp:MpddpStrategy", "client.methods.mpddp:train",
-                    queries={"keys": KEYS, "recover": RECOVER}, family="mpddp", paper="MP_Server + DDP_Client",
+                    queries={"keys": KEYS, "consistency": CONSISTENCY, "recover": RECOVER}, family="mpddp",
+                    paper="MP_Server + DDP_Client",
                     options=(PairwiseOptions, MpddpOptions), regime=MP_REGIME,
                     privacy=Guarantee("record", None, MODEL_NOMINAL), min_per_round=2,
                     audit="server.audits.mpddp:MpddpAudit"))

@@ -12,6 +12,7 @@ from protocols.options import ConfigError, MethodOptions, option
 
 KEYS = "client.pairwise_phase:handle_keys"
 RECOVER = "client.recovery:handle_recover"  # dropout recovery of the pairwise noise (strategies.recovery)
+CONSISTENCY = "client.consistency:handle_consistency"  # signed outcome before pair material is revealed
 #: nadp's epsilon_uplink is the joint view of all uploads without colluding clients; lambda (Eq. 8) keeps each
 #: upload's marginal noise against a nadp-tau share of colluding peers, not the joint view (``cancelfl audit
 #: --colluders`` measures the difference).
@@ -40,7 +41,7 @@ class NadpOptions(MethodOptions):
 
 
 register(MethodSpec("nadp", "strategies.nadp:NadpStrategy", "client.methods.nadp:train",
-                    queries={"keys": KEYS, "recover": RECOVER}, family="pairwise", paper="NADP-FL",
+                    queries={"keys": KEYS, "consistency": CONSISTENCY, "recover": RECOVER}, family="pairwise", paper="NADP-FL",
                     options=(PairwiseOptions, NadpOptions), regime=RECORD_STEP,
                     privacy=Guarantee("record", SERVER_NO_COLLUSION, MODEL), min_per_round=2,
                     audit="server.audits.nadp:NadpAudit"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocols.methods.common import MODEL, RECORD_STEP
-from protocols.methods.nadp import KEYS, RECOVER
+from protocols.methods.nadp import CONSISTENCY, KEYS, RECOVER
 from protocols.methods.pairwise import PairwiseOptions
 from protocols.methods.registry import register
 from protocols.methods.spec import PRIVACY_UNITS, Guarantee, MethodSpec
@@ -28,7 +28,8 @@ class NissOptions(MethodOptions):
 
 
 register(MethodSpec("niss", "strategies.niss:NissStrategy", "client.methods.niss:train",
-                    queries={"keys": KEYS, "shares": "client.methods.niss:handle_shares", "recover": RECOVER},
+                    queries={"keys": KEYS, "shares": "client.methods.niss:handle_shares", "consistency": CONSISTENCY,
+                             "recover": RECOVER},
                     family="pairwise", paper="NISS", options=(PairwiseOptions, NissOptions), regime=RECORD_STEP,
                     privacy=Guarantee("record", SERVER_NISS, MODEL), units=PRIVACY_UNITS, min_per_round=2,
                     audit="server.audits.niss:NissAudit"))
