@@ -418,9 +418,12 @@ def client_sigma(cfg: RunConfig, weight: float, num_examples: int) -> float:
     return noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds) * upload_sensitivity(cfg, weight, num_examples)
 
 
-def client_plan(cfg: RunConfig, weight: float, num_examples: int, neighbours: int) -> SharePlan:
-    """:func:`plan_shares` of :func:`client_sigma`: everything a client needs to split its noise."""
-    return plan_shares(client_sigma(cfg, weight, num_examples), neighbours)
+def client_plan(cfg: RunConfig, weight: float, num_examples: int, neighbours: int, scale: float = 1.0) -> SharePlan:
+    """:func:`plan_shares` of :func:`client_sigma` times ``scale``: everything a client needs to split its noise.
+
+    ``scale``: the round's joint-view scale (:func:`protocols.floor.niss_floor`).
+    """
+    return plan_shares(client_sigma(cfg, weight, num_examples) * scale, neighbours)
 
 
 def downlink_multiplier(tau: float, sigma_ks: Sequence[float], z: float) -> float:
