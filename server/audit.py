@@ -131,10 +131,9 @@ def _audit_releases(spec: AuditSpec, raw: dict, seed: int | None, progress: Call
     claimed = float(claims.get(key, math.inf))
     notes = [f"claim: the run's {key} after one round at epsilon={spec.epsilon} (one-round mechanism)"]
     if spec.method == "niss" and spec.direction == "upload":
-        notes.append("niss: epsilon_uplink is accounted with each upload's own noise sigma_k; the server's best linear "
-                     "combination of all uploads keeps less (sigma_k^2 (2 + tau^2 + 2/m) / (1 + 2/(m tau^2)) for a "
-                     "complete graph of m + 1 clients: 0.795 sigma_k^2 at 4 clients), so the claim is below the "
-                     "joint view's Gaussian-equivalent epsilon")
+        notes.append("niss: epsilon_uplink covers the server's best linear combination of all uploads (every sigma_k "
+                     "times the round's joint-view scale, protocols.niss_joint; a Gaussian approximation of the "
+                     "distorted shares)")
     if spec.method in PURE_DP:
         notes.append("claim: pure epsilon-DP (Laplace); the bound uses delta = 0")
     if spec.canary_kind == "adaptive":

@@ -379,9 +379,9 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         z_real = min(self.z * math.sqrt(f) for f in f_left.values())
         real = 0.0
         if self.privacy.downlink is not None:
-            # Multiplier = std left / the worst record's sensitivity max_k sigma_k / z (protocols.niss.downlink_multiplier).
+            # Multiplier = std left / the worst record's sensitivity max_k sigma_k / (scale z) (niss.downlink_multiplier).
             among = max(math.fsum(sigma2.values()) - lost_among, 0.0)
-            real = state.tau * self.z * math.sqrt(among) / math.sqrt(max(sigma2.values()))
+            real = state.noise_scale * state.tau * self.z * math.sqrt(among) / math.sqrt(max(sigma2.values()))
         state.noise_left = (z_real, real)
         self.report(uplink_noise_multiplier_after_recovery=z_real)
         return rec.probe_corrections(out)
