@@ -301,7 +301,7 @@ def niss_floor(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Seq
     distortion.  ``sigma_k`` = :func:`protocols.niss.client_sigma` of the public weight and size.
 
     Raises:
-        FloorViolation: ``offered`` (run-config key ``niss-noise-scale`` of the share request) below the scale.
+        FloorViolation: ``offered`` (the share request's ``niss-noise-scale``) below the scale.
     """
     weights = aggregation_weights(cfg, list(graph), sizes)
     sigmas = {n: client_sigma(cfg, weights[n], int(sizes.get(n, 1))) for n in graph}
