@@ -17,16 +17,20 @@ import math
 import numpy as np
 import pytest
 
+from client.app import app as client_app
 from client.messages.niss import Diagnostic, NissMetrics, RelayedInbox
 from client.methods import niss as niss_client
 from protocols import floor as floor_math
+from protocols.config import RunConfig
 from protocols.floor import FloorViolation, NissFloor, niss_floor
 from protocols.graphs import complete_graph, n_out_graph
 from protocols.niss import upload_sensitivity
 from protocols.niss_joint import joint_covariance, joint_factors, joint_scale, share_variances
 from protocols.privacy import noise_multiplier
+from server.defaults import app_defaults
+from server.local_grid import LocalGrid
 from strategies import niss as niss_strategy
-from tests.niss_setup import flat, niss_round, niss_setup
+from tests.niss_setup import FAST, flat, niss_round, niss_setup
 
 
 def _seed(label: str) -> bytes:
@@ -120,9 +124,6 @@ def test_n_out_factors_match_a_dense_inverse_and_extra_noise_only_helps():
 
 
 def test_niss_floor_refuses_a_smaller_scale():
-    from protocols.config import RunConfig
-    from server.defaults import app_defaults
-
     cfg = RunConfig.from_mapping({**app_defaults(), "method": "niss", "num-clients": 10})
     sizes = {k: 100 + 7 * k for k in range(10)}
     graph = n_out_graph(range(10), 2, _seed("floor"))
@@ -134,14 +135,9 @@ def test_niss_floor_refuses_a_smaller_scale():
     assert floor_math.niss_floor(cfg, sizes, graph, 0.0).scale == 1.0  # tau = 0: no guarantee to scale for
 
 
-def test_client_refuses_a_share_request_below_the_joint_view_scale(monkeypatch):
-    monkeypatch.setattr(niss_client, "_fresh_seed", _seed)
-    cfg, grid, strategy, arrays = niss_setup(num_clients=6, self_mask=False)
-    real = niss_floor
-    monkeypatch.setattr(niss_strategy, "niss_floor", lambda *a, **k: NissFloor(0.9 * real(*a, **k).scale, {}))
-    from server.local_grid import LocalGrid
-
-    errors = []
+def _share_phase_errors(monkeypatch, grid, strategy, arrays) -> list[str]:
+    """Run round 1 until the share phase gives up; the clients' error reasons."""
+    errors: list[str] = []
     orig = LocalGrid.send_and_receive
 
     def record(self, messages, *a, **k):
@@ -152,4 +148,22 @@ def test_client_refuses_a_share_request_below_the_joint_view_scale(monkeypatch):
     monkeypatch.setattr(LocalGrid, "send_and_receive", record)
     with pytest.raises(Exception, match="share exchange did not complete"):
         niss_round(grid, strategy, 1, arrays)
+    return errors
+
+
+def test_client_refuses_a_share_request_below_the_joint_view_scale(monkeypatch):
+    monkeypatch.setattr(niss_client, "_fresh_seed", _seed)
+    cfg, grid, strategy, arrays = niss_setup(num_clients=6, self_mask=False)
+    real = niss_floor
+    monkeypatch.setattr(niss_strategy, "niss_floor", lambda *a, **k: NissFloor(0.9 * real(*a, **k).scale, {}))
+    errors = _share_phase_errors(monkeypatch, grid, strategy, arrays)
     assert errors and all("joint-view noise scale" in e for e in errors)
+
+
+def test_tau_zero_has_no_uplink_guarantee_and_a_node_requiring_one_refuses(monkeypatch):
+    cfg, _, strategy, arrays = niss_setup(num_clients=4, niss_tau=0.0)
+    assert strategy.privacy_report(1)["epsilon_uplink"] == math.inf
+    raw = {**app_defaults(), **FAST, "num-clients": 4, "niss-tau": 0.0}
+    grid = LocalGrid(client_app, 4, raw, node_config={"max-epsilon-per-run": 10.0})
+    errors = _share_phase_errors(monkeypatch, grid, strategy, arrays)
+    assert errors and all("niss-tau" in e for e in errors)
