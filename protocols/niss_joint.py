@@ -16,7 +16,7 @@ approximation of the product noise (``s n`` is not Gaussian).  ``tau = 0`` makes
 uploads is noiseless): ``f = 0`` and no scale helps (:func:`joint_scale` raises).
 
 Cost: a complete graph has a closed form (O(n), :func:`_complete_diag_inverse`), any other graph one dense
-inverse (O(n^3), well under a second at 1,000 clients).  Pure functions of public values.
+Cholesky factorisation and inverse (O(n^3), under a second at 1,000 clients).  Pure functions of public values.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from scipy.linalg import lapack
 
 __all__ = ["joint_covariance", "joint_factors", "joint_scale", "share_variances", "survivor_factors"]
 
@@ -87,12 +88,14 @@ def _complete_diag_inverse(u: np.ndarray, tau: float, extra: np.ndarray) -> np.n
 
 
 def _dense_diag_inverse(sigma: np.ndarray) -> np.ndarray:
-    """``diag(Sigma^-1)`` of a dense symmetric positive definite ``Sigma`` (ValueError if it is not)."""
-    try:
-        np.linalg.cholesky(sigma)
-    except np.linalg.LinAlgError as err:
-        raise ValueError("the uploads' noise covariance is not positive definite") from err
-    return np.diag(np.linalg.inv(sigma)).copy()
+    """``diag(Sigma^-1)`` of a dense symmetric positive definite ``Sigma`` from its Cholesky factor (ValueError if not PD)."""
+    chol, info = lapack.dpotrf(sigma, lower=1)
+    if info != 0:
+        raise ValueError("the uploads' noise covariance is not positive definite")
+    inv, info = lapack.dpotri(chol, lower=1)
+    if info != 0:
+        raise ValueError("the uploads' noise covariance is singular")
+    return np.diag(inv).copy()
 
 
 def joint_factors(sigmas: Mapping[int, float], graph: Mapping[int, Sequence[int]], tau: float,
