@@ -6,7 +6,8 @@ The negated share goes to that neighbour, which adds it times its distortion ``s
 coordinate) to its upload (Algorithm 2).  On the server the shares cancel: with ``tau = 0`` the aggregate is
 exactly ``sum_k p_k w_k``; otherwise the residual variance is ``sum_k sigma_k**2 tau_k**2`` (Theorem 2,
 :func:`exact_aggregate_variance` for any share assignment).  ``tau`` protects against a fraction ``rho`` of a
-client's neighbours colluding with the server (Theorem 3, :func:`tau_for_collusion`).
+client's neighbours colluding with the server (Theorem 3, :func:`tau_for_collusion`).  The server's joint view of
+all uploads, and the scale on every ``sigma_k`` it needs (:func:`client_plan`'s ``scale``): :mod:`protocols.niss_joint`.
 
 Pure functions of their inputs.  A bundle of shares from one sender to one receiver is described by a 32-byte
 seed (:mod:`protocols.prg`), so it travels as ``(count, share_std, seed)`` or as the vectors themselves
