@@ -7,7 +7,7 @@ may also hold a :class:`FloorPolicy` in its node config: limits on the run confi
 ``max-delta``, ``max-clip``) and a lifetime budget kept by :mod:`client.ledger`.
 
 This module is the pure part: the policy, the violation and each method's floor (:func:`ldp_noise_std`,
-:func:`nadp_floor`, :func:`ddpsa_round_epsilon`, :func:`ddpsa_noise_share`, :func:`mpddp_floor`,
+:func:`nadp_floor`, :func:`niss_floor`, :func:`ddpsa_round_epsilon`, :func:`ddpsa_noise_share`, :func:`mpddp_floor`,
 :func:`mpdp_naive_sigma`), which the strategies use too, so both ends compute the same numbers.
 """
 
@@ -28,6 +28,8 @@ from protocols.mpddp import (
     theta_for_noise_multiplier,
 )
 from protocols.nadp import NadpSigmas, NoiseAllocation, compensation_factor, round_plan
+from protocols.niss import aggregation_weights, client_sigma
+from protocols.niss_joint import joint_factors, joint_scale
 from protocols.privacy import calibrate_noise_multiplier, noise_multiplier, per_round_epsilons, record_sensitivity
 
 __all__ = [
@@ -46,6 +48,8 @@ __all__ = [
     "mpdp_naive_sigma",
     "nadp_compensation",
     "nadp_floor",
+    "NissFloor",
+    "niss_floor",
 ]
 
 #: Relative slack of a comparison between the server's value and the client's own (float round-off only).
@@ -274,6 +278,41 @@ def nadp_floor(cfg: RunConfig, sizes: Mapping[int, int], me: int,
     """Participant ``me``'s share of :func:`nadp_round_noise` (the server's plan must announce at least this)."""
     r = nadp_round_noise(cfg, sizes, graph, scale)
     return NadpFloor(r.sigmas, r.allocation, r.lam, r.sensitivities[me], None if r.ldp_stds is None else r.ldp_stds[me])
+
+
+@dataclass(frozen=True)
+class NissFloor:
+    """A NISS round's joint-view calibration, derived alike by the server's plan and every client.
+
+    ``scale``: the factor on every ``sigma_k`` (:func:`protocols.niss_joint.joint_scale`; 1 when ``tau = 0``,
+    where no scale helps and the run's uplink carries no guarantee); ``factors``: node -> ``f_k`` at scale 1.
+    """
+
+    scale: float
+    factors: Mapping[int, float]
+
+
+def niss_floor(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Sequence[int]], tau: float,
+               offered: float | None = None) -> NissFloor:
+    """``niss``: the noise scale the round's joint view needs; refuses an ``offered`` scale below it.
+
+    ``sizes``: the participants' public dataset sizes (node -> ``|D_k|``; ignored at client level), ``graph``:
+    the round's pairing graph over them (the roster graph among the present nodes), ``tau``: the round's
+    distortion.  ``sigma_k`` = :func:`protocols.niss.client_sigma` of the public weight and size.
+
+    Raises:
+        FloorViolation: ``offered`` (the share request's ``niss-noise-scale``) below the scale.
+    """
+    weights = aggregation_weights(cfg, list(graph), sizes)
+    sigmas = {n: client_sigma(cfg, weights[n], int(sizes.get(n, 1))) for n in graph}
+    factors = joint_factors(sigmas, graph, tau)
+    if tau == 0:
+        return NissFloor(1.0, factors)
+    floor = NissFloor(joint_scale(factors), factors)
+    if offered is not None:
+        at_least("joint-view noise scale", offered, floor.scale,
+                 "the uploads together would leave this client less noise than its accountant charges")
+    return floor
 
 
 def mpddp_floor(cfg: RunConfig, k: int, min_size: int, scale: float = 1.0) -> tuple[float, float, float]:

@@ -6,7 +6,8 @@ The negated share goes to that neighbour, which adds it times its distortion ``s
 coordinate) to its upload (Algorithm 2).  On the server the shares cancel: with ``tau = 0`` the aggregate is
 exactly ``sum_k p_k w_k``; otherwise the residual variance is ``sum_k sigma_k**2 tau_k**2`` (Theorem 2,
 :func:`exact_aggregate_variance` for any share assignment).  ``tau`` protects against a fraction ``rho`` of a
-client's neighbours colluding with the server (Theorem 3, :func:`tau_for_collusion`).
+client's neighbours colluding with the server (Theorem 3, :func:`tau_for_collusion`).  The server's joint view of
+all uploads, and the scale on every ``sigma_k`` it needs (:func:`client_plan`'s ``scale``): :mod:`protocols.niss_joint`.
 
 Pure functions of their inputs.  A bundle of shares from one sender to one receiver is described by a 32-byte
 seed (:mod:`protocols.prg`), so it travels as ``(count, share_std, seed)`` or as the vectors themselves
@@ -418,9 +419,12 @@ def client_sigma(cfg: RunConfig, weight: float, num_examples: int) -> float:
     return noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds) * upload_sensitivity(cfg, weight, num_examples)
 
 
-def client_plan(cfg: RunConfig, weight: float, num_examples: int, neighbours: int) -> SharePlan:
-    """:func:`plan_shares` of :func:`client_sigma`: everything a client needs to split its noise."""
-    return plan_shares(client_sigma(cfg, weight, num_examples), neighbours)
+def client_plan(cfg: RunConfig, weight: float, num_examples: int, neighbours: int, scale: float = 1.0) -> SharePlan:
+    """:func:`plan_shares` of :func:`client_sigma` times ``scale``: everything a client needs to split its noise.
+
+    ``scale``: the round's joint-view scale (:func:`protocols.floor.niss_floor`).
+    """
+    return plan_shares(client_sigma(cfg, weight, num_examples) * scale, neighbours)
 
 
 def downlink_multiplier(tau: float, sigma_ks: Sequence[float], z: float) -> float:

@@ -25,11 +25,15 @@ record_sensitivity(cfg, n_k)`` and ``p_k = |D_k| / sum_j |D_j|``; ``"client"``: 
 ``Delta f_k = p_k clip``, ``p_k = 1/m``.  Each client computes ``sigma_k`` and ``p_k`` itself
 (:func:`protocols.niss.client_sigma`, :func:`protocols.niss.aggregation_weights`) and refuses another weight.
 
-Epsilon: uplink (one client's upload) = RDP of the rounds' Gaussian releases with multiplier ``z``,
+Epsilon: uplink (all the round's uploads together) = RDP of the rounds' Gaussian releases with multiplier
+``z``: every ``sigma_k`` is raised by the round's ``noise_scale`` (:func:`protocols.floor.niss_floor`, sent with
+the share request, refused below by the clients) so that the server's best linear view of any client keeps at
+least ``(z Delta f_k)^2`` (:mod:`protocols.niss_joint`, a Gaussian approximation of the distorted shares);
 assuming the receivers of its shares do not collude with the server (Theorem 3 asks ``tau^2 >= max(2 rho -
 1, 0)`` against a colluding fraction ``rho``; heuristic, ``describe()`` states whether tau meets it).
 Downlink (the published sum): noise std ``tau sqrt(sum_k sigma_k^2)``, multiplier
-:func:`protocols.niss.downlink_multiplier` (heuristic for tau > 0, infinite for tau = 0).  Default tau
+:func:`protocols.niss.downlink_multiplier` times the scale (heuristic).  ``tau = 0``: no guarantee in
+either direction (the uploads' sum is noiseless; epsilon null).  Default tau
 (``niss-tau < 0``, :func:`protocols.niss.client_tau`) makes the downlink multiplier ``z``.
 
 Reported each round: ``theorem2_variance`` (Theorem 2, ``sum_k sigma_k^2 tau_k^2``); with run-config
@@ -56,7 +60,9 @@ from client.wire import from_record, to_record
 from protocols import niss as niss_math
 from protocols.arrays import flatten, unflatten
 from protocols.config import RunConfig
+from protocols.floor import niss_floor
 from protocols.niss import ShareBundle, client_tau, downlink_multiplier
+from protocols.niss_joint import survivor_factors
 from protocols.privacy import (
     GaussianEvent,
     PrivacyLedger,
@@ -84,6 +90,8 @@ class NissRound(RoundState):
     inbox: dict[int, tuple[list[int], list[bytes]]]
     #: The distortion std the clients derive for this round (:func:`protocols.niss.client_tau` of the sizes sent).
     tau: float = 0.0
+    #: The factor on every sigma_k that the joint view of the uploads needs (:func:`protocols.floor.niss_floor`).
+    noise_scale: float = 1.0
     #: Noise left after recovery, set by the aggregate stage for the account stage: (uplink multiplier of the
     #: least-noised survivor, variance of the shares exchanged among survivors); None without recovery.
     noise_left: tuple[float, float] | None = None
@@ -158,7 +166,8 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         self._figures: list[NissMetrics] = []
         # Uplink: RDP of the per-round Gaussian upload (headline). Downlink: the residual noise of the sum,
         # none with tau = 0 (the shares cancel exactly).
-        self.privacy = PrivacyLedger(cfg.delta, uplink=RdpAccountant(),
+        # With tau = 0 the uploads' sum is noiseless: no uplink guarantee either (protocols.niss_joint).
+        self.privacy = PrivacyLedger(cfg.delta, uplink=RdpAccountant() if self.tau > 0 else None,
                                      downlink=RdpAccountant() if self.tau > 0 else None, headline="uplink")
 
     # ------------------------------------------------------------------ stages
@@ -179,7 +188,13 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         self.report(participants=len(kr.participants), dropped=len(kr.dropped))
         self.announce_masking(kr.neighbours)
         tau = client_tau(self.cfg, _sizes(kr))
-        return NissRound(st.round, list(kr.participants), self._weights(kr), inbox, tau, keys=kr)
+        scale = self._scale(kr)
+        self.report(joint_view_scale=scale)
+        return NissRound(st.round, list(kr.participants), self._weights(kr), inbox, tau, scale, keys=kr)
+
+    def _scale(self, kr: KeyRound) -> float:
+        """The round's joint-view scale, as every client derives it (:func:`protocols.floor.niss_floor`)."""
+        return niss_floor(self.cfg, _sizes(kr), kr.neighbours, client_tau(self.cfg, _sizes(kr))).scale
 
     def _weights(self, kr: KeyRound) -> dict[int, float]:
         return niss_math.aggregation_weights(self.cfg, kr.participants, _sizes(kr))
@@ -193,13 +208,14 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         for _attempt in range(MAX_SHARE_ATTEMPTS):
             if len(kr.participants) < 2:
                 break
-            weights = self._weights(kr)
+            weights, scale = self._weights(kr), self._scale(kr)
 
-            def content(node: int, kr=kr, weights=weights) -> RecordDict:
+            def content(node: int, kr=kr, weights=weights, scale=scale) -> RecordDict:
                 # The neighbours' signed keys and the round's view (participants, graph seed); the probe seed
                 # travels with the train message.
                 peers = dataclasses.replace(kr.peer_keys(node), probe_seed=None)
-                return RecordDict({"config": ShareRequest(kr.round, weights[node], peers, _sizes(kr)).to_config()})
+                req = ShareRequest(kr.round, weights[node], peers, _sizes(kr), scale)
+                return RecordDict({"config": req.to_config()})
 
             replies, _errors = self.exchange(grid, kr.participants, content, "shares")
             good = {n: shares for n, r in replies.items() if n in kr.neighbours
@@ -320,8 +336,9 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
 
         Per (survivor i, dropped k) the revealed :class:`~client.messages.recovery.NissPairMaterial`: i's
         own shares sent to k (nothing left to cancel them) and the distorted negated shares i received from
-        k.  ``state.noise_left`` (for the account stage): the uplink multiplier of the least own noise a
-        survivor keeps, the downlink multiplier of the shares exchanged among survivors.
+        k.  ``state.noise_left`` (for the account stage): the least uplink multiplier the survivors' joint view
+        leaves one of them (:func:`protocols.niss_joint.survivor_factors`), the downlink multiplier of the shares
+        exchanged among survivors.
         Returns the corrections' projections on the cancellation check's direction.
 
         Raises:
@@ -355,12 +372,16 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
             if probe is not None:
                 out.append(float(np.dot(corr, probe)))
         agg.update(unflatten(flat, agg))
-        z_real = min(self.z * math.sqrt(max(kept[n], 0.0) / sigma2[n]) if sigma2[n] > 0 else self.z for n in kept)
+        # The survivors' joint view (protocols.niss_joint): each keeps z * sqrt(f'_k) of its charged sigma_k.
+        charged = {n: f.sigma / state.noise_scale for n, f in figures.items()}
+        f_left = survivor_factors({n: f.sigma for n, f in figures.items()}, charged, state.keys.neighbours, kept,
+                                  state.tau)
+        z_real = min(self.z * math.sqrt(f) for f in f_left.values())
         real = 0.0
         if self.privacy.downlink is not None:
-            # Multiplier = std left / the worst record's sensitivity max_k sigma_k / z (protocols.niss.downlink_multiplier).
+            # Multiplier = std left / the worst record's sensitivity max_k sigma_k / (scale z) (niss.downlink_multiplier).
             among = max(math.fsum(sigma2.values()) - lost_among, 0.0)
-            real = state.tau * self.z * math.sqrt(among) / math.sqrt(max(sigma2.values()))
+            real = state.noise_scale * state.tau * self.z * math.sqrt(among) / math.sqrt(max(sigma2.values()))
         state.noise_left = (z_real, real)
         self.report(uplink_noise_multiplier_after_recovery=z_real)
         return rec.probe_corrections(out)
@@ -449,7 +470,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         """
         sigmas = [niss_math.client_sigma(self.cfg, state.weights[n], state.keys.num_examples.get(n, 1))
                   for n in state.participants]
-        return downlink_multiplier(state.tau, sigmas, self.z)
+        return state.noise_scale * downlink_multiplier(state.tau, sigmas, self.z)
 
     def charge_release(self, state: NissRound) -> None:
         """The planned round: each upload a Gaussian release with multiplier z, the sum ``tau sqrt(sum sigma^2)``.
@@ -457,7 +478,8 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         No amplification by sampling in either direction: the server knows whom it sampled, and the sample is
         drawn from the public run seed, so whoever gets the published model can know it too.
         """
-        self.privacy.uplink.compose(GaussianEvent(self.z))
+        if self.privacy.uplink is not None:  # the joint view keeps at least z (the plan's noise_scale)
+            self.privacy.uplink.compose(GaussianEvent(self.z))
         if self.privacy.downlink is not None:
             self.privacy.downlink.compose(GaussianEvent(self._downlink_multiplier(state)))
 
@@ -466,7 +488,8 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         if state.noise_left is None:
             return
         z_real, real = state.noise_left
-        charge_shortfall(self.privacy.uplink, self.z, z_real)
+        if self.privacy.uplink is not None:
+            charge_shortfall(self.privacy.uplink, self.z, z_real)
         if self.privacy.downlink is not None:
             charge_shortfall(self.privacy.downlink, self._downlink_multiplier(state), real)
 

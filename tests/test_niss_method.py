@@ -31,6 +31,8 @@ from protocols.adjacency import adjacency_factor
 from protocols.arrays import flatten
 from protocols.clipping import clip_l2
 from protocols.config import RunConfig
+from protocols.floor import niss_floor
+from protocols.graphs import complete_graph
 from protocols.privacy import (
     analytic_gaussian_epsilon,
     analytic_gaussian_sigma,
@@ -52,6 +54,13 @@ def _sigmas(cfg: RunConfig, rounds: int | None = None) -> np.ndarray:
     sizes = [len(client_partition(cfg, i, m)[1]) for i in range(m)]
     total = sum(sizes)
     return np.array([z * (n / total) * adjacency_factor(cfg.adjacency) * cfg.clip * cfg.lr / n for n in sizes])
+
+
+def _scale(cfg: RunConfig, tau: float) -> float:
+    """The round's joint-view scale on every sigma_k (all clients, complete graph; protocols.floor.niss_floor)."""
+    m = cfg.num_clients
+    sizes = {i: len(client_partition(cfg, i, m)[1]) for i in range(m)}
+    return niss_floor(cfg, sizes, complete_graph(range(m)), tau).scale
 
 
 # ----------------------------------------------------------------------------- tau = 0
@@ -128,7 +137,8 @@ def test_measured_noise_variance_matches_theorem2(run_inprocess):
     summary, rows = run_inprocess(**FAST, niss_tau=tau, num_rounds=3, cancellation_check=True, hidden="64")
     assert summary["config"]["hidden"] == "64"
     cfg = RunConfig.from_mapping({**app_defaults(), **FAST, "num-rounds": 3, "hidden": "64"})
-    thm2 = float(np.sum(_sigmas(cfg) ** 2)) * tau**2  # sum_k sigma_k^2 tau^2, sigma_k = z p_k 2 C lr / n_k
+    # sum_k sigma_k^2 tau^2, sigma_k = c z p_k 2 C lr / n_k (c: the joint-view scale, > 1)
+    thm2 = float(np.sum(_sigmas(cfg) ** 2)) * tau**2 * _scale(cfg, tau) ** 2
     assert summary["method_parameters"]["shares_per_client"] == n - 1  # one share per neighbour
     measured = []
     for row in rows:
@@ -146,7 +156,8 @@ def test_tau_from_rho_and_privacy_report(run_inprocess):
     assert params["collusion_protected"] == "yes"
     z = calibrate_noise_multiplier(5.0, 1e-5, 1.0, 2)
     cfg = RunConfig.from_mapping({**app_defaults(), **FAST, "num-rounds": 2, "epsilon": 5.0})
-    assert rows[0]["theorem2_variance"] == pytest.approx(float(np.sum(_sigmas(cfg) ** 2)) * 0.5, rel=1e-9)
+    c2 = _scale(cfg, math.sqrt(0.5)) ** 2
+    assert rows[0]["theorem2_variance"] == pytest.approx(float(np.sum(_sigmas(cfg) ** 2)) * 0.5 * c2, rel=1e-9)
     # uplink epsilon: RDP composition of the per-round Gaussian; the whole budget is spent at the end
     assert rows[0]["epsilon"] == pytest.approx(gaussian_epsilon(z, 1.0, 1, 1e-5), rel=1e-9)
     assert summary["epsilon"] == pytest.approx(5.0, rel=0.02)
@@ -155,7 +166,8 @@ def test_tau_from_rho_and_privacy_report(run_inprocess):
     # per-round analytic Gaussian view: one round of noise multiplier z costs less than the total
     assert 0 < params["epsilon_round_analytic"] < 5.0
     cfg0 = RunConfig.from_mapping({**app_defaults(), **FAST, "niss-tau": 0.0})
-    assert NissStrategy(cfg0).privacy_report(1)["epsilon_downlink"] == math.inf  # tau = 0: noise cancels
+    report = NissStrategy(cfg0).privacy_report(1)
+    assert report["epsilon_downlink"] == report["epsilon_uplink"] == math.inf  # tau = 0: the uploads' sum is exact
 
 
 def test_default_tau_gives_the_model_the_uploads_epsilon(run_inprocess):
@@ -167,9 +179,11 @@ def test_default_tau_gives_the_model_the_uploads_epsilon(run_inprocess):
     assert tau == pytest.approx(sig.max() / math.sqrt(np.sum(sig**2)), rel=1e-9)  # sizes_tau
     assert tau == pytest.approx(1 / math.sqrt(cfg.num_clients), rel=1e-12)  # data-size weights: equal sigma_k
     assert tau >= 1 / math.sqrt(cfg.num_clients)
-    assert rows[0]["theorem2_variance"] == pytest.approx(float(np.sum(sig**2)) * tau**2, rel=1e-9)
+    c = _scale(cfg, tau)
+    assert rows[0]["joint_view_scale"] == pytest.approx(c, rel=1e-12) and c > 1
+    assert rows[0]["theorem2_variance"] == pytest.approx(float(np.sum(sig**2)) * tau**2 * c**2, rel=1e-9)
     assert summary["epsilon_uplink"] <= cfg.epsilon and summary["epsilon_uplink"] == pytest.approx(cfg.epsilon, rel=1e-3)
-    assert summary["epsilon_downlink"] == pytest.approx(summary["epsilon_uplink"], rel=1e-6)
+    assert summary["epsilon_downlink"] < 0.95 * summary["epsilon_uplink"]  # the model keeps c times the multiplier
     assert summary["privacy"]["unit"] == "record"
 
 

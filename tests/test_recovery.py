@@ -81,15 +81,21 @@ def test_twenty_percent_dropping_every_round_is_recovered_exactly(run_inprocess,
         assert r["cancellation_residual"] <= 1e-9, r["cancellation_residual"]
         assert r.get("uncancelled_noise_norm", 0.0) == 0.0 and r.get("kept_pairs", 0) == 0
         assert r["recovery_bytes_per_survivor"] > 0
-    assert summary["failed_rounds"] == [] and math.isfinite(summary["epsilon"])
+    assert summary["failed_rounds"] == []
+    # niss-tau = 0 (exact cancellation, to measure the residual): the uploads' sum is noiseless, no guarantee
+    assert summary["epsilon"] is None if method == "niss" else math.isfinite(summary["epsilon"])
     gap = abs(summary["final_accuracy"] - plain["final_accuracy"])
     assert gap <= ACCURACY_TOLERANCE[method], (summary["final_accuracy"], plain["final_accuracy"])
     print(method, "accuracy with dropouts", summary["final_accuracy"], "without", plain["final_accuracy"])
 
 
 def test_recovery_charges_the_accountant_with_the_noise_left(run_inprocess, no_budget_guard):
-    """Same seed with and without dropouts: the survivors' noise is smaller, so epsilon is larger."""
-    common = {"num_clients": 10, "num_rounds": 2, "seed": 3, **{k.replace("-", "_"): v for k, v in NISS_EXACT.items()}}
+    """Same seed with and without dropouts: the survivors' joint view keeps less noise, so epsilon is larger.
+
+    Default tau (tau = 0 has no uplink guarantee to charge): the account stage recomputes the joint-view factors
+    over the survivors (protocols.niss_joint.survivor_factors).
+    """
+    common = {"num_clients": 10, "num_rounds": 2, "seed": 3, "local_epochs": 1}
     plain, _ = run_inprocess(method="niss", fault_drop_rate=0.0, **common)
     dropped, rows = run_inprocess(method="niss", fault_drop_rate=0.2, **common)
     assert dropped["epsilon"] > plain["epsilon"] * 1.01

@@ -32,6 +32,7 @@ from client.messages.keys import MaskProbe, PeerKeys
 _WEIGHT = "niss-weight"
 _SIZE_IDS = "niss-size-ids"
 _SIZES = "niss-sizes"
+_NOISE_SCALE = "niss-noise-scale"
 _TO = "niss-to"
 _FROM = "niss-from"
 _PAYLOADS = "niss-payloads"
@@ -64,24 +65,29 @@ class ShareRequest:
     are the round's participants' dataset sizes as they reported them with their
     keys (empty = not sent): the client checks its own entry and derives the
     distortion that protects the published model from them
-    (:func:`protocols.niss.client_tau`; a wrong size can only raise it).
+    (:func:`protocols.niss.client_tau`; a wrong size can only raise it).  ``noise_scale``: the factor on
+    every ``sigma_k`` the round's joint view needs (:func:`protocols.floor.niss_floor`; a client refuses less).
     """
 
     round: int
     weight: float
     peers: PeerKeys
     sizes: Mapping[int, int] = field(default_factory=dict)
+    noise_scale: float = 1.0
 
     def __post_init__(self) -> None:
         _check_weight(self.weight)
         if any(int(n) < 1 for n in self.sizes.values()):
             raise ValueError(f"'{_SIZES}' must hold dataset sizes >= 1")
+        if not (math.isfinite(self.noise_scale) and self.noise_scale > 0):
+            raise ValueError(f"'{_NOISE_SCALE}' must be finite and > 0, got {self.noise_scale!r}")
 
     def to_config(self) -> ConfigRecord:
         ids = sorted(self.sizes)
         sizes = {_SIZE_IDS: node_id_strings(ids), _SIZES: [int(self.sizes[n]) for n in ids]} if ids else {}
         return merge_configs(TrainIns(self.round).to_config(), self.peers.to_config(),
-                             ConfigRecord({_WEIGHT: float(self.weight), **sizes}))
+                             ConfigRecord({_WEIGHT: float(self.weight), _NOISE_SCALE: float(self.noise_scale),
+                                           **sizes}))
 
     @classmethod
     def from_config(cls, rec: Mapping) -> ShareRequest:
@@ -89,7 +95,7 @@ class ShareRequest:
         sizes = read_list(rec, _SIZES, int, default=[])
         _check_lengths(ids, sizes, _SIZE_IDS, _SIZES)
         return cls(TrainIns.from_config(rec).round, read_float(rec, _WEIGHT), PeerKeys.from_config(rec),
-                   dict(zip(ids, sizes, strict=True)))
+                   dict(zip(ids, sizes, strict=True)), read_float(rec, _NOISE_SCALE, default=1.0))
 
 
 @dataclass(frozen=True)

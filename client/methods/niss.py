@@ -3,9 +3,11 @@
 Two phases per round (protocol: :mod:`strategies.niss`; messages: :mod:`client.messages.niss`):
 
 * :func:`handle_shares` (``query.shares``): ``sigma_k`` from the client's own run config and dataset size
-  (:func:`protocols.niss.client_sigma`), one share of variance ``sigma_k^2 / m`` per neighbour the server names
-  (:func:`protocols.niss.client_plan`), returned as one AES-256-GCM payload per neighbour; seeds, relay keys and
-  parameters are kept in ``Context.state`` for the next phase.
+  (:func:`protocols.niss.client_sigma`) times the round's ``niss-noise-scale``, refused below the scale the joint
+  view of all uploads needs (:func:`protocols.floor.niss_floor` of the roster graph among the participants and
+  their public sizes; a node whose policy asks for a guarantee also refuses ``tau = 0``), one share of variance
+  ``sigma_k^2 / m`` per neighbour the server names (:func:`protocols.niss.client_plan`), returned as one AES-256-GCM
+  payload per neighbour; seeds, relay keys and parameters are kept in ``Context.state`` for the next phase.
 * :func:`train` (``train``): open every relayed payload first (a missing, duplicated, unexpected or unauthentic
   one means no upload, the senders reported), train, and upload ``p_k w_k + sum_i n_i + sum_i s_i r_i`` in
   float64 with ``s_i ~ N(1, tau_k^2)`` per coordinate (:func:`protocols.niss.distortion_seed`); keep the round's
@@ -28,18 +30,19 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from client.env import ClientEnv, local_training, record_level_training, reply
-from client.floor import release
+from client.floor import FloorViolation, policy, release
 from client.messages.common import TrainIns, train_metrics
 from client.messages.keys import probe_metric
 from client.messages.niss import AuthFailures, Diagnostic, NissMetrics, RelayedInbox, ShareReply, ShareRequest
 from client.messages.recovery import NissPairMaterial
 from client.models import get_weights
-from client.pairwise_phase import mask_probe, pair_seeds
+from client.pairwise_phase import check_view, mask_probe, pair_seeds
 from client.recovery import remember, seal_self_mask
 from client.wire import from_record, to_record
 from protocols import niss as niss_math
 from protocols.arrays import flatten, unflatten
 from protocols.clipping import clip_l2
+from protocols.floor import niss_floor
 from protocols.masking import SHARE_PURPOSE
 from protocols.niss import aggregation_weights, client_plan, client_tau, sizes_digest, upload_sensitivity
 from protocols.privacy import GaussianEvent
@@ -134,10 +137,12 @@ class _Stored:
     tau: float = 0.0
     #: double masking: neighbour -> key sealing this client's self-mask share for it (empty: ``self-mask = false``)
     mask_keys: dict[int, bytes] = dataclasses.field(default_factory=dict)
+    #: the round's joint-view scale on sigma (``niss-noise-scale``, at least :func:`protocols.floor.niss_floor`'s)
+    scale: float = 1.0
 
     def to_record(self) -> ConfigRecord:
         rec = ConfigRecord({
-            "round": self.round, "weight": self.weight, "sigma": self.sigma, "tau": self.tau,
+            "round": self.round, "weight": self.weight, "sigma": self.sigma, "tau": self.tau, "scale": self.scale,
             "encoding": self.encoding,
             "neighbours": [str(n) for n in self.neighbours],
             "relay-keys": [self.relay_keys[n] for n in self.neighbours],
@@ -162,7 +167,7 @@ class _Stored:
         mask_keys = dict(zip(nbrs, (bytes(k) for k in rec["mask-keys"]), strict=True)) if "mask-keys" in rec else {}
         return cls(rnd, float(rec["weight"]), float(rec["sigma"]), str(rec["encoding"]), nbrs,
                    dict(zip(nbrs, (bytes(k) for k in rec["relay-keys"]), strict=True)), out, float(rec["tau"]),
-                   mask_keys)
+                   mask_keys, float(rec["scale"]))
 
 
 # -------------------------------------------------------------------------- phases
@@ -182,10 +187,15 @@ def handle_shares(msg: Message, env: ClientEnv) -> Message:
     if not math.isclose(weight, own_weight, rel_tol=1e-9):
         raise ValueError(f"aggregation weight {weight!r} does not match the round's view "
                          f"(participants and sizes give {own_weight!r})")
-    # The client's own calibration (run config, its dataset size, the neighbour count): never the server's figures.
-    plan = client_plan(env.cfg, own_weight, len(env.y), len(nbrs))
-    sigma = plan.sigma_k
     tau = client_tau(env.cfg, req.sizes)  # the sizes can only raise tau above 1/sqrt(m)
+    if tau == 0 and policy(env).wants_guarantee:
+        raise FloorViolation("niss-tau", tau, "> 0", "with tau = 0 the sum of the uploads is noiseless: no guarantee "
+                             "against the server, which this node requires")
+    # The joint view of all uploads (the roster's graph among the participants, public sizes): refuse a smaller scale.
+    niss_floor(env.cfg, req.sizes, check_view(env, req.peers, rnd, full=True).graph or {}, tau, req.noise_scale)
+    # The client's own calibration (run config, its dataset size, the neighbour count): never the server's figures.
+    plan = client_plan(env.cfg, own_weight, len(env.y), len(nbrs), req.noise_scale)
+    sigma = plan.sigma_k
     seeds = {n: _fresh_seed(f"{me}/{rnd}/share/{n}") for n in nbrs}
     bundles = niss_math.make_outgoing_bundles(me, plan, nbrs, seeds)
     by_receiver = {b.receiver: b for b in bundles}
@@ -200,7 +210,7 @@ def handle_shares(msg: Message, env: ClientEnv) -> Message:
         aad = _aad(me, n, rnd, env.context.run_id, encoding)
         payloads.append(seal(keys[n], encode_payload(encoding, by_receiver[n], size), aad=aad))
     env.context.state[STATE_KEY] = _Stored(rnd, own_weight, sigma, encoding, nbrs, keys, bundles, tau,
-                                           mask_keys).to_record()
+                                           mask_keys, req.noise_scale).to_record()
     return Message(RecordDict({"config": ShareReply(tuple(nbrs), tuple(payloads)).to_config()}), reply_to=msg)
 
 
@@ -327,9 +337,10 @@ def train(msg: Message, env: ClientEnv) -> Message:
     if env.cfg.cancellation_check:
         figures = dataclasses.replace(figures, received_var=sum(b.count * b.share_std**2 for _s, b, _v in incoming))
         probe = probe_metric(mask_probe(msg, own + received))
-    # sigma_k = z Delta f_k (own run config and n_k, protocols.niss.client_sigma): one Gaussian release whose
-    # multiplier is the noise really added (own shares: variance exactly sigma_k^2) over the upload's sensitivity.
-    spent = release(msg, env, GaussianEvent(st.sigma / upload_sensitivity(env.cfg, st.weight, len(env.y))))
+    # sigma_k = scale z Delta f_k: the uploads together leave this client at least (z Delta f_k)^2 of variance
+    # (protocols.floor.niss_floor), one Gaussian release of multiplier z; none at all with tau = 0.
+    z = st.sigma / (st.scale * upload_sensitivity(env.cfg, st.weight, len(env.y))) if tau > 0 else 0.0
+    spent = release(msg, env, GaussianEvent(z))
     out = reply(msg, to_record(unflatten(upload, global_w), np.float64), len(env.y), train_loss=loss,
                 update_norm=norm, **extra, **figures.to_metrics(), **probe, **spent)
     if env.cfg.cancellation_check:

@@ -23,7 +23,6 @@ class NissAudit(AuditAdapter):
     def notes(self, spec: AuditSpec) -> list[str]:
         if spec.direction != "upload":
             return []
-        return ["niss: epsilon_uplink is accounted with each upload's own noise sigma_k; the server's best linear "
-                "combination of all uploads keeps less (sigma_k^2 (2 + tau^2 + 2/m) / (1 + 2/(m tau^2)) for a "
-                "complete graph of m + 1 clients: 0.795 sigma_k^2 at 4 clients), so the claim is below the "
-                "joint view's Gaussian-equivalent epsilon"]
+        return ["niss: epsilon_uplink covers the server's best linear combination of all uploads (every sigma_k "
+                "times the round's joint-view scale, protocols.niss_joint; a Gaussian approximation of the "
+                "distorted shares)"]

@@ -1,0 +1,169 @@
+"""NISS's joint view: the server's best linear combination of all uploads leaves every client its charged variance.
+
+* One real round (10 clients, n-out graph, the real client handlers, deterministic seeds): the uploads' noise
+  (upload minus the diagnostic noiseless ``p_k w_k``) gives an empirical covariance over the model's
+  coordinates; the best linear unbiased view of each client keeps at least ``(z Delta f_k)^2``, and matches
+  :func:`protocols.niss_joint.joint_factors`.  The same round with the old calibration (scale 1) does not.
+* The complete graph's closed form matches a dense inverse; the structured path matches it on n-out graphs.
+* A client refuses a share request whose noise scale is under the round's joint-view floor; tau = 0 is no
+  uplink guarantee (epsilon inf) and a node whose policy asks for one refuses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+import pytest
+
+from client.app import app as client_app
+from client.messages.niss import Diagnostic, NissMetrics, RelayedInbox
+from client.methods import niss as niss_client
+from protocols import floor as floor_math
+from protocols.config import RunConfig
+from protocols.floor import FloorViolation, NissFloor, niss_floor
+from protocols.graphs import complete_graph, n_out_graph
+from protocols.niss import upload_sensitivity
+from protocols.niss_joint import joint_covariance, joint_factors, joint_scale, share_variances
+from protocols.privacy import noise_multiplier
+from server.defaults import app_defaults
+from server.local_grid import LocalGrid
+from strategies import niss as niss_strategy
+from tests.niss_setup import FAST, flat, niss_round, niss_setup
+
+
+def _seed(label: str) -> bytes:
+    return hashlib.sha256(b"joint/" + label.encode()).digest()
+
+
+def _round_noise(monkeypatch, *, old_calibration: bool):
+    """One real round: (noise matrix clients x D, charged variances, the round's graph, tau, reported sigmas)."""
+    monkeypatch.setattr(niss_client, "_fresh_seed", _seed)
+    if old_calibration:  # what the clients and the server did before the joint view was calibrated for
+        unscaled = lambda *a, **k: NissFloor(1.0, {})  # noqa: E731
+        monkeypatch.setattr(niss_client, "niss_floor", unscaled)
+        monkeypatch.setattr(niss_strategy, "niss_floor", unscaled)
+    cfg, grid, strategy, arrays = niss_setup(num_clients=10, graph="n-out", n_out=2, self_mask=False,
+                                             cancellation_check=True, hidden="64")
+    msgs, replies = niss_round(grid, strategy, 1, arrays)
+    z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
+    nodes = sorted(r.metadata.src_node_id for r in replies)
+    by_node = {r.metadata.src_node_id: r for r in replies}
+    weights = {m.metadata.dst_node_id: RelayedInbox.from_config(m.content["config"]).weight for m in msgs}
+    noise, charged, sigmas = [], [], {}
+    for n in nodes:
+        r = by_node[n]
+        noise.append(flat(r.content["arrays"]) - flat(Diagnostic.from_content(r.content).update))
+        size = int(r.content["metrics"]["num-examples"])
+        charged.append((z * upload_sensitivity(cfg, weights[n], size)) ** 2)
+        sigmas[n] = NissMetrics.from_metrics(r.content["metrics"]).sigma
+    graph = strategy._state.keys.neighbours
+    assert graph != complete_graph(nodes)  # a sparse round graph
+    return np.array(noise), np.array(charged), graph, strategy._state.tau, sigmas
+
+
+def _blue_variances(noise: np.ndarray) -> np.ndarray:
+    """``1 / (Sigma^-1)_kk`` of the empirical covariance (zero-mean noise, i.i.d. over the coordinates)."""
+    cov = noise @ noise.T / noise.shape[1]
+    return 1.0 / np.diag(np.linalg.inv(cov))
+
+
+def test_joint_view_keeps_the_charged_variance_and_the_old_calibration_did_not(monkeypatch):
+    # D = 4810 coordinates: the estimate of 1 / (Sigma^-1)_kk has relative std ~sqrt(2 / D) = 2 %.
+    noise, charged, graph, tau, sigmas = _round_noise(monkeypatch, old_calibration=False)
+    assert noise.shape[1] > 4000 and tau > 0
+    ratio = _blue_variances(noise) / charged
+    assert ratio.min() >= 0.92  # every client keeps its charged variance (exactly 1 for the worst-off one)
+    predicted = joint_factors(sigmas, graph, tau)  # at the reported (scaled) sigmas
+    expected = np.array([predicted[n] for n in sorted(predicted)]) * np.array(
+        [sigmas[n] ** 2 for n in sorted(sigmas)]) / charged
+    np.testing.assert_allclose(ratio, expected, rtol=0.1)
+    assert expected.min() == pytest.approx(1.0, rel=1e-9)
+
+    with monkeypatch.context() as mp:
+        old, charged_old, *_ = _round_noise(mp, old_calibration=True)
+    np.testing.assert_allclose(charged_old, charged, rtol=1e-12)
+    old_ratio = _blue_variances(old) / charged
+    assert old_ratio.min() < 0.8  # the server's joint view beat the uplink claim before the fix
+
+
+@pytest.mark.parametrize("n,tau", [(2, 0.7), (10, 1 / math.sqrt(10)), (37, 0.2), (100, 0.1)])
+def test_complete_graph_closed_form_matches_a_dense_inverse(n, tau):
+    rng = np.random.default_rng(n)
+    graph = complete_graph(range(n))
+    sigmas = {k: float(rng.uniform(0.3, 3.0)) for k in graph}
+    fast = joint_factors(sigmas, graph, tau)
+    dense = np.diag(np.linalg.inv(joint_covariance(share_variances(sigmas, graph), graph, tau)))
+    np.testing.assert_allclose([fast[k] for k in range(n)], [1 / (d * sigmas[k] ** 2) for k, d in enumerate(dense)],
+                               rtol=1e-9)
+
+
+def test_equal_sigmas_on_a_complete_graph_give_the_known_factors():
+    """``f = (2 + tau^2 + 2/m) / (1 + 2/(m tau^2))`` (m = n - 1 neighbours, equal sigmas): 0.72 at 10 clients."""
+    for n in (4, 10, 100):
+        m, tau = n - 1, 1 / math.sqrt(n)
+        f = joint_factors(dict.fromkeys(range(n), 1.0), complete_graph(range(n)), tau)
+        assert f[0] == pytest.approx((2 + tau**2 + 2 / m) / (1 + 2 / (m * tau**2)), rel=1e-12)
+    assert joint_scale(f) == pytest.approx(1 / math.sqrt(f[0]), rel=1e-12) and joint_scale(f) > 1
+
+
+def test_n_out_factors_match_a_dense_inverse_and_extra_noise_only_helps():
+    graph = n_out_graph(range(60), 3, _seed("graph"))
+    rng = np.random.default_rng(3)
+    sigmas = {k: float(rng.uniform(0.5, 2.0)) for k in graph}
+    f = joint_factors(sigmas, graph, 0.3)
+    inv = np.linalg.inv(joint_covariance(share_variances(sigmas, graph), graph, 0.3))
+    np.testing.assert_allclose([f[k] for k in range(60)], [1 / (inv[k, k] * sigmas[k] ** 2) for k in range(60)],
+                               rtol=1e-9)
+    more = joint_factors(sigmas, graph, 0.3, extra=dict.fromkeys(graph, 0.1))
+    assert all(more[k] > f[k] for k in graph)
+    assert set(joint_factors(sigmas, graph, 0.0).values()) == {0.0}  # tau = 0: the sum is noiseless
+    with pytest.raises(ValueError, match="niss-tau = 0"):
+        joint_scale(joint_factors(sigmas, graph, 0.0))
+
+
+def test_niss_floor_refuses_a_smaller_scale():
+    cfg = RunConfig.from_mapping({**app_defaults(), "method": "niss", "num-clients": 10})
+    sizes = {k: 100 + 7 * k for k in range(10)}
+    graph = n_out_graph(range(10), 2, _seed("floor"))
+    fl = niss_floor(cfg, sizes, graph, 0.3)
+    assert fl.scale > 1
+    niss_floor(cfg, sizes, graph, 0.3, offered=fl.scale * 1.5)  # more noise: accepted
+    with pytest.raises(FloorViolation, match="joint-view noise scale"):
+        niss_floor(cfg, sizes, graph, 0.3, offered=fl.scale * 0.99)
+    assert floor_math.niss_floor(cfg, sizes, graph, 0.0).scale == 1.0  # tau = 0: no guarantee to scale for
+
+
+def _share_phase_errors(monkeypatch, grid, strategy, arrays) -> list[str]:
+    """Run round 1 until the share phase gives up; the clients' error reasons."""
+    errors: list[str] = []
+    orig = LocalGrid.send_and_receive
+
+    def record(self, messages, *a, **k):
+        replies = list(orig(self, messages, *a, **k))
+        errors.extend(r.error.reason for r in replies if r.has_error())
+        return replies
+
+    monkeypatch.setattr(LocalGrid, "send_and_receive", record)
+    with pytest.raises(Exception, match="share exchange did not complete"):
+        niss_round(grid, strategy, 1, arrays)
+    return errors
+
+
+def test_client_refuses_a_share_request_below_the_joint_view_scale(monkeypatch):
+    monkeypatch.setattr(niss_client, "_fresh_seed", _seed)
+    cfg, grid, strategy, arrays = niss_setup(num_clients=6, self_mask=False)
+    real = niss_floor
+    monkeypatch.setattr(niss_strategy, "niss_floor", lambda *a, **k: NissFloor(0.9 * real(*a, **k).scale, {}))
+    errors = _share_phase_errors(monkeypatch, grid, strategy, arrays)
+    assert errors and all("joint-view noise scale" in e for e in errors)
+
+
+def test_tau_zero_has_no_uplink_guarantee_and_a_node_requiring_one_refuses(monkeypatch):
+    cfg, _, strategy, arrays = niss_setup(num_clients=4, niss_tau=0.0)
+    assert strategy.privacy_report(1)["epsilon_uplink"] == math.inf
+    raw = {**app_defaults(), **FAST, "num-clients": 4, "niss-tau": 0.0}
+    grid = LocalGrid(client_app, 4, raw, node_config={"max-epsilon-per-run": 10.0})
+    errors = _share_phase_errors(monkeypatch, grid, strategy, arrays)
+    assert errors and all("niss-tau" in e for e in errors)
