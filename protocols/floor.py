@@ -38,6 +38,7 @@ __all__ = [
     "RTOL",
     "at_least",
     "at_most",
+    "calibration_releases",
     "ddpsa_noise_share",
     "ddpsa_round_epsilon",
     "ldp_noise_multiplier",
@@ -152,6 +153,21 @@ def check_round(rnd: int, cfg: RunConfig, used: Sequence[int]) -> None:
 
 
 # ----------------------------------------------------------------------------------------- methods
+def calibration_releases(cfg: RunConfig, releases: int | None) -> int:
+    """The releases a run's noise is calibrated for: ``releases`` (the public schedule's bound) or ``num-rounds``.
+
+    Raises:
+        FloorViolation: ``releases`` outside ``1..num-rounds`` (a schedule cannot sample a client more often
+            than there are rounds).
+    """
+    if releases is None:
+        return cfg.num_rounds
+    if not 1 <= releases <= cfg.num_rounds:
+        raise FloorViolation("releases", releases, f"1..{cfg.num_rounds}",
+                             "the public schedule samples a client at most once per round")
+    return int(releases)
+
+
 def ldp_noise_multiplier(cfg: RunConfig) -> float:
     """``ldp``: noise multiplier z for (epsilon, delta) over ``num-rounds`` unsampled releases (exact RDP)."""
     return calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds)
@@ -230,8 +246,8 @@ class NadpRoundNoise:
     lam_problem: str | None = None
 
 
-def nadp_round_noise(cfg: RunConfig, sizes: Mapping[int, int],
-                     graph: Mapping[int, Sequence[int]] | None, scale: float = 1.0) -> NadpRoundNoise:
+def nadp_round_noise(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Sequence[int]] | None,
+                     scale: float = 1.0, releases: int | None = None) -> NadpRoundNoise:
     """The round's noise for the participants ``sizes`` (node -> |D_i|) on the pairing ``graph`` (None: complete).
 
     Record-ldp variant (Lemma 3): each client alone meets (epsilon, delta) over the run with its own sensitivity.
@@ -239,18 +255,21 @@ def nadp_round_noise(cfg: RunConfig, sizes: Mapping[int, int],
     ``scale`` (>= 1, the plan's ``noise_scale``): every std times it, as the server plans when the run's budget
     left needs more noise (:mod:`strategies.run.budget`): the allocation is computed for the sensitivities times
     ``scale``, while ``sensitivities`` stay the real ones, so the accounts charge the noise really added.
+    ``releases``: the releases the noise is calibrated for, the most rounds any client is sampled in under the
+    public schedule (:func:`client.pairwise_phase.roster_releases`); None: ``num-rounds``.
 
     Raises:
-        FloorViolation: ``scale`` < 1 (less noise than the run's calibration).
+        FloorViolation: ``scale`` < 1 (less noise than the run's calibration), or ``releases`` outside
+            ``1..num-rounds``.
     """
     if not (math.isfinite(scale) and scale >= 1.0):
         raise FloorViolation("nadp-noise-scale", scale, 1.0, "less noise than this client's own calibration")
+    t = calibration_releases(cfg, releases)
     sens = {n: record_sensitivity(cfg, s) for n, s in sizes.items()}  # Lemma 1
     if cfg.nadp_variant == "record-ldp":
-        z_ldp = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds)
+        z_ldp = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, t)
         return NadpRoundNoise(sens, None, None, 1.0, {n: z_ldp * s * scale for n, s in sens.items()})
-    sig, alloc = round_plan(sizes, {n: v * scale for n, v in sens.items()}, cfg.epsilon, cfg.delta, cfg.num_rounds,
-                            graph=graph)
+    sig, alloc = round_plan(sizes, {n: v * scale for n, v in sens.items()}, cfg.epsilon, cfg.delta, t, graph=graph)
     min_degree = min(len(nb) for nb in graph.values()) if graph is not None and alloc.pair_table is not None else None
     try:
         return NadpRoundNoise(sens, sig, alloc, nadp_compensation(cfg, sizes, min_degree))
@@ -269,10 +288,10 @@ class NadpFloor:
     ldp_std: float | None = None
 
 
-def nadp_floor(cfg: RunConfig, sizes: Mapping[int, int], me: int,
-               graph: Mapping[int, Sequence[int]] | None, scale: float = 1.0) -> NadpFloor:
+def nadp_floor(cfg: RunConfig, sizes: Mapping[int, int], me: int, graph: Mapping[int, Sequence[int]] | None,
+               scale: float = 1.0, releases: int | None = None) -> NadpFloor:
     """Participant ``me``'s share of :func:`nadp_round_noise` (the server's plan must announce at least this)."""
-    r = nadp_round_noise(cfg, sizes, graph, scale)
+    r = nadp_round_noise(cfg, sizes, graph, scale, releases)
     return NadpFloor(r.sigmas, r.allocation, r.lam, r.sensitivities[me], None if r.ldp_stds is None else r.ldp_stds[me])
 
 

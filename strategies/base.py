@@ -171,6 +171,15 @@ class CancelStrategy(Strategy):
         self.sampled = sorted(nodes[int(i)] for i in rng.choice(len(nodes), size=k, replace=False))
         return self.sampled
 
+    def schedule_left(self, first: int, last: int) -> tuple[dict[int, int], int] | None:
+        """Rounds ``first..last`` that sample each node under a public schedule, and the most any node gets.
+
+        The pairwise methods' key phase draws each round's sample from the roster (public before round 1,
+        :meth:`strategies.key_phase.KeyPhase.schedule_left`); None for the others (any round may sample any node).
+        """
+        left = getattr(self.keys, "schedule_left", None)
+        return None if left is None else left(first, last)
+
     def make_messages(self, nodes: Iterable[int], content_fn, message_type: str = "train") -> list[Message]:
         """One message per node with content from ``content_fn(node_id) -> RecordDict``.
 

@@ -14,13 +14,17 @@ holding only such releases has a precision spent so far (:func:`unit_precisions`
   costs a little more.
 * :func:`top_up` -- compose into a ledger what a round really cost beyond its planned charge (the
   planned charge was composed when the noise was released).
+* :func:`round_events` and :func:`epsilon_after` -- for accounts that are not precisions (Laplace rounds,
+  (epsilon, delta) rounds): the releases one round added, and the epsilon a ledger would reach with a round
+  like it composed on top (a method that cannot raise its noise stops before the round that would cross).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import Any
 
 from protocols.privacy.accountant import (
     Accountant,
@@ -30,11 +34,11 @@ from protocols.privacy.accountant import (
     RdpAccountant,
     accountant_from_state,
 )
-from protocols.privacy.events import GaussianEvent
+from protocols.privacy.events import Event, GaussianEvent, event_from_dict
 from protocols.privacy.ledger import PrivacyLedger
 
-__all__ = ["MAX_NOISE_SCALE", "RESERVE", "RoundBudget", "budget_shares", "empty_like", "plan_round", "precision",
-           "precision_budget", "top_up", "unit_precisions"]
+__all__ = ["MAX_NOISE_SCALE", "RESERVE", "RoundBudget", "budget_shares", "empty_like", "epsilon_after", "events_from_state",
+           "events_to_state", "plan_round", "precision", "precision_budget", "round_events", "top_up", "unit_precisions"]
 
 #: Share of the budget left that a re-planned round holds back for the rounds after it (and the last round
 #: for itself): a round may cost this much more than the dearest round before it without crossing the target.
@@ -268,3 +272,51 @@ def top_up(ledger: PrivacyLedger, planned: PrivacyLedger, real: PrivacyLedger) -
                 _shortfall(into.unit(u), p, acc.unit(u))
         else:
             _shortfall(into, before, acc)
+
+
+# ------------------------------------------------------------------------------------------------ event rounds
+def _added(before: tuple[Event, ...], after: tuple[Event, ...]) -> list[Event]:
+    """Events of the append-only log ``after`` beyond ``before`` (its last event may have grown in count)."""
+    if not before:
+        return list(after)
+    k = len(before) - 1
+    out = [replace(after[k], count=after[k].count - before[k].count)] if after[k].count > before[k].count else []
+    return out + list(after[k + 1:])
+
+
+def round_events(before: PrivacyLedger, after: PrivacyLedger) -> dict[str, list[Event]] | None:
+    """The releases each account (by name, :func:`_accounts`) of ``after`` holds beyond ``before``.
+
+    ``before`` is an earlier state of the same ledger.  None when an account keeps no event log (per unit).
+    """
+    prior = dict(_accounts(before))
+    out: dict[str, list[Event]] = {}
+    for name, acc in _accounts(after):
+        if isinstance(acc, PerUnitAccountant) or not hasattr(acc, "events"):
+            return None
+        was = prior.get(name)
+        out[name] = _added(tuple(was.events) if was is not None else (), tuple(acc.events))  # type: ignore[attr-defined]
+    return out
+
+
+def epsilon_after(ledger: PrivacyLedger, events: dict[str, list[Event]]) -> float:
+    """The headline epsilon ``ledger`` would report with ``events`` (:func:`round_events`) composed on top.
+
+    ``ledger`` itself is not changed.
+    """
+    trial = PrivacyLedger.from_state(ledger.to_state())
+    accounts = dict(_accounts(trial))
+    for name, evs in events.items():
+        for e in evs:
+            accounts[name].compose(e)
+    return trial.report()["epsilon"]
+
+
+def events_to_state(events: dict[str, list[Event]]) -> dict[str, list[dict[str, Any]]]:
+    """JSON form of :func:`round_events`' result."""
+    return {name: [e.to_dict() for e in evs] for name, evs in events.items()}
+
+
+def events_from_state(state: dict[str, list[dict[str, Any]]]) -> dict[str, list[Event]]:
+    """Inverse of :func:`events_to_state`."""
+    return {name: [event_from_dict(e) for e in evs] for name, evs in state.items()}
