@@ -34,6 +34,7 @@ __all__ = [
     "ETA_SHARE",
     "FloorPolicy",
     "FloorViolation",
+    "NOISE_SCALE",
     "NadpFloor",
     "RTOL",
     "at_least",
@@ -47,6 +48,7 @@ __all__ = [
     "mpdp_naive_sigma",
     "nadp_compensation",
     "nadp_floor",
+    "noise_scale_of",
 ]
 
 #: Relative slack of a comparison between the server's value and the client's own (float round-off only).
@@ -68,6 +70,26 @@ def at_least(parameter: str, offered: float, floor: float, why: str = "") -> Non
     """Refuse unless ``offered >= floor`` (up to :data:`RTOL`): e.g. a noise std the server announces."""
     if not (math.isfinite(offered) and offered >= floor * (1.0 - RTOL)):
         raise FloorViolation(parameter, offered, floor, why or "less noise than this client's own calibration")
+
+
+#: Config key of the factor (>= 1) on every noise std of a round that a server raises to keep the run within its
+#: target epsilon (:mod:`strategies.run.budget`); absent = 1.
+NOISE_SCALE = "noise-scale"
+
+
+def noise_scale_of(config: Mapping[str, Any]) -> float:
+    """The round's noise scale a message's config carries (1 when absent): a client adds more noise, never less.
+
+    Raises:
+        FloorViolation: a scale below 1 or not a finite number.
+    """
+    raw = config.get(NOISE_SCALE, 1.0)
+    try:
+        scale = float(raw)
+    except (TypeError, ValueError):
+        scale = math.nan
+    at_least(NOISE_SCALE, scale, 1.0, "less noise than this client's own calibration")
+    return scale
 
 
 def at_most(parameter: str, offered: float, ceiling: float, why: str = "") -> None:

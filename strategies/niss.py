@@ -56,6 +56,7 @@ from client.wire import from_record, to_record
 from protocols import niss as niss_math
 from protocols.arrays import flatten, unflatten
 from protocols.config import RunConfig
+from protocols.floor import NOISE_SCALE
 from protocols.niss import ShareBundle, client_tau, downlink_multiplier
 from protocols.privacy import (
     GaussianEvent,
@@ -148,6 +149,11 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
     """Server side of NISS: tracker (neighbour lists), ciphertext relay, plain sum of uploads."""
 
     wire_dtype = np.float64
+    #: The round loop may raise every client's sigma_k by ``noise_scale`` (>= 1; sent with the share request,
+    #: the clients multiply their own sigma_k by it) to keep epsilon within the run's target
+    #: (:mod:`strategies.run.budget`).
+    scales_noise = True
+    noise_scale = 1.0
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
@@ -199,7 +205,10 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
                 # The neighbours' signed keys and the round's view (participants, graph seed); the probe seed
                 # travels with the train message.
                 peers = dataclasses.replace(kr.peer_keys(node), probe_seed=None)
-                return RecordDict({"config": ShareRequest(kr.round, weights[node], peers, _sizes(kr)).to_config()})
+                req = ShareRequest(kr.round, weights[node], peers, _sizes(kr)).to_config()
+                if self.noise_scale != 1.0:
+                    req[NOISE_SCALE] = float(self.noise_scale)
+                return RecordDict({"config": req})
 
             replies, _errors = self.exchange(grid, kr.participants, content, "shares")
             good = {n: shares for n, r in replies.items() if n in kr.neighbours
@@ -355,12 +364,13 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
             if probe is not None:
                 out.append(float(np.dot(corr, probe)))
         agg.update(unflatten(flat, agg))
-        z_real = min(self.z * math.sqrt(max(kept[n], 0.0) / sigma2[n]) if sigma2[n] > 0 else self.z for n in kept)
+        z = self.z * self.noise_scale
+        z_real = min(z * math.sqrt(max(kept[n], 0.0) / sigma2[n]) if sigma2[n] > 0 else z for n in kept)
         real = 0.0
         if self.privacy.downlink is not None:
             # Multiplier = std left / the worst record's sensitivity max_k sigma_k / z (protocols.niss.downlink_multiplier).
             among = max(math.fsum(sigma2.values()) - lost_among, 0.0)
-            real = state.tau * self.z * math.sqrt(among) / math.sqrt(max(sigma2.values()))
+            real = state.tau * z * math.sqrt(among) / math.sqrt(max(sigma2.values()))
         state.noise_left = (z_real, real)
         self.report(uplink_noise_multiplier_after_recovery=z_real)
         return rec.probe_corrections(out)
@@ -449,7 +459,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         """
         sigmas = [niss_math.client_sigma(self.cfg, state.weights[n], state.keys.num_examples.get(n, 1))
                   for n in state.participants]
-        return downlink_multiplier(state.tau, sigmas, self.z)
+        return downlink_multiplier(state.tau, sigmas, self.z * self.noise_scale)  # every sigma_k times the scale
 
     def charge_release(self, state: NissRound) -> None:
         """The planned round: each upload a Gaussian release with multiplier z, the sum ``tau sqrt(sum sigma^2)``.
@@ -457,7 +467,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         No amplification by sampling in either direction: the server knows whom it sampled, and the sample is
         drawn from the public run seed, so whoever gets the published model can know it too.
         """
-        self.privacy.uplink.compose(GaussianEvent(self.z))
+        self.privacy.uplink.compose(GaussianEvent(self.z * self.noise_scale))
         if self.privacy.downlink is not None:
             self.privacy.downlink.compose(GaussianEvent(self._downlink_multiplier(state)))
 
@@ -466,7 +476,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         if state.noise_left is None:
             return
         z_real, real = state.noise_left
-        charge_shortfall(self.privacy.uplink, self.z, z_real)
+        charge_shortfall(self.privacy.uplink, self.z * self.noise_scale, z_real)
         if self.privacy.downlink is not None:
             charge_shortfall(self.privacy.downlink, self._downlink_multiplier(state), real)
 

@@ -10,7 +10,6 @@ from client.pairwise_phase import roster_releases, roster_round_of
 from protocols.config import RunConfig
 from protocols.floor import FloorViolation, at_least, nadp_floor, nadp_round_noise
 from protocols.schedule import most_participations, participations
-from tests.conftest import read_metrics
 from tests.test_budget_cap import DROPS, NADP_FAST
 
 ROSTER = {f"client-{i:02d}": bytes([i]) * 32 for i in range(10)}
@@ -51,7 +50,7 @@ def test_the_nadp_floor_follows_the_schedule():
     sizes = {11: 100, 12: 120, 13: 90}
     full, sched = nadp_round_noise(cfg, sizes, None), nadp_round_noise(cfg, sizes, None, releases=8)
     assert full.sigmas == nadp_round_noise(cfg, sizes, None, releases=12).sigmas  # num-rounds is the default
-    assert sched.sigmas.sigma_down == pytest.approx(full.sigmas.sigma_down * (8 / 12) ** 0.5, rel=1e-6)
+    assert sched.sigmas.sigma_down == pytest.approx(full.sigmas.sigma_down * (8 / 12) ** 0.5, rel=1e-3)  # z ~ sqrt(T)
     fewer = nadp_floor(cfg, sizes, 12, None, releases=7)
     with pytest.raises(FloorViolation, match="nadp-sigma-down"):
         at_least("nadp-sigma-down", fewer.sigmas.sigma_down, nadp_floor(cfg, sizes, 12, None, releases=8).sigmas.sigma_down)
@@ -74,7 +73,7 @@ def _client_epsilons(out) -> list[float]:
 
 
 def test_nadp_at_half_sample_rate_spends_its_budget(run_inprocess, tmp_path):
-    """q = 0.5, 8 rounds: calibrated for the most rounds a client is sampled in, epsilon ends close to 1, never over."""
+    """Q = 0.5, 8 rounds: calibrated for the most rounds a client is sampled in, epsilon ends close to 1, never over."""
     cfg = {**NADP_FAST, "num-clients": 10, "sample-rate": 0.5, "num-rounds": 8, "seed": 2, "epsilon": 1.0,
            "train-subset": 500, "test-subset": 200}
     summary, rows = run_inprocess(**cfg)

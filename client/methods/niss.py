@@ -40,6 +40,7 @@ from client.wire import from_record, to_record
 from protocols import niss as niss_math
 from protocols.arrays import flatten, unflatten
 from protocols.clipping import clip_l2
+from protocols.floor import noise_scale_of
 from protocols.masking import SHARE_PURPOSE
 from protocols.niss import aggregation_weights, client_plan, client_tau, sizes_digest, upload_sensitivity
 from protocols.privacy import GaussianEvent
@@ -184,6 +185,9 @@ def handle_shares(msg: Message, env: ClientEnv) -> Message:
                          f"(participants and sizes give {own_weight!r})")
     # The client's own calibration (run config, its dataset size, the neighbour count): never the server's figures.
     plan = client_plan(env.cfg, own_weight, len(env.y), len(nbrs))
+    scale = noise_scale_of(msg.content["config"])  # the server may raise the noise (budget guard), never lower it
+    if scale != 1.0:
+        plan = niss_math.plan_shares(plan.sigma_k * scale, len(nbrs))
     sigma = plan.sigma_k
     tau = client_tau(env.cfg, req.sizes)  # the sizes can only raise tau above 1/sqrt(m)
     seeds = {n: _fresh_seed(f"{me}/{rnd}/share/{n}") for n in nbrs}
