@@ -37,8 +37,9 @@ from protocols.privacy.accountant import (
 from protocols.privacy.events import Event, GaussianEvent, event_from_dict
 from protocols.privacy.ledger import PrivacyLedger
 
-__all__ = ["MAX_NOISE_SCALE", "RESERVE", "RoundBudget", "budget_shares", "empty_like", "epsilon_after", "events_from_state",
-           "events_to_state", "plan_round", "precision", "precision_budget", "round_events", "top_up", "unit_precisions"]
+__all__ = ["MAX_NOISE_SCALE", "RESERVE", "RoundBudget", "budget_shares", "crosses", "empty_like", "epsilon_after",
+           "events_from_state", "events_to_state", "plan_round", "precision", "precision_budget", "round_events", "top_up",
+           "unit_precisions"]
 
 #: Share of the budget left that a re-planned round holds back for the rounds after it (and the last round
 #: for itself): a round may cost this much more than the dearest round before it without crossing the target.
@@ -310,6 +311,16 @@ def epsilon_after(ledger: PrivacyLedger, events: dict[str, list[Event]]) -> floa
         for e in evs:
             accounts[name].compose(e)
     return trial.report()["epsilon"]
+
+
+def crosses(ledger: PrivacyLedger, event: Event, epsilon: float) -> bool:
+    """Whether composing ``event`` into both views of ``ledger`` would take its headline epsilon past ``epsilon``.
+
+    For a release the server can still decline (e.g. a sum not yet reconstructed); ``ledger`` is not changed.
+    """
+    trial = PrivacyLedger.from_state(ledger.to_state())
+    trial.compose(event)
+    return trial.report()["epsilon"] > epsilon * (1.0 + _TOL)
 
 
 def events_to_state(events: dict[str, list[Event]]) -> dict[str, list[dict[str, Any]]]:
