@@ -317,7 +317,8 @@ def nadp_floor(cfg: RunConfig, sizes: Mapping[int, int], me: int, graph: Mapping
     return NadpFloor(r.sigmas, r.allocation, r.lam, r.sensitivities[me], None if r.ldp_stds is None else r.ldp_stds[me])
 
 
-def mpddp_floor(cfg: RunConfig, k: int, min_size: int, scale: float = 1.0) -> tuple[float, float, float]:
+def mpddp_floor(cfg: RunConfig, k: int, min_size: int, scale: float = 1.0,
+                releases: int | None = None) -> tuple[float, float, float]:
     """``mpddp``: ``(sigma_eta, sigma_delta, theta)`` for ``k`` clients (Theorem 10, or 11 on an n-out graph).
 
     Record level: the sensitivity is :func:`protocols.mpddp.mp_record_sensitivity` of the smallest
@@ -327,16 +328,19 @@ def mpddp_floor(cfg: RunConfig, k: int, min_size: int, scale: float = 1.0) -> tu
     clients whose n_k is larger get more noise than they need: simple, and never less).
     ``scale`` (>= 1): both sigmas times it, theta over its square (the server raises a round's noise when the
     run's epsilon budget left needs it; :mod:`strategies.run.budget`).
-    Raises ValueError where the theorems do not cover the setting.
+    ``releases``: the releases the noise is calibrated for (:func:`calibration_releases`; the public schedule's
+    most participations of any client, None: ``num-rounds``).
+    Raises ValueError where the theorems do not cover the setting, FloorViolation for ``releases`` outside
+    ``1..num-rounds``.
     """
     sens = mp_record_sensitivity(cfg.clip, min_size, cfg.adjacency)
-    z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
+    t = calibration_releases(cfg, releases)
+    z = noise_multiplier(cfg.epsilon, cfg.delta, t)
     n_out = cfg.n_out if cfg.graph == "n-out" else None
     if n_out is None or n_out >= k - 1:
         theta = theta_for_noise_multiplier(z)
         se, sd = sigmas_for_theta(theta, k, eta_share=ETA_SHARE, sensitivity=sens)
         return se * scale, sd * scale, theta / scale**2
-    t = cfg.num_rounds
     cal = calibrate(cfg.epsilon / t, cfg.delta / t, k, n_out, eta_share=ETA_SHARE, sensitivity=sens)
     return cal.sigma_eta * scale, cal.sigma_delta * scale, cal.theta / scale**2
 

@@ -61,8 +61,8 @@ def test_mpddp_on_an_n_out_graph_stops_before_the_round_that_would_cross():
         stopped = guard.before_round(rnd)
         if stopped is not None:
             break
-        strategy.charge_release(RoundState(rnd, []))
-        strategy.privacy.downlink.compose(DpEvent(0.05))  # a recovery left less noise: the round's shortfall
+        strategy.charge_release(RoundState(rnd, [1, 2, 3]))
+        strategy.privacy.downlink.compose(DpEvent(0.05), units=[1, 2, 3])  # a recovery left less noise: its shortfall
         guard.after_round()
     assert stopped is not None and "round 7 would take the run past its target epsilon 1" in stopped, stopped
     assert strategy.privacy.report()["epsilon"] == pytest.approx(6 * 0.15)  # six rounds of 0.1 + 0.05

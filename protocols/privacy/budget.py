@@ -288,28 +288,57 @@ def _added(before: tuple[Event, ...], after: tuple[Event, ...]) -> list[Event]:
 def round_events(before: PrivacyLedger, after: PrivacyLedger) -> dict[str, list[Event]] | None:
     """The releases each account (by name, :func:`_accounts`) of ``after`` holds beyond ``before``.
 
-    ``before`` is an earlier state of the same ledger.  None when an account keeps no event log (per unit).
+    ``before`` is an earlier state of the same ledger.  A per-unit account gives the releases of the unit whose
+    epsilon (at the ledger's delta) grew most.  None when an account keeps no event log.
     """
     prior = dict(_accounts(before))
     out: dict[str, list[Event]] = {}
     for name, acc in _accounts(after):
-        if isinstance(acc, PerUnitAccountant) or not hasattr(acc, "events"):
-            return None
         was = prior.get(name)
-        out[name] = _added(tuple(was.events) if was is not None else (), tuple(acc.events))  # type: ignore[attr-defined]
+        if isinstance(acc, PerUnitAccountant):
+            assert was is None or isinstance(was, PerUnitAccountant)
+            best: tuple[float, list[Event]] = (-math.inf, [])
+            for u in acc.units:
+                old = was.unit(u) if was is not None and u in was.units else None
+                added = _log_added(old, acc.unit(u))
+                if added is None:
+                    return None
+                grew = acc.unit(u).epsilon(after.delta) - (0.0 if old is None else old.epsilon(after.delta))
+                if added and grew > best[0]:
+                    best = (grew, added)
+            out[name] = best[1]
+            continue
+        added = _log_added(was, acc)
+        if added is None:
+            return None
+        out[name] = added
     return out
 
 
-def epsilon_after(ledger: PrivacyLedger, events: dict[str, list[Event]]) -> float:
+def _log_added(was: Accountant | None, now: Accountant) -> list[Event] | None:
+    if not hasattr(now, "events"):
+        return None
+    return _added(tuple(was.events) if was is not None else (), tuple(now.events))  # type: ignore[attr-defined]
+
+
+def epsilon_after(ledger: PrivacyLedger, events: dict[str, list[Event]], units: list[int] | None = None) -> float:
     """The headline epsilon ``ledger`` would report with ``events`` (:func:`round_events`) composed on top.
 
+    A per-unit account gets its events in each unit of ``units`` (None: every unit it has, and one new unit);
     ``ledger`` itself is not changed.
     """
     trial = PrivacyLedger.from_state(ledger.to_state())
     accounts = dict(_accounts(trial))
     for name, evs in events.items():
-        for e in evs:
-            accounts[name].compose(e)
+        acc = accounts[name]
+        if isinstance(acc, PerUnitAccountant):
+            fresh = min(acc.units, default=0) - 1
+            targets = [*acc.units, fresh] if units is None else units
+            for e in evs:
+                acc.compose(e, units=targets)
+        else:
+            for e in evs:
+                acc.compose(e)
     return trial.report()["epsilon"]
 
 

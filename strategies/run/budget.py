@@ -130,7 +130,9 @@ class BudgetGuard:
         if not self.dearest_events:
             return None
         now = ledger.report()["epsilon"]
-        after = epsilon_after(ledger, self.dearest_events)
+        sampled = getattr(self.strategy, "schedule_left", lambda _a, _b: None)(rnd, rnd)
+        units = None if sampled is None else [u for u, c in sampled[0].items() if c] + [-1]  # -1: one not known yet
+        after = epsilon_after(ledger, self.dearest_events, units)
         if not math.isfinite(now) or after <= self.epsilon * (1.0 + 1e-9):
             return None
         return (f"privacy budget: round {rnd} would take the run past its target epsilon {self.epsilon:g} "
