@@ -358,13 +358,19 @@ class CancelStrategy(Strategy):
         The privacy ledger (every accountant, so epsilon continues where it was); a method with more
         cross-round state extends it.
         """
-        return {"privacy": self.privacy.to_state(), "strikes": self.strikes.to_state()}
+        out = {"privacy": self.privacy.to_state(), "strikes": self.strikes.to_state()}
+        schedule = getattr(self.keys, "schedule_state", None)
+        if schedule is not None and (kept := schedule()) is not None:
+            out["schedule"] = kept  # the public schedule, known to the budget guard before the first key phase
+        return out
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Inverse of :meth:`state_dict`, on a freshly built strategy of the same run config."""
         self.privacy = PrivacyLedger.from_state(state["privacy"])
         if "strikes" in state:
             self.strikes.load_state(state["strikes"])
+        if "schedule" in state and hasattr(self.keys, "load_schedule"):
+            self.keys.load_schedule(state["schedule"])
 
     def summary(self) -> None:
         """Log the method and its key parameters."""

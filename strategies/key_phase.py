@@ -131,12 +131,9 @@ class KeyPhase:
     def releases(self) -> int:
         """Releases the noise is calibrated for: the most rounds the roster's public schedule samples any name in.
 
-        Raises:
-            RoundFailed: no roster learned yet.
+        ``num-rounds`` while no roster is known (more noise than the schedule needs, never less).
         """
-        if self.roster is None:
-            raise RoundFailed("no roster learned from the clients yet: the public schedule is unknown")
-        return roster_releases(self.cfg, self.roster)
+        return self.cfg.num_rounds if self.roster is None else roster_releases(self.cfg, self.roster)
 
     def schedule_left(self, first: int, last: int) -> tuple[dict[int, int], int] | None:
         """Rounds ``first..last`` of the public schedule that sample each known node, and the most any name gets.
@@ -147,6 +144,20 @@ class KeyPhase:
             return None
         counts = roster_participations(self.cfg, self.roster, first, last)
         return {n: counts.get(name, 0) for n, name in self.names.items()}, max(counts.values(), default=0)
+
+    def schedule_state(self) -> dict | None:
+        """The roster (public) and the node names learnt, as JSON types (None before a roster is known)."""
+        if self.roster is None:
+            return None
+        return {"roster": self.roster.to_json(), "names": {str(n): name for n, name in sorted(self.names.items())}}
+
+    def load_schedule(self, state: dict) -> None:
+        """Inverse of :meth:`schedule_state`: a resumed run knows its public schedule before its first key phase.
+
+        The clients still check every round's view against the roster they trust.
+        """
+        self.roster = Roster.from_json(state["roster"])
+        self.names = {int(n): str(name) for n, name in state.get("names", {}).items()}
 
     def run(self, strategy: CancelStrategy, grid: Grid, server_round: int, nodes: list[int]) -> KeyRound:
         """Key the round's public sample among ``nodes`` (the usable connected nodes); build its graph.

@@ -126,7 +126,7 @@ class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
 
     def _releases(self) -> int:
         """Releases the noise is calibrated for: the schedule's most participations (``num-rounds`` before a roster)."""
-        return self.keys.releases() if self.keys.roster is not None else self.cfg.num_rounds
+        return self.keys.releases()
 
     def exchange_keys(self, grid: Grid, st: RoundState) -> None:
         """Keys stage: the shared key phase (:meth:`PairwiseRecovery.exchange_keys`), then the masking line."""
