@@ -31,6 +31,7 @@ from protocols.graphs import RosterRound, present_floor, present_graph, roster_r
 from protocols.identity import Roster, roster_digest, roster_round_seed, view_digest
 from protocols.keyagreement import agree_many, derive_pair_seed, generate_keypair, keypair_from_private
 from protocols.prg import gaussian
+from protocols.schedule import most_participations, participations
 
 #: ``Context.state`` record holding the epoch's key pair and cached shared secrets (:class:`KeyStore`).
 STATE_KEY = "cancelfl-keys"
@@ -122,6 +123,20 @@ def roster_round_of(cfg: RunConfig, roster: Mapping[str, bytes], rnd: int) -> Ro
 
 
 _ROUNDS: dict[tuple, RosterRound] = {}
+
+
+def roster_releases(cfg: RunConfig, roster: Mapping[str, bytes]) -> int:
+    """Releases the run's noise is calibrated for: the most rounds any roster name is sampled in (both ends call it).
+
+    :func:`protocols.schedule.most_participations` over rounds ``1..num-rounds`` of the public schedule
+    (``num-rounds`` when every round samples every name).
+    """
+    return most_participations(list(roster), cfg.clients_per_round, roster_digest(roster), cfg.num_rounds)
+
+
+def roster_participations(cfg: RunConfig, roster: Mapping[str, bytes], first: int, last: int) -> dict[str, int]:
+    """Rounds ``first..last`` of the public schedule that sample each roster name."""
+    return participations(list(roster), cfg.clients_per_round, roster_digest(roster), first, last)
 
 
 @dataclass(frozen=True)

@@ -36,10 +36,12 @@ __all__ = [
     "ETA_SHARE",
     "FloorPolicy",
     "FloorViolation",
+    "NOISE_SCALE",
     "NadpFloor",
     "RTOL",
     "at_least",
     "at_most",
+    "calibration_releases",
     "ddpsa_noise_share",
     "ddpsa_round_epsilon",
     "ldp_noise_multiplier",
@@ -50,6 +52,7 @@ __all__ = [
     "nadp_floor",
     "NissFloor",
     "niss_floor",
+    "noise_scale_of",
 ]
 
 #: Relative slack of a comparison between the server's value and the client's own (float round-off only).
@@ -71,6 +74,26 @@ def at_least(parameter: str, offered: float, floor: float, why: str = "") -> Non
     """Refuse unless ``offered >= floor`` (up to :data:`RTOL`): e.g. a noise std the server announces."""
     if not (math.isfinite(offered) and offered >= floor * (1.0 - RTOL)):
         raise FloorViolation(parameter, offered, floor, why or "less noise than this client's own calibration")
+
+
+#: Config key of the factor (>= 1) on every noise std of a round that a server raises to keep the run within its
+#: target epsilon (:mod:`strategies.run.budget`); absent = 1.
+NOISE_SCALE = "noise-scale"
+
+
+def noise_scale_of(config: Mapping[str, Any]) -> float:
+    """The round's noise scale a message's config carries (1 when absent): a client adds more noise, never less.
+
+    Raises:
+        FloorViolation: a scale below 1 or not a finite number.
+    """
+    raw = config.get(NOISE_SCALE, 1.0)
+    try:
+        scale = float(raw)
+    except (TypeError, ValueError):
+        scale = math.nan
+    at_least(NOISE_SCALE, scale, 1.0, "less noise than this client's own calibration")
+    return scale
 
 
 def at_most(parameter: str, offered: float, ceiling: float, why: str = "") -> None:
@@ -156,6 +179,21 @@ def check_round(rnd: int, cfg: RunConfig, used: Sequence[int]) -> None:
 
 
 # ----------------------------------------------------------------------------------------- methods
+def calibration_releases(cfg: RunConfig, releases: int | None) -> int:
+    """The releases a run's noise is calibrated for: ``releases`` (the public schedule's bound) or ``num-rounds``.
+
+    Raises:
+        FloorViolation: ``releases`` outside ``1..num-rounds`` (a schedule cannot sample a client more often
+            than there are rounds).
+    """
+    if releases is None:
+        return cfg.num_rounds
+    if not 1 <= releases <= cfg.num_rounds:
+        raise FloorViolation("releases", releases, f"1..{cfg.num_rounds}",
+                             "the public schedule samples a client at most once per round")
+    return int(releases)
+
+
 def ldp_noise_multiplier(cfg: RunConfig) -> float:
     """``ldp``: noise multiplier z for (epsilon, delta) over ``num-rounds`` unsampled releases (exact RDP)."""
     return calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds)
@@ -234,8 +272,8 @@ class NadpRoundNoise:
     lam_problem: str | None = None
 
 
-def nadp_round_noise(cfg: RunConfig, sizes: Mapping[int, int],
-                     graph: Mapping[int, Sequence[int]] | None, scale: float = 1.0) -> NadpRoundNoise:
+def nadp_round_noise(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Sequence[int]] | None,
+                     scale: float = 1.0, releases: int | None = None) -> NadpRoundNoise:
     """The round's noise for the participants ``sizes`` (node -> |D_i|) on the pairing ``graph`` (None: complete).
 
     Record-ldp variant (Lemma 3): each client alone meets (epsilon, delta) over the run with its own sensitivity.
@@ -243,18 +281,21 @@ def nadp_round_noise(cfg: RunConfig, sizes: Mapping[int, int],
     ``scale`` (>= 1, the plan's ``noise_scale``): every std times it, as the server plans when the run's budget
     left needs more noise (:mod:`strategies.run.budget`): the allocation is computed for the sensitivities times
     ``scale``, while ``sensitivities`` stay the real ones, so the accounts charge the noise really added.
+    ``releases``: the releases the noise is calibrated for, the most rounds any client is sampled in under the
+    public schedule (:func:`client.pairwise_phase.roster_releases`); None: ``num-rounds``.
 
     Raises:
-        FloorViolation: ``scale`` < 1 (less noise than the run's calibration).
+        FloorViolation: ``scale`` < 1 (less noise than the run's calibration), or ``releases`` outside
+            ``1..num-rounds``.
     """
     if not (math.isfinite(scale) and scale >= 1.0):
         raise FloorViolation("nadp-noise-scale", scale, 1.0, "less noise than this client's own calibration")
+    t = calibration_releases(cfg, releases)
     sens = {n: record_sensitivity(cfg, s) for n, s in sizes.items()}  # Lemma 1
     if cfg.nadp_variant == "record-ldp":
-        z_ldp = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds)
+        z_ldp = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, t)
         return NadpRoundNoise(sens, None, None, 1.0, {n: z_ldp * s * scale for n, s in sens.items()})
-    sig, alloc = round_plan(sizes, {n: v * scale for n, v in sens.items()}, cfg.epsilon, cfg.delta, cfg.num_rounds,
-                            graph=graph)
+    sig, alloc = round_plan(sizes, {n: v * scale for n, v in sens.items()}, cfg.epsilon, cfg.delta, t, graph=graph)
     min_degree = min(len(nb) for nb in graph.values()) if graph is not None and alloc.pair_table is not None else None
     try:
         return NadpRoundNoise(sens, sig, alloc, nadp_compensation(cfg, sizes, min_degree))
@@ -273,10 +314,10 @@ class NadpFloor:
     ldp_std: float | None = None
 
 
-def nadp_floor(cfg: RunConfig, sizes: Mapping[int, int], me: int,
-               graph: Mapping[int, Sequence[int]] | None, scale: float = 1.0) -> NadpFloor:
+def nadp_floor(cfg: RunConfig, sizes: Mapping[int, int], me: int, graph: Mapping[int, Sequence[int]] | None,
+               scale: float = 1.0, releases: int | None = None) -> NadpFloor:
     """Participant ``me``'s share of :func:`nadp_round_noise` (the server's plan must announce at least this)."""
-    r = nadp_round_noise(cfg, sizes, graph, scale)
+    r = nadp_round_noise(cfg, sizes, graph, scale, releases)
     return NadpFloor(r.sigmas, r.allocation, r.lam, r.sensitivities[me], None if r.ldp_stds is None else r.ldp_stds[me])
 
 
@@ -315,7 +356,8 @@ def niss_floor(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Seq
     return floor
 
 
-def mpddp_floor(cfg: RunConfig, k: int, min_size: int, scale: float = 1.0) -> tuple[float, float, float]:
+def mpddp_floor(cfg: RunConfig, k: int, min_size: int, scale: float = 1.0,
+                releases: int | None = None) -> tuple[float, float, float]:
     """``mpddp``: ``(sigma_eta, sigma_delta, theta)`` for ``k`` clients (Theorem 10, or 11 on an n-out graph).
 
     Record level: the sensitivity is :func:`protocols.mpddp.mp_record_sensitivity` of the smallest
@@ -325,16 +367,19 @@ def mpddp_floor(cfg: RunConfig, k: int, min_size: int, scale: float = 1.0) -> tu
     clients whose n_k is larger get more noise than they need: simple, and never less).
     ``scale`` (>= 1): both sigmas times it, theta over its square (the server raises a round's noise when the
     run's epsilon budget left needs it; :mod:`strategies.run.budget`).
-    Raises ValueError where the theorems do not cover the setting.
+    ``releases``: the releases the noise is calibrated for (:func:`calibration_releases`; the public schedule's
+    most participations of any client, None: ``num-rounds``).
+    Raises ValueError where the theorems do not cover the setting, FloorViolation for ``releases`` outside
+    ``1..num-rounds``.
     """
     sens = mp_record_sensitivity(cfg.clip, min_size, cfg.adjacency)
-    z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
+    t = calibration_releases(cfg, releases)
+    z = noise_multiplier(cfg.epsilon, cfg.delta, t)
     n_out = cfg.n_out if cfg.graph == "n-out" else None
     if n_out is None or n_out >= k - 1:
         theta = theta_for_noise_multiplier(z)
         se, sd = sigmas_for_theta(theta, k, eta_share=ETA_SHARE, sensitivity=sens)
         return se * scale, sd * scale, theta / scale**2
-    t = cfg.num_rounds
     cal = calibrate(cfg.epsilon / t, cfg.delta / t, k, n_out, eta_share=ETA_SHARE, sensitivity=sens)
     return cal.sigma_eta * scale, cal.sigma_delta * scale, cal.theta / scale**2
 

@@ -171,6 +171,15 @@ class CancelStrategy(Strategy):
         self.sampled = sorted(nodes[int(i)] for i in rng.choice(len(nodes), size=k, replace=False))
         return self.sampled
 
+    def schedule_left(self, first: int, last: int) -> tuple[dict[int, int], int] | None:
+        """Rounds ``first..last`` that sample each node under a public schedule, and the most any node gets.
+
+        The pairwise methods' key phase draws each round's sample from the roster (public before round 1,
+        :meth:`strategies.key_phase.KeyPhase.schedule_left`); None for the others (any round may sample any node).
+        """
+        left = getattr(self.keys, "schedule_left", None)
+        return None if left is None else left(first, last)
+
     def make_messages(self, nodes: Iterable[int], content_fn, message_type: str = "train") -> list[Message]:
         """One message per node with content from ``content_fn(node_id) -> RecordDict``.
 
@@ -349,13 +358,19 @@ class CancelStrategy(Strategy):
         The privacy ledger (every accountant, so epsilon continues where it was); a method with more
         cross-round state extends it.
         """
-        return {"privacy": self.privacy.to_state(), "strikes": self.strikes.to_state()}
+        out = {"privacy": self.privacy.to_state(), "strikes": self.strikes.to_state()}
+        schedule = getattr(self.keys, "schedule_state", None)
+        if schedule is not None and (kept := schedule()) is not None:
+            out["schedule"] = kept  # the public schedule, known to the budget guard before the first key phase
+        return out
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Inverse of :meth:`state_dict`, on a freshly built strategy of the same run config."""
         self.privacy = PrivacyLedger.from_state(state["privacy"])
         if "strikes" in state:
             self.strikes.load_state(state["strikes"])
+        if "schedule" in state and hasattr(self.keys, "load_schedule"):
+            self.keys.load_schedule(state["schedule"])
 
     def summary(self) -> None:
         """Log the method and its key parameters."""

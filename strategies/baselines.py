@@ -201,6 +201,11 @@ class LocalDPStrategy(_RecordLevel):
 class CentralDPStrategy(_RecordLevel):
     """Central DP: the trusted server noises the mean (record level by default, or Flower's client level)."""
 
+    #: The round loop may raise the round's multiplier to ``z * noise_scale`` (the server adds all the noise)
+    #: to keep epsilon within the run's target (:mod:`strategies.run.budget`).
+    scales_noise = True
+    noise_scale = 1.0
+
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
         self.z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
@@ -224,7 +229,9 @@ class CentralDPStrategy(_RecordLevel):
         The record-level noise comes from the AES-CTR CSPRNG (:mod:`protocols.prg`), seeded from the OS.
         """
         by_node = state.replies
+        z = self.z * self.noise_scale
         if self.inner is not None:
+            self.inner.noise_multiplier = z
             arrays, _ = self.inner.aggregate_train(state.round, [by_node[n] for n in sorted(by_node)])
             if arrays is None:
                 raise RoundFailed(f"round {state.round}: Flower's central-DP aggregation returned no model")
@@ -236,7 +243,7 @@ class CentralDPStrategy(_RecordLevel):
         uploads = [from_record(by_node[n].content["arrays"]) for n in nodes]
         mean = weighted_average(uploads, [float(sizes[n]) for n in nodes])
         flat = flatten(mean)
-        std = self.z * record_mean_sensitivity(self.cfg, sizes)
+        std = z * record_mean_sensitivity(self.cfg, sizes)
         noisy = flat + gaussian(os.urandom(32), len(flat), std)
         self._last_std = std
         self.report(upload_noise_std=0.0, model_noise_std=std)
@@ -277,6 +284,7 @@ class CentralDPStrategy(_RecordLevel):
 
     def charge_release(self, state: RoundState) -> None:
         """The noised mean: a Gaussian with multiplier z (std / sensitivity); no amplification (public sample)."""
-        self.privacy.downlink.compose(GaussianEvent(self.z))
+        z = self.z * self.noise_scale
+        self.privacy.downlink.compose(GaussianEvent(z))
         if not self.record_level:
-            self.report(upload_noise_std=0.0, model_noise_std=self.z * self.cfg.clip / self.cfg.clients_per_round)
+            self.report(upload_noise_std=0.0, model_noise_std=z * self.cfg.clip / self.cfg.clients_per_round)

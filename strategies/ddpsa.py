@@ -54,6 +54,7 @@ from protocols.privacy import (
     laplace_scale,
     per_round_epsilons,
 )
+from protocols.privacy.budget import crosses
 from protocols.privacy.signal import NoiseEstimate, Release, gaussian_norm
 from protocols.secret_sharing import FixedPointCodec
 from protocols.server_optimizers import make_server_optimizer, optimizer_from_state
@@ -230,6 +231,11 @@ class DdpsaStrategy(CancelStrategy):
                 f"round {rnd}: only {len(expected)} of {len(state.names)} participants pushed their shares; the "
                 f"distributed noise present gives no finite epsilon (ddpsa-collude-frac "
                 f"{self.cfg.ddpsa_collude_frac}), so the round is aborted unreleased")
+        if crosses(self.privacy, LaplaceEvent(epsilon), self.cfg.epsilon):  # the run's epsilon is a hard cap
+            abort_round(self.servers, self.run_id, rnd, self.signer)
+            raise RoundFailed(f"round {rnd}: its release would cost epsilon {epsilon:.4g} ({len(expected)} of "
+                              f"{len(state.names)} participants pushed their shares) and take the run past its target "
+                              f"epsilon {self.cfg.epsilon:g}, so the round is aborted unreleased")
         t0 = time.perf_counter()
         try:
             ring_total = reconstruct_sum(self.servers, self.run_id, rnd, expected, self.signer, threshold=self.shamir)

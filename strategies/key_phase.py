@@ -35,7 +35,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from client.messages.keys import KeyReply, KeyRequest, PeerKeys, probe_value
-from client.pairwise_phase import roster_round_of
+from client.pairwise_phase import roster_participations, roster_releases, roster_round_of
 from protocols.config import RunConfig
 from protocols.graphs import RosterRound, present_floor, present_graph
 from protocols.identity import IdentityError, Roster, verify_key
@@ -119,12 +119,45 @@ class KeyPhase:
         self.directory: dict[int, KeyEntry] = {}
         #: the roster the clients trust (learned from their key replies).
         self.roster: Roster | None = None
+        #: node -> roster name of every node whose key was accepted (kept when its key is forgotten).
+        self.names: dict[int, str] = {}
 
     def roster_round(self, server_round: int) -> RosterRound:
         """The round's public sample of roster names and its graph (what every client recomputes)."""
         if self.roster is None:
             raise RoundFailed(f"round {server_round}: no roster learned from the clients yet")
         return roster_round_of(self.cfg, self.roster, server_round)
+
+    def releases(self) -> int:
+        """Releases the noise is calibrated for: the most rounds the roster's public schedule samples any name in.
+
+        ``num-rounds`` while no roster is known (more noise than the schedule needs, never less).
+        """
+        return self.cfg.num_rounds if self.roster is None else roster_releases(self.cfg, self.roster)
+
+    def schedule_left(self, first: int, last: int) -> tuple[dict[int, int], int] | None:
+        """Rounds ``first..last`` of the public schedule that sample each known node, and the most any name gets.
+
+        None while no roster is known (the schedule is not known yet).
+        """
+        if self.roster is None:
+            return None
+        counts = roster_participations(self.cfg, self.roster, first, last)
+        return {n: counts.get(name, 0) for n, name in self.names.items()}, max(counts.values(), default=0)
+
+    def schedule_state(self) -> dict | None:
+        """The roster (public) and the node names learnt, as JSON types (None before a roster is known)."""
+        if self.roster is None:
+            return None
+        return {"roster": self.roster.to_json(), "names": {str(n): name for n, name in sorted(self.names.items())}}
+
+    def load_schedule(self, state: dict) -> None:
+        """Inverse of :meth:`schedule_state`: a resumed run knows its public schedule before its first key phase.
+
+        The clients still check every round's view against the roster they trust.
+        """
+        self.roster = Roster.from_json(state["roster"])
+        self.names = {int(n): str(name) for n, name in state.get("names", {}).items()}
 
     def run(self, strategy: CancelStrategy, grid: Grid, server_round: int, nodes: list[int]) -> KeyRound:
         """Key the round's public sample among ``nodes`` (the usable connected nodes); build its graph.
@@ -196,6 +229,7 @@ class KeyPhase:
             log(WARNING, "round %d: node %s now answers as %r; node %s is forgotten", server_round, node, key.name, other)
             self.directory.pop(other)
         self.directory[node] = KeyEntry(key.public_key, epoch, key.num_examples, key.name, key.signature)
+        self.names[node] = key.name
 
     def regraph(self, kr: KeyRound, participants: Iterable[int]) -> KeyRound:
         """``kr`` restricted to ``participants`` (a subset, e.g. after failures): the same roster graph, fewer present."""

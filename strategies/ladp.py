@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from flwr.app import ArrayRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from flwr.serverapp import Grid
 
 from client.messages.common import merge_configs, num_examples
@@ -28,6 +28,7 @@ from client.messages.ladp import NoiseReport, PublicEstimates
 from client.wire import from_record
 from protocols import ladp
 from protocols.config import RunConfig
+from protocols.floor import NOISE_SCALE
 from protocols.privacy import GaussianEvent, GdpAccountant, PrivacyLedger, record_training_movement
 from protocols.privacy.signal import NoiseEstimate
 from strategies.base import CancelStrategy, RoundFailed, RoundState
@@ -42,6 +43,11 @@ class LadpRound(RoundState):
 
 class LadpStrategy(CancelStrategy):
     """Algorithm 1 of LaDP-FL plus per-layer noise reporting and exact composition."""
+
+    #: The round loop may raise every layer's noise std by ``noise_scale`` (>= 1; the clients multiply their own
+    #: plan's stds by it, never less than 1) to keep epsilon within the run's target (:mod:`strategies.run.budget`).
+    scales_noise = True
+    noise_scale = 1.0
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
@@ -61,8 +67,9 @@ class LadpStrategy(CancelStrategy):
 
     def train_content(self, state: RoundState, node: int, arrays: ArrayRecord) -> RecordDict:
         """The global model, the round, and the public per-layer privacy estimates (:mod:`protocols.ladp`)."""
+        scale = ConfigRecord({NOISE_SCALE: float(self.noise_scale)}) if self.noise_scale != 1.0 else ConfigRecord()
         return RecordDict({"arrays": arrays, "config": merge_configs(
-            self.train_config(state.round), PublicEstimates(self._estimates).to_config())})
+            self.train_config(state.round), PublicEstimates(self._estimates).to_config(), scale)})
 
     def plan(self, grid: Grid, st: RoundState) -> LadpRound:
         """Plan stage: the round's estimates, KL between the model sent now and the one sent last round (both published)."""
@@ -74,7 +81,7 @@ class LadpStrategy(CancelStrategy):
 
     def charge_release(self, state: RoundState) -> None:
         """Every noised layer gets at least multiplier z: the round is a Gaussian release with z (model and layers)."""
-        event = GaussianEvent(self.noise_multiplier)
+        event = GaussianEvent(self.noise_multiplier * self.noise_scale)
         self.privacy.compose(event)
         self.privacy.extra["noised_layers"].compose(event)
 

@@ -75,8 +75,10 @@ from protocols.privacy import (
     DpCompositionAccountant,
     DpEvent,
     GaussianEvent,
+    PerUnitAccountant,
     PrivacyLedger,
     RdpAccountant,
+    noise_multiplier,
 )
 from strategies.base import RoundFailed, RoundState
 from strategies.key_phase import KeyPhase
@@ -108,17 +110,23 @@ class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
         except ValueError as err:
             raise ConfigError(f"method 'mpddp' with K = {k} clients per round, epsilon = {cfg.epsilon}, "
                               f"delta = {cfg.delta}, graph = {cfg.graph!r}: {err}") from err
-        if not self._complete(k):  # Theorem 11 rounds compose by basic composition
-            nominal = DpCompositionAccountant()
-            self.privacy = PrivacyLedger(cfg.delta, downlink=nominal, headline="downlink",
-                                         extra={"uplink_nominal": nominal})
+        # Per record owner (client), over the rounds it took part in: the noise is calibrated for the most rounds
+        # the public schedule samples any client in (KeyPhase.releases); Theorem 11 rounds compose basically.
+        nominal = PerUnitAccountant(None if self._complete(k) else DpCompositionAccountant())
+        self.privacy = PrivacyLedger(cfg.delta, downlink=nominal, headline="downlink", extra={"uplink_nominal": nominal})
+        self._given_r = PerUnitAccountant()
 
     def _complete(self, k: int) -> bool:
         return self.n_out is None or self.n_out >= k - 1
 
     def _calibration(self, k: int, min_size: int, scale: float = 1.0) -> tuple[float, float, float]:
         """(sigma_eta, sigma_delta, theta) for K = k clients, the smallest of size ``min_size`` (ValueError if not covered)."""
-        return mpddp_floor(self.cfg, k, min_size, scale)  # the clients' own floor: one calibration for both ends
+        # The clients' own floor: one calibration for both ends, for the public schedule's releases.
+        return mpddp_floor(self.cfg, k, min_size, scale, self._releases())
+
+    def _releases(self) -> int:
+        """Releases the noise is calibrated for: the schedule's most participations (``num-rounds`` before a roster)."""
+        return self.keys.releases()
 
     def exchange_keys(self, grid: Grid, st: RoundState) -> None:
         """Keys stage: the shared key phase (:meth:`PairwiseRecovery.exchange_keys`), then the masking line."""
@@ -181,15 +189,16 @@ class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
         """Charge the nominal accounts with the round's noise really there (``theta`` after recovery)."""
         if theta <= state.theta:
             return
-        if isinstance(self.privacy.downlink, DpCompositionAccountant):  # Theorem 11 rounds, basic composition
-            t = self.cfg.num_rounds
+        units = state.participants
+        if not self._complete(self.cfg.clients_per_round):  # Theorem 11 rounds, basic composition
+            t = self._releases()
             extra = eq23_epsilon(theta, self.cfg.delta / (3 * t)) - self.cfg.epsilon / t
             if extra > 0:
-                self.privacy.downlink.compose(DpEvent(extra))
+                self.privacy.downlink.compose(DpEvent(extra), units=units)
             return
-        charge_shortfall(self.privacy.downlink, 1 / math.sqrt(state.theta), 1 / math.sqrt(theta))
+        charge_shortfall(self.privacy.downlink, 1 / math.sqrt(state.theta), 1 / math.sqrt(theta), units=units)
         min_r = self._min_r(state)
-        charge_shortfall(self._given_r, min_r / math.sqrt(state.theta), min_r / math.sqrt(theta))
+        charge_shortfall(self._given_r, min_r / math.sqrt(state.theta), min_r / math.sqrt(theta), units=units)
 
     def round_noise(self, state: MpRound) -> DdpNoise:
         k = state.keys.calibration_size(self._complete) if state.keys is not None else len(state.participants)
@@ -222,7 +231,7 @@ class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
         if not state.aggregating:
             return
         if state.theta > 0:
-            self._given_r.compose(GaussianEvent(self._min_r(state) / math.sqrt(state.theta)))
+            self._given_r.compose(GaussianEvent(self._min_r(state) / math.sqrt(state.theta)), units=state.participants)
             self.report(epsilon_given_R=self._given_r_epsilon())
         if state.theta_after is not None:
             self._charge_recovery(state, state.theta_after)
@@ -249,11 +258,16 @@ class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
         return out
 
     def charge_release(self, state: MpRound) -> None:
-        """The planned round: a Gaussian with multiplier z (complete graph) or a Theorem 11 round, (eps/T, delta/T)-DP."""
+        """The planned round, per participant: a Gaussian of multiplier z (complete) or an (eps/T, delta/T) round.
+
+        Theorem 10 / 11; T = the releases of the public schedule (:meth:`_releases`).
+        """
+        t = self._releases()
         if self._complete(self.cfg.clients_per_round):
-            self.privacy.compose(GaussianEvent(self.z * self.noise_scale))
+            z = noise_multiplier(self.cfg.epsilon, self.cfg.delta, t)
+            self.privacy.compose(GaussianEvent(z * self.noise_scale), units=state.participants)
         else:
-            self.privacy.compose(DpEvent(self.cfg.epsilon / self.cfg.num_rounds, self.cfg.delta / self.cfg.num_rounds))
+            self.privacy.compose(DpEvent(self.cfg.epsilon / t, self.cfg.delta / t), units=state.participants)
 
 
 class MpdpNaiveStrategy(MpStrategyBase):

@@ -36,10 +36,8 @@ Downlink (the published sum): noise std ``tau sqrt(sum_k sigma_k^2)``, multiplie
 either direction (the uploads' sum is noiseless; epsilon null).  Default tau
 (``niss-tau < 0``, :func:`protocols.niss.client_tau`) makes the downlink multiplier ``z``.
 
-Reported each round: ``theorem2_variance`` (Theorem 2, ``sum_k sigma_k^2 tau_k^2``); with run-config
-``cancellation-check`` (DIAGNOSTIC ONLY: clients then also send their noiseless ``p_k w_k``, which hands the
-server every update) ``measured_noise_variance``, ``exact_noise_variance``, ``aggregate_error_rel`` and
-``cancellation_residual``; ``epsilon_round_analytic`` in ``describe()`` (the paper's per-round view).
+Reported each round: ``theorem2_variance`` (Theorem 2) and, with the diagnostic ``cancellation-check``, the
+measured residuals (``describe()``: ``epsilon_round_analytic``, the paper's per-round view).
 """
 
 from __future__ import annotations
@@ -156,6 +154,11 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
     """Server side of NISS: tracker (neighbour lists), ciphertext relay, plain sum of uploads."""
 
     wire_dtype = np.float64
+    #: The round loop may raise every client's sigma_k by ``noise_scale`` (>= 1; sent with the share request,
+    #: the clients multiply their own sigma_k by it) to keep epsilon within the run's target
+    #: (:mod:`strategies.run.budget`).
+    scales_noise = True
+    noise_scale = 1.0
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
@@ -189,12 +192,13 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         self.announce_masking(kr.neighbours)
         tau = client_tau(self.cfg, _sizes(kr))
         scale = self._scale(kr)
-        self.report(joint_view_scale=scale)
+        self.report(joint_view_scale=scale / self.noise_scale)
         return NissRound(st.round, list(kr.participants), self._weights(kr), inbox, tau, scale, keys=kr)
 
     def _scale(self, kr: KeyRound) -> float:
-        """The round's joint-view scale, as every client derives it (:func:`protocols.floor.niss_floor`)."""
-        return niss_floor(self.cfg, _sizes(kr), kr.neighbours, client_tau(self.cfg, _sizes(kr))).scale
+        """Joint-view scale (:func:`protocols.floor.niss_floor`, clients refuse less) times the guard's ``noise_scale``."""
+        joint = niss_floor(self.cfg, _sizes(kr), kr.neighbours, client_tau(self.cfg, _sizes(kr))).scale
+        return joint * self.noise_scale
 
     def _weights(self, kr: KeyRound) -> dict[int, float]:
         return niss_math.aggregation_weights(self.cfg, kr.participants, _sizes(kr))
@@ -478,8 +482,8 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         No amplification by sampling in either direction: the server knows whom it sampled, and the sample is
         drawn from the public run seed, so whoever gets the published model can know it too.
         """
-        if self.privacy.uplink is not None:  # the joint view keeps at least z (the plan's noise_scale)
-            self.privacy.uplink.compose(GaussianEvent(self.z))
+        if self.privacy.uplink is not None:  # the joint view keeps at least z times the guard's scale
+            self.privacy.uplink.compose(GaussianEvent(self.z * self.noise_scale))
         if self.privacy.downlink is not None:
             self.privacy.downlink.compose(GaussianEvent(self._downlink_multiplier(state)))
 
@@ -489,7 +493,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
             return
         z_real, real = state.noise_left
         if self.privacy.uplink is not None:
-            charge_shortfall(self.privacy.uplink, self.z, z_real)
+            charge_shortfall(self.privacy.uplink, self.z * self.noise_scale, z_real)
         if self.privacy.downlink is not None:
             charge_shortfall(self.privacy.downlink, self._downlink_multiplier(state), real)
 

@@ -149,8 +149,11 @@ def test_dropouts_every_round_end_within_the_target(run_inprocess, tmp_path, met
 
 
 @pytest.mark.parametrize("method", ["niss"])
-def test_a_run_that_cannot_hold_its_budget_stops_before_crossing(tmp_path, capsys, method):
-    """NISS cannot raise its noise: with 20 % dropping every round it stops before crossing, exit 1."""
+def test_a_run_that_cannot_hold_its_budget_stops_before_crossing(tmp_path, capsys, monkeypatch, method):
+    """A method that cannot raise its noise (niss, told so): with 20 % dropping every round it stops, exit 1."""
+    from strategies.niss import NissStrategy
+
+    monkeypatch.setattr(NissStrategy, "scales_noise", False)
     out = tmp_path / "run"
     text = " ".join(f"{k}={json.dumps(v)}" for k, v in {"method": method, **DROPS}.items())
     code = main(["run", "--run-config", f'{text} out-dir="{out}"'])

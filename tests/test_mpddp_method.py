@@ -311,7 +311,7 @@ def test_n_out_graph_calibration_covered_for_large_k():
     assert "Theorem 11" in params["graph"]
     assert params["sigma_delta_per_sensitivity"] > params["sigma_eta_per_sensitivity"] > 0
     for t in range(1, 11):  # ten rounds released: basic composition of (epsilon/T, delta/T) rounds
-        strategy.charge_release(RoundState(t, []))
+        strategy.charge_release(RoundState(t, [1, 2]))  # per client: each participant is charged
         assert strategy.privacy_report(t)["epsilon"] == pytest.approx(t * cfg.epsilon / 10)
     assert strategy.privacy_report(10)["epsilon"] == pytest.approx(cfg.epsilon)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 import numpy as np
 from flwr.app import Message
@@ -29,6 +30,7 @@ from client.floor import release
 from client.messages.ladp import LayerNoise, NoiseReport, PublicEstimates
 from client.wire import to_record
 from protocols import ladp
+from protocols.floor import noise_scale_of
 from protocols.privacy import GaussianEvent, local_sgd_steps, record_sensitivity
 
 #: A KL cap B below any whole-layer KL: every selected layer gets the floor noise (the "full LDP" comparator).
@@ -67,6 +69,8 @@ def train(msg: Message, env: ClientEnv) -> Message:
         kl_cap=cfg.ladp_kl_cap,
         min_kl=cfg.ladp_kl_cap / cfg.ladp_max_boost,  # a layer's noise is at most max-boost x the floor
     )
+    scale = noise_scale_of(msg.content["config"])  # the server may raise the noise (budget guard), never lower it
+    plan = {name: replace(entry, sigma=entry.sigma * scale) for name, entry in plan.items()}
     noisy, _ = ladp.apply_layer_noise(local_w, plan, _noise_seed())
     # Every reported figure is public (the plan's): the realised noise norm would reveal the noise itself.
     report = NoiseReport(
@@ -78,7 +82,7 @@ def train(msg: Message, env: ClientEnv) -> Message:
     )
     # One round: a Gaussian release with multiplier min_j sigma_j / Delta_f >= c0 / epsilon (corrected Theorem 3;
     # none if a layer went bare).
-    z = 0.0 if report.unnoised_release else ladp.theorem3_c0_corrected(eps_round, cfg.delta) / eps_round
+    z = 0.0 if report.unnoised_release else scale * ladp.theorem3_c0_corrected(eps_round, cfg.delta) / eps_round
     spent = release(msg, env, GaussianEvent(z))
     return reply(msg, to_record(noisy, np.float32), len(env.y), train_loss=loss, clipped_fraction=clip_frac,
                  **report.to_metrics(), **spent)

@@ -27,10 +27,11 @@ from flwr.app import Message
 
 from client.env import ClientEnv, reply
 from client.floor import release
+from client.identity import node_identity
 from client.messages.common import TrainIns
 from client.messages.keys import PeerKeys, probe_metric
 from client.messages.mpddp import DdpNoise, NaiveNoise, PerturbedModel, upload_record
-from client.pairwise_phase import mask_probe, pair_seeds
+from client.pairwise_phase import mask_probe, pair_seeds, roster_releases
 from client.recovery import remember, self_mask_upload
 from protocols.floor import FloorViolation, at_least, mpddp_floor, mpdp_naive_sigma
 from protocols.mpddp import (
@@ -130,8 +131,9 @@ def ddp_floor(msg: Message, env: ClientEnv) -> tuple[float, float, GaussianEvent
         raise ValueError(f"server lists |D_i|={own} for node {env.node_id}, but it holds {len(env.y)} examples")
     complete = cfg.graph != "n-out" or cfg.n_out >= cfg.clients_per_round - 1
     k = len(pk.peer_ids) + 1 if complete else cfg.clients_per_round
+    t = roster_releases(cfg, node_identity(env).roster)  # the public schedule's most participations of a client
     try:
-        se, sd, _theta = mpddp_floor(cfg, k, min(sent.sizes))
+        se, sd, _theta = mpddp_floor(cfg, k, min(sent.sizes), releases=t)
     except ValueError as err:
         raise FloorViolation("participants", k, "a setting Theorems 10/11 cover", str(err)) from err
     at_least("mpddp-sigma-eta", sent.sigma_eta, se)
@@ -139,5 +141,5 @@ def ddp_floor(msg: Message, env: ClientEnv) -> tuple[float, float, GaussianEvent
     if complete:
         eta, pair = max(sent.sigma_eta, se), max(sent.sigma_delta, sd)  # more noise than the floor, never less
         scale = min((a / b for a, b in ((eta, se), (pair, sd)) if b > 0), default=1.0)
-        return eta, pair, GaussianEvent(noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds) * scale)
-    return sent.sigma_eta, sent.sigma_delta, DpEvent(cfg.epsilon / cfg.num_rounds, cfg.delta / cfg.num_rounds)
+        return eta, pair, GaussianEvent(noise_multiplier(cfg.epsilon, cfg.delta, t) * scale)
+    return sent.sigma_eta, sent.sigma_delta, DpEvent(cfg.epsilon / t, cfg.delta / t)

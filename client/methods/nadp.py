@@ -28,10 +28,11 @@ from flwr.app import Message
 
 from client.env import ClientEnv, record_level_training, reply
 from client.floor import release
+from client.identity import node_identity
 from client.messages.common import TrainIns
 from client.messages.keys import probe_metric
 from client.messages.nadp import NadpPlan
-from client.pairwise_phase import mask_probe, pair_seeds, view_graph
+from client.pairwise_phase import mask_probe, pair_seeds, roster_releases, view_graph
 from client.recovery import SelfMask, remember, self_mask_upload
 from client.wire import to_record
 from protocols.arrays import flatten, unflatten
@@ -72,7 +73,8 @@ def round_floor(msg: Message, env: ClientEnv, plan: NadpPlan) -> tuple[NadpFloor
         graph = view_graph(msg, env)
         if sorted(graph) != sorted(plan.ids):
             raise ValueError("nadp: the plan's participants differ from the round's participant list")
-    fl = nadp_floor(env.cfg, plan.sizes, me, graph, plan.noise_scale)  # more noise than the floor, never less
+    # More noise than the floor, never less; calibrated for the public schedule's most releases of any client.
+    fl = nadp_floor(env.cfg, plan.sizes, me, graph, plan.noise_scale, roster_releases(env.cfg, node_identity(env).roster))
     if fl.sigmas is None:
         at_least("nadp-ldp-stds", plan.ldp_stds[me], fl.ldp_std or 0.0)
     else:

@@ -14,13 +14,17 @@ holding only such releases has a precision spent so far (:func:`unit_precisions`
   costs a little more.
 * :func:`top_up` -- compose into a ledger what a round really cost beyond its planned charge (the
   planned charge was composed when the noise was released).
+* :func:`round_events` and :func:`epsilon_after` -- for accounts that are not precisions (Laplace rounds,
+  (epsilon, delta) rounds): the releases one round added, and the epsilon a ledger would reach with a round
+  like it composed on top (a method that cannot raise its noise stops before the round that would cross).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import Any
 
 from protocols.privacy.accountant import (
     Accountant,
@@ -30,11 +34,12 @@ from protocols.privacy.accountant import (
     RdpAccountant,
     accountant_from_state,
 )
-from protocols.privacy.events import GaussianEvent
+from protocols.privacy.events import Event, GaussianEvent, event_from_dict
 from protocols.privacy.ledger import PrivacyLedger
 
-__all__ = ["MAX_NOISE_SCALE", "RESERVE", "RoundBudget", "budget_shares", "empty_like", "plan_round", "precision",
-           "precision_budget", "top_up", "unit_precisions"]
+__all__ = ["MAX_NOISE_SCALE", "RESERVE", "RoundBudget", "budget_shares", "crosses", "empty_like", "epsilon_after",
+           "events_from_state", "events_to_state", "plan_round", "precision", "precision_budget", "round_events", "top_up",
+           "unit_precisions"]
 
 #: Share of the budget left that a re-planned round holds back for the rounds after it (and the last round
 #: for itself): a round may cost this much more than the dearest round before it without crossing the target.
@@ -268,3 +273,90 @@ def top_up(ledger: PrivacyLedger, planned: PrivacyLedger, real: PrivacyLedger) -
                 _shortfall(into.unit(u), p, acc.unit(u))
         else:
             _shortfall(into, before, acc)
+
+
+# ------------------------------------------------------------------------------------------------ event rounds
+def _added(before: tuple[Event, ...], after: tuple[Event, ...]) -> list[Event]:
+    """Events of the append-only log ``after`` beyond ``before`` (its last event may have grown in count)."""
+    if not before:
+        return list(after)
+    k = len(before) - 1
+    out = [replace(after[k], count=after[k].count - before[k].count)] if after[k].count > before[k].count else []
+    return out + list(after[k + 1:])
+
+
+def round_events(before: PrivacyLedger, after: PrivacyLedger) -> dict[str, list[Event]] | None:
+    """The releases each account (by name, :func:`_accounts`) of ``after`` holds beyond ``before``.
+
+    ``before`` is an earlier state of the same ledger.  A per-unit account gives the releases of the unit whose
+    epsilon (at the ledger's delta) grew most.  None when an account keeps no event log.
+    """
+    prior = dict(_accounts(before))
+    out: dict[str, list[Event]] = {}
+    for name, acc in _accounts(after):
+        was = prior.get(name)
+        if isinstance(acc, PerUnitAccountant):
+            assert was is None or isinstance(was, PerUnitAccountant)
+            best: tuple[float, list[Event]] = (-math.inf, [])
+            for u in acc.units:
+                old = was.unit(u) if was is not None and u in was.units else None
+                added = _log_added(old, acc.unit(u))
+                if added is None:
+                    return None
+                grew = acc.unit(u).epsilon(after.delta) - (0.0 if old is None else old.epsilon(after.delta))
+                if added and grew > best[0]:
+                    best = (grew, added)
+            out[name] = best[1]
+            continue
+        added = _log_added(was, acc)
+        if added is None:
+            return None
+        out[name] = added
+    return out
+
+
+def _log_added(was: Accountant | None, now: Accountant) -> list[Event] | None:
+    if not hasattr(now, "events"):
+        return None
+    return _added(tuple(was.events) if was is not None else (), tuple(now.events))  # type: ignore[attr-defined]
+
+
+def epsilon_after(ledger: PrivacyLedger, events: dict[str, list[Event]], units: list[int] | None = None) -> float:
+    """The headline epsilon ``ledger`` would report with ``events`` (:func:`round_events`) composed on top.
+
+    A per-unit account gets its events in each unit of ``units`` (None: every unit it has, and one new unit);
+    ``ledger`` itself is not changed.
+    """
+    trial = PrivacyLedger.from_state(ledger.to_state())
+    accounts = dict(_accounts(trial))
+    for name, evs in events.items():
+        acc = accounts[name]
+        if isinstance(acc, PerUnitAccountant):
+            fresh = min(acc.units, default=0) - 1
+            targets = [*acc.units, fresh] if units is None else units
+            for e in evs:
+                acc.compose(e, units=targets)
+        else:
+            for e in evs:
+                acc.compose(e)
+    return trial.report()["epsilon"]
+
+
+def crosses(ledger: PrivacyLedger, event: Event, epsilon: float) -> bool:
+    """Whether composing ``event`` into both views of ``ledger`` would take its headline epsilon past ``epsilon``.
+
+    For a release the server can still decline (e.g. a sum not yet reconstructed); ``ledger`` is not changed.
+    """
+    trial = PrivacyLedger.from_state(ledger.to_state())
+    trial.compose(event)
+    return trial.report()["epsilon"] > epsilon * (1.0 + _TOL)
+
+
+def events_to_state(events: dict[str, list[Event]]) -> dict[str, list[dict[str, Any]]]:
+    """JSON form of :func:`round_events`' result."""
+    return {name: [e.to_dict() for e in evs] for name, evs in events.items()}
+
+
+def events_from_state(state: dict[str, list[dict[str, Any]]]) -> dict[str, list[Event]]:
+    """Inverse of :func:`events_to_state`."""
+    return {name: [event_from_dict(e) for e in evs] for name, evs in state.items()}

@@ -10,8 +10,10 @@ really costs (at noise scale 1) and, before the next, decides with :func:`protoc
 * stop before it, when even that cannot keep the run within its target (the loop ends the run, the
   summary says it stopped for the privacy budget and ``cancelfl run`` exits non-zero).
 
-Methods whose accounts are not Gaussian precisions (Laplace, (epsilon, delta) rounds, sampled releases)
-are not guarded here.  The guard's own state travels in the checkpoint (:data:`STATE_KEY`).
+Methods whose accounts are not Gaussian precisions (Laplace rounds, (epsilon, delta) rounds) are guarded by
+stops only: before each round the guard composes, on a copy of the ledger, the releases of the dearest round
+so far (:func:`protocols.privacy.budget.epsilon_after`) and stops when that would cross the target.
+The guard's own state travels in the checkpoint (:data:`STATE_KEY`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,17 @@ from typing import Any
 
 from protocols.config import RunConfig
 from protocols.methods import method_spec
-from protocols.privacy.budget import RoundBudget, budget_shares, plan_round
+from protocols.privacy import PrivacyLedger
+from protocols.privacy.budget import (
+    RoundBudget,
+    budget_shares,
+    epsilon_after,
+    events_from_state,
+    events_to_state,
+    plan_round,
+    round_events,
+)
+from protocols.privacy.events import Event
 
 #: Key of the guard's state in the checkpoint's strategy state.
 STATE_KEY = "budget_guard"
@@ -45,6 +57,10 @@ class BudgetGuard:
         #: The current round's decision and the precisions before it.
         self.decision = RoundBudget()
         self._before: dict | None = None
+        #: Ledgers that are not precisions: the releases of the dearest round so far, and its epsilon increase.
+        self.dearest_events: dict[str, list[Event]] | None = None
+        self.dearest_epsilon = 0.0
+        self._before_ledger: dict | None = None
 
     @property
     def scalable(self) -> bool:
@@ -58,12 +74,14 @@ class BudgetGuard:
     def before_round(self, rnd: int) -> str | None:
         """Decide round ``rnd``: set ``strategy.noise_scale``; return why the run must stop before it, or None."""
         self.decision = RoundBudget()
-        self._before = None
+        self._before = self._before_ledger = None
         shares = budget_shares(self.strategy.privacy, self.epsilon) if self.guarded else None
+        if shares is None and self.guarded:
+            return self._check_events(rnd)
         if shares is not None:
             self._before = shares
             spent = max(shares.values(), default=0.0)
-            self.decision = plan_round(1.0, spent, self.dearest, self.total_rounds - rnd + 1, scalable=self.scalable)
+            self.decision = self._plan(shares, rnd)
             if self.decision.stop is not None:
                 eps_spent = self.strategy.privacy.report()["epsilon"]
                 return (f"privacy budget: round {rnd} would take the run past its target epsilon {self.epsilon:g} "
@@ -75,8 +93,63 @@ class BudgetGuard:
             self.strategy.noise_scale = self.decision.scale
         return None
 
+    def _plan(self, shares: dict[tuple[str, int | None], float], rnd: int) -> RoundBudget:
+        """:func:`plan_round` for every account (per unit: the rounds left that sample it), combined.
+
+        An account of all clients (unit None) is charged every round left.  A client's account (per unit) is
+        charged only in the rounds the public schedule samples it (:meth:`CancelStrategy.schedule_left`;
+        without a schedule, every round left); a client not charged yet is planned with the most rounds any
+        client has left.  A method that cannot raise its noise stops only for a client the next round samples.
+        Returns the largest scale asked for, or the first stop.
+        """
+        all_left = self.total_rounds - rnd + 1
+        sched = getattr(self.strategy, "schedule_left", lambda _a, _b: None)
+        left_of, most = sched(rnd, self.total_rounds) or ({}, all_left)
+        now_of, now_most = sched(rnd, rnd) or ({}, 1)
+        plans = [(0.0, most, now_most)] if left_of else []  # a client not charged yet
+        for (_view, unit), spent in shares.items():
+            if unit is None:
+                plans.append((spent, all_left, 1))
+            else:
+                plans.append((spent, left_of.get(unit, most), now_of.get(unit, now_most)))
+        out = RoundBudget()
+        for spent, left, now in plans:
+            if left < 1 or (not self.scalable and not now):
+                continue
+            b = plan_round(1.0, spent, self.dearest, left, scalable=self.scalable)
+            if b.stop is not None:
+                return b
+            if b.scale > out.scale:
+                out = b
+        return out
+
+    def _check_events(self, rnd: int) -> str | None:
+        """Ledgers that are not precisions: stop when a round like the dearest so far would cross the target."""
+        ledger = self.strategy.privacy
+        self._before_ledger = ledger.to_state()
+        if not self.dearest_events:
+            return None
+        now = ledger.report()["epsilon"]
+        sampled = getattr(self.strategy, "schedule_left", lambda _a, _b: None)(rnd, rnd)
+        units = None if sampled is None else [u for u, c in sampled[0].items() if c] + [-1]  # -1: one not known yet
+        after = epsilon_after(ledger, self.dearest_events, units)
+        if not math.isfinite(now) or after <= self.epsilon * (1.0 + 1e-9):
+            return None
+        return (f"privacy budget: round {rnd} would take the run past its target epsilon {self.epsilon:g} "
+                f"(delta {self.delta:g}); epsilon spent so far {now:.4g}: a round like the dearest so far would "
+                f"bring it to {after:.4g}. Earlier rounds cost more than planned (clients dropped after the noise "
+                "was fixed, or a round was charged again after a resume)")
+
     def after_round(self) -> None:
         """Learn what the round just accounted cost per unit (normalised to noise scale 1)."""
+        if self._before_ledger is not None:
+            before = PrivacyLedger.from_state(self._before_ledger)
+            self._before_ledger = None
+            events = round_events(before, self.strategy.privacy)
+            if events and any(events.values()):
+                cost = self.strategy.privacy.report()["epsilon"] - before.report()["epsilon"]
+                if math.isfinite(cost) and cost >= self.dearest_epsilon:
+                    self.dearest_events, self.dearest_epsilon = events, cost
         if self._before is None:
             return
         now = budget_shares(self.strategy.privacy, self.epsilon)
@@ -91,11 +164,17 @@ class BudgetGuard:
         """Figures for the round's metrics row: the noise scale when the budget raised it."""
         return {"noise_scale": self.decision.scale} if self.decision.scale != 1.0 else {}
 
-    def to_state(self) -> dict[str, float]:
+    def to_state(self) -> dict[str, Any]:
         """JSON state (what a resumed run needs to go on guarding)."""
-        return {"dearest": self.dearest}
+        out: dict[str, Any] = {"dearest": self.dearest}
+        if self.dearest_events is not None:
+            out.update(dearest_events=events_to_state(self.dearest_events), dearest_epsilon=self.dearest_epsilon)
+        return out
 
     def load_state(self, state: dict[str, Any] | None) -> None:
         """Inverse of :meth:`to_state` (None or missing: nothing learnt yet)."""
         if state:
             self.dearest = float(state.get("dearest", 0.0))
+            if "dearest_events" in state:
+                self.dearest_events = events_from_state(state["dearest_events"])
+                self.dearest_epsilon = float(state.get("dearest_epsilon", 0.0))

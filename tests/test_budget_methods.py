@@ -1,0 +1,71 @@
+"""The budget guard of niss, ladp, cdp (more noise), ddpsa and mpddp on an n-out graph (stops): epsilon is a hard cap."""
+
+from __future__ import annotations
+
+import pytest
+
+from protocols.config import RunConfig
+from protocols.privacy import DpEvent
+from protocols.privacy.budget import RoundBudget
+from strategies.base import RoundState
+from strategies.mpddp import MpddpStrategy
+from strategies.run.budget import BudgetGuard
+from tests.test_budget_cap import DROPS
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+def test_niss_raises_its_noise_instead_of_stopping(run_inprocess):
+    """20 % drop every round: niss used to stop before round 3 (0.92 spent); now it raises sigma_k and ends <= 1."""
+    summary, rows = run_inprocess(method="niss", **DROPS)
+    assert summary["stopped"] is None and summary["failed_rounds"] == [] and len(rows) == 3
+    assert all(r["dropped"] == 2 and r["recovery"] == 1 for r in rows)
+    assert "noise_scale" not in rows[0] and all(r["noise_scale"] > 1.0 for r in rows[1:])
+    # The clients multiplied their own sigma_k by the announced scale (their reports, not the server's figure).
+    assert rows[1]["upload_noise_std"] == pytest.approx(rows[0]["upload_noise_std"] * rows[1]["noise_scale"], rel=0.05)
+    assert summary["epsilon"] <= 1.0 and not summary["privacy"]["over_target"]
+
+
+@pytest.mark.parametrize(("method", "noise_key"), [("ladp", "total_noise_norm"), ("cdp", "model_noise_std")])
+def test_a_raised_scale_reaches_the_noise_and_the_charge(run_inprocess, tmp_path, monkeypatch, method, noise_key):
+    """Rounds 2 and 3 asked for 1.5x the noise: the noise added grows 1.5x and the run is charged less."""
+    common = {"method": method, "num-clients": 4, "num-rounds": 3, "seed": 3, "epsilon": 1.0}
+    plain, ref = run_inprocess(**common, out_dir=str(tmp_path / "plain"))
+    monkeypatch.setattr(BudgetGuard, "_plan", lambda self, shares, rnd: RoundBudget(1.5 if rnd > 1 else 1.0, None, rnd > 1))
+    raised, rows = run_inprocess(**common, out_dir=str(tmp_path / "raised"))
+    assert raised["stopped"] is None and len(rows) == 3 and rows[1]["noise_scale"] == 1.5
+    assert rows[0][noise_key] == pytest.approx(ref[0][noise_key], rel=0.2)
+    assert rows[1][noise_key] == pytest.approx(1.5 * rows[0][noise_key], rel=0.2)
+    assert raised["epsilon"] < 0.8 * plain["epsilon"]  # two of three releases at 1.5x the multiplier
+
+
+def test_ddpsa_aborts_a_round_whose_release_would_cross(run_inprocess):
+    """Distributed noise, 2 of 10 drop: a round's sum would cost ~9 (27.9 spent before); it is never released."""
+    summary, rows = run_inprocess(method="ddpsa", **DROPS)
+    assert summary["epsilon"] <= 1.0 and not summary["privacy"]["over_target"]
+    assert len(summary["failed_rounds"]) == 3
+    assert all("and take the run past its target epsilon 1" in f for f in summary["failed_rounds"])
+
+
+def test_mpddp_on_an_n_out_graph_stops_before_the_round_that_would_cross():
+    """Theorem 11 rounds compose basically: after recoveries that cost more, the guard stops before crossing."""
+    cfg = RunConfig.from_mapping({"method": "mpddp", "graph": "n-out", "n-out": 95, "num-clients": 100,
+                                  "num-rounds": 10, "epsilon": 1.0})
+    strategy = MpddpStrategy(cfg)
+    guard = BudgetGuard(cfg, strategy, cfg.num_rounds)
+    stopped = None
+    for rnd in range(1, 11):
+        stopped = guard.before_round(rnd)
+        if stopped is not None:
+            break
+        strategy.charge_release(RoundState(rnd, [1, 2, 3]))
+        strategy.privacy.downlink.compose(DpEvent(0.05), units=[1, 2, 3])  # a recovery left less noise: its shortfall
+        guard.after_round()
+    assert stopped is not None and "round 7 would take the run past its target epsilon 1" in stopped, stopped
+    assert strategy.privacy.report()["epsilon"] == pytest.approx(6 * 0.15)  # six rounds of 0.1 + 0.05
+    back = BudgetGuard(cfg, strategy, cfg.num_rounds)  # the checkpointed guard stops the resumed run the same way
+    back.load_state(guard.to_state())
+    assert back.before_round(7) is not None
