@@ -61,14 +61,8 @@ from protocols.config import RunConfig
 from protocols.floor import niss_floor
 from protocols.niss import ShareBundle, client_tau, downlink_multiplier
 from protocols.niss_joint import survivor_factors
-from protocols.privacy import (
-    GaussianEvent,
-    PrivacyLedger,
-    RdpAccountant,
-    analytic_gaussian_epsilon,
-    noise_multiplier,
-    record_training_movement,
-)
+from protocols.privacy import (GaussianEvent, PrivacyLedger, RdpAccountant, analytic_gaussian_epsilon,
+                               noise_multiplier, record_training_movement)
 from protocols.privacy.signal import NoiseEstimate, gaussian_norm
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 from strategies.key_phase import KeyPhase, KeyRound
