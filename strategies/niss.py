@@ -61,8 +61,14 @@ from protocols.config import RunConfig
 from protocols.floor import niss_floor
 from protocols.niss import ShareBundle, client_tau, downlink_multiplier
 from protocols.niss_joint import survivor_factors
-from protocols.privacy import (GaussianEvent, PrivacyLedger, RdpAccountant, analytic_gaussian_epsilon,
-                               noise_multiplier, record_training_movement)
+from protocols.privacy import (
+    GaussianEvent,
+    PrivacyLedger,
+    RdpAccountant,
+    analytic_gaussian_epsilon,
+    noise_multiplier,
+    record_training_movement,
+)
 from protocols.privacy.signal import NoiseEstimate, gaussian_norm
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 from strategies.key_phase import KeyPhase, KeyRound
@@ -148,9 +154,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
     """Server side of NISS: tracker (neighbour lists), ciphertext relay, plain sum of uploads."""
 
     wire_dtype = np.float64
-    #: The round loop may raise every client's sigma_k by ``noise_scale`` (>= 1; sent with the share request,
-    #: the clients multiply their own sigma_k by it) to keep epsilon within the run's target
-    #: (:mod:`strategies.run.budget`).
+    #: The budget guard (:mod:`strategies.run.budget`) may raise every sigma_k by ``noise_scale`` (>= 1).
     scales_noise = True
     noise_scale = 1.0
 
@@ -161,9 +165,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         self.keys = KeyPhase(cfg)
         #: The last aggregated round's client reports (sigma_k, tau_k, shares): describe() and noise_estimate().
         self._figures: list[NissMetrics] = []
-        # Uplink: RDP of the per-round Gaussian upload (headline). Downlink: the residual noise of the sum,
-        # none with tau = 0 (the shares cancel exactly).
-        # With tau = 0 the uploads' sum is noiseless: no uplink guarantee either (protocols.niss_joint).
+        # Uplink (headline) and downlink (the sum's residual): none with tau = 0 (the shares cancel exactly).
         self.privacy = PrivacyLedger(cfg.delta, uplink=RdpAccountant() if self.tau > 0 else None,
                                      downlink=RdpAccountant() if self.tau > 0 else None, headline="uplink")
 
