@@ -25,6 +25,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from protocols.privacy.pld import laplace_pld_scale, pld_epsilon
+from protocols.privacy.search import largest_within
 
 __all__ = [
     "BudgetSchedule",
@@ -170,18 +171,7 @@ def _scale_for_advanced(shape: np.ndarray, epsilon_total: float, delta_prime: fl
     def spent(c: float) -> float:
         return compose_advanced(c * shape, delta_prime=delta_prime).epsilon
 
-    lo, hi = 0.0, 1.0
-    while spent(hi) < epsilon_total:  # spent is continuous, increasing, spent(0+) -> 0
-        lo, hi = hi, hi * 2.0
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if spent(mid) <= epsilon_total:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo <= 1e-15 * hi:
-            break
-    return lo
+    return largest_within(spent, epsilon_total, 0.0, 1.0, rel_tol=1e-15)  # spent(0+) -> 0
 
 
 def per_round_epsilons(

@@ -19,6 +19,8 @@ from functools import lru_cache
 from dp_accounting.pld import privacy_loss_distribution as _pld
 from dp_accounting.pld.common import DifferentialPrivacyParameters
 
+from protocols.privacy.search import largest_within
+
 __all__ = ["DISCRETIZATION", "laplace_pld_scale", "pld_epsilon"]
 
 #: Width of dp-accounting's privacy-loss grid per unit of the largest release's epsilon (at least this absolute
@@ -75,18 +77,7 @@ def _scale(shape: tuple[float, ...], epsilon: float, delta: float) -> float:
         return pld_epsilon([(e, True, n) for e, n in merged.items()], delta)
 
     lo = epsilon / math.fsum(shape)  # basic composition: always within the budget
-    hi = lo * 1.05
-    while spent(hi) <= epsilon:
-        lo, hi = hi, hi * 2.0
-    for _ in range(40):
-        mid = 0.5 * (lo + hi)
-        if spent(mid) <= epsilon:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo <= 1e-3 * lo:
-            break
-    return lo
+    return largest_within(spent, epsilon, lo, lo * 1.05, rel_tol=1e-3)
 
 
 def laplace_pld_scale(shape: Sequence[float], epsilon: float, delta: float) -> float:
