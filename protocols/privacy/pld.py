@@ -1,8 +1,9 @@
 """Privacy-loss-distribution (PLD) composition of pure-DP releases, over Google's dp-accounting.
 
 A Laplace release of scale ``b`` on a query of L1 sensitivity ``S`` (``epsilon = S / b``) has the PLD of
-dp-accounting's ``from_laplace_mechanism(1 / epsilon)``: the worst pair of neighbouring outputs of a ``d``-dimensional
-Laplace mechanism under an L1 bound puts the whole shift on one coordinate, the one-dimensional mechanism.  Any
+dp-accounting's ``from_laplace_mechanism(1 / epsilon)``: a ``d``-dimensional Laplace mechanism under an L1 bound leaks
+most when the whole shift is on one coordinate, the one-dimensional mechanism (a shift spread over coordinates is
+dominated at every epsilon; ``tests/test_ddpsa_pld.py`` checks spreads numerically).  Any
 other ``epsilon``-DP release (e.g. DDP-SA's difference-of-Gammas noise when shares are missing) is charged the PLD
 of ``from_privacy_parameters(epsilon, 0)``, which dominates every ``epsilon``-DP mechanism.  PLDs compose
 by convolution (Koskela et al. 2020; Doroshenko et al. 2022); dp-accounting's pessimistic discretisation keeps every
