@@ -214,8 +214,9 @@ def test_killed_intermediate_server_fails_additive_round_naming_it_and_charges_n
             strategy.close()
         dead = victims.addresses[1]
     # Only round 1 produced a model: the epsilon of rounds 2 and 3 is not charged.
-    assert strategy.privacy_report(3)["epsilon"] == pytest.approx(strategy.epsilon_of_round(1))
-    assert summary["epsilon"] == pytest.approx(strategy.epsilon_of_round(1))
+    # (a PLD figure: one Laplace release at the run's delta, a hair under its eps_t)
+    assert strategy.privacy_report(3)["epsilon"] == pytest.approx(strategy.epsilon_of_round(1), rel=1e-3)
+    assert summary["epsilon"] == pytest.approx(strategy.epsilon_of_round(1), rel=1e-3)
     assert len(summary["failed_rounds"]) == 2
     fetch_err, health_err = summary["failed_rounds"]
     # Round 2: the shares were pushed, then the fetch of partial sum #1 failed.
@@ -238,7 +239,7 @@ def test_run_keeps_training_when_one_of_three_servers_is_killed(tmp_path) -> Non
             strategy.close()
         assert not victims.handles[1].is_running() and victims.handles[0].is_running()
     assert summary["failed_rounds"] == [] and summary["rounds_completed"] == 4
-    assert summary["epsilon"] == pytest.approx(30.0)  # all four rounds released and charged
+    assert summary["epsilon"] == pytest.approx(30.0, rel=1e-3)  # all four rounds released and charged (PLD)
     assert summary["final_accuracy"] > 0.3  # chance is 0.1
     assert summary["method_parameters"]["sharing_threshold"] == 2
 

@@ -156,7 +156,7 @@ def test_real_round_noise_is_one_over_n_of_local(noise_seen) -> None:
         per_client = np.var(noise_seen[0])
         assert per_client == pytest.approx(2 * b * b / (8 if mode == "distributed" else 1), rel=0.3)
         variances[mode] = np.var(np.sum(noise_seen, axis=0))
-        assert strategy.privacy_report(1)["epsilon"] == pytest.approx(strategy.epsilon_of_round(1))
+        assert strategy.privacy_report(1)["epsilon"] == pytest.approx(strategy.epsilon_of_round(1), rel=1e-3)
     assert variances["distributed"] / variances["local"] == pytest.approx(1 / 8, rel=0.35)
 
 

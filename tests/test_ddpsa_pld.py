@@ -54,6 +54,8 @@ def test_pld_schedule_meets_the_budget_and_never_noises_more_than_basic(rounds: 
     # The Laplace scale per round (clip / eps_t) is never larger than basic composition's.
     assert np.all(pld.epsilons >= basic.epsilons * (1 - 1e-12))
     np.testing.assert_allclose(pld.epsilons / pld.epsilons[0], basic.epsilons / basic.epsilons[0], rtol=1e-12)
+    if rounds == 1:  # one release stays pure epsilon-DP
+        assert pld.epsilons[0] == EPS
     # Tight: 1% more per round would exceed the budget (unless basic composition already certifies it).
     if pld.epsilons[0] > basic.epsilons[0] * 1.001:
         assert pld_epsilon([(float(e) * 1.01, True, 1) for e in pld.epsilons], DELTA) > EPS

@@ -85,7 +85,8 @@ def laplace_pld_scale(shape: Sequence[float], epsilon: float, delta: float) -> f
     """Largest ``c`` whose Laplace releases of epsilons ``c * shape`` compose (PLD) to at most ``(epsilon, delta)``.
 
     Bisection on :func:`pld_epsilon`, starting from basic composition's ``epsilon / sum(shape)`` (the answer is
-    never below it).  Cached per ``(shape, epsilon, delta)``: clients and the server recompute the same schedule.
+    never below it).  One release keeps ``epsilon / shape[0]``: pure epsilon-DP (delta would buy it under 1e-4).
+    Cached per ``(shape, epsilon, delta)``: clients and the server recompute the same schedule.
 
     Raises:
         ValueError: an empty or non-positive shape, ``epsilon`` not finite and > 0, ``delta`` outside ``(0, 1)``.
@@ -97,4 +98,6 @@ def laplace_pld_scale(shape: Sequence[float], epsilon: float, delta: float) -> f
     _check([epsilon])
     if not 0.0 < delta < 1.0:
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+    if len(shape) == 1:
+        return float(epsilon) / shape[0]
     return _scale(shape, float(epsilon), float(delta))
