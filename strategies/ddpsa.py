@@ -13,9 +13,10 @@ Round ``t`` (the stages of :mod:`strategies.stages`):
    ``theta_{t+1} = theta_t - eta * sum_i s_i / N``);
 4. ``account`` composes the round's ``eps_t`` once its sum was reconstructed.
 
-``self.privacy`` composes ``eps_t`` (:func:`protocols.privacy.per_round_epsilons`, Theorem 2, Eq. 12) when a
-round's sum is reconstructed, or the epsilon the noise present really gives
-(:func:`protocols.ddpsa.gamma_difference_epsilon`).  Sharing, noise, trust: ``docs/methods/ddpsa.md``.
+``self.privacy`` composes ``eps_t`` (:func:`protocols.privacy.per_round_epsilons`, Theorem 2, Eq. 12, or the PLD
+calibration of ``ddpsa-composition = "pld"``) when a round's sum is reconstructed, or the epsilon the noise present
+really gives (:func:`protocols.ddpsa.gamma_difference_epsilon`) as a pure-DP release.
+Sharing, noise, trust: ``docs/methods/ddpsa.md``.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ from protocols.ddpsa import gamma_difference_epsilon, honest_participants, l1_se
 from protocols.privacy import (
     BudgetSchedule,
     DpCompositionAccountant,
+    DpEvent,
     LaplaceEvent,
+    PldAccountant,
     PrivacyLedger,
     laplace_scale,
     per_round_epsilons,
@@ -117,7 +120,8 @@ class DdpsaStrategy(CancelStrategy):
             composition=cfg.ddpsa_composition,
         )
         # Rounds released so far, composed as the schedule was certified (advanced: the smaller of the two bounds).
-        spent = DpCompositionAccountant(composition="best" if self.schedule.composition == "advanced" else "basic")
+        spent = (PldAccountant() if self.schedule.composition == "pld"
+                 else DpCompositionAccountant(composition="best" if self.schedule.composition == "advanced" else "basic"))
         self.privacy = PrivacyLedger(cfg.delta, uplink=spent, downlink=spent)
         self.codec = FixedPointCodec(frac_bits=cfg.ddpsa_frac_bits, max_clients=max(cfg.num_clients, 2))
         #: Servers whose partial sums reconstruct a round; ``shamir`` is it for Shamir sharing, None for additive.
@@ -339,8 +343,19 @@ class DdpsaStrategy(CancelStrategy):
             self.optimizer = optimizer_from_state(state["optimizer"])
 
     def release_round(self, server_round: int, epsilon: float | None = None) -> None:
-        """Compose round ``server_round``'s pure-DP release: ``epsilon`` (:meth:`round_charge`), default ``eps_t``."""
-        self.privacy.compose(LaplaceEvent(self.epsilon_of_round(server_round) if epsilon is None else epsilon))
+        """Compose round ``server_round``'s pure-DP release: ``epsilon`` (:meth:`round_charge`), default ``eps_t``.
+
+        A round whose noise is the full ``Lap(Delta_1 / eps_t)`` is a :class:`LaplaceEvent`; one whose noise gives a
+        larger epsilon (missing shares: a difference of Gammas, not a Laplace) is a pure-DP :class:`DpEvent` of that
+        epsilon, which every accountant charges at least as much as the nominal Laplace round.
+        """
+        eps_t = self.epsilon_of_round(server_round)
+        if epsilon is None or epsilon == eps_t:
+            self.privacy.compose(LaplaceEvent(eps_t))
+        elif epsilon > eps_t:
+            self.privacy.compose(DpEvent(epsilon, 0.0))
+        else:
+            raise ValueError(f"round {server_round}: charge {epsilon} below the round's nominal eps_t = {eps_t}")
 
     def account(self, state: DdpsaState) -> None:
         """Account stage: the round's pure-DP release (Laplace), once its noisy sum was reconstructed.

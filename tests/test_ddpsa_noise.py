@@ -96,7 +96,7 @@ def test_epsilon_of_the_noise_present() -> None:
 
 
 def test_strategy_charges_more_when_participants_drop() -> None:
-    _, _, s = _setup(num_clients=10, epsilon=2.0, num_rounds=2, ddpsa_collude_frac=0.1,
+    _, _, s = _setup(num_clients=10, epsilon=2.0, num_rounds=2, ddpsa_collude_frac=0.1, ddpsa_composition="basic",
                      ddpsa_servers="127.0.0.1:1,127.0.0.1:2,127.0.0.1:3")
     eps_t = s.epsilon_of_round(1)
     # n = 10, f = 0.1: n' = 9, one share may be a colluder's; all 10 present = eps_t.
@@ -156,7 +156,7 @@ def test_real_round_noise_is_one_over_n_of_local(noise_seen) -> None:
         per_client = np.var(noise_seen[0])
         assert per_client == pytest.approx(2 * b * b / (8 if mode == "distributed" else 1), rel=0.3)
         variances[mode] = np.var(np.sum(noise_seen, axis=0))
-        assert strategy.privacy_report(1)["epsilon"] == pytest.approx(strategy.epsilon_of_round(1))
+        assert strategy.privacy_report(1)["epsilon"] == pytest.approx(strategy.epsilon_of_round(1), rel=1e-3)
     assert variances["distributed"] / variances["local"] == pytest.approx(1 / 8, rel=0.35)
 
 
@@ -209,7 +209,8 @@ def test_local_round_accepted_by_a_distributed_client(noise_seen) -> None:
 
 def test_dropped_participants_are_charged_in_a_real_run(run_inprocess, tmp_path) -> None:
     """fault-drop-rate withholds replies after the shares were pushed: the run is charged above its target."""
-    common = dict(method="ddpsa", num_clients=10, num_rounds=2, ddpsa_collude_frac=0.0, **LINEAR)
+    common = dict(method="ddpsa", num_clients=10, num_rounds=2, ddpsa_collude_frac=0.0, ddpsa_composition="basic",
+                  **LINEAR)
     full, _ = run_inprocess(**common)
     assert full["failed_rounds"] == [] and full["epsilon"] == pytest.approx(10.0)
     dropped, rows = run_inprocess(**common, fault_drop_rate=0.1, out_dir=str(tmp_path / "drop"))

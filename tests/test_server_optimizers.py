@@ -109,7 +109,7 @@ def test_regime_and_user_settings() -> None:
         assert cfg.server_optimizer == "adam"
         assert dict(cfg.regime_applied)["server-optimizer"] == "adam"
     assert RunConfig.from_mapping({"method": "mpddp", "mpddp-server-lr": 0.5}).server_optimizer == "sgd"
-    assert RunConfig.from_mapping({"method": "ddpsa"}).server_optimizer == "sgd"  # two rounds at lr 100: better
+    assert RunConfig.from_mapping({"method": "ddpsa"}).server_optimizer == "sgd"  # its regime: SGD, few rounds
     assert RunConfig.from_mapping({"method": "ddpsa", "server-optimizer": "adam", "lr": 0.1}).server_optimizer == "adam"
     explicit = RunConfig.from_mapping({"method": "mpddp", "mpddp-server-lr": 0.02, "server-optimizer": "adam"})
     assert (explicit.server_optimizer, explicit.mpddp_server_lr) == ("adam", 0.02)

@@ -6,6 +6,7 @@
   JSON state) and its implementations; every RDP figure uses :data:`RDP_ORDERS`.
 * :mod:`~protocols.privacy.calibration` -- epsilon of repeated Gaussian releases and the noise that meets a budget.
 * :mod:`~protocols.privacy.composition` -- closed-form theorems (DDP-SA Theorem 2 / Eq. 12, NADP-FL Lemma 2).
+* :mod:`~protocols.privacy.pld` -- privacy-loss-distribution composition of pure-DP (Laplace) releases.
 * :mod:`~protocols.privacy.sensitivity` -- record-level sensitivity of per-example-clipped local SGD.
 * :mod:`~protocols.privacy.ledger` -- a method's accounts per adversary view (:class:`PrivacyLedger`) and its report.
 * :mod:`~protocols.privacy.budget` -- epsilon as a hard cap: the budget left as shares, the noise scale of the next
@@ -21,6 +22,7 @@ from protocols.privacy.accountant import (
     GdpAccountant,
     Lemma2Accountant,
     PerUnitAccountant,
+    PldAccountant,
     RdpAccountant,
     accountant_from_state,
 )
@@ -67,6 +69,7 @@ __all__ = [
     "LaplaceEvent",
     "Lemma2Accountant",
     "PerUnitAccountant",
+    "PldAccountant",
     "PrivacyBudget",
     "PrivacyLedger",
     "RdpAccountant",

@@ -7,6 +7,7 @@ is plain JSON (:meth:`Accountant.to_state`, :func:`accountant_from_state`), so a
   Talwar & Zhang 2019) with the fixed orders :data:`RDP_ORDERS`;
 * :class:`GdpAccountant`: exact composition of unsampled Gaussian releases (Dong, Roth & Su 2019);
 * :class:`DpCompositionAccountant`: basic / advanced composition of (epsilon, delta)-DP releases (DDP-SA Theorem 2);
+* :class:`PldAccountant`: privacy-loss-distribution composition of pure-DP releases (:mod:`protocols.privacy.pld`);
 * :class:`Lemma2Accountant`: NADP-FL's Lemma 2, for the paper's figures;
 * :class:`PerUnitAccountant`: one accountant per unit, reporting the worst.
 """
@@ -28,6 +29,7 @@ from dp_accounting.rdp import RdpAccountant as _DpRdpAccountant
 from protocols.privacy.composition import compose_advanced, compose_basic, lemma2_epsilon
 from protocols.privacy.events import DpEvent, Event, GaussianEvent, LaplaceEvent, event_from_dict
 from protocols.privacy.mechanisms import analytic_gaussian_epsilon
+from protocols.privacy.pld import pld_epsilon
 
 __all__ = [
     "RDP_ORDERS",
@@ -36,6 +38,7 @@ __all__ = [
     "GdpAccountant",
     "Lemma2Accountant",
     "PerUnitAccountant",
+    "PldAccountant",
     "RdpAccountant",
     "accountant_from_state",
 ]
@@ -334,6 +337,25 @@ class DpCompositionAccountant(_EventLog):
         return advanced if self.composition == "advanced" else min(basic, advanced)
 
 
+class PldAccountant(_EventLog):
+    """Privacy-loss-distribution composition of pure-DP releases (:func:`protocols.privacy.pld.pld_epsilon`).
+
+    A :class:`LaplaceEvent` is composed as the Laplace mechanism of its epsilon; a :class:`DpEvent` (``delta``
+    must be 0) as any mechanism of that epsilon (the worst-case pure-DP PLD).  Never above basic composition.
+    """
+
+    kind = "pld"
+    accepts = (LaplaceEvent, DpEvent)
+
+    def _check(self, event: Event) -> None:
+        if isinstance(event, DpEvent) and event.delta != 0.0:
+            raise ValueError("PldAccountant composes pure-DP releases only (DpEvent delta 0)")
+
+    def epsilon(self, delta: float) -> float:
+        return pld_epsilon([(e.epsilon, isinstance(e, LaplaceEvent), e.count) for e in self._events],
+                           _check_delta(delta))
+
+
 class Lemma2Accountant(_EventLog):
     """NADP-FL's composition (Lemma 2): ``eps = sqrt(2 ln(1/delta) sum_releases q / z^2)``.
 
@@ -423,7 +445,8 @@ class PerUnitAccountant(Accountant):
 
 
 _KINDS: dict[str, type[Accountant]] = {
-    c.kind: c for c in (RdpAccountant, GdpAccountant, DpCompositionAccountant, Lemma2Accountant, PerUnitAccountant)
+    c.kind: c
+    for c in (RdpAccountant, GdpAccountant, DpCompositionAccountant, PldAccountant, Lemma2Accountant, PerUnitAccountant)
 }
 
 

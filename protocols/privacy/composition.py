@@ -5,7 +5,8 @@ advanced ``(eps sqrt(2T ln(1/delta')) + T eps (e^eps - 1), T delta + delta')`` (
 total budget uniformly or with decay ``eps_t = eps_total alpha^(t-1) / sum_i alpha^(i-1)``.  Splitting so that the
 ``eps_t`` sum to the total is right only under basic composition; under advanced composition
 :func:`per_round_epsilons` scales the allocation shape until the heterogeneous bound
-``sqrt(2 ln(1/delta') sum_t eps_t^2) + sum_t eps_t (e^{eps_t} - 1)`` (Dwork & Roth 2014, Thm 3.20) meets it.
+``sqrt(2 ln(1/delta') sum_t eps_t^2) + sum_t eps_t (e^{eps_t} - 1)`` (Dwork & Roth 2014, Thm 3.20) meets it, and
+under ``"pld"`` until the privacy-loss distribution of the T Laplace releases (:mod:`protocols.privacy.pld`) meets it.
 
 NADP-FL (Lemma 2, Eq. 2): ``sigma = Delta sqrt(2 Q ln(1/delta)) / eps`` for Q Gaussian queries
 (:func:`lemma2_sigma`) and its inverse :func:`lemma2_epsilon`.  These are the paper's figures: its Appendix C
@@ -23,6 +24,9 @@ from typing import Literal
 import numpy as np
 from numpy.typing import NDArray
 
+from protocols.privacy.pld import laplace_pld_scale, pld_epsilon
+from protocols.privacy.search import largest_within
+
 __all__ = [
     "BudgetSchedule",
     "PrivacyBudget",
@@ -38,7 +42,7 @@ __all__ = [
 ]
 
 Allocation = Literal["uniform", "exponential"]
-Composition = Literal["basic", "advanced", "best"]
+Composition = Literal["basic", "advanced", "best", "pld"]
 
 
 @dataclass(frozen=True)
@@ -56,15 +60,15 @@ class BudgetSchedule:
     Attributes:
         epsilons: per-round epsilon, index 0 = first round.
         delta_per_round: per-round delta of the mechanism (0 for the Laplace mechanism).
-        delta_prime: slack delta' consumed by advanced composition (0 under basic).
-        composition: the theorem that certifies the schedule ("basic" or "advanced").
+        delta_prime: slack delta' consumed by advanced composition (0 under basic, the whole delta under pld).
+        composition: what certifies the schedule ("basic", "advanced" or "pld").
         spent: the composed guarantee certified for the whole schedule (<= the target).
     """
 
     epsilons: NDArray[np.float64]
     delta_per_round: float
     delta_prime: float
-    composition: Literal["basic", "advanced"]
+    composition: Literal["basic", "advanced", "pld"]
     spent: PrivacyBudget
 
 
@@ -167,18 +171,7 @@ def _scale_for_advanced(shape: np.ndarray, epsilon_total: float, delta_prime: fl
     def spent(c: float) -> float:
         return compose_advanced(c * shape, delta_prime=delta_prime).epsilon
 
-    lo, hi = 0.0, 1.0
-    while spent(hi) < epsilon_total:  # spent is continuous, increasing, spent(0+) -> 0
-        lo, hi = hi, hi * 2.0
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if spent(mid) <= epsilon_total:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo <= 1e-15 * hi:
-            break
-    return lo
+    return largest_within(spent, epsilon_total, 0.0, 1.0, rel_tol=1e-15)  # spent(0+) -> 0
 
 
 def per_round_epsilons(
@@ -203,7 +196,9 @@ def per_round_epsilons(
             (shape scaled so the heterogeneous advanced bound equals eps_total, with
             ``delta' = delta_total - T * delta_per_round``) or "best" (whichever of the
             two gives larger per-round epsilons; both bounds are valid, so the tighter
-            certificate is used).
+            certificate is used) or "pld" (shape scaled so the privacy-loss distribution of T
+            Laplace releases meets ``(epsilon_total, delta_total)``; pure releases only,
+            ``delta_per_round`` 0; never below basic's per-round epsilons).
         delta_per_round: delta of each round's mechanism (0 for pure Laplace LDP).
 
     Returns:
@@ -244,8 +239,17 @@ def per_round_epsilons(
             compose_advanced(eps, delta_per_round, delta_prime=delta_prime),
         )
 
+    def pld() -> BudgetSchedule:
+        if delta_per_round != 0.0 or not delta_total > 0.0:
+            raise ValueError("PLD composition takes pure (Laplace) rounds, delta_per_round 0, and delta_total > 0")
+        eps = laplace_pld_scale(shape, epsilon_total, delta_total) * shape
+        spent = pld_epsilon([(float(e), True, 1) for e in eps], delta_total)
+        return BudgetSchedule(eps, 0.0, delta_total, "pld", PrivacyBudget(spent, delta_total))
+
     if composition == "basic":
         return basic()
+    if composition == "pld":
+        return pld()
     if composition == "advanced":
         return advanced()
     if composition == "best":
@@ -254,7 +258,7 @@ def per_round_epsilons(
             return b
         a = advanced()
         return a if a.epsilons[0] > b.epsilons[0] else b
-    raise ValueError(f"unknown composition {composition!r} (use 'basic', 'advanced' or 'best')")
+    raise ValueError(f"unknown composition {composition!r} (use 'basic', 'advanced', 'best' or 'pld')")
 
 
 # ----------------------------------------------------------------------------- NADP-FL Lemma 2
