@@ -323,13 +323,13 @@ def test_clients_refuse_a_strategys_own_intermediate_servers(recorded) -> None:
 
 
 def test_default_regime_spends_exactly_the_target_with_zero_out_laplace(run_inprocess) -> None:
-    """Only the method set: the regime's rounds meet epsilon (PLD composition), noise scale clip / eps_t."""
+    """Only the method set: the regime's rounds share epsilon (basic composition), noise scale clip / eps_t."""
     summary, rows = run_inprocess(method="ddpsa")
     cfg = RunConfig.from_mapping(_raw())
-    assert cfg.ddpsa_composition == "pld"
+    assert cfg.ddpsa_composition == "basic"
     assert summary["failed_rounds"] == [] and len(rows) == cfg.num_rounds
-    eps_t = per_round_epsilons(cfg.epsilon, cfg.delta, cfg.num_rounds, composition="pld").epsilons[0]
-    assert eps_t >= cfg.epsilon / cfg.num_rounds  # never noisier than basic composition
+    eps_t = per_round_epsilons(cfg.epsilon, cfg.delta, cfg.num_rounds, composition="basic").epsilons[0]
+    assert eps_t == pytest.approx(cfg.epsilon / cfg.num_rounds)
     assert [r["epsilon_round"] for r in rows] == pytest.approx([eps_t] * cfg.num_rounds, rel=1e-12)
     assert summary["epsilon"] == pytest.approx(cfg.epsilon, rel=1e-3) and summary["epsilon"] <= cfg.epsilon
     assert summary["method_parameters"]["laplace_scale_first_round"] == pytest.approx(cfg.clip / eps_t)

@@ -92,9 +92,10 @@ def test_pld_accountant_round_trips_and_refuses_approximate_events() -> None:
 
 def test_dropout_rounds_are_charged_the_noise_present_never_below_the_nominal() -> None:
     """Missing shares: the round is a pure-DP release of the Gamma-difference epsilon, above the Laplace round."""
-    _, _, s = _setup(num_clients=10, num_rounds=4, ddpsa_collude_frac=0.1, ddpsa_servers=UNREACHED)
+    _, _, s = _setup(num_clients=10, num_rounds=4, ddpsa_collude_frac=0.1, ddpsa_composition="pld", ddpsa_servers=UNREACHED)
     assert s.schedule.composition == "pld" and isinstance(s.privacy.uplink, PldAccountant)
-    _, _, nominal = _setup(num_clients=10, num_rounds=4, ddpsa_collude_frac=0.1, ddpsa_servers=UNREACHED)
+    _, _, nominal = _setup(num_clients=10, num_rounds=4, ddpsa_collude_frac=0.1, ddpsa_composition="pld",
+                          ddpsa_servers=UNREACHED)
     eps_t = s.epsilon_of_round(1)
     charges = [s.round_charge(t, 10, pushed, 650) for t, pushed in ((1, 10), (2, 9), (3, 8), (4, 10))]
     assert charges[0] == charges[3] == eps_t

@@ -15,7 +15,7 @@ SERVER_SECAGG = ("the server, fewer than ddpsa-threshold colluding intermediate 
 #: ``ddpsa-noise``: one central Laplace split over the participants (:mod:`protocols.ddpsa`), or the paper's per client.
 NOISE_MODES: tuple[str, ...] = ("distributed", "local")
 #: ``ddpsa-composition``: what certifies the per-round epsilons (:func:`protocols.privacy.per_round_epsilons`).
-COMPOSITIONS: tuple[str, ...] = ("pld", "basic", "advanced")
+COMPOSITIONS: tuple[str, ...] = ("basic", "pld", "advanced")
 #: FedSGD with per-sample L1 clipping and Laplace noise: T rounds compose (PLD) to a total signal-to-noise that is
 #: largest in one release, so the small datasets take one step from the zero model; the large ones (about 8 records
 #: per parameter on MNIST) spend it on 8 steps, which the extra optimisation repays.
@@ -40,8 +40,8 @@ class DdpsaOptions(MethodOptions):
     server_key: str = option("", "the parameter server's Ed25519 identity key (PEM): reads partial sums")
     num_servers: int = option(3, "m: secret shares = intermediate servers (>= 2)", low=2)
     frac_bits: int = option(24, "fixed-point fractional bits of the Z_2^64 encoding", low=8, high=40)
-    composition: str = option("pld", "how the rounds' Laplace releases compose to (epsilon, delta): pld (privacy-"
-                                     "loss distribution, tightest) | basic | advanced (Theorem 2)",
+    composition: str = option("basic", "how the rounds' Laplace releases compose: basic (pure epsilon, Theorem 2) | "
+                                       "pld (privacy-loss distribution, (epsilon, delta)) | advanced (Theorem 2)",
                               choices=COMPOSITIONS)
     allocation: str = option("uniform", "per-round budget schedule (Eq. 12)", choices=("uniform", "exponential"))
     decay: float = option(0.9, "decay of the exponential allocation", low=0.0, high=1.0, low_open=True)
