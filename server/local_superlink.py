@@ -64,5 +64,5 @@ def managed_superlink(pid: int | None = None) -> LocalSuperLink | None:
 
 def stop_hint(link: LocalSuperLink) -> str:
     """One line: what keeps running after the run, and the command that stops it."""
-    return (f"Flower's local SuperLink (pid {link.pid}, {link.address}), started by `flwr run`, keeps running for "
-            f"the next `flwr run`; stop it with: kill {link.pid}")
+    return (f"Flower's local SuperLink (pid {link.pid}, {link.address}), started by flwr run, keeps running for "
+            f"the next flwr run; stop it with: kill {link.pid}")
