@@ -65,14 +65,21 @@ def fit_federation(grid: Grid, cfg: RunConfig, run_config: Mapping[str, Any]) ->
         else, with ``num-clients`` left "auto", the run config with ``num-clients`` = the federation's size.
 
     Raises:
-        FederationMismatch: ``num-clients`` was set and the nodes were started for another number, or
-            the method cannot run on the federation's size; the one-line message names the fix.
+        FederationMismatch: ``num-clients`` was set and the nodes were started for another number, the
+            asked nodes disagree on ``num-partitions``, or the method cannot run on the federation's size;
+            the one-line message names the fix.
     """
-    size = federation_size(grid, cfg)
+    infos: list[FederationInfo] = []
+    size = federation_size(grid, cfg, infos)
     if size is None:
         return cfg
     if not num_clients_left_auto(run_config):
         raise FederationMismatch(fix_message(size, cfg.num_clients))
+    sizes = sorted({i.num_partitions for i in infos})
+    if len(sizes) > 1:
+        raise FederationMismatch(f"the nodes' node configs disagree: num-partitions {sizes}. Fix: start every "
+                                 f"SuperNode with the same --node-config 'num-partitions=N', or set run-config "
+                                 f"num-clients")
     try:
         out = fitted(run_config, size, **{"out-dir": cfg.out_dir})
     except ConfigError as err:

@@ -78,3 +78,12 @@ def test_a_federation_too_small_for_the_method_names_the_fix():
     msg = str(err.value)
     assert "needs at least 2 clients per round" in msg and "--federation-config 'num-supernodes=10'" in msg
     assert "\n" not in msg
+
+
+def test_nodes_that_disagree_on_the_federation_size_stop_an_auto_run():
+    raw = {"method": "nadp"}
+    cfg = RunConfig.from_mapping(raw)
+    grid = CountingGrid(client_app, 3, raw)
+    grid.contexts[grid.node_ids[0]].node_config["num-partitions"] = 4  # one node started for another federation
+    with pytest.raises(FederationMismatch, match=r"disagree: num-partitions \[3, 4\]"):
+        fit_federation(grid, cfg, raw)
