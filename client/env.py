@@ -21,6 +21,7 @@ from client.models import build_model, get_weights, resolve_device, set_weights
 from client.training import clipped_sgd, train
 from client.wire import Weights, from_record
 from protocols.config import ConfigError, RunConfig
+from protocols.federation import fitted, num_clients_left_auto
 
 
 @dataclass
@@ -41,7 +42,10 @@ class ClientEnv:
 
     @classmethod
     def from_context(cls, context: Context) -> ClientEnv:
-        """Parse the run config and load this node's partition."""
+        """Parse the run config and load this node's partition.
+
+        Run-config ``num-clients`` left "auto" takes the node config's ``num-partitions`` (the federation's size).
+        """
         cfg = RunConfig.from_mapping(context.run_config, strict=False)
         try:
             pid = int(context.node_config["partition-id"])
@@ -51,6 +55,8 @@ class ClientEnv:
                 "node config needs 'partition-id' and 'num-partitions' "
                 "(flower-supernode --node-config 'partition-id=0 num-partitions=N')"
             ) from err
+        if nparts != cfg.num_clients and num_clients_left_auto(context.run_config):
+            cfg = fitted(context.run_config, nparts, strict=False)  # as the ServerApp does (server.federation)
         x, y = client_partition(cfg, pid, nparts)
         ds = dataset_for(cfg)
         return cls(cfg, context, int(context.node_id), pid, nparts, x, y, ds.num_classes, ds.input_shape)

@@ -66,7 +66,7 @@ class RunConfig:
     # What to run
     method: str = "fedavg"  # the method to run (registry: protocols/methods/)
     dataset: str = "digits"  # digits, breast-cancer, mnist, fashion-mnist, hub:<name>, or "package.module:load"
-    data_dir: str = ""  # folder with <dataset>/ IDX files; "" = search $CANCELFL_DATA_DIR, ./data, ../shared/data
+    data_dir: str = ""  # folder with <dataset>/ IDX files; "" = search $CANCELFL_DATA_DIR, then data/ folders (getting started)
     model: str = "mlp"  # mlp, cnn (image datasets), or "package.module:Net" (your nn.Module class or factory)
     hidden: str = "64"  # MLP hidden widths, comma-separated ("" = linear model)
     train_subset: int = 0  # use only the first N training samples (0 = all)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from logging import WARNING
+from logging import INFO, WARNING
 
 from flwr.app import Context
 from flwr.common import log
@@ -11,7 +11,9 @@ from flwr.serverapp import Grid, ServerApp
 from client.data import partitions_for
 from protocols.adjustments import adjustments
 from protocols.config import RunConfig
-from server.federation import check_federation
+from protocols.federation import num_clients_left_auto
+from server.federation import fit_federation
+from server.local_superlink import managed_superlink, stop_hint
 from strategies.run.checkpoint import resolve_out_dir, write_error
 
 app = ServerApp()
@@ -22,19 +24,24 @@ def main(grid: Grid, context: Context) -> None:
     """Validate the run config (fails fast naming the bad key), then run all rounds.
 
     A failure is recorded in ``<out-dir>/error.json`` before it propagates: ``flwr run`` exits 0 even
-    when the ServerApp crashed, so the launcher reads the reason from there and exits non-zero.
+    when the ServerApp crashed, so the launcher reads the reason from there and exits non-zero.  Under
+    the SuperLink that ``flwr run`` starts (``:local:``), the last line names it and how to stop it.
     """
     out_dir = str(context.run_config.get("out-dir", ""))
     try:
         cfg = resolve_out_dir(RunConfig.from_mapping(context.run_config))  # "" = a fresh runs/<time>-<method>
         out_dir = cfg.out_dir
+        local_data = not cfg.dataset.startswith("hub:")
+        if local_data and not num_clients_left_auto(context.run_config):
+            partitions_for(cfg)  # a client without records: stop before asking any node, naming the maximum
+        # num-clients "auto": the federation's size; a num-clients the nodes were not started for: stop, naming the fix
+        cfg = fit_federation(grid, cfg, context.run_config)
+        if local_data:
+            partitions_for(cfg)  # cached when checked above
         for note in adjustments(cfg):
             log(WARNING, "%s", note)
         # DDP-SA: the ServerApp never starts intermediate servers -- the clients take them from their own
         # configuration, so whoever submits the run names them (`cancelfl run/deploy` start local ones).
-        if not cfg.dataset.startswith("hub:"):
-            partitions_for(cfg)  # a client without records: stop now, naming 'num-clients' and the dataset's maximum
-        check_federation(grid, cfg)  # nodes started for another num-clients: stop now, naming the fix
         from server.runner import run_federation  # torch and the method's modules: after the check (seconds)
         from strategies.registry import build_strategy
 
@@ -47,3 +54,7 @@ def main(grid: Grid, context: Context) -> None:
         if out_dir:
             write_error(out_dir, f"{type(err).__name__}: {err}")
         raise
+    finally:
+        link = managed_superlink()  # plain `flwr run`: say what it left running and how to stop it
+        if link is not None:
+            log(INFO, "cancelfl: %s", stop_hint(link))

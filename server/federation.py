@@ -3,10 +3,12 @@
 Plain ``flwr run .`` submits to Flower's default local federation: a simulation with 2
 SuperNodes, whose node configs say ``num-partitions = 2``.  The run config's ``num-clients``
 (default 10) would then wait for nodes that never come, and each node would train on half the
-data while the server accounts for a tenth.  :func:`check_federation` asks the connected nodes
+data while the server accounts for a tenth.  :func:`fit_federation` asks the connected nodes
 before the first round -- in Flower's simulation by counting its SuperNodes, in deployment by asking
-the connected nodes (``query.federation``, :mod:`client.messages.federation`) -- and stops the run
-within seconds, naming both fixes: more SuperNodes, or fewer clients.
+the connected nodes (``query.federation``, :mod:`client.messages.federation`).  With ``num-clients``
+left "auto" the run takes the federation's size (:mod:`protocols.federation`; each client does the same
+from its node config); with a ``num-clients`` the user set, it stops within seconds, naming both fixes
+in one line: more SuperNodes, or fewer clients.
 
 When as many nodes as ``num-clients`` are connected from the start (``cancelfl run``,
 ``cancelfl deploy``, a matching federation), no message is sent.
@@ -15,7 +17,9 @@ When as many nodes as ``num-clients`` are connected from the start (``cancelfl r
 from __future__ import annotations
 
 import time
-from logging import ERROR
+from collections.abc import Mapping
+from logging import ERROR, INFO
+from typing import Any
 
 from flwr.app import Message, RecordDict
 from flwr.common import log
@@ -24,6 +28,7 @@ from flwr.superlink.grid import InMemoryGrid
 
 from client.messages.federation import ACTION, FederationInfo
 from protocols.config import ConfigError, RunConfig
+from protocols.federation import fitted, num_clients_left_auto
 
 #: Nodes asked (their node configs should agree; a few suffice).
 NODES_ASKED = 3
@@ -47,11 +52,66 @@ def fix_message(num_partitions: int, num_clients: int) -> str:
             f"you have: flwr run . --stream --run-config 'num-clients={num_partitions}'")
 
 
+def fit_federation(grid: Grid, cfg: RunConfig, run_config: Mapping[str, Any]) -> RunConfig:
+    """The run config to run on the grid's federation: ``cfg``, or ``cfg`` fitted to the federation's size.
+
+    Args:
+        grid: the run's grid (Flower's simulation grid or a deployment's).
+        cfg: the run config the ServerApp resolved (its ``out-dir`` is kept).
+        run_config: the run's raw run config (tells whether ``num-clients`` was left "auto").
+
+    Returns:
+        ``cfg`` when the nodes were started for ``cfg.num_clients`` (or none came within ``node-timeout``);
+        else, with ``num-clients`` left "auto", the run config with ``num-clients`` = the federation's size.
+
+    Raises:
+        FederationMismatch: ``num-clients`` was set and the nodes were started for another number, the
+            asked nodes disagree on ``num-partitions``, or the method cannot run on the federation's size;
+            the one-line message names the fix.
+    """
+    infos: list[FederationInfo] = []
+    size = federation_size(grid, cfg, infos)
+    if size is None:
+        return cfg
+    if not num_clients_left_auto(run_config):
+        raise FederationMismatch(fix_message(size, cfg.num_clients))
+    sizes = sorted({i.num_partitions for i in infos})
+    if len(sizes) > 1:
+        raise FederationMismatch(f"the nodes' node configs disagree: num-partitions {sizes}. Fix: start every "
+                                 f"SuperNode with the same --node-config 'num-partitions=N', or set run-config "
+                                 f"num-clients")
+    try:
+        out = fitted(run_config, size, **{"out-dir": cfg.out_dir})
+    except ConfigError as err:
+        raise FederationMismatch(
+            f"run-config num-clients \"auto\" takes the federation's {size} nodes, but {err}. Fix: run as many "
+            f"SuperNodes as the method's {cfg.num_clients} clients -- with Flower's local simulation: flwr run . "
+            f"--stream --federation-config 'num-supernodes={cfg.num_clients}'") from err
+    log(INFO, "cancelfl: num-clients = %d, the federation's nodes (run-config num-clients is \"auto\"; "
+        "--federation-config 'num-supernodes=N' for another size)", size)
+    return out
+
+
 def check_federation(grid: Grid, cfg: RunConfig) -> list[FederationInfo]:
     """Raise :class:`FederationMismatch` (with the fix) when the nodes' ``num-partitions`` is not ``num-clients``.
 
     Waits up to run-config ``node-timeout`` s for a first node; returns what the asked nodes said
     (empty when all ``num-clients`` nodes were connected at once, and none was asked).
+    """
+    infos: list[FederationInfo] = []
+    size = federation_size(grid, cfg, infos)
+    if size is not None:
+        raise FederationMismatch(fix_message(size, cfg.num_clients))
+    return infos
+
+
+def federation_size(grid: Grid, cfg: RunConfig, infos: list[FederationInfo] | None = None) -> int | None:
+    """The number of partitions the nodes were started for when it is not ``cfg.num_clients``, else None.
+
+    Waits up to run-config ``node-timeout`` s for a first node (None if none comes: the round's own wait
+    reports it).  In Flower's simulation the count of its SuperNodes is the answer; in deployment up to
+    :data:`NODES_ASKED` connected nodes are asked (``query.federation``) unless ``num-clients`` nodes are
+    connected; their answers are appended to ``infos``.
     """
     deadline = time.time() + cfg.node_timeout
     nodes = sorted(grid.get_node_ids())
@@ -63,18 +123,13 @@ def check_federation(grid: Grid, cfg: RunConfig) -> list[FederationInfo]:
         # count is the federation (its node configs say num-partitions = count); no message needed.
         time.sleep(1.0)
         nodes = sorted(grid.get_node_ids())
-        if nodes and len(nodes) != cfg.num_clients:
-            raise FederationMismatch(fix_message(len(nodes), cfg.num_clients))
-        return []
+        return len(nodes) if nodes and len(nodes) != cfg.num_clients else None
     if not nodes or len(nodes) == cfg.num_clients:
-        return []  # no node (the round's own wait reports it) or the expected federation
+        return None  # no node (the round's own wait reports it) or the expected federation
     asked = [Message(RecordDict(), n, f"query.{ACTION}") for n in nodes[:NODES_ASKED]]
-    infos = []
-    for reply in grid.send_and_receive(asked, timeout=min(cfg.round_timeout, 120.0)):
-        if not reply.has_error():
-            infos.append(FederationInfo.from_content(reply.content))
-    sizes = sorted({i.num_partitions for i in infos})
-    wrong = [s for s in sizes if s != cfg.num_clients]
-    if wrong:
-        raise FederationMismatch(fix_message(wrong[0], cfg.num_clients))
-    return infos
+    answers = [FederationInfo.from_content(reply.content)
+               for reply in grid.send_and_receive(asked, timeout=min(cfg.round_timeout, 120.0)) if not reply.has_error()]
+    if infos is not None:
+        infos.extend(answers)
+    wrong = sorted({i.num_partitions for i in answers} - {cfg.num_clients})
+    return wrong[0] if wrong else None

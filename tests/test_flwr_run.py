@@ -1,30 +1,34 @@
 """Plain ``flwr run .`` as a new Flower user types it: fresh FLWR_HOME, Flower's default local federation.
 
-Flower 1.41 creates ``$FLWR_HOME/config.toml`` with the ``:local:`` connection and starts a detached
-simulation-mode SuperLink with 2 SuperNodes; the app's default ``num-clients`` is 10.  The run must stop
-within seconds of the ServerApp's start, naming the command that fixes it (server/federation.py).
-Per-run dependency installation is off here (``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1``, as the
-README advises): it would build a fresh environment from the network.
+Flower creates ``$FLWR_HOME/config.toml`` with the ``:local:`` connection and starts a detached
+simulation-mode SuperLink with 2 SuperNodes.  Flower's per-run environment is on (as for a new user) and
+uv runs offline with an empty cache: it must install nothing (pyproject ``[tool.uv] exclude-dependencies``).
+The app's ``num-clients = "auto"`` takes the 2 SuperNodes and trains; a ``num-clients`` the user set stops
+the run within seconds with one line naming the fix.  The second run reuses the SuperLink the first one
+started, as Flower does; the test stops it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 import subprocess
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from protocols.config import RunConfig
-from server.defaults import APP_DIR, app_defaults
+from server.defaults import APP_DIR
 from server.flower_commands import BIN, flower_env
 from server.processes import free_port
 from tests.processes import pid_gone
 
-pytestmark = [pytest.mark.slow, pytest.mark.deployment]
+slow = [pytest.mark.slow, pytest.mark.deployment]
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def _processes_of(flwr_home: Path) -> list[int]:
@@ -49,42 +53,75 @@ def _stop(pids: list[int]) -> None:
             time.sleep(0.2)
 
 
-def _flwr_run(home: Path) -> tuple[str, float | None]:
-    """``flwr run . --stream`` on a fresh FLWR_HOME; (output, seconds until the fix was printed or None)."""
+@pytest.fixture(scope="module")
+def flwr_home(tmp_path_factory):
+    """A fresh FLWR_HOME and Flower's environment for it (own local SuperLink ports, uv offline, empty cache)."""
+    home = tmp_path_factory.mktemp("flwr") / "flwr-home"
     env = flower_env(home)
     env.update(FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(free_port()), FLWR_LOCAL_CONTROL_API_PORT=str(free_port()),
-               FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1")
-    t0 = time.monotonic()
-    proc = subprocess.Popen([str(BIN / "flwr"), "run", ".", "--stream"], cwd=APP_DIR, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines, found_at = [], None
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if found_at is None and "--federation-config 'num-supernodes=" in line:
-                found_at = time.monotonic() - t0
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        _stop(_processes_of(home))
-    return "".join(lines), found_at
-
-
-def test_plain_flwr_run_on_the_default_federation_names_the_fix(tmp_path):
-    home = tmp_path / "flwr-home"
-    out, found_at = _flwr_run(home)
-    if "Failed to start local SuperLink within" in out:  # Flower's fixed 15 s start limit, on a busy machine
-        home = tmp_path / "flwr-home-2"
-        out, found_at = _flwr_run(home)
-    assert (home / "config.toml").is_file() and ":local:" in (home / "config.toml").read_text()
-    assert found_at is not None, out[-3000:]
-    # the app's default ("auto": 10 on the default dataset); Flower's local federation has 2 SuperNodes
-    clients = RunConfig.from_mapping(app_defaults()).num_clients
-    assert f"flwr run . --stream --federation-config 'num-supernodes={clients}'" in out
-    assert "flwr run . --stream --run-config 'num-clients=2'" in out
-    # The ServerApp stops before any round; the whole command (SuperLink and Ray start included) within 2 min.
-    assert "round 1/" not in out
-    assert found_at < 120, f"fix named only after {found_at:.0f} s"
+               UV_OFFLINE="1", UV_CACHE_DIR=str(home.parent / "uv-cache"))
+    env.pop("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", None)
+    yield home, env
+    _stop(_processes_of(home))
     assert not _processes_of(home)
+
+
+def _flwr_run(home: Path, env: dict[str, str], run_config: str) -> str:
+    """``flwr run . --stream --run-config <run_config>``; its output (it exits 0 once the run is submitted)."""
+    proc = subprocess.run([str(BIN / "flwr"), "run", ".", "--stream", "--run-config", run_config], cwd=APP_DIR,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=420)
+    if "Failed to start local SuperLink within" in proc.stdout:  # Flower's fixed 15 s start limit, on a busy machine
+        proc = subprocess.run([str(BIN / "flwr"), "run", ".", "--stream", "--run-config", run_config],
+                              cwd=APP_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return proc.stdout
+
+
+def test_every_dependency_is_excluded_from_flowers_per_run_environment():
+    project = tomllib.loads((APP_DIR / "pyproject.toml").read_text())
+    deps = list(project["project"]["dependencies"])
+    for extra in project["project"]["optional-dependencies"].values():
+        deps += extra
+    names = {_NAME.match(d).group(0).lower().replace("_", "-") for d in deps}
+    excluded = set(project["tool"]["uv"]["exclude-dependencies"])
+    assert names <= excluded, f"add to [tool.uv] exclude-dependencies: {sorted(names - excluded)}"
+    assert "index" not in project["tool"].get("uv", {}), "the per-run environment uses no package index"
+
+
+@pytest.mark.slow
+@pytest.mark.deployment
+def test_plain_flwr_run_trains_on_the_default_federation(flwr_home, tmp_path):
+    home, env = flwr_home
+    out_dir = tmp_path / "run"
+    out = _flwr_run(home, env, f'num-rounds=1 train-subset=400 test-subset=200 out-dir="{out_dir}"')
+    assert (home / "config.toml").is_file() and ":local:" in (home / "config.toml").read_text()
+    assert "No additional application dependencies needed installation." in out, out[-3000:]
+    assert "cancelfl: num-clients = 2, the federation's nodes" in out, out[-3000:]
+    assert "round 1/1" in out and "done: final accuracy" in out, out[-3000:]
+    assert (out_dir / "model.npz").is_file()
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert summary["config"]["num-clients"] == 2
+    # The last line names the SuperLink `flwr run` left running, and it is that SuperLink.
+    hint = re.search(r"Flower's local SuperLink \(pid (\d+), 127\.0\.0\.1:(\d+)\).*stop it with: kill (\d+)", out)
+    assert hint, out[-3000:]
+    pid = int(hint.group(1))
+    assert hint.group(2) == env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] and int(hint.group(3)) == pid
+    assert pid in _processes_of(home) and b"flower-superlink" in Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.deployment
+def test_a_num_clients_the_federation_lacks_stops_with_a_one_line_fix(flwr_home, tmp_path):
+    home, env = flwr_home
+    out_dir = tmp_path / "run"
+    t0 = time.monotonic()
+    out = _flwr_run(home, env, f'num-clients=5 num-rounds=1 out-dir="{out_dir}"')
+    took = time.monotonic() - t0
+    fix = [line for line in out.splitlines() if "cancelfl: the federation's SuperNodes were started for 2" in line]
+    assert fix, out[-3000:]
+    assert "flwr run . --stream --federation-config 'num-supernodes=5'" in fix[0]
+    assert "flwr run . --stream --run-config 'num-clients=2'" in fix[0]
+    assert "round 1/" not in out
+    assert "FederationMismatch" in json.loads((out_dir / "error.json").read_text())["error"]
+    assert took < 180, f"the fix came only after {took:.0f} s"

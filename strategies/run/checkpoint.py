@@ -136,6 +136,7 @@ def clear_outputs(path: str | Path) -> None:
 def write_error(out_dir: str | Path, reason: str) -> None:
     """Record why the ServerApp failed (read by the launcher, which then exits non-zero with the reason)."""
     try:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)  # a failure before the run loop made it
         _atomic_write(Path(out_dir) / ERROR_FILE, json.dumps({"error": reason}, indent=2).encode())
     except OSError:
         pass  # the reason is also in the ServerApp's log; the missing summary already fails the run
