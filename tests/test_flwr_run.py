@@ -115,13 +115,10 @@ def test_plain_flwr_run_trains_on_the_default_federation(flwr_home, tmp_path):
 def test_a_num_clients_the_federation_lacks_stops_with_a_one_line_fix(flwr_home, tmp_path):
     home, env = flwr_home
     out_dir = tmp_path / "run"
-    t0 = time.monotonic()
     out = _flwr_run(home, env, f'num-clients=5 num-rounds=1 out-dir="{out_dir}"')
-    took = time.monotonic() - t0
     fix = [line for line in out.splitlines() if "cancelfl: the federation's SuperNodes were started for 2" in line]
     assert fix, out[-3000:]
     assert "flwr run . --stream --federation-config 'num-supernodes=5'" in fix[0]
     assert "flwr run . --stream --run-config 'num-clients=2'" in fix[0]
     assert "round 1/" not in out
     assert "FederationMismatch" in json.loads((out_dir / "error.json").read_text())["error"]
-    assert took < 180, f"the fix came only after {took:.0f} s"
