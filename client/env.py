@@ -15,12 +15,12 @@ import numpy as np
 from flwr.app import Context, Message, RecordDict
 from torch import nn
 
-from client.data import client_partition, dataset_for
 from client.messages.common import TrainIns, train_metrics
-from client.models import build_model, get_weights, resolve_device, set_weights
-from client.training import clipped_sgd, train
 from client.wire import Weights, from_record
 from protocols.config import ConfigError, RunConfig
+from protocols.task.data import client_partition, dataset_for
+from protocols.task.models import build_model, get_weights, resolve_device, set_weights
+from protocols.task.training import clipped_sgd, train
 
 
 @dataclass

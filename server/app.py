@@ -8,9 +8,9 @@ from flwr.app import Context
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
-from client.data import partitions_for
 from protocols.adjustments import adjustments
 from protocols.config import RunConfig
+from protocols.task.data import partitions_for
 from server.federation import check_federation
 from strategies.run.checkpoint import resolve_out_dir, write_error
 

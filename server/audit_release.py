@@ -21,10 +21,10 @@ import numpy as np
 from flwr.app import ConfigRecord, Message
 
 from client.api import client_env
-from client.models import get_weights
 from client.wire import from_record, to_record
 from protocols.config import RunConfig
 from protocols.pairwise import pairwise_noise
+from protocols.task.models import get_weights
 from server.audit_canaries import CanaryModel, _AdaptiveCanaries, _Canaries, _client_app
 from server.audit_faults import planted
 from server.audit_spec import MP_FAMILY, AuditSpec

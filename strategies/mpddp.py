@@ -2,7 +2,7 @@
 
 Supported models: ``model = "mlp"`` with at least one hidden layer, trained with the paper's loss
 1/2 ||y - onehot||^2; the model perturbation (Eqs. 12-15) needs a ReLU MLP of ``nn.Linear`` layers
-(``client.models.MLP``), anything else is refused with a ``ConfigError`` at construction.
+(``protocols.task.models.MLP``), anything else is refused with a ``ConfigError`` at construction.
 
 Round ``t`` (the stages of :mod:`strategies.stages`; methods ``mpddp``, ``mpdp-naive``, ``mpcdp``):
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from client.data import (
+from protocols.config import ConfigError, RunConfig
+from protocols.task.data import (
     client_partition,
     dataset_for,
     find_idx_folder,
@@ -14,7 +15,6 @@ from client.data import (
     partition_indices,
     partitions_for,
 )
-from protocols.config import ConfigError, RunConfig
 
 
 def test_bundled_datasets():
@@ -92,7 +92,7 @@ def _idx(path, dims: list[int], payload: bytes | None = None, magic: int = 0x08)
 
 
 def test_broken_idx_files_are_named_with_their_cause(tmp_path):
-    from client.data import read_idx
+    from protocols.task.data import read_idx
 
     good = tmp_path / "good.gz"
     _idx(good, [2, 3])

@@ -19,13 +19,13 @@ from flwr.app import ConfigRecord, Message, RecordDict
 import client.methods.ddpsa as ddpsa_client
 import server.intermediate.launcher as launcher
 from client.app import app as client_app
-from client.data import dataset_for
-from client.models import build_model, get_weights
 from client.wire import from_record, to_record
 from protocols.arrays import flatten
 from protocols.config import ConfigError, RunConfig
 from protocols.ddpsa import laplace_noise
 from protocols.privacy import exponential_allocation
+from protocols.task.data import dataset_for
+from protocols.task.models import build_model, get_weights
 from server.defaults import app_defaults
 from server.intermediate import IntermediateServerCluster, start_intermediate_servers
 from server.intermediate.launcher import roster_of

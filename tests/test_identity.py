@@ -16,13 +16,11 @@ import pytest
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from client.app import app as client_app
-from client.data import dataset_for
 from client.env import ClientEnv
 from client.identity import node_identity
 from client.messages.common import TrainIns, merge_configs
 from client.messages.keys import PeerKeys
 from client.messages.niss import ShareRequest
-from client.models import build_model, get_weights
 from client.pairwise_phase import pair_seeds
 from client.wire import to_record
 from protocols.config import ConfigError, RunConfig
@@ -42,6 +40,8 @@ from protocols.identity import (
 )
 from protocols.keyagreement import generate_keypair
 from protocols.niss import aggregation_weights
+from protocols.task.data import dataset_for
+from protocols.task.models import build_model, get_weights
 from server.defaults import app_defaults
 from server.launch import main as cancelfl
 from server.local_grid import LocalGrid

@@ -29,7 +29,6 @@ from client.app import app as client_app
 from client.env import ClientEnv
 from client.messages.recovery import SELF_MASK_RECORD, RecoveryReply, RecoveryRequest, SelfMaskShares
 from client.methods import nadp as nadp_client
-from client.models import build_model, get_weights
 from client.recovery import RecoveryStore, handle_recover
 from client.wire import from_record, to_record
 from protocols.arrays import flatten
@@ -38,6 +37,7 @@ from protocols.masking import mask_parameters, mask_threshold, rebuild_seed, unm
 from protocols.pairwise import pairwise_noise
 from protocols.prg import gaussian
 from protocols.secret_sharing import shamir_combine, shamir_split
+from protocols.task.models import build_model, get_weights
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies.nadp import NadpStrategy
@@ -313,7 +313,7 @@ def test_mpddp_recovery_lie_leaves_the_target_its_upload_noise(self_mask):
 # ----------------------------------------------------------------------------------- niss
 def _niss_round(n: int, **extra):
     """One niss round of ``n`` real clients on digits (seed encoding, noiseless updates in the diagnostic record)."""
-    from client.data import dataset_for
+    from protocols.task.data import dataset_for
     from strategies.niss import NissStrategy
 
     raw = {**app_defaults(), "method": "niss", "num-clients": n, "niss-share-encoding": "seed",

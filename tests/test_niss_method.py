@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 from client import recovery as recovery_client
-from client.data import client_partition
 from client.env import ClientEnv, local_training, record_level_training
 from client.messages.niss import Diagnostic, NissMetrics, RelayedInbox
 from client.messages.recovery import SELF_MASK_RECORD, SelfMaskShares
@@ -39,6 +38,7 @@ from protocols.privacy import (
     record_sensitivity,
 )
 from protocols.relay_crypto import RelayAuthError, open_sealed, seal
+from protocols.task.data import client_partition
 from server.defaults import app_defaults
 from strategies.niss import NissStrategy
 from strategies.stages import close_round

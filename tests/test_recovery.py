@@ -162,7 +162,7 @@ def test_recovered_nadp_aggregate_is_the_survivors_average(monkeypatch):
            "mask-corruption-rate": 0.0}
     cfg = RunConfig.from_mapping(raw)
     grid, strategy = LocalGrid(client_app, n, raw), NadpStrategy(cfg)
-    from client.models import build_model, get_weights
+    from protocols.task.models import build_model, get_weights
 
     arrays = to_record(get_weights(build_model(cfg.model, (1, 8, 8), 10, cfg.hidden_sizes, cfg.seed)), np.float64)
     msgs = list(strategy.configure_train(1, arrays, ConfigRecord({"round": 1}), grid))
@@ -194,7 +194,7 @@ def _uploaded_client(n: int = 4):
     raw = {**app_defaults(), "method": "nadp", "num-clients": n, **NADP_FAST, "mask-corruption-rate": 0.0}
     cfg = RunConfig.from_mapping(raw)
     grid, strategy = LocalGrid(client_app, n, raw), NadpStrategy(cfg)
-    from client.models import build_model, get_weights
+    from protocols.task.models import build_model, get_weights
 
     arrays = to_record(get_weights(build_model(cfg.model, (1, 8, 8), 10, cfg.hidden_sizes, cfg.seed)), np.float64)
     msgs = list(strategy.configure_train(1, arrays, ConfigRecord({"round": 1}), grid))

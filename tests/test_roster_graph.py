@@ -19,17 +19,17 @@ import pytest
 from flwr.app import Message, RecordDict
 
 from client.app import app as client_app
-from client.data import dataset_for
 from client.env import ClientEnv
 from client.identity import node_identity
 from client.messages.common import TrainIns, merge_configs
 from client.messages.keys import PeerKeys
-from client.models import build_model, get_weights
 from client.pairwise_phase import pair_seeds, roster_round_of
 from client.wire import to_record
 from protocols.config import RunConfig
 from protocols.graphs import present_floor, present_graph, roster_round, roster_sample, round_graph
 from protocols.identity import IdentityError, Roster, generate_identity, roster_digest, roster_round_seed
+from protocols.task.data import dataset_for
+from protocols.task.models import build_model, get_weights
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies.base import RoundFailed

@@ -22,12 +22,12 @@ from flwr.app import Message
 
 from benchmarks.adversary.dlg import AttackReport, invert, param_gradient
 from benchmarks.adversary.observe import run_observed
-from client.data import client_partition, dataset_for
 from client.messages.ddpsa import ShareReceipt
 from client.messages.niss import RelayedInbox
-from client.models import build_model, get_weights, set_weights
 from client.wire import Weights, from_record
 from protocols.config import RunConfig
+from protocols.task.data import client_partition, dataset_for
+from protocols.task.models import build_model, get_weights, set_weights
 
 __all__ = ["UplinkCapture", "AttackerView", "VIEWS", "training_loss", "capture_first_round", "attacker_view",
            "true_gradient", "uplink_attack", "UplinkResult", "received_mpddp_forward"]

@@ -33,7 +33,6 @@ from client.messages.common import TrainIns, train_metrics
 from client.messages.keys import probe_metric
 from client.messages.niss import AuthFailures, Diagnostic, NissMetrics, RelayedInbox, ShareReply, ShareRequest
 from client.messages.recovery import NissPairMaterial
-from client.models import get_weights
 from client.pairwise_phase import mask_probe, pair_seeds
 from client.recovery import remember, seal_self_mask
 from client.wire import from_record, to_record
@@ -44,6 +43,7 @@ from protocols.masking import SHARE_PURPOSE
 from protocols.niss import aggregation_weights, client_plan, client_tau, sizes_digest, upload_sensitivity
 from protocols.privacy import GaussianEvent
 from protocols.relay_crypto import RelayAuthError, make_aad, open_sealed, seal
+from protocols.task.models import get_weights
 
 STATE_KEY = "cancelfl-niss"
 RELAY_PURPOSE = "niss-relay-key"

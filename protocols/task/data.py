@@ -155,7 +155,7 @@ def _load_user(path: str) -> Dataset:
     data in every process: the server evaluates on the test split and every client takes its partition of the
     training split by ``partition-id``.
     """
-    from client.models import import_object
+    from protocols.task.models import import_object
 
     loaded = import_object(path, "dataset")()
     if isinstance(loaded, Dataset):
