@@ -32,14 +32,6 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from client.intermediate import (
-    IntermediateServers,
-    PartialSumUnavailableError,
-    abort_round,
-    reconstruct_sum,
-    register_run,
-)
-from client.intermediate.auth import load_signer
 from client.messages.common import merge_configs, num_examples
 from client.messages.ddpsa import IDENTITY_ACTION, DdpsaRound, RosterName, ShareReceipt
 from client.wire import Weights, from_record, to_record
@@ -57,6 +49,14 @@ from protocols.privacy import (
 from protocols.privacy.signal import NoiseEstimate, Release, gaussian_norm
 from protocols.secret_sharing import FixedPointCodec
 from protocols.server_optimizers import make_server_optimizer, optimizer_from_state
+from protocols.wire.intermediate import (
+    IntermediateServers,
+    PartialSumUnavailableError,
+    abort_round,
+    reconstruct_sum,
+    register_run,
+)
+from protocols.wire.intermediate.auth import load_signer
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 from strategies.validation import UploadSpec
 

@@ -295,8 +295,8 @@ class _ForeignServers(DdpsaStrategy):
 
 def test_clients_refuse_a_strategys_own_intermediate_servers(recorded) -> None:
     """Every client refuses with a floor violation naming the list; neither server set receives a share."""
-    from client.intermediate import IntermediateServerClient, register_run
-    from client.intermediate.auth import load_signer
+    from protocols.wire.intermediate import IntermediateServerClient, register_run
+    from protocols.wire.intermediate.auth import load_signer
 
     with _served(num_clients=4, num_rounds=2, **LINEAR) as (cfg, grid, honest):
         roster = roster_of(c.node_config for c in grid.contexts.values())

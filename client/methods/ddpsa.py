@@ -12,7 +12,7 @@ Per round ``t`` on the received global model (FedSGD: one gradient over the whol
 The servers come from the client's own configuration (:func:`intermediate_servers`); the round's parameters
 arrive as :class:`client.messages.ddpsa.DdpsaRound` and are refused when looser than the client's own.
 ``query.ddpsa_identity`` (:func:`identity`) answers the roster name.  The reply carries only metrics and a
-:class:`client.messages.ddpsa.ShareReceipt`; a failed push raises :class:`client.intermediate.SharePushError`.
+:class:`client.messages.ddpsa.ShareReceipt`; a failed push raises :class:`protocols.wire.intermediate.SharePushError`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from torch import nn
 from client.env import ClientEnv, reply
 from client.floor import release
 from client.identity import node_identity
-from client.intermediate import IntermediateServers, share_and_push
 from client.messages.common import TrainIns
 from client.messages.ddpsa import DdpsaRound, RosterName, ShareReceipt
 from client.wire import from_record
@@ -37,6 +36,7 @@ from protocols.floor import FloorViolation, at_least, at_most, ddpsa_noise_share
 from protocols.methods.ddpsa import sharing_threshold
 from protocols.per_example import PerExampleClipper
 from protocols.privacy import LaplaceEvent, laplace_scale
+from protocols.wire.intermediate import IntermediateServers, share_and_push
 
 #: Per-sample clipped gradients are summed this many samples at a time (bounds memory).
 CHUNK = 256
