@@ -36,6 +36,18 @@ def test_mnist_idx_folder():
     assert np.bincount(ds.y_test).tolist()[:3] == [980, 1135, 1032]  # official test-set class counts
 
 
+def test_idx_search_starts_at_the_repository_data_folder(tmp_path, monkeypatch):
+    """Without data-dir or CANCELFL_DATA_DIR, <repository root>/data is searched first."""
+    from pathlib import Path
+
+    monkeypatch.delenv("CANCELFL_DATA_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    root = Path(__file__).resolve().parent.parent
+    with pytest.raises(ConfigError) as err:
+        find_idx_folder("no-such-dataset", "")
+    assert f"tried {root / 'data' / 'no-such-dataset'}, {root / 'data'}," in str(err.value)
+
+
 def test_missing_idx_folder_is_clear(tmp_path):
     with pytest.raises(ConfigError, match="data-dir"):
         load_dataset("mnist", str(tmp_path), 0, 0)

@@ -54,7 +54,7 @@ class Dataset:
 def _data_dir_candidates(data_dir: str) -> list[Path]:
     if data_dir:
         return [Path(data_dir)]
-    here = Path(__file__).resolve().parent.parent
+    here = Path(__file__).resolve().parents[2]  # the repository root
     env = os.environ.get("CANCELFL_DATA_DIR")
     cands = [Path(env)] if env else []
     return [*cands, here / "data", here.parent / "shared" / "data", Path.cwd() / "data",
