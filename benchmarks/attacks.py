@@ -180,9 +180,9 @@ def plot_reconstructions(images: dict[tuple[str, float], np.ndarray], path: Path
 
 def received_forward(method: str, msg, cfg) -> tuple[Callable, str]:
     """Forward function of the model a client receives in ``msg``, and what it is."""
-    from client.wire import from_record
     from protocols.task.data import dataset_for
     from protocols.task.models import build_model, set_weights
+    from protocols.wire.arrays import from_record
 
     arrays = from_record(msg.content["arrays"])
     ds = dataset_for(cfg)

@@ -21,14 +21,15 @@ import numpy as np
 from flwr.app import ConfigRecord, Message
 
 from client.api import client_env
-from client.wire import from_record, to_record
 from protocols.config import RunConfig
 from protocols.pairwise import pairwise_noise
 from protocols.task.models import get_weights
+from protocols.wire.arrays import from_record
 from server.audit_canaries import CanaryModel, _AdaptiveCanaries, _Canaries, _client_app
 from server.audit_faults import planted
 from server.audit_spec import MP_FAMILY, AuditSpec
 from server.local_grid import LocalGrid
+from strategies.records import to_record
 from strategies.registry import strategy_class
 from strategies.stages import close_round
 
@@ -103,8 +104,8 @@ def _mp_recovered(strategy, replies: list[Message], part: dict[int, int]) -> lis
     Eq. (22) on one client's gradient, Psi and Phi gives that client's true-space gradient plus ``R o`` its
     noise (mpddp: eta and its uncancelled Delta's); returned as state-dict arrays, in partition order.
     """
-    from client.messages.mpddp import mean_upload
     from protocols.mpddp import recover
+    from protocols.wire.mpddp import mean_upload
 
     st = strategy._state
     out = []

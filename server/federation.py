@@ -5,7 +5,7 @@ SuperNodes, whose node configs say ``num-partitions = 2``.  The run config's ``n
 (default 10) would then wait for nodes that never come, and each node would train on half the
 data while the server accounts for a tenth.  :func:`check_federation` asks the connected nodes
 before the first round -- in Flower's simulation by counting its SuperNodes, in deployment by asking
-the connected nodes (``query.federation``, :mod:`client.messages.federation`) -- and stops the run
+the connected nodes (``query.federation``, :mod:`protocols.wire.federation`) -- and stops the run
 within seconds, naming both fixes: more SuperNodes, or fewer clients.
 
 When as many nodes as ``num-clients`` are connected from the start (``cancelfl run``,
@@ -22,8 +22,8 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.superlink.grid import InMemoryGrid
 
-from client.messages.federation import ACTION, FederationInfo
 from protocols.config import ConfigError, RunConfig
+from protocols.wire.federation import ACTION, FederationInfo
 
 #: Nodes asked (their node configs should agree; a few suffice).
 NODES_ASKED = 3

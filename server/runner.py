@@ -13,13 +13,14 @@ from pathlib import Path
 from flwr.app import ArrayRecord
 from flwr.serverapp import Grid
 
-from client.wire import from_record, to_record
 from protocols.arrays import Weights
 from protocols.config import ConfigError, RunConfig
 from protocols.task.data import dataset_for, partitions_for
 from protocols.task.models import build_model, get_weights, save_npz_model, set_weights
 from protocols.task.training import evaluate
+from protocols.wire.arrays import from_record
 from strategies.base import CancelStrategy
+from strategies.records import to_record
 from strategies.run.loop import run_rounds
 from strategies.run.notes import chance_level
 

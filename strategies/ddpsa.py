@@ -26,15 +26,13 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 from logging import WARNING
+from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import ArrayRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from client.messages.common import merge_configs, num_examples
-from client.messages.ddpsa import IDENTITY_ACTION, DdpsaRound, RosterName, ShareReceipt
-from client.wire import Weights, from_record, to_record
 from protocols.arrays import flatten, unflatten
 from protocols.config import ConfigError, RunConfig
 from protocols.ddpsa import gamma_difference_epsilon, honest_participants, l1_sensitivity
@@ -49,6 +47,9 @@ from protocols.privacy import (
 from protocols.privacy.signal import NoiseEstimate, Release, gaussian_norm
 from protocols.secret_sharing import FixedPointCodec
 from protocols.server_optimizers import make_server_optimizer, optimizer_from_state
+from protocols.wire.arrays import Weights, from_record
+from protocols.wire.common import merge_configs, num_examples
+from protocols.wire.ddpsa import IDENTITY_ACTION, DdpsaRound, RosterName, ShareReceipt
 from protocols.wire.intermediate import (
     IntermediateServers,
     PartialSumUnavailableError,
@@ -58,6 +59,7 @@ from protocols.wire.intermediate import (
 )
 from protocols.wire.intermediate.auth import load_signer
 from strategies.base import CancelStrategy, RoundFailed, RoundState
+from strategies.records import to_record
 from strategies.validation import UploadSpec
 
 #: Seconds the pre-round registration waits for each intermediate server.
@@ -188,8 +190,8 @@ class DdpsaStrategy(CancelStrategy):
         """No arrays: the shares go to the intermediate servers (a reply is checked for size and num-examples)."""
         return {}
 
-    def train_config(self, server_round: int) -> ConfigRecord:
-        """The round number and this round's :class:`~client.messages.ddpsa.DdpsaRound` (after :meth:`plan`)."""
+    def train_config(self, server_round: int) -> dict[str, Any]:
+        """The round number and this round's :class:`~protocols.wire.ddpsa.DdpsaRound` (after :meth:`plan`)."""
         state = self._state
         if not isinstance(state, DdpsaState) or state.round != server_round:
             raise RoundFailed(f"round {server_round}: no participant list (the plan stage did not run for this round)")

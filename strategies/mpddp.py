@@ -56,7 +56,6 @@ import numpy as np
 from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 
-from client.messages.mpddp import DdpNoise, NaiveNoise, mean_upload
 from protocols.config import ConfigError, RunConfig
 from protocols.floor import ETA_SHARE, mpddp_floor, mpdp_naive_sigma
 from protocols.mpddp import (
@@ -78,6 +77,7 @@ from protocols.privacy import (
     PrivacyLedger,
     RdpAccountant,
 )
+from protocols.wire.mpddp import DdpNoise, NaiveNoise, mean_upload
 from strategies.base import RoundFailed, RoundState
 from strategies.key_phase import KeyPhase
 from strategies.mp_server import MpRound, MpStrategyBase, check_model, layers_from_weights, weights_from_layers

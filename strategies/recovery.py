@@ -25,15 +25,15 @@ from dataclasses import dataclass, field
 from logging import INFO, WARNING
 
 import numpy as np
-from flwr.app import Message, RecordDict
+from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from client.messages.keys import probe_value
-from client.messages.recovery import SELF_MASK_RECORD, RecoveryReply, RecoveryRequest, SelfMaskShares
 from protocols.masking import mask_parameters, mask_threshold, rebuild_seed, self_mask, unmaskable
 from protocols.prg import gaussian
 from protocols.privacy import Accountant, GaussianEvent
+from protocols.wire.keys import probe_value
+from protocols.wire.recovery import SELF_MASK_RECORD, RecoveryReply, RecoveryRequest, SelfMaskShares
 from strategies.base import RoundFailed, RoundState
 from strategies.validation import payload_bytes
 
@@ -135,8 +135,8 @@ class PairwiseRecovery:
         held = sorted(gone_set & st.uploaded)
         lost = sorted(gone_set - set(held))
         ask = [n for n in survivors if gone_set & set(neighbours.get(n, ()))]
-        request = RecordDict({"config": RecoveryRequest(st.round, tuple(survivors) + tuple(held), tuple(lost),
-                                                        tuple(held)).to_config()})
+        request = RecordDict({"config": ConfigRecord(RecoveryRequest(st.round, tuple(survivors) + tuple(held),
+                                                                     tuple(lost), tuple(held)).to_config())})
         out = RecoveryOutcome(st.round, gone, survivors, excluded=held)
         t0 = time.perf_counter()
         replies, _errors = self.exchange(grid, ask, lambda _n: request, "recover")  # type: ignore[attr-defined]
@@ -228,8 +228,8 @@ class PairwiseRecovery:
         def content(node: int) -> RecordDict:
             fwd = {x: shares_of[x].sealed[node] for x in neighbours.get(node, ())
                    if x in keep and x in shares_of and node in shares_of[x].sealed}
-            return RecordDict({"config": RecoveryRequest(state.round, tuple(received), tuple(lost), tuple(excluded),
-                                                         fwd).to_config()})
+            return RecordDict({"config": ConfigRecord(RecoveryRequest(state.round, tuple(received), tuple(lost),
+                                                                      tuple(excluded), fwd).to_config())})
 
         ask = received
         requests = {n: content(n) for n in ask}

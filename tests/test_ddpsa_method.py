@@ -19,13 +19,14 @@ from flwr.app import ConfigRecord, Message, RecordDict
 import client.methods.ddpsa as ddpsa_client
 import server.intermediate.launcher as launcher
 from client.app import app as client_app
-from client.wire import from_record, to_record
+from client.records import to_record
 from protocols.arrays import flatten
 from protocols.config import ConfigError, RunConfig
 from protocols.ddpsa import laplace_noise
 from protocols.privacy import exponential_allocation
 from protocols.task.data import dataset_for
 from protocols.task.models import build_model, get_weights
+from protocols.wire.arrays import from_record
 from server.defaults import app_defaults
 from server.intermediate import IntermediateServerCluster, start_intermediate_servers
 from server.intermediate.launcher import roster_of
@@ -79,7 +80,7 @@ def _served(**overrides) -> Iterator[tuple[RunConfig, LocalGrid, IntermediateSer
 
 def _roster_names(grid: LocalGrid) -> list[str]:
     """The roster names of the grid's nodes (what query.ddpsa_identity answers)."""
-    from client.messages.ddpsa import RosterName
+    from protocols.wire.ddpsa import RosterName
 
     replies = grid.send_and_receive([Message(RecordDict(), n, "query.ddpsa_identity") for n in grid.node_ids])
     return sorted(RosterName.from_content(r.content).name for r in replies)

@@ -24,13 +24,14 @@ from flwr.app import ConfigRecord, Message, RecordDict
 
 from client.app import app as client_app
 from client.env import ClientEnv
-from client.messages.recovery import NissPairMaterial, RecoveryReply, RecoveryRequest
 from client.methods import nadp as nadp_client
+from client.records import to_record
 from client.recovery import RecoveryStore, answer, check_request, handle_recover
-from client.wire import from_record, to_record
 from protocols.arrays import flatten
 from protocols.config import ConfigError, RunConfig
 from protocols.prg import gaussian
+from protocols.wire.arrays import from_record
+from protocols.wire.recovery import NissPairMaterial, RecoveryReply, RecoveryRequest
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies.nadp import NadpStrategy
@@ -205,7 +206,7 @@ def _uploaded_client(n: int = 4):
 
 def _ask(grid: LocalGrid, node: int, received, dropped, rnd: int = 1) -> RecoveryReply:
     req = RecoveryRequest(rnd, tuple(received), tuple(dropped)).to_config()
-    msg = Message(RecordDict({"config": req}), node, "query.recover")
+    msg = Message(RecordDict({"config": ConfigRecord(req)}), node, "query.recover")
     reply = handle_recover(msg, ClientEnv.from_context(grid.contexts[node]))
     return RecoveryReply.from_config(reply.content["config"])
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from client.app import app as client_app
-from client.wire import to_record
+from client.records import to_record
 from protocols.config import RunConfig
 from protocols.task.models import build_model, get_weights
 from server.defaults import app_defaults
