@@ -120,8 +120,8 @@ def dlg_point(name: str, epsilon: float, clients: int, base: dict, msets: dict, 
     """Capture the victim's round-1 upload of one method and invert it."""
     from benchmarks.adversary.ssim import ssim
     from benchmarks.adversary.uplink import capture_first_round, uplink_attack
-    from client.data import dataset_for
     from protocols.config import ConfigError
+    from protocols.task.data import dataset_for
 
     _method, ov = point_config(name, epsilon, clients, base, msets, out / name)
     row: dict = {"name": name, "epsilon": epsilon, "clients": clients, "status": "ok"}
@@ -180,9 +180,9 @@ def plot_reconstructions(images: dict[tuple[str, float], np.ndarray], path: Path
 
 def received_forward(method: str, msg, cfg) -> tuple[Callable, str]:
     """Forward function of the model a client receives in ``msg``, and what it is."""
-    from client.data import dataset_for
-    from client.models import build_model, set_weights
-    from client.wire import from_record
+    from protocols.task.data import dataset_for
+    from protocols.task.models import build_model, set_weights
+    from protocols.wire.arrays import from_record
 
     arrays = from_record(msg.content["arrays"])
     ds = dataset_for(cfg)
@@ -202,9 +202,9 @@ def mia_point(name: str, epsilon: float, clients: int, base: dict, msets: dict, 
 
     from benchmarks.adversary.membership import loss_threshold_attack, per_sample_loss
     from benchmarks.adversary.uplink import training_loss
-    from client.data import dataset_for
-    from client.models import load_npz_model
     from protocols.config import RunConfig
+    from protocols.task.data import dataset_for
+    from protocols.task.models import load_npz_model
 
     method = common.method_config(name)[0]
     last: dict = {}

@@ -5,7 +5,7 @@
 
 Examples per second of ``sum_i clip(g_i, C)`` on MNIST batches (the real images from the
 shared data folder, random ones of the same shape if it is missing), one thread, for the
-MLP 784-128-10 and the SmallCNN of :mod:`client.models`:
+MLP 784-128-10 and the SmallCNN of :mod:`protocols.task.models`:
 
 * L2: :func:`protocols.per_example.clipped_grad_sum` against Opacus' ``GradSampleModule``
   (per-sample gradients by hooks, then ``DPOptimizer.clip_and_accumulate``) and
@@ -35,8 +35,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from client.models import build_model
 from protocols.per_example import clipped_grad_sum, fast_path_blocker, vmap_clipped_grad_sum
+from protocols.task.models import build_model
 
 HELP = "per-example clipping examples/s: ours vs Opacus (L2) and the vmap reference (L1)"
 #: What ``cancelfl-bench reproduce`` compares (column -> relative tolerance) and the row key.
@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def mnist_batch(n: int, data_dir: str, notes: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``n`` MNIST training images (N, 1, 28, 28) and labels; random ones if MNIST is missing."""
-    from client.data import load_dataset
+    from protocols.task.data import load_dataset
 
     try:
         ds = load_dataset("mnist", data_dir, train_subset=n)

@@ -34,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def chance(dataset: str) -> float:
     """Share of the most frequent class in the dataset's test set."""
-    from client.data import dataset_for
     from protocols.config import RunConfig
+    from protocols.task.data import dataset_for
     from strategies.run.notes import chance_level
 
     return chance_level(dataset_for(RunConfig(dataset=dataset)).y_test)

@@ -79,8 +79,8 @@ def run_point(name: str, epsilon: float, clients: int, base: dict, method_sets: 
               *, hooks: Sequence = ()) -> RunResult:
     """One federation; never raises (refusals and failures end up in ``status``)."""
     from benchmarks.adversary.observe import run_observed
-    from client.messages.ddpsa import ShareReceipt
     from protocols.config import ConfigError
+    from protocols.wire.ddpsa import ShareReceipt
 
     method, ov = point_config(name, epsilon, clients, base, method_sets, out_dir)
     res = RunResult(name, method, epsilon, clients)

@@ -17,7 +17,7 @@ import numpy as np
 
 from benchmarks import common
 from benchmarks.runs import run_point, warm_up
-from client.messages.keys import PeerKeys
+from protocols.wire.keys import PeerKeys
 
 HELP = "per-client cost at growing client counts"
 

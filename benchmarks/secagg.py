@@ -38,10 +38,10 @@ def legacy_fedavg_client(raw: dict, clients: int):
     from flwr.app import Context
     from flwr.client import NumPyClient
 
-    from client.data import client_partition, dataset_for
-    from client.models import build_model, get_weights, set_weights
-    from client.training import train
     from protocols.config import RunConfig
+    from protocols.task.data import client_partition, dataset_for
+    from protocols.task.models import build_model, get_weights, set_weights
+    from protocols.task.training import train
 
     cfg = RunConfig.from_mapping(raw)
     ds = dataset_for(cfg)

@@ -9,7 +9,7 @@
 * :func:`protect` handles one message inside a handler you write yourself and returns the reply to send.
 
 The strategy sends its settings (``method``, ``epsilon``, ``clip``, ...) in every message
-(:mod:`client.messages.settings`), so the client needs no run config; a client run config naming another
+(:mod:`protocols.wire.settings`), so the client needs no run config; a client run config naming another
 ``method`` is refused.  Premises of the protection: the method trains your model itself (a DP guarantee covers
 a training procedure, not an arbitrary update), ``y`` holds integer class labels, and the model's ``state_dict``
 keys match the server's arrays.  Noise is drawn on the CPU from the OS CSPRNG; training runs on ``device``.
@@ -27,9 +27,9 @@ from torch import nn
 
 from client.env import ClientEnv
 from client.floor import admit
-from client.messages.settings import settings_of
 from client.methods import query_actions, query_handler, train_handler
 from protocols.config import RunConfig
+from protocols.wire.settings import settings_of
 
 #: ``load(context) -> (model, x, y)``: your model (a fresh instance) and this node's training data.
 Loader = Callable[[Context], tuple[nn.Module, np.ndarray, np.ndarray]]
@@ -42,8 +42,10 @@ def client_env(context: Context, model: nn.Module, x: np.ndarray, y: np.ndarray,
     Settings come from ``msg`` (what the strategy sent, checked against the run config) or, without
     ``msg``, from the run config (ConfigError if it names no method, or a mismatch).
     """
-    cfg = settings_of(msg, context.run_config) if msg is not None else RunConfig.from_mapping(context.run_config,
-                                                                                              strict=False)
+    if msg is not None:
+        cfg = settings_of(msg.content if msg.has_content() else None, context.run_config)
+    else:
+        cfg = RunConfig.from_mapping(context.run_config, strict=False)
     x = np.asarray(x, dtype=np.float32)
     y = np.asarray(y, dtype=np.int64)
     if len(x) != len(y) or len(y) == 0:

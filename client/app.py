@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from flwr.app import Context, Message
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from client.env import ClientEnv
 from client.floor import admit
-from client.messages.federation import ACTION as FEDERATION
-from client.messages.federation import FederationInfo
 from client.methods import query_actions, query_handler, train_handler
+from protocols.wire.federation import ACTION as FEDERATION
+from protocols.wire.federation import FederationInfo
 
 app = ClientApp()
 
@@ -36,4 +36,5 @@ for _action in sorted(query_actions()):
 @app.query(FEDERATION)
 def federation(msg: Message, context: Context) -> Message:
     """What this node's node config says about the federation (the ServerApp's check, :mod:`server.federation`)."""
-    return Message(FederationInfo.from_node_config(context.node_config).to_content(), reply_to=msg)
+    info = FederationInfo.from_node_config(context.node_config)
+    return Message(RecordDict({"config": ConfigRecord(info.to_config())}), reply_to=msg)

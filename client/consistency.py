@@ -1,6 +1,6 @@
 """Client side of the signed consistency check (``query.consistency``) of the double-masked methods.
 
-:func:`handle_consistency` signs the round's outcome (:class:`~client.messages.consistency.ConsistencyRequest`)
+:func:`handle_consistency` signs the round's outcome (:class:`~protocols.wire.consistency.ConsistencyRequest`)
 with the node's Ed25519 roster identity after the checks of a recovery request
 (:func:`client.recovery.check_request`: its own upload received, the round it uploaded in, every neighbour
 received or dropped, no node both, nothing contradicting a request it already answered).  It signs one outcome
@@ -15,10 +15,10 @@ from flwr.app import ConfigRecord, Message, RecordDict
 
 from client.env import ClientEnv
 from client.identity import node_identity
-from client.messages.consistency import ConsistencyReply, ConsistencyRequest
-from client.messages.recovery import RecoveryRequest
 from client.recovery import RecoveryStore, check_request
 from protocols.consistency import consistency_statement, outcome_digest
+from protocols.wire.consistency import ConsistencyReply, ConsistencyRequest
+from protocols.wire.recovery import RecoveryRequest
 
 
 def sign_outcome(env: ClientEnv, req: ConsistencyRequest) -> ConsistencyReply:

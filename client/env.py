@@ -12,16 +12,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from flwr.app import Context, Message, RecordDict
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from torch import nn
 
-from client.data import client_partition, dataset_for
-from client.messages.common import TrainIns, train_metrics
-from client.models import build_model, get_weights, resolve_device, set_weights
-from client.training import clipped_sgd, train
-from client.wire import Weights, from_record
 from protocols.config import ConfigError, RunConfig
 from protocols.federation import fitted, num_clients_left_auto
+from protocols.task.data import client_partition, dataset_for
+from protocols.task.models import build_model, get_weights, resolve_device, set_weights
+from protocols.task.training import clipped_sgd, train
+from protocols.wire.arrays import Weights, from_record
+from protocols.wire.common import TrainIns, train_metrics
 
 
 @dataclass
@@ -107,5 +107,5 @@ def record_level_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weight
 
 
 def reply(msg: Message, arrays, num_examples: int, **metrics: float) -> Message:
-    """The standard train reply: upload arrays + metrics (:func:`client.messages.common.train_metrics`)."""
-    return Message(RecordDict({"arrays": arrays, "metrics": train_metrics(num_examples, **metrics)}), reply_to=msg)
+    """The standard train reply: upload arrays + metrics (:func:`protocols.wire.common.train_metrics`)."""
+    return Message(RecordDict({"arrays": arrays, "metrics": MetricRecord(train_metrics(num_examples, **metrics))}), reply_to=msg)

@@ -8,7 +8,7 @@
   upload, before anything leaves the node): refuses when the release would take the
   node past its lifetime budget or the method adds no noise a node policy asks for,
   records the release in the node's persistent ledger (:mod:`client.ledger`) and
-  returns the :class:`client.messages.ledger.SpentReport` metrics for the reply.
+  returns the :class:`protocols.wire.ledger.SpentReport` metrics for the reply.
 
 A refusal is a :class:`protocols.floor.FloorViolation` raised from the handler: Flower
 turns it into an error reply whose reason names the parameter; nothing is uploaded.
@@ -24,11 +24,11 @@ from flwr.app import Message
 
 from client.env import ClientEnv
 from client.ledger import ClientLedger, ledger_dir
-from client.messages.common import TrainIns
-from client.messages.ledger import SpentReport
 from protocols.floor import FloorPolicy, FloorViolation, at_most, check_round
 from protocols.methods import Guarantee, method_spec
 from protocols.privacy import Event, GaussianEvent
+from protocols.wire.common import TrainIns
+from protocols.wire.ledger import SpentReport
 
 __all__ = ["FloorViolation", "admit", "guarantee", "policy", "release"]
 
@@ -72,7 +72,7 @@ def release(msg: Message, env: ClientEnv, uplink: Event | None = None, downlink:
     published model's part, when the client can tell it apart (else the uplink bounds it: post-processing).
     A method whose uploads carry no guarantee (registry, :attr:`protocols.methods.MethodSpec.privacy`:
     fedavg, cdp, the MP family) records an un-noised release (infinite epsilon) for the uplink.
-    Returns the :class:`~client.messages.ledger.SpentReport` metrics to merge into the reply.
+    Returns the :class:`~protocols.wire.ledger.SpentReport` metrics to merge into the reply.
     """
     pol = policy(env)
     g = guarantee(env)

@@ -24,7 +24,6 @@ from pathlib import Path
 from flwr.common import log
 
 from client.env import ClientEnv
-from client.messages.keys import PeerKeys
 from protocols.config import ConfigError
 from protocols.identity import (
     DerivedRoster,
@@ -36,6 +35,7 @@ from protocols.identity import (
     key_statement,
     verify_key,
 )
+from protocols.wire.keys import PeerKeys
 
 IDENTITY_KEY = "identity-key"
 ROSTER_KEY = "roster"

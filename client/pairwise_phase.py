@@ -1,11 +1,11 @@
 """Client side of the key-exchange phase shared by every pairwise-noise method.
 
-* :func:`handle_keys` answers ``query.keys`` (:class:`client.messages.keys.KeyRequest`) with a fresh X25519 public
+* :func:`handle_keys` answers ``query.keys`` (:class:`protocols.wire.keys.KeyRequest`) with a fresh X25519 public
   key for the server's key epoch, signed with the node's Ed25519 identity (:mod:`client.identity`), and the digest
   (or, when asked, the text) of the roster it trusts; the private key, the roster digest and the epoch's shared
   secrets (keyed by peer id and public key) stay in ``Context.state``.
 * :func:`check_view` checks the view the message shows against the roster's pairing graph of the round
-  (:func:`roster_round_of`: seed, public sample and graph from the roster and the round number only): the graph
+  (:func:`protocols.graphs.roster_round_of`: seed, public sample and graph from the roster and the round number only): the graph
   seed, every participant in the sample under its signed name, the peer list equal to this node's roster
   neighbours among the participants, at least :func:`protocols.graphs.present_floor` of them, and the roster
   unchanged within the key epoch; it hashes the view, so clients shown different views derive no common seed.
@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,14 +23,12 @@ from flwr.app import ConfigRecord, Message, RecordDict
 
 from client.env import ClientEnv
 from client.identity import node_identity, sign_key, verify_peers
-from client.messages.common import TrainIns
-from client.messages.keys import KeyReply, KeyRequest, MaskProbe, PeerKeys
-from protocols.config import RunConfig
-from protocols.graphs import RosterRound, present_floor, present_graph, roster_round
-from protocols.identity import Roster, roster_digest, roster_round_seed, view_digest
+from protocols.graphs import present_floor, present_graph, roster_round_of
+from protocols.identity import Roster, roster_digest, view_digest
 from protocols.keyagreement import agree_many, derive_pair_seed, generate_keypair, keypair_from_private
 from protocols.prg import gaussian
-from protocols.schedule import most_participations, participations
+from protocols.wire.common import TrainIns
+from protocols.wire.keys import KeyReply, KeyRequest, MaskProbe, PeerKeys
 
 #: ``Context.state`` record holding the epoch's key pair and cached shared secrets (:class:`KeyStore`).
 STATE_KEY = "cancelfl-keys"
@@ -97,46 +94,12 @@ def handle_keys(msg: Message, env: ClientEnv) -> Message:
     KeyStore(req.key_epoch, kp.private_bytes, {}, roster=digest).save(env)
     text = Roster(dict(roster)).to_json() if req.want_roster else ""
     reply = KeyReply(kp.public_bytes, len(env.y), name, signature, digest, text)
-    return Message(RecordDict({"config": reply.to_config()}), reply_to=msg)
+    return Message(RecordDict({"config": ConfigRecord(reply.to_config())}), reply_to=msg)
 
 
 def peers(msg: Message) -> list[int]:
     """Neighbour node ids sent by the server for this round."""
     return list(PeerKeys.from_config(msg.content["config"]).peer_ids)
-
-
-def roster_round_of(cfg: RunConfig, roster: Mapping[str, bytes], rnd: int) -> RosterRound:
-    """The round's public sample and pairing graph of ``roster`` under the run's graph rule (both ends call it).
-
-    Sample size: run-config ``clients-per-round`` of the roster's names (all of them if it lists fewer).  The
-    last few are kept per process (a client checks the same round's view several times per message).
-    """
-    digest = roster_digest(roster)
-    key = (cfg.graph, cfg.n_out, cfg.clients_per_round, digest, int(rnd))
-    if key not in _ROUNDS:
-        names = list(roster)
-        _ROUNDS[key] = roster_round(cfg.graph, cfg.n_out, names, min(len(names), cfg.clients_per_round),
-                                    roster_round_seed(digest, rnd))
-        while len(_ROUNDS) > 8:
-            _ROUNDS.pop(next(iter(_ROUNDS)))
-    return _ROUNDS[key]
-
-
-_ROUNDS: dict[tuple, RosterRound] = {}
-
-
-def roster_releases(cfg: RunConfig, roster: Mapping[str, bytes]) -> int:
-    """Releases the run's noise is calibrated for: the most rounds any roster name is sampled in (both ends call it).
-
-    :func:`protocols.schedule.most_participations` over rounds ``1..num-rounds`` of the public schedule
-    (``num-rounds`` when every round samples every name).
-    """
-    return most_participations(list(roster), cfg.clients_per_round, roster_digest(roster), cfg.num_rounds)
-
-
-def roster_participations(cfg: RunConfig, roster: Mapping[str, bytes], first: int, last: int) -> dict[str, int]:
-    """Rounds ``first..last`` of the public schedule that sample each roster name."""
-    return participations(list(roster), cfg.clients_per_round, roster_digest(roster), first, last)
 
 
 @dataclass(frozen=True)

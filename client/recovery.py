@@ -2,9 +2,9 @@
 
 When it uploads, a client keeps (:class:`RecoveryStore`, in ``Context.state``) this round's material its upload
 holds because of each neighbour: nadp and mpddp the per-round pair seed, niss a
-:class:`~client.messages.recovery.NissPairMaterial`.  The next train message overwrites it.
+:class:`~protocols.wire.recovery.NissPairMaterial`.  The next train message overwrites it.
 
-:func:`handle_recover` answers a :class:`~client.messages.recovery.RecoveryRequest` with the material of the
+:func:`handle_recover` answers a :class:`~protocols.wire.recovery.RecoveryRequest` with the material of the
 dropped neighbours only, after :func:`check_request`: it refuses, naming the reason, a round it did not upload in,
 a request without its own upload in ``received``, a node both received and dropped, a neighbour in neither set,
 or a different request than the one it already answered this round.  Material that would strip all pair noise
@@ -27,9 +27,6 @@ from flwr.app import ConfigRecord, Message, RecordDict
 
 from client.env import ClientEnv
 from client.identity import node_identity
-from client.messages.common import TrainIns
-from client.messages.consistency import CONSISTENCY_RECORD, SignedOutcomes
-from client.messages.recovery import SELF_MASK_RECORD, RecoveryReply, RecoveryRequest, SelfMaskShares
 from client.pairwise_phase import pair_seeds, participants_of, roster_round_of
 from protocols.consistency import SignedOutcome, outcome_digest, valid_signers
 from protocols.masking import (
@@ -43,6 +40,9 @@ from protocols.masking import (
     signatures_needed,
 )
 from protocols.relay_crypto import RelayAuthError
+from protocols.wire.common import TrainIns
+from protocols.wire.consistency import CONSISTENCY_RECORD, SignedOutcomes
+from protocols.wire.recovery import SELF_MASK_RECORD, RecoveryReply, RecoveryRequest, SelfMaskShares
 
 #: ``Context.state`` record of the last upload's pair material.
 STATE_KEY = "cancelfl-recovery"
@@ -173,7 +173,7 @@ class SelfMask:
 
     def attach(self, out: Message) -> Message:
         """Put the sealed shares into the train reply ``out`` (returned)."""
-        out.content[SELF_MASK_RECORD] = self.shares.to_config()
+        out.content[SELF_MASK_RECORD] = ConfigRecord(self.shares.to_config())
         return out
 
 
@@ -376,4 +376,4 @@ def handle_recover(msg: Message, env: ClientEnv) -> Message:
         if not out.refused:
             store.answered = (tuple(sorted(req.received)), tuple(sorted(req.dropped)), tuple(sorted(req.excluded)))
             store.save(env)
-    return Message(RecordDict({"config": out.to_config()}), reply_to=msg)
+    return Message(RecordDict({"config": ConfigRecord(out.to_config())}), reply_to=msg)

@@ -24,6 +24,8 @@ import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from protocols.config import RunConfig
+from protocols.identity import roster_digest, roster_round_seed
 from protocols.masking import mask_threshold
 from protocols.prg import derive_subseed, uniform_ints
 
@@ -173,6 +175,26 @@ def roster_round(kind: str, n_out: int, names: Sequence[str], sample_size: int, 
         by_pos = n_out_graph(range(len(sample)), n_out, derive_subseed(seed, "roster-graph"))
         return RosterRound(seed, tuple(sample), {sample[i]: [sample[j] for j in nb] for i, nb in by_pos.items()})
     return RosterRound(seed, tuple(sample), None)
+
+
+def roster_round_of(cfg: RunConfig, roster: Mapping[str, bytes], rnd: int) -> RosterRound:
+    """The round's public sample and pairing graph of ``roster`` under the run's graph rule (both ends call it).
+
+    Sample size: run-config ``clients-per-round`` of the roster's names (all of them if it lists fewer).  The
+    last few are kept per process (a client checks the same round's view several times per message).
+    """
+    digest = roster_digest(roster)
+    key = (cfg.graph, cfg.n_out, cfg.clients_per_round, digest, int(rnd))
+    if key not in _ROUNDS:
+        names = list(roster)
+        _ROUNDS[key] = roster_round(cfg.graph, cfg.n_out, names, min(len(names), cfg.clients_per_round),
+                                    roster_round_seed(digest, rnd))
+        while len(_ROUNDS) > 8:
+            _ROUNDS.pop(next(iter(_ROUNDS)))
+    return _ROUNDS[key]
+
+
+_ROUNDS: dict[tuple, RosterRound] = {}
 
 
 def present_graph(rr: RosterRound, present: Mapping[int, str]) -> dict[int, list[int]]:

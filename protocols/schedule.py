@@ -12,13 +12,14 @@ many releases instead of ``num-rounds`` (with ``sample-rate`` = 1 both are ``num
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 
+from protocols.config import RunConfig
 from protocols.graphs import roster_sample
-from protocols.identity import roster_round_seed
+from protocols.identity import roster_digest, roster_round_seed
 
-__all__ = ["most_participations", "participations"]
+__all__ = ["most_participations", "participations", "roster_participations", "roster_releases"]
 
 
 def participations(names: Sequence[str], sample_size: int, digest: bytes, first: int, last: int) -> dict[str, int]:
@@ -53,3 +54,17 @@ def _counts(names: tuple[str, ...], sample_size: int, digest: bytes, first: int,
     for rnd in range(first, last + 1):
         count.update(roster_sample(names, size, roster_round_seed(digest, rnd)))
     return tuple(sorted(count.items()))
+
+
+def roster_releases(cfg: RunConfig, roster: Mapping[str, bytes]) -> int:
+    """Releases the run's noise is calibrated for: the most rounds any roster name is sampled in (both ends call it).
+
+    :func:`most_participations` over rounds ``1..num-rounds`` of the public schedule (``num-rounds`` when every
+    round samples every name).
+    """
+    return most_participations(list(roster), cfg.clients_per_round, roster_digest(roster), cfg.num_rounds)
+
+
+def roster_participations(cfg: RunConfig, roster: Mapping[str, bytes], first: int, last: int) -> dict[str, int]:
+    """Rounds ``first..last`` of the public schedule that sample each roster name."""
+    return participations(list(roster), cfg.clients_per_round, roster_digest(roster), first, last)

@@ -8,10 +8,10 @@ from flwr.app import Context
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
-from client.data import partitions_for
 from protocols.adjustments import adjustments
 from protocols.config import RunConfig
 from protocols.federation import num_clients_left_auto
+from protocols.task.data import partitions_for
 from server.federation import fit_federation
 from server.local_superlink import managed_superlink, stop_hint
 from strategies.run.checkpoint import resolve_out_dir, write_error

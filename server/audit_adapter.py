@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from flwr.app import Message
 
-from client.wire import from_record
+from protocols.wire.arrays import from_record
 from server.audit_canaries import _AdaptiveCanaries, _Canaries
 from server.audit_faults import Fault
 from server.audit_spec import AuditSpec

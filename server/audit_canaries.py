@@ -40,13 +40,13 @@ class CanaryModel(nn.Module):
 
 
 def canary_mlp(dim: int, hidden: int = MLP_HIDDEN, out_weight: float = MLP_OUT_WEIGHT) -> nn.Module:
-    """The MP family's canary model: ``client.models.MLP(dim, [hidden], 2)``, every hidden unit active at 1.
+    """The MP family's canary model: ``protocols.task.models.MLP(dim, [hidden], 2)``, every hidden unit active at 1.
 
     ``W1 = 0``, ``b1 = 1``, output rows ``+-out_weight`` and ``b2`` such that ``y_hat = (1/2, 1/2)``: for a
     record ``x = s e_k`` the true gradient on ``W1[:, k]`` is ``s W2^T (y_hat - onehot(y)) = -+ s out_weight``
     per hidden unit, its sign set by the label, in a column no other record touches.
     """
-    from client.models import MLP
+    from protocols.task.models import MLP
 
     m = MLP(dim, [hidden], 2)
     with torch.no_grad():

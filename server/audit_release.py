@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import ConfigRecord
 
-from client.models import get_weights
-from client.wire import to_record
 from protocols.config import RunConfig
+from protocols.task.models import get_weights
 from server.audit_adapter import ReleaseView
 from server.audit_canaries import _AdaptiveCanaries, _Canaries, _client_app
 from server.audit_spec import AuditSpec
 from server.local_grid import LocalGrid
+from strategies.records import to_record
 from strategies.registry import strategy_class
 from strategies.stages import close_round
 

@@ -5,7 +5,7 @@ SuperNodes, whose node configs say ``num-partitions = 2``.  The run config's ``n
 (default 10) would then wait for nodes that never come, and each node would train on half the
 data while the server accounts for a tenth.  :func:`fit_federation` asks the connected nodes
 before the first round -- in Flower's simulation by counting its SuperNodes, in deployment by asking
-the connected nodes (``query.federation``, :mod:`client.messages.federation`).  With ``num-clients``
+the connected nodes (``query.federation``, :mod:`protocols.wire.federation`).  With ``num-clients``
 left "auto" the run takes the federation's size (:mod:`protocols.federation`; each client does the same
 from its node config); with a ``num-clients`` the user set, it stops within seconds, naming both fixes
 in one line: more SuperNodes, or fewer clients.
@@ -26,9 +26,9 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.superlink.grid import InMemoryGrid
 
-from client.messages.federation import ACTION, FederationInfo
 from protocols.config import ConfigError, RunConfig
 from protocols.federation import fitted, num_clients_left_auto
+from protocols.wire.federation import ACTION, FederationInfo
 
 #: Nodes asked (their node configs should agree; a few suffice).
 NODES_ASKED = 3

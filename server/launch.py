@@ -59,10 +59,10 @@ def local_checks(cfg: RunConfig) -> None:
     """What the clients of a run on this machine need, checked before any of them starts (``ConfigError``).
 
     Every client gets at least one training record (run-config ``num-clients`` against the dataset's records,
-    :func:`client.data.partitions_for`; also the dataset files are read) and run-config ``device`` exists here.
+    :func:`protocols.task.data.partitions_for`; also the dataset files are read) and run-config ``device`` exists here.
     """
-    from client.data import partitions_for
-    from client.models import resolve_device
+    from protocols.task.data import partitions_for
+    from protocols.task.models import resolve_device
 
     if not cfg.dataset.startswith("hub:"):  # a hub dataset would be downloaded twice
         partitions_for(cfg)

@@ -2,7 +2,7 @@
 
 :func:`run_federation` runs a :class:`~strategies.base.CancelStrategy` with :class:`AppTask` through
 :func:`strategies.run.loop.run_rounds` (outputs: see that module); the final model is saved as ``model.npz``
-+ ``model.json`` (:func:`client.models.load_npz_model` rebuilds it).
++ ``model.json`` (:func:`protocols.task.models.load_npz_model` rebuilds it).
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ from pathlib import Path
 from flwr.app import ArrayRecord
 from flwr.serverapp import Grid
 
-from client.data import dataset_for, partitions_for
-from client.models import build_model, get_weights, save_npz_model, set_weights
-from client.training import evaluate
-from client.wire import from_record, to_record
 from protocols.arrays import Weights
 from protocols.config import ConfigError, RunConfig
+from protocols.task.data import dataset_for, partitions_for
+from protocols.task.models import build_model, get_weights, save_npz_model, set_weights
+from protocols.task.training import evaluate
+from protocols.wire.arrays import from_record
 from strategies.base import CancelStrategy
+from strategies.records import to_record
 from strategies.run.loop import run_rounds
 from strategies.run.notes import chance_level
 
@@ -40,7 +41,10 @@ def largest_partition(cfg: RunConfig) -> int | None:
 
 
 class AppTask:
-    """The run config's dataset and model (:mod:`client.data`, :mod:`client.models`), evaluated on its test split."""
+    """The run config's dataset and model, evaluated on its test split.
+
+    Built with :mod:`protocols.task.data` and :mod:`protocols.task.models`.
+    """
 
     def __init__(self, cfg: RunConfig, wire_dtype) -> None:
         self.cfg = cfg

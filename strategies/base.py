@@ -14,9 +14,9 @@ the strategy for :meth:`privacy_report` and :meth:`round_report` to log each rou
 
 Message layout (all methods): the server sends ``RecordDict({"arrays":
 ArrayRecord, "config": ConfigRecord})``; a client replies with ``"arrays"``
-(its upload) and ``"metrics"`` (:func:`client.messages.common.train_metrics`:
+(its upload) and ``"metrics"`` (:func:`protocols.wire.common.train_metrics`:
 its number of examples and method figures).  Config and metric keys belong to
-the message classes of :mod:`client.messages`.
+the message classes of :mod:`protocols.wire`.
 """
 
 from __future__ import annotations
@@ -35,15 +35,17 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from client.messages.common import TrainIns, mean_metrics, num_examples
-from client.messages.ledger import SpentReport
-from client.messages.settings import with_settings
-from client.wire import Weights, array_view, from_record, to_record
 from protocols.arrays import flatten
 from protocols.config import ConfigError, RunConfig
 from protocols.methods import METHODS
 from protocols.privacy import PrivacyLedger
 from protocols.privacy.signal import NoiseEstimate, Release
+from protocols.wire.arrays import Weights, array_view, from_record
+from protocols.wire.common import TrainIns, mean_metrics, num_examples
+from protocols.wire.ledger import SpentReport
+from protocols.wire.settings import KEY as SETTINGS_KEY
+from protocols.wire.settings import settings_config
+from strategies.records import to_record
 from strategies.run.loop import FlowerTask, run_rounds
 from strategies.stages import (
     ForgetsUnresponsive,
@@ -183,9 +185,13 @@ class CancelStrategy(Strategy):
     def make_messages(self, nodes: Iterable[int], content_fn, message_type: str = "train") -> list[Message]:
         """One message per node with content from ``content_fn(node_id) -> RecordDict``.
 
-        Each carries the strategy's settings (:mod:`client.messages.settings`): the client acts on them.
+        Each carries the strategy's settings (:mod:`protocols.wire.settings`): the client acts on them.
         """
-        return [Message(with_settings(content_fn(n), self.cfg), n, message_type) for n in nodes]
+        settings = settings_config(self.cfg)
+        contents = {n: content_fn(n) for n in nodes}
+        for content in contents.values():
+            content[SETTINGS_KEY] = ConfigRecord(settings)
+        return [Message(content, n, message_type) for n, content in contents.items()]
 
     def exchange(self, grid: Grid, nodes: Iterable[int], content_fn, action: str) -> tuple[dict[int, Message], list[str]]:
         """Run one extra ``query.<action>`` phase; returns good replies by node and errors."""
@@ -278,13 +284,13 @@ class CancelStrategy(Strategy):
         """Plan stage: calibration and extra phases; returns the round's state (a method's subclass); default: ``st``."""
         return st
 
-    def train_config(self, server_round: int) -> ConfigRecord:
-        """Config every participant gets with the model (default: the round number)."""
+    def train_config(self, server_round: int) -> dict[str, Any]:
+        """Config fields every participant gets with the model (default: the round number)."""
         return TrainIns(server_round).to_config()
 
     def train_content(self, st: RoundState, node: int, arrays: ArrayRecord) -> RecordDict:
         """Train stage: the message of ``node``; default: the global model and :meth:`train_config`."""
-        return RecordDict({"arrays": arrays, "config": self.train_config(st.round)})
+        return RecordDict({"arrays": arrays, "config": ConfigRecord(self.train_config(st.round))})
 
     def charge_release(self, st: RoundState) -> None:
         """Train stage: compose what the train messages commit the participants to releasing; default: nothing.
@@ -319,7 +325,7 @@ class CancelStrategy(Strategy):
         return float(num_examples(reply.content["metrics"]))
 
     def record_client_spending(self, by_node: Mapping[int, Message]) -> None:
-        """Each participant's lifetime epsilon as its own ledger reports it (:class:`client.messages.ledger.SpentReport`).
+        """Each participant's lifetime epsilon as its own ledger reports it (:class:`protocols.wire.ledger.SpentReport`).
 
         Kept in :attr:`client_epsilon` (node -> epsilon, ``inf`` = no guarantee; the runner writes it per round)
         and reported as ``client_epsilon_max`` (over the clients with a finite figure).
@@ -337,7 +343,7 @@ class CancelStrategy(Strategy):
     @staticmethod
     def mean_metrics(replies: list[Message]) -> MetricRecord:
         """Example-weighted mean of every numeric client metric."""
-        return mean_metrics([r.content["metrics"] for r in replies])
+        return MetricRecord(mean_metrics([r.content["metrics"] for r in replies]))
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:

@@ -2,7 +2,7 @@
 
 * ``fedavg``: example-weighted average, no noise.
 * ``ldp``: each client noises its own upload; the server announces the RDP-calibrated multiplier ``z`` for
-  ``num-rounds`` releases (:class:`client.messages.baselines.LocalDpNoise`) and each client refuses a smaller one.
+  ``num-rounds`` releases (:class:`protocols.wire.baselines.LocalDpNoise`) and each client refuses a smaller one.
   Record level: the local model plus ``N(0, (z Delta_k)^2)``, ``Delta_k = 2 C lr / n_k`` (NADP-FL's Lemma 3
   comparator), example-weighted mean; client level: the update clipped to ``clip`` plus ``N(0, (z clip)^2)``,
   uniform mean.
@@ -20,15 +20,13 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg
 
-from client.messages.baselines import UNIFORM_WEIGHT_KEY, ClippingNorm, LocalDpNoise
-from client.messages.common import merge_configs, num_examples
-from client.wire import from_record, to_record
 from protocols.arrays import flatten, unflatten
 from protocols.config import RunConfig
 from protocols.floor import ldp_noise_multiplier
@@ -41,7 +39,11 @@ from protocols.privacy import (
     record_training_movement,
 )
 from protocols.privacy.signal import NoiseEstimate, gaussian_norm
+from protocols.wire.arrays import from_record
+from protocols.wire.baselines import UNIFORM_WEIGHT_KEY, ClippingNorm, LocalDpNoise
+from protocols.wire.common import merge_configs, num_examples
 from strategies.base import CancelStrategy, RoundFailed, RoundState, weighted_average
+from strategies.records import to_record
 from strategies.validation import gaussian_norm_bound
 
 
@@ -118,7 +120,7 @@ class LocalDPStrategy(_RecordLevel):
         self.z = ldp_noise_multiplier(cfg)  # the clients compute the same (their privacy floor)
         self.privacy = PrivacyLedger(cfg.delta, uplink=RdpAccountant(), downlink=RdpAccountant(), headline="uplink")
 
-    def train_config(self, server_round: int) -> ConfigRecord:
+    def train_config(self, server_round: int) -> dict[str, Any]:
         """The round number and the noise multiplier each client must at least use (a ``LocalDpNoise``)."""
         return merge_configs(super().train_config(server_round), LocalDpNoise(self.z * self.noise_scale).to_config())
 
@@ -216,7 +218,7 @@ class CentralDPStrategy(_RecordLevel):
             num_sampled_clients=cfg.clients_per_round)
         self._last_std: float | None = None
 
-    def train_config(self, server_round: int) -> ConfigRecord:
+    def train_config(self, server_round: int) -> dict[str, Any]:
         """The round number; client level: the norm ``fixedclipping_mod`` clips each update to (a ``ClippingNorm``)."""
         if self.record_level:
             return super().train_config(server_round)

@@ -27,23 +27,13 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 from logging import WARNING
+from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import ArrayRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from client.intermediate import (
-    IntermediateServers,
-    PartialSumUnavailableError,
-    abort_round,
-    reconstruct_sum,
-    register_run,
-)
-from client.intermediate.auth import load_signer
-from client.messages.common import merge_configs, num_examples
-from client.messages.ddpsa import IDENTITY_ACTION, DdpsaRound, RosterName, ShareReceipt
-from client.wire import Weights, from_record, to_record
 from protocols.arrays import flatten, unflatten
 from protocols.config import ConfigError, RunConfig
 from protocols.ddpsa import gamma_difference_epsilon, honest_participants, l1_sensitivity
@@ -61,7 +51,19 @@ from protocols.privacy.budget import crosses
 from protocols.privacy.signal import NoiseEstimate, Release, gaussian_norm
 from protocols.secret_sharing import FixedPointCodec
 from protocols.server_optimizers import make_server_optimizer, optimizer_from_state
+from protocols.wire.arrays import Weights, from_record
+from protocols.wire.common import merge_configs, num_examples
+from protocols.wire.ddpsa import IDENTITY_ACTION, DdpsaRound, RosterName, ShareReceipt
+from protocols.wire.intermediate import (
+    IntermediateServers,
+    PartialSumUnavailableError,
+    abort_round,
+    reconstruct_sum,
+    register_run,
+)
+from protocols.wire.intermediate.auth import load_signer
 from strategies.base import CancelStrategy, RoundFailed, RoundState
+from strategies.records import to_record
 from strategies.validation import UploadSpec
 
 #: Seconds the pre-round registration waits for each intermediate server.
@@ -193,8 +195,8 @@ class DdpsaStrategy(CancelStrategy):
         """No arrays: the shares go to the intermediate servers (a reply is checked for size and num-examples)."""
         return {}
 
-    def train_config(self, server_round: int) -> ConfigRecord:
-        """The round number and this round's :class:`~client.messages.ddpsa.DdpsaRound` (after :meth:`plan`)."""
+    def train_config(self, server_round: int) -> dict[str, Any]:
+        """The round number and this round's :class:`~protocols.wire.ddpsa.DdpsaRound` (after :meth:`plan`)."""
         state = self._state
         if not isinstance(state, DdpsaState) or state.round != server_round:
             raise RoundFailed(f"round {server_round}: no participant list (the plan stage did not run for this round)")

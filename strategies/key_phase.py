@@ -3,13 +3,13 @@
 A pairwise method owns one :class:`KeyPhase` (``self.keys = KeyPhase(cfg)``) and calls :meth:`KeyPhase.run` from
 its ``prepare_round`` hook, inside ``configure_train`` (the same in simulation, deployment and in-process):
 
-1. ``query.keys`` (:class:`client.messages.keys.KeyRequest`) goes only to sampled clients without a public key
+1. ``query.keys`` (:class:`protocols.wire.keys.KeyRequest`) goes only to sampled clients without a public key
    for the current key epoch (``key-rotation``) and to connected nodes whose roster name the server does not
    know yet (in the first round: every connected node); a client that does not answer, sends a malformed key or
    one not signed by its roster identity is left out of the round (logged); at least two must remain.  The server
    learns the roster from the replies (each carries its node's roster digest; while the server holds none, the
    first :attr:`KeyPhase.ROSTER_ASKS` send the text, and the one most replies vouch for is adopted).
-2. The round's sample and graph are the roster's (:func:`client.pairwise_phase.roster_round_of`: from the
+2. The round's sample and graph are the roster's (:func:`protocols.graphs.roster_round_of`: from the
    roster digest and the round number only), restricted to the sampled nodes present with a key
    (:func:`protocols.graphs.present_graph`); a participant with fewer present neighbours than its floor is left
    out (it would refuse).  Each client gets its neighbours' ids, keys, roster names and signatures and the
@@ -30,15 +30,15 @@ from dataclasses import dataclass, field, replace
 from logging import WARNING
 from typing import TYPE_CHECKING
 
-from flwr.app import Message, RecordDict
+from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from client.messages.keys import KeyReply, KeyRequest, PeerKeys, probe_value
-from client.pairwise_phase import roster_participations, roster_releases, roster_round_of
 from protocols.config import RunConfig
-from protocols.graphs import RosterRound, present_floor, present_graph
+from protocols.graphs import RosterRound, present_floor, present_graph, roster_round_of
 from protocols.identity import IdentityError, Roster, verify_key
+from protocols.schedule import roster_participations, roster_releases
+from protocols.wire.keys import KeyReply, KeyRequest, PeerKeys, probe_value
 from strategies.base import RoundFailed
 
 if TYPE_CHECKING:
@@ -176,8 +176,8 @@ class KeyPhase:
         if need:
             asks = set(need[:self.ROSTER_ASKS]) if self.roster is None else set()
             replies, _errors = strategy.exchange(
-                grid, need, lambda n: RecordDict({"config": KeyRequest(server_round, epoch, n in asks).to_config()}),
-                "keys")
+                grid, need,
+                lambda n: RecordDict({"config": ConfigRecord(KeyRequest(server_round, epoch, n in asks).to_config())}), "keys")
             keys = {}
             for node, msg in sorted(replies.items()):
                 try:

@@ -10,7 +10,7 @@ which layers got noise and how much.
 downlink = uplink (post-processing).  Once any client released an un-noised layer the model-level epsilon
 is ``math.inf``; ``epsilon_noised_layers`` gives the guarantee of the noised layers alone.
 
-Round figures (from each :class:`client.messages.ladp.NoiseReport`): ``noised_layers``, ``total_noise_norm``,
+Round figures (from each :class:`protocols.wire.ladp.NoiseReport`): ``noised_layers``, ``total_noise_norm``,
 ``aggregate_noise_norm`` (``sqrt(sum_i w_i^2 ||n_i||^2)``), ``epsilon_noised_layers``, ``epsilon_basic`` and
 ``noise_norm/<layer>``.  Accounting details: ``docs/methods/ladp.md``.
 """
@@ -23,14 +23,14 @@ from dataclasses import dataclass
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from flwr.serverapp import Grid
 
-from client.messages.common import merge_configs, num_examples
-from client.messages.ladp import NoiseReport, PublicEstimates
-from client.wire import from_record
 from protocols import ladp
 from protocols.config import RunConfig
 from protocols.floor import NOISE_SCALE
 from protocols.privacy import GaussianEvent, GdpAccountant, PrivacyLedger, record_training_movement
 from protocols.privacy.signal import NoiseEstimate
+from protocols.wire.arrays import from_record
+from protocols.wire.common import merge_configs, num_examples
+from protocols.wire.ladp import NoiseReport, PublicEstimates
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 
 
@@ -67,9 +67,9 @@ class LadpStrategy(CancelStrategy):
 
     def train_content(self, state: RoundState, node: int, arrays: ArrayRecord) -> RecordDict:
         """The global model, the round, and the public per-layer privacy estimates (:mod:`protocols.ladp`)."""
-        scale = ConfigRecord({NOISE_SCALE: float(self.noise_scale)}) if self.noise_scale != 1.0 else ConfigRecord()
-        return RecordDict({"arrays": arrays, "config": merge_configs(
-            self.train_config(state.round), PublicEstimates(self._estimates).to_config(), scale)})
+        scale = {NOISE_SCALE: float(self.noise_scale)} if self.noise_scale != 1.0 else {}
+        return RecordDict({"arrays": arrays, "config": ConfigRecord(merge_configs(
+            self.train_config(state.round), PublicEstimates(self._estimates).to_config(), scale))})
 
     def plan(self, grid: Grid, st: RoundState) -> LadpRound:
         """Plan stage: the round's estimates, KL between the model sent now and the one sent last round (both published)."""

@@ -16,19 +16,20 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from client.messages.common import TrainIns, merge_configs, num_examples
-from client.messages.mpddp import DdpNoise, NaiveNoise, PerturbedModel, mean_upload
-from client.wire import Weights, from_record, to_record
 from protocols.config import ConfigError, RunConfig
 from protocols.mpddp import MPSecret, mp_record_sensitivity, mp_server, mu_server, output_scale, relative_distance, torch_threads
 from protocols.mpddp.expansion import Layer
 from protocols.privacy import GaussianEvent, PrivacyLedger, RdpAccountant, accountant_from_state, noise_multiplier
 from protocols.privacy.signal import NoiseEstimate, Release, gaussian_norm
 from protocols.server_optimizers import NonFiniteGradient, make_server_optimizer, optimizer_from_state
+from protocols.wire.arrays import Weights, from_record
+from protocols.wire.common import TrainIns, merge_configs, num_examples
+from protocols.wire.mpddp import DdpNoise, NaiveNoise, PerturbedModel, mean_upload
 from strategies.base import CancelStrategy, RoundFailed, RoundState
+from strategies.records import to_record
 from strategies.recovery import corrected_residual
 from strategies.validation import FLOAT_DTYPES, ArraySpec, UploadSpec
 
@@ -180,8 +181,8 @@ class MpStrategyBase(CancelStrategy):
         with torch_threads(1):  # tiny matrices: thread hand-offs dominate otherwise
             layers = layers_from_weights(from_record(self.round_model))
             w_hat, secret = mp_server(layers, os.urandom(32), additive_scale=output_scale(layers))
-            state = MpRound(st.round, list(st.participants), layers, secret,
-                            PerturbedModel(tuple(m.detach().cpu().numpy() for m in w_hat)).to_record(), keys=st.keys)
+            w_hat_arrays = PerturbedModel(tuple(m.detach().cpu().numpy() for m in w_hat)).to_arrays()
+            state = MpRound(st.round, list(st.participants), layers, secret, to_record(w_hat_arrays, np.float64), keys=st.keys)
             state.noise = self.round_noise(state)
             if state.noise is not None:
                 self.report(**{k: v for k, v in asdict(state.noise).items() if k != "sizes"})  # the scales
@@ -196,7 +197,7 @@ class MpStrategyBase(CancelStrategy):
             parts.append(state.keys.peer_keys(node).to_config())
         if state.noise is not None:
             parts.append(state.noise.to_config())
-        return RecordDict({"arrays": state.model, "config": merge_configs(*parts)})
+        return RecordDict({"arrays": state.model, "config": ConfigRecord(merge_configs(*parts))})
 
     def charge_release(self, state: MpRound) -> None:
         """The planned round: a Gaussian release with multiplier z (no sampling amplification)."""

@@ -2,7 +2,7 @@
 
 Supported models: ``model = "mlp"`` with at least one hidden layer, trained with the paper's loss
 1/2 ||y - onehot||^2; the model perturbation (Eqs. 12-15) needs a ReLU MLP of ``nn.Linear`` layers
-(``client.models.MLP``), anything else is refused with a ``ConfigError`` at construction.
+(``protocols.task.models.MLP``), anything else is refused with a ``ConfigError`` at construction.
 
 Round ``t`` (the stages of :mod:`strategies.stages`; methods ``mpddp``, ``mpdp-naive``, ``mpcdp``):
 
@@ -56,7 +56,6 @@ import numpy as np
 from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 
-from client.messages.mpddp import DdpNoise, NaiveNoise, mean_upload
 from protocols.config import ConfigError, RunConfig
 from protocols.floor import ETA_SHARE, mpddp_floor, mpdp_naive_sigma
 from protocols.mpddp import (
@@ -80,6 +79,7 @@ from protocols.privacy import (
     RdpAccountant,
     noise_multiplier,
 )
+from protocols.wire.mpddp import DdpNoise, NaiveNoise, mean_upload
 from strategies.base import RoundFailed, RoundState
 from strategies.key_phase import KeyPhase
 from strategies.mp_server import MpRound, MpStrategyBase, check_model, layers_from_weights, weights_from_layers

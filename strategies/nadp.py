@@ -11,7 +11,7 @@ Round ``t`` (the stages of :mod:`strategies.stages`):
    ``sigma_up = Delta_up sqrt(4T ln(1/delta))/eps`` for each upload and
    ``sigma_down = Delta_down sqrt(4T ln(1/delta))/eps`` for the aggregate;
    ``lambda`` from ``nadp-lambda`` (> 0) or Eq. 8 from ``nadp-tau``;
-4. train: the message carries the public plan (:class:`client.messages.nadp.NadpPlan`:
+4. train: the message carries the public plan (:class:`protocols.wire.nadp.NadpPlan`:
    ids, sizes, sigmas, lambda) and the client's peer keys; each client recomputes
    the allocation (Alg. 2 over :func:`protocols.graphs.round_graph`) and uploads
    its noised model; the round is charged as the messages leave, every participant as planned
@@ -56,13 +56,10 @@ from dataclasses import dataclass
 from logging import WARNING
 
 import numpy as np
-from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from client.messages.common import TrainIns, merge_configs
-from client.messages.nadp import NadpPlan
-from client.wire import from_record, to_record
 from protocols.arrays import flatten, unflatten
 from protocols.config import RunConfig
 from protocols.floor import nadp_round_noise
@@ -84,8 +81,12 @@ from protocols.privacy import (
 )
 from protocols.privacy.budget import empty_like, top_up
 from protocols.privacy.signal import NoiseEstimate, gaussian_norm
+from protocols.wire.arrays import from_record
+from protocols.wire.common import TrainIns, merge_configs
+from protocols.wire.nadp import NadpPlan
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 from strategies.key_phase import KeyPhase, KeyRound
+from strategies.records import to_record
 from strategies.recovery import PairwiseRecovery, corrected_residual, probe_direction
 from strategies.validation import gaussian_norm_bound
 
@@ -173,8 +174,8 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
 
     def train_content(self, st: NadpRound, node: int, arrays: ArrayRecord) -> RecordDict:
         """Model + round + the public plan + this node's peer keys."""
-        return RecordDict({"arrays": arrays, "config": merge_configs(
-            TrainIns(st.round).to_config(), st.plan.to_config(), st.keys.peer_keys(node).to_config())})
+        return RecordDict({"arrays": arrays, "config": ConfigRecord(merge_configs(
+            TrainIns(st.round).to_config(), st.plan.to_config(), st.keys.peer_keys(node).to_config()))})
 
     def aggregate(self, st: NadpRound) -> ArrayRecord:
         """Aggregate stage: ``sum_{i in S} p_i upload_i / P_S`` over the survivors S (float64), with dropout reporting.

@@ -1,6 +1,6 @@
 """NISS (Yang et al., IEEE IoT-J 2022): DP noise built from shares whose negations cancel on the server.
 
-Round ``r`` (the stages of :mod:`strategies.stages`; messages of :mod:`client.messages.niss`):
+Round ``r`` (the stages of :mod:`strategies.stages`; messages of :mod:`protocols.wire.niss`):
 
 1. keys: the shared key phase (:class:`strategies.key_phase.KeyPhase`); the server, as the paper's
    *tracker*, draws the neighbour lists (complete or random n-out graph, run-config ``graph``/``n-out``).
@@ -49,12 +49,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from client.messages.niss import AuthFailures, Diagnostic, NissMetrics, RelayedInbox, ShareReply, ShareRequest
-from client.messages.recovery import NissPairMaterial
-from client.wire import from_record, to_record
 from protocols import niss as niss_math
 from protocols.arrays import flatten, unflatten
 from protocols.config import RunConfig
@@ -70,8 +67,12 @@ from protocols.privacy import (
     record_training_movement,
 )
 from protocols.privacy.signal import NoiseEstimate, gaussian_norm
+from protocols.wire.arrays import from_record
+from protocols.wire.niss import AuthFailures, Diagnostic, NissMetrics, RelayedInbox, ShareReply, ShareRequest
+from protocols.wire.recovery import NissPairMaterial
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 from strategies.key_phase import KeyPhase, KeyRound
+from strategies.records import to_record
 from strategies.recovery import PairwiseRecovery, charge_shortfall, corrected_residual, probe_direction
 
 #: How often the share phase is re-run after clients failed it, before the round fails.
@@ -215,7 +216,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
                 # travels with the train message.
                 peers = dataclasses.replace(kr.peer_keys(node), probe_seed=None)
                 req = ShareRequest(kr.round, weights[node], peers, _sizes(kr), scale)
-                return RecordDict({"config": req.to_config()})
+                return RecordDict({"config": ConfigRecord(req.to_config())})
 
             replies, _errors = self.exchange(grid, kr.participants, content, "shares")
             good = {n: shares for n, r in replies.items() if n in kr.neighbours
@@ -272,7 +273,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         """The global model and the ciphertexts addressed to ``node``."""
         senders, blobs = state.inbox[node]
         inbox = RelayedInbox(state.round, state.weights[node], tuple(senders), tuple(blobs), state.keys.probe_seed)
-        return RecordDict({"arrays": arrays, "config": inbox.to_config()})
+        return RecordDict({"arrays": arrays, "config": ConfigRecord(inbox.to_config())})
 
     def aggregate(self, state: NissRound) -> ArrayRecord:
         """Aggregate stage: the sum of the uploads, renormalised to the survivors.
@@ -334,7 +335,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
                                 ordered: list[Message]) -> list[float] | None:
         """Subtract what each survivor's upload holds because of a dropped neighbour; note the noise left.
 
-        Per (survivor i, dropped k) the revealed :class:`~client.messages.recovery.NissPairMaterial`: i's
+        Per (survivor i, dropped k) the revealed :class:`~protocols.wire.recovery.NissPairMaterial`: i's
         own shares sent to k (nothing left to cancel them) and the distorted negated shares i received from
         k.  ``state.noise_left`` (for the account stage): the least uplink multiplier the survivors' joint view
         leaves one of them (:func:`protocols.niss_joint.survivor_factors`), the downlink multiplier of the shares

@@ -31,13 +31,13 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from client.messages.consistency import CONSISTENCY_RECORD, ConsistencyReply, ConsistencyRequest, SignedOutcomes
-from client.messages.keys import probe_value
-from client.messages.recovery import SELF_MASK_RECORD, RecoveryReply, RecoveryRequest, SelfMaskShares
 from protocols.consistency import SignedOutcome
 from protocols.masking import mask_parameters, mask_threshold, rebuild_seed, self_mask, unmaskable
 from protocols.prg import gaussian
 from protocols.privacy import Accountant, GaussianEvent
+from protocols.wire.consistency import CONSISTENCY_RECORD, ConsistencyReply, ConsistencyRequest, SignedOutcomes
+from protocols.wire.keys import probe_value
+from protocols.wire.recovery import SELF_MASK_RECORD, RecoveryReply, RecoveryRequest, SelfMaskShares
 from strategies.base import RoundFailed, RoundState
 from strategies.validation import payload_bytes
 
@@ -141,8 +141,8 @@ class PairwiseRecovery:
         held = sorted(gone_set & st.uploaded)
         lost = sorted(gone_set - set(held))
         ask = [n for n in survivors if gone_set & set(neighbours.get(n, ()))]
-        request = RecordDict({"config": RecoveryRequest(st.round, tuple(survivors) + tuple(held), tuple(lost),
-                                                        tuple(held)).to_config()})
+        request = RecordDict({"config": ConfigRecord(RecoveryRequest(st.round, tuple(survivors) + tuple(held),
+                                                                     tuple(lost), tuple(held)).to_config())})
         out = RecoveryOutcome(st.round, gone, survivors, excluded=held)
         t0 = time.perf_counter()
         replies, _errors = self.exchange(grid, ask, lambda _n: request, "recover")  # type: ignore[attr-defined]
@@ -240,8 +240,8 @@ class PairwiseRecovery:
         def content(node: int) -> RecordDict:
             fwd = {x: shares_of[x].sealed[node] for x in neighbours.get(node, ())
                    if x in keep and x in shares_of and node in shares_of[x].sealed}
-            rd = RecordDict({"config": RecoveryRequest(state.round, tuple(received), tuple(lost), tuple(excluded),
-                                                       fwd).to_config()})
+            rd = RecordDict({"config": ConfigRecord(RecoveryRequest(state.round, tuple(received), tuple(lost),
+                                                                    tuple(excluded), fwd).to_config())})
             # the signatures this node checks: those of the neighbours of its neighbours not aggregated
             signers = {s for k in gone_set & set(neighbours.get(node, ())) for s in neighbours.get(k, ())}
             entries = tuple(signed[s] for s in sorted(signers & set(signed)))

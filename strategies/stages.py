@@ -33,8 +33,8 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from client.messages.settings import MISMATCH
 from protocols.config import ConfigError, RunConfig
+from protocols.wire.settings import MISMATCH
 from strategies.validation import RoundFailed, non_finite_arrays
 
 #: The stages of a round, in order.

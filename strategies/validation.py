@@ -26,8 +26,8 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
 
-from client.messages.common import num_examples
-from client.wire import array_view
+from protocols.wire.arrays import array_view
+from protocols.wire.common import num_examples
 
 #: Tail factor t of the Gaussian norm bound ``||N(0, s^2 I_d)|| <= s (sqrt(d) + t)``, exceeded with
 #: probability <= exp(-t^2 / 2) (Gaussian concentration of a 1-Lipschitz function): ~1.3e-14 for t = 8.

@@ -8,10 +8,10 @@ from flwr.app import ConfigRecord, Message, RecordDict
 
 from client.consistency import handle_consistency
 from client.env import ClientEnv
-from client.messages.consistency import CONSISTENCY_RECORD, ConsistencyReply, ConsistencyRequest, SignedOutcomes
-from client.messages.recovery import RecoveryReply, RecoveryRequest
 from client.recovery import handle_recover
 from protocols.consistency import SignedOutcome
+from protocols.wire.consistency import CONSISTENCY_RECORD, ConsistencyReply, ConsistencyRequest, SignedOutcomes
+from protocols.wire.recovery import RecoveryReply, RecoveryRequest
 
 
 def sign(grid, nodes: Iterable[int], received, dropped=(), excluded=(), rnd: int = 1) -> dict[int, ConsistencyReply]:
@@ -35,8 +35,8 @@ def signed(replies: Mapping[int, ConsistencyReply]) -> SignedOutcomes:
 def recover(grid, node: int, received, dropped, *, forwarded=None, excluded=(), signatures: SignedOutcomes | None = None,
             rnd: int = 1) -> RecoveryReply:
     """Send ``node`` a recovery request (with ``signatures`` when given) and parse its reply."""
-    content = RecordDict({"config": RecoveryRequest(rnd, tuple(sorted(received)), tuple(sorted(dropped)),
-                                                    tuple(sorted(excluded)), forwarded).to_config()})
+    content = RecordDict({"config": ConfigRecord(RecoveryRequest(rnd, tuple(sorted(received)), tuple(sorted(dropped)),
+                                                                 tuple(sorted(excluded)), forwarded).to_config())})
     if signatures is not None and signatures.entries:
         content[CONSISTENCY_RECORD] = ConfigRecord(signatures.to_config())
     reply = handle_recover(Message(content, node, "query.recover"), ClientEnv.from_context(grid.contexts[node]))

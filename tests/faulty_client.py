@@ -12,9 +12,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from client.wire import numpy_array
+from client.records import to_record
 from server.local_grid import LocalGrid
 
 #: Extra bytes of an oversized reply (above the 1 MiB slack of strategies.validation.size_limit).
@@ -28,7 +28,7 @@ def _arrays(content: RecordDict) -> OrderedDict[str, np.ndarray]:
 def with_arrays(content: RecordDict, arrays: dict[str, np.ndarray]) -> RecordDict:
     """``content`` with its upload replaced by ``arrays``."""
     out = RecordDict({k: v for k, v in content.items() if k != "arrays"})
-    out["arrays"] = ArrayRecord(OrderedDict((k, numpy_array(v)) for k, v in arrays.items()))
+    out["arrays"] = to_record(arrays, None)
     return out
 
 

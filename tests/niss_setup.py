@@ -6,11 +6,12 @@ import numpy as np
 from flwr.app import ConfigRecord
 
 from client.app import app as client_app
-from client.data import dataset_for
-from client.models import build_model, get_weights
-from client.wire import from_record, to_record
+from client.records import to_record
 from protocols.arrays import flatten
 from protocols.config import RunConfig
+from protocols.task.data import dataset_for
+from protocols.task.models import build_model, get_weights
+from protocols.wire.arrays import from_record
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies.niss import NissStrategy

@@ -9,8 +9,8 @@ import torch
 from benchmarks.adversary.dlg import infer_label, invert, param_gradient
 from benchmarks.adversary.membership import auc, loss_threshold_attack, per_sample_loss
 from benchmarks.adversary.ssim import ssim
-from client.data import load_dataset
-from client.models import build_model
+from protocols.task.data import load_dataset
+from protocols.task.models import build_model
 
 
 # ------------------------------------------------------------------------------ SSIM

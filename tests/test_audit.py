@@ -154,8 +154,8 @@ def test_mp_record_moves_the_published_model_by_more_than_the_clip_in_noise_unit
 
     import torch
 
-    from client.models import get_weights
     from protocols.mpddp import clipped_client_gradients, mp_server, one_hot, output_scale, recover_blocks
+    from protocols.task.models import get_weights
     from server.audit_canaries import canary_mlp
     from strategies.mpddp import layers_from_weights
 

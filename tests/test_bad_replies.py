@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, RecordDict
 
-from client.messages.niss import ShareReply
+from protocols.wire.niss import ShareReply
 from server.launch import run_inprocess
 from tests.conftest import read_metrics
 from tests.faulty_client import CORRUPTIONS, REASON_WORD, faulty_grid, with_arrays

@@ -7,20 +7,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord, Message, RecordDict
-from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM  # what Flower's fixedclipping_mod reads
 
 from client.app import app as client_app
 from client.env import ClientEnv, record_level_training
-from client.messages.baselines import ClippingNorm, LocalDpNoise
-from client.messages.common import TrainIns, train_metrics
-from client.messages.ledger import SpentReport
-from client.wire import from_record, to_record
+from client.records import to_record
 from protocols.adjacency import adjacency_factor
 from protocols.arrays import flatten
 from protocols.config import RunConfig
 from protocols.floor import ldp_noise_multiplier, ldp_noise_std
 from protocols.privacy import GaussianEvent, GdpAccountant, calibrate_noise_multiplier
+from protocols.wire.arrays import from_record
+from protocols.wire.baselines import ClippingNorm, LocalDpNoise
+from protocols.wire.common import TrainIns, train_metrics
+from protocols.wire.ledger import SpentReport
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies.baselines import CentralDPStrategy, LocalDPStrategy, record_mean_sensitivity
@@ -88,7 +89,7 @@ def _ldp_round(factor: float, **extra):
     cfg = RunConfig.from_mapping(raw)
     grid = LocalGrid(client_app, cfg.num_clients, raw)
     strategy = _announcing(factor)(cfg)
-    msgs = list(strategy.configure_train(1, initial(cfg, strategy), TrainIns(1).to_config(), grid))
+    msgs = list(strategy.configure_train(1, initial(cfg, strategy), ConfigRecord(TrainIns(1).to_config()), grid))
     return cfg, grid, msgs, list(grid.send_and_receive(msgs))
 
 
@@ -131,7 +132,7 @@ def test_record_level_cdp_server_noise_is_z_times_2_clip_lr_over_n() -> None:
     sizes = {11: 100, 12: 300, 13: 50}
     models = {n: np.full(20_000, float(i), dtype=np.float32) for i, n in enumerate(sizes)}
     by_node = {n: Message(RecordDict({"arrays": to_record({"w": models[n]}, np.float32),
-                                      "metrics": train_metrics(sizes[n])}), n, "train") for n in sizes}
+                                      "metrics": MetricRecord(train_metrics(sizes[n]))}), n, "train") for n in sizes}
     out = flatten(from_record(strategy.aggregate(RoundState(1, sorted(sizes), replies=by_node))))
     mean = sum(sizes[n] * models[n].astype(np.float64) for n in sizes) / sum(sizes.values())
     expected = strategy.z * 1.0 * 4.0 / 450  # zero-out: C lr / N

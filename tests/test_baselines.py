@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from client.data import load_dataset
-from client.models import load_npz_model
-from client.training import evaluate
 from protocols.adjacency import adjacency_factor
 from protocols.privacy import calibrate_noise_multiplier, gaussian_epsilon
+from protocols.task.data import load_dataset
+from protocols.task.models import load_npz_model
+from protocols.task.training import evaluate
 
 
 def test_fedavg_digits_learns_and_writes_outputs(run_inprocess, tmp_path):

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from client.pairwise_phase import roster_releases, roster_round_of
 from protocols.config import RunConfig
 from protocols.floor import FloorViolation, at_least, nadp_floor, nadp_round_noise
-from protocols.schedule import most_participations, participations
+from protocols.graphs import roster_round_of
+from protocols.schedule import most_participations, participations, roster_releases
 from tests.test_budget_cap import DROPS, NADP_FAST
 
 ROSTER = {f"client-{i:02d}": bytes([i]) * 32 for i in range(10)}

@@ -23,17 +23,17 @@ from client import recovery as client_recovery
 from client.app import app as client_app
 from client.env import ClientEnv
 from client.identity import node_identity
-from client.messages.consistency import CONSISTENCY_RECORD, ConsistencyReply, ConsistencyRequest, SignedOutcomes
-from client.messages.recovery import SELF_MASK_RECORD, RecoveryReply, RecoveryRequest, SelfMaskShares
-from client.models import build_model, get_weights
+from client.records import to_record
 from client.recovery import RecoveryStore, handle_recover
-from client.wire import to_record
 from protocols.config import RunConfig
 from protocols.consistency import SignedOutcome, consistency_statement, outcome_digest
 from protocols.graphs import present_floor
 from protocols.masking import mask_parameters, mask_threshold, rebuild_seed, signatures_needed
 from protocols.pairwise import pairwise_noise
 from protocols.prg import gaussian
+from protocols.task.models import build_model, get_weights
+from protocols.wire.consistency import CONSISTENCY_RECORD, ConsistencyReply, ConsistencyRequest, SignedOutcomes
+from protocols.wire.recovery import SELF_MASK_RECORD, RecoveryReply, RecoveryRequest, SelfMaskShares
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies.stages import close_round
@@ -174,7 +174,8 @@ def test_too_few_or_forged_signatures_are_refused(six):
     stale = ident.identity.sign(consistency_statement(run_id=int(env.context.run_id), round_num=2, name=ident.name,
                                                       node_id=peers[0].node, digest=outcome_digest(1, rest, [k], [])))
     assert "too few valid signatures" in ask([*peers[1:need - 1], SignedOutcome(peers[0].node, ident.name, stale)])
-    content = RecordDict({"config": RecoveryRequest(1, tuple(rest), (k,), (), _forwarded(replies, me, graph)).to_config(),
+    content = RecordDict({"config": ConfigRecord(RecoveryRequest(1, tuple(rest), (k,), (), _forwarded(replies, me,
+                                                                                                  graph)).to_config()),
                           CONSISTENCY_RECORD: ConfigRecord({"signers": ["x"]})})
     out = handle_recover(Message(content, me, "query.recover"), ClientEnv.from_context(grid.contexts[me]))
     assert "malformed signatures" in RecoveryReply.from_config(out.content["config"]).refused

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from client.data import (
+from protocols.config import ConfigError, RunConfig
+from protocols.task.data import (
     client_partition,
     dataset_for,
     find_idx_folder,
@@ -14,7 +15,6 @@ from client.data import (
     partition_indices,
     partitions_for,
 )
-from protocols.config import ConfigError, RunConfig
 
 
 def test_bundled_datasets():
@@ -34,6 +34,18 @@ def test_mnist_idx_folder():
     ds = load_dataset("mnist", "", 0, 0)
     assert ds.x_train.shape == (60000, 1, 28, 28) and ds.x_test.shape == (10000, 1, 28, 28)
     assert np.bincount(ds.y_test).tolist()[:3] == [980, 1135, 1032]  # official test-set class counts
+
+
+def test_idx_search_starts_at_the_repository_data_folder(tmp_path, monkeypatch):
+    """Without data-dir or CANCELFL_DATA_DIR, <repository root>/data is searched first."""
+    from pathlib import Path
+
+    monkeypatch.delenv("CANCELFL_DATA_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    root = Path(__file__).resolve().parent.parent
+    with pytest.raises(ConfigError) as err:
+        find_idx_folder("no-such-dataset", "")
+    assert f"tried {root / 'data' / 'no-such-dataset'}, {root / 'data'}," in str(err.value)
 
 
 def test_missing_idx_folder_is_clear(tmp_path):
@@ -92,7 +104,7 @@ def _idx(path, dims: list[int], payload: bytes | None = None, magic: int = 0x08)
 
 
 def test_broken_idx_files_are_named_with_their_cause(tmp_path):
-    from client.data import read_idx
+    from protocols.task.data import read_idx
 
     good = tmp_path / "good.gz"
     _idx(good, [2, 3])

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
-from client.messages.common import TrainIns
-from client.messages.ddpsa import DdpsaRound, ShareReceipt
 from protocols.config import RunConfig
+from protocols.wire.common import TrainIns
+from protocols.wire.ddpsa import RECEIPT, DdpsaRound, ShareReceipt
 from server.defaults import app_defaults
 from strategies.base import RoundFailed
 from strategies.ddpsa import DdpsaState, DdpsaStrategy
@@ -78,7 +78,7 @@ def test_share_receipt_round_trip() -> None:
     receipt = ShareReceipt("node-3", share_bytes=3 * 8 * 650, share_time_s=0.25)
     metrics = MetricRecord({"num-examples": 40, **receipt.to_metrics()})
     reply = RecordDict({"metrics": metrics})
-    receipt.attach(reply)
+    reply[RECEIPT] = ConfigRecord(receipt.to_config())
     assert ShareReceipt.from_reply(reply) == receipt and ShareReceipt.client_of(reply) == "node-3"
     plain = RecordDict({"metrics": MetricRecord({"num-examples": 40})})
     assert ShareReceipt.from_reply(plain) is None

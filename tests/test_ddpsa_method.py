@@ -19,13 +19,14 @@ from flwr.app import ConfigRecord, Message, RecordDict
 import client.methods.ddpsa as ddpsa_client
 import server.intermediate.launcher as launcher
 from client.app import app as client_app
-from client.data import dataset_for
-from client.models import build_model, get_weights
-from client.wire import from_record, to_record
+from client.records import to_record
 from protocols.arrays import flatten
 from protocols.config import ConfigError, RunConfig
 from protocols.ddpsa import laplace_noise
 from protocols.privacy import exponential_allocation, per_round_epsilons
+from protocols.task.data import dataset_for
+from protocols.task.models import build_model, get_weights
+from protocols.wire.arrays import from_record
 from server.defaults import app_defaults
 from server.intermediate import IntermediateServerCluster, start_intermediate_servers
 from server.intermediate.launcher import roster_of
@@ -79,7 +80,7 @@ def _served(**overrides) -> Iterator[tuple[RunConfig, LocalGrid, IntermediateSer
 
 def _roster_names(grid: LocalGrid) -> list[str]:
     """The roster names of the grid's nodes (what query.ddpsa_identity answers)."""
-    from client.messages.ddpsa import RosterName
+    from protocols.wire.ddpsa import RosterName
 
     replies = grid.send_and_receive([Message(RecordDict(), n, "query.ddpsa_identity") for n in grid.node_ids])
     return sorted(RosterName.from_content(r.content).name for r in replies)
@@ -298,8 +299,8 @@ class _ForeignServers(DdpsaStrategy):
 
 def test_clients_refuse_a_strategys_own_intermediate_servers(recorded) -> None:
     """Every client refuses with a floor violation naming the list; neither server set receives a share."""
-    from client.intermediate import IntermediateServerClient, register_run
-    from client.intermediate.auth import load_signer
+    from protocols.wire.intermediate import IntermediateServerClient, register_run
+    from protocols.wire.intermediate.auth import load_signer
 
     with _served(num_clients=4, num_rounds=2, **LINEAR) as (cfg, grid, honest):
         roster = roster_of(c.node_config for c in grid.contexts.values())

@@ -13,8 +13,6 @@ from flwr.app import ConfigRecord
 from scipy import integrate, stats
 
 import client.methods.ddpsa as ddpsa_client
-from client.messages.ddpsa import DdpsaRound
-from client.wire import from_record
 from protocols.ddpsa import (
     distributed_laplace_share,
     gamma_difference_epsilon,
@@ -24,6 +22,8 @@ from protocols.ddpsa import (
     laplace_noise,
 )
 from protocols.privacy import laplace_scale
+from protocols.wire.arrays import from_record
+from protocols.wire.ddpsa import DdpsaRound
 from strategies.ddpsa import DdpsaStrategy
 from tests.test_ddpsa_method import LINEAR, _initial, _served, _setup, credentials  # noqa: F401 (autouse fixture)
 

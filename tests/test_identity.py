@@ -16,15 +16,10 @@ import pytest
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from client.app import app as client_app
-from client.data import dataset_for
 from client.env import ClientEnv
 from client.identity import node_identity
-from client.messages.common import TrainIns, merge_configs
-from client.messages.keys import PeerKeys
-from client.messages.niss import ShareRequest
-from client.models import build_model, get_weights
 from client.pairwise_phase import pair_seeds
-from client.wire import to_record
+from client.records import to_record
 from protocols.config import ConfigError, RunConfig
 from protocols.graphs import present_graph, roster_round
 from protocols.identity import (
@@ -42,6 +37,11 @@ from protocols.identity import (
 )
 from protocols.keyagreement import generate_keypair
 from protocols.niss import aggregation_weights
+from protocols.task.data import dataset_for
+from protocols.task.models import build_model, get_weights
+from protocols.wire.common import TrainIns, merge_configs
+from protocols.wire.keys import PeerKeys
+from protocols.wire.niss import ShareRequest
 from server.defaults import app_defaults
 from server.launch import main as cancelfl
 from server.local_grid import LocalGrid
@@ -253,7 +253,7 @@ class _SplitNiss(NissStrategy):
                 # sizes and weight of the split view itself: the victim's own checks pass
                 sizes = {n: req.sizes[n] for n in view.participants}
                 weight = aggregation_weights(self.cfg, view.participants, sizes)[victim]
-                return RecordDict({"config": ShareRequest(req.round, weight, peers, sizes).to_config()})
+                return RecordDict({"config": ConfigRecord(ShareRequest(req.round, weight, peers, sizes).to_config())})
             return super().exchange(grid, nodes, content, action)
         return super().exchange(grid, nodes, content_fn, action)
 
@@ -303,7 +303,7 @@ def _keyed_round(method: str = "mpddp", n: int = 5, graph: str = "auto", n_out: 
 
 
 def _seeds(grid: LocalGrid, node: int, peers: PeerKeys) -> dict[int, bytes]:
-    msg = Message(RecordDict({"config": merge_configs(TrainIns(1).to_config(), peers.to_config())}), node, "train")
+    msg = Message(RecordDict({"config": ConfigRecord(merge_configs(TrainIns(1).to_config(), peers.to_config()))}), node, "train")
     return pair_seeds(msg, ClientEnv.from_context(grid.contexts[node]), "test")
 
 

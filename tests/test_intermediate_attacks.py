@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives import serialization
 
-from client.intermediate import (
+from protocols.identity import Identity, Roster, generate_identity
+from protocols.secret_sharing import FixedPointCodec, encode_and_share
+from protocols.wire.intermediate import (
     IntermediateServerClient,
     IntermediateServers,
     PartialSumUnavailableError,
@@ -25,10 +27,8 @@ from client.intermediate import (
     register_run,
     share_and_push,
 )
-from client.intermediate import auth as wire_auth
-from client.intermediate import intermediate_pb2_grpc as pb2_grpc
-from protocols.identity import Identity, Roster, generate_identity
-from protocols.secret_sharing import FixedPointCodec, encode_and_share
+from protocols.wire.intermediate import auth as wire_auth
+from protocols.wire.intermediate import intermediate_pb2_grpc as pb2_grpc
 from server.intermediate import IntermediateServerCluster, start_intermediate_servers
 from tests.processes import pid_gone
 

@@ -19,7 +19,11 @@ import grpc
 import numpy as np
 import pytest
 
-from client.intermediate import (
+from protocols.ddpsa import ldp_noisy_mean
+from protocols.identity import Identity, Roster, generate_identity, public_identity_json
+from protocols.secret_sharing import FixedPointCodec, encode_and_share, ring_sum
+from protocols.tls import CertificateAuthority
+from protocols.wire.intermediate import (
     AccessPolicy,
     IntermediateServerClient,
     IntermediateServers,
@@ -33,10 +37,6 @@ from client.intermediate import (
     share_and_push,
     wait_until_healthy,
 )
-from protocols.ddpsa import ldp_noisy_mean
-from protocols.identity import Identity, Roster, generate_identity, public_identity_json
-from protocols.secret_sharing import FixedPointCodec, encode_and_share, ring_sum
-from protocols.tls import CertificateAuthority
 from server.intermediate import IntermediateAggregatorServicer, create_server, start_intermediate_servers
 from server.intermediate.servicer import Limits
 from tests.processes import pid_gone
@@ -339,7 +339,7 @@ def test_servers_exit_when_owner_process_dies(tmp_path: Path, ids) -> None:
 
 def test_modules_do_not_import_flwr() -> None:
     code = (
-        "import sys, client.intermediate, server.intermediate, server.intermediate.__main__, protocols.secret_sharing, "
+        "import sys, protocols.wire.intermediate, server.intermediate, server.intermediate.__main__, protocols.secret_sharing, "
         "protocols.ddpsa, protocols.privacy; "
         "bad = sorted(m for m in sys.modules if m == 'flwr' or m.startswith('flwr.')); "
         "assert not bad, bad"

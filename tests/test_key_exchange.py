@@ -17,12 +17,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from client.env import ClientEnv, reply
-from client.messages.common import TrainIns, merge_configs
-from client.messages.keys import KeyReply, KeyRequest, MaskProbe, PeerKeys, probe_metric, probe_value
 from client.pairwise_phase import handle_keys, pair_seeds
-from client.wire import from_record, to_record
+from client.records import to_record
 from protocols.config import RunConfig
 from protocols.pairwise import pairwise_noise
+from protocols.wire.arrays import from_record
+from protocols.wire.common import TrainIns, merge_configs
+from protocols.wire.keys import KeyReply, KeyRequest, MaskProbe, PeerKeys, probe_metric, probe_value
 from server.local_grid import LocalGrid
 from strategies.base import CancelStrategy, RoundFailed
 from strategies.key_phase import KeyPhase
@@ -42,7 +43,7 @@ def _client_app() -> ClientApp:
         KEY_CALLS.append((KeyRequest.from_config(msg.content["config"]).round, context.node_id))
         if context.node_id in BAD_KEY_NODES:  # a broken client: truncated public key
             sent = KeyReply.from_config(out.content["config"])
-            out.content["config"] = KeyReply(sent.public_key[:31], sent.num_examples).to_config()
+            out.content["config"] = ConfigRecord(KeyReply(sent.public_key[:31], sent.num_examples).to_config())
         return out
 
     @app.train()
@@ -66,8 +67,8 @@ class MaskSum(CancelStrategy):
         st.participants = list(self.key_round.participants)
 
     def train_content(self, state, node, arrays):
-        return RecordDict({"arrays": arrays, "config": merge_configs(
-            TrainIns(state.round).to_config(), state.keys.peer_keys(node).to_config())})
+        return RecordDict({"arrays": arrays, "config": ConfigRecord(merge_configs(
+            TrainIns(state.round).to_config(), state.keys.peer_keys(node).to_config()))})
 
     def aggregate(self, state):
         by_node = state.replies

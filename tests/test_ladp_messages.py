@@ -7,7 +7,7 @@ import math
 import pytest
 from flwr.app import MetricRecord
 
-from client.messages.ladp import LayerNoise, NoiseReport
+from protocols.wire.ladp import LayerNoise, NoiseReport
 
 LAYERS = {
     "layers.0.weight": LayerNoise(noise_norm=3.0, sigma=0.1, selected=True, kl=1e-5),

@@ -11,14 +11,15 @@ from flwr.app import ConfigRecord
 
 import client.methods.ladp as ladp_client
 from client.app import app as client_app
-from client.data import dataset_for
 from client.env import ClientEnv, record_level_training
-from client.messages.ladp import NoiseReport
-from client.models import build_model, get_weights
-from client.wire import from_record, to_record
+from client.records import to_record
 from protocols import ladp
 from protocols.config import RunConfig
 from protocols.privacy import gaussian_delta, gdp_epsilon, local_sgd_sensitivity
+from protocols.task.data import dataset_for
+from protocols.task.models import build_model, get_weights
+from protocols.wire.arrays import from_record
+from protocols.wire.ladp import NoiseReport
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies.base import RoundState

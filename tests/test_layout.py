@@ -1,8 +1,9 @@
 """The package layout: one import direction, no cycles, one method registry that everything agrees with.
 
 The import test parses every non-test module with :mod:`ast` (static imports, including those inside
-functions) and fails on an import that points up the order, on ``protocols`` importing Flower, and on
-a cycle between modules.
+functions) and fails on an import that points up the order, on ``protocols`` importing Flower, on
+``strategies`` and ``client`` importing each other (both ends share only ``protocols``: the task in
+``protocols.task``, the wire vocabulary in ``protocols.wire``), and on a cycle between modules.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 ORDER = ("benchmarks", "server", "strategies", "client", "protocols")  # a package may import only packages to its right
 RANK = {p: i for i, p in enumerate(ORDER)}
+#: Packages that never import each other, whatever their order: the two ends of every message.
+APART = {"strategies": "client", "client": "strategies"}
 
 
 def _modules() -> dict[str, Path]:
@@ -51,7 +54,7 @@ def _imports(path: Path, module: str) -> list[tuple[str, int]]:
 
 
 def layout_violations(modules: dict[str, Path] | None = None) -> list[str]:
-    """Every upward import, every Flower import in ``protocols`` and every import cycle between modules."""
+    """Every upward import, Flower import in ``protocols``, import between ``strategies`` and ``client``, and cycle."""
     modules = modules if modules is not None else _modules()
     problems: list[str] = []
     graph: dict[str, set[str]] = {m: set() for m in modules}
@@ -64,6 +67,8 @@ def layout_violations(modules: dict[str, Path] | None = None) -> list[str]:
                 problems.append(f"{where}: protocols/ must not import Flower ({name})")
             if top in RANK and RANK[top] < RANK[own]:
                 problems.append(f"{where}: {own}/ imports {name}, which is above it ({' -> '.join(ORDER)})")
+            if APART.get(own) == top:
+                problems.append(f"{where}: {own}/ imports {name}; strategies/ and client/ share only protocols/")
             if name in modules and name != mod:
                 graph[mod].add(name)
     # Cycles (Tarjan's strongly connected components).
@@ -109,23 +114,39 @@ def test_imports_run_one_way_without_cycles():
 
 
 def test_the_checker_catches_an_upward_import(tmp_path):
-    """The checker is not vacuous: an added upward import and a cycle are both reported."""
-    (tmp_path / "protocols").mkdir()
-    (tmp_path / "client").mkdir()
+    """The checker is not vacuous: an upward import, Flower in protocols, strategies/client imports, a cycle."""
+    for pkg in ("protocols", "client", "strategies"):
+        (tmp_path / pkg).mkdir()
     up = tmp_path / "protocols" / "bad.py"
-    up.write_text("from client.wire import to_record\nimport flwr\n")
+    up.write_text("from client.records import to_record\nimport flwr\n")
     a, b = tmp_path / "client" / "a.py", tmp_path / "client" / "b.py"
     a.write_text("from client import b\n")
     b.write_text("import client.a\n")
+    s = tmp_path / "strategies" / "s.py"
+    s.write_text("def f():\n    from client.pairwise_phase import roster_round_of\n")
+    c = tmp_path / "client" / "c.py"
+    c.write_text("from strategies.records import to_record\n")
     global ROOT
     saved, ROOT = ROOT, tmp_path
     try:
-        problems = layout_violations({"protocols.bad": up, "client.a": a, "client.b": b})
+        problems = layout_violations({"protocols.bad": up, "client.a": a, "client.b": b, "strategies.s": s,
+                                      "client.c": c})
     finally:
         ROOT = saved
-    assert any("imports client.wire" in p for p in problems)
+    assert any("imports client.records" in p for p in problems)
     assert any("must not import Flower" in p for p in problems)
     assert any("cycle" in p and "client.a" in p and "client.b" in p for p in problems)
+    assert any(p.startswith("strategies/s.py:2") and "share only protocols" in p for p in problems)
+    assert any(p.startswith("client/c.py:1") and "share only protocols" in p for p in problems)
+
+
+def test_the_shared_homes_are_checked():
+    """The task and the wire vocabulary are modules of the walk (so their imports are checked like any other)."""
+    modules = _modules()
+    for name in ("protocols.task.data", "protocols.task.models", "protocols.task.training", "protocols.wire.arrays",
+                 "protocols.wire.common", "protocols.wire.niss", "protocols.wire.intermediate.stub"):
+        assert name in modules, name
+    assert not any(m.startswith(("client.messages", "client.intermediate")) for m in modules)
 
 
 #: Most lines a Python module may have (packages, tests, examples and docs alike).

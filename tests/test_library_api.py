@@ -17,17 +17,17 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from client.api import attach
-from client.data import load_dataset
-from client.models import build_model, load_npz_model, resolve_device, save_npz_model
-from client.training import evaluate
 from protocols.config import ConfigError, RunConfig
+from protocols.task.data import load_dataset
+from protocols.task.models import build_model, load_npz_model, resolve_device, save_npz_model
+from protocols.task.training import evaluate
 from server.local_grid import LocalGrid
 
 NUM_CLIENTS = 4
 
 
 class TinyNet(nn.Module):
-    """A user's model: not in client.models (different layer names and structure)."""
+    """A user's model: not in protocols.task.models (different layer names and structure)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -27,17 +27,18 @@ from flwr.app import ConfigRecord
 
 from client.app import app as client_app
 from client.env import ClientEnv
-from client.messages.recovery import SELF_MASK_RECORD, RecoveryReply, SelfMaskShares
 from client.methods import nadp as nadp_client
-from client.models import build_model, get_weights
+from client.records import to_record
 from client.recovery import RecoveryStore
-from client.wire import from_record, to_record
 from protocols.arrays import flatten
 from protocols.config import RunConfig
 from protocols.masking import mask_parameters, mask_threshold, rebuild_seed, unmaskable
 from protocols.pairwise import pairwise_noise
 from protocols.prg import gaussian
 from protocols.secret_sharing import shamir_combine, shamir_split
+from protocols.task.models import build_model, get_weights
+from protocols.wire.arrays import from_record
+from protocols.wire.recovery import SELF_MASK_RECORD, RecoveryReply, SelfMaskShares
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies.nadp import NadpStrategy
@@ -230,9 +231,9 @@ def test_second_dropout_during_recovery_does_not_fail_the_round(pinned):
 @pytest.mark.parametrize("self_mask", [True, False])
 def test_mpddp_recovery_lie_leaves_the_target_its_upload_noise(self_mask):
     """mpddp, 8 real clients: all of k's neighbours told "k dropped" reveal their Delta seeds with k, no mask share."""
-    from client.messages.mpddp import PerturbedModel, upload_from_record
     from protocols.mpddp import clipped_client_gradients, one_hot, pairwise_delta
     from protocols.mpddp import flatten as mp_flatten
+    from protocols.wire.mpddp import PerturbedModel, upload_from_record
     from strategies.mpddp import MpddpStrategy
 
     n = 8
@@ -274,7 +275,7 @@ def test_mpddp_recovery_lie_leaves_the_target_its_upload_noise(self_mask):
 # ----------------------------------------------------------------------------------- niss
 def _niss_round(n: int, **extra):
     """One niss round of ``n`` real clients on digits (seed encoding, noiseless updates in the diagnostic record)."""
-    from client.data import dataset_for
+    from protocols.task.data import dataset_for
     from strategies.niss import NissStrategy
 
     raw = {**app_defaults(), "method": "niss", "num-clients": n, "niss-share-encoding": "seed",
@@ -291,7 +292,7 @@ def _niss_round(n: int, **extra):
 
 def _niss_clean(reply) -> np.ndarray:
     """``p_k w_k`` of a niss reply (the cancellation-check diagnostic record)."""
-    from client.messages.niss import Diagnostic
+    from protocols.wire.niss import Diagnostic
 
     return flatten(from_record(Diagnostic.from_content(reply.content).update))
 
@@ -305,9 +306,9 @@ def test_niss_recovery_lie_leaves_the_target_its_floor_noise(self_mask, tau):
     is left with only k's distortion of the shares it received (nothing at tau = 0: the exact update).
     ``tau = -1``: the default (``client_tau`` of the round's sizes).
     """
-    from client.messages.niss import NissMetrics
-    from client.messages.recovery import NissPairMaterial
     from protocols.niss import ShareBundle, bundle_shares
+    from protocols.wire.niss import NissMetrics
+    from protocols.wire.recovery import NissPairMaterial
 
     grid, strategy, msgs, replies = _niss_round(10, self_mask=self_mask, niss_tau=tau)
     graph = strategy._state.keys.neighbours
@@ -351,7 +352,7 @@ def test_niss_dropouts_with_self_masks_cancel_and_a_second_dropout_does_not_fail
     aggregate is the survivors' noiseless sum to 1e-9, plus, with ``second``, exactly the silent survivor's pair
     noise with the first dropout (kept as extra noise).
     """
-    from client.messages.recovery import NissPairMaterial
+    from protocols.wire.recovery import NissPairMaterial
     from strategies.niss import pair_contribution
 
     grid, strategy, msgs, replies = _niss_round(10, niss_tau=0.0)

@@ -17,14 +17,14 @@ from flwr.app import Message
 
 from client.env import ClientEnv, record_level_training, reply
 from client.floor import release
-from client.messages.baselines import LocalDpNoise
-from client.wire import to_record
+from client.records import to_record
 from protocols.arrays import flatten, unflatten
 from protocols.config import ConfigError, RunConfig
 from protocols.floor import at_least, ldp_noise_multiplier
 from protocols.methods import Guarantee, MethodSpec, register
 from protocols.options import MethodOptions, option
 from protocols.privacy import GaussianEvent, record_sensitivity
+from protocols.wire.baselines import LocalDpNoise
 from server.launch import main, run_inprocess
 from strategies.baselines import LocalDPStrategy
 from strategies.run.checkpoint import load_checkpoint

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from client.data import load_dataset
-from client.models import build_model, get_weights, load_npz_model, save_npz_model
-from client.training import evaluate, train
 from protocols.arrays import flatten, unflatten
+from protocols.task.data import load_dataset
+from protocols.task.models import build_model, get_weights, load_npz_model, save_npz_model
+from protocols.task.training import evaluate, train
 
 
 def test_mlp_and_cnn_learn_digits():

@@ -9,10 +9,11 @@ import pytest
 import torch
 from flwr.app import ConfigRecord
 
-from client.messages.common import TrainIns, merge_configs
-from client.messages.mpddp import DdpNoise, NaiveNoise, PerturbedModel, mean_upload, upload_from_record, upload_record
-from client.wire import from_record
+from client.records import to_record
 from protocols.mpddp import ClientUpload, aggregate
+from protocols.wire.arrays import from_record
+from protocols.wire.common import TrainIns, merge_configs
+from protocols.wire.mpddp import DdpNoise, NaiveNoise, PerturbedModel, mean_upload, upload_arrays, upload_from_record
 
 RNG = np.random.default_rng(5)
 
@@ -27,9 +28,14 @@ def random_upload(dims: list[int]) -> ClientUpload:
     return ClientUpload(grads, psi, phi)
 
 
+def upload_record(upload: ClientUpload, side_dtype: str = "float64"):
+    """The client's train reply record (each array in its wire dtype)."""
+    return to_record(upload_arrays(upload, side_dtype), None)
+
+
 def test_perturbed_model_roundtrip_and_validation() -> None:
     mats = tuple(RNG.standard_normal(s) for s in [(5, 4), (5, 5), (3, 5)])
-    record = PerturbedModel(mats).to_record()
+    record = to_record(PerturbedModel(mats).to_arrays(), np.float64)
     assert all(a.dtype == "float64" for a in record.values())
     back = PerturbedModel.from_record(record)
     assert back.num_layers == 2 and all(np.array_equal(a, b) for a, b in zip(back.matrices, mats, strict=True))

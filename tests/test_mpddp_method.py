@@ -20,11 +20,6 @@ import torch
 
 import client.methods.mpddp as mp_client
 from client.app import app as client_app
-from client.data import client_partition, load_dataset
-from client.messages.keys import PeerKeys
-from client.messages.mpddp import DdpNoise, NaiveNoise, PerturbedModel, upload_from_record
-from client.models import build_model, get_weights
-from client.training import evaluate
 from protocols.config import ConfigError, RunConfig
 from protocols.mpddp import (
     eq23_epsilon,
@@ -35,6 +30,11 @@ from protocols.mpddp import (
     sigmas_for_theta,
     theta_complete,
 )
+from protocols.task.data import client_partition, load_dataset
+from protocols.task.models import build_model, get_weights
+from protocols.task.training import evaluate
+from protocols.wire.keys import PeerKeys
+from protocols.wire.mpddp import DdpNoise, NaiveNoise, PerturbedModel, upload_from_record
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from server.runner import run_federation

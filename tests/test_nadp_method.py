@@ -14,16 +14,17 @@ from flwr.app import ConfigRecord
 
 from client.app import app as client_app
 from client.env import ClientEnv
-from client.messages.keys import PeerKeys
-from client.messages.nadp import NadpPlan
 from client.methods import nadp as nadp_client
-from client.models import build_model, get_weights
-from client.wire import from_record, to_record
+from client.records import to_record
 from protocols import per_example
 from protocols.arrays import flatten
 from protocols.config import ConfigError, RunConfig
 from protocols.nadp import calibrate_sigmas, local_sgd_sensitivity, round_plan, upload_noise_scales
 from protocols.prg import gaussian
+from protocols.task.models import build_model, get_weights
+from protocols.wire.arrays import from_record
+from protocols.wire.keys import PeerKeys
+from protocols.wire.nadp import NadpPlan
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from server.runner import run_federation

@@ -16,9 +16,10 @@ import json
 
 import numpy as np
 import pytest
+from flwr.app import ConfigRecord
 
-from client.messages.niss import AuthFailures, RelayedInbox, ShareRequest
 from protocols import niss as niss_math
+from protocols.wire.niss import AuthFailures, RelayedInbox, ShareRequest
 from server.local_grid import LocalGrid
 from strategies.base import RoundFailed
 from strategies.niss import NissStrategy
@@ -39,7 +40,7 @@ def test_a_wrong_size_for_the_client_is_refused():
                 rec = inner(node)
                 req = ShareRequest.from_config(rec["config"])
                 sizes = {n: v + 1 for n, v in req.sizes.items()}
-                rec["config"] = dataclasses.replace(req, sizes=sizes).to_config()
+                rec["config"] = ConfigRecord(dataclasses.replace(req, sizes=sizes).to_config())
                 return rec
             replies, errors = super().exchange(grid, nodes, content, action)
             self.errors += errors
@@ -67,7 +68,7 @@ class _ShareLiar(NissStrategy):
         def content(node, inner=content_fn):
             rec = inner(node)
             if node in self.victims:
-                rec["config"] = self.rewrite(node, ShareRequest.from_config(rec["config"])).to_config()
+                rec["config"] = ConfigRecord(self.rewrite(node, ShareRequest.from_config(rec["config"])).to_config())
             return rec
         replies, errors = super().exchange(grid, nodes, content, action)
         self.errors += errors
@@ -116,7 +117,7 @@ def test_sizes_shown_to_one_client_only_leave_it_keys_nobody_shares():
             content = super().train_content(state, node, arrays)
             if node in self.lied:
                 inbox = RelayedInbox.from_config(content["config"])
-                content["config"] = dataclasses.replace(inbox, weight=self.lied[node]).to_config()
+                content["config"] = ConfigRecord(dataclasses.replace(inbox, weight=self.lied[node]).to_config())
             return content
 
     liar = Inflater(cfg)
@@ -164,7 +165,7 @@ class TamperGrid(LocalGrid):
             elif self.mode == "replay":
                 blobs = list(self.saved[train[0].metadata.dst_node_id])
             tampered = dataclasses.replace(first, from_ids=tuple(senders), payloads=tuple(blobs))
-            train[0].content["config"] = tampered.to_config()
+            train[0].content["config"] = ConfigRecord(tampered.to_config())
         return super().send_and_receive(messages, timeout=timeout)
 
 

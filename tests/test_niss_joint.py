@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from client.app import app as client_app
-from client.messages.niss import Diagnostic, NissMetrics, RelayedInbox
 from client.methods import niss as niss_client
 from protocols import floor as floor_math
 from protocols.config import RunConfig
@@ -27,6 +26,7 @@ from protocols.graphs import complete_graph, n_out_graph
 from protocols.niss import upload_sensitivity
 from protocols.niss_joint import joint_covariance, joint_factors, joint_scale, share_variances
 from protocols.privacy import noise_multiplier
+from protocols.wire.niss import Diagnostic, NissMetrics, RelayedInbox
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies import niss as niss_strategy

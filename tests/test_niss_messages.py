@@ -1,4 +1,4 @@
-"""NISS message vocabulary (client/messages/niss.py): round trips, validation, and one home for every key."""
+"""NISS message vocabulary (protocols/wire/niss.py): round trips, validation, and one home for every key."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from client.messages import niss as messages
-from client.messages.keys import PeerKeys
-from client.messages.niss import AuthFailures, Diagnostic, NissMetrics, RelayedInbox, ShareReply, ShareRequest
-from client.wire import to_record
+from client.records import to_record
 from protocols.config import RunConfig
+from protocols.wire import niss as messages
+from protocols.wire.keys import PeerKeys
+from protocols.wire.niss import AuthFailures, Diagnostic, NissMetrics, RelayedInbox, ShareReply, ShareRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 BIG = 2**64 - 1  # node ids are unsigned 64-bit
@@ -121,4 +121,4 @@ def test_every_niss_key_lives_only_in_the_vocabulary():
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Constant) and node.value in keys:
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
-    assert not offenders, "NISS message keys written outside client/messages/niss.py:\n" + "\n".join(offenders)
+    assert not offenders, "NISS message keys written outside protocols/wire/niss.py:\n" + "\n".join(offenders)

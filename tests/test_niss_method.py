@@ -21,10 +21,7 @@ import numpy as np
 import pytest
 
 from client import recovery as recovery_client
-from client.data import client_partition
 from client.env import ClientEnv, local_training, record_level_training
-from client.messages.niss import Diagnostic, NissMetrics, RelayedInbox
-from client.messages.recovery import SELF_MASK_RECORD, SelfMaskShares
 from client.methods import niss as niss_client
 from protocols import niss as niss_math
 from protocols.adjacency import adjacency_factor
@@ -41,6 +38,9 @@ from protocols.privacy import (
     record_sensitivity,
 )
 from protocols.relay_crypto import RelayAuthError, open_sealed, seal
+from protocols.task.data import client_partition
+from protocols.wire.niss import Diagnostic, NissMetrics, RelayedInbox
+from protocols.wire.recovery import SELF_MASK_RECORD, SelfMaskShares
 from server.defaults import app_defaults
 from strategies.niss import NissStrategy
 from strategies.stages import close_round

@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch import nn
 
-from client.models import MLP, SmallCNN, build_model
 from protocols.ddpsa import l1_clip
 from protocols.per_example import (
     PerExampleClipper,
@@ -20,6 +19,7 @@ from protocols.per_example import (
     per_example_gradients,
     vmap_clipped_grad_sum,
 )
+from protocols.task.models import MLP, SmallCNN, build_model
 
 RTOL = 1e-6
 
@@ -323,7 +323,7 @@ def test_descend_on_the_vmap_path_and_the_layers_get_their_forward_back_nested()
 
 def test_clipped_sgd_equals_a_loop_of_reference_steps() -> None:
     """Two epochs of client training equal SGD with the vmap reference's clipped sums on the same batches."""
-    from client.training import _batches, clipped_sgd
+    from protocols.task.training import _batches, clipped_sgd
 
     rng = np.random.default_rng(19)
     x, y = rng.random((70, 1, 8, 8)), rng.integers(0, 10, 70)

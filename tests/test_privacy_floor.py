@@ -16,16 +16,16 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message
 
 from client.app import app as client_app
-from client.data import dataset_for
-from client.messages.baselines import LocalDpNoise
-from client.messages.common import TrainIns
-from client.messages.ledger import SpentReport
-from client.messages.mpddp import NaiveNoise
-from client.models import build_model, get_weights
-from client.wire import to_record
+from client.records import to_record
 from protocols.config import RunConfig
 from protocols.floor import FloorPolicy, FloorViolation, ddpsa_round_epsilon, ldp_noise_multiplier, ldp_noise_std
 from protocols.methods import METHOD_NAMES, method_spec
+from protocols.task.data import dataset_for
+from protocols.task.models import build_model, get_weights
+from protocols.wire.baselines import LocalDpNoise
+from protocols.wire.common import TrainIns
+from protocols.wire.ledger import SpentReport
+from protocols.wire.mpddp import NaiveNoise
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies.base import CancelStrategy
@@ -78,7 +78,7 @@ def initial(cfg: RunConfig, strategy: CancelStrategy) -> ArrayRecord:
 def train_round(strategy: CancelStrategy, cfg: RunConfig, grid: LocalGrid, rnd: int = 1) -> list[Message]:
     """One round's train replies (the strategy's own extra phases included)."""
     arrays = initial(cfg, strategy)
-    msgs = list(strategy.configure_train(rnd, arrays, TrainIns(rnd).to_config(), grid))
+    msgs = list(strategy.configure_train(rnd, arrays, ConfigRecord(TrainIns(rnd).to_config()), grid))
     assert msgs
     return list(grid.send_and_receive(msgs))
 

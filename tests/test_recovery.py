@@ -24,13 +24,14 @@ from flwr.app import ConfigRecord, Message, RecordDict
 
 from client.app import app as client_app
 from client.env import ClientEnv
-from client.messages.recovery import NissPairMaterial, RecoveryReply, RecoveryRequest
 from client.methods import nadp as nadp_client
+from client.records import to_record
 from client.recovery import RecoveryStore, answer, check_request
-from client.wire import from_record, to_record
 from protocols.arrays import flatten
 from protocols.config import ConfigError, RunConfig
 from protocols.prg import gaussian
+from protocols.wire.arrays import from_record
+from protocols.wire.recovery import NissPairMaterial, RecoveryReply, RecoveryRequest
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies.nadp import NadpStrategy
@@ -170,7 +171,7 @@ def test_recovered_nadp_aggregate_is_the_survivors_average(monkeypatch):
            "mask-corruption-rate": 0.0}
     cfg = RunConfig.from_mapping(raw)
     grid, strategy = LocalGrid(client_app, n, raw), NadpStrategy(cfg)
-    from client.models import build_model, get_weights
+    from protocols.task.models import build_model, get_weights
 
     arrays = to_record(get_weights(build_model(cfg.model, (1, 8, 8), 10, cfg.hidden_sizes, cfg.seed)), np.float64)
     msgs = list(strategy.configure_train(1, arrays, ConfigRecord({"round": 1}), grid))
@@ -202,7 +203,7 @@ def _uploaded_client(n: int = 4):
     raw = {**app_defaults(), "method": "nadp", "num-clients": n, **NADP_FAST, "mask-corruption-rate": 0.0}
     cfg = RunConfig.from_mapping(raw)
     grid, strategy = LocalGrid(client_app, n, raw), NadpStrategy(cfg)
-    from client.models import build_model, get_weights
+    from protocols.task.models import build_model, get_weights
 
     arrays = to_record(get_weights(build_model(cfg.model, (1, 8, 8), 10, cfg.hidden_sizes, cfg.seed)), np.float64)
     msgs = list(strategy.configure_train(1, arrays, ConfigRecord({"round": 1}), grid))

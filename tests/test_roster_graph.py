@@ -16,20 +16,20 @@ import json
 import random
 
 import pytest
-from flwr.app import Message, RecordDict
+from flwr.app import ConfigRecord, Message, RecordDict
 
 from client.app import app as client_app
-from client.data import dataset_for
 from client.env import ClientEnv
 from client.identity import node_identity
-from client.messages.common import TrainIns, merge_configs
-from client.messages.keys import PeerKeys
-from client.models import build_model, get_weights
-from client.pairwise_phase import pair_seeds, roster_round_of
-from client.wire import to_record
+from client.pairwise_phase import pair_seeds
+from client.records import to_record
 from protocols.config import RunConfig
-from protocols.graphs import present_floor, present_graph, roster_round, roster_sample, round_graph
+from protocols.graphs import present_floor, present_graph, roster_round, roster_round_of, roster_sample, round_graph
 from protocols.identity import IdentityError, Roster, generate_identity, roster_digest, roster_round_seed
+from protocols.task.data import dataset_for
+from protocols.task.models import build_model, get_weights
+from protocols.wire.common import TrainIns, merge_configs
+from protocols.wire.keys import PeerKeys
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies.base import RoundFailed
@@ -67,7 +67,8 @@ def _keyed(method: str, n: int, **over) -> tuple[LocalGrid, NadpStrategy, KeyRou
 
 def _seeds(grid: LocalGrid, node: int, peers: PeerKeys, rnd: int = 1) -> dict[int, bytes]:
     """The real client's pair seeds for the view ``peers`` (raises when it refuses the view)."""
-    msg = Message(RecordDict({"config": merge_configs(TrainIns(rnd).to_config(), peers.to_config())}), node, "train")
+    msg = Message(RecordDict({"config": ConfigRecord(merge_configs(TrainIns(rnd).to_config(), peers.to_config()))}), node,
+                  "train")
     return pair_seeds(msg, ClientEnv.from_context(grid.contexts[node]), "test")
 
 

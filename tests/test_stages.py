@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from client.app import app as client_app
-from client.models import build_model, get_weights
-from client.wire import to_record
+from client.records import to_record
 from protocols.config import RunConfig
+from protocols.task.models import build_model, get_weights
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies.base import RoundFailed

@@ -1,12 +1,14 @@
-"""The wire helpers of strategies.base: fast ``Array`` construction is byte-identical to Flower's own."""
+"""The array codec of protocols.wire.arrays: its ``Array`` fields are byte-identical to Flower's own ``Array``."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from flwr.app import Array
+from flwr.common.constant import SType
 
-from client.wire import array_view, from_record, numpy_array, to_record
+from client.records import to_record
+from protocols.wire.arrays import NUMPY_STYPE, array_view, from_record, npy_fields
 
 RNG = np.random.default_rng(0)
 CASES = [
@@ -20,6 +22,14 @@ CASES = [
     np.zeros((0, 3)),
     RNG.standard_normal(5) > 0,
 ]
+
+
+def numpy_array(value: np.ndarray) -> Array:
+    return Array(**npy_fields(value))
+
+
+def test_the_stype_is_flowers_numpy_stype() -> None:
+    assert NUMPY_STYPE == SType.NUMPY
 
 
 @pytest.mark.parametrize("value", CASES, ids=lambda v: f"{v.dtype}{v.shape}")
@@ -69,8 +79,8 @@ def test_mean_upload_equals_protocol_aggregate() -> None:
     """The server's streamed mean over wire records is bit-identical to protocols.mpddp.aggregate."""
     import torch
 
-    from client.messages.mpddp import mean_upload
     from protocols.mpddp import ClientUpload, aggregate
+    from protocols.wire.mpddp import mean_upload
 
     shapes = [(4, 6), (3, 5), (3, 4, 6), (3, 3, 5), (4, 6), (3, 5)]  # L = 2: grads, psi, phi
     uploads = [[RNG.standard_normal(s) * 10.0**k for s in shapes] for k in range(5)]

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from benchmarks.adversary.ssim import ssim
-from client.training import loss_fn
+from protocols.task.training import loss_fn
 
 __all__ = ["Reconstruction", "AttackReport", "infer_label", "param_gradient", "dlg_attack", "analytic_attack",
            "score", "invert"]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from flwr.app import Message
 
-from client.messages.common import TrainIns
+from protocols.wire.common import TrainIns
 from server.local_grid import LocalGrid
 
 Hook = Callable[[list[Message], list[Message]], None]

@@ -22,12 +22,12 @@ from flwr.app import Message
 
 from benchmarks.adversary.dlg import AttackReport, invert, param_gradient
 from benchmarks.adversary.observe import run_observed
-from client.data import client_partition, dataset_for
-from client.messages.ddpsa import ShareReceipt
-from client.messages.niss import RelayedInbox
-from client.models import build_model, get_weights, set_weights
-from client.wire import Weights, from_record
 from protocols.config import RunConfig
+from protocols.task.data import client_partition, dataset_for
+from protocols.task.models import build_model, get_weights, set_weights
+from protocols.wire.arrays import Weights, from_record
+from protocols.wire.ddpsa import ShareReceipt
+from protocols.wire.niss import RelayedInbox
 
 __all__ = ["UplinkCapture", "AttackerView", "VIEWS", "training_loss", "capture_first_round", "attacker_view",
            "true_gradient", "uplink_attack", "UplinkResult", "received_mpddp_forward"]
@@ -201,8 +201,8 @@ def view_mpddp_family(cap: UplinkCapture) -> AttackerView:
     (the Delta's do not cancel in a single upload), + R o eta_k for mpdp-naive,
     and the exact gradient for mpcdp (noise is added by the server later).
     """
-    from client.messages.mpddp import upload_from_record
     from protocols.mpddp import aggregate, recover
+    from protocols.wire.mpddp import upload_from_record
     from strategies.mpddp import weights_from_layers
 
     state = getattr(cap.strategy, "_state", None)
@@ -248,8 +248,8 @@ def attacker_view(cap: UplinkCapture) -> AttackerView:
 
 def received_mpddp_forward(arrays: Weights, cfg: RunConfig) -> Callable[[torch.Tensor], torch.Tensor]:
     """Forward pass of the perturbed expanded model W-hat a client of the mpddp family receives."""
-    from client.messages.mpddp import PerturbedModel
     from protocols.mpddp import forward_expanded
+    from protocols.wire.mpddp import PerturbedModel
 
     mats = [torch.as_tensor(m) for m in PerturbedModel.from_arrays(arrays).matrices]
     return lambda t: forward_expanded(mats, t.double().reshape(len(t), -1))

@@ -15,12 +15,12 @@ from flwr.app import Message
 
 from client.env import ClientEnv, local_training, record_level_training, reply
 from client.floor import release
-from client.messages.baselines import ClippingNorm, LocalDpNoise, uniform_weight
-from client.wire import to_record
+from client.records import to_record
 from protocols.arrays import flatten, unflatten
 from protocols.clipping import clip_l2
 from protocols.floor import at_least, ldp_noise_multiplier, ldp_noise_std
 from protocols.privacy import GaussianEvent, record_sensitivity
+from protocols.wire.baselines import ClippingNorm, LocalDpNoise, uniform_weight
 
 
 def train_fedavg(msg: Message, env: ClientEnv) -> Message:
@@ -35,7 +35,7 @@ def train_cdp(msg: Message, env: ClientEnv) -> Message:
     Record level: per-example-clipped training, upload weighted by ``n_k`` (the server's
     example-weighted mean has record sensitivity ``2 C lr / N``).  Client level: plain training,
     unit weight (the uniform mean, sensitivity ``clip / m``), the update clipped to the norm the
-    server's :class:`client.messages.baselines.ClippingNorm` names (Flower's ``fixedclipping_mod`` rule).
+    server's :class:`protocols.wire.baselines.ClippingNorm` names (Flower's ``fixedclipping_mod`` rule).
     """
     if env.cfg.privacy_unit == "client":
         global_w, local_w, loss = local_training(msg, env)
@@ -54,7 +54,7 @@ def train_ldp(msg: Message, env: ClientEnv) -> Message:
 
     The noise multiplier z (for (epsilon, delta) over the run, exact RDP) and the std
     (:func:`protocols.floor.ldp_noise_std`) are the client's own, from its run config and its own
-    dataset size; the server's :class:`client.messages.baselines.LocalDpNoise` multiplier is checked
+    dataset size; the server's :class:`protocols.wire.baselines.LocalDpNoise` multiplier is checked
     against z (a smaller one is refused) and used when larger (the server raises it to keep the run
     within its epsilon target): more noise than the floor, never less.  The noise comes from the
     AES-CTR CSPRNG of :mod:`protocols.prg`, freshly seeded from the OS.

@@ -10,9 +10,9 @@ Per round ``t`` on the received global model (FedSGD: one gradient over the whol
    (:mod:`protocols.secret_sharing`), split into ``m`` shares and each pushed, signed, to its intermediate server.
 
 The servers come from the client's own configuration (:func:`intermediate_servers`); the round's parameters
-arrive as :class:`client.messages.ddpsa.DdpsaRound` and are refused when looser than the client's own.
+arrive as :class:`protocols.wire.ddpsa.DdpsaRound` and are refused when looser than the client's own.
 ``query.ddpsa_identity`` (:func:`identity`) answers the roster name.  The reply carries only metrics and a
-:class:`client.messages.ddpsa.ShareReceipt`; a failed push raises :class:`client.intermediate.SharePushError`.
+:class:`protocols.wire.ddpsa.ShareReceipt`; a failed push raises :class:`protocols.wire.intermediate.SharePushError`.
 """
 
 from __future__ import annotations
@@ -22,21 +22,21 @@ import time
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Message
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from torch import nn
 
 from client.env import ClientEnv, reply
 from client.floor import release
 from client.identity import node_identity
-from client.intermediate import IntermediateServers, share_and_push
-from client.messages.common import TrainIns
-from client.messages.ddpsa import DdpsaRound, RosterName, ShareReceipt
-from client.wire import from_record
 from protocols.ddpsa import distributed_laplace_share, l1_sensitivity, laplace_noise
 from protocols.floor import FloorViolation, at_least, at_most, ddpsa_noise_share, ddpsa_round_epsilon
 from protocols.methods.ddpsa import sharing_threshold
 from protocols.per_example import PerExampleClipper
 from protocols.privacy import LaplaceEvent, laplace_scale
+from protocols.wire.arrays import from_record
+from protocols.wire.common import TrainIns
+from protocols.wire.ddpsa import RECEIPT, DdpsaRound, RosterName, ShareReceipt
+from protocols.wire.intermediate import IntermediateServers, share_and_push
 
 #: Per-sample clipped gradients are summed this many samples at a time (bounds memory).
 CHUNK = 256
@@ -118,7 +118,7 @@ def intermediate_servers(env: ClientEnv, plan: DdpsaRound) -> IntermediateServer
 
 def identity(msg: Message, env: ClientEnv) -> Message:
     """``query.ddpsa_identity``: the roster name this node pushes its shares under."""
-    return Message(RosterName(node_identity(env).identity.name).to_content(), reply_to=msg)
+    return Message(RecordDict({RECEIPT: ConfigRecord(RosterName(node_identity(env).identity.name).to_config())}), reply_to=msg)
 
 
 def train(msg: Message, env: ClientEnv) -> Message:
@@ -146,5 +146,5 @@ def train(msg: Message, env: ClientEnv) -> Message:
     receipt = ShareReceipt(me.name, share_bytes=8 * size * len(servers), share_time_s=time.perf_counter() - t0)
     out = reply(msg, ArrayRecord(), len(env.y), train_loss=loss, clipped_fraction=frac, **receipt.to_metrics(),
                 **spent)
-    receipt.attach(out.content)
+    out.content[RECEIPT] = ConfigRecord(receipt.to_config())
     return out

@@ -7,11 +7,11 @@ Per round, for the received global model ``w_g``:
 2. ``Delta_f`` = :func:`protocols.privacy.record_sensitivity` of that training (replaces Theorem 2);
 3. the noise plan from public inputs only (:func:`protocols.ladp.plan_public_noise`, Algorithms 3-4): selection
    ``||w_g_j||_2 >= R`` on the received model, ``P_j`` from the server's
-   :class:`client.messages.ladp.PublicEstimates` floored at ``B / ladp-max-boost``, the corrected Theorem 3
+   :class:`protocols.wire.ladp.PublicEstimates` floored at ``B / ladp-max-boost``, the corrected Theorem 3
    constant, at ``epsilon_r = protocols.ladp.round_epsilon(epsilon, delta, num-rounds)``;
 4. Gaussian noise from :mod:`protocols.prg` (fresh ``os.urandom`` seed) on the selected layers; upload.
 
-The upload carries a :class:`client.messages.ladp.NoiseReport` (``noised_layers``, ``num_layers``,
+The upload carries a :class:`protocols.wire.ladp.NoiseReport` (``noised_layers``, ``num_layers``,
 ``total_noise_norm``, ``sensitivity``, ``local_steps``, per layer ``noise_norm``, ``sigma``, ``selected``,
 ``kl``); noise norms are expected ones (``sigma_j sqrt(size_j)``), so every figure depends on public inputs only.
 """
@@ -27,11 +27,11 @@ from flwr.app import Message
 
 from client.env import ClientEnv, record_level_training, reply
 from client.floor import release
-from client.messages.ladp import LayerNoise, NoiseReport, PublicEstimates
-from client.wire import to_record
+from client.records import to_record
 from protocols import ladp
 from protocols.floor import noise_scale_of
 from protocols.privacy import GaussianEvent, local_sgd_steps, record_sensitivity
+from protocols.wire.ladp import LayerNoise, NoiseReport, PublicEstimates
 
 #: A KL cap B below any whole-layer KL: every selected layer gets the floor noise (the "full LDP" comparator).
 MIN_KL = 1e-12

@@ -1,6 +1,6 @@
 """Client side of ``mpddp`` (DDP_Client), ``mpdp-naive`` and ``mpcdp``: gradient at W-hat, Psi, Phi, noise.
 
-The train message (:mod:`client.messages.mpddp`) carries the perturbed expanded model W-hat and the server's noise
+The train message (:mod:`protocols.wire.mpddp`) carries the perturbed expanded model W-hat and the server's noise
 scales, which the client checks against its own calibration (:func:`ddp_floor`,
 :func:`protocols.floor.mpdp_naive_sigma`) and refuses when smaller.  The client computes one full-batch gradient
 of the paper's loss ``1/2 ||y - onehot||^2`` at W-hat plus Psi and Phi (FedSGD), each example's perturbed
@@ -13,7 +13,7 @@ gradient clipped to ``clip`` (:func:`protocols.mpddp.clipped_client_gradients`; 
 * ``mpdp-naive``: :func:`protocols.mpddp.naive_client`, ``N(0, (z 2 clip / n_k)^2)`` on the perturbed gradient;
 * ``mpcdp``: no client noise (the server adds it).
 
-Psi and Phi go up unnoised, as in the paper, in ``mpddp-side-dtype`` (:func:`client.messages.mpddp.upload_record`).
+Psi and Phi go up unnoised, as in the paper, in ``mpddp-side-dtype`` (:func:`protocols.wire.mpddp.upload_arrays`).
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ from flwr.app import Message
 from client.env import ClientEnv, reply
 from client.floor import release
 from client.identity import node_identity
-from client.messages.common import TrainIns
-from client.messages.keys import PeerKeys, probe_metric
-from client.messages.mpddp import DdpNoise, NaiveNoise, PerturbedModel, upload_record
-from client.pairwise_phase import mask_probe, pair_seeds, roster_releases
+from client.pairwise_phase import mask_probe, pair_seeds
+from client.records import to_record
 from client.recovery import remember, self_mask_upload
 from protocols.floor import FloorViolation, at_least, mpddp_floor, mpdp_naive_sigma
 from protocols.mpddp import (
@@ -45,6 +43,10 @@ from protocols.mpddp import (
 from protocols.mpddp import flatten as mp_flatten
 from protocols.mpddp import unflatten as mp_unflatten
 from protocols.privacy import DpEvent, GaussianEvent, noise_multiplier
+from protocols.schedule import roster_releases
+from protocols.wire.common import TrainIns
+from protocols.wire.keys import PeerKeys, probe_metric
+from protocols.wire.mpddp import DdpNoise, NaiveNoise, PerturbedModel, upload_arrays
 
 #: HKDF purpose of the pairwise Delta seeds (fixed on the client: the server cannot redirect it).
 DELTA_PURPOSE = "mpddp-delta"
@@ -99,7 +101,7 @@ def _train(msg: Message, env: ClientEnv) -> Message:
         metrics.update(release(msg, env))  # the (trusted) server adds the noise
     else:
         raise ValueError(f"client.methods.mpddp does not handle method {method!r}")
-    out = reply(msg, upload_record(up, env.cfg.mpddp_side_dtype), len(env.y), **metrics)
+    out = reply(msg, to_record(upload_arrays(up, env.cfg.mpddp_side_dtype), None), len(env.y), **metrics)
     return mask.attach(out) if mask is not None else out
 
 

@@ -2,7 +2,7 @@
 
 Per round a sampled client, after the key phase (:func:`client.pairwise_phase.handle_keys`),
 
-1. receives the global model, the round's public plan (:class:`client.messages.nadp.NadpPlan`) and its peer keys;
+1. receives the global model, the round's public plan (:class:`protocols.wire.nadp.NadpPlan`) and its peer keys;
 2. rebuilds the pairing graph (the roster's graph of the round restricted to the participants,
    :func:`client.pairwise_phase.view_graph`) and recomputes the noise allocation itself
    (:func:`protocols.nadp.upload_noise_scales`, deterministic in public values, so both ends of a pair get the
@@ -29,18 +29,19 @@ from flwr.app import Message
 from client.env import ClientEnv, record_level_training, reply
 from client.floor import release
 from client.identity import node_identity
-from client.messages.common import TrainIns
-from client.messages.keys import probe_metric
-from client.messages.nadp import NadpPlan
-from client.pairwise_phase import mask_probe, pair_seeds, roster_releases, view_graph
+from client.pairwise_phase import mask_probe, pair_seeds, view_graph
+from client.records import to_record
 from client.recovery import SelfMask, remember, self_mask_upload
-from client.wire import to_record
 from protocols.arrays import flatten, unflatten
 from protocols.floor import FloorViolation, NadpFloor, at_least, nadp_floor
 from protocols.nadp import nadp_upload
 from protocols.pairwise import pairwise_noise
 from protocols.prg import gaussian
 from protocols.privacy import GaussianEvent
+from protocols.schedule import roster_releases
+from protocols.wire.common import TrainIns
+from protocols.wire.keys import probe_metric
+from protocols.wire.nadp import NadpPlan
 
 PAIR_PURPOSE = "nadp-counteract"
 

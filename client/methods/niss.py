@@ -1,6 +1,6 @@
 """Client side of NISS: noise shares sealed for neighbours, distorted negated shares, noisy upload.
 
-Two phases per round (protocol: :mod:`strategies.niss`; messages: :mod:`client.messages.niss`):
+Two phases per round (protocol: :mod:`strategies.niss`; messages: :mod:`protocols.wire.niss`):
 
 * :func:`handle_shares` (``query.shares``): ``sigma_k`` from the client's own run config and dataset size
   (:func:`protocols.niss.client_sigma`) times the round's ``niss-noise-scale``, refused below the scale the joint
@@ -27,18 +27,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from client.env import ClientEnv, local_training, record_level_training, reply
 from client.floor import FloorViolation, policy, release
-from client.messages.common import TrainIns, train_metrics
-from client.messages.keys import probe_metric
-from client.messages.niss import AuthFailures, Diagnostic, NissMetrics, RelayedInbox, ShareReply, ShareRequest
-from client.messages.recovery import NissPairMaterial
-from client.models import get_weights
 from client.pairwise_phase import check_view, mask_probe, pair_seeds
+from client.records import to_record
 from client.recovery import remember, seal_self_mask
-from client.wire import from_record, to_record
 from protocols import niss as niss_math
 from protocols.arrays import flatten, unflatten
 from protocols.clipping import clip_l2
@@ -47,6 +42,12 @@ from protocols.masking import SHARE_PURPOSE
 from protocols.niss import aggregation_weights, client_plan, client_tau, sizes_digest, upload_sensitivity
 from protocols.privacy import GaussianEvent
 from protocols.relay_crypto import RelayAuthError, make_aad, open_sealed, seal
+from protocols.task.models import get_weights
+from protocols.wire.arrays import from_record
+from protocols.wire.common import TrainIns, train_metrics
+from protocols.wire.keys import probe_metric
+from protocols.wire.niss import AuthFailures, Diagnostic, NissMetrics, RelayedInbox, ShareReply, ShareRequest
+from protocols.wire.recovery import NissPairMaterial
 
 STATE_KEY = "cancelfl-niss"
 RELAY_PURPOSE = "niss-relay-key"
@@ -211,7 +212,7 @@ def handle_shares(msg: Message, env: ClientEnv) -> Message:
         payloads.append(seal(keys[n], encode_payload(encoding, by_receiver[n], size), aad=aad))
     env.context.state[STATE_KEY] = _Stored(rnd, own_weight, sigma, encoding, nbrs, keys, bundles, tau,
                                            mask_keys, req.noise_scale).to_record()
-    return Message(RecordDict({"config": ShareReply(tuple(nbrs), tuple(payloads)).to_config()}), reply_to=msg)
+    return Message(RecordDict({"config": ConfigRecord(ShareReply(tuple(nbrs), tuple(payloads)).to_config())}), reply_to=msg)
 
 
 def _open_incoming(inbox: RelayedInbox, env: ClientEnv, st: _Stored, size: int) -> tuple[list, list[tuple[int, str]]]:
@@ -278,7 +279,8 @@ def _recovery_material(st: _Stored, incoming: list, partials: dict[int, np.ndarr
 def _rejected(msg: Message, env: ClientEnv, failures: list[tuple[int, str]]) -> Message:
     """The train reply of a client that could not open its inbox: no upload, the offending senders named."""
     report = AuthFailures(tuple(s for s, _ in failures), tuple(why for _, why in failures))
-    return Message(RecordDict({"metrics": train_metrics(len(env.y)), "config": report.to_config()}), reply_to=msg)
+    return Message(RecordDict({"metrics": MetricRecord(train_metrics(len(env.y))), "config": ConfigRecord(report.to_config())}),
+                   reply_to=msg)
 
 
 def _trained(msg: Message, env: ClientEnv, global_w) -> tuple[np.ndarray, float, float, dict[str, float]]:

@@ -3,7 +3,7 @@
 A method is a unit of five homes: its card ``protocols/methods/<method>.py`` (its options class, regime,
 guarantee and the :func:`register` call), its formulas ``protocols/<method>.py`` (imported by both ends),
 its server stages ``strategies/<method>.py``, its client handler ``client/methods/<method>.py`` and its
-wire messages ``client/messages/<method>.py``.  A method of your own needs only a :class:`MethodSpec` and
+wire messages ``protocols/wire/<method>.py``.  A method of your own needs only a :class:`MethodSpec` and
 one :func:`register` call (``tests/test_method_unit.py`` adds one from a test module).
 """
 

@@ -1,7 +1,7 @@
 """Record-level (per-example) L2 sensitivity of a client's local training: one home for every method.
 
 Every method that protects a *record* (one training example: the unit of the papers' definitions of
-neighbouring datasets) trains with per-example clipping (:func:`client.training.clipped_sgd`) and
+neighbouring datasets) trains with per-example clipping (:func:`protocols.task.training.clipped_sgd`) and
 calibrates its noise to :func:`local_sgd_sensitivity` of that training.  With the default regime (one
 full-batch step per round) this is ``C lr / |D_i|`` under zero-out adjacency (run-config ``adjacency``, the
 default: one record's gradient replaced by zero, dataset sizes fixed, Opacus' and dp-accounting's DP-SGD

@@ -51,8 +51,8 @@ class MpAudit(AuditAdapter):
         Eq. (22) on one client's gradient, Psi and Phi gives that client's true-space gradient plus ``R o`` its
         noise (mpddp: eta and its uncancelled Delta's).
         """
-        from client.messages.mpddp import mean_upload
         from protocols.mpddp import recover
+        from protocols.wire.mpddp import mean_upload
 
         st = rel.strategy._state
         out = []

@@ -6,7 +6,7 @@
   place that starts local intermediate servers.
 
 The wire protocol and the gRPC client used by ClientApps and the parameter server live one level
-down, in :mod:`client.intermediate`.
+down, in :mod:`protocols.wire.intermediate`.
 """
 
 from server.intermediate.launcher import (

@@ -24,8 +24,8 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from client.intermediate.auth import AccessPolicy
 from protocols.identity import IdentityError
+from protocols.wire.intermediate.auth import AccessPolicy
 from server.intermediate.servicer import (
     DEFAULT_MAX_MESSAGE_BYTES,
     IntermediateAggregatorServicer,

@@ -28,11 +28,11 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from client.intermediate import IntermediateServers, wait_until_healthy
 from protocols.config import RunConfig
 from protocols.identity import DerivedRoster, Roster
 from protocols.methods import local_services
 from protocols.tls import CertificateAuthority
+from protocols.wire.intermediate import IntermediateServers, wait_until_healthy
 from server.intermediate.servicer import format_address
 from server.keys import generate
 

@@ -4,7 +4,7 @@ One intermediate server S_j receives one share per client and round and hands th
 the shares of an agreed client set (Wei et al., Algorithm 2): mod 2^64 for additive shares, mod
 p = 2^64 - 59 for Shamir shares (elements >= p are refused).  Beyond the paper's semi-honest model:
 
-* TLS only (:func:`create_server`); every request but ``Health`` is signed (:mod:`client.intermediate.auth`):
+* TLS only (:func:`create_server`); every request but ``Health`` is signed (:mod:`protocols.wire.intermediate.auth`):
   pushes by the roster client they name, ``RegisterRun``/``GetPartialSum``/``AbortRound``/``Status`` by the
   parameter server; other callers get ``UNAUTHENTICATED``;
 * pushes are taken only for registered runs, opened rounds and that round's registered participants; unknown
@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from client.intermediate import auth
-from client.intermediate import intermediate_pb2 as pb2
-from client.intermediate import intermediate_pb2_grpc as pb2_grpc
-from client.intermediate.stub import DEFAULT_MAX_MESSAGE_BYTES
 from protocols.secret_sharing import VECTOR_PRIME, field_sum, from_wire, ring_sum, to_wire
+from protocols.wire.intermediate import auth
+from protocols.wire.intermediate import intermediate_pb2 as pb2
+from protocols.wire.intermediate import intermediate_pb2_grpc as pb2_grpc
+from protocols.wire.intermediate.stub import DEFAULT_MAX_MESSAGE_BYTES
 
 __all__ = [
     "DEFAULT_KEEP_ROUNDS",

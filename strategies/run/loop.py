@@ -31,11 +31,12 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from client.messages.common import PEAK_RSS_MB
-from client.wire import from_record, to_record
 from protocols.arrays import Weights
 from protocols.methods import method_spec
 from protocols.privacy.signal import MeasuredSignal
+from protocols.wire.arrays import from_record
+from protocols.wire.common import PEAK_RSS_MB
+from strategies.records import to_record
 from strategies.run.budget import STATE_KEY, BudgetGuard
 from strategies.run.checkpoint import Checkpoint, load_for_resume, mark_pending, save_checkpoint, start_run_folder
 from strategies.run.notes import learning_check, noise_check, over_target, preamble, privacy_summary

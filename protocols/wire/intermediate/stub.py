@@ -1,7 +1,7 @@
 """Client-side helpers for DDP-SA intermediate servers (plain grpcio, no Flower).
 
 The ``m`` servers are an :class:`IntermediateServers` (addresses in share order + the deployment's CA): every
-channel is TLS verified against that CA and every request is signed (:mod:`client.intermediate.auth`).
+channel is TLS verified against that CA and every request is signed (:mod:`protocols.wire.intermediate.auth`).
 
 * ClientApps call :func:`push_shares` (or :func:`share_and_push`): share ``j`` to server ``j``.
 * The parameter server calls :func:`register_run` before each round (naming its participants) and
@@ -23,9 +23,6 @@ import grpc
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from client.intermediate import auth
-from client.intermediate import intermediate_pb2 as pb2
-from client.intermediate import intermediate_pb2_grpc as pb2_grpc
 from protocols.secret_sharing import (
     FixedPointCodec,
     encode_and_share,
@@ -34,6 +31,9 @@ from protocols.secret_sharing import (
     shamir_reconstruct_vector,
     to_wire,
 )
+from protocols.wire.intermediate import auth
+from protocols.wire.intermediate import intermediate_pb2 as pb2
+from protocols.wire.intermediate import intermediate_pb2_grpc as pb2_grpc
 
 DEFAULT_TIMEOUT_S = 30.0
 # Shares are 8 bytes per model parameter (4M parameters fit); gRPC's 4 MiB default is too small for CNNs.

@@ -54,7 +54,7 @@ class Dataset:
 def _data_dir_candidates(data_dir: str) -> list[Path]:
     if data_dir:
         return [Path(data_dir)]
-    here = Path(__file__).resolve().parent.parent
+    here = Path(__file__).resolve().parents[2]  # the repository root
     env = os.environ.get("CANCELFL_DATA_DIR")
     cands = [Path(env)] if env else []
     return [*cands, here / "data", here.parent / "shared" / "data", Path.cwd() / "data",
@@ -155,7 +155,7 @@ def _load_user(path: str) -> Dataset:
     data in every process: the server evaluates on the test split and every client takes its partition of the
     training split by ``partition-id``.
     """
-    from client.models import import_object
+    from protocols.task.models import import_object
 
     loaded = import_object(path, "dataset")()
     if isinstance(loaded, Dataset):

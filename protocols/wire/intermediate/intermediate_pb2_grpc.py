@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from client.intermediate import intermediate_pb2 as client_dot_intermediate_dot_intermediate__pb2
+from protocols.wire.intermediate import intermediate_pb2 as protocols_dot_wire_dot_intermediate_dot_intermediate__pb2
 
 GRPC_GENERATED_VERSION = '1.81.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in client/intermediate/intermediate_pb2_grpc.py depends on'
+        + ' but the generated code in protocols/wire/intermediate/intermediate_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,33 +36,33 @@ class IntermediateAggregatorStub:
         """
         self.RegisterRun = channel.unary_unary(
                 '/cancelfl.intermediate.v2.IntermediateAggregator/RegisterRun',
-                request_serializer=client_dot_intermediate_dot_intermediate__pb2.RegisterRunRequest.SerializeToString,
-                response_deserializer=client_dot_intermediate_dot_intermediate__pb2.RegisterRunReply.FromString,
+                request_serializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.RegisterRunRequest.SerializeToString,
+                response_deserializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.RegisterRunReply.FromString,
                 _registered_method=True)
         self.PushShare = channel.unary_unary(
                 '/cancelfl.intermediate.v2.IntermediateAggregator/PushShare',
-                request_serializer=client_dot_intermediate_dot_intermediate__pb2.PushShareRequest.SerializeToString,
-                response_deserializer=client_dot_intermediate_dot_intermediate__pb2.PushShareReply.FromString,
+                request_serializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.PushShareRequest.SerializeToString,
+                response_deserializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.PushShareReply.FromString,
                 _registered_method=True)
         self.GetPartialSum = channel.unary_unary(
                 '/cancelfl.intermediate.v2.IntermediateAggregator/GetPartialSum',
-                request_serializer=client_dot_intermediate_dot_intermediate__pb2.GetPartialSumRequest.SerializeToString,
-                response_deserializer=client_dot_intermediate_dot_intermediate__pb2.GetPartialSumReply.FromString,
+                request_serializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.GetPartialSumRequest.SerializeToString,
+                response_deserializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.GetPartialSumReply.FromString,
                 _registered_method=True)
         self.AbortRound = channel.unary_unary(
                 '/cancelfl.intermediate.v2.IntermediateAggregator/AbortRound',
-                request_serializer=client_dot_intermediate_dot_intermediate__pb2.AbortRoundRequest.SerializeToString,
-                response_deserializer=client_dot_intermediate_dot_intermediate__pb2.AbortRoundReply.FromString,
+                request_serializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.AbortRoundRequest.SerializeToString,
+                response_deserializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.AbortRoundReply.FromString,
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/cancelfl.intermediate.v2.IntermediateAggregator/Status',
-                request_serializer=client_dot_intermediate_dot_intermediate__pb2.StatusRequest.SerializeToString,
-                response_deserializer=client_dot_intermediate_dot_intermediate__pb2.StatusReply.FromString,
+                request_serializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.StatusRequest.SerializeToString,
+                response_deserializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.StatusReply.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/cancelfl.intermediate.v2.IntermediateAggregator/Health',
-                request_serializer=client_dot_intermediate_dot_intermediate__pb2.HealthRequest.SerializeToString,
-                response_deserializer=client_dot_intermediate_dot_intermediate__pb2.HealthReply.FromString,
+                request_serializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.HealthRequest.SerializeToString,
+                response_deserializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.HealthReply.FromString,
                 _registered_method=True)
 
 
@@ -119,33 +119,33 @@ def add_IntermediateAggregatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'RegisterRun': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterRun,
-                    request_deserializer=client_dot_intermediate_dot_intermediate__pb2.RegisterRunRequest.FromString,
-                    response_serializer=client_dot_intermediate_dot_intermediate__pb2.RegisterRunReply.SerializeToString,
+                    request_deserializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.RegisterRunRequest.FromString,
+                    response_serializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.RegisterRunReply.SerializeToString,
             ),
             'PushShare': grpc.unary_unary_rpc_method_handler(
                     servicer.PushShare,
-                    request_deserializer=client_dot_intermediate_dot_intermediate__pb2.PushShareRequest.FromString,
-                    response_serializer=client_dot_intermediate_dot_intermediate__pb2.PushShareReply.SerializeToString,
+                    request_deserializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.PushShareRequest.FromString,
+                    response_serializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.PushShareReply.SerializeToString,
             ),
             'GetPartialSum': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPartialSum,
-                    request_deserializer=client_dot_intermediate_dot_intermediate__pb2.GetPartialSumRequest.FromString,
-                    response_serializer=client_dot_intermediate_dot_intermediate__pb2.GetPartialSumReply.SerializeToString,
+                    request_deserializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.GetPartialSumRequest.FromString,
+                    response_serializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.GetPartialSumReply.SerializeToString,
             ),
             'AbortRound': grpc.unary_unary_rpc_method_handler(
                     servicer.AbortRound,
-                    request_deserializer=client_dot_intermediate_dot_intermediate__pb2.AbortRoundRequest.FromString,
-                    response_serializer=client_dot_intermediate_dot_intermediate__pb2.AbortRoundReply.SerializeToString,
+                    request_deserializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.AbortRoundRequest.FromString,
+                    response_serializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.AbortRoundReply.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=client_dot_intermediate_dot_intermediate__pb2.StatusRequest.FromString,
-                    response_serializer=client_dot_intermediate_dot_intermediate__pb2.StatusReply.SerializeToString,
+                    request_deserializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.StatusRequest.FromString,
+                    response_serializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.StatusReply.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=client_dot_intermediate_dot_intermediate__pb2.HealthRequest.FromString,
-                    response_serializer=client_dot_intermediate_dot_intermediate__pb2.HealthReply.SerializeToString,
+                    request_deserializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.HealthRequest.FromString,
+                    response_serializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.HealthReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -173,8 +173,8 @@ class IntermediateAggregator:
             request,
             target,
             '/cancelfl.intermediate.v2.IntermediateAggregator/RegisterRun',
-            client_dot_intermediate_dot_intermediate__pb2.RegisterRunRequest.SerializeToString,
-            client_dot_intermediate_dot_intermediate__pb2.RegisterRunReply.FromString,
+            protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.RegisterRunRequest.SerializeToString,
+            protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.RegisterRunReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -200,8 +200,8 @@ class IntermediateAggregator:
             request,
             target,
             '/cancelfl.intermediate.v2.IntermediateAggregator/PushShare',
-            client_dot_intermediate_dot_intermediate__pb2.PushShareRequest.SerializeToString,
-            client_dot_intermediate_dot_intermediate__pb2.PushShareReply.FromString,
+            protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.PushShareRequest.SerializeToString,
+            protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.PushShareReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -227,8 +227,8 @@ class IntermediateAggregator:
             request,
             target,
             '/cancelfl.intermediate.v2.IntermediateAggregator/GetPartialSum',
-            client_dot_intermediate_dot_intermediate__pb2.GetPartialSumRequest.SerializeToString,
-            client_dot_intermediate_dot_intermediate__pb2.GetPartialSumReply.FromString,
+            protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.GetPartialSumRequest.SerializeToString,
+            protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.GetPartialSumReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -254,8 +254,8 @@ class IntermediateAggregator:
             request,
             target,
             '/cancelfl.intermediate.v2.IntermediateAggregator/AbortRound',
-            client_dot_intermediate_dot_intermediate__pb2.AbortRoundRequest.SerializeToString,
-            client_dot_intermediate_dot_intermediate__pb2.AbortRoundReply.FromString,
+            protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.AbortRoundRequest.SerializeToString,
+            protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.AbortRoundReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -281,8 +281,8 @@ class IntermediateAggregator:
             request,
             target,
             '/cancelfl.intermediate.v2.IntermediateAggregator/Status',
-            client_dot_intermediate_dot_intermediate__pb2.StatusRequest.SerializeToString,
-            client_dot_intermediate_dot_intermediate__pb2.StatusReply.FromString,
+            protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.StatusRequest.SerializeToString,
+            protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.StatusReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -308,8 +308,8 @@ class IntermediateAggregator:
             request,
             target,
             '/cancelfl.intermediate.v2.IntermediateAggregator/Health',
-            client_dot_intermediate_dot_intermediate__pb2.HealthRequest.SerializeToString,
-            client_dot_intermediate_dot_intermediate__pb2.HealthReply.FromString,
+            protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.HealthRequest.SerializeToString,
+            protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.HealthReply.FromString,
             options,
             channel_credentials,
             insecure,

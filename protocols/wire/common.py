@@ -3,7 +3,7 @@
 Also the typed readers the protocol modules build their decoders from: each
 takes the record and the key, and raises ``ValueError`` naming the key when it
 is missing or has the wrong type.  Node ids travel as decimal strings
-(they are unsigned 64-bit; ConfigRecord integers are signed).
+(they are unsigned 64-bit; Flower's ConfigRecord integers are signed).
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-from flwr.app import ConfigRecord, MetricRecord
 
 _ROUND = "round"
 _NUM_EXAMPLES = "num-examples"
@@ -110,15 +108,15 @@ def node_id_strings(ids: Iterable[int]) -> list[str]:
     return [str(int(n)) for n in ids]
 
 
-def merge_configs(*parts: ConfigRecord) -> ConfigRecord:
-    """One ConfigRecord from several message parts (a key two parts both set must agree)."""
+def merge_configs(*parts: Mapping[str, Any]) -> dict[str, Any]:
+    """One config from several message parts (a key two parts both set must agree)."""
     out: dict[str, Any] = {}
     for part in parts:
         for key, value in part.items():
             if key in out and out[key] != value:
                 raise ValueError(f"message parts disagree on '{key}'")
             out[key] = value
-    return ConfigRecord(out)
+    return out
 
 
 # ------------------------------------------------------------ the round number
@@ -128,8 +126,8 @@ class TrainIns:
 
     round: int
 
-    def to_config(self) -> ConfigRecord:
-        return ConfigRecord({_ROUND: int(self.round)})
+    def to_config(self) -> dict[str, Any]:
+        return {_ROUND: int(self.round)}
 
     @classmethod
     def from_config(cls, rec: Mapping[str, Any]) -> TrainIns:
@@ -137,12 +135,11 @@ class TrainIns:
 
 
 # ------------------------------------------------------------ train reply metrics
-def train_metrics(num_examples: int, **figures: float) -> MetricRecord:
-    """The train reply's metrics: the local dataset size plus the method's figures."""
+def train_metrics(num_examples: int, **figures: float) -> dict[str, int | float]:
+    """The train reply's metrics (for a ``MetricRecord``): the local dataset size plus the method's figures."""
     if _NUM_EXAMPLES in figures:
         raise ValueError(f"'{_NUM_EXAMPLES}' is set from num_examples, not as a figure")
-    return MetricRecord({_NUM_EXAMPLES: int(num_examples), PEAK_RSS_MB: peak_rss_mb(),
-                         **{k: float(v) for k, v in figures.items()}})
+    return {_NUM_EXAMPLES: int(num_examples), PEAK_RSS_MB: peak_rss_mb(), **{k: float(v) for k, v in figures.items()}}
 
 
 def peak_rss_mb() -> float:
@@ -162,11 +159,14 @@ def num_examples(metrics: Mapping[str, Any]) -> int:
     return int(value)
 
 
-def mean_metrics(metrics: Sequence[Mapping[str, Any]]) -> MetricRecord:
-    """Example-weighted mean of every numeric metric of several train replies (+ their total examples)."""
+def mean_metrics(metrics: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Example-weighted mean of every numeric metric of several train replies (+ their total examples).
+
+    For a ``MetricRecord``.
+    """
     sizes = [float(num_examples(m)) for m in metrics]
     total = sum(sizes)
     keys = set().union(*(m.keys() for m in metrics)) - {_NUM_EXAMPLES}
     out = {k: sum(float(m.get(k, 0.0)) * n for m, n in zip(metrics, sizes, strict=True)) / total for k in keys}
     out[_NUM_EXAMPLES] = total
-    return MetricRecord(out)
+    return out

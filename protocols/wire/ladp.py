@@ -15,9 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flwr.app import ConfigRecord
-
-from client.messages.common import read_float
+from protocols.wire.common import read_float
 
 _NOISED_LAYERS = "noised_layers"
 _NUM_LAYERS = "num_layers"
@@ -42,8 +40,8 @@ class PublicEstimates:
 
     layers: Mapping[str, float]
 
-    def to_config(self) -> ConfigRecord:
-        return ConfigRecord({_ESTIMATE + name: float(v) for name, v in self.layers.items()})
+    def to_config(self) -> dict[str, Any]:
+        return {_ESTIMATE + name: float(v) for name, v in self.layers.items()}
 
     @classmethod
     def from_config(cls, rec: Mapping[str, Any]) -> PublicEstimates:

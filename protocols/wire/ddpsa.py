@@ -4,7 +4,7 @@ Every ``ddpsa-*`` key lives here as a private constant; :mod:`strategies.ddpsa` 
 use only the classes below.  One round:
 
 * ``query.ddpsa_identity`` server -> client (once per node): the reply is a :class:`RosterName`;
-* ``train`` server -> client: the global model, :class:`~client.messages.common.TrainIns` and :class:`DdpsaRound`
+* ``train`` server -> client: the global model, :class:`~protocols.wire.common.TrainIns` and :class:`DdpsaRound`
   (``eps_t``, the noise mode, the participants' roster names, the intermediate servers in share order, the run
   id and the fixed-point codec);
 * ``train`` client -> server: no arrays; metrics and a :class:`ShareReceipt` (roster name, bytes, time).
@@ -19,11 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flwr.app import ConfigRecord, RecordDict
-
-from client.messages.common import read_float, read_int, read_list, read_str
 from protocols.methods.ddpsa import NOISE_MODES as DDPSA_NOISE_MODES
 from protocols.secret_sharing import FixedPointCodec
+from protocols.wire.common import read_float, read_int, read_list, read_str
 
 #: The query action (message type ``query.ddpsa_identity``) that asks a node for its roster name.
 IDENTITY_ACTION = "ddpsa_identity"
@@ -36,7 +34,8 @@ _THRESHOLD = "ddpsa-threshold"
 _RUN_ID = "ddpsa-run-id"
 _FRAC_BITS = "ddpsa-frac-bits"
 _MAX_CLIENTS = "ddpsa-max-clients"
-_RECEIPT = "ddpsa-receipt"
+#: The reply record that names the client (:meth:`ShareReceipt.to_config`, :meth:`RosterName.to_config`).
+RECEIPT = "ddpsa-receipt"
 _CLIENT = "ddpsa-client"
 _SHARE_BYTES = "share_bytes"
 _SHARE_TIME = "share_time_s"
@@ -92,8 +91,8 @@ class DdpsaRound:
         """The fixed-point codec both sides encode and decode with."""
         return FixedPointCodec(frac_bits=self.frac_bits, max_clients=self.max_clients)
 
-    def to_config(self) -> ConfigRecord:
-        return ConfigRecord({
+    def to_config(self) -> dict[str, Any]:
+        return {
             _EPSILON: float(self.epsilon),
             _NOISE: self.noise,
             _PARTICIPANTS: list(self.participants),
@@ -102,7 +101,7 @@ class DdpsaRound:
             _RUN_ID: self.run_id,
             _FRAC_BITS: int(self.frac_bits),
             _MAX_CLIENTS: int(self.max_clients),
-        })
+        }
 
     @classmethod
     def from_config(cls, rec: Mapping[str, Any]) -> DdpsaRound:
@@ -126,23 +125,24 @@ class ShareReceipt:
     share_bytes: int
     share_time_s: float
 
-    def attach(self, content: RecordDict) -> None:
-        """Put the client's roster name into a reply's ``content`` (the figures go in its metrics)."""
-        content[_RECEIPT] = ConfigRecord({_CLIENT: self.client})
+    def to_config(self) -> dict[str, Any]:
+        """The reply's :data:`RECEIPT` record: the client's roster name (the figures go in its metrics)."""
+        return {_CLIENT: self.client}
 
     @staticmethod
-    def client_of(content: RecordDict) -> str:
+    def client_of(content: Mapping[str, Any]) -> str:
         """The roster name a DDP-SA train reply's shares were pushed under (ValueError if it names none)."""
-        if _RECEIPT not in content.config_records:
-            raise ValueError(f"DDP-SA reply without '{_RECEIPT}'")
-        return read_str(content.config_records[_RECEIPT], _CLIENT)
+        rec = content.get(RECEIPT)
+        if not isinstance(rec, Mapping):
+            raise ValueError(f"DDP-SA reply without '{RECEIPT}'")
+        return read_str(rec, _CLIENT)
 
     def to_metrics(self) -> dict[str, float]:
         """Figures to merge into the reply's metrics."""
         return {_SHARE_BYTES: float(self.share_bytes), _SHARE_TIME: float(self.share_time_s)}
 
     @classmethod
-    def from_reply(cls, content: RecordDict) -> ShareReceipt | None:
+    def from_reply(cls, content: Mapping[str, Any]) -> ShareReceipt | None:
         """The receipt a reply's content carries (None if it carries none: not a DDP-SA reply)."""
         metrics = content["metrics"]
         if _SHARE_BYTES not in metrics:
@@ -156,10 +156,11 @@ class RosterName:
 
     name: str
 
-    def to_content(self) -> RecordDict:
-        return RecordDict({_RECEIPT: ConfigRecord({_CLIENT: self.name})})
+    def to_config(self) -> dict[str, Any]:
+        """The reply's :data:`RECEIPT` record."""
+        return {_CLIENT: self.name}
 
     @classmethod
-    def from_content(cls, content: RecordDict) -> RosterName:
+    def from_content(cls, content: Mapping[str, Any]) -> RosterName:
         """ValueError if the reply names nobody."""
         return cls(ShareReceipt.client_of(content))

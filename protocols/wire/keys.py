@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flwr.app import ConfigRecord
-
-from client.messages.common import (
+from protocols.identity import SIGNATURE_BYTES
+from protocols.keyagreement import KEY_BYTES
+from protocols.wire.common import (
     TrainIns,
     merge_configs,
     node_id_strings,
@@ -32,8 +32,6 @@ from client.messages.common import (
     read_node_ids,
     read_str,
 )
-from protocols.identity import SIGNATURE_BYTES
-from protocols.keyagreement import KEY_BYTES
 
 _KEY_EPOCH = "key-epoch"
 _PUBLIC_KEY = "public-key"
@@ -69,8 +67,8 @@ class KeyRequest:
     #: the server holds no roster yet: the reply carries the roster this node trusts.
     want_roster: bool = False
 
-    def to_config(self) -> ConfigRecord:
-        rec = ConfigRecord({_KEY_EPOCH: int(self.key_epoch)})
+    def to_config(self) -> dict[str, Any]:
+        rec = {_KEY_EPOCH: int(self.key_epoch)}
         if self.want_roster:
             rec[_WANT_ROSTER] = True
         return merge_configs(TrainIns(self.round).to_config(), rec)
@@ -93,8 +91,8 @@ class KeyReply:
     #: the roster file's text (``cancelfl-roster/v1`` JSON) when the request asked for it, else "".
     roster: str = ""
 
-    def to_config(self) -> ConfigRecord:
-        rec = ConfigRecord({_PUBLIC_KEY: bytes(self.public_key), _NAME: self.name, _SIGNATURE: bytes(self.signature)})
+    def to_config(self) -> dict[str, Any]:
+        rec = {_PUBLIC_KEY: bytes(self.public_key), _NAME: self.name, _SIGNATURE: bytes(self.signature)}
         if self.num_examples is not None:
             rec[_NUM_EXAMPLES] = int(self.num_examples)
         if self.roster_digest:
@@ -141,12 +139,12 @@ class PeerKeys:
     participants: tuple[int, ...] = ()
     participant_names: tuple[str, ...] = ()
 
-    def to_config(self) -> ConfigRecord:
-        rec = ConfigRecord({
+    def to_config(self) -> dict[str, Any]:
+        rec = {
             _PEER_IDS: node_id_strings(self.peer_ids),
             _PEER_KEYS: [bytes(k) for k in self.peer_keys],
             _KEY_EPOCH: int(self.key_epoch),
-        })
+        }
         # Flower cannot serialise empty lists: absent lists mean "none sent".
         if self.peer_names:
             rec[_PEER_NAMES] = list(self.peer_names)
@@ -199,8 +197,8 @@ class MaskProbe:
 
     seed: bytes
 
-    def to_config(self) -> ConfigRecord:
-        return ConfigRecord({_PROBE_SEED: bytes(self.seed)})
+    def to_config(self) -> dict[str, Any]:
+        return {_PROBE_SEED: bytes(self.seed)}
 
     @classmethod
     def from_config(cls, rec: Mapping[str, Any]) -> MaskProbe:

@@ -7,12 +7,12 @@ the classes and functions below.
 Messages of one round:
 
 * ``train`` server -> client: arrays = :class:`PerturbedModel` (the 2L-1 float64
-  matrices W-hat, never the true model); config = :class:`~client.messages.common.TrainIns`
-  plus, for ``mpddp``, :class:`~client.messages.keys.PeerKeys` and :class:`DdpNoise`
+  matrices W-hat, never the true model); config = :class:`~protocols.wire.common.TrainIns`
+  plus, for ``mpddp``, :class:`~protocols.wire.keys.PeerKeys` and :class:`DdpNoise`
   (sigma_eta, sigma_Delta), for ``mpdp-naive`` :class:`NaiveNoise` (sigma), for
   ``mpcdp`` nothing else (the server adds the noise).
 * ``train`` client -> server: arrays = the :class:`~protocols.mpddp.ClientUpload`
-  written by :func:`upload_record` (3L arrays: gradients, Psi, Phi), read back by
+  written by :func:`upload_arrays` (3L arrays: gradients, Psi, Phi), read back by
   :func:`upload_from_record` or, summed straight from the wire, by :func:`mean_upload`.
 """
 
@@ -25,11 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord
 
-from client.messages.common import read_float, read_list
-from client.wire import array_view, from_record, to_record
 from protocols.mpddp import ClientUpload
+from protocols.wire.arrays import NpyArray, Weights, array_view, from_record
+from protocols.wire.common import read_float, read_list
 
 _W_HAT = "w_hat.{}"
 _UP = "up.{}"
@@ -69,19 +68,21 @@ class PerturbedModel:
         """L, the number of layers of the original MLP."""
         return (len(self.matrices) + 1) // 2
 
-    def to_record(self) -> ArrayRecord:
-        return to_record(OrderedDict(zip(_names(_W_HAT, len(self.matrices)), self.matrices, strict=True)), np.float64)
+    def to_arrays(self) -> Weights:
+        """The named float64 matrices (for an ``ArrayRecord``, :mod:`protocols.wire.arrays`)."""
+        return OrderedDict((k, np.asarray(m, dtype=np.float64))
+                           for k, m in zip(_names(_W_HAT, len(self.matrices)), self.matrices, strict=True))
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, np.ndarray]) -> PerturbedModel:
-        """Decode named arrays (``client.wire.from_record`` of the train message's record)."""
+        """Decode named arrays (``protocols.wire.arrays.from_record`` of the train message's record)."""
         names = _names(_W_HAT, len(arrays))
         if list(arrays) != names:
             raise ValueError(f"expected arrays {_W_HAT.format(0)}..{_W_HAT.format('(2L-2)')} in order, got {list(arrays)}")
         return cls(tuple(np.asarray(arrays[k], dtype=np.float64) for k in names))
 
     @classmethod
-    def from_record(cls, record: ArrayRecord) -> PerturbedModel:
+    def from_record(cls, record: Mapping[str, NpyArray]) -> PerturbedModel:
         return cls.from_arrays(from_record(record))
 
 
@@ -90,7 +91,7 @@ class DdpNoise:
     """``train`` config (``mpddp``): DN(sigma_eta, 1) for eta_k (Eq. 16) and DN(sigma_Delta, 1) for each Delta_kv (Eq. 19).
 
     ``sizes``: ``|D_i|`` of the round's participants, in the order of
-    :attr:`client.messages.keys.PeerKeys.participants` (from the key phase); every client recomputes
+    :attr:`protocols.wire.keys.PeerKeys.participants` (from the key phase); every client recomputes
     the scales from the smallest (the record sensitivity, :func:`protocols.floor.mpddp_floor`) and
     checks its own entry.  The server's sigmas are only checked against that floor.
     """
@@ -105,8 +106,8 @@ class DdpNoise:
         if any(isinstance(n, bool) or int(n) != n or n < 1 for n in self.sizes):
             raise ValueError(f"'{_SIZES}' must hold integers >= 1")
 
-    def to_config(self) -> ConfigRecord:
-        rec = ConfigRecord({_SIGMA_ETA: float(self.sigma_eta), _SIGMA_DELTA: float(self.sigma_delta)})
+    def to_config(self) -> dict[str, Any]:
+        rec = {_SIGMA_ETA: float(self.sigma_eta), _SIGMA_DELTA: float(self.sigma_delta)}
         if self.sizes:  # Flower cannot serialise empty lists
             rec[_SIZES] = [int(n) for n in self.sizes]
         return rec
@@ -130,8 +131,8 @@ class NaiveNoise:
     def __post_init__(self) -> None:
         _check_scale(_SIGMA, self.sigma)
 
-    def to_config(self) -> ConfigRecord:
-        return ConfigRecord({_SIGMA: float(self.sigma)})
+    def to_config(self) -> dict[str, Any]:
+        return {_SIGMA: float(self.sigma)}
 
     @classmethod
     def from_config(cls, rec: Mapping[str, Any]) -> NaiveNoise:
@@ -139,8 +140,8 @@ class NaiveNoise:
 
 
 # ------------------------------------------------------------------------------ upload (client -> server)
-def upload_record(upload: ClientUpload, side_dtype: type | np.dtype | str = np.float64) -> ArrayRecord:
-    """``train`` reply arrays: 3L arrays [gradients..., Psi..., Phi...].
+def upload_arrays(upload: ClientUpload, side_dtype: type | np.dtype | str = np.float64) -> Weights:
+    """``train`` reply arrays: 3L named arrays [gradients..., Psi..., Phi...], each in its wire dtype.
 
     Gradients always go as float64 (the pairwise Delta's must cancel to round-off in the server's sum);
     Psi and Phi, unnoised side information, go as ``side_dtype`` (float32 halves the upload).
@@ -148,11 +149,11 @@ def upload_record(upload: ClientUpload, side_dtype: type | np.dtype | str = np.f
     big_l = upload.num_layers
     dtypes = [np.dtype(np.float64)] * big_l + [np.dtype(side_dtype)] * (2 * big_l)
     arrays = upload.to_arrays()
-    return to_record(OrderedDict((k, np.asarray(a, dtype=dt)) for k, a, dt in
-                                 zip(_names(_UP, len(arrays)), arrays, dtypes, strict=True)), None)
+    return OrderedDict((k, np.asarray(a, dtype=dt)) for k, a, dt in
+                       zip(_names(_UP, len(arrays)), arrays, dtypes, strict=True))
 
 
-def _upload_views(record: ArrayRecord, num_layers: int) -> list[np.ndarray]:
+def _upload_views(record: Mapping[str, NpyArray], num_layers: int) -> list[np.ndarray]:
     """Zero-copy, read-only views of one upload's 3L arrays, in order (ValueError if malformed)."""
     names = _names(_UP, 3 * num_layers)
     if list(record) != names:
@@ -163,12 +164,12 @@ def _upload_views(record: ArrayRecord, num_layers: int) -> list[np.ndarray]:
     return views
 
 
-def upload_from_record(record: ArrayRecord, num_layers: int) -> ClientUpload:
+def upload_from_record(record: Mapping[str, NpyArray], num_layers: int) -> ClientUpload:
     """Decode one upload (float64 copies; ValueError if malformed)."""
     return ClientUpload.from_arrays([np.array(v, dtype=np.float64) for v in _upload_views(record, num_layers)])
 
 
-def mean_upload(records: Sequence[tuple[int, ArrayRecord]], num_layers: int) -> ClientUpload:
+def mean_upload(records: Sequence[tuple[int, Mapping[str, NpyArray]]], num_layers: int) -> ClientUpload:
     """Eqs. (20), (21) straight from the wire: the unweighted mean of ``(node id, upload record)`` pairs.
 
     Sums zero-copy views of the received bytes into one float64 accumulator (in upload order, the

@@ -11,7 +11,7 @@ the one place both ends build them):
   pass for a client): only the ServerApp opens runs and reads partial sums.
 
 Statements are domain-separated and length-prefixed, so no two different requests share a statement.
-The transport is TLS with the deployment's CA (:mod:`client.intermediate.stub`), which keeps the
+The transport is TLS with the deployment's CA (:mod:`protocols.wire.intermediate.stub`), which keeps the
 requests, and therefore their signatures, away from eavesdroppers.
 """
 

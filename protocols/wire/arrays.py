@@ -1,8 +1,9 @@
-"""Flower records <-> numpy arrays: the wire helpers both sides of every method share.
+"""Named numpy arrays <-> the fields of Flower's ``Array``: the array codec both sides of every method share.
 
-Every upload and model travels as an ``ArrayRecord`` of ``.npy``-serialised arrays.  The
-strategies (server side) and the client handlers use exactly these functions, so the byte
-layout is defined once.
+Every upload and model travels as an ``ArrayRecord`` of ``.npy``-serialised arrays.  :func:`array_fields`
+gives, per name, the four fields of an ``Array`` (``dtype``, ``shape``, ``stype``, ``data``); each side
+builds the record from them with Flower's own constructors (``client.records`` and ``strategies.records``, one
+line each), and both decode with :func:`from_record` / :func:`array_view`, so the byte layout is defined once.
 """
 
 from __future__ import annotations
@@ -10,22 +11,35 @@ from __future__ import annotations
 import io
 import math
 from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import numpy as np
-from flwr.app import Array, ArrayRecord
-from flwr.common.constant import SType
 
 from protocols.arrays import Weights
 
-__all__ = ["Weights", "array_view", "from_record", "numpy_array", "to_record"]
+__all__ = ["NUMPY_STYPE", "Weights", "array_fields", "array_view", "from_record", "npy_fields"]
+
+#: The ``stype`` of a numpy-serialised ``Array`` (Flower's ``SType.NUMPY``).
+NUMPY_STYPE = "numpy.ndarray"
 
 
-def numpy_array(value: np.ndarray) -> Array:
-    """A Flower ``Array`` holding exactly the bytes ``np.save`` writes, built without ``np.save``.
+class NpyArray(Protocol):
+    """What the decoders read of an array on the wire (Flower's ``Array`` has it)."""
+
+    stype: str
+    data: bytes
+
+    def numpy(self) -> np.ndarray: ...
+
+
+def npy_fields(value: np.ndarray) -> dict[str, Any]:
+    """The fields of an ``Array`` holding exactly the bytes ``np.save`` writes, built without ``np.save``.
 
     ``Array(ndarray)`` runs ``np.save`` into a growing ``BytesIO``, which can cost more than the client's
     whole gradient step; here the .npy header is written by numpy's own ``format`` module and joined with
-    the raw C-order buffer in one copy.
+    the raw C-order buffer in one copy.  Returns ``{"dtype": str, "shape": tuple, "stype": NUMPY_STYPE,
+    "data": bytes}`` (``Array(**fields)``).  Raises ``TypeError`` for object arrays.
     """
     value = np.asarray(value)
     if value.dtype.hasobject:
@@ -35,24 +49,25 @@ def numpy_array(value: np.ndarray) -> Array:
     header = io.BytesIO()
     np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(value))
     data = b"".join([header.getvalue(), memoryview(value).cast("B") if value.size else b""])
-    return Array(dtype=str(value.dtype), shape=tuple(value.shape), stype=SType.NUMPY, data=data)
+    return {"dtype": str(value.dtype), "shape": tuple(value.shape), "stype": NUMPY_STYPE, "data": data}
 
 
-def to_record(weights: dict[str, np.ndarray], dtype: type | None = np.float64) -> ArrayRecord:
-    """Named arrays -> ArrayRecord with ``dtype`` on the wire (None keeps each array's own dtype).
+def array_fields(weights: Mapping[str, np.ndarray], dtype: type | None = np.float64) -> dict[str, dict[str, Any]]:
+    """Named arrays -> named ``Array`` fields (:func:`npy_fields`) with ``dtype`` on the wire, in order.
 
-    Pairwise-noise methods need float64: the masks must cancel to round-off.
+    ``dtype`` None keeps each array's own dtype.  Pairwise-noise methods need float64: the masks must
+    cancel to round-off.
     """
-    return ArrayRecord(OrderedDict((k, numpy_array(np.asarray(v, dtype=dtype))) for k, v in weights.items()))
+    return {k: npy_fields(np.asarray(v, dtype=dtype)) for k, v in weights.items()}
 
 
-def array_view(array: Array) -> np.ndarray:
+def array_view(array: NpyArray) -> np.ndarray:
     """A read-only, zero-copy ndarray over an ``Array``'s .npy bytes (``Array.numpy()`` copies them).
 
     For summing large uploads on the server without holding a second copy of each.  Refuses
     non-numpy payloads and non-numeric dtypes with ``ValueError``.
     """
-    if array.stype != SType.NUMPY:
+    if array.stype != NUMPY_STYPE:
         raise ValueError(f"array is not numpy-serialised (stype {array.stype!r})")
     data = array.data
     header = io.BytesIO(data)
@@ -71,6 +86,6 @@ def array_view(array: Array) -> np.ndarray:
     return view.reshape(shape, order="F" if fortran else "C")
 
 
-def from_record(record: ArrayRecord) -> Weights:
-    """ArrayRecord -> named float64 arrays."""
+def from_record(record: Mapping[str, NpyArray]) -> Weights:
+    """An ``ArrayRecord`` (any mapping of named arrays) -> named float64 arrays."""
     return OrderedDict((k, np.asarray(v.numpy(), dtype=np.float64)) for k, v in record.items())

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from flwr.app import ConfigRecord
 
-from client.messages.common import (
+from protocols.niss import SHARES_PER_NEIGHBOUR
+from protocols.wire.common import (
     TrainIns,
     merge_configs,
     node_id_strings,
@@ -34,7 +34,6 @@ from client.messages.common import (
     read_node_ids,
     read_str,
 )
-from protocols.niss import SHARES_PER_NEIGHBOUR
 
 _RECEIVED = "recovery-received"
 _DROPPED = "recovery-dropped"
@@ -68,8 +67,8 @@ class RecoveryRequest:
     #: self-masked methods: sender -> the sealed share of its self-mask seed it made for this recipient.
     forwarded: Mapping[int, bytes] | None = None
 
-    def to_config(self) -> ConfigRecord:
-        rec = ConfigRecord({_RECEIVED: node_id_strings(self.received)})
+    def to_config(self) -> dict[str, Any]:
+        rec = {_RECEIVED: node_id_strings(self.received)}
         if self.dropped:  # Flower cannot serialise empty lists
             rec[_DROPPED] = node_id_strings(self.dropped)
         if self.excluded:
@@ -113,11 +112,11 @@ class RecoveryReply:
     mask_peers: tuple[int, ...] = ()
     mask_shares: tuple[bytes, ...] = ()
 
-    def to_config(self) -> ConfigRecord:
+    def to_config(self) -> dict[str, Any]:
         if self.refused:
-            return ConfigRecord({_REFUSED: self.refused})
+            return {_REFUSED: self.refused}
         # Flower cannot serialise empty lists: a reply with no dropped neighbour carries a placeholder.
-        rec = ConfigRecord({_PEERS: node_id_strings(self.peers) or [""], _MATERIAL: list(self.material) or [b""]})
+        rec = {_PEERS: node_id_strings(self.peers) or [""], _MATERIAL: list(self.material) or [b""]}
         if self.kept:
             rec[_KEPT] = node_id_strings(self.kept)
         if self.kept_probe is not None:
@@ -161,10 +160,10 @@ class SelfMaskShares:
     commitment: bytes
     std: float
 
-    def to_config(self) -> ConfigRecord:
+    def to_config(self) -> dict[str, Any]:
         peers = sorted(self.sealed)
-        return ConfigRecord({_SM_PEERS: node_id_strings(peers), _SM_SEALED: [bytes(self.sealed[p]) for p in peers],
-                             _SM_COMMIT: bytes(self.commitment), _SM_STD: float(self.std)})
+        return {_SM_PEERS: node_id_strings(peers), _SM_SEALED: [bytes(self.sealed[p]) for p in peers],
+                             _SM_COMMIT: bytes(self.commitment), _SM_STD: float(self.std)}
 
     @classmethod
     def from_config(cls, rec: Mapping[str, Any]) -> SelfMaskShares:

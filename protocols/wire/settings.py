@@ -12,36 +12,30 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from flwr.app import ConfigRecord, Message, RecordDict
-
 from protocols.config import ConfigError, RunConfig
 
-#: The ConfigRecord that holds the strategy's settings (run-config keys, resolved values).
+#: The record that holds the strategy's settings (run-config keys, resolved values; :func:`settings_config`).
 KEY = "cancelfl-settings"
 _JSON = "json"
 #: Starts the error a client raises on a method mismatch (the strategy stops the run on it).
 MISMATCH = "cancelfl settings mismatch:"
 
 
-def settings_record(cfg: RunConfig) -> ConfigRecord:
-    """``cfg`` as a ConfigRecord: every run-config key, resolved, as one JSON text (a ConfigRecord cannot hold "")."""
-    return ConfigRecord({_JSON: json.dumps(cfg.to_mapping(), sort_keys=True)})
+def settings_config(cfg: RunConfig) -> dict[str, Any]:
+    """The :data:`KEY` record: every run-config key, resolved, as one JSON text (a ConfigRecord cannot hold "")."""
+    return {_JSON: json.dumps(cfg.to_mapping(), sort_keys=True)}
 
 
-def with_settings(content: RecordDict, cfg: RunConfig) -> RecordDict:
-    """``content`` with the settings record added under :data:`KEY`; returns ``content``."""
-    content[KEY] = settings_record(cfg)
-    return content
-
-
-def settings_of(msg: Message, run_config: Mapping[str, Any]) -> RunConfig:
+def settings_of(content: Mapping[str, Any] | None, run_config: Mapping[str, Any]) -> RunConfig:
     """The settings this client acts on: those the strategy sent, checked against the client's run config.
+
+    ``content`` is the message's content (None for a message without content).
 
     Raises:
         ConfigError: the message carries no settings and ``run_config`` names no method, or the client's run
             config names another method than the strategy's (the message says which key to change).
     """
-    sent = msg.content.config_records.get(KEY) if msg.has_content() else None
+    sent = content.get(KEY) if content is not None else None
     local = run_config.get("method")
     if sent is None:
         if local is None:

@@ -4,11 +4,11 @@ Shared by both sides of DDP-SA: ClientApps push their signed shares with :func:`
 parameter server (``strategies.ddpsa``) registers each round with :func:`register_run` and fetches
 partial sums with :func:`reconstruct_sum`, and the servers themselves (``server.intermediate``)
 implement the service defined in ``intermediate.proto`` (generated stubs ``intermediate_pb2*.py``)
-and check the signed statements of :mod:`client.intermediate.auth`.
+and check the signed statements of :mod:`protocols.wire.intermediate.auth`.
 """
 
-from client.intermediate.auth import AccessPolicy
-from client.intermediate.stub import (
+from protocols.wire.intermediate.auth import AccessPolicy
+from protocols.wire.intermediate.stub import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TIMEOUT_S,
     IntermediateAggregationError,

@@ -2,8 +2,8 @@
 
 The server sends one :class:`NadpPlan` (identical for all participants, so both
 ends of every pair derive the same ``sigma_ij``) with the train message, next
-to :class:`client.messages.common.TrainIns` and the participant's
-:class:`client.messages.keys.PeerKeys`.  The client rebuilds the allocation
+to :class:`protocols.wire.common.TrainIns` and the participant's
+:class:`protocols.wire.keys.PeerKeys`.  The client rebuilds the allocation
 (Alg. 2, or the sparse-graph rule over :func:`protocols.graphs.round_graph`)
 from it; nothing secret travels here.
 """
@@ -15,10 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from flwr.app import ConfigRecord
-
-from client.messages.common import node_id_strings, read_float, read_list, read_node_ids, read_str
 from protocols.methods.nadp import VARIANTS as NADP_VARIANTS
+from protocols.wire.common import node_id_strings, read_float, read_list, read_node_ids, read_str
 
 _VARIANT = "nadp-variant"
 _IDS = "nadp-ids"
@@ -55,15 +53,15 @@ class NadpPlan:
     ldp_stds: dict[int, float] = field(default_factory=dict)
     noise_scale: float = 1.0
 
-    def to_config(self) -> ConfigRecord:
-        rec = ConfigRecord({
+    def to_config(self) -> dict[str, Any]:
+        rec = {
             _VARIANT: self.variant,
             _IDS: node_id_strings(self.ids),
             _SIZES: [int(self.sizes[n]) for n in self.ids],
             _SIGMA_UP: float(self.sigma_up),
             _SIGMA_DOWN: float(self.sigma_down),
             _LAMBDA: float(self.lam),
-        })
+        }
         if self.ldp_stds:
             rec[_LDP_STDS] = [float(self.ldp_stds[n]) for n in self.ids]
         if self.noise_scale != 1.0:

@@ -19,12 +19,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flwr.app import ConfigRecord
-from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
-
-from client.messages.common import read_float
+from protocols.wire.common import read_float
 
 _NOISE_MULTIPLIER = "noise-multiplier"
+#: The config key Flower's ``fixedclipping_mod`` reads the clipping norm from (its ``KEY_CLIPPING_NORM``).
+KEY_CLIPPING_NORM = "clipping_norm"
 #: Name of the reply metric Flower's ``FedAvg(weighted_by_key=...)`` weighs central DP's uploads by.
 UNIFORM_WEIGHT_KEY = "dp_weight"
 
@@ -39,8 +38,8 @@ class LocalDpNoise:
         if not (math.isfinite(self.multiplier) and self.multiplier >= 0):
             raise ValueError(f"'{_NOISE_MULTIPLIER}' must be a finite number >= 0, got {self.multiplier!r}")
 
-    def to_config(self) -> ConfigRecord:
-        return ConfigRecord({_NOISE_MULTIPLIER: float(self.multiplier)})
+    def to_config(self) -> dict[str, Any]:
+        return {_NOISE_MULTIPLIER: float(self.multiplier)}
 
     @classmethod
     def from_config(cls, rec: Mapping[str, Any]) -> LocalDpNoise:
@@ -60,8 +59,8 @@ class ClippingNorm:
         if not (math.isfinite(self.clip) and self.clip > 0):
             raise ValueError(f"'{KEY_CLIPPING_NORM}' must be a positive finite number, got {self.clip!r}")
 
-    def to_config(self) -> ConfigRecord:
-        return ConfigRecord({KEY_CLIPPING_NORM: float(self.clip)})
+    def to_config(self) -> dict[str, Any]:
+        return {KEY_CLIPPING_NORM: float(self.clip)}
 
     @classmethod
     def from_config(cls, rec: Mapping[str, Any]) -> ClippingNorm:

@@ -12,9 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flwr.app import ConfigRecord, RecordDict
-
-from client.messages.common import read_int
+from protocols.wire.common import read_int
 
 #: The query action (message type ``query.federation``).
 ACTION = "federation"
@@ -38,13 +36,12 @@ class FederationInfo:
             raise ValueError("node config needs 'partition-id' and 'num-partitions' "
                              "(flower-supernode --node-config 'partition-id=0 num-partitions=N')") from err
 
-    def to_content(self) -> RecordDict:
-        """The reply content."""
-        return RecordDict({"config": ConfigRecord({_NUM_PARTITIONS: self.num_partitions,
-                                                   _PARTITION_ID: self.partition_id})})
+    def to_config(self) -> dict[str, Any]:
+        """The reply's ``"config"`` record."""
+        return {_NUM_PARTITIONS: self.num_partitions, _PARTITION_ID: self.partition_id}
 
     @classmethod
-    def from_content(cls, content: RecordDict) -> FederationInfo:
+    def from_content(cls, content: Mapping[str, Any]) -> FederationInfo:
         """Decode a reply (ValueError naming the missing or bad key)."""
         rec = content["config"]
         return cls(read_int(rec, _NUM_PARTITIONS, minimum=1), read_int(rec, _PARTITION_ID, minimum=0))

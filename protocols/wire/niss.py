@@ -2,7 +2,7 @@
 
 Every ``niss-*`` key lives here as a private constant; :mod:`strategies.niss` and :mod:`client.methods.niss` use
 only the classes below.  Decoders validate, raise ``ValueError`` naming the key, and ignore other keys, so one
-ConfigRecord can carry several parts.  One round:
+config can carry several parts.  One round:
 
 * ``query.shares`` server -> client: :class:`ShareRequest` (weight ``p_k``, the participants' reported sizes);
 * ``query.shares`` client -> server: :class:`ShareReply` (one sealed payload per neighbour, in neighbour order);
@@ -14,12 +14,11 @@ ConfigRecord can carry several parts.  One round:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, RecordDict
-
-from client.messages.common import (
+from protocols.wire.common import (
     TrainIns,
     merge_configs,
     node_id_strings,
@@ -27,7 +26,7 @@ from client.messages.common import (
     read_list,
     read_node_ids,
 )
-from client.messages.keys import MaskProbe, PeerKeys
+from protocols.wire.keys import MaskProbe, PeerKeys
 
 _WEIGHT = "niss-weight"
 _SIZE_IDS = "niss-size-ids"
@@ -82,12 +81,11 @@ class ShareRequest:
         if not (math.isfinite(self.noise_scale) and self.noise_scale > 0):
             raise ValueError(f"'{_NOISE_SCALE}' must be finite and > 0, got {self.noise_scale!r}")
 
-    def to_config(self) -> ConfigRecord:
+    def to_config(self) -> dict[str, Any]:
         ids = sorted(self.sizes)
         sizes = {_SIZE_IDS: node_id_strings(ids), _SIZES: [int(self.sizes[n]) for n in ids]} if ids else {}
         return merge_configs(TrainIns(self.round).to_config(), self.peers.to_config(),
-                             ConfigRecord({_WEIGHT: float(self.weight), _NOISE_SCALE: float(self.noise_scale),
-                                           **sizes}))
+                             {_WEIGHT: float(self.weight), _NOISE_SCALE: float(self.noise_scale), **sizes})
 
     @classmethod
     def from_config(cls, rec: Mapping) -> ShareRequest:
@@ -108,8 +106,8 @@ class ShareReply:
     def __post_init__(self) -> None:
         _check_lengths(self.to_ids, self.payloads, _TO, _PAYLOADS)
 
-    def to_config(self) -> ConfigRecord:
-        return ConfigRecord({_TO: node_id_strings(self.to_ids), _PAYLOADS: list(self.payloads)})
+    def to_config(self) -> dict[str, Any]:
+        return {_TO: node_id_strings(self.to_ids), _PAYLOADS: list(self.payloads)}
 
     @classmethod
     def from_config(cls, rec: Mapping) -> ShareReply:
@@ -137,10 +135,10 @@ class RelayedInbox:
         _check_weight(self.weight)
         _check_lengths(self.from_ids, self.payloads, _FROM, _PAYLOADS)
 
-    def to_config(self) -> ConfigRecord:
+    def to_config(self) -> dict[str, Any]:
         return merge_configs(TrainIns(self.round).to_config(), MaskProbe(self.probe_seed).to_config(),
-                             ConfigRecord({_WEIGHT: float(self.weight), _FROM: node_id_strings(self.from_ids),
-                                           _PAYLOADS: list(self.payloads)}))
+                             {_WEIGHT: float(self.weight), _FROM: node_id_strings(self.from_ids),
+                                           _PAYLOADS: list(self.payloads)})
 
     @classmethod
     def from_config(cls, rec: Mapping) -> RelayedInbox:
@@ -164,8 +162,8 @@ class AuthFailures:
     def __bool__(self) -> bool:
         return bool(self.senders)
 
-    def to_config(self) -> ConfigRecord:
-        return ConfigRecord({_AUTH_FAILED: node_id_strings(self.senders), _AUTH_REASON: list(self.reasons)})
+    def to_config(self) -> dict[str, Any]:
+        return {_AUTH_FAILED: node_id_strings(self.senders), _AUTH_REASON: list(self.reasons)}
 
     @classmethod
     def from_config(cls, rec: Mapping) -> AuthFailures:
@@ -212,14 +210,15 @@ class Diagnostic:
     the aggregate noise; it hands the server the unprotected update.
     """
 
-    update: ArrayRecord
+    #: the client's ``ArrayRecord`` (any mapping of named arrays, :mod:`protocols.wire.arrays`).
+    update: Mapping
 
-    def add_to(self, content: RecordDict) -> None:
+    def add_to(self, content: MutableMapping) -> None:
         """Put the record into a train reply's content."""
         content[_DIAGNOSTIC] = self.update
 
     @classmethod
-    def from_content(cls, content: RecordDict) -> Diagnostic | None:
+    def from_content(cls, content: Mapping) -> Diagnostic | None:
         """The diagnostic record of a train reply (None when it carries none)."""
         return cls(content[_DIAGNOSTIC]) if _DIAGNOSTIC in content else None
 

@@ -1,6 +1,6 @@
 """The privacy figures a client reports with every train reply: what its own ledger says it has spent.
 
-``train`` client -> server (metrics, next to :func:`client.messages.common.train_metrics`):
+``train`` client -> server (metrics, next to :func:`protocols.wire.common.train_metrics`):
 :class:`SpentReport` -- the worst account of the node's persistent ledger
 (:mod:`client.ledger`, over all runs, at the node's ``lifetime-delta``) after this
 round's release, and the number of rounds this node trained in the run.  An
