@@ -97,7 +97,7 @@ class RunConfig:
     adjacency: str = "zero-out"  # neighbouring datasets: one record zeroed (sizes fixed; Opacus' convention) | replace-one
     clip: float = 1.0  # L2 bound of a client's model update (or gradient, per method)
     # Server step and testing
-    fault_drop_rate: float = 0.0  # TESTING AID: in-process grid withholds this fraction of train replies
+    fault_drop_rate: float = 0.0  # TESTING AID: the server withholds this fraction of train messages (any engine)
     server_optimizer: str = "sgd"  # the FedSGD methods' server step (mpddp family, ddpsa): sgd | adam
     # Output
     out_dir: str = ""  # "" = a fresh folder runs/<UTC time>-<method> (runs/latest points to the newest)

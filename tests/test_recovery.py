@@ -34,6 +34,7 @@ from protocols.prg import gaussian
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies.nadp import NadpStrategy
+from strategies.run.faults import fault_drops
 from strategies.stages import close_round
 
 #: nadp: one full-batch step per round on a linear model (its paper's regime, fast).
@@ -135,13 +136,11 @@ def test_a_run_that_ends_above_its_epsilon_target_says_so(tmp_path, no_budget_gu
 
 
 def test_fault_injection_is_deterministic_and_validated():
-    raw = {**app_defaults(), "method": "nadp", "num-clients": 10, "fault-drop-rate": 0.3, "seed": 5}
-    picks = []
-    for _ in range(2):
-        grid = LocalGrid(client_app, 10, raw)
-        msgs = [Message(RecordDict({"config": ConfigRecord({"round": 4})}), n, "train") for n in grid.node_ids]
-        picks.append(grid._fault_drops(msgs))
-    assert picks[0] == picks[1] and len(picks[0]) == 3
+    msgs = [Message(RecordDict({"config": ConfigRecord({"round": 4})}), 1000 + n, "train") for n in range(10)]
+    picks = [fault_drops(msgs, 0.3, seed=5) for _ in range(2)]
+    assert picks[0] == picks[1] and picks[0][0] == 4 and len(picks[0][1]) == 3
+    assert fault_drops(msgs, 0.3, seed=6)[1] != picks[0][1] or fault_drops(msgs, 0.3, seed=7)[1] != picks[0][1]
+    assert fault_drops([Message(m.content, m.metadata.dst_node_id, "query.keys") for m in msgs], 0.3, seed=5)[1] == set()
     with pytest.raises(ConfigError, match="fault-drop-rate"):
         RunConfig.from_mapping({**app_defaults(), "fault-drop-rate": 1.0})
 
