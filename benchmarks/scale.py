@@ -50,6 +50,7 @@ COLUMNS = ("name", "clients", "dropouts", "status", "client_s", "server_s", "rou
 FIGURES: dict[str, float] = {"status": 0.0, "bytes_down": 0.05, "bytes_up": 0.05, "neighbours": 0.05,
                              "client_s": 0.5, "server_s": 0.5, "peak_rss_mb": 0.25}
 KEY = ("name", "clients", "dropouts")
+TITLE = "Per-client and server cost vs clients per round"
 
 #: niss pairs as nadp (8-out) at scale; its complete-graph default costs every client K - 1 share seeds.
 SCALE_PAIRING = [*common.SPARSE_PAIRING, 'niss:graph="n-out"', "niss:n-out=8"]
@@ -89,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
         run_dir = out / "runs" / f"{m}-k{k}-d{d:g}"
         row = point(m, args.epsilon, k, d, {**base, "fault-drop-rate": d}, msets, run_dir, simulation=simulation)
         rows.append(row)
+        common.write_table(rows, COLUMNS, out, "scale", title=TITLE, command=common.command_line(args),
+                           notes=["partial: the run has not finished"])  # what is done survives an interrupted run
         tqdm.write(f"{m:>6} K={k:<5} drop={d:<4g} client={common.fmt(row['client_s'])}s "
                    f"server={common.fmt(row['server_s'])}s down={common.fmt(row['bytes_down'])} "
                    f"up={common.fmt(row['bytes_up'])} rss={common.fmt(row['peak_rss_mb'])}MiB "
@@ -108,8 +111,7 @@ def run(args: argparse.Namespace) -> int:
         f"total time {total:.0f} s (the machine was shared: timings are under load)",
     ]
     plot(rows, out / "scale.png")
-    common.publish(rows, COLUMNS, args, "scale", title="Per-client and server cost vs clients per round", notes=notes,
-                   total=total)
+    common.publish(rows, COLUMNS, args, "scale", title=TITLE, notes=notes, total=total)
     return 0
 
 
