@@ -263,7 +263,7 @@ class RunConfig:
             _positive(key, float(getattr(self, key.replace("-", "_"))))
         if not (math.isfinite(self.fault_drop_rate) and 0 <= self.fault_drop_rate < 1):
             raise ConfigError(f"run-config 'fault-drop-rate' = {self.fault_drop_rate} must be in [0, 1) "
-                              "(testing aid: the fraction of sampled clients whose upload the in-process grid drops)")
+                              "(testing aid: the fraction of sampled clients whose train message the server withholds)")
         if any(w < 1 for w in self.hidden_sizes):
             raise ConfigError(f"run-config 'hidden' = {self.hidden!r}: every width must be an integer >= 1 "
                               "(hidden=\"\" gives a linear model)")
