@@ -123,7 +123,15 @@ def point(name: str, epsilon: float, clients: int, dropouts: float, base: dict, 
     else:
         r = run_point(name, epsilon, clients, base, method_sets, run_dir)
     row = {"peak_rss_mb": math.nan, **r.as_row(), "dropouts": dropouts}
-    timed = timed_rows(run_dir / "metrics.jsonl") if r.status == "ok" or r.status.startswith("failed") else []
+    timed = timed_rows(run_dir / "metrics.jsonl")
+    if simulation and r.status.startswith("error") and (done := _budget_stop(run_dir)) and timed and timed[0]["round"] > 1:
+        # The budget guard ended the run early (a method that cannot raise its noise after dropouts): rounds
+        # 2..done still measure the round's cost.
+        row.update(status=f"ok; stopped by the privacy budget after round {done}", round_s=_mean(timed, "round_time_s"),
+                   bytes_down=_mean(timed, "bytes_sent_per_client"), bytes_up=_mean(timed, "bytes_received_per_client"),
+                   peak_rss_mb=_mean(timed, "client_peak_rss_mb"))
+    elif not (r.status == "ok" or r.status.startswith("failed")):
+        timed = []
     row["neighbours"] = _mean(timed, "neighbours")
     if simulation and timed:
         waiting = [sum(t["phase_time_s"].values()) for t in timed]
@@ -146,6 +154,13 @@ def timed_rows(path: Path) -> list[dict]:
     return [r for r in rows if r["round"] > 1 and not r["failed"]] or [r for r in rows if not r["failed"]]
 
 
+def _budget_stop(run_dir: Path) -> int:
+    """Rounds completed when the privacy budget stopped the run in ``run_dir``, else 0."""
+    path = run_dir / "summary.json"
+    summary = json.loads(path.read_text()) if path.is_file() else {}
+    return int(summary.get("rounds_completed") or 0) if summary.get("stopped_for") == "privacy budget" else 0
+
+
 def _mean(rows: list[dict], key: str) -> float:
     vals = [float(r[key]) for r in rows if r.get(key) is not None]
     return float(np.mean(vals)) if vals else math.nan
@@ -158,7 +173,7 @@ def plot(rows: list[dict], path: Path) -> None:
               ("bytes_per_client_round", "bytes per client per round"), ("peak_rss_mb", "peak memory per client, MiB"))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
     for name, d in dict.fromkeys((r["name"], r["dropouts"]) for r in rows):
-        ok = sorted((r for r in rows if (r["name"], r["dropouts"]) == (name, d) and r["status"] == "ok"),
+        ok = sorted((r for r in rows if (r["name"], r["dropouts"]) == (name, d) and r["status"].startswith("ok")),
                     key=lambda r: r["clients"])
         if not ok:
             continue
