@@ -97,7 +97,16 @@ def run(args: argparse.Namespace) -> int:
                    f"up={common.fmt(row['bytes_up'])} rss={common.fmt(row['peak_rss_mb'])}MiB "
                    f"neighbours={common.fmt(row['neighbours'])} {row['status']}")
     total = time.perf_counter() - t0
-    notes += [
+    notes += run_notes(args, total)
+    plot(rows, out / "scale.png")
+    common.publish(rows, COLUMNS, args, "scale", title=TITLE, notes=notes, total=total)
+    return 0
+
+
+def run_notes(args: argparse.Namespace, total: float) -> list[str]:
+    """The notes under a finished table: setting, column meanings, total time."""
+    simulation = args.engine == "simulation"
+    return [
         f"engine={args.engine}, dataset={args.dataset} (every client holds its 1/K share), hidden={args.hidden!r}, "
         f"local-epochs={args.local_epochs}, full-batch, epsilon={args.epsilon}, {args.rounds} rounds (round 1 not "
         "timed); the model is tiny on purpose: the figures are the protocols' cost per client and per round",
@@ -108,11 +117,9 @@ def run(args: argparse.Namespace) -> int:
         + "; server_s: round wall time minus the time spent waiting for clients; bytes per participating client",
         "peak_rss_mb: mean over clients of the peak RSS of the process that ran them ("
         + ("a Ray worker)" if simulation else "in-process: the whole benchmark process, server included)"),
-        f"total time {total:.0f} s (the machine was shared: timings are under load)",
+        f"total time {total:.0f} s; load average {os.getloadavg()[0]:.0f} on {os.cpu_count()} cores at the end (the "
+        "machine was shared: times are wall times under that load, bytes and neighbours do not depend on it)",
     ]
-    plot(rows, out / "scale.png")
-    common.publish(rows, COLUMNS, args, "scale", title=TITLE, notes=notes, total=total)
-    return 0
 
 
 def point(name: str, epsilon: float, clients: int, dropouts: float, base: dict, method_sets: dict[str, dict],
