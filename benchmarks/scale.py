@@ -127,7 +127,7 @@ def point(name: str, epsilon: float, clients: int, dropouts: float, base: dict, 
     """One table row: the run's figures plus the per-round ones read from its ``metrics.jsonl``."""
     if simulation:
         r: RunResult = simulation_point(name, epsilon, clients, base, method_sets, run_dir)
-        if r.status.startswith("error") and not (run_dir / "metrics.jsonl").is_file():  # e.g. Ray failed to start
+        if r.status.startswith("error") and not timed_rows(run_dir / "metrics.jsonl"):  # e.g. Ray did not start
             r = simulation_point(name, epsilon, clients, base, method_sets, run_dir)
     else:
         r = run_point(name, epsilon, clients, base, method_sets, run_dir)
