@@ -1,98 +1,200 @@
-"""Per-client and server cost of one round as the number of simulated clients grows.
+"""Per-client and server cost of a round as the number of clients per round grows, with and without dropouts.
 
-    cancelfl-bench scale [--methods fedavg,nadp,mpddp] [--clients 100,300,1000] ...
+    cancelfl-bench scale [--methods fedavg,nadp,niss,mpddp,ddpsa] [--clients 10,100,300,1000]
+        [--engine inprocess|simulation] [--dropouts 0,0.1] ...
 
-One round (key phase included) per method and client count, sparse pairing by default
-(nadp 8-out, mpddp 80-out); writes ``scale.csv``, ``scale.md`` and ``scale.png`` into ``--out``.
+Every method runs ``--rounds`` rounds (default 2) at every client count and dropout rate; round 1 (the key
+phase, Ray's start-up under simulation) is not timed.  Sparse pairing by default: nadp and niss 8-out, mpddp
+80-out (:data:`benchmarks.common.SPARSE_PAIRING`); ddpsa goes through its 3 local intermediate servers.
+``--dropouts``: run-config ``fault-drop-rate``, the share of each round's clients whose train message is withheld
+after the key phase (:mod:`strategies.run.faults`), so the survivors run the method's recovery.  The model is
+digits-sized (a 64-16-10 MLP): the table is about what the protocols cost per client, not about training.
+
+Columns (means over the timed rounds):
+
+* ``client_s``: one client's time.  In-process: the mean ClientApp time of a client over all phases.  Under
+  simulation: the time the round spends in client phases x the ClientApps that run at once (one per core) /
+  the clients, i.e. a client's share of the workers' time, Flower's per-message cost included.
+* ``server_s``: the server's own time: the round's wall time minus the time spent waiting for clients.
+* ``bytes_down`` / ``bytes_up``: payload bytes per participating client (ddpsa's uplink includes its shares to
+  the intermediate servers).
+* ``peak_rss_mb``: the mean over clients of the peak resident memory of the process that ran them (under
+  simulation a Ray worker; in-process the whole benchmark process, server included).
+* ``neighbours``: the mean number of neighbours a pairwise method's client has (its pair-noise cost is linear in
+  it); ``-`` for methods without pairing.
+
+Writes ``scale.csv``, ``scale.md`` and ``scale.png`` into ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import time
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks import common
-from benchmarks.runs import run_point, warm_up
-from protocols.wire.keys import PeerKeys
+from benchmarks.overhead import simulation_point
+from benchmarks.runs import RunResult, run_point, warm_up
 
-HELP = "per-client cost at growing client counts"
+HELP = "per-client and server cost per round from 10 to 1,000 clients, with dropouts"
 
-COLUMNS = ("name", "clients", "status", "client_s", "server_s", "deployed_s", "bytes_down", "bytes_up",
-           "bytes_per_client_round", "neighbours", "total_s")
+COLUMNS = ("name", "clients", "dropouts", "status", "client_s", "server_s", "round_s", "bytes_down", "bytes_up",
+           "peak_rss_mb", "neighbours", "total_s")
 
+#: What ``cancelfl-bench reproduce`` compares (column -> relative tolerance; text columns exactly) and the row key.
+FIGURES: dict[str, float] = {"status": 0.0, "bytes_down": 0.05, "bytes_up": 0.05, "neighbours": 0.05,
+                             "client_s": 0.5, "server_s": 0.5, "peak_rss_mb": 0.25}
+KEY = ("name", "clients", "dropouts")
+TITLE = "Per-client and server cost vs clients per round"
 
-def _degree(config) -> int:
-    """Neighbours a train message names (0 for methods without a key phase)."""
-    try:
-        return len(PeerKeys.from_config(config).peer_ids)
-    except (KeyError, ValueError):
-        return 0
+#: niss pairs as nadp (8-out) at scale; its complete-graph default costs every client K - 1 share seeds.
+SCALE_PAIRING = [*common.SPARSE_PAIRING, 'niss:graph="n-out"', "niss:n-out=8"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``cancelfl-bench scale``."""
-    common.add_federation_arguments(p, dataset="digits", train_subset=0, test_subset=0, rounds=1, hidden="16",
-                             out="runs/bench/scale", methods="fedavg,nadp,mpddp", local_epochs=1, batch_size=100000)
-    p.set_defaults(method_set=common.SPARSE_PAIRING)
+    common.add_federation_arguments(p, dataset="digits", train_subset=0, test_subset=0, rounds=2, hidden="16",
+                                    out="runs/bench/scale", methods="fedavg,nadp,niss,mpddp,ddpsa", local_epochs=1,
+                                    batch_size=100000)
+    p.set_defaults(method_set=SCALE_PAIRING)
     p.add_argument("--epsilon", type=float, default=1.0)
-    p.add_argument("--clients", default="100,300,1000")
+    p.add_argument("--clients", default="10,100,300,1000", help="comma list of clients per round")
+    p.add_argument("--engine", choices=("inprocess", "simulation"), default="inprocess",
+                   help="inprocess: the in-process grid (clients one after another); simulation: Flower's simulation "
+                        "runtime (private SuperLink, Ray, one CPU per ClientApp), as `cancelfl run --engine simulation`")
+    p.add_argument("--dropouts", default="0", help="comma list of run-config fault-drop-rate values, e.g. 0,0.1")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Per-client time and bytes as the number of simulated clients grows."""
+    """One row per (client count, dropout rate, method)."""
     from tqdm import tqdm
 
     out, notes, methods, msets = common.plan(args)
     base = common.common_base(args)
+    base.setdefault("sample-rate", 1.0)
+    base.setdefault("divergence-factor", 0.0)  # a cost benchmark: a noisy run must not stop before it is timed
     clients = [int(k) for k in args.clients.split(",")]
+    rates = [float(d) for d in args.dropouts.split(",")]
+    simulation = args.engine == "simulation"
     t0 = time.perf_counter()
-    warm_up(base, clients, out)
+    if not simulation:
+        warm_up(base, clients, out)
     rows = []
-    todo = [(m, k) for k in clients for m in methods]
-    for m, k in tqdm(todo, desc="scale", unit="run", dynamic_ncols=True):
-        degree: dict[str, float] = {}
-
-        def hook(msgs, _replies, degree=degree) -> None:
-            if msgs and msgs[0].metadata.message_type == "train":
-                deg = [_degree(m.content["config"]) for m in msgs if "config" in m.content]
-                degree["mean"] = float(np.mean(deg)) if deg else 0.0
-
-        r = run_point(m, args.epsilon, k, base, msets, out / "runs" / f"{m}-k{k}", hooks=[hook])
-        row = r.as_row()
-        row["neighbours"] = degree.get("mean", math.nan)
+    todo = [(d, k, m) for k in clients for d in rates for m in methods]
+    for d, k, m in tqdm(todo, desc="scale", unit="run", dynamic_ncols=True):
+        run_dir = out / "runs" / f"{m}-k{k}-d{d:g}"
+        row = point(m, args.epsilon, k, d, {**base, "fault-drop-rate": d}, msets, run_dir, simulation=simulation)
         rows.append(row)
-        tqdm.write(f"{m:>10} K={k:<5} client={common.fmt(r.client_s)}s server={common.fmt(r.server_s)}s "
-                   f"bytes/client={common.fmt(r.bytes_down + r.bytes_up)} neighbours={common.fmt(row['neighbours'])} {r.status}")
+        common.write_table(rows, COLUMNS, out, "scale", title=TITLE, command=common.command_line(args),
+                           notes=["partial: the run has not finished"])  # what is done survives an interrupted run
+        tqdm.write(f"{m:>6} K={k:<5} drop={d:<4g} client={common.fmt(row['client_s'])}s "
+                   f"server={common.fmt(row['server_s'])}s down={common.fmt(row['bytes_down'])} "
+                   f"up={common.fmt(row['bytes_up'])} rss={common.fmt(row['peak_rss_mb'])}MiB "
+                   f"neighbours={common.fmt(row['neighbours'])} {row['status']}")
     total = time.perf_counter() - t0
-    notes.append(f"total time {total:.0f} s")
+    notes += run_notes(args, total)
     plot(rows, out / "scale.png")
-    common.publish(rows, COLUMNS, args, "scale", title="Per-client cost vs number of clients", notes=notes, total=total)
+    common.publish(rows, COLUMNS, args, "scale", title=TITLE, notes=notes, total=total)
     return 0
 
 
+def run_notes(args: argparse.Namespace, total: float) -> list[str]:
+    """The notes under a finished table: setting, column meanings, total time."""
+    simulation = args.engine == "simulation"
+    return [
+        f"engine={args.engine}, dataset={args.dataset} (every client holds its 1/K share), hidden={args.hidden!r}, "
+        f"local-epochs={args.local_epochs}, full-batch, epsilon={args.epsilon}, {args.rounds} rounds (round 1 not "
+        "timed); the model is tiny on purpose: the figures are the protocols' cost per client and per round",
+        "dropouts: run-config fault-drop-rate (the share of each round's clients whose train message is withheld "
+        "after the key phase; the survivors run the method's recovery)",
+        "client_s: " + ("the round's time in client phases x parallel ClientApps (one per core) / clients, Flower's "
+                        "per-message cost included" if simulation else "mean ClientApp time of one client, all phases")
+        + "; server_s: round wall time minus the time spent waiting for clients; bytes per participating client",
+        "peak_rss_mb: mean over clients of the peak RSS of the process that ran them ("
+        + ("a Ray worker)" if simulation else "in-process: the whole benchmark process, server included)"),
+        f"total time {total:.0f} s; load average {os.getloadavg()[0]:.0f} on {os.cpu_count()} cores at the end (the "
+        "machine was shared: times are wall times under that load, bytes and neighbours do not depend on it)",
+    ]
+
+
+def point(name: str, epsilon: float, clients: int, dropouts: float, base: dict, method_sets: dict[str, dict],
+          run_dir: Path, *, simulation: bool) -> dict:
+    """One table row: the run's figures plus the per-round ones read from its ``metrics.jsonl``."""
+    if simulation:
+        r: RunResult = simulation_point(name, epsilon, clients, base, method_sets, run_dir)
+        if r.status.startswith("error") and not timed_rows(run_dir / "metrics.jsonl"):  # e.g. Ray did not start
+            r = simulation_point(name, epsilon, clients, base, method_sets, run_dir)
+    else:
+        r = run_point(name, epsilon, clients, base, method_sets, run_dir)
+    row = {"peak_rss_mb": math.nan, **r.as_row(), "dropouts": dropouts}
+    timed = timed_rows(run_dir / "metrics.jsonl")
+    if simulation and r.status.startswith("error") and (done := _budget_stop(run_dir)) and timed and timed[0]["round"] > 1:
+        # The budget guard ended the run early (a method that cannot raise its noise after dropouts): rounds
+        # 2..done still measure the round's cost.
+        row.update(status=f"ok; stopped by the privacy budget after round {done}", round_s=_mean(timed, "round_time_s"),
+                   bytes_down=_mean(timed, "bytes_sent_per_client"), bytes_up=_mean(timed, "bytes_received_per_client"),
+                   peak_rss_mb=_mean(timed, "client_peak_rss_mb"))
+    elif not (r.status == "ok" or r.status.startswith("failed")):
+        timed = []
+    row["neighbours"] = _mean(timed, "neighbours")
+    if simulation and timed:
+        waiting = [sum(t["phase_time_s"].values()) for t in timed]
+        slots = [min(os.cpu_count() or 1, max(int(t["clients"]), 1)) for t in timed]
+        row["server_s"] = float(np.mean([t["round_time_s"] - w for t, w in zip(timed, waiting, strict=True)]))
+        row["client_s"] = float(np.mean([w * s / max(int(t["clients"]), 1)
+                                         for t, w, s in zip(timed, waiting, slots, strict=True)]))
+        off_grid = _mean(timed, "client_off_grid_bytes")
+        if not math.isnan(off_grid):  # in-process, runs.run_point counts it from the replies
+            row["bytes_up"] += off_grid
+    row["bytes_per_client_round"] = row["bytes_down"] + row["bytes_up"]
+    return row
+
+
+def timed_rows(path: Path) -> list[dict]:
+    """The rows of a run's ``metrics.jsonl`` after round 1 that did not fail (all rows when there is one round)."""
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["round"] > 1 and not r["failed"]] or [r for r in rows if not r["failed"]]
+
+
+def _budget_stop(run_dir: Path) -> int:
+    """Rounds completed when the privacy budget stopped the run in ``run_dir``, else 0."""
+    path = run_dir / "summary.json"
+    summary = json.loads(path.read_text()) if path.is_file() else {}
+    return int(summary.get("rounds_completed") or 0) if summary.get("stopped_for") == "privacy budget" else 0
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    vals = [float(r[key]) for r in rows if r.get(key) is not None]
+    return float(np.mean(vals)) if vals else math.nan
+
+
 def plot(rows: list[dict], path: Path) -> None:
-    """Per-client time and bytes against the number of clients (log-log)."""
+    """Per-client time, server time, bytes and peak memory against the number of clients (log-log)."""
     plt = common.pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for name in dict.fromkeys(r["name"] for r in rows):
-        pts = sorted((r["clients"], r["client_s"], r["server_s"], r["bytes_per_client_round"]) for r in rows
-                     if r["name"] == name and r["status"].startswith("ok"))
-        if not pts:
+    panels = (("client_s", "one client, s/round"), ("server_s", "server, s/round"),
+              ("bytes_per_client_round", "bytes per client per round"), ("peak_rss_mb", "peak memory per client, MiB"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
+    for name, d in dict.fromkeys((r["name"], r["dropouts"]) for r in rows):
+        ok = sorted((r for r in rows if (r["name"], r["dropouts"]) == (name, d) and r["status"].startswith("ok")),
+                    key=lambda r: r["clients"])
+        if not ok:
             continue
-        k, c, s, b = zip(*pts, strict=True)
-        axes[0].plot(k, c, marker="o", label=name)
-        axes[1].plot(k, s, marker="o", label=name)
-        axes[2].plot(k, b, marker="o", label=name)
-    for ax, title in zip(axes, ("one client, s/round", "server, s/round", "bytes per client per round"), strict=True):
+        for ax, (col, _) in zip(axes, panels, strict=True):
+            ax.plot([r["clients"] for r in ok], [r[col] for r in ok], marker="o", linestyle="-" if d == 0 else "--",
+                    label=f"{name}" + (f" drop {d:g}" if d else ""))
+    for ax, (_, title) in zip(axes, panels, strict=True):
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("clients")
+        ax.set_xlabel("clients per round")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     common.save_figure(fig, path)

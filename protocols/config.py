@@ -97,7 +97,7 @@ class RunConfig:
     adjacency: str = "zero-out"  # neighbouring datasets: one record zeroed (sizes fixed; Opacus' convention) | replace-one
     clip: float = 1.0  # L2 bound of a client's model update (or gradient, per method)
     # Server step and testing
-    fault_drop_rate: float = 0.0  # TESTING AID: in-process grid withholds this fraction of train replies
+    fault_drop_rate: float = 0.0  # TESTING AID: the server withholds this fraction of train messages (any engine)
     server_optimizer: str = "sgd"  # the FedSGD methods' server step (mpddp family, ddpsa): sgd | adam
     # Output
     out_dir: str = ""  # "" = a fresh folder runs/<UTC time>-<method> (runs/latest points to the newest)
@@ -263,7 +263,7 @@ class RunConfig:
             _positive(key, float(getattr(self, key.replace("-", "_"))))
         if not (math.isfinite(self.fault_drop_rate) and 0 <= self.fault_drop_rate < 1):
             raise ConfigError(f"run-config 'fault-drop-rate' = {self.fault_drop_rate} must be in [0, 1) "
-                              "(testing aid: the fraction of sampled clients whose upload the in-process grid drops)")
+                              "(testing aid: the fraction of sampled clients whose train message the server withholds)")
         if any(w < 1 for w in self.hidden_sizes):
             raise ConfigError(f"run-config 'hidden' = {self.hidden!r}: every width must be an integer >= 1 "
                               "(hidden=\"\" gives a linear model)")

@@ -5,12 +5,8 @@ It keeps one ``Context`` per node (so ``Context.state`` persists across
 messages exactly as on a SuperNode), gives each node the same ``node_config``
 (``partition-id``/``num-partitions``) as Flower's simulation, turns a ClientApp
 exception into an error reply (as Flower does), and can make chosen nodes drop
-out (no reply) to test dropout handling.
-
-Fault injection (TESTING AID, run-config ``fault-drop-rate``): in every round the grid withholds the train
-replies of ``round(rate * n)`` of the ``n`` nodes that got a train message -- after the round's key / share
-phase, so their pair noise is fixed -- chosen deterministically from (seed, round); they take no further
-part in the round (e.g. the recovery phase).  :attr:`LocalGrid.fault_dropped` records who was dropped.
+out (no reply) to test dropout handling (run-config ``fault-drop-rate`` is the round loop's, every engine:
+:mod:`strategies.run.faults`).
 """
 
 from __future__ import annotations
@@ -23,7 +19,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from uuid import uuid4
 
-import numpy as np
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
@@ -81,9 +76,6 @@ class LocalGrid(Grid):
                 self.contexts[nid].node_config.update({"identity-key": str(keys[f"node-{i}"]), "roster": str(roster)})
         #: Nodes that silently drop every message (set by tests to simulate dropout).
         self.offline: set[int] = set()
-        #: Fault injection (run-config ``fault-drop-rate``): round -> nodes whose train reply was withheld.
-        self.fault_rate = float(run_config.get("fault-drop-rate", 0.0) or 0.0)
-        self.fault_dropped: dict[int, set[int]] = {}
         #: Wall time spent inside each node's ClientApp (seconds), for overhead figures.
         self.client_time: dict[int, float] = dict.fromkeys(self.node_ids, 0.0)
 
@@ -111,13 +103,12 @@ class LocalGrid(Grid):
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         """Deliver each message to its node's ClientApp and collect the replies."""
         messages = list(messages)
-        faulty = self._fault_drops(messages)
         replies = []
         for msg in messages:
             dst = msg.metadata.dst_node_id
             if dst not in self.contexts:
                 raise ValueError(f"message for unknown node {dst}")
-            if dst in self.offline or dst in faulty:
+            if dst in self.offline:
                 continue
             msg.metadata.__dict__["_message_id"] = uuid4().hex
             msg.metadata.__dict__["_run_id"] = self._run.run_id
@@ -130,19 +121,3 @@ class LocalGrid(Grid):
             self.client_time[dst] += time.perf_counter() - t0
             replies.append(reply)
         return replies
-
-    def _fault_drops(self, messages: list[Message]) -> set[int]:
-        """Nodes whose train reply is withheld this round (``fault-drop-rate``; empty for other phases)."""
-        train = [m for m in messages if m.metadata.message_type == "train"]
-        if self.fault_rate <= 0 or not train:
-            return set()
-        try:
-            rnd = int(train[0].content["config"]["round"])
-        except (KeyError, TypeError, ValueError):
-            rnd = len(self.fault_dropped) + 1
-        nodes = sorted(m.metadata.dst_node_id for m in train)
-        count = min(int(round(self.fault_rate * len(nodes))), len(nodes) - 1)
-        rng = np.random.default_rng([int(self.run_config.get("seed", 0)), rnd, 0xFA17])
-        drop = {nodes[int(i)] for i in rng.choice(len(nodes), size=max(count, 0), replace=False)}
-        self.fault_dropped[rnd] = drop
-        return drop

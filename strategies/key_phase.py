@@ -162,7 +162,7 @@ class KeyPhase:
     def run(self, strategy: CancelStrategy, grid: Grid, server_round: int, nodes: list[int]) -> KeyRound:
         """Key the round's public sample among ``nodes`` (the usable connected nodes); build its graph.
 
-        Also sets ``strategy.sampled`` to the participants.
+        Also sets ``strategy.sampled`` to the participants and reports their mean neighbour count (``neighbours``).
         """
         epoch = self.cfg.key_epoch(server_round)
         run_id = int(grid.run.run_id)
@@ -208,6 +208,7 @@ class KeyPhase:
         if len(participants) < 2:
             raise RoundFailed(f"round {server_round}: pairwise noise needs at least 2 clients with valid keys, "
                               f"got {len(participants)} of the {len(rr.sample)} the roster samples (dropped: {dropped})")
+        strategy.report(neighbours=sum(len(graph[n]) for n in participants) / len(participants))  # mean degree
         keys_of = {n: directory[n].public_key for n in participants}
         sizes = {n: directory[n].num_examples for n in participants if directory[n].num_examples is not None}
         signed = {n: (directory[n].name, directory[n].signature) for n in participants}

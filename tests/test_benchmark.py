@@ -199,3 +199,24 @@ def test_reproduce_reruns_the_recorded_command_and_fails_on_a_figure_that_no_lon
     assert cli.main(["reproduce", str(out), "--tolerance", "1.5"]) == 1
     err = capsys.readouterr().err
     assert "NOT REPRODUCED" in err and "ldp bytes_per_client_round" in err and "(1 figure(s))" in err, err
+
+
+def test_scale_drops_clients_and_reports_per_client_memory_server_time_and_neighbours(tmp_path):
+    """cancelfl-bench scale, in-process, 6 clients, 1/6 dropping: one client withheld per round, nadp recovers."""
+    import json
+
+    out = tmp_path / "scale"
+    status = cli.main(["scale", "--clients", "6", "--dropouts", "0.17", "--methods", "fedavg,nadp", "--hidden", "8",
+                       "--out", str(out)])
+    rows = {(r["name"], float(r["dropouts"])): r for r in _rows(out / "scale.csv")}
+    assert status == 0 and set(rows) == {("fedavg", 0.17), ("nadp", 0.17)}, rows
+    for key, r in rows.items():
+        assert r["status"] == "ok", (key, r["status"])
+        for col in ("client_s", "server_s", "peak_rss_mb", "bytes_down", "bytes_up"):
+            assert float(r[col]) > 0, (key, col, r[col])
+    assert float(rows[("nadp", 0.17)]["neighbours"]) == 5  # 8-out on 6 clients: everyone is a neighbour (key phase)
+    assert math.isnan(float(rows[("fedavg", 0.17)]["neighbours"]))  # no pairing
+    fedavg = [json.loads(line) for line in (out / "runs" / "fedavg-k6-d0.17" / "metrics.jsonl").open()]
+    assert [m["clients"] for m in fedavg] == [5, 5]  # the withheld client sent nothing
+    nadp_rounds = [json.loads(line) for line in (out / "runs" / "nadp-k6-d0.17" / "metrics.jsonl").open()]
+    assert all(m["dropped"] == 1 and m["recovery"] == 1 and not m["failed"] for m in nadp_rounds)  # noise recovered

@@ -35,6 +35,7 @@ from protocols.wire.recovery import NissPairMaterial, RecoveryReply, RecoveryReq
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
 from strategies.nadp import NadpStrategy
+from strategies.run.faults import fault_drops
 from strategies.stages import close_round
 from tests.consistency_setup import recover, sign, signed
 
@@ -143,16 +144,47 @@ def test_a_run_that_ends_above_its_epsilon_target_says_so(tmp_path, no_budget_gu
     assert "ended above its epsilon target" not in (tmp_path / "plain" / "report.md").read_text()
 
 
-def test_fault_injection_is_deterministic_and_validated():
-    raw = {**app_defaults(), "method": "nadp", "num-clients": 10, "fault-drop-rate": 0.3, "seed": 5}
-    picks = []
-    for _ in range(2):
-        grid = LocalGrid(client_app, 10, raw)
-        msgs = [Message(RecordDict({"config": ConfigRecord({"round": 4})}), n, "train") for n in grid.node_ids]
-        picks.append(grid._fault_drops(msgs))
-    assert picks[0] == picks[1] and len(picks[0]) == 3
+@pytest.fixture
+def task_identity(monkeypatch):
+    """What a ServerApp process has set before it builds messages."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for key, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 0)):
+        monkeypatch.setattr(TaskIdentity, key, value)
+
+
+def test_fault_injection_is_deterministic_and_validated(task_identity):
+    msgs = [Message(RecordDict({"config": ConfigRecord({"round": 4})}), 1000 + n, "train") for n in range(10)]
+    picks = [fault_drops(msgs, 0.3, seed=5) for _ in range(2)]
+    assert picks[0] == picks[1] and picks[0][0] == 4 and len(picks[0][1]) == 3
+    assert fault_drops(msgs, 0.3, seed=6)[1] != picks[0][1] or fault_drops(msgs, 0.3, seed=7)[1] != picks[0][1]
+    assert fault_drops([Message(m.content, m.metadata.dst_node_id, "query.keys") for m in msgs], 0.3, seed=5)[1] == set()
     with pytest.raises(ConfigError, match="fault-drop-rate"):
         RunConfig.from_mapping({**app_defaults(), "fault-drop-rate": 1.0})
+
+
+def test_metered_grid_withholds_the_chosen_train_messages_on_any_grid(task_identity):
+    """The round loop's grid injects fault-drop-rate, so every engine drops: the inner grid never sees them."""
+    from strategies.run.loop import MeteredGrid
+
+    class Inner:
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+
+        def send_and_receive(self, messages, *, timeout=None):  # noqa: D102
+            self.seen += [m.metadata.dst_node_id for m in messages]
+            return []
+
+    msgs = [Message(RecordDict({"config": ConfigRecord({"round": 2})}), 1000 + n, "train") for n in range(10)]
+    inner = Inner()
+    grid = MeteredGrid(inner, fault_rate=0.2, seed=3)
+    grid.send_and_receive(msgs)
+    _, drop = fault_drops(msgs, 0.2, seed=3)
+    assert grid.fault_dropped == {2: drop} and len(drop) == 2
+    assert sorted(inner.seen) == sorted(set(range(1000, 1010)) - drop) and len(grid.sent) == 10
+    keys = [Message(m.content, m.metadata.dst_node_id, "query.keys") for m in msgs]
+    grid.send_and_receive(keys)
+    assert len(inner.seen) == 8 + 10  # other phases are never withheld
 
 
 # ------------------------------------------------------------------------ exactness (nadp, pinned)

@@ -37,7 +37,7 @@ _MAX_CLIENTS = "ddpsa-max-clients"
 #: The reply record that names the client (:meth:`ShareReceipt.to_config`, :meth:`RosterName.to_config`).
 RECEIPT = "ddpsa-receipt"
 _CLIENT = "ddpsa-client"
-_SHARE_BYTES = "share_bytes"
+SHARE_BYTES = "share_bytes"
 _SHARE_TIME = "share_time_s"
 
 
@@ -139,15 +139,15 @@ class ShareReceipt:
 
     def to_metrics(self) -> dict[str, float]:
         """Figures to merge into the reply's metrics."""
-        return {_SHARE_BYTES: float(self.share_bytes), _SHARE_TIME: float(self.share_time_s)}
+        return {SHARE_BYTES: float(self.share_bytes), _SHARE_TIME: float(self.share_time_s)}
 
     @classmethod
     def from_reply(cls, content: Mapping[str, Any]) -> ShareReceipt | None:
         """The receipt a reply's content carries (None if it carries none: not a DDP-SA reply)."""
         metrics = content["metrics"]
-        if _SHARE_BYTES not in metrics:
+        if SHARE_BYTES not in metrics:
             return None
-        return cls(cls.client_of(content), int(read_float(metrics, _SHARE_BYTES)), read_float(metrics, _SHARE_TIME))
+        return cls(cls.client_of(content), int(read_float(metrics, SHARE_BYTES)), read_float(metrics, _SHARE_TIME))
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,11 @@ from protocols.methods import method_spec
 from protocols.privacy.signal import MeasuredSignal
 from protocols.wire.arrays import from_record
 from protocols.wire.common import PEAK_RSS_MB
+from protocols.wire.ddpsa import SHARE_BYTES
 from strategies.records import to_record
 from strategies.run.budget import STATE_KEY, BudgetGuard
 from strategies.run.checkpoint import Checkpoint, load_for_resume, mark_pending, save_checkpoint, start_run_folder
+from strategies.run.faults import fault_drops
 from strategies.run.notes import learning_check, noise_check, over_target, preamble, privacy_summary
 from strategies.run.report import write_run_report
 from strategies.stages import run_round
@@ -134,11 +136,23 @@ def divergence(loss: float, initial: float, factor: float) -> str | None:
     return None
 
 
-class MeteredGrid(Grid):
-    """Wraps a Grid and counts payload bytes per node in both directions."""
+#: Train-reply figure of the uplink bytes a client sent past the grid (DDP-SA's shares to its intermediate servers,
+#: :class:`protocols.wire.ddpsa.ShareReceipt`); recorded per round as ``client_off_grid_bytes``.
+OFF_GRID_BYTES = SHARE_BYTES
 
-    def __init__(self, inner: Grid) -> None:
+
+class MeteredGrid(Grid):
+    """Wraps a Grid and counts payload bytes per node in both directions; injects ``fault-drop-rate`` dropouts.
+
+    ``fault_rate`` > 0 (a TESTING AID, :mod:`strategies.run.faults`): each round's train messages to the chosen
+    nodes are counted as sent but never delivered; :attr:`fault_dropped` records them per round.
+    """
+
+    def __init__(self, inner: Grid, *, fault_rate: float = 0.0, seed: int = 0) -> None:
         self.inner = inner
+        self.fault_rate, self.seed = float(fault_rate), int(seed)
+        #: round -> nodes whose train message was withheld (fault injection).
+        self.fault_dropped: dict[int, set[int]] = {}
         self.sent: dict[int, int] = defaultdict(int)
         self.received: dict[int, int] = defaultdict(int)
         self.phase_times: dict[str, float] = defaultdict(float)
@@ -176,6 +190,11 @@ class MeteredGrid(Grid):
             return []
         for m in messages:
             self.sent[m.metadata.dst_node_id] += payload_bytes(m.content)
+        if self.fault_rate > 0:
+            rnd, drop = fault_drops(messages, self.fault_rate, self.seed, len(self.fault_dropped) + 1)
+            if drop:
+                self.fault_dropped[rnd] = drop
+                messages = [m for m in messages if m.metadata.dst_node_id not in drop]
         t0 = time.perf_counter()
         replies = (self._poll(messages, timeout) if _polls_slowly(self.inner)
                    else list(self.inner.send_and_receive(messages, timeout=timeout)))
@@ -306,7 +325,7 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
     total_rounds = cfg.num_rounds if num_rounds is None else int(num_rounds)
     out = start_run_folder(cfg)  # created; an earlier run's outputs removed unless resuming
     arrays = task.initial
-    mgrid = MeteredGrid(grid)
+    mgrid = MeteredGrid(grid, fault_rate=cfg.fault_drop_rate, seed=cfg.seed)
     verbose = verbose_from_env() if verbose is None else verbose
     target = None if method_spec(cfg.method).guarantee(cfg.privacy_unit).unit == "none" else cfg.epsilon
     if verbose:
@@ -399,6 +418,8 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
             row["train_loss"] = float(train_metrics["train_loss"])
         if train_metrics is not None and PEAK_RSS_MB in train_metrics:
             row["client_peak_rss_mb"] = float(train_metrics[PEAK_RSS_MB])  # mean over this round's clients
+        if train_metrics is not None and OFF_GRID_BYTES in train_metrics:
+            row["client_off_grid_bytes"] = float(train_metrics[OFF_GRID_BYTES])  # mean over this round's clients
         if row["failed"]:
             row["failure"] = failures[-1]
         # Per-client lifetime epsilon as each client's own ledger reports it (null = no guarantee; client.ledger).
