@@ -208,18 +208,21 @@ def test_local_round_accepted_by_a_distributed_client(noise_seen) -> None:
 
 
 def test_dropped_participants_are_charged_in_a_real_run(run_inprocess, tmp_path) -> None:
-    """fault-drop-rate withholds replies after the shares were pushed: the run is charged above its target."""
-    common = dict(method="ddpsa", num_clients=10, num_rounds=2, ddpsa_collude_frac=0.0, ddpsa_composition="basic",
+    """fault-drop-rate withholds replies after the shares were pushed: a round is charged the noise really present,
+    and a round whose charge would cross the target is aborted unreleased (the run never ends above it)."""
+    common = dict(method="ddpsa", num_clients=10, num_rounds=4, ddpsa_collude_frac=0.0, ddpsa_composition="basic",
                   **LINEAR)
     full, _ = run_inprocess(**common)
     assert full["failed_rounds"] == [] and full["epsilon"] == pytest.approx(10.0)
     dropped, rows = run_inprocess(**common, fault_drop_rate=0.1, out_dir=str(tmp_path / "drop"))
-    assert dropped["failed_rounds"] == []
-    eps_t = 10.0 / 2
-    assert rows[0]["epsilon_round"] == pytest.approx(gamma_difference_epsilon(0.9, eps_t, 650))
-    assert dropped["epsilon"] > full["epsilon"]
+    eps_t = 10.0 / 4
+    charge = gamma_difference_epsilon(0.9, eps_t, 650)  # 1 of 10 shares missing: ~7.4, above eps_t
+    assert rows[0]["epsilon_round"] == pytest.approx(charge) and charge > eps_t
+    assert dropped["epsilon"] == pytest.approx(charge) and dropped["epsilon"] <= 10.0
+    # the next round would cross the target: the guard stops the run, or the round is aborted unreleased
+    assert dropped.get("stopped_for") or all("aborted unreleased" in f for f in dropped["failed_rounds"])
     half, _ = run_inprocess(**common, fault_drop_rate=0.5, out_dir=str(tmp_path / "half"))
-    assert len(half["failed_rounds"]) == 2 and all("aborted unreleased" in f for f in half["failed_rounds"])
+    assert len(half["failed_rounds"]) == 4 and all("aborted unreleased" in f for f in half["failed_rounds"])
     assert not half["epsilon"]  # nothing released, nothing charged
 
 
@@ -239,7 +242,10 @@ def test_client_floor_refuses_a_lower_sharing_threshold(noise_seen) -> None:
 
 
 def test_reply_naming_another_client_is_left_out_and_charged_as_a_dropout(tmp_path) -> None:
-    """Node 0's receipt names node 1: it is left out of the sum, the round trains and is charged for 3 of 4 shares."""
+    """Node 0's receipt names node 1: it is left out of the sum; the round's charge is that of 3 of 4 shares.
+
+    That charge (about 11x the planned round) would cross the run's target, so the round is aborted unreleased.
+    """
     from flwr.app import ConfigRecord as Rec
 
     from server.launch import run_inprocess
@@ -252,6 +258,7 @@ def test_reply_naming_another_client_is_left_out_and_charged_as_a_dropout(tmp_pa
     summary = run_inprocess({"method": "ddpsa", "num-clients": 4, "num-rounds": 2, "ddpsa-collude-frac": 0.0,
                              "out-dir": str(tmp_path / "run"), **LINEAR},
                             grid_factory=faulty_grid({0: impostor}), progress=lambda _s: None)
-    assert summary["failed_rounds"] == []
     eps_t = LINEAR["epsilon"] / 2
-    assert summary["epsilon"] == pytest.approx(2 * gamma_difference_epsilon(3 / 4, eps_t, 650))
+    charge = gamma_difference_epsilon(3 / 4, eps_t, 650)
+    assert len(summary["failed_rounds"]) == 2 and not summary["epsilon"]
+    assert all(f"cost epsilon {charge:.4g}" in f and "aborted unreleased" in f for f in summary["failed_rounds"])
