@@ -208,8 +208,9 @@ def test_local_round_accepted_by_a_distributed_client(noise_seen) -> None:
 
 
 def test_dropped_participants_are_charged_in_a_real_run(run_inprocess, tmp_path) -> None:
-    """fault-drop-rate withholds replies after the shares were pushed: a round is charged the noise really present,
-    and a round whose charge would cross the target is aborted unreleased (the run never ends above it).
+    """fault-drop-rate withholds replies after the shares were pushed: a round is charged the noise really present.
+
+    A round whose charge would cross the target is aborted unreleased or the run stops (never above the target).
     """
     common = dict(method="ddpsa", num_clients=10, num_rounds=4, ddpsa_collude_frac=0.0, ddpsa_composition="basic",
                   **LINEAR)
