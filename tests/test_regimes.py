@@ -50,7 +50,9 @@ def test_every_method_has_a_guarantee_and_a_regime_that_differs_from_fedavg_wher
     nadp = regime("nadp", "digits")
     assert nadp["local-epochs"] == 1 and nadp["batch-size"] >= 100_000
     assert regime("mpddp", "mnist")["mpddp-server-lr"] > 0
-    assert all(RunConfig.from_mapping({"method": m}).num_rounds >= 2 for m in METHOD_NAMES)
+    # ddpsa's pure-epsilon Laplace has most signal in one release on small data (docs/methods/ddpsa.md)
+    assert all(RunConfig.from_mapping({"method": m}).num_rounds >= 2 for m in METHOD_NAMES if m != "ddpsa")
+    assert RunConfig.from_mapping({"method": "ddpsa"}).num_rounds >= 1
 
 
 def test_client_level_is_asked_for_by_name_and_refused_where_not_implemented():
