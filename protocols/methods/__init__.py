@@ -22,6 +22,7 @@ from protocols.methods.registry import (
     method_spec,
     options_classes,
     query_actions,
+    reference_method,
     regime,
     register,
 )
@@ -45,4 +46,4 @@ METHOD_NAMES: tuple[str, ...] = method_names()
 __all__ = ["AUTO", "AUTO_KEYS", "FEDERATION", "FULL_BATCH", "LARGE_DATASETS", "METHODS", "METHOD_NAMES", "PRIVACY_UNITS",
            "SERVER_STEP_FAMILIES", "SPARSE_BY_DEFAULT", "SPARSE_FROM", "VARIANTS", "Guarantee", "MethodSpec", "auto_graph",
            "dataset_size_class", "local_services", "method_names", "method_or_variant", "method_spec", "options_classes",
-           "query_actions", "regime", "register"]
+           "query_actions", "reference_method", "regime", "register"]

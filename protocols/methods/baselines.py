@@ -14,8 +14,9 @@ LDP_REGIME = {"small": {**RECORD_STEP["small"], "num-rounds": 10}, "large": {"nu
 #: ldp's and cdp's privacy-audit adapter (fedavg claims nothing: not auditable).
 AUDIT = "server.audits.baselines:BaselineAudit"
 
+# FedAvg (no DP) is the arm the benchmarks measure the others against.
 register(MethodSpec("fedavg", "strategies.baselines:FedAvgStrategy", "client.methods.baselines:train_fedavg",
-                    regime=FEDAVG_REGIME, units=()))
+                    regime=FEDAVG_REGIME, units=(), reference=True))
 register(MethodSpec("ldp", "strategies.baselines:LocalDPStrategy", "client.methods.baselines:train_ldp",
                     regime=LDP_REGIME, privacy=Guarantee("record", SERVER, MODEL), units=PRIVACY_UNITS,
                     audit=AUDIT))

@@ -42,10 +42,13 @@ def register(spec: MethodSpec) -> _Registration:
     """Add ``spec`` to the registry: the run config, the server, the ClientApp and the benchmarks then know it.
 
     Raises:
-        ValueError: the name is taken, or one of its option keys is another class's key.
+        ValueError: the name is taken, one of its option keys is another class's key, or it sets ``reference``
+            while another registered method does.
     """
     if spec.name in _REGISTRY:
         raise ValueError(f"method {spec.name!r} is already registered")
+    if spec.reference and any(other.reference for other in _REGISTRY.values()):
+        raise ValueError(f"method {spec.name!r}: the reference arm is already {reference_method()!r}")
     taken = {key: cls for cls in options_classes() for key in cls.keys()}
     for cls in spec.options:
         if not (isinstance(cls, type) and issubclass(cls, MethodOptions)):
@@ -69,6 +72,18 @@ def method_spec(name: str) -> MethodSpec:
         return _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown method {name!r}; known: {', '.join(_REGISTRY)}") from None
+
+
+def reference_method() -> str:
+    """The method whose card sets ``reference``: the arm the benchmarks measure the others against.
+
+    Raises:
+        ValueError: no registered method sets it.
+    """
+    for name, spec in _REGISTRY.items():
+        if spec.reference:
+            return name
+    raise ValueError("no registered method sets MethodSpec.reference")
 
 
 def options_classes() -> tuple[type[MethodOptions], ...]:

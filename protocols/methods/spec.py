@@ -76,6 +76,8 @@ class MethodSpec:
         audit: its privacy-audit adapter (a :class:`server.audit_adapter.AuditAdapter` subclass or instance, usually
             ``"server.audits.<method>:<Adapter>"``): which release it drives, its canaries and planted faults;
             ``None`` = ``cancelfl audit`` refuses it as not auditable.
+        reference: the arm the benchmarks measure the others against (time and bytes ratios, accuracy gaps, the
+            warm-up run); exactly one registered method sets it (:func:`protocols.methods.reference_method`).
     """
 
     name: str
@@ -91,6 +93,7 @@ class MethodSpec:
     min_per_round: int = 1
     local_services: Callable[[Any], int] | None = None
     audit: str | Any | None = None
+    reference: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "queries", _frozen(self.queries))
