@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from protocols.methods import METHOD_NAMES, METHODS, VARIANTS, method_or_variant
+from protocols.methods import METHOD_NAMES, METHODS, VARIANTS, method_or_variant, reference_method
 from strategies.run.report import pyplot, save_figure  # noqa: F401 - plotting has one home (lazy matplotlib, Agg backend)
 
 #: ``--method-set`` default of the cost benchmarks: the papers' sparse pairing (mpddp: Theorem 11 needs n ~ 80
@@ -39,6 +39,23 @@ def method_config(name: str) -> tuple[str, dict]:
 def family_of(name: str) -> str:
     """The registry family (baseline, pairwise, mpddp, ...) of a method or variant name."""
     return METHODS[VARIANTS.get(name, (name, {}))[0]].family
+
+
+def private(name: str) -> bool:
+    """Whether a method or variant name trains with DP (its card lists privacy units): it has an epsilon."""
+    return bool(METHODS[VARIANTS.get(name, (name, {}))[0]].units)
+
+
+def reference() -> str:
+    """The arm the benchmarks measure the others against (its card sets ``reference``: FedAvg, no DP)."""
+    return reference_method()
+
+
+def with_reference(methods: list[str]) -> list[str]:
+    """``methods`` with the reference arm (:func:`reference`) put first where it is missing (in place; returned)."""
+    if reference() not in methods:
+        methods.insert(0, reference())
+    return methods
 
 
 def resolve_methods(spec: str, *, notes: list[str]) -> list[str]:

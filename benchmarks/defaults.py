@@ -72,6 +72,8 @@ RULES: tuple[tuple[str, str, float, tuple[str, ...]], ...] = (
 )
 #: Every DP method's floor: chance + 20 points on the large datasets; 0.5 on the small ones except the MP family.
 FLOOR = {"large": 0.20, "small": 0.5}
+#: The method families the floor of a dataset size class does not hold for (the MP family on the small datasets).
+FLOOR_EXEMPT: dict[str, tuple[str, ...]] = {"small": ("mpddp",)}
 
 
 def acceptance(rows: list[dict], chance_of: dict[str, float]) -> list[str]:
@@ -81,9 +83,11 @@ def acceptance(rows: list[dict], chance_of: dict[str, float]) -> list[str]:
     failed = []
     for dataset, floor in chance_of.items():
         acc = {r["method"]: r.get("final_accuracy") for r in rows if r["dataset"] == dataset}
-        large = dataset_size_class(dataset) == "large"
+        size = dataset_size_class(dataset)
+        large = size == "large"
         for method, a in acc.items():
-            if method == "fedavg" or (not large and method_spec(method).family == "mpddp"):
+            spec = method_spec(method)
+            if not spec.units or spec.family in FLOOR_EXEMPT.get(size, ()):  # no DP (fedavg), or exempt
                 continue
             need = floor + FLOOR["large"] if large else FLOOR["small"]
             if a is None or a < need:

@@ -35,14 +35,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Every (method, epsilon, clients) point; fedavg once per client count (it has no epsilon)."""
+    """Every (method, epsilon, clients) point; a method without DP (fedavg) once per client count (no epsilon)."""
     from tqdm import tqdm
 
     out, notes, methods, msets = common.plan(args)
     epsilons = [float(e) for e in args.epsilons.split(",")]
     clients = [int(k) for k in args.clients.split(",")]
     base = common.common_base(args)
-    points = [(m, e, k) for k in clients for m in methods for e in ([epsilons[0]] if m == "fedavg" else epsilons)]
+    points = [(m, e, k) for k in clients for m in methods for e in (epsilons if common.private(m) else [epsilons[0]])]
     t0 = time.perf_counter()
     warm_up(base, clients, out)
     rows = []
@@ -80,12 +80,12 @@ def plot(rows: list[dict], out: Path) -> None:
                          if r["name"] == n and r["clients"] == k and r["status"].startswith(("ok", "failed")))
             if not pts:
                 continue
-            if n == "fedavg":
-                ax.axhline(pts[0][1], ls="--", color="k", label="fedavg (no DP)")
+            if not common.private(n):
+                ax.axhline(pts[0][1], ls="--", color="k", label=f"{n} (no DP)")
                 continue
             ax.plot(*zip(*pts, strict=True), marker="o", label=n, color=plt.cm.tab20(i % 20))
         ax.set_xscale("log")
-        eps_ticks = sorted({r["epsilon"] for r in rows if r["name"] != "fedavg"})
+        eps_ticks = sorted({r["epsilon"] for r in rows if common.private(r["name"])})
         ax.set_xticks(eps_ticks, [f"{e:g}" for e in eps_ticks])
         ax.minorticks_off()
         ax.set_xlabel("epsilon (as configured)")

@@ -31,6 +31,8 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmarks.common import private
+
 HELP = "LaDP-FL vs full local DP at the same per-round epsilon: accuracy and injected noise"
 
 ARMS = ("fedavg", "full-ldp", "ladp-R3", "ladp-R1", "ladp-R0-kl")
@@ -47,6 +49,11 @@ def arm_config(name: str) -> dict:
         "ladp-R1": {"method": "ladp", "ladp-norm-threshold": 1.0, "ladp-kl-cap": 1e-6},
         "ladp-R0-kl": {"method": "ladp", "ladp-norm-threshold": 0.0, "ladp-kl-cap": 1e-4},
     }[name]
+
+
+def noised(name: str) -> bool:
+    """Whether an arm trains with DP (its method's card lists privacy units; the fedavg arm has none)."""
+    return private(arm_config(name)["method"])
 
 
 def _rows(out: Path) -> list[dict]:
@@ -68,14 +75,14 @@ def run_arm(name: str, eps: float, args: argparse.Namespace, repeat: int, out_ro
     t0 = time.perf_counter()
     summary = run_inprocess(overrides, progress=lambda _s: None)
     rows = _rows(out)
-    noised = name != "fedavg"
+    dp = noised(name)
     return {
         "arm": name, "eps_per_round": eps, "repeat": repeat,
         "R": overrides.get("ladp-norm-threshold", ""), "B": overrides.get("ladp-kl-cap", ""),
         "accuracy": summary["final_accuracy"],
-        "cum_noise_l2": sum(r["total_noise_norm"] for r in rows) if noised else 0.0,
-        "noised_layers": statistics.mean(r["noised_layers"] for r in rows) if noised else 0.0,
-        "eps_noised_layers": rows[-1]["epsilon_noised_layers"] if noised else math.inf,
+        "cum_noise_l2": sum(r["total_noise_norm"] for r in rows) if dp else 0.0,
+        "noised_layers": statistics.mean(r["noised_layers"] for r in rows) if dp else 0.0,
+        "eps_noised_layers": rows[-1]["epsilon_noised_layers"] if dp else math.inf,
         "eps_reported": math.inf if summary["epsilon"] is None else summary["epsilon"],
         "time_s": time.perf_counter() - t0,
     }
@@ -102,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     results = []
     for eps in args.eps:
         for name in args.arms:
-            if name == "fedavg" and eps != args.eps[0]:
+            if not noised(name) and eps != args.eps[0]:
                 continue  # no noise: one run is enough
             for rep in range(args.repeats):
                 res = run_arm(name, eps, args, rep, out_root)
@@ -123,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     for row in table:
         full = next((r for r in table if r["arm"] == "full-ldp" and r["eps_per_round"] == row["eps_per_round"]), None)
         row["noise_vs_full_pct"] = (100.0 * (1 - row["cum_noise_l2"] / full["cum_noise_l2"])
-                                    if full and row["arm"] != "fedavg" else float("nan"))
+                                    if full and noised(row["arm"]) else float("nan"))
 
     cols = ["eps_per_round", "arm", "R", "B", "accuracy", "cum_noise_l2", "noise_vs_full_pct", "noised_layers",
             "eps_noised_layers", "eps_reported", "repeats", "time_s"]

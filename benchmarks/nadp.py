@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import command_line, method_config, pyplot
+from benchmarks.common import command_line, method_config, private, pyplot
 
 HELP = "NADP-FL vs client-level LDP, record-level LDP and no DP (the paper's Table 1)"
 
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         tmp = Path(tmpname)
         for n in args.client_list:
             for m in methods:
-                for e in ([None] if m == "fedavg" else args.eps_list):
+                for e in (args.eps_list if private(ARMS[m]) else [None]):  # no DP (fedavg): no epsilon
                     cell = []
                     for rep in range(args.repeats):
                         r = one_run(m, args, n, 1.0 if e is None else e, 42 + rep, tmp)

@@ -57,8 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     out, notes, methods, msets = common.plan(args)
-    if "fedavg" not in methods:
-        methods.insert(0, "fedavg")
+    common.with_reference(methods)
     base = common.common_base(args)
     clients = [int(k) for k in args.clients.split(",")]
     t0 = time.perf_counter()
@@ -96,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
                 tqdm.write(f"{rows[-1]['name']:>16} K={k:<4} client={common.fmt(rows[-1].get('client_s'))}s "
                            f"server={common.fmt(rows[-1].get('server_s'))}s {rows[-1]['status']}")
     # The method rows hold medians of per-repeat ratios; SecAgg+ rows are compared with FedAvg's median row.
-    add_ratios([r for r in rows if r["name"] == "fedavg" or str(r["name"]).startswith("secagg+")])
+    add_ratios([r for r in rows if r["name"] == common.reference() or str(r["name"]).startswith("secagg+")])
     total = time.perf_counter() - t0
     if repeats > 1:
         notes.append(f"{repeats} interleaved repeats per method: every figure is the median over the repeats, "

@@ -25,7 +25,7 @@ import time
 
 from benchmarks import common
 from benchmarks.overhead import deployment_point, median_over_repeats, simulation_point
-from benchmarks.runs import RunResult, add_ratios, run_point, warm_up
+from benchmarks.runs import RunResult, add_ratios, point_config, run_point, warm_up
 
 HELP = "round time of every method vs FedAvg with realistic local data (with per-method goals)"
 
@@ -59,8 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Interleaved repeats of every method at one client count; a table of ratios to FedAvg with the goals."""
     out, notes, methods, msets = common.plan(args)
-    if "fedavg" not in methods:
-        methods.insert(0, "fedavg")
+    common.with_reference(methods)
     base = common.common_base(args)
     base.setdefault("sample-rate", 1.0)
     # Timing only: a noisy run whose loss grows (e.g. ldp at epsilon 1) must not stop before its rounds are timed.
@@ -71,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
         if args.engine == "deployment":
             from server.deploy import LocalCluster
 
-            cluster = stack.enter_context(LocalCluster(k, intermediate_servers=3 if "ddpsa" in methods else 0))
+            servers = _intermediate_servers(methods, k, args.epsilon, base, msets)
+            cluster = stack.enter_context(LocalCluster(k, intermediate_servers=servers))
             point = functools.partial(deployment_point, cluster)
         elif args.engine == "simulation":
             point = simulation_point
@@ -99,6 +99,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _intermediate_servers(methods: list[str], clients: int, epsilon: float, base: dict, msets: dict) -> int:
+    """Intermediate servers the deployment cluster starts: the most any method's run needs (its ``local_services``).
+
+    A run config the app refuses needs none here (its row records the refusal).
+    """
+    from pathlib import Path
+
+    from protocols.config import RunConfig
+    from protocols.methods import local_services
+    from server.defaults import app_defaults
+
+    need = 0
+    for m in methods:
+        ov = point_config(m, epsilon, clients, base, msets, Path("."))[1]
+        try:
+            need = max(need, local_services(RunConfig.from_mapping({**app_defaults(), **ov})))
+        except ValueError:
+            continue
+    return need
+
+
 def _timed_runs(args: argparse.Namespace, methods: list[str], point, k: int, base: dict, msets: dict,
                 out) -> list[dict]:
     """Every (repeat, method) run, interleaved; one row each."""
@@ -122,7 +143,7 @@ def _ratios(raw: list[dict], repeats: int, goals: dict[str, float]) -> list[dict
     for rep in range(max(1, repeats)):
         rows_rep = [r for r in raw if r["repeat"] == rep]
         add_ratios(rows_rep)
-        ref = next((r for r in rows_rep if r["name"] == "fedavg"), None)
+        ref = next((r for r in rows_rep if r["name"] == common.reference()), None)
         for r in rows_rep:
             den = (ref or {}).get("peak_rss_mb", math.nan)
             r["peak_rss_x_fedavg"] = r["peak_rss_mb"] / den if den and not math.isnan(den) else math.nan

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import method_config
+from benchmarks.common import method_config, reference
 
 
 @dataclass
@@ -142,14 +142,18 @@ def peak_rss(rows: list[dict]) -> float:
 
 
 def warm_up(base: dict, clients: Iterable[int], out: Path) -> None:
-    """An unrecorded 1-round FedAvg per client count: loads data and partitions into the process caches."""
+    """An unrecorded 1-round run of the reference arm per client count: loads data and partitions into the caches."""
     for k in sorted(set(clients)):
-        run_point("fedavg", 1.0, k, {**base, "num-rounds": 1}, {}, out / "_warmup")
+        run_point(reference(), 1.0, k, {**base, "num-rounds": 1}, {}, out / "_warmup")
 
 
 def add_ratios(rows: list[dict], *, key: str = "clients") -> None:
-    """Client, server and deployed time of each row relative to FedAvg at the same client count."""
-    ref = {r[key]: r for r in rows if r["name"] == "fedavg" and r["status"] == "ok"}
+    """Client, server and deployed time of each row relative to the reference arm (FedAvg) at the same client count.
+
+    The ratio columns are ``<col>_x_fedavg``.
+    """
+    name = reference()
+    ref = {r[key]: r for r in rows if r["name"] == name and r["status"] == "ok"}
     for r in rows:
         f = ref.get(r[key])
         for col in ("client_s", "server_s", "deployed_s", "round_s"):
