@@ -24,10 +24,12 @@ import time
 from pathlib import Path
 
 from protocols.methods import METHODS as REGISTRY
+from protocols.methods.mpddp import ABLATION
 
 HELP = "MP_Server + DDP_Client against its ablations MP-CDP and MP-DP-Naive"
 
-METHODS = tuple(name for name, spec in REGISTRY.items() if spec.family == "mpddp")
+#: The family of the method under test (:data:`protocols.methods.mpddp.ABLATION`), in registration order.
+METHODS = tuple(name for name, spec in REGISTRY.items() if spec.family == REGISTRY[ABLATION.method].family)
 
 
 def one_run(method: str, args: argparse.Namespace, rep: int, out: Path) -> dict:
@@ -38,7 +40,7 @@ def one_run(method: str, args: argparse.Namespace, rep: int, out: Path) -> dict:
     overrides = {
         "method": method, "dataset": args.dataset, "hidden": args.hidden, "num-clients": args.clients,
         "sample-rate": 1.0, "num-rounds": args.rounds, "mpddp-server-lr": args.lr, "epsilon": args.epsilon,
-        "delta": args.delta, "clip": 1.0, "seed": 42 + rep, "cancellation-check": method == "mpddp",
+        "delta": args.delta, "clip": 1.0, "seed": 42 + rep, "cancellation-check": method == ABLATION.method,
         "out-dir": str(run_dir),
     }
     t0 = time.perf_counter()
@@ -59,7 +61,7 @@ def one_run(method: str, args: argparse.Namespace, rep: int, out: Path) -> dict:
         "failed_rounds": len(summary["failed_rounds"]),
         "wall_s": time.perf_counter() - t0,
     }
-    if method == "mpcdp":
+    if method == ABLATION.trusted:
         res["clipped_fraction_mean"] = statistics.fmean(r["clipped_fraction"] for r in ok)
     print(f"  {method:10s} rep {rep}: acc {res['accuracy']:.4f}  eps {res['epsilon']:.3f}  "
           f"eps|R {res['epsilon_given_R']:.3g}  dist {res['client_model_distance']:.2f}  "
@@ -118,19 +120,20 @@ def run(args: argparse.Namespace) -> int:
                      f"| {statistics.fmean(r['client_model_distance'] for r in rs):.2f} "
                      f"| {statistics.fmean(r['round_time_s'] for r in rs):.2f} |")
     checks = []
-    if {"mpddp", "mpcdp"} <= acc.keys():
-        gap = 100 * (acc["mpcdp"] - acc["mpddp"])
-        checks.append(f"mpddp vs mpcdp: {gap:+.1f} points (acceptance: <= 3) -> {'PASS' if gap <= 3 else 'FAIL'}")
-    if {"mpddp", "mpdp-naive"} <= acc.keys():
-        gain = 100 * (acc["mpddp"] - acc["mpdp-naive"])
-        checks.append(f"mpddp vs mpdp-naive: {gain:+.1f} points (acceptance: far above, >= 10) -> "
+    main, trusted, naive = ABLATION.method, ABLATION.trusted, ABLATION.naive
+    if {main, trusted} <= acc.keys():
+        gap = 100 * (acc[trusted] - acc[main])
+        checks.append(f"{main} vs {trusted}: {gap:+.1f} points (acceptance: <= 3) -> {'PASS' if gap <= 3 else 'FAIL'}")
+    if {main, naive} <= acc.keys():
+        gain = 100 * (acc[main] - acc[naive])
+        checks.append(f"{main} vs {naive}: {gain:+.1f} points (acceptance: far above, >= 10) -> "
                       f"{'PASS' if gain >= 10 else 'FAIL'}")
-    residual = [r["cancellation_residual_max"] for r in results if r["method"] == "mpddp"]
+    residual = [r["cancellation_residual_max"] for r in results if r["method"] == main]
     if residual:
-        checks.append(f"mpddp max cancellation residual: {max(residual):.2e}")
+        checks.append(f"{main} max cancellation residual: {max(residual):.2e}")
     clipped = [r["clipped_fraction_mean"] for r in results if "clipped_fraction_mean" in r]
     if clipped:
-        checks.append(f"mpcdp mean fraction of clipped client gradients: {statistics.fmean(clipped):.2f}")
+        checks.append(f"{trusted} mean fraction of clipped client gradients: {statistics.fmean(clipped):.2f}")
     table = "\n".join(lines)
     print("\n" + table + "\n\n" + "\n".join(checks))
     (out / "results.md").write_text(

@@ -34,6 +34,24 @@ class MpddpOptions(MethodOptions):
                              choices=("float64", "float32"))
 
 
+
+@dataclass(frozen=True)
+class Ablation:
+    """The family's ablation study (``cancelfl-bench mpddp``): which member plays which part.
+
+    Attributes:
+        method: the method under test, whose pairwise noise cancels in the aggregate.
+        trusted: its ablation with a trusted server (noise added to the mean): the accuracy ``method`` should match.
+        naive: its ablation without cancellation (each client's own noise): the accuracy ``method`` should beat.
+    """
+
+    method: str
+    trusted: str
+    naive: str
+
+
+ABLATION = Ablation(method="mpddp", trusted="mpcdp", naive="mpdp-naive")
+
 #: The ablations' shared entries (uplink epsilon nominal: no guarantee), their audit adapter included.
 _NO_UPLINK = dict(family="mpddp", options=(MpddpOptions,), regime=MP_REGIME, audit="server.audits.mpddp:MpAudit")
 register(MethodSpec("mpddp", "strategies.mpddp:MpddpStrategy", "client.methods.mpddp:train",
