@@ -30,7 +30,8 @@ from protocols.wire.ddpsa import ShareReceipt
 from protocols.wire.niss import RelayedInbox
 
 __all__ = ["UplinkCapture", "AttackerView", "VIEWS", "training_loss", "capture_first_round", "attacker_view",
-           "true_gradient", "uplink_attack", "UplinkResult", "received_mpddp_forward"]
+           "true_gradient", "uplink_attack", "UplinkResult", "received_mpddp_forward", "RECEIVED_FORWARDS",
+           "SIDE_CHANNELS"]
 
 #: Training loss of each method (mpddp's theory needs the squared loss); default cross-entropy.
 LOSSES = {"mpddp": "mse", "mpdp-naive": "mse", "mpcdp": "mse"}
@@ -100,15 +101,19 @@ def capture_first_round(overrides: dict, *, victim: int = 0) -> UplinkCapture:
 
 @contextlib.contextmanager
 def _side_channel(method: str, store: dict[str, np.ndarray]) -> Iterator[None]:
-    """Record uploads that bypass the Flower grid (ddpsa pushes secret shares to intermediate servers).
-
-    For ddpsa the vector handed to ``share_and_push`` is exactly what all m
-    intermediate servers together reconstruct for this client (the worst case:
-    the server colludes with every one of them).
-    """
-    if method != "ddpsa":
+    """Record the uploads of ``method`` that bypass the Flower grid (its :data:`SIDE_CHANNELS` entry, if any)."""
+    recorder = SIDE_CHANNELS.get(method)
+    with recorder(store) if recorder is not None else contextlib.nullcontext():
         yield
-        return
+
+
+@contextlib.contextmanager
+def _ddpsa_shares(store: dict[str, np.ndarray]) -> Iterator[None]:
+    """Record the vector each ddpsa client secret-shares to the intermediate servers, by its roster name.
+
+    The vector handed to ``share_and_push`` is exactly what all m intermediate servers together
+    reconstruct for this client (the worst case: the server colludes with every one of them).
+    """
     import client.methods.ddpsa as ddpsa_client
 
     original = ddpsa_client.share_and_push
@@ -122,6 +127,13 @@ def _side_channel(method: str, store: dict[str, np.ndarray]) -> Iterator[None]:
         yield
     finally:
         ddpsa_client.share_and_push = original
+
+
+#: Uploads that bypass the Flower grid, per method: a context manager recording them into a dict (roster name ->
+#: vector) while round 1 runs.
+SIDE_CHANNELS: dict[str, Callable[[dict[str, np.ndarray]], contextlib.AbstractContextManager]] = {
+    "ddpsa": _ddpsa_shares,
+}
 
 
 def _defaults() -> dict:
@@ -165,11 +177,16 @@ def view_niss(cap: UplinkCapture) -> AttackerView:
     return _weights_view(cap, up, "p*w_k + own noise shares + distorted received shares; divided by the public p")
 
 
+#: What the attacker sees of a nadp upload, per ``nadp-variant`` (any other: the record-level LDP comparator's).
+_NADP_NOTES = {
+    "nadp": "local model (per-example clipped SGD) + (residual + counteracting pairwise noise)/p_i: gradient + noise/lr",
+    "record-ldp": "local model (per-example clipped SGD) + record-level LDP noise: gradient + noise/lr",
+}
+
+
 def view_nadp(cap: UplinkCapture) -> AttackerView:
     """Method nadp: upload = w_i + (n_i + lambda c_i) / p_i (own + pairwise noise; the pair part cancels only in the sum)."""
-    variant = getattr(cap.cfg, "nadp_variant", "nadp")
-    what = ("local model (per-example clipped SGD) + (residual + counteracting pairwise noise)/p_i: gradient + noise/lr"
-            if variant == "nadp" else "local model (per-example clipped SGD) + record-level LDP noise: gradient + noise/lr")
+    what = _NADP_NOTES.get(getattr(cap.cfg, "nadp_variant", "nadp"), _NADP_NOTES["record-ldp"])
     return _weights_view(cap, from_record(cap.reply.content["arrays"]), what)
 
 
@@ -191,6 +208,14 @@ def view_ddpsa(cap: UplinkCapture) -> AttackerView:
                         "L1-clipped gradient + Laplace noise (attacked here)")
 
 
+#: The MP family's views: method -> (what the attacker sees, whether the recovered upload carries client noise).
+_MP_VIEWS: dict[str, tuple[str, bool]] = {
+    "mpddp": ("own recovery (secret R) of one upload: gradient + R o (eta_k + sum of pairwise Delta_kv)", True),
+    "mpdp-naive": ("own recovery (secret R) of one upload: gradient + R o eta_k", True),
+    "mpcdp": ("own recovery (secret R) of one upload: the exact gradient (noise added later by the server)", False),
+}
+
+
 def view_mpddp_family(cap: UplinkCapture) -> AttackerView:
     """Methods mpddp, mpdp-naive, mpcdp: the server recovers the client's own gradient with its secret R.
 
@@ -210,13 +235,11 @@ def view_mpddp_family(cap: UplinkCapture) -> AttackerView:
         return AttackerView(None, "server secret of round 1 not available")
     upload = upload_from_record(cap.reply.content["arrays"], len(state.layers))
     grads = recover(aggregate([upload]), state.secret)
-    what = {"mpddp": "own recovery (secret R) of one upload: gradient + R o (eta_k + sum of pairwise Delta_kv)",
-            "mpdp-naive": "own recovery (secret R) of one upload: gradient + R o eta_k",
-            "mpcdp": "own recovery (secret R) of one upload: the exact gradient (noise added later by the server)"}
+    what, client_noise = _MP_VIEWS[cap.cfg.method]
     scale = None
-    if cap.cfg.method != "mpcdp":  # recovered noise on entry ij is R_ij * (i.i.d. noise): the server knows R
+    if client_noise:  # recovered noise on entry ij is R_ij * (i.i.d. noise): the server knows R
         scale = weights_from_layers([(rm[:, :-1].abs(), rm[:, -1].abs()) for rm in state.secret.trainable_R()])
-    return AttackerView(weights_from_layers(grads), what[cap.cfg.method], scale)
+    return AttackerView(weights_from_layers(grads), what, scale)
 
 
 VIEWS: dict[str, Callable[[UplinkCapture], AttackerView]] = {
@@ -253,6 +276,13 @@ def received_mpddp_forward(arrays: Weights, cfg: RunConfig) -> Callable[[torch.T
 
     mats = [torch.as_tensor(m) for m in PerturbedModel.from_arrays(arrays).matrices]
     return lambda t: forward_expanded(mats, t.double().reshape(len(t), -1))
+
+
+#: The model a client receives where it is not the global model, per method family: (its forward function from
+#: the train message's arrays and the run config, what it is).
+RECEIVED_FORWARDS: dict[str, tuple[Callable[[Weights, RunConfig], Callable[[torch.Tensor], torch.Tensor]], str]] = {
+    "mpddp": (received_mpddp_forward, "perturbed model W-hat sent by the server"),
+}
 
 
 def true_gradient(cap: UplinkCapture) -> Weights:
