@@ -109,6 +109,21 @@ def test_every_benchmark_method_config_is_a_valid_run_config(name):
     assert {k: cfg.to_mapping()[k] for k in extra} == extra
 
 
+def test_benchmarks_take_the_reference_arm_and_the_roles_from_the_cards():
+    from benchmarks.common import private, reference, with_reference
+    from benchmarks.roundtime import _intermediate_servers
+    from protocols.methods.mpddp import ABLATION
+
+    assert reference() == "fedavg" and not private("fedavg") and private("ldp") and private("nadp-record-ldp")
+    assert with_reference(["ldp"]) == ["fedavg", "ldp"] and with_reference(["ldp", "fedavg"]) == ["ldp", "fedavg"]
+    # the deployment cluster starts what the methods' cards ask for (ddpsa: ddpsa-num-servers), none otherwise
+    base = {"dataset": "digits"}
+    assert _intermediate_servers(["fedavg", "ldp"], 4, 1.0, base, {}) == 0
+    assert _intermediate_servers(["fedavg", "ddpsa"], 4, 1.0, base, {}) == 3
+    assert _intermediate_servers(["ddpsa"], 4, 1.0, base, {"ddpsa": {"ddpsa-num-servers": 4}}) == 4
+    assert [ABLATION.method, ABLATION.naive, ABLATION.trusted] == list(mpddp.METHODS)
+
+
 def test_cli_registers_every_benchmark_module_and_parses_its_defaults():
     helpers = {"cli", "common", "runs", "secagg", "__main__", "adversary", "reproduce"}  # reproduce: a tool
     modules = {m.name for m in pkgutil.iter_modules(benchmarks.__path__)} - helpers

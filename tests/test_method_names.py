@@ -12,27 +12,14 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from protocols.methods import method_names
+import pytest
+
+from protocols.methods import METHODS, MethodSpec, method_names, reference_method, register
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("benchmarks", "server", "strategies", "client", "protocols")
 #: A card's unit: these paths, formatted with the card's module name.
 UNIT_HOMES = ("protocols/methods/{}.py", "strategies/{}.py", "client/methods/{}.py", "server/audits/{}.py")
-#: Benchmarks that still compare method names (reference arms such as fedavg, per-method benchmark tables, a
-#: family that shares a method's name).  Only shrinks: a new comparison fails, and so does a fixed one left here.
-PENDING: dict[str, set[str]] = {
-    "benchmarks/adversary/uplink.py": {"ddpsa", "mpcdp", "nadp"},
-    "benchmarks/attacks.py": {"mpddp"},
-    "benchmarks/defaults.py": {"fedavg", "mpddp"},
-    "benchmarks/grid.py": {"fedavg"},
-    "benchmarks/ladp.py": {"fedavg"},
-    "benchmarks/mpddp.py": {"mpcdp", "mpddp", "mpdp-naive"},
-    "benchmarks/nadp.py": {"fedavg"},
-    "benchmarks/niss.py": {"fedavg", "ldp", "niss"},
-    "benchmarks/overhead.py": {"fedavg"},
-    "benchmarks/roundtime.py": {"ddpsa", "fedavg"},
-    "benchmarks/runs.py": {"fedavg"},
-}
 
 
 def card_names(root: Path = ROOT) -> dict[str, set[str]]:
@@ -87,10 +74,17 @@ def test_every_registered_method_has_a_card_the_check_knows():
 
 def test_no_module_outside_a_method_unit_compares_its_name():
     found = branches_outside_units()
-    new = {rel: names - PENDING.get(rel, set()) for rel, names in found.items() if names - PENDING.get(rel, set())}
-    assert not new, f"method names compared outside their unit (declare it on the card or its adapter): {new}"
-    fixed = {rel: names - found.get(rel, set()) for rel, names in PENDING.items() if names - found.get(rel, set())}
-    assert not fixed, f"no longer compared: remove from PENDING {fixed}"
+    assert not found, f"method names compared outside their unit (declare it on the card or its adapter): {found}"
+
+
+def test_the_reference_arm_is_data_on_one_card():
+    """The benchmarks' reference arm is the method whose card sets ``reference`` (FedAvg); a second one is refused."""
+    assert reference_method() == "fedavg" and not METHODS["fedavg"].units
+    assert [name for name, spec in METHODS.items() if spec.reference] == ["fedavg"]
+    with pytest.raises(ValueError, match="reference arm is already 'fedavg'"):
+        register(MethodSpec("second-reference", "strategies.baselines:FedAvgStrategy",
+                            "client.methods.baselines:train_fedavg", units=(), reference=True))
+    assert "second-reference" not in METHODS
 
 
 def test_the_check_catches_a_planted_comparison(tmp_path):
