@@ -62,7 +62,8 @@ def one_run(method: str, args: argparse.Namespace, rep: int, out: Path) -> dict:
         "wall_s": time.perf_counter() - t0,
     }
     if method == ABLATION.trusted:
-        res["clipped_fraction_mean"] = statistics.fmean(r["clipped_fraction"] for r in ok)
+        clipped = [r["clipped_fraction"] for r in ok if "clipped_fraction" in r]
+        res["clipped_fraction_mean"] = statistics.fmean(clipped) if clipped else float("nan")
     print(f"  {method:10s} rep {rep}: acc {res['accuracy']:.4f}  eps {res['epsilon']:.3f}  "
           f"eps|R {res['epsilon_given_R']:.3g}  dist {res['client_model_distance']:.2f}  "
           f"round {res['round_time_s']:.2f}s", flush=True)

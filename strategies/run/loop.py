@@ -414,8 +414,9 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
             "excluded": strategy.exclusions(),
             "left_out": sorted(str(n) for n in strategy.strikes.banned),
         }
-        if train_metrics is not None and "train_loss" in train_metrics:
-            row["train_loss"] = float(train_metrics["train_loss"])
+        for key in ("train_loss", "clipped_fraction"):  # means over this round's clients
+            if train_metrics is not None and key in train_metrics:
+                row[key] = float(train_metrics[key])
         if train_metrics is not None and PEAK_RSS_MB in train_metrics:
             row["client_peak_rss_mb"] = float(train_metrics[PEAK_RSS_MB])  # mean over this round's clients
         if train_metrics is not None and OFF_GRID_BYTES in train_metrics:
