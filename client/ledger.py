@@ -9,7 +9,8 @@ releases, a :class:`~protocols.privacy.DpCompositionAccountant` for theorem-cert
 composition a method names for its releases (DDP-SA: :func:`protocols.ddpsa.composition_accountant`, the one its
 server charges with); the epsilons of the accountants in use add at an equal share of ``delta`` each.  While an
 account holds only unsampled Gaussian releases its epsilon is their exact Gaussian-DP composition
-(:class:`GdpAccountant`), the figure a server that accounts exactly (LaDP) reports.  ``runs`` keeps, per Flower run id, the rounds this node trained (a repeated round is refused).
+(:class:`GdpAccountant`), the figure a server that accounts exactly (LaDP) reports.  ``runs`` keeps, per Flower
+run id, the rounds this node trained (a repeated round is refused).
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ from protocols.privacy import (
 
 #: Node-config key of the ledger folder.
 LEDGER_DIR_KEY = "ledger-dir"
-_VERSION = 1
+#: Written version; 2 added the named compositions (an older reader refuses them instead of ignoring them).
+_VERSION = 2
+#: Versions read (1: no named compositions).
+_READS = (1, 2)
 
 
 def ledger_dir(node_config: Mapping[str, Any]) -> Path:
@@ -120,7 +124,7 @@ class ClientLedger:
     def __init__(self, path: Path, data: dict[str, Any] | None = None) -> None:
         self.path = path
         data = data or {"version": _VERSION, "accounts": {}, "runs": {}}
-        if data.get("version") != _VERSION:
+        if data.get("version") not in _READS:
             raise ValueError(f"privacy ledger {path}: unknown version {data.get('version')!r}")
         self.accounts = {k: Account.from_state(v) for k, v in data["accounts"].items()}
         self.runs: dict[str, dict[str, Any]] = {str(k): dict(v) for k, v in data["runs"].items()}

@@ -91,6 +91,9 @@ def test_a_named_composition_is_kept_apart_and_persists(tmp_path, composition):
     assert RdpAccountant([LaplaceEvent(0.4, count=3)]).epsilon(1e-5) != pytest.approx(server.epsilon(1e-5), rel=1e-3)
     with pytest.raises(ValueError, match="empty"):
         Account().compose(LaplaceEvent(0.4), server)
+    old = {"version": 1, "accounts": {"uplink/record": Account().to_state()}, "runs": {}}  # before named compositions
+    assert ClientLedger(tmp_path / "old.json", old).spent(1e-5) == {"uplink/record": 0.0}
+    assert json.loads(ClientLedger.file_for(tmp_path, 5).read_text())["version"] == 2  # an older reader refuses it
 
 
 def test_corrupt_ledger_is_not_read_as_empty(tmp_path):
