@@ -26,7 +26,7 @@ from client.env import ClientEnv
 from client.ledger import ClientLedger, ledger_dir
 from protocols.floor import FloorPolicy, FloorViolation, at_most, check_round
 from protocols.methods import Guarantee, method_spec
-from protocols.privacy import Event, GaussianEvent
+from protocols.privacy import Accountant, Event, GaussianEvent
 from protocols.wire.common import TrainIns
 from protocols.wire.ledger import SpentReport
 
@@ -64,14 +64,16 @@ def admit(msg: Message, env: ClientEnv) -> None:
                     "this node's privacy ledger is spent (node config 'lifetime-epsilon')")
 
 
-def release(msg: Message, env: ClientEnv, uplink: Event | None = None, downlink: Event | None = None
-            ) -> dict[str, float]:
+def release(msg: Message, env: ClientEnv, uplink: Event | None = None, downlink: Event | None = None,
+            accountant: Accountant | None = None) -> dict[str, float]:
     """Check the lifetime budget and record the round's releases in the ledger, before anything leaves the node.
 
     ``uplink``: what the upload reveals to the server per the method's privacy unit; ``downlink``: the
     published model's part, when the client can tell it apart (else the uplink bounds it: post-processing).
     A method whose uploads carry no guarantee (registry, :attr:`protocols.methods.MethodSpec.privacy`:
     fedavg, cdp, the MP family) records an un-noised release (infinite epsilon) for the uplink.
+    ``accountant``: the empty accountant of the composition the method's server charges these releases with
+    (:meth:`client.ledger.Account.compose`; None: RDP, or composition theorems for a ``DpEvent``).
     Returns the :class:`~protocols.wire.ledger.SpentReport` metrics to merge into the reply.
     """
     pol = policy(env)
@@ -85,10 +87,10 @@ def release(msg: Message, env: ClientEnv, uplink: Event | None = None, downlink:
     rnd = TrainIns.from_config(msg.content["config"]).round
     with _ledger(env) as led:
         check_round(rnd, env.cfg, led.rounds(env.context.run_id))  # again, under the lock
-        key, eps = _worst(led.projected(events, pol.lifetime_delta))
+        key, eps = _worst(led.projected(events, pol.lifetime_delta, accountant))
         if pol.lifetime_epsilon is not None:
             at_most(f"lifetime-epsilon ({key})", eps, pol.lifetime_epsilon,
                     "this round would take the node past its lifetime budget (node config 'lifetime-epsilon')")
-        led.record(env.context.run_id, env.cfg.method, rnd, events)
+        led.record(env.context.run_id, env.cfg.method, rnd, events, accountant)
         releases = len(led.rounds(env.context.run_id))
     return SpentReport(eps, releases).to_metrics()

@@ -5,10 +5,12 @@ One JSON file per data partition, ``<ledger-dir>/client-<partition-id>.json`` (n
 file lock by every message, so it survives restarts and new runs.  Accounts are keyed ``"<direction>/<unit>"``
 (``uplink`` = the uploads, ``downlink`` = the published model; ``client`` = the node's whole dataset,
 ``record`` = one example).  Each holds an :class:`~protocols.privacy.RdpAccountant` for Gaussian and Laplace
-releases and a :class:`~protocols.privacy.DpCompositionAccountant` for theorem-certified ones (both in use: their
-epsilons add at ``delta / 2`` each).  While an account holds only unsampled Gaussian releases its epsilon is
-their exact Gaussian-DP composition (:class:`GdpAccountant`), the figure a server that accounts exactly (LaDP)
-reports.  ``runs`` keeps, per Flower run id, the rounds this node trained (a repeated round is refused).
+releases, a :class:`~protocols.privacy.DpCompositionAccountant` for theorem-certified ones, and one accountant per
+composition a method names for its releases (DDP-SA: :func:`protocols.ddpsa.composition_accountant`, the one its
+server charges with); the epsilons of the accountants in use add at an equal share of ``delta`` each.  While an
+account holds only unsampled Gaussian releases its epsilon is their exact Gaussian-DP composition
+(:class:`GdpAccountant`), the figure a server that accounts exactly (LaDP) reports.  ``runs`` keeps, per Flower
+run id, the rounds this node trained (a repeated round is refused).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from protocols.privacy import (
+    Accountant,
     DpCompositionAccountant,
     DpEvent,
     Event,
@@ -33,7 +36,10 @@ from protocols.privacy import (
 
 #: Node-config key of the ledger folder.
 LEDGER_DIR_KEY = "ledger-dir"
-_VERSION = 1
+#: Written version; 2 added the named compositions (an older reader refuses them instead of ignoring them).
+_VERSION = 2
+#: Versions read (1: no named compositions).
+_READS = (1, 2)
 
 
 def ledger_dir(node_config: Mapping[str, Any]) -> Path:
@@ -45,19 +51,44 @@ def ledger_dir(node_config: Mapping[str, Any]) -> Path:
     return Path(os.environ.get("FLWR_HOME") or Path.home() / ".flwr").expanduser() / "cancelfl-ledger"
 
 
-class Account:
-    """One direction/unit account: RDP for Gaussian/Laplace releases, composition theorems for (eps, delta) ones."""
+def composition_key(accountant: Accountant) -> str:
+    """The name of ``accountant``'s composition in a ledger account: its kind and parameters (``"pld"``, ...)."""
+    state = accountant.to_state()
+    params = [str(v) for k, v in sorted(state.items()) if k not in ("kind", "events")]
+    return "/".join([str(state["kind"]), *params])
 
-    def __init__(self, rdp: RdpAccountant | None = None, dp: DpCompositionAccountant | None = None) -> None:
+
+class Account:
+    """One direction/unit account: RDP, composition theorems, and the compositions methods name for their releases.
+
+    ``rdp``: Gaussian/Laplace releases; ``dp``: (eps, delta) ones; ``composed``: :func:`composition_key` -> accountant.
+    """
+
+    def __init__(self, rdp: RdpAccountant | None = None, dp: DpCompositionAccountant | None = None,
+                 composed: Mapping[str, Accountant] | None = None) -> None:
         self.rdp = rdp or RdpAccountant()
         self.dp = dp or DpCompositionAccountant()
+        self.composed: dict[str, Accountant] = dict(composed or {})
 
-    def compose(self, event: Event) -> None:
-        (self.dp if isinstance(event, DpEvent) else self.rdp).compose(event)
+    def compose(self, event: Event, accountant: Accountant | None = None) -> None:
+        """Add ``event`` to the composition ``accountant`` (empty) names; None: RDP, or theorems for a ``DpEvent``.
+
+        Raises:
+            ValueError: ``accountant`` holds releases.
+        """
+        if accountant is None:
+            (self.dp if isinstance(event, DpEvent) else self.rdp).compose(event)
+            return
+        if accountant.releases:
+            raise ValueError("a ledger composition is named by an empty accountant")
+        key = composition_key(accountant)
+        if key not in self.composed:
+            self.composed[key] = accountant_from_state(accountant.to_state())
+        self.composed[key].compose(event)
 
     def epsilon(self, delta: float) -> float:
         """Epsilon of everything composed, at total ``delta``."""
-        parts = [acc for acc in (self.rdp, self.dp) if acc.releases]
+        parts = [acc for acc in (self.rdp, self.dp, *self.composed.values()) if acc.releases]
         if not parts:
             return 0.0
         share = delta / len(parts)
@@ -71,14 +102,20 @@ class Account:
         return acc
 
     def to_state(self) -> dict[str, Any]:
-        return {"rdp": self.rdp.to_state(), "dp": self.dp.to_state()}
+        state = {"rdp": self.rdp.to_state(), "dp": self.dp.to_state()}
+        if self.composed:
+            state["composed"] = {k: a.to_state() for k, a in sorted(self.composed.items())}
+        return state
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> Account:
         rdp, dp = accountant_from_state(state["rdp"]), accountant_from_state(state["dp"])
         if not isinstance(rdp, RdpAccountant) or not isinstance(dp, DpCompositionAccountant):
             raise ValueError("ledger account holds accountants of the wrong kind")
-        return cls(rdp, dp)
+        composed = {str(k): accountant_from_state(v) for k, v in state.get("composed", {}).items()}
+        if any(composition_key(a) != k for k, a in composed.items()):
+            raise ValueError("ledger account holds a composition under another composition's name")
+        return cls(rdp, dp, composed)
 
 
 class ClientLedger:
@@ -87,7 +124,7 @@ class ClientLedger:
     def __init__(self, path: Path, data: dict[str, Any] | None = None) -> None:
         self.path = path
         data = data or {"version": _VERSION, "accounts": {}, "runs": {}}
-        if data.get("version") != _VERSION:
+        if data.get("version") not in _READS:
             raise ValueError(f"privacy ledger {path}: unknown version {data.get('version')!r}")
         self.accounts = {k: Account.from_state(v) for k, v in data["accounts"].items()}
         self.runs: dict[str, dict[str, Any]] = {str(k): dict(v) for k, v in data["runs"].items()}
@@ -132,19 +169,21 @@ class ClientLedger:
         """Epsilon spent per account at ``delta``."""
         return {k: a.epsilon(delta) for k, a in self.accounts.items()}
 
-    def projected(self, events: Mapping[str, Event], delta: float) -> dict[str, float]:
-        """Epsilon per account if ``events`` were composed too (the ledger is not changed)."""
+    def projected(self, events: Mapping[str, Event], delta: float, accountant: Accountant | None = None
+                  ) -> dict[str, float]:
+        """Epsilon per account if ``events`` were composed too (``accountant``: :meth:`Account.compose`'s; no change)."""
         out = self.spent(delta)
         for key, event in events.items():
             acc = Account.from_state(self.accounts[key].to_state()) if key in self.accounts else Account()
-            acc.compose(event)
+            acc.compose(event, accountant)
             out[key] = acc.epsilon(delta)
         return out
 
     # ------------------------------------------------------------------ update
-    def record(self, run_id: int, method: str, rnd: int, events: Mapping[str, Event]) -> None:
-        """Compose one round's releases and remember the round of the run."""
+    def record(self, run_id: int, method: str, rnd: int, events: Mapping[str, Event],
+               accountant: Accountant | None = None) -> None:
+        """Compose one round's releases (``accountant``: :meth:`Account.compose`'s) and remember the round of the run."""
         for key, event in events.items():
-            self.accounts.setdefault(key, Account()).compose(event)
+            self.accounts.setdefault(key, Account()).compose(event, accountant)
         run = self.runs.setdefault(str(run_id), {"method": method, "rounds": []})
         run["rounds"] = sorted({*run["rounds"], int(rnd)})

@@ -26,10 +26,11 @@ from scipy.special import gammaln, kve
 
 from protocols.adjacency import adjacency_factor
 from protocols.methods.ddpsa import NOISE_MODES
-from protocols.privacy import laplace_scale
+from protocols.privacy import Accountant, DpCompositionAccountant, PldAccountant, laplace_scale
 
 __all__ = [
     "NOISE_MODES",
+    "composition_accountant",
     "distributed_laplace_share",
     "gamma_difference_epsilon",
     "gamma_noise",
@@ -39,6 +40,23 @@ __all__ = [
     "laplace_noise",
     "ldp_noisy_mean",
 ]
+
+
+def composition_accountant(composition: str) -> Accountant:
+    """The empty accountant a run's Laplace rounds compose in (run-config ``ddpsa-composition``), on both ends.
+
+    The server's ledger and every client's (:mod:`client.ledger`) compose the same rounds with it, so both
+    report the same epsilon: ``"basic"`` pure-epsilon sum (Theorem 2), ``"advanced"`` the smaller of the basic
+    and advanced bounds (Theorem 2, both valid), ``"pld"`` the privacy-loss distribution.
+
+    Raises:
+        ValueError: an unknown composition.
+    """
+    if composition == "pld":
+        return PldAccountant()
+    if composition in ("basic", "advanced"):
+        return DpCompositionAccountant(composition="best" if composition == "advanced" else "basic")
+    raise ValueError(f"unknown ddpsa composition {composition!r} (use 'basic', 'advanced' or 'pld')")
 
 
 def l1_sensitivity(clip: float, adjacency: str = "replace-one") -> float:

@@ -334,18 +334,23 @@ class NissFloor:
 
 
 def niss_floor(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Sequence[int]], tau: float,
-               offered: float | None = None) -> NissFloor:
+               offered: float | None = None, releases: int | None = None) -> NissFloor:
     """``niss``: the noise scale the round's joint view needs; refuses an ``offered`` scale below it.
 
     ``sizes``: the participants' public dataset sizes (node -> ``|D_k|``; ignored at client level), ``graph``:
     the round's pairing graph over them (the roster graph among the present nodes), ``tau``: the round's
     distortion.  ``sigma_k`` = :func:`protocols.niss.client_sigma` of the public weight and size.
 
+    ``releases``: the releases every ``sigma_k`` is calibrated for (:func:`calibration_releases`: the public
+    schedule's most participations of any client, None: ``num-rounds``; the scale does not depend on it).
+
     Raises:
-        FloorViolation: ``offered`` (the share request's ``niss-noise-scale``) below the scale.
+        FloorViolation: ``offered`` (the share request's ``niss-noise-scale``) below the scale, or ``releases``
+            outside ``1..num-rounds``.
     """
     weights = aggregation_weights(cfg, list(graph), sizes)
-    sigmas = {n: client_sigma(cfg, weights[n], int(sizes.get(n, 1))) for n in graph}
+    t = calibration_releases(cfg, releases)
+    sigmas = {n: client_sigma(cfg, weights[n], int(sizes.get(n, 1)), t) for n in graph}
     factors = joint_factors(sigmas, graph, tau)
     if tau == 0:
         return NissFloor(1.0, factors)

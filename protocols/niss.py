@@ -48,6 +48,7 @@ __all__ = [
     "collusion_variance_ratio",
     "theorem2_variance",
     "exact_aggregate_variance",
+    "client_multiplier",
     "client_plan",
     "unit_sensitivity",
     "upload_sensitivity",
@@ -411,20 +412,31 @@ def upload_sensitivity(cfg: RunConfig, weight: float, num_examples: int) -> floa
     return weight * unit_sensitivity(cfg, num_examples)
 
 
-def client_sigma(cfg: RunConfig, weight: float, num_examples: int) -> float:
-    """``sigma_k = z * Delta f_k`` with ``z`` the exact RDP multiplier of ``num-rounds`` releases at (epsilon, delta).
+def client_multiplier(cfg: RunConfig, releases: int | None = None) -> float:
+    """``z``: the exact RDP multiplier for which ``releases`` Gaussian releases are (epsilon, delta)-DP.
+
+    ``releases``: the most rounds the public schedule samples any client in
+    (:func:`protocols.schedule.roster_releases`, computed alike by the server and every client); None:
+    ``num-rounds``.  No sampling amplification: the sample is public.
+    """
+    return noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds if releases is None else int(releases))
+
+
+def client_sigma(cfg: RunConfig, weight: float, num_examples: int, releases: int | None = None) -> float:
+    """``sigma_k = z * Delta f_k`` with ``z`` = :func:`client_multiplier` of ``releases`` (None: ``num-rounds``).
 
     Computed by the client from its own run config and dataset size (never from the server's figures).
     """
-    return noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds) * upload_sensitivity(cfg, weight, num_examples)
+    return client_multiplier(cfg, releases) * upload_sensitivity(cfg, weight, num_examples)
 
 
-def client_plan(cfg: RunConfig, weight: float, num_examples: int, neighbours: int, scale: float = 1.0) -> SharePlan:
+def client_plan(cfg: RunConfig, weight: float, num_examples: int, neighbours: int, scale: float = 1.0,
+                releases: int | None = None) -> SharePlan:
     """:func:`plan_shares` of :func:`client_sigma` times ``scale``: everything a client needs to split its noise.
 
-    ``scale``: the round's joint-view scale (:func:`protocols.floor.niss_floor`).
+    ``scale``: the round's joint-view scale (:func:`protocols.floor.niss_floor`); ``releases``: :func:`client_sigma`'s.
     """
-    return plan_shares(client_sigma(cfg, weight, num_examples) * scale, neighbours)
+    return plan_shares(client_sigma(cfg, weight, num_examples, releases) * scale, neighbours)
 
 
 def downlink_multiplier(tau: float, sigma_ks: Sequence[float], z: float) -> float:

@@ -36,13 +36,11 @@ from flwr.serverapp import Grid
 
 from protocols.arrays import flatten, unflatten
 from protocols.config import ConfigError, RunConfig
-from protocols.ddpsa import gamma_difference_epsilon, honest_participants, l1_sensitivity
+from protocols.ddpsa import composition_accountant, gamma_difference_epsilon, honest_participants, l1_sensitivity
 from protocols.privacy import (
     BudgetSchedule,
-    DpCompositionAccountant,
     DpEvent,
     LaplaceEvent,
-    PldAccountant,
     PrivacyLedger,
     laplace_scale,
     per_round_epsilons,
@@ -121,9 +119,8 @@ class DdpsaStrategy(CancelStrategy):
             cfg.epsilon, cfg.delta, cfg.num_rounds, allocation=cfg.ddpsa_allocation, alpha=cfg.ddpsa_decay,
             composition=cfg.ddpsa_composition,
         )
-        # Rounds released so far, composed as the schedule was certified (advanced: the smaller of the two bounds).
-        spent = (PldAccountant() if self.schedule.composition == "pld"
-                 else DpCompositionAccountant(composition="best" if self.schedule.composition == "advanced" else "basic"))
+        # Rounds released so far, composed as the schedule was certified and as every client's ledger composes them.
+        spent = composition_accountant(cfg.ddpsa_composition)
         self.privacy = PrivacyLedger(cfg.delta, uplink=spent, downlink=spent)
         self.codec = FixedPointCodec(frac_bits=cfg.ddpsa_frac_bits, max_clients=max(cfg.num_clients, 2))
         #: Servers whose partial sums reconstruct a round; ``shamir`` is it for Shamir sharing, None for additive.

@@ -18,14 +18,14 @@ Round ``r`` (the stages of :mod:`strategies.stages`; messages of :mod:`protocols
 6. account: the shortfall of the noise left after recovery (:func:`strategies.recovery.charge_shortfall`).
 
 Calibration.  Run-config ``epsilon``/``delta`` is the budget of the whole run: ``sigma_k = z Delta f_k`` with
-``z`` the smallest multiplier for which ``num-rounds`` Gaussian releases are (epsilon, delta)-DP under RDP
-(:func:`protocols.privacy.calibrate_noise_multiplier`; no sampling amplification: the server knows whom it
-sampled).  ``privacy-unit = "record"`` (default): per-example clipping, ``Delta f_k = p_k
+``z`` the smallest multiplier for which the public schedule's most releases of a client are (epsilon, delta)-DP
+under RDP (``num-rounds`` at ``sample-rate`` 1, :func:`protocols.niss.client_multiplier`; no sampling
+amplification: the sample is public).  ``privacy-unit = "record"`` (default): per-example clipping, ``Delta f_k = p_k
 record_sensitivity(cfg, n_k)`` and ``p_k = |D_k| / sum_j |D_j|``; ``"client"``: update clipped to ``clip``,
 ``Delta f_k = p_k clip``, ``p_k = 1/m``.  Each client computes ``sigma_k`` and ``p_k`` itself
 (:func:`protocols.niss.client_sigma`, :func:`protocols.niss.aggregation_weights`) and refuses another weight.
 
-Epsilon: uplink (all the round's uploads together) = RDP of the rounds' Gaussian releases with multiplier
+Epsilon, per client: uplink (all the round's uploads together) = RDP of the rounds' Gaussian releases with multiplier
 ``z``: every ``sigma_k`` is raised by the round's ``noise_scale`` (:func:`protocols.floor.niss_floor`, sent with
 the share request, refused below by the clients) so that the server's best linear view of any client keeps at
 least ``(z Delta f_k)^2`` (:mod:`protocols.niss_joint`, a Gaussian approximation of the distorted shares);
@@ -56,14 +56,13 @@ from protocols import niss as niss_math
 from protocols.arrays import flatten, unflatten
 from protocols.config import RunConfig
 from protocols.floor import niss_floor
-from protocols.niss import ShareBundle, client_tau, downlink_multiplier
+from protocols.niss import ShareBundle, client_multiplier, client_tau, downlink_multiplier
 from protocols.niss_joint import survivor_factors
 from protocols.privacy import (
     GaussianEvent,
+    PerUnitAccountant,
     PrivacyLedger,
-    RdpAccountant,
     analytic_gaussian_epsilon,
-    noise_multiplier,
     record_training_movement,
 )
 from protocols.privacy.signal import NoiseEstimate, gaussian_norm
@@ -161,14 +160,18 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
-        self.z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
         self.tau = client_tau(cfg)
         self.keys = KeyPhase(cfg)
         #: The last aggregated round's client reports (sigma_k, tau_k, shares): describe() and noise_estimate().
         self._figures: list[NissMetrics] = []
-        # Uplink (headline) and downlink (the sum's residual): none with tau = 0 (the shares cancel exactly).
-        self.privacy = PrivacyLedger(cfg.delta, uplink=RdpAccountant() if self.tau > 0 else None,
-                                     downlink=RdpAccountant() if self.tau > 0 else None, headline="uplink")
+        # Per client: uplink (headline) and downlink (the sum's residual); none with tau = 0 (the shares cancel).
+        self.privacy = PrivacyLedger(cfg.delta, uplink=PerUnitAccountant() if self.tau > 0 else None,
+                                     downlink=PerUnitAccountant() if self.tau > 0 else None, headline="uplink")
+
+    @property
+    def z(self) -> float:
+        """The multiplier every ``sigma_k`` is calibrated for: the public schedule's most releases (clients: the same)."""
+        return client_multiplier(self.cfg, self.keys.releases())
 
     # ------------------------------------------------------------------ stages
     def plan(self, grid: Grid, st: RoundState) -> NissRound:
@@ -194,8 +197,8 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
 
     def _scale(self, kr: KeyRound) -> float:
         """Joint-view scale (:func:`protocols.floor.niss_floor`, clients refuse less) times the guard's ``noise_scale``."""
-        joint = niss_floor(self.cfg, _sizes(kr), kr.neighbours, client_tau(self.cfg, _sizes(kr))).scale
-        return joint * self.noise_scale
+        tau, releases = client_tau(self.cfg, _sizes(kr)), self.keys.releases()  # the clients derive the same
+        return niss_floor(self.cfg, _sizes(kr), kr.neighbours, tau, releases=releases).scale * self.noise_scale
 
     def _weights(self, kr: KeyRound) -> dict[int, float]:
         return niss_math.aggregation_weights(self.cfg, kr.participants, _sizes(kr))
@@ -408,7 +411,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
     def _planned_sigmas(self, sizes: Mapping[int, int]) -> list[float]:
         """The ``sigma_k`` the participants with ``sizes`` (node -> ``|D_k|``) compute (:func:`protocols.niss.client_sigma`)."""
         weights = niss_math.aggregation_weights(self.cfg, list(sizes), sizes)
-        return [niss_math.client_sigma(self.cfg, weights[n], size) for n, size in sizes.items()]
+        return [niss_math.client_sigma(self.cfg, weights[n], size, self.keys.releases()) for n, size in sizes.items()]
 
     def _typical_sizes(self) -> dict[int, int]:
         """A full round of clients of :meth:`_typical_size` records (estimates before any round)."""
@@ -464,25 +467,23 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         return NoiseEstimate(gaussian_norm(std, num_params), signal, c.num_rounds)
 
     def _downlink_multiplier(self, state: NissRound) -> float:
-        """The published sum's multiplier for the worst-off record of the round (:func:`protocols.niss.downlink_multiplier`).
+        """The published sum's multiplier for the round's worst-off record (:func:`protocols.niss.downlink_multiplier`).
 
-        From the round's weights and the sizes the participants reported with their keys (every participant has
-        one at record level; the size does not matter at client level).
+        From the round's weights and the sizes reported with the keys (which only record level needs).
         """
         sigmas = [niss_math.client_sigma(self.cfg, state.weights[n], state.keys.num_examples.get(n, 1))
                   for n in state.participants]
         return state.noise_scale * downlink_multiplier(state.tau, sigmas, self.z)
 
     def charge_release(self, state: NissRound) -> None:
-        """The planned round: each upload a Gaussian release with multiplier z, the sum ``tau sqrt(sum sigma^2)``.
+        """The planned round, per participant: each upload a Gaussian release of multiplier z, the sum ``tau sqrt(sum sigma^2)``.
 
-        No amplification by sampling in either direction: the server knows whom it sampled, and the sample is
-        drawn from the public run seed, so whoever gets the published model can know it too.
+        No amplification by sampling in either direction: the sample is public (the run's roster schedule).
         """
         if self.privacy.uplink is not None:  # the joint view keeps at least z times the guard's scale
-            self.privacy.uplink.compose(GaussianEvent(self.z * self.noise_scale))
+            self.privacy.uplink.compose(GaussianEvent(self.z * self.noise_scale), units=state.participants)
         if self.privacy.downlink is not None:
-            self.privacy.downlink.compose(GaussianEvent(self._downlink_multiplier(state)))
+            self.privacy.downlink.compose(GaussianEvent(self._downlink_multiplier(state)), units=state.participants)
 
     def account(self, state: NissRound) -> None:
         """Account stage: after a recovery, the shortfall of the noise really left against the planned release."""
@@ -490,9 +491,9 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
             return
         z_real, real = state.noise_left
         if self.privacy.uplink is not None:
-            charge_shortfall(self.privacy.uplink, self.z * self.noise_scale, z_real)
+            charge_shortfall(self.privacy.uplink, self.z * self.noise_scale, z_real, units=state.participants)
         if self.privacy.downlink is not None:
-            charge_shortfall(self.privacy.downlink, self._downlink_multiplier(state), real)
+            charge_shortfall(self.privacy.downlink, self._downlink_multiplier(state), real, units=state.participants)
 
 
 __all__ = ["NissStrategy", "MAX_SHARE_ATTEMPTS"]

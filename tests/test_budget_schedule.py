@@ -7,8 +7,9 @@ import json
 import pytest
 
 from protocols.config import RunConfig
-from protocols.floor import FloorViolation, at_least, nadp_floor, nadp_round_noise
+from protocols.floor import FloorViolation, at_least, nadp_floor, nadp_round_noise, niss_floor
 from protocols.graphs import roster_round_of
+from protocols.niss import client_multiplier, client_sigma, client_tau
 from protocols.schedule import most_participations, participations, roster_releases
 from tests.test_budget_cap import DROPS, NADP_FAST
 
@@ -59,6 +60,29 @@ def test_the_nadp_floor_follows_the_schedule():
             nadp_round_noise(cfg, sizes, None, releases=bad)
 
 
+def test_the_niss_floor_follows_the_schedule():
+    """sigma_k for the schedule's releases; a share request calibrated for fewer releases is refused by the floor."""
+    cfg = RunConfig.from_mapping({"method": "niss", "num-clients": 10, "num-rounds": 12, "sample-rate": 0.5})
+    sizes = {11: 100, 12: 120, 13: 90}
+    graph = {n: [m for m in sizes if m != n] for n in sizes}
+    tau = client_tau(cfg, sizes)
+    assert client_sigma(cfg, 0.3, 100) == client_sigma(cfg, 0.3, 100, releases=12)  # num-rounds is the default
+    full, sched = client_sigma(cfg, 0.3, 100), client_sigma(cfg, 0.3, 100, releases=8)
+    assert sched == pytest.approx(full * (8 / 12) ** 0.5, rel=1e-2)  # z ~ sqrt(T)
+    floor = niss_floor(cfg, sizes, graph, tau, releases=8)
+    assert floor.scale == pytest.approx(niss_floor(cfg, sizes, graph, tau).scale, rel=1e-12)  # scale-free in z
+    assert floor.scale >= 1.0
+    # A server calibrated for 7 releases asks for z_7 / z_8 of the client's sigma: below its floor, refused.
+    fewer = client_multiplier(cfg, 7) / client_multiplier(cfg, 8) * floor.scale
+    assert fewer < floor.scale
+    with pytest.raises(FloorViolation, match="joint-view noise scale"):
+        niss_floor(cfg, sizes, graph, tau, offered=fewer, releases=8)
+    niss_floor(cfg, sizes, graph, tau, offered=floor.scale, releases=8)  # its own calibration passes
+    for bad in (0, 13):
+        with pytest.raises(FloorViolation, match="releases"):
+            niss_floor(cfg, sizes, graph, tau, releases=bad)
+
+
 # ------------------------------------------------------------------------------------------------ real runs
 def _client_epsilons(out, views: tuple[str, ...] = ("uplink", "downlink")) -> list[float]:
     from client.ledger import ClientLedger
@@ -72,7 +96,7 @@ def _client_epsilons(out, views: tuple[str, ...] = ("uplink", "downlink")) -> li
     return worst
 
 
-@pytest.mark.parametrize("method", ["nadp", "mpddp"])
+@pytest.mark.parametrize("method", ["nadp", "mpddp", "niss"])
 def test_half_sample_rate_spends_the_budget(run_inprocess, tmp_path, method):
     """Q = 0.5, 8 rounds: calibrated for the most rounds a client is sampled in, epsilon ends close to 1, never over."""
     cfg = {**(NADP_FAST if method == "nadp" else {"method": method}), "num-clients": 10, "sample-rate": 0.5,

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from client.ledger import ClientLedger
+from client.ledger import Account, ClientLedger
 from protocols.config import RunConfig
+from protocols.ddpsa import composition_accountant
 from protocols.floor import ldp_noise_multiplier
 from protocols.privacy import (
     DpCompositionAccountant,
@@ -71,6 +72,28 @@ def test_ledger_persists_and_composes(tmp_path):
         rdp, dp = RdpAccountant([LaplaceEvent(0.3)]), DpCompositionAccountant([DpEvent(0.2, 1e-7)])
         assert led.spent(1e-5)["uplink/record"] == pytest.approx(rdp.epsilon(5e-6) + dp.epsilon(5e-6), rel=1e-12)
     assert json.loads(ClientLedger.file_for(tmp_path, 4).read_text())["runs"]["2"]["method"] == "mpddp"
+
+
+@pytest.mark.parametrize("composition", ["basic", "advanced", "pld"])
+def test_a_named_composition_is_kept_apart_and_persists(tmp_path, composition):
+    """Releases composed as a method names (DDP-SA's server accountant) give that accountant's epsilon, reloaded."""
+    with ClientLedger.open(tmp_path, 5) as led:
+        for rnd in (1, 2, 3):
+            led.record(7, "ddpsa", rnd, {"uplink/record": LaplaceEvent(0.4)}, composition_accountant(composition))
+    server = composition_accountant(composition)
+    server.compose(LaplaceEvent(0.4, count=3))
+    with ClientLedger.open(tmp_path, 5, write=False) as led:
+        assert led.spent(1e-5)["uplink/record"] == pytest.approx(server.epsilon(1e-5), rel=1e-12)
+        assert led.accounts["uplink/record"].rdp.releases == 0  # not also charged as an RDP Laplace
+        after = led.projected({"uplink/record": LaplaceEvent(0.4)}, 1e-5, composition_accountant(composition))
+    server.compose(LaplaceEvent(0.4))
+    assert after["uplink/record"] == pytest.approx(server.epsilon(1e-5), rel=1e-12)
+    assert RdpAccountant([LaplaceEvent(0.4, count=3)]).epsilon(1e-5) != pytest.approx(server.epsilon(1e-5), rel=1e-3)
+    with pytest.raises(ValueError, match="empty"):
+        Account().compose(LaplaceEvent(0.4), server)
+    old = {"version": 1, "accounts": {"uplink/record": Account().to_state()}, "runs": {}}  # before named compositions
+    assert ClientLedger(tmp_path / "old.json", old).spent(1e-5) == {"uplink/record": 0.0}
+    assert json.loads(ClientLedger.file_for(tmp_path, 5).read_text())["version"] == 2  # an older reader refuses it
 
 
 def test_corrupt_ledger_is_not_read_as_empty(tmp_path):
@@ -155,3 +178,21 @@ def test_spent_ledger_refuses_after_a_process_restart(tmp_path):
     reasons = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(reasons) == 3
     assert all(r is not None and "privacy floor" in r and "lifetime-epsilon" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("composition", ["basic", "pld"])
+def test_ddpsa_client_ledgers_spend_what_the_server_reports(run_inprocess, tmp_path, composition):
+    """After a DDP-SA run every client's ledger holds the epsilon the server reports (same composition both ends)."""
+    from strategies.run.checkpoint import LEDGER_DIR
+
+    summary, rows = run_inprocess(method="ddpsa", ddpsa_composition=composition, num_rounds=3, num_clients=3,
+                                  hidden="", epsilon=2.0)
+    assert summary["failed_rounds"] == [] and len(rows) == 3
+    paths = sorted((tmp_path / "run" / LEDGER_DIR).glob("client-*.json"))
+    assert len(paths) == 3
+    for path in paths:
+        led = ClientLedger(path, json.loads(path.read_text()))
+        assert len(led.rounds(next(iter(led.runs)))) == 3  # every client released in every round
+        assert led.spent(summary["config"]["delta"]) == {"uplink/record": pytest.approx(summary["epsilon"], rel=1e-9)}
+    assert 1.9 <= summary["epsilon"] <= 2.0
+    assert rows[-1]["client_epsilon_max"] == pytest.approx(summary["epsilon"], rel=1e-6)

@@ -28,7 +28,7 @@ from torch import nn
 from client.env import ClientEnv, reply
 from client.floor import release
 from client.identity import node_identity
-from protocols.ddpsa import distributed_laplace_share, l1_sensitivity, laplace_noise
+from protocols.ddpsa import composition_accountant, distributed_laplace_share, l1_sensitivity, laplace_noise
 from protocols.floor import FloorViolation, at_least, at_most, ddpsa_noise_share, ddpsa_round_epsilon
 from protocols.methods.ddpsa import sharing_threshold
 from protocols.per_example import PerExampleClipper
@@ -140,7 +140,8 @@ def train(msg: Message, env: ClientEnv) -> Message:
     model = env.model(from_record(msg.content["arrays"]))
     noisy, loss, frac = noisy_gradient_sum(model, env.x, env.y, env.cfg.clip, eps_t, honest=honest,
                                            seed=_noise_seed(), adjacency=env.cfg.adjacency)
-    spent = release(msg, env, LaplaceEvent(eps_t))  # recorded before any share leaves
+    # Recorded before any share leaves, composed as the server charges it (run-config 'ddpsa-composition').
+    spent = release(msg, env, LaplaceEvent(eps_t), accountant=composition_accountant(env.cfg.ddpsa_composition))
     t0 = time.perf_counter()
     size = share_and_push(noisy, plan.codec(), servers, plan.run_id, rnd, me, threshold=plan.shamir_threshold)
     receipt = ShareReceipt(me.name, share_bytes=8 * size * len(servers), share_time_s=time.perf_counter() - t0)

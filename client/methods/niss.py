@@ -2,10 +2,11 @@
 
 Two phases per round (protocol: :mod:`strategies.niss`; messages: :mod:`protocols.wire.niss`):
 
-* :func:`handle_shares` (``query.shares``): ``sigma_k`` from the client's own run config and dataset size
-  (:func:`protocols.niss.client_sigma`) times the round's ``niss-noise-scale``, refused below the scale the joint
-  view of all uploads needs (:func:`protocols.floor.niss_floor` of the roster graph among the participants and
-  their public sizes; a node whose policy asks for a guarantee also refuses ``tau = 0``), one share of variance
+* :func:`handle_shares` (``query.shares``): ``sigma_k`` from the client's own run config, dataset size and the
+  public schedule's most releases of any client (:func:`protocols.niss.client_sigma`) times the round's
+  ``niss-noise-scale``, refused below the scale the joint view of all uploads needs (:func:`protocols.floor.niss_floor`
+  of the roster graph among the participants and their public sizes, on the same releases; a node whose policy
+  asks for a guarantee also refuses ``tau = 0``), one share of variance
   ``sigma_k^2 / m`` per neighbour the server names (:func:`protocols.niss.client_plan`), returned as one AES-256-GCM
   payload per neighbour; seeds, relay keys and parameters are kept in ``Context.state`` for the next phase.
 * :func:`train` (``train``): open every relayed payload first (a missing, duplicated, unexpected or unauthentic
@@ -31,6 +32,7 @@ from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from client.env import ClientEnv, local_training, record_level_training, reply
 from client.floor import FloorViolation, policy, release
+from client.identity import node_identity
 from client.pairwise_phase import check_view, mask_probe, pair_seeds
 from client.records import to_record
 from client.recovery import remember, seal_self_mask
@@ -42,6 +44,7 @@ from protocols.masking import SHARE_PURPOSE
 from protocols.niss import aggregation_weights, client_plan, client_tau, sizes_digest, upload_sensitivity
 from protocols.privacy import GaussianEvent
 from protocols.relay_crypto import RelayAuthError, make_aad, open_sealed, seal
+from protocols.schedule import roster_releases
 from protocols.task.models import get_weights
 from protocols.wire.arrays import from_record
 from protocols.wire.common import TrainIns, train_metrics
@@ -192,10 +195,13 @@ def handle_shares(msg: Message, env: ClientEnv) -> Message:
     if tau == 0 and policy(env).wants_guarantee:
         raise FloorViolation("niss-tau", tau, "> 0", "with tau = 0 the sum of the uploads is noiseless: no guarantee "
                              "against the server, which this node requires")
+    # Calibrated for the most rounds the public schedule samples any client in (the server computes the same).
+    releases = roster_releases(env.cfg, node_identity(env).roster)
     # The joint view of all uploads (the roster's graph among the participants, public sizes): refuse a smaller scale.
-    niss_floor(env.cfg, req.sizes, check_view(env, req.peers, rnd, full=True).graph or {}, tau, req.noise_scale)
+    niss_floor(env.cfg, req.sizes, check_view(env, req.peers, rnd, full=True).graph or {}, tau, req.noise_scale,
+               releases)
     # The client's own calibration (run config, its dataset size, the neighbour count): never the server's figures.
-    plan = client_plan(env.cfg, own_weight, len(env.y), len(nbrs), req.noise_scale)
+    plan = client_plan(env.cfg, own_weight, len(env.y), len(nbrs), req.noise_scale, releases)
     sigma = plan.sigma_k
     seeds = {n: _fresh_seed(f"{me}/{rnd}/share/{n}") for n in nbrs}
     bundles = niss_math.make_outgoing_bundles(me, plan, nbrs, seeds)
