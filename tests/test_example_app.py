@@ -58,6 +58,16 @@ def test_client_method_mismatch_stops_the_run_naming_the_fix(example_modules):
         strategy.start(grid=grid, initial_arrays=ArrayRecord(task.Net().state_dict()))
 
 
+def test_a_strategy_given_another_methods_settings_is_refused_naming_the_fix(example_modules):
+    """The ServerApp's NadpStrategy built from a run config that says method="ldp": refused before any round."""
+    from strategies import NadpStrategy
+
+    _, task = example_modules
+    with pytest.raises(ConfigError, match="drop 'method'.*LocalDPStrategy"):
+        NadpStrategy(**{**task.settings({}), "method": "ldp"})
+    assert NadpStrategy(**{**task.settings({}), "method": "nadp"}).cfg.method == "nadp"
+
+
 def test_a_message_without_settings_and_no_run_config_is_refused_naming_the_fix(example_modules):
     """protect() with neither the strategy's settings nor a run-config method: ConfigError that says what to do."""
     from client.api import protect
