@@ -50,6 +50,19 @@ BENCHMARKS: dict[str, str] = {
     "audit": "benchmarks.audit",
 }
 
+#: What ``cancelfl-bench --help`` says first: what the benchmarks measure and how to start one (plain text).
+DESCRIPTION = """\
+Measure the methods: accuracy, privacy, attacks, time and bytes.  Every benchmark runs the
+real app (in this process, or in Flower's simulation where it says so) and prints its tables;
+with --out FOLDER it also writes them there, with record.json (command, date, machine,
+commit).  cancelfl-bench <benchmark> --help lists a benchmark's options with their defaults.
+
+Examples:
+  cancelfl-bench defaults --datasets digits            every method with only method and dataset set
+  cancelfl-bench roundtime --out /tmp/roundtime        round time of every method against FedAvg
+  cancelfl-bench reproduce docs/results/roundtime      rerun a recorded result; exit 1 if a figure moved
+"""
+
 #: What ``cancelfl-bench all`` runs, each with its defaults and ``--out <all's --out>/<name>``.
 ALL = ("grid", "attacks", "overhead", "scale")
 
@@ -83,7 +96,7 @@ def build_parser(load: Iterable[str] | None = None) -> argparse.ArgumentParser:
     The others parse their name only, enough for the listing of ``cancelfl-bench --help``.
     """
     load = set(BENCHMARKS if load is None else load)
-    parser = argparse.ArgumentParser(prog="cancelfl-bench", description=plain_text(package.__doc__ or ""),
+    parser = argparse.ArgumentParser(prog="cancelfl-bench", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="benchmark", required=True)
     for name in BENCHMARKS:

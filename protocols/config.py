@@ -38,7 +38,7 @@ from protocols.options import choice as _choice
 from protocols.server_optimizers import SERVER_OPTIMIZERS
 
 DATASETS = ("digits", "breast-cancer", "mnist", "fashion-mnist")
-#: Keys of earlier releases that no longer mean anything: refused (strict mode) with the reason.
+#: Keys that mean nothing to this version: refused (strict mode) with the reason.
 REMOVED_KEYS = {"niss-unit-variance": "NISS sends one noise share per neighbour whatever the noise variance"}
 MODELS = ("mlp", "cnn")
 DEVICES = ("cpu", "cuda", "auto")

@@ -93,10 +93,15 @@ class MaskParameters:
                 f"corruption {self.corruption:g}: P[>= t colluding neighbours] = {self.p_exposed:.2e}, "
                 f"P[< t surviving neighbours] = {self.p_unrecoverable:.2e}" + self._warning())
 
+    @property
+    def colluders_rebuild(self) -> bool:
+        """The assumed colluding neighbours (``c``) reach the threshold: they alone rebuild the self-mask."""
+        return self.threshold <= math.ceil(self.corruption * self.degree - 1e-12)
+
     def _warning(self) -> str:
-        c = math.ceil(self.corruption * self.degree - 1e-12)
-        if self.threshold > c:
+        if not self.colluders_rebuild:
             return ""
+        c = math.ceil(self.corruption * self.degree - 1e-12)
         return (f"; with {self.degree} neighbour(s) t <= c = {c} assumed colluders: they alone rebuild the self-mask "
                 "and no pair seed is ever revealed for a dropped neighbour (run-config 'mask-corruption-rate' = 0, "
                 "or more neighbours per client)")

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from protocols.config import ConfigError
 from protocols.methods import FULL_BATCH, MethodSpec, method_names, method_spec
-from protocols.privacy.audit import AuditBound
+
+if TYPE_CHECKING:  # the accountants (scipy, dp-accounting) load with the audit itself, not with its options
+    from protocols.privacy.audit import AuditBound
 
 __all__ = ["ADJACENCY_TEXT", "CANARIES", "CANARY_SCALE", "DIRECTIONS", "AuditReport", "AuditSpec", "audit_adapter",
            "auditable_methods", "default_canary", "faults", "federation", "methods_where"]

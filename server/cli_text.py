@@ -8,6 +8,7 @@ or accountant (``cancelfl --help`` answers in well under a second).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from protocols.methods import METHODS, VARIANTS
 
@@ -70,14 +71,19 @@ def _protects(name: str) -> str:
     return text
 
 
-def methods_text() -> str:
-    """One line per registered method and variant: name, paper, what its epsilon protects."""
+def methods_text(names: Iterable[str] | None = None) -> str:
+    """One line per registered method and variant: name, paper, what its epsilon protects.
+
+    ``names``: only these methods, no variants (``None``: every method and variant).
+    """
     width = max(len(n) for n in (*METHODS, *VARIANTS)) + 2
     lines = []
-    for name, spec in METHODS.items():
+    chosen = METHODS if names is None else tuple(names)
+    for name in chosen:
+        spec = METHODS[name]
         paper = f"{spec.paper}: " if spec.paper else ""
         lines.append(f"  {name:<{width}}{paper}{_protects(name)}")
-    for name, (method, keys) in VARIANTS.items():
+    for name, (method, keys) in (VARIANTS.items() if names is None else ()):
         sets = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in keys.items())
         lines.append(f"  {name:<{width}}{method} with {sets}")
     return "\n".join(lines)

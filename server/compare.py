@@ -35,9 +35,10 @@ DEFAULT_METHODS = "fedavg,ldp,cdp,nadp,nadp-record-ldp"
 #: ``cancelfl compare --help``'s description (plain text).
 DESCRIPTION = """\
 Run several methods with the same data, clients and privacy target (--epsilon), each with
-its own default settings, then write <out>/report.md: a verdict per DP method against the
-baselines, a table of final figures, and plots of accuracy, epsilon spent (uploads and
-published model) and noise per round.  Each method's run is in <out>/<method>.
+its own default settings, then write <out>/report.md: one verdict line (the DP method that
+protects the most, with the best accuracy, against the others), a table of final figures,
+and plots of accuracy, epsilon spent (uploads and published model) and noise per round.
+Each method's run is in <out>/<method>.
 """
 
 

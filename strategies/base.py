@@ -64,6 +64,8 @@ class CancelStrategy(Strategy):
 
     #: Dtype of model arrays on the wire.
     wire_dtype: type = np.float32
+    #: Start-of-run details in Flower's log (the round loop sets it from ``--verbose``).
+    verbose: bool = False
     #: The key phase of a pairwise-noise method (``self.keys = KeyPhase(cfg)``,
     #: :mod:`strategies.key_phase`); None for the others.
     keys: ForgetsUnresponsive | None = None
@@ -436,15 +438,25 @@ class CancelStrategy(Strategy):
         self._round_report.update({k: float(v) for k, v in values.items()})
 
 
+def _path(target: object) -> str:
+    """``module:qualname`` of a class, or the import path a method card names."""
+    return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"  # type: ignore[attr-defined]
+
+
 def registered_method(cls: type) -> str | None:
     """The registry name of a strategy class (or of its nearest registered base class); None if none."""
-    by_class = {spec.strategy if isinstance(spec.strategy, str) else f"{spec.strategy.__module__}:"
-                f"{spec.strategy.__qualname__}": name for name, spec in METHODS.items()}
-    for klass in cls.__mro__:
-        name = by_class.get(f"{klass.__module__}:{klass.__qualname__}")
-        if name is not None:
-            return name
-    return None
+    by_class = {_path(spec.strategy): name for name, spec in METHODS.items()}
+    return next((by_class[_path(k)] for k in cls.__mro__ if _path(k) in by_class), None)
+
+
+def _check_method(cls: type, cfg: RunConfig) -> RunConfig:
+    """``cfg``, unless it names a method whose strategy ``cls`` (another method's) is not: ConfigError naming the fix."""
+    own, target = registered_method(cls), _path(METHODS[cfg.method].strategy)
+    if own is None or any(_path(k) == target for k in cls.__mro__):
+        return cfg
+    raise ConfigError(f"{cls.__name__} runs method '{own}' but its settings say method='{cfg.method}'; drop 'method' "
+                      f"from the run config (pyproject [tool.flwr.app.config] or --run-config), or build "
+                      f"{target.replace(':', '.')} (strategies.registry.build_strategy builds a run config's own)")
 
 
 def config_for(cls: type, cfg: RunConfig | None, options: Mapping[str, object]) -> RunConfig:
@@ -453,16 +465,16 @@ def config_for(cls: type, cfg: RunConfig | None, options: Mapping[str, object]) 
     ``options`` are run-config keys as Python names (``num_clients=10``, ``nadp_lambda=2.0``) or, through
     ``**{"num-clients": 10}``, as run-config keys; they are validated like ``--run-config`` (unknown keys and
     bad values raise :class:`protocols.config.ConfigError`), on top of ``cfg`` if given.  ``method`` defaults to
-    the class's registered method.
+    the class's registered method; a method whose strategy is another class is refused (ConfigError).
     """
     if cfg is not None and not options:
-        return cfg
+        return _check_method(cls, cfg)
     raw = {} if cfg is None else cfg.to_mapping()
     raw.update({str(k).replace("_", "-"): v for k, v in options.items()})
     method = registered_method(cls)
     if "method" not in raw and method is not None:
         raw["method"] = method
-    return RunConfig.from_mapping(raw)
+    return _check_method(cls, RunConfig.from_mapping(raw))
 
 
 def weighted_average(uploads: list[dict[str, np.ndarray]], weights: list[float]) -> Weights:

@@ -24,7 +24,7 @@ import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from logging import INFO, WARNING
+from logging import DEBUG, INFO, WARNING
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
@@ -183,16 +183,20 @@ class PairwiseRecovery:
         rate = self.cfg.mask_corruption_rate  # type: ignore[attr-defined]
         return {n: mask_threshold(len(nb), rate) for n, nb in neighbours.items() if nb}
 
-    def describe_masking(self, degree: int) -> str:
-        """The start-of-run line on the self-mask threshold at ``degree`` (Bell et al.'s two failure figures)."""
-        cfg = self.cfg  # type: ignore[attr-defined]
-        return mask_parameters(degree, cfg.mask_dropout_rate, cfg.mask_corruption_rate).describe()
-
     def announce_masking(self, neighbours: Mapping[int, Sequence[int]]) -> None:
-        """Log :meth:`describe_masking` for the smallest degree of the first masked round (once per run)."""
+        """Log the self-mask parameters at the first masked round's smallest degree, once per run.
+
+        :meth:`protocols.masking.MaskParameters.describe`: the threshold and Bell et al.'s two failure figures.
+        A warning where the assumed colluders alone rebuild a self-mask; otherwise a detail, shown with
+        ``--verbose`` (the strategy's ``verbose``).
+        """
         if self.cfg.self_mask and not self.__dict__.get("_announced_mask") and neighbours:  # type: ignore[attr-defined]
             self.__dict__["_announced_mask"] = True
-            log(INFO, "%s %s", self.cfg.method, self.describe_masking(min(len(nb) for nb in neighbours.values())))  # type: ignore[attr-defined]
+            cfg = self.cfg  # type: ignore[attr-defined]
+            params = mask_parameters(min(len(nb) for nb in neighbours.values()), cfg.mask_dropout_rate,
+                                     cfg.mask_corruption_rate)
+            level = WARNING if params.colluders_rebuild else INFO if getattr(self, "verbose", False) else DEBUG
+            log(level, "%s %s", cfg.method, params.describe())
 
     def unmask(self, grid: Grid, state: RoundState, neighbours: Mapping[int, Sequence[int]]) -> None:
         """Double masking: one ``query.recover`` phase to every participant whose upload arrived, every round.

@@ -53,7 +53,7 @@ def test_a_method_registered_from_a_test_module_is_audited_by_its_own_adapter(ca
         faulty = run_audit(dataclasses.replace(SPEC, fault="skip-noise"), seed=3)
         with pytest.raises(ConfigError, match="planted in: gldp"):  # its fault is its own
             AuditSpec("ldp", fault="skip-noise").validate()
-        # The CLI knows it: its fault is a choice, its federation the default; the fault is flagged (exit 1).
+        # The CLI knows it: its fault is accepted, its federation the default; the fault is flagged (exit 1).
         assert main(["audit", "--method", "gldp", "--epsilon", "1", "--fault", "skip-noise"]) == 1
         assert "VIOLATION" in capsys.readouterr().out
     # Twice ldp's noise: the claim is finite and below the run's epsilon, and the honest release is not flagged.

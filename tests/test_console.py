@@ -92,6 +92,20 @@ def test_compare_help_states_its_real_default_methods():
     assert f"default {DEFAULT_METHODS}" in " ".join(_help("compare", "--help").split())
 
 
+def test_audit_help_lists_the_auditable_methods_and_real_defaults_without_loading_torch():
+    from server.audit_spec import AuditSpec, auditable_methods
+
+    text = _help("audit", "--help")
+    body, _, imported = text.rpartition("IMPORTED ")
+    assert imported.strip() == "[]", imported
+    for name in auditable_methods():
+        assert re.search(rf"^  {re.escape(name)}\s", body, re.M), name
+    assert not re.search(r"^  fedavg\s", body, re.M)  # no claim to audit
+    flat = " ".join(body.split())
+    assert f"(default: {AuditSpec.epsilon})" in flat and "(default: upload)" in flat
+    assert not SPHINX.search(body), SPHINX.search(body)
+
+
 def test_bench_help_lists_every_benchmark_without_loading_torch():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     code = ("import sys\nfrom benchmarks.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"

@@ -46,16 +46,26 @@ def test_run_simulation_runs_the_example_with_settings_from_the_strategy(tmp_pat
     assert "does not handle phase" not in out and "with valid keys, got 0" not in out
 
 
-def test_client_method_mismatch_stops_the_run_naming_the_fix(example_modules):
+def test_client_method_mismatch_stops_the_run_naming_the_fix(example_modules, tmp_path):
     """A ClientApp whose run config names another method than the strategy's: the run stops before round 1 ends."""
     from server.local_grid import LocalGrid
     from strategies import NadpStrategy
 
     client_app, task = example_modules
-    strategy = NadpStrategy(**task.settings({}))
+    strategy = NadpStrategy(**task.settings({}), out_dir=str(tmp_path / "run"))
     grid = LocalGrid(client_app.app, strategy.cfg.num_clients, {"method": "fedavg"})
     with pytest.raises(ConfigError, match='method=.nadp.'):
         strategy.start(grid=grid, initial_arrays=ArrayRecord(task.Net().state_dict()))
+
+
+def test_a_strategy_given_another_methods_settings_is_refused_naming_the_fix(example_modules):
+    """The ServerApp's NadpStrategy built from a run config that says method="ldp": refused before any round."""
+    from strategies import NadpStrategy
+
+    _, task = example_modules
+    with pytest.raises(ConfigError, match="drop 'method'.*LocalDPStrategy"):
+        NadpStrategy(**{**task.settings({}), "method": "ldp"})
+    assert NadpStrategy(**{**task.settings({}), "method": "nadp"}).cfg.method == "nadp"
 
 
 def test_a_message_without_settings_and_no_run_config_is_refused_naming_the_fix(example_modules):

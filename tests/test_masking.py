@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import math
 import os
 
@@ -99,6 +100,22 @@ def test_threshold_is_a_majority_beyond_the_colluders():
     graph = {1: [2, 3], 2: [1, 3], 3: [1, 2, 4], 4: [3]}
     assert unmaskable(graph, {1, 2, 3, 4}, dict.fromkeys(graph, 1)) == {1, 2, 3, 4}
     assert unmaskable(graph, {1, 3, 4}, {1: 2, 2: 2, 3: 2, 4: 1}) == set()
+
+
+def test_the_self_mask_line_is_a_detail_unless_the_colluders_reach_the_threshold(monkeypatch):
+    """Flower's log gets it once per run: DEBUG by default, INFO with --verbose, WARNING when t <= c."""
+    logged: list[int] = []
+    monkeypatch.setattr("strategies.recovery.log", lambda level, *args: logged.append(level))
+    cfg = RunConfig.from_mapping({**app_defaults(), "method": "nadp", "num-clients": 10})
+    complete = {n: [m for m in range(10) if m != n] for n in range(10)}
+    quiet, verbose, sparse = NadpStrategy(cfg), NadpStrategy(cfg), NadpStrategy(cfg)
+    verbose.verbose = True
+    quiet.announce_masking(complete)
+    quiet.announce_masking(complete)
+    verbose.announce_masking(complete)
+    sparse.announce_masking({0: [1], 1: [0]})  # one neighbour: t <= c = 1
+    assert logged == [logging.DEBUG, logging.INFO, logging.WARNING]
+    assert not mask_parameters(9, 0.1, 0.1).colluders_rebuild and mask_parameters(1, 0.1, 0.1).colluders_rebuild
 
 
 # ----------------------------------------------------------------------------------- a round of real clients

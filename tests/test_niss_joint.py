@@ -3,7 +3,7 @@
 * One real round (10 clients, n-out graph, the real client handlers, deterministic seeds): the uploads' noise
   (upload minus the diagnostic noiseless ``p_k w_k``) gives an empirical covariance over the model's
   coordinates; the best linear unbiased view of each client keeps at least ``(z Delta f_k)^2``, and matches
-  :func:`protocols.niss_joint.joint_factors`.  The same round with the old calibration (scale 1) does not.
+  :func:`protocols.niss_joint.joint_factors`.  The same round calibrated per upload only (scale 1) does not.
 * The complete graph's closed form matches a dense inverse; the structured path matches it on n-out graphs.
 * A client refuses a share request whose noise scale is under the round's joint-view floor; tau = 0 is no
   uplink guarantee (epsilon inf) and a node whose policy asks for one refuses it.
@@ -37,10 +37,10 @@ def _seed(label: str) -> bytes:
     return hashlib.sha256(b"joint/" + label.encode()).digest()
 
 
-def _round_noise(monkeypatch, *, old_calibration: bool):
+def _round_noise(monkeypatch, *, per_upload_only: bool):
     """One real round: (noise matrix clients x D, charged variances, the round's graph, tau, reported sigmas)."""
     monkeypatch.setattr(niss_client, "_fresh_seed", _seed)
-    if old_calibration:  # what the clients and the server did before the joint view was calibrated for
+    if per_upload_only:  # joint-view scale 1: every sigma calibrated for its upload alone
         unscaled = lambda *a, **k: NissFloor(1.0, {})  # noqa: E731
         monkeypatch.setattr(niss_client, "niss_floor", unscaled)
         monkeypatch.setattr(niss_strategy, "niss_floor", unscaled)
@@ -69,9 +69,9 @@ def _blue_variances(noise: np.ndarray) -> np.ndarray:
     return 1.0 / np.diag(np.linalg.inv(cov))
 
 
-def test_joint_view_keeps_the_charged_variance_and_the_old_calibration_did_not(monkeypatch):
+def test_joint_view_keeps_the_charged_variance_and_per_upload_calibration_does_not(monkeypatch):
     # D = 4810 coordinates: the estimate of 1 / (Sigma^-1)_kk has relative std ~sqrt(2 / D) = 2 %.
-    noise, charged, graph, tau, sigmas = _round_noise(monkeypatch, old_calibration=False)
+    noise, charged, graph, tau, sigmas = _round_noise(monkeypatch, per_upload_only=False)
     assert noise.shape[1] > 4000 and tau > 0
     ratio = _blue_variances(noise) / charged
     assert ratio.min() >= 0.92  # every client keeps its charged variance (exactly 1 for the worst-off one)
@@ -82,10 +82,10 @@ def test_joint_view_keeps_the_charged_variance_and_the_old_calibration_did_not(m
     assert expected.min() == pytest.approx(1.0, rel=1e-9)
 
     with monkeypatch.context() as mp:
-        old, charged_old, *_ = _round_noise(mp, old_calibration=True)
+        old, charged_old, *_ = _round_noise(mp, per_upload_only=True)
     np.testing.assert_allclose(charged_old, charged, rtol=1e-12)
     old_ratio = _blue_variances(old) / charged
-    assert old_ratio.min() < 0.8  # the server's joint view beat the uplink claim before the fix
+    assert old_ratio.min() < 0.8  # calibrated per upload only, the joint view beats the claim
 
 
 @pytest.mark.parametrize("n,tau", [(2, 0.7), (10, 1 / math.sqrt(10)), (37, 0.2), (100, 0.1)])

@@ -109,8 +109,8 @@ def test_mpddp_recovery_charges_exactly_the_survivors_theta(run_inprocess, no_bu
     """Record-level mpddp, 2 of 10 dropping every round: the survivors' Theorem 10 theta is 10/8 of the plan's.
 
     Gaussian RDP is additive in 1/z^2, so the run must report exactly the epsilon of ``num-rounds`` releases at
-    multiplier z sqrt(8/10).  (theta used to be computed from the absolute sigmas while the plan's is per unit
-    sensitivity: a record-level run was charged theta / sens^2, epsilon ~8 here instead of 1.2.)
+    multiplier z sqrt(8/10).  (A theta computed from the absolute sigmas, while the plan's is per unit
+    sensitivity, would charge a record-level run theta / sens^2: epsilon ~8 here instead of 1.2.)
     """
     from protocols.privacy import GaussianEvent, RdpAccountant
 

@@ -80,7 +80,7 @@ BOTH = ("uploads", "published model")
 
 
 def test_verdict_names_the_price_of_the_extra_protection(tmp_path):
-    from strategies.run.report import write_report
+    from strategies.run.report import RunData, verdict, write_report
 
     runs = {"fedavg": _write_run(tmp_path / "fedavg", acc=0.91, rounds=10, up_noise=0.0, model_noise=0.0),
             "cdp": _write_run(tmp_path / "cdp", acc=0.858, views=("published model",), rounds=20, up_noise=0.0,
@@ -88,18 +88,34 @@ def test_verdict_names_the_price_of_the_extra_protection(tmp_path):
             "nadp": _write_run(tmp_path / "nadp", acc=0.864, views=BOTH, rounds=20, up_noise=0.8, model_noise=0.03),
             "ldp": _write_run(tmp_path / "ldp", acc=0.52, views=BOTH, rounds=30, up_noise=0.3, model_noise=0.1)}
     text = write_report(runs, tmp_path / "report").read_text()
-    lines = {line.split("**")[1]: line for line in text.splitlines() if line.startswith("- **")}
+    # One verdict line: the run that protects the most, then is most accurate (nadp), against the others.
+    body = text.split("## Verdict\n\n", 1)[1].split("\n\n", 1)[0]
+    assert "\n" not in body and body.startswith("**nadp** protects the uploads and the published model"), body
     assert "the accuracy of cdp (which protects the published model), 0.864 vs 0.858, with the uploads protected too" \
-        in lines["nadp"]
-    assert "epsilon 1 per record" in lines["nadp"] and "uploads 0.99" in lines["nadp"]
-    assert "against ldp, which protects the same: above it (0.864 vs 0.520)" in lines["nadp"]
-    # worse is said as worse, with the comparator that protects less
+        in body
+    assert "epsilon 1 per record" in body and "uploads 0.99" in body
+    assert "against ldp, which protects the same: above it (0.864 vs 0.520)" in body
+    assert text.count("**ldp**") == text.count("**cdp**") == 0
+    # worse is said as worse, with the comparator that protects less (the verdict of any run)
+    data = [RunData.load(name, folder) for name, folder in runs.items()]
+    lines = {r.name: verdict(r, data) for r in data}
     assert "0.338 below cdp (which protects the published model), 0.520 vs 0.858" in lines["ldp"]
     assert "0.052 below fedavg (no DP), 0.858 vs 0.910, the price of protecting the published model." in lines["cdp"]
-    assert "fedavg" not in lines  # no guarantee: no verdict
+    assert lines["fedavg"] is None  # no guarantee: no verdict
     # the header states each run's own rounds; the table says them per run
     assert "num-rounds: fedavg 10, cdp 20, nadp 20, ldp 30" in text
     assert "No guarantee, so no line: uploads: fedavg, cdp; published model: fedavg." in text
+
+
+def test_the_verdict_picks_the_most_protective_run_even_when_less_accurate(tmp_path):
+    from strategies.run.report import write_report
+
+    runs = {"fedavg": _write_run(tmp_path / "fedavg", acc=0.91, up_noise=0.0, model_noise=0.0),
+            "cdp": _write_run(tmp_path / "cdp", acc=0.85, views=("published model",), up_noise=0.0, model_noise=0.03),
+            "ldp": _write_run(tmp_path / "ldp", acc=0.60, views=BOTH, up_noise=0.3, model_noise=0.1)}
+    text = write_report(runs, tmp_path / "report").read_text()
+    body = text.split("## Verdict\n\n", 1)[1].split("\n\n", 1)[0]
+    assert body.startswith("**ldp**") and "0.250 below cdp" in body and "\n" not in body, body
 
 
 def test_single_run_has_no_verdict(tmp_path):

@@ -328,6 +328,8 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
     mgrid = MeteredGrid(grid, fault_rate=cfg.fault_drop_rate, seed=cfg.seed)
     verbose = verbose_from_env() if verbose is None else verbose
     target = None if method_spec(cfg.method).guarantee(cfg.privacy_unit).unit == "none" else cfg.epsilon
+    if hasattr(strategy, "verbose"):
+        strategy.verbose = verbose  # the method's own start-of-run details
     if verbose:
         strategy.summary()  # the method's parameters (Flower's log)
     for line in preamble(cfg, verbose=verbose):  # the regime applied and what epsilon protects
@@ -489,6 +491,6 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
     write_run_report(out, cfg.method)  # report.md + accuracy/epsilon/noise plots
     acc_text = "" if summary["final_accuracy"] is None else f"final accuracy {summary['final_accuracy']:.4f}, "
     progress(f"done: {acc_text}epsilon "
-             f"{'inf' if summary['epsilon'] is None else round(summary['epsilon'], 4)}, "
+             f"{'none (no DP)' if summary['epsilon'] is None else round(summary['epsilon'], 4)}, "
              f"{total:.1f} s, outputs in {out}")
     return RunOutcome(summary, rounds, kept_arrays)

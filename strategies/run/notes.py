@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from protocols.config import RunConfig
-from protocols.methods import method_spec
+from protocols.methods import FULL_BATCH, method_spec
 from protocols.privacy.signal import MeasuredSignal
 
 __all__ = ["ABOVE_CHANCE", "chance_level", "learning_check", "noise_check", "over_target", "preamble",
@@ -24,6 +24,13 @@ __all__ = ["ABOVE_CHANCE", "chance_level", "learning_check", "noise_check", "ove
 
 #: A published model whose test accuracy is not this far above chance did not learn (the run warns).
 ABOVE_CHANCE = 0.05
+
+
+def _shown(key: str, value: Any) -> str:
+    """``key=value`` as a run config writes it; the full-batch size says so."""
+    if key == "batch-size" and value == FULL_BATCH:
+        return f"{key}={value} (full batch)"
+    return f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}"
 
 
 def preamble(cfg: RunConfig, *, verbose: bool = True) -> list[str]:
@@ -35,7 +42,7 @@ def preamble(cfg: RunConfig, *, verbose: bool = True) -> list[str]:
     lines = []
     if applied:
         lines.append(f"{cfg.method} regime on {cfg.dataset} (keys left \"auto\"; set any to override): "
-                     + " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in applied.items()))
+                     + " ".join(_shown(k, v) for k, v in applied.items()))
     g = method_spec(cfg.method).guarantee(cfg.privacy_unit)
     if g.unit == "none":
         lines.append(f"privacy: {cfg.method} gives no DP guarantee (epsilon is reported as null)")

@@ -7,7 +7,7 @@ Reads ``metrics.jsonl`` and ``summary.json`` of each run folder and writes into 
   direction is listed as "no guarantee" instead of drawn);
 * ``noise.png``: per-coordinate noise std in one upload against that left in the model (``upload_noise_std``,
   ``model_noise_std``; log scale), so noise that cancels shows as a tall bar over a short one;
-* ``report.md``: a verdict line per DP method (:func:`verdicts`), the final figures, the plots and the command.
+* ``report.md``: one verdict line (:func:`headline`), the final figures, the plots and the command.
 
 Every run keeps one colour, line style and marker in all plots; matplotlib (Agg) is imported only when a report is
 written.
@@ -290,11 +290,15 @@ def verdict(run: RunData, runs: Sequence[RunData]) -> str | None:
     return line + "."
 
 
-def verdicts(runs: Sequence[RunData]) -> list[str]:
-    """:func:`verdict` of every run that has one (none for a single run: nothing to compare with)."""
-    if len(runs) < 2:
-        return []
-    return [v for run in runs if (v := verdict(run, runs)) is not None]
+def headline(runs: Sequence[RunData]) -> str | None:
+    """The report's one verdict line: :func:`verdict` of the DP run that protects the most, then is most accurate.
+
+    None for a single run (nothing to compare with) or when no run has a guarantee.
+    """
+    ranked = [r for r in runs if r.protects() and r.accuracy() is not None]
+    if len(runs) < 2 or not ranked:
+        return None
+    return verdict(max(ranked, key=lambda r: (len(r.protects()), r.accuracy())), runs)
 
 
 def setting_line(runs: Sequence[RunData]) -> str:
@@ -356,8 +360,8 @@ def write_report(runs: Mapping[str, Path], out: Path, *, title: str = "cancelfl 
         md += [f"Setting: {setting}.", ""]
     if command:
         md += ["Made by:", "", "```bash", command, "```", ""]
-    if found := verdicts(data):
-        md += ["## Verdict", ""] + [f"- {v}" for v in found] + [""]
+    if found := headline(data):
+        md += ["## Verdict", "", found, ""]
     md += summary_table(data)
     md += ["", "Epsilon is the whole-run figure spent after the last round; \"none\" means the method gives no "
            "guarantee in that direction. Noise figures are the calibrated per-coordinate standard deviations "
