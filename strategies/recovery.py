@@ -186,7 +186,7 @@ class PairwiseRecovery:
     def describe_masking(self, degree: int) -> str:
         """The start-of-run line on the self-mask threshold at ``degree`` (Bell et al.'s two failure figures)."""
         cfg = self.cfg  # type: ignore[attr-defined]
-        return mask_parameters(degree, cfg.mask_dropout_rate, cfg.mask_corruption_rate).describe()
+        return mask_parameters(degree, cfg.dropout_rate, cfg.mask_corruption_rate).describe()
 
     def announce_masking(self, neighbours: Mapping[int, Sequence[int]]) -> None:
         """Log :meth:`describe_masking` for the smallest degree of the first masked round (once per run)."""
