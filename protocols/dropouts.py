@@ -80,6 +80,8 @@ def niss_dropout_factor(sigmas: Mapping[int, float], graph: Mapping[int, Sequenc
     each, ``d_i`` = ``i``'s degree; recovery removes them), at most ``c_j = sigma_j^2 + sum_{i in N(j)} sigma_i^2 /
     d_i``.  So the survivors keep at least ``sum_k sigma_k^2 - L_m``, ``L_m`` = the sum of the ``m`` largest
     ``c_j``, and the downlink multiplier (:func:`protocols.niss.downlink_multiplier`) scales with its square root.
+    On a complete graph the minimum is exact: the ``m`` largest ``sigma`` drop and each survivor keeps
+    ``(k - m - 1) / (k - 1)`` of its shares (the larger of the two lower bounds is used).
 
     Raises:
         ValueError: ``m`` dropouts can remove all the shares (too few participants for ``rate``).
@@ -90,8 +92,11 @@ def niss_dropout_factor(sigmas: Mapping[int, float], graph: Mapping[int, Sequenc
         return 1.0
     total = math.fsum(sigmas[n] ** 2 for n in sorted(graph))
     cost = {j: sigmas[j] ** 2 + math.fsum(sigmas[i] ** 2 / max(len(graph[i]), 1) for i in graph[j]) for j in graph}
-    lost = math.fsum(sorted(cost.values(), reverse=True)[:m])
-    if lost >= total * (1.0 - 1e-9):
+    kept = total - math.fsum(sorted(cost.values(), reverse=True)[:m])
+    if all(len(graph[n]) == k - 1 for n in graph):
+        smallest = sorted(sigmas[n] ** 2 for n in graph)[: k - m]
+        kept = max(kept, math.fsum(smallest) * (k - m - 1) / (k - 1))
+    if kept <= total * 1e-9:
         raise ValueError(f"run-config 'dropout-rate' = {rate}: up to {m} of {k} participants may drop, which can "
                          "remove all of niss's shares; lower the rate or sample more clients per round")
-    return 1.0 / math.sqrt(1.0 - lost / total)
+    return math.sqrt(total / kept)

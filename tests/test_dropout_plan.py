@@ -120,8 +120,11 @@ def test_niss_scale_carries_the_dropout_factor_on_both_ends():
     assert planned.scale == pytest.approx(plain.scale * factor) and factor > 1.1
     with pytest.raises(FloorViolation, match="joint-view noise scale"):
         niss_floor(cfg(0.1), sizes, graph, tau, offered=plain.scale)
-    with pytest.raises(ValueError, match="dropout-rate"):  # 5 of 10 may drop: every share could go
-        niss_dropout_factor(dict.fromkeys(range(10), 1.0), complete_graph(list(range(10))), 0.1)
+    # complete graph: exact, the 5 survivors of 5 dropouts keep 4/9 of their shares
+    assert niss_dropout_factor(dict.fromkeys(range(10), 1.0), complete_graph(list(range(10))), 0.1) == pytest.approx(
+        math.sqrt(10 / (5 * 4 / 9)))
+    with pytest.raises(ValueError, match="dropout-rate"):  # a path of 3: 2 dropouts could take every share
+        niss_dropout_factor(dict.fromkeys(range(3), 1.0), {0: [1], 1: [0, 2], 2: [1]}, 0.4)
 
 
 # ----------------------------------------------------------------------------------- real clients in-process
