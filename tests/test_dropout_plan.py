@@ -153,11 +153,9 @@ def test_an_n_out_round_with_a_held_upload_stays_under_target(run_inprocess, tmp
     with monkeypatch.context() as old:
         old.setattr(NadpStrategy, "_excluded_multiplier", _residual_only)
         before, _ = run_inprocess(**common, dropout_rate=0.0, out_dir=str(tmp_path / "before"))
-    print("before:", before["stopped"], before["epsilon"], before["failed_rounds"])
     assert before["stopped"] is not None and "past its target epsilon" in before["stopped"], before["stopped"]
     summary, rows = run_inprocess(**common, dropout_rate=0.1, out_dir=str(tmp_path / "after"))
     assert summary["stopped"] is None and summary["failed_rounds"] == [] and len(rows) == 2
-    print("after:", [(r["round"], r["epsilon"], r["dropped"], r.get("kept_pairs"), r.get("noise_scale")) for r in rows])
     assert rows[0]["dropped"] >= 3, rows[0]  # 2 withheld, and the stripped client's upload held, not aggregated
     z = calibrate_noise_multiplier(1.0, 1e-5, 1.0, 2)
     assert rows[0]["epsilon"] <= RdpAccountant([GaussianEvent(z)]).epsilon(1e-5) * (1 + 1e-6)
