@@ -20,6 +20,7 @@ from typing import Any
 
 from protocols.config import RunConfig
 from protocols.ddpsa import honest_participants
+from protocols.dropouts import nadp_dropout_factor, niss_dropout_factor
 from protocols.mpddp import (
     calibrate,
     calibrate_ldp,
@@ -262,6 +263,8 @@ class NadpRoundNoise:
 
     ``ldp_stds``: the record-ldp variant's per-client std (then ``sigmas`` and ``allocation`` are None).
     ``lam_problem``: why Eq. 8 has no solution this round (lambda is then 1: no honest partner is left).
+    ``dropout_factor``: the factor (>= 1) on both sigmas for run-config ``dropout-rate``
+    (:func:`protocols.dropouts.nadp_dropout_factor`; 1 for record-ldp).
     """
 
     sensitivities: Mapping[int, float]
@@ -270,6 +273,7 @@ class NadpRoundNoise:
     lam: float
     ldp_stds: Mapping[int, float] | None = None
     lam_problem: str | None = None
+    dropout_factor: float = 1.0
 
 
 def nadp_round_noise(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Sequence[int]] | None,
@@ -283,6 +287,9 @@ def nadp_round_noise(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[in
     ``scale``, while ``sensitivities`` stay the real ones, so the accounts charge the noise really added.
     ``releases``: the releases the noise is calibrated for, the most rounds any client is sampled in under the
     public schedule (:func:`client.pairwise_phase.roster_releases`); None: ``num-rounds``.
+    Dropouts (run-config ``dropout-rate`` r): both sigmas times :func:`protocols.dropouts.nadp_dropout_factor`
+    ``1/sqrt(P_min)``, so that the survivors of up to ``m`` dropouts (``P[Bin(k, r) > m] <= 1e-3``) keep the
+    plan's multiplier in the renormalised aggregate (the recovered pairs gone, only the survivors' residuals stay).
 
     Raises:
         FloorViolation: ``scale`` < 1 (less noise than the run's calibration), or ``releases`` outside
@@ -295,12 +302,14 @@ def nadp_round_noise(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[in
     if cfg.nadp_variant == "record-ldp":
         z_ldp = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, t)
         return NadpRoundNoise(sens, None, None, 1.0, {n: z_ldp * s * scale for n, s in sens.items()})
-    sig, alloc = round_plan(sizes, {n: v * scale for n, v in sens.items()}, cfg.epsilon, cfg.delta, t, graph=graph)
+    drop = nadp_dropout_factor(sizes, cfg.dropout_rate)
+    sig, alloc = round_plan(sizes, {n: v * scale * drop for n, v in sens.items()}, cfg.epsilon, cfg.delta, t,
+                            graph=graph)
     min_degree = min(len(nb) for nb in graph.values()) if graph is not None and alloc.pair_table is not None else None
     try:
-        return NadpRoundNoise(sens, sig, alloc, nadp_compensation(cfg, sizes, min_degree))
+        return NadpRoundNoise(sens, sig, alloc, nadp_compensation(cfg, sizes, min_degree), dropout_factor=drop)
     except ValueError as err:  # (1 - tau) k <= 1: no honest partner is left to hide behind
-        return NadpRoundNoise(sens, sig, alloc, 1.0, lam_problem=str(err))
+        return NadpRoundNoise(sens, sig, alloc, 1.0, lam_problem=str(err), dropout_factor=drop)
 
 
 @dataclass(frozen=True)
@@ -325,8 +334,9 @@ def nadp_floor(cfg: RunConfig, sizes: Mapping[int, int], me: int, graph: Mapping
 class NissFloor:
     """A NISS round's joint-view calibration, derived alike by the server's plan and every client.
 
-    ``scale``: the factor on every ``sigma_k`` (:func:`protocols.niss_joint.joint_scale`; 1 when ``tau = 0``,
-    where no scale helps and the run's uplink carries no guarantee); ``factors``: node -> ``f_k`` at scale 1.
+    ``scale``: the factor on every ``sigma_k`` (:func:`protocols.niss_joint.joint_scale` times the dropout factor;
+    1 when ``tau = 0``, where no scale helps and the run's uplink carries no guarantee); ``factors``: node -> ``f_k``
+    at scale 1.
     """
 
     scale: float
@@ -336,6 +346,9 @@ class NissFloor:
 def niss_floor(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Sequence[int]], tau: float,
                offered: float | None = None, releases: int | None = None) -> NissFloor:
     """``niss``: the noise scale the round's joint view needs; refuses an ``offered`` scale below it.
+
+    The scale is :func:`protocols.niss_joint.joint_scale` times :func:`protocols.dropouts.niss_dropout_factor`
+    (run-config ``dropout-rate``: the survivors of up to the binomial tail's dropouts keep the downlink multiplier).
 
     ``sizes``: the participants' public dataset sizes (node -> ``|D_k|``; ignored at client level), ``graph``:
     the round's pairing graph over them (the roster graph among the present nodes), ``tau``: the round's
@@ -354,7 +367,7 @@ def niss_floor(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Seq
     factors = joint_factors(sigmas, graph, tau)
     if tau == 0:
         return NissFloor(1.0, factors)
-    floor = NissFloor(joint_scale(factors), factors)
+    floor = NissFloor(joint_scale(factors) * niss_dropout_factor(sigmas, graph, cfg.dropout_rate), factors)
     if offered is not None:
         at_least("joint-view noise scale", offered, floor.scale,
                  "the uploads together would leave this client less noise than its accountant charges")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from protocols.dropouts import binom_tail
 from protocols.prg import gaussian
 from protocols.relay_crypto import make_aad, open_sealed, seal
 from protocols.secret_sharing import shamir_combine, shamir_split
@@ -61,13 +62,6 @@ def signatures_needed(degree: int, roster_degree: int, corruption: float) -> int
     """
     c = math.ceil(corruption * max(roster_degree, degree) - 1e-12)
     return degree + c - mask_threshold(degree, corruption) + 1
-
-
-def _binom_tail(n: int, p: float, k: int) -> float:
-    """P[Binomial(n, p) >= k]."""
-    if k <= 0:
-        return 1.0
-    return math.fsum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1))
 
 
 @dataclass(frozen=True)
@@ -110,8 +104,8 @@ class MaskParameters:
 def mask_parameters(degree: int, dropout: float, corruption: float) -> MaskParameters:
     """The threshold of ``degree`` and its failure probabilities at the assumed rates (independent nodes)."""
     t = mask_threshold(degree, corruption)
-    return MaskParameters(degree, t, dropout, corruption, _binom_tail(degree, corruption, t),
-                          _binom_tail(degree, dropout, degree - t + 1), signatures_needed(degree, degree, corruption))
+    return MaskParameters(degree, t, dropout, corruption, binom_tail(degree, corruption, t),
+                          binom_tail(degree, dropout, degree - t + 1), signatures_needed(degree, degree, corruption))
 
 
 def new_mask_seed() -> bytes:

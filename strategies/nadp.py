@@ -342,10 +342,25 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
             paper["paper"].compose(event)
         rec = self.recovered(st)
         if rec is not None and st.allocation is not None:
-            # An excluded upload the server holds, with its pair seeds revealed: only its residual noise is left.
             for n in rec.excluded:
-                z = st.allocation.residual_std[n] / (st.allocation.weights[n] * st.sensitivity[n])
-                self.privacy.uplink.compose(GaussianEvent(z), units=[n])
+                self.privacy.uplink.compose(GaussianEvent(self._excluded_multiplier(st, n)), units=[n])
+
+    def _excluded_multiplier(self, st: NadpRound, node: int) -> float:
+        """Noise multiplier of an excluded upload the server holds, its pair seeds revealed.
+
+        Its residual noise stays and, with ``self-mask``, its self-mask (std ``uplink_std``, the client's whole
+        upload noise, :func:`client.methods.nadp.noise_parts`): an excluded node is named not aggregated, so its
+        neighbours reveal its pair seeds and never a share of its self-mask seed, and a server without colluding
+        clients (nadp's guarantee) cannot get both (the signed consistency check, :mod:`protocols.consistency`).
+        Without ``self-mask`` only the residual is left.
+        """
+        alloc = st.allocation
+        assert alloc is not None
+        var = (alloc.residual_std[node] / alloc.weights[node]) ** 2
+        rec = self.recovered(st)
+        if self.cfg.self_mask and rec is not None and node not in rec.masks:
+            var += alloc.uplink_variance(node, st.plan.lam)
+        return math.sqrt(var) / st.sensitivity[node]
 
     def _uplink_multipliers(self, st: NadpRound, survivors: list[int]) -> tuple[dict[int, float], dict[int, float]]:
         """Per survivor: noise multiplier of the server's joint view of the uploads, and of its upload alone.

@@ -370,8 +370,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
                 if m.out_seed is not None:  # None: the survivor kept its own shares (they stay, as DP noise)
                     kept[node] -= m.out_count * m.out_std**2
                     lost_among += m.out_count * m.out_std**2
-                if not m.in_kept:
-                    lost_among += m.in_count * m.in_std**2
+                # The shares received from the dropped peer are its own noise, never part of the survivors' sum.
             flat -= corr
             if probe is not None:
                 out.append(float(np.dot(corr, probe)))

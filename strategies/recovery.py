@@ -193,7 +193,7 @@ class PairwiseRecovery:
         if self.cfg.self_mask and not self.__dict__.get("_announced_mask") and neighbours:  # type: ignore[attr-defined]
             self.__dict__["_announced_mask"] = True
             cfg = self.cfg  # type: ignore[attr-defined]
-            params = mask_parameters(min(len(nb) for nb in neighbours.values()), cfg.mask_dropout_rate,
+            params = mask_parameters(min(len(nb) for nb in neighbours.values()), cfg.dropout_rate,
                                      cfg.mask_corruption_rate)
             level = WARNING if params.colluders_rebuild else INFO if getattr(self, "verbose", False) else DEBUG
             log(level, "%s %s", cfg.method, params.describe())

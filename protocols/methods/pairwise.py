@@ -31,7 +31,10 @@ class PairwiseOptions(MethodOptions):
                                   "round)", low=0)
     cancellation_check: bool = option(False, "clients report a random projection of their pairwise mask (diagnostic)")
     self_mask: bool = option(True, "double masking: a Shamir-shared self-mask on every pairwise upload")
-    mask_dropout_rate: float = option(0.1, "assumed dropout rate, in [0, 0.5): only feeds the logged P[< t surviving "
-                                           "neighbours]", low=0.0, high=0.5, high_open=True)
+    dropout_rate: float = option(0.0, "assumed share of a round's participants that drop after the key phase, in "
+                                      "[0, 0.5): nadp and niss plan their noise for the dropouts a 1e-3 binomial tail "
+                                      "allows (protocols.dropouts; 0 = plan for none, the budget guard then raises "
+                                      "later rounds' noise); also the logged P[< t surviving neighbours]",
+                                 low=0.0, high=0.5, high_open=True)
     mask_corruption_rate: float = option(0.1, "assumed colluding share of a neighbourhood, in [0, 0.5): sets the "
                                               "self-mask threshold t", low=0.0, high=0.5, high_open=True)
