@@ -215,7 +215,8 @@ def test_recovery_lie_leaves_the_target_its_floor_noise(pinned, self_mask):
         assert shares_of_k == []
         commit = SelfMaskShares.from_config(replies[k].content[SELF_MASK_RECORD]).commitment
         assert rebuild_seed(shares_of_k, mask_threshold(len(graph[k]), 0.1), commit) is None
-        assert np.std(left) >= 0.95 * floor, (np.std(left), floor)
+        # the sample std of n draws has relative sd 1/sqrt(2n): 5 of them below the floor never happens by chance
+        assert np.std(left) >= floor * (1 - 5 / np.sqrt(2 * left.size)), (np.std(left), floor)
     else:  # the attack works without double masking: only the residual noise is left
         assert np.std(left) < 0.5 * floor, (np.std(left), floor)
 
