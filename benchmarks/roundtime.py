@@ -21,11 +21,14 @@ import argparse
 import contextlib
 import functools
 import math
+import os
 import time
 
 from benchmarks import common
 from benchmarks.overhead import deployment_point, median_over_repeats, simulation_point
+from benchmarks.roundtrace import write_breakdown
 from benchmarks.runs import RunResult, add_ratios, run_point, warm_up
+from protocols.trace import TRACE_ENV
 
 HELP = "round time of every method vs FedAvg with realistic local data (with per-method goals)"
 
@@ -54,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clients", type=int, default=10)
     p.add_argument("--engine", choices=("inprocess", "simulation", "deployment"), default="inprocess")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians of per-repeat ratios")
+    p.add_argument("--trace", action="store_true",
+                   help="deployment: trace every message and write where the round's time goes (roundtrace.md)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,6 +76,11 @@ def run(args: argparse.Namespace) -> int:
         if args.engine == "deployment":
             from server.deploy import LocalCluster
 
+            if args.trace:  # every process of the cluster inherits it (protocols.trace)
+                out.mkdir(parents=True, exist_ok=True)
+                trace_file = out / "trace.jsonl"
+                trace_file.unlink(missing_ok=True)
+                stack.enter_context(_env(TRACE_ENV, str(trace_file.resolve())))
             cluster = stack.enter_context(LocalCluster(k, intermediate_servers=3 if "ddpsa" in methods else 0))
             point = functools.partial(deployment_point, cluster)
         elif args.engine == "simulation":
@@ -96,7 +106,23 @@ def run(args: argparse.Namespace) -> int:
     ]
     common.publish(rows, COLUMNS, args, "roundtime", title="Round time per method vs FedAvg", notes=notes,
                    total=total)
+    if args.engine == "deployment" and args.trace:
+        print(f"breakdown: {write_breakdown(out / 'trace.jsonl', out)}")
     return 0
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    """Set the environment variable ``name`` for the block."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def _timed_runs(args: argparse.Namespace, methods: list[str], point, k: int, base: dict, msets: dict,
