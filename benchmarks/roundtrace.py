@@ -22,7 +22,7 @@ The segments (seconds, median over the timed rounds' messages of one type):
 Per round: the round's wall time, each phase's wall time (first push to last reply), the ServerApp's own work
 between phases (round minus phases) and after the round (evaluation, checkpoint), and the CPU seconds all the
 deployment's processes spent in the round (``cluster_cpu_s``: what the round costs on a machine that runs
-everything, whatever else loads it).
+everything, whatever else loads it), of which the ServerApp's (``server_cpu_s``).
 """
 
 from __future__ import annotations
@@ -128,7 +128,8 @@ def breakdown(events: list[dict], *, skip_rounds: int = 1) -> tuple[list[dict], 
     per_round: dict[str, list[dict]] = defaultdict(list)
     for r in rounds:
         comp = {"round_s": r["t_end"] - r["t"], "evaluate_s": r["t_evaluated"] - r["t_end"],
-                "after_s": r["t_next"] - r["t_evaluated"], "cluster_cpu_s": r.get("cpu", math.nan)}
+                "after_s": r["t_next"] - r["t_evaluated"], "cluster_cpu_s": r.get("cpu", math.nan),
+                "server_cpu_s": r.get("server_cpu", math.nan)}
         walls = 0.0
         for (rid, mtype), w in phase_walls.items():
             if rid == id(r):

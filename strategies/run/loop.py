@@ -282,7 +282,7 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
             progress(f"round {rnd}/{total_rounds}  STOPPED: {stopped}; the model of round {kept_round} is kept")
             break
         mgrid.reset()
-        t0, t0_wall, cpu0 = time.perf_counter(), time.time(), traced_cpu() if tracing() else 0.0
+        t0, t0_wall, cpu0, own0 = time.perf_counter(), time.time(), traced_cpu() if tracing() else 0.0, time.process_time()
         try:
             new_arrays, train_metrics = run_round(  # the round's charge survives a crash once the messages are built
                 strategy, mgrid, rnd, arrays, before_send=lambda r=rnd: mark_pending(out, r, state()))
@@ -294,7 +294,7 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
             progress(f"round {rnd}/{total_rounds}  FAILED: {err}")
             new_arrays, train_metrics = None, None
         wall = time.perf_counter() - t0
-        t_round_end, cpu_round = time.time(), traced_cpu() - cpu0 if tracing() else 0.0
+        t_round_end, cpu_round, own_cpu = time.time(), traced_cpu() - cpu0 if tracing() else 0.0, time.process_time() - own0
         guard.after_round()
         if new_arrays is not None:
             if (release := strategy.released(arrays, new_arrays, num_params)) is not None:
@@ -364,7 +364,7 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
             break
         progress(round_line(row, total_rounds, target, verbose=verbose, figures=strategy.round_report()))
         trace("round", round=rnd, method=cfg.method, t=t0_wall, t_end=t_round_end, t_evaluated=t_evaluated,
-              t_next=time.time(), cpu=cpu_round)
+              t_next=time.time(), cpu=cpu_round, server_cpu=own_cpu)
     total = time.perf_counter() - t_start
     model_file = task.save_model(out, from_record(kept_arrays))
     last = rounds[-1] if rounds else {"test_accuracy": None, "test_loss": None, "epsilon": None,
