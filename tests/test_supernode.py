@@ -238,3 +238,40 @@ def test_loading_the_clientapp_writes_its_bytecode_even_where_python_is_told_not
     clientapp_zygote._cached_app_bytecode()
     rc.get_load_client_app_fn("", None, True)("fab-id", "1.0", "hash")
     assert seen == [False] and sys.dont_write_bytecode is True  # only while the app's modules load
+
+
+def test_a_server_error_on_a_reply_pull_is_asked_again_and_others_propagate(monkeypatch):
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from flwr.serverapp import Grid
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from strategies.run.grid import MeteredGrid
+
+    for key, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 0)):
+        monkeypatch.setattr(TaskIdentity, key, value)
+
+    class StatusError(Exception):
+        def __init__(self, code: int) -> None:
+            super().__init__(f"HTTP {code}")
+            self.response = SimpleNamespace(status_code=code)
+
+    class HttpGrid(Grid):  # noqa: D101 - the name is what the loop recognises as Flower's deployment grid
+        def __init__(self, errors: list[int]) -> None:
+            self.errors = list(errors)
+
+        def push_messages(self, messages):  # noqa: D102
+            return [str(i) for i, _ in enumerate(messages)]
+
+        def pull_messages(self, message_ids):  # noqa: D102
+            if self.errors:
+                raise StatusError(self.errors.pop(0))
+            return [SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=mid, src_node_id=int(mid) + 1),
+                                    has_error=lambda: False,
+                                    content=RecordDict({"c": ConfigRecord({"ok": 1})})) for mid in message_ids]
+
+        create_message = get_node_ids = set_run = run = send_and_receive = None
+
+    msgs = [Message(RecordDict({"c": ConfigRecord({"x": 1})}), dst_node_id=n, message_type="train") for n in (1, 2)]
+    assert len(MeteredGrid(HttpGrid([500, 503])).send_and_receive(msgs, timeout=10)) == 2
+    with pytest.raises(StatusError):
+        MeteredGrid(HttpGrid([404])).send_and_receive(msgs, timeout=10)

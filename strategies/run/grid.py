@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterable
+from logging import WARNING
 
 from flwr.app import Message
+from flwr.common import log
 from flwr.serverapp import Grid
 
 from protocols.trace import trace, tracing
@@ -121,7 +123,10 @@ class MeteredGrid(Grid):
         return replies
 
     def _poll(self, messages: list[Message], timeout: float | None) -> list[Message]:
-        """Push, then pull the replies every 20-100 ms until all arrived or ``timeout`` (Flower's HttpGrid: 3 s)."""
+        """Push, then pull the replies every 20-100 ms until all arrived or ``timeout`` (Flower's HttpGrid: 3 s).
+
+        A pull the SuperLink answers with a server error (HTTP 5xx, e.g. under heavy load) is asked again.
+        """
         t_push = time.time()
         pending = set(self.inner.push_messages(messages))
         if tracing():
@@ -132,7 +137,13 @@ class MeteredGrid(Grid):
         wait = 0.02
         while pending and (end is None or time.monotonic() < end):
             t_pull = time.time()
-            got = list(self.inner.pull_messages(pending))
+            try:
+                got = list(self.inner.pull_messages(pending))
+            except Exception as err:  # noqa: BLE001 - only a server error is retried, below
+                if getattr(getattr(err, "response", None), "status_code", 0) < 500:
+                    raise
+                log(WARNING, "pulling replies: the SuperLink answered %s; asking again", err.response.status_code)
+                got = []
             if got and tracing():
                 t_got = time.time()
                 for m in got:

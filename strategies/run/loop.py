@@ -282,7 +282,8 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
             progress(f"round {rnd}/{total_rounds}  STOPPED: {stopped}; the model of round {kept_round} is kept")
             break
         mgrid.reset()
-        t0, t0_wall, cpu0, own0 = time.perf_counter(), time.time(), traced_cpu() if tracing() else 0.0, time.process_time()
+        cpu0 = traced_cpu() if tracing() else 0.0  # (CANCELFL_TRACE) before the round's clock starts
+        t0, t0_wall, own0 = time.perf_counter(), time.time(), time.process_time()
         try:
             new_arrays, train_metrics = run_round(  # the round's charge survives a crash once the messages are built
                 strategy, mgrid, rnd, arrays, before_send=lambda r=rnd: mark_pending(out, r, state()))
