@@ -11,7 +11,7 @@ exits with its exit code; without a zygote it runs the real ``flwr-clientapp`` u
 A child installs a FAB that its ``FLWR_HOME`` already holds (same SHA-256) by reusing that install
 (:func:`_cached_fab_install`), loads the app's modules from bytecode cached next to that install
 (:func:`_cached_app_bytecode`), and it and the zygote retry a message object that is not there yet after
-20 ms instead of Flower's 1 s (:func:`quick_object_transfers`), several objects at a time.
+20 ms instead of Flower's 1 s (:func:`quick_object_pulls`).
 
 After the fork every child reseeds numpy's and torch's global generators (DP noise always comes from the
 OS CSPRNG; this keeps non-DP randomness, e.g. data shuffling, from repeating across messages).
@@ -78,31 +78,17 @@ sys.exit(int(line) if line.strip() else 1)
 #: (first, longest) wait in seconds before asking again for a message object that is not there yet; the value of
 #: ``strategies.run.grid.OBJECT_PULL_BACKOFF`` (Flower 1.42: 1 s, doubling up to 10 s).
 OBJECT_PULL_BACKOFF = (0.02, 0.5)
-#: Message objects pushed or pulled at once (``strategies.run.grid.OBJECT_TRANSFERS``; Flower 1.42: 2, at most
-#: the machine's cores).
-OBJECT_TRANSFERS = 8
+def quick_object_pulls() -> None:
+    """Make this process's Flower object pulls wait :data:`OBJECT_PULL_BACKOFF` for a missing object.
 
-
-def quick_object_transfers() -> None:
-    """Make this process move :data:`OBJECT_TRANSFERS` message objects at once and ask again soon for a missing one.
-
-    The SuperNode and every ClientApp child (``strategies.run.grid.quick_object_transfers`` in the ServerApp):
-    a message's objects follow it within milliseconds, so Flower's first wait of 1 s alone added seconds to
-    every message; each object is one request, so two at a time made every hop a chain of requests.
+    The SuperNode and every ClientApp child (``strategies.run.grid.quick_object_pulls`` in the ServerApp):
+    a message is listed before its objects arrive and they follow within milliseconds, so Flower's first wait
+    of 1 s alone added seconds to every message.
     """
     from flwr.supercore.inflatable import inflatable_utils as iu
 
     for fn in (iu.pull_objects, iu.pull_and_inflate_object_from_tree):
-        fn.__kwdefaults__.update(initial_backoff=OBJECT_PULL_BACKOFF[0], backoff_cap=OBJECT_PULL_BACKOFF[1],
-                                 max_concurrent_pulls=OBJECT_TRANSFERS)
-    for fn in (iu.push_objects, iu.push_object_contents_from_iterable):
-        fn.__kwdefaults__.update(max_concurrent_pushes=OBJECT_TRANSFERS)
-    iu.get_num_workers = _num_workers
-
-
-def _num_workers(max_concurrent: int) -> int:
-    """Flower's ``get_num_workers`` without its cap at the machine's cores (the workers wait on requests)."""
-    return max(1, int(max_concurrent))
+        fn.__kwdefaults__.update(initial_backoff=OBJECT_PULL_BACKOFF[0], backoff_cap=OBJECT_PULL_BACKOFF[1])
 
 
 def write_shim(folder: Path, python: str = sys.executable) -> Path:
@@ -305,7 +291,7 @@ def serve(path: Path, parent_pid: int | None = None, poll: float = 0.05) -> None
         return
     _preload()
     with contextlib.suppress(ImportError):
-        quick_object_transfers()
+        quick_object_pulls()
     path.unlink(missing_ok=True)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(str(path))

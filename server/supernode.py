@@ -9,9 +9,9 @@ Same arguments as ``flower-supernode`` (Flower 1.42).  Changes, none to what a m
   soon), and looks for its ClientApp's reply every 20 ms instead of 0.5 s;
 * its SuperExec looks for new tasks every ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` seconds (Flower's own
   setting; default here 0.05 instead of 1);
-* it and its ClientApp processes move 8 message objects at a time instead of 2 and ask again for one that is
-  not there yet after 20 ms (doubling up to 0.5 s) instead of Flower's 1 s (doubling up to 10 s):
-  :func:`server.clientapp_zygote.quick_object_transfers`.
+* it and its ClientApp processes ask again for a message object that is not there yet after 20 ms (doubling
+  up to 0.5 s) instead of Flower's 1 s (doubling up to 10 s):
+  :func:`server.clientapp_zygote.quick_object_pulls`.
 
 Set ``CANCELFL_WARM_CLIENTAPP=0`` to start a fresh ``flwr-clientapp`` per message as Flower does.
 With ``CANCELFL_TRACE`` set (:mod:`protocols.trace`) the SuperNode appends a ``node_pull`` line per message it
@@ -161,9 +161,9 @@ def main(argv: list[str] | None = None) -> None:
     import flwr.supernode.start_client_internal as loop
     from flwr.supernode.cli.flower_supernode import flower_supernode
 
-    from server.clientapp_zygote import quick_object_transfers
+    from server.clientapp_zygote import quick_object_pulls
 
-    quick_object_transfers()
+    quick_object_pulls()
 
     loop.time = clock = _PollClock(interval)  # the module's idle and reply waits (Flower 1.42: 3 s and 0.5 s)
     if os.environ.get("CANCELFL_TRACE"):

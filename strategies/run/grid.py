@@ -16,38 +16,24 @@ from protocols.wire.ddpsa import SHARE_BYTES
 from strategies.run.faults import fault_drops
 from strategies.validation import payload_bytes
 
-__all__ = ["OBJECT_PULL_BACKOFF", "OBJECT_TRANSFERS", "OFF_GRID_BYTES", "MeteredGrid", "quick_object_transfers"]
+__all__ = ["OBJECT_PULL_BACKOFF", "OFF_GRID_BYTES", "MeteredGrid", "quick_object_pulls"]
 
 #: (first, longest) wait in seconds before a process asks again for a message object that is not there yet
 #: (Flower 1.42: 1 s, doubling up to 10 s).  The objects of a message follow it within milliseconds (its sender
 #: pushes them right after the message), so Flower's first wait alone added 1-3 s to every hop of a round.
 OBJECT_PULL_BACKOFF = (0.02, 0.5)
-#: Message objects pushed or pulled at once (Flower 1.42: 2, at most the machine's cores).  Every array of a
-#: message is its own objects, each one request: two at a time make every hop a chain of requests.
-OBJECT_TRANSFERS = 8
+def quick_object_pulls() -> None:
+    """Make this process's Flower object pulls wait :data:`OBJECT_PULL_BACKOFF` for a missing object (ServerApp).
 
-
-def quick_object_transfers() -> None:
-    """Make this process move :data:`OBJECT_TRANSFERS` message objects at once and ask again soon for a missing one.
-
-    Sets the keyword defaults of Flower's ``pull_objects``, ``pull_and_inflate_object_from_tree``,
-    ``push_objects`` and ``push_object_contents_from_iterable`` (every transfer of a message's objects) and lifts
-    the cap of the transfer threads at the machine's cores; what is sent and every check are unchanged.
-    ``server.clientapp_zygote.quick_object_transfers`` does the same in the SuperNode and its ClientApps.
+    Sets the keyword defaults of Flower's ``pull_objects`` and ``pull_and_inflate_object_from_tree`` (every pull
+    of a message's objects); what is pulled and every check are unchanged.  An object that never comes fails the
+    pull after Flower's 500 tries, about 4 minutes here.
+    ``server.clientapp_zygote.quick_object_pulls`` does the same in the SuperNode and its ClientApps.
     """
     from flwr.supercore.inflatable import inflatable_utils as iu
 
     for fn in (iu.pull_objects, iu.pull_and_inflate_object_from_tree):
-        fn.__kwdefaults__.update(initial_backoff=OBJECT_PULL_BACKOFF[0], backoff_cap=OBJECT_PULL_BACKOFF[1],
-                                 max_concurrent_pulls=OBJECT_TRANSFERS)
-    for fn in (iu.push_objects, iu.push_object_contents_from_iterable):
-        fn.__kwdefaults__.update(max_concurrent_pushes=OBJECT_TRANSFERS)
-    iu.get_num_workers = _num_workers
-
-
-def _num_workers(max_concurrent: int) -> int:
-    """Flower's ``get_num_workers`` without its cap at the machine's cores (the workers wait on requests)."""
-    return max(1, int(max_concurrent))
+        fn.__kwdefaults__.update(initial_backoff=OBJECT_PULL_BACKOFF[0], backoff_cap=OBJECT_PULL_BACKOFF[1])
 
 
 #: Train-reply figure of the uplink bytes a client sent past the grid (DDP-SA's shares to its intermediate servers,
@@ -73,7 +59,7 @@ class MeteredGrid(Grid):
         #: Flower's deployment grid: replies are pulled here (:meth:`_poll`), object pulls retried quickly.
         self.deployed = _polls_slowly(inner)
         if self.deployed:
-            quick_object_transfers()
+            quick_object_pulls()
 
     def reset(self) -> None:
         """Start counting a new round."""
