@@ -11,7 +11,7 @@ exits with its exit code; without a zygote it runs the real ``flwr-clientapp`` u
 A child installs a FAB that its ``FLWR_HOME`` already holds (same SHA-256) by reusing that install
 (:func:`_cached_fab_install`), loads the app's modules from bytecode cached next to that install
 (:func:`_cached_app_bytecode`), and it and the zygote retry a message object that is not there yet after
-20 ms instead of Flower's 1 s (:func:`quick_object_pulls`).
+50 ms instead of Flower's 1 s (:func:`quick_object_pulls`).
 
 After the fork every child reseeds numpy's and torch's global generators (DP noise always comes from the
 OS CSPRNG; this keeps non-DP randomness, e.g. data shuffling, from repeating across messages).
@@ -77,7 +77,7 @@ sys.exit(int(line) if line.strip() else 1)
 
 #: (first, longest) wait in seconds before asking again for a message object that is not there yet; the value of
 #: ``strategies.run.grid.OBJECT_PULL_BACKOFF`` (Flower 1.42: 1 s, doubling up to 10 s).
-OBJECT_PULL_BACKOFF = (0.02, 0.5)
+OBJECT_PULL_BACKOFF = (0.05, 0.5)
 def quick_object_pulls() -> None:
     """Make this process's Flower object pulls wait :data:`OBJECT_PULL_BACKOFF` for a missing object.
 

@@ -9,7 +9,7 @@ Same arguments as ``flower-supernode`` (Flower 1.42).  Changes, none to what a m
   soon), and looks for its ClientApp's reply every 20 ms instead of 0.5 s;
 * its SuperExec looks for new tasks every ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` seconds (Flower's own
   setting; default here 0.05 instead of 1);
-* it and its ClientApp processes ask again for a message object that is not there yet after 20 ms (doubling
+* it and its ClientApp processes ask again for a message object that is not there yet after 50 ms (doubling
   up to 0.5 s) instead of Flower's 1 s (doubling up to 10 s):
   :func:`server.clientapp_zygote.quick_object_pulls`.
 

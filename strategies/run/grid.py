@@ -21,7 +21,7 @@ __all__ = ["OBJECT_PULL_BACKOFF", "OFF_GRID_BYTES", "MeteredGrid", "quick_object
 #: (first, longest) wait in seconds before a process asks again for a message object that is not there yet
 #: (Flower 1.42: 1 s, doubling up to 10 s).  The objects of a message follow it within milliseconds (its sender
 #: pushes them right after the message), so Flower's first wait alone added 1-3 s to every hop of a round.
-OBJECT_PULL_BACKOFF = (0.02, 0.5)
+OBJECT_PULL_BACKOFF = (0.05, 0.5)
 def quick_object_pulls() -> None:
     """Make this process's Flower object pulls wait :data:`OBJECT_PULL_BACKOFF` for a missing object (ServerApp).
 
