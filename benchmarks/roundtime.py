@@ -12,7 +12,8 @@ repeat and the median is reported; round 1 (imports, caches, the first key phase
 ``round_s``: the round's wall time (in-process the clients run one after another).  ``client_s`` (in-process
 only): one client's mean time per round.  ``peak_rss_mb``: the mean over clients of their process's peak
 resident memory (meaningful under simulation; in-process it is the whole process's).  Writes
-``roundtime.csv``/``roundtime.md`` into ``--out``.
+``roundtime.csv``/``roundtime.md`` into ``--out``; with ``--trace`` (deployment) also ``trace.jsonl`` and
+``roundtrace.md``, where each round's time goes (:mod:`benchmarks.roundtrace`).
 """
 
 from __future__ import annotations
