@@ -12,7 +12,8 @@ repeat and the median is reported; round 1 (imports, caches, the first key phase
 ``round_s``: the round's wall time (in-process the clients run one after another).  ``client_s`` (in-process
 only): one client's mean time per round.  ``peak_rss_mb``: the mean over clients of their process's peak
 resident memory (meaningful under simulation; in-process it is the whole process's).  Writes
-``roundtime.csv``/``roundtime.md`` into ``--out``.
+``roundtime.csv``/``roundtime.md`` into ``--out``; with ``--trace`` (deployment) also ``trace.jsonl`` and
+``roundtrace.md``, where each round's time goes (:mod:`benchmarks.roundtrace`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ import argparse
 import contextlib
 import functools
 import math
+import os
 import time
 
 from benchmarks import common
 from benchmarks.overhead import deployment_point, median_over_repeats, simulation_point
+from benchmarks.roundtrace import write_breakdown
 from benchmarks.runs import RunResult, add_ratios, point_config, run_point, warm_up
+from protocols.trace import TRACE_ENV
 
 HELP = "round time of every method vs FedAvg with realistic local data (with per-method goals)"
 
@@ -54,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clients", type=int, default=10)
     p.add_argument("--engine", choices=("inprocess", "simulation", "deployment"), default="inprocess")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians of per-repeat ratios")
+    p.add_argument("--trace", action="store_true",
+                   help="deployment: trace every message and write where the round's time goes (roundtrace.md)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,6 +76,11 @@ def run(args: argparse.Namespace) -> int:
         if args.engine == "deployment":
             from server.deploy import LocalCluster
 
+            if args.trace:  # every process of the cluster inherits it (protocols.trace)
+                out.mkdir(parents=True, exist_ok=True)
+                trace_file = out / "trace.jsonl"
+                trace_file.unlink(missing_ok=True)
+                stack.enter_context(_env(TRACE_ENV, str(trace_file.resolve())))
             servers = _intermediate_servers(methods, k, args.epsilon, base, msets)
             cluster = stack.enter_context(LocalCluster(k, intermediate_servers=servers))
             point = functools.partial(deployment_point, cluster)
@@ -96,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
     ]
     common.publish(rows, COLUMNS, args, "roundtime", title="Round time per method vs FedAvg", notes=notes,
                    total=total)
+    if args.engine == "deployment" and args.trace:
+        print(f"breakdown: {write_breakdown(out / 'trace.jsonl', out)}")
     return 0
 
 
@@ -118,6 +131,20 @@ def _intermediate_servers(methods: list[str], clients: int, epsilon: float, base
         except ValueError:
             continue
     return need
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    """Set the environment variable ``name`` for the block."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def _timed_runs(args: argparse.Namespace, methods: list[str], point, k: int, base: dict, msets: dict,

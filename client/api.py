@@ -54,7 +54,7 @@ def client_env(context: Context, model: nn.Module, x: np.ndarray, y: np.ndarray,
     nparts = int(context.node_config.get("num-partitions", 1))
     out_features = [m.out_features for m in model.modules() if isinstance(m, nn.Linear)]
     num_classes = out_features[-1] if out_features else int(y.max()) + 1
-    return ClientEnv(cfg, context, int(context.node_id), pid, nparts, x, y, num_classes, tuple(x.shape[1:]),
+    return ClientEnv(cfg, context, int(context.node_id), pid, nparts, (x, y, num_classes, tuple(x.shape[1:])),
                      model_fn=lambda: copy.deepcopy(model))
 
 

@@ -23,26 +23,31 @@ from protocols.task.training import clipped_sgd, train
 from protocols.wire.arrays import Weights, from_record
 from protocols.wire.common import TrainIns, train_metrics
 
+#: A node's local data: ``(x, y, num_classes, input_shape)``.
+LocalData = tuple[np.ndarray, np.ndarray, int, tuple[int, ...]]
+
 
 @dataclass
 class ClientEnv:
-    """A client's configuration, identity and local data for one message."""
+    """A client's configuration, identity and local data for one message.
+
+    The local data (:attr:`x`, :attr:`y`, :attr:`num_classes`, :attr:`input_shape`) is loaded on first use: a
+    message that needs none of it (e.g. a dropout-recovery query) does not load the partition.
+    """
 
     cfg: RunConfig
     context: Context
     node_id: int
     partition_id: int
     num_partitions: int
-    x: np.ndarray
-    y: np.ndarray
-    num_classes: int
-    input_shape: tuple[int, ...]
+    #: The local data, or a function that loads it (called once, on first use).
+    data: LocalData | Callable[[], LocalData]
     #: Builds the local model instead of run-config ``model`` (a user's own model, :mod:`client.api`).
     model_fn: Callable[[], nn.Module] | None = None
 
     @classmethod
     def from_context(cls, context: Context) -> ClientEnv:
-        """Parse the run config and load this node's partition.
+        """Parse the run config; this node's partition is loaded when first used.
 
         Run-config ``num-clients`` left "auto" takes the node config's ``num-partitions`` (the federation's size).
         """
@@ -57,9 +62,37 @@ class ClientEnv:
             ) from err
         if nparts != cfg.num_clients and num_clients_left_auto(context.run_config):
             cfg = fitted(context.run_config, nparts, strict=False)  # as the ServerApp does (server.federation)
-        x, y = client_partition(cfg, pid, nparts)
-        ds = dataset_for(cfg)
-        return cls(cfg, context, int(context.node_id), pid, nparts, x, y, ds.num_classes, ds.input_shape)
+
+        def load() -> LocalData:
+            x, y = client_partition(cfg, pid, nparts)
+            ds = dataset_for(cfg)
+            return x, y, ds.num_classes, ds.input_shape
+        return cls(cfg, context, int(context.node_id), pid, nparts, load)
+
+    def _local(self) -> LocalData:
+        if callable(self.data):
+            self.data = self.data()
+        return self.data
+
+    @property
+    def x(self) -> np.ndarray:
+        """Training inputs of this node."""
+        return self._local()[0]
+
+    @property
+    def y(self) -> np.ndarray:
+        """Training labels of this node."""
+        return self._local()[1]
+
+    @property
+    def num_classes(self) -> int:
+        """Classes of the task."""
+        return self._local()[2]
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of one input."""
+        return self._local()[3]
 
     def model(self, weights: dict[str, np.ndarray] | None = None) -> nn.Module:
         """A fresh model, optionally loaded with ``weights``."""

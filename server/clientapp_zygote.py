@@ -8,8 +8,16 @@ its FAB, as Flower does) and serves a Unix socket.  The :data:`SHIM` placed firs
 child runs Flower's own ``flwr-clientapp`` entry point with them.  The shim relays signals to the child and
 exits with its exit code; without a zygote it runs the real ``flwr-clientapp`` unchanged.
 
+A child installs a FAB that its ``FLWR_HOME`` already holds (same SHA-256) by reusing that install
+(:func:`_cached_fab_install`), loads the app's modules from bytecode cached next to that install
+(:func:`_cached_app_bytecode`), and it and the zygote retry a message object that is not there yet after
+50 ms instead of Flower's 1 s (:func:`quick_object_pulls`).
+
 After the fork every child reseeds numpy's and torch's global generators (DP noise always comes from the
 OS CSPRNG; this keeps non-DP randomness, e.g. data shuffling, from repeating across messages).
+
+With ``CANCELFL_TRACE`` set (:mod:`protocols.trace`), every child appends one ``clientapp`` line with the
+times of Flower's steps (pull the message, install the FAB, load the ClientApp, handle, push the reply).
 """
 
 from __future__ import annotations
@@ -21,11 +29,13 @@ import os
 import select
 import socket
 import sys
+import time
 import traceback
 from pathlib import Path
 
 #: Libraries the zygote imports before forking (each optional); the project's modules are never preloaded.
-PRELOAD = ("numpy", "scipy.stats", "scipy.signal", "torch", "torch.optim", "torch._dynamo", "sklearn", "dp_accounting",
+PRELOAD = ("numpy", "scipy.stats", "scipy.signal", "scipy.io", "torch", "torch.optim", "torch._dynamo", "torch.profiler",
+           "sklearn", "sklearn.datasets", "sklearn.model_selection", "sklearn.preprocessing", "dp_accounting",
            "cryptography", "grpc", "flwr_datasets", "datasets", "pyarrow",
            "flwr.app", "flwr.clientapp", "flwr.supernode.cli.flwr_clientapp", "flwr.supernode.runtime.run_clientapp")
 
@@ -65,6 +75,22 @@ sys.exit(int(line) if line.strip() else 1)
 '''
 
 
+#: (first, longest) wait in seconds before asking again for a message object that is not there yet; the value of
+#: ``strategies.run.grid.OBJECT_PULL_BACKOFF`` (Flower 1.42: 1 s, doubling up to 10 s).
+OBJECT_PULL_BACKOFF = (0.05, 0.5)
+def quick_object_pulls() -> None:
+    """Make this process's Flower object pulls wait :data:`OBJECT_PULL_BACKOFF` for a missing object.
+
+    The SuperNode and every ClientApp child (``strategies.run.grid.quick_object_pulls`` in the ServerApp):
+    a message is listed before its objects arrive and they follow within milliseconds, so Flower's first wait
+    of 1 s alone added seconds to every message.
+    """
+    from flwr.supercore.inflatable import inflatable_utils as iu
+
+    for fn in (iu.pull_objects, iu.pull_and_inflate_object_from_tree):
+        fn.__kwdefaults__.update(initial_backoff=OBJECT_PULL_BACKOFF[0], backoff_cap=OBJECT_PULL_BACKOFF[1])
+
+
 def write_shim(folder: Path, python: str = sys.executable) -> Path:
     """Write the ``flwr-clientapp`` shim into ``folder`` (put it first on ``PATH``); returns its path."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -100,14 +126,132 @@ def _child_setup() -> None:
         torch.set_num_threads(max(1, int(os.environ.get("CANCELFL_CLIENT_THREADS", "1"))))
 
 
-def _run_child(argv: list[str], fds: list[int]) -> None:
+#: Environment variable naming the round-trace file (the value of ``protocols.trace.TRACE_ENV``; the zygote
+#: imports none of the project's modules, see :data:`PRELOAD`).
+TRACE_ENV = "CANCELFL_TRACE"
+
+
+class _StepTrace:
+    """Times the steps of Flower's ``run_clientapp`` in this child (wraps that module's functions)."""
+
+    def __init__(self, t_fork: float) -> None:
+        self.rec: dict = {"t_fork": t_fork}
+
+    def install(self) -> None:
+        """Wrap ``pull_task_input``, ``install_from_fab``, the ClientApp loader and call, ``push_message``."""
+        import flwr.supernode.runtime.run_clientapp as rc
+
+        rc.pull_task_input = self._timed("pull", rc.pull_task_input, self._message)
+        rc.install_from_fab = self._timed("fab", rc.install_from_fab)
+        rc.push_message = self._timed("push", rc.push_message)
+        get_loader = rc.get_load_client_app_fn
+
+        def loader(*args, **kwargs):
+            load = self._timed("load", get_loader(*args, **kwargs))
+
+            def load_app(*a, **k):
+                return self._timed("handle", load(*a, **k))
+            return load_app
+        rc.get_load_client_app_fn = loader
+
+    def _timed(self, name: str, fn, after=None):
+        def wrapper(*args, **kwargs):
+            t, c = time.time(), time.process_time()
+            try:
+                out = fn(*args, **kwargs)
+                if after is not None:
+                    after(out)
+                return out
+            finally:
+                self.rec[name] = [t, time.time(), time.process_time() - c]
+        return wrapper
+
+    def _message(self, out) -> None:
+        msg, context = out[0], out[1]
+        self.rec.update(message_id=msg.metadata.message_id, message_type=msg.metadata.message_type,
+                        created_at=msg.metadata.created_at, node_id=context.node_id, run_id=context.run_id)
+
+    def write(self, code: int) -> None:
+        """Append the ``clientapp`` line (end time, CPU seconds of the child, exit code) to the trace file."""
+        line = {"event": "clientapp", "pid": os.getpid(), **self.rec, "t_end": time.time(),
+                "cpu": time.process_time(), "code": code}
+        fd = os.open(os.environ[TRACE_ENV], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(line, default=str) + "\n").encode())
+        finally:
+            os.close(fd)
+
+
+def _cached_fab_install() -> None:
+    """In a child: Flower's per-message FAB install returns at once for a FAB this FLWR_HOME holds already.
+
+    Flower extracts the whole FAB and checks every file's hash for every message, then finds the app
+    installed.  The first install of a FAB (Flower's own, all checks) leaves a marker named by the SHA-256
+    of the FAB's bytes; a later message whose FAB has the same SHA-256 uses that install.
+    """
+    import hashlib
+
+    import flwr.supernode.runtime.run_clientapp as rc
+    from flwr.supercore.utils import get_flwr_home
+
+    install = rc.install_from_fab
+
+    def install_from_fab(fab_file, install_dir=None, skip_prompt=False):
+        if not isinstance(fab_file, bytes) or install_dir is not None:
+            return install(fab_file, install_dir, skip_prompt)
+        marker = get_flwr_home() / "apps" / ".cancelfl-installed" / hashlib.sha256(fab_file).hexdigest()
+        with contextlib.suppress(OSError):
+            done = Path(marker.read_text())
+            if (done / "pyproject.toml").is_file():
+                return done
+        path = install(fab_file, install_dir, skip_prompt)
+        with contextlib.suppress(OSError):
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            tmp = marker.with_name(f"{marker.name}.{os.getpid()}")
+            tmp.write_text(str(path))
+            os.replace(tmp, marker)
+        return path
+    rc.install_from_fab = install_from_fab
+
+
+def _cached_app_bytecode() -> None:
+    """In a child: loading the ClientApp writes and reuses the bytecode of the FAB's modules.
+
+    With ``PYTHONDONTWRITEBYTECODE`` set (as in the project's Docker image) every message would compile the
+    app's modules from source again; while Flower loads the ClientApp this child writes their bytecode next
+    to the installed FAB (``__pycache__`` under ``FLWR_HOME/apps``), so later messages load it.
+    """
+    import flwr.supernode.runtime.run_clientapp as rc
+
+    get_loader = rc.get_load_client_app_fn
+
+    def loader(*args, **kwargs):
+        load = get_loader(*args, **kwargs)
+
+        def load_app(*a, **k):
+            keep, sys.dont_write_bytecode = sys.dont_write_bytecode, False
+            try:
+                return load(*a, **k)
+            finally:
+                sys.dont_write_bytecode = keep
+        return load_app
+    rc.get_load_client_app_fn = loader
+
+
+def _run_child(argv: list[str], fds: list[int], t_fork: float | None = None) -> None:
     """In the forked child: take the shim's streams and argv, run Flower's ``flwr-clientapp``, never return."""
     code = 1
+    steps = _StepTrace(time.time() if t_fork is None else t_fork) if os.environ.get(TRACE_ENV) else None
     try:
         for target, fd in zip((0, 1, 2), fds, strict=True):
             os.dup2(fd, target)
             os.close(fd)
         _child_setup()
+        with contextlib.suppress(ImportError, AttributeError):  # another Flower: its own install, unchanged
+            _cached_fab_install()
+            _cached_app_bytecode()
+        if steps is not None:
+            steps.install()
         sys.argv = ["flwr-clientapp", *argv]
         from flwr.supernode.cli.flwr_clientapp import flwr_clientapp
 
@@ -121,6 +265,9 @@ def _run_child(argv: list[str], fds: list[int]) -> None:
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
+        if steps is not None:
+            with contextlib.suppress(Exception):
+                steps.write(code)
         os._exit(code)
 
 
@@ -143,6 +290,8 @@ def serve(path: Path, parent_pid: int | None = None, poll: float = 0.05) -> None
     if parent_pid is not None and not _alive(parent_pid):
         return
     _preload()
+    with contextlib.suppress(ImportError):
+        quick_object_pulls()
     path.unlink(missing_ok=True)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(str(path))
@@ -158,13 +307,14 @@ def serve(path: Path, parent_pid: int | None = None, poll: float = 0.05) -> None
             except (OSError, ValueError):
                 conn.close()
                 continue
+            t_fork = time.time()
             pid = os.fork()
             if pid == 0:
                 server.close()
                 conn.close()
                 for other in waiting.values():
                     other.close()
-                _run_child(argv, fds)
+                _run_child(argv, fds, t_fork)
             for fd in fds:
                 os.close(fd)
             conn.sendall(f"{pid}\n".encode())

@@ -77,6 +77,21 @@ def test_the_poll_clock_shortens_flowers_waits_only():
     clock.sleep(3)  # Flower's idle poll
     clock.sleep(0.5)  # Flower's reply wait
     assert time.perf_counter() - t < 0.5
+    slow_poll = _PollClock(0.3, local=0.01)  # the idle poll (a request to the SuperLink) and the local waits apart
+    t = time.perf_counter()
+    slow_poll.sleep(0.5)
+    assert time.perf_counter() - t < 0.2
+    t = time.perf_counter()
+    slow_poll.sleep(3)
+    assert 0.3 <= time.perf_counter() - t < 1.0
+    slow_poll.replied()  # a reply just left: the round's next message comes soon, the poll is quicker
+    t = time.perf_counter()
+    slow_poll.sleep(3)
+    assert time.perf_counter() - t < 0.25
+    slow_poll.last_reply -= slow_poll.window  # long after the reply: the idle poll again
+    t = time.perf_counter()
+    slow_poll.sleep(3)
+    assert time.perf_counter() - t >= 0.3
     t = time.perf_counter()
     clock.sleep(0.05)  # shorter waits are kept
     assert time.perf_counter() - t >= 0.05
@@ -145,3 +160,110 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0]
     except (OSError, IndexError):
         return "gone"
+
+
+def test_object_pulls_retry_quickly_in_every_process_and_agree():
+    """ServerApp (the round loop's grid) and SuperNode/ClientApp (the zygote) shorten Flower's 1 s object-pull wait."""
+    from flwr.supercore.inflatable import inflatable_utils as iu
+
+    from server import clientapp_zygote
+    from strategies.run import grid
+
+    assert clientapp_zygote.OBJECT_PULL_BACKOFF == grid.OBJECT_PULL_BACKOFF
+    fns = (iu.pull_objects, iu.pull_and_inflate_object_from_tree)
+    saved = [dict(fn.__kwdefaults__) for fn in fns]
+    try:
+        for make_quick in (clientapp_zygote.quick_object_pulls, grid.quick_object_pulls):
+            for fn, kw in zip(fns, saved, strict=True):  # Flower's own
+                fn.__kwdefaults__.update(kw)
+            make_quick()
+            for fn in fns:
+                assert (fn.__kwdefaults__["initial_backoff"], fn.__kwdefaults__["backoff_cap"]) == grid.OBJECT_PULL_BACKOFF
+        calls = []
+
+        def pull(obj_id):  # the object is there at the third ask
+            calls.append(time.perf_counter())
+            if len(calls) < 3:
+                raise iu.ObjectUnavailableError(obj_id)
+            return b"content"
+        t = time.perf_counter()
+        assert iu.pull_objects(["a"], pull) == {"a": b"content"}
+        assert time.perf_counter() - t < 0.5  # Flower's default waits 1 s + 2 s
+    finally:
+        for fn, kw in zip(fns, saved, strict=True):
+            fn.__kwdefaults__.clear()
+            fn.__kwdefaults__.update(kw)
+
+
+def test_a_child_reuses_the_install_of_a_fab_with_the_same_sha256(tmp_path, monkeypatch):
+    import flwr.supernode.runtime.run_clientapp as rc
+
+    from server import clientapp_zygote
+
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path))
+    installs = []
+
+    def install(fab_file, install_dir=None, skip_prompt=False):  # Flower's: extract, check every hash, copy
+        installs.append(fab_file)
+        path = tmp_path / "apps" / f"app-{len(installs)}"
+        path.mkdir(parents=True)
+        (path / "pyproject.toml").write_text("")
+        return path
+    monkeypatch.setattr(rc, "install_from_fab", install)
+    clientapp_zygote._cached_fab_install()
+    first = rc.install_from_fab(b"fab one", skip_prompt=True)
+    assert rc.install_from_fab(b"fab one", skip_prompt=True) == first and installs == [b"fab one"]
+    other = rc.install_from_fab(b"fab two", skip_prompt=True)  # another FAB: Flower's install again
+    assert other != first and installs == [b"fab one", b"fab two"]
+    (first / "pyproject.toml").unlink()  # an install that is gone is not trusted
+    assert rc.install_from_fab(b"fab one", skip_prompt=True) != first and len(installs) == 3
+
+
+def test_loading_the_clientapp_writes_its_bytecode_even_where_python_is_told_not_to(monkeypatch):
+    import flwr.supernode.runtime.run_clientapp as rc
+
+    from server import clientapp_zygote
+
+    seen = []
+    monkeypatch.setattr(rc, "get_load_client_app_fn", lambda *a, **k: lambda *b: seen.append(sys.dont_write_bytecode))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    clientapp_zygote._cached_app_bytecode()
+    rc.get_load_client_app_fn("", None, True)("fab-id", "1.0", "hash")
+    assert seen == [False] and sys.dont_write_bytecode is True  # only while the app's modules load
+
+
+def test_a_server_error_on_a_reply_pull_is_asked_again_and_others_propagate(monkeypatch):
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from flwr.serverapp import Grid
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from strategies.run.grid import MeteredGrid
+
+    for key, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 0)):
+        monkeypatch.setattr(TaskIdentity, key, value)
+
+    class StatusError(Exception):
+        def __init__(self, code: int) -> None:
+            super().__init__(f"HTTP {code}")
+            self.response = SimpleNamespace(status_code=code)
+
+    class HttpGrid(Grid):  # noqa: D101 - the name is what the loop recognises as Flower's deployment grid
+        def __init__(self, errors: list[int]) -> None:
+            self.errors = list(errors)
+
+        def push_messages(self, messages):  # noqa: D102
+            return [str(i) for i, _ in enumerate(messages)]
+
+        def pull_messages(self, message_ids):  # noqa: D102
+            if self.errors:
+                raise StatusError(self.errors.pop(0))
+            return [SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=mid, src_node_id=int(mid) + 1),
+                                    has_error=lambda: False,
+                                    content=RecordDict({"c": ConfigRecord({"ok": 1})})) for mid in message_ids]
+
+        create_message = get_node_ids = set_run = run = send_and_receive = None
+
+    msgs = [Message(RecordDict({"c": ConfigRecord({"x": 1})}), dst_node_id=n, message_type="train") for n in (1, 2)]
+    assert len(MeteredGrid(HttpGrid([500, 503])).send_and_receive(msgs, timeout=10)) == 2
+    with pytest.raises(StatusError):
+        MeteredGrid(HttpGrid([404])).send_and_receive(msgs, timeout=10)

@@ -12,6 +12,7 @@ exp/ln/sqrt) from constants solved offline to 40 digits.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
@@ -89,8 +90,18 @@ def _build_ziggurat(name: str) -> _Ziggurat:
     return _Ziggurat(name, float(r), width, inner, f_lo, f_span, density, float(closure))
 
 
-_NORMAL = _build_ziggurat("normal")
-_EXPONENTIAL = _build_ziggurat("exponential")
+@functools.cache
+def _table(name: str) -> _Ziggurat:
+    """The ziggurat tables of ``name`` ("normal" or "exponential"), built on first use (tens of ms) and kept."""
+    return _build_ziggurat(name)
+
+
+def __getattr__(name: str) -> _Ziggurat:
+    """``_NORMAL`` and ``_EXPONENTIAL``: the two tables (built on first use, not when the module is imported)."""
+    tables = {"_NORMAL": "normal", "_EXPONENTIAL": "exponential"}
+    if name in tables:
+        return _table(tables[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _candidates(words: np.ndarray, zig: _Ziggurat) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -275,7 +286,7 @@ def _scaled(seed: bytes, size: int, scale: float, scale_name: str, zig: _Ziggura
 
 def gaussian(seed: bytes, size: int, sigma: float = 1.0) -> np.ndarray:
     """``size`` i.i.d. N(0, sigma**2) float64 samples expanded from ``seed``."""
-    return _scaled(seed, size, sigma, "sigma", _NORMAL, b"gaussian")
+    return _scaled(seed, size, sigma, "sigma", _table("normal"), b"gaussian")
 
 
 def gaussian_many(seeds: Sequence[bytes], size: int, sigma: float = 1.0) -> Iterator[np.ndarray]:
@@ -291,7 +302,7 @@ def gaussian_many(seeds: Sequence[bytes], size: int, sigma: float = 1.0) -> Iter
     sigma = check_scale(sigma, "sigma")
     group = max(1, _MANY_MAX_ELEMENTS // max(size, 1))
     for first in range(0, len(seeds), group):
-        for out in _ziggurat_many(seeds[first : first + group], size, _NORMAL, b"gaussian"):
+        for out in _ziggurat_many(seeds[first : first + group], size, _table("normal"), b"gaussian"):
             if sigma != 1.0:
                 out *= sigma
             yield out
@@ -299,4 +310,4 @@ def gaussian_many(seeds: Sequence[bytes], size: int, sigma: float = 1.0) -> Iter
 
 def laplace(seed: bytes, size: int, scale: float = 1.0) -> np.ndarray:
     """``size`` i.i.d. Laplace(0, scale) float64 samples (variance 2 scale**2)."""
-    return _scaled(seed, size, scale, "scale", _EXPONENTIAL, b"laplace")
+    return _scaled(seed, size, scale, "scale", _table("exponential"), b"laplace")

@@ -1,6 +1,6 @@
 """Fault injection (TESTING AID, run-config ``fault-drop-rate``): which train replies the server's grid withholds.
 
-In every round the round loop's grid (:class:`strategies.run.loop.MeteredGrid`, so under every engine:
+In every round the round loop's grid (:class:`strategies.run.grid.MeteredGrid`, so under every engine:
 in-process, Flower's simulation runtime, deployment) withholds the train messages of ``round(rate * n)`` of the
 ``n`` nodes that got one -- after the round's key / share phase, so their pair noise is fixed -- chosen
 deterministically from (seed, round).  Those nodes take no further part in the round (e.g. the recovery phase):

@@ -20,31 +20,30 @@ import json
 import math
 import os
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from protocols.arrays import Weights
 from protocols.methods import method_spec
 from protocols.privacy.signal import MeasuredSignal
+from protocols.trace import trace, traced_cpu, tracing
 from protocols.wire.arrays import from_record
 from protocols.wire.common import PEAK_RSS_MB
-from protocols.wire.ddpsa import SHARE_BYTES
 from strategies.records import to_record
 from strategies.run.budget import STATE_KEY, BudgetGuard
 from strategies.run.checkpoint import Checkpoint, load_for_resume, mark_pending, save_checkpoint, start_run_folder
-from strategies.run.faults import fault_drops
+from strategies.run.grid import OFF_GRID_BYTES, MeteredGrid
 from strategies.run.notes import learning_check, noise_check, over_target, preamble, privacy_summary
 from strategies.run.report import write_run_report
 from strategies.stages import run_round
-from strategies.validation import RoundFailed, non_finite_arrays, payload_bytes
+from strategies.validation import RoundFailed, non_finite_arrays
 
 
 @dataclass
@@ -134,96 +133,6 @@ def divergence(loss: float, initial: float, factor: float) -> str | None:
         return (f"test loss {loss:.4g} exceeds {factor:g} x the initial loss {initial:.4g} "
                 "(run-config 'divergence-factor')")
     return None
-
-
-#: Train-reply figure of the uplink bytes a client sent past the grid (DDP-SA's shares to its intermediate servers,
-#: :class:`protocols.wire.ddpsa.ShareReceipt`); recorded per round as ``client_off_grid_bytes``.
-OFF_GRID_BYTES = SHARE_BYTES
-
-
-class MeteredGrid(Grid):
-    """Wraps a Grid and counts payload bytes per node in both directions; injects ``fault-drop-rate`` dropouts.
-
-    ``fault_rate`` > 0 (a TESTING AID, :mod:`strategies.run.faults`): each round's train messages to the chosen
-    nodes are counted as sent but never delivered; :attr:`fault_dropped` records them per round.
-    """
-
-    def __init__(self, inner: Grid, *, fault_rate: float = 0.0, seed: int = 0) -> None:
-        self.inner = inner
-        self.fault_rate, self.seed = float(fault_rate), int(seed)
-        #: round -> nodes whose train message was withheld (fault injection).
-        self.fault_dropped: dict[int, set[int]] = {}
-        self.sent: dict[int, int] = defaultdict(int)
-        self.received: dict[int, int] = defaultdict(int)
-        self.phase_times: dict[str, float] = defaultdict(float)
-
-    def reset(self) -> None:
-        """Start counting a new round."""
-        self.sent.clear()
-        self.received.clear()
-        self.phase_times.clear()
-
-    # Delegation of the Grid API
-    def set_run(self, run):  # noqa: D102
-        self.inner.set_run(run)
-
-    @property
-    def run(self):  # noqa: D102
-        return self.inner.run
-
-    def create_message(self, *args, **kwargs):  # noqa: D102
-        return self.inner.create_message(*args, **kwargs)
-
-    def get_node_ids(self) -> Iterable[int]:  # noqa: D102
-        return self.inner.get_node_ids()
-
-    def push_messages(self, messages):  # noqa: D102
-        return self.inner.push_messages(messages)
-
-    def pull_messages(self, message_ids):  # noqa: D102
-        return self.inner.pull_messages(message_ids)
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        """Send, receive and count bytes; phase time is accumulated by message type."""
-        messages = list(messages)
-        if not messages:
-            return []
-        for m in messages:
-            self.sent[m.metadata.dst_node_id] += payload_bytes(m.content)
-        if self.fault_rate > 0:
-            rnd, drop = fault_drops(messages, self.fault_rate, self.seed, len(self.fault_dropped) + 1)
-            if drop:
-                self.fault_dropped[rnd] = drop
-                messages = [m for m in messages if m.metadata.dst_node_id not in drop]
-        t0 = time.perf_counter()
-        replies = (self._poll(messages, timeout) if _polls_slowly(self.inner)
-                   else list(self.inner.send_and_receive(messages, timeout=timeout)))
-        self.phase_times[messages[0].metadata.message_type] += time.perf_counter() - t0
-        for r in replies:
-            if not r.has_error():
-                self.received[r.metadata.src_node_id] += payload_bytes(r.content)
-        return replies
-
-
-    def _poll(self, messages: list[Message], timeout: float | None) -> list[Message]:
-        """Push, then pull the replies every 50-250 ms until all arrived or ``timeout`` (Flower's HttpGrid: 3 s)."""
-        pending = set(self.inner.push_messages(messages))
-        end = None if timeout is None else time.monotonic() + timeout
-        replies: list[Message] = []
-        wait = 0.05
-        while pending and (end is None or time.monotonic() < end):
-            got = list(self.inner.pull_messages(pending))
-            replies += got
-            pending -= {m.metadata.reply_to_message_id for m in got}
-            if pending:
-                time.sleep(wait if end is None else max(0.0, min(wait, end - time.monotonic())))
-                wait = min(wait * 1.5, 0.25)
-        return replies
-
-
-def _polls_slowly(grid: Grid) -> bool:
-    """True for Flower's deployment grid (``HttpGrid``), whose ``send_and_receive`` pulls every 3 s."""
-    return any(cls.__name__ == "HttpGrid" for cls in type(grid).__mro__)
 
 
 def _finite(x: float) -> float | None:
@@ -375,7 +284,8 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
             progress(f"round {rnd}/{total_rounds}  STOPPED: {stopped}; the model of round {kept_round} is kept")
             break
         mgrid.reset()
-        t0 = time.perf_counter()
+        cpu0 = traced_cpu() if tracing() else 0.0  # (CANCELFL_TRACE) before the round's clock starts
+        t0, t0_wall, own0 = time.perf_counter(), time.time(), time.process_time()
         try:
             new_arrays, train_metrics = run_round(  # the round's charge survives a crash once the messages are built
                 strategy, mgrid, rnd, arrays, before_send=lambda r=rnd: mark_pending(out, r, state()))
@@ -387,6 +297,7 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
             progress(f"round {rnd}/{total_rounds}  FAILED: {err}")
             new_arrays, train_metrics = None, None
         wall = time.perf_counter() - t0
+        t_round_end, cpu_round, own_cpu = time.time(), traced_cpu() - cpu0 if tracing() else 0.0, time.process_time() - own0
         guard.after_round()
         if new_arrays is not None:
             if (release := strategy.released(arrays, new_arrays, num_params)) is not None:
@@ -395,6 +306,7 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
             published = model_average(published, arrays, cfg.model_ema, strategy.wire_dtype)
         evaluated = task.evaluate(rnd, published if published is not None else arrays)
         loss, acc = evaluated if evaluated is not None else (None, None)
+        t_evaluated = time.time()
         privacy = strategy.privacy_report(rnd)
         n_sent = max(len(mgrid.sent), 1)
         row = {
@@ -455,6 +367,8 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
             progress(f"round {rnd}/{total_rounds}  STOPPED: {stopped}; the model of round {kept_round} is kept")
             break
         progress(round_line(row, total_rounds, target, verbose=verbose, figures=strategy.round_report()))
+        trace("round", round=rnd, method=cfg.method, t=t0_wall, t_end=t_round_end, t_evaluated=t_evaluated,
+              t_next=time.time(), cpu=cpu_round, server_cpu=own_cpu)
     total = time.perf_counter() - t_start
     model_file = task.save_model(out, from_record(kept_arrays))
     last = rounds[-1] if rounds else {"test_accuracy": None, "test_loss": None, "epsilon": None,
