@@ -17,7 +17,7 @@ from torch import nn
 
 from protocols.config import ConfigError, RunConfig
 from protocols.federation import fitted, num_clients_left_auto
-from protocols.task.data import client_partition, dataset_for
+from protocols.task.data import client_partition_lazy, dataset_for
 from protocols.task.models import build_model, get_weights, resolve_device, set_weights
 from protocols.task.training import clipped_sgd, train
 from protocols.wire.arrays import Weights, from_record
@@ -33,12 +33,20 @@ class ClientEnv:
     node_id: int
     partition_id: int
     num_partitions: int
-    x: np.ndarray
+    #: The training features, or a function returning them (called once, on first use of :attr:`x`).
+    features: np.ndarray | Callable[[], np.ndarray]
     y: np.ndarray
     num_classes: int
     input_shape: tuple[int, ...]
     #: Builds the local model instead of run-config ``model`` (a user's own model, :mod:`client.api`).
     model_fn: Callable[[], nn.Module] | None = None
+
+    @property
+    def x(self) -> np.ndarray:
+        """The training features (gathered on first use: the key and share phases need only ``len(y)``)."""
+        if callable(self.features):
+            self.features = self.features()
+        return self.features
 
     @classmethod
     def from_context(cls, context: Context) -> ClientEnv:
@@ -57,9 +65,9 @@ class ClientEnv:
             ) from err
         if nparts != cfg.num_clients and num_clients_left_auto(context.run_config):
             cfg = fitted(context.run_config, nparts, strict=False)  # as the ServerApp does (server.federation)
-        x, y = client_partition(cfg, pid, nparts)
+        features, y = client_partition_lazy(cfg, pid, nparts)
         ds = dataset_for(cfg)
-        return cls(cfg, context, int(context.node_id), pid, nparts, x, y, ds.num_classes, ds.input_shape)
+        return cls(cfg, context, int(context.node_id), pid, nparts, features, y, ds.num_classes, ds.input_shape)
 
     def model(self, weights: dict[str, np.ndarray] | None = None) -> nn.Module:
         """A fresh model, optionally loaded with ``weights``."""
