@@ -244,8 +244,13 @@ def _open_incoming(inbox: RelayedInbox, env: ClientEnv, st: _Stored, size: int) 
 def _received(incoming: list, size: int, tau: float, private: bytes) -> dict[int, np.ndarray]:
     """Per sender, the distorted negated shares received from it (one distortion stream per sender)."""
     expanded = iter(niss_math.bundles_shares([b for _s, b, v in incoming if v is None], size))  # seed encoding
-    return niss_math.distorted_partials(
-        [(s, np.negative(e := next(expanded), out=e) if v is None else v) for s, b, v in incoming], size, tau, private)
+    groups = []
+    for s, _b, v in incoming:
+        if v is None:
+            v = next(expanded)
+            np.negative(v, out=v)  # the negated shares r = -n, in place
+        groups.append((s, v))
+    return niss_math.distorted_partials(groups, size, tau, private)
 
 
 def _recovery_material(st: _Stored, incoming: list, partials: dict[int, np.ndarray], size: int, tau: float,
