@@ -17,14 +17,14 @@ from torch import nn
 
 from protocols.config import ConfigError, RunConfig
 from protocols.federation import fitted, num_clients_left_auto
-from protocols.task.data import client_partition, dataset_for
+from protocols.task.data import client_partition_lazy, dataset_for
 from protocols.task.models import build_model, get_weights, resolve_device, set_weights
 from protocols.task.training import clipped_sgd, train
 from protocols.wire.arrays import Weights, from_record
 from protocols.wire.common import TrainIns, train_metrics
 
-#: A node's local data: ``(x, y, num_classes, input_shape)``.
-LocalData = tuple[np.ndarray, np.ndarray, int, tuple[int, ...]]
+#: A node's local data: ``(x or a function gathering x, y, num_classes, input_shape)``.
+LocalData = tuple[np.ndarray | Callable[[], np.ndarray], np.ndarray, int, tuple[int, ...]]
 
 
 @dataclass
@@ -64,7 +64,7 @@ class ClientEnv:
             cfg = fitted(context.run_config, nparts, strict=False)  # as the ServerApp does (server.federation)
 
         def load() -> LocalData:
-            x, y = client_partition(cfg, pid, nparts)
+            x, y = client_partition_lazy(cfg, pid, nparts)
             ds = dataset_for(cfg)
             return x, y, ds.num_classes, ds.input_shape
         return cls(cfg, context, int(context.node_id), pid, nparts, load)
@@ -76,8 +76,11 @@ class ClientEnv:
 
     @property
     def x(self) -> np.ndarray:
-        """Training inputs of this node."""
-        return self._local()[0]
+        """Training inputs of this node (gathered on first use: the key and share phases need only ``len(y)``)."""
+        local = self._local()
+        if callable(local[0]):
+            self.data = local = (local[0](), *local[1:])
+        return local[0]
 
     @property
     def y(self) -> np.ndarray:

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -193,16 +194,27 @@ def pair_seeds(msg: Message, env: ClientEnv, purpose: str,
     ``view_extra``: more of the round's public view the method relies on (NISS: the participants' sizes),
     bound into the seeds like the participant list.
     """
+    return checked_pair_seeds(msg, env, (purpose,), graph=graph, view_extra=view_extra)[1][purpose]
+
+
+def checked_pair_seeds(msg: Message, env: ClientEnv, purposes: Sequence[str], *,
+                       graph: dict[int, list[int]] | None = None, view_extra: bytes = b"",
+                       full: bool = False) -> tuple[RoundView, dict[str, dict[int, bytes]]]:
+    """The checked view (``full``: with the graph, :func:`check_view`) and :func:`pair_seeds` for each purpose.
+
+    One check of the view for all purposes; raises as :func:`pair_seeds`.
+    """
     cfg = msg.content["config"]
     rnd = TrainIns.from_config(cfg).round
     pk = PeerKeys.from_config(cfg)
-    view, store = _checked(env, pk, rnd, full=False)
+    view, store = _checked(env, pk, rnd, full=full)
     if graph is not None and sorted(graph.get(env.node_id, ())) != view.neighbours:
         raise ValueError("the round's plan and the roster's graph give this node different neighbours")
     context = int(env.context.run_id).to_bytes(8, "big") + view.digest + bytes(view_extra)
-    return {peer: derive_pair_seed(store.shared[(peer, key)], purpose=purpose, round_num=rnd, node_a=env.node_id,
-                                   node_b=peer, context=context)
-            for peer, key in zip(pk.peer_ids, pk.peer_keys, strict=True)}
+    return view, {purpose: {peer: derive_pair_seed(store.shared[(peer, key)], purpose=purpose, round_num=rnd,
+                                                   node_a=env.node_id, node_b=peer, context=context)
+                            for peer, key in zip(pk.peer_ids, pk.peer_keys, strict=True)}
+                  for purpose in purposes}
 
 
 def _authenticated(env: ClientEnv, pk: PeerKeys, rnd: int) -> KeyStore:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 import numpy as np
@@ -150,6 +151,7 @@ def theorem3_c0_corrected(epsilon: float, delta: float) -> float:
     return (m + math.sqrt(m * m + 2.0 * epsilon)) / 2.0
 
 
+@lru_cache(maxsize=64)  # a pure function every client calls every round (a bisection)
 def round_epsilon(epsilon: float, delta: float, rounds: int) -> float:
     """Per-round Theorem 3 epsilon whose ``rounds`` releases are ``(epsilon, delta)``-DP over the whole run.
 
@@ -375,23 +377,26 @@ def apply_layer_noise(
     """
     if set(layers) != set(plan):
         raise ValueError("plan and layers have different layer names")
+    arrays = {name: np.asarray(layer) for name, layer in layers.items()}
+    noised = [name for name in arrays if plan[name].selected and plan[name].sigma != 0.0]
+    for name in noised:
+        if not math.isfinite(plan[name].sigma):
+            raise ValueError(f"layer {name!r}: non-finite sigma")
+    if isinstance(rng, bytes):  # one PRG pass for all layers, bit-identical to one stream per layer
+        draws = prg.gaussian_many([prg.derive_subseed(rng, f"ladp/{name}") for name in noised],
+                                  [arrays[name].size for name in noised], [plan[name].sigma for name in noised])
+    else:
+        draws = (rng.normal(0.0, plan[name].sigma, arrays[name].size) for name in noised)
+    noises = dict(zip(noised, draws, strict=True))
     noisy: dict[str, np.ndarray] = {}
     report: dict[str, float] = {}
-    for name, layer in layers.items():
-        arr = np.asarray(layer)
+    for name, arr in arrays.items():
         out_dtype = arr.dtype if np.issubdtype(arr.dtype, np.floating) else np.float64
-        entry = plan[name]
-        if not entry.selected or entry.sigma == 0.0:
+        if name not in noises:
             noisy[name] = arr.astype(out_dtype, copy=True)
             report[name] = 0.0
             continue
-        if not math.isfinite(entry.sigma):
-            raise ValueError(f"layer {name!r}: non-finite sigma")
-        if isinstance(rng, bytes):
-            noise = prg.gaussian(prg.derive_subseed(rng, f"ladp/{name}"), arr.size, entry.sigma)
-        else:
-            noise = rng.normal(0.0, entry.sigma, arr.size)
-        noise = noise.reshape(arr.shape)
+        noise = noises[name].reshape(arr.shape)
         noisy[name] = (arr.astype(np.float64) + noise).astype(out_dtype)
         report[name] = float(np.linalg.norm(noise.ravel()))
     return noisy, report

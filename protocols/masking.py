@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from protocols.dropouts import binom_tail
-from protocols.prg import gaussian
+from protocols.prg import gaussian, gaussian_many
 from protocols.relay_crypto import make_aad, open_sealed, seal
 from protocols.secret_sharing import shamir_combine, shamir_split
 
@@ -121,6 +121,11 @@ def commitment(seed: bytes) -> bytes:
 def self_mask(seed: bytes, size: int, std: float) -> np.ndarray:
     """The self-mask vector ``b = N(0, std^2)^size`` of ``seed`` (both ends expand the same bits)."""
     return gaussian(seed, size, std)
+
+
+def self_masks(masks: Sequence[tuple[bytes, float]], size: int) -> Iterable[np.ndarray]:
+    """:func:`self_mask` of each ``(seed, std)``, in order and bit-identical, the PRG streams expanded together."""
+    return gaussian_many([seed for seed, _ in masks], size, [std for _, std in masks])
 
 
 def _aad(sender: int, receiver: int, round_num: int, context: bytes) -> bytes:

@@ -37,6 +37,7 @@ __all__ = [
     "plan_shares",
     "make_outgoing_bundles",
     "bundle_shares",
+    "bundles_shares",
     "sender_noise",
     "receiver_noise",
     "distorted_sum",
@@ -151,11 +152,30 @@ def bundle_shares(bundle: ShareBundle, size: int) -> np.ndarray:
     return flat.reshape(bundle.count, size)
 
 
+def bundles_shares(bundles: Sequence[ShareBundle], size: int) -> list[np.ndarray]:
+    """:func:`bundle_shares` of each bundle, in order and bit-identical, the PRG streams expanded together.
+
+    Bundles of one ``count`` go through one :func:`protocols.prg.gaussian_many` call, which resolves the
+    ziggurat's rare rejections of all their streams in one vectorised pass instead of one per bundle.
+    """
+    out: list[np.ndarray] = [np.zeros((0, size), dtype=np.float64)] * len(bundles)
+    by_count: dict[int, list[int]] = {}
+    for i, b in enumerate(bundles):
+        if b.count:
+            by_count.setdefault(b.count, []).append(i)
+    for count, idx in by_count.items():
+        seeds = [prg.derive_subseed(bundles[i].seed, "niss/shares") for i in idx]
+        streams = prg.gaussian_many(seeds, count * size, [bundles[i].share_std for i in idx])
+        for i, flat in zip(idx, streams, strict=True):
+            out[i] = flat.reshape(count, size)
+    return out
+
+
 def sender_noise(bundles_out: Sequence[ShareBundle], size: int) -> np.ndarray:
     """``sum_i n_i``: the client's own DP noise (variance sigma_k^2 per coordinate)."""
     total = np.zeros(size, dtype=np.float64)
-    for b in bundles_out:
-        for share in bundle_shares(b, size):
+    for shares in bundles_shares(bundles_out, size):
+        for share in shares:
             total += share
     return total
 
@@ -245,11 +265,29 @@ def distorted_partials(
     """Per sender, ``sum_{i from sender} s_i * r_i`` with the sender's own distortion stream (the client's upload).
 
     ``groups`` lists ``(sender, negated shares (count, size))``; ``rng`` is the receiver's private seed.  Same
-    law as :func:`distorted_sum` (whose one stream serves the Theorem 2 checks), one stream per sender.
+    law as :func:`distorted_sum` (whose one stream serves the Theorem 2 checks), one stream per sender; each
+    sender's result is bit-identical to :func:`distorted_contribution` with its :func:`distortion_seed`, the
+    streams expanded together (:func:`protocols.prg.gaussian_many`).
     """
-    return {int(sender): distorted_contribution(np.asarray(shares, dtype=np.float64).reshape(-1, size), tau,
-                                                distortion_seed(rng, sender))
-            for sender, shares in groups}
+    if not (math.isfinite(tau) and tau >= 0):
+        raise ValueError(f"tau must be finite and >= 0, got {tau!r}")
+    shares = {int(sender): np.asarray(r, dtype=np.float64).reshape(-1, size) for sender, r in groups}
+    out = {s: r.sum(axis=0) for s, r in shares.items() if tau == 0 or len(r) == 0}
+    by_len: dict[int, list[int]] = {}
+    for s, r in shares.items():
+        if s not in out:
+            by_len.setdefault(r.size, []).append(s)
+    for n, senders in by_len.items():
+        for s, z in zip(senders, prg.gaussian_many([distortion_seed(rng, s) for s in senders], n), strict=True):
+            r = shares[s]
+            z = z.reshape(r.shape)  # in place, the same operations as ((1.0 + tau * z) * r).sum(axis=0)
+            np.multiply(z, tau, out=z)
+            np.add(z, 1.0, out=z)
+            np.multiply(z, r, out=z)
+            # a sum over one row is 0.0 + row (numpy reduces a (1, size) array column by column: slow)
+            out[s] = np.add(z[0], 0.0, out=z[0]) if len(z) == 1 else z.sum(axis=0)
+    return {s: out[s] for s in shares}
+
 
 def client_upload(
     params: np.ndarray,

@@ -3,7 +3,7 @@
 A method's audit adapter (:attr:`server.audit_adapter.AuditAdapter.faults`) names the faults planted in its
 release code; ``cancelfl audit --fault NAME`` runs one, and the audit must flag it.  Shared here:
 :func:`patched` (module attributes replaced for the duration) and :data:`HALVE_GAUSSIAN` (the Gaussian std
-halved where clients draw it from :func:`protocols.prg.gaussian`).
+halved where clients draw it from :func:`protocols.prg.gaussian` or :func:`protocols.prg.gaussian_many`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["HALVE_GAUSSIAN", "HALVE_NOISE", "SELF_TEST_TRIALS", "Fault", "halved_std", "patched"]
+__all__ = ["HALVE_GAUSSIAN", "HALVE_NOISE", "SELF_TEST_TRIALS", "Fault", "halved_std", "halved_stds", "patched"]
 
 #: The fault every noising method plants: its noise std halved where its clients draw it.
 HALVE_NOISE = "halve-noise"
@@ -63,11 +63,20 @@ def halved_std(orig: Callable[..., Any]) -> Callable[..., Any]:
     return lambda seed, size, std=1.0, *a, **k: orig(seed, size, std / 2, *a, **k)
 
 
+def halved_stds(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``orig(seeds, size, std, ...)`` with every std halved (:func:`protocols.prg.gaussian_many`: one std or one per seed)."""
+    def wrapped(seeds: Any, size: Any, std: Any = 1.0, *a: Any, **k: Any) -> Any:
+        return orig(seeds, size, [s / 2 for s in std] if hasattr(std, "__len__") else std / 2, *a, **k)
+
+    return wrapped
+
+
 def _halve_gaussian(victim: Callable[[], int | None]) -> AbstractContextManager:
     import protocols.prg as prg
 
-    return patched((prg, "gaussian", halved_std))
+    return patched((prg, "gaussian", halved_std), (prg, "gaussian_many", halved_stds))
 
 
-#: ``halve-noise`` of a method whose clients draw their Gaussian noise from :func:`protocols.prg.gaussian`.
+#: ``halve-noise`` of a method whose clients draw their Gaussian noise from :func:`protocols.prg.gaussian` (or
+#: several streams at once from :func:`protocols.prg.gaussian_many`).
 HALVE_GAUSSIAN = Fault(_halve_gaussian)

@@ -32,7 +32,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from protocols.consistency import SignedOutcome
-from protocols.masking import mask_parameters, mask_threshold, rebuild_seed, self_mask, unmaskable
+from protocols.masking import mask_parameters, mask_threshold, rebuild_seed, self_mask, self_masks, unmaskable
 from protocols.prg import gaussian
 from protocols.privacy import Accountant, GaussianEvent
 from protocols.wire.consistency import CONSISTENCY_RECORD, ConsistencyReply, ConsistencyRequest, SignedOutcomes
@@ -342,8 +342,8 @@ class PairwiseRecovery:
         """Sum of the rebuilt self-masks of ``state``'s round (zeros without double masking)."""
         total = np.zeros(size)
         rec = self.recovered(state)
-        for _n, (seed, std) in sorted(rec.masks.items()) if rec is not None else ():
-            total += self_mask(seed, size, std)
+        for mask in self_masks([m for _n, m in sorted(rec.masks.items())] if rec is not None else [], size):
+            total += mask
         return total
 
     def report_recovery(self, state: RoundState, dropped: Iterable[int]) -> None:

@@ -367,6 +367,24 @@ def test_gaussian_many_is_bit_identical_to_separate_streams(size) -> None:
         assert np.array_equal(got.view(np.uint64), gaussian(seed, size, 0.7).view(np.uint64))
 
 
+def test_gaussian_many_per_seed_sizes_and_sigmas_are_bit_identical_to_separate_streams(monkeypatch) -> None:
+    """One std and one length per seed (a NISS client's streams, a model's layers) change no bit either."""
+    monkeypatch.setattr(ziggurat, "_MANY_MAX_ELEMENTS", 5000)  # groups: [0, 1], [70_000], [64, 3000]
+    seeds = [hashlib.sha256(f"sig-{i}".encode()).digest() for i in range(5)]
+    sigmas = [1.0, 0.0, 2.5, 1e-3, 7.25]
+    for seed, sigma, got in zip(seeds, sigmas, prg.gaussian_many(seeds, 3000, sigmas), strict=True):
+        assert np.array_equal(got.view(np.uint64), gaussian(seed, 3000, sigma).view(np.uint64))
+    sizes = [0, 1, 70_000, 64, 3000]  # one length per seed (the layers of a model), the long one alone in its group
+    for seed, k, sigma, got in zip(seeds, sizes, sigmas, prg.gaussian_many(seeds, sizes, sigmas), strict=True):
+        assert np.array_equal(got.view(np.uint64), gaussian(seed, k, sigma).view(np.uint64))
+    with pytest.raises(ValueError, match="sigmas"):
+        list(prg.gaussian_many(seeds, 10, sigmas[:2]))
+    with pytest.raises(ValueError, match="sizes"):
+        list(prg.gaussian_many(seeds, sizes[:4], 1.0))
+    with pytest.raises(ValueError, match="sigma"):
+        list(prg.gaussian_many(seeds[:1], 10, [-1.0]))
+
+
 def test_gaussian_many_groups_bound_memory(monkeypatch) -> None:
     monkeypatch.setattr(ziggurat, "_MANY_MAX_ELEMENTS", 2500)  # forces groups of 2 streams of 1000
     seeds = [hashlib.sha256(f"grp-{i}".encode()).digest() for i in range(5)]

@@ -33,7 +33,7 @@ from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from client.env import ClientEnv, local_training, record_level_training, reply
 from client.floor import FloorViolation, policy, release
 from client.identity import node_identity
-from client.pairwise_phase import check_view, mask_probe, pair_seeds
+from client.pairwise_phase import checked_pair_seeds, mask_probe
 from client.records import to_record
 from client.recovery import remember, seal_self_mask
 from protocols import niss as niss_math
@@ -195,22 +195,21 @@ def handle_shares(msg: Message, env: ClientEnv) -> Message:
     if tau == 0 and policy(env).wants_guarantee:
         raise FloorViolation("niss-tau", tau, "> 0", "with tau = 0 the sum of the uploads is noiseless: no guarantee "
                              "against the server, which this node requires")
+    # The sizes (hence every p_k) are part of the view: shown other sizes, a client derives relay keys no peer shares.
+    # Double masking: keys sealing this round's self-mask shares (sent with the upload, client.recovery).
+    purposes = (RELAY_PURPOSE, SHARE_PURPOSE) if env.cfg.self_mask else (RELAY_PURPOSE,)
+    view, seeds_for = checked_pair_seeds(msg, env, purposes, view_extra=sizes_digest(req.sizes), full=True)
+    # The joint view of all uploads (the roster's graph among the participants, public sizes): refuse a smaller scale.
     # Calibrated for the most rounds the public schedule samples any client in (the server computes the same).
     releases = roster_releases(env.cfg, node_identity(env).roster)
-    # The joint view of all uploads (the roster's graph among the participants, public sizes): refuse a smaller scale.
-    niss_floor(env.cfg, req.sizes, check_view(env, req.peers, rnd, full=True).graph or {}, tau, req.noise_scale,
-               releases)
+    niss_floor(env.cfg, req.sizes, view.graph or {}, tau, req.noise_scale, releases)
     # The client's own calibration (run config, its dataset size, the neighbour count): never the server's figures.
     plan = client_plan(env.cfg, own_weight, len(env.y), len(nbrs), req.noise_scale, releases)
     sigma = plan.sigma_k
     seeds = {n: _fresh_seed(f"{me}/{rnd}/share/{n}") for n in nbrs}
     bundles = niss_math.make_outgoing_bundles(me, plan, nbrs, seeds)
     by_receiver = {b.receiver: b for b in bundles}
-    # The sizes (hence every p_k) are part of the view: shown other sizes, a client derives relay keys no peer shares.
-    keys = pair_seeds(msg, env, purpose=RELAY_PURPOSE, view_extra=sizes_digest(req.sizes))
-    # Double masking: keys sealing this round's self-mask shares (sent with the upload, client.recovery).
-    mask_keys = (pair_seeds(msg, env, purpose=SHARE_PURPOSE, view_extra=sizes_digest(req.sizes))
-                 if env.cfg.self_mask else {})
+    keys, mask_keys = seeds_for[RELAY_PURPOSE], seeds_for.get(SHARE_PURPOSE, {})
     size = model_size(env) if encoding == "vector" else 0
     payloads = []
     for n in nbrs:  # one payload per neighbour, in the tracker's order
@@ -249,8 +248,14 @@ def _open_incoming(inbox: RelayedInbox, env: ClientEnv, st: _Stored, size: int) 
 
 def _received(incoming: list, size: int, tau: float, private: bytes) -> dict[int, np.ndarray]:
     """Per sender, the distorted negated shares received from it (one distortion stream per sender)."""
-    return niss_math.distorted_partials(
-        [(s, -niss_math.bundle_shares(b, size) if v is None else v) for s, b, v in incoming], size, tau, private)
+    expanded = iter(niss_math.bundles_shares([b for _s, b, v in incoming if v is None], size))  # seed encoding
+    groups = []
+    for s, _b, v in incoming:
+        if v is None:
+            v = next(expanded)
+            np.negative(v, out=v)  # the negated shares r = -n, in place
+        groups.append((s, v))
+    return niss_math.distorted_partials(groups, size, tau, private)
 
 
 def _recovery_material(st: _Stored, incoming: list, partials: dict[int, np.ndarray], size: int, tau: float,

@@ -221,9 +221,10 @@ def _ziggurat_fast(seed: bytes, size: int, zig: _Ziggurat, label: bytes
         np.right_shift(words, 12, out=tb)  # 52-bit magnitude ...
         np.bitwise_or(tb, EXP_ONE, out=tb)  # ... as a float in [1, 2)
         np.subtract(tv, _ODD_OFFSET, out=tv)  # u = (2m+1)/2**53 in (0, 1), exact
-        np.take(zig.width, layer, out=g)
+        # layer < 256 = the tables' length: mode="wrap" never wraps, it only skips the bounds-checked buffered gather
+        np.take(zig.width, layer, out=g, mode="wrap")
         np.multiply(tv, g, out=tv)  # |x| = u * x_i
-        np.take(zig.inner, layer, out=g)
+        np.take(zig.inner, layer, out=g, mode="wrap")
         np.greater_equal(tv, g, out=ms)  # misses the fast path (|x| >= x_{i+1})?
         np.left_shift(words, 55, out=sg)  # bit 8 -> sign bit
         np.bitwise_and(sg, _SIGN, out=sg)
@@ -237,10 +238,10 @@ def _ziggurat_fast(seed: bytes, size: int, zig: _Ziggurat, label: bytes
     return out, slow_pos, slow_mag, slow_layer, slow_sign
 
 
-def _ziggurat_many(seeds: Sequence[bytes], size: int, zig: _Ziggurat, label: bytes) -> list[np.ndarray]:
-    """Symmetric ziggurat samples (unit scale) for each seed, slow paths resolved together."""
+def _ziggurat_many(seeds: Sequence[bytes], sizes: Sequence[int], zig: _Ziggurat, label: bytes) -> list[np.ndarray]:
+    """Symmetric ziggurat samples (unit scale), ``sizes[i]`` of them for ``seeds[i]``, slow paths resolved together."""
     outs, keys, owner, pos, mag, layer, sign = [], [], [], [], [], [], []
-    for idx, seed in enumerate(seeds):
+    for idx, (seed, size) in enumerate(zip(seeds, sizes, strict=True)):
         out, p, m, lay, sg = _ziggurat_fast(seed, size, zig, label)
         outs.append(out)
         keys.append(stream_key(seed, label + b"/side"))
@@ -266,7 +267,7 @@ def _ziggurat_many(seeds: Sequence[bytes], size: int, zig: _Ziggurat, label: byt
 
 def _ziggurat(seed: bytes, size: int, zig: _Ziggurat, label: bytes) -> np.ndarray:
     """Symmetric ziggurat samples (unit scale) for ``seed`` into a new float64 array."""
-    return _ziggurat_many([seed], size, zig, label)[0]
+    return _ziggurat_many([seed], [size], zig, label)[0]
 
 
 #: Streams of :func:`gaussian_many` resolved together are capped at this many samples (32 MiB of float64).
@@ -289,23 +290,43 @@ def gaussian(seed: bytes, size: int, sigma: float = 1.0) -> np.ndarray:
     return _scaled(seed, size, sigma, "sigma", _table("normal"), b"gaussian")
 
 
-def gaussian_many(seeds: Sequence[bytes], size: int, sigma: float = 1.0) -> Iterator[np.ndarray]:
+def gaussian_many(seeds: Sequence[bytes], size: int | Sequence[int],
+                  sigma: float | Sequence[float] = 1.0) -> Iterator[np.ndarray]:
     """``gaussian(seed, size, sigma)`` for each seed, in order, bit-identical to separate calls.
 
-    Faster for many short streams (e.g. the pairwise noise of a client with many
-    peers): the ziggurat's rejection slow path is resolved for a group of streams
-    in one vectorised pass instead of once per stream.  Groups hold at most
-    ~4M samples, so memory stays bounded for large models.
+    ``size`` and ``sigma``: one value for every stream, or one per seed.  Faster for many short streams
+    (e.g. the pairwise noise of a client with many peers, the layers of one model): the ziggurat's
+    rejection slow path is resolved for a group of streams in one vectorised pass instead of once per
+    stream.  Groups hold at most ~4M samples (or one longer stream), so memory stays bounded for large
+    models.  Raises ValueError when a per-seed list has another length than ``seeds`` (or as
+    :func:`gaussian` does).
     """
     seeds = [check_seed(seed) for seed in seeds]
-    size = check_size(size)
-    sigma = check_scale(sigma, "sigma")
-    group = max(1, _MANY_MAX_ELEMENTS // max(size, 1))
-    for first in range(0, len(seeds), group):
-        for out in _ziggurat_many(seeds[first : first + group], size, _table("normal"), b"gaussian"):
-            if sigma != 1.0:
-                out *= sigma
+    n = len(seeds)
+    sizes = [check_size(k) for k in _per_seed(size, n, "sizes")]
+    sigmas = [check_scale(v, "sigma") for v in _per_seed(sigma, n, "sigmas")]
+    first = 0
+    while first < n:
+        stop, total = first + 1, sizes[first]
+        while stop < n and total + sizes[stop] <= _MANY_MAX_ELEMENTS:
+            total += sizes[stop]
+            stop += 1
+        for out, s in zip(_ziggurat_many(seeds[first:stop], sizes[first:stop], _table("normal"), b"gaussian"),
+                          sigmas[first:stop], strict=True):
+            if s != 1.0:
+                out *= s
             yield out
+        first = stop
+
+
+def _per_seed(value: object, n: int, name: str) -> list:
+    """``value`` for each of ``n`` streams: a scalar repeated, or a sequence of exactly ``n`` values."""
+    if np.ndim(value) == 0:
+        return [value] * n
+    values = list(value)  # type: ignore[call-overload]
+    if len(values) != n:
+        raise ValueError(f"{len(values)} {name} for {n} seeds")
+    return values
 
 
 def laplace(seed: bytes, size: int, scale: float = 1.0) -> np.ndarray:

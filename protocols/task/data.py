@@ -17,6 +17,7 @@ import gzip
 import math
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -310,9 +311,21 @@ def partition_indices(labels_key: bytes, num_partitions: int, scheme: str, alpha
 
 def client_partition(cfg: RunConfig, partition_id: int, num_partitions: int) -> tuple[np.ndarray, np.ndarray]:
     """Training features and labels of one client."""
+    features, y = client_partition_lazy(cfg, partition_id, num_partitions)
+    return features(), y
+
+
+def client_partition_lazy(cfg: RunConfig, partition_id: int,
+                          num_partitions: int) -> tuple[Callable[[], np.ndarray], np.ndarray]:
+    """(a function returning the training features, the labels) of one client, as :func:`client_partition`.
+
+    The labels are gathered at once; the features (a copy of the client's share of the dataset) only when the
+    function is called, so a message that needs only the client's size (e.g. a key or share phase) skips the copy.
+    Raises ConfigError for a partition id outside ``[0, num_partitions)``.
+    """
     if not 0 <= partition_id < num_partitions:
         raise ConfigError(f"partition-id {partition_id} outside [0, {num_partitions})")
     ds = dataset_for(cfg)
     idx = partition_indices(ds.y_train.tobytes(), num_partitions, cfg.partitioning, cfg.dirichlet_alpha, cfg.seed)
     mine = idx[partition_id]
-    return ds.x_train[mine], ds.y_train[mine]
+    return (lambda: ds.x_train[mine]), ds.y_train[mine]
