@@ -19,7 +19,7 @@ import random
 
 import pytest
 
-import strategies.run.loop as loop
+import strategies.run.grid as metered_grid
 from protocols.config import RunConfig
 from protocols.dropouts import binom_tail, dropout_bound, nadp_dropout_factor, niss_dropout_factor
 from protocols.floor import FloorViolation, at_least, nadp_floor, nadp_round_noise, niss_floor
@@ -147,7 +147,7 @@ def _residual_only(self, st, node):
 
 def test_an_n_out_round_with_a_held_upload_stays_under_target(run_inprocess, tmp_path, monkeypatch):
     """20 clients, 4-out, round 1 strips one client below its self-mask threshold: it is held, not aggregated."""
-    monkeypatch.setattr(loop, "fault_drops", _strip_one_client)
+    monkeypatch.setattr(metered_grid, "fault_drops", _strip_one_client)
     common = {**NADP_FAST, "num-clients": 20, "num-rounds": 2, "graph": "n-out", "n-out": 4, "seed": 3,
               "epsilon": 1.0, "fault-drop-rate": 0.1}
     with monkeypatch.context() as old:
