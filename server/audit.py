@@ -67,7 +67,7 @@ def canaries_for(spec: AuditSpec) -> _Canaries | _AdaptiveCanaries:
     """The canaries of ``spec``'s releases (fresh labels are drawn per release)."""
     if spec.canary_kind == "adaptive":
         return _AdaptiveCanaries(spec.clients, CANARY_SCALE * spec.clip)
-    return _Canaries(spec.clients, spec.per_client, CANARY_SCALE * spec.clip, mlp=spec.adapter.mlp_canaries,
+    return _Canaries(spec.clients, spec.per_client, spec.adapter.canary_scale * spec.clip, mlp=spec.adapter.mlp_canaries,
                      zero_out=spec.adjacency_used == "zero-out")
 
 
@@ -85,6 +85,7 @@ def _audit_releases(spec: AuditSpec, raw: dict, seed: int | None, progress: Call
     t0 = time.perf_counter()
     feats, labels, owners, groups, keep = [], [], [], [], []
     claims: dict[str, float] = {}
+    claim_delta = spec.delta
     for i in range(releases):
         rel = release(spec, cfg, canaries, rng, raw)
         feats.append(rel.features)
@@ -92,7 +93,7 @@ def _audit_releases(spec: AuditSpec, raw: dict, seed: int | None, progress: Call
         owners.append(rel.owner)
         groups.append(np.full(len(rel.labels), i))
         keep.append(rel.audited)
-        claims = rel.claims
+        claims, claim_delta = rel.claims, rel.claim_delta
         if progress is not None and (i + 1) % max(releases // 10, 1) == 0:
             progress(f"{i + 1}/{releases} releases, {time.perf_counter() - t0:.0f} s")
     keep_all = np.concatenate(keep)
@@ -100,14 +101,26 @@ def _audit_releases(spec: AuditSpec, raw: dict, seed: int | None, progress: Call
     lab = np.concatenate(labels)[keep_all]
     own = np.concatenate(owners)[keep_all]
     grp = np.concatenate(groups)[keep_all]
-    scores = fisher_scores(v, lab, own, grp % 2 == 0)
-    if spec.adapter.one_trial_per_release:  # one secret per release scales every canary's noise
-        first = np.r_[True, grp[1:] != grp[:-1]]  # the threshold is chosen for the same count (the fit used all)
-        scores, lab, grp = scores[first], lab[first], grp[first]
-    bound = audit_scores(scores, lab, grp, spec.claim_delta, spec.alpha)
+    if spec.given_secret:  # given the secret, a release's canaries are independent: fit and test within each release
+        half = np.arange(len(lab)) % 2
+        scores = fisher_scores(v, lab, grp * spec.clients + own, half == 0)
+        bound = audit_scores(scores, lab, half, claim_delta, spec.alpha)
+    else:
+        scores = fisher_scores(v, lab, own, grp % 2 == 0)
+        if spec.adapter.one_trial_per_release:  # one secret per release scales every canary's noise
+            first = np.r_[True, grp[1:] != grp[:-1]]  # the threshold is chosen for the same count (the fit used all)
+            scores, lab, grp = scores[first], lab[first], grp[first]
+        bound = audit_scores(scores, lab, grp, claim_delta, spec.alpha)
     key = "epsilon_uplink" if spec.direction == "upload" else "epsilon_downlink"
     claimed = float(claims.get(key, math.inf))
-    notes = [f"claim: the run's {key} after one round at epsilon={spec.epsilon} (one-round mechanism)"]
+    of_run = "one round" if spec.rounds == 1 else f"its first round of {spec.rounds}"
+    notes = [f"claim: the run's {key} after {of_run} at epsilon={spec.epsilon} (one released round)"]
+    if claim_delta == 0.0 and math.isfinite(claimed):
+        notes.append("claim: pure epsilon-DP (the view's accountant composes pure releases basically); the bound "
+                     "uses delta = 0")
     notes += spec.adapter.notes(spec)
-    return AuditReport(spec.method, spec.direction, spec.canary_kind, spec.colluders, spec.fault, claimed, spec.claim_delta,
-                       ADJACENCY_TEXT[spec.adjacency_used], bound, int(keep_all.sum()), releases, time.perf_counter() - t0, notes)
+    tolerated = spec.adapter.tolerated_colluders(spec)
+    return AuditReport(spec.method, spec.direction, spec.canary_kind, spec.colluders, spec.fault, claimed, claim_delta,
+                       ADJACENCY_TEXT[spec.adjacency_used], bound, int(keep_all.sum()), releases, time.perf_counter() - t0,
+                       notes, tolerated, spec.colluders <= tolerated and (not spec.given_secret or spec.adapter.secret_claim),
+                       spec.adapter.nominal_claim)

@@ -21,7 +21,7 @@ from flwr.app import Message
 from protocols.wire.arrays import from_record
 from server.audit_canaries import _AdaptiveCanaries, _Canaries
 from server.audit_faults import Fault
-from server.audit_spec import AuditSpec
+from server.audit_spec import CANARY_SCALE, AuditSpec
 from server.local_grid import LocalGrid
 
 __all__ = ["AuditAdapter", "ReleaseView"]
@@ -59,6 +59,33 @@ class ReleaseView:
             uploads = {n: u.reshape(uploads[n].shape) for n, u in flat.items()}
         return uploads
 
+    def colluders(self) -> list[int]:
+        """The ``spec.colluders`` nodes that hand the server their round's material (the last in node order).
+
+        Their canaries leave the audit (``audited``): the audit is of the other clients.
+        """
+        k = self.spec.colluders
+        nodes = sorted(self.part)[-k:] if k else []
+        self.audited = self.audited & ~np.isin(self.canaries.owner(), [self.part[c] for c in nodes])
+        return nodes
+
+    def material_of(self, colluder: int) -> dict[int, bytes]:
+        """The pair material ``colluder`` holds for this round, by neighbour (its :class:`client.recovery.RecoveryStore`).
+
+        Raises:
+            RuntimeError: the client kept no material (it did not upload in this round).
+        """
+        from client.api import client_env
+        from client.recovery import RecoveryStore
+        from server.audit_canaries import CanaryModel
+
+        ctx = self.grid.contexts[colluder]
+        x, y = self.canaries.data(int(ctx.node_config["partition-id"]))
+        store = RecoveryStore.load(client_env(ctx, CanaryModel(self.canaries.dim), x, y))
+        if store is None:
+            raise RuntimeError(f"colluder {colluder} holds no pair material for this round")
+        return dict(store.material)
+
     def features_of(self, uploads: dict[int, np.ndarray]) -> np.ndarray:
         """The canaries' features in ``uploads`` (node -> canary-model weight), in partition order."""
         return self.canaries.features([{"linear.weight": uploads[n]} for n in sorted(uploads, key=self.part.get)])
@@ -70,24 +97,37 @@ class AuditAdapter:
     Attributes:
         canaries: the canary kinds it is audited with (:data:`server.audit_spec.CANARIES`); the first is the default.
         faults: the faults planted in its release code, by ``--fault`` name (:class:`server.audit_faults.Fault`).
-        colluders: the upload view may include peers handing the server their pair material (``--colluders``).
-        pure_dp: its claim is pure epsilon-DP: the bound is computed with ``delta = 0``.
+        colluders: the upload view may include peers handing the server their pair material (``--colluders``);
+            :meth:`tolerated_colluders` says how many of them the claim covers.
+        canary_scale: a gradient canary's input, in units of clip (:data:`server.audit_spec.CANARY_SCALE`).
         mlp_canaries: gradient canaries train the MLP (:func:`server.audit_canaries.canary_mlp`), not the linear model.
         one_trial_per_release: the canaries of one release share a secret noise scale, so the threshold and the
-            bound count one canary per release.
+            bound count one canary per release (unless the view is given that secret, ``secret_view``).
+        secret_view: ``--given-secret``: its model view can be read with the release's secret, which makes the
+            canaries of a release independent (every one is counted).
+        secret_claim: its claim's argument holds for every value of that secret (then a bound above the claim
+            given the secret is a violation; else it is outside the claim).
+        nominal_claim: its card states its claim as nominal, not a guarantee (a bound above it is reported, not
+            counted as a violation).
         self_tests: ``(fault, trials)`` rows ``cancelfl-bench audit`` adds to the method's upload rows (they must
             be flagged); ``trials`` ``None`` = the row's default.
+        variants: ``(label, rounds, settings, trials)`` upload rows ``cancelfl-bench audit`` adds: the run's first
+            round with ``rounds`` in its schedule and the run-config ``settings`` (another accounting, say).
     """
 
     canaries: tuple[str, ...] = ("gradient",)
     faults: Mapping[str, Fault] = MappingProxyType({})
     colluders: bool = False
-    pure_dp: bool = False
     mlp_canaries: bool = False
     one_trial_per_release: bool = False
+    secret_view: bool = False
+    secret_claim: bool = False
+    nominal_claim: bool = False
+    canary_scale: float = CANARY_SCALE
     self_tests: tuple[tuple[str, int | None], ...] = ()
+    variants: tuple[tuple[str, int, Mapping[str, Any], int], ...] = ()
 
-    def federation(self, direction: str, canary: str) -> dict[str, int]:
+    def federation(self, direction: str, canary: str, *, given_secret: bool = False) -> dict[str, int]:
         """Default ``trials``, ``clients`` and ``per_client``: about a minute on 2 shared cores.
 
         Gradient canaries give ``clients x per_client`` trials per release; adaptive canaries one per client
@@ -101,6 +141,13 @@ class AuditAdapter:
     def run_config(self, spec: AuditSpec) -> dict[str, Any]:
         """Run-config keys the method's releases set beyond :meth:`AuditSpec.run_config`'s (none by default)."""
         return {}
+
+    def tolerated_colluders(self, spec: AuditSpec) -> int:
+        """Colluding peers of an audited client that the method's claim covers (its threat model's c; 0 by default).
+
+        A bound above the claim with at most this many colluders is a violation; with more it is outside the claim.
+        """
+        return 0
 
     @contextlib.contextmanager
     def services(self, spec: AuditSpec, raw: dict) -> Iterator[dict]:

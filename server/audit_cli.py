@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from protocols.config import ConfigError
+from protocols.config import ConfigError, parse_run_config
 from server.audit_faults import HALVE_NOISE
 from server.audit_spec import ADJACENCY_TEXT, CANARIES, DIRECTIONS, AuditSpec, auditable_methods, federation
 from server.cli_text import methods_text
@@ -69,16 +69,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adjacency", choices=tuple(ADJACENCY_TEXT), default=None,
                    help="neighbouring datasets of the claim and the canaries (default: zero-out; with adaptive "
                         "canaries replace-one)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="the run's num-rounds (its calibration and schedule); the audit releases its first round (default: 1)")
+    p.add_argument("--set", nargs="*", default=None, metavar="KEY=VALUE",
+                   help="further run-config of the audited run (TOML values), e.g. ddpsa-composition='\"pld\"'")
+    p.add_argument("--given-secret", action="store_true",
+                   help="model view read with the release's secret (MP family: R), every canary counted")
     p.add_argument("--json", default="", help="also write the report as JSON to this file")
 
 
 def main(args: argparse.Namespace) -> int:
     """``cancelfl audit``: 0 = no violation, 1 = the audit proves more privacy loss than claimed, 2 = refused."""
     try:
-        fed = federation(args.method, args.direction, args.canary)
+        fed = federation(args.method, args.direction, args.canary, args.given_secret)
+        settings = tuple(parse_run_config(" ".join(args.set)).items()) if args.set else ()
         spec = AuditSpec(args.method, args.direction, args.epsilon, args.trials or fed["trials"], args.canary,
                          args.colluders, args.fault, args.clients or fed["clients"], args.per_client or fed["per_client"],
-                         adjacency=args.adjacency)
+                         adjacency=args.adjacency, rounds=args.rounds, settings=settings,
+                         given_secret=args.given_secret)
         spec.validate()
     except ConfigError as err:
         print(f"cancelfl audit: {err}", file=sys.stderr)

@@ -11,7 +11,9 @@ the published aggregate.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from flwr.app import ConfigRecord
@@ -26,7 +28,7 @@ from strategies.records import to_record
 from strategies.registry import strategy_class
 from strategies.stages import close_round
 
-__all__ = ["Release", "release"]
+__all__ = ["Release", "claim_of", "release"]
 
 
 @dataclass
@@ -38,6 +40,25 @@ class Release:
     audited: np.ndarray  # bool per trial: part of the audit (its owner is a victim)
     owner: np.ndarray
     claims: dict[str, float]
+    claim_delta: float  # the delta the claim of the audited view holds at (0: a pure-DP claim, claim_of)
+
+
+def claim_of(ledger: Any, direction: str) -> tuple[float, float]:
+    """``(epsilon, delta)`` the run's ledger claims for the view ``direction`` (``upload``: uplink, else downlink).
+
+    ``epsilon`` is the ledger's figure at its delta (``inf``: no guarantee).  The claim is pure DP (delta 0)
+    where the view's accountant certifies a pure epsilon no larger than that figure
+    (:meth:`protocols.privacy.Accountant.pure_epsilon`: pure releases composed basically); an accountant that
+    composes them by their privacy-loss distribution (e.g. ddpsa's ``pld``) claims its smaller epsilon at delta only.
+    """
+    acc = ledger.uplink if direction == "upload" else ledger.downlink
+    if acc is None:
+        return math.inf, ledger.delta
+    eps = acc.epsilon(ledger.delta)
+    pure = acc.pure_epsilon()
+    if pure is not None and pure <= eps * (1 + 1e-9):
+        return eps, 0.0
+    return eps, ledger.delta
 
 
 def release(spec: AuditSpec, cfg: RunConfig, canaries: _Canaries | _AdaptiveCanaries,
@@ -67,10 +88,11 @@ def release(spec: AuditSpec, cfg: RunConfig, canaries: _Canaries | _AdaptiveCana
         raise RuntimeError("audit release: the strategy published no model")
     part = {nid: i for i, nid in enumerate(grid.node_ids)}  # node -> partition (LocalGrid's order)
     claims = strategy.privacy.report()
+    _, claim_delta = claim_of(strategy.privacy, spec.direction)
     owner = canaries.owner()
     audited = np.ones(len(owner), dtype=bool)
     if fault is not None and fault.per_client:
         audited = owner == part[victim["node"]]  # a per-client fault: the audit of that client's records
     rel = ReleaseView(spec, strategy, grid, replies, aggregate, canaries, part, victim["node"], audited)
     features = adapter.view(rel)
-    return Release(features, canaries.signs(), rel.audited, owner, claims)
+    return Release(features, canaries.signs(), rel.audited, owner, claims, claim_delta)

@@ -1,10 +1,12 @@
 """What an audit is: its options (:class:`AuditSpec`), its result (:class:`AuditReport`) and the method's adapter.
 
-The claim audited is the run's own: the strategy's privacy ledger after one round at ``epsilon``
-(``epsilon_uplink`` for the ``upload`` view, ``epsilon_downlink`` for ``model``); ``inf`` where the method claims
-no guarantee in that direction.  What the audit knows of a method comes from its card's audit adapter
-(:attr:`protocols.methods.MethodSpec.audit`, :class:`server.audit_adapter.AuditAdapter`): its canaries, planted
-faults, federation, extra run config, and whether its claim is pure epsilon-DP (bound with ``delta = 0``).
+The claim audited is the run's own: the strategy's privacy ledger after the run's first round at ``epsilon``
+(``epsilon_uplink`` for the ``upload`` view, ``epsilon_downlink`` for ``model``; ``rounds`` and ``settings`` make
+the run's schedule and options); ``inf`` where the method claims no guarantee in that direction.  The bound uses
+``delta = 0`` where the ledger certifies the claim as pure epsilon-DP (:func:`server.audit_release.claim_of`).
+What the audit knows of a method comes from its card's audit adapter (:attr:`protocols.methods.MethodSpec.audit`,
+:class:`server.audit_adapter.AuditAdapter`): its canaries, planted faults, federation, extra run config, and how
+many colluding peers its claim tolerates.
 """
 
 from __future__ import annotations
@@ -65,10 +67,13 @@ def faults() -> tuple[str, ...]:
     return tuple(dict.fromkeys(f for m in auditable_methods() for f in audit_adapter(m).faults))
 
 
-def federation(method: str, direction: str = "upload", canary: str | None = None) -> dict[str, int]:
+def federation(method: str, direction: str = "upload", canary: str | None = None, given_secret: bool = False
+               ) -> dict[str, int]:
     """Default ``trials``, ``clients`` and ``per_client`` of an audit of ``method`` (its adapter's choice)."""
     adapter = audit_adapter(method)
-    return adapter.federation(direction, canary if canary is not None else adapter.canaries[0])
+    canary = canary if canary is not None else adapter.canaries[0]
+    return adapter.federation(direction, canary, given_secret=True) if given_secret else \
+        adapter.federation(direction, canary)
 
 
 def default_canary(method: str) -> str:
@@ -94,6 +99,9 @@ class AuditSpec:
     clip: float = 1.0
     lr: float = 1.0
     adjacency: str | None = None  # None: zero-out (the run-config default), replace-one for adaptive canaries
+    rounds: int = 1  # the run's num-rounds (its schedule and calibration); the audit releases its first round
+    settings: tuple[tuple[str, Any], ...] = ()  # further run-config keys of the run (e.g. a method option)
+    given_secret: bool = False  # model view read with the release's secret (MP family: its R), every canary counted
 
     def validate(self) -> None:
         """Refuse a spec the audit cannot run, naming the option (:class:`ConfigError`)."""
@@ -123,6 +131,11 @@ class AuditSpec:
         if self.colluders and (self.direction != "upload" or not adapter.colluders):
             raise ConfigError("audit: colluders apply to the upload view of a method whose peers can hand the server "
                               f"their pair material ({', '.join(methods_where(lambda a: a.colluders))})")
+        if self.given_secret and (self.direction != "model" or not adapter.secret_view):
+            raise ConfigError("audit: given-secret applies to the model view of a method whose release has a secret "
+                              f"the claim's argument conditions on ({', '.join(methods_where(lambda a: a.secret_view))})")
+        if self.rounds < 1:
+            raise ConfigError("audit: rounds must be >= 1")
         if self.trials < 4 * self.audited_per_release():
             raise ConfigError(f"audit: trials must be >= {4 * self.audited_per_release()} (4 releases)")
 
@@ -130,11 +143,6 @@ class AuditSpec:
     def adapter(self) -> Any:
         """The method's audit adapter (:func:`audit_adapter`; ConfigError if it has none)."""
         return audit_adapter(self.method)
-
-    @property
-    def claim_delta(self) -> float:
-        """The delta of the audited claim: 0 where the method claims pure epsilon-DP (its adapter), else ``delta``."""
-        return 0.0 if self.adapter.pure_dp else self.delta
 
     @property
     def adjacency_used(self) -> str:
@@ -157,13 +165,17 @@ class AuditSpec:
         return (self.clients - self.colluders) * self.per_client
 
     def run_config(self) -> dict:
-        """The run config of every release: one round, one full-batch clipped step, linear model."""
-        cfg = {"method": self.method, "epsilon": self.epsilon, "delta": self.delta, "num-rounds": 1,
+        """The run config of every release: one full-batch clipped step, linear model, ``rounds`` in the schedule.
+
+        Precedence: these keys, then the adapter's, then ``settings``, then the planted fault's.
+        """
+        cfg = {"method": self.method, "epsilon": self.epsilon, "delta": self.delta, "num-rounds": self.rounds,
                "num-clients": self.clients, "sample-rate": 1.0, "min-clients": self.clients,
                "local-epochs": 1, "batch-size": FULL_BATCH, "lr": self.lr, "clip": self.clip, "hidden": "",
                "model-ema": 0.0, "input-centering": False, "privacy-unit": "record", "graph": "complete",
                "divergence-factor": 0.0, "adjacency": self.adjacency_used}
         cfg.update(self.adapter.run_config(self))
+        cfg.update(dict(self.settings))
         if self.fault is not None:
             cfg.update(self.adapter.faults[self.fault].run_config)
         return cfg
@@ -186,6 +198,9 @@ class AuditReport:
     releases: int
     seconds: float
     notes: list[str] = field(default_factory=list)
+    tolerated_colluders: int = 0  # colluding peers the claim still covers (the adapter's reading of the run config)
+    covered: bool = True  # the claim covers this view (colluders within tolerance; a secret the claim conditions on)
+    nominal: bool = False  # the method states its claim as nominal (no guarantee): exceeding it is no violation
 
     @property
     def epsilon_lb(self) -> float:
@@ -193,9 +208,14 @@ class AuditReport:
         return self.bound.epsilon_lb
 
     @property
-    def violation(self) -> bool:
-        """The audit proves more privacy loss than claimed."""
+    def exceeds_claim(self) -> bool:
+        """The audit proves more privacy loss than the claimed figure."""
         return self.bound.epsilon_lb > self.claimed_epsilon
+
+    @property
+    def violation(self) -> bool:
+        """The audit proves more privacy loss than guaranteed in a view the claim covers (:attr:`covered`, not nominal)."""
+        return self.exceeds_claim and self.covered and not self.nominal
 
     def as_dict(self) -> dict:
         """JSON types."""
@@ -203,16 +223,19 @@ class AuditReport:
         d["bound"] = self.bound.as_dict()
         d["epsilon_lb"] = self.epsilon_lb
         d["violation"] = self.violation
+        d["exceeds_claim"] = self.exceeds_claim
         return d
 
     def line(self) -> str:
         """One human-readable line."""
         b = self.bound
         claim = "none" if math.isinf(self.claimed_epsilon) else f"{self.claimed_epsilon:.3f}"
-        extra = f" colluders={self.colluders}" if self.colluders else ""
+        extra = f" colluders={self.colluders} (claim covers {self.tolerated_colluders})" if self.colluders else ""
         extra += f" fault={self.fault}" if self.fault else ""
         return (f"{self.method:5s} {self.direction:6s} {self.canary:8s}{extra}: claimed {claim}, "
                 f"epsilon_lb {b.epsilon_lb:.3f} (95% interval [{b.epsilon_lb:.3f}, {b.epsilon_ub:.3f}], point "
                 f"{b.epsilon_point:.3f}; TPR {b.true_positives}/{b.trials}, FPR {b.false_positives}/{b.trials}) "
                 f"{self.trials} trials in {self.releases} releases, {self.seconds:.1f} s"
-                + ("  VIOLATION" if self.violation else ""))
+                + ("" if not self.exceeds_claim else "  VIOLATION" if self.violation
+                   else "  (above the claim, outside its threat model)" if not self.covered
+                   else "  (above the nominal claim)"))

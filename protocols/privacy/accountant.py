@@ -92,6 +92,14 @@ class Accountant(ABC):
     def releases(self) -> int:
         """Number of releases composed so far."""
 
+    def pure_epsilon(self) -> float | None:
+        """The epsilon of a pure (delta = 0) DP guarantee of the releases so far, or None where none is certified.
+
+        Only accountants of pure-DP events certify one (their basic composition, ``sum eps_t``); a privacy audit
+        compares a lower bound at ``delta = 0`` with a claim only where this is no larger than the claim.
+        """
+        return None
+
     def epsilon_rank(self) -> float | None:
         """A number whose order is the order of epsilon at every delta among accountants of this class, or None.
 
@@ -336,6 +344,12 @@ class DpCompositionAccountant(_EventLog):
         advanced = compose_advanced(eps, deltas, delta_prime=slack).epsilon if slack > 0 else math.inf
         return advanced if self.composition == "advanced" else min(basic, advanced)
 
+    def pure_epsilon(self) -> float | None:
+        """Basic composition ``sum eps_t`` when every release so far is pure DP (delta 0), else None."""
+        if any(getattr(e, "delta", 0.0) != 0.0 for e in self._events):
+            return None
+        return float(sum(e.epsilon * e.count for e in self._events))
+
 
 class PldAccountant(_EventLog):
     """Privacy-loss-distribution composition of pure-DP releases (:func:`protocols.privacy.pld.pld_epsilon`).
@@ -350,6 +364,12 @@ class PldAccountant(_EventLog):
     def _check(self, event: Event) -> None:
         if isinstance(event, DpEvent) and event.delta != 0.0:
             raise ValueError("PldAccountant composes pure-DP releases only (DpEvent delta 0)")
+
+    def pure_epsilon(self) -> float | None:
+        """Basic composition ``sum eps_t`` when every release so far is pure DP (delta 0), else None."""
+        if any(getattr(e, "delta", 0.0) != 0.0 for e in self._events):
+            return None
+        return float(sum(e.epsilon * e.count for e in self._events))
 
     def epsilon(self, delta: float) -> float:
         return pld_epsilon([(e.epsilon, isinstance(e, LaplaceEvent), e.count) for e in self._events],

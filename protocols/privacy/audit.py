@@ -22,7 +22,7 @@ import numpy as np
 from scipy.stats import beta
 
 __all__ = ["AuditBound", "audit_scores", "balanced", "clopper_pearson", "epsilon_from_rates",
-           "epsilon_lower_bound", "select_threshold"]
+           "epsilon_lower_bound", "gaussian_ceiling", "gdp_mu", "select_threshold"]
 
 
 def clopper_pearson(k: int | np.ndarray, n: int | np.ndarray, alpha: float = 0.05
@@ -182,3 +182,39 @@ def fisher_scores(views: np.ndarray, labels: np.ndarray, owner: np.ndarray, fit:
         w = np.linalg.solve(cov, mu_p - mu_n)
         scores[rows] = (views[rows] - (mu_p + mu_n) / 2) @ w
     return scores
+
+
+def gdp_mu(epsilon: float, delta: float) -> float:
+    """The ``mu`` of the Gaussian mechanism (mu-GDP) that is exactly (epsilon, delta)-DP (Dong, Roth & Su 2019).
+
+    Solves ``delta = Phi(-epsilon/mu + mu/2) - e^epsilon Phi(-epsilon/mu - mu/2)``; raises ValueError for
+    ``epsilon <= 0`` or ``delta`` outside (0, 1).
+    """
+    from scipy.optimize import brentq
+    from scipy.stats import norm
+
+    if not (epsilon > 0 and 0 < delta < 1):
+        raise ValueError(f"need epsilon > 0 and delta in (0, 1), got {epsilon}, {delta}")
+
+    def gap(mu: float) -> float:
+        return norm.cdf(-epsilon / mu + mu / 2) - math.exp(epsilon) * norm.cdf(-epsilon / mu - mu / 2) - delta
+
+    return float(brentq(gap, 1e-6, 100.0))
+
+
+def gaussian_ceiling(epsilon: float, delta: float, trials: int, alpha: float = 0.05) -> float:
+    """What :func:`audit_scores` proves at best on ``trials`` evaluation trials of a mechanism exactly at the claim.
+
+    The mechanism: the Gaussian of :func:`gdp_mu`; the test: its likelihood ratio, counts at their expected values,
+    the best threshold.  A row's ``epsilon_lb`` near this is all the trials allow; far below it, the canary or the
+    statistic lacks power (or the mechanism leaks less than it claims).
+    """
+    from scipy.stats import norm
+
+    mu = gdp_mu(epsilon, delta)
+    t = np.linspace(0.0, 12.0, 1201)
+    tp = np.round(norm.sf(t - mu / 2) * trials)
+    fp = np.round(norm.sf(t + mu / 2) * trials)
+    lo, _ = clopper_pearson(tp, np.full_like(tp, trials), alpha)
+    _, hi = clopper_pearson(fp, np.full_like(fp, trials), alpha)
+    return float(np.max(epsilon_from_rates(lo, hi, delta)))

@@ -1,4 +1,7 @@
-"""DDP-SA's audit adapter: local intermediate servers, the reconstructed sum as the upload view, pure epsilon-DP.
+"""DDP-SA's audit adapter: local intermediate servers and the reconstructed sum as the upload view.
+
+Its claim is pure epsilon-DP under basic composition (the bound uses delta = 0) and an (epsilon, delta) claim
+under ``ddpsa-composition = "pld"``; the audit reads which from the run's ledger (:func:`server.audit_release.claim_of`).
 
 L1-clipped canaries (``+-clip / 2`` on each of a record's two coordinates); the real shares are pushed to
 ``ddpsa-num-servers`` local intermediate servers (TLS, the derived simulation roster) started once per audit.
@@ -34,12 +37,28 @@ def _halve_laplace(victim: Callable[[], int | None]) -> AbstractContextManager:
     return patched((ddpsa_client, "laplace_noise", halved), (ddpsa_client, "distributed_laplace_share", halved))
 
 
+def _schedule_once() -> AbstractContextManager:
+    """Every release's strategy gets the same schedule: computed once (a PLD schedule takes seconds), then copied."""
+    import copy
+    import functools
+
+    import strategies.ddpsa as ddpsa_strategy
+
+    def memo(orig):
+        cached = functools.lru_cache(maxsize=8)(lambda *a, **k: orig(*a, **k))
+        return lambda *a, **k: copy.deepcopy(cached(*a, **k))
+
+    return patched((ddpsa_strategy, "per_round_epsilons", memo))
+
+
 class DdpsaAudit(AuditAdapter):
     """The parameter server reconstructs only the sum: its upload view is the published aggregate."""
 
-    pure_dp = True
     faults = MappingProxyType({HALVE_NOISE: Fault(_halve_laplace)})
     self_tests = ((HALVE_NOISE, SELF_TEST_TRIALS),)
+    #: The first of 100 rounds calibrated by their privacy-loss distribution: its ledger claims a little less than
+    #: the round's Laplace epsilon, at delta (not a pure claim).
+    variants = (("pld, 100 rounds", 100, MappingProxyType({"ddpsa-composition": "pld"}), SELF_TEST_TRIALS),)
 
     def run_config(self, spec: AuditSpec) -> dict[str, Any]:
         """The server's plain SGD step (lr) with the reconstructed sum: a linear release."""
@@ -54,11 +73,8 @@ class DdpsaAudit(AuditAdapter):
         cfg = RunConfig.from_mapping(raw)
         # Every release is a run of its own (a fresh run id): the servers may evict a finished one at once.
         with start_intermediate_servers(cfg.ddpsa_num_servers, DerivedRoster(cfg.seed, cfg.num_clients),
-                                        extra_args=["--run-idle-s", "0"]) as cluster:
+                                        extra_args=["--run-idle-s", "0"]) as cluster, _schedule_once():
             yield {**raw, **cluster.run_config()}
 
     def upload_view(self, rel: ReleaseView) -> np.ndarray:
         return self.model_view(rel)
-
-    def notes(self, spec: AuditSpec) -> list[str]:
-        return ["claim: pure epsilon-DP (Laplace); the bound uses delta = 0"]

@@ -1,8 +1,12 @@
 """The MP family's audit adapter (mpddp, mpdp-naive, mpcdp): an MLP canary and the server's recovery with R.
 
 FedSGD on :func:`server.audit_canaries.canary_mlp` with the paper's xi step (SGD), so the model is linear in the
-release.  The round's secret R scales the noise of every canary of a release alike: the threshold and the bound
-count one canary per release.  Upload view: each upload recovered alone with R (Eq. 22), as the server can.
+release.  Model view: the round's secret R scales the noise and the signal of every canary of a release alike
+(layer 1 is ``R^(1) o`` the perturbed-space step, one positive scale per hidden unit), so the canaries of one
+release are not independent and the threshold and the bound count one canary per release.  ``given_secret``:
+the published first layer divided by R^(1), the perturbed-space mean step plus its noise; given R the canaries
+of a release are independent and each is counted.  Upload view: each upload recovered alone with R (Eq. 22), as
+the server can.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from protocols.wire.arrays import from_record
 from server.audit_adapter import AuditAdapter, ReleaseView
 from server.audit_canaries import MLP_HIDDEN
 from server.audit_faults import HALVE_GAUSSIAN, HALVE_NOISE
@@ -21,15 +26,26 @@ __all__ = ["MpAudit", "MpddpAudit"]
 
 
 class MpAudit(AuditAdapter):
-    """mpdp-naive and mpcdp: their Gaussian std halved is the planted fault."""
+    """mpdp-naive and mpcdp: Gaussian noise on the perturbed-space step, so their claim's argument holds per R.
+
+    Their Gaussian std halved is the planted fault (caught given the secret).
+    """
 
     mlp_canaries = True
     one_trial_per_release = True
+    secret_view = True
+    secret_claim = True
+    nominal_claim = True  # MODEL_NOMINAL: clipping bounds the perturbed-space gradient, not the recovered one
+    #: The canary's column then carries nearly all of its clipped gradient (the shared bias and output-layer parts
+    #: do not grow with the input).
+    canary_scale = 1000.0
     faults = MappingProxyType({HALVE_NOISE: HALVE_GAUSSIAN})
 
-    def federation(self, direction: str, canary: str) -> dict[str, int]:
+    def federation(self, direction: str, canary: str, *, given_secret: bool = False) -> dict[str, int]:
         if canary == "adaptive":
             return super().federation(direction, canary)
+        if given_secret:
+            return {"trials": 200_000, "clients": 4, "per_client": 500}
         return {"trials": 12_000, "clients": 3, "per_client": 10}
 
     def run_config(self, spec: AuditSpec) -> dict[str, Any]:
@@ -42,8 +58,25 @@ class MpAudit(AuditAdapter):
                 "mpddp-side-dtype": "float64", "self-mask": False}
 
     def notes(self, spec: AuditSpec) -> list[str]:
+        if spec.given_secret:
+            return ["MP family, given the secret: the published first layer divided by R^(1) (the perturbed-space "
+                    "step and its noise); a release's canaries are independent given R, each is counted, the "
+                    "discriminant is fitted on half of each release's canaries and tested on the other half"]
         return ["MP family: the release's secret R scales the noise of all its canaries, so the threshold and the "
                 "bound count one canary per release (the others fit the test)"]
+
+    def model_view(self, rel: ReleaseView) -> np.ndarray:
+        """The published model; ``given_secret``: its first layer divided entrywise by the round's R^(1).
+
+        The canaries' columns of the published first layer are ``-xi R^(1) o (g + r^T Psi - v Phi + noise)`` (the
+        mean over the clients); divided by R^(1), each canary's column depends on its own record and noise only.
+        """
+        if not rel.spec.given_secret:
+            return super().model_view(rel)
+        w = dict(from_record(rel.aggregate))
+        r1 = rel.strategy._state.secret.trainable_R()[0].numpy()  # (hidden, inputs + 1): [W, b] of layer 1
+        w["layers.0.weight"] = np.asarray(w["layers.0.weight"], dtype=np.float64) / r1[:, :-1]
+        return rel.canaries.features([w])
 
     def upload_view(self, rel: ReleaseView) -> np.ndarray:
         """Every upload recovered alone with the round's secret R (the server holds both), in partition order.
@@ -63,6 +96,10 @@ class MpAudit(AuditAdapter):
 
 
 class MpddpAudit(MpAudit):
-    """mpddp: no planted fault (its noise is the clients' pairwise-cancelled share)."""
+    """mpddp: no planted fault; its claim is marginal over R (Theorems 5, 6), so given R it is not its argument.
 
+    DN(sigma_eta, 1) is uniform: R o eta is Gaussian only over R's draw, and given R the noise is bounded.
+    """
+
+    secret_claim = False
     faults = MappingProxyType({})

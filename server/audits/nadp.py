@@ -16,10 +16,8 @@ from types import MappingProxyType
 import numpy as np
 from flwr.app import Message
 
-from client.api import client_env
 from protocols.pairwise import pairwise_noise
 from server.audit_adapter import AuditAdapter, ReleaseView
-from server.audit_canaries import CanaryModel, _Canaries
 from server.audit_faults import HALVE_NOISE, Fault, halved_std, patched
 from server.local_grid import LocalGrid
 
@@ -68,24 +66,11 @@ class NadpAudit(AuditAdapter):
         if spec.fault == STRIP_PAIR_NOISE:
             _strip(rel.strategy, rel.grid, rel.victim, [n for n in uploads if n != rel.victim], uploads, rel.replies)
         elif spec.colluders:
-            colluders = sorted(uploads)[-spec.colluders:]
+            colluders = rel.colluders()
+            held = {c: rel.material_of(c) for c in colluders}
             for target in sorted(set(uploads) - set(colluders)):
-                seeds = {c: _material(rel.grid, rel.canaries, c, target) for c in colluders}
-                _strip_with(rel.strategy, target, seeds, uploads)
-            rel.audited = ~np.isin(rel.canaries.owner(), [rel.part[c] for c in colluders])
+                _strip_with(rel.strategy, target, {c: held[c][target] for c in colluders if target in held[c]}, uploads)
         return rel.features_of(uploads)
-
-
-def _material(grid: LocalGrid, canaries: _Canaries, colluder: int, target: int) -> bytes:
-    """The round's pair seed a colluding client holds with ``target`` (its :class:`RecoveryStore`)."""
-    from client.recovery import RecoveryStore
-
-    ctx = grid.contexts[colluder]
-    x, y = canaries.data(int(ctx.node_config["partition-id"]))
-    store = RecoveryStore.load(client_env(ctx, CanaryModel(canaries.dim), x, y))
-    if store is None or target not in store.material:
-        raise RuntimeError(f"colluder {colluder} holds no pair material with {target}")
-    return store.material[target]
 
 
 def _strip_with(strategy, target: int, seeds: dict[int, bytes], uploads: dict[int, np.ndarray]) -> None:
