@@ -1,19 +1,18 @@
 """Every method out of the box: ``method`` and ``dataset`` set, nothing else (with the acceptance rules).
 
 Each run is ``cancelfl run --run-config 'method="M" dataset="D" seed=S'`` done in-process
-(:func:`server.launch.run_inprocess`): the app's defaults plus the method's regime
-(:func:`protocols.methods.regime`) for every key left ``"auto"``, at the default epsilon.
-``--seeds N`` runs seeds ``42 .. 42 + N - 1`` (the seed fixes partitioning, sampling, the initial model and the
-batch order; DP noise always comes from the OS CSPRNG) for the methods in ``--seeded`` and the first seed for
-the others.  ``defaults.md`` lists per dataset and method the mean final test accuracy over its seeds and its
-spread (sample standard deviation, min and max), the epsilon spent (null = no guarantee in that direction),
-the privacy unit, the noise check's run ratio (noise left in the model over the most the clipped updates can
-move it; > 1 warns) and the mean wall time; ``defaults-runs.csv`` holds every run.  The acceptance rules
-(:data:`RULES`, :data:`FLOOR`) are checked on the means, on every dataset given.  Exit status 1 if a rule fails
-(the table's notes say which).  Every finished run is appended to ``<runs-dir>/rows.jsonl``; ``--resume`` takes
-the runs found there (same dataset, method and seed) instead of running them again; ``--tabulate`` runs nothing and
-tables the recorded runs (the notes list the missing ones, a rule whose methods lack runs is not checked, and the
-exit status is 1).
+(:func:`server.launch.run_inprocess`): the app's defaults plus the method's regime (:func:`protocols.methods.regime`)
+for every key left ``"auto"``, at the default epsilon. ``--seeds N`` runs seeds ``42 .. 42 + N - 1`` (``--first-seed``
+moves the start; the seed fixes partitioning, sampling, the initial model and the batch order; DP noise always comes
+from the OS CSPRNG) for the methods in ``--seeded`` and the first seed for the others. ``defaults.md`` lists per
+dataset and method the mean final test accuracy over its seeds and its spread (sample standard deviation, min and
+max), the epsilon spent (null = no guarantee in that direction), the privacy unit, the noise check's run ratio (noise
+left in the model over the most the clipped updates can move it; > 1 warns) and the mean wall time;
+``defaults-runs.csv`` holds every run. The acceptance rules (:data:`RULES`, :data:`FLOOR`) are checked on the means,
+on every dataset given. Exit status 1 if a rule fails (the table's notes say which). Every finished run is appended to
+``<runs-dir>/rows.jsonl``; ``--resume`` takes the runs found there (same dataset, method and seed) instead of running
+them again; ``--tabulate`` runs nothing and tables the recorded runs (the notes list the missing ones, a rule whose
+methods lack runs is not checked, and the exit status is 1).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ COLUMNS = ("dataset", "method", "unit", "seeds", "final_accuracy", "sd", "min", 
            "epsilon_downlink", "run_ratio", "measured_run_ratio", "learned", "rounds", "total_s", "regime", "status")
 RUN_COLUMNS = ("dataset", "method", "seed", "unit", "final_accuracy", "epsilon_uplink", "epsilon_downlink",
                "run_ratio", "measured_run_ratio", "learned", "rounds", "total_s", "regime", "status")
-#: The first seed (the app's default ``seed``).
+#: The default first seed (the app's default ``seed``).
 FIRST_SEED = 42
 
 
@@ -43,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--datasets", default="digits,mnist", help="comma list of datasets")
     parser.add_argument("--methods", default="all", help="comma list of registered methods, or all")
     parser.add_argument("--seeds", type=int, default=1, help="seeds per method in --seeded (42, 43, ...)")
+    parser.add_argument("--first-seed", type=int, default=FIRST_SEED, help="the first of the seeds")
     parser.add_argument("--seeded", default="all",
                         help="comma list of the methods that run every seed, or all; the others run seed 42 only")
     parser.add_argument("--out", default="runs/bench-defaults", help="folder of the tables")
@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     runs.mkdir(parents=True, exist_ok=True)
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
     methods, seeded = _names(args.methods), set(_names(args.seeded))
-    seeds = [FIRST_SEED + i for i in range(args.seeds)]
+    seeds = [args.first_seed + i for i in range(args.seeds)]
     done = _recorded(runs / "rows.jsonl") if args.resume or args.tabulate else {}
     t0 = time.perf_counter()
     rows, missing = [], []
