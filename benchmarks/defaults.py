@@ -211,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
              "measured_run_ratio: the same with the signal the rounds actually released in place of the clip "
              "bound (null: none measurable), first seed; learned: the run's learning check (5 points above "
              "chance, else it warns) on every seed",
+             *([f"tabulated from {runs / 'rows.jsonl'}: runs made by earlier invocations (each run's wall time is "
+                "its total_s)"] if args.tabulate else []),
              *([f"not run (left out of the means): {', '.join(missing)}"] if missing else []),
              *(["acceptance: all rules hold"] if not failed else [f"acceptance FAILED: {f}" for f in failed])]
     common.publish(summary, COLUMNS, args, "defaults", title="Every method with its defaults", notes=notes,
