@@ -144,7 +144,7 @@ def acceptance(rows: list[dict], chance_of: dict[str, float]) -> list[str]:
                 continue
             if acc.get(a) is not None and acc.get(b) is not None and acc[a] < acc[b] + margin:
                 how = f"more than {abs(margin) * 100:g} points below" if margin < 0 else "below"
-                failed.append(f"{dataset}: {a} {acc[a]:.3f} is {how} {b} {acc[b]:.3f}")
+                failed.append(f"{dataset}: {a} {acc[a]:.4f} is {how} {b} {acc[b]:.4f}")
     return failed
 
 

@@ -33,7 +33,7 @@ def test_acceptance_compares_means_not_single_seeds():
     assert defaults.acceptance(defaults.summarize(rows), {"mnist": 0.114}) == []
     rows = [r for r in rows if r["seed"] == 42]
     assert defaults.acceptance(defaults.summarize(rows), {"mnist": 0.114}) == [
-        "mnist: mpddp 0.640 is more than 3 points below mpcdp 0.720"]
+        "mnist: mpddp 0.6400 is more than 3 points below mpcdp 0.7200"]
 
 
 def test_tabulate_runs_nothing_lists_missing_runs_and_fails(tmp_path):
