@@ -9,9 +9,11 @@ from protocols.methods.registry import register
 from protocols.methods.spec import Guarantee, MethodSpec
 from protocols.options import MethodOptions, option
 
-#: Record level: one full-batch step of per-example-clipped gradients per round (sensitivity 2 clip lr / N_i,
-#: replacing Theorem 2's 2 lr E clip); local DP, so ~20 rounds.
-LADP_REGIME = {"small": {**RECORD_STEP["small"], "lr": 2.0, "num-rounds": 20}}
+#: ldp's regime: one full-batch step of per-example-clipped gradients per round (sensitivity 2 clip lr / N_i,
+#: replacing Theorem 2's 2 lr E clip), 10 rounds on the small datasets, 20 on the large.  Every selected layer gets at
+#: least the floor noise c0 Delta_f / epsilon_r, the same Gaussian release per round as ldp's (Theorem 3 with P_j <= B),
+#: so the rounds, lr and clip that suit ldp suit LaDP-FL.
+LADP_REGIME = {"small": {**RECORD_STEP["small"], "num-rounds": 10}, "large": {"num-rounds": 20}}
 
 
 @dataclass(frozen=True)
