@@ -24,6 +24,7 @@ import functools
 import math
 import os
 import time
+from unittest import mock
 
 from benchmarks import common
 from benchmarks.overhead import deployment_point, median_over_repeats, simulation_point
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
                 out.mkdir(parents=True, exist_ok=True)
                 trace_file = out / "trace.jsonl"
                 trace_file.unlink(missing_ok=True)
-                stack.enter_context(_env(TRACE_ENV, str(trace_file.resolve())))
+                stack.enter_context(mock.patch.dict(os.environ, {TRACE_ENV: str(trace_file.resolve())}))
             servers = _intermediate_servers(methods, k, args.epsilon, base, msets)
             cluster = stack.enter_context(LocalCluster(k, intermediate_servers=servers))
             point = functools.partial(deployment_point, cluster)
@@ -131,20 +132,6 @@ def _intermediate_servers(methods: list[str], clients: int, epsilon: float, base
         except ValueError:
             continue
     return need
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    """Set the environment variable ``name`` for the block."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def _timed_runs(args: argparse.Namespace, methods: list[str], point, k: int, base: dict, msets: dict,

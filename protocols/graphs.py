@@ -19,14 +19,13 @@ a client accepts.
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from protocols.config import RunConfig
 from protocols.identity import roster_digest, roster_round_seed
-from protocols.masking import mask_threshold
+from protocols.masking import assumed_colluders, mask_threshold
 from protocols.prg import derive_subseed, uniform_ints
 
 __all__ = ["GRAPH_KINDS", "complete_graph", "n_out_graph", "edges", "round_graph", "round_neighbours",
@@ -226,7 +225,7 @@ def present_floor(roster_degree: int, corruption: float) -> int:
     """
     if roster_degree < 1:
         return 0
-    colluders = math.ceil(corruption * roster_degree - 1e-12)
+    colluders = assumed_colluders(roster_degree, corruption)
     for d in range(1, roster_degree + 1):
         if mask_threshold(d, corruption) > colluders:
             return d

@@ -41,14 +41,18 @@ SHARE_PURPOSE = "self-mask-share"
 _AAD_CONTEXT = b"cancelfl/self-mask-share/v1"
 
 
+def assumed_colluders(degree: int, corruption: float) -> int:
+    """``c = ceil(corruption * degree)``: the colluders assumed among ``degree`` neighbours."""
+    return math.ceil(corruption * degree - 1e-12)
+
+
 def mask_threshold(degree: int, corruption: float) -> int:
     """Shares needed to rebuild a self-mask seed of a client with ``degree`` neighbours (see the module doc)."""
     if degree < 1:
         raise ValueError(f"a masked client needs at least one neighbour, got degree {degree}")
     if not 0.0 <= corruption < 1.0:
         raise ValueError(f"corruption rate must be in [0, 1), got {corruption}")
-    c = math.ceil(corruption * degree - 1e-12)
-    return min(degree, (degree + c) // 2 + 1)
+    return min(degree, (degree + assumed_colluders(degree, corruption)) // 2 + 1)
 
 
 def signatures_needed(degree: int, roster_degree: int, corruption: float) -> int:
@@ -60,7 +64,7 @@ def signatures_needed(degree: int, roster_degree: int, corruption: float) -> int
     signatures (:mod:`protocols.consistency`).  ``s <= d`` (honest recovery possible) whenever ``t > c``, which
     :func:`protocols.graphs.present_floor` makes every client require of its own present neighbourhood.
     """
-    c = math.ceil(corruption * max(roster_degree, degree) - 1e-12)
+    c = assumed_colluders(max(roster_degree, degree), corruption)
     return degree + c - mask_threshold(degree, corruption) + 1
 
 
@@ -90,12 +94,12 @@ class MaskParameters:
     @property
     def colluders_rebuild(self) -> bool:
         """The assumed colluding neighbours (``c``) reach the threshold: they alone rebuild the self-mask."""
-        return self.threshold <= math.ceil(self.corruption * self.degree - 1e-12)
+        return self.threshold <= assumed_colluders(self.degree, self.corruption)
 
     def _warning(self) -> str:
         if not self.colluders_rebuild:
             return ""
-        c = math.ceil(self.corruption * self.degree - 1e-12)
+        c = assumed_colluders(self.degree, self.corruption)
         return (f"; with {self.degree} neighbour(s) t <= c = {c} assumed colluders: they alone rebuild the self-mask "
                 "and no pair seed is ever revealed for a dropped neighbour (run-config 'mask-corruption-rate' = 0, "
                 "or more neighbours per client)")
