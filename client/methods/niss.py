@@ -143,11 +143,13 @@ class _Stored:
     mask_keys: dict[int, bytes] = dataclasses.field(default_factory=dict)
     #: the round's joint-view scale on sigma (``niss-noise-scale``, at least :func:`protocols.floor.niss_floor`'s)
     scale: float = 1.0
+    #: ``scale`` over the floor's scale (>= 1): the budget guard's raise, which this client's release counts
+    credit: float = 1.0
 
     def to_record(self) -> ConfigRecord:
         rec = ConfigRecord({
             "round": self.round, "weight": self.weight, "sigma": self.sigma, "tau": self.tau, "scale": self.scale,
-            "encoding": self.encoding,
+            "credit": self.credit, "encoding": self.encoding,
             "neighbours": [str(n) for n in self.neighbours],
             "relay-keys": [self.relay_keys[n] for n in self.neighbours],
             "out-receivers": [str(b.receiver) for b in self.outgoing],
@@ -171,7 +173,7 @@ class _Stored:
         mask_keys = dict(zip(nbrs, (bytes(k) for k in rec["mask-keys"]), strict=True)) if "mask-keys" in rec else {}
         return cls(rnd, float(rec["weight"]), float(rec["sigma"]), str(rec["encoding"]), nbrs,
                    dict(zip(nbrs, (bytes(k) for k in rec["relay-keys"]), strict=True)), out, float(rec["tau"]),
-                   mask_keys, float(rec["scale"]))
+                   mask_keys, float(rec["scale"]), float(rec.get("credit", 1.0)))
 
 
 # -------------------------------------------------------------------------- phases
@@ -202,7 +204,7 @@ def handle_shares(msg: Message, env: ClientEnv) -> Message:
     # The joint view of all uploads (the roster's graph among the participants, public sizes): refuse a smaller scale.
     # Calibrated for the most rounds the public schedule samples any client in (the server computes the same).
     releases = roster_releases(env.cfg, node_identity(env).roster)
-    niss_floor(env.cfg, req.sizes, view.graph or {}, tau, req.noise_scale, releases)
+    floor = niss_floor(env.cfg, req.sizes, view.graph or {}, tau, req.noise_scale, releases)
     # The client's own calibration (run config, its dataset size, the neighbour count): never the server's figures.
     plan = client_plan(env.cfg, own_weight, len(env.y), len(nbrs), req.noise_scale, releases)
     sigma = plan.sigma_k
@@ -216,7 +218,7 @@ def handle_shares(msg: Message, env: ClientEnv) -> Message:
         aad = _aad(me, n, rnd, env.context.run_id, encoding)
         payloads.append(seal(keys[n], encode_payload(encoding, by_receiver[n], size), aad=aad))
     env.context.state[STATE_KEY] = _Stored(rnd, own_weight, sigma, encoding, nbrs, keys, bundles, tau,
-                                           mask_keys, req.noise_scale).to_record()
+                                           mask_keys, req.noise_scale, req.noise_scale / floor.scale).to_record()
     return Message(RecordDict({"config": ConfigRecord(ShareReply(tuple(nbrs), tuple(payloads)).to_config())}), reply_to=msg)
 
 
@@ -350,9 +352,10 @@ def train(msg: Message, env: ClientEnv) -> Message:
     if env.cfg.cancellation_check:
         figures = dataclasses.replace(figures, received_var=sum(b.count * b.share_std**2 for _s, b, _v in incoming))
         probe = probe_metric(mask_probe(msg, own + received))
-    # sigma_k = scale z Delta f_k: the uploads together leave this client at least (z Delta f_k)^2 of variance
-    # (protocols.floor.niss_floor), one Gaussian release of multiplier z; none at all with tau = 0.
-    z = st.sigma / (st.scale * upload_sensitivity(env.cfg, st.weight, len(env.y))) if tau > 0 else 0.0
+    # sigma_k = scale z Delta f_k: the uploads together leave this client at least (credit z Delta f_k)^2 of variance
+    # (protocols.floor.niss_floor at scale / credit), one Gaussian release of multiplier credit z (the server charges
+    # the same: the budget guard's raise is credit); none at all with tau = 0.
+    z = st.credit * st.sigma / (st.scale * upload_sensitivity(env.cfg, st.weight, len(env.y))) if tau > 0 else 0.0
     spent = release(msg, env, GaussianEvent(z))
     out = reply(msg, to_record(unflatten(upload, global_w), np.float64), len(env.y), train_loss=loss,
                 update_norm=norm, **extra, **figures.to_metrics(), **probe, **spent)
