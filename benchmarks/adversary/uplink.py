@@ -26,7 +26,6 @@ from protocols.methods import method_spec
 from protocols.task.data import client_partition, dataset_for
 from protocols.task.models import build_model, get_weights, set_weights
 from protocols.wire.arrays import Weights
-from protocols.wire.ddpsa import ShareReceipt
 from server.audit_adapter import AuditAdapter, GradientView
 
 __all__ = ["UplinkCapture", "AttackerView", "adapter_of", "training_loss", "capture_first_round", "attacker_view",
@@ -59,7 +58,7 @@ class UplinkCapture:
     reply: Message  # the victim's train reply
     x: np.ndarray  # the victim's only sample (input shape)
     y: int
-    side: np.ndarray | None = None  # what left the victim outside the Flower grid (ddpsa: its shared vector)
+    side: dict[str, np.ndarray] | None = None  # what left the clients outside the Flower grid, by roster name
 
 
 def capture_first_round(overrides: dict, *, victim: int = 0) -> UplinkCapture:
@@ -91,9 +90,7 @@ def capture_first_round(overrides: dict, *, victim: int = 0) -> UplinkCapture:
     x, y = client_partition(cfg, victim, cfg.num_clients)
     if len(y) != 1:
         raise RuntimeError(f"victim holds {len(y)} samples, expected 1")
-    # ddpsa's side channel is keyed by the roster name the victim pushed its shares under (its reply's receipt).
-    pushed = side.get(ShareReceipt.client_of(got[node].content)) if side else None
-    return UplinkCapture(cfg, obs.strategy, w0, sent[node], got[node], x[0], int(y[0]), pushed)
+    return UplinkCapture(cfg, obs.strategy, w0, sent[node], got[node], x[0], int(y[0]), side)
 
 
 def _defaults() -> dict:

@@ -83,15 +83,17 @@ class DdpsaAudit(AuditAdapter):
         """Alone the server sees nothing of one client; colluding with all m intermediate servers, its noisy gradient.
 
         The uniform Z_2^64 shares sit on the intermediate servers and the reply carries metrics only.  The worst
-        case reconstructs the client's L1-clipped gradient sum + Laplace noise (FedSGD): ``cap.side``, the vector
-        :meth:`uplink_side_channel` recorded.
+        case reconstructs the client's L1-clipped gradient sum + Laplace noise (FedSGD): the vector
+        :meth:`uplink_side_channel` recorded under the roster name of the victim's share receipt.
         """
         from protocols.arrays import unflatten
         from protocols.wire.arrays import from_record
+        from protocols.wire.ddpsa import ShareReceipt
 
-        if cap.side is None:
+        pushed = (cap.side or {}).get(ShareReceipt.client_of(cap.reply.content))
+        if pushed is None:
             return GradientView(None, "nothing: secret shares on the intermediate servers (share vector not captured)")
-        return GradientView(unflatten(cap.side, from_record(cap.sent.content["arrays"])),
+        return GradientView(unflatten(pushed, from_record(cap.sent.content["arrays"])),
                             "alone: nothing (uniform shares); colluding with all m intermediate servers: "
                             "L1-clipped gradient + Laplace noise (attacked here)")
 
