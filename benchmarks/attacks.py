@@ -180,16 +180,15 @@ def plot_reconstructions(images: dict[tuple[str, float], np.ndarray], path: Path
 
 def received_forward(method: str, msg, cfg) -> tuple[Callable, str]:
     """Forward function of the model a client receives in ``msg``, and what it is."""
-    from benchmarks.adversary.uplink import RECEIVED_FORWARDS
+    from benchmarks.adversary.uplink import adapter_of
     from protocols.task.data import dataset_for
     from protocols.task.models import build_model, set_weights
     from protocols.wire.arrays import from_record
 
     arrays = from_record(msg.content["arrays"])
     ds = dataset_for(cfg)
-    if (received := RECEIVED_FORWARDS.get(common.family_of(method))) is not None:
-        forward, what = received
-        return forward(arrays, cfg), what
+    if (received := adapter_of(method).received_forward(arrays, cfg)) is not None:
+        return received
     model = build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed).double()
     set_weights(model, arrays)
     model.eval()

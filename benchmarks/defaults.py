@@ -120,10 +120,9 @@ RULES: tuple[tuple[str, str, float, tuple[str, ...]], ...] = (
     ("nadp", "cdp", -0.015, ()), ("niss", "cdp", -0.015, ()), ("nadp", "fedavg", -0.03, ()),
     ("niss", "fedavg", -0.03, ()), ("ddpsa", "cdp", -0.05, ()), ("mpddp", "mpcdp", -0.03, ()), ("ladp", "ldp", 0.0, ()),
 )
-#: Every DP method's floor: chance + 20 points on the large datasets; 0.5 on the small ones except the MP family.
+#: Every DP method's floor: chance + 20 points on the large datasets, 0.5 on the small ones; a method's card
+#: exempts it on a size class (``MethodSpec.floor_exempt``).
 FLOOR = {"large": 0.20, "small": 0.5}
-#: The method families the floor of a dataset size class does not hold for (the MP family on the small datasets).
-FLOOR_EXEMPT: dict[str, tuple[str, ...]] = {"small": ("mpddp",)}
 
 
 def acceptance(rows: list[dict], chance_of: dict[str, float]) -> list[str]:
@@ -137,7 +136,7 @@ def acceptance(rows: list[dict], chance_of: dict[str, float]) -> list[str]:
         large = size == "large"
         for method, a in acc.items():
             spec = method_spec(method)
-            if not spec.units or spec.family in FLOOR_EXEMPT.get(size, ()):  # no DP (fedavg), or exempt
+            if not spec.units or size in spec.floor_exempt:  # no DP (fedavg), or exempt on its card
                 continue
             need = floor + FLOOR["large"] if large else FLOOR["small"]
             if a is None or a < need:

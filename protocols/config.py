@@ -26,12 +26,11 @@ from protocols.methods import (
     AUTO_KEYS,
     METHODS,
     PRIVACY_UNITS,
-    SERVER_STEP_FAMILIES,
-    SPARSE_BY_DEFAULT,
     auto_graph,
     method_spec,
     options_classes,
     regime,
+    sparse_by_default,
 )
 from protocols.options import ConfigError, MethodOptions
 from protocols.options import choice as _choice
@@ -173,13 +172,13 @@ class RunConfig:
             for key, value in regime(method, dataset).items():
                 if key in unset:
                     values[_attr(key)] = applied[key] = _coerce(key, value, _type_of(known[key]))
-        lr_key = SERVER_STEP_FAMILIES.get(method_spec(method).family) if method in METHODS else None
+        lr_key = method_spec(method).server_step_lr if method in METHODS else None
         if "server-optimizer" in applied and lr_key not in unset:  # the user's xi / lr is the paper's SGD step
             values["server_optimizer"] = applied["server-optimizer"] = "sgd"
         if "graph" in unset and "graph" not in applied:
             k = clients_sampled(values.get("sample_rate", cls.sample_rate), values.get("num_clients", cls.num_clients))
             values["graph"] = auto_graph(method, k)
-            if method in SPARSE_BY_DEFAULT:  # a decision for these methods: printed with the regime
+            if sparse_by_default(method):  # a decision for these methods: printed with the regime
                 applied["graph"] = values["graph"]
         cfg = cls.of(**values, regime_applied=tuple(sorted(applied.items())))
         cfg.validate()
@@ -226,8 +225,8 @@ class RunConfig:
         _choice("privacy-unit", self.privacy_unit, PRIVACY_UNITS)
         _choice("adjacency", self.adjacency, tuple(ADJACENCIES))
         _choice("server-optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
-        if self.server_optimizer != "sgd" and method_spec(self.method).family not in SERVER_STEP_FAMILIES:
-            stepping = ", ".join(m for m, spec in METHODS.items() if spec.family in SERVER_STEP_FAMILIES)
+        if self.server_optimizer != "sgd" and method_spec(self.method).server_step_lr is None:
+            stepping = ", ".join(m for m, spec in METHODS.items() if spec.server_step_lr is not None)
             raise ConfigError(f"run-config 'server-optimizer' = {self.server_optimizer!r} applies to the methods "
                               f"whose server steps with a released gradient ({stepping}); {self.method!r} averages "
                               "models")

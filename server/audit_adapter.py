@@ -5,12 +5,16 @@ instance or a ``"module:attr"`` string; the built-in ones live in :mod:`server.a
 (:mod:`server.audit`, :mod:`server.audit_release`) runs the method's registered strategy and client handlers and
 asks the adapter only what differs by method: the canaries it is audited with, the faults planted in its release
 code, its federation and run config, services its releases need, and the adversary's view of one release.
+The attacks benchmark asks it too: what the server infers of one client's gradient from its upload
+(:meth:`AuditAdapter.gradient_view`), the loss its clients train with and the model they receive.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -18,13 +22,36 @@ from typing import Any
 import numpy as np
 from flwr.app import Message
 
+from protocols.arrays import Weights
+from protocols.methods import method_spec
 from protocols.wire.arrays import from_record
 from server.audit_canaries import _AdaptiveCanaries, _Canaries
 from server.audit_faults import Fault
 from server.audit_spec import CANARY_SCALE, AuditSpec
 from server.local_grid import LocalGrid
 
-__all__ = ["AuditAdapter", "ReleaseView"]
+__all__ = ["AuditAdapter", "GradientView", "ReleaseView", "weights_view"]
+
+
+@dataclass
+class GradientView:
+    """The per-client gradient the server infers from one upload (original model space), or why there is none.
+
+    ``noise_scale``: the per-entry noise std the server knows (up to a common factor), if any.
+    """
+
+    gradient: Weights | None
+    note: str
+    noise_scale: Weights | None = None
+
+
+def weights_view(cap: Any, upload: Weights, note: str) -> GradientView:
+    """An upload read as the local model after one SGD step of batch size 1: ``g = (w_sent - upload) / lr``.
+
+    ``cap``: the round-1 capture (:class:`benchmarks.adversary.uplink.UplinkCapture`: ``cfg``, ``sent``).
+    """
+    sent = from_record(cap.sent.content["arrays"])
+    return GradientView(OrderedDict((k, (sent[k] - upload[k]) / cap.cfg.lr) for k in sent), note)
 
 
 @dataclass
@@ -113,6 +140,7 @@ class AuditAdapter:
             be flagged); ``trials`` ``None`` = the row's default.
         variants: ``(label, rounds, settings, trials)`` upload rows ``cancelfl-bench audit`` adds: the run's first
             round with ``rounds`` in its schedule and the run-config ``settings`` (another accounting, say).
+        training_loss: the loss its clients train with (``ce`` or ``mse``, :func:`protocols.task.training.loss_fn`).
     """
 
     canaries: tuple[str, ...] = ("gradient",)
@@ -126,6 +154,7 @@ class AuditAdapter:
     canary_scale: float = CANARY_SCALE
     self_tests: tuple[tuple[str, int | None], ...] = ()
     variants: tuple[tuple[str, int, Mapping[str, Any], int], ...] = ()
+    training_loss: str = "ce"
 
     def federation(self, direction: str, canary: str, *, given_secret: bool = False) -> dict[str, int]:
         """Default ``trials``, ``clients`` and ``per_client``: about a minute on 2 shared cores.
@@ -175,3 +204,32 @@ class AuditAdapter:
             by_part = {rel.part[r.metadata.src_node_id]: from_record(r.content["arrays"]) for r in rel.replies}
             return np.concatenate([rel.canaries.features([by_part[c]]) for c in range(rel.spec.clients)])
         return rel.features_of(rel.uploads())
+
+    def gradient_view(self, cap: Any) -> GradientView:
+        """What the server infers of the victim's gradient from its round-1 upload (one record, batch size 1).
+
+        ``cap``: :class:`benchmarks.adversary.uplink.UplinkCapture` (``cfg``, ``strategy``, ``sent``, ``reply``,
+        ``side``).  Default: an upload shaped like the model read as the local model after one SGD step
+        (:func:`weights_view`; the exact gradient for a method without DP), else no view.
+        """
+        up = from_record(cap.reply.content["arrays"]) if "arrays" in cap.reply.content else {}
+        model = cap.global_weights
+        if set(up) != set(model) or any(up[k].shape != model[k].shape for k in up):
+            return GradientView(None, "no attacker view defined for this upload format")
+        note = ("local model after one SGD step: (w - upload)/lr is the exact gradient"
+                if not method_spec(cap.cfg.method).units else "upload read as a local model (no method-specific view)")
+        return weights_view(cap, OrderedDict((k, up[k]) for k in model), note)
+
+    def uplink_side_channel(self, store: dict[str, np.ndarray]) -> AbstractContextManager:
+        """Record into ``store`` (roster name -> vector) what leaves a client outside the Flower grid in round 1.
+
+        Nothing by default.
+        """
+        return contextlib.nullcontext()
+
+    def received_forward(self, arrays: Weights, cfg: Any) -> tuple[Callable, str] | None:
+        """The model a client receives in a train message's ``arrays``: (forward function, what it is).
+
+        ``None`` (default): the global model itself.
+        """
+        return None

@@ -1,49 +1,18 @@
-"""MP_Server + DDP_Client (Yang et al.) and its two ablations MP-DP-Naive and MP-CDP: server side.
+"""Server stages of MP_Server + DDP_Client (Yang et al.) and its ablations MP-DP-Naive and MP-CDP.
 
-Supported models: ``model = "mlp"`` with at least one hidden layer, trained with the paper's loss
-1/2 ||y - onehot||^2; the model perturbation (Eqs. 12-15) needs a ReLU MLP of ``nn.Linear`` layers
-(``protocols.task.models.MLP``), anything else is refused with a ``ConfigError`` at construction.
+The round protocol, equations and caveats: ``docs/methods/mpddp.md``.  Models: ``model = "mlp"`` with at least one
+hidden layer (a ReLU MLP of ``nn.Linear`` layers, :class:`protocols.task.models.MLP`), trained on the squared loss;
+anything else is refused with a ``ConfigError`` at construction.
 
-Round ``t`` (the stages of :mod:`strategies.stages`; methods ``mpddp``, ``mpdp-naive``, ``mpcdp``):
-
-1. keys (``mpddp`` only): the shared key phase (:class:`strategies.key_phase.KeyPhase`).
-2. plan, MP_Server (Algorithm 1, :class:`strategies.mp_server.MpStrategyBase`): a fresh one-time secret R
-   from ``os.urandom``; only the perturbed model W-hat (2L-1 float64 matrices) goes to the clients.
-3. train: clients compute ONE full-batch gradient at W-hat plus Psi, Phi (FedSGD: ``local-epochs``,
-   ``batch-size`` and ``lr`` are unused) and add noise: ``mpddp`` eta_k + sum_v Delta_kv (Eq. 17, pairwise
-   seeds of purpose ``mpddp-delta``); ``mpdp-naive`` N(0, sigma^2); ``mpcdp`` none.
-4. recover (``mpddp``): the Delta's a dropped participant leaves in the mean are removed
-   (:mod:`strategies.recovery`; the paper has none); otherwise the round fails and the model is kept.
-5. aggregate, MU_Server (Algorithm 3, :func:`protocols.mpddp.mu_server`): the *unweighted* mean of the
-   uploads, recovery Eq. (22), the server optimizer's step (``mpddp-server-lr``); ``mpcdp`` adds
-   N(0, (z S / K)^2) to the mean perturbed gradient first.
-6. account: the given-R account and a recovery's shortfall.
-
-Calibration (``epsilon``/``delta``: the budget of the whole run).  Privacy unit: one record.  Each client
-clips every example's perturbed gradient (on W-hat) to ``clip`` and uploads their mean, so a record moves
-the upload by at most S = 2 clip / n_k (:func:`protocols.mpddp.mp_record_sensitivity`), in the space the noise
-is added in.  z is the smallest multiplier for which ``num-rounds`` Gaussian releases are (epsilon,
-delta)-DP under RDP (no sampling amplification: the server knows whom it sampled).
-
-* ``mpddp``, complete graph (Theorem 10): one round is a Gaussian mechanism of privacy-loss variance theta
-  (Eq. 23), theta = 1/z^2, split 90 % to eta (:data:`protocols.floor.ETA_SHARE`) and the rest to Delta
-  (:func:`protocols.mpddp.sigmas_for_theta`), for the K clients of the key phase and S of the smallest.
-* ``mpddp``, random n-out graph (Theorem 11, K >= 81): per round (epsilon/T, delta/T)
-  (:func:`protocols.mpddp.calibrate`), basic composition; settings outside the theorem are refused.
-* ``mpdp-naive``: sigma = z S_k per client (:func:`protocols.mpddp.calibrate_ldp`).
-* ``mpcdp``: sigma = z S / K on the mean perturbed gradient (:func:`protocols.mpddp.calibrate_cdp`).
-
-Caveats (properties of the paper's scheme; the headline epsilons of all three are nominal):
-* The uplink guarantee is nominal: Theorems 5/6 make R o eta Gaussian only marginally over R, which the
-  server chose.  ``epsilon_given_R`` reports the RDP epsilon when each round's theta is divided by
-  min_ij R_ij^2 (worst coordinate given R); also for ``mpdp-naive``.
-* Psi_k and Phi_k go up unnoised (as in the paper): strictly no uplink DP; ``epsilon_given_R`` ignores them.
-* The true-space gradient the published model moves by is not bounded by the clip (the client does not
-  know R); ``mpcdp``'s downlink figure is nominal for the same reason; its uplink is infinite.
-* Layer 1 is hidden only up to positive row scales (``client_model_row_cosine_l1`` = 1).
-
-The calibration of a round is held by :meth:`~strategies.mp_server.MpStrategyBase.round_noise` and
-:meth:`MpcdpStrategy.server_sigma`.
+The stages of :mod:`strategies.stages`: keys (``mpddp`` only, :class:`strategies.key_phase.KeyPhase`), plan
+(MP_Server, Algorithm 1: a fresh secret R, only the perturbed model W-hat is sent,
+:class:`strategies.mp_server.MpStrategyBase`), train (one full-batch gradient at W-hat plus Psi, Phi and the
+method's noise), recover (``mpddp``: a dropped participant's Delta's, :mod:`strategies.recovery`), aggregate
+(MU_Server, Algorithm 3: unweighted mean, recovery Eq. 22, the server optimizer's step; ``mpcdp`` adds its noise
+first), account (the given-R account, ``epsilon_given_R``, and a recovery's shortfall).  Calibration per record,
+sensitivity 2 clip / n_k in the perturbed space: ``mpddp`` Theorem 10 (complete graph) or 11 (n-out, K >= 81),
+``mpdp-naive`` :func:`protocols.mpddp.calibrate_ldp`, ``mpcdp`` :func:`protocols.mpddp.calibrate_cdp`; held by
+:meth:`~strategies.mp_server.MpStrategyBase.round_noise` and :meth:`MpcdpStrategy.server_sigma`.
 """
 
 from __future__ import annotations

@@ -1,51 +1,16 @@
-"""Server side of NADP-FL (Noise-Annihilation DP-FL).
+"""Server stages of NADP-FL (Noise-Annihilation DP-FL); the round protocol and equations: ``docs/methods/nadp.md``.
 
-Round ``t`` (the stages of :mod:`strategies.stages`):
+The stages of :mod:`strategies.stages`: keys (:class:`strategies.key_phase.KeyPhase`), plan (the public round
+plan, :func:`protocols.nadp.round_plan`: sigma_up and sigma_down from Theorem 1 / Eq. 3, lambda from Eq. 8), train
+(:class:`protocols.wire.nadp.NadpPlan` plus the peer keys; the round is charged as the messages leave), recover
+(dropout recovery and unmasking, :mod:`strategies.recovery`), aggregate (``sum_i p_i upload_i`` in float64,
+:func:`protocols.nadp.nadp_aggregate`), account (the noise the survivors left beyond the plan,
+:func:`protocols.privacy.budget.top_up`).
 
-1. sample ``round(q N)`` clients (run-config ``sample-rate`` = q);
-2. keys (:class:`strategies.key_phase.KeyPhase`): X25519
-   keys of the key epoch plus each client's ``|D_i|`` (fetched only from clients
-   the server holds no key of); the participants are those with a key;
-3. plan: calibration (Theorem 1 / Eq. 3 with the record-level sensitivity of the
-   clients' per-example-clipped local SGD, :func:`protocols.nadp.local_sgd_sensitivity`):
-   ``sigma_up = Delta_up sqrt(4T ln(1/delta))/eps`` for each upload and
-   ``sigma_down = Delta_down sqrt(4T ln(1/delta))/eps`` for the aggregate;
-   ``lambda`` from ``nadp-lambda`` (> 0) or Eq. 8 from ``nadp-tau``;
-4. train: the message carries the public plan (:class:`protocols.wire.nadp.NadpPlan`:
-   ids, sizes, sigmas, lambda) and the client's peer keys; each client recomputes
-   the allocation (Alg. 2 over :func:`protocols.graphs.round_graph`) and uploads
-   its noised model; the round is charged as the messages leave, every participant as planned
-   (a crash before aggregation resumes with the charge kept, as the clients' ledgers keep it);
-5. recover, aggregate: ``sum_i p_i upload_i`` in float64 (:func:`protocols.nadp.nadp_aggregate`):
-   the pair noise cancels, the
-   residual noise (std ``sigma_down``) stays. A client that drops out after the
-   key phase would leave its pair noise with the survivors uncancelled: the
-   survivors reveal that round's pair seeds with it and the server subtracts
-   them (dropout recovery, :mod:`strategies.recovery`); the round goes on over
-   the survivors (weights renormalised) and reports it.  With run-config
-   ``self-mask`` every upload also carries a self-mask that the server removes
-   after one unmasking phase per round (double masking, :mod:`strategies.recovery`);
-6. account: after dropouts, what the survivors' noise really left beyond the plan
-   (:func:`protocols.privacy.budget.top_up`).
-
-The round loop may raise a round's noise (:attr:`NadpStrategy.noise_scale`) to keep the run
-within its target (:mod:`strategies.run.budget`).
-Accounting (``self.privacy``, per-client accountants, read by the base's ``privacy_report``),
-per record, over the rounds its owner took part in (sampling is public here: the server
-draws it from the run seed, so no amplification by sampling is claimed):
-
-* ``epsilon_uplink``: RDP accountant on what the server / an eavesdropper sees
-  of a client: *all* uploads jointly (pair noise is correlated across uploads,
-  :meth:`protocols.nadp.NoiseAllocation.joint_uplink_std`); the aggregate is a
-  function of the uploads, so this view includes it;
-* ``epsilon_downlink``: RDP accountant on the published aggregate alone;
-* ``epsilon`` = max of the two (the worst of the two adversaries).
-
-The paper's own figures (Lemma 2 composition: uplink and downlink as ``2T``
-queries, no ``rho`` term) go to ``epsilon_paper``, ``epsilon_uplink_paper``,
-``epsilon_downlink_paper`` (the ledger's extra accounts), next to
-``epsilon_uplink_marginal`` (accountant on one upload seen alone, the paper's
-uplink view).
+Accounting per record over the rounds its owner took part in (no sampling amplification: the sample is public):
+``epsilon_uplink`` = RDP of all uploads jointly (the aggregate included), ``epsilon_downlink`` = RDP of the
+published aggregate, ``epsilon`` = their max; the paper's Lemma 2 figures as ``epsilon_paper``,
+``epsilon_uplink_paper``, ``epsilon_downlink_paper`` and one upload alone as ``epsilon_uplink_marginal``.
 """
 
 from __future__ import annotations

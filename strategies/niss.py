@@ -1,43 +1,19 @@
-"""NISS (Yang et al., IEEE IoT-J 2022): DP noise built from shares whose negations cancel on the server.
+"""Server stages of NISS (Yang et al., IEEE IoT-J 2022): DP noise from shares whose negations cancel on the server.
 
-Round ``r`` (the stages of :mod:`strategies.stages`; messages of :mod:`protocols.wire.niss`):
+The round protocol, equations and the joint view of the uploads: ``docs/methods/niss.md``; messages:
+:mod:`protocols.wire.niss`.  The stages of :mod:`strategies.stages`: keys (the server as the paper's tracker draws
+the neighbour lists), plan (``query.shares``: each client splits its noise into one AES-256-GCM-sealed share per
+neighbour; clients that fail are removed and the phase re-run, at most :data:`MAX_SHARE_ATTEMPTS` times), train
+(the server relays the ciphertexts with the global model), recover (a missing client's shares and the self-masks,
+:mod:`strategies.recovery`), aggregate (the plain sum, renormalised to the survivors), account (the shortfall,
+:func:`strategies.recovery.charge_shortfall`).
 
-1. keys: the shared key phase (:class:`strategies.key_phase.KeyPhase`); the server, as the paper's
-   *tracker*, draws the neighbour lists (complete or random n-out graph, run-config ``graph``/``n-out``).
-2. plan: ``query.shares`` -- each client gets its neighbours' keys and its weight ``p_k``, splits its noise
-   into one share of variance ``sigma_k^2 / m`` per neighbour (:func:`protocols.niss.plan_shares`) and
-   returns one AES-256-GCM-sealed payload per neighbour (relay key: the pairwise HKDF seed for purpose
-   ``niss-relay-key``; associated data binds sender, receiver, round, run id, encoding).  Clients that fail
-   the phase are removed and it is re-run over a new graph (at most :data:`MAX_SHARE_ATTEMPTS`).
-3. train: the server relays each client's incoming ciphertexts with the global model (it never sees a
-   share).  A client that cannot open every payload uploads nothing and names the senders (struck); else
-   it uploads ``p_k w_k + sum_i (n_i + s_i r_i)`` (float64), ``s_i ~ N(1, tau_k^2)`` per coordinate.
-4. recover (:mod:`strategies.recovery`): the shares a missing client exchanged are removed exactly; with
-   double masking (run-config ``self-mask``, default on) every upload's self-mask of std ``sigma_k`` too.
-5. aggregate: the plain sum of the uploads, renormalised to the survivors.
-6. account: the shortfall of the noise left after recovery (:func:`strategies.recovery.charge_shortfall`).
-
-Calibration.  Run-config ``epsilon``/``delta`` is the budget of the whole run: ``sigma_k = z Delta f_k`` with
-``z`` the smallest multiplier for which the public schedule's most releases of a client are (epsilon, delta)-DP
-under RDP (``num-rounds`` at ``sample-rate`` 1, :func:`protocols.niss.client_multiplier`; no sampling
-amplification: the sample is public).  ``privacy-unit = "record"`` (default): per-example clipping, ``Delta f_k = p_k
-record_sensitivity(cfg, n_k)`` and ``p_k = |D_k| / sum_j |D_j|``; ``"client"``: update clipped to ``clip``,
-``Delta f_k = p_k clip``, ``p_k = 1/m``.  Each client computes ``sigma_k`` and ``p_k`` itself
-(:func:`protocols.niss.client_sigma`, :func:`protocols.niss.aggregation_weights`) and refuses another weight.
-
-Epsilon, per client: uplink (all the round's uploads together) = RDP of the rounds' Gaussian releases with multiplier
-``z``: every ``sigma_k`` is raised by the round's ``noise_scale`` (:func:`protocols.floor.niss_floor`, sent with
-the share request, refused below by the clients) so that the server's best linear view of any client keeps at
-least ``(z Delta f_k)^2`` (:mod:`protocols.niss_joint`, a Gaussian approximation of the distorted shares);
-assuming the receivers of its shares do not collude with the server (Theorem 3 asks ``tau^2 >= max(2 rho -
-1, 0)`` against a colluding fraction ``rho``; heuristic, ``describe()`` states whether tau meets it).
-Downlink (the published sum): noise std ``tau sqrt(sum_k sigma_k^2)``, multiplier
-:func:`protocols.niss.downlink_multiplier` times the scale (heuristic).  ``tau = 0``: no guarantee in
-either direction (the uploads' sum is noiseless; epsilon null).  Default tau
-(``niss-tau < 0``, :func:`protocols.niss.client_tau`) makes the downlink multiplier ``z``.
-
-Reported each round: ``theorem2_variance`` (Theorem 2) and, with the diagnostic ``cancellation-check``, the
-measured residuals (``describe()``: ``epsilon_round_analytic``, the paper's per-round view).
+Calibration: ``sigma_k = z Delta f_k`` (:func:`protocols.niss.client_sigma`, weights
+:func:`protocols.niss.aggregation_weights`), raised by the round's ``noise_scale`` from
+:func:`protocols.floor.niss_floor` so the server's best linear view of a client keeps ``(z Delta f_k)^2``
+(:mod:`protocols.niss_joint`).  Downlink multiplier :func:`protocols.niss.downlink_multiplier` (heuristic);
+``tau = 0`` gives no guarantee.  Reported: ``theorem2_variance`` (Theorem 2) and, with ``cancellation-check``,
+the measured residuals.
 """
 
 from __future__ import annotations

@@ -154,6 +154,24 @@ def test_mpcdp_server_recovers_one_clients_exact_gradient(tmp_path):
         np.testing.assert_allclose(view.gradient[k], g[k], rtol=0, atol=1e-3 * float(np.max(np.abs(g[k]))))
 
 
+def test_every_auditable_method_declares_its_uplink_view_on_its_adapter():
+    """The attacker's view of an upload comes from the method's own adapter.
+
+    A method without an adapter (only one without DP) gets the default: the upload read as a plain local model.
+    """
+    from benchmarks.adversary.uplink import adapter_of, training_loss
+    from protocols.methods import METHODS
+    from server.audit_adapter import AuditAdapter
+
+    for name, spec in METHODS.items():
+        adapter = adapter_of(name)
+        if spec.audit is None:
+            assert type(adapter) is AuditAdapter and not spec.units, name
+        else:
+            assert type(adapter).gradient_view is not AuditAdapter.gradient_view, name
+    assert {m for m in METHODS if training_loss(m) == "mse"} == {m for m, s in METHODS.items() if s.family == "mpddp"}
+
+
 def test_membership_attack_on_a_diverged_model_is_guessing():
     """NaN losses (a model that blew up) count as large losses: no signal, accuracy 0.5, not 0."""
     nan = np.full(100, np.nan)

@@ -2,9 +2,16 @@
 
 A method's unit is its card ``protocols/methods/<card>.py`` and the same-named ``strategies/<card>.py``,
 ``client/methods/<card>.py`` and ``server/audits/<card>.py`` (its audit adapter); a card may register several
-methods (the MP family).  The check parses every module of the packages with :mod:`ast` and reports each
-comparison (``==``, ``!=``, ``in``, ``not in``, ``match`` cases) with a method-name string literal, or a
-tuple/list/set display holding one, outside the unit of the card that registers that name.
+methods (the MP family).  The check parses every module of the packages with :mod:`ast` and reports, outside the
+unit of the card that registers the name:
+
+* a comparison (``==``, ``!=``, ``in``, ``not in``, ``match`` cases) with a method-name string literal, or a
+  tuple/list/set display holding one;
+* a dispatch table: a dict display keyed by a method name whose values include code (a function, class or lambda);
+* in ``server/``, ``strategies/``, ``client/`` and ``protocols/``: any table of method names, i.e. a dict display
+  keyed by one, or a tuple/list/set display holding one bound to a name (a fact about a method belongs on its card).
+
+The benchmarks may name the methods they run (arms, acceptance rules) but not dispatch on them.
 """
 
 from __future__ import annotations
@@ -53,6 +60,30 @@ def compared_names(source: str, names: set[str]) -> set[str]:
     return found
 
 
+def _code(node: ast.AST) -> bool:
+    """A value that is code: a name, attribute, lambda, or a tuple whose first element is one."""
+    if isinstance(node, ast.Tuple) and node.elts:
+        node = node.elts[0]
+    return isinstance(node, ast.Name | ast.Attribute | ast.Lambda)
+
+
+def tabled_names(source: str, names: set[str], *, dispatch_only: bool) -> set[str]:
+    """The method names in ``names`` that ``source`` keys a dict display with or binds in a name table.
+
+    ``dispatch_only``: only dict displays whose values include code (:func:`_code`) count.
+    """
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Dict):
+            keys = {k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)} & names
+            if keys and (not dispatch_only or any(_code(v) for v in node.values)):
+                found |= keys
+        elif not dispatch_only and isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+            if isinstance(node.value, ast.Tuple | ast.List | ast.Set):
+                found |= _literals(node.value) & names
+    return found
+
+
 def branches_outside_units(root: Path = ROOT) -> dict[str, set[str]]:
     """Module path (relative to ``root``) -> the method names it compares with although not of its unit."""
     cards = card_names(root)
@@ -62,7 +93,9 @@ def branches_outside_units(root: Path = ROOT) -> dict[str, set[str]]:
     for pkg in PACKAGES:
         for path in sorted((root / pkg).rglob("*.py")):
             rel = path.relative_to(root).as_posix()
-            stray = compared_names(path.read_text(), names) - own.get(rel, set())
+            source = path.read_text()
+            used = compared_names(source, names) | tabled_names(source, names, dispatch_only=pkg == "benchmarks")
+            stray = used - own.get(rel, set())
             if stray:
                 out[rel] = stray
     return out
@@ -100,6 +133,13 @@ def test_the_check_catches_a_planted_comparison(tmp_path):
         '    if m in ("mpcdp", "other"):\n        return 2\n    match m:\n        case "mpddp":\n            return 3\n')
     (tmp_path / "strategies" / "nadp.py").write_text('def f(m):\n    return m == "nadp" or m != "mpddp"\n')
     (tmp_path / "client" / "methods" / "mp.py").write_text('def f(m):\n    return m == "mpcdp" or "mpddp" == m\n')
-    (tmp_path / "benchmarks" / "clean.py").write_text('ROWS = ("nadp", "mpddp")\nprint(ROWS[0] + "nadp")\n')
+    (tmp_path / "benchmarks" / "clean.py").write_text(
+        'ROWS = ("nadp", "mpddp")\nGOAL = {"nadp": 1.1}\nprint(ROWS[0] + "nadp")\n')
+    (tmp_path / "benchmarks" / "views.py").write_text(
+        'def f(c):\n    return c\n\n\nVIEWS = {"nadp": f, "mpcdp": (f, "note"), "other": 1}\n')
+    (tmp_path / "protocols" / "spec.py").write_text(
+        'SPARSE: tuple[str, ...] = ("nadp", "x")\nLR = {"mpddp": "mpddp-server-lr"}\n')
     assert branches_outside_units(tmp_path) == {"server/audit.py": {"nadp", "mpcdp", "mpddp"},
-                                                "strategies/nadp.py": {"mpddp"}}
+                                                "strategies/nadp.py": {"mpddp"},
+                                                "benchmarks/views.py": {"nadp", "mpcdp"},
+                                                "protocols/spec.py": {"nadp", "mpddp"}}

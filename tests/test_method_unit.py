@@ -96,3 +96,28 @@ def test_a_method_registered_from_a_test_module_runs_crashes_resumes_and_reports
         RunConfig.from_mapping({"gldp-noise-boost": 2.0})
     with pytest.raises(ConfigError, match="gldp"):
         RunConfig.from_mapping({**RUN, "method": "gldp"})
+
+
+def test_what_the_project_knows_of_a_method_is_read_from_its_card():
+    """Graph default, server step, the defaults benchmark's floor and named variants: fields of the card alone."""
+    from benchmarks.defaults import acceptance
+    from protocols.methods import method_or_variant, register_variant
+
+    rows = [{"dataset": "digits", "method": "gldp", "final_accuracy": 0.2}]
+    carded = MethodSpec("gldp", GaussLdpStrategy, train_gldp, options=(GaussLdpOptions,), privacy=GLDP.privacy,
+                        sparse_graph=True, server_step_lr="lr", floor_exempt=("small",))
+    with register(carded), register_variant("gldp-strong", "gldp", {"gldp-noise-boost": 4.0}):
+        assert RunConfig.from_mapping({**RUN, "num-clients": 40}).graph == "n-out"
+        assert RunConfig.from_mapping({**RUN, "server-optimizer": "adam"}).server_optimizer == "adam"
+        assert acceptance(rows, {"digits": 0.1}) == []
+        assert method_or_variant("gldp-strong") == ("gldp", {"gldp-noise-boost": 4.0})
+        with pytest.raises(ValueError, match="already registered"):
+            register_variant("gldp", "gldp", {})
+    with pytest.raises(ValueError, match="unknown method"):
+        method_or_variant("gldp-strong")
+    with register(GLDP):  # the same method without those fields
+        assert RunConfig.from_mapping({**RUN, "num-clients": 40}).graph == "complete"
+        with pytest.raises(ConfigError, match="server-optimizer"):
+            RunConfig.from_mapping({**RUN, "server-optimizer": "adam"})
+        failed = acceptance(rows, {"digits": 0.1})
+        assert len(failed) == 1 and failed[0].startswith("digits: gldp") and failed[0].endswith("is below 0.500")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 
-from protocols.methods.pairwise import SPARSE_BY_DEFAULT, SPARSE_FROM, auto_graph
+from protocols.methods.pairwise import SPARSE_FROM, auto_graph, sparse_by_default
 from protocols.methods.registry import (
     METHODS,
     VARIANTS,
@@ -25,6 +25,7 @@ from protocols.methods.registry import (
     reference_method,
     regime,
     register,
+    register_variant,
 )
 from protocols.methods.spec import (
     AUTO,
@@ -33,7 +34,6 @@ from protocols.methods.spec import (
     FULL_BATCH,
     LARGE_DATASETS,
     PRIVACY_UNITS,
-    SERVER_STEP_FAMILIES,
     Guarantee,
     MethodSpec,
 )
@@ -44,6 +44,6 @@ for _card in ("baselines", "nadp", "niss", "mpddp", "ladp", "ddpsa"):  # registr
 METHOD_NAMES: tuple[str, ...] = method_names()
 
 __all__ = ["AUTO", "AUTO_KEYS", "FEDERATION", "FULL_BATCH", "LARGE_DATASETS", "METHODS", "METHOD_NAMES", "PRIVACY_UNITS",
-           "SERVER_STEP_FAMILIES", "SPARSE_BY_DEFAULT", "SPARSE_FROM", "VARIANTS", "Guarantee", "MethodSpec", "auto_graph",
-           "dataset_size_class", "local_services", "method_names", "method_or_variant", "method_spec", "options_classes",
-           "query_actions", "reference_method", "regime", "register"]
+           "SPARSE_FROM", "VARIANTS", "Guarantee", "MethodSpec", "auto_graph", "dataset_size_class", "local_services",
+           "method_names", "method_or_variant", "method_spec", "options_classes", "query_actions", "reference_method",
+           "regime", "register", "register_variant", "sparse_by_default"]

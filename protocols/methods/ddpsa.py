@@ -79,5 +79,5 @@ def local_servers(cfg: Any) -> int:
 register(MethodSpec("ddpsa", "strategies.ddpsa:DdpsaStrategy", "client.methods.ddpsa:train",
                     queries={"ddpsa_identity": "client.methods.ddpsa:identity"}, family="ddpsa", paper="DDP-SA",
                     options=(DdpsaOptions,), regime=DDPSA_REGIME, privacy=Guarantee("record", SERVER_SECAGG, MODEL),
-                    min_per_round=2, local_services=local_servers,
+                    min_per_round=2, server_step_lr="lr", local_services=local_servers,
                     audit="server.audits.ddpsa:DdpsaAudit"))

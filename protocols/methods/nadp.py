@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from protocols.methods.common import MODEL, RECORD_STEP
 from protocols.methods.pairwise import PairwiseOptions
-from protocols.methods.registry import register
+from protocols.methods.registry import register, register_variant
 from protocols.methods.spec import Guarantee, MethodSpec
 from protocols.options import ConfigError, MethodOptions, option
 
@@ -43,5 +43,9 @@ class NadpOptions(MethodOptions):
 register(MethodSpec("nadp", "strategies.nadp:NadpStrategy", "client.methods.nadp:train",
                     queries={"keys": KEYS, "consistency": CONSISTENCY, "recover": RECOVER}, family="pairwise", paper="NADP-FL",
                     options=(PairwiseOptions, NadpOptions), regime=RECORD_STEP,
-                    privacy=Guarantee("record", SERVER_NO_COLLUSION, MODEL), min_per_round=2,
+                    privacy=Guarantee("record", SERVER_NO_COLLUSION, MODEL), min_per_round=2, sparse_graph=True,
                     audit="server.audits.nadp:NadpAudit"))
+# The NADP paper's LDP-FL comparator (Lemma 3): NADP's training and sensitivity, no cancellation.
+register_variant("nadp-record-ldp", "nadp", {"nadp-variant": "record-ldp"})
+# nadp on a sparser pairing graph (~8 neighbours instead of ~16): half the pairwise streams per client.
+register_variant("nadp-4out", "nadp", {"graph": "n-out", "n-out": 4})

@@ -32,4 +32,4 @@ register(MethodSpec("niss", "strategies.niss:NissStrategy", "client.methods.niss
                              "recover": RECOVER},
                     family="pairwise", paper="NISS", options=(PairwiseOptions, NissOptions), regime=RECORD_STEP,
                     privacy=Guarantee("record", SERVER_NISS, MODEL), units=PRIVACY_UNITS, min_per_round=2,
-                    audit="server.audits.niss:NissAudit"))
+                    sparse_graph=True, audit="server.audits.niss:NissAudit"))

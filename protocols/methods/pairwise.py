@@ -4,18 +4,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocols.methods.registry import METHODS
 from protocols.options import MethodOptions, option
 
-#: Methods whose ``graph = "auto"`` is the sparse n-out graph from :data:`SPARSE_FROM` clients per round on (their
-#: per-client pair-noise cost is O(neighbours)); mpddp keeps the complete graph (its Theorem 11 needs n ~ 0.8 K).
-SPARSE_BY_DEFAULT: tuple[str, ...] = ("nadp", "niss")
+#: Clients per round from which ``graph = "auto"`` is the sparse n-out graph for a method whose card sets
+#: ``MethodSpec.sparse_graph``.
 SPARSE_FROM = 32
 GRAPHS = ("complete", "n-out")
 
 
+def sparse_by_default(method: str) -> bool:
+    """Whether ``method``'s card sets ``sparse_graph`` (False for an unknown method)."""
+    spec = METHODS.get(method)
+    return spec is not None and spec.sparse_graph
+
+
 def auto_graph(method: str, clients_per_round: int) -> str:
-    """The neighbour graph of ``graph = "auto"``: n-out for nadp/niss from 32 clients per round, else complete."""
-    return "n-out" if method in SPARSE_BY_DEFAULT and clients_per_round >= SPARSE_FROM else "complete"
+    """The neighbour graph of ``graph = "auto"``: n-out from :data:`SPARSE_FROM` clients per round, else complete.
+
+    Only for a method whose card sets ``sparse_graph``; the others keep the complete graph.
+    """
+    return "n-out" if sparse_by_default(method) and clients_per_round >= SPARSE_FROM else "complete"
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,11 @@ from protocols.options import MethodOptions
 _REGISTRY: dict[str, MethodSpec] = {}
 #: Every registered method by name (a live, read-only view: methods registered later appear in it).
 METHODS: MappingProxyType = MappingProxyType(_REGISTRY)
-#: Named variants of a method: name -> (registered method, the run-config keys it sets).  Run by the benchmarks and
-#: ``cancelfl compare`` next to the methods (a variant is a method's setting, not a method).
-VARIANTS: MappingProxyType = MappingProxyType({
-    # The NADP paper's LDP-FL comparator (Lemma 3): NADP's training and sensitivity, no cancellation.
-    "nadp-record-ldp": ("nadp", MappingProxyType({"nadp-variant": "record-ldp"})),
-    # nadp on a sparser pairing graph (~8 neighbours instead of ~16): half the pairwise streams per client.
-    "nadp-4out": ("nadp", MappingProxyType({"graph": "n-out", "n-out": 4})),
-})
+_VARIANTS: dict[str, tuple[str, MappingProxyType]] = {}
+#: Named variants of a method, as its card declares them (:func:`register_variant`): name -> (registered method,
+#: the run-config keys it sets).  Run by the benchmarks and ``cancelfl compare`` next to the methods (a variant
+#: is a method's setting, not a method).
+VARIANTS: MappingProxyType = MappingProxyType(_VARIANTS)
 
 
 class _Registration:
@@ -28,8 +25,9 @@ class _Registration:
         self.name = name
 
     def unregister(self) -> None:
-        """Remove the method again (tests; the built-in methods stay)."""
+        """Remove the method (or variant) again (tests; the built-in ones stay)."""
         _REGISTRY.pop(self.name, None)
+        _VARIANTS.pop(self.name, None)
 
     def __enter__(self) -> _Registration:
         return self
@@ -45,7 +43,7 @@ def register(spec: MethodSpec) -> _Registration:
         ValueError: the name is taken, one of its option keys is another class's key, or it sets ``reference``
             while another registered method does.
     """
-    if spec.name in _REGISTRY:
+    if spec.name in _REGISTRY or spec.name in _VARIANTS:
         raise ValueError(f"method {spec.name!r} is already registered")
     if spec.reference and any(other.reference for other in _REGISTRY.values()):
         raise ValueError(f"method {spec.name!r}: the reference arm is already {reference_method()!r}")
@@ -59,6 +57,20 @@ def register(spec: MethodSpec) -> _Registration:
                                  f"declared by {taken[key].__name__}")
     _REGISTRY[spec.name] = spec
     return _Registration(spec.name)
+
+
+def register_variant(name: str, method: str, keys: dict[str, Any]) -> _Registration:
+    """Declare ``name`` as registered ``method`` run with the run-config ``keys`` (its card calls this).
+
+    Raises:
+        ValueError: ``name`` is a registered method or variant, or ``method`` is not registered.
+    """
+    if name in _REGISTRY or name in _VARIANTS:
+        raise ValueError(f"variant {name!r}: the name is already registered")
+    if method not in _REGISTRY:
+        raise ValueError(f"variant {name!r}: unknown method {method!r}")
+    _VARIANTS[name] = (method, MappingProxyType(dict(keys)))
+    return _Registration(name)
 
 
 def method_names() -> tuple[str, ...]:

@@ -22,9 +22,6 @@ FEDERATION: MappingProxyType = MappingProxyType({"small": MappingProxyType({"num
                                                  "large": MappingProxyType({"num-clients": 100})})
 #: Privacy units: ``record`` (one training example) or ``client`` (all of a client's data, DP-FedAvg).
 PRIVACY_UNITS: tuple[str, ...] = ("record", "client")
-#: Method families whose server steps with the round's released gradient (FedSGD), and the run-config key of that
-#: step's learning rate: run-config ``server-optimizer`` applies to them only.
-SERVER_STEP_FAMILIES: MappingProxyType = MappingProxyType({"mpddp": "mpddp-server-lr", "ddpsa": "lr"})
 #: Datasets of tens of thousands of records (``"large"`` regimes); the others are ``"small"``.
 LARGE_DATASETS: tuple[str, ...] = ("mnist", "fashion-mnist")
 #: ``batch-size`` of a full-batch regime: larger than any client's partition, so one step sees all its records.
@@ -64,7 +61,7 @@ class MethodSpec:
         strategy: the server side, a :class:`strategies.base.CancelStrategy` subclass.
         train: the client's train handler ``fn(msg, env) -> Message``.
         queries: extra message phases, ``action -> handler`` (phase ``query.<action>``).
-        family: baseline | pairwise | mpddp | ladp | ddpsa (shared behaviour, e.g. :data:`SERVER_STEP_FAMILIES`).
+        family: baseline | pairwise | mpddp | ladp | ddpsa (the methods that share code and benchmarks).
         paper: the paper it implements ("" for the baselines).
         options: the classes of its own run-config keys (:class:`protocols.options.MethodOptions`).
         regime: run-config values it trains with, ``{"small": {...}, "large": {...}}`` by dataset size, applied
@@ -72,6 +69,13 @@ class MethodSpec:
         privacy: what its epsilon protects.
         units: privacy units it implements (run-config ``privacy-unit``); empty = no DP.
         min_per_round: fewest clients a round can aggregate (2 where protection works between the clients).
+        server_step_lr: where its server steps with the round's released gradient (FedSGD), the run-config key of
+            that step's learning rate (run-config ``server-optimizer`` applies to such methods only); ``None`` = the
+            server averages models.
+        sparse_graph: ``graph = "auto"`` is the sparse n-out graph from :data:`protocols.methods.SPARSE_FROM`
+            clients per round on (per-client pair-noise cost O(neighbours)); ``False`` = the complete graph.
+        floor_exempt: dataset size classes (``"small"``, ``"large"``) on which ``cancelfl-bench defaults`` does not
+            hold it to the accuracy floor (:data:`benchmarks.defaults.FLOOR`).
         local_services: run-config -> how many intermediate servers ``cancelfl`` must start for a run (DDP-SA's).
         audit: its privacy-audit adapter (a :class:`server.audit_adapter.AuditAdapter` subclass or instance, usually
             ``"server.audits.<method>:<Adapter>"``): which release it drives, its canaries and planted faults;
@@ -91,6 +95,9 @@ class MethodSpec:
     privacy: Guarantee = Guarantee("none", None, None)
     units: tuple[str, ...] = ("record",)
     min_per_round: int = 1
+    server_step_lr: str | None = None
+    sparse_graph: bool = False
+    floor_exempt: tuple[str, ...] = ()
     local_services: Callable[[Any], int] | None = None
     audit: str | Any | None = None
     reference: bool = False
@@ -99,6 +106,7 @@ class MethodSpec:
         object.__setattr__(self, "queries", _frozen(self.queries))
         object.__setattr__(self, "regime", MappingProxyType({k: _frozen(v) for k, v in self.regime.items()}))
         object.__setattr__(self, "options", tuple(self.options))
+        object.__setattr__(self, "floor_exempt", tuple(self.floor_exempt))
 
     def guarantee(self, unit: str) -> Guarantee:
         """What ``epsilon`` protects when the run asks for privacy unit ``unit`` (ValueError if not implemented)."""

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 from types import MappingProxyType
+from typing import Any
 
-from server.audit_adapter import AuditAdapter
+from protocols.wire.arrays import from_record
+from server.audit_adapter import AuditAdapter, GradientView, weights_view
 from server.audit_faults import HALVE_GAUSSIAN, HALVE_NOISE
 
 __all__ = ["BaselineAudit"]
+
+#: What the server reads from one upload after one SGD step, per method (the attacks benchmark's note).
+_UPLOADS = {"ldp": "noisy local model (Gaussian, std z*clip per coordinate): gradient + noise/lr",
+            "cdp": "clipped local model, noise only added by the server to the mean: exact (clipped) gradient"}
 
 
 class BaselineAudit(AuditAdapter):
     """ldp and cdp: every upload (cdp: un-noised, no uplink claim) and the aggregate, on gradient canaries."""
 
     faults = MappingProxyType({HALVE_NOISE: HALVE_GAUSSIAN})
+
+    def gradient_view(self, cap: Any) -> GradientView:
+        """ldp: upload = w + clip(update) + N(0, (z clip)^2), gradient + noise/lr; cdp: the clipped local model."""
+        return weights_view(cap, from_record(cap.reply.content["arrays"]), _UPLOADS[cap.cfg.method])

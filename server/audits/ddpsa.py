@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from protocols.config import RunConfig
-from server.audit_adapter import AuditAdapter, ReleaseView
+from server.audit_adapter import AuditAdapter, GradientView, ReleaseView
 from server.audit_faults import HALVE_NOISE, SELF_TEST_TRIALS, Fault, patched
 from server.audit_spec import AuditSpec
 
@@ -78,3 +78,42 @@ class DdpsaAudit(AuditAdapter):
 
     def upload_view(self, rel: ReleaseView) -> np.ndarray:
         return self.model_view(rel)
+
+    def gradient_view(self, cap: Any) -> GradientView:
+        """Alone the server sees nothing of one client; colluding with all m intermediate servers, its noisy gradient.
+
+        The uniform Z_2^64 shares sit on the intermediate servers and the reply carries metrics only.  The worst
+        case reconstructs the client's L1-clipped gradient sum + Laplace noise (FedSGD): the vector
+        :meth:`uplink_side_channel` recorded under the roster name of the victim's share receipt.
+        """
+        from protocols.arrays import unflatten
+        from protocols.wire.arrays import from_record
+        from protocols.wire.ddpsa import ShareReceipt
+
+        pushed = (cap.side or {}).get(ShareReceipt.client_of(cap.reply.content))
+        if pushed is None:
+            return GradientView(None, "nothing: secret shares on the intermediate servers (share vector not captured)")
+        return GradientView(unflatten(pushed, from_record(cap.sent.content["arrays"])),
+                            "alone: nothing (uniform shares); colluding with all m intermediate servers: "
+                            "L1-clipped gradient + Laplace noise (attacked here)")
+
+    @contextlib.contextmanager
+    def uplink_side_channel(self, store: dict[str, np.ndarray]) -> Iterator[None]:
+        """Record the vector each client secret-shares to the intermediate servers, by its roster name.
+
+        The vector handed to ``share_and_push`` is exactly what all m intermediate servers together reconstruct
+        for this client (the worst case: the server colludes with every one of them).
+        """
+        import client.methods.ddpsa as ddpsa_client
+
+        original = ddpsa_client.share_and_push
+
+        def recording(vector, codec, servers, run_id, rnd, signer, *args, **kwargs):
+            store[signer.name] = np.array(vector, dtype=np.float64, copy=True)
+            return original(vector, codec, servers, run_id, rnd, signer, *args, **kwargs)
+
+        ddpsa_client.share_and_push = recording
+        try:
+            yield
+        finally:
+            ddpsa_client.share_and_push = original

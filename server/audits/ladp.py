@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from types import MappingProxyType
+from typing import Any
 
-from server.audit_adapter import AuditAdapter
+from protocols.wire.arrays import from_record
+from server.audit_adapter import AuditAdapter, GradientView, weights_view
 from server.audit_faults import HALVE_GAUSSIAN, HALVE_NOISE, Fault, patched
 from server.audit_spec import AuditSpec
 
@@ -35,3 +37,8 @@ class LadpAudit(AuditAdapter):
         if spec.canary_kind != "adaptive":
             return []
         return ["canary: adaptive (a label flip that also moves ladp's KL estimate; statistic: shift and noise scale)"]
+
+    def gradient_view(self, cap: Any) -> GradientView:
+        """Layers above the norm threshold carry Gaussian noise, the others are exact."""
+        return weights_view(cap, from_record(cap.reply.content["arrays"]),
+                            "local model with layer-wise Gaussian noise (un-noised layers exact): gradient + noise/lr")

@@ -11,18 +11,28 @@ the server can.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
+from protocols.arrays import Weights
 from protocols.wire.arrays import from_record
-from server.audit_adapter import AuditAdapter, ReleaseView
+from server.audit_adapter import AuditAdapter, GradientView, ReleaseView
 from server.audit_canaries import MLP_HIDDEN
 from server.audit_faults import HALVE_GAUSSIAN, HALVE_NOISE
 from server.audit_spec import AuditSpec
 
 __all__ = ["MpAudit", "MpddpAudit"]
+
+#: What the server reads from one upload recovered alone, per method: (the attacks benchmark's note, whether the
+#: recovered upload carries client noise).
+_UPLOADS: dict[str, tuple[str, bool]] = {
+    "mpddp": ("own recovery (secret R) of one upload: gradient + R o (eta_k + sum of pairwise Delta_kv)", True),
+    "mpdp-naive": ("own recovery (secret R) of one upload: gradient + R o eta_k", True),
+    "mpcdp": ("own recovery (secret R) of one upload: the exact gradient (noise added later by the server)", False),
+}
 
 
 class MpAudit(AuditAdapter):
@@ -32,6 +42,7 @@ class MpAudit(AuditAdapter):
     """
 
     mlp_canaries = True
+    training_loss = "mse"  # the paper's 1/2 ||y - onehot||^2
     one_trial_per_release = True
     secret_view = True
     secret_claim = True
@@ -93,6 +104,39 @@ class MpAudit(AuditAdapter):
             up = mean_upload([(r.metadata.src_node_id, r.content["arrays"])], len(st.layers))
             out.append({f"layers.{i}.weight": w.numpy() for i, (w, _) in enumerate(recover(up, st.secret))})
         return rel.canaries.features(out)
+
+    def gradient_view(self, cap: Any) -> GradientView:
+        """The server recovers the client's own gradient with its secret R (Eq. 22 on this one upload).
+
+        The upload is the gradient at the perturbed model W-hat plus the un-noised Psi, Phi: the server gets the
+        client's true gradient + R o (eta_k + sum_v Delta_kv) for mpddp (the Delta's do not cancel in one upload),
+        + R o eta_k for mpdp-naive, the exact gradient for mpcdp (its noise is added by the server later).
+        """
+        from protocols.mpddp import aggregate, recover
+        from protocols.wire.mpddp import upload_from_record
+        from strategies.mpddp import weights_from_layers
+
+        state = getattr(cap.strategy, "_state", None)
+        if state is None or getattr(state, "round", None) != 1:
+            return GradientView(None, "server secret of round 1 not available")
+        upload = upload_from_record(cap.reply.content["arrays"], len(state.layers))
+        grads = recover(aggregate([upload]), state.secret)
+        what, client_noise = _UPLOADS[cap.cfg.method]
+        scale = None
+        if client_noise:  # recovered noise on entry ij is R_ij * (i.i.d. noise): the server knows R
+            scale = weights_from_layers([(rm[:, :-1].abs(), rm[:, -1].abs()) for rm in state.secret.trainable_R()])
+        return GradientView(weights_from_layers(grads), what, scale)
+
+    def received_forward(self, arrays: Weights, cfg: Any) -> tuple[Callable, str]:
+        """Forward pass of the perturbed expanded model W-hat a client of the family receives."""
+        import torch
+
+        from protocols.mpddp import forward_expanded
+        from protocols.wire.mpddp import PerturbedModel
+
+        mats = [torch.as_tensor(m) for m in PerturbedModel.from_arrays(arrays).matrices]
+        return (lambda t: forward_expanded(mats, t.double().reshape(len(t), -1))), \
+            "perturbed model W-hat sent by the server"
 
 
 class MpddpAudit(MpAudit):

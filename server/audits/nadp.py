@@ -12,12 +12,14 @@ import dataclasses
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from types import MappingProxyType
+from typing import Any
 
 import numpy as np
 from flwr.app import Message
 
 from protocols.pairwise import pairwise_noise
-from server.audit_adapter import AuditAdapter, ReleaseView
+from protocols.wire.arrays import from_record
+from server.audit_adapter import AuditAdapter, GradientView, ReleaseView, weights_view
 from server.audit_faults import HALVE_NOISE, Fault, halved_std, patched
 from server.local_grid import LocalGrid
 
@@ -25,6 +27,11 @@ __all__ = ["NadpAudit"]
 
 SKIP_PAIR_NOISE = "skip-pair-noise"
 STRIP_PAIR_NOISE = "strip-pair-noise"
+#: What the server reads from one upload, per ``nadp-variant`` (the attacks benchmark's note).
+_UPLOADS = {
+    "nadp": "local model (per-example clipped SGD) + (residual + counteracting pairwise noise)/p_i: gradient + noise/lr",
+    "record-ldp": "local model (per-example clipped SGD) + record-level LDP noise: gradient + noise/lr",
+}
 
 
 def _halve_noise(victim: Callable[[], int | None]) -> AbstractContextManager:
@@ -71,6 +78,10 @@ class NadpAudit(AuditAdapter):
             for target in sorted(set(uploads) - set(colluders)):
                 _strip_with(rel.strategy, target, {c: held[c][target] for c in colluders if target in held[c]}, uploads)
         return rel.features_of(uploads)
+
+    def gradient_view(self, cap: Any) -> GradientView:
+        """Upload = w_i + (n_i + lambda c_i) / p_i: own and pairwise noise (the pair part cancels only in the sum)."""
+        return weights_view(cap, from_record(cap.reply.content["arrays"]), _UPLOADS[cap.cfg.nadp_variant])
 
 
 def _strip_with(strategy, target: int, seeds: dict[int, bytes], uploads: dict[int, np.ndarray]) -> None:

@@ -10,15 +10,18 @@ the audit's linear discriminant (which subtracts whatever combination of them he
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from types import MappingProxyType
+from typing import Any
 
 import numpy as np
 
 from protocols.config import RunConfig
 from protocols.niss import ShareBundle, bundle_shares, distorted_contribution
-from protocols.wire.niss import NissMetrics
+from protocols.wire.arrays import from_record
+from protocols.wire.niss import NissMetrics, RelayedInbox
 from protocols.wire.recovery import NissPairMaterial
-from server.audit_adapter import AuditAdapter, ReleaseView
+from server.audit_adapter import AuditAdapter, GradientView, ReleaseView, weights_view
 from server.audit_faults import HALVE_GAUSSIAN, HALVE_NOISE, SELF_TEST_TRIALS
 from server.audit_spec import AuditSpec
 
@@ -60,6 +63,12 @@ class NissAudit(AuditAdapter):
             out.append(f"colluders: {spec.colluders} neighbours hand the server their pair material with every "
                        f"audited client; the claim covers {self.tolerated_colluders(spec)} (niss-rho)")
         return out
+
+    def gradient_view(self, cap: Any) -> GradientView:
+        """Upload = p w_k + own shares + distorted negated shares; the server knows p and divides by it."""
+        p = RelayedInbox.from_config(cap.sent.content["config"]).weight
+        up = OrderedDict((k, v / p) for k, v in from_record(cap.reply.content["arrays"]).items())
+        return weights_view(cap, up, "p*w_k + own noise shares + distorted received shares; divided by the public p")
 
 
 def _revealed(rel: ReleaseView, size: int) -> list[np.ndarray]:
