@@ -309,6 +309,8 @@ def run(args: argparse.Namespace) -> int:
             elif "status" not in row:
                 row["status"] = f"error: exit code {code}"
             rows.append(row)
+            common.write_table(rows, COLUMNS, out, "cost", title="Cost of a round (incomplete: the run goes on)",
+                               command=common.command_line(args))
             print(f"{name:>14} {masking:>15} dropout={rate}: round={common.fmt(row.get('round_s'))}s "
                   f"phases={row.get('phases')} bytes={common.fmt(row.get('bytes_per_client'))} {row['status']}",
                   flush=True)
