@@ -42,6 +42,12 @@ COLUMNS = ("name", "masking", "engine", "clients", "dropout", "dropped", "status
            "phase_s", "round_s", "round_s_x_fedavg", "extra_round_s", "server_cpu_s", "client_cpu_s",
            "cluster_cpu_s", "bytes_down", "bytes_up", "bytes_per_client", "extra_bytes", "first_round_s")
 
+#: What ``cancelfl-bench reproduce`` compares (column -> relative tolerance; text columns exactly) and the row key:
+#: the round's structure and bytes (times and CPU move with the machine's load).
+FIGURES: dict[str, float] = {"status": 0.0, "phases": 0.0, "phase_count": 0.0, "bytes_per_client": 0.05,
+                             "extra_bytes": 0.1}
+KEY = ("name", "masking", "dropout")
+
 #: The arms' masking column.
 NOW, TODAY = "double masking", "pair noise only"
 
