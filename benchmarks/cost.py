@@ -40,7 +40,7 @@ HELP = "a whole round per method with and without dropouts: phases, bytes, time,
 
 COLUMNS = ("name", "masking", "engine", "clients", "dropout", "dropped", "status", "phases", "phase_count",
            "phase_s", "round_s", "round_s_x_fedavg", "extra_round_s", "server_cpu_s", "client_cpu_s",
-           "cluster_cpu_s", "bytes_down", "bytes_up", "bytes_per_client", "extra_bytes", "first_round_s")
+           "cluster_cpu_s", "bytes_down", "bytes_up", "bytes_per_client", "extra_bytes", "first_round_s", "retried")
 
 #: What ``cancelfl-bench reproduce`` compares (column -> relative tolerance; text columns exactly) and the row key:
 #: the round's structure and bytes (times and CPU move with the machine's load).
@@ -69,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epsilon", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="extra run-config for the cancelfl runs")
+    p.add_argument("--retries", type=int, default=0, help="runs again a run that ended in an error (not a failed "
+                                                          "round), up to this many times; the row says so")
     p.add_argument("--out", default="runs/bench/cost")
 
 
@@ -269,6 +271,22 @@ def _ratios(rows: list[dict]) -> None:
             r["extra_bytes"] = r["bytes_per_client"] - base["bytes_per_client"]
 
 
+def _measure(engine, overrides: dict, secagg: bool, run_dir: Path, trace_file: Path, calls: list, rate: float,
+             args: argparse.Namespace) -> dict:
+    """One run through ``engine``, reduced to its figures (:func:`reduce_run`) or an ``error`` status."""
+    offset = trace_file.stat().st_size if trace_file.exists() else 0
+    calls.clear()
+    try:
+        code = engine(overrides, secagg)
+    except Exception as err:  # noqa: BLE001 - the row reports the failure and the benchmark goes on
+        return {"status": f"error: {type(err).__name__}: {str(err)[:100]}"}
+    metrics = run_dir / "metrics.jsonl"
+    if code != 0 or not metrics.exists():
+        return {"status": f"error: exit code {code}"}
+    lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    return reduce_run(lines, _events(trace_file, offset), calls, rate=rate, clients=args.clients, engine=args.engine)
+
+
 # ==================================================================== the benchmark
 def run(args: argparse.Namespace) -> int:
     """Every arm at every dropout rate in one engine; one row each."""
@@ -300,20 +318,14 @@ def run(args: argparse.Namespace) -> int:
             run_dir = (out / "runs" / f"{name.split()[-1]}-{masking.split()[0]}-{rate}").resolve()
             overrides = ({**_secagg_config(args), "fault-drop-rate": rate, "out-dir": str(run_dir)} if secagg
                          else {**_base(args), **cfg, "fault-drop-rate": rate, "out-dir": str(run_dir)})
-            row = {"name": name, "masking": masking, "engine": args.engine, "clients": args.clients, "dropout": rate}
-            offset = trace_file.stat().st_size if trace_file.exists() else 0
-            calls.clear()
-            try:
-                code = engine(overrides, secagg)
-            except Exception as err:  # noqa: BLE001 - the row reports the failure and the benchmark goes on
-                code, row["status"] = -1, f"error: {type(err).__name__}: {str(err)[:100]}"
-            metrics = run_dir / "metrics.jsonl"
-            if code == 0 and metrics.exists():
-                lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-                row |= reduce_run(lines, _events(trace_file, offset), calls, rate=rate, clients=args.clients,
-                                  engine=args.engine)
-            elif "status" not in row:
-                row["status"] = f"error: exit code {code}"
+            base = {"name": name, "masking": masking, "engine": args.engine, "clients": args.clients, "dropout": rate}
+            for attempt in range(1 + max(args.retries, 0)):
+                row = base | _measure(engine, overrides, secagg, run_dir, trace_file, calls, rate, args)
+                if attempt:
+                    row["retried"] = attempt
+                if not str(row["status"]).startswith("error"):
+                    break
+                print(f"{name} {masking} dropout={rate}: {row['status']} (attempt {attempt + 1})", flush=True)
             rows.append(row)
             common.write_table(rows, COLUMNS, out, "cost", title="Cost of a round (incomplete: the run goes on)",
                                command=common.command_line(args))
