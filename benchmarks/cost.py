@@ -284,6 +284,8 @@ def _measure(engine, overrides: dict, secagg: bool, run_dir: Path, trace_file: P
     if code != 0 or not metrics.exists():
         return {"status": f"error: exit code {code}"}
     lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    if not lines:  # e.g. Flower's simulation runtime could not start Ray
+        return {"status": "error: the run ended before its first round"}
     return reduce_run(lines, _events(trace_file, offset), calls, rate=rate, clients=args.clients, engine=args.engine)
 
 
