@@ -45,6 +45,7 @@ BENCHMARKS: dict[str, str] = {
     "ladp": "benchmarks.ladp",
     "clipping": "benchmarks.clipping",
     "recovery": "benchmarks.recovery",
+    "cost": "benchmarks.cost",
     "roundtime": "benchmarks.roundtime",
     "defaults": "benchmarks.defaults",
     "audit": "benchmarks.audit",

@@ -121,19 +121,19 @@ def shown(line: str, *, verbose: bool) -> bool:
 
 
 def submit(work: Path, env: dict[str, str], connection: str, overrides: dict, *,
-           federation_config: str | None = None, timeout: float = 3600) -> int:
-    """``flwr run <app> <connection> --stream``; returns its exit code.
+           federation_config: str | None = None, timeout: float = 3600, app_dir: Path = APP_DIR) -> int:
+    """``flwr run <app_dir> <connection> --stream`` (default: this project's app); returns its exit code.
 
     Its output is echoed line by line, less what :func:`shown` filters (more with ``env`` verbose).
     Raises ``subprocess.TimeoutExpired`` after ``timeout`` seconds (the command is killed).
     """
-    cmd = [str(BIN / "flwr"), "run", str(APP_DIR), connection, "--stream"]
+    cmd = [str(BIN / "flwr"), "run", str(app_dir), connection, "--stream"]
     if overrides:
         cmd += ["--run-config", run_config_arg(overrides)]
     if federation_config:
         cmd += ["--federation-config", federation_config]
     verbose = env.get(VERBOSE_ENV) == "1"
-    proc = subprocess.Popen(cmd, env=env, cwd=APP_DIR, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(cmd, env=env, cwd=app_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             errors="replace", bufsize=1)
     expired = threading.Event()
     timer = threading.Timer(timeout, lambda: (expired.set(), proc.kill()))
