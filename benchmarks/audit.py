@@ -38,7 +38,7 @@ from server.audit_spec import DIRECTIONS, AuditSpec, audit_adapter, auditable_me
 HELP = "claimed vs empirically audited epsilon of every method and view (planted-fault self-test included)"
 
 COLUMNS = ("method", "direction", "canary", "variant", "fault", "colluders", "epsilon", "claimed", "delta", "epsilon_lb",
-           "epsilon_ub", "point", "ceiling", "ratio", "tp", "fp", "trials", "seconds", "verdict")
+           "epsilon_ub", "point", "ceiling", "ratio", "tp", "fp", "trials", "seconds", "cpu_s", "verdict")
 #: ``cancelfl-bench reproduce``: a row is its method, view, canary, variant, fault, colluders and epsilon; the claim
 #: is exact, the bound a random figure (its 95 % interval is wide), the verdict must not change.
 KEY = ("method", "direction", "canary", "variant", "fault", "colluders", "epsilon")
@@ -80,6 +80,7 @@ def _row(spec: AuditSpec, seed: int | None, variant: str = "") -> dict:
             if math.isfinite(claimed) and claimed > 0 and rep.delta > 0 else None,
             "ratio": b.epsilon_lb / claimed if math.isfinite(claimed) and claimed > 0 else None,
             "tp": b.true_positives, "fp": b.false_positives, "trials": b.trials, "seconds": round(rep.seconds, 1),
+            "cpu_s": round(rep.cpu_seconds, 1),
             "verdict": verdict, "report": rep.as_dict()}
 
 
@@ -157,11 +158,15 @@ def run(args: argparse.Namespace) -> int:
     _plot(rows, out / "audit.png")
     notes = ["claimed: the run's own one-round epsilon for the view (accountant after one round at epsilon); inf = "
              "no guarantee claimed in that view (cdp uploads are un-noised: the server is trusted)",
-             "epsilon_lb: 95 % lower bound (Clopper-Pearson on TPR and FPR, threshold fitted on the other half of the "
-             "releases); epsilon_ub: the upper end of what this test could show; ratio = epsilon_lb / claimed",
+             "epsilon_lb: 95 % lower bound (one-sided Clopper-Pearson on the odds of hits tp against misses fp, less "
+             "the hits delta may add; statistic and threshold fitted on every fourth release, trials = the other "
+             "releases' canaries; protocols.privacy.audit); epsilon_ub: the upper end of the odds' interval; "
+             "ratio = epsilon_lb / claimed",
+             "seconds: wall time of the row under the machine's load (load average in record.json); cpu_s: its "
+             "process time, about its wall time on an idle core",
              "adjacency: zero-out record (the run-config default; a canary present or its input zeroed); canaries: "
              "white-box gradient canaries (clipped gradient clip along their own coordinate), 4 clients x 500 per "
-             "release",
+             "release (niss: 4 x 1,000)",
              "ladp: adaptive canaries, replace-one (the label also moves the layer's KL estimate; one trial per client upload); "
              "fault private-kl = the paper's P_j from the trained local model (a data-dependent noise scale)",
              "ceiling: the epsilon_lb an ideal test reaches with this row's evaluation trials on a Gaussian mechanism "

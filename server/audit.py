@@ -2,8 +2,9 @@
 
 :func:`run_audit` runs releases (:func:`server.audit_release.release`, one round each) until ``trials`` canary
 records, then tests them: the statistic per record is Fisher's linear discriminant of its coordinates across the
-view's vectors, fitted on one half of the releases and tested on the other
-(:func:`protocols.privacy.audit.audit_scores`); the report compares the bound with the run's own claim
+view's vectors, fitted (with the test's threshold) on every fourth release and tested on the other three
+(:func:`protocols.privacy.audit.audit_scores`: the odds of the hits against the misses, Clopper-Pearson, less
+what delta may add); the report compares the bound with the run's own claim
 (:mod:`server.audit_spec`).  The audit chooses only the model and the data (:mod:`server.audit_canaries`):
 
 * **gradient canaries** (default): a bias-free linear model ``W`` (2 x d) at 0 and per client ``m`` records
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 
 from protocols.config import RunConfig
-from protocols.privacy.audit import audit_scores, fisher_scores
+from protocols.privacy.audit import audit_scores, fisher_scores, selects
 from server.audit_canaries import _AdaptiveCanaries, _Canaries
 from server.audit_release import release
 from server.audit_spec import ADJACENCY_TEXT, CANARY_SCALE, AuditReport, AuditSpec
@@ -82,7 +83,7 @@ def _audit_releases(spec: AuditSpec, raw: dict, seed: int | None, progress: Call
     rng = np.random.default_rng(seed)
     canaries = canaries_for(spec)
     releases = math.ceil(spec.trials / spec.audited_per_release())
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     feats, labels, owners, groups, keep = [], [], [], [], []
     claims: dict[str, float] = {}
     claim_delta = spec.delta
@@ -103,10 +104,10 @@ def _audit_releases(spec: AuditSpec, raw: dict, seed: int | None, progress: Call
     grp = np.concatenate(groups)[keep_all]
     if spec.given_secret:  # given the secret, a release's canaries are independent: fit and test within each release
         half = np.arange(len(lab)) % 2
-        scores = fisher_scores(v, lab, grp * spec.clients + own, half == 0)
-        bound = audit_scores(scores, lab, half, claim_delta, spec.alpha)
+        scores = fisher_scores(v, lab, grp * spec.clients + own, selects(half, 2))
+        bound = audit_scores(scores, lab, half, claim_delta, spec.alpha, every=2)
     else:
-        scores = fisher_scores(v, lab, own, grp % 2 == 0)
+        scores = fisher_scores(v, lab, own, selects(grp))
         if spec.adapter.one_trial_per_release:  # one secret per release scales every canary's noise
             first = np.r_[True, grp[1:] != grp[:-1]]  # the threshold is chosen for the same count (the fit used all)
             scores, lab, grp = scores[first], lab[first], grp[first]
@@ -123,4 +124,5 @@ def _audit_releases(spec: AuditSpec, raw: dict, seed: int | None, progress: Call
     return AuditReport(spec.method, spec.direction, spec.canary_kind, spec.colluders, spec.fault, claimed, claim_delta,
                        ADJACENCY_TEXT[spec.adjacency_used], bound, int(keep_all.sum()), releases, time.perf_counter() - t0,
                        notes, tolerated, spec.colluders <= tolerated and (not spec.given_secret or spec.adapter.secret_claim),
-                       spec.adapter.nominal_claim)
+                       spec.adapter.nominal_claim,
+                       time.process_time() - c0)

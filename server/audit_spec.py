@@ -88,7 +88,7 @@ class AuditSpec:
     method: str
     direction: str = "upload"
     epsilon: float = 4.0
-    trials: int = 300_000  # canary records over all releases (half select the test, half bound epsilon)
+    trials: int = 300_000  # canary records over all releases (a quarter fit the test, the rest bound epsilon)
     canary: str | None = None  # None: the adapter's first canary (default_canary)
     colluders: int = 0  # upload view: peers that hand the server their pair material
     fault: str | None = None
@@ -201,6 +201,7 @@ class AuditReport:
     tolerated_colluders: int = 0  # colluding peers the claim still covers (the adapter's reading of the run config)
     covered: bool = True  # the claim covers this view (colluders within tolerance; a secret the claim conditions on)
     nominal: bool = False  # the method states its claim as nominal (no guarantee): exceeding it is no violation
+    cpu_seconds: float = math.nan  # process time of the releases and the test (wall ``seconds`` includes waiting)
 
     @property
     def epsilon_lb(self) -> float:
@@ -235,7 +236,8 @@ class AuditReport:
         return (f"{self.method:5s} {self.direction:6s} {self.canary:8s}{extra}: claimed {claim}, "
                 f"epsilon_lb {b.epsilon_lb:.3f} (95% interval [{b.epsilon_lb:.3f}, {b.epsilon_ub:.3f}], point "
                 f"{b.epsilon_point:.3f}; TPR {b.true_positives}/{b.trials}, FPR {b.false_positives}/{b.trials}) "
-                f"{self.trials} trials in {self.releases} releases, {self.seconds:.1f} s"
+                f"{self.trials} trials in {self.releases} releases, {self.seconds:.1f} s "
+                f"(cpu {self.cpu_seconds:.1f} s)"
                 + ("" if not self.exceeds_claim else "  VIOLATION" if self.violation
                    else "  (above the claim, outside its threat model)" if not self.covered
                    else "  (above the nominal claim)"))

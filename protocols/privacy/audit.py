@@ -1,16 +1,24 @@
-"""Empirical privacy auditing, Flower-free: a lower bound on epsilon from a distinguishing test's error rates.
+"""Empirical privacy auditing, Flower-free: a lower bound on epsilon from a distinguishing test's outcomes.
 
-An (epsilon, delta)-DP mechanism bounds every test between neighbours D, D': ``TPR <= e^epsilon FPR + delta`` and
-``1 - FPR <= e^epsilon (1 - TPR) + delta`` (Kairouz et al. 2015).  Observed rates with Clopper-Pearson intervals
-give a lower bound ``epsilon_lb`` at the stated confidence (Jagielski et al. 2020; Nasr et al. 2021):
-:func:`epsilon_lower_bound`.
+An (epsilon, delta)-DP mechanism bounds every test between neighbours D, D': ``P_D(S) <= e^epsilon P_D'(S) + delta``
+(Kairouz et al. 2015).  :func:`audit_scores` runs the test on canary trials, each with a secret label in {+1, -1}
+drawn by a fair coin independently of everything else, and a score ``T_i`` (larger: +1 more likely).  With
+``R = label * T`` a trial is a *hit* when ``R > t`` and a *miss* when ``R < -t`` (the test "T > t" for +1 canaries
+and its mirror for -1).  Averaging over the coin, every trial obeys ``P(hit) <= e^epsilon P(miss) + delta``.
 
-:func:`audit_scores` runs the test on canary trials with labels in {+1, -1} and scores ``T_i``: with
-``R = label * T``, ``R > t`` counts as a true and ``R < -t`` as a false positive (the test "T > t" for +1 canaries
-and its mirror for -1).  The evaluation set is balanced by an index rule that ignores the scores, so pooled rates
-obey the same inequality; the pooled count of independent trials has tails no heavier than the binomial
-(Hoeffding 1956), so the bounds stay conservative.  The threshold is chosen on one half of the releases
-(``group``) and the bound computed on the other.  The caller must supply trials independent given their labels.
+The bound (:func:`epsilon_lower_bound`) conditions on the trials that hit or missed.  Split each hit into a part of
+probability at most ``e^epsilon P(miss)`` and an excess of probability at most ``delta``: the excess hits over
+``n`` independent trials are at most ``j``, the ``1 - alpha / 5`` quantile of Binomial(n, delta), and, given which
+trials hit or missed otherwise, each of them is a hit with probability at most ``q = e^epsilon / (1 + e^epsilon)``.
+So ``a = hits - j`` hits among ``a + misses`` is a binomial count with success probability ``<= q`` (up to the
+``alpha / 5`` event), and the one-sided Clopper-Pearson lower end ``p`` of that proportion at ``4 alpha / 5`` gives
+``epsilon_lb = ln(p / (1 - p))``, which exceeds the true epsilon with probability at most ``alpha``.  Without delta
+(a pure-DP claim) ``j = 0`` and the whole ``alpha`` goes to the proportion.  Unlike separate intervals on the two
+rates, it spends no confidence on how rare hits and misses are, only on their odds.
+
+The threshold is chosen on every ``SELECT_EVERY``-th release (``group``), the one the caller also fits its statistic
+on, and the bound counts the other releases' trials.  The caller must supply trials independent given their labels
+(the noise of distinct canaries independent) and fair-coin labels.
 """
 
 from __future__ import annotations
@@ -19,10 +27,11 @@ import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from scipy.stats import beta
+from scipy.stats import beta, binom
 
-__all__ = ["AuditBound", "audit_scores", "balanced", "clopper_pearson", "epsilon_from_rates",
-           "epsilon_lower_bound", "gaussian_ceiling", "gdp_mu", "select_threshold"]
+__all__ = ["EXCESS_ALPHA", "SELECT_EVERY", "AuditBound", "audit_scores", "clopper_pearson", "delta_excess",
+           "epsilon_from_rates", "epsilon_lower_bound", "fisher_scores", "gaussian_ceiling", "gdp_mu",
+           "odds_lower_bound", "select_threshold", "selects"]
 
 
 def clopper_pearson(k: int | np.ndarray, n: int | np.ndarray, alpha: float = 0.05
@@ -65,15 +74,16 @@ class AuditBound:
     """A test's counts and what they prove: ``epsilon_lb`` holds with probability ``1 - alpha``."""
 
     threshold: float
-    true_positives: int
-    false_positives: int
-    trials: int  # the pooled rates' denominator
-    tpr: tuple[float, float]  # Clopper-Pearson interval
+    true_positives: int  # hits
+    false_positives: int  # misses
+    trials: int  # evaluation trials (the rates' denominator)
+    tpr: tuple[float, float]  # Clopper-Pearson interval of the hit rate (context; the bound uses the odds)
     fpr: tuple[float, float]
-    epsilon_lb: float  # lower end: from the TPR lower and FPR upper ends
+    epsilon_lb: float  # from the hits' odds against the misses, less the delta excess (module docstring)
     epsilon_point: float  # from the measured rates
-    epsilon_ub: float  # upper end of what this test could show (inf when no false positive was seen)
+    epsilon_ub: float  # upper end of the odds' interval (inf when no miss was seen)
     alpha: float
+    excess: int = 0  # hits set aside for delta (the 1 - alpha / 5 quantile of Binomial(trials, delta))
 
     def as_dict(self) -> dict[str, float | int | list[float]]:
         """JSON types (``inf`` as a float)."""
@@ -82,21 +92,57 @@ class AuditBound:
         return d
 
 
+#: Share of ``alpha`` spent on the hits that delta may add (:func:`delta_excess`).
+EXCESS_ALPHA = 0.2
+#: The threshold (and the caller's statistic) is fitted on releases with ``group % SELECT_EVERY == 0``.
+SELECT_EVERY = 4
+
+
+def delta_excess(n: int, delta: float, alpha: float = 0.05) -> tuple[int, float]:
+    """``(j, alpha')``: the hits delta may add to ``n`` trials, and the confidence left for the odds.
+
+    At most ``j`` trials hit through delta with probability ``>= 1 - EXCESS_ALPHA alpha``; ``(0, alpha)`` for
+    ``delta = 0``.
+    ``j`` is the ``1 - EXCESS_ALPHA alpha`` quantile of Binomial(n, delta), which dominates a sum of independent
+    Bernoulli trials of probability at most delta.
+    """
+    if delta <= 0:
+        return 0, alpha
+    return int(binom.isf(EXCESS_ALPHA * alpha, n, delta)), (1 - EXCESS_ALPHA) * alpha
+
+
+def odds_lower_bound(hits: np.ndarray | int, misses: np.ndarray | int, n: int, delta: float, alpha: float = 0.05
+                     ) -> np.ndarray | float:
+    """``epsilon_lb`` of ``hits`` and ``misses`` in ``n`` trials (module docstring); vectorised, 0 without hits."""
+    j, a_odds = delta_excess(n, delta, alpha)
+    a = np.maximum(np.asarray(hits, dtype=np.float64) - j, 0.0)
+    m = np.asarray(misses, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(a > 0, beta.ppf(a_odds, np.maximum(a, 1.0), m + 1.0), 0.0)
+        out = np.maximum(np.log(p) - np.log1p(-p), 0.0)
+    return float(out) if out.ndim == 0 else out
+
+
 def epsilon_lower_bound(tp: int, fp: int, n: int, delta: float, alpha: float = 0.05,
                         threshold: float = math.nan) -> AuditBound:
-    """What ``tp`` true and ``fp`` false positives in ``n`` trials prove at confidence ``1 - alpha``.
+    """What ``tp`` hits and ``fp`` misses in ``n`` trials prove at confidence ``1 - alpha`` (module docstring).
 
-    ``epsilon_lb`` uses the lower Clopper-Pearson end of TPR and the upper end of FPR (each one-sided
-    ``1 - alpha / 2``, so both hold together with probability ``1 - alpha``).
+    ``epsilon_ub``: the upper one-sided end (``1 - alpha'``) of the hits' odds among hits and misses (no excess
+    removed); ``tpr``/``fpr``: each rate's two-sided Clopper-Pearson interval (shown, not used by the bound).
+    Raises ValueError for ``n <= 0`` or counts outside ``0..n``.
     """
     if n <= 0:
         raise ValueError("an audit needs at least one trial")
+    if not (0 <= tp and 0 <= fp and tp + fp <= n):
+        raise ValueError("hits and misses must be disjoint counts of the trials")
     tpr_lo, tpr_hi = clopper_pearson(tp, n, alpha)
     fpr_lo, fpr_hi = clopper_pearson(fp, n, alpha)
+    j, a_odds = delta_excess(n, delta, alpha)
+    hi = float(beta.isf(a_odds, tp + 1, fp)) if fp > 0 else 1.0
+    ub = math.inf if hi >= 1.0 else max(math.log(hi) - math.log1p(-hi), 0.0)
     return AuditBound(float(threshold), int(tp), int(fp), int(n), (float(tpr_lo), float(tpr_hi)),
-                      (float(fpr_lo), float(fpr_hi)), float(epsilon_from_rates(tpr_lo, fpr_hi, delta)),
-                      float(epsilon_from_rates(tp / n, fp / n, delta)), float(epsilon_from_rates(tpr_hi, fpr_lo, delta)),
-                      alpha)
+                      (float(fpr_lo), float(fpr_hi)), odds_lower_bound(tp, fp, n, delta, alpha),
+                      float(epsilon_from_rates(tp / n, fp / n, delta)), ub, alpha, j)
 
 
 def _counts(r: np.ndarray, thresholds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -108,9 +154,10 @@ def _counts(r: np.ndarray, thresholds: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 
 def select_threshold(r: np.ndarray, delta: float, alpha: float = 0.05, candidates: int = 400) -> float:
-    """The threshold t maximising the epsilon lower bound of the pooled test ``R > t`` vs ``R < -t`` on ``r``.
+    """The threshold t ``>= 0`` maximising :func:`odds_lower_bound` of the hits ``r > t`` and misses ``r < -t`` on ``r``.
 
-    Candidates: quantiles of ``|r|`` from the median up to the largest value (fine steps in the tail).
+    Candidates: quantiles of ``|r|`` from the median up to the largest value (fine steps in the tail).  The bound is
+    computed at ``r``'s own size, which favours counts large enough to carry over to fresh trials.
     """
     r = np.asarray(r, dtype=np.float64)
     if r.size == 0:
@@ -118,31 +165,23 @@ def select_threshold(r: np.ndarray, delta: float, alpha: float = 0.05, candidate
     q = 1.0 - np.geomspace(0.5, 0.5 / r.size, candidates)
     ts = np.unique(np.quantile(np.abs(r), q))
     tp, fp = _counts(r, ts)
-    n = r.size
-    tpr_lo, _ = clopper_pearson(np.minimum(tp, n), np.full_like(tp, n), alpha)
-    _, fpr_hi = clopper_pearson(np.minimum(fp, n), np.full_like(fp, n), alpha)
-    eps = epsilon_from_rates(tpr_lo, fpr_hi, delta)
-    return float(ts[int(np.argmax(eps))])
+    return float(ts[int(np.argmax(odds_lower_bound(tp, fp, r.size, delta, alpha)))])
 
 
-def balanced(labels: np.ndarray) -> np.ndarray:
-    """Indices of an equal number of +1 and -1 labels: the first ``min(#+, #-)`` of each, in index order."""
-    labels = np.asarray(labels)
-    pos = np.flatnonzero(labels > 0)
-    neg = np.flatnonzero(labels < 0)
-    k = min(len(pos), len(neg))
-    return np.sort(np.concatenate([pos[:k], neg[:k]]))
+def selects(groups: np.ndarray, every: int = SELECT_EVERY) -> np.ndarray:
+    """The trials whose release fits the statistic and selects the threshold: ``groups % every == 0``."""
+    return np.asarray(groups) % every == 0
 
 
 def audit_scores(scores: np.ndarray, labels: np.ndarray, groups: np.ndarray, delta: float,
-                 alpha: float = 0.05) -> AuditBound:
-    """Threshold chosen on the releases of even ``groups``, epsilon lower bound from those of odd ``groups``.
+                 alpha: float = 0.05, every: int = SELECT_EVERY) -> AuditBound:
+    """Threshold chosen on the releases :func:`selects` picks, epsilon lower bound from all the others.
 
-    ``scores``: the test statistic per trial (larger = the +1 record more likely); ``labels``: +1/-1 per
-    trial; ``groups``: the release each trial came from (trials of one release stay on one side).
-    Each side is balanced (:func:`balanced`); the bound counts ``labels * scores > t`` against ``< -t``
-    over the evaluation side: every trial is one draw of the pooled TPR and of the pooled FPR (``trials`` = its
-    size; the two bounds hold together by the union bound, no independence between them needed).
+    ``scores``: the test statistic per trial (larger = the +1 record more likely), fitted on the selecting
+    releases only; ``labels``: +1/-1 per trial, fair coins; ``groups``: the release each trial came from (trials
+    of one release stay on one side).  The bound counts hits ``labels * scores > t`` and misses ``< -t`` over
+    every evaluation trial (:func:`epsilon_lower_bound`).  Raises ValueError on mismatched shapes, labels other
+    than +-1, or a side without trials.
     """
     scores = np.asarray(scores, dtype=np.float64)
     labels = np.asarray(labels)
@@ -152,16 +191,12 @@ def audit_scores(scores: np.ndarray, labels: np.ndarray, groups: np.ndarray, del
     if not np.all(np.isin(labels, (-1, 1))):
         raise ValueError("labels must be +1 or -1")
     r = labels * scores
-    select = groups % 2 == 0
-    sel = np.flatnonzero(select)
-    ev = np.flatnonzero(~select)
-    sel = sel[balanced(labels[sel])]
-    ev = ev[balanced(labels[ev])]
-    if sel.size == 0 or ev.size == 0:
-        raise ValueError("an audit needs +1 and -1 trials from at least two releases")
-    t = select_threshold(r[sel], delta, alpha)
-    tp, fp = _counts(r[ev], np.array([t]))
-    return epsilon_lower_bound(int(tp[0]), int(fp[0]), ev.size, delta, alpha, threshold=t)
+    select = selects(groups, every)
+    if select.all() or not select.any():
+        raise ValueError(f"an audit needs trials from at least two releases, one of them a multiple of {every}")
+    t = select_threshold(r[select], delta, alpha)
+    tp, fp = _counts(r[~select], np.array([t]))
+    return epsilon_lower_bound(int(tp[0]), int(fp[0]), int((~select).sum()), delta, alpha, threshold=t)
 
 
 def fisher_scores(views: np.ndarray, labels: np.ndarray, owner: np.ndarray, fit: np.ndarray) -> np.ndarray:
@@ -215,6 +250,4 @@ def gaussian_ceiling(epsilon: float, delta: float, trials: int, alpha: float = 0
     t = np.linspace(0.0, 12.0, 1201)
     tp = np.round(norm.sf(t - mu / 2) * trials)
     fp = np.round(norm.sf(t + mu / 2) * trials)
-    lo, _ = clopper_pearson(tp, np.full_like(tp, trials), alpha)
-    _, hi = clopper_pearson(fp, np.full_like(fp, trials), alpha)
-    return float(np.max(epsilon_from_rates(lo, hi, delta)))
+    return float(np.max(odds_lower_bound(tp, fp, trials, delta, alpha)))

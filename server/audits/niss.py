@@ -37,7 +37,7 @@ class NissAudit(AuditAdapter):
 
     def federation(self, direction: str, canary: str, *, given_secret: bool = False) -> dict[str, int]:
         fed = super().federation(direction, canary)
-        return {**fed, "trials": 600_000} if canary == "gradient" else fed
+        return {**fed, "trials": 800_000, "per_client": 1_000} if canary == "gradient" else fed
 
     def tolerated_colluders(self, spec: AuditSpec) -> int:
         """``floor(niss-rho x m)`` of a client's m neighbours (complete graph: the other participants)."""
