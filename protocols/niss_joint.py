@@ -34,14 +34,14 @@ the order of ``u`` (the others of k sorted by ``u``; ``n - K_k`` windows, each a
 on equal ``u`` (client level, or record level with one full-batch step: every ``sigma_k`` equal) every set is
 alike and the search is exact; on unequal ``u`` the window is the exact worst on every exhaustively searched case in
 ``tests/test_niss_joint.py`` (it need not be the largest or the smallest ``u``).  Any other graph: every set of
-``K_k`` of k's ``d_k`` neighbours (``C(d_k, K_k)``, 70 on a typical 4-out degree of 8), each a solve in k's
-closed two-hop neighbourhood ``W`` of the matrix ``T = ((Sigma^-1)[W, W])^-1`` (the outside of ``W`` optimally
-used) minus ``D_C``: exact.
+``K_k`` of k's ``d_k`` neighbours when there are at most :data:`EXHAUSTIVE_SETS` (exact; 70 at a 4-out degree of 8,
+up to a degree of 11), else a greedy set improved by single swaps (a local worst, not proven the worst); each set is
+two small updates of ``Sigma^-1`` (:func:`_set_precisions`).
 
-Cost: a complete graph O(n^2) per distinct ``(u_k, extra_k)`` (one at equal sigmas: about 10 ms at 1,000 clients;
-O(n^3) when every u differs); any other graph one dense Cholesky inverse O(n^3) plus, per client,
-``C(d_k, K_k)`` solves of size ``|W|`` (about 1 to 3 s at 1,000 clients on a 4-out graph).  Pure functions of
-public values.
+Cost, per round on both ends: a complete graph O(n^2) per distinct ``(u_k, extra_k)`` (one at equal sigmas: 0.05 s
+CPU at 1,000 clients; O(n^3), about 20 s, when every u differs); any other graph one dense Cholesky inverse O(n^3)
+plus the set search (0.9 s CPU at 100 clients on a 4-out graph, 10 s at 1,000).  Pure functions of public
+values.
 """
 
 from __future__ import annotations
@@ -158,38 +158,31 @@ def _complete_colluded(u: np.ndarray, tau: float, extra: np.ndarray, i: int, k: 
     return float(np.max(ai + quad * ai * ai))
 
 
-#: Colluder sets searched exhaustively per client on a sparse graph; above, a greedy start improved by swaps.
+#: Colluder sets searched exhaustively per client on a sparse graph; above, a greedy set improved by swaps.
 EXHAUSTIVE_SETS = 512
 
 
 def _dense_colluded(sigma: np.ndarray, adj: np.ndarray, u: np.ndarray, ks: np.ndarray) -> np.ndarray:
     """``max_C (Sigma_C^-1)_ii`` per node ``i`` over the sets ``C`` of ``ks[i]`` of its neighbours (adjacency ``adj``).
 
-    Within i's closed two-hop neighbourhood ``W`` (which holds every node ``D_C`` touches),
-    ``T = ((Sigma^-1)[W, W])^-1`` is ``Sigma[W, W]`` less what the uploads outside ``W`` explain, so the conditioned
-    view of i is ``((T - D_C)[W - C, W - C])^-1_ii``.  Every set when there are at most :data:`EXHAUSTIVE_SETS`,
-    else a greedy set (one colluder at a time, the worst) improved by single swaps until none helps.
+    Every set when there are at most :data:`EXHAUSTIVE_SETS`, else a greedy set (one colluder at a time, the
+    worst) improved by single swaps until none helps.  Each set: :func:`_set_precisions`.
     """
     prec = _dense_inverse(sigma)
     out = np.diag(prec).copy()
     for i in np.flatnonzero(ks):
-        nbrs = np.flatnonzero(adj[i])
-        w = np.flatnonzero(adj[i] | adj[nbrs].any(axis=0) | (np.arange(len(u)) == i))
-        view = _LocalView(np.linalg.inv(prec[np.ix_(w, w)]), adj[np.ix_(w, w)].astype(float), u[w],
-                          int(np.searchsorted(w, i)))
-        cand = [int(np.searchsorted(w, j)) for j in nbrs]
-        k = int(ks[i])
+        cand, k = [int(j) for j in np.flatnonzero(adj[i])], int(ks[i])
         if math.comb(len(cand), k) <= EXHAUSTIVE_SETS:
-            out[i] = float(np.max(view.precisions(list(itertools.combinations(cand, k)))))
+            out[i] = float(np.max(_set_precisions(prec, adj, u, int(i), list(itertools.combinations(cand, k)))))
             continue
         chosen: list[int] = []
         for _ in range(k):
             rest = [c for c in cand if c not in chosen]
-            chosen.append(rest[int(np.argmax(view.precisions([(*chosen, c) for c in rest])))])
-        best = float(view.precisions([tuple(chosen)])[0])
+            chosen.append(rest[int(np.argmax(_set_precisions(prec, adj, u, int(i), [(*chosen, c) for c in rest])))])
+        best = float(_set_precisions(prec, adj, u, int(i), [tuple(chosen)])[0])
         while True:
             swaps = [tuple(sorted({*chosen} - {a} | {b})) for a in chosen for b in cand if b not in chosen]
-            vals = view.precisions(swaps)
+            vals = _set_precisions(prec, adj, u, int(i), swaps)
             if float(np.max(vals)) <= best * (1 + 1e-12):
                 break
             best, chosen = float(np.max(vals)), list(swaps[int(np.argmax(vals))])
@@ -197,28 +190,38 @@ def _dense_colluded(sigma: np.ndarray, adj: np.ndarray, u: np.ndarray, ks: np.nd
     return out
 
 
-class _LocalView:
-    """One client's conditioned view within its two-hop neighbourhood: ``T``, its adjacency and ``u``, the client."""
+def _set_precisions(prec: np.ndarray, adj: np.ndarray, u: np.ndarray, i: int,
+                    sets: Sequence[tuple[int, ...]]) -> np.ndarray:
+    """``(Sigma_C^-1)_ii`` per colluder set ``C`` (all of one size, neighbours of ``i``) from ``G = Sigma^-1``.
 
-    def __init__(self, t: np.ndarray, adj: np.ndarray, u: np.ndarray, at: int) -> None:
-        self.t, self.adj, self.u, self.at = t, adj, u, at
-
-    def precisions(self, sets: Sequence[tuple[int, ...]]) -> np.ndarray:
-        """``((T - D_C)[W - C, W - C])^-1`` at the client per colluder set (rows and columns of C set to identity)."""
-        out = []
-        for start in range(0, len(sets), 128):
-            chunk = np.array(sets[start:start + 128], dtype=int)
-            x = np.zeros((len(chunk), len(self.u)))
-            np.put_along_axis(x, chunk, 1.0, axis=1)
-            d = (x @ self.adj) * self.u + (x * self.u) @ self.adj  # sum_{c in C, c ~ h} (u_h + u_c)
-            m = np.where((x[:, :, None] + x[:, None, :]) > 0, 0.0, self.t[None] - _diag_stack(d)) + _diag_stack(x)
-            rhs = np.zeros((len(chunk), len(self.u), 1))
-            rhs[:, self.at, 0] = 1.0
-            try:
-                out.append(np.linalg.solve(m, rhs)[:, self.at, 0])
-            except np.linalg.LinAlgError as err:
-                raise ValueError("a colluder-conditioned noise covariance is singular") from err
-        return np.concatenate(out)
+    Removing C's uploads: ``Q = G - G[:, C] G[C, C]^-1 G[C, :]`` (= ``(Sigma[H, H])^-1``); then ``D_C`` on the honest
+    neighbours A of C (i among them) by Woodbury: ``Q_ii + Q[i, A] (D_A^-1 - Q[A, A])^-1 Q[A, i]``.  A is padded to
+    the largest of the batch with decoupled identity rows.
+    """
+    if len(sets) > 256:
+        return np.concatenate([_set_precisions(prec, adj, u, i, sets[s:s + 256]) for s in range(0, len(sets), 256)])
+    c = np.array(sets, dtype=int)  # (S, K)
+    rows = adj[c]  # (S, K, n)
+    cnt, su = rows.sum(axis=1), (rows * u[c][..., None]).sum(axis=1)
+    touched = cnt > 0
+    np.put_along_axis(touched, c, False, axis=1)
+    touched[:, i] = False
+    width = 1 + int(touched.sum(axis=1).max())
+    order = np.argsort(~touched, axis=1, kind="stable")[:, : width - 1]
+    x = np.concatenate([np.full((len(c), 1), i), order], axis=1)  # (S, width), i first
+    valid = np.concatenate([np.ones((len(c), 1), dtype=bool), np.take_along_axis(touched, order, axis=1)], axis=1)
+    d = np.take_along_axis(cnt * u + su, x, axis=1)
+    g_xc = prec[x[:, :, None], c[:, None, :]]
+    q = prec[x[:, :, None], x[:, None, :]] - g_xc @ np.linalg.solve(prec[c[:, :, None], c[:, None, :]],
+                                                                    np.swapaxes(g_xc, 1, 2))
+    pair = valid[:, :, None] & valid[:, None, :]
+    eye = np.eye(width)[None]
+    m = np.where(pair, _diag_stack(np.where(valid, 1.0 / np.where(valid, d, 1.0), 0.0)) - q, eye)
+    rhs = np.where(valid, q[:, :, 0], 0.0)[..., None]
+    try:
+        return q[:, 0, 0] + (rhs * np.linalg.solve(m, rhs)).sum(axis=(1, 2))
+    except np.linalg.LinAlgError as err:
+        raise ValueError("a colluder-conditioned noise covariance is singular") from err
 
 
 def _diag_stack(d: np.ndarray) -> np.ndarray:
