@@ -336,7 +336,7 @@ class NissFloor:
 
     ``scale``: the factor on every ``sigma_k`` (:func:`protocols.niss_joint.joint_scale` times the dropout factor;
     1 when ``tau = 0``, where no scale helps and the run's uplink carries no guarantee); ``factors``: node -> ``f_k``
-    at scale 1.
+    at scale 1, each client's view given the worst ``niss-rho`` share of its neighbours colluding.
     """
 
     scale: float
@@ -347,8 +347,10 @@ def niss_floor(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Seq
                offered: float | None = None, releases: int | None = None) -> NissFloor:
     """``niss``: the noise scale the round's joint view needs; refuses an ``offered`` scale below it.
 
-    The scale is :func:`protocols.niss_joint.joint_scale` times :func:`protocols.dropouts.niss_dropout_factor`
-    (run-config ``dropout-rate``: the survivors of up to the binomial tail's dropouts keep the downlink multiplier).
+    The scale is :func:`protocols.niss_joint.joint_scale` of the factors given up to ``floor(niss-rho x d_k)``
+    colluding neighbours of each client (:func:`protocols.niss_joint.joint_factors`), times
+    :func:`protocols.dropouts.niss_dropout_factor` (run-config ``dropout-rate``: the survivors of up to the
+    binomial tail's dropouts keep the downlink multiplier).
 
     ``sizes``: the participants' public dataset sizes (node -> ``|D_k|``; ignored at client level), ``graph``:
     the round's pairing graph over them (the roster graph among the present nodes), ``tau``: the round's
@@ -364,7 +366,7 @@ def niss_floor(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Seq
     weights = aggregation_weights(cfg, list(graph), sizes)
     t = calibration_releases(cfg, releases)
     sigmas = {n: client_sigma(cfg, weights[n], int(sizes.get(n, 1)), t) for n in graph}
-    factors = joint_factors(sigmas, graph, tau)
+    factors = joint_factors(sigmas, graph, tau, rho=cfg.niss_rho)
     if tau == 0:
         return NissFloor(1.0, factors)
     floor = NissFloor(joint_scale(factors) * niss_dropout_factor(sigmas, graph, cfg.dropout_rate), factors)

@@ -10,7 +10,8 @@ neighbour; clients that fail are removed and the phase re-run, at most :data:`MA
 
 Calibration: ``sigma_k = z Delta f_k`` (:func:`protocols.niss.client_sigma`, weights
 :func:`protocols.niss.aggregation_weights`), raised by the round's ``noise_scale`` from
-:func:`protocols.floor.niss_floor` so the server's best linear view of a client keeps ``(z Delta f_k)^2``
+:func:`protocols.floor.niss_floor` so the server's best linear view of a client keeps ``(z Delta f_k)^2``,
+also given the material of the worst ``floor(niss-rho x d_k)`` of its ``d_k`` neighbours colluding
 (:mod:`protocols.niss_joint`).  Downlink multiplier :func:`protocols.niss.downlink_multiplier` (heuristic);
 ``tau = 0`` gives no guarantee.  Reported: ``theorem2_variance`` (Theorem 2) and, with ``cancellation-check``,
 the measured residuals.
@@ -354,7 +355,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         # The survivors' joint view (protocols.niss_joint): each keeps z * sqrt(f'_k) of its charged sigma_k.
         charged = {n: f.sigma / state.noise_scale for n, f in figures.items()}
         f_left = survivor_factors({n: f.sigma for n, f in figures.items()}, charged, state.keys.neighbours, kept,
-                                  state.tau)
+                                  state.tau, rho=self.cfg.niss_rho)
         z_real = min(self.z * math.sqrt(f) for f in f_left.values())
         real = 0.0
         if self.privacy.downlink is not None:

@@ -5,6 +5,9 @@
   coordinates; the best linear unbiased view of each client keeps at least ``(z Delta f_k)^2``, and matches
   :func:`protocols.niss_joint.joint_factors`.  The same round calibrated per upload only (scale 1) does not.
 * The complete graph's closed form matches a dense inverse; the structured path matches it on n-out graphs.
+* Colluders (``niss-rho``): the factors equal the worst of every set of ``floor(rho d_k)`` neighbours, each
+  computed from an explicit latent model of the shares and distortions with the colluders' material removed
+  (independent of the module's formula); the old no-colluder scale leaves a colluded view under its charge.
 * A client refuses a share request whose noise scale is under the round's joint-view floor; tau = 0 is no
   uplink guarantee (epsilon inf) and a node whose policy asks for one refuses it.
 """
@@ -12,6 +15,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 
 import numpy as np
@@ -24,7 +28,7 @@ from protocols.config import RunConfig
 from protocols.floor import FloorViolation, NissFloor, niss_floor
 from protocols.graphs import complete_graph, n_out_graph
 from protocols.niss import upload_sensitivity
-from protocols.niss_joint import joint_covariance, joint_factors, joint_scale, share_variances
+from protocols.niss_joint import colluder_count, joint_covariance, joint_factors, joint_scale, share_variances
 from protocols.privacy import noise_multiplier
 from protocols.wire.niss import Diagnostic, NissMetrics, RelayedInbox
 from server.defaults import app_defaults
@@ -38,7 +42,7 @@ def _seed(label: str) -> bytes:
 
 
 def _round_noise(monkeypatch, *, per_upload_only: bool):
-    """One real round: (noise matrix clients x D, charged variances, the round's graph, tau, reported sigmas)."""
+    """One real round: (noise matrix clients x D, charged variances, the round's graph, tau, reported sigmas, rho)."""
     monkeypatch.setattr(niss_client, "_fresh_seed", _seed)
     if per_upload_only:  # joint-view scale 1: every sigma calibrated for its upload alone
         unscaled = lambda *a, **k: NissFloor(1.0, {})  # noqa: E731
@@ -60,7 +64,7 @@ def _round_noise(monkeypatch, *, per_upload_only: bool):
         sigmas[n] = NissMetrics.from_metrics(r.content["metrics"]).sigma
     graph = strategy._state.keys.neighbours
     assert graph != complete_graph(nodes)  # a sparse round graph
-    return np.array(noise), np.array(charged), graph, strategy._state.tau, sigmas
+    return np.array(noise), np.array(charged), graph, strategy._state.tau, sigmas, cfg.niss_rho
 
 
 def _blue_variances(noise: np.ndarray) -> np.ndarray:
@@ -71,15 +75,17 @@ def _blue_variances(noise: np.ndarray) -> np.ndarray:
 
 def test_joint_view_keeps_the_charged_variance_and_per_upload_calibration_does_not(monkeypatch):
     # D = 4810 coordinates: the estimate of 1 / (Sigma^-1)_kk has relative std ~sqrt(2 / D) = 2 %.
-    noise, charged, graph, tau, sigmas = _round_noise(monkeypatch, per_upload_only=False)
-    assert noise.shape[1] > 4000 and tau > 0
+    noise, charged, graph, tau, sigmas, rho = _round_noise(monkeypatch, per_upload_only=False)
+    assert noise.shape[1] > 4000 and tau > 0 and rho > 0
     ratio = _blue_variances(noise) / charged
-    assert ratio.min() >= 0.92  # every client keeps its charged variance (exactly 1 for the worst-off one)
-    predicted = joint_factors(sigmas, graph, tau)  # at the reported (scaled) sigmas
-    expected = np.array([predicted[n] for n in sorted(predicted)]) * np.array(
-        [sigmas[n] ** 2 for n in sorted(sigmas)]) / charged
-    np.testing.assert_allclose(ratio, expected, rtol=0.1)
-    assert expected.min() == pytest.approx(1.0, rel=1e-9)
+    assert ratio.min() >= 0.92  # every client keeps its charged variance (more: the scale covers colluders)
+    def expected(f: dict[int, float]) -> np.ndarray:  # at the reported (scaled) sigmas
+        return np.array([f[n] * sigmas[n] ** 2 for n in sorted(f)]) / charged
+
+    np.testing.assert_allclose(ratio, expected(joint_factors(sigmas, graph, tau)), rtol=0.1)
+    # The worst-off client's view given its worst rho share of colluding neighbours keeps exactly its charge.
+    assert expected(joint_factors(sigmas, graph, tau, rho=rho)).min() == pytest.approx(1.0, rel=1e-9)
+    assert expected(joint_factors(sigmas, graph, tau)).min() > 1.05
 
     with monkeypatch.context() as mp:
         old, charged_old, *_ = _round_noise(mp, per_upload_only=True)
@@ -167,3 +173,70 @@ def test_tau_zero_has_no_uplink_guarantee_and_a_node_requiring_one_refuses(monke
     grid = LocalGrid(client_app, 4, raw, node_config={"max-epsilon-per-run": 10.0})
     errors = _share_phase_errors(monkeypatch, grid, strategy, arrays)
     assert errors and all("niss-tau" in e for e in errors)
+
+
+def _latent_model(sigmas: dict[int, float], graph: dict[int, list[int]], tau: float):
+    """The uploads' noise from the shares and distortions themselves: (coefficients, variances, sender, receiver, share?).
+
+    Latent per directed pair ``i -> j``: the share ``n`` (variance ``sigma_i^2 / d_i``, +1 in upload i, -1 in upload
+    j) and ``(s_j - 1) n`` (variance ``tau^2 sigma_i^2 / d_i``, -1 in upload j, j's secret).
+    """
+    n = len(graph)
+    rows = []
+    for i in graph:
+        u = sigmas[i] ** 2 / len(graph[i])
+        for j in graph[i]:
+            rows.append((np.eye(n)[i] - np.eye(n)[j], u, i, j, True))
+            rows.append((-np.eye(n)[j], tau * tau * u, i, j, False))
+    b, var, src, dst, share = (np.array(x) for x in zip(*rows, strict=True))
+    return b.T, var, src, dst, share
+
+
+def _latent_precision(model, colluders: set[int], k: int) -> float:
+    """``(Sigma_C^-1)_kk`` of the latent model given the colluders ``C``.
+
+    A colluder reveals every share it sent or received and its own distortions; only the honest uploads carry
+    unknown noise.
+    """
+    b, var, src, dst, share = model
+    bad = np.isin(dst, list(colluders)) | (share & np.isin(src, list(colluders)))
+    honest = [h for h in range(b.shape[0]) if h not in colluders]
+    bh = b[np.ix_(honest, ~bad)]
+    return float(np.linalg.inv(bh @ np.diag(var[~bad]) @ bh.T)[honest.index(k), honest.index(k)])
+
+
+@pytest.mark.parametrize("complete", [True, False])
+def test_colluder_factors_are_the_worst_of_every_colluding_set(complete):
+    rng = np.random.default_rng(41 + complete)
+    cases = 0
+    while cases < 12:
+        n = int(rng.integers(4, 8))
+        if complete:
+            graph = complete_graph(range(n))
+        else:
+            a = np.triu(rng.random((n, n)) < 0.5, 1)
+            a = a | a.T
+            graph = {i: [j for j in range(n) if a[i, j]] for i in range(n)}
+            if min(map(len, graph.values())) == 0 or all(len(v) == n - 1 for v in graph.values()):
+                continue
+        cases += 1
+        sigmas = {i: float(rng.lognormal(0.0, 0.7)) for i in range(n)}  # unequal share variances
+        tau, rho = float(rng.choice([0.1, 0.5, 1.0])), float(rng.choice([0.3, 0.5, 0.8]))
+        f, model = joint_factors(sigmas, graph, tau, rho=rho), _latent_model(sigmas, graph, tau)
+        for k in graph:
+            sets = itertools.combinations(graph[k], colluder_count(rho, len(graph[k])))
+            worst = max(_latent_precision(model, set(c), k) for c in sets)
+            assert f[k] == pytest.approx(1 / (worst * sigmas[k] ** 2), rel=1e-7), (n, k, tau, rho)
+        assert all(f[k] <= g for k, g in joint_factors(sigmas, graph, tau).items())  # colluders only help the server
+
+
+def test_the_no_colluder_scale_leaves_a_colluded_view_under_its_charge():
+    """Planted fault: the scale for no colluders, on a round whose claim covers one (4 clients, rho 1/2)."""
+    graph, tau = complete_graph(range(4)), 0.5
+    sigmas = dict.fromkeys(graph, 1.0)
+    old = joint_scale(joint_factors(sigmas, graph, tau))
+    colluded = joint_factors(sigmas, graph, tau, rho=0.5)
+    assert colluder_count(0.5, 3) == 1
+    assert min(colluded.values()) * old**2 < 0.8  # SNR ratio 1 / sqrt(0.77) = 1.14 over the claim
+    assert min(colluded.values()) * joint_scale(colluded) ** 2 == pytest.approx(1.0, rel=1e-12)
+    assert joint_scale(colluded) == pytest.approx(1.2766, abs=1e-4)

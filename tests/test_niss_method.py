@@ -155,8 +155,8 @@ def test_tau_from_rho_and_privacy_report(run_inprocess):
     assert params["tau"] == pytest.approx(math.sqrt(0.5))  # Theorem 3: tau^2 = 2 rho - 1
     assert params["collusion_protected"] == "yes"
     z = calibrate_noise_multiplier(5.0, 1e-5, 1.0, 2)
-    cfg = RunConfig.from_mapping({**app_defaults(), **FAST, "num-rounds": 2, "epsilon": 5.0})
-    c2 = _scale(cfg, math.sqrt(0.5)) ** 2
+    cfg = RunConfig.from_mapping({**app_defaults(), **FAST, "num-rounds": 2, "epsilon": 5.0, "niss-rho": 0.75})
+    c2 = _scale(cfg, math.sqrt(0.5)) ** 2  # the scale covers 3 of 4 neighbours colluding
     assert rows[0]["theorem2_variance"] == pytest.approx(float(np.sum(_sigmas(cfg) ** 2)) * 0.5 * c2, rel=1e-9)
     # uplink epsilon: RDP composition of the per-round Gaussian; the whole budget is spent at the end
     assert rows[0]["epsilon"] == pytest.approx(gaussian_epsilon(z, 1.0, 1, 1e-5), rel=1e-9)

@@ -56,9 +56,9 @@ class NissAudit(AuditAdapter):
     def notes(self, spec: AuditSpec) -> list[str]:
         if spec.direction != "upload":
             return []
-        out = ["niss: epsilon_uplink covers the server's best linear combination of all uploads (every sigma_k "
-               "times the round's joint-view scale, protocols.niss_joint; a Gaussian approximation of the "
-               "distorted shares)"]
+        out = ["niss: epsilon_uplink covers the server's best linear combination of all uploads and the material "
+               "of up to floor(niss-rho x neighbours) colluders (every sigma_k times the round's joint-view scale, "
+               "protocols.niss_joint; a Gaussian approximation of the distorted shares)"]
         if spec.colluders:
             out.append(f"colluders: {spec.colluders} neighbours hand the server their pair material with every "
                        f"audited client; the claim covers {self.tolerated_colluders(spec)} (niss-rho)")
