@@ -8,8 +8,13 @@ Flower's waits and run more of a message's object requests at once:
 
 * object transfers (:func:`tune_object_transfers`, every process): a missing object is asked for again after
   :data:`OBJECT_PULL_BACKOFF` (Flower: 1 s doubling to 10 s; a message is listed before its objects arrive, and
-  they follow within milliseconds), and up to :data:`OBJECT_CONCURRENCY` objects of a message are pushed or
-  pulled at once (Flower: 2, and never more than the machine's cores: requests that mostly wait need no core);
+  they follow within milliseconds); up to :data:`OBJECT_CONCURRENCY` objects of a message are pulled at once, and
+  a ClientApp pushes its reply's objects to its SuperNode as many at once (Flower: 2, and never more than the
+  machine's cores: requests that mostly wait need no core); pushes to the SuperLink stay at Flower's 2
+  (:data:`SUPERLINK_PUSH_CONCURRENCY`);
+* the SuperNode's reply push (:func:`tune_supernode`): an object push the SuperLink answers with a server error
+  (a transient lock of its SQLite state on a loaded machine) is asked again (:func:`retrying_push`; Flower drops
+  the reply);
 * the SuperNode's loop (:func:`tune_supernode`): its idle wait (Flower: 3 s, a request to the SuperLink each)
   becomes the poll interval, shorter (:class:`PollClock`) within a while after each reply it sent; its waits
   for its ClientApp's reply and the reply's objects (0.5 s, a look into its own memory) become 20 ms;
@@ -37,8 +42,15 @@ from pathlib import Path
 SUPPORTED = ("1.42",)
 #: (first, longest) wait in seconds before a process asks again for a message object that is not there yet.
 OBJECT_PULL_BACKOFF = (0.05, 0.25)
-#: Objects of one message pushed or pulled at once, in every process.
+#: Objects of one message pulled at once, in every process (reads).
 OBJECT_CONCURRENCY = 16
+#: Objects of one message pushed at once to the SuperLink: Flower's own 2 (each push writes into the SuperLink's
+#: SQLite state, and more writers at once make "database is locked" failures likelier on a loaded machine); a
+#: ClientApp pushes to its SuperNode's memory at :data:`OBJECT_CONCURRENCY`.
+SUPERLINK_PUSH_CONCURRENCY = 2
+#: Tries of one object push the SuperLink answered with a server error (HTTP 5xx: a transient lock of its state),
+#: waiting 50 ms, doubling, between them (Flower: one try, and the SuperNode drops the reply).
+PUSH_TRIES = 5
 
 #: Seconds between the SuperNode's checks of its own state while it waits for a reply or a reply's objects.
 LOCAL_WAIT = 0.02
@@ -66,8 +78,8 @@ def supported() -> bool:
     return False
 
 
-def tune_object_transfers() -> bool:
-    """Quick retries of missing objects and :data:`OBJECT_CONCURRENCY` requests at once (this process).
+def tune_object_transfers(pushes: int = SUPERLINK_PUSH_CONCURRENCY) -> bool:
+    """Quick retries of missing objects, :data:`OBJECT_CONCURRENCY` pulls and ``pushes`` pushes at once (this process).
 
     Sets the keyword defaults of Flower's ``pull_objects``, ``pull_and_inflate_object_from_tree``, ``push_objects``
     and ``push_object_contents_from_iterable`` (no Flower caller passes them) and lifts the cap of the worker count
@@ -82,9 +94,30 @@ def tune_object_transfers() -> bool:
     for fn in (iu.pull_objects, iu.pull_and_inflate_object_from_tree):
         fn.__kwdefaults__.update(initial_backoff=first, backoff_cap=cap, max_concurrent_pulls=OBJECT_CONCURRENCY)
     for fn in (iu.push_objects, iu.push_object_contents_from_iterable):
-        fn.__kwdefaults__.update(max_concurrent_pushes=OBJECT_CONCURRENCY)
+        fn.__kwdefaults__.update(max_concurrent_pushes=pushes)
     iu.get_num_workers = _num_workers
     return True
+
+
+def retrying_push(push_object, tries: int = PUSH_TRIES, first_wait: float = 0.05):
+    """``push_object`` asked again, up to ``tries`` times in all, when the server answers with an HTTP 5xx.
+
+    Pushing an object is idempotent (objects are named by their content's hash); any other error, and the last
+    5xx, propagate as before.
+    """
+    import httpx
+
+    def push(*args, **kwargs):
+        wait = first_wait
+        for attempt in range(tries):
+            try:
+                return push_object(*args, **kwargs)
+            except httpx.HTTPStatusError as err:
+                if err.response.status_code < 500 or attempt == tries - 1:
+                    raise
+            _time.sleep(wait)
+            wait *= 2
+    return push
 
 
 def _num_workers(max_concurrent: int) -> int:
@@ -208,7 +241,7 @@ def tune_supernode(interval: float) -> PollClock | None:
 
     def push_messages(**kw):
         try:
-            return push(**kw)
+            return push(**{**kw, "push_object": retrying_push(kw["push_object"])})
         finally:
             clock.replied()
     loop._push_messages = push_messages
@@ -220,7 +253,7 @@ def tune_clientapp() -> bool:
 
     Returns whether they were made.
     """
-    if not tune_object_transfers():
+    if not tune_object_transfers(pushes=OBJECT_CONCURRENCY):  # to the SuperNode's memory
         return False
     cached_fab_install()
     cached_app_bytecode()
@@ -281,5 +314,6 @@ def cached_app_bytecode() -> None:
     rc.get_load_client_app_fn = loader
 
 
-__all__ = ["OBJECT_CONCURRENCY", "OBJECT_PULL_BACKOFF", "SUPPORTED", "PollClock", "supported", "tune_clientapp",
-           "tune_object_transfers", "tune_serverapp", "tune_supernode"]
+__all__ = ["OBJECT_CONCURRENCY", "OBJECT_PULL_BACKOFF", "PUSH_TRIES", "SUPERLINK_PUSH_CONCURRENCY", "SUPPORTED",
+           "PollClock", "retrying_push", "supported", "tune_clientapp", "tune_object_transfers", "tune_serverapp",
+           "tune_supernode"]

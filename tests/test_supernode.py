@@ -196,12 +196,43 @@ def test_object_transfers_retry_quickly_and_run_several_requests_at_once():
             with lock:
                 inside[0] -= 1
         iu.push_object_contents_from_iterable(((str(i), b"x") for i in range(16)), push)
+        assert most[0] == flower_tuning.SUPERLINK_PUSH_CONCURRENCY  # to the SuperLink's state: Flower's own
+        most[0] = 0
+        assert flower_tuning.tune_object_transfers(pushes=flower_tuning.OBJECT_CONCURRENCY)  # a ClientApp's
+        iu.push_object_contents_from_iterable(((str(i), b"x") for i in range(16)), push)
         assert most[0] == flower_tuning.OBJECT_CONCURRENCY > 2  # Flower's own: 2, capped at the core count
     finally:
         for fn, kw in zip(fns, saved, strict=True):
             fn.__kwdefaults__.clear()
             fn.__kwdefaults__.update(kw)
         iu.get_num_workers = workers
+
+
+def test_an_object_push_answered_with_a_server_error_is_asked_again():
+    import httpx
+
+    from server.flower_tuning import PUSH_TRIES, retrying_push
+
+    def failing(codes):
+        calls = []
+
+        def push(obj_id, content):
+            calls.append(obj_id)
+            if len(calls) <= len(codes):
+                raise httpx.HTTPStatusError("x", request=None, response=SimpleNamespace(status_code=codes[len(calls) - 1]))
+            return "stored"
+        return push, calls
+
+    push, calls = failing([500, 503])  # a locked SuperLink state, twice: the third try stores it
+    assert retrying_push(push, first_wait=0.001)("a", b"x") == "stored" and calls == ["a"] * 3
+    push, calls = failing([404])  # not a server error: no second try
+    with pytest.raises(httpx.HTTPStatusError):
+        retrying_push(push, first_wait=0.001)("a", b"x")
+    assert len(calls) == 1
+    push, calls = failing([500] * 10)  # a lasting server error propagates after PUSH_TRIES tries
+    with pytest.raises(httpx.HTTPStatusError):
+        retrying_push(push, first_wait=0.001)("a", b"x")
+    assert len(calls) == PUSH_TRIES
 
 
 def test_an_unsupported_flower_is_left_as_it_is(monkeypatch):
