@@ -8,10 +8,8 @@ Flower's waits and run more of a message's object requests at once:
 
 * object transfers (:func:`tune_object_transfers`, every process): a missing object is asked for again after
   :data:`OBJECT_PULL_BACKOFF` (Flower: 1 s doubling to 10 s; a message is listed before its objects arrive, and
-  they follow within milliseconds); up to :data:`OBJECT_CONCURRENCY` objects of a message are pulled at once, and
-  a ClientApp pushes its reply's objects to its SuperNode as many at once (Flower: 2, and never more than the
-  machine's cores: requests that mostly wait need no core); pushes to the SuperLink stay at Flower's 2
-  (:data:`SUPERLINK_PUSH_CONCURRENCY`);
+  they follow within milliseconds), and up to :data:`OBJECT_CONCURRENCY` objects of a message are pushed or
+  pulled at once (Flower: 2, and never more than the machine's cores: requests that mostly wait need no core);
 * the SuperNode's reply push (:func:`tune_supernode`): an object push the SuperLink answers with a server error
   (a transient lock of its SQLite state on a loaded machine) is asked again (:func:`retrying_push`; Flower drops
   the reply);
@@ -40,14 +38,11 @@ from pathlib import Path
 
 #: Flower release series whose code these changes were written against (``major.minor``).
 SUPPORTED = ("1.42",)
-#: (first, longest) wait in seconds before a process asks again for a message object that is not there yet.
-OBJECT_PULL_BACKOFF = (0.05, 0.25)
-#: Objects of one message pulled at once, in every process (reads).
-OBJECT_CONCURRENCY = 16
-#: Objects of one message pushed at once to the SuperLink: Flower's own 2 (each push writes into the SuperLink's
-#: SQLite state, and more writers at once make "database is locked" failures likelier on a loaded machine); a
-#: ClientApp pushes to its SuperNode's memory at :data:`OBJECT_CONCURRENCY`.
-SUPERLINK_PUSH_CONCURRENCY = 2
+#: (first, longest) wait in seconds before a process asks again for a message object that is not there yet.  The
+#: cap keeps the requests of :data:`OBJECT_CONCURRENCY` waiting pulls few while a large message is still arriving.
+OBJECT_PULL_BACKOFF = (0.05, 0.5)
+#: Objects of one message pushed or pulled at once, in every process.
+OBJECT_CONCURRENCY = 8
 #: Tries of one object push the SuperLink answered with a server error (HTTP 5xx: a transient lock of its state),
 #: waiting 50 ms, doubling, between them (Flower: one try, and the SuperNode drops the reply).
 PUSH_TRIES = 5
@@ -78,8 +73,8 @@ def supported() -> bool:
     return False
 
 
-def tune_object_transfers(pushes: int = SUPERLINK_PUSH_CONCURRENCY) -> bool:
-    """Quick retries of missing objects, :data:`OBJECT_CONCURRENCY` pulls and ``pushes`` pushes at once (this process).
+def tune_object_transfers() -> bool:
+    """Quick retries of missing objects and :data:`OBJECT_CONCURRENCY` pushes and pulls at once (this process).
 
     Sets the keyword defaults of Flower's ``pull_objects``, ``pull_and_inflate_object_from_tree``, ``push_objects``
     and ``push_object_contents_from_iterable`` (no Flower caller passes them) and lifts the cap of the worker count
@@ -94,7 +89,7 @@ def tune_object_transfers(pushes: int = SUPERLINK_PUSH_CONCURRENCY) -> bool:
     for fn in (iu.pull_objects, iu.pull_and_inflate_object_from_tree):
         fn.__kwdefaults__.update(initial_backoff=first, backoff_cap=cap, max_concurrent_pulls=OBJECT_CONCURRENCY)
     for fn in (iu.push_objects, iu.push_object_contents_from_iterable):
-        fn.__kwdefaults__.update(max_concurrent_pushes=pushes)
+        fn.__kwdefaults__.update(max_concurrent_pushes=OBJECT_CONCURRENCY)
     iu.get_num_workers = _num_workers
     return True
 
@@ -253,7 +248,7 @@ def tune_clientapp() -> bool:
 
     Returns whether they were made.
     """
-    if not tune_object_transfers(pushes=OBJECT_CONCURRENCY):  # to the SuperNode's memory
+    if not tune_object_transfers():
         return False
     cached_fab_install()
     cached_app_bytecode()
@@ -314,6 +309,5 @@ def cached_app_bytecode() -> None:
     rc.get_load_client_app_fn = loader
 
 
-__all__ = ["OBJECT_CONCURRENCY", "OBJECT_PULL_BACKOFF", "PUSH_TRIES", "SUPERLINK_PUSH_CONCURRENCY", "SUPPORTED",
-           "PollClock", "retrying_push", "supported", "tune_clientapp", "tune_object_transfers", "tune_serverapp",
-           "tune_supernode"]
+__all__ = ["OBJECT_CONCURRENCY", "OBJECT_PULL_BACKOFF", "PUSH_TRIES", "SUPPORTED", "PollClock", "retrying_push",
+           "supported", "tune_clientapp", "tune_object_transfers", "tune_serverapp", "tune_supernode"]

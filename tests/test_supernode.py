@@ -196,10 +196,6 @@ def test_object_transfers_retry_quickly_and_run_several_requests_at_once():
             with lock:
                 inside[0] -= 1
         iu.push_object_contents_from_iterable(((str(i), b"x") for i in range(16)), push)
-        assert most[0] == flower_tuning.SUPERLINK_PUSH_CONCURRENCY  # to the SuperLink's state: Flower's own
-        most[0] = 0
-        assert flower_tuning.tune_object_transfers(pushes=flower_tuning.OBJECT_CONCURRENCY)  # a ClientApp's
-        iu.push_object_contents_from_iterable(((str(i), b"x") for i in range(16)), push)
         assert most[0] == flower_tuning.OBJECT_CONCURRENCY > 2  # Flower's own: 2, capped at the core count
     finally:
         for fn, kw in zip(fns, saved, strict=True):
