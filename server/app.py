@@ -13,6 +13,7 @@ from protocols.config import RunConfig
 from protocols.federation import num_clients_left_auto
 from protocols.task.data import partitions_for
 from server.federation import fit_federation
+from server.flower_tuning import tune_serverapp
 from server.local_superlink import managed_superlink, stop_hint
 from strategies.run.checkpoint import resolve_out_dir, write_error
 
@@ -28,6 +29,7 @@ def main(grid: Grid, context: Context) -> None:
     the SuperLink that ``flwr run`` starts (``:local:``), the last line names it and how to stop it.
     """
     out_dir = str(context.run_config.get("out-dir", ""))
+    tune_serverapp()  # Flower's object transfers: short retries, several requests at once
     try:
         cfg = resolve_out_dir(RunConfig.from_mapping(context.run_config))  # "" = a fresh runs/<time>-<method>
         out_dir = cfg.out_dir

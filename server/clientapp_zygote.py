@@ -8,10 +8,9 @@ its FAB, as Flower does) and serves a Unix socket.  The :data:`SHIM` placed firs
 child runs Flower's own ``flwr-clientapp`` entry point with them.  The shim relays signals to the child and
 exits with its exit code; without a zygote it runs the real ``flwr-clientapp`` unchanged.
 
-A child installs a FAB that its ``FLWR_HOME`` already holds (same SHA-256) by reusing that install
-(:func:`_cached_fab_install`), loads the app's modules from bytecode cached next to that install
-(:func:`_cached_app_bytecode`), and it and the zygote retry a message object that is not there yet after
-50 ms instead of Flower's 1 s (:func:`quick_object_pulls`).
+The zygote applies :func:`server.flower_tuning.tune_clientapp` before it forks (a child reuses the install of
+a FAB its ``FLWR_HOME`` already holds, keeps the app's bytecode, and moves message objects with short retries
+and several requests at once); it imports that module and Flower, never the project's app modules.
 
 After the fork every child reseeds numpy's and torch's global generators (DP noise always comes from the
 OS CSPRNG; this keeps non-DP randomness, e.g. data shuffling, from repeating across messages).
@@ -73,22 +72,6 @@ for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
 line = f.readline()
 sys.exit(int(line) if line.strip() else 1)
 '''
-
-
-#: (first, longest) wait in seconds before asking again for a message object that is not there yet; the value of
-#: ``strategies.run.grid.OBJECT_PULL_BACKOFF`` (Flower 1.42: 1 s, doubling up to 10 s).
-OBJECT_PULL_BACKOFF = (0.05, 0.5)
-def quick_object_pulls() -> None:
-    """Make this process's Flower object pulls wait :data:`OBJECT_PULL_BACKOFF` for a missing object.
-
-    The SuperNode and every ClientApp child (``strategies.run.grid.quick_object_pulls`` in the ServerApp):
-    a message is listed before its objects arrive and they follow within milliseconds, so Flower's first wait
-    of 1 s alone added seconds to every message.
-    """
-    from flwr.supercore.inflatable import inflatable_utils as iu
-
-    for fn in (iu.pull_objects, iu.pull_and_inflate_object_from_tree):
-        fn.__kwdefaults__.update(initial_backoff=OBJECT_PULL_BACKOFF[0], backoff_cap=OBJECT_PULL_BACKOFF[1])
 
 
 def write_shim(folder: Path, python: str = sys.executable) -> Path:
@@ -182,62 +165,6 @@ class _StepTrace:
             os.close(fd)
 
 
-def _cached_fab_install() -> None:
-    """In a child: Flower's per-message FAB install returns at once for a FAB this FLWR_HOME holds already.
-
-    Flower extracts the whole FAB and checks every file's hash for every message, then finds the app
-    installed.  The first install of a FAB (Flower's own, all checks) leaves a marker named by the SHA-256
-    of the FAB's bytes; a later message whose FAB has the same SHA-256 uses that install.
-    """
-    import hashlib
-
-    import flwr.supernode.runtime.run_clientapp as rc
-    from flwr.supercore.utils import get_flwr_home
-
-    install = rc.install_from_fab
-
-    def install_from_fab(fab_file, install_dir=None, skip_prompt=False):
-        if not isinstance(fab_file, bytes) or install_dir is not None:
-            return install(fab_file, install_dir, skip_prompt)
-        marker = get_flwr_home() / "apps" / ".cancelfl-installed" / hashlib.sha256(fab_file).hexdigest()
-        with contextlib.suppress(OSError):
-            done = Path(marker.read_text())
-            if (done / "pyproject.toml").is_file():
-                return done
-        path = install(fab_file, install_dir, skip_prompt)
-        with contextlib.suppress(OSError):
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            tmp = marker.with_name(f"{marker.name}.{os.getpid()}")
-            tmp.write_text(str(path))
-            os.replace(tmp, marker)
-        return path
-    rc.install_from_fab = install_from_fab
-
-
-def _cached_app_bytecode() -> None:
-    """In a child: loading the ClientApp writes and reuses the bytecode of the FAB's modules.
-
-    With ``PYTHONDONTWRITEBYTECODE`` set (as in the project's Docker image) every message would compile the
-    app's modules from source again; while Flower loads the ClientApp this child writes their bytecode next
-    to the installed FAB (``__pycache__`` under ``FLWR_HOME/apps``), so later messages load it.
-    """
-    import flwr.supernode.runtime.run_clientapp as rc
-
-    get_loader = rc.get_load_client_app_fn
-
-    def loader(*args, **kwargs):
-        load = get_loader(*args, **kwargs)
-
-        def load_app(*a, **k):
-            keep, sys.dont_write_bytecode = sys.dont_write_bytecode, False
-            try:
-                return load(*a, **k)
-            finally:
-                sys.dont_write_bytecode = keep
-        return load_app
-    rc.get_load_client_app_fn = loader
-
-
 def _run_child(argv: list[str], fds: list[int], t_fork: float | None = None) -> None:
     """In the forked child: take the shim's streams and argv, run Flower's ``flwr-clientapp``, never return."""
     code = 1
@@ -247,9 +174,6 @@ def _run_child(argv: list[str], fds: list[int], t_fork: float | None = None) -> 
             os.dup2(fd, target)
             os.close(fd)
         _child_setup()
-        with contextlib.suppress(ImportError, AttributeError):  # another Flower: its own install, unchanged
-            _cached_fab_install()
-            _cached_app_bytecode()
         if steps is not None:
             steps.install()
         sys.argv = ["flwr-clientapp", *argv]
@@ -290,8 +214,10 @@ def serve(path: Path, parent_pid: int | None = None, poll: float = 0.05) -> None
     if parent_pid is not None and not _alive(parent_pid):
         return
     _preload()
-    with contextlib.suppress(ImportError):
-        quick_object_pulls()
+    with contextlib.suppress(ImportError, AttributeError):  # no Flower or another one: Flower's own steps
+        from server.flower_tuning import tune_clientapp
+
+        tune_clientapp()  # the forked children inherit it
     path.unlink(missing_ok=True)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(str(path))

@@ -88,10 +88,16 @@ def write_connection(flwr_home: Path, address: str, *, root_cert: Path | None = 
 
 
 def superlink_cmd(port: int, work: Path, *, simulation: bool, tls: dict[str, Path] | None) -> list[str]:
-    """``flower-superlink`` on 127.0.0.1:``port`` with its database in ``work``; TLS files ``cert``/``key``/``ca`` or insecure."""
+    """``flower-superlink`` on 127.0.0.1:``port``; TLS files ``cert``/``key``/``ca`` or insecure.
+
+    Simulation: its database in ``work``.  Deployment: Flower's in-memory state (its default), which takes no
+    lock: with the SQLite file, every poll, heartbeat and object push of the SuperNodes and the ServerApp is a
+    write that waits for the file's lock, and on a loaded machine "database is locked" failures drop replies and
+    heartbeats (the SuperLink then ends the run).  The cluster's state lives no longer than its processes anyway.
+    """
     cmd = [str(BIN / "flower-superlink"), "--host", "127.0.0.1", "--port", str(port),
-           "--disable-runtime-dependency-installation", "--database", str(work / "state.db")]
-    cmd += ["--simulation", "--isolation", "subprocess"] if simulation else []
+           "--disable-runtime-dependency-installation"]
+    cmd += ["--simulation", "--isolation", "subprocess", "--database", str(work / "state.db")] if simulation else []
     if tls:
         cmd += ["--ssl-certfile", str(tls["cert"]), "--ssl-keyfile", str(tls["key"]), "--ssl-ca-certfile", str(tls["ca"])]
     else:

@@ -6,12 +6,10 @@ Same arguments as ``flower-supernode`` (Flower 1.42).  Changes, none to what a m
   interpreter importing torch and Flower each time;
 * the SuperNode asks the SuperLink for messages every ``CANCELFL_POLL_INTERVAL`` seconds (default 0.2)
   instead of Flower's fixed 3 s, every 0.05 s for 5 s after each reply it sent (a round's next phase comes
-  soon), and looks for its ClientApp's reply every 20 ms instead of 0.5 s;
+  soon), looks for its ClientApp's reply every 20 ms instead of 0.5 s, and moves a message's objects with
+  short retries and several requests at once (:func:`server.flower_tuning.tune_supernode`);
 * its SuperExec looks for new tasks every ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` seconds (Flower's own
-  setting; default here 0.05 instead of 1);
-* it and its ClientApp processes ask again for a message object that is not there yet after 50 ms (doubling
-  up to 0.5 s) instead of Flower's 1 s (doubling up to 10 s):
-  :func:`server.clientapp_zygote.quick_object_pulls`.
+  setting; default here 0.05 instead of 1).
 
 Set ``CANCELFL_WARM_CLIENTAPP=0`` to start a fresh ``flwr-clientapp`` per message as Flower does.
 With ``CANCELFL_TRACE`` set (:mod:`protocols.trace`) the SuperNode appends a ``node_pull`` line per message it
@@ -29,58 +27,10 @@ import tempfile
 import time as _time
 from pathlib import Path
 
+from server.flower_tuning import tune_supernode
+
 #: Seconds between the SuperNode's requests to the SuperLink (run-time: ``CANCELFL_POLL_INTERVAL``).
 DEFAULT_POLL_INTERVAL = 0.2
-
-
-#: Seconds between the SuperNode's checks of its own state while it waits for a reply or a reply's objects.
-LOCAL_WAIT = 0.02
-#: Seconds between the SuperNode's requests to the SuperLink within :data:`BUSY_WINDOW` of its last reply (the
-#: next phase of a round follows within the ServerApp's pull interval and its work between phases).
-BUSY_POLL = 0.05
-#: Seconds after a reply during which the SuperNode polls every :data:`BUSY_POLL`.
-BUSY_WINDOW = 5.0
-
-
-class _PollClock:
-    """Stands in for the ``time`` module inside Flower's SuperNode loop.
-
-    Its idle wait (>= 1 s, Flower 1.42: 3 s, a request to the SuperLink each) becomes ``interval``, or ``busy``
-    within ``window`` seconds of the last reply sent (:meth:`replied`); its waits for a reply and a reply's
-    objects (0.5-1 s, a look into the SuperNode's own memory) become ``local``.
-    """
-
-    def __init__(self, interval: float, local: float = LOCAL_WAIT, busy: float = BUSY_POLL,
-                 window: float = BUSY_WINDOW) -> None:
-        self.interval, self.local, self.busy, self.window = interval, local, min(busy, interval), window
-        self.last_reply = -float("inf")
-
-    def replied(self) -> None:
-        """The SuperNode sent a reply: the run's next message is likely to come soon."""
-        self.last_reply = _time.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        if seconds >= 1.0:
-            recent = _time.monotonic() - self.last_reply < self.window
-            seconds = min(seconds, self.busy if recent else self.interval)
-        elif seconds >= 0.5:
-            seconds = min(seconds, self.local)
-        _time.sleep(seconds)
-
-    def __getattr__(self, name: str):
-        return getattr(_time, name)
-
-
-def _noting_replies(loop, clock: _PollClock) -> None:
-    """Wrap the SuperNode loop's push step so that ``clock`` knows when the last reply left."""
-    push = loop._push_messages
-
-    def push_messages(**kw):
-        try:
-            return push(**kw)
-        finally:
-            clock.replied()
-    loop._push_messages = push_messages
 
 
 def poll_interval() -> float:
@@ -161,14 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     import flwr.supernode.start_client_internal as loop
     from flwr.supernode.cli.flower_supernode import flower_supernode
 
-    from server.clientapp_zygote import quick_object_pulls
-
-    quick_object_pulls()
-
-    loop.time = clock = _PollClock(interval)  # the module's idle and reply waits (Flower 1.42: 3 s and 0.5 s)
     if os.environ.get("CANCELFL_TRACE"):
         _traced(loop)
-    _noting_replies(loop, clock)
+    tune_supernode(interval)
     sys.argv = ["flower-supernode", *(sys.argv[1:] if argv is None else argv)]
     flower_supernode()
 

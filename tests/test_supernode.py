@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from server.clientapp_zygote import write_shim
-from server.supernode import _PollClock
+from server.flower_tuning import PollClock
 
 REAL = shutil.which("flwr-clientapp") or str(Path(sys.executable).parent / "flwr-clientapp")
 
@@ -72,12 +72,12 @@ def test_forked_children_do_not_share_numpy_draws():
 
 
 def test_the_poll_clock_shortens_flowers_waits_only():
-    clock = _PollClock(0.01)
+    clock = PollClock(0.01)
     t = time.perf_counter()
     clock.sleep(3)  # Flower's idle poll
     clock.sleep(0.5)  # Flower's reply wait
     assert time.perf_counter() - t < 0.5
-    slow_poll = _PollClock(0.3, local=0.01)  # the idle poll (a request to the SuperLink) and the local waits apart
+    slow_poll = PollClock(0.3, local=0.01)  # the idle poll (a request to the SuperLink) and the local waits apart
     t = time.perf_counter()
     slow_poll.sleep(0.5)
     assert time.perf_counter() - t < 0.2
@@ -162,23 +162,20 @@ def _state(pid: int) -> str:
         return "gone"
 
 
-def test_object_pulls_retry_quickly_in_every_process_and_agree():
-    """ServerApp (the round loop's grid) and SuperNode/ClientApp (the zygote) shorten Flower's 1 s object-pull wait."""
+def test_object_transfers_retry_quickly_and_run_several_requests_at_once():
+    """Every process (ServerApp, SuperNode, ClientApp) shortens Flower's 1 s object-pull wait and widens its 2 workers."""
+    import threading
+
     from flwr.supercore.inflatable import inflatable_utils as iu
 
-    from server import clientapp_zygote
-    from strategies.run import grid
+    from server import flower_tuning
 
-    assert clientapp_zygote.OBJECT_PULL_BACKOFF == grid.OBJECT_PULL_BACKOFF
-    fns = (iu.pull_objects, iu.pull_and_inflate_object_from_tree)
-    saved = [dict(fn.__kwdefaults__) for fn in fns]
+    fns = (iu.pull_objects, iu.pull_and_inflate_object_from_tree, iu.push_objects, iu.push_object_contents_from_iterable)
+    saved, workers = [dict(fn.__kwdefaults__) for fn in fns], iu.get_num_workers
     try:
-        for make_quick in (clientapp_zygote.quick_object_pulls, grid.quick_object_pulls):
-            for fn, kw in zip(fns, saved, strict=True):  # Flower's own
-                fn.__kwdefaults__.update(kw)
-            make_quick()
-            for fn in fns:
-                assert (fn.__kwdefaults__["initial_backoff"], fn.__kwdefaults__["backoff_cap"]) == grid.OBJECT_PULL_BACKOFF
+        assert flower_tuning.tune_object_transfers()
+        for fn in fns[:2]:
+            assert (fn.__kwdefaults__["initial_backoff"], fn.__kwdefaults__["backoff_cap"]) == flower_tuning.OBJECT_PULL_BACKOFF
         calls = []
 
         def pull(obj_id):  # the object is there at the third ask
@@ -189,16 +186,68 @@ def test_object_pulls_retry_quickly_in_every_process_and_agree():
         t = time.perf_counter()
         assert iu.pull_objects(["a"], pull) == {"a": b"content"}
         assert time.perf_counter() - t < 0.5  # Flower's default waits 1 s + 2 s
+        inside, most, lock = [0], [0], threading.Lock()
+
+        def push(_obj_id, _content):  # a request that waits (on the SuperLink), not computes
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            time.sleep(0.2)
+            with lock:
+                inside[0] -= 1
+        iu.push_object_contents_from_iterable(((str(i), b"x") for i in range(16)), push)
+        assert most[0] == flower_tuning.OBJECT_CONCURRENCY > 2  # Flower's own: 2, capped at the core count
     finally:
         for fn, kw in zip(fns, saved, strict=True):
             fn.__kwdefaults__.clear()
             fn.__kwdefaults__.update(kw)
+        iu.get_num_workers = workers
+
+
+def test_an_object_push_answered_with_a_server_error_is_asked_again():
+    import httpx
+
+    from server.flower_tuning import PUSH_TRIES, retrying_push
+
+    def failing(codes):
+        calls = []
+
+        def push(obj_id, content):
+            calls.append(obj_id)
+            if len(calls) <= len(codes):
+                raise httpx.HTTPStatusError("x", request=None, response=SimpleNamespace(status_code=codes[len(calls) - 1]))
+            return "stored"
+        return push, calls
+
+    push, calls = failing([500, 503])  # a locked SuperLink state, twice: the third try stores it
+    assert retrying_push(push, first_wait=0.001)("a", b"x") == "stored" and calls == ["a"] * 3
+    push, calls = failing([404])  # not a server error: no second try
+    with pytest.raises(httpx.HTTPStatusError):
+        retrying_push(push, first_wait=0.001)("a", b"x")
+    assert len(calls) == 1
+    push, calls = failing([500] * 10)  # a lasting server error propagates after PUSH_TRIES tries
+    with pytest.raises(httpx.HTTPStatusError):
+        retrying_push(push, first_wait=0.001)("a", b"x")
+    assert len(calls) == PUSH_TRIES
+
+
+def test_an_unsupported_flower_is_left_as_it_is(monkeypatch):
+    from flwr.supercore.inflatable import inflatable_utils as iu
+
+    from server import flower_tuning
+
+    monkeypatch.setattr(flower_tuning, "version", lambda _name: "9.9.0")
+    before = dict(iu.pull_objects.__kwdefaults__)
+    with pytest.warns(UserWarning, match="9.9.0"):
+        assert not flower_tuning.tune_object_transfers()
+    assert flower_tuning.tune_supernode(0.2) is None and not flower_tuning.tune_clientapp()
+    assert iu.pull_objects.__kwdefaults__ == before
 
 
 def test_a_child_reuses_the_install_of_a_fab_with_the_same_sha256(tmp_path, monkeypatch):
     import flwr.supernode.runtime.run_clientapp as rc
 
-    from server import clientapp_zygote
+    from server import flower_tuning
 
     monkeypatch.setenv("FLWR_HOME", str(tmp_path))
     installs = []
@@ -210,7 +259,7 @@ def test_a_child_reuses_the_install_of_a_fab_with_the_same_sha256(tmp_path, monk
         (path / "pyproject.toml").write_text("")
         return path
     monkeypatch.setattr(rc, "install_from_fab", install)
-    clientapp_zygote._cached_fab_install()
+    flower_tuning.cached_fab_install()
     first = rc.install_from_fab(b"fab one", skip_prompt=True)
     assert rc.install_from_fab(b"fab one", skip_prompt=True) == first and installs == [b"fab one"]
     other = rc.install_from_fab(b"fab two", skip_prompt=True)  # another FAB: Flower's install again
@@ -222,12 +271,12 @@ def test_a_child_reuses_the_install_of_a_fab_with_the_same_sha256(tmp_path, monk
 def test_loading_the_clientapp_writes_its_bytecode_even_where_python_is_told_not_to(monkeypatch):
     import flwr.supernode.runtime.run_clientapp as rc
 
-    from server import clientapp_zygote
+    from server import flower_tuning
 
     seen = []
     monkeypatch.setattr(rc, "get_load_client_app_fn", lambda *a, **k: lambda *b: seen.append(sys.dont_write_bytecode))
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
-    clientapp_zygote._cached_app_bytecode()
+    flower_tuning.cached_app_bytecode()
     rc.get_load_client_app_fn("", None, True)("fab-id", "1.0", "hash")
     assert seen == [False] and sys.dont_write_bytecode is True  # only while the app's modules load
 
@@ -267,3 +316,54 @@ def test_a_server_error_on_a_reply_pull_is_asked_again_and_others_propagate(monk
     assert len(MeteredGrid(HttpGrid([500, 503])).send_and_receive(msgs, timeout=10)) == 2
     with pytest.raises(StatusError):
         MeteredGrid(HttpGrid([404])).send_and_receive(msgs, timeout=10)
+
+
+def test_the_serverapp_pulls_the_listed_replies_at_once_and_intact(monkeypatch):
+    """Flower's reply pull, tuned: every listed reply's objects are pulled in parallel, each reply arrives whole."""
+    import threading
+
+    import numpy as np
+    from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+    from flwr.app.message import remove_content_from_message
+    from flwr.common.serde import message_to_proto
+    from flwr.proto.message_pb2 import PullObjectResponse
+    from flwr.proto.node_pb2 import Node
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from server import flower_tuning
+
+    for key, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 0)):
+        monkeypatch.setattr(TaskIdentity, key, value)
+    sent = [Message(RecordDict({"arrays": ArrayRecord([np.full(3, float(n))]), "config": ConfigRecord({"n": n})}),
+                    dst_node_id=n, message_type="train") for n in (1, 2, 3)]
+    store, protos, trees = {}, [], []
+    for m in sent:
+        m.metadata.__dict__["_message_id"] = m.object_id
+        store.update({k: o.deflate() for k, o in get_all_nested_objects(m).items()})
+        protos.append(message_to_proto(remove_content_from_message(m)))
+        trees.append(get_object_tree(m))
+    inside, most, lock, confirmed = [0], [0], threading.Lock(), []
+
+    def pull_object(req):  # a request that waits on the SuperLink
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.05)
+        with lock:
+            inside[0] -= 1
+        return PullObjectResponse(object_found=True, object_available=True, object_content=store[req.object_id])
+
+    client = SimpleNamespace(PullMessages=lambda req: SimpleNamespace(messages_list=protos, message_object_trees=trees),
+                             PullObject=pull_object, ConfirmMessageReceived=lambda req: confirmed.append(req.message_object_id))
+    grid = SimpleNamespace(_run=SimpleNamespace(run_id=1), node=Node(node_id=0), _runtime_client=client)
+    got = flower_tuning._pull_messages(grid, [m.object_id for m in sent])
+    assert [g.metadata.message_id for g in got] == [m.object_id for m in sent]  # the SuperLink's order
+    assert sorted(confirmed) == sorted(m.object_id for m in sent)
+    for g, m in zip(got, sent, strict=True):
+        assert g.content["config"]["n"] == m.content["config"]["n"]
+        assert np.array_equal(g.content["arrays"].to_numpy_ndarrays()[0], m.content["arrays"].to_numpy_ndarrays()[0])
+    from flwr.supercore.inflatable import inflatable_utils as iu
+
+    one_reply = iu.get_num_workers(iu.pull_objects.__kwdefaults__["max_concurrent_pulls"])
+    assert most[0] > one_reply  # several replies' objects in flight at once

@@ -1,4 +1,7 @@
-"""The round loop's grid: counts bytes per node and phase time, pulls deployment replies quickly, injects faults."""
+"""The round loop's grid: counts bytes per node and phase time, pulls deployment replies quickly, injects faults.
+
+In deployment the ServerApp also shortens Flower's object transfers (``server.flower_tuning.tune_serverapp``).
+"""
 
 from __future__ import annotations
 
@@ -16,25 +19,7 @@ from protocols.wire.ddpsa import SHARE_BYTES
 from strategies.run.faults import fault_drops
 from strategies.validation import payload_bytes
 
-__all__ = ["OBJECT_PULL_BACKOFF", "OFF_GRID_BYTES", "MeteredGrid", "quick_object_pulls"]
-
-#: (first, longest) wait in seconds before a process asks again for a message object that is not there yet
-#: (Flower 1.42: 1 s, doubling up to 10 s).  The objects of a message follow it within milliseconds (its sender
-#: pushes them right after the message), so Flower's first wait alone added 1-3 s to every hop of a round.
-OBJECT_PULL_BACKOFF = (0.05, 0.5)
-def quick_object_pulls() -> None:
-    """Make this process's Flower object pulls wait :data:`OBJECT_PULL_BACKOFF` for a missing object (ServerApp).
-
-    Sets the keyword defaults of Flower's ``pull_objects`` and ``pull_and_inflate_object_from_tree`` (every pull
-    of a message's objects); what is pulled and every check are unchanged.  An object that never comes fails the
-    pull after Flower's 500 tries, about 4 minutes here.
-    ``server.clientapp_zygote.quick_object_pulls`` does the same in the SuperNode and its ClientApps.
-    """
-    from flwr.supercore.inflatable import inflatable_utils as iu
-
-    for fn in (iu.pull_objects, iu.pull_and_inflate_object_from_tree):
-        fn.__kwdefaults__.update(initial_backoff=OBJECT_PULL_BACKOFF[0], backoff_cap=OBJECT_PULL_BACKOFF[1])
-
+__all__ = ["OFF_GRID_BYTES", "MeteredGrid"]
 
 #: Train-reply figure of the uplink bytes a client sent past the grid (DDP-SA's shares to its intermediate servers,
 #: :class:`protocols.wire.ddpsa.ShareReceipt`); recorded per round as ``client_off_grid_bytes``.
@@ -56,10 +41,8 @@ class MeteredGrid(Grid):
         self.sent: dict[int, int] = defaultdict(int)
         self.received: dict[int, int] = defaultdict(int)
         self.phase_times: dict[str, float] = defaultdict(float)
-        #: Flower's deployment grid: replies are pulled here (:meth:`_poll`), object pulls retried quickly.
+        #: Flower's deployment grid: replies are pulled here (:meth:`_poll`).
         self.deployed = _polls_slowly(inner)
-        if self.deployed:
-            quick_object_pulls()
 
     def reset(self) -> None:
         """Start counting a new round."""
