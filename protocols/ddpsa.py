@@ -6,7 +6,8 @@ For one client and one round::
     g_tilde  <- (sum_j g_j + Lap(0, Delta_1/eps)^d) / N_i
 
 The noise scale is ``Delta_1 / eps``, ``Delta_1`` = :func:`l1_sensitivity` (``Delta`` zero-out, ``2 Delta``
-replace-one): ``N_i`` is published, so sizes are fixed, not the paper's add/remove.  ``"distributed"`` noise (:func:`distributed_laplace_share`) gives each of ``n``
+replace-one): ``N_i`` is published, so sizes are fixed, not the paper's add/remove.
+``"distributed"`` noise (:func:`distributed_laplace_share`) gives each of ``n``
 participants ``Gamma(1/n', b) - Gamma(1/n', b)``, ``n' = n - floor(f n)`` (:func:`honest_participants`), so
 ``n'`` honest shares sum to one central ``Lap(b)``; fewer give the epsilon :func:`gamma_difference_epsilon`
 returns.  With ``ddpsa-centering`` the linear model's per-sample gradient ``(p - e_y) x^T`` is first replaced by
