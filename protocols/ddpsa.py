@@ -3,13 +3,18 @@
 For one client and one round::
 
     g_j      <- per-sample gradient of sample j, clipped: g_j / max(1, ||g_j||_1 / Delta)
-    g_tilde  <- (sum_j g_j + Lap(0, 2 Delta/eps)^d) / N_i
+    g_tilde  <- (sum_j g_j + Lap(0, Delta_1/eps)^d) / N_i
 
-The noise scale is ``2 Delta / eps`` (:func:`l1_sensitivity`): ``N_i`` is published, so adjacency is replace-one,
-not the paper's add/remove.  ``"distributed"`` noise (:func:`distributed_laplace_share`) gives each of ``n``
+The noise scale is ``Delta_1 / eps``, ``Delta_1`` = :func:`l1_sensitivity` (``Delta`` zero-out, ``2 Delta``
+replace-one): ``N_i`` is published, so sizes are fixed, not the paper's add/remove.
+``"distributed"`` noise (:func:`distributed_laplace_share`) gives each of ``n``
 participants ``Gamma(1/n', b) - Gamma(1/n', b)``, ``n' = n - floor(f n)`` (:func:`honest_participants`), so
 ``n'`` honest shares sum to one central ``Lap(b)``; fewer give the epsilon :func:`gamma_difference_epsilon`
-returns.  Noise comes from :mod:`protocols.prg` with a fresh ``os.urandom`` seed unless one is given.  These
+returns.  With ``ddpsa-centering`` the linear model's per-sample gradient ``(p - e_y) x^T`` is first replaced by
+``(p - e_y - m 1) x^T``, ``m`` the median of ``p - e_y`` over the classes (:func:`centred_cross_entropy`): softmax
+is invariant to a shift common to all classes, so both steps give the same model function, and the median is the
+shift of least L1 norm (at the zero model ``||p - e_y||_1`` falls from ``2 (1 - 1/C)`` to 1).
+Noise comes from :mod:`protocols.prg` with a fresh ``os.urandom`` seed unless one is given.  These
 numpy functions work on materialised per-sample gradients; the client uses
 :func:`protocols.per_example.clipped_grad_sum` (``norm="l1"``), which the tests check agrees.
 Trust assumptions: ``docs/methods/ddpsa.md``.
@@ -21,8 +26,11 @@ import math
 import os
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 from numpy.typing import ArrayLike, NDArray
 from scipy.special import gammaln, kve
+from torch import Tensor, nn
 
 from protocols.adjacency import adjacency_factor
 from protocols.methods.ddpsa import NOISE_MODES
@@ -30,11 +38,13 @@ from protocols.privacy import Accountant, DpCompositionAccountant, PldAccountant
 
 __all__ = [
     "NOISE_MODES",
+    "centred_cross_entropy",
     "composition_accountant",
     "distributed_laplace_share",
     "gamma_difference_epsilon",
     "gamma_noise",
     "honest_participants",
+    "is_linear_classifier",
     "l1_clip",
     "l1_sensitivity",
     "laplace_noise",
@@ -57,6 +67,45 @@ def composition_accountant(composition: str) -> Accountant:
     if composition in ("basic", "advanced"):
         return DpCompositionAccountant(composition="best" if composition == "advanced" else "basic")
     raise ValueError(f"unknown ddpsa composition {composition!r} (use 'basic', 'advanced' or 'pld')")
+
+
+class _MedianCentred(torch.autograd.Function):
+    """Identity on the logits; the backward pass subtracts each row's median over the last (class) axis."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(logits: Tensor) -> Tensor:
+        return logits.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:  # noqa: ANN001 - torch's signature
+        pass
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # noqa: ANN001 - torch's signature
+        return grad - grad.median(dim=-1, keepdim=True).values
+
+
+def centred_cross_entropy(outputs: Tensor, targets: Tensor) -> Tensor:
+    """Per-example cross-entropy whose gradient w.r.t. the logits is ``p - e_y - median_k(p - e_y)``.
+
+    The value is the cross-entropy itself.  For the linear model (:func:`is_linear_classifier`) the per-sample
+    gradient ``(p - e_y - m 1) [x, 1]^T`` differs from the true one by a row common to all classes, which moves every
+    logit of every input by the same amount: the step gives the same softmax, and the median ``m`` makes the L1
+    norm ``||p - e_y - m 1||_1 ||[x, 1]||_1`` the least over all such shifts (module docstring).  With hidden layers
+    it would change their gradients, so it is for the linear model only.
+    """
+    return F.cross_entropy(_MedianCentred.apply(outputs), targets, reduction="none")
+
+
+def is_linear_classifier(model: nn.Module) -> bool:
+    """True when all the model's trainable parameters belong to one ``nn.Linear`` (the linear model).
+
+    Only there does :func:`centred_cross_entropy` leave the step's model function unchanged.
+    """
+    owners = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+    return len(owners) == 1 and isinstance(owners[0], nn.Linear)
 
 
 def l1_sensitivity(clip: float, adjacency: str = "replace-one") -> float:

@@ -121,7 +121,8 @@ def noise_seen(monkeypatch) -> list[np.ndarray]:
 
     def spy(model, x, y, clip, epsilon, **kwargs):
         out = original(model, x, y, clip, epsilon, **kwargs)
-        seen.append(out[0] - ddpsa_client.clipped_gradient_sum(model, x, y, clip)[0])
+        centred = kwargs.get("centred", False)
+        seen.append(out[0] - ddpsa_client.clipped_gradient_sum(model, x, y, clip, centred=centred)[0])
         return out
 
     monkeypatch.setattr(ddpsa_client, "noisy_gradient_sum", spy)

@@ -2,7 +2,9 @@
 
 Per round ``t`` on the received global model (FedSGD: one gradient over the whole local dataset):
 
-1. per-sample gradients clipped to L1 norm ``Delta`` = run-config ``clip`` (:mod:`protocols.per_example`);
+1. per-sample gradients, the linear model's centred over the classes (run-config ``ddpsa-centering``,
+   :func:`protocols.ddpsa.centred_cross_entropy`), clipped to L1 norm ``Delta`` = run-config ``clip``
+   (:mod:`protocols.per_example`);
 2. ``s_i = sum_j g_j + noise``, ``b = 2 Delta / eps_t`` with ``eps_t`` from the client's own schedule
    (:func:`protocols.floor.ddpsa_round_epsilon`, Eq. 12) and the noise share from
    :func:`protocols.floor.ddpsa_noise_share` (the client must be on the participant list);
@@ -28,10 +30,17 @@ from torch import nn
 from client.env import ClientEnv, reply
 from client.floor import release
 from client.identity import node_identity
-from protocols.ddpsa import composition_accountant, distributed_laplace_share, l1_sensitivity, laplace_noise
+from protocols.ddpsa import (
+    centred_cross_entropy,
+    composition_accountant,
+    distributed_laplace_share,
+    is_linear_classifier,
+    l1_sensitivity,
+    laplace_noise,
+)
 from protocols.floor import FloorViolation, at_least, at_most, ddpsa_noise_share, ddpsa_round_epsilon
 from protocols.methods.ddpsa import sharing_threshold
-from protocols.per_example import PerExampleClipper
+from protocols.per_example import PerExampleClipper, cross_entropy
 from protocols.privacy import LaplaceEvent, laplace_scale
 from protocols.wire.arrays import from_record
 from protocols.wire.common import TrainIns
@@ -47,22 +56,31 @@ def _noise_seed() -> bytes:
     return os.urandom(32)
 
 
-def clipped_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: float) -> tuple[np.ndarray, float, float]:
+def clipped_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: float, *, centred: bool = False
+                         ) -> tuple[np.ndarray, float, float]:
     """``sum_j g_j / max(1, ||g_j||_1 / clip)`` over all samples, as one float64 vector.
 
+    ``centred``: ``g_j`` is the linear model's median-centred gradient (:func:`protocols.ddpsa.centred_cross_entropy`).
     The vector follows the model's ``state_dict`` order (that of :func:`protocols.arrays.flatten`).
     Returns ``(sum, mean loss at the current weights, fraction of samples clipped)``.
+
+    Raises:
+        ValueError: a model whose ``state_dict`` is not its trainable parameters, or ``centred`` with a model that
+            is not linear (:func:`protocols.ddpsa.is_linear_classifier`).
     """
     names = [k for k, p in model.named_parameters() if p.requires_grad]
     state_keys = list(model.state_dict().keys())
     if names != state_keys:
         raise ValueError("DDP-SA needs a model whose state_dict holds exactly its trainable parameters")
+    if centred and not is_linear_classifier(model):
+        raise ValueError("centred gradients are for the linear model only (they would change hidden layers' steps)")
 
     xt, yt = torch.as_tensor(x), torch.as_tensor(y)
     sums = [torch.zeros(p.shape, dtype=torch.float64) for _, p in model.named_parameters()]
     clipped, loss_sum = 0, 0.0
     model.eval()  # no dropout/batch-norm in our models; per-sample grads need a per-sample forward
-    with PerExampleClipper(model, clip, norm="l1") as clip_sum:  # cross-entropy per sample
+    loss = centred_cross_entropy if centred else cross_entropy  # cross-entropy per sample
+    with PerExampleClipper(model, clip, norm="l1", loss=loss) as clip_sum:
         for start in range(0, len(yt), CHUNK):
             grads, losses, n_clipped = clip_sum(xt[start:start + CHUNK], yt[start:start + CHUNK])
             clipped += n_clipped
@@ -74,17 +92,18 @@ def clipped_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: f
 
 
 def noisy_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: float, epsilon: float,
-                       *, honest: int | None = None, seed: bytes | None = None, adjacency: str = "replace-one"
-                       ) -> tuple[np.ndarray, float, float]:
+                       *, honest: int | None = None, seed: bytes | None = None, adjacency: str = "replace-one",
+                       centred: bool = False) -> tuple[np.ndarray, float, float]:
     """Algorithm 2's client step before encoding: clipped sum + noise of scale ``b = a clip / epsilon``.
 
     ``a`` = :func:`protocols.privacy.sensitivity.adjacency_factor` of ``adjacency`` (2: the paper's replace-one).
 
     ``honest`` None: ``Lap(b)`` per coordinate (the paper's local noise); else this client's share
     ``Gamma(1/honest, b) - Gamma(1/honest, b)`` of one central ``Lap(b)``.  Returns ``(noisy sum s_i,
-    mean loss, clipped fraction)``; ``seed`` = None draws fresh OS randomness.
+    mean loss, clipped fraction)``; ``seed`` = None draws fresh OS randomness; ``centred``: as in
+    :func:`clipped_gradient_sum`.
     """
-    total, loss, frac = clipped_gradient_sum(model, x, y, clip)
+    total, loss, frac = clipped_gradient_sum(model, x, y, clip, centred=centred)
     b = laplace_scale(l1_sensitivity(clip, adjacency), epsilon)
     if honest is None:
         noise = laplace_noise(total.size, b, seed=seed)
@@ -139,7 +158,8 @@ def train(msg: Message, env: ClientEnv) -> Message:
              "fewer intermediate servers than this client's 'ddpsa-threshold' could reconstruct its upload")
     model = env.model(from_record(msg.content["arrays"]))
     noisy, loss, frac = noisy_gradient_sum(model, env.x, env.y, env.cfg.clip, eps_t, honest=honest,
-                                           seed=_noise_seed(), adjacency=env.cfg.adjacency)
+                                           seed=_noise_seed(), adjacency=env.cfg.adjacency,
+                                           centred=env.cfg.ddpsa_centering and is_linear_classifier(model))
     # Recorded before any share leaves, composed as the server charges it (run-config 'ddpsa-composition').
     spent = release(msg, env, LaplaceEvent(eps_t), accountant=composition_accountant(env.cfg.ddpsa_composition))
     t0 = time.perf_counter()

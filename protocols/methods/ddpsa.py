@@ -49,6 +49,9 @@ class DdpsaOptions(MethodOptions):
                         choices=NOISE_MODES)
     collude_frac: float = option(0.1, "distributed noise: fraction of participants that may collude or not push",
                                  low=0.0, high=1.0, high_open=True)
+    centering: bool = option(True, "centre each record's output-layer gradient on its median over the classes "
+                                   "(softmax shift invariance: same model function, L1 norm up to halved; "
+                                   "linear model only, a model with hidden layers is left as is)")
     threshold: int = option(0, "servers needed to reconstruct (Shamir); = num-servers: additive; 0 = auto (m - 1, "
                                ">= 2)")
 
