@@ -86,6 +86,8 @@ class FlowerTask:
     initial: ArrayRecord
     evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None
     chance: float | None = None
+    #: The model and data are the user's: cancelfl's ``dataset``, ``hidden`` and ``input-centering`` do not apply.
+    own_model_and_data: bool = True
 
     @property
     def num_params(self) -> int:  # noqa: D102
@@ -241,7 +243,8 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
         strategy.verbose = verbose  # the method's own start-of-run details
     if verbose:
         strategy.summary()  # the method's parameters (Flower's log)
-    for line in preamble(cfg, verbose=verbose):  # the regime applied and what epsilon protects
+    own = bool(getattr(task, "own_model_and_data", False))
+    for line in preamble(cfg, verbose=verbose, own_model_and_data=own):  # the regime applied, what epsilon protects
         progress(line)
     noise_info, noise_checked = None, False
     num_params = task.num_params
