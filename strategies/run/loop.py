@@ -20,6 +20,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,6 +233,9 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
     Raises:
         ResumeError: ``resume = true`` with a checkpoint whose run config differs.
     """
+    # Ray's tip that a future Ray stops hiding GPUs from actors that ask for none concerns Ray's own users; Flower's
+    # simulation starts Ray in this process after the first round's messages go out.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="ray._private.worker")
     cfg = strategy.cfg
     total_rounds = cfg.num_rounds if num_rounds is None else int(num_rounds)
     out = start_run_folder(cfg)  # created; an earlier run's outputs removed unless resuming
