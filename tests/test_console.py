@@ -118,6 +118,10 @@ def test_bench_help_lists_every_benchmark_without_loading_torch():
 
     for name in BENCHMARKS:
         assert name in body and summary(name)[0].split()[0] in body
+    from protocols.methods import METHODS
+
+    methods = body.split("methods (the names --methods takes):", 1)[1]
+    assert all(re.search(rf"^  {re.escape(m)}\s", methods, re.M) for m in METHODS) and "cancelfl run --help" in methods
     assert not SPHINX.search(body), SPHINX.search(body)
 
 
