@@ -29,7 +29,7 @@ from pathlib import Path
 from types import ModuleType
 
 import benchmarks as package
-from server.cli_text import plain_text
+from server.cli_text import methods_text, plain_text
 
 #: Subcommand -> benchmark module, in the order ``--help`` lists them.  A module is imported only when its
 #: benchmark runs (or its own ``--help`` is asked for): they import torch and Flower, seconds each.
@@ -98,6 +98,8 @@ def build_parser(load: Iterable[str] | None = None) -> argparse.ArgumentParser:
     """
     load = set(BENCHMARKS if load is None else load)
     parser = argparse.ArgumentParser(prog="cancelfl-bench", description=DESCRIPTION,
+                                     epilog=f"methods (the names --methods takes):\n{methods_text()}\n\n"
+                                            "run-config keys and defaults: cancelfl run --help",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="benchmark", required=True)
     for name in BENCHMARKS:

@@ -7,6 +7,8 @@
   (:mod:`protocols.methods`: each method's regime for the keys left ``"auto"`` and its privacy guarantee).
 * :func:`render_benchmarks`: the benchmark results recorded under ``docs/results/<benchmark>/`` by
   ``cancelfl-bench ... --out docs/results/<benchmark>`` (``record.json`` + the tables and plots it wrote).
+* :func:`render_measured`: a method page's measured figures, read from ``docs/results/defaults/defaults.csv``
+  (what ``cancelfl-bench defaults`` wrote) with that record's command, date and machine.
 
 Run ``python docs/gen_config.py`` to print the configuration reference.
 """
@@ -14,6 +16,7 @@ Run ``python docs/gen_config.py`` to print the configuration reference.
 from __future__ import annotations
 
 import ast
+import csv
 import io
 import json
 import re
@@ -222,6 +225,48 @@ def _render_record(folder: Path, title: str, page_dir: str) -> list[str]:
         if file.endswith(".png") and (folder / file).is_file():
             lines += [f"![{title}: {file}]({page_dir}/{folder.name}/{file})", ""]
     return lines
+
+
+# ---------------------------------------------------------------------------- a method page's measured figures
+def _fmt(value: str, digits: int = 3) -> str:
+    """A CSV number rounded for a table; '' (no guarantee / one seed) -> '-'."""
+    return "-" if value in ("", None) else f"{float(value):.{digits}f}"
+
+
+def render_measured(methods: list[str], results: Path) -> str:
+    """Rows of ``results/defaults/defaults.csv`` for ``methods``, under the record's command, date and machine.
+
+    Args:
+        methods: method names as the page lists them (``cancelfl run`` ``method`` values).
+        results: the ``docs/results`` folder.
+
+    Returns:
+        Markdown: a provenance line and one table row per (dataset, method); a line saying how to record the
+        figures when the record or a method's rows are missing.
+    """
+    folder = results / "defaults"
+    command = "cancelfl-bench defaults --datasets digits,mnist,fashion-mnist --out docs/results/defaults"
+    if not (folder / "record.json").is_file() or not (folder / "defaults.csv").is_file():
+        return f"No measured figures are recorded yet: `{command}` records them.\n"
+    record = json.loads((folder / "record.json").read_text())
+    host = record.get("machine") or {}
+    with (folder / "defaults.csv").open(newline="") as fh:
+        rows = [r for r in csv.DictReader(fh) if r["method"] in methods]
+    if not rows:
+        return f"No measured figures for {', '.join(methods)} are recorded yet: `{command}` records them.\n"
+    rows.sort(key=lambda r: methods.index(r["method"]))
+    lines = [f"Each method with only `method` and `dataset` set (its regime applied), at the default epsilon = 1 "
+             f"and delta = 1e-5 over the run; epsilon `-` = no guarantee. Recorded by `{_cell(record.get('command', '?'))}` "
+             f"on {str(record.get('date', '?'))[:10]} ({_text(str(host.get('cpu', '?')))}, {host.get('cores', '?')} "
+             f"cores); all methods side by side: [benchmarks](../benchmarks.md#defaults).", "",
+             "| dataset | method | unit | test accuracy | seeds (sd) | epsilon upload | epsilon model | rounds |",
+             "|---|---|---|---|---|---|---|---|"]
+    for dataset in dict.fromkeys(r["dataset"] for r in rows):
+        for r in (r for r in rows if r["dataset"] == dataset):
+            seeds = r["seeds"] + (f" ({_fmt(r['sd'])})" if r.get("sd") else "")
+            lines.append(f"| {dataset} | `{r['method']}` | {r['unit']} | {_fmt(r['final_accuracy'])} | {seeds} | "
+                         f"{_fmt(r['epsilon_uplink'], 2)} | {_fmt(r['epsilon_downlink'], 2)} | {r['rounds']} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

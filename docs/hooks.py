@@ -2,11 +2,13 @@
 
 A page holding ``<!-- generated:config -->`` gets the run-configuration reference
 (:func:`gen_config.render_config`); ``<!-- generated:benchmarks -->`` the recorded benchmark results under
-``docs/results/`` (:func:`gen_config.render_benchmarks`).  Nothing generated is committed, so it cannot drift.
+``docs/results/`` (:func:`gen_config.render_benchmarks`); ``<!-- generated:measured a,b -->`` the measured figures
+of methods a and b (:func:`gen_config.render_measured`).  Nothing generated is committed, so it cannot drift.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -27,4 +29,6 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
         prefix = "/".join([".."] * len(rel.parts) + ["results"]) if rel.parts else "results"
         markdown = markdown.replace("<!-- generated:benchmarks -->",
                                     gen_config.render_benchmarks(Path(config["docs_dir"]) / "results", prefix))
-    return markdown
+    results = Path(config["docs_dir"]) / "results"
+    return re.sub(r"<!-- generated:measured ([\w,-]+) -->",
+                  lambda m: gen_config.render_measured(m.group(1).split(","), results), markdown)

@@ -54,8 +54,10 @@ def method_runs(names: list[str], epsilon: float, out: Path, overrides: dict) ->
 
 def compare(names: list[str], *, epsilon: float, out: Path, engine: str = "inprocess",
             overrides: dict | None = None, command: str = "",
-            inprocess: Callable[..., object] | None = None, verbose: bool = False) -> Path:
-    """Run every method in ``names`` and write the side-by-side report; returns ``<out>/report.md``.
+            inprocess: Callable[..., object] | None = None, verbose: bool = False) -> tuple[Path, list[str]]:
+    """Run every method in ``names`` and write the side-by-side report.
+
+    Returns ``<out>/report.md`` and the methods that did not finish (their exit code was not 0).
 
     ``inprocess(overrides, verbose=...)`` runs one method on the in-process engine (the launcher's
     :func:`server.launch.run_inprocess`; needed for ``engine="inprocess"``); ``verbose``: detailed round lines.
@@ -83,7 +85,7 @@ def compare(names: list[str], *, epsilon: float, out: Path, engine: str = "inpro
                 print(f"cancelfl compare: {name}: {err}", file=sys.stderr)
                 notes.append(f"`{name}` stopped: {err}")
                 codes.append(1)
-    done = {}
+    done, failed = {}, [name for name, code in zip(runs, codes, strict=True) if code != 0]
     for (name, cfg), code in zip(runs.items(), codes, strict=True):
         metrics = Path(cfg["out-dir"]) / "metrics.jsonl"
         if metrics.is_file() and metrics.read_text().strip():
@@ -98,8 +100,9 @@ def compare(names: list[str], *, epsilon: float, out: Path, engine: str = "inpro
         notes.append(f"`{name}`: method's regime " + (" ".join(f"{k}={v!r}" for k, v in regime.items()) or "-")
                      + ("; set: " + " ".join(f"{k}={v!r}" for k, v in settings.items()) if settings else ""))
     notes.append(f"engine: {engine}; total wall time {time.perf_counter() - t0:.0f} s")
-    return write_report(done, out, title=f"cancelfl: methods side by side at epsilon = {epsilon:g}",
-                        command=command, notes=notes)
+    report = write_report(done, out, title=f"cancelfl: methods side by side at epsilon = {epsilon:g}",
+                          command=command, notes=notes)
+    return report, failed
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -129,10 +132,14 @@ def main(args: argparse.Namespace, overrides: dict, inprocess: Callable[[dict], 
         return 2
     command = "cancelfl " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else ""
     try:
-        report = compare(names, epsilon=args.epsilon, out=out, engine=args.engine, overrides=overrides,
-                         command=command, inprocess=inprocess, verbose=getattr(args, "verbose", False))
+        report, failed = compare(names, epsilon=args.epsilon, out=out, engine=args.engine, overrides=overrides,
+                                 command=command, inprocess=inprocess, verbose=getattr(args, "verbose", False))
     except ValueError as err:
         print(f"cancelfl compare: {err}", file=sys.stderr)
         return 2
+    if failed:
+        print(f"cancelfl compare: report at {report} without {', '.join(failed)}, which did not finish (exit 1; "
+              "the lines above say why)", file=sys.stderr)
+        return 1
     print(f"cancelfl compare: report at {report}")
     return 0

@@ -18,7 +18,8 @@ from pathlib import Path
 from server.defaults import APP_DIR
 from server.processes import LAUNCH_MARK
 
-__all__ = ["BIN", "RAY_TIP_FILTER", "VERBOSE_ENV", "flower_env", "run_config_arg", "shown", "submit", "superlink_cmd",
+__all__ = ["BIN", "RAY_START_HINT", "RAY_TIP_FILTER", "VERBOSE_ENV", "Echo",
+           "flower_env", "run_config_arg", "shown", "submit", "superlink_cmd",
            "toml_value", "write_connection"]
 
 #: Environment variable of detailed round lines (the value of :data:`strategies.run.loop.VERBOSE_ENV`; that
@@ -126,11 +127,61 @@ def shown(line: str, *, verbose: bool) -> bool:
     return bool(text) and text not in ("INFO :", "INFO:") and not any(s in text for s in _VERBOSE_ONLY)
 
 
+#: Ray's report that the simulation's workers did not start in time (a busy machine), and what to do about it.
+_RAY_START_FAILED = ("The current node timed out during startup", "GCS has become overloaded")
+#: The line between two chained tracebacks.
+_CHAINED = ("The above exception was the direct cause", "During handling of the above exception")
+RAY_START_HINT = ("Ray did not start the simulated clients in time (the machine is busy): run again when it is "
+                  "quieter, or use --engine inprocess (no Ray)")
+
+
+class Echo:
+    """Which ``flwr run --stream`` lines reach the user, line by line.
+
+    Lines pass :func:`shown`; without ``verbose`` each Python traceback is folded to its exception line, and an
+    exception line already shown is not repeated. After the stream, :meth:`notes` gives the lines to add.
+    """
+
+    def __init__(self, *, verbose: bool) -> None:
+        self.verbose = verbose
+        self.folded = 0
+        self.hint: str | None = None
+        self._in_traceback = False
+        self._said: set[str] = set()
+
+    def __call__(self, line: str) -> bool:
+        """Whether ``line`` is echoed."""
+        text = _ANSI.sub("", line).strip()
+        if any(s in text for s in _RAY_START_FAILED):
+            self.hint = RAY_START_HINT
+        if not self.verbose:
+            if text.endswith("Traceback (most recent call last):"):
+                self._in_traceback, self.folded = True, self.folded + 1
+                return False
+            if text.startswith(_CHAINED):
+                return False
+            if self._in_traceback:
+                if not text or line[:1].isspace():
+                    return False
+                self._in_traceback = False  # the exception line: shown once
+                if text in self._said:
+                    return False
+                self._said.add(text)
+        return shown(line, verbose=self.verbose)
+
+    def notes(self) -> list[str]:
+        """``cancelfl:`` lines for after the stream: the hint for a failure recognised, tracebacks folded."""
+        out = [self.hint] if self.hint else []
+        if self.folded:
+            out.append("the tracebacks above are shown as their last line; --verbose shows them whole")
+        return [f"cancelfl: {n}" for n in out]
+
+
 def submit(work: Path, env: dict[str, str], connection: str, overrides: dict, *,
            federation_config: str | None = None, timeout: float = 3600, app_dir: Path = APP_DIR) -> int:
     """``flwr run <app_dir> <connection> --stream`` (default: this project's app); returns its exit code.
 
-    Its output is echoed line by line, less what :func:`shown` filters (more with ``env`` verbose).
+    Its output is echoed line by line as :class:`Echo` decides (tracebacks whole with ``env`` verbose).
     Raises ``subprocess.TimeoutExpired`` after ``timeout`` seconds (the command is killed).
     """
     cmd = [str(BIN / "flwr"), "run", str(app_dir), connection, "--stream"]
@@ -138,7 +189,7 @@ def submit(work: Path, env: dict[str, str], connection: str, overrides: dict, *,
         cmd += ["--run-config", run_config_arg(overrides)]
     if federation_config:
         cmd += ["--federation-config", federation_config]
-    verbose = env.get(VERBOSE_ENV) == "1"
+    echo = Echo(verbose=env.get(VERBOSE_ENV) == "1")
     proc = subprocess.Popen(cmd, env=env, cwd=app_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             errors="replace", bufsize=1)
     expired = threading.Event()
@@ -147,10 +198,12 @@ def submit(work: Path, env: dict[str, str], connection: str, overrides: dict, *,
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
-            if shown(line, verbose=verbose):
+            if echo(line):
                 sys.stdout.write(line)
                 sys.stdout.flush()
         code = proc.wait()
+        for note in echo.notes():
+            print(note, file=sys.stderr, flush=True)
     finally:
         timer.cancel()
         if proc.poll() is None:

@@ -17,7 +17,7 @@ from client.identity import first_notice_of_run, node_identity
 from protocols.methods import METHOD_NAMES, VARIANTS
 from server.compare import DEFAULT_METHODS
 from server.defaults import app_defaults
-from server.flower_commands import shown
+from server.flower_commands import RAY_START_HINT, Echo, shown
 from server.launch import main as cancelfl
 from server.launch import run_inprocess
 from server.local_grid import LocalGrid
@@ -118,6 +118,10 @@ def test_bench_help_lists_every_benchmark_without_loading_torch():
 
     for name in BENCHMARKS:
         assert name in body and summary(name)[0].split()[0] in body
+    from protocols.methods import METHODS
+
+    methods = body.split("methods (the names --methods takes):", 1)[1]
+    assert all(re.search(rf"^  {re.escape(m)}\s", methods, re.M) for m in METHODS) and "cancelfl run --help" in methods
     assert not SPHINX.search(body), SPHINX.search(body)
 
 
@@ -130,6 +134,28 @@ def test_flower_notices_that_do_not_concern_the_user_are_filtered():
     assert not shown(chatter, verbose=False) and shown(chatter, verbose=True)
     for line in (ours, error):
         assert shown(line, verbose=False) and shown(line, verbose=True)
+
+
+def test_flower_tracebacks_fold_to_their_exception_line_and_a_busy_ray_names_the_fix():
+    ray = "The current node timed out during startup. This could happen because the GCS has become overloaded."
+    trace = ["\x1b[91mERROR \x1b[0m:     Traceback (most recent call last):\n",
+             '  File "vce_api.py", line 214, in run_api\n', "    backend = backend_fn()\n", "              ^^^^^^\n",
+             f"Exception: {ray}\n"]
+    stream = ["starting round 1 of 30 ...\n", f"\x1b[91mERROR \x1b[0m:     An exception occured!! {ray}\n", *trace,
+              "\x1b[93mWARNING \x1b[0m:   Stopping Simulation Runtime.\n", *trace, "\n",
+              "The above exception was the direct cause of the following exception:\n", "\n",
+              "Traceback (most recent call last):\n", '  File "run_simulation.py", line 319\n',
+              "RuntimeError: An error was encountered. Ending simulation.\n"]
+    quiet = Echo(verbose=False)
+    out = [line for line in stream if quiet(line)]
+    assert out == [stream[0], stream[1], f"Exception: {ray}\n", stream[7],
+                   "RuntimeError: An error was encountered. Ending simulation.\n"], out
+    assert quiet.notes() == [f"cancelfl: {RAY_START_HINT}",
+                             "cancelfl: the tracebacks above are shown as their last line; --verbose shows them whole"]
+    loud = Echo(verbose=True)
+    assert [line for line in stream if loud(line)] == [line for line in stream if shown(line, verbose=True)]
+    calm = Echo(verbose=False)
+    assert all(calm(line) for line in ("round 1/3  acc 0.9  eps 4.16/8.00  1.0 s\n",)) and calm.notes() == []
 
 
 def test_simulation_identity_warning_is_said_once_per_run(monkeypatch):

@@ -133,3 +133,28 @@ def test_readme_keeps_the_ci_commands_and_its_size():
                            "cancelfl compare --engine simulation --epsilon 1")
     assert commands[1].endswith("python -m pytest -q")
     assert "python -m pytest -q" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_method_pages_show_measured_figures_from_the_defaults_record(tmp_path):
+    """Every registered method is measured on a method page, read from ``defaults.csv`` with its provenance."""
+    from protocols.methods import METHODS
+
+    marked = {m for page in (DOCS / "methods").glob("*.md")
+              for group in re.findall(r"<!-- generated:measured ([\w,-]+) -->", page.read_text())
+              for m in group.split(",")}
+    assert set(METHODS) <= marked, set(METHODS) - marked
+    assert "No measured figures" in gen_config.render_measured(["nadp"], tmp_path)
+    folder = tmp_path / "defaults"
+    folder.mkdir()
+    (folder / "record.json").write_text(json.dumps({"command": "cancelfl-bench defaults --out X",
+                                                    "date": "2030-01-02T03:04:05+00:00",
+                                                    "machine": {"cpu": "Some CPU", "cores": 4}}))
+    (folder / "defaults.csv").write_text(
+        "dataset,method,unit,seeds,final_accuracy,sd,epsilon_uplink,epsilon_downlink,rounds\n"
+        "digits,nadp,record,3,0.89166,0.0123,0.9961,0.9931,30\n"
+        "digits,cdp,record,1,0.9028,,,0.99996,30\n")
+    page = gen_config.render_measured(["nadp"], tmp_path)
+    assert "cancelfl-bench defaults --out X" in page and "2030-01-02" in page and "Some CPU, 4 cores" in page
+    assert "| digits | `nadp` | record | 0.892 | 3 (0.012) | 1.00 | 0.99 | 30 |" in page and "cdp" not in page
+    assert "| digits | `cdp` | record | 0.903 | 1 | - | 1.00 | 30 |" in gen_config.render_measured(["cdp"], tmp_path)
+    assert "No measured figures for ladp" in gen_config.render_measured(["ladp"], tmp_path)

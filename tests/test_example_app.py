@@ -79,3 +79,66 @@ def test_a_message_without_settings_and_no_run_config_is_refused_naming_the_fix(
     x, y = task.partition(0, 2)
     with pytest.raises(ConfigError, match="NadpStrategy"):
         protect(msg, context, task.Net(), x, y)
+
+
+def _start_superlink(cwd: Path, env: dict[str, str], wait: float = 180.0) -> None:
+    """Flower's local SuperLink started by hand on its port, as the troubleshooting page says; waits for /health."""
+    import time
+    import urllib.request
+
+    from server.flower_commands import BIN
+
+    port = env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"]
+    subprocess.Popen([str(BIN / "flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
+                      "--host", "127.0.0.1", "--port", port], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + wait
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise AssertionError(f"flower-superlink did not answer on port {port} within {wait:.0f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.deployment
+def test_flwr_run_runs_the_example_as_its_readme_says(tmp_path):
+    """`flwr run . --stream --federation-config 'num-supernodes=4'` from a copy of the example, fresh FLWR_HOME.
+
+    Flower's per-run environment is on and uv offline: the example's `[tool.uv]` table must leave it empty.
+    """
+    import shutil
+
+    from server.flower_commands import BIN, flower_env
+    from server.processes import free_port
+    from tests.test_flwr_run import _processes_of, _stop
+
+    app = tmp_path / "app"
+    shutil.copytree(EXAMPLE, app, ignore=shutil.ignore_patterns("runs", "__pycache__"))
+    home = tmp_path / "flwr-home"
+    env = flower_env(home)
+    env.update(FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(free_port()), FLWR_LOCAL_CONTROL_API_PORT=str(free_port()),
+               UV_OFFLINE="1", UV_CACHE_DIR=str(tmp_path / "uv-cache"))
+    env.pop("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", None)
+    env["PYTHONWARNINGS"] = os.environ.get("PYTHONWARNINGS", "")  # as a user has it: no filter from cancelfl's launcher
+    cmd = [str(BIN / "flwr"), "run", ".", "--stream", "--federation-config", "num-supernodes=4"]
+    try:
+        proc = subprocess.run(cmd, cwd=app, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=420)
+        if "Failed to start local SuperLink within" in proc.stdout:  # Flower's fixed 15 s limit, busy machine:
+            _start_superlink(app, env)  # the recipe docs/troubleshooting.md gives
+            proc = subprocess.run(cmd, cwd=app, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, timeout=420)
+    finally:
+        _stop(_processes_of(home))
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:]
+    assert "No additional application dependencies needed installation." in out, out[-3000:]
+    assert "round 3/3" in out and "epsilon spent: upload" in out, out[-3000:]
+    assert "FutureWarning" not in out, out[-3000:]
+    summary = json.loads((app / "runs" / "latest" / "summary.json").read_text())
+    assert summary["rounds_completed"] == 3 and summary["config"]["num-clients"] == 4
+    assert 0 < summary["privacy"]["uplink"]["epsilon"] <= 8.0 + 1e-9

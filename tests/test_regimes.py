@@ -35,6 +35,18 @@ def test_record_step_regimes_centre_images_and_the_others_do_not():
     assert RunConfig.from_mapping({"method": "fedavg", "input-centering": True}).input_centering
 
 
+def test_the_start_line_names_the_dataset_only_for_cancelfls_own_model_and_data():
+    from strategies.run.notes import APP_TASK_KEYS, preamble
+
+    cfg = RunConfig.from_mapping({"method": "nadp"})
+    assert set(APP_TASK_KEYS) <= set(dict(cfg.regime_applied))
+    ours = preamble(cfg, verbose=False)[0]
+    assert ours.startswith("nadp regime on digits ") and "input-centering=True" in ours and "hidden=''" in ours
+    theirs = preamble(cfg, verbose=False, own_model_and_data=True)[0]
+    assert theirs.startswith("nadp regime (") and "digits" not in theirs and "model-ema=0.8" in theirs
+    assert not any(f"{key}=" in theirs for key in APP_TASK_KEYS)
+
+
 def test_every_method_has_a_guarantee_and_a_regime_that_differs_from_fedavg_where_the_paper_says_so():
     for name, spec in METHODS.items():
         g = spec.privacy

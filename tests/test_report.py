@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -18,10 +19,10 @@ def _png(path) -> bool:
 
 def test_compare_writes_the_side_by_side_report(tmp_path):
     out = tmp_path / "cmp"
-    report = compare(["fedavg", "ldp", "nadp"], epsilon=1.0, out=out, engine="inprocess",
-                     overrides={"num-rounds": 2, "dataset": "digits"}, command="cancelfl compare ...",
-                     inprocess=run_inprocess)
-    assert report == out.resolve() / "report.md"
+    report, failed = compare(["fedavg", "ldp", "nadp"], epsilon=1.0, out=out, engine="inprocess",
+                             overrides={"num-rounds": 2, "dataset": "digits"}, command="cancelfl compare ...",
+                             inprocess=run_inprocess)
+    assert report == out.resolve() / "report.md" and failed == []
     for name in ("accuracy.png", "epsilon.png", "noise.png"):
         assert _png(out / name), name
     text = report.read_text()
@@ -43,6 +44,23 @@ def test_compare_writes_the_side_by_side_report(tmp_path):
     # record-level ldp: each client's std follows its n_k (143-144 records here), so sqrt(10) up to 1 %
     assert ldp_ratio == pytest.approx(10 ** 0.5, rel=1e-2) and nadp_ratio > 2 * ldp_ratio
     assert "| fedavg | " in text and "| none | none |" in text  # fedavg: no guarantee in either direction
+
+
+def test_compare_exits_1_naming_a_method_that_did_not_finish(tmp_path, capsys):
+    def flaky(cfg, verbose=False):
+        if cfg["method"] == "ldp":
+            raise RuntimeError("diverged")
+        return run_inprocess(cfg, verbose=verbose)
+
+    from server.compare import main as compare_main
+
+    args = argparse.Namespace(methods="fedavg,ldp", epsilon=1.0, out=str(tmp_path / "cmp"), engine="inprocess",
+                              verbose=False)
+    assert compare_main(args, {"num-rounds": 1, "dataset": "digits"}, flaky) == 1
+    err = capsys.readouterr().err
+    assert "without ldp, which did not finish" in err and "diverged" in err
+    text = (tmp_path / "cmp" / "report.md").read_text()
+    assert "| fedavg |" in text and "`ldp` did not finish" in text
 
 
 def test_compare_command_refuses_a_bad_method_or_key(tmp_path, capsys):

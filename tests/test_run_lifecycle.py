@@ -45,7 +45,7 @@ def test_default_runs_get_fresh_folders_and_latest_points_at_the_newest(tmp_path
     monkeypatch.chdir(tmp_path)
     old = tmp_path / "runs" / "latest"
     old.mkdir(parents=True)
-    (old / "summary.json").write_text("{}")  # where runs used to write: kept, renamed
+    (old / "summary.json").write_text("{}")  # a real folder named latest: kept, renamed
     a, b = fresh_run_folder("nadp"), fresh_run_folder("nadp")
     assert a != b and a.is_dir() and b.is_dir()
     assert (tmp_path / "runs" / "latest").resolve() == b.resolve()

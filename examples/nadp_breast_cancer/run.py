@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -14,7 +13,5 @@ from nadp_app.server_app import app as server_app  # noqa: E402
 from nadp_app.task import settings  # noqa: E402
 
 if __name__ == "__main__":
-    # Ray's notice about a future default for GPU-less actors concerns no one running this example.
-    warnings.filterwarnings("ignore", category=FutureWarning, module="ray._private.worker")
     run_simulation(server_app, client_app, num_supernodes=int(settings({})["num-clients"]),
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +87,8 @@ class FlowerTask:
     initial: ArrayRecord
     evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None
     chance: float | None = None
+    #: The model and data are the user's: cancelfl's ``dataset``, ``hidden`` and ``input-centering`` do not apply.
+    own_model_and_data: bool = True
 
     @property
     def num_params(self) -> int:  # noqa: D102
@@ -230,6 +233,9 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
     Raises:
         ResumeError: ``resume = true`` with a checkpoint whose run config differs.
     """
+    # Ray's tip that a future Ray stops hiding GPUs from actors that ask for none concerns Ray's own users; Flower's
+    # simulation starts Ray in this process after the first round's messages go out.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="ray._private.worker")
     cfg = strategy.cfg
     total_rounds = cfg.num_rounds if num_rounds is None else int(num_rounds)
     out = start_run_folder(cfg)  # created; an earlier run's outputs removed unless resuming
@@ -241,7 +247,8 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
         strategy.verbose = verbose  # the method's own start-of-run details
     if verbose:
         strategy.summary()  # the method's parameters (Flower's log)
-    for line in preamble(cfg, verbose=verbose):  # the regime applied and what epsilon protects
+    own = bool(getattr(task, "own_model_and_data", False))
+    for line in preamble(cfg, verbose=verbose, own_model_and_data=own):  # the regime applied, what epsilon protects
         progress(line)
     noise_info, noise_checked = None, False
     num_params = task.num_params

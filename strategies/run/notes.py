@@ -33,15 +33,25 @@ def _shown(key: str, value: Any) -> str:
     return f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}"
 
 
-def preamble(cfg: RunConfig, *, verbose: bool = True) -> list[str]:
+#: Regime keys that only cancelfl's own model and datasets read (a user's model and data ignore them).
+APP_TASK_KEYS: tuple[str, ...] = ("hidden", "input-centering")
+
+
+def preamble(cfg: RunConfig, *, verbose: bool = True, own_model_and_data: bool = False) -> list[str]:
     """Lines printed at start: the regime values applied (keys left "auto") and the guarantee's meaning.
 
     ``verbose`` False: the guarantee names the views it protects, not the adversaries assumed.
+    ``own_model_and_data`` True (a user's ServerApp): the regime line names no dataset and leaves out
+    :data:`APP_TASK_KEYS`.
     """
     applied = dict(cfg.regime_applied)
+    where = f" on {cfg.dataset}"
+    if own_model_and_data:
+        applied = {k: v for k, v in applied.items() if k not in APP_TASK_KEYS}
+        where = ""
     lines = []
     if applied:
-        lines.append(f"{cfg.method} regime on {cfg.dataset} (keys left \"auto\"; set any to override): "
+        lines.append(f"{cfg.method} regime{where} (keys left \"auto\"; set any to override): "
                      + " ".join(_shown(k, v) for k, v in applied.items()))
     g = method_spec(cfg.method).guarantee(cfg.privacy_unit)
     if g.unit == "none":
