@@ -113,10 +113,11 @@ def clipped_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, 
     with PerExampleClipper(model, clip) as clipper:  # inspects and instruments the model once, not per step
         for _ in range(epochs):
             order = torch.as_tensor(rng.permutation(n), device=xt.device)  # the order _batches draws
+            xs, ys = xt[order], yt[order]  # one gather per epoch: each batch is then a view, not a gather per step
             losses = []
             for start in range(0, n, batch_size):
-                ix = order[start:start + batch_size]
-                step = clipper.descend(xt[ix], yt[ix], lr / len(ix))
+                xb, yb = xs[start:start + batch_size], ys[start:start + batch_size]
+                step = clipper.descend(xb, yb, lr / len(yb))
                 losses.append(step.losses)
                 clipped.append(step.clipped)
             last = float(torch.cat(losses).double().sum()) / n if losses else 0.0
