@@ -42,10 +42,6 @@ class _Ziggurat:
     f_span: np.ndarray  # f(x_{i+1}) - f(x_i)
     density: Callable[[np.ndarray], np.ndarray]  # unnormalised f(|x|), portable
     closure: float  # |area(top layer) - v| / v, a table self-check (tests)
-    #: ``+x_i`` then ``-x_i`` (512 entries), indexed by word bits 0-8 (layer and sign): the fast path's signed width
-    signed_width: np.ndarray
-    #: ``inner`` twice (512 entries), indexed like ``signed_width``
-    signed_inner: np.ndarray
 
 
 def _build_ziggurat(name: str) -> _Ziggurat:
@@ -91,8 +87,7 @@ def _build_ziggurat(name: str) -> _Ziggurat:
         def density(a: np.ndarray) -> np.ndarray:
             return exp(-a)
 
-    return _Ziggurat(name, float(r), width, inner, f_lo, f_span, density, float(closure),
-                     np.concatenate([width, -width]), np.concatenate([inner, inner]))
+    return _Ziggurat(name, float(r), width, inner, f_lo, f_span, density, float(closure))
 
 
 @functools.cache
@@ -215,31 +210,31 @@ def _ziggurat_fast(seed: bytes, size: int, zig: _Ziggurat, label: bytes
     slow_sign: list[np.ndarray] = []
     if size == 0:
         return out, slow_pos, slow_mag, slow_layer, slow_sign
+    out_bits = out.view(np.uint64)
     sc = scratch
     t_val = sc.a.view(np.float64)
-    mag_buf = sc.b.view(np.float64)
-    idx_bits = sc.layer.view(np.uint64)
-    for start, words, _raw in word_chunks(stream_key(seed, label + b"/main"), size):
+    for start, words, raw in word_chunks(stream_key(seed, label + b"/main"), size):
         m = words.size
-        tb, tv, mag, ms = sc.a[:m], t_val[:m], mag_buf[:m], sc.mask[:m]
-        idx, g = sc.layer[:m], sc.gather[:m]
-        seg = out[start : start + m]
-        np.bitwise_and(words, np.uint64(0x1FF), out=idx_bits[:m])  # bits 0-7 layer, bit 8 sign: a 512-entry index
+        tb, tv, sg, ms = sc.a[:m], t_val[:m], sc.b[:m], sc.mask[:m]
+        layer, g = sc.layer[:m], sc.gather[:m]
+        np.copyto(layer, raw[::8])  # low byte of each little-endian word: bits 0-7
         np.right_shift(words, 12, out=tb)  # 52-bit magnitude ...
         np.bitwise_or(tb, EXP_ONE, out=tb)  # ... as a float in [1, 2)
         np.subtract(tv, _ODD_OFFSET, out=tv)  # u = (2m+1)/2**53 in (0, 1), exact
-        # idx < 512 = the tables' length: mode="wrap" never wraps, it only skips the bounds-checked buffered gather
-        np.take(zig.signed_width, idx, out=g, mode="wrap")
-        np.multiply(tv, g, out=seg)  # x = u * (+-x_i): exactly the sign applied to u * x_i (IEEE rounding is symmetric)
-        np.absolute(seg, out=mag)  # |x| = u * x_i
-        np.take(zig.signed_inner, idx, out=g, mode="wrap")
-        np.greater_equal(mag, g, out=ms)  # misses the fast path (|x| >= x_{i+1})?
+        # layer < 256 = the tables' length: mode="wrap" never wraps, it only skips the bounds-checked buffered gather
+        np.take(zig.width, layer, out=g, mode="wrap")
+        np.multiply(tv, g, out=tv)  # |x| = u * x_i
+        np.take(zig.inner, layer, out=g, mode="wrap")
+        np.greater_equal(tv, g, out=ms)  # misses the fast path (|x| >= x_{i+1})?
+        np.left_shift(words, 55, out=sg)  # bit 8 -> sign bit
+        np.bitwise_and(sg, _SIGN, out=sg)
+        np.bitwise_or(tb, sg, out=out_bits[start : start + m])
         slow = np.flatnonzero(ms)
         if slow.size:
             slow_pos.append(slow + start)
-            slow_mag.append(mag[slow])
-            slow_layer.append(idx[slow] & 0xFF)
-            slow_sign.append((words[slow] << np.uint64(55)) & _SIGN)  # bit 8 -> sign bit
+            slow_mag.append(tv[slow])
+            slow_layer.append(layer[slow])
+            slow_sign.append(sg[slow])
     return out, slow_pos, slow_mag, slow_layer, slow_sign
 
 
