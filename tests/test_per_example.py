@@ -346,3 +346,25 @@ def test_clipped_sgd_equals_a_loop_of_reference_steps() -> None:
     assert loss == pytest.approx(float(torch.cat(last).sum()) / 70, rel=1e-9)
     for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         assert float((a - b).detach().norm() / b.detach().norm()) <= 1e-9
+
+
+@pytest.mark.parametrize(("batch_size", "gather_batches"), [(32, 64), (7, 3)])
+def test_clipped_sgd_blocks_are_the_documented_batches(monkeypatch: pytest.MonkeyPatch, batch_size: int,
+                                                       gather_batches: int) -> None:
+    """clipped_sgd's block gathers give bit for bit the steps of one descend per batch in the seed's order."""
+    import protocols.task.training as training
+
+    monkeypatch.setattr(training, "_GATHER_BATCHES", gather_batches)
+    rng = np.random.default_rng(0)
+    x, y = rng.random((300, 1, 6, 6)), rng.integers(0, 4, 300)  # float64, the module's default dtype
+    trained, ref = (build_model("mlp", (1, 6, 6), 4, (8,), 0) for _ in range(2))
+    training.clipped_sgd(trained, x, y, epochs=2, batch_size=batch_size, lr=0.1, clip=0.5, seed=3)
+    order_rng, xt, yt = np.random.default_rng(3), torch.as_tensor(x), torch.as_tensor(y)
+    with PerExampleClipper(ref, 0.5) as clipper:
+        for _ in range(2):
+            order = torch.as_tensor(order_rng.permutation(len(y)))
+            for start in range(0, len(y), batch_size):
+                ix = order[start:start + batch_size]
+                clipper.descend(xt[ix], yt[ix], 0.1 / len(ix))
+    for a, b in zip(trained.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, b)

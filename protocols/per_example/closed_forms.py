@@ -118,12 +118,11 @@ class _LinearForm(ClosedForm):
         return out
 
     def add_clipped_sum_(self, scale: Tensor, alpha: float) -> None:
-        """``p += alpha * (clipped gradient sum of p)``; the weight's in one fused ``addmm_``."""
-        sd = self.d * scale[:, None]
+        """``p += alpha * (clipped gradient sum of p)``: the weight's in one fused ``addmm_``, the bias's in one ``addmv_``."""
         if self.w is not None:
-            self.w.addmm_(sd.t(), self.a, alpha=alpha)
+            self.w.addmm_((self.d * scale[:, None]).t(), self.a, alpha=alpha)
         if self.b is not None:
-            self.b.add_(sd.sum(0), alpha=alpha)
+            self.b.addmv_(self.d.t(), scale, alpha=alpha)  # sum_i scale_i d_i
 
 
 def _unfolded_norm_term(patches: Callable[[int, int], tuple[Tensor, Tensor]], batch: int, shape: tuple[int, int, int, int],
