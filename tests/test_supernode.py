@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,6 +36,21 @@ def _shim_env(tmp_path: Path, sock: Path) -> tuple[Path, dict]:
     shim = write_shim(tmp_path / "bin")
     return shim, {**os.environ, "CANCELFL_ZYGOTE": str(sock), "CANCELFL_REAL_CLIENTAPP": REAL}
 
+
+
+class _InFlight:
+    """A request that waits ``delay`` seconds; :attr:`most` counts the most calls in flight at once."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay, self.inside, self.most, self.lock = delay, 0, 0, threading.Lock()
+
+    def __call__(self) -> None:
+        with self.lock:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+        time.sleep(self.delay)
+        with self.lock:
+            self.inside -= 1
 
 def test_the_shim_runs_flwr_clientapp_in_a_forked_child_with_its_streams_and_exit_code(tmp_path, zygote):
     shim, env = _shim_env(tmp_path, zygote)
@@ -164,8 +180,6 @@ def _state(pid: int) -> str:
 
 def test_object_transfers_retry_quickly_and_run_several_requests_at_once():
     """Every process (ServerApp, SuperNode, ClientApp) shortens Flower's 1 s object-pull wait and widens its 2 workers."""
-    import threading
-
     from flwr.supercore.inflatable import inflatable_utils as iu
 
     from server import flower_tuning
@@ -186,17 +200,9 @@ def test_object_transfers_retry_quickly_and_run_several_requests_at_once():
         t = time.perf_counter()
         assert iu.pull_objects(["a"], pull) == {"a": b"content"}
         assert time.perf_counter() - t < 0.5  # Flower's default waits 1 s + 2 s
-        inside, most, lock = [0], [0], threading.Lock()
-
-        def push(_obj_id, _content):  # a request that waits (on the SuperLink), not computes
-            with lock:
-                inside[0] += 1
-                most[0] = max(most[0], inside[0])
-            time.sleep(0.2)
-            with lock:
-                inside[0] -= 1
-        iu.push_object_contents_from_iterable(((str(i), b"x") for i in range(16)), push)
-        assert most[0] == flower_tuning.OBJECT_CONCURRENCY > 2  # Flower's own: 2, capped at the core count
+        probe = _InFlight(0.2)  # a push that waits (on the SuperLink), not computes
+        iu.push_object_contents_from_iterable(((str(i), b"x") for i in range(16)), lambda _i, _c: probe())
+        assert probe.most == flower_tuning.OBJECT_CONCURRENCY > 2  # Flower's own: 2, capped at the core count
     finally:
         for fn, kw in zip(fns, saved, strict=True):
             fn.__kwdefaults__.clear()
@@ -320,8 +326,6 @@ def test_a_server_error_on_a_reply_pull_is_asked_again_and_others_propagate(monk
 
 def test_the_serverapp_pulls_the_listed_replies_at_once_and_intact(monkeypatch):
     """Flower's reply pull, tuned: every listed reply's objects are pulled in parallel, each reply arrives whole."""
-    import threading
-
     import numpy as np
     from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
     from flwr.app.message import remove_content_from_message
@@ -343,15 +347,10 @@ def test_the_serverapp_pulls_the_listed_replies_at_once_and_intact(monkeypatch):
         store.update({k: o.deflate() for k, o in get_all_nested_objects(m).items()})
         protos.append(message_to_proto(remove_content_from_message(m)))
         trees.append(get_object_tree(m))
-    inside, most, lock, confirmed = [0], [0], threading.Lock(), []
+    probe, confirmed = _InFlight(0.05), []
 
     def pull_object(req):  # a request that waits on the SuperLink
-        with lock:
-            inside[0] += 1
-            most[0] = max(most[0], inside[0])
-        time.sleep(0.05)
-        with lock:
-            inside[0] -= 1
+        probe()
         return PullObjectResponse(object_found=True, object_available=True, object_content=store[req.object_id])
 
     client = SimpleNamespace(PullMessages=lambda req: SimpleNamespace(messages_list=protos, message_object_trees=trees),
@@ -366,4 +365,4 @@ def test_the_serverapp_pulls_the_listed_replies_at_once_and_intact(monkeypatch):
     from flwr.supercore.inflatable import inflatable_utils as iu
 
     one_reply = iu.get_num_workers(iu.pull_objects.__kwdefaults__["max_concurrent_pulls"])
-    assert most[0] > one_reply  # several replies' objects in flight at once
+    assert probe.most > one_reply  # several replies' objects in flight at once
