@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -232,6 +233,12 @@ def _diag_stack(d: np.ndarray) -> np.ndarray:
     return out
 
 
+#: The last rounds' factors by their inputs: the server and the clients that share a process (in-process and
+#: simulation runs) compute a round's factors once.
+_FACTORS: OrderedDict[tuple, dict[int, float]] = OrderedDict()
+_FACTORS_KEPT = 8
+
+
 def joint_factors(sigmas: Mapping[int, float], graph: Mapping[int, Sequence[int]], tau: float,
                   u: Mapping[int, float] | None = None, extra: Mapping[int, float] | None = None, rho: float = 0.0,
                   degrees: Mapping[int, int] | None = None) -> dict[int, float]:
@@ -258,6 +265,27 @@ def joint_factors(sigmas: Mapping[int, float], graph: Mapping[int, Sequence[int]
     """
     if not (math.isfinite(tau) and tau >= 0):
         raise ValueError(f"tau must be finite and >= 0, got {tau!r}")
+    key = (_items(sigmas), tuple((k, tuple(sorted(graph[k]))) for k in sorted(graph)), float(tau), _items(u), _items(extra),
+           float(rho), _items(degrees))
+    if (hit := _FACTORS.get(key)) is not None:
+        _FACTORS.move_to_end(key)
+        return dict(hit)
+    factors = _joint_factors(sigmas, graph, tau, u, extra, rho, degrees)
+    _FACTORS[key] = dict(factors)
+    while len(_FACTORS) > _FACTORS_KEPT:
+        _FACTORS.popitem(last=False)
+    return factors
+
+
+def _items(m: Mapping | None) -> tuple | None:
+    """A hashable, order-free form of a mapping (None stays None)."""
+    return None if m is None else tuple(sorted((k, float(v)) for k, v in m.items()))
+
+
+def _joint_factors(sigmas: Mapping[int, float], graph: Mapping[int, Sequence[int]], tau: float,
+                   u: Mapping[int, float] | None, extra: Mapping[int, float] | None, rho: float,
+                   degrees: Mapping[int, int] | None) -> dict[int, float]:
+    """:func:`joint_factors` computed."""
     u = share_variances(sigmas, graph) if u is None else u
     nodes, complete = _nodes(graph)
     ks = np.array([min(colluder_count(rho, (degrees or {}).get(k, len(graph[k]))), len(graph[k])) for k in nodes])

@@ -240,3 +240,22 @@ def test_the_no_colluder_scale_leaves_a_colluded_view_under_its_charge():
     assert min(colluded.values()) * old**2 < 0.8  # SNR ratio 1 / sqrt(0.77) = 1.14 over the claim
     assert min(colluded.values()) * joint_scale(colluded) ** 2 == pytest.approx(1.0, rel=1e-12)
     assert joint_scale(colluded) == pytest.approx(1.2766, abs=1e-4)
+
+
+def test_factors_are_computed_once_per_round_view_and_never_reused_for_another():
+    """The server and the clients sharing a process get one computation per view; any changed input recomputes."""
+    from protocols import niss_joint
+    from protocols.graphs import n_out_graph
+
+    graph = n_out_graph(list(range(30)), 3, b"s" * 32)
+    sigmas = {k: 1.0 + (k % 7) / 10 for k in graph}
+    first = niss_joint.joint_factors(sigmas, graph, 0.8, rho=0.5)
+    again = niss_joint.joint_factors(dict(sigmas), {k: list(reversed(v)) for k, v in graph.items()}, 0.8, rho=0.5)
+    assert again == first
+    again[0] = -1.0  # a caller's copy: the kept factors do not change
+    assert niss_joint.joint_factors(sigmas, graph, 0.8, rho=0.5) == first
+    changed = {**sigmas, 5: sigmas[5] * 3}
+    fresh = niss_joint._joint_factors(changed, graph, 0.8, None, None, 0.5, None)
+    assert niss_joint.joint_factors(changed, graph, 0.8, rho=0.5) == fresh != first
+    assert niss_joint.joint_factors(sigmas, graph, 0.8, rho=0.0) == niss_joint._joint_factors(
+        sigmas, graph, 0.8, None, None, 0.0, None) != first
