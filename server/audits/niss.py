@@ -9,7 +9,6 @@ the audit's linear discriminant (which subtracts whatever combination of them he
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from types import MappingProxyType
 from typing import Any
@@ -18,6 +17,7 @@ import numpy as np
 
 from protocols.config import RunConfig
 from protocols.niss import ShareBundle, bundle_shares, distorted_contribution
+from protocols.niss_joint import colluder_count
 from protocols.wire.arrays import from_record
 from protocols.wire.niss import NissMetrics, RelayedInbox
 from protocols.wire.recovery import NissPairMaterial
@@ -42,7 +42,7 @@ class NissAudit(AuditAdapter):
     def tolerated_colluders(self, spec: AuditSpec) -> int:
         """``floor(niss-rho x m)`` of a client's m neighbours (complete graph: the other participants)."""
         cfg = RunConfig.from_mapping(spec.run_config())
-        return math.floor(cfg.niss_rho * (spec.clients - 1) + 1e-9)
+        return colluder_count(cfg.niss_rho, spec.clients - 1)
 
     def upload_view(self, rel: ReleaseView) -> np.ndarray:
         uploads = rel.uploads()
