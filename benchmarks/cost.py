@@ -31,9 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
-import numpy as np
-
 from benchmarks import common
+from benchmarks.roundtrace import median
 from protocols.trace import TRACE_ENV
 
 HELP = "a whole round per method with and without dropouts: phases, bytes, time, CPU; vs Flower's SecAgg+"
@@ -205,11 +204,6 @@ def _events(trace_file: Path, offset: int) -> list[dict]:
     return events
 
 
-def _median(values: list[float]) -> float:
-    vals = [float(v) for v in values if v is not None and not math.isnan(float(v))]
-    return float(np.median(vals)) if vals else math.nan
-
-
 def reduce_run(rows: list[dict], events: list[dict], calls: list[tuple[float, float]], *, rate: float,
                clients: int, engine: str) -> dict:
     """One table row from a run's ``metrics.jsonl`` rows, its trace events and (in-process) the clients' CPU log.
@@ -219,18 +213,18 @@ def reduce_run(rows: list[dict], events: list[dict], calls: list[tuple[float, fl
     """
     timed = [r for r in rows if r["round"] > 1 and not r["failed"]] or [r for r in rows[:1] if not r["failed"]]
     failed = sum(bool(r["failed"]) for r in rows)
-    out: dict = {"dropped": _median([r.get("dropped") if r.get("dropped") is not None
+    out: dict = {"dropped": median([r.get("dropped") if r.get("dropped") is not None
                                      else max(min(int(round(rate * clients)), clients - 1), 0) for r in timed]),
                  "first_round_s": rows[0]["round_time_s"] if rows else math.nan}
     if not timed:
         return out | {"status": f"failed {failed}/{len(rows)} rounds" if rows else "no rounds"}
     phases = list(timed[-1].get("phase_time_s", {}))
-    phase_s = [_median([r.get("phase_time_s", {}).get(p, math.nan) for r in timed]) for p in phases]
+    phase_s = [median([r.get("phase_time_s", {}).get(p, math.nan) for r in timed]) for p in phases]
     out |= {"status": "ok" if not failed else f"failed {failed}/{len(rows)} rounds", "phases": "+".join(phases),
             "phase_count": len(phases), "phase_s": "+".join(common.fmt(v, 2) for v in phase_s),
-            "round_s": _median([r["round_time_s"] for r in timed]),
-            "bytes_down": _median([r["bytes_sent_per_client"] for r in timed]),
-            "bytes_up": _median([r["bytes_received_per_client"] for r in timed])}
+            "round_s": median([r["round_time_s"] for r in timed]),
+            "bytes_down": median([r["bytes_sent_per_client"] for r in timed]),
+            "bytes_up": median([r["bytes_received_per_client"] for r in timed])}
     out["bytes_per_client"] = out["bytes_down"] + out["bytes_up"]
     by_round = {e["round"]: e for e in events if e.get("event") == "round"}
     server, client, cluster = [], [], []
@@ -249,7 +243,7 @@ def reduce_run(rows: list[dict], events: list[dict], calls: list[tuple[float, fl
             server.append(float(ev["server_cpu"]))
             cluster.append(float(ev.get("cpu", math.nan)) or math.nan)
             client.append(sum(apps) / n if apps else math.nan)
-    out |= {"server_cpu_s": _median(server), "client_cpu_s": _median(client), "cluster_cpu_s": _median(cluster)}
+    out |= {"server_cpu_s": median(server), "client_cpu_s": median(client), "cluster_cpu_s": median(cluster)}
     return out
 
 

@@ -121,9 +121,9 @@ def breakdown(events: list[dict], *, skip_rounds: int = 1) -> tuple[list[dict], 
     for (method, mtype), ps in seg_rows.items():
         row = {"method": method, "message": mtype, "messages": len(ps)}
         for name, a, b in SEGMENTS:
-            row[name] = _median([_segment(p, a, b) for p in ps])
+            row[name] = median([_segment(p, a, b) for p in ps])
         for name, key in CPU:
-            row[name] = _median([p.get(key, math.nan) for p in ps])
+            row[name] = median([p.get(key, math.nan) for p in ps])
         segments.append(row)
     per_round: dict[str, list[dict]] = defaultdict(list)
     for r in rounds:
@@ -141,12 +141,13 @@ def breakdown(events: list[dict], *, skip_rounds: int = 1) -> tuple[list[dict], 
     for method, comps in per_round.items():
         keys = sorted({k for c in comps for k in c})
         composition.append({"method": method, "rounds": len(comps),
-                            **{k: _median([c.get(k, math.nan) for c in comps]) for k in keys}})
+                            **{k: median([c.get(k, math.nan) for c in comps]) for k in keys}})
     return segments, composition
 
 
-def _median(values: list[float]) -> float:
-    vals = [v for v in values if v is not None and not math.isnan(v)]
+def median(values: list[float]) -> float:
+    """Median of the values that are not None or NaN (NaN when none is left)."""
+    vals = [float(v) for v in values if v is not None and not math.isnan(float(v))]
     return float(np.median(vals)) if vals else math.nan
 
 
