@@ -2,7 +2,8 @@
 
 Each run is ``cancelfl run --run-config 'method="M" dataset="D" seed=S'`` done in-process
 (:func:`server.launch.run_inprocess`): the app's defaults plus the method's regime (:func:`protocols.methods.regime`)
-for every key left ``"auto"``, at the default epsilon. ``--seeds N`` runs seeds ``42 .. 42 + N - 1`` (``--first-seed``
+for every key left ``"auto"``, at the default epsilon (``--method-set M:KEY=VALUE`` adds keys to method M's runs,
+e.g. an option measured before it becomes a default). ``--seeds N`` runs seeds ``42 .. 42 + N - 1`` (``--first-seed``
 moves the start; the seed fixes partitioning, sampling, the initial model and the batch order; DP noise always comes
 from the OS CSPRNG) for the methods in ``--seeded`` and the first seed for the others. ``defaults.md`` lists per
 dataset and method the mean final test accuracy over its seeds and its spread (sample standard deviation, min and
@@ -45,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--first-seed", type=int, default=FIRST_SEED, help="the first of the seeds")
     parser.add_argument("--seeded", default="all",
                         help="comma list of the methods that run every seed, or all; the others run seed 42 only")
+    parser.add_argument("--method-set", nargs="*", metavar="METHOD:KEY=VALUE",
+                        help="run-config keys added to one method's runs (e.g. ddpsa:ddpsa-noise=\"gaussian\"), "
+                             "over its regime")
     parser.add_argument("--out", default="runs/bench-defaults", help="folder of the tables")
     parser.add_argument("--runs-dir", default="", help="folder of the run folders and rows.jsonl ('' = <out>/runs)")
     parser.add_argument("--resume", action="store_true",
@@ -62,8 +66,11 @@ def chance(dataset: str) -> float:
     return chance_level(dataset_for(RunConfig(dataset=dataset)).y_test)
 
 
-def run_one(method: str, dataset: str, seed: int, runs: Path) -> dict:
-    """One default run with ``seed`` in a fresh folder under ``runs``; a refused or failed run gets the reason in ``status``."""
+def run_one(method: str, dataset: str, seed: int, runs: Path, settings: dict | None = None) -> dict:
+    """One default run with ``seed`` in a fresh folder under ``runs``; a refused or failed run gets the reason in ``status``.
+
+    ``settings``: run-config keys added to the run (``--method-set``).
+    """
     from server.launch import run_inprocess
 
     row = {"dataset": dataset, "method": method, "seed": seed, "unit": method_spec(method).guarantee("record").unit,
@@ -72,7 +79,8 @@ def run_one(method: str, dataset: str, seed: int, runs: Path) -> dict:
     shutil.rmtree(folder, ignore_errors=True)  # a fresh privacy ledger: a left-over folder would continue its own
     t0 = time.perf_counter()
     try:
-        s = run_inprocess({"method": method, "dataset": dataset, "seed": seed, "out-dir": str(folder)},
+        s = run_inprocess({**(settings or {}), "method": method, "dataset": dataset, "seed": seed,
+                           "out-dir": str(folder)},
                           progress=lambda _line: None)
     except Exception as err:  # noqa: BLE001 - a benchmark row records the failure and goes on
         row.update(status=f"failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}",
@@ -167,6 +175,14 @@ def run(args: argparse.Namespace) -> int:
     """Run the table, write ``defaults.csv``/``.md`` and ``defaults-runs.csv`` into ``--out``; 1 if a rule fails."""
     if args.seeds < 1:
         raise SystemExit(f"--seeds must be >= 1, got {args.seeds}")
+    from protocols.config import ConfigError
+
+    try:
+        settings = common.parse_method_sets(args.method_set)
+    except ConfigError as err:
+        raise SystemExit(f"--method-set: {err}") from err
+    if any({"method", "dataset", "seed", "out-dir"} & kv.keys() for kv in settings.values()):
+        raise SystemExit("--method-set must not give method, dataset, seed or out-dir (the benchmark sets them)")
     out = Path(args.out)
     runs = Path(args.runs_dir) if args.runs_dir else out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
@@ -186,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
                     missing.append(f"{dataset} {method} seed {seed}")
                     continue
                 if r is None:
-                    r = run_one(method, dataset, seed, runs)
+                    r = run_one(method, dataset, seed, runs, settings.get(method))
                     if r["status"] == "ok":
                         with (runs / "rows.jsonl").open("a") as fh:
                             fh.write(json.dumps(r) + "\n")
@@ -208,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
                 + (f", seed {seeds[0]} for the others" if args.seeded != "all" and len(seeds) > 1 else ""))
              + "; final_accuracy is the mean over a method's seeds, sd the sample standard deviation "
                "(- for one seed), min and max the extremes; every run is in defaults-runs.csv",
+             *([f"--method-set: {' '.join(args.method_set)}"] if settings else []),
              "chance (most frequent test class): " + ", ".join(f"{d} {c:.3f}" for d, c in chance_of.items()),
              "run_ratio: noise left in the model over the run / the most the clipped updates can move it "
              "(protocols/privacy/signal.py), the largest over the seeds; above 1 the run warns",

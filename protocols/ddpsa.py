@@ -14,6 +14,18 @@ returns.  With ``ddpsa-centering`` the linear model's per-sample gradient ``(p -
 ``(p - e_y - m 1) x^T``, ``m`` the median of ``p - e_y`` over the classes (:func:`centred_cross_entropy`): softmax
 is invariant to a shift common to all classes, so both steps give the same model function, and the median is the
 shift of least L1 norm (at the zero model ``||p - e_y||_1`` falls from ``2 (1 - 1/C)`` to 1).
+``"gaussian"`` noise (opt-in) clips each sample in L2 instead (``||g_j||_2 <= Delta``, L2 sensitivity
+``Delta_2`` = :func:`l1_sensitivity`'s same factor times ``Delta``) and gives each participant
+``N(0, (z Delta_2)^2 / n')`` (:func:`gaussian_share_std`), ``z`` = :func:`gaussian_multiplier`, cdp's calibration
+(:func:`protocols.privacy.noise_multiplier`: ``T`` unsampled releases under RDP at ``(epsilon, delta)``): what
+holds is that any ``n'`` honest shares sum to ``N(0, (z Delta_2)^2)``, the noise cdp's server adds, so the
+released sum is (epsilon, delta)-DP as cdp's mean is, whatever the ``floor(f n)`` colluders add or subtract.
+With ``k < n'`` honest shares present the noise is ``N(0, (k/n') (z Delta_2)^2)``: a Gaussian release of
+multiplier :func:`present_multiplier` ``z sqrt(k/n')``, which Gaussian-DP composition charges exactly.  The median
+centring is for L1 only (in L2 the least-norm shift of ``p - e_y`` is its mean, 0), so Gaussian rounds skip it.
+Pure epsilon-DP costs noise of norm about ``d Delta_2 / epsilon`` in ``d`` dimensions (``Delta_1 <= sqrt(d)
+Delta_2``), a Gaussian about ``sqrt(d log(1/delta)) Delta_2 / epsilon``: at ``d`` ~ 10^4 the Laplace modes cannot
+reach cdp's accuracy, the Gaussian one adds cdp's noise.
 Noise comes from :mod:`protocols.prg` with a fresh ``os.urandom`` seed unless one is given.  These
 numpy functions work on materialised per-sample gradients; the client uses
 :func:`protocols.per_example.clipped_grad_sum` (``norm="l1"``), which the tests check agrees.
@@ -34,34 +46,51 @@ from torch import Tensor, nn
 
 from protocols.adjacency import adjacency_factor
 from protocols.methods.ddpsa import NOISE_MODES
-from protocols.privacy import Accountant, DpCompositionAccountant, PldAccountant, laplace_scale
+from protocols.privacy import (
+    Accountant,
+    DpCompositionAccountant,
+    GdpAccountant,
+    PldAccountant,
+    laplace_scale,
+    noise_multiplier,
+)
 
 __all__ = [
     "NOISE_MODES",
     "centred_cross_entropy",
+    "clip_norm",
     "composition_accountant",
+    "distributed_gaussian_share",
     "distributed_laplace_share",
     "gamma_difference_epsilon",
     "gamma_noise",
+    "gaussian_multiplier",
+    "gaussian_share_std",
     "honest_participants",
     "is_linear_classifier",
     "l1_clip",
     "l1_sensitivity",
     "laplace_noise",
     "ldp_noisy_mean",
+    "present_multiplier",
 ]
 
 
-def composition_accountant(composition: str) -> Accountant:
-    """The empty accountant a run's Laplace rounds compose in (run-config ``ddpsa-composition``), on both ends.
+def composition_accountant(composition: str, noise: str = "distributed") -> Accountant:
+    """The empty accountant a run's rounds compose in (run-config ``ddpsa-composition``, ``ddpsa-noise``), on both ends.
 
     The server's ledger and every client's (:mod:`client.ledger`) compose the same rounds with it, so both
-    report the same epsilon: ``"basic"`` pure-epsilon sum (Theorem 2), ``"advanced"`` the smaller of the basic
-    and advanced bounds (Theorem 2, both valid), ``"pld"`` the privacy-loss distribution.
+    report the same epsilon.  Laplace rounds: ``"basic"`` pure-epsilon sum (Theorem 2), ``"advanced"`` the smaller
+    of the basic and advanced bounds (Theorem 2, both valid), ``"pld"`` the privacy-loss distribution.  Gaussian
+    rounds (``noise = "gaussian"``): their exact Gaussian-DP composition (:class:`~protocols.privacy.GdpAccountant`,
+    what a client's ledger reports for unsampled Gaussians; never above the RDP figure :func:`gaussian_multiplier`
+    is calibrated with).
 
     Raises:
         ValueError: an unknown composition.
     """
+    if noise == "gaussian":
+        return GdpAccountant()
     if composition == "pld":
         return PldAccountant()
     if composition in ("basic", "advanced"):
@@ -264,3 +293,51 @@ def gamma_difference_epsilon(shape: float, sensitivity_over_scale: float, dim: i
         return math.inf
     s = sensitivity_over_scale / dim
     return float(dim * (_log_density(0.0, shape) - _log_density(s, shape)))
+
+
+# ----------------------------------------------------------------------------- distributed Gaussian noise
+def clip_norm(noise: str) -> str:
+    """The per-sample clipping norm of a ``ddpsa-noise`` mode: ``"l2"`` for ``"gaussian"``, else ``"l1"``."""
+    return "l2" if noise == "gaussian" else "l1"
+
+
+def gaussian_multiplier(epsilon: float, delta: float, rounds: int) -> float:
+    """``z`` of Gaussian rounds: cdp's calibration (:func:`protocols.privacy.noise_multiplier`), the same figure.
+
+    The smallest noise std / L2 sensitivity whose ``rounds`` unsampled releases are (epsilon, delta)-DP under RDP.
+    """
+    return noise_multiplier(float(epsilon), float(delta), int(rounds))
+
+
+def gaussian_share_std(sensitivity: float, multiplier: float, honest: int) -> float:
+    """Std of one participant's Gaussian share: ``z Delta_2 / sqrt(n')`` (``n'`` shares sum to ``N(0, (z Delta_2)^2)``).
+
+    Raises:
+        ValueError: a sensitivity or multiplier not > 0, or ``honest < 1``.
+    """
+    if not (math.isfinite(sensitivity) and sensitivity > 0 and math.isfinite(multiplier) and multiplier > 0):
+        raise ValueError(f"need sensitivity > 0 and multiplier > 0, got {sensitivity!r}, {multiplier!r}")
+    if honest < 1:
+        raise ValueError(f"honest participants must be >= 1, got {honest!r}")
+    return float(multiplier) * float(sensitivity) / math.sqrt(honest)
+
+
+def distributed_gaussian_share(size: int, std: float, *, seed: bytes | None = None) -> NDArray[np.float64]:
+    """One participant's share: ``size`` i.i.d. ``N(0, std^2)`` draws from the CSPRNG (fresh os.urandom seed if None)."""
+    from protocols.prg import gaussian
+
+    if not (math.isfinite(std) and std > 0):
+        raise ValueError(f"Gaussian share std must be > 0, got {std!r}")
+    return np.asarray(gaussian(os.urandom(32) if seed is None else seed, int(size), float(std)), dtype=np.float64)
+
+
+def present_multiplier(multiplier: float, honest: int, present: int) -> float:
+    """Multiplier of the Gaussian noise ``present`` honest shares of ``honest`` leave: ``z sqrt(min(present, n') / n')``.
+
+    ``present <= 0`` gives 0 (no noise counted on: no guarantee).
+    """
+    if honest < 1:
+        raise ValueError(f"honest participants must be >= 1, got {honest!r}")
+    if present <= 0:
+        return 0.0
+    return float(multiplier) * math.sqrt(min(int(present), int(honest)) / int(honest))

@@ -7,8 +7,9 @@ may also hold a :class:`FloorPolicy` in its node config: limits on the run confi
 ``max-delta``, ``max-clip``) and a lifetime budget kept by :mod:`client.ledger`.
 
 This module is the pure part: the policy, the violation and each method's floor (:func:`ldp_noise_std`,
-:func:`nadp_floor`, :func:`niss_floor`, :func:`ddpsa_round_epsilon`, :func:`ddpsa_noise_share`, :func:`mpddp_floor`,
-:func:`mpdp_naive_sigma`), which the strategies use too, so both ends compute the same numbers.
+:func:`nadp_floor`, :func:`niss_floor`, :func:`ddpsa_round_epsilon`, :func:`ddpsa_noise_share`,
+:func:`ddpsa_noise_multiplier`, :func:`mpddp_floor`, :func:`mpdp_naive_sigma`), which the strategies use too, so
+both ends compute the same numbers.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from protocols.config import RunConfig
-from protocols.ddpsa import honest_participants
+from protocols.ddpsa import gaussian_multiplier, honest_participants
 from protocols.dropouts import nadp_dropout_factor, niss_dropout_factor
 from protocols.mpddp import (
     calibrate,
@@ -43,6 +44,7 @@ __all__ = [
     "at_least",
     "at_most",
     "calibration_releases",
+    "ddpsa_noise_multiplier",
     "ddpsa_noise_share",
     "ddpsa_round_epsilon",
     "ldp_noise_multiplier",
@@ -227,11 +229,16 @@ def ddpsa_noise_share(cfg: RunConfig, noise: str, participants: int) -> int | No
     """``ddpsa``: ``n'`` such that this client adds ``Gamma(1/n', b) - Gamma(1/n', b)``, or None for a full Laplace.
 
     A ``"local"`` round gets the paper's full ``Lap(b)`` (never less than the client's floor).  A
-    ``"distributed"`` round splits one ``Lap(b)`` over ``n' = n - floor(f n)`` participants
+    ``"distributed"`` round splits one ``Lap(b)`` (a ``"gaussian"`` round one ``N(0, (z Delta_2)^2)``, taken only by
+    a client whose own config asks Gaussian noise, and it only) over ``n' = n - floor(f n)`` participants
     (:func:`protocols.ddpsa.honest_participants`, ``f`` = the client's own ``ddpsa-collude-frac``); it is
     refused when the client's run config asks for local noise, or when the participant list is longer
     than the client's own ``clients_per_round`` (a longer list would shrink its share).
     """
+    if (noise == "gaussian") != (cfg.ddpsa_noise == "gaussian"):
+        raise FloorViolation("ddpsa-noise", noise, cfg.ddpsa_noise,
+                             "Gaussian and Laplace rounds give different guarantees; this client adds what its own "
+                             "run config asks")
     if noise == "local":
         return None
     if cfg.ddpsa_noise == "local":
@@ -240,6 +247,11 @@ def ddpsa_noise_share(cfg: RunConfig, noise: str, participants: int) -> int | No
     at_most("ddpsa-participants", participants, cfg.clients_per_round,
             "the distributed noise is split over the participants: a longer list would shrink this client's share")
     return honest_participants(participants, cfg.ddpsa_collude_frac)
+
+
+def ddpsa_noise_multiplier(cfg: RunConfig) -> float:
+    """``ddpsa``, Gaussian rounds: ``z`` from the client's own run config (:func:`protocols.ddpsa.gaussian_multiplier`)."""
+    return gaussian_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
 
 
 def nadp_compensation(cfg: RunConfig, sizes: Mapping[int, int], min_degree: int | None = None) -> float:

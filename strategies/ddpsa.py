@@ -15,7 +15,9 @@ Round ``t`` (the stages of :mod:`strategies.stages`):
 
 ``self.privacy`` composes ``eps_t`` (:func:`protocols.privacy.per_round_epsilons`, Theorem 2, Eq. 12, or the PLD
 calibration of ``ddpsa-composition = "pld"``) when a round's sum is reconstructed, or the epsilon the noise present
-really gives (:func:`protocols.ddpsa.gamma_difference_epsilon`) as a pure-DP release.
+really gives (:func:`protocols.ddpsa.gamma_difference_epsilon`) as a pure-DP release; ``ddpsa-noise = "gaussian"``
+rounds compose exactly (Gaussian DP) as Gaussian releases of cdp's multiplier ``z``, or of the smaller multiplier
+the honest shares present leave (:func:`protocols.ddpsa.present_multiplier`).
 Sharing, noise, trust: ``docs/methods/ddpsa.md``.
 """
 
@@ -36,10 +38,20 @@ from flwr.serverapp import Grid
 
 from protocols.arrays import flatten, unflatten
 from protocols.config import ConfigError, RunConfig
-from protocols.ddpsa import composition_accountant, gamma_difference_epsilon, honest_participants, l1_sensitivity
+from protocols.ddpsa import (
+    composition_accountant,
+    gamma_difference_epsilon,
+    gaussian_multiplier,
+    gaussian_share_std,
+    honest_participants,
+    l1_sensitivity,
+    present_multiplier,
+)
 from protocols.privacy import (
     BudgetSchedule,
     DpEvent,
+    Event,
+    GaussianEvent,
     LaplaceEvent,
     PrivacyLedger,
     laplace_scale,
@@ -80,8 +92,8 @@ class DdpsaState(RoundState):
     global_weights: Weights
     #: participant node -> its roster name (the names its shares are pushed under).
     names: dict[int, str]
-    #: Epsilon of the round's reconstructed sum (set by the aggregate stage; None: nothing released).
-    released_epsilon: float | None = None
+    #: What the round's reconstructed sum released (set by the aggregate stage; None: nothing released).
+    released: Event | None = None
 
 
 class DdpsaStrategy(CancelStrategy):
@@ -120,7 +132,10 @@ class DdpsaStrategy(CancelStrategy):
             composition=cfg.ddpsa_composition,
         )
         # Rounds released so far, composed as the schedule was certified and as every client's ledger composes them.
-        spent = composition_accountant(cfg.ddpsa_composition)
+        #: ``ddpsa-noise = "gaussian"``: cdp's noise multiplier for the run's (epsilon, delta, rounds); else None.
+        self.z: float | None = (gaussian_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
+                                if cfg.ddpsa_noise == "gaussian" else None)
+        spent = composition_accountant(cfg.ddpsa_composition, cfg.ddpsa_noise)
         self.privacy = PrivacyLedger(cfg.delta, uplink=spent, downlink=spent)
         self.codec = FixedPointCodec(frac_bits=cfg.ddpsa_frac_bits, max_clients=max(cfg.num_clients, 2))
         #: Servers whose partial sums reconstruct a round; ``shamir`` is it for Shamir sharing, None for additive.
@@ -199,7 +214,7 @@ class DdpsaStrategy(CancelStrategy):
             raise RoundFailed(f"round {server_round}: no participant list (the plan stage did not run for this round)")
         plan = DdpsaRound(self.epsilon_of_round(server_round), self.cfg.ddpsa_noise,
                           tuple(sorted(state.names.values())), tuple(self.addresses), self.threshold, self.run_id,
-                          self.codec.frac_bits, self.codec.max_clients)
+                          self.codec.frac_bits, self.codec.max_clients, self.z or 0.0)
         return merge_configs(super().train_config(server_round), plan.to_config())
 
     def aggregate(self, state: DdpsaState) -> ArrayRecord:
@@ -227,16 +242,18 @@ class DdpsaStrategy(CancelStrategy):
             raise RoundFailed(f"round {rnd}: {len(expected)} participant(s) pushed under their roster names; "
                               "a partial sum needs at least 2")
         n_total = float(sum(num_examples(r.content["metrics"]) for r in by_node.values()))
-        epsilon = self.round_charge(rnd, len(state.names), len(expected), flatten(state.global_weights).size)
-        if not math.isfinite(epsilon):
+        event = self.round_event(rnd, len(state.names), len(expected), flatten(state.global_weights).size)
+        if event is None:
             abort_round(self.servers, self.run_id, rnd, self.signer)
             raise RoundFailed(
                 f"round {rnd}: only {len(expected)} of {len(state.names)} participants pushed their shares; the "
                 f"distributed noise present gives no finite epsilon (ddpsa-collude-frac "
                 f"{self.cfg.ddpsa_collude_frac}), so the round is aborted unreleased")
-        if crosses(self.privacy, LaplaceEvent(epsilon), self.cfg.epsilon):  # the run's epsilon is a hard cap
+        if crosses(self.privacy, event, self.cfg.epsilon):  # the run's epsilon is a hard cap
             abort_round(self.servers, self.run_id, rnd, self.signer)
-            raise RoundFailed(f"round {rnd}: its release would cost epsilon {epsilon:.4g} ({len(expected)} of "
+            cost = (f"noise multiplier {event.noise_multiplier:.4g}" if isinstance(event, GaussianEvent)
+                    else f"epsilon {event.epsilon:.4g}")
+            raise RoundFailed(f"round {rnd}: its release would cost {cost} ({len(expected)} of "
                               f"{len(state.names)} participants pushed their shares) and take the run past its target "
                               f"epsilon {self.cfg.epsilon:g}, so the round is aborted unreleased")
         t0 = time.perf_counter()
@@ -247,7 +264,7 @@ class DdpsaStrategy(CancelStrategy):
             abort_round(self.servers, self.run_id, rnd, self.signer)
             raise RoundFailed(f"round {rnd}: DDP-SA reconstruction impossible, {err}") from err
         reconstruct_time = time.perf_counter() - t0
-        state.released_epsilon = epsilon  # the round's noisy sum is reconstructed: the account stage charges it
+        state.released = event  # the round's noisy sum is reconstructed: the account stage charges it
         decoded = self.codec.decode(ring_total)
         theta = flatten(state.global_weights)
         if decoded.size != theta.size:
@@ -263,7 +280,8 @@ class DdpsaStrategy(CancelStrategy):
             raise RoundFailed(f"round {rnd}: {err}") from err
         new = unflatten(theta_new, state.global_weights)
         self.report(
-            epsilon_round=epsilon,
+            **({"noise_multiplier_round": event.noise_multiplier} if isinstance(event, GaussianEvent)
+               else {"epsilon_round": event.epsilon}),
             grad_norm=float(np.linalg.norm(grad)),
             reconstruct_time_s=reconstruct_time,
             # Fixed-point round-off of the averaged gradient: <= n * 2^-(frac_bits+1) / N per coordinate.
@@ -287,14 +305,36 @@ class DdpsaStrategy(CancelStrategy):
             return math.inf
         return gamma_difference_epsilon(present / honest, eps_t, dim)
 
+    def round_event(self, server_round: int, participants: int, pushed: int, dim: int) -> Event | None:
+        """What round ``server_round`` releases when ``pushed`` of ``participants`` shares are summed (None: unbounded).
+
+        Laplace modes: :meth:`round_charge`, a :class:`LaplaceEvent` at ``eps_t``, a pure-DP :class:`DpEvent` above
+        it (missing shares: a difference of Gammas, not a Laplace).  ``"gaussian"``: a :class:`GaussianEvent` of the
+        multiplier the honest shares present leave (:func:`protocols.ddpsa.present_multiplier`; composed exactly).
+        """
+        if self.z is not None:
+            honest = honest_participants(participants, self.cfg.ddpsa_collude_frac)
+            z = present_multiplier(self.z, honest, pushed - (participants - honest))
+            return GaussianEvent(z) if z > 0 else None
+        epsilon = self.round_charge(server_round, participants, pushed, dim)
+        eps_t = self.epsilon_of_round(server_round)
+        if not math.isfinite(epsilon):
+            return None
+        return LaplaceEvent(eps_t) if epsilon == eps_t else DpEvent(epsilon, 0.0)
+
     def mean_noise_std(self, clients: int, examples: float, server_round: int, *, participants: int | None = None
                        ) -> float:
         """Per-entry std of the noise in the mean gradient: ``clients`` noisy sums over ``examples``.
 
         b = 2 clip / eps_t.  Local: each sum holds Lap(b) (variance 2 b^2), std ``sqrt(2 clients) b / examples``.
         Distributed: each holds a Gamma(1/n', b) difference (variance 2 b^2 / n', ``n'`` from ``participants``,
-        default ``clients``), std ``sqrt(2 clients / n') b / examples``.
+        default ``clients``), std ``sqrt(2 clients / n') b / examples``.  Gaussian: each holds
+        ``N(0, (z Delta_2)^2 / n')``, std ``sqrt(clients / n') z Delta_2 / examples``.
         """
+        if self.z is not None:  # each share N(0, (z Delta_2)^2 / n')
+            honest = honest_participants(clients if participants is None else participants, self.cfg.ddpsa_collude_frac)
+            share = gaussian_share_std(l1_sensitivity(self.cfg.clip, self.cfg.adjacency), self.z, honest)
+            return math.sqrt(clients) * share / examples
         b = laplace_scale(l1_sensitivity(self.cfg.clip, self.cfg.adjacency), self.epsilon_of_round(server_round))
         shares = 1
         if self.cfg.ddpsa_noise == "distributed":
@@ -326,6 +366,7 @@ class DdpsaStrategy(CancelStrategy):
             "delta_total_certified": self.schedule.spent.delta,
             "laplace_scale_first_round": laplace_scale(l1_sensitivity(self.cfg.clip, self.cfg.adjacency), float(eps[0])),
             "noise": self.cfg.ddpsa_noise,
+            **({"noise_multiplier": self.z, "clip_norm": "l2"} if self.z is not None else {}),
             "collude_frac": self.cfg.ddpsa_collude_frac,
             "frac_bits": self.codec.frac_bits,
             "sharing_threshold": self.threshold,
@@ -357,12 +398,12 @@ class DdpsaStrategy(CancelStrategy):
             raise ValueError(f"round {server_round}: charge {epsilon} below the round's nominal eps_t = {eps_t}")
 
     def account(self, state: DdpsaState) -> None:
-        """Account stage: the round's pure-DP release (Laplace), once its noisy sum was reconstructed.
+        """Account stage: the round's release (:meth:`round_event`), once its noisy sum was reconstructed.
 
         Nothing is charged when the train messages go out: a DDP-SA round releases its noisy sum only when
         ``t`` partial sums are reconstructed.  Shares pushed for a round whose reconstruction fails release
         nothing to the parameter server, which holds fewer than ``t`` partial sums (independent of the
         updates), and the round is sealed unreleased on every server reached.
         """
-        if state.released_epsilon is not None:
-            self.release_round(state.round, state.released_epsilon)
+        if state.released is not None:
+            self.privacy.compose(state.released)

@@ -236,3 +236,26 @@ def test_scale_drops_clients_and_reports_per_client_memory_server_time_and_neigh
     assert [m["clients"] for m in fedavg] == [5, 5]  # the withheld client sent nothing
     nadp_rounds = [json.loads(line) for line in (out / "runs" / "nadp-k6-d0.17" / "metrics.jsonl").open()]
     assert all(m["dropped"] == 1 and m["recovery"] == 1 and not m["failed"] for m in nadp_rounds)  # noise recovered
+
+
+def test_defaults_method_set_reaches_only_its_method(tmp_path, monkeypatch):
+    """``--method-set ddpsa:KEY=VALUE`` adds the key to ddpsa's runs only; keys the benchmark sets are refused."""
+    import server.launch
+    from benchmarks import defaults
+
+    seen: dict[str, dict] = {}
+
+    def fake(raw, progress=None):
+        seen[raw["method"]] = raw
+        raise RuntimeError("not run")
+
+    monkeypatch.setattr(server.launch, "run_inprocess", fake)
+    parser = cli.build_parser()
+    args = parser.parse_args(["defaults", "--datasets", "digits", "--methods", "ddpsa,cdp", "--out", str(tmp_path),
+                              "--method-set", 'ddpsa:ddpsa-noise="gaussian"', "ddpsa:num-rounds=3"])
+    assert defaults.run(args) == 1  # failed runs: a rule is unchecked
+    assert seen["ddpsa"]["ddpsa-noise"] == "gaussian" and seen["ddpsa"]["num-rounds"] == 3
+    assert "ddpsa-noise" not in seen["cdp"] and "num-rounds" not in seen["cdp"]
+    bad = parser.parse_args(["defaults", "--out", str(tmp_path), "--method-set", "ddpsa:seed=1"])
+    with pytest.raises(SystemExit, match="method-set"):
+        defaults.run(bad)

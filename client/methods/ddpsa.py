@@ -1,4 +1,4 @@
-"""DDP-SA client (Wei et al., Algorithm 2, client loop): Laplace DP noise + secret sharing.
+"""DDP-SA client (Wei et al., Algorithm 2, client loop): Laplace (or Gaussian) DP noise + secret sharing.
 
 Per round ``t`` on the received global model (FedSGD: one gradient over the whole local dataset):
 
@@ -7,7 +7,9 @@ Per round ``t`` on the received global model (FedSGD: one gradient over the whol
    (:mod:`protocols.per_example`);
 2. ``s_i = sum_j g_j + noise``, ``b = 2 Delta / eps_t`` with ``eps_t`` from the client's own schedule
    (:func:`protocols.floor.ddpsa_round_epsilon`, Eq. 12) and the noise share from
-   :func:`protocols.floor.ddpsa_noise_share` (the client must be on the participant list);
+   :func:`protocols.floor.ddpsa_noise_share` (the client must be on the participant list); a ``"gaussian"``
+   round (:func:`gaussian_gradient_sum`) clips in L2 and adds its share of ``N(0, (z Delta_2)^2)``, ``z`` at
+   least :func:`protocols.floor.ddpsa_noise_multiplier` of the client's own config;
 3. ``s_i`` (the noisy sum, not the paper's average: a shared sum cannot be weighted) fixed-point encoded
    (:mod:`protocols.secret_sharing`), split into ``m`` shares and each pushed, signed, to its intermediate server.
 
@@ -32,16 +34,26 @@ from client.floor import release
 from client.identity import node_identity
 from protocols.ddpsa import (
     centred_cross_entropy,
+    clip_norm,
     composition_accountant,
+    distributed_gaussian_share,
     distributed_laplace_share,
+    gaussian_share_std,
     is_linear_classifier,
     l1_sensitivity,
     laplace_noise,
 )
-from protocols.floor import FloorViolation, at_least, at_most, ddpsa_noise_share, ddpsa_round_epsilon
+from protocols.floor import (
+    FloorViolation,
+    at_least,
+    at_most,
+    ddpsa_noise_multiplier,
+    ddpsa_noise_share,
+    ddpsa_round_epsilon,
+)
 from protocols.methods.ddpsa import sharing_threshold
 from protocols.per_example import PerExampleClipper, cross_entropy
-from protocols.privacy import LaplaceEvent, laplace_scale
+from protocols.privacy import Event, GaussianEvent, LaplaceEvent, laplace_scale
 from protocols.wire.arrays import from_record
 from protocols.wire.common import TrainIns
 from protocols.wire.ddpsa import RECEIPT, DdpsaRound, RosterName, ShareReceipt
@@ -56,9 +68,9 @@ def _noise_seed() -> bytes:
     return os.urandom(32)
 
 
-def clipped_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: float, *, centred: bool = False
-                         ) -> tuple[np.ndarray, float, float]:
-    """``sum_j g_j / max(1, ||g_j||_1 / clip)`` over all samples, as one float64 vector.
+def clipped_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: float, *, centred: bool = False,
+                         norm: str = "l1") -> tuple[np.ndarray, float, float]:
+    """``sum_j g_j / max(1, ||g_j|| / clip)`` over all samples, as one float64 vector (``norm``: ``"l1"`` or ``"l2"``).
 
     ``centred``: ``g_j`` is the linear model's median-centred gradient (:func:`protocols.ddpsa.centred_cross_entropy`).
     The vector follows the model's ``state_dict`` order (that of :func:`protocols.arrays.flatten`).
@@ -80,7 +92,7 @@ def clipped_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: f
     clipped, loss_sum = 0, 0.0
     model.eval()  # no dropout/batch-norm in our models; per-sample grads need a per-sample forward
     loss = centred_cross_entropy if centred else cross_entropy  # cross-entropy per sample
-    with PerExampleClipper(model, clip, norm="l1", loss=loss) as clip_sum:
+    with PerExampleClipper(model, clip, norm=norm, loss=loss) as clip_sum:
         for start in range(0, len(yt), CHUNK):
             grads, losses, n_clipped = clip_sum(xt[start:start + CHUNK], yt[start:start + CHUNK])
             clipped += n_clipped
@@ -110,6 +122,20 @@ def noisy_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: flo
     else:
         noise = distributed_laplace_share(total.size, b, honest, seed=seed)
     return total + noise, loss, frac
+
+
+def gaussian_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: float, multiplier: float,
+                          honest: int, *, seed: bytes | None = None, adjacency: str = "replace-one"
+                          ) -> tuple[np.ndarray, float, float]:
+    """``ddpsa-noise = "gaussian"``: L2-clipped sum + this client's share ``N(0, (z Delta_2)^2 / honest)``.
+
+    ``Delta_2`` = ``a clip`` (``a`` as in :func:`noisy_gradient_sum`); ``n'`` = ``honest`` such shares sum to the
+    central ``N(0, (z Delta_2)^2)`` (:func:`protocols.ddpsa.gaussian_share_std`).  Returns as
+    :func:`noisy_gradient_sum` does.
+    """
+    total, loss, frac = clipped_gradient_sum(model, x, y, clip, norm=clip_norm("gaussian"))
+    std = gaussian_share_std(l1_sensitivity(clip, adjacency), multiplier, honest)
+    return total + distributed_gaussian_share(total.size, std, seed=seed), loss, frac
 
 
 def intermediate_servers(env: ClientEnv, plan: DdpsaRound) -> IntermediateServers:
@@ -157,11 +183,23 @@ def train(msg: Message, env: ClientEnv) -> Message:
     at_least("ddpsa-threshold", plan.threshold, sharing_threshold(env.cfg.ddpsa_threshold, len(servers)),
              "fewer intermediate servers than this client's 'ddpsa-threshold' could reconstruct its upload")
     model = env.model(from_record(msg.content["arrays"]))
-    noisy, loss, frac = noisy_gradient_sum(model, env.x, env.y, env.cfg.clip, eps_t, honest=honest,
-                                           seed=_noise_seed(), adjacency=env.cfg.adjacency,
-                                           centred=env.cfg.ddpsa_centering and is_linear_classifier(model))
+    event: Event
+    if plan.noise == "gaussian":
+        assert honest is not None  # ddpsa_noise_share splits every Gaussian round
+        # More noise than the client's own z is taken (the server charges the plan's), less is refused.
+        at_least("ddpsa-noise-multiplier", plan.multiplier, ddpsa_noise_multiplier(env.cfg),
+                 "this client's noise multiplier from its run config (cdp's calibration)")
+        noisy, loss, frac = gaussian_gradient_sum(model, env.x, env.y, env.cfg.clip, plan.multiplier, honest,
+                                                  seed=_noise_seed(), adjacency=env.cfg.adjacency)
+        event = GaussianEvent(plan.multiplier)
+    else:
+        noisy, loss, frac = noisy_gradient_sum(model, env.x, env.y, env.cfg.clip, eps_t, honest=honest,
+                                               seed=_noise_seed(), adjacency=env.cfg.adjacency,
+                                               centred=env.cfg.ddpsa_centering and is_linear_classifier(model))
+        event = LaplaceEvent(eps_t)
     # Recorded before any share leaves, composed as the server charges it (run-config 'ddpsa-composition').
-    spent = release(msg, env, LaplaceEvent(eps_t), accountant=composition_accountant(env.cfg.ddpsa_composition))
+    spent = release(msg, env, event,
+                    accountant=composition_accountant(env.cfg.ddpsa_composition, env.cfg.ddpsa_noise))
     t0 = time.perf_counter()
     size = share_and_push(noisy, plan.codec(), servers, plan.run_id, rnd, me, threshold=plan.shamir_threshold)
     receipt = ShareReceipt(me.name, share_bytes=8 * size * len(servers), share_time_s=time.perf_counter() - t0)

@@ -12,8 +12,9 @@ from protocols.options import ConfigError, MethodOptions, option
 
 SERVER_SECAGG = ("the server, fewer than ddpsa-threshold colluding intermediate servers and at most a ddpsa-collude-frac "
                  "share of the round's participants colluding (DDP-SA)")
-#: ``ddpsa-noise``: one central Laplace split over the participants (:mod:`protocols.ddpsa`), or the paper's per client.
-NOISE_MODES: tuple[str, ...] = ("distributed", "local")
+#: ``ddpsa-noise``: one central Laplace split over the participants (:mod:`protocols.ddpsa`), the paper's Laplace per
+#: client, or one central Gaussian (cdp's calibration, (epsilon, delta)) split over the participants.
+NOISE_MODES: tuple[str, ...] = ("distributed", "local", "gaussian")
 #: ``ddpsa-composition``: what certifies the per-round epsilons (:func:`protocols.privacy.per_round_epsilons`).
 COMPOSITIONS: tuple[str, ...] = ("basic", "pld", "advanced")
 #: FedSGD with per-sample L1 clipping and Laplace noise: T rounds compose (PLD) to a total signal-to-noise that is
@@ -45,7 +46,9 @@ class DdpsaOptions(MethodOptions):
                               choices=COMPOSITIONS)
     allocation: str = option("uniform", "per-round budget schedule (Eq. 12)", choices=("uniform", "exponential"))
     decay: float = option(0.9, "decay of the exponential allocation", low=0.0, high=1.0, low_open=True)
-    noise: str = option("distributed", "distributed (one central Laplace split over participants) | local (paper)",
+    noise: str = option("distributed", "distributed (one central Laplace split over participants, pure epsilon) | "
+                                       "local (paper) | gaussian (one central Gaussian of cdp's calibration split "
+                                       "over participants, L2 clipping, (epsilon, delta))",
                         choices=NOISE_MODES)
     collude_frac: float = option(0.1, "distributed noise: fraction of participants that may collude or not push",
                                  low=0.0, high=1.0, high_open=True)
@@ -68,6 +71,10 @@ class DdpsaOptions(MethodOptions):
         if self.threshold != 0 and not 2 <= self.threshold <= self.num_servers:
             raise ConfigError(f"run-config 'ddpsa-threshold' = {self.threshold} must be 0 (auto) or in "
                               f"[2, ddpsa-num-servers = {self.num_servers}]")
+        if self.noise == "gaussian" and (self.composition != "basic" or self.allocation != "uniform"):
+            raise ConfigError("run-config 'ddpsa-noise' = \"gaussian\" calibrates one noise multiplier for all rounds "
+                              "(cdp's) and composes them as Gaussian DP; 'ddpsa-composition' and 'ddpsa-allocation' schedule "
+                              "Laplace rounds only: leave them at \"basic\" and \"uniform\"")
 
     def validate_run(self, cfg: Any) -> None:
         if self.servers.strip() and not self.ca:

@@ -5,8 +5,8 @@ use only the classes below.  One round:
 
 * ``query.ddpsa_identity`` server -> client (once per node): the reply is a :class:`RosterName`;
 * ``train`` server -> client: the global model, :class:`~protocols.wire.common.TrainIns` and :class:`DdpsaRound`
-  (``eps_t``, the noise mode, the participants' roster names, the intermediate servers in share order, the run
-  id and the fixed-point codec);
+  (``eps_t``, the noise mode and a Gaussian round's multiplier, the participants' roster names, the intermediate
+  servers in share order, the run id and the fixed-point codec);
 * ``train`` client -> server: no arrays; metrics and a :class:`ShareReceipt` (roster name, bytes, time).
 
 The servers listed in :class:`DdpsaRound` are only compared with the client's own configuration.
@@ -34,6 +34,7 @@ _THRESHOLD = "ddpsa-threshold"
 _RUN_ID = "ddpsa-run-id"
 _FRAC_BITS = "ddpsa-frac-bits"
 _MAX_CLIENTS = "ddpsa-max-clients"
+_MULTIPLIER = "ddpsa-noise-multiplier"
 #: The reply record that names the client (:meth:`ShareReceipt.to_config`, :meth:`RosterName.to_config`).
 RECEIPT = "ddpsa-receipt"
 _CLIENT = "ddpsa-client"
@@ -49,7 +50,8 @@ class DdpsaRound:
     ``frac_bits``/``max_clients`` must be the one the parameter server decodes with.
     ``noise`` is ``"distributed"`` or ``"local"`` (run-config ``ddpsa-noise``); ``participants``
     are the roster names of the round's participants (distinct; the distributed noise is split
-    over them).  ``threshold`` servers reconstruct: equal to ``len(servers)`` for additive
+    over them).  ``multiplier``: a ``"gaussian"`` round's noise multiplier ``z`` (> 0; 0 for Laplace rounds, whose
+    noise scale ``epsilon`` sets).  ``threshold`` servers reconstruct: equal to ``len(servers)`` for additive
     shares, smaller for Shamir shares.
     """
 
@@ -61,12 +63,17 @@ class DdpsaRound:
     run_id: str
     frac_bits: int
     max_clients: int
+    multiplier: float = 0.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.epsilon) and self.epsilon > 0):
             raise ValueError(f"'{_EPSILON}' must be a positive finite number, got {self.epsilon!r}")
         if self.noise not in DDPSA_NOISE_MODES:
             raise ValueError(f"'{_NOISE}' must be one of {DDPSA_NOISE_MODES}, got {self.noise!r}")
+        gaussian = self.noise == "gaussian"
+        if not math.isfinite(self.multiplier) or (self.multiplier > 0) != gaussian or self.multiplier < 0:
+            raise ValueError(f"'{_MULTIPLIER}' must be > 0 for a gaussian round and 0 otherwise, got "
+                             f"{self.multiplier!r} ({self.noise})")
         if not self.participants or len(set(self.participants)) != len(self.participants):
             raise ValueError(f"'{_PARTICIPANTS}' must be non-empty and distinct, got {list(self.participants)}")
         if len(self.servers) < 2:
@@ -101,6 +108,7 @@ class DdpsaRound:
             _RUN_ID: self.run_id,
             _FRAC_BITS: int(self.frac_bits),
             _MAX_CLIENTS: int(self.max_clients),
+            _MULTIPLIER: float(self.multiplier),
         }
 
     @classmethod
@@ -114,6 +122,7 @@ class DdpsaRound:
             read_str(rec, _RUN_ID),
             read_int(rec, _FRAC_BITS),
             read_int(rec, _MAX_CLIENTS),
+            read_float(rec, _MULTIPLIER, default=0.0),
         )
 
 

@@ -1,7 +1,8 @@
 """DDP-SA's audit adapter: local intermediate servers and the reconstructed sum as the upload view.
 
 Its claim is pure epsilon-DP under basic composition (the bound uses delta = 0) and an (epsilon, delta) claim
-under ``ddpsa-composition = "pld"``; the audit reads which from the run's ledger (:func:`server.audit_release.claim_of`).
+under ``ddpsa-composition = "pld"`` or ``ddpsa-noise = "gaussian"`` (Gaussian DP); the audit reads which
+from the run's ledger (:func:`server.audit_release.claim_of`).
 
 L1-clipped canaries (``+-clip / 2`` on each of a record's two coordinates); the real shares are pushed to
 ``ddpsa-num-servers`` local intermediate servers (TLS, the derived simulation roster) started once per audit.
@@ -25,7 +26,7 @@ from server.audit_spec import AuditSpec
 __all__ = ["DdpsaAudit"]
 
 def _halve_laplace(victim: Callable[[], int | None]) -> AbstractContextManager:
-    """The Laplace scale of the local noise or of the distributed share (a Gamma difference) halved.
+    """The Laplace scale of the local or distributed share (a Gamma difference), or the Gaussian share's std, halved.
 
     The PRG's normals stay as they are (the Gamma sampler draws from them).
     """
@@ -34,7 +35,8 @@ def _halve_laplace(victim: Callable[[], int | None]) -> AbstractContextManager:
     def halved(orig):
         return lambda size, scale, *a, **k: orig(size, scale / 2, *a, **k)
 
-    return patched((ddpsa_client, "laplace_noise", halved), (ddpsa_client, "distributed_laplace_share", halved))
+    return patched((ddpsa_client, "laplace_noise", halved), (ddpsa_client, "distributed_laplace_share", halved),
+                   (ddpsa_client, "distributed_gaussian_share", halved))
 
 
 def _schedule_once() -> AbstractContextManager:
@@ -58,7 +60,9 @@ class DdpsaAudit(AuditAdapter):
     self_tests = ((HALVE_NOISE, SELF_TEST_TRIALS),)
     #: The first of 100 rounds calibrated by their privacy-loss distribution: its ledger claims a little less than
     #: the round's Laplace epsilon, at delta (not a pure claim).
-    variants = (("pld, 100 rounds", 100, MappingProxyType({"ddpsa-composition": "pld"}), SELF_TEST_TRIALS),)
+    #: Gaussian noise (cdp's calibration, composed as Gaussian DP): claimed at delta.
+    variants = (("pld, 100 rounds", 100, MappingProxyType({"ddpsa-composition": "pld"}), SELF_TEST_TRIALS),
+                ("gaussian", 1, MappingProxyType({"ddpsa-noise": "gaussian"}), SELF_TEST_TRIALS))
 
     def run_config(self, spec: AuditSpec) -> dict[str, Any]:
         """The server's plain SGD step (lr) with the reconstructed sum: a linear release."""
@@ -95,7 +99,7 @@ class DdpsaAudit(AuditAdapter):
             return GradientView(None, "nothing: secret shares on the intermediate servers (share vector not captured)")
         return GradientView(unflatten(pushed, from_record(cap.sent.content["arrays"])),
                             "alone: nothing (uniform shares); colluding with all m intermediate servers: "
-                            "L1-clipped gradient + Laplace noise (attacked here)")
+                            "clipped gradient + Laplace (L1) or Gaussian (L2) noise share (attacked here)")
 
     @contextlib.contextmanager
     def uplink_side_channel(self, store: dict[str, np.ndarray]) -> Iterator[None]:
