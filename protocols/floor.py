@@ -337,7 +337,8 @@ class NissFloor:
     ``scale``: the factor on every ``sigma_k`` (:func:`protocols.niss_joint.joint_scale` times the dropout factor;
     1 when ``tau = 0``, where no scale helps and the run's uplink carries no guarantee); ``factors``: node -> ``f_k``
     at scale 1, each client's view given the worst ``niss-rho`` share of its neighbours colluding (the claim);
-    ``open_factors``: the same with no colluding neighbour (:meth:`open_multipliers`).
+    ``open_factors``: the same with no colluding neighbour (:meth:`open_multipliers`; empty unless
+    :func:`niss_floor`'s ``open_view``).
     """
 
     scale: float
@@ -357,7 +358,7 @@ class NissFloor:
 
 
 def niss_floor(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Sequence[int]], tau: float,
-               offered: float | None = None, releases: int | None = None) -> NissFloor:
+               offered: float | None = None, releases: int | None = None, *, open_view: bool = False) -> NissFloor:
     """``niss``: the noise scale the round's joint view needs; refuses an ``offered`` scale below it.
 
     The scale is :func:`protocols.niss_joint.joint_scale` of the factors given up to ``floor(niss-rho x d_k)``
@@ -371,6 +372,8 @@ def niss_floor(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Seq
 
     ``releases``: the releases every ``sigma_k`` is calibrated for (:func:`calibration_releases`: the public
     schedule's most participations of any client, None: ``num-rounds``; the scale does not depend on it).
+    ``open_view``: also the factors with no colluding neighbour (:attr:`NissFloor.open_factors`, from the same
+    sigmas, graph and tau; the server's second upload figure; a client, whose ledger charges the claim, skips them).
 
     Raises:
         FloorViolation: ``offered`` (the share request's ``niss-noise-scale``) below the scale, or ``releases``
@@ -380,7 +383,7 @@ def niss_floor(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Seq
     t = calibration_releases(cfg, releases)
     sigmas = {n: client_sigma(cfg, weights[n], int(sizes.get(n, 1)), t) for n in graph}
     factors = joint_factors(sigmas, graph, tau, rho=cfg.niss_rho)
-    open_factors = joint_factors(sigmas, graph, tau)  # the view with no colluding neighbour
+    open_factors = joint_factors(sigmas, graph, tau) if open_view else {}  # the view with no colluding neighbour
     if tau == 0:
         return NissFloor(1.0, factors, open_factors)
     floor = NissFloor(joint_scale(factors) * niss_dropout_factor(sigmas, graph, cfg.dropout_rate), factors,

@@ -182,7 +182,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
     def _floor(self, kr: KeyRound) -> NissFloor:
         """The round's :func:`protocols.floor.niss_floor` (the clients derive the same and refuse less)."""
         tau, releases = client_tau(self.cfg, _sizes(kr)), self.keys.releases()
-        return niss_floor(self.cfg, _sizes(kr), kr.neighbours, tau, releases=releases)
+        return niss_floor(self.cfg, _sizes(kr), kr.neighbours, tau, releases=releases, open_view=True)
 
     def _weights(self, kr: KeyRound) -> dict[int, float]:
         return niss_math.aggregation_weights(self.cfg, kr.participants, _sizes(kr))

@@ -72,11 +72,11 @@ def test_no_colluder_figure_equals_the_claim_exactly_where_rho_covers_no_collude
     f0 = _closed_form(3, tau)
     assert f0 < 1
     for rho in (0.0, 0.3):
-        floor = niss_floor(_cfg(num_clients=4, niss_rho=rho, num_rounds=1), sizes, graph, tau)
+        floor = niss_floor(_cfg(num_clients=4, niss_rho=rho, num_rounds=1), sizes, graph, tau, open_view=True)
         assert floor.scale == pytest.approx(1 / math.sqrt(f0), rel=1e-12)
         assert min(floor.open_multipliers(z).values()) == pytest.approx(z, rel=1e-12)  # the claim exactly
         assert min(floor.open_multipliers(z, 1.5).values()) == pytest.approx(1.5 * z, rel=1e-12)  # guard's raise
-    floor = niss_floor(_cfg(num_clients=4, niss_rho=0.5, num_rounds=1), sizes, graph, tau)
+    floor = niss_floor(_cfg(num_clients=4, niss_rho=0.5, num_rounds=1), sizes, graph, tau, open_view=True)
     assert min(floor.open_multipliers(z).values()) == pytest.approx(floor.scale * z * math.sqrt(f0), rel=1e-12)
     assert floor.scale * math.sqrt(f0) > 1.1  # 1.13: more private than the claim without the colluder
 
@@ -85,12 +85,13 @@ def test_no_colluder_figure_is_below_the_claim_where_the_joint_view_holds_more_o
     """At rho 0, ``min f > 1`` (tau 1.5: the scale stays 1) or a dropout factor above 1 leave more than the claim's z."""
     graph, sizes = complete_graph(range(5)), dict.fromkeys(range(5), 100)
     z = noise_multiplier(1.0, 1e-5, 1)
-    big = niss_floor(_cfg(niss_rho=0.0, num_rounds=1), sizes, graph, 1.5)
+    big = niss_floor(_cfg(niss_rho=0.0, num_rounds=1), sizes, graph, 1.5, open_view=True)
     f0 = _closed_form(4, 1.5)
     assert f0 > 1 and big.scale == 1.0
     assert min(big.open_multipliers(z).values()) == pytest.approx(z * math.sqrt(f0), rel=1e-12)
     graph, sizes = complete_graph(range(10)), dict.fromkeys(range(10), 100)
-    drop = niss_floor(_cfg(num_clients=10, niss_rho=0.0, num_rounds=1, dropout_rate=0.05), sizes, graph, 0.3)
+    drop = niss_floor(_cfg(num_clients=10, niss_rho=0.0, num_rounds=1, dropout_rate=0.05), sizes, graph, 0.3,
+                      open_view=True)
     d = niss_dropout_factor(dict.fromkeys(range(10), 1.0), graph, 0.05)
     assert _closed_form(9, 0.3) < 1 and d > 1.5
     assert min(drop.open_multipliers(z).values()) == pytest.approx(z * d, rel=1e-9)
