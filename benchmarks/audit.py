@@ -37,7 +37,8 @@ from server.audit_spec import DIRECTIONS, AuditSpec, audit_adapter, auditable_me
 
 HELP = "claimed vs empirically audited epsilon of every method and view (planted-fault self-test included)"
 
-COLUMNS = ("method", "direction", "canary", "variant", "fault", "colluders", "epsilon", "claimed", "delta", "epsilon_lb",
+COLUMNS = ("method", "direction", "canary", "variant", "fault", "colluders", "epsilon", "claim", "claimed", "delta",
+           "epsilon_lb",
            "epsilon_ub", "point", "ceiling", "ratio", "tp", "fp", "trials", "seconds", "cpu_s", "verdict")
 #: ``cancelfl-bench reproduce``: a row is its method, view, canary, variant, fault, colluders and epsilon; the claim
 #: is exact, the bound a random figure (its 95 % interval is wide), the verdict must not change.
@@ -74,8 +75,8 @@ def _row(spec: AuditSpec, seed: int | None, variant: str = "") -> dict:
     print(rep.line(), flush=True)
     return {"method": spec.method, "direction": spec.direction, "canary": rep.canary, "variant": variant,
             "fault": spec.fault or "", "colluders": spec.colluders, "epsilon": spec.epsilon,
-            "claimed": claimed, "delta": rep.delta, "epsilon_lb": b.epsilon_lb, "epsilon_ub": b.epsilon_ub,
-            "point": b.epsilon_point,
+            "claim": rep.claim_view, "claimed": claimed, "delta": rep.delta, "epsilon_lb": b.epsilon_lb,
+            "epsilon_ub": b.epsilon_ub, "point": b.epsilon_point,
             "ceiling": gaussian_ceiling(claimed, rep.delta, b.trials, spec.alpha)
             if math.isfinite(claimed) and claimed > 0 and rep.delta > 0 else None,
             "ratio": b.epsilon_lb / claimed if math.isfinite(claimed) and claimed > 0 else None,
@@ -157,7 +158,9 @@ def run(args: argparse.Namespace) -> int:
     (out / "audit.json").write_text(json.dumps([r["report"] for r in rows], indent=2) + "\n")
     _plot(rows, out / "audit.png")
     notes = ["claimed: the run's own one-round epsilon for the view (accountant after one round at epsilon); inf = "
-             "no guarantee claimed in that view (cdp uploads are un-noised: the server is trusted)",
+             "no guarantee claimed in that view (cdp uploads are un-noised: the server is trusted); claim: the view "
+             "the figure is the run's epsilon of (uploads, published model, or niss's uploads with no colluding "
+             "neighbour, its second upload figure)",
              "epsilon_lb: 95 % lower bound (one-sided Clopper-Pearson on the odds of hits tp against misses fp, less "
              "the hits delta may add; statistic and threshold fitted on every fourth release, trials = the other "
              "releases' canaries; protocols.privacy.audit); epsilon_ub: the upper end of the odds' interval; "
@@ -187,7 +190,9 @@ def run(args: argparse.Namespace) -> int:
              "delta: the delta of the claim and of the bound (0: the run's accountant certifies a pure-DP claim)",
              "colluders: peers of each audited client handing the server their pair material (nadp: the pair seeds; "
              "niss: the shares exchanged with it and their distortion); the claim covers none for nadp and "
-             "floor(niss-rho x 3) = 1 for niss; 'outside claim' marks a bound above the claim beyond that"]
+             "floor(niss-rho x 3) = 1 for niss; 'outside claim' marks a bound above the claim beyond that; niss rows "
+             "without colluders are checked against the run's epsilon for uploads with no colluding neighbour, "
+             "rows with colluders against the claim"]
     publish(rows, COLUMNS, args, "audit", title="Privacy audit: claimed vs audited epsilon", notes=notes,
             total=time.perf_counter() - t0)
     return 1 if any(r["verdict"] in ("VIOLATION", "FAULT MISSED") for r in rows) else 0

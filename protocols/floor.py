@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from protocols.config import RunConfig
@@ -31,7 +31,7 @@ from protocols.mpddp import (
 )
 from protocols.nadp import NadpSigmas, NoiseAllocation, compensation_factor, round_plan
 from protocols.niss import aggregation_weights, client_sigma
-from protocols.niss_joint import joint_factors, joint_scale
+from protocols.niss_joint import joint_factors, joint_scale, view_multipliers
 from protocols.privacy import calibrate_noise_multiplier, noise_multiplier, per_round_epsilons, record_sensitivity
 
 __all__ = [
@@ -348,15 +348,29 @@ class NissFloor:
 
     ``scale``: the factor on every ``sigma_k`` (:func:`protocols.niss_joint.joint_scale` times the dropout factor;
     1 when ``tau = 0``, where no scale helps and the run's uplink carries no guarantee); ``factors``: node -> ``f_k``
-    at scale 1, each client's view given the worst ``niss-rho`` share of its neighbours colluding.
+    at scale 1, each client's view given the worst ``niss-rho`` share of its neighbours colluding (the claim);
+    ``open_factors``: the same with no colluding neighbour (:meth:`open_multipliers`; empty unless
+    :func:`niss_floor`'s ``open_view``).
     """
 
     scale: float
     factors: Mapping[int, float]
+    open_factors: Mapping[int, float] = field(default_factory=dict)
+
+    def open_multipliers(self, z: float, extra_scale: float = 1.0) -> dict[int, float]:
+        """Node -> the noise multiplier of its view without colluding neighbours, at ``scale`` times ``extra_scale``.
+
+        :func:`protocols.niss_joint.view_multipliers` of :attr:`open_factors` (``z``: the multiplier every
+        ``sigma_k`` is calibrated for; ``extra_scale``: the budget guard's raise).  At least ``z extra_scale``
+        (the claim's multiplier) up to round-off; equal to it for the worst-off client when ``niss-rho`` covers
+        no colluder (``floor(rho d_k) = 0``), its ``f_k <= 1`` and the dropout factor is 1.  A node without an
+        open factor is left out (its caller charges the claim's multiplier).
+        """
+        return view_multipliers(self.open_factors, z, self.scale * extra_scale)
 
 
 def niss_floor(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Sequence[int]], tau: float,
-               offered: float | None = None, releases: int | None = None) -> NissFloor:
+               offered: float | None = None, releases: int | None = None, *, open_view: bool = False) -> NissFloor:
     """``niss``: the noise scale the round's joint view needs; refuses an ``offered`` scale below it.
 
     The scale is :func:`protocols.niss_joint.joint_scale` of the factors given up to ``floor(niss-rho x d_k)``
@@ -370,6 +384,8 @@ def niss_floor(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Seq
 
     ``releases``: the releases every ``sigma_k`` is calibrated for (:func:`calibration_releases`: the public
     schedule's most participations of any client, None: ``num-rounds``; the scale does not depend on it).
+    ``open_view``: also the factors with no colluding neighbour (:attr:`NissFloor.open_factors`, from the same
+    sigmas, graph and tau; the server's second upload figure; a client, whose ledger charges the claim, skips them).
 
     Raises:
         FloorViolation: ``offered`` (the share request's ``niss-noise-scale``) below the scale, or ``releases``
@@ -379,9 +395,11 @@ def niss_floor(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Seq
     t = calibration_releases(cfg, releases)
     sigmas = {n: client_sigma(cfg, weights[n], int(sizes.get(n, 1)), t) for n in graph}
     factors = joint_factors(sigmas, graph, tau, rho=cfg.niss_rho)
+    open_factors = joint_factors(sigmas, graph, tau) if open_view else {}  # the view with no colluding neighbour
     if tau == 0:
-        return NissFloor(1.0, factors)
-    floor = NissFloor(joint_scale(factors) * niss_dropout_factor(sigmas, graph, cfg.dropout_rate), factors)
+        return NissFloor(1.0, factors, open_factors)
+    floor = NissFloor(joint_scale(factors) * niss_dropout_factor(sigmas, graph, cfg.dropout_rate), factors,
+                      open_factors)
     if offered is not None:
         at_least("joint-view noise scale", offered, floor.scale,
                  "the uploads together would leave this client less noise than its accountant charges")

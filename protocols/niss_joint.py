@@ -54,7 +54,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from scipy.linalg import lapack
 
-__all__ = ["colluder_count", "joint_covariance", "joint_factors", "joint_scale", "share_variances", "survivor_factors"]
+__all__ = ["colluder_count", "joint_covariance", "joint_factors", "joint_scale", "share_variances", "survivor_factors",
+           "view_multipliers"]
 
 
 def share_variances(sigmas: Mapping[int, float], graph: Mapping[int, Sequence[int]]) -> dict[int, float]:
@@ -326,6 +327,20 @@ def joint_scale(factors: Mapping[int, float]) -> float:
         raise ValueError("niss-tau = 0: the sum of the uploads is noiseless, so the uploads together carry no "
                          "guarantee and no noise scale gives one")
     return max(1.0, 1.0 / math.sqrt(f))
+
+
+def view_multipliers(factors: Mapping[int, float], z: float, scale: float) -> dict[int, float]:
+    """``z_k = z c sqrt(f_k)``: the noise multiplier client k's view keeps (``factors``: :func:`joint_factors`).
+
+    Every ``sigma_k = z Delta f_k`` raised by ``c`` = ``scale`` leaves client k's view ``c^2 f_k sigma_k^2``
+    (``f_k`` is scale-free), i.e. std ``z c sqrt(f_k)`` times its sensitivity.  With the factors of ``rho = 0``
+    this is the view without colluding neighbours: never below the ``z c sqrt(min f)`` of the factors given
+    colluders (conditioning on their material only removes noise), which :func:`joint_scale` keeps at ``z`` or
+    more.  Raises ValueError for a negative ``z`` or ``scale``.
+    """
+    if not (z >= 0 and scale >= 0):
+        raise ValueError(f"z and scale must be >= 0, got {z!r}, {scale!r}")
+    return {k: z * scale * math.sqrt(max(float(f), 0.0)) for k, f in factors.items()}
 
 
 def survivor_factors(sigmas: Mapping[int, float], charged: Mapping[int, float], graph: Mapping[int, Sequence[int]],

@@ -112,7 +112,8 @@ def _audit_releases(spec: AuditSpec, raw: dict, seed: int | None, progress: Call
             first = np.r_[True, grp[1:] != grp[:-1]]  # the threshold is chosen for the same count (the fit used all)
             scores, lab, grp = scores[first], lab[first], grp[first]
         bound = audit_scores(scores, lab, grp, claim_delta, spec.alpha)
-    key = "epsilon_uplink" if spec.direction == "upload" else "epsilon_downlink"
+    account = spec.adapter.claim_account(spec)
+    key = f"epsilon_{account}"
     claimed = float(claims.get(key, math.inf))
     of_run = "one round" if spec.rounds == 1 else f"its first round of {spec.rounds}"
     notes = [f"claim: the run's {key} after {of_run} at epsilon={spec.epsilon} (one released round)"]
@@ -125,4 +126,4 @@ def _audit_releases(spec: AuditSpec, raw: dict, seed: int | None, progress: Call
                        ADJACENCY_TEXT[spec.adjacency_used], bound, int(keep_all.sum()), releases, time.perf_counter() - t0,
                        notes, tolerated, spec.colluders <= tolerated and (not spec.given_secret or spec.adapter.secret_claim),
                        spec.adapter.nominal_claim,
-                       time.process_time() - c0)
+                       time.process_time() - c0, account)

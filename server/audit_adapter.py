@@ -171,6 +171,13 @@ class AuditAdapter:
         """Run-config keys the method's releases set beyond :meth:`AuditSpec.run_config`'s (none by default)."""
         return {}
 
+    def claim_account(self, spec: AuditSpec) -> str:
+        """The ledger account whose epsilon is the claim for ``spec``'s view (:data:`server.audit_spec.CLAIMS`).
+
+        Default: ``uplink`` for the ``upload`` view, ``downlink`` for ``model``.
+        """
+        return "uplink" if spec.direction == "upload" else "downlink"
+
     def tolerated_colluders(self, spec: AuditSpec) -> int:
         """Colluding peers of an audited client that the method's claim covers (its threat model's c; 0 by default).
 

@@ -23,7 +23,8 @@ Check a method's privacy claim on its real release code: plant canary records in
 clients' data, run one training round many times, and bound from below (95 % confidence)
 the epsilon an adversary who sees the uploads (--direction upload) or the published model
 (--direction model) can prove.  The claim checked is the run's own epsilon after one round
-at --epsilon.
+at --epsilon for that view (niss uploads without --colluders: its figure for uploads with no
+colluding neighbour; with colluders: its claim, which covers floor(niss-rho x neighbours)).
 
 Examples:
   cancelfl audit --method nadp                      the uploads, the method's own canaries (minutes)

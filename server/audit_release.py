@@ -43,15 +43,19 @@ class Release:
     claim_delta: float  # the delta the claim of the audited view holds at (0: a pure-DP claim, claim_of)
 
 
-def claim_of(ledger: Any, direction: str) -> tuple[float, float]:
+def claim_of(ledger: Any, direction: str, account: str | None = None) -> tuple[float, float]:
     """``(epsilon, delta)`` the run's ledger claims for the view ``direction`` (``upload``: uplink, else downlink).
+
+    ``account``: the ledger account to read instead (``uplink``, ``downlink`` or the name of an extra account,
+    :meth:`server.audit_adapter.AuditAdapter.claim_account`); None: the direction's.
 
     ``epsilon`` is the ledger's figure at its delta (``inf``: no guarantee).  The claim is pure DP (delta 0)
     where the view's accountant certifies a pure epsilon no larger than that figure
     (:meth:`protocols.privacy.Accountant.pure_epsilon`: pure releases composed basically); an accountant that
     composes them by their privacy-loss distribution (e.g. ddpsa's ``pld``) claims its smaller epsilon at delta only.
     """
-    acc = ledger.uplink if direction == "upload" else ledger.downlink
+    account = account or ("uplink" if direction == "upload" else "downlink")
+    acc = {"uplink": ledger.uplink, "downlink": ledger.downlink}.get(account, ledger.extra.get(account))
     if acc is None:
         return math.inf, ledger.delta
     eps = acc.epsilon(ledger.delta)
@@ -87,8 +91,8 @@ def release(spec: AuditSpec, cfg: RunConfig, canaries: _Canaries | _AdaptiveCana
     if aggregate is None:
         raise RuntimeError("audit release: the strategy published no model")
     part = {nid: i for i, nid in enumerate(grid.node_ids)}  # node -> partition (LocalGrid's order)
-    claims = strategy.privacy.report()
-    _, claim_delta = claim_of(strategy.privacy, spec.direction)
+    claims = {**strategy.privacy.report(), **strategy.privacy.extra_report()}
+    _, claim_delta = claim_of(strategy.privacy, spec.direction, adapter.claim_account(spec))
     owner = canaries.owner()
     audited = np.ones(len(owner), dtype=bool)
     if fault is not None and fault.per_client:

@@ -1,8 +1,10 @@
 """What an audit is: its options (:class:`AuditSpec`), its result (:class:`AuditReport`) and the method's adapter.
 
 The claim audited is the run's own: the strategy's privacy ledger after the run's first round at ``epsilon``
-(``epsilon_uplink`` for the ``upload`` view, ``epsilon_downlink`` for ``model``; ``rounds`` and ``settings`` make
-the run's schedule and options); ``inf`` where the method claims no guarantee in that direction.  The bound uses
+(``epsilon_uplink`` for the ``upload`` view, ``epsilon_downlink`` for ``model``, or the account the adapter names
+for the view, :meth:`server.audit_adapter.AuditAdapter.claim_account`, e.g. niss's uploads with no colluding
+neighbour; ``rounds`` and ``settings`` make the run's schedule and options); ``inf`` where the method claims no
+guarantee in that direction.  The bound uses
 ``delta = 0`` where the ledger certifies the claim as pure epsilon-DP (:func:`server.audit_release.claim_of`).
 What the audit knows of a method comes from its card's audit adapter (:attr:`protocols.methods.MethodSpec.audit`,
 :class:`server.audit_adapter.AuditAdapter`): its canaries, planted faults, federation, extra run config, and how
@@ -16,12 +18,12 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from protocols.config import ConfigError
-from protocols.methods import FULL_BATCH, MethodSpec, method_names, method_spec
+from protocols.methods import FULL_BATCH, NO_COLLUDER, MethodSpec, method_names, method_spec
 
 if TYPE_CHECKING:  # the accountants (scipy, dp-accounting) load with the audit itself, not with its options
     from protocols.privacy.audit import AuditBound
 
-__all__ = ["ADJACENCY_TEXT", "CANARIES", "CANARY_SCALE", "DIRECTIONS", "AuditReport", "AuditSpec", "audit_adapter",
+__all__ = ["ADJACENCY_TEXT", "CANARIES", "CANARY_SCALE", "CLAIMS", "DIRECTIONS", "AuditReport", "AuditSpec", "audit_adapter",
            "auditable_methods", "default_canary", "faults", "federation", "methods_where"]
 
 DIRECTIONS: tuple[str, ...] = ("upload", "model")
@@ -31,6 +33,9 @@ CANARIES: tuple[str, ...] = ("gradient", "adaptive")
 #: How the canaries make neighbouring datasets, per adjacency (run-config ``adjacency``).
 ADJACENCY_TEXT: dict[str, str] = {"zero-out": "zero-out record (a canary present or its input zeroed)",
                                   "replace-one": "replace-one record (a canary's label flipped)"}
+#: The ledger accounts a claim is read from (:meth:`server.audit_adapter.AuditAdapter.claim_account`), by name.
+CLAIMS: dict[str, str] = {"uplink": "uploads", "downlink": "published model",
+                          NO_COLLUDER: "uploads (no colluding neighbour)"}
 #: Input scale of a canary in units of clip: its gradient norm at W = 0 is ``scale clip / sqrt 2`` > clip.
 CANARY_SCALE = 10.0
 
@@ -202,6 +207,12 @@ class AuditReport:
     covered: bool = True  # the claim covers this view (colluders within tolerance; a secret the claim conditions on)
     nominal: bool = False  # the method states its claim as nominal (no guarantee): exceeding it is no violation
     cpu_seconds: float = math.nan  # process time of the releases and the test (wall ``seconds`` includes waiting)
+    claim: str = "uplink"  # the ledger account the claim is read from (:data:`CLAIMS`)
+
+    @property
+    def claim_view(self) -> str:
+        """What the claim covers, in words (:data:`CLAIMS`)."""
+        return CLAIMS.get(self.claim, self.claim)
 
     @property
     def epsilon_lb(self) -> float:
@@ -225,6 +236,7 @@ class AuditReport:
         d["epsilon_lb"] = self.epsilon_lb
         d["violation"] = self.violation
         d["exceeds_claim"] = self.exceeds_claim
+        d["claim_view"] = self.claim_view
         return d
 
     def line(self) -> str:
@@ -233,7 +245,7 @@ class AuditReport:
         claim = "none" if math.isinf(self.claimed_epsilon) else f"{self.claimed_epsilon:.3f}"
         extra = f" colluders={self.colluders} (claim covers {self.tolerated_colluders})" if self.colluders else ""
         extra += f" fault={self.fault}" if self.fault else ""
-        return (f"{self.method:5s} {self.direction:6s} {self.canary:8s}{extra}: claimed {claim}, "
+        return (f"{self.method:5s} {self.direction:6s} {self.canary:8s}{extra}: claimed {claim} ({self.claim_view}), "
                 f"epsilon_lb {b.epsilon_lb:.3f} (95% interval [{b.epsilon_lb:.3f}, {b.epsilon_ub:.3f}], point "
                 f"{b.epsilon_point:.3f}; TPR {b.true_positives}/{b.trials}, FPR {b.false_positives}/{b.trials}) "
                 f"{self.trials} trials in {self.releases} releases, {self.seconds:.1f} s "

@@ -12,9 +12,10 @@ Calibration: ``sigma_k = z Delta f_k`` (:func:`protocols.niss.client_sigma`, wei
 :func:`protocols.niss.aggregation_weights`), raised by the round's ``noise_scale`` from
 :func:`protocols.floor.niss_floor` so the server's best linear view of a client keeps ``(z Delta f_k)^2``,
 also given the material of the worst ``floor(niss-rho x d_k)`` of its ``d_k`` neighbours colluding
-(:mod:`protocols.niss_joint`).  Downlink multiplier :func:`protocols.niss.downlink_multiplier` (heuristic);
-``tau = 0`` gives no guarantee.  Reported: ``theorem2_variance`` (Theorem 2) and, with ``cancellation-check``,
-the measured residuals.
+(:mod:`protocols.niss_joint`): the uplink claim.  The ledger's :data:`protocols.methods.NO_COLLUDER` account: the
+view with no colluding neighbour (:meth:`protocols.floor.NissFloor.open_multipliers`).  Downlink multiplier
+:func:`protocols.niss.downlink_multiplier` (heuristic); ``tau = 0`` gives no guarantee.  Reported:
+``theorem2_variance`` (Theorem 2) and, with ``cancellation-check``, the measured residuals.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from flwr.serverapp import Grid
 from protocols import niss as niss_math
 from protocols.arrays import flatten, unflatten
 from protocols.config import RunConfig
-from protocols.floor import niss_floor
+from protocols.floor import NissFloor, niss_floor
+from protocols.methods import NO_COLLUDER
 from protocols.niss import ShareBundle, client_multiplier, client_tau, downlink_multiplier
 from protocols.niss_joint import survivor_factors
 from protocols.privacy import (
@@ -67,9 +69,11 @@ class NissRound(RoundState):
     tau: float = 0.0
     #: The factor on every sigma_k that the joint view of the uploads needs (:func:`protocols.floor.niss_floor`).
     noise_scale: float = 1.0
-    #: Noise left after recovery, set by the aggregate stage for the account stage: (uplink multiplier of the
-    #: least-noised survivor, variance of the shares exchanged among survivors); None without recovery.
-    noise_left: tuple[float, float] | None = None
+    #: node -> the uplink multiplier of its view with no colluding neighbour (:meth:`NissFloor.open_multipliers`).
+    open_multipliers: dict[int, float] = dataclasses.field(default_factory=dict)
+    #: Noise left after recovery, set by the aggregate stage for the account stage: (least uplink multiplier of a
+    #: survivor, downlink multiplier of the survivors' shares, least with no colluder); None without recovery.
+    noise_left: tuple[float, float, float] | None = None
 
 
 #: Bytes of one sealed payload besides its share vectors (header, seed, AEAD nonce and tag; ~100 in practice).
@@ -141,9 +145,10 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         self.keys = KeyPhase(cfg)
         #: The last aggregated round's client reports (sigma_k, tau_k, shares): describe() and noise_estimate().
         self._figures: list[NissMetrics] = []
-        # Per client: uplink (headline) and downlink (the sum's residual); none with tau = 0 (the shares cancel).
+        # Per client: uplink (headline, niss-rho's colluders), uplink with no colluder, downlink; none with tau = 0.
         self.privacy = PrivacyLedger(cfg.delta, uplink=PerUnitAccountant() if self.tau > 0 else None,
-                                     downlink=PerUnitAccountant() if self.tau > 0 else None, headline="uplink")
+                                     downlink=PerUnitAccountant() if self.tau > 0 else None, headline="uplink",
+                                     extra={NO_COLLUDER: PerUnitAccountant()} if self.tau > 0 else None)
 
     @property
     def z(self) -> float:
@@ -168,14 +173,16 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         self.report(participants=len(kr.participants), dropped=len(kr.dropped))
         self.announce_masking(kr.neighbours)
         tau = client_tau(self.cfg, _sizes(kr))
-        scale = self._scale(kr)
-        self.report(joint_view_scale=scale / self.noise_scale)
-        return NissRound(st.round, list(kr.participants), self._weights(kr), inbox, tau, scale, keys=kr)
+        floor = self._floor(kr)
+        scale = floor.scale * self.noise_scale
+        self.report(joint_view_scale=floor.scale)
+        return NissRound(st.round, list(kr.participants), self._weights(kr), inbox, tau, scale,
+                         open_multipliers=floor.open_multipliers(self.z, self.noise_scale), keys=kr)
 
-    def _scale(self, kr: KeyRound) -> float:
-        """Joint-view scale (:func:`protocols.floor.niss_floor`, clients refuse less) times the guard's ``noise_scale``."""
-        tau, releases = client_tau(self.cfg, _sizes(kr)), self.keys.releases()  # the clients derive the same
-        return niss_floor(self.cfg, _sizes(kr), kr.neighbours, tau, releases=releases).scale * self.noise_scale
+    def _floor(self, kr: KeyRound) -> NissFloor:
+        """The round's :func:`protocols.floor.niss_floor` (the clients derive the same and refuse less)."""
+        tau, releases = client_tau(self.cfg, _sizes(kr)), self.keys.releases()
+        return niss_floor(self.cfg, _sizes(kr), kr.neighbours, tau, releases=releases, open_view=True)
 
     def _weights(self, kr: KeyRound) -> dict[int, float]:
         return niss_math.aggregation_weights(self.cfg, kr.participants, _sizes(kr))
@@ -189,7 +196,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         for _attempt in range(MAX_SHARE_ATTEMPTS):
             if len(kr.participants) < 2:
                 break
-            weights, scale = self._weights(kr), self._scale(kr)
+            weights, scale = self._weights(kr), self._floor(kr).scale * self.noise_scale
 
             def content(node: int, kr=kr, weights=weights, scale=scale) -> RecordDict:
                 # The neighbours' signed keys and the round's view (participants, graph seed); the probe seed
@@ -357,12 +364,15 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         f_left = survivor_factors({n: f.sigma for n, f in figures.items()}, charged, state.keys.neighbours, kept,
                                   state.tau, rho=self.cfg.niss_rho)
         z_real = min(self.z * math.sqrt(f) for f in f_left.values())
+        f_open = survivor_factors({n: f.sigma for n, f in figures.items()}, charged, state.keys.neighbours, kept,
+                                  state.tau)
+        z_open = max(min(self.z * math.sqrt(f) for f in f_open.values()), z_real)  # colluders only take noise away
         real = 0.0
         if self.privacy.downlink is not None:
             # Multiplier = std left / the worst record's sensitivity max_k sigma_k / (scale z) (niss.downlink_multiplier).
             among = max(math.fsum(sigma2.values()) - lost_among, 0.0)
             real = state.noise_scale * state.tau * self.z * math.sqrt(among) / math.sqrt(max(sigma2.values()))
-        state.noise_left = (z_real, real)
+        state.noise_left = (z_real, real, z_open)
         self.report(uplink_noise_multiplier_after_recovery=z_real)
         return rec.probe_corrections(out)
 
@@ -458,16 +468,30 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         """
         if self.privacy.uplink is not None:  # the joint view keeps at least z times the guard's scale
             self.privacy.uplink.compose(GaussianEvent(self.z * self.noise_scale), units=state.participants)
+        if (alone := self.privacy.extra.get(NO_COLLUDER)) is not None:
+            by_z: dict[float, list[int]] = {}
+            for n, z_open in self._open_multipliers(state).items():
+                by_z.setdefault(z_open, []).append(n)
+            for z_open, units in by_z.items():
+                alone.compose(GaussianEvent(z_open), units=units)
         if self.privacy.downlink is not None:
             self.privacy.downlink.compose(GaussianEvent(self._downlink_multiplier(state)), units=state.participants)
+
+    def _open_multipliers(self, state: NissRound) -> dict[int, float]:
+        """Participant -> its planned uplink multiplier with no colluding neighbour, never below the claim's."""
+        claim = self.z * self.noise_scale
+        return {n: max(state.open_multipliers.get(n, claim), claim) for n in state.participants}
 
     def account(self, state: NissRound) -> None:
         """Account stage: after a recovery, the shortfall of the noise really left against the planned release."""
         if state.noise_left is None:
             return
-        z_real, real = state.noise_left
+        z_real, real, z_open = state.noise_left
         if self.privacy.uplink is not None:
             charge_shortfall(self.privacy.uplink, self.z * self.noise_scale, z_real, units=state.participants)
+        if (alone := self.privacy.extra.get(NO_COLLUDER)) is not None:
+            for n, planned in self._open_multipliers(state).items():
+                charge_shortfall(alone, planned, z_open, units=[n])
         if self.privacy.downlink is not None:
             charge_shortfall(self.privacy.downlink, self._downlink_multiplier(state), real, units=state.participants)
 

@@ -10,7 +10,7 @@ import pytest
 from scipy.stats import binom, binomtest, norm
 
 from protocols.config import ConfigError, RunConfig
-from protocols.privacy import calibrate_noise_multiplier, noise_multiplier
+from protocols.privacy import GaussianEvent, PerUnitAccountant, calibrate_noise_multiplier, noise_multiplier
 from protocols.privacy.audit import (
     EXCESS_ALPHA,
     audit_scores,
@@ -350,3 +350,9 @@ def test_niss_joint_upload_view_keeps_the_noise_the_uplink_claim_assumes():
     c = joint_scale(joint_factors(dict.fromkeys(range(4), 1.0), complete_graph(range(4)), tau, rho=cfg.niss_rho))
     assert ratio < 0.8 and c == pytest.approx(1.2766, abs=1e-4)
     assert np.mean(snr) == pytest.approx(1 / (z * c * math.sqrt(ratio)), rel=0.05)  # 1.12 / z at c = 1
+    # the run's figure for this view (no colluder) is the epsilon of the multiplier measured here; the claim is 4
+    acc = PerUnitAccountant()
+    acc.compose(GaussianEvent(1 / float(np.mean(snr))), units=[0])
+    claims = releases[-1].claims
+    assert claims["epsilon_uplink_no_colluder"] == pytest.approx(acc.epsilon(spec.delta), rel=0.08)
+    assert claims["epsilon_uplink_no_colluder"] < 0.9 * claims["epsilon_uplink"]

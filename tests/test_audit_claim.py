@@ -10,10 +10,11 @@ import math
 import pytest
 
 from protocols.config import ConfigError
+from protocols.methods import NO_COLLUDER
 from protocols.privacy import DpCompositionAccountant, PldAccountant, PrivacyLedger, RdpAccountant, per_round_epsilons
 from protocols.privacy.events import DpEvent, GaussianEvent, LaplaceEvent
 from server.audit_release import claim_of
-from server.audit_spec import AuditSpec, audit_adapter
+from server.audit_spec import CLAIMS, AuditSpec, audit_adapter
 
 DELTA = 1e-5
 
@@ -72,3 +73,22 @@ def test_given_secret_is_a_model_view_of_the_mp_family_only():
     for spec in (AuditSpec("ldp", "model", given_secret=True), AuditSpec("mpcdp", "upload", given_secret=True)):
         with pytest.raises(ConfigError, match="given-secret"):
             spec.validate()
+
+
+def test_niss_rows_compare_each_colluder_count_with_the_claim_for_that_view():
+    """Niss uploads: 0 colluders -> the run's figure with no colluding neighbour; 1 (= floor(rho x 3)) or 2 -> the claim.
+
+    ``claim_of`` reads the named account (and its delta); other methods keep their direction's account.
+    """
+    niss = audit_adapter("niss")
+    assert niss.claim_account(AuditSpec("niss")) == NO_COLLUDER
+    assert niss.claim_account(AuditSpec("niss", colluders=1)) == niss.claim_account(AuditSpec("niss", colluders=2)) \
+        == "uplink"
+    assert niss.claim_account(AuditSpec("niss", "model")) == "downlink"
+    assert audit_adapter("nadp").claim_account(AuditSpec("nadp")) == "uplink"
+    assert CLAIMS[NO_COLLUDER] == "uploads (no colluding neighbour)"
+    ledger = PrivacyLedger(DELTA, uplink=RdpAccountant([GaussianEvent(1.0)]),
+                           extra={NO_COLLUDER: RdpAccountant([GaussianEvent(1.5)])})
+    alone, delta = claim_of(ledger, "upload", NO_COLLUDER)
+    assert alone < claim_of(ledger, "upload")[0] and delta == DELTA
+    assert math.isinf(claim_of(PrivacyLedger(DELTA), "upload", NO_COLLUDER)[0])  # no such account: no claim

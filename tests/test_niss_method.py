@@ -185,6 +185,13 @@ def test_default_tau_gives_the_model_the_uploads_epsilon(run_inprocess):
     assert summary["epsilon_uplink"] <= cfg.epsilon and summary["epsilon_uplink"] == pytest.approx(cfg.epsilon, rel=1e-3)
     assert summary["epsilon_downlink"] < 0.95 * summary["epsilon_uplink"]  # the model keeps c times the multiplier
     assert summary["privacy"]["unit"] == "record"
+    # the second upload figure (no colluding neighbour) is reported beside the claim; the clients' ledgers charge the
+    # claim's multiplier z per round (exact Gaussian DP of 2 releases), not the larger one without colluders
+    alone = summary["privacy"]["uplink_no_colluder"]["epsilon"]
+    assert alone == rows[-1]["epsilon_uplink_no_colluder"] and alone < 0.95 * summary["privacy"]["uplink"]["epsilon"]
+    z = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds)
+    charged = max(rows[-1]["client_epsilon"].values())
+    assert charged == pytest.approx(analytic_gaussian_epsilon(z / math.sqrt(2), cfg.delta), rel=1e-3)
 
 
 # ------------------------------------------------------------------------- encodings

@@ -33,6 +33,7 @@ from protocols.methods.spec import (
     FEDERATION,
     FULL_BATCH,
     LARGE_DATASETS,
+    NO_COLLUDER,
     PRIVACY_UNITS,
     Guarantee,
     MethodSpec,
@@ -43,7 +44,7 @@ for _card in ("baselines", "nadp", "niss", "mpddp", "ladp", "ddpsa"):  # registr
 #: The built-in methods, in the order the README and the benchmarks list them (with yours: :func:`method_names`).
 METHOD_NAMES: tuple[str, ...] = method_names()
 
-__all__ = ["AUTO", "AUTO_KEYS", "FEDERATION", "FULL_BATCH", "LARGE_DATASETS", "METHODS", "METHOD_NAMES", "PRIVACY_UNITS",
-           "SPARSE_FROM", "VARIANTS", "Guarantee", "MethodSpec", "auto_graph", "dataset_size_class", "local_services",
-           "method_names", "method_or_variant", "method_spec", "options_classes", "query_actions", "reference_method",
-           "regime", "register", "register_variant", "sparse_by_default"]
+__all__ = ["AUTO", "AUTO_KEYS", "FEDERATION", "FULL_BATCH", "LARGE_DATASETS", "METHODS", "METHOD_NAMES", "NO_COLLUDER",
+           "PRIVACY_UNITS", "SPARSE_FROM", "VARIANTS", "Guarantee", "MethodSpec", "auto_graph", "dataset_size_class",
+           "local_services", "method_names", "method_or_variant", "method_spec", "options_classes", "query_actions",
+           "reference_method", "regime", "register", "register_variant", "sparse_by_default"]

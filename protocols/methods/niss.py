@@ -12,6 +12,8 @@ from protocols.methods.spec import PRIVACY_UNITS, Guarantee, MethodSpec
 from protocols.options import MethodOptions, option
 
 SERVER_NISS = "the server and eavesdroppers, colluding with at most a niss-rho share of a client's neighbours"
+#: The uploads' second figure: the same adversary with none of the client's neighbours colluding.
+SERVER_NISS_ALONE = "the server and eavesdroppers, with no neighbour of the client colluding"
 
 
 @dataclass(frozen=True)
@@ -31,5 +33,5 @@ register(MethodSpec("niss", "strategies.niss:NissStrategy", "client.methods.niss
                     queries={"keys": KEYS, "shares": "client.methods.niss:handle_shares", "consistency": CONSISTENCY,
                              "recover": RECOVER},
                     family="pairwise", paper="NISS", options=(PairwiseOptions, NissOptions), regime=RECORD_STEP,
-                    privacy=Guarantee("record", SERVER_NISS, MODEL), units=PRIVACY_UNITS, min_per_round=2,
+                    privacy=Guarantee("record", SERVER_NISS, MODEL, SERVER_NISS_ALONE), units=PRIVACY_UNITS, min_per_round=2,
                     sparse_graph=True, audit="server.audits.niss:NissAudit"))

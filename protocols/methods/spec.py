@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,9 @@ PRIVACY_UNITS: tuple[str, ...] = ("record", "client")
 LARGE_DATASETS: tuple[str, ...] = ("mnist", "fashion-mnist")
 #: ``batch-size`` of a full-batch regime: larger than any client's partition, so one step sees all its records.
 FULL_BATCH = 1_000_000
+#: The ledger account (``PrivacyLedger.extra``) of the uploads' view with no colluding peer
+#: (:attr:`Guarantee.uplink_no_colluder`); its figure is ``epsilon_uplink_no_colluder``.
+NO_COLLUDER = "uplink_no_colluder"
 
 
 @dataclass(frozen=True)
@@ -34,15 +38,19 @@ class Guarantee:
 
     ``uplink`` is the view of the uploads (the server, or an eavesdropper on the links); ``downlink``
     the published global models.  ``None`` = no guarantee in that direction (epsilon null, never a number).
+    ``uplink_no_colluder``: where ``uplink`` assumes colluding peers, the adversary of the uploads' second figure
+    with none of them (its ledger account :data:`NO_COLLUDER`, reported as ``epsilon_uplink_no_colluder``).
     """
 
     unit: str  # "record" (one training example) | "client" (all of a client's data) | "none"
     uplink: str | None
     downlink: str | None
+    uplink_no_colluder: str | None = None
 
     def as_dict(self) -> dict[str, str | None]:
         """For metrics.jsonl and summary.json."""
-        return {"unit": self.unit, "uplink_adversary": self.uplink, "downlink_adversary": self.downlink}
+        return {"unit": self.unit, "uplink_adversary": self.uplink, "downlink_adversary": self.downlink,
+                "uplink_no_colluder_adversary": self.uplink_no_colluder}
 
 
 def _frozen(mapping: dict | MappingProxyType | None) -> MappingProxyType:
@@ -115,7 +123,7 @@ class MethodSpec:
         if unit not in self.units:
             raise ValueError(f"method {self.name!r} protects a {' or a '.join(self.units)}, not a {unit!r} "
                              f"(run-config 'privacy-unit')")
-        return Guarantee(unit, self.privacy.uplink, self.privacy.downlink)
+        return dataclasses.replace(self.privacy, unit=unit)
 
     @staticmethod
     def load(target: str | Any) -> Any:

@@ -4,7 +4,9 @@
 :class:`client.recovery.RecoveryStore`, what a dropout would reveal): their own shares sent to it, the shares it
 sent them and their distorted negations of those.  The view is every upload plus those vectors, read together by
 the audit's linear discriminant (which subtracts whatever combination of them helps).  The claim covers up to
-``floor(niss-rho x neighbours)`` colluding neighbours (Theorem 3's tau); more are outside it.
+``floor(niss-rho x neighbours)`` colluding neighbours (Theorem 3's tau); more are outside it.  Without colluders
+the row is checked against the run's second upload figure, the view with no colluding neighbour
+(``epsilon_uplink_no_colluder``, :meth:`protocols.floor.NissFloor.open_multipliers`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from protocols.config import RunConfig
+from protocols.methods import NO_COLLUDER
 from protocols.niss import ShareBundle, bundle_shares, distorted_contribution
 from protocols.niss_joint import colluder_count
 from protocols.wire.arrays import from_record
@@ -39,6 +42,16 @@ class NissAudit(AuditAdapter):
         fed = super().federation(direction, canary)
         return {**fed, "trials": 800_000, "per_client": 1_000} if canary == "gradient" else fed
 
+    def claim_account(self, spec: AuditSpec) -> str:
+        """Uploads with no colluder: the run's figure for that view (:data:`protocols.methods.NO_COLLUDER`).
+
+        With colluders (any number up to ``floor(niss-rho x m)`` and beyond) the claim, which covers the worst
+        ``floor(niss-rho x m)`` of them.
+        """
+        if spec.direction == "upload" and spec.colluders == 0:
+            return NO_COLLUDER
+        return super().claim_account(spec)
+
     def tolerated_colluders(self, spec: AuditSpec) -> int:
         """``floor(niss-rho x m)`` of a client's m neighbours (complete graph: the other participants)."""
         cfg = RunConfig.from_mapping(spec.run_config())
@@ -58,7 +71,8 @@ class NissAudit(AuditAdapter):
             return []
         out = ["niss: epsilon_uplink covers the server's best linear combination of all uploads and the material "
                "of up to floor(niss-rho x neighbours) colluders (every sigma_k times the round's joint-view scale, "
-               "protocols.niss_joint; a Gaussian approximation of the distorted shares)"]
+               "protocols.niss_joint; a Gaussian approximation of the distorted shares); epsilon_uplink_no_colluder "
+               "the same view with no colluding neighbour (the claim of a row without colluders)"]
         if spec.colluders:
             out.append(f"colluders: {spec.colluders} neighbours hand the server their pair material with every "
                        f"audited client; the claim covers {self.tolerated_colluders(spec)} (niss-rho)")

@@ -202,6 +202,8 @@ def round_line(row: dict, total_rounds: int, target: float | None, *, verbose: b
         details.append(f"loss {row['test_loss']:.4f}")
     if target is not None:
         details.append("eps upload " + ("none" if row.get("epsilon_uplink") is None else f"{row['epsilon_uplink']:.3f}")
+                       + ("" if row.get("epsilon_uplink_no_colluder") is None else
+                          f" (no colluding neighbour {row['epsilon_uplink_no_colluder']:.3f})")
                        + ", model " + ("none" if row.get("epsilon_downlink") is None else f"{row['epsilon_downlink']:.3f}"))
     details.append(f"clients {row.get('clients', 0)}")
     details.append(f"sent {_kb(row.get('bytes_sent_per_client', 0.0))}, "

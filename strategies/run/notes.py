@@ -62,7 +62,9 @@ def preamble(cfg: RunConfig, *, verbose: bool = True, own_model_and_data: bool =
                      f"protecting {views}")
     else:
         lines.append(f"privacy: epsilon={cfg.epsilon:g}, delta={cfg.delta:g} over the whole run, per {g.unit}; "
-                     f"uplink (the uploads): {g.uplink or 'no guarantee'}; "
+                     f"uplink (the uploads): {g.uplink or 'no guarantee'}"
+                     + (f" (second figure, no colluding neighbour: {g.uplink_no_colluder})" if g.uplink_no_colluder
+                        else "") + "; "
                      f"downlink (the published model): {g.downlink or 'no guarantee'}")
     return lines
 
@@ -70,9 +72,15 @@ def preamble(cfg: RunConfig, *, verbose: bool = True, own_model_and_data: bool =
 def privacy_summary(cfg: RunConfig, last_row: dict[str, Any]) -> dict[str, Any]:
     """summary.json's ``privacy``: target, unit, and per direction the adversary assumed and the epsilon spent.
 
-    A direction without a guarantee has adversary and epsilon null, whatever an accountant holds.
+    A direction without a guarantee has adversary and epsilon null, whatever an accountant holds.  A method whose
+    uplink adversary includes colluding peers (:attr:`protocols.methods.Guarantee.uplink_no_colluder`) also has
+    ``uplink_no_colluder``: the uploads' view with none of them (``epsilon_uplink_no_colluder``, never above the
+    uplink's; the uplink's is what the clients' ledgers charge).
     """
     g = method_spec(cfg.method).guarantee(cfg.privacy_unit)
+    alone = {"uplink_no_colluder": {
+        "view": "the uploads, with no neighbour of the client colluding with the server", "adversary":
+        g.uplink_no_colluder, "epsilon": last_row.get("epsilon_uplink_no_colluder")}} if g.uplink_no_colluder else {}
     return {
         "target_epsilon": cfg.epsilon if g.unit != "none" else None,
         "over_target": over_target(cfg, last_row) is not None,
@@ -83,6 +91,7 @@ def privacy_summary(cfg: RunConfig, last_row: dict[str, Any]) -> dict[str, Any]:
                    "epsilon": last_row.get("epsilon_uplink") if g.uplink else None},
         "downlink": {"view": "the published global models", "adversary": g.downlink,
                      "epsilon": last_row.get("epsilon_downlink") if g.downlink else None},
+        **alone,
     }
 
 

@@ -235,10 +235,16 @@ def summary_table(runs: Sequence[RunData]) -> list[str]:
         rounds = f"{len(run.rows)}" + ("" if planned in (None, len(run.rows)) else f" of {planned}")
         lines.append(
             f"| {run.name} | {_fmt(run.last('test_accuracy'))} | {rounds} | "
-            f"{run.rows[-1].get('privacy_unit', '-') if run.rows else '-'} | {_fmt(run.last('epsilon_uplink'))} | "
+            f"{run.rows[-1].get('privacy_unit', '-') if run.rows else '-'} | {_upload_epsilon(run)} | "
             f"{_fmt(run.last('epsilon_downlink'))} | {_fmt(up, none='n/a')} | {_fmt(model, none='n/a')} | {ratio} | "
             f"{'-' if total is None else f'{total:.1f}'} |")
     return lines
+
+
+def _upload_epsilon(run: RunData) -> str:
+    """The upload column: the claim, and the view with no colluding neighbour where the run reports one."""
+    alone = run.last("epsilon_uplink_no_colluder")
+    return _fmt(run.last("epsilon_uplink")) + ("" if alone is None else f" (no colluding neighbour: {_fmt(alone)})")
 
 
 #: Accuracies closer than this (absolute) are reported as the same accuracy in a verdict.
@@ -364,7 +370,9 @@ def write_report(runs: Mapping[str, Path], out: Path, *, title: str = "cancelfl 
         md += ["## Verdict", "", found, ""]
     md += summary_table(data)
     md += ["", "Epsilon is the whole-run figure spent after the last round; \"none\" means the method gives no "
-           "guarantee in that direction. Noise figures are the calibrated per-coordinate standard deviations "
+           "guarantee in that direction; an upload figure \"(no colluding neighbour: x)\" is the uploads' epsilon "
+           "when none of a client's neighbours colludes with the server (the first figure holds with the colluders "
+           "the method tolerates). Noise figures are the calibrated per-coordinate standard deviations "
            "(median over rounds) of the noise in one client's upload and of the noise that stays in the "
            "aggregated model; a large ratio means the upload noise cancels on aggregation.", ""]
     notes = [*run_flags(data), *notes]
