@@ -140,3 +140,28 @@ def test_a_stale_ahead_reply_is_never_relayed():
     _rounds(grid, strategy, arrays, [2])
     assert grid.phases(2).count("query.keys") == 1
     assert strategy.round_report()["shares_ahead"] == 0 and grid.phases(2).count("query.shares") == 5
+
+
+def test_a_refused_ahead_request_keeps_the_upload_and_only_that_client_is_asked_again():
+    """A client refuses round 2's request (a shrunken weight) carried by round 1's train message.
+
+    It still uploads in round 1; round 2 asks it alone in a ``query.shares`` phase (the others' ahead shares are used).
+    """
+    cfg, grid, strategy, arrays = niss_setup(CountingGrid, niss_tau=0.0, cancellation_check=True, num_rounds=3)
+    victim = grid.node_ids[3]
+    honest = strategy._share_request
+
+    def lying(kr, node, weights, scale):
+        if kr.round == 2 and node == victim:
+            weights = {**weights, node: weights[node] / 2}
+        return honest(kr, node, weights, scale)
+
+    strategy._share_request = lying
+    reps = _rounds(grid, strategy, arrays, [1])
+    assert reps[0]["dropped"] == 0 and reps[0]["participants"] == cfg.num_clients
+    assert victim not in strategy._ahead.shares and len(strategy._ahead.shares) == cfg.num_clients - 1
+    strategy._share_request = honest
+    reps += _rounds(grid, strategy, arrays, [2])
+    asked = [m for r, m in grid.log if r == 2 and m == "query.shares"]
+    assert len(asked) == 1 and reps[1]["shares_ahead"] == cfg.num_clients - 1
+    assert reps[1]["participants"] == cfg.num_clients and reps[1]["aggregate_error_rel"] <= 1e-9

@@ -272,7 +272,7 @@ def _answer_ahead(msg: Message, env: ClientEnv, out: Message) -> None:
         return
     try:
         shares = answer_shares(msg.content[AHEAD_RECORD], env)
-    except (ValueError, RuntimeError) as err:  # a refusal (FloorViolation, IdentityError) or missing state
+    except (ValueError, RuntimeError, KeyError) as err:  # a refusal (FloorViolation, IdentityError), no state
         log(WARNING, "node %s: next round's NISS share request not answered here (%s)", env.node_id, err)
         return
     out.content[AHEAD_RECORD] = ConfigRecord(shares.to_config())
