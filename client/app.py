@@ -6,7 +6,6 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from client.env import ClientEnv
-from client.floor import admit
 from client.methods import query_actions, query_handler, train_handler
 from protocols.wire.federation import ACTION as FEDERATION
 from protocols.wire.federation import FederationInfo
@@ -17,6 +16,8 @@ app = ClientApp()
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Local training + the method's upload protection."""
+    from client.floor import admit  # the train phase's only: query messages do not load the accounting
+
     env = ClientEnv.from_context(context)
     admit(msg, env)  # the node's privacy floor and ledger: refuses before any work (client.floor)
     return train_handler(env.cfg.method)(msg, env)

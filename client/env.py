@@ -3,6 +3,8 @@
 Every message may run in a fresh process (always in deployment), so nothing
 lives in module globals except read-only caches (datasets).  Secrets that must
 survive between phases of a round (e.g. a private key) go to ``Context.state``.
+The task (data, model, training: :mod:`protocols.task`) is imported on first use, so a message that trains
+nothing (a key, share or recovery query) does not load it.
 """
 
 from __future__ import annotations
@@ -10,18 +12,18 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from flwr.app import Context, Message, MetricRecord, RecordDict
-from torch import nn
 
 from protocols.config import ConfigError, RunConfig
 from protocols.federation import fitted, num_clients_left_auto
-from protocols.task.data import client_partition_lazy, dataset_for
-from protocols.task.models import build_model, get_weights, resolve_device, set_weights
-from protocols.task.training import clipped_sgd, train
 from protocols.wire.arrays import Weights, from_record
 from protocols.wire.common import TrainIns, train_metrics
+
+if TYPE_CHECKING:
+    from torch import nn
 
 #: A node's local data: ``(x or a function gathering x, y, num_classes, input_shape)``.
 LocalData = tuple[np.ndarray | Callable[[], np.ndarray], np.ndarray, int, tuple[int, ...]]
@@ -64,6 +66,8 @@ class ClientEnv:
             cfg = fitted(context.run_config, nparts, strict=False)  # as the ServerApp does (server.federation)
 
         def load() -> LocalData:
+            from protocols.task.data import client_partition_lazy, dataset_for
+
             x, y = client_partition_lazy(cfg, pid, nparts)
             ds = dataset_for(cfg)
             return x, y, ds.num_classes, ds.input_shape
@@ -99,6 +103,8 @@ class ClientEnv:
 
     def model(self, weights: dict[str, np.ndarray] | None = None) -> nn.Module:
         """A fresh model, optionally loaded with ``weights``."""
+        from protocols.task.models import build_model, resolve_device, set_weights
+
         m = self.model_fn() if self.model_fn is not None else build_model(
             self.cfg.model, self.input_shape, self.num_classes, self.cfg.hidden_sizes, self.cfg.seed)
         if weights is not None:
@@ -116,6 +122,9 @@ def local_training(msg: Message, env: ClientEnv, *, grad_clip: float | None = No
 
     Returns ``(global_weights, local_weights, train_loss)``.
     """
+    from protocols.task.models import get_weights
+    from protocols.task.training import train
+
     global_w = from_record(msg.content["arrays"])
     model = env.model(global_w)
     rnd = TrainIns.from_config(msg.content["config"]).round
@@ -133,6 +142,9 @@ def record_level_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weight
     Deterministic given the message (batch order from the public round seed).
     Returns ``(global_weights, local_weights, train_loss, clipped_fraction)``.
     """
+    from protocols.task.models import get_weights
+    from protocols.task.training import clipped_sgd
+
     global_w = from_record(msg.content["arrays"])
     model = env.model(global_w)
     rnd = TrainIns.from_config(msg.content["config"]).round

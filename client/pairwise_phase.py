@@ -166,17 +166,33 @@ def _checked(env: ClientEnv, pk: PeerKeys, rnd: int, *, full: bool) -> tuple[Rou
                          f"it needs at least {floor} (run-config 'mask-corruption-rate')")
     view = view_digest(run_id=int(env.context.run_id), round_num=rnd, key_epoch=pk.key_epoch, graph=env.cfg.graph,
                        n_out=env.cfg.n_out, graph_seed=pk.graph_seed, participants=parts, names=names)
-    env.context.state[VIEW_KEY] = ConfigRecord({"round": int(rnd), "participants": [str(p) for p in parts],
-                                                "names": list(names)})
+    _remember_view(env, rnd, parts, names)
     return RoundView(view, row, present_graph(rr, present) if full else None), store
 
 
+def _remember_view(env: ClientEnv, rnd: int, parts: Sequence[int], names: Sequence[str]) -> None:
+    """Keep round ``rnd``'s checked view, and the one checked before it for another round.
+
+    NISS checks round r+1's view with round r's upload, while round r's recovery may still need round r's.
+    """
+    rec = ConfigRecord({"round": int(rnd), "participants": [str(p) for p in parts], "names": list(names)})
+    old = env.context.state.get(VIEW_KEY)
+    if old is not None and "round" in old and old["round"] != int(rnd):
+        rec.update({"previous-round": old["round"], "previous-participants": old["participants"],
+                    "previous-names": old["names"]})
+    env.context.state[VIEW_KEY] = rec
+
+
 def participants_of(env: ClientEnv, rnd: int) -> dict[int, str] | None:
-    """Participant -> roster name of the last view this node checked, if it was round ``rnd``'s (else None)."""
+    """Participant -> roster name of round ``rnd``'s view if it is one of the last two rounds' this node checked."""
     rec = env.context.state.get(VIEW_KEY)
-    if rec is None or rec.get("round") != int(rnd):
+    if rec is None:
         return None
-    return dict(zip((int(p) for p in rec["participants"]), (str(n) for n in rec["names"]), strict=True))
+    for prefix in ("", "previous-"):
+        if rec.get(prefix + "round") == int(rnd):
+            return dict(zip((int(p) for p in rec[prefix + "participants"]), (str(n) for n in rec[prefix + "names"]),
+                            strict=True))
+    return None
 
 
 def view_graph(msg: Message, env: ClientEnv) -> dict[int, list[int]]:
@@ -197,14 +213,15 @@ def pair_seeds(msg: Message, env: ClientEnv, purpose: str,
     return checked_pair_seeds(msg, env, (purpose,), graph=graph, view_extra=view_extra)[1][purpose]
 
 
-def checked_pair_seeds(msg: Message, env: ClientEnv, purposes: Sequence[str], *,
+def checked_pair_seeds(msg: Message | ConfigRecord, env: ClientEnv, purposes: Sequence[str], *,
                        graph: dict[int, list[int]] | None = None, view_extra: bytes = b"",
                        full: bool = False) -> tuple[RoundView, dict[str, dict[int, bytes]]]:
     """The checked view (``full``: with the graph, :func:`check_view`) and :func:`pair_seeds` for each purpose.
 
-    One check of the view for all purposes; raises as :func:`pair_seeds`.
+    ``msg``: the message, or the record holding the round and the peer keys.  One check of the view for all
+    purposes; raises as :func:`pair_seeds`.
     """
-    cfg = msg.content["config"]
+    cfg = msg.content["config"] if isinstance(msg, Message) else msg
     rnd = TrainIns.from_config(cfg).round
     pk = PeerKeys.from_config(cfg)
     view, store = _checked(env, pk, rnd, full=full)

@@ -26,7 +26,6 @@ import numpy as np
 
 from protocols import prg
 from protocols.config import RunConfig
-from protocols.privacy import noise_multiplier, record_sensitivity
 
 __all__ = [
     "SHARES_PER_NEIGHBOUR",
@@ -440,6 +439,8 @@ def unit_sensitivity(cfg: RunConfig, num_examples: int) -> float:
     """
     if cfg.privacy_unit == "client":
         return float(cfg.clip)
+    from protocols.privacy import record_sensitivity  # on use: the wire and recovery modules import this one
+
     return record_sensitivity(cfg, int(num_examples))
 
 
@@ -457,6 +458,8 @@ def client_multiplier(cfg: RunConfig, releases: int | None = None) -> float:
     (:func:`protocols.schedule.roster_releases`, computed alike by the server and every client); None:
     ``num-rounds``.  No sampling amplification: the sample is public.
     """
+    from protocols.privacy import noise_multiplier
+
     return noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds if releases is None else int(releases))
 
 

@@ -121,6 +121,8 @@ class KeyPhase:
         self.roster: Roster | None = None
         #: node -> roster name of every node whose key was accepted (kept when its key is forgotten).
         self.names: dict[int, str] = {}
+        #: the Flower run id of the last key phase (signed into every key).
+        self.run_id = 0
 
     def roster_round(self, server_round: int) -> RosterRound:
         """The round's public sample of roster names and its graph (what every client recomputes)."""
@@ -209,11 +211,44 @@ class KeyPhase:
             raise RoundFailed(f"round {server_round}: pairwise noise needs at least 2 clients with valid keys, "
                               f"got {len(participants)} of the {len(rr.sample)} the roster samples (dropped: {dropped})")
         strategy.report(neighbours=sum(len(graph[n]) for n in participants) / len(participants))  # mean degree
+        self.run_id = run_id
+        return self._key_round(server_round, rr, participants, graph, epoch, run_id, sorted(dropped),
+                               sorted(n for n in need if n in participants))
+
+    def peek(self, server_round: int, nodes: Iterable[int]) -> KeyRound | None:
+        """Round ``server_round``'s key round over ``nodes`` from the keys held now, without a key phase.
+
+        What :meth:`run` returns for the same nodes if the directory does not change before then (a node
+        forgotten or re-keyed meanwhile gives :meth:`run` another round).  None without a roster, when a sampled
+        node holds a key of another epoch (it would be re-keyed) or with fewer than two participants.
+        """
+        if self.roster is None:
+            return None
+        epoch = self.cfg.key_epoch(server_round)
+        rr = self.roster_round(server_round)
+        sample = set(rr.sample)
+        present = {}
+        for n in sorted(nodes):
+            entry = self.directory.get(n)
+            if entry is None or entry.name not in sample:
+                continue
+            if entry.epoch != epoch:
+                return None
+            present[n] = entry.name
+        participants, graph = _above_floor(self.cfg, rr, present)
+        if len(participants) < 2:
+            return None
+        return self._key_round(server_round, rr, participants, graph, epoch, self.run_id, [], [])
+
+    def _key_round(self, server_round: int, rr: RosterRound, participants: list[int], graph: dict[int, list[int]], epoch: int,
+                   run_id: int, dropped: list[int], keyed: list[int]) -> KeyRound:
+        """The key round of ``participants`` (keys, sizes and signatures from the directory; a fresh probe seed)."""
+        directory = self.directory
         keys_of = {n: directory[n].public_key for n in participants}
         sizes = {n: directory[n].num_examples for n in participants if directory[n].num_examples is not None}
         signed = {n: (directory[n].name, directory[n].signature) for n in participants}
-        return KeyRound(server_round, participants, keys_of, graph, rr.seed, os.urandom(32), sorted(dropped), sizes,
-                        epoch, sorted(n for n in need if n in participants), signed, run_id, rr)
+        return KeyRound(server_round, participants, keys_of, graph, rr.seed, os.urandom(32), dropped, sizes,
+                        epoch, keyed, signed, run_id, rr)
 
     def _enter(self, node: int, key: KeyReply, epoch: int, run_id: int, server_round: int) -> None:
         """Record a key reply whose signature checks against the roster (a newer node id under a name wins)."""

@@ -2,9 +2,11 @@
 
 The round protocol, equations and the joint view of the uploads: ``docs/methods/niss.md``; messages:
 :mod:`protocols.wire.niss`.  The stages of :mod:`strategies.stages`: keys (the server as the paper's tracker draws
-the neighbour lists), plan (``query.shares``: each client splits its noise into one AES-256-GCM-sealed share per
-neighbour; clients that fail are removed and the phase re-run, at most :data:`MAX_SHARE_ATTEMPTS` times), train
-(the server relays the ciphertexts with the global model), recover (a missing client's shares and the self-masks,
+the neighbour lists), plan (each client splits its noise into one AES-256-GCM-sealed share per neighbour, asked
+for with the previous round's train message (:mod:`strategies.niss_shares`) or, for the clients that did not
+answer it, in a ``query.shares`` phase; clients that fail are removed and the phase re-run, at most
+:data:`MAX_SHARE_ATTEMPTS` times), train (the server relays the ciphertexts with the global model and asks for
+the next round's shares), recover (a missing client's shares and the self-masks,
 :mod:`strategies.recovery`), aggregate (the plain sum, renormalised to the survivors), account (the shortfall,
 :func:`strategies.recovery.charge_shortfall`).
 
@@ -20,11 +22,10 @@ view with no colluding neighbour (:meth:`protocols.floor.NissFloor.open_multipli
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
@@ -33,7 +34,6 @@ from flwr.serverapp import Grid
 from protocols import niss as niss_math
 from protocols.arrays import flatten, unflatten
 from protocols.config import RunConfig
-from protocols.floor import NissFloor, niss_floor
 from protocols.methods import NO_COLLUDER
 from protocols.niss import ShareBundle, client_multiplier, client_tau, downlink_multiplier
 from protocols.niss_joint import survivor_factors
@@ -46,15 +46,19 @@ from protocols.privacy import (
 )
 from protocols.privacy.signal import NoiseEstimate, gaussian_norm
 from protocols.wire.arrays import from_record
-from protocols.wire.niss import AuthFailures, Diagnostic, NissMetrics, RelayedInbox, ShareReply, ShareRequest
+from protocols.wire.niss import (
+    AHEAD_RECORD,
+    AuthFailures,
+    Diagnostic,
+    NissMetrics,
+    RelayedInbox,
+)
 from protocols.wire.recovery import NissPairMaterial
 from strategies.base import CancelStrategy, RoundFailed, RoundState
-from strategies.key_phase import KeyPhase, KeyRound
+from strategies.key_phase import KeyPhase
+from strategies.niss_shares import MAX_SHARE_ATTEMPTS, Ahead, SharePhase, sizes_of
 from strategies.records import to_record
 from strategies.recovery import PairwiseRecovery, charge_shortfall, corrected_residual, probe_direction
-
-#: How often the share phase is re-run after clients failed it, before the round fails.
-MAX_SHARE_ATTEMPTS = 3
 
 
 @dataclass
@@ -70,32 +74,10 @@ class NissRound(RoundState):
     #: The factor on every sigma_k that the joint view of the uploads needs (:func:`protocols.floor.niss_floor`).
     noise_scale: float = 1.0
     #: node -> the uplink multiplier of its view with no colluding neighbour (:meth:`NissFloor.open_multipliers`).
-    open_multipliers: dict[int, float] = dataclasses.field(default_factory=dict)
+    open_multipliers: dict[int, float] = field(default_factory=dict)
     #: Noise left after recovery, set by the aggregate stage for the account stage: (least uplink multiplier of a
     #: survivor, downlink multiplier of the survivors' shares, least with no colluder); None without recovery.
     noise_left: tuple[float, float, float] | None = None
-
-
-#: Bytes of one sealed payload besides its share vectors (header, seed, AEAD nonce and tag; ~100 in practice).
-PAYLOAD_OVERHEAD = 1024
-
-
-def _share_reply(reply: Message, expected: list[int], max_bytes: int | None = None) -> ShareReply | None:
-    """The client's sealed payloads if they are one per neighbour in neighbour order (and at most ``max_bytes``)."""
-    if "config" not in reply.content:
-        return None
-    try:
-        shares = ShareReply.from_config(reply.content["config"])
-    except ValueError:
-        return None
-    if max_bytes is not None and sum(len(p) for p in shares.payloads) > max_bytes:
-        return None  # never relayed: a payload larger than the shares the plan allows
-    return shares if list(shares.to_ids) == expected else None
-
-
-def _sizes(kr: KeyRound) -> dict[int, int]:
-    """The participants' dataset sizes as reported with their keys (public; the clients derive tau from them)."""
-    return {n: kr.num_examples[n] for n in kr.participants if n in kr.num_examples}
 
 
 def _rejections(by_node: dict[int, Message]) -> list[str]:
@@ -131,7 +113,7 @@ def pair_contribution(m: NissPairMaterial, node: int, peer: int, size: int, tau:
     return out + niss_math.distorted_contribution(-shares, tau, m.in_dseed)
 
 
-class NissStrategy(PairwiseRecovery, CancelStrategy):
+class NissStrategy(SharePhase, PairwiseRecovery, CancelStrategy):
     """Server side of NISS: tracker (neighbour lists), ciphertext relay, plain sum of uploads."""
 
     wire_dtype = np.float64
@@ -145,6 +127,10 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         self.keys = KeyPhase(cfg)
         #: The last aggregated round's client reports (sigma_k, tau_k, shares): describe() and noise_estimate().
         self._figures: list[NissMetrics] = []
+        #: the next round's share request as this round's train messages carry it (None: not asked ahead).
+        self._ahead: Ahead | None = None
+        #: the usable nodes of the round's sampling (the next round's key round is built over the same).
+        self._nodes: list[int] = []
         # Per client: uplink (headline, niss-rho's colluders), uplink with no colluder, downlink; none with tau = 0.
         self.privacy = PrivacyLedger(cfg.delta, uplink=PerUnitAccountant() if self.tau > 0 else None,
                                      downlink=PerUnitAccountant() if self.tau > 0 else None, headline="uplink",
@@ -172,59 +158,13 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
                 inbox[receiver][1].append(blob)
         self.report(participants=len(kr.participants), dropped=len(kr.dropped))
         self.announce_masking(kr.neighbours)
-        tau = client_tau(self.cfg, _sizes(kr))
-        floor = self._floor(kr)
+        tau = client_tau(self.cfg, sizes_of(kr))
+        floor = self._floor(kr, open_view=True)
         scale = floor.scale * self.noise_scale
         self.report(joint_view_scale=floor.scale)
+        self._ahead = self._plan_ahead(st.round)
         return NissRound(st.round, list(kr.participants), self._weights(kr), inbox, tau, scale,
                          open_multipliers=floor.open_multipliers(self.z, self.noise_scale), keys=kr)
-
-    def _floor(self, kr: KeyRound) -> NissFloor:
-        """The round's :func:`protocols.floor.niss_floor` (the clients derive the same and refuse less)."""
-        tau, releases = client_tau(self.cfg, _sizes(kr)), self.keys.releases()
-        return niss_floor(self.cfg, _sizes(kr), kr.neighbours, tau, releases=releases, open_view=True)
-
-    def _weights(self, kr: KeyRound) -> dict[int, float]:
-        return niss_math.aggregation_weights(self.cfg, kr.participants, _sizes(kr))
-
-    def _share_phase(self, grid: Grid, kr: KeyRound) -> tuple[KeyRound, dict[int, ShareReply]]:
-        """Run ``query.shares`` until every remaining participant answered correctly (re-graphing after failures)."""
-        if self.cfg.privacy_unit == "record":
-            unsized = [n for n in kr.participants if n not in kr.num_examples]
-            if unsized:  # no size, no weight (protocols.niss.aggregation_weights): left out of this round
-                kr = self.keys.regraph(kr, [n for n in kr.participants if n in kr.num_examples])
-        for _attempt in range(MAX_SHARE_ATTEMPTS):
-            if len(kr.participants) < 2:
-                break
-            weights, scale = self._weights(kr), self._floor(kr).scale * self.noise_scale
-
-            def content(node: int, kr=kr, weights=weights, scale=scale) -> RecordDict:
-                # The neighbours' signed keys and the round's view (participants, graph seed); the probe seed
-                # travels with the train message.
-                peers = dataclasses.replace(kr.peer_keys(node), probe_seed=None)
-                req = ShareRequest(kr.round, weights[node], peers, _sizes(kr), scale)
-                return RecordDict({"config": ConfigRecord(req.to_config())})
-
-            replies, _errors = self.exchange(grid, kr.participants, content, "shares")
-            good = {n: shares for n, r in replies.items() if n in kr.neighbours
-                    and (shares := _share_reply(r, kr.neighbours[n], self.share_bytes(n, kr))) is not None}
-            failed = sorted(set(kr.participants) - set(good))
-            if not failed:
-                return kr, good
-            self.keys.forget(failed)  # re-keyed when next sampled (e.g. a node that lost its state)
-            kr = self.keys.regraph(kr, good)
-        raise RoundFailed(f"round {kr.round}: NISS share exchange did not complete "
-                          f"({len(kr.participants)} client(s) left after dropping {kr.dropped})")
-
-    def share_bytes(self, node: int, kr: KeyRound) -> int:
-        """Most bytes ``node``'s share reply may hold (larger replies are never relayed).
-
-        Its one share per neighbour (:data:`protocols.niss.SHARES_PER_NEIGHBOUR`) as float64 vectors (vector
-        encoding; a seed payload is far smaller), plus :data:`PAYLOAD_OVERHEAD` per neighbour.
-        """
-        degree = len(kr.neighbours.get(node, []))
-        count = niss_math.SHARES_PER_NEIGHBOUR * degree if self.cfg.niss_share_encoding == "vector" else 0
-        return 8 * count * self.model_dim() + PAYLOAD_OVERHEAD * max(degree, 1)
 
     def update_of(self, state: NissRound, node: int, flat: np.ndarray) -> np.ndarray:
         """A NISS upload is ``p_k w_k + noise``: its distance from ``p_k`` times the global model."""
@@ -237,6 +177,12 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         It is left out of this round without a strike (dropout recovery handles it); each sender it names
         gets a strike and keeps its upload this round (its shares to the reporter are recovered).
         """
+        ahead = self._ahead if self._ahead is not None and self._ahead.keys.round == state.round + 1 else None
+        for node, reply in by_node.items():  # the next round's shares (the record leaves the reply either way)
+            if ahead is not None:
+                ahead.take(node, reply, self.share_bytes(node, ahead.keys))
+            elif AHEAD_RECORD in reply.content:
+                del reply.content[AHEAD_RECORD]
         reports: dict[int, AuthFailures] = {}
         for node, reply in by_node.items():
             try:
@@ -260,7 +206,11 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         """The global model and the ciphertexts addressed to ``node``."""
         senders, blobs = state.inbox[node]
         inbox = RelayedInbox(state.round, state.weights[node], tuple(senders), tuple(blobs), state.keys.probe_seed)
-        return RecordDict({"arrays": arrays, "config": ConfigRecord(inbox.to_config())})
+        content = RecordDict({"arrays": arrays, "config": ConfigRecord(inbox.to_config())})
+        ahead = self._ahead
+        if ahead is not None and node in ahead.keys.participants:  # the next round's share request
+            content[AHEAD_RECORD] = self._share_request(ahead.keys, node, self._weights(ahead.keys), ahead.scale)
+        return content
 
     def aggregate(self, state: NissRound) -> ArrayRecord:
         """Aggregate stage: the sum of the uploads, renormalised to the survivors.
@@ -399,7 +349,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         weights = niss_math.aggregation_weights(self.cfg, list(sizes), sizes)
         return [niss_math.client_sigma(self.cfg, weights[n], size, self.keys.releases()) for n, size in sizes.items()]
 
-    def _typical_sizes(self) -> dict[int, int]:
+    def _typicalsizes_of(self) -> dict[int, int]:
         """A full round of clients of :meth:`_typical_size` records (estimates before any round)."""
         return dict.fromkeys(range(self.cfg.clients_per_round), self._typical_size())
 
@@ -418,7 +368,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
             shares: float = float(np.mean([f.shares for f in figures]))
             tau = float(np.mean([f.tau for f in figures]))
         else:
-            sigma = self._planned_sigmas(self._typical_sizes())[0]
+            sigma = self._planned_sigmas(self._typicalsizes_of())[0]
             degree = m - 1 if self.cfg.graph == "complete" else min(2 * self.cfg.n_out, m - 1)
             shares = niss_math.SHARES_PER_NEIGHBOUR * degree
         return {
@@ -443,7 +393,7 @@ class NissStrategy(PairwiseRecovery, CancelStrategy):
         """
         c = self.cfg
         figures = self._figures
-        sigmas = [f.sigma for f in figures] if figures else self._planned_sigmas(self._typical_sizes())
+        sigmas = [f.sigma for f in figures] if figures else self._planned_sigmas(self._typicalsizes_of())
         tau = float(np.mean([f.tau for f in figures])) if figures else self.tau
         std = tau * math.sqrt(math.fsum(s * s for s in sigmas))
         if c.privacy_unit == "client":

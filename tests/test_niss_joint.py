@@ -33,7 +33,7 @@ from protocols.privacy import noise_multiplier
 from protocols.wire.niss import Diagnostic, NissMetrics, RelayedInbox
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
-from strategies import niss as niss_strategy
+from strategies import niss_shares as niss_strategy  # the share phase computes the joint-view scale
 from tests.niss_setup import FAST, flat, niss_round, niss_setup
 
 

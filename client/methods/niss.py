@@ -1,8 +1,10 @@
 """Client side of NISS: noise shares sealed for neighbours, distorted negated shares, noisy upload.
 
-Two phases per round (protocol: :mod:`strategies.niss`; messages: :mod:`protocols.wire.niss`):
+Two steps per round (protocol: :mod:`strategies.niss`, :mod:`strategies.niss_shares`; messages:
+:mod:`protocols.wire.niss`):
 
-* :func:`handle_shares` (``query.shares``): ``sigma_k`` from the client's own run config, dataset size and the
+* :func:`answer_shares` (a ``query.shares`` message, or the previous round's train message, which may carry this
+  round's request): ``sigma_k`` from the client's own run config, dataset size and the
   public schedule's most releases of any client (:func:`protocols.niss.client_sigma`) times the round's
   ``niss-noise-scale``, refused below the scale the joint view of all uploads needs (:func:`protocols.floor.niss_floor`
   of the roster graph among the participants and their public sizes, on the same releases; a node whose policy
@@ -13,7 +15,9 @@ Two phases per round (protocol: :mod:`strategies.niss`; messages: :mod:`protocol
   one means no upload, the senders reported), train, and upload ``p_k w_k + sum_i n_i + sum_i s_i r_i`` in
   float64 with ``s_i ~ N(1, tau_k^2)`` per coordinate (:func:`protocols.niss.distortion_seed`); keep the round's
   pair material for :mod:`client.recovery`; with ``self-mask`` also add a self-mask ``N(0, sigma_k^2)`` whose
-  seed is Shamir-shared among the neighbours (:func:`client.recovery.seal_self_mask`).
+  seed is Shamir-shared among the neighbours (:func:`client.recovery.seal_self_mask`); then answer the next
+  round's share request if the message carries one (a refused request gets no answer here: the server asks
+  again in a ``query.shares`` phase).
 
 Payload format: :func:`encode_payload`.
 """
@@ -26,9 +30,11 @@ import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from logging import WARNING
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common import log
 
 from client.env import ClientEnv, local_training, record_level_training, reply
 from client.floor import FloorViolation, policy, release
@@ -49,7 +55,15 @@ from protocols.task.models import get_weights
 from protocols.wire.arrays import from_record
 from protocols.wire.common import TrainIns, train_metrics
 from protocols.wire.keys import probe_metric
-from protocols.wire.niss import AuthFailures, Diagnostic, NissMetrics, RelayedInbox, ShareReply, ShareRequest
+from protocols.wire.niss import (
+    AHEAD_RECORD,
+    AuthFailures,
+    Diagnostic,
+    NissMetrics,
+    RelayedInbox,
+    ShareReply,
+    ShareRequest,
+)
 from protocols.wire.recovery import NissPairMaterial
 
 STATE_KEY = "cancelfl-niss"
@@ -179,7 +193,18 @@ class _Stored:
 # -------------------------------------------------------------------------- phases
 def handle_shares(msg: Message, env: ClientEnv) -> Message:
     """``query.shares``: split this client's DP noise into shares and seal one payload per neighbour."""
-    req = ShareRequest.from_config(msg.content["config"])
+    shares = answer_shares(msg.content["config"], env)
+    return Message(RecordDict({"config": ConfigRecord(shares.to_config())}), reply_to=msg)
+
+
+def answer_shares(rec: ConfigRecord, env: ClientEnv) -> ShareReply:
+    """The sealed payloads for the :class:`ShareRequest` in ``rec``, after every check of its view (module doc).
+
+    The round's secrets go to ``Context.state`` (replacing what is there).  Asked again for the same round, view,
+    weight and scale, before training in it, the client seals the same shares again: whichever payloads the
+    server relays, they cancel.
+    """
+    req = ShareRequest.from_config(rec)
     rnd, weight, me = req.round, req.weight, env.node_id
     nbrs = list(req.peers.peer_ids)
     if not nbrs or me in nbrs:
@@ -200,7 +225,7 @@ def handle_shares(msg: Message, env: ClientEnv) -> Message:
     # The sizes (hence every p_k) are part of the view: shown other sizes, a client derives relay keys no peer shares.
     # Double masking: keys sealing this round's self-mask shares (sent with the upload, client.recovery).
     purposes = (RELAY_PURPOSE, SHARE_PURPOSE) if env.cfg.self_mask else (RELAY_PURPOSE,)
-    view, seeds_for = checked_pair_seeds(msg, env, purposes, view_extra=sizes_digest(req.sizes), full=True)
+    view, seeds_for = checked_pair_seeds(rec, env, purposes, view_extra=sizes_digest(req.sizes), full=True)
     # The joint view of all uploads (the roster's graph among the participants, public sizes): refuse a smaller scale.
     # Calibrated for the most rounds the public schedule samples any client in (the server computes the same).
     releases = roster_releases(env.cfg, node_identity(env).roster)
@@ -208,10 +233,10 @@ def handle_shares(msg: Message, env: ClientEnv) -> Message:
     # The client's own calibration (run config, its dataset size, the neighbour count): never the server's figures.
     plan = client_plan(env.cfg, own_weight, len(env.y), len(nbrs), req.noise_scale, releases)
     sigma = plan.sigma_k
-    seeds = {n: _fresh_seed(f"{me}/{rnd}/share/{n}") for n in nbrs}
-    bundles = niss_math.make_outgoing_bundles(me, plan, nbrs, seeds)
-    by_receiver = {b.receiver: b for b in bundles}
     keys, mask_keys = seeds_for[RELAY_PURPOSE], seeds_for.get(SHARE_PURPOSE, {})
+    bundles = _same_request_bundles(env, rnd, own_weight, req.noise_scale, keys) or \
+        niss_math.make_outgoing_bundles(me, plan, nbrs, {n: _fresh_seed(f"{me}/{rnd}/share/{n}") for n in nbrs})
+    by_receiver = {b.receiver: b for b in bundles}
     size = model_size(env) if encoding == "vector" else 0
     payloads = []
     for n in nbrs:  # one payload per neighbour, in the tracker's order
@@ -219,7 +244,38 @@ def handle_shares(msg: Message, env: ClientEnv) -> Message:
         payloads.append(seal(keys[n], encode_payload(encoding, by_receiver[n], size), aad=aad))
     env.context.state[STATE_KEY] = _Stored(rnd, own_weight, sigma, encoding, nbrs, keys, bundles, tau,
                                            mask_keys, req.noise_scale, req.noise_scale / floor.scale).to_record()
-    return Message(RecordDict({"config": ConfigRecord(ShareReply(tuple(nbrs), tuple(payloads)).to_config())}), reply_to=msg)
+    return ShareReply(tuple(nbrs), tuple(payloads))
+
+
+def _same_request_bundles(env: ClientEnv, rnd: int, weight: float, scale: float,
+                          keys: dict[int, bytes]) -> list[niss_math.ShareBundle] | None:
+    """The shares already made for round ``rnd``'s request if this is the same request, else None.
+
+    The same request: the same relay keys (so the same view, neighbours and sizes), weight and scale.
+    """
+    rec = env.context.state.get(STATE_KEY)
+    if rec is None or int(rec["round"]) != rnd:
+        return None
+    st = _Stored.load(env, rnd)
+    if st.relay_keys != keys or st.weight != weight or st.scale != scale:
+        return None
+    return st.outgoing
+
+
+def _answer_ahead(msg: Message, env: ClientEnv, out: Message) -> None:
+    """Answer the next round's share request the train message carries (if any) in ``out``'s ahead record.
+
+    A request this client refuses gets no answer: the server then asks in a ``query.shares`` phase, where the
+    refusal reaches it.
+    """
+    if AHEAD_RECORD not in msg.content:
+        return
+    try:
+        shares = answer_shares(msg.content[AHEAD_RECORD], env)
+    except (ValueError, RuntimeError, KeyError) as err:  # a refusal (FloorViolation, IdentityError), no state
+        log(WARNING, "node %s: next round's NISS share request not answered here (%s)", env.node_id, err)
+        return
+    out.content[AHEAD_RECORD] = ConfigRecord(shares.to_config())
 
 
 def _open_incoming(inbox: RelayedInbox, env: ClientEnv, st: _Stored, size: int) -> tuple[list, list[tuple[int, str]]]:
@@ -362,4 +418,5 @@ def train(msg: Message, env: ClientEnv) -> Message:
     if env.cfg.cancellation_check:
         # DIAGNOSTIC ONLY: hands the server this client's noiseless weighted update.
         Diagnostic(to_record(unflatten(st.weight * params, global_w), np.float64)).add_to(out.content)
+    _answer_ahead(msg, env, out)  # after this round's secrets are gone from Context.state
     return mask.attach(out) if mask is not None else out

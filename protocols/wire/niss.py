@@ -9,6 +9,10 @@ config can carry several parts.  One round:
 * ``train`` server -> client: the global model and a :class:`RelayedInbox` (this client's ciphertexts);
 * ``train`` client -> server: the upload with :class:`NissMetrics`, or only :class:`AuthFailures` when a relayed
   payload could not be opened.
+
+The train message may also carry the next round's :class:`ShareRequest` in the record :data:`AHEAD_RECORD`, and
+the upload then the :class:`ShareReply` to it in a record of the same name: the next round needs no
+``query.shares`` phase for the clients that answered it.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ _TAU = "niss-tau"
 _SHARES = "niss-shares"
 _RECEIVED_VAR = "niss-received-var"
 _DIAGNOSTIC = "diagnostic"
+#: Record of a train message (reply) holding the next round's share request (reply).
+AHEAD_RECORD = "niss-ahead"
 
 
 def _check_weight(weight: float) -> None:
@@ -223,4 +229,4 @@ class Diagnostic:
         return cls(content[_DIAGNOSTIC]) if _DIAGNOSTIC in content else None
 
 
-__all__ = ["ShareRequest", "ShareReply", "RelayedInbox", "AuthFailures", "NissMetrics", "Diagnostic"]
+__all__ = ["AHEAD_RECORD", "ShareRequest", "ShareReply", "RelayedInbox", "AuthFailures", "NissMetrics", "Diagnostic"]
