@@ -172,10 +172,11 @@ def run(args: argparse.Namespace) -> int:
              "white-box gradient canaries (clipped gradient clip along their own coordinate), 4 clients x 500 per "
              "release (niss: 4 x 1,000)",
              "ladp: gradient canaries through its stock client (record sensitivity from the client's own N_i, the "
-             "layer-wise plan, P_j = B in round 1); model view on 2 clients x 1,000 (the mean's noise multiplier is "
-             "z sqrt(2), its claim the upload's); adaptive canaries, replace-one (the label also moves the layer's KL "
-             "estimate; one trial per client upload); fault private-kl = the paper's P_j from the trained local "
-             "model (a data-dependent noise scale, adaptive canaries), halve-noise on gradient canaries",
+             "layer-wise plan, P_j = B in round 1); model view on 2 clients x 1,000 (the mean's noise multiplier is z "
+             "sqrt(2), its claim the upload's); adaptive canaries, replace-one (the label also moves the layer's KL "
+             "estimate; one trial per client upload, the model view one per release); fault private-kl = the paper's "
+             "P_j from the trained local model (a data-dependent noise scale, adaptive canaries), halve-noise on "
+             "gradient canaries",
              "ceiling: the epsilon_lb an ideal test reaches with this row's evaluation trials on a Gaussian mechanism "
              "exactly at the claim (protocols.privacy.audit.gaussian_ceiling; none for pure-DP claims): a row far "
              "below it lacks power, or the mechanism leaks less than it claims",

@@ -68,3 +68,19 @@ def test_ladp_halved_noise_is_caught_by_the_gradient_canaries():
     report = run_audit(AuditSpec("ladp", "upload", 4.0, trials=120_000, clients=2, fault="halve-noise"), seed=5)
     assert report.canary == "gradient" and math.isfinite(report.claimed_epsilon)
     assert report.epsilon_lb > report.claimed_epsilon, report.line()
+
+
+def test_ladp_adaptive_model_view_neighbours_differ_in_one_record():
+    """Only client 0's canary carries the release's secret: the others' records stay at label 0 in every draw."""
+    from server.audit_canaries import _AdaptiveCanaries
+
+    canaries = _AdaptiveCanaries(3, 10.0)
+    rng = np.random.default_rng(1)
+    seen = set()
+    for _ in range(40):
+        canaries.draw(rng, "model")
+        assert not canaries.labels[1:].any() and canaries.signs().shape == (1,)
+        for c in (1, 2):
+            assert canaries.data(c)[1].tolist() == [0, 0]
+        seen.add(int(canaries.labels[0]))
+    assert seen == {0, 1}
