@@ -12,11 +12,13 @@ the ledger certifies it as pure DP).  A row with ``epsilon_lb > claimed`` is a v
 (:meth:`~server.audit_adapter.AuditAdapter.tolerated_colluders`; niss: ``floor(niss-rho x 3)``, nadp: none) a
 bound above the claim is a violation, beyond them it is marked ``outside claim`` (the degradation).  Writes
 ``audit.md``/``audit.csv``, ``audit.json`` and the plot ``audit.png`` into ``--out``.  Trials and federation per
-method: :func:`server.audit_spec.federation` (ladp: adaptive canaries, 16 clients per release; the MP family: an
-MLP canary, one counted canary per release); ``--trials`` overrides the trials of every row but the self-tests
-that fix their own.  Each method's adapter names its self-test rows
-(:attr:`server.audit_adapter.AuditAdapter.self_tests`): ladp's planted fault ``private-kl`` (the paper's
-data-dependent P_j), niss's and ddpsa's ``halve-noise``; those must be flagged; and its variant rows
+method: :func:`server.audit_spec.federation` (ladp's model view: 2 clients; the MP family: an MLP canary, one
+counted canary per release); ``--trials`` overrides the trials of every row but the self-tests that fix their own.
+A method audited with further canaries (:attr:`~server.audit_adapter.AuditAdapter.canaries`) gets their rows too
+(ladp: adaptive canaries, 16 clients per release).  Each method's adapter names its self-test rows
+(:attr:`server.audit_adapter.AuditAdapter.self_tests`): ladp's planted faults ``private-kl`` (the paper's
+data-dependent P_j, adaptive canaries) and ``halve-noise``, niss's and ddpsa's ``halve-noise``; those must be
+flagged; and its variant rows
 (:attr:`~server.audit_adapter.AuditAdapter.variants`: ddpsa's first of 100 rounds under ``ddpsa-composition =
 "pld"``, an (epsilon, delta) claim); and for the MP family a ``given secret`` model row (the published first layer
 read with the release's R, every canary counted).  ddpsa's rows start local intermediate servers.
@@ -131,16 +133,18 @@ def run(args: argparse.Namespace) -> int:
     jobs: list[tuple[AuditSpec, str]] = []
 
     def spec(method: str, direction: str, eps: float, trials: int | None = None, given_secret: bool = False,
-             **kw) -> AuditSpec:
-        fed = federation(method, direction, given_secret=given_secret)
-        return AuditSpec(method, direction, eps, trials or args.trials or fed["trials"], clients=fed["clients"],
-                         per_client=fed["per_client"], given_secret=given_secret, **kw)
+             canary: str | None = None, fault: str | None = None, **kw) -> AuditSpec:
+        fed = federation(method, direction, canary, given_secret=given_secret, fault=fault)
+        return AuditSpec(method, direction, eps, trials or args.trials or fed["trials"], canary=canary, fault=fault,
+                         clients=fed["clients"], per_client=fed["per_client"], given_secret=given_secret, **kw)
 
     for eps in epsilons:
         for method in methods:
             adapter = audit_adapter(method)
             for direction in directions:
                 jobs.append((spec(method, direction, eps), ""))
+                for canary in adapter.canaries[1:]:  # the method's further canaries (ladp: adaptive)
+                    jobs.append((spec(method, direction, eps, canary=canary), ""))
             if adapter.secret_view and "model" in directions:  # the model view read with the release's secret
                 jobs.append((spec(method, "model", eps, given_secret=True), "given secret"))
             if "upload" not in directions:
@@ -170,8 +174,12 @@ def run(args: argparse.Namespace) -> int:
              "adjacency: zero-out record (the run-config default; a canary present or its input zeroed); canaries: "
              "white-box gradient canaries (clipped gradient clip along their own coordinate), 4 clients x 500 per "
              "release (niss: 4 x 1,000)",
-             "ladp: adaptive canaries, replace-one (the label also moves the layer's KL estimate; one trial per client upload); "
-             "fault private-kl = the paper's P_j from the trained local model (a data-dependent noise scale)",
+             "ladp: gradient canaries through its stock client (record sensitivity from the client's own N_i, the "
+             "layer-wise plan, P_j = B in round 1); model view on 2 clients x 1,000 (the mean's noise multiplier is z "
+             "sqrt(2), its claim the upload's); adaptive canaries, replace-one (the label also moves the layer's KL "
+             "estimate; one trial per client upload, the model view one per release); fault private-kl = the paper's "
+             "P_j from the trained local model (a data-dependent noise scale, adaptive canaries), halve-noise on "
+             "gradient canaries",
              "ceiling: the epsilon_lb an ideal test reaches with this row's evaluation trials on a Gaussian mechanism "
              "exactly at the claim (protocols.privacy.audit.gaussian_ceiling; none for pure-DP claims): a row far "
              "below it lacks power, or the mechanism leaks less than it claims",

@@ -123,6 +123,7 @@ class AuditAdapter:
 
     Attributes:
         canaries: the canary kinds it is audited with (:data:`server.audit_spec.CANARIES`); the first is the default.
+        fault_canaries: the canary a fault is audited with when none is named (by fault; else the default).
         faults: the faults planted in its release code, by ``--fault`` name (:class:`server.audit_faults.Fault`).
         colluders: the upload view may include peers handing the server their pair material (``--colluders``);
             :meth:`tolerated_colluders` says how many of them the claim covers.
@@ -145,6 +146,7 @@ class AuditAdapter:
 
     canaries: tuple[str, ...] = ("gradient",)
     faults: Mapping[str, Fault] = MappingProxyType({})
+    fault_canaries: Mapping[str, str] = MappingProxyType({})
     colluders: bool = False
     mlp_canaries: bool = False
     one_trial_per_release: bool = False

@@ -121,7 +121,8 @@ class _AdaptiveCanaries:
     ``2 clip lr / 2``, and it also moves the layer's KL estimate between ``~0.5 / (2 dim)`` (canary at 0) and
     exactly 0 (at 1): ``P`` crosses ladp's whole ``[B / max-boost, B]`` range.  The statistic reads both
     the shift along ``v_0`` and the log mean square of the other coordinates (the noise scale).
-    ``model`` view: every client holds the same label, one trial per release (the aggregate).
+    ``model`` view: client 0 holds the release's one canary, every other client its two records at label 0 (the
+    neighbours differ in one record), one trial per release (the aggregate).
     """
 
     clients: int
@@ -135,10 +136,11 @@ class _AdaptiveCanaries:
         self.draw(np.random.default_rng())
 
     def draw(self, rng: np.random.Generator, direction: str = "upload") -> None:
-        """Fresh canary labels: one per client (``upload``) or one for the release (``model``)."""
+        """Fresh canary labels: one per client (``upload``) or client 0's alone, the others at 0 (``model``)."""
         self.shared = direction == "model"
-        self.labels = (np.full(self.clients, rng.integers(0, 2)) if self.shared
-                       else rng.integers(0, 2, size=self.clients))
+        self.labels = rng.integers(0, 2, size=self.clients)
+        if self.shared:
+            self.labels[1:] = 0
 
     def model(self) -> nn.Module:
         return CanaryModel(self.dim)

@@ -82,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """``cancelfl audit``: 0 = no violation, 1 = the audit proves more privacy loss than claimed, 2 = refused."""
     try:
-        fed = federation(args.method, args.direction, args.canary, args.given_secret)
+        fed = federation(args.method, args.direction, args.canary, args.given_secret, args.fault)
         settings = tuple(parse_run_config(" ".join(args.set)).items()) if args.set else ()
         spec = AuditSpec(args.method, args.direction, args.epsilon, args.trials or fed["trials"], args.canary,
                          args.colluders, args.fault, args.clients or fed["clients"], args.per_client or fed["per_client"],

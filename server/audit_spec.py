@@ -72,18 +72,22 @@ def faults() -> tuple[str, ...]:
     return tuple(dict.fromkeys(f for m in auditable_methods() for f in audit_adapter(m).faults))
 
 
-def federation(method: str, direction: str = "upload", canary: str | None = None, given_secret: bool = False
-               ) -> dict[str, int]:
-    """Default ``trials``, ``clients`` and ``per_client`` of an audit of ``method`` (its adapter's choice)."""
+def federation(method: str, direction: str = "upload", canary: str | None = None, given_secret: bool = False,
+               fault: str | None = None) -> dict[str, int]:
+    """Default ``trials``, ``clients`` and ``per_client`` of an audit of ``method`` (its adapter's choice).
+
+    ``canary`` None: the one ``fault`` is audited with (:func:`default_canary`).
+    """
     adapter = audit_adapter(method)
-    canary = canary if canary is not None else adapter.canaries[0]
+    canary = canary if canary is not None else default_canary(method, fault)
     return adapter.federation(direction, canary, given_secret=True) if given_secret else \
         adapter.federation(direction, canary)
 
 
-def default_canary(method: str) -> str:
-    """The canary a method is audited with by default: the first its adapter lists."""
-    return audit_adapter(method).canaries[0]
+def default_canary(method: str, fault: str | None = None) -> str:
+    """The canary a method is audited with by default: ``fault``'s (adapter's ``fault_canaries``), else its first."""
+    adapter = audit_adapter(method)
+    return adapter.fault_canaries.get(fault, adapter.canaries[0]) if fault is not None else adapter.canaries[0]
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,7 @@ class AuditSpec:
     direction: str = "upload"
     epsilon: float = 4.0
     trials: int = 300_000  # canary records over all releases (a quarter fit the test, the rest bound epsilon)
-    canary: str | None = None  # None: the adapter's first canary (default_canary)
+    canary: str | None = None  # None: the fault's canary or the adapter's first (default_canary)
     colluders: int = 0  # upload view: peers that hand the server their pair material
     fault: str | None = None
     clients: int = 4
@@ -158,8 +162,8 @@ class AuditSpec:
 
     @property
     def canary_kind(self) -> str:
-        """The canary used: ``canary``, or the method's default."""
-        return self.canary if self.canary is not None else self.adapter.canaries[0]
+        """The canary used: ``canary``, or the method's default for the fault (:func:`default_canary`)."""
+        return self.canary if self.canary is not None else default_canary(self.method, self.fault)
 
     def audited_per_release(self) -> int:
         """Canaries of one release the audit reads: the victim's (per-client faults), the non-colluders', or all."""

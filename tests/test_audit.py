@@ -229,10 +229,11 @@ def test_ladp_adaptive_canaries_are_not_flagged_and_catch_a_data_dependent_noise
     local model (fault ``private-kl``) sets a noise std 3x apart between the two neighbours, which the
     noise itself reveals: flagged above the claimed epsilon 1.
     """
-    honest = run_audit(AuditSpec("ladp", "upload", 1.0, trials=480, clients=16), seed=3)
+    honest = run_audit(AuditSpec("ladp", "upload", 1.0, trials=480, canary="adaptive", clients=16), seed=3)
     assert honest.canary == "adaptive" and math.isfinite(honest.claimed_epsilon)
     assert honest.claimed_epsilon <= 1.0 + 1e-9 and not honest.violation, honest.line()
     faulty = run_audit(AuditSpec("ladp", "upload", 1.0, trials=480, clients=16, fault="private-kl"), seed=3)
+    assert faulty.canary == "adaptive"  # the fault's own canary (the adapter's fault_canaries)
     assert faulty.epsilon_lb > faulty.claimed_epsilon, faulty.line()
 
 
