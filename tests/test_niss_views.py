@@ -29,7 +29,7 @@ from protocols.methods import NO_COLLUDER, method_spec
 from protocols.niss_joint import joint_factors, joint_scale, view_multipliers
 from protocols.privacy import GaussianEvent, PerUnitAccountant, noise_multiplier
 from server.defaults import app_defaults
-from strategies import niss as niss_strategy
+from strategies import niss_shares as niss_strategy
 from strategies.run.notes import privacy_summary
 from strategies.stages import close_round
 from tests.niss_setup import FAST, niss_round, niss_setup
