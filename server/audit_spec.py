@@ -72,8 +72,8 @@ def federation(method: str, direction: str = "upload", canary: str | None = None
     """Default ``trials``, ``clients`` and ``per_client`` of an audit of ``method`` (its adapter's choice)."""
     adapter = audit_adapter(method)
     canary = canary if canary is not None else adapter.canaries[0]
-    return adapter.federation(direction, canary, given_secret=True) if given_secret else \
-        adapter.federation(direction, canary)
+    secret = given_secret or (direction == "model" and adapter.secret_view)
+    return adapter.federation(direction, canary, given_secret=True) if secret else adapter.federation(direction, canary)
 
 
 def default_canary(method: str) -> str:
@@ -150,6 +150,11 @@ class AuditSpec:
         if self.adjacency is not None:
             return self.adjacency
         return "replace-one" if self.canary_kind == "adaptive" else "zero-out"
+
+    @property
+    def reads_secret(self) -> bool:
+        """The model view is read with the release's secret: asked for, or the method's model view (``secret_view``)."""
+        return self.given_secret or (self.direction == "model" and self.adapter.secret_view)
 
     @property
     def canary_kind(self) -> str:
