@@ -69,7 +69,8 @@ def canaries_for(spec: AuditSpec) -> _Canaries | _AdaptiveCanaries:
     if spec.canary_kind == "adaptive":
         return _AdaptiveCanaries(spec.clients, CANARY_SCALE * spec.clip)
     return _Canaries(spec.clients, spec.per_client, spec.adapter.canary_scale * spec.clip, mlp=spec.adapter.mlp_canaries,
-                     zero_out=spec.adjacency_used == "zero-out", zero_output=spec.adapter.mlp_zero_output)
+                     zero_out=spec.adjacency_used == "zero-out",
+                     zero_output=spec.adapter.mlp_zero_output and spec.reads_secret)
 
 
 def _run_audit(spec: AuditSpec, seed: int | None, progress: Callable[[str], None] | None) -> AuditReport:

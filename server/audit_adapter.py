@@ -128,7 +128,7 @@ class AuditAdapter:
             :meth:`tolerated_colluders` says how many of them the claim covers.
         canary_scale: a gradient canary's input, in units of clip (:data:`server.audit_spec.CANARY_SCALE`).
         mlp_canaries: gradient canaries train the MLP (:func:`server.audit_canaries.canary_mlp`), not the linear model.
-        mlp_zero_output: that MLP's output layer starts at zero.
+        mlp_zero_output: that MLP's output layer starts at zero in the view read with the secret (``secret_view``).
         one_trial_per_release: the canaries of one release share a secret noise scale, so the threshold and the
             bound count one canary per release (unless the view is given that secret, ``secret_view``).
         secret_view: ``--given-secret``: its model view can be read with the release's secret, which makes the

@@ -112,7 +112,7 @@ class MpAudit(AuditAdapter):
     """
 
     mlp_canaries = True
-    mlp_zero_output = True  # W-hat's last matrix is then the mask alone: kappa = 1 / MASK_SHARE
+    mlp_zero_output = True  # model view: W-hat's last matrix is then the mask alone, kappa = 1 / MASK_SHARE
     training_loss = "mse"  # the paper's 1/2 ||y - onehot||^2
     one_trial_per_release = True
     secret_view = True
