@@ -145,8 +145,6 @@ def run(args: argparse.Namespace) -> int:
                 jobs.append((spec(method, direction, eps), ""))
                 for canary in adapter.canaries[1:]:  # the method's further canaries (ladp: adaptive)
                     jobs.append((spec(method, direction, eps, canary=canary), ""))
-            if adapter.secret_view and "model" in directions:  # the model view read with the release's secret
-                jobs.append((spec(method, "model", eps, given_secret=True), "given secret"))
             if "upload" not in directions:
                 continue
             for c in colluders if adapter.colluders else ():
@@ -183,12 +181,12 @@ def run(args: argparse.Namespace) -> int:
              "ceiling: the epsilon_lb an ideal test reaches with this row's evaluation trials on a Gaussian mechanism "
              "exactly at the claim (protocols.privacy.audit.gaussian_ceiling; none for pure-DP claims): a row far "
              "below it lacks power, or the mechanism leaks less than it claims",
-             "MP family (mpddp, mpdp-naive, mpcdp): canary MLP (4 hidden units, input 1000 clip), the paper's xi step; "
-             "the secret R of a release scales all its canaries' noise and signal, so the model row counts one canary "
-             "per release (its ceiling is low); the 'given secret' row reads the published first layer divided by the "
-             "release's R^(1) (independent canaries, all counted, fitted within each release); above the claim it is "
-             "'nominal exceeded' for mpdp-naive and mpcdp (Gaussian given R: the claim's own argument, which their "
-             "cards call nominal) and 'outside claim' for mpddp (Gaussian only over R's draw)",
+             "MP family (mpddp, mpdp-naive, mpcdp): canary MLP (4 hidden units, zero output layer), the paper's xi "
+             "step; the model row reads the published first layer divided by the release's R^(1) (the adversary holds "
+             "R; independent canaries, all counted, fitted within each release) with white-box canaries planted in the "
+             "clients' per-example computation (g^, Psi, Phi) = (0, 0, 2 clip / rho^2 u); the upload rows "
+             "use input canaries (1000 clip); mpdp-naive's mean carries about sqrt(K) times the Gaussian its claim "
+             "counts",
              "niss: the real share phase (sealed noise shares relayed by the strategy, distortion s ~ N(1, tau^2)); "
              "upload view: all the uploads together; fault halve-noise: every share and distortion std halved",
              "ddpsa: L1-clipped canaries, real shares pushed to 3 local intermediate servers; the parameter server "

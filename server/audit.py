@@ -69,7 +69,8 @@ def canaries_for(spec: AuditSpec) -> _Canaries | _AdaptiveCanaries:
     if spec.canary_kind == "adaptive":
         return _AdaptiveCanaries(spec.clients, CANARY_SCALE * spec.clip)
     return _Canaries(spec.clients, spec.per_client, spec.adapter.canary_scale * spec.clip, mlp=spec.adapter.mlp_canaries,
-                     zero_out=spec.adjacency_used == "zero-out")
+                     zero_out=spec.adjacency_used == "zero-out",
+                     zero_output=spec.adapter.mlp_zero_output and spec.reads_secret)
 
 
 def _run_audit(spec: AuditSpec, seed: int | None, progress: Callable[[str], None] | None) -> AuditReport:
@@ -102,7 +103,7 @@ def _audit_releases(spec: AuditSpec, raw: dict, seed: int | None, progress: Call
     lab = np.concatenate(labels)[keep_all]
     own = np.concatenate(owners)[keep_all]
     grp = np.concatenate(groups)[keep_all]
-    if spec.given_secret:  # given the secret, a release's canaries are independent: fit and test within each release
+    if spec.reads_secret:  # given the secret, a release's canaries are independent: fit and test within each release
         half = np.arange(len(lab)) % 2
         scores = fisher_scores(v, lab, grp * spec.clients + own, selects(half, 2))
         bound = audit_scores(scores, lab, half, claim_delta, spec.alpha, every=2)
@@ -124,6 +125,6 @@ def _audit_releases(spec: AuditSpec, raw: dict, seed: int | None, progress: Call
     tolerated = spec.adapter.tolerated_colluders(spec)
     return AuditReport(spec.method, spec.direction, spec.canary_kind, spec.colluders, spec.fault, claimed, claim_delta,
                        ADJACENCY_TEXT[spec.adjacency_used], bound, int(keep_all.sum()), releases, time.perf_counter() - t0,
-                       notes, tolerated, spec.colluders <= tolerated and (not spec.given_secret or spec.adapter.secret_claim),
+                       notes, tolerated, spec.colluders <= tolerated and (not spec.reads_secret or spec.adapter.secret_claim),
                        spec.adapter.nominal_claim,
                        time.process_time() - c0, account)

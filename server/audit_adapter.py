@@ -129,6 +129,7 @@ class AuditAdapter:
             :meth:`tolerated_colluders` says how many of them the claim covers.
         canary_scale: a gradient canary's input, in units of clip (:data:`server.audit_spec.CANARY_SCALE`).
         mlp_canaries: gradient canaries train the MLP (:func:`server.audit_canaries.canary_mlp`), not the linear model.
+        mlp_zero_output: that MLP's output layer starts at zero in the view read with the secret (``secret_view``).
         one_trial_per_release: the canaries of one release share a secret noise scale, so the threshold and the
             bound count one canary per release (unless the view is given that secret, ``secret_view``).
         secret_view: ``--given-secret``: its model view can be read with the release's secret, which makes the
@@ -149,6 +150,7 @@ class AuditAdapter:
     fault_canaries: Mapping[str, str] = MappingProxyType({})
     colluders: bool = False
     mlp_canaries: bool = False
+    mlp_zero_output: bool = False
     one_trial_per_release: bool = False
     secret_view: bool = False
     secret_claim: bool = False
@@ -191,6 +193,14 @@ class AuditAdapter:
     def services(self, spec: AuditSpec, raw: dict) -> Iterator[dict]:
         """Start what every release needs for the audit's duration; yield the nodes' run config (``raw`` itself)."""
         yield raw
+
+    def plant_canaries(self, spec: AuditSpec) -> contextlib.AbstractContextManager:
+        """Context of one release in which the canary records reach the release code (nothing to patch by default).
+
+        A white-box adapter may patch the per-example computation so that a canary record is the gradient an
+        adversary plants; the release code's own clipping and noise still act on it.
+        """
+        return contextlib.nullcontext()
 
     def notes(self, spec: AuditSpec) -> list[str]:
         """Lines the report adds after its claim (what a reader must know about this method's bound)."""

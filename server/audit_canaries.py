@@ -62,7 +62,8 @@ class _Canaries:
     """White-box gradient canaries of one release: client c holds ``scale e_k`` for k in its block, labels in {0, 1}.
 
     ``mlp``: the records train :func:`canary_mlp` (the MP family) instead of :class:`CanaryModel`; a record's
-    coordinates are then its column of the first layer.  ``zero_out``: a canary's secret bit says whether it is
+    coordinates are then its column of the first layer; ``zero_output``: that MLP's output layer is zero.
+    ``zero_out``: a canary's secret bit says whether it is
     present (label 0) or its input is zero (no gradient: the zero-out neighbour); else the bit is its label.
     """
 
@@ -71,6 +72,7 @@ class _Canaries:
     scale: float
     mlp: bool = False
     zero_out: bool = False
+    zero_output: bool = False  # mlp: output layer (weights and bias) zero
     labels: np.ndarray = field(init=False)  # (clients * per_client,) in {0, 1}
 
     def __post_init__(self) -> None:
@@ -83,7 +85,14 @@ class _Canaries:
 
     def model(self) -> nn.Module:
         """The initial global model (and the client's model skeleton)."""
-        return canary_mlp(self.dim) if self.mlp else CanaryModel(self.dim)
+        if not self.mlp:
+            return CanaryModel(self.dim)
+        m = canary_mlp(self.dim)
+        if self.zero_output:
+            with torch.no_grad():
+                m.layers[-1].weight.zero_()
+                m.layers[-1].bias.zero_()
+        return m
 
     def data(self, client: int) -> tuple[np.ndarray, np.ndarray]:
         """(x, y) of ``client``."""

@@ -80,7 +80,7 @@ def release(spec: AuditSpec, cfg: RunConfig, canaries: _Canaries | _AdaptiveCana
     arrays = to_record(get_weights(canaries.model()), strategy.wire_dtype)
     victim = {"node": None}
     plant = fault.plant if fault is not None and fault.plant is not None else None
-    with plant(lambda: victim["node"]) if plant is not None else contextlib.nullcontext():
+    with plant(lambda: victim["node"]) if plant is not None else contextlib.nullcontext(), adapter.plant_canaries(spec):
         msgs = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
         victim["node"] = min(m.metadata.dst_node_id for m in msgs)
         replies = list(grid.send_and_receive(msgs))

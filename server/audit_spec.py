@@ -80,8 +80,8 @@ def federation(method: str, direction: str = "upload", canary: str | None = None
     """
     adapter = audit_adapter(method)
     canary = canary if canary is not None else default_canary(method, fault)
-    return adapter.federation(direction, canary, given_secret=True) if given_secret else \
-        adapter.federation(direction, canary)
+    secret = given_secret or (direction == "model" and adapter.secret_view)
+    return adapter.federation(direction, canary, given_secret=True) if secret else adapter.federation(direction, canary)
 
 
 def default_canary(method: str, fault: str | None = None) -> str:
@@ -159,6 +159,11 @@ class AuditSpec:
         if self.adjacency is not None:
             return self.adjacency
         return "replace-one" if self.canary_kind == "adaptive" else "zero-out"
+
+    @property
+    def reads_secret(self) -> bool:
+        """The model view is read with the release's secret: asked for, or the method's model view (``secret_view``)."""
+        return self.given_secret or (self.direction == "model" and self.adapter.secret_view)
 
     @property
     def canary_kind(self) -> str:

@@ -20,8 +20,21 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from protocols.config import ConfigError, RunConfig
-from protocols.mpddp import MPSecret, mp_record_sensitivity, mp_server, mu_server, output_scale, relative_distance, torch_threads
+from protocols.mpddp import (
+    MPSecret,
+    given_r_topup,
+    mask_reference,
+    mp_record_sensitivity,
+    mp_server,
+    mu_server,
+    naive_client,
+    output_scale,
+    relative_distance,
+    secret_factor,
+    torch_threads,
+)
 from protocols.mpddp.expansion import Layer
+from protocols.mpddp.gradients import ClientUpload
 from protocols.privacy import GaussianEvent, PrivacyLedger, RdpAccountant, accountant_from_state, noise_multiplier
 from protocols.privacy.signal import NoiseEstimate, Release, gaussian_norm
 from protocols.server_optimizers import NonFiniteGradient, make_server_optimizer, optimizer_from_state
@@ -84,6 +97,8 @@ class MpRound(RoundState):
     sizes: dict[int, int] | None = None
     #: Privacy-loss variance of the survivors after a dropout recovery (mpddp; set by the aggregate stage).
     theta_after: float | None = None
+    #: kappa = max(1, (||r|| / rho)^2): a record's effect given R over its record sensitivity (server-only).
+    kappa: float = 1.0
 
 
 # ----------------------------------------------------------------------------- strategies
@@ -168,7 +183,30 @@ class MpStrategyBase(CancelStrategy):
 
     def update(self, state: MpRound, records: list[tuple[int, ArrayRecord]]) -> tuple[list[Layer], list[Layer]]:
         """MU_Server (Algorithm 3) on the streamed mean of the uploads: (new model, recovered gradient)."""
-        return mu_server(state.layers, mean_upload(records, len(state.layers)), state.secret, self.optimizer)
+        mean = self.given_r_noise(state, mean_upload(records, len(state.layers)), [n for n, _ in records])
+        return mu_server(state.layers, mean, state.secret, self.optimizer)
+
+    def model_multiplier(self) -> float:
+        """The Gaussian multiplier of the model's claim for one round (charged by :meth:`charge_release`)."""
+        return self.z
+
+    def gaussian_variance(self, state: MpRound, nodes: list[int]) -> float:
+        """Variance of the Gaussian noise the clients ``nodes`` put in each entry of the mean (given R); none here."""
+        return 0.0
+
+    def given_r_noise(self, state: MpRound, mean: ClientUpload, nodes: list[int]) -> ClientUpload:
+        """The mean upload plus the Gaussian that makes the round's release a Gaussian mechanism given R.
+
+        Given R, a record moves the R-divided release by at most ``kappa S / K`` (S: the record sensitivity of the
+        smallest upload, :func:`protocols.mpddp.calibration.secret_factor`); the server adds
+        :func:`protocols.mpddp.calibration.given_r_topup` of std for multiplier :meth:`model_multiplier`, counting
+        the clients' Gaussian noise (:meth:`gaussian_variance`), before recovery (Eq. 22).
+        """
+        sizes = state.sizes or {}
+        sens = self.record_sensitivity(min(sizes[n] for n in nodes) if sizes else 1)
+        std = given_r_topup(self.model_multiplier(), state.kappa, sens, len(nodes), self.gaussian_variance(state, nodes))
+        self.report(secret_factor=state.kappa, given_r_noise_std=std)
+        return naive_client(mean, eta_seed=os.urandom(32), sigma=std) if std > 0 else mean
 
     # ------------------------------------------------------------------ stages
     def plan(self, grid: Grid, st: RoundState) -> MpRound:
@@ -183,6 +221,7 @@ class MpStrategyBase(CancelStrategy):
             w_hat, secret = mp_server(layers, os.urandom(32), additive_scale=output_scale(layers))
             w_hat_arrays = PerturbedModel(tuple(m.detach().cpu().numpy() for m in w_hat)).to_arrays()
             state = MpRound(st.round, list(st.participants), layers, secret, to_record(w_hat_arrays, np.float64), keys=st.keys)
+            state.kappa = secret_factor(float(secret.r_vec.norm()), mask_reference(w_hat[-1].detach().cpu().numpy()))
             state.noise = self.round_noise(state)
             if state.noise is not None:
                 self.report(**{k: v for k, v in asdict(state.noise).items() if k != "sizes"})  # the scales

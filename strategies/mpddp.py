@@ -30,6 +30,7 @@ from protocols.floor import ETA_SHARE, mpddp_floor, mpdp_naive_sigma
 from protocols.mpddp import (
     calibrate_cdp,
     eq23_epsilon,
+    max_theta,
     mu_server,
     naive_client,
     pairwise_delta,
@@ -134,7 +135,19 @@ class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
             self.report(recovery_server_s=time.process_time() - t0)
             if rec.gone_any:
                 state.theta_after = self._theta_after(state, len(records))
+        mean = self.given_r_noise(state, mean, [n for n, _ in records])  # eta ~ DN is uniform given R: not counted
         return mu_server(state.layers, mean, state.secret, self.optimizer)
+
+    def model_multiplier(self) -> float:
+        """The round's Gaussian multiplier, times the round's noise scale.
+
+        z for the releases (Theorem 10 graph), else the Gaussian meeting Eq. 23 at (epsilon/T, delta/T) (Theorem 11
+        rounds compose basically).
+        """
+        t = self._releases()
+        if self._complete(self.cfg.clients_per_round):
+            return noise_multiplier(self.cfg.epsilon, self.cfg.delta, t) * self.noise_scale
+        return max_theta(self.cfg.epsilon / t, self.cfg.delta / t) ** -0.5 * self.noise_scale
 
     def _theta_after(self, state: MpRound, survivors: int) -> float:
         """Theorem 10/11's theta for the ``survivors`` left after a recovery (per unit sensitivity, as ``state.theta``).
@@ -219,8 +232,9 @@ class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
             "aggregate_noise_std_per_sensitivity": se / self.record_sensitivity(1) / math.sqrt(k),
             "epsilon_round_eq23": eq23_epsilon(theta, self.cfg.delta) if self._complete(k) else
             self.cfg.epsilon / self.cfg.num_rounds,
-            "guarantee": "nominal (paper model): not valid against the server, which knows R and gets Psi/Phi "
-                         "unnoised; see epsilon_given_R",
+            "guarantee": "model: given R (the server's Gaussian, protocols.mpddp.given_r_topup); uploads: the "
+                         "paper's nominal Theorem 10/11 figure, not valid against the server, which knows R and gets "
+                         "Psi/Phi unnoised",
         })
         if not self._complete(k):
             out["composition"] = "basic composition of Theorem 11 rounds at (epsilon/T, delta/T)"
@@ -252,16 +266,22 @@ class MpdpNaiveStrategy(MpStrategyBase):
             return None
         return mpdp_naive_sigma(self.cfg, self.min_size) / math.sqrt(self.cfg.clients_per_round)
 
+    def gaussian_variance(self, state: MpRound, nodes: list[int]) -> float:
+        """Each client's ``N(0, (z S_k)^2)`` (:func:`protocols.floor.mpdp_naive_sigma`) in the mean of K uploads."""
+        sizes = state.sizes or {}
+        return math.fsum(mpdp_naive_sigma(self.cfg, sizes[n]) ** 2 for n in nodes) / len(nodes) ** 2
+
     def account(self, state: MpRound) -> None:
-        """Account stage: the given-R account of the round (uploads reached the server)."""
+        """Account stage: the given-R account of one upload (R-divided: sensitivity kappa S, noise z S)."""
         if state.aggregating:
-            self._given_r.compose(GaussianEvent(self._min_r(state) * self.z))
+            self._given_r.compose(GaussianEvent(self.z / state.kappa))
             self.report(epsilon_given_R=self._given_r_epsilon())
 
     def describe(self) -> dict[str, float | str]:
         out = super().describe()
         out.update({"sigma_per_sensitivity": self.z,
-                    "guarantee": "nominal: R o eta is not Gaussian (the paper's Problem 1); see epsilon_given_R"})
+                    "guarantee": "model: given R (the clients' Gaussian, topped up by the server where kappa needs it); "
+                                 "uploads: epsilon_given_R (R-divided, multiplier z / kappa)"})
         return out
 
 
@@ -288,8 +308,8 @@ class MpcdpStrategy(MpStrategyBase):
         mean = mean_upload(records, len(state.layers))
         sizes = state.sizes or {}
         min_size = min(sizes[node] for node, _ in records) if sizes else 1
-        sigma = self.server_sigma(len(records), min_size)
-        self.report(sigma=sigma)
+        sigma = self.server_sigma(len(records), min_size) * state.kappa
+        self.report(sigma=sigma, secret_factor=state.kappa)
         if sigma > 0:
             mean = naive_client(mean, eta_seed=os.urandom(32), sigma=sigma)
         return mu_server(state.layers, mean, state.secret, self.optimizer)
@@ -297,6 +317,6 @@ class MpcdpStrategy(MpStrategyBase):
     def describe(self) -> dict[str, float | str]:
         out = super().describe()
         out.update({"aggregate_noise_std_per_sensitivity": self.z / self.cfg.clients_per_round,
-                    "guarantee": "downlink CDP on the perturbed mean (record level, per-example clipping on W-hat); "
-                                 "uplink none (trusted server)"})
+                    "guarantee": "downlink CDP given R on the perturbed mean (record level, per-example clip of g^, "
+                                 "Psi, Phi on W-hat, noise z kappa S / K); uplink none (trusted server)"})
         return out

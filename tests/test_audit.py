@@ -237,13 +237,16 @@ def test_ladp_adaptive_canaries_are_not_flagged_and_catch_a_data_dependent_noise
     assert faulty.epsilon_lb > faulty.claimed_epsilon, faulty.line()
 
 
-def test_mp_family_downlink_is_audited_on_the_real_recovery_and_not_flagged():
-    """mpddp, mpdp-naive and mpcdp: the published model after MP_Server, client noise and recovery (Eq. 22)."""
+def test_mp_family_downlink_is_audited_given_r_on_the_real_recovery_and_not_flagged():
+    """mpddp, mpdp-naive and mpcdp: the published model after MP_Server, client noise and recovery (Eq. 22).
+
+    The model is read with the round's R: every canary of a release counts.
+    """
     for method in ("mpddp", "mpdp-naive", "mpcdp"):
         report = run_audit(AuditSpec(method, "model", 1.0, trials=1_200, clients=3, per_client=10), seed=3)
         assert math.isfinite(report.claimed_epsilon) and report.claimed_epsilon <= 1.0 + 1e-9
         assert report.trials >= 1_200 and not report.violation, report.line()
-        assert report.bound.trials < report.releases  # one counted canary per release (R is shared within one)
+        assert report.bound.trials > report.releases  # given R a release's canaries are independent
 
 
 def test_mpcdp_uploads_claim_nothing_and_the_server_recovers_them_exactly():
@@ -254,39 +257,9 @@ def test_mpcdp_uploads_claim_nothing_and_the_server_recovers_them_exactly():
     assert report.bound.false_positives == 0 and report.bound.true_positives > 0 and report.epsilon_lb > 1
 
 
-def test_mp_record_moves_the_published_model_by_more_than_the_clip_in_noise_units():
-    """The MP family clips g^ per record; the model moves by R o (g^ + r^T Psi - v Phi), its noise is R o eta.
-
-    Flipping one canary's label and recovering with the real MP_Server secret and Eq. (22): the move divided
-    entrywise by R (the noise's units) exceeds the claimed replace-one sensitivity 2 clip for some secrets.
-    """
-    import os
-
-    import torch
-
-    from protocols.mpddp import clipped_client_gradients, mp_server, one_hot, output_scale, recover_blocks
-    from protocols.task.models import get_weights
-    from server.audit_canaries import canary_mlp
-    from strategies.mpddp import layers_from_weights
-
-    layers = layers_from_weights(get_weights(canary_mlp(8)))
-    x = torch.zeros(1, 8, dtype=torch.float64)
-    x[0, 0] = 10.0
-    ratios = []
-    for _ in range(300):
-        w_hat, secret = mp_server(layers, os.urandom(32), additive_scale=output_scale(layers))
-        moved = []
-        for y in (0, 1):
-            up, _ = clipped_client_gradients(w_hat, x, one_hot(torch.tensor([y]), 2, torch.float64), 1.0)
-            moved.append(torch.cat([(b / r).reshape(-1) for b, r in zip(recover_blocks(up, secret),
-                                                                         secret.trainable_R(), strict=True)]))
-        ratios.append(float((moved[0] - moved[1]).norm()) / 2.0)
-    assert max(ratios) > 1.0, max(ratios)  # measured: about 10 % of secrets above 1, up to ~12
-
-
 def test_bad_audit_options_are_refused_naming_them():
     for spec, word in ((AuditSpec("fedavg"), "method"), (AuditSpec("ldp", canary="adaptive"), "ladp"),
-                       (AuditSpec("nadp", fault="private-kl"), "ladp"), (AuditSpec("mpddp", fault="halve-noise"), "halve"),
+                       (AuditSpec("nadp", fault="private-kl"), "ladp"), (AuditSpec("ldp", fault="perturbed-clip"), "mpcdp"),
                        (AuditSpec("ldp", direction="down"), "direction"),
                        (AuditSpec("ldp", fault="skip-pair-noise"), "nadp"), (AuditSpec("nadp", colluders=3), "colluders"),
                        (AuditSpec("ldp", colluders=1), "niss"), (AuditSpec("ddpsa", canary="adaptive"), "ladp"),

@@ -22,9 +22,10 @@ import client.methods.mpddp as mp_client
 from client.app import app as client_app
 from protocols.config import ConfigError, RunConfig
 from protocols.mpddp import (
+    client_gradients,
     eq23_epsilon,
+    mask_reference,
     max_theta,
-    per_example_grad_norms,
     relative_distance,
     satisfies_eq23,
     sigmas_for_theta,
@@ -74,6 +75,9 @@ def with_noise(method: str, noise: str):
 
         def server_sigma(self, num_clients: int, min_size: int) -> float:
             return 0.0
+
+        def given_r_noise(self, state: MpRound, mean, nodes):
+            return mean if noise == "off" or noise == "pairwise-only" else super().given_r_noise(state, mean, nodes)
 
     return Quiet
 # float64 side information: the exact-recovery checks below (the default, float32, is checked on its own).
@@ -142,8 +146,8 @@ def true_mean_gradient(cfg: RunConfig, weights, nodes: list[int], grid: LocalGri
     """Unweighted mean over ``nodes`` of each client's full-batch MSE gradient, by plain torch autograd.
 
     With ``w_hat`` and ``clip`` (record level): each client's mean of TRUE per-example gradients, example b
-    weighted ``min(1, clip / ||g^_b||)`` with g^_b its gradient at W-hat (autograd on the original model;
-    norms on W-hat).
+    weighted ``min(1, clip / N_b)``, ``N_b = ||g^_b|| + rho sigma_max(Psi_b) + rho^2 ||Phi_b||`` at W-hat (autograd on the
+    original model; norms from each example's own upload at W-hat, rho from W-hat's last matrix).
     """
     ds = load_dataset(cfg.dataset)
     model = build_model("mlp", ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed).double()
@@ -153,10 +157,22 @@ def true_mean_gradient(cfg: RunConfig, weights, nodes: list[int], grid: LocalGri
         x, y = client_partition(cfg, int(grid.contexts[node].node_config["partition-id"]), cfg.num_clients)
         x = torch.as_tensor(np.asarray(x).reshape(len(x), -1), dtype=torch.float64)
         target = torch.nn.functional.one_hot(torch.as_tensor(y), ds.num_classes).double()
-        scale = 1.0 if clip is None else torch.clamp(clip / per_example_grad_norms(w_hat, x, target), max=1.0)
+        scale = 1.0 if clip is None else torch.clamp(clip / _clip_norms(w_hat, x, target), max=1.0)
         loss = 0.5 * (((model(x) - target) ** 2).sum(1) * scale).mean()
         per_client.append(torch.cat([t.reshape(-1) for t in torch.autograd.grad(loss, list(model.parameters()))]))
     return torch.stack(per_client).mean(0)
+
+
+def _clip_norms(w_hat, x, target) -> torch.Tensor:
+    """N_b of every example, from its own one-example upload (the reference of the client's clip)."""
+    rho = mask_reference(w_hat[-1].numpy())
+    out = []
+    for b in range(len(x)):
+        up = client_gradients(w_hat, x[b:b + 1], target[b:b + 1])
+        grad, phi = (float(torch.cat([t.reshape(-1) for t in part]).norm()) for part in (up.grads, up.phi))
+        psi = float(torch.linalg.matrix_norm(torch.cat([p.reshape(p.shape[0], -1) for p in up.psi], dim=1), ord=2))
+        out.append(grad + rho * psi + rho * rho * phi)
+    return torch.tensor(out, dtype=torch.float64)
 
 
 def flat_layers(layers) -> torch.Tensor:

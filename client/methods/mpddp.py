@@ -4,8 +4,9 @@ The train message (:mod:`protocols.wire.mpddp`) carries the perturbed expanded m
 scales, which the client checks against its own calibration (:func:`ddp_floor`,
 :func:`protocols.floor.mpdp_naive_sigma`) and refuses when smaller.  The client computes one full-batch gradient
 of the paper's loss ``1/2 ||y - onehot||^2`` at W-hat plus Psi and Phi (FedSGD), each example's perturbed
-gradient clipped to ``clip`` (:func:`protocols.mpddp.clipped_client_gradients`; record sensitivity
-``2 clip / n_k``, :func:`protocols.mpddp.mp_record_sensitivity`), then by method:
+upload clipped to ``clip`` (:func:`protocols.mpddp.clipped_client_gradients` with ``rho`` from W-hat,
+:func:`protocols.mpddp.mask_reference`; record sensitivity ``2 clip / n_k``, and ``kappa`` times it given the
+server's R, :func:`protocols.mpddp.mp_record_sensitivity`), then by method:
 
 * ``mpddp``: :func:`protocols.mpddp.ddp_client` (Algorithm 2): ``eta_k ~ DN(sigma_eta, 1)`` from a fresh
   ``os.urandom`` seed plus ``sum_v Delta_kv``, ``Delta_kv ~ DN(sigma_Delta, 1)`` from the pair seeds (purpose
@@ -35,6 +36,7 @@ from protocols.floor import FloorViolation, at_least, mpddp_floor, mpdp_naive_si
 from protocols.mpddp import (
     clipped_client_gradients,
     ddp_client,
+    mask_reference,
     mp_record_sensitivity,
     naive_client,
     one_hot,
@@ -66,10 +68,12 @@ def _train(msg: Message, env: ClientEnv) -> Message:
     # widened to float64 before the pair noise is added, so the Delta's still cancel exactly.  With float64 side
     # information everything stays float64 (exact recovery).
     dtype = torch.float32 if np.dtype(env.cfg.mpddp_side_dtype) == np.float32 else torch.float64
-    w_hat = [torch.from_numpy(m).to(dtype) for m in PerturbedModel.from_record(msg.content["arrays"]).matrices]
+    received = PerturbedModel.from_record(msg.content["arrays"]).matrices
+    w_hat = [torch.from_numpy(m).to(dtype) for m in received]
     x = torch.from_numpy(np.asarray(env.x).reshape(len(env.x), -1)).to(dtype)
     y = one_hot(torch.from_numpy(np.asarray(env.y)), env.num_classes, dtype)
-    up, clipped = clipped_client_gradients(w_hat, x, y, env.cfg.clip)
+    # rho from W-hat as received (float64), as the server computes it: the clip bounds a record given R too.
+    up, clipped = clipped_client_gradients(w_hat, x, y, env.cfg.clip, rho=mask_reference(received[-1]))
     if dtype != torch.float64:
         up = up.with_grads([g.double() for g in up.grads])
     metrics: dict[str, float] = {"clipped_fraction": clipped}

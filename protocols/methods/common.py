@@ -17,7 +17,7 @@ RECORD_STEP = {"small": {"hidden": "", "local-epochs": 1, "batch-size": FULL_BAT
 SERVER = "the server and eavesdroppers (honest-but-curious server)"
 MODEL = "anyone who gets the published global models"
 MODEL_TRUSTED = "anyone who gets the published global models (the server is trusted with the uploads)"
-#: The MP family's model epsilon: clipping bounds a record's gradient in the perturbed space, not the recovered step
-#: R o (g + r^T Psi - v Phi) that moves the published model (tests/test_audit.py shows a label flip exceeding it).
-MODEL_NOMINAL = ("nominal: anyone who gets the published global models, under the paper's sensitivity bound, which "
-                 "clipping in the perturbed space does not guarantee")
+#: The MP family's model epsilon holds given the server's secret R: the clients' clip bounds a record's R-divided step
+#: g^ - r^T Psi + v Phi by kappa clip and the server's Gaussian covers kappa (protocols.mpddp.calibration).
+MODEL_GIVEN_R = ("anyone who gets the published global models, the server's secret R included (the honest-but-curious "
+                 "server adds the Gaussian the model's claim rests on)")

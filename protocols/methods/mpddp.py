@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocols.methods.common import MODEL_NOMINAL
+from protocols.methods.common import MODEL_GIVEN_R
 from protocols.methods.nadp import CONSISTENCY, KEYS, RECOVER
 from protocols.methods.pairwise import PairwiseOptions
 from protocols.methods.registry import register
@@ -54,17 +54,17 @@ ABLATION = Ablation(method="mpddp", trusted="mpcdp", naive="mpdp-naive")
 #: What the whole family shares: the server steps with the recovered gradient (xi = ``mpddp-server-lr``), and on
 #: the small datasets the squared-loss MLP is not held to the defaults benchmark's accuracy floor.
 _FAMILY = dict(family="mpddp", regime=MP_REGIME, server_step_lr="mpddp-server-lr", floor_exempt=("small",))
-#: The ablations' shared entries (uplink epsilon nominal: no guarantee), their audit adapter included.
+#: The ablations' shared entries (uplink: no guarantee), their audit adapter included.
 _NO_UPLINK = dict(_FAMILY, options=(MpddpOptions,), audit="server.audits.mpddp:MpAudit")
 register(MethodSpec("mpddp", "strategies.mpddp:MpddpStrategy", "client.methods.mpddp:train",
                     queries={"keys": KEYS, "consistency": CONSISTENCY, "recover": RECOVER},
                     paper="MP_Server + DDP_Client", options=(PairwiseOptions, MpddpOptions), **_FAMILY,
-                    privacy=Guarantee("record", None, MODEL_NOMINAL), min_per_round=2,
+                    privacy=Guarantee("record", None, MODEL_GIVEN_R), min_per_round=2,
                     audit="server.audits.mpddp:MpddpAudit"))
 register(MethodSpec("mpdp-naive", "strategies.mpddp:MpdpNaiveStrategy", "client.methods.mpddp:train",
-                    paper="MP_Server + DDP_Client (ablation)", privacy=Guarantee("record", None, MODEL_NOMINAL),
+                    paper="MP_Server + DDP_Client (ablation)", privacy=Guarantee("record", None, MODEL_GIVEN_R),
                     **_NO_UPLINK))
 register(MethodSpec("mpcdp", "strategies.mpddp:MpcdpStrategy", "client.methods.mpddp:train",
                     paper="MP_Server + DDP_Client (ablation)",
-                    privacy=Guarantee("record", None, MODEL_NOMINAL + " (the server is trusted with the uploads)"),
+                    privacy=Guarantee("record", None, MODEL_GIVEN_R + " (the server is trusted with the uploads)"),
                     **_NO_UPLINK))

@@ -10,7 +10,14 @@ the feasible set is ``[0, theta_max]`` (:func:`max_theta`).  The privacy-loss va
   so it is applied at ``delta / 3``; ``n >= K - 1`` uses Theorem 10.
 
 ``eta_share`` is the fraction of ``theta_max`` spent on the eta term.  The sensitivity scales both sigmas and is an
-assumption, as in the paper.  Against the server, which knows R, the figures are nominal (``docs/methods/mpddp.md``).
+assumption, as in the paper.
+
+Given the server's secret R (:func:`mask_reference`, :func:`secret_factor`, :func:`given_r_topup`): Eq. (22) releases
+``R o (mean_b w_b (g^_b - r^T Psi_b + v Phi_b) + noise)``; divided by R, a record's effect is its weighted
+``g^_b - r^T Psi_b + v Phi_b`` (Theorem 1), which the clip of ``g^_b`` alone does not bound.  Clients clip
+``||g^_b|| + rho sigma_max(Psi_b) + rho^2 ||Phi_b||`` with ``rho`` from W-hat (:func:`mask_reference`), so a record
+moves the R-divided release by at most ``kappa`` times the record sensitivity, ``kappa = max(1, (||r|| / rho)^2)``
+(:func:`secret_factor`, known to the server only), and the server adds the Gaussian the clients' noise lacks.
 Ablations (Section 6.3) from a noise multiplier z (:func:`theta_for_noise_multiplier`): :func:`calibrate_ldp`
 (MP-DP-Naive, ``sigma = z S``) and :func:`calibrate_cdp` (MP-CDP, ``sigma = z S / K``).
 """
@@ -29,6 +36,10 @@ __all__ = [
     "calibrate_cdp",
     "calibrate_ldp",
     "check_n_out_conditions",
+    "MASK_SHARE",
+    "given_r_topup",
+    "mask_reference",
+    "secret_factor",
     "eq23_epsilon",
     "max_theta",
     "mp_record_sensitivity",
@@ -265,3 +276,50 @@ def calibrate_cdp(noise_multiplier: float, num_clients: int, *, sensitivity: flo
     if num_clients < 1:
         raise ValueError("num_clients must be >= 1")
     return noise_multiplier * sensitivity / num_clients
+
+
+#: The mask's expected share of the squared last perturbed matrix: ``E[gamma^2] / (E[gamma^2] + E[s^2])`` with
+#: gamma ~ Uniform(0.5, 1.5) and s ~ |DN*(1)| (E = 13/12 and 3/2) where the mask and the weights have one RMS.
+MASK_SHARE = 13.0 / 31.0
+
+
+def mask_reference(w_hat_last: object) -> float:
+    """rho: an estimate of ||r|| from the last perturbed matrix, ``sqrt(MASK_SHARE) ||W-hat^(2L-1)||_F / sqrt(cols)``.
+
+    The additive mask R^a repeats r = gamma o r^a in every column (Eq. 5) at the output layer's RMS
+    (:func:`protocols.mpddp.perturbation.output_scale`), so rho is about ||r||; any rho > 0 keeps the bound (a wrong
+    one moves clipping against kappa).  Both ends compute it from W-hat, which every client holds: it reveals
+    nothing new.  Returns a positive float (at least 1e-12).
+    """
+    import numpy as np
+
+    m = np.asarray(w_hat_last, dtype=np.float64)
+    if m.ndim != 2 or m.size == 0:
+        raise ValueError(f"expected the last perturbed matrix (2-D), got shape {m.shape}")
+    return max(math.sqrt(MASK_SHARE) * float(np.linalg.norm(m)) / math.sqrt(m.shape[1]), 1e-12)
+
+
+def secret_factor(r_norm: float, rho: float) -> float:
+    """The factor kappa = max(1, (||r|| / rho)^2): the R-divided record sensitivity over the clip's (module docstring).
+
+    ``||g^ - r^T Psi + v Phi|| <= ||g^|| + ||r|| sigma_max(Psi) + ||r||^2 ||Phi|| <= kappa (||g^|| + rho
+    sigma_max(Psi) + rho^2 ||Phi||)`` (v = ||r||^2, Theorem 1), so the clients' clip bounds a record's effect
+    given R by kappa times the record sensitivity.  Server-side only: ||r|| is part of the secret.
+    """
+    if not (math.isfinite(r_norm) and r_norm >= 0 and math.isfinite(rho) and rho > 0):
+        raise ValueError(f"need finite ||r|| >= 0 and rho > 0, got {r_norm!r}, {rho!r}")
+    return max(1.0, (r_norm / rho) ** 2)
+
+
+def given_r_topup(noise_multiplier: float, kappa: float, sensitivity: float, num_clients: int,
+                  present_variance: float) -> float:
+    """Std of the Gaussian the server adds to the mean perturbed gradient so that, given R, it is a Gaussian release.
+
+    Target std ``z kappa S / K`` (S the largest record sensitivity among the K uploads, kappa from
+    :func:`secret_factor`); ``present_variance``: the variance of the Gaussian noise the clients already put in the
+    mean (only Gaussian noise given R counts).  Returns ``sqrt(max(0, target^2 - present_variance))``.
+    """
+    if num_clients < 1 or not (kappa >= 1 and sensitivity > 0 and noise_multiplier >= 0 and present_variance >= 0):
+        raise ValueError("need K >= 1, kappa >= 1, S > 0, z >= 0 and a variance >= 0")
+    target = noise_multiplier * kappa * sensitivity / num_clients
+    return math.sqrt(max(0.0, target * target - present_variance))

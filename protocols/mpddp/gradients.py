@@ -206,24 +206,60 @@ def _grad_norms(mats: Sequence[Tensor], fwd: _Forward, y: Tensor) -> Tensor:
     return sq.sqrt()
 
 
-def clipped_client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.ndarray, y: Tensor | np.ndarray,
-                             clip: float) -> tuple[ClientUpload, float]:
-    """:func:`client_gradients` of the mean of per-example-clipped perturbed gradients; also the clipped fraction.
+def _side_norms(mats: Sequence[Tensor], fwd: _Forward, y: Tensor) -> tuple[Tensor, Tensor]:
+    """(B,) per example: the spectral norm of Psi_b (its n_L blocks as rows) and the L2 norm of Phi_b.
 
-    Example b is weighted ``min(1, clip / ||g^_b||) / B`` (its gradient, Psi and Phi alike, so recovery stays
-    exact for the clipped mean).  Replacing one of the B records moves the uploaded gradient by at most
-    ``2 clip / B`` in L2 (replace-one record sensitivity, :func:`protocols.privacy.local_sgd_sensitivity` of
-    one full-batch step with lr 1).  The bound holds for the perturbed gradient, the quantity that gets the
-    DP noise; Psi, Phi and the recovered true-space gradient are not bounded by it (see :mod:`strategies.mpddp`).
-    The norms and the sums share one forward pass.
+    Over the uploaded blocks.  ``||r^T Psi_b|| <= ||r|| sigma_max(Psi_b)``, ``sigma_max^2`` the largest eigenvalue of
+    the n_L x n_L Gram matrix ``<Psi_bk, Psi_bl>``.  As :func:`_grad_norms`: a linear layer's per-example gradient
+    of a scalar is the outer product ``d_b h_b^T``, so the Gram matrix sums ``(d d^T) ||h_b||^2`` over layers.
+    """
+    h, last = fwd.h, mats[-1]
+    alpha = h.sum(dim=1)
+    err = h @ last.T - y
+    n_out, width = last.shape
+    hh = torch.linalg.vecdot(h, h)
+    eye = torch.eye(n_out, dtype=h.dtype)
+    gram = (alpha.square() * hh)[:, None, None] * eye  # last matrix: Psi_k's row k is alpha_b h_b
+    phi_sq = torch.zeros_like(hh)  # last matrix: Phi is zero
+    sig = torch.empty((h.shape[0], n_out + 1, width), dtype=h.dtype)
+    sig[:, :n_out] = alpha[:, None, None] * last + err.unsqueeze(2)  # d alpha (y^_k - ybar_k) / d h
+    sig[:, n_out] = alpha.unsqueeze(1)  # d alpha^2 / 2 / d h
+    for j in range(len(mats) - 2, -1, -1):
+        d = sig * fwd.masks[j].unsqueeze(1)
+        if j % 2 == 0:  # an uploaded block; its last row (constant unit) is trimmed
+            kept = d[:, :, :-1]
+            xx = torch.linalg.vecdot(fwd.inputs[j], fwd.inputs[j])
+            gram = gram + (kept[:, :n_out] @ kept[:, :n_out].transpose(1, 2)) * xx[:, None, None]
+            phi_sq = phi_sq + kept[:, n_out].square().sum(dim=1) * xx
+        if j > 0:
+            sig = d @ mats[j]
+    return torch.linalg.eigvalsh(gram)[:, -1].clamp_min(0.0).sqrt(), phi_sq.sqrt()
+
+
+def clipped_client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.ndarray, y: Tensor | np.ndarray,
+                             clip: float, rho: float | None = None) -> tuple[ClientUpload, float]:
+    """:func:`client_gradients` of the mean of per-example-clipped uploads; also the clipped fraction.
+
+    Example b is weighted ``min(1, clip / N_b) / B`` (its gradient, Psi and Phi alike, so recovery stays exact for
+    the clipped mean), ``N_b = ||g^_b|| + rho sigma_max(Psi_b) + rho^2 ||Phi_b||`` with ``rho`` from
+    :func:`protocols.mpddp.calibration.mask_reference` (None: ``N_b = ||g^_b||``, the perturbed gradient alone).
+    Replacing one of the B records moves the uploaded gradient by at most ``2 clip / B`` in L2, and given the
+    server's secret R its recovered gradient divided by R (``g^_b - r^T Psi_b + v Phi_b``, Theorem 1) by at most
+    ``kappa 2 clip / B`` (:func:`protocols.mpddp.calibration.secret_factor`); with ``rho = None`` the latter has
+    no bound.  The norms and the sums share one forward pass.
     """
     if not (clip > 0 and np.isfinite(clip)):
         raise ValueError(f"clip must be finite and > 0, got {clip!r}")
+    if rho is not None and not (rho > 0 and np.isfinite(rho)):
+        raise ValueError(f"rho must be finite and > 0, got {rho!r}")
     mats, x, y = _as_inputs(w_hat, x, y)
     if x.shape[0] == 0:
         raise ValueError("empty batch")
     fwd = _forward(mats, x)
     norms = _grad_norms(mats, fwd, y)
+    if rho is not None:
+        psi_n, phi_n = _side_norms(mats, fwd, y)
+        norms = norms + rho * psi_n + rho * rho * phi_n
     scale = torch.clamp(clip / norms.clamp_min(1e-300), max=1.0)
     up = _weighted_gradients(mats, fwd, y, scale / norms.shape[0])
     return up, float((norms > clip).double().mean())

@@ -1,16 +1,20 @@
-"""The MP family's audit adapter (mpddp, mpdp-naive, mpcdp): an MLP canary and the server's recovery with R.
+"""The MP family's audit adapter (mpddp, mpdp-naive, mpcdp): white-box canaries read with the round's secret R.
 
-FedSGD on :func:`server.audit_canaries.canary_mlp` with the paper's xi step (SGD), so the model is linear in the
-release.  Model view: the round's secret R scales the noise and the signal of every canary of a release alike
-(layer 1 is ``R^(1) o`` the perturbed-space step, one positive scale per hidden unit), so the canaries of one
-release are not independent and the threshold and the bound count one canary per release.  ``given_secret``:
-the published first layer divided by R^(1), the perturbed-space mean step plus its noise; given R the canaries
-of a release are independent and each is counted.  Upload view: each upload recovered alone with R (Eq. 22), as
-the server can.
+Model view (the strongest adversary, who holds R): the published first layer divided by R^(1), i.e. the R-divided
+release ``-xi (mean_b w_b (g^_b - r^T Psi_b + v Phi_b) + noise)`` (Eq. 22, Theorem 1); given R a release's
+canaries are independent and each is counted.  The canaries are white-box: in the client's per-example computation
+a present canary is the triple ``(g^_b, Psi_b, Phi_b) = (0, 0, M clip / rho^2 u_k)`` on its own column k of the
+first layer (u_k: the unit vector over the hidden units), which the client's clip and noise then treat as any
+record.  On the canary MLP with a zero output layer, W-hat's last matrix is the mask R^a alone, so
+``rho^2 = MASK_SHARE ||r||^2`` and ``kappa = (||r|| / rho)^2 = 31/13``: each canary moves the R-divided release by
+``v Phi_b / M = kappa`` times the record sensitivity, the bound itself; a clip of ``g^_b`` alone lets it move it M
+times as far at kappa = 1 (fault ``perturbed-clip``).  Upload view: each upload recovered alone with R
+(Eq. 22), as the server can, on record canaries.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
@@ -21,10 +25,16 @@ from protocols.arrays import Weights
 from protocols.wire.arrays import from_record
 from server.audit_adapter import AuditAdapter, GradientView, ReleaseView
 from server.audit_canaries import MLP_HIDDEN
-from server.audit_faults import HALVE_GAUSSIAN, HALVE_NOISE
+from server.audit_faults import HALVE_GAUSSIAN, HALVE_NOISE, Fault, patched
 from server.audit_spec import AuditSpec
 
-__all__ = ["MpAudit", "MpddpAudit"]
+__all__ = ["MpAudit", "MpddpAudit", "PERTURBED_CLIP"]
+
+#: The planted fault: the calibration before the given-R bound (clip of the perturbed gradient alone, no kappa and
+#: no server Gaussian), under which the audit found epsilon above the claim.
+PERTURBED_CLIP = "perturbed-clip"
+#: M: a white-box canary's Phi in units of clip / rho^2 (module docstring).
+PHI_WEIGHT = 2.0
 
 #: What the server reads from one upload recovered alone, per method: (the attacks benchmark's note, whether the
 #: recovered upload carries client noise).
@@ -35,22 +45,85 @@ _UPLOADS: dict[str, tuple[str, bool]] = {
 }
 
 
-class MpAudit(AuditAdapter):
-    """mpdp-naive and mpcdp: Gaussian noise on the perturbed-space step, so their claim's argument holds per R.
+def _perturbed_clip(victim: Callable[[], int | None]) -> contextlib.AbstractContextManager:
+    """The old calibration: clients clip g^_b alone (no rho), the server takes kappa = 1 and adds no given-R noise."""
+    import client.methods.mpddp as client_mp
+    import strategies.mp_server as server_mp
 
-    Their Gaussian std halved is the planted fault (caught given the secret).
+    def no_rho(orig: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda w_hat, x, y, clip, rho=None: orig(w_hat, x, y, clip)
+
+    return patched((client_mp, "clipped_client_gradients", no_rho),
+                   (server_mp, "secret_factor", lambda orig: lambda r_norm, rho: 1.0),
+                   (server_mp, "given_r_topup", lambda orig: lambda *a, **k: 0.0))
+
+
+@contextlib.contextmanager
+def _white_box(clip: float) -> Any:
+    """Patch :mod:`protocols.mpddp.gradients` so each present canary record is the white-box triple (module doc).
+
+    The real :func:`~protocols.mpddp.gradients.clipped_client_gradients` still computes ``N_b``, the weights and the
+    weighted sums from the planted per-example norms and triples.
+    """
+    import torch
+
+    import protocols.mpddp.gradients as grads_mod
+    from protocols.mpddp.calibration import mask_reference
+
+    def planted(mats: Any, fwd: Any) -> tuple[torch.Tensor, torch.Tensor, float]:
+        xs = fwd.inputs[0][:, :-1]  # the records (constant unit dropped): scale e_k or 0 (absent)
+        col = xs.abs().argmax(dim=1)
+        present = (xs.gather(1, col.unsqueeze(1)).squeeze(1) > 0).to(xs.dtype)
+        rho = mask_reference(mats[-1].detach().cpu().double().numpy())
+        return col, present, PHI_WEIGHT * clip / (rho * rho)
+
+    def grad_norms(orig: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda mats, fwd, y: torch.zeros_like(planted(mats, fwd)[1])
+
+    def side_norms(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def norms(mats: Any, fwd: Any, y: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            _, present, phi = planted(mats, fwd)
+            return torch.zeros_like(present), present * phi
+        return norms
+
+    def weighted(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def sums(mats: Any, fwd: Any, y: Any, w: torch.Tensor) -> Any:
+            real = orig(mats, fwd, y, w)
+            col, present, phi = planted(mats, fwd)
+            hidden = real.grads[0].shape[0]
+            u = torch.full((hidden,), hidden ** -0.5, dtype=real.grads[0].dtype)
+            first = torch.zeros_like(real.grads[0])
+            first.index_add_(1, col, (u[:, None] * (w * present)[None, :]))
+            grads = [torch.zeros_like(g) for g in real.grads]
+            phis = [torch.zeros_like(f) for f in real.phi]
+            phis[0] = first * phi
+            return grads_mod.ClientUpload(tuple(grads), tuple(torch.zeros_like(p) for p in real.psi), tuple(phis))
+        return sums
+
+    with patched((grads_mod, "_grad_norms", grad_norms), (grads_mod, "_side_norms", side_norms),
+                 (grads_mod, "_weighted_gradients", weighted)):
+        yield
+
+
+class MpAudit(AuditAdapter):
+    """The MP family: given R, each round's release is a Gaussian mechanism (clients' Gaussian and the server's).
+
+    Planted faults: the Gaussian std halved, and the calibration that clips the perturbed gradient alone.
     """
 
     mlp_canaries = True
+    mlp_zero_output = True  # model view: W-hat's last matrix is then the mask alone, kappa = 1 / MASK_SHARE
     training_loss = "mse"  # the paper's 1/2 ||y - onehot||^2
     one_trial_per_release = True
     secret_view = True
     secret_claim = True
-    nominal_claim = True  # MODEL_NOMINAL: clipping bounds the perturbed-space gradient, not the recovered one
-    #: The canary's column then carries nearly all of its clipped gradient (the shared bias and output-layer parts
-    #: do not grow with the input).
+    #: Upload view: the canary's column then carries nearly all of its clipped gradient.
     canary_scale = 1000.0
-    faults = MappingProxyType({HALVE_NOISE: HALVE_GAUSSIAN})
+    faults = MappingProxyType({HALVE_NOISE: HALVE_GAUSSIAN, PERTURBED_CLIP: Fault(_perturbed_clip)})
+
+    def plant_canaries(self, spec: AuditSpec) -> contextlib.AbstractContextManager:
+        """Model view: the white-box canary triples (module docstring); upload view: the records as they are."""
+        return _white_box(spec.clip) if spec.reads_secret else contextlib.nullcontext()
 
     def federation(self, direction: str, canary: str, *, given_secret: bool = False) -> dict[str, int]:
         if canary == "adaptive":
@@ -69,12 +142,12 @@ class MpAudit(AuditAdapter):
                 "mpddp-side-dtype": "float64", "self-mask": False}
 
     def notes(self, spec: AuditSpec) -> list[str]:
-        if spec.given_secret:
-            return ["MP family, given the secret: the published first layer divided by R^(1) (the perturbed-space "
-                    "step and its noise); a release's canaries are independent given R, each is counted, the "
-                    "discriminant is fitted on half of each release's canaries and tested on the other half"]
-        return ["MP family: the release's secret R scales the noise of all its canaries, so the threshold and the "
-                "bound count one canary per release (the others fit the test)"]
+        if spec.reads_secret:
+            return ["MP family, given the secret: the published first layer divided by R^(1); white-box canaries "
+                    "(g^, Psi, Phi) = (0, 0, 2 clip / rho^2 u) in the clients' per-example computation; a "
+                    "release's canaries are independent given R, each is counted, the discriminant is fitted on "
+                    "half of each release's canaries and tested on the other half"]
+        return ["MP family, upload view: each upload recovered alone with R"]
 
     def model_view(self, rel: ReleaseView) -> np.ndarray:
         """The published model; ``given_secret``: its first layer divided entrywise by the round's R^(1).
@@ -82,7 +155,7 @@ class MpAudit(AuditAdapter):
         The canaries' columns of the published first layer are ``-xi R^(1) o (g + r^T Psi - v Phi + noise)`` (the
         mean over the clients); divided by R^(1), each canary's column depends on its own record and noise only.
         """
-        if not rel.spec.given_secret:
+        if not rel.spec.reads_secret:
             return super().model_view(rel)
         w = dict(from_record(rel.aggregate))
         r1 = rel.strategy._state.secret.trainable_R()[0].numpy()  # (hidden, inputs + 1): [W, b] of layer 1
@@ -140,10 +213,4 @@ class MpAudit(AuditAdapter):
 
 
 class MpddpAudit(MpAudit):
-    """mpddp: no planted fault; its claim is marginal over R (Theorems 5, 6), so given R it is not its argument.
-
-    DN(sigma_eta, 1) is uniform: R o eta is Gaussian only over R's draw, and given R the noise is bounded.
-    """
-
-    secret_claim = False
-    faults = MappingProxyType({})
+    """mpddp: given R its eta ~ DN(sigma_eta, 1) is uniform, so the model's claim rests on the server's Gaussian."""
