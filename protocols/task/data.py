@@ -296,9 +296,7 @@ def partition_indices(labels_key: bytes, num_partitions: int, scheme: str, alpha
     try:
         with warnings.catch_warnings():  # flwr-datasets warns on every failed Dirichlet draw; the error below says it
             warnings.simplefilter("ignore", UserWarning)
-            # The numpy format reads the column at once (the default one builds a Python row per record).
-            return tuple(np.asarray(part.load_partition(i).with_format("numpy")["idx"], dtype=np.int64)
-                         for i in range(num_partitions))
+            return tuple(np.asarray(part.load_partition(i)["idx"], dtype=np.int64) for i in range(num_partitions))
     except ValueError as err:  # flwr-datasets: Dirichlet draws never gave every client its minimum
         if scheme == "size-skew":  # an empty client (max_partitions refuses it first)
             raise ConfigError(f"run-config 'num-clients' = {num_partitions} with 'partitioning' = 'size-skew' leaves "
