@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from flwr.app import Context, Message, MetricRecord, RecordDict
@@ -46,6 +46,9 @@ class ClientEnv:
     data: LocalData | Callable[[], LocalData]
     #: Builds the local model instead of run-config ``model`` (a user's own model, :mod:`client.api`).
     model_fn: Callable[[], nn.Module] | None = None
+    #: Results a handler computes once per message and reuses (e.g. the checked round view,
+    #: :func:`client.pairwise_phase.checked_pair_seeds`); lives as long as this message's env.
+    memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_context(cls, context: Context) -> ClientEnv:

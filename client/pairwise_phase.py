@@ -197,8 +197,26 @@ def participants_of(env: ClientEnv, rnd: int) -> dict[int, str] | None:
 
 def view_graph(msg: Message, env: ClientEnv) -> dict[int, list[int]]:
     """The round's present graph over all participants, from the train message's checked view."""
-    cfg = msg.content["config"]
-    return check_view(env, PeerKeys.from_config(cfg), TrainIns.from_config(cfg).round, full=True).graph or {}
+    return _message_view(msg, env, full=True)[2].graph or {}
+
+
+def _message_view(msg: Message | ConfigRecord, env: ClientEnv, *, full: bool
+                  ) -> tuple[PeerKeys, int, RoundView, KeyStore]:
+    """``(peer keys, round, checked view, key store)`` of ``msg``, checked once per message (:func:`check_view`).
+
+    The result is kept in ``env.memo`` with the message's config record itself, so a later call for the same
+    record (a handler derives seeds for several purposes, the self-mask, the graph) reuses the check instead of
+    parsing and hashing the whole participant list again; any other record is checked anew.
+    """
+    cfg = msg.content["config"] if isinstance(msg, Message) else msg
+    hit = env.memo.get(VIEW_KEY)
+    if hit is not None and hit[0] is cfg and (hit[3].graph is not None or not full):
+        return hit[1], hit[2], hit[3], hit[4]
+    rnd = TrainIns.from_config(cfg).round
+    pk = PeerKeys.from_config(cfg)
+    view, store = _checked(env, pk, rnd, full=full)
+    env.memo[VIEW_KEY] = (cfg, pk, rnd, view, store)
+    return pk, rnd, view, store
 
 
 def pair_seeds(msg: Message, env: ClientEnv, purpose: str,
@@ -218,13 +236,10 @@ def checked_pair_seeds(msg: Message | ConfigRecord, env: ClientEnv, purposes: Se
                        full: bool = False) -> tuple[RoundView, dict[str, dict[int, bytes]]]:
     """The checked view (``full``: with the graph, :func:`check_view`) and :func:`pair_seeds` for each purpose.
 
-    ``msg``: the message, or the record holding the round and the peer keys.  One check of the view for all
-    purposes; raises as :func:`pair_seeds`.
+    ``msg``: the message, or the record holding the round and the peer keys.  One check of the view per message
+    for all purposes and calls (:func:`_message_view`); raises as :func:`pair_seeds`.
     """
-    cfg = msg.content["config"] if isinstance(msg, Message) else msg
-    rnd = TrainIns.from_config(cfg).round
-    pk = PeerKeys.from_config(cfg)
-    view, store = _checked(env, pk, rnd, full=full)
+    pk, rnd, view, store = _message_view(msg, env, full=full)
     if graph is not None and sorted(graph.get(env.node_id, ())) != view.neighbours:
         raise ValueError("the round's plan and the roster's graph give this node different neighbours")
     context = int(env.context.run_id).to_bytes(8, "big") + view.digest + bytes(view_extra)

@@ -101,8 +101,12 @@ def generate_identity(name: str) -> Identity:
     return Identity(_check_name(name), Ed25519PrivateKey.generate())
 
 
+@functools.lru_cache(maxsize=4096)
 def derived_identity(seed: int, name: str) -> Identity:
-    """SIMULATION/TEST CONVENIENCE: an identity derived from the public run seed (anyone can recompute it)."""
+    """SIMULATION/TEST CONVENIENCE: an identity derived from the public run seed (anyone can recompute it).
+
+    Kept per process (a handler looks up its own and its neighbours' entries several times per message).
+    """
     raw = hashlib.sha256(_DERIVED + _u64(seed, "seed") + _lp(_check_name(name).encode())).digest()
     return Identity(name, Ed25519PrivateKey.from_private_bytes(raw))
 
