@@ -174,14 +174,18 @@ def compose_overrides(overrides: dict, *, outputs: Path, supernodes: int, ddpsa_
 class ComposeStack:
     """SuperLink, ``supernodes`` SuperNodes and 3 DDP-SA servers in containers of a private engine (steps: module doc).
 
-    Use as a context manager (or :meth:`start`/:meth:`stop`); :meth:`start` raises DockerUnavailable where Docker
+    ``up_timeout``: seconds ``compose up`` and the SuperNodes' registration may take each (a SuperNode imports
+    Flower, torch and the app before it registers: minutes on a loaded machine).  Use as a context manager (or
+    :meth:`start`/:meth:`stop`); :meth:`start` raises DockerUnavailable where Docker
     cannot run and ComposeError when a step fails, having stopped what it started.  Run outputs land in
     ``out_dir`` on the host (``/outputs`` in the SuperLink container).
     """
 
     def __init__(self, supernodes: int, *, app_dir: Path = REPO, out_dir: Path | None = None,
-                 work: Path | None = None, say: Callable[[str], None] = print, image: str = IMAGE) -> None:
+                 work: Path | None = None, say: Callable[[str], None] = print, image: str = IMAGE,
+                 up_timeout: float = 600) -> None:
         self.supernodes = int(supernodes)
+        self.up_timeout = up_timeout
         self.app_dir = Path(app_dir).resolve()
         self.work = Path(work or tempfile.mkdtemp(prefix="cancelfl-docker."))
         self.out_dir = Path(out_dir or self.work / "outputs").resolve()
@@ -277,8 +281,8 @@ class ComposeStack:
         run_cmd([*self.compose, "--profile", "keys", "run", "--rm", "keys"], env, timeout=120)
 
         t0 = time.monotonic()
-        run_cmd([*self.compose, "up", "-d", "--wait"], env, timeout=300)
-        self.wait_for_nodes(timeout=120)
+        run_cmd([*self.compose, "up", "-d", "--wait"], env, timeout=self.up_timeout)
+        self.wait_for_nodes(timeout=self.up_timeout)
         self._timed("compose up (nodes registered)", t0)
         self.say(f"up: SuperLink 127.0.0.1:{base}, {self.supernodes} SuperNodes, DDP-SA servers on ports "
                  f"{dd_base}..{dd_base + DDPSA_SERVERS - 1}")
