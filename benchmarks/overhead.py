@@ -174,7 +174,10 @@ def simulation_point(name: str, epsilon: float, clients: int, base: dict, method
 
 def deployment_point(cluster, name: str, epsilon: float, clients: int, base: dict, method_sets: dict[str, dict],
                      out_dir: Path) -> RunResult:
-    """One federation submitted to ``cluster`` (a running :class:`server.deploy.LocalCluster`: real processes).
+    """One federation submitted to ``cluster``, a running deployment: real processes or containers.
+
+    ``cluster``: a :class:`server.deploy.LocalCluster` or :class:`benchmarks.compose.ComposeStack`, anything whose
+    ``submit(run_config) -> exit code`` leaves the run's ``metrics.jsonl`` in its ``out-dir``.
 
     Timed as :func:`simulation_point`; ``clients`` must be the cluster's SuperNodes.
     """

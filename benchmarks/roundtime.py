@@ -3,6 +3,7 @@
     cancelfl-bench roundtime                      # MNIST, 10 clients x ~6,000 examples, in-process
     cancelfl-bench roundtime --engine simulation --clients 100 --rounds 3 --repeats 2
     cancelfl-bench roundtime --engine deployment --clients 4 --dataset digits --rounds 4 --repeats 2
+    cancelfl-bench roundtime --engine compose --clients 4 --dataset digits --rounds 4 --repeats 2
 
 Every method trains FedAvg's local workload (``local-epochs``, ``batch-size``, ``lr``, ``hidden`` given
 explicitly), so the ratio is what its privacy machinery costs on top; the mpddp family is FedSGD by design (one
@@ -14,6 +15,11 @@ only): one client's mean time per round.  ``peak_rss_mb``: the mean over clients
 resident memory (meaningful under simulation; in-process it is the whole process's).  Writes
 ``roundtime.csv``/``roundtime.md`` into ``--out``; with ``--trace`` (deployment) also ``trace.jsonl`` and
 ``roundtrace.md``, where each round's time goes (:mod:`benchmarks.roundtrace`).
+
+Engines: ``inprocess`` (the in-process grid), ``simulation`` (Flower's simulation runtime), ``deployment`` (``cancelfl
+deploy``'s processes on loopback: :class:`server.deploy.LocalCluster`), ``compose`` (``docker/docker-compose.yml`` in
+containers of a private Docker engine, TLS and node identities: :class:`benchmarks.compose.ComposeStack`; needs root
+and the engine's tools).  Deployment and compose read each run's round times from its ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -45,6 +51,10 @@ FIGURES: dict[str, float] = {"status": 0.0, "round_s_x_fedavg": 0.15, "client_s_
                              "bytes_per_client_round": 0.05}
 KEY = ("name",)
 
+COMPOSE_NOTE = ("engine=compose: docker/docker-compose.yml on a private Docker engine (host networking), SuperNodes "
+                "over TLS to the SuperLink, each with its identity key and the roster (require-identity), the 3 DDP-SA "
+                "servers of the compose file; each run submitted with the image's flwr run (service submit)")
+
 COLUMNS = ("name", "clients", "status", "round_s", "round_s_x_fedavg", "goal", "meets_goal", "client_s",
            "client_s_x_fedavg", "server_s", "peak_rss_mb", "peak_rss_x_fedavg", "bytes_per_client_round",
            "final_accuracy")
@@ -57,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                     local_epochs=2, lr=0.1, batch_size=32)
     p.add_argument("--epsilon", type=float, default=1.0)
     p.add_argument("--clients", type=int, default=10)
-    p.add_argument("--engine", choices=("inprocess", "simulation", "deployment"), default="inprocess")
+    p.add_argument("--engine", choices=("inprocess", "simulation", "deployment", "compose"), default="inprocess")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians of per-repeat ratios")
     p.add_argument("--trace", action="store_true",
                    help="deployment: trace every message and write where the round's time goes (roundtrace.md)")
@@ -85,13 +95,18 @@ def run(args: argparse.Namespace) -> int:
             servers = _intermediate_servers(methods, k, args.epsilon, base, msets)
             cluster = stack.enter_context(LocalCluster(k, intermediate_servers=servers))
             point = functools.partial(deployment_point, cluster)
+        elif args.engine == "compose":
+            from benchmarks.compose import ComposeStack
+
+            compose = stack.enter_context(ComposeStack(k, out_dir=out / "runs", say=_say))
+            point = functools.partial(deployment_point, compose)
         elif args.engine == "simulation":
             point = simulation_point
         else:
             point = run_point
             warm_up(base, [k], out)
         raw = _timed_runs(args, methods, point, k, base, msets, out)
-    rows = _ratios(raw, args.repeats, DEPLOYMENT_GOALS if args.engine == "deployment" else GOALS)
+    rows = _ratios(raw, args.repeats, DEPLOYMENT_GOALS if args.engine in ("deployment", "compose") else GOALS)
     total = time.perf_counter() - t0
     per_client = "~" + str(round(60000 / k)) if args.train_subset == 0 and args.dataset == "mnist" else "its share"
     notes += [
@@ -104,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         "simulation: what a Flower user waits); client_s: one client's time per round (in-process only)",
         "peak_rss_mb: mean over clients of the peak RSS of the process that ran them (simulation: a Ray worker "
         "per ClientApp slot; in-process: the whole benchmark process)",
+        *([COMPOSE_NOTE] if args.engine == "compose" else []),
         f"total time {total:.0f} s",
     ]
     common.publish(rows, COLUMNS, args, "roundtime", title="Round time per method vs FedAvg", notes=notes,
@@ -111,6 +127,12 @@ def run(args: argparse.Namespace) -> int:
     if args.engine == "deployment" and args.trace:
         print(f"breakdown: {write_breakdown(out / 'trace.jsonl', out)}")
     return 0
+
+
+def _say(msg: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(f"[compose] {msg}")
 
 
 def _intermediate_servers(methods: list[str], clients: int, epsilon: float, base: dict, msets: dict) -> int:

@@ -125,8 +125,10 @@ def test_benchmarks_take_the_reference_arm_and_the_roles_from_the_cards():
 
 
 def test_cli_registers_every_benchmark_module_and_parses_its_defaults():
-    # reproduce: a tool; roundtrace: the breakdown of roundtime --trace; secagg_app: cost's SecAgg+ Flower app
-    helpers = {"cli", "common", "runs", "secagg", "secagg_app", "__main__", "adversary", "reproduce", "roundtrace"}
+    # reproduce: a tool; roundtrace: the breakdown of roundtime --trace; secagg_app: cost's SecAgg+ Flower app;
+    # compose: the docker-compose deployment of roundtime --engine compose and the docker test
+    helpers = {"cli", "common", "runs", "secagg", "secagg_app", "__main__", "adversary", "reproduce", "roundtrace",
+               "compose"}
     modules = {m.name for m in pkgutil.iter_modules(benchmarks.__path__)} - helpers
     assert {path.rsplit(".", 1)[1] for path in cli.BENCHMARKS.values()} == modules
     parser = cli.build_parser()
