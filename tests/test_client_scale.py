@@ -15,6 +15,7 @@ import pytest
 import client.identity as identity
 import client.pairwise_phase as pairwise_phase
 from protocols.wire.keys import PeerKeys
+from protocols.wire.niss import AHEAD_RECORD
 from server.local_grid import LocalGrid
 
 #: nadp and niss on a sparse graph; mpddp's calibration (Theorem 11) needs far more clients for one: complete.
@@ -40,7 +41,9 @@ def _per_message_counts(run_inprocess, method: str, n: int, out: str) -> list[tu
                 out = list(super().send_and_receive([msg], timeout=timeout))
                 if calls["check"] or calls["seed"]:  # a message that shows the round's view (train, niss' shares)
                     assert out and not out[0].has_error(), out[0].error if out else "no reply"
-                    seen.append((len(PeerKeys.from_config(msg.content["config"]).peer_ids), Counter(calls)))
+                    # niss's train message shows the next round's view in its ahead share request
+                    view = msg.content[AHEAD_RECORD] if AHEAD_RECORD in msg.content else msg.content["config"]
+                    seen.append((len(PeerKeys.from_config(view).peer_ids), Counter(calls)))
                 replies.extend(out)
             return replies
 
