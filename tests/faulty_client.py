@@ -92,11 +92,11 @@ REASON_WORD = {"nan": "non-finite", "inf": "non-finite", "huge": "norm", "shape"
 
 
 def faulty_grid(faults: dict[int, Callable[[RecordDict], RecordDict] | str], *,
-                message_type: str = "train") -> Callable[..., LocalGrid]:
+                message_type: str | tuple[str, ...] = "train") -> Callable[..., LocalGrid]:
     """A ``grid_factory`` whose node number ``i`` (partition i) corrupts its replies with ``faults[i]``.
 
     A fault is a :data:`CORRUPTIONS` name or a function of the reply content; only replies to
-    ``message_type`` messages are corrupted.  ``factory.grids`` lists the grids it made.
+    ``message_type`` messages (one type or a tuple of types) are corrupted.  ``factory.grids`` lists the grids it made.
     """
 
     def factory(client_app, num_nodes: int, run_config: dict) -> LocalGrid:
@@ -107,7 +107,8 @@ def faulty_grid(faults: dict[int, Callable[[RecordDict], RecordDict] | str], *,
         def app(msg: Message, context: Context) -> Message:
             reply = client_app(msg, context)
             corrupt = bad.get(context.node_id)
-            if corrupt is None or msg.metadata.message_type != message_type or reply.has_error():
+            types = (message_type,) if isinstance(message_type, str) else message_type
+            if corrupt is None or msg.metadata.message_type not in types or reply.has_error():
                 return reply
             return Message(corrupt(reply.content), reply_to=msg)
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, RecordDict
 
-from protocols.wire.niss import ShareReply
+from protocols.wire.niss import AHEAD_RECORD, ShareReply
 from server.launch import run_inprocess
 from tests.conftest import read_metrics
 from tests.faulty_client import CORRUPTIONS, REASON_WORD, faulty_grid, with_arrays
@@ -125,11 +125,22 @@ def test_overflowing_mp_gradient_fails_the_round_before_the_server_optimizer_ste
     assert _model_finite(out)
 
 
+def _flipped(record: ConfigRecord) -> ConfigRecord:
+    reply = ShareReply.from_config(record)
+    return ConfigRecord(ShareReply(reply.to_ids, tuple(bytes(b ^ 0xFF for b in p) for p in reply.payloads)).to_config())
+
+
 def _garbage_shares(content: RecordDict) -> RecordDict:
-    """Flip every byte of every sealed share payload (same length: only the receiver can tell)."""
-    reply = ShareReply.from_config(content["config"])
-    bad = ShareReply(reply.to_ids, tuple(bytes(b ^ 0xFF for b in p) for p in reply.payloads))
-    return RecordDict({"config": ConfigRecord(bad.to_config())})
+    """Flip every byte of every sealed share payload (same length: only the receiver can tell).
+
+    A ``query.shares`` reply, or the next round's shares a train reply carries (:data:`AHEAD_RECORD`).
+    """
+    if AHEAD_RECORD in content:
+        return RecordDict({**dict(content.items()), AHEAD_RECORD: _flipped(content[AHEAD_RECORD])})
+    try:
+        return RecordDict({"config": _flipped(content["config"])})
+    except (KeyError, ValueError):
+        return content  # a train reply that carries no shares
 
 
 def _huge_share(content: RecordDict) -> RecordDict:
@@ -142,7 +153,7 @@ def test_niss_garbage_share_payloads_strike_the_sender(tmp_path):
     """Receivers reject the payloads and upload nothing (no strike); the sender is struck, then left out."""
     _summary, rows, grid, out = _run(tmp_path, "niss", {0: _garbage_shares},
                                      {"num-clients": 5, "num-rounds": 3, "max-strikes": 2},
-                                     message_type="query.shares")
+                                     message_type=("query.shares", "train"))
     sender = str(grid.node_ids[0])
     assert rows[2]["left_out"] == [sender]
     assert not rows[2]["failed"], rows[2].get("failure")
