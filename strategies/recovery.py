@@ -406,8 +406,10 @@ def charge_shortfall(accountant: Accountant, planned: float, real: float, **comp
         return
     if real <= 0:
         accountant.compose(GaussianEvent(0.0), **compose_kwargs)
-    else:
-        accountant.compose(GaussianEvent(1.0 / math.sqrt(1.0 / real**2 - 1.0 / planned**2)), **compose_kwargs)
+        return
+    gap = 1.0 / real**2 - 1.0 / planned**2
+    if gap > 0:  # 0 when real is below planned by rounding only: nothing to charge
+        accountant.compose(GaussianEvent(1.0 / math.sqrt(gap)), **compose_kwargs)
 
 
 __all__ = ["PairwiseRecovery", "RecoveryOutcome", "charge_shortfall", "corrected_residual", "probe_direction"]

@@ -297,3 +297,17 @@ def test_a_subclass_raises_noise_only_when_it_says_its_clients_do():
     cfg = RunConfig.from_mapping({"method": "ldp", "num-clients": 4, "num-rounds": 3})
     assert BudgetGuard(cfg, LocalDPStrategy(cfg), 3).scalable and BudgetGuard(cfg, Declared(cfg), 3).scalable
     assert not BudgetGuard(cfg, Own(cfg), 3).scalable
+
+
+def test_a_shortfall_of_rounding_only_charges_nothing_and_a_real_one_charges_exactly():
+    """``charge_shortfall``: a multiplier below the plan by one ulp adds no event; a real shortfall adds the gap."""
+    from strategies.recovery import charge_shortfall
+
+    planned = 27.92492148040624
+    acc = PerUnitAccountant()
+    charge_shortfall(acc, planned, math.nextafter(planned, 0.0), units=[1])
+    assert acc.epsilon(1e-5) == 0.0
+    charge_shortfall(acc, 2.0, 1.0, units=[1])  # 1/1 - 1/4: one event of multiplier sqrt(4/3)
+    ref = PerUnitAccountant()
+    ref.compose(GaussianEvent(math.sqrt(4.0 / 3.0)), units=[1])
+    assert acc.epsilon(1e-5) == pytest.approx(ref.epsilon(1e-5), rel=1e-12)
