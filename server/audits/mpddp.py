@@ -129,7 +129,7 @@ class MpAudit(AuditAdapter):
         if canary == "adaptive":
             return super().federation(direction, canary)
         if given_secret:
-            return {"trials": 200_000, "clients": 4, "per_client": 500}
+            return {"trials": 800_000, "clients": 4, "per_client": 500}
         return {"trials": 12_000, "clients": 3, "per_client": 10}
 
     def run_config(self, spec: AuditSpec) -> dict[str, Any]:
