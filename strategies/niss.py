@@ -209,7 +209,7 @@ class NissStrategy(SharePhase, PairwiseRecovery, CancelStrategy):
         content = RecordDict({"arrays": arrays, "config": ConfigRecord(inbox.to_config())})
         ahead = self._ahead
         if ahead is not None and node in ahead.keys.participants:  # the next round's share request
-            content[AHEAD_RECORD] = self._share_request(ahead.keys, node, self._weights(ahead.keys), ahead.scale)
+            content[AHEAD_RECORD] = self._share_request(ahead.keys, node, ahead.weights, ahead.scale)
         return content
 
     def aggregate(self, state: NissRound) -> ArrayRecord:

@@ -59,6 +59,8 @@ class Ahead:
 
     keys: KeyRound
     scale: float
+    #: node -> its aggregation weight in that round (:func:`protocols.niss.aggregation_weights`).
+    weights: dict[int, float] = field(default_factory=dict)
     #: node -> its share reply, one sealed payload per neighbour of ``keys`` in neighbour order.
     shares: dict[int, ShareReply] = field(default_factory=dict)
 
@@ -93,8 +95,6 @@ def same_view(a: KeyRound, b: KeyRound) -> bool:
                                        b.key_epoch, b.graph_seed, b.signed_by, b.run_id)
 
 
-
-
 class SharePhase:
     """The plan stage's share phase of :class:`strategies.niss.NissStrategy` (before the recovery mixin in the bases)."""
 
@@ -113,7 +113,7 @@ class SharePhase:
         if rnd >= self.cfg.num_rounds or (nxt := self.keys.peek(rnd + 1, self._nodes)) is None:
             return None
         nxt = self._sized(nxt)
-        return Ahead(nxt, self._scale(nxt)) if len(nxt.participants) >= 2 else None
+        return Ahead(nxt, self._scale(nxt), self._weights(nxt)) if len(nxt.participants) >= 2 else None
 
     def _share_request(self, kr: KeyRound, node: int, weights: dict[int, float], scale: float) -> ConfigRecord:
         """``node``'s share request: its neighbours' signed keys and the round's view; the probe seed comes with train."""
