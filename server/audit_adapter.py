@@ -141,7 +141,8 @@ class AuditAdapter:
         self_tests: ``(fault, trials)`` rows ``cancelfl-bench audit`` adds to the method's upload rows (they must
             be flagged); ``trials`` ``None`` = the row's default.
         variants: ``(label, rounds, settings, trials)`` upload rows ``cancelfl-bench audit`` adds: the run's first
-            round with ``rounds`` in its schedule and the run-config ``settings`` (another accounting, say).
+            round with ``rounds`` in its schedule and the run-config ``settings`` (another accounting, say); ``trials``
+            ``None`` = the row's default.
         training_loss: the loss its clients train with (``ce`` or ``mse``, :func:`protocols.task.training.loss_fn`).
     """
 
@@ -157,7 +158,7 @@ class AuditAdapter:
     nominal_claim: bool = False
     canary_scale: float = CANARY_SCALE
     self_tests: tuple[tuple[str, int | None], ...] = ()
-    variants: tuple[tuple[str, int, Mapping[str, Any], int], ...] = ()
+    variants: tuple[tuple[str, int, Mapping[str, Any], int | None], ...] = ()
     training_loss: str = "ce"
 
     def federation(self, direction: str, canary: str, *, given_secret: bool = False) -> dict[str, int]:

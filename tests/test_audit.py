@@ -18,6 +18,7 @@ from protocols.privacy.audit import (
     delta_excess,
     epsilon_from_rates,
     epsilon_lower_bound,
+    fisher_scores,
     gaussian_ceiling,
     odds_lower_bound,
 )
@@ -110,6 +111,22 @@ def test_audit_scores_bound_is_below_the_true_epsilon_and_has_power():
     assert all(b.epsilon_lb <= gaussian_ceiling(4.0, DELTA, b.trials) + 0.3 for b in big)
     halved = audit_scores(*_gaussian_scores(2 / z, 300_000, rng), DELTA)  # the noise std halved: claim still 4
     assert halved.epsilon_lb > truth, halved
+
+
+def test_fisher_scores_separate_views_without_noise_and_skip_an_owner_without_both_sides():
+    """Noise-free views (a fault that skips the noise) separate perfectly; no ridge overflows them to inf or nan.
+
+    An owner with fitting trials of one label only has no statistic: its trials score 0, not nan.
+    """
+    labels = np.tile([1, -1], 50)
+    owner = np.repeat([0, 1], 50)
+    views = np.where(labels[:, None] > 0, [[0.3, -0.2]], [[0.1, 0.5]]) + 0.0
+    fit = np.arange(100) % 4 < 2
+    scores = fisher_scores(views, labels, owner, fit)
+    assert np.all(np.isfinite(scores)) and np.all(labels * scores > 0)
+    one_sided = fit & ~((owner == 1) & (labels < 0))
+    scores = fisher_scores(views, labels, owner, one_sided)
+    assert np.all(scores[owner == 1] == 0) and np.all(labels[owner == 0] * scores[owner == 0] > 0)
 
 
 # --------------------------------------------------------------------- the real release code

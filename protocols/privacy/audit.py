@@ -202,19 +202,25 @@ def audit_scores(scores: np.ndarray, labels: np.ndarray, groups: np.ndarray, del
 def fisher_scores(views: np.ndarray, labels: np.ndarray, owner: np.ndarray, fit: np.ndarray) -> np.ndarray:
     """Fisher discriminant per owner, fitted on the trials ``fit``; scores of every trial.
 
-    ``views``: (trials, v) coordinates of each canary in each view vector.  Within-class covariance pooled
-    over owners and labels (ridge 1e-12 x trace for views without noise).
+    ``views``: (trials, v) coordinates of each canary in each view vector.  Within-class covariance of
+    each owner, pooled over the labels (ridge 1e-12 x trace; the mean difference alone for views without any spread).  An
+    owner without fitting trials of both labels scores 0.
     """
-    scores = np.empty(len(labels))
+    scores = np.zeros(len(labels))
     for o in np.unique(owner):
         rows = owner == o
         f = fit & rows
+        if not (f & (labels > 0)).any() or not (f & (labels < 0)).any():
+            continue  # no fitting trial of one side: this owner's trials carry no evidence (score 0)
         mu_p = views[f & (labels > 0)].mean(0)
         mu_n = views[f & (labels < 0)].mean(0)
         centred = np.where((labels[f] > 0)[:, None], views[f] - mu_p, views[f] - mu_n)
         cov = centred.T @ centred / max(len(centred) - 2, 1)
-        cov += np.eye(len(cov)) * (1e-12 * np.trace(cov) + 1e-300)
-        w = np.linalg.solve(cov, mu_p - mu_n)
+        spread = np.trace(cov)
+        if spread > 0:
+            w = np.linalg.solve(cov + np.eye(len(cov)) * 1e-12 * spread, mu_p - mu_n)
+        else:  # no noise in the views: the mean difference separates them (a ridge of 0 would overflow to inf)
+            w = mu_p - mu_n
         scores[rows] = (views[rows] - (mu_p + mu_n) / 2) @ w
     return scores
 

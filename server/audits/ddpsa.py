@@ -60,9 +60,10 @@ class DdpsaAudit(AuditAdapter):
     self_tests = ((HALVE_NOISE, SELF_TEST_TRIALS),)
     #: The first of 100 rounds calibrated by their privacy-loss distribution: its ledger claims a little less than
     #: the round's Laplace epsilon, at delta (not a pure claim).
-    #: Gaussian noise (cdp's calibration, composed as Gaussian DP): claimed at delta.
+    #: Gaussian noise (cdp's calibration, composed as Gaussian DP): claimed at delta, with the default trials (the
+    #: power check of a Gaussian row).
     variants = (("pld, 100 rounds", 100, MappingProxyType({"ddpsa-composition": "pld"}), SELF_TEST_TRIALS),
-                ("gaussian", 1, MappingProxyType({"ddpsa-noise": "gaussian"}), SELF_TEST_TRIALS))
+                ("gaussian", 1, MappingProxyType({"ddpsa-noise": "gaussian"}), None))
 
     def run_config(self, spec: AuditSpec) -> dict[str, Any]:
         """The server's plain SGD step (lr) with the reconstructed sum: a linear release."""
