@@ -153,9 +153,13 @@ def test_niss_and_ddpsa_are_audited_on_their_real_protocols_and_not_flagged():
 
 
 def test_ddpsa_pld_first_round_is_audited_at_delta():
-    """The first of 100 ddpsa rounds calibrated by PLD: its ledger claims it at delta only, so the bound uses delta."""
+    """The first of 100 ddpsa rounds calibrated by PLD: its ledger claims it at delta only, so the bound uses delta.
+
+    The round's Laplace is at its claim and the audit reaches that small a claim: at the audit's 95 % a bound above
+    it comes with probability up to 5 % (the noise is fresh OS randomness each run), so this test asks 99.9 %.
+    """
     pld = run_audit(AuditSpec("ddpsa", "upload", 4.0, trials=16_000, rounds=100,
-                              settings=(("ddpsa-composition", "pld"),)), seed=3)
+                              settings=(("ddpsa-composition", "pld"),), alpha=0.001), seed=3)
     assert pld.delta == DELTA and pld.claimed_epsilon < 0.1 and not pld.violation, pld.line()
 
 
