@@ -308,8 +308,8 @@ class DdpsaStrategy(CancelStrategy):
     def round_event(self, server_round: int, participants: int, pushed: int, dim: int) -> Event | None:
         """What round ``server_round`` releases when ``pushed`` of ``participants`` shares are summed (None: unbounded).
 
-        Laplace modes: :meth:`round_charge`, a :class:`LaplaceEvent` at ``eps_t``, a pure-DP :class:`DpEvent` above
-        it (missing shares: a difference of Gammas, not a Laplace).  ``"gaussian"``: a :class:`GaussianEvent` of the
+        Laplace modes: :meth:`laplace_release` of :meth:`round_charge` (a :class:`LaplaceEvent` at ``eps_t``, a
+        pure-DP :class:`DpEvent` above it).  ``"gaussian"``: a :class:`GaussianEvent` of the
         multiplier the honest shares present leave (:func:`protocols.ddpsa.present_multiplier`; composed exactly).
         """
         if self.z is not None:
@@ -317,10 +317,7 @@ class DdpsaStrategy(CancelStrategy):
             z = present_multiplier(self.z, honest, pushed - (participants - honest))
             return GaussianEvent(z) if z > 0 else None
         epsilon = self.round_charge(server_round, participants, pushed, dim)
-        eps_t = self.epsilon_of_round(server_round)
-        if not math.isfinite(epsilon):
-            return None
-        return LaplaceEvent(eps_t) if epsilon == eps_t else DpEvent(epsilon, 0.0)
+        return self.laplace_release(server_round, epsilon) if math.isfinite(epsilon) else None
 
     def mean_noise_std(self, clients: int, examples: float, server_round: int, *, participants: int | None = None
                        ) -> float:
@@ -382,20 +379,24 @@ class DdpsaStrategy(CancelStrategy):
         if "optimizer" in state:
             self.optimizer = optimizer_from_state(state["optimizer"])
 
-    def release_round(self, server_round: int, epsilon: float | None = None) -> None:
-        """Compose round ``server_round``'s pure-DP release: ``epsilon`` (:meth:`round_charge`), default ``eps_t``.
+    def laplace_release(self, server_round: int, epsilon: float | None = None) -> Event:
+        """Round ``server_round``'s pure-DP release of ``epsilon`` (:meth:`round_charge`), default ``eps_t``.
 
         A round whose noise is the full ``Lap(Delta_1 / eps_t)`` is a :class:`LaplaceEvent`; one whose noise gives a
         larger epsilon (missing shares: a difference of Gammas, not a Laplace) is a pure-DP :class:`DpEvent` of that
-        epsilon, which every accountant charges at least as much as the nominal Laplace round.
+        epsilon, which every accountant charges at least as much as the nominal Laplace round.  Raises ValueError
+        for an ``epsilon`` below ``eps_t``.
         """
         eps_t = self.epsilon_of_round(server_round)
         if epsilon is None or epsilon == eps_t:
-            self.privacy.compose(LaplaceEvent(eps_t))
-        elif epsilon > eps_t:
-            self.privacy.compose(DpEvent(epsilon, 0.0))
-        else:
-            raise ValueError(f"round {server_round}: charge {epsilon} below the round's nominal eps_t = {eps_t}")
+            return LaplaceEvent(eps_t)
+        if epsilon > eps_t:
+            return DpEvent(epsilon, 0.0)
+        raise ValueError(f"round {server_round}: charge {epsilon} below the round's nominal eps_t = {eps_t}")
+
+    def release_round(self, server_round: int, epsilon: float | None = None) -> None:
+        """Compose :meth:`laplace_release` of round ``server_round`` (raises as it does)."""
+        self.privacy.compose(self.laplace_release(server_round, epsilon))
 
     def account(self, state: DdpsaState) -> None:
         """Account stage: the round's release (:meth:`round_event`), once its noisy sum was reconstructed.
