@@ -36,12 +36,18 @@ PAYLOAD_OVERHEAD = 1024
 
 
 def _share_reply(reply: Message, expected: list[int], max_bytes: int | None = None) -> ShareReply | None:
-    """The client's sealed payloads if they are one per neighbour in neighbour order (and at most ``max_bytes``)."""
-    if "config" not in reply.content:
-        return None
+    """The ``query.shares`` reply's :func:`_checked_shares` (None without a config record)."""
+    return _checked_shares(reply.content["config"], expected, max_bytes) if "config" in reply.content else None
+
+
+def _checked_shares(rec: ConfigRecord, expected: list[int], max_bytes: int | None = None) -> ShareReply | None:
+    """The sealed payloads in ``rec``: one per neighbour, in neighbour order, at most ``max_bytes`` (else None).
+
+    A malformed record gives None too.
+    """
     try:
-        shares = ShareReply.from_config(reply.content["config"])
-    except ValueError:
+        shares = ShareReply.from_config(rec)
+    except (ValueError, TypeError):
         return None
     if max_bytes is not None and sum(len(p) for p in shares.payloads) > max_bytes:
         return None  # never relayed: a payload larger than the shares the plan allows
@@ -73,12 +79,8 @@ class Ahead:
             return
         rec = reply.content[AHEAD_RECORD]
         del reply.content[AHEAD_RECORD]
-        try:
-            shares = ShareReply.from_config(rec)
-        except (ValueError, TypeError):
-            return
-        if node in self.keys.neighbours and list(shares.to_ids) == self.keys.neighbours[node] \
-                and sum(len(p) for p in shares.payloads) <= max_bytes:
+        if node in self.keys.neighbours and \
+                (shares := _checked_shares(rec, self.keys.neighbours[node], max_bytes)) is not None:
             self.shares[node] = shares
 
     def matching(self, kr: KeyRound, scale: float) -> dict[int, ShareReply]:
