@@ -349,7 +349,7 @@ class NissStrategy(SharePhase, PairwiseRecovery, CancelStrategy):
         weights = niss_math.aggregation_weights(self.cfg, list(sizes), sizes)
         return [niss_math.client_sigma(self.cfg, weights[n], size, self.keys.releases()) for n, size in sizes.items()]
 
-    def _typicalsizes_of(self) -> dict[int, int]:
+    def _typical_sizes(self) -> dict[int, int]:
         """A full round of clients of :meth:`_typical_size` records (estimates before any round)."""
         return dict.fromkeys(range(self.cfg.clients_per_round), self._typical_size())
 
@@ -368,7 +368,7 @@ class NissStrategy(SharePhase, PairwiseRecovery, CancelStrategy):
             shares: float = float(np.mean([f.shares for f in figures]))
             tau = float(np.mean([f.tau for f in figures]))
         else:
-            sigma = self._planned_sigmas(self._typicalsizes_of())[0]
+            sigma = self._planned_sigmas(self._typical_sizes())[0]
             degree = m - 1 if self.cfg.graph == "complete" else min(2 * self.cfg.n_out, m - 1)
             shares = niss_math.SHARES_PER_NEIGHBOUR * degree
         return {
@@ -393,7 +393,7 @@ class NissStrategy(SharePhase, PairwiseRecovery, CancelStrategy):
         """
         c = self.cfg
         figures = self._figures
-        sigmas = [f.sigma for f in figures] if figures else self._planned_sigmas(self._typicalsizes_of())
+        sigmas = [f.sigma for f in figures] if figures else self._planned_sigmas(self._typical_sizes())
         tau = float(np.mean([f.tau for f in figures])) if figures else self.tau
         std = tau * math.sqrt(math.fsum(s * s for s in sigmas))
         if c.privacy_unit == "client":
