@@ -12,13 +12,14 @@ method's noise), recover (``mpddp``: a dropped participant's Delta's, :mod:`stra
 first), account (the given-R account, ``epsilon_given_R``, and a recovery's shortfall).  Calibration per record,
 sensitivity 2 clip / n_k in the perturbed space: ``mpddp`` Theorem 10 (complete graph) or 11 (n-out, K >= 81),
 ``mpdp-naive`` :func:`protocols.mpddp.calibrate_ldp`, ``mpcdp`` :func:`protocols.mpddp.calibrate_cdp`; held by
-:meth:`~strategies.mp_server.MpStrategyBase.round_noise` and :meth:`MpcdpStrategy.server_sigma`.
+:meth:`~strategies.mp_server.MpStrategyBase.round_noise`; the server's Gaussian given R (less the clients' Gaussian:
+``mpddp``'s eta with ``mpddp-eta="gaussian"``, ``mpdp-naive``'s noise) by
+:meth:`~strategies.mp_server.MpStrategyBase.given_r_noise`.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import numpy as np
@@ -28,11 +29,10 @@ from flwr.serverapp import Grid
 from protocols.config import ConfigError, RunConfig
 from protocols.floor import ETA_SHARE, mpddp_floor, mpdp_naive_sigma
 from protocols.mpddp import (
-    calibrate_cdp,
     eq23_epsilon,
+    eta_variance,
     max_theta,
     mu_server,
-    naive_client,
     pairwise_delta,
     theta_complete,
     theta_n_out,
@@ -135,8 +135,18 @@ class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
             self.report(recovery_server_s=time.process_time() - t0)
             if rec.gone_any:
                 state.theta_after = self._theta_after(state, len(records))
-        mean = self.given_r_noise(state, mean, [n for n, _ in records])  # eta ~ DN is uniform given R: not counted
+        mean = self.given_r_noise(state, mean, [n for n, _ in records])
         return mu_server(state.layers, mean, state.secret, self.optimizer)
+
+    def gaussian_variance(self, state: MpRound, nodes: list[int]) -> float:
+        """The survivors' eta in each entry of their mean, ``sigma_eta^2 / |nodes|``, when it is Gaussian given R.
+
+        ``mpddp-eta="gaussian"`` only (the paper's DN(sigma, 1) is uniform given R: 0).  sigma_eta is the scale the
+        server sent, which each client's floor only raises; the Delta's cancel in the mean and are not counted.
+        """
+        if self.cfg.mpddp_eta != "gaussian" or not isinstance(state.noise, DdpNoise) or not nodes:
+            return 0.0
+        return eta_variance(state.noise.sigma_eta, "gaussian") / len(nodes)
 
     def model_multiplier(self) -> float:
         """The round's Gaussian multiplier, times the round's noise scale.
@@ -293,26 +303,14 @@ class MpcdpStrategy(MpStrategyBase):
     example on W-hat as in mpddp and the server adds ``N(0, (z S / K)^2)`` to the mean PERTURBED gradient,
     ``S = 2 clip / min |D_i|`` of the uploads (their num-examples): the same place and the same record
     sensitivity as mpddp's eta (which is within 5 % of this level), so the two differ only in who adds the noise.
+    The server's Gaussian is the base's given-R noise (:meth:`~strategies.mp_server.MpStrategyBase.given_r_noise`,
+    std ``z kappa S / K``: no client noise to count).
     """
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
         # Trusted server: it sees every client's exact gradient (no uplink guarantee); the model is CDP.
         self.privacy = PrivacyLedger(cfg.delta, downlink=RdpAccountant(), headline="downlink")
-
-    def server_sigma(self, num_clients: int, min_size: int) -> float:
-        """Calibration: std of the server's Gaussian on the mean of ``num_clients`` clipped means (smallest ``min_size``)."""
-        return calibrate_cdp(self.z, num_clients, sensitivity=self.record_sensitivity(min_size))
-
-    def update(self, state: MpRound, records: list[tuple[int, ArrayRecord]]) -> tuple[list[Layer], list[Layer]]:
-        mean = mean_upload(records, len(state.layers))
-        sizes = state.sizes or {}
-        min_size = min(sizes[node] for node, _ in records) if sizes else 1
-        sigma = self.server_sigma(len(records), min_size) * state.kappa
-        self.report(sigma=sigma, secret_factor=state.kappa)
-        if sigma > 0:
-            mean = naive_client(mean, eta_seed=os.urandom(32), sigma=sigma)
-        return mu_server(state.layers, mean, state.secret, self.optimizer)
 
     def describe(self) -> dict[str, float | str]:
         out = super().describe()

@@ -1,7 +1,7 @@
 """mpddp / mpdp-naive / mpcdp end to end through the real message path (in-process LocalGrid).
 
 Exactness checks run test-local subclasses of the strategies that override only their noise hooks
-(``round_noise``, ``server_sigma``): ``"off"`` sends zero scales (no noise at all), ``"pairwise-only"``
+(``round_noise``, ``given_r_noise``): ``"off"`` sends zero scales (no noise at all), ``"pairwise-only"``
 keeps the Delta's but not eta.  Clients compute their noise themselves and refuse less (the privacy
 floor), so those runs also stand in clients that accept the server's scales (:func:`quiet_clients`).
 Everything else is the production path.
@@ -72,9 +72,6 @@ def with_noise(method: str, noise: str):
             if isinstance(calibrated, NaiveNoise):
                 return NaiveNoise(0.0)
             return calibrated
-
-        def server_sigma(self, num_clients: int, min_size: int) -> float:
-            return 0.0
 
         def given_r_noise(self, state: MpRound, mean, nodes):
             return mean if noise == "off" or noise == "pairwise-only" else super().given_r_noise(state, mean, nodes)

@@ -8,9 +8,10 @@ upload clipped to ``clip`` (:func:`protocols.mpddp.clipped_client_gradients` wit
 :func:`protocols.mpddp.mask_reference`; record sensitivity ``2 clip / n_k``, and ``kappa`` times it given the
 server's R, :func:`protocols.mpddp.mp_record_sensitivity`), then by method:
 
-* ``mpddp``: :func:`protocols.mpddp.ddp_client` (Algorithm 2): ``eta_k ~ DN(sigma_eta, 1)`` from a fresh
-  ``os.urandom`` seed plus ``sum_v Delta_kv``, ``Delta_kv ~ DN(sigma_Delta, 1)`` from the pair seeds (purpose
-  ``mpddp-delta``), and with ``self-mask`` a Shamir-shared self-mask (:mod:`protocols.masking`);
+* ``mpddp``: :func:`protocols.mpddp.ddp_client` (Algorithm 2): ``eta_k`` (``mpddp-eta``: N(0, sigma_eta^2), or
+  the paper's DN(sigma_eta, 1)) from a fresh ``os.urandom`` seed plus ``sum_v Delta_kv``,
+  ``Delta_kv ~ DN(sigma_Delta, 1)`` from the pair seeds (purpose ``mpddp-delta``), and with ``self-mask`` a
+  Shamir-shared self-mask (:mod:`protocols.masking`);
 * ``mpdp-naive``: :func:`protocols.mpddp.naive_client`, ``N(0, (z 2 clip / n_k)^2)`` on the perturbed gradient;
 * ``mpcdp``: no client noise (the server adds it).
 
@@ -36,6 +37,7 @@ from protocols.floor import FloorViolation, at_least, mpddp_floor, mpdp_naive_si
 from protocols.mpddp import (
     clipped_client_gradients,
     ddp_client,
+    eta_variance,
     mask_reference,
     mp_record_sensitivity,
     naive_client,
@@ -82,12 +84,14 @@ def _train(msg: Message, env: ClientEnv) -> Message:
         metrics.update(release(msg, env, downlink=event))  # the uploads: no guarantee
         seeds = pair_seeds(msg, env, DELTA_PURPOSE)
         size = sum(int(np.prod(g.shape)) for g in up.grads)
-        # Self-mask with the std of the upload's whole gradient noise (DN(s, 1) has variance 2 s^2 / 3 per entry).
-        mask = self_mask_upload(msg, env, size, math.sqrt(2.0 / 3.0 * (sigma_eta**2 + len(seeds) * sigma_delta**2)))
+        # Self-mask with the std of the upload's whole gradient noise.
+        noise_var = eta_variance(sigma_eta, env.cfg.mpddp_eta) + eta_variance(sigma_delta, "uniform") * len(seeds)
+        mask = self_mask_upload(msg, env, size, math.sqrt(noise_var))
         remember(env, TrainIns.from_config(cfg).round, seeds,  # revealed only for neighbours that drop out
                  mask_keys=mask.keys if mask else None, threshold=mask.threshold if mask else 0)
         up, delta = ddp_client(up, own_id=env.node_id, pair_seeds=seeds,
-                               eta_seed=os.urandom(32), sigma_eta=sigma_eta, sigma_delta=sigma_delta)
+                               eta_seed=os.urandom(32), sigma_eta=sigma_eta, sigma_delta=sigma_delta,
+                               eta=env.cfg.mpddp_eta)
         if mask is not None:
             up = up.with_grads(mp_unflatten(mp_flatten(up.grads) + mask.vector, list(up.grads)))
         if env.cfg.cancellation_check:

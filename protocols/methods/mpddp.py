@@ -12,6 +12,7 @@ from protocols.methods.nadp import CONSISTENCY, KEYS, RECOVER
 from protocols.methods.pairwise import PairwiseOptions
 from protocols.methods.registry import register
 from protocols.methods.spec import Guarantee, MethodSpec
+from protocols.mpddp.ddp import ETA_DISTRIBUTIONS
 from protocols.options import MethodOptions, option
 
 #: FedSGD on the squared loss (local-epochs/batch-size/lr unused), each example's perturbed gradient clipped to 1 on
@@ -24,7 +25,7 @@ MP_REGIME = {"small": {"hidden": "16", "num-rounds": 30, "clip": 1.0, "server-op
 
 @dataclass(frozen=True)
 class MpddpOptions(MethodOptions):
-    """The MP family's server step xi and the dtype of its un-noised sides Psi/Phi."""
+    """The MP family's server step xi, the dtype of its un-noised sides Psi/Phi and mpddp's eta distribution."""
 
     prefix = "mpddp"
     title = "MP_Server + DDP_Client (mpddp, mpdp-naive, mpcdp)"
@@ -32,6 +33,9 @@ class MpddpOptions(MethodOptions):
     server_lr: float = option(1.0, "xi: server learning rate", low=0.0, low_open=True)
     side_dtype: str = option("float32", "dtype of Psi/Phi (compute + wire); float64 = exact recovery, 2x the cost",
                              choices=("float64", "float32"))
+    eta: str = option("gaussian", "mpddp's eta_k: gaussian N(0, sigma_eta^2), counted in the model's guarantee given R "
+                                  "(the server adds only the rest) | uniform (the paper's DN(sigma_eta, 1), Eq. 16: "
+                                  "uniform given R, not counted)", choices=ETA_DISTRIBUTIONS)
 
 
 @dataclass(frozen=True)
