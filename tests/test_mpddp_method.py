@@ -373,3 +373,20 @@ def test_float32_side_information_halves_upload_and_stays_close(tmp_path):
     assert 1e-9 < err < 1e-3  # float32 really used, and harmless next to any DP noise
     with pytest.raises(ConfigError, match="mpddp-side-dtype"):
         RunConfig.from_mapping({**app_defaults(), "mpddp-side-dtype": "float16"})
+
+
+@pytest.mark.parametrize("eta", ["gaussian", "uniform"])
+def test_the_server_counts_a_gaussian_eta_given_r_and_adds_only_the_rest(eta, tmp_path):
+    """Given R the mean must carry the Gaussian ``z kappa S / K``: a Gaussian eta counts toward it, a uniform one not."""
+    _summary, rows, strategy, _grid, cfg = run("mpddp", tmp_path, mpddp_eta=eta)
+    row = rows[0]
+    assert not row["failed"]
+    k = cfg.num_clients
+    target = strategy.model_multiplier() * row["secret_factor"] * strategy.record_sensitivity(strategy.min_size) / k
+    counted = row["sigma_eta"] ** 2 / k if eta == "gaussian" else 0.0
+    assert row["given_r_noise_std"] == pytest.approx(math.sqrt(max(0.0, target**2 - counted)), rel=1e-9, abs=1e-15)
+    assert row["given_r_noise_std"] ** 2 + counted >= target**2 * (1 - 1e-9)
+    if eta == "uniform":
+        assert row["given_r_noise_std"] == pytest.approx(target, rel=1e-9)
+    else:  # the clients' eta is within 5 % of the level: the server adds little or nothing
+        assert row["given_r_noise_std"] < target

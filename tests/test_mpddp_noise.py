@@ -16,6 +16,8 @@ from protocols.mpddp import (
     clipped_mean,
     ddp_client,
     draw_secret,
+    eta_noise,
+    eta_variance,
     flatten,
     forward_mlp,
     mp_server,
@@ -196,3 +198,27 @@ def test_ablation_helpers() -> None:
     assert [tuple(w.shape) for w, _ in mean] == [tuple(w.shape) for w, _ in layers]
     unclipped, _ = clipped_mean(per_client, 10 * max(norms))
     assert np.allclose(flatten([t for wb in unclipped for t in wb]), sum(flat) / num_clients, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize(("eta", "variance", "kurtosis"), [("gaussian", 0.09, 0.0), ("uniform", 2 * 0.09 / 3, -1.2)])
+def test_eta_distribution_and_variance(eta: str, variance: float, kurtosis: float) -> None:
+    """``eta="gaussian"``: N(0, sigma^2) (Gaussian given R); ``"uniform"``: DN(sigma, 1), variance 2 sigma^2 / 3."""
+    x = eta_noise(seed(f"eta-{eta}"), 200_000, 0.3, eta)
+    assert eta_variance(0.3, eta) == pytest.approx(variance, rel=1e-12)
+    assert float(x.var()) == pytest.approx(variance, rel=0.02)
+    assert float(stats.kurtosis(x)) == pytest.approx(kurtosis, abs=0.05)
+    if eta == "uniform":
+        assert float(np.abs(x).max()) <= np.sqrt(2) * 0.3
+    else:
+        assert stats.kstest(x / 0.3, "norm").pvalue > 1e-3
+    # The client's upload carries exactly this eta (its pairwise part is returned apart).
+    layers, batches = _setup(2, [6, 7, 3])
+    w_hat, _secret = mp_server(layers, seed("round1"))
+    clean = client_gradients(w_hat, *batches[0])
+    noisy, delta = ddp_client(clean, own_id=0, pair_seeds={1: seed("pair")}, eta_seed=seed("e"), sigma_eta=0.3,
+                              sigma_delta=2.0, eta=eta)
+    size = flatten(clean.grads).size
+    got = flatten(noisy.grads) - flatten(clean.grads) - delta
+    assert np.allclose(got, eta_noise(seed("e"), size, 0.3, eta), rtol=0, atol=1e-9)
+    with pytest.raises(ValueError, match="eta must be"):
+        eta_noise(seed("e"), 3, 0.3, "laplace")
