@@ -231,6 +231,17 @@ def test_ziggurat_tables() -> None:
         assert np.all(zig.inner < zig.width) and np.all(zig.f_span > 0)
 
 
+def test_stored_ziggurat_tables_are_the_ones_decimal_builds() -> None:
+    """protocols/prg/ziggurat_tables.py is exactly what _build_ziggurat computes, bit for bit."""
+    stored = Path(ziggurat.__file__).with_name("ziggurat_tables.py").read_text()
+    assert stored == ziggurat.tables_module_source()
+    for name in ("normal", "exponential"):
+        built, loaded = ziggurat._build_ziggurat(name), ziggurat._table(name)
+        assert (built.r, built.closure) == (loaded.r, loaded.closure)
+        for field in ("width", "inner", "f_lo", "f_span"):
+            assert np.array_equal(getattr(built, field).view(np.uint64), getattr(loaded, field).view(np.uint64))
+
+
 # --------------------------------------------------------------------------- distributions
 def _moment_checks(x: np.ndarray, mean: float, var: float, kurt_excess: float) -> None:
     n = x.size

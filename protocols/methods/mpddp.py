@@ -12,7 +12,6 @@ from protocols.methods.nadp import CONSISTENCY, KEYS, RECOVER
 from protocols.methods.pairwise import PairwiseOptions
 from protocols.methods.registry import register
 from protocols.methods.spec import Guarantee, MethodSpec
-from protocols.mpddp.ddp import ETA_DISTRIBUTIONS
 from protocols.options import MethodOptions, option
 
 #: FedSGD on the squared loss (local-epochs/batch-size/lr unused), each example's perturbed gradient clipped to 1 on
@@ -21,6 +20,10 @@ from protocols.options import MethodOptions, option
 MP_REGIME = {"small": {"hidden": "16", "num-rounds": 30, "clip": 1.0, "server-optimizer": "adam",
                        "mpddp-server-lr": 0.01},
              "large": {"mpddp-server-lr": 0.003, "num-rounds": 60}}
+
+
+#: ``mpddp-eta``: mpddp's eta_k, N(0, sigma_eta^2) (Gaussian given R) or the paper's DN(sigma_eta, 1) (Eq. 16).
+ETA_DISTRIBUTIONS: tuple[str, ...] = ("gaussian", "uniform")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from protocols.methods.mpddp import ETA_DISTRIBUTIONS
 from protocols.mpddp.gradients import ClientUpload
 from protocols.mpddp.samplers import sample_dn
 from protocols.pairwise import pairwise_noise
@@ -33,8 +34,6 @@ from protocols.prg import gaussian, symmetric_uniform
 
 __all__ = ["ETA_DISTRIBUTIONS", "ddp_client", "eta_noise", "eta_variance", "flatten", "pairwise_delta", "unflatten"]
 
-#: ``eta``: ``"gaussian"`` N(0, sigma_eta^2) (Gaussian given R); ``"uniform"`` the paper's DN(sigma_eta, 1) (Eq. 16).
-ETA_DISTRIBUTIONS: tuple[str, ...] = ("gaussian", "uniform")
 
 
 def flatten(tensors: Sequence[Tensor]) -> np.ndarray:
