@@ -11,9 +11,9 @@ method's noise), recover (``mpddp``: a dropped participant's Delta's, :mod:`stra
 (MU_Server, Algorithm 3: unweighted mean, recovery Eq. 22, the server optimizer's step; ``mpcdp`` adds its noise
 first), account (the given-R account, ``epsilon_given_R``, and a recovery's shortfall).  Calibration per record,
 sensitivity 2 clip / n_k in the perturbed space: ``mpddp`` Theorem 10 (complete graph) or 11 (n-out, K >= 81),
-``mpdp-naive`` :func:`protocols.mpddp.calibrate_ldp`, ``mpcdp`` :func:`protocols.mpddp.calibrate_cdp`; held by
-:meth:`~strategies.mp_server.MpStrategyBase.round_noise`; the server's Gaussian given R (less the clients' Gaussian:
-``mpddp``'s eta with ``mpddp-eta="gaussian"``, ``mpdp-naive``'s noise) by
+``mpdp-naive`` :func:`protocols.mpddp.calibrate_ldp`, held by :meth:`~strategies.mp_server.MpStrategyBase.round_noise`;
+every member's server Gaussian given R (``mpcdp``: all of it; the others less their clients' Gaussian: ``mpddp``'s
+eta with ``mpddp-eta="gaussian"``, ``mpdp-naive``'s noise) by
 :meth:`~strategies.mp_server.MpStrategyBase.given_r_noise`.
 """
 

@@ -35,7 +35,6 @@ from protocols.prg import gaussian, symmetric_uniform
 __all__ = ["ETA_DISTRIBUTIONS", "ddp_client", "eta_noise", "eta_variance", "flatten", "pairwise_delta", "unflatten"]
 
 
-
 def flatten(tensors: Sequence[Tensor]) -> np.ndarray:
     """Concatenate tensors (layer order, row-major) into one float64 vector."""
     return np.concatenate([t.detach().cpu().double().reshape(-1).numpy() for t in tensors])
