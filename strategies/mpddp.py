@@ -242,7 +242,8 @@ class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
             "aggregate_noise_std_per_sensitivity": se / self.record_sensitivity(1) / math.sqrt(k),
             "epsilon_round_eq23": eq23_epsilon(theta, self.cfg.delta) if self._complete(k) else
             self.cfg.epsilon / self.cfg.num_rounds,
-            "guarantee": "model: given R (the server's Gaussian, protocols.mpddp.given_r_topup); uploads: the "
+            "guarantee": f"model: given R (the clients' eta counted only if Gaussian, here {self.cfg.mpddp_eta}, "
+                         "topped up by the server's Gaussian, protocols.mpddp.given_r_topup); uploads: the "
                          "paper's nominal Theorem 10/11 figure, not valid against the server, which knows R and gets "
                          "Psi/Phi unnoised",
         })
