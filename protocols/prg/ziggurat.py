@@ -110,7 +110,7 @@ def tables_module_source() -> str:
         for field in ("width", "inner", "f_lo", "f_span"):
             values = [repr(float(v)) for v in getattr(zig, field)]
             lines.append(f'        "{field}": (')
-            lines += [f"            {', '.join(values[i:i + 4])}," for i in range(0, len(values), 4)]
+            lines += [f"            {', '.join(values[i:i + 5])}," for i in range(0, len(values), 5)]
             lines.append("        ),")
         lines.append("    },")
     lines.append("}")
