@@ -213,4 +213,4 @@ class MpAudit(AuditAdapter):
 
 
 class MpddpAudit(MpAudit):
-    """mpddp: given R its eta ~ DN(sigma_eta, 1) is uniform, so the model's claim rests on the server's Gaussian."""
+    """mpddp: the model's claim rests on the clients' eta where it is Gaussian (``mpddp-eta``) and the server's top-up."""
