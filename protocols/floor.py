@@ -17,22 +17,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from protocols.config import RunConfig
-from protocols.ddpsa import gaussian_multiplier, honest_participants
-from protocols.dropouts import nadp_dropout_factor, niss_dropout_factor
-from protocols.mpddp import (
-    calibrate,
-    calibrate_ldp,
-    mp_record_sensitivity,
-    sigmas_for_theta,
-    theta_for_noise_multiplier,
-)
-from protocols.nadp import NadpSigmas, NoiseAllocation, compensation_factor, round_plan
-from protocols.niss import aggregation_weights, client_sigma
-from protocols.niss_joint import joint_factors, joint_scale, view_multipliers
 from protocols.privacy import calibrate_noise_multiplier, noise_multiplier, per_round_epsilons, record_sensitivity
+
+if TYPE_CHECKING:
+    from protocols.nadp import NadpSigmas, NoiseAllocation
+
+# Each method's formulas are imported inside its floor: a ClientApp child loads only its own method's.
 
 __all__ = [
     "ETA_SHARE",
@@ -235,6 +228,7 @@ def ddpsa_noise_share(cfg: RunConfig, noise: str, participants: int) -> int | No
     refused when the client's run config asks for local noise, or when the participant list is longer
     than the client's own ``clients_per_round`` (a longer list would shrink its share).
     """
+    from protocols.ddpsa import honest_participants
     if (noise == "gaussian") != (cfg.ddpsa_noise == "gaussian"):
         raise FloorViolation("ddpsa-noise", noise, cfg.ddpsa_noise,
                              "Gaussian and Laplace rounds give different guarantees; this client adds what its own "
@@ -251,6 +245,7 @@ def ddpsa_noise_share(cfg: RunConfig, noise: str, participants: int) -> int | No
 
 def ddpsa_noise_multiplier(cfg: RunConfig) -> float:
     """``ddpsa``, Gaussian rounds: ``z`` from the client's own run config (:func:`protocols.ddpsa.gaussian_multiplier`)."""
+    from protocols.ddpsa import gaussian_multiplier
     return gaussian_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
 
 
@@ -260,6 +255,7 @@ def nadp_compensation(cfg: RunConfig, sizes: Mapping[int, int], min_degree: int 
     On a sparse graph (``min_degree`` < k - 1) Eq. 8 is applied to the smallest neighbourhood
     (k_eff = min degree + 1).  Raises ValueError when ``(1 - tau) k <= 1`` (no lambda can help).
     """
+    from protocols.nadp import compensation_factor
     if cfg.nadp_lambda > 0:
         return cfg.nadp_lambda
     ratio = max(sizes.values()) / min(sizes.values())
@@ -307,6 +303,8 @@ def nadp_round_noise(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[in
         FloorViolation: ``scale`` < 1 (less noise than the run's calibration), or ``releases`` outside
             ``1..num-rounds``.
     """
+    from protocols.dropouts import nadp_dropout_factor
+    from protocols.nadp import round_plan
     if not (math.isfinite(scale) and scale >= 1.0):
         raise FloorViolation("nadp-noise-scale", scale, 1.0, "less noise than this client's own calibration")
     t = calibration_releases(cfg, releases)
@@ -366,6 +364,7 @@ class NissFloor:
         no colluder (``floor(rho d_k) = 0``), its ``f_k <= 1`` and the dropout factor is 1.  A node without an
         open factor is left out (its caller charges the claim's multiplier).
         """
+        from protocols.niss_joint import view_multipliers
         return view_multipliers(self.open_factors, z, self.scale * extra_scale)
 
 
@@ -391,6 +390,9 @@ def niss_floor(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Seq
         FloorViolation: ``offered`` (the share request's ``niss-noise-scale``) below the scale, or ``releases``
             outside ``1..num-rounds``.
     """
+    from protocols.dropouts import niss_dropout_factor
+    from protocols.niss import aggregation_weights, client_sigma
+    from protocols.niss_joint import joint_factors, joint_scale
     weights = aggregation_weights(cfg, list(graph), sizes)
     t = calibration_releases(cfg, releases)
     sigmas = {n: client_sigma(cfg, weights[n], int(sizes.get(n, 1)), t) for n in graph}
@@ -422,6 +424,7 @@ def mpddp_floor(cfg: RunConfig, k: int, min_size: int, scale: float = 1.0,
     Raises ValueError where the theorems do not cover the setting, FloorViolation for ``releases`` outside
     ``1..num-rounds``.
     """
+    from protocols.mpddp import calibrate, mp_record_sensitivity, sigmas_for_theta, theta_for_noise_multiplier
     sens = mp_record_sensitivity(cfg.clip, min_size, cfg.adjacency)
     t = calibration_releases(cfg, releases)
     z = noise_multiplier(cfg.epsilon, cfg.delta, t)
@@ -436,5 +439,6 @@ def mpddp_floor(cfg: RunConfig, k: int, min_size: int, scale: float = 1.0,
 
 def mpdp_naive_sigma(cfg: RunConfig, size: int) -> float:
     """``mpdp-naive``: Gaussian std ``z S`` on each perturbed gradient entry, S = ``2 clip / size`` (the client's own)."""
+    from protocols.mpddp import calibrate_ldp, mp_record_sensitivity
     return calibrate_ldp(noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds),
                          sensitivity=mp_record_sensitivity(cfg.clip, size, cfg.adjacency))

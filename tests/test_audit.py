@@ -171,7 +171,7 @@ def test_niss_colluders_within_rho_leave_the_conditioned_view_its_claim(monkeypa
     the round's scale) and at most 1 (exactly 1 at the two the scale covers).  Planted fault, the scale for no
     colluders: two colluders see 1.26 times the claim's signal-to-noise.
     """
-    import protocols.floor
+    import protocols.niss_joint
     from protocols.graphs import complete_graph
     from protocols.niss import client_tau
     from protocols.niss_joint import joint_factors, joint_scale
@@ -188,7 +188,7 @@ def test_niss_colluders_within_rho_leave_the_conditioned_view_its_claim(monkeypa
         assert predicted <= 1 + 1e-12 and measured == pytest.approx(predicted, rel=0.06), (k, predicted, measured)
     assert predicted == pytest.approx(1.0, rel=1e-12)
     real = joint_factors
-    monkeypatch.setattr(protocols.floor, "joint_factors", lambda *a, **kw: real(*a, **{**kw, "rho": 0.0}))
+    monkeypatch.setattr(protocols.niss_joint, "joint_factors", lambda *a, **kw: real(*a, **{**kw, "rho": 0.0}))
     fault = _snr(dataclasses.replace(spec, colluders=2), 12) * z
     assert fault == pytest.approx(scale / plain, rel=0.06) and fault > 1.15, (fault, scale / plain)
 

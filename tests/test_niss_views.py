@@ -20,6 +20,7 @@ import math
 import pytest
 
 import protocols.floor
+import protocols.niss_joint
 from client.methods import niss as niss_client
 from protocols.config import RunConfig
 from protocols.dropouts import niss_dropout_factor
@@ -100,7 +101,7 @@ def test_no_colluder_figure_is_below_the_claim_where_the_joint_view_holds_more_o
 def _round_figures(monkeypatch=None, planted=None) -> tuple[RunConfig, dict[str, float], float]:
     """One real round (5 clients, digits): the ledger's figures and the round's tau; ``planted`` wraps joint_factors."""
     if planted is not None:
-        monkeypatch.setattr(protocols.floor, "joint_factors", planted)
+        monkeypatch.setattr(protocols.niss_joint, "joint_factors", planted)
     cfg, grid, strategy, arrays = niss_setup(num_rounds=1)
     _msgs, replies = niss_round(grid, strategy, 1, arrays)
     tau = strategy._state.tau
@@ -128,7 +129,7 @@ def test_the_run_reports_both_figures_from_the_round_factors(monkeypatch):
     assert figures["epsilon_uplink"] == pytest.approx(cfg.epsilon, rel=1e-3)
     assert alone == pytest.approx(_epsilon(z * c * math.sqrt(_closed_form(m, tau)), cfg.delta), rel=1e-9)
     assert alone < 0.95 * figures["epsilon_uplink"]
-    real = protocols.floor.joint_factors
+    real = protocols.niss_joint.joint_factors
 
     def wrong(*a, **kw):
         f = real(*a, **kw)
