@@ -249,7 +249,7 @@ def test_second_dropout_during_recovery_does_not_fail_the_round(pinned):
 @pytest.mark.parametrize("self_mask", [True, False])
 def test_mpddp_recovery_lie_leaves_the_target_its_upload_noise(self_mask):
     """mpddp, 8 real clients: all of k's neighbours told "k dropped" reveal their Delta seeds with k, no mask share."""
-    from protocols.mpddp import clipped_client_gradients, eta_variance, one_hot, pairwise_delta
+    from protocols.mpddp import clipped_client_gradients, delta_variance, eta_variance, one_hot, pairwise_delta
     from protocols.mpddp import flatten as mp_flatten
     from protocols.wire.mpddp import PerturbedModel, upload_from_record
     from strategies.mpddp import MpddpStrategy
@@ -282,7 +282,7 @@ def test_mpddp_recovery_lie_leaves_the_target_its_upload_noise(self_mask):
     left = upload - grad - pairwise_delta(grad.size, own_id=k, pair_seeds=seeds, sigma_delta=st.noise.sigma_delta)
     eta_var = eta_variance(st.noise.sigma_eta, cfg.mpddp_eta)
     eta_std = math.sqrt(eta_var)
-    upload_std = math.sqrt(eta_var + len(graph[k]) * eta_variance(st.noise.sigma_delta, "uniform"))
+    upload_std = math.sqrt(eta_var + len(graph[k]) * delta_variance(st.noise.sigma_delta))
     if self_mask:
         assert shares == []
         assert np.std(left) >= 0.95 * upload_std, (np.std(left), upload_std)

@@ -15,6 +15,7 @@ from protocols.mpddp import (
     client_gradients,
     clipped_mean,
     ddp_client,
+    delta_variance,
     draw_secret,
     eta_noise,
     eta_variance,
@@ -24,6 +25,7 @@ from protocols.mpddp import (
     mse_loss,
     naive_client,
     one_hot,
+    pairwise_delta,
     recover,
     recover_blocks,
     sample_dn,
@@ -222,3 +224,14 @@ def test_eta_distribution_and_variance(eta: str, variance: float, kurtosis: floa
     assert np.allclose(got, eta_noise(seed("e"), size, 0.3, eta), rtol=0, atol=1e-9)
     with pytest.raises(ValueError, match="eta must be"):
         eta_noise(seed("e"), 3, 0.3, "laplace")
+
+
+def test_delta_variance_is_one_pairs_variance_and_the_pair_cancels():
+    """Delta_{k,v} per entry has variance 2 sigma^2 / 3 (DN(sigma, 1)); the pair's two ends sum to zero exactly."""
+    seed, sigma = bytes(range(32)), 0.7
+    d01 = pairwise_delta(200_000, own_id=0, pair_seeds={1: seed}, sigma_delta=sigma)
+    d10 = pairwise_delta(200_000, own_id=1, pair_seeds={0: seed}, sigma_delta=sigma)
+    assert np.array_equal(d01, -d10)
+    assert float(np.var(d01)) == pytest.approx(delta_variance(sigma), rel=0.02)
+    with pytest.raises(ValueError):
+        delta_variance(-1.0)

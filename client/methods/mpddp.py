@@ -37,6 +37,7 @@ from protocols.floor import FloorViolation, at_least, mpddp_floor, mpdp_naive_si
 from protocols.mpddp import (
     clipped_client_gradients,
     ddp_client,
+    delta_variance,
     eta_variance,
     mask_reference,
     mp_record_sensitivity,
@@ -85,7 +86,7 @@ def _train(msg: Message, env: ClientEnv) -> Message:
         seeds = pair_seeds(msg, env, DELTA_PURPOSE)
         size = sum(int(np.prod(g.shape)) for g in up.grads)
         # Self-mask with the std of the upload's whole gradient noise.
-        noise_var = eta_variance(sigma_eta, env.cfg.mpddp_eta) + eta_variance(sigma_delta, "uniform") * len(seeds)
+        noise_var = eta_variance(sigma_eta, env.cfg.mpddp_eta) + delta_variance(sigma_delta) * len(seeds)
         mask = self_mask_upload(msg, env, size, math.sqrt(noise_var))
         remember(env, TrainIns.from_config(cfg).round, seeds,  # revealed only for neighbours that drop out
                  mask_keys=mask.keys if mask else None, threshold=mask.threshold if mask else 0)

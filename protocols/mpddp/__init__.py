@@ -28,7 +28,16 @@ from protocols.mpddp.calibration import (
     theta_for_noise_multiplier,
     theta_n_out,
 )
-from protocols.mpddp.ddp import ETA_DISTRIBUTIONS, ddp_client, eta_noise, eta_variance, flatten, pairwise_delta, unflatten
+from protocols.mpddp.ddp import (
+    ETA_DISTRIBUTIONS,
+    ddp_client,
+    delta_variance,
+    eta_noise,
+    eta_variance,
+    flatten,
+    pairwise_delta,
+    unflatten,
+)
 from protocols.mpddp.expansion import (
     Layer,
     augment,
@@ -79,6 +88,7 @@ __all__ = [
     "clipped_client_gradients",
     "ddp_client",
     "eta_noise",
+    "delta_variance",
     "eta_variance",
     "ETA_DISTRIBUTIONS",
     "eq23_epsilon",

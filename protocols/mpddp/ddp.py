@@ -32,7 +32,8 @@ from protocols.mpddp.samplers import sample_dn
 from protocols.pairwise import pairwise_noise
 from protocols.prg import gaussian, symmetric_uniform
 
-__all__ = ["ETA_DISTRIBUTIONS", "ddp_client", "eta_noise", "eta_variance", "flatten", "pairwise_delta", "unflatten"]
+__all__ = ["ETA_DISTRIBUTIONS", "ddp_client", "delta_variance", "eta_noise", "eta_variance", "flatten", "pairwise_delta",
+           "unflatten"]
 
 
 def flatten(tensors: Sequence[Tensor]) -> np.ndarray:
@@ -63,6 +64,13 @@ def pairwise_delta(size: int, *, own_id: int, pair_seeds: Mapping[int, bytes], s
         return np.zeros(size, dtype=np.float64)
     # DN(sigma, 1) = sqrt2 * sigma * Uniform[-1, 1): the engine's exact integer fast path.
     return pairwise_noise(own_id, pair_seeds, size, sampler=symmetric_uniform, scale=math.sqrt(2.0) * sigma_delta)
+
+
+def delta_variance(sigma_delta: float) -> float:
+    """Per-entry variance of one pair's Delta_{k,v} in :func:`pairwise_delta`: DN(sigma, 1), ``2 sigma^2 / 3``."""
+    if sigma_delta < 0:
+        raise ValueError("noise scales must be non-negative")
+    return 2.0 / 3.0 * sigma_delta**2
 
 
 def _check_eta(sigma_eta: float, eta: str) -> None:
