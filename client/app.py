@@ -7,6 +7,7 @@ from flwr.clientapp import ClientApp
 
 from client.env import ClientEnv
 from client.methods import query_actions, query_handler, train_handler
+from protocols.wire.common import UNMASK_RECORD
 from protocols.wire.federation import ACTION as FEDERATION
 from protocols.wire.federation import FederationInfo
 
@@ -19,8 +20,16 @@ def train(msg: Message, context: Context) -> Message:
     from client.floor import admit  # the train phase's only: query messages do not load the accounting
 
     env = ClientEnv.from_context(context)
+    carried = None
+    if UNMASK_RECORD in msg.content:  # the previous round's unmasking (run-config unmask-next-round)
+        from client.recovery import answer_carried
+
+        carried = answer_carried(msg, env)  # before the train handler replaces that round's material
     admit(msg, env)  # the node's privacy floor and ledger: refuses before any work (client.floor)
-    return train_handler(env.cfg.method)(msg, env)
+    reply = train_handler(env.cfg.method)(msg, env)
+    if carried is not None and not reply.has_error():
+        reply.content[UNMASK_RECORD] = carried
+    return reply
 
 
 def _register_query(action: str) -> None:

@@ -40,7 +40,7 @@ from protocols.masking import (
     signatures_needed,
 )
 from protocols.relay_crypto import RelayAuthError
-from protocols.wire.common import TrainIns
+from protocols.wire.common import UNMASK_RECORD, TrainIns
 from protocols.wire.consistency import CONSISTENCY_RECORD, SignedOutcomes
 from protocols.wire.recovery import SELF_MASK_RECORD, RecoveryReply, RecoveryRequest, SelfMaskShares
 
@@ -354,9 +354,17 @@ def answer_masked(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv,
                          mask_shares=tuple(shares))
 
 
-def handle_recover(msg: Message, env: ClientEnv) -> Message:
-    """``query.recover``: this round's pair material of the dropped neighbours, or a refusal with the reason."""
-    req = RecoveryRequest.from_config(msg.content["config"])
+def recovery_answer(content: RecordDict, env: ClientEnv) -> ConfigRecord:
+    """The answer to the recovery request in ``content["config"]``: pair material, self-mask shares, or a refusal.
+
+    ``content`` may also hold the consistency phase's signatures (record ``CONSISTENCY_RECORD``).  The same rules
+    hold whether the request came as ``query.recover`` or in the next round's train message
+    (:func:`answer_carried`).
+    """
+    try:
+        req = RecoveryRequest.from_config(content["config"])
+    except (KeyError, TypeError, ValueError) as err:
+        return ConfigRecord(RecoveryReply(refused=f"malformed recovery request ({err})").to_config())
     store = RecoveryStore.load(env)
     why = check_request(store, req, env.node_id)
     if why:
@@ -365,8 +373,8 @@ def handle_recover(msg: Message, env: ClientEnv) -> Message:
         assert store is not None  # check_request refuses otherwise
         if store.mask_keys:
             try:
-                sigs = (SignedOutcomes.from_config(msg.content[CONSISTENCY_RECORD])
-                        if CONSISTENCY_RECORD in msg.content else None)
+                sigs = (SignedOutcomes.from_config(content[CONSISTENCY_RECORD])
+                        if CONSISTENCY_RECORD in content else None)
             except ValueError as err:
                 out = RecoveryReply(refused=f"malformed signatures ({err})")
             else:
@@ -376,4 +384,23 @@ def handle_recover(msg: Message, env: ClientEnv) -> Message:
         if not out.refused:
             store.answered = (tuple(sorted(req.received)), tuple(sorted(req.dropped)), tuple(sorted(req.excluded)))
             store.save(env)
-    return Message(RecordDict({"config": ConfigRecord(out.to_config())}), reply_to=msg)
+    return ConfigRecord(out.to_config())
+
+
+def answer_carried(msg: Message, env: ClientEnv) -> ConfigRecord | None:
+    """The previous round's unmasking carried by a train message (record ``UNMASK_RECORD``), answered.
+
+    Called before the train handler keeps this round's material (:func:`remember`), which replaces the
+    previous round's.  None when the message carries no request.
+    """
+    rec = msg.content[UNMASK_RECORD] if UNMASK_RECORD in msg.content else None
+    if rec is None:
+        return None
+    if not isinstance(rec, ConfigRecord):
+        return ConfigRecord(RecoveryReply(refused="malformed recovery request (not a config record)").to_config())
+    return recovery_answer(RecordDict({"config": rec}), env)
+
+
+def handle_recover(msg: Message, env: ClientEnv) -> Message:
+    """``query.recover``: this round's pair material of the dropped neighbours, or a refusal with the reason."""
+    return Message(RecordDict({"config": recovery_answer(msg.content, env)}), reply_to=msg)

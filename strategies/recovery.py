@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from logging import DEBUG, INFO, WARNING
 
 import numpy as np
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
@@ -93,12 +93,52 @@ class RecoveryOutcome:
         return removed + [float(p) for p in kept if p is not None]
 
 
+@dataclass
+class UnmaskPlan:
+    """One round's double-masking requests (:meth:`PairwiseRecovery.unmask_plan`), until the answers come."""
+
+    state: RoundState
+    neighbours: Mapping[int, Sequence[int]]
+    out: RecoveryOutcome
+    keep: set[int]
+    shares_of: dict[int, SelfMaskShares]
+    thresholds: dict[int, int]
+    #: Participants whose upload arrived (excluded ones included): every one is asked.
+    received: list[int]
+    #: Participants whose upload did not arrive.
+    lost: list[int]
+    #: The model the round trained from (set when the unmasking waits for the next round).
+    model: ArrayRecord | None = None
+
+    @property
+    def ask(self) -> list[int]:
+        return self.received
+
+    def request(self, node: int, signed: Mapping[int, SignedOutcome] | None = None) -> RecordDict:
+        """``node``'s request: the sealed shares its kept neighbours made for it, and the signatures it checks."""
+        neighbours, gone = self.neighbours, set(self.out.dropped)
+        fwd = {x: self.shares_of[x].sealed[node] for x in neighbours.get(node, ())
+               if x in self.keep and x in self.shares_of and node in self.shares_of[x].sealed}
+        rd = RecordDict({"config": ConfigRecord(RecoveryRequest(self.state.round, tuple(self.received),
+                                                                tuple(self.lost), tuple(self.out.excluded),
+                                                                fwd).to_config())})
+        # the signatures this node checks: those of the neighbours of its neighbours not aggregated
+        signers = {s for k in gone & set(neighbours.get(node, ())) for s in neighbours.get(k, ())}
+        entries = tuple(signed[s] for s in sorted(signers & set(signed or {})))
+        if entries:
+            rd[CONSISTENCY_RECORD] = ConfigRecord(SignedOutcomes(entries).to_config())
+        return rd
+
+
 class PairwiseRecovery:
     """Keys and recover stages of the pairwise strategies (before :class:`~strategies.base.CancelStrategy` in the bases).
 
     The method implements :meth:`pair_neighbours`; its ``aggregate`` reads :meth:`recovered` and subtracts
     the corrections.
     """
+
+    #: A round's unmasking that waits for the next round's train messages (run-config ``unmask-next-round``).
+    pending_unmask: UnmaskPlan | None = None
 
     def exchange_keys(self, grid: Grid, st: RoundState) -> None:
         """Keys stage: the shared key phase over the sampled nodes; the participants are those with a key."""
@@ -128,7 +168,7 @@ class PairwiseRecovery:
         by_node = st.replies
         neighbours = self.pair_neighbours(st)
         if neighbours is not None and any(SELF_MASK_RECORD in m.content for m in by_node.values()):
-            self.unmask(_need_grid(grid, st, "unmasking"), st, neighbours)
+            self.unmask(grid, st, neighbours)
             return
         gone = sorted(set(st.dropped) & set(st.participants))
         if not gone or neighbours is None:
@@ -198,8 +238,8 @@ class PairwiseRecovery:
             level = WARNING if params.colluders_rebuild else INFO if getattr(self, "verbose", False) else DEBUG
             log(level, "%s %s", cfg.method, params.describe())
 
-    def unmask(self, grid: Grid, state: RoundState, neighbours: Mapping[int, Sequence[int]]) -> None:
-        """Double masking: one ``query.recover`` phase to every participant whose upload arrived, every round.
+    def unmask(self, grid: Grid | None, state: RoundState, neighbours: Mapping[int, Sequence[int]]) -> None:
+        """Double masking: one ``query.recover`` phase to every participant whose upload arrived.
 
         Kept: the aggregatable uploads with at least ``t`` kept neighbours (:func:`protocols.masking.unmaskable`);
         the others are excluded too (held, not aggregated; their neighbours reveal their pair seeds instead).
@@ -211,8 +251,36 @@ class PairwiseRecovery:
         is unmasked the same way and its pairs with the dropped stay in the aggregate as extra noise
         (``kept``).  Narrows ``state.replies`` to the kept uploads and sets ``state.recovery``.
 
+        Run-config ``unmask-next-round``: a round where every upload is kept and another round follows is not
+        unmasked now; the requests wait in ``self.pending_unmask`` for the next round's train messages
+        (:mod:`strategies.pipelined`) and ``state.deferred`` is set.
+
         Raises:
             RoundFailed: a kept upload's seed cannot be rebuilt (fewer than ``t`` of its neighbours answered).
+        """
+        plan = self.unmask_plan(state, neighbours)
+        if (self.cfg.unmask_next_round and not plan.out.dropped  # type: ignore[attr-defined]
+                and state.round < self.cfg.num_rounds  # type: ignore[attr-defined]
+                and self.cfg.clients_per_round >= self.cfg.num_clients):  # type: ignore[attr-defined]
+            state.deferred = True
+            plan.model = self.round_model  # type: ignore[attr-defined]
+            self.pending_unmask = plan
+            return
+        grid = _need_grid(grid, state, "unmasking")
+        t0 = time.perf_counter()
+        signed = self.collect_signatures(grid, plan.out, ConsistencyRequest(
+            state.round, tuple(plan.received), tuple(plan.lost), tuple(plan.out.excluded)), plan.ask) if plan.out.dropped else {}
+        requests = {n: plan.request(n, signed) for n in plan.ask}
+        replies, _errors = self.exchange(grid, plan.ask, lambda n: requests[n], "recover")  # type: ignore[attr-defined]
+        plan.out.seconds = time.perf_counter() - t0
+        plan.out.bytes_down += sum(payload_bytes(r) for r in requests.values())
+        self.finish_unmask(plan, {n: m.content for n, m in replies.items()})
+
+    def unmask_plan(self, state: RoundState, neighbours: Mapping[int, Sequence[int]]) -> UnmaskPlan:
+        """What :meth:`unmask` asks: the kept and excluded uploads, and who is asked (every upload that arrived).
+
+        Raises:
+            RoundFailed: malformed self-mask shares, or no upload can be unmasked.
         """
         by_node = state.replies
         shares_of: dict[int, SelfMaskShares] = {}
@@ -233,38 +301,28 @@ class PairwiseRecovery:
                               f"self-mask threshold; {len(by_node)} of {len(state.participants)} uploads arrived)")
         excluded = sorted(set(held) | (set(by_node) - keep))
         lost = sorted(set(state.participants) - set(received))
-        gone = sorted(set(lost) | set(excluded))
-        out = RecoveryOutcome(state.round, gone, sorted(keep), excluded=excluded)
-        ask = received
-        t0 = time.perf_counter()
-        signed = self.collect_signatures(grid, out, ConsistencyRequest(state.round, tuple(received), tuple(lost),
-                                                                       tuple(excluded)), ask) if gone else {}
-        gone_set = set(gone)
+        out = RecoveryOutcome(state.round, sorted(set(lost) | set(excluded)), sorted(keep), excluded=excluded)
+        return UnmaskPlan(state, neighbours, out, keep, shares_of, thresholds, received, lost)
 
-        def content(node: int) -> RecordDict:
-            fwd = {x: shares_of[x].sealed[node] for x in neighbours.get(node, ())
-                   if x in keep and x in shares_of and node in shares_of[x].sealed}
-            rd = RecordDict({"config": ConfigRecord(RecoveryRequest(state.round, tuple(received), tuple(lost),
-                                                                    tuple(excluded), fwd).to_config())})
-            # the signatures this node checks: those of the neighbours of its neighbours not aggregated
-            signers = {s for k in gone_set & set(neighbours.get(node, ())) for s in neighbours.get(k, ())}
-            entries = tuple(signed[s] for s in sorted(signers & set(signed)))
-            if entries:
-                rd[CONSISTENCY_RECORD] = ConfigRecord(SignedOutcomes(entries).to_config())
-            return rd
+    def finish_unmask(self, plan: UnmaskPlan, answers: Mapping[int, RecordDict]) -> None:
+        """Rebuild every kept upload's self-mask from the answers (node -> content with a ``"config"`` record).
 
-        requests = {n: content(n) for n in ask}
-        replies, _errors = self.exchange(grid, ask, lambda n: requests[n], "recover")  # type: ignore[attr-defined]
-        out.seconds = time.perf_counter() - t0
-        out.bytes_down += sum(payload_bytes(r) for r in requests.values())
+        A node of ``plan.ask`` without a usable answer is silent.  Narrows ``state.replies`` to the kept uploads
+        and sets ``state.recovery``.
+
+        Raises:
+            RoundFailed: a kept upload's seed cannot be rebuilt (fewer than ``t`` of its neighbours answered).
+        """
+        state, neighbours, out, keep = plan.state, plan.neighbours, plan.out, plan.keep
+        gone_set = set(out.dropped)
         collected: dict[int, list[bytes]] = {n: [] for n in keep}
-        for node in ask:
-            msg = replies.get(node)
+        for node in plan.ask:
+            content = answers.get(node)
             rep = None
-            if msg is not None and "config" in msg.content:
-                out.bytes_up += payload_bytes(msg.content)
+            if content is not None and "config" in content:
+                out.bytes_up += payload_bytes(content)
                 try:
-                    rep = RecoveryReply.from_config(msg.content["config"])
+                    rep = RecoveryReply.from_config(content["config"])
                 except ValueError as err:
                     log(WARNING, "round %d: node %s sent a malformed unmasking reply (%s)", state.round, node, err)
             if rep is not None and rep.refused:
@@ -287,18 +345,18 @@ class PairwiseRecovery:
                     collected[x].append(share)
         missing = []
         for x in sorted(keep):
-            if x not in shares_of:
+            if x not in plan.shares_of:
                 continue
-            seed = rebuild_seed(collected[x], thresholds[x], shares_of[x].commitment)
+            seed = rebuild_seed(collected[x], plan.thresholds[x], plan.shares_of[x].commitment)
             if seed is None:
-                missing.append(f"node {x} ({len(collected[x])} shares, needs {thresholds[x]})")
+                missing.append(f"node {x} ({len(collected[x])} shares, needs {plan.thresholds[x]})")
             else:
-                out.masks[x] = (seed, shares_of[x].std)
+                out.masks[x] = (seed, plan.shares_of[x].std)
         if missing:
             raise RoundFailed(f"round {state.round}: self-masks cannot be removed: {'; '.join(missing)}; "
                               f"survivors {out.silent} did not answer or refused")
         state.recovery = out
-        state.replies = {n: by_node[n] for n in sorted(keep)}
+        state.replies = {n: state.replies[n] for n in sorted(keep)}
 
     def collect_signatures(self, grid: Grid, out: RecoveryOutcome, request: ConsistencyRequest,
                            ask: Sequence[int]) -> dict[int, SignedOutcome]:

@@ -34,7 +34,9 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from protocols.config import ConfigError, RunConfig
+from protocols.wire.common import UNMASK_RECORD
 from protocols.wire.settings import MISMATCH
+from strategies.pipelined import carried_requests, finish_previous, with_update
 from strategies.validation import RoundFailed, non_finite_arrays
 
 #: The stages of a round, in order.
@@ -65,6 +67,12 @@ class RoundState:
     recovery: Any = field(default=None, kw_only=True)
     #: Set when the aggregate stage starts: the account stage then charges what the replies released.
     aggregating: bool = field(default=False, kw_only=True)
+    #: Every participant's good reply before the reply checks, by node (what the next stages may read besides
+    #: the upload, e.g. the previous round's unmasking answers: :mod:`strategies.pipelined`).
+    arrived: dict[int, Message] = field(default_factory=dict, kw_only=True)
+    #: Set by the recover stage when the round is unmasked in the next round's train messages
+    #: (run-config ``unmask-next-round``): its aggregate and account stages run then.
+    deferred: bool = field(default=False, kw_only=True)
 
 
 class ForgetsUnresponsive(Protocol):
@@ -155,10 +163,22 @@ def open_round(strategy: Stages, grid: Grid, server_round: int, arrays: ArrayRec
 
 
 def train_messages(strategy: Stages, st: RoundState) -> list[Message]:
-    """The train stage's messages (one per participant), then the release they commit to is charged."""
+    """The train stage's messages (one per participant), then the release they commit to is charged.
+
+    A message also carries the previous round's unmasking request when it waits for this round
+    (run-config ``unmask-next-round``, :mod:`strategies.pipelined`).
+    """
     model = strategy.round_model
     assert model is not None
-    messages = strategy.make_messages(st.participants, lambda node: strategy.train_content(st, node, model))
+    carried = carried_requests(strategy, st)  # unmask-next-round: the previous round's unmasking
+
+    def content(node: int) -> RecordDict:
+        rd = strategy.train_content(st, node, model)
+        if node in carried:
+            rd[UNMASK_RECORD] = carried[node]
+        return rd
+
+    messages = strategy.make_messages(st.participants, content)
     strategy.charge_release(st)
     return messages
 
@@ -178,6 +198,7 @@ def receive(strategy: Stages, st: RoundState, replies: Iterable[Message]) -> Non
         strategy.keys.forget_unresponsive(st.participants, good)
     participants = set(st.participants)
     by_node = {r.metadata.src_node_id: r for r in good if r.metadata.src_node_id in participants}
+    st.arrived = by_node
     st.uploaded = strategy.uploaded = {n for n, r in by_node.items() if "arrays" in r.content}
     st.replies = strategy.screen(st, by_node)
     if not st.replies:
@@ -200,8 +221,12 @@ def close_round(strategy: Stages, grid: Grid | None, st: RoundState,
             is not finite (the previous model is kept).
     """
     receive(strategy, st, replies)
+    update = finish_previous(strategy, st)  # unmask-next-round: the previous round's update, now unmasked
     strategy.recover(grid, st)
     strategy.record_client_spending(st.replies)
+    metrics = strategy.mean_metrics(list(st.replies.values()))
+    if st.deferred:  # this round's aggregate and account stages run with the next round's replies
+        return with_update(strategy.round_model, update, strategy), metrics
     st.aggregating = True
     try:
         try:
@@ -214,7 +239,7 @@ def close_round(strategy: Stages, grid: Grid | None, st: RoundState,
                               "the previous model is kept")
     finally:
         strategy.account(st)
-    return arrays, strategy.mean_metrics(list(st.replies.values()))
+    return with_update(arrays, update, strategy), metrics
 
 
 def run_round(strategy: Stages, grid: Grid, server_round: int, arrays: ArrayRecord, *,

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from protocols.methods.registry import METHODS
-from protocols.options import MethodOptions, option
+from protocols.options import ConfigError, MethodOptions, option
 
 #: Clients per round from which ``graph = "auto"`` is the sparse n-out graph for a method whose card sets
 #: ``MethodSpec.sparse_graph``.
@@ -40,6 +41,9 @@ class PairwiseOptions(MethodOptions):
                                   "round)", low=0)
     cancellation_check: bool = option(False, "clients report a random projection of their pairwise mask (diagnostic)")
     self_mask: bool = option(True, "double masking: a Shamir-shared self-mask on every pairwise upload")
+    unmask_next_round: bool = option(False, "double masking: unmask a round without dropouts in the next round's "
+                                            "train messages (no query.recover phase; each round's update reaches "
+                                            "the model one round later)")
     dropout_rate: float = option(0.0, "assumed share of a round's participants that drop after the key phase, in "
                                       "[0, 0.5): nadp and niss plan their noise for the dropouts a 1e-3 binomial tail "
                                       "allows (protocols.dropouts; 0 = plan for none, the budget guard then raises "
@@ -47,3 +51,12 @@ class PairwiseOptions(MethodOptions):
                                  low=0.0, high=0.5, high_open=True)
     mask_corruption_rate: float = option(0.1, "assumed colluding share of a neighbourhood, in [0, 0.5): sets the "
                                               "self-mask threshold t", low=0.0, high=0.5, high_open=True)
+
+    def validate_run(self, cfg: Any) -> None:
+        """``unmask-next-round`` carries double masking's phase and needs every client in every round."""
+        if self.unmask_next_round and not self.self_mask:
+            raise ConfigError("run-config 'unmask-next-round' = true needs 'self-mask' = true (it carries the "
+                              "unmasking phase of double masking in the next round's train messages)")
+        if self.unmask_next_round and cfg.sample_rate < 1:
+            raise ConfigError(f"run-config 'unmask-next-round' = true needs 'sample-rate' = 1, not {cfg.sample_rate:g}: "
+                              "the next round's train messages must reach every client of the round")

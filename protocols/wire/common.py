@@ -18,6 +18,9 @@ _NUM_EXAMPLES = "num-examples"
 #: Peak resident memory of the client process so far, MiB (a cost diagnostic: in deployment every message runs
 #: in a fresh process, so it is that client's peak; under Flower simulation, the peak of the worker running it).
 PEAK_RSS_MB = "peak-rss-mb"
+#: Record of a train message that carries the previous round's unmasking (a ``RecoveryRequest``), and of the
+#: train reply that answers it (a ``RecoveryReply``; :mod:`protocols.wire.recovery`): run-config ``unmask-next-round``.
+UNMASK_RECORD = "unmask"
 
 _MISSING = object()
 
