@@ -24,7 +24,7 @@ def train(msg: Message, context: Context) -> Message:
     if UNMASK_RECORD in msg.content:  # the previous round's unmasking (run-config unmask-next-round)
         from client.recovery import answer_carried
 
-        carried = answer_carried(msg, env)  # before the train handler replaces that round's material
+        carried = answer_carried(msg.content[UNMASK_RECORD], env)  # before the train handler replaces it
     admit(msg, env)  # the node's privacy floor and ledger: refuses before any work (client.floor)
     reply = train_handler(env.cfg.method)(msg, env)
     if carried is not None and not reply.has_error():

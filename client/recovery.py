@@ -40,7 +40,7 @@ from protocols.masking import (
     signatures_needed,
 )
 from protocols.relay_crypto import RelayAuthError
-from protocols.wire.common import UNMASK_RECORD, TrainIns
+from protocols.wire.common import TrainIns
 from protocols.wire.consistency import CONSISTENCY_RECORD, SignedOutcomes
 from protocols.wire.recovery import SELF_MASK_RECORD, RecoveryReply, RecoveryRequest, SelfMaskShares
 
@@ -387,15 +387,12 @@ def recovery_answer(content: RecordDict, env: ClientEnv) -> ConfigRecord:
     return ConfigRecord(out.to_config())
 
 
-def answer_carried(msg: Message, env: ClientEnv) -> ConfigRecord | None:
-    """The previous round's unmasking carried by a train message (record ``UNMASK_RECORD``), answered.
+def answer_carried(rec: object, env: ClientEnv) -> ConfigRecord:
+    """The previous round's unmasking request carried by a train message (its record ``UNMASK_RECORD``), answered.
 
     Called before the train handler keeps this round's material (:func:`remember`), which replaces the
-    previous round's.  None when the message carries no request.
+    previous round's.
     """
-    rec = msg.content[UNMASK_RECORD] if UNMASK_RECORD in msg.content else None
-    if rec is None:
-        return None
     if not isinstance(rec, ConfigRecord):
         return ConfigRecord(RecoveryReply(refused="malformed recovery request (not a config record)").to_config())
     return recovery_answer(RecordDict({"config": rec}), env)

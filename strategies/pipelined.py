@@ -19,6 +19,7 @@ or at a resume (the pending round is not in the checkpoint; its charge is, on bo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from logging import WARNING
 from typing import Any
 
@@ -27,7 +28,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from flwr.common import log
 
 from protocols.wire.common import UNMASK_RECORD
-from strategies.validation import RoundFailed, non_finite_arrays
+from strategies.validation import RoundFailed
 
 #: node -> float64 array per model entry: the update an earlier round's aggregate makes.
 Update = dict[str, np.ndarray]
@@ -48,16 +49,17 @@ def carried_requests(strategy: Any, st: Any) -> dict[int, ConfigRecord]:
         strategy.pending_unmask = None
         return {}
     present = set(st.participants)
-    return {n: plan.request(n)["config"] for n in plan.ask if n in present}
+    return {n: plan.request(n)["config"] for n in plan.received if n in present}
 
 
-def finish_previous(strategy: Any, st: Any) -> Update | None:
+def finish_previous(strategy: Any, st: Any, aggregate_stage: Callable[[Any, Any], ArrayRecord | None]) -> Update | None:
     """Unmask, aggregate and account the pending round from the answers in ``st``'s replies; its update.
 
     The answers are the records :data:`UNMASK_RECORD` of the replies that arrived (``st.arrived``); a client
-    without one is silent (its own self-mask is rebuilt from its neighbours' shares).  The aggregate stage runs
-    with the model that round trained from.  Returns None when nothing was pending or the update is lost
-    (logged: a self-mask could not be rebuilt, or the aggregate failed or is not finite).
+    without one is silent (its own self-mask is rebuilt from its neighbours' shares).  ``aggregate_stage``
+    (:func:`strategies.stages.aggregate_stage`) runs with the model that round trained from.  Returns None when
+    nothing was pending or the update is lost (logged: a self-mask could not be rebuilt, or the aggregate
+    failed or is not finite).
     """
     plan = getattr(strategy, "pending_unmask", None)
     if plan is None:
@@ -69,24 +71,20 @@ def finish_previous(strategy: Any, st: Any) -> Update | None:
     current, strategy.round_model = strategy.round_model, plan.model
     try:
         strategy.finish_unmask(plan, answers)
-        prev.aggregating = True
-        try:
-            arrays = strategy.aggregate(prev)
-        finally:
-            strategy.account(prev)
-    except (RoundFailed, ValueError, KeyError, TypeError, IndexError) as err:
+        arrays = aggregate_stage(strategy, prev)
+    except RoundFailed as err:
         log(WARNING, "round %d: the update of round %d is lost: %s", st.round, prev.round, err)
         return None
     finally:
         strategy.round_model = current
-    if arrays is None or non_finite_arrays(arrays):
-        log(WARNING, "round %d: the update of round %d is lost (no finite aggregate)", st.round, prev.round)
+    if arrays is None:
+        log(WARNING, "round %d: the update of round %d is lost (no aggregate)", st.round, prev.round)
         return None
     return {k: np.asarray(a.numpy(), dtype=np.float64) - np.asarray(plan.model[k].numpy(), dtype=np.float64)
             for k, a in arrays.items()}
 
 
-def with_update(arrays: ArrayRecord | None, update: Update | None, strategy: Any) -> ArrayRecord | None:
+def with_update(arrays: ArrayRecord | None, update: Update | None) -> ArrayRecord | None:
     """``arrays`` plus an earlier round's ``update`` (each entry in its own dtype); ``arrays`` when there is none."""
     if arrays is None or update is None:
         return arrays

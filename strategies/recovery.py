@@ -110,10 +110,6 @@ class UnmaskPlan:
     #: The model the round trained from (set when the unmasking waits for the next round).
     model: ArrayRecord | None = None
 
-    @property
-    def ask(self) -> list[int]:
-        return self.received
-
     def request(self, node: int, signed: Mapping[int, SignedOutcome] | None = None) -> RecordDict:
         """``node``'s request: the sealed shares its kept neighbours made for it, and the signatures it checks."""
         neighbours, gone = self.neighbours, set(self.out.dropped)
@@ -268,10 +264,10 @@ class PairwiseRecovery:
             return
         grid = _need_grid(grid, state, "unmasking")
         t0 = time.perf_counter()
-        signed = self.collect_signatures(grid, plan.out, ConsistencyRequest(
-            state.round, tuple(plan.received), tuple(plan.lost), tuple(plan.out.excluded)), plan.ask) if plan.out.dropped else {}
-        requests = {n: plan.request(n, signed) for n in plan.ask}
-        replies, _errors = self.exchange(grid, plan.ask, lambda n: requests[n], "recover")  # type: ignore[attr-defined]
+        outcome = ConsistencyRequest(state.round, tuple(plan.received), tuple(plan.lost), tuple(plan.out.excluded))
+        signed = self.collect_signatures(grid, plan.out, outcome, plan.received) if plan.out.dropped else {}
+        requests = {n: plan.request(n, signed) for n in plan.received}
+        replies, _errors = self.exchange(grid, plan.received, lambda n: requests[n], "recover")  # type: ignore[attr-defined]
         plan.out.seconds = time.perf_counter() - t0
         plan.out.bytes_down += sum(payload_bytes(r) for r in requests.values())
         self.finish_unmask(plan, {n: m.content for n, m in replies.items()})
@@ -307,7 +303,7 @@ class PairwiseRecovery:
     def finish_unmask(self, plan: UnmaskPlan, answers: Mapping[int, RecordDict]) -> None:
         """Rebuild every kept upload's self-mask from the answers (node -> content with a ``"config"`` record).
 
-        A node of ``plan.ask`` without a usable answer is silent.  Narrows ``state.replies`` to the kept uploads
+        A node of ``plan.received`` without a usable answer is silent.  Narrows ``state.replies`` to the kept uploads
         and sets ``state.recovery``.
 
         Raises:
@@ -316,7 +312,7 @@ class PairwiseRecovery:
         state, neighbours, out, keep = plan.state, plan.neighbours, plan.out, plan.keep
         gone_set = set(out.dropped)
         collected: dict[int, list[bytes]] = {n: [] for n in keep}
-        for node in plan.ask:
+        for node in plan.received:
             content = answers.get(node)
             rep = None
             if content is not None and "config" in content:

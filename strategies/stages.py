@@ -221,12 +221,23 @@ def close_round(strategy: Stages, grid: Grid | None, st: RoundState,
             is not finite (the previous model is kept).
     """
     receive(strategy, st, replies)
-    update = finish_previous(strategy, st)  # unmask-next-round: the previous round's update, now unmasked
+    update = finish_previous(strategy, st, aggregate_stage)  # unmask-next-round: the previous round's update
     strategy.recover(grid, st)
     strategy.record_client_spending(st.replies)
     metrics = strategy.mean_metrics(list(st.replies.values()))
     if st.deferred:  # this round's aggregate and account stages run with the next round's replies
-        return with_update(strategy.round_model, update, strategy), metrics
+        return with_update(strategy.round_model, update), metrics
+    return with_update(aggregate_stage(strategy, st), update), metrics
+
+
+def aggregate_stage(strategy: Stages, st: RoundState) -> ArrayRecord | None:
+    """The aggregate stage, then the account stage (also when aggregating failed: the uploads reached the server).
+
+    Returns the new global model (None: the method publishes none).
+
+    Raises:
+        RoundFailed: the replies cannot be aggregated or the aggregate is not finite.
+    """
     st.aggregating = True
     try:
         try:
@@ -239,7 +250,7 @@ def close_round(strategy: Stages, grid: Grid | None, st: RoundState,
                               "the previous model is kept")
     finally:
         strategy.account(st)
-    return with_update(arrays, update, strategy), metrics
+    return arrays
 
 
 def run_round(strategy: Stages, grid: Grid, server_round: int, arrays: ArrayRecord, *,
@@ -256,5 +267,5 @@ def run_round(strategy: Stages, grid: Grid, server_round: int, arrays: ArrayReco
     return close_round(strategy, grid, st, replies)
 
 
-__all__ = ["STAGES", "ForgetsUnresponsive", "RoundState", "Stages", "close_round", "open_round", "receive", "run_round",
-           "split_replies", "train_messages", "wait_for_nodes"]
+__all__ = ["STAGES", "ForgetsUnresponsive", "RoundState", "Stages", "aggregate_stage", "close_round", "open_round",
+           "receive", "run_round", "split_replies", "train_messages", "wait_for_nodes"]

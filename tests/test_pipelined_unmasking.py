@@ -72,9 +72,9 @@ def _capture_updates(monkeypatch) -> list:
     got: list = []
     real = stages.with_update
 
-    def spy(arrays, update, strategy):
+    def spy(arrays, update):
         got.append(update)
-        return real(arrays, update, strategy)
+        return real(arrays, update)
 
     monkeypatch.setattr(stages, "with_update", spy)
     return got

@@ -9,7 +9,8 @@
   self-mask seed (one per neighbour), a commitment to the seed and the mask's std (:mod:`protocols.masking`);
   the server forwards each neighbour its sealed shares with the recovery request (``forwarded``).
 * With run-config ``unmask-next-round``, a round without dropouts is unmasked in the next round's train
-  messages instead: the request and the reply travel in the record :data:`UNMASK_RECORD`.
+  messages instead: the request and the reply travel in the record
+  :data:`protocols.wire.common.UNMASK_RECORD`.
 * :class:`NissPairMaterial`: what a NISS survivor's upload holds because of one dropped neighbour
   (its own shares sent to it, and the distorted negated shares received from it).
 
@@ -28,7 +29,6 @@ import numpy as np
 
 from protocols.niss import SHARES_PER_NEIGHBOUR
 from protocols.wire.common import (
-    UNMASK_RECORD,  # noqa: F401 - re-exported: the recovery messages' own module names it too
     TrainIns,
     merge_configs,
     node_id_strings,
