@@ -69,11 +69,11 @@ class ClientEnv:
             cfg = fitted(context.run_config, nparts, strict=False)  # as the ServerApp does (server.federation)
 
         def load() -> LocalData:
-            from protocols.task.data import client_partition_lazy, dataset_for
+            from protocols.task.partition_cache import cache_folder, local_data
 
-            x, y = client_partition_lazy(cfg, pid, nparts)
-            ds = dataset_for(cfg)
-            return x, y, ds.num_classes, ds.input_shape
+            # Through the node's data cache when it names one (cancelfl-supernode does): a fresh process per
+            # message then reads its partition instead of loading and splitting the whole dataset.
+            return local_data(cfg, pid, nparts, cache_folder(context.node_config))
         return cls(cfg, context, int(context.node_id), pid, nparts, load)
 
     def _local(self) -> LocalData:

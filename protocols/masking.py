@@ -155,11 +155,14 @@ def open_share(key: bytes, blob: bytes, *, sender: int, receiver: int, round_num
 def rebuild_seed(shares: Sequence[bytes], threshold: int, expected: bytes) -> bytes | None:
     """The seed whose :func:`commitment` is ``expected`` from ``shares`` (None with fewer than ``threshold``).
 
-    Tries all shares, then the first subsets of size ``threshold`` (a neighbour may have sent a bad share).
+    Tries the first ``threshold`` shares (any ``threshold`` honest shares suffice), then all of them, then the
+    first subsets of size ``threshold`` (a neighbour may have sent a bad share).
     """
     if len(shares) < threshold:
         return None
-    candidates = itertools.chain([tuple(shares)], itertools.islice(itertools.combinations(shares, threshold), 256))
+    first = tuple(shares[:max(threshold, 1)])
+    candidates = itertools.chain([first, tuple(shares)],
+                                 itertools.islice(itertools.combinations(shares, threshold), 256))
     for subset in candidates:
         try:
             seed = shamir_combine(subset)

@@ -18,6 +18,7 @@ Share randomness: ``os.urandom``, or :mod:`protocols.prg` when an explicit seed 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -449,14 +450,30 @@ def lagrange_at_zero(xs: Iterable[int], prime: int) -> dict[int, int]:
     """Lagrange weights at 0 over Z_prime: ``f(0) = sum_i w_i f(x_i)`` for any polynomial of degree < len(xs).
 
     ``w_i = prod_{j != i} x_j / (x_j - x_i) mod prime``; the ``xs`` must be distinct and nonzero mod ``prime``.
+    Cached per point set (a round's clients share theirs): exact integer products, one modular inversion.
     """
-    points = [int(x) for x in xs]
-    weights = {}
-    for xi in points:
+    return dict(_lagrange_weights(tuple(sorted(int(x) for x in xs)), int(prime)))
+
+
+@functools.lru_cache(maxsize=256)
+def _lagrange_weights(points: tuple[int, ...], prime: int) -> tuple[tuple[int, int], ...]:
+    """``((x_i, w_i), ...)`` of :func:`lagrange_at_zero` for sorted distinct ``points``."""
+    nums, dens = [], []
+    for i, xi in enumerate(points):
         num, den = 1, 1
-        for xj in points:
-            if xj != xi:
-                num = num * xj % prime
-                den = den * (xj - xi) % prime
-        weights[xi] = num * pow(den, -1, prime) % prime
-    return weights
+        for j, xj in enumerate(points):
+            if j != i:
+                num *= xj
+                den *= xj - xi
+        nums.append(num % prime)
+        dens.append(den % prime)
+    # Montgomery's trick: invert all denominators with one pow.
+    prefix = [1]
+    for d in dens:
+        prefix.append(prefix[-1] * d % prime)
+    inv = pow(prefix[-1], -1, prime)
+    weights = [0] * len(points)
+    for i in range(len(points) - 1, -1, -1):
+        weights[i] = nums[i] * (inv * prefix[i] % prime) % prime
+        inv = inv * dens[i] % prime
+    return tuple(zip(points, weights, strict=True))

@@ -8,6 +8,9 @@ Same arguments as ``flower-supernode`` (Flower 1.42).  Changes, none to what a m
   instead of Flower's fixed 3 s, every 0.05 s for 5 s after each reply it sent (a round's next phase comes
   soon), looks for its ClientApp's reply every 20 ms instead of 0.5 s, and moves a message's objects with
   short retries and several requests at once (:func:`server.flower_tuning.tune_supernode`);
+* each message's ClientApp reads the node's partition from ``CANCELFL_DATA_CACHE`` (default: a folder of this
+  process, removed when it exits; ``off``: none) instead of loading and splitting the whole dataset
+  (:mod:`protocols.task.partition_cache`);
 * its SuperExec looks for new tasks every ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` seconds (Flower's own
   setting; default here 0.05 instead of 1).
 
@@ -104,6 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.05")
     work = Path(tempfile.mkdtemp(prefix="cancelfl-supernode-"))
     atexit.register(shutil.rmtree, work, ignore_errors=True)
+    # The node's partition, kept for the next message's process (protocols.task.partition_cache).
+    os.environ.setdefault("CANCELFL_DATA_CACHE", str(work / "data-cache"))
     if os.environ.get("CANCELFL_WARM_CLIENTAPP", "1") != "0":
         zygote = start_warm_clientapp(work)
         if zygote is not None:

@@ -98,7 +98,7 @@ def check_arrays(content: RecordDict, spec: UploadSpec) -> tuple[str | None, np.
     extra = [k for k in record if k not in spec]
     if extra:
         return f"unexpected array(s) {extra[:3]}", None
-    parts = []
+    views = []
     for name, want in spec.items():
         try:
             view = array_view(record[name])
@@ -108,10 +108,16 @@ def check_arrays(content: RecordDict, spec: UploadSpec) -> tuple[str | None, np.
             return f"array '{name}' has dtype {view.dtype.name}, expected one of {list(want.dtypes)}", None
         if tuple(view.shape) != want.shape:
             return f"array '{name}' has shape {tuple(view.shape)}, expected {want.shape}", None
-        if not np.isfinite(view).all():
+        # A finite sum has finite terms (NaN and inf propagate); only a non-finite sum needs the element test.
+        if not np.isfinite(np.add.reduce(view, axis=None, dtype=np.float64)) and not np.isfinite(view).all():
             return f"array '{name}' holds non-finite values (NaN or inf)", None
-        parts.append(np.asarray(view, dtype=np.float64).ravel())
-    return None, np.concatenate(parts) if parts else np.zeros(0)
+        views.append(view)
+    flat = np.empty(sum(v.size for v in views), dtype=np.float64)
+    at = 0
+    for view in views:
+        flat[at:at + view.size] = view.ravel()
+        at += view.size
+    return None, flat
 
 
 def claimed_examples(content: RecordDict) -> tuple[str | None, int | None]:
@@ -138,8 +144,8 @@ class Screened:
     accepted: dict[int, Message]
     #: node -> reason of every excluded reply.
     excluded: dict[int, str]
-    #: node -> its upload flattened (float64, spec order) for the accepted replies.
-    uploads: dict[int, np.ndarray] = field(default_factory=dict)
+    #: node -> the norm of its update (``reference(node, flat upload)``) for the accepted replies.
+    norms: dict[int, float] = field(default_factory=dict)
 
 
 class ReplyScreen:
@@ -172,7 +178,8 @@ class ReplyScreen:
                 continue
             claims[node] = n
             out.accepted[node] = reply
-            out.uploads[node] = flat
+            if self.spec:  # the norm now: the flat copy of a large upload is not kept
+                out.norms[node] = float(np.linalg.norm(reference(node, flat)))
         if self.max_examples is None and len(claims) >= 3:
             median = float(np.median(list(claims.values())))
             for node, n in claims.items():
@@ -180,11 +187,11 @@ class ReplyScreen:
                     self._drop(out, node, f"num-examples = {n} exceeds {MEDIAN_EXAMPLE_FACTOR:g} x the round's median "
                                           f"({median:g})")
         if self.spec:
-            self._check_norms(out, reference, limit)
+            self._check_norms(out, limit)
         return out
 
-    def _check_norms(self, out: Screened, reference, limit) -> None:
-        norms = {n: float(np.linalg.norm(reference(n, flat))) for n, flat in out.uploads.items()}
+    def _check_norms(self, out: Screened, limit) -> None:
+        norms = dict(out.norms)
         robust = []
         for node, norm in norms.items():
             bound = limit(node)
@@ -204,7 +211,7 @@ class ReplyScreen:
     @staticmethod
     def _drop(out: Screened, node: int, reason: str) -> None:
         out.accepted.pop(node, None)
-        out.uploads.pop(node, None)
+        out.norms.pop(node, None)
         out.excluded[node] = reason
 
 
