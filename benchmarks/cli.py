@@ -144,6 +144,12 @@ def machine() -> dict:
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
+#: Environment variables that change what a benchmark measures (deployment processes); a record's command
+#: starts with those that were set, and ``cancelfl-bench reproduce`` sets them again.
+MEASURED_ENV = ("CANCELFL_DATA_CACHE", "CANCELFL_POLL_INTERVAL", "CANCELFL_WARM_CLIENTAPP", "CANCELFL_CLIENT_THREADS",
+                "FLWR_SUPEREXEC_TASK_POLL_INTERVAL")
+
+
 def write_record(out: Path, *, benchmark: str, command: str, status: int, started: str, wall_s: float,
                  host: dict) -> Path:
     """Write ``out/record.json``: the provenance of the tables a benchmark wrote into ``out``.
@@ -171,7 +177,9 @@ def write_record(out: Path, *, benchmark: str, command: str, status: int, starte
 
 def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     args = parser.parse_args(argv)
-    args.command_line = "cancelfl-bench " + shlex.join(argv)
+    # Settings from the environment are part of what was measured: the record's command carries them.
+    env = "".join(f"{k}={shlex.quote(os.environ[k])} " for k in MEASURED_ENV if k in os.environ)
+    args.command_line = env + "cancelfl-bench " + shlex.join(argv)
     out = getattr(args, "out", None) or getattr(args, "out_dir", None)
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     host, t0 = machine(), time.perf_counter()

@@ -15,6 +15,7 @@ import argparse
 import csv
 import json
 import math
+import os
 import shlex
 import subprocess
 import sys
@@ -105,16 +106,23 @@ def _declared(module_of: Callable[[str], ModuleType], benchmark: str) -> tuple[d
     return dict(getattr(mod, "FIGURES", {})), tuple(getattr(mod, "KEY", ()))
 
 
-def _rerun_argv(command: str, out: Path) -> list[str]:
-    """The recorded command's arguments with its output folder replaced by ``out``."""
+def _rerun_argv(command: str, out: Path) -> tuple[dict[str, str], list[str]]:
+    """``(environment, arguments)`` of a recorded command.
+
+    The environment is its leading ``NAME=value`` settings; the arguments have the output folder replaced by ``out``.
+    """
     argv = shlex.split(command)
+    env = {}
+    while argv and "=" in argv[0] and argv[0].split("=", 1)[0].isidentifier():
+        name, value = argv.pop(0).split("=", 1)
+        env[name] = value
     if argv and argv[0] == "cancelfl-bench":
         argv = argv[1:]
     if "--out" in argv:
         argv[argv.index("--out") + 1] = str(out)
     else:  # a positional output folder (nadp, niss, mpddp, ladp): the last argument
         argv[-1] = str(out)
-    return argv
+    return env, argv
 
 
 def run(args: argparse.Namespace, module_of: Callable[[str], ModuleType]) -> int:
@@ -131,10 +139,12 @@ def run(args: argparse.Namespace, module_of: Callable[[str], ModuleType]) -> int
     tables = sorted(folder.glob("*.csv"))
     with tempfile.TemporaryDirectory(prefix="reproduce-") as tmp:
         out = Path(args.keep or tmp) / folder.name
-        argv = _rerun_argv(record["command"], out)
-        print(f"rerunning: cancelfl-bench {shlex.join(argv)}  (recorded {record.get('date')}, commit "
+        env, argv = _rerun_argv(record["command"], out)
+        settings = "".join(f"{k}={shlex.quote(v)} " for k, v in env.items())
+        print(f"rerunning: {settings}cancelfl-bench {shlex.join(argv)}  (recorded {record.get('date')}, commit "
               f"{record.get('commit')})", flush=True)
-        status = subprocess.run([sys.executable, "-m", "benchmarks", *argv], check=False).returncode
+        status = subprocess.run([sys.executable, "-m", "benchmarks", *argv], check=False,
+                                env={**os.environ, **env}).returncode
         problems = [] if status == record.get("exit_status", 0) else [
             f"exit status {status}, recorded {record.get('exit_status')}"]
         figures, key = _declared(module_of, record.get("benchmark", ""))

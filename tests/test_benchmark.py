@@ -198,9 +198,13 @@ def test_compare_tables_names_every_figure_that_moved(tmp_path):
         "a.csv: row 'nadp' is gone"]
 
 
-def test_reproduce_reruns_the_recorded_command_and_fails_on_a_figure_that_no_longer_holds(tmp_path, capsys):
+def test_reproduce_reruns_the_recorded_command_and_fails_on_a_figure_that_no_longer_holds(tmp_path, capsys,
+                                                                                         monkeypatch):
     """A recorded roundtime result, one figure tampered: the rerun reproduces the rest and names only that one."""
     import json
+
+    for name in cli.MEASURED_ENV:
+        monkeypatch.delenv(name, raising=False)
 
     out = tmp_path / "roundtime"
     argv = ["roundtime", "--methods", "fedavg,ldp", "--clients", "3", "--dataset", "digits", "--rounds", "2",
@@ -217,6 +221,26 @@ def test_reproduce_reruns_the_recorded_command_and_fails_on_a_figure_that_no_lon
     assert cli.main(["reproduce", str(out), "--tolerance", "50"]) == 1
     err = capsys.readouterr().err
     assert "NOT REPRODUCED" in err and "ldp bytes_per_client_round" in err and "(1 figure(s))" in err, err
+
+
+def test_a_record_carries_the_measured_environment_and_reproduce_sets_it_again(tmp_path, monkeypatch):
+    from benchmarks.reproduce import _rerun_argv
+
+    for name in cli.MEASURED_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CANCELFL_DATA_CACHE", "off")
+    monkeypatch.setenv("CANCELFL_TRACE", str(tmp_path / "t.jsonl"))  # where output goes, not what is measured
+    out = tmp_path / "grid"
+    argv = ["grid", "--methods", "fedavg", "--dataset", "digits", "--clients", "3", "--rounds", "1",
+            "--epsilons", "1", "--test-subset", "100", "--out", str(out)]
+    import json
+
+    assert cli.main(argv) == 0
+    command = json.loads((out / "record.json").read_text())["command"]
+    assert command == "CANCELFL_DATA_CACHE=off cancelfl-bench " + " ".join(argv)
+    env, rerun = _rerun_argv(command, tmp_path / "again")
+    assert env == {"CANCELFL_DATA_CACHE": "off"}
+    assert rerun == [*argv[:-1], str(tmp_path / "again")]
 
 
 def test_scale_drops_clients_and_reports_per_client_memory_server_time_and_neighbours(tmp_path):
