@@ -97,3 +97,15 @@ def test_a_client_message_reads_its_partition_through_the_nodes_cache(tmp_path, 
     _cold(monkeypatch)
     env = ClientEnv.from_context(ctx)
     assert np.array_equal(env.x, want_x) and np.array_equal(env.y, want_y) and env.num_classes == 10
+
+
+def test_a_readable_entry_another_process_stored_is_kept(tmp_path):
+    from protocols.task.partition_cache import _write
+
+    cfg = _cfg()
+    local_data(cfg, 1, 5, tmp_path)
+    entry = tmp_path / partition_key(cfg, 1, 5)
+    before = np.load(entry / "x.npy")
+    _write(entry, np.zeros_like(before), np.zeros(len(before), dtype=np.int64), 10, (1, 8, 8))
+    assert np.array_equal(np.load(entry / "x.npy"), before)
+    assert [p.name for p in tmp_path.iterdir()] == [entry.name]  # no temporary folder left behind

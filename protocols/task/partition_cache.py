@@ -107,7 +107,7 @@ def _read(entry: Path) -> LocalData | None:
 
 
 def _write(entry: Path, x: np.ndarray, y: np.ndarray, num_classes: int, input_shape: tuple[int, ...]) -> None:
-    """Store an entry atomically (a process that loses the race keeps the other's)."""
+    """Store an entry atomically; a readable entry already there (another process's) is kept."""
     entry.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))
     try:
@@ -115,8 +115,10 @@ def _write(entry: Path, x: np.ndarray, y: np.ndarray, num_classes: int, input_sh
         np.save(tmp / "y.npy", np.ascontiguousarray(y), allow_pickle=False)
         (tmp / "meta.json").write_text(json.dumps({"num_classes": num_classes, "input_shape": list(input_shape),
                                                    "records": len(y)}))
-        if entry.exists():  # unreadable (or another process's): replace it
-            shutil.rmtree(entry, ignore_errors=True)
+        if entry.exists():
+            if _read(entry) is not None:
+                return  # another process stored it first: keep that one (a reader may be using it)
+            shutil.rmtree(entry, ignore_errors=True)  # unreadable: replace it
         os.replace(tmp, entry)
     except OSError:
         pass  # a cache: the data was loaded anyway
