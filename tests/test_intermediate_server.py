@@ -337,6 +337,33 @@ def test_servers_exit_when_owner_process_dies(tmp_path: Path, ids) -> None:
         time.sleep(0.1)
 
 
+def test_a_push_after_a_server_restart_reaches_the_new_server_at_once(ids, ca) -> None:
+    """Kept channels (one per server and process) do not wait out gRPC's reconnect backoff after an outage."""
+    policy = AccessPolicy(_roster(ids), ids["server"].public_bytes)
+    cert = ca.issue("t")
+
+    def start(port: int = 0):
+        servicer = IntermediateAggregatorServicer(policy, server_id="t", limits=Limits(keep_rounds=2, min_clients=2))
+        return create_server(servicer, certificate=cert.cert_pem, private_key=cert.key_pem, port=port, max_workers=4)
+
+    server, port = start()
+    servers = IntermediateServers((f"127.0.0.1:{port}",), ca.cert_pem)
+    share = [np.arange(10, dtype=np.uint64)]
+    assert register_run(servers, "run", 1, 10, 4, ids["server"], participants=CLIENTS, timeout=5.0) == []
+    push_shares(servers, "run", 1, ids["c11"], share, timeout=5.0)
+    server.stop(grace=None).wait()
+    with pytest.raises(SharePushError):
+        push_shares(servers, "run", 1, ids["c12"], share, timeout=5.0)
+    server, _ = start(port)
+    try:
+        t0 = time.monotonic()
+        assert register_run(servers, "run", 2, 10, 4, ids["server"], participants=CLIENTS, timeout=5.0) == []
+        push_shares(servers, "run", 2, ids["c12"], share, timeout=5.0)
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        server.stop(grace=None)
+
+
 def test_modules_do_not_import_flwr() -> None:
     code = (
         "import sys, protocols.wire.intermediate, server.intermediate, server.intermediate.__main__, protocols.secret_sharing, "

@@ -15,7 +15,9 @@ RPCs to the ``m`` servers run concurrently and fail fast (a server that is down 
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -203,22 +205,47 @@ class IntermediateServerClient:
         self.close()
 
 
+#: Open clients by (address, CA, timeout), most recently used last: a process that pushes or collects every round
+#: (a simulation worker running many ClientApps, the parameter server) keeps its TLS connections.
+_OPEN: OrderedDict[tuple[str, bytes, float], IntermediateServerClient] = OrderedDict()
+_OPEN_KEPT = 16
+_OPEN_LOCK = threading.Lock()
+
+
+def _client(address: str, ca: bytes, timeout: float) -> IntermediateServerClient:
+    """A kept client for ``address`` (gRPC channels are thread-safe and reconnect by themselves)."""
+    key = (address, bytes(ca), float(timeout))
+    with _OPEN_LOCK:
+        client = _OPEN.get(key)
+        if client is None:
+            client = _OPEN[key] = IntermediateServerClient(address, ca, timeout=timeout)
+            while len(_OPEN) > _OPEN_KEPT:
+                _OPEN.popitem(last=False)[1].close()
+        _OPEN.move_to_end(key)
+        return client
+
+
 def _gather(servers: IntermediateServers, call, timeout: float) -> tuple[list, list[ServerFailure]]:
     """Run ``call(client) -> Future`` on every server concurrently; (results or None, failures)."""
-    clients = [IntermediateServerClient(a, servers.ca, timeout=timeout) for a in servers.addresses]
+    clients = [_client(a, servers.ca, timeout) for a in servers.addresses]
     results: list = [None] * len(clients)
     failures: list[ServerFailure] = []
-    try:
-        futs = [call(j, c) for j, c in enumerate(clients)]
-        for j, f in enumerate(futs):
-            try:
-                results[j] = f.result()
-            except grpc.RpcError as exc:
-                failures.append(_failure(j, servers.addresses[j], exc))
-    finally:
-        for c in clients:
-            c.close()
+    futs = [call(j, c) for j, c in enumerate(clients)]
+    for j, f in enumerate(futs):
+        try:
+            results[j] = f.result()
+        except grpc.RpcError as exc:
+            failures.append(_failure(j, servers.addresses[j], exc))
+            _forget(clients[j])  # the next call opens a fresh channel (no reconnect backoff after an outage)
     return results, failures
+
+
+def _forget(client: IntermediateServerClient) -> None:
+    """Drop a kept client and close its channel."""
+    with _OPEN_LOCK:
+        for key in [k for k, c in _OPEN.items() if c is client]:
+            del _OPEN[key]
+    client.close()
 
 
 def register_run(servers: IntermediateServers, run_id: str, round_num: int, length: int, max_clients: int,
