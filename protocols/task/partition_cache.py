@@ -1,7 +1,7 @@
 """A node's own training partition kept on its disk, read in milliseconds by the next message's process.
 
 In a deployment every message runs in a fresh ClientApp process, and :func:`protocols.task.data.client_partition`
-loads and splits the whole dataset each time (about 5 s of CPU for MNIST here).  :func:`local_data` keeps the
+loads and splits the whole dataset each time (seconds of CPU for MNIST).  :func:`local_data` keeps the
 node's partition (its records only, as ``.npy`` files) in a folder the node names (node config ``data-cache``
 or ``$CANCELFL_DATA_CACHE``; ``cancelfl-supernode`` sets the latter to its own temporary folder, removed when
 it exits) and reads it back.
