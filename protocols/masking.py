@@ -161,8 +161,9 @@ def rebuild_seed(shares: Sequence[bytes], threshold: int, expected: bytes) -> by
     if len(shares) < threshold:
         return None
     first = tuple(shares[:max(threshold, 1)])
-    candidates = itertools.chain([first, tuple(shares)],
-                                 itertools.islice(itertools.combinations(shares, threshold), 256))
+    # The first combination is ``first`` itself, tried already: 256 subsets in all.
+    rest = itertools.islice(itertools.combinations(shares, threshold), 1 if threshold >= 1 else 0, 256)
+    candidates = itertools.chain([first, tuple(shares)], rest)
     for subset in candidates:
         try:
             seed = shamir_combine(subset)
