@@ -29,6 +29,7 @@ from pathlib import Path
 from types import ModuleType
 
 import benchmarks as package
+from benchmarks.reproduce import env_prefix
 from server.cli_text import methods_text, plain_text
 
 #: Subcommand -> benchmark module, in the order ``--help`` lists them.  A module is imported only when its
@@ -178,7 +179,7 @@ def write_record(out: Path, *, benchmark: str, command: str, status: int, starte
 def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     args = parser.parse_args(argv)
     # Settings from the environment are part of what was measured: the record's command carries them.
-    env = "".join(f"{k}={shlex.quote(os.environ[k])} " for k in MEASURED_ENV if k in os.environ)
+    env = env_prefix({k: os.environ[k] for k in MEASURED_ENV if k in os.environ})
     args.command_line = env + "cancelfl-bench " + shlex.join(argv)
     out = getattr(args, "out", None) or getattr(args, "out_dir", None)
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")

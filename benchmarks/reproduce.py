@@ -20,7 +20,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
 
@@ -106,6 +106,11 @@ def _declared(module_of: Callable[[str], ModuleType], benchmark: str) -> tuple[d
     return dict(getattr(mod, "FIGURES", {})), tuple(getattr(mod, "KEY", ()))
 
 
+def env_prefix(env: Mapping[str, str]) -> str:
+    """``NAME=value `` for each setting, shell-quoted: how a record's command carries its environment."""
+    return "".join(f"{k}={shlex.quote(v)} " for k, v in env.items())
+
+
 def _rerun_argv(command: str, out: Path) -> tuple[dict[str, str], list[str]]:
     """``(environment, arguments)`` of a recorded command.
 
@@ -140,8 +145,7 @@ def run(args: argparse.Namespace, module_of: Callable[[str], ModuleType]) -> int
     with tempfile.TemporaryDirectory(prefix="reproduce-") as tmp:
         out = Path(args.keep or tmp) / folder.name
         env, argv = _rerun_argv(record["command"], out)
-        settings = "".join(f"{k}={shlex.quote(v)} " for k, v in env.items())
-        print(f"rerunning: {settings}cancelfl-bench {shlex.join(argv)}  (recorded {record.get('date')}, commit "
+        print(f"rerunning: {env_prefix(env)}cancelfl-bench {shlex.join(argv)}  (recorded {record.get('date')}, commit "
               f"{record.get('commit')})", flush=True)
         status = subprocess.run([sys.executable, "-m", "benchmarks", *argv], check=False,
                                 env={**os.environ, **env}).returncode

@@ -46,7 +46,7 @@ _UPLOADS: dict[str, tuple[str, bool]] = {
 
 
 def _perturbed_clip(victim: Callable[[], int | None]) -> contextlib.AbstractContextManager:
-    """The old calibration: clients clip g^_b alone (no rho), the server takes kappa = 1 and adds no given-R noise."""
+    """A planted fault: clients clip g^_b alone (no rho), the server takes kappa = 1 and adds no given-R noise."""
     import client.methods.mpddp as client_mp
     import strategies.mp_server as server_mp
 
