@@ -28,3 +28,17 @@ def unflatten(vector: np.ndarray, like: dict[str, np.ndarray]) -> OrderedDict[st
     if pos != len(vector):
         raise ValueError(f"vector has {len(vector)} entries, model needs {pos}")
     return out
+
+
+def weighted_average(uploads: list[dict[str, np.ndarray]], weights: list[float]) -> Weights:
+    """``sum_i w_i x_i / sum_i w_i`` per array, in float64 (ValueError when the weights sum to <= 0)."""
+    total = float(sum(weights))
+    if total <= 0:
+        raise ValueError("aggregation weights sum to zero")
+    out: Weights = OrderedDict()
+    for k in uploads[0]:
+        acc = np.zeros_like(uploads[0][k], dtype=np.float64)
+        for up, w in zip(uploads, weights, strict=True):
+            acc += (w / total) * up[k]
+        out[k] = acc
+    return out

@@ -33,6 +33,9 @@ SERVER_NODE_ID = 1  # the SuperLink node id Flower uses for the ServerApp
 class LocalGrid(Grid):
     """Grid whose nodes are in-process ClientApp instances."""
 
+    #: Node ``i`` gets id ``1_000_003 * (i + node_id_offset)`` (another offset renumbers the nodes, as Flower does).
+    node_id_offset = 7
+
     def __init__(self, client_app: ClientApp, num_nodes: int, run_config: dict, *, run_id: int | None = None,
                  node_config: dict | None = None, identities: bool = True) -> None:
         """Nodes ``0..num_nodes-1`` with in-process contexts.
@@ -61,7 +64,7 @@ class LocalGrid(Grid):
         TaskIdentity.node_id = SERVER_NODE_ID
         TaskIdentity.task_id = 0
         # Node ids are arbitrary 64-bit values in Flower; use large distinct ones.
-        self.node_ids = [1_000_003 * (i + 7) for i in range(num_nodes)]
+        self.node_ids = [1_000_003 * (i + self.node_id_offset) for i in range(num_nodes)]
         self.contexts = {
             nid: Context(run_id=run_id, node_id=nid, state=RecordDict(), run_config=dict(run_config),
                          node_config={"partition-id": i, "num-partitions": num_nodes, **extra})

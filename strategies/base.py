@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from logging import INFO, WARNING
 from typing import Any
@@ -35,12 +34,12 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from protocols.arrays import flatten
+from protocols.arrays import flatten, weighted_average
 from protocols.config import ConfigError, RunConfig
 from protocols.methods import METHODS
-from protocols.privacy import PrivacyLedger
+from protocols.privacy import PerUnitAccountant, PrivacyLedger
 from protocols.privacy.signal import NoiseEstimate, Release
-from protocols.wire.arrays import Weights, array_view, from_record
+from protocols.wire.arrays import array_view, from_record
 from protocols.wire.common import TrainIns, mean_metrics, num_examples
 from protocols.wire.ledger import SpentReport
 from protocols.wire.settings import KEY as SETTINGS_KEY
@@ -111,6 +110,8 @@ class CancelStrategy(Strategy):
         #: The global model the current round's participants were sent.
         self.round_model: ArrayRecord | None = None
         self._sampled_once = False
+        #: Every node id the run has seen connected (kept in the checkpoint: a resumed run tells renumbered nodes).
+        self.nodes_seen: set[int] = set()
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int | None = None,
               timeout: float | None = None, train_config: ConfigRecord | None = None,
@@ -166,6 +167,7 @@ class CancelStrategy(Strategy):
         want = minimum if self._sampled_once else cfg.num_clients
         nodes = wait_for_nodes(grid, want, cfg.node_timeout, minimum=minimum, exclude=self.strikes.banned)
         self._sampled_once = True
+        self.nodes_seen.update(int(n) for n in nodes)
         if getattr(self.keys, "samples_roster", False):  # the key phase draws the roster's public sample
             self.sampled = nodes
             return nodes
@@ -314,6 +316,8 @@ class CancelStrategy(Strategy):
         nodes = sorted(by_node)
         weights = [self.weight_of(by_node[n]) for n in nodes]
         uploads = [from_record(by_node[n].content["arrays"]) for n in nodes]
+        if sum(weights) <= 0:
+            raise RoundFailed("aggregation weights sum to zero")
         return to_record(weighted_average(uploads, weights), self.wire_dtype)
 
     def account(self, st: RoundState) -> None:
@@ -366,19 +370,31 @@ class CancelStrategy(Strategy):
         The privacy ledger (every accountant, so epsilon continues where it was); a method with more
         cross-round state extends it.
         """
-        out = {"privacy": self.privacy.to_state(), "strikes": self.strikes.to_state()}
+        out = {"privacy": self.privacy.to_state(), "strikes": self.strikes.to_state(),
+               "nodes": [str(n) for n in sorted(self.nodes_seen)]}
         schedule = getattr(self.keys, "schedule_state", None)
         if schedule is not None and (kept := schedule()) is not None:
             out["schedule"] = kept  # the public schedule, known to the budget guard before the first key phase
         return out
 
     def load_state(self, state: Mapping[str, Any]) -> None:
-        """Inverse of :meth:`state_dict`, on a freshly built strategy of the same run config."""
+        """Inverse of :meth:`state_dict`, on a freshly built strategy of the same run config.
+
+        A node id the earlier run did not see starts from the dearest earlier account (renumbered nodes of a
+        resumed simulation or deployment: :meth:`~protocols.privacy.accountant.PerUnitAccountant.renumbered`).
+        """
         self.privacy = PrivacyLedger.from_state(state["privacy"])
         if "strikes" in state:
             self.strikes.load_state(state["strikes"])
         if "schedule" in state and hasattr(self.keys, "load_schedule"):
             self.keys.load_schedule(state["schedule"])
+        earlier = [int(n) for n in state.get("nodes", [])]
+        for acc in self.unit_accounts():
+            acc.renumbered(earlier, self.cfg.delta)
+
+    def unit_accounts(self) -> list[PerUnitAccountant]:
+        """Every per-client account of the method (its ledger's; a method with more extends the list)."""
+        return self.privacy.per_unit()
 
     def summary(self) -> None:
         """Log the method and its key parameters."""
@@ -477,19 +493,5 @@ def config_for(cls: type, cfg: RunConfig | None, options: Mapping[str, object]) 
     return _check_method(cls, RunConfig.from_mapping(raw))
 
 
-def weighted_average(uploads: list[dict[str, np.ndarray]], weights: list[float]) -> Weights:
-    """Σ w_i x_i / Σ w_i per array, in float64."""
-    total = float(sum(weights))
-    if total <= 0:
-        raise RoundFailed("aggregation weights sum to zero")
-    out: Weights = OrderedDict()
-    for k in uploads[0]:
-        acc = np.zeros_like(uploads[0][k], dtype=np.float64)
-        for up, w in zip(uploads, weights, strict=True):
-            acc += (w / total) * up[k]
-        out[k] = acc
-    return out
-
-
 __all__ = ["CancelStrategy", "RoundFailed", "RoundState", "config_for", "registered_method", "split_replies",
-           "wait_for_nodes", "weighted_average"]
+           "wait_for_nodes"]

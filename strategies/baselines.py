@@ -27,7 +27,7 @@ from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg
 
-from protocols.arrays import flatten, unflatten
+from protocols.arrays import flatten, unflatten, weighted_average
 from protocols.config import RunConfig
 from protocols.floor import ldp_noise_multiplier
 from protocols.privacy import (
@@ -42,7 +42,7 @@ from protocols.privacy.signal import NoiseEstimate, gaussian_norm
 from protocols.wire.arrays import from_record
 from protocols.wire.baselines import UNIFORM_WEIGHT_KEY, ClippingNorm, LocalDpNoise
 from protocols.wire.common import merge_configs, num_examples
-from strategies.base import CancelStrategy, RoundFailed, RoundState, weighted_average
+from strategies.base import CancelStrategy, RoundFailed, RoundState
 from strategies.records import to_record
 from strategies.validation import gaussian_norm_bound
 

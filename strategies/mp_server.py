@@ -35,7 +35,14 @@ from protocols.mpddp import (
 )
 from protocols.mpddp.expansion import Layer
 from protocols.mpddp.gradients import ClientUpload
-from protocols.privacy import GaussianEvent, PrivacyLedger, RdpAccountant, accountant_from_state, noise_multiplier
+from protocols.privacy import (
+    GaussianEvent,
+    PerUnitAccountant,
+    PrivacyLedger,
+    RdpAccountant,
+    accountant_from_state,
+    noise_multiplier,
+)
 from protocols.privacy.signal import NoiseEstimate, Release, gaussian_norm
 from protocols.server_optimizers import NonFiniteGradient, make_server_optimizer, optimizer_from_state
 from protocols.wire.arrays import Weights, from_record
@@ -285,6 +292,11 @@ class MpStrategyBase(CancelStrategy):
     def _min_r(self, state: MpRound) -> float:
         return float(min(float(rm.abs().min()) for rm in state.secret.trainable_R()))
 
+    def unit_accounts(self) -> list[PerUnitAccountant]:
+        """The ledger's per-client accounts and the given-R account when it is one."""
+        extra = [self._given_r] if isinstance(self._given_r, PerUnitAccountant) else []
+        return [*super().unit_accounts(), *extra]
+
     def _given_r_epsilon(self) -> float:
         return self._given_r.epsilon(self.cfg.delta)
 
@@ -293,8 +305,8 @@ class MpStrategyBase(CancelStrategy):
         return {**super().state_dict(), "given_r": self._given_r.to_state(), "optimizer": self.optimizer.to_state()}
 
     def load_state(self, state) -> None:
+        self._given_r = accountant_from_state(state["given_r"])  # before the base renumbers the accounts
         super().load_state(state)
-        self._given_r = accountant_from_state(state["given_r"])
         if "optimizer" in state:
             self.optimizer = optimizer_from_state(state["optimizer"])
 

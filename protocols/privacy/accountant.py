@@ -379,10 +379,9 @@ class PldAccountant(_EventLog):
 class Lemma2Accountant(_EventLog):
     """NADP-FL's composition (Lemma 2): ``eps = sqrt(2 ln(1/delta) sum_releases q / z^2)``.
 
-    The paper's own accounting, reported next to the RDP accountant's figure (it
-    drops the moments accountant's ``rho`` term, an under-estimate; see
-    :func:`protocols.privacy.composition.lemma2_epsilon`).  A release on a sample of
-    rate ``q`` counts as ``q`` queries, the paper's heuristic for LDP (Lemma 3).
+    The paper's own accounting, reported next to the RDP accountant's figure (it drops the moments accountant's
+    ``rho`` term, an under-estimate; see :func:`protocols.privacy.composition.lemma2_epsilon`).  A release on a
+    sample of rate ``q`` counts as ``q`` queries, the paper's heuristic for LDP (Lemma 3).
     """
 
     kind = "lemma2"
@@ -404,18 +403,36 @@ class PerUnitAccountant(Accountant):
 
     kind = "per-unit"
 
-    def __init__(self, template: Accountant | None = None, units: Mapping[int, Accountant] | None = None) -> None:
+    def __init__(self, template: Accountant | None = None, units: Mapping[int, Accountant] | None = None, *,
+                 known: Iterable[int] | None = None, inherit: Accountant | None = None) -> None:
         self.template = template if template is not None else RdpAccountant()
         if self.template.releases:
             raise ValueError("the template accountant of PerUnitAccountant must be empty")
         self._units: dict[int, Accountant] = dict(units or {})
+        #: Set by :meth:`renumbered`: an earlier run's node ids, and the account a unit outside them starts from.
+        self.known: frozenset[int] | None = None if known is None else frozenset(int(u) for u in known)
+        self.inherit = inherit
 
     def unit(self, unit: int) -> Accountant:
-        """The accountant of ``unit`` (created empty on first use)."""
+        """The accountant of ``unit``, created on first use: empty, or :attr:`inherit` for a unit not :attr:`known`."""
         acc = self._units.get(unit)
         if acc is None:
-            acc = self._units[unit] = accountant_from_state(self.template.to_state())
+            renumbered = self.inherit is not None and self.known is not None and unit not in self.known
+            acc = self._units[unit] = accountant_from_state((self.inherit if renumbered else self.template).to_state())
         return acc
+
+    def renumbered(self, earlier: Iterable[int], delta: float) -> None:
+        """A unit neither in ``earlier`` (node ids) nor accounted starts from the dearest account (at ``delta``).
+
+        Resumed nodes may come back under new ids, and which earlier node a new id is cannot be told: an upper
+        bound, exact when every node took part in the same rounds.  No-op before any node was seen.
+        """
+        if not (known := frozenset(int(u) for u in earlier) | frozenset(self._units)):
+            return
+        worst, _ = self.worst(delta)
+        self.known = known | (self.known or frozenset())
+        if worst is not None and (self.inherit is None or self._units[worst].epsilon(delta) >= self.inherit.epsilon(delta)):
+            self.inherit = accountant_from_state(self._units[worst].to_state())
 
     @property
     def units(self) -> tuple[int, ...]:
@@ -454,14 +471,18 @@ class PerUnitAccountant(Accountant):
         return max((acc.releases for acc in self._units.values()), default=0)
 
     def to_state(self) -> dict[str, Any]:
+        renumbered = {} if self.known is None else {"known": [str(u) for u in sorted(self.known)], "inherit":
+                                                     None if self.inherit is None else self.inherit.to_state()}
         return {"kind": self.kind, "template": self.template.to_state(),
-                "units": {str(u): acc.to_state() for u, acc in sorted(self._units.items())}}
+                "units": {str(u): acc.to_state() for u, acc in sorted(self._units.items())}, **renumbered}
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> PerUnitAccountant:
         cls._check_kind(state)
         units = {int(u): accountant_from_state(s) for u, s in state["units"].items()}
-        return cls(accountant_from_state(state["template"]), units)
+        known, inherit = state.get("known"), state.get("inherit")
+        return cls(accountant_from_state(state["template"]), units, known=None if known is None else map(int, known),
+                   inherit=None if inherit is None else accountant_from_state(inherit))
 
 
 _KINDS: dict[str, type[Accountant]] = {

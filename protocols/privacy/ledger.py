@@ -61,6 +61,14 @@ class PrivacyLedger:
                 compose_into(acc, event, units)
                 seen.append(acc)
 
+    def per_unit(self) -> list[PerUnitAccountant]:
+        """The ledger's per-unit accountants (each once, views and extra accounts)."""
+        out: list[PerUnitAccountant] = []
+        for acc in (self.uplink, self.downlink, *self.extra.values()):
+            if isinstance(acc, PerUnitAccountant) and not any(acc is a for a in out):
+                out.append(acc)
+        return out
+
     @staticmethod
     def _epsilon(acc: Accountant | None, delta: float) -> float:
         return math.inf if acc is None else acc.epsilon(delta)
