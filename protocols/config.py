@@ -339,16 +339,24 @@ def _type_of(f: dataclasses.Field) -> type:
 
 
 def _coerce(key: str, value: Any, target: type) -> Any:
-    """Convert a run-config value to the field's type, or raise naming the key."""
+    """Convert a run-config value to the field's type, or raise naming the key.
+
+    A bool key takes a boolean or one of the strings true/false/1/0/yes/no (any case), never a number; a
+    number key takes a number or its text, never a boolean (``True`` is an ``int`` to Python); an int key
+    takes no fractional value.
+    """
     try:
         if target is bool:
+            if isinstance(value, bool):
+                return value
             if isinstance(value, str):
                 if value.lower() in ("true", "1", "yes"):
                     return True
                 if value.lower() in ("false", "0", "no"):
                     return False
-                raise ValueError(value)
-            return bool(value)
+            raise ValueError(value)
+        if target in (int, float) and isinstance(value, bool):
+            raise ValueError(value)
         if target is int:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError(value)
@@ -356,8 +364,10 @@ def _coerce(key: str, value: Any, target: type) -> Any:
         if target is float:
             return float(value)
         return str(value)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"run-config '{key}' = {value!r} must be of type {target.__name__}") from err
+    except (TypeError, ValueError, OverflowError) as err:
+        kind = {bool: "a boolean (true or false)", int: "an integer", float: "a number"}.get(target, target.__name__)
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)  # as written in --run-config
+        raise ConfigError(f"run-config '{key}' = {shown} must be {kind}") from err
 
 
 # ---------------------------------------------------------------------------- --run-config text

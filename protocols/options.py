@@ -102,7 +102,8 @@ class MethodOptions:
             if m.get("choices"):
                 choice(key, value, m["choices"])
             if (m.get("low") is not None or m.get("high") is not None) and not isinstance(value, str):
-                in_range(key, float(value), m["low"], m["high"], low_open=m["low_open"], high_open=m["high_open"])
+                number = value if isinstance(value, int) and not isinstance(value, bool) else float(value)
+                in_range(key, number, m["low"], m["high"], low_open=m["low_open"], high_open=m["high_open"])
         self.validate()
 
     def validate(self) -> None:

@@ -41,9 +41,11 @@ from strategies.run.checkpoint import (
     earlier_outputs,
     ledger_dir,
     prepare_out_dir,
+    read_error,
     resolve_out_dir,
     resume_overrides,
     run_outcome,
+    write_error,
 )
 
 # Flower must not phone home from tests, CI or user runs started here.
@@ -59,14 +61,42 @@ def local_checks(cfg: RunConfig) -> None:
     """What the clients of a run on this machine need, checked before any of them starts (``ConfigError``).
 
     Every client gets at least one training record (run-config ``num-clients`` against the dataset's records,
-    :func:`protocols.task.data.partitions_for`; also the dataset files are read) and run-config ``device`` exists here.
+    :func:`protocols.task.data.partitions_for`; also the dataset files are read), a ``model`` import path builds
+    a ``torch.nn.Module`` for the dataset's input shape and classes (:func:`check_user_model`) and run-config
+    ``device`` exists here.
     """
     from protocols.task.data import partitions_for
     from protocols.task.models import resolve_device
 
     if not cfg.dataset.startswith("hub:"):  # a hub dataset would be downloaded twice
         partitions_for(cfg)
+        check_user_model(cfg)
     resolve_device(cfg.device)
+
+
+def check_user_model(cfg: RunConfig) -> None:
+    """Build run-config ``model`` once when it is an import path; ``ConfigError`` naming the key if it cannot.
+
+    The factory is resolved and called for the dataset's input shape and classes, as the ServerApp does at
+    start (the global RNG is left as it was).
+    """
+    import torch
+
+    from protocols.config import is_import_path
+    from protocols.task.data import dataset_for
+    from protocols.task.models import build_model
+
+    if not is_import_path(cfg.model):
+        return
+    ds = dataset_for(cfg)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed)
+    except Exception as err:  # noqa: BLE001 - the user's factory failed: refused at start, naming it
+        if str(err).startswith("run-config 'model'"):  # import_object's and user_model's own messages
+            raise ConfigError(str(err)) from err
+        raise ConfigError(f"run-config 'model' = {cfg.model!r} could not be built for input shape "
+                          f"{tuple(ds.input_shape)} and {ds.num_classes} classes: {type(err).__name__}: {err}") from err
 
 
 def preflight(overrides: dict, *, warn=_warn) -> RunConfig:
@@ -83,6 +113,9 @@ def preflight(overrides: dict, *, warn=_warn) -> RunConfig:
     cfg = RunConfig.from_mapping({**app_defaults(), **overrides})
     try:
         build_strategy(cfg).close()
+    except ArithmeticError as err:  # a calibration out of float range: the settings, not a bug of the run
+        raise ConfigError(f"method {cfg.method!r} cannot calibrate its noise for epsilon = {cfg.epsilon:g}, delta = "
+                          f"{cfg.delta:g}, clip = {cfg.clip:g}: {type(err).__name__}: {err}") from err
     except ConfigError as err:
         # DDP-SA servers (and their credentials) the launcher starts later: every check before them passed.
         if not (local_services(cfg) and "'ddpsa-servers'" in str(err)):
@@ -265,9 +298,23 @@ def _main(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, SystemExit) as stop:  # Ctrl-C, or SIGTERM (:func:`_terminated`)
         code = stop.code if isinstance(stop, SystemExit) and isinstance(stop.code, int) else 130
         print("cancelfl: interrupted; every process it started is stopped", file=sys.stderr)
-    if code and (Path(out) / CHECKPOINT_JSON).is_file() and not (Path(out) / "summary.json").is_file():
+    if code and resumable(out):
         print(f"cancelfl: continue it with: cancelfl {args.command} --resume {out}", file=sys.stderr)
     return code
+
+
+def resumable(out: str | Path) -> bool:
+    """Whether ``--resume out`` can continue the run that failed there.
+
+    It can when a checkpoint is left, no summary was written and the recorded failure (``error.json``, written
+    by the ServerApp or :func:`_inprocess_exit`) is not the run config's: a ``ConfigError``, or an error naming
+    a run-config key, which resuming the same config would only repeat.  A crash or an interrupt can.
+    """
+    out = Path(out)
+    if not (out / CHECKPOINT_JSON).is_file() or (out / "summary.json").is_file():
+        return False
+    kind, _, message = (read_error(out) or "").partition(": ")
+    return kind != ConfigError.__name__ and not message.startswith("run-config '")
 
 
 def _positive_int(text: str) -> int:
@@ -301,6 +348,7 @@ def _inprocess_exit(overrides: dict, *, verbose: bool = False) -> int:
         else:
             traceback.print_exc()
             print(f"cancelfl: the run failed: {type(err).__name__}: {err}", file=sys.stderr)
+            write_error(out, f"{type(err).__name__}: {err}")  # as the ServerApp records it (:func:`resumable`)
         code = 1
     else:
         code, message = run_outcome(out)

@@ -34,7 +34,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from protocols.config import RunConfig
+from protocols.config import ConfigError, RunConfig
 from protocols.graphs import RosterRound, present_floor, present_graph, roster_round_of
 from protocols.identity import IdentityError, Roster, verify_key
 from protocols.schedule import roster_participations, roster_releases
@@ -334,3 +334,24 @@ def probe_residual(replies: Iterable[Message]) -> float | None:
         return None
     scale = math.sqrt(sum(p * p for p in probes))
     return abs(math.fsum(probes)) / scale if scale > 0 else 0.0
+
+
+def largest_round(cfg: RunConfig) -> tuple[dict[int, int], dict[int, list[int]]]:
+    """Sizes and graph of the largest round the public schedule allows, for a method's checks at start.
+
+    ``clients-per-round`` participants of one record each on run-config ``graph`` (an n-out graph: the one of a
+    fixed seed; each round's is random): a plan that fails for it (an epsilon, clip or dropout-rate no
+    calibration can meet) is refused before round 1 instead of in it.
+    """
+    from protocols.graphs import round_graph
+
+    k = cfg.clients_per_round
+    return dict.fromkeys(range(k), 1), round_graph(cfg.graph, cfg.n_out, list(range(k)), bytes(32))
+
+
+def unplannable(cfg: RunConfig, err: Exception) -> ConfigError:
+    """The ``ConfigError`` for a round plan of :func:`largest_round` that failed with ``err``, naming the keys."""
+    return ConfigError(f"method {cfg.method!r} cannot plan a round of {cfg.clients_per_round} clients with "
+                       f"epsilon = {cfg.epsilon:g}, delta = {cfg.delta:g}, clip = {cfg.clip:g}, dropout-rate = "
+                       f"{cfg.dropout_rate:g}: {type(err).__name__ + ': ' if isinstance(err, ArithmeticError) else ''}"
+                       f"{err}")

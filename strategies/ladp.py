@@ -24,9 +24,15 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from flwr.serverapp import Grid
 
 from protocols import ladp
-from protocols.config import RunConfig
+from protocols.config import ConfigError, RunConfig
 from protocols.floor import NOISE_SCALE
-from protocols.privacy import GaussianEvent, GdpAccountant, PrivacyLedger, record_training_movement
+from protocols.privacy import (
+    GaussianEvent,
+    GdpAccountant,
+    PrivacyLedger,
+    record_sensitivity,
+    record_training_movement,
+)
 from protocols.privacy.signal import NoiseEstimate
 from protocols.wire.arrays import from_record
 from protocols.wire.common import merge_configs, num_examples
@@ -51,12 +57,20 @@ class LadpStrategy(CancelStrategy):
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
-        #: Per-round Theorem 3 epsilon whose num-rounds releases compose to the run's epsilon.
-        self.epsilon_round = ladp.round_epsilon(cfg.epsilon, cfg.delta, cfg.num_rounds)
-        # c0 of the corrected Theorem 3 (c = c0 * B; the B cancels in sigma_min).
-        self.c0 = ladp.theorem3_c(self.epsilon_round, cfg.delta, 1.0, "corrected")
+        try:
+            #: Per-round Theorem 3 epsilon whose num-rounds releases compose to the run's epsilon.
+            self.epsilon_round = ladp.round_epsilon(cfg.epsilon, cfg.delta, cfg.num_rounds)
+            # c0 of the corrected Theorem 3 (c = c0 * B; the B cancels in sigma_min).
+            self.c0 = ladp.theorem3_c(self.epsilon_round, cfg.delta, 1.0, "corrected")
+        except (ValueError, ArithmeticError) as err:
+            raise ConfigError(f"method 'ladp' cannot calibrate its noise for epsilon = {cfg.epsilon:g}, delta = "
+                              f"{cfg.delta:g} over {cfg.num_rounds} rounds: {type(err).__name__}: {err}") from err
         #: Smallest noise multiplier sigma_j / Delta_f any noised layer gets.
         self.noise_multiplier = self.c0 / self.epsilon_round
+        std = self.noise_multiplier * record_sensitivity(cfg, 1)  # a one-record client's floor noise
+        if not (math.isfinite(std) and std > 0):
+            raise ConfigError(f"method 'ladp' cannot calibrate its noise for clip = {cfg.clip:g}, lr = {cfg.lr:g}, "
+                              f"epsilon = {cfg.epsilon:g}: a client's noise std would be {std:g}, not a finite number > 0")
         # One exact (GDP) bound for both views; an un-noised upload composes a release without noise (inf).
         # The paper's claim, restricted to the noised layers, is the extra account "noised_layers".
         model = GdpAccountant()

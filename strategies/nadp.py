@@ -50,7 +50,7 @@ from protocols.wire.arrays import from_record
 from protocols.wire.common import TrainIns, merge_configs
 from protocols.wire.nadp import NadpPlan
 from strategies.base import CancelStrategy, RoundFailed, RoundState
-from strategies.key_phase import KeyPhase, KeyRound
+from strategies.key_phase import KeyPhase, KeyRound, largest_round, unplannable
 from strategies.records import to_record
 from strategies.recovery import PairwiseRecovery, corrected_residual, probe_direction
 from strategies.validation import gaussian_norm_bound
@@ -86,6 +86,7 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
         #: The paper's Eq. 3 multiplier (Lemma 2 over 2T queries), reported for comparison only.
         self.z_eq3 = lemma2_sigma(1.0, cfg.epsilon, cfg.delta, 2.0 * cfg.num_rounds)
         self.keys = KeyPhase(cfg)
+        self._check_largest_round()
         # Per record owner (client), over the rounds it took part in: RDP accountants of the server's joint view
         # of the uploads, of the published aggregate and (reported) of one upload alone; the paper's Lemma 2
         # composition per phase and of both.
@@ -95,6 +96,18 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
         self._warned_steps = False
 
     # ----------------------------------------------------------- calibration
+    def _check_largest_round(self) -> None:
+        """Plan :func:`strategies.key_phase.largest_round` once: settings no round can plan raise ``ConfigError``."""
+        sizes, graph = largest_round(self.cfg)
+        try:
+            noise = nadp_round_noise(self.cfg, sizes, graph)
+            stds = (list(noise.ldp_stds.values()) if noise.ldp_stds is not None else
+                    [noise.sigmas.sigma_up, noise.sigmas.sigma_down] if noise.sigmas is not None else [])
+            if not all(math.isfinite(s) for s in stds):
+                raise ValueError(f"the noise stds are not finite numbers: {stds[:2]}")
+        except (ValueError, ArithmeticError) as err:
+            raise unplannable(self.cfg, err) from err
+
     def plan_round(self, keys: KeyRound) -> NadpRound:
         """Calibrate and allocate the round's noise from the participants' reported sizes.
 

@@ -125,6 +125,7 @@ class NissStrategy(SharePhase, PairwiseRecovery, CancelStrategy):
         super().__init__(cfg)
         self.tau = client_tau(cfg)
         self.keys = KeyPhase(cfg)
+        self.check_largest_round()
         #: The last aggregated round's client reports (sigma_k, tau_k, shares): describe() and noise_estimate().
         self._figures: list[NissMetrics] = []
         #: the next round's share request as this round's train messages carry it (None: not asked ahead).

@@ -15,6 +15,7 @@ dropout, a re-keyed node, a resumed server, which keeps no ahead replies) asks e
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from flwr.app import ConfigRecord, Message, RecordDict
@@ -25,7 +26,7 @@ from protocols.floor import NissFloor, niss_floor
 from protocols.niss import client_tau
 from protocols.wire.niss import AHEAD_RECORD, ShareReply, ShareRequest
 from strategies.base import RoundFailed, RoundState
-from strategies.key_phase import KeyRound
+from strategies.key_phase import KeyRound, largest_round, unplannable
 
 #: How often the share phase is re-run after clients failed it, before the round fails.
 MAX_SHARE_ATTEMPTS = 3
@@ -129,6 +130,24 @@ class SharePhase:
             if unsized:  # protocols.niss.aggregation_weights: left out of this round
                 kr = self.keys.regraph(kr, [n for n in kr.participants if n in kr.num_examples])
         return kr
+
+    def check_largest_round(self) -> None:
+        """The joint-view scale of :func:`strategies.key_phase.largest_round` once; ``ConfigError`` if none exists.
+
+        Refuses at start what every such round would refuse: e.g. a ``dropout-rate`` whose planned dropouts can
+        remove all the shares of ``clients-per-round`` participants, or sigmas that are not finite.
+        """
+        sizes, graph = largest_round(self.cfg)
+        try:
+            weights = niss_math.aggregation_weights(self.cfg, list(graph), sizes)
+            sigmas = [niss_math.client_sigma(self.cfg, weights[n], sizes[n]) for n in graph]
+            if not all(math.isfinite(s) and s > 0 for s in sigmas):
+                raise ValueError(f"the clients' noise std sigma_k = {sigmas[0]:g} is not a finite number > 0")
+            scale = niss_floor(self.cfg, sizes, graph, client_tau(self.cfg, sizes)).scale
+            if not math.isfinite(scale):
+                raise ValueError(f"the joint-view noise scale {scale:g} is not finite")
+        except (ValueError, ArithmeticError) as err:
+            raise unplannable(self.cfg, err) from err
 
     def _floor(self, kr: KeyRound, open_view: bool = False) -> NissFloor:
         """The round's :func:`protocols.floor.niss_floor` (the clients derive the same and refuse less)."""

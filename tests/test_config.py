@@ -99,3 +99,30 @@ def test_one_client_per_round_stays_allowed_where_it_works():
     """Methods whose round works with one client keep accepting it (fedavg, the baselines, the MP ablations)."""
     for method in ("fedavg", "ldp", "cdp", "mpdp-naive", "mpcdp", "ladp"):
         assert RunConfig.from_mapping({"method": method, "num-clients": 4, "sample-rate": 0.2}).clients_per_round == 1
+
+
+@pytest.mark.parametrize(("raw", "needle"), [
+    ({"epsilon": True}, "'epsilon' = true must be a number"),
+    ({"num-rounds": True}, "'num-rounds' = true must be an integer"),
+    ({"n-out": True}, "'n-out' = true must be an integer"),
+    ({"self-mask": 5}, "'self-mask' = 5 must be a boolean"),
+    ({"cancellation-check": 2}, "'cancellation-check' = 2 must be a boolean"),
+    ({"input-centering": 1.0}, "'input-centering' = 1.0 must be a boolean"),
+    ({"self-mask": "maybe"}, "'self-mask' = 'maybe' must be a boolean"),
+])
+def test_booleans_and_numbers_are_not_interchangeable(raw, needle):
+    """A boolean for a number key and a number for a boolean key are refused, naming the key and the type."""
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_mapping(raw)
+    assert needle in str(err.value)
+
+
+def test_boolean_keys_take_booleans_and_their_words():
+    for value, want in ((True, True), (False, False), ("true", True), ("False", False), ("yes", True), ("0", False)):
+        assert RunConfig.from_mapping({"cancellation-check": value}).cancellation_check is want
+
+
+@pytest.mark.parametrize("value", [0, 0.0])
+def test_integer_range_errors_show_integers(value):
+    with pytest.raises(ConfigError, match=r"'n-out' = 0 must be in \[1, inf\)"):
+        RunConfig.from_mapping({"n-out": value})

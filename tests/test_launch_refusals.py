@@ -227,3 +227,61 @@ def test_adjusted_settings_are_named_at_start():
     notes: list[str] = []
     preflight({"method": "nadp", "graph": "n-out", "n-out": 3, "num-clients": 4, "num-rounds": 5}, warn=notes.append)
     assert any("'n-out' = 3" in n and "complete graph" in n for n in notes), notes
+
+
+@pytest.mark.parametrize(("model", "needle"), [
+    ("foo:bar", "run-config 'model' = 'foo:bar': cannot import 'bar' from 'foo'"),
+    ("json:dumps", "run-config 'model' = 'json:dumps' could not be built for input shape (30,) and 2 classes"),
+    ("json:JSONDecoder", "returned JSONDecoder, not a torch.nn.Module"),
+])
+def test_bad_model_import_path_is_refused_at_start(capsys, monkeypatch, model, needle):
+    """A ``model`` that cannot be imported or built for the dataset: exit 2 naming the key, as a bad dataset."""
+    _no_process(monkeypatch)
+    code, err = _cli(capsys, "run", "--run-config", f'model="{model}" dataset="breast-cancer" num-rounds=1')
+    assert code == 2 and needle in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(("run_config", "needle"), [
+    ("num-clients=3 dropout-rate=0.05", "up to 2 of 3 participants may drop"),
+    ("num-clients=5 dropout-rate=0.2", "up to 4 of 5 participants may drop"),
+    ("num-clients=9 sample-rate=0.4 dropout-rate=0.1", "up to 3 of 4 participants may drop"),
+])
+def test_niss_dropouts_that_remove_all_shares_are_refused_at_start(capsys, monkeypatch, run_config, needle):
+    _no_process(monkeypatch)
+    code, err = _cli(capsys, "run", "--run-config", f'method="niss" dataset="breast-cancer" num-rounds=2 {run_config}')
+    assert code == 2 and needle in err and "'dropout-rate'" in err and "--resume" not in err, err
+
+
+def test_niss_dropout_rate_a_round_can_plan_stays_allowed():
+    preflight({"method": "niss", "dataset": "breast-cancer", "num-clients": 10, "dropout-rate": 0.05}, warn=print)
+
+
+@pytest.mark.parametrize(("raw", "needle"), [
+    ({"method": "nadp", "epsilon": 1e-300}, "epsilon = 1e-300"),
+    ({"method": "nadp", "clip": 1e308}, "clip = 1e+308"),
+    ({"method": "niss", "clip": 1e308}, "clip = 1e+308"),
+    ({"method": "ladp", "epsilon": 1e-300}, "epsilon = 1e-300"),
+    ({"method": "ladp", "clip": 1e308}, "clip = 1e+308"),
+])
+def test_settings_no_calibration_can_meet_are_refused_at_start(raw, needle):
+    """Extreme numbers: the method's calibration is tried at start and its failure is a ConfigError naming them."""
+    with pytest.raises(ConfigError, match="cannot (plan|calibrate)") as err:
+        preflight({"dataset": "breast-cancer", "num-clients": 4, "num-rounds": 1, **raw}, warn=print)
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize(("failure", "hinted"), [
+    (ConfigError("run-config 'clip' = 1: refused in round 1"), False),
+    (ValueError("run-config 'dropout-rate' = 0.1: refused in round 1"), False),
+    (RuntimeError("a crash"), True),
+])
+def test_resume_hint_only_where_resuming_can_help(tmp_path, capsys, monkeypatch, failure, hinted):
+    """A round-1 failure the same config repeats gets no ``--resume`` hint; a crash keeps it."""
+    def fail(*_a, **_k):
+        raise failure
+
+    monkeypatch.setattr("strategies.base.CancelStrategy.plan", fail)
+    out = tmp_path / "out"
+    code, err = _cli(capsys, "run", "--run-config", f'dataset="breast-cancer" num-rounds=2 num-clients=2 out-dir="{out}"')
+    assert code == 1 and str(failure) in err, err
+    assert (f"continue it with: cancelfl run --resume {out}" in err) is hinted, err
