@@ -16,6 +16,7 @@ topology as ``docker/docker-compose.yml``, without containers.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ from server.flower_commands import flower_env, submit, superlink_cmd, write_conn
 from server.intermediate.launcher import IntermediateServerCluster, local_intermediate_servers, start_intermediate_servers
 from server.keys import make_identities
 from server.processes import Processes, free_port, wait_for_port, workspace
-from strategies.run.checkpoint import clear_outputs, ledger_dir, resolve_out_dir, run_outcome
+from strategies.run.checkpoint import IDENTITY_DIR, clear_outputs, ledger_dir, resolve_out_dir, run_outcome
 
 __all__ = ["SUPERNODE_IDLE_MB", "LocalCluster", "available_memory_mb", "check_capacity", "make_certificates",
            "run_deployment", "run_simulation", "run_simulations"]
@@ -159,11 +160,14 @@ class LocalCluster:
     """
 
     def __init__(self, num_supernodes: int, *, tls: bool = False, intermediate_servers: int = 0,
-                 keep_workdir: str | None = None, ledger_dir: str | None = None, verbose: bool = False) -> None:
+                 keep_workdir: str | None = None, ledger_dir: str | None = None, identity_dir: str | None = None,
+                 verbose: bool = False) -> None:
         self.verbose = verbose
         self.num_supernodes, self.tls, self.n_intermediate = num_supernodes, tls, intermediate_servers
         #: node-config ``ledger-dir`` of every SuperNode (None: under each node's FLWR_HOME, thrown away on exit)
         self.ledger_dir = ledger_dir
+        #: where the nodes' identities and roster are kept (reused when already there); None: the work folder
+        self.identity_dir = identity_dir
         self._ws = workspace(keep_workdir)
         self.intermediate: list[str] = []
         self._servers: IntermediateServerCluster | None = None
@@ -183,7 +187,7 @@ class LocalCluster:
             wait_for_port(port, procs=self.procs)
             # Node identities as `cancelfl keys gen` + `cancelfl keys roster` make them; each node's config points
             # at its own private key and the roster (require-identity: no silent fall-back to derived identities).
-            keys, self.roster = make_identities(self.work / "identities",
+            keys, self.roster = node_identities(Path(self.identity_dir) if self.identity_dir else self.work / "identities",
                                                 [f"node-{i}" for i in range(self.num_supernodes)])
             if self.n_intermediate:
                 self._servers = start_intermediate_servers(self.n_intermediate, self.roster, ca=ca)
@@ -237,11 +241,27 @@ def run_deployment(overrides: dict, *, num_supernodes: int = 4, tls: bool = Fals
     """
     cfg = RunConfig.from_mapping({**app_defaults(), **overrides})
     n_inter = local_services(cfg)
-    # The nodes' privacy ledgers in the run folder, so that `cancelfl deploy --resume` continues them.
+    # The nodes' privacy ledgers and identities in the run folder, so that `cancelfl deploy --resume` continues
+    # them: the resumed nodes are the same roster, hence the same public schedule and accounts.
     ledgers = str(ledger_dir(cfg.out_dir)) if cfg.out_dir else None
+    identities = str(Path(cfg.out_dir) / IDENTITY_DIR) if cfg.out_dir else None
     with LocalCluster(num_supernodes, tls=tls, intermediate_servers=n_inter, keep_workdir=keep_workdir,
-                      ledger_dir=ledgers, verbose=verbose) as cluster:
+                      ledger_dir=ledgers, identity_dir=identities, verbose=verbose) as cluster:
         return cluster.submit(overrides)
+
+
+def node_identities(folder: Path, names: list[str]) -> tuple[dict[str, Path], Path]:
+    """``(name -> private key path, roster path)`` of ``names`` in ``folder``: kept ones, else new ones.
+
+    A resumed deployment finds its nodes' identities there; otherwise :func:`server.keys.make_identities`.
+    """
+    keys = {name: folder / f"{name}.key" for name in names}
+    roster = folder / "roster.json"
+    if roster.is_file() and all(k.is_file() for k in keys.values()):
+        listed = set(json.loads(roster.read_text()).get("nodes", {}))
+        if listed == set(names):
+            return keys, roster
+    return make_identities(folder, names)
 
 
 def make_certificates(folder: Path, ca: CertificateAuthority | None = None) -> dict[str, Path]:

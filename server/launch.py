@@ -274,6 +274,10 @@ def _main(args: argparse.Namespace) -> int:
             args.supernodes = args.supernodes or given or 4
             overrides["num-clients"] = args.supernodes
         cfg = preflight(overrides)
+        if args.resume:
+            from server.resume_check import check_resume_engine
+
+            check_resume_engine(args.resume, "deploy" if args.command == "deploy" else args.engine, cfg)
         if args.command == "deploy":
             from server.deploy import check_capacity
 

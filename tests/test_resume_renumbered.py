@@ -71,3 +71,40 @@ def test_a_resume_with_renumbered_nodes_keeps_the_servers_epsilon_with_the_clien
     summary = json.loads((out / "summary.json").read_text())
     assert summary["epsilon"] == pytest.approx(_ledger_epsilon(out / LEDGER_DIR, delta), abs=1e-9)
     assert summary["epsilon"] <= 1.0 and not summary["privacy"]["over_target"]
+
+
+def test_a_deployment_keeps_its_node_identities_for_its_resume_and_a_fresh_run_replaces_them(tmp_path):
+    """`cancelfl deploy --resume` starts nodes with the crashed run's identities: the same roster and schedule."""
+    from server.deploy import node_identities
+    from strategies.run.checkpoint import IDENTITY_DIR, clear_outputs
+
+    folder = tmp_path / IDENTITY_DIR
+    names = ["node-0", "node-1", "node-2"]
+    keys, roster = node_identities(folder, names)
+    text, pems = roster.read_text(), {n: p.read_bytes() for n, p in keys.items()}
+    assert (keys["node-0"].stat().st_mode & 0o077) == 0  # private keys readable by their owner only
+    again, roster2 = node_identities(folder, names)
+    assert roster2.read_text() == text and {n: p.read_bytes() for n, p in again.items()} == pems
+    _, roster3 = node_identities(folder, [*names, "node-3"])  # another set of nodes: new identities
+    assert roster3.read_text() != text
+    clear_outputs(tmp_path)
+    assert not folder.exists()
+
+
+def test_a_resume_on_an_engine_whose_nodes_trust_another_roster_is_refused_before_it_starts(tmp_path, capsys):
+    """A pairwise run started in-process cannot resume in Flower's simulation (derived identities): exit 2, naming
+    the command that can; in-process it resumes."""
+    cfg = {**NADP_FAST, "num-clients": 3, "num-rounds": 4, "seed": 5, "epsilon": 1.0, "train-subset": 300,
+           "test-subset": 100, "dataset": "digits"}
+    text = " ".join(f"{k}={json.dumps(v)}" for k, v in cfg.items())
+    out = tmp_path / "killed"
+    script = tmp_path / "killer.py"
+    script.write_text(_KILLER.replace("{k}", "2"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(script), "run", "--run-config", f'{text} out-dir="{out}"'],
+                          cwd=ROOT, env=env, capture_output=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    assert main(["run", "--engine", "simulation", "--resume", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "another roster" in err and f"cancelfl run --resume {out}" in err, err
+    assert main(["run", "--resume", str(out)]) == 0

@@ -39,6 +39,9 @@ OUTPUT_FILES = ("metrics.jsonl", "summary.json", "model.npz", "model.json", "rep
 #: Folder of the privacy ledgers (:mod:`client.ledger`) of the clients the launcher starts: in the run folder, so
 #: that a resumed run's clients continue their spend instead of starting from zero; a fresh run removes it.
 LEDGER_DIR = "client-ledgers"
+#: Folder of the node identities and roster of a ``cancelfl deploy`` run (:func:`server.deploy.node_identities`):
+#: a resumed deployment's nodes are the same roster; a fresh run removes it.
+IDENTITY_DIR = "node-identities"
 #: Run-config keys a resumed run may change (where things are, not what is computed).
 #: Where the DDP-SA servers of a run are (those the launcher started are gone after a crash).
 LOCATION_KEYS = ("ddpsa-servers", "ddpsa-ca", "ddpsa-server-key")
@@ -115,7 +118,7 @@ def earlier_outputs(path: str | Path) -> list[str]:
     out = Path(path)
     if not out.is_dir():
         return []
-    return ([name for name in (*OUTPUT_FILES, LEDGER_DIR) if (out / name).exists()]
+    return ([name for name in (*OUTPUT_FILES, LEDGER_DIR, IDENTITY_DIR) if (out / name).exists()]
             + sorted(p.name for p in _model_files(out)))
 
 
@@ -124,7 +127,7 @@ def _model_files(out: Path) -> list[Path]:
 
 
 def clear_outputs(path: str | Path) -> None:
-    """Remove an earlier run's outputs (only :data:`OUTPUT_FILES`, checkpoints and :data:`LEDGER_DIR`) from ``path``."""
+    """Remove an earlier run's outputs (:data:`OUTPUT_FILES`, checkpoints, :data:`LEDGER_DIR`, :data:`IDENTITY_DIR`)."""
     for name in earlier_outputs(path):
         target = Path(path) / name
         if target.is_dir():
