@@ -2,7 +2,8 @@
 
 Every process of a launch inherits :data:`LAUNCH_MARK` (a fresh id per launch) in its environment, which is how
 descendants that left their process group are found (Linux ``/proc``); each started process leads its own group
-and is killed when the launcher dies (Linux parent-death signal).  Also a free loopback port, waiting for a port
+and is killed when the launcher dies (Linux parent-death signal); should the launcher die without stopping them,
+:mod:`server.reaper` stops the rest.  Also a free loopback port, waiting for a port
 to listen, and the launch's throwaway work folder.
 """
 
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from server.defaults import APP_DIR
+from server.reaper import start_reaper
 
 __all__ = ["LAUNCH_MARK", "Processes", "free_port", "marked_pids", "pids_with_env", "wait_for_port", "workspace"]
 
@@ -51,6 +53,8 @@ class Processes:
         self.mark = env.get(LAUNCH_MARK, "")
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self._logs: list = []
+        # Stops the launch's processes should this launcher die without close() (SIGKILL): server.reaper.
+        self._reaper = start_reaper(self.mark, env) if self.mark else None
 
     def start(self, name: str, cmd: list[str]) -> subprocess.Popen:
         """Start ``cmd`` in its own process group, logging to ``<workdir>/<name>.log``."""
@@ -106,6 +110,9 @@ class Processes:
         for log in self._logs:
             log.close()
         self._logs.clear()
+        if self._reaper is not None:  # a marked descendant: stopped above with the rest
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._reaper.wait(timeout=5)
 
 
 def _die_with_parent() -> None:
