@@ -43,6 +43,16 @@ def test_round_line_is_short_by_default(tmp_path, method):
     assert ("none (no DP)" in line) == (method == "fedavg")
 
 
+def test_settings_that_leave_no_noise_say_so_and_print_no_epsilon(tmp_path):
+    """niss-tau = 0: the shares cancel exactly, so the run has no guarantee; it says so, not an epsilon target."""
+    lines: list[str] = []
+    run_inprocess({**TINY, "method": "niss", "num-clients": 3, "niss-tau": 0.0, "out-dir": str(tmp_path / "t0")},
+                  progress=lines.append, verbose=False)
+    assert any(line.startswith("privacy: niss with these settings leaves no DP noise") for line in lines), lines
+    (line,) = [line for line in lines if line.startswith("round ")]
+    assert SHORT.match(line) and "eps none (no DP)" in line, line
+
+
 def test_round_line_is_detailed_with_verbose(tmp_path):
     (line,) = _round_lines(tmp_path, "ldp", verbose=True)
     short, _, details = line.partition("  | ")

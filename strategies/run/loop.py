@@ -244,13 +244,16 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
     arrays = task.initial
     mgrid = MeteredGrid(grid, fault_rate=cfg.fault_drop_rate, seed=cfg.seed)
     verbose = verbose_from_env() if verbose is None else verbose
-    target = None if method_spec(cfg.method).guarantee(cfg.privacy_unit).unit == "none" else cfg.epsilon
+    # A method whose settings leave no noise (niss-tau = 0) holds no accountant: no guarantee, as for fedavg.
+    noiseless = strategy.privacy.uplink is None and strategy.privacy.downlink is None
+    target = None if noiseless or method_spec(cfg.method).guarantee(cfg.privacy_unit).unit == "none" else cfg.epsilon
     if hasattr(strategy, "verbose"):
         strategy.verbose = verbose  # the method's own start-of-run details
     if verbose:
         strategy.summary()  # the method's parameters (Flower's log)
     own = bool(getattr(task, "own_model_and_data", False))
-    for line in preamble(cfg, verbose=verbose, own_model_and_data=own):  # the regime applied, what epsilon protects
+    # the regime applied, what epsilon protects
+    for line in preamble(cfg, verbose=verbose, own_model_and_data=own, noiseless=noiseless):
         progress(line)
     noise_info, noise_checked = None, False
     num_params = task.num_params

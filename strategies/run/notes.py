@@ -37,12 +37,13 @@ def _shown(key: str, value: Any) -> str:
 APP_TASK_KEYS: tuple[str, ...] = ("hidden", "input-centering")
 
 
-def preamble(cfg: RunConfig, *, verbose: bool = True, own_model_and_data: bool = False) -> list[str]:
+def preamble(cfg: RunConfig, *, verbose: bool = True, own_model_and_data: bool = False,
+             noiseless: bool = False) -> list[str]:
     """Lines printed at start: the regime values applied (keys left "auto") and the guarantee's meaning.
 
     ``verbose`` False: the guarantee names the views it protects, not the adversaries assumed.
     ``own_model_and_data`` True (a user's ServerApp): the regime line names no dataset and leaves out
-    :data:`APP_TASK_KEYS`.
+    :data:`APP_TASK_KEYS`.  ``noiseless``: the method's settings leave no DP noise (no accountant, e.g. niss-tau = 0).
     """
     applied = dict(cfg.regime_applied)
     where = f" on {cfg.dataset}"
@@ -56,6 +57,9 @@ def preamble(cfg: RunConfig, *, verbose: bool = True, own_model_and_data: bool =
     g = method_spec(cfg.method).guarantee(cfg.privacy_unit)
     if g.unit == "none":
         lines.append(f"privacy: {cfg.method} gives no DP guarantee (epsilon is reported as null)")
+    elif noiseless:
+        lines.append(f"privacy: {cfg.method} with these settings leaves no DP noise (e.g. niss-tau = 0): no "
+                     "guarantee (epsilon is reported as null)")
     elif not verbose:
         views = " and ".join(v for v, adv in (("the uploads", g.uplink), ("the published model", g.downlink)) if adv)
         lines.append(f"privacy: epsilon {cfg.epsilon:g} (delta {cfg.delta:g}) per {g.unit} over the whole run, "
