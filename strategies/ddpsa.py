@@ -394,6 +394,14 @@ class DdpsaStrategy(CancelStrategy):
             return DpEvent(epsilon, 0.0)
         raise ValueError(f"round {server_round}: charge {epsilon} below the round's nominal eps_t = {eps_t}")
 
+    def planned_release(self, server_round: int) -> Event:
+        """What round ``server_round`` composes when every participant's share is summed (the budget guard's plan).
+
+        ``GaussianEvent(z)`` for ``ddpsa-noise = "gaussian"``, else ``LaplaceEvent(eps_t)`` of the run's schedule
+        (Eq. 12 or the PLD calibration): the rounds the schedule certifies within the run's epsilon.
+        """
+        return GaussianEvent(self.z) if self.z is not None else self.laplace_release(server_round)
+
     def release_round(self, server_round: int, epsilon: float | None = None) -> None:
         """Compose :meth:`laplace_release` of round ``server_round`` (raises as it does)."""
         self.privacy.compose(self.laplace_release(server_round, epsilon))

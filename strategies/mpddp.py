@@ -251,6 +251,13 @@ class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
             out["composition"] = "basic composition of Theorem 11 rounds at (epsilon/T, delta/T)"
         return out
 
+    def planned_release(self, server_round: int) -> DpEvent | GaussianEvent:
+        """What :meth:`charge_release` composes per participant at noise scale 1 (the budget guard's plan)."""
+        t = self._releases()
+        if self._complete(self.cfg.clients_per_round):
+            return GaussianEvent(noise_multiplier(self.cfg.epsilon, self.cfg.delta, t))
+        return DpEvent(self.cfg.epsilon / t, self.cfg.delta / t)
+
     def charge_release(self, state: MpRound) -> None:
         """The planned round, per participant: a Gaussian of multiplier z (complete) or an (eps/T, delta/T) round.
 

@@ -85,6 +85,45 @@ def test_no_successful_round_exits_nonzero(tmp_path, capsys, monkeypatch):
     assert code == 1 and "no round succeeded" in err and "injected failure" in err, err
 
 
+def test_a_failed_round_prints_one_line_without_the_kept_models_accuracy(tmp_path, monkeypatch):
+    """Round 2 fails: its console line says FAILED and why, with the epsilon, not an accuracy as if it trained."""
+    inner = CancelStrategy.aggregate
+
+    def fail_round_2(self, state):
+        if state.round == 2:
+            raise RoundFailed("round 2: injected failure")
+        return inner(self, state)
+
+    monkeypatch.setattr(CancelStrategy, "aggregate", fail_round_2)
+    lines: list[str] = []
+    run_inprocess({**FAST, "method": "ldp", "num-rounds": 2, "out-dir": str(tmp_path)}, progress=lines.append)
+    (line,) = [x for x in lines if x.startswith("round 2/2")]
+    assert line.startswith("round 2/2  FAILED: round 2: injected failure  eps ") and " acc " not in line, line
+
+
+def test_a_diverged_run_reports_the_saved_model(tmp_path):
+    """A learning rate of 1e30 diverges in round 1: summary's final figures are those of model.npz (round 0), evaluated anew."""
+    from protocols.task.data import dataset_for
+    from protocols.task.models import load_npz_model
+    from protocols.task.training import evaluate
+
+    out = tmp_path / "diverged"
+    lines: list[str] = []
+    run_inprocess({"method": "nadp", "num-rounds": 2, "dataset": "breast-cancer", "num-clients": 3, "lr": 1e30,
+                   "out-dir": str(out)}, progress=lines.append)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped_for"] == "divergence" and summary["model_round"] == 0
+    model, _ = load_npz_model(out / "model.npz")
+    ds = dataset_for(RunConfig.from_mapping(summary["config"]))
+    loss, acc = evaluate(model, ds.x_test, ds.y_test)
+    assert summary["final_accuracy"] == pytest.approx(acc) and summary["final_loss"] == pytest.approx(loss)
+    assert summary["final_loss"] == pytest.approx(summary["initial_loss"])  # round 0: the initial model
+    assert summary["learning_check"]["final_accuracy"] == summary["final_accuracy"]
+    assert f"done: final accuracy {acc:.4f}," in lines[-1], lines[-1]
+    (row,) = read_metrics(out)  # what happened: the diverged round stays in the metrics
+    assert row["test_loss"] > 100 * summary["initial_loss"] and row["test_accuracy"] != pytest.approx(acc)
+
+
 # ------------------------------------------------------------------ checkpoint and resume
 @pytest.mark.parametrize("overrides", [
     {"method": "nadp", "sample-rate": 0.5, "batch-size": 1000, "lr": 2.0},  # per-client accounts, sampling

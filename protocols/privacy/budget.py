@@ -14,9 +14,10 @@ holding only such releases has a precision spent so far (:func:`unit_precisions`
   costs a little more.
 * :func:`top_up` -- compose into a ledger what a round really cost beyond its planned charge (the
   planned charge was composed when the noise was released).
-* :func:`round_events` and :func:`epsilon_after` -- for accounts that are not precisions (Laplace rounds,
-  (epsilon, delta) rounds): the releases one round added, and the epsilon a ledger would reach with a round
-  like it composed on top (a method that cannot raise its noise stops before the round that would cross).
+* :func:`round_events`, :func:`view_events` and :func:`epsilon_after` -- for accounts that are not precisions
+  (Laplace rounds, (epsilon, delta) rounds): the releases one round added (or a planned release), and the epsilon
+  a ledger would reach with them composed on top (a method that cannot raise its noise stops before the round
+  that would cross).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from protocols.privacy.ledger import PrivacyLedger
 
 __all__ = ["MAX_NOISE_SCALE", "RESERVE", "RoundBudget", "budget_shares", "crosses", "empty_like", "epsilon_after",
            "events_from_state", "events_to_state", "plan_round", "precision", "precision_budget", "round_events", "top_up",
-           "unit_precisions"]
+           "unit_precisions", "view_events"]
 
 #: Share of the budget left that a re-planned round holds back for the rounds after it (and the last round
 #: for itself): a round may cost this much more than the dearest round before it without crossing the target.
@@ -313,6 +314,12 @@ def round_events(before: PrivacyLedger, after: PrivacyLedger) -> dict[str, list[
             return None
         out[name] = added
     return out
+
+
+def view_events(ledger: PrivacyLedger, event: Event) -> dict[str, list[Event]]:
+    """``event`` composed into both views of ``ledger`` (:meth:`PrivacyLedger.compose`), named as in :func:`round_events`."""
+    views = [a for a in (ledger.uplink, ledger.downlink) if a is not None]
+    return {name: [event] for name, acc in _accounts(ledger) if any(acc is v for v in views)}
 
 
 def _log_added(was: Accountant | None, now: Accountant) -> list[Event] | None:

@@ -182,14 +182,17 @@ def round_line(row: dict, total_rounds: int, target: float | None, *, verbose: b
     """The progress line of one round (``row``: its metrics.jsonl row).
 
     Default: round, test accuracy, epsilon spent of the run's ``target`` (``none`` for a method without a
-    guarantee, ``target`` None) and the round's seconds, e.g. ``round 3/20  acc 0.842  eps 0.31/1.00  1.8 s``.
+    guarantee, ``target`` None) and the round's seconds, e.g. ``round 3/20  acc 0.842  eps 0.31/1.00  1.8 s``;
+    a failed round (``row["failed"]``) shows ``FAILED: <why>`` in place of the accuracy of the model it kept.
     ``verbose`` adds the loss, epsilon per direction, clients, bytes per client and the method's own figures
     (``figures``, e.g. the paper's accounting, marked as such).
     """
     acc = row.get("test_accuracy")
     eps = row.get("epsilon")
     parts = [f"round {row['round']}/{total_rounds}"]
-    if acc is not None:
+    if row.get("failed"):
+        parts.append(f"FAILED: {row.get('failure', '')}")
+    elif acc is not None:
         parts.append(f"acc {acc:.3f}")
     parts.append("eps none (no DP)" if target is None else
                  f"eps {'inf' if eps is None else f'{eps:.2f}'}/{target:.2f}")
@@ -267,6 +270,7 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
     initial_eval = task.evaluate(0, arrays)
     initial_loss = initial_eval[0] if initial_eval is not None else math.nan
     kept_arrays, kept_round, stopped = arrays, 0, None
+    kept_eval = initial_eval  # (loss, accuracy) of the model kept: the final figures describe it
     published: ArrayRecord | None = None  # run-config model-ema: the average the run evaluates and saves
     first, resume_note = 1, {}
     guard = BudgetGuard(cfg, strategy, total_rounds)  # epsilon is a hard cap (strategies.run.budget)
@@ -282,6 +286,8 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
         if ckpt.published is not None:
             published = kept_arrays = to_record(ckpt.published, strategy.wire_dtype)
         rounds, failures, kept_round, first = ckpt.rows, ckpt.failures, ckpt.round, ckpt.round + 1
+        kept_eval = next(((r.get("test_loss"), r.get("test_accuracy")) for r in rounds if r["round"] == kept_round),
+                         initial_eval)
         t_start -= ckpt.elapsed_s
         metrics_path.write_text("".join(dumps(r) + "\n" for r in rounds))
         resume_note = {"resumed_after_round": ckpt.round, "recharged_round": ckpt.pending is not None}
@@ -306,7 +312,6 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
                 raise RoundFailed(f"round {rnd}: the aggregate is not finite (arrays {bad[:3]}); the model is kept")
         except RoundFailed as err:
             failures.append(str(err))
-            progress(f"round {rnd}/{total_rounds}  FAILED: {err}")
             new_arrays, train_metrics = None, None
         wall = time.perf_counter() - t0
         t_round_end, cpu_round, own_cpu = time.time(), traced_cpu() - cpu0 if tracing() else 0.0, time.process_time() - own0
@@ -370,7 +375,7 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
             fh.write(dumps(row) + "\n")
         stopped = None if loss is None else divergence(loss, initial_loss, cfg.divergence_factor)
         if stopped is None:
-            kept_arrays, kept_round = (published if published is not None else arrays), rnd
+            kept_arrays, kept_round, kept_eval = (published if published is not None else arrays), rnd, evaluated
             save_checkpoint(out, Checkpoint(rnd, from_record(arrays), state(), rounds, failures,
                                             time.perf_counter() - t_start, cfg.to_mapping(),
                                             published=None if published is None else from_record(published)))
@@ -383,19 +388,20 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
               t_next=time.time(), cpu=cpu_round, server_cpu=own_cpu)
     total = time.perf_counter() - t_start
     model_file = task.save_model(out, from_record(kept_arrays))
-    last = rounds[-1] if rounds else {"test_accuracy": None, "test_loss": None, "epsilon": None,
-                                      "epsilon_uplink": None, "epsilon_downlink": None}
+    last = rounds[-1] if rounds else {"epsilon": None, "epsilon_uplink": None, "epsilon_downlink": None}
+    # The saved model's figures (a diverged round's stay in metrics.jsonl); the epsilon is what all rounds spent.
+    final_loss, final_accuracy = kept_eval or (None, None)
     learned = None
-    if task.chance is not None and last["test_accuracy"] is not None:
-        learned, warning = learning_check(last["test_accuracy"], task.chance, measured)
+    if task.chance is not None and final_accuracy is not None:
+        learned, warning = learning_check(final_accuracy, task.chance, measured)
         if warning and stopped is None:  # a stopped run has said why already (divergence, not the noise)
             progress(warning)
     summary = {
         "config": cfg.to_mapping(),
         "method": cfg.method,
         "method_parameters": strategy.describe(),
-        "final_accuracy": last["test_accuracy"],
-        "final_loss": last["test_loss"],
+        "final_accuracy": final_accuracy,
+        "final_loss": final_loss,
         "epsilon": last["epsilon"],
         "epsilon_uplink": last["epsilon_uplink"],
         "epsilon_downlink": last["epsilon_downlink"],

@@ -234,7 +234,7 @@ def summary_table(runs: Sequence[RunData]) -> list[str]:
         planned = run.planned_rounds()
         rounds = f"{len(run.rows)}" + ("" if planned in (None, len(run.rows)) else f" of {planned}")
         lines.append(
-            f"| {run.name} | {_fmt(run.last('test_accuracy'))} | {rounds} | "
+            f"| {run.name} | {_fmt(run.accuracy())} | {rounds} | "
             f"{run.rows[-1].get('privacy_unit', '-') if run.rows else '-'} | {_upload_epsilon(run)} | "
             f"{_fmt(run.last('epsilon_downlink'))} | {_fmt(up, none='n/a')} | {_fmt(model, none='n/a')} | {ratio} | "
             f"{'-' if total is None else f'{total:.1f}'} |")
