@@ -92,8 +92,10 @@ def test_a_deployment_keeps_its_node_identities_for_its_resume_and_a_fresh_run_r
 
 
 def test_a_resume_on_an_engine_whose_nodes_trust_another_roster_is_refused_before_it_starts(tmp_path, capsys):
-    """A pairwise run started in-process cannot resume in Flower's simulation (derived identities): exit 2, naming
-    the command that can; in-process it resumes."""
+    """A pairwise run started in-process cannot resume in Flower's simulation: exit 2, naming the command that can.
+
+    The simulation's nodes hold identities derived from the run seed, another roster; in-process it resumes.
+    """
     cfg = {**NADP_FAST, "num-clients": 3, "num-rounds": 4, "seed": 5, "epsilon": 1.0, "train-subset": 300,
            "test-subset": 100, "dataset": "digits"}
     text = " ".join(f"{k}={json.dumps(v)}" for k, v in cfg.items())
