@@ -8,10 +8,12 @@ Round ``t`` (the stages of :mod:`strategies.stages`):
 2. each client (:mod:`client.methods.ddpsa`) pushes one share of its encoded noisy clipped gradient sum to every
    intermediate server and replies with a receipt;
 3. ``aggregate`` asks every server for its partial sum over the clients that replied, reconstructs from ``t``
-   of them (else :class:`RoundFailed`, the round sealed unreleased, no epsilon charged), divides by
+   of them (else :class:`RoundFailed`, the round sealed unreleased), divides by
    ``N = sum N_i`` and steps with the server optimizer (``server-optimizer``; SGD:
    ``theta_{t+1} = theta_t - eta * sum_i s_i / N``);
-4. ``account`` composes the round's ``eps_t`` once its sum was reconstructed.
+4. ``account`` composes the round's ``eps_t`` once its sum was reconstructed, and its planned release when the
+   round was aborted after clients pushed (their ledgers record it); a checkpoint written while the round is in
+   flight holds that planned release, so a crash and ``--resume`` keep server and clients agreeing.
 
 ``self.privacy`` composes ``eps_t`` (:func:`protocols.privacy.per_round_epsilons`, Theorem 2, Eq. 12, or the PLD
 calibration of ``ddpsa-composition = "pld"``) when a round's sum is reconstructed, or the epsilon the noise present
@@ -148,6 +150,8 @@ class DdpsaStrategy(CancelStrategy):
         self.last_decoded_sum: np.ndarray | None = None
         #: node -> roster name, learned once per node (``query.ddpsa_identity``).
         self.names: dict[int, str] = {}
+        #: The round whose train messages went out and its planned release, until its account stage.
+        self._in_flight: tuple[int, Event] | None = None
 
     # ------------------------------------------------------------ servers
     def _open_round(self, server_round: int, length: int, participants: list[str]) -> None:
@@ -370,9 +374,28 @@ class DdpsaStrategy(CancelStrategy):
             "server_optimizer": self.optimizer.describe(),
         }
 
+    def charge_release(self, st: RoundState) -> None:
+        """Train stage: the round is in flight (the checkpoint written before its messages leave charges it).
+
+        Nothing is composed yet: :meth:`account` composes what the round's sum released.
+        """
+        self._in_flight = (st.round, self.planned_release(st.round))
+
     def state_dict(self) -> dict:
-        """The ledger plus the server optimizer's moments (resume continues the same Adam)."""
-        return {**super().state_dict(), "optimizer": self.optimizer.to_state()}
+        """The ledger plus the server optimizer's moments (resume continues the same Adam).
+
+        While a round is in flight (its messages went out, its account stage has not run) the ledger includes its
+        planned release: a client records it when it pushes its shares, so a crash before the account stage
+        resumes with the server's account equal to the clients' ledgers (the repeated round is charged again).
+        """
+        out = {**super().state_dict(), "optimizer": self.optimizer.to_state()}
+        st = self._state
+        if (self._in_flight is not None and st is not None and st.round == self._in_flight[0] and not st.aggregating
+                and not st.replies and not st.dropped):
+            ledger = PrivacyLedger.from_state(out["privacy"])
+            ledger.compose(self._in_flight[1])
+            out["privacy"] = ledger.to_state()
+        return out
 
     def load_state(self, state) -> None:
         super().load_state(state)
@@ -407,12 +430,14 @@ class DdpsaStrategy(CancelStrategy):
         self.privacy.compose(self.laplace_release(server_round, epsilon))
 
     def account(self, state: DdpsaState) -> None:
-        """Account stage: the round's release (:meth:`round_event`), once its noisy sum was reconstructed.
+        """Account stage: the round's release (:meth:`round_event`) once its noisy sum was reconstructed.
 
-        Nothing is charged when the train messages go out: a DDP-SA round releases its noisy sum only when
-        ``t`` partial sums are reconstructed.  Shares pushed for a round whose reconstruction fails release
-        nothing to the parameter server, which holds fewer than ``t`` partial sums (independent of the
-        updates), and the round is sealed unreleased on every server reached.
+        A round aborted unreleased after clients pushed (sealed on every server reached; the parameter server
+        holds fewer than ``t`` partial sums) is charged its planned release all the same: each pushing client's
+        ledger records it, since no client can verify that its shares were never summed.
         """
+        self._in_flight = None
         if state.released is not None:
             self.privacy.compose(state.released)
+        elif state.replies:  # aborted unreleased after clients pushed: their ledgers hold the planned release
+            self.privacy.compose(self.planned_release(state.round))
