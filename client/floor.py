@@ -30,7 +30,7 @@ from protocols.privacy import Accountant, Event, GaussianEvent
 from protocols.wire.common import TrainIns
 from protocols.wire.ledger import SpentReport
 
-__all__ = ["FloorViolation", "admit", "guarantee", "policy", "release"]
+__all__ = ["FloorViolation", "admit", "check_new_round", "guarantee", "policy", "release"]
 
 
 def policy(env: ClientEnv) -> FloorPolicy:
@@ -62,6 +62,20 @@ def admit(msg: Message, env: ClientEnv) -> None:
             key, eps = _worst(led.spent(pol.lifetime_delta))
             at_most(f"lifetime-epsilon ({key})", eps, pol.lifetime_epsilon,
                     "this node's privacy ledger is spent (node config 'lifetime-epsilon')")
+
+
+def check_new_round(env: ClientEnv, rnd: int) -> None:
+    """Refuse work for round ``rnd`` (e.g. a share phase) unless it is a round this node may still train in.
+
+    Rounds only move forward: a round at or before the last one this node trained in (its upload is out, its
+    view and secrets are fixed) is refused, so a server cannot show the node another view of a round whose
+    recovery it may still ask for.  Raises :class:`FloorViolation`.
+    """
+    with _ledger(env, write=False) as led:
+        used = led.rounds(env.context.run_id)
+    check_round(rnd, env.cfg, used)
+    if used and rnd <= max(used):
+        raise FloorViolation("round", rnd, f"> {max(used)}", "this node already trained in a later round")
 
 
 def release(msg: Message, env: ClientEnv, uplink: Event | None = None, downlink: Event | None = None,

@@ -103,7 +103,8 @@ def noise_parts(msg: Message, env: ClientEnv, plan: NadpPlan,
         # upload noise std sigma_i  <=>  residual std p_i * sigma_i before the 1/p_i factor
         return p_i, gaussian(residual_seed(), size, p_i * (fl.ldp_std or 0.0)), np.zeros(size), fl, None
     alloc = fl.allocation
-    seeds = pair_seeds(msg, env, purpose=PAIR_PURPOSE, graph=graph)  # the view is checked against this graph
+    # The view is checked against this graph; the sizes and the scale that fix every pair's std are bound in too.
+    seeds = pair_seeds(msg, env, purpose=PAIR_PURPOSE, graph=graph, view_extra=plan.pair_view())
     stds = alloc.counteracting_stds(me)
     mask = self_mask_upload(msg, env, size, alloc.uplink_std(me, fl.lam), graph)
     # Revealed for a neighbour only if it drops out after this upload (client.recovery, helper D).

@@ -37,7 +37,7 @@ from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
 
 from client.env import ClientEnv, local_training, record_level_training, reply
-from client.floor import FloorViolation, policy, release
+from client.floor import FloorViolation, check_new_round, policy, release
 from client.identity import node_identity
 from client.pairwise_phase import checked_pair_seeds, mask_probe
 from client.records import to_record
@@ -206,6 +206,7 @@ def answer_shares(rec: ConfigRecord, env: ClientEnv) -> ShareReply:
     """
     req = ShareRequest.from_config(rec)
     rnd, weight, me = req.round, req.weight, env.node_id
+    check_new_round(env, rnd)  # never a round already trained in: its view must stay the one recovery counts on
     nbrs = list(req.peers.peer_ids)
     if not nbrs or me in nbrs:
         raise ValueError(f"invalid neighbour list from the tracker: {nbrs}")

@@ -10,7 +10,9 @@ from it; nothing secret travels here.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +54,18 @@ class NadpPlan:
     lam: float
     ldp_stds: dict[int, float] = field(default_factory=dict)
     noise_scale: float = 1.0
+
+    def pair_view(self) -> bytes:
+        """SHA-256 of what fixes every pair's std at both ends besides the graph: the sizes and the noise scale.
+
+        Bound into the pair seeds (:func:`client.pairwise_phase.pair_seeds`' ``view_extra``): two clients shown
+        different sizes or scales derive no common pair noise, so a server cannot give the two ends of a pair
+        different stds and weight the uploads to cancel one client's pair noise alone.
+        """
+        h = hashlib.sha256(b"cancelfl/nadp-pair-view/v1" + struct.pack(">d", float(self.noise_scale)))
+        for n in sorted(self.sizes):
+            h.update(int(n).to_bytes(8, "big") + int(self.sizes[n]).to_bytes(8, "big"))
+        return h.digest()
 
     def to_config(self) -> dict[str, Any]:
         rec = {

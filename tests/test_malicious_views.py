@@ -1,0 +1,129 @@
+"""A malicious server that shows clients different views of one round, driving the real client code.
+
+* nadp: each client gets its own plan, with the peers' sizes (or the noise scale) changed so that every plan still
+  meets that client's floor.  The two ends of a pair would draw the same noise at different stds, and the server
+  could weight the uploads to cancel one client's pair noise alone.  The sizes and the scale are bound into the
+  pair seeds, so the two ends derive no common noise.
+* niss: after the uploads, a share request for the same round with a smaller view would shrink the present
+  neighbour count a revealer counts signatures against (so that a split "k dropped" outcome passes).  A share
+  request for a round already trained in is refused and the round's view stays the one the upload used.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Message, RecordDict
+
+from client.app import app as client_app
+from client.env import ClientEnv
+from client.methods.niss import handle_shares
+from client.pairwise_phase import participants_of
+from client.records import to_record
+from client.recovery import RecoveryStore
+from protocols.config import RunConfig
+from protocols.floor import FloorViolation, nadp_floor
+from protocols.masking import mask_threshold, signatures_needed
+from protocols.niss import aggregation_weights
+from protocols.task.data import dataset_for
+from protocols.task.models import build_model, get_weights
+from protocols.wire.keys import PeerKeys
+from protocols.wire.nadp import NadpPlan
+from protocols.wire.niss import ShareRequest
+from protocols.wire.recovery import SELF_MASK_RECORD, SelfMaskShares
+from server.defaults import app_defaults
+from server.local_grid import LocalGrid
+from strategies.nadp import NadpStrategy
+from strategies.niss import NissStrategy
+from tests.consistency_setup import recover, sign, signed
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+class _Recording(LocalGrid):
+    """LocalGrid that keeps every message it delivered."""
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        self.sent = [*getattr(self, "sent", []), *messages]
+        return super().send_and_receive(messages, timeout=timeout)
+
+
+def _initial(cfg: RunConfig):
+    ds = dataset_for(cfg)
+    return to_record(get_weights(build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed)),
+                     np.float64)
+
+
+@pytest.mark.parametrize("split", ["none", "sizes", "scale"])
+def test_nadp_clients_shown_different_plans_share_no_pair_noise(split):
+    k_clients = 4
+    raw = {**app_defaults(), "method": "nadp", "num-clients": k_clients, "num-rounds": 3, "local-epochs": 1,
+           "batch-size": 1000, "lr": 4.0, "clip": 1.0, "hidden": "", "mask-corruption-rate": 0.0}
+    cfg = RunConfig.from_mapping(raw)
+    grid, strategy = LocalGrid(client_app, k_clients, raw), NadpStrategy(cfg)
+    msgs = list(strategy.configure_train(1, _initial(cfg), ConfigRecord({"round": 1}), grid))
+    plan0 = NadpPlan.from_config(msgs[0].content["config"])
+    ids, true = list(plan0.ids), dict(plan0.sizes)
+    k = ids[0]
+    graph = {m: [j for j in ids if j != m] for m in ids}
+    for msg in msgs:  # every plan meets its own client's floor
+        m = msg.metadata.dst_node_id
+        sizes = true if split != "sizes" or m == k else {
+            x: true[x] if x == m else max(1, int(true[x] * (20.0 if x == k else 0.05))) for x in ids}
+        scale = 1.0 if split != "scale" or m == k else 1.5
+        fl = nadp_floor(cfg, sizes, m, graph, scale)
+        plan = NadpPlan("nadp", plan0.ids, sizes, fl.sigmas.sigma_up, fl.sigmas.sigma_down, fl.lam, noise_scale=scale)
+        msg.content["config"].update(plan.to_config())
+    replies = {r.metadata.src_node_id: r for r in grid.send_and_receive(msgs)}
+    assert not any(r.has_error() for r in replies.values()), [r.error.reason for r in replies.values() if r.has_error()]
+    seeds = {m: RecoveryStore.load(ClientEnv.from_context(grid.contexts[m])).material for m in ids}
+    shared = [seeds[k][j] == seeds[j][k] for j in ids if j != k]
+    if split == "none":
+        assert all(shared)  # one view: every pair draws one noise vector at both ends, and it cancels
+    else:
+        assert not any(shared)  # k's pair noise has no counterpart the server could weight against it
+
+
+def test_niss_share_request_for_a_trained_round_is_refused_and_its_view_kept():
+    n = 10
+    raw = {**app_defaults(), "method": "niss", "num-clients": n, "niss-share-encoding": "seed", "self-mask": True}
+    cfg = RunConfig.from_mapping(raw)
+    grid, strategy = _Recording(client_app, n, raw), NissStrategy(cfg)
+    msgs = list(strategy.configure_train(1, _initial(cfg), ConfigRecord({"round": 1}), grid))
+    replies = {r.metadata.src_node_id: r for r in grid.send_and_receive(msgs)}
+    assert not any(r.has_error() for r in replies.values())
+    graph = strategy._state.keys.neighbours
+    k = msgs[0].metadata.dst_node_id
+    nbrs = sorted(graph[k])
+    t = mask_threshold(len(nbrs), cfg.mask_corruption_rate)
+    assert signatures_needed(len(nbrs), len(nbrs), cfg.mask_corruption_rate) > len(nbrs) - t
+    group_a, group_b = nbrs[:t], nbrs[t:]  # told "everyone received" (enough to rebuild k's self-mask) / "k dropped"
+    others = [x for x in graph if x != k]
+    sign(grid, group_a, list(graph))
+    sigs = signed(sign(grid, others, others, [k]))  # group a refuses to sign the conflicting outcome
+    assert len(sigs.entries) < signatures_needed(len(nbrs), len(nbrs), cfg.mask_corruption_rate)
+    requests = {m.metadata.dst_node_id: ShareRequest.from_config(m.content["config"])
+                for m in grid.sent if m.metadata.message_type == "query.shares"}
+    for j in group_b:
+        env = ClientEnv.from_context(grid.contexts[j])
+        before = participants_of(env, 1)
+        req, keep = requests[j], {k, *group_b}
+        pk, names = req.peers, dict(zip(req.peers.participants, req.peers.participant_names, strict=True))
+        idx = [i for i, p in enumerate(pk.peer_ids) if p in keep]
+        parts = tuple(p for p in pk.participants if p in keep)
+        smaller = PeerKeys(tuple(pk.peer_ids[i] for i in idx), tuple(pk.peer_keys[i] for i in idx), pk.key_epoch,
+                           pk.graph_seed, pk.probe_seed, tuple(pk.peer_names[i] for i in idx),
+                           tuple(pk.peer_signatures[i] for i in idx), parts, tuple(names[p] for p in parts))
+        sizes = {p: req.sizes[p] for p in parts}
+        again = ShareRequest(1, aggregation_weights(cfg, parts, sizes)[j], smaller, sizes, 50.0)
+        with pytest.raises(FloorViolation, match="round"):
+            handle_shares(Message(RecordDict({"config": ConfigRecord(again.to_config())}), j, "query.shares"), env)
+        assert participants_of(env, 1) == before  # the view the upload used
+        forwarded = {x: SelfMaskShares.from_config(replies[x].content[SELF_MASK_RECORD]).sealed[j]
+                     for x in graph[j] if SELF_MASK_RECORD in replies[x].content}
+        rep = recover(grid, j, others, [k], forwarded=forwarded, signatures=sigs)
+        assert rep.refused and "signature" in rep.refused, rep.refused  # too few signed "k dropped"
