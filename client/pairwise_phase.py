@@ -111,6 +111,8 @@ class RoundView:
     neighbours: list[int]
     #: the present graph over all participants (only when asked for: O(K^2) for a complete graph).
     graph: dict[int, list[int]] | None = None
+    #: with the graph: participant -> its neighbours in the roster's graph of the round, present or not.
+    degrees: dict[int, int] | None = None
 
 
 def check_view(env: ClientEnv, pk: PeerKeys, rnd: int, *, full: bool = False) -> RoundView:
@@ -167,7 +169,8 @@ def _checked(env: ClientEnv, pk: PeerKeys, rnd: int, *, full: bool) -> tuple[Rou
     view = view_digest(run_id=int(env.context.run_id), round_num=rnd, key_epoch=pk.key_epoch, graph=env.cfg.graph,
                        n_out=env.cfg.n_out, graph_seed=pk.graph_seed, participants=parts, names=names)
     _remember_view(env, rnd, parts, names)
-    return RoundView(view, row, present_graph(rr, present) if full else None), store
+    degrees = {node: len(rr.neighbours(name)) for node, name in present.items()} if full else None
+    return RoundView(view, row, present_graph(rr, present) if full else None, degrees), store
 
 
 def _remember_view(env: ClientEnv, rnd: int, parts: Sequence[int], names: Sequence[str]) -> None:

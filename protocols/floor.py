@@ -369,7 +369,8 @@ class NissFloor:
 
 
 def niss_floor(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Sequence[int]], tau: float,
-               offered: float | None = None, releases: int | None = None, *, open_view: bool = False) -> NissFloor:
+               offered: float | None = None, releases: int | None = None, *, open_view: bool = False,
+               degrees: Mapping[int, int] | None = None) -> NissFloor:
     """``niss``: the noise scale the round's joint view needs; refuses an ``offered`` scale below it.
 
     The scale is :func:`protocols.niss_joint.joint_scale` of the factors given up to ``floor(niss-rho x d_k)``
@@ -383,6 +384,9 @@ def niss_floor(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Seq
 
     ``releases``: the releases every ``sigma_k`` is calibrated for (:func:`calibration_releases`: the public
     schedule's most participations of any client, None: ``num-rounds``; the scale does not depend on it).
+    ``degrees``: node -> its neighbours in the roster's graph of the round (default: in ``graph``): the colluders
+    the claim covers are counted from them, so a server that leaves honest neighbours out cannot shrink the
+    coalition a client is protected against (up to all the present neighbours).
     ``open_view``: also the factors with no colluding neighbour (:attr:`NissFloor.open_factors`, from the same
     sigmas, graph and tau; the server's second upload figure; a client, whose ledger charges the claim, skips them).
 
@@ -396,7 +400,7 @@ def niss_floor(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Seq
     weights = aggregation_weights(cfg, list(graph), sizes)
     t = calibration_releases(cfg, releases)
     sigmas = {n: client_sigma(cfg, weights[n], int(sizes.get(n, 1)), t) for n in graph}
-    factors = joint_factors(sigmas, graph, tau, rho=cfg.niss_rho)
+    factors = joint_factors(sigmas, graph, tau, rho=cfg.niss_rho, degrees=degrees)
     open_factors = joint_factors(sigmas, graph, tau) if open_view else {}  # the view with no colluding neighbour
     if tau == 0:
         return NissFloor(1.0, factors, open_factors)

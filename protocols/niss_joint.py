@@ -344,7 +344,8 @@ def view_multipliers(factors: Mapping[int, float], z: float, scale: float) -> di
 
 
 def survivor_factors(sigmas: Mapping[int, float], charged: Mapping[int, float], graph: Mapping[int, Sequence[int]],
-                     kept: Mapping[int, float], tau: float, rho: float = 0.0) -> dict[int, float]:
+                     kept: Mapping[int, float], tau: float, rho: float = 0.0,
+                     degrees: Mapping[int, int] | None = None) -> dict[int, float]:
     """The :func:`joint_factors` of the survivors after a recovery (0 where nothing protects a survivor).
 
     ``sigmas``: survivor -> the std its own shares were drawn with (``graph``: the round's graph, whose degree
@@ -352,14 +353,15 @@ def survivor_factors(sigmas: Mapping[int, float], charged: Mapping[int, float], 
     own shares still in its upload after the server removed those sent to dropped neighbours.  The shares the
     survivors exchanged among themselves keep the structure of ``Sigma``; own shares kept for a dropped
     neighbour count as independent noise (``extra``), anything else left in an upload is ignored (it only adds).
-    ``rho``: ``niss-rho``; up to :func:`colluder_count` of the round's degree of each survivor collude, among its
-    surviving neighbours.
+    ``rho``: ``niss-rho``; up to :func:`colluder_count` of the round's degree of each survivor (or of ``degrees``,
+    its roster degree, where larger) collude, among its surviving neighbours.
     """
     alive = set(kept)
     sub = {n: [j for j in graph[n] if j in alive] for n in kept}
     u = {n: float(sigmas[n]) ** 2 / len(graph[n]) for n in kept}
     extra = {n: max(kept[n] - len(sub[n]) * u[n], 0.0) for n in kept}
     try:
-        return joint_factors(charged, sub, tau, u=u, extra=extra, rho=rho, degrees={n: len(graph[n]) for n in kept})
+        counted = {n: max(len(graph[n]), (degrees or {}).get(n, 0)) for n in kept}
+        return joint_factors(charged, sub, tau, u=u, extra=extra, rho=rho, degrees=counted)
     except ValueError:  # a survivor left with no noise at all: Sigma is singular
         return dict.fromkeys(kept, 0.0)

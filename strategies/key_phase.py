@@ -94,6 +94,13 @@ class KeyRound:
                         tuple(self.participants), tuple(self.signed_by.get(p, ("", b""))[0] for p in self.participants))
 
 
+    def roster_degrees(self) -> dict[int, int] | None:
+        """Participant -> its neighbours in the roster's graph of the round, present or not (None: no roster round)."""
+        rr = self.roster_round
+        if rr is None:
+            return None
+        return {n: len(rr.neighbours(self.signed_by[n][0])) for n in self.participants if n in self.signed_by}
+
     def calibration_size(self, complete: Callable[[int], bool]) -> int:
         """The participant count K to calibrate for, where ``complete(K)`` says the calibration assumes a complete graph.
 

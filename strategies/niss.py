@@ -313,7 +313,7 @@ class NissStrategy(SharePhase, PairwiseRecovery, CancelStrategy):
         # The survivors' joint view (protocols.niss_joint): each keeps z * sqrt(f'_k) of its charged sigma_k.
         charged = {n: f.sigma / state.noise_scale for n, f in figures.items()}
         f_left = survivor_factors({n: f.sigma for n, f in figures.items()}, charged, state.keys.neighbours, kept,
-                                  state.tau, rho=self.cfg.niss_rho)
+                                  state.tau, rho=self.cfg.niss_rho, degrees=state.keys.roster_degrees())
         z_real = min(self.z * math.sqrt(f) for f in f_left.values())
         f_open = survivor_factors({n: f.sigma for n, f in figures.items()}, charged, state.keys.neighbours, kept,
                                   state.tau)

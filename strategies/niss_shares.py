@@ -152,7 +152,8 @@ class SharePhase:
     def _floor(self, kr: KeyRound, open_view: bool = False) -> NissFloor:
         """The round's :func:`protocols.floor.niss_floor` (the clients derive the same and refuse less)."""
         tau, releases = client_tau(self.cfg, sizes_of(kr)), self.keys.releases()
-        return niss_floor(self.cfg, sizes_of(kr), kr.neighbours, tau, releases=releases, open_view=open_view)
+        return niss_floor(self.cfg, sizes_of(kr), kr.neighbours, tau, releases=releases, open_view=open_view,
+                          degrees=kr.roster_degrees())
 
     def _scale(self, kr: KeyRound) -> float:
         """Joint-view scale (:func:`protocols.floor.niss_floor`, clients refuse less) times the guard's ``noise_scale``."""

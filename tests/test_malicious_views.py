@@ -4,6 +4,7 @@
   meets that client's floor.  The two ends of a pair would draw the same noise at different stds, and the server
   could weight the uploads to cancel one client's pair noise alone.  The sizes and the scale are bound into the
   pair seeds, so the two ends derive no common noise.
+* niss: leaving a client's honest neighbours out of a round does not shrink the coalition its floor counts.
 * niss: after the uploads, a share request for the same round with a smaller view would shrink the present
   neighbour count a revealer counts signatures against (so that a split "k dropped" outcome passes).  A share
   request for a round already trained in is refused and the round's view stays the one the upload used.
@@ -17,14 +18,17 @@ from flwr.app import ConfigRecord, Message, RecordDict
 
 from client.app import app as client_app
 from client.env import ClientEnv
+from client.identity import node_identity
 from client.methods.niss import handle_shares
 from client.pairwise_phase import participants_of
 from client.records import to_record
 from client.recovery import RecoveryStore
 from protocols.config import RunConfig
-from protocols.floor import FloorViolation, nadp_floor
+from protocols.floor import FloorViolation, nadp_floor, niss_floor
+from protocols.graphs import roster_round_of
 from protocols.masking import mask_threshold, signatures_needed
-from protocols.niss import aggregation_weights
+from protocols.niss import aggregation_weights, client_tau
+from protocols.schedule import roster_releases
 from protocols.task.data import dataset_for
 from protocols.task.models import build_model, get_weights
 from protocols.wire.keys import PeerKeys
@@ -127,3 +131,44 @@ def test_niss_share_request_for_a_trained_round_is_refused_and_its_view_kept():
                      for x in graph[j] if SELF_MASK_RECORD in replies[x].content}
         rep = recover(grid, j, others, [k], forwarded=forwarded, signatures=sigs)
         assert rep.refused and "signature" in rep.refused, rep.refused  # too few signed "k dropped"
+
+
+def test_niss_leaving_honest_neighbours_out_does_not_shrink_the_coalition_a_client_is_protected_against():
+    """niss-rho covers floor(rho * d) colluders of a client's d roster neighbours, however many are present.
+
+    A server that keeps only two colluders present (the present floor allows it) and offers the scale rho
+    counted on the present degree needs (one colluder) is refused: the client counts from its roster degree.
+    """
+    n = 10
+    raw = {**app_defaults(), "method": "niss", "num-clients": n, "num-rounds": 3, "niss-share-encoding": "seed"}
+    cfg = RunConfig.from_mapping(raw)
+    grid, strategy = _Recording(client_app, n, raw), NissStrategy(cfg)
+    msgs = list(strategy.configure_train(1, _initial(cfg), ConfigRecord({"round": 1}), grid))
+    list(grid.send_and_receive(msgs))
+    k = msgs[0].metadata.dst_node_id
+    req = next(ShareRequest.from_config(m.content["config"]) for m in grid.sent
+               if m.metadata.message_type == "query.shares" and m.metadata.dst_node_id == k)
+    pk, env = req.peers, ClientEnv.from_context(grid.contexts[k])
+    names = dict(zip(pk.participants, pk.participant_names, strict=True))
+    keep = {k, *pk.peer_ids[:2]}  # k and two of its nine neighbours: the server's colluders
+    rr = roster_round_of(cfg, node_identity(env).roster, 2)
+    parts = tuple(p for p in pk.participants if p in keep)
+    idx = [i for i, p in enumerate(pk.peer_ids) if p in keep]
+    smaller = PeerKeys(tuple(pk.peer_ids[i] for i in idx), tuple(pk.peer_keys[i] for i in idx), pk.key_epoch, rr.seed,
+                       None, tuple(pk.peer_names[i] for i in idx), tuple(pk.peer_signatures[i] for i in idx), parts,
+                       tuple(names[p] for p in parts))
+    sizes = {p: req.sizes[p] for p in parts}
+    graph = {p: [q for q in parts if q != p] for p in parts}
+    tau, releases = client_tau(cfg, sizes), roster_releases(cfg, node_identity(env).roster)
+    present = niss_floor(cfg, sizes, graph, tau, None, releases).scale  # colluders counted on the present degree
+    roster = niss_floor(cfg, sizes, graph, tau, None, releases, degrees=dict.fromkeys(parts, n - 1)).scale
+    assert roster > present * 1.1  # both present neighbours may collude: more noise
+    weight = aggregation_weights(cfg, parts, sizes)[k]
+    for scale, accepted in ((present, False), (roster, True)):
+        msg = Message(RecordDict({"config": ConfigRecord(ShareRequest(2, weight, smaller, sizes, scale).to_config())}),
+                      k, "query.shares")
+        if accepted:
+            handle_shares(msg, env)
+        else:
+            with pytest.raises(FloorViolation, match="joint-view noise scale"):
+                handle_shares(msg, env)

@@ -230,7 +230,7 @@ def answer_shares(rec: ConfigRecord, env: ClientEnv) -> ShareReply:
     # The joint view of all uploads (the roster's graph among the participants, public sizes): refuse a smaller scale.
     # Calibrated for the most rounds the public schedule samples any client in (the server computes the same).
     releases = roster_releases(env.cfg, node_identity(env).roster)
-    floor = niss_floor(env.cfg, req.sizes, view.graph or {}, tau, req.noise_scale, releases)
+    floor = niss_floor(env.cfg, req.sizes, view.graph or {}, tau, req.noise_scale, releases, degrees=view.degrees)
     # The client's own calibration (run config, its dataset size, the neighbour count): never the server's figures.
     plan = client_plan(env.cfg, own_weight, len(env.y), len(nbrs), req.noise_scale, releases)
     sigma = plan.sigma_k
