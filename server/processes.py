@@ -22,14 +22,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from server.defaults import APP_DIR
-from server.reaper import start_reaper
+from server.reaper import LAUNCH_MARK, marked_pids, pids_with_env, start_reaper
 
 __all__ = ["LAUNCH_MARK", "Processes", "free_port", "marked_pids", "pids_with_env", "wait_for_port", "workspace"]
-
-#: Environment variable every process of one launch inherits (a fresh id per workspace): how the launcher
-#: finds and stops the descendants that left their process group.
-LAUNCH_MARK = "CANCELFL_LAUNCH_ID"
-
 
 def free_port() -> int:
     """A currently free TCP port on 127.0.0.1."""
@@ -110,7 +105,8 @@ class Processes:
         for log in self._logs:
             log.close()
         self._logs.clear()
-        if self._reaper is not None:  # a marked descendant: stopped above with the rest
+        if self._reaper is not None:  # nothing left to reap
+            self._reaper.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._reaper.wait(timeout=5)
 
@@ -121,28 +117,6 @@ def _die_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
-
-
-def marked_pids(mark: str) -> list[int]:
-    """Pids of live processes whose environment holds ``LAUNCH_MARK=mark`` (empty where there is no /proc)."""
-    return pids_with_env(LAUNCH_MARK, mark)
-
-
-def pids_with_env(name: str, value: str) -> list[int]:
-    """Pids of live processes (not this one) whose environment holds ``name=value`` (empty without /proc)."""
-    needle = f"{name}={value}".encode()
-    me, pids = os.getpid(), []
-    proc = Path("/proc")
-    for entry in proc.iterdir() if proc.is_dir() else ():
-        if not entry.name.isdigit() or int(entry.name) == me:
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()  # empty for zombies: they are gone already
-        except OSError:
-            continue
-        if needle in environ.split(b"\0"):
-            pids.append(int(entry.name))
-    return pids
 
 
 def wait_for_port(port: int, timeout: float = 60.0, procs: Processes | None = None) -> None:
