@@ -206,6 +206,19 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+def killed_after_uploads(tmp_path: Path, cfg: dict, kill_round: int) -> Path:
+    """Run ``cfg`` in-process in a child killed (SIGKILL) once round ``kill_round``'s uploads are in; its out-dir."""
+    text = " ".join(f"{k}={json.dumps(v)}" for k, v in cfg.items())
+    out = tmp_path / "killed"
+    script = tmp_path / "killer.py"
+    script.write_text(_KILLER.replace("{k}", str(kill_round)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(script), "run", "--run-config", f'{text} out-dir="{out}"'],
+                          cwd=ROOT, env=env, capture_output=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    return out
+
+
 def _ledger_epsilon(folder: Path, delta: float) -> float:
     """Largest epsilon over the clients' own ledgers (RDP, the server's conversion), any direction."""
     worst = 0.0
@@ -221,14 +234,7 @@ def test_sigkill_between_train_and_aggregate_then_resume_agrees_with_the_clients
     """Killed after round 2's uploads, before aggregation; resumed: the round is charged again on both sides."""
     cfg = {**(NADP_FAST if method == "nadp" else {"method": method}), "num-clients": 4, "num-rounds": 4, "seed": 5,
            "epsilon": 1.0, "train-subset": 400, "test-subset": 200, "dataset": "digits"}
-    text = " ".join(f"{k}={json.dumps(v)}" for k, v in cfg.items())
-    out = tmp_path / "killed"
-    script = tmp_path / "killer.py"
-    script.write_text(_KILLER.replace("{k}", "2"))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(script), "run", "--run-config", f'{text} out-dir="{out}"'],
-                          cwd=ROOT, env=env, capture_output=True, timeout=300)
-    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    out = killed_after_uploads(tmp_path, cfg, 2)
     ckpt = load_checkpoint(out)
     assert ckpt.round == 1 and ckpt.pending is not None  # round 2's charge was persisted before its train phase
     ledgers = out / LEDGER_DIR
@@ -249,14 +255,7 @@ def test_a_resume_that_leaves_no_budget_stops_before_the_round(tmp_path, capsys)
     """Killed in the last round after its uploads: re-running it would cross the target, so the resume stops."""
     cfg = {**NADP_FAST, "num-clients": 4, "num-rounds": 2, "seed": 5, "epsilon": 1.0, "train-subset": 400,
            "test-subset": 200, "dataset": "digits"}
-    text = " ".join(f"{k}={json.dumps(v)}" for k, v in cfg.items())
-    out = tmp_path / "killed"
-    script = tmp_path / "killer.py"
-    script.write_text(_KILLER.replace("{k}", "2"))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(script), "run", "--run-config", f'{text} out-dir="{out}"'],
-                          cwd=ROOT, env=env, capture_output=True, timeout=300)
-    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    out = killed_after_uploads(tmp_path, cfg, 2)
     assert main(["run", "--resume", str(out)]) == 1
     err = capsys.readouterr().err
     assert "privacy budget" in err and "round 2 would take the run past its target epsilon 1" in err, err

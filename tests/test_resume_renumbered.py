@@ -8,9 +8,6 @@ falls behind the clients' own ledgers, and the budget guard still raises the noi
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -19,8 +16,8 @@ from protocols.privacy import GaussianEvent, PerUnitAccountant, RdpAccountant
 from server.launch import main
 from server.local_grid import LocalGrid
 from strategies.run.checkpoint import LEDGER_DIR, load_checkpoint
-from tests.conftest import ROOT, read_metrics
-from tests.test_budget_cap import _KILLER, NADP_FAST, _ledger_epsilon
+from tests.conftest import read_metrics
+from tests.test_budget_cap import NADP_FAST, _ledger_epsilon, killed_after_uploads
 
 
 @pytest.fixture(autouse=True)
@@ -52,14 +49,7 @@ def test_a_resume_with_renumbered_nodes_keeps_the_servers_epsilon_with_the_clien
     """Killed after round 2's uploads; resumed with every node under a new id: no account restarts from zero."""
     cfg = {**(NADP_FAST if method == "nadp" else {"method": method}), "num-clients": 4, "num-rounds": 4, "seed": 5,
            "epsilon": 1.0, "train-subset": 400, "test-subset": 200, "dataset": "digits"}
-    text = " ".join(f"{k}={json.dumps(v)}" for k, v in cfg.items())
-    out = tmp_path / "killed"
-    script = tmp_path / "killer.py"
-    script.write_text(_KILLER.replace("{k}", "2"))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(script), "run", "--run-config", f'{text} out-dir="{out}"'],
-                          cwd=ROOT, env=env, capture_output=True, timeout=300)
-    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    out = killed_after_uploads(tmp_path, cfg, 2)
     earlier = set(load_checkpoint(out).pending["strategy_state"]["nodes"])
     monkeypatch.setattr(LocalGrid, "node_id_offset", LocalGrid.node_id_offset + 100)
     assert main(["run", "--resume", str(out)]) == 0
@@ -98,14 +88,7 @@ def test_a_resume_on_an_engine_whose_nodes_trust_another_roster_is_refused_befor
     """
     cfg = {**NADP_FAST, "num-clients": 3, "num-rounds": 4, "seed": 5, "epsilon": 1.0, "train-subset": 300,
            "test-subset": 100, "dataset": "digits"}
-    text = " ".join(f"{k}={json.dumps(v)}" for k, v in cfg.items())
-    out = tmp_path / "killed"
-    script = tmp_path / "killer.py"
-    script.write_text(_KILLER.replace("{k}", "2"))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(script), "run", "--run-config", f'{text} out-dir="{out}"'],
-                          cwd=ROOT, env=env, capture_output=True, timeout=300)
-    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    out = killed_after_uploads(tmp_path, cfg, 2)
     assert main(["run", "--engine", "simulation", "--resume", str(out)]) == 2
     err = capsys.readouterr().err
     assert "another roster" in err and f"cancelfl run --resume {out}" in err, err
