@@ -21,10 +21,13 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from protocols.wire.niss import DIAGNOSTICS_ENV
 
 HELP = "NISS: accuracy vs tau against FedAvg and DP-FedAvg, aggregate noise variance, share-relay bytes"
 
@@ -66,6 +69,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """The runs, the tables and the checks; exit status 1 when a check fails."""
+    # The benchmark's own nodes measure the aggregate noise: they allow niss's noiseless-update diagnostic.
+    os.environ[DIAGNOSTICS_ENV] = "1"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     taus = [float(t) for t in args.taus.split(",") if t]

@@ -254,9 +254,11 @@ class NissStrategy(SharePhase, PairwiseRecovery, CancelStrategy):
                     model_noise_std=float(np.sqrt(variance)),
                     shares_per_client=float(np.mean([f.shares for f in figures])))
         clean = [Diagnostic.from_content(r.content) for r in ordered]
-        if all(c is not None for c in clean):
+        if self.cfg.cancellation_check and (probe := corrected_residual(ordered, corrections)) is not None:
+            self.report(cancellation_residual=probe)
+        if all(c is not None for c in clean):  # the nodes' operators allowed the noiseless-update diagnostic
             received = np.array([f.received_var or 0.0 for f in figures])
-            self._diagnostics(agg, [from_record(c.update) for c in clean], received * taus**2, ordered, corrections)
+            self._diagnostics(agg, [from_record(c.update) for c in clean], received * taus**2)
         if missing:  # the survivors' weights sum to less than 1: renormalise (model and noise alike)
             kept = math.fsum(state.weights[n] for n in survivors)
             for k in agg:
@@ -328,8 +330,8 @@ class NissStrategy(SharePhase, PairwiseRecovery, CancelStrategy):
         return rec.probe_corrections(out)
 
     def _diagnostics(self, agg: dict[str, np.ndarray], clean: list[dict[str, np.ndarray]],
-                     exact_var: np.ndarray, ordered: list[Message], corrections: list[float] | None) -> None:
-        """DIAGNOSTIC (cancellation-check): measured aggregate noise against the noiseless sum."""
+                     exact_var: np.ndarray) -> None:
+        """DIAGNOSTIC (cancellation-check, nodes allowing it): measured aggregate noise against the noiseless sum."""
         keys = list(agg)
         noiseless = np.concatenate([np.sum([c[k] for c in clean], axis=0).ravel() for k in keys])
         total = np.concatenate([agg[k].ravel() for k in keys])
@@ -339,9 +341,6 @@ class NissStrategy(SharePhase, PairwiseRecovery, CancelStrategy):
             "exact_noise_variance": float(np.sum(exact_var)),
             "aggregate_error_rel": float(np.linalg.norm(resid) / max(np.linalg.norm(noiseless), 1e-300)),
         }
-        probe = corrected_residual(ordered, corrections)
-        if probe is not None:
-            values["cancellation_residual"] = probe
         self.report(**values)
 
     # ---------------------------------------------------------------- reporting

@@ -47,6 +47,14 @@ def run_inprocess(tmp_path):
 
 
 @pytest.fixture
+def niss_diagnostics(monkeypatch):
+    """Nodes of this process allow niss's noiseless-update diagnostic (tests that measure the aggregate noise)."""
+    from protocols.wire.niss import DIAGNOSTICS_ENV
+
+    monkeypatch.setenv(DIAGNOSTICS_ENV, "1")
+
+
+@pytest.fixture
 def one_thread():
     """Tiny models: multi-threaded torch kernels are much slower on a shared 2-core machine."""
     import torch

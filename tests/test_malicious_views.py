@@ -172,3 +172,30 @@ def test_niss_leaving_honest_neighbours_out_does_not_shrink_the_coalition_a_clie
         else:
             with pytest.raises(FloorViolation, match="joint-view noise scale"):
                 handle_shares(msg, env)
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_niss_cancellation_check_sends_no_noiseless_update_unless_the_node_allows_it(monkeypatch, allowed):
+    """``cancellation-check`` comes with the run config: on its word alone a niss client sends only its probe.
+
+    Never its noiseless update; a node whose operator allows the diagnostic sends it and charges that round's
+    upload as un-noised.
+    """
+    from protocols.wire.ledger import SpentReport
+    from protocols.wire.niss import DIAGNOSTICS_ENV, Diagnostic
+
+    monkeypatch.delenv(DIAGNOSTICS_ENV, raising=False)
+    if allowed:
+        monkeypatch.setenv(DIAGNOSTICS_ENV, "1")
+    n = 4
+    raw = {**app_defaults(), "method": "niss", "num-clients": n, "cancellation-check": True}
+    cfg = RunConfig.from_mapping(raw)
+    grid, strategy = LocalGrid(client_app, n, raw), NissStrategy(cfg)
+    msgs = list(strategy.configure_train(1, _initial(cfg), ConfigRecord({"round": 1}), grid))
+    replies = list(grid.send_and_receive(msgs))
+    assert replies and not any(r.has_error() for r in replies)
+    for r in replies:
+        spent = SpentReport.from_metrics(r.content["metrics"]).epsilon
+        assert (Diagnostic.from_content(r.content) is not None) == allowed
+        assert np.isfinite(spent) != allowed  # the diagnostic round is charged as un-noised
+        assert "probe" in " ".join(r.content["metrics"].keys())  # the cancellation probe is sent either way

@@ -7,11 +7,16 @@ the same, the shares relayed still cancel exactly, and every change of the view 
 
 from __future__ import annotations
 
+import pytest
+
 from client.pairwise_phase import participants_of
 from protocols.wire.niss import AHEAD_RECORD
 from server.local_grid import LocalGrid
 from strategies.stages import run_round
 from tests.niss_setup import niss_setup
+
+#: The aggregate-noise figures these tests check come from the nodes' noiseless-update diagnostic.
+pytestmark = pytest.mark.usefixtures("niss_diagnostics")
 
 
 class CountingGrid(LocalGrid):

@@ -26,6 +26,9 @@ from strategies.niss import NissStrategy
 from strategies.stages import close_round
 from tests.niss_setup import flat, niss_round, niss_setup
 
+#: The aggregate-noise figures these tests check come from the nodes' noiseless-update diagnostic.
+pytestmark = pytest.mark.usefixtures("niss_diagnostics")
+
 
 def test_a_wrong_size_for_the_client_is_refused():
     """The share request's size list must name this client's own dataset size (it derives tau from the list)."""

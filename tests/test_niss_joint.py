@@ -36,6 +36,9 @@ from server.local_grid import LocalGrid
 from strategies import niss_shares as niss_strategy  # the share phase computes the joint-view scale
 from tests.niss_setup import FAST, flat, niss_round, niss_setup
 
+#: The aggregate-noise figures these tests check come from the nodes' noiseless-update diagnostic.
+pytestmark = pytest.mark.usefixtures("niss_diagnostics")
+
 
 def _seed(label: str) -> bytes:
     return hashlib.sha256(b"joint/" + label.encode()).digest()

@@ -46,6 +46,9 @@ from strategies.niss import NissStrategy
 from strategies.stages import close_round
 from tests.niss_setup import FAST, flat, niss_round, niss_setup
 
+#: The aggregate-noise figures these tests check come from the nodes' noiseless-update diagnostic.
+pytestmark = pytest.mark.usefixtures("niss_diagnostics")
+
 
 def _sigmas(cfg: RunConfig, rounds: int | None = None) -> np.ndarray:
     """Every client's sigma_k = z p_k 2 C lr / n_k (record level, one full-batch step), p_k = n_k / N: z 2 C lr / N."""

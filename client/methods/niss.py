@@ -63,6 +63,7 @@ from protocols.wire.niss import (
     RelayedInbox,
     ShareReply,
     ShareRequest,
+    diagnostics_allowed,
 )
 from protocols.wire.recovery import NissPairMaterial
 
@@ -413,11 +414,13 @@ def train(msg: Message, env: ClientEnv) -> Message:
     # (protocols.floor.niss_floor at scale / credit), one Gaussian release of multiplier credit z (the server charges
     # the same: the budget guard's raise is credit); none at all with tau = 0.
     z = st.credit * st.sigma / (st.scale * upload_sensitivity(env.cfg, st.weight, len(env.y))) if tau > 0 else 0.0
-    spent = release(msg, env, GaussianEvent(z))
+    # The measured-noise diagnostic hands the server the noiseless update: only where the node's own operator allows
+    # it (DIAGNOSTICS_ENV), never on the run config's word, and then this round's upload is charged as un-noised.
+    diagnostic = env.cfg.cancellation_check and diagnostics_allowed()
+    spent = release(msg, env, GaussianEvent(0.0 if diagnostic else z))
     out = reply(msg, to_record(unflatten(upload, global_w), np.float64), len(env.y), train_loss=loss,
                 update_norm=norm, **extra, **figures.to_metrics(), **probe, **spent)
-    if env.cfg.cancellation_check:
-        # DIAGNOSTIC ONLY: hands the server this client's noiseless weighted update.
+    if diagnostic:
         Diagnostic(to_record(unflatten(st.weight * params, global_w), np.float64)).add_to(out.content)
     _answer_ahead(msg, env, out)  # after this round's secrets are gone from Context.state
     return mask.attach(out) if mask is not None else out

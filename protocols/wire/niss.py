@@ -18,6 +18,7 @@ the upload then the :class:`ShareReply` to it in a record of the same name: the 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -208,12 +209,23 @@ class NissMetrics:
                    read_float(rec, _RECEIVED_VAR, default=None))
 
 
+#: Environment variable of a node's process that lets ``cancellation-check`` also send the noiseless update
+#: (``1``/``true``/``yes``): tests and benchmarks that measure the aggregate noise; never set it on a real node.
+DIAGNOSTICS_ENV = "CANCELFL_DIAGNOSTICS"
+
+
+def diagnostics_allowed() -> bool:
+    """Whether this node's operator allows the noiseless-update diagnostic (:data:`DIAGNOSTICS_ENV`)."""
+    return os.environ.get(DIAGNOSTICS_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
 @dataclass(frozen=True)
 class Diagnostic:
-    """DIAGNOSTIC ONLY (run-config ``cancellation-check``): a client's noiseless weighted update ``p_k w_k``.
+    """DIAGNOSTIC ONLY (run-config ``cancellation-check`` on a node allowing it): the noiseless update ``p_k w_k``.
 
-    Travels as a side record of the train reply so that the server can measure
-    the aggregate noise; it hands the server the unprotected update.
+    Travels as a side record of the train reply so that the server can measure the aggregate noise; it hands
+    the server the unprotected update, so a client sends it only where :func:`diagnostics_allowed` and then
+    charges the round's upload as un-noised.
     """
 
     #: the client's ``ArrayRecord`` (any mapping of named arrays, :mod:`protocols.wire.arrays`).
@@ -229,4 +241,5 @@ class Diagnostic:
         return cls(content[_DIAGNOSTIC]) if _DIAGNOSTIC in content else None
 
 
-__all__ = ["AHEAD_RECORD", "ShareRequest", "ShareReply", "RelayedInbox", "AuthFailures", "NissMetrics", "Diagnostic"]
+__all__ = ["AHEAD_RECORD", "DIAGNOSTICS_ENV", "AuthFailures", "Diagnostic", "NissMetrics", "RelayedInbox", "ShareReply",
+           "ShareRequest", "diagnostics_allowed"]
