@@ -18,6 +18,7 @@ config) live in :mod:`protocols.floor` and are checked by the handlers themselve
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from flwr.app import Message
@@ -102,6 +103,9 @@ def release(msg: Message, env: ClientEnv, uplink: Event | None = None, downlink:
     with _ledger(env) as led:
         check_round(rnd, env.cfg, led.rounds(env.context.run_id))  # again, under the lock
         key, eps = _worst(led.projected(events, pol.lifetime_delta, accountant))
+        if pol.wants_guarantee and not math.isfinite(eps):  # e.g. layers sent bare, a noiseless diagnostic
+            raise FloorViolation(f"epsilon ({key})", eps, "finite", "this round's upload would leave this node without "
+                                 "a guarantee (node config 'max-epsilon-per-run' / 'lifetime-epsilon')")
         if pol.lifetime_epsilon is not None:
             at_most(f"lifetime-epsilon ({key})", eps, pol.lifetime_epsilon,
                     "this round would take the node past its lifetime budget (node config 'lifetime-epsilon')")

@@ -199,3 +199,61 @@ def test_niss_cancellation_check_sends_no_noiseless_update_unless_the_node_allow
         assert (Diagnostic.from_content(r.content) is not None) == allowed
         assert np.isfinite(spent) != allowed  # the diagnostic round is charged as un-noised
         assert "probe" in " ".join(r.content["metrics"].keys())  # the cancellation probe is sent either way
+
+
+def test_nadp_record_ldp_refuses_a_round_outside_its_public_schedule():
+    """A server asking a record-ldp client in every round gets refusals outside its public schedule.
+
+    Its noise is calibrated for the most rounds the schedule samples any client in; with plans that meet its floor
+    the client still trains only in its own rounds, and its ledger stays within the run's epsilon.
+    """
+    import copy
+
+    from protocols.schedule import roster_participations
+    from protocols.wire.common import TrainIns
+    from protocols.wire.ledger import SpentReport
+
+    n, rounds = 10, 10
+    raw = {**app_defaults(), "method": "nadp", "nadp-variant": "record-ldp", "num-clients": n, "sample-rate": 0.2,
+           "num-rounds": rounds, "epsilon": 1.0, "hidden": "", "local-epochs": 1, "batch-size": 1000}
+    cfg = RunConfig.from_mapping(raw)
+    grid, strategy = LocalGrid(client_app, n, raw), NadpStrategy(cfg)
+    template = list(strategy.configure_train(1, _initial(cfg), ConfigRecord({"round": 1}), grid))[0]
+    node = grid.node_ids[0]
+    env = ClientEnv.from_context(grid.contexts[node])
+    roster, name = node_identity(env).roster, node_identity(env).name
+    releases = roster_releases(cfg, roster)
+    plan0 = NadpPlan.from_config(template.content["config"])
+    sizes = {**plan0.sizes, node: len(env.y)}
+    ids = tuple(sorted(sizes))
+    stds = {i: nadp_floor(cfg, sizes, i, None, 1.0, releases).ldp_std for i in ids}
+    accepted, spent = 0, 0.0
+    for rnd in range(1, rounds + 1):
+        content = copy.deepcopy(template.content)
+        content["config"].update({**TrainIns(rnd).to_config(),
+                                  **NadpPlan("record-ldp", ids, sizes, 0.0, 0.0, 1.0, stds).to_config()})
+        rep = grid.send_and_receive([Message(content, node, "train")])[0]
+        if rep.has_error():
+            assert "public sample" in rep.error.reason, rep.error.reason
+        else:
+            accepted += 1
+            spent = SpentReport.from_metrics(rep.content["metrics"]).epsilon
+    assert accepted == roster_participations(cfg, roster, 1, rounds)[name] < rounds
+    assert spent <= cfg.epsilon * (1 + 1e-9)
+
+
+def test_a_node_policy_refuses_any_release_without_a_guarantee(monkeypatch):
+    """A node asking for a guarantee (``max-epsilon-per-run``) refuses a round whose upload would leave it none.
+
+    Whatever made it so: here the noiseless-update diagnostic its process allows; ladp's bare layers alike.
+    """
+    from protocols.wire.niss import DIAGNOSTICS_ENV
+
+    monkeypatch.setenv(DIAGNOSTICS_ENV, "1")
+    n = 4
+    raw = {**app_defaults(), "method": "niss", "num-clients": n, "cancellation-check": True}
+    cfg = RunConfig.from_mapping(raw)
+    grid = LocalGrid(client_app, n, raw, node_config={"max-epsilon-per-run": 1.0})
+    msgs = list(NissStrategy(cfg).configure_train(1, _initial(cfg), ConfigRecord({"round": 1}), grid))
+    replies = list(grid.send_and_receive(msgs))
+    assert replies and all(r.has_error() and "'finite'" in r.error.reason for r in replies)

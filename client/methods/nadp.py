@@ -34,6 +34,7 @@ from client.records import to_record
 from client.recovery import SelfMask, remember, self_mask_upload
 from protocols.arrays import flatten, unflatten
 from protocols.floor import FloorViolation, NadpFloor, at_least, nadp_floor
+from protocols.graphs import roster_round_of
 from protocols.nadp import nadp_upload
 from protocols.pairwise import pairwise_noise
 from protocols.prg import gaussian
@@ -68,6 +69,13 @@ def round_floor(msg: Message, env: ClientEnv, plan: NadpPlan) -> tuple[NadpFloor
     if plan.variant != env.cfg.nadp_variant:
         raise FloorViolation("nadp-variant", plan.variant, env.cfg.nadp_variant, "not this client's run config")
     graph = None
+    ident = node_identity(env)
+    rnd = TrainIns.from_config(msg.content["config"]).round
+    if plan.variant != "nadp" and ident.name not in roster_round_of(env.cfg, ident.roster, rnd).sample:
+        # The noise is calibrated for the most rounds the public schedule samples any client in (below): a round
+        # outside this node's schedule would be a release that calibration does not cover.
+        raise FloorViolation("round", rnd, "a round whose public sample names this node",
+                             "the noise is calibrated for the rounds the public schedule samples this node in")
     if plan.variant == "nadp":
         # The pair variances depend on the whole graph (neighbours' degrees): the roster's graph restricted
         # to the participants, rebuilt and checked from public values (client.pairwise_phase.check_view).
@@ -75,7 +83,7 @@ def round_floor(msg: Message, env: ClientEnv, plan: NadpPlan) -> tuple[NadpFloor
         if sorted(graph) != sorted(plan.ids):
             raise ValueError("nadp: the plan's participants differ from the round's participant list")
     # More noise than the floor, never less; calibrated for the public schedule's most releases of any client.
-    fl = nadp_floor(env.cfg, plan.sizes, me, graph, plan.noise_scale, roster_releases(env.cfg, node_identity(env).roster))
+    fl = nadp_floor(env.cfg, plan.sizes, me, graph, plan.noise_scale, roster_releases(env.cfg, ident.roster))
     if fl.sigmas is None:
         at_least("nadp-ldp-stds", plan.ldp_stds[me], fl.ldp_std or 0.0)
     else:
