@@ -10,26 +10,33 @@
 
 The strategy sends its settings (``method``, ``epsilon``, ``clip``, ...) in every message
 (:mod:`protocols.wire.settings`), so the client needs no run config; a client run config naming another
-``method`` is refused.  Premises of the protection: the method trains your model itself (a DP guarantee covers
-a training procedure, not an arbitrary update), ``y`` holds integer class labels, and the model's ``state_dict``
-keys match the server's arrays.  Noise is drawn on the CPU from the OS CSPRNG; training runs on ``device``.
+``method`` is refused, and so is a diagnostic (``cancellation-check``) the client's own run config does not turn
+on.  The first message of a run pins its settings (``Context.state``): a later message of the run with other
+settings is refused, so a server cannot recalibrate a run (e.g. announce ``num-rounds = r`` in round ``r``).
+Premises of the protection: the method trains your model itself (a DP guarantee covers a training procedure,
+not an arbitrary update), ``y`` holds integer class labels, and the model's ``state_dict`` keys match the
+server's arrays.  Noise is drawn on the CPU from the OS CSPRNG; training runs on ``device``.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 
 import numpy as np
-from flwr.app import Context, Message
+from flwr.app import ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 from torch import nn
 
 from client.env import ClientEnv
 from client.floor import admit
 from client.methods import query_actions, query_handler, train_handler
-from protocols.config import RunConfig
-from protocols.wire.settings import settings_of
+from protocols.config import ConfigError, RunConfig
+from protocols.wire.settings import MISMATCH, changed_keys, settings_of
+
+#: ``Context.state`` record of the settings this node pinned for its run: ``run-id`` and the mapping as ``json``.
+PINNED_KEY = "cancelfl-run-settings"
 
 #: ``load(context) -> (model, x, y)``: your model (a fresh instance) and this node's training data.
 Loader = Callable[[Context], tuple[nn.Module, np.ndarray, np.ndarray]]
@@ -39,11 +46,12 @@ def client_env(context: Context, model: nn.Module, x: np.ndarray, y: np.ndarray,
                msg: Message | None = None) -> ClientEnv:
     """The method's view of this client: settings, identity, your data, copies of your model.
 
-    Settings come from ``msg`` (what the strategy sent, checked against the run config) or, without
-    ``msg``, from the run config (ConfigError if it names no method, or a mismatch).
+    Settings come from ``msg`` (what the strategy sent, checked against the run config and against the
+    settings pinned by the run's first message, :func:`pinned`) or, without ``msg``, from the run config
+    (ConfigError if it names no method, or a mismatch).
     """
     if msg is not None:
-        cfg = settings_of(msg.content if msg.has_content() else None, context.run_config)
+        cfg = pinned(context, settings_of(msg.content if msg.has_content() else None, context.run_config))
     else:
         cfg = RunConfig.from_mapping(context.run_config, strict=False)
     x = np.asarray(x, dtype=np.float32)
@@ -56,6 +64,29 @@ def client_env(context: Context, model: nn.Module, x: np.ndarray, y: np.ndarray,
     num_classes = out_features[-1] if out_features else int(y.max()) + 1
     return ClientEnv(cfg, context, int(context.node_id), pid, nparts, (x, y, num_classes, tuple(x.shape[1:])),
                      model_fn=lambda: copy.deepcopy(model))
+
+
+def pinned(context: Context, cfg: RunConfig) -> RunConfig:
+    """``cfg``, once it matches the settings of this run's first message (pinned in ``context.state`` by it).
+
+    Raises:
+        ConfigError: (:data:`~protocols.wire.settings.MISMATCH`) ``cfg`` differs from the run's pinned settings;
+            the message names the changed keys.
+    """
+    run_id = str(context.run_id)  # text: a Flower run id is an unsigned 64-bit value
+    rec = context.state.get(PINNED_KEY)
+    if not isinstance(rec, ConfigRecord) or rec.get("run-id") != run_id:
+        context.state[PINNED_KEY] = ConfigRecord({"run-id": run_id, "json": json.dumps(cfg.to_mapping(), sort_keys=True)})
+        return cfg
+    first = json.loads(str(rec["json"]))
+    changed = changed_keys(first, cfg)
+    if changed:
+        now = cfg.to_mapping()
+        shown = ", ".join(f"{k}: {first.get(k)!r} -> {now.get(k)!r}" for k in changed)
+        raise ConfigError(f"{MISMATCH} the strategy's settings changed within run {run_id} ({shown}); this node acts "
+                          f"on the settings of the run's first message only, so the run must keep them (start a "
+                          f"new run to change them)")
+    return cfg
 
 
 def protect(msg: Message, context: Context, model: nn.Module, x: np.ndarray, y: np.ndarray) -> Message:
@@ -91,4 +122,4 @@ def attach(app: ClientApp, load: Loader) -> ClientApp:
     return app
 
 
-__all__ = ["Loader", "attach", "client_env", "protect"]
+__all__ = ["PINNED_KEY", "Loader", "attach", "client_env", "pinned", "protect"]

@@ -4,6 +4,10 @@ A strategy is built from one set of settings (a run config or keyword arguments)
 in each message under :data:`KEY`, so a ClientApp that uses :mod:`client.api` needs no copy of them and
 works where Flower passes no run config (``flwr.simulation.run_simulation``).  Where the client's run
 config names a method too, the two must agree: a client/server mismatch is refused with the fix named.
+A diagnostic that reveals more than the method's protection (:data:`CLIENT_ONLY`: ``cancellation-check``) is
+only acted on when the client's own run config turns it on too.  The client pins the settings of a run's
+first message and refuses a later message of the run that carries others (:func:`changed_keys`,
+:func:`client.api.client_env`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ KEY = "cancelfl-settings"
 _JSON = "json"
 #: Starts the error a client raises on a method mismatch (the strategy stops the run on it).
 MISMATCH = "cancelfl settings mismatch:"
+#: Switches a client acts on only when its own run config sets them too: diagnostics that let an upload reveal
+#: more than the method's protection (``cancellation-check``: each client's mask projection or noiseless update).
+CLIENT_ONLY = ("cancellation-check",)
+_TRUE = ("true", "1", "yes")
 
 
 def settings_config(cfg: RunConfig) -> dict[str, Any]:
@@ -51,4 +59,18 @@ def settings_of(content: Mapping[str, Any] | None, run_config: Mapping[str, Any]
         raise ConfigError(f"{MISMATCH} the ServerApp's strategy runs method '{cfg.method}' but this ClientApp's run "
                           f"config says method='{local}'; set run-config method=\"{cfg.method}\" (pyproject "
                           f"[tool.flwr.app.config] or --run-config) or drop 'method' from the app's run config")
+    sent_on = cfg.to_mapping()
+    for key in CLIENT_ONLY:
+        own = run_config.get(key, False)
+        if sent_on.get(key) is True and not (own is True or (isinstance(own, str) and own.lower() in _TRUE)):
+            raise ConfigError(f"{MISMATCH} the ServerApp's strategy turns on '{key}' (a diagnostic that reveals "
+                              f"more of each upload than the method's protection) but this ClientApp's run config "
+                              f"does not; set run-config {key}=true on the client too, or turn it off in the strategy")
     return cfg
+
+
+def changed_keys(pinned: Mapping[str, Any], cfg: RunConfig) -> list[str]:
+    """The run-config keys whose value in ``cfg`` differs from ``pinned`` (a run's first settings, as mapped)."""
+    now = cfg.to_mapping()
+    return sorted(k for k in set(pinned) | set(now)
+                  if json.dumps(pinned.get(k), sort_keys=True) != json.dumps(now.get(k), sort_keys=True))
