@@ -114,7 +114,7 @@ def _niss_round(client_run_config: dict) -> list[Message]:
     """One niss round (server with cancellation-check) to api clients with ``client_run_config``: every reply."""
     from strategies.niss import NissStrategy
 
-    grid = LocalGrid(attach(ClientApp(), _load), 4, client_run_config, node_config={"max-epsilon-per-run": 1.0})
+    grid = LocalGrid(attach(ClientApp(), _load), 4, client_run_config)
     seen: list[Message] = []
     deliver = grid.send_and_receive
 
@@ -133,8 +133,11 @@ def _niss_round(client_run_config: dict) -> list[Message]:
     return seen
 
 
-def test_api_client_sends_no_diagnostic_a_server_alone_switches_on():
-    """A niss strategy with cancellation-check, clients without: no reply carries the noiseless update; opted in, they do."""
+def test_api_client_sends_no_diagnostic_a_server_alone_switches_on(niss_diagnostics):
+    """A niss strategy with cancellation-check, clients without: no reply carries the noiseless update; opted in, they do.
+
+    The nodes allow the diagnostic (CANCELFL_DIAGNOSTICS), so only the client's own run config decides here.
+    """
     replies = _niss_round({"method": "niss"})
     assert replies and not any(Diagnostic.from_content(r.content) is not None for r in replies if not r.has_error())
     assert any(r.has_error() and "cancellation-check" in r.error.reason for r in replies)
