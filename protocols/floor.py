@@ -42,6 +42,7 @@ __all__ = [
     "ddpsa_round_epsilon",
     "ldp_noise_multiplier",
     "ldp_noise_std",
+    "mpddp_complete",
     "mpddp_floor",
     "mpdp_naive_sigma",
     "nadp_compensation",
@@ -412,6 +413,11 @@ def niss_floor(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Seq
     return floor
 
 
+def mpddp_complete(cfg: RunConfig, k: int) -> bool:
+    """``mpddp`` for ``k`` clients is calibrated for a complete graph (Theorem 10), not an n-out one (Theorem 11)."""
+    return cfg.graph != "n-out" or cfg.n_out >= k - 1
+
+
 def mpddp_floor(cfg: RunConfig, k: int, min_size: int, scale: float = 1.0,
                 releases: int | None = None) -> tuple[float, float, float]:
     """``mpddp``: ``(sigma_eta, sigma_delta, theta)`` for ``k`` clients (Theorem 10, or 11 on an n-out graph).
@@ -432,12 +438,11 @@ def mpddp_floor(cfg: RunConfig, k: int, min_size: int, scale: float = 1.0,
     sens = mp_record_sensitivity(cfg.clip, min_size, cfg.adjacency)
     t = calibration_releases(cfg, releases)
     z = noise_multiplier(cfg.epsilon, cfg.delta, t)
-    n_out = cfg.n_out if cfg.graph == "n-out" else None
-    if n_out is None or n_out >= k - 1:
+    if mpddp_complete(cfg, k):
         theta = theta_for_noise_multiplier(z)
         se, sd = sigmas_for_theta(theta, k, eta_share=ETA_SHARE, sensitivity=sens)
         return se * scale, sd * scale, theta / scale**2
-    cal = calibrate(cfg.epsilon / t, cfg.delta / t, k, n_out, eta_share=ETA_SHARE, sensitivity=sens)
+    cal = calibrate(cfg.epsilon / t, cfg.delta / t, k, cfg.n_out, eta_share=ETA_SHARE, sensitivity=sens)
     return cal.sigma_eta * scale, cal.sigma_delta * scale, cal.theta / scale**2
 
 

@@ -14,13 +14,13 @@ The pairwise methods draw it over the roster, never over the participants a serv
 :func:`protocols.identity.roster_round_seed` (roster digest, round number); :func:`present_graph` restricts it
 to the nodes present (an absent roster neighbour is just absent, nothing is re-drawn), so leaving honest nodes
 out gives nobody a neighbour the roster graph does not; :func:`present_floor` is the fewest present neighbours
-a client accepts.
+a client accepts; :func:`calibration_size` is the participant count a round's noise is calibrated for.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from protocols.config import RunConfig
@@ -29,7 +29,7 @@ from protocols.masking import assumed_colluders, mask_threshold
 from protocols.prg import derive_subseed, uniform_ints
 
 __all__ = ["GRAPH_KINDS", "complete_graph", "n_out_graph", "edges", "round_graph", "round_neighbours",
-           "RosterRound", "roster_round", "roster_sample", "present_graph", "present_floor"]
+           "RosterRound", "roster_round", "roster_sample", "present_graph", "present_floor", "calibration_size"]
 
 #: Graph kinds understood by :func:`round_graph`.
 GRAPH_KINDS = ("complete", "n-out")
@@ -212,6 +212,18 @@ def present_graph(rr: RosterRound, present: Mapping[int, str]) -> dict[int, list
     if rr.graph is None:
         return complete_graph(list(present))
     return {node: sorted(ids_of[m] for m in rr.graph[name] if m in ids_of) for node, name in present.items()}
+
+
+def calibration_size(rr: RosterRound | None, participants: int, complete: Callable[[int], bool]) -> int:
+    """The participant count K a round's noise is calibrated for: the participants it lists (both ends call it).
+
+    ``complete(K)``: the calibration for K assumes a complete graph.  Raises ValueError when it would while the
+    roster's graph of the round ``rr`` is sparse (too few of the sample present for the sparse calibration).
+    """
+    if rr is not None and not rr.complete and complete(participants):
+        raise ValueError(f"only {participants} of the roster's {len(rr.sample)} sampled clients take part, too few "
+                         "for the sparse graph's calibration")
+    return participants
 
 
 def present_floor(roster_degree: int, corruption: float) -> int:

@@ -35,7 +35,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from protocols.config import ConfigError, RunConfig
-from protocols.graphs import RosterRound, present_floor, present_graph, roster_round_of
+from protocols.graphs import RosterRound, calibration_size, present_floor, present_graph, roster_round_of
 from protocols.identity import IdentityError, Roster, verify_key
 from protocols.schedule import roster_participations, roster_releases
 from protocols.wire.keys import KeyReply, KeyRequest, PeerKeys, probe_value
@@ -106,11 +106,10 @@ class KeyRound:
 
         Raises RoundFailed when it would while the roster's graph of the round is sparse (too few present).
         """
-        k = len(self.participants)
-        if self.roster_round is not None and not self.roster_round.complete and complete(k):
-            raise RoundFailed(f"round {self.round}: only {k} of the roster's {len(self.roster_round.sample)} sampled "
-                              "clients take part, too few for the sparse graph's calibration")
-        return k
+        try:
+            return calibration_size(self.roster_round, len(self.participants), complete)  # the clients' check too
+        except ValueError as err:
+            raise RoundFailed(f"round {self.round}: {err}") from err
 
 
 class KeyPhase:

@@ -27,7 +27,7 @@ from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 
 from protocols.config import ConfigError, RunConfig
-from protocols.floor import ETA_SHARE, mpddp_floor, mpdp_naive_sigma
+from protocols.floor import ETA_SHARE, mpddp_complete, mpddp_floor, mpdp_naive_sigma
 from protocols.mpddp import (
     eq23_epsilon,
     eta_variance,
@@ -87,7 +87,7 @@ class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
         self._given_r = PerUnitAccountant()
 
     def _complete(self, k: int) -> bool:
-        return self.n_out is None or self.n_out >= k - 1
+        return mpddp_complete(self.cfg, k)
 
     def _calibration(self, k: int, min_size: int, scale: float = 1.0) -> tuple[float, float, float]:
         """(sigma_eta, sigma_delta, theta) for K = k clients, the smallest of size ``min_size`` (ValueError if not covered)."""

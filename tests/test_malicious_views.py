@@ -8,9 +8,16 @@
 * niss: after the uploads, a share request for the same round with a smaller view would shrink the present
   neighbour count a revealer counts signatures against (so that a split "k dropped" outcome passes).  A share
   request for a round already trained in is refused and the round's view stays the one the upload used.
+* mpddp: each client gets its own size list (the others inflated) and the scales for it, with one common
+  sigma_Delta; the sizes and scales are bound into the pair seeds, so the Deltas do not cancel.
+* mpddp on an n-out graph: a server that keeps a subset of the sample and sends the scales for the whole sample is
+  refused: the client's floor is for the participants the message lists.
+* mpddp: a train message whose view is refused leaves the client's ledger untouched.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -19,12 +26,13 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from client.app import app as client_app
 from client.env import ClientEnv
 from client.identity import node_identity
+from client.ledger import ClientLedger, ledger_dir
 from client.methods.niss import handle_shares
 from client.pairwise_phase import participants_of
 from client.records import to_record
 from client.recovery import RecoveryStore
 from protocols.config import RunConfig
-from protocols.floor import FloorViolation, nadp_floor, niss_floor
+from protocols.floor import FloorViolation, mpddp_floor, nadp_floor, niss_floor
 from protocols.graphs import roster_round_of
 from protocols.masking import mask_threshold, signatures_needed
 from protocols.niss import aggregation_weights, client_tau
@@ -32,11 +40,14 @@ from protocols.schedule import roster_releases
 from protocols.task.data import dataset_for
 from protocols.task.models import build_model, get_weights
 from protocols.wire.keys import PeerKeys
+from protocols.wire.mpddp import DdpNoise
 from protocols.wire.nadp import NadpPlan
 from protocols.wire.niss import ShareRequest
 from protocols.wire.recovery import SELF_MASK_RECORD, SelfMaskShares
 from server.defaults import app_defaults
 from server.local_grid import LocalGrid
+from strategies.key_phase import probe_residual
+from strategies.mpddp import MpddpStrategy
 from strategies.nadp import NadpStrategy
 from strategies.niss import NissStrategy
 from tests.consistency_setup import recover, sign, signed
@@ -257,3 +268,113 @@ def test_a_node_policy_refuses_any_release_without_a_guarantee(monkeypatch):
     msgs = list(NissStrategy(cfg).configure_train(1, _initial(cfg), ConfigRecord({"round": 1}), grid))
     replies = list(grid.send_and_receive(msgs))
     assert replies and all(r.has_error() and "'finite'" in r.error.reason for r in replies)
+
+
+def _ledger_rounds(grid: LocalGrid, node: int) -> list[int]:
+    ctx = grid.contexts[node]
+    with ClientLedger.open(ledger_dir(ctx.node_config), ctx.node_config["partition-id"], write=False) as led:
+        return list(led.rounds(ctx.run_id))
+
+
+@pytest.mark.parametrize("split", ["none", "sizes"])
+def test_mpddp_clients_shown_different_sizes_share_no_pair_noise(split):
+    """Each client sees its own size true and the others' at least the largest, and the scales for that list.
+
+    Its eta is then calibrated for its own record sensitivity, not the smallest participant's; one common
+    sigma_Delta would keep the Deltas cancelling.  Bound into the pair seeds, the lists leave no pair shared.
+    """
+    k_clients = 4
+    raw = {**app_defaults(), "method": "mpddp", "num-clients": k_clients, "num-rounds": 1, "hidden": "16",
+           "partitioning": "size-skew", "cancellation-check": True, "mask-corruption-rate": 0.0}
+    cfg = RunConfig.from_mapping(raw)
+    grid, strategy = LocalGrid(client_app, k_clients, raw), MpddpStrategy(cfg)
+    msgs = list(strategy.configure_train(1, _initial(cfg), ConfigRecord({"round": 1}), grid))
+    parts = PeerKeys.from_config(msgs[0].content["config"]).participants
+    true = dict(zip(parts, DdpNoise.from_config(msgs[0].content["config"]).sizes, strict=True))
+    assert len(set(true.values())) > 1
+    big = max(true.values())
+    views = {j: tuple(true[p] if split == "none" or p == j else big for p in parts) for j in parts}
+    releases = roster_releases(cfg, node_identity(ClientEnv.from_context(grid.contexts[parts[0]])).roster)
+    floors = {j: mpddp_floor(cfg, k_clients, min(views[j]), releases=releases) for j in parts}
+    common_delta = max(f[1] for f in floors.values())
+    for msg in msgs:  # every plan meets its own client's floor
+        j = msg.metadata.dst_node_id
+        msg.content["config"].update(DdpNoise(floors[j][0], common_delta, views[j]).to_config())
+    replies = {r.metadata.src_node_id: r for r in grid.send_and_receive(msgs)}
+    assert not any(r.has_error() for r in replies.values()), [r.error.reason for r in replies.values() if r.has_error()]
+    seeds = {m: RecoveryStore.load(ClientEnv.from_context(grid.contexts[m])).material for m in parts}
+    shared = [seeds[a][b] == seeds[b][a] for a in parts for b in seeds[a]]
+    residual = probe_residual(replies.values())
+    if split == "none":
+        assert all(shared) and residual < 1e-9  # one view: the Deltas cancel
+    else:
+        assert shared and not any(shared) and residual > 1e-3  # no Delta the server could count on cancelling
+
+
+def test_mpddp_n_out_floor_is_for_the_participants_listed():
+    """Theorem 11's scales grow as K shrinks and need K above a minimum (81 of 100 here).
+
+    A server that keeps 81 of the 100 sampled clients with the K = 100 scales is refused (the floor for K = 81
+    is higher), and so is one that keeps 30 (outside the theorem); the scales for K = 81 are accepted.
+    """
+    n, n_out = 100, 68
+    raw = {**app_defaults(), "method": "mpddp", "num-clients": n, "num-rounds": 1, "epsilon": 1.0, "delta": 1e-5,
+           "graph": "n-out", "n-out": n_out, "hidden": "16", "dataset": "digits"}
+    cfg = RunConfig.from_mapping(raw)
+    grid, strategy = LocalGrid(client_app, n, raw), MpddpStrategy(cfg)
+    msgs = {m.metadata.dst_node_id: m
+            for m in strategy.configure_train(1, _initial(cfg), ConfigRecord({"round": 1}), grid)}
+    kr = strategy._state.keys
+    full = DdpNoise.from_config(next(iter(msgs.values())).content["config"])
+    assert len(kr.participants) == n
+    names = {x: kr.signed_by[x][0] for x in kr.participants}
+
+    def dense_subset(size: int) -> list[int]:  # keeps every member above its present floor
+        keep = set(kr.participants)
+        while len(keep) > size:
+            kept = {names[x] for x in keep}
+            degree = {x: sum(m in kept for m in kr.roster_round.neighbours(names[x])) for x in keep}
+            keep.remove(min(keep, key=lambda x: (degree[x], x)))
+        return sorted(keep)
+
+    def send(size: int, noise_for: int) -> list[Message]:
+        sub = strategy.keys.regraph(kr, dense_subset(size))
+        assert len(sub.participants) == size
+        sizes = tuple(int(kr.num_examples[x]) for x in sub.participants)
+        se, sd, _ = mpddp_floor(cfg, noise_for, min(sizes), releases=strategy.keys.releases())
+        out = []
+        for x in sub.participants[:3]:
+            conf = ConfigRecord({**msgs[x].content["config"], **sub.peer_keys(x).to_config(),
+                                 **DdpNoise(se, sd, sizes).to_config()})
+            out.append(Message(RecordDict({"arrays": msgs[x].content["arrays"], "config": conf}), x, "train"))
+        return list(grid.send_and_receive(out))
+
+    assert mpddp_floor(cfg, n, min(full.sizes), releases=strategy.keys.releases())[0] == pytest.approx(full.sigma_eta)
+    for size, why in ((81, "mpddp-sigma-eta"), (30, "participants")):
+        replies = send(size, noise_for=n)
+        assert replies and all(r.has_error() and why in r.error.reason for r in replies), \
+            [r.error.reason[:200] if r.has_error() else "accepted" for r in replies]
+        assert not any(_ledger_rounds(grid, r.metadata.src_node_id) for r in replies)
+    replies = send(81, noise_for=81)
+    assert not any(r.has_error() for r in replies), [r.error.reason[:200] for r in replies if r.has_error()]
+
+
+def test_mpddp_a_refused_view_does_not_spend_the_round():
+    """A train message with a graph seed of the server's choosing is refused before the ledger records the round."""
+    k_clients = 3
+    raw = {**app_defaults(), "method": "mpddp", "num-clients": k_clients, "num-rounds": 2, "hidden": "16",
+           "mask-corruption-rate": 0.0}
+    cfg = RunConfig.from_mapping(raw)
+    grid, strategy = LocalGrid(client_app, k_clients, raw), MpddpStrategy(cfg)
+    msg = next(iter(strategy.configure_train(1, _initial(cfg), ConfigRecord({"round": 1}), grid)))
+    node = msg.metadata.dst_node_id
+    pk = PeerKeys.from_config(msg.content["config"])
+    msg.content["config"].update(dataclasses.replace(pk, graph_seed=bytes(32)).to_config())
+    rep = grid.send_and_receive([msg])[0]
+    assert rep.has_error() and "graph seed" in rep.error.reason
+    assert _ledger_rounds(grid, node) == []
+    again = [m for m in strategy.configure_train(1, _initial(cfg), ConfigRecord({"round": 1}), grid)
+             if m.metadata.dst_node_id == node]
+    rep = grid.send_and_receive(again)[0]
+    assert not rep.has_error(), rep.error.reason
+    assert _ledger_rounds(grid, node) == [1]

@@ -33,7 +33,8 @@ from client.identity import node_identity
 from client.pairwise_phase import mask_probe, pair_seeds
 from client.records import to_record
 from client.recovery import remember, self_mask_upload
-from protocols.floor import FloorViolation, at_least, mpddp_floor, mpdp_naive_sigma
+from protocols.floor import FloorViolation, at_least, mpddp_complete, mpddp_floor, mpdp_naive_sigma
+from protocols.graphs import calibration_size, roster_round_of
 from protocols.mpddp import (
     clipped_client_gradients,
     ddp_client,
@@ -50,7 +51,7 @@ from protocols.mpddp import unflatten as mp_unflatten
 from protocols.privacy import DpEvent, GaussianEvent, noise_multiplier
 from protocols.schedule import roster_releases
 from protocols.wire.common import TrainIns
-from protocols.wire.keys import PeerKeys, probe_metric
+from protocols.wire.keys import MaskProbe, PeerKeys, probe_metric
 from protocols.wire.mpddp import DdpNoise, NaiveNoise, PerturbedModel, upload_arrays
 
 #: HKDF purpose of the pairwise Delta seeds (fixed on the client: the server cannot redirect it).
@@ -81,13 +82,18 @@ def _train(msg: Message, env: ClientEnv) -> Message:
         up = up.with_grads([g.double() for g in up.grads])
     metrics: dict[str, float] = {"clipped_fraction": clipped}
     if method == "mpddp":
+        noise = DdpNoise.from_config(cfg)
+        # Everything that can refuse comes before the ledger records the round.  The view check binds the sizes
+        # and scales in: clients shown different plans derive no common pair noise, so no Delta cancels.
+        seeds = pair_seeds(msg, env, DELTA_PURPOSE, view_extra=noise.pair_view())
         sigma_eta, sigma_delta, event = ddp_floor(msg, env)  # the client's own scales (privacy floor)
-        metrics.update(release(msg, env, downlink=event))  # the uploads: no guarantee
-        seeds = pair_seeds(msg, env, DELTA_PURPOSE)
         size = sum(int(np.prod(g.shape)) for g in up.grads)
         # Self-mask with the std of the upload's whole gradient noise.
         noise_var = eta_variance(sigma_eta, env.cfg.mpddp_eta) + delta_variance(sigma_delta) * len(seeds)
         mask = self_mask_upload(msg, env, size, math.sqrt(noise_var))
+        if env.cfg.cancellation_check:
+            MaskProbe.from_config(cfg)  # the probe seed must be there before the round is recorded
+        metrics.update(release(msg, env, downlink=event))  # the uploads: no guarantee
         remember(env, TrainIns.from_config(cfg).round, seeds,  # revealed only for neighbours that drop out
                  mask_keys=mask.keys if mask else None, threshold=mask.threshold if mask else 0)
         up, delta = ddp_client(up, own_id=env.node_id, pair_seeds=seeds,
@@ -119,17 +125,19 @@ def ddp_floor(msg: Message, env: ClientEnv) -> tuple[float, float, GaussianEvent
 
     Sensitivity: the record sensitivity of the smallest participant, from the public sizes the train
     message lists for the round's participants (the key phase's ``|D_i|``); the client checks that its
-    own entry is its own size (a smaller one than the truth only adds noise; a server that inflates the
-    others' sizes is outside the honest-server model these methods assume: their uploads carry no
-    guarantee, see :mod:`strategies.mpddp`).
+    own entry is its own size (a smaller one than the truth only adds noise).  The sizes and the sent scales
+    are bound into the pair seeds (:meth:`protocols.wire.mpddp.DdpNoise.pair_view`): a server that shows each
+    client another size list (the others' inflated) gets Deltas that do not cancel.
 
-    Complete graph: K = the client's peers + 1 (every participant is a neighbour), and the client uses
-    its own Theorem 10 scales, or the server's where larger (the server raises them to keep the run within
-    its epsilon target; the round event's multiplier grows by the smaller of the two factors).
-    n-out graph (Theorem 11): the client cannot see K, so its floor is the calibration for run-config
-    K = ``clients-per-round`` (the scales grow as K shrinks); it uses the server's scales once they pass
-    that floor (both ends of every pair must draw the same sigma_delta).  Scales below the floor are
-    refused (:class:`protocols.floor.FloorViolation`).
+    K: the participants the message lists (what an honest server calibrates for,
+    :meth:`strategies.key_phase.KeyRound.calibration_size`); a round whose K the theorems do not cover, or a
+    sparse roster graph of the round with so few present that a complete-graph calibration would apply
+    (:func:`protocols.graphs.calibration_size`, the server's check), is refused.
+    Complete graph (Theorem 10): the client uses its own scales for K, or the server's where larger (the server
+    raises them to keep the run within its epsilon target; the round event's multiplier grows by the smaller of
+    the two factors).  n-out graph (Theorem 11, scales that grow as K shrinks): it uses the server's scales once
+    they pass its floor for K (both ends of every pair must draw the same sigma_delta).  Scales below the floor
+    are refused (:class:`protocols.floor.FloorViolation`).  Call it after the view check (:func:`pair_seeds`).
     """
     cfg = env.cfg
     sent = DdpNoise.from_config(msg.content["config"])
@@ -140,13 +148,16 @@ def ddp_floor(msg: Message, env: ClientEnv) -> tuple[float, float, GaussianEvent
     own = sent.sizes[pk.participants.index(env.node_id)]
     if own != len(env.y):
         raise ValueError(f"server lists |D_i|={own} for node {env.node_id}, but it holds {len(env.y)} examples")
-    complete = cfg.graph != "n-out" or cfg.n_out >= cfg.clients_per_round - 1
-    k = len(pk.peer_ids) + 1 if complete else cfg.clients_per_round
-    t = roster_releases(cfg, node_identity(env).roster)  # the public schedule's most participations of a client
+    roster = node_identity(env).roster
+    rr = roster_round_of(cfg, roster, TrainIns.from_config(msg.content["config"]).round)
+    k = len(pk.participants)
+    t = roster_releases(cfg, roster)  # the public schedule's most participations of a client
     try:
+        calibration_size(rr, k, lambda n: mpddp_complete(cfg, n))
         se, sd, _theta = mpddp_floor(cfg, k, min(sent.sizes), releases=t)
     except ValueError as err:
         raise FloorViolation("participants", k, "a setting Theorems 10/11 cover", str(err)) from err
+    complete = mpddp_complete(cfg, k)
     at_least("mpddp-sigma-eta", sent.sigma_eta, se)
     at_least("mpddp-sigma-delta", sent.sigma_delta, sd)
     if complete:

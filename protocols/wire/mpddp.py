@@ -18,7 +18,9 @@ Messages of one round:
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -105,6 +107,21 @@ class DdpNoise:
         _check_scale(_SIGMA_DELTA, self.sigma_delta)
         if any(isinstance(n, bool) or int(n) != n or n < 1 for n in self.sizes):
             raise ValueError(f"'{_SIZES}' must hold integers >= 1")
+
+    def pair_view(self) -> bytes:
+        """SHA-256 of what fixes a client's pair std and its floor besides the graph: both sigmas and the sizes.
+
+        Bound into the pair seeds (:func:`client.pairwise_phase.pair_seeds`' ``view_extra``): two clients shown
+        different sizes or scales derive no common pair noise, so a server cannot calibrate each client's eta for
+        its own size list while one sigma_Delta keeps the Delta's cancelling.  The sizes are in the order of the
+        participant list, which the view digest binds.
+        """
+        h = hashlib.sha256(b"cancelfl/mpddp-pair-view/v1"
+                           + struct.pack(">dd", float(self.sigma_eta), float(self.sigma_delta)))
+        h.update(len(self.sizes).to_bytes(8, "big"))
+        for n in self.sizes:
+            h.update(int(n).to_bytes(8, "big"))
+        return h.digest()
 
     def to_config(self) -> dict[str, Any]:
         rec = {_SIGMA_ETA: float(self.sigma_eta), _SIGMA_DELTA: float(self.sigma_delta)}
