@@ -310,7 +310,9 @@ def answer_masked(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv,
                   signatures: SignedOutcomes | None = None) -> RecoveryReply:
     """Double masking: self-mask shares of the received neighbours, pair seeds of the dropped and excluded.
 
-    An excluded client (its upload held, not aggregated) answers too: it holds its neighbours' shares.
+    An excluded client (its upload held, not aggregated) answers too, with its neighbours' self-mask shares only:
+    its pair material is in no aggregated upload (its aggregated neighbours reveal their side), and revealing
+    it would strip its own pair noise from the upload the server holds.
     Refuses (and reveals nothing) when fewer than ``threshold`` neighbours are named received and not
     excluded while this client's own upload is to be aggregated, when the request asks for the other kind of
     material of a peer than this client already revealed, when the request's outcome differs from the one
@@ -321,7 +323,7 @@ def answer_masked(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv,
     kept = set(req.received) - excluded
     nbrs = set(store.material)
     alive = nbrs & kept
-    gone = nbrs - alive
+    gone = set() if env.node_id in excluded else nbrs - alive  # pair material goes out only from an aggregated node
     # Pair seeds go out for every neighbour not aggregated (dropped or excluded): at most d - t of them, else a
     # server splitting the neighbours' views could collect this node's self-mask and all its pair seeds.
     if env.node_id not in excluded and len(alive) < store.threshold:

@@ -324,7 +324,8 @@ class PairwiseRecovery:
             if rep is not None and rep.refused:
                 log(WARNING, "round %d: node %s refused to unmask: %s", state.round, node, rep.refused)
                 rep = None
-            expected = sorted(gone_set & set(neighbours.get(node, ())))
+            # An excluded node reveals no pair material (its aggregated neighbours reveal their side).
+            expected = sorted(gone_set & set(neighbours.get(node, ()))) if node in keep else []
             if rep is not None and sorted(rep.peers) != expected:
                 log(WARNING, "round %d: node %s revealed pair material for %s, expected %s", state.round, node,
                     sorted(rep.peers), expected)

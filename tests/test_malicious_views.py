@@ -378,3 +378,47 @@ def test_mpddp_a_refused_view_does_not_spend_the_round():
     rep = grid.send_and_receive(again)[0]
     assert not rep.has_error(), rep.error.reason
     assert _ledger_rounds(grid, node) == [1]
+
+
+def test_an_excluded_client_reveals_no_pair_material_of_its_own():
+    """A client told it is excluded answers with its neighbours' self-mask shares at most, never its pair material.
+
+    Sparse graph (nadp, n-out 2, 14 clients): the server rebuilds k's self-mask from its neighbours ("everyone
+    received"), then tells k itself it is excluded and its neighbours dropped, an outcome k's non-neighbours sign.
+    Its pair noise stays in the upload the server holds.
+    """
+    from protocols.masking import rebuild_seed
+
+    n = 14
+    raw = {**app_defaults(), "method": "nadp", "num-clients": n, "local-epochs": 1, "batch-size": 1000, "lr": 4.0,
+           "clip": 1.0, "hidden": "", "graph": "n-out", "n-out": 2}
+    cfg = RunConfig.from_mapping(raw)
+    grid, strategy = LocalGrid(client_app, n, raw), NadpStrategy(cfg)
+    msgs = list(strategy.configure_train(1, _initial(cfg), ConfigRecord({"round": 1}), grid))
+    replies = {r.metadata.src_node_id: r for r in grid.send_and_receive(msgs)}
+    assert not any(r.has_error() for r in replies.values())
+    graph = {v: sorted(nbrs) for v, nbrs in strategy._state.keys.neighbours.items()}
+    nodes, rate = sorted(graph), cfg.mask_corruption_rate
+
+    def signable(k: int) -> bool:  # every neighbour of k has enough signers outside k's neighbourhood
+        outside = set(nodes) - set(graph[k])
+        return all(len(outside & set(graph[j])) >= signatures_needed(len(graph[j]), len(graph[j]), rate)
+                   for j in graph[k])
+
+    k = next(v for v in nodes if signable(v))
+    near = graph[k]
+
+    def forwarded(node: int) -> dict:
+        return {x: SelfMaskShares.from_config(replies[x].content[SELF_MASK_RECORD]).sealed[node] for x in graph[node]}
+
+    shares = []
+    for j in near:  # outcome 1, to k's neighbours: everyone received
+        rep = recover(grid, j, nodes, [], forwarded=forwarded(j))
+        assert not rep.refused, rep.refused
+        shares += [s for x, s in zip(rep.mask_peers, rep.mask_shares, strict=True) if x == k]
+    commitment = SelfMaskShares.from_config(replies[k].content[SELF_MASK_RECORD]).commitment
+    assert rebuild_seed(shares, mask_threshold(len(near), rate), commitment) is not None
+    received = [v for v in nodes if v not in near]  # outcome 2: k excluded, its neighbours dropped
+    sigs = signed(sign(grid, received, received, near, [k]))
+    rep = recover(grid, k, received, near, excluded=[k], forwarded=forwarded(k), signatures=sigs)
+    assert not rep.refused and rep.peers == () and rep.material == (), rep  # no pair seed of its own goes out

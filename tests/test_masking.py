@@ -46,6 +46,9 @@ from strategies.nadp import NadpStrategy
 from strategies.stages import close_round
 from tests.consistency_setup import recover, sign, signed
 
+#: The niss attacks measure what is left against the nodes' noiseless-update diagnostic.
+pytestmark = pytest.mark.usefixtures("niss_diagnostics")
+
 NADP_FAST = {"local-epochs": 1, "batch-size": 1000, "lr": 4.0, "clip": 1.0, "hidden": ""}
 
 
