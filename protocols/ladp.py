@@ -366,6 +366,8 @@ def apply_layer_noise(
     layers: Mapping[str, np.ndarray],
     plan: Mapping[str, LayerNoise],
     rng: np.random.Generator | bytes,
+    *,
+    upload_dtype: np.dtype | type | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """Algorithm 4: add ``N(0, sigma_j^2)`` entry-wise to every selected layer.
 
@@ -373,7 +375,9 @@ def apply_layer_noise(
     from ``protocols.prg.gaussian`` under label ``"ladp/<name>"``, reproducible
     across machines).  Returns ``(noisy_layers, noise_l2_norm_per_layer)``;
     unselected layers are returned unchanged (copied) with norm 0.0.  Floating
-    layers keep their dtype; noise is generated in float64.
+    layers keep their dtype, or take ``upload_dtype`` (what the upload is sent in); noise is generated in float64.
+    Raises ValueError for a noised layer whose values are too large for its output dtype to keep the noise
+    (a grid coarser than ``sigma / ROUNDING_MARGIN``: a server-sent model could otherwise round it away).
     """
     if set(layers) != set(plan):
         raise ValueError("plan and layers have different layer names")
@@ -391,12 +395,26 @@ def apply_layer_noise(
     noisy: dict[str, np.ndarray] = {}
     report: dict[str, float] = {}
     for name, arr in arrays.items():
-        out_dtype = arr.dtype if np.issubdtype(arr.dtype, np.floating) else np.float64
+        out_dtype = np.dtype(upload_dtype) if upload_dtype is not None else (
+            arr.dtype if np.issubdtype(arr.dtype, np.floating) else np.dtype(np.float64))
         if name not in noises:
             noisy[name] = arr.astype(out_dtype, copy=True)
             report[name] = 0.0
             continue
         noise = noises[name].reshape(arr.shape)
-        noisy[name] = (arr.astype(np.float64) + noise).astype(out_dtype)
+        summed = arr.astype(np.float64) + noise
+        if out_dtype != np.float64 and arr.size:
+            # Cast back to a narrower float, values as large as the (server-sent) model's round noise away: refuse
+            # when the grid there is coarser than sigma / ROUNDING_MARGIN.
+            grid = float(np.spacing(np.asarray(np.max(np.abs(summed)), dtype=out_dtype)))
+            if not grid * ROUNDING_MARGIN <= plan[name].sigma:
+                raise ValueError(f"layer {name!r}: values up to {float(np.max(np.abs(summed))):.3g} are too large for "
+                                 f"{np.dtype(out_dtype).name} to keep noise of std {plan[name].sigma:.3g} (it would "
+                                 "round away); refusing the round")
+        noisy[name] = summed.astype(out_dtype)
         report[name] = float(np.linalg.norm(noise.ravel()))
     return noisy, report
+
+
+#: A layer cast back to a narrower float after its noise is added keeps a grid at most ``sigma / ROUNDING_MARGIN``.
+ROUNDING_MARGIN = 16.0

@@ -238,3 +238,18 @@ def test_analytic_constant_consistency() -> None:
     eps, delta = 2.0, 1e-5
     c = ladp.theorem3_c(eps, delta, 0.3, "analytic")
     assert c == pytest.approx(0.3 * eps * analytic_gaussian_sigma(eps, delta, 1.0), rel=1e-14)
+
+
+def test_noise_a_narrower_upload_dtype_would_round_away_is_refused():
+    """A server-sent model with huge weights: cast to float32 after the noise is added, the noise would vanish."""
+    from protocols.ladp import LayerNoise, apply_layer_noise
+
+    plan = {"w": LayerNoise(selected=True, norm=1.0, kl=0.1, privacy=0.1, sigma=0.03)}
+    seed = bytes(32)
+    huge = {"w": np.full(64, 2.0 ** 24)}
+    with pytest.raises(ValueError, match="round away"):
+        apply_layer_noise(huge, plan, seed, upload_dtype=np.float32)
+    kept, _ = apply_layer_noise(huge, plan, seed)  # float64 keeps it
+    assert np.std(kept["w"] - huge["w"]) > 0.01
+    small, _ = apply_layer_noise({"w": np.full(64, 3.0)}, plan, seed, upload_dtype=np.float32)
+    assert small["w"].dtype == np.float32 and np.std(small["w"] - 3.0) > 0.01

@@ -71,7 +71,7 @@ def train(msg: Message, env: ClientEnv) -> Message:
     )
     scale = noise_scale_of(msg.content["config"])  # the server may raise the noise (budget guard), never lower it
     plan = {name: replace(entry, sigma=entry.sigma * scale) for name, entry in plan.items()}
-    noisy, _ = ladp.apply_layer_noise(local_w, plan, _noise_seed())
+    noisy, _ = ladp.apply_layer_noise(local_w, plan, _noise_seed(), upload_dtype=np.float32)
     # Every reported figure is public (the plan's): the realised noise norm would reveal the noise itself.
     report = NoiseReport(
         layers={name: LayerNoise(noise_norm=entry.sigma * math.sqrt(np.size(local_w[name])), sigma=entry.sigma,
