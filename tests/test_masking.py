@@ -252,7 +252,14 @@ def test_second_dropout_during_recovery_does_not_fail_the_round(pinned):
 @pytest.mark.parametrize("self_mask", [True, False])
 def test_mpddp_recovery_lie_leaves_the_target_its_upload_noise(self_mask):
     """mpddp, 8 real clients: all of k's neighbours told "k dropped" reveal their Delta seeds with k, no mask share."""
-    from protocols.mpddp import clipped_client_gradients, delta_variance, eta_variance, one_hot, pairwise_delta
+    from protocols.mpddp import (
+        clipped_client_gradients,
+        delta_variance,
+        eta_variance,
+        mask_reference,
+        one_hot,
+        pairwise_delta,
+    )
     from protocols.mpddp import flatten as mp_flatten
     from protocols.wire.mpddp import PerturbedModel, upload_from_record
     from strategies.mpddp import MpddpStrategy
@@ -277,10 +284,11 @@ def test_mpddp_recovery_lie_leaves_the_target_its_upload_noise(self_mask):
         seeds[j] = rep.by_peer()[k]
         shares += [s for x, s in zip(rep.mask_peers, rep.mask_shares, strict=True) if x == k]
     env = ClientEnv.from_context(grid.contexts[k])
-    w_hat = [torch.from_numpy(m).double() for m in PerturbedModel.from_record(msgs[0].content["arrays"]).matrices]
+    received = PerturbedModel.from_record(msgs[0].content["arrays"]).matrices
+    w_hat = [torch.from_numpy(m).double() for m in received]
     x = torch.from_numpy(np.asarray(env.x).reshape(len(env.x), -1)).double()
     y = one_hot(torch.from_numpy(np.asarray(env.y)), env.num_classes, torch.float64)
-    grad = mp_flatten(clipped_client_gradients(w_hat, x, y, cfg.clip)[0].grads)
+    grad = mp_flatten(clipped_client_gradients(w_hat, x, y, cfg.clip, rho=mask_reference(received[-1]))[0].grads)
     upload = mp_flatten(upload_from_record(replies[k].content["arrays"], len(cfg.hidden_sizes) + 1).grads)
     left = upload - grad - pairwise_delta(grad.size, own_id=k, pair_seeds=seeds, sigma_delta=st.noise.sigma_delta)
     eta_var = eta_variance(st.noise.sigma_eta, cfg.mpddp_eta)
