@@ -77,7 +77,7 @@ def test_mpddp_on_an_n_out_graph_stops_before_the_round_that_would_cross():
 
 @pytest.mark.parametrize("composition", ["basic", "pld"])
 def test_ddpsa_runs_its_decaying_schedule_to_the_end(run_inprocess, composition):
-    """Exponential eps_t: round 1 is the dearest, yet the planned rounds fit; the guard used to stop before round 3."""
+    """Exponential eps_t: round 1 is the dearest, yet the planned rounds fit (projecting the dearest would stop round 3)."""
     summary, rows = run_inprocess(method="ddpsa", dataset="breast-cancer", num_clients=3, num_rounds=3,
                                   ddpsa_allocation="exponential", ddpsa_composition=composition, epsilon=2.0)
     assert summary["stopped"] is None and summary["failed_rounds"] == [] and len(rows) == 3
