@@ -32,8 +32,8 @@ from torch import nn
 from client.env import ClientEnv
 from client.floor import admit
 from client.methods import query_actions, query_handler, train_handler
-from protocols.config import ConfigError, RunConfig
-from protocols.wire.settings import MISMATCH, changed_keys, settings_of
+from protocols.config import ConfigError, RunConfig, changed_keys
+from protocols.wire.settings import MISMATCH, settings_of
 
 #: ``Context.state`` record of the settings this node pinned for its run: ``run-id`` and the mapping as ``json``.
 PINNED_KEY = "cancelfl-run-settings"

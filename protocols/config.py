@@ -13,10 +13,11 @@ configs without a running Flower app.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -49,7 +50,7 @@ def is_import_path(value: str) -> bool:
     module, sep, attr = value.partition(":")
     return bool(sep) and all(p.isidentifier() for p in module.split(".")) and attr.isidentifier()
 PARTITIONINGS = ("iid", "dirichlet", "size-skew")
-__all__ = ["ConfigError", "RunConfig", "clients_sampled", "parse_run_config"]
+__all__ = ["ConfigError", "RunConfig", "TRUE_WORDS", "changed_keys", "clients_sampled", "is_on", "parse_run_config"]
 
 
 def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
@@ -332,6 +333,26 @@ def _attr(key: str) -> str:
     return key.replace("-", "_")
 
 
+#: Text that turns a boolean setting on (any case): run-config values, node config, environment variables.
+TRUE_WORDS = ("true", "1", "yes")
+
+
+def is_on(value: Any) -> bool:
+    """Whether ``value`` turns a boolean setting on: ``True``, or text in :data:`TRUE_WORDS` (any case, as given)."""
+    return value is True or (isinstance(value, str) and value.lower() in TRUE_WORDS)
+
+
+def changed_keys(stored: Mapping[str, Any], cfg: RunConfig, ignore: Collection[str] = ()) -> list[str]:
+    """The run-config keys outside ``ignore`` whose value in ``cfg`` differs from ``stored``.
+
+    ``stored``: a run config as :meth:`RunConfig.to_mapping` gives it, kept as JSON (a checkpoint, a run's pinned
+    settings); values compare as JSON, so a list read back equals the tuple it was written from.
+    """
+    now = cfg.to_mapping()
+    return sorted(k for k in set(stored) | set(now) if k not in ignore
+                  and json.dumps(stored.get(k), sort_keys=True) != json.dumps(now.get(k), sort_keys=True))
+
+
 def _type_of(f: dataclasses.Field) -> type:
     """The Python type of a field's default (the type a run-config value is coerced to)."""
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
@@ -350,7 +371,7 @@ def _coerce(key: str, value: Any, target: type) -> Any:
             if isinstance(value, bool):
                 return value
             if isinstance(value, str):
-                if value.lower() in ("true", "1", "yes"):
+                if value.lower() in TRUE_WORDS:
                     return True
                 if value.lower() in ("false", "0", "no"):
                     return False

@@ -23,6 +23,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocols.config import is_on
 from protocols.wire.common import (
     TrainIns,
     merge_configs,
@@ -216,7 +217,7 @@ DIAGNOSTICS_ENV = "CANCELFL_DIAGNOSTICS"
 
 def diagnostics_allowed() -> bool:
     """Whether this node's operator allows the noiseless-update diagnostic (:data:`DIAGNOSTICS_ENV`)."""
-    return os.environ.get(DIAGNOSTICS_ENV, "").strip().lower() in ("1", "true", "yes")
+    return is_on(os.environ.get(DIAGNOSTICS_ENV, "").strip())
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ works where Flower passes no run config (``flwr.simulation.run_simulation``).  W
 config names a method too, the two must agree: a client/server mismatch is refused with the fix named.
 A diagnostic that reveals more than the method's protection (:data:`CLIENT_ONLY`: ``cancellation-check``) is
 only acted on when the client's own run config turns it on too.  The client pins the settings of a run's
-first message and refuses a later message of the run that carries others (:func:`changed_keys`,
+first message and refuses a later message of the run that carries others (:func:`protocols.config.changed_keys`,
 :func:`client.api.client_env`).
 """
 
@@ -16,7 +16,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from protocols.config import ConfigError, RunConfig
+from protocols.config import ConfigError, RunConfig, is_on
 
 #: The record that holds the strategy's settings (run-config keys, resolved values; :func:`settings_config`).
 KEY = "cancelfl-settings"
@@ -26,7 +26,6 @@ MISMATCH = "cancelfl settings mismatch:"
 #: Switches a client acts on only when its own run config sets them too: diagnostics that let an upload reveal
 #: more than the method's protection (``cancellation-check``: each client's mask projection or noiseless update).
 CLIENT_ONLY = ("cancellation-check",)
-_TRUE = ("true", "1", "yes")
 
 
 def settings_config(cfg: RunConfig) -> dict[str, Any]:
@@ -62,15 +61,9 @@ def settings_of(content: Mapping[str, Any] | None, run_config: Mapping[str, Any]
     sent_on = cfg.to_mapping()
     for key in CLIENT_ONLY:
         own = run_config.get(key, False)
-        if sent_on.get(key) is True and not (own is True or (isinstance(own, str) and own.lower() in _TRUE)):
+        if sent_on.get(key) is True and not is_on(own):
             raise ConfigError(f"{MISMATCH} the ServerApp's strategy turns on '{key}' (a diagnostic that reveals "
                               f"more of each upload than the method's protection) but this ClientApp's run config "
                               f"does not; set run-config {key}=true on the client too, or turn it off in the strategy")
     return cfg
 
-
-def changed_keys(pinned: Mapping[str, Any], cfg: RunConfig) -> list[str]:
-    """The run-config keys whose value in ``cfg`` differs from ``pinned`` (a run's first settings, as mapped)."""
-    now = cfg.to_mapping()
-    return sorted(k for k in set(pinned) | set(now)
-                  if json.dumps(pinned.get(k), sort_keys=True) != json.dumps(now.get(k), sort_keys=True))

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from protocols.config import ConfigError, RunConfig
+from protocols.config import ConfigError, RunConfig, changed_keys
 
 CHECKPOINT_JSON = "checkpoint.json"
 #: The model of a checkpoint: one file per round, named in checkpoint.json (older ones removed after the switch).
@@ -232,13 +232,6 @@ def load_checkpoint(out_dir: str | Path) -> Checkpoint:
         raise ResumeError(f"cannot resume: the checkpoint in {out} is damaged ({type(err).__name__}: {err})") from err
 
 
-def changed_keys(stored: Mapping[str, Any], cfg: RunConfig) -> list[str]:
-    """Run-config keys whose value differs from the checkpoint's (except :data:`RESUME_MAY_CHANGE`)."""
-    now = cfg.to_mapping()
-    return sorted(k for k in set(stored) | set(now)
-                  if k not in RESUME_MAY_CHANGE and stored.get(k) != now.get(k))
-
-
 def resume_overrides(out_dir: str | Path, overrides: Mapping[str, Any]) -> dict[str, Any]:
     """The run config to resume the run in ``out_dir``: the stored one, plus ``resume`` and location keys.
 
@@ -273,7 +266,7 @@ def load_for_resume(out_dir: str | Path, cfg: RunConfig, strategy: Any) -> Check
     privacy charge is restored: the repeated round is charged again, so epsilon is never under-counted.
     """
     ckpt = load_checkpoint(out_dir)
-    changed = changed_keys(ckpt.config, cfg)
+    changed = changed_keys(ckpt.config, cfg, ignore=RESUME_MAY_CHANGE)
     if changed:
         raise ResumeError("cannot resume: the run config differs from the checkpoint's in "
                           + ", ".join(f"'{k}' ({ckpt.config.get(k)!r} -> {cfg.to_mapping().get(k)!r})" for k in changed))

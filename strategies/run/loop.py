@@ -32,6 +32,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from protocols.arrays import Weights
+from protocols.config import is_on
 from protocols.methods import method_spec
 from protocols.privacy.signal import MeasuredSignal
 from protocols.trace import trace, traced_cpu, tracing
@@ -170,7 +171,7 @@ VERBOSE_ENV = "CANCELFL_VERBOSE"
 
 def verbose_from_env() -> bool:
     """True when :data:`VERBOSE_ENV` is ``1``/``true``/``yes``."""
-    return os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes")
+    return is_on(os.environ.get(VERBOSE_ENV, "").strip())
 
 
 def _kb(n: float) -> str:
