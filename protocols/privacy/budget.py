@@ -231,15 +231,6 @@ def empty_like(ledger: PrivacyLedger) -> PrivacyLedger:
     return PrivacyLedger(ledger.delta, uplink=up, downlink=down, headline=ledger.headline, extra=extra)
 
 
-def _accounts(ledger: PrivacyLedger) -> list[tuple[str, Accountant]]:
-    """Every distinct accountant of the ledger, named (views, then extras)."""
-    out: list[tuple[str, Accountant]] = []
-    for name, acc in (("uplink", ledger.uplink), ("downlink", ledger.downlink), *ledger.extra.items()):
-        if acc is not None and not any(acc is a for _, a in out):
-            out.append((name, acc))
-    return out
-
-
 def _shortfall(into: Accountant, planned: Accountant | None, real: Accountant) -> None:
     """Compose into ``into`` the precision ``real`` holds beyond ``planned`` (the real events if not a precision)."""
     p_real = precision(real)
@@ -263,9 +254,9 @@ def top_up(ledger: PrivacyLedger, planned: PrivacyLedger, real: PrivacyLedger) -
     additive in it; an account without a precision gets the real releases on top (an over-count).
     A unit charged less than planned keeps the planned charge.
     """
-    plan = dict(_accounts(planned))
-    for name, acc in _accounts(real):
-        into = dict(_accounts(ledger))[name]
+    plan, into_of = dict(planned.accounts()), dict(ledger.accounts())
+    for name, acc in real.accounts():
+        into = into_of[name]
         before = plan.get(name)
         if isinstance(acc, PerUnitAccountant):
             assert isinstance(into, PerUnitAccountant)
@@ -292,9 +283,9 @@ def round_events(before: PrivacyLedger, after: PrivacyLedger) -> dict[str, list[
     ``before`` is an earlier state of the same ledger.  A per-unit account gives the releases of the unit whose
     epsilon (at the ledger's delta) grew most.  None when an account keeps no event log.
     """
-    prior = dict(_accounts(before))
+    prior = dict(before.accounts())
     out: dict[str, list[Event]] = {}
-    for name, acc in _accounts(after):
+    for name, acc in after.accounts():
         was = prior.get(name)
         if isinstance(acc, PerUnitAccountant):
             assert was is None or isinstance(was, PerUnitAccountant)
@@ -319,7 +310,7 @@ def round_events(before: PrivacyLedger, after: PrivacyLedger) -> dict[str, list[
 def view_events(ledger: PrivacyLedger, event: Event) -> dict[str, list[Event]]:
     """``event`` composed into both views of ``ledger`` (:meth:`PrivacyLedger.compose`), named as in :func:`round_events`."""
     views = [a for a in (ledger.uplink, ledger.downlink) if a is not None]
-    return {name: [event] for name, acc in _accounts(ledger) if any(acc is v for v in views)}
+    return {name: [event] for name, acc in ledger.accounts() if any(acc is v for v in views)}
 
 
 def _log_added(was: Accountant | None, now: Accountant) -> list[Event] | None:
@@ -335,7 +326,7 @@ def epsilon_after(ledger: PrivacyLedger, events: dict[str, list[Event]], units: 
     ``ledger`` itself is not changed.
     """
     trial = PrivacyLedger.from_state(ledger.to_state())
-    accounts = dict(_accounts(trial))
+    accounts = dict(trial.accounts())
     for name, evs in events.items():
         acc = accounts[name]
         if isinstance(acc, PerUnitAccountant):

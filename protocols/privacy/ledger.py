@@ -61,13 +61,17 @@ class PrivacyLedger:
                 compose_into(acc, event, units)
                 seen.append(acc)
 
+    def accounts(self) -> list[tuple[str, Accountant]]:
+        """Every distinct accountant of the ledger, named (views, then extra accounts; a shared one once)."""
+        out: list[tuple[str, Accountant]] = []
+        for name, acc in (("uplink", self.uplink), ("downlink", self.downlink), *self.extra.items()):
+            if acc is not None and not any(acc is a for _, a in out):
+                out.append((name, acc))
+        return out
+
     def per_unit(self) -> list[PerUnitAccountant]:
         """The ledger's per-unit accountants (each once, views and extra accounts)."""
-        out: list[PerUnitAccountant] = []
-        for acc in (self.uplink, self.downlink, *self.extra.values()):
-            if isinstance(acc, PerUnitAccountant) and not any(acc is a for a in out):
-                out.append(acc)
-        return out
+        return [acc for _, acc in self.accounts() if isinstance(acc, PerUnitAccountant)]
 
     @staticmethod
     def _epsilon(acc: Accountant | None, delta: float) -> float:
