@@ -261,14 +261,13 @@ class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
     def charge_release(self, state: MpRound) -> None:
         """The planned round, per participant: a Gaussian of multiplier z (complete) or an (eps/T, delta/T) round.
 
-        Theorem 10 / 11; T = the releases of the public schedule (:meth:`_releases`).
+        Theorem 10 / 11; T = the releases of the public schedule (:meth:`_releases`): :meth:`planned_release`, the
+        Gaussian's multiplier raised by the budget guard's ``noise_scale``.
         """
-        t = self._releases()
-        if self._complete(self.cfg.clients_per_round):
-            z = noise_multiplier(self.cfg.epsilon, self.cfg.delta, t)
-            self.privacy.compose(GaussianEvent(z * self.noise_scale), units=state.participants)
-        else:
-            self.privacy.compose(DpEvent(self.cfg.epsilon / t, self.cfg.delta / t), units=state.participants)
+        event = self.planned_release(state.round)
+        if isinstance(event, GaussianEvent):
+            event = GaussianEvent(event.noise_multiplier * self.noise_scale)
+        self.privacy.compose(event, units=state.participants)
 
 
 class MpdpNaiveStrategy(MpStrategyBase):
