@@ -16,12 +16,12 @@ topology as ``docker/docker-compose.yml``, without containers.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
 from protocols.config import ConfigError, RunConfig
+from protocols.identity import Roster
 from protocols.methods import local_services
 from protocols.tls import CertificateAuthority
 from server.defaults import app_defaults
@@ -257,10 +257,8 @@ def node_identities(folder: Path, names: list[str]) -> tuple[dict[str, Path], Pa
     """
     keys = {name: folder / f"{name}.key" for name in names}
     roster = folder / "roster.json"
-    if roster.is_file() and all(k.is_file() for k in keys.values()):
-        listed = set(json.loads(roster.read_text()).get("nodes", {}))
-        if listed == set(names):
-            return keys, roster
+    if roster.is_file() and all(k.is_file() for k in keys.values()) and set(Roster.load(roster)) == set(names):
+        return keys, roster
     return make_identities(folder, names)
 
 
