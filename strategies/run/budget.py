@@ -212,11 +212,11 @@ class BudgetGuard:
 
     def after_round(self) -> None:
         """Learn what the round just accounted cost per unit (normalised to noise scale 1)."""
+        now = self.strategy.privacy.report()["epsilon"] if self._before_ledger is not None or self.guarded else math.nan
         if self._before_ledger is not None:
             before = PrivacyLedger.from_state(self._before_ledger)
             self._before_ledger = None
             events = round_events(before, self.strategy.privacy)
-            now = self.strategy.privacy.report()["epsilon"]
             if events and any(events.values()):
                 cost = now - before.report()["epsilon"]
                 if math.isfinite(cost) and cost >= self.dearest_epsilon:
@@ -225,14 +225,14 @@ class BudgetGuard:
                     and _above(now, epsilon_after(before, self._planned, self._units))):
                 self.dearer.append(self._round)
             self._planned = None
-        if self.guarded and math.isfinite(eps := self.strategy.privacy.report()["epsilon"]):
-            self.last_epsilon = eps
+        if self.guarded and math.isfinite(now):
+            self.last_epsilon = now
         if self._before is None:
             return
-        now = budget_shares(self.strategy.privacy, self.epsilon)
-        if now is None:
+        shares = budget_shares(self.strategy.privacy, self.epsilon)
+        if shares is None:
             return
-        costs = [p - self._before.get(key, 0.0) for key, p in now.items()]
+        costs = [p - self._before.get(key, 0.0) for key, p in shares.items()]
         cost = max((c for c in costs if math.isfinite(c)), default=0.0)
         self.dearest = max(self.dearest, cost * self.decision.scale**2)
         self._before = None
