@@ -27,7 +27,7 @@ from protocols.tls import CertificateAuthority
 from server.defaults import app_defaults
 from server.flower_commands import flower_env, submit, superlink_cmd, write_connection
 from server.intermediate.launcher import IntermediateServerCluster, local_intermediate_servers, start_intermediate_servers
-from server.keys import make_identities
+from server.keys import make_identities, node_name
 from server.processes import Processes, free_port, wait_for_port, workspace
 from strategies.run.checkpoint import IDENTITY_DIR, clear_outputs, ledger_dir, resolve_out_dir, run_outcome
 
@@ -188,12 +188,12 @@ class LocalCluster:
             # Node identities as `cancelfl keys gen` + `cancelfl keys roster` make them; each node's config points
             # at its own private key and the roster (require-identity: no silent fall-back to derived identities).
             keys, self.roster = node_identities(Path(self.identity_dir) if self.identity_dir else self.work / "identities",
-                                                [f"node-{i}" for i in range(self.num_supernodes)])
+                                                [node_name(i) for i in range(self.num_supernodes)])
             if self.n_intermediate:
                 self._servers = start_intermediate_servers(self.n_intermediate, self.roster, ca=ca)
                 self.intermediate = self._servers.addresses
             for i in range(self.num_supernodes):
-                node_config = (f'partition-id={i} num-partitions={self.num_supernodes} identity-key="{keys[f"node-{i}"]}" '
+                node_config = (f'partition-id={i} num-partitions={self.num_supernodes} identity-key="{keys[node_name(i)]}" '
                                f'roster="{self.roster}" require-identity=true')
                 if self.ledger_dir:
                     node_config += f' ledger-dir="{self.ledger_dir}"'

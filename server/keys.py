@@ -77,6 +77,11 @@ def seeded_identity(seed: int, name: str) -> Identity:
     return Identity(name, Ed25519PrivateKey.from_private_bytes(raw))
 
 
+def node_name(index: int) -> str:
+    """Roster name of node ``index`` of the nodes the launcher starts (in-process grid, ``cancelfl deploy``)."""
+    return f"node-{int(index)}"
+
+
 def make_identities(folder: Path, names: list[str], *, seed: int | None = None) -> tuple[dict[str, Path], Path]:
     """``keys gen`` for every name plus ``keys roster``: (name -> private key path, roster path).
 

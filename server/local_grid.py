@@ -25,7 +25,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-from server.keys import make_identities
+from server.keys import make_identities, node_name
 
 SERVER_NODE_ID = 1  # the SuperLink node id Flower uses for the ServerApp
 
@@ -73,10 +73,10 @@ class LocalGrid(Grid):
         if identities and "identity-key" not in extra:
             self._identity_tmp = tempfile.TemporaryDirectory(prefix="cancelfl-identities-")
             # Seeded by the run seed: a run with the same seed samples the same clients (see server.keys.generate).
-            keys, roster = make_identities(Path(self._identity_tmp.name), [f"node-{i}" for i in range(num_nodes)],
+            keys, roster = make_identities(Path(self._identity_tmp.name), [node_name(i) for i in range(num_nodes)],
                                            seed=int(run_config.get("seed", 0) or 0))
             for i, nid in enumerate(self.node_ids):
-                self.contexts[nid].node_config.update({"identity-key": str(keys[f"node-{i}"]), "roster": str(roster)})
+                self.contexts[nid].node_config.update({"identity-key": str(keys[node_name(i)]), "roster": str(roster)})
         #: Nodes that silently drop every message (set by tests to simulate dropout).
         self.offline: set[int] = set()
         #: Wall time spent inside each node's ClientApp (seconds), for overhead figures.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from protocols.config import ConfigError, RunConfig
 from protocols.identity import DerivedRoster, IdentityError, Roster
-from server.keys import seeded_identity
+from server.keys import node_name, seeded_identity
 from strategies.run.checkpoint import IDENTITY_DIR, load_checkpoint
 
 #: Engine -> the command that resumes a run on it.
@@ -26,7 +26,7 @@ def engine_roster_digest(engine: str, cfg: RunConfig, out: str | Path) -> bytes 
     if engine == "simulation":
         return DerivedRoster(int(cfg.seed), int(cfg.num_clients)).digest()
     if engine == "inprocess":  # server.local_grid.LocalGrid's seeded identities node-<i>
-        names = [f"node-{i}" for i in range(int(cfg.num_clients))]
+        names = [node_name(i) for i in range(int(cfg.num_clients))]
         return Roster({n: seeded_identity(int(cfg.seed), n).public_bytes for n in names}).digest()
     path = Path(out) / IDENTITY_DIR / "roster.json"
     try:
