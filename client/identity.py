@@ -8,8 +8,10 @@ Node config (``flower-supernode --node-config 'identity-key="/keys/node-0.key" r
 Without them (Flower's simulation cannot give a node files) the node uses identities derived from the run-config
 ``seed`` (:func:`protocols.identity.derived_identity`, names ``partition-<i>``): anyone who knows the run config,
 the server included, can sign for them, so they authenticate nothing against a malicious server; a warning says so
-once per run and machine (:func:`first_notice_of_run`).  ``cancelfl deploy``, docker-compose and the in-process
-engine give every node a real identity.
+once per run and machine (:func:`first_notice_of_run`); a node whose policy asks for a guarantee refuses to pair
+with them (:func:`authenticating_identity`).  ``cancelfl deploy`` and docker-compose give every node an identity
+from the OS CSPRNG; the in-process engine writes identity files whose keys derive from the run seed (server and
+clients share one process there).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from flwr.common import log
 
 from client.env import ClientEnv
 from protocols.config import ConfigError
+from protocols.floor import FloorPolicy
 from protocols.identity import (
     DerivedRoster,
     Identity,
@@ -122,13 +125,24 @@ def sign_key(env: ClientEnv, key_epoch: int, x25519_public: bytes) -> tuple[str,
     return me.name, me.identity.sign(statement)
 
 
+def authenticating_identity(env: ClientEnv) -> NodeIdentity:
+    """The node's identity where peers' identities protect its noise (pair keys, pushes a server must not forge).
+
+    Refuses (:class:`protocols.floor.FloorViolation`, :meth:`protocols.floor.FloorPolicy.check_identity`) a
+    simulation identity when the node's policy asks for a guarantee.
+    """
+    me = node_identity(env)
+    FloorPolicy.from_node_config(env.context.node_config).check_identity(derived=me.derived)
+    return me
+
+
 def verify_peers(env: ClientEnv, pk: PeerKeys, indices: Sequence[int]) -> None:
     """Authenticate the peers at ``indices`` of ``pk`` against the roster (IdentityError naming the node).
 
     Also refuses a peer that claims this node's own name, and two peers under one name (one identity
-    cannot hold two node ids of a round).
+    cannot hold two node ids of a round), and simulation identities as :func:`authenticating_identity` does.
     """
-    me = node_identity(env)
+    me = authenticating_identity(env)
     names = [pk.name_of(i) for i in range(len(pk.peer_ids))]
     for i in indices:
         node, name = pk.peer_ids[i], names[i]

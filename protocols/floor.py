@@ -148,6 +148,20 @@ class FloorPolicy:
         """Whether the node asks for a bounded privacy loss at all (refuses methods without one)."""
         return self.max_epsilon_per_run is not None or self.lifetime_epsilon is not None
 
+    def check_identity(self, *, derived: bool) -> None:
+        """Refuse to authenticate peers with simulation identities (``derived``) when the node asks for a guarantee.
+
+        Simulation identities (:func:`protocols.identity.derived_identity`) follow from the run config's seed: a
+        server signs its own X25519 keys as any peer, derives every pair seed, relay key and self-mask share key of
+        the node, and strips all its pair noise, while the ledger charges the epsilon the pair noise was meant to give.
+        """
+        if self.wants_guarantee and derived:
+            raise FloorViolation("identity-key", "a simulation identity derived from the run seed",
+                                 "this node's own identity and roster",
+                                 "whoever knows the run config can sign keys as any peer and strip this node's pair "
+                                 "noise; set node config 'identity-key' and 'roster' (`cancelfl keys`), as this node's "
+                                 "'max-epsilon-per-run' / 'lifetime-epsilon' asks for a guarantee")
+
     def check_run(self, cfg: RunConfig, *, protected: bool) -> None:
         """Refuse a run config beyond the node's limits; ``protected`` = the method noises the upload itself."""
         if self.wants_guarantee and not protected:

@@ -18,9 +18,13 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from client.app import app as client_app
 from client.env import ClientEnv
 from client.identity import node_identity
+from client.ledger import ClientLedger, ledger_dir
+from client.methods.ddpsa import train as ddpsa_train
 from client.pairwise_phase import pair_seeds
 from client.records import to_record
+from client.recovery import RecoveryStore
 from protocols.config import ConfigError, RunConfig
+from protocols.floor import FloorViolation
 from protocols.graphs import present_graph, roster_round
 from protocols.identity import (
     DerivedRoster,
@@ -35,12 +39,14 @@ from protocols.identity import (
     verify_key,
     view_digest,
 )
-from protocols.keyagreement import generate_keypair
+from protocols.keyagreement import agree, derive_pair_seed, generate_keypair
 from protocols.niss import aggregation_weights
 from protocols.task.data import dataset_for
 from protocols.task.models import build_model, get_weights
 from protocols.wire.common import TrainIns, merge_configs
+from protocols.wire.ddpsa import DdpsaRound
 from protocols.wire.keys import PeerKeys
+from protocols.wire.nadp import NadpPlan
 from protocols.wire.niss import ShareRequest
 from server.defaults import app_defaults
 from server.launch import main as cancelfl
@@ -152,7 +158,14 @@ class _Tamper(KeyPhase):
 
     def run(self, strategy, grid, server_round, nodes) -> KeyRound:
         kr = super().run(strategy, grid, server_round, nodes)
-        fake = {n: generate_keypair().public_bytes for n in kr.participants}  # the server knows their private halves
+        self.fake = {n: generate_keypair() for n in kr.participants}  # the server knows their private halves
+        fake = {n: kp.public_bytes for n, kp in self.fake.items()}
+        if self.how == "derived":  # signed with the simulation identities the run seed gives every name
+            sign = {n: (name, derived_identity(self.cfg.seed, name).sign(key_statement(
+                run_id=grid.run.run_id, key_epoch=kr.key_epoch, name=name, node_id=n, x25519_public=fake[n])))
+                for n, (name, _) in kr.signed_by.items()}
+            self.real = dict(kr.public_keys)
+            return dataclasses.replace(kr, public_keys=fake, signed_by=sign)
         if self.how == "substitute":  # the server's keys under the victims' real names and signatures
             return dataclasses.replace(kr, public_keys=fake)
         if self.how == "unsigned":
@@ -169,21 +182,23 @@ class _RecordingGrid(LocalGrid):
     """Keeps every error reply (any phase) so that the test can read why clients refused."""
 
     def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        self.sent += messages
         replies = list(super().send_and_receive(messages, timeout=timeout))
         self.errors += [r.error.reason for r in replies if r.has_error()]
         self.replies += replies
         return replies
 
 
-def _one_round(method: str, make_strategy, identities: bool = True, **over):
+def _one_round(method: str, make_strategy, identities: bool = True, node_config: dict | None = None, **over):
     raw = {**app_defaults(), "method": method, "num-clients": N, **over}
     cfg = RunConfig.from_mapping(raw)
-    grid = _RecordingGrid(client_app, N, raw, identities=identities)
+    grid = _RecordingGrid(client_app, N, raw, identities=identities, node_config=node_config)
     strategy = make_strategy(cfg)
     ds = dataset_for(cfg)
     arrays = to_record(get_weights(build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes,
                                                cfg.seed)), strategy.wire_dtype)
-    grid.errors, grid.replies = [], []
+    grid.errors, grid.replies, grid.sent = [], [], []
     try:
         msgs = list(strategy.configure_train(1, arrays, ConfigRecord({"round": 1}), grid))
         close_round(strategy, grid, strategy._state, list(grid.send_and_receive(msgs)))
@@ -222,6 +237,61 @@ def test_unsigned_and_unknown_keys_are_refused(how, reason):
 def test_honest_round_with_identities_cancels(identities):
     grid, strategy, failure = _one_round("nadp", NadpStrategy, identities, **{"cancellation-check": True})
     assert failure is None and grid.errors == [] and strategy.round_report()["cancellation_residual"] < 1e-9
+
+
+def _server_seeds(grid: _RecordingGrid, keys: _Tamper, cfg: RunConfig, purpose: str) -> dict[int, dict[int, bytes]]:
+    """Per train message: the pair seeds the server derives from its own keys and the view it sent."""
+    out = {}
+    for msg in grid.sent:
+        if msg.metadata.message_type != "train":
+            continue
+        rec, node = msg.content["config"], msg.metadata.dst_node_id
+        pk, rnd = PeerKeys.from_config(rec), TrainIns.from_config(rec).round
+        view = view_digest(run_id=grid.run.run_id, round_num=rnd, key_epoch=pk.key_epoch, graph=cfg.graph, n_out=cfg.n_out,
+                           graph_seed=pk.graph_seed, participants=pk.participants, names=pk.participant_names)
+        context = grid.run.run_id.to_bytes(8, "big") + view + NadpPlan.from_config(rec).pair_view()
+        out[node] = {p: derive_pair_seed(agree(keys.fake[p], keys.real[node]), purpose=purpose, round_num=rnd,
+                                         node_a=node, node_b=p, context=context) for p in pk.peer_ids}
+    return out
+
+
+def test_simulation_identities_let_the_server_derive_every_pair_seed():
+    """What the next tests guard against: a server knowing the run seed signs its own keys as every peer."""
+    grid, strategy, _ = _one_round("nadp", _tampering("nadp", "derived"), identities=False)
+    derived = _server_seeds(grid, strategy.keys, strategy.cfg, "nadp-counteract")
+    assert grid.errors == [] and len(derived) == N
+    for node, seeds in derived.items():  # the very seeds each client's upload carries
+        assert RecoveryStore.load(ClientEnv.from_context(grid.contexts[node])).material == seeds
+
+
+@pytest.mark.parametrize("method", ["nadp", "niss"])
+def test_a_node_asking_for_a_guarantee_refuses_simulation_identities(method):
+    """With a lifetime budget set, a node does not pair under simulation identities: nothing uploaded or charged.
+
+    (Without the refusal the server strips all pair noise: nadp, 4 clients, one round: z 11.3 left of the 22.4
+    charged, epsilon 0.30 released for the 0.14 the ledger records.)
+    """
+    grid, _, failure = _one_round(method, _tampering(method, "derived"), identities=False,
+                                  node_config={"lifetime-epsilon": 50})
+    assert isinstance(failure, RoundFailed) and len(grid.errors) >= N
+    assert all("FloorViolation" in r and "identity-key" in r for r in grid.errors)
+    for node in grid.node_ids:
+        env = ClientEnv.from_context(grid.contexts[node])
+        assert RecoveryStore.load(env) is None
+        with ClientLedger.open(ledger_dir(env.context.node_config), env.partition_id, write=False) as led:
+            assert led.rounds(env.context.run_id) == [] and not led.accounts
+
+
+def test_a_ddpsa_node_asking_for_a_guarantee_refuses_simulation_identities():
+    """Under simulation identities the server could push shares as every other listed participant."""
+    raw = {**app_defaults(), "method": "ddpsa", "num-clients": 3}
+    grid = LocalGrid(client_app, 3, raw, identities=False, node_config={"max-epsilon-per-run": 10})
+    env = ClientEnv.from_context(grid.contexts[grid.node_ids[0]])
+    plan = DdpsaRound(0.5, "distributed", ("partition-0", "partition-1"), ("127.0.0.1:1", "127.0.0.1:2"), 2, "r", 24, 10)
+    msg = Message(RecordDict({"config": ConfigRecord(merge_configs(TrainIns(1).to_config(), plan.to_config()))}),
+                  grid.node_ids[0], "train")
+    with pytest.raises(FloorViolation, match="identity-key"):
+        ddpsa_train(msg, env)
 
 
 # ------------------------------------------------------------------ consistent views

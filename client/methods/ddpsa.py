@@ -31,7 +31,7 @@ from torch import nn
 
 from client.env import ClientEnv, reply
 from client.floor import release
-from client.identity import node_identity
+from client.identity import authenticating_identity, node_identity
 from protocols.ddpsa import (
     centred_cross_entropy,
     clip_norm,
@@ -171,8 +171,8 @@ def train(msg: Message, env: ClientEnv) -> Message:
     conf = msg.content["config"]
     rnd = TrainIns.from_config(conf).round
     plan = DdpsaRound.from_config(conf)
+    me = authenticating_identity(env).identity  # one the server cannot sign for: it must not push as the others
     servers = intermediate_servers(env, plan)  # before any work: a strategy's own servers are refused
-    me = node_identity(env).identity
     # The privacy floor: eps_t from the client's own budget schedule; the server's figure is only checked.
     eps_t = ddpsa_round_epsilon(env.cfg, rnd)
     at_most("ddpsa-epsilon", plan.epsilon, eps_t, f"this client's eps_t of round {rnd} from its run config")
