@@ -196,3 +196,26 @@ def test_ddpsa_client_ledgers_spend_what_the_server_reports(run_inprocess, tmp_p
         assert led.spent(summary["config"]["delta"]) == {"uplink/record": pytest.approx(summary["epsilon"], rel=1e-9)}
     assert 1.9 <= summary["epsilon"] <= 2.0
     assert rows[-1]["client_epsilon_max"] == pytest.approx(summary["epsilon"], rel=1e-6)
+
+
+@pytest.mark.parametrize("method", ["nadp", "niss"])
+def test_a_refused_release_keeps_the_last_rounds_recovery_material(tmp_path, method):
+    """A round the node's budget refuses leaves the pair material of the round it uploaded in for recovery."""
+    from client.env import ClientEnv
+    from client.recovery import RecoveryStore
+    from protocols.wire.ledger import SpentReport
+    from strategies.registry import build_strategy
+
+    cfg, grid = setup(method, node_config={"ledger-dir": str(tmp_path), "lifetime-epsilon": 1e6})
+    strategy = build_strategy(cfg)
+    first = train_round(strategy, cfg, grid, 1)
+    assert first and all(not r.has_error() for r in first)
+    stores = {n: RecoveryStore.load(ClientEnv.from_context(ctx)) for n, ctx in grid.contexts.items()}
+    assert all(s is not None and s.round == 1 and s.material for s in stores.values())
+    for r in first:  # a budget the round already spent: the next release is refused
+        spent = SpentReport.from_metrics(r.content["metrics"]).epsilon
+        grid.contexts[r.metadata.src_node_id].node_config["lifetime-epsilon"] = spent * 1.0001
+    assert_all_refused(train_round(strategy, cfg, grid, 2), "lifetime-epsilon")
+    for n, ctx in grid.contexts.items():
+        kept = RecoveryStore.load(ClientEnv.from_context(ctx))
+        assert kept is not None and kept.round == 1 and kept.material == stores[n].material

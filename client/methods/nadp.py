@@ -20,8 +20,11 @@ client's own; a plan announcing less is refused (:class:`protocols.floor.FloorVi
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from flwr.app import Message
@@ -93,9 +96,22 @@ def round_floor(msg: Message, env: ClientEnv, plan: NadpPlan) -> tuple[NadpFloor
     return fl, graph
 
 
-def noise_parts(msg: Message, env: ClientEnv, plan: NadpPlan,
-                size: int) -> tuple[float, np.ndarray, np.ndarray, NadpFloor, SelfMask | None]:
-    """``(p_i, residual n_i, counteracting sum c_i, the client's floor, self-mask)`` of this client for the round.
+@dataclass(frozen=True)
+class NoiseParts:
+    """A client's noise of one round (:func:`noise_parts`) and the pair material recovery may need."""
+
+    p_i: float
+    residual: np.ndarray
+    counteract: np.ndarray
+    floor: NadpFloor
+    mask: SelfMask | None
+    #: Keeps the round's pair material for dropout recovery (:func:`client.recovery.remember`); called only once
+    #: the round is charged, so a refused release leaves the previous round's material in place.
+    keep: Callable[[], None] = lambda: None
+
+
+def noise_parts(msg: Message, env: ClientEnv, plan: NadpPlan, size: int) -> NoiseParts:
+    """``p_i``, residual ``n_i``, counteracting sum ``c_i``, the client's floor and self-mask for the round.
 
     ``c_i = sum_{j>i} n_ij - sum_{j<i} n_ij`` with per-pair stds from the client's own
     allocation (zero vector for the record-ldp variant); every std is the client's own
@@ -109,18 +125,19 @@ def noise_parts(msg: Message, env: ClientEnv, plan: NadpPlan,
         total = math.fsum(plan.sizes[c] for c in sorted(plan.ids))
         p_i = plan.sizes[me] / total
         # upload noise std sigma_i  <=>  residual std p_i * sigma_i before the 1/p_i factor
-        return p_i, gaussian(residual_seed(), size, p_i * (fl.ldp_std or 0.0)), np.zeros(size), fl, None
+        return NoiseParts(p_i, gaussian(residual_seed(), size, p_i * (fl.ldp_std or 0.0)), np.zeros(size), fl, None)
     alloc = fl.allocation
     # The view is checked against this graph; the sizes and the scale that fix every pair's std are bound in too.
     seeds = pair_seeds(msg, env, purpose=PAIR_PURPOSE, graph=graph, view_extra=plan.pair_view())
     stds = alloc.counteracting_stds(me)
     mask = self_mask_upload(msg, env, size, alloc.uplink_std(me, fl.lam), graph)
     # Revealed for a neighbour only if it drops out after this upload (client.recovery, helper D).
-    remember(env, TrainIns.from_config(msg.content["config"]).round, seeds, {j: stds[j] ** 2 for j in seeds},
-             mask_keys=mask.keys if mask else None, threshold=mask.threshold if mask else 0)
+    keep = functools.partial(remember, env, TrainIns.from_config(msg.content["config"]).round, seeds,
+                             {j: stds[j] ** 2 for j in seeds}, mask_keys=mask.keys if mask else None,
+                             threshold=mask.threshold if mask else 0)
     residual = gaussian(residual_seed(), size, alloc.residual_std[me])
     counteract = pairwise_noise(me, seeds, size, scale=stds)
-    return alloc.weights[me], residual, counteract, fl, mask
+    return NoiseParts(alloc.weights[me], residual, counteract, fl, mask, keep)
 
 
 def releases(fl: NadpFloor, me: int) -> tuple[GaussianEvent, GaussianEvent | None]:
@@ -137,13 +154,15 @@ def train(msg: Message, env: ClientEnv) -> Message:
     plan = NadpPlan.from_config(msg.content["config"])
     _, local_w, loss, clip_frac = record_level_training(msg, env)
     w = flatten(local_w)
-    p_i, residual, counteract, fl, mask = noise_parts(msg, env, plan, len(w))
+    parts = noise_parts(msg, env, plan, len(w))
+    fl, mask, counteract = parts.floor, parts.mask, parts.counteract
     lam = fl.lam  # the client's own lambda (1 for record-ldp)
-    upload = nadp_upload(w, p_i, residual, counteract, lam)
+    upload = nadp_upload(w, parts.p_i, parts.residual, counteract, lam)
     if mask is not None:
         upload = upload + mask.vector
     metrics: dict[str, float] = {"train_loss": loss, "clipped_fraction": clip_frac,
                                  **release(msg, env, *releases(fl, env.node_id))}
+    parts.keep()
     if env.cfg.cancellation_check and plan.variant == "nadp":
         # The part that enters the aggregate: p_i * (lam * c_i / p_i) = lam * c_i.
         metrics.update(probe_metric(mask_probe(msg, lam * counteract)))

@@ -403,8 +403,6 @@ def train(msg: Message, env: ClientEnv) -> Message:
     if mask is not None:
         upload = upload + mask.vector
     probe_fn = (lambda v: mask_probe(msg, v)) if env.cfg.cancellation_check else None
-    remember(env, rnd, *_recovery_material(st, incoming, partials, size, tau, private, probe_fn),
-             mask_keys=mask.keys if mask else None, threshold=mask.threshold if mask else 0)
     figures = NissMetrics(st.sigma, tau, sum(b.count for b in st.outgoing))
     probe: dict[str, float] = {}
     if env.cfg.cancellation_check:
@@ -418,6 +416,9 @@ def train(msg: Message, env: ClientEnv) -> Message:
     # it (DIAGNOSTICS_ENV), never on the run config's word, and then this round's upload is charged as un-noised.
     diagnostic = env.cfg.cancellation_check and diagnostics_allowed()
     spent = release(msg, env, GaussianEvent(0.0 if diagnostic else z))
+    # Kept for recovery only once charged: a refused release leaves the previous round's material in place.
+    remember(env, rnd, *_recovery_material(st, incoming, partials, size, tau, private, probe_fn),
+             mask_keys=mask.keys if mask else None, threshold=mask.threshold if mask else 0)
     out = reply(msg, to_record(unflatten(upload, global_w), np.float64), len(env.y), train_loss=loss,
                 update_norm=norm, **extra, **figures.to_metrics(), **probe, **spent)
     if diagnostic:
