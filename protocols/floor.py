@@ -8,8 +8,8 @@ may also hold a :class:`FloorPolicy` in its node config: limits on the run confi
 
 This module is the pure part: the policy, the violation and each method's floor (:func:`ldp_noise_std`,
 :func:`nadp_floor`, :func:`niss_floor`, :func:`ddpsa_round_epsilon`, :func:`ddpsa_noise_share`,
-:func:`ddpsa_noise_multiplier`, :func:`mpddp_floor`, :func:`mpdp_naive_sigma`), which the strategies use too, so
-both ends compute the same numbers.
+:func:`ddpsa_min_summed`, :func:`ddpsa_noise_multiplier`, :func:`mpddp_floor`, :func:`mpdp_naive_sigma`), which
+the strategies use too, so both ends compute the same numbers.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ __all__ = [
     "at_least",
     "at_most",
     "calibration_releases",
+    "ddpsa_min_summed",
     "ddpsa_noise_multiplier",
     "ddpsa_noise_share",
     "ddpsa_round_epsilon",
@@ -256,6 +257,17 @@ def ddpsa_noise_share(cfg: RunConfig, noise: str, participants: int) -> int | No
     at_most("ddpsa-participants", participants, cfg.clients_per_round,
             "the distributed noise is split over the participants: a longer list would shrink this client's share")
     return honest_participants(participants, cfg.ddpsa_collude_frac)
+
+
+def ddpsa_min_summed(noise: str, participants: int) -> int:
+    """``ddpsa``: the fewest clients a partial sum holding a client's share may cover (its push's signed terms).
+
+    A ``"local"`` share carries its own full Laplace: any sum (1).  A distributed or Gaussian share is one of
+    ``n'`` parts of one central noise and the ledger charges that whole noise, which only a sum over every one of
+    the ``participants`` the client was shown holds when up to ``floor(f n)`` of them collude (a server that may
+    leave honest shares out of the sum could otherwise keep too few of them): ``participants``.
+    """
+    return 1 if noise == "local" else int(participants)
 
 
 def ddpsa_noise_multiplier(cfg: RunConfig) -> float:

@@ -7,8 +7,9 @@ Round ``t`` (the stages of :mod:`strategies.stages`):
    the sharing threshold ``t`` taking it fails the round before clients work;
 2. each client (:mod:`client.methods.ddpsa`) pushes one share of its encoded noisy clipped gradient sum to every
    intermediate server and replies with a receipt;
-3. ``aggregate`` asks every server for its partial sum over the clients that replied, reconstructs from ``t``
-   of them (else :class:`RoundFailed`, the round sealed unreleased), divides by
+3. ``aggregate`` asks every server for its partial sum over the clients that replied (a distributed or Gaussian
+   round: all of its participants, :func:`protocols.floor.ddpsa_min_summed`, the terms the clients' pushes carry),
+   reconstructs from ``t`` of them (else :class:`RoundFailed`, the round sealed unreleased), divides by
    ``N = sum N_i`` and steps with the server optimizer (``server-optimizer``; SGD:
    ``theta_{t+1} = theta_t - eta * sum_i s_i / N``);
 4. ``account`` composes the round's ``eps_t`` once its sum was reconstructed, and its planned release when the
@@ -49,6 +50,7 @@ from protocols.ddpsa import (
     l1_sensitivity,
     present_multiplier,
 )
+from protocols.floor import ddpsa_min_summed
 from protocols.privacy import (
     BudgetSchedule,
     DpEvent,
@@ -245,6 +247,12 @@ class DdpsaStrategy(CancelStrategy):
             abort_round(self.servers, self.run_id, rnd, self.signer)
             raise RoundFailed(f"round {rnd}: {len(expected)} participant(s) pushed under their roster names; "
                               "a partial sum needs at least 2")
+        least = ddpsa_min_summed(self.cfg.ddpsa_noise, len(state.names))
+        if len(expected) < least:  # the clients' signed terms: the intermediate servers would refuse the sum
+            abort_round(self.servers, self.run_id, rnd, self.signer)
+            raise RoundFailed(f"round {rnd}: only {len(expected)} of {len(state.names)} participants pushed their "
+                              f"shares; a distributed noise share is summed only with all {least} participants its "
+                              "client was shown, so the round is aborted unreleased")
         n_total = float(sum(num_examples(r.content["metrics"]) for r in by_node.values()))
         event = self.round_event(rnd, len(state.names), len(expected), flatten(state.global_weights).size)
         if event is None:

@@ -218,7 +218,11 @@ def test_statements_bind_every_field() -> None:
     assert len({base, wire_auth.push_statement("r2", 1, "alice", b"\x00" * 8),
                 wire_auth.push_statement("r", 2, "alice", b"\x00" * 8),
                 wire_auth.push_statement("r", 1, "bob", b"\x00" * 8),
-                wire_auth.push_statement("r", 1, "alice", b"\x01" + b"\x00" * 7)}) == 5
+                wire_auth.push_statement("r", 1, "alice", b"\x01" + b"\x00" * 7),
+                wire_auth.push_statement("r", 1, "alice", b"\x00" * 8, wire_auth.participants_digest(["alice"]), 1),
+                wire_auth.push_statement("r", 1, "alice", b"\x00" * 8, wire_auth.participants_digest(["alice"]), 2),
+                wire_auth.push_statement("r", 1, "alice", b"\x00" * 8, wire_auth.participants_digest(["bob"]), 1)}) == 8
+    assert wire_auth.participants_digest(["a", "b"]) == wire_auth.participants_digest(["b", "a"])  # order-free
     assert wire_auth.partial_sum_statement("r", 1, ["b", "a"]) == wire_auth.partial_sum_statement("r", 1, ["a", "b"])
     assert wire_auth.partial_sum_statement("r", 1, ["a", "b"]) != wire_auth.partial_sum_statement("r", 1, ["ab"])
     reg = wire_auth.register_statement("r", 1, 8, 4, False, ["a", "b"])

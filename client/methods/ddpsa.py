@@ -11,7 +11,10 @@ Per round ``t`` on the received global model (FedSGD: one gradient over the whol
    round (:func:`gaussian_gradient_sum`) clips in L2 and adds its share of ``N(0, (z Delta_2)^2)``, ``z`` at
    least :func:`protocols.floor.ddpsa_noise_multiplier` of the client's own config;
 3. ``s_i`` (the noisy sum, not the paper's average: a shared sum cannot be weighted) fixed-point encoded
-   (:mod:`protocols.secret_sharing`), split into ``m`` shares and each pushed, signed, to its intermediate server.
+   (:mod:`protocols.secret_sharing`), split into ``m`` shares and each pushed, signed, to its intermediate server,
+   with the client's terms (:class:`protocols.wire.intermediate.ShareTerms`): the participants it was shown (a
+   round registered for others refuses the push) and :func:`protocols.floor.ddpsa_min_summed`, the fewest clients
+   a partial sum holding the share may cover (a distributed share: all the participants it was shown).
 
 The servers come from the client's own configuration (:func:`intermediate_servers`); the round's parameters
 arrive as :class:`protocols.wire.ddpsa.DdpsaRound` and are refused when looser than the client's own.
@@ -47,6 +50,7 @@ from protocols.floor import (
     FloorViolation,
     at_least,
     at_most,
+    ddpsa_min_summed,
     ddpsa_noise_multiplier,
     ddpsa_noise_share,
     ddpsa_round_epsilon,
@@ -57,7 +61,7 @@ from protocols.privacy import Event, GaussianEvent, LaplaceEvent, laplace_scale
 from protocols.wire.arrays import from_record
 from protocols.wire.common import TrainIns
 from protocols.wire.ddpsa import RECEIPT, DdpsaRound, RosterName, ShareReceipt
-from protocols.wire.intermediate import IntermediateServers, share_and_push
+from protocols.wire.intermediate import IntermediateServers, ShareTerms, share_and_push
 
 #: Per-sample clipped gradients are summed this many samples at a time (bounds memory).
 CHUNK = 256
@@ -201,7 +205,9 @@ def train(msg: Message, env: ClientEnv) -> Message:
     spent = release(msg, env, event,
                     accountant=composition_accountant(env.cfg.ddpsa_composition, env.cfg.ddpsa_noise))
     t0 = time.perf_counter()
-    size = share_and_push(noisy, plan.codec(), servers, plan.run_id, rnd, me, threshold=plan.shamir_threshold)
+    terms = ShareTerms(plan.participants, ddpsa_min_summed(plan.noise, len(plan.participants)))
+    size = share_and_push(noisy, plan.codec(), servers, plan.run_id, rnd, me, threshold=plan.shamir_threshold,
+                          terms=terms)
     receipt = ShareReceipt(me.name, share_bytes=8 * size * len(servers), share_time_s=time.perf_counter() - t0)
     out = reply(msg, ArrayRecord(), len(env.y), train_loss=loss, clipped_fraction=frac, **receipt.to_metrics(),
                 **spent)

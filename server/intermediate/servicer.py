@@ -12,6 +12,9 @@ p = 2^64 - 59 for Shamir shares (elements >= p are refused).  Beyond the paper's
   after ``run_idle_s`` idle seconds;
 * size caps (``max_message_bytes``, ``max_share_bytes``, ``max_clients``, ``max_run_bytes``,
   ``max_stored_bytes``) answer ``RESOURCE_EXHAUSTED``;
+* a push carrying its client's terms (:class:`protocols.wire.intermediate.ShareTerms`, signed with it) is taken
+  only when the round was registered for exactly the participants the client was shown, and its share enters no
+  partial sum over fewer clients than it asks (a distributed noise share is only private summed with the others);
 * a partial sum covers at least ``min_clients`` clients and the first ``GetPartialSum`` or ``AbortRound`` seals
   the round: same client set on retry, late pushes refused, individual shares discarded.
 """
@@ -75,6 +78,7 @@ class Limits:
 class _RoundState:
     participants: frozenset[str] | None = None  # None: not opened by RegisterRun (aborted before)
     shares: dict[str, bytes] = field(default_factory=dict)
+    min_summed: dict[str, int] = field(default_factory=dict)  # client -> fewest clients its share may be summed with
     sealed_clients: tuple[str, ...] | None = None
     partial_sum: bytes | None = None  # None when sealed by AbortRound
 
@@ -198,7 +202,8 @@ class IntermediateAggregatorServicer(pb2_grpc.IntermediateAggregatorServicer):
         self, request: pb2.PushShareRequest, context: grpc.ServicerContext
     ) -> pb2.PushShareReply:
         """Store the signing client's share for (run_id, round); identical retries are no-ops."""
-        statement = auth.push_statement(request.run_id, request.round, request.client, request.share)
+        statement = auth.push_statement(request.run_id, request.round, request.client, request.share,
+                                        request.participants_digest, request.min_summed)
         if not self.policy.client_may_push(request.client, request.signature, statement):
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           "PushShare: not signed by a roster client under the name it gives")
@@ -218,17 +223,27 @@ class IntermediateAggregatorServicer(pb2_grpc.IntermediateAggregatorServicer):
             if state is None or state.participants is None or request.client not in state.participants:
                 context.abort(grpc.StatusCode.PERMISSION_DENIED,
                               f"{tag}: not one of the participants the parameter server registered for this round")
+            if request.participants_digest and request.participants_digest != auth.participants_digest(
+                    state.participants):
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"{tag}: the round was registered for other participants than the client was shown; "
+                              "its share is only summed with the participants it was shown")
+            if request.min_summed > len(state.participants):
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"{tag}: asks to be summed with {request.min_summed} clients; the round has "
+                              f"{len(state.participants)} participants")
             if run.prime_field and (from_wire(request.share, run.length) >= VECTOR_PRIME).any():
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{tag}: a Shamir share element is not below p")
             existing = state.shares.get(request.client)
             if existing is not None:
-                if existing != request.share:
+                if existing != request.share or state.min_summed[request.client] != request.min_summed:
                     context.abort(grpc.StatusCode.ALREADY_EXISTS, f"{tag}: a different share was already stored")
                 return pb2.PushShareReply(clients_received=len(state.shares), duplicate=True)
             # (at most the round's participants push: the run's client cap bounds them at registration)
             if self._stored + len(request.share) > self.limits.max_stored_bytes:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{tag}: this server's storage cap is reached")
             state.shares[request.client] = bytes(request.share)
+            state.min_summed[request.client] = int(request.min_summed)
             self._stored += len(request.share)
             return pb2.PushShareReply(clients_received=len(state.shares), duplicate=False)
 
@@ -270,11 +285,17 @@ class IntermediateAggregatorServicer(pb2_grpc.IntermediateAggregatorServicer):
                     context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"{tag}: missing shares from expected clients {missing} (received from "
                                   f"{sorted(state.shares)})")
+                least = max(state.min_summed[c] for c in expected)
+                if len(expected) < least:
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"{tag}: a share in the set may only be summed with at least {least} clients, the "
+                                  f"participants it was shown; refusing a partial sum over {len(expected)}")
                 add = field_sum if run.prime_field else ring_sum
                 total = to_wire(add([from_wire(state.shares[c], run.length) for c in expected]))
                 self._stored += len(total) - state.held_bytes()
                 state.partial_sum, state.sealed_clients = total, expected
                 state.shares.clear()  # individual shares are no longer needed
+                state.min_summed.clear()
             assert state.partial_sum is not None
             return pb2.GetPartialSumReply(partial_sum=state.partial_sum, length=run.length, num_clients=len(expected))
 
@@ -290,6 +311,7 @@ class IntermediateAggregatorServicer(pb2_grpc.IntermediateAggregatorServicer):
             dropped = len(state.shares)
             self._stored -= state.held_bytes()
             state.shares.clear()
+            state.min_summed.clear()
             state.partial_sum, state.sealed_clients = None, ()
             return pb2.AbortRoundReply(shares_dropped=dropped)
 

@@ -4,8 +4,10 @@ Every request but ``Health`` carries an Ed25519 signature over a canonical *stat
 the one place both ends build them):
 
 * ``PushShare`` -- signed by the client it names (a roster client identity), over the run id, the
-  round, the client's name and the SHA-256 of the share: nobody can push under another's name, and
-  a captured push cannot be replayed into another run or round.
+  round, the client's name, the SHA-256 of the share and the client's terms (the
+  :func:`participants_digest` of the participants it was shown, the fewest clients its share may be summed
+  with): nobody can push under another's name or change its terms, and a captured push cannot be replayed
+  into another run or round.
 * ``RegisterRun``, ``GetPartialSum``, ``AbortRound``, ``Status`` -- signed by the parameter server's
   identity (its public identity file, kept apart from the clients' roster so that the server can never
   pass for a client): only the ServerApp opens runs and reads partial sums.
@@ -33,6 +35,7 @@ __all__ = [
     "Signer",
     "load_server_identity",
     "load_signer",
+    "participants_digest",
     "verify_signature",
     "abort_statement",
     "partial_sum_statement",
@@ -60,9 +63,20 @@ def _statement(kind: str, *fields: str | int | bytes) -> bytes:
     return b"".join(len(p).to_bytes(4, "big") + p for p in out)
 
 
-def push_statement(run_id: str, round_num: int, client: str, share: bytes) -> bytes:
-    """What a client signs to push ``share`` (wire bytes) for ``(run_id, round_num)`` under its name."""
-    return _statement("push", run_id, int(round_num), client, len(share), hashlib.sha256(share).digest())
+def participants_digest(participants: Sequence[str]) -> bytes:
+    """SHA-256 of a round's participants (order-free): what a push binds and a registration is compared with."""
+    return hashlib.sha256(_statement("participants", *sorted(participants))).digest()
+
+
+def push_statement(run_id: str, round_num: int, client: str, share: bytes, participants: bytes = b"",
+                   min_summed: int = 0) -> bytes:
+    """What a client signs to push ``share`` (wire bytes) for ``(run_id, round_num)`` under its name.
+
+    ``participants``: the :func:`participants_digest` of the participants it was shown (empty: none);
+    ``min_summed``: the fewest clients a partial sum holding the share may cover (0: no terms).
+    """
+    return _statement("push", run_id, int(round_num), client, len(share), hashlib.sha256(share).digest(),
+                      bytes(participants), int(min_summed))
 
 
 def register_statement(run_id: str, round_num: int, length: int, max_clients: int, prime_field: bool,

@@ -33,20 +33,24 @@ class RegisterRunReply(_message.Message):
     def __init__(self, server_id: _Optional[str] = ..., active_runs: _Optional[int] = ...) -> None: ...
 
 class PushShareRequest(_message.Message):
-    __slots__ = ("run_id", "round", "client", "share", "length", "signature")
+    __slots__ = ("run_id", "round", "client", "share", "length", "signature", "participants_digest", "min_summed")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
     SHARE_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MIN_SUMMED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     client: str
     share: bytes
     length: int
     signature: bytes
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., client: _Optional[str] = ..., share: _Optional[bytes] = ..., length: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    participants_digest: bytes
+    min_summed: int
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., client: _Optional[str] = ..., share: _Optional[bytes] = ..., length: _Optional[int] = ..., signature: _Optional[bytes] = ..., participants_digest: _Optional[bytes] = ..., min_summed: _Optional[int] = ...) -> None: ...
 
 class PushShareReply(_message.Message):
     __slots__ = ("clients_received", "duplicate")

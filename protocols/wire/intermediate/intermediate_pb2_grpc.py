@@ -79,7 +79,8 @@ class IntermediateAggregatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PushShare(self, request, context):
-        """Store the signing client's share for (run_id, round). Idempotent for identical retries.
+        """Store the signing client's share for (run_id, round). Idempotent for identical retries. The client's
+        terms (the participants it was shown, the fewest clients its share may be summed with) are kept with it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -87,7 +88,7 @@ class IntermediateAggregatorServicer:
 
     def GetPartialSum(self, request, context):
         """Parameter server only: ring sum of the shares of exactly `expected_clients`.
-        FAILED_PRECONDITION if any is missing. The first successful call seals the round.
+        FAILED_PRECONDITION if any is missing or a share's min_summed exceeds the set. The first successful call seals the round.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

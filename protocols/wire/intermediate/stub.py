@@ -3,7 +3,8 @@
 The ``m`` servers are an :class:`IntermediateServers` (addresses in share order + the deployment's CA): every
 channel is TLS verified against that CA and every request is signed (:mod:`protocols.wire.intermediate.auth`).
 
-* ClientApps call :func:`push_shares` (or :func:`share_and_push`): share ``j`` to server ``j``.
+* ClientApps call :func:`push_shares` (or :func:`share_and_push`): share ``j`` to server ``j``, with the
+  client's :class:`ShareTerms` (the participants it was shown, the fewest clients its share may be summed with).
 * The parameter server calls :func:`register_run` before each round (naming its participants) and
   :func:`reconstruct_sum` (or :func:`reconstruct_decoded`) after it.  Additive sharing (``threshold`` None) needs
   every server; Shamir (``threshold = t``) needs any ``t`` (:func:`protocols.secret_sharing.shamir_reconstruct_vector`).
@@ -67,6 +68,27 @@ class IntermediateServers:
 
     def __len__(self) -> int:
         return len(self.addresses)
+
+
+@dataclass(frozen=True)
+class ShareTerms:
+    """What a client's push asks every intermediate server to hold its share to (signed with the push).
+
+    ``participants``: the round's participants the client was shown (the server refuses the push unless it
+    registered exactly them); ``min_summed``: the fewest clients a partial sum holding the share may cover.
+    """
+
+    participants: tuple[str, ...]
+    min_summed: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_summed <= len(self.participants):
+            raise ValueError(f"min_summed must be in 1..{len(self.participants)}, got {self.min_summed!r}")
+
+    @property
+    def digest(self) -> bytes:
+        """:func:`auth.participants_digest` of the participants."""
+        return auth.participants_digest(self.participants)
 
 
 @dataclass(frozen=True)
@@ -151,16 +173,20 @@ class IntermediateServerClient:
                                      participants=names)
         return self.stub.RegisterRun.future(req, timeout=self.timeout)
 
-    def push_share(self, run_id: str, round_num: int, signer: auth.Signer, share: ArrayLike) -> pb2.PushShareReply:
+    def push_share(self, run_id: str, round_num: int, signer: auth.Signer, share: ArrayLike,
+                   terms: ShareTerms | None = None) -> pb2.PushShareReply:
         """Send one uint64 share under ``signer``'s roster name; raises ``grpc.RpcError`` on failure."""
-        return self.push_share_future(run_id, round_num, signer, share).result()
+        return self.push_share_future(run_id, round_num, signer, share, terms).result()
 
-    def push_share_future(self, run_id: str, round_num: int, signer: auth.Signer, share: ArrayLike) -> grpc.Future:
-        """Asynchronous :meth:`push_share`."""
+    def push_share_future(self, run_id: str, round_num: int, signer: auth.Signer, share: ArrayLike,
+                          terms: ShareTerms | None = None) -> grpc.Future:
+        """Asynchronous :meth:`push_share`; ``terms``: what the server must hold the share to (None: nothing)."""
         data = to_wire(np.asarray(share))
-        sig = signer.sign(auth.push_statement(run_id, round_num, signer.name, data))
+        digest, least = (b"", 0) if terms is None else (terms.digest, terms.min_summed)
+        sig = signer.sign(auth.push_statement(run_id, round_num, signer.name, data, digest, least))
         req = pb2.PushShareRequest(run_id=str(run_id), round=int(round_num), client=signer.name, share=data,
-                                   length=len(data) // 8, signature=sig)
+                                   length=len(data) // 8, signature=sig, participants_digest=digest,
+                                   min_summed=least)
         return self.stub.PushShare.future(req, timeout=self.timeout)
 
     def get_partial_sum_future(self, run_id: str, round_num: int, expected_clients: Sequence[str],
@@ -279,9 +305,10 @@ def push_shares(
     shares: Sequence[ArrayLike],
     *,
     threshold: int | None = None,
+    terms: ShareTerms | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
 ) -> list[ServerFailure]:
-    """Send ``shares[j]`` to server ``j`` for every j, concurrently, signed by ``signer``.
+    """Send ``shares[j]`` to server ``j`` for every j, concurrently, signed by ``signer`` (with ``terms``).
 
     Returns the servers that did not take their share: none for additive shares (``threshold`` None),
     at most ``m - threshold`` for Shamir shares.
@@ -292,7 +319,8 @@ def push_shares(
     """
     if len(shares) != len(servers):
         raise ValueError(f"{len(shares)} shares for {len(servers)} intermediate servers")
-    _, failures = _gather(servers, lambda j, c: c.push_share_future(run_id, round_num, signer, shares[j]), timeout)
+    _, failures = _gather(servers, lambda j, c: c.push_share_future(run_id, round_num, signer, shares[j], terms),
+                          timeout)
     if len(servers) - len(failures) < (len(servers) if threshold is None else threshold):
         raise SharePushError(
             f"client {signer.name!r} could not push its share for run {run_id!r} round "
@@ -312,6 +340,7 @@ def share_and_push(
     signer: auth.Signer,
     *,
     threshold: int | None = None,
+    terms: ShareTerms | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
 ) -> int:
     """Encode, secret-share and push a client's update; return the vector length.
@@ -319,10 +348,11 @@ def share_and_push(
     ``values`` is flattened to a float vector, encoded with ``codec`` and split into
     ``len(servers)`` shares with fresh CSPRNG randomness: additive (``threshold`` None) or Shamir
     (any ``threshold`` reconstruct; the push succeeds when that many servers took their share).
+    ``terms``: :class:`ShareTerms` every server holds the shares to.
     """
     flat = np.asarray(values, dtype=np.float64).ravel()
     shares = encode_and_share(flat, len(servers), codec, threshold=threshold)
-    push_shares(servers, run_id, round_num, signer, shares, threshold=threshold, timeout=timeout)
+    push_shares(servers, run_id, round_num, signer, shares, threshold=threshold, terms=terms, timeout=timeout)
     return flat.size
 
 
