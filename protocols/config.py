@@ -212,7 +212,12 @@ class RunConfig:
     # --------------------------------------------------------------- validation
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key and the allowed values."""
-        _choice("method", self.method, tuple(METHODS))
+        if self.method not in METHODS:
+            raise ConfigError(
+                f"run-config 'method' = {self.method!r} is not a registered method; choose one of: "
+                f"{', '.join(METHODS)} (a method of your own is registered by its card: a module in "
+                "protocols/methods/ or an installed package's 'cancelfl.methods' entry point, docs/library.md)"
+            )
         if self.dataset not in DATASETS and not self.dataset.startswith("hub:") and not is_import_path(self.dataset):
             raise ConfigError(
                 f"run-config 'dataset' = {self.dataset!r} is not allowed; choose one of: "

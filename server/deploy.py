@@ -24,7 +24,7 @@ from protocols.config import ConfigError, RunConfig
 from protocols.identity import Roster
 from protocols.methods import local_services
 from protocols.tls import CertificateAuthority
-from server.defaults import app_defaults
+from server.defaults import app_defaults, check_flower_keys
 from server.flower_commands import flower_env, submit, superlink_cmd, write_connection
 from server.intermediate.launcher import IntermediateServerCluster, local_intermediate_servers, start_intermediate_servers
 from server.keys import make_identities, node_name
@@ -114,6 +114,8 @@ def run_simulations(runs: list[dict], *, keep_workdir: str | None = None, client
     """
     defaults = app_defaults()
     cfgs = [RunConfig.from_mapping({**defaults, **o}) for o in runs]
+    for o in runs:
+        check_flower_keys(o)
     if len({c.num_clients for c in cfgs}) != 1:
         raise ValueError("run_simulations: every run needs the same num-clients (one simulated federation)")
     runs = [_absolute_out_dir(o, defaults) for o in runs]
@@ -215,6 +217,7 @@ class LocalCluster:
         defaults = app_defaults()
         overrides = {**_absolute_out_dir(overrides, defaults), "num-clients": self.num_supernodes}
         cfg = RunConfig.from_mapping({**defaults, **overrides})
+        check_flower_keys(overrides)
         if need := local_services(cfg):
             if len(self.intermediate) < need:
                 raise ValueError(f"{cfg.method} needs {need} intermediate servers; "

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from protocols.config import ConfigError, RunConfig, parse_run_config
 from protocols.methods import local_services
-from server.defaults import app_defaults
+from server.defaults import app_defaults, check_flower_keys
 from strategies.run.checkpoint import (
     CHECKPOINT_JSON,
     clear_outputs,
@@ -274,6 +274,8 @@ def _main(args: argparse.Namespace) -> int:
             args.supernodes = args.supernodes or given or 4
             overrides["num-clients"] = args.supernodes
         cfg = preflight(overrides)
+        if not (args.command == "run" and args.engine == "inprocess"):
+            check_flower_keys(overrides)  # Flower's runtime takes only the keys the app declares
         if args.resume:
             from server.resume_check import check_resume_engine
 

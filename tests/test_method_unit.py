@@ -121,3 +121,11 @@ def test_what_the_project_knows_of_a_method_is_read_from_its_card():
             RunConfig.from_mapping({**RUN, "server-optimizer": "adam"})
         failed = acceptance(rows, {"digits": 0.1})
         assert len(failed) == 1 and failed[0].startswith("digits: gldp") and failed[0].endswith("is below 0.500")
+
+
+def test_an_option_flower_does_not_know_is_refused_before_a_simulation_starts(capsys):
+    """Flower's runtime takes only the keys ``[tool.flwr.app.config]`` declares: the launcher names the line to add."""
+    with register(GLDP):
+        code = main(["run", "--engine", "simulation", "--run-config", 'method="gldp" gldp-noise-boost=3.0'])
+    err = capsys.readouterr().err
+    assert code == 2 and "'gldp-noise-boost'" in err and "add gldp-noise-boost = 2.0" in err and "pyproject" in err

@@ -4,12 +4,17 @@ A method is a unit of five homes: its card ``protocols/methods/<method>.py`` (it
 guarantee and the :func:`register` call), its formulas ``protocols/<method>.py`` (imported by both ends),
 its server stages ``strategies/<method>.py``, its client handler ``client/methods/<method>.py`` and its
 wire messages ``protocols/wire/<method>.py``.  A method of your own needs only a :class:`MethodSpec` and
-one :func:`register` call (``tests/test_method_unit.py`` adds one from a test module).
+one :func:`register` call (``tests/test_method_unit.py`` adds one from a test module); a card module dropped into
+this package, or named by an installed package under the ``cancelfl.methods`` entry-point group, is imported with
+the registry in every process.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
+import warnings
+from importlib.metadata import entry_points
 
 from protocols.methods.pairwise import SPARSE_FROM, auto_graph, sparse_by_default
 from protocols.methods.registry import (
@@ -39,12 +44,38 @@ from protocols.methods.spec import (
     MethodSpec,
 )
 
-for _card in ("baselines", "nadp", "niss", "mpddp", "ladp", "ddpsa"):  # registration order = the README's order
-    importlib.import_module(f"protocols.methods.{_card}")
-#: The built-in methods, in the order the README and the benchmarks list them (with yours: :func:`method_names`).
+#: Modules of this package that are not cards.
+_NOT_CARDS = frozenset({"common", "pairwise", "registry", "spec"})
+#: Entry-point group of installed packages' cards: ``[project.entry-points."cancelfl.methods"] mine = "pkg.card"``.
+ENTRY_POINT_GROUP = "cancelfl.methods"
+
+
+def _load_cards() -> None:
+    """Import the built-in cards, then any other card module of this package (by name), then installed plugins.
+
+    A card registers its method on import, so a module dropped into ``protocols/methods/`` or a package that names
+    its card under :data:`ENTRY_POINT_GROUP` is known to every process that imports the registry (the ServerApp,
+    every ClientApp, the benchmarks) without an edit elsewhere.
+    """
+    for card in ("baselines", "nadp", "niss", "mpddp", "ladp", "ddpsa"):  # built in: the README's order
+        importlib.import_module(f"{__name__}.{card}")
+    for module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _NOT_CARDS):
+        importlib.import_module(f"{__name__}.{module}")  # the built-in ones are imported already
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            ep.load()
+        except Exception as err:  # noqa: BLE001 - one broken plugin must not stop every other method
+            warnings.warn(f"cancelfl: the method card {ep.value!r} (entry point {ep.name!r} of "
+                          f"{ENTRY_POINT_GROUP!r}) failed to import and is not registered: {err!r}", stacklevel=2)
+
+
+_load_cards()
+#: Every registered method at import (built-in cards first, in the README's order; :func:`method_names` for later
+#: registrations).
 METHOD_NAMES: tuple[str, ...] = method_names()
 
-__all__ = ["AUTO", "AUTO_KEYS", "FEDERATION", "FULL_BATCH", "LARGE_DATASETS", "METHODS", "METHOD_NAMES", "NO_COLLUDER",
-           "PRIVACY_UNITS", "SPARSE_FROM", "VARIANTS", "Guarantee", "MethodSpec", "auto_graph", "dataset_size_class",
-           "local_services", "method_names", "method_or_variant", "method_spec", "options_classes", "query_actions",
-           "reference_method", "regime", "register", "register_variant", "sparse_by_default"]
+__all__ = ["AUTO", "AUTO_KEYS", "ENTRY_POINT_GROUP", "FEDERATION", "FULL_BATCH", "LARGE_DATASETS",
+           "METHODS", "METHOD_NAMES", "NO_COLLUDER", "PRIVACY_UNITS", "SPARSE_FROM", "VARIANTS", "Guarantee",
+           "MethodSpec", "auto_graph", "dataset_size_class", "local_services", "method_names", "method_or_variant",
+           "method_spec", "options_classes", "query_actions", "reference_method", "regime", "register",
+           "register_variant", "sparse_by_default"]

@@ -1,0 +1,81 @@
+"""A method of an installed package is known to every process: the ``cancelfl.methods`` entry-point group.
+
+The test installs nothing: it writes a package's ``.dist-info`` (with ``entry_points.txt``) and its card module into
+a folder on ``PYTHONPATH`` of a fresh interpreter, as ``pip install`` of a plugin would leave them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from protocols.config import ConfigError, RunConfig
+from protocols.methods import ENTRY_POINT_GROUP
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CARD = '''
+from dataclasses import dataclass
+
+from protocols.methods import Guarantee, MethodSpec, register
+from protocols.options import MethodOptions, option
+
+
+@dataclass(frozen=True)
+class PluggedOptions(MethodOptions):
+    prefix = "plugged"
+    boost: float = option(2.0, "noise boost", low=1.0)
+
+
+register(MethodSpec("plugged", "strategies.baselines:LocalDPStrategy", "client.methods.baselines:train_ldp",
+                    options=(PluggedOptions,), privacy=Guarantee("record", "the server", "anyone")))
+'''
+
+PROBE = '''
+import json
+from protocols.config import RunConfig
+from protocols.methods import method_names, method_spec
+cfg = RunConfig.from_mapping({"method": "plugged", "plugged-boost": 3.0})
+print(json.dumps({"names": list(method_names()), "boost": cfg.plugged_boost,
+                  "strategy": method_spec("plugged").load(method_spec("plugged").strategy).__name__}))
+'''
+
+
+def _plugin(tmp_path: Path, card: str) -> dict[str, str]:
+    """A folder holding an 'installed' plugin package; the environment of an interpreter that sees it."""
+    (tmp_path / "myplugin_card.py").write_text(card)
+    info = tmp_path / "myplugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: myplugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\nplugged = myplugin_card\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]), "OMP_NUM_THREADS": "1"}
+
+
+def _run(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_an_installed_packages_card_registers_its_method_in_every_process(tmp_path):
+    out = _run(PROBE, _plugin(tmp_path, CARD))
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["names"][-1] == "plugged" and "nadp" in got["names"]
+    assert got["boost"] == 3.0 and got["strategy"] == "LocalDPStrategy"
+
+
+def test_a_broken_plugin_warns_and_leaves_the_other_methods(tmp_path):
+    code = "from protocols.methods import method_names; print(','.join(method_names()))"
+    out = _run(code, _plugin(tmp_path, "raise RuntimeError('broken card')\n"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "nadp" in out.stdout and "plugged" not in out.stdout
+    assert "myplugin_card" in out.stderr and "broken card" in out.stderr
+
+
+def test_an_unknown_method_names_how_a_method_is_registered():
+    with pytest.raises(ConfigError, match="cancelfl.methods' entry point"):
+        RunConfig.from_mapping({"method": "plugged"})
