@@ -27,7 +27,7 @@ from client.env import ClientEnv
 from client.ledger import ClientLedger, ledger_dir
 from protocols.floor import FloorPolicy, FloorViolation, at_most, check_round
 from protocols.methods import Guarantee, method_spec
-from protocols.privacy import Accountant, Event, GaussianEvent
+from protocols.privacy import Accountant, Event, GaussianEvent, per_record
 from protocols.wire.common import TrainIns
 from protocols.wire.ledger import SpentReport
 
@@ -89,6 +89,8 @@ def release(msg: Message, env: ClientEnv, uplink: Event | None = None, downlink:
     fedavg, cdp, the MP family) records an un-noised release (infinite epsilon) for the uplink.
     ``accountant``: the empty accountant of the composition the method's server charges these releases with
     (:meth:`client.ledger.Account.compose`; None: RDP, or composition theorems for a ``DpEvent``).
+    A client-level release (``privacy-unit = "client"``, or a method without a unit) is charged to the ``record``
+    accounts too (:func:`protocols.privacy.per_record`): the record budget spans every run, whatever its unit.
     Returns the :class:`~protocols.wire.ledger.SpentReport` metrics to merge into the reply.
     """
     pol = policy(env)
@@ -98,6 +100,8 @@ def release(msg: Message, env: ClientEnv, uplink: Event | None = None, downlink:
                                 else GaussianEvent(0.0)}
     if downlink is not None:
         events[f"downlink/{unit}"] = downlink
+    if unit == "client":  # a client-level release spends every record's budget too, at twice its sensitivity
+        events.update({f"{key.split('/')[0]}/record": per_record(event) for key, event in list(events.items())})
     pol.check_run(env.cfg, protected=g.uplink is not None)
     rnd = TrainIns.from_config(msg.content["config"]).round
     with _ledger(env) as led:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -219,3 +220,39 @@ def test_a_refused_release_keeps_the_last_rounds_recovery_material(tmp_path, met
     for n, ctx in grid.contexts.items():
         kept = RecoveryStore.load(ClientEnv.from_context(ctx))
         assert kept is not None and kept.round == 1 and kept.material == stores[n].material
+
+
+def test_a_client_level_run_spends_the_record_budget_too(tmp_path):
+    """Record-level then client-level ldp runs on one ledger: the record account holds both.
+
+    A record moves the clipped update by up to twice the client-level sensitivity, so the client-level run is
+    charged per record at z/2 and stops at the lifetime budget (each account held one run's epsilon, 0.91).
+    """
+    budget = 1.5  # above either run's own epsilon (1), below what the two together cost a record
+    node_config = {"ledger-dir": str(tmp_path), "lifetime-epsilon": budget}
+    from strategies.registry import build_strategy
+
+    for unit, ok_rounds in (("record", (1, 2, 3)), ("client", (1,))):
+        cfg, grid = setup("ldp", node_config=node_config, **LDP, **{"privacy-unit": unit})
+        strategy = build_strategy(cfg)
+        for rnd in ok_rounds:
+            assert all(not r.has_error() for r in train_round(strategy, cfg, grid, rnd))
+    assert_all_refused(train_round(strategy, cfg, grid, 2), "lifetime-epsilon (uplink/record)")
+    z = ldp_noise_multiplier(cfg)
+    released = GdpAccountant([GaussianEvent(z, count=3), GaussianEvent(z / 2)])
+    with ClientLedger.open(tmp_path, 0, write=False) as led:
+        assert led.spent(1e-5)["uplink/record"] == pytest.approx(released.epsilon(1e-5), rel=1e-12)
+        assert led.spent(1e-5)["uplink/client"] == pytest.approx(_run_epsilon(1), rel=1e-12)
+
+
+def test_per_record_charges_twice_the_sensitivity():
+    from protocols.privacy import at_sensitivity, per_record
+
+    assert per_record(GaussianEvent(4.0, count=3)) == GaussianEvent(2.0, count=3)
+    assert per_record(LaplaceEvent(0.3)) == LaplaceEvent(0.6)
+    grouped = per_record(DpEvent(0.5, 1e-6))
+    assert isinstance(grouped, DpEvent) and grouped.epsilon == 1.0
+    assert grouped.delta == pytest.approx(2 * math.exp(0.5) * 1e-6, rel=1e-12)
+    assert per_record(DpEvent(5.0, 0.01)) == GaussianEvent(0.0)  # group privacy leaves no delta below 1
+    with pytest.raises(ValueError):
+        at_sensitivity(DpEvent(0.5), 1.5)

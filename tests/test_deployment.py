@@ -42,7 +42,7 @@ ABOVE_CHANCE = {"digits": 0.2, "breast-cancer": 0.7}
 CANCEL_BOUND = 1e-9
 
 
-def test_multiprocess_deployment(tmp_path):
+def test_multiprocess_deployment(tmp_path, niss_diagnostics):  # niss: the residual comes from diagnostic probes
     results = {}
     with LocalCluster(NUM_SUPERNODES, intermediate_servers=3) as cluster:
         pids = list(cluster.pids)

@@ -187,11 +187,16 @@ def test_niss_leaving_honest_neighbours_out_does_not_shrink_the_coalition_a_clie
 
 @pytest.mark.parametrize("allowed", [False, True])
 def test_niss_cancellation_check_sends_no_noiseless_update_unless_the_node_allows_it(monkeypatch, allowed):
-    """``cancellation-check`` comes with the run config: on its word alone a niss client sends only its probe.
+    """``cancellation-check`` comes with the run config: on its word alone a niss client sends no diagnostic.
 
-    Never its noiseless update; a node whose operator allows the diagnostic sends it and charges that round's
-    upload as un-noised.
+    Neither its noiseless update nor its probe (the projection of its upload's noise on the round's public
+    direction: with ``self-mask = false`` the upload's projection less the probe is ``p_k <d, w_k>`` exactly); a
+    node whose operator allows the diagnostics sends them and charges that round's upload as un-noised.
     """
+    from protocols.arrays import flatten
+    from protocols.prg import gaussian
+    from protocols.wire.arrays import from_record
+    from protocols.wire.keys import MaskProbe, probe_value
     from protocols.wire.ledger import SpentReport
     from protocols.wire.niss import DIAGNOSTICS_ENV, Diagnostic
 
@@ -199,17 +204,22 @@ def test_niss_cancellation_check_sends_no_noiseless_update_unless_the_node_allow
     if allowed:
         monkeypatch.setenv(DIAGNOSTICS_ENV, "1")
     n = 4
-    raw = {**app_defaults(), "method": "niss", "num-clients": n, "cancellation-check": True}
+    raw = {**app_defaults(), "method": "niss", "num-clients": n, "cancellation-check": True, "self-mask": False}
     cfg = RunConfig.from_mapping(raw)
     grid, strategy = LocalGrid(client_app, n, raw), NissStrategy(cfg)
     msgs = list(strategy.configure_train(1, _initial(cfg), ConfigRecord({"round": 1}), grid))
     replies = list(grid.send_and_receive(msgs))
     assert replies and not any(r.has_error() for r in replies)
-    for r in replies:
+    for msg, r in zip(msgs, replies, strict=True):
         spent = SpentReport.from_metrics(r.content["metrics"]).epsilon
         assert (Diagnostic.from_content(r.content) is not None) == allowed
         assert np.isfinite(spent) != allowed  # the diagnostic round is charged as un-noised
-        assert "probe" in " ".join(r.content["metrics"].keys())  # the cancellation probe is sent either way
+        probe = probe_value(r.content["metrics"])
+        assert (probe is not None) == allowed
+        if allowed:  # what the probe strips: the noise along its direction, to the last bit of round-off
+            d = gaussian(MaskProbe.from_config(msg.content["config"]).seed, len(flatten(from_record(r.content["arrays"]))))
+            clean = flatten(from_record(Diagnostic.from_content(r.content).update))
+            assert np.dot(d, flatten(from_record(r.content["arrays"]))) - probe == pytest.approx(np.dot(d, clean), rel=1e-9)
 
 
 def test_nadp_record_ldp_refuses_a_round_outside_its_public_schedule():

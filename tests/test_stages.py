@@ -98,9 +98,11 @@ def _setup(cls, method: str, n: int = 5, grid_cls=PhaseGrid, **overrides):
 
 
 @pytest.mark.parametrize("cls", [NadpStrategy, NissStrategy])
-def test_stages_run_in_order_and_the_recover_stage_gets_the_grid(cls):
+def test_stages_run_in_order_and_the_recover_stage_gets_the_grid(cls, request):
     """A dropout after the plan: keys, plan (niss: shares), train, recovery through the grid the driver was given."""
     method = "nadp" if cls is NadpStrategy else "niss"
+    if method == "niss":
+        request.getfixturevalue("niss_diagnostics")  # the niss residual is measured from its clients' diagnostic probes
     cfg, grid, strategy, arrays = _setup(cls, method, self_mask=False, cancellation_check=True, niss_tau=0.0)
     grid.drop_train = grid.node_ids[1]
     new, _ = run_round(strategy, grid, 1, arrays)

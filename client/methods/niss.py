@@ -402,19 +402,21 @@ def train(msg: Message, env: ClientEnv) -> Message:
     mask = seal_self_mask(st.mask_keys, rnd, env, size, st.sigma)
     if mask is not None:
         upload = upload + mask.vector
-    probe_fn = (lambda v: mask_probe(msg, v)) if env.cfg.cancellation_check else None
+    # The measured-noise diagnostics hand the server the noise itself (the probe: its projection on a public direction,
+    # which with the upload's gives the noiseless update's there) or the noiseless update: only where the node's own
+    # operator allows it (DIAGNOSTICS_ENV), never on the run config's word, and then this round is charged as un-noised.
+    diagnostic = env.cfg.cancellation_check and diagnostics_allowed()
+    probe_fn = (lambda v: mask_probe(msg, v)) if diagnostic else None
     figures = NissMetrics(st.sigma, tau, sum(b.count for b in st.outgoing))
     probe: dict[str, float] = {}
     if env.cfg.cancellation_check:
         figures = dataclasses.replace(figures, received_var=sum(b.count * b.share_std**2 for _s, b, _v in incoming))
+    if diagnostic:
         probe = probe_metric(mask_probe(msg, own + received))
     # sigma_k = scale z Delta f_k: the uploads together leave this client at least (credit z Delta f_k)^2 of variance
     # (protocols.floor.niss_floor at scale / credit), one Gaussian release of multiplier credit z (the server charges
     # the same: the budget guard's raise is credit); none at all with tau = 0.
     z = st.credit * st.sigma / (st.scale * upload_sensitivity(env.cfg, st.weight, len(env.y))) if tau > 0 else 0.0
-    # The measured-noise diagnostic hands the server the noiseless update: only where the node's own operator allows
-    # it (DIAGNOSTICS_ENV), never on the run config's word, and then this round's upload is charged as un-noised.
-    diagnostic = env.cfg.cancellation_check and diagnostics_allowed()
     spent = release(msg, env, GaussianEvent(0.0 if diagnostic else z))
     # Kept for recovery only once charged: a refused release leaves the previous round's material in place.
     remember(env, rnd, *_recovery_material(st, incoming, partials, size, tau, private, probe_fn),

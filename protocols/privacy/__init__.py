@@ -40,7 +40,15 @@ from protocols.privacy.composition import (
     per_round_epsilons,
     uniform_allocation,
 )
-from protocols.privacy.events import DpEvent, Event, GaussianEvent, LaplaceEvent, event_from_dict, joint_gaussian
+from protocols.privacy.events import (
+    DpEvent,
+    Event,
+    GaussianEvent,
+    LaplaceEvent,
+    at_sensitivity,
+    event_from_dict,
+    joint_gaussian,
+)
 from protocols.privacy.ledger import Headline, PrivacyLedger
 from protocols.privacy.mechanisms import (
     analytic_gaussian_epsilon,
@@ -50,13 +58,16 @@ from protocols.privacy.mechanisms import (
     laplace_scale,
 )
 from protocols.privacy.sensitivity import (
+    CLIENT_RECORD_FACTOR,
     local_sgd_sensitivity,
     local_sgd_steps,
+    per_record,
     record_sensitivity,
     record_training_movement,
 )
 
 __all__ = [
+    "CLIENT_RECORD_FACTOR",
     "RDP_ORDERS",
     "Accountant",
     "BudgetSchedule",
@@ -77,6 +88,7 @@ __all__ = [
     "advanced_composition",
     "analytic_gaussian_epsilon",
     "analytic_gaussian_sigma",
+    "at_sensitivity",
     "basic_composition",
     "calibrate_noise_multiplier",
     "classic_gaussian_sigma",
@@ -94,6 +106,7 @@ __all__ = [
     "local_sgd_sensitivity",
     "local_sgd_steps",
     "noise_multiplier",
+    "per_record",
     "per_round_epsilons",
     "record_sensitivity",
     "record_training_movement",

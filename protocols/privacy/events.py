@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DpEvent", "Event", "GaussianEvent", "LaplaceEvent", "event_from_dict", "joint_gaussian"]
+__all__ = ["DpEvent", "Event", "GaussianEvent", "LaplaceEvent", "at_sensitivity", "event_from_dict", "joint_gaussian"]
 
 
 def _check_count(count: int) -> None:
@@ -126,3 +126,26 @@ def joint_gaussian(events: Iterable[GaussianEvent]) -> GaussianEvent:
     if any(e.noise_multiplier == 0.0 for e in evs):
         return GaussianEvent(0.0, q, count)
     return GaussianEvent(math.fsum(e.noise_multiplier ** -2 for e in evs) ** -0.5, q, count)
+
+
+def at_sensitivity(event: Event, factor: float) -> Event:
+    """``event`` for neighbours ``factor`` (>= 1) times its sensitivity apart: the same noise, less privacy.
+
+    Gaussian: the multiplier over ``factor``; Laplace: epsilon times ``factor``; a theorem-certified ``DpEvent``:
+    group privacy over ``k = factor`` (an integer) steps, ``(k eps, k e^((k-1) eps) delta)``, or an un-noised
+    release (``GaussianEvent(0)``) when that delta reaches 1.
+
+    Raises:
+        ValueError: ``factor`` below 1 or not finite, or not an integer for a ``DpEvent``.
+    """
+    if not (math.isfinite(factor) and factor >= 1.0):
+        raise ValueError(f"sensitivity factor must be a finite number >= 1, got {factor!r}")
+    if isinstance(event, GaussianEvent):
+        return GaussianEvent(event.noise_multiplier / factor, event.sampling_rate, event.count)
+    if isinstance(event, LaplaceEvent):
+        return LaplaceEvent(event.epsilon * factor, event.count)
+    if factor != int(factor):
+        raise ValueError(f"a DpEvent takes an integer sensitivity factor (group privacy), got {factor!r}")
+    k = int(factor)
+    delta = k * math.exp((k - 1) * event.epsilon) * event.delta
+    return DpEvent(k * event.epsilon, delta, event.count) if delta < 1.0 else GaussianEvent(0.0, count=event.count)

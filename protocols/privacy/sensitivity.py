@@ -13,9 +13,15 @@ from __future__ import annotations
 import math
 
 from protocols.adjacency import ADJACENCIES, adjacency_factor
+from protocols.privacy.events import Event, at_sensitivity
 
-__all__ = ["ADJACENCIES", "adjacency_factor", "local_sgd_sensitivity", "local_sgd_steps", "record_sensitivity",
-           "record_training_movement"]
+__all__ = ["ADJACENCIES", "CLIENT_RECORD_FACTOR", "adjacency_factor", "local_sgd_sensitivity", "local_sgd_steps",
+           "per_record", "record_sensitivity", "record_training_movement"]
+
+#: A record moves a client-level release by up to this many times its sensitivity: the client-level unit's
+#: sensitivity is the clip ``C`` of the whole update (the update against none), while one record, changed under
+#: either adjacency, can move the clipped update anywhere in its ball of radius ``C``: ``2 C`` apart.
+CLIENT_RECORD_FACTOR = 2.0
 
 
 def _positive(name: str, value: float) -> float:
@@ -81,3 +87,8 @@ def record_training_movement(cfg, dataset_size: int) -> float:
     noise check and the honest-norm bound of the reply checks.
     """
     return cfg.lr * cfg.clip * local_sgd_steps(dataset_size, epochs=cfg.local_epochs, batch_size=cfg.batch_size)
+
+
+def per_record(event: Event) -> Event:
+    """What a client-level release (``privacy-unit = "client"``) spends per record: :data:`CLIENT_RECORD_FACTOR`."""
+    return at_sensitivity(event, CLIENT_RECORD_FACTOR)
