@@ -30,7 +30,7 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from client.env import ClientEnv
-from client.floor import admit
+from client.floor import admit, withhold_unprotected
 from client.methods import query_actions, query_handler, train_handler
 from protocols.config import ConfigError, RunConfig, changed_keys
 from protocols.wire.settings import MISMATCH, settings_of
@@ -99,7 +99,7 @@ def protect(msg: Message, context: Context, model: nn.Module, x: np.ndarray, y: 
     kind = msg.metadata.message_type
     if kind == "train":
         admit(msg, env)  # the node's privacy floor and ledger, as in the stock ClientApp (client.floor)
-        return train_handler(env.cfg.method)(msg, env)
+        return withhold_unprotected(train_handler(env.cfg.method)(msg, env), env)
     if kind.startswith("query."):
         return query_handler(env.cfg.method, kind.split(".", 1)[1])(msg, env)
     raise ValueError(f"cancelfl: no handler for message type {kind!r}")

@@ -17,7 +17,7 @@ app = ClientApp()
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Local training + the method's upload protection."""
-    from client.floor import admit  # the train phase's only: query messages do not load the accounting
+    from client.floor import admit, withhold_unprotected  # the train phase's: queries do not load the accounting
 
     env = ClientEnv.from_context(context)
     carried = None
@@ -26,7 +26,7 @@ def train(msg: Message, context: Context) -> Message:
 
         carried = answer_carried(msg.content[UNMASK_RECORD], env)  # before the train handler replaces it
     admit(msg, env)  # the node's privacy floor and ledger: refuses before any work (client.floor)
-    reply = train_handler(env.cfg.method)(msg, env)
+    reply = withhold_unprotected(train_handler(env.cfg.method)(msg, env), env)
     if carried is not None and not reply.has_error():
         reply.content[UNMASK_RECORD] = carried
     return reply

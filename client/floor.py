@@ -116,3 +116,33 @@ def release(msg: Message, env: ClientEnv, uplink: Event | None = None, downlink:
         led.record(env.context.run_id, env.cfg.method, rnd, events, accountant)
         releases = len(led.rounds(env.context.run_id))
     return SpentReport(eps, releases).to_metrics()
+
+
+#: Train-reply metrics computed on the node's data without noise (on a model the server chose).
+UNPROTECTED_METRICS = ("train_loss", "clipped_fraction", "update_norm")
+
+
+def diagnostics_permitted(env: ClientEnv) -> bool:
+    """Whether this node may send measured-noise diagnostics the run config asks for (``cancellation-check``).
+
+    They reveal part of an upload's noise, so a node whose policy asks for a guarantee sends them only where its
+    operator allows diagnostics (:func:`protocols.wire.common.diagnostics_allowed`).
+    """
+    from protocols.wire.common import diagnostics_allowed
+
+    return diagnostics_allowed() or not policy(env).wants_guarantee
+
+
+def withhold_unprotected(reply: Message, env: ClientEnv) -> Message:
+    """``reply`` without :data:`UNPROTECTED_METRICS` when the node's policy asks for a guarantee (else as is).
+
+    A training loss or clipped fraction of one full-batch step on the server's model is a noiseless statistic of
+    the node's data; the server reads their absence as "not reported".
+    """
+    if reply.has_error() or not policy(env).wants_guarantee or "metrics" not in reply.content:
+        return reply
+    metrics = reply.content["metrics"]
+    for key in UNPROTECTED_METRICS:
+        if key in metrics:
+            del metrics[key]
+    return reply

@@ -432,3 +432,32 @@ def test_an_excluded_client_reveals_no_pair_material_of_its_own():
     sigs = signed(sign(grid, received, received, near, [k]))
     rep = recover(grid, k, received, near, excluded=[k], forwarded=forwarded(k), signatures=sigs)
     assert not rep.refused and rep.peers == () and rep.material == (), rep  # no pair seed of its own goes out
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_a_node_asking_for_a_guarantee_sends_no_noise_probe_nor_noiseless_metrics(monkeypatch, tmp_path, allowed):
+    """A node with a policy sends no noise probe unless its operator allows it, and no noiseless training metrics.
+
+    nadp with ``cancellation-check`` from the run config: the probe's projection strips the pair noise along the
+    public direction; the training loss and clipped fraction are noiseless statistics of the node's data.  A node
+    without a policy sends both.
+    """
+    from protocols.wire.keys import probe_value
+    from protocols.wire.niss import DIAGNOSTICS_ENV
+
+    monkeypatch.delenv(DIAGNOSTICS_ENV, raising=False)
+    if allowed:
+        monkeypatch.setenv(DIAGNOSTICS_ENV, "1")
+    n = 4
+    raw = {**app_defaults(), "method": "nadp", "num-clients": n, "cancellation-check": True, "hidden": "",
+           "local-epochs": 1, "batch-size": 1000, "train-subset": 400}
+    cfg = RunConfig.from_mapping(raw)
+    for policy in ({}, {"ledger-dir": str(tmp_path), "lifetime-epsilon": 50.0}):
+        grid, strategy = LocalGrid(client_app, n, raw, node_config=policy), NadpStrategy(cfg)
+        msgs = list(strategy.configure_train(1, _initial(cfg), ConfigRecord({"round": 1}), grid))
+        replies = list(grid.send_and_receive(msgs))
+        assert replies and not any(r.has_error() for r in replies)
+        for r in replies:
+            metrics = r.content["metrics"]
+            assert (probe_value(metrics) is not None) == (not policy or allowed)
+            assert ("train_loss" in metrics and "clipped_fraction" in metrics) == (not policy)

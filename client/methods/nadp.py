@@ -30,7 +30,7 @@ import numpy as np
 from flwr.app import Message
 
 from client.env import ClientEnv, record_level_training, reply
-from client.floor import release
+from client.floor import diagnostics_permitted, release
 from client.identity import node_identity
 from client.pairwise_phase import mask_probe, pair_seeds, view_graph
 from client.records import to_record
@@ -163,8 +163,9 @@ def train(msg: Message, env: ClientEnv) -> Message:
     metrics: dict[str, float] = {"train_loss": loss, "clipped_fraction": clip_frac,
                                  **release(msg, env, *releases(fl, env.node_id))}
     parts.keep()
-    if env.cfg.cancellation_check and plan.variant == "nadp":
-        # The part that enters the aggregate: p_i * (lam * c_i / p_i) = lam * c_i.
+    if env.cfg.cancellation_check and plan.variant == "nadp" and diagnostics_permitted(env):
+        # The part that enters the aggregate: p_i * (lam * c_i / p_i) = lam * c_i (it strips the pair noise along
+        # the probe's direction, so a node asking for a guarantee sends it only where its operator allows).
         metrics.update(probe_metric(mask_probe(msg, lam * counteract)))
     out = reply(msg, to_record(unflatten(upload, local_w)), len(env.y), **metrics)
     return mask.attach(out) if mask is not None else out

@@ -9,6 +9,7 @@ is missing or has the wrong type.  Node ids travel as decimal strings
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -173,3 +174,16 @@ def mean_metrics(metrics: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     out = {k: sum(float(m.get(k, 0.0)) * n for m, n in zip(metrics, sizes, strict=True)) / total for k in keys}
     out[_NUM_EXAMPLES] = total
     return out
+
+
+#: Environment variable of a node's process that lets ``cancellation-check`` send measured-noise diagnostics (the
+#: noise probes of a node asking for a guarantee, niss's noiseless update) (``1``/``true``/``yes``): tests and
+#: benchmarks that measure the aggregate noise; never set it on a real node.
+DIAGNOSTICS_ENV = "CANCELFL_DIAGNOSTICS"
+
+
+def diagnostics_allowed() -> bool:
+    """Whether this node's operator allows measured-noise diagnostics (:data:`DIAGNOSTICS_ENV`)."""
+    from protocols.config import is_on
+
+    return is_on(os.environ.get(DIAGNOSTICS_ENV, "").strip())

@@ -18,14 +18,14 @@ the upload then the :class:`ShareReply` to it in a record of the same name: the 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocols.config import is_on
 from protocols.wire.common import (
+    DIAGNOSTICS_ENV,
     TrainIns,
+    diagnostics_allowed,
     merge_configs,
     node_id_strings,
     read_float,
@@ -208,16 +208,6 @@ class NissMetrics:
     def from_metrics(cls, rec: Mapping) -> NissMetrics:
         return cls(read_float(rec, _SIGMA), read_float(rec, _TAU), int(read_float(rec, _SHARES)),
                    read_float(rec, _RECEIVED_VAR, default=None))
-
-
-#: Environment variable of a node's process that lets ``cancellation-check`` also send the noiseless update
-#: (``1``/``true``/``yes``): tests and benchmarks that measure the aggregate noise; never set it on a real node.
-DIAGNOSTICS_ENV = "CANCELFL_DIAGNOSTICS"
-
-
-def diagnostics_allowed() -> bool:
-    """Whether this node's operator allows the noiseless-update diagnostic (:data:`DIAGNOSTICS_ENV`)."""
-    return is_on(os.environ.get(DIAGNOSTICS_ENV, "").strip())
 
 
 @dataclass(frozen=True)
