@@ -8,9 +8,11 @@ For one client and one round::
 The noise scale is ``Delta_1 / eps``, ``Delta_1`` = :func:`l1_sensitivity` (``Delta`` zero-out, ``2 Delta``
 replace-one): ``N_i`` is published, so sizes are fixed, not the paper's add/remove.
 ``"distributed"`` noise (:func:`distributed_laplace_share`) gives each of ``n``
-participants ``Gamma(1/n', b) - Gamma(1/n', b)``, ``n' = n - floor(f n)`` (:func:`honest_participants`), so
-``n'`` honest shares sum to one central ``Lap(b)``; fewer give the epsilon :func:`gamma_difference_epsilon`
-returns.  With ``ddpsa-centering`` the linear model's per-sample gradient ``(p - e_y) x^T`` is first replaced by
+participants ``Gamma(1/n', b) - Gamma(1/n', b)``, ``n' = n - floor(f n) - floor(d n)``
+(:func:`honest_participants`: ``f`` the colluding, ``d`` the dropout fraction), so ``n'`` honest shares sum to one
+central ``Lap(b)``, which any sum over at least ``n - floor(d n)`` participants (:func:`fewest_summed`) holds;
+fewer give the epsilon :func:`gamma_difference_epsilon` returns.  With ``ddpsa-centering`` the linear model's
+per-sample gradient ``(p - e_y) x^T`` is first replaced by
 ``(p - e_y - m 1) x^T``, ``m`` the median of ``p - e_y`` over the classes (:func:`centred_cross_entropy`): softmax
 is invariant to a shift common to all classes, so both steps give the same model function, and the median is the
 shift of least L1 norm (at the zero model ``||p - e_y||_1`` falls from ``2 (1 - 1/C)`` to 1).
@@ -66,7 +68,9 @@ __all__ = [
     "gamma_noise",
     "gaussian_multiplier",
     "gaussian_share_std",
+    "fewest_summed",
     "honest_participants",
+    "honest_present",
     "is_linear_classifier",
     "l1_clip",
     "l1_sensitivity",
@@ -192,17 +196,35 @@ def ldp_noisy_mean(
 
 
 # ----------------------------------------------------------------------------- distributed noise
-def honest_participants(participants: int, collude_frac: float) -> int:
-    """``n' = n - floor(f n)``: the participants whose noise shares are counted on (module docstring).
+def honest_participants(participants: int, collude_frac: float, dropout_frac: float = 0.0) -> int:
+    """``n' = n - floor(f n) - floor(d n)``: the shares counted on to make one central noise (module docstring).
+
+    Any sum over at least :func:`fewest_summed` of the ``n`` participants holds at least ``n'`` honest shares
+    when at most ``floor(f n)`` of them collude with the parameter server.
 
     Raises:
-        ValueError: ``participants < 1`` or ``collude_frac`` outside ``[0, 1)``.
+        ValueError: ``participants < 1``, a fraction outside ``[0, 1)``, or no share left to count on.
     """
     if participants < 1:
         raise ValueError(f"participants must be >= 1, got {participants!r}")
-    if not (math.isfinite(collude_frac) and 0 <= collude_frac < 1):
-        raise ValueError(f"colluding fraction must be in [0, 1), got {collude_frac!r}")
-    return int(participants) - math.floor(collude_frac * participants)
+    for name, frac in (("colluding", collude_frac), ("dropout", dropout_frac)):
+        if not (math.isfinite(frac) and 0 <= frac < 1):
+            raise ValueError(f"{name} fraction must be in [0, 1), got {frac!r}")
+    counted = int(participants) - math.floor(collude_frac * participants) - math.floor(dropout_frac * participants)
+    if counted < 1:
+        raise ValueError(f"{participants} participants leave no share to count on with a colluding fraction of "
+                         f"{collude_frac:g} and a dropout fraction of {dropout_frac:g}")
+    return counted
+
+
+def fewest_summed(participants: int, dropout_frac: float) -> int:
+    """``n - floor(d n)``: the fewest of ``n`` participants a distributed share may be summed with."""
+    return int(participants) - math.floor(dropout_frac * participants)
+
+
+def honest_present(participants: int, pushed: int, collude_frac: float) -> int:
+    """Honest shares a sum over ``pushed`` of ``participants`` holds at least: ``pushed - floor(f n)``."""
+    return int(pushed) - math.floor(collude_frac * participants)
 
 
 def gamma_noise(size: int, shape: float, scale: float, *, seed: bytes | None = None) -> NDArray[np.float64]:

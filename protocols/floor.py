@@ -239,8 +239,9 @@ def ddpsa_noise_share(cfg: RunConfig, noise: str, participants: int) -> int | No
 
     A ``"local"`` round gets the paper's full ``Lap(b)`` (never less than the client's floor).  A
     ``"distributed"`` round splits one ``Lap(b)`` (a ``"gaussian"`` round one ``N(0, (z Delta_2)^2)``, taken only by
-    a client whose own config asks Gaussian noise, and it only) over ``n' = n - floor(f n)`` participants
-    (:func:`protocols.ddpsa.honest_participants`, ``f`` = the client's own ``ddpsa-collude-frac``); it is
+    a client whose own config asks Gaussian noise, and it only) over ``n' = n - floor(f n) - floor(d n)``
+    participants (:func:`protocols.ddpsa.honest_participants`, ``f`` and ``d`` = the client's own
+    ``ddpsa-collude-frac`` and ``ddpsa-dropout-frac``); it is
     refused when the client's run config asks for local noise, or when the participant list is longer
     than the client's own ``clients_per_round`` (a longer list would shrink its share).
     """
@@ -256,18 +257,21 @@ def ddpsa_noise_share(cfg: RunConfig, noise: str, participants: int) -> int | No
                              "this client's run config adds the paper's full Laplace noise itself")
     at_most("ddpsa-participants", participants, cfg.clients_per_round,
             "the distributed noise is split over the participants: a longer list would shrink this client's share")
-    return honest_participants(participants, cfg.ddpsa_collude_frac)
+    return honest_participants(participants, cfg.ddpsa_collude_frac, cfg.ddpsa_dropout_frac)
 
 
-def ddpsa_min_summed(noise: str, participants: int) -> int:
+def ddpsa_min_summed(cfg: RunConfig, noise: str, participants: int) -> int:
     """``ddpsa``: the fewest clients a partial sum holding a client's share may cover (its push's signed terms).
 
     A ``"local"`` share carries its own full Laplace: any sum (1).  A distributed or Gaussian share is one of
-    ``n'`` parts of one central noise and the ledger charges that whole noise, which only a sum over every one of
-    the ``participants`` the client was shown holds when up to ``floor(f n)`` of them collude (a server that may
-    leave honest shares out of the sum could otherwise keep too few of them): ``participants``.
+    ``n'`` parts of one central noise (:func:`ddpsa_noise_share`) and the ledger charges that whole noise, which a
+    sum holds when it leaves out at most ``floor(d n)`` of the ``participants`` the client was shown
+    (:func:`protocols.ddpsa.fewest_summed`, ``d`` = the client's own ``ddpsa-dropout-frac``): a server that may
+    leave honest shares out of a sum could otherwise keep too few of them.
     """
-    return 1 if noise == "local" else int(participants)
+    from protocols.ddpsa import fewest_summed
+
+    return 1 if noise == "local" else fewest_summed(participants, cfg.ddpsa_dropout_frac)
 
 
 def ddpsa_noise_multiplier(cfg: RunConfig) -> float:

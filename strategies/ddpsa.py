@@ -47,6 +47,7 @@ from protocols.ddpsa import (
     gaussian_multiplier,
     gaussian_share_std,
     honest_participants,
+    honest_present,
     l1_sensitivity,
     present_multiplier,
 )
@@ -139,6 +140,12 @@ class DdpsaStrategy(CancelStrategy):
         #: ``ddpsa-noise = "gaussian"``: cdp's noise multiplier for the run's (epsilon, delta, rounds); else None.
         self.z: float | None = (gaussian_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
                                 if cfg.ddpsa_noise == "gaussian" else None)
+        if cfg.ddpsa_noise != "local":
+            try:
+                self._counted(max(cfg.clients_per_round, 1))
+            except ValueError as err:
+                raise ConfigError(f"method 'ddpsa': run-config 'ddpsa-collude-frac' / 'ddpsa-dropout-frac': {err}"
+                                  ) from err
         spent = composition_accountant(cfg.ddpsa_composition, cfg.ddpsa_noise)
         self.privacy = PrivacyLedger(cfg.delta, uplink=spent, downlink=spent)
         self.codec = FixedPointCodec(frac_bits=cfg.ddpsa_frac_bits, max_clients=max(cfg.num_clients, 2))
@@ -247,12 +254,13 @@ class DdpsaStrategy(CancelStrategy):
             abort_round(self.servers, self.run_id, rnd, self.signer)
             raise RoundFailed(f"round {rnd}: {len(expected)} participant(s) pushed under their roster names; "
                               "a partial sum needs at least 2")
-        least = ddpsa_min_summed(self.cfg.ddpsa_noise, len(state.names))
+        least = ddpsa_min_summed(self.cfg, self.cfg.ddpsa_noise, len(state.names))
         if len(expected) < least:  # the clients' signed terms: the intermediate servers would refuse the sum
             abort_round(self.servers, self.run_id, rnd, self.signer)
             raise RoundFailed(f"round {rnd}: only {len(expected)} of {len(state.names)} participants pushed their "
-                              f"shares; a distributed noise share is summed only with all {least} participants its "
-                              "client was shown, so the round is aborted unreleased")
+                              f"shares; a distributed noise share is summed only with at least {least} of the "
+                              "participants its client was shown (run-config 'ddpsa-dropout-frac' sizes the shares "
+                              "for more dropouts), so the round is aborted unreleased")
         n_total = float(sum(num_examples(r.content["metrics"]) for r in by_node.values()))
         event = self.round_event(rnd, len(state.names), len(expected), flatten(state.global_weights).size)
         if event is None:
@@ -302,6 +310,10 @@ class DdpsaStrategy(CancelStrategy):
         return to_record(new, self.wire_dtype)
 
     # ------------------------------------------------------------ reporting
+    def _counted(self, participants: int) -> int:
+        """``n'``: the shares of ``participants`` counted on for one central noise (:func:`honest_participants`)."""
+        return honest_participants(participants, self.cfg.ddpsa_collude_frac, self.cfg.ddpsa_dropout_frac)
+
     def round_charge(self, server_round: int, participants: int, pushed: int, dim: int) -> float:
         """Epsilon of round ``server_round`` when ``pushed`` of ``participants`` shares are summed.
 
@@ -311,8 +323,8 @@ class DdpsaStrategy(CancelStrategy):
         eps_t = self.epsilon_of_round(server_round)
         if self.cfg.ddpsa_noise == "local":
             return eps_t
-        honest = honest_participants(participants, self.cfg.ddpsa_collude_frac)
-        present = pushed - (participants - honest)
+        honest = self._counted(participants)
+        present = honest_present(participants, pushed, self.cfg.ddpsa_collude_frac)
         if present <= 0:
             return math.inf
         return gamma_difference_epsilon(present / honest, eps_t, dim)
@@ -325,8 +337,8 @@ class DdpsaStrategy(CancelStrategy):
         multiplier the honest shares present leave (:func:`protocols.ddpsa.present_multiplier`; composed exactly).
         """
         if self.z is not None:
-            honest = honest_participants(participants, self.cfg.ddpsa_collude_frac)
-            z = present_multiplier(self.z, honest, pushed - (participants - honest))
+            z = present_multiplier(self.z, self._counted(participants),
+                                   honest_present(participants, pushed, self.cfg.ddpsa_collude_frac))
             return GaussianEvent(z) if z > 0 else None
         epsilon = self.round_charge(server_round, participants, pushed, dim)
         return self.laplace_release(server_round, epsilon) if math.isfinite(epsilon) else None
@@ -341,13 +353,13 @@ class DdpsaStrategy(CancelStrategy):
         ``N(0, (z Delta_2)^2 / n')``, std ``sqrt(clients / n') z Delta_2 / examples``.
         """
         if self.z is not None:  # each share N(0, (z Delta_2)^2 / n')
-            honest = honest_participants(clients if participants is None else participants, self.cfg.ddpsa_collude_frac)
+            honest = self._counted(clients if participants is None else participants)
             share = gaussian_share_std(l1_sensitivity(self.cfg.clip, self.cfg.adjacency), self.z, honest)
             return math.sqrt(clients) * share / examples
         b = laplace_scale(l1_sensitivity(self.cfg.clip, self.cfg.adjacency), self.epsilon_of_round(server_round))
         shares = 1
         if self.cfg.ddpsa_noise == "distributed":
-            shares = honest_participants(clients if participants is None else participants, self.cfg.ddpsa_collude_frac)
+            shares = self._counted(clients if participants is None else participants)
         return math.sqrt(2.0 * clients / shares) * b / examples
 
     def noise_estimate(self, num_params: int) -> NoiseEstimate | None:
@@ -377,6 +389,7 @@ class DdpsaStrategy(CancelStrategy):
             "noise": self.cfg.ddpsa_noise,
             **({"noise_multiplier": self.z, "clip_norm": "l2"} if self.z is not None else {}),
             "collude_frac": self.cfg.ddpsa_collude_frac,
+            "dropout_frac": self.cfg.ddpsa_dropout_frac,
             "frac_bits": self.codec.frac_bits,
             "sharing_threshold": self.threshold,
             "server_optimizer": self.optimizer.describe(),

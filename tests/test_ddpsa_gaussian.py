@@ -190,7 +190,7 @@ def test_dropouts_abort_a_gaussian_round_charged_as_planned(run_inprocess, tmp_p
     delta = full["config"]["delta"]
     assert full["failed_rounds"] == [] and full["epsilon"] == pytest.approx(gdp_epsilon(z, 4, delta))
     dropped, _ = run_inprocess(**common, fault_drop_rate=0.1, out_dir=str(tmp_path / "drop"))
-    assert dropped["failed_rounds"] and all("summed only with all 10 participants" in f
+    assert dropped["failed_rounds"] and all("summed only with at least 10 of the participants" in f
                                             for f in dropped["failed_rounds"])
     assert dropped["epsilon"] == pytest.approx(full["epsilon"]) and not dropped["privacy"]["over_target"]
 

@@ -66,3 +66,26 @@ def test_a_round_registered_for_other_participants_than_shown_gets_no_share(nois
             strategy.close()
     assert len(replies) == 4 and all(r.has_error() for r in replies)
     assert sum("participants it was shown" in r.error.reason for r in replies) == 2
+
+
+def test_shares_sized_for_dropouts_sum_over_the_rest_and_no_fewer(noise_seen) -> None:  # noqa: F811 (fixture)
+    """Shares sized for one dropout of 4 (``ddpsa-dropout-frac = 0.25``): the servers sum 3 of them, not 2.
+
+    Each share is 1/3 of the central Laplace, so any 3 shares hold one ``Lap(b)`` (variance ``2 b^2``).
+    """
+    with _served(num_clients=4, num_rounds=2, ddpsa_collude_frac=0.0, ddpsa_dropout_frac=0.25, **LINEAR) as (
+            cfg, grid, _):
+        strategy = DdpsaStrategy(cfg)
+        try:
+            replies = _train(strategy, cfg, grid)
+            assert not any(r.has_error() for r in replies) and len(noise_seen) == 4
+            names = sorted(strategy.names.values())
+            b = laplace_scale(l1_sensitivity(cfg.clip, cfg.adjacency), strategy.epsilon_of_round(1))
+            assert np.var(noise_seen[0] + noise_seen[1] + noise_seen[2]) == pytest.approx(2 * b * b, rel=0.35)
+            assert gamma_difference_epsilon(3 / 3, strategy.epsilon_of_round(1), noise_seen[0].size) == pytest.approx(
+                strategy.epsilon_of_round(1))
+            with pytest.raises(PartialSumUnavailableError, match="participants it was shown"):
+                reconstruct_sum(strategy.servers, strategy.run_id, 1, names[:2], strategy.signer, threshold=strategy.shamir)
+            reconstruct_sum(strategy.servers, strategy.run_id, 1, names[:3], strategy.signer, threshold=strategy.shamir)
+        finally:
+            strategy.close()

@@ -14,7 +14,8 @@ Per round ``t`` on the received global model (FedSGD: one gradient over the whol
    (:mod:`protocols.secret_sharing`), split into ``m`` shares and each pushed, signed, to its intermediate server,
    with the client's terms (:class:`protocols.wire.intermediate.ShareTerms`): the participants it was shown (a
    round registered for others refuses the push) and :func:`protocols.floor.ddpsa_min_summed`, the fewest clients
-   a partial sum holding the share may cover (a distributed share: all the participants it was shown).
+   a partial sum holding the share may cover (a distributed share: all the participants it was
+   shown but ``floor(d n)``).
 
 The servers come from the client's own configuration (:func:`intermediate_servers`); the round's parameters
 arrive as :class:`protocols.wire.ddpsa.DdpsaRound` and are refused when looser than the client's own.
@@ -205,7 +206,7 @@ def train(msg: Message, env: ClientEnv) -> Message:
     spent = release(msg, env, event,
                     accountant=composition_accountant(env.cfg.ddpsa_composition, env.cfg.ddpsa_noise))
     t0 = time.perf_counter()
-    terms = ShareTerms(plan.participants, ddpsa_min_summed(plan.noise, len(plan.participants)))
+    terms = ShareTerms(plan.participants, ddpsa_min_summed(env.cfg, plan.noise, len(plan.participants)))
     size = share_and_push(noisy, plan.codec(), servers, plan.run_id, rnd, me, threshold=plan.shamir_threshold,
                           terms=terms)
     receipt = ShareReceipt(me.name, share_bytes=8 * size * len(servers), share_time_s=time.perf_counter() - t0)

@@ -50,7 +50,10 @@ class DdpsaOptions(MethodOptions):
                                        "local (paper) | gaussian (one central Gaussian of cdp's calibration split "
                                        "over participants, L2 clipping, (epsilon, delta))",
                         choices=NOISE_MODES)
-    collude_frac: float = option(0.1, "distributed noise: fraction of participants that may collude or not push",
+    collude_frac: float = option(0.1, "distributed noise: fraction of participants that may collude with the "
+                                      "parameter server", low=0.0, high=1.0, high_open=True)
+    dropout_frac: float = option(0.0, "distributed noise: fraction of participants a round may lose and still "
+                                      "release; each share is sized for the rest (more noise per share)",
                                  low=0.0, high=1.0, high_open=True)
     centering: bool = option(True, "centre each record's output-layer gradient on its median over the classes "
                                    "(softmax shift invariance: same model function, L1 norm up to halved; "
