@@ -448,12 +448,17 @@ def mpddp_floor(cfg: RunConfig, k: int, min_size: int, scale: float = 1.0,
     Raises ValueError where the theorems do not cover the setting, FloorViolation for ``releases`` outside
     ``1..num-rounds``.
     """
-    from protocols.mpddp import calibrate, mp_record_sensitivity, sigmas_for_theta, theta_for_noise_multiplier
+    from protocols.mpddp import (
+        calibrate,
+        mp_record_sensitivity,
+        round_multiplier,
+        sigmas_for_theta,
+        theta_for_noise_multiplier,
+    )
     sens = mp_record_sensitivity(cfg.clip, min_size, cfg.adjacency)
     t = calibration_releases(cfg, releases)
-    z = noise_multiplier(cfg.epsilon, cfg.delta, t)
     if mpddp_complete(cfg, k):
-        theta = theta_for_noise_multiplier(z)
+        theta = theta_for_noise_multiplier(round_multiplier(cfg.epsilon, cfg.delta, t, complete=True))
         se, sd = sigmas_for_theta(theta, k, eta_share=ETA_SHARE, sensitivity=sens)
         return se * scale, sd * scale, theta / scale**2
     cal = calibrate(cfg.epsilon / t, cfg.delta / t, k, cfg.n_out, eta_share=ETA_SHARE, sensitivity=sens)

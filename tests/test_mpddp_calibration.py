@@ -129,3 +129,15 @@ def test_record_level_scales_are_z_times_two_clip_over_n():
     assert mpddp_floor(cfg, 10, 90)[0] == pytest.approx(2 * se)
     with pytest.raises(ValueError):
         mp_record_sensitivity(1.0, 0)
+
+
+def test_round_event_is_the_accountants_gaussian_or_the_basic_composition_share():
+    from protocols.mpddp import max_theta, round_event, round_multiplier
+    from protocols.privacy import DpEvent, GaussianEvent, noise_multiplier
+
+    z = noise_multiplier(2.0, 1e-5, 4)
+    assert round_multiplier(2.0, 1e-5, 4, complete=True) == z
+    assert round_event(2.0, 1e-5, 4, complete=True) == GaussianEvent(z)
+    assert round_event(2.0, 1e-5, 4, complete=True, scale=1.5) == GaussianEvent(z * 1.5)
+    assert round_multiplier(2.0, 1e-5, 4, complete=False) == max_theta(0.5, 1e-5 / 4) ** -0.5
+    assert round_event(2.0, 1e-5, 4, complete=False, scale=3.0) == DpEvent(0.5, 1e-5 / 4)
