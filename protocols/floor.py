@@ -319,13 +319,13 @@ def nadp_round_noise(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[in
             ``1..num-rounds``.
     """
     from protocols.dropouts import nadp_dropout_factor
-    from protocols.nadp import round_plan
+    from protocols.nadp import rdp_multiplier, round_plan
     if not (math.isfinite(scale) and scale >= 1.0):
         raise FloorViolation("nadp-noise-scale", scale, 1.0, "less noise than this client's own calibration")
     t = calibration_releases(cfg, releases)
     sens = {n: record_sensitivity(cfg, s) for n, s in sizes.items()}  # Lemma 1
     if cfg.nadp_variant == "record-ldp":
-        z_ldp = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, t)
+        z_ldp = rdp_multiplier(cfg.epsilon, cfg.delta, t)
         return NadpRoundNoise(sens, None, None, 1.0, {n: z_ldp * s * scale for n, s in sens.items()})
     drop = nadp_dropout_factor(sizes, cfg.dropout_rate)
     sig, alloc = round_plan(sizes, {n: v * scale * drop for n, v in sens.items()}, cfg.epsilon, cfg.delta, t,
