@@ -5,8 +5,8 @@ For one client and one round::
     g_j      <- per-sample gradient of sample j, clipped: g_j / max(1, ||g_j||_1 / Delta)
     g_tilde  <- (sum_j g_j + Lap(0, Delta_1/eps)^d) / N_i
 
-The noise scale is ``Delta_1 / eps``, ``Delta_1`` = :func:`l1_sensitivity` (``Delta`` zero-out, ``2 Delta``
-replace-one): ``N_i`` is published, so sizes are fixed, not the paper's add/remove.
+The noise scale is ``Delta_1 / eps``, ``Delta_1`` = :func:`protocols.privacy.l1_sensitivity` (``Delta`` zero-out,
+``2 Delta`` replace-one): ``N_i`` is published, so sizes are fixed, not the paper's add/remove.
 ``"distributed"`` noise (:func:`distributed_laplace_share`) gives each of ``n``
 participants ``Gamma(1/n', b) - Gamma(1/n', b)``, ``n' = n - floor(f n)`` (:func:`honest_participants`), so
 ``n'`` honest shares sum to one central ``Lap(b)``; fewer give the epsilon :func:`gamma_difference_epsilon`
@@ -15,7 +15,7 @@ returns.  With ``ddpsa-centering`` the linear model's per-sample gradient ``(p -
 is invariant to a shift common to all classes, so both steps give the same model function, and the median is the
 shift of least L1 norm (at the zero model ``||p - e_y||_1`` falls from ``2 (1 - 1/C)`` to 1).
 ``"gaussian"`` noise (opt-in) clips each sample in L2 instead (``||g_j||_2 <= Delta``, L2 sensitivity
-``Delta_2`` = :func:`l1_sensitivity`'s same factor times ``Delta``) and gives each participant
+``Delta_2`` = :func:`~protocols.privacy.l1_sensitivity`'s same factor times ``Delta``) and gives each participant
 ``N(0, (z Delta_2)^2 / n')`` (:func:`gaussian_share_std`), ``z`` = :func:`gaussian_multiplier`, cdp's calibration
 (:func:`protocols.privacy.noise_multiplier`: ``T`` unsampled releases under RDP at ``(epsilon, delta)``): what
 holds is that any ``n'`` honest shares sum to ``N(0, (z Delta_2)^2)``, the noise cdp's server adds, so the
@@ -44,13 +44,13 @@ from numpy.typing import ArrayLike, NDArray
 from scipy.special import gammaln, kve
 from torch import Tensor, nn
 
-from protocols.adjacency import adjacency_factor
 from protocols.methods.ddpsa import NOISE_MODES
 from protocols.privacy import (
     Accountant,
     DpCompositionAccountant,
     GdpAccountant,
     PldAccountant,
+    l1_sensitivity,
     laplace_scale,
     noise_multiplier,
 )
@@ -69,7 +69,6 @@ __all__ = [
     "honest_participants",
     "is_linear_classifier",
     "l1_clip",
-    "l1_sensitivity",
     "laplace_noise",
     "ldp_noisy_mean",
     "present_multiplier",
@@ -135,17 +134,6 @@ def is_linear_classifier(model: nn.Module) -> bool:
     """
     owners = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
     return len(owners) == 1 and isinstance(owners[0], nn.Linear)
-
-
-def l1_sensitivity(clip: float, adjacency: str = "replace-one") -> float:
-    """L1 sensitivity of the clipped per-sample gradient *sum* to one sample: ``Delta`` (zero-out) or ``2 Delta``.
-
-    Each sample contributes a vector of L1 norm at most ``Delta``; zeroing it moves the sum by at most
-    ``Delta``, replacing it by ``2 Delta`` (``N_i`` is published either way: sizes are fixed).
-    """
-    if not clip > 0:
-        raise ValueError(f"clipping threshold Delta must be > 0, got {clip!r}")
-    return adjacency_factor(adjacency) * float(clip)
 
 
 def laplace_noise(size: int, scale: float, *, seed: bytes | None = None) -> NDArray[np.float64]:

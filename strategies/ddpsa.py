@@ -46,7 +46,6 @@ from protocols.ddpsa import (
     gaussian_multiplier,
     gaussian_share_std,
     honest_participants,
-    l1_sensitivity,
     present_multiplier,
 )
 from protocols.privacy import (
@@ -56,6 +55,7 @@ from protocols.privacy import (
     GaussianEvent,
     LaplaceEvent,
     PrivacyLedger,
+    l1_sensitivity,
     laplace_scale,
     per_round_epsilons,
 )

@@ -10,7 +10,6 @@ from scipy import stats
 
 from protocols.ddpsa import (
     l1_clip,
-    l1_sensitivity,
     laplace_noise,
     ldp_noisy_mean,
 )
@@ -20,6 +19,7 @@ from protocols.privacy import (
     compose_advanced,
     compose_basic,
     exponential_allocation,
+    l1_sensitivity,
     laplace_scale,
     per_round_epsilons,
     uniform_allocation,

@@ -21,10 +21,9 @@ from protocols.ddpsa import (
     gaussian_multiplier,
     gaussian_share_std,
     honest_participants,
-    l1_sensitivity,
     present_multiplier,
 )
-from protocols.privacy import GaussianEvent, GdpAccountant, gaussian_epsilon, gdp_epsilon, noise_multiplier
+from protocols.privacy import GaussianEvent, GdpAccountant, gaussian_epsilon, gdp_epsilon, l1_sensitivity, noise_multiplier
 from protocols.wire.ddpsa import DdpsaRound
 from strategies.ddpsa import DdpsaStrategy
 from tests.test_ddpsa_method import LINEAR, UNREACHED, _raw, _served, _setup, credentials  # noqa: F401 (autouse)

@@ -18,10 +18,9 @@ from protocols.ddpsa import (
     gamma_difference_epsilon,
     gamma_noise,
     honest_participants,
-    l1_sensitivity,
     laplace_noise,
 )
-from protocols.privacy import laplace_scale
+from protocols.privacy import l1_sensitivity, laplace_scale
 from protocols.wire.arrays import from_record
 from protocols.wire.ddpsa import DdpsaRound
 from strategies.ddpsa import DdpsaStrategy

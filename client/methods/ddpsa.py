@@ -40,7 +40,6 @@ from protocols.ddpsa import (
     distributed_laplace_share,
     gaussian_share_std,
     is_linear_classifier,
-    l1_sensitivity,
     laplace_noise,
 )
 from protocols.floor import (
@@ -53,7 +52,7 @@ from protocols.floor import (
 )
 from protocols.methods.ddpsa import sharing_threshold
 from protocols.per_example import PerExampleClipper, cross_entropy
-from protocols.privacy import Event, GaussianEvent, LaplaceEvent, laplace_scale
+from protocols.privacy import Event, GaussianEvent, LaplaceEvent, l1_sensitivity, laplace_scale
 from protocols.wire.arrays import from_record
 from protocols.wire.common import TrainIns
 from protocols.wire.ddpsa import RECEIPT, DdpsaRound, RosterName, ShareReceipt

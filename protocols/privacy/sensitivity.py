@@ -5,7 +5,8 @@ neighbouring datasets) trains with per-example clipping (:func:`protocols.task.t
 calibrates its noise to :func:`local_sgd_sensitivity` of that training.  With the default regime (one
 full-batch step per round) this is ``C lr / |D_i|`` under zero-out adjacency (run-config ``adjacency``, the
 default: one record's gradient replaced by zero, dataset sizes fixed, Opacus' and dp-accounting's DP-SGD
-convention) and Lemma 1 of NADP-FL, ``2 C lr / |D_i|``, under replace-one adjacency.
+convention) and Lemma 1 of NADP-FL, ``2 C lr / |D_i|``, under replace-one adjacency.  DDP-SA's clipped per-sample
+gradient sum: :func:`l1_sensitivity`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import math
 
 from protocols.adjacency import ADJACENCIES, adjacency_factor
 
-__all__ = ["ADJACENCIES", "adjacency_factor", "local_sgd_sensitivity", "local_sgd_steps", "record_sensitivity",
-           "record_training_movement"]
+__all__ = ["ADJACENCIES", "adjacency_factor", "l1_sensitivity", "local_sgd_sensitivity", "local_sgd_steps",
+           "record_sensitivity", "record_training_movement"]
 
 
 def _positive(name: str, value: float) -> float:
@@ -23,6 +24,18 @@ def _positive(name: str, value: float) -> float:
     if not math.isfinite(value) or value <= 0.0:
         raise ValueError(f"{name} must be finite and > 0, got {value!r}")
     return value
+
+
+def l1_sensitivity(clip: float, adjacency: str = "replace-one") -> float:
+    """L1 sensitivity of the clipped per-sample gradient *sum* to one sample: ``Delta`` (zero-out) or ``2 Delta``.
+
+    DDP-SA (Wei et al., Algorithm 2): each sample contributes a vector of L1 norm at most ``Delta``; zeroing it
+    moves the sum by at most ``Delta``, replacing it by ``2 Delta`` (``N_i`` is published either way: sizes are
+    fixed).  Gaussian rounds clip in L2 with the same factor: it is then the L2 sensitivity ``Delta_2``.
+    """
+    if not clip > 0:
+        raise ValueError(f"clipping threshold Delta must be > 0, got {clip!r}")
+    return adjacency_factor(adjacency) * float(clip)
 
 
 def local_sgd_steps(dataset_size: int, *, epochs: int, batch_size: int) -> int:
