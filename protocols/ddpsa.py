@@ -167,15 +167,16 @@ def l1_clip(per_sample: ArrayLike, clip: float) -> NDArray[np.float64]:
 
 
 def ldp_noisy_mean(
-    per_sample: ArrayLike, clip: float, epsilon: float, *, seed: bytes | None = None
+    per_sample: ArrayLike, clip: float, epsilon: float, *, adjacency: str, seed: bytes | None = None
 ) -> NDArray[np.float64]:
-    """Algorithm 2 client step in numpy: ``(sum_j clip(g_j) + Lap(2 Delta/eps)) / B`` (replace-one, module docstring).
+    """Algorithm 2 client step in numpy: ``(sum_j clip(g_j) + Lap(Delta_1/eps)) / B`` (``Delta_1`` for ``adjacency``).
 
     Returns an array of shape ``per_sample.shape[1:]`` (float64).
     """
     clipped = l1_clip(per_sample, clip)
     total = clipped.sum(axis=0)
-    noise = laplace_noise(total.size, laplace_scale(l1_sensitivity(clip), epsilon), seed=seed).reshape(total.shape)
+    scale = laplace_scale(l1_sensitivity(clip, adjacency=adjacency), epsilon)
+    noise = laplace_noise(total.size, scale, seed=seed).reshape(total.shape)
     return (total + noise) / clipped.shape[0]
 
 

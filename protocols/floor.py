@@ -455,7 +455,7 @@ def mpddp_floor(cfg: RunConfig, k: int, min_size: int, scale: float = 1.0,
         sigmas_for_theta,
         theta_for_noise_multiplier,
     )
-    sens = mp_record_sensitivity(cfg.clip, min_size, cfg.adjacency)
+    sens = mp_record_sensitivity(cfg.clip, min_size, adjacency=cfg.adjacency)
     t = calibration_releases(cfg, releases)
     if mpddp_complete(cfg, k):
         theta = theta_for_noise_multiplier(round_multiplier(cfg.epsilon, cfg.delta, t, complete=True))
@@ -469,4 +469,4 @@ def mpdp_naive_sigma(cfg: RunConfig, size: int) -> float:
     """``mpdp-naive``: Gaussian std ``z S`` on each perturbed gradient entry, S = ``2 clip / size`` (the client's own)."""
     from protocols.mpddp import calibrate_ldp, mp_record_sensitivity
     return calibrate_ldp(noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds),
-                         sensitivity=mp_record_sensitivity(cfg.clip, size, cfg.adjacency))
+                         sensitivity=mp_record_sensitivity(cfg.clip, size, adjacency=cfg.adjacency))

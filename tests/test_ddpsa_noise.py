@@ -152,7 +152,7 @@ def test_real_round_noise_is_one_over_n_of_local(noise_seen) -> None:
                      **{**LINEAR, "epsilon": 1.0}) as (cfg, grid, _):
             strategy, replies, arrays = _one_round(cfg, grid)
         assert arrays is not None and len(noise_seen) == 8
-        b = laplace_scale(l1_sensitivity(cfg.clip, cfg.adjacency), strategy.epsilon_of_round(1))
+        b = laplace_scale(l1_sensitivity(cfg.clip, adjacency=cfg.adjacency), strategy.epsilon_of_round(1))
         per_client = np.var(noise_seen[0])
         assert per_client == pytest.approx(2 * b * b / (8 if mode == "distributed" else 1), rel=0.3)
         variances[mode] = np.var(np.sum(noise_seen, axis=0))
@@ -202,7 +202,7 @@ def test_local_round_accepted_by_a_distributed_client(noise_seen) -> None:
             ctx.run_config["ddpsa-noise"] = "distributed"
         strategy, _, arrays = _one_round(cfg, grid)
     assert arrays is not None
-    b = laplace_scale(l1_sensitivity(cfg.clip, cfg.adjacency), strategy.epsilon_of_round(1))
+    b = laplace_scale(l1_sensitivity(cfg.clip, adjacency=cfg.adjacency), strategy.epsilon_of_round(1))
     assert stats.kstest(noise_seen[0], stats.laplace(scale=b).cdf).pvalue > 1e-3
     assert from_record(arrays)
 

@@ -108,7 +108,7 @@ def _train(msg: Message, env: ClientEnv) -> Message:
         mask = None
         size = len(env.y)
         sigma = mpdp_naive_sigma(env.cfg, size)  # the client's own; the server's multiplier is only checked
-        z = sigma / mp_record_sensitivity(env.cfg.clip, size, env.cfg.adjacency)
+        z = sigma / mp_record_sensitivity(env.cfg.clip, size, adjacency=env.cfg.adjacency)
         at_least("mpddp-sigma", NaiveNoise.from_config(cfg).sigma, z)
         metrics.update(release(msg, env, downlink=GaussianEvent(z)))
         up = naive_client(up, eta_seed=os.urandom(32), sigma=sigma)

@@ -233,7 +233,7 @@ def calibrate(
     )
 
 
-def mp_record_sensitivity(clip: float, dataset_size: int, adjacency: str = "replace-one") -> float:
+def mp_record_sensitivity(clip: float, dataset_size: int, *, adjacency: str) -> float:
     """Record sensitivity ``a clip / n`` of a client's upload, the mean of its n per-example-clipped gradients.
 
     ``a`` = 1 under zero-out, 2 under replace-one adjacency (:func:`protocols.privacy.sensitivity.adjacency_factor`).

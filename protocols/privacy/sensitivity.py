@@ -26,7 +26,7 @@ def _positive(name: str, value: float) -> float:
     return value
 
 
-def l1_sensitivity(clip: float, adjacency: str = "replace-one") -> float:
+def l1_sensitivity(clip: float, *, adjacency: str) -> float:
     """L1 sensitivity of the clipped per-sample gradient *sum* to one sample: ``Delta`` (zero-out) or ``2 Delta``.
 
     DDP-SA (Wei et al., Algorithm 2): each sample contributes a vector of L1 norm at most ``Delta``; zeroing it
@@ -44,7 +44,7 @@ def local_sgd_steps(dataset_size: int, *, epochs: int, batch_size: int) -> int:
 
 
 def local_sgd_sensitivity(clip: float, dataset_size: int, *, lr: float, epochs: int = 1,
-                          batch_size: int | None = None, adjacency: str = "replace-one") -> float:
+                          batch_size: int | None = None, adjacency: str) -> float:
     """L2 sensitivity of local SGD with per-example clipping, valid for any loss.
 
     The client runs ``epochs`` epochs of mini-batch SGD (batches of
