@@ -5,8 +5,8 @@ For one client and one round::
     g_j      <- per-sample gradient of sample j, clipped: g_j / max(1, ||g_j||_1 / Delta)
     g_tilde  <- (sum_j g_j + Lap(0, Delta_1/eps)^d) / N_i
 
-The noise scale is ``Delta_1 / eps``, ``Delta_1`` = :func:`l1_sensitivity` (``Delta`` zero-out, ``2 Delta``
-replace-one): ``N_i`` is published, so sizes are fixed, not the paper's add/remove.
+The noise scale is ``Delta_1 / eps``, ``Delta_1`` = :func:`protocols.privacy.l1_sensitivity` (``Delta`` zero-out,
+``2 Delta`` replace-one): ``N_i`` is published, so sizes are fixed, not the paper's add/remove.
 ``"distributed"`` noise (:func:`distributed_laplace_share`) gives each of ``n``
 participants ``Gamma(1/n', b) - Gamma(1/n', b)``, ``n' = n - floor(f n) - floor(d n)``
 (:func:`honest_participants`: ``f`` the colluding, ``d`` the dropout fraction), so ``n'`` honest shares sum to one
@@ -17,7 +17,7 @@ per-sample gradient ``(p - e_y) x^T`` is first replaced by
 is invariant to a shift common to all classes, so both steps give the same model function, and the median is the
 shift of least L1 norm (at the zero model ``||p - e_y||_1`` falls from ``2 (1 - 1/C)`` to 1).
 ``"gaussian"`` noise (opt-in) clips each sample in L2 instead (``||g_j||_2 <= Delta``, L2 sensitivity
-``Delta_2`` = :func:`l1_sensitivity`'s same factor times ``Delta``) and gives each participant
+``Delta_2`` = :func:`~protocols.privacy.l1_sensitivity`'s same factor times ``Delta``) and gives each participant
 ``N(0, (z Delta_2)^2 / n')`` (:func:`gaussian_share_std`), ``z`` = :func:`gaussian_multiplier`, cdp's calibration
 (:func:`protocols.privacy.noise_multiplier`: ``T`` unsampled releases under RDP at ``(epsilon, delta)``): what
 holds is that any ``n'`` honest shares sum to ``N(0, (z Delta_2)^2)``, the noise cdp's server adds, so the
@@ -46,13 +46,13 @@ from numpy.typing import ArrayLike, NDArray
 from scipy.special import gammaln, kve
 from torch import Tensor, nn
 
-from protocols.adjacency import adjacency_factor
 from protocols.methods.ddpsa import NOISE_MODES
 from protocols.privacy import (
     Accountant,
     DpCompositionAccountant,
     GdpAccountant,
     PldAccountant,
+    l1_sensitivity,
     laplace_scale,
     noise_multiplier,
 )
@@ -73,7 +73,6 @@ __all__ = [
     "honest_present",
     "is_linear_classifier",
     "l1_clip",
-    "l1_sensitivity",
     "laplace_noise",
     "ldp_noisy_mean",
     "present_multiplier",
@@ -141,17 +140,6 @@ def is_linear_classifier(model: nn.Module) -> bool:
     return len(owners) == 1 and isinstance(owners[0], nn.Linear)
 
 
-def l1_sensitivity(clip: float, adjacency: str = "replace-one") -> float:
-    """L1 sensitivity of the clipped per-sample gradient *sum* to one sample: ``Delta`` (zero-out) or ``2 Delta``.
-
-    Each sample contributes a vector of L1 norm at most ``Delta``; zeroing it moves the sum by at most
-    ``Delta``, replacing it by ``2 Delta`` (``N_i`` is published either way: sizes are fixed).
-    """
-    if not clip > 0:
-        raise ValueError(f"clipping threshold Delta must be > 0, got {clip!r}")
-    return adjacency_factor(adjacency) * float(clip)
-
-
 def laplace_noise(size: int, scale: float, *, seed: bytes | None = None) -> NDArray[np.float64]:
     """``size`` i.i.d. Lap(0, scale) draws from the CSPRNG (fresh os.urandom seed if None)."""
     # Lazy import keeps this module importable before/without the PRG module.
@@ -183,15 +171,16 @@ def l1_clip(per_sample: ArrayLike, clip: float) -> NDArray[np.float64]:
 
 
 def ldp_noisy_mean(
-    per_sample: ArrayLike, clip: float, epsilon: float, *, seed: bytes | None = None
+    per_sample: ArrayLike, clip: float, epsilon: float, *, adjacency: str, seed: bytes | None = None
 ) -> NDArray[np.float64]:
-    """Algorithm 2 client step in numpy: ``(sum_j clip(g_j) + Lap(2 Delta/eps)) / B`` (replace-one, module docstring).
+    """Algorithm 2 client step in numpy: ``(sum_j clip(g_j) + Lap(Delta_1/eps)) / B`` (``Delta_1`` for ``adjacency``).
 
     Returns an array of shape ``per_sample.shape[1:]`` (float64).
     """
     clipped = l1_clip(per_sample, clip)
     total = clipped.sum(axis=0)
-    noise = laplace_noise(total.size, laplace_scale(l1_sensitivity(clip), epsilon), seed=seed).reshape(total.shape)
+    scale = laplace_scale(l1_sensitivity(clip, adjacency=adjacency), epsilon)
+    noise = laplace_noise(total.size, scale, seed=seed).reshape(total.shape)
     return (total + noise) / clipped.shape[0]
 
 

@@ -335,13 +335,13 @@ def nadp_round_noise(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[in
             ``1..num-rounds``.
     """
     from protocols.dropouts import nadp_dropout_factor
-    from protocols.nadp import round_plan
+    from protocols.nadp import rdp_multiplier, round_plan
     if not (math.isfinite(scale) and scale >= 1.0):
         raise FloorViolation("nadp-noise-scale", scale, 1.0, "less noise than this client's own calibration")
     t = calibration_releases(cfg, releases)
     sens = {n: record_sensitivity(cfg, s) for n, s in sizes.items()}  # Lemma 1
     if cfg.nadp_variant == "record-ldp":
-        z_ldp = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, t)
+        z_ldp = rdp_multiplier(cfg.epsilon, cfg.delta, t)
         return NadpRoundNoise(sens, None, None, 1.0, {n: z_ldp * s * scale for n, s in sens.items()})
     drop = nadp_dropout_factor(sizes, cfg.dropout_rate)
     sig, alloc = round_plan(sizes, {n: v * scale * drop for n, v in sens.items()}, cfg.epsilon, cfg.delta, t,
@@ -464,12 +464,17 @@ def mpddp_floor(cfg: RunConfig, k: int, min_size: int, scale: float = 1.0,
     Raises ValueError where the theorems do not cover the setting, FloorViolation for ``releases`` outside
     ``1..num-rounds``.
     """
-    from protocols.mpddp import calibrate, mp_record_sensitivity, sigmas_for_theta, theta_for_noise_multiplier
-    sens = mp_record_sensitivity(cfg.clip, min_size, cfg.adjacency)
+    from protocols.mpddp import (
+        calibrate,
+        mp_record_sensitivity,
+        round_multiplier,
+        sigmas_for_theta,
+        theta_for_noise_multiplier,
+    )
+    sens = mp_record_sensitivity(cfg.clip, min_size, adjacency=cfg.adjacency)
     t = calibration_releases(cfg, releases)
-    z = noise_multiplier(cfg.epsilon, cfg.delta, t)
     if mpddp_complete(cfg, k):
-        theta = theta_for_noise_multiplier(z)
+        theta = theta_for_noise_multiplier(round_multiplier(cfg.epsilon, cfg.delta, t, complete=True))
         se, sd = sigmas_for_theta(theta, k, eta_share=ETA_SHARE, sensitivity=sens)
         return se * scale, sd * scale, theta / scale**2
     cal = calibrate(cfg.epsilon / t, cfg.delta / t, k, cfg.n_out, eta_share=ETA_SHARE, sensitivity=sens)
@@ -480,4 +485,4 @@ def mpdp_naive_sigma(cfg: RunConfig, size: int) -> float:
     """``mpdp-naive``: Gaussian std ``z S`` on each perturbed gradient entry, S = ``2 clip / size`` (the client's own)."""
     from protocols.mpddp import calibrate_ldp, mp_record_sensitivity
     return calibrate_ldp(noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds),
-                         sensitivity=mp_record_sensitivity(cfg.clip, size, cfg.adjacency))
+                         sensitivity=mp_record_sensitivity(cfg.clip, size, adjacency=cfg.adjacency))

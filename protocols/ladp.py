@@ -37,6 +37,8 @@ __all__ = [
     "theorem3_c0_paper",
     "theorem3_c0_corrected",
     "theorem3_c",
+    "round_epsilon",
+    "round_multiplier",
     "layer_sigma",
     "plan_layer_noise",
     "plan_public_noise",
@@ -184,6 +186,16 @@ def round_epsilon(epsilon: float, delta: float, rounds: int) -> float:
     if lo <= 0:
         raise ValueError(f"no per-round epsilon meets epsilon={epsilon} over {rounds} rounds at delta={delta}")
     return lo
+
+
+def round_multiplier(epsilon: float, delta: float, rounds: int, *, scale: float = 1.0) -> float:
+    """Smallest multiplier ``sigma_j / Delta_f`` of one round's release: ``scale c0(e_r) / e_r`` (Theorem 3, Eq. 10).
+
+    ``e_r`` = :func:`round_epsilon`, ``c0`` = :func:`theorem3_c0_corrected`; ``scale``: the round's noise over the
+    calibration's.
+    """
+    e = round_epsilon(epsilon, delta, rounds)
+    return scale * theorem3_c0_corrected(e, delta) / e
 
 
 def theorem3_c(epsilon: float, delta: float, kl_cap: float, constant: Constant = "corrected") -> float:

@@ -33,7 +33,9 @@ from protocols.nadp_privacy import (
     NadpSigmas,
     calibrate_from_sensitivities,
     calibrate_sigmas,
+    eq3_multiplier,
     local_sgd_sensitivity,
+    rdp_multiplier,
     sensitivity,
 )
 
@@ -45,10 +47,12 @@ __all__ = [
     "calibrate_sigmas",
     "compensation_factor",
     "dropout_residual",
+    "eq3_multiplier",
     "local_sgd_sensitivity",
     "nadp_aggregate",
     "nadp_upload",
     "normalize_weights",
+    "rdp_multiplier",
     "round_plan",
     "sensitivity",
     "upload_noise_scales",
@@ -202,7 +206,7 @@ def round_plan(
     ``calibration``:
 
     * ``"rdp"`` (default): both views the run reports get the RDP noise multiplier of ``rounds`` releases at
-      ``(epsilon, delta)`` (:func:`protocols.privacy.calibrate_noise_multiplier`), with (almost) nothing to
+      ``(epsilon, delta)`` (:func:`rdp_multiplier`), with (almost) nothing to
       spare in the published model: the aggregate (downlink: ``sigma_down / max_i p_i Delta_i``) and the
       server's *joint* view of all uploads (uplink: :meth:`NoiseAllocation.joint_uplink_std` at ``lam = 1``;
       a larger ``lam`` only adds noise).  The joint view approaches the aggregate's multiplier from below as
@@ -234,9 +238,7 @@ def _round_plan_cached(key: tuple) -> tuple[NadpSigmas, NoiseAllocation]:
         return sig, alloc
     if calibration != "rdp":
         raise ValueError(f"calibration must be 'rdp' or 'eq3', got {calibration!r}")
-    from protocols.privacy import calibrate_noise_multiplier
-
-    target = calibrate_noise_multiplier(epsilon, delta, 1.0, rounds)
+    target = rdp_multiplier(epsilon, delta, rounds)
     p = alloc.weights
     d_down = max(p[c] * sensitivities[c] for c in alloc.client_ids)
 

@@ -18,13 +18,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from protocols.nadp_allocation import normalize_weights
-from protocols.privacy import lemma2_sigma, local_sgd_sensitivity
+from protocols.privacy import calibrate_noise_multiplier, lemma2_sigma, local_sgd_sensitivity
 
 __all__ = [
     "NadpSigmas",
     "calibrate_from_sensitivities",
     "calibrate_sigmas",
+    "eq3_multiplier",
     "local_sgd_sensitivity",
+    "rdp_multiplier",
     "sensitivity",
 ]
 
@@ -59,6 +61,20 @@ def sensitivity(clip: float, dataset_size: float, *, lr: float = 1.0, local_step
     if local_steps < 1:
         raise ValueError(f"local_steps must be >= 1, got {local_steps}")
     return 2.0 * _positive("clip", clip) * _positive("lr", lr) * local_steps / _positive("dataset_size", dataset_size)
+
+
+def rdp_multiplier(epsilon: float, delta: float, rounds: int) -> float:
+    """The noise multiplier z of every view a run reports (aggregate, server's joint view, record-ldp's upload).
+
+    The RDP noise multiplier of ``rounds`` unsampled Gaussian releases at (epsilon, delta)
+    (:func:`protocols.privacy.calibrate_noise_multiplier`, no sampling amplification), in place of Eq. 3's.
+    """
+    return calibrate_noise_multiplier(epsilon, delta, 1.0, rounds)
+
+
+def eq3_multiplier(epsilon: float, delta: float, rounds: int) -> float:
+    """Eq. 3's sigma per unit sensitivity, ``sqrt(4 T ln(1/delta)) / eps`` (Lemma 2 over ``2T`` queries)."""
+    return lemma2_sigma(1.0, epsilon, delta, 2.0 * rounds)
 
 
 def calibrate_from_sensitivities(

@@ -48,7 +48,6 @@ from protocols.ddpsa import (
     gaussian_share_std,
     honest_participants,
     honest_present,
-    l1_sensitivity,
     present_multiplier,
 )
 from protocols.floor import ddpsa_min_summed
@@ -59,6 +58,7 @@ from protocols.privacy import (
     GaussianEvent,
     LaplaceEvent,
     PrivacyLedger,
+    l1_sensitivity,
     laplace_scale,
     per_round_epsilons,
 )
@@ -354,9 +354,9 @@ class DdpsaStrategy(CancelStrategy):
         """
         if self.z is not None:  # each share N(0, (z Delta_2)^2 / n')
             honest = self._counted(clients if participants is None else participants)
-            share = gaussian_share_std(l1_sensitivity(self.cfg.clip, self.cfg.adjacency), self.z, honest)
+            share = gaussian_share_std(l1_sensitivity(self.cfg.clip, adjacency=self.cfg.adjacency), self.z, honest)
             return math.sqrt(clients) * share / examples
-        b = laplace_scale(l1_sensitivity(self.cfg.clip, self.cfg.adjacency), self.epsilon_of_round(server_round))
+        b = laplace_scale(l1_sensitivity(self.cfg.clip, adjacency=self.cfg.adjacency), self.epsilon_of_round(server_round))
         shares = 1
         if self.cfg.ddpsa_noise == "distributed":
             shares = self._counted(clients if participants is None else participants)
@@ -385,7 +385,8 @@ class DdpsaStrategy(CancelStrategy):
             "epsilon_last_round": float(eps[-1]),
             "epsilon_total_certified": self.schedule.spent.epsilon,
             "delta_total_certified": self.schedule.spent.delta,
-            "laplace_scale_first_round": laplace_scale(l1_sensitivity(self.cfg.clip, self.cfg.adjacency), float(eps[0])),
+            "laplace_scale_first_round": laplace_scale(l1_sensitivity(self.cfg.clip, adjacency=self.cfg.adjacency),
+                                                       float(eps[0])),
             "noise": self.cfg.ddpsa_noise,
             **({"noise_multiplier": self.z, "clip_norm": "l2"} if self.z is not None else {}),
             "collude_frac": self.cfg.ddpsa_collude_frac,

@@ -66,7 +66,7 @@ class LadpStrategy(CancelStrategy):
             raise ConfigError(f"method 'ladp' cannot calibrate its noise for epsilon = {cfg.epsilon:g}, delta = "
                               f"{cfg.delta:g} over {cfg.num_rounds} rounds: {type(err).__name__}: {err}") from err
         #: Smallest noise multiplier sigma_j / Delta_f any noised layer gets.
-        self.noise_multiplier = self.c0 / self.epsilon_round
+        self.noise_multiplier = ladp.round_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
         std = self.noise_multiplier * record_sensitivity(cfg, 1)  # a one-record client's floor noise
         if not (math.isfinite(std) and std > 0):
             raise ConfigError(f"method 'ladp' cannot calibrate its noise for clip = {cfg.clip:g}, lr = {cfg.lr:g}, "

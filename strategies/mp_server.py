@@ -135,7 +135,7 @@ class MpStrategyBase(CancelStrategy):
 
     def record_sensitivity(self, size: int) -> float:
         """``2 clip / size``: one record's L2 effect on the mean of ``size`` per-example-clipped perturbed gradients."""
-        return mp_record_sensitivity(self.cfg.clip, size, self.cfg.adjacency)
+        return mp_record_sensitivity(self.cfg.clip, size, adjacency=self.cfg.adjacency)
 
     def mean_noise_std(self) -> float | None:
         """Per-entry std of the DP noise in the mean perturbed gradient (None before the first round).

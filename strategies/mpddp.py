@@ -31,9 +31,10 @@ from protocols.floor import ETA_SHARE, mpddp_complete, mpddp_floor, mpdp_naive_s
 from protocols.mpddp import (
     eq23_epsilon,
     eta_variance,
-    max_theta,
     mu_server,
     pairwise_delta,
+    round_event,
+    round_multiplier,
     theta_complete,
     theta_n_out,
 )
@@ -47,7 +48,6 @@ from protocols.privacy import (
     PerUnitAccountant,
     PrivacyLedger,
     RdpAccountant,
-    noise_multiplier,
 )
 from protocols.wire.mpddp import DdpNoise, NaiveNoise, mean_upload
 from strategies.base import RoundFailed, RoundState
@@ -154,10 +154,8 @@ class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
         z for the releases (Theorem 10 graph), else the Gaussian meeting Eq. 23 at (epsilon/T, delta/T) (Theorem 11
         rounds compose basically).
         """
-        t = self._releases()
-        if self._complete(self.cfg.clients_per_round):
-            return noise_multiplier(self.cfg.epsilon, self.cfg.delta, t) * self.noise_scale
-        return max_theta(self.cfg.epsilon / t, self.cfg.delta / t) ** -0.5 * self.noise_scale
+        complete = self._complete(self.cfg.clients_per_round)
+        return round_multiplier(self.cfg.epsilon, self.cfg.delta, self._releases(), complete=complete) * self.noise_scale
 
     def _theta_after(self, state: MpRound, survivors: int) -> float:
         """Theorem 10/11's theta for the ``survivors`` left after a recovery (per unit sensitivity, as ``state.theta``).
@@ -253,10 +251,8 @@ class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
 
     def planned_release(self, server_round: int) -> DpEvent | GaussianEvent:
         """What :meth:`charge_release` composes per participant at noise scale 1 (the budget guard's plan)."""
-        t = self._releases()
-        if self._complete(self.cfg.clients_per_round):
-            return GaussianEvent(noise_multiplier(self.cfg.epsilon, self.cfg.delta, t))
-        return DpEvent(self.cfg.epsilon / t, self.cfg.delta / t)
+        return round_event(self.cfg.epsilon, self.cfg.delta, self._releases(),
+                           complete=self._complete(self.cfg.clients_per_round))
 
     def charge_release(self, state: MpRound) -> None:
         """The planned round, per participant: a Gaussian of multiplier z (complete) or an (eps/T, delta/T) round.

@@ -31,8 +31,10 @@ from protocols.floor import nadp_round_noise
 from protocols.nadp import (
     NoiseAllocation,
     dropout_residual,
+    eq3_multiplier,
     nadp_aggregate,
     normalize_weights,
+    rdp_multiplier,
 )
 from protocols.pairwise import pairwise_noise
 from protocols.privacy import (
@@ -40,8 +42,6 @@ from protocols.privacy import (
     Lemma2Accountant,
     PerUnitAccountant,
     PrivacyLedger,
-    calibrate_noise_multiplier,
-    lemma2_sigma,
     record_training_movement,
 )
 from protocols.privacy.budget import empty_like, top_up
@@ -82,9 +82,9 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
         self.variant = cfg.nadp_variant
         #: Noise multiplier of every reported view (RDP, T releases, no sampling amplification claimed): nadp's
         #: aggregate and joint upload view (:func:`protocols.nadp.round_plan`), record-ldp's single upload.
-        self.z = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, 1.0, cfg.num_rounds)
+        self.z = rdp_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
         #: The paper's Eq. 3 multiplier (Lemma 2 over 2T queries), reported for comparison only.
-        self.z_eq3 = lemma2_sigma(1.0, cfg.epsilon, cfg.delta, 2.0 * cfg.num_rounds)
+        self.z_eq3 = eq3_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
         self.keys = KeyPhase(cfg)
         self._check_largest_round()
         # Per record owner (client), over the rounds it took part in: RDP accountants of the server's joint view

@@ -10,7 +10,6 @@ from scipy import stats
 
 from protocols.ddpsa import (
     l1_clip,
-    l1_sensitivity,
     laplace_noise,
     ldp_noisy_mean,
 )
@@ -20,6 +19,7 @@ from protocols.privacy import (
     compose_advanced,
     compose_basic,
     exponential_allocation,
+    l1_sensitivity,
     laplace_scale,
     per_round_epsilons,
     uniform_allocation,
@@ -70,33 +70,33 @@ def test_ldp_noisy_mean_is_clipped_sum_plus_laplace_over_n() -> None:
     batch, d, clip, eps = 32, 20_000, 1.0, 0.5
     g = rng.normal(size=(batch, d)) * 1e-4
     g[:4] *= 1e3  # some samples exceed the L1 threshold
-    out = ldp_noisy_mean(g, clip, eps, seed=_seed(3))
+    out = ldp_noisy_mean(g, clip, eps, adjacency="replace-one", seed=_seed(3))
     assert out.shape == (d,)
     residual = out * batch - l1_clip(g, clip).sum(0)
     # Replace-one adjacency (N_i is published): scale 2 Delta / eps, twice the paper's Delta / eps.
     assert stats.kstest(residual, stats.laplace(scale=2 * clip / eps).cdf).pvalue > 1e-3
     assert stats.kstest(residual, stats.laplace(scale=clip / eps).cdf).pvalue < 1e-6
     with pytest.raises(ValueError):
-        ldp_noisy_mean(g, clip, 0.0)
+        ldp_noisy_mean(g, clip, 0.0, adjacency="replace-one")
 
 
 def test_clipped_sum_l1_sensitivity_is_two_delta_under_replace_one() -> None:
     """Replacing one sample moves the clipped sum by at most 2 Delta in L1, and that bound is reached."""
     rng = np.random.default_rng(4)
     clip = 0.7
-    assert l1_sensitivity(clip) == pytest.approx(2 * clip)
+    assert l1_sensitivity(clip, adjacency="replace-one") == pytest.approx(2 * clip)
     g = rng.normal(size=(50, 30))
     worst = 0.0
     for _ in range(200):
         h = g.copy()
         h[rng.integers(50)] = rng.normal(size=30) * rng.uniform(0.01, 100)
         worst = max(worst, float(np.abs(l1_clip(g, clip).sum(0) - l1_clip(h, clip).sum(0)).sum()))
-    assert worst <= l1_sensitivity(clip) * (1 + 1e-12)
+    assert worst <= l1_sensitivity(clip, adjacency="replace-one") * (1 + 1e-12)
     h = g.copy()
     h[0] = -g[0]  # a sample replaced by its opposite, both clipped onto the ball: exactly 2 Delta apart
     assert np.abs(l1_clip(g, clip).sum(0) - l1_clip(h, clip).sum(0)).sum() == pytest.approx(2 * clip)
     with pytest.raises(ValueError):
-        l1_sensitivity(0.0)
+        l1_sensitivity(0.0, adjacency="replace-one")
 
 
 # --------------------------------------------------------------------------- composition

@@ -21,10 +21,9 @@ from protocols.ddpsa import (
     gaussian_multiplier,
     gaussian_share_std,
     honest_participants,
-    l1_sensitivity,
     present_multiplier,
 )
-from protocols.privacy import GaussianEvent, GdpAccountant, gaussian_epsilon, gdp_epsilon, noise_multiplier
+from protocols.privacy import GaussianEvent, GdpAccountant, gaussian_epsilon, gdp_epsilon, l1_sensitivity, noise_multiplier
 from protocols.wire.ddpsa import DdpsaRound
 from strategies.ddpsa import DdpsaStrategy
 from tests.test_ddpsa_method import LINEAR, UNREACHED, _raw, _served, _setup, credentials  # noqa: F401 (autouse)
@@ -49,7 +48,7 @@ def test_multiplier_is_cdps_calibration() -> None:
 @pytest.mark.parametrize(("participants", "frac"), [(10, 0.1), (4, 0.0)])
 def test_honest_shares_sum_to_the_calibrated_variance(participants: int, frac: float) -> None:
     """N' = n - floor(f n) honest shares sum to N(0, (z Delta_2)^2) (variance and KS); one fewer is rejected."""
-    size, sens = 40_000, l1_sensitivity(1.0)
+    size, sens = 40_000, l1_sensitivity(1.0, adjacency="replace-one")
     z = gaussian_multiplier(1.0, 1e-5, 8)
     honest = honest_participants(participants, frac)
     std = gaussian_share_std(sens, z, honest)
@@ -127,7 +126,7 @@ def test_real_round_adds_shares_of_cdps_noise(gauss_seen) -> None:
     with _served(num_clients=8, num_rounds=2, ddpsa_collude_frac=0.0, **GAUSS, **LINEAR) as (cfg, grid, _):
         strategy, replies, arrays = _one_round(cfg, grid)
     assert arrays is not None and len(gauss_seen) == 8
-    central = noise_multiplier(cfg.epsilon, cfg.delta, 2) * l1_sensitivity(cfg.clip, cfg.adjacency)
+    central = noise_multiplier(cfg.epsilon, cfg.delta, 2) * l1_sensitivity(cfg.clip, adjacency=cfg.adjacency)
     assert np.var(gauss_seen[0]) == pytest.approx(central ** 2 / 8, rel=0.3)
     assert np.var(np.sum(gauss_seen, axis=0)) == pytest.approx(central ** 2, rel=0.3)
     assert strategy.privacy_report(1)["epsilon"] == pytest.approx(gdp_epsilon(strategy.z, 1, cfg.delta))

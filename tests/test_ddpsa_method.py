@@ -130,7 +130,7 @@ def test_clipped_sum_matches_per_sample_loop_and_noise_is_laplace_of_seed() -> N
     assert np.abs(got).sum() <= len(y) * clip * (1 + 1e-9)  # each sample contributes L1 <= Delta
     assert 0 < frac <= 1 and loss > 0
     seed = bytes(32)
-    noisy, _, _ = ddpsa_client.noisy_gradient_sum(model, x, y, clip, 2.0, seed=seed)
+    noisy, _, _ = ddpsa_client.noisy_gradient_sum(model, x, y, clip, 2.0, adjacency="replace-one", seed=seed)
     # Lap(2 Delta / eps): replace-one sensitivity of the clipped sum (N_i is published).
     np.testing.assert_allclose(noisy - got, laplace_noise(got.size, 2 * clip / 2.0, seed=seed), rtol=0, atol=1e-9)
 

@@ -18,10 +18,9 @@ from protocols.ddpsa import (
     gamma_difference_epsilon,
     gamma_noise,
     honest_participants,
-    l1_sensitivity,
     laplace_noise,
 )
-from protocols.privacy import laplace_scale
+from protocols.privacy import l1_sensitivity, laplace_scale
 from protocols.wire.arrays import from_record
 from protocols.wire.ddpsa import DdpsaRound
 from strategies.ddpsa import DdpsaStrategy
@@ -153,7 +152,7 @@ def test_real_round_noise_is_one_over_n_of_local(noise_seen) -> None:
                      **{**LINEAR, "epsilon": 1.0}) as (cfg, grid, _):
             strategy, replies, arrays = _one_round(cfg, grid)
         assert arrays is not None and len(noise_seen) == 8
-        b = laplace_scale(l1_sensitivity(cfg.clip, cfg.adjacency), strategy.epsilon_of_round(1))
+        b = laplace_scale(l1_sensitivity(cfg.clip, adjacency=cfg.adjacency), strategy.epsilon_of_round(1))
         per_client = np.var(noise_seen[0])
         assert per_client == pytest.approx(2 * b * b / (8 if mode == "distributed" else 1), rel=0.3)
         variances[mode] = np.var(np.sum(noise_seen, axis=0))
@@ -203,7 +202,7 @@ def test_local_round_accepted_by_a_distributed_client(noise_seen) -> None:
             ctx.run_config["ddpsa-noise"] = "distributed"
         strategy, _, arrays = _one_round(cfg, grid)
     assert arrays is not None
-    b = laplace_scale(l1_sensitivity(cfg.clip, cfg.adjacency), strategy.epsilon_of_round(1))
+    b = laplace_scale(l1_sensitivity(cfg.clip, adjacency=cfg.adjacency), strategy.epsilon_of_round(1))
     assert stats.kstest(noise_seen[0], stats.laplace(scale=b).cdf).pvalue > 1e-3
     assert from_record(arrays)
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord
 
-from protocols.ddpsa import gamma_difference_epsilon, l1_sensitivity
-from protocols.privacy import laplace_scale
+from protocols.ddpsa import gamma_difference_epsilon
+from protocols.privacy import l1_sensitivity, laplace_scale
 from protocols.wire.intermediate import PartialSumUnavailableError, reconstruct_sum
 from strategies.ddpsa import DdpsaStrategy
 from tests.test_ddpsa_method import LINEAR, _initial, _served, credentials  # noqa: F401 (autouse fixture)
@@ -36,7 +36,7 @@ def test_a_partial_sum_over_part_of_the_round_is_refused(noise_seen) -> None:  #
             replies = _train(strategy, cfg, grid)
             assert not any(r.has_error() for r in replies) and len(noise_seen) == 4
             names = sorted(strategy.names.values())
-            b = laplace_scale(l1_sensitivity(cfg.clip, cfg.adjacency), strategy.epsilon_of_round(1))
+            b = laplace_scale(l1_sensitivity(cfg.clip, adjacency=cfg.adjacency), strategy.epsilon_of_round(1))
             noise = noise_seen[0] + noise_seen[1]
             # What the pair's sum would leave: half the variance of the Lap(b) each ledger charged, and no epsilon.
             assert np.var(noise) == pytest.approx(b * b, rel=0.35)
@@ -80,7 +80,7 @@ def test_shares_sized_for_dropouts_sum_over_the_rest_and_no_fewer(noise_seen) ->
             replies = _train(strategy, cfg, grid)
             assert not any(r.has_error() for r in replies) and len(noise_seen) == 4
             names = sorted(strategy.names.values())
-            b = laplace_scale(l1_sensitivity(cfg.clip, cfg.adjacency), strategy.epsilon_of_round(1))
+            b = laplace_scale(l1_sensitivity(cfg.clip, adjacency=cfg.adjacency), strategy.epsilon_of_round(1))
             assert np.var(noise_seen[0] + noise_seen[1] + noise_seen[2]) == pytest.approx(2 * b * b, rel=0.35)
             assert gamma_difference_epsilon(3 / 3, strategy.epsilon_of_round(1), noise_seen[0].size) == pytest.approx(
                 strategy.epsilon_of_round(1))

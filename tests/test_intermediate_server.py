@@ -206,7 +206,8 @@ def test_end_to_end_three_server_processes_four_clients(ids) -> None:
         assert register_run(servers, "run-A", 1, d, 4, signer, participants=clients) == []
         updates = []
         for i, cid in enumerate(clients):
-            upd = ldp_noisy_mean(rng.normal(size=(16, d)), clip=5.0, epsilon=1.0, seed=bytes([i]) * 32)
+            upd = ldp_noisy_mean(rng.normal(size=(16, d)), clip=5.0, epsilon=1.0, adjacency="replace-one",
+                                 seed=bytes([i]) * 32)
             updates.append(upd)
             assert share_and_push(upd, codec, servers, "run-A", 1, ids[cid]) == d
         total = reconstruct_sum(servers, "run-A", 1, clients, signer)

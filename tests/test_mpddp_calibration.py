@@ -116,8 +116,8 @@ def test_record_level_scales_are_z_times_two_clip_over_n():
     cfg = RunConfig.from_mapping({**app_defaults(), "method": "mpddp", "num-rounds": 30, "clip": 0.5, "epsilon": 1.0})
     z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
     assert gaussian_epsilon(z, 1.0, cfg.num_rounds, cfg.delta) <= cfg.epsilon  # the reported epsilon meets the target
-    assert mp_record_sensitivity(0.5, 180) == pytest.approx(2 * 0.5 / 180)  # replace-one
-    assert mp_record_sensitivity(0.5, 180, "zero-out") == pytest.approx(0.5 / 180)
+    assert mp_record_sensitivity(0.5, 180, adjacency="replace-one") == pytest.approx(2 * 0.5 / 180)  # replace-one
+    assert mp_record_sensitivity(0.5, 180, adjacency="zero-out") == pytest.approx(0.5 / 180)
     assert cfg.adjacency == "zero-out" and mpdp_naive_sigma(cfg, 180) == pytest.approx(z * 0.5 / 180)
     se, sd, theta = mpddp_floor(cfg, 10, 180)
     assert theta == pytest.approx(1 / z**2)
@@ -128,4 +128,16 @@ def test_record_level_scales_are_z_times_two_clip_over_n():
     # the smallest participant sets the scales: half the size, twice the noise
     assert mpddp_floor(cfg, 10, 90)[0] == pytest.approx(2 * se)
     with pytest.raises(ValueError):
-        mp_record_sensitivity(1.0, 0)
+        mp_record_sensitivity(1.0, 0, adjacency="zero-out")
+
+
+def test_round_event_is_the_accountants_gaussian_or_the_basic_composition_share():
+    from protocols.mpddp import max_theta, round_event, round_multiplier
+    from protocols.privacy import DpEvent, GaussianEvent, noise_multiplier
+
+    z = noise_multiplier(2.0, 1e-5, 4)
+    assert round_multiplier(2.0, 1e-5, 4, complete=True) == z
+    assert round_event(2.0, 1e-5, 4, complete=True) == GaussianEvent(z)
+    assert round_event(2.0, 1e-5, 4, complete=True, scale=1.5) == GaussianEvent(z * 1.5)
+    assert round_multiplier(2.0, 1e-5, 4, complete=False) == max_theta(0.5, 1e-5 / 4) ** -0.5
+    assert round_event(2.0, 1e-5, 4, complete=False, scale=3.0) == DpEvent(0.5, 1e-5 / 4)

@@ -26,7 +26,7 @@ from protocols.privacy import RDP_ORDERS, GaussianEvent, RdpAccountant, joint_ga
 # ---------------------------------------------------------------- upload / cancellation
 def _plan(sizes, *, epsilon, delta, clip, rounds, lr=1.0, graph=None, calibration="eq3"):
     """round_plan with Lemma 1 sensitivities (one full-batch step of per-example clipped SGD)."""
-    sens = {c: local_sgd_sensitivity(clip, n, lr=lr) for c, n in sizes.items()}
+    sens = {c: local_sgd_sensitivity(clip, n, lr=lr, adjacency="replace-one") for c, n in sizes.items()}
     return round_plan(sizes, sens, epsilon, delta, rounds, graph=graph, calibration=calibration)
 
 
@@ -44,7 +44,7 @@ def test_rdp_calibration_spends_the_budget_in_both_views(graph_kind) -> None:
     ids = list(range(1, 41))
     sizes = {c: int(s) for c, s in zip(ids, rng.integers(100, 300, size=len(ids)), strict=True)}
     graph = round_graph(graph_kind, 4, ids, bytes(32))
-    sens = {c: local_sgd_sensitivity(1.0, n, lr=4.0) for c, n in sizes.items()}
+    sens = {c: local_sgd_sensitivity(1.0, n, lr=4.0, adjacency="replace-one") for c, n in sizes.items()}
     sig, alloc = round_plan(sizes, sens, 1.0, 1e-5, 30, graph=graph)
     p = alloc.weights
     z_down = alloc.aggregate_std / max(p[c] * sens[c] for c in ids)
@@ -76,7 +76,7 @@ def test_round_plan_is_eq3_with_lemma1_and_follows_the_graph() -> None:
     assert sparse.pair_table is not None
     assert all(sorted(sparse.pair_table[c]) == graph[c] for c in sizes)
     # sensitivities drive the calibration: doubling one client's doubles sigma_up when it is the largest
-    sens = {c: local_sgd_sensitivity(2.0, n, lr=0.5) for c, n in sizes.items()}
+    sens = {c: local_sgd_sensitivity(2.0, n, lr=0.5, adjacency="replace-one") for c, n in sizes.items()}
     worst = max(sens, key=sens.get)
     sig2, _ = round_plan(sizes, {**sens, worst: 2 * sens[worst]}, 1.5, 1e-5, 30, calibration="eq3")
     assert sig2.sigma_up == pytest.approx(2 * sig.sigma_up, rel=1e-12)

@@ -298,7 +298,7 @@ def test_mlp_fast_path_matches_per_example_autograd():
 
 def test_sensitivity_and_calibration_match_eq3_for_one_full_batch_step():
     sizes = {11: 29, 22: 31, 33: 27}
-    sens = {c: local_sgd_sensitivity(0.5, n, lr=2.0) for c, n in sizes.items()}
+    sens = {c: local_sgd_sensitivity(0.5, n, lr=2.0, adjacency="replace-one") for c, n in sizes.items()}
     assert sens[33] == pytest.approx(2 * 0.5 * 2.0 / 27, rel=1e-15)  # Lemma 1 (times lr)
     cfg, _, strategy = _setup(3, epsilon=1.5, num_rounds=7)
     from protocols.graphs import complete_graph
@@ -314,7 +314,8 @@ def test_sensitivity_and_calibration_match_eq3_for_one_full_batch_step():
     assert st.plan.sigma_down < ref.sigma_down  # the exact accountant needs less noise in the model than Eq. 3
     assert st.allocation.pair_table is None  # complete graph: Algorithm 2
     # several local steps: a record also moves every later step (up to 2 C lr each)
-    assert local_sgd_sensitivity(0.5, 64, lr=2.0, epochs=2, batch_size=32) == pytest.approx(2 * 0.5 * 2 * (1 / 32 + 3))
+    assert local_sgd_sensitivity(0.5, 64, lr=2.0, epochs=2, batch_size=32,
+                                 adjacency="replace-one") == pytest.approx(2 * 0.5 * 2 * (1 / 32 + 3))
 
 
 def test_client_refuses_a_plan_with_a_wrong_dataset_size(pinned_residual_seeds):

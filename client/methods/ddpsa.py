@@ -44,7 +44,6 @@ from protocols.ddpsa import (
     distributed_laplace_share,
     gaussian_share_std,
     is_linear_classifier,
-    l1_sensitivity,
     laplace_noise,
 )
 from protocols.floor import (
@@ -58,7 +57,7 @@ from protocols.floor import (
 )
 from protocols.methods.ddpsa import sharing_threshold
 from protocols.per_example import PerExampleClipper, cross_entropy
-from protocols.privacy import Event, GaussianEvent, LaplaceEvent, laplace_scale
+from protocols.privacy import Event, GaussianEvent, LaplaceEvent, l1_sensitivity, laplace_scale
 from protocols.wire.arrays import from_record
 from protocols.wire.common import TrainIns
 from protocols.wire.ddpsa import RECEIPT, DdpsaRound, RosterName, ShareReceipt
@@ -109,7 +108,7 @@ def clipped_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: f
 
 
 def noisy_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: float, epsilon: float,
-                       *, honest: int | None = None, seed: bytes | None = None, adjacency: str = "replace-one",
+                       *, adjacency: str, honest: int | None = None, seed: bytes | None = None,
                        centred: bool = False) -> tuple[np.ndarray, float, float]:
     """Algorithm 2's client step before encoding: clipped sum + noise of scale ``b = a clip / epsilon``.
 
@@ -121,7 +120,7 @@ def noisy_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: flo
     :func:`clipped_gradient_sum`.
     """
     total, loss, frac = clipped_gradient_sum(model, x, y, clip, centred=centred)
-    b = laplace_scale(l1_sensitivity(clip, adjacency), epsilon)
+    b = laplace_scale(l1_sensitivity(clip, adjacency=adjacency), epsilon)
     if honest is None:
         noise = laplace_noise(total.size, b, seed=seed)
     else:
@@ -130,7 +129,7 @@ def noisy_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: flo
 
 
 def gaussian_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: float, multiplier: float,
-                          honest: int, *, seed: bytes | None = None, adjacency: str = "replace-one"
+                          honest: int, *, adjacency: str, seed: bytes | None = None
                           ) -> tuple[np.ndarray, float, float]:
     """``ddpsa-noise = "gaussian"``: L2-clipped sum + this client's share ``N(0, (z Delta_2)^2 / honest)``.
 
@@ -139,7 +138,7 @@ def gaussian_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: 
     :func:`noisy_gradient_sum` does.
     """
     total, loss, frac = clipped_gradient_sum(model, x, y, clip, norm=clip_norm("gaussian"))
-    std = gaussian_share_std(l1_sensitivity(clip, adjacency), multiplier, honest)
+    std = gaussian_share_std(l1_sensitivity(clip, adjacency=adjacency), multiplier, honest)
     return total + distributed_gaussian_share(total.size, std, seed=seed), loss, frac
 
 

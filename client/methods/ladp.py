@@ -82,7 +82,7 @@ def train(msg: Message, env: ClientEnv) -> Message:
     )
     # One round: a Gaussian release with multiplier min_j sigma_j / Delta_f >= c0 / epsilon (corrected Theorem 3;
     # none if a layer went bare).
-    z = 0.0 if report.unnoised_release else scale * ladp.theorem3_c0_corrected(eps_round, cfg.delta) / eps_round
+    z = 0.0 if report.unnoised_release else ladp.round_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds, scale=scale)
     spent = release(msg, env, GaussianEvent(z))
     return reply(msg, to_record(noisy, np.float32), len(env.y), train_loss=loss, clipped_fraction=clip_frac,
                  **report.to_metrics(), **spent)

@@ -44,11 +44,12 @@ from protocols.mpddp import (
     mp_record_sensitivity,
     naive_client,
     one_hot,
+    round_event,
     torch_threads,
 )
 from protocols.mpddp import flatten as mp_flatten
 from protocols.mpddp import unflatten as mp_unflatten
-from protocols.privacy import DpEvent, GaussianEvent, noise_multiplier
+from protocols.privacy import DpEvent, GaussianEvent
 from protocols.schedule import roster_releases
 from protocols.wire.common import TrainIns
 from protocols.wire.keys import MaskProbe, PeerKeys, probe_metric
@@ -107,7 +108,7 @@ def _train(msg: Message, env: ClientEnv) -> Message:
         mask = None
         size = len(env.y)
         sigma = mpdp_naive_sigma(env.cfg, size)  # the client's own; the server's multiplier is only checked
-        z = sigma / mp_record_sensitivity(env.cfg.clip, size, env.cfg.adjacency)
+        z = sigma / mp_record_sensitivity(env.cfg.clip, size, adjacency=env.cfg.adjacency)
         at_least("mpddp-sigma", NaiveNoise.from_config(cfg).sigma, z)
         metrics.update(release(msg, env, downlink=GaussianEvent(z)))
         up = naive_client(up, eta_seed=os.urandom(32), sigma=sigma)
@@ -163,5 +164,5 @@ def ddp_floor(msg: Message, env: ClientEnv) -> tuple[float, float, GaussianEvent
     if complete:
         eta, pair = max(sent.sigma_eta, se), max(sent.sigma_delta, sd)  # more noise than the floor, never less
         scale = min((a / b for a, b in ((eta, se), (pair, sd)) if b > 0), default=1.0)
-        return eta, pair, GaussianEvent(noise_multiplier(cfg.epsilon, cfg.delta, t) * scale)
-    return sent.sigma_eta, sent.sigma_delta, DpEvent(cfg.epsilon / t, cfg.delta / t)
+        return eta, pair, round_event(cfg.epsilon, cfg.delta, t, complete=True, scale=scale)
+    return sent.sigma_eta, sent.sigma_delta, round_event(cfg.epsilon, cfg.delta, t, complete=False)

@@ -27,6 +27,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from protocols.privacy.calibration import noise_multiplier
+from protocols.privacy.events import DpEvent, GaussianEvent
 from protocols.privacy.mechanisms import check_eps_delta
 from protocols.privacy.sensitivity import local_sgd_sensitivity
 
@@ -44,6 +46,8 @@ __all__ = [
     "max_theta",
     "mp_record_sensitivity",
     "n_out_delta_coefficient",
+    "round_event",
+    "round_multiplier",
     "theta_for_noise_multiplier",
     "satisfies_eq23",
     "sigmas_for_theta",
@@ -229,7 +233,7 @@ def calibrate(
     )
 
 
-def mp_record_sensitivity(clip: float, dataset_size: int, adjacency: str = "replace-one") -> float:
+def mp_record_sensitivity(clip: float, dataset_size: int, *, adjacency: str) -> float:
     """Record sensitivity ``a clip / n`` of a client's upload, the mean of its n per-example-clipped gradients.
 
     ``a`` = 1 under zero-out, 2 under replace-one adjacency (:func:`protocols.privacy.sensitivity.adjacency_factor`).
@@ -243,6 +247,31 @@ def mp_record_sensitivity(clip: float, dataset_size: int, adjacency: str = "repl
     if isinstance(dataset_size, bool) or int(dataset_size) != dataset_size or dataset_size < 1:
         raise ValueError(f"dataset_size must be an integer >= 1, got {dataset_size!r}")
     return local_sgd_sensitivity(clip, int(dataset_size), lr=1.0, adjacency=adjacency)
+
+
+def round_multiplier(epsilon: float, delta: float, releases: int, *, complete: bool) -> float:
+    """The noise multiplier z of one of ``releases`` rounds of a run at (epsilon, delta), per unit sensitivity.
+
+    Complete graph (Theorem 10): :func:`protocols.privacy.noise_multiplier` of T = ``releases`` Gaussian rounds
+    (composed by the accountant).  n-out graph (Theorem 11): ``max_theta(epsilon/T, delta/T) ** -0.5``, the Eq. (23)
+    multiplier of one round at its basic-composition share.
+    """
+    if complete:
+        return noise_multiplier(epsilon, delta, releases)
+    return max_theta(epsilon / releases, delta / releases) ** -0.5
+
+
+def round_event(epsilon: float, delta: float, releases: int, *, complete: bool,
+                scale: float = 1.0) -> GaussianEvent | DpEvent:
+    """One participant's charge for one of ``releases`` rounds of a run at (epsilon, delta) (Theorems 10, 11).
+
+    Complete graph: ``GaussianEvent(z scale)``, z = :func:`round_multiplier` (``scale``: the round's noise over the
+    calibration's).  n-out graph: ``DpEvent(epsilon/T, delta/T)`` (basic composition of Theorem 11 rounds; ``scale``
+    does not change it).
+    """
+    if complete:
+        return GaussianEvent(round_multiplier(epsilon, delta, releases, complete=True) * scale)
+    return DpEvent(epsilon / releases, delta / releases)
 
 
 def theta_for_noise_multiplier(noise_multiplier: float) -> float:

@@ -7,7 +7,8 @@
 * :mod:`~protocols.privacy.calibration` -- epsilon of repeated Gaussian releases and the noise that meets a budget.
 * :mod:`~protocols.privacy.composition` -- closed-form theorems (DDP-SA Theorem 2 / Eq. 12, NADP-FL Lemma 2).
 * :mod:`~protocols.privacy.pld` -- privacy-loss-distribution composition of pure-DP (Laplace) releases.
-* :mod:`~protocols.privacy.sensitivity` -- record-level sensitivity of per-example-clipped local SGD.
+* :mod:`~protocols.privacy.sensitivity` -- record-level sensitivity of per-example-clipped local SGD and
+  of DDP-SA's clipped gradient sum.
 * :mod:`~protocols.privacy.ledger` -- a method's accounts per adversary view (:class:`PrivacyLedger`) and its report.
 * :mod:`~protocols.privacy.budget` -- epsilon as a hard cap: the budget left as shares, the noise scale of the next
   round (with a reserve), charges topped up to the noise really left.
@@ -59,6 +60,7 @@ from protocols.privacy.mechanisms import (
 )
 from protocols.privacy.sensitivity import (
     CLIENT_RECORD_FACTOR,
+    l1_sensitivity,
     local_sgd_sensitivity,
     local_sgd_steps,
     per_record,
@@ -103,6 +105,7 @@ __all__ = [
     "laplace_scale",
     "lemma2_epsilon",
     "lemma2_sigma",
+    "l1_sensitivity",
     "local_sgd_sensitivity",
     "local_sgd_steps",
     "noise_multiplier",

@@ -5,7 +5,8 @@ neighbouring datasets) trains with per-example clipping (:func:`protocols.task.t
 calibrates its noise to :func:`local_sgd_sensitivity` of that training.  With the default regime (one
 full-batch step per round) this is ``C lr / |D_i|`` under zero-out adjacency (run-config ``adjacency``, the
 default: one record's gradient replaced by zero, dataset sizes fixed, Opacus' and dp-accounting's DP-SGD
-convention) and Lemma 1 of NADP-FL, ``2 C lr / |D_i|``, under replace-one adjacency.
+convention) and Lemma 1 of NADP-FL, ``2 C lr / |D_i|``, under replace-one adjacency.  DDP-SA's clipped per-sample
+gradient sum: :func:`l1_sensitivity`.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import math
 from protocols.adjacency import ADJACENCIES, adjacency_factor
 from protocols.privacy.events import Event, at_sensitivity
 
-__all__ = ["ADJACENCIES", "CLIENT_RECORD_FACTOR", "adjacency_factor", "local_sgd_sensitivity", "local_sgd_steps",
-           "per_record", "record_sensitivity", "record_training_movement"]
+__all__ = ["ADJACENCIES", "CLIENT_RECORD_FACTOR", "adjacency_factor", "l1_sensitivity", "local_sgd_sensitivity",
+           "local_sgd_steps", "per_record", "record_sensitivity", "record_training_movement"]
 
 #: A record moves a client-level release by up to this many times its sensitivity: the client-level unit's
 #: sensitivity is the clip ``C`` of the whole update (the update against none), while one record, changed under
@@ -31,13 +32,25 @@ def _positive(name: str, value: float) -> float:
     return value
 
 
+def l1_sensitivity(clip: float, *, adjacency: str) -> float:
+    """L1 sensitivity of the clipped per-sample gradient *sum* to one sample: ``Delta`` (zero-out) or ``2 Delta``.
+
+    DDP-SA (Wei et al., Algorithm 2): each sample contributes a vector of L1 norm at most ``Delta``; zeroing it
+    moves the sum by at most ``Delta``, replacing it by ``2 Delta`` (``N_i`` is published either way: sizes are
+    fixed).  Gaussian rounds clip in L2 with the same factor: it is then the L2 sensitivity ``Delta_2``.
+    """
+    if not clip > 0:
+        raise ValueError(f"clipping threshold Delta must be > 0, got {clip!r}")
+    return adjacency_factor(adjacency) * float(clip)
+
+
 def local_sgd_steps(dataset_size: int, *, epochs: int, batch_size: int) -> int:
     """SGD steps of ``epochs`` epochs over ``dataset_size`` records in batches of ``batch_size`` (last one smaller)."""
     return epochs * -(-int(dataset_size) // int(batch_size))
 
 
 def local_sgd_sensitivity(clip: float, dataset_size: int, *, lr: float, epochs: int = 1,
-                          batch_size: int | None = None, adjacency: str = "replace-one") -> float:
+                          batch_size: int | None = None, adjacency: str) -> float:
     """L2 sensitivity of local SGD with per-example clipping, valid for any loss.
 
     The client runs ``epochs`` epochs of mini-batch SGD (batches of
