@@ -106,6 +106,8 @@ class MpRound(RoundState):
     theta_after: float | None = None
     #: kappa = max(1, (||r|| / rho)^2): a record's effect given R over its record sensitivity (server-only).
     kappa: float = 1.0
+    #: The budget guard's noise scale the round was planned and charged with (``mpddp``; 1 for the others).
+    noise_scale: float = 1.0
 
 
 # ----------------------------------------------------------------------------- strategies
@@ -193,8 +195,8 @@ class MpStrategyBase(CancelStrategy):
         mean = self.given_r_noise(state, mean_upload(records, len(state.layers)), [n for n, _ in records])
         return mu_server(state.layers, mean, state.secret, self.optimizer)
 
-    def model_multiplier(self) -> float:
-        """The Gaussian multiplier of the model's claim for one round (charged by :meth:`charge_release`)."""
+    def model_multiplier(self, state: MpRound) -> float:
+        """The Gaussian multiplier of the model's claim for round ``state`` (charged by :meth:`charge_release`)."""
         return self.z
 
     def gaussian_variance(self, state: MpRound, nodes: list[int]) -> float:
@@ -211,7 +213,7 @@ class MpStrategyBase(CancelStrategy):
         """
         sizes = state.sizes or {}
         sens = self.record_sensitivity(min(sizes[n] for n in nodes) if sizes else 1)
-        std = given_r_topup(self.model_multiplier(), state.kappa, sens, len(nodes), self.gaussian_variance(state, nodes))
+        std = given_r_topup(self.model_multiplier(state), state.kappa, sens, len(nodes), self.gaussian_variance(state, nodes))
         self.report(secret_factor=state.kappa, given_r_noise_std=std)
         return naive_client(mean, eta_seed=os.urandom(32), sigma=std) if std > 0 else mean
 

@@ -148,14 +148,17 @@ class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
             return 0.0
         return eta_variance(state.noise.sigma_eta, "gaussian") / len(nodes)
 
-    def model_multiplier(self) -> float:
-        """The round's Gaussian multiplier, times the round's noise scale.
+    def model_multiplier(self, state: MpRound) -> float:
+        """The round's Gaussian multiplier, times the noise scale it was planned and charged with (``state``).
+
+        Not the strategy's current ``noise_scale``: with ``unmask-next-round`` a round aggregates during the next
+        one, after the budget guard has decided that round's scale.
 
         z for the releases (Theorem 10 graph), else the Gaussian meeting Eq. 23 at (epsilon/T, delta/T) (Theorem 11
         rounds compose basically).
         """
         complete = self._complete(self.cfg.clients_per_round)
-        return round_multiplier(self.cfg.epsilon, self.cfg.delta, self._releases(), complete=complete) * self.noise_scale
+        return round_multiplier(self.cfg.epsilon, self.cfg.delta, self._releases(), complete=complete) * state.noise_scale
 
     def _theta_after(self, state: MpRound, survivors: int) -> float:
         """Theorem 10/11's theta for the ``survivors`` left after a recovery (per unit sensitivity, as ``state.theta``).
@@ -197,8 +200,9 @@ class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
             raise RoundFailed(f"round {state.round}: a participant sent no |D_i| in the key phase; the record "
                               "sensitivity cannot be computed")
         listed = tuple(int(sizes[n]) for n in state.participants)  # PeerKeys.participants order
+        state.noise_scale = self.noise_scale
         try:
-            se, sd, state.theta = self._calibration(k, min(listed), self.noise_scale)
+            se, sd, state.theta = self._calibration(k, min(listed), state.noise_scale)
         except ValueError as err:
             raise RoundFailed(f"round {state.round}: {k} clients passed the key phase and the "
                               f"calibration does not cover it: {err}") from err
@@ -258,11 +262,11 @@ class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
         """The planned round, per participant: a Gaussian of multiplier z (complete) or an (eps/T, delta/T) round.
 
         Theorem 10 / 11; T = the releases of the public schedule (:meth:`_releases`): :meth:`planned_release`, the
-        Gaussian's multiplier raised by the budget guard's ``noise_scale``.
+        Gaussian's multiplier raised by the budget guard's ``noise_scale`` the round was planned with.
         """
         event = self.planned_release(state.round)
         if isinstance(event, GaussianEvent):
-            event = GaussianEvent(event.noise_multiplier * self.noise_scale)
+            event = GaussianEvent(event.noise_multiplier * state.noise_scale)
         self.privacy.compose(event, units=state.participants)
 
 

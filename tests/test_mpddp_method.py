@@ -382,7 +382,8 @@ def test_the_server_counts_a_gaussian_eta_given_r_and_adds_only_the_rest(eta, tm
     row = rows[0]
     assert not row["failed"]
     k = cfg.num_clients
-    target = strategy.model_multiplier() * row["secret_factor"] * strategy.record_sensitivity(strategy.min_size) / k
+    z = strategy.model_multiplier(strategy._state)
+    target = z * row["secret_factor"] * strategy.record_sensitivity(strategy.min_size) / k
     counted = row["sigma_eta"] ** 2 / k if eta == "gaussian" else 0.0
     assert row["given_r_noise_std"] == pytest.approx(math.sqrt(max(0.0, target**2 - counted)), rel=1e-9, abs=1e-15)
     assert row["given_r_noise_std"] ** 2 + counted >= target**2 * (1 - 1e-9)
