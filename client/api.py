@@ -30,8 +30,7 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from client.env import ClientEnv
-from client.floor import admit, withhold_unprotected
-from client.methods import query_actions, query_handler, train_handler
+from client.methods import query_actions, query_handler, train_phase
 from protocols.config import ConfigError, RunConfig, changed_keys
 from protocols.wire.settings import MISMATCH, settings_of
 
@@ -92,14 +91,14 @@ def pinned(context: Context, cfg: RunConfig) -> RunConfig:
 def protect(msg: Message, context: Context, model: nn.Module, x: np.ndarray, y: np.ndarray) -> Message:
     """Reply to ``msg`` as the configured method's client, with ``model`` trained on ``(x, y)``.
 
-    ``train`` messages: the method's local step and upload protection; ``query.<action>`` messages: the
-    method's extra phases.  ``model`` itself is not modified (the method trains a copy).
+    ``train`` messages: the method's local step and upload protection, as the stock ClientApp gives them
+    (:func:`client.methods.train_phase`: the node's floor and ledger, a carried unmasking); ``query.<action>``
+    messages: the method's extra phases.  ``model`` itself is not modified (the method trains a copy).
     """
     env = client_env(context, model, x, y, msg)
     kind = msg.metadata.message_type
     if kind == "train":
-        admit(msg, env)  # the node's privacy floor and ledger, as in the stock ClientApp (client.floor)
-        return withhold_unprotected(train_handler(env.cfg.method)(msg, env), env)
+        return train_phase(msg, env)
     if kind.startswith("query."):
         return query_handler(env.cfg.method, kind.split(".", 1)[1])(msg, env)
     raise ValueError(f"cancelfl: no handler for message type {kind!r}")
