@@ -9,9 +9,9 @@
 * :func:`protect` handles one message inside a handler you write yourself and returns the reply to send.
 
 The strategy sends its settings (``method``, ``epsilon``, ``clip``, ...) in every message
-(:mod:`protocols.wire.settings`), so the client needs no run config; a client run config naming another
-``method`` is refused, and so is a diagnostic (``cancellation-check``) the client's own run config does not turn
-on.  The first message of a run pins its settings (``Context.state``): a later message of the run with other
+(:mod:`protocols.wire.settings`), so the client needs no run config; settings that differ from a key the
+client's run config sets (its ``method``, ``epsilon``, ...) are refused, and so is a diagnostic
+(``cancellation-check``) the client's own run config does not turn on.  The first message of a run pins its settings (``Context.state``): a later message of the run with other
 settings is refused, so a server cannot recalibrate a run (e.g. announce ``num-rounds = r`` in round ``r``).
 Premises of the protection: the method trains your model itself (a DP guarantee covers a training procedure,
 not an arbitrary update), ``y`` holds integer class labels, and the model's ``state_dict`` keys match the
