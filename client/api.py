@@ -11,8 +11,9 @@
 The strategy sends its settings (``method``, ``epsilon``, ``clip``, ...) in every message
 (:mod:`protocols.wire.settings`), so the client needs no run config; settings that differ from a key the
 client's run config sets (its ``method``, ``epsilon``, ...) are refused, and so is a diagnostic
-(``cancellation-check``) the client's own run config does not turn on.  The first message of a run pins its settings (``Context.state``): a later message of the run with other
-settings is refused, so a server cannot recalibrate a run (e.g. announce ``num-rounds = r`` in round ``r``).
+(``cancellation-check``) the client's own run config does not turn on.  The first message of a run pins its
+settings (``Context.state``): a later message of the run with other settings is refused, so a server cannot
+recalibrate a run (e.g. announce ``num-rounds = r`` in round ``r``).
 Premises of the protection: the method trains your model itself (a DP guarantee covers a training procedure,
 not an arbitrary update), ``y`` holds integer class labels, and the model's ``state_dict`` keys match the
 server's arrays.  Noise is drawn on the CPU from the OS CSPRNG; training runs on ``device``.
