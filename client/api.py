@@ -9,10 +9,11 @@
 * :func:`protect` handles one message inside a handler you write yourself and returns the reply to send.
 
 The strategy sends its settings (``method``, ``epsilon``, ``clip``, ...) in every message
-(:mod:`protocols.wire.settings`), so the client needs no run config; a client run config naming another
-``method`` is refused, and so is a diagnostic (``cancellation-check``) the client's own run config does not turn
-on.  The first message of a run pins its settings (``Context.state``): a later message of the run with other
-settings is refused, so a server cannot recalibrate a run (e.g. announce ``num-rounds = r`` in round ``r``).
+(:mod:`protocols.wire.settings`), so the client needs no run config; settings that differ from a key the
+client's run config sets (its ``method``, ``epsilon``, ...) are refused, and so is a diagnostic
+(``cancellation-check``) the client's own run config does not turn on.  The first message of a run pins its
+settings (``Context.state``): a later message of the run with other settings is refused, so a server cannot
+recalibrate a run (e.g. announce ``num-rounds = r`` in round ``r``).
 Premises of the protection: the method trains your model itself (a DP guarantee covers a training procedure,
 not an arbitrary update), ``y`` holds integer class labels, and the model's ``state_dict`` keys match the
 server's arrays.  Noise is drawn on the CPU from the OS CSPRNG; training runs on ``device``.
@@ -30,8 +31,7 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from client.env import ClientEnv
-from client.floor import admit, withhold_unprotected
-from client.methods import query_actions, query_handler, train_handler
+from client.methods import query_actions, query_handler, train_phase
 from protocols.config import ConfigError, RunConfig, changed_keys
 from protocols.wire.settings import MISMATCH, settings_of
 
@@ -92,14 +92,14 @@ def pinned(context: Context, cfg: RunConfig) -> RunConfig:
 def protect(msg: Message, context: Context, model: nn.Module, x: np.ndarray, y: np.ndarray) -> Message:
     """Reply to ``msg`` as the configured method's client, with ``model`` trained on ``(x, y)``.
 
-    ``train`` messages: the method's local step and upload protection; ``query.<action>`` messages: the
-    method's extra phases.  ``model`` itself is not modified (the method trains a copy).
+    ``train`` messages: the method's local step and upload protection, as the stock ClientApp gives them
+    (:func:`client.methods.train_phase`: the node's floor and ledger, a carried unmasking); ``query.<action>``
+    messages: the method's extra phases.  ``model`` itself is not modified (the method trains a copy).
     """
     env = client_env(context, model, x, y, msg)
     kind = msg.metadata.message_type
     if kind == "train":
-        admit(msg, env)  # the node's privacy floor and ledger, as in the stock ClientApp (client.floor)
-        return withhold_unprotected(train_handler(env.cfg.method)(msg, env), env)
+        return train_phase(msg, env)
     if kind.startswith("query."):
         return query_handler(env.cfg.method, kind.split(".", 1)[1])(msg, env)
     raise ValueError(f"cancelfl: no handler for message type {kind!r}")

@@ -50,7 +50,8 @@ def is_import_path(value: str) -> bool:
     module, sep, attr = value.partition(":")
     return bool(sep) and all(p.isidentifier() for p in module.split(".")) and attr.isidentifier()
 PARTITIONINGS = ("iid", "dirichlet", "size-skew")
-__all__ = ["ConfigError", "RunConfig", "TRUE_WORDS", "changed_keys", "clients_sampled", "is_on", "parse_run_config"]
+__all__ = ["ConfigError", "RunConfig", "TRUE_WORDS", "changed_keys", "clients_sampled", "is_auto", "is_on",
+           "parse_run_config"]
 
 
 def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
@@ -161,7 +162,7 @@ class RunConfig:
                         f"unknown run-config key '{key}'; known keys: {', '.join(sorted(known))}"
                     )
                 continue
-            if isinstance(value, str) and value.strip().lower() == AUTO and key != "device":  # device: a literal
+            if is_auto(key, value):
                 if key not in AUTO_KEYS:
                     raise ConfigError(f"run-config '{key}' cannot be \"{AUTO}\"; only {', '.join(AUTO_KEYS)} can")
                 continue
@@ -340,6 +341,14 @@ def _attr(key: str) -> str:
 
 #: Text that turns a boolean setting on (any case): run-config values, node config, environment variables.
 TRUE_WORDS = ("true", "1", "yes")
+
+
+def is_auto(key: str, value: Any) -> bool:
+    """Whether run-config ``key`` = ``value`` leaves the key to the method's regime (``"auto"``, any case).
+
+    ``device = "auto"`` is a literal device choice, not a regime's.
+    """
+    return isinstance(value, str) and value.strip().lower() == AUTO and key != "device"
 
 
 def is_on(value: Any) -> bool:

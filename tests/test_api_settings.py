@@ -143,3 +143,27 @@ def test_api_client_sends_no_diagnostic_a_server_alone_switches_on(niss_diagnost
     assert any(r.has_error() and "cancellation-check" in r.error.reason for r in replies)
     opted_in = _niss_round({"method": "niss", "cancellation-check": True})
     assert sum(Diagnostic.from_content(r.content) is not None for r in opted_in if not r.has_error()) == 4
+
+
+def test_api_client_refuses_settings_that_override_its_own_run_config(tmp_path):
+    """A ClientApp whose run config sets epsilon = 1: a strategy sending 50 (noise std 0.22 instead of 5.7) is refused.
+
+    Nothing is trained or charged; the keys the client leaves out, leaves "auto" or the ServerApp resolves for
+    itself (out-dir, round-timeout) stay the strategy's, and a value written as text compares as resolved.
+    """
+    from strategies.baselines import LocalDPStrategy
+
+    own = {"method": "ldp", "epsilon": 1.0, "num-rounds": 2, "privacy-unit": "client"}
+    grid = LocalGrid(attach(ClientApp(), _load), 2, own, node_config={"ledger-dir": str(tmp_path)})
+    reply = _train(LocalDPStrategy(_settings(epsilon=50.0, privacy_unit="client")), grid, 1)
+    assert reply.has_error() and MISMATCH in reply.error.reason
+    assert "epsilon: strategy 50.0, this ClientApp 1.0" in reply.error.reason
+    with ClientLedger.open(tmp_path, 0, write=False) as led:
+        assert led.spent(1e-5) == {} and led.rounds(grid.contexts[grid.node_ids[0]].run_id) == []
+    sent = _settings(privacy_unit="client", out_dir=str(tmp_path), round_timeout=5.0)
+    content = {KEY: settings_config(sent)}
+    same = {**own, "epsilon": "1.0", "out-dir": "", "round-timeout": 600.0, "graph": "auto", "device": "cpu"}
+    assert settings_of(content, same) == sent
+    for key, value in (("clip", 0.5), ("privacy-unit", "record"), ("num-rounds", 5), ("adjacency", "replace-one")):
+        with pytest.raises(ConfigError, match=f"{MISMATCH}.*{key}: strategy"):
+            settings_of(content, {**own, key: value})

@@ -159,3 +159,27 @@ def test_start_in_a_users_server_app_writes_the_run_folder_and_resumes(tmp_path)
     assert [r["round"] for r in rows] == [1, 2, 3] and rows[2]["resumed_after_round"] == 2
     # the resumed run continues the privacy account: round 3 spends more than round 2 had
     assert rows[2]["epsilon"] > rows[1]["epsilon"]
+
+
+def test_api_client_answers_the_unmasking_a_train_message_carries(tmp_path, monkeypatch):
+    """unmask-next-round through attach(): rounds 1 and 2 are unmasked from the next round's train replies.
+
+    A library client that left the carried request unanswered lost every round but the last (its epsilon spent).
+    """
+    from strategies import NadpStrategy, stages
+
+    updates: list = []
+    real = stages.with_update
+
+    def spy(arrays, update):
+        updates.append(update)
+        return real(arrays, update)
+
+    monkeypatch.setattr(stages, "with_update", spy)
+    strategy = NadpStrategy(epsilon=4.0, clip=1.0, num_clients=NUM_CLIENTS, num_rounds=3, local_epochs=1,
+                            batch_size=1000, lr=2.0, seed=3, out_dir=str(tmp_path), self_mask=True,
+                            unmask_next_round=True)
+    grid = LocalGrid(attach(ClientApp(), _client_data), NUM_CLIENTS, {})
+    strategy.start(grid=grid, initial_arrays=ArrayRecord(TinyNet().state_dict()))
+    carried = [u for u in updates if u is not None]
+    assert len(carried) == 2, f"{len(carried)} of rounds 1-2 unmasked from the carried answers"

@@ -7,10 +7,16 @@ Handlers are ``fn(msg: Message, env: ClientEnv) -> Message``, named in the regis
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from protocols.methods import MethodSpec, method_spec, query_actions
 
-__all__ = ["query_actions", "query_handler", "train_handler"]
+if TYPE_CHECKING:
+    from flwr.app import Message
+
+    from client.env import ClientEnv
+
+__all__ = ["query_actions", "query_handler", "train_handler", "train_phase"]
 
 
 def train_handler(method: str) -> Callable:
@@ -24,3 +30,26 @@ def query_handler(method: str, action: str) -> Callable:
     if action not in queries:
         raise ValueError(f"method {method!r} does not handle phase 'query.{action}'")
     return MethodSpec.load(queries[action])
+
+
+def train_phase(msg: Message, env: ClientEnv) -> Message:
+    """The reply to a ``train`` message, as every ClientApp (stock or :mod:`client.api`) gives it.
+
+    The previous round's unmasking the message carries (run-config ``unmask-next-round``) is answered first
+    (before the train handler replaces that round's material), then the node's floor and ledger admit the round
+    (:func:`client.floor.admit`), the method's handler trains and protects the upload, and the noiseless metrics
+    a guarantee-asking node withholds are dropped; the carried answer rides on a reply without error.
+    """
+    from client.floor import admit, withhold_unprotected  # the train phase's: queries do not load the accounting
+    from protocols.wire.common import UNMASK_RECORD
+
+    carried = None
+    if UNMASK_RECORD in msg.content:
+        from client.recovery import answer_carried
+
+        carried = answer_carried(msg.content[UNMASK_RECORD], env)
+    admit(msg, env)
+    reply = withhold_unprotected(train_handler(env.cfg.method)(msg, env), env)
+    if carried is not None and not reply.has_error():
+        reply.content[UNMASK_RECORD] = carried
+    return reply

@@ -2,8 +2,10 @@
 
 A strategy is built from one set of settings (a run config or keyword arguments); it puts them, resolved,
 in each message under :data:`KEY`, so a ClientApp that uses :mod:`client.api` needs no copy of them and
-works where Flower passes no run config (``flwr.simulation.run_simulation``).  Where the client's run
-config names a method too, the two must agree: a client/server mismatch is refused with the fix named.
+works where Flower passes no run config (``flwr.simulation.run_simulation``).  Every key the client's run config
+sets (the method, its epsilon, clip, noise options, ...) is the client's own: the strategy's value must be the
+same, or the message is refused naming the keys (:data:`SERVER_RESOLVED` keys aside, which only the ServerApp acts
+on).
 A diagnostic that reveals more than the method's protection (:data:`CLIENT_ONLY`: ``cancellation-check``) is
 only acted on when the client's own run config turns it on too.  The client pins the settings of a run's
 first message and refuses a later message of the run that carries others (:func:`protocols.config.changed_keys`,
@@ -16,7 +18,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from protocols.config import ConfigError, RunConfig, is_on
+from protocols.config import ConfigError, RunConfig, changed_keys, is_auto, is_on
 
 #: The record that holds the strategy's settings (run-config keys, resolved values; :func:`settings_config`).
 KEY = "cancelfl-settings"
@@ -26,6 +28,9 @@ MISMATCH = "cancelfl settings mismatch:"
 #: Switches a client acts on only when its own run config sets them too: diagnostics that let an upload reveal
 #: more than the method's protection (``cancellation-check``: each client's mask projection or noiseless update).
 CLIENT_ONLY = ("cancellation-check",)
+#: Keys the ServerApp resolves for itself (``Strategy.start()``'s run folder, reply timeout and resume) and no
+#: client acts on: the strategy's value may differ from the one the client's run config holds.
+SERVER_RESOLVED = ("out-dir", "resume", "round-timeout")
 
 
 def settings_config(cfg: RunConfig) -> dict[str, Any]:
@@ -59,6 +64,7 @@ def settings_of(content: Mapping[str, Any] | None, run_config: Mapping[str, Any]
                           f"config says method='{local}'; set run-config method=\"{cfg.method}\" (pyproject "
                           f"[tool.flwr.app.config] or --run-config) or drop 'method' from the app's run config")
     sent_on = cfg.to_mapping()
+    _keeps_own_values(sent_on, run_config)
     for key in CLIENT_ONLY:
         own = run_config.get(key, False)
         if sent_on.get(key) is True and not is_on(own):
@@ -67,3 +73,30 @@ def settings_of(content: Mapping[str, Any] | None, run_config: Mapping[str, Any]
                               f"does not; set run-config {key}=true on the client too, or turn it off in the strategy")
     return cfg
 
+
+
+def _keeps_own_values(sent: Mapping[str, Any], run_config: Mapping[str, Any]) -> None:
+    """Refuse settings ``sent`` by the strategy that differ from a key the client's own ``run_config`` sets.
+
+    A key the client's run config leaves ``"auto"`` or omits is the strategy's; :data:`SERVER_RESOLVED` keys
+    are not compared.  Values compare as the run config resolves them (``"0.5"`` = ``0.5``).
+
+    Raises:
+        ConfigError: (:data:`MISMATCH`) naming each differing key with both values.
+    """
+    own = {k: v for k, v in run_config.items()
+           if k in sent and k not in SERVER_RESOLVED and not is_auto(k, v)}
+    if not own:
+        return
+    try:
+        mine = RunConfig.from_mapping({**sent, **own}, strict=False)
+    except ConfigError as err:
+        raise ConfigError(f"{MISMATCH} this ClientApp's run config does not hold with the ServerApp's strategy's "
+                          f"settings: {err}") from err
+    changed = changed_keys(sent, mine)
+    if changed:
+        mapped = mine.to_mapping()
+        shown = ", ".join(f"{k}: strategy {sent.get(k)!r}, this ClientApp {mapped.get(k)!r}" for k in changed)
+        raise ConfigError(f"{MISMATCH} the ServerApp's strategy sends other values than this ClientApp's run config "
+                          f"sets ({shown}); a client acts on its own run config's values, so the strategy must send "
+                          f"them (or drop the keys from the ClientApp's run config)")
