@@ -32,7 +32,7 @@ from torch import nn
 
 from client.env import ClientEnv
 from client.methods import query_actions, query_handler, train_phase
-from protocols.config import ConfigError, RunConfig, changed_keys
+from protocols.config import ConfigError, RunConfig, describe_changes
 from protocols.wire.settings import MISMATCH, settings_of
 
 #: ``Context.state`` record of the settings this node pinned for its run: ``run-id`` and the mapping as ``json``.
@@ -79,10 +79,8 @@ def pinned(context: Context, cfg: RunConfig) -> RunConfig:
         context.state[PINNED_KEY] = ConfigRecord({"run-id": run_id, "json": json.dumps(cfg.to_mapping(), sort_keys=True)})
         return cfg
     first = json.loads(str(rec["json"]))
-    changed = changed_keys(first, cfg)
-    if changed:
-        now = cfg.to_mapping()
-        shown = ", ".join(f"{k}: {first.get(k)!r} -> {now.get(k)!r}" for k in changed)
+    shown = describe_changes(first, cfg, "", "")
+    if shown:
         raise ConfigError(f"{MISMATCH} the strategy's settings changed within run {run_id} ({shown}); this node acts "
                           f"on the settings of the run's first message only, so the run must keep them (start a "
                           f"new run to change them)")

@@ -50,7 +50,7 @@ def is_import_path(value: str) -> bool:
     module, sep, attr = value.partition(":")
     return bool(sep) and all(p.isidentifier() for p in module.split(".")) and attr.isidentifier()
 PARTITIONINGS = ("iid", "dirichlet", "size-skew")
-__all__ = ["ConfigError", "RunConfig", "TRUE_WORDS", "changed_keys", "clients_sampled", "is_auto", "is_on",
+__all__ = ["ConfigError", "RunConfig", "TRUE_WORDS", "changed_keys", "describe_changes", "clients_sampled", "is_auto", "is_on",
            "parse_run_config"]
 
 
@@ -365,6 +365,12 @@ def changed_keys(stored: Mapping[str, Any], cfg: RunConfig, ignore: Collection[s
     now = cfg.to_mapping()
     return sorted(k for k in set(stored) | set(now) if k not in ignore
                   and json.dumps(stored.get(k), sort_keys=True) != json.dumps(now.get(k), sort_keys=True))
+
+
+def describe_changes(stored: Mapping[str, Any], cfg: RunConfig, before: str, after: str) -> str:
+    """``"key: <before> a -> <after> b, ..."`` for the keys :func:`changed_keys` finds ("" when none)."""
+    now = cfg.to_mapping()
+    return ", ".join(f"{k}: {before}{stored.get(k)!r} -> {after}{now.get(k)!r}" for k in changed_keys(stored, cfg))
 
 
 def _type_of(f: dataclasses.Field) -> type:

@@ -18,7 +18,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from protocols.config import ConfigError, RunConfig, changed_keys, is_auto, is_on
+from protocols.config import ConfigError, RunConfig, describe_changes, is_auto, is_on
 
 #: The record that holds the strategy's settings (run-config keys, resolved values; :func:`settings_config`).
 KEY = "cancelfl-settings"
@@ -93,10 +93,8 @@ def _keeps_own_values(sent: Mapping[str, Any], run_config: Mapping[str, Any]) ->
     except ConfigError as err:
         raise ConfigError(f"{MISMATCH} this ClientApp's run config does not hold with the ServerApp's strategy's "
                           f"settings: {err}") from err
-    changed = changed_keys(sent, mine)
-    if changed:
-        mapped = mine.to_mapping()
-        shown = ", ".join(f"{k}: strategy {sent.get(k)!r}, this ClientApp {mapped.get(k)!r}" for k in changed)
+    shown = describe_changes(sent, mine, "strategy ", "this ClientApp ")
+    if shown:
         raise ConfigError(f"{MISMATCH} the ServerApp's strategy sends other values than this ClientApp's run config "
                           f"sets ({shown}); a client acts on its own run config's values, so the strategy must send "
                           f"them (or drop the keys from the ClientApp's run config)")
