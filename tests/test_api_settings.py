@@ -157,7 +157,7 @@ def test_api_client_refuses_settings_that_override_its_own_run_config(tmp_path):
     grid = LocalGrid(attach(ClientApp(), _load), 2, own, node_config={"ledger-dir": str(tmp_path)})
     reply = _train(LocalDPStrategy(_settings(epsilon=50.0, privacy_unit="client")), grid, 1)
     assert reply.has_error() and MISMATCH in reply.error.reason
-    assert "epsilon: strategy 50.0, this ClientApp 1.0" in reply.error.reason
+    assert "epsilon: strategy 50.0 -> this ClientApp 1.0" in reply.error.reason
     with ClientLedger.open(tmp_path, 0, write=False) as led:
         assert led.spent(1e-5) == {} and led.rounds(grid.contexts[grid.node_ids[0]].run_id) == []
     sent = _settings(privacy_unit="client", out_dir=str(tmp_path), round_timeout=5.0)
