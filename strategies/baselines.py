@@ -3,8 +3,8 @@
 * ``fedavg``: example-weighted average, no noise.
 * ``ldp``: each client noises its own upload; the server announces the RDP-calibrated multiplier ``z`` for
   ``num-rounds`` releases (:class:`protocols.wire.baselines.LocalDpNoise`) and each client refuses a smaller one.
-  Record level: the local model plus ``N(0, (z Delta_k)^2)``, ``Delta_k = 2 C lr / n_k`` (NADP-FL's Lemma 3
-  comparator), example-weighted mean; client level: the update clipped to ``clip`` plus ``N(0, (z clip)^2)``,
+  Record level: the local model plus ``N(0, (z Delta_k)^2)``, ``Delta_k = a C lr / n_k`` (a = 1 zero-out, 2
+  replace-one; NADP-FL's Lemma 3 comparator), example-weighted mean; client level: the update clipped to ``clip`` plus ``N(0, (z clip)^2)``,
   uniform mean.
 * ``cdp`` (trusted server, no uplink guarantee): the server adds Gaussian noise once to the mean.  Record level:
   ``N(0, (z Delta)^2)`` on the example-weighted mean (:func:`record_mean_sensitivity`); client level: Flower's
@@ -38,6 +38,7 @@ from protocols.privacy import (
     record_sensitivity,
     record_training_movement,
 )
+from protocols.privacy.sensitivity import adjacency_factor
 from protocols.privacy.signal import NoiseEstimate, gaussian_norm
 from protocols.wire.arrays import from_record
 from protocols.wire.baselines import UNIFORM_WEIGHT_KEY, ClippingNorm, LocalDpNoise
@@ -58,12 +59,11 @@ class FedAvgStrategy(CancelStrategy):
 def record_mean_sensitivity(cfg: RunConfig, sizes: Mapping[int, int]) -> float:
     """Record sensitivity of the example-weighted mean ``sum_k (n_k / N) w_k`` of per-example-clipped models.
 
-    Replace-one convention (neighbouring datasets differ in one record's value, every ``n_k`` and
-    ``N = sum n_k`` stay the same): a record of client k moves ``w_k`` by at most
-    ``Delta_k`` (:func:`protocols.privacy.record_sensitivity`) and the mean by ``n_k Delta_k / N``;
-    the worst client bounds it.  For one full-batch step ``n_k Delta_k = 2 C lr`` for every k, so
-    this is ``2 C lr / N``.  (Adding or removing a record would change N and the weights as well;
-    we do not claim that convention.)
+    Fixed dataset sizes (zero-out or replace-one: every ``n_k`` and ``N = sum n_k`` stay the same): a record of
+    client k moves ``w_k`` by at most ``Delta_k`` (:func:`protocols.privacy.record_sensitivity`) and the mean by
+    ``n_k Delta_k / N``; the worst client bounds it.  For one full-batch step ``n_k Delta_k = a C lr`` for every k
+    (a = 1 zero-out, 2 replace-one), so this is ``a C lr / N``.  (Adding or removing a record would change N and
+    the weights as well; we do not claim that convention.)
     """
     total = sum(sizes.values())
     if total <= 0:
@@ -135,7 +135,8 @@ class LocalDPStrategy(_RecordLevel):
     def describe(self) -> dict[str, float | str]:
         if self.record_level:
             return {"noise_multiplier": self.z, "privacy_unit": "record",
-                    "noise_std": "noise_multiplier * record sensitivity (2 clip lr / n_k for one full-batch step)"}
+                    "noise_std": f"noise_multiplier * record sensitivity ({adjacency_factor(self.cfg.adjacency):g} "
+                                 f"clip lr / n_k for one full-batch step, {self.cfg.adjacency})"}
         return {"noise_multiplier": self.z, "privacy_unit": "client", "noise_std": self.z * self.cfg.clip}
 
     def mean_noise(self, sizes: Mapping[int, int]) -> tuple[float, float]:
@@ -181,9 +182,9 @@ class LocalDPStrategy(_RecordLevel):
     def aggregate(self, state: RecordRound) -> ArrayRecord | None:
         """Aggregate stage: the weighted mean; record level also notes the published mean's multiplier.
 
-        Independent noises: the mean of K full-batch uploads keeps std ``z sqrt(K) 2 C lr / N`` against
-        a record sensitivity ``2 C lr / N``, i.e. multiplier ``z sqrt(K)``; no amplification by sampling (the
-        sample is drawn from the public run seed).
+        Independent noises: the mean of K full-batch uploads keeps std ``z sqrt(K) a C lr / N`` against
+        a record sensitivity ``a C lr / N`` (a = 1 zero-out, 2 replace-one), i.e. multiplier ``z sqrt(K)``; no
+        amplification by sampling (the sample is drawn from the public run seed).
         """
         arrays = super().aggregate(state)
         if self.record_level:
@@ -254,8 +255,9 @@ class CentralDPStrategy(_RecordLevel):
     def describe(self) -> dict[str, float | str]:
         if self.record_level:
             return {"noise_multiplier": self.z, "privacy_unit": "record",
-                    "aggregate_noise_std": "noise_multiplier * 2 clip lr / N (N: the round's records, one full-batch "
-                                           "step; max_k n_k Delta_k / N in general)"}
+                    "aggregate_noise_std": f"noise_multiplier * {adjacency_factor(self.cfg.adjacency):g} clip lr / N (N: "
+                                           "the round's records, one full-batch step; max_k n_k Delta_k / N in "
+                                           "general)"}
         return {"noise_multiplier": self.z, "privacy_unit": "client",
                 "aggregate_noise_std": self.z * self.cfg.clip / self.cfg.clients_per_round}
 

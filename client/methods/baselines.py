@@ -1,8 +1,9 @@
 """Client side of the baselines: FedAvg (no DP), local DP (DP-FedAvg) and central DP.
 
 ``ldp`` and ``cdp`` protect a *record* by default (run-config ``privacy-unit = "record"``): the client
-trains with per-example clipping (:func:`client.env.record_level_training`), whose replace-one
-sensitivity is :func:`protocols.privacy.record_sensitivity` (``2 C lr / n_k`` for one full-batch step).
+trains with per-example clipping (:func:`client.env.record_level_training`), whose
+sensitivity is :func:`protocols.privacy.record_sensitivity` (``a C lr / n_k`` for one full-batch step; a = 1 zero-out,
+2 replace-one).
 ``privacy-unit = "client"`` keeps client-level DP-FedAvg: the whole update is clipped to ``clip``.
 """
 
@@ -33,7 +34,7 @@ def train_cdp(msg: Message, env: ClientEnv) -> Message:
     """Central DP: upload the local model un-noised (the server is trusted and adds the noise to the mean).
 
     Record level: per-example-clipped training, upload weighted by ``n_k`` (the server's
-    example-weighted mean has record sensitivity ``2 C lr / N``).  Client level: plain training,
+    example-weighted mean has record sensitivity ``a C lr / N``).  Client level: plain training,
     unit weight (the uniform mean, sensitivity ``clip / m``), the update clipped to the norm the
     server's :class:`protocols.wire.baselines.ClippingNorm` names (Flower's ``fixedclipping_mod`` rule).
     """
