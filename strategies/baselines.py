@@ -4,8 +4,8 @@
 * ``ldp``: each client noises its own upload; the server announces the RDP-calibrated multiplier ``z`` for
   ``num-rounds`` releases (:class:`protocols.wire.baselines.LocalDpNoise`) and each client refuses a smaller one.
   Record level: the local model plus ``N(0, (z Delta_k)^2)``, ``Delta_k = a C lr / n_k`` (a = 1 zero-out, 2
-  replace-one; NADP-FL's Lemma 3 comparator), example-weighted mean; client level: the update clipped to ``clip`` plus ``N(0, (z clip)^2)``,
-  uniform mean.
+  replace-one; NADP-FL's Lemma 3 comparator), example-weighted mean; client level: the update clipped to ``clip``
+  plus ``N(0, (z clip)^2)``, uniform mean.
 * ``cdp`` (trusted server, no uplink guarantee): the server adds Gaussian noise once to the mean.  Record level:
   ``N(0, (z Delta)^2)`` on the example-weighted mean (:func:`record_mean_sensitivity`); client level: Flower's
   ``fixedclipping_mod`` and ``DifferentialPrivacyClientSideFixedClipping``.
