@@ -260,18 +260,24 @@ def ddpsa_noise_share(cfg: RunConfig, noise: str, participants: int) -> int | No
     return honest_participants(participants, cfg.ddpsa_collude_frac, cfg.ddpsa_dropout_frac)
 
 
-def ddpsa_min_summed(cfg: RunConfig, noise: str, participants: int) -> int:
+def ddpsa_min_summed(cfg: RunConfig, noise: str, participants: int, *, threshold: int, servers: int) -> int:
     """``ddpsa``: the fewest clients a partial sum holding a client's share may cover (its push's signed terms).
 
     A ``"local"`` share carries its own full Laplace: any sum (1).  A distributed or Gaussian share is one of
     ``n'`` parts of one central noise (:func:`ddpsa_noise_share`) and the ledger charges that whole noise, which a
     sum holds when it leaves out at most ``floor(d n)`` of the ``participants`` the client was shown
     (:func:`protocols.ddpsa.fewest_summed`, ``d`` = the client's own ``ddpsa-dropout-frac``): a server that may
-    leave honest shares out of a sum could otherwise keep too few of them.
+    leave honest shares out of a sum could otherwise keep too few of them.  With ``2 threshold <= servers`` two
+    disjoint sets of ``threshold`` intermediate servers could each reconstruct a sum over other clients, and the
+    difference of two sums isolates a share: there a share is summed only with all the ``participants``.
     """
     from protocols.ddpsa import fewest_summed
 
-    return 1 if noise == "local" else fewest_summed(participants, cfg.ddpsa_dropout_frac)
+    if noise == "local":
+        return 1
+    if 2 * threshold <= servers:
+        return int(participants)
+    return fewest_summed(participants, cfg.ddpsa_dropout_frac)
 
 
 def ddpsa_noise_multiplier(cfg: RunConfig) -> float:

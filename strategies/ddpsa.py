@@ -152,6 +152,12 @@ class DdpsaStrategy(CancelStrategy):
         #: Servers whose partial sums reconstruct a round; ``shamir`` is it for Shamir sharing, None for additive.
         self.threshold = cfg.ddpsa_sharing_threshold
         self.shamir: int | None = None if self.threshold == self.m else self.threshold
+        if cfg.ddpsa_noise != "local" and cfg.ddpsa_dropout_frac > 0 and 2 * self.threshold <= self.m:
+            raise ConfigError(f"method 'ddpsa': run-config 'ddpsa-dropout-frac' = {cfg.ddpsa_dropout_frac:g} needs "
+                              f"'ddpsa-threshold' above half of the {self.m} intermediate servers (got "
+                              f"{self.threshold}): two disjoint sets of {self.threshold} servers could each "
+                              "reconstruct a sum over other clients, so every share is summed with all the "
+                              "participants it was shown and no dropout is tolerated")
         self.run_id = uuid.uuid4().hex
         #: The step with the reconstructed mean gradient: SGD with ``lr`` (Algorithm 2) or Adam (the paper's Sec. VI).
         self.optimizer = make_server_optimizer(cfg.server_optimizer, cfg.lr)
@@ -254,7 +260,8 @@ class DdpsaStrategy(CancelStrategy):
             abort_round(self.servers, self.run_id, rnd, self.signer)
             raise RoundFailed(f"round {rnd}: {len(expected)} participant(s) pushed under their roster names; "
                               "a partial sum needs at least 2")
-        least = ddpsa_min_summed(self.cfg, self.cfg.ddpsa_noise, len(state.names))
+        least = ddpsa_min_summed(self.cfg, self.cfg.ddpsa_noise, len(state.names), threshold=self.threshold,
+                                 servers=self.m)
         if len(expected) < least:  # the clients' signed terms: the intermediate servers would refuse the sum
             abort_round(self.servers, self.run_id, rnd, self.signer)
             raise RoundFailed(f"round {rnd}: only {len(expected)} of {len(state.names)} participants pushed their "

@@ -65,17 +65,17 @@ def _setup(**overrides) -> tuple[RunConfig, LocalGrid, DdpsaStrategy]:
 
 
 @contextlib.contextmanager
-def _served(**overrides) -> Iterator[tuple[RunConfig, LocalGrid, IntermediateServerCluster]]:
-    """A grid whose nodes trust m = 3 fresh server processes (in their own run config), and the run config."""
+def _served(servers: int = 3, **overrides) -> Iterator[tuple[RunConfig, LocalGrid, IntermediateServerCluster]]:
+    """A grid whose nodes trust m = ``servers`` fresh server processes (in their own run config), and the run config."""
     raw = _raw(**overrides)
     grid = LocalGrid(client_app, RunConfig.from_mapping(raw).num_clients, raw)
     roster = roster_of(c.node_config for c in grid.contexts.values())
     assert roster is not None  # the in-process grid gives its nodes real identities
-    with start_intermediate_servers(3, roster) as servers:
+    with start_intermediate_servers(servers, roster) as cluster:
         for ctx in grid.contexts.values():
-            ctx.run_config.update({k: v for k, v in servers.run_config().items() if k != "ddpsa-server-key"})
-        yield RunConfig.from_mapping({**raw, **servers.run_config()}), grid, servers
-    assert all(pid_gone(p) for p in servers.pids)
+            ctx.run_config.update({k: v for k, v in cluster.run_config().items() if k != "ddpsa-server-key"})
+        yield RunConfig.from_mapping({**raw, **cluster.run_config()}), grid, cluster
+    assert all(pid_gone(p) for p in cluster.pids)
 
 
 def _roster_names(grid: LocalGrid) -> list[str]:

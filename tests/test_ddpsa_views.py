@@ -11,11 +11,18 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord
 
+from protocols.config import ConfigError, RunConfig
 from protocols.ddpsa import gamma_difference_epsilon
 from protocols.privacy import l1_sensitivity, laplace_scale
-from protocols.wire.intermediate import PartialSumUnavailableError, reconstruct_sum
+from protocols.secret_sharing import shamir_reconstruct_vector
+from protocols.wire.intermediate import (
+    IntermediateServers,
+    PartialSumUnavailableError,
+    fetch_partial_sums,
+    reconstruct_sum,
+)
 from strategies.ddpsa import DdpsaStrategy
-from tests.test_ddpsa_method import LINEAR, _initial, _served, credentials  # noqa: F401 (autouse fixture)
+from tests.test_ddpsa_method import LINEAR, _initial, _served, credentials, recorded  # noqa: F401 (fixtures)
 from tests.test_ddpsa_noise import noise_seen  # noqa: F401 (fixture)
 
 
@@ -89,3 +96,43 @@ def test_shares_sized_for_dropouts_sum_over_the_rest_and_no_fewer(noise_seen) ->
             reconstruct_sum(strategy.servers, strategy.run_id, 1, names[:3], strategy.signer, threshold=strategy.shamir)
         finally:
             strategy.close()
+
+
+def test_two_server_sets_cannot_each_reconstruct_a_different_sum(recorded) -> None:  # noqa: F811 (fixture)
+    """Shares sized for one dropout of 4, 2-of-4 Shamir: servers 0, 1 sum all 4, servers 2, 3 all but one.
+
+    Each sum alone holds a whole ``Lap(b)``, but their difference is the left-out client's noisy sum with only its
+    own ``Gamma(1/3, b)`` difference (no finite epsilon) while its ledger charged ``eps_t``.  Two disjoint sets of
+    ``t`` servers exist when ``2 t <= m``: there a share is summed only with all the participants it was shown.
+    """
+    with _served(servers=4, num_clients=4, num_rounds=2, ddpsa_num_servers=4, ddpsa_threshold=2,
+                 ddpsa_collude_frac=0.0, ddpsa_dropout_frac=0.25, **LINEAR) as (cfg, grid, _):
+        strategy = DdpsaStrategy.__new__(DdpsaStrategy)
+        try:
+            DdpsaStrategy.__init__(strategy, cfg)
+        except ConfigError as err:  # the honest server is told before round 1
+            assert "ddpsa-dropout-frac" in str(err) and "ddpsa-threshold" in str(err)
+            strategy = _NoCheck(cfg)
+        try:
+            replies = _train(strategy, cfg, grid)
+            assert not any(r.has_error() for r in replies) and len(recorded) == 4
+            names = sorted(strategy.names.values())
+            every = IntermediateServers(strategy.servers.addresses[:2], strategy.servers.ca)
+            rest = IntermediateServers(strategy.servers.addresses[2:], strategy.servers.ca)
+            whole = fetch_partial_sums(every, strategy.run_id, 1, names, strategy.signer, threshold=2)
+            with pytest.raises(PartialSumUnavailableError, match="participants it was shown"):
+                part = fetch_partial_sums(rest, strategy.run_id, 1, names[:3], strategy.signer, threshold=2)
+                # Not reached with the fix; without it the difference is one client's own noisy sum.
+                left_out = strategy.codec.decode(shamir_reconstruct_vector(whole)) - strategy.codec.decode(
+                    shamir_reconstruct_vector({j + 2: s for j, s in part.items()}))
+                assert min(np.abs(left_out - s).max() for s in recorded.values()) < 1e-4
+        finally:
+            strategy.close()
+
+
+class _NoCheck(DdpsaStrategy):
+    """The strategy without its start-up check of the sharing threshold (a malicious server's)."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(RunConfig.from_mapping({**cfg.to_mapping(), "ddpsa-dropout-frac": 0.0}))
+        self.cfg = cfg

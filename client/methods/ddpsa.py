@@ -205,7 +205,8 @@ def train(msg: Message, env: ClientEnv) -> Message:
     spent = release(msg, env, event,
                     accountant=composition_accountant(env.cfg.ddpsa_composition, env.cfg.ddpsa_noise))
     t0 = time.perf_counter()
-    terms = ShareTerms(plan.participants, ddpsa_min_summed(env.cfg, plan.noise, len(plan.participants)))
+    terms = ShareTerms(plan.participants, ddpsa_min_summed(env.cfg, plan.noise, len(plan.participants),
+                                                           threshold=plan.threshold, servers=len(servers)))
     size = share_and_push(noisy, plan.codec(), servers, plan.run_id, rnd, me, threshold=plan.shamir_threshold,
                           terms=terms)
     receipt = ShareReceipt(me.name, share_bytes=8 * size * len(servers), share_time_s=time.perf_counter() - t0)
