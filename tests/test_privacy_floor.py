@@ -223,3 +223,21 @@ def test_node_policy_clip_and_unprotected_methods():
     FloorPolicy().check_run(RunConfig(method="fedavg"), protected=False)  # no policy: nothing required
     with pytest.raises(ValueError, match="max-clip"):
         FloorPolicy.from_node_config({"max-clip": "-1"})
+
+
+def test_the_mean_training_loss_leaves_out_the_nodes_that_withhold_it():
+    """Two of four nodes ask for a guarantee and withhold their loss: the round's mean is the other two's, not halved.
+
+    The mean counted a withheld metric as 0 (a federation mixing policies reported a train loss about half the real).
+    """
+    cfg, grid = setup("ldp")
+    for node in grid.node_ids[:2]:
+        grid.contexts[node].node_config["lifetime-epsilon"] = 50.0
+    strategy = LocalDPStrategy(cfg)
+    replies = train_round(strategy, cfg, grid)
+    assert not any(r.has_error() for r in replies)
+    reported = [r.content["metrics"] for r in replies if "train_loss" in r.content["metrics"]]
+    assert len(reported) == 2
+    sizes = [m["num-examples"] for m in reported]
+    expected = sum(m["train_loss"] * n for m, n in zip(reported, sizes, strict=True)) / sum(sizes)
+    assert strategy.mean_metrics(replies)["train_loss"] == pytest.approx(expected)

@@ -166,13 +166,17 @@ def num_examples(metrics: Mapping[str, Any]) -> int:
 def mean_metrics(metrics: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     """Example-weighted mean of every numeric metric of several train replies (+ their total examples).
 
-    For a ``MetricRecord``.
+    Each metric is averaged over the replies that report it (a node may withhold one:
+    :func:`client.floor.withhold_unprotected`).  For a ``MetricRecord``.
     """
     sizes = [float(num_examples(m)) for m in metrics]
-    total = sum(sizes)
     keys = set().union(*(m.keys() for m in metrics)) - {_NUM_EXAMPLES}
-    out = {k: sum(float(m.get(k, 0.0)) * n for m, n in zip(metrics, sizes, strict=True)) / total for k in keys}
-    out[_NUM_EXAMPLES] = total
+    out = {}
+    for k in keys:
+        held = [(float(m[k]), n) for m, n in zip(metrics, sizes, strict=True) if k in m]
+        weight = sum(n for _v, n in held)
+        out[k] = sum(v * n for v, n in held) / weight if weight > 0 else sum(v for v, _n in held) / len(held)
+    out[_NUM_EXAMPLES] = sum(sizes)
     return out
 
 
