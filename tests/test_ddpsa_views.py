@@ -31,6 +31,14 @@ def _train(strategy: DdpsaStrategy, cfg, grid) -> list:
     return list(grid.send_and_receive(msgs))
 
 
+def _all_pushed(strategy: DdpsaStrategy, cfg, grid, seen: list) -> tuple[list[str], float]:
+    """Round 1 with every participant pushing: (the participants' names, the round's central Laplace scale b)."""
+    replies = _train(strategy, cfg, grid)
+    assert not any(r.has_error() for r in replies) and len(seen) == len(replies)
+    b = laplace_scale(l1_sensitivity(cfg.clip, adjacency=cfg.adjacency), strategy.epsilon_of_round(1))
+    return sorted(strategy.names.values()), b
+
+
 def test_a_partial_sum_over_part_of_the_round_is_refused(noise_seen) -> None:  # noqa: F811 (fixture)
     """All 4 shown participants pushed; the server asks the sum of 2: it would hold half the central noise.
 
@@ -40,10 +48,7 @@ def test_a_partial_sum_over_part_of_the_round_is_refused(noise_seen) -> None:  #
     with _served(num_clients=4, num_rounds=2, ddpsa_collude_frac=0.0, **LINEAR) as (cfg, grid, _):
         strategy = DdpsaStrategy(cfg)
         try:
-            replies = _train(strategy, cfg, grid)
-            assert not any(r.has_error() for r in replies) and len(noise_seen) == 4
-            names = sorted(strategy.names.values())
-            b = laplace_scale(l1_sensitivity(cfg.clip, adjacency=cfg.adjacency), strategy.epsilon_of_round(1))
+            names, b = _all_pushed(strategy, cfg, grid, noise_seen)
             noise = noise_seen[0] + noise_seen[1]
             # What the pair's sum would leave: half the variance of the Lap(b) each ledger charged, and no epsilon.
             assert np.var(noise) == pytest.approx(b * b, rel=0.35)
@@ -84,10 +89,7 @@ def test_shares_sized_for_dropouts_sum_over_the_rest_and_no_fewer(noise_seen) ->
             cfg, grid, _):
         strategy = DdpsaStrategy(cfg)
         try:
-            replies = _train(strategy, cfg, grid)
-            assert not any(r.has_error() for r in replies) and len(noise_seen) == 4
-            names = sorted(strategy.names.values())
-            b = laplace_scale(l1_sensitivity(cfg.clip, adjacency=cfg.adjacency), strategy.epsilon_of_round(1))
+            names, b = _all_pushed(strategy, cfg, grid, noise_seen)
             assert np.var(noise_seen[0] + noise_seen[1] + noise_seen[2]) == pytest.approx(2 * b * b, rel=0.35)
             assert gamma_difference_epsilon(3 / 3, strategy.epsilon_of_round(1), noise_seen[0].size) == pytest.approx(
                 strategy.epsilon_of_round(1))
