@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from protocols.config import ConfigError, RunConfig
@@ -76,18 +77,19 @@ def _final_check(out_dir: str, code: int) -> int:
     return code
 
 
-def _absolute_out_dir(overrides: dict, defaults: dict) -> dict:
+def _absolute_out_dir(overrides: dict, defaults: dict, keep: Sequence[str] = ()) -> dict:
     """The ServerApp runs in another working directory: pass out-dir (and data-dir) as absolute paths.
 
     out-dir ``""`` becomes a fresh ``runs/<time>-<method>`` here, so the launcher knows where to look; an
     earlier run's outputs in the folder are removed before the run starts (kept when resuming), so they
-    can never be taken for this run's.
+    can never be taken for this run's.  ``keep``: folders the launcher made there for this run (its nodes'
+    identities and ledgers), left in place.
     """
     out = dict(overrides)
     cfg = resolve_out_dir(RunConfig.from_mapping({**defaults, **out}))
     out["out-dir"] = cfg.out_dir
     if not cfg.resume:
-        clear_outputs(cfg.out_dir)
+        clear_outputs(cfg.out_dir, keep=keep)
     data_dir = out.get("data-dir", defaults.get("data-dir", ""))
     if data_dir:
         out["data-dir"] = str(Path(data_dir).resolve())
@@ -215,7 +217,8 @@ class LocalCluster:
     def submit(self, overrides: dict, *, timeout: float = 1800) -> int:
         """Run the app with run-config ``overrides``; returns 0 when ``summary.json`` was written."""
         defaults = app_defaults()
-        overrides = {**_absolute_out_dir(overrides, defaults), "num-clients": self.num_supernodes}
+        own = [d for d in (self.identity_dir, self.ledger_dir) if d]  # made for this run, not an earlier run's
+        overrides = {**_absolute_out_dir(overrides, defaults, keep=own), "num-clients": self.num_supernodes}
         cfg = RunConfig.from_mapping({**defaults, **overrides})
         check_flower_keys(overrides)
         if need := local_services(cfg):
@@ -242,12 +245,14 @@ def run_deployment(overrides: dict, *, num_supernodes: int = 4, tls: bool = Fals
 
     ``verbose``: detailed round lines and Flower's start-up messages (:func:`flower_env`).
     """
-    cfg = RunConfig.from_mapping({**app_defaults(), **overrides})
+    defaults = app_defaults()
+    overrides = _absolute_out_dir(overrides, defaults)  # an earlier run's outputs go before this run's nodes start
+    cfg = RunConfig.from_mapping({**defaults, **overrides})
     n_inter = local_services(cfg)
     # The nodes' privacy ledgers and identities in the run folder, so that `cancelfl deploy --resume` continues
     # them: the resumed nodes are the same roster, hence the same public schedule and accounts.
-    ledgers = str(ledger_dir(cfg.out_dir)) if cfg.out_dir else None
-    identities = str(Path(cfg.out_dir) / IDENTITY_DIR) if cfg.out_dir else None
+    ledgers = str(ledger_dir(cfg.out_dir))
+    identities = str(Path(cfg.out_dir) / IDENTITY_DIR)
     with LocalCluster(num_supernodes, tls=tls, intermediate_servers=n_inter, keep_workdir=keep_workdir,
                       ledger_dir=ledgers, identity_dir=identities, verbose=verbose) as cluster:
         return cluster.submit(overrides)

@@ -164,6 +164,8 @@ def run_inprocess(overrides: dict, *, progress=print, grid_factory=None, keep_st
     raw = {**app_defaults(), **overrides}
     raw["out-dir"] = resolve_out_dir(RunConfig.from_mapping(raw)).out_dir  # "" = a fresh runs/<time>-<method>
     cfg = RunConfig.from_mapping(raw)
+    if not cfg.resume:  # an earlier run's outputs, its clients' ledgers too, before this run's clients exist
+        clear_outputs(cfg.out_dir)
     local_checks(cfg)  # before the grid makes num-clients identities and contexts
     if grid_factory is None:  # the clients' privacy ledgers live in the run folder: a resumed run continues them
         grid = LocalGrid(client_app, cfg.num_clients, raw, node_config={"ledger-dir": str(ledger_dir(cfg.out_dir))})

@@ -20,7 +20,7 @@ import os
 import shutil
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,10 +126,16 @@ def _model_files(out: Path) -> list[Path]:
     return list(out.glob(CHECKPOINT_NPZ.format(round="*")))
 
 
-def clear_outputs(path: str | Path) -> None:
-    """Remove an earlier run's outputs (:data:`OUTPUT_FILES`, checkpoints, :data:`LEDGER_DIR`, :data:`IDENTITY_DIR`)."""
+def clear_outputs(path: str | Path, keep: Collection[str | Path] = ()) -> None:
+    """Remove an earlier run's outputs (:data:`OUTPUT_FILES`, checkpoints, :data:`LEDGER_DIR`, :data:`IDENTITY_DIR`).
+
+    ``keep``: paths the launcher made for the run about to start there (its nodes' identities and ledgers).
+    """
+    kept = {Path(k).resolve() for k in keep}
     for name in earlier_outputs(path):
         target = Path(path) / name
+        if target.resolve() in kept:
+            continue
         if target.is_dir():
             shutil.rmtree(target)
         else:
@@ -250,10 +256,14 @@ def resume_overrides(out_dir: str | Path, overrides: Mapping[str, Any]) -> dict[
 
 # --------------------------------------------------------------------------- used by the runner
 def start_run_folder(cfg: RunConfig) -> Path:
-    """The run's out-dir, created; a fresh run first removes an earlier run's outputs (a resumed one keeps them)."""
+    """The run's out-dir, created; a fresh run first removes an earlier run's outputs (a resumed one keeps them).
+
+    The nodes' :data:`LEDGER_DIR` and :data:`IDENTITY_DIR` stay: the launcher that starts the nodes makes them
+    for this run (after removing an earlier run's), and its nodes may already use them when the server starts.
+    """
     out = prepare_out_dir(cfg.out_dir or resolve_out_dir(cfg).out_dir)
     if not cfg.resume:
-        clear_outputs(out)
+        clear_outputs(out, keep=(out / LEDGER_DIR, out / IDENTITY_DIR))
     else:
         (out / ERROR_FILE).unlink(missing_ok=True)
     return out

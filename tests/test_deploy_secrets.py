@@ -1,0 +1,102 @@
+"""What a deployment keeps on disk: the nodes' identities where the run needs them, private keys private.
+
+No process is started: :class:`server.deploy.LocalCluster` is entered without its SuperLink and SuperNodes,
+so ``run_deployment`` runs its real order (run folder, identities, submit) up to ``flwr run``.
+"""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from server import deploy
+from server.keys import generate, node_name
+from strategies.run.checkpoint import IDENTITY_DIR, LEDGER_DIR
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.fixture
+def processless_cluster(monkeypatch, tmp_path):
+    """LocalCluster whose enter makes only the nodes' identities; ``flwr run`` records what the nodes would find."""
+    seen: list[dict[str, bool]] = []
+
+    def enter(self):
+        self.work, self.env, self.connection, self._servers, self.intermediate = tmp_path / "work", {}, "c", None, []
+        self.procs = SimpleNamespace(check_alive=lambda: None, close=lambda: None)
+        self.keys, self.roster = deploy.node_identities(Path(self.identity_dir),
+                                                        [node_name(i) for i in range(self.num_supernodes)])
+        return self
+
+    def submit(work, env, connection, overrides, **_):
+        # What every SuperNode's node config names must exist when the run's first message reaches it.
+        seen.append({str(p): Path(p).is_file() for p in (*seen_cluster[0].keys.values(), seen_cluster[0].roster)})
+        return 0
+
+    seen_cluster: list = []
+    original_init = deploy.LocalCluster.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        seen_cluster.append(self)
+
+    monkeypatch.setattr(deploy.LocalCluster, "__init__", init)
+    monkeypatch.setattr(deploy.LocalCluster, "__enter__", enter)
+    monkeypatch.setattr(deploy.LocalCluster, "__exit__", lambda self, *exc: None)
+    monkeypatch.setattr(deploy, "submit", submit)
+    monkeypatch.setattr(deploy, "_final_check", lambda out_dir, code: code)
+    return seen
+
+
+def test_deployed_nodes_find_their_identities_when_the_run_starts(processless_cluster, tmp_path):
+    """The run folder's identities are made for this run: the submit step must not clear them as stale outputs."""
+    out = tmp_path / "run"
+    code = deploy.run_deployment({"method": "nadp", "num-clients": 3, "out-dir": str(out)}, num_supernodes=3)
+    assert code == 0
+    [found] = processless_cluster
+    assert found and all(found.values()), f"missing when the run started: {[p for p, ok in found.items() if not ok]}"
+    for i in range(3):
+        assert _mode(out / IDENTITY_DIR / f"{node_name(i)}.key") == 0o600
+
+
+def test_a_fresh_deployment_replaces_an_earlier_runs_identities_and_ledgers(processless_cluster, tmp_path):
+    out = tmp_path / "run"
+    (out / LEDGER_DIR).mkdir(parents=True)
+    (out / LEDGER_DIR / "client-0.json").write_text("{}")  # an earlier run's spend: not this run's
+    old_key, _ = generate(out / IDENTITY_DIR, node_name(0))
+    old_pem = old_key.read_bytes()
+    deploy.run_deployment({"method": "nadp", "num-clients": 2, "out-dir": str(out)}, num_supernodes=2)
+    assert not (out / LEDGER_DIR / "client-0.json").exists()
+    assert (out / IDENTITY_DIR / f"{node_name(0)}.key").read_bytes() != old_pem
+
+
+def test_the_server_starting_a_fresh_run_leaves_the_nodes_identities_and_ledgers(tmp_path):
+    """The ServerApp starts after the launcher's nodes: their folders in the run folder are this run's."""
+    from protocols.config import RunConfig
+    from server.defaults import app_defaults
+    from strategies.run.checkpoint import start_run_folder
+
+    out = tmp_path / "run"
+    key, _ = generate(out / IDENTITY_DIR, node_name(0))
+    (out / LEDGER_DIR).mkdir()
+    (out / "metrics.jsonl").write_text("{}\n")  # an earlier run's output
+    start_run_folder(RunConfig.from_mapping({**app_defaults(), "out-dir": str(out)}))
+    assert key.is_file() and (out / LEDGER_DIR).is_dir() and not (out / "metrics.jsonl").exists()
+
+
+def test_an_inprocess_run_does_not_continue_an_earlier_runs_ledgers_in_its_folder(tmp_path):
+    """The in-process launcher clears an earlier run's client ledgers before its clients exist."""
+    from server.launch import run_inprocess
+
+    out = tmp_path / "run"
+    (out / LEDGER_DIR).mkdir(parents=True)
+    (out / LEDGER_DIR / "client-0.json").write_text('{"version": 99}')  # an earlier run's, unreadable here
+    summary = run_inprocess({"method": "ldp", "num-clients": 2, "num-rounds": 1, "dataset": "digits",
+                             "train-subset": 200, "test-subset": 100, "out-dir": str(out)}, progress=lambda *_: None)
+    assert summary["rounds_completed"] == 1
+    assert '"version": 2' in (out / LEDGER_DIR / "client-0.json").read_text()
