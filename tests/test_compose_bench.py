@@ -58,7 +58,7 @@ def test_ddpsa_gets_the_compose_servers_its_card_asks_for_with_the_deployment_ca
 def test_the_compose_file_has_the_servers_and_mounts_the_stack_relies_on():
     text = (DOCKER_DIR / "docker-compose.yml").read_text()
     assert sorted(set(re.findall(r"^  (ddpsa-\d+):", text, re.M))) == [f"ddpsa-{i}" for i in range(DDPSA_SERVERS)]
-    assert "/outputs" in text and CONTAINER_SERVER_KEY in text and "/certs:ro" in text
+    assert "/outputs" in text and CONTAINER_SERVER_KEY in text and "/ca.crt:/certs/ca.crt:ro" in text
 
 
 def test_activated_nodes_counts_the_superlinks_activations():

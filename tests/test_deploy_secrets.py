@@ -100,3 +100,44 @@ def test_an_inprocess_run_does_not_continue_an_earlier_runs_ledgers_in_its_folde
                              "train-subset": 200, "test-subset": 100, "out-dir": str(out)}, progress=lambda *_: None)
     assert summary["rounds_completed"] == 1
     assert '"version": 2' in (out / LEDGER_DIR / "client-0.json").read_text()
+
+
+
+def test_a_replaced_private_key_is_owner_only_even_over_a_world_readable_file(tmp_path):
+    """`cancelfl keys gen --force`, a deployment's identities and TLS keys: the old file's mode is not kept."""
+    from protocols.tls import CertificateAuthority
+
+    for name in ("node-0.key", "server.key"):
+        (tmp_path / name).write_text("an earlier key")
+        (tmp_path / name).chmod(0o644)
+    linked = tmp_path / "elsewhere.key"
+    linked.hardlink_to(tmp_path / "node-0.key")
+    key, _ = generate(tmp_path, "node-0", force=True)
+    tls = CertificateAuthority().issue("superlink").write(tmp_path, "server")
+    assert _mode(key) == 0o600 and _mode(tls["key"]) == 0o600
+    assert linked.read_text() == "an earlier key"  # a hard link to the old file never receives the new key
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+#: The private keys each docker-compose service may mount (host file names): its own role's and nothing else.
+COMPOSE_KEYS = {"superlink": {"server.key", "parameter-server.key"}, "ddpsa-0": {"intermediate.key"},
+                "ddpsa-1": {"intermediate.key"}, "ddpsa-2": {"intermediate.key"}, "submit": set(),
+                **{f"supernode-{i}": {f"node-{i}.key"} for i in range(3)}}
+
+
+def _compose_mounts() -> dict[str, list[str]]:
+    yaml = pytest.importorskip("yaml")
+    compose = yaml.safe_load((Path(__file__).parents[1] / "docker" / "docker-compose.yml").read_text())
+    return {name: [str(v).rpartition(":/")[0] for v in svc.get("volumes", [])]
+            for name, svc in compose["services"].items()}
+
+
+def test_each_compose_service_mounts_only_its_own_private_keys():
+    """A SuperNode container holding the CA's or the SuperLink's key could impersonate the SuperLink to its peers."""
+    mounts = _compose_mounts()
+    assert set(mounts) - {"keys"} == set(COMPOSE_KEYS)
+    for name, allowed in COMPOSE_KEYS.items():
+        folders = [m for m in mounts[name] if m.endswith("/generated}")]  # CANCELFL_CERTS_DIR or _KEYS_DIR itself
+        assert not folders, f"{name} mounts a whole key or certificate folder: {folders}"
+        keys = {Path(m).name for m in mounts[name] if m.endswith(".key")}
+        assert keys == allowed, f"{name} mounts private keys {sorted(keys)}, its role needs {sorted(allowed)}"
