@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from protocols.private_files import write_private
 
 __all__ = ["CertificateAuthority", "ServerCertificate"]
 
@@ -49,9 +50,7 @@ class ServerCertificate:
         folder.mkdir(parents=True, exist_ok=True)
         cert, key = folder / f"{name}.pem", folder / f"{name}.key"
         cert.write_bytes(self.cert_pem)
-        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(self.key_pem)
+        write_private(key, self.key_pem)
         return {"cert": cert, "key": key}
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from protocols.identity import (
     public_identity_json,
     roster_from_public_files,
 )
+from protocols.private_files import write_private
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,9 +55,7 @@ def generate(folder: Path, name: str, *, force: bool = False, seed: int | None =
     key, pub = folder / f"{name}.key", folder / f"{name}.pub"
     if not force and (key.exists() or pub.exists()):
         raise IdentityError(f"{key} or {pub} exists already (use --force to replace the identity)")
-    fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(identity.private_pem())
+    write_private(key, identity.private_pem())
     pub.write_text(public_identity_json(identity))
     return key, pub
 
