@@ -181,8 +181,8 @@ class LocalCluster:
         self.work = self._ws.__enter__()
         self.env = flower_env(self.work / "flwr-home", verbose=self.verbose)
         self.procs = Processes(self.work, self.env)
-        print(f"cancelfl: starting a SuperLink and {self.num_supernodes} SuperNodes (processes on 127.0.0.1) ...",
-              flush=True)
+        print(f"cancelfl: starting a SuperLink and {self.num_supernodes} SuperNodes (processes on 127.0.0.1, "
+              f"{'TLS' if self.tls else 'plain HTTP: --tls for TLS'}) ...", flush=True)
         try:
             ca = CertificateAuthority("cancelfl-ca")  # the deployment's CA: SuperLink (--tls) and DDP-SA servers
             certs = make_certificates(self.work / "certs", ca) if self.tls else None
