@@ -166,16 +166,10 @@ def test_api_client_answers_the_unmasking_a_train_message_carries(tmp_path, monk
 
     A library client that left the carried request unanswered lost every round but the last (its epsilon spent).
     """
-    from strategies import NadpStrategy, stages
+    from strategies import NadpStrategy
+    from tests.test_pipelined_unmasking import _capture_updates
 
-    updates: list = []
-    real = stages.with_update
-
-    def spy(arrays, update):
-        updates.append(update)
-        return real(arrays, update)
-
-    monkeypatch.setattr(stages, "with_update", spy)
+    updates = _capture_updates(monkeypatch)
     strategy = NadpStrategy(epsilon=4.0, clip=1.0, num_clients=NUM_CLIENTS, num_rounds=3, local_epochs=1,
                             batch_size=1000, lr=2.0, seed=3, out_dir=str(tmp_path), self_mask=True,
                             unmask_next_round=True)
