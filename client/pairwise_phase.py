@@ -183,6 +183,8 @@ def _remember_view(env: ClientEnv, rnd: int, parts: Sequence[int], names: Sequen
     if old is not None and "round" in old and old["round"] != int(rnd):
         rec.update({"previous-round": old["round"], "previous-participants": old["participants"],
                     "previous-names": old["names"]})
+    elif old is not None and "previous-round" in old:  # round rnd checked again: the round before keeps its view
+        rec.update({k: old[k] for k in ("previous-round", "previous-participants", "previous-names")})
     env.context.state[VIEW_KEY] = rec
 
 

@@ -170,3 +170,17 @@ def test_a_refused_ahead_request_keeps_the_upload_and_only_that_client_is_asked_
     asked = [m for r, m in grid.log if r == 2 and m == "query.shares"]
     assert len(asked) == 1 and reps[1]["shares_ahead"] == cfg.num_clients - 1
     assert reps[1]["participants"] == cfg.num_clients and reps[1]["aggregate_error_rel"] <= 1e-9
+
+
+def test_checking_the_next_rounds_view_again_keeps_the_rounds_own_view():
+    """A second share request for round r+1 (its view checked again) leaves round r's view for round r's recovery."""
+    from client.pairwise_phase import _remember_view
+
+    _cfg, grid, strategy, arrays = niss_setup(CountingGrid, num_rounds=3)
+    _rounds(grid, strategy, arrays, [1])
+    node = grid.node_ids[0]
+    env = _Env(grid, node)
+    own, ahead = participants_of(env, 1), participants_of(env, 2)
+    assert own is not None and ahead is not None
+    _remember_view(env, 2, list(ahead), list(ahead.values()))  # round 2's view checked once more
+    assert participants_of(env, 1) == own and participants_of(env, 2) == ahead
