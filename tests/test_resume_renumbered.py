@@ -57,6 +57,9 @@ def test_a_resume_with_renumbered_nodes_keeps_the_servers_epsilon_with_the_clien
     rows = read_metrics(out)
     assert earlier.isdisjoint(str(n) for n in rows[-1].get("client_epsilon", {}))  # the nodes were renumbered
     assert rows[1]["recharged_round"] and rows[1]["noise_scale"] > 1.0
+    # The renumbered accounts started from the dearest earlier one, not from nothing: round 3 is planned from what
+    # one round costs (it read the inherited history as round 2's cost and asked 2.8x the noise).
+    assert 1.0 <= rows[2].get("noise_scale", 1.0) <= rows[1]["noise_scale"] * 1.05
     delta = RunConfig.from_mapping(load_checkpoint(out).config).delta
     summary = json.loads((out / "summary.json").read_text())
     assert summary["epsilon"] == pytest.approx(_ledger_epsilon(out / LEDGER_DIR, delta), abs=1e-9)

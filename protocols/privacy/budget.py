@@ -39,8 +39,8 @@ from protocols.privacy.events import Event, GaussianEvent, event_from_dict
 from protocols.privacy.ledger import PrivacyLedger
 
 __all__ = ["MAX_NOISE_SCALE", "RESERVE", "RoundBudget", "budget_shares", "crosses", "empty_like", "epsilon_after",
-           "events_from_state", "events_to_state", "plan_round", "precision", "precision_budget", "round_events", "top_up",
-           "unit_precisions", "view_events"]
+           "events_from_state", "events_to_state", "plan_round", "precision", "precision_budget", "round_events",
+           "start_share", "top_up", "unit_precisions", "view_events"]
 
 #: Share of the budget left that a re-planned round holds back for the rounds after it (and the last round
 #: for itself): a round may cost this much more than the dearest round before it without crossing the target.
@@ -116,6 +116,20 @@ def budget_shares(ledger: PrivacyLedger, epsilon: float) -> dict[tuple[str, int 
             return None
         out[key] = p / precision_budget(epsilon, ledger.delta, _KIND[type(acc)])
     return out
+
+
+def start_share(ledger: PrivacyLedger, epsilon: float, view: str, unit: int | None) -> float:
+    """Share of the budget ``epsilon`` the account of ``unit`` in ``view`` held when it was created.
+
+    0, but for a unit a per-unit account gave the dearest earlier account to (a renumbered node of a resumed run,
+    :meth:`~protocols.privacy.accountant.PerUnitAccountant.renumbered`): that account's share.
+    """
+    acc = _views(ledger).get(view)
+    if not isinstance(acc, PerUnitAccountant) or unit is None or acc.inherit is None or acc.known is None \
+            or unit in acc.known:
+        return 0.0
+    p = precision(acc.inherit)
+    return 0.0 if p is None else p / precision_budget(epsilon, ledger.delta, _KIND[type(acc.inherit)])
 
 
 #: The conversion of each precision account, by accountant type.

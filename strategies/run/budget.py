@@ -37,6 +37,7 @@ from protocols.privacy.budget import (
     events_to_state,
     plan_round,
     round_events,
+    start_share,
     view_events,
 )
 from protocols.privacy.events import Event
@@ -232,7 +233,9 @@ class BudgetGuard:
         shares = budget_shares(self.strategy.privacy, self.epsilon)
         if shares is None:
             return
-        costs = [p - self._before.get(key, 0.0) for key, p in shares.items()]
+        # A unit new this round started from 0, or from the account a renumbered node inherited (not this round's).
+        costs = [p - self._before.get(key, start_share(self.strategy.privacy, self.epsilon, *key))
+                 for key, p in shares.items()]
         cost = max((c for c in costs if math.isfinite(c)), default=0.0)
         self.dearest = max(self.dearest, cost * self.decision.scale**2)
         self._before = None
