@@ -51,6 +51,7 @@ __all__ = [
     "NissFloor",
     "niss_floor",
     "noise_scale_of",
+    "separable_sums",
 ]
 
 #: Relative slack of a comparison between the server's value and the client's own (float round-off only).
@@ -275,9 +276,14 @@ def ddpsa_min_summed(cfg: RunConfig, noise: str, participants: int, *, threshold
 
     if noise == "local":
         return 1
-    if 2 * threshold <= servers:
+    if separable_sums(threshold, servers):
         return int(participants)
     return fewest_summed(participants, cfg.ddpsa_dropout_frac)
+
+
+def separable_sums(threshold: int, servers: int) -> bool:
+    """``ddpsa``: whether two disjoint sets of ``threshold`` of the ``servers`` can each reconstruct a sum."""
+    return 2 * threshold <= servers
 
 
 def ddpsa_noise_multiplier(cfg: RunConfig) -> float:

@@ -50,7 +50,7 @@ from protocols.ddpsa import (
     honest_present,
     present_multiplier,
 )
-from protocols.floor import ddpsa_min_summed
+from protocols.floor import ddpsa_min_summed, separable_sums
 from protocols.privacy import (
     BudgetSchedule,
     DpEvent,
@@ -152,7 +152,7 @@ class DdpsaStrategy(CancelStrategy):
         #: Servers whose partial sums reconstruct a round; ``shamir`` is it for Shamir sharing, None for additive.
         self.threshold = cfg.ddpsa_sharing_threshold
         self.shamir: int | None = None if self.threshold == self.m else self.threshold
-        if cfg.ddpsa_noise != "local" and cfg.ddpsa_dropout_frac > 0 and 2 * self.threshold <= self.m:
+        if cfg.ddpsa_noise != "local" and cfg.ddpsa_dropout_frac > 0 and separable_sums(self.threshold, self.m):
             raise ConfigError(f"method 'ddpsa': run-config 'ddpsa-dropout-frac' = {cfg.ddpsa_dropout_frac:g} needs "
                               f"'ddpsa-threshold' above half of the {self.m} intermediate servers (got "
                               f"{self.threshold}): two disjoint sets of {self.threshold} servers could each "

@@ -74,7 +74,6 @@ def settings_of(content: Mapping[str, Any] | None, run_config: Mapping[str, Any]
     return cfg
 
 
-
 def _keeps_own_values(sent: Mapping[str, Any], run_config: Mapping[str, Any]) -> None:
     """Refuse settings ``sent`` by the strategy that differ from a key the client's own ``run_config`` sets.
 
