@@ -200,9 +200,9 @@ def participants_of(env: ClientEnv, rnd: int) -> dict[int, str] | None:
     return None
 
 
-def view_graph(msg: Message, env: ClientEnv) -> dict[int, list[int]]:
-    """The round's present graph over all participants, from the train message's checked view."""
-    return _message_view(msg, env, full=True)[2].graph or {}
+def full_view(msg: Message, env: ClientEnv) -> RoundView:
+    """The train message's checked view with the round's present graph and the participants' roster degrees."""
+    return _message_view(msg, env, full=True)[2]
 
 
 def _message_view(msg: Message | ConfigRecord, env: ClientEnv, *, full: bool

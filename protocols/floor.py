@@ -292,18 +292,15 @@ def ddpsa_noise_multiplier(cfg: RunConfig) -> float:
     return gaussian_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
 
 
-def nadp_compensation(cfg: RunConfig, sizes: Mapping[int, int], min_degree: int | None = None) -> float:
-    """``lambda``: ``nadp-lambda`` if > 0, else Eq. 8 for ``nadp-tau`` over the participants.
+def nadp_compensation(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Sequence[int]] | None = None,
+                      degrees: Mapping[int, int] | None = None) -> float:
+    """``lambda``: ``nadp-lambda`` if > 0, else Eq. 8 for ``nadp-tau`` over each participant's neighbourhood.
 
-    On a sparse graph (``min_degree`` < k - 1) Eq. 8 is applied to the smallest neighbourhood
-    (k_eff = min degree + 1).  Raises ValueError when ``(1 - tau) k <= 1`` (no lambda can help).
+    :func:`protocols.nadp_allocation.neighbourhood_compensation` on ``graph`` (None: complete), the colluders counted
+    in ``degrees`` (node -> roster neighbours of the round; default: ``graph``'s).  ValueError: no lambda can help.
     """
-    from protocols.nadp import compensation_factor
-    if cfg.nadp_lambda > 0:
-        return cfg.nadp_lambda
-    ratio = max(sizes.values()) / min(sizes.values())
-    k = len(sizes) if min_degree is None else min(len(sizes), min_degree + 1)
-    return compensation_factor(cfg.nadp_tau, k=k, size_ratio=ratio)
+    from protocols.nadp_allocation import neighbourhood_compensation
+    return cfg.nadp_lambda if cfg.nadp_lambda > 0 else neighbourhood_compensation(cfg.nadp_tau, sizes, graph, degrees)
 
 
 @dataclass(frozen=True)
@@ -328,7 +325,8 @@ class NadpRoundNoise:
 
 
 def nadp_round_noise(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Sequence[int]] | None,
-                     scale: float = 1.0, releases: int | None = None) -> NadpRoundNoise:
+                     scale: float = 1.0, releases: int | None = None, degrees: Mapping[int, int] | None = None
+                     ) -> NadpRoundNoise:
     """The round's noise for the participants ``sizes`` (node -> |D_i|) on the pairing ``graph`` (None: complete).
 
     Record-ldp variant (Lemma 3): each client alone meets (epsilon, delta) over the run with its own sensitivity.
@@ -358,9 +356,8 @@ def nadp_round_noise(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[in
     drop = nadp_dropout_factor(sizes, cfg.dropout_rate)
     sig, alloc = round_plan(sizes, {n: v * scale * drop for n, v in sens.items()}, cfg.epsilon, cfg.delta, t,
                             graph=graph)
-    min_degree = min(len(nb) for nb in graph.values()) if graph is not None and alloc.pair_table is not None else None
-    try:
-        return NadpRoundNoise(sens, sig, alloc, nadp_compensation(cfg, sizes, min_degree), dropout_factor=drop)
+    try:  # degrees: node -> roster neighbours of the round (nadp_compensation)
+        return NadpRoundNoise(sens, sig, alloc, nadp_compensation(cfg, sizes, graph, degrees), dropout_factor=drop)
     except ValueError as err:  # (1 - tau) k <= 1: no honest partner is left to hide behind
         return NadpRoundNoise(sens, sig, alloc, 1.0, lam_problem=str(err), dropout_factor=drop)
 
@@ -377,9 +374,9 @@ class NadpFloor:
 
 
 def nadp_floor(cfg: RunConfig, sizes: Mapping[int, int], me: int, graph: Mapping[int, Sequence[int]] | None,
-               scale: float = 1.0, releases: int | None = None) -> NadpFloor:
+               scale: float = 1.0, releases: int | None = None, degrees: Mapping[int, int] | None = None) -> NadpFloor:
     """Participant ``me``'s share of :func:`nadp_round_noise` (the server's plan must announce at least this)."""
-    r = nadp_round_noise(cfg, sizes, graph, scale, releases)
+    r = nadp_round_noise(cfg, sizes, graph, scale, releases, degrees)
     return NadpFloor(r.sigmas, r.allocation, r.lam, r.sensitivities[me], None if r.ldp_stds is None else r.ldp_stds[me])
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "NoiseAllocation",
     "compensation_factor",
     "graph_pair_variances",
+    "neighbourhood_compensation",
     "normalize_weights",
     "upload_noise_scales",
 ]
@@ -416,3 +417,32 @@ def compensation_factor(tau: float, *, k: int | None = None, size_ratio: float =
             "no compensation factor can protect an honest client"
         )
     return math.sqrt((k * a * a - 1.0) / honest_others)
+
+
+def neighbourhood_compensation(tau: float, sizes: Mapping[int, int], graph: Mapping[int, Sequence[int]] | None = None,
+                               roster: Mapping[int, int] | None = None) -> float:
+    """Eq. 8's ``lam`` over every client's neighbourhood, its colluders counted in the roster's (the largest).
+
+    ``sizes``: client -> ``|D_i|`` (``a`` is their largest ratio); ``graph``: the round's pairing graph (None:
+    complete); ``roster``: client -> its neighbours in the roster's graph of the round, present or not (default:
+    its degree in ``graph``).  A client is assumed to see a ``tau`` share of its roster neighbourhood
+    (``roster + 1`` clients, Eq. 8's ``k``) collude, all of them among the present ones: its ``d + 1`` present
+    clients then hold a share ``tau (roster + 1) / (d + 1)`` of colluders, so a server that leaves honest
+    neighbours out cannot shrink the coalition ``lam`` protects against.  On a complete roster graph with every
+    client present this is Eq. 8 over the participants, on a sparse one Eq. 8 over the smallest neighbourhood.
+
+    Raises:
+        ValueError: as :func:`compensation_factor`, for a client whose colluders could be all its present
+            neighbours (no compensation factor can protect it).
+    """
+    ratio = max(sizes.values()) / min(sizes.values())
+    worst = 1.0
+    for c in sizes:
+        d = len(sizes) - 1 if graph is None else len(graph[c])
+        big = max(d, int((roster or {}).get(c, d)))
+        share = float(tau) * (big + 1) / (d + 1)
+        if share >= 1.0:
+            raise ValueError(f"tau={tau} of client {c}'s {big} roster neighbours could be all its {d} present ones: "
+                             "no compensation factor can protect it")
+        worst = max(worst, compensation_factor(share, k=d + 1, size_ratio=ratio))
+    return worst

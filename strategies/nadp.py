@@ -130,7 +130,8 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
         weights = normalize_weights(sizes)
         scale = self.noise_scale  # the clients derive the same (their floor), every std times the plan's scale
         # Calibrated for the most rounds the public schedule samples any client in (the clients compute the same).
-        noise = nadp_round_noise(self.cfg, sizes, keys.neighbours, scale, self.keys.releases())
+        # lambda counts each participant's colluders in its roster neighbourhood, present or not (the clients do too).
+        noise = nadp_round_noise(self.cfg, sizes, keys.neighbours, scale, self.keys.releases(), keys.roster_degrees())
         sens = dict(noise.sensitivities)
         if noise.ldp_stds is not None:  # record-ldp (Lemma 3)
             plan = NadpPlan(self.variant, ids, sizes, 0.0, 0.0, 1.0, dict(noise.ldp_stds), scale)

@@ -4,7 +4,7 @@ Per round a sampled client, after the key phase (:func:`client.pairwise_phase.ha
 
 1. receives the global model, the round's public plan (:class:`protocols.wire.nadp.NadpPlan`) and its peer keys;
 2. rebuilds the pairing graph (the roster's graph of the round restricted to the participants,
-   :func:`client.pairwise_phase.view_graph`) and recomputes the noise allocation itself
+   :func:`client.pairwise_phase.full_view`) and recomputes the noise allocation itself
    (:func:`protocols.nadp.upload_noise_scales`, deterministic in public values, so both ends of a pair get the
    same ``sigma_ij``);
 3. trains with per-example clipping at ``C`` (Lemma 1's sensitivity ``2C/|D_i|`` bounds a mean of per-example
@@ -32,7 +32,7 @@ from flwr.app import Message
 from client.env import ClientEnv, record_level_training, reply
 from client.floor import diagnostics_permitted, release
 from client.identity import node_identity
-from client.pairwise_phase import mask_probe, pair_seeds, view_graph
+from client.pairwise_phase import full_view, mask_probe, pair_seeds
 from client.records import to_record
 from client.recovery import SelfMask, remember, self_mask_upload
 from protocols.arrays import flatten, unflatten
@@ -71,7 +71,7 @@ def round_floor(msg: Message, env: ClientEnv, plan: NadpPlan) -> tuple[NadpFloor
         raise ValueError(f"server lists |D_i|={plan.sizes[me]} for node {me}, but it holds {len(env.y)} examples")
     if plan.variant != env.cfg.nadp_variant:
         raise FloorViolation("nadp-variant", plan.variant, env.cfg.nadp_variant, "not this client's run config")
-    graph = None
+    graph, degrees = None, None
     ident = node_identity(env)
     rnd = TrainIns.from_config(msg.content["config"]).round
     if plan.variant != "nadp" and ident.name not in roster_round_of(env.cfg, ident.roster, rnd).sample:
@@ -81,12 +81,14 @@ def round_floor(msg: Message, env: ClientEnv, plan: NadpPlan) -> tuple[NadpFloor
                              "the noise is calibrated for the rounds the public schedule samples this node in")
     if plan.variant == "nadp":
         # The pair variances depend on the whole graph (neighbours' degrees): the roster's graph restricted
-        # to the participants, rebuilt and checked from public values (client.pairwise_phase.check_view).
-        graph = view_graph(msg, env)
+        # to the participants, rebuilt and checked from public values (client.pairwise_phase.check_view); lambda's
+        # colluders are counted in each participant's roster neighbourhood (degrees), present or not.
+        view = full_view(msg, env)
+        graph, degrees = view.graph or {}, view.degrees
         if sorted(graph) != sorted(plan.ids):
             raise ValueError("nadp: the plan's participants differ from the round's participant list")
     # More noise than the floor, never less; calibrated for the public schedule's most releases of any client.
-    fl = nadp_floor(env.cfg, plan.sizes, me, graph, plan.noise_scale, roster_releases(env.cfg, ident.roster))
+    fl = nadp_floor(env.cfg, plan.sizes, me, graph, plan.noise_scale, roster_releases(env.cfg, ident.roster), degrees)
     if fl.sigmas is None:
         at_least("nadp-ldp-stds", plan.ldp_stds[me], fl.ldp_std or 0.0)
     else:
