@@ -88,3 +88,28 @@ def test_nadp_leaving_honest_neighbours_out_does_not_shrink_the_coalition_lambda
         else:
             assert reply.has_error(), "a lambda counted on the present neighbours was accepted"
             assert "nadp-lambda" in reply.error.reason, reply.error.reason
+
+
+def test_nadp_a_train_message_without_the_probe_seed_spends_nothing():
+    """``cancellation-check``: a train message lacking the probe seed is refused before the ledger records the round.
+
+    The round's upload never leaves, so a charge would spend the node's budget for nothing the server got.
+    """
+    from client.ledger import ClientLedger, ledger_dir
+
+    n = 4
+    raw = {**app_defaults(), "method": "nadp", "num-clients": n, "num-rounds": 2, "hidden": "", "local-epochs": 1,
+           "batch-size": 1000, "cancellation-check": True, "mask-corruption-rate": 0.0}
+    cfg = RunConfig.from_mapping(raw)
+    grid, strategy = LocalGrid(client_app, n, raw), NadpStrategy(cfg)
+    ds = dataset_for(cfg)
+    model = to_record(get_weights(build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed)),
+                      np.float64)
+    msg = list(strategy.configure_train(1, model, ConfigRecord({"round": 1}), grid))[0]
+    node = msg.metadata.dst_node_id
+    del msg.content["config"]["probe-seed"]
+    reply = grid.send_and_receive([msg])[0]
+    assert reply.has_error() and "probe-seed" in reply.error.reason, "a message without the probe seed was answered"
+    ctx = grid.contexts[node]
+    with ClientLedger.open(ledger_dir(ctx.node_config), ctx.node_config["partition-id"], write=False) as led:
+        assert list(led.rounds(ctx.run_id)) == []

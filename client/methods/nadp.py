@@ -162,12 +162,14 @@ def train(msg: Message, env: ClientEnv) -> Message:
     upload = nadp_upload(w, parts.p_i, parts.residual, counteract, lam)
     if mask is not None:
         upload = upload + mask.vector
-    metrics: dict[str, float] = {"train_loss": loss, "clipped_fraction": clip_frac,
-                                 **release(msg, env, *releases(fl, env.node_id))}
-    parts.keep()
+    probe: dict[str, float] = {}
     if env.cfg.cancellation_check and plan.variant == "nadp" and diagnostics_permitted(env):
         # The part that enters the aggregate: p_i * (lam * c_i / p_i) = lam * c_i (it strips the pair noise along
         # the probe's direction, so a node asking for a guarantee sends it only where its operator allows).
-        metrics.update(probe_metric(mask_probe(msg, lam * counteract)))
+        # Computed before the ledger records the round: a message without the probe seed spends nothing.
+        probe = probe_metric(mask_probe(msg, lam * counteract))
+    metrics: dict[str, float] = {"train_loss": loss, "clipped_fraction": clip_frac,
+                                 **release(msg, env, *releases(fl, env.node_id)), **probe}
+    parts.keep()
     out = reply(msg, to_record(unflatten(upload, local_w)), len(env.y), **metrics)
     return mask.attach(out) if mask is not None else out
