@@ -12,8 +12,10 @@
 # network_mode: host each SuperNode needs a distinct port and partition id.
 # N < 3 also works: the surplus base services get the "disabled" profile.
 # Node identities: CANCELFL_NUM_SUPERNODES=N docker compose ... run --rm keys
-# makes node-0..node-(N-1) keys and the roster; SuperNode i mounts node-i.key
-# (the other volumes, roster included, come from supernode-0).
+# makes node-0..node-(N-1) keys (identity and Flower authentication) and the
+# roster; SuperNode i mounts node-i.key and node-i.auth (the other volumes,
+# roster included, come from supernode-0). Make the keys before `up`: the
+# SuperLink registers the authentication keys there when it starts.
 set -euo pipefail
 
 N="${1:?usage: scale_supernodes.sh N}"
@@ -33,9 +35,14 @@ for ((i = 0; i < N; i++)); do
       - --host=127.0.0.1
       - --port=$((BASE + i))
       - --isolation=subprocess
+      - --auth-supernode-private-key=/identity/node.auth
       - --node-config=partition-id=$i num-partitions=$N identity-key="/identity/node.key" roster="/identity/roster.json" require-identity=true
+    depends_on:
+      superlink:
+        condition: service_healthy
     volumes:
       - \${CANCELFL_KEYS_DIR:-./keys/generated}/node-$i.key:/identity/node.key:ro
+      - \${CANCELFL_KEYS_DIR:-./keys/generated}/node-$i.auth:/identity/node.auth:ro
 YAML
 done
 for ((i = N; i < 3; i++)); do

@@ -26,9 +26,10 @@ from protocols.identity import Roster
 from protocols.methods import local_services
 from protocols.tls import CertificateAuthority
 from server.defaults import app_defaults, check_flower_keys
-from server.flower_commands import flower_env, submit, superlink_cmd, write_connection
+from server.flower_commands import BIN, flower_env, submit, superlink_cmd, write_connection
 from server.intermediate.launcher import IntermediateServerCluster, local_intermediate_servers, start_intermediate_servers
 from server.keys import make_identities, node_name
+from server.node_auth import SUPERLINK_FLAG, make_auth_keys, node_flag, register_supernodes
 from server.processes import Processes, free_port, wait_for_port, workspace
 from strategies.run.checkpoint import IDENTITY_DIR, clear_outputs, ledger_dir, resolve_out_dir, run_outcome
 
@@ -187,12 +188,22 @@ class LocalCluster:
             ca = CertificateAuthority("cancelfl-ca")  # the deployment's CA: SuperLink (--tls) and DDP-SA servers
             certs = make_certificates(self.work / "certs", ca) if self.tls else None
             port = free_port()  # Flower 1.41 serves the Runtime, Control and Fleet APIs on one HTTP port
-            self.procs.start("superlink", superlink_cmd(port, self.work, simulation=False, tls=certs))
+            # With TLS only registered SuperNodes join (Flower's node authentication, server/node_auth.py).
+            self.procs.start("superlink", superlink_cmd(port, self.work, simulation=False, tls=certs)
+                             + ([SUPERLINK_FLAG] if certs else []))
             wait_for_port(port, procs=self.procs)
+            #: the SuperLink's Fleet API address, for SuperNodes
+            self.address = f"127.0.0.1:{port}"
+            self.connection = write_connection(self.work / "flwr-home", self.address,
+                                               root_cert=certs["ca"] if certs else None)
+            names = [node_name(i) for i in range(self.num_supernodes)]
+            auth = make_auth_keys(self.work / "node-auth", names) if certs else {}
+            if auth:
+                register_supernodes(BIN / "flwr", self.env, self.connection, {n: pub for n, (_, pub) in auth.items()})
             # Node identities as `cancelfl keys gen` + `cancelfl keys roster` make them; each node's config points
             # at its own private key and the roster (require-identity: no silent fall-back to derived identities).
             keys, self.roster = node_identities(Path(self.identity_dir) if self.identity_dir else self.work / "identities",
-                                                [node_name(i) for i in range(self.num_supernodes)])
+                                                names)
             if self.n_intermediate:
                 self._servers = start_intermediate_servers(self.n_intermediate, self.roster, ca=ca)
                 self.intermediate = self._servers.addresses
@@ -204,10 +215,8 @@ class LocalCluster:
                 # Flower's SuperNode with a warm ClientApp process and short polls (server/supernode.py).
                 node = [sys.executable, "-m", "server.supernode", "--superlink", f"127.0.0.1:{port}",
                         "--host", "127.0.0.1", "--port", str(free_port()), "--node-config", node_config]
-                node += ["--root-certificates", str(certs["ca"])] if certs else ["--insecure"]
+                node += ["--root-certificates", str(certs["ca"]), *node_flag(auth[names[i]][0])] if certs else ["--insecure"]
                 self.procs.start(f"supernode-{i}", node)
-            self.connection = write_connection(self.work / "flwr-home", f"127.0.0.1:{port}",
-                                               root_cert=certs["ca"] if certs else None)
             self.pids = [p.pid for _, p in self.procs.procs] + (self._servers.pids if self._servers else [])
         except BaseException:
             self.__exit__(None, None, None)

@@ -36,6 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     gen.add_argument("--out", required=True, help="folder for the key files")
     gen.add_argument("--node", action="append", required=True, help="node name (repeat for several nodes)")
     gen.add_argument("--force", action="store_true", help="overwrite existing key files")
+    auth = sub.add_parser("auth", help="make a SuperNode's Flower authentication key: NAME.auth (private) and "
+                          "NAME.auth.pub (register it with `flwr supernode register`)")
+    auth.add_argument("--out", required=True, help="folder for the key files")
+    auth.add_argument("--node", action="append", required=True, help="node name (repeat for several nodes)")
+    auth.add_argument("--force", action="store_true", help="overwrite existing key files")
     ros = sub.add_parser("roster", help="build the roster from public identity files (NAME.pub)")
     ros.add_argument("--out", required=True, help="roster file to write (JSON)")
     ros.add_argument("pub", nargs="+", help="public identity files")
@@ -97,10 +102,16 @@ def run(args: argparse.Namespace) -> int:
             for name in args.node:
                 key, pub = generate(Path(args.out), name, force=args.force)
                 print(f"{name}: private key {key} (keep it on the node), public identity {pub}")
+        elif args.keys_command == "auth":
+            from server.node_auth import make_auth_keys
+
+            for name in args.node:
+                private, public = make_auth_keys(Path(args.out), [name], force=args.force)[name]
+                print(f"{name}: SuperNode key {private} (--auth-supernode-private-key), public key {public}")
         else:
             out = build_roster(Path(args.out), [Path(p) for p in args.pub])
             print(f"roster with {len(args.pub)} node(s) written to {out}")
-    except (IdentityError, OSError) as err:
+    except (IdentityError, OSError, ValueError) as err:
         print(f"cancelfl keys: {err}", file=sys.stderr)
         return 2
     return 0

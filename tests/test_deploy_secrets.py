@@ -120,9 +120,9 @@ def test_a_replaced_private_key_is_owner_only_even_over_a_world_readable_file(tm
 
 
 #: The private keys each docker-compose service may mount (host file names): its own role's and nothing else.
-COMPOSE_KEYS = {"superlink": {"server.key", "parameter-server.key"}, "ddpsa-0": {"intermediate.key"},
-                "ddpsa-1": {"intermediate.key"}, "ddpsa-2": {"intermediate.key"}, "submit": set(),
-                **{f"supernode-{i}": {f"node-{i}.key"} for i in range(3)}}
+COMPOSE_KEYS = {"superlink": {"server.key", "parameter-server.key"}, "submit": set(),
+                **{f"ddpsa-{i}": {f"intermediate-{i}.key"} for i in range(3)},  # separate parties: a key each
+                **{f"supernode-{i}": {f"node-{i}.key", f"node-{i}.auth"} for i in range(3)}}
 
 
 def _compose_mounts() -> dict[str, list[str]]:
@@ -139,5 +139,23 @@ def test_each_compose_service_mounts_only_its_own_private_keys():
     for name, allowed in COMPOSE_KEYS.items():
         folders = [m for m in mounts[name] if m.endswith("/generated}")]  # CANCELFL_CERTS_DIR or _KEYS_DIR itself
         assert not folders, f"{name} mounts a whole key or certificate folder: {folders}"
-        keys = {Path(m).name for m in mounts[name] if m.endswith(".key")}
+        keys = {Path(m).name for m in mounts[name] if m.endswith((".key", ".auth"))}
         assert keys == allowed, f"{name} mounts private keys {sorted(keys)}, its role needs {sorted(allowed)}"
+
+
+def test_supernode_auth_keys_are_what_flower_reads_and_owner_only(tmp_path, capsys):
+    """`cancelfl keys auth`: a P-384 key Flower's SuperNode loads, private 0600, never overwritten silently."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
+
+    from server.launch import main
+
+    assert main(["keys", "auth", "--out", str(tmp_path), "--node", "node-0"]) == 0
+    private, public = tmp_path / "node-0.auth", tmp_path / "node-0.auth.pub"
+    key = load_ssh_private_key(private.read_bytes(), None)  # as flower-supernode --auth-supernode-private-key
+    assert isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp384r1"
+    assert load_ssh_public_key(public.read_bytes()).public_numbers() == key.public_key().public_numbers()
+    assert _mode(private) == 0o600
+    before = private.read_bytes()
+    assert main(["keys", "auth", "--out", str(tmp_path), "--node", "node-0"]) == 2
+    assert private.read_bytes() == before and "--force" in capsys.readouterr().err

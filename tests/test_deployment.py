@@ -70,9 +70,45 @@ def test_multiprocess_deployment(tmp_path, niss_diagnostics):  # niss: the resid
 
 
 def test_tls_deployment(tmp_path):
-    """SuperNodes reach the SuperLink over TLS (self-made CA), as in the compose deployment."""
+    """SuperNodes reach the SuperLink over TLS (self-made CA), as in the compose deployment; only registered ones join.
+
+    The cluster's nodes train a round; an intruder SuperNode with the CA certificate (all an outsider needs to
+    reach the port) and no registered key is refused (Flower's node authentication).
+    """
+    import subprocess
+    import sys
+    import time
+
+    from server.flower_commands import BIN
+    from server.processes import free_port
+
     with LocalCluster(2, tls=True) as cluster:
         assert (cluster.work / "certs" / "ca.crt").is_file()
         code = cluster.submit({"num-rounds": 1, "out-dir": str(tmp_path / "tls")}, timeout=600)
+        address = cluster.address
+        log = tmp_path / "intruder.log"
+        with open(log, "w") as sink:  # a file, not a pipe: the SuperNode's children inherit it
+            intruder = subprocess.Popen([sys.executable, "-m", "server.supernode", "--superlink", address,
+                                         "--root-certificates", str(cluster.work / "certs" / "ca.crt"),
+                                         "--host", "127.0.0.1", "--port", str(free_port()),
+                                         "--node-config", "partition-id=0 num-partitions=2"],
+                                        env=cluster.env, stdout=sink, stderr=subprocess.STDOUT)
+            try:
+                intruder.wait(timeout=120)
+            finally:
+                if intruder.poll() is None:
+                    intruder.kill()
+        out = log.read_text()
+        deadline = time.monotonic() + 60
+        while True:
+            listed = subprocess.run([str(BIN / "flwr"), "supernode", "list", cluster.connection, "--format", "json"],
+                                    env=cluster.env, capture_output=True, text=True, check=True)
+            nodes = json.loads(listed.stdout[listed.stdout.index("{"):])["nodes"]
+            online = [n for n in nodes if n["status"] == "online"]
+            if len(online) == 2 or time.monotonic() > deadline:
+                break
+            time.sleep(1)
     assert code == 0
     assert json.loads((tmp_path / "tls" / "summary.json").read_text())["final_accuracy"] > 0.2
+    assert intruder.returncode != 0 and "must be registered" in out, out
+    assert len(nodes) == 2 and len(online) == 2, nodes

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create a private CA, a SuperLink server certificate and a DDP-SA intermediate
-# server certificate (openssl): TLS between the SuperNodes / the `flwr` CLI and
+# Create a private CA, a SuperLink server certificate and one certificate per
+# DDP-SA intermediate server (openssl): TLS between the SuperNodes / the `flwr` CLI and
 # the SuperLink, and between the clients / the ServerApp and the DDP-SA servers.
 #
 # Usage: docker/certs/make_certs.sh [OUT_DIR]
@@ -9,16 +9,19 @@
 #                      comma separated, e.g. "DNS:superlink.example.org,IP:10.0.0.5"
 #                      (needed when SuperNodes reach the SuperLink by another
 #                      name than 127.0.0.1/localhost).
+#   CANCELFL_DDPSA_SERVERS  number of DDP-SA intermediate servers (default 3).
 #   FORCE=1            overwrite existing files.
 # Output: ca.crt (give to SuperNodes and to the flwr CLI as root certificate,
 #         and as run-config ddpsa-ca), ca.key (keep private), server.pem +
-#         server.key (SuperLink only), intermediate.pem + intermediate.key
-#         (DDP-SA intermediate servers only).
+#         server.key (SuperLink only), intermediate-i.pem + intermediate-i.key
+#         (DDP-SA intermediate server i only: each server its own key).
 set -euo pipefail
 
 OUT="${1:-$(cd "$(dirname "$0")" && pwd)/generated}"
 mkdir -p "$OUT"
-if [[ -s "$OUT/server.pem" && -s "$OUT/intermediate.pem" && "${FORCE:-0}" != 1 ]]; then
+SERVERS="${CANCELFL_DDPSA_SERVERS:-3}"
+LAST="$OUT/intermediate-$((SERVERS - 1)).pem"
+if [[ -s "$OUT/server.pem" && -s "$LAST" && "${FORCE:-0}" != 1 ]]; then
     echo "certificates already in $OUT (FORCE=1 to recreate)"
     exit 0
 fi
@@ -44,8 +47,8 @@ keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=serverAuth
 subjectAltName=$SANS
 EXTEOF
-# One key + certificate per server role, signed by the CA with the SANs above:
-# server.* for the SuperLink, intermediate.* for the DDP-SA intermediate servers.
+# One key + certificate per server, signed by the CA with the SANs above:
+# server.* for the SuperLink, intermediate-i.* for DDP-SA intermediate server i.
 issue() {
     openssl req -new -nodes -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 \
         -keyout "$OUT/$1.key" -out "$OUT/$1.csr" -subj "/CN=$2" 2>/dev/null
@@ -55,9 +58,13 @@ issue() {
     rm -f "$OUT/$1.csr"
 }
 issue server cancelfl-superlink
-issue intermediate cancelfl-ddpsa-intermediate
+PEMS=("$OUT/server.pem")
+for ((i = 0; i < SERVERS; i++)); do
+    issue "intermediate-$i" "cancelfl-ddpsa-$i"
+    PEMS+=("$OUT/intermediate-$i.pem")
+done
 rm -f "$OUT/ca.srl"
 # Containers read these as root; the CA certificate is public.
-chmod 644 "$OUT/ca.crt" "$OUT/server.pem" "$OUT/intermediate.pem"
-openssl verify -CAfile "$OUT/ca.crt" "$OUT/server.pem" "$OUT/intermediate.pem" >/dev/null
+chmod 644 "$OUT/ca.crt" "${PEMS[@]}"
+openssl verify -CAfile "$OUT/ca.crt" "${PEMS[@]}" >/dev/null
 echo "certificates written to $OUT (SANs: $SANS)"
