@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     gen.add_argument("--node", action="append", required=True, help="node name (repeat for several nodes)")
     gen.add_argument("--force", action="store_true", help="overwrite existing key files")
     auth = sub.add_parser("auth", help="make a SuperNode's Flower authentication key: NAME.auth (private) and "
-                          "NAME.auth.pub (register it with `flwr supernode register`)")
+                          "NAME.auth-pub (register it with `flwr supernode register`)")
     auth.add_argument("--out", required=True, help="folder for the key files")
     auth.add_argument("--node", action="append", required=True, help="node name (repeat for several nodes)")
     auth.add_argument("--force", action="store_true", help="overwrite existing key files")

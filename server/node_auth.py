@@ -28,7 +28,7 @@ SUPERLINK_FLAG = "--enable-supernode-auth"
 
 
 def make_auth_keys(folder: Path, names: Sequence[str], *, force: bool = True) -> dict[str, tuple[Path, Path]]:
-    """One fresh P-384 key pair per name: ``<folder>/<name>.auth`` (private, 0600) and ``<name>.auth.pub``.
+    """One fresh P-384 key pair per name: ``<folder>/<name>.auth`` (private, 0600) and ``<name>.auth-pub``.
 
     Returns name -> (private key file, public key file).
 
@@ -42,12 +42,12 @@ def make_auth_keys(folder: Path, names: Sequence[str], *, force: bool = True) ->
     for name in names:
         if not name or "/" in name or name.startswith("."):
             raise ValueError(f"node name {name!r} cannot be a file name")
-        if not force and any((folder / f"{name}{ext}").exists() for ext in (".auth", ".auth.pub")):
+        if not force and any((folder / f"{name}{ext}").exists() for ext in (".auth", ".auth-pub")):
             raise FileExistsError(f"{folder / name}.auth exists already (use --force to replace it)")
         key = ec.generate_private_key(ec.SECP384R1())
         private = write_private(folder / f"{name}.auth", key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()))
-        public = folder / f"{name}.auth.pub"
+        public = folder / f"{name}.auth-pub"
         public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
                                                          serialization.PublicFormat.OpenSSH))
         out[name] = (private, public)

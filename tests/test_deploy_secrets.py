@@ -151,7 +151,7 @@ def test_supernode_auth_keys_are_what_flower_reads_and_owner_only(tmp_path, caps
     from server.launch import main
 
     assert main(["keys", "auth", "--out", str(tmp_path), "--node", "node-0"]) == 0
-    private, public = tmp_path / "node-0.auth", tmp_path / "node-0.auth.pub"
+    private, public = tmp_path / "node-0.auth", tmp_path / "node-0.auth-pub"
     key = load_ssh_private_key(private.read_bytes(), None)  # as flower-supernode --auth-supernode-private-key
     assert isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp384r1"
     assert load_ssh_public_key(public.read_bytes()).public_numbers() == key.public_key().public_numbers()
@@ -159,3 +159,14 @@ def test_supernode_auth_keys_are_what_flower_reads_and_owner_only(tmp_path, caps
     before = private.read_bytes()
     assert main(["keys", "auth", "--out", str(tmp_path), "--node", "node-0"]) == 2
     assert private.read_bytes() == before and "--force" in capsys.readouterr().err
+
+
+def test_compose_superlink_admits_only_registered_supernodes():
+    """The compose SuperLink authenticates SuperNodes and registers their keys before it reports healthy."""
+    yaml = pytest.importorskip("yaml")
+    services = yaml.safe_load((Path(__file__).parents[1] / "docker" / "docker-compose.yml").read_text())["services"]
+    script = " ".join(services["superlink"]["command"])
+    assert "--enable-supernode-auth" in script and "flwr supernode register" in script
+    assert "supernodes-registered" in " ".join(services["superlink"]["healthcheck"]["test"])
+    for i in range(3):
+        assert "--auth-supernode-private-key=/identity/node.auth" in services[f"supernode-{i}"]["command"]
