@@ -9,6 +9,9 @@
   node past its lifetime budget or the method adds no noise a node policy asks for,
   records the release in the node's persistent ledger (:mod:`client.ledger`) and
   returns the :class:`protocols.wire.ledger.SpentReport` metrics for the reply.
+* :func:`top_up` (called by :mod:`client.recovery` before a recovery answer leaves the node): what revealing the
+  pair material of the neighbours a request names gone strips from the round's noise beyond its charge, refused
+  past the same limits.
 
 A refusal is a :class:`protocols.floor.FloorViolation` raised from the handler: Flower
 turns it into an error reply whose reason names the parameter; nothing is uploaded.
@@ -31,7 +34,7 @@ from protocols.privacy import Accountant, Event, GaussianEvent, per_record
 from protocols.wire.common import TrainIns
 from protocols.wire.ledger import SpentReport
 
-__all__ = ["FloorViolation", "admit", "check_new_round", "guarantee", "policy", "release"]
+__all__ = ["FloorViolation", "admit", "check_new_round", "guarantee", "policy", "release", "top_up"]
 
 
 def policy(env: ClientEnv) -> FloorPolicy:
@@ -93,29 +96,62 @@ def release(msg: Message, env: ClientEnv, uplink: Event | None = None, downlink:
     accounts too (:func:`protocols.privacy.per_record`): the record budget spans every run, whatever its unit.
     Returns the :class:`~protocols.wire.ledger.SpentReport` metrics to merge into the reply.
     """
-    pol = policy(env)
     g = guarantee(env)
     unit = g.unit if g.unit != "none" else "client"
     events: dict[str, Event] = {f"uplink/{unit}": uplink if g.uplink is not None and uplink is not None
                                 else GaussianEvent(0.0)}
     if downlink is not None:
         events[f"downlink/{unit}"] = downlink
-    if unit == "client":  # a client-level release spends every record's budget too, at twice its sensitivity
+    eps, releases = _charge(env, TrainIns.from_config(msg.content["config"]).round, events, accountant, new_round=True)
+    return SpentReport(eps, releases).to_metrics()
+
+
+def top_up(env: ClientEnv, rnd: int, uplink: Event | None = None, downlink: Event | None = None,
+           accountant: Accountant | None = None) -> None:
+    """Charge round ``rnd``'s releases what its dropout recovery strips beyond their charge, before it is answered.
+
+    ``uplink`` / ``downlink``: the events to compose on top of what :func:`release` recorded for the round (None:
+    nothing more), in the method's privacy unit (a client-level one also to the ``record`` accounts).  The round
+    stays recorded once.  Raises :class:`FloorViolation` when the top-up would take the node past its lifetime
+    budget, or leave it without a finite epsilon while its policy wants a guarantee: nothing is charged then.
+    """
+    g = guarantee(env)
+    unit = g.unit if g.unit != "none" else "client"
+    events = {f"{d}/{unit}": e for d, e in (("uplink", uplink), ("downlink", downlink)) if e is not None}
+    if events:
+        _charge(env, rnd, events, accountant, new_round=False)
+
+
+def _charge(env: ClientEnv, rnd: int, events: dict[str, Event], accountant: Accountant | None, *,
+            new_round: bool) -> tuple[float, int]:
+    """Compose ``events`` into the ledger under its lock, after the policy's checks; (worst epsilon, rounds released).
+
+    ``new_round``: a new release of round ``rnd`` (refused when the round was trained in already, then recorded);
+    else a top-up of a round already recorded.  A client-level release spends every record's budget too, at
+    twice its sensitivity (:func:`protocols.privacy.per_record`).
+    """
+    pol = policy(env)
+    protected = guarantee(env).uplink is not None
+    events = dict(events)
+    if any(key.endswith("/client") for key in events):
         events.update({f"{key.split('/')[0]}/record": per_record(event) for key, event in list(events.items())})
-    pol.check_run(env.cfg, protected=g.uplink is not None)
-    rnd = TrainIns.from_config(msg.content["config"]).round
+    pol.check_run(env.cfg, protected=protected)
     with _ledger(env) as led:
-        check_round(rnd, env.cfg, led.rounds(env.context.run_id))  # again, under the lock
+        if new_round:
+            check_round(rnd, env.cfg, led.rounds(env.context.run_id))  # again, under the lock
         key, eps = _worst(led.projected(events, pol.lifetime_delta, accountant))
+        what = "this round's upload" if new_round else f"revealing round {rnd}'s dropout recovery"
         if pol.wants_guarantee and not math.isfinite(eps):  # e.g. layers sent bare, a noiseless diagnostic
-            raise FloorViolation(f"epsilon ({key})", eps, "finite", "this round's upload would leave this node without "
+            raise FloorViolation(f"epsilon ({key})", eps, "finite", f"{what} would leave this node without "
                                  "a guarantee (node config 'max-epsilon-per-run' / 'lifetime-epsilon')")
         if pol.lifetime_epsilon is not None:
             at_most(f"lifetime-epsilon ({key})", eps, pol.lifetime_epsilon,
-                    "this round would take the node past its lifetime budget (node config 'lifetime-epsilon')")
-        led.record(env.context.run_id, env.cfg.method, rnd, events, accountant)
-        releases = len(led.rounds(env.context.run_id))
-    return SpentReport(eps, releases).to_metrics()
+                    f"{what} would take the node past its lifetime budget (node config 'lifetime-epsilon')")
+        if new_round:
+            led.record(env.context.run_id, env.cfg.method, rnd, events, accountant)
+        else:
+            led.charge(events, accountant)
+        return eps, len(led.rounds(env.context.run_id))
 
 
 #: Train-reply metrics computed on the node's data without noise (on a model the server chose).

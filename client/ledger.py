@@ -183,7 +183,11 @@ class ClientLedger:
     def record(self, run_id: int, method: str, rnd: int, events: Mapping[str, Event],
                accountant: Accountant | None = None) -> None:
         """Compose one round's releases (``accountant``: :meth:`Account.compose`'s) and remember the round of the run."""
-        for key, event in events.items():
-            self.accounts.setdefault(key, Account()).compose(event, accountant)
+        self.charge(events, accountant)
         run = self.runs.setdefault(str(run_id), {"method": method, "rounds": []})
         run["rounds"] = sorted({*run["rounds"], int(rnd)})
+
+    def charge(self, events: Mapping[str, Event], accountant: Accountant | None = None) -> None:
+        """Compose ``events`` (a round's release topped up, e.g. after its dropout recovery) without a new round."""
+        for key, event in events.items():
+            self.accounts.setdefault(key, Account()).compose(event, accountant)

@@ -28,7 +28,9 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from client.env import ClientEnv
 from client.identity import node_identity
 from client.pairwise_phase import pair_seeds, participants_of, roster_round_of
+from client.recovery_ledger import charge_recovery
 from protocols.consistency import SignedOutcome, outcome_digest, valid_signers
+from protocols.floor import FloorViolation
 from protocols.masking import (
     SHARE_PURPOSE,
     commitment,
@@ -78,6 +80,8 @@ class RecoveryStore:
     revealed_pair: set[int] = field(default_factory=set)
     #: digest of the round outcome this client signed (:mod:`client.consistency`; empty: none yet).
     signed: bytes = b""
+    #: what the round charged and the public values that price a recovery (:mod:`client.recovery_ledger`; JSON).
+    charge: str = ""
 
     def save(self, env: ClientEnv) -> None:
         peers = sorted(self.material)
@@ -104,6 +108,8 @@ class RecoveryStore:
                 rec[key] = [str(n) for n in sorted(nodes)]
         if self.signed:
             rec["signed"] = self.signed
+        if self.charge:
+            rec["charge"] = self.charge
         if self.answered is not None:
             rec["answered-received"] = [str(n) for n in self.answered[0]] or [""]
             rec["answered-dropped"] = [str(n) for n in self.answered[1]] or [""]
@@ -135,14 +141,14 @@ class RecoveryStore:
         return cls(int(rec["round"]), material, noise, partial, kept_probe, protect, protect_probe, shield,
                    answered, mask_keys, int(rec.get("threshold", 0)),  # type: ignore[arg-type]
                    {int(n) for n in rec.get("revealed-mask", [])}, {int(n) for n in rec.get("revealed-pair", [])},
-                   bytes(rec.get("signed", b"")))
+                   bytes(rec.get("signed", b"")), str(rec.get("charge", "")))
 
 
 def remember(env: ClientEnv, rnd: int, material: Mapping[int, bytes], noise: Mapping[int, float] | None = None,
              partial: Mapping[int, bytes] | None = None, kept_probe: Mapping[int, float] | None = None,
              protect: Mapping[int, bytes] | None = None, protect_probe: Mapping[int, float] | None = None,
              shield: Mapping[int, bytes] | None = None, mask_keys: Mapping[int, bytes] | None = None,
-             threshold: int = 0) -> None:
+             threshold: int = 0, charge: str = "") -> None:
     """Keep this round's pair material (called by the method's train handler when it uploads).
 
     ``noise[j]``: how much of this client's own pairwise noise lives with neighbour ``j`` (any positive unit;
@@ -152,10 +158,12 @@ def remember(env: ClientEnv, rnd: int, material: Mapping[int, bytes], noise: Map
     server holds (default: ``material``) and ``protect_probe[j]`` the projection of what it leaves;
     ``shield[j]``: the material revealing neither noise (default: nothing).  ``mask_keys``/``threshold``: the
     upload is self-masked (:func:`self_mask_upload`); recovery then follows :func:`answer_masked`.
+    ``charge``: what the upload charged and the public values that price a recovery
+    (:func:`client.recovery_ledger.charge_spec`; empty: answering charges nothing).
     """
     RecoveryStore(int(rnd), dict(material), dict(noise) if noise is not None else dict.fromkeys(material, 1.0),
                   dict(partial or {}), dict(kept_probe or {}), dict(protect or {}), dict(protect_probe or {}),
-                  dict(shield or {}), None, dict(mask_keys or {}), int(threshold)).save(env)
+                  dict(shield or {}), None, dict(mask_keys or {}), int(threshold), charge=charge).save(env)
 
 
 def _share_context(env: ClientEnv) -> bytes:
@@ -361,7 +369,9 @@ def recovery_answer(content: RecordDict, env: ClientEnv) -> ConfigRecord:
 
     ``content`` may also hold the consistency phase's signatures (record ``CONSISTENCY_RECORD``).  The same rules
     hold whether the request came as ``query.recover`` or in the next round's train message
-    (:func:`answer_carried`).
+    (:func:`answer_carried`).  Before the first answer of the round leaves, the node's ledger is charged what the
+    outcome strips from the round's noise (:func:`client.recovery_ledger.charge_recovery`); a charge past the
+    node's policy is refused and the reply is the refusal, nothing revealed.
     """
     try:
         req = RecoveryRequest.from_config(content["config"])
@@ -383,6 +393,11 @@ def recovery_answer(content: RecordDict, env: ClientEnv) -> ConfigRecord:
                 out = answer_masked(store, req, env, sigs)
         else:
             out = answer(store, set(req.dropped), set(req.excluded))
+        if not out.refused and store.answered is None:  # the first answer of the round: charged once
+            try:
+                charge_recovery(env, req, store.charge, store.noise, bool(store.mask_keys))
+            except FloorViolation as err:
+                out = RecoveryReply(refused=str(err))
         if not out.refused:
             store.answered = (tuple(sorted(req.received)), tuple(sorted(req.dropped)), tuple(sorted(req.excluded)))
             store.save(env)

@@ -54,7 +54,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from scipy.linalg import lapack
 
-__all__ = ["colluder_count", "joint_covariance", "joint_factors", "joint_scale", "share_variances", "survivor_factors",
+__all__ = ["colluder_count", "joint_covariance", "joint_factors", "joint_scale", "recovered_multiplier",
+           "share_variances", "survivor_factors",
            "view_multipliers"]
 
 
@@ -365,3 +366,16 @@ def survivor_factors(sigmas: Mapping[int, float], charged: Mapping[int, float], 
         return joint_factors(charged, sub, tau, u=u, extra=extra, rho=rho, degrees=counted)
     except ValueError:  # a survivor left with no noise at all: Sigma is singular
         return dict.fromkeys(kept, 0.0)
+
+
+def recovered_multiplier(z: float, sigmas: Mapping[int, float], charged: Mapping[int, float],
+                         graph: Mapping[int, Sequence[int]], kept: Mapping[int, float], tau: float, rho: float = 0.0,
+                         degrees: Mapping[int, int] | None = None) -> float:
+    """The least multiplier ``z sqrt(f'_k)`` the survivors' joint view leaves one of them after a recovery.
+
+    :func:`survivor_factors` of the same arguments; ``z``: the multiplier every charged sigma is calibrated for.
+    What the server's account stage charges every participant (:mod:`strategies.niss`) and each survivor's ledger
+    tops up to before it answers the recovery request (:mod:`client.recovery_ledger`).
+    """
+    factors = survivor_factors(sigmas, charged, graph, kept, tau, rho=rho, degrees=degrees)
+    return min(z * math.sqrt(f) for f in factors.values())

@@ -32,11 +32,11 @@ from protocols.mpddp import (
     eq23_epsilon,
     eta_variance,
     mu_server,
+    n_out_shortfall,
     pairwise_delta,
     round_event,
     round_multiplier,
-    theta_complete,
-    theta_n_out,
+    theta_after,
 )
 from protocols.mpddp import flatten as mp_flatten
 from protocols.mpddp import unflatten as mp_unflatten
@@ -169,10 +169,9 @@ class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
         assert isinstance(state.noise, DdpNoise)
         # The sigmas are absolute: divide by the round's record sensitivity (mpddp_floor's, smallest listed |D_i|).
         sens = self.record_sensitivity(min(state.noise.sizes))
-        se, sd, n_out = state.noise.sigma_eta / sens, state.noise.sigma_delta / sens, self.n_out
+        se, sd = state.noise.sigma_eta / sens, state.noise.sigma_delta / sens
         try:
-            theta = (theta_complete(se, sd, survivors) if self._complete(len(state.participants))
-                     else theta_n_out(se, sd, survivors, n_out or 1))
+            theta = theta_after(se, sd, survivors, complete=self._complete(len(state.participants)), n_out=self.n_out)
         except ValueError as err:
             raise RoundFailed(f"round {state.round}: {survivors} survivors are outside the calibration: {err}") from err
         self.report(theta_after_recovery=theta)
@@ -184,8 +183,7 @@ class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
             return
         units = state.participants
         if not self._complete(self.cfg.clients_per_round):  # Theorem 11 rounds, basic composition
-            t = self._releases()
-            extra = eq23_epsilon(theta, self.cfg.delta / (3 * t)) - self.cfg.epsilon / t
+            extra = n_out_shortfall(theta, self.cfg.epsilon, self.cfg.delta, self._releases())
             if extra > 0:
                 self.privacy.downlink.compose(DpEvent(extra), units=units)
             return

@@ -30,12 +30,12 @@ from protocols.config import RunConfig
 from protocols.floor import nadp_round_noise
 from protocols.nadp import (
     NoiseAllocation,
-    dropout_residual,
     eq3_multiplier,
     nadp_aggregate,
     normalize_weights,
     rdp_multiplier,
 )
+from protocols.nadp_recovery import excluded_uplink_std, noise_after, survivor_uplink_stds
 from protocols.pairwise import pairwise_noise
 from protocols.privacy import (
     GaussianEvent,
@@ -233,15 +233,9 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
             w = sum(st.weights[n] for n in survivors)
             var = math.fsum((st.weights[n] * st.plan.ldp_stds[n]) ** 2 for n in survivors)
             return math.sqrt(var) / w, 0.0
-        if len(survivors) == len(st.allocation.client_ids):
-            return st.allocation.aggregate_std, 0.0
-        dr = dropout_residual(st.allocation, survivors, st.plan.lam, renormalize=True)
-        rec = self.recovered(st)
-        if rec is not None:  # removed exactly, except the pairs a survivor kept
-            kept = st.plan.lam**2 * math.fsum(st.allocation.pair_variance(i, j) for i, peers in rec.kept.items()
-                                              for j in peers) / dr.weight_sum**2
-            return math.sqrt(dr.residual_std**2 + kept), math.sqrt(kept)
-        return dr.total_std, dr.uncancelled_std
+        rec = self.recovered(st)  # removed exactly, except the pairs a survivor kept
+        kept = None if rec is None else [(i, j) for i, peers in rec.kept.items() for j in peers]
+        return noise_after(st.allocation, st.plan.lam, survivors, kept)
 
     def _report_round(self, st: NadpRound, good: list[Message], survivors: list[int], dropped: list[int],
                       dim: int, corrections: list[float] | None) -> None:
@@ -333,13 +327,10 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
         clients (nadp's guarantee) cannot get both (the signed consistency check, :mod:`protocols.consistency`).
         Without ``self-mask`` only the residual is left.
         """
-        alloc = st.allocation
-        assert alloc is not None
-        var = (alloc.residual_std[node] / alloc.weights[node]) ** 2
+        assert st.allocation is not None
         rec = self.recovered(st)
-        if self.cfg.self_mask and rec is not None and node not in rec.masks:
-            var += alloc.uplink_variance(node, st.plan.lam)
-        return math.sqrt(var) / st.sensitivity[node]
+        masked = self.cfg.self_mask and rec is not None and node not in rec.masks
+        return excluded_uplink_std(st.allocation, st.plan.lam, node, masked) / st.sensitivity[node]
 
     def _uplink_multipliers(self, st: NadpRound, survivors: list[int]) -> tuple[dict[int, float], dict[int, float]]:
         """Per survivor: noise multiplier of the server's joint view of the uploads, and of its upload alone.
@@ -348,21 +339,11 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
         uploads that arrived.  After recovery the server also holds the pairs with the dropped: the view is
         that of the survivors' uploads with those pairs removed (noise really there).
         """
-        alloc, lam = st.allocation, st.plan.lam
-        assert alloc is not None
+        assert st.allocation is not None
         rec = self.recovered(st)
-        if rec is None or not rec.gone_any:
-            joint = alloc.joint_uplink_std(lam)
-            return ({n: joint[n] / st.sensitivity[n] for n in survivors},
-                    {n: alloc.uplink_std(n, lam) / st.sensitivity[n] for n in survivors})
-        joint = alloc.joint_uplink_std(lam, among=survivors)
-        keep = set(survivors)
-        marg = {}
-        for n in survivors:
-            pair_var = math.fsum(std * std for j, std in alloc.counteracting_stds(n).items() if j in keep)
-            var = (alloc.residual_std[n] ** 2 + lam * lam * pair_var) / alloc.weights[n] ** 2
-            marg[n] = math.sqrt(var) / st.sensitivity[n]
-        return {n: joint[n] / st.sensitivity[n] for n in survivors}, marg
+        joint, marg = survivor_uplink_stds(st.allocation, st.plan.lam, survivors, rec is not None and rec.gone_any)
+        return ({n: joint[n] / st.sensitivity[n] for n in survivors},
+                {n: marg[n] / st.sensitivity[n] for n in survivors})
 
     def norm_limit(self, st: NadpRound, node: int) -> float | None:
         """Per-example-clipped SGD moves the model by <= ``lr clip steps``; plus a Gaussian tail bound of the upload noise."""

@@ -36,7 +36,7 @@ from protocols.arrays import flatten, unflatten
 from protocols.config import RunConfig
 from protocols.methods import NO_COLLUDER
 from protocols.niss import ShareBundle, client_multiplier, client_tau, downlink_multiplier
-from protocols.niss_joint import survivor_factors
+from protocols.niss_joint import recovered_multiplier
 from protocols.privacy import (
     GaussianEvent,
     PerUnitAccountant,
@@ -314,12 +314,11 @@ class NissStrategy(SharePhase, PairwiseRecovery, CancelStrategy):
         agg.update(unflatten(flat, agg))
         # The survivors' joint view (protocols.niss_joint): each keeps z * sqrt(f'_k) of its charged sigma_k.
         charged = {n: f.sigma / state.noise_scale for n, f in figures.items()}
-        f_left = survivor_factors({n: f.sigma for n, f in figures.items()}, charged, state.keys.neighbours, kept,
-                                  state.tau, rho=self.cfg.niss_rho, degrees=state.keys.roster_degrees())
-        z_real = min(self.z * math.sqrt(f) for f in f_left.values())
-        f_open = survivor_factors({n: f.sigma for n, f in figures.items()}, charged, state.keys.neighbours, kept,
-                                  state.tau)
-        z_open = max(min(self.z * math.sqrt(f) for f in f_open.values()), z_real)  # colluders only take noise away
+        sigmas = {n: f.sigma for n, f in figures.items()}
+        z_real = recovered_multiplier(self.z, sigmas, charged, state.keys.neighbours, kept, state.tau,
+                                      rho=self.cfg.niss_rho, degrees=state.keys.roster_degrees())
+        # colluders only take noise away
+        z_open = max(recovered_multiplier(self.z, sigmas, charged, state.keys.neighbours, kept, state.tau), z_real)
         real = 0.0
         if self.privacy.downlink is not None:
             # Multiplier = std left / the worst record's sensitivity max_k sigma_k / (scale z) (niss.downlink_multiplier).

@@ -34,7 +34,7 @@ from flwr.serverapp import Grid
 from protocols.consistency import SignedOutcome
 from protocols.masking import mask_parameters, mask_threshold, rebuild_seed, self_mask, self_masks, unmaskable
 from protocols.prg import gaussian
-from protocols.privacy import Accountant, GaussianEvent
+from protocols.privacy.budget import charge_shortfall
 from protocols.wire.consistency import CONSISTENCY_RECORD, ConsistencyReply, ConsistencyRequest, SignedOutcomes
 from protocols.wire.keys import probe_value
 from protocols.wire.recovery import SELF_MASK_RECORD, RecoveryReply, RecoveryRequest, SelfMaskShares
@@ -449,22 +449,6 @@ def corrected_residual(replies: Iterable[Message], corrections: Iterable[float] 
     scale = math.sqrt(math.fsum(p * p for p in probes))
     total = math.fsum(probes) - math.fsum(corrections)
     return abs(total) / scale if scale > 0 else 0.0
-
-
-def charge_shortfall(accountant: Accountant, planned: float, real: float, **compose_kwargs) -> None:
-    """Charge ``accountant`` for a release whose noise multiplier was ``real`` instead of the ``planned`` one.
-
-    The planned (unsampled) Gaussian release is already composed.  Gaussian RDP is additive in ``1/z^2``, so
-    the exact shortfall is one more Gaussian event with ``1/z^2 = 1/real^2 - 1/planned^2``.
-    """
-    if real >= planned:
-        return
-    if real <= 0:
-        accountant.compose(GaussianEvent(0.0), **compose_kwargs)
-        return
-    gap = 1.0 / real**2 - 1.0 / planned**2
-    if gap > 0:  # 0 when real is below planned by rounding only: nothing to charge
-        accountant.compose(GaussianEvent(1.0 / math.sqrt(gap)), **compose_kwargs)
 
 
 __all__ = ["PairwiseRecovery", "RecoveryOutcome", "charge_shortfall", "corrected_residual", "probe_direction"]

@@ -33,6 +33,7 @@ from client.identity import node_identity
 from client.pairwise_phase import mask_probe, pair_seeds
 from client.records import to_record
 from client.recovery import remember, self_mask_upload
+from client.recovery_ledger import charge_spec
 from protocols.floor import FloorViolation, at_least, mpddp_complete, mpddp_floor, mpdp_naive_sigma
 from protocols.graphs import calibration_size, roster_round_of
 from protocols.mpddp import (
@@ -96,7 +97,8 @@ def _train(msg: Message, env: ClientEnv) -> Message:
             MaskProbe.from_config(cfg)  # the probe seed must be there before the round is recorded
         metrics.update(release(msg, env, downlink=event))  # the uploads: no guarantee
         remember(env, TrainIns.from_config(cfg).round, seeds,  # revealed only for neighbours that drop out
-                 mask_keys=mask.keys if mask else None, threshold=mask.threshold if mask else 0)
+                 mask_keys=mask.keys if mask else None, threshold=mask.threshold if mask else 0,
+                 charge=recovery_charge(msg, env, sigma_eta, sigma_delta, event))
         up, delta = ddp_client(up, own_id=env.node_id, pair_seeds=seeds,
                                eta_seed=os.urandom(32), sigma_eta=sigma_eta, sigma_delta=sigma_delta,
                                eta=env.cfg.mpddp_eta)
@@ -119,6 +121,21 @@ def _train(msg: Message, env: ClientEnv) -> Message:
         raise ValueError(f"client.methods.mpddp does not handle method {method!r}")
     out = reply(msg, to_record(upload_arrays(up, env.cfg.mpddp_side_dtype), None), len(env.y), **metrics)
     return mask.attach(out) if mask is not None else out
+
+
+def recovery_charge(msg: Message, env: ClientEnv, sigma_eta: float, sigma_delta: float,
+                    event: GaussianEvent | DpEvent) -> str:
+    """What a recovery of this round is priced from (:mod:`client.recovery_ledger`): the scales per unit sensitivity.
+
+    The sensitivity and the graph's theorem as :func:`ddp_floor` took them; ``event``: the round's charge.
+    """
+    sizes = DdpNoise.from_config(msg.content["config"]).sizes
+    participants = PeerKeys.from_config(msg.content["config"]).participants
+    sens = mp_record_sensitivity(env.cfg.clip, min(sizes), adjacency=env.cfg.adjacency)
+    return charge_spec("mpddp", downlink=event, eta=sigma_eta / sens, pair=sigma_delta / sens,
+                       participants=list(participants), complete=mpddp_complete(env.cfg, len(participants)),
+                       n_out=env.cfg.n_out if env.cfg.graph == "n-out" else None,
+                       releases=roster_releases(env.cfg, node_identity(env).roster))
 
 
 def ddp_floor(msg: Message, env: ClientEnv) -> tuple[float, float, GaussianEvent | DpEvent]:

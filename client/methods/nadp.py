@@ -35,6 +35,7 @@ from client.identity import node_identity
 from client.pairwise_phase import full_view, mask_probe, pair_seeds
 from client.records import to_record
 from client.recovery import SelfMask, remember, self_mask_upload
+from client.recovery_ledger import charge_spec
 from protocols.arrays import flatten, unflatten
 from protocols.floor import FloorViolation, NadpFloor, at_least, nadp_floor
 from protocols.graphs import roster_round_of
@@ -134,9 +135,12 @@ def noise_parts(msg: Message, env: ClientEnv, plan: NadpPlan, size: int) -> Nois
     stds = alloc.counteracting_stds(me)
     mask = self_mask_upload(msg, env, size, alloc.uplink_std(me, fl.lam), graph)
     # Revealed for a neighbour only if it drops out after this upload (client.recovery, helper D).
+    up, down = releases(fl, me)
+    charge = charge_spec("nadp", sizes=plan.sizes, graph=graph or {}, scale=plan.noise_scale, uplink=up, downlink=down,
+                         releases=roster_releases(env.cfg, node_identity(env).roster))
     keep = functools.partial(remember, env, TrainIns.from_config(msg.content["config"]).round, seeds,
                              {j: stds[j] ** 2 for j in seeds}, mask_keys=mask.keys if mask else None,
-                             threshold=mask.threshold if mask else 0)
+                             threshold=mask.threshold if mask else 0, charge=charge)
     residual = gaussian(residual_seed(), size, alloc.residual_std[me])
     counteract = pairwise_noise(me, seeds, size, scale=stds)
     return NoiseParts(alloc.weights[me], residual, counteract, fl, mask, keep)

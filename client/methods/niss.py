@@ -25,6 +25,7 @@ Payload format: :func:`encode_payload`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import struct
@@ -42,12 +43,21 @@ from client.identity import node_identity
 from client.pairwise_phase import checked_pair_seeds, mask_probe
 from client.records import to_record
 from client.recovery import remember, seal_self_mask
+from client.recovery_ledger import charge_spec
 from protocols import niss as niss_math
 from protocols.arrays import flatten, unflatten
 from protocols.clipping import clip_l2
 from protocols.floor import niss_floor
 from protocols.masking import SHARE_PURPOSE
-from protocols.niss import aggregation_weights, client_plan, client_tau, sizes_digest, upload_sensitivity
+from protocols.niss import (
+    aggregation_weights,
+    client_multiplier,
+    client_plan,
+    client_sigma,
+    client_tau,
+    sizes_digest,
+    upload_sensitivity,
+)
 from protocols.privacy import GaussianEvent
 from protocols.relay_crypto import RelayAuthError, make_aad, open_sealed, seal
 from protocols.schedule import roster_releases
@@ -160,11 +170,13 @@ class _Stored:
     scale: float = 1.0
     #: ``scale`` over the floor's scale (>= 1): the budget guard's raise, which this client's release counts
     credit: float = 1.0
+    #: the round's public view that prices a recovery (JSON: every participant's sigma, the graph, the roster degrees)
+    view: str = "{}"
 
     def to_record(self) -> ConfigRecord:
         rec = ConfigRecord({
             "round": self.round, "weight": self.weight, "sigma": self.sigma, "tau": self.tau, "scale": self.scale,
-            "credit": self.credit, "encoding": self.encoding,
+            "credit": self.credit, "encoding": self.encoding, "view": self.view,
             "neighbours": [str(n) for n in self.neighbours],
             "relay-keys": [self.relay_keys[n] for n in self.neighbours],
             "out-receivers": [str(b.receiver) for b in self.outgoing],
@@ -188,7 +200,7 @@ class _Stored:
         mask_keys = dict(zip(nbrs, (bytes(k) for k in rec["mask-keys"]), strict=True)) if "mask-keys" in rec else {}
         return cls(rnd, float(rec["weight"]), float(rec["sigma"]), str(rec["encoding"]), nbrs,
                    dict(zip(nbrs, (bytes(k) for k in rec["relay-keys"]), strict=True)), out, float(rec["tau"]),
-                   mask_keys, float(rec["scale"]), float(rec.get("credit", 1.0)))
+                   mask_keys, float(rec["scale"]), float(rec.get("credit", 1.0)), str(rec.get("view", "{}")))
 
 
 # -------------------------------------------------------------------------- phases
@@ -244,8 +256,15 @@ def answer_shares(rec: ConfigRecord, env: ClientEnv) -> ShareReply:
     for n in nbrs:  # one payload per neighbour, in the tracker's order
         aad = _aad(me, n, rnd, env.context.run_id, encoding)
         payloads.append(seal(keys[n], encode_payload(encoding, by_receiver[n], size), aad=aad))
+    graph = view.graph or {}
+    weights = aggregation_weights(env.cfg, list(graph), req.sizes)  # as niss_floor: every sigma of the joint view
+    sigmas = {n: sigma if n == me else client_sigma(env.cfg, weights[n], int(req.sizes.get(n, 1)), releases)
+              * req.noise_scale for n in graph}
+    priced = json.dumps({"sigmas": {str(n): s for n, s in sigmas.items()},
+                         "graph": {str(n): list(nb) for n, nb in graph.items()},
+                         "degrees": {str(n): d for n, d in (view.degrees or {}).items()}, "releases": releases})
     env.context.state[STATE_KEY] = _Stored(rnd, own_weight, sigma, encoding, nbrs, keys, bundles, tau,
-                                           mask_keys, req.noise_scale, req.noise_scale / floor.scale).to_record()
+                                           mask_keys, req.noise_scale, req.noise_scale / floor.scale, priced).to_record()
     return ShareReply(tuple(nbrs), tuple(payloads))
 
 
@@ -417,10 +436,14 @@ def train(msg: Message, env: ClientEnv) -> Message:
     # (protocols.floor.niss_floor at scale / credit), one Gaussian release of multiplier credit z (the server charges
     # the same: the budget guard's raise is credit); none at all with tau = 0.
     z = st.credit * st.sigma / (st.scale * upload_sensitivity(env.cfg, st.weight, len(env.y))) if tau > 0 else 0.0
-    spent = release(msg, env, GaussianEvent(0.0 if diagnostic else z))
+    charged = GaussianEvent(0.0 if diagnostic else z)
+    spent = release(msg, env, charged)
+    view = json.loads(st.view)
+    charge = charge_spec("niss", uplink=charged, z=client_multiplier(env.cfg, view.get("releases")), scale=st.scale,
+                         tau=tau, rho=env.cfg.niss_rho, **{k: view.get(k, {}) for k in ("sigmas", "graph", "degrees")})
     # Kept for recovery only once charged: a refused release leaves the previous round's material in place.
     remember(env, rnd, *_recovery_material(st, incoming, partials, size, tau, private, probe_fn),
-             mask_keys=mask.keys if mask else None, threshold=mask.threshold if mask else 0)
+             mask_keys=mask.keys if mask else None, threshold=mask.threshold if mask else 0, charge=charge)
     out = reply(msg, to_record(unflatten(upload, global_w), np.float64), len(env.y), train_loss=loss,
                 update_norm=norm, **extra, **figures.to_metrics(), **probe, **spent)
     if diagnostic:

@@ -46,11 +46,13 @@ __all__ = [
     "max_theta",
     "mp_record_sensitivity",
     "n_out_delta_coefficient",
+    "n_out_shortfall",
     "round_event",
     "round_multiplier",
     "theta_for_noise_multiplier",
     "satisfies_eq23",
     "sigmas_for_theta",
+    "theta_after",
     "theta_complete",
     "theta_n_out",
 ]
@@ -352,3 +354,19 @@ def given_r_topup(noise_multiplier: float, kappa: float, sensitivity: float, num
         raise ValueError("need K >= 1, kappa >= 1, S > 0, z >= 0 and a variance >= 0")
     target = noise_multiplier * kappa * sensitivity / num_clients
     return math.sqrt(max(0.0, target * target - present_variance))
+
+
+def theta_after(sigma_eta: float, sigma_delta: float, survivors: int, *, complete: bool, n_out: int | None) -> float:
+    """Theorem 10 (``complete``) or 11 (``n_out``-out graph) theta of the ``survivors`` left after a recovery.
+
+    The sigmas per unit sensitivity.  What the server's account stage charges (:mod:`strategies.mpddp`) and each
+    survivor's ledger tops up to before it answers the recovery request (:mod:`client.recovery_ledger`).
+    Raises ValueError where Theorem 11 does not apply.
+    """
+    return (theta_complete(sigma_eta, sigma_delta, survivors) if complete
+            else theta_n_out(sigma_eta, sigma_delta, survivors, n_out or 1))
+
+
+def n_out_shortfall(theta: float, epsilon: float, delta: float, releases: int) -> float:
+    """Epsilon a Theorem 11 round (charged ``epsilon/T`` by basic composition) costs beyond it at ``theta``."""
+    return eq23_epsilon(theta, delta / (3 * releases)) - epsilon / releases

@@ -13,7 +13,8 @@ holding only such releases has a precision spent so far (:func:`unit_precisions`
   the dearest round so far, with :data:`RESERVE` of it held back so the last round still fits when it
   costs a little more.
 * :func:`top_up` -- compose into a ledger what a round really cost beyond its planned charge (the
-  planned charge was composed when the noise was released).
+  planned charge was composed when the noise was released); :func:`shortfall_event` and :func:`charge_shortfall`
+  the same for one release whose multiplier turned out smaller than charged (a server's accountant, a node's ledger).
 * :func:`round_events`, :func:`view_events` and :func:`epsilon_after` -- for accounts that are not precisions
   (Laplace rounds, (epsilon, delta) rounds): the releases one round added (or a planned release), and the epsilon
   a ledger would reach with them composed on top (a method that cannot raise its noise stops before the round
@@ -38,9 +39,9 @@ from protocols.privacy.accountant import (
 from protocols.privacy.events import Event, GaussianEvent, event_from_dict
 from protocols.privacy.ledger import PrivacyLedger
 
-__all__ = ["MAX_NOISE_SCALE", "RESERVE", "RoundBudget", "budget_shares", "crosses", "empty_like", "epsilon_after",
-           "events_from_state", "events_to_state", "plan_round", "precision", "precision_budget", "round_events",
-           "start_share", "top_up", "unit_precisions", "view_events"]
+__all__ = ["MAX_NOISE_SCALE", "RESERVE", "RoundBudget", "budget_shares", "charge_shortfall", "crosses", "empty_like",
+           "epsilon_after", "events_from_state", "events_to_state", "plan_round", "precision", "precision_budget", "round_events",
+           "shortfall_event", "start_share", "top_up", "unit_precisions", "view_events"]
 
 #: Share of the budget left that a re-planned round holds back for the rounds after it (and the last round
 #: for itself): a round may cost this much more than the dearest round before it without crossing the target.
@@ -257,6 +258,32 @@ def _shortfall(into: Accountant, planned: Accountant | None, real: Accountant) -
     if extra <= 0.0:
         return
     into.compose(GaussianEvent(0.0 if math.isinf(extra) else extra**-0.5))
+
+
+def shortfall_event(planned: float, real: float) -> GaussianEvent | None:
+    """The release to compose on top of an unsampled Gaussian of multiplier ``planned`` when ``real`` was the truth.
+
+    Gaussian RDP (and GDP) is additive in ``1/z^2``, so the exact shortfall is one more Gaussian with
+    ``1/z^2 = 1/real^2 - 1/planned^2``; ``real <= 0`` gives an un-noised release.  None when ``real`` is not below
+    ``planned`` (or below it by rounding only): nothing to charge.
+    """
+    if real >= planned:
+        return None
+    if real <= 0:
+        return GaussianEvent(0.0)
+    gap = 1.0 / real**2 - 1.0 / planned**2
+    return GaussianEvent(1.0 / math.sqrt(gap)) if gap > 0 else None
+
+
+def charge_shortfall(accountant: Accountant, planned: float, real: float, **compose_kwargs: Any) -> None:
+    """Charge ``accountant`` for a release whose noise multiplier was ``real`` instead of the ``planned`` one.
+
+    The planned (unsampled) Gaussian release is already composed; :func:`shortfall_event` is composed on top
+    (``compose_kwargs``: e.g. the ``units`` of a per-unit accountant).
+    """
+    event = shortfall_event(planned, real)
+    if event is not None:
+        accountant.compose(event, **compose_kwargs)
 
 
 def top_up(ledger: PrivacyLedger, planned: PrivacyLedger, real: PrivacyLedger) -> None:

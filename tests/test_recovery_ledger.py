@@ -1,0 +1,125 @@
+"""A node's ledger charges what its dropout-recovery answer strips (client/recovery_ledger.py), before it reveals.
+
+* in-process runs with dropouts (nadp, niss, mpddp): every client that uploaded in every round holds, per account,
+  at least the server's figure for it (the same conversion: RDP), not just the upload's charge;
+* a consistent, signed false-dropout outcome (d - t neighbours of one nadp client named dropped, every upload kept)
+  raises that client's ledger to the server formula's multiplier of the survivors' joint view, once however often
+  the same request is asked;
+* a node whose ``lifetime-epsilon`` is just above its upload charge refuses that recovery: nothing revealed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from client.env import ClientEnv
+from client.ledger import ClientLedger, ledger_dir
+from protocols.masking import mask_threshold
+from protocols.nadp_recovery import survivor_uplink_stds
+from protocols.privacy import GaussianEvent, GdpAccountant
+from protocols.privacy.budget import RoundBudget
+from strategies.run.budget import BudgetGuard
+from strategies.run.checkpoint import LEDGER_DIR
+from tests import test_masking
+from tests.consistency_setup import sign_and_recover
+from tests.test_masking import _forwarded, _round
+
+pinned = test_masking.pinned  # the fixture: deterministic residual seeds
+DELTA = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+# ----------------------------------------------------------------------------------- whole runs
+@pytest.mark.parametrize("method", ["nadp", "niss", "mpddp"])
+def test_survivors_ledgers_hold_the_servers_charge_after_dropouts(run_inprocess, tmp_path, monkeypatch, method):
+    """10 clients, 2 rounds, 2 dropping each round (guard off): each survivor's ledger >= the server's figure."""
+    import strategies.registry as registry
+
+    built = []
+    build = registry.build_strategy
+    monkeypatch.setattr(registry, "build_strategy", lambda cfg: built.append(build(cfg)) or built[-1])
+    monkeypatch.setattr(BudgetGuard, "_plan", lambda self, shares, rnd: RoundBudget())
+    summary, rows = run_inprocess(method=method, num_clients=10, num_rounds=2, seed=7, epsilon=1.0,
+                                  fault_drop_rate=0.2)
+    assert summary["failed_rounds"] == [] and all(r["dropped"] == 2 and r["recovery"] == 1 for r in rows)
+    server = built[-1].privacy
+    figures = {name: acc for name, acc in server.accounts() if name in ("uplink", "downlink")}
+    checked = 0
+    for path in sorted((tmp_path / "run" / LEDGER_DIR).glob("client-*.json")):
+        led = ClientLedger(path, json.loads(path.read_text()))
+        if len(led.rounds(next(iter(led.runs)))) < 2:
+            continue  # dropped once: the server charged a round it never released
+        node = (int(path.stem.split("-")[1]) + 7) * 1000003  # LocalGrid's node ids
+        for name, acc in figures.items():
+            key = f"{name}/record"
+            if key not in led.accounts or node not in acc.units:
+                continue
+            mine, theirs = led.accounts[key].rdp.epsilon(DELTA), acc.unit(node).epsilon(DELTA)
+            assert mine >= theirs * (1 - 1e-9), (method, path.name, key, mine, theirs)
+            checked += 1
+    assert checked >= 6  # six clients uploaded in both rounds, each with one or two accounts
+
+
+# ----------------------------------------------------------------------------------- the targeted lie
+def _ledger(grid, node: int) -> ClientLedger:
+    env = ClientEnv.from_context(grid.contexts[node])
+    with ClientLedger.open(ledger_dir(env.context.node_config), env.partition_id, write=False) as led:
+        return led
+
+
+def _lie(n: int = 10):
+    """A masked nadp round of ``n`` and the outcome naming d - t of its first client's neighbours dropped."""
+    grid, strategy, msgs, replies = _round(n, hidden="32")
+    st = strategy._state
+    graph = st.keys.neighbours
+    k = msgs[0].metadata.dst_node_id
+    nbrs = sorted(graph[k])
+    t = mask_threshold(len(nbrs), 0.1)
+    dropped = nbrs[t:]
+    received = [x for x in graph if x not in dropped]
+    return grid, st, replies, graph, k, received, dropped
+
+
+def _ask(grid, replies, graph, k, received, dropped):
+    return sign_and_recover(grid, k, received, dropped, forwarded=_forwarded(replies, k, graph),
+                            signers=[x for x in received if x != k])
+
+
+def test_a_false_dropout_outcome_is_charged_as_the_server_formula(pinned):
+    grid, st, replies, graph, k, received, dropped = _lie()
+    assert (len(graph[k]), len(dropped)) == (9, 3)
+    charged = _ledger(grid, k).accounts["uplink/record"].rdp.events
+    assert len(charged) == 1
+    z_up = charged[0].noise_multiplier
+    joint, _ = survivor_uplink_stds(st.allocation, st.plan.lam, sorted(received), True)
+    z_after = joint[k] / st.sensitivity[k]
+    assert z_after < 0.9 * z_up  # the lie strips a real part of the joint view's noise (22.2 -> 18.6 here)
+    for _ in range(2):  # the same request again: answered, charged once
+        rep = _ask(grid, replies, graph, k, received, dropped)
+        assert not rep.refused and sorted(rep.peers) == dropped
+        led = _ledger(grid, k)
+        want = GdpAccountant([GaussianEvent(z_after)]).epsilon(DELTA)
+        assert led.spent(DELTA)["uplink/record"] == pytest.approx(want, rel=1e-9)
+        assert led.accounts["uplink/record"].rdp.epsilon_rank() == pytest.approx(z_after**-2, rel=1e-12)
+        assert led.rounds(next(iter(led.runs))) == [1]
+
+
+def test_a_recovery_past_the_lifetime_budget_is_refused(pinned):
+    grid, st, replies, graph, k, received, dropped = _lie()
+    before = _ledger(grid, k).spent(DELTA)
+    grid.contexts[k].node_config["lifetime-epsilon"] = max(before.values()) * 1.001
+    rep = _ask(grid, replies, graph, k, received, dropped)
+    assert rep.refused and "lifetime-epsilon" in rep.refused and not rep.peers and not rep.material
+    assert _ledger(grid, k).spent(DELTA) == before  # nothing charged
+    # the honest outcome (every upload aggregated) costs nothing more: answered within the same budget
+    grid, st, replies, graph, k, _received, _dropped = _lie()
+    grid.contexts[k].node_config["lifetime-epsilon"] = max(_ledger(grid, k).spent(DELTA).values()) * 1.001
+    rep = _ask(grid, replies, graph, k, list(graph), [])
+    assert not rep.refused, rep.refused
+
