@@ -101,12 +101,13 @@ def _nadp(env: ClientEnv, spec: dict, store: _Kept, req: RecoveryRequest) -> tup
                     float(spec["scale"]), int(spec["releases"]))
     alloc = fl.allocation
     assert alloc is not None  # record-ldp keeps no pair material
+    lam = float(spec["lam"])  # the upload's own (its colluders counted in the roster neighbourhood)
     survivors = sorted(aggregated & set(alloc.client_ids))
     if me in req.excluded:  # held, not aggregated: its neighbours reveal its pairs
-        std = excluded_uplink_std(alloc, fl.lam, me, store.masked)
+        std = excluded_uplink_std(alloc, lam, me, store.masked)
         return _top(spec["uplink"], std / fl.sensitivity), None
-    joint, _ = survivor_uplink_stds(alloc, fl.lam, survivors, True)
-    total, _ = noise_after(alloc, fl.lam, survivors, kept=())
+    joint, _ = survivor_uplink_stds(alloc, lam, survivors, True)
+    total, _ = noise_after(alloc, lam, survivors, kept=())
     w_s = math.fsum(alloc.weights[n] for n in survivors)
     down = total * w_s / (alloc.weights[me] * fl.sensitivity)  # a record of me moves the mean by p_i Delta_i / P_S
     return _top(spec["uplink"], joint[me] / fl.sensitivity), _top(spec.get("downlink"), down)

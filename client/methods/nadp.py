@@ -137,7 +137,7 @@ def noise_parts(msg: Message, env: ClientEnv, plan: NadpPlan, size: int) -> Nois
     # Revealed for a neighbour only if it drops out after this upload (client.recovery, helper D).
     up, down = releases(fl, me)
     charge = charge_spec("nadp", sizes=plan.sizes, graph=graph or {}, scale=plan.noise_scale, uplink=up, downlink=down,
-                         releases=roster_releases(env.cfg, node_identity(env).roster))
+                         releases=roster_releases(env.cfg, node_identity(env).roster), lam=fl.lam)
     keep = functools.partial(remember, env, TrainIns.from_config(msg.content["config"]).round, seeds,
                              {j: stds[j] ** 2 for j in seeds}, mask_keys=mask.keys if mask else None,
                              threshold=mask.threshold if mask else 0, charge=charge)
