@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 __all__ = ["HALVE_GAUSSIAN", "HALVE_NOISE", "SELF_TEST_TRIALS", "Fault", "SelfTest", "halved_std", "halved_stds",
            "patched"]
 
-#: The fault every noising method plants: its noise std halved where its clients draw it.
+#: The fault every noising method plants: its noise std halved where its real code draws it (clients or server).
 HALVE_NOISE = "halve-noise"
 #: Trials of a benchmark self-test row whose fault halves the noise (caught within a few releases).
 SELF_TEST_TRIALS = 16_000

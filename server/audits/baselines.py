@@ -35,10 +35,10 @@ class BaselineAudit(AuditAdapter):
 class LdpAudit(BaselineAudit):
     """ldp: ``halve-noise`` (the clients' Gaussian) self-tested on the uploads (4 x 500 canaries per release)."""
 
-    self_tests = (SelfTest(HALVE_NOISE, 200_000),)
+    self_tests = (SelfTest(HALVE_NOISE, 400_000),)
 
 
 class CdpAudit(BaselineAudit):
     """cdp: ``halve-noise`` (the server's Gaussian on the mean) self-tested on the published model."""
 
-    self_tests = (SelfTest(HALVE_NOISE, 200_000, "model"),)
+    self_tests = (SelfTest(HALVE_NOISE, 400_000, "model"),)
