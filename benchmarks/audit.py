@@ -16,9 +16,11 @@ method: :func:`server.audit_spec.federation` (ladp's model view: 2 clients; the 
 counted canary per release); ``--trials`` overrides the trials of every row but the self-tests that fix their own.
 A method audited with further canaries (:attr:`~server.audit_adapter.AuditAdapter.canaries`) gets their rows too
 (ladp: adaptive canaries, 16 clients per release).  Each method's adapter names its self-test rows
-(:attr:`server.audit_adapter.AuditAdapter.self_tests`): ladp's planted faults ``private-kl`` (the paper's
-data-dependent P_j, adaptive canaries) and ``halve-noise``, niss's and ddpsa's ``halve-noise``; those must be
-flagged; and its variant rows
+(:attr:`server.audit_adapter.AuditAdapter.self_tests`, :class:`server.audit_faults.SelfTest`), each in the view
+whose claim its fault breaks: ``halve-noise`` of every method (the uploads of ldp, nadp, niss, ladp and ddpsa; the
+model of cdp and, from epsilon 4 on, of the MP family), nadp's ``skip-pair-noise`` (one client without its pair
+noise) and ladp's ``private-kl`` (the paper's data-dependent P_j, adaptive canaries); those must be flagged; and
+its variant rows
 (:attr:`~server.audit_adapter.AuditAdapter.variants`: ddpsa's first of 100 rounds under ``ddpsa-composition =
 "pld"``, an (epsilon, delta) claim); and for the MP family a ``given secret`` model row (the published first layer
 read with the release's R, every canary counted).  ddpsa's rows start local intermediate servers.
@@ -145,12 +147,13 @@ def run(args: argparse.Namespace) -> int:
                 jobs.append((spec(method, direction, eps), ""))
                 for canary in adapter.canaries[1:]:  # the method's further canaries (ladp: adaptive)
                     jobs.append((spec(method, direction, eps, canary=canary), ""))
+            for c in colluders if adapter.colluders and "upload" in directions else ():
+                jobs.append((spec(method, "upload", eps, colluders=c), ""))
+            for t in adapter.self_tests:  # the method's planted faults: each row must be flagged
+                if t.view in directions and eps >= t.min_epsilon:
+                    jobs.append((spec(method, t.view, eps, t.trials, fault=t.fault), ""))
             if "upload" not in directions:
                 continue
-            for c in colluders if adapter.colluders else ():
-                jobs.append((spec(method, "upload", eps, colluders=c), ""))
-            for fault, trials in adapter.self_tests:  # the method's planted faults: each row must be flagged
-                jobs.append((spec(method, "upload", eps, trials, fault=fault), ""))
             for label, rounds, settings, trials in adapter.variants:  # another schedule or accounting of the method
                 jobs.append((spec(method, "upload", eps, trials, rounds=rounds, settings=tuple(settings.items())),
                              label))

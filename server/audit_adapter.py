@@ -26,7 +26,7 @@ from protocols.arrays import Weights
 from protocols.methods import method_spec
 from protocols.wire.arrays import from_record
 from server.audit_canaries import _AdaptiveCanaries, _Canaries
-from server.audit_faults import Fault
+from server.audit_faults import Fault, SelfTest
 from server.audit_spec import CANARY_SCALE, AuditSpec
 from server.local_grid import LocalGrid
 
@@ -138,8 +138,8 @@ class AuditAdapter:
             given the secret is a violation; else it is outside the claim).
         nominal_claim: its card states its claim as nominal, not a guarantee (a bound above it is reported, not
             counted as a violation).
-        self_tests: ``(fault, trials)`` rows ``cancelfl-bench audit`` adds to the method's upload rows (they must
-            be flagged); ``trials`` ``None`` = the row's default.
+        self_tests: the planted-fault rows ``cancelfl-bench audit`` adds to the method's rows, each in the view whose
+            claim its fault breaks (:class:`server.audit_faults.SelfTest`); they must be flagged.
         variants: ``(label, rounds, settings, trials)`` upload rows ``cancelfl-bench audit`` adds: the run's first
             round with ``rounds`` in its schedule and the run-config ``settings`` (another accounting, say); ``trials``
             ``None`` = the row's default.
@@ -157,7 +157,7 @@ class AuditAdapter:
     secret_claim: bool = False
     nominal_claim: bool = False
     canary_scale: float = CANARY_SCALE
-    self_tests: tuple[tuple[str, int | None], ...] = ()
+    self_tests: tuple[SelfTest, ...] = ()
     variants: tuple[tuple[str, int, Mapping[str, Any], int | None], ...] = ()
     training_loss: str = "ce"
 
@@ -171,6 +171,10 @@ class AuditAdapter:
             return {"trials": 3_200, "clients": 16, "per_client": 2} if direction == "upload" else \
                 {"trials": 400, "clients": 2, "per_client": 2}
         return {"trials": AuditSpec.trials, "clients": AuditSpec.clients, "per_client": AuditSpec.per_client}
+
+    def fault_view(self, fault: str) -> str:
+        """The view ``fault`` is audited in: its self-test row's direction (:attr:`self_tests`), else ``upload``."""
+        return next((t.view for t in self.self_tests if t.fault == fault), "upload")
 
     def run_config(self, spec: AuditSpec) -> dict[str, Any]:
         """Run-config keys the method's releases set beyond :meth:`AuditSpec.run_config`'s (none by default)."""

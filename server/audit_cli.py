@@ -13,7 +13,15 @@ from pathlib import Path
 
 from protocols.config import ConfigError, parse_run_config
 from server.audit_faults import HALVE_NOISE
-from server.audit_spec import ADJACENCY_TEXT, CANARIES, DIRECTIONS, AuditSpec, auditable_methods, federation
+from server.audit_spec import (
+    ADJACENCY_TEXT,
+    CANARIES,
+    DIRECTIONS,
+    AuditSpec,
+    auditable_methods,
+    default_direction,
+    federation,
+)
 from server.cli_text import methods_text
 
 __all__ = ["DESCRIPTION", "add_arguments", "epilog", "main"]
@@ -30,6 +38,7 @@ Examples:
   cancelfl audit --method nadp                      the uploads, the method's own canaries (minutes)
   cancelfl audit --method nadp --direction model    the published model
   cancelfl audit --method ldp --fault halve-noise   self-test: a planted fault must be flagged
+  cancelfl audit --method cdp --fault halve-noise   ... in the view whose claim it breaks (here: model)
 
 Exit status: 0 no violation, 1 the audit proves more privacy loss than claimed (VIOLATION),
 2 refused (a bad option, named).
@@ -47,9 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description, p.epilog = DESCRIPTION, epilog()
     p.add_argument("--method", required=True, help="method to audit (list below)")
-    p.add_argument("--direction", choices=DIRECTIONS, default=d.direction,
+    p.add_argument("--direction", choices=DIRECTIONS, default=None,
                    help=f"upload: what the server holds of the uploads; model: the published model "
-                        f"(default: {d.direction})")
+                        f"(default: {d.direction}); with --fault, the view whose claim the fault breaks (model for "
+                        "cdp and the MP family)")
     p.add_argument("--epsilon", type=float, default=d.epsilon,
                    help=f"the run's privacy target; its one-round epsilon is the claim audited (default: {d.epsilon})")
     p.add_argument("--trials", type=int, default=None,
@@ -82,9 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """``cancelfl audit``: 0 = no violation, 1 = the audit proves more privacy loss than claimed, 2 = refused."""
     try:
-        fed = federation(args.method, args.direction, args.canary, args.given_secret, args.fault)
+        direction = args.direction or default_direction(args.method, args.fault)
+        fed = federation(args.method, direction, args.canary, args.given_secret, args.fault)
         settings = tuple(parse_run_config(" ".join(args.set)).items()) if args.set else ()
-        spec = AuditSpec(args.method, args.direction, args.epsilon, args.trials or fed["trials"], args.canary,
+        spec = AuditSpec(args.method, direction, args.epsilon, args.trials or fed["trials"], args.canary,
                          args.colluders, args.fault, args.clients or fed["clients"], args.per_client or fed["per_client"],
                          adjacency=args.adjacency, rounds=args.rounds, settings=settings,
                          given_secret=args.given_secret)

@@ -13,11 +13,12 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["HALVE_GAUSSIAN", "HALVE_NOISE", "SELF_TEST_TRIALS", "Fault", "halved_std", "halved_stds", "patched"]
+__all__ = ["HALVE_GAUSSIAN", "HALVE_NOISE", "SELF_TEST_TRIALS", "Fault", "SelfTest", "halved_std", "halved_stds",
+           "patched"]
 
-#: The fault every noising method plants: its noise std halved where its clients draw it.
+#: The fault every noising method plants: its noise std halved where its real code draws it (clients or server).
 HALVE_NOISE = "halve-noise"
 #: Trials of a benchmark self-test row whose fault halves the noise (caught within a few releases).
 SELF_TEST_TRIALS = 16_000
@@ -38,6 +39,20 @@ class Fault:
     plant: Callable[[Callable[[], int | None]], AbstractContextManager] | None = None
     per_client: bool = False
     run_config: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+
+class SelfTest(NamedTuple):
+    """A self-test row ``cancelfl-bench audit`` adds for a method (``AuditAdapter.self_tests``).
+
+    ``view``: the direction whose claim the fault breaks (``model`` where the uploads claim nothing, e.g. cdp's
+    server noise); ``trials``: ``None`` = the row's default; ``min_epsilon``: the row runs at the benchmark's
+    epsilons from this one on (below it the fault's view needs more canaries than a self-test spends).
+    """
+
+    fault: str
+    trials: int | None = None
+    view: str = "upload"
+    min_epsilon: float = 0.0
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # the accountants (scipy, dp-accounting) load with the audit 
     from protocols.privacy.audit import AuditBound
 
 __all__ = ["ADJACENCY_TEXT", "CANARIES", "CANARY_SCALE", "CLAIMS", "DIRECTIONS", "AuditReport", "AuditSpec", "audit_adapter",
-           "auditable_methods", "default_canary", "faults", "federation", "methods_where"]
+           "auditable_methods", "default_canary", "default_direction", "faults", "federation", "methods_where"]
 
 DIRECTIONS: tuple[str, ...] = ("upload", "model")
 #: ``gradient``: white-box gradient canaries (label flips, every method); ``adaptive``: canaries that move a
@@ -88,6 +88,14 @@ def default_canary(method: str, fault: str | None = None) -> str:
     """The canary a method is audited with by default: ``fault``'s (adapter's ``fault_canaries``), else its first."""
     adapter = audit_adapter(method)
     return adapter.fault_canaries.get(fault, adapter.canaries[0]) if fault is not None else adapter.canaries[0]
+
+
+def default_direction(method: str, fault: str | None = None) -> str:
+    """The view a method is audited in by default: ``fault``'s self-test view (adapter's ``fault_view``), else upload.
+
+    E.g. cdp's ``halve-noise`` (its server's noise) is audited on the published model: its uploads claim nothing.
+    """
+    return audit_adapter(method).fault_view(fault) if fault is not None else "upload"
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import numpy as np
 
 from protocols.config import RunConfig
 from server.audit_adapter import AuditAdapter, GradientView, ReleaseView
-from server.audit_faults import HALVE_NOISE, SELF_TEST_TRIALS, Fault, patched
+from server.audit_faults import HALVE_NOISE, SELF_TEST_TRIALS, Fault, SelfTest, patched
 from server.audit_spec import AuditSpec
 
 __all__ = ["DdpsaAudit"]
@@ -57,7 +57,7 @@ class DdpsaAudit(AuditAdapter):
     """The parameter server reconstructs only the sum: its upload view is the published aggregate."""
 
     faults = MappingProxyType({HALVE_NOISE: Fault(_halve_laplace)})
-    self_tests = ((HALVE_NOISE, SELF_TEST_TRIALS),)
+    self_tests = (SelfTest(HALVE_NOISE, SELF_TEST_TRIALS),)
     #: The first of 100 rounds calibrated by their privacy-loss distribution: its ledger claims a little less than
     #: the round's Laplace epsilon, at delta (not a pure claim).
     #: Gaussian noise (cdp's calibration, composed as Gaussian DP): claimed at delta, with the default trials (the

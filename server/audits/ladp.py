@@ -16,7 +16,7 @@ from typing import Any
 
 from protocols.wire.arrays import from_record
 from server.audit_adapter import AuditAdapter, GradientView, weights_view
-from server.audit_faults import HALVE_GAUSSIAN, HALVE_NOISE, Fault, patched
+from server.audit_faults import HALVE_GAUSSIAN, HALVE_NOISE, Fault, SelfTest, patched
 from server.audit_spec import AuditSpec
 
 __all__ = ["LadpAudit"]
@@ -53,7 +53,7 @@ class LadpAudit(AuditAdapter):
     faults = MappingProxyType({HALVE_NOISE: HALVE_GAUSSIAN, PRIVATE_KL: Fault(_private_kl)})
     fault_canaries = MappingProxyType({PRIVATE_KL: "adaptive"})
     #: halve-noise: 32 upload releases of 2,000 canaries (16,000 trials leave it at about the claim).
-    self_tests = ((PRIVATE_KL, 3_200), (HALVE_NOISE, 64_000))
+    self_tests = (SelfTest(PRIVATE_KL, 3_200), SelfTest(HALVE_NOISE, 64_000))
 
     def federation(self, direction: str, canary: str, *, given_secret: bool = False) -> dict[str, int]:
         """Gradient canaries: 4 clients x 500 (upload), 2 x 1,000 (model); adaptive: 16 clients, 2 (model)."""

@@ -25,7 +25,7 @@ from protocols.arrays import Weights
 from protocols.wire.arrays import from_record
 from server.audit_adapter import AuditAdapter, GradientView, ReleaseView
 from server.audit_canaries import MLP_HIDDEN
-from server.audit_faults import HALVE_GAUSSIAN, HALVE_NOISE, Fault, patched
+from server.audit_faults import HALVE_NOISE, Fault, SelfTest, patched
 from server.audit_spec import AuditSpec
 
 __all__ = ["MpAudit", "MpddpAudit", "PERTURBED_CLIP"]
@@ -43,6 +43,29 @@ _UPLOADS: dict[str, tuple[str, bool]] = {
     "mpdp-naive": ("own recovery (secret R) of one upload: gradient + R o eta_k", True),
     "mpcdp": ("own recovery (secret R) of one upload: the exact gradient (noise added later by the server)", False),
 }
+
+
+def _halve_noise(victim: Callable[[], int | None]) -> contextlib.AbstractContextManager:
+    """Every Gaussian the family adds to the model halved where the real code draws it; the secret R untouched.
+
+    mpddp's clients: eta_k and the pair Delta's (:func:`protocols.mpddp.ddp.ddp_client` looks both up at call
+    time); mpdp-naive's clients and the server's given-R Gaussian of all three: the std of
+    :func:`protocols.mpddp.naive_client`'s draw (:func:`~protocols.mpddp.ablations.naive_gaussian_noise`).
+    """
+    import protocols.mpddp.ablations as ablations
+    import protocols.mpddp.ddp as ddp
+
+    def eta(orig: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda seed, size, sigma_eta, eta="uniform": orig(seed, size, sigma_eta / 2, eta)
+
+    def delta(orig: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda size, *, own_id, pair_seeds, sigma_delta: orig(size, own_id=own_id, pair_seeds=pair_seeds,
+                                                                     sigma_delta=sigma_delta / 2)
+
+    def gaussian(orig: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda seed, size, sigma: orig(seed, size, sigma / 2)
+
+    return patched((ddp, "eta_noise", eta), (ddp, "pairwise_delta", delta), (ablations, "naive_gaussian_noise", gaussian))
 
 
 def _perturbed_clip(victim: Callable[[], int | None]) -> contextlib.AbstractContextManager:
@@ -108,7 +131,8 @@ def _white_box(clip: float) -> Any:
 class MpAudit(AuditAdapter):
     """The MP family: given R, each round's release is a Gaussian mechanism (clients' Gaussian and the server's).
 
-    Planted faults: the Gaussian std halved, and the calibration that clips the perturbed gradient alone.
+    Planted faults: every Gaussian std of the model halved (clients' and server's), and the calibration that clips
+    the perturbed gradient alone.
     """
 
     mlp_canaries = True
@@ -119,7 +143,11 @@ class MpAudit(AuditAdapter):
     secret_claim = True
     #: Upload view: the canary's column then carries nearly all of its clipped gradient.
     canary_scale = 1000.0
-    faults = MappingProxyType({HALVE_NOISE: HALVE_GAUSSIAN, PERTURBED_CLIP: Fault(_perturbed_clip)})
+    faults = MappingProxyType({HALVE_NOISE: Fault(_halve_noise), PERTURBED_CLIP: Fault(_perturbed_clip)})
+    #: On the model given R (the uploads claim nothing), 64 releases of 4 x 500 canaries: at epsilon 4 the halved
+    #: noise is caught; at epsilon 1 (about 2 with the noise halved) 128 releases still prove less than 1 (the
+    #: statistic is fitted within each release), so the row starts at epsilon 4.
+    self_tests = (SelfTest(HALVE_NOISE, 128_000, "model", min_epsilon=4.0),)
 
     def plant_canaries(self, spec: AuditSpec) -> contextlib.AbstractContextManager:
         """Model view: the white-box canary triples (module docstring); upload view: the records as they are."""

@@ -20,7 +20,7 @@ from flwr.app import Message
 from protocols.pairwise import pairwise_noise
 from protocols.wire.arrays import from_record
 from server.audit_adapter import AuditAdapter, GradientView, ReleaseView, weights_view
-from server.audit_faults import HALVE_NOISE, Fault, halved_std, patched
+from server.audit_faults import HALVE_NOISE, Fault, SelfTest, halved_std, patched
 from server.local_grid import LocalGrid
 
 __all__ = ["NadpAudit"]
@@ -66,6 +66,9 @@ class NadpAudit(AuditAdapter):
         SKIP_PAIR_NOISE: Fault(_skip_pair_noise, per_client=True),
         STRIP_PAIR_NOISE: Fault(None, per_client=True, run_config=MappingProxyType({"self-mask": False})),
     })
+    #: Client faults self-tested on the uploads: every std halved (4 x 500 canaries a release), one client without
+    #: its pair noise (its 500 canaries a release are audited).
+    self_tests = (SelfTest(HALVE_NOISE, 64_000), SelfTest(SKIP_PAIR_NOISE, 64_000))
 
     def upload_view(self, rel: ReleaseView):
         spec = rel.spec

@@ -25,7 +25,7 @@ from protocols.wire.arrays import from_record
 from protocols.wire.niss import NissMetrics, RelayedInbox
 from protocols.wire.recovery import NissPairMaterial
 from server.audit_adapter import AuditAdapter, GradientView, ReleaseView, weights_view
-from server.audit_faults import HALVE_GAUSSIAN, HALVE_NOISE, SELF_TEST_TRIALS
+from server.audit_faults import HALVE_GAUSSIAN, HALVE_NOISE, SELF_TEST_TRIALS, SelfTest
 from server.audit_spec import AuditSpec
 
 __all__ = ["NissAudit"]
@@ -36,7 +36,7 @@ class NissAudit(AuditAdapter):
 
     colluders = True
     faults = MappingProxyType({HALVE_NOISE: HALVE_GAUSSIAN})
-    self_tests = ((HALVE_NOISE, SELF_TEST_TRIALS),)
+    self_tests = (SelfTest(HALVE_NOISE, SELF_TEST_TRIALS),)
 
     def federation(self, direction: str, canary: str, *, given_secret: bool = False) -> dict[str, int]:
         fed = super().federation(direction, canary)
