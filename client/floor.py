@@ -131,7 +131,8 @@ def _charge(env: ClientEnv, rnd: int, events: dict[str, Event], accountant: Acco
     twice its sensitivity (:func:`protocols.privacy.per_record`).
     """
     pol = policy(env)
-    protected = guarantee(env).uplink is not None
+    g = guarantee(env)
+    protected, unit = g.uplink is not None, g.unit if g.unit != "none" else "client"
     events = dict(events)
     if any(key.endswith("/client") for key in events):
         events.update({f"{key.split('/')[0]}/record": per_record(event) for key, event in list(events.items())})
@@ -147,10 +148,16 @@ def _charge(env: ClientEnv, rnd: int, events: dict[str, Event], accountant: Acco
         if pol.lifetime_epsilon is not None:
             at_most(f"lifetime-epsilon ({key})", eps, pol.lifetime_epsilon,
                     f"{what} would take the node past its lifetime budget (node config 'lifetime-epsilon')")
+        if pol.max_epsilon_per_run is not None:  # what this run spends in its own unit, recovery top-ups included
+            own = {k: v for k, v in led.projected_run(env.context.run_id, events, env.cfg.delta, accountant).items()
+                   if k.endswith(f"/{unit}")}
+            key, run_eps = _worst(own)
+            at_most(f"max-epsilon-per-run ({key})", run_eps, pol.max_epsilon_per_run,
+                    f"{what} would take this run past the node's per-run budget (node config 'max-epsilon-per-run')")
         if new_round:
             led.record(env.context.run_id, env.cfg.method, rnd, events, accountant)
         else:
-            led.charge(events, accountant)
+            led.charge(env.context.run_id, events, accountant)
         return eps, len(led.rounds(env.context.run_id))
 
 

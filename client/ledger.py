@@ -10,7 +10,8 @@ composition a method names for its releases (DDP-SA: :func:`protocols.ddpsa.comp
 server charges with); the epsilons of the accountants in use add at an equal share of ``delta`` each.  While an
 account holds only unsampled Gaussian releases its epsilon is their exact Gaussian-DP composition
 (:class:`GdpAccountant`), the figure a server that accounts exactly (LaDP) reports.  ``runs`` keeps, per Flower
-run id, the rounds this node trained (a repeated round is refused).
+run id, the rounds this node trained (a repeated round is refused) and the run's own accounts (what node config
+``max-epsilon-per-run`` caps).
 """
 
 from __future__ import annotations
@@ -172,22 +173,45 @@ class ClientLedger:
     def projected(self, events: Mapping[str, Event], delta: float, accountant: Accountant | None = None
                   ) -> dict[str, float]:
         """Epsilon per account if ``events`` were composed too (``accountant``: :meth:`Account.compose`'s; no change)."""
-        out = self.spent(delta)
-        for key, event in events.items():
-            acc = Account.from_state(self.accounts[key].to_state()) if key in self.accounts else Account()
-            acc.compose(event, accountant)
-            out[key] = acc.epsilon(delta)
-        return out
+        return _projected(self.accounts, events, delta, accountant)
+
+    def run_accounts(self, run_id: int) -> dict[str, Account]:
+        """What run ``run_id`` alone spent, per account (its releases and their recovery top-ups)."""
+        states = self.runs.get(str(run_id), {}).get("accounts", {})
+        return {str(k): Account.from_state(v) for k, v in states.items()}
+
+    def projected_run(self, run_id: int, events: Mapping[str, Event], delta: float,
+                      accountant: Accountant | None = None) -> dict[str, float]:
+        """Epsilon per account of run ``run_id`` alone if ``events`` were composed too (no change)."""
+        return _projected(self.run_accounts(run_id), events, delta, accountant)
 
     # ------------------------------------------------------------------ update
     def record(self, run_id: int, method: str, rnd: int, events: Mapping[str, Event],
                accountant: Accountant | None = None) -> None:
         """Compose one round's releases (``accountant``: :meth:`Account.compose`'s) and remember the round of the run."""
-        self.charge(events, accountant)
         run = self.runs.setdefault(str(run_id), {"method": method, "rounds": []})
         run["rounds"] = sorted({*run["rounds"], int(rnd)})
+        self.charge(run_id, events, accountant)
 
-    def charge(self, events: Mapping[str, Event], accountant: Accountant | None = None) -> None:
-        """Compose ``events`` (a round's release topped up, e.g. after its dropout recovery) without a new round."""
+    def charge(self, run_id: int, events: Mapping[str, Event], accountant: Accountant | None = None) -> None:
+        """Compose ``events`` into the node's and run ``run_id``'s accounts without recording a new round.
+
+        E.g. a round topped up after its dropout recovery.
+        """
+        run_accounts = self.run_accounts(run_id)
         for key, event in events.items():
             self.accounts.setdefault(key, Account()).compose(event, accountant)
+            run_accounts.setdefault(key, Account()).compose(event, accountant)
+        run = self.runs.setdefault(str(run_id), {"rounds": []})
+        run["accounts"] = {k: a.to_state() for k, a in sorted(run_accounts.items())}
+
+
+def _projected(accounts: Mapping[str, Account], events: Mapping[str, Event], delta: float,
+               accountant: Accountant | None) -> dict[str, float]:
+    """Epsilon per account of ``accounts`` with ``events`` composed into copies."""
+    out = {k: a.epsilon(delta) for k, a in accounts.items()}
+    for key, event in events.items():
+        acc = Account.from_state(accounts[key].to_state()) if key in accounts else Account()
+        acc.compose(event, accountant)
+        out[key] = acc.epsilon(delta)
+    return out

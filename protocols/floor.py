@@ -111,7 +111,8 @@ class FloorPolicy:
     """A node's own limits (node config; every key optional).
 
     Attributes:
-        max_epsilon_per_run: largest run-config ``epsilon`` the node trains under (None = any).
+        max_epsilon_per_run: largest run-config ``epsilon`` the node trains under, and the most one run may spend
+            in its privacy unit by the node's ledger, recovery top-ups included (None = any).
         max_delta: largest run-config ``delta`` (None = any).
         max_clip: largest run-config ``clip`` (None = any).
         lifetime_epsilon: what the node may spend over all runs, per direction and privacy unit,

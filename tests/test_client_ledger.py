@@ -154,6 +154,22 @@ def test_a_lifetime_budget_equal_to_the_runs_target_lets_ladp_finish(tmp_path):
     assert rows[-1]["client_epsilon_max"] == pytest.approx(summary["epsilon"], rel=1e-6)
 
 
+@pytest.mark.parametrize("method", ["nadp", "niss", "ldp", "ladp", "ddpsa"])
+def test_a_per_run_budget_equal_to_the_runs_target_lets_every_protected_method_finish(tmp_path, method):
+    """``max-epsilon-per-run`` caps what a run spends by the node's ledger: at the run's own epsilon no round is refused."""
+    node_config = {"ledger-dir": str(tmp_path / "ledgers"), "max-epsilon-per-run": 1.0}
+
+    def grid(app, n, raw):
+        return LocalGrid(app, n, raw, node_config=node_config)
+
+    cfg = {"method": method, "num-clients": 4, "num-rounds": 3, "epsilon": 1.0, "train-subset": 300,
+           "test-subset": 100, "out-dir": str(tmp_path / "run")}
+    summary = run_inprocess(cfg, progress=lambda _s: None, grid_factory=grid)
+    rows = read_metrics(tmp_path / "run")
+    assert summary["failed_rounds"] == [] and [len(r["client_epsilon"]) for r in rows] == [4, 4, 4], rows
+    assert rows[-1]["client_epsilon_max"] <= 1.0 * (1 + 1e-9)
+
+
 _RESTART = """
 import json, sys
 sys.path.insert(0, {root!r})

@@ -123,3 +123,34 @@ def test_a_recovery_past_the_lifetime_budget_is_refused(pinned):
     rep = _ask(grid, replies, graph, k, list(graph), [])
     assert not rep.refused, rep.refused
 
+
+
+def _spend_run_to(grid, node: int, target: float) -> None:
+    """Charge ``node``'s current run (not a new round) until its ``uplink/record`` epsilon is just below ``target``."""
+    env = ClientEnv.from_context(grid.contexts[node])
+    with ClientLedger.open(ledger_dir(env.context.node_config), env.partition_id) as led:
+        run = int(next(iter(led.runs)))
+        lo, hi = 1e-3, 1e6  # noise multiplier of the extra release: bisect on the run's epsilon
+        for _ in range(200):
+            mid = (lo * hi) ** 0.5
+            eps = led.projected_run(run, {"uplink/record": GaussianEvent(mid)}, DELTA)["uplink/record"]
+            lo, hi = (mid, hi) if eps > target else (lo, mid)
+        led.charge(run, {"uplink/record": GaussianEvent(hi)})
+
+
+def test_a_recovery_past_the_per_run_budget_is_refused(pinned):
+    """``max-epsilon-per-run`` caps what the run really spends, recovery top-ups included, not only its config."""
+    grid, st, replies, graph, k, received, dropped = _lie()
+    cap = ClientEnv.from_context(grid.contexts[k]).cfg.epsilon
+    grid.contexts[k].node_config["max-epsilon-per-run"] = cap
+    _spend_run_to(grid, k, cap * 0.999)
+    before = _ledger(grid, k).spent(DELTA)
+    rep = _ask(grid, replies, graph, k, received, dropped)
+    assert rep.refused and "max-epsilon-per-run" in rep.refused and not rep.peers and not rep.material
+    assert _ledger(grid, k).spent(DELTA) == before  # nothing charged
+    # the honest outcome costs nothing more: answered
+    grid, st, replies, graph, k, _received, _dropped = _lie()
+    grid.contexts[k].node_config["max-epsilon-per-run"] = cap
+    _spend_run_to(grid, k, cap * 0.999)
+    rep = _ask(grid, replies, graph, k, list(graph), [])
+    assert not rep.refused, rep.refused
