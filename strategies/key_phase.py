@@ -99,7 +99,13 @@ class KeyRound:
         rr = self.roster_round
         if rr is None:
             return None
-        return {n: len(rr.neighbours(self.signed_by[n][0])) for n in self.participants if n in self.signed_by}
+        out: dict[int, int] = {}
+        for n in self.participants:
+            try:
+                out[n] = len(rr.neighbours(self.signed_by[n][0]))
+            except KeyError:  # unsigned, or a name the roster's round does not sample: the clients refuse the view
+                continue
+        return out
 
     def calibration_size(self, complete: Callable[[int], bool]) -> int:
         """The participant count K to calibrate for, where ``complete(K)`` says the calibration assumes a complete graph.

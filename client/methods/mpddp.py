@@ -33,7 +33,7 @@ from client.identity import node_identity
 from client.pairwise_phase import mask_probe, pair_seeds
 from client.records import to_record
 from client.recovery import remember, self_mask_upload
-from client.recovery_ledger import charge_spec
+from client.recovery_ledger import Kept, charge_spec, gone, top_event
 from protocols.floor import FloorViolation, at_least, mpddp_complete, mpddp_floor, mpdp_naive_sigma
 from protocols.graphs import calibration_size, roster_round_of
 from protocols.mpddp import (
@@ -43,18 +43,21 @@ from protocols.mpddp import (
     eta_variance,
     mask_reference,
     mp_record_sensitivity,
+    n_out_shortfall,
     naive_client,
     one_hot,
     round_event,
+    theta_after,
     torch_threads,
 )
 from protocols.mpddp import flatten as mp_flatten
 from protocols.mpddp import unflatten as mp_unflatten
-from protocols.privacy import DpEvent, GaussianEvent
+from protocols.privacy import DpEvent, Event, GaussianEvent, event_from_dict
 from protocols.schedule import roster_releases
 from protocols.wire.common import TrainIns
 from protocols.wire.keys import MaskProbe, PeerKeys, probe_metric
 from protocols.wire.mpddp import DdpNoise, NaiveNoise, PerturbedModel, upload_arrays
+from protocols.wire.recovery import RecoveryRequest
 
 #: HKDF purpose of the pairwise Delta seeds (fixed on the client: the server cannot redirect it).
 DELTA_PURPOSE = "mpddp-delta"
@@ -132,7 +135,7 @@ def recovery_charge(msg: Message, env: ClientEnv, sigma_eta: float, sigma_delta:
     sizes = DdpNoise.from_config(msg.content["config"]).sizes
     participants = PeerKeys.from_config(msg.content["config"]).participants
     sens = mp_record_sensitivity(env.cfg.clip, min(sizes), adjacency=env.cfg.adjacency)
-    return charge_spec("mpddp", downlink=event, eta=sigma_eta / sens, pair=sigma_delta / sens,
+    return charge_spec(downlink=event, eta=sigma_eta / sens, pair=sigma_delta / sens,
                        participants=list(participants), complete=mpddp_complete(env.cfg, len(participants)),
                        n_out=env.cfg.n_out if env.cfg.graph == "n-out" else None,
                        releases=roster_releases(env.cfg, node_identity(env).roster))
@@ -183,3 +186,24 @@ def ddp_floor(msg: Message, env: ClientEnv) -> tuple[float, float, GaussianEvent
         scale = min((a / b for a, b in ((eta, se), (pair, sd)) if b > 0), default=1.0)
         return eta, pair, round_event(cfg.epsilon, cfg.delta, t, complete=True, scale=scale)
     return sent.sigma_eta, sent.sigma_delta, round_event(cfg.epsilon, cfg.delta, t, complete=False)
+
+
+def price_recovery(env: ClientEnv, spec: dict, store: Kept, req: RecoveryRequest) -> tuple[None, Event | None]:
+    """What answering ``req`` strips from this node's mpddp round: its card's ``recovery_charge``.
+
+    (uplink, downlink) events to compose on top of the round's charge (:mod:`client.recovery_ledger`).
+    """
+    aggregated, _ = gone(store, req)
+    survivors = len(aggregated & {int(n) for n in spec["participants"]})
+    if survivors == len(spec["participants"]):
+        return None, None
+    try:
+        theta = theta_after(float(spec["eta"]), float(spec["pair"]), survivors, complete=bool(spec["complete"]),
+                            n_out=spec.get("n_out"))
+    except ValueError as err:
+        raise FloorViolation("survivors", survivors, "a setting Theorems 10/11 cover", str(err)) from err
+    charged = event_from_dict(dict(spec["downlink"]))
+    if isinstance(charged, DpEvent):  # Theorem 11: basic composition of (epsilon/T, delta/T) rounds
+        extra = n_out_shortfall(theta, env.cfg.epsilon, env.cfg.delta, int(spec["releases"]))
+        return None, DpEvent(extra) if extra > 0 else None
+    return None, top_event(spec["downlink"], 1.0 / math.sqrt(theta) if theta > 0 else math.inf)

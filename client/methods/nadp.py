@@ -35,18 +35,20 @@ from client.identity import node_identity
 from client.pairwise_phase import full_view, mask_probe, pair_seeds
 from client.records import to_record
 from client.recovery import SelfMask, remember, self_mask_upload
-from client.recovery_ledger import charge_spec
+from client.recovery_ledger import Kept, charge_spec, gone, int_keys, top_event
 from protocols.arrays import flatten, unflatten
 from protocols.floor import FloorViolation, NadpFloor, at_least, nadp_floor
 from protocols.graphs import roster_round_of
 from protocols.nadp import nadp_upload
+from protocols.nadp_recovery import excluded_uplink_std, noise_after, survivor_uplink_stds
 from protocols.pairwise import pairwise_noise
 from protocols.prg import gaussian
-from protocols.privacy import GaussianEvent
+from protocols.privacy import Event, GaussianEvent
 from protocols.schedule import roster_releases
 from protocols.wire.common import TrainIns
 from protocols.wire.keys import probe_metric
 from protocols.wire.nadp import NadpPlan
+from protocols.wire.recovery import RecoveryRequest
 
 PAIR_PURPOSE = "nadp-counteract"
 
@@ -136,7 +138,7 @@ def noise_parts(msg: Message, env: ClientEnv, plan: NadpPlan, size: int) -> Nois
     mask = self_mask_upload(msg, env, size, alloc.uplink_std(me, fl.lam), graph)
     # Revealed for a neighbour only if it drops out after this upload (client.recovery, helper D).
     up, down = releases(fl, me)
-    charge = charge_spec("nadp", sizes=plan.sizes, graph=graph or {}, scale=plan.noise_scale, uplink=up, downlink=down,
+    charge = charge_spec(sizes=plan.sizes, graph=graph or {}, scale=plan.noise_scale, uplink=up, downlink=down,
                          releases=roster_releases(env.cfg, node_identity(env).roster), lam=fl.lam)
     keep = functools.partial(remember, env, TrainIns.from_config(msg.content["config"]).round, seeds,
                              {j: stds[j] ** 2 for j in seeds}, mask_keys=mask.keys if mask else None,
@@ -177,3 +179,29 @@ def train(msg: Message, env: ClientEnv) -> Message:
     parts.keep()
     out = reply(msg, to_record(unflatten(upload, local_w)), len(env.y), **metrics)
     return mask.attach(out) if mask is not None else out
+
+
+def price_recovery(env: ClientEnv, spec: dict, store: Kept, req: RecoveryRequest
+                    ) -> tuple[Event | None, Event | None]:
+    """What answering ``req`` strips from this node's nadp round: its card's ``recovery_charge``.
+
+    (uplink, downlink) events to compose on top of the round's charge (:mod:`client.recovery_ledger`).
+    """
+    me = env.node_id
+    aggregated, _ = gone(store, req)
+    if me not in req.excluded and aggregated >= {int(n) for n in spec["sizes"]}:
+        return None, None
+    fl = nadp_floor(env.cfg, int_keys(spec["sizes"]), me, {int(k): list(v) for k, v in spec["graph"].items()},
+                    float(spec["scale"]), int(spec["releases"]))
+    alloc = fl.allocation
+    assert alloc is not None  # record-ldp keeps no pair material
+    lam = float(spec["lam"])  # the upload's own (its colluders counted in the roster neighbourhood)
+    survivors = sorted(aggregated & set(alloc.client_ids))
+    if me in req.excluded:  # held, not aggregated: its neighbours reveal its pairs
+        std = excluded_uplink_std(alloc, lam, me, store.masked)
+        return top_event(spec["uplink"], std / fl.sensitivity), None
+    joint, _ = survivor_uplink_stds(alloc, lam, survivors, True)
+    total, _ = noise_after(alloc, lam, survivors, kept=())
+    w_s = math.fsum(alloc.weights[n] for n in survivors)
+    down = total * w_s / (alloc.weights[me] * fl.sensitivity)  # a record of me moves the mean by p_i Delta_i / P_S
+    return top_event(spec["uplink"], joint[me] / fl.sensitivity), top_event(spec.get("downlink"), down)

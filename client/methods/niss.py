@@ -29,7 +29,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from logging import WARNING
 
@@ -43,7 +43,7 @@ from client.identity import node_identity
 from client.pairwise_phase import checked_pair_seeds, mask_probe
 from client.records import to_record
 from client.recovery import remember, seal_self_mask
-from client.recovery_ledger import charge_spec
+from client.recovery_ledger import Kept, charge_spec, gone, int_keys, top_event
 from protocols import niss as niss_math
 from protocols.arrays import flatten, unflatten
 from protocols.clipping import clip_l2
@@ -58,7 +58,8 @@ from protocols.niss import (
     sizes_digest,
     upload_sensitivity,
 )
-from protocols.privacy import GaussianEvent
+from protocols.niss_joint import recovered_multiplier
+from protocols.privacy import Event, GaussianEvent
 from protocols.relay_crypto import RelayAuthError, make_aad, open_sealed, seal
 from protocols.schedule import roster_releases
 from protocols.task.models import get_weights
@@ -75,7 +76,7 @@ from protocols.wire.niss import (
     ShareRequest,
     diagnostics_allowed,
 )
-from protocols.wire.recovery import NissPairMaterial
+from protocols.wire.recovery import NissPairMaterial, RecoveryRequest
 
 STATE_KEY = "cancelfl-niss"
 RELAY_PURPOSE = "niss-relay-key"
@@ -439,7 +440,7 @@ def train(msg: Message, env: ClientEnv) -> Message:
     charged = GaussianEvent(0.0 if diagnostic else z)
     spent = release(msg, env, charged)
     view = json.loads(st.view)
-    charge = charge_spec("niss", uplink=charged, z=client_multiplier(env.cfg, view.get("releases")), scale=st.scale,
+    charge = charge_spec(uplink=charged, z=client_multiplier(env.cfg, view.get("releases")), scale=st.scale,
                          tau=tau, rho=env.cfg.niss_rho, **{k: view.get(k, {}) for k in ("sigmas", "graph", "degrees")})
     # Kept for recovery only once charged: a refused release leaves the previous round's material in place.
     remember(env, rnd, *_recovery_material(st, incoming, partials, size, tau, private, probe_fn),
@@ -450,3 +451,28 @@ def train(msg: Message, env: ClientEnv) -> Message:
         Diagnostic(to_record(unflatten(st.weight * params, global_w), np.float64)).add_to(out.content)
     _answer_ahead(msg, env, out)  # after this round's secrets are gone from Context.state
     return mask.attach(out) if mask is not None else out
+
+
+def price_recovery(env: ClientEnv, spec: dict, store: Kept, req: RecoveryRequest) -> tuple[Event | None, None]:
+    """What answering ``req`` strips from this node's niss round: its card's ``recovery_charge``.
+
+    (uplink, downlink) events to compose on top of the round's charge (:mod:`client.recovery_ledger`).
+    """
+    me = env.node_id
+    graph: dict[int, Sequence[int]] = {int(k): list(v) for k, v in spec["graph"].items()}
+    aggregated, gone_peers = gone(store, req)
+    survivors = sorted(aggregated & set(graph))
+    if me in req.excluded or len(survivors) == len(graph):
+        return None, None
+    sigmas = {n: float(v) for n, v in int_keys(spec["sigmas"]).items() if n in aggregated}
+    alive = set(survivors)
+    # Every other survivor reveals its own shares with the gone (the least noise it can keep); this node's own:
+    # all of them but those it keeps (no self-mask and no neighbour left: client.recovery.answer).
+    kept = {n: sigmas[n] ** 2 / len(graph[n]) * sum(j in alive for j in graph[n]) for n in survivors}
+    left = math.fsum(v for p, v in store.noise.items() if p not in gone_peers)
+    strip = not store.masked and sum(store.noise.values()) > 0 and left <= 0
+    kept[me] = sigmas[me] ** 2 - (0.0 if strip else math.fsum(store.noise[p] for p in gone_peers))
+    scale = float(spec["scale"])
+    real = recovered_multiplier(float(spec["z"]), sigmas, {n: s / scale for n, s in sigmas.items()}, graph, kept,
+                                float(spec["tau"]), rho=float(spec["rho"]), degrees=int_keys(spec["degrees"]))
+    return top_event(spec["uplink"], real), None

@@ -67,6 +67,7 @@ register(MethodSpec("mpddp", "strategies.mpddp:MpddpStrategy", "client.methods.m
                     queries={"keys": KEYS, "consistency": CONSISTENCY, "recover": RECOVER},
                     paper="MP_Server + DDP_Client", options=(PairwiseOptions, MpddpOptions), **_FAMILY,
                     privacy=Guarantee("record", None, MODEL_GIVEN_R), min_per_round=2,
+                    recovery_charge="client.methods.mpddp:price_recovery",
                     audit="server.audits.mpddp:MpddpAudit"))
 register(MethodSpec("mpdp-naive", "strategies.mpddp:MpdpNaiveStrategy", "client.methods.mpddp:train",
                     paper="MP_Server + DDP_Client (ablation)", privacy=Guarantee("record", None, MODEL_GIVEN_R),

@@ -44,6 +44,7 @@ register(MethodSpec("nadp", "strategies.nadp:NadpStrategy", "client.methods.nadp
                     queries={"keys": KEYS, "consistency": CONSISTENCY, "recover": RECOVER}, family="pairwise", paper="NADP-FL",
                     options=(PairwiseOptions, NadpOptions), regime=RECORD_STEP,
                     privacy=Guarantee("record", SERVER_NO_COLLUSION, MODEL), min_per_round=2, sparse_graph=True,
+                    recovery_charge="client.methods.nadp:price_recovery",
                     audit="server.audits.nadp:NadpAudit"))
 # The NADP paper's LDP-FL comparator (Lemma 3): NADP's training and sensitivity, no cancellation.
 register_variant("nadp-record-ldp", "nadp", {"nadp-variant": "record-ldp"})

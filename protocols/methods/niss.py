@@ -34,4 +34,5 @@ register(MethodSpec("niss", "strategies.niss:NissStrategy", "client.methods.niss
                              "recover": RECOVER},
                     family="pairwise", paper="NISS", options=(PairwiseOptions, NissOptions), regime=RECORD_STEP,
                     privacy=Guarantee("record", SERVER_NISS, MODEL, SERVER_NISS_ALONE), units=PRIVACY_UNITS, min_per_round=2,
-                    sparse_graph=True, audit="server.audits.niss:NissAudit"))
+                    sparse_graph=True, recovery_charge="client.methods.niss:price_recovery",
+                    audit="server.audits.niss:NissAudit"))

@@ -88,6 +88,9 @@ class MethodSpec:
         audit: its privacy-audit adapter (a :class:`server.audit_adapter.AuditAdapter` subclass or instance, usually
             ``"server.audits.<method>:<Adapter>"``): which release it drives, its canaries and planted faults;
             ``None`` = ``cancelfl audit`` refuses it as not auditable.
+        recovery_charge: what a dropout recovery strips from one of its rounds, priced on the client before it
+            answers (``fn(env, spec, kept, request) -> (uplink, downlink)`` events composed on top of the round's
+            charge; :mod:`client.recovery_ledger`); ``None`` = its recovery reveals nothing its ledger has not charged.
         reference: the arm the benchmarks measure the others against (time and bytes ratios, accuracy gaps, the
             warm-up run); exactly one registered method sets it (:func:`protocols.methods.reference_method`).
     """
@@ -108,6 +111,7 @@ class MethodSpec:
     floor_exempt: tuple[str, ...] = ()
     local_services: Callable[[Any], int] | None = None
     audit: str | Any | None = None
+    recovery_charge: str | Callable | None = None
     reference: bool = False
 
     def __post_init__(self) -> None:
