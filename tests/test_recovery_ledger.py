@@ -134,7 +134,6 @@ def test_a_recovery_past_the_lifetime_budget_is_refused(pinned):
     assert not rep.refused, rep.refused
 
 
-
 def _spend_run_to(grid, node: int, target: float) -> None:
     """Charge ``node``'s current run (not a new round) until its ``uplink/record`` epsilon is just below ``target``."""
     env = ClientEnv.from_context(grid.contexts[node])
