@@ -26,6 +26,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from client.env import ClientEnv
+from client.floor import policy
 from client.identity import node_identity
 from client.pairwise_phase import pair_seeds, participants_of, roster_round_of
 from client.recovery_ledger import charge_recovery
@@ -185,6 +186,20 @@ class SelfMask:
         return out
 
 
+def check_unmasked(env: ClientEnv) -> None:
+    """Refuse a round without double masking (``self-mask = false``) on a node whose policy asks for a guarantee.
+
+    Without a self-mask, a server that holds this node's upload and names it dropped or excluded has its neighbours
+    reveal every pair seed with it: the upload keeps only its independent noise (nadp's residual, niss's
+    distortion: none at ``tau = 0``), far below the joint view its ledger charged, and no answer of this node's
+    tops the ledger up (docs/robustness.md).  Raises :class:`FloorViolation`.
+    """
+    if policy(env).wants_guarantee:
+        raise FloorViolation("self-mask", False, True, "without double masking a server holding this node's upload "
+                             "can have its neighbours strip all its pair noise, which its ledger cannot charge; this "
+                             "node's 'max-epsilon-per-run' / 'lifetime-epsilon' asks for a guarantee")
+
+
 def self_mask_upload(msg: Message, env: ClientEnv, size: int, std: float,
                      graph: dict[int, list[int]] | None = None) -> SelfMask | None:
     """A fresh self-mask ``N(0, std^2)`` for this round's upload, its seed shared t-of-n among the neighbours.
@@ -194,6 +209,7 @@ def self_mask_upload(msg: Message, env: ClientEnv, size: int, std: float,
     sealed under a pair key (purpose :data:`protocols.masking.SHARE_PURPOSE`) bound to the round's view.
     """
     if not env.cfg.self_mask:
+        check_unmasked(env)
         return None
     keys = pair_seeds(msg, env, purpose=SHARE_PURPOSE, graph=graph)
     return seal_self_mask(keys, TrainIns.from_config(msg.content["config"]).round, env, size, std)

@@ -66,11 +66,18 @@ def register_supernodes(flwr: Path, env: Mapping[str, str], connection: str, pub
     ``flwr``: the ``flwr`` command; ``env``: its environment (``FLWR_HOME`` holding ``connection``).
 
     Raises:
-        RuntimeError: a registration failed (naming the node and Flower's output).
+        RuntimeError: a registration failed (naming the node and Flower's output), or ``flwr`` could not be run.
     """
-    procs = {name: subprocess.Popen([str(flwr), "supernode", "register", str(pub), connection, "--name", name],
-                                    env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for name, pub in public_keys.items()}
+    procs: dict[str, subprocess.Popen[str]] = {}
+    try:
+        for name, pub in public_keys.items():
+            procs[name] = subprocess.Popen([str(flwr), "supernode", "register", str(pub), connection, "--name", name],
+                                           env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    except OSError as err:  # e.g. no flwr command: the registrations already started are stopped, not left behind
+        for proc in procs.values():
+            proc.kill()
+            proc.communicate()
+        raise RuntimeError(f"cannot run `{flwr} supernode register`: {err}") from err
     failed = []
     for name, proc in procs.items():
         try:

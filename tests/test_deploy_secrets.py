@@ -170,3 +170,31 @@ def test_compose_superlink_admits_only_registered_supernodes():
     assert "supernodes-registered" in " ".join(services["superlink"]["healthcheck"]["test"])
     for i in range(3):
         assert "--auth-supernode-private-key=/identity/node.auth" in services[f"supernode-{i}"]["command"]
+
+
+def test_a_registration_that_cannot_start_stops_the_ones_already_running(tmp_path, monkeypatch):
+    """``flwr supernode register`` missing or failing to start for one node: the others are stopped, a RuntimeError."""
+    import subprocess
+
+    from server import node_auth
+
+    started = []
+
+    class Proc:
+        def __init__(self, args, **_kw):
+            if len(started) == 1:
+                raise FileNotFoundError(2, "No such file or directory", args[0])
+            self.killed = self.waited = False
+            started.append(self)
+
+        def kill(self):
+            self.killed = True
+
+        def communicate(self, timeout=None):
+            self.waited = True
+            return "", None
+
+    monkeypatch.setattr(subprocess, "Popen", Proc)
+    with pytest.raises(RuntimeError, match="supernode register"):
+        node_auth.register_supernodes(tmp_path / "flwr", {}, "local", {"node-0": tmp_path / "a", "node-1": tmp_path / "b"})
+    assert len(started) == 1 and started[0].killed and started[0].waited

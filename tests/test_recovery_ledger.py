@@ -12,19 +12,29 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
+from flwr.app import ConfigRecord
 
+from client.app import app as client_app
 from client.env import ClientEnv
 from client.ledger import ClientLedger, ledger_dir
+from client.records import to_record
+from protocols.config import RunConfig
 from protocols.masking import mask_threshold
 from protocols.nadp_recovery import survivor_uplink_stds
 from protocols.privacy import GaussianEvent, GdpAccountant
 from protocols.privacy.budget import RoundBudget
+from protocols.task.models import build_model, get_weights
+from server.defaults import app_defaults
+from server.local_grid import LocalGrid
+from strategies.nadp import NadpStrategy
+from strategies.niss import NissStrategy
 from strategies.run.budget import BudgetGuard
 from strategies.run.checkpoint import LEDGER_DIR
 from tests import test_masking
-from tests.consistency_setup import sign_and_recover
-from tests.test_masking import _forwarded, _round
+from tests.consistency_setup import recover, sign_and_recover
+from tests.test_masking import NADP_FAST, _forwarded, _round
 
 pinned = test_masking.pinned  # the fixture: deterministic residual seeds
 DELTA = 1e-5
@@ -124,7 +134,6 @@ def test_a_recovery_past_the_lifetime_budget_is_refused(pinned):
     assert not rep.refused, rep.refused
 
 
-
 def _spend_run_to(grid, node: int, target: float) -> None:
     """Charge ``node``'s current run (not a new round) until its ``uplink/record`` epsilon is just below ``target``."""
     env = ClientEnv.from_context(grid.contexts[node])
@@ -154,3 +163,47 @@ def test_a_recovery_past_the_per_run_budget_is_refused(pinned):
     _spend_run_to(grid, k, cap * 0.999)
     rep = _ask(grid, replies, graph, k, list(graph), [])
     assert not rep.refused, rep.refused
+
+
+
+# ----------------------------------------------------------------------------------- without double masking
+def _unmasked_round(n: int, node_config: dict | None = None):
+    """Round 1 of ``n`` real nadp clients with ``self-mask = false`` (``node_config``: every node's)."""
+    raw = {**app_defaults(), "method": "nadp", "num-clients": n, **NADP_FAST, "hidden": "32", "self-mask": False}
+    cfg = RunConfig.from_mapping(raw)
+    grid, strategy = LocalGrid(client_app, n, raw, node_config=node_config), NadpStrategy(cfg)
+    arrays = to_record(get_weights(build_model(cfg.model, (1, 8, 8), 10, cfg.hidden_sizes, cfg.seed)), np.float64)
+    msgs = list(strategy.configure_train(1, arrays, ConfigRecord({"round": 1}), grid))
+    return grid, strategy, msgs, {r.metadata.src_node_id: r for r in grid.send_and_receive(msgs)}
+
+
+def test_without_double_masking_an_excluded_upload_loses_its_pair_noise_unless_the_node_refuses(pinned, tmp_path):
+    """``self-mask = false``: naming k excluded has every neighbour reveal its pair seed with k (k is not asked).
+
+    k's held upload keeps its residual alone (multiplier 7.1 here against the 22.2 its ledger charged: epsilon
+    0.50 against 0.14), and no answer of k's tops its ledger up.  A node whose policy asks for a guarantee
+    refuses such a round before anything leaves it (nadp in the train phase; niss in the share phase).
+    """
+    grid, strategy, msgs, _replies = _unmasked_round(10)
+    st = strategy._state
+    graph, k = st.keys.neighbours, msgs[0].metadata.dst_node_id
+    for j in graph[k]:
+        rep = recover(grid, j, list(graph), [], excluded=[k])
+        assert not rep.refused and k in rep.peers  # the pair seed with k goes out
+    left = st.allocation.residual_std[k] / st.weights[k] / st.sensitivity[k]
+    (charged,) = _ledger(grid, k).accounts["uplink/record"].rdp.events
+    assert left < 0.5 * charged.noise_multiplier  # the ledger charged three times the noise left
+    _grid, _strategy, _msgs, replies = _unmasked_round(10, {"ledger-dir": str(tmp_path), "lifetime-epsilon": 50.0})
+    assert replies and all(r.has_error() and "self-mask" in r.error.reason for r in replies.values())
+
+
+def test_a_niss_node_asking_for_a_guarantee_refuses_the_share_phase_without_double_masking(monkeypatch, tmp_path):
+    from tests.niss_setup import FAST
+    from tests.test_niss_joint import _share_phase_errors
+
+    raw = {**app_defaults(), **FAST, "num-clients": 4, "self-mask": False}
+    cfg = RunConfig.from_mapping(raw)
+    grid = LocalGrid(client_app, 4, raw, node_config={"ledger-dir": str(tmp_path), "max-epsilon-per-run": 10.0})
+    model = build_model(cfg.model, (1, 8, 8), 10, cfg.hidden_sizes, cfg.seed)
+    errors = _share_phase_errors(monkeypatch, grid, NissStrategy(cfg), to_record(get_weights(model), np.float64))
+    assert errors and all("self-mask" in e for e in errors)

@@ -42,7 +42,7 @@ from client.floor import FloorViolation, check_new_round, policy, release
 from client.identity import node_identity
 from client.pairwise_phase import checked_pair_seeds, mask_probe
 from client.records import to_record
-from client.recovery import remember, seal_self_mask
+from client.recovery import check_unmasked, remember, seal_self_mask
 from client.recovery_ledger import Kept, charge_spec, gone, int_keys, top_event
 from protocols import niss as niss_math
 from protocols.arrays import flatten, unflatten
@@ -237,6 +237,8 @@ def answer_shares(rec: ConfigRecord, env: ClientEnv) -> ShareReply:
     if tau == 0 and policy(env).wants_guarantee:
         raise FloorViolation("niss-tau", tau, "> 0", "with tau = 0 the sum of the uploads is noiseless: no guarantee "
                              "against the server, which this node requires")
+    if not env.cfg.self_mask:
+        check_unmasked(env)
     # The sizes (hence every p_k) are part of the view: shown other sizes, a client derives relay keys no peer shares.
     # Double masking: keys sealing this round's self-mask shares (sent with the upload, client.recovery).
     purposes = (RELAY_PURPOSE, SHARE_PURPOSE) if env.cfg.self_mask else (RELAY_PURPOSE,)
