@@ -105,8 +105,7 @@ def run(args: argparse.Namespace) -> int:
         elif args.keys_command == "auth":
             from server.node_auth import make_auth_keys
 
-            for name in args.node:
-                private, public = make_auth_keys(Path(args.out), [name], force=args.force)[name]
+            for name, (private, public) in make_auth_keys(Path(args.out), args.node, force=args.force).items():
                 print(f"{name}: SuperNode key {private} (--auth-supernode-private-key), public key {public}")
         else:
             out = build_roster(Path(args.out), [Path(p) for p in args.pub])

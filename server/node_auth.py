@@ -38,12 +38,13 @@ def make_auth_keys(folder: Path, names: Sequence[str], *, force: bool = True) ->
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    out: dict[str, tuple[Path, Path]] = {}
-    for name in names:
+    for name in names:  # every name checked before any key is written: all or nothing
         if not name or "/" in name or name.startswith("."):
             raise ValueError(f"node name {name!r} cannot be a file name")
         if not force and any((folder / f"{name}{ext}").exists() for ext in (".auth", ".auth-pub")):
             raise FileExistsError(f"{folder / name}.auth exists already (use --force to replace it)")
+    out: dict[str, tuple[Path, Path]] = {}
+    for name in names:
         key = ec.generate_private_key(ec.SECP384R1())
         private = write_private(folder / f"{name}.auth", key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()))

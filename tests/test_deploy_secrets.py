@@ -159,6 +159,9 @@ def test_supernode_auth_keys_are_what_flower_reads_and_owner_only(tmp_path, caps
     before = private.read_bytes()
     assert main(["keys", "auth", "--out", str(tmp_path), "--node", "node-0"]) == 2
     assert private.read_bytes() == before and "--force" in capsys.readouterr().err
+    # several nodes, one of them existing: nothing is written (no partial set of keys)
+    assert main(["keys", "auth", "--out", str(tmp_path), "--node", "node-1", "--node", "node-0"]) == 2
+    assert not (tmp_path / "node-1.auth").exists() and private.read_bytes() == before
 
 
 def test_compose_superlink_admits_only_registered_supernodes():
