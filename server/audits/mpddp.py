@@ -147,7 +147,7 @@ class MpAudit(AuditAdapter):
     #: On the model given R (the uploads claim nothing), 64 releases of 4 x 500 canaries: at epsilon 4 the halved
     #: noise is caught; at epsilon 1 (about 2 with the noise halved) 128 releases still prove less than 1 (the
     #: statistic is fitted within each release), so the row starts at epsilon 4.
-    self_tests = (SelfTest(HALVE_NOISE, 128_000, "model", min_epsilon=4.0),)
+    self_tests = (SelfTest(HALVE_NOISE, 256_000, "model", min_epsilon=4.0),)
 
     def plant_canaries(self, spec: AuditSpec) -> contextlib.AbstractContextManager:
         """Model view: the white-box canary triples (module docstring); upload view: the records as they are."""

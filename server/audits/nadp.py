@@ -68,7 +68,7 @@ class NadpAudit(AuditAdapter):
     })
     #: Client faults self-tested on the uploads: every std halved (4 x 500 canaries a release), one client without
     #: its pair noise (its 500 canaries a release are audited).
-    self_tests = (SelfTest(HALVE_NOISE, 64_000), SelfTest(SKIP_PAIR_NOISE, 64_000))
+    self_tests = (SelfTest(HALVE_NOISE, 128_000), SelfTest(SKIP_PAIR_NOISE, 256_000))
 
     def upload_view(self, rel: ReleaseView):
         spec = rel.spec
