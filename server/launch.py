@@ -212,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     dep.add_argument("--supernodes", type=_positive_int, default=None,
                      help="number of SuperNodes = num-clients (default: run-config num-clients if set, else 4)")
     dep.add_argument("--run-config", default="", help="run-config keys, as for run (below)")
-    dep.add_argument("--tls", action="store_true", help="TLS between SuperNodes and SuperLink (self-signed CA)")
+    dep.add_argument("--tls", action="store_true",
+                     help="TLS between SuperNodes and SuperLink (self-signed CA), with SuperNode authentication: "
+                          "only the nodes whose keys it registered join")
     for p in (run, dep):
         p.add_argument("--resume", metavar="OUT", default=None,
                        help="continue the crashed run in folder OUT from its last completed round (same run config)")

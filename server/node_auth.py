@@ -30,6 +30,8 @@ SUPERLINK_FLAG = "--enable-supernode-auth"
 def make_auth_keys(folder: Path, names: Sequence[str], *, force: bool = True) -> dict[str, tuple[Path, Path]]:
     """One fresh P-384 key pair per name: ``<folder>/<name>.auth`` (private, 0600) and ``<name>.auth-pub``.
 
+    The public file is one OpenSSH line (``ecdsa-sha2-nistp384 ...``, newline-terminated as ``ssh-keygen`` writes it).
+
     Returns name -> (private key file, public key file).
 
     Raises:
@@ -50,7 +52,7 @@ def make_auth_keys(folder: Path, names: Sequence[str], *, force: bool = True) ->
             serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()))
         public = folder / f"{name}.auth-pub"
         public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
-                                                         serialization.PublicFormat.OpenSSH))
+                                                         serialization.PublicFormat.OpenSSH) + b"\n")
         out[name] = (private, public)
     return out
 

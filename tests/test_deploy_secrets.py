@@ -155,6 +155,8 @@ def test_supernode_auth_keys_are_what_flower_reads_and_owner_only(tmp_path, caps
     key = load_ssh_private_key(private.read_bytes(), None)  # as flower-supernode --auth-supernode-private-key
     assert isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp384r1"
     assert load_ssh_public_key(public.read_bytes()).public_numbers() == key.public_key().public_numbers()
+    line = public.read_text()  # one OpenSSH line, newline-terminated as ssh-keygen writes it
+    assert line.startswith("ecdsa-sha2-nistp384 ") and line.endswith("\n") and line.count("\n") == 1
     assert _mode(private) == 0o600
     before = private.read_bytes()
     assert main(["keys", "auth", "--out", str(tmp_path), "--node", "node-0"]) == 2
