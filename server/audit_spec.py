@@ -76,12 +76,16 @@ def federation(method: str, direction: str = "upload", canary: str | None = None
                fault: str | None = None) -> dict[str, int]:
     """Default ``trials``, ``clients`` and ``per_client`` of an audit of ``method`` (its adapter's choice).
 
-    ``canary`` None: the one ``fault`` is audited with (:func:`default_canary`).
+    ``canary`` None: the one ``fault`` is audited with (:func:`default_canary`).  A ``fault`` with a self-test row
+    that sets its trials (:class:`server.audit_faults.SelfTest`) is audited with those, the count
+    ``cancelfl-bench audit`` checks it is caught with.
     """
     adapter = audit_adapter(method)
     canary = canary if canary is not None else default_canary(method, fault)
     secret = given_secret or (direction == "model" and adapter.secret_view)
-    return adapter.federation(direction, canary, given_secret=True) if secret else adapter.federation(direction, canary)
+    out = adapter.federation(direction, canary, given_secret=True) if secret else adapter.federation(direction, canary)
+    own = next((t.trials for t in adapter.self_tests if t.fault == fault and t.trials), None) if fault else None
+    return {**out, "trials": own} if own else out
 
 
 def default_canary(method: str, fault: str | None = None) -> str:

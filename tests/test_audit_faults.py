@@ -73,3 +73,13 @@ def test_mp_halve_noise_halves_the_clients_eta_and_deltas_and_leaves_the_secret_
         eta_f, delta_f, w_hat_f = draws()
     assert eta_f == pytest.approx(eta / 2, rel=0.05) and delta_f == pytest.approx(delta / 2, rel=0.05)
     assert torch.equal(w_hat, w_hat_f)  # the secret R and W-hat: the same draw from the same seed
+
+
+def test_cancelfl_audit_with_a_fault_uses_its_self_tests_trials():
+    """``cancelfl audit --fault F`` audits with the canaries its self-test row is known to catch the fault with."""
+    from server.audit_spec import audit_adapter, federation
+
+    for method in ("cdp", "nadp"):
+        for t in audit_adapter(method).self_tests:
+            assert t.trials and federation(method, t.view, fault=t.fault)["trials"] == t.trials
+    assert federation("cdp", "model")["trials"] != federation("cdp", "model", fault="halve-noise")["trials"]
