@@ -63,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epsilon", type=float, default=d.epsilon,
                    help=f"the run's privacy target; its one-round epsilon is the claim audited (default: {d.epsilon})")
     p.add_argument("--trials", type=int, default=None,
-                   help=f"canary records over all releases (default: the method's own, most {d.trials:,})")
+                   help=f"canary records over all releases (default: the method's own, most {d.trials:,}; with "
+                        "--fault, its self-test's)")
     p.add_argument("--canary", choices=CANARIES, default=None,
                    help="gradient: canaries with large gradients; adaptive: canaries that move a noise scale "
                         "computed from the data (default: the method's own, most gradient)")
