@@ -76,6 +76,46 @@ def test_survivors_ledgers_hold_the_servers_charge_after_dropouts(run_inprocess,
     assert checked >= 6  # six clients uploaded in both rounds, each with one or two accounts
 
 
+def _client_above_server(path_dir, server, delta: float, seed: int) -> list[tuple[str, str, float, float]]:
+    """(ledger, account, client RDP epsilon, server's unit epsilon) wherever a client's ledger is above the server's."""
+    figures = {name: acc for name, acc in server.accounts() if name in ("uplink", "downlink")}
+    out = []
+    for path in sorted(path_dir.glob("client-*.json")):
+        led = ClientLedger(path, json.loads(path.read_text()))
+        node = (int(path.stem.split("-")[1]) + seed) * 1000003  # LocalGrid's node ids
+        for name, acc in figures.items():
+            key = f"{name}/record"
+            if key in led.accounts and node in acc.units:
+                mine, theirs = led.accounts[key].rdp.epsilon(delta), acc.unit(node).epsilon(delta)
+                if mine > theirs * (1 + 1e-9) + 1e-12:
+                    out.append((path.name, key, mine, theirs))
+    return out
+
+
+@pytest.mark.xfail(strict=True, reason="a round that fails after its unmasking answers went out (self-masks cannot "
+                   "be removed): the answering clients charged the recovery's top-up, the server's account stage "
+                   "never runs for it (strategies/stages.close_round), so its ledger and budget guard miss the charge")
+@pytest.mark.parametrize("method", ["nadp", "niss"])
+def test_a_recovery_that_fails_after_its_answers_is_charged_on_both_ends(run_inprocess, tmp_path, monkeypatch, method):
+    """n-out graph, 10 % dropping: round 6's unmasking fails after answers; the server must charge what they strip.
+
+    Measured: nadp client-5 downlink RDP 1.0063 (server 0.986), niss client-7 uplink 1.0017 (server 0.971).
+    """
+    import strategies.registry as registry
+
+    built = []
+    build = registry.build_strategy
+    monkeypatch.setattr(registry, "build_strategy", lambda cfg: built.append(build(cfg)) or built[-1])
+    extra = {"local-epochs": 1, "batch-size": 1000, "lr": 4.0, "clip": 1.0, "hidden": ""} if method == "nadp" else {}
+    summary, rows = run_inprocess(method=method, **extra, num_clients=10, num_rounds=6, seed=2, epsilon=1.0,
+                                  fault_drop_rate=0.1, graph="n-out", n_out=2, dataset="digits", train_subset=600,
+                                  test_subset=200)
+    assert any("self-masks cannot be removed" in f for f in summary["failed_rounds"]), summary["failed_rounds"]
+    assert summary["epsilon"] <= 1.0
+    above = _client_above_server(tmp_path / "run" / LEDGER_DIR, built[-1].privacy, summary["config"]["delta"], 2)
+    assert above == [], above
+
+
 # ----------------------------------------------------------------------------------- the targeted lie
 def _ledger(grid, node: int) -> ClientLedger:
     env = ClientEnv.from_context(grid.contexts[node])
