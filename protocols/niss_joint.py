@@ -368,6 +368,17 @@ def survivor_factors(sigmas: Mapping[int, float], charged: Mapping[int, float], 
         return dict.fromkeys(kept, 0.0)
 
 
+def revealed_kept(sigmas: Mapping[int, float], graph: Mapping[int, Sequence[int]]) -> dict[int, float]:
+    """Per survivor, the variance of its own shares left when it reveals every share it sent to a gone neighbour.
+
+    Survivors are the keys of ``sigmas``; each keeps ``sigma_k^2 / d_k`` per surviving neighbour of its ``d_k``:
+    the least noise a recovery of that outcome leaves; :func:`recovered_multiplier`'s ``kept`` where a charge is
+    priced before the answers are known (a client's ledger, a recovery that failed after some answers).
+    """
+    alive = set(sigmas)
+    return {n: sigmas[n] ** 2 / len(graph[n]) * sum(j in alive for j in graph[n]) for n in sigmas}
+
+
 def recovered_multiplier(z: float, sigmas: Mapping[int, float], charged: Mapping[int, float],
                          graph: Mapping[int, Sequence[int]], kept: Mapping[int, float], tau: float, rho: float = 0.0,
                          degrees: Mapping[int, int] | None = None) -> float:

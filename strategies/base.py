@@ -326,6 +326,9 @@ class CancelStrategy(Strategy):
         Runs once the aggregate stage has started (``st.aggregating``), also when it failed.
         """
 
+    def account_revealed(self, st: RoundState) -> None:
+        """Charge the uploads what a failed recovery's answers strip (``st.failed_recovery``); default: nothing."""
+
     def weight_of(self, reply: Message) -> float:
         """Aggregation weight of one reply (default: its number of examples)."""
         return float(num_examples(reply.content["metrics"]))

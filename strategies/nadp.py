@@ -281,6 +281,16 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
         if survivors is not None and set(survivors) != set(st.participants):
             top_up(self.privacy, self._planned_charge, self._round_charge(st, survivors))
 
+    def account_revealed(self, st: NadpRound) -> None:
+        """A failed recovery's revealed pairs, charged to the uploads as if it had completed.
+
+        The answering clients priced the same outcome; no model is published, so nothing for it.
+        """
+        out = st.failed_recovery
+        st.recovery, st.survivors = out, list(out.survivors)
+        top_up(self.privacy, self._planned_charge, self._round_charge(st, st.survivors),
+               accounts=("uplink", "uplink_marginal"))
+
     def _round_charge(self, st: NadpRound, survivors: list[int]) -> PrivacyLedger:
         """The round's charge alone (:meth:`_compose` into empty accountants parallel to ``self.privacy``)."""
         ledger, self.privacy = self.privacy, empty_like(self.privacy)

@@ -36,7 +36,7 @@ from protocols.arrays import flatten, unflatten
 from protocols.config import RunConfig
 from protocols.methods import NO_COLLUDER
 from protocols.niss import ShareBundle, client_multiplier, client_tau, downlink_multiplier
-from protocols.niss_joint import recovered_multiplier
+from protocols.niss_joint import recovered_multiplier, revealed_kept
 from protocols.privacy import (
     GaussianEvent,
     PerUnitAccountant,
@@ -266,6 +266,25 @@ class NissStrategy(SharePhase, PairwiseRecovery, CancelStrategy):
         self.report_recovery(state, missing)
         return to_record(agg, self.wire_dtype)
 
+    def account_revealed(self, state: NissRound) -> None:
+        """A failed recovery's revealed shares, charged to the uploads as if every survivor had revealed them.
+
+        As each answering client's ledger priced it (:func:`protocols.niss_joint.revealed_kept`).
+        """
+        keep = set(state.failed_recovery.survivors)
+        sigmas = {n: NissMetrics.from_metrics(r.content["metrics"]).sigma for n, r in state.replies.items()
+                  if n in keep and "metrics" in r.content}
+        if not sigmas:
+            return
+        graph = state.keys.neighbours
+        kept = revealed_kept(sigmas, graph)
+        charged = {n: s / state.noise_scale for n, s in sigmas.items()}
+        z_real = recovered_multiplier(self.z, sigmas, charged, graph, kept, state.tau, rho=self.cfg.niss_rho,
+                                      degrees=state.keys.roster_degrees())
+        z_open = max(recovered_multiplier(self.z, sigmas, charged, graph, kept, state.tau), z_real)
+        state.noise_left = (z_real, 0.0, z_open)
+        self.account(state, published=False)
+
     # -------------------------------------------------------------- recovery
     def pair_neighbours(self, state: NissRound) -> dict[int, list[int]]:
         """The share graph of the round (who exchanged shares with whom)."""
@@ -431,8 +450,11 @@ class NissStrategy(SharePhase, PairwiseRecovery, CancelStrategy):
         claim = self.z * self.noise_scale
         return {n: max(state.open_multipliers.get(n, claim), claim) for n in state.participants}
 
-    def account(self, state: NissRound) -> None:
-        """Account stage: after a recovery, the shortfall of the noise really left against the planned release."""
+    def account(self, state: NissRound, *, published: bool = True) -> None:
+        """Account stage: after a recovery, the shortfall of the noise really left against the planned release.
+
+        ``published``: the round's model was published (else the uploads alone are charged).
+        """
         if state.noise_left is None:
             return
         z_real, real, z_open = state.noise_left
@@ -441,7 +463,7 @@ class NissStrategy(SharePhase, PairwiseRecovery, CancelStrategy):
         if (alone := self.privacy.extra.get(NO_COLLUDER)) is not None:
             for n, planned in self._open_multipliers(state).items():
                 charge_shortfall(alone, planned, z_open, units=[n])
-        if self.privacy.downlink is not None:
+        if published and self.privacy.downlink is not None:
             charge_shortfall(self.privacy.downlink, self._downlink_multiplier(state), real, units=state.participants)
 
 

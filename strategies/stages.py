@@ -73,6 +73,9 @@ class RoundState:
     #: Set by the recover stage when the round is unmasked in the next round's train messages
     #: (run-config ``unmask-next-round``): its aggregate and account stages run then.
     deferred: bool = field(default=False, kw_only=True)
+    #: A recover stage that failed after survivors revealed pair material: its outcome (what they revealed), for
+    #: :meth:`Stages.account_revealed`.
+    failed_recovery: Any = field(default=None, kw_only=True)
 
 
 class ForgetsUnresponsive(Protocol):
@@ -104,6 +107,7 @@ class Stages(Protocol):
     def record_client_spending(self, by_node: dict[int, Message]) -> None: ...
     def aggregate(self, st: RoundState) -> ArrayRecord | None: ...
     def account(self, st: RoundState) -> None: ...
+    def account_revealed(self, st: RoundState) -> None: ...
     def mean_metrics(self, replies: list[Message]) -> MetricRecord: ...
 
 
@@ -222,7 +226,12 @@ def close_round(strategy: Stages, grid: Grid | None, st: RoundState,
     """
     receive(strategy, st, replies)
     update = finish_previous(strategy, st, aggregate_stage)  # unmask-next-round: the previous round's update
-    strategy.recover(grid, st)
+    try:
+        strategy.recover(grid, st)
+    except RoundFailed:
+        if st.failed_recovery is not None:  # survivors revealed pair material: charge it, as their ledgers do
+            strategy.account_revealed(st)
+        raise
     strategy.record_client_spending(st.replies)
     metrics = strategy.mean_metrics(list(st.replies.values()))
     if st.deferred:  # this round's aggregate and account stages run with the next round's replies

@@ -58,7 +58,7 @@ from protocols.niss import (
     sizes_digest,
     upload_sensitivity,
 )
-from protocols.niss_joint import recovered_multiplier
+from protocols.niss_joint import recovered_multiplier, revealed_kept
 from protocols.privacy import Event, GaussianEvent
 from protocols.relay_crypto import RelayAuthError, make_aad, open_sealed, seal
 from protocols.schedule import roster_releases
@@ -466,11 +466,10 @@ def price_recovery(env: ClientEnv, spec: dict, store: Kept, req: RecoveryRequest
     survivors = sorted(aggregated & set(graph))
     if me in req.excluded or len(survivors) == len(graph):
         return None, None
-    sigmas = {n: float(v) for n, v in int_keys(spec["sigmas"]).items() if n in aggregated}
-    alive = set(survivors)
+    sigmas = {n: float(v) for n, v in int_keys(spec["sigmas"]).items() if n in set(survivors)}
     # Every other survivor reveals its own shares with the gone (the least noise it can keep); this node's own:
     # all of them but those it keeps (no self-mask and no neighbour left: client.recovery.answer).
-    kept = {n: sigmas[n] ** 2 / len(graph[n]) * sum(j in alive for j in graph[n]) for n in survivors}
+    kept = revealed_kept(sigmas, graph)
     left = math.fsum(v for p, v in store.noise.items() if p not in gone_peers)
     strip = not store.masked and sum(store.noise.values()) > 0 and left <= 0
     kept[me] = sigmas[me] ** 2 - (0.0 if strip else math.fsum(store.noise[p] for p in gone_peers))

@@ -24,6 +24,7 @@ holding only such releases has a precision spent so far (:func:`unit_precisions`
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
@@ -286,17 +287,21 @@ def charge_shortfall(accountant: Accountant, planned: float, real: float, **comp
         accountant.compose(event, **compose_kwargs)
 
 
-def top_up(ledger: PrivacyLedger, planned: PrivacyLedger, real: PrivacyLedger) -> None:
+def top_up(ledger: PrivacyLedger, planned: PrivacyLedger, real: PrivacyLedger,
+           accounts: Collection[str] | None = None) -> None:
     """Charge ``ledger`` what a round really cost (``real``) beyond what was composed for it (``planned``).
 
     ``planned`` and ``real`` hold only that round's releases, in accountants parallel to ``ledger``'s
     (:func:`empty_like`).  Per account (and per unit of a per-unit account) the precision ``real`` holds
     beyond ``planned`` is composed as one Gaussian release: exact for precision accounts, since they are
     additive in it; an account without a precision gets the real releases on top (an over-count).
-    A unit charged less than planned keeps the planned charge.
+    A unit charged less than planned keeps the planned charge.  ``accounts``: only these (names as
+    :meth:`PrivacyLedger.accounts` gives them; None: all).
     """
     plan, into_of = dict(planned.accounts()), dict(ledger.accounts())
     for name, acc in real.accounts():
+        if accounts is not None and name not in accounts:
+            continue
         into = into_of[name]
         before = plan.get(name)
         if isinstance(acc, PerUnitAccountant):
