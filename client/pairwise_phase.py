@@ -8,7 +8,8 @@
   (:func:`protocols.graphs.roster_round_of`: seed, public sample and graph from the roster and the round number only): the graph
   seed, every participant in the sample under its signed name, the peer list equal to this node's roster
   neighbours among the participants, at least :func:`protocols.graphs.present_floor` of them, and the roster
-  unchanged within the key epoch; it hashes the view, so clients shown different views derive no common seed.
+  unchanged within the key epoch; it hashes the view with the node's run settings
+  (:func:`protocols.identity.settings_digest`), so clients shown different views or settings derive no common seed.
 * :func:`pair_seeds` derives one 32-byte seed per neighbour with HKDF, separated by purpose, round, pair, run id
   and the round's view; it refuses (``IdentityError`` naming the node) an unknown, unsigned or wrongly signed
   peer key.  Rationale: ``docs/concepts.md`` (Key exchange).
@@ -25,7 +26,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from client.env import ClientEnv
 from client.identity import node_identity, sign_key, verify_peers
 from protocols.graphs import present_floor, present_graph, roster_round_of
-from protocols.identity import Roster, roster_digest, view_digest
+from protocols.identity import Roster, roster_digest, settings_digest, view_digest
 from protocols.keyagreement import agree_many, derive_pair_seed, generate_keypair, keypair_from_private
 from protocols.prg import gaussian
 from protocols.wire.common import TrainIns
@@ -167,7 +168,8 @@ def _checked(env: ClientEnv, pk: PeerKeys, rnd: int, *, full: bool) -> tuple[Rou
         raise ValueError(f"only {len(row)} of this node's {len(mine)} roster neighbours take part in round {rnd}; "
                          f"it needs at least {floor} (run-config 'mask-corruption-rate')")
     view = view_digest(run_id=int(env.context.run_id), round_num=rnd, key_epoch=pk.key_epoch, graph=env.cfg.graph,
-                       n_out=env.cfg.n_out, graph_seed=pk.graph_seed, participants=parts, names=names)
+                       n_out=env.cfg.n_out, graph_seed=pk.graph_seed, participants=parts, names=names,
+                       settings=settings_digest(env.cfg))
     _remember_view(env, rnd, parts, names)
     degrees = {node: len(rr.neighbours(name)) for node, name in present.items()} if full else None
     return RoundView(view, row, present_graph(rr, present) if full else None, degrees), store

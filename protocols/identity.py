@@ -11,7 +11,8 @@
   public seed, from which its sample of roster names and its pairing graph follow
   (:func:`protocols.graphs.roster_round`); nothing the server chooses enters it.
 * :func:`view_digest` hashes the round's view (run id, round, key epoch, graph rule and seed, sorted
-  participants with their roster names), which clients bind into every pair seed (:mod:`client.pairwise_phase`).
+  participants with their roster names, and the run's settings: :func:`settings_digest`), which clients bind into
+  every pair seed (:mod:`client.pairwise_phase`).
 
 Simulation only: :func:`derived_identity` and :class:`DerivedRoster` derive identities from the run's public seed,
 so anyone knowing the run config can sign as any node; deployments use ``cancelfl keys`` and node config.
@@ -23,14 +24,18 @@ import functools
 import hashlib
 import json
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from protocols.keyagreement import _lp, _u64
+
+if TYPE_CHECKING:
+    from protocols.config import RunConfig
 
 __all__ = [
     "PUBLIC_BYTES",
@@ -48,6 +53,7 @@ __all__ = [
     "key_statement",
     "verify_key",
     "view_digest",
+    "settings_digest",
     "roster_digest",
     "roster_round_seed",
 ]
@@ -61,6 +67,10 @@ _VIEW = b"cancelfl/round-view/v1"
 _ROSTER = b"cancelfl/roster/v1"
 _ROSTER_ROUND = b"cancelfl/roster-round/v1"
 _DERIVED = b"cancelfl/simulation-identity/v1"
+_SETTINGS = b"cancelfl/run-settings/v1"
+#: Run-config keys a node may see differently without changing anything a peer relies on (where it writes, reads
+#: its data from, trains on; whether the server resumes): left out of :func:`settings_digest`.
+LOCAL_KEYS = frozenset({"out-dir", "data-dir", "device", "resume"})
 
 
 class IdentityError(ValueError):
@@ -308,14 +318,35 @@ def roster_round_seed(digest: bytes, round_num: int) -> bytes:
     return hashlib.sha256(_ROSTER_ROUND + bytes(digest) + _u64(round_num, "round_num")).digest()
 
 
+def settings_digest(cfg: RunConfig) -> bytes:
+    """SHA-256 of the run's settings as this node holds them.
+
+    Every run-config key but :data:`LOCAL_KEYS`, and the options of the run's method (not those of other
+    installed methods).
+
+    A client's floor assumes that its neighbours calibrate their noise from the same settings (epsilon, rounds,
+    clip, ``niss-tau``, ``niss-rho``, ...): a server that sent them others (a larger epsilon: less noise hiding
+    the negated shares they hold of this client's noise) would strip noise this client's ledger charges.  Bound
+    into the view (:func:`view_digest`), other settings leave a node pair keys no peer of the run derives.
+    """
+    from protocols.methods import method_spec  # on use: the registry imports the run config
+
+    own = {cfg.key_of(f.name): getattr(cfg, f.name) for f in fields(cfg) if f.name not in ("options", "regime_applied")}
+    for cls in method_spec(cfg.method).options:
+        own.update(cfg.options_of(cls).as_mapping())
+    shown = {k: v for k, v in own.items() if k not in LOCAL_KEYS}
+    return hashlib.sha256(_SETTINGS + json.dumps(shown, sort_keys=True, default=repr).encode()).digest()
+
+
 def view_digest(*, run_id: int, round_num: int, key_epoch: int, graph: str, n_out: int, graph_seed: bytes,
-                participants: Sequence[int], names: Sequence[str] = ()) -> bytes:
+                participants: Sequence[int], names: Sequence[str] = (), settings: bytes = b"") -> bytes:
     """SHA-256 of the round's view: what two clients must agree on for their pair seeds to match.
 
-    ``names``: the participants' roster names, in the order of ``participants`` (empty: none).
+    ``names``: the participants' roster names, in the order of ``participants`` (empty: none); ``settings``:
+    :func:`settings_digest` of the node's run config (empty: none).
     """
     h = hashlib.sha256(_VIEW + _u64(run_id, "run_id") + _u64(round_num, "round_num") + _u64(key_epoch, "key_epoch")
-                       + _lp(graph.encode()) + _u64(n_out, "n_out") + _lp(bytes(graph_seed)))
+                       + _lp(graph.encode()) + _u64(n_out, "n_out") + _lp(bytes(graph_seed)) + _lp(bytes(settings)))
     if names and len(names) != len(participants):
         raise ValueError(f"{len(participants)} participants but {len(names)} names")
     rows = sorted(zip((int(p) for p in participants), names or [""] * len(participants), strict=True))

@@ -54,7 +54,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from scipy.linalg import lapack
 
-__all__ = ["colluder_count", "joint_covariance", "joint_factors", "joint_scale", "recovered_multiplier",
+from protocols.niss import MIN_TAU
+
+__all__ = ["MIN_TAU", "colluder_count", "joint_covariance", "joint_factors", "joint_scale", "recovered_multiplier",
            "share_variances", "survivor_factors",
            "view_multipliers"]
 
@@ -262,11 +264,14 @@ def joint_factors(sigmas: Mapping[int, float], graph: Mapping[int, Sequence[int]
         node -> ``f_k`` (all 0 for ``tau = 0``: the sum of the uploads is noiseless).
 
     Raises:
-        ValueError: a non-symmetric graph, a node without a neighbour, ``tau`` < 0 or not finite, ``rho``
-            outside [0, 1].
+        ValueError: a non-symmetric graph, a node without a neighbour, ``tau`` < 0, not finite or in
+            ``(0, MIN_TAU)``, ``rho`` outside [0, 1].
     """
     if not (math.isfinite(tau) and tau >= 0):
         raise ValueError(f"tau must be finite and >= 0, got {tau!r}")
+    if 0 < tau < MIN_TAU:
+        raise ValueError(f"tau = {tau!r} is below {MIN_TAU:g}: float64 cannot compute the joint view's factors "
+                         "reliably there (MIN_TAU)")
     key = (_items(sigmas), tuple((k, tuple(sorted(graph[k]))) for k in sorted(graph)), float(tau), _items(u), _items(extra),
            float(rho), _items(degrees))
     if (hit := _FACTORS.get(key)) is not None:

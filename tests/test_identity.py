@@ -36,6 +36,7 @@ from protocols.identity import (
     key_statement,
     roster_digest,
     roster_round_seed,
+    settings_digest,
     verify_key,
     view_digest,
 )
@@ -248,7 +249,8 @@ def _server_seeds(grid: _RecordingGrid, keys: _Tamper, cfg: RunConfig, purpose: 
         rec, node = msg.content["config"], msg.metadata.dst_node_id
         pk, rnd = PeerKeys.from_config(rec), TrainIns.from_config(rec).round
         view = view_digest(run_id=grid.run.run_id, round_num=rnd, key_epoch=pk.key_epoch, graph=cfg.graph, n_out=cfg.n_out,
-                           graph_seed=pk.graph_seed, participants=pk.participants, names=pk.participant_names)
+                           graph_seed=pk.graph_seed, participants=pk.participants, names=pk.participant_names,
+                           settings=settings_digest(cfg))
         context = grid.run.run_id.to_bytes(8, "big") + view + NadpPlan.from_config(rec).pair_view()
         out[node] = {p: derive_pair_seed(agree(keys.fake[p], keys.real[node]), purpose=purpose, round_num=rnd,
                                          node_a=node, node_b=p, context=context) for p in pk.peer_ids}

@@ -9,7 +9,7 @@ from protocols.methods.nadp import CONSISTENCY, KEYS, RECOVER
 from protocols.methods.pairwise import PairwiseOptions
 from protocols.methods.registry import register
 from protocols.methods.spec import PRIVACY_UNITS, Guarantee, MethodSpec
-from protocols.options import MethodOptions, option
+from protocols.options import ConfigError, MethodOptions, option
 
 SERVER_NISS = "the server and eavesdroppers, colluding with at most a niss-rho share of a client's neighbours"
 #: The uploads' second figure: the same adversary with none of the client's neighbours colluding.
@@ -27,6 +27,14 @@ class NissOptions(MethodOptions):
     rho: float = option(0.5, "tolerated colluding fraction (Theorem 3)", low=0.0, high=1.0)
     share_encoding: str = option("seed", "a share travels as an encrypted 32-byte seed, or as the vector itself",
                                  choices=("seed", "vector"))
+
+    def validate(self) -> None:
+        """A ``niss-tau`` in ``(0, MIN_TAU)``: no client could compute its floor reliably (:data:`MIN_TAU`)."""
+        from protocols.niss import MIN_TAU  # on use: it imports the run config
+
+        if 0 < self.tau < MIN_TAU:
+            raise ConfigError(f"run-config 'niss-tau' = {self.tau!r} must be < 0 (auto), 0 or at least {MIN_TAU:g}: "
+                              "below, the joint view's noise factors cannot be computed reliably")
 
 
 register(MethodSpec("niss", "strategies.niss:NissStrategy", "client.methods.niss:train",
