@@ -32,7 +32,15 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from protocols.consistency import SignedOutcome
-from protocols.masking import mask_parameters, mask_threshold, rebuild_seed, self_mask, self_masks, unmaskable
+from protocols.masking import (
+    mask_parameters,
+    mask_threshold,
+    rebuild_seed,
+    self_mask,
+    self_masks,
+    signatures_needed,
+    unmaskable,
+)
 from protocols.prg import gaussian
 from protocols.privacy.budget import charge_shortfall
 from protocols.wire.consistency import CONSISTENCY_RECORD, ConsistencyReply, ConsistencyRequest, SignedOutcomes
@@ -267,11 +275,38 @@ class PairwiseRecovery:
         t0 = time.perf_counter()
         outcome = ConsistencyRequest(state.round, tuple(plan.received), tuple(plan.lost), tuple(plan.out.excluded))
         signed = self.collect_signatures(grid, plan.out, outcome, plan.received) if plan.out.dropped else {}
+        if doomed := self.doomed(plan, signed):  # fail before anyone reveals pair material the round cannot use
+            raise RoundFailed(f"round {state.round}: self-masks cannot be removed: {doomed}; nothing was asked")
         requests = {n: plan.request(n, signed) for n in plan.received}
         replies, _errors = self.exchange(grid, plan.received, lambda n: requests[n], "recover")  # type: ignore[attr-defined]
         plan.out.seconds = time.perf_counter() - t0
         plan.out.bytes_down += sum(payload_bytes(r) for r in requests.values())
         self.finish_unmask(plan, {n: m.content for n, m in replies.items()})
+
+    def doomed(self, plan: UnmaskPlan, signed: Mapping[int, SignedOutcome]) -> str:
+        """Why the unmasking of ``plan`` would fail whoever answers ("" when it may succeed), before it is asked.
+
+        A kept node with a neighbour ``k`` not aggregated refuses (reveals nothing, its shares included) unless
+        :func:`protocols.masking.signatures_needed` of ``k``'s neighbours signed the outcome (it counts itself;
+        :func:`client.recovery.unsigned`); a kept upload whose answering neighbours are fewer than its threshold
+        cannot be unmasked, and the round would fail after the others revealed their pair material.
+        """
+        nbrs, gone = plan.neighbours, set(plan.out.dropped)
+        roster = plan.state.keys.roster_degrees() if plan.state.keys is not None else None
+        rate = self.cfg.mask_corruption_rate  # type: ignore[attr-defined]
+
+        def refuses(n: int) -> bool:
+            for k in gone & set(nbrs.get(n, ())):
+                need = signatures_needed(len(nbrs[k]), (roster or {}).get(k, len(nbrs[k])), rate)
+                if sum(1 for s in nbrs[k] if s in signed or s == n) < need:
+                    return True
+            return False
+
+        answering = {n for n in plan.received if n not in plan.keep or not refuses(n)}
+        short = [f"node {x} ({len(answering & set(nbrs.get(x, ())))} answering neighbours, needs {plan.thresholds[x]})"
+                 for x in sorted(plan.keep) if x in plan.shares_of
+                 and len(answering & set(nbrs.get(x, ()))) < plan.thresholds[x]]
+        return "; ".join(short)
 
     def unmask_plan(self, state: RoundState, neighbours: Mapping[int, Sequence[int]]) -> UnmaskPlan:
         """What :meth:`unmask` asks: the kept and excluded uploads, and who is asked (every upload that arrived).
