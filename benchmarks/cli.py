@@ -152,7 +152,7 @@ MEASURED_ENV = ("CANCELFL_DATA_CACHE", "CANCELFL_POLL_INTERVAL", "CANCELFL_WARM_
 
 
 def write_record(out: Path, *, benchmark: str, command: str, status: int, started: str, wall_s: float,
-                 host: dict) -> Path:
+                 host: dict, commit: str | None = None) -> Path:
     """Write ``out/record.json``: the provenance of the tables a benchmark wrote into ``out``.
 
     Args:
@@ -163,13 +163,16 @@ def write_record(out: Path, *, benchmark: str, command: str, status: int, starte
         started: UTC start time, ISO 8601.
         wall_s: wall time in seconds.
         host: :func:`machine` taken at start (its load average is the start's).
+        commit: the source commit taken at start (default: now; a benchmark writing its results into the tree
+            makes it read dirty at the end).
 
     Returns:
         The path written.
     """
     out.mkdir(parents=True, exist_ok=True)
     files = sorted(p.name for p in out.iterdir() if p.is_file() and p.name != "record.json")
-    record = {"benchmark": benchmark, "command": command, "date": started, "machine": host, "commit": _commit(),
+    record = {"benchmark": benchmark, "command": command, "date": started, "machine": host,
+              "commit": commit if commit is not None else _commit(),
               "exit_status": status, "wall_s": round(wall_s, 1), "files": files}
     path = out / "record.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
@@ -183,11 +186,11 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     args.command_line = env + "cancelfl-bench " + shlex.join(argv)
     out = getattr(args, "out", None) or getattr(args, "out_dir", None)
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    host, t0 = machine(), time.perf_counter()
+    host, commit, t0 = machine(), _commit(), time.perf_counter()
     status = module(args.benchmark).run(args)
     if out:
         write_record(Path(out), benchmark=args.benchmark, command=args.command_line, status=status, started=started,
-                     wall_s=time.perf_counter() - t0, host=host)
+                     wall_s=time.perf_counter() - t0, host=host, commit=commit)
     return status
 
 
