@@ -40,7 +40,7 @@ from protocols.masking import (
     open_share,
     seal_shares,
     self_mask,
-    signatures_needed,
+    signature_count,
 )
 from protocols.relay_crypto import RelayAuthError
 from protocols.wire.common import TrainIns
@@ -288,7 +288,8 @@ def unsigned(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv, gone: s
 
     Requires that this client signed the request's outcome (:func:`client.consistency.handle_consistency`) and,
     for each ``k`` in ``gone``, valid signatures on that same outcome from at least
-    :func:`protocols.masking.signatures_needed` of ``k``'s present neighbours (this client counts for itself),
+    :func:`protocols.masking.signatures_needed` of ``k``'s present neighbours (this client counts for itself;
+    :func:`protocols.masking.signature_count`, the rule the server predicts refusals with),
     each checked against the roster under the name the round's checked view gives its node.
     """
     digest = outcome_digest(req.round, req.received, req.dropped, req.excluded)
@@ -314,14 +315,9 @@ def unsigned(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv, gone: s
     short = []
     for k in sorted(gone):
         roster_nbrs = set(rr.neighbours(present[k]))
-        nbrs = sorted(n for n, name in present.items() if name in roster_nbrs and (n in offered or n == env.node_id))
-        need = signatures_needed(len([n for n, name in present.items() if name in roster_nbrs]), len(roster_nbrs),
-                                 env.cfg.mask_corruption_rate)
-        have = 0
-        for n in nbrs:  # stop verifying once enough are valid
-            have += valid(n)
-            if have >= need:
-                break
+        nbrs = sorted(n for n, name in present.items() if name in roster_nbrs)
+        have, need = signature_count(nbrs, len(roster_nbrs), env.cfg.mask_corruption_rate,
+                                     lambda n: (n in offered or n == env.node_id) and valid(n))
         if have < need:
             short.append(f"node {k}: {have} of {need}")
     if short:

@@ -23,7 +23,7 @@ import hashlib
 import itertools
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +34,8 @@ from protocols.relay_crypto import make_aad, open_sealed, seal
 from protocols.secret_sharing import shamir_combine, shamir_split
 
 __all__ = ["SHARE_PURPOSE", "MaskParameters", "commitment", "mask_parameters", "mask_threshold", "new_mask_seed",
-           "open_share", "rebuild_seed", "seal_shares", "self_mask", "signatures_needed", "unmaskable"]
+           "open_share", "rebuild_seed", "seal_shares", "self_mask", "signature_count", "signatures_needed",
+           "unmaskable"]
 
 #: Purpose of the pair key that seals a self-mask share (:func:`protocols.keyagreement.derive_pair_seed`).
 SHARE_PURPOSE = "self-mask-share"
@@ -66,6 +67,24 @@ def signatures_needed(degree: int, roster_degree: int, corruption: float) -> int
     """
     c = assumed_colluders(max(roster_degree, degree), corruption)
     return degree + c - mask_threshold(degree, corruption) + 1
+
+
+def signature_count(neighbours: Sequence[int], roster_degree: int, corruption: float,
+                    signed: Callable[[int], bool]) -> tuple[int, int]:
+    """``(have, need)``: signed outcomes of a node not aggregated, from its present ``neighbours``, against the need.
+
+    ``need``: :func:`signatures_needed` of ``len(neighbours)``; ``have``: the neighbours ``signed`` accepts (the node
+    holding the pair material accepts itself), counted in order until ``need`` (each asked at most once).  Pair
+    material of the node goes out only when ``have >= need``: the client's rule before it reveals
+    (:func:`client.recovery.unsigned`) and the server's prediction of that refusal (``PairwiseRecovery.doomed``).
+    """
+    need = signatures_needed(len(neighbours), roster_degree, corruption)
+    have = 0
+    for n in neighbours:
+        if have >= need:
+            break
+        have += bool(signed(n))
+    return have, need
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from protocols.masking import (
     rebuild_seed,
     self_mask,
     self_masks,
-    signatures_needed,
+    signature_count,
     unmaskable,
 )
 from protocols.prg import gaussian
@@ -287,7 +287,7 @@ class PairwiseRecovery:
         """Why the unmasking of ``plan`` would fail whoever answers ("" when it may succeed), before it is asked.
 
         A kept node with a neighbour ``k`` not aggregated refuses (reveals nothing, its shares included) unless
-        :func:`protocols.masking.signatures_needed` of ``k``'s neighbours signed the outcome (it counts itself;
+        :func:`protocols.masking.signature_count` of ``k``'s neighbours signed the outcome (it counts itself;
         :func:`client.recovery.unsigned`); a kept upload whose answering neighbours are fewer than its threshold
         cannot be unmasked, and the round would fail after the others revealed their pair material.
         """
@@ -295,10 +295,11 @@ class PairwiseRecovery:
         roster = plan.state.keys.roster_degrees() if plan.state.keys is not None else None
         rate = self.cfg.mask_corruption_rate  # type: ignore[attr-defined]
 
-        def refuses(n: int) -> bool:
+        def refuses(n: int) -> bool:  # the client's rule (client.recovery.unsigned), honest signatures valid
             for k in gone & set(nbrs.get(n, ())):
-                need = signatures_needed(len(nbrs[k]), (roster or {}).get(k, len(nbrs[k])), rate)
-                if sum(1 for s in nbrs[k] if s in signed or s == n) < need:
+                have, need = signature_count(sorted(nbrs[k]), (roster or {}).get(k, len(nbrs[k])), rate,
+                                             lambda s: s in signed or s == n)  # noqa: B023 (called at once)
+                if have < need:
                     return True
             return False
 
