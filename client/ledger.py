@@ -176,8 +176,13 @@ class ClientLedger:
         return _projected(self.accounts, events, delta, accountant)
 
     def run_accounts(self, run_id: int) -> dict[str, Account]:
-        """What run ``run_id`` alone spent, per account (its releases and their recovery top-ups)."""
-        states = self.runs.get(str(run_id), {}).get("accounts", {})
+        """What run ``run_id`` alone spent, per account (its releases and their recovery top-ups).
+
+        A run whose rounds were recorded by a ledger without per-run accounts takes the node's accounts (a bound:
+        what it spent before cannot be told apart).
+        """
+        run = self.runs.get(str(run_id), {})
+        states = run.get("accounts", {}) if "accounts" in run or not run.get("rounds") else self.to_state()["accounts"]
         return {str(k): Account.from_state(v) for k, v in states.items()}
 
     def projected_run(self, run_id: int, events: Mapping[str, Event], delta: float,

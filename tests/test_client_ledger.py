@@ -272,3 +272,20 @@ def test_per_record_charges_twice_the_sensitivity():
     assert per_record(DpEvent(5.0, 0.01)) == GaussianEvent(0.0)  # group privacy leaves no delta below 1
     with pytest.raises(ValueError):
         at_sensitivity(DpEvent(0.5), 1.5)
+
+
+def test_a_run_recorded_without_per_run_accounts_is_bounded_by_the_node_accounts(tmp_path):
+    """A run begun under a ledger without per-run accounts: its own spend is read as the node's (never as zero)."""
+    path = ClientLedger.file_for(tmp_path, 0)
+    led = ClientLedger(path)
+    led.record(7, "nadp", 1, {"uplink/record": GaussianEvent(2.0)})
+    old = led.to_state()
+    del old["runs"]["7"]["accounts"]  # as the ledger wrote it before per-run accounts
+    path.write_text(json.dumps(old))
+    with ClientLedger.open(tmp_path, 0) as reread:
+        spent = reread.spent(1e-5)["uplink/record"]
+        assert reread.projected_run(7, {}, 1e-5)["uplink/record"] == pytest.approx(spent)
+        assert reread.run_accounts(8) == {}  # a run the node has not trained in starts empty
+        reread.charge(7, {"uplink/record": GaussianEvent(2.0)})
+    with ClientLedger.open(tmp_path, 0, write=False) as after:
+        assert after.projected_run(7, {}, 1e-5)["uplink/record"] == pytest.approx(after.spent(1e-5)["uplink/record"])
