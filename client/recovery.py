@@ -283,22 +283,23 @@ def answer(store: RecoveryStore, dropped: set[int], excluded: set[int] = frozens
 
 
 def unsigned(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv, gone: set[int],
-             signatures: SignedOutcomes | None) -> str:
-    """Why pair material of the neighbours ``gone`` (not aggregated) must not go out ("" when it may).
+             signatures: SignedOutcomes | None) -> tuple[str, set[int]]:
+    """(why no pair material may go out at all, "" when some may; the neighbours of ``gone`` whose may not).
 
     Requires that this client signed the request's outcome (:func:`client.consistency.handle_consistency`) and,
-    for each ``k`` in ``gone``, valid signatures on that same outcome from at least
+    for each ``k`` in ``gone`` (not aggregated), valid signatures on that same outcome from at least
     :func:`protocols.masking.signatures_needed` of ``k``'s present neighbours (this client counts for itself;
-    :func:`protocols.masking.signature_count`, the rule the server predicts refusals with),
-    each checked against the roster under the name the round's checked view gives its node.
+    :func:`protocols.masking.signature_count`, the rule the server predicts answers with),
+    each checked against the roster under the name the round's checked view gives its node; a ``k`` short of them
+    is in the second set (its pair material stays secret, its pair noise in the aggregate).
     """
     digest = outcome_digest(req.round, req.received, req.dropped, req.excluded)
     if store.signed != digest:
         return (f"the request declares neighbour(s) {sorted(gone)} not aggregated, but this node signed "
-                f"{'another' if store.signed else 'no'} outcome of round {req.round} (consistency check)")
+                f"{'another' if store.signed else 'no'} outcome of round {req.round} (consistency check)"), set()
     present = participants_of(env, req.round)
     if present is None:
-        return f"this node holds no checked view of round {req.round}"
+        return f"this node holds no checked view of round {req.round}", set()
     me = node_identity(env)
     offered: dict[int, list[SignedOutcome]] = {}
     for e in signatures.entries if signatures else ():
@@ -312,18 +313,15 @@ def unsigned(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv, gone: s
         return checked[n]
 
     rr = roster_round_of(env.cfg, me.roster, req.round)
-    short = []
+    short = set()
     for k in sorted(gone):
         roster_nbrs = set(rr.neighbours(present[k]))
         nbrs = sorted(n for n, name in present.items() if name in roster_nbrs)
         have, need = signature_count(nbrs, len(roster_nbrs), env.cfg.mask_corruption_rate,
                                      lambda n: (n in offered or n == env.node_id) and valid(n))
         if have < need:
-            short.append(f"node {k}: {have} of {need}")
-    if short:
-        return (f"too few valid signatures of this outcome from the neighbours of the nodes declared not aggregated "
-                f"({'; '.join(short)}): their pair material stays secret")
-    return ""
+            short.add(k)
+    return "", short
 
 
 def answer_masked(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv,
@@ -335,8 +333,10 @@ def answer_masked(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv,
     it would strip its own pair noise from the upload the server holds.
     Refuses (and reveals nothing) when fewer than ``threshold`` neighbours are named received and not
     excluded while this client's own upload is to be aggregated, when the request asks for the other kind of
-    material of a peer than this client already revealed, when the request's outcome differs from the one
-    this client signed, or when pair material would go out without enough signatures (:func:`unsigned`).
+    material of a peer than this client already revealed, or when the request's outcome differs from the one
+    this client signed (:func:`unsigned`).  The pair material of a neighbour not aggregated whose neighbours did
+    not sign the outcome enough stays secret (its material empty, named ``kept``: that pair noise stays in the
+    aggregate); the rest of the answer goes out, so one short neighbourhood does not fail the round.
     ``signatures``: those the server collected in the consistency phase.
     """
     excluded = set(req.excluded)
@@ -355,7 +355,7 @@ def answer_masked(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv,
         return RecoveryReply(refused=f"node(s) {conflict}: the other kind of material was already revealed this round")
     if store.signed and store.signed != outcome_digest(req.round, req.received, req.dropped, req.excluded):
         return RecoveryReply(refused=f"the request's outcome differs from the one this node signed for round {req.round}")
-    why = unsigned(store, req, env, gone, signatures) if gone else ""
+    why, short = unsigned(store, req, env, gone, signatures) if gone else ("", set())
     if why:
         return RecoveryReply(refused=why)
     forwarded = req.forwarded or {}
@@ -371,9 +371,10 @@ def answer_masked(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv,
         mask_peers.append(x)
     peers = tuple(sorted(gone))
     store.revealed_mask |= set(mask_peers)
-    store.revealed_pair |= set(peers)
-    return RecoveryReply(peers, tuple(store.material[p] for p in peers), mask_peers=tuple(mask_peers),
-                         mask_shares=tuple(shares))
+    store.revealed_pair |= gone - short
+    # A neighbour short of signatures: nothing of the pair goes out (empty material, named kept), its noise stays.
+    return RecoveryReply(peers, tuple(b"" if p in short else store.material[p] for p in peers),
+                         kept=tuple(sorted(short)), mask_peers=tuple(mask_peers), mask_shares=tuple(shares))
 
 
 def recovery_answer(content: RecordDict, env: ClientEnv) -> ConfigRecord:

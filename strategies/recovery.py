@@ -38,7 +38,6 @@ from protocols.masking import (
     rebuild_seed,
     self_mask,
     self_masks,
-    signature_count,
     unmaskable,
 )
 from protocols.prg import gaussian
@@ -275,39 +274,11 @@ class PairwiseRecovery:
         t0 = time.perf_counter()
         outcome = ConsistencyRequest(state.round, tuple(plan.received), tuple(plan.lost), tuple(plan.out.excluded))
         signed = self.collect_signatures(grid, plan.out, outcome, plan.received) if plan.out.dropped else {}
-        if doomed := self.doomed(plan, signed):  # fail before anyone reveals pair material the round cannot use
-            raise RoundFailed(f"round {state.round}: self-masks cannot be removed: {doomed}; nothing was asked")
         requests = {n: plan.request(n, signed) for n in plan.received}
         replies, _errors = self.exchange(grid, plan.received, lambda n: requests[n], "recover")  # type: ignore[attr-defined]
         plan.out.seconds = time.perf_counter() - t0
         plan.out.bytes_down += sum(payload_bytes(r) for r in requests.values())
         self.finish_unmask(plan, {n: m.content for n, m in replies.items()})
-
-    def doomed(self, plan: UnmaskPlan, signed: Mapping[int, SignedOutcome]) -> str:
-        """Why the unmasking of ``plan`` would fail whoever answers ("" when it may succeed), before it is asked.
-
-        A kept node with a neighbour ``k`` not aggregated refuses (reveals nothing, its shares included) unless
-        :func:`protocols.masking.signature_count` of ``k``'s neighbours signed the outcome (it counts itself;
-        :func:`client.recovery.unsigned`); a kept upload whose answering neighbours are fewer than its threshold
-        cannot be unmasked, and the round would fail after the others revealed their pair material.
-        """
-        nbrs, gone = plan.neighbours, set(plan.out.dropped)
-        roster = plan.state.keys.roster_degrees() if plan.state.keys is not None else None
-        rate = self.cfg.mask_corruption_rate  # type: ignore[attr-defined]
-
-        def refuses(n: int) -> bool:  # the client's rule (client.recovery.unsigned), honest signatures valid
-            for k in gone & set(nbrs.get(n, ())):
-                have, need = signature_count(sorted(nbrs[k]), (roster or {}).get(k, len(nbrs[k])), rate,
-                                             lambda s: s in signed or s == n)  # noqa: B023 (called at once)
-                if have < need:
-                    return True
-            return False
-
-        answering = {n for n in plan.received if n not in plan.keep or not refuses(n)}
-        short = [f"node {x} ({len(answering & set(nbrs.get(x, ())))} answering neighbours, needs {plan.thresholds[x]})"
-                 for x in sorted(plan.keep) if x in plan.shares_of
-                 and len(answering & set(nbrs.get(x, ()))) < plan.thresholds[x]]
-        return "; ".join(short)
 
     def unmask_plan(self, state: RoundState, neighbours: Mapping[int, Sequence[int]]) -> UnmaskPlan:
         """What :meth:`unmask` asks: the kept and excluded uploads, and who is asked (every upload that arrived).
@@ -372,8 +343,10 @@ class PairwiseRecovery:
                 if expected and node in keep:
                     out.kept[node], out.kept_probe[node] = tuple(expected), None
                 continue
-            if node in keep:
-                out.material[node] = rep.by_peer()
+            if node in keep:  # a neighbour short of signatures: its pair stays (kept, empty material)
+                out.material[node] = {p: m for p, m in rep.by_peer().items() if p not in rep.kept}
+                if rep.kept:
+                    out.kept[node], out.kept_probe[node] = tuple(rep.kept), None
             for x, share in zip(rep.mask_peers, rep.mask_shares, strict=True):
                 if x in collected and node in neighbours.get(x, ()):
                     collected[x].append(share)

@@ -58,7 +58,7 @@ def _shares_of(rep, k: int) -> list[bytes]:
 def test_split_lie_leaves_the_target_its_floor_noise(pinned, monkeypatch, check):
     """nadp, 10 real clients (d = 9, c = 1: t = 6, s = 5): 6 neighbours told "k received", 3 told "k dropped"."""
     if not check:  # main's behaviour before the check: pair seeds go out without signatures
-        monkeypatch.setattr(client_recovery, "unsigned", lambda *_a, **_k: "")
+        monkeypatch.setattr(client_recovery, "unsigned", lambda *_a, **_k: ("", set()))
     grid, strategy, msgs, replies = _round(10, hidden="32")
     st = strategy._state
     graph = st.keys.neighbours
@@ -89,8 +89,8 @@ def test_split_lie_leaves_the_target_its_floor_noise(pinned, monkeypatch, check)
         for extra in ([], replayed, forged):
             rep = recover(grid, j, others, [k], forwarded=_forwarded(replies, j, graph),
                           signatures=SignedOutcomes(sigs.entries + tuple(extra)))
-            if check:
-                assert "too few valid signatures" in rep.refused and not rep.material, rep.refused
+            if check:  # k's pair stays secret (named kept, no material); the rest of the answer goes out
+                assert not rep.refused and rep.kept == (k,) and rep.by_peer()[k] == b"", rep.refused
             else:
                 assert not rep.refused
                 seeds[j] = rep.by_peer()[k]
@@ -146,7 +146,8 @@ def test_a_client_signs_one_outcome_per_round_and_answers_only_that_one(six):
     assert "already answered" in sign(grid, [j], rest, [k])[j].refused
 
 
-def test_too_few_or_forged_signatures_are_refused(six):
+def test_too_few_or_forged_signatures_keep_the_pair_secret(six):
+    """A dropped neighbour short of valid signatures: its pair material stays secret (kept), the rest answered."""
     grid, graph, replies = six
     ids = sorted(graph)
     me, k = ids[1], ids[-1]
@@ -157,8 +158,11 @@ def test_too_few_or_forged_signatures_are_refused(six):
     assert need == 3
 
     def ask(entries) -> str:
-        return recover(grid, me, rest, [k], forwarded=_forwarded(replies, me, graph),
-                       signatures=SignedOutcomes(tuple(entries))).refused
+        """Why k's pair stays secret ("" when it went out)."""
+        rep = recover(grid, me, rest, [k], forwarded=_forwarded(replies, me, graph),
+                      signatures=SignedOutcomes(tuple(entries)))
+        assert not rep.refused and rep.mask_peers, rep.refused  # the self-mask shares of the received go out
+        return "too few valid signatures" if rep.kept == (k,) and rep.by_peer()[k] == b"" else ""
 
     good = signed(got).entries
     mine = [e for e in good if e.node == me]

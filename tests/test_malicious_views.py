@@ -141,7 +141,8 @@ def test_niss_share_request_for_a_trained_round_is_refused_and_its_view_kept():
         forwarded = {x: SelfMaskShares.from_config(replies[x].content[SELF_MASK_RECORD]).sealed[j]
                      for x in graph[j] if SELF_MASK_RECORD in replies[x].content}
         rep = recover(grid, j, others, [k], forwarded=forwarded, signatures=sigs)
-        assert rep.refused and "signature" in rep.refused, rep.refused  # too few signed "k dropped"
+        # too few signed "k dropped": k's pair material stays secret (named kept, nothing of it revealed)
+        assert not rep.refused and rep.kept == (k,) and rep.by_peer()[k] == b"", rep
 
 
 def test_niss_leaving_honest_neighbours_out_does_not_shrink_the_coalition_a_client_is_protected_against():
