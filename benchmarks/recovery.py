@@ -103,7 +103,7 @@ def cancelfl_row(method: str, rate: float, args: argparse.Namespace, out: Path) 
         grids.append(grid)
         return grid
 
-    out_dir = out / f"{method}-{rate}"
+    out_dir = out / "runs" / f"{method}-{rate}"  # the runs themselves (git-ignored under docs/results)
     clock, local_grid.time = local_grid.time, _CpuClock  # type: ignore[assignment]
     try:
         run_inprocess({**_base(args), "method": method, "fault-drop-rate": rate, "out-dir": str(out_dir)},
