@@ -69,8 +69,8 @@ _ROSTER_ROUND = b"cancelfl/roster-round/v1"
 _DERIVED = b"cancelfl/simulation-identity/v1"
 _SETTINGS = b"cancelfl/run-settings/v1"
 #: Run-config keys a node may see differently without changing anything a peer relies on (where it writes, reads
-#: its data from, trains on; whether the server resumes): left out of :func:`settings_digest`.
-LOCAL_KEYS = frozenset({"out-dir", "data-dir", "device", "resume"})
+#: its data from, trains on; whether and how long the server waits): left out of :func:`settings_digest`.
+LOCAL_KEYS = frozenset({"out-dir", "data-dir", "device", "resume", "round-timeout"})
 
 
 class IdentityError(ValueError):

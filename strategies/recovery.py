@@ -214,7 +214,7 @@ class PairwiseRecovery:
             if rep.kept:
                 out.kept[node], out.kept_probe[node] = rep.kept, rep.kept_probe
         if silent or refused:
-            st.failed_recovery = out if out.material else None
+            st.failed_recovery = out if any(out.material.values()) else None
             raise RoundFailed(
                 f"round {st.round}: dropout recovery of {gone} failed"
                 + (f"; survivors {silent} did not answer (a second dropout cannot be repaired without a "
@@ -360,7 +360,7 @@ class PairwiseRecovery:
             else:
                 out.masks[x] = (seed, plan.shares_of[x].std)
         if missing:
-            state.failed_recovery = out if out.material else None
+            state.failed_recovery = out if any(out.material.values()) else None
             raise RoundFailed(f"round {state.round}: self-masks cannot be removed: {'; '.join(missing)}; "
                               f"survivors {out.silent} did not answer or refused")
         state.recovery = out

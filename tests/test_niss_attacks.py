@@ -67,3 +67,14 @@ def test_a_client_refuses_a_run_config_with_a_tau_below_the_reliable_one():
     with pytest.raises(RoundFailed):
         niss_round(grid, strategy, 1, arrays)
     assert len(strategy.errors) == len(grid.node_ids) and all("'niss-tau'" in e for e in strategy.errors)
+
+
+def test_settings_that_change_no_peers_noise_leave_the_pair_keys_alone():
+    """Where a node writes, reads its data, trains, and the server's timeout differ freely between the nodes of a run."""
+    from protocols.config import RunConfig
+    from protocols.identity import settings_digest
+
+    base = RunConfig.from_mapping({"method": "niss"})
+    same = RunConfig.from_mapping({"method": "niss", "out-dir": "/elsewhere", "round-timeout": 7.0, "device": "cpu"})
+    assert settings_digest(base) == settings_digest(same)
+    assert settings_digest(base) != settings_digest(RunConfig.from_mapping({"method": "niss", "epsilon": 2.0}))
