@@ -5,6 +5,14 @@
   does.  Measured without the binding below: the sum of the uploads leaves the victim 0.63 of the noise std its
   ledger charges (5 clients, complete graph).  The run settings are bound into the round's view
   (:func:`protocols.identity.settings_digest`), so such neighbours share no relay key with it: nobody uploads.
+* Two share requests in one round at different joint-view scales, each client's payloads relayed from whichever
+  request suits the server: a victim asked alone at 4x the scale charges its ledger for 4x the multiplier, while
+  its neighbours' noise stays at 1x; measured (5 clients, complete graph, tau = 0.447, niss-rho = 0.5): its joint
+  view keeps 1.90 z, 0.475 of the 4 z charged (epsilon 0.071 per round where the ledger records 0.031).  Everyone
+  asked twice and the victim handed the first request's payloads: they opened, and their noise did not cancel
+  (the aggregate's error std 0.46 against 0.35).  The scale is bound into the payloads' associated data, and the
+  same request always draws the same shares (:func:`client.methods.niss.share_seed`), so a payload that opens
+  carries the very shares its sender holds for the view and scale the receiver trains under.
 * A ``niss-tau`` so small that float64 cannot compute the joint view's factors (they came out too large, so the
   floor too small): refused below :data:`protocols.niss.MIN_TAU`.
 """
@@ -12,6 +20,7 @@
 from __future__ import annotations
 
 import pytest
+from flwr.app import RecordDict
 
 from protocols.graphs import complete_graph
 from protocols.niss import MIN_TAU
@@ -19,7 +28,80 @@ from protocols.niss_joint import joint_factors
 from protocols.wire.niss import AuthFailures
 from strategies.base import RoundFailed
 from strategies.niss import NissStrategy
+from strategies.niss_shares import _share_reply
+from strategies.stages import run_round
 from tests.niss_setup import niss_round, niss_setup
+
+#: The aggregate-noise figures come from the nodes' noiseless-update diagnostic.
+niss_diagnostics = pytest.mark.usefixtures("niss_diagnostics")
+
+
+class AskedAgain(NissStrategy):
+    """A server that asks for one round's shares at each of ``factors`` times the round's scale in turn.
+
+    It relays each sender's last payloads, but the first participant (the victim) gets its neighbours' payloads from
+    the answers to ``factors[stale]`` (None: the last).  ``victim_only``: the later requests go to the victim alone.
+    """
+
+    factors: tuple[float, ...] = (1.0, 4.0)
+    stale: int | None = 0
+    victim_only = False
+
+    def _share_phase(self, grid, kr):
+        kr, self._ahead = self._sized(kr), None
+        weights, scale, self.victim = self._weights(kr), self._scale(kr), kr.participants[0]
+        self.answers, last = [], {}
+        for i, factor in enumerate(self.factors):
+            nodes = [self.victim] if i and self.victim_only else kr.participants
+            replies, errors = self.exchange(grid, nodes, lambda n, sc=scale * factor: RecordDict(
+                {"config": self._share_request(kr, n, weights, sc)}), "shares")
+            assert not errors, errors
+            self.answers.append({n: _share_reply(r, kr.neighbours[n]) for n, r in replies.items()})
+            last.update(self.answers[-1])
+        return kr, last
+
+    def plan(self, grid, st):
+        state = super().plan(grid, st)
+        if self.stale is not None:
+            senders = state.inbox[self.victim][0]
+            state.inbox[self.victim] = (senders, [self.answers[self.stale][s].payloads[
+                self.answers[self.stale][s].to_ids.index(self.victim)] for s in senders])
+        return state
+
+
+def _reports(strategy: AskedAgain, replies) -> dict[int, set[int]]:
+    """Per node that uploaded nothing, the senders whose payloads it rejected."""
+    return {r.metadata.src_node_id: set(AuthFailures.from_config(r.content["config"]).senders)
+            for r in replies if "arrays" not in r.content}
+
+
+def test_shares_sealed_for_another_scale_of_the_round_do_not_open():
+    """Everyone asked at 1x then 4x the scale; the victim handed its neighbours' 1x payloads rejects them all."""
+    cfg, grid, _, arrays = niss_setup(self_mask=False)
+    strategy = AskedAgain(cfg)
+    _msgs, replies = niss_round(grid, strategy, 1, arrays)
+    assert _reports(strategy, replies) == {strategy.victim: set(grid.node_ids) - {strategy.victim}}
+
+
+def test_a_client_asked_at_another_scale_than_its_neighbours_shares_nothing_with_them():
+    """The victim alone asked again at 4x (its ledger would credit it 4x): no pair of it opens the other's payloads."""
+    cfg, grid, _, arrays = niss_setup(self_mask=False)
+    strategy = AskedAgain(cfg)
+    strategy.victim_only, strategy.stale = True, None
+    _msgs, replies = niss_round(grid, strategy, 1, arrays)
+    victim, others = strategy.victim, set(grid.node_ids) - {strategy.victim}
+    assert _reports(strategy, replies) == {victim: others, **{n: {victim} for n in others}}
+
+
+@niss_diagnostics
+def test_a_request_asked_again_after_another_scale_draws_the_same_shares():
+    """Asked at 1x, 2x, then 1x again: the first answers (relayed to the victim) hold the shares of the last."""
+    cfg, grid, _, arrays = niss_setup(self_mask=False, niss_tau=0.0, cancellation_check=True, num_rounds=1)
+    strategy = AskedAgain(cfg)
+    strategy.factors = (1.0, 2.0, 1.0)
+    run_round(strategy, grid, 1, arrays)
+    report = strategy.round_report()
+    assert report["participants"] == cfg.num_clients and report["aggregate_error_rel"] <= 1e-9
 
 
 def test_neighbours_under_other_run_settings_share_no_relay_key():

@@ -204,6 +204,9 @@ def _deterministic_seed(label: str) -> bytes:
 
 def test_seed_and_vector_encodings_identical(run_inprocess, monkeypatch, tmp_path):
     monkeypatch.setattr(niss_client, "_fresh_seed", _deterministic_seed)
+    # the shares' seeds too (they hash the relay keys, which bind the run's settings, the encoding among them)
+    monkeypatch.setattr(niss_client, "share_seed", lambda env, rnd, scale, peer, _key: _deterministic_seed(
+        f"{env.node_id}/{rnd}/{scale}/share/{peer}"))
     # the self-mask comes off to float rounding only; the same mask in both runs keeps them bit-identical
     monkeypatch.setattr(recovery_client, "new_mask_seed", lambda: _deterministic_seed("self-mask"))
     out = {}
@@ -271,10 +274,10 @@ def test_payload_roundtrip_and_rejection():
             other = niss_client.encode_payload(enc, dataclasses.replace(b, count=count), size)
             with pytest.raises(ValueError, match="shares"):
                 niss_client.decode_payload(other, enc, 3, 9, size)
-    aad = niss_client._aad(3, 9, 1, 1, "seed")
+    aad = niss_client._aad(3, 9, 1, 1, "seed", 1.5)
     blob = seal(bytes(32), niss_client.encode_payload("seed", b, size), aad=aad)
     with pytest.raises(RelayAuthError):
-        open_sealed(bytes(32), blob, aad=niss_client._aad(3, 9, 2, 1, "seed"))  # other round
+        open_sealed(bytes(32), blob, aad=niss_client._aad(3, 9, 2, 1, "seed", 1.5))  # other round
 
 
 def test_analytic_epsilon_inverts_sigma():

@@ -25,6 +25,8 @@ Payload format: :func:`encode_payload`.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
 import math
 import os
@@ -79,10 +81,13 @@ from protocols.wire.niss import (
 from protocols.wire.recovery import NissPairMaterial, RecoveryRequest
 
 STATE_KEY = "cancelfl-niss"
+#: Context.state record of this node's share secret (:func:`share_seed`).
+SECRET_KEY = "cancelfl-niss-secret"
 RELAY_PURPOSE = "niss-relay-key"
 _MAGIC = b"NISS\x01"
 _HEADER = struct.Struct(">cId")  # encoding, count, share_std
 _SIZE = struct.Struct(">I")
+_SCALE = struct.Struct(">d")
 _ENC_BYTE = {"seed": b"S", "vector": b"V"}
 
 
@@ -92,10 +97,31 @@ def _fresh_seed(label: str) -> bytes:
     return os.urandom(32)
 
 
-def _aad(sender: int, receiver: int, rnd: int, run_id: int, encoding: str) -> bytes:
-    """Associated data binding a payload to its pair, round, run and encoding."""
+def _aad(sender: int, receiver: int, rnd: int, run_id: int, encoding: str, scale: float) -> bytes:
+    """Associated data binding a payload to its pair, round, run, encoding and the request's joint-view scale.
+
+    The one construction both the sealing (:func:`answer_shares`) and the opening (:func:`train`) side use.  The
+    relay key binds the rest of the request the two ends share (the view, the sizes: :func:`answer_shares`), so a
+    payload opens only where its receiver trains under the very view and scale its sender made the shares for.
+    """
     return make_aad(sender=sender, receiver=receiver, round_num=rnd,
-                    context=int(run_id).to_bytes(8, "big") + b"niss/" + encoding.encode())
+                    context=int(run_id).to_bytes(8, "big") + _SCALE.pack(scale) + b"niss/" + encoding.encode())
+
+
+def share_seed(env: ClientEnv, rnd: int, scale: float, peer: int, relay_key: bytes) -> bytes:
+    """The seed of this node's shares for neighbour ``peer`` in the request of round ``rnd`` at ``scale``.
+
+    A keyed hash of the request (the round, the scale, the peer and its relay key, which binds the view and the
+    sizes) under this node's share secret (made once per run, kept in ``Context.state``): the same request
+    draws the same shares whatever was asked in between, so whichever of its answers the server relays, they
+    cancel; any other request draws independent ones.
+    """
+    rec = env.context.state.get(SECRET_KEY)
+    if rec is None:
+        rec = env.context.state[SECRET_KEY] = ConfigRecord({"secret": _fresh_seed(f"{env.node_id}/share")})
+    msg = b"cancelfl/niss/share" + b"".join(int(v).to_bytes(8, "big") for v in (rnd, peer)) + _SCALE.pack(scale)
+    msg += bytes(relay_key)
+    return hmac.new(bytes(rec["secret"]), msg, hashlib.sha256).digest()
 
 
 def model_size(env: ClientEnv) -> int:
@@ -113,8 +139,9 @@ def encode_payload(encoding: str, bundle: niss_math.ShareBundle, size: int) -> b
         seed:   32-byte bundle seed            (both sides expand the shares with protocols.prg)
         vector: size u32 | count*size float64  (little-endian: the negated shares r = -n)
 
-    The sealing's associated data binds (sender, receiver, round, run id, encoding): the relaying server can
-    neither read, alter, replay nor redirect a payload unnoticed.  Each neighbour pair exchanges exactly one
+    The sealing's associated data binds (sender, receiver, round, run id, joint-view scale, encoding) (:func:`_aad`;
+    the relay key binds the view and sizes): the relaying server can neither read, alter, replay (from another
+    round, run or request) nor redirect a payload unnoticed.  Each neighbour pair exchanges exactly one
     payload per direction holding ``SHARES_PER_NEIGHBOUR`` share(s), so a dropped payload is detected and all
     payloads of a round have the same length.
     """
@@ -214,9 +241,9 @@ def handle_shares(msg: Message, env: ClientEnv) -> Message:
 def answer_shares(rec: ConfigRecord, env: ClientEnv) -> ShareReply:
     """The sealed payloads for the :class:`ShareRequest` in ``rec``, after every check of its view (module doc).
 
-    The round's secrets go to ``Context.state`` (replacing what is there).  Asked again for the same round, view,
-    weight and scale, before training in it, the client seals the same shares again: whichever payloads the
-    server relays, they cancel.
+    The round's secrets go to ``Context.state`` (replacing what is there).  Asked again for the same round, view
+    and scale, before training in it, the client seals the same shares again (:func:`share_seed`), whatever was
+    asked in between: whichever payloads the server relays, they cancel.
     """
     req = ShareRequest.from_config(rec)
     rnd, weight, me = req.round, req.weight, env.node_id
@@ -251,13 +278,13 @@ def answer_shares(rec: ConfigRecord, env: ClientEnv) -> ShareReply:
     plan = client_plan(env.cfg, own_weight, len(env.y), len(nbrs), req.noise_scale, releases)
     sigma = plan.sigma_k
     keys, mask_keys = seeds_for[RELAY_PURPOSE], seeds_for.get(SHARE_PURPOSE, {})
-    bundles = _same_request_bundles(env, rnd, own_weight, req.noise_scale, keys) or \
-        niss_math.make_outgoing_bundles(me, plan, nbrs, {n: _fresh_seed(f"{me}/{rnd}/share/{n}") for n in nbrs})
+    bundles = niss_math.make_outgoing_bundles(me, plan, nbrs,
+                                              {n: share_seed(env, rnd, req.noise_scale, n, keys[n]) for n in nbrs})
     by_receiver = {b.receiver: b for b in bundles}
     size = model_size(env) if encoding == "vector" else 0
     payloads = []
     for n in nbrs:  # one payload per neighbour, in the tracker's order
-        aad = _aad(me, n, rnd, env.context.run_id, encoding)
+        aad = _aad(me, n, rnd, env.context.run_id, encoding, req.noise_scale)
         payloads.append(seal(keys[n], encode_payload(encoding, by_receiver[n], size), aad=aad))
     graph = view.graph or {}
     weights = aggregation_weights(env.cfg, list(graph), req.sizes)  # as niss_floor: every sigma of the joint view
@@ -269,21 +296,6 @@ def answer_shares(rec: ConfigRecord, env: ClientEnv) -> ShareReply:
     env.context.state[STATE_KEY] = _Stored(rnd, own_weight, sigma, encoding, nbrs, keys, bundles, tau,
                                            mask_keys, req.noise_scale, req.noise_scale / floor.scale, priced).to_record()
     return ShareReply(tuple(nbrs), tuple(payloads))
-
-
-def _same_request_bundles(env: ClientEnv, rnd: int, weight: float, scale: float,
-                          keys: dict[int, bytes]) -> list[niss_math.ShareBundle] | None:
-    """The shares already made for round ``rnd``'s request if this is the same request, else None.
-
-    The same request: the same relay keys (so the same view, neighbours and sizes), weight and scale.
-    """
-    rec = env.context.state.get(STATE_KEY)
-    if rec is None or int(rec["round"]) != rnd:
-        return None
-    st = _Stored.load(env, rnd)
-    if st.relay_keys != keys or st.weight != weight or st.scale != scale:
-        return None
-    return st.outgoing
 
 
 def _answer_ahead(msg: Message, env: ClientEnv, out: Message) -> None:
@@ -315,7 +327,7 @@ def _open_incoming(inbox: RelayedInbox, env: ClientEnv, st: _Stored, size: int) 
             continue
         try:
             plain = open_sealed(st.relay_keys[s], blob, aad=_aad(s, env.node_id, st.round, env.context.run_id,
-                                                                   st.encoding))
+                                                                   st.encoding, st.scale))
             bundle, vectors = decode_payload(plain, st.encoding, s, env.node_id, size)
         except RelayAuthError as err:
             failures.append((s, f"authentication failed ({err})"))
