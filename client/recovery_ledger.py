@@ -33,7 +33,7 @@ the true one (composition only adds), so the ledger over-counts and never under-
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +67,11 @@ def charge_spec(**values: Any) -> str:
 def int_keys(m: Mapping[str, Any]) -> dict[int, Any]:
     """``m`` with its keys as node ids."""
     return {int(k): v for k, v in m.items()}
+
+
+def int_graph(m: Mapping[str, Sequence[Any]]) -> dict[int, list[int]]:
+    """A kept graph (node -> neighbours, JSON keys) with node ids as keys and neighbours."""
+    return {int(k): [int(n) for n in v] for k, v in m.items()}
 
 
 def top_event(charged: Mapping[str, Any] | None, real: float) -> Event | None:

@@ -35,7 +35,7 @@ from client.identity import node_identity
 from client.pairwise_phase import full_view, mask_probe, pair_seeds
 from client.records import to_record
 from client.recovery import SelfMask, remember, self_mask_upload
-from client.recovery_ledger import Kept, charge_spec, gone, int_keys, top_event
+from client.recovery_ledger import Kept, charge_spec, gone, int_graph, int_keys, top_event
 from protocols.arrays import flatten, unflatten
 from protocols.floor import FloorViolation, NadpFloor, at_least, nadp_floor
 from protocols.graphs import roster_round_of
@@ -191,7 +191,7 @@ def price_recovery(env: ClientEnv, spec: dict, store: Kept, req: RecoveryRequest
     aggregated, _ = gone(store, req)
     if me not in req.excluded and aggregated >= {int(n) for n in spec["sizes"]}:
         return None, None
-    fl = nadp_floor(env.cfg, int_keys(spec["sizes"]), me, {int(k): list(v) for k, v in spec["graph"].items()},
+    fl = nadp_floor(env.cfg, int_keys(spec["sizes"]), me, int_graph(spec["graph"]),
                     float(spec["scale"]), int(spec["releases"]))
     alloc = fl.allocation
     assert alloc is not None  # record-ldp keeps no pair material

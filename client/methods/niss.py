@@ -31,7 +31,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from logging import WARNING
 
@@ -45,7 +45,7 @@ from client.identity import node_identity
 from client.pairwise_phase import checked_pair_seeds, mask_probe
 from client.records import to_record
 from client.recovery import check_unmasked, remember, seal_self_mask
-from client.recovery_ledger import Kept, charge_spec, gone, int_keys, top_event
+from client.recovery_ledger import Kept, charge_spec, gone, int_graph, int_keys, top_event
 from protocols import niss as niss_math
 from protocols.arrays import flatten, unflatten
 from protocols.clipping import clip_l2
@@ -473,7 +473,7 @@ def price_recovery(env: ClientEnv, spec: dict, store: Kept, req: RecoveryRequest
     (uplink, downlink) events to compose on top of the round's charge (:mod:`client.recovery_ledger`).
     """
     me = env.node_id
-    graph: dict[int, Sequence[int]] = {int(k): list(v) for k, v in spec["graph"].items()}
+    graph = int_graph(spec["graph"])
     aggregated, gone_peers = gone(store, req)
     survivors = sorted(aggregated & set(graph))
     if me in req.excluded or len(survivors) == len(graph):
