@@ -123,6 +123,15 @@ def test_what_the_project_knows_of_a_method_is_read_from_its_card():
         assert len(failed) == 1 and failed[0].startswith("digits: gldp") and failed[0].endswith("is below 0.500")
 
 
+def test_the_benchmarks_run_a_method_registered_after_they_were_imported():
+    """``--methods all`` reads the registry when it runs, not a list taken when the benchmarks were imported."""
+    from benchmarks import common, defaults
+
+    with register(GLDP):
+        assert "gldp" in common.benchmark_names() and "gldp" in defaults._names("all")
+    assert "gldp" not in common.benchmark_names()
+
+
 def test_an_option_flower_does_not_know_is_refused_before_a_simulation_starts(capsys):
     """Flower's runtime takes only the keys ``[tool.flwr.app.config]`` declares: the launcher names the line to add."""
     with register(GLDP):
