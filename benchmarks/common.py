@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from protocols.methods import METHOD_NAMES, METHODS, VARIANTS, method_or_variant, reference_method
+from protocols.methods import METHODS, VARIANTS, method_names, method_or_variant, reference_method
 from strategies.run.report import pyplot, save_figure  # noqa: F401 - plotting has one home (lazy matplotlib, Agg backend)
 
 #: ``--method-set`` default of the cost benchmarks: the papers' sparse pairing (mpddp: Theorem 11 needs n ~ 80
@@ -25,7 +25,7 @@ SPARSE_PAIRING = ['nadp:graph="n-out"', "nadp:n-out=8", 'mpddp:graph="n-out"', "
 # ==================================================================== methods
 def benchmark_names() -> tuple[str, ...]:
     """What ``--methods all`` runs: every registered method, then the variants."""
-    return (*METHOD_NAMES, *VARIANTS)
+    return (*method_names(), *VARIANTS)
 
 
 def method_config(name: str) -> tuple[str, dict]:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from benchmarks import common
-from protocols.methods import METHOD_NAMES, method_spec
+from protocols.methods import method_names, method_spec
 
 HELP = "every method with only method and dataset set (its regime applied): final accuracy and the acceptance rules"
 
@@ -160,7 +160,7 @@ def acceptance(rows: list[dict], chance_of: dict[str, float]) -> list[str]:
 
 
 def _names(spec: str) -> list[str]:
-    return list(METHOD_NAMES) if spec == "all" else [m.strip() for m in spec.split(",") if m.strip()]
+    return list(method_names()) if spec == "all" else [m.strip() for m in spec.split(",") if m.strip()]
 
 
 def _recorded(path: Path) -> dict[tuple[str, str, int], dict]:

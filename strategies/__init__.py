@@ -17,21 +17,33 @@ from __future__ import annotations
 
 import importlib
 
-from protocols.methods import METHODS
+_BASE = ("CancelStrategy", "RoundFailed")
+_FACTORY = ("build_strategy", "strategy_class")
 
-#: Public class name -> its module, for every registered method's strategy.
-STRATEGY_CLASSES: dict[str, str] = {spec.strategy.split(":")[1]: spec.strategy.split(":")[0] for spec in METHODS.values()
-                                    if isinstance(spec.strategy, str)}
 
-__all__ = ["CancelStrategy", "RoundFailed", "build_strategy", "strategy_class", *sorted(STRATEGY_CLASSES)]
+def _strategy_classes() -> dict[str, str]:
+    """Public class name -> its module, for every registered method whose strategy is named by import path."""
+    from protocols.methods import METHODS
+
+    return {spec.strategy.split(":")[1]: spec.strategy.split(":")[0] for spec in METHODS.values()
+            if isinstance(spec.strategy, str)}
 
 
 def __getattr__(name: str) -> object:
-    """Import a strategy class (or the base / factory) on first use."""
-    if name in STRATEGY_CLASSES:
-        return getattr(importlib.import_module(STRATEGY_CLASSES[name]), name)
-    if name in ("CancelStrategy", "RoundFailed"):
+    """Import a strategy class (or the base / factory) on first use.
+
+    ``STRATEGY_CLASSES`` and ``__all__`` are read from the registry when used: a card of your own may import this
+    package while the package is being imported.
+    """
+    if name in _BASE:
         return getattr(importlib.import_module("strategies.base"), name)
-    if name in ("build_strategy", "strategy_class"):
+    if name in _FACTORY:
         return getattr(importlib.import_module("strategies.registry"), name)
+    if name == "STRATEGY_CLASSES":
+        return _strategy_classes()
+    if name == "__all__":
+        return [*_BASE, *_FACTORY, *sorted(_strategy_classes())]
+    classes = _strategy_classes()
+    if name in classes:
+        return getattr(importlib.import_module(classes[name]), name)
     raise AttributeError(f"module 'strategies' has no attribute {name!r}")

@@ -36,6 +36,53 @@ register(MethodSpec("plugged", "strategies.baselines:LocalDPStrategy", "client.m
                     options=(PluggedOptions,), privacy=Guarantee("record", "the server", "anyone")))
 '''
 
+#: A card that is the whole method in one module, as docs/library.md shows it: its strategy and client handler
+#: subclass and import the project's server and client modules at the top of the card.
+ONE_MODULE_CARD = '''
+import os
+from dataclasses import dataclass
+
+from client.env import ClientEnv, record_level_training, reply
+from client.floor import release
+from client.records import to_record
+from protocols.arrays import flatten, unflatten
+from protocols.floor import at_least, ldp_noise_multiplier
+from protocols.methods import Guarantee, MethodSpec, register
+from protocols.options import MethodOptions, option
+from protocols.privacy import GaussianEvent, record_sensitivity
+from protocols.wire.baselines import LocalDpNoise
+from strategies import CancelStrategy
+from strategies.baselines import LocalDPStrategy
+
+
+@dataclass(frozen=True)
+class PluggedOptions(MethodOptions):
+    prefix = "plugged"
+    boost: float = option(2.0, "noise boost", low=1.0)
+
+
+class PluggedStrategy(LocalDPStrategy):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.z *= cfg.options_of(PluggedOptions).boost
+
+
+def train_plugged(msg, env: ClientEnv):
+    from protocols.prg import gaussian
+
+    z = env.cfg.options_of(PluggedOptions).boost * ldp_noise_multiplier(env.cfg)
+    at_least("noise-multiplier", LocalDpNoise.from_config(msg.content["config"]).multiplier, z)
+    global_w, local_w, loss, frac = record_level_training(msg, env)
+    flat = flatten(local_w)
+    noisy = flat + gaussian(os.urandom(32), len(flat), z * record_sensitivity(env.cfg, len(env.y)))
+    return reply(msg, to_record(unflatten(noisy, global_w)), len(env.y), train_loss=loss, **release(msg, env, GaussianEvent(z)))
+
+
+assert issubclass(PluggedStrategy, CancelStrategy)
+register(MethodSpec("plugged", PluggedStrategy, train_plugged, options=(PluggedOptions,),
+                    privacy=Guarantee("record", "the server", "anyone")))
+'''
+
 PROBE = '''
 import json
 from protocols.config import RunConfig
@@ -66,6 +113,17 @@ def test_an_installed_packages_card_registers_its_method_in_every_process(tmp_pa
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["names"][-1] == "plugged" and "nadp" in got["names"]
     assert got["boost"] == 3.0 and got["strategy"] == "LocalDPStrategy"
+
+
+@pytest.mark.parametrize("first", ["protocols.config", "protocols.methods", "strategies", "strategies.base",
+                                   "client.app", "server.launch"])
+def test_a_card_importing_the_projects_strategies_and_client_loads_whatever_is_imported_first(tmp_path, first):
+    """A plugin card is imported once the project's modules it needs are whole, whichever the process imports first."""
+    probe = f"import warnings\nwarnings.simplefilter('error', UserWarning)\nimport {first}\n" + PROBE
+    out = _run(probe, _plugin(tmp_path, ONE_MODULE_CARD))
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "plugged" in got["names"] and got["boost"] == 3.0 and got["strategy"] == "PluggedStrategy"
 
 
 def test_a_broken_plugin_warns_and_leaves_the_other_methods(tmp_path):

@@ -23,7 +23,15 @@ from protocols.config import ConfigError, RunConfig
 from protocols.floor import at_least, ldp_noise_multiplier
 from protocols.methods import Guarantee, MethodSpec, register
 from protocols.options import MethodOptions, option
-from protocols.privacy import GaussianEvent, record_sensitivity
+from protocols.privacy import (
+    Accountant,
+    GaussianEvent,
+    GdpAccountant,
+    PrivacyLedger,
+    gdp_epsilon,
+    multiplier_under,
+    record_sensitivity,
+)
 from protocols.wire.baselines import LocalDpNoise
 from server.launch import main, run_inprocess
 from strategies.baselines import LocalDPStrategy
@@ -98,6 +106,56 @@ def test_a_method_registered_from_a_test_module_runs_crashes_resumes_and_reports
         RunConfig.from_mapping({**RUN, "method": "gldp"})
 
 
+def gdp_accountant() -> Accountant:
+    """gldp-gdp's one composition: exact Gaussian DP, for the noise, the server's ledger and the clients' ledgers."""
+    return GdpAccountant()
+
+
+def gdp_multiplier(cfg: RunConfig) -> float:
+    return multiplier_under(gdp_accountant(), cfg.epsilon, cfg.delta, cfg.num_rounds)
+
+
+class GdpLdpStrategy(LocalDPStrategy):
+    """The ldp server with its noise calibrated and charged under :func:`gdp_accountant`."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        self.z = gdp_multiplier(cfg)
+        self.privacy = PrivacyLedger(cfg.delta, uplink=gdp_accountant(), downlink=gdp_accountant(), headline="uplink")
+
+
+def train_gdp_ldp(msg: Message, env: ClientEnv) -> Message:
+    """The record-level ldp upload with the multiplier and the ledger charge of :func:`gdp_accountant`."""
+    from protocols.prg import gaussian
+
+    asked = LocalDpNoise.from_config(msg.content["config"]).multiplier
+    at_least("noise-multiplier", asked, gdp_multiplier(env.cfg))
+    z = max(asked, gdp_multiplier(env.cfg))
+    global_w, local_w, loss, _ = record_level_training(msg, env)
+    flat = flatten(local_w)
+    noisy = flat + gaussian(os.urandom(32), len(flat), z * record_sensitivity(env.cfg, len(env.y)))
+    spent = release(msg, env, GaussianEvent(z), accountant=gdp_accountant())
+    return reply(msg, to_record(unflatten(noisy, global_w)), len(env.y), train_loss=loss, **spent)
+
+
+def test_a_method_changes_its_accountant_in_one_function(tmp_path):
+    """The accountant a card names calibrates the noise, charges the server's ledger and the clients' ledgers."""
+    out = tmp_path / "gdp"
+    spec = MethodSpec("gldp-gdp", GdpLdpStrategy, train_gdp_ldp,
+                      privacy=Guarantee("record", "the server and eavesdroppers", "anyone who gets the models"))
+    with register(spec):
+        run_inprocess({**RUN, "method": "gldp-gdp", "out-dir": str(out)})
+        cfg = RunConfig.from_mapping({**RUN, "method": "gldp-gdp"})
+    rows, summary = read_metrics(out), json.loads((out / "summary.json").read_text())
+    z = gdp_multiplier(cfg)
+    assert z < ldp_noise_multiplier(cfg)  # the RDP multiplier spends less than the target under Gaussian DP
+    assert gdp_epsilon(ldp_noise_multiplier(cfg), cfg.num_rounds, cfg.delta) < 0.99 * cfg.epsilon
+    assert summary["epsilon"] == pytest.approx(gdp_epsilon(z, cfg.num_rounds, cfg.delta))
+    assert summary["epsilon"] <= cfg.epsilon * (1 + 1e-9)
+    assert summary["epsilon"] == pytest.approx(cfg.epsilon, rel=1e-3)
+    assert rows[-1]["client_epsilon_max"] == pytest.approx(summary["epsilon"])
+
+
 def test_what_the_project_knows_of_a_method_is_read_from_its_card():
     """Graph default, server step, the defaults benchmark's floor and named variants: fields of the card alone."""
     from benchmarks.defaults import acceptance
@@ -121,6 +179,15 @@ def test_what_the_project_knows_of_a_method_is_read_from_its_card():
             RunConfig.from_mapping({**RUN, "server-optimizer": "adam"})
         failed = acceptance(rows, {"digits": 0.1})
         assert len(failed) == 1 and failed[0].startswith("digits: gldp") and failed[0].endswith("is below 0.500")
+
+
+def test_the_benchmarks_run_a_method_registered_after_they_were_imported():
+    """``--methods all`` reads the registry when it runs, not a list taken when the benchmarks were imported."""
+    from benchmarks import common, defaults
+
+    with register(GLDP):
+        assert "gldp" in common.benchmark_names() and "gldp" in defaults._names("all")
+    assert "gldp" not in common.benchmark_names()
 
 
 def test_an_option_flower_does_not_know_is_refused_before_a_simulation_starts(capsys):

@@ -421,3 +421,16 @@ def test_non_converged_fractional_orders_stay_out_of_the_log(caplog):
         eps = RdpAccountant([GaussianEvent(14.0, 0.5, 3)]).epsilon(1e-5)
     assert 0 < eps < 1
     assert not [r for r in caplog.records if "failed to converge" in r.getMessage()]
+
+
+def test_the_multiplier_under_an_accountant_meets_its_target_there():
+    """``multiplier_under``: RDP gives ``calibrate_noise_multiplier``'s z; Gaussian DP a smaller one, spent to the target."""
+    from protocols.privacy import GdpAccountant, RdpAccountant, calibrate_noise_multiplier, gdp_epsilon, multiplier_under
+
+    assert multiplier_under(RdpAccountant(), 1.0, 1e-5, 30) == calibrate_noise_multiplier(1.0, 1e-5, 1.0, 30)
+    z = multiplier_under(GdpAccountant(), 1.0, 1e-5, 30)
+    assert z < calibrate_noise_multiplier(1.0, 1e-5, 1.0, 30)
+    assert 0.999 < gdp_epsilon(z, 30, 1e-5) <= 1.0
+    used = GdpAccountant([GaussianEvent(1.0)])
+    with pytest.raises(ValueError, match="empty accountant"):
+        multiplier_under(used, 1.0, 1e-5, 30)

@@ -25,6 +25,7 @@ from protocols.methods.registry import (
     method_names,
     method_or_variant,
     method_spec,
+    on_first_read,
     options_classes,
     query_actions,
     reference_method,
@@ -50,15 +51,21 @@ _NOT_CARDS = frozenset({"common", "pairwise", "registry", "spec"})
 ENTRY_POINT_GROUP = "cancelfl.methods"
 
 
-def _load_cards() -> None:
-    """Import the built-in cards, then any other card module of this package (by name), then installed plugins.
+def _load_builtin_cards() -> None:
+    """Import the built-in cards (the README's order); their strategies and handlers are named by import path."""
+    for card in ("baselines", "nadp", "niss", "mpddp", "ladp", "ddpsa"):
+        importlib.import_module(f"{__name__}.{card}")
+
+
+def _load_other_cards() -> None:
+    """Import every other card module of this package (by name), then the installed plugins' cards.
 
     A card registers its method on import, so a module dropped into ``protocols/methods/`` or a package that names
-    its card under :data:`ENTRY_POINT_GROUP` is known to every process that imports the registry (the ServerApp,
-    every ClientApp, the benchmarks) without an edit elsewhere.
+    its card under :data:`ENTRY_POINT_GROUP` is known to every process that reads the registry (the ServerApp,
+    every ClientApp, the benchmarks) without an edit elsewhere.  They are imported on the registry's first read
+    (:func:`protocols.methods.registry.on_first_read`), so such a card may import the strategies and client
+    modules its method subclasses, whichever module the process imports first.
     """
-    for card in ("baselines", "nadp", "niss", "mpddp", "ladp", "ddpsa"):  # built in: the README's order
-        importlib.import_module(f"{__name__}.{card}")
     for module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _NOT_CARDS):
         importlib.import_module(f"{__name__}.{module}")  # the built-in ones are imported already
     for ep in entry_points(group=ENTRY_POINT_GROUP):
@@ -69,13 +76,22 @@ def _load_cards() -> None:
                           f"{ENTRY_POINT_GROUP!r}) failed to import and is not registered: {err!r}", stacklevel=2)
 
 
-_load_cards()
-#: Every registered method at import (built-in cards first, in the README's order; :func:`method_names` for later
-#: registrations).
-METHOD_NAMES: tuple[str, ...] = method_names()
+_load_builtin_cards()
+on_first_read(_load_other_cards)
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    """``METHOD_NAMES``: every registered method, read when used.
+
+    Built-in cards first, in the README's order, then the cards loaded on the registry's first read.
+    """
+    if name == "METHOD_NAMES":
+        return method_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["AUTO", "AUTO_KEYS", "ENTRY_POINT_GROUP", "FEDERATION", "FULL_BATCH", "LARGE_DATASETS",
            "METHODS", "METHOD_NAMES", "NO_COLLUDER", "PRIVACY_UNITS", "SPARSE_FROM", "VARIANTS", "Guarantee",
            "MethodSpec", "auto_graph", "dataset_size_class", "local_services", "method_names", "method_or_variant",
-           "method_spec", "options_classes", "query_actions", "reference_method", "regime", "register",
-           "register_variant", "sparse_by_default"]
+           "method_spec", "on_first_read", "options_classes", "query_actions", "reference_method", "regime",
+           "register", "register_variant", "sparse_by_default"]

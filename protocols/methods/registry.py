@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -9,13 +10,60 @@ from protocols.methods.spec import FEDERATION, LARGE_DATASETS, MethodSpec
 from protocols.options import MethodOptions
 
 _REGISTRY: dict[str, MethodSpec] = {}
-#: Every registered method by name (a live, read-only view: methods registered later appear in it).
-METHODS: MappingProxyType = MappingProxyType(_REGISTRY)
 _VARIANTS: dict[str, tuple[str, MappingProxyType]] = {}
+#: Loaders of the cards that are not built in, run once before the registry is first read (:func:`on_first_read`).
+_PENDING: list[Callable[[], None]] = []
+
+
+def on_first_read(load: Callable[[], None]) -> None:
+    """Run ``load`` (it imports cards) before the registry is next read, not now.
+
+    A card of your own may import the project's strategies and client modules, which import the registry
+    themselves: importing it while the first of them is still being imported would find that module half
+    defined.  A read happens once the process runs code, when every module it imported is whole.
+    """
+    _PENDING.append(load)
+
+
+def _loaded() -> None:
+    """Run the pending card loaders (each once; a card that reads the registry while it loads sees it so far)."""
+    while _PENDING:
+        _PENDING.pop(0)()
+
+
+class _Live(Mapping):
+    """A read-only view of a registry table that loads the pending cards first."""
+
+    def __init__(self, table: dict) -> None:
+        self._table = table
+
+    def __getitem__(self, key: str) -> Any:
+        _loaded()
+        return self._table[key]
+
+    def __iter__(self) -> Iterator[str]:
+        _loaded()
+        return iter(dict(self._table))
+
+    def __len__(self) -> int:
+        _loaded()
+        return len(self._table)
+
+    def __contains__(self, key: object) -> bool:
+        _loaded()
+        return key in self._table
+
+    def __repr__(self) -> str:
+        _loaded()
+        return repr(self._table)
+
+
+#: Every registered method by name (a live, read-only view: methods registered later appear in it).
+METHODS: Mapping[str, MethodSpec] = _Live(_REGISTRY)
 #: Named variants of a method, as its card declares them (:func:`register_variant`): name -> (registered method,
 #: the run-config keys it sets).  Run by the benchmarks and ``cancelfl compare`` next to the methods (a variant
 #: is a method's setting, not a method).
-VARIANTS: MappingProxyType = MappingProxyType(_VARIANTS)
+VARIANTS: Mapping[str, tuple[str, MappingProxyType]] = _Live(_VARIANTS)
 
 
 class _Registration:
@@ -43,6 +91,7 @@ def register(spec: MethodSpec) -> _Registration:
         ValueError: the name is taken, one of its option keys is another class's key, or it sets ``reference``
             while another registered method does.
     """
+    _loaded()
     if spec.name in _REGISTRY or spec.name in _VARIANTS:
         raise ValueError(f"method {spec.name!r} is already registered")
     if spec.reference and any(other.reference for other in _REGISTRY.values()):
@@ -65,6 +114,7 @@ def register_variant(name: str, method: str, keys: dict[str, Any]) -> _Registrat
     Raises:
         ValueError: ``name`` is a registered method or variant, or ``method`` is not registered.
     """
+    _loaded()
     if name in _REGISTRY or name in _VARIANTS:
         raise ValueError(f"variant {name!r}: the name is already registered")
     if method not in _REGISTRY:
@@ -75,13 +125,13 @@ def register_variant(name: str, method: str, keys: dict[str, Any]) -> _Registrat
 
 def method_names() -> tuple[str, ...]:
     """Every registered method, in registration order."""
-    return tuple(_REGISTRY)
+    return tuple(METHODS)
 
 
 def method_spec(name: str) -> MethodSpec:
     """The spec of ``name`` (ValueError listing the known methods)."""
     try:
-        return _REGISTRY[name]
+        return METHODS[name]
     except KeyError:
         raise ValueError(f"unknown method {name!r}; known: {', '.join(_REGISTRY)}") from None
 
@@ -92,7 +142,7 @@ def reference_method() -> str:
     Raises:
         ValueError: no registered method sets it.
     """
-    for name, spec in _REGISTRY.items():
+    for name, spec in METHODS.items():
         if spec.reference:
             return name
     raise ValueError("no registered method sets MethodSpec.reference")
@@ -101,7 +151,7 @@ def reference_method() -> str:
 def options_classes() -> tuple[type[MethodOptions], ...]:
     """Every registered options class, once each, in registration order."""
     out: dict[type[MethodOptions], None] = {}
-    for spec in _REGISTRY.values():
+    for spec in METHODS.values():
         out.update(dict.fromkeys(spec.options))
     return tuple(out)
 
@@ -117,14 +167,14 @@ def method_or_variant(name: str) -> tuple[str, dict]:
     if name in VARIANTS:
         method, extra = VARIANTS[name]
         return method, dict(extra)
-    if name in _REGISTRY:
+    if name in METHODS:
         return name, {}
     raise ValueError(f"unknown method {name!r}; known: {', '.join((*_REGISTRY, *VARIANTS))}")
 
 
 def query_actions() -> set[str]:
     """Every extra phase name any method uses (registered once on the ClientApp)."""
-    return {a for spec in _REGISTRY.values() for a in spec.queries}
+    return {a for spec in METHODS.values() for a in spec.queries}
 
 
 def dataset_size_class(dataset: str) -> str:

@@ -27,7 +27,13 @@ from protocols.privacy.accountant import (
     RdpAccountant,
     accountant_from_state,
 )
-from protocols.privacy.calibration import calibrate_noise_multiplier, gaussian_epsilon, gdp_epsilon, noise_multiplier
+from protocols.privacy.calibration import (
+    calibrate_noise_multiplier,
+    gaussian_epsilon,
+    gdp_epsilon,
+    multiplier_under,
+    noise_multiplier,
+)
 from protocols.privacy.composition import (
     BudgetSchedule,
     PrivacyBudget,
@@ -108,6 +114,7 @@ __all__ = [
     "l1_sensitivity",
     "local_sgd_sensitivity",
     "local_sgd_steps",
+    "multiplier_under",
     "noise_multiplier",
     "per_record",
     "per_round_epsilons",

@@ -5,6 +5,8 @@
 * :func:`calibrate_noise_multiplier` / :func:`noise_multiplier` -- its inverse: the smallest
   noise multiplier (noise std / L2 sensitivity) whose releases stay within the budget.
 * :func:`gdp_epsilon` -- exact epsilon of unsampled Gaussian releases (Gaussian DP).
+* :func:`multiplier_under` -- the noise multiplier that meets a target under any accountant of Gaussian releases
+  (a method that changes its accountant calibrates with the one it charges).
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from protocols.privacy.accountant import GdpAccountant, RdpAccountant
+from protocols.privacy.accountant import Accountant, GdpAccountant, RdpAccountant, accountant_from_state
 from protocols.privacy.events import GaussianEvent
 
-__all__ = ["calibrate_noise_multiplier", "gaussian_epsilon", "gdp_epsilon", "noise_multiplier"]
+__all__ = ["calibrate_noise_multiplier", "gaussian_epsilon", "gdp_epsilon", "multiplier_under", "noise_multiplier"]
 
 
 def _check(noise_multiplier: float, sampling_rate: float, steps: int, delta: float) -> None:
@@ -75,3 +77,44 @@ def gdp_epsilon(noise_multiplier: float, releases: int, delta: float) -> float:
     if releases < 0:
         raise ValueError(f"releases must be >= 0, got {releases}")
     return GdpAccountant([GaussianEvent(noise_multiplier, 1.0, releases)]).epsilon(delta)
+
+
+def multiplier_under(accountant: Accountant, epsilon: float, delta: float, releases: int, *,
+                     sampling_rate: float = 1.0, tol: float = 1e-4) -> float:
+    """Smallest noise multiplier whose ``releases`` Gaussian releases, composed by ``accountant``, stay within budget.
+
+    ``accountant`` is empty: the composition the method charges its releases with (its strategy's ledger and its
+    clients' :func:`client.floor.release` take the same), left unchanged.  Bisection on the monotone map
+    z -> epsilon (relative tolerance ``tol``); the result errs on the safe side.  With a fresh
+    :class:`RdpAccountant` it is :func:`calibrate_noise_multiplier`.
+
+    Raises:
+        ValueError: ``accountant`` holds releases or cannot compose Gaussian releases, or no multiplier up to 1e7
+            meets the budget.
+    """
+    if accountant.releases:
+        raise ValueError("calibrate with an empty accountant")
+    if not epsilon > 0:
+        raise ValueError(f"epsilon must be > 0, got {epsilon}")
+    _check(1.0, sampling_rate, releases, delta)
+    if releases == 0:
+        raise ValueError("cannot calibrate for 0 releases")
+    state = accountant.to_state()
+
+    def spent(z: float) -> float:
+        acc = accountant_from_state(state)
+        acc.compose(GaussianEvent(z, sampling_rate, releases))
+        return acc.epsilon(delta)
+
+    lo, hi = 1e-3, 1.0
+    while spent(hi) > epsilon:
+        lo, hi = hi, hi * 2
+        if hi > 1e7:
+            raise ValueError(f"no noise multiplier reaches epsilon={epsilon} at delta={delta}")
+    while (hi - lo) / hi > tol:
+        mid = 0.5 * (lo + hi)
+        if spent(mid) > epsilon:
+            lo = mid
+        else:
+            hi = mid
+    return hi
