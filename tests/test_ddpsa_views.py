@@ -138,3 +138,43 @@ class _NoCheck(DdpsaStrategy):
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(RunConfig.from_mapping({**cfg.to_mapping(), "ddpsa-dropout-frac": 0.0}))
         self.cfg = cfg
+
+
+@pytest.mark.parametrize("named_in", ["run config", "node config"])
+def test_a_node_asking_for_a_guarantee_pushes_split_noise_only_to_servers_of_its_node_config(
+        noise_seen, tmp_path, named_in) -> None:  # noqa: F811 (fixture)
+    """Servers the run config names are the parameter server's: holding them it reconstructs each client's own sum.
+
+    That sum carries the client's ``Gamma(1/n', b)`` difference alone (here ``n' = 4``: shape 1/4, no finite
+    epsilon) while its ledger charges ``eps_t``.  A node whose policy asks for a guarantee refuses before any work,
+    spends nothing and no server holds a byte; the same servers pinned in its node config are taken.
+    """
+    from client.env import ClientEnv
+    from client.ledger import ClientLedger, ledger_dir
+    from protocols.wire.intermediate import IntermediateServerClient
+
+    with _served(num_clients=4, num_rounds=2, ddpsa_collude_frac=0.0, **LINEAR) as (cfg, grid, cluster):
+        servers = {"ddpsa-servers": cfg.ddpsa_servers, "ddpsa-ca": cfg.ddpsa_ca}
+        for ctx in grid.contexts.values():
+            ctx.node_config.update({"ledger-dir": str(tmp_path), "max-epsilon-per-run": cfg.epsilon,
+                                    **(servers if named_in == "node config" else {})})
+        strategy = DdpsaStrategy(cfg)
+        try:
+            replies = _train(strategy, cfg, grid)
+            assert len(replies) == 4
+            if named_in == "node config":
+                assert not any(r.has_error() for r in replies) and len(noise_seen) == 4
+                return
+            for r in replies:
+                assert r.has_error() and "privacy floor" in r.error.reason, r.content.keys()
+                assert "node config 'ddpsa-servers'" in r.error.reason
+            assert noise_seen == []  # refused before any gradient was computed
+            for a in cluster.addresses:
+                with IntermediateServerClient(a, cluster.servers.ca) as c:
+                    assert c.status(strategy.signer).stored_bytes == 0
+            for ctx in grid.contexts.values():
+                env = ClientEnv.from_context(ctx)
+                with ClientLedger.open(ledger_dir(ctx.node_config), env.partition_id, write=False) as led:
+                    assert led.rounds(ctx.run_id) == []
+        finally:
+            strategy.close()

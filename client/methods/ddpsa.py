@@ -34,7 +34,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from torch import nn
 
 from client.env import ClientEnv, reply
-from client.floor import release
+from client.floor import policy, release
 from client.identity import authenticating_identity, node_identity
 from protocols.ddpsa import (
     centred_cross_entropy,
@@ -145,15 +145,26 @@ def gaussian_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: 
 def intermediate_servers(env: ClientEnv, plan: DdpsaRound) -> IntermediateServers:
     """The intermediate servers of this client's own configuration; refuses a round that names others.
 
-    Node config ``ddpsa-servers`` / ``ddpsa-ca`` win over the run config's (the node's own settings).
+    Node config ``ddpsa-servers`` / ``ddpsa-ca`` win over the run config's (the node's own settings).  A node whose
+    policy asks for a guarantee takes both from its node config alone for a round whose noise is split over the
+    participants (any but ``"local"``): the run config's are the parameter server's choice, and whoever holds
+    ``threshold`` of the servers reconstructs this node's own sum, which carries only its ``1/n'`` share of the noise
+    its ledger charges.
 
     Raises:
-        FloorViolation: the client has no servers configured, or the round's list differs from its own.
+        FloorViolation: the client has no servers configured, the round's list differs from its own, or a node asking
+            for a guarantee would push a split-noise share to servers its node config does not name.
     """
     nc = env.context.node_config
     own = tuple(a.strip() for a in str(nc.get("ddpsa-servers", env.cfg.ddpsa_servers)).split(",") if a.strip())
     ca = str(nc.get("ddpsa-ca", env.cfg.ddpsa_ca))
     why = "DDP-SA shares go only to the intermediate servers of this client's own configuration"
+    if plan.noise != "local" and policy(env).wants_guarantee and not (nc.get("ddpsa-servers") and nc.get("ddpsa-ca")):
+        raise FloorViolation("ddpsa-servers", list(plan.servers), "node config 'ddpsa-servers' and 'ddpsa-ca'",
+                             "the run config's intermediate servers are the parameter server's choice: holding them, "
+                             "it reconstructs this node's sum, which carries only its share of the round's noise; "
+                             "this node's 'max-epsilon-per-run' / 'lifetime-epsilon' asks for a guarantee, so it "
+                             "pushes only to the servers of its node config")
     if not own or not ca:
         raise FloorViolation("ddpsa-servers", list(plan.servers), "none configured",
                              why + " (set node config or run config 'ddpsa-servers' and 'ddpsa-ca')")
