@@ -178,3 +178,44 @@ def test_a_node_asking_for_a_guarantee_pushes_split_noise_only_to_servers_of_its
                     assert led.rounds(ctx.run_id) == []
         finally:
             strategy.close()
+
+
+class _CoarseGrid(DdpsaStrategy):
+    """Asks the clients to encode their noisy sums on the integer grid (``ddpsa-frac-bits = 0``)."""
+
+    def train_config(self, server_round: int):
+        return {**super().train_config(server_round), "ddpsa-frac-bits": 0}
+
+
+def test_a_grid_that_rounds_the_split_noise_away_is_refused(noise_seen) -> None:  # noqa: F811 (fixture)
+    """A fixed-point grid far coarser than the central noise is refused: its rounding decides the released sum.
+
+    Each client rounds its own noisy sum to the server's grid before sharing, a change that depends on its data.
+
+    ``b = 0.01`` on the integer grid, 10 participants: a record moving its client's coordinate from 0.495 to 0.505
+    gives a sum of 0 in 94 % of the rounds against 6 % (epsilon >= 2.7), while each ledger charges ``eps_t = 1``.
+    The clients refuse the round before any work; the honest server refuses such a configuration before round 1.
+    """
+    from protocols.ddpsa import distributed_laplace_share, min_frac_bits
+    from protocols.secret_sharing import FixedPointCodec
+
+    codec, draws = FixedPointCodec(frac_bits=0, max_clients=10), 20_000
+
+    def released(target: float, seed: int) -> np.ndarray:
+        return sum(codec.decode(codec.encode((target if i == 0 else 0.0) + distributed_laplace_share(
+            draws, 0.01, 9, seed=bytes([seed, i]) + bytes(30)))) for i in range(10))
+    p, q = np.mean(released(0.495, 1) == 0), np.mean(released(0.505, 2) == 0)
+    assert p > 0.9 and q < 0.1 and np.log(p / q) > 2.5  # epsilon 1 allows p <= e q
+    assert min_frac_bits(10, 0.01) > 0
+
+    with _served(num_clients=4, num_rounds=2, **LINEAR) as (cfg, grid, cluster):
+        strategy = _CoarseGrid(cfg)
+        try:
+            replies = _train(strategy, cfg, grid)
+        finally:
+            strategy.close()
+        assert len(replies) == 4 and noise_seen == []
+        for r in replies:
+            assert r.has_error() and "privacy floor" in r.error.reason and "ddpsa-frac-bits" in r.error.reason
+        with pytest.raises(ConfigError, match="ddpsa-frac-bits"):
+            DdpsaStrategy(RunConfig.from_mapping({**cfg.to_mapping(), "ddpsa-frac-bits": 8, "clip": 0.01}))
