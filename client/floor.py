@@ -149,8 +149,8 @@ def _charge(env: ClientEnv, rnd: int, events: dict[str, Event], accountant: Acco
             at_most(f"lifetime-epsilon ({key})", eps, pol.lifetime_epsilon,
                     f"{what} would take the node past its lifetime budget (node config 'lifetime-epsilon')")
         if pol.max_epsilon_per_run is not None:  # what this run spends in its own unit, recovery top-ups included
-            own = {k: v for k, v in led.projected_run(env.context.run_id, events, env.cfg.delta, accountant).items()
-                   if k.endswith(f"/{unit}")}
+            own = {k: v for k, v in led.projected_run(env.context.run_id, events, run_delta(pol, env.cfg.delta),
+                                                      accountant).items() if k.endswith(f"/{unit}")}
             key, run_eps = _worst(own)
             at_most(f"max-epsilon-per-run ({key})", run_eps, pol.max_epsilon_per_run,
                     f"{what} would take this run past the node's per-run budget (node config 'max-epsilon-per-run')")
@@ -159,6 +159,16 @@ def _charge(env: ClientEnv, rnd: int, events: dict[str, Event], accountant: Acco
         else:
             led.charge(env.context.run_id, events, accountant)
         return eps, len(led.rounds(env.context.run_id))
+
+
+def run_delta(pol: FloorPolicy, delta: float) -> float:
+    """The delta a run's spend is read at against ``max-epsilon-per-run`` (the run's, bounded by the node's).
+
+    The run's ``delta``, or ``lifetime-delta`` where smaller and the node sets no ``max-delta``: the run config's
+    delta is the server's choice, and a run asking ``delta = 0.9`` read there passed a per-run budget of 1 with noise
+    for (1, 0.9) (ldp, 10 rounds: noise multiplier 1.29 instead of 12.8, epsilon 12.9 at delta 1e-5).
+    """
+    return delta if pol.max_delta is not None else min(delta, pol.lifetime_delta)
 
 
 #: Train-reply metrics computed on the node's data without noise (on a model the server chose).

@@ -171,10 +171,12 @@ def run_inprocess(overrides: dict, *, progress=print, grid_factory=None, keep_st
         grid = LocalGrid(client_app, cfg.num_clients, raw, node_config={"ledger-dir": str(ledger_dir(cfg.out_dir))})
     else:
         grid = grid_factory(client_app, cfg.num_clients, raw)
-    # DDP-SA: local intermediate servers that trust the nodes' roster; the nodes get them in their own config.
+    # DDP-SA: local intermediate servers that trust the nodes' roster; the nodes get them in their own node config
+    # (a node asking for a guarantee takes no servers from the run config).
     with local_intermediate_servers(cfg, roster_of(c.node_config for c in grid.contexts.values())) as cfg:
         for ctx in grid.contexts.values():
-            ctx.run_config.update({"ddpsa-servers": cfg.ddpsa_servers, "ddpsa-ca": cfg.ddpsa_ca})
+            if cfg.ddpsa_servers and "ddpsa-servers" not in ctx.node_config:  # a node's own pinned ones stay
+                ctx.node_config.update({"ddpsa-servers": cfg.ddpsa_servers, "ddpsa-ca": cfg.ddpsa_ca})
         strategy = build_strategy(cfg)
         if keep_strategy is not None:
             keep_strategy.append(strategy)

@@ -42,12 +42,14 @@ from flwr.serverapp import Grid
 from protocols.arrays import flatten, unflatten
 from protocols.config import ConfigError, RunConfig
 from protocols.ddpsa import (
+    central_scale,
     composition_accountant,
     gamma_difference_epsilon,
     gaussian_multiplier,
     gaussian_share_std,
     honest_participants,
     honest_present,
+    min_frac_bits,
     present_multiplier,
 )
 from protocols.floor import ddpsa_min_summed, separable_sums
@@ -149,6 +151,13 @@ class DdpsaStrategy(CancelStrategy):
         spent = composition_accountant(cfg.ddpsa_composition, cfg.ddpsa_noise)
         self.privacy = PrivacyLedger(cfg.delta, uplink=spent, downlink=spent)
         self.codec = FixedPointCodec(frac_bits=cfg.ddpsa_frac_bits, max_clients=max(cfg.num_clients, 2))
+        if cfg.ddpsa_noise != "local":  # every client refuses a grid that rounds its split noise away
+            need = min_frac_bits(max(cfg.clients_per_round, 1), central_scale(
+                cfg.clip, adjacency=cfg.adjacency, epsilon=max(self.schedule.epsilons), multiplier=self.z or 0.0))
+            if self.codec.frac_bits < need:
+                raise ConfigError(f"method 'ddpsa': run-config 'ddpsa-frac-bits' = {self.codec.frac_bits} is too "
+                                  f"coarse for this run's noise (its clients need at least {need}: the fixed-point "
+                                  "round-off of their shares must stay far below the central noise)")
         #: Servers whose partial sums reconstruct a round; ``shamir`` is it for Shamir sharing, None for additive.
         self.threshold = cfg.ddpsa_sharing_threshold
         self.shamir: int | None = None if self.threshold == self.m else self.threshold

@@ -116,6 +116,31 @@ def test_budget_would_be_exceeded_mid_run_refused(tmp_path):
     assert_all_refused(train_round(strategy, cfg, grid, 3), "lifetime-epsilon")
 
 
+@pytest.mark.parametrize("max_delta", [None, 0.5])
+def test_a_per_run_budget_is_read_at_the_nodes_delta_not_a_larger_one_the_run_asks(tmp_path, max_delta):
+    """A run asking ``delta = 0.5`` calibrates ldp's noise for (1, 0.5): multiplier 1.2 instead of 7.0 for 3 rounds.
+
+    Read at 0.5 the run's spend met the node's ``max-epsilon-per-run = 1`` while one round alone costs 3.5 at the
+    node's ``lifetime-delta`` (1e-5), the 3 rounds 6.6.  Without a ``max-delta`` the node reads it there and
+    refuses the round before anything leaves; a node that accepts ``max-delta = 0.5`` trains.
+    """
+    node_config = {"ledger-dir": str(tmp_path), "max-epsilon-per-run": 1.0,
+                   **({"max-delta": max_delta} if max_delta else {})}
+    cfg, grid = setup("ldp", node_config=node_config, **{**LDP, "delta": 0.5})
+    from strategies.registry import build_strategy
+
+    replies = train_round(build_strategy(cfg), cfg, grid)
+    if max_delta:
+        assert all(not r.has_error() for r in replies)
+        return
+    assert_all_refused(replies, "max-epsilon-per-run")
+    acc = GdpAccountant()
+    acc.compose(GaussianEvent(ldp_noise_multiplier(cfg)))
+    assert acc.epsilon(1e-5) > 3 and acc.epsilon(0.5) < 1  # what the refused round would have spent, and its reading
+    with ClientLedger.open(tmp_path, 0, write=False) as led:
+        assert not led.accounts
+
+
 def test_spent_ledger_refuses_in_a_new_run_and_the_metrics_show_it(tmp_path):
     """Run 1 spends the whole lifetime budget (metrics show it per client); run 2 on the same ledger is refused."""
     ledger = tmp_path / "ledgers"

@@ -138,3 +138,84 @@ class _NoCheck(DdpsaStrategy):
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(RunConfig.from_mapping({**cfg.to_mapping(), "ddpsa-dropout-frac": 0.0}))
         self.cfg = cfg
+
+
+@pytest.mark.parametrize("named_in", ["run config", "node config"])
+def test_a_node_asking_for_a_guarantee_pushes_split_noise_only_to_servers_of_its_node_config(
+        noise_seen, tmp_path, named_in) -> None:  # noqa: F811 (fixture)
+    """Servers the run config names are the parameter server's: holding them it reconstructs each client's own sum.
+
+    That sum carries the client's ``Gamma(1/n', b)`` difference alone (here ``n' = 4``: shape 1/4, no finite
+    epsilon) while its ledger charges ``eps_t``.  A node whose policy asks for a guarantee refuses before any work,
+    spends nothing and no server holds a byte; the same servers pinned in its node config are taken.
+    """
+    from client.env import ClientEnv
+    from client.ledger import ClientLedger, ledger_dir
+    from protocols.wire.intermediate import IntermediateServerClient
+
+    with _served(num_clients=4, num_rounds=2, ddpsa_collude_frac=0.0, **LINEAR) as (cfg, grid, cluster):
+        servers = {"ddpsa-servers": cfg.ddpsa_servers, "ddpsa-ca": cfg.ddpsa_ca}
+        for ctx in grid.contexts.values():
+            ctx.node_config.update({"ledger-dir": str(tmp_path), "max-epsilon-per-run": cfg.epsilon,
+                                    **(servers if named_in == "node config" else {})})
+        strategy = DdpsaStrategy(cfg)
+        try:
+            replies = _train(strategy, cfg, grid)
+            assert len(replies) == 4
+            if named_in == "node config":
+                assert not any(r.has_error() for r in replies) and len(noise_seen) == 4
+                return
+            for r in replies:
+                assert r.has_error() and "privacy floor" in r.error.reason, r.content.keys()
+                assert "node config 'ddpsa-servers'" in r.error.reason
+            assert noise_seen == []  # refused before any gradient was computed
+            for a in cluster.addresses:
+                with IntermediateServerClient(a, cluster.servers.ca) as c:
+                    assert c.status(strategy.signer).stored_bytes == 0
+            for ctx in grid.contexts.values():
+                env = ClientEnv.from_context(ctx)
+                with ClientLedger.open(ledger_dir(ctx.node_config), env.partition_id, write=False) as led:
+                    assert led.rounds(ctx.run_id) == []
+        finally:
+            strategy.close()
+
+
+class _CoarseGrid(DdpsaStrategy):
+    """Asks the clients to encode their noisy sums on the integer grid (``ddpsa-frac-bits = 0``)."""
+
+    def train_config(self, server_round: int):
+        return {**super().train_config(server_round), "ddpsa-frac-bits": 0}
+
+
+def test_a_grid_that_rounds_the_split_noise_away_is_refused(noise_seen) -> None:  # noqa: F811 (fixture)
+    """A fixed-point grid far coarser than the central noise is refused: its rounding decides the released sum.
+
+    Each client rounds its own noisy sum to the server's grid before sharing, a change that depends on its data.
+
+    ``b = 0.01`` on the integer grid, 10 participants: a record moving its client's coordinate from 0.495 to 0.505
+    gives a sum of 0 in 94 % of the rounds against 6 % (epsilon >= 2.7), while each ledger charges ``eps_t = 1``.
+    The clients refuse the round before any work; the honest server refuses such a configuration before round 1.
+    """
+    from protocols.ddpsa import distributed_laplace_share, min_frac_bits
+    from protocols.secret_sharing import FixedPointCodec
+
+    codec, draws = FixedPointCodec(frac_bits=0, max_clients=10), 20_000
+
+    def released(target: float, seed: int) -> np.ndarray:
+        return sum(codec.decode(codec.encode((target if i == 0 else 0.0) + distributed_laplace_share(
+            draws, 0.01, 9, seed=bytes([seed, i]) + bytes(30)))) for i in range(10))
+    p, q = np.mean(released(0.495, 1) == 0), np.mean(released(0.505, 2) == 0)
+    assert p > 0.9 and q < 0.1 and np.log(p / q) > 2.5  # epsilon 1 allows p <= e q
+    assert min_frac_bits(10, 0.01) > 0
+
+    with _served(num_clients=4, num_rounds=2, **LINEAR) as (cfg, grid, cluster):
+        strategy = _CoarseGrid(cfg)
+        try:
+            replies = _train(strategy, cfg, grid)
+        finally:
+            strategy.close()
+        assert len(replies) == 4 and noise_seen == []
+        for r in replies:
+            assert r.has_error() and "privacy floor" in r.error.reason and "ddpsa-frac-bits" in r.error.reason
+        with pytest.raises(ConfigError, match="ddpsa-frac-bits"):
+            DdpsaStrategy(RunConfig.from_mapping({**cfg.to_mapping(), "ddpsa-frac-bits": 8, "clip": 0.01}))

@@ -11,9 +11,10 @@ Per round ``t`` on the received global model (FedSGD: one gradient over the whol
    round (:func:`gaussian_gradient_sum`) clips in L2 and adds its share of ``N(0, (z Delta_2)^2)``, ``z`` at
    least :func:`protocols.floor.ddpsa_noise_multiplier` of the client's own config;
 3. ``s_i`` (the noisy sum, not the paper's average: a shared sum cannot be weighted) fixed-point encoded
-   (:mod:`protocols.secret_sharing`), split into ``m`` shares and each pushed, signed, to its intermediate server,
-   with the client's terms (:class:`protocols.wire.intermediate.ShareTerms`): the participants it was shown (a
-   round registered for others refuses the push) and :func:`protocols.floor.ddpsa_min_summed`, the fewest clients
+   (:mod:`protocols.secret_sharing`, on a grid no coarser than :func:`protocols.ddpsa.min_frac_bits` allows),
+   split into ``m`` shares and each pushed, signed, to its intermediate server, with the client's terms
+   (:class:`protocols.wire.intermediate.ShareTerms`): the participants it was shown (a round registered for others
+   refuses the push) and :func:`protocols.floor.ddpsa_min_summed`, the fewest clients
    a partial sum holding the share may cover (a distributed share: all the participants it was
    shown but ``floor(d n)``).
 
@@ -34,9 +35,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from torch import nn
 
 from client.env import ClientEnv, reply
-from client.floor import release
+from client.floor import policy, release
 from client.identity import authenticating_identity, node_identity
 from protocols.ddpsa import (
+    central_scale,
     centred_cross_entropy,
     clip_norm,
     composition_accountant,
@@ -45,6 +47,7 @@ from protocols.ddpsa import (
     gaussian_share_std,
     is_linear_classifier,
     laplace_noise,
+    min_frac_bits,
 )
 from protocols.floor import (
     FloorViolation,
@@ -145,15 +148,26 @@ def gaussian_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: 
 def intermediate_servers(env: ClientEnv, plan: DdpsaRound) -> IntermediateServers:
     """The intermediate servers of this client's own configuration; refuses a round that names others.
 
-    Node config ``ddpsa-servers`` / ``ddpsa-ca`` win over the run config's (the node's own settings).
+    Node config ``ddpsa-servers`` / ``ddpsa-ca`` win over the run config's (the node's own settings).  A node whose
+    policy asks for a guarantee takes both from its node config alone for a round whose noise is split over the
+    participants (any but ``"local"``): the run config's are the parameter server's choice, and whoever holds
+    ``threshold`` of the servers reconstructs this node's own sum, which carries only its ``1/n'`` share of the noise
+    its ledger charges.
 
     Raises:
-        FloorViolation: the client has no servers configured, or the round's list differs from its own.
+        FloorViolation: the client has no servers configured, the round's list differs from its own, or a node asking
+            for a guarantee would push a split-noise share to servers its node config does not name.
     """
     nc = env.context.node_config
     own = tuple(a.strip() for a in str(nc.get("ddpsa-servers", env.cfg.ddpsa_servers)).split(",") if a.strip())
     ca = str(nc.get("ddpsa-ca", env.cfg.ddpsa_ca))
     why = "DDP-SA shares go only to the intermediate servers of this client's own configuration"
+    if plan.noise != "local" and policy(env).wants_guarantee and not (nc.get("ddpsa-servers") and nc.get("ddpsa-ca")):
+        raise FloorViolation("ddpsa-servers", list(plan.servers), "node config 'ddpsa-servers' and 'ddpsa-ca'",
+                             "the run config's intermediate servers are the parameter server's choice: holding them, "
+                             "it reconstructs this node's sum, which carries only its share of the round's noise; "
+                             "this node's 'max-epsilon-per-run' / 'lifetime-epsilon' asks for a guarantee, so it "
+                             "pushes only to the servers of its node config")
     if not own or not ca:
         raise FloorViolation("ddpsa-servers", list(plan.servers), "none configured",
                              why + " (set node config or run config 'ddpsa-servers' and 'ddpsa-ca')")
@@ -186,6 +200,10 @@ def train(msg: Message, env: ClientEnv) -> Message:
     honest = ddpsa_noise_share(env.cfg, plan.noise, len(plan.participants))
     at_least("ddpsa-threshold", plan.threshold, sharing_threshold(env.cfg.ddpsa_threshold, len(servers)),
              "fewer intermediate servers than this client's 'ddpsa-threshold' could reconstruct its upload")
+    if honest is not None:  # a split noise: the codec's round-off of every share must stay far below the central noise
+        scale = central_scale(env.cfg.clip, adjacency=env.cfg.adjacency, epsilon=eps_t, multiplier=plan.multiplier)
+        at_least("ddpsa-frac-bits", plan.frac_bits, min_frac_bits(len(plan.participants), scale),
+                 "a coarser fixed-point grid rounds away the noise split over the participants")
     model = env.model(from_record(msg.content["arrays"]))
     event: Event
     if plan.noise == "gaussian":
