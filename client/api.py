@@ -31,7 +31,7 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from client.env import ClientEnv
-from client.methods import query_actions, query_handler, train_phase
+from client.methods import query_actions, query_phase, train_phase
 from protocols.config import ConfigError, RunConfig, describe_changes
 from protocols.wire.settings import MISMATCH, settings_of
 
@@ -99,7 +99,7 @@ def protect(msg: Message, context: Context, model: nn.Module, x: np.ndarray, y: 
     if kind == "train":
         return train_phase(msg, env)
     if kind.startswith("query."):
-        return query_handler(env.cfg.method, kind.split(".", 1)[1])(msg, env)
+        return query_phase(msg, env, kind.split(".", 1)[1])
     raise ValueError(f"cancelfl: no handler for message type {kind!r}")
 
 

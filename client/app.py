@@ -6,7 +6,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from client.env import ClientEnv
-from client.methods import query_actions, query_handler, train_phase
+from client.methods import query_actions, query_phase, train_phase
 from protocols.wire.federation import ACTION as FEDERATION
 from protocols.wire.federation import FederationInfo
 
@@ -23,7 +23,7 @@ def _register_query(action: str) -> None:
     @app.query(action)
     def _handle(msg: Message, context: Context) -> Message:
         env = ClientEnv.from_context(context)
-        return query_handler(env.cfg.method, action)(msg, env)
+        return query_phase(msg, env, action)
 
 
 for _action in sorted(query_actions()):

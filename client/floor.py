@@ -9,6 +9,9 @@
   node past its lifetime budget or the method adds no noise a node policy asks for,
   records the release in the node's persistent ledger (:mod:`client.ledger`) and
   returns the :class:`protocols.wire.ledger.SpentReport` metrics for the reply.
+* :func:`check_trust` (called by :func:`client.methods.train_phase` and :func:`client.methods.query_phase` before
+  any handler): the trust assumptions the run config sizes the node's noise for (colluding fractions, thresholds,
+  declared by the cards' ``option(trust=...)``) against those its node config pins.
 * :func:`top_up` (called by :mod:`client.recovery` before a recovery answer leaves the node): what revealing the
   pair material of the neighbours a request names gone strips from the round's noise beyond its charge, refused
   past the same limits.
@@ -21,20 +24,23 @@ config) live in :mod:`protocols.floor` and are checked by the handlers themselve
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from flwr.app import Message
 
 from client.env import ClientEnv
 from client.ledger import ClientLedger, ledger_dir
-from protocols.floor import FloorPolicy, FloorViolation, at_most, check_round
+from protocols.floor import RTOL, FloorPolicy, FloorViolation, at_most, check_round
 from protocols.methods import Guarantee, method_spec
+from protocols.options import ConfigError, MethodOptions, in_range
 from protocols.privacy import Accountant, Event, GaussianEvent, per_record
 from protocols.wire.common import TrainIns
 from protocols.wire.ledger import SpentReport
 
-__all__ = ["FloorViolation", "admit", "check_new_round", "guarantee", "policy", "release", "top_up"]
+__all__ = ["FloorViolation", "admit", "check_new_round", "check_trust", "guarantee", "policy", "release", "top_up",
+           "trust_minimum"]
 
 
 def policy(env: ClientEnv) -> FloorPolicy:
@@ -53,6 +59,75 @@ def _worst(spent: Mapping[str, float]) -> tuple[str, float]:
 def guarantee(env: ClientEnv) -> Guarantee:
     """What the method's epsilon protects (unit, and whether the uploads carry a guarantee): the registry's word."""
     return method_spec(env.cfg.method).guarantee(env.cfg.privacy_unit)
+
+
+def _trust_keys(env: ClientEnv) -> Iterator[tuple[MethodOptions, str, str]]:
+    """(the run's options, trust key, direction) of every trust assumption the run's method declares."""
+    for cls in method_spec(env.cfg.method).options:
+        for key, direction in cls.trust_keys().items():
+            yield env.cfg.options_of(cls), key, direction
+
+
+def _node_options(env: ClientEnv, opts: MethodOptions, key: str) -> MethodOptions | None:
+    """``opts`` with trust key ``key`` at the node's value, or None where the node states none.
+
+    The node's value: its node config's ``key``; else, for a node whose policy asks for a guarantee, the key's
+    documented default (the assumption the method's guarantee is stated for).  Raises ValueError for a node
+    config value of the wrong type or out of the key's range.
+    """
+    f, nc = opts.keys()[key], env.context.node_config
+    if key in nc:
+        try:
+            value = type(f.default)(float(nc[key])) if isinstance(f.default, int | float) else nc[key]
+            m = f.metadata
+            in_range(key, float(value), m["low"], m["high"], low_open=m["low_open"], high_open=m["high_open"])
+        except (TypeError, ValueError, ConfigError) as err:
+            raise ValueError(f"node config '{key}' = {nc[key]!r}: {err}") from err
+    elif policy(env).wants_guarantee:
+        value = f.default
+    else:
+        return None
+    return dataclasses.replace(opts, **{f.name: value})
+
+
+def trust_minimum(env: ClientEnv, key: str) -> float | None:
+    """The node's value of trust key ``key`` (:func:`check_trust`; None: the node states none).
+
+    For a handler's own per-round check (e.g. against the round's servers or sizes).
+    """
+    for opts, k, _ in _trust_keys(env):
+        if k == key:
+            node = _node_options(env, opts, key)
+            return None if node is None else float(getattr(node, opts.keys()[key].name))
+    return None
+
+
+def check_trust(env: ClientEnv) -> None:
+    """Refuse a run config that assumes less than this node's node config states (before any material leaves).
+
+    For each trust key its method's options declare (``option(trust=...)``, e.g. ``ddpsa-collude-frac``,
+    ``ddpsa-threshold``, ``niss-rho``, ``nadp-tau``, ``mask-corruption-rate``), the value the run config assumes
+    (:meth:`~protocols.options.MethodOptions.assumed`) must be at least (``"at-least"``) or at most the node's:
+    its node config's value, else the documented default where its policy asks for a guarantee.  The node never
+    sizes its noise for its own value instead: its peers derive theirs and their pair seeds
+    (:func:`protocols.identity.settings_digest`) from the run config.  Raises :class:`FloorViolation`.
+    """
+    for opts, key, direction in _trust_keys(env):
+        node = _node_options(env, opts, key)
+        if node is None:
+            continue
+        need, offered = node.assumed(key, env.cfg), opts.assumed(key, env.cfg)
+        ok = offered >= need * (1 - RTOL) if direction == "at-least" else offered <= need * (1 + RTOL)
+        if not ok:
+            stated = (f"node config '{key}'" if key in env.context.node_config else
+                      "the documented default, as node config 'max-epsilon-per-run' / 'lifetime-epsilon' asks for a "
+                      f"guarantee (set node config '{key}' to accept less)")
+            raise FloorViolation(key, _plain(offered), _plain(need), "the run config sizes this node's noise for a "
+                                 f"weaker adversary (fewer colluders) than {stated}")
+
+
+def _plain(value: float) -> float | int:
+    return int(value) if math.isfinite(value) and value.is_integer() else value
 
 
 def admit(msg: Message, env: ClientEnv) -> None:

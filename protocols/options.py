@@ -42,8 +42,15 @@ def in_range(key: str, value: float, low: float | None, high: float | None, *, l
         raise ConfigError(f"run-config '{key}' = {value!r} must be in {lo}, {hi}{f' ({why})' if why else ''}")
 
 
+#: ``option(trust=...)``: a trust assumption a node may pin in its node config (:meth:`MethodOptions.trust_keys`).
+#: ``"at-least"``: a larger value assumes a stronger adversary (more colluders, a higher reconstruction threshold),
+#: so a run config below the node's value is refused; ``"at-most"``: the reverse.
+TRUST_DIRECTIONS: tuple[str, ...] = ("at-least", "at-most")
+
+
 def option(default: Any, help: str, *, choices: tuple[str, ...] = (), low: float | None = None,  # noqa: A002
-           high: float | None = None, low_open: bool = False, high_open: bool = False, key: str = "") -> Any:
+           high: float | None = None, low_open: bool = False, high_open: bool = False, key: str = "",
+           trust: str = "") -> Any:
     """One run-config key of a :class:`MethodOptions` class.
 
     Args:
@@ -55,9 +62,14 @@ def option(default: Any, help: str, *, choices: tuple[str, ...] = (), low: float
         low_open: the lower bound itself is refused.
         high_open: the upper bound itself is refused.
         key: the run-config key, when it is not ``<prefix>-<field-name>`` (e.g. a Python keyword).
+        trust: a trust assumption the client's noise is sized for (e.g. a colluding fraction): which way a run
+            config may differ from a node's pinned value (:data:`TRUST_DIRECTIONS`; ``client.floor.check_trust``);
+            ``""`` = not an assumption.
     """
+    if trust and trust not in TRUST_DIRECTIONS:
+        raise ValueError(f"option trust = {trust!r}: choose one of {', '.join(TRUST_DIRECTIONS)}")
     meta = {"help": help, "choices": tuple(choices), "low": low, "high": high, "low_open": low_open,
-            "high_open": high_open, "key": key}
+            "high_open": high_open, "key": key, "trust": trust}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -94,6 +106,19 @@ class MethodOptions:
     def attribute_names(cls) -> Mapping[str, str]:
         """``RunConfig`` attribute (the key with ``_``) -> field name, e.g. ``nadp_tau`` -> ``tau``."""
         return MappingProxyType({key.replace("-", "_"): f.name for key, f in cls.keys().items()})
+
+    @classmethod
+    def trust_keys(cls) -> Mapping[str, str]:
+        """Run-config key -> :data:`TRUST_DIRECTIONS` entry, for the keys declared with ``option(trust=...)``."""
+        return MappingProxyType({key: f.metadata["trust"] for key, f in cls.keys().items() if f.metadata.get("trust")})
+
+    def assumed(self, key: str, cfg: Any) -> float:
+        """What trust key ``key`` assumes in the run config ``cfg`` (override where a value means "auto").
+
+        The comparable value: e.g. ddpsa's threshold 0 resolved for the servers.  ``math.inf`` / ``-math.inf``:
+        not comparable here (the method's handler checks it per round).
+        """
+        return float(getattr(self, self.keys()[key].name))
 
     def check(self) -> None:
         """Raise :class:`ConfigError` for a value outside its field's choices or bounds, then :meth:`validate`."""

@@ -153,7 +153,7 @@ def test_a_node_asking_for_a_guarantee_pushes_split_noise_only_to_servers_of_its
     from client.ledger import ClientLedger, ledger_dir
     from protocols.wire.intermediate import IntermediateServerClient
 
-    with _served(num_clients=4, num_rounds=2, ddpsa_collude_frac=0.0, **LINEAR) as (cfg, grid, cluster):
+    with _served(num_clients=4, num_rounds=2, **LINEAR) as (cfg, grid, cluster):
         servers = {"ddpsa-servers": cfg.ddpsa_servers, "ddpsa-ca": cfg.ddpsa_ca}
         for ctx in grid.contexts.values():
             ctx.node_config.update({"ledger-dir": str(tmp_path), "max-epsilon-per-run": cfg.epsilon,

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from client.env import ClientEnv
 
-__all__ = ["query_actions", "query_handler", "train_handler", "train_phase"]
+__all__ = ["query_actions", "query_handler", "query_phase", "train_handler", "train_phase"]
 
 
 def train_handler(method: str) -> Callable:
@@ -32,17 +32,31 @@ def query_handler(method: str, action: str) -> Callable:
     return MethodSpec.load(queries[action])
 
 
+def query_phase(msg: Message, env: ClientEnv, action: str) -> Message:
+    """The reply to a ``query.<action>`` message.
+
+    The node's trust assumptions admit the run config (:func:`client.floor.check_trust`), then the method's handler
+    answers.
+    """
+    from client.floor import check_trust
+
+    check_trust(env)
+    return query_handler(env.cfg.method, action)(msg, env)
+
+
 def train_phase(msg: Message, env: ClientEnv) -> Message:
     """The reply to a ``train`` message, as every ClientApp (stock or :mod:`client.api`) gives it.
 
-    The previous round's unmasking the message carries (run-config ``unmask-next-round``) is answered first
+    The node's trust assumptions admit the run config first (:func:`client.floor.check_trust`).
+    The previous round's unmasking the message carries (run-config ``unmask-next-round``) is answered next
     (before the train handler replaces that round's material), then the node's floor and ledger admit the round
     (:func:`client.floor.admit`), the method's handler trains and protects the upload, and the noiseless metrics
     a guarantee-asking node withholds are dropped; the carried answer rides on a reply without error.
     """
-    from client.floor import admit, withhold_unprotected  # the train phase's: queries do not load the accounting
+    from client.floor import admit, check_trust, withhold_unprotected
     from protocols.wire.common import UNMASK_RECORD
 
+    check_trust(env)
     carried = None
     if UNMASK_RECORD in msg.content:
         from client.recovery import answer_carried

@@ -35,7 +35,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from torch import nn
 
 from client.env import ClientEnv, reply
-from client.floor import policy, release
+from client.floor import policy, release, trust_minimum
 from client.identity import authenticating_identity, node_identity
 from protocols.ddpsa import (
     central_scale,
@@ -198,7 +198,9 @@ def train(msg: Message, env: ClientEnv) -> Message:
         raise FloorViolation("ddpsa-participants", list(plan.participants), f"a list naming {me.name!r}",
                              "the round's noise is split over the listed participants")
     honest = ddpsa_noise_share(env.cfg, plan.noise, len(plan.participants))
-    at_least("ddpsa-threshold", plan.threshold, sharing_threshold(env.cfg.ddpsa_threshold, len(servers)),
+    node_t = trust_minimum(env, "ddpsa-threshold")  # the node's own, resolved for its own servers (0 = auto)
+    at_least("ddpsa-threshold", plan.threshold, max(sharing_threshold(t, len(servers)) for t in
+                                                    (env.cfg.ddpsa_threshold, *([] if node_t is None else [node_t]))),
              "fewer intermediate servers than this client's 'ddpsa-threshold' could reconstruct its upload")
     if honest is not None:  # a split noise: the codec's round-off of every share must stay far below the central noise
         scale = central_scale(env.cfg.clip, adjacency=env.cfg.adjacency, epsilon=eps_t, multiplier=plan.multiplier)

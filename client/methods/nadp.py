@@ -30,7 +30,7 @@ import numpy as np
 from flwr.app import Message
 
 from client.env import ClientEnv, record_level_training, reply
-from client.floor import diagnostics_permitted, release
+from client.floor import diagnostics_permitted, release, trust_minimum
 from client.identity import node_identity
 from client.pairwise_phase import full_view, mask_probe, pair_seeds
 from client.records import to_record
@@ -98,7 +98,27 @@ def round_floor(msg: Message, env: ClientEnv, plan: NadpPlan) -> tuple[NadpFloor
         at_least("nadp-sigma-up", plan.sigma_up, fl.sigmas.sigma_up)
         at_least("nadp-sigma-down", plan.sigma_down, fl.sigmas.sigma_down)
         at_least("nadp-lambda", plan.lam, fl.lam, "less collusion protection than this client's own Eq. 8 factor")
+        _lambda_for_node_tau(env, fl.lam, plan.sizes, graph, degrees)
     return fl, graph
+
+
+def _lambda_for_node_tau(env: ClientEnv, lam: float, sizes: dict[int, int], graph: dict[int, list[int]],
+                         degrees: dict[int, int] | None) -> None:
+    """Refuse a round whose lambda is below Eq. 8's for this node's tau (:func:`client.floor.trust_minimum`).
+
+    The run's lambda: an explicit ``nadp-lambda``, or 1 where Eq. 8 had no solution for the run's tau.  A node
+    stating no tau takes any.
+    """
+    from protocols.nadp_allocation import neighbourhood_compensation
+
+    tau = trust_minimum(env, "nadp-tau")
+    if tau is None:
+        return
+    try:
+        need = neighbourhood_compensation(tau, sizes, graph, degrees)
+    except ValueError as err:
+        raise FloorViolation("nadp-lambda", lam, f"Eq. 8 for nadp-tau = {tau:g}", str(err)) from err
+    at_least("nadp-lambda", lam, need, f"less collusion protection than Eq. 8 for this node's nadp-tau = {tau:g}")
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ class DdpsaOptions(MethodOptions):
                                        "over participants, L2 clipping, (epsilon, delta))",
                         choices=NOISE_MODES)
     collude_frac: float = option(0.1, "distributed noise: fraction of participants that may collude with the "
-                                      "parameter server", low=0.0, high=1.0, high_open=True)
+                                      "parameter server", low=0.0, high=1.0, high_open=True, trust="at-least")
     dropout_frac: float = option(0.0, "distributed noise: fraction of participants a round may lose and still "
                                       "release; each share is sized for the rest (more noise per share)",
                                  low=0.0, high=1.0, high_open=True)
@@ -59,7 +59,7 @@ class DdpsaOptions(MethodOptions):
                                    "(softmax shift invariance: same model function, L1 norm up to halved; "
                                    "linear model only, a model with hidden layers is left as is)")
     threshold: int = option(0, "servers needed to reconstruct (Shamir); = num-servers: additive; 0 = auto (m - 1, "
-                               ">= 2)")
+                               ">= 2)", trust="at-least")
 
     @property
     def sharing_threshold(self) -> int:
@@ -69,6 +69,10 @@ class DdpsaOptions(MethodOptions):
         ``m``: the paper's additive sharing; smaller: Shamir sharing.
         """
         return sharing_threshold(self.threshold, self.num_servers)
+
+    def assumed(self, key: str, cfg: Any) -> float:
+        """``ddpsa-threshold``: the resolved :attr:`sharing_threshold` (0 = auto for ``ddpsa-num-servers``)."""
+        return float(self.sharing_threshold) if key == "ddpsa-threshold" else super().assumed(key, cfg)
 
     def validate(self) -> None:
         if self.threshold != 0 and not 2 <= self.threshold <= self.num_servers:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 from protocols.methods.common import MODEL, RECORD_STEP
 from protocols.methods.pairwise import PairwiseOptions
@@ -30,9 +32,18 @@ class NadpOptions(MethodOptions):
     title = "NADP-FL"
 
     lambda_: float = option(0.0, "compensation factor; 0 = derive from nadp-tau", low=0.0)
-    tau: float = option(0.5, "tolerated collusion rate for lambda (Eq. 8)", low=0.0, high=1.0, high_open=True)
+    tau: float = option(0.5, "tolerated collusion rate for lambda (Eq. 8)", low=0.0, high=1.0, high_open=True,
+                        trust="at-least")
     variant: str = option("nadp", "\"record-ldp\" = the paper's LDP-FL comparator (same training, no cancellation)",
                           choices=VARIANTS)
+
+    def assumed(self, key: str, cfg: Any) -> float:
+        """``nadp-tau`` with an explicit ``nadp-lambda``: not comparable here (``math.inf``).
+
+        The client checks that lambda per round against Eq. 8's for the node's tau
+        (:func:`client.methods.nadp.round_floor`).
+        """
+        return math.inf if key == "nadp-tau" and self.lambda_ > 0 else super().assumed(key, cfg)
 
     def validate(self) -> None:
         if 0.0 < self.lambda_ < 1.0:

@@ -24,7 +24,7 @@ class NissOptions(MethodOptions):
     title = "NISS"
 
     tau: float = option(-1.0, "distortion std; < 0 = max(Theorem 3 for niss-rho, 1/sqrt(clients per round))")
-    rho: float = option(0.5, "tolerated colluding fraction (Theorem 3)", low=0.0, high=1.0)
+    rho: float = option(0.5, "tolerated colluding fraction (Theorem 3)", low=0.0, high=1.0, trust="at-least")
     share_encoding: str = option("seed", "a share travels as an encrypted 32-byte seed, or as the vector itself",
                                  choices=("seed", "vector"))
 

@@ -50,7 +50,8 @@ class PairwiseOptions(MethodOptions):
                                       "later rounds' noise); also the logged P[< t surviving neighbours]",
                                  low=0.0, high=0.5, high_open=True)
     mask_corruption_rate: float = option(0.1, "assumed colluding share of a neighbourhood, in [0, 0.5): sets the "
-                                              "self-mask threshold t", low=0.0, high=0.5, high_open=True)
+                                              "self-mask threshold t", low=0.0, high=0.5, high_open=True,
+                                 trust="at-least")
 
     def validate_run(self, cfg: Any) -> None:
         """``unmask-next-round`` carries double masking's phase and needs every client in every round."""
