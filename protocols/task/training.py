@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 from torch import nn
@@ -17,7 +19,9 @@ def model_device(model: nn.Module) -> torch.device:
 def on_device(model: nn.Module, *arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
     """``arrays`` as tensors on ``model``'s device (training and evaluation follow the model)."""
     dev = model_device(model)
-    return tuple(torch.as_tensor(a, device=dev) for a in arrays)
+    with warnings.catch_warnings():  # read-only arrays (the memory-mapped data cache) are never written through
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return tuple(torch.as_tensor(a, device=dev) for a in arrays)
 
 
 def _batches(n: int, batch_size: int, rng: np.random.Generator):
