@@ -108,6 +108,17 @@ def test_analytic_epsilon_inverts_sigma(eps: float) -> None:
     assert analytic_gaussian_epsilon(1e6, 0.4) == 0.0  # delta(0) already below the target
 
 
+def test_analytic_epsilon_of_a_large_target() -> None:
+    """A run's ledger composes its releases at any epsilon the config accepts (here 1e6 over 2 rounds, z ~ 1e-3).
+
+    Every client charges its ledger with this after round 2: an epsilon it cannot compute fails that round mid-run.
+    """
+    z = calibrate_noise_multiplier(1e6, DELTA, 1.0, 2)
+    eps = gdp_epsilon(z, 2, DELTA)
+    assert 5e5 < eps <= 1e6
+    assert analytic_gaussian_sigma(eps, DELTA, 1.0) == pytest.approx(z / math.sqrt(2), rel=1e-6)
+
+
 def test_laplace_scale() -> None:
     assert laplace_scale(2.0, 0.5) == 4.0
     for bad in [(0.0, 1.0), (1.0, 0.0), (-1.0, 1.0)]:

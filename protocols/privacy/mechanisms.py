@@ -143,11 +143,7 @@ def analytic_gaussian_epsilon(sigma: float, delta: float, sensitivity: float = 1
     def f(eps: float) -> float:
         return gaussian_delta(sigma, eps, sensitivity) - delta
 
-    lo, hi = 0.0, 1.0
-    while f(hi) > 0:
-        lo, hi = hi, 2.0 * hi
-        if hi > 1e6:
-            raise RuntimeError("could not bracket epsilon")
+    lo, hi = _bracket_root(f, 0.0, increasing=False)  # every epsilon a run may target (z down to 1e-3)
     return float(brentq(f, lo, hi, xtol=1e-13, rtol=4 * np.finfo(float).eps))
 
 
