@@ -190,9 +190,22 @@ def test_the_benchmarks_run_a_method_registered_after_they_were_imported():
     assert "gldp" not in common.benchmark_names()
 
 
-def test_an_option_flower_does_not_know_is_refused_before_a_simulation_starts(capsys):
-    """Flower's runtime takes only the keys ``[tool.flwr.app.config]`` declares: the launcher names the line to add."""
+def test_an_option_flower_does_not_know_travels_in_method_options():
+    """A method's own key rides in the declared ``method-options``, read back as the key itself.
+
+    Flower's runtime takes only the keys ``[tool.flwr.app.config]`` declares; another undeclared key is refused by name.
+    """
+    from flwr.common.config import parse_config_args
+
+    from server.defaults import app_defaults, flower_run_config
+    from server.flower_commands import run_config_arg
+
     with register(GLDP):
-        code = main(["run", "--engine", "simulation", "--run-config", 'method="gldp" gldp-noise-boost=3.0'])
-    err = capsys.readouterr().err
-    assert code == 2 and "'gldp-noise-boost'" in err and "add gldp-noise-boost = 2.0" in err and "pyproject" in err
+        ov = flower_run_config({**RUN, "gldp-noise-boost": 3.0})
+        assert ov["method-options"] == "{gldp-noise-boost = 3.0}" and "gldp-noise-boost" not in ov
+        flower = parse_config_args([run_config_arg(ov)])  # as `flwr run` parses the launcher's --run-config
+        assert RunConfig.from_mapping({**app_defaults(), **flower}).gldp_noise_boost == 3.0
+        with pytest.raises(ConfigError, match="given twice"):
+            flower_run_config({**RUN, "gldp-noise-boost": 3.0, "method-options": "{gldp-noise-boost = 4.0}"})
+    with pytest.raises(ConfigError, match="'gldp-noise-boost': not declared in"):
+        flower_run_config({**RUN, "gldp-noise-boost": 3.0})
