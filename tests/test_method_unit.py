@@ -181,6 +181,25 @@ def test_what_the_project_knows_of_a_method_is_read_from_its_card():
         assert len(failed) == 1 and failed[0].startswith("digits: gldp") and failed[0].endswith("is below 0.500")
 
 
+def test_a_methods_round_time_goal_is_read_from_its_card():
+    """``cancelfl-bench roundtime`` states a registered method's goal from its card; a card without one shows none."""
+    from benchmarks.roundtime import _ratios, goals
+
+    shipped = {"nadp": 1.1, "niss": 1.1, "mpddp": 1.1, "ldp": 1.1, "cdp": 1.1, "ladp": 1.1, "ddpsa": 1.5}
+    assert goals(False) == shipped and goals(True) == dict.fromkeys(shipped, 1.2)
+    raw = [{"name": name, "repeat": 0, "status": "ok", "clients": 3, "round_s": t, "peak_rss_mb": 100.0}
+           for name, t in (("fedavg", 1.0), ("gldp", 1.25), ("ldp", 1.0))]
+    carded = MethodSpec("gldp", GaussLdpStrategy, train_gldp, options=(GaussLdpOptions,), privacy=GLDP.privacy,
+                        round_time_goal=1.3, deployment_round_time_goal=1.5)
+    with register(carded):
+        assert goals(False)["gldp"] == 1.3 and goals(True)["gldp"] == 1.5
+        row = next(r for r in _ratios([dict(r) for r in raw], 1, goals(False)) if r["name"] == "gldp")
+        assert (row["goal"], row["meets_goal"]) == ("<= 1.3x", "yes")
+    with register(GLDP):
+        row = next(r for r in _ratios([dict(r) for r in raw], 1, goals(False)) if r["name"] == "gldp")
+        assert (row["goal"], row["meets_goal"]) == ("-", "-")
+
+
 def test_the_benchmarks_run_a_method_registered_after_they_were_imported():
     """``--methods all`` reads the registry when it runs, not a list taken when the benchmarks were imported."""
     from benchmarks import common, defaults
