@@ -312,6 +312,7 @@ class ComposeStack:
         Returns 0 when the run's ``summary.json`` was written (as :meth:`server.deploy.LocalCluster.submit`);
         raises ValueError for a run config the deployment cannot take (:func:`compose_overrides`).
         """
+        from server.defaults import flower_run_config
         from server.flower_commands import run_config_arg
         from strategies.run.checkpoint import clear_outputs, run_outcome
 
@@ -320,7 +321,7 @@ class ComposeStack:
                                ddpsa_addresses=self.ddpsa_addresses)
         clear_outputs(str(host_dir))
         host_dir.mkdir(parents=True, exist_ok=True)
-        proc = self.submit_config(run_config_arg(ov), timeout=timeout)
+        proc = self.submit_config(run_config_arg(flower_run_config(ov)), timeout=timeout)
         (host_dir / "flwr-run.log").write_text(proc.stdout)
         code, message = run_outcome(str(host_dir), proc.returncode)
         if code:

@@ -40,11 +40,16 @@ from protocols.trace import TRACE_ENV
 
 HELP = "round time of every method vs FedAvg with realistic local data (with per-method goals)"
 
-#: The round-time goal of each method, as a multiple of FedAvg's round in the same run.
-GOALS: dict[str, float] = {"nadp": 1.1, "niss": 1.1, "mpddp": 1.1, "ldp": 1.1, "cdp": 1.1, "ladp": 1.1, "ddpsa": 1.5}
+def goals(deployment: bool) -> dict[str, float]:
+    """Each method's round-time goal, a multiple of FedAvg's round in the same run; a method without one has none.
 
-#: In deployment every method's round within 1.2x FedAvg's (each extra message phase is one more round trip).
-DEPLOYMENT_GOALS: dict[str, float] = {m: 1.2 for m in ("nadp", "niss", "mpddp", "ldp", "cdp", "ladp", "ddpsa")}
+    The card's ``round_time_goal``, or its ``deployment_round_time_goal`` across processes (``deployment``).
+    """
+    from protocols.methods import METHODS
+
+    picked = {name: spec.deployment_round_time_goal if deployment else spec.round_time_goal
+              for name, spec in METHODS.items()}
+    return {name: goal for name, goal in picked.items() if goal is not None}
 
 #: What ``cancelfl-bench reproduce`` compares (column -> relative tolerance; text columns exactly) and the row key.
 FIGURES: dict[str, float] = {"status": 0.0, "round_s_x_fedavg": 0.15, "client_s_x_fedavg": 0.2, "peak_rss_x_fedavg": 0.2,
@@ -106,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
             point = run_point
             warm_up(base, [k], out)
         raw = _timed_runs(args, methods, point, k, base, msets, out)
-    rows = _ratios(raw, args.repeats, DEPLOYMENT_GOALS if args.engine in ("deployment", "compose") else GOALS)
+    rows = _ratios(raw, args.repeats, goals(args.engine in ("deployment", "compose")))
     total = time.perf_counter() - t0
     per_client = "~" + str(round(60000 / k)) if args.train_subset == 0 and args.dataset == "mnist" else "its share"
     notes += [

@@ -21,6 +21,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from protocols import method_options
 from protocols.adjacency import ADJACENCIES
 from protocols.methods import (
     AUTO,
@@ -50,8 +51,8 @@ def is_import_path(value: str) -> bool:
     module, sep, attr = value.partition(":")
     return bool(sep) and all(p.isidentifier() for p in module.split(".")) and attr.isidentifier()
 PARTITIONINGS = ("iid", "dirichlet", "size-skew")
-__all__ = ["ConfigError", "RunConfig", "TRUE_WORDS", "changed_keys", "describe_changes", "clients_sampled", "is_auto", "is_on",
-           "parse_run_config"]
+__all__ = ["ConfigError", "RunConfig", "TRUE_WORDS", "changed_keys", "describe_changes", "clients_sampled", "expanded",
+           "is_auto", "is_on", "parse_run_config"]
 
 
 def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
@@ -67,6 +68,7 @@ class RunConfig:
 
     # What to run
     method: str = "fedavg"  # the method to run (registry: protocols/methods/)
+    method_options: str = ""  # method keys the app does not declare, "{mine-boost = 3.0}" (library.md#adding-a-method)
     dataset: str = "digits"  # digits, breast-cancer, mnist, fashion-mnist, hub:<name>, or "package.module:load"
     data_dir: str = ""  # folder with <dataset>/ IDX files; "" = search $CANCELFL_DATA_DIR, then data/ folders (getting started)
     model: str = "mlp"  # mlp, cnn (image datasets), or "package.module:Net" (your nn.Module class or factory)
@@ -146,8 +148,9 @@ class RunConfig:
         Keys of :data:`protocols.methods.AUTO_KEYS` that are ``"auto"`` (their ``[tool.flwr.app.config]``
         default) or absent take the method's regime for the dataset (:func:`protocols.methods.regime`),
         else the field default; what the regime set is kept in :attr:`regime_applied`.  A value the
-        user sets is never replaced.
+        user sets is never replaced.  The keys ``method-options`` carries are read as keys of ``raw`` (:func:`expanded`).
         """
+        raw = expanded(raw)
         known = {cls.key_of(f.name): f for f in _common_fields()}
         known.update({key: f for opt_cls in options_classes() for key, f in opt_cls.keys().items()})
         values: dict[str, Any] = {}
@@ -280,6 +283,8 @@ class RunConfig:
             opts.check()
             if cls in active:
                 opts.validate_run(self)
+        if self.method_options:
+            raise ConfigError("run-config 'method-options' is read by RunConfig.from_mapping, which sets its keys")
         if self.resume and not self.out_dir:
             raise ConfigError("run-config 'resume' = true needs 'out-dir': the folder of the run to continue")
         if self.model == "cnn" and self.dataset == "breast-cancer":
@@ -307,6 +312,11 @@ class RunConfig:
 def clients_sampled(sample_rate: float, num_clients: int) -> int:
     """Clients sampled per round: ``round(q N)``, at least 1."""
     return max(1, round(sample_rate * num_clients))
+
+
+def expanded(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """``raw`` with the keys its ``method-options`` carries as ordinary keys (:func:`protocols.method_options.expand`)."""
+    return method_options.expand(raw, {RunConfig.key_of(f.name) for f in _common_fields()})
 
 
 def _common_fields() -> list[dataclasses.Field]:

@@ -15,7 +15,7 @@ import threading
 import uuid
 from pathlib import Path
 
-from server.defaults import APP_DIR
+from server.defaults import APP_DIR, flower_run_config
 from server.processes import LAUNCH_MARK
 
 __all__ = ["BIN", "RAY_START_HINT", "RAY_TIP_FILTER", "VERBOSE_ENV", "Echo",
@@ -181,10 +181,13 @@ def submit(work: Path, env: dict[str, str], connection: str, overrides: dict, *,
            federation_config: str | None = None, timeout: float = 3600, app_dir: Path = APP_DIR) -> int:
     """``flwr run <app_dir> <connection> --stream`` (default: this project's app); returns its exit code.
 
-    Its output is echoed line by line as :class:`Echo` decides (tracebacks whole with ``env`` verbose).
+    Its output is echoed line by line as :class:`Echo` decides (tracebacks whole with ``env`` verbose).  This
+    project's app gets ``overrides`` as :func:`server.defaults.flower_run_config` carries them.
     Raises ``subprocess.TimeoutExpired`` after ``timeout`` seconds (the command is killed).
     """
     cmd = [str(BIN / "flwr"), "run", str(app_dir), connection, "--stream"]
+    if app_dir == APP_DIR:  # a method's own keys this app does not declare: in its method-options
+        overrides = flower_run_config(overrides)
     if overrides:
         cmd += ["--run-config", run_config_arg(overrides)]
     if federation_config:

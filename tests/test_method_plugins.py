@@ -83,6 +83,17 @@ register(MethodSpec("plugged", PluggedStrategy, train_plugged, options=(PluggedO
                     privacy=Guarantee("record", "the server", "anyone")))
 '''
 
+#: The one-module card for a run under Flower's simulation runtime: its client refuses a noise multiplier other
+#: than its own ``plugged-boost`` times ldp's, and its strategy reports the boost it runs with (summary.json), so a
+#: run that completes shows the key's value on both ends.
+SIM_CARD = ONE_MODULE_CARD.replace(
+    "    at_least(", "    assert abs(LocalDpNoise.from_config(msg.content['config']).multiplier - z) < 1e-9 * z, 'boost'\n"
+    "    at_least(").replace(
+    "        self.z *= cfg.options_of(PluggedOptions).boost\n",
+    "        self.z *= cfg.options_of(PluggedOptions).boost\n\n"
+    "    def describe(self):\n"
+    "        return {**super().describe(), 'plugged_boost': self.cfg.options_of(PluggedOptions).boost}\n")
+
 PROBE = '''
 import json
 from protocols.config import RunConfig
@@ -137,3 +148,29 @@ def test_a_broken_plugin_warns_and_leaves_the_other_methods(tmp_path):
 def test_an_unknown_method_names_how_a_method_is_registered():
     with pytest.raises(ConfigError, match="cancelfl.methods' entry point"):
         RunConfig.from_mapping({"method": "plugged"})
+
+
+@pytest.mark.slow
+def test_a_plugins_own_key_runs_under_flowers_simulation_runtime(tmp_path):
+    """``cancelfl run --engine simulation`` with a plugin's key: both the ServerApp and the ClientApps act on it.
+
+    Flower's runtime takes only the keys cancelfl's pyproject declares: the key rides in ``method-options``.
+    """
+    from protocols.floor import ldp_noise_multiplier
+
+    (tmp_path / "plugin").mkdir()
+    env = _plugin(tmp_path / "plugin", SIM_CARD)
+    out = tmp_path / "run"
+    keys = {"num-clients": 3, "num-rounds": 2, "local-epochs": 1, "batch-size": 1_000_000, "lr": 4.0, "hidden": "",
+            "dataset": "digits", "train-subset": 300, "test-subset": 100, "epsilon": 4.0, "out-dir": str(out)}
+    run_config = " ".join(f"{k}={json.dumps(v)}" for k, v in keys.items())
+    proc = subprocess.run([sys.executable, "-m", "server.launch", "run", "--engine", "simulation",
+                           "--run-config", f'method="plugged" plugged-boost=4.0 {run_config}'],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2] and not any(r["failed"] for r in rows)
+    assert summary["config"]["plugged-boost"] == 4.0 and summary["method_parameters"]["plugged_boost"] == 4.0
+    base = ldp_noise_multiplier(RunConfig.from_mapping({**keys, "method": "ldp", "out-dir": ""}))
+    assert summary["method_parameters"]["noise_multiplier"] == pytest.approx(4.0 * base)

@@ -181,6 +181,25 @@ def test_what_the_project_knows_of_a_method_is_read_from_its_card():
         assert len(failed) == 1 and failed[0].startswith("digits: gldp") and failed[0].endswith("is below 0.500")
 
 
+def test_a_methods_round_time_goal_is_read_from_its_card():
+    """``cancelfl-bench roundtime`` states a registered method's goal from its card; a card without one shows none."""
+    from benchmarks.roundtime import _ratios, goals
+
+    shipped = {"nadp": 1.1, "niss": 1.1, "mpddp": 1.1, "ldp": 1.1, "cdp": 1.1, "ladp": 1.1, "ddpsa": 1.5}
+    assert goals(False) == shipped and goals(True) == dict.fromkeys(shipped, 1.2)
+    raw = [{"name": name, "repeat": 0, "status": "ok", "clients": 3, "round_s": t, "peak_rss_mb": 100.0}
+           for name, t in (("fedavg", 1.0), ("gldp", 1.25), ("ldp", 1.0))]
+    carded = MethodSpec("gldp", GaussLdpStrategy, train_gldp, options=(GaussLdpOptions,), privacy=GLDP.privacy,
+                        round_time_goal=1.3, deployment_round_time_goal=1.5)
+    with register(carded):
+        assert goals(False)["gldp"] == 1.3 and goals(True)["gldp"] == 1.5
+        row = next(r for r in _ratios([dict(r) for r in raw], 1, goals(False)) if r["name"] == "gldp")
+        assert (row["goal"], row["meets_goal"]) == ("<= 1.3x", "yes")
+    with register(GLDP):
+        row = next(r for r in _ratios([dict(r) for r in raw], 1, goals(False)) if r["name"] == "gldp")
+        assert (row["goal"], row["meets_goal"]) == ("-", "-")
+
+
 def test_the_benchmarks_run_a_method_registered_after_they_were_imported():
     """``--methods all`` reads the registry when it runs, not a list taken when the benchmarks were imported."""
     from benchmarks import common, defaults
@@ -190,9 +209,22 @@ def test_the_benchmarks_run_a_method_registered_after_they_were_imported():
     assert "gldp" not in common.benchmark_names()
 
 
-def test_an_option_flower_does_not_know_is_refused_before_a_simulation_starts(capsys):
-    """Flower's runtime takes only the keys ``[tool.flwr.app.config]`` declares: the launcher names the line to add."""
+def test_an_option_flower_does_not_know_travels_in_method_options():
+    """A method's own key rides in the declared ``method-options``, read back as the key itself.
+
+    Flower's runtime takes only the keys ``[tool.flwr.app.config]`` declares; another undeclared key is refused by name.
+    """
+    from flwr.common.config import parse_config_args
+
+    from server.defaults import app_defaults, flower_run_config
+    from server.flower_commands import run_config_arg
+
     with register(GLDP):
-        code = main(["run", "--engine", "simulation", "--run-config", 'method="gldp" gldp-noise-boost=3.0'])
-    err = capsys.readouterr().err
-    assert code == 2 and "'gldp-noise-boost'" in err and "add gldp-noise-boost = 2.0" in err and "pyproject" in err
+        ov = flower_run_config({**RUN, "gldp-noise-boost": 3.0})
+        assert ov["method-options"] == "{gldp-noise-boost = 3.0}" and "gldp-noise-boost" not in ov
+        flower = parse_config_args([run_config_arg(ov)])  # as `flwr run` parses the launcher's --run-config
+        assert RunConfig.from_mapping({**app_defaults(), **flower}).gldp_noise_boost == 3.0
+        with pytest.raises(ConfigError, match="given twice"):
+            flower_run_config({**RUN, "gldp-noise-boost": 3.0, "method-options": "{gldp-noise-boost = 4.0}"})
+    with pytest.raises(ConfigError, match="'gldp-noise-boost': not declared in"):
+        flower_run_config({**RUN, "gldp-noise-boost": 3.0})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from protocols.methods.common import MODEL, MODEL_TRUSTED, RECORD_STEP, SERVER
+from protocols.methods.common import MODEL, MODEL_TRUSTED, RECORD_STEP, ROUND_GOALS, SERVER
 from protocols.methods.registry import register
 from protocols.methods.spec import PRIVACY_UNITS, Guarantee, MethodSpec
 
@@ -19,7 +19,7 @@ register(MethodSpec("fedavg", "strategies.baselines:FedAvgStrategy", "client.met
                     regime=FEDAVG_REGIME, units=(), reference=True))
 register(MethodSpec("ldp", "strategies.baselines:LocalDPStrategy", "client.methods.baselines:train_ldp",
                     regime=LDP_REGIME, privacy=Guarantee("record", SERVER, MODEL), units=PRIVACY_UNITS,
-                    audit=LDP_AUDIT))
+                    audit=LDP_AUDIT, **ROUND_GOALS))
 register(MethodSpec("cdp", "strategies.baselines:CentralDPStrategy", "client.methods.baselines:train_cdp",
                     regime=RECORD_STEP, privacy=Guarantee("record", None, MODEL_TRUSTED), units=PRIVACY_UNITS,
-                    audit=CDP_AUDIT))
+                    audit=CDP_AUDIT, **ROUND_GOALS))

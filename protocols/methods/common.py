@@ -14,6 +14,10 @@ RECORD_STEP = {"small": {"hidden": "", "local-epochs": 1, "batch-size": FULL_BAT
                          "num-rounds": 30, "model-ema": MODEL_EMA, "input-centering": True},
                "large": {"num-rounds": 60}}
 
+#: The round-time goals of most cards (``MethodSpec.round_time_goal``): a round within 1.1x FedAvg's in-process
+#: and under simulation, within 1.2x in deployment (each extra message phase is one more round trip).
+ROUND_GOALS = {"round_time_goal": 1.1, "deployment_round_time_goal": 1.2}
+
 SERVER = "the server and eavesdroppers (honest-but-curious server)"
 MODEL = "anyone who gets the published global models"
 MODEL_TRUSTED = "anyone who gets the published global models (the server is trusted with the uploads)"

@@ -97,4 +97,4 @@ register(MethodSpec("ddpsa", "strategies.ddpsa:DdpsaStrategy", "client.methods.d
                     queries={"ddpsa_identity": "client.methods.ddpsa:identity"}, family="ddpsa", paper="DDP-SA",
                     options=(DdpsaOptions,), regime=DDPSA_REGIME, privacy=Guarantee("record", SERVER_SECAGG, MODEL),
                     min_per_round=2, server_step_lr="lr", local_services=local_servers,
-                    audit="server.audits.ddpsa:DdpsaAudit"))
+                    audit="server.audits.ddpsa:DdpsaAudit", round_time_goal=1.5, deployment_round_time_goal=1.2))

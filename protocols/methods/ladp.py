@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocols.methods.common import MODEL, RECORD_STEP, SERVER
+from protocols.methods.common import MODEL, RECORD_STEP, ROUND_GOALS, SERVER
 from protocols.methods.registry import register
 from protocols.methods.spec import Guarantee, MethodSpec
 from protocols.options import MethodOptions, option
@@ -33,4 +33,4 @@ class LadpOptions(MethodOptions):
 register(MethodSpec("ladp", "strategies.ladp:LadpStrategy", "client.methods.ladp:train", family="ladp",
                     paper="LaDP-FL", options=(LadpOptions,), regime=LADP_REGIME,
                     privacy=Guarantee("record", SERVER, MODEL),
-                    audit="server.audits.ladp:LadpAudit"))
+                    audit="server.audits.ladp:LadpAudit", **ROUND_GOALS))

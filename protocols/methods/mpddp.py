@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocols.methods.common import MODEL_GIVEN_R
+from protocols.methods.common import MODEL_GIVEN_R, ROUND_GOALS
 from protocols.methods.nadp import CONSISTENCY, KEYS, RECOVER
 from protocols.methods.pairwise import PairwiseOptions
 from protocols.methods.registry import register
@@ -68,7 +68,7 @@ register(MethodSpec("mpddp", "strategies.mpddp:MpddpStrategy", "client.methods.m
                     paper="MP_Server + DDP_Client", options=(PairwiseOptions, MpddpOptions), **_FAMILY,
                     privacy=Guarantee("record", None, MODEL_GIVEN_R), min_per_round=2,
                     recovery_charge="client.methods.mpddp:price_recovery",
-                    audit="server.audits.mpddp:MpddpAudit"))
+                    audit="server.audits.mpddp:MpddpAudit", **ROUND_GOALS))
 register(MethodSpec("mpdp-naive", "strategies.mpddp:MpdpNaiveStrategy", "client.methods.mpddp:train",
                     paper="MP_Server + DDP_Client (ablation)", privacy=Guarantee("record", None, MODEL_GIVEN_R),
                     **_NO_UPLINK))

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from protocols.methods.common import MODEL, RECORD_STEP
+from protocols.methods.common import MODEL, RECORD_STEP, ROUND_GOALS
 from protocols.methods.pairwise import PairwiseOptions
 from protocols.methods.registry import register, register_variant
 from protocols.methods.spec import Guarantee, MethodSpec
@@ -56,7 +56,7 @@ register(MethodSpec("nadp", "strategies.nadp:NadpStrategy", "client.methods.nadp
                     options=(PairwiseOptions, NadpOptions), regime=RECORD_STEP,
                     privacy=Guarantee("record", SERVER_NO_COLLUSION, MODEL), min_per_round=2, sparse_graph=True,
                     recovery_charge="client.methods.nadp:price_recovery",
-                    audit="server.audits.nadp:NadpAudit"))
+                    audit="server.audits.nadp:NadpAudit", **ROUND_GOALS))
 # The NADP paper's LDP-FL comparator (Lemma 3): NADP's training and sensitivity, no cancellation.
 register_variant("nadp-record-ldp", "nadp", {"nadp-variant": "record-ldp"})
 # nadp on a sparser pairing graph (~8 neighbours instead of ~16): half the pairwise streams per client.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocols.methods.common import MODEL, RECORD_STEP
+from protocols.methods.common import MODEL, RECORD_STEP, ROUND_GOALS
 from protocols.methods.nadp import CONSISTENCY, KEYS, RECOVER
 from protocols.methods.pairwise import PairwiseOptions
 from protocols.methods.registry import register
@@ -43,4 +43,4 @@ register(MethodSpec("niss", "strategies.niss:NissStrategy", "client.methods.niss
                     family="pairwise", paper="NISS", options=(PairwiseOptions, NissOptions), regime=RECORD_STEP,
                     privacy=Guarantee("record", SERVER_NISS, MODEL, SERVER_NISS_ALONE), units=PRIVACY_UNITS, min_per_round=2,
                     sparse_graph=True, recovery_charge="client.methods.niss:price_recovery",
-                    audit="server.audits.niss:NissAudit"))
+                    audit="server.audits.niss:NissAudit", **ROUND_GOALS))

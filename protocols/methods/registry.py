@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -13,6 +14,9 @@ _REGISTRY: dict[str, MethodSpec] = {}
 _VARIANTS: dict[str, tuple[str, MappingProxyType]] = {}
 #: Loaders of the cards that are not built in, run once before the registry is first read (:func:`on_first_read`).
 _PENDING: list[Callable[[], None]] = []
+#: Held while the pending cards load: another thread's read waits for them (Flower's simulation runtime reads the
+#: registry from the ServerApp's thread and its own at once); the loading thread's own reads pass.
+_LOADING = threading.RLock()
 
 
 def on_first_read(load: Callable[[], None]) -> None:
@@ -27,8 +31,9 @@ def on_first_read(load: Callable[[], None]) -> None:
 
 def _loaded() -> None:
     """Run the pending card loaders (each once; a card that reads the registry while it loads sees it so far)."""
-    while _PENDING:
-        _PENDING.pop(0)()
+    with _LOADING:
+        while _PENDING:
+            _PENDING.pop(0)()
 
 
 class _Live(Mapping):

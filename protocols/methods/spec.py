@@ -91,6 +91,9 @@ class MethodSpec:
         recovery_charge: what a dropout recovery strips from one of its rounds, priced on the client before it
             answers (``fn(env, spec, kept, request) -> (uplink, downlink)`` events composed on top of the round's
             charge; :mod:`client.recovery_ledger`); ``None`` = its recovery reveals nothing its ledger has not charged.
+        round_time_goal: its round's wall time at most this multiple of the reference arm's in the same run,
+            in-process and under Flower's simulation (``cancelfl-bench roundtime``); ``None`` = no goal.
+        deployment_round_time_goal: the same across processes (``--engine deployment`` or ``compose``).
         reference: the arm the benchmarks measure the others against (time and bytes ratios, accuracy gaps, the
             warm-up run); exactly one registered method sets it (:func:`protocols.methods.reference_method`).
     """
@@ -112,6 +115,8 @@ class MethodSpec:
     local_services: Callable[[Any], int] | None = None
     audit: str | Any | None = None
     recovery_charge: str | Callable | None = None
+    round_time_goal: float | None = None
+    deployment_round_time_goal: float | None = None
     reference: bool = False
 
     def __post_init__(self) -> None:

@@ -18,7 +18,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from protocols.config import ConfigError, RunConfig, describe_changes, is_auto, is_on
+from protocols.config import ConfigError, RunConfig, describe_changes, expanded, is_auto, is_on
 
 #: The record that holds the strategy's settings (run-config keys, resolved values; :func:`settings_config`).
 KEY = "cancelfl-settings"
@@ -48,6 +48,7 @@ def settings_of(content: Mapping[str, Any] | None, run_config: Mapping[str, Any]
             config names another method than the strategy's (the message says which key to change).
     """
     sent = content.get(KEY) if content is not None else None
+    run_config = expanded(run_config)  # the keys its method-options carries are the client's own too
     local = run_config.get("method")
     if sent is None:
         if local is None:
