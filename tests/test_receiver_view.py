@@ -112,3 +112,31 @@ def test_two_client_ldp_run_charges_the_model_against_the_other_participant(run_
     real = _receiver_epsilon(rows, sizes, cfg, parts)
     assert real <= rows[-1]["epsilon_downlink"] * (1 + 1e-6)
     assert rows[-1]["epsilon_downlink"] <= cfg.epsilon * (1 + 1e-6)
+
+
+# ------------------------------------------------------------------------------------------------------ niss
+def test_three_client_niss_run_charges_the_model_against_a_participant_knowing_its_shares(run_inprocess) -> None:
+    """A participant subtracts the residuals of its own shares and of those it received from the model's noise.
+
+    Every share's residual ``(1 - s) n`` is known to its receiver (it holds n and s) and hides nothing from its
+    sender in the coordinates where ``|n|`` is small.  Complete graph of 3: ``sigma_k = z p_k Delta_k`` split
+    evenly over the 2 neighbours; the model keeps ``theorem2_variance = tau^2 sum_k sigma_k^2`` (the run's own figure).
+    """
+    summary, rows = run_inprocess(method="niss", num_clients=3, num_rounds=2, epsilon=1.0, **FAST)
+    cfg = _cfg("niss", 3, 2, **{k.replace("_", "-"): v for k, v in FAST.items()})
+    sizes = [len(p) for p in partitions_for(cfg)]
+    total = sum(sizes)
+    sens2 = [(n * record_sensitivity(cfg, n) / total) ** 2 for n in sizes]
+
+    def parts(row: dict) -> list[float]:
+        unit = row["theorem2_variance"] / math.fsum(sens2)  # tau^2 z^2 (scale included): per unit of sens^2
+        return [unit * (sens2[i] + math.fsum(sens2[k] / 2 for k in range(3) if k != i)) for i in range(3)]
+
+    zs = []
+    for row in rows:
+        known = parts(row)
+        zs.append(min(math.sqrt(row["theorem2_variance"] - known[i]) / math.sqrt(sens2[j])
+                      for i in range(3) for j in range(3) if i != j))
+    real = _epsilon(zs, cfg.delta)
+    assert real <= rows[-1]["epsilon_downlink"] * (1 + 1e-6)
+
