@@ -140,3 +140,33 @@ def test_three_client_niss_run_charges_the_model_against_a_participant_knowing_i
     real = _epsilon(zs, cfg.delta)
     assert real <= rows[-1]["epsilon_downlink"] * (1 + 1e-6)
 
+
+# ----------------------------------------------------------------------------------------------------- ddpsa
+@pytest.mark.parametrize("n", [2, 3, 10, 100])
+@pytest.mark.parametrize("noise", ["distributed", "gaussian"])
+def test_ddpsa_shares_left_to_a_receiving_participant_make_the_central_noise(n: int, noise: str, tmp_path) -> None:
+    """The shares a receiving participant does not know still make the central noise the round is charged for.
+
+    Each client adds the share its floor computes (``1/n'`` of one central noise); a receiving participant knows
+    its own share or the ``floor(f n)`` colluders' (it among them).  The server's round charge (all shares summed)
+    must not read less than what the rest leave.
+    """
+    from protocols.ddpsa import gamma_difference_epsilon, present_multiplier
+    from protocols.floor import ddpsa_noise_share
+    from strategies.ddpsa import DdpsaStrategy
+    from tests.ddpsa_setup import ddpsa_credentials
+
+    cfg = _cfg("ddpsa", n, 5, **{"ddpsa-noise": noise, "ddpsa-servers": "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3",
+                                 **ddpsa_credentials(tmp_path)})
+    share = ddpsa_noise_share(cfg, noise, n)  # every client's n' (the client floor)
+    left = n - max(1, math.floor(cfg.ddpsa_collude_frac * n))  # its own share, or the colluders' (it among them)
+    assert left >= share
+    strategy = DdpsaStrategy(cfg)
+    if noise == "gaussian":
+        assert present_multiplier(strategy.z, share, left) == pytest.approx(strategy.z)
+        assert strategy.round_event(1, n, n, 100).noise_multiplier <= strategy.z * (1 + 1e-12)
+    else:
+        eps_t = strategy.epsilon_of_round(1)
+        real = gamma_difference_epsilon(left / share, eps_t, 100)
+        assert real <= eps_t * (1 + 1e-12)
+        assert strategy.round_charge(1, n, n, 100) >= real * (1 - 1e-12)
