@@ -16,7 +16,7 @@ Calibration: ``sigma_k = z Delta f_k`` (:func:`protocols.niss.client_sigma`, wei
 also given the material of the worst ``floor(niss-rho x d_k)`` of its ``d_k`` neighbours colluding
 (:mod:`protocols.niss_joint`): the uplink claim.  The ledger's :data:`protocols.methods.NO_COLLUDER` account: the
 view with no colluding neighbour (:meth:`protocols.floor.NissFloor.open_multipliers`).  Downlink multiplier
-:func:`protocols.niss.receiver_downlink_multiplier` (against any receiver, a participant knowing its own shares
+:func:`protocols.niss_joint.receiver_downlink_multiplier` (against any receiver, a participant knowing its own shares
 and those it received included; the paper's :func:`protocols.niss.downlink_multiplier` counts every share);
 ``tau = 0`` gives no guarantee.  Reported:
 ``theorem2_variance`` (Theorem 2) and, with ``cancellation-check``, the measured residuals.
@@ -37,8 +37,8 @@ from protocols import niss as niss_math
 from protocols.arrays import flatten, unflatten
 from protocols.config import RunConfig
 from protocols.methods import NO_COLLUDER
-from protocols.niss import ShareBundle, client_multiplier, client_tau, receiver_downlink_multiplier
-from protocols.niss_joint import recovered_multiplier, revealed_kept
+from protocols.niss import ShareBundle, client_multiplier, client_tau
+from protocols.niss_joint import receiver_downlink_multiplier, recovered_multiplier, revealed_kept
 from protocols.privacy import (
     GaussianEvent,
     PerUnitAccountant,
@@ -428,7 +428,7 @@ class NissStrategy(SharePhase, PairwiseRecovery, CancelStrategy):
         """The published sum's multiplier for the round's worst-off record against any receiver.
 
         A participant knowing its own shares and those it received included
-        (:func:`protocols.niss.receiver_downlink_multiplier`).  From the round's weights and the sizes reported
+        (:func:`protocols.niss_joint.receiver_downlink_multiplier`).  From the round's weights and the sizes reported
         with the keys (which only record level needs).
         """
         sigmas = {n: niss_math.client_sigma(self.cfg, state.weights[n], state.keys.num_examples.get(n, 1))
