@@ -8,8 +8,9 @@ For one client and one round::
 The noise scale is ``Delta_1 / eps``, ``Delta_1`` = :func:`protocols.privacy.l1_sensitivity` (``Delta`` zero-out,
 ``2 Delta`` replace-one): ``N_i`` is published, so sizes are fixed, not the paper's add/remove.
 ``"distributed"`` noise (:func:`distributed_laplace_share`) gives each of ``n``
-participants ``Gamma(1/n', b) - Gamma(1/n', b)``, ``n' = n - floor(f n) - floor(d n)``
-(:func:`honest_participants`: ``f`` the colluding, ``d`` the dropout fraction), so ``n'`` honest shares sum to one
+participants ``Gamma(1/n', b) - Gamma(1/n', b)``, ``n' = n - max(1, floor(f n)) - floor(d n)``
+(:func:`honest_participants`: ``f`` the colluding, ``d`` the dropout fraction; at least one share is left out
+because a receiving participant knows its own, the paper counts every participant's), so ``n'`` honest shares sum to one
 central ``Lap(b)``, which any sum over at least ``n - floor(d n)`` participants (:func:`fewest_summed`) holds;
 fewer give the epsilon :func:`gamma_difference_epsilon` returns.  With ``ddpsa-centering`` the linear model's
 per-sample gradient ``(p - e_y) x^T`` is first replaced by
@@ -73,6 +74,7 @@ __all__ = [
     "fewest_summed",
     "honest_participants",
     "honest_present",
+    "known_shares",
     "is_linear_classifier",
     "l1_clip",
     "laplace_noise",
@@ -188,11 +190,23 @@ def ldp_noisy_mean(
 
 
 # ----------------------------------------------------------------------------- distributed noise
-def honest_participants(participants: int, collude_frac: float, dropout_frac: float = 0.0) -> int:
-    """``n' = n - floor(f n) - floor(d n)``: the shares counted on to make one central noise (module docstring).
+def known_shares(participants: int, collude_frac: float) -> int:
+    """Shares of ``participants`` a receiver of the sum may know: ``floor(f n)``, at least 1 with 2 participants or more.
 
-    Any sum over at least :func:`fewest_summed` of the ``n`` participants holds at least ``n'`` honest shares
-    when at most ``floor(f n)`` of them collude with the parameter server.
+    The colluders' shares, and a participant's own: every participant receives the published model and knows the
+    share it added, so the model's guarantee counts on the others' alone (:mod:`protocols.privacy.receiver`).  A
+    lone participant's other receivers know no share.
+    """
+    colluders = math.floor(collude_frac * participants)
+    return max(colluders, 1) if participants >= 2 else colluders
+
+
+def honest_participants(participants: int, collude_frac: float, dropout_frac: float = 0.0) -> int:
+    """``n' = n - max(1, floor(f n)) - floor(d n)``: the shares counted on to make one central noise.
+
+    Any sum over at least :func:`fewest_summed` of the ``n`` participants holds at least ``n'`` shares unknown to
+    the parameter server with at most ``floor(f n)`` colluders and to any receiving participant
+    (:func:`known_shares`; one participant: ``n' = 1``).
 
     Raises:
         ValueError: ``participants < 1``, a fraction outside ``[0, 1)``, or no share left to count on.
@@ -202,7 +216,7 @@ def honest_participants(participants: int, collude_frac: float, dropout_frac: fl
     for name, frac in (("colluding", collude_frac), ("dropout", dropout_frac)):
         if not (math.isfinite(frac) and 0 <= frac < 1):
             raise ValueError(f"{name} fraction must be in [0, 1), got {frac!r}")
-    counted = int(participants) - math.floor(collude_frac * participants) - math.floor(dropout_frac * participants)
+    counted = int(participants) - known_shares(participants, collude_frac) - math.floor(dropout_frac * participants)
     if counted < 1:
         raise ValueError(f"{participants} participants leave no share to count on with a colluding fraction of "
                          f"{collude_frac:g} and a dropout fraction of {dropout_frac:g}")
@@ -215,8 +229,11 @@ def fewest_summed(participants: int, dropout_frac: float) -> int:
 
 
 def honest_present(participants: int, pushed: int, collude_frac: float) -> int:
-    """Honest shares a sum over ``pushed`` of ``participants`` holds at least: ``pushed - floor(f n)``."""
-    return int(pushed) - math.floor(collude_frac * participants)
+    """Shares unknown to the sum's receivers a sum over ``pushed`` of ``participants`` holds: ``pushed - known``.
+
+    ``known`` = :func:`known_shares` (the colluders', at least a receiving participant's own).
+    """
+    return int(pushed) - known_shares(participants, collude_frac)
 
 
 def gamma_noise(size: int, shape: float, scale: float, *, seed: bytes | None = None) -> NDArray[np.float64]:

@@ -241,7 +241,7 @@ def ddpsa_noise_share(cfg: RunConfig, noise: str, participants: int) -> int | No
 
     A ``"local"`` round gets the paper's full ``Lap(b)`` (never less than the client's floor).  A
     ``"distributed"`` round splits one ``Lap(b)`` (a ``"gaussian"`` round one ``N(0, (z Delta_2)^2)``, taken only by
-    a client whose own config asks Gaussian noise, and it only) over ``n' = n - floor(f n) - floor(d n)``
+    a client whose own config asks Gaussian noise, and it only) over ``n' = n - max(1, floor(f n)) - floor(d n)``
     participants (:func:`protocols.ddpsa.honest_participants`, ``f`` and ``d`` = the client's own
     ``ddpsa-collude-frac`` and ``ddpsa-dropout-frac``); it is
     refused when the client's run config asks for local noise, or when the participant list is longer

@@ -207,7 +207,9 @@ def round_plan(
 
     * ``"rdp"`` (default): both views the run reports get the RDP noise multiplier of ``rounds`` releases at
       ``(epsilon, delta)`` (:func:`rdp_multiplier`), with (almost) nothing to
-      spare in the published model: the aggregate (downlink: ``sigma_down / max_i p_i Delta_i``) and the
+      spare in the published model: the aggregate (downlink: the residual left to a receiving participant that
+      knows its own, :attr:`NoiseAllocation.receiver_std`, ``/ max_i p_i Delta_i``; the paper's ``sigma_down``
+      counts every participant's residual) and the
       server's *joint* view of all uploads (uplink: :meth:`NoiseAllocation.joint_uplink_std` at ``lam = 1``;
       a larger ``lam`` only adds noise).  The joint view approaches the aggregate's multiplier from below as
       the pair noise grows (the uploads then reveal little more than their sum), so ``sigma_up`` starts at
@@ -244,7 +246,7 @@ def _round_plan_cached(key: tuple) -> tuple[NadpSigmas, NoiseAllocation]:
 
     def multipliers(a: NoiseAllocation) -> tuple[float, float]:
         joint = a.joint_uplink_std(1.0) if a.k > 1 else {c: a.uplink_std(c) for c in a.client_ids}
-        return a.aggregate_std / d_down, min(joint[c] / sensitivities[c] for c in a.client_ids)
+        return a.receiver_std / d_down, min(joint[c] / sensitivities[c] for c in a.client_ids)
 
     sigma_up = sig.sigma_up
     z_down, z_up = multipliers(alloc)

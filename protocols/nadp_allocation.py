@@ -118,6 +118,16 @@ class NoiseAllocation:
         """Number of sampled clients."""
         return len(self.client_ids)
 
+    @property
+    def receiver_std(self) -> float:
+        """Std of the aggregated residual left to a receiving participant that knows its own ``n_i``.
+
+        :func:`protocols.privacy.receiver_std` of the residual variances (the pair noise cancels): the model's
+        account counts this, the paper (``aggregate_std``) every participant's residual.
+        """
+        from protocols.privacy.receiver import receiver_std
+        return receiver_std(self.residual_std[c] ** 2 for c in self.client_ids)
+
     def _check_id(self, cid: int) -> int:
         if cid not in self._rank:
             raise KeyError(f"client {cid} is not in this round's allocation")

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from protocols.nadp import dropout_residual
 from protocols.nadp_allocation import NoiseAllocation
 
-__all__ = ["excluded_uplink_std", "noise_after", "survivor_uplink_stds"]
+__all__ = ["excluded_uplink_std", "noise_after", "receiver_noise_after", "survivor_uplink_stds"]
 
 
 def survivor_uplink_stds(alloc: NoiseAllocation, lam: float, survivors: Sequence[int],
@@ -63,3 +63,30 @@ def noise_after(alloc: NoiseAllocation, lam: float, survivors: Sequence[int],
         var = lam**2 * math.fsum(alloc.pair_variance(i, j) for i, j in kept) / dr.weight_sum**2
         return math.sqrt(dr.residual_std**2 + var), math.sqrt(var)
     return dr.total_std, dr.uncancelled_std
+
+
+def receiver_noise_after(alloc: NoiseAllocation, lam: float, survivors: Sequence[int],
+                         kept: Iterable[tuple[int, int]] | None = None) -> float:
+    """Std of the noise in the renormalised aggregate of ``survivors`` left to a receiving participant.
+
+    The model's account charges this (:func:`noise_after` is all the noise in it): every participant may receive
+    the model, and each knows its own residual (a survivor's) and the pair noise it shares with a peer whose pair
+    stayed uncancelled (``kept`` as in :func:`noise_after`); the largest such part is taken off
+    (:func:`protocols.privacy.receiver_variance`).
+    """
+    from protocols.privacy.receiver import receiver_variance
+    if len(survivors) == len(alloc.client_ids):
+        return alloc.receiver_std
+    keep = set(survivors)
+    gone = [j for j in alloc.client_ids if j not in keep]
+    pairs = [(i, j) for i in survivors for j in gone] if kept is None else list(kept)
+    known = {c: (alloc.residual_std[c] ** 2 if c in keep else 0.0) for c in alloc.client_ids}
+    unc = 0.0
+    for i, j in pairs:
+        v = lam * lam * alloc.pair_variance(i, j)
+        unc += v
+        known[i] += v
+        known[j] += v
+    total = math.fsum(alloc.residual_std[c] ** 2 for c in survivors) + unc
+    w_s = math.fsum(alloc.weights[c] for c in survivors)
+    return math.sqrt(receiver_variance(total, known.values())) / w_s

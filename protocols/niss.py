@@ -497,3 +497,4 @@ def downlink_multiplier(tau: float, sigma_ks: Sequence[float], z: float) -> floa
     if s.size == 0 or not np.all(s > 0):
         raise ValueError("downlink_multiplier needs positive sigma_k")
     return float(tau * z * math.sqrt(float(np.sum(s**2))) / float(np.max(s)))
+

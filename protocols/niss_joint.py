@@ -56,8 +56,8 @@ from scipy.linalg import lapack
 
 from protocols.niss import MIN_TAU
 
-__all__ = ["MIN_TAU", "colluder_count", "joint_covariance", "joint_factors", "joint_scale", "recovered_multiplier",
-           "share_variances", "survivor_factors",
+__all__ = ["MIN_TAU", "colluder_count", "joint_covariance", "joint_factors", "joint_scale",
+           "receiver_downlink_multiplier", "recovered_multiplier", "share_variances", "survivor_factors",
            "view_multipliers"]
 
 
@@ -395,3 +395,28 @@ def recovered_multiplier(z: float, sigmas: Mapping[int, float], charged: Mapping
     """
     factors = survivor_factors(sigmas, charged, graph, kept, tau, rho=rho, degrees=degrees)
     return min(z * math.sqrt(f) for f in factors.values())
+
+
+def receiver_downlink_multiplier(tau: float, sigma_ks: Mapping[int, float], z: float,
+                                 graph: Mapping[int, Sequence[int]], among: float | None = None) -> float:
+    """The published sum's multiplier for the worst-off record against a receiving participant.
+
+    What the model's account charges (:func:`protocols.niss.downlink_multiplier` counts every participant's noise, as the paper
+    does).  The sum keeps ``tau^2`` times the variance of every share exchanged; a participant ``i`` receives the
+    model and knows the residual ``(1 - s) n`` of each share it received (it holds ``n`` and its own distortion
+    ``s``: a ``1 / d_k`` part of each neighbour's ``sigma_k^2``) and of its own shares (it holds ``n``; its
+    receivers' ``s`` only scale each coordinate by a factor whose spread the known ``|n|`` sets, which hides
+    nothing in the coordinates where ``|n|`` is small): ``tau^2 (sigma_i^2 + sum_{k in N(i)} sigma_k^2 / d_k)``.
+    The largest such part is taken off (:func:`protocols.privacy.receiver_variance`); 2 participants leave none.
+
+    ``sigma_ks``: node -> ``sigma_k`` (all at one scale); ``graph``: the round's share graph; ``among``: the
+    variance (in ``sigma^2`` units, before ``tau^2``) the sum really keeps after a recovery (None: every share's).
+    """
+    from protocols.privacy.receiver import receiver_variance
+    s2 = {int(n): float(v) ** 2 for n, v in sigma_ks.items()}
+    if not s2 or min(s2.values()) <= 0:
+        raise ValueError("receiver_downlink_multiplier needs positive sigma_k")
+    degree = {n: max(len(graph.get(n, ())), 1) for n in s2}
+    known = [s2[i] + math.fsum(s2[k] / degree[k] for k in graph.get(i, ()) if k in s2) for i in s2]
+    total = math.fsum(s2.values()) if among is None else float(among)
+    return float(tau * z * math.sqrt(receiver_variance(total, known)) / math.sqrt(max(s2.values())))

@@ -35,6 +35,7 @@ from protocols.privacy import (
     PrivacyLedger,
     RdpAccountant,
     noise_multiplier,
+    receiver_std,
     record_sensitivity,
     record_training_movement,
 )
@@ -139,10 +140,15 @@ class LocalDPStrategy(_RecordLevel):
                                  f"clip lr / n_k for one full-batch step, {self.cfg.adjacency})"}
         return {"noise_multiplier": self.z, "privacy_unit": "client", "noise_std": self.z * self.cfg.clip}
 
-    def mean_noise(self, sizes: Mapping[int, int]) -> tuple[float, float]:
-        """(per-coordinate noise std, record sensitivity) of the example-weighted mean of these uploads."""
+    def mean_noise(self, sizes: Mapping[int, int], *, receiver: bool = False) -> tuple[float, float]:
+        """(per-coordinate noise std, record sensitivity) of the example-weighted mean of these uploads.
+
+        ``receiver``: the std left to a receiving participant that knows its own noise
+        (:func:`protocols.privacy.receiver_std`), the figure the model's account charges.
+        """
         total = sum(sizes.values())
-        std = math.sqrt(math.fsum((n / total * self.upload_std(n)) ** 2 for n in sizes.values()))
+        parts = [(n / total * self.upload_std(n)) ** 2 for n in sizes.values()]
+        std = receiver_std(parts) if receiver else math.sqrt(math.fsum(parts))
         return std, record_mean_sensitivity(self.cfg, sizes)
 
     def noise_estimate(self, num_params: int) -> NoiseEstimate:
@@ -175,7 +181,8 @@ class LocalDPStrategy(_RecordLevel):
         if self.record_level:
             return  # the mean's downlink event depends on the uploads' sizes: composed in aggregate()
         m = self.cfg.clients_per_round
-        self.privacy.downlink.compose(GaussianEvent(z * math.sqrt(m)))  # public sample: no amplification
+        # Public sample: no amplification.  A receiving participant knows its own noise: m - 1 uploads' noise left.
+        self.privacy.downlink.compose(GaussianEvent(z * receiver_std([1.0] * m)))
         k = max(len(state.participants), 1)  # independent noises: the uniform mean keeps std z clip / sqrt(k)
         self.report(upload_noise_std=z * self.cfg.clip, model_noise_std=z * self.cfg.clip / math.sqrt(k))
 
@@ -183,15 +190,17 @@ class LocalDPStrategy(_RecordLevel):
         """Aggregate stage: the weighted mean; record level also notes the published mean's multiplier.
 
         Independent noises: the mean of K full-batch uploads keeps std ``z sqrt(K) a C lr / N`` against
-        a record sensitivity ``a C lr / N`` (a = 1 zero-out, 2 replace-one), i.e. multiplier ``z sqrt(K)``; no
-        amplification by sampling (the sample is drawn from the public run seed).
+        a record sensitivity ``a C lr / N`` (a = 1 zero-out, 2 replace-one), i.e. multiplier ``z sqrt(K)``; a
+        receiving participant knows its own noise, so the account charges the ``K - 1`` others' (multiplier
+        ``z sqrt(K - 1)`` for equal sizes, :func:`protocols.privacy.receiver_std`); no amplification by sampling
+        (the sample is drawn from the public run seed).
         """
         arrays = super().aggregate(state)
         if self.record_level:
             by_node = state.replies
             sizes = {n: num_examples(by_node[n].content["metrics"]) for n in by_node}
             std, sens = self.mean_noise(sizes)
-            state.mean_multiplier = std / sens
+            state.mean_multiplier = self.mean_noise(sizes, receiver=True)[0] / sens
             self.report(upload_noise_std=min(self.upload_std(n) for n in sizes.values()), model_noise_std=std)
         return arrays
 

@@ -333,7 +333,7 @@ class DdpsaStrategy(CancelStrategy):
     def round_charge(self, server_round: int, participants: int, pushed: int, dim: int) -> float:
         """Epsilon of round ``server_round`` when ``pushed`` of ``participants`` shares are summed.
 
-        ``"local"``: ``eps_t``.  ``"distributed"``: the honest shares present, ``pushed - floor(f n)``, out of the
+        ``"local"``: ``eps_t``.  ``"distributed"``: the honest shares present, ``pushed - max(1, floor(f n))``, out of the
         ``n'`` that make one ``Lap(b)``: :func:`protocols.ddpsa.gamma_difference_epsilon` (``inf`` when unbounded).
         """
         eps_t = self.epsilon_of_round(server_round)

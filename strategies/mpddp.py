@@ -48,6 +48,7 @@ from protocols.privacy import (
     PerUnitAccountant,
     PrivacyLedger,
     RdpAccountant,
+    receiver_std,
 )
 from protocols.wire.mpddp import DdpNoise, NaiveNoise, mean_upload
 from strategies.base import RoundFailed, RoundState
@@ -139,14 +140,17 @@ class MpddpStrategy(PairwiseRecovery, MpStrategyBase):
         return mu_server(state.layers, mean, state.secret, self.optimizer)
 
     def gaussian_variance(self, state: MpRound, nodes: list[int]) -> float:
-        """The survivors' eta in each entry of their mean, ``sigma_eta^2 / |nodes|``, when it is Gaussian given R.
+        """The survivors' eta in each entry of their mean when it is Gaussian given R, left to a receiving participant.
 
-        ``mpddp-eta="gaussian"`` only (the paper's DN(sigma, 1) is uniform given R: 0).  sigma_eta is the scale the
-        server sent, which each client's floor only raises; the Delta's cancel in the mean and are not counted.
+        ``(K - 1) sigma_eta^2 / K^2`` for K nodes (:func:`protocols.privacy.receiver_std`: a participant knows its own
+        eta; the paper counts all K).  ``mpddp-eta="gaussian"`` only (the paper's DN(sigma, 1) is uniform given R:
+        0).  sigma_eta is the scale the server sent, which each client's floor only raises; the Delta's cancel in the
+        mean and are not counted.
         """
         if self.cfg.mpddp_eta != "gaussian" or not isinstance(state.noise, DdpNoise) or not nodes:
             return 0.0
-        return eta_variance(state.noise.sigma_eta, "gaussian") / len(nodes)
+        k = len(nodes)
+        return receiver_std([eta_variance(state.noise.sigma_eta, "gaussian") / k**2] * k) ** 2
 
     def model_multiplier(self, state: MpRound) -> float:
         """The round's Gaussian multiplier, times the noise scale it was planned and charged with (``state``).
@@ -282,9 +286,12 @@ class MpdpNaiveStrategy(MpStrategyBase):
         return mpdp_naive_sigma(self.cfg, self.min_size) / math.sqrt(self.cfg.clients_per_round)
 
     def gaussian_variance(self, state: MpRound, nodes: list[int]) -> float:
-        """Each client's ``N(0, (z S_k)^2)`` (:func:`protocols.floor.mpdp_naive_sigma`) in the mean of K uploads."""
+        """Each client's ``N(0, (z S_k)^2)`` (:func:`protocols.floor.mpdp_naive_sigma`) in the mean of K uploads.
+
+        Left to a receiving participant, which knows its own (:func:`protocols.privacy.receiver_std`).
+        """
         sizes = state.sizes or {}
-        return math.fsum(mpdp_naive_sigma(self.cfg, sizes[n]) ** 2 for n in nodes) / len(nodes) ** 2
+        return receiver_std(mpdp_naive_sigma(self.cfg, sizes[n]) ** 2 / len(nodes) ** 2 for n in nodes) ** 2
 
     def account(self, state: MpRound) -> None:
         """Account stage: the given-R account of one upload (R-divided: sensitivity kappa S, noise z S)."""

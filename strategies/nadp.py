@@ -9,7 +9,8 @@ plan, :func:`protocols.nadp.round_plan`: sigma_up and sigma_down from Theorem 1 
 
 Accounting per record over the rounds its owner took part in (no sampling amplification: the sample is public):
 ``epsilon_uplink`` = RDP of all uploads jointly (the aggregate included), ``epsilon_downlink`` = RDP of the
-published aggregate, ``epsilon`` = their max; the paper's Lemma 2 figures as ``epsilon_paper``,
+published aggregate against any receiver (a participant knows its own residual:
+:func:`protocols.nadp_recovery.receiver_noise_after`), ``epsilon`` = their max; the paper's Lemma 2 figures as ``epsilon_paper``,
 ``epsilon_uplink_paper``, ``epsilon_downlink_paper`` and one upload alone as ``epsilon_uplink_marginal``.
 """
 
@@ -35,13 +36,14 @@ from protocols.nadp import (
     normalize_weights,
     rdp_multiplier,
 )
-from protocols.nadp_recovery import excluded_uplink_std, noise_after, survivor_uplink_stds
+from protocols.nadp_recovery import excluded_uplink_std, noise_after, receiver_noise_after, survivor_uplink_stds
 from protocols.pairwise import pairwise_noise
 from protocols.privacy import (
     GaussianEvent,
     Lemma2Accountant,
     PerUnitAccountant,
     PrivacyLedger,
+    receiver_std,
     record_training_movement,
 )
 from protocols.privacy.budget import empty_like, top_up
@@ -237,6 +239,18 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
         kept = None if rec is None else [(i, j) for i, peers in rec.kept.items() for j in peers]
         return noise_after(st.allocation, st.plan.lam, survivors, kept)
 
+    def _receiver_std(self, st: NadpRound, survivors: list[int]) -> float:
+        """Per-coordinate std of the aggregate's noise left to a receiving participant that knows its own part.
+
+        What the model's account charges (:func:`protocols.privacy.receiver_variance`); the clients charge the same.
+        """
+        if st.allocation is None:  # record-ldp: independent noise, each participant knows its own
+            w = sum(st.weights[n] for n in survivors)
+            return receiver_std((st.weights[n] * st.plan.ldp_stds[n]) ** 2 for n in survivors) / w
+        rec = self.recovered(st)
+        kept = None if rec is None else [(i, j) for i, peers in rec.kept.items() for j in peers]
+        return receiver_noise_after(st.allocation, st.plan.lam, survivors, kept)
+
     def _report_round(self, st: NadpRound, good: list[Message], survivors: list[int], dropped: list[int],
                       dim: int, corrections: list[float] | None) -> None:
         total_std, unc_std = self._noise_after(st, survivors)
@@ -306,7 +320,7 @@ class NadpStrategy(PairwiseRecovery, CancelStrategy):
         total_std, _ = self._noise_after(st, survivors)
         # Downlink: a record of survivor i moves the (renormalised) aggregate by <= p_i Delta_i / P_S.
         d_down = max(st.weights[n] * st.sensitivity[n] for n in survivors) / w_s
-        z_down = total_std / d_down
+        z_down = self._receiver_std(st, survivors) / d_down  # against any receiver; the paper's counts all noise
         paper = self.privacy.extra
         if st.allocation is None:
             z_up = {n: st.plan.ldp_stds[n] / st.sensitivity[n] for n in survivors}

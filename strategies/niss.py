@@ -16,7 +16,9 @@ Calibration: ``sigma_k = z Delta f_k`` (:func:`protocols.niss.client_sigma`, wei
 also given the material of the worst ``floor(niss-rho x d_k)`` of its ``d_k`` neighbours colluding
 (:mod:`protocols.niss_joint`): the uplink claim.  The ledger's :data:`protocols.methods.NO_COLLUDER` account: the
 view with no colluding neighbour (:meth:`protocols.floor.NissFloor.open_multipliers`).  Downlink multiplier
-:func:`protocols.niss.downlink_multiplier` (heuristic); ``tau = 0`` gives no guarantee.  Reported:
+:func:`protocols.niss_joint.receiver_downlink_multiplier` (against any receiver, a participant knowing its own shares
+and those it received included; the paper's :func:`protocols.niss.downlink_multiplier` counts every share);
+``tau = 0`` gives no guarantee.  Reported:
 ``theorem2_variance`` (Theorem 2) and, with ``cancellation-check``, the measured residuals.
 """
 
@@ -35,8 +37,8 @@ from protocols import niss as niss_math
 from protocols.arrays import flatten, unflatten
 from protocols.config import RunConfig
 from protocols.methods import NO_COLLUDER
-from protocols.niss import ShareBundle, client_multiplier, client_tau, downlink_multiplier
-from protocols.niss_joint import recovered_multiplier, revealed_kept
+from protocols.niss import ShareBundle, client_multiplier, client_tau
+from protocols.niss_joint import receiver_downlink_multiplier, recovered_multiplier, revealed_kept
 from protocols.privacy import (
     GaussianEvent,
     PerUnitAccountant,
@@ -341,8 +343,10 @@ class NissStrategy(SharePhase, PairwiseRecovery, CancelStrategy):
         real = 0.0
         if self.privacy.downlink is not None:
             # Multiplier = std left / the worst record's sensitivity max_k sigma_k / (scale z) (niss.downlink_multiplier).
+            # Against a receiving participant: the shares' residuals it knows are taken off.
             among = max(math.fsum(sigma2.values()) - lost_among, 0.0)
-            real = state.noise_scale * state.tau * self.z * math.sqrt(among) / math.sqrt(max(sigma2.values()))
+            real = state.noise_scale * receiver_downlink_multiplier(
+                state.tau, {n: math.sqrt(v) for n, v in sigma2.items()}, self.z, state.keys.neighbours, among)
         state.noise_left = (z_real, real, z_open)
         self.report(uplink_noise_multiplier_after_recovery=z_real)
         return rec.probe_corrections(out)
@@ -421,13 +425,15 @@ class NissStrategy(SharePhase, PairwiseRecovery, CancelStrategy):
         return NoiseEstimate(gaussian_norm(std, num_params), signal, c.num_rounds)
 
     def _downlink_multiplier(self, state: NissRound) -> float:
-        """The published sum's multiplier for the round's worst-off record (:func:`protocols.niss.downlink_multiplier`).
+        """The published sum's multiplier for the round's worst-off record against any receiver.
 
-        From the round's weights and the sizes reported with the keys (which only record level needs).
+        A participant knowing its own shares and those it received included
+        (:func:`protocols.niss_joint.receiver_downlink_multiplier`).  From the round's weights and the sizes reported
+        with the keys (which only record level needs).
         """
-        sigmas = [niss_math.client_sigma(self.cfg, state.weights[n], state.keys.num_examples.get(n, 1))
-                  for n in state.participants]
-        return state.noise_scale * downlink_multiplier(state.tau, sigmas, self.z)
+        sigmas = {n: niss_math.client_sigma(self.cfg, state.weights[n], state.keys.num_examples.get(n, 1))
+                  for n in state.participants}
+        return state.noise_scale * receiver_downlink_multiplier(state.tau, sigmas, self.z, state.keys.neighbours)
 
     def charge_release(self, state: NissRound) -> None:
         """The planned round, per participant: each upload a Gaussian release of multiplier z, the sum ``tau sqrt(sum sigma^2)``.

@@ -55,17 +55,21 @@ def test_honest_shares_sum_to_a_laplace_of_the_central_scale(honest: int) -> Non
 
 
 def test_aggregate_noise_is_one_over_n_of_local() -> None:
-    """N participants, no collusion margin: the distributed aggregate's variance is 1/n of n local Laplaces'."""
+    """N participants, no colluder: the distributed aggregate's variance is 1/(n - 1) of n local Laplaces'.
+
+    A receiving participant knows its own share: n' = n - 1 shares make one Lap(b) (the paper's n' = n).
+    """
     n, b, size = 8, 1.0, 40_000
     local = np.sum([laplace_noise(size, b, seed=_seed(i)) for i in range(n)], axis=0)
     dist = np.sum([distributed_laplace_share(size, b, honest_participants(n, 0.0), seed=_seed(50 + i))
                    for i in range(n)], axis=0)
-    assert np.var(dist) / np.var(local) == pytest.approx(1 / n, rel=0.1)
+    assert np.var(dist) / np.var(local) == pytest.approx(1 / (n - 1), rel=0.1)
 
 
 def test_honest_participants_counts_out_the_colluding_fraction() -> None:
-    assert [honest_participants(n, 0.1) for n in (5, 10, 19, 20, 100)] == [5, 9, 18, 18, 90]
-    assert honest_participants(7, 0.0) == 7
+    # at least one share left out: a receiving participant knows its own (a lone participant's receivers none)
+    assert [honest_participants(n, 0.1) for n in (5, 10, 19, 20, 100)] == [4, 9, 18, 18, 90]
+    assert honest_participants(7, 0.0) == 6 and honest_participants(2, 0.0) == 1 and honest_participants(1, 0.0) == 1
     for bad in (-0.1, 1.0, math.nan):
         with pytest.raises(ValueError):
             honest_participants(10, bad)

@@ -40,19 +40,22 @@ def _all_pushed(strategy: DdpsaStrategy, cfg, grid, seen: list) -> tuple[list[st
 
 
 def test_a_partial_sum_over_part_of_the_round_is_refused(noise_seen) -> None:  # noqa: F811 (fixture)
-    """All 4 shown participants pushed; the server asks the sum of 2: it would hold half the central noise.
+    """All 4 shown participants pushed; the server asks the sum of 2: it would hold 2/3 of the central noise.
 
-    Two Gamma(1/4, b) differences are a Gamma(1/2, b) difference, whose density is unbounded at 0 (no finite
-    epsilon), while each client's ledger charged ``eps_t``.  The intermediate servers refuse it.
+    A receiving participant knows its own share, so 3 of the 4 make the central noise (``n' = 3``): two
+    Gamma(1/3, b) differences are a Gamma(2/3, b) difference, and one of them known leaves a Gamma(1/3, b) one,
+    whose density is unbounded at 0 (no finite epsilon), while each client's ledger charged ``eps_t``.  The
+    intermediate servers refuse it.
     """
     with _served(num_clients=4, num_rounds=2, ddpsa_collude_frac=0.0, **LINEAR) as (cfg, grid, _):
         strategy = DdpsaStrategy(cfg)
         try:
             names, b = _all_pushed(strategy, cfg, grid, noise_seen)
             noise = noise_seen[0] + noise_seen[1]
-            # What the pair's sum would leave: half the variance of the Lap(b) each ledger charged, and no epsilon.
-            assert np.var(noise) == pytest.approx(b * b, rel=0.35)
-            assert gamma_difference_epsilon(2 / 4, strategy.epsilon_of_round(1), noise.size) == float("inf")
+            # What the pair's sum would leave: 2/3 of the variance of the Lap(b) each ledger charged, and no epsilon
+            # against one of the pair.
+            assert np.var(noise) == pytest.approx(4 / 3 * b * b, rel=0.35)
+            assert gamma_difference_epsilon(1 / 3, strategy.epsilon_of_round(1), noise.size) == float("inf")
             with pytest.raises(PartialSumUnavailableError, match="participants it was shown"):
                 reconstruct_sum(strategy.servers, strategy.run_id, 1, names[:2], strategy.signer, threshold=strategy.shamir)
             # Sealed by nothing: the whole round still reconstructs.
@@ -83,15 +86,16 @@ def test_a_round_registered_for_other_participants_than_shown_gets_no_share(nois
 def test_shares_sized_for_dropouts_sum_over_the_rest_and_no_fewer(noise_seen) -> None:  # noqa: F811 (fixture)
     """Shares sized for one dropout of 4 (``ddpsa-dropout-frac = 0.25``): the servers sum 3 of them, not 2.
 
-    Each share is 1/3 of the central Laplace, so any 3 shares hold one ``Lap(b)`` (variance ``2 b^2``).
+    A receiving participant knows its own share: each share is 1/2 of the central Laplace (``n' = 4 - 1 - 1``),
+    so any 3 shares, one of them known, still hold one ``Lap(b)`` (3 shares: variance ``3 b^2``).
     """
     with _served(num_clients=4, num_rounds=2, ddpsa_collude_frac=0.0, ddpsa_dropout_frac=0.25, **LINEAR) as (
             cfg, grid, _):
         strategy = DdpsaStrategy(cfg)
         try:
             names, b = _all_pushed(strategy, cfg, grid, noise_seen)
-            assert np.var(noise_seen[0] + noise_seen[1] + noise_seen[2]) == pytest.approx(2 * b * b, rel=0.35)
-            assert gamma_difference_epsilon(3 / 3, strategy.epsilon_of_round(1), noise_seen[0].size) == pytest.approx(
+            assert np.var(noise_seen[0] + noise_seen[1] + noise_seen[2]) == pytest.approx(3 * b * b, rel=0.35)
+            assert gamma_difference_epsilon(2 / 2, strategy.epsilon_of_round(1), noise_seen[0].size) == pytest.approx(
                 strategy.epsilon_of_round(1))
             with pytest.raises(PartialSumUnavailableError, match="participants it was shown"):
                 reconstruct_sum(strategy.servers, strategy.run_id, 1, names[:2], strategy.signer, threshold=strategy.shamir)

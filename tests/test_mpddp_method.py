@@ -377,14 +377,18 @@ def test_float32_side_information_halves_upload_and_stays_close(tmp_path):
 
 @pytest.mark.parametrize("eta", ["gaussian", "uniform"])
 def test_the_server_counts_a_gaussian_eta_given_r_and_adds_only_the_rest(eta, tmp_path):
-    """Given R the mean must carry the Gaussian ``z kappa S / K``: a Gaussian eta counts toward it, a uniform one not."""
+    """Given R the mean must carry the Gaussian ``z kappa S / K``: a Gaussian eta counts toward it, a uniform one not.
+
+    Against a receiving participant, which knows its own eta: only the other ``K - 1`` count (``(K - 1) sigma_eta^2 /
+    K^2``), so the top-up covers the model's noise once one participant subtracts its own.
+    """
     _summary, rows, strategy, _grid, cfg = run("mpddp", tmp_path, mpddp_eta=eta)
     row = rows[0]
     assert not row["failed"]
     k = cfg.num_clients
     z = strategy.model_multiplier(strategy._state)
     target = z * row["secret_factor"] * strategy.record_sensitivity(strategy.min_size) / k
-    counted = row["sigma_eta"] ** 2 / k if eta == "gaussian" else 0.0
+    counted = row["sigma_eta"] ** 2 * (k - 1) / k**2 if eta == "gaussian" else 0.0
     assert row["given_r_noise_std"] == pytest.approx(math.sqrt(max(0.0, target**2 - counted)), rel=1e-9, abs=1e-15)
     assert row["given_r_noise_std"] ** 2 + counted >= target**2 * (1 - 1e-9)
     if eta == "uniform":

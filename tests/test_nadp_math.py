@@ -34,7 +34,8 @@ def _plan(sizes, *, epsilon, delta, clip, rounds, lr=1.0, graph=None, calibratio
 def test_rdp_calibration_spends_the_budget_in_both_views(graph_kind) -> None:
     """round_plan's default spends the budget: the aggregate gets exactly the RDP multiplier of T releases.
 
-    The server's joint view of the uploads gets at least that; Eq. 3 leaves budget unspent and noise in the model.
+    The aggregate's, against a receiving participant that knows its own residual.  The server's joint view of the
+    uploads gets at least that; Eq. 3 leaves budget unspent and noise in the model.
     """
     from protocols.graphs import round_graph
     from protocols.nadp import JOINT_SLACK
@@ -47,7 +48,7 @@ def test_rdp_calibration_spends_the_budget_in_both_views(graph_kind) -> None:
     sens = {c: local_sgd_sensitivity(1.0, n, lr=4.0, adjacency="replace-one") for c, n in sizes.items()}
     sig, alloc = round_plan(sizes, sens, 1.0, 1e-5, 30, graph=graph)
     p = alloc.weights
-    z_down = alloc.aggregate_std / max(p[c] * sens[c] for c in ids)
+    z_down = alloc.receiver_std / max(p[c] * sens[c] for c in ids)
     joint = alloc.joint_uplink_std(1.0)
     z_up = min(joint[c] / sens[c] for c in ids)
     target = calibrate_noise_multiplier(1.0, 1e-5, 1.0, 30)

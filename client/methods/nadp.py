@@ -40,7 +40,7 @@ from protocols.arrays import flatten, unflatten
 from protocols.floor import FloorViolation, NadpFloor, at_least, nadp_floor
 from protocols.graphs import roster_round_of
 from protocols.nadp import nadp_upload
-from protocols.nadp_recovery import excluded_uplink_std, noise_after, survivor_uplink_stds
+from protocols.nadp_recovery import excluded_uplink_std, receiver_noise_after, survivor_uplink_stds
 from protocols.pairwise import pairwise_noise
 from protocols.prg import gaussian
 from protocols.privacy import Event, GaussianEvent
@@ -174,7 +174,7 @@ def releases(fl: NadpFloor, me: int) -> tuple[GaussianEvent, GaussianEvent | Non
         return GaussianEvent((fl.ldp_std or 0.0) / fl.sensitivity), None
     alloc = fl.allocation
     return (GaussianEvent(alloc.joint_uplink_std(fl.lam)[me] / fl.sensitivity),
-            GaussianEvent(alloc.aggregate_std / (alloc.weights[me] * fl.sensitivity)))
+            GaussianEvent(alloc.receiver_std / (alloc.weights[me] * fl.sensitivity)))
 
 
 def train(msg: Message, env: ClientEnv) -> Message:
@@ -221,7 +221,7 @@ def price_recovery(env: ClientEnv, spec: dict, store: Kept, req: RecoveryRequest
         std = excluded_uplink_std(alloc, lam, me, store.masked)
         return top_event(spec["uplink"], std / fl.sensitivity), None
     joint, _ = survivor_uplink_stds(alloc, lam, survivors, True)
-    total, _ = noise_after(alloc, lam, survivors, kept=())
+    total = receiver_noise_after(alloc, lam, survivors, kept=())
     w_s = math.fsum(alloc.weights[n] for n in survivors)
     down = total * w_s / (alloc.weights[me] * fl.sensitivity)  # a record of me moves the mean by p_i Delta_i / P_S
     return top_event(spec["uplink"], joint[me] / fl.sensitivity), top_event(spec.get("downlink"), down)

@@ -9,6 +9,8 @@
 * :mod:`~protocols.privacy.pld` -- privacy-loss-distribution composition of pure-DP (Laplace) releases.
 * :mod:`~protocols.privacy.sensitivity` -- record-level sensitivity of per-example-clipped local SGD and
   of DDP-SA's clipped gradient sum.
+* :mod:`~protocols.privacy.receiver` -- the published model's noise left to a receiving participant that knows its
+  own noise (the model's accounts count that receiver).
 * :mod:`~protocols.privacy.ledger` -- a method's accounts per adversary view (:class:`PrivacyLedger`) and its report.
 * :mod:`~protocols.privacy.budget` -- epsilon as a hard cap: the budget left as shares, the noise scale of the next
   round (with a reserve), charges topped up to the noise really left.
@@ -64,6 +66,7 @@ from protocols.privacy.mechanisms import (
     gaussian_delta,
     laplace_scale,
 )
+from protocols.privacy.receiver import receiver_std, receiver_variance
 from protocols.privacy.sensitivity import (
     CLIENT_RECORD_FACTOR,
     l1_sensitivity,
@@ -118,6 +121,8 @@ __all__ = [
     "noise_multiplier",
     "per_record",
     "per_round_epsilons",
+    "receiver_std",
+    "receiver_variance",
     "record_sensitivity",
     "record_training_movement",
     "uniform_allocation",
