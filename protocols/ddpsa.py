@@ -63,6 +63,7 @@ __all__ = [
     "central_scale",
     "centred_cross_entropy",
     "clip_norm",
+    "colluders",
     "composition_accountant",
     "distributed_gaussian_share",
     "distributed_laplace_share",
@@ -188,11 +189,15 @@ def ldp_noisy_mean(
 
 
 # ----------------------------------------------------------------------------- distributed noise
-def honest_participants(participants: int, collude_frac: float, dropout_frac: float = 0.0) -> int:
-    """``n' = n - floor(f n) - floor(d n)``: the shares counted on to make one central noise (module docstring).
+def honest_participants(participants: int, collude_frac: float, dropout_frac: float = 0.0, *,
+                        per_round: int = 0) -> int:
+    """``n' = n - floor(f N) - floor(d n)``: the shares counted on to make one central noise (module docstring).
 
     Any sum over at least :func:`fewest_summed` of the ``n`` participants holds at least ``n'`` honest shares
-    when at most ``floor(f n)`` of them collude with the parameter server.
+    when at most ``floor(f N)`` of them collude with the parameter server.  ``N = max(n, per_round)``: the
+    colluders are a fraction of the round size ``per_round`` (the run's clients per round), so a server that shows
+    a shorter list cannot shrink them (the victim and one colluder of 4 at ``f = 1/4``: ``floor(f n) = 0``, each
+    share half the Laplace; the colluder's subtracted, a Gamma(1/2, b) difference, no finite epsilon).
 
     Raises:
         ValueError: ``participants < 1``, a fraction outside ``[0, 1)``, or no share left to count on.
@@ -202,7 +207,8 @@ def honest_participants(participants: int, collude_frac: float, dropout_frac: fl
     for name, frac in (("colluding", collude_frac), ("dropout", dropout_frac)):
         if not (math.isfinite(frac) and 0 <= frac < 1):
             raise ValueError(f"{name} fraction must be in [0, 1), got {frac!r}")
-    counted = int(participants) - math.floor(collude_frac * participants) - math.floor(dropout_frac * participants)
+    counted = int(participants) - colluders(participants, collude_frac, per_round) - \
+        math.floor(dropout_frac * participants)
     if counted < 1:
         raise ValueError(f"{participants} participants leave no share to count on with a colluding fraction of "
                          f"{collude_frac:g} and a dropout fraction of {dropout_frac:g}")
@@ -214,9 +220,14 @@ def fewest_summed(participants: int, dropout_frac: float) -> int:
     return int(participants) - math.floor(dropout_frac * participants)
 
 
-def honest_present(participants: int, pushed: int, collude_frac: float) -> int:
-    """Honest shares a sum over ``pushed`` of ``participants`` holds at least: ``pushed - floor(f n)``."""
-    return int(pushed) - math.floor(collude_frac * participants)
+def colluders(participants: int, collude_frac: float, per_round: int = 0) -> int:
+    """``floor(f max(n, per_round))``: the colluding participants a round's shares are sized for."""
+    return math.floor(collude_frac * max(int(participants), int(per_round)))
+
+
+def honest_present(participants: int, pushed: int, collude_frac: float, per_round: int = 0) -> int:
+    """Honest shares a sum over ``pushed`` of ``participants`` holds at least: ``pushed -`` :func:`colluders`."""
+    return int(pushed) - colluders(participants, collude_frac, per_round)
 
 
 def gamma_noise(size: int, shape: float, scale: float, *, seed: bytes | None = None) -> NDArray[np.float64]:
