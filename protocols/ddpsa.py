@@ -64,6 +64,7 @@ __all__ = [
     "central_scale",
     "centred_cross_entropy",
     "clip_norm",
+    "colluders",
     "composition_accountant",
     "distributed_gaussian_share",
     "distributed_laplace_share",
@@ -190,23 +191,34 @@ def ldp_noisy_mean(
 
 
 # ----------------------------------------------------------------------------- distributed noise
-def known_shares(participants: int, collude_frac: float) -> int:
-    """Shares of ``participants`` a receiver of the sum may know: ``floor(f n)``, at least 1 with 2 participants or more.
+def colluders(participants: int, collude_frac: float, per_round: int = 0) -> int:
+    """``floor(f max(n, per_round))``: the colluding participants a round's shares are sized for.
+
+    ``per_round``: the run's clients per round, so a server that shows a shorter list cannot shrink them (the victim
+    and one colluder of 4 at ``f = 1/4``: ``floor(f n) = 0``, each share half the Laplace; the colluder's subtracted,
+    a Gamma(1/2, b) difference, no finite epsilon).
+    """
+    return math.floor(collude_frac * max(int(participants), int(per_round)))
+
+
+def known_shares(participants: int, collude_frac: float, per_round: int = 0) -> int:
+    """Shares of ``participants`` a receiver of the sum may know: :func:`colluders`, at least 1 with 2 participants or more.
 
     The colluders' shares, and a participant's own: every participant receives the published model and knows the
     share it added, so the model's guarantee counts on the others' alone (:mod:`protocols.privacy.receiver`).  A
     lone participant's other receivers know no share.
     """
-    colluders = math.floor(collude_frac * participants)
-    return max(colluders, 1) if participants >= 2 else colluders
+    known = colluders(participants, collude_frac, per_round)
+    return max(known, 1) if participants >= 2 else known
 
 
-def honest_participants(participants: int, collude_frac: float, dropout_frac: float = 0.0) -> int:
-    """``n' = n - max(1, floor(f n)) - floor(d n)``: the shares counted on to make one central noise.
+def honest_participants(participants: int, collude_frac: float, dropout_frac: float = 0.0, *,
+                        per_round: int = 0) -> int:
+    """``n' = n - max(1, floor(f N)) - floor(d n)``: the shares counted on to make one central noise.
 
     Any sum over at least :func:`fewest_summed` of the ``n`` participants holds at least ``n'`` shares unknown to
-    the parameter server with at most ``floor(f n)`` colluders and to any receiving participant
-    (:func:`known_shares`; one participant: ``n' = 1``).
+    the parameter server with at most ``floor(f N)`` colluders (``N = max(n, per_round)``, :func:`colluders`) and to
+    any receiving participant (:func:`known_shares`; one participant: ``n' = 1``).
 
     Raises:
         ValueError: ``participants < 1``, a fraction outside ``[0, 1)``, or no share left to count on.
@@ -216,7 +228,8 @@ def honest_participants(participants: int, collude_frac: float, dropout_frac: fl
     for name, frac in (("colluding", collude_frac), ("dropout", dropout_frac)):
         if not (math.isfinite(frac) and 0 <= frac < 1):
             raise ValueError(f"{name} fraction must be in [0, 1), got {frac!r}")
-    counted = int(participants) - known_shares(participants, collude_frac) - math.floor(dropout_frac * participants)
+    counted = int(participants) - known_shares(participants, collude_frac, per_round) - \
+        math.floor(dropout_frac * participants)
     if counted < 1:
         raise ValueError(f"{participants} participants leave no share to count on with a colluding fraction of "
                          f"{collude_frac:g} and a dropout fraction of {dropout_frac:g}")
@@ -228,12 +241,12 @@ def fewest_summed(participants: int, dropout_frac: float) -> int:
     return int(participants) - math.floor(dropout_frac * participants)
 
 
-def honest_present(participants: int, pushed: int, collude_frac: float) -> int:
+def honest_present(participants: int, pushed: int, collude_frac: float, per_round: int = 0) -> int:
     """Shares unknown to the sum's receivers a sum over ``pushed`` of ``participants`` holds: ``pushed - known``.
 
     ``known`` = :func:`known_shares` (the colluders', at least a receiving participant's own).
     """
-    return int(pushed) - known_shares(participants, collude_frac)
+    return int(pushed) - known_shares(participants, collude_frac, per_round)
 
 
 def gamma_noise(size: int, shape: float, scale: float, *, seed: bytes | None = None) -> NDArray[np.float64]:

@@ -241,9 +241,9 @@ def ddpsa_noise_share(cfg: RunConfig, noise: str, participants: int) -> int | No
 
     A ``"local"`` round gets the paper's full ``Lap(b)`` (never less than the client's floor).  A
     ``"distributed"`` round splits one ``Lap(b)`` (a ``"gaussian"`` round one ``N(0, (z Delta_2)^2)``, taken only by
-    a client whose own config asks Gaussian noise, and it only) over ``n' = n - max(1, floor(f n)) - floor(d n)``
+    a client whose own config asks Gaussian noise, and it only) over ``n' = n - max(1, floor(f N)) - floor(d n)``
     participants (:func:`protocols.ddpsa.honest_participants`, ``f`` and ``d`` = the client's own
-    ``ddpsa-collude-frac`` and ``ddpsa-dropout-frac``); it is
+    ``ddpsa-collude-frac`` and ``ddpsa-dropout-frac``, ``N`` its clients per round, however short the list); it is
     refused when the client's run config asks for local noise, or when the participant list is longer
     than the client's own ``clients_per_round`` (a longer list would shrink its share).
     """
@@ -259,7 +259,8 @@ def ddpsa_noise_share(cfg: RunConfig, noise: str, participants: int) -> int | No
                              "this client's run config adds the paper's full Laplace noise itself")
     at_most("ddpsa-participants", participants, cfg.clients_per_round,
             "the distributed noise is split over the participants: a longer list would shrink this client's share")
-    return honest_participants(participants, cfg.ddpsa_collude_frac, cfg.ddpsa_dropout_frac)
+    return honest_participants(participants, cfg.ddpsa_collude_frac, cfg.ddpsa_dropout_frac,
+                               per_round=cfg.clients_per_round)  # a shorter list shrinks no colluder count
 
 
 def ddpsa_min_summed(cfg: RunConfig, noise: str, participants: int, *, threshold: int, servers: int) -> int:

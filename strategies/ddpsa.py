@@ -228,6 +228,11 @@ class DdpsaStrategy(CancelStrategy):
         if len(names) < 2:
             raise RoundFailed(f"round {server_round}: {len(names)} sampled node(s) gave a usable roster name; "
                               "DDP-SA needs at least 2")
+        if self.cfg.ddpsa_noise != "local":  # the clients refuse a round too short for the colluders they count
+            try:
+                self._counted(len(names))
+            except ValueError as err:
+                raise RoundFailed(f"round {server_round}: {err}") from err
         self._open_round(server_round, flatten(weights).size, sorted(names.values()))
         return DdpsaState(server_round, sorted(names), weights, names)
 
@@ -328,19 +333,25 @@ class DdpsaStrategy(CancelStrategy):
     # ------------------------------------------------------------ reporting
     def _counted(self, participants: int) -> int:
         """``n'``: the shares of ``participants`` counted on for one central noise (:func:`honest_participants`)."""
-        return honest_participants(participants, self.cfg.ddpsa_collude_frac, self.cfg.ddpsa_dropout_frac)
+        return honest_participants(participants, self.cfg.ddpsa_collude_frac, self.cfg.ddpsa_dropout_frac,
+                                   per_round=self.cfg.clients_per_round)
+
+    def _present(self, participants: int, pushed: int) -> int:
+        """Honest shares a sum over ``pushed`` of ``participants`` holds at least (:func:`honest_present`)."""
+        return honest_present(participants, pushed, self.cfg.ddpsa_collude_frac, self.cfg.clients_per_round)
 
     def round_charge(self, server_round: int, participants: int, pushed: int, dim: int) -> float:
         """Epsilon of round ``server_round`` when ``pushed`` of ``participants`` shares are summed.
 
-        ``"local"``: ``eps_t``.  ``"distributed"``: the honest shares present, ``pushed - max(1, floor(f n))``, out of the
+        ``"local"``: ``eps_t``.  ``"distributed"``: the honest shares present (:meth:`_present`; at least a receiving
+        participant's own share is known), out of the
         ``n'`` that make one ``Lap(b)``: :func:`protocols.ddpsa.gamma_difference_epsilon` (``inf`` when unbounded).
         """
         eps_t = self.epsilon_of_round(server_round)
         if self.cfg.ddpsa_noise == "local":
             return eps_t
         honest = self._counted(participants)
-        present = honest_present(participants, pushed, self.cfg.ddpsa_collude_frac)
+        present = self._present(participants, pushed)
         if present <= 0:
             return math.inf
         return gamma_difference_epsilon(present / honest, eps_t, dim)
@@ -354,7 +365,7 @@ class DdpsaStrategy(CancelStrategy):
         """
         if self.z is not None:
             z = present_multiplier(self.z, self._counted(participants),
-                                   honest_present(participants, pushed, self.cfg.ddpsa_collude_frac))
+                                   self._present(participants, pushed))
             return GaussianEvent(z) if z > 0 else None
         epsilon = self.round_charge(server_round, participants, pushed, dim)
         return self.laplace_release(server_round, epsilon) if math.isfinite(epsilon) else None

@@ -223,3 +223,33 @@ def test_a_grid_that_rounds_the_split_noise_away_is_refused(noise_seen) -> None:
             assert r.has_error() and "privacy floor" in r.error.reason and "ddpsa-frac-bits" in r.error.reason
         with pytest.raises(ConfigError, match="ddpsa-frac-bits"):
             DdpsaStrategy(RunConfig.from_mapping({**cfg.to_mapping(), "ddpsa-frac-bits": 8, "clip": 0.01}))
+
+
+class _VictimAndColluder(DdpsaStrategy):
+    """Shows a round of two: the first node (the victim) and the second (a colluder whose noise the server knows)."""
+
+    def learn_names(self, grid, nodes):
+        names = super().learn_names(grid, nodes)
+        return {n: names[n] for n in sorted(names)[:2]}
+
+
+def test_a_shorter_participant_list_does_not_shrink_the_colluders_a_share_is_sized_for(
+        noise_seen) -> None:  # noqa: F811 (fixture)
+    """``ddpsa-collude-frac = 1/4`` of 4 clients per round: one colluder; the server shows a round of the victim and it.
+
+    Counted from the list (``floor(2 / 4) = 0``) each share was half the central Laplace: the colluder's share
+    subtracted, the victim's sum kept a Gamma(1/2, b) difference (variance ``b^2``, no finite epsilon) while its
+    ledger charged ``eps_t``.  The colluders are counted from the client's own clients per round: the victim adds
+    the whole ``Lap(b)`` (variance ``2 b^2``).
+    """
+    with _served(num_clients=4, num_rounds=2, ddpsa_collude_frac=0.25, **LINEAR) as (cfg, grid, _):
+        strategy = _VictimAndColluder(cfg)
+        try:
+            replies = _train(strategy, cfg, grid)
+            assert sum(not r.has_error() for r in replies) == 2 and len(noise_seen) == 2
+            b = laplace_scale(l1_sensitivity(cfg.clip, adjacency=cfg.adjacency), strategy.epsilon_of_round(1))
+            victim = noise_seen[0]  # what the released sum keeps once the colluder's own share is subtracted
+            assert gamma_difference_epsilon(1 / 2, strategy.epsilon_of_round(1), victim.size) == float("inf")
+            assert np.var(victim) == pytest.approx(2 * b * b, rel=0.2)
+        finally:
+            strategy.close()
