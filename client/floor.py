@@ -78,7 +78,7 @@ def _node_options(env: ClientEnv, opts: MethodOptions, key: str) -> MethodOption
     f, nc = opts.keys()[key], env.context.node_config
     if key in nc:
         try:
-            value = type(f.default)(float(nc[key])) if isinstance(f.default, int | float) else nc[key]
+            value = _pinned(f.default, nc[key])
             m = f.metadata
             in_range(key, float(value), m["low"], m["high"], low_open=m["low_open"], high_open=m["high_open"])
         except (TypeError, ValueError, ConfigError) as err:
@@ -88,6 +88,18 @@ def _node_options(env: ClientEnv, opts: MethodOptions, key: str) -> MethodOption
     else:
         return None
     return dataclasses.replace(opts, **{f.name: value})
+
+
+def _pinned(default: object, raw: object) -> object:
+    """A node-config value of a trust key, typed as the key's ``default`` (ValueError: a fraction for an integer key)."""
+    if isinstance(default, bool) or not isinstance(default, int | float):
+        return raw
+    value = float(raw)  # type: ignore[arg-type]
+    if isinstance(default, int):
+        if not value.is_integer() or value < 0:
+            raise ValueError("a non-negative integer is needed")
+        return int(value)
+    return value
 
 
 def trust_minimum(env: ClientEnv, key: str) -> float | None:

@@ -11,6 +11,7 @@ client's check of them against its own run config, its trust check and the setti
 from __future__ import annotations
 
 import json
+import numbers
 import re
 import tomllib
 from collections.abc import Collection, Mapping
@@ -95,8 +96,10 @@ def render(values: Mapping[str, Any]) -> str:
             raise ConfigError(f"run-config '{key}' cannot travel in '{KEY}': use letters, digits, '-' and '_'")
         if isinstance(value, bool):
             text = "true" if value else "false"
-        elif isinstance(value, int | float):
-            text = repr(value)
+        elif isinstance(value, numbers.Integral):
+            text = str(int(value))
+        elif isinstance(value, numbers.Real):
+            text = repr(float(value))  # a numpy float's repr is "np.float64(3.0)"
         elif isinstance(value, str) and not any(c in value for c in "'\"\n\r"):
             text = f"'{value}'"
         else:

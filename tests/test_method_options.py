@@ -13,6 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 
 from protocols.config import ConfigError, RunConfig
@@ -120,3 +121,25 @@ def test_a_registry_read_waits_for_the_cards_another_thread_is_loading():
     second.join(10)
     method_registry._REGISTRY.pop("late", None)
     assert seen == [True]
+
+
+def test_numpy_numbers_travel_as_plain_toml_numbers():
+    """A value computed with numpy (np.float64, np.int64) renders as a number the other end parses."""
+    assert parse(render({"toy-boost": np.float64(3.0), "n": np.int64(4)})) == {"toy-boost": 3.0, "n": 4}
+
+
+def test_a_card_loader_that_fails_fails_every_read_until_mended():
+    """A broken card is never skipped silently: every read raises, none returns the registry without it."""
+    calls = []
+
+    def broken() -> None:
+        calls.append(1)
+        if len(calls) < 3:
+            raise ImportError("broken card")
+
+    method_registry.on_first_read(broken)
+    for _ in range(2):
+        with pytest.raises(ImportError, match="broken card"):
+            list(METHODS)
+    list(METHODS)  # mended: the third attempt loads
+    assert len(calls) == 3 and not method_registry._PENDING

@@ -204,3 +204,13 @@ def test_ddpsa_a_sharing_threshold_below_the_nodes_is_refused(
             assert all(_spent(ctx) == [] for ctx in grid.contexts.values())
         finally:
             strategy.close()
+
+
+@pytest.mark.parametrize("raw", ["2.9", "-1", "x"])
+def test_a_pinned_integer_trust_value_must_be_a_non_negative_integer(raw):
+    """``ddpsa-threshold = 2.9`` pinned is not read as 2 (weaker than written), -1 does not turn the pin off."""
+    from client.floor import _pinned
+
+    with pytest.raises(ValueError):
+        _pinned(0, raw)
+    assert _pinned(0, "3") == 3 and _pinned(0.1, "0.25") == 0.25

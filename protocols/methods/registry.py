@@ -30,10 +30,18 @@ def on_first_read(load: Callable[[], None]) -> None:
 
 
 def _loaded() -> None:
-    """Run the pending card loaders (each once; a card that reads the registry while it loads sees it so far)."""
+    """Run the pending card loaders (each once it succeeds; a card that reads the registry while it loads sees it so far).
+
+    A loader that raises stays pending: every read raises until the broken card is mended or removed.
+    """
     with _LOADING:
         while _PENDING:
-            _PENDING.pop(0)()
+            load = _PENDING.pop(0)
+            try:
+                load()
+            except BaseException:
+                _PENDING.insert(0, load)  # every later read fails the same way, none reads a registry short of it
+                raise
 
 
 class _Live(Mapping):
