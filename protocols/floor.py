@@ -416,7 +416,8 @@ def niss_floor(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Seq
     """``niss``: the noise scale the round's joint view needs; refuses an ``offered`` scale below it.
 
     The scale is :func:`protocols.niss_joint.joint_scale` of the factors given up to ``floor(niss-rho x d_k)``
-    colluding neighbours of each client (:func:`protocols.niss_joint.joint_factors`), times
+    colluding neighbours of each client (:func:`protocols.niss_joint.joint_factors`), or the model's need against a
+    receiving participant where larger (:func:`protocols.niss_joint.receiver_downlink_scale`), times
     :func:`protocols.dropouts.niss_dropout_factor` (run-config ``dropout-rate``: the survivors of up to the
     binomial tail's dropouts keep the downlink multiplier).
 
@@ -438,7 +439,7 @@ def niss_floor(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Seq
     """
     from protocols.dropouts import niss_dropout_factor
     from protocols.niss import aggregation_weights, client_sigma
-    from protocols.niss_joint import joint_factors, joint_scale
+    from protocols.niss_joint import joint_factors, joint_scale, receiver_downlink_scale
     weights = aggregation_weights(cfg, list(graph), sizes)
     t = calibration_releases(cfg, releases)
     sigmas = {n: client_sigma(cfg, weights[n], int(sizes.get(n, 1)), t) for n in graph}
@@ -446,8 +447,8 @@ def niss_floor(cfg: RunConfig, sizes: Mapping[int, int], graph: Mapping[int, Seq
     open_factors = joint_factors(sigmas, graph, tau) if open_view else {}  # the view with no colluding neighbour
     if tau == 0:
         return NissFloor(1.0, factors, open_factors)
-    floor = NissFloor(joint_scale(factors) * niss_dropout_factor(sigmas, graph, cfg.dropout_rate), factors,
-                      open_factors)
+    need = max(joint_scale(factors), receiver_downlink_scale(tau, sigmas, graph))  # uploads' joint view; the model
+    floor = NissFloor(need * niss_dropout_factor(sigmas, graph, cfg.dropout_rate), factors, open_factors)
     if offered is not None:
         at_least("joint-view noise scale", offered, floor.scale,
                  "the uploads together would leave this client less noise than its accountant charges")

@@ -57,8 +57,8 @@ from scipy.linalg import lapack
 from protocols.niss import MIN_TAU
 
 __all__ = ["MIN_TAU", "colluder_count", "joint_covariance", "joint_factors", "joint_scale",
-           "receiver_downlink_multiplier", "recovered_multiplier", "share_variances", "survivor_factors",
-           "view_multipliers"]
+           "receiver_downlink_multiplier", "receiver_downlink_scale", "recovered_multiplier", "share_variances",
+           "survivor_factors", "view_multipliers"]
 
 
 def share_variances(sigmas: Mapping[int, float], graph: Mapping[int, Sequence[int]]) -> dict[int, float]:
@@ -395,6 +395,19 @@ def recovered_multiplier(z: float, sigmas: Mapping[int, float], charged: Mapping
     """
     factors = survivor_factors(sigmas, charged, graph, kept, tau, rho=rho, degrees=degrees)
     return min(z * math.sqrt(f) for f in factors.values())
+
+
+def receiver_downlink_scale(tau: float, sigma_ks: Mapping[int, float], graph: Mapping[int, Sequence[int]]) -> float:
+    """The factor on every ``sigma_k`` the published sum needs to keep multiplier ``z`` against a receiving participant.
+
+    ``z / receiver_downlink_multiplier(tau, sigma_ks, z, graph)`` (the multiplier is linear in ``z``): 1 where the
+    sum already keeps ``z`` (0 for ``tau = 0``, which gives no guarantee), ``inf`` with 2 participants (each knows
+    every share's residual the other's record hides behind).
+    """
+    if tau == 0:
+        return 0.0
+    m = receiver_downlink_multiplier(tau, sigma_ks, 1.0, graph)
+    return math.inf if m <= 0 else 1.0 / m
 
 
 def receiver_downlink_multiplier(tau: float, sigma_ks: Mapping[int, float], z: float,

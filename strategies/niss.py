@@ -28,11 +28,9 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from logging import WARNING
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
-from flwr.common import log
 from flwr.serverapp import Grid
 
 from protocols import niss as niss_math
@@ -130,10 +128,6 @@ class NissStrategy(SharePhase, PairwiseRecovery, CancelStrategy):
         self.tau = client_tau(cfg)
         self.keys = KeyPhase(cfg)
         self.check_largest_round()
-        if cfg.clients_per_round == 2 and self.tau > 0:
-            log(WARNING, "niss with 2 clients per round: the published model has no guarantee against the other "
-                "participant (it knows the residual of every share it received); epsilon_downlink is reported as "
-                "null. Use 3 or more clients per round for a model guarantee")
         #: The last aggregated round's client reports (sigma_k, tau_k, shares): describe() and noise_estimate().
         self._figures: list[NissMetrics] = []
         #: the next round's share request as this round's train messages carry it (None: not asked ahead).

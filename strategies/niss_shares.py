@@ -144,6 +144,9 @@ class SharePhase:
             if not all(math.isfinite(s) and s > 0 for s in sigmas):
                 raise ValueError(f"the clients' noise std sigma_k = {sigmas[0]:g} is not a finite number > 0")
             scale = niss_floor(self.cfg, sizes, graph, client_tau(self.cfg, sizes)).scale
+            if not math.isfinite(scale) and len(graph) == 2:
+                raise ValueError("with 2 clients per round each participant knows the residual of every share that "
+                                 "hides the other's record in the published model; niss needs 3 or more")
             if not math.isfinite(scale):
                 raise ValueError(f"the joint-view noise scale {scale:g} is not finite")
         except (ValueError, ArithmeticError) as err:

@@ -169,28 +169,32 @@ def test_niss_colluders_within_rho_leave_the_conditioned_view_its_claim(monkeypa
     The linear discriminant over every upload plus the colluders' shares with each audited client: signal-to-noise
     ratio times z is what protocols.niss_joint predicts (``1 / (c sqrt(f_K))``, f_K the view given K colluders, c
     the round's scale) and at most 1 (exactly 1 at the two the scale covers).  Planted fault, the scale for no
-    colluders: two colluders see 1.26 times the claim's signal-to-noise.
+    colluders: two colluders see 1.11 times the claim's signal-to-noise (the model's need against a receiving
+    participant, which the fault leaves, sets that scale: 1.29 against 1.14 for the uploads alone).
     """
     import protocols.niss_joint
     from protocols.graphs import complete_graph
     from protocols.niss import client_tau
-    from protocols.niss_joint import joint_factors, joint_scale
+    from protocols.niss_joint import joint_factors, joint_scale, receiver_downlink_scale
 
     spec = AuditSpec("niss", "upload", 4.0, clients=5)
     assert spec.adapter.tolerated_colluders(spec) == 2
     graph, sigmas = complete_graph(range(5)), dict.fromkeys(range(5), 1.0)
     tau = client_tau(RunConfig.from_mapping(spec.run_config()))
-    scale, plain = joint_scale(joint_factors(sigmas, graph, tau, rho=0.5)), joint_scale(joint_factors(sigmas, graph, tau))
+    # the round's scale: the joint view's, or the model's need against a receiving participant where larger
+    model = receiver_downlink_scale(tau, sigmas, graph)
+    covered = joint_scale(joint_factors(sigmas, graph, tau, rho=0.5))
+    scale, plain = max(covered, model), max(joint_scale(joint_factors(sigmas, graph, tau)), model)
     z = noise_multiplier(spec.epsilon, spec.delta, 1)
     for k in (0, 1, 2):
         predicted = 1 / (scale * math.sqrt(joint_factors(sigmas, graph, tau, rho=k / 4)[0]))
         measured = _snr(dataclasses.replace(spec, colluders=k), 12) * z
         assert predicted <= 1 + 1e-12 and measured == pytest.approx(predicted, rel=0.06), (k, predicted, measured)
-    assert predicted == pytest.approx(1.0, rel=1e-12)
+    assert predicted == pytest.approx(covered / scale, rel=1e-12)  # 1 where the joint view sets the scale
     real = joint_factors
     monkeypatch.setattr(protocols.niss_joint, "joint_factors", lambda *a, **kw: real(*a, **{**kw, "rho": 0.0}))
     fault = _snr(dataclasses.replace(spec, colluders=2), 12) * z
-    assert fault == pytest.approx(scale / plain, rel=0.06) and fault > 1.15, (fault, scale / plain)
+    assert fault == pytest.approx(predicted * scale / plain, rel=0.06) and fault > 1.05, (fault, scale / plain)
 
 
 def _snr(spec: AuditSpec, releases: int) -> float:
@@ -317,14 +321,15 @@ def test_niss_joint_upload_view_keeps_the_noise_the_uplink_claim_assumes():
     m = n - 1 neighbours (variance (1 + tau^2) sigma^2); two neighbours' uploads covary by -2 sigma^2 / m (each
     holds the other's negated share).  The best unbiased combination for client k has variance
     ``sigma^2 (2 + tau^2 + 2/m) / (1 + 2 / (m tau^2))`` (0.795 sigma^2 for 4 clients and tau = 1/2).  Every sigma is
-    raised by the round's scale c (protocols.niss_joint: 1.277 here, which also covers the one colluding neighbour
-    niss-rho allows), so the joint view keeps ``0.795 c^2 sigma^2 = 1.30 (z Delta f_k)^2``.  Measured on the real
+    raised by the round's scale c: the joint view's (protocols.niss_joint: 1.277 here, which also covers the one
+    colluding neighbour niss-rho allows) or, larger here, the model's need against a receiving participant (1.414,
+    :func:`protocols.niss_joint.receiver_downlink_scale`), so the joint view keeps ``0.795 c^2 sigma^2``.  Measured on the real
     release code: the Fisher discriminant's signal-to-noise ratio over all uploads is ``1 / (z c sqrt(0.795))``
     (1.12 / z at c = 1).
     """
     from protocols.graphs import complete_graph
     from protocols.niss import client_tau
-    from protocols.niss_joint import joint_factors, joint_scale
+    from protocols.niss_joint import joint_factors, joint_scale, receiver_downlink_scale
     from server.audit import canaries_for, quiet
     from server.audit_release import release
 
@@ -346,8 +351,10 @@ def test_niss_joint_upload_view_keeps_the_noise_the_uplink_claim_assumes():
     m, tau = spec.clients - 1, client_tau(cfg)
     ratio = (2 + tau**2 + 2 / m) / (1 + 2 / (m * tau**2))
     z = noise_multiplier(spec.epsilon, spec.delta, 1)
-    c = joint_scale(joint_factors(dict.fromkeys(range(4), 1.0), complete_graph(range(4)), tau, rho=cfg.niss_rho))
+    ones, graph = dict.fromkeys(range(4), 1.0), complete_graph(range(4))
+    c = joint_scale(joint_factors(ones, graph, tau, rho=cfg.niss_rho))
     assert ratio < 0.8 and c == pytest.approx(1.2766, abs=1e-4)
+    c = max(c, receiver_downlink_scale(tau, ones, graph))  # the round's scale: the model's need where larger
     assert np.mean(snr) == pytest.approx(1 / (z * c * math.sqrt(ratio)), rel=0.05)  # 1.12 / z at c = 1
     # the run's figure for this view (no colluder) is the epsilon of the multiplier measured here; the claim is 4
     acc = PerUnitAccountant()

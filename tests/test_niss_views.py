@@ -27,7 +27,13 @@ from protocols.dropouts import niss_dropout_factor
 from protocols.floor import niss_floor
 from protocols.graphs import complete_graph, n_out_graph
 from protocols.methods import NO_COLLUDER, method_spec
-from protocols.niss_joint import joint_factors, joint_scale, view_multipliers
+from protocols.niss_joint import (
+    joint_factors,
+    joint_scale,
+    receiver_downlink_multiplier,
+    receiver_downlink_scale,
+    view_multipliers,
+)
 from protocols.privacy import GaussianEvent, PerUnitAccountant, noise_multiplier
 from server.defaults import app_defaults
 from strategies import niss_shares as niss_strategy
@@ -66,20 +72,34 @@ def test_no_colluder_multiplier_is_never_below_the_claims(graph, rho, tau):
 
 
 def test_no_colluder_figure_equals_the_claim_exactly_where_rho_covers_no_colluder():
-    """4 clients (3 neighbours each): rho 0 and 0.3 cover none; rho 1/2 covers one, and the figure drops below."""
-    graph, sizes = complete_graph(range(4)), dict.fromkeys(range(4), 100)
+    """10 clients (9 neighbours each): rho 0 and 0.1 cover none; rho 1/2 covers four, and the figure drops below.
+
+    At tau 0.3 the uploads' joint view sets the round's scale (the model's need against a receiving participant,
+    :func:`protocols.niss_joint.receiver_downlink_scale`, is smaller: 1.18 against 1.23).
+    """
+    graph, sizes = complete_graph(range(10)), dict.fromkeys(range(10), 100)
     z = noise_multiplier(1.0, 1e-5, 1)
-    tau = 0.5
-    f0 = _closed_form(3, tau)
-    assert f0 < 1
-    for rho in (0.0, 0.3):
-        floor = niss_floor(_cfg(num_clients=4, niss_rho=rho, num_rounds=1), sizes, graph, tau, open_view=True)
+    tau = 0.3
+    f0 = _closed_form(9, tau)
+    assert f0 < 1 and receiver_downlink_scale(tau, dict.fromkeys(graph, 1.0), graph) < 1 / math.sqrt(f0)
+    for rho in (0.0, 0.1):
+        floor = niss_floor(_cfg(num_clients=10, niss_rho=rho, num_rounds=1), sizes, graph, tau, open_view=True)
         assert floor.scale == pytest.approx(1 / math.sqrt(f0), rel=1e-12)
         assert min(floor.open_multipliers(z).values()) == pytest.approx(z, rel=1e-12)  # the claim exactly
         assert min(floor.open_multipliers(z, 1.5).values()) == pytest.approx(1.5 * z, rel=1e-12)  # guard's raise
-    floor = niss_floor(_cfg(num_clients=4, niss_rho=0.5, num_rounds=1), sizes, graph, tau, open_view=True)
+    floor = niss_floor(_cfg(num_clients=10, niss_rho=0.5, num_rounds=1), sizes, graph, tau, open_view=True)
     assert min(floor.open_multipliers(z).values()) == pytest.approx(floor.scale * z * math.sqrt(f0), rel=1e-12)
-    assert floor.scale * math.sqrt(f0) > 1.1  # 1.13: more private than the claim without the colluder
+    assert floor.scale * math.sqrt(f0) > 1.1  # more private than the claim without the colluders
+
+
+def test_the_scale_covers_the_model_against_a_receiving_participant_where_the_joint_view_needs_less():
+    """4 clients at tau 0.5: a participant knows half the model's noise; the scale keeps the model's z for the rest."""
+    graph, sizes = complete_graph(range(4)), dict.fromkeys(range(4), 100)
+    z = noise_multiplier(1.0, 1e-5, 1)
+    floor = niss_floor(_cfg(num_clients=4, niss_rho=0.0, num_rounds=1), sizes, graph, 0.5)
+    assert floor.scale > 1 / math.sqrt(_closed_form(3, 0.5))
+    model = floor.scale * receiver_downlink_multiplier(0.5, dict.fromkeys(graph, 1.0), z, graph)
+    assert model == pytest.approx(z, rel=1e-12)
 
 
 def test_no_colluder_figure_is_below_the_claim_where_the_joint_view_holds_more_or_dropouts_raise_the_scale():
