@@ -148,7 +148,7 @@ def test_niss_share_request_for_a_trained_round_is_refused_and_its_view_kept():
 def test_niss_leaving_honest_neighbours_out_does_not_shrink_the_coalition_a_client_is_protected_against():
     """niss-rho covers floor(rho * d) colluders of a client's d roster neighbours, however many are present.
 
-    A server that keeps only two colluders present (the present floor allows it) and offers the scale rho
+    A server that keeps only three colluders present (the present floor allows it) and offers the scale rho
     counted on the present degree needs (one colluder) is refused: the client counts from its roster degree.
     """
     n = 10
@@ -162,7 +162,7 @@ def test_niss_leaving_honest_neighbours_out_does_not_shrink_the_coalition_a_clie
                if m.metadata.message_type == "query.shares" and m.metadata.dst_node_id == k)
     pk, env = req.peers, ClientEnv.from_context(grid.contexts[k])
     names = dict(zip(pk.participants, pk.participant_names, strict=True))
-    keep = {k, *pk.peer_ids[:2]}  # k and two of its nine neighbours: the server's colluders
+    keep = {k, *pk.peer_ids[:3]}  # k and three of its nine neighbours: the server's colluders
     rr = roster_round_of(cfg, node_identity(env).roster, 2)
     parts = tuple(p for p in pk.participants if p in keep)
     idx = [i for i, p in enumerate(pk.peer_ids) if p in keep]
