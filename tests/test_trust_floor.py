@@ -35,12 +35,12 @@ from protocols.ddpsa import gamma_difference_epsilon, honest_participants
 from protocols.task.data import dataset_for
 from protocols.task.models import build_model, get_weights
 from server.defaults import app_defaults
-from server.local_grid import LocalGrid
 from strategies.ddpsa import DdpsaStrategy
 from strategies.nadp import NadpStrategy
 from strategies.niss import NissStrategy
 from tests.test_ddpsa_method import LINEAR, _initial, _served, credentials  # noqa: F401 (fixture)
 from tests.test_ddpsa_noise import noise_seen  # noqa: F401 (fixture)
+from tests.test_malicious_views import _Recording
 
 STRATEGIES = {"nadp": NadpStrategy, "niss": NissStrategy}
 
@@ -48,15 +48,6 @@ STRATEGIES = {"nadp": NadpStrategy, "niss": NissStrategy}
 @pytest.fixture(autouse=True)
 def _one_thread(one_thread):
     yield
-
-
-class _Recording(LocalGrid):
-    """The in-process grid, keeping every message the strategy sends."""
-
-    def send_and_receive(self, messages, *, timeout=None):
-        messages = list(messages)
-        self.sent = [*getattr(self, "sent", []), *messages]
-        return super().send_and_receive(messages, timeout=timeout)
 
 
 def _spent(ctx) -> list[int]:
