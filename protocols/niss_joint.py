@@ -400,9 +400,9 @@ def recovered_multiplier(z: float, sigmas: Mapping[int, float], charged: Mapping
 def receiver_downlink_scale(tau: float, sigma_ks: Mapping[int, float], graph: Mapping[int, Sequence[int]]) -> float:
     """The factor on every ``sigma_k`` the published sum needs to keep multiplier ``z`` against a receiving participant.
 
-    ``z / receiver_downlink_multiplier(tau, sigma_ks, z, graph)`` (the multiplier is linear in ``z``): 1 where the
-    sum already keeps ``z`` (0 for ``tau = 0``, which gives no guarantee), ``inf`` with 2 participants (each knows
-    every share's residual the other's record hides behind).
+    ``z / receiver_downlink_multiplier(tau, sigma_ks, z, graph)`` (the multiplier is linear in ``z``): at most 1
+    where the sum already keeps ``z`` (0 for ``tau = 0``, which gives no guarantee), ``inf`` with 2 participants
+    (each knows every share's residual the other's record hides behind).
     """
     if tau == 0:
         return 0.0

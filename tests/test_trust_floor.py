@@ -161,13 +161,18 @@ def test_ddpsa_a_run_config_assuming_no_colluder_is_refused_before_any_push(
         replies, strategy = _ddpsa_train(cfg, grid, cluster, pin, tmp_path)
         try:
             assert len(replies) == 4
-            for r in replies:
-                assert r.has_error() and "privacy floor" in r.error.reason, "a weaker collusion fraction was taken"
-                assert "ddpsa-collude-frac" in r.error.reason, r.error.reason
-            assert noise_seen == [] and _pushed_nothing(cluster, strategy)
-            assert all(_spent(ctx) == [] for ctx in grid.contexts.values())
+            _refused_before_any_push(replies, "ddpsa-collude-frac", noise_seen, cluster, strategy, grid)
         finally:
             strategy.close()
+
+
+def _refused_before_any_push(replies, key: str, drawn, cluster, strategy, grid) -> None:
+    """Every client refused on its privacy floor naming ``key``: no noise drawn, no share pushed, nothing charged."""
+    for r in replies:
+        assert r.has_error() and "privacy floor" in r.error.reason, f"a weaker {key} was taken"
+        assert key in r.error.reason, r.error.reason
+    assert drawn == [] and _pushed_nothing(cluster, strategy)
+    assert all(_spent(ctx) == [] for ctx in grid.contexts.values())
 
 
 @pytest.mark.parametrize(("run", "pin", "refused"), [
@@ -188,11 +193,7 @@ def test_ddpsa_a_sharing_threshold_below_the_nodes_is_refused(
             if not refused:
                 assert not any(r.has_error() for r in replies) and len(noise_seen) == 4
                 return
-            for r in replies:
-                assert r.has_error() and "privacy floor" in r.error.reason, "a lower sharing threshold was taken"
-                assert "ddpsa-threshold" in r.error.reason, r.error.reason
-            assert noise_seen == [] and _pushed_nothing(cluster, strategy)
-            assert all(_spent(ctx) == [] for ctx in grid.contexts.values())
+            _refused_before_any_push(replies, "ddpsa-threshold", noise_seen, cluster, strategy, grid)
         finally:
             strategy.close()
 
