@@ -8,7 +8,7 @@
   plus ``N(0, (z clip)^2)``, uniform mean.
 * ``cdp`` (trusted server, no uplink guarantee): the server adds Gaussian noise once to the mean.  Record level:
   ``N(0, (z Delta)^2)`` on the example-weighted mean (:func:`record_mean_sensitivity`); client level: Flower's
-  ``fixedclipping_mod`` and ``DifferentialPrivacyClientSideFixedClipping``.
+  ``fixedclipping_mod`` on the clients, ``N(0, (z clip / k)^2)`` on the uniform mean of the k updates aggregated.
 
 No amplification by sampling is claimed (the sample is drawn from the public run seed): with ``sample-rate``
 < 1 every round is composed as an unsampled release.  See ``docs/methods/baselines.md``.
@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg
 
 from protocols.arrays import flatten, unflatten, weighted_average
 from protocols.config import RunConfig
@@ -42,7 +41,7 @@ from protocols.privacy import (
 from protocols.privacy.sensitivity import adjacency_factor
 from protocols.privacy.signal import NoiseEstimate, gaussian_norm
 from protocols.wire.arrays import from_record
-from protocols.wire.baselines import UNIFORM_WEIGHT_KEY, ClippingNorm, LocalDpNoise
+from protocols.wire.baselines import ClippingNorm, LocalDpNoise
 from protocols.wire.common import merge_configs, num_examples
 from strategies.base import CancelStrategy, RoundFailed, RoundState
 from strategies.records import to_record
@@ -176,15 +175,9 @@ class LocalDPStrategy(_RecordLevel):
 
     def charge_release(self, state: RoundState) -> None:
         """Each upload: a Gaussian with multiplier z, no amplification (every participant is told to release)."""
-        z = self.z * self.noise_scale
-        self.privacy.uplink.compose(GaussianEvent(z))
-        if self.record_level:
-            return  # the mean's downlink event depends on the uploads' sizes: composed in aggregate()
-        m = self.cfg.clients_per_round
-        # Public sample: no amplification.  A receiving participant knows its own noise: m - 1 uploads' noise left.
-        self.privacy.downlink.compose(GaussianEvent(z * receiver_std([1.0] * m)))
-        k = max(len(state.participants), 1)  # independent noises: the uniform mean keeps std z clip / sqrt(k)
-        self.report(upload_noise_std=z * self.cfg.clip, model_noise_std=z * self.cfg.clip / math.sqrt(k))
+        self.privacy.uplink.compose(GaussianEvent(self.z * self.noise_scale))
+        # The mean's downlink event depends on the uploads aggregated (and record level on their sizes):
+        # composed in the account stage from what aggregate() saw.
 
     def aggregate(self, state: RecordRound) -> ArrayRecord | None:
         """Aggregate stage: the weighted mean; record level also notes the published mean's multiplier.
@@ -196,7 +189,13 @@ class LocalDPStrategy(_RecordLevel):
         (the sample is drawn from the public run seed).
         """
         arrays = super().aggregate(state)
-        if self.record_level:
+        if not self.record_level:
+            # The uniform mean of the k uploads aggregated (not the k planned: dropouts leave fewer) has std
+            # z clip sqrt(k) / k against sensitivity clip / k; a receiving participant knows its own noise.
+            z, k = self.z * self.noise_scale, max(len(state.replies), 1)
+            state.mean_multiplier = z * receiver_std([1.0] * k)
+            self.report(upload_noise_std=z * self.cfg.clip, model_noise_std=z * self.cfg.clip / math.sqrt(k))
+        else:
             by_node = state.replies
             sizes = {n: num_examples(by_node[n].content["metrics"]) for n in by_node}
             std, sens = self.mean_noise(sizes)
@@ -205,13 +204,13 @@ class LocalDPStrategy(_RecordLevel):
         return arrays
 
     def account(self, state: RecordRound) -> None:
-        """Account stage (record level): the published mean, with the noise really in it."""
+        """Account stage: the published mean, with the noise really in it (the uploads aggregated)."""
         if state.mean_multiplier is not None:
             self.privacy.downlink.compose(GaussianEvent(state.mean_multiplier))
 
 
 class CentralDPStrategy(_RecordLevel):
-    """Central DP: the trusted server noises the mean (record level by default, or Flower's client level)."""
+    """Central DP: the trusted server noises the mean (record level by default, or client level)."""
 
     #: The round loop may raise the round's multiplier to ``z * noise_scale`` (the server adds all the noise)
     #: to keep epsilon within the run's target (:mod:`strategies.run.budget`).
@@ -223,9 +222,6 @@ class CentralDPStrategy(_RecordLevel):
         self.z = noise_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
         # Trusted server: no uplink guarantee; the noised mean is one unsampled release per round (public sample).
         self.privacy = PrivacyLedger(cfg.delta, downlink=RdpAccountant(), headline="downlink")
-        self.inner = None if self.record_level else DifferentialPrivacyClientSideFixedClipping(
-            FedAvg(weighted_by_key=UNIFORM_WEIGHT_KEY), noise_multiplier=self.z, clipping_norm=cfg.clip,
-            num_sampled_clients=cfg.clients_per_round)
         self._last_std: float | None = None
 
     def train_config(self, server_round: int) -> dict[str, Any]:
@@ -237,25 +233,21 @@ class CentralDPStrategy(_RecordLevel):
     def aggregate(self, state: RoundState) -> ArrayRecord | None:
         """Aggregate stage, record level: example-weighted mean + N(0, (z Delta)^2), Delta = :func:`record_mean_sensitivity`.
 
-        Client level: Flower's uniform mean of the clipped updates plus its Gaussian noise (std ``z clip / m``).
-        The record-level noise comes from the AES-CTR CSPRNG (:mod:`protocols.prg`), seeded from the OS.
+        Client level: the uniform mean of the updates ``fixedclipping_mod`` clipped plus N(0, (z clip / k)^2), k = the
+        replies aggregated.  The noise comes from the AES-CTR CSPRNG (:mod:`protocols.prg`), seeded from the OS.
         """
-        by_node = state.replies
-        z = self.z * self.noise_scale
-        if self.inner is not None:
-            self.inner.noise_multiplier = z
-            arrays, _ = self.inner.aggregate_train(state.round, [by_node[n] for n in sorted(by_node)])
-            if arrays is None:
-                raise RoundFailed(f"round {state.round}: Flower's central-DP aggregation returned no model")
-            return arrays
         from protocols.prg import gaussian
 
+        by_node = state.replies
+        z = self.z * self.noise_scale
         nodes = sorted(by_node)
         sizes = {n: num_examples(by_node[n].content["metrics"]) for n in nodes}
         uploads = [from_record(by_node[n].content["arrays"]) for n in nodes]
-        mean = weighted_average(uploads, [float(sizes[n]) for n in nodes])
+        mean = weighted_average(uploads, [float(sizes[n]) if self.record_level else 1.0 for n in nodes])
         flat = flatten(mean)
-        std = z * record_mean_sensitivity(self.cfg, sizes)
+        # Client level: the uniform mean of the k clipped updates that arrived (not the k planned) has sensitivity
+        # clip / k (Flower's central-DP wrappers size it on those sampled: multiplier z k / m after dropouts).
+        std = z * (record_mean_sensitivity(self.cfg, sizes) if self.record_level else self.cfg.clip / len(nodes))
         noisy = flat + gaussian(os.urandom(32), len(flat), std)
         self._last_std = std
         self.report(upload_noise_std=0.0, model_noise_std=std)
@@ -299,5 +291,3 @@ class CentralDPStrategy(_RecordLevel):
         """The noised mean: a Gaussian with multiplier z (std / sensitivity); no amplification (public sample)."""
         z = self.z * self.noise_scale
         self.privacy.downlink.compose(GaussianEvent(z))
-        if not self.record_level:
-            self.report(upload_noise_std=0.0, model_noise_std=z * self.cfg.clip / self.cfg.clients_per_round)

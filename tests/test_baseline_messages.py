@@ -139,3 +139,38 @@ def test_record_level_cdp_server_noise_is_z_times_2_clip_lr_over_n() -> None:
     assert record_mean_sensitivity(cfg, sizes) == pytest.approx(4.0 / 450)
     assert (out - mean).std() == pytest.approx(expected, rel=0.03)
     assert abs((out - mean).mean()) < 0.05 * expected
+
+
+# ------------------------------------------------------------------ client level with fewer replies than planned
+def _client_level_replies(sizes: dict[int, int], dim: int = 20_000) -> dict[int, Message]:
+    return {n: Message(RecordDict({"arrays": to_record({"w": np.zeros(dim, dtype=np.float32)}, np.float32),
+                                   "metrics": MetricRecord(train_metrics(sizes[n]))}),
+                       n, "train") for n in sizes}
+
+
+def test_client_level_cdp_noise_is_sized_on_the_replies_aggregated() -> None:
+    """5 planned, 3 arrive: the mean of 3 clipped updates (sensitivity C / 3) gets std z C / 3, so multiplier z holds.
+
+    Sized on the 5 planned (Flower's ``num_sampled_clients``) the std is z C / 5: multiplier 0.6 z, charged as z.
+    """
+    strategy = CentralDPStrategy(_cfg("cdp", **{"privacy-unit": "client", "clip": 0.5}))
+    assert strategy.cfg.clients_per_round == 5
+    replies = _client_level_replies({11: 100, 12: 100, 13: 100})
+    out = flatten(from_record(strategy.aggregate(RoundState(1, [11, 12, 13, 14, 15], replies=replies))))
+    assert out.std() == pytest.approx(strategy.z * 0.5 / 3, rel=0.03)
+
+
+def test_client_level_ldp_model_is_charged_with_the_uploads_aggregated() -> None:
+    """The model's account counts the k uploads that reached the mean: multiplier z sqrt(k - 1), not z sqrt(m - 1)."""
+    from strategies.baselines import RecordRound
+
+    strategy = LocalDPStrategy(_cfg("ldp", **{"privacy-unit": "client"}))
+    st = RecordRound(1, [11, 12, 13, 14, 15], replies=_client_level_replies({11: 100, 12: 100}))
+    strategy.charge_release(st)
+    strategy.aggregate(st)
+    strategy.account(st)
+    assert st.mean_multiplier == pytest.approx(strategy.z * 1.0)  # 2 uploads: the other's noise, z sqrt(1)
+    from protocols.privacy import RdpAccountant
+
+    expected = RdpAccountant([GaussianEvent(strategy.z)]).epsilon(strategy.cfg.delta)  # the strategy's accountant
+    assert strategy.privacy.downlink.epsilon(strategy.cfg.delta) == pytest.approx(expected, rel=1e-3)

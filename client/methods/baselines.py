@@ -21,7 +21,7 @@ from protocols.arrays import flatten, unflatten
 from protocols.clipping import clip_l2
 from protocols.floor import at_least, ldp_noise_multiplier, ldp_noise_std
 from protocols.privacy import GaussianEvent, record_sensitivity
-from protocols.wire.baselines import ClippingNorm, LocalDpNoise, uniform_weight
+from protocols.wire.baselines import ClippingNorm, LocalDpNoise
 
 
 def train_fedavg(msg: Message, env: ClientEnv) -> Message:
@@ -35,7 +35,7 @@ def train_cdp(msg: Message, env: ClientEnv) -> Message:
 
     Record level: per-example-clipped training, upload weighted by ``n_k`` (the server's
     example-weighted mean has record sensitivity ``a C lr / N``).  Client level: plain training,
-    unit weight (the uniform mean, sensitivity ``clip / m``), the update clipped to the norm the
+    the server takes the uniform mean (sensitivity ``clip / k``), the update clipped to the norm the
     server's :class:`protocols.wire.baselines.ClippingNorm` names (Flower's ``fixedclipping_mod`` rule).
     """
     if env.cfg.privacy_unit == "client":
@@ -43,7 +43,7 @@ def train_cdp(msg: Message, env: ClientEnv) -> Message:
         norm = min(ClippingNorm.from_config(msg.content["config"]).clip, env.cfg.clip)  # never above its own clip
         clipped, _ = clip_l2(flatten(local_w) - flatten(global_w), norm)
         clipped_w = unflatten(flatten(global_w) + clipped, global_w)
-        return reply(msg, to_record(clipped_w, np.float32), len(env.y), train_loss=loss, **uniform_weight(),
+        return reply(msg, to_record(clipped_w, np.float32), len(env.y), train_loss=loss,
                      **release(msg, env))
     _, local_w, loss, frac = record_level_training(msg, env)
     return reply(msg, to_record(local_w, np.float32), len(env.y), train_loss=loss, clipped_fraction=frac,

@@ -1,4 +1,4 @@
-"""Message parts of the baselines: local DP's noise multiplier and central DP's clipping norm and uniform weight.
+"""Message parts of the baselines: local DP's noise multiplier and central DP's clipping norm.
 
 * ``ldp`` train config: :class:`LocalDpNoise`, the noise multiplier ``z`` the server calibrated for the
   whole run.  The client's std is ``z`` times the sensitivity of its own upload, which the client computes
@@ -6,9 +6,8 @@
   level with its own ``n_k``): a multiplier is the one number both units share, and it lets the client
   refuse a weaker one without trusting any size the server would have to send.
 * ``cdp`` at client level (``privacy-unit = "client"``): :class:`ClippingNorm`, under the key
-  Flower's ``fixedclipping_mod`` reads; the reply's metrics carry :func:`uniform_weight`, the
-  weight Flower's ``FedAvg`` averages by (:data:`UNIFORM_WEIGHT_KEY`, its ``weighted_by_key``):
-  client-level central DP needs the uniform mean, whose sensitivity is ``clip / m``.  Record-level
+  Flower's ``fixedclipping_mod`` reads; the server takes the uniform mean of the k clipped updates
+  that arrive, whose sensitivity is ``clip / k``.  Record-level
   ``cdp`` sends nothing extra (per-example clipping happens in training; the example-weighted mean).
 """
 
@@ -24,8 +23,6 @@ from protocols.wire.common import read_float
 _NOISE_MULTIPLIER = "noise-multiplier"
 #: The config key Flower's ``fixedclipping_mod`` reads the clipping norm from (its ``KEY_CLIPPING_NORM``).
 KEY_CLIPPING_NORM = "clipping_norm"
-#: Name of the reply metric Flower's ``FedAvg(weighted_by_key=...)`` weighs central DP's uploads by.
-UNIFORM_WEIGHT_KEY = "dp_weight"
 
 
 @dataclass(frozen=True)
@@ -65,8 +62,3 @@ class ClippingNorm:
     @classmethod
     def from_config(cls, rec: Mapping[str, Any]) -> ClippingNorm:
         return cls(read_float(rec, KEY_CLIPPING_NORM))
-
-
-def uniform_weight() -> dict[str, float]:
-    """The client-level ``cdp`` reply metric giving every upload weight 1 (merge into the reply's metrics)."""
-    return {UNIFORM_WEIGHT_KEY: 1.0}
