@@ -33,6 +33,7 @@ from torch import nn
 from client.env import ClientEnv
 from client.methods import query_actions, query_phase, train_phase
 from protocols.config import ConfigError, RunConfig, describe_changes
+from protocols.node_config import check_node_config
 from protocols.wire.settings import MISMATCH, settings_of
 
 #: ``Context.state`` record of the settings this node pinned for its run: ``run-id`` and the mapping as ``json``.
@@ -48,8 +49,10 @@ def client_env(context: Context, model: nn.Module, x: np.ndarray, y: np.ndarray,
 
     Settings come from ``msg`` (what the strategy sent, checked against the run config and against the
     settings pinned by the run's first message, :func:`pinned`) or, without ``msg``, from the run config
-    (ConfigError if it names no method, or a mismatch).
+    (ConfigError if it names no method, or a mismatch).  A node config holding a near miss of a key cancelfl reads
+    is refused first (:func:`protocols.node_config.check_node_config`).
     """
+    check_node_config(context.node_config)
     if msg is not None:
         cfg = pinned(context, settings_of(msg.content if msg.has_content() else None, context.run_config))
     else:

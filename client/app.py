@@ -7,6 +7,7 @@ from flwr.clientapp import ClientApp
 
 from client.env import ClientEnv
 from client.methods import query_actions, query_phase, train_phase
+from protocols.node_config import check_node_config
 from protocols.wire.federation import ACTION as FEDERATION
 from protocols.wire.federation import FederationInfo
 
@@ -33,5 +34,6 @@ for _action in sorted(query_actions()):
 @app.query(FEDERATION)
 def federation(msg: Message, context: Context) -> Message:
     """What this node's node config says about the federation (the ServerApp's check, :mod:`server.federation`)."""
+    check_node_config(context.node_config)
     info = FederationInfo.from_node_config(context.node_config)
     return Message(RecordDict({"config": ConfigRecord(info.to_config())}), reply_to=msg)

@@ -19,6 +19,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 
 from protocols.config import ConfigError, RunConfig
 from protocols.federation import fitted, num_clients_left_auto
+from protocols.node_config import check_node_config
 from protocols.wire.arrays import Weights, from_record
 from protocols.wire.common import TrainIns, train_metrics
 
@@ -55,7 +56,10 @@ class ClientEnv:
         """Parse the run config; this node's partition is loaded when first used.
 
         Run-config ``num-clients`` left "auto" takes the node config's ``num-partitions`` (the federation's size).
+        A node config holding a near miss of a key cancelfl reads is refused first
+        (:func:`protocols.node_config.check_node_config`).
         """
+        check_node_config(context.node_config)
         cfg = RunConfig.from_mapping(context.run_config, strict=False)
         try:
             pid = int(context.node_config["partition-id"])

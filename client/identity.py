@@ -38,11 +38,10 @@ from protocols.identity import (
     key_statement,
     verify_key,
 )
+from protocols.node_config import IDENTITY_KEY
+from protocols.node_config import REQUIRE_IDENTITY as REQUIRE_KEY
+from protocols.node_config import ROSTER as ROSTER_KEY
 from protocols.wire.keys import PeerKeys
-
-IDENTITY_KEY = "identity-key"
-ROSTER_KEY = "roster"
-REQUIRE_KEY = "require-identity"
 
 #: Read-only cache of parsed identity files, by (paths, modification times): files, not secrets of a run.
 _LOADED: dict[tuple, NodeIdentity] = {}

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from protocols.node_config import LEDGER_DIR as LEDGER_DIR_KEY
 from protocols.privacy import (
     Accountant,
     DpCompositionAccountant,
@@ -35,8 +36,6 @@ from protocols.privacy import (
     accountant_from_state,
 )
 
-#: Node-config key of the ledger folder.
-LEDGER_DIR_KEY = "ledger-dir"
 #: Written version; 2 added the named compositions (an older reader refuses them instead of ignoring them).
 _VERSION = 2
 #: Versions read (1: no named compositions).

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from protocols.config import RunConfig
+from protocols.node_config import POLICY_KEYS as _POLICY_KEYS
 from protocols.privacy import calibrate_noise_multiplier, noise_multiplier, per_round_epsilons, record_sensitivity
 
 if TYPE_CHECKING:
@@ -102,10 +103,6 @@ def at_most(parameter: str, offered: float, ceiling: float, why: str = "") -> No
 
 
 # ----------------------------------------------------------------------------------------- node policy
-_POLICY_KEYS = {"max_epsilon_per_run": "max-epsilon-per-run", "max_delta": "max-delta", "max_clip": "max-clip",
-                "lifetime_epsilon": "lifetime-epsilon", "lifetime_delta": "lifetime-delta"}
-
-
 @dataclass(frozen=True)
 class FloorPolicy:
     """A node's own limits (node config; every key optional).
@@ -136,7 +133,7 @@ class FloorPolicy:
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> FloorPolicy:
-        """Read the policy keys of a node config (other keys are ignored)."""
+        """Read the policy keys of a node config (other keys are ignored here: :mod:`protocols.node_config`)."""
         values: dict[str, float] = {}
         for name, key in _POLICY_KEYS.items():
             if key in node_config:

@@ -156,6 +156,7 @@ def run_inprocess(overrides: dict, *, progress=print, grid_factory=None, keep_st
     ``verbose``: detailed round lines.
     """
     from client.app import app as client_app
+    from protocols.node_config import DDPSA_CA, DDPSA_SERVERS
     from server.intermediate.launcher import local_intermediate_servers, roster_of
     from server.local_grid import LocalGrid
     from server.runner import run_federation
@@ -175,8 +176,8 @@ def run_inprocess(overrides: dict, *, progress=print, grid_factory=None, keep_st
     # (a node asking for a guarantee takes no servers from the run config).
     with local_intermediate_servers(cfg, roster_of(c.node_config for c in grid.contexts.values())) as cfg:
         for ctx in grid.contexts.values():
-            if cfg.ddpsa_servers and "ddpsa-servers" not in ctx.node_config:  # a node's own pinned ones stay
-                ctx.node_config.update({"ddpsa-servers": cfg.ddpsa_servers, "ddpsa-ca": cfg.ddpsa_ca})
+            if cfg.ddpsa_servers and DDPSA_SERVERS not in ctx.node_config:  # a node's own pinned ones stay
+                ctx.node_config.update({DDPSA_SERVERS: cfg.ddpsa_servers, DDPSA_CA: cfg.ddpsa_ca})
         strategy = build_strategy(cfg)
         if keep_strategy is not None:
             keep_strategy.append(strategy)

@@ -14,6 +14,8 @@ Same arguments as ``flower-supernode`` (Flower 1.42).  Changes, none to what a m
 * its SuperExec looks for new tasks every ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` seconds (Flower's own
   setting; default here 0.05 instead of 1).
 
+A ``--node-config`` holding a near miss of a key cancelfl reads (``max-epsilon-per-rnu``, ``lifetime_epsilon``:
+:mod:`protocols.node_config`) stops it before anything starts, naming the key it likely means.
 Set ``CANCELFL_WARM_CLIENTAPP=0`` to start a fresh ``flwr-clientapp`` per message as Flower does.
 With ``CANCELFL_TRACE`` set (:mod:`protocols.trace`) the SuperNode appends a ``node_pull`` line per message it
 takes from the SuperLink and a ``node_push`` line per reply it sends.
@@ -101,8 +103,32 @@ def _traced(loop) -> None:
     loop._pull_and_store_message, loop._push_messages = pull_and_store_message, push_messages
 
 
+def check_node_config_arg(argv: list[str]) -> None:
+    """Refuse a ``--node-config`` in ``argv`` holding a near miss of a key cancelfl reads (SystemExit naming both).
+
+    The arguments are read with ``flower-supernode``'s own parser and node-config syntax; a malformed one is left to
+    Flower to report.
+    """
+    from flwr.common.config import parse_config_args
+    from flwr.supernode.cli.flower_supernode import _parse_args_run_supernode
+
+    from protocols.node_config import NodeConfigError, check_node_config
+
+    raw = _parse_args_run_supernode().parse_known_args(argv)[0].node_config
+    try:
+        node_config = parse_config_args([raw]) if raw else {}
+    except Exception:  # noqa: BLE001 - Flower's own parse reports it, as flower-supernode does
+        return
+    try:
+        check_node_config(node_config)
+    except NodeConfigError as err:
+        raise SystemExit(f"cancelfl-supernode: {err}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run Flower's SuperNode with the changes above; arguments as ``flower-supernode``."""
+    args = sys.argv[1:] if argv is None else argv
+    check_node_config_arg(args)
     interval = poll_interval()
     os.environ.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.05")
     work = Path(tempfile.mkdtemp(prefix="cancelfl-supernode-"))
@@ -119,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     if os.environ.get("CANCELFL_TRACE"):
         _traced(loop)
     tune_supernode(interval)
-    sys.argv = ["flower-supernode", *(sys.argv[1:] if argv is None else argv)]
+    sys.argv = ["flower-supernode", *args]
     flower_supernode()
 
 

@@ -59,6 +59,7 @@ from protocols.floor import (
     ddpsa_round_epsilon,
 )
 from protocols.methods.ddpsa import sharing_threshold
+from protocols.node_config import DDPSA_CA, DDPSA_SERVERS
 from protocols.per_example import PerExampleClipper, cross_entropy
 from protocols.privacy import Event, GaussianEvent, LaplaceEvent, l1_sensitivity, laplace_scale
 from protocols.wire.arrays import from_record
@@ -159,10 +160,10 @@ def intermediate_servers(env: ClientEnv, plan: DdpsaRound) -> IntermediateServer
             for a guarantee would push a split-noise share to servers its node config does not name.
     """
     nc = env.context.node_config
-    own = tuple(a.strip() for a in str(nc.get("ddpsa-servers", env.cfg.ddpsa_servers)).split(",") if a.strip())
-    ca = str(nc.get("ddpsa-ca", env.cfg.ddpsa_ca))
+    own = tuple(a.strip() for a in str(nc.get(DDPSA_SERVERS, env.cfg.ddpsa_servers)).split(",") if a.strip())
+    ca = str(nc.get(DDPSA_CA, env.cfg.ddpsa_ca))
     why = "DDP-SA shares go only to the intermediate servers of this client's own configuration"
-    if plan.noise != "local" and policy(env).wants_guarantee and not (nc.get("ddpsa-servers") and nc.get("ddpsa-ca")):
+    if plan.noise != "local" and policy(env).wants_guarantee and not (nc.get(DDPSA_SERVERS) and nc.get(DDPSA_CA)):
         raise FloorViolation("ddpsa-servers", list(plan.servers), "node config 'ddpsa-servers' and 'ddpsa-ca'",
                              "the run config's intermediate servers are the parameter server's choice: holding them, "
                              "it reconstructs this node's sum, which carries only its share of the round's noise; "

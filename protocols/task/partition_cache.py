@@ -26,11 +26,11 @@ from pathlib import Path
 import numpy as np
 
 from protocols.config import RunConfig
+from protocols.node_config import DATA_CACHE as CACHE_KEY
 
 __all__ = ["CACHE_ENV", "CACHE_KEY", "cache_folder", "local_data", "partition_key"]
 
-#: Node config key and environment variable naming the folder (``off`` or empty: no cache).
-CACHE_KEY = "data-cache"
+#: Environment variable naming the folder when node config ``data-cache`` does not (``off`` or empty: no cache).
 CACHE_ENV = "CANCELFL_DATA_CACHE"
 #: Datasets whose source this module can identify.
 BUILTIN = ("digits", "breast-cancer", "mnist", "fashion-mnist")

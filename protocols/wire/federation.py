@@ -12,12 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from protocols.node_config import NUM_PARTITIONS as _NUM_PARTITIONS
+from protocols.node_config import PARTITION_ID as _PARTITION_ID
 from protocols.wire.common import read_int
 
 #: The query action (message type ``query.federation``).
 ACTION = "federation"
-_NUM_PARTITIONS = "num-partitions"
-_PARTITION_ID = "partition-id"
 
 
 @dataclass(frozen=True)

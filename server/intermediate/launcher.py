@@ -31,6 +31,7 @@ from pathlib import Path
 from protocols.config import RunConfig
 from protocols.identity import DerivedRoster, Roster
 from protocols.methods import local_services
+from protocols.node_config import ROSTER
 from protocols.tls import CertificateAuthority
 from protocols.wire.intermediate import IntermediateServers, wait_until_healthy
 from server.intermediate.servicer import format_address
@@ -238,7 +239,7 @@ def roster_of(node_configs: Iterable[Mapping[str, object]]) -> Path | None:
 
     None means the nodes fall back to the simulation identities derived from the run seed.
     """
-    named = {str(nc.get("roster", "")) for nc in node_configs} - {""}
+    named = {str(nc.get(ROSTER, "")) for nc in node_configs} - {""}
     if len(named) > 1:
         raise ValueError(f"the nodes name {len(named)} different roster files; DDP-SA servers trust one")
     return Path(named.pop()) if named else None

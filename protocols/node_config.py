@@ -1,0 +1,100 @@
+"""The node-config keys cancelfl reads, in one place, and the check that refuses a misspelt one.
+
+A node's protection rests on keys its operator writes in its node config (``flower-supernode --node-config
+'...'``): the policy (:data:`POLICY_KEYS`), the trust assumptions every registered method declares with
+``option(trust=...)``, its identity, ledger and intermediate servers.  A key the node does not read is ignored,
+so ``max-epsilon-per-rnu = 1`` or ``lifetime_epsilon = 3`` would leave the node training under whatever the server
+asks.  :func:`check_node_config` (run by the ClientApp before it answers any message, and by the launchers that take
+a node config) refuses a key that is not one of :func:`known_keys` but a near miss of one (:func:`intended_key`);
+any other key is left alone, for a ClientApp of your own may read keys of its own.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping
+
+__all__ = ["BASE_KEYS", "DATA_CACHE", "DDPSA_CA", "DDPSA_SERVERS", "IDENTITY_KEY", "LEDGER_DIR", "NUM_PARTITIONS",
+           "PARTITION_ID", "POLICY_KEYS", "REQUIRE_IDENTITY", "ROSTER", "NEAR_MISS_CUTOFF", "NodeConfigError",
+           "check_node_config", "intended_key", "known_keys"]
+
+#: This node's partition and the federation's size (Flower's simulation sets both; a SuperNode takes them from
+#: ``--node-config``).
+PARTITION_ID = "partition-id"
+NUM_PARTITIONS = "num-partitions"
+#: Folder of the node's privacy ledger (:mod:`client.ledger`).
+LEDGER_DIR = "ledger-dir"
+#: The node's Ed25519 identity, the roster it trusts, and whether it refuses to run without them
+#: (:mod:`client.identity`).
+IDENTITY_KEY = "identity-key"
+ROSTER = "roster"
+REQUIRE_IDENTITY = "require-identity"
+#: The DDP-SA intermediate servers and their CA this node pushes its shares to (:mod:`client.methods.ddpsa`).
+DDPSA_SERVERS = "ddpsa-servers"
+DDPSA_CA = "ddpsa-ca"
+#: Folder of the node's partition cache (:mod:`protocols.task.partition_cache`).
+DATA_CACHE = "data-cache"
+#: The node's policy (:class:`protocols.floor.FloorPolicy`): its field -> node-config key.
+POLICY_KEYS = {"max_epsilon_per_run": "max-epsilon-per-run", "max_delta": "max-delta", "max_clip": "max-clip",
+               "lifetime_epsilon": "lifetime-epsilon", "lifetime_delta": "lifetime-delta"}
+#: Every key above: what the node reads whatever its method.
+BASE_KEYS: frozenset[str] = frozenset({PARTITION_ID, NUM_PARTITIONS, LEDGER_DIR, IDENTITY_KEY, ROSTER,
+                                       REQUIRE_IDENTITY, DDPSA_SERVERS, DDPSA_CA, DATA_CACHE, *POLICY_KEYS.values()})
+#: ``difflib`` similarity from which an unknown key counts as a misspelling of a known one: one wrong, missing or
+#: swapped character in a key of eight or more (``nadp-tua``, ``max-epsilon-per-rnu``), not a key of one's own
+#: that merely shares a word (``data-path`` against ``data-cache``: 0.74, ``max-data`` against ``max-delta``: 0.82).
+NEAR_MISS_CUTOFF = 0.85
+
+
+class NodeConfigError(ValueError):
+    """A node-config key that is a near miss of a key cancelfl reads: the node would run without the intended one."""
+
+    def __init__(self, key: str, intended: str) -> None:
+        self.key, self.intended = key, intended
+        super().__init__(f"node config '{key}' is not one of cancelfl's node-config keys: did you mean '{intended}'? "
+                         f"Refused, as the node would run without its '{intended}' (rename the key; a key of your own "
+                         "ClientApp must not be a near miss of one of them)")
+
+
+def known_keys() -> frozenset[str]:
+    """Every node-config key cancelfl reads: :data:`BASE_KEYS` and each registered method's trust keys.
+
+    A trust key is a run-config key a method's options declare with ``option(trust=...)``
+    (:meth:`protocols.options.MethodOptions.trust_keys`), a plugin's included: a node pins it in its node config.
+    """
+    from protocols.methods import options_classes
+
+    return BASE_KEYS | {key for cls in options_classes() for key in cls.trust_keys()}
+
+
+def _plain(key: str) -> str:
+    return key.casefold().replace("_", "-")
+
+
+def intended_key(key: str, known: Iterable[str]) -> str | None:
+    """The key of ``known`` that ``key`` misspells, or None (``key`` itself known, or not near any).
+
+    A near miss: equal once case is folded and ``_`` read as ``-`` (``lifetime_epsilon``), else the closest known key
+    with a :mod:`difflib` similarity of at least :data:`NEAR_MISS_CUTOFF` to that form (``max-epsilon-per-rnu``).
+    """
+    known = sorted(known)
+    if key in known:
+        return None
+    plain = {_plain(k): k for k in known}
+    if _plain(key) in plain:
+        return plain[_plain(key)]
+    close = difflib.get_close_matches(_plain(key), list(plain), n=1, cutoff=NEAR_MISS_CUTOFF)
+    return plain[close[0]] if close else None
+
+
+def check_node_config(node_config: Mapping[str, object]) -> None:
+    """Refuse a node config holding a near miss of a key cancelfl reads (other unknown keys pass).
+
+    Raises:
+        NodeConfigError: naming the first such key (in sorted order) and the key it likely means.
+    """
+    known = known_keys()
+    for key in sorted(map(str, node_config)):
+        intended = intended_key(key, known)
+        if intended is not None:
+            raise NodeConfigError(key, intended)
