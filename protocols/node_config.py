@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 
 __all__ = ["BASE_KEYS", "DATA_CACHE", "DDPSA_CA", "DDPSA_SERVERS", "IDENTITY_KEY", "LEDGER_DIR", "NUM_PARTITIONS",
            "PARTITION_ID", "POLICY_KEYS", "REQUIRE_IDENTITY", "ROSTER", "NEAR_MISS_CUTOFF", "NodeConfigError",
-           "check_node_config", "intended_key", "known_keys"]
+           "check_node_config", "intended_key", "known_keys", "run_config_only_keys"]
 
 #: This node's partition and the federation's size (Flower's simulation sets both; a SuperNode takes them from
 #: ``--node-config``).
@@ -47,10 +47,19 @@ NEAR_MISS_CUTOFF = 0.85
 
 
 class NodeConfigError(ValueError):
-    """A node-config key that is a near miss of a key cancelfl reads: the node would run without the intended one."""
+    """A node-config key that is a near miss of a key cancelfl reads: the node would run without the intended one.
 
-    def __init__(self, key: str, intended: str) -> None:
+    ``intended`` None: the key is a run-config key a node cannot set (the server's run config sets it).
+    """
+
+    def __init__(self, key: str, intended: str | None) -> None:
         self.key, self.intended = key, intended
+        if intended is None:
+            super().__init__(f"node config '{key}' is a run-config key, which the server's run config sets: in a "
+                             "node config it would be ignored. A node bounds what a run may ask with "
+                             f"{', '.join(sorted(POLICY_KEYS.values()))} and pins the trust keys of its methods "
+                             "(docs/privacy.md, node policy)")
+            return
         super().__init__(f"node config '{key}' is not one of cancelfl's node-config keys: did you mean '{intended}'? "
                          f"Refused, as the node would run without its '{intended}' (rename the key; a key of your own "
                          "ClientApp must not be a near miss of one of them)")
@@ -65,6 +74,17 @@ def known_keys() -> frozenset[str]:
     from protocols.methods import options_classes
 
     return BASE_KEYS | {key for cls in options_classes() for key in cls.trust_keys()}
+
+
+def run_config_only_keys() -> frozenset[str]:
+    """Run-config keys (common and every registered method's options) a node config cannot set: not in :func:`known_keys`."""
+    from dataclasses import fields
+
+    from protocols.config import RunConfig
+    from protocols.methods import options_classes
+
+    common = {RunConfig.key_of(f.name) for f in fields(RunConfig) if f.name not in ("options", "regime_applied")}
+    return frozenset(common | {key for cls in options_classes() for key in cls.keys()}) - known_keys()
 
 
 def _plain(key: str) -> str:
@@ -88,13 +108,18 @@ def intended_key(key: str, known: Iterable[str]) -> str | None:
 
 
 def check_node_config(node_config: Mapping[str, object]) -> None:
-    """Refuse a node config holding a near miss of a key cancelfl reads (other unknown keys pass).
+    """Refuse a near miss of a key cancelfl reads, or a run-config key a node cannot set; other unknown keys pass.
+
+    ``epsilon = 1`` in a node config does not bound a run (``max-epsilon-per-run`` does): it is refused.
 
     Raises:
         NodeConfigError: naming the first such key (in sorted order) and the key it likely means.
     """
     known = known_keys()
+    run_only = run_config_only_keys()
     for key in sorted(map(str, node_config)):
+        if key in run_only:
+            raise NodeConfigError(key, None)
         intended = intended_key(key, known)
         if intended is not None:
             raise NodeConfigError(key, intended)

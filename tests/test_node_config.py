@@ -89,6 +89,15 @@ def test_a_misspelt_builtin_key_is_refused_by_every_handler(key, intended) -> No
     assert reply.has_error() and f"did you mean '{intended}'" in reply.error.reason, reply
 
 
+@pytest.mark.parametrize("key", ["epsilon", "ddpsa-dropout-frac", "num-rounds"])
+def test_a_run_config_key_that_no_node_sets_is_refused(key) -> None:
+    """``epsilon = 1`` in a node config bounds nothing: refused, naming the node's policy keys instead."""
+    replies, rounds = _train({key: 1}, epsilon=8.0)
+    assert replies and all(r.has_error() and "is a run-config key" in r.error.reason
+                           and "max-epsilon-per-run" in r.error.reason for r in replies)
+    assert not any(rounds)
+
+
 @dataclass(frozen=True)
 class PluggedOptions(MethodOptions):
     prefix = "plugged"
