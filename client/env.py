@@ -148,11 +148,21 @@ def record_level_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weight
 
     Deterministic given the message (batch order from the public round seed).
     Returns ``(global_weights, local_weights, train_loss, clipped_fraction)``.
+
+    Raises:
+        FloorViolation: a received model whose L2 norm is not finite or above
+            :func:`protocols.privacy.largest_trainable_norm` (its float32 training would round one record's
+            influence past the sensitivity), before any training.
     """
+    from protocols.floor import at_most
+    from protocols.privacy import largest_trainable_norm
     from protocols.task.models import get_weights
     from protocols.task.training import clipped_sgd
 
     global_w = from_record(msg.content["arrays"])
+    norm = float(np.sqrt(sum(float(np.sum(np.square(w, dtype=np.float64))) for w in global_w.values())))
+    at_most("global model L2 norm", norm, largest_trainable_norm(env.cfg, len(env.y)),
+            "its float32 training would round one record's influence past the sensitivity the noise is sized for")
     model = env.model(global_w)
     rnd = TrainIns.from_config(msg.content["config"]).round
     cfg = env.cfg

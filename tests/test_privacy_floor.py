@@ -20,8 +20,10 @@ from client.records import to_record
 from protocols.config import RunConfig
 from protocols.floor import FloorPolicy, FloorViolation, ddpsa_round_epsilon, ldp_noise_multiplier, ldp_noise_std
 from protocols.methods import METHOD_NAMES, method_spec
+from protocols.privacy import FLOAT32_ROUNDING_MARGIN, largest_trainable_norm, record_sensitivity
 from protocols.task.data import dataset_for
-from protocols.task.models import build_model, get_weights
+from protocols.task.models import build_model, get_weights, set_weights
+from protocols.task.training import clipped_sgd
 from protocols.wire.baselines import LocalDpNoise
 from protocols.wire.common import TrainIns
 from protocols.wire.ledger import SpentReport
@@ -168,6 +170,61 @@ def test_honest_servers_pass_the_floor_and_clients_report_their_spending():
                 assert spent.epsilon == np.inf, method
             else:
                 assert 0 < spent.epsilon < np.inf, method
+
+
+@pytest.mark.parametrize("method", ["ldp", "ladp", "nadp"])
+def test_a_model_too_large_for_float32_training_is_refused(method):
+    """A global model offset by 2^16: its float32 training rounds one record's influence past the sensitivity.
+
+    Measured on the unguarded clients (digits, replace-one, 20 neighbour pairs): ladp accepted the model (its
+    upload's grid 0.0078 < sigma / 16) and one record moved the trained model 2.5 times the sensitivity its noise
+    and ledger charge were sized for; ldp at 2^20, 5.3 times.
+    """
+    cfg, grid = setup(method)
+    strategy = build_strategy(cfg)
+    arrays = to_record({k: v + 2.0 ** 16 for k, v in get_weights(_model(cfg)).items()}, strategy.wire_dtype)
+    msgs = list(strategy.configure_train(1, arrays, ConfigRecord(TrainIns(1).to_config()), grid))
+    assert_all_refused(list(grid.send_and_receive(msgs)), "global model L2 norm")
+
+
+def _model(cfg: RunConfig):
+    ds = dataset_for(cfg)
+    return build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed)
+
+
+def test_float32_training_below_the_largest_norm_keeps_the_record_sensitivity():
+    """One record moves a model trained from the largest admitted norm by less than the sensitivity and its margin.
+
+    From a model 2^10 times larger, by more than twice the sensitivity: the rounding the client refuses.
+    """
+    cfg, _ = setup("ldp", adjacency="replace-one")
+    ds = dataset_for(cfg)
+    x, y = ds.x_train[:100], ds.y_train[:100]
+    sens = record_sensitivity(cfg, len(y))
+    base = get_weights(_model(cfg))
+    size = sum(v.size for v in base.values())
+    rng = np.random.default_rng(1)
+
+    def moved(norm: float) -> float:
+        start = {k: v + norm / np.sqrt(size) for k, v in base.items()}  # every coordinate offset alike
+        worst = 0.0
+        for _ in range(10):
+            i, j = rng.integers(len(y), size=2)
+            x2, y2 = x.copy(), y.copy()
+            x2[i], y2[i] = x[j], (y[j] + 1) % ds.num_classes  # replace-one neighbour
+            trained = []
+            for xs, ys in ((x, y), (x2, y2)):
+                model = _model(cfg)
+                set_weights(model, start)
+                clipped_sgd(model, xs, ys, epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr,
+                            clip=cfg.clip, seed=0)
+                trained.append(np.concatenate([w.ravel() for w in get_weights(model).values()]))
+            worst = max(worst, float(np.linalg.norm(trained[0] - trained[1])))
+        return worst
+
+    limit = largest_trainable_norm(cfg, len(y))
+    assert moved(limit) <= sens * (1 + 1 / FLOAT32_ROUNDING_MARGIN)
+    assert moved(1024 * limit) > 2 * sens
 
 
 def test_client_noise_is_its_own_not_the_servers():

@@ -69,7 +69,9 @@ from protocols.privacy.mechanisms import (
 from protocols.privacy.receiver import receiver_std, receiver_variance
 from protocols.privacy.sensitivity import (
     CLIENT_RECORD_FACTOR,
+    FLOAT32_ROUNDING_MARGIN,
     l1_sensitivity,
+    largest_trainable_norm,
     local_sgd_sensitivity,
     local_sgd_steps,
     per_record,
@@ -79,6 +81,7 @@ from protocols.privacy.sensitivity import (
 
 __all__ = [
     "CLIENT_RECORD_FACTOR",
+    "FLOAT32_ROUNDING_MARGIN",
     "RDP_ORDERS",
     "Accountant",
     "BudgetSchedule",
@@ -115,6 +118,7 @@ __all__ = [
     "lemma2_epsilon",
     "lemma2_sigma",
     "l1_sensitivity",
+    "largest_trainable_norm",
     "local_sgd_sensitivity",
     "local_sgd_steps",
     "multiplier_under",
