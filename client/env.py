@@ -162,7 +162,9 @@ def record_level_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weight
     global_w = from_record(msg.content["arrays"])
     norm = float(np.sqrt(sum(float(np.sum(np.square(w, dtype=np.float64))) for w in global_w.values())))
     at_most("global model L2 norm", norm, largest_trainable_norm(env.cfg, len(env.y)),
-            "its float32 training would round one record's influence past the sensitivity the noise is sized for")
+            "its float32 training would round one record's influence past the sensitivity the noise is sized for; "
+            "the limit grows with the record sensitivity: a batch-size below the local dataset (several steps) or "
+            "fewer records per client")
     model = env.model(global_w)
     rnd = TrainIns.from_config(msg.content["config"]).round
     cfg = env.cfg

@@ -76,7 +76,9 @@ def train_ldp(msg: Message, env: ClientEnv) -> Message:
         delta = flatten(local_w) - flatten(global_w)
         clipped, norm = clip_l2(delta, env.cfg.clip)
         std = ldp_noise_std(env.cfg) * scale
-        noisy = flatten(global_w) + clipped + gaussian(os.urandom(32), len(clipped), std)
+        # The noise joins the clipped update before the model: rounding the sum with a large model is then
+        # post-processing of the noised update, not a function of the data the noise does not cover.
+        noisy = flatten(global_w) + (clipped + gaussian(os.urandom(32), len(clipped), std))
         spent = release(msg, env, GaussianEvent(std / env.cfg.clip))
         return reply(msg, to_record(unflatten(noisy, global_w)), n_k, train_loss=loss, update_norm=norm, **spent)
     global_w, local_w, loss, frac = record_level_training(msg, env)
