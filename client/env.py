@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -19,7 +20,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 
 from protocols.config import ConfigError, RunConfig
 from protocols.federation import fitted, num_clients_left_auto
-from protocols.node_config import check_node_config
+from protocols.node_config import check_node_config, trusted_fabs
 from protocols.wire.arrays import Weights, from_record
 from protocols.wire.common import TrainIns, train_metrics
 
@@ -57,10 +58,13 @@ class ClientEnv:
 
         Run-config ``num-clients`` left "auto" takes the node config's ``num-partitions`` (the federation's size).
         A node config holding a near miss of a key cancelfl reads is refused first
-        (:func:`protocols.node_config.check_node_config`).
+        (:func:`protocols.node_config.check_node_config`); a node that pins its app (``trusted-fab``) refuses a
+        model or dataset import path outside it (:func:`pinned_imports`).
         """
         check_node_config(context.node_config)
         cfg = RunConfig.from_mapping(context.run_config, strict=False)
+        if trusted_fabs(context.node_config) is not None:
+            pinned_imports(cfg)
         try:
             pid = int(context.node_config["partition-id"])
             nparts = int(context.node_config["num-partitions"])
@@ -122,6 +126,29 @@ class ClientEnv:
         """A deterministic 63-bit seed for local randomness that is not secret (batch order)."""
         h = hashlib.sha256(f"{self.cfg.seed}|{server_round}|{self.partition_id}|{purpose}".encode()).digest()
         return int.from_bytes(h[:8], "big") >> 1
+
+
+def pinned_imports(cfg: RunConfig) -> None:
+    """Refuse run-config ``model`` / ``dataset`` import paths whose package is not part of this app.
+
+    A node that pins its app's FAB (node config ``trusted-fab``, :mod:`server.fab_pin`) runs reviewed code only;
+    an import path is the server's choice, and importing it runs that module and calls its object.  Only packages
+    of the folder this ClientApp was loaded from pass.  Raises ConfigError.
+    """
+    import importlib.util
+
+    import client
+
+    root = Path(client.__file__).resolve().parent.parent
+    for key, value in (("model", cfg.model), ("dataset", cfg.dataset)):
+        if ":" not in value:
+            continue
+        top = value.partition(":")[0].split(".")[0]
+        spec = importlib.util.find_spec(top) if top else None
+        where = [] if spec is None else [*(spec.submodule_search_locations or []), *([spec.origin] if spec.origin else [])]
+        if not where or not all(Path(w).resolve().is_relative_to(root) for w in where):
+            raise ConfigError(f"run-config '{key}' = {value!r} imports code outside this node's pinned app ({root}); "
+                              "a node with 'trusted-fab' runs only the app it pinned")
 
 
 def local_training(msg: Message, env: ClientEnv, *, grad_clip: float | None = None) -> tuple[Weights, Weights, float]:

@@ -15,8 +15,8 @@ import difflib
 from collections.abc import Iterable, Mapping
 
 __all__ = ["BASE_KEYS", "DATA_CACHE", "DDPSA_CA", "DDPSA_SERVERS", "IDENTITY_KEY", "LEDGER_DIR", "NUM_PARTITIONS",
-           "PARTITION_ID", "POLICY_KEYS", "REQUIRE_IDENTITY", "ROSTER", "NEAR_MISS_CUTOFF", "NodeConfigError",
-           "check_node_config", "intended_key", "known_keys", "run_config_only_keys"]
+           "PARTITION_ID", "POLICY_KEYS", "REQUIRE_IDENTITY", "ROSTER", "NEAR_MISS_CUTOFF", "TRUSTED_FAB",
+           "NodeConfigError", "check_node_config", "intended_key", "known_keys", "run_config_only_keys", "trusted_fabs"]
 
 #: This node's partition and the federation's size (Flower's simulation sets both; a SuperNode takes them from
 #: ``--node-config``).
@@ -34,12 +34,15 @@ DDPSA_SERVERS = "ddpsa-servers"
 DDPSA_CA = "ddpsa-ca"
 #: Folder of the node's partition cache (:mod:`protocols.task.partition_cache`).
 DATA_CACHE = "data-cache"
+#: SHA-256 of the FABs (Flower app bundles) the node runs, comma-separated (:mod:`server.fab_pin`).
+TRUSTED_FAB = "trusted-fab"
 #: The node's policy (:class:`protocols.floor.FloorPolicy`): its field -> node-config key.
 POLICY_KEYS = {"max_epsilon_per_run": "max-epsilon-per-run", "max_delta": "max-delta", "max_clip": "max-clip",
                "lifetime_epsilon": "lifetime-epsilon", "lifetime_delta": "lifetime-delta"}
 #: Every key above: what the node reads whatever its method.
 BASE_KEYS: frozenset[str] = frozenset({PARTITION_ID, NUM_PARTITIONS, LEDGER_DIR, IDENTITY_KEY, ROSTER,
-                                       REQUIRE_IDENTITY, DDPSA_SERVERS, DDPSA_CA, DATA_CACHE, *POLICY_KEYS.values()})
+                                       REQUIRE_IDENTITY, DDPSA_SERVERS, DDPSA_CA, DATA_CACHE, TRUSTED_FAB,
+                                       *POLICY_KEYS.values()})
 #: ``difflib`` similarity from which an unknown key counts as a misspelling of a known one: one wrong, missing or
 #: swapped character in a key of eight or more (``nadp-tua``, ``max-epsilon-per-rnu``), not a key of one's own
 #: that merely shares a word (``data-path`` against ``data-cache``: 0.74, ``max-data`` against ``max-delta``: 0.82).
@@ -123,3 +126,20 @@ def check_node_config(node_config: Mapping[str, object]) -> None:
         intended = intended_key(key, known)
         if intended is not None:
             raise NodeConfigError(key, intended)
+
+
+def trusted_fabs(node_config: Mapping[str, object]) -> frozenset[str] | None:
+    """The FAB hashes node-config ``trusted-fab`` pins (lower-case hex SHA-256), or None when the key is absent.
+
+    Raises:
+        ValueError: a value that is not a comma-separated list of 64-digit hex SHA-256 digests.
+    """
+    if TRUSTED_FAB not in node_config:
+        return None
+    raw = str(node_config[TRUSTED_FAB])
+    pins = frozenset(part.strip().lower() for part in raw.replace(" ", ",").split(",") if part.strip())
+    bad = sorted(p for p in pins if len(p) != 64 or any(c not in "0123456789abcdef" for c in p))
+    if not pins or bad:
+        raise ValueError(f"node config '{TRUSTED_FAB}' = {raw!r} must list the SHA-256 (64 hex digits) of each FAB the "
+                         "node runs, comma-separated (`cancelfl keys fab-hash` prints an app's)")
+    return pins

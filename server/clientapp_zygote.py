@@ -5,8 +5,9 @@ torch, Flower and dp-accounting costs seconds before the ClientApp handles anyth
 those libraries once (never the project's own modules: each message still loads the run's ClientApp from
 its FAB, as Flower does) and serves a Unix socket.  The :data:`SHIM` placed first on the SuperExec's
 ``PATH`` as ``flwr-clientapp`` sends its arguments and standard streams to the zygote, which forks; the
-child runs Flower's own ``flwr-clientapp`` entry point with them.  The shim relays signals to the child and
-exits with its exit code; without a zygote it runs the real ``flwr-clientapp`` unchanged.
+child runs Flower's own ``flwr-clientapp`` entry point with them, the node's FAB pin applied
+(:mod:`server.fab_pin`).  The shim relays signals to the child and exits with its exit code; without a zygote it
+runs ``CANCELFL_REAL_CLIENTAPP`` (``cancelfl-supernode``'s: Flower's with the FAB pin).
 
 The zygote applies :func:`server.flower_tuning.tune_clientapp` before it forks (a child reuses the install of
 a FAB its ``FLWR_HOME`` already holds, keeps the app's bytecode, and moves message objects with short retries
@@ -176,6 +177,9 @@ def _run_child(argv: list[str], fds: list[int], t_fork: float | None = None) -> 
         _child_setup()
         if steps is not None:
             steps.install()
+        from server.fab_pin import install as pin_fab
+
+        pin_fab()  # node config 'trusted-fab': the FAB is checked before anything of it is installed or run
         sys.argv = ["flwr-clientapp", *argv]
         from flwr.supernode.cli.flwr_clientapp import flwr_clientapp
 

@@ -166,8 +166,10 @@ class LocalCluster:
 
     def __init__(self, num_supernodes: int, *, tls: bool = False, intermediate_servers: int = 0,
                  keep_workdir: str | None = None, ledger_dir: str | None = None, identity_dir: str | None = None,
-                 verbose: bool = False) -> None:
+                 node_config: dict[str, str] | None = None, verbose: bool = False) -> None:
         self.verbose = verbose
+        #: more node-config keys for every SuperNode (e.g. ``trusted-fab``, a policy)
+        self.node_config = dict(node_config or {})
         self.num_supernodes, self.tls, self.n_intermediate = num_supernodes, tls, intermediate_servers
         #: node-config ``ledger-dir`` of every SuperNode (None: under each node's FLWR_HOME, thrown away on exit)
         self.ledger_dir = ledger_dir
@@ -212,6 +214,7 @@ class LocalCluster:
                                f'roster="{self.roster}" require-identity=true')
                 if self.ledger_dir:
                     node_config += f' ledger-dir="{self.ledger_dir}"'
+                node_config += "".join(f' {key}="{value}"' for key, value in self.node_config.items())
                 # Flower's SuperNode with a warm ClientApp process and short polls (server/supernode.py).
                 node = [sys.executable, "-m", "server.supernode", "--superlink", f"127.0.0.1:{port}",
                         "--host", "127.0.0.1", "--port", str(free_port()), "--node-config", node_config]

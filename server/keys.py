@@ -2,6 +2,7 @@
 
     cancelfl keys gen --out DIR --node NAME [--node NAME ...]   # DIR/NAME.key (private, 0600) + DIR/NAME.pub
     cancelfl keys roster --out roster.json DIR/*.pub             # the roster, distributed out of band
+    cancelfl keys fab-hash --app APP_DIR                         # the FAB hash a node pins (trusted-fab)
 
 Each node keeps its ``NAME.key`` and the roster; its node config points at both
 (``identity-key="/path/NAME.key" roster="/path/roster.json"``, see :mod:`client.identity`).
@@ -44,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ros = sub.add_parser("roster", help="build the roster from public identity files (NAME.pub)")
     ros.add_argument("--out", required=True, help="roster file to write (JSON)")
     ros.add_argument("pub", nargs="+", help="public identity files")
+    fab = sub.add_parser("fab-hash", help="SHA-256 of the FAB `flwr run` builds of an app: what a node pins in its "
+                         "node config 'trusted-fab'")
+    fab.add_argument("--app", default=".", help="the app's folder (its pyproject.toml; default: the current one)")
 
 
 def generate(folder: Path, name: str, *, force: bool = False, seed: int | None = None) -> tuple[Path, Path]:
@@ -107,6 +111,10 @@ def run(args: argparse.Namespace) -> int:
 
             for name, (private, public) in make_auth_keys(Path(args.out), args.node, force=args.force).items():
                 print(f"{name}: SuperNode key {private} (--auth-supernode-private-key), public key {public}")
+        elif args.keys_command == "fab-hash":
+            from server.fab_pin import fab_hash
+
+            print(fab_hash(Path(args.app)))
         else:
             out = build_roster(Path(args.out), [Path(p) for p in args.pub])
             print(f"roster with {len(args.pub)} node(s) written to {out}")

@@ -16,7 +16,9 @@ Same arguments as ``flower-supernode`` (Flower 1.42).  Changes, none to what a m
 
 A ``--node-config`` holding a near miss of a key cancelfl reads (``max-epsilon-per-rnu``, ``lifetime_epsilon``:
 :mod:`protocols.node_config`) stops it before anything starts, naming the key it likely means.
-Set ``CANCELFL_WARM_CLIENTAPP=0`` to start a fresh ``flwr-clientapp`` per message as Flower does.
+Every ClientApp process it starts runs only a FAB the node config's ``trusted-fab`` lists, when it sets one
+(:mod:`server.fab_pin`).  Set ``CANCELFL_WARM_CLIENTAPP=0`` to start a fresh ``flwr-clientapp`` per message as
+Flower does.
 With ``CANCELFL_TRACE`` set (:mod:`protocols.trace`) the SuperNode appends a ``node_pull`` line per message it
 takes from the SuperLink and a ``node_push`` line per reply it sends.
 """
@@ -50,20 +52,39 @@ def poll_interval() -> float:
     return value
 
 
-def start_warm_clientapp(work: Path) -> subprocess.Popen | None:
-    """Start the zygote and put the ``flwr-clientapp`` shim first on ``PATH`` (inherited by the SuperExec)."""
+#: The ``flwr-clientapp`` that checks the node's FAB pin first (:func:`server.fab_pin.main`).
+PINNED_CLIENTAPP = "#!{python}\nfrom server.fab_pin import main\nmain()\n"
+
+
+def pinned_clientapp(folder: Path, python: str = sys.executable) -> Path:
+    """Write ``folder/flwr-clientapp-pinned``: Flower's ``flwr-clientapp`` with :mod:`server.fab_pin` applied."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "flwr-clientapp-pinned"
+    path.write_text(PINNED_CLIENTAPP.format(python=python))
+    path.chmod(0o755)
+    return path
+
+
+def start_clientapps(work: Path, *, warm: bool = True) -> subprocess.Popen | None:
+    """Put this node's ``flwr-clientapp`` first on ``PATH`` (inherited by the SuperExec); returns the zygote.
+
+    Every ClientApp process then checks the FAB against node config ``trusted-fab`` (:mod:`server.fab_pin`).
+    ``warm``: the shim of a warm ClientApp that forks per message (:mod:`server.clientapp_zygote`), falling back
+    to the pinned ``flwr-clientapp``; else the pinned one itself.
+    """
     from server.clientapp_zygote import write_shim
 
-    real = shutil.which("flwr-clientapp")
-    if real is None:
+    bin_dir = work / "bin"
+    pinned = pinned_clientapp(bin_dir)
+    os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+    if not warm:
+        pinned.rename(bin_dir / "flwr-clientapp")
         return None
     sock = work / "zygote.sock"
     zygote = subprocess.Popen([sys.executable, "-m", "server.clientapp_zygote", str(sock),
                                "--parent-pid", str(os.getpid())])
-    shim_dir = work / "bin"
-    write_shim(shim_dir)
-    os.environ.update({"CANCELFL_ZYGOTE": str(sock), "CANCELFL_REAL_CLIENTAPP": real,
-                       "PATH": f"{shim_dir}{os.pathsep}{os.environ.get('PATH', '')}"})
+    write_shim(bin_dir)
+    os.environ.update({"CANCELFL_ZYGOTE": str(sock), "CANCELFL_REAL_CLIENTAPP": str(pinned)})
     return zygote
 
 
@@ -112,7 +133,7 @@ def check_node_config_arg(argv: list[str]) -> None:
     from flwr.common.config import parse_config_args
     from flwr.supernode.cli.flower_supernode import _parse_args_run_supernode
 
-    from protocols.node_config import NodeConfigError, check_node_config
+    from protocols.node_config import check_node_config, trusted_fabs
 
     raw = _parse_args_run_supernode().parse_known_args(argv)[0].node_config
     try:
@@ -121,7 +142,8 @@ def check_node_config_arg(argv: list[str]) -> None:
         return
     try:
         check_node_config(node_config)
-    except NodeConfigError as err:
+        trusted_fabs(node_config)
+    except ValueError as err:  # NodeConfigError, or a malformed 'trusted-fab'
         raise SystemExit(f"cancelfl-supernode: {err}") from None
 
 
@@ -135,10 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     atexit.register(shutil.rmtree, work, ignore_errors=True)
     # The node's partition, kept for the next message's process (protocols.task.partition_cache).
     os.environ.setdefault("CANCELFL_DATA_CACHE", str(work / "data-cache"))
-    if os.environ.get("CANCELFL_WARM_CLIENTAPP", "1") != "0":
-        zygote = start_warm_clientapp(work)
-        if zygote is not None:
-            atexit.register(zygote.terminate)
+    zygote = start_clientapps(work, warm=os.environ.get("CANCELFL_WARM_CLIENTAPP", "1") != "0")
+    if zygote is not None:
+        atexit.register(zygote.terminate)
     import flwr.supernode.start_client_internal as loop
     from flwr.supernode.cli.flower_supernode import flower_supernode
 

@@ -151,7 +151,7 @@ def test_cancelfl_supernode_refuses_a_misspelt_key_before_starting_anything(monk
     def started(*_a, **_k):
         raise AssertionError("cancelfl-supernode started something")
 
-    monkeypatch.setattr(supernode, "start_warm_clientapp", started)
+    monkeypatch.setattr(supernode, "start_clientapps", started)
     monkeypatch.setattr(supernode, "tune_supernode", started)
     for flag in (["--node-config", "partition-id=0 num-partitions=2 max-epsilon-per-rnu=1"],
                  ["--node-config=partition-id=0 num-partitions=2 max-epsilon-per-rnu=1"]):
