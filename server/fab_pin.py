@@ -10,7 +10,8 @@ installs or imports anything from it, and answers a message of any other FAB wit
 
 The check runs in the node's ClientApp processes that ``cancelfl-supernode`` starts (:func:`install` in the warm
 ClientApp's children, :func:`main` otherwise), that is, in code the node has installed, never the FAB's.  A plain
-``flower-supernode`` does not read the key.
+``flower-supernode`` does not read the key.  ``CANCELFL_TRUSTED_APP=DIR`` has ``cancelfl-supernode`` pin the FAB of
+the app in ``DIR`` (:func:`pin_own_app`): a container runs only the app of its own image.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from typing import Any
 
 from protocols.node_config import TRUSTED_FAB, trusted_fabs
 
-__all__ = ["UntrustedFab", "check_fab", "fab_hash", "install", "main"]
+__all__ = ["TRUSTED_APP_ENV", "UntrustedFab", "check_fab", "fab_hash", "install", "main", "pin_own_app"]
+
+#: Environment variable naming an app folder whose FAB ``cancelfl-supernode`` pins (:func:`pin_own_app`).
+TRUSTED_APP_ENV = "CANCELFL_TRUSTED_APP"
 
 
 class UntrustedFab(RuntimeError):
@@ -37,6 +41,29 @@ def fab_hash(app: Path) -> str:
     with warnings.catch_warnings():  # pathspec's deprecation notes on Flower's ignore patterns
         warnings.simplefilter("ignore", DeprecationWarning)
         return hashlib.sha256(build_fab_from_disk(Path(app))).hexdigest()
+
+
+def pin_own_app(argv: list[str], app: Path) -> list[str]:
+    """``flower-supernode`` arguments with ``trusted-fab`` set to the FAB of the app in ``app`` (its own image's).
+
+    Adds the key to ``--node-config`` (either form), or the option itself.  Raises ValueError when the node config
+    sets ``trusted-fab`` already (one source of the pin).
+    """
+    entry = f'{TRUSTED_FAB}="{fab_hash(app)}"'
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--node-config" and i + 1 < len(out):
+            at, value = i + 1, out[i + 1]
+        elif arg.startswith("--node-config="):
+            at, value = i, arg.partition("=")[2]
+        else:
+            continue
+        if TRUSTED_FAB in value:
+            raise ValueError(f"both {TRUSTED_APP_ENV} and node config '{TRUSTED_FAB}' pin the app: set one")
+        joined = f"{value} {entry}".strip()
+        out[at] = joined if at == i + 1 else f"--node-config={joined}"
+        return out
+    return [*out, "--node-config", entry]
 
 
 def check_fab(content: bytes, claimed: str | None, node_config: Any) -> None:

@@ -17,8 +17,8 @@ Same arguments as ``flower-supernode`` (Flower 1.42).  Changes, none to what a m
 A ``--node-config`` holding a near miss of a key cancelfl reads (``max-epsilon-per-rnu``, ``lifetime_epsilon``:
 :mod:`protocols.node_config`) stops it before anything starts, naming the key it likely means.
 Every ClientApp process it starts runs only a FAB the node config's ``trusted-fab`` lists, when it sets one
-(:mod:`server.fab_pin`).  Set ``CANCELFL_WARM_CLIENTAPP=0`` to start a fresh ``flwr-clientapp`` per message as
-Flower does.
+(:mod:`server.fab_pin`); ``CANCELFL_TRUSTED_APP=DIR`` pins the FAB of the app in ``DIR``.
+Set ``CANCELFL_WARM_CLIENTAPP=0`` to start a fresh ``flwr-clientapp`` per message as Flower does.
 With ``CANCELFL_TRACE`` set (:mod:`protocols.trace`) the SuperNode appends a ``node_pull`` line per message it
 takes from the SuperLink and a ``node_push`` line per reply it sends.
 """
@@ -34,6 +34,7 @@ import tempfile
 import time as _time
 from pathlib import Path
 
+from server.fab_pin import TRUSTED_APP_ENV, pin_own_app
 from server.flower_tuning import tune_supernode
 
 #: Seconds between the SuperNode's requests to the SuperLink (run-time: ``CANCELFL_POLL_INTERVAL``).
@@ -150,6 +151,11 @@ def check_node_config_arg(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Run Flower's SuperNode with the changes above; arguments as ``flower-supernode``."""
     args = sys.argv[1:] if argv is None else argv
+    if own := os.environ.get(TRUSTED_APP_ENV):
+        try:
+            args = pin_own_app(args, Path(own))
+        except (ValueError, OSError) as err:
+            raise SystemExit(f"cancelfl-supernode: {TRUSTED_APP_ENV}={own}: {err}") from None
     check_node_config_arg(args)
     interval = poll_interval()
     os.environ.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.05")

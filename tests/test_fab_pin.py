@@ -13,7 +13,7 @@ import pytest
 
 from protocols.node_config import TRUSTED_FAB, check_node_config, trusted_fabs
 from server.defaults import APP_DIR
-from server.fab_pin import UntrustedFab, check_fab, fab_hash
+from server.fab_pin import TRUSTED_APP_ENV, UntrustedFab, check_fab, fab_hash
 
 OTHER = hashlib.sha256(b"an app this node never reviewed").hexdigest()
 
@@ -74,15 +74,20 @@ def test_a_pinned_node_refuses_a_model_import_path_outside_its_app(tmp_path, mon
 @pytest.mark.slow
 @pytest.mark.parametrize("warm", ["1", "0"])  # the warm ClientApp's children, and a flwr-clientapp per message
 def test_a_supernode_runs_only_the_fab_its_node_config_pins(tmp_path, capsys, monkeypatch, warm) -> None:
+    """Another FAB pinned: every message refused; the app's own FAB pinned (by hash, or by its folder): trained."""
     from server.deploy import LocalCluster
 
     monkeypatch.setenv("CANCELFL_WARM_CLIENTAPP", warm)
     run = {"method": "fedavg", "dataset": "digits", "num-rounds": 1, "round-timeout": 120.0}
     right = fab_hash(APP_DIR)  # what `flwr run` builds of this app (reproducible)
-    for pin, trains in ((OTHER, False), (right, True)):
-        with LocalCluster(2, node_config={TRUSTED_FAB: pin}) as cluster:
-            out = tmp_path / pin[:8]
+    own = {TRUSTED_FAB: right} if warm == "0" else {}
+    for node_config, trusted_app, trains in (({TRUSTED_FAB: OTHER}, None, False), (own, str(APP_DIR), True)):
+        if trusted_app and not own:
+            monkeypatch.setenv(TRUSTED_APP_ENV, trusted_app)  # cancelfl-supernode pins the FAB of its own app
+        with LocalCluster(2, node_config=node_config) as cluster:
+            out = tmp_path / ("trained" if trains else "refused")
             code = cluster.submit({**run, "out-dir": str(out)}, timeout=600)
+        monkeypatch.delenv(TRUSTED_APP_ENV, raising=False)
         said = capsys.readouterr().out
         if trains:
             assert code == 0 and json.loads((out / "summary.json").read_text())["final_accuracy"] > 0.3
@@ -91,3 +96,14 @@ def test_a_supernode_runs_only_the_fab_its_node_config_pins(tmp_path, capsys, mo
             assert code != 0, "nodes pinning another FAB trained"
             # Each node answered with the refusal, naming the run's FAB and its pin (the ServerApp logs it).
             assert said.count(f"UntrustedFab'>:<'the run's FAB {right} is not one") == 2, said
+
+
+def test_cancelfl_supernode_pins_its_own_app_into_the_node_config() -> None:
+    from server.fab_pin import pin_own_app
+
+    entry = f'{TRUSTED_FAB}="{fab_hash(APP_DIR)}"'
+    assert pin_own_app(["--insecure", "--node-config", "partition-id=0"], APP_DIR)[-1] == f"partition-id=0 {entry}"
+    assert pin_own_app(["--node-config=partition-id=0"], APP_DIR) == [f"--node-config=partition-id=0 {entry}"]
+    assert pin_own_app(["--insecure"], APP_DIR) == ["--insecure", "--node-config", entry]
+    with pytest.raises(ValueError, match="set one"):
+        pin_own_app(["--node-config", f"{TRUSTED_FAB}=\"{OTHER}\""], APP_DIR)
