@@ -43,13 +43,14 @@ def fab_hash(app: Path) -> str:
         return hashlib.sha256(build_fab_from_disk(Path(app))).hexdigest()
 
 
-def pin_own_app(argv: list[str], app: Path) -> list[str]:
-    """``flower-supernode`` arguments with ``trusted-fab`` set to the FAB of the app in ``app`` (its own image's).
+def pin_own_app(argv: list[str], app: Path) -> tuple[list[str], str]:
+    """``flower-supernode`` arguments with ``trusted-fab`` set to the FAB of the app in ``app``, and that FAB's hash.
 
     Adds the key to ``--node-config`` (either form), or the option itself.  Raises ValueError when the node config
     sets ``trusted-fab`` already (one source of the pin).
     """
-    entry = f'{TRUSTED_FAB}="{fab_hash(app)}"'
+    digest = fab_hash(app)
+    entry = f'{TRUSTED_FAB}="{digest}"'
     out = list(argv)
     for i, arg in enumerate(out):
         if arg == "--node-config" and i + 1 < len(out):
@@ -62,8 +63,8 @@ def pin_own_app(argv: list[str], app: Path) -> list[str]:
             raise ValueError(f"both {TRUSTED_APP_ENV} and node config '{TRUSTED_FAB}' pin the app: set one")
         joined = f"{value} {entry}".strip()
         out[at] = joined if at == i + 1 else f"--node-config={joined}"
-        return out
-    return [*out, "--node-config", entry]
+        return out, digest
+    return [*out, "--node-config", entry], digest
 
 
 def check_fab(content: bytes, claimed: str | None, node_config: Any) -> None:

@@ -153,9 +153,10 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if own := os.environ.get(TRUSTED_APP_ENV):
         try:
-            args = pin_own_app(args, Path(own))
+            args, digest = pin_own_app(args, Path(own))
         except (ValueError, OSError) as err:
             raise SystemExit(f"cancelfl-supernode: {TRUSTED_APP_ENV}={own}: {err}") from None
+        print(f"cancelfl-supernode: runs only the app {digest} ({TRUSTED_APP_ENV}={own})", flush=True)
     check_node_config_arg(args)
     interval = poll_interval()
     os.environ.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.05")

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -106,6 +107,14 @@ def deployment(pytestconfig: pytest.Config, request: pytest.FixtureRequest) -> I
         yield stack
     finally:
         stack.stop(keep_work=request.session.testsfailed > failed_before)
+
+
+def test_every_supernode_runs_only_the_app_of_its_image(deployment: ComposeStack) -> None:
+    """The compose SuperNodes pin their image's app (CANCELFL_TRUSTED_APP=/app: node config trusted-fab)."""
+    for i in range(NUM_SUPERNODES):
+        logs = subprocess.run([*deployment.compose, "logs", "--no-color", f"supernode-{i}"], env=deployment.env,
+                              capture_output=True, text=True, timeout=60).stdout
+        assert "cancelfl-supernode: runs only the app " in logs and "CANCELFL_TRUSTED_APP=/app" in logs, logs[-2000:]
 
 
 @pytest.mark.parametrize("method", _methods())

@@ -101,9 +101,11 @@ def test_a_supernode_runs_only_the_fab_its_node_config_pins(tmp_path, capsys, mo
 def test_cancelfl_supernode_pins_its_own_app_into_the_node_config() -> None:
     from server.fab_pin import pin_own_app
 
-    entry = f'{TRUSTED_FAB}="{fab_hash(APP_DIR)}"'
-    assert pin_own_app(["--insecure", "--node-config", "partition-id=0"], APP_DIR)[-1] == f"partition-id=0 {entry}"
-    assert pin_own_app(["--node-config=partition-id=0"], APP_DIR) == [f"--node-config=partition-id=0 {entry}"]
-    assert pin_own_app(["--insecure"], APP_DIR) == ["--insecure", "--node-config", entry]
+    digest = fab_hash(APP_DIR)
+    entry = f'{TRUSTED_FAB}="{digest}"'
+    args, pinned = pin_own_app(["--insecure", "--node-config", "partition-id=0"], APP_DIR)
+    assert pinned == digest and args[-1] == f"partition-id=0 {entry}"
+    assert pin_own_app(["--node-config=partition-id=0"], APP_DIR)[0] == [f"--node-config=partition-id=0 {entry}"]
+    assert pin_own_app(["--insecure"], APP_DIR)[0] == ["--insecure", "--node-config", entry]
     with pytest.raises(ValueError, match="set one"):
         pin_own_app(["--node-config", f"{TRUSTED_FAB}=\"{OTHER}\""], APP_DIR)
