@@ -272,9 +272,9 @@ def clipped_client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | n
         norms = norms + rho * psi_n + rho * rho * phi_n
     err = fwd.h @ mats[-1].T - y
     factors = clip_factors(norms, 0.5 * torch.linalg.vecdot(err, err), clip)
-    keep = factors.keep
-    fwd = _Forward([kept_rows(keep, a) for a in fwd.inputs], [m & keep[:, None] for m in fwd.masks],
-                   kept_rows(keep, fwd.h))
+    if (keep := factors.keep) is not None:
+        fwd = _Forward([kept_rows(keep, a) for a in fwd.inputs], [m & keep[:, None] for m in fwd.masks],
+                       kept_rows(keep, fwd.h))
     up = _weighted_gradients(mats, fwd, y, factors.scale / norms.shape[0])
     return up, float(factors.clipped) / norms.shape[0]
 

@@ -59,8 +59,8 @@ def layerwise_forms(model: nn.Module, layers: list[nn.Module], recorder: Recorde
 def clip_scales(forms: list[ClosedForm], losses: Tensor, clip: float, norm: Norm) -> ClipFactors:
     """Each example's :func:`protocols.per_example.interface.clip_factors` from its norm over the layers and its loss.
 
-    The examples it drops get their rows zeroed in every form (:meth:`ClosedForm.keep_only`): always on an
-    accelerator (no host synchronisation), on the CPU only when there is one (there the check is free).
+    The examples it drops get their rows zeroed in every form (:meth:`ClosedForm.keep_only`) whenever the rule
+    checked them one by one (``keep`` set).
     """
     norms = forms[0].norm_term(norm)
     for f in forms[1:]:
@@ -68,7 +68,7 @@ def clip_scales(forms: list[ClosedForm], losses: Tensor, clip: float, norm: Norm
     if norm == "l2":
         norms = norms.sqrt_()
     factors = clip_factors(norms, losses, clip)
-    if factors.keep.device.type != "cpu" or not bool(factors.keep.all()):
+    if factors.keep is not None:
         for f in forms:
             f.keep_only(factors.keep)
     return factors
