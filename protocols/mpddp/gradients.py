@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from protocols.mpddp.expansion import augment_input, forward_expanded
+from protocols.per_example import clip_factors, kept_rows
 
 __all__ = ["ClientUpload", "client_gradients", "client_gradients_autograd", "clipped_client_gradients",
            "per_example_grad_norms"]
@@ -233,7 +234,9 @@ def _side_norms(mats: Sequence[Tensor], fwd: _Forward, y: Tensor) -> tuple[Tenso
             phi_sq = phi_sq + kept[:, n_out].square().sum(dim=1) * xx
         if j > 0:
             sig = d @ mats[j]
-    return torch.linalg.eigvalsh(gram)[:, -1].clamp_min(0.0).sqrt(), phi_sq.sqrt()
+    finite = torch.isfinite(gram).flatten(1).all(1)  # an overflowed example: inf (eigvalsh fails on NaN)
+    top = torch.linalg.eigvalsh(kept_rows(finite, gram))[:, -1].clamp_min(0.0).sqrt()
+    return torch.where(finite, top, torch.inf), phi_sq.sqrt()
 
 
 def clipped_client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.ndarray, y: Tensor | np.ndarray,
@@ -246,7 +249,12 @@ def clipped_client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | n
     Replacing one of the B records moves the uploaded gradient by at most ``2 clip / B`` in L2, and given the
     server's secret R its recovered gradient divided by R (``g^_b - r^T Psi_b + v Phi_b``, Theorem 1) by at most
     ``kappa 2 clip / B`` (:func:`protocols.mpddp.calibration.secret_factor`); with ``rho = None`` the latter has
-    no bound.  The norms and the sums share one forward pass.
+    no bound.  The norms and the sums share one forward pass.  An example whose ``N_b`` or loss is not finite adds
+    nothing (:func:`protocols.per_example.clip_factors`, its forward zeroed).
+
+    Raises:
+        ValueError: ``clip`` or ``rho`` not finite and positive, an empty batch, or a W-hat that is not finite in its
+            dtype (it would make every example's terms NaN).
     """
     if not (clip > 0 and np.isfinite(clip)):
         raise ValueError(f"clip must be finite and > 0, got {clip!r}")
@@ -255,14 +263,20 @@ def clipped_client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | n
     mats, x, y = _as_inputs(w_hat, x, y)
     if x.shape[0] == 0:
         raise ValueError("empty batch")
+    if not all(bool(torch.isfinite(m).all()) for m in mats):
+        raise ValueError(f"the perturbed model W-hat is not finite in {mats[0].dtype}")
     fwd = _forward(mats, x)
     norms = _grad_norms(mats, fwd, y)
     if rho is not None:
         psi_n, phi_n = _side_norms(mats, fwd, y)
         norms = norms + rho * psi_n + rho * rho * phi_n
-    scale = torch.clamp(clip / norms.clamp_min(1e-300), max=1.0)
-    up = _weighted_gradients(mats, fwd, y, scale / norms.shape[0])
-    return up, float((norms > clip).double().mean())
+    err = fwd.h @ mats[-1].T - y
+    factors = clip_factors(norms, 0.5 * torch.linalg.vecdot(err, err), clip)
+    if (keep := factors.keep) is not None:
+        fwd = _Forward([kept_rows(keep, a) for a in fwd.inputs], [m & keep[:, None] for m in fwd.masks],
+                       kept_rows(keep, fwd.h))
+    up = _weighted_gradients(mats, fwd, y, factors.scale / norms.shape[0])
+    return up, float(factors.clipped) / norms.shape[0]
 
 
 def client_gradients_autograd(

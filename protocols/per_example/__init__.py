@@ -10,22 +10,35 @@ Record-level DP methods need ``sum_i clip(g_i, C)`` over a batch, ``g_i`` the gr
   the tests compare against.
 
 :class:`PerExampleClipper` (:mod:`.clipper`) picks the engine per model and logs the choice once per model class.
-Both need a forward pass in which examples do not interact (no batch norm in train mode).
+Both need a forward pass in which examples do not interact (no batch norm in train mode).  Both weigh each example by
+:func:`.interface.clip_factors`, the one rule for an example whose gradient or loss is not finite: it adds nothing.
 """
 
 from protocols.per_example.clipper import PerExampleClipper, clipped_grad_sum, fast_path_blocker
-from protocols.per_example.interface import ClippedSum, Descent, Norm, PerExampleLoss, cross_entropy
+from protocols.per_example.interface import (
+    ClipFactors,
+    ClippedSum,
+    Descent,
+    Norm,
+    PerExampleLoss,
+    clip_factors,
+    cross_entropy,
+    kept_rows,
+)
 from protocols.per_example.vmap import per_example_gradients, vmap_clipped_grad_sum
 
 __all__ = [
+    "ClipFactors",
     "ClippedSum",
     "Descent",
     "Norm",
     "PerExampleClipper",
     "PerExampleLoss",
+    "clip_factors",
     "clipped_grad_sum",
     "cross_entropy",
     "fast_path_blocker",
+    "kept_rows",
     "per_example_gradients",
     "vmap_clipped_grad_sum",
 ]

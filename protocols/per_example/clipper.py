@@ -27,6 +27,8 @@ def clipped_grad_sum(model: nn.Module, x: Tensor, y: Tensor, clip: float, *, nor
                      loss: PerExampleLoss = cross_entropy) -> ClippedSum:
     """``sum_i g_i / max(1, ||g_i|| / clip)`` over the batch, ``||.||`` the L2 or L1 norm of all parameters jointly.
 
+    An example whose gradient or loss is not finite adds nothing and reports loss 0
+    (:func:`protocols.per_example.interface.clip_factors`, every engine).
     Frozen parameters get zero gradients and do not count in the norm. ``clip`` may be
     ``math.inf`` (plain gradient sum). Layer-wise fast path where the model allows it,
     else :func:`vmap_clipped_grad_sum`.  For a training loop, build one
@@ -71,10 +73,10 @@ class PerExampleClipper:
             return vmap_clipped_grad_sum(self.model, x, y, self.clip, norm=self.norm, loss=self.loss)
         layer_forms, losses = forms
         with torch.no_grad():
-            norms, scale = clip_scales(layer_forms, self.clip, self.norm)
-            grads = {key: g for f in layer_forms for key, g in f.clipped_sum(scale).items()}
+            factors = clip_scales(layer_forms, losses, self.clip, self.norm)
+            grads = {key: g for f in layer_forms for key, g in f.clipped_sum(factors.scale).items()}
             out = [grads[id(p)] if id(p) in grads else torch.zeros_like(p) for p in self.params]
-        return ClippedSum(out, losses, int((norms > self.clip).sum()))
+        return ClippedSum(out, factors.losses, int(factors.clipped))
 
     def descend(self, x: Tensor, y: Tensor, step: float) -> Descent:
         """One SGD step in place: ``p <- p - step * sum_i clip(g_i, C)`` for every parameter.
@@ -92,10 +94,10 @@ class PerExampleClipper:
                         p.add_(g, alpha=-step)
                 return Descent(r.losses, torch.tensor(r.clipped))
             layer_forms, losses = forms
-            norms, scale = clip_scales(layer_forms, self.clip, self.norm)
+            factors = clip_scales(layer_forms, losses, self.clip, self.norm)
             for f in layer_forms:
-                f.add_clipped_sum_(scale, -step)
-        return Descent(losses, (norms > self.clip).sum())
+                f.add_clipped_sum_(factors.scale, -step)
+        return Descent(factors.losses, factors.clipped)
 
     def _forms(self, x: Tensor, y: Tensor) -> tuple[list[ClosedForm], Tensor] | None:
         """The layer-wise closed forms and losses of the batch; None when the model takes the vmap path."""

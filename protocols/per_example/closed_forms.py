@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from protocols.per_example.interface import Norm, PerExampleLoss
+from protocols.per_example.interface import ClipFactors, Norm, PerExampleLoss, clip_factors, kept_rows
 from protocols.per_example.recorder import Recorder, Site
 
 __all__ = ["ClosedForm", "clip_scales", "layerwise_forms"]
@@ -56,20 +56,35 @@ def layerwise_forms(model: nn.Module, layers: list[nn.Module], recorder: Recorde
     return forms, losses.detach()
 
 
-def clip_scales(forms: list[ClosedForm], clip: float, norm: Norm) -> tuple[Tensor, Tensor]:
-    """Per-example ``(||g_i||, 1 / max(1, ||g_i|| / clip))`` (a zero gradient gets scale 1)."""
+def clip_scales(forms: list[ClosedForm], losses: Tensor, clip: float, norm: Norm) -> ClipFactors:
+    """Each example's :func:`protocols.per_example.interface.clip_factors` from its norm over the layers and its loss.
+
+    The examples it drops get their rows zeroed in every form (:meth:`ClosedForm.keep_only`) whenever the rule
+    checked them one by one (``keep`` set).
+    """
     norms = forms[0].norm_term(norm)
     for f in forms[1:]:
         norms = norms.add_(f.norm_term(norm))
     if norm == "l2":
         norms = norms.sqrt_()
-    return norms, (clip / norms).clamp_(max=1.0)
+    factors = clip_factors(norms, losses, clip)
+    if factors.keep is not None:
+        for f in forms:
+            f.keep_only(factors.keep)
+    return factors
 
 
 class ClosedForm:
     """What every closed form shares: applying its clipped sum to its layer's parameters."""
 
     module: nn.Module
+    #: The layer's input (or unfolded patches) and output gradient, batch axis first.
+    a: Tensor
+    d: Tensor
+
+    def keep_only(self, keep: Tensor) -> None:
+        """Zero the input and output gradient of every example not in ``keep`` (its clipped terms are then exactly 0)."""
+        self.a, self.d = kept_rows(keep, self.a), kept_rows(keep, self.d)
 
     def norm_term(self, norm: Norm) -> Tensor:
         """Per-example ``||g||_2^2`` (l2) or ``||g||_1`` (l1) of the layer's trainable parameters (a new tensor)."""

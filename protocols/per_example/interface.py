@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Literal, NamedTuple
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["ClippedSum", "Descent", "Norm", "PerExampleLoss", "cross_entropy"]
+__all__ = ["ClipFactors", "ClippedSum", "Descent", "Norm", "PerExampleLoss", "clip_factors", "cross_entropy",
+           "kept_rows"]
 
 Norm = Literal["l2", "l1"]
 #: ``loss(outputs, targets)`` -> one loss per example, shape ``(B,)``.
@@ -28,6 +31,45 @@ class ClippedSum(NamedTuple):
     grads: list[Tensor]
     losses: Tensor
     clipped: int
+
+
+class ClipFactors(NamedTuple):
+    """How each example of a batch enters the clipped sum (:func:`clip_factors`)."""
+
+    #: ``(B,)`` bool: the example's gradient norm and loss are finite (else it adds nothing); None: all are.
+    keep: Tensor | None
+    #: ``(B,)`` ``min(1, clip / ||g_i||)`` for a kept example, 0 for a dropped one.
+    scale: Tensor
+    #: ``(B,)`` the per-example losses, 0 for a dropped example.
+    losses: Tensor
+    #: 0-dim: the examples clipped (norm above ``clip``, or dropped: clipped to norm 0).
+    clipped: Tensor
+
+
+def clip_factors(norms: Tensor, losses: Tensor, clip: float) -> ClipFactors:
+    """The clipping rule of every engine: example i enters the sum as ``scale_i g_i``, ``scale_i = min(1, C / ||g_i||)``.
+
+    An example whose gradient norm or loss is not finite (an overflow, e.g. on a model crafted so that one record's
+    logits overflow while the others' do not, or a non-finite feature) is clipped to norm 0: ``scale_i = 0``, and the
+    engine zeroes its per-example terms (``0 * inf`` is NaN).  The sum then stays finite and within the sensitivity
+    ``C`` whatever the model; the clipped count counts a dropped example as clipped (as one whose norm exceeds ``C``).
+    A zero gradient gets scale 1.  On the CPU a batch whose norms and losses sum to a finite number (every example
+    kept) takes the plain rule (``keep`` None); elsewhere, or when the sum is not finite, each example is checked
+    (no host synchronisation off the CPU).
+    """
+    if norms.device.type == "cpu" and math.isfinite(float(norms.sum() + losses.sum())):
+        return ClipFactors(None, (clip / norms).clamp_(max=1.0), losses, (norms > clip).sum())
+    nan = norms * 0.0 + losses * 0.0  # 0 where both are finite, NaN elsewhere (fewer ops than isfinite)
+    keep = nan == 0
+    scale = (clip / norms).clamp_(max=1.0).add_(nan).nan_to_num_(0.0)
+    return ClipFactors(keep, scale, (losses + nan).nan_to_num_(0.0), (norms > clip).logical_or_(~keep).sum())
+
+
+def kept_rows(keep: Tensor | None, t: Tensor) -> Tensor:
+    """``t`` (batch axis first) with the rows of the examples not in ``keep`` zeroed (a new tensor; None: ``t``)."""
+    if keep is None:
+        return t
+    return torch.where(keep.reshape(-1, *[1] * (t.dim() - 1)), t, 0.0)
 
 
 def cross_entropy(outputs: Tensor, targets: Tensor) -> Tensor:
