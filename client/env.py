@@ -176,23 +176,25 @@ def record_level_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weight
     Deterministic given the message (batch order from the public round seed).
     Returns ``(global_weights, local_weights, train_loss, clipped_fraction)``.
 
+    A model whose L2 norm is above :func:`protocols.privacy.largest_trainable_norm` (float32 training would round
+    one record's influence past the sensitivity the noise is sized for) trains in float64, where the limit is
+    2^29 times larger.
+
     Raises:
-        FloorViolation: a received model whose L2 norm is not finite or above
-            :func:`protocols.privacy.largest_trainable_norm` (its float32 training would round one record's
-            influence past the sensitivity), before any training.
+        FloorViolation: a received model whose L2 norm is not finite or above the float64 limit, before any training.
     """
     from protocols.floor import at_most
-    from protocols.privacy import largest_trainable_norm
+    from protocols.privacy import FLOAT64_ROUNDOFF, largest_trainable_norm
     from protocols.task.models import get_weights
     from protocols.task.training import clipped_sgd
 
     global_w = from_record(msg.content["arrays"])
     norm = float(np.sqrt(sum(float(np.sum(np.square(w, dtype=np.float64))) for w in global_w.values())))
-    at_most("global model L2 norm", norm, largest_trainable_norm(env.cfg, len(env.y)),
-            "its float32 training would round one record's influence past the sensitivity the noise is sized for; "
-            "the limit grows with the record sensitivity: a batch-size below the local dataset (several steps) or "
-            "fewer records per client")
     model = env.model(global_w)
+    if not norm <= largest_trainable_norm(env.cfg, len(env.y)):
+        at_most("global model L2 norm", norm, largest_trainable_norm(env.cfg, len(env.y), FLOAT64_ROUNDOFF),
+                "even float64 training would round one record's influence past the sensitivity the noise is sized for")
+        model = model.double()  # a noise-dominated honest model, or a crafted one: float64 keeps the rounding small
     rnd = TrainIns.from_config(msg.content["config"]).round
     cfg = env.cfg
     loss, frac = clipped_sgd(model, env.x, env.y, epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr,

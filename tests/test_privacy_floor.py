@@ -13,6 +13,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 
 from client.app import app as client_app
@@ -173,18 +174,24 @@ def test_honest_servers_pass_the_floor_and_clients_report_their_spending():
 
 
 @pytest.mark.parametrize("method", ["ldp", "ladp", "nadp"])
-def test_a_model_too_large_for_float32_training_is_refused(method):
+def test_a_model_too_large_for_float32_training_trains_in_float64_and_one_too_large_for_that_is_refused(method):
     """A global model offset by 2^16: its float32 training rounds one record's influence past the sensitivity.
 
-    Measured on the unguarded clients (digits, replace-one, 20 neighbour pairs): ladp accepted the model (its
-    upload's grid 0.0078 < sigma / 16) and one record moved the trained model 2.5 times the sensitivity its noise
-    and ledger charge were sized for; ldp at 2^20, 5.3 times.
+    Measured on clients that trained it in float32 (digits, replace-one, 20 neighbour pairs): one record moved the
+    trained model 2.5 times (ladp) the sensitivity its noise and ledger charge were sized for; ldp at 2^20, 5.3 times.
+    Such a model trains in float64 (an honest run whose model the noise dominates gets there too); one offset by
+    2^40 is past the float64 limit and refused.
     """
     cfg, grid = setup(method)
     strategy = build_strategy(cfg)
-    arrays = to_record({k: v + 2.0 ** 16 for k, v in get_weights(_model(cfg)).items()}, strategy.wire_dtype)
-    msgs = list(strategy.configure_train(1, arrays, ConfigRecord(TrainIns(1).to_config()), grid))
-    assert_all_refused(list(grid.send_and_receive(msgs)), "global model L2 norm")
+    for rnd, offset, refused in ((1, 2.0 ** 16, False), (2, 2.0 ** 40, True)):
+        arrays = to_record({k: v + offset for k, v in get_weights(_model(cfg)).items()}, strategy.wire_dtype)
+        msgs = list(strategy.configure_train(rnd, arrays, ConfigRecord(TrainIns(rnd).to_config()), grid))
+        replies = list(grid.send_and_receive(msgs))
+        if refused:
+            assert_all_refused(replies, "global model L2 norm")
+        else:
+            assert replies and not any(r.has_error() for r in replies), [r.error.reason for r in replies]
 
 
 def _model(cfg: RunConfig):
@@ -195,7 +202,8 @@ def _model(cfg: RunConfig):
 def test_float32_training_below_the_largest_norm_keeps_the_record_sensitivity():
     """One record moves a model trained from the largest admitted norm by less than the sensitivity and its margin.
 
-    From a model 2^10 times larger, by more than twice the sensitivity: the rounding the client refuses.
+    From a model 2^10 times larger, by more than twice the sensitivity in float32 (the rounding the client avoids by
+    training such a model in float64), and within it in float64.
     """
     cfg, _ = setup("ldp", adjacency="replace-one")
     ds = dataset_for(cfg)
@@ -205,7 +213,7 @@ def test_float32_training_below_the_largest_norm_keeps_the_record_sensitivity():
     size = sum(v.size for v in base.values())
     rng = np.random.default_rng(1)
 
-    def moved(norm: float) -> float:
+    def moved(norm: float, dtype: torch.dtype = torch.float32) -> float:
         start = {k: v + norm / np.sqrt(size) for k, v in base.items()}  # every coordinate offset alike
         worst = 0.0
         for _ in range(10):
@@ -214,7 +222,7 @@ def test_float32_training_below_the_largest_norm_keeps_the_record_sensitivity():
             x2[i], y2[i] = x[j], (y[j] + 1) % ds.num_classes  # replace-one neighbour
             trained = []
             for xs, ys in ((x, y), (x2, y2)):
-                model = _model(cfg)
+                model = _model(cfg).to(dtype)
                 set_weights(model, start)
                 clipped_sgd(model, xs, ys, epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr,
                             clip=cfg.clip, seed=0)
@@ -225,6 +233,7 @@ def test_float32_training_below_the_largest_norm_keeps_the_record_sensitivity():
     limit = largest_trainable_norm(cfg, len(y))
     assert moved(limit) <= sens * (1 + 1 / FLOAT32_ROUNDING_MARGIN)
     assert moved(1024 * limit) > 2 * sens
+    assert moved(1024 * limit, torch.float64) <= sens * (1 + 1 / FLOAT32_ROUNDING_MARGIN)  # what the client does
 
 
 def test_client_noise_is_its_own_not_the_servers():

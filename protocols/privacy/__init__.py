@@ -70,6 +70,8 @@ from protocols.privacy.receiver import receiver_std, receiver_variance
 from protocols.privacy.sensitivity import (
     CLIENT_RECORD_FACTOR,
     FLOAT32_ROUNDING_MARGIN,
+    FLOAT32_ROUNDOFF,
+    FLOAT64_ROUNDOFF,
     l1_sensitivity,
     largest_trainable_norm,
     local_sgd_sensitivity,
@@ -82,6 +84,8 @@ from protocols.privacy.sensitivity import (
 __all__ = [
     "CLIENT_RECORD_FACTOR",
     "FLOAT32_ROUNDING_MARGIN",
+    "FLOAT32_ROUNDOFF",
+    "FLOAT64_ROUNDOFF",
     "RDP_ORDERS",
     "Accountant",
     "BudgetSchedule",

@@ -16,9 +16,9 @@ import math
 from protocols.adjacency import ADJACENCIES, adjacency_factor
 from protocols.privacy.events import Event, at_sensitivity
 
-__all__ = ["ADJACENCIES", "CLIENT_RECORD_FACTOR", "FLOAT32_ROUNDING_MARGIN", "adjacency_factor", "l1_sensitivity",
-           "largest_trainable_norm", "local_sgd_sensitivity", "local_sgd_steps", "per_record", "record_sensitivity",
-           "record_training_movement"]
+__all__ = ["ADJACENCIES", "CLIENT_RECORD_FACTOR", "FLOAT32_ROUNDING_MARGIN", "FLOAT32_ROUNDOFF", "FLOAT64_ROUNDOFF",
+           "adjacency_factor", "l1_sensitivity", "largest_trainable_norm", "local_sgd_sensitivity", "local_sgd_steps",
+           "per_record", "record_sensitivity", "record_training_movement"]
 
 #: A record moves a client-level release by up to this many times its sensitivity: the client-level unit's
 #: sensitivity is the clip ``C`` of the whole update (the update against none), while one record, changed under
@@ -103,28 +103,31 @@ def record_training_movement(cfg, dataset_size: int) -> float:
     return cfg.lr * cfg.clip * local_sgd_steps(dataset_size, epochs=cfg.local_epochs, batch_size=cfg.batch_size)
 
 
-#: Float32 training may add at most ``1 / FLOAT32_ROUNDING_MARGIN`` of the record sensitivity by rounding the weights.
+#: Training may add at most ``1 / FLOAT32_ROUNDING_MARGIN`` of the record sensitivity by rounding the weights.
 FLOAT32_ROUNDING_MARGIN = 16.0
-#: Unit roundoff of float32 (round to nearest): ``|fl(a) - a| <= 2^-24 |a|``.
-_FLOAT32_ROUNDOFF = 2.0 ** -24
+#: Unit roundoff (round to nearest, ``|fl(a) - a| <= u |a|``) of float32 and float64.
+FLOAT32_ROUNDOFF, FLOAT64_ROUNDOFF = 2.0 ** -24, 2.0 ** -53
 
 
-def largest_trainable_norm(cfg, dataset_size: int) -> float:
-    """The largest L2 norm of a received model whose float32 training keeps :func:`record_sensitivity` (to a margin).
+def largest_trainable_norm(cfg, dataset_size: int, roundoff: float = FLOAT32_ROUNDOFF) -> float:
+    """The largest L2 norm of a received model whose training keeps :func:`record_sensitivity` (to a margin).
 
-    :func:`record_sensitivity` is a bound in exact arithmetic.  The model trains in float32: each SGD step
+    ``roundoff``: of the training dtype (:data:`FLOAT32_ROUNDOFF`, or :data:`FLOAT64_ROUNDOFF` for a model trained
+    in float64, 2^29 times the norm).
+
+    :func:`record_sensitivity` is a bound in exact arithmetic.  The model trains in floating point: each SGD step
     ``w <- w - s g`` rounds every coordinate of the product and of the sum to the grid of its magnitude, and two
     trajectories from the same model (datasets one record apart) can round apart, by up to
-    ``4 u (||w_0|| + M)`` in L2 per step (``u = 2^-24``, ``M`` = :func:`record_training_movement`, so that
+    ``4 u (||w_0|| + M)`` in L2 per step (``u`` = ``roundoff``, ``M`` = :func:`record_training_movement`, so that
     ``||w_t|| <= ||w_0|| + M``), a term the model's magnitude sets, whatever the clip.  A server that sends a model
     with large weights would grow it past the sensitivity the noise is sized for (a model offset by ``2^20``
     moved an ldp upload 5.3 times the sensitivity for one record).  This returns the norm at which the steps' rounding
-    reaches ``record_sensitivity / FLOAT32_ROUNDING_MARGIN`` (a client refuses a larger model; 0 when none is).
+    reaches ``record_sensitivity / FLOAT32_ROUNDING_MARGIN`` (0 when none does).
     The rounding inside one step's clipped sum is relative to the clip, not to the model, and is not counted.
     """
     steps = local_sgd_steps(dataset_size, epochs=cfg.local_epochs, batch_size=cfg.batch_size)
     allowed = record_sensitivity(cfg, dataset_size) / FLOAT32_ROUNDING_MARGIN
-    return max(allowed / (4.0 * _FLOAT32_ROUNDOFF * steps) - record_training_movement(cfg, dataset_size), 0.0)
+    return max(allowed / (4.0 * roundoff * steps) - record_training_movement(cfg, dataset_size), 0.0)
 
 
 def per_record(event: Event) -> Event:

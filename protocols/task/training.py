@@ -17,11 +17,12 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 def on_device(model: nn.Module, *arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
-    """``arrays`` as tensors on ``model``'s device (training and evaluation follow the model)."""
-    dev = model_device(model)
+    """``arrays`` as tensors on ``model``'s device, floating ones in its dtype (training and evaluation follow it)."""
+    first = next(model.parameters(), torch.empty(0))
     with warnings.catch_warnings():  # read-only arrays (the memory-mapped data cache) are never written through
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return tuple(torch.as_tensor(a, device=dev) for a in arrays)
+        out = (torch.as_tensor(a, device=first.device) for a in arrays)
+        return tuple(t.to(first.dtype) if t.is_floating_point() else t for t in out)
 
 
 def _batches(n: int, batch_size: int, rng: np.random.Generator):
