@@ -51,8 +51,8 @@ def is_import_path(value: str) -> bool:
     module, sep, attr = value.partition(":")
     return bool(sep) and all(p.isidentifier() for p in module.split(".")) and attr.isidentifier()
 PARTITIONINGS = ("iid", "dirichlet", "size-skew")
-__all__ = ["ConfigError", "RunConfig", "TRUE_WORDS", "changed_keys", "describe_changes", "clients_sampled", "expanded",
-           "is_auto", "is_on", "parse_run_config"]
+__all__ = ["ConfigError", "RunConfig", "TRUE_WORDS", "changed_keys", "clients_sampled", "common_fields", "describe_changes",
+           "expanded", "is_auto", "is_on", "parse_run_config"]
 
 
 def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
@@ -151,7 +151,7 @@ class RunConfig:
         user sets is never replaced.  The keys ``method-options`` carries are read as keys of ``raw`` (:func:`expanded`).
         """
         raw = expanded(raw)
-        known = {cls.key_of(f.name): f for f in _common_fields()}
+        known = {cls.key_of(f.name): f for f in common_fields()}
         known.update({key: f for opt_cls in options_classes() for key, f in opt_cls.keys().items()})
         values: dict[str, Any] = {}
         unset = set(AUTO_KEYS)
@@ -199,7 +199,7 @@ class RunConfig:
 
     def to_mapping(self) -> dict[str, Any]:
         """Inverse of :meth:`from_mapping` (for summaries and ``--run-config``): every key, resolved."""
-        out = {self.key_of(f.name): getattr(self, f.name) for f in _common_fields()}
+        out = {self.key_of(f.name): getattr(self, f.name) for f in common_fields()}
         for cls in options_classes():
             out.update(self.options_of(cls).as_mapping())
         return out
@@ -316,10 +316,10 @@ def clients_sampled(sample_rate: float, num_clients: int) -> int:
 
 def expanded(raw: Mapping[str, Any]) -> dict[str, Any]:
     """``raw`` with the keys its ``method-options`` carries as ordinary keys (:func:`protocols.method_options.expand`)."""
-    return method_options.expand(raw, {RunConfig.key_of(f.name) for f in _common_fields()})
+    return method_options.expand(raw, {RunConfig.key_of(f.name) for f in common_fields()})
 
 
-def _common_fields() -> list[dataclasses.Field]:
+def common_fields() -> list[dataclasses.Field]:
     """The run-config fields of :class:`RunConfig` itself (every key but the methods' options)."""
     return [f for f in fields(RunConfig) if f.name not in ("options", "regime_applied")]
 

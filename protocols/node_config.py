@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 
 __all__ = ["BASE_KEYS", "DATA_CACHE", "DDPSA_CA", "DDPSA_SERVERS", "IDENTITY_KEY", "LEDGER_DIR", "NUM_PARTITIONS",
            "PARTITION_ID", "POLICY_KEYS", "REQUIRE_IDENTITY", "ROSTER", "NEAR_MISS_CUTOFF", "TRUSTED_FAB",
-           "NodeConfigError", "check_node_config", "intended_key", "known_keys", "run_config_only_keys", "trusted_fabs"]
+           "NodeConfigError", "check_node_config", "intended_key", "known_keys", "run_config_keys", "trusted_fabs"]
 
 #: This node's partition and the federation's size (Flower's simulation sets both; a SuperNode takes them from
 #: ``--node-config``).
@@ -79,15 +79,13 @@ def known_keys() -> frozenset[str]:
     return BASE_KEYS | {key for cls in options_classes() for key in cls.trust_keys()}
 
 
-def run_config_only_keys() -> frozenset[str]:
-    """Run-config keys (common and every registered method's options) a node config cannot set: not in :func:`known_keys`."""
-    from dataclasses import fields
-
-    from protocols.config import RunConfig
+def run_config_keys() -> frozenset[str]:
+    """Every run-config key: :class:`protocols.config.RunConfig`'s own and every registered method's options."""
+    from protocols.config import RunConfig, common_fields
     from protocols.methods import options_classes
 
-    common = {RunConfig.key_of(f.name) for f in fields(RunConfig) if f.name not in ("options", "regime_applied")}
-    return frozenset(common | {key for cls in options_classes() for key in cls.keys()}) - known_keys()
+    common = {RunConfig.key_of(f.name) for f in common_fields()}
+    return frozenset(common | {key for cls in options_classes() for key in cls.keys()})
 
 
 def _plain(key: str) -> str:
@@ -118,10 +116,9 @@ def check_node_config(node_config: Mapping[str, object]) -> None:
     Raises:
         NodeConfigError: naming the first such key (in sorted order) and the key it likely means.
     """
-    known = known_keys()
-    run_only = run_config_only_keys()
+    known, run_keys = known_keys(), run_config_keys()
     for key in sorted(map(str, node_config)):
-        if key in run_only:
+        if key in run_keys and key not in known:
             raise NodeConfigError(key, None)
         intended = intended_key(key, known)
         if intended is not None:
