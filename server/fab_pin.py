@@ -59,12 +59,22 @@ def pin_own_app(argv: list[str], app: Path) -> tuple[list[str], str]:
             at, value = i, arg.partition("=")[2]
         else:
             continue
-        if TRUSTED_FAB in value:
+        if TRUSTED_FAB in _parsed(value):
             raise ValueError(f"both {TRUSTED_APP_ENV} and node config '{TRUSTED_FAB}' pin the app: set one")
         joined = f"{value} {entry}".strip()
         out[at] = joined if at == i + 1 else f"--node-config={joined}"
         return out, digest
     return [*out, "--node-config", entry], digest
+
+
+def _parsed(node_config: str) -> dict[str, Any]:
+    """The keys of a ``--node-config`` value as Flower parses them; empty for one Flower will refuse itself."""
+    from flwr.common.config import parse_config_args
+
+    try:
+        return parse_config_args([node_config]) if node_config.strip() else {}
+    except Exception:  # noqa: BLE001 - flower-supernode reports a malformed node config itself
+        return {}
 
 
 def check_fab(content: bytes, claimed: str | None, node_config: Any) -> None:

@@ -109,3 +109,6 @@ def test_cancelfl_supernode_pins_its_own_app_into_the_node_config() -> None:
     assert pin_own_app(["--insecure"], APP_DIR)[0] == ["--insecure", "--node-config", entry]
     with pytest.raises(ValueError, match="set one"):
         pin_own_app(["--node-config", f"{TRUSTED_FAB}=\"{OTHER}\""], APP_DIR)
+    # a value that merely mentions the key is no pin of its own
+    note = 'note="see trusted-fab"'
+    assert pin_own_app(["--node-config", note], APP_DIR)[0] == ["--node-config", f"{note} {entry}"]
