@@ -113,26 +113,31 @@ def client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.ndarra
     mats, x, y = _as_inputs(w_hat, x, y)
     if x.shape[0] == 0:
         raise ValueError("empty batch")
-    fwd = _forward(mats, x)
+    fwd = _forward(mats, x, y)
     if weights is None:
         w = torch.full((x.shape[0],), 1.0 / x.shape[0], dtype=fwd.h.dtype)
     else:
         w = torch.as_tensor(weights).to(fwd.h.dtype).reshape(-1)
         if w.shape[0] != x.shape[0]:
             raise ValueError(f"weights has {w.shape[0]} entries for a batch of {x.shape[0]}")
-    return _weighted_gradients(mats, fwd, y, w)
+    return _weighted_gradients(mats, fwd, w)
 
 
 @dataclass(frozen=True)
 class _Forward:
-    """A forward pass of the expanded model: each layer's input, each hidden layer's ReLU mask, the last input."""
+    """A forward pass of the expanded model.
+
+    Each layer's input, each hidden layer's ReLU mask, the last input ``h`` and the output error ``h W_L^T - y``
+    (the loss signal every backward pass starts from).
+    """
 
     inputs: list[Tensor]
     masks: list[Tensor]
     h: Tensor
+    err: Tensor
 
 
-def _forward(mats: Sequence[Tensor], x: Tensor) -> _Forward:
+def _forward(mats: Sequence[Tensor], x: Tensor, y: Tensor) -> _Forward:
     h = augment_input(x)
     inputs, masks = [], []
     for mat in mats[:-1]:
@@ -140,15 +145,15 @@ def _forward(mats: Sequence[Tensor], x: Tensor) -> _Forward:
         z = h @ mat.T
         masks.append(z > 0)  # torch.relu's derivative: 0 at z == 0
         h = z.clamp_min(0)
-    return _Forward(inputs, masks, h)
+    return _Forward(inputs, masks, h, h @ mats[-1].T - y)
 
 
-def _weighted_gradients(mats: Sequence[Tensor], fwd: _Forward, y: Tensor, w: Tensor) -> ClientUpload:
+def _weighted_gradients(mats: Sequence[Tensor], fwd: _Forward, w: Tensor) -> ClientUpload:
     """:func:`client_gradients` from a forward pass, example b weighted ``w[b]``."""
     h, batch = fwd.h, fwd.h.shape[0]
     last = mats[-1]
     alpha = h.sum(dim=1)  # (B,)
-    err = h @ last.T - y  # (B, n_L)
+    err = fwd.err  # (B, n_L)
     n_out, width = last.shape
     k = n_out + 2
     aw, ew = alpha * w, err * w.unsqueeze(1)
@@ -189,12 +194,11 @@ def per_example_grad_norms(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.
     the outer product d_b h_b^T, so its squared norm is ||d_b||^2 ||h_b||^2 (no per-example tensors).
     """
     mats, x, y = _as_inputs(w_hat, x, y)
-    return _grad_norms(mats, _forward(mats, x), y)
+    return _grad_norms(mats, _forward(mats, x, y))
 
 
-def _grad_norms(mats: Sequence[Tensor], fwd: _Forward, y: Tensor) -> Tensor:
-    h = fwd.h
-    err = h @ mats[-1].T - y
+def _grad_norms(mats: Sequence[Tensor], fwd: _Forward) -> Tensor:
+    h, err = fwd.h, fwd.err
     sq = torch.linalg.vecdot(err, err) * torch.linalg.vecdot(h, h)  # last layer: err_b h_b^T (not trimmed)
     sig = err @ mats[-1]
     for j in range(len(mats) - 2, -1, -1):
@@ -207,7 +211,7 @@ def _grad_norms(mats: Sequence[Tensor], fwd: _Forward, y: Tensor) -> Tensor:
     return sq.sqrt()
 
 
-def _side_norms(mats: Sequence[Tensor], fwd: _Forward, y: Tensor) -> tuple[Tensor, Tensor]:
+def _side_norms(mats: Sequence[Tensor], fwd: _Forward) -> tuple[Tensor, Tensor]:
     """(B,) per example: the spectral norm of Psi_b (its n_L blocks as rows) and the L2 norm of Phi_b.
 
     Over the uploaded blocks.  ``||r^T Psi_b|| <= ||r|| sigma_max(Psi_b)``, ``sigma_max^2`` the largest eigenvalue of
@@ -216,7 +220,7 @@ def _side_norms(mats: Sequence[Tensor], fwd: _Forward, y: Tensor) -> tuple[Tenso
     """
     h, last = fwd.h, mats[-1]
     alpha = h.sum(dim=1)
-    err = h @ last.T - y
+    err = fwd.err
     n_out, width = last.shape
     hh = torch.linalg.vecdot(h, h)
     eye = torch.eye(n_out, dtype=h.dtype)
@@ -265,17 +269,16 @@ def clipped_client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | n
         raise ValueError("empty batch")
     if not all(bool(torch.isfinite(m).all()) for m in mats):
         raise ValueError(f"the perturbed model W-hat is not finite in {mats[0].dtype}")
-    fwd = _forward(mats, x)
-    norms = _grad_norms(mats, fwd, y)
+    fwd = _forward(mats, x, y)
+    norms = _grad_norms(mats, fwd)
     if rho is not None:
-        psi_n, phi_n = _side_norms(mats, fwd, y)
+        psi_n, phi_n = _side_norms(mats, fwd)
         norms = norms + rho * psi_n + rho * rho * phi_n
-    err = fwd.h @ mats[-1].T - y
-    factors = clip_factors(norms, 0.5 * torch.linalg.vecdot(err, err), clip)
+    factors = clip_factors(norms, 0.5 * torch.linalg.vecdot(fwd.err, fwd.err), clip)
     if (keep := factors.keep) is not None:
         fwd = _Forward([kept_rows(keep, a) for a in fwd.inputs], [m & keep[:, None] for m in fwd.masks],
-                       kept_rows(keep, fwd.h))
-    up = _weighted_gradients(mats, fwd, y, factors.scale / norms.shape[0])
+                       kept_rows(keep, fwd.h), kept_rows(keep, fwd.err))
+    up = _weighted_gradients(mats, fwd, factors.scale / norms.shape[0])
     return up, float(factors.clipped) / norms.shape[0]
 
 

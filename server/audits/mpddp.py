@@ -101,17 +101,17 @@ def _white_box(clip: float) -> Any:
         return col, present, PHI_WEIGHT * clip / (rho * rho)
 
     def grad_norms(orig: Callable[..., Any]) -> Callable[..., Any]:
-        return lambda mats, fwd, y: torch.zeros_like(planted(mats, fwd)[1])
+        return lambda mats, fwd: torch.zeros_like(planted(mats, fwd)[1])
 
     def side_norms(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def norms(mats: Any, fwd: Any, y: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        def norms(mats: Any, fwd: Any) -> tuple[torch.Tensor, torch.Tensor]:
             _, present, phi = planted(mats, fwd)
             return torch.zeros_like(present), present * phi
         return norms
 
     def weighted(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def sums(mats: Any, fwd: Any, y: Any, w: torch.Tensor) -> Any:
-            real = orig(mats, fwd, y, w)
+        def sums(mats: Any, fwd: Any, w: torch.Tensor) -> Any:
+            real = orig(mats, fwd, w)
             col, present, phi = planted(mats, fwd)
             hidden = real.grads[0].shape[0]
             u = torch.full((hidden,), hidden ** -0.5, dtype=real.grads[0].dtype)
