@@ -24,7 +24,8 @@ from protocols.wire.recovery import RecoveryRequest
 def sign_outcome(env: ClientEnv, req: ConsistencyRequest) -> ConsistencyReply:
     """Sign the outcome ``req`` with this node's identity, or refuse naming why (see the module doc)."""
     store = RecoveryStore.load(env)
-    why = check_request(store, RecoveryRequest(req.round, req.received, req.dropped, req.excluded), env.node_id)
+    why = check_request(store, RecoveryRequest(req.round, req.received, req.dropped, req.excluded), env.node_id,
+                        int(env.context.run_id))
     if why:
         return ConsistencyReply(refused=why)
     assert store is not None  # check_request refuses otherwise

@@ -5,7 +5,7 @@ holds because of each neighbour: nadp and mpddp the per-round pair seed, niss a
 :class:`~protocols.wire.recovery.NissPairMaterial`.  The next train message overwrites it.
 
 :func:`handle_recover` answers a :class:`~protocols.wire.recovery.RecoveryRequest` with the material of the
-dropped neighbours only, after :func:`check_request`: it refuses, naming the reason, a round it did not upload in,
+dropped neighbours only, after :func:`check_request`: it refuses, naming the reason, a round it did not upload in (in this run),
 a request without its own upload in ``received``, a node both received and dropped, a neighbour in neither set,
 or a different request than the one it already answered this round.  Material that would strip all pair noise
 from its own upload is kept (``kept``); for ``excluded`` peers it reveals only what leaves their own noise in.
@@ -83,6 +83,8 @@ class RecoveryStore:
     signed: bytes = b""
     #: what the round charged and the public values that price a recovery (:mod:`client.recovery_ledger`; JSON).
     charge: str = ""
+    #: the Flower run of the upload (None: unknown; :func:`check_request` then answers no run).
+    run_id: int | None = None
 
     def save(self, env: ClientEnv) -> None:
         peers = sorted(self.material)
@@ -111,6 +113,8 @@ class RecoveryStore:
             rec["signed"] = self.signed
         if self.charge:
             rec["charge"] = self.charge
+        if self.run_id is not None:
+            rec["run-id"] = str(self.run_id)  # text: a Flower run id is an unsigned 64-bit value
         if self.answered is not None:
             rec["answered-received"] = [str(n) for n in self.answered[0]] or [""]
             rec["answered-dropped"] = [str(n) for n in self.answered[1]] or [""]
@@ -142,7 +146,8 @@ class RecoveryStore:
         return cls(int(rec["round"]), material, noise, partial, kept_probe, protect, protect_probe, shield,
                    answered, mask_keys, int(rec.get("threshold", 0)),  # type: ignore[arg-type]
                    {int(n) for n in rec.get("revealed-mask", [])}, {int(n) for n in rec.get("revealed-pair", [])},
-                   bytes(rec.get("signed", b"")), str(rec.get("charge", "")))
+                   bytes(rec.get("signed", b"")), str(rec.get("charge", "")),
+                   int(rec["run-id"]) if "run-id" in rec else None)
 
 
 def remember(env: ClientEnv, rnd: int, material: Mapping[int, bytes], noise: Mapping[int, float] | None = None,
@@ -164,7 +169,8 @@ def remember(env: ClientEnv, rnd: int, material: Mapping[int, bytes], noise: Map
     """
     RecoveryStore(int(rnd), dict(material), dict(noise) if noise is not None else dict.fromkeys(material, 1.0),
                   dict(partial or {}), dict(kept_probe or {}), dict(protect or {}), dict(protect_probe or {}),
-                  dict(shield or {}), None, dict(mask_keys or {}), int(threshold), charge=charge).save(env)
+                  dict(shield or {}), None, dict(mask_keys or {}), int(threshold), charge=charge,
+                  run_id=int(env.context.run_id)).save(env)
 
 
 def _share_context(env: ClientEnv) -> bytes:
@@ -231,10 +237,18 @@ def seal_self_mask(keys: Mapping[int, bytes], rnd: int, env: ClientEnv, size: in
     return SelfMask(self_mask(seed, size, std), SelfMaskShares(sealed, commitment(seed), std), keys, t)
 
 
-def check_request(store: RecoveryStore | None, req: RecoveryRequest, me: int) -> str:
-    """Why this client must refuse ``req`` ("" when it may answer)."""
+def check_request(store: RecoveryStore | None, req: RecoveryRequest, me: int, run_id: int | None = None) -> str:
+    """Why this client must refuse ``req`` ("" when it may answer).
+
+    ``run_id``: the Flower run asking; a store of another run is refused.  Flower carries ``Context.state`` into
+    the next run of a run series: answered there, a round would be charged to that run's ledger, past its own
+    run's ``max-epsilon-per-run``.
+    """
     if store is None or store.round != req.round:
         return f"no pair material of round {req.round} (this node did not upload in that round)"
+    if run_id is not None and store.run_id != run_id:
+        return (f"no pair material of round {req.round} of run {run_id} (this node's last upload was in "
+                f"{'another run' if store.run_id is not None else 'an unknown run'})")
     received, dropped, excluded = set(req.received), set(req.dropped), set(req.excluded)
     if me not in received or (me in excluded and not store.mask_keys):
         return f"this node's upload (node {me}) is not in the received set, or excluded"
@@ -391,7 +405,7 @@ def recovery_answer(content: RecordDict, env: ClientEnv) -> ConfigRecord:
     except (KeyError, TypeError, ValueError) as err:
         return ConfigRecord(RecoveryReply(refused=f"malformed recovery request ({err})").to_config())
     store = RecoveryStore.load(env)
-    why = check_request(store, req, env.node_id)
+    why = check_request(store, req, env.node_id, int(env.context.run_id))
     if why:
         out = RecoveryReply(refused=why)
     else:

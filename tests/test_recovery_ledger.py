@@ -6,6 +6,8 @@
   raises that client's ledger to the server formula's multiplier of the survivors' joint view, once however often
   the same request is asked;
 * a node whose ``lifetime-epsilon`` is just above its upload charge refuses that recovery: nothing revealed.
+* a recovery refused past ``max-epsilon-per-run`` is refused in the next Flower run of the run series too (its
+  ``Context.state`` carries over): it would be charged to that run instead.
 """
 
 from __future__ import annotations
@@ -261,6 +263,22 @@ def test_a_recovery_past_the_per_run_budget_is_refused(pinned):
     _spend_run_to(grid, k, cap * 0.999)
     rep = _ask(grid, replies, graph, k, list(graph), [])
     assert not rep.refused, rep.refused
+
+
+def test_a_round_is_not_recovered_in_another_run_of_the_run_series(pinned):
+    """Flower carries ``Context.state`` into the next run of a run series (a new run id): the store stays its run's."""
+    grid, st, replies, graph, k, received, dropped = _lie()
+    cap = ClientEnv.from_context(grid.contexts[k]).cfg.epsilon
+    grid.contexts[k].node_config["max-epsilon-per-run"] = cap
+    _spend_run_to(grid, k, cap * 0.999)
+    assert "max-epsilon-per-run" in _ask(grid, replies, graph, k, received, dropped).refused
+    before = _ledger(grid, k).spent(DELTA)
+    for context in grid.contexts.values():
+        context.run_id += 1  # the server starts the next run of the series: every node's state carries over
+    # Else answered there: the 3 pair seeds out, run 1's round charged to run 2 (run 1 at 1.005 > its cap of 1).
+    rep = _ask(grid, replies, graph, k, received, dropped)
+    assert rep.refused and "of run" in rep.refused and not rep.peers and not rep.material
+    assert _ledger(grid, k).spent(DELTA) == before  # nothing charged
 
 
 
