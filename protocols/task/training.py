@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from protocols.per_example import PerExampleClipper
+from protocols.per_example import Descent, PerExampleClipper
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -108,12 +108,17 @@ _GATHER_BATCHES = 64
 
 
 def clipped_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, batch_size: int, lr: float,
-                clip: float, seed: int) -> tuple[float, float]:
+                clip: float, seed: int, master_weights: bool = False) -> tuple[float, float]:
     """SGD where each step uses the mean of per-example gradients clipped to L2 norm ``clip``.
 
     Batches as :func:`_batches` draws them from ``seed``; each step is
     :meth:`protocols.per_example.PerExampleClipper.descend` with step size ``lr / len(batch)``.
     Returns (mean training loss of the last epoch, fraction of clipped examples).
+
+    ``master_weights``: the steps go to float64 copies of the trainable parameters instead (:class:`_Masters`):
+    forward and backward stay in the model's dtype, at the masters rounded to it, and the weights round as in
+    float64 training (:func:`protocols.privacy.largest_trainable_norm` at ``FLOAT64_ROUNDOFF``).  The model then
+    returns in float64, holding the masters exactly.
     """
     rng = np.random.default_rng(seed)
     xt, yt = on_device(model, x, y)  # run-config 'device': the model's device
@@ -121,6 +126,7 @@ def clipped_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, 
     block = batch_size * _GATHER_BATCHES
     model.train()
     last, clipped = 0.0, []
+    masters = _Masters(model) if master_weights else None
     with PerExampleClipper(model, clip) as clipper:  # inspects and instruments the model once, not per step
         for _ in range(epochs):
             order = torch.as_tensor(rng.permutation(n), device=xt.device)  # the order _batches draws
@@ -129,8 +135,53 @@ def clipped_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, 
                 xs, ys = xt[order[first:first + block]], yt[order[first:first + block]]
                 for start in range(0, len(ys), batch_size):
                     xb, yb = xs[start:start + batch_size], ys[start:start + batch_size]
-                    step = clipper.descend(xb, yb, lr / len(yb))
+                    if masters is None:
+                        step = clipper.descend(xb, yb, lr / len(yb))
+                    else:
+                        step = masters.descend(clipper, xb, yb, lr / len(yb))
                     losses.append(step.losses)
                     clipped.append(step.clipped)
             last = float(torch.cat(losses).double().sum()) / n if losses else 0.0
+    if masters is not None:
+        masters.finish()
     return last, float(torch.stack(clipped).sum()) / (n * epochs) if clipped else 0.0
+
+
+class _Masters:
+    """Float64 master weights of a model's trainable parameters, for :func:`clipped_sgd`.
+
+    Each step forms ``-s * sum_i clip(g_i, C)`` in the parameter's dtype in a scratch buffer (its rounding is
+    relative to the step, not to the weights), adds it to the float64 master and sets the parameter to the master
+    rounded to its dtype.  Where the gradients are evaluated does not enter the sensitivity
+    (:func:`protocols.privacy.local_sgd_sensitivity` bounds every later step by ``2 C lr`` at any weights); the
+    weights' rounding is float64's.  The buffers are allocated once (the float64 ones flat: one op per step each).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.trained = [p for p in model.parameters() if p.requires_grad]
+        sizes = [p.numel() for p in self.trained]
+        with torch.no_grad():
+            self.master = torch.cat([p.detach().reshape(-1).double() for p in self.trained])
+            self.step64 = torch.zeros_like(self.master)  # the step in float64 (adding float32 to float64 allocates)
+            self.masters = [m.view_as(p) for m, p in zip(self.master.split(sizes), self.trained, strict=True)]
+            self.steps64 = [m.view_as(p) for m, p in zip(self.step64.split(sizes), self.trained, strict=True)]
+            self.scratch = [torch.zeros_like(p) for p in self.trained]
+        by_id = {id(p): s for p, s in zip(self.trained, self.scratch, strict=True)}
+        self.into = [by_id.get(id(p), p) for p in model.parameters()]  # a frozen parameter takes no step
+
+    def descend(self, clipper: PerExampleClipper, x: torch.Tensor, y: torch.Tensor, step: float) -> Descent:
+        """One step of ``clipper`` on the batch ``(x, y)``, applied to the masters (then to the parameters)."""
+        torch._foreach_zero_(self.scratch)
+        out = clipper.descend(x, y, step, into=self.into)
+        with torch.no_grad():
+            torch._foreach_copy_(self.steps64, self.scratch)
+            self.master.add_(self.step64)
+            torch._foreach_copy_(self.trained, self.masters)
+        return out
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Convert the model to float64 and load the masters into it (no final rounding to the training dtype)."""
+        self.model.double()
+        torch._foreach_copy_([p for p in self.model.parameters() if p.requires_grad], self.masters)
