@@ -177,10 +177,10 @@ def record_level_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weight
     Returns ``(global_weights, local_weights, train_loss, clipped_fraction)``.
 
     A model whose L2 norm is above :func:`protocols.privacy.largest_trainable_norm` (float32 weights would round
-    one record's influence past the sensitivity the noise is sized for) trains with float64 master weights
-    (:func:`protocols.task.training.clipped_sgd`, ``master_weights``): forward and backward in the model's dtype,
-    every step added to float64 weights, so that the limit is float64's, 2^29 times larger.  Its local weights are
-    then the float64 masters (no final rounding to float32).
+    one record's influence past the sensitivity the noise is sized for) trains its update from the received
+    weights (:func:`protocols.task.training.clipped_sgd`, ``recentre``): the steps round relative to the update,
+    not to the model, and the local weights come back in float64.  So many local steps that float32 rounds even
+    the update's steps past the margin (the limit is 0) train in float64.
 
     Raises:
         FloorViolation: a received model whose L2 norm is not finite or above the float64 limit, before any training.
@@ -193,15 +193,17 @@ def record_level_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weight
     global_w = from_record(msg.content["arrays"])
     norm = float(np.sqrt(sum(float(np.sum(np.square(w, dtype=np.float64))) for w in global_w.values())))
     model = env.model(global_w)
-    # a noise-dominated honest model, or a crafted one: float64 master weights keep the rounding small
-    masters = not norm <= largest_trainable_norm(env.cfg, len(env.y))
-    if masters:
+    limit = largest_trainable_norm(env.cfg, len(env.y))
+    recentre = not norm <= limit  # a noise-dominated honest model, or a crafted one
+    if recentre:
         at_most("global model L2 norm", norm, largest_trainable_norm(env.cfg, len(env.y), FLOAT64_ROUNDOFF),
                 "even float64 training would round one record's influence past the sensitivity the noise is sized for")
+        if limit <= 0.0:
+            model = model.double()
     rnd = TrainIns.from_config(msg.content["config"]).round
     cfg = env.cfg
     loss, frac = clipped_sgd(model, env.x, env.y, epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr,
-                             clip=cfg.clip, seed=env.round_seed(rnd), master_weights=masters)
+                             clip=cfg.clip, seed=env.round_seed(rnd), recentre=recentre)
     return global_w, get_weights(model), loss, frac
 
 

@@ -174,22 +174,22 @@ def test_honest_servers_pass_the_floor_and_clients_report_their_spending():
 
 
 @pytest.mark.parametrize("method", ["ldp", "ladp", "nadp"])
-def test_a_model_too_large_for_float32_training_trains_with_float64_master_weights_and_one_too_large_is_refused(
+def test_a_model_too_large_for_float32_training_trains_its_update_and_one_too_large_is_refused(
         method, monkeypatch):
     """A global model offset by 2^16: its float32 training rounds one record's influence past the sensitivity.
 
     Measured on clients that trained it in float32 (digits, replace-one, 20 neighbour pairs): one record moved the
     trained model 2.5 times (ladp) the sensitivity its noise and ledger charge were sized for; ldp at 2^20, 5.3 times.
-    Such a model trains with float64 master weights and uploads them (an honest run whose model the noise dominates
-    gets there too); one offset by 2^40 is past the float64 limit and refused.
+    Such a model trains its update from the received weights and uploads their float64 sum (an honest run whose
+    model the noise dominates gets there too); one offset by 2^40 is past the float64 limit and refused.
     """
     import protocols.task.training as training
 
     calls = []
 
-    def spy(model, *args, master_weights: bool = False, **kwargs):
-        out = real(model, *args, master_weights=master_weights, **kwargs)
-        calls.append((master_weights, next(model.parameters()).dtype))
+    def spy(model, *args, recentre: bool = False, **kwargs):
+        out = real(model, *args, recentre=recentre, **kwargs)
+        calls.append((recentre, next(model.parameters()).dtype))
         return out
 
     real = training.clipped_sgd
@@ -218,7 +218,7 @@ def test_float32_training_below_the_largest_norm_keeps_the_record_sensitivity():
     """One record moves a model trained from the largest admitted norm by less than the sensitivity and its margin.
 
     From a model 2^10 times larger, by more than twice the sensitivity in float32 (the rounding the client avoids by
-    training such a model with float64 master weights), and within it with float64 master weights.
+    training the update instead), and within it when the update is trained.
     """
     cfg, _ = setup("ldp", adjacency="replace-one")
     ds = dataset_for(cfg)
@@ -228,7 +228,7 @@ def test_float32_training_below_the_largest_norm_keeps_the_record_sensitivity():
     size = sum(v.size for v in base.values())
     rng = np.random.default_rng(1)
 
-    def moved(norm: float, master_weights: bool = False) -> float:
+    def moved(norm: float, recentre: bool = False) -> float:
         start = {k: v + norm / np.sqrt(size) for k, v in base.items()}  # every coordinate offset alike
         worst = 0.0
         for _ in range(10):
@@ -240,7 +240,7 @@ def test_float32_training_below_the_largest_norm_keeps_the_record_sensitivity():
                 model = _model(cfg)
                 set_weights(model, start)
                 clipped_sgd(model, xs, ys, epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr,
-                            clip=cfg.clip, seed=0, master_weights=master_weights)
+                            clip=cfg.clip, seed=0, recentre=recentre)
                 trained.append(np.concatenate([w.ravel() for w in get_weights(model).values()]))
             worst = max(worst, float(np.linalg.norm(trained[0] - trained[1])))
         return worst
@@ -248,13 +248,13 @@ def test_float32_training_below_the_largest_norm_keeps_the_record_sensitivity():
     limit = largest_trainable_norm(cfg, len(y))
     assert moved(limit) <= sens * (1 + 1 / FLOAT32_ROUNDING_MARGIN)
     assert moved(1024 * limit) > 2 * sens
-    assert moved(1024 * limit, master_weights=True) <= sens * (1 + 1 / FLOAT32_ROUNDING_MARGIN)  # what the client does
+    assert moved(1024 * limit, recentre=True) <= sens * (1 + 1 / FLOAT32_ROUNDING_MARGIN)  # what the client does
 
 
 def _trained(cfg: RunConfig, x: np.ndarray, y: np.ndarray, norm: float, mode: str) -> tuple[np.ndarray, np.ndarray]:
     """``(start, trained)`` weights, flat, of :func:`clipped_sgd` from ``cfg``'s model offset to about L2 ``norm``.
 
-    ``mode``: ``float32``, ``master`` (float32 with float64 master weights) or ``float64`` (a float64 model).  The
+    ``mode``: ``float32``, ``recentred`` (float32, training the update) or ``float64`` (a float64 model).  The
     start is float32-representable, so that every mode starts from the same weights.
     """
     base = get_weights(_model(cfg))
@@ -263,15 +263,15 @@ def _trained(cfg: RunConfig, x: np.ndarray, y: np.ndarray, norm: float, mode: st
     model = _model(cfg).double() if mode == "float64" else _model(cfg)
     set_weights(model, start)
     clipped_sgd(model, x, y, epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr, clip=cfg.clip, seed=0,
-                master_weights=mode == "master")
+                recentre=mode == "recentred")
     if mode != "float32":
         assert all(p.dtype == torch.float64 for p in model.parameters())
     flat = [np.concatenate([w.ravel() for w in ws.values()]) for ws in (start, get_weights(model))]
     return flat[0], flat[1]
 
 
-def test_master_weights_train_as_float32_below_the_limit_and_as_float64_above_it():
-    """Float64 master weights change nothing that float32 rounding does not, and keep the steps float32 rounds away.
+def test_a_recentred_update_trains_as_float32_below_the_limit_and_as_float64_above_it():
+    """Training the update changes nothing that float32 rounding does not, and keeps the steps float32 rounds away.
 
     Small steps (lr 0.01, clip 0.01; 30 steps): below the limit the weights are plain float32 training's to the
     steps' float32 rounding; at twice the limit the update matches float64 training's to 1e-5 (float32 training's
@@ -281,15 +281,15 @@ def test_master_weights_train_as_float32_below_the_limit_and_as_float64_above_it
     ds = dataset_for(cfg)
     x, y = ds.x_train[:100], ds.y_train[:100]
     limit = largest_trainable_norm(cfg, len(y))
-    start, master = _trained(cfg, x, y, limit / 8, "master")
+    start, recentred = _trained(cfg, x, y, limit / 8, "recentred")
     _, plain = _trained(cfg, x, y, limit / 8, "float32")
     steps = cfg.local_epochs * len(y) // cfg.batch_size
-    assert np.abs(master - plain).max() <= 2 * steps * 2.0 ** -24 * np.abs(plain).max()
-    start, master = _trained(cfg, x, y, 2 * limit, "master")
+    assert np.abs(recentred - plain).max() <= 2 * steps * 2.0 ** -24 * np.abs(plain).max()
+    start, recentred = _trained(cfg, x, y, 2 * limit, "recentred")
     update = _trained(cfg, x, y, 2 * limit, "float64")[1] - start
-    assert np.linalg.norm(master - start - update) <= 1e-5 * np.linalg.norm(update)
+    assert np.linalg.norm(recentred - start - update) <= 1e-5 * np.linalg.norm(update)
     assert np.linalg.norm(_trained(cfg, x, y, 2 * limit, "float32")[1] - start - update) > 1e-2 * np.linalg.norm(update)
-    assert np.any(master != master.astype(np.float32))
+    assert np.any(recentred != recentred.astype(np.float32))
 
 
 def test_client_noise_is_its_own_not_the_servers():

@@ -113,8 +113,9 @@ def largest_trainable_norm(cfg, dataset_size: int, roundoff: float = FLOAT32_ROU
     """The largest L2 norm of a received model whose training keeps :func:`record_sensitivity` (to a margin).
 
     ``roundoff``: of the weights the steps are added to (:data:`FLOAT32_ROUNDOFF`, or :data:`FLOAT64_ROUNDOFF` for
-    float64 weights, 2^29 times the norm: a float64 model, or float64 master weights whose steps are formed in
-    float32, :func:`protocols.task.training.clipped_sgd`).
+    float64 weights, 2^29 times the norm).  Training the update from the received weights
+    (:func:`protocols.task.training.clipped_sgd`, ``recentre``) adds the steps to weights of norm 0: its steps keep
+    the sensitivity whenever this is positive, at any model norm.
 
     :func:`record_sensitivity` is a bound in exact arithmetic.  The model trains in floating point: each SGD step
     ``w <- w - s g`` rounds every coordinate of the product and of the sum to the grid of its magnitude, and two

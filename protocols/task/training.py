@@ -108,17 +108,17 @@ _GATHER_BATCHES = 64
 
 
 def clipped_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, batch_size: int, lr: float,
-                clip: float, seed: int, master_weights: bool = False) -> tuple[float, float]:
+                clip: float, seed: int, recentre: bool = False) -> tuple[float, float]:
     """SGD where each step uses the mean of per-example gradients clipped to L2 norm ``clip``.
 
     Batches as :func:`_batches` draws them from ``seed``; each step is
     :meth:`protocols.per_example.PerExampleClipper.descend` with step size ``lr / len(batch)``.
     Returns (mean training loss of the last epoch, fraction of clipped examples).
 
-    ``master_weights``: the steps go to float64 copies of the trainable parameters instead (:class:`_Masters`):
-    forward and backward stay in the model's dtype, at the masters rounded to it, and the weights round as in
-    float64 training (:func:`protocols.privacy.largest_trainable_norm` at ``FLOAT64_ROUNDOFF``).  The model then
-    returns in float64, holding the masters exactly.
+    ``recentre``: train the update ``u = w - w_0`` from the received weights ``w_0`` (:class:`_Recentred`): the
+    steps are added to ``u``, so their rounding is relative to the update, not to the weights, whatever the model's
+    norm; forward and backward run at ``w_0 + u`` rounded to the model's dtype.  The model then returns in float64,
+    holding ``w_0 + u``.
     """
     rng = np.random.default_rng(seed)
     xt, yt = on_device(model, x, y)  # run-config 'device': the model's device
@@ -126,7 +126,7 @@ def clipped_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, 
     block = batch_size * _GATHER_BATCHES
     model.train()
     last, clipped = 0.0, []
-    masters = _Masters(model) if master_weights else None
+    update = _Recentred(model) if recentre else None
     with PerExampleClipper(model, clip) as clipper:  # inspects and instruments the model once, not per step
         for _ in range(epochs):
             order = torch.as_tensor(rng.permutation(n), device=xt.device)  # the order _batches draws
@@ -135,53 +135,49 @@ def clipped_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, 
                 xs, ys = xt[order[first:first + block]], yt[order[first:first + block]]
                 for start in range(0, len(ys), batch_size):
                     xb, yb = xs[start:start + batch_size], ys[start:start + batch_size]
-                    if masters is None:
+                    if update is None:
                         step = clipper.descend(xb, yb, lr / len(yb))
                     else:
-                        step = masters.descend(clipper, xb, yb, lr / len(yb))
+                        step = update.descend(clipper, xb, yb, lr / len(yb))
                     losses.append(step.losses)
                     clipped.append(step.clipped)
             last = float(torch.cat(losses).double().sum()) / n if losses else 0.0
-    if masters is not None:
-        masters.finish()
+    if update is not None:
+        update.finish()
     return last, float(torch.stack(clipped).sum()) / (n * epochs) if clipped else 0.0
 
 
-class _Masters:
-    """Float64 master weights of a model's trainable parameters, for :func:`clipped_sgd`.
+class _Recentred:
+    """Local training of the update ``u = w - w_0`` of a model's trainable parameters, for :func:`clipped_sgd`.
 
-    Each step forms ``-s * sum_i clip(g_i, C)`` in the parameter's dtype in a scratch buffer (its rounding is
-    relative to the step, not to the weights), adds it to the float64 master and sets the parameter to the master
-    rounded to its dtype.  Where the gradients are evaluated does not enter the sensitivity
-    (:func:`protocols.privacy.local_sgd_sensitivity` bounds every later step by ``2 C lr`` at any weights); the
-    weights' rounding is float64's.  The buffers are allocated once (the float64 ones flat: one op per step each).
+    Each step adds ``-s * sum_i clip(g_i, C)`` to ``u`` (in the parameter's dtype: its rounding is relative to the
+    update, at most the training's movement, not to ``w_0``) and sets the parameter to ``w_0 + u`` rounded, where
+    the next gradients are evaluated.  Where they are evaluated does not enter the sensitivity
+    (:func:`protocols.privacy.local_sgd_sensitivity` bounds every later step by ``2 C lr`` at any weights).  One
+    fused addition per parameter and step.
     """
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.trained = [p for p in model.parameters() if p.requires_grad]
-        sizes = [p.numel() for p in self.trained]
         with torch.no_grad():
-            self.master = torch.cat([p.detach().reshape(-1).double() for p in self.trained])
-            self.step64 = torch.zeros_like(self.master)  # the step in float64 (adding float32 to float64 allocates)
-            self.masters = [m.view_as(p) for m, p in zip(self.master.split(sizes), self.trained, strict=True)]
-            self.steps64 = [m.view_as(p) for m, p in zip(self.step64.split(sizes), self.trained, strict=True)]
-            self.scratch = [torch.zeros_like(p) for p in self.trained]
-        by_id = {id(p): s for p, s in zip(self.trained, self.scratch, strict=True)}
+            self.start = [p.detach().clone() for p in self.trained]
+            self.update = [torch.zeros_like(p) for p in self.trained]
+        self.weights = [p.detach() for p in self.trained]  # the parameters' storage, without autograd's dispatch
+        by_id = {id(p): u for p, u in zip(self.trained, self.update, strict=True)}
         self.into = [by_id.get(id(p), p) for p in model.parameters()]  # a frozen parameter takes no step
 
     def descend(self, clipper: PerExampleClipper, x: torch.Tensor, y: torch.Tensor, step: float) -> Descent:
-        """One step of ``clipper`` on the batch ``(x, y)``, applied to the masters (then to the parameters)."""
-        torch._foreach_zero_(self.scratch)
+        """One step of ``clipper`` on the batch ``(x, y)``, added to the update (then the parameters moved to it)."""
         out = clipper.descend(x, y, step, into=self.into)
-        with torch.no_grad():
-            torch._foreach_copy_(self.steps64, self.scratch)
-            self.master.add_(self.step64)
-            torch._foreach_copy_(self.trained, self.masters)
+        for w, w0, u in zip(self.weights, self.start, self.update, strict=True):
+            torch.add(w0, u, out=w)
         return out
 
     @torch.no_grad()
     def finish(self) -> None:
-        """Convert the model to float64 and load the masters into it (no final rounding to the training dtype)."""
+        """Convert the model to float64 holding ``w_0 + u`` (no final rounding to the training dtype)."""
         self.model.double()
-        torch._foreach_copy_([p for p in self.model.parameters() if p.requires_grad], self.masters)
+        for p, w0, u in zip([p for p in self.model.parameters() if p.requires_grad], self.start, self.update,
+                            strict=True):
+            torch.add(w0.double(), u.double(), out=p)
