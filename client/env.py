@@ -176,9 +176,11 @@ def record_level_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weight
     Deterministic given the message (batch order from the public round seed).
     Returns ``(global_weights, local_weights, train_loss, clipped_fraction)``.
 
-    A model whose L2 norm is above :func:`protocols.privacy.largest_trainable_norm` (float32 training would round
-    one record's influence past the sensitivity the noise is sized for) trains in float64, where the limit is
-    2^29 times larger.
+    A model whose L2 norm is above :func:`protocols.privacy.largest_trainable_norm` (float32 weights would round
+    one record's influence past the sensitivity the noise is sized for) trains its update from the received
+    weights (:func:`protocols.task.training.clipped_sgd`, ``recentre``): the steps round relative to the update,
+    not to the model, and the local weights come back in float64.  So many local steps that float32 rounds even
+    the update's steps past the margin (the limit is 0) train in float64.
 
     Raises:
         FloorViolation: a received model whose L2 norm is not finite or above the float64 limit, before any training.
@@ -191,14 +193,17 @@ def record_level_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weight
     global_w = from_record(msg.content["arrays"])
     norm = float(np.sqrt(sum(float(np.sum(np.square(w, dtype=np.float64))) for w in global_w.values())))
     model = env.model(global_w)
-    if not norm <= largest_trainable_norm(env.cfg, len(env.y)):
+    limit = largest_trainable_norm(env.cfg, len(env.y))
+    recentre = not norm <= limit  # a noise-dominated honest model, or a crafted one
+    if recentre:
         at_most("global model L2 norm", norm, largest_trainable_norm(env.cfg, len(env.y), FLOAT64_ROUNDOFF),
                 "even float64 training would round one record's influence past the sensitivity the noise is sized for")
-        model = model.double()  # a noise-dominated honest model, or a crafted one: float64 keeps the rounding small
+        if limit <= 0.0:
+            model = model.double()
     rnd = TrainIns.from_config(msg.content["config"]).round
     cfg = env.cfg
     loss, frac = clipped_sgd(model, env.x, env.y, epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr,
-                             clip=cfg.clip, seed=env.round_seed(rnd))
+                             clip=cfg.clip, seed=env.round_seed(rnd), recentre=recentre)
     return global_w, get_weights(model), loss, frac
 
 

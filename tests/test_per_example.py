@@ -259,11 +259,23 @@ def test_float32_model_gets_float32_sums_close_to_float64() -> None:
 
 
 def _descend_matches_clipped_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float, norm: str) -> None:
-    """``descend(step)`` moves every parameter by ``-step`` times the reference clipped sum; same losses and count."""
+    """``descend(step)`` moves every parameter by ``-step`` times the reference clipped sum; same losses and count.
+
+    With ``into``, the buffers receive that move (added to what they hold) and the parameters stay as they are.
+    """
     ref = vmap_clipped_grad_sum(model, x, y, clip, norm=norm)
     before = [p.detach().clone() for p in model.parameters()]
     with PerExampleClipper(model, clip, norm=norm) as clipper:
+        into = [torch.ones_like(p) for p in model.parameters()]
+        into_step = clipper.descend(x, y, 0.3, into=into)
+        assert all(torch.equal(p, p0) for p, p0 in zip(model.parameters(), before, strict=True))
+        for p, t, g in zip(model.parameters(), into, ref.grads, strict=True):
+            if not p.requires_grad:
+                assert torch.equal(t, torch.ones_like(p))
+            else:
+                assert float((t - 1 + 0.3 * g).norm() / (0.3 * g).norm()) <= RTOL
         step = clipper.descend(x, y, 0.3)
+    assert int(into_step.clipped) == ref.clipped
     assert int(step.clipped) == ref.clipped
     torch.testing.assert_close(step.losses, ref.losses, rtol=RTOL, atol=0)
     for p, p0, g in zip(model.parameters(), before, ref.grads, strict=True):

@@ -174,24 +174,39 @@ def test_honest_servers_pass_the_floor_and_clients_report_their_spending():
 
 
 @pytest.mark.parametrize("method", ["ldp", "ladp", "nadp"])
-def test_a_model_too_large_for_float32_training_trains_in_float64_and_one_too_large_for_that_is_refused(method):
+def test_a_model_too_large_for_float32_training_trains_its_update_and_one_too_large_is_refused(
+        method, monkeypatch):
     """A global model offset by 2^16: its float32 training rounds one record's influence past the sensitivity.
 
     Measured on clients that trained it in float32 (digits, replace-one, 20 neighbour pairs): one record moved the
     trained model 2.5 times (ladp) the sensitivity its noise and ledger charge were sized for; ldp at 2^20, 5.3 times.
-    Such a model trains in float64 (an honest run whose model the noise dominates gets there too); one offset by
-    2^40 is past the float64 limit and refused.
+    Such a model trains its update from the received weights and uploads their float64 sum (an honest run whose
+    model the noise dominates gets there too); one offset by 2^40 is past the float64 limit and refused.
     """
+    import protocols.task.training as training
+
+    calls = []
+
+    def spy(model, *args, recentre: bool = False, **kwargs):
+        out = real(model, *args, recentre=recentre, **kwargs)
+        calls.append((recentre, next(model.parameters()).dtype))
+        return out
+
+    real = training.clipped_sgd
+    monkeypatch.setattr(training, "clipped_sgd", spy)
     cfg, grid = setup(method)
     strategy = build_strategy(cfg)
     for rnd, offset, refused in ((1, 2.0 ** 16, False), (2, 2.0 ** 40, True)):
+        calls.clear()
         arrays = to_record({k: v + offset for k, v in get_weights(_model(cfg)).items()}, strategy.wire_dtype)
         msgs = list(strategy.configure_train(rnd, arrays, ConfigRecord(TrainIns(rnd).to_config()), grid))
         replies = list(grid.send_and_receive(msgs))
         if refused:
             assert_all_refused(replies, "global model L2 norm")
+            assert not calls  # refused before any training
         else:
             assert replies and not any(r.has_error() for r in replies), [r.error.reason for r in replies]
+            assert calls and all(c == (True, torch.float64) for c in calls), calls
 
 
 def _model(cfg: RunConfig):
@@ -203,7 +218,7 @@ def test_float32_training_below_the_largest_norm_keeps_the_record_sensitivity():
     """One record moves a model trained from the largest admitted norm by less than the sensitivity and its margin.
 
     From a model 2^10 times larger, by more than twice the sensitivity in float32 (the rounding the client avoids by
-    training such a model in float64), and within it in float64.
+    training the update instead), and within it when the update is trained.
     """
     cfg, _ = setup("ldp", adjacency="replace-one")
     ds = dataset_for(cfg)
@@ -213,7 +228,7 @@ def test_float32_training_below_the_largest_norm_keeps_the_record_sensitivity():
     size = sum(v.size for v in base.values())
     rng = np.random.default_rng(1)
 
-    def moved(norm: float, dtype: torch.dtype = torch.float32) -> float:
+    def moved(norm: float, recentre: bool = False) -> float:
         start = {k: v + norm / np.sqrt(size) for k, v in base.items()}  # every coordinate offset alike
         worst = 0.0
         for _ in range(10):
@@ -222,10 +237,10 @@ def test_float32_training_below_the_largest_norm_keeps_the_record_sensitivity():
             x2[i], y2[i] = x[j], (y[j] + 1) % ds.num_classes  # replace-one neighbour
             trained = []
             for xs, ys in ((x, y), (x2, y2)):
-                model = _model(cfg).to(dtype)
+                model = _model(cfg)
                 set_weights(model, start)
                 clipped_sgd(model, xs, ys, epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr,
-                            clip=cfg.clip, seed=0)
+                            clip=cfg.clip, seed=0, recentre=recentre)
                 trained.append(np.concatenate([w.ravel() for w in get_weights(model).values()]))
             worst = max(worst, float(np.linalg.norm(trained[0] - trained[1])))
         return worst
@@ -233,7 +248,48 @@ def test_float32_training_below_the_largest_norm_keeps_the_record_sensitivity():
     limit = largest_trainable_norm(cfg, len(y))
     assert moved(limit) <= sens * (1 + 1 / FLOAT32_ROUNDING_MARGIN)
     assert moved(1024 * limit) > 2 * sens
-    assert moved(1024 * limit, torch.float64) <= sens * (1 + 1 / FLOAT32_ROUNDING_MARGIN)  # what the client does
+    assert moved(1024 * limit, recentre=True) <= sens * (1 + 1 / FLOAT32_ROUNDING_MARGIN)  # what the client does
+
+
+def _trained(cfg: RunConfig, x: np.ndarray, y: np.ndarray, norm: float, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(start, trained)`` weights, flat, of :func:`clipped_sgd` from ``cfg``'s model offset to about L2 ``norm``.
+
+    ``mode``: ``float32``, ``recentred`` (float32, training the update) or ``float64`` (a float64 model).  The
+    start is float32-representable, so that every mode starts from the same weights.
+    """
+    base = get_weights(_model(cfg))
+    size = sum(v.size for v in base.values())
+    start = {k: (v + norm / np.sqrt(size)).astype(np.float32).astype(np.float64) for k, v in base.items()}
+    model = _model(cfg).double() if mode == "float64" else _model(cfg)
+    set_weights(model, start)
+    clipped_sgd(model, x, y, epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr, clip=cfg.clip, seed=0,
+                recentre=mode == "recentred")
+    if mode != "float32":
+        assert all(p.dtype == torch.float64 for p in model.parameters())
+    flat = [np.concatenate([w.ravel() for w in ws.values()]) for ws in (start, get_weights(model))]
+    return flat[0], flat[1]
+
+
+def test_a_recentred_update_trains_as_float32_below_the_limit_and_as_float64_above_it():
+    """Training the update changes nothing that float32 rounding does not, and keeps the steps float32 rounds away.
+
+    Small steps (lr 0.01, clip 0.01; 30 steps): below the limit the weights are plain float32 training's to the
+    steps' float32 rounding; at twice the limit the update matches float64 training's to 1e-5 (float32 training's
+    is off by more than 1e-2), and the model holds float64 values float32 cannot represent.
+    """
+    cfg = setup("ldp")[0].replace(lr=0.01, clip=0.01, local_epochs=3, batch_size=10)
+    ds = dataset_for(cfg)
+    x, y = ds.x_train[:100], ds.y_train[:100]
+    limit = largest_trainable_norm(cfg, len(y))
+    start, recentred = _trained(cfg, x, y, limit / 8, "recentred")
+    _, plain = _trained(cfg, x, y, limit / 8, "float32")
+    steps = cfg.local_epochs * len(y) // cfg.batch_size
+    assert np.abs(recentred - plain).max() <= 2 * steps * 2.0 ** -24 * np.abs(plain).max()
+    start, recentred = _trained(cfg, x, y, 2 * limit, "recentred")
+    update = _trained(cfg, x, y, 2 * limit, "float64")[1] - start
+    assert np.linalg.norm(recentred - start - update) <= 1e-5 * np.linalg.norm(update)
+    assert np.linalg.norm(_trained(cfg, x, y, 2 * limit, "float32")[1] - start - update) > 1e-2 * np.linalg.norm(update)
+    assert np.any(recentred != recentred.astype(np.float32))
 
 
 def test_client_noise_is_its_own_not_the_servers():

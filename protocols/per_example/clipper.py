@@ -8,6 +8,7 @@ logged once (logger ``protocols.per_example``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -78,25 +79,30 @@ class PerExampleClipper:
             out = [grads[id(p)] if id(p) in grads else torch.zeros_like(p) for p in self.params]
         return ClippedSum(out, factors.losses, int(factors.clipped))
 
-    def descend(self, x: Tensor, y: Tensor, step: float) -> Descent:
-        """One SGD step in place: ``p <- p - step * sum_i clip(g_i, C)`` for every parameter.
+    def descend(self, x: Tensor, y: Tensor, step: float, into: Sequence[Tensor] | None = None) -> Descent:
+        """One SGD step in place: ``p <- p - step * sum_i clip(g_i, C)`` for every trainable parameter.
 
         The same update as subtracting ``step`` times :meth:`__call__`'s sums (to rounding: the
         weight update is one fused ``addmm_``), without forming the sums as separate tensors
         and without a host synchronisation (the results stay tensors).
+
+        ``into``: one tensor per parameter (``model.parameters()`` order, each of its parameter's shape and dtype)
+        that receives ``-step * sum_i clip(g_i, C)`` (added to it) instead of the parameter; the parameters are then
+        left as they are (e.g. to apply the step to higher-precision master weights).
         """
         forms = self._forms(x, y)
+        targets = None if into is None else dict(zip(map(id, self.params), into, strict=True))
         with torch.no_grad():
             if forms is None:
                 r = vmap_clipped_grad_sum(self.model, x, y, self.clip, norm=self.norm, loss=self.loss)
                 for p, g in zip(self.params, r.grads, strict=True):
                     if p.requires_grad:
-                        p.add_(g, alpha=-step)
+                        (p if targets is None else targets[id(p)]).add_(g, alpha=-step)
                 return Descent(r.losses, torch.tensor(r.clipped))
             layer_forms, losses = forms
             factors = clip_scales(layer_forms, losses, self.clip, self.norm)
             for f in layer_forms:
-                f.add_clipped_sum_(factors.scale, -step)
+                f.add_clipped_sum_(factors.scale, -step, targets)
         return Descent(factors.losses, factors.clipped)
 
     def _forms(self, x: Tensor, y: Tensor) -> tuple[list[ClosedForm], Tensor] | None:

@@ -15,7 +15,7 @@ For a layer with input ``a_i`` and output gradient ``delta_i`` (backpropagating 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -94,13 +94,21 @@ class ClosedForm:
         """Gradient sums of the layer's trainable parameters by ``id``, example i weighted by ``scale[i]``."""
         raise NotImplementedError
 
-    def add_clipped_sum_(self, scale: Tensor, alpha: float) -> None:
-        """``p += alpha * (clipped gradient sum of p)`` for each trainable parameter of the layer."""
+    def add_clipped_sum_(self, scale: Tensor, alpha: float, into: Mapping[int, Tensor] | None = None) -> None:
+        """``t += alpha * (clipped gradient sum of p)`` for each trainable parameter ``p`` of the layer.
+
+        ``t`` is ``into[id(p)]`` (a tensor of ``p``'s shape and dtype), or ``p`` itself when ``into`` is None.
+        """
         sums = self.clipped_sum(scale)
         for p in self.module.parameters(recurse=False):
             g = sums.get(id(p))
             if g is not None:
-                p.add_(g, alpha=alpha)
+                _target(p, into).add_(g, alpha=alpha)
+
+
+def _target(p: Tensor, into: Mapping[int, Tensor] | None) -> Tensor:
+    """Where ``p``'s step goes: ``into[id(p)]``, or ``p`` itself."""
+    return p if into is None else into[id(p)]
 
 
 class _LinearForm(ClosedForm):
@@ -132,12 +140,12 @@ class _LinearForm(ClosedForm):
             out[id(self.b)] = sd.sum(0)
         return out
 
-    def add_clipped_sum_(self, scale: Tensor, alpha: float) -> None:
-        """``p += alpha * (clipped gradient sum of p)``: the weight's in one fused ``addmm_``, the bias's in one ``addmv_``."""
+    def add_clipped_sum_(self, scale: Tensor, alpha: float, into: Mapping[int, Tensor] | None = None) -> None:
+        """:meth:`ClosedForm.add_clipped_sum_`: the weight's in one fused ``addmm_``, the bias's in one ``addmv_``."""
         if self.w is not None:
-            self.w.addmm_((self.d * scale[:, None]).t(), self.a, alpha=alpha)
+            _target(self.w, into).addmm_((self.d * scale[:, None]).t(), self.a, alpha=alpha)
         if self.b is not None:
-            self.b.addmv_(self.d.t(), scale, alpha=alpha)  # sum_i scale_i d_i
+            _target(self.b, into).addmv_(self.d.t(), scale, alpha=alpha)  # sum_i scale_i d_i
 
 
 def _unfolded_norm_term(patches: Callable[[int, int], tuple[Tensor, Tensor]], batch: int, shape: tuple[int, int, int, int],

@@ -112,8 +112,10 @@ FLOAT32_ROUNDOFF, FLOAT64_ROUNDOFF = 2.0 ** -24, 2.0 ** -53
 def largest_trainable_norm(cfg, dataset_size: int, roundoff: float = FLOAT32_ROUNDOFF) -> float:
     """The largest L2 norm of a received model whose training keeps :func:`record_sensitivity` (to a margin).
 
-    ``roundoff``: of the training dtype (:data:`FLOAT32_ROUNDOFF`, or :data:`FLOAT64_ROUNDOFF` for a model trained
-    in float64, 2^29 times the norm).
+    ``roundoff``: of the weights the steps are added to (:data:`FLOAT32_ROUNDOFF`, or :data:`FLOAT64_ROUNDOFF` for
+    float64 weights, 2^29 times the norm).  Training the update from the received weights
+    (:func:`protocols.task.training.clipped_sgd`, ``recentre``) adds the steps to weights of norm 0: its steps keep
+    the sensitivity whenever this is positive, at any model norm.
 
     :func:`record_sensitivity` is a bound in exact arithmetic.  The model trains in floating point: each SGD step
     ``w <- w - s g`` rounds every coordinate of the product and of the sum to the grid of its magnitude, and two
@@ -123,7 +125,9 @@ def largest_trainable_norm(cfg, dataset_size: int, roundoff: float = FLOAT32_ROU
     with large weights would grow it past the sensitivity the noise is sized for (a model offset by ``2^20``
     moved an ldp upload 5.3 times the sensitivity for one record).  This returns the norm at which the steps' rounding
     reaches ``record_sensitivity / FLOAT32_ROUNDING_MARGIN`` (0 when none does).
-    The rounding inside one step's clipped sum is relative to the clip, not to the model, and is not counted.
+    The rounding inside one step's clipped sum is relative to the clip, not to the model, and is not counted; nor
+    is the precision the gradients are evaluated at (:func:`local_sgd_sensitivity` bounds every later step whatever
+    the weights).
     """
     steps = local_sgd_steps(dataset_size, epochs=cfg.local_epochs, batch_size=cfg.batch_size)
     allowed = record_sensitivity(cfg, dataset_size) / FLOAT32_ROUNDING_MARGIN

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from protocols.per_example import PerExampleClipper
+from protocols.per_example import Descent, PerExampleClipper
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -108,12 +108,17 @@ _GATHER_BATCHES = 64
 
 
 def clipped_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, batch_size: int, lr: float,
-                clip: float, seed: int) -> tuple[float, float]:
+                clip: float, seed: int, recentre: bool = False) -> tuple[float, float]:
     """SGD where each step uses the mean of per-example gradients clipped to L2 norm ``clip``.
 
     Batches as :func:`_batches` draws them from ``seed``; each step is
     :meth:`protocols.per_example.PerExampleClipper.descend` with step size ``lr / len(batch)``.
     Returns (mean training loss of the last epoch, fraction of clipped examples).
+
+    ``recentre``: train the update ``u = w - w_0`` from the received weights ``w_0`` (:class:`_Recentred`): the
+    steps are added to ``u``, so their rounding is relative to the update, not to the weights, whatever the model's
+    norm; forward and backward run at ``w_0 + u`` rounded to the model's dtype.  The model then returns in float64,
+    holding ``w_0 + u``.
     """
     rng = np.random.default_rng(seed)
     xt, yt = on_device(model, x, y)  # run-config 'device': the model's device
@@ -121,6 +126,7 @@ def clipped_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, 
     block = batch_size * _GATHER_BATCHES
     model.train()
     last, clipped = 0.0, []
+    update = _Recentred(model) if recentre else None
     with PerExampleClipper(model, clip) as clipper:  # inspects and instruments the model once, not per step
         for _ in range(epochs):
             order = torch.as_tensor(rng.permutation(n), device=xt.device)  # the order _batches draws
@@ -129,8 +135,49 @@ def clipped_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, 
                 xs, ys = xt[order[first:first + block]], yt[order[first:first + block]]
                 for start in range(0, len(ys), batch_size):
                     xb, yb = xs[start:start + batch_size], ys[start:start + batch_size]
-                    step = clipper.descend(xb, yb, lr / len(yb))
+                    if update is None:
+                        step = clipper.descend(xb, yb, lr / len(yb))
+                    else:
+                        step = update.descend(clipper, xb, yb, lr / len(yb))
                     losses.append(step.losses)
                     clipped.append(step.clipped)
             last = float(torch.cat(losses).double().sum()) / n if losses else 0.0
+    if update is not None:
+        update.finish()
     return last, float(torch.stack(clipped).sum()) / (n * epochs) if clipped else 0.0
+
+
+class _Recentred:
+    """Local training of the update ``u = w - w_0`` of a model's trainable parameters, for :func:`clipped_sgd`.
+
+    Each step adds ``-s * sum_i clip(g_i, C)`` to ``u`` (in the parameter's dtype: its rounding is relative to the
+    update, at most the training's movement, not to ``w_0``) and sets the parameter to ``w_0 + u`` rounded, where
+    the next gradients are evaluated.  Where they are evaluated does not enter the sensitivity
+    (:func:`protocols.privacy.local_sgd_sensitivity` bounds every later step by ``2 C lr`` at any weights).  One
+    fused addition per parameter and step.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.trained = [p for p in model.parameters() if p.requires_grad]
+        with torch.no_grad():
+            self.start = [p.detach().clone() for p in self.trained]
+            self.update = [torch.zeros_like(p) for p in self.trained]
+        self.weights = [p.detach() for p in self.trained]  # the parameters' storage, without autograd's dispatch
+        by_id = {id(p): u for p, u in zip(self.trained, self.update, strict=True)}
+        self.into = [by_id.get(id(p), p) for p in model.parameters()]  # a frozen parameter takes no step
+
+    def descend(self, clipper: PerExampleClipper, x: torch.Tensor, y: torch.Tensor, step: float) -> Descent:
+        """One step of ``clipper`` on the batch ``(x, y)``, added to the update (then the parameters moved to it)."""
+        out = clipper.descend(x, y, step, into=self.into)
+        for w, w0, u in zip(self.weights, self.start, self.update, strict=True):
+            torch.add(w0, u, out=w)
+        return out
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Convert the model to float64 holding ``w_0 + u`` (no final rounding to the training dtype)."""
+        self.model.double()
+        for p, w0, u in zip([p for p in self.model.parameters() if p.requires_grad], self.start, self.update,
+                            strict=True):
+            torch.add(w0.double(), u.double(), out=p)
