@@ -113,6 +113,20 @@ def test_audit_scores_bound_is_below_the_true_epsilon_and_has_power():
     assert halved.epsilon_lb > truth, halved
 
 
+def test_a_statistic_that_separates_every_trial_at_one_value_counts_them_all():
+    """A noise-free release scores every trial alike (one value, one per owner at most): every one is a hit.
+
+    The threshold was a quantile of ``|r|`` itself and hits were ``r > t``, so a constant statistic counted none and
+    an audit of a release without noise reported epsilon 0 (gldp's planted ``skip-noise``, 3 seeds in 150).
+    """
+    labels = np.tile([1, -1], 1000)
+    groups = np.repeat(np.arange(20), 100)
+    for scores in (labels * 2.79e29, labels * 2.0):
+        bound = audit_scores(scores, labels, groups, DELTA)
+        assert bound.epsilon_lb > 5.0, bound
+    assert audit_scores(np.zeros(2000), labels, groups, DELTA).epsilon_lb == 0.0  # no evidence stays none
+
+
 def test_fisher_scores_separate_views_without_noise_and_skip_an_owner_without_both_sides():
     """Noise-free views (a fault that skips the noise) separate perfectly; no ridge overflows them to inf or nan.
 

@@ -62,6 +62,10 @@ def test_a_method_registered_from_a_test_module_is_audited_by_its_own_adapter(ca
     assert honest.trials >= SPEC.trials and not honest.violation, honest.line()
     # Un-noised uploads separate the neighbours: far more privacy loss than claimed.
     assert faulty.bound.false_positives == 0 and faulty.epsilon_lb > faulty.claimed_epsilon + 1, faulty.line()
+    with register(AUDITED):  # whatever the canaries (seeds whose noise-free scores were all one value)
+        for seed in (0, 53, 80):
+            caught = run_audit(dataclasses.replace(SPEC, fault="skip-noise", trials=2000), seed=seed)
+            assert caught.violation, caught.line()
     assert "skip-noise" not in faults()  # unregistered with its method
     with pytest.raises(ConfigError, match="unknown method 'gldp'"):
         SPEC.validate()
