@@ -156,17 +156,17 @@ def _counts(r: np.ndarray, thresholds: np.ndarray) -> tuple[np.ndarray, np.ndarr
 def select_threshold(r: np.ndarray, delta: float, alpha: float = 0.05, candidates: int = 400) -> float:
     """The threshold t ``>= 0`` maximising :func:`odds_lower_bound` of the hits ``r > t`` and misses ``r < -t`` on ``r``.
 
-    Candidates: just below each, quantiles of ``|r|`` from the median up to the largest value (fine steps in the
-    tail), so that a trial at a quantile counts (a statistic that separates every trial at one value, e.g. of a
-    noise-free release, counts them all).  The bound is computed at ``r``'s own size, which favours counts large
+    Candidates: quantiles of ``|r|`` from the median up to the largest value (fine steps in the tail), and a point
+    just below the median, so that a statistic that separates every trial at one value (a noise-free release)
+    counts them all.  The bound is computed at ``r``'s own size, which favours counts large
     enough to carry over to fresh trials.
     """
     r = np.asarray(r, dtype=np.float64)
     if r.size == 0:
         raise ValueError("no trials to select a threshold on")
     q = 1.0 - np.geomspace(0.5, 0.5 / r.size, candidates)
-    below = np.maximum(np.nextafter(np.quantile(np.abs(r), q), -np.inf), 0.0)
-    ts = np.unique(below)
+    ts = np.quantile(np.abs(r), q)
+    ts = np.unique(np.append(ts, max(float(np.nextafter(ts[0], -np.inf)), 0.0)))
     tp, fp = _counts(r, ts)
     return float(ts[int(np.argmax(odds_lower_bound(tp, fp, r.size, delta, alpha)))])
 
