@@ -158,8 +158,8 @@ def select_threshold(r: np.ndarray, delta: float, alpha: float = 0.05, candidate
 
     Candidates: quantiles of ``|r|`` from the median up to the largest value (fine steps in the tail), and a point
     just below the median, so that a statistic that separates every trial at one value (a noise-free release)
-    counts them all.  The bound is computed at ``r``'s own size, which favours counts large
-    enough to carry over to fresh trials.
+    counts them all.  The bound is computed at ``r``'s own size, which favours counts large enough to carry over to
+    fresh trials.
     """
     r = np.asarray(r, dtype=np.float64)
     if r.size == 0:
