@@ -60,6 +60,7 @@ from protocols.privacy import (
 
 __all__ = [
     "NOISE_MODES",
+    "RANGE_MARGIN",
     "ROUNDING_MARGIN",
     "central_scale",
     "centred_cross_entropy",
@@ -80,6 +81,7 @@ __all__ = [
     "l1_clip",
     "laplace_noise",
     "ldp_noisy_mean",
+    "min_codec_range",
     "min_frac_bits",
     "present_multiplier",
 ]
@@ -414,3 +416,26 @@ def min_frac_bits(participants: int, scale: float) -> int:
     if participants < 1 or not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"need participants >= 1 and a scale > 0, got {participants!r}, {scale!r}")
     return max(0, math.ceil(math.log2(participants * ROUNDING_MARGIN / scale)))
+
+
+#: A codec's range holds a client's noisy sum unless a coordinate's noise passes this many central scales: a share
+#: (or the local Laplace) exceeds ``t`` with probability at most ``2 exp(-t / scale)``, here ``3.2e-28``.
+RANGE_MARGIN = 64.0
+
+
+def min_codec_range(dataset_size: int, clip: float, scale: float) -> float:
+    """The least codec range ``max_abs`` a client's noisy sum needs: ``N_i clip + RANGE_MARGIN scale`` per coordinate.
+
+    Each of the ``N_i`` = ``dataset_size`` clipped per-sample gradients has every coordinate within ``clip`` (its L1
+    or L2 norm is), so the clipped sum's are within ``N_i clip``.  The noise is the local ``Lap(b)``, a share
+    ``Gamma(1/n', b) - Gamma(1/n', b)`` (each Gamma is dominated by ``Exp(b)``) or a Gaussian share of std at most
+    ``scale``: past ``RANGE_MARGIN`` scales with probability at most ``2 exp(-RANGE_MARGIN)``.  A client refuses a
+    codec with a smaller range before any work: whether its sum fits would otherwise be a function of a sum that
+    carries only its share of the noise, decided after the round is charged.
+
+    Raises:
+        ValueError: ``dataset_size < 0``, or a clip or scale that is not a positive finite number.
+    """
+    if dataset_size < 0 or not (math.isfinite(clip) and clip > 0 and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"need dataset_size >= 0, clip > 0 and scale > 0, got {dataset_size!r}, {clip!r}, {scale!r}")
+    return int(dataset_size) * float(clip) + RANGE_MARGIN * float(scale)

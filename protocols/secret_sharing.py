@@ -125,18 +125,13 @@ class FixedPointCodec:
         """
         x = np.asarray(values, dtype=np.float64)
         scaled = np.rint(x * self.scale)  # exact scaling, round-half-even
-        finite = np.isfinite(scaled)
-        if not finite.all():
-            idx = int(np.flatnonzero(~finite.ravel())[0])
+        # The messages name no value nor position: what is encoded is secret (a client's noisy sum carries only its
+        # share of the noise) and an error's text reaches the server.
+        if not np.isfinite(scaled).all():
+            raise FixedPointRangeError("cannot fixed-point encode a non-finite value")
+        if (np.abs(scaled) > float(self.max_abs_int)).any():
             raise FixedPointRangeError(
-                f"cannot fixed-point encode non-finite value {x.ravel()[idx]!r} at flat index {idx}"
-            )
-        bad = np.abs(scaled) > float(self.max_abs_int)
-        if bad.any():
-            idx = int(np.flatnonzero(bad.ravel())[0])
-            raise FixedPointRangeError(
-                f"value {x.ravel()[idx]!r} at flat index {idx} exceeds the fixed-point range "
-                f"|x| <= {self.max_abs:.6g} (frac_bits={self.frac_bits}, max_clients="
+                f"a value exceeds the fixed-point range |x| <= {self.max_abs:.6g} (frac_bits={self.frac_bits}, max_clients="
                 f"{self.max_clients}): a sum over {self.max_clients} clients could overflow "
                 f"Z_2^{RING_BITS}; clip/scale the input, lower frac_bits or lower max_clients"
             )

@@ -253,3 +253,41 @@ def test_a_shorter_participant_list_does_not_shrink_the_colluders_a_share_is_siz
             assert np.var(victim) == pytest.approx(2 * b * b, rel=0.2)
         finally:
             strategy.close()
+
+
+class _NarrowRange(DdpsaStrategy):
+    """Asks for a fixed-point range of ``2^-17`` (``max_abs`` of 40 fractional bits summed over ``2^40`` clients)."""
+
+    def train_config(self, server_round: int):
+        return {**super().train_config(server_round), "ddpsa-frac-bits": 40, "ddpsa-max-clients": 2**40}
+
+
+def test_a_range_too_small_for_the_noisy_sum_is_refused_before_any_work(noise_seen) -> None:  # noqa: F811 (fixture)
+    """A codec range below the noisy sums is refused on public values, before the noise and the charge.
+
+    Encoding after the charge failed on the noisy sum itself, and the error's text (which reaches the server) named
+    its first coordinate out of range: ``s_i[0]`` with only this client's ``Gamma(1/3, b)`` difference of the noise
+    (no finite epsilon) while its ledger charged ``eps_t``.  The range a client needs follows from its size and
+    clip (:func:`protocols.ddpsa.min_codec_range`); the codec's errors name no value.
+    """
+    from client.ledger import ClientLedger, ledger_dir
+    from protocols.ddpsa import min_codec_range
+    from protocols.secret_sharing import FixedPointCodec, FixedPointRangeError
+
+    with pytest.raises(FixedPointRangeError) as err:
+        FixedPointCodec(frac_bits=40, max_clients=2**40).encode([0.1533508333972015])
+    assert "0.15" not in str(err.value) and "index" not in str(err.value)
+    assert min_codec_range(10, 0.5, 0.25) == 10 * 0.5 + 64 * 0.25
+
+    with _served(num_clients=4, num_rounds=2, ddpsa_collude_frac=0.0, **LINEAR) as (cfg, grid, _):
+        strategy = _NarrowRange(cfg)
+        try:
+            replies = _train(strategy, cfg, grid)
+        finally:
+            strategy.close()
+        assert len(replies) == 4 and noise_seen == []
+        for r in replies:
+            assert r.has_error() and "privacy floor" in r.error.reason and "ddpsa-max-clients" in r.error.reason
+        for ctx in grid.contexts.values():
+            with ClientLedger.open(ledger_dir(ctx.node_config), ctx.node_config["partition-id"], write=False) as led:
+                assert led.rounds(ctx.run_id) == []

@@ -11,7 +11,8 @@ Per round ``t`` on the received global model (FedSGD: one gradient over the whol
    round (:func:`gaussian_gradient_sum`) clips in L2 and adds its share of ``N(0, (z Delta_2)^2)``, ``z`` at
    least :func:`protocols.floor.ddpsa_noise_multiplier` of the client's own config;
 3. ``s_i`` (the noisy sum, not the paper's average: a shared sum cannot be weighted) fixed-point encoded
-   (:mod:`protocols.secret_sharing`, on a grid no coarser than :func:`protocols.ddpsa.min_frac_bits` allows),
+   (:mod:`protocols.secret_sharing`, on a grid no coarser than :func:`protocols.ddpsa.min_frac_bits` allows and in
+   a range no smaller than :func:`protocols.ddpsa.min_codec_range`),
    split into ``m`` shares and each pushed, signed, to its intermediate server, with the client's terms
    (:class:`protocols.wire.intermediate.ShareTerms`): the participants it was shown (a round registered for others
    refuses the push) and :func:`protocols.floor.ddpsa_min_summed`, the fewest clients
@@ -47,6 +48,7 @@ from protocols.ddpsa import (
     gaussian_share_std,
     is_linear_classifier,
     laplace_noise,
+    min_codec_range,
     min_frac_bits,
 )
 from protocols.floor import (
@@ -203,10 +205,13 @@ def train(msg: Message, env: ClientEnv) -> Message:
     at_least("ddpsa-threshold", plan.threshold, max(sharing_threshold(t, len(servers)) for t in
                                                     (env.cfg.ddpsa_threshold, *([] if node_t is None else [node_t]))),
              "fewer intermediate servers than this client's 'ddpsa-threshold' could reconstruct its upload")
+    scale = central_scale(env.cfg.clip, adjacency=env.cfg.adjacency, epsilon=eps_t, multiplier=plan.multiplier)
     if honest is not None:  # a split noise: the codec's round-off of every share must stay far below the central noise
-        scale = central_scale(env.cfg.clip, adjacency=env.cfg.adjacency, epsilon=eps_t, multiplier=plan.multiplier)
         at_least("ddpsa-frac-bits", plan.frac_bits, min_frac_bits(len(plan.participants), scale),
                  "a coarser fixed-point grid rounds away the noise split over the participants")
+    # Decided on public values before any work: a range the noisy sum may leave would refuse it after the charge.
+    at_least("ddpsa-max-clients", plan.codec().max_abs, min_codec_range(len(env.y), env.cfg.clip, scale),
+             f"a fixed-point range (ddpsa-frac-bits = {plan.frac_bits}) too small for this client's noisy sum")
     model = env.model(from_record(msg.content["arrays"]))
     event: Event
     if plan.noise == "gaussian":
