@@ -44,6 +44,7 @@ __all__ = [
     "plan_public_noise",
     "public_estimates",
     "apply_layer_noise",
+    "check_upload_grid",
     "full_ldp_plan",
     "expected_noise_sq_norm",
 ]
@@ -417,12 +418,11 @@ def apply_layer_noise(
         summed = arr.astype(np.float64) + noise
         if out_dtype != np.float64 and arr.size:
             # Cast back to a narrower float, values as large as the (server-sent) model's round noise away: refuse
-            # when the grid there is coarser than sigma / ROUNDING_MARGIN.
-            grid = float(np.spacing(np.asarray(np.max(np.abs(summed)), dtype=out_dtype)))
-            if not grid * ROUNDING_MARGIN <= plan[name].sigma:
-                raise ValueError(f"layer {name!r}: values up to {float(np.max(np.abs(summed))):.3g} are too large for "
-                                 f"{np.dtype(out_dtype).name} to keep noise of std {plan[name].sigma:.3g} (it would "
-                                 "round away); refusing the round")
+            # when the grid there is coarser than sigma / ROUNDING_MARGIN.  Past check_upload_grid only when the
+            # noise passes NOISE_TAIL sigmas; the message names no value (the layer is not charged yet).
+            if not _grid(float(np.max(np.abs(summed))), out_dtype) * ROUNDING_MARGIN <= plan[name].sigma:
+                raise ValueError(f"layer {name!r}: its noisy values are too large for {np.dtype(out_dtype).name} to "
+                                 f"keep noise of std {plan[name].sigma:.3g} (it would round away); refusing the round")
         noisy[name] = summed.astype(out_dtype)
         report[name] = float(np.linalg.norm(noise.ravel()))
     return noisy, report
@@ -430,3 +430,38 @@ def apply_layer_noise(
 
 #: A layer cast back to a narrower float after its noise is added keeps a grid at most ``sigma / ROUNDING_MARGIN``.
 ROUNDING_MARGIN = 16.0
+#: A noised entry passes its public bound (:func:`check_upload_grid`) only when its noise passes this many sigmas
+#: (probability ``erfc(10 / sqrt(2))``, 1.5e-23).
+NOISE_TAIL = 10.0
+
+
+def _grid(value: float, dtype: np.dtype | type) -> float:
+    """Spacing of ``dtype``'s grid at ``|value|`` (NaN for a value the dtype cannot hold)."""
+    return float(np.spacing(np.asarray(abs(value), dtype=dtype)))
+
+
+def check_upload_grid(global_layers: Mapping[str, np.ndarray], plan: Mapping[str, LayerNoise], movement: float,
+                      upload_dtype: np.dtype | type) -> None:
+    """Refuse, from public values, a noised layer whose upload grid may be coarser than ``sigma / ROUNDING_MARGIN``.
+
+    A noised entry of layer ``j`` is at most ``max |w_g_j| + movement + NOISE_TAIL sigma_j`` (``w_g`` the received
+    model, ``movement`` the most local training moves it: :func:`protocols.privacy.record_training_movement`) but
+    with probability 1.5e-23.  Whether :func:`apply_layer_noise` refuses a layer after its noise is drawn is a
+    function of the noisy model that no ledger charges, and a refused round can be sent again: a server that puts an
+    entry just below a power of two learns, one refusal at a time, whether the client's entry crossed it.  Deciding
+    on this bound instead leaves that test to the noise's far tail.
+
+    Raises:
+        ValueError: such a layer (nothing is noised nor charged yet).
+    """
+    if not (math.isfinite(movement) and movement >= 0):
+        raise ValueError(f"movement must be finite and >= 0, got {movement!r}")
+    for name, entry in plan.items():
+        layer = np.asarray(global_layers[name], dtype=np.float64)
+        if not (entry.selected and entry.sigma != 0.0 and layer.size):
+            continue
+        bound = float(np.max(np.abs(layer))) + movement + NOISE_TAIL * entry.sigma
+        if not _grid(bound, upload_dtype) * ROUNDING_MARGIN <= entry.sigma:
+            raise ValueError(f"layer {name!r}: the received model's values (up to {float(np.max(np.abs(layer))):.3g}) "
+                             f"are too large for {np.dtype(upload_dtype).name} to keep noise of std {entry.sigma:.3g} "
+                             "(it would round away); refusing the round")

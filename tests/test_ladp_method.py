@@ -15,7 +15,7 @@ from client.env import ClientEnv, record_level_training
 from client.records import to_record
 from protocols import ladp
 from protocols.config import RunConfig
-from protocols.privacy import gaussian_delta, gdp_epsilon, local_sgd_sensitivity
+from protocols.privacy import gaussian_delta, gdp_epsilon, local_sgd_sensitivity, record_sensitivity
 from protocols.task.data import dataset_for
 from protocols.task.models import build_model, get_weights
 from protocols.wire.arrays import from_record
@@ -189,3 +189,41 @@ def test_a_layer_that_did_not_move_gets_at_most_max_boost_times_the_floor(fixed_
                 for layer in report.layers.values():
                     assert layer.selected and layer.kl == pytest.approx(cfg.ladp_kl_cap / factor)  # the P_j used
                     assert layer.sigma == pytest.approx(factor * floor, rel=1e-9)
+
+
+def test_a_model_whose_upload_grid_may_round_the_noise_away_is_refused_before_the_noise(monkeypatch) -> None:
+    """An entry of the received model at ``2^k``, where float32's grid steps from ``sigma / 32`` to ``sigma / 16``.
+
+    Deciding the refusal on the noisy layer made it a function of ``w + u + noise`` that no ledger charged, and a
+    refused round is sent again: each try told the server whether the client's entry crossed ``2^k`` (measured: 3
+    refusals of 10 tries, the rest accepted, as the noise fell), a free noisy threshold test of ``u`` at every try.
+    The refusal is decided on public values (:func:`protocols.ladp.check_upload_grid`): every try is refused
+    before any noise is drawn, and nothing is charged.
+    """
+    from flwr.app import Message, RecordDict
+
+    from client.ledger import ClientLedger, ledger_dir
+
+    draws = itertools.count()
+    monkeypatch.setattr(ladp_client, "_noise_seed", lambda: next(draws).to_bytes(32, "big"))
+    raw = {**app_defaults(), "method": "ladp", "num-clients": 4, "num-rounds": 10, "epsilon": 1.0}
+    cfg = RunConfig.from_mapping(raw)
+    grid, strategy = LocalGrid(client_app, cfg.num_clients, raw), LadpStrategy(cfg)
+    ds = dataset_for(cfg)
+    weights = get_weights(build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed))
+    node = grid.node_ids[0]
+    ctx = grid.contexts[node]
+    sens = record_sensitivity(cfg, len(ClientEnv.from_context(ctx).y))
+    sigma = ladp.round_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds) * sens  # round 1's: P_j = B
+    name = next(iter(weights))
+    forged = {k: np.array(v, dtype=np.float64) for k, v in weights.items()}
+    forged[name].flat[0] = 2.0 ** (math.floor(math.log2(sigma)) + 20)
+    config = dict(next(iter(strategy.configure_train(1, to_record(weights), ConfigRecord({"round": 1}),
+                                                     grid))).content["config"])
+    replies = [grid.send_and_receive([Message(RecordDict({"arrays": to_record(forged, np.float64),
+                                                          "config": ConfigRecord({**config, "round": rnd})}),
+                                              node, "train")])[0] for rnd in range(1, cfg.num_rounds + 1)]
+    assert all(r.has_error() and "received model" in r.error.reason for r in replies)
+    assert next(draws) == 0  # no noise was drawn
+    with ClientLedger.open(ledger_dir(ctx.node_config), ctx.node_config["partition-id"], write=False) as led:
+        assert led.rounds(ctx.run_id) == []

@@ -9,7 +9,9 @@ Per round, for the received global model ``w_g``:
    ``||w_g_j||_2 >= R`` on the received model, ``P_j`` from the server's
    :class:`protocols.wire.ladp.PublicEstimates` floored at ``B / ladp-max-boost``, the corrected Theorem 3
    constant, at ``epsilon_r = protocols.ladp.round_epsilon(epsilon, delta, num-rounds)``;
-4. Gaussian noise from :mod:`protocols.prg` (fresh ``os.urandom`` seed) on the selected layers; upload.
+4. a layer whose float32 upload grid may round its noise away is refused on public values
+   (:func:`protocols.ladp.check_upload_grid`), before the noise;
+5. Gaussian noise from :mod:`protocols.prg` (fresh ``os.urandom`` seed) on the selected layers; upload.
 
 The upload carries a :class:`protocols.wire.ladp.NoiseReport` (``noised_layers``, ``num_layers``,
 ``total_noise_norm``, ``sensitivity``, ``local_steps``, per layer ``noise_norm``, ``sigma``, ``selected``,
@@ -30,7 +32,7 @@ from client.floor import release
 from client.records import to_record
 from protocols import ladp
 from protocols.floor import noise_scale_of
-from protocols.privacy import GaussianEvent, local_sgd_steps, record_sensitivity
+from protocols.privacy import GaussianEvent, local_sgd_steps, record_sensitivity, record_training_movement
 from protocols.wire.ladp import LayerNoise, NoiseReport, PublicEstimates
 
 #: A KL cap B below any whole-layer KL: every selected layer gets the floor noise (the "full LDP" comparator).
@@ -71,6 +73,8 @@ def train(msg: Message, env: ClientEnv) -> Message:
     )
     scale = noise_scale_of(msg.content["config"])  # the server may raise the noise (budget guard), never lower it
     plan = {name: replace(entry, sigma=entry.sigma * scale) for name, entry in plan.items()}
+    # Decided on public values before the noise: a refusal decided on the noisy model would release it uncharged.
+    ladp.check_upload_grid(global_w, plan, record_training_movement(cfg, len(env.y)), np.float32)
     noisy, _ = ladp.apply_layer_noise(local_w, plan, _noise_seed(), upload_dtype=np.float32)
     # Every reported figure is public (the plan's): the realised noise norm would reveal the noise itself.
     report = NoiseReport(
