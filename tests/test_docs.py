@@ -158,3 +158,31 @@ def test_method_pages_show_measured_figures_from_the_defaults_record(tmp_path):
     assert "| digits | `nadp` | record | 0.892 | 3 (0.012) | 1.00 | 0.99 | 30 |" in page and "cdp" not in page
     assert "| digits | `cdp` | record | 0.903 | 1 | - | 1.00 | 30 |" in gen_config.render_measured(["cdp"], tmp_path)
     assert "No measured figures for ladp" in gen_config.render_measured(["ladp"], tmp_path)
+
+
+def test_every_figure_quoted_in_the_docs_matches_its_record(tmp_path):
+    """Prose figures carry a marker naming their recorded table cell, and equal it to the decimals shown.
+
+    A re-recorded table whose prose was not updated fails here; so do a ratio typed without a marker, a marker that
+    follows no number, and a marker naming a row the table lacks.
+    """
+    import figures
+
+    assert figures.check_documents(_documents(), DOCS / "results") == []
+
+    (tmp_path / "rt").mkdir()
+    (tmp_path / "rt" / "roundtime.csv").write_text("name,clients,round_s,round_s_x_fedavg\n"
+                                                   "fedavg,4,1.7746,1.0\nnadp,4,2.998,1.6894\nnadp,8,3.5,1.9\n")
+    page = tmp_path / "page.md"
+    page.write_text("FedAvg 1.77 s<!-- fig rt fedavg round_s -->, nadp 1.69x<!-- fig rt name=nadp,clients=4 "
+                    "round_s_x_fedavg --> and 1.9<!-- fig rt name=nadp,clients=8 round_s_x_fedavg -->.\n")
+    assert figures.check_documents([page], tmp_path) == []
+    page.write_text("FedAvg 1.78 s<!-- fig rt fedavg round_s -->, nadp 1.7x<!-- fig rt nadp round_s_x_fedavg -->, "
+                    "niss 1.72x, <!-- fig rt fedavg round_s --> and 2<!-- fig rt ldp round_s -->.\n")
+    problems = figures.check_documents([page], tmp_path)
+    assert any("typed 1.78" in p and "rounds to 1.77" in p for p in problems), problems
+    assert any("2 rows of roundtime.csv match 'nadp'" in p for p in problems), problems
+    assert any("ratio 1.72x has no" in p for p in problems), problems
+    assert any("follows no number" in p for p in problems), problems
+    assert any("0 rows of roundtime.csv match 'ldp'" in p for p in problems), problems
+    assert len(problems) == 5, problems
