@@ -56,7 +56,8 @@ def train_phase(msg: Message, env: ClientEnv) -> Message:
     The previous round's unmasking the message carries (run-config ``unmask-next-round``) is answered next
     (before the train handler replaces that round's material), then the node's floor and ledger admit the round
     (:func:`client.floor.admit`), the method's handler trains and protects the upload, and the noiseless metrics
-    a guarantee-asking node withholds are dropped; the carried answer rides on a reply without error.
+    a guarantee-asking node withholds are dropped; the carried answer rides on a reply without error.  An exception
+    reaches the server with its text only if it is a public refusal (:func:`client.errors.sealed`).
     """
     from client.errors import sealed
     from client.floor import admit, check_trust, withhold_unprotected
