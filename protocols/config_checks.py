@@ -17,14 +17,15 @@ def fault_withheld(rate: float, nodes: int) -> int:
 
 
 def check_counts(cfg: Any) -> None:
-    """The data subsets are >= 0 (0 = all) and ``min-clients`` is at most ``num-clients``; ``ConfigError`` naming them.
+    """The data subsets are >= 0 (0 = all), ``min-clients`` at most ``num-clients`` (or 2); ``ConfigError`` naming them.
 
     A round waits for ``min-clients`` connected nodes; a federation of ``num-clients`` never has more.
     """
     for key in ("train-subset", "test-subset"):
         if getattr(cfg, key.replace("-", "_")) < 0:
             raise ConfigError(f"run-config '{key}' must be an integer >= 0 (0 = all)")
-    if cfg.min_clients > cfg.num_clients:
+    # The default 2 caps to a 1-client federation's one node; any other value above num-clients is refused.
+    if cfg.min_clients > max(cfg.num_clients, 2):
         raise ConfigError(f"run-config 'min-clients' = {cfg.min_clients} is above 'num-clients' = {cfg.num_clients}: "
                           "a round cannot wait for more nodes than the federation has; set 'min-clients' <= "
                           f"{cfg.num_clients}")

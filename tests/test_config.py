@@ -135,6 +135,10 @@ def test_min_clients_above_num_clients_is_refused_naming_both():
     with pytest.raises(ConfigError, match=r"'min-clients' = 5 is above 'num-clients' = 4.*'min-clients' <= 4"):
         RunConfig.from_mapping({"num-clients": 4, "min-clients": 5})
     assert RunConfig.from_mapping({"num-clients": 4, "min-clients": 4}).min_clients == 4
+    # the default 2 runs a 1-client federation (its one node); any other value above num-clients is refused
+    RunConfig.from_mapping({"num-clients": 1, "min-clients": 2})
+    with pytest.raises(ConfigError, match=r"'min-clients' = 3 is above 'num-clients' = 1"):
+        RunConfig.from_mapping({"num-clients": 1, "min-clients": 3})
 
 
 @pytest.mark.parametrize(("raw", "needle"), [
