@@ -8,10 +8,11 @@ A figure typed in prose carries a marker right after it (invisible once rendered
 ``TABLE.csv`` where the folder holds several tables, ``RECORD/FILE.KEY`` the list of rows under ``KEY`` in
 ``FILE.json``), ``ROW`` the value of the table's first column, or ``col=value,col=value`` for tables keyed by
 several columns, ``COLUMN`` the column quoted, optionally in another unit (``bytes_per_client/1000`` for kB,
-``server_cpu_s*1000`` for ms).  The typed number must equal the recorded value (in that unit) rounded to the
-decimals it shows; each end of a range (``0.11–0.16 s``) carries its own marker.  :func:`check_documents` lists
-every figure that does not (a re-recorded table whose prose was not updated), every marker that names no figure or
-no row, and every ratio figure (``1.26x``, ``7.5×``) typed without a marker.
+``server_cpu_s*1000`` for ms) or over another column of its row (``point/claimed``).  The typed number must
+equal the recorded value (in that unit) rounded to the decimals it shows; each end of a range (``0.11–0.16 s``)
+carries its own marker.  :func:`check_documents` lists every figure that does not (a re-recorded table whose prose
+was not updated), every marker that names no figure or no row, and every ratio figure (``1.26x``, ``7.5×``) typed
+without a marker.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ _MARKER = re.compile(r"<!-- fig (\S+) (\S+) (\S+) -->")
 _FIGURE = re.compile(r"(-?\d+(?:\.\d+)?)\s?(?:x|×|%|s|ms|MB|MiB|GB|KB|kB)?\**\s*$")
 #: A ratio typed in prose (``1.26x``): each needs a marker.
 _RATIO = re.compile(r"(?<![\w.])(\d+\.\d+)[x×](?!\w)")
-#: A column quoted in another unit: ``COLUMN*FACTOR`` or ``COLUMN/DIVISOR``.
-_SCALED = re.compile(r"(.+?)([*/])(\d+(?:\.\d+)?)$")
+#: A column quoted in another unit or against another column of its row: ``COLUMN*FACTOR``, ``COLUMN/DIVISOR``.
+_SCALED = re.compile(r"(.+?)([*/])(.+)")
 
 
 @dataclass(frozen=True)
@@ -105,16 +106,19 @@ def check_quote(quote: Quote, results: Path) -> str | None:
     match = [r for r in rows if all(_same(r.get(k), v) for k, v in wanted.items())]
     if len(match) != 1:
         return f"{quote.where()}: {len(match)} rows of {name} match {quote.row!r} (need exactly 1)"
-    column, scale = quote.column, 1.0
-    if (m := _SCALED.fullmatch(column)) and m.group(1) in match[0]:
-        column, scale = m.group(1), float(m.group(3)) if m.group(2) == "*" else 1 / float(m.group(3))
+    column, op, by = quote.column, "*", "1"
+    if (m := _SCALED.fullmatch(quote.column)) and m.group(1) in match[0]:
+        column, op, by = m.groups()
     cell = match[0].get(column)
     if cell is None:
         return f"{quote.where()}: {name} has no column {column!r}"
     try:
-        value = float(cell) * scale
-    except ValueError:
-        return f"{quote.where()}: {column} of {quote.row!r} is {cell!r}, not a number"
+        factor = float(match[0].get(by, by))
+        value = float(cell) * factor if op == "*" else float(cell) / factor
+        if math.isnan(value):
+            raise ValueError(value)
+    except (ValueError, ZeroDivisionError):
+        return f"{quote.where()}: {quote.column} of {quote.row!r} is not a number ({cell!r}, {by!r})"
     decimals = len(quote.typed.partition(".")[2])
     if abs(value - float(quote.typed)) > 0.5 * 10.0 ** -decimals + 1e-9 * max(1.0, abs(value)):
         return (f"{quote.where()}: typed {quote.typed}, but {quote.record} {quote.row} {quote.column} is "
