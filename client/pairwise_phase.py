@@ -29,7 +29,7 @@ from protocols.graphs import present_floor, present_graph, roster_round_of
 from protocols.identity import Roster, roster_digest, settings_digest, view_digest
 from protocols.keyagreement import agree_many, derive_pair_seed, generate_keypair, keypair_from_private
 from protocols.prg import gaussian
-from protocols.wire.common import TrainIns
+from protocols.wire.common import TrainIns, ViewError
 from protocols.wire.keys import KeyReply, KeyRequest, MaskProbe, PeerKeys
 
 #: ``Context.state`` record holding the epoch's key pair and cached shared secrets (:class:`KeyStore`).
@@ -129,43 +129,43 @@ def _checked(env: ClientEnv, pk: PeerKeys, rnd: int, *, full: bool) -> tuple[Rou
     store = _authenticated(env, pk, rnd)
     me, parts, names = env.node_id, pk.participants, pk.participant_names
     if not parts or pk.graph_seed is None:
-        raise ValueError("the message lacks the round's participant list or graph seed: the view cannot be checked")
+        raise ViewError("the message lacks the round's participant list or graph seed: the view cannot be checked")
     if len(names) != len(parts):
-        raise ValueError("the message lacks the participants' roster names: the view cannot be checked")
+        raise ViewError("the message lacks the participants' roster names: the view cannot be checked")
     present = dict(zip(parts, names, strict=True))
     if me not in present:
-        raise ValueError(f"node {me} is not among the round's participants")
+        raise ViewError(f"node {me} is not among the round's participants")
     strangers = sorted(set(pk.peer_ids) - set(present))
     if strangers:
-        raise ValueError(f"peers {strangers} are not among the round's participants")
+        raise ViewError(f"peers {strangers} are not among the round's participants")
     ident = node_identity(env)
     if present[me] != ident.name:
-        raise ValueError(f"the participant list names node {me} {present[me]!r}, not this node's {ident.name!r}")
+        raise ViewError(f"the participant list names node {me} {present[me]!r}, not this node's {ident.name!r}")
     digest = roster_digest(ident.roster)
     if store.roster and store.roster != digest:
-        raise ValueError(f"this node's roster changed within key epoch {store.epoch}: the pairing graph follows the "
+        raise ViewError(f"this node's roster changed within key epoch {store.epoch}: the pairing graph follows the "
                          "roster of the key epoch")
     rr = roster_round_of(env.cfg, ident.roster, rnd)
     if pk.graph_seed != rr.seed:
         # A seed of the server's choosing could place this node among colluding neighbours.
-        raise ValueError("the graph seed is not the one this node's roster and the round determine: the server may "
+        raise ViewError("the graph seed is not the one this node's roster and the round determine: the server may "
                          "not choose the pairing graph (or it holds another roster)")
     if len(set(names)) != len(names):
-        raise ValueError("the participant list names one roster identity twice")
+        raise ViewError("the participant list names one roster identity twice")
     outside = sorted(set(names) - set(rr.sample))
     if outside:
-        raise ValueError(f"participants {outside[:5]} are not in the round's public sample of the roster")
+        raise ViewError(f"participants {outside[:5]} are not in the round's public sample of the roster")
     mine = rr.neighbours(ident.name)
     ids_of = {name: node for node, name in present.items()}
     row = sorted(ids_of[m] for m in mine if m in ids_of)
     if sorted(pk.peer_ids) != row:
-        raise ValueError("the peer list differs from this node's neighbours in the roster's pairing graph of the round")
+        raise ViewError("the peer list differs from this node's neighbours in the roster's pairing graph of the round")
     for i, peer in enumerate(pk.peer_ids):
         if pk.peer_names and pk.name_of(i) != present[peer]:
-            raise ValueError(f"peer {peer} carries roster name {pk.name_of(i)!r}, the participant list {present[peer]!r}")
+            raise ViewError(f"peer {peer} carries roster name {pk.name_of(i)!r}, the participant list {present[peer]!r}")
     floor = present_floor(len(mine), env.cfg.mask_corruption_rate)
     if len(row) < floor:
-        raise ValueError(f"only {len(row)} of this node's {len(mine)} roster neighbours take part in round {rnd}; "
+        raise ViewError(f"only {len(row)} of this node's {len(mine)} roster neighbours take part in round {rnd}; "
                          f"it needs at least {floor} (run-config 'mask-corruption-rate')")
     view = view_digest(run_id=int(env.context.run_id), round_num=rnd, key_epoch=pk.key_epoch, graph=env.cfg.graph,
                        n_out=env.cfg.n_out, graph_seed=pk.graph_seed, participants=parts, names=names,
@@ -248,7 +248,7 @@ def checked_pair_seeds(msg: Message | ConfigRecord, env: ClientEnv, purposes: Se
     """
     pk, rnd, view, store = _message_view(msg, env, full=full)
     if graph is not None and sorted(graph.get(env.node_id, ())) != view.neighbours:
-        raise ValueError("the round's plan and the roster's graph give this node different neighbours")
+        raise ViewError("the round's plan and the roster's graph give this node different neighbours")
     context = int(env.context.run_id).to_bytes(8, "big") + view.digest + bytes(view_extra)
     return view, {purpose: {peer: derive_pair_seed(store.shared[(peer, key)], purpose=purpose, round_num=rnd,
                                                    node_a=env.node_id, node_b=peer, context=context)

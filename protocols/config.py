@@ -13,6 +13,7 @@ configs without a running Flower app.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import re
@@ -28,6 +29,7 @@ from protocols.methods import (
     AUTO_KEYS,
     METHODS,
     PRIVACY_UNITS,
+    TABULAR_DATASETS,
     auto_graph,
     method_spec,
     options_classes,
@@ -92,7 +94,7 @@ class RunConfig:
     local_epochs: int = 2  # local passes over the client data per round
     batch_size: int = 32  # local batch size (larger than a partition = one full-batch step)
     lr: float = 0.1  # local learning rate (ddpsa: its server step)
-    input_centering: bool = False  # each image minus its own mean (a per-record transform: no privacy cost)
+    input_centering: bool = False  # each image minus its own mean (per-record transform: no privacy cost; images only)
     device: str = "cpu"  # where clients train: cpu, cuda, auto (cuda if available); noise stays on the CPU CSPRNG
     # Privacy
     epsilon: float = 1.0  # privacy target over the whole run, every method
@@ -161,9 +163,8 @@ class RunConfig:
                 if strict and key in REMOVED_KEYS:
                     raise ConfigError(f"run-config '{key}' was removed: {REMOVED_KEYS[key]}")
                 if strict:
-                    raise ConfigError(
-                        f"unknown run-config key '{key}'; known keys: {', '.join(sorted(known))}"
-                    )
+                    near = "".join(f" (did you mean '{k}'?)" for k in difflib.get_close_matches(str(key), known, 1))
+                    raise ConfigError(f"unknown run-config key '{key}'{near}; known keys: {', '.join(sorted(known))}")
                 continue
             if is_auto(key, value):
                 if key not in AUTO_KEYS:
@@ -243,7 +244,7 @@ class RunConfig:
         try:
             method_spec(self.method).guarantee(self.privacy_unit)
         except ValueError as err:
-            raise ConfigError(str(err)) from None
+            raise ConfigError(f"{err} ({', '.join(m for m, s in METHODS.items() if self.privacy_unit in s.units)})") from None
         for key in ("num-clients", "num-rounds", "local-epochs", "batch-size", "min-clients"):
             if getattr(self, key.replace("-", "_")) < 1:
                 raise ConfigError(f"run-config '{key}' must be an integer >= 1")
@@ -287,8 +288,9 @@ class RunConfig:
             raise ConfigError("run-config 'method-options' is read by RunConfig.from_mapping, which sets its keys")
         if self.resume and not self.out_dir:
             raise ConfigError("run-config 'resume' = true needs 'out-dir': the folder of the run to continue")
-        if self.model == "cnn" and self.dataset == "breast-cancer":
-            raise ConfigError("run-config 'model' = 'cnn' needs an image dataset; use 'mlp' for breast-cancer")
+        if self.dataset in TABULAR_DATASETS and (self.model == "cnn" or self.input_centering):
+            key, fix = ("model", "'mlp'") if self.model == "cnn" else ("input-centering", "false")
+            raise ConfigError(f"run-config '{key}' is for images; dataset {self.dataset!r} is tabular: set '{key}' = {fix}")
 
     # ------------------------------------------------------------------ derived
     @property

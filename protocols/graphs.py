@@ -27,6 +27,7 @@ from protocols.config import RunConfig
 from protocols.identity import roster_digest, roster_round_seed
 from protocols.masking import assumed_colluders, mask_threshold
 from protocols.prg import derive_subseed, uniform_ints
+from protocols.wire.common import ViewError
 
 __all__ = ["GRAPH_KINDS", "complete_graph", "n_out_graph", "edges", "round_graph", "round_neighbours",
            "RosterRound", "roster_round", "roster_sample", "present_graph", "present_floor", "calibration_size"]
@@ -200,15 +201,15 @@ def present_graph(rr: RosterRound, present: Mapping[int, str]) -> dict[int, list
     """The roster graph restricted to the present nodes (node id -> roster name, every name sampled).
 
     Node ids are adjacent iff their names are; an absent roster neighbour is just not there.
-    Raises ValueError for a name outside the round's sample or two ids under one name.
+    Raises ViewError (a ValueError) for a name outside the round's sample or two ids under one name.
     """
     ids_of = {name: node for node, name in present.items()}
     if len(ids_of) != len(present):
-        raise ValueError("two present nodes carry one roster name")
+        raise ViewError("two present nodes carry one roster name")
     sampled = set(rr.sample)
     strangers = sorted(n for n in ids_of if n not in sampled)
     if strangers:
-        raise ValueError(f"roster names {strangers[:5]} are not in the round's public sample")
+        raise ViewError(f"roster names {strangers[:5]} are not in the round's public sample")
     if rr.graph is None:
         return complete_graph(list(present))
     return {node: sorted(ids_of[m] for m in rr.graph[name] if m in ids_of) for node, name in present.items()}

@@ -28,6 +28,7 @@ from scipy.special import log_softmax
 from protocols import prg
 from protocols.privacy import analytic_gaussian_sigma, classic_gaussian_sigma
 from protocols.privacy.mechanisms import check_eps_delta
+from protocols.wire.common import ViewError
 
 __all__ = [
     "LayerNoise",
@@ -452,7 +453,7 @@ def check_upload_grid(global_layers: Mapping[str, np.ndarray], plan: Mapping[str
     on this bound instead leaves that test to the noise's far tail.
 
     Raises:
-        ValueError: such a layer (nothing is noised nor charged yet).
+        ViewError: (a ValueError) such a layer (nothing is noised nor charged yet).
     """
     if not (math.isfinite(movement) and movement >= 0):
         raise ValueError(f"movement must be finite and >= 0, got {movement!r}")
@@ -462,6 +463,6 @@ def check_upload_grid(global_layers: Mapping[str, np.ndarray], plan: Mapping[str
             continue
         bound = float(np.max(np.abs(layer))) + movement + NOISE_TAIL * entry.sigma
         if not _grid(bound, upload_dtype) * ROUNDING_MARGIN <= entry.sigma:
-            raise ValueError(f"layer {name!r}: the received model's values (up to {float(np.max(np.abs(layer))):.3g}) "
+            raise ViewError(f"layer {name!r}: the received model's values (up to {float(np.max(np.abs(layer))):.3g}) "
                              f"are too large for {np.dtype(upload_dtype).name} to keep noise of std {entry.sigma:.3g} "
                              "(it would round away); refusing the round")

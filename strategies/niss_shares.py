@@ -146,7 +146,8 @@ class SharePhase:
             scale = niss_floor(self.cfg, sizes, graph, client_tau(self.cfg, sizes)).scale
             if not math.isfinite(scale) and len(graph) == 2:
                 raise ValueError("with 2 clients per round each participant knows the residual of every share that "
-                                 "hides the other's record in the published model; niss needs 3 or more")
+                                 "hides the other's record in the published model; niss needs 3 or more: set "
+                                 "run-config 'num-clients' x 'sample-rate' >= 3")
             if not math.isfinite(scale):
                 raise ValueError(f"the joint-view noise scale {scale:g} is not finite")
         except (ValueError, ArithmeticError) as err:

@@ -301,8 +301,11 @@ class PairwiseRecovery:
         keep = unmaskable(neighbours, set(by_node), {n: thresholds.get(n, 0) for n in by_node})
         keep -= {n for n in keep if n not in masked and neighbours.get(n)}  # a pairwise upload without its shares
         if not keep:
+            rate = self.cfg.mask_corruption_rate  # type: ignore[attr-defined]
             raise RoundFailed(f"round {state.round}: no upload can be unmasked (each has fewer kept neighbours than its "
-                              f"self-mask threshold; {len(by_node)} of {len(state.participants)} uploads arrived)")
+                              f"self-mask threshold; {len(by_node)} of {len(state.participants)} uploads arrived): a "
+                              "client with d neighbours needs t = floor((d + ceil(rate d)) / 2) + 1 of them kept, more "
+                              f"than half (run-config 'mask-corruption-rate' = {rate:g} is the rate; 0 needs the fewest)")
         excluded = sorted(set(held) | (set(by_node) - keep))
         lost = sorted(set(state.participants) - set(received))
         out = RecoveryOutcome(state.round, sorted(set(lost) | set(excluded)), sorted(keep), excluded=excluded)

@@ -60,9 +60,11 @@ def test_bad_values_name_key_and_choices(key, value, needle):
     assert key in str(err.value) and needle in str(err.value)
 
 
-def test_unknown_key_is_refused():
-    with pytest.raises(ConfigError, match="unknown run-config key 'num-round'"):
+def test_unknown_key_is_refused_naming_the_nearest_known_key():
+    with pytest.raises(ConfigError, match=r"unknown run-config key 'num-round' \(did you mean 'num-rounds'\?\)"):
         RunConfig.from_mapping({"num-round": 3})
+    with pytest.raises(ConfigError, match=r"unknown run-config key 'zzz'; known keys"):
+        RunConfig.from_mapping({"zzz": 3})
 
 
 def test_removed_key_is_refused_with_the_reason():

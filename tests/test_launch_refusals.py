@@ -252,6 +252,13 @@ def test_niss_dropouts_that_remove_all_shares_are_refused_at_start(capsys, monke
     assert code == 2 and needle in err and "'dropout-rate'" in err and "--resume" not in err, err
 
 
+def test_niss_with_two_clients_per_round_is_refused_at_start_naming_the_keys(capsys, monkeypatch):
+    _no_process(monkeypatch)
+    code, err = _cli(capsys, "run", "--run-config", 'method="niss" num-clients=2 num-rounds=1')
+    assert code == 2 and "niss needs 3 or more: set run-config 'num-clients' x 'sample-rate' >= 3" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_niss_dropout_rate_a_round_can_plan_stays_allowed():
     preflight({"method": "niss", "dataset": "breast-cancer", "num-clients": 10, "dropout-rate": 0.05}, warn=print)
 

@@ -263,3 +263,36 @@ def test_mpddp_refuses_a_w_hat_not_finite_in_its_compute_dtype() -> None:
     clipped_client_gradients(mats, x, y, 1.0, rho=1.0)
     with pytest.raises(ValueError, match="not finite in torch.float32"):
         clipped_client_gradients([m.float() for m in mats], x.float(), y.float(), 1.0, rho=1.0)
+
+
+# --------------------------------------------------------------------------------------- client level
+@pytest.mark.parametrize("method", ["ldp", "cdp"])
+def test_client_level_update_that_diverged_is_clipped_to_zero(method, monkeypatch) -> None:
+    """Client-level training on a model on which one record's logits overflow: finite uploads on both neighbours.
+
+    The update is clipped by :func:`protocols.clipping.clip_l2` (client-level ldp, cdp, niss), which kept NaN: a
+    NaN update passes any scaling and any noise.  Measured without the rule (ldp, ``privacy-unit = "client"``):
+    every client holding the target record uploaded 650 of 650 coordinates NaN, every client without it a finite
+    upload, while the ledger charged the round's finite epsilon (1.07): membership with certainty.
+    """
+    raw = {**app_defaults(), "method": method, "privacy-unit": "client", "num-clients": 2, "num-rounds": 3,
+           "local-epochs": 1, "batch-size": 32, "hidden": "", "train-subset": 400, "test-subset": 100}
+    cfg = RunConfig.from_mapping(raw)
+    ds = dataset_for(cfg)
+    x, y, target, pixel, big = _records(cfg)
+    weights = get_weights(build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed))
+    w, b = list(weights)
+    weights[w][0, pixel], weights[b][0] = big, big
+    rest = np.delete(np.arange(len(y)), target)
+    data: list = []
+    _patch_data(monkeypatch, data)
+    for xs, ys in ((x, y), (x[rest], y[rest])):
+        data[:] = [(xs, ys, ds.num_classes, ds.input_shape)]
+        grid = LocalGrid(client_app, cfg.num_clients, raw)
+        strategy = build_strategy(cfg)
+        msgs = list(strategy.configure_train(1, to_record(weights, np.float64), ConfigRecord(TrainIns(1).to_config()),
+                                             grid))
+        replies = list(grid.send_and_receive(msgs))
+        assert replies and not any(r.has_error() for r in replies), [r.error.reason for r in replies if r.has_error()]
+        for r in replies:
+            assert all(np.isfinite(a.numpy()).all() for a in r.content["arrays"].values())

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 
 import numpy as np
@@ -144,6 +145,18 @@ def test_a_run_that_ends_above_its_epsilon_target_says_so(tmp_path, no_budget_gu
     assert len(warnings) == 1 and warnings[0].startswith("warning: round ")  # once, at the round it happened
     assert "ended above its epsilon target" in (tmp_path / "dropped" / "report.md").read_text()
     assert "ended above its epsilon target" not in (tmp_path / "plain" / "report.md").read_text()
+
+
+def test_a_round_with_no_unmaskable_upload_names_the_key_that_sets_the_threshold(tmp_path):
+    """More than half of every client's neighbours dropped: the failure says what t needs and which key sets it."""
+    from server.launch import run_inprocess
+
+    summary = run_inprocess({"method": "nadp", "num-clients": 7, "num-rounds": 1, "epsilon": 8.0, **NADP_FAST,
+                             "fault-drop-rate": 0.5, "out-dir": str(tmp_path)})
+    assert summary["failed_rounds"]
+    failure = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["failure"]
+    assert "no upload can be unmasked" in failure and "3 of 7 uploads arrived" in failure
+    assert "more than half (run-config 'mask-corruption-rate' = 0.1 is the rate" in failure
 
 
 @pytest.fixture

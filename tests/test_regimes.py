@@ -35,6 +35,17 @@ def test_record_step_regimes_centre_images_and_the_others_do_not():
     assert RunConfig.from_mapping({"method": "fedavg", "input-centering": True}).input_centering
 
 
+def test_image_only_settings_are_refused_on_tabular_data_and_no_regime_sets_them():
+    """input-centering centres images only: on breast-cancer it would change nothing the run config claims."""
+    for method in METHOD_NAMES:
+        cfg = RunConfig.from_mapping({"method": method, "dataset": "breast-cancer"})
+        assert not cfg.input_centering and "input-centering" not in dict(cfg.regime_applied)
+    for key, value, fix in (("input-centering", True, "false"), ("model", "cnn", "'mlp'")):
+        with pytest.raises(ConfigError, match=f"'{key}' is for images; dataset 'breast-cancer' is tabular: set "
+                                              f"'{key}' = {fix}"):
+            RunConfig.from_mapping({"method": "ldp", "dataset": "breast-cancer", key: value})
+
+
 def test_the_start_line_names_the_dataset_only_for_cancelfls_own_model_and_data():
     from strategies.run.notes import APP_TASK_KEYS, preamble
 
@@ -70,7 +81,8 @@ def test_every_method_has_a_guarantee_and_a_regime_that_differs_from_fedavg_wher
 def test_client_level_is_asked_for_by_name_and_refused_where_not_implemented():
     assert RunConfig.from_mapping({"method": "ldp", "privacy-unit": "client"}).privacy_unit == "client"
     assert RunConfig.from_mapping({"method": "cdp", "privacy-unit": "client"}).privacy_unit == "client"
-    with pytest.raises(ConfigError, match="protects a record, not a 'client'"):
+    with pytest.raises(ConfigError, match="protects a record, not a 'client': set run-config 'privacy-unit' = "
+                                          r"\"record\" or choose a method that protects a 'client' \(ldp, cdp, niss\)"):
         RunConfig.from_mapping({"method": "nadp", "privacy-unit": "client"})
     with pytest.raises(ConfigError, match="privacy-unit"):
         RunConfig.from_mapping({"method": "ldp", "privacy-unit": "user"})

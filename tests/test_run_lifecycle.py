@@ -113,6 +113,8 @@ def test_a_diverged_run_reports_the_saved_model(tmp_path):
                    "out-dir": str(out)}, progress=lines.append)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped_for"] == "divergence" and summary["model_round"] == 0
+    (stop,) = [x for x in lines if "STOPPED" in x]
+    assert "lower run-config 'lr' than 1e+30" in stop and "'divergence-factor' = 0" in stop, stop
     model, _ = load_npz_model(out / "model.npz")
     ds = dataset_for(RunConfig.from_mapping(summary["config"]))
     loss, acc = evaluate(model, ds.x_test, ds.y_test)

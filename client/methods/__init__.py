@@ -26,9 +26,11 @@ def train_handler(method: str) -> Callable:
 
 def query_handler(method: str, action: str) -> Callable:
     """The handler of phase ``query.<action>`` for ``method``."""
+    from protocols.wire.common import ViewError
+
     queries = method_spec(method).queries
     if action not in queries:
-        raise ValueError(f"method {method!r} does not handle phase 'query.{action}'")
+        raise ViewError(f"method {method!r} does not handle phase 'query.{action}'")
     return MethodSpec.load(queries[action])
 
 
@@ -36,12 +38,15 @@ def query_phase(msg: Message, env: ClientEnv, action: str) -> Message:
     """The reply to a ``query.<action>`` message.
 
     The node's trust assumptions admit the run config (:func:`client.floor.check_trust`), then the method's handler
-    answers.
+    answers; an exception reaches the server with its text only if it is a public refusal
+    (:func:`client.errors.sealed`).
     """
+    from client.errors import sealed
     from client.floor import check_trust
 
-    check_trust(env)
-    return query_handler(env.cfg.method, action)(msg, env)
+    with sealed(f"query.{action}"):
+        check_trust(env)
+        return query_handler(env.cfg.method, action)(msg, env)
 
 
 def train_phase(msg: Message, env: ClientEnv) -> Message:
@@ -51,19 +56,22 @@ def train_phase(msg: Message, env: ClientEnv) -> Message:
     The previous round's unmasking the message carries (run-config ``unmask-next-round``) is answered next
     (before the train handler replaces that round's material), then the node's floor and ledger admit the round
     (:func:`client.floor.admit`), the method's handler trains and protects the upload, and the noiseless metrics
-    a guarantee-asking node withholds are dropped; the carried answer rides on a reply without error.
+    a guarantee-asking node withholds are dropped; the carried answer rides on a reply without error.  An exception
+    reaches the server with its text only if it is a public refusal (:func:`client.errors.sealed`).
     """
+    from client.errors import sealed
     from client.floor import admit, check_trust, withhold_unprotected
     from protocols.wire.common import UNMASK_RECORD
 
-    check_trust(env)
-    carried = None
-    if UNMASK_RECORD in msg.content:
-        from client.recovery import answer_carried
+    with sealed("train"):
+        check_trust(env)
+        carried = None
+        if UNMASK_RECORD in msg.content:
+            from client.recovery import answer_carried
 
-        carried = answer_carried(msg.content[UNMASK_RECORD], env)
-    admit(msg, env)
-    reply = withhold_unprotected(train_handler(env.cfg.method)(msg, env), env)
+            carried = answer_carried(msg.content[UNMASK_RECORD], env)
+        admit(msg, env)
+        reply = withhold_unprotected(train_handler(env.cfg.method)(msg, env), env)
     if carried is not None and not reply.has_error():
         reply.content[UNMASK_RECORD] = carried
     return reply

@@ -54,7 +54,7 @@ from protocols.mpddp import flatten as mp_flatten
 from protocols.mpddp import unflatten as mp_unflatten
 from protocols.privacy import DpEvent, Event, GaussianEvent, event_from_dict
 from protocols.schedule import roster_releases
-from protocols.wire.common import TrainIns
+from protocols.wire.common import TrainIns, ViewError
 from protocols.wire.keys import MaskProbe, PeerKeys, probe_metric
 from protocols.wire.mpddp import DdpNoise, NaiveNoise, PerturbedModel, upload_arrays
 from protocols.wire.recovery import RecoveryRequest
@@ -164,11 +164,11 @@ def ddp_floor(msg: Message, env: ClientEnv) -> tuple[float, float, GaussianEvent
     sent = DdpNoise.from_config(msg.content["config"])
     pk = PeerKeys.from_config(msg.content["config"])
     if len(sent.sizes) != len(pk.participants) or env.node_id not in pk.participants:
-        raise ValueError(f"the train message lists {len(sent.sizes)} sizes for {len(pk.participants)} participants "
+        raise ViewError(f"the train message lists {len(sent.sizes)} sizes for {len(pk.participants)} participants "
                          f"(node {env.node_id} must be among them): the record sensitivity cannot be checked")
     own = sent.sizes[pk.participants.index(env.node_id)]
     if own != len(env.y):
-        raise ValueError(f"server lists |D_i|={own} for node {env.node_id}, but it holds {len(env.y)} examples")
+        raise ViewError(f"server lists |D_i|={own} for node {env.node_id}, but it holds {len(env.y)} examples")
     roster = node_identity(env).roster
     rr = roster_round_of(cfg, roster, TrainIns.from_config(msg.content["config"]).round)
     k = len(pk.participants)

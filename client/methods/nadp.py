@@ -45,7 +45,7 @@ from protocols.pairwise import pairwise_noise
 from protocols.prg import gaussian
 from protocols.privacy import Event, GaussianEvent
 from protocols.schedule import roster_releases
-from protocols.wire.common import TrainIns
+from protocols.wire.common import TrainIns, ViewError
 from protocols.wire.keys import probe_metric
 from protocols.wire.nadp import NadpPlan
 from protocols.wire.recovery import RecoveryRequest
@@ -69,9 +69,9 @@ def round_floor(msg: Message, env: ClientEnv, plan: NadpPlan) -> tuple[NadpFloor
     """
     me = env.node_id
     if me not in plan.sizes:
-        raise ValueError(f"node {me} is not in this round's nadp participants")
+        raise ViewError(f"node {me} is not in this round's nadp participants")
     if plan.sizes[me] != len(env.y):
-        raise ValueError(f"server lists |D_i|={plan.sizes[me]} for node {me}, but it holds {len(env.y)} examples")
+        raise ViewError(f"server lists |D_i|={plan.sizes[me]} for node {me}, but it holds {len(env.y)} examples")
     if plan.variant != env.cfg.nadp_variant:
         raise FloorViolation("nadp-variant", plan.variant, env.cfg.nadp_variant, "not this client's run config")
     graph, degrees = None, None
@@ -89,7 +89,7 @@ def round_floor(msg: Message, env: ClientEnv, plan: NadpPlan) -> tuple[NadpFloor
         view = full_view(msg, env)
         graph, degrees = view.graph or {}, view.degrees
         if sorted(graph) != sorted(plan.ids):
-            raise ValueError("nadp: the plan's participants differ from the round's participant list")
+            raise ViewError("nadp: the plan's participants differ from the round's participant list")
     # More noise than the floor, never less; calibrated for the public schedule's most releases of any client.
     fl = nadp_floor(env.cfg, plan.sizes, me, graph, plan.noise_scale, roster_releases(env.cfg, ident.roster), degrees)
     if fl.sigmas is None:

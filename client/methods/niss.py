@@ -66,7 +66,7 @@ from protocols.relay_crypto import RelayAuthError, make_aad, open_sealed, seal
 from protocols.schedule import roster_releases
 from protocols.task.models import get_weights
 from protocols.wire.arrays import from_record
-from protocols.wire.common import TrainIns, train_metrics
+from protocols.wire.common import TrainIns, ViewError, train_metrics
 from protocols.wire.keys import probe_metric
 from protocols.wire.niss import (
     AHEAD_RECORD,
@@ -157,24 +157,24 @@ def decode_payload(plain: bytes, encoding: str, sender: int, receiver: int,
     """Parse an opened payload: the bundle and, for ``vector``, the negated shares ``(count, size)``."""
     n_head = len(_MAGIC) + _HEADER.size
     if len(plain) < n_head or plain[:len(_MAGIC)] != _MAGIC:
-        raise ValueError("not a NISS v1 payload")
+        raise ViewError("not a NISS v1 payload")
     enc, count, std = _HEADER.unpack_from(plain, len(_MAGIC))
     if enc != _ENC_BYTE[encoding]:
-        raise ValueError(f"payload encoding {enc!r} does not match run-config {encoding!r}")
+        raise ViewError(f"payload encoding {enc!r} does not match run-config {encoding!r}")
     if count != niss_math.SHARES_PER_NEIGHBOUR:
-        raise ValueError(f"payload holds {count} shares, the protocol sends {niss_math.SHARES_PER_NEIGHBOUR}")
+        raise ViewError(f"payload holds {count} shares, the protocol sends {niss_math.SHARES_PER_NEIGHBOUR}")
     if not (math.isfinite(std) and std >= 0):
-        raise ValueError(f"implausible payload header (share_std={std})")
+        raise ViewError(f"implausible payload header (share_std={std})")
     body = plain[n_head:]
     if encoding == "seed":
         if len(body) != 32:
-            raise ValueError(f"seed payload body has {len(body)} bytes, expected 32")
+            raise ViewError(f"seed payload body has {len(body)} bytes, expected 32")
         return niss_math.ShareBundle(sender, receiver, count, std, body), None
     if len(body) < _SIZE.size or _SIZE.unpack_from(body)[0] != size or len(body) != _SIZE.size + 8 * count * size:
-        raise ValueError(f"vector payload does not hold {count} shares of size {size}")
+        raise ViewError(f"vector payload does not hold {count} shares of size {size}")
     vectors = np.frombuffer(body, dtype="<f8", offset=_SIZE.size).reshape(count, size).astype(np.float64)
     if not np.all(np.isfinite(vectors)):
-        raise ValueError("vector payload contains non-finite values")
+        raise ViewError("vector payload contains non-finite values")
     return niss_math.ShareBundle(sender, receiver, count, std, bytes(32)), vectors
 
 
@@ -250,15 +250,15 @@ def answer_shares(rec: ConfigRecord, env: ClientEnv) -> ShareReply:
     check_new_round(env, rnd)  # never a round already trained in: its view must stay the one recovery counts on
     nbrs = list(req.peers.peer_ids)
     if not nbrs or me in nbrs:
-        raise ValueError(f"invalid neighbour list from the tracker: {nbrs}")
+        raise ViewError(f"invalid neighbour list from the tracker: {nbrs}")
     encoding = env.cfg.niss_share_encoding
     if req.sizes and req.sizes.get(me) != len(env.y):
-        raise ValueError(f"server lists |D_k|={req.sizes.get(me)} for node {me}, but it holds {len(env.y)} examples")
+        raise ViewError(f"server lists |D_k|={req.sizes.get(me)} for node {me}, but it holds {len(env.y)} examples")
     # p_k from the round's public view, never the server's figure: a server that shrank some clients' weights
     # would shrink the noise hiding the negated shares they hold (protocols.niss.aggregation_weights).
     own_weight = aggregation_weights(env.cfg, req.peers.participants, req.sizes)[me]
     if not math.isclose(weight, own_weight, rel_tol=1e-9):
-        raise ValueError(f"aggregation weight {weight!r} does not match the round's view "
+        raise ViewError(f"aggregation weight {weight!r} does not match the round's view "
                          f"(participants and sizes give {own_weight!r})")
     tau = client_tau(env.cfg, req.sizes)  # the sizes can only raise tau above 1/sqrt(m)
     if tau == 0 and policy(env).wants_guarantee:
@@ -416,7 +416,7 @@ def train(msg: Message, env: ClientEnv) -> Message:
         return _rejected(msg, env, [(0, f"malformed relay inbox ({err})")])
     if not math.isclose(inbox.weight, st.weight, rel_tol=1e-9):
         # sigma_k was calibrated for the share-phase weight; a larger weight now would shrink the noise-to-signal ratio.
-        raise ValueError(f"aggregation weight changed between phases ({st.weight} -> {inbox.weight})")
+        raise ViewError(f"aggregation weight changed between phases ({st.weight} -> {inbox.weight})")
     global_w = from_record(msg.content["arrays"])
     size = int(sum(v.size for v in global_w.values()))
     incoming, failures = _open_incoming(inbox, env, st, size)

@@ -41,6 +41,7 @@ from protocols.methods.spec import (
     LARGE_DATASETS,
     NO_COLLUDER,
     PRIVACY_UNITS,
+    TABULAR_DATASETS,
     Guarantee,
     MethodSpec,
 )
@@ -91,7 +92,8 @@ def __getattr__(name: str) -> tuple[str, ...]:
 
 
 __all__ = ["AUTO", "AUTO_KEYS", "ENTRY_POINT_GROUP", "FEDERATION", "FULL_BATCH", "LARGE_DATASETS",
-           "METHODS", "METHOD_NAMES", "NO_COLLUDER", "PRIVACY_UNITS", "SPARSE_FROM", "VARIANTS", "Guarantee",
+           "METHODS", "METHOD_NAMES", "NO_COLLUDER", "PRIVACY_UNITS", "SPARSE_FROM", "TABULAR_DATASETS", "VARIANTS",
+           "Guarantee",
            "MethodSpec", "auto_graph", "dataset_size_class", "local_services", "method_names", "method_or_variant",
            "method_spec", "on_first_read", "options_classes", "query_actions", "reference_method", "regime",
            "register", "register_variant", "sparse_by_default"]

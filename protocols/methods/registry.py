@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from protocols.methods.spec import FEDERATION, LARGE_DATASETS, MethodSpec
+from protocols.methods.spec import FEDERATION, LARGE_DATASETS, TABULAR_DATASETS, MethodSpec
 from protocols.options import MethodOptions
 
 _REGISTRY: dict[str, MethodSpec] = {}
@@ -202,4 +202,6 @@ def regime(method: str, dataset: str) -> dict[str, Any]:
     out.update(spec.regime.get("small", {}))
     if dataset_size_class(dataset) == "large":
         out.update(spec.regime.get("large", {}))
+    if dataset in TABULAR_DATASETS:  # centring is a per-image transform
+        out.pop("input-centering", None)
     return out

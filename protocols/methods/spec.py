@@ -25,6 +25,8 @@ FEDERATION: MappingProxyType = MappingProxyType({"small": MappingProxyType({"num
 PRIVACY_UNITS: tuple[str, ...] = ("record", "client")
 #: Datasets of tens of thousands of records (``"large"`` regimes); the others are ``"small"``.
 LARGE_DATASETS: tuple[str, ...] = ("mnist", "fashion-mnist")
+#: Built-in datasets of feature vectors, not images: no ``model = "cnn"``, no ``input-centering``.
+TABULAR_DATASETS: tuple[str, ...] = ("breast-cancer",)
 #: ``batch-size`` of a full-batch regime: larger than any client's partition, so one step sees all its records.
 FULL_BATCH = 1_000_000
 #: The ledger account (``PrivacyLedger.extra``) of the uploads' view with no colluding peer
@@ -130,8 +132,9 @@ class MethodSpec:
         if not self.units:
             return self.privacy
         if unit not in self.units:
-            raise ValueError(f"method {self.name!r} protects a {' or a '.join(self.units)}, not a {unit!r} "
-                             f"(run-config 'privacy-unit')")
+            own = " or ".join(f'"{u}"' for u in self.units)
+            raise ValueError(f"method {self.name!r} protects a {' or a '.join(self.units)}, not a {unit!r}: set "
+                             f"run-config 'privacy-unit' = {own} or choose a method that protects a {unit!r}")
         return dataclasses.replace(self.privacy, unit=unit)
 
     @staticmethod

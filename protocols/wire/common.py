@@ -1,7 +1,7 @@
 """Message parts every method shares: the round number of a round's messages and the train reply's metrics.
 
 Also the typed readers the protocol modules build their decoders from: each
-takes the record and the key, and raises ``ValueError`` naming the key when it
+takes the record and the key, and raises :class:`ViewError` naming the key when it
 is missing or has the wrong type.  Node ids travel as decimal strings
 (they are unsigned 64-bit; Flower's ConfigRecord integers are signed).
 """
@@ -26,13 +26,21 @@ UNMASK_RECORD = "unmask"
 _MISSING = object()
 
 
+class ViewError(ValueError):
+    """A message a node refuses for what it says (a missing or malformed key, a view it cannot accept).
+
+    Its text names keys and what the message itself says, never the node's data or noise: a ClientApp sends it to
+    the server as is (:mod:`client.errors`), where other exceptions' texts are withheld.
+    """
+
+
 # ------------------------------------------------------------------ readers
 def _absent(rec: Mapping[str, Any], key: str, default: Any) -> bool:
     """True when ``key`` is absent and has a default; ValueError when it is absent and required."""
     if key in rec:
         return False
     if default is _MISSING:
-        raise ValueError(f"message lacks '{key}'")
+        raise ViewError(f"message lacks '{key}'")
     return True
 
 
@@ -42,9 +50,9 @@ def read_int(rec: Mapping[str, Any], key: str, *, minimum: int | None = None, de
         return default
     value = rec[key]
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"'{key}' must be an integer, got {type(value).__name__}")
+        raise ViewError(f"'{key}' must be an integer, got {type(value).__name__}")
     if minimum is not None and value < minimum:
-        raise ValueError(f"'{key}' must be >= {minimum}, got {value}")
+        raise ViewError(f"'{key}' must be >= {minimum}, got {value}")
     return int(value)
 
 
@@ -54,7 +62,7 @@ def read_float(rec: Mapping[str, Any], key: str, *, default: Any = _MISSING) -> 
         return default
     value = rec[key]
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"'{key}' must be a finite number, got {value!r}")
+        raise ViewError(f"'{key}' must be a finite number, got {value!r}")
     return float(value)
 
 
@@ -64,7 +72,7 @@ def read_str(rec: Mapping[str, Any], key: str, *, default: Any = _MISSING) -> st
         return default
     value = rec[key]
     if not isinstance(value, str):
-        raise ValueError(f"'{key}' must be a string, got {type(value).__name__}")
+        raise ViewError(f"'{key}' must be a string, got {type(value).__name__}")
     return value
 
 
@@ -74,9 +82,9 @@ def read_bytes(rec: Mapping[str, Any], key: str, *, length: int | None = None, d
         return default
     value = rec[key]
     if not isinstance(value, bytes):
-        raise ValueError(f"'{key}' must be bytes, got {type(value).__name__}")
+        raise ViewError(f"'{key}' must be bytes, got {type(value).__name__}")
     if length is not None and len(value) != length:
-        raise ValueError(f"'{key}' must hold {length} bytes, got {len(value)}")
+        raise ViewError(f"'{key}' must hold {length} bytes, got {len(value)}")
     return bytes(value)
 
 
@@ -86,9 +94,9 @@ def read_list(rec: Mapping[str, Any], key: str, item: type | tuple[type, ...], *
         return default
     value = rec[key]
     if not isinstance(value, list | tuple):
-        raise ValueError(f"'{key}' must be a list, got {type(value).__name__}")
+        raise ViewError(f"'{key}' must be a list, got {type(value).__name__}")
     if any(isinstance(v, bool) or not isinstance(v, item) for v in value):
-        raise ValueError(f"'{key}' holds an item that is not {item}")
+        raise ViewError(f"'{key}' holds an item that is not {item}")
     return list(value)
 
 
@@ -101,9 +109,9 @@ def read_node_ids(rec: Mapping[str, Any], key: str, *, default: Any = _MISSING) 
     except ValueError as err:
         if "'" + key + "'" in str(err):
             raise
-        raise ValueError(f"'{key}' holds a node id that is not a decimal integer") from None
+        raise ViewError(f"'{key}' holds a node id that is not a decimal integer") from None
     if any(not 0 <= n < 2**64 for n in ids):
-        raise ValueError(f"'{key}' holds a node id outside the unsigned 64-bit range")
+        raise ViewError(f"'{key}' holds a node id outside the unsigned 64-bit range")
     return ids
 
 
@@ -118,7 +126,7 @@ def merge_configs(*parts: Mapping[str, Any]) -> dict[str, Any]:
     for part in parts:
         for key, value in part.items():
             if key in out and out[key] != value:
-                raise ValueError(f"message parts disagree on '{key}'")
+                raise ViewError(f"message parts disagree on '{key}'")
             out[key] = value
     return out
 

@@ -300,7 +300,9 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
     for rnd in range(first, total_rounds + 1):
         if (stopped := guard.before_round(rnd)) is not None:  # before any noise of the round is released
             stopped_for = "privacy budget"
-            progress(f"round {rnd}/{total_rounds}  STOPPED: {stopped}; the model of round {kept_round} is kept")
+            progress(f"round {rnd}/{total_rounds}  STOPPED: {stopped}; the model of round {kept_round} is kept "
+                     f"(a lower run-config 'lr' than {cfg.lr:g} usually trains stably; 'divergence-factor' = 0 "
+                     "disables the stop)")
             break
         mgrid.reset()
         cpu0 = traced_cpu() if tracing() else 0.0  # (CANCELFL_TRACE) before the round's clock starts
@@ -382,7 +384,9 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
                                             published=None if published is None else from_record(published)))
         else:
             stopped_for = "divergence"
-            progress(f"round {rnd}/{total_rounds}  STOPPED: {stopped}; the model of round {kept_round} is kept")
+            progress(f"round {rnd}/{total_rounds}  STOPPED: {stopped}; the model of round {kept_round} is kept "
+                     f"(a lower run-config 'lr' than {cfg.lr:g} usually trains stably; 'divergence-factor' = 0 "
+                     "disables the stop)")
             break
         progress(round_line(row, total_rounds, target, verbose=verbose, figures=strategy.round_report()))
         trace("round", round=rnd, method=cfg.method, t=t0_wall, t_end=t_round_end, t_evaluated=t_evaluated,
