@@ -24,6 +24,7 @@ from typing import Any
 
 from protocols import method_options
 from protocols.adjacency import ADJACENCIES
+from protocols.config_checks import check_counts
 from protocols.methods import (
     AUTO,
     AUTO_KEYS,
@@ -75,8 +76,8 @@ class RunConfig:
     data_dir: str = ""  # folder with <dataset>/ IDX files; "" = search $CANCELFL_DATA_DIR, then data/ folders (getting started)
     model: str = "mlp"  # mlp, cnn (image datasets), or "package.module:Net" (your nn.Module class or factory)
     hidden: str = "64"  # MLP hidden widths, comma-separated ("" = linear model)
-    train_subset: int = 0  # use only the first N training samples (0 = all)
-    test_subset: int = 0  # evaluate on the first N test samples (0 = all)
+    train_subset: int = 0  # use only the first N training samples (0 = all; more than the split has: refused)
+    test_subset: int = 0  # evaluate on at most the first N test samples (0 = all)
     # Federation
     num_clients: int = 10  # nodes the server waits for (= num-partitions)
     sample_rate: float = 1.0  # fraction q of clients sampled per round
@@ -250,9 +251,6 @@ class RunConfig:
                 raise ConfigError(f"run-config '{key}' must be an integer >= 1")
         if self.seed < 0:
             raise ConfigError(f"run-config 'seed' = {self.seed} must be an integer >= 0")
-        for key in ("train-subset", "test-subset"):
-            if getattr(self, key.replace("-", "_")) < 0:
-                raise ConfigError(f"run-config '{key}' must be an integer >= 0 (0 = all)")
         if not 0 < self.sample_rate <= 1:
             raise ConfigError(f"run-config 'sample-rate' = {self.sample_rate} must be in (0, 1]")
         need = method_spec(self.method).min_per_round
@@ -262,6 +260,7 @@ class RunConfig:
             raise ConfigError(f"method {self.method!r} needs at least {need} clients per round (its protection works "
                               f"between the clients of a round): run-config 'num-clients' = {self.num_clients} x "
                               f"'sample-rate' = {self.sample_rate:g} gives {self.clients_per_round}; {fix}")
+        check_counts(self)  # the data subsets, min-clients against num-clients
         if not 0 < self.delta < 1:
             raise ConfigError(f"run-config 'delta' = {self.delta} must be in (0, 1)")
         if self.max_strikes < 0:

@@ -47,7 +47,7 @@ from numpy.typing import ArrayLike, NDArray
 from scipy.special import gammaln, kve
 from torch import Tensor, nn
 
-from protocols.methods.ddpsa import NOISE_MODES
+from protocols.methods.ddpsa import NOISE_MODES, fewest_summed
 from protocols.privacy import (
     Accountant,
     DpCompositionAccountant,
@@ -236,11 +236,6 @@ def honest_participants(participants: int, collude_frac: float, dropout_frac: fl
         raise ValueError(f"{participants} participants leave no share to count on with a colluding fraction of "
                          f"{collude_frac:g} and a dropout fraction of {dropout_frac:g}")
     return counted
-
-
-def fewest_summed(participants: int, dropout_frac: float) -> int:
-    """``n - floor(d n)``: the fewest of ``n`` participants a distributed share may be summed with."""
-    return int(participants) - math.floor(dropout_frac * participants)
 
 
 def honest_present(participants: int, pushed: int, collude_frac: float, per_round: int = 0) -> int:

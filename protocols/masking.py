@@ -146,8 +146,11 @@ def self_mask(seed: bytes, size: int, std: float) -> np.ndarray:
     return gaussian(seed, size, std)
 
 
-def self_masks(masks: Sequence[tuple[bytes, float]], size: int) -> Iterable[np.ndarray]:
-    """:func:`self_mask` of each ``(seed, std)``, in order and bit-identical, the PRG streams expanded together."""
+def self_masks(masks: Sequence[tuple[bytes, float]], size: int | Sequence[int]) -> Iterable[np.ndarray]:
+    """:func:`self_mask` of each ``(seed, std)``, in order and bit-identical, the PRG streams expanded together.
+
+    ``size``: one length for every mask, or one per mask.
+    """
     return gaussian_many([seed for seed, _ in masks], size, [std for _, std in masks])
 
 

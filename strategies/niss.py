@@ -307,7 +307,7 @@ class NissStrategy(SharePhase, PairwiseRecovery, CancelStrategy):
             RoundFailed: a survivor revealed malformed material.
         """
         rec = self.recovered(state)
-        if rec is None:
+        if rec is None or not (rec.gone_any or rec.material):  # e.g. a self-mask unmasking: nothing removed
             return []
         flat = flatten(agg)
         size = flat.size

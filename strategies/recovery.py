@@ -36,7 +36,6 @@ from protocols.masking import (
     mask_parameters,
     mask_threshold,
     rebuild_seed,
-    self_mask,
     self_masks,
     unmaskable,
 )
@@ -403,9 +402,10 @@ class PairwiseRecovery:
         rec = self.recovered(state)
         if rec is None:
             return
-        for n, (seed, std) in rec.masks.items():
-            if n in flat:
-                flat[n] = flat[n] - self_mask(seed, len(flat[n]), std)
+        nodes = [n for n in sorted(rec.masks) if n in flat]
+        masks = self_masks([rec.masks[n] for n in nodes], [len(flat[n]) for n in nodes])
+        for n, mask in zip(nodes, masks, strict=True):
+            flat[n] = np.subtract(flat[n], mask, out=mask)
 
     def mask_sum(self, state: RoundState, size: int) -> np.ndarray:
         """Sum of the rebuilt self-masks of ``state``'s round (zeros without double masking)."""

@@ -47,6 +47,26 @@ def run_inprocess(tmp_path):
 
 
 @pytest.fixture
+def unplanned_dropouts(monkeypatch):
+    """``fn(rate)``: every round's grid withholds ``rate`` of the train messages as ``fault-drop-rate`` would.
+
+    The run config does not say so: real dropouts the run did not plan for (the config refuses a planned rate its
+    rounds cannot survive).
+    """
+    from strategies.run import loop
+    from strategies.run.grid import MeteredGrid
+
+    def withhold(rate: float) -> None:
+        class Withholding(MeteredGrid):
+            def __init__(self, inner, *, fault_rate: float = 0.0, seed: int = 0) -> None:
+                super().__init__(inner, fault_rate=rate, seed=seed)
+
+        monkeypatch.setattr(loop, "MeteredGrid", Withholding)
+
+    return withhold
+
+
+@pytest.fixture
 def niss_diagnostics(monkeypatch):
     """Nodes of this process allow niss's noiseless-update diagnostic (tests that measure the aggregate noise)."""
     from protocols.wire.niss import DIAGNOSTICS_ENV

@@ -128,3 +128,34 @@ def test_boolean_keys_take_booleans_and_their_words():
 def test_integer_range_errors_show_integers(value):
     with pytest.raises(ConfigError, match=r"'n-out' = 0 must be in \[1, inf\)"):
         RunConfig.from_mapping({"n-out": value})
+
+
+def test_min_clients_above_num_clients_is_refused_naming_both():
+    """A round cannot wait for more nodes than the federation has: refused, not capped at num-clients."""
+    with pytest.raises(ConfigError, match=r"'min-clients' = 5 is above 'num-clients' = 4.*'min-clients' <= 4"):
+        RunConfig.from_mapping({"num-clients": 4, "min-clients": 5})
+    assert RunConfig.from_mapping({"num-clients": 4, "min-clients": 4}).min_clients == 4
+    # the default 2 runs a 1-client federation (its one node); any other value above num-clients is refused
+    RunConfig.from_mapping({"num-clients": 1, "min-clients": 2})
+    with pytest.raises(ConfigError, match=r"'min-clients' = 3 is above 'num-clients' = 1"):
+        RunConfig.from_mapping({"num-clients": 1, "min-clients": 3})
+
+
+@pytest.mark.parametrize(("raw", "needle"), [
+    ({"fault-drop-rate": 0.2}, "withholds 2 of the 10 clients of every round, more than 'ddpsa-dropout-frac' = 0 "
+                               "lets a round lose (0)"),
+    ({"fault-drop-rate": 0.3, "ddpsa-dropout-frac": 0.2}, "set 'ddpsa-dropout-frac' >= 3/10"),
+    ({"fault-drop-rate": 0.5, "ddpsa-noise": "local", "num-clients": 2}, "a DDP-SA partial sum needs at least 2"),
+])
+def test_ddpsa_refuses_a_fault_drop_rate_every_round_would_fail_on(raw, needle):
+    """Withholding more than ddpsa-dropout-frac lets a round lose aborts every round: refused before round 1."""
+    with pytest.raises(ConfigError, match="'fault-drop-rate'") as err:
+        RunConfig.from_mapping({"method": "ddpsa", **raw})
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("raw", [{"fault-drop-rate": 0.2, "ddpsa-dropout-frac": 0.2},
+                                 {"fault-drop-rate": 0.12, "ddpsa-dropout-frac": 0.1},  # round(1.2) = 1 = floor(1)
+                                 {"fault-drop-rate": 0.5, "ddpsa-noise": "local"}])
+def test_ddpsa_accepts_a_fault_drop_rate_its_rounds_survive(raw):
+    assert RunConfig.from_mapping({"method": "ddpsa", **raw}).fault_drop_rate == raw["fault-drop-rate"]

@@ -177,8 +177,8 @@ def test_client_ledgers_agree_with_the_server(run_inprocess, tmp_path) -> None:
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_dropouts_abort_a_gaussian_round_charged_as_planned(run_inprocess, tmp_path) -> None:
-    """fault-drop-rate withholds replies after the shares were pushed: the round is aborted unreleased.
+def test_dropouts_abort_a_gaussian_round_charged_as_planned(run_inprocess, tmp_path, unplanned_dropouts) -> None:
+    """Replies withheld after the shares were pushed: the round is aborted unreleased.
 
     Each share's signed terms allow only a sum over every participant its client was shown (the ledger charged the
     whole central Gaussian); the round is charged its planned release, which the clients that pushed recorded.
@@ -188,7 +188,8 @@ def test_dropouts_abort_a_gaussian_round_charged_as_planned(run_inprocess, tmp_p
     z = gaussian_multiplier(LINEAR["epsilon"], full["config"]["delta"], 4)
     delta = full["config"]["delta"]
     assert full["failed_rounds"] == [] and full["epsilon"] == pytest.approx(gdp_epsilon(z, 4, delta))
-    dropped, _ = run_inprocess(**common, fault_drop_rate=0.1, out_dir=str(tmp_path / "drop"))
+    unplanned_dropouts(0.1)
+    dropped, _ = run_inprocess(**common, out_dir=str(tmp_path / "drop"))
     assert dropped["failed_rounds"] and all("summed only with at least 10 of the participants" in f
                                             for f in dropped["failed_rounds"])
     assert dropped["epsilon"] == pytest.approx(full["epsilon"]) and not dropped["privacy"]["over_target"]

@@ -13,6 +13,7 @@ from flwr.app import ConfigRecord
 from scipy import integrate, stats
 
 import client.methods.ddpsa as ddpsa_client
+from protocols.config import ConfigError
 from protocols.ddpsa import (
     distributed_laplace_share,
     gamma_difference_epsilon,
@@ -211,19 +212,24 @@ def test_local_round_accepted_by_a_distributed_client(noise_seen) -> None:
     assert from_record(arrays)
 
 
-def test_dropped_participants_abort_a_distributed_round_and_not_a_local_one(run_inprocess, tmp_path) -> None:
-    """fault-drop-rate withholds replies after the shares were pushed: a distributed round is aborted unreleased.
+def test_dropped_participants_abort_a_distributed_round_and_not_a_local_one(run_inprocess, tmp_path,
+                                                                            unplanned_dropouts) -> None:
+    """Replies withheld after the shares were pushed: a distributed round is aborted unreleased.
 
     Each share's signed terms allow only a sum over every participant its client was shown but ``floor(d n)``
     (the ledger charged the whole central Laplace); the round is charged its planned release, which the clients
     that pushed recorded.  Shares sized for the dropouts (``ddpsa-dropout-frac``) release every round.  A local
-    round (every upload carries its own Laplace) is released over the shares that came.
+    round (every upload carries its own Laplace) is released over the shares that came.  Planned with
+    ``fault-drop-rate`` above ``ddpsa-dropout-frac``, such a run is refused before round 1.
     """
     common = dict(method="ddpsa", num_clients=10, num_rounds=4, ddpsa_collude_frac=0.0, ddpsa_composition="basic",
                   **LINEAR)
     full, _ = run_inprocess(**common)
     assert full["failed_rounds"] == [] and full["epsilon"] == pytest.approx(10.0)
-    half, _ = run_inprocess(**common, fault_drop_rate=0.5, out_dir=str(tmp_path / "half"))
+    with pytest.raises(ConfigError, match=r"'fault-drop-rate' = 0.5 withholds 5 of the 10 .*'ddpsa-dropout-frac' = 0"):
+        run_inprocess(**common, fault_drop_rate=0.5, out_dir=str(tmp_path / "refused"))
+    unplanned_dropouts(0.5)
+    half, _ = run_inprocess(**common, out_dir=str(tmp_path / "half"))
     assert len(half["failed_rounds"]) == 4
     assert all("summed only with at least 10 of the participants" in f for f in half["failed_rounds"])
     assert half["epsilon"] == pytest.approx(10.0)  # nothing released, each round charged what the clients recorded

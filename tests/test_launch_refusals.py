@@ -86,6 +86,8 @@ def test_bad_idx_files_are_refused_before_any_process(tmp_path, capsys, monkeypa
     ("num-rounds=2 num-rounds=3", "given twice"),
     ('method=fedavg', "strings must be quoted"),
     ('method="ddpsa" num-clients=1', "at least 2 clients per round"),
+    ("min-clients=11", "'min-clients' = 11 is above 'num-clients' = 10"),
+    ('method="ddpsa" fault-drop-rate=0.2', "more than 'ddpsa-dropout-frac' = 0 lets a round lose"),
 ])
 def test_config_errors_before_any_process(tmp_path, capsys, monkeypatch, run_config, needle):
     monkeypatch.setattr("server.deploy.run_simulation", lambda *a, **k: pytest.fail("a process was started"))
@@ -111,6 +113,15 @@ def test_more_clients_than_records_is_refused_at_once(tmp_path, capsys, monkeypa
     _no_process(monkeypatch)
     code, err = _cli(capsys, *argv, "--run-config", f'num-clients=100000 out-dir="{tmp_path / "out"}"')
     assert code == 2 and "'num-clients' = 100000" in err and "lower 'num-clients' to 1437" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv", [("run",), ("run", "--engine", "simulation")])
+def test_a_train_subset_larger_than_the_split_is_refused_at_once(tmp_path, capsys, monkeypatch, argv):
+    """train-subset=5000 on digits (1437 training records): refused naming the split's size, not trained on 1437."""
+    _no_process(monkeypatch)
+    code, err = _cli(capsys, *argv, "--run-config", f'train-subset=5000 out-dir="{tmp_path / "out"}"')
+    assert code == 2 and "'train-subset' = 5000 is more than the 1437 records" in err, err
     assert not (tmp_path / "out").exists()
 
 
@@ -227,6 +238,13 @@ def test_adjusted_settings_are_named_at_start():
     notes: list[str] = []
     preflight({"method": "nadp", "graph": "n-out", "n-out": 3, "num-clients": 4, "num-rounds": 5}, warn=notes.append)
     assert any("'n-out' = 3" in n and "complete graph" in n for n in notes), notes
+
+
+def test_keys_a_method_does_not_read_are_named_at_start():
+    notes: list[str] = []
+    preflight({"method": "mpddp", "local-epochs": 2, "batch-size": 32, "num-clients": 4, "num-rounds": 2},
+              warn=notes.append)
+    assert any("'mpddp' does not read run-config 'local-epochs' = 2, 'batch-size' = 32" in n for n in notes), notes
 
 
 @pytest.mark.parametrize(("model", "needle"), [

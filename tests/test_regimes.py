@@ -12,8 +12,9 @@ import math
 import pytest
 
 from protocols import ladp as ladp_math
+from protocols.adjustments import adjustments
 from protocols.config import ConfigError, RunConfig
-from protocols.methods import METHOD_NAMES, METHODS, regime
+from protocols.methods import FULL_BATCH, METHOD_NAMES, METHODS, regime
 from protocols.niss import client_tau
 from protocols.privacy import gdp_epsilon
 from protocols.privacy.signal import NoiseEstimate
@@ -154,3 +155,19 @@ def test_no_guarantee_direction_is_null_and_ladp_spends_its_target(tmp_path):
     mp, _ = _run(tmp_path, "mpddp", method="mpddp", **{"num-rounds": 2})
     assert mp["epsilon_uplink"] is None and mp["privacy"]["uplink"]["adversary"] is None  # nominal only
     assert mp["epsilon_downlink"] is not None
+
+
+@pytest.mark.parametrize("method", ["ddpsa", "mpddp", "mpcdp", "mpdp-naive"])
+def test_a_full_batch_gradient_method_records_the_step_it_takes_and_warns_on_keys_it_ignores(method):
+    # one full-batch gradient per round: "auto" records what the method does, not the field defaults (2 epochs of 32)
+    cfg = RunConfig.from_mapping({"method": method})
+    assert (cfg.local_epochs, cfg.batch_size) == (1, FULL_BATCH)
+    assert {"local-epochs": 1, "batch-size": FULL_BATCH}.items() <= dict(cfg.regime_applied).items()
+    assert not [n for n in adjustments(cfg) if "does not read" in n]
+    # set explicitly (the benchmarks pass them to every method): kept as given, run, and named once at start
+    cfg = RunConfig.from_mapping({"method": method, "local-epochs": 2, "batch-size": 32})
+    notes = [n for n in adjustments(cfg) if "does not read" in n]
+    assert len(notes) == 1 and "'local-epochs' = 2" in notes[0] and "'batch-size' = 32" in notes[0], notes
+    # a method that reads them is not warned
+    assert not [n for n in adjustments(RunConfig.from_mapping({"method": "nadp", "local-epochs": 2}))
+                if "does not read" in n]

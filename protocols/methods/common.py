@@ -14,6 +14,10 @@ RECORD_STEP = {"small": {"hidden": "", "local-epochs": 1, "batch-size": FULL_BAT
                          "num-rounds": 30, "model-ema": MODEL_EMA, "input-centering": True},
                "large": {"num-rounds": 60}}
 
+#: ``MethodSpec.fixed`` of the methods whose clients compute one gradient per round over all their records (FedSGD):
+#: they read neither key, and train as one epoch in one full batch.
+FULL_BATCH_GRADIENT = {"local-epochs": 1, "batch-size": FULL_BATCH}
+
 #: The round-time goals of most cards (``MethodSpec.round_time_goal``): a round within 1.1x FedAvg's in-process
 #: and under simulation, within 1.2x in deployment (each extra message phase is one more round trip).
 ROUND_GOALS = {"round_time_goal": 1.1, "deployment_round_time_goal": 1.2}

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
-from protocols.methods.common import MODEL
+from protocols.config_checks import fault_withheld
+from protocols.methods.common import FULL_BATCH_GRADIENT, MODEL
 from protocols.methods.registry import register
 from protocols.methods.spec import Guarantee, MethodSpec
 from protocols.options import ConfigError, MethodOptions, option
@@ -22,6 +24,11 @@ COMPOSITIONS: tuple[str, ...] = ("basic", "pld", "advanced")
 #: per parameter on MNIST) spend it on 8 steps, which the extra optimisation repays.
 DDPSA_REGIME = {"small": {"hidden": "", "lr": 100.0, "clip": 1.0, "num-rounds": 1},
                 "large": {"num-rounds": 8, "lr": 150.0}}
+
+
+def fewest_summed(participants: int, dropout_frac: float) -> int:
+    """``n - floor(d n)``: the fewest of ``n`` participants a distributed share may be summed with."""
+    return int(participants) - math.floor(dropout_frac * participants)
 
 
 def sharing_threshold(threshold: int, servers: int) -> int:
@@ -86,6 +93,17 @@ class DdpsaOptions(MethodOptions):
     def validate_run(self, cfg: Any) -> None:
         if self.servers.strip() and not self.ca:
             raise ConfigError("run-config 'ddpsa-servers' needs 'ddpsa-ca' (the CA of the servers' TLS certificates)")
+        n = cfg.clients_per_round
+        lost = fault_withheld(cfg.fault_drop_rate, n)
+        if lost and n - lost < 2:
+            raise ConfigError(f"run-config 'fault-drop-rate' = {cfg.fault_drop_rate:g} withholds {lost} of the {n} "
+                              "clients of every round and a DDP-SA partial sum needs at least 2: every round would "
+                              "be aborted unreleased; lower 'fault-drop-rate' or raise 'num-clients'")
+        if lost and self.noise != "local" and lost > n - fewest_summed(n, self.dropout_frac):
+            raise ConfigError(f"run-config 'fault-drop-rate' = {cfg.fault_drop_rate:g} withholds {lost} of the {n} "
+                              f"clients of every round, more than 'ddpsa-dropout-frac' = {self.dropout_frac:g} lets a "
+                              f"round lose ({n - fewest_summed(n, self.dropout_frac)}): every round would be aborted "
+                              f"unreleased; set 'ddpsa-dropout-frac' >= {lost}/{n} or lower 'fault-drop-rate'")
 
 
 def local_servers(cfg: Any) -> int:
@@ -95,6 +113,7 @@ def local_servers(cfg: Any) -> int:
 
 register(MethodSpec("ddpsa", "strategies.ddpsa:DdpsaStrategy", "client.methods.ddpsa:train",
                     queries={"ddpsa_identity": "client.methods.ddpsa:identity"}, family="ddpsa", paper="DDP-SA",
-                    options=(DdpsaOptions,), regime=DDPSA_REGIME, privacy=Guarantee("record", SERVER_SECAGG, MODEL),
+                    options=(DdpsaOptions,), regime=DDPSA_REGIME, fixed=FULL_BATCH_GRADIENT,
+                    privacy=Guarantee("record", SERVER_SECAGG, MODEL),
                     min_per_round=2, server_step_lr="lr", local_services=local_servers,
                     audit="server.audits.ddpsa:DdpsaAudit", round_time_goal=1.5, deployment_round_time_goal=1.2))

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocols.methods.common import MODEL_GIVEN_R, ROUND_GOALS
+from protocols.methods.common import FULL_BATCH_GRADIENT, MODEL_GIVEN_R, ROUND_GOALS
 from protocols.methods.nadp import CONSISTENCY, KEYS, RECOVER
 from protocols.methods.pairwise import PairwiseOptions
 from protocols.methods.registry import register
 from protocols.methods.spec import Guarantee, MethodSpec
 from protocols.options import MethodOptions, option
 
-#: FedSGD on the squared loss (local-epochs/batch-size/lr unused), each example's perturbed gradient clipped to 1 on
+#: FedSGD on the squared loss (lr unused), each example's perturbed gradient clipped to 1 on
 #: W-hat; the server steps with Adam (post-processing of the recovered gradient: the squared-loss MLP is badly
 #: conditioned for the paper's plain xi step, whose right size differs by dataset).
 MP_REGIME = {"small": {"hidden": "16", "num-rounds": 30, "clip": 1.0, "server-optimizer": "adam",
@@ -58,9 +58,11 @@ class Ablation:
 
 ABLATION = Ablation(method="mpddp", trusted="mpcdp", naive="mpdp-naive")
 
-#: What the whole family shares: the server steps with the recovered gradient (xi = ``mpddp-server-lr``), and on
-#: the small datasets the squared-loss MLP is not held to the defaults benchmark's accuracy floor.
-_FAMILY = dict(family="mpddp", regime=MP_REGIME, server_step_lr="mpddp-server-lr", floor_exempt=("small",))
+#: What the whole family shares: one full-batch gradient per round (:data:`FULL_BATCH_GRADIENT`), the server steps with
+#: it (xi = ``mpddp-server-lr``), and on the small datasets the squared-loss MLP is not held to the defaults benchmark's
+#: accuracy floor.
+_FAMILY = dict(family="mpddp", regime=MP_REGIME, fixed=FULL_BATCH_GRADIENT, server_step_lr="mpddp-server-lr",
+               floor_exempt=("small",))
 #: The ablations' shared entries (uplink: no guarantee), their audit adapter included.
 _NO_UPLINK = dict(_FAMILY, options=(MpddpOptions,), audit="server.audits.mpddp:MpAudit")
 register(MethodSpec("mpddp", "strategies.mpddp:MpddpStrategy", "client.methods.mpddp:train",

@@ -196,12 +196,22 @@ def dataset_size_class(dataset: str) -> str:
 
 
 def regime(method: str, dataset: str) -> dict[str, Any]:
-    """The run-config values ``method`` trains with on ``dataset``: :data:`FEDERATION`, then the method's regime."""
+    """The run-config values ``method`` trains with on ``dataset``.
+
+    :data:`FEDERATION`, the method's regime, then the values of the keys it does not read (:attr:`MethodSpec.fixed`).
+    """
     spec = method_spec(method)
     out = dict(FEDERATION[dataset_size_class(dataset)])
     out.update(spec.regime.get("small", {}))
     if dataset_size_class(dataset) == "large":
         out.update(spec.regime.get("large", {}))
+    out.update(spec.fixed)
     if dataset in TABULAR_DATASETS:  # centring is a per-image transform
         out.pop("input-centering", None)
     return out
+
+
+def ignored_settings(cfg: Any) -> dict[str, Any]:
+    """The run-config keys of ``cfg`` its method does not read (:attr:`MethodSpec.fixed`) set to another value."""
+    fixed = method_spec(cfg.method).fixed
+    return {k: getattr(cfg, k.replace("-", "_")) for k, v in fixed.items() if getattr(cfg, k.replace("-", "_")) != v}

@@ -76,6 +76,10 @@ class MethodSpec:
         options: the classes of its own run-config keys (:class:`protocols.options.MethodOptions`).
         regime: run-config values it trains with, ``{"small": {...}, "large": {...}}`` by dataset size, applied
             to keys left ``"auto"`` (``"large"`` entries override ``"small"`` ones on :data:`LARGE_DATASETS`).
+        fixed: run-config keys it does not read, with the value its training amounts to (one full-batch gradient
+            per round: ``local-epochs`` 1, ``batch-size`` :data:`FULL_BATCH`): the regime records them for keys left
+            ``"auto"``, and a run that sets another value is warned at start that the method ignores it
+            (:func:`protocols.methods.ignored_settings`).
         privacy: what its epsilon protects.
         units: privacy units it implements (run-config ``privacy-unit``); empty = no DP.
         min_per_round: fewest clients a round can aggregate (2 where protection works between the clients).
@@ -108,6 +112,7 @@ class MethodSpec:
     paper: str = ""
     options: tuple[type[MethodOptions], ...] = ()
     regime: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    fixed: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     privacy: Guarantee = Guarantee("none", None, None)
     units: tuple[str, ...] = ("record",)
     min_per_round: int = 1
@@ -124,6 +129,7 @@ class MethodSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "queries", _frozen(self.queries))
         object.__setattr__(self, "regime", MappingProxyType({k: _frozen(v) for k, v in self.regime.items()}))
+        object.__setattr__(self, "fixed", _frozen(self.fixed))
         object.__setattr__(self, "options", tuple(self.options))
         object.__setattr__(self, "floor_exempt", tuple(self.floor_exempt))
 

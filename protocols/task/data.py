@@ -188,7 +188,11 @@ def center_images(x: np.ndarray) -> np.ndarray:
 @lru_cache(maxsize=4)
 def load_dataset(name: str, data_dir: str = "", train_subset: int = 0, test_subset: int = 0,
                  center: bool = False) -> Dataset:
-    """Load a dataset by run-config name (cached per process); ``center``: :func:`center_images`."""
+    """Load a dataset by run-config name (cached per process); ``center``: :func:`center_images`.
+
+    ``train_subset``: the first N training records (0 = all; more than the split holds: ``ConfigError``);
+    ``test_subset``: at most the first N test records (0 = all).
+    """
     if name in ("digits", "breast-cancer"):
         ds = _load_sklearn(name, 0)
     elif name in ("mnist", "fashion-mnist"):
@@ -199,6 +203,9 @@ def load_dataset(name: str, data_dir: str = "", train_subset: int = 0, test_subs
         ds = _load_user(name)
     else:
         raise ConfigError(f"unknown dataset {name!r}")
+    if train_subset > len(ds.y_train):  # test-subset only caps the evaluation: "at most"
+        raise ConfigError(f"run-config 'train-subset' = {train_subset} is more than the {len(ds.y_train)} records of "
+                          f"dataset {name!r}'s training split: set it to at most {len(ds.y_train)} (0 = all)")
     if train_subset or test_subset:
         ntr = train_subset or len(ds.y_train)
         nte = test_subset or len(ds.y_test)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 from flwr.app import Message
 
+from protocols.config_checks import fault_withheld
+
 
 def fault_drops(messages: list[Message], rate: float, seed: int, fallback_round: int = 1) -> tuple[int, set[int]]:
     """(round, nodes whose train message is withheld) of one phase's ``messages``; no nodes for other phases.
@@ -34,6 +36,6 @@ def fault_drops(messages: list[Message], rate: float, seed: int, fallback_round:
     except (KeyError, TypeError, ValueError):
         rnd = fallback_round
     nodes = sorted(m.metadata.dst_node_id for m in train)
-    count = min(int(round(rate * len(nodes))), len(nodes) - 1)
+    count = fault_withheld(rate, len(nodes))
     rng = np.random.default_rng([int(seed), rnd, 0xFA17])
-    return rnd, {nodes[int(i)] for i in rng.choice(len(nodes), size=max(count, 0), replace=False)}
+    return rnd, {nodes[int(i)] for i in rng.choice(len(nodes), size=count, replace=False)}
