@@ -5,16 +5,20 @@ A figure typed in prose carries a marker right after it (invisible once rendered
     nadp takes 1.26x<!-- fig roundtime nadp round_s_x_fedavg --> FedAvg's round
 
 ``<!-- fig RECORD ROW COLUMN -->``: ``RECORD`` a folder under ``docs/results`` (``RECORD/TABLE`` picks
-``TABLE.csv`` where the folder holds several tables), ``ROW`` the value of the table's first column, or
-``col=value,col=value`` for tables keyed by several columns, ``COLUMN`` the column quoted.  The typed number must
-equal the recorded value rounded to the decimals it shows.  :func:`check_documents` lists every figure that does not
-(a re-recorded table whose prose was not updated), every marker that names no figure or no row, and every ratio
-figure (``1.26x``) typed without a marker.
+``TABLE.csv`` where the folder holds several tables, ``RECORD/FILE.KEY`` the list of rows under ``KEY`` in
+``FILE.json``), ``ROW`` the value of the table's first column, or ``col=value,col=value`` for tables keyed by
+several columns, ``COLUMN`` the column quoted, optionally in another unit (``bytes_per_client/1000`` for kB,
+``server_cpu_s*1000`` for ms) or over another column of its row (``point/claimed``).  The typed number must
+equal the recorded value (in that unit) rounded to the decimals it shows; each end of a range (``0.11–0.16 s``)
+carries its own marker.  :func:`check_documents` lists every figure that does not (a re-recorded table whose prose
+was not updated), every marker that names no figure or no row, and every ratio figure (``1.26x``, ``7.5×``) typed
+without a marker.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -26,7 +30,9 @@ _MARKER = re.compile(r"<!-- fig (\S+) (\S+) (\S+) -->")
 #: The number a marker binds: the last one before it, with an optional unit (``1.26x``, ``0.9 s``, ``12 %``).
 _FIGURE = re.compile(r"(-?\d+(?:\.\d+)?)\s?(?:x|×|%|s|ms|MB|MiB|GB|KB|kB)?\**\s*$")
 #: A ratio typed in prose (``1.26x``): each needs a marker.
-_RATIO = re.compile(r"(?<![\w.])(\d+\.\d+)x(?!\w)")
+_RATIO = re.compile(r"(?<![\w.])(\d+\.\d+)[x×](?!\w)")
+#: A column quoted in another unit or against another column of its row: ``COLUMN*FACTOR``, ``COLUMN/DIVISOR``.
+_SCALED = re.compile(r"(.+?)([*/])(.+)")
 
 
 @dataclass(frozen=True)
@@ -61,45 +67,60 @@ def quotes(path: Path) -> tuple[list[Quote], list[str]]:
     return found, problems
 
 
-def _table(results: Path, record: str) -> Path:
+def _rows(results: Path, record: str) -> tuple[str, list[dict[str, str]]]:
+    """The named table's file name and rows (cells as text); LookupError when it is missing or ambiguous."""
     folder, _, table = record.partition("/")
-    if table:
-        return results / folder / f"{table}.csv"
-    tables = sorted((results / folder).glob("*.csv"))
-    if len(tables) != 1:
-        raise LookupError(f"docs/results/{folder} holds {len(tables)} tables: name one as {folder}/<table>")
-    return tables[0]
+    if not table:
+        tables = sorted((results / folder).glob("*.csv"))
+        if len(tables) != 1:
+            raise LookupError(f"docs/results/{folder} holds {len(tables)} tables: name one as {folder}/<table>")
+        table = tables[0].stem
+    path = results / folder / f"{table}.csv"
+    if path.is_file():
+        with path.open(newline="") as fh:
+            return path.name, list(csv.DictReader(fh))
+    stem, _, key = table.rpartition(".")
+    path = results / folder / f"{stem}.json"
+    if not stem or not path.is_file():
+        raise LookupError(f"no recorded table docs/results/{folder}/{table}.csv")
+    rows = json.loads(path.read_text()).get(key)
+    if not isinstance(rows, list):
+        raise LookupError(f"docs/results/{folder}/{path.name} has no list {key!r}")
+    return f"{path.name}:{key}", [{k: str(v) for k, v in r.items()} for r in rows]
 
 
 def check_quote(quote: Quote, results: Path) -> str | None:
     """Why ``quote`` does not match its record (None when it does).
 
-    The typed number matches when the recorded value rounded to the typed number's decimals equals it.
+    The typed number matches when the recorded value rounded to the typed number's decimals equals it (either
+    neighbour of a value halfway between two, such as an accuracy of 0.8935 typed as 0.893 or 0.894).
     """
     try:
-        table = _table(results, quote.record)
+        name, rows = _rows(results, quote.record)
     except LookupError as err:
         return f"{quote.where()}: {err}"
-    if not table.is_file():
-        return f"{quote.where()}: no recorded table {table.relative_to(results.parent)}"
-    with table.open(newline="") as fh:
-        rows = list(csv.DictReader(fh))
     if not rows:
-        return f"{quote.where()}: {table.name} has no rows"
+        return f"{quote.where()}: {name} has no rows"
     first = next(iter(rows[0]))
     wanted = dict(kv.split("=", 1) for kv in quote.row.split(",")) if "=" in quote.row else {first: quote.row}
     match = [r for r in rows if all(_same(r.get(k), v) for k, v in wanted.items())]
     if len(match) != 1:
-        return f"{quote.where()}: {len(match)} rows of {table.name} match {quote.row!r} (need exactly 1)"
-    cell = match[0].get(quote.column)
+        return f"{quote.where()}: {len(match)} rows of {name} match {quote.row!r} (need exactly 1)"
+    column, op, by = quote.column, "*", "1"
+    if (m := _SCALED.fullmatch(quote.column)) and m.group(1) in match[0]:
+        column, op, by = m.groups()
+    cell = match[0].get(column)
     if cell is None:
-        return f"{quote.where()}: {table.name} has no column {quote.column!r}"
+        return f"{quote.where()}: {name} has no column {column!r}"
     try:
-        value = float(cell)
-    except ValueError:
-        return f"{quote.where()}: {quote.column} of {quote.row!r} is {cell!r}, not a number"
+        factor = float(match[0].get(by, by))
+        value = float(cell) * factor if op == "*" else float(cell) / factor
+        if math.isnan(value):
+            raise ValueError(value)
+    except (ValueError, ZeroDivisionError):
+        return f"{quote.where()}: {quote.column} of {quote.row!r} is not a number ({cell!r}, {by!r})"
     decimals = len(quote.typed.partition(".")[2])
-    if not math.isclose(round(value, decimals), float(quote.typed), abs_tol=10.0 ** -(decimals + 6)):
+    if abs(value - float(quote.typed)) > 0.5 * 10.0 ** -decimals + 1e-9 * max(1.0, abs(value)):
         return (f"{quote.where()}: typed {quote.typed}, but {quote.record} {quote.row} {quote.column} is "
                 f"{value:.{decimals + 2}f} (rounds to {round(value, decimals):.{decimals}f})")
     return None

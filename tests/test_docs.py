@@ -171,12 +171,29 @@ def test_every_figure_quoted_in_the_docs_matches_its_record(tmp_path):
     assert figures.check_documents(_documents(), DOCS / "results") == []
 
     (tmp_path / "rt").mkdir()
-    (tmp_path / "rt" / "roundtime.csv").write_text("name,clients,round_s,round_s_x_fedavg\n"
-                                                   "fedavg,4,1.7746,1.0\nnadp,4,2.998,1.6894\nnadp,8,3.5,1.9\n")
+    (tmp_path / "rt" / "roundtime.csv").write_text("name,clients,round_s,round_s_x_fedavg,bytes\n"
+                                                   "fedavg,4,1.7746,1.0,56676\nnadp,4,2.998,1.6894,0\n"
+                                                   "nadp,8,3.5,1.9,0\nniss,4,0.8935,7.544,nan\n")
+    (tmp_path / "rt" / "trace.json").write_text('{"rounds": [{"method": "fedavg", "cpu_s": 3.135}]}')
     page = tmp_path / "page.md"
     page.write_text("FedAvg 1.77 s<!-- fig rt fedavg round_s -->, nadp 1.69x<!-- fig rt name=nadp,clients=4 "
-                    "round_s_x_fedavg --> and 1.9<!-- fig rt name=nadp,clients=8 round_s_x_fedavg -->.\n")
+                    "round_s_x_fedavg --> and 1.9<!-- fig rt name=nadp,clients=8 round_s_x_fedavg -->; "
+                    "57 kB<!-- fig rt fedavg bytes/1000 -->, 3.1 s<!-- fig rt/trace.rounds fedavg cpu_s -->, "
+                    "0.893<!-- fig rt niss round_s -->–0.894<!-- fig rt niss round_s -->, 7.5×<!-- fig rt niss "
+                    "round_s_x_fedavg -->, 0.56<!-- fig rt name=nadp,clients=4 round_s_x_fedavg/round_s -->.\n")
     assert figures.check_documents([page], tmp_path) == []
+    page.write_text("56 kB<!-- fig rt fedavg bytes/1000 -->, 3.2 s<!-- fig rt/trace.rounds fedavg cpu_s -->, "
+                    "0.892<!-- fig rt niss round_s -->, 1<!-- fig rt/trace.steps fedavg cpu_s -->, 0<!-- fig rt niss "
+                    "bytes -->, 0.2<!-- fig rt name=nadp,clients=4 round_s_x_fedavg/bytes --> and 7.54×.\n")
+    problems = figures.check_documents([page], tmp_path)
+    assert any("typed 56" in p and "bytes/1000" in p for p in problems), problems
+    assert any("typed 3.2" in p for p in problems), problems
+    assert any("typed 0.892" in p for p in problems), problems
+    assert any("trace.json has no list 'steps'" in p for p in problems), problems
+    assert any("ratio 7.54× has no" in p for p in problems), problems
+    assert any("bytes of 'niss' is not a number ('nan'" in p for p in problems), problems
+    assert any("round_s_x_fedavg/bytes of 'name=nadp,clients=4' is not a number" in p for p in problems), problems
+    assert len(problems) == 7, problems
     page.write_text("FedAvg 1.78 s<!-- fig rt fedavg round_s -->, nadp 1.7x<!-- fig rt nadp round_s_x_fedavg -->, "
                     "niss 1.72x, <!-- fig rt fedavg round_s --> and 2<!-- fig rt ldp round_s -->.\n")
     problems = figures.check_documents([page], tmp_path)
