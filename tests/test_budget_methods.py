@@ -46,9 +46,13 @@ def test_a_raised_scale_reaches_the_noise_and_the_charge(run_inprocess, tmp_path
     assert raised["epsilon"] < 0.8 * plain["epsilon"]  # two of three releases at 1.5x the multiplier
 
 
-def test_ddpsa_aborts_a_round_with_dropouts_within_the_budget(run_inprocess):
-    """Distributed noise, 2 of 10 drop: no share is summed without all its client was shown; nothing crosses."""
-    summary, rows = run_inprocess(method="ddpsa", **DROPS)
+def test_ddpsa_aborts_a_round_with_dropouts_within_the_budget(run_inprocess, unplanned_dropouts):
+    """Distributed noise, 2 of 10 drop unplanned: no share is summed without all its client was shown; nothing crosses.
+
+    (A planned ``fault-drop-rate`` its rounds cannot survive is refused at start.)
+    """
+    unplanned_dropouts(DROPS["fault-drop-rate"])
+    summary, rows = run_inprocess(method="ddpsa", **{k: v for k, v in DROPS.items() if k != "fault-drop-rate"})
     assert summary["epsilon"] <= 1.0 and not summary["privacy"]["over_target"]
     assert len(summary["failed_rounds"]) == 3
     assert all("summed only with at least 10 of the participants" in f for f in summary["failed_rounds"])

@@ -31,6 +31,17 @@ def _train(strategy: DdpsaStrategy, cfg, grid) -> list:
     return list(grid.send_and_receive(msgs))
 
 
+def _refused_by_all(strategy: DdpsaStrategy, cfg, grid, key: str) -> None:
+    """Round 1 of ``strategy``: every client refuses it as a privacy-floor violation of ``key``."""
+    try:
+        replies = _train(strategy, cfg, grid)
+    finally:
+        strategy.close()
+    assert len(replies) == cfg.num_clients
+    for r in replies:
+        assert r.has_error() and "privacy floor" in r.error.reason and key in r.error.reason
+
+
 def _all_pushed(strategy: DdpsaStrategy, cfg, grid, seen: list) -> tuple[list[str], float]:
     """Round 1 with every participant pushing: (the participants' names, the round's central Laplace scale b)."""
     replies = _train(strategy, cfg, grid)
@@ -213,14 +224,8 @@ def test_a_grid_that_rounds_the_split_noise_away_is_refused(noise_seen) -> None:
     assert min_frac_bits(10, 0.01) > 0
 
     with _served(num_clients=4, num_rounds=2, **LINEAR) as (cfg, grid, cluster):
-        strategy = _CoarseGrid(cfg)
-        try:
-            replies = _train(strategy, cfg, grid)
-        finally:
-            strategy.close()
-        assert len(replies) == 4 and noise_seen == []
-        for r in replies:
-            assert r.has_error() and "privacy floor" in r.error.reason and "ddpsa-frac-bits" in r.error.reason
+        _refused_by_all(_CoarseGrid(cfg), cfg, grid, "ddpsa-frac-bits")
+        assert noise_seen == []
         with pytest.raises(ConfigError, match="ddpsa-frac-bits"):
             DdpsaStrategy(RunConfig.from_mapping({**cfg.to_mapping(), "ddpsa-frac-bits": 8, "clip": 0.01}))
 
@@ -280,14 +285,8 @@ def test_a_range_too_small_for_the_noisy_sum_is_refused_before_any_work(noise_se
     assert min_codec_range(10, 0.5, 0.25) == 10 * 0.5 + 64 * 0.25
 
     with _served(num_clients=4, num_rounds=2, ddpsa_collude_frac=0.0, **LINEAR) as (cfg, grid, _):
-        strategy = _NarrowRange(cfg)
-        try:
-            replies = _train(strategy, cfg, grid)
-        finally:
-            strategy.close()
-        assert len(replies) == 4 and noise_seen == []
-        for r in replies:
-            assert r.has_error() and "privacy floor" in r.error.reason and "ddpsa-max-clients" in r.error.reason
+        _refused_by_all(_NarrowRange(cfg), cfg, grid, "ddpsa-max-clients")
+        assert noise_seen == []
         for ctx in grid.contexts.values():
             with ClientLedger.open(ledger_dir(ctx.node_config), ctx.node_config["partition-id"], write=False) as led:
                 assert led.rounds(ctx.run_id) == []
