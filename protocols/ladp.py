@@ -421,7 +421,7 @@ def apply_layer_noise(
             # Cast back to a narrower float, values as large as the (server-sent) model's round noise away: refuse
             # when the grid there is coarser than sigma / ROUNDING_MARGIN.  Past check_upload_grid only when the
             # noise passes NOISE_TAIL sigmas; the message names no value (the layer is not charged yet).
-            if not _grid(float(np.max(np.abs(summed))), out_dtype) * ROUNDING_MARGIN <= plan[name].sigma:
+            if not _grid_keeps(float(np.max(np.abs(summed))), out_dtype, plan[name].sigma):
                 raise ValueError(f"layer {name!r}: its noisy values are too large for {np.dtype(out_dtype).name} to "
                                  f"keep noise of std {plan[name].sigma:.3g} (it would round away); refusing the round")
         noisy[name] = summed.astype(out_dtype)
@@ -436,9 +436,9 @@ ROUNDING_MARGIN = 16.0
 NOISE_TAIL = 10.0
 
 
-def _grid(value: float, dtype: np.dtype | type) -> float:
-    """Spacing of ``dtype``'s grid at ``|value|`` (NaN for a value the dtype cannot hold)."""
-    return float(np.spacing(np.asarray(abs(value), dtype=dtype)))
+def _grid_keeps(value: float, dtype: np.dtype | type, sigma: float) -> bool:
+    """Whether ``dtype``'s grid at ``|value|`` is at most ``sigma / ROUNDING_MARGIN`` (False where it is NaN)."""
+    return float(np.spacing(np.asarray(abs(value), dtype=dtype))) * ROUNDING_MARGIN <= sigma
 
 
 def check_upload_grid(global_layers: Mapping[str, np.ndarray], plan: Mapping[str, LayerNoise], movement: float,
@@ -462,7 +462,7 @@ def check_upload_grid(global_layers: Mapping[str, np.ndarray], plan: Mapping[str
         if not (entry.selected and entry.sigma != 0.0 and layer.size):
             continue
         bound = float(np.max(np.abs(layer))) + movement + NOISE_TAIL * entry.sigma
-        if not _grid(bound, upload_dtype) * ROUNDING_MARGIN <= entry.sigma:
+        if not _grid_keeps(bound, upload_dtype, entry.sigma):
             raise ViewError(f"layer {name!r}: the received model's values (up to {float(np.max(np.abs(layer))):.3g}) "
                              f"are too large for {np.dtype(upload_dtype).name} to keep noise of std {entry.sigma:.3g} "
                              "(it would round away); refusing the round")
