@@ -31,6 +31,7 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from client.env import ClientEnv
+from client.errors import sealed
 from client.methods import query_actions, query_phase, train_phase
 from protocols.config import ConfigError, RunConfig, describe_changes
 from protocols.node_config import check_node_config
@@ -95,30 +96,34 @@ def protect(msg: Message, context: Context, model: nn.Module, x: np.ndarray, y: 
 
     ``train`` messages: the method's local step and upload protection, as the stock ClientApp gives them
     (:func:`client.methods.train_phase`: the node's floor and ledger, a carried unmasking); ``query.<action>``
-    messages: the method's extra phases.  ``model`` itself is not modified (the method trains a copy).
+    messages: the method's extra phases.  ``model`` itself is not modified (the method trains a copy).  An exception,
+    the checks of the node config, settings and data included, reaches the server with its text only if it is a
+    public refusal (:func:`client.errors.sealed`).
     """
-    env = client_env(context, model, x, y, msg)
     kind = msg.metadata.message_type
-    if kind == "train":
-        return train_phase(msg, env)
-    if kind.startswith("query."):
-        return query_phase(msg, env, kind.split(".", 1)[1])
-    raise ValueError(f"cancelfl: no handler for message type {kind!r}")
+    with sealed(kind):
+        env = client_env(context, model, x, y, msg)
+        if kind == "train":
+            return train_phase(msg, env)
+        if kind.startswith("query."):
+            return query_phase(msg, env, kind.split(".", 1)[1])
+        raise ValueError(f"cancelfl: no handler for message type {kind!r}")
 
 
 def attach(app: ClientApp, load: Loader) -> ClientApp:
-    """Register every cancelfl handler (train and all extra phases) on ``app``; returns ``app``."""
+    """Register every cancelfl handler (train and all extra phases) on ``app``; returns ``app``.
+
+    ``load`` runs under :func:`client.errors.sealed` too: its exceptions (a file path, a size) stay on the node.
+    """
     from client.app import FEDERATION, federation
 
-    @app.train()
-    def _train(msg: Message, context: Context) -> Message:
-        return protect(msg, context, *load(context))
-
-    for action in sorted(query_actions()):
-        def _query(msg: Message, context: Context) -> Message:
+    def _answer(msg: Message, context: Context) -> Message:
+        with sealed(msg.metadata.message_type):
             return protect(msg, context, *load(context))
 
-        app.query(action)(_query)
+    app.train()(_answer)
+    for action in sorted(query_actions()):
+        app.query(action)(_answer)
     app.query(FEDERATION)(federation)  # the ServerApp's federation check (server/federation.py)
     return app
 

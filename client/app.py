@@ -6,6 +6,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from client.env import ClientEnv
+from client.errors import sealed
 from client.methods import query_actions, query_phase, train_phase
 from protocols.node_config import check_node_config
 from protocols.wire.federation import ACTION as FEDERATION
@@ -16,15 +17,19 @@ app = ClientApp()
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Local training + the method's upload protection (:func:`client.methods.train_phase`)."""
-    return train_phase(msg, ClientEnv.from_context(context))
+    """Local training + the method's upload protection (:func:`client.methods.train_phase`).
+
+    Every handler reads its node config and run config under :func:`client.errors.sealed`, as the phase does.
+    """
+    with sealed("train"):
+        return train_phase(msg, ClientEnv.from_context(context))
 
 
 def _register_query(action: str) -> None:
     @app.query(action)
     def _handle(msg: Message, context: Context) -> Message:
-        env = ClientEnv.from_context(context)
-        return query_phase(msg, env, action)
+        with sealed(f"query.{action}"):
+            return query_phase(msg, ClientEnv.from_context(context), action)
 
 
 for _action in sorted(query_actions()):
@@ -34,6 +39,7 @@ for _action in sorted(query_actions()):
 @app.query(FEDERATION)
 def federation(msg: Message, context: Context) -> Message:
     """What this node's node config says about the federation (the ServerApp's check, :mod:`server.federation`)."""
-    check_node_config(context.node_config)
-    info = FederationInfo.from_node_config(context.node_config)
+    with sealed(f"query.{FEDERATION}"):
+        check_node_config(context.node_config)
+        info = FederationInfo.from_node_config(context.node_config)
     return Message(RecordDict({"config": ConfigRecord(info.to_config())}), reply_to=msg)

@@ -133,7 +133,8 @@ def pinned_imports(cfg: RunConfig) -> None:
 
     A node that pins its app's FAB (node config ``trusted-fab``, :mod:`server.fab_pin`) runs reviewed code only;
     an import path is the server's choice, and importing it runs that module and calls its object.  Only packages
-    of the folder this ClientApp was loaded from pass.  Raises ConfigError.
+    of the folder this ClientApp was loaded from pass.  Raises ConfigError (naming the key and the import path, not
+    the folder: its text reaches the server).
     """
     import importlib.util
 
@@ -147,8 +148,8 @@ def pinned_imports(cfg: RunConfig) -> None:
         spec = importlib.util.find_spec(top) if top else None
         where = [] if spec is None else [*(spec.submodule_search_locations or []), *([spec.origin] if spec.origin else [])]
         if not where or not all(Path(w).resolve().is_relative_to(root) for w in where):
-            raise ConfigError(f"run-config '{key}' = {value!r} imports code outside this node's pinned app ({root}); "
-                              "a node with 'trusted-fab' runs only the app it pinned")
+            raise ConfigError(f"run-config '{key}' = {value!r} imports code outside this node's pinned app; a node "
+                              "with 'trusted-fab' runs only the app it pinned (the app's folder stays on the node)")
 
 
 def local_training(msg: Message, env: ClientEnv, *, grad_clip: float | None = None) -> tuple[Weights, Weights, float]:

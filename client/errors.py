@@ -2,11 +2,13 @@
 
 Flower sends a failing ClientApp's exception text back to the server in the error reply
 (``str(type(ex)) + ":<'" + str(ex) + "'>"``).  A text built on the node's data or noise (a noisy value, a
-coordinate, a norm, a loss) would then leave the node uncharged.  :func:`sealed` is the one place every handler's
-exception passes (:func:`client.methods.train_phase`, :func:`client.methods.query_phase`, so the stock ClientApp
-and :mod:`client.api` alike): the refusals in :data:`PUBLIC_ERRORS`, whose texts name keys and public bounds by
-contract, keep their text; any other exception is logged on the node in full and reaches the server as its class
-name and a fixed reason.
+coordinate, a norm, a loss) would then leave the node uncharged, and so would a text naming the node's files or
+dataset size.  :func:`sealed` is the one place every handler's exception passes, from its first line (the node
+config and the run config read, the local data loaded: :mod:`client.app`, :func:`client.api.protect` and
+:func:`client.api.attach`'s handlers; :func:`client.methods.train_phase` and :func:`client.methods.query_phase`
+seal again for a caller of their own): the refusals in :data:`PUBLIC_ERRORS`, whose texts name keys and public
+bounds by contract, keep their text; any other exception is logged on the node in full and reaches the server as
+its class name and a fixed reason.
 """
 
 from __future__ import annotations
@@ -53,11 +55,12 @@ def sealed(what: str, log_fn: Callable[..., None] = log) -> Iterator[None]:
     """Run a handler: an exception outside :data:`PUBLIC_ERRORS` is logged here and re-raised text-free.
 
     ``what`` names the phase in the node's log.  The re-raised :class:`WithheldError` carries neither the original
-    text nor its traceback (``from None``); a public refusal passes unchanged.
+    text nor its traceback (``from None``); a public refusal passes unchanged, and so does a :class:`WithheldError`
+    of a seal within this one (logged there).
     """
     try:
         yield
-    except PUBLIC_ERRORS:
+    except (*PUBLIC_ERRORS, WithheldError):
         raise
     except Exception as err:  # noqa: BLE001 - every other exception: its text stays on the node
         log_fn(ERROR, "%s: %s: %s", what, type(err).__name__, err, exc_info=err)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
-from flwr.app import ConfigRecord
+from flwr.app import ConfigRecord, Message, RecordDict
 
 import client.methods.baselines as baselines_client
 from client.app import app as client_app
@@ -77,3 +78,62 @@ def test_a_public_refusal_keeps_its_text() -> None:
     assert public_reason(floor) == str(floor) and "noise-multiplier" in public_reason(floor)
     assert public_reason(ViewError("message lacks 'round'")) == "message lacks 'round'"
     assert public_reason(ValueError("norm 3.25")) == f"ValueError {WITHHELD}"
+
+
+def _ldp_messages(grid) -> list:
+    cfg = RunConfig.from_mapping({**app_defaults(), **RAW})
+    strategy = build_strategy(cfg)
+    weights = get_weights(build_model(cfg.model, (64,), 10, cfg.hidden_sizes, cfg.seed))
+    return list(strategy.configure_train(1, to_record(weights, strategy.wire_dtype),
+                                         ConfigRecord(TrainIns(1).to_config()), grid))
+
+
+def test_a_library_clients_loading_errors_reach_the_server_without_their_text() -> None:
+    """``attach``: the user's loader and the data checks run under the same seal as the method's handler.
+
+    Measured without it: the reasons named the node's file path (a loader's ``FileNotFoundError``) and its
+    dataset size (``client data: 400 samples and 399 labels``).
+    """
+    from flwr.clientapp import ClientApp
+
+    from client.api import attach
+    from tests.test_library_api import TinyNet
+
+    def missing(context):
+        raise FileNotFoundError(f"/home/alice/hospital-{context.node_config['partition-id']}/records.npz")
+
+    def uneven(context):
+        return TinyNet(), np.zeros((400, 64), np.float32), np.zeros(399, np.int64)
+
+    for load, secret in ((missing, "/home/alice"), (uneven, "399")):
+        grid = LocalGrid(attach(ClientApp(), load), 2, {})
+        replies = list(grid.send_and_receive(_ldp_messages(grid)))
+        assert len(replies) == 2
+        for r in replies:
+            assert r.has_error() and WITHHELD in r.error.reason and secret not in r.error.reason, r.error.reason
+
+
+def test_the_stock_apps_node_config_errors_reach_the_server_without_local_text() -> None:
+    """Node-config parsing and the pinned-app check run under the seal; a public refusal names no local path.
+
+    Measured without it: a malformed ``partition-id`` sent its value, the pinned-app refusal the folder the app is
+    installed in (``/home/<user>/...``), and the federation query its ``int()`` error.
+    """
+    from pathlib import Path
+
+    import client
+    from protocols.node_config import TRUSTED_FAB
+    from protocols.wire.federation import ACTION
+
+    root = str(Path(client.__file__).resolve().parent.parent)
+    grid = LocalGrid(client_app, 2, {**app_defaults(), **RAW, "model": "json:loads"},
+                     node_config={TRUSTED_FAB: "a" * 64})
+    for r in grid.send_and_receive(_ldp_messages(grid)):
+        said = r.error.reason.split("\nTraceback")[0]  # LocalGrid adds the traceback of this test's own code
+        assert r.has_error() and "outside this node's pinned app" in said and root not in said, said
+    grid = LocalGrid(client_app, 2, {**app_defaults(), **RAW}, node_config={"partition-id": "ward-7/alice"})
+    msgs = [*_ldp_messages(grid), *(Message(RecordDict(), n, f"query.{ACTION}") for n in grid.node_ids)]
+    replies = list(grid.send_and_receive(msgs))
+    assert len(replies) == 4
+    for r in replies:
+        assert r.has_error() and f"ValueError {WITHHELD}" in r.error.reason and "alice" not in r.error.reason

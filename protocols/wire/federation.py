@@ -14,6 +14,7 @@ from typing import Any
 
 from protocols.node_config import NUM_PARTITIONS as _NUM_PARTITIONS
 from protocols.node_config import PARTITION_ID as _PARTITION_ID
+from protocols.options import ConfigError
 from protocols.wire.common import read_int
 
 #: The query action (message type ``query.federation``).
@@ -29,11 +30,14 @@ class FederationInfo:
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> FederationInfo:
-        """Read Flower's node config (simulation sets both keys; a SuperNode gets them from ``--node-config``)."""
+        """Read Flower's node config (simulation sets both keys; a SuperNode gets them from ``--node-config``).
+
+        Raises ConfigError (a public refusal naming the keys) when either is missing, ValueError when not an integer.
+        """
         try:
             return cls(int(node_config[_NUM_PARTITIONS]), int(node_config[_PARTITION_ID]))
         except KeyError as err:
-            raise ValueError("node config needs 'partition-id' and 'num-partitions' "
+            raise ConfigError("node config needs 'partition-id' and 'num-partitions' "
                              "(flower-supernode --node-config 'partition-id=0 num-partitions=N')") from err
 
     def to_config(self) -> dict[str, Any]:
