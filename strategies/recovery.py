@@ -226,6 +226,19 @@ class PairwiseRecovery:
         rate = self.cfg.mask_corruption_rate  # type: ignore[attr-defined]
         return {n: mask_threshold(len(nb), rate) for n, nb in neighbours.items() if nb}
 
+    def _threshold_rule(self, neighbours: Mapping[int, Sequence[int]], thresholds: Mapping[int, int],
+                        nodes: Iterable[int]) -> str:
+        """The self-mask thresholds of ``nodes`` in words: per degree, the neighbours kept it needs and at rate 0.
+
+        Every figure is :func:`protocols.masking.mask_threshold`'s (``thresholds``: :meth:`mask_thresholds`).
+        """
+        rate = self.cfg.mask_corruption_rate  # type: ignore[attr-defined]
+        rule = sorted({(len(neighbours[n]), thresholds[n]) for n in nodes if n in thresholds})
+        needs = "; ".join(f"a client with {d} neighbours needs {t} of them kept ({mask_threshold(d, 0.0)} at rate 0)"
+                          for d, t in rule)
+        return (f"{needs} (protocols.masking.mask_threshold of its neighbour count and the rate, run-config "
+                f"'mask-corruption-rate' = {rate:g}; 0 needs the fewest)")
+
     def announce_masking(self, neighbours: Mapping[int, Sequence[int]]) -> None:
         """Log the self-mask parameters at the first masked round's smallest degree, once per run.
 
@@ -300,11 +313,9 @@ class PairwiseRecovery:
         keep = unmaskable(neighbours, set(by_node), {n: thresholds.get(n, 0) for n in by_node})
         keep -= {n for n in keep if n not in masked and neighbours.get(n)}  # a pairwise upload without its shares
         if not keep:
-            rate = self.cfg.mask_corruption_rate  # type: ignore[attr-defined]
             raise RoundFailed(f"round {state.round}: no upload can be unmasked (each has fewer kept neighbours than its "
-                              f"self-mask threshold; {len(by_node)} of {len(state.participants)} uploads arrived): a "
-                              "client with d neighbours needs t = floor((d + ceil(rate d)) / 2) + 1 of them kept, more "
-                              f"than half (run-config 'mask-corruption-rate' = {rate:g} is the rate; 0 needs the fewest)")
+                              f"self-mask threshold; {len(by_node)} of {len(state.participants)} uploads arrived): "
+                              + self._threshold_rule(neighbours, thresholds, by_node))
         excluded = sorted(set(held) | (set(by_node) - keep))
         lost = sorted(set(state.participants) - set(received))
         out = RecoveryOutcome(state.round, sorted(set(lost) | set(excluded)), sorted(keep), excluded=excluded)

@@ -156,7 +156,8 @@ def test_a_round_with_no_unmaskable_upload_names_the_key_that_sets_the_threshold
     assert summary["failed_rounds"]
     failure = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["failure"]
     assert "no upload can be unmasked" in failure and "3 of 7 uploads arrived" in failure
-    assert "more than half (run-config 'mask-corruption-rate' = 0.1 is the rate" in failure
+    assert "a client with 6 neighbours needs 4 of them kept (4 at rate 0)" in failure
+    assert "run-config 'mask-corruption-rate' = 0.1; 0 needs the fewest" in failure
 
 
 @pytest.fixture
