@@ -1,4 +1,4 @@
-"""Per-example clipping throughput: our layer-wise clipping against Opacus and the vmap reference.
+"""Per-example clipping throughput: our clipping (fused MLP step, layer-wise engine) against Opacus and vmap.
 
     cancelfl-bench clipping [--models mlp,cnn] [--batch-sizes 32,256] [--repeats 5] [--clip 1.0]
     python -m benchmarks.clipping [same options]
@@ -7,12 +7,16 @@ Examples per second of ``sum_i clip(g_i, C)`` on MNIST batches (the real images 
 shared data folder, random ones of the same shape if it is missing), one thread, for the
 MLP 784-128-10 and the SmallCNN of :mod:`protocols.task.models`:
 
-* L2: :func:`protocols.per_example.clipped_grad_sum` against Opacus' ``GradSampleModule``
+* L2: :func:`protocols.per_example.clipped_grad_sum` (the fused step on the MLP, with the layer-wise engine beside
+  it, ``layer-wise engine``; the layer-wise engine on the CNN) against Opacus' ``GradSampleModule``
   (per-sample gradients by hooks, then ``DPOptimizer.clip_and_accumulate``) and
   ``GradSampleModuleFastGradientClipping`` with ghost clipping (two backward passes);
 * L1 (DDP-SA): the same function with ``norm="l1"`` against our ``torch.func`` vmap reference
   (:func:`protocols.per_example.vmap_clipped_grad_sum`);
-* a plain forward and backward of the summed loss as the floor (``x plain`` = time / its time).
+* a plain forward and backward of the summed loss as the floor (``x plain`` = time / its time);
+* one training step: FedAvg's plain SGD step (autograd, ``torch.optim.SGD``) against record-level training's
+  clipped step (:meth:`protocols.per_example.PerExampleClipper.descend`), both at step size 0 (``x_plain_sgd`` =
+  time / the plain step's).
 
 Repeats are interleaved and reported as medians; every competitor's clipped sum is checked
 against ours on the timed batch (``max rel diff``; Opacus adds 1e-6 to the norm). Opacus is
@@ -35,14 +39,22 @@ import numpy as np
 import torch
 from torch import nn
 
-from protocols.per_example import clipped_grad_sum, fast_path_blocker, vmap_clipped_grad_sum
+from protocols.per_example import (
+    PerExampleClipper,
+    clipped_grad_sum,
+    cross_entropy,
+    fast_path_blocker,
+    vmap_clipped_grad_sum,
+)
+from protocols.per_example.fused_mlp import FusedMLP
 from protocols.task.models import build_model
 
 HELP = "per-example clipping examples/s: ours vs Opacus (L2) and the vmap reference (L1)"
 #: What ``cancelfl-bench reproduce`` compares (column -> relative tolerance) and the row key.
-FIGURES: dict[str, float] = {"x_plain": 0.3, "ours_speedup": 0.3}
+FIGURES: dict[str, float] = {"x_plain": 0.3, "ours_speedup": 0.3, "x_plain_sgd": 0.3}
 KEY = ("model", "batch", "norm", "implementation")
-COLUMNS = ("model", "batch", "norm", "implementation", "examples_per_s", "x_plain", "ours_speedup", "max_rel_diff")
+COLUMNS = ("model", "batch", "norm", "implementation", "examples_per_s", "x_plain", "ours_speedup", "max_rel_diff",
+           "x_plain_sgd")
 
 Step = Callable[[], list[torch.Tensor]]
 
@@ -101,9 +113,44 @@ def plain_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Step:
     return step
 
 
+def sgd_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Step:
+    """One plain SGD step as FedAvg's local training takes it (autograd on the mean loss, ``torch.optim.SGD``)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def step() -> list[torch.Tensor]:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        return [p.grad for p in model.parameters()]
+
+    return step
+
+
+def descend_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float) -> Step:
+    """One clipped SGD step as record-level training takes it (:meth:`PerExampleClipper.descend`, one clipper)."""
+    clipper = PerExampleClipper(model, clip)
+    return lambda: [clipper.descend(x, y, 0.0).losses]
+
+
 def ours_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float, norm: str) -> Step:
     """:func:`protocols.per_example.clipped_grad_sum`."""
     return lambda: clipped_grad_sum(model, x, y, clip, norm=norm).grads
+
+
+def layerwise_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float, norm: str) -> Step:
+    """The recorded layer-wise engine on a model the fused MLP step would take (for comparison)."""
+    def step() -> list[torch.Tensor]:
+        with PerExampleClipper(model, clip, norm=norm, fused=False) as clipper:
+            return clipper(x, y).grads
+
+    return step
+
+
+def ours_label(model: nn.Module) -> str:
+    """The implementation column of our rows: the engine :class:`protocols.per_example.PerExampleClipper` takes."""
+    if FusedMLP.of(model, "l2", cross_entropy) is not None:
+        return "ours (fused MLP)"
+    return "ours (layer-wise)" if fast_path_blocker(model) is None else "ours (vmap)"
 
 
 def vmap_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float, norm: str) -> Step:
@@ -155,28 +202,37 @@ def measure(model_name: str, batch: int, x_all: torch.Tensor, y_all: torch.Tenso
     """Rows of one model and batch size: plain, then L2 (ours, Opacus x2), then L1 (ours, vmap)."""
     x, y = x_all[:batch], y_all[:batch]
     model = model_for(model_name)
+    label = ours_label(model)
     candidates: list[tuple[str, str, Step]] = [("-", "plain forward+backward", plain_step(model, x, y))]
-    candidates.append(("l2", "ours (layer-wise)", ours_step(model, x, y, args.clip, "l2")))
-    try:
-        candidates += [("l2", name, step) for name, step in opacus_steps(model_name, x, y, args.clip).items()]
-    except ImportError as err:
-        notes.append(f"Opacus not installed ({err}); pip install -e .[bench]")
-    candidates.append(("l1", "ours (layer-wise)", ours_step(model, x, y, args.clip, "l1")))
+    for norm in ("l2", "l1"):
+        candidates.append((norm, label, ours_step(model, x, y, args.clip, norm)))
+        if label == "ours (fused MLP)":
+            candidates.append((norm, "layer-wise engine", layerwise_step(model, x, y, args.clip, norm)))
+        if norm == "l2":
+            try:
+                candidates += [("l2", name, step) for name, step in opacus_steps(model_name, x, y, args.clip).items()]
+            except ImportError as err:
+                notes.append(f"Opacus not installed ({err}); pip install -e .[bench]")
     candidates.append(("l1", "vmap reference", vmap_step(model, x, y, args.clip, "l1")))
+    candidates.append(("-", "plain SGD step", sgd_step(model, x, y)))
+    candidates.append(("l2", "clipped SGD step (ours)", descend_step(model, x, y, args.clip)))
     times: dict[int, list[float]] = {i: [] for i in range(len(candidates))}
     for _ in range(args.repeats):
         for i, (_, _, step) in enumerate(candidates):
             times[i].append(seconds_per_call(step, args.min_time))
     median = {i: statistics.median(t) for i, t in times.items()}
-    ours = {norm: median[i] for i, (norm, name, _) in enumerate(candidates) if name.startswith("ours")}
-    reference = {norm: step() for norm, name, step in candidates if name.startswith("ours")}
+    ours = {norm: median[i] for i, (norm, name, _) in enumerate(candidates) if name == label}
+    reference = {norm: step() for norm, name, step in candidates if name == label}
     rows = []
+    plain_sgd = next(i for i, c in enumerate(candidates) if c[1] == "plain SGD step")
     for i, (norm, name, step) in enumerate(candidates):
         row = {"model": model_name, "batch": batch, "norm": norm, "implementation": name,
                "examples_per_s": batch / median[i], "x_plain": median[i] / median[0]}
-        if norm in ours:
+        if norm in ours and "SGD step" not in name:
             row["ours_speedup"] = median[i] / ours[norm]
             row["max_rel_diff"] = max_rel_diff(step(), reference[norm])
+        if "SGD step" in name:
+            row["x_plain_sgd"] = median[i] / median[plain_sgd]
         rows.append(row)
     return rows
 
@@ -200,8 +256,7 @@ def run(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batch_sizes.split(",") if b]
     x_all, y_all = mnist_batch(max([*batches, args.ddpsa_examples]), args.data_dir, notes)
     for name in models:
-        blocker = fast_path_blocker(model_for(name))
-        notes.append(f"{name}: {'layer-wise path' if blocker is None else f'vmap path ({blocker})'}")
+        notes.append(f"{name}: {ours_label(model_for(name)).removeprefix('ours (').rstrip(')')} path")
     rows: list[dict] = []
     for name in models:
         for batch in batches:

@@ -1,8 +1,10 @@
 """Per-example gradient clipping at about the cost of one backward pass (L2 for DP-SGD, L1 for DDP-SA).
 
 Record-level DP methods need ``sum_i clip(g_i, C)`` over a batch, ``g_i`` the gradient of example i's loss and
-``clip`` rescaling it to norm ``<= C``.  Two engines compute it:
+``clip`` rescaling it to norm ``<= C``.  Three engines compute it:
 
+* the fused step of the built-in MLP under the cross-entropy (:mod:`.fused_mlp`: explicit forward, backward and
+  clipped update, no autograd graph), faster than a plain autograd step;
 * layer-wise closed forms (:mod:`.closed_forms`, on the layer inputs and output gradients that
   :mod:`.recorder` notes during one forward and one backward) for models whose trainable parameters are all in
   ``nn.Linear`` / ``nn.Conv2d`` layers, each called once per forward;
@@ -10,7 +12,7 @@ Record-level DP methods need ``sum_i clip(g_i, C)`` over a batch, ``g_i`` the gr
   the tests compare against.
 
 :class:`PerExampleClipper` (:mod:`.clipper`) picks the engine per model and logs the choice once per model class.
-Both need a forward pass in which examples do not interact (no batch norm in train mode).  Both weigh each example by
+All need a forward pass in which examples do not interact (no batch norm in train mode).  All weigh each example by
 :func:`.interface.clip_factors`, the one rule for an example whose gradient or loss is not finite: it adds nothing.
 """
 

@@ -1,8 +1,9 @@
-"""The clipper: ``sum_i clip(g_i, C)`` per batch by the layer-wise closed forms where the model allows, else vmap.
+"""The clipper: ``sum_i clip(g_i, C)`` per batch by the fused MLP step, the layer-wise closed forms, or vmap.
 
-Models with any trainable parameter outside a supported layer (or a supported layer called other than once per
-forward) take :func:`protocols.per_example.vmap.vmap_clipped_grad_sum`.  Which path a model class takes is
-logged once (logger ``protocols.per_example``).
+The built-in MLP under the cross-entropy takes :class:`protocols.per_example.fused_mlp.FusedMLP`.  Other models
+with any trainable parameter outside a supported layer (or a supported layer called other than once per forward)
+take :func:`protocols.per_example.vmap.vmap_clipped_grad_sum`.  Which path a model class takes is logged once
+(logger ``protocols.per_example``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from protocols.per_example.closed_forms import ClosedForm, clip_scales, layerwise_forms
+from protocols.per_example.fused_mlp import FusedMLP
 from protocols.per_example.interface import ClippedSum, Descent, Norm, PerExampleLoss, cross_entropy
 from protocols.per_example.recorder import Recorder, trainable_layers
 from protocols.per_example.vmap import vmap_clipped_grad_sum
@@ -43,14 +45,15 @@ class PerExampleClipper:
     """:func:`clipped_grad_sum` for many batches of one model: the layers are inspected and instrumented once.
 
     A training loop builds one clipper and calls it (or :meth:`descend`) per batch.  Use as a context
-    manager (or call :meth:`close`) to give the layers back their own ``forward``.
+    manager (or call :meth:`close`) to give the layers back their own ``forward``.  ``fused = False`` keeps the
+    built-in MLP on the layer-wise engine (for comparisons; the results are the same up to rounding).
 
     Raises:
         ValueError: ``norm`` not ``l2``/``l1``, ``clip <= 0``, or a model without trainable parameters.
     """
 
     def __init__(self, model: nn.Module, clip: float, *, norm: Norm = "l2",
-                 loss: PerExampleLoss = cross_entropy) -> None:
+                 loss: PerExampleLoss = cross_entropy, fused: bool = True) -> None:
         if norm not in ("l2", "l1"):
             raise ValueError(f"norm must be 'l2' or 'l1', got {norm!r}")
         if not clip > 0:
@@ -64,11 +67,17 @@ class PerExampleClipper:
         self._blocker: str | None = layers if isinstance(layers, str) else None
         self._recorder: Recorder | None = None
         self._logged = False
-        if self._layers is not None:
+        self._fused = FusedMLP.of(model, norm, loss) if fused else None
+        if self._fused is not None:
+            _log_once(model, "fused MLP")
+        elif self._layers is not None:
             self._recorder = Recorder(self._layers)
 
     def __call__(self, x: Tensor, y: Tensor) -> ClippedSum:
         """``sum_i clip(g_i, C)`` over the batch ``(x, y)`` (see :func:`clipped_grad_sum`)."""
+        if self._fused is not None:
+            _check_batch(x, y)
+            return self._fused.clipped_sum(x, y, self.clip, self.params)
         forms = self._forms(x, y)
         if forms is None:
             return vmap_clipped_grad_sum(self.model, x, y, self.clip, norm=self.norm, loss=self.loss)
@@ -90,8 +99,11 @@ class PerExampleClipper:
         that receives ``-step * sum_i clip(g_i, C)`` (added to it) instead of the parameter; the parameters are then
         left as they are (e.g. to apply the step to higher-precision master weights).
         """
-        forms = self._forms(x, y)
         targets = None if into is None else dict(zip(map(id, self.params), into, strict=True))
+        if self._fused is not None:
+            _check_batch(x, y)
+            return self._fused.descend(x, y, self.clip, step, targets)
+        forms = self._forms(x, y)
         with torch.no_grad():
             if forms is None:
                 r = vmap_clipped_grad_sum(self.model, x, y, self.clip, norm=self.norm, loss=self.loss)
@@ -107,8 +119,7 @@ class PerExampleClipper:
 
     def _forms(self, x: Tensor, y: Tensor) -> tuple[list[ClosedForm], Tensor] | None:
         """The layer-wise closed forms and losses of the batch; None when the model takes the vmap path."""
-        if y.shape[0] == 0 or x.shape[0] != y.shape[0]:
-            raise ValueError("need a non-empty batch with one target per input")
+        _check_batch(x, y)
         if self._recorder is not None:
             assert self._layers is not None
             result = layerwise_forms(self.model, self._layers, self._recorder, x, y, self.loss)
@@ -139,6 +150,11 @@ def fast_path_blocker(model: nn.Module) -> str | None:
     """Why ``model`` cannot take the layer-wise path (None if every trainable parameter is in a supported layer)."""
     layers = trainable_layers(model)
     return layers if isinstance(layers, str) else None
+
+
+def _check_batch(x: Tensor, y: Tensor) -> None:
+    if y.shape[0] == 0 or x.shape[0] != y.shape[0]:
+        raise ValueError("need a non-empty batch with one target per input")
 
 
 def _log_once(model: nn.Module, path: str) -> None:
