@@ -181,13 +181,17 @@ def record_level_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weight
     one record's influence past the sensitivity the noise is sized for) trains its update from the received
     weights (:func:`protocols.task.training.clipped_sgd`, ``recentre``): the steps round relative to the update,
     not to the model, and the local weights come back in float64.  So many local steps that float32 rounds even
-    the update's steps past the margin (the limit is 0) train in float64.
+    the update's steps past the margin (the limit is 0) train in float64, and so does a training whose values
+    (:func:`protocols.privacy.record_training_range`: the run's ``lr`` and ``clip``, the model's norm) float32 may
+    not hold: a weight overflowing to ``inf`` where the records' steps add up past float32's range would tell the
+    server, through the noise, which records the node holds.  Both are decided on public values before training.
 
     Raises:
-        FloorViolation: a received model whose L2 norm is not finite or above the float64 limit, before any training.
+        FloorViolation: before any training, a received model whose L2 norm is not finite or above the float64
+            limit, or a training whose values even float64 may not hold.
     """
     from protocols.floor import at_most
-    from protocols.privacy import FLOAT64_ROUNDOFF, largest_trainable_norm
+    from protocols.privacy import FLOAT64_ROUNDOFF, FLOAT_RANGE_MARGIN, largest_trainable_norm, record_training_range
     from protocols.task.models import get_weights
     from protocols.task.training import clipped_sgd
 
@@ -199,13 +203,25 @@ def record_level_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weight
     if recentre:
         at_most("global model L2 norm", norm, largest_trainable_norm(env.cfg, len(env.y), FLOAT64_ROUNDOFF),
                 "even float64 training would round one record's influence past the sensitivity the noise is sized for")
-        if limit <= 0.0:
-            model = model.double()
+    span = record_training_range(env.cfg, len(env.y), norm)
+    if not span <= float(np.finfo(_dtype(model)).max) / FLOAT_RANGE_MARGIN or (recentre and limit <= 0.0):
+        at_most("record-level training range", span, float(np.finfo(np.float64).max) / FLOAT_RANGE_MARGIN,
+                "even float64 training may overflow a weight where the records' steps add up (run-config 'lr', "
+                "'clip', 'batch-size' and the model's norm)")
+        model = model.double()
     rnd = TrainIns.from_config(msg.content["config"]).round
     cfg = env.cfg
     loss, frac = clipped_sgd(model, env.x, env.y, epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr,
                              clip=cfg.clip, seed=env.round_seed(rnd), recentre=recentre)
     return global_w, get_weights(model), loss, frac
+
+
+def _dtype(model: nn.Module) -> np.dtype:
+    """The numpy dtype of ``model``'s first parameter (float32 for a model without one)."""
+    import torch
+
+    first = next(model.parameters(), torch.empty(0))
+    return np.dtype(str(first.dtype).removeprefix("torch."))
 
 
 def reply(msg: Message, arrays, num_examples: int, **metrics: float) -> Message:

@@ -72,6 +72,7 @@ from protocols.privacy.sensitivity import (
     FLOAT32_ROUNDING_MARGIN,
     FLOAT32_ROUNDOFF,
     FLOAT64_ROUNDOFF,
+    FLOAT_RANGE_MARGIN,
     l1_sensitivity,
     largest_trainable_norm,
     local_sgd_sensitivity,
@@ -79,6 +80,7 @@ from protocols.privacy.sensitivity import (
     per_record,
     record_sensitivity,
     record_training_movement,
+    record_training_range,
 )
 
 __all__ = [
@@ -86,6 +88,7 @@ __all__ = [
     "FLOAT32_ROUNDING_MARGIN",
     "FLOAT32_ROUNDOFF",
     "FLOAT64_ROUNDOFF",
+    "FLOAT_RANGE_MARGIN",
     "RDP_ORDERS",
     "Accountant",
     "BudgetSchedule",
@@ -133,5 +136,6 @@ __all__ = [
     "receiver_variance",
     "record_sensitivity",
     "record_training_movement",
+    "record_training_range",
     "uniform_allocation",
 ]

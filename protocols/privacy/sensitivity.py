@@ -17,8 +17,8 @@ from protocols.adjacency import ADJACENCIES, adjacency_factor
 from protocols.privacy.events import Event, at_sensitivity
 
 __all__ = ["ADJACENCIES", "CLIENT_RECORD_FACTOR", "FLOAT32_ROUNDING_MARGIN", "FLOAT32_ROUNDOFF", "FLOAT64_ROUNDOFF",
-           "adjacency_factor", "l1_sensitivity", "largest_trainable_norm", "local_sgd_sensitivity", "local_sgd_steps",
-           "per_record", "record_sensitivity", "record_training_movement"]
+           "FLOAT_RANGE_MARGIN", "adjacency_factor", "l1_sensitivity", "largest_trainable_norm", "local_sgd_sensitivity",
+           "local_sgd_steps", "per_record", "record_sensitivity", "record_training_movement", "record_training_range"]
 
 #: A record moves a client-level release by up to this many times its sensitivity: the client-level unit's
 #: sensitivity is the clip ``C`` of the whole update (the update against none), while one record, changed under
@@ -132,6 +132,25 @@ def largest_trainable_norm(cfg, dataset_size: int, roundoff: float = FLOAT32_ROU
     steps = local_sgd_steps(dataset_size, epochs=cfg.local_epochs, batch_size=cfg.batch_size)
     allowed = record_sensitivity(cfg, dataset_size) / FLOAT32_ROUNDING_MARGIN
     return max(allowed / (4.0 * roundoff * steps) - record_training_movement(cfg, dataset_size), 0.0)
+
+
+#: A training dtype holds per-example-clipped local SGD when :func:`record_training_range` is below its largest finite
+#: value over this margin (room for the steps' rounding).
+FLOAT_RANGE_MARGIN = 4.0
+
+
+def record_training_range(cfg, dataset_size: int, model_norm: float) -> float:
+    """The largest magnitude of clipped local SGD from a model of norm ``model_norm``: ``max(model_norm + M, b clip, lr)``.
+
+    Per-example-clipped SGD on ``dataset_size`` records: the weights stay within ``model_norm + M`` (``M`` =
+    :func:`record_training_movement`), a step's sum of ``b`` (the batch) clipped gradients within ``b clip`` and its
+    factor ``lr / b`` within ``lr``; every other value is one record's own (an overflow there drops that record,
+    :func:`protocols.per_example.clip_factors`).  Training in a dtype whose largest finite value is below this may
+    overflow a weight to ``inf`` where the records' steps add up past it, a function of the data no noise covers (an
+    upload coordinate ``inf`` or not).  Public: the run config, ``|D_i|`` and the received model.
+    """
+    batch = min(int(cfg.batch_size), max(int(dataset_size), 1))
+    return max(float(model_norm) + record_training_movement(cfg, dataset_size), batch * float(cfg.clip), float(cfg.lr))
 
 
 def per_record(event: Event) -> Event:
