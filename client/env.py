@@ -204,7 +204,7 @@ def record_level_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weight
         at_most("global model L2 norm", norm, largest_trainable_norm(env.cfg, len(env.y), FLOAT64_ROUNDOFF),
                 "even float64 training would round one record's influence past the sensitivity the noise is sized for")
     span = record_training_range(env.cfg, len(env.y), norm)
-    if not span <= float(np.finfo(_dtype(model)).max) / FLOAT_RANGE_MARGIN or (recentre and limit <= 0.0):
+    if not span <= _largest_value(model) / FLOAT_RANGE_MARGIN or (recentre and limit <= 0.0):
         at_most("record-level training range", span, float(np.finfo(np.float64).max) / FLOAT_RANGE_MARGIN,
                 "even float64 training may overflow a weight where the records' steps add up (run-config 'lr', "
                 "'clip', 'batch-size' and the model's norm)")
@@ -216,12 +216,12 @@ def record_level_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weight
     return global_w, get_weights(model), loss, frac
 
 
-def _dtype(model: nn.Module) -> np.dtype:
-    """The numpy dtype of ``model``'s first parameter (float32 for a model without one)."""
+def _largest_value(model: nn.Module) -> float:
+    """The largest finite value of the dtype ``model`` trains in (its first parameter's; float32 without one)."""
     import torch
 
     first = next(model.parameters(), torch.empty(0))
-    return np.dtype(str(first.dtype).removeprefix("torch."))
+    return float(torch.finfo(first.dtype).max) if first.is_floating_point() else float(np.finfo(np.float32).max)
 
 
 def reply(msg: Message, arrays, num_examples: int, **metrics: float) -> Message:
