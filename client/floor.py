@@ -36,7 +36,7 @@ from protocols.floor import RTOL, FloorPolicy, FloorViolation, at_most, check_ro
 from protocols.methods import Guarantee, method_spec
 from protocols.options import ConfigError, MethodOptions, in_range
 from protocols.privacy import Accountant, Event, GaussianEvent, per_record
-from protocols.wire.common import TrainIns
+from protocols.wire.common import PEAK_RSS_MB, TrainIns
 from protocols.wire.ledger import SpentReport
 
 __all__ = ["FloorViolation", "admit", "check_new_round", "check_trust", "guarantee", "policy", "release", "top_up",
@@ -258,8 +258,9 @@ def run_delta(pol: FloorPolicy, delta: float) -> float:
     return delta if pol.max_delta is not None else min(delta, pol.lifetime_delta)
 
 
-#: Train-reply metrics computed on the node's data without noise (on a model the server chose).
-UNPROTECTED_METRICS = ("train_loss", "clipped_fraction", "update_norm")
+#: Train-reply metrics computed on the node's data without noise (on a model the server chose), and the peak memory
+#: of the process that trained on it.
+UNPROTECTED_METRICS = ("train_loss", "clipped_fraction", "update_norm", PEAK_RSS_MB)
 
 
 def diagnostics_permitted(env: ClientEnv) -> bool:

@@ -443,6 +443,7 @@ def test_a_node_asking_for_a_guarantee_sends_no_noise_probe_nor_noiseless_metric
     public direction; the training loss and clipped fraction are noiseless statistics of the node's data.  A node
     without a policy sends both.
     """
+    from protocols.wire.common import PEAK_RSS_MB
     from protocols.wire.keys import probe_value
     from protocols.wire.niss import DIAGNOSTICS_ENV
 
@@ -462,3 +463,4 @@ def test_a_node_asking_for_a_guarantee_sends_no_noise_probe_nor_noiseless_metric
             metrics = r.content["metrics"]
             assert (probe_value(metrics) is not None) == (not policy or allowed)
             assert ("train_loss" in metrics and "clipped_fraction" in metrics) == (not policy)
+            assert (PEAK_RSS_MB in metrics) == (not policy)  # a process's peak memory on the node's data
