@@ -290,3 +290,48 @@ def test_a_range_too_small_for_the_noisy_sum_is_refused_before_any_work(noise_se
         for ctx in grid.contexts.values():
             with ClientLedger.open(ledger_dir(ctx.node_config), ctx.node_config["partition-id"], write=False) as led:
                 assert led.rounds(ctx.run_id) == []
+
+
+class _RegistersElsewhere(DdpsaStrategy):
+    """Opens each round on the intermediate servers other than it shows the clients (``forged``: what differs)."""
+
+    forged = "participants"
+
+    def _open_round(self, server_round: int, length: int, participants: list[str]) -> None:
+        if self.forged == "participants":
+            participants = [*sorted(participants)[:2], "sybil"]
+        rnd = server_round + 5 if self.forged == "round" else server_round
+        length = length + 1 if self.forged == "length" else length
+        super()._open_round(rnd, length, participants)
+
+
+@pytest.mark.parametrize("forged", ["participants", "round", "length"])
+def test_a_round_the_intermediate_servers_would_refuse_is_refused_before_the_charge(
+        noise_seen, forged) -> None:  # noqa: F811 (fixture)
+    """The servers registered another round than the clients were shown: every push would be refused.
+
+    Charged first, each client's ledger paid ``eps_t`` for a round that released nothing, every round the server
+    liked (a drain of the node's budget).  Each client asks every server before the charge whether it takes its
+    share for this round; refused there, nothing is charged and nothing leaves.
+    """
+    from client.env import ClientEnv
+    from client.ledger import ClientLedger, ledger_dir
+    from protocols.wire.intermediate import IntermediateServerClient
+
+    with _served(num_clients=4, num_rounds=2, **LINEAR) as (cfg, grid, cluster):
+        strategy = _RegistersElsewhere(cfg)
+        strategy.forged = forged
+        try:
+            replies = _train(strategy, cfg, grid)
+        finally:
+            strategy.close()
+        assert len(replies) == 4
+        for r in replies:
+            assert r.has_error() and "privacy floor" in r.error.reason and "intermediate server" in r.error.reason
+        for ctx in grid.contexts.values():
+            env = ClientEnv.from_context(ctx)
+            with ClientLedger.open(ledger_dir(ctx.node_config), env.partition_id, write=False) as led:
+                assert led.rounds(ctx.run_id) == [] and not any(led.spent(cfg.delta).values())
+        for a in cluster.addresses:  # no share left a node
+            with IntermediateServerClient(a, cluster.servers.ca) as c:
+                assert c.status(strategy.signer).stored_bytes == 0

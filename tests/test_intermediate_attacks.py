@@ -22,6 +22,8 @@ from protocols.wire.intermediate import (
     IntermediateServers,
     PartialSumUnavailableError,
     SharePushError,
+    ShareTerms,
+    check_shares,
     intermediate_pb2,
     reconstruct_sum,
     register_run,
@@ -239,3 +241,23 @@ def test_statements_bind_every_field() -> None:
 def test_partial_sum_unavailable_names_servers(cluster, server_signer) -> None:
     with pytest.raises(PartialSumUnavailableError, match="not registered"):
         reconstruct_sum(cluster.servers, "never-registered", 1, ["victim", "alice"], server_signer)
+
+
+def test_check_shares_tells_a_client_what_its_push_would_meet(cluster, ids, server_signer) -> None:
+    """One server registered the round for others than the clients were shown: the pre-flight says so, nothing stored.
+
+    Additive shares need all three servers: refused.  2-of-3 Shamir shares need two: taken, the third one named.
+    """
+    servers, shown = cluster.servers, ShareTerms(tuple(PARTICIPANTS), len(PARTICIPANTS))
+    for j, c in enumerate(_each(cluster)):
+        names = PARTICIPANTS if j < 2 else [*HONEST, "sybil"]
+        c.register_run_future("preflight", 1, D, 4, server_signer, participants=names, prime_field=True).result()
+    stored = [c.status(server_signer).stored_bytes for c in _each(cluster)]
+    with pytest.raises(SharePushError, match="would be refused by 1 of 3") as e:
+        check_shares(servers, "preflight", 1, ids["victim"], D, terms=shown)
+    assert [(f.server_index, f.code) for f in e.value.failures] == [(2, grpc.StatusCode.FAILED_PRECONDITION)]
+    assert [f.server_index for f in check_shares(servers, "preflight", 1, ids["victim"], D, threshold=2,
+                                                 terms=shown)] == [2]
+    with pytest.raises(SharePushError, match="would be refused by 3 of 3"):  # not the run's share length
+        check_shares(servers, "preflight", 1, ids["victim"], D + 1, threshold=2, terms=shown)
+    assert [c.status(server_signer).stored_bytes for c in _each(cluster)] == stored

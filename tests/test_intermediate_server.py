@@ -29,6 +29,7 @@ from protocols.wire.intermediate import (
     IntermediateServers,
     PartialSumUnavailableError,
     SharePushError,
+    ShareTerms,
     abort_round,
     push_shares,
     reconstruct_decoded,
@@ -148,6 +149,41 @@ def test_servicer_rejects_bad_requests_with_clear_status(local_server, ids) -> N
         with pytest.raises(grpc.RpcError) as e:
             call()
         assert _code(e) == code and words in e.value.details(), e.value.details()  # type: ignore[attr-defined]
+
+
+def test_check_share_answers_as_the_push_would_and_stores_nothing(local_server, ids) -> None:
+    """A push's pre-flight: the code of each refusal is the push's own, an accepted one stores nothing."""
+    servicer, client = local_server
+    client.register_run_future("run", 1, 4, 4, ids["server"], participants=CLIENTS).result()
+    share = np.arange(4, dtype=np.uint64)
+    shown, other = ShareTerms(tuple(CLIENTS), 3), ShareTerms(("c11", "c12", "c14"), 3)
+    cases = [  # (signer, run, round, length, terms, code)
+        (ids["c11"], "run", 1, 4, shown, None),
+        (ids["c11"], "run", 1, 4, None, None),
+        (Identity("c11", ids["c14"].private), "run", 1, 4, shown, grpc.StatusCode.UNAUTHENTICATED),
+        (ids["c11"], "other", 1, 4, shown, grpc.StatusCode.NOT_FOUND),
+        (ids["c11"], "run", 1, 5, shown, grpc.StatusCode.INVALID_ARGUMENT),
+        (ids["c11"], "run", 2, 4, shown, grpc.StatusCode.FAILED_PRECONDITION),
+        (ids["c14"], "run", 1, 4, None, grpc.StatusCode.PERMISSION_DENIED),
+        (ids["c11"], "run", 1, 4, other, grpc.StatusCode.FAILED_PRECONDITION),
+    ]
+    for signer, run, rnd, length, terms, code in cases:
+        if code is None:
+            client.check_share_future(run, rnd, signer, length, terms).result()
+            continue
+        with pytest.raises(grpc.RpcError) as check:
+            client.check_share_future(run, rnd, signer, length, terms).result()
+        with pytest.raises(grpc.RpcError) as push:  # the push it stands for
+            client.push_share(run, rnd, signer, np.arange(length, dtype=np.uint64), terms)
+        assert _code(check) == _code(push) == code, (signer.name, run, rnd, length)
+    assert servicer.stored_bytes() == 0
+    client.push_share("run", 1, ids["c11"], share, shown)
+    with pytest.raises(grpc.RpcError) as e:  # a second, fresh share would be refused
+        client.check_share_future("run", 1, ids["c11"], 4, shown).result()
+    assert _code(e) == grpc.StatusCode.ALREADY_EXISTS
+    client.abort_round("run", 1, ids["server"])
+    with pytest.raises(grpc.RpcError, match="already released or aborted"):
+        client.check_share_future("run", 1, ids["c13"], 4, shown).result()
 
 
 def test_round_is_sealed_after_release_and_abort_releases_nothing(local_server, ids) -> None:

@@ -17,7 +17,8 @@ Per round ``t`` on the received global model (FedSGD: one gradient over the whol
    (:class:`protocols.wire.intermediate.ShareTerms`): the participants it was shown (a round registered for others
    refuses the push) and :func:`protocols.floor.ddpsa_min_summed`, the fewest clients
    a partial sum holding the share may cover (a distributed share: all the participants it was
-   shown but ``floor(d n)``).
+   shown but ``floor(d n)``).  Before the round is charged, :func:`preflight` asks every server whether it would
+   take the shares on those terms (a round registered there otherwise than shown is refused unpaid).
 
 The servers come from the client's own configuration (:func:`intermediate_servers`); the round's parameters
 arrive as :class:`protocols.wire.ddpsa.DdpsaRound` and are refused when looser than the client's own.
@@ -60,6 +61,7 @@ from protocols.floor import (
     ddpsa_noise_share,
     ddpsa_round_epsilon,
 )
+from protocols.identity import Identity
 from protocols.methods.ddpsa import sharing_threshold
 from protocols.node_config import DDPSA_CA, DDPSA_SERVERS
 from protocols.per_example import PerExampleClipper, cross_entropy
@@ -67,7 +69,7 @@ from protocols.privacy import Event, GaussianEvent, LaplaceEvent, l1_sensitivity
 from protocols.wire.arrays import from_record
 from protocols.wire.common import TrainIns
 from protocols.wire.ddpsa import RECEIPT, DdpsaRound, RosterName, ShareReceipt
-from protocols.wire.intermediate import IntermediateServers, ShareTerms, share_and_push
+from protocols.wire.intermediate import IntermediateServers, SharePushError, ShareTerms, check_shares, share_and_push
 
 #: Per-sample clipped gradients are summed this many samples at a time (bounds memory).
 CHUNK = 256
@@ -182,6 +184,27 @@ def intermediate_servers(env: ClientEnv, plan: DdpsaRound) -> IntermediateServer
         raise FloorViolation("ddpsa-ca", ca, "a readable PEM CA certificate", str(err)) from err
 
 
+def preflight(servers: IntermediateServers, plan: DdpsaRound, rnd: int, me: Identity, length: int,
+              terms: ShareTerms) -> None:
+    """Before the charge: refuse round ``rnd`` unless enough servers would take this client's shares of ``length``.
+
+    One concurrent ``CheckShare`` per server (:func:`protocols.wire.intermediate.check_shares`), the push's own rule:
+    a round the parameter server registered at the servers otherwise than it shows the client (other participants,
+    round, run or length) would refuse every push after the ledger paid for it, a drain the server could repeat.
+
+    Raises:
+        FloorViolation: fewer servers than the push needs (all ``m`` additive, ``threshold`` Shamir) would take it.
+    """
+    need = plan.shamir_threshold or len(servers)
+    try:
+        check_shares(servers, plan.run_id, rnd, me, length, threshold=plan.shamir_threshold, terms=terms)
+    except SharePushError as err:
+        raise FloorViolation("ddpsa-servers", f"{len(servers) - len(err.failures)} of {len(servers)} taking "
+                             f"round {rnd}", f"{need} intermediate servers taking its shares",
+                             f"a round the intermediate servers refuse releases nothing and is not charged: {err}"
+                             ) from None
+
+
 def identity(msg: Message, env: ClientEnv) -> Message:
     """``query.ddpsa_identity``: the roster name this node pushes its shares under."""
     return Message(RecordDict({RECEIPT: ConfigRecord(RosterName(node_identity(env).identity.name).to_config())}), reply_to=msg)
@@ -227,12 +250,13 @@ def train(msg: Message, env: ClientEnv) -> Message:
                                                seed=_noise_seed(), adjacency=env.cfg.adjacency,
                                                centred=env.cfg.ddpsa_centering and is_linear_classifier(model))
         event = LaplaceEvent(eps_t)
+    terms = ShareTerms(plan.participants, ddpsa_min_summed(env.cfg, plan.noise, len(plan.participants),
+                                                           threshold=plan.threshold, servers=len(servers)))
+    preflight(servers, plan, rnd, me, noisy.size, terms)  # a round no push could enter is refused unpaid
     # Recorded before any share leaves, composed as the server charges it (run-config 'ddpsa-composition').
     spent = release(msg, env, event,
                     accountant=composition_accountant(env.cfg.ddpsa_composition, env.cfg.ddpsa_noise))
     t0 = time.perf_counter()
-    terms = ShareTerms(plan.participants, ddpsa_min_summed(env.cfg, plan.noise, len(plan.participants),
-                                                           threshold=plan.threshold, servers=len(servers)))
     size = share_and_push(noisy, plan.codec(), servers, plan.run_id, rnd, me, threshold=plan.shamir_threshold,
                           terms=terms)
     receipt = ShareReceipt(me.name, share_bytes=8 * size * len(servers), share_time_s=time.perf_counter() - t0)

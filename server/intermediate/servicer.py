@@ -15,6 +15,8 @@ p = 2^64 - 59 for Shamir shares (elements >= p are refused).  Beyond the paper's
 * a push carrying its client's terms (:class:`protocols.wire.intermediate.ShareTerms`, signed with it) is taken
   only when the round was registered for exactly the participants the client was shown, and its share enters no
   partial sum over fewer clients than it asks (a distributed noise share is only private summed with the others);
+* ``CheckShare``, a push's pre-flight signed as the push is, answers by the same rule without the share: a client asks
+  it before it charges the round;
 * a partial sum covers at least ``min_clients`` clients and the first ``GetPartialSum`` or ``AbortRound`` seals
   the round: same client set on retry, late pushes refused, individual shares discarded.
 """
@@ -126,6 +128,38 @@ class IntermediateAggregatorServicer(pb2_grpc.IntermediateAggregatorServicer):
         self._runs.move_to_end(run_id)
         return run
 
+    def _admit(self, request: pb2.PushShareRequest | pb2.CheckShareRequest, context: grpc.ServicerContext,
+               tag: str) -> tuple[_RunState, _RoundState]:
+        """What a push of ``request.length`` elements by ``request.client`` under its terms must meet (under the lock).
+
+        The one rule of :meth:`PushShare` and its pre-flight :meth:`CheckShare`: a registered run of that length, an
+        open and unsealed round registered for exactly the participants the client was shown, it among them.
+        """
+        run = self._run(request.run_id, context)
+        if request.length != run.length:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{tag}: share has {8 * request.length} bytes, this run's shares have {8 * run.length}")
+        if not self._oldest_kept(run) <= request.round <= run.latest_round:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"{tag}: round not open (open: {max(self._oldest_kept(run), 0)}..{run.latest_round})")
+        state = run.rounds.get(request.round)
+        if state is not None and state.sealed_clients is not None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"{tag}: this round was already released or aborted; late shares are rejected")
+        if state is None or state.participants is None or request.client not in state.participants:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"{tag}: not one of the participants the parameter server registered for this round")
+        if request.participants_digest and request.participants_digest != auth.participants_digest(
+                state.participants):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"{tag}: the round was registered for other participants than the client was shown; "
+                          "its share is only summed with the participants it was shown")
+        if request.min_summed > len(state.participants):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"{tag}: asks to be summed with {request.min_summed} clients; the round has "
+                          f"{len(state.participants)} participants")
+        return run, state
+
     def active_rounds(self) -> int:
         """Return the number of (run, round) states currently held."""
         with self._lock:
@@ -209,29 +243,10 @@ class IntermediateAggregatorServicer(pb2_grpc.IntermediateAggregatorServicer):
                           "PushShare: not signed by a roster client under the name it gives")
         tag = f"run {request.run_id!r} round {request.round} client {request.client!r}"
         with self._lock:
-            run = self._run(request.run_id, context)
-            if request.length != run.length or len(request.share) != 8 * run.length:
+            run, state = self._admit(request, context, tag)
+            if len(request.share) != 8 * run.length:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"{tag}: share has {len(request.share)} bytes, this run's shares have {8 * run.length}")
-            if not self._oldest_kept(run) <= request.round <= run.latest_round:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"{tag}: round not open (open: {max(self._oldest_kept(run), 0)}..{run.latest_round})")
-            state = run.rounds.get(request.round)
-            if state is not None and state.sealed_clients is not None:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"{tag}: this round was already released or aborted; late shares are rejected")
-            if state is None or state.participants is None or request.client not in state.participants:
-                context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                              f"{tag}: not one of the participants the parameter server registered for this round")
-            if request.participants_digest and request.participants_digest != auth.participants_digest(
-                    state.participants):
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"{tag}: the round was registered for other participants than the client was shown; "
-                              "its share is only summed with the participants it was shown")
-            if request.min_summed > len(state.participants):
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"{tag}: asks to be summed with {request.min_summed} clients; the round has "
-                              f"{len(state.participants)} participants")
             if run.prime_field and (from_wire(request.share, run.length) >= VECTOR_PRIME).any():
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{tag}: a Shamir share element is not below p")
             existing = state.shares.get(request.client)
@@ -246,6 +261,27 @@ class IntermediateAggregatorServicer(pb2_grpc.IntermediateAggregatorServicer):
             state.min_summed[request.client] = int(request.min_summed)
             self._stored += len(request.share)
             return pb2.PushShareReply(clients_received=len(state.shares), duplicate=False)
+
+    def CheckShare(  # noqa: N802 (gRPC method name)
+        self, request: pb2.CheckShareRequest, context: grpc.ServicerContext
+    ) -> pb2.CheckShareReply:
+        """A push's pre-flight: aborts as :meth:`PushShare` would on a fresh share of ``length`` elements; stores nothing.
+
+        A client asks it before it charges its round: a round no push could enter is refused before it is paid for.
+        """
+        statement = auth.check_statement(request.run_id, request.round, request.client, request.length,
+                                         request.participants_digest, request.min_summed)
+        if not self.policy.client_may_push(request.client, request.signature, statement):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "CheckShare: not signed by a roster client under the name it gives")
+        tag = f"run {request.run_id!r} round {request.round} client {request.client!r}"
+        with self._lock:
+            _, state = self._admit(request, context, tag)
+            if request.client in state.shares:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"{tag}: a different share was already stored")
+            if self._stored + 8 * request.length > self.limits.max_stored_bytes:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{tag}: this server's storage cap is reached")
+            return pb2.CheckShareReply()
 
     def GetPartialSum(  # noqa: N802 (gRPC method name)
         self, request: pb2.GetPartialSumRequest, context: grpc.ServicerContext

@@ -7,7 +7,8 @@ the one place both ends build them):
   round, the client's name, the SHA-256 of the share and the client's terms (the
   :func:`participants_digest` of the participants it was shown, the fewest clients its share may be summed
   with): nobody can push under another's name or change its terms, and a captured push cannot be replayed
-  into another run or round.
+  into another run or round.  ``CheckShare`` (a push's pre-flight) likewise, over the same fields but the share's
+  length for its bytes.
 * ``RegisterRun``, ``GetPartialSum``, ``AbortRound``, ``Status`` -- signed by the parameter server's
   identity (its public identity file, kept apart from the clients' roster so that the server can never
   pass for a client): only the ServerApp opens runs and reads partial sums.
@@ -38,6 +39,7 @@ __all__ = [
     "participants_digest",
     "verify_signature",
     "abort_statement",
+    "check_statement",
     "partial_sum_statement",
     "push_statement",
     "register_statement",
@@ -77,6 +79,15 @@ def push_statement(run_id: str, round_num: int, client: str, share: bytes, parti
     """
     return _statement("push", run_id, int(round_num), client, len(share), hashlib.sha256(share).digest(),
                       bytes(participants), int(min_summed))
+
+
+def check_statement(run_id: str, round_num: int, client: str, length: int, participants: bytes = b"",
+                    min_summed: int = 0) -> bytes:
+    """What a client signs to ask whether its push of ``length`` ring elements would be taken.
+
+    :func:`push_statement`'s fields, the share's length in place of its bytes.
+    """
+    return _statement("check", run_id, int(round_num), client, int(length), bytes(participants), int(min_summed))
 
 
 def register_statement(run_id: str, round_num: int, length: int, max_clients: int, prime_field: bool,

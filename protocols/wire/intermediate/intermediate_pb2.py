@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n.protocols/wire/intermediate/intermediate.proto\x12\x18\x63\x61ncelfl.intermediate.v2\"\x96\x01\n\x12RegisterRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x13\n\x0bmax_clients\x18\x03 \x01(\r\x12\r\n\x05round\x18\x04 \x01(\x04\x12\x11\n\tsignature\x18\x05 \x01(\x0c\x12\x13\n\x0bprime_field\x18\x06 \x01(\x08\x12\x14\n\x0cparticipants\x18\x07 \x03(\t\":\n\x10RegisterRunReply\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x63tive_runs\x18\x02 \x01(\r\"\xa4\x01\n\x10PushShareRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06\x63lient\x18\x03 \x01(\t\x12\r\n\x05share\x18\x04 \x01(\x0c\x12\x0e\n\x06length\x18\x05 \x01(\x04\x12\x11\n\tsignature\x18\x06 \x01(\x0c\x12\x1b\n\x13participants_digest\x18\x07 \x01(\x0c\x12\x12\n\nmin_summed\x18\x08 \x01(\r\"=\n\x0ePushShareReply\x12\x18\n\x10\x63lients_received\x18\x01 \x01(\r\x12\x11\n\tduplicate\x18\x02 \x01(\x08\"b\n\x14GetPartialSumRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x18\n\x10\x65xpected_clients\x18\x03 \x03(\t\x12\x11\n\tsignature\x18\x04 \x01(\x0c\"N\n\x12GetPartialSumReply\x12\x13\n\x0bpartial_sum\x18\x01 \x01(\x0c\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x13\n\x0bnum_clients\x18\x03 \x01(\r\"E\n\x11\x41\x62ortRoundRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x11\n\tsignature\x18\x03 \x01(\x0c\")\n\x0f\x41\x62ortRoundReply\x12\x16\n\x0eshares_dropped\x18\x01 \x01(\r\"1\n\rStatusRequest\x12\r\n\x05nonce\x18\x01 \x01(\t\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"o\n\x0bStatusReply\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x63tive_runs\x18\x02 \x01(\r\x12\x15\n\ractive_rounds\x18\x03 \x01(\r\x12\x14\n\x0cstored_bytes\x18\x04 \x01(\x04\x12\x0b\n\x03pid\x18\x05 \x01(\x04\"\x0f\n\rHealthRequest\"\x1d\n\x0bHealthReply\x12\x0e\n\x06status\x18\x01 \x01(\t2\xed\x04\n\x16IntermediateAggregator\x12g\n\x0bRegisterRun\x12,.cancelfl.intermediate.v2.RegisterRunRequest\x1a*.cancelfl.intermediate.v2.RegisterRunReply\x12\x61\n\tPushShare\x12*.cancelfl.intermediate.v2.PushShareRequest\x1a(.cancelfl.intermediate.v2.PushShareReply\x12m\n\rGetPartialSum\x12..cancelfl.intermediate.v2.GetPartialSumRequest\x1a,.cancelfl.intermediate.v2.GetPartialSumReply\x12\x64\n\nAbortRound\x12+.cancelfl.intermediate.v2.AbortRoundRequest\x1a).cancelfl.intermediate.v2.AbortRoundReply\x12X\n\x06Status\x12\'.cancelfl.intermediate.v2.StatusRequest\x1a%.cancelfl.intermediate.v2.StatusReply\x12X\n\x06Health\x12\'.cancelfl.intermediate.v2.HealthRequest\x1a%.cancelfl.intermediate.v2.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n.protocols/wire/intermediate/intermediate.proto\x12\x18\x63\x61ncelfl.intermediate.v2\"\x96\x01\n\x12RegisterRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x13\n\x0bmax_clients\x18\x03 \x01(\r\x12\r\n\x05round\x18\x04 \x01(\x04\x12\x11\n\tsignature\x18\x05 \x01(\x0c\x12\x13\n\x0bprime_field\x18\x06 \x01(\x08\x12\x14\n\x0cparticipants\x18\x07 \x03(\t\":\n\x10RegisterRunReply\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x63tive_runs\x18\x02 \x01(\r\"\xa4\x01\n\x10PushShareRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06\x63lient\x18\x03 \x01(\t\x12\r\n\x05share\x18\x04 \x01(\x0c\x12\x0e\n\x06length\x18\x05 \x01(\x04\x12\x11\n\tsignature\x18\x06 \x01(\x0c\x12\x1b\n\x13participants_digest\x18\x07 \x01(\x0c\x12\x12\n\nmin_summed\x18\x08 \x01(\r\"=\n\x0ePushShareReply\x12\x18\n\x10\x63lients_received\x18\x01 \x01(\r\x12\x11\n\tduplicate\x18\x02 \x01(\x08\"\x96\x01\n\x11\x43heckShareRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06\x63lient\x18\x03 \x01(\t\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x11\n\tsignature\x18\x05 \x01(\x0c\x12\x1b\n\x13participants_digest\x18\x06 \x01(\x0c\x12\x12\n\nmin_summed\x18\x07 \x01(\r\"\x11\n\x0f\x43heckShareReply\"b\n\x14GetPartialSumRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x18\n\x10\x65xpected_clients\x18\x03 \x03(\t\x12\x11\n\tsignature\x18\x04 \x01(\x0c\"N\n\x12GetPartialSumReply\x12\x13\n\x0bpartial_sum\x18\x01 \x01(\x0c\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x13\n\x0bnum_clients\x18\x03 \x01(\r\"E\n\x11\x41\x62ortRoundRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x11\n\tsignature\x18\x03 \x01(\x0c\")\n\x0f\x41\x62ortRoundReply\x12\x16\n\x0eshares_dropped\x18\x01 \x01(\r\"1\n\rStatusRequest\x12\r\n\x05nonce\x18\x01 \x01(\t\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"o\n\x0bStatusReply\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x63tive_runs\x18\x02 \x01(\r\x12\x15\n\ractive_rounds\x18\x03 \x01(\r\x12\x14\n\x0cstored_bytes\x18\x04 \x01(\x04\x12\x0b\n\x03pid\x18\x05 \x01(\x04\"\x0f\n\rHealthRequest\"\x1d\n\x0bHealthReply\x12\x0e\n\x06status\x18\x01 \x01(\t2\xd3\x05\n\x16IntermediateAggregator\x12g\n\x0bRegisterRun\x12,.cancelfl.intermediate.v2.RegisterRunRequest\x1a*.cancelfl.intermediate.v2.RegisterRunReply\x12\x61\n\tPushShare\x12*.cancelfl.intermediate.v2.PushShareRequest\x1a(.cancelfl.intermediate.v2.PushShareReply\x12\x64\n\nCheckShare\x12+.cancelfl.intermediate.v2.CheckShareRequest\x1a).cancelfl.intermediate.v2.CheckShareReply\x12m\n\rGetPartialSum\x12..cancelfl.intermediate.v2.GetPartialSumRequest\x1a,.cancelfl.intermediate.v2.GetPartialSumReply\x12\x64\n\nAbortRound\x12+.cancelfl.intermediate.v2.AbortRoundRequest\x1a).cancelfl.intermediate.v2.AbortRoundReply\x12X\n\x06Status\x12\'.cancelfl.intermediate.v2.StatusRequest\x1a%.cancelfl.intermediate.v2.StatusReply\x12X\n\x06Health\x12\'.cancelfl.intermediate.v2.HealthRequest\x1a%.cancelfl.intermediate.v2.HealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,22 +39,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHSHAREREQUEST']._serialized_end=454
   _globals['_PUSHSHAREREPLY']._serialized_start=456
   _globals['_PUSHSHAREREPLY']._serialized_end=517
-  _globals['_GETPARTIALSUMREQUEST']._serialized_start=519
-  _globals['_GETPARTIALSUMREQUEST']._serialized_end=617
-  _globals['_GETPARTIALSUMREPLY']._serialized_start=619
-  _globals['_GETPARTIALSUMREPLY']._serialized_end=697
-  _globals['_ABORTROUNDREQUEST']._serialized_start=699
-  _globals['_ABORTROUNDREQUEST']._serialized_end=768
-  _globals['_ABORTROUNDREPLY']._serialized_start=770
-  _globals['_ABORTROUNDREPLY']._serialized_end=811
-  _globals['_STATUSREQUEST']._serialized_start=813
-  _globals['_STATUSREQUEST']._serialized_end=862
-  _globals['_STATUSREPLY']._serialized_start=864
-  _globals['_STATUSREPLY']._serialized_end=975
-  _globals['_HEALTHREQUEST']._serialized_start=977
-  _globals['_HEALTHREQUEST']._serialized_end=992
-  _globals['_HEALTHREPLY']._serialized_start=994
-  _globals['_HEALTHREPLY']._serialized_end=1023
-  _globals['_INTERMEDIATEAGGREGATOR']._serialized_start=1026
-  _globals['_INTERMEDIATEAGGREGATOR']._serialized_end=1647
+  _globals['_CHECKSHAREREQUEST']._serialized_start=520
+  _globals['_CHECKSHAREREQUEST']._serialized_end=670
+  _globals['_CHECKSHAREREPLY']._serialized_start=672
+  _globals['_CHECKSHAREREPLY']._serialized_end=689
+  _globals['_GETPARTIALSUMREQUEST']._serialized_start=691
+  _globals['_GETPARTIALSUMREQUEST']._serialized_end=789
+  _globals['_GETPARTIALSUMREPLY']._serialized_start=791
+  _globals['_GETPARTIALSUMREPLY']._serialized_end=869
+  _globals['_ABORTROUNDREQUEST']._serialized_start=871
+  _globals['_ABORTROUNDREQUEST']._serialized_end=940
+  _globals['_ABORTROUNDREPLY']._serialized_start=942
+  _globals['_ABORTROUNDREPLY']._serialized_end=983
+  _globals['_STATUSREQUEST']._serialized_start=985
+  _globals['_STATUSREQUEST']._serialized_end=1034
+  _globals['_STATUSREPLY']._serialized_start=1036
+  _globals['_STATUSREPLY']._serialized_end=1147
+  _globals['_HEALTHREQUEST']._serialized_start=1149
+  _globals['_HEALTHREQUEST']._serialized_end=1164
+  _globals['_HEALTHREPLY']._serialized_start=1166
+  _globals['_HEALTHREPLY']._serialized_end=1195
+  _globals['_INTERMEDIATEAGGREGATOR']._serialized_start=1198
+  _globals['_INTERMEDIATEAGGREGATOR']._serialized_end=1921
 # @@protoc_insertion_point(module_scope)

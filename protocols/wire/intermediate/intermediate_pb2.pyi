@@ -60,6 +60,28 @@ class PushShareReply(_message.Message):
     duplicate: bool
     def __init__(self, clients_received: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
+class CheckShareRequest(_message.Message):
+    __slots__ = ("run_id", "round", "client", "length", "signature", "participants_digest", "min_summed")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MIN_SUMMED_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    client: str
+    length: int
+    signature: bytes
+    participants_digest: bytes
+    min_summed: int
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., client: _Optional[str] = ..., length: _Optional[int] = ..., signature: _Optional[bytes] = ..., participants_digest: _Optional[bytes] = ..., min_summed: _Optional[int] = ...) -> None: ...
+
+class CheckShareReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class GetPartialSumRequest(_message.Message):
     __slots__ = ("run_id", "round", "expected_clients", "signature")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class IntermediateAggregatorStub:
                 request_serializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.PushShareRequest.SerializeToString,
                 response_deserializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.PushShareReply.FromString,
                 _registered_method=True)
+        self.CheckShare = channel.unary_unary(
+                '/cancelfl.intermediate.v2.IntermediateAggregator/CheckShare',
+                request_serializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.CheckShareRequest.SerializeToString,
+                response_deserializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.CheckShareReply.FromString,
+                _registered_method=True)
         self.GetPartialSum = channel.unary_unary(
                 '/cancelfl.intermediate.v2.IntermediateAggregator/GetPartialSum',
                 request_serializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.GetPartialSumRequest.SerializeToString,
@@ -81,6 +86,15 @@ class IntermediateAggregatorServicer:
     def PushShare(self, request, context):
         """Store the signing client's share for (run_id, round). Idempotent for identical retries. The client's
         terms (the participants it was shown, the fewest clients its share may be summed with) are kept with it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CheckShare(self, request, context):
+        """Before its client charges the round: would PushShare take the signing client's share of `length` elements for
+        (run_id, round) under these terms? Answers with PushShare's status codes for everything but the share's bytes
+        and stores nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -127,6 +141,11 @@ def add_IntermediateAggregatorServicer_to_server(servicer, server):
                     servicer.PushShare,
                     request_deserializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.PushShareRequest.FromString,
                     response_serializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.PushShareReply.SerializeToString,
+            ),
+            'CheckShare': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckShare,
+                    request_deserializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.CheckShareRequest.FromString,
+                    response_serializer=protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.CheckShareReply.SerializeToString,
             ),
             'GetPartialSum': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPartialSum,
@@ -203,6 +222,33 @@ class IntermediateAggregator:
             '/cancelfl.intermediate.v2.IntermediateAggregator/PushShare',
             protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.PushShareRequest.SerializeToString,
             protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.PushShareReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckShare(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cancelfl.intermediate.v2.IntermediateAggregator/CheckShare',
+            protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.CheckShareRequest.SerializeToString,
+            protocols_dot_wire_dot_intermediate_dot_intermediate__pb2.CheckShareReply.FromString,
             options,
             channel_credentials,
             insecure,

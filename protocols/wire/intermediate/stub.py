@@ -4,7 +4,8 @@ The ``m`` servers are an :class:`IntermediateServers` (addresses in share order 
 channel is TLS verified against that CA and every request is signed (:mod:`protocols.wire.intermediate.auth`).
 
 * ClientApps call :func:`push_shares` (or :func:`share_and_push`): share ``j`` to server ``j``, with the
-  client's :class:`ShareTerms` (the participants it was shown, the fewest clients its share may be summed with).
+  client's :class:`ShareTerms` (the participants it was shown, the fewest clients its share may be summed with);
+  :func:`check_shares` before, to learn whether the servers would take them.
 * The parameter server calls :func:`register_run` before each round (naming its participants) and
   :func:`reconstruct_sum` (or :func:`reconstruct_decoded`) after it.  Additive sharing (``threshold`` None) needs
   every server; Shamir (``threshold = t``) needs any ``t`` (:func:`protocols.secret_sharing.shamir_reconstruct_vector`).
@@ -189,6 +190,15 @@ class IntermediateServerClient:
                                    min_summed=least)
         return self.stub.PushShare.future(req, timeout=self.timeout)
 
+    def check_share_future(self, run_id: str, round_num: int, signer: auth.Signer, length: int,
+                           terms: ShareTerms | None = None) -> grpc.Future:
+        """Asynchronous pre-flight of :meth:`push_share_future` for a share of ``length`` elements (``CheckShareReply``)."""
+        digest, least = (b"", 0) if terms is None else (terms.digest, terms.min_summed)
+        sig = signer.sign(auth.check_statement(run_id, round_num, signer.name, length, digest, least))
+        req = pb2.CheckShareRequest(run_id=str(run_id), round=int(round_num), client=signer.name, length=int(length),
+                                    signature=sig, participants_digest=digest, min_summed=least)
+        return self.stub.CheckShare.future(req, timeout=self.timeout)
+
     def get_partial_sum_future(self, run_id: str, round_num: int, expected_clients: Sequence[str],
                                signer: auth.Signer) -> grpc.Future:
         """Asynchronous partial-sum request (parameter server's ``signer``); a ``GetPartialSumReply``."""
@@ -321,14 +331,34 @@ def push_shares(
         raise ValueError(f"{len(shares)} shares for {len(servers)} intermediate servers")
     _, failures = _gather(servers, lambda j, c: c.push_share_future(run_id, round_num, signer, shares[j], terms),
                           timeout)
-    if len(servers) - len(failures) < (len(servers) if threshold is None else threshold):
-        raise SharePushError(
-            f"client {signer.name!r} could not push its share for run {run_id!r} round "
-            f"{round_num} to {len(failures)} of {len(servers)} intermediate server(s): "
-            + "; ".join(map(str, failures)),
-            failures,
-        )
+    _require(servers, failures, threshold, f"client {signer.name!r} could not push its share for run {run_id!r} "
+                                           f"round {round_num} to")
     return failures
+
+
+def check_shares(servers: IntermediateServers, run_id: str, round_num: int, signer: auth.Signer, length: int, *,
+                 threshold: int | None = None, terms: ShareTerms | None = None,
+                 timeout: float = DEFAULT_TIMEOUT_S) -> list[ServerFailure]:
+    """Whether :func:`push_shares` of a share of ``length`` elements would succeed: one concurrent ``CheckShare`` each.
+
+    A client asks before it charges its round; nothing is stored.  Returns the servers that would not take a share,
+    as :func:`push_shares` does.
+
+    Raises:
+        SharePushError: more servers refuse (or do not answer) than :func:`push_shares` tolerates.
+    """
+    _, failures = _gather(servers, lambda _j, c: c.check_share_future(run_id, round_num, signer, length, terms),
+                          timeout)
+    _require(servers, failures, threshold, f"client {signer.name!r}: its share for run {run_id!r} round {round_num} "
+                                           "would be refused by")
+    return failures
+
+
+def _require(servers: IntermediateServers, failures: list[ServerFailure], threshold: int | None, what: str) -> None:
+    """Raise :class:`SharePushError` unless all servers (``threshold`` None) or ``threshold`` of them took a share."""
+    if len(servers) - len(failures) < (len(servers) if threshold is None else threshold):
+        raise SharePushError(f"{what} {len(failures)} of {len(servers)} intermediate server(s): "
+                             + "; ".join(map(str, failures)), failures)
 
 
 def share_and_push(
