@@ -76,6 +76,7 @@ def _ddpsa_push(raw: dict, monkeypatch, x: np.ndarray, y: np.ndarray, weights) -
         return noisy.size
 
     monkeypatch.setattr(ddpsa_client, "share_and_push", push)
+    monkeypatch.setattr(ddpsa_client, "preflight", lambda *a, **k: None)  # no intermediate servers here
     monkeypatch.setattr(ddpsa_client, "_noise_seed", lambda: bytes(32))  # the same noise on both neighbours
     grid = LocalGrid(client_app, cfg.num_clients, raw)
     names = {r.metadata.src_node_id: RosterName.from_content(r.content).name for r in grid.send_and_receive(
