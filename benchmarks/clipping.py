@@ -7,16 +7,17 @@ Examples per second of ``sum_i clip(g_i, C)`` on MNIST batches (the real images 
 shared data folder, random ones of the same shape if it is missing), one thread, for the
 MLP 784-128-10 and the SmallCNN of :mod:`protocols.task.models`:
 
-* L2: :func:`protocols.per_example.clipped_grad_sum` (the fused step on the MLP, with the layer-wise engine beside
-  it, ``layer-wise engine``; the layer-wise engine on the CNN) against Opacus' ``GradSampleModule``
-  (per-sample gradients by hooks, then ``DPOptimizer.clip_and_accumulate``) and
-  ``GradSampleModuleFastGradientClipping`` with ghost clipping (two backward passes);
+* L2: :func:`protocols.per_example.clipped_grad_sum` (``ours-fused-mlp`` on the MLP, with the layer-wise engine
+  beside it, ``layer-wise-engine``; ``ours-layer-wise`` on the CNN) against Opacus' ``GradSampleModule``
+  (``opacus-grad-sample``: per-sample gradients by hooks, then ``DPOptimizer.clip_and_accumulate``) and
+  ``GradSampleModuleFastGradientClipping`` with ghost clipping (``opacus-ghost-clipping``, two backward passes);
 * L1 (DDP-SA): the same function with ``norm="l1"`` against our ``torch.func`` vmap reference
-  (:func:`protocols.per_example.vmap_clipped_grad_sum`);
-* a plain forward and backward of the summed loss as the floor (``x plain`` = time / its time);
-* one training step: FedAvg's plain SGD step (autograd, ``torch.optim.SGD``) against record-level training's
-  clipped step (:meth:`protocols.per_example.PerExampleClipper.descend`), both at step size 0 (``x_plain_sgd`` =
-  time / the plain step's).
+  (:func:`protocols.per_example.vmap_clipped_grad_sum`, ``vmap-reference``);
+* a plain forward and backward of the summed loss as the floor (``plain-forward-backward``; ``x plain`` = time /
+  its time);
+* one training step: FedAvg's plain SGD step (``plain-sgd-step``: autograd, ``torch.optim.SGD``) against
+  record-level training's clipped step (``ours-sgd-step``: :meth:`protocols.per_example.PerExampleClipper.descend`),
+  both at step size 0 (``x_plain_sgd`` = time / the plain step's).
 
 Repeats are interleaved and reported as medians; every competitor's clipped sum is checked
 against ours on the timed batch (``max rel diff``; Opacus adds 1e-6 to the norm). Opacus is
@@ -149,8 +150,8 @@ def layerwise_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: flo
 def ours_label(model: nn.Module) -> str:
     """The implementation column of our rows: the engine :class:`protocols.per_example.PerExampleClipper` takes."""
     if FusedMLP.of(model, "l2", cross_entropy) is not None:
-        return "ours (fused MLP)"
-    return "ours (layer-wise)" if fast_path_blocker(model) is None else "ours (vmap)"
+        return "ours-fused-mlp"
+    return "ours-layer-wise" if fast_path_blocker(model) is None else "ours-vmap"
 
 
 def vmap_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float, norm: str) -> Step:
@@ -188,7 +189,7 @@ def opacus_steps(model_name: str, x: torch.Tensor, y: torch.Tensor, clip: float)
         criterion(ghost_model(x), y).backward()
         return [p.grad for p in ghost_model.parameters()]
 
-    return {"Opacus GradSampleModule": grad_sample, "Opacus ghost clipping": ghost}
+    return {"opacus-grad-sample": grad_sample, "opacus-ghost-clipping": ghost}
 
 
 def max_rel_diff(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
@@ -203,19 +204,19 @@ def measure(model_name: str, batch: int, x_all: torch.Tensor, y_all: torch.Tenso
     x, y = x_all[:batch], y_all[:batch]
     model = model_for(model_name)
     label = ours_label(model)
-    candidates: list[tuple[str, str, Step]] = [("-", "plain forward+backward", plain_step(model, x, y))]
+    candidates: list[tuple[str, str, Step]] = [("-", "plain-forward-backward", plain_step(model, x, y))]
     for norm in ("l2", "l1"):
         candidates.append((norm, label, ours_step(model, x, y, args.clip, norm)))
-        if label == "ours (fused MLP)":
-            candidates.append((norm, "layer-wise engine", layerwise_step(model, x, y, args.clip, norm)))
+        if label == "ours-fused-mlp":
+            candidates.append((norm, "layer-wise-engine", layerwise_step(model, x, y, args.clip, norm)))
         if norm == "l2":
             try:
                 candidates += [("l2", name, step) for name, step in opacus_steps(model_name, x, y, args.clip).items()]
             except ImportError as err:
                 notes.append(f"Opacus not installed ({err}); pip install -e .[bench]")
-    candidates.append(("l1", "vmap reference", vmap_step(model, x, y, args.clip, "l1")))
-    candidates.append(("-", "plain SGD step", sgd_step(model, x, y)))
-    candidates.append(("l2", "clipped SGD step (ours)", descend_step(model, x, y, args.clip)))
+    candidates.append(("l1", "vmap-reference", vmap_step(model, x, y, args.clip, "l1")))
+    candidates.append(("-", "plain-sgd-step", sgd_step(model, x, y)))
+    candidates.append(("l2", "ours-sgd-step", descend_step(model, x, y, args.clip)))
     times: dict[int, list[float]] = {i: [] for i in range(len(candidates))}
     for _ in range(args.repeats):
         for i, (_, _, step) in enumerate(candidates):
@@ -224,14 +225,14 @@ def measure(model_name: str, batch: int, x_all: torch.Tensor, y_all: torch.Tenso
     ours = {norm: median[i] for i, (norm, name, _) in enumerate(candidates) if name == label}
     reference = {norm: step() for norm, name, step in candidates if name == label}
     rows = []
-    plain_sgd = next(i for i, c in enumerate(candidates) if c[1] == "plain SGD step")
+    plain_sgd = next(i for i, c in enumerate(candidates) if c[1] == "plain-sgd-step")
     for i, (norm, name, step) in enumerate(candidates):
         row = {"model": model_name, "batch": batch, "norm": norm, "implementation": name,
                "examples_per_s": batch / median[i], "x_plain": median[i] / median[0]}
-        if norm in ours and "SGD step" not in name:
+        if norm in ours and not name.endswith("sgd-step"):
             row["ours_speedup"] = median[i] / ours[norm]
             row["max_rel_diff"] = max_rel_diff(step(), reference[norm])
-        if "SGD step" in name:
+        if name.endswith("sgd-step"):
             row["x_plain_sgd"] = median[i] / median[plain_sgd]
         rows.append(row)
     return rows
@@ -256,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batch_sizes.split(",") if b]
     x_all, y_all = mnist_batch(max([*batches, args.ddpsa_examples]), args.data_dir, notes)
     for name in models:
-        notes.append(f"{name}: {ours_label(model_for(name)).removeprefix('ours (').rstrip(')')} path")
+        notes.append(f"{name}: {ours_label(model_for(name)).removeprefix('ours-')} path")
     rows: list[dict] = []
     for name in models:
         for batch in batches:
