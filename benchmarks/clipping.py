@@ -213,7 +213,8 @@ def measure(model_name: str, batch: int, x_all: torch.Tensor, y_all: torch.Tenso
             try:
                 candidates += [("l2", name, step) for name, step in opacus_steps(model_name, x, y, args.clip).items()]
             except ImportError as err:
-                notes.append(f"Opacus not installed ({err}); pip install -e .[bench]")
+                note = f"Opacus not installed ({err}); pip install -e .[bench]"
+                notes += [] if note in notes else [note]
     candidates.append(("l1", "vmap-reference", vmap_step(model, x, y, args.clip, "l1")))
     candidates.append(("-", "plain-sgd-step", sgd_step(model, x, y)))
     candidates.append(("l2", "ours-sgd-step", descend_step(model, x, y, args.clip)))
