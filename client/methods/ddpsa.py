@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -235,24 +236,19 @@ def train(msg: Message, env: ClientEnv) -> Message:
     # Decided on public values before any work: a range the noisy sum may leave would refuse it after the charge.
     at_least("ddpsa-max-clients", plan.codec().max_abs, min_codec_range(len(env.y), env.cfg.clip, scale),
              f"a fixed-point range (ddpsa-frac-bits = {plan.frac_bits}) too small for this client's noisy sum")
-    model = env.model(from_record(msg.content["arrays"]))
-    event: Event
-    if plan.noise == "gaussian":
-        assert honest is not None  # ddpsa_noise_share splits every Gaussian round
-        # More noise than the client's own z is taken (the server charges the plan's), less is refused.
+    if plan.noise == "gaussian":  # more noise than the client's own z is taken (the server charges the plan's)
         at_least("ddpsa-noise-multiplier", plan.multiplier, ddpsa_noise_multiplier(env.cfg),
                  "this client's noise multiplier from its run config (cdp's calibration)")
-        noisy, loss, frac = gaussian_gradient_sum(model, env.x, env.y, env.cfg.clip, plan.multiplier, honest,
-                                                  seed=_noise_seed(), adjacency=env.cfg.adjacency)
-        event = GaussianEvent(plan.multiplier)
-    else:
-        noisy, loss, frac = noisy_gradient_sum(model, env.x, env.y, env.cfg.clip, eps_t, honest=honest,
-                                               seed=_noise_seed(), adjacency=env.cfg.adjacency,
-                                               centred=env.cfg.ddpsa_centering and is_linear_classifier(model))
-        event = LaplaceEvent(eps_t)
+    weights = from_record(msg.content["arrays"])
+    length = sum(int(np.asarray(a).size) for a in weights.values())  # the gradient vector's (state_dict order)
     terms = ShareTerms(plan.participants, ddpsa_min_summed(env.cfg, plan.noise, len(plan.participants),
                                                            threshold=plan.threshold, servers=len(servers)))
-    preflight(servers, plan, rnd, me, noisy.size, terms)  # a round no push could enter is refused unpaid
+    with ThreadPoolExecutor(max_workers=1) as pool:  # the servers' answers arrive while the gradients are computed
+        checked = pool.submit(preflight, servers, plan, rnd, me, length, terms)
+        noisy, loss, frac, event = _noisy_sum(env, plan, weights, eps_t, honest)
+        checked.result()  # a round no push could enter is refused unpaid
+    if noisy.size != length:
+        raise ValueError(f"the noisy sum has {noisy.size} values where the model has {length}")
     # Recorded before any share leaves, composed as the server charges it (run-config 'ddpsa-composition').
     spent = release(msg, env, event,
                     accountant=composition_accountant(env.cfg.ddpsa_composition, env.cfg.ddpsa_noise))
@@ -264,3 +260,18 @@ def train(msg: Message, env: ClientEnv) -> Message:
                 **spent)
     out.content[RECEIPT] = ConfigRecord(receipt.to_config())
     return out
+
+
+def _noisy_sum(env: ClientEnv, plan: DdpsaRound, weights: dict[str, np.ndarray], eps_t: float, honest: int | None
+               ) -> tuple[np.ndarray, float, float, Event]:
+    """The client's noisy clipped gradient sum of the round, its loss and clipped fraction, and the release."""
+    model = env.model(weights)
+    if plan.noise == "gaussian":
+        assert honest is not None  # ddpsa_noise_share splits every Gaussian round
+        noisy, loss, frac = gaussian_gradient_sum(model, env.x, env.y, env.cfg.clip, plan.multiplier, honest,
+                                                  seed=_noise_seed(), adjacency=env.cfg.adjacency)
+        return noisy, loss, frac, GaussianEvent(plan.multiplier)
+    noisy, loss, frac = noisy_gradient_sum(model, env.x, env.y, env.cfg.clip, eps_t, honest=honest,
+                                           seed=_noise_seed(), adjacency=env.cfg.adjacency,
+                                           centred=env.cfg.ddpsa_centering and is_linear_classifier(model))
+    return noisy, loss, frac, LaplaceEvent(eps_t)
