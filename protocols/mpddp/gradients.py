@@ -17,7 +17,7 @@ Eq. 22.  Use float64: recovery cancels terms of size ``|r| * alpha``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -128,13 +128,14 @@ class _Forward:
     """A forward pass of the expanded model.
 
     Each layer's input, each hidden layer's ReLU mask, the last input ``h`` and the output error ``h W_L^T - y``
-    (the loss signal every backward pass starts from).
+    (the loss signal every backward pass starts from).  ``signals`` keeps :func:`_signals` once computed.
     """
 
     inputs: list[Tensor]
     masks: list[Tensor]
     h: Tensor
     err: Tensor
+    signals: dict[int, Tensor] = field(default_factory=dict, compare=False, repr=False)
 
 
 def _forward(mats: Sequence[Tensor], x: Tensor, y: Tensor) -> _Forward:
@@ -148,38 +149,54 @@ def _forward(mats: Sequence[Tensor], x: Tensor, y: Tensor) -> _Forward:
     return _Forward(inputs, masks, h, h @ mats[-1].T - y)
 
 
+def _signals(mats: Sequence[Tensor], fwd: _Forward) -> dict[int, Tensor]:
+    """Per uploaded block ``j`` (even index of the expanded model): the n_L + 2 unweighted signals at ``z_j``.
+
+    ``(B, n_L + 2, n_j)``: d of [loss, Psi_1..Psi_nL, Phi] (per example, unweighted) with respect to the layer's
+    output, back-propagated together (one matmul per layer for all of them).  The per-example norms and the
+    weighted sums are read from the same signals: computed once per forward pass and kept in ``fwd.signals``.
+    """
+    if fwd.signals:
+        return fwd.signals
+    h, last, err = fwd.h, mats[-1], fwd.err
+    n_out, width = last.shape
+    alpha = h.sum(dim=1)  # (B,)
+    # Signals d scalar / d h_last, stacked: [loss, Psi_1..Psi_nL, Phi] -> (B, n_L + 2, width).
+    sig = torch.empty((h.shape[0], n_out + 2, width), dtype=h.dtype)
+    torch.matmul(err, last, out=sig[:, 0])
+    torch.mul(alpha[:, None, None], last, out=sig[:, 1 : n_out + 1])  # alpha_b W_k
+    sig[:, 1 : n_out + 1] += err.unsqueeze(2)  # err_bk * d alpha / d h = err_bk * 1
+    sig[:, n_out + 1] = alpha.unsqueeze(1)
+    for j in range(len(mats) - 2, -1, -1):  # back through layers 2L-2 .. 1; odd original layers sit at even j
+        d = sig.mul_(fwd.masks[j].unsqueeze(1))  # (B, K, n_j) signal at z_j
+        if j % 2 == 0:
+            fwd.signals[j] = d
+        if j > 0:
+            sig = d @ mats[j]
+    return fwd.signals
+
+
 def _weighted_gradients(mats: Sequence[Tensor], fwd: _Forward, w: Tensor) -> ClientUpload:
-    """:func:`client_gradients` from a forward pass, example b weighted ``w[b]``."""
+    """:func:`client_gradients` from a forward pass, example b weighted ``w[b]`` (every signal is linear in it)."""
     h, batch = fwd.h, fwd.h.shape[0]
     last = mats[-1]
     alpha = h.sum(dim=1)  # (B,)
-    err = fwd.err  # (B, n_L)
     n_out, width = last.shape
     k = n_out + 2
-    aw, ew = alpha * w, err * w.unsqueeze(1)
-    # Signals d scalar / d h_last, stacked: [loss, Psi_1..Psi_nL, Phi] -> (B, n_L + 2, width), all * w_b.
-    sig = torch.empty((batch, k, width), dtype=h.dtype)
-    torch.mul(err @ last, w.unsqueeze(1), out=sig[:, 0])
-    torch.mul(aw[:, None, None], last, out=sig[:, 1 : n_out + 1])  # alpha_b W_k
-    sig[:, 1 : n_out + 1] += ew.unsqueeze(2)  # err_bk * d alpha / d h = err_bk * 1
-    sig[:, n_out + 1] = aw.unsqueeze(1)
+    aw, ew = alpha * w, fwd.err * w.unsqueeze(1)
     # Gradients w.r.t. the last matrix: loss -> err^T h / B; Psi_k -> row k = sum_b alpha_b h_b / B; Phi -> 0.
     psi_last = torch.zeros((n_out, n_out, width), dtype=h.dtype)
     psi_last[torch.arange(n_out), torch.arange(n_out)] = aw @ h
     grads: list[Tensor] = [ew.T @ h]
     psis: list[Tensor] = [psi_last]
     phis: list[Tensor] = [torch.zeros_like(last)]
-    # Backward through layers 2L-2 .. 1 (0-based index j); odd original layers sit at even j.
-    for j in range(len(mats) - 2, -1, -1):
-        d = sig.mul_(fwd.masks[j].unsqueeze(1))  # (B, K, n_j) signal at z_j
+    for j, d in sorted(_signals(mats, fwd).items(), reverse=True):
         n_j = d.shape[2]
-        if j % 2 == 0:  # one matmul for all K signals, the (B, K n_j) view read transposed (no copy)
-            g = (d.reshape(batch, k * n_j).T @ fwd.inputs[j]).reshape(k, n_j, -1)
-            grads.append(g[0])
-            psis.append(g[1 : n_out + 1])
-            phis.append(g[n_out + 1])
-        if j > 0:
-            sig = d @ mats[j]
+        # one matmul for all K signals, the (B, K n_j) view read transposed (no copy), the weights on the inputs
+        g = (d.reshape(batch, k * n_j).T @ (fwd.inputs[j] * w.unsqueeze(1))).reshape(k, n_j, -1)
+        grads.append(g[0])
+        psis.append(g[1 : n_out + 1])
+        phis.append(g[n_out + 1])
     grads.reverse()
     psis.reverse()
     phis.reverse()
@@ -200,14 +217,9 @@ def per_example_grad_norms(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.
 def _grad_norms(mats: Sequence[Tensor], fwd: _Forward) -> Tensor:
     h, err = fwd.h, fwd.err
     sq = torch.linalg.vecdot(err, err) * torch.linalg.vecdot(h, h)  # last layer: err_b h_b^T (not trimmed)
-    sig = err @ mats[-1]
-    for j in range(len(mats) - 2, -1, -1):
-        d = sig * fwd.masks[j]
-        if j % 2 == 0:  # an uploaded block; its last row (constant unit) is trimmed
-            kept = d[:, :-1]
-            sq = sq + torch.linalg.vecdot(kept, kept) * torch.linalg.vecdot(fwd.inputs[j], fwd.inputs[j])
-        if j > 0:
-            sig = d @ mats[j]
+    for j, d in _signals(mats, fwd).items():  # an uploaded block; its last row (constant unit) is trimmed
+        kept = d[:, 0, :-1]
+        sq = sq + torch.linalg.vecdot(kept, kept) * torch.linalg.vecdot(fwd.inputs[j], fwd.inputs[j])
     return sq.sqrt()
 
 
@@ -220,24 +232,16 @@ def _side_norms(mats: Sequence[Tensor], fwd: _Forward) -> tuple[Tensor, Tensor]:
     """
     h, last = fwd.h, mats[-1]
     alpha = h.sum(dim=1)
-    err = fwd.err
-    n_out, width = last.shape
+    n_out = last.shape[0]
     hh = torch.linalg.vecdot(h, h)
     eye = torch.eye(n_out, dtype=h.dtype)
     gram = (alpha.square() * hh)[:, None, None] * eye  # last matrix: Psi_k's row k is alpha_b h_b
     phi_sq = torch.zeros_like(hh)  # last matrix: Phi is zero
-    sig = torch.empty((h.shape[0], n_out + 1, width), dtype=h.dtype)
-    sig[:, :n_out] = alpha[:, None, None] * last + err.unsqueeze(2)  # d alpha (y^_k - ybar_k) / d h
-    sig[:, n_out] = alpha.unsqueeze(1)  # d alpha^2 / 2 / d h
-    for j in range(len(mats) - 2, -1, -1):
-        d = sig * fwd.masks[j].unsqueeze(1)
-        if j % 2 == 0:  # an uploaded block; its last row (constant unit) is trimmed
-            kept = d[:, :, :-1]
-            xx = torch.linalg.vecdot(fwd.inputs[j], fwd.inputs[j])
-            gram = gram + (kept[:, :n_out] @ kept[:, :n_out].transpose(1, 2)) * xx[:, None, None]
-            phi_sq = phi_sq + kept[:, n_out].square().sum(dim=1) * xx
-        if j > 0:
-            sig = d @ mats[j]
+    for j, d in _signals(mats, fwd).items():  # an uploaded block; its last row (constant unit) is trimmed
+        psi = d[:, 1 : n_out + 1, :-1]
+        xx = torch.linalg.vecdot(fwd.inputs[j], fwd.inputs[j])
+        gram = gram + (psi @ psi.transpose(1, 2)) * xx[:, None, None]
+        phi_sq = phi_sq + d[:, n_out + 1, :-1].square().sum(dim=1) * xx
     finite = torch.isfinite(gram).flatten(1).all(1)  # an overflowed example: inf (eigvalsh fails on NaN)
     top = torch.linalg.eigvalsh(kept_rows(finite, gram))[:, -1].clamp_min(0.0).sqrt()
     return torch.where(finite, top, torch.inf), phi_sq.sqrt()
