@@ -172,6 +172,18 @@ def test_mpddp_a_record_with_an_overflowing_gradient_adds_nothing(method, side, 
 
 
 # --------------------------------------------------------------------------------------- record level
+def _first_round_replies(cfg: RunConfig, raw: dict, ds) -> list:
+    """Round 1 of ``cfg``'s strategy from the seeded initial model through the real ClientApps; none failed."""
+    grid = LocalGrid(client_app, cfg.num_clients, raw)
+    strategy = build_strategy(cfg)
+    model = build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed)
+    msgs = list(strategy.configure_train(1, to_record(get_weights(model), strategy.wire_dtype),
+                                         ConfigRecord(TrainIns(1).to_config()), grid))
+    replies = list(grid.send_and_receive(msgs))
+    assert replies and not any(r.has_error() for r in replies), [r.error.reason for r in replies if r.has_error()]
+    return replies
+
+
 @pytest.mark.parametrize("method", ["ldp", "cdp", "nadp"])
 def test_record_level_training_drops_a_record_with_a_non_finite_feature(method, monkeypatch) -> None:
     """A record with a NaN feature (a missing value): the uploads and the loss stay finite on both neighbours.
@@ -187,14 +199,7 @@ def test_record_level_training_drops_a_record_with_a_non_finite_feature(method, 
     x, y = ds.x_train[:100].copy(), ds.y_train[:100]
     x[7, 0, 4, 4] = np.nan
     _patch_data(monkeypatch, [(x, y, ds.num_classes, ds.input_shape)])
-    grid = LocalGrid(client_app, cfg.num_clients, raw)
-    strategy = build_strategy(cfg)
-    model = build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed)
-    msgs = list(strategy.configure_train(1, to_record(get_weights(model), strategy.wire_dtype),
-                                         ConfigRecord(TrainIns(1).to_config()), grid))
-    replies = list(grid.send_and_receive(msgs))
-    assert replies and not any(r.has_error() for r in replies), [r.error.reason for r in replies if r.has_error()]
-    for r in replies:
+    for r in _first_round_replies(cfg, raw, ds):
         assert all(np.isfinite(a.numpy()).all() for a in r.content["arrays"].values())
         assert np.isfinite(r.content["metrics"]["train_loss"])
 
@@ -323,13 +328,7 @@ def test_record_level_training_that_float32_cannot_hold_trains_in_float64(method
     masks = []
     for xs, ys in ((x, y), (x[rest], y[rest])):
         data[:] = [(xs, ys, ds.num_classes, ds.input_shape)]
-        grid = LocalGrid(client_app, cfg.num_clients, raw)
-        strategy = build_strategy(cfg)
-        model = build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed)
-        msgs = list(strategy.configure_train(1, to_record(get_weights(model), strategy.wire_dtype),
-                                             ConfigRecord(TrainIns(1).to_config()), grid))
-        replies = list(grid.send_and_receive(msgs))
-        assert replies and not any(r.has_error() for r in replies), [r.error.reason for r in replies if r.has_error()]
+        replies = _first_round_replies(cfg, raw, ds)
         up = [np.concatenate([np.asarray(a.numpy(), np.float64).ravel() for a in r.content["arrays"].values()])
               for r in replies]
         masks.append(np.isfinite(up[0]))

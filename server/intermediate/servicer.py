@@ -128,6 +128,13 @@ class IntermediateAggregatorServicer(pb2_grpc.IntermediateAggregatorServicer):
         self._runs.move_to_end(run_id)
         return run
 
+    def _client_signed(self, request: pb2.PushShareRequest | pb2.CheckShareRequest, statement: bytes,
+                       context: grpc.ServicerContext, rpc: str) -> str:
+        """Abort unless a roster client signed ``statement`` under the name it gives; the request's tag for errors."""
+        if not self.policy.client_may_push(request.client, request.signature, statement):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{rpc}: not signed by a roster client under the name it gives")
+        return f"run {request.run_id!r} round {request.round} client {request.client!r}"
+
     def _admit(self, request: pb2.PushShareRequest | pb2.CheckShareRequest, context: grpc.ServicerContext,
                tag: str) -> tuple[_RunState, _RoundState]:
         """What a push of ``request.length`` elements by ``request.client`` under its terms must meet (under the lock).
@@ -238,10 +245,7 @@ class IntermediateAggregatorServicer(pb2_grpc.IntermediateAggregatorServicer):
         """Store the signing client's share for (run_id, round); identical retries are no-ops."""
         statement = auth.push_statement(request.run_id, request.round, request.client, request.share,
                                         request.participants_digest, request.min_summed)
-        if not self.policy.client_may_push(request.client, request.signature, statement):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "PushShare: not signed by a roster client under the name it gives")
-        tag = f"run {request.run_id!r} round {request.round} client {request.client!r}"
+        tag = self._client_signed(request, statement, context, "PushShare")
         with self._lock:
             run, state = self._admit(request, context, tag)
             if len(request.share) != 8 * run.length:
@@ -271,10 +275,7 @@ class IntermediateAggregatorServicer(pb2_grpc.IntermediateAggregatorServicer):
         """
         statement = auth.check_statement(request.run_id, request.round, request.client, request.length,
                                          request.participants_digest, request.min_summed)
-        if not self.policy.client_may_push(request.client, request.signature, statement):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "CheckShare: not signed by a roster client under the name it gives")
-        tag = f"run {request.run_id!r} round {request.round} client {request.client!r}"
+        tag = self._client_signed(request, statement, context, "CheckShare")
         with self._lock:
             _, state = self._admit(request, context, tag)
             if request.client in state.shares:
