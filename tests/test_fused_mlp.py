@@ -121,3 +121,136 @@ def test_local_training_on_the_fused_step_follows_the_layerwise_engine(recentre:
     for p, r in zip(fused.parameters(), recorded.parameters(), strict=True):
         assert p.dtype == r.dtype
         torch.testing.assert_close(p, r, rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- the guarantee on crafted models
+def _crafted(kind: str, dtype: torch.dtype, seed: int = 0) -> MLP:
+    """A model a server may send (finite weights, norm within what the client trains) built to stress one formula.
+
+    ``saturated``: hidden unit 0 is ``relu(1e9)``, the output layer's weight 0 and its bias ``-gap`` but on class 0,
+    so a class-0 record's output delta is ``~e^-gap`` (its square rounds to 0) and its weight gradient
+    ``d a^T`` of norm ``~1e-14`` (float32) / ``~1e-73`` (float64).  ``huge``: random weights times 1e3 (the softmax
+    saturates, logits ``~1e9``).  ``bright``: two pixels' weights ``3e38`` and the biases ``-1e38``: the hidden
+    units of the record bright on both overflow float32 (it is dropped), the others' are 0.  ``dead``: every hidden unit below 0.
+    ``logits``: output biases ``+-1e30``.  ``plain``: the seeded initialisation.
+    """
+    torch.manual_seed(seed)
+    model = MLP(64, (8, 6), 10).to(dtype)
+    with torch.no_grad():
+        if kind == "saturated":
+            gap = 54.0 if dtype == torch.float32 else 400.0
+            for p in model.parameters():
+                p.zero_()
+            model.layers[0].bias[0] = model.layers[1].bias[0] = 5e8 if dtype == torch.float32 else 1e100
+            model.layers[1].weight[0, 0] = 1.0
+            model.layers[2].bias[1:] = -gap
+        elif kind == "huge":
+            for p in model.parameters():
+                p.mul_(1e3)
+        elif kind == "bright":
+            model.layers[0].weight[:, 5:7], model.layers[0].bias[:] = 3e38, -1e38
+        elif kind == "dead":
+            model.layers[0].bias.fill_(-1e3)
+        elif kind == "logits":
+            model.layers[2].bias.copy_(torch.tensor([1e30, -1e30] * 5))
+    return model
+
+
+def _data(n: int, dtype: torch.dtype, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.rand(n, 1, 8, 8, generator=gen, dtype=dtype)
+    x.view(n, -1)[:, 5:7] = 0.0
+    x.view(n, -1)[0, 5:7] = 1.0  # pixels 5 and 6: only record 0 has them
+    y = torch.randint(0, 10, (n,), generator=gen)
+    y[0] = 0
+    return x, y
+
+
+def _step(make, x: torch.Tensor, y: torch.Tensor, clip: float, step: float, **kw) -> torch.Tensor:
+    """``-step * sum_i clip(g_i)`` of the real clipper, flattened (into zero buffers: exact at any model norm)."""
+    model = make()
+    into = [torch.zeros_like(p) for p in model.parameters()]
+    with PerExampleClipper(model, clip, **kw) as clipper:
+        clipper.descend(x, y, step, into=into)
+    return torch.cat([t.double().flatten() for t in into])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["saturated", "huge", "bright", "dead", "logits", "plain"])
+def test_one_record_moves_a_fused_step_by_at_most_two_clips(kind: str, dtype: torch.dtype) -> None:
+    """Neighbouring batches (record 0 replaced), tiny to huge clips, batches of 7 and 1: the step moves by at most
+    ``2 clip step``, stays finite, and equals the layer-wise engine's and the vmap reference's.
+
+    ``saturated`` measured without :func:`protocols.per_example.norms.outer_norms_sq` (``|d|^2`` rounding to 0):
+    a class-0 record entered unclipped, 1.1e5 times the clip at clip 1e-13 (float32, fused and layer-wise alike).
+    """
+    x, y = _data(7, dtype)
+    xr, yr = x.clone(), y.clone()
+    xr[0], yr[0] = x[3], 1
+    x0, y0 = x.clone(), y.clone()
+    tiny = 1e-15 if dtype == torch.float32 else 1e-75
+    for clip in (tiny, 1.0, 1e6):
+        for n in (7, 1):
+            step = 0.3 / n
+            got = _step(lambda: _crafted(kind, dtype), x[:n], y[:n], clip, step)
+            other = _step(lambda: _crafted(kind, dtype), xr[:n], yr[:n], clip, step)
+            assert torch.isfinite(got).all() and torch.isfinite(other).all()
+            moved = float((got - other).norm())
+            assert moved <= 2 * clip * step * (1 + 1e-5), (kind, clip, n, moved / (2 * clip * step))
+            layerwise = _step(lambda: _crafted(kind, dtype), x[:n], y[:n], clip, step, fused=False)
+            ref = vmap_clipped_grad_sum(_crafted(kind, dtype), x[:n], y[:n], clip)
+            ref = torch.cat([g.double().flatten() for g in ref.grads]) * -step
+            for other_engine in (layerwise, ref):
+                torch.testing.assert_close(got, other_engine, rtol=1e-4, atol=1e-5 * clip * step)
+    assert torch.equal(x, x0) and torch.equal(y, y0)  # nothing the caller passes is written to
+
+
+@pytest.mark.parametrize("recentre", [False, True])
+@pytest.mark.parametrize("kind", ["saturated", "huge", "plain"])
+def test_one_record_moves_fused_local_training_by_at_most_its_sensitivity(kind: str, recentre: bool) -> None:
+    """Two epochs of batches of 3 on 7 records (the last batch smaller), neighbours one record apart."""
+    from protocols.privacy import local_sgd_sensitivity
+
+    x, y = _data(7, torch.float64)
+    xr, yr = x.clone(), y.clone()
+    xr[0], yr[0] = x[3], 1
+    clip, lr = 1e-3, 0.5
+    out = []
+    for xs, ys in ((x, y), (xr, yr)):
+        model = _crafted(kind, torch.float32)
+        start = torch.cat([p.detach().double().flatten() for p in model.parameters()])
+        clipped_sgd(model, xs.float().numpy(), ys.numpy(), epochs=2, batch_size=3, lr=lr, clip=clip, seed=4,
+                    recentre=recentre)
+        out.append(torch.cat([p.detach().double().flatten() for p in model.parameters()]) - start)
+    assert all(torch.isfinite(o).all() for o in out)
+    bound = local_sgd_sensitivity(clip, 7, lr=lr, epochs=2, batch_size=3, adjacency="replace-one")
+    slack = 0.0 if recentre else 8 * 2.0 ** -24 * float(start.abs().max())  # float32 weights round the steps
+    assert float((out[0] - out[1]).norm()) <= bound * (1 + 1e-5) + slack
+
+
+def test_a_tiny_output_gradient_times_a_large_input_is_clipped_by_every_closed_form() -> None:
+    """``|d|^2`` underflows while ``|d| |a|`` does not: Linear with and without bias, and a conv's ghost norm."""
+
+    class Conv(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c1, self.c2, self.fc = nn.Conv2d(1, 2, 3, padding=1), nn.Conv2d(2, 16, 8), nn.Linear(16, 10)
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:  # c2: one position, 16 channels: the ghost norm
+            return self.fc(self.c2(torch.relu(self.c1(t))).flatten(1))
+
+    conv = Conv()
+    bare = nn.Sequential(nn.Flatten(), nn.Linear(64, 8, bias=False), nn.ReLU(), nn.Linear(8, 10, bias=False))
+    with torch.no_grad():
+        for p in conv.parameters():
+            p.zero_()
+        conv.c1.bias[0], conv.c2.bias[:], conv.fc.weight[:], conv.fc.bias[1:] = 1e12, 1.0, 1.0, -60.0
+        bare[1].weight.fill_(1e6)  # every hidden unit 3.2e7 on x = 0.5
+        bare[3].weight.zero_()
+        bare[3].weight[1:, 0] = -54 / 3.2e7  # class 0 saturates: d ~ e^-54, |d| |a| ~ 1e-15
+    x, y = torch.full((3, 1, 8, 8), 0.5), torch.zeros(3, dtype=torch.long)
+    x[:, 0, 0, 0] = torch.rand(3)
+    for model in (conv, bare, _crafted("saturated", torch.float32)):
+        for fused in (True, False):
+            got = float(_step(lambda m=model: m, x, y, 1e-16, 1.0, fused=fused).norm())
+            assert 2.9e-16 <= got <= 3e-16 * (1 + 1e-5), (type(model).__name__, fused, got / 1e-16)  # 3 clipped

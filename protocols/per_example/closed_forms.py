@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from protocols.per_example.interface import ClipFactors, Norm, PerExampleLoss, clip_factors, kept_rows
+from protocols.per_example.norms import outer_norms_sq, row_norms
 from protocols.per_example.recorder import Recorder, Site
 
 __all__ = ["ClosedForm", "clip_scales", "layerwise_forms"]
@@ -122,14 +123,14 @@ class _LinearForm(ClosedForm):
 
     def norm_term(self, norm: Norm) -> Tensor:
         """Per-example ``||g||_2^2`` (l2) or ``||g||_1`` (l1) of this layer's trainable parameters (a new tensor)."""
+        if norm == "l2" and self.w is None:
+            return row_norms(self.d).square_()
         if norm == "l2":
-            dd = torch.linalg.vecdot(self.d, self.d)
-            aa = torch.linalg.vecdot(self.a, self.a) if self.w is not None else None
-        else:
-            dd = torch.linalg.vector_norm(self.d, 1, dim=1)
-            aa = torch.linalg.vector_norm(self.a, 1, dim=1) if self.w is not None else None
-        if aa is None:
+            return outer_norms_sq(self.d, self.a, self.b is not None)
+        dd = torch.linalg.vector_norm(self.d, 1, dim=1)
+        if self.w is None:
             return dd
+        aa = torch.linalg.vector_norm(self.a, 1, dim=1)
         return torch.addcmul(dd, dd, aa) if self.b is not None else dd.mul_(aa)
 
     def clipped_sum(self, scale: Tensor) -> dict[int, Tensor]:
@@ -161,13 +162,19 @@ def _unfolded_norm_term(patches: Callable[[int, int], tuple[Tensor, Tensor]], ba
     terms = []
     for s in range(0, batch, step):
         a, d = patches(s, min(s + step, batch))
-        if ghost:
-            term = a.transpose(2, 3) @ a * (d.transpose(2, 3) @ d)
+        if ghost:  # each example's A and D scaled to largest entry 1 first: a Gram product does not underflow alone
+            ma, md = _row_max(a), _row_max(d)
+            a, d, scale = a / ma[:, None, None, None], d / md[:, None, None, None], ma * md
+            terms.append(((a.transpose(2, 3) @ a * (d.transpose(2, 3) @ d)).flatten(1).sum(1) * scale).mul_(scale))
         else:
             g = d @ a.transpose(2, 3)  # (b, G, O, K)
-            term = g * g if norm == "l2" else g.abs()
-        terms.append(term.flatten(1).sum(1))
+            terms.append((g * g if norm == "l2" else g.abs()).flatten(1).sum(1))
     return torch.cat(terms)
+
+
+def _row_max(t: Tensor) -> Tensor:
+    """Each example's largest ``|entry|`` of ``t`` (batch axis first), at least the dtype's smallest normal number."""
+    return t.abs().flatten(1).amax(1).clamp_(min=torch.finfo(t.dtype).tiny)
 
 
 def _bias_norm_term(d: Tensor, norm: Norm) -> Tensor:

@@ -7,7 +7,8 @@ instead of autograd's graph plus the recorder (measured: faster than a plain aut
 
 - loss: ``loss_i = -log_softmax(z_L)_{i, y_i}``; output delta ``d_L = softmax(z_L) - onehot(y)``;
 - backward: ``d_{l-1} = (d_l W_l) * [a_{l-1} > 0]``;
-- per-example norm: ``||g_i||_2^2 = sum_l |d_{l,i}|^2 (|a_{l-1,i}|^2 + 1)``, ``||g_i||_1 = sum_l |d_{l,i}|_1
+- per-example norm: ``||g_i||_2^2 = sum_l |d_{l,i}|^2 (|a_{l-1,i}|^2 + 1)`` (:func:`.norms.outer_norms_sq`: no
+  factor underflows alone), ``||g_i||_1 = sum_l |d_{l,i}|_1
   (|a_{l-1,i}|_1 + 1)`` (weight ``d a^T`` and bias ``d`` of each layer, as in :mod:`.closed_forms`);
 - clipped sum: ``sum_i s_i d_{l,i} a_{l-1,i}^T = (s * d_l)^T a_{l-1}`` and ``sum_i s_i d_{l,i}``.
 
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from protocols.per_example.interface import ClippedSum, Descent, Norm, PerExampleLoss, clip_factors, cross_entropy
+from protocols.per_example.norms import outer_norms_sq
 
 __all__ = ["FusedMLP"]
 
@@ -82,10 +84,10 @@ class FusedMLP:
         norms = None
         for a, d in zip(inputs, deltas, strict=True):
             if self.norm == "l2":
-                dd, aa = torch.linalg.vecdot(d, d), torch.linalg.vecdot(a, a)
+                term = outer_norms_sq(d, a, bias=True)
             else:
-                dd, aa = torch.linalg.vector_norm(d, 1, dim=1), torch.linalg.vector_norm(a, 1, dim=1)
-            term = torch.addcmul(dd, dd, aa)
+                dd = torch.linalg.vector_norm(d, 1, dim=1)
+                term = torch.addcmul(dd, dd, torch.linalg.vector_norm(a, 1, dim=1))
             norms = term if norms is None else norms.add_(term)
         assert norms is not None
         if self.norm == "l2":
