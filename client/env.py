@@ -184,14 +184,23 @@ def record_level_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weight
     the update's steps past the margin (the limit is 0) train in float64, and so does a training whose values
     (:func:`protocols.privacy.record_training_range`: the run's ``lr`` and ``clip``, the model's norm) float32 may
     not hold: a weight overflowing to ``inf`` where the records' steps add up past float32's range would tell the
-    server, through the noise, which records the node holds.  Both are decided on public values before training.
+    server, through the noise, which records the node holds.  So does one whose clip or steps are so small that float32
+    rounds them on its subnormal grid (:func:`protocols.privacy.record_training_resolution`): a record's squared
+    gradient norm rounding to 0 lets it into the sum unclipped.  All are decided on public values before training.
 
     Raises:
         FloorViolation: before any training, a received model whose L2 norm is not finite or above the float64
-            limit, or a training whose values even float64 may not hold.
+            limit, or a training whose values even float64 may not hold or resolve.
     """
-    from protocols.floor import at_most
-    from protocols.privacy import FLOAT64_ROUNDOFF, FLOAT_RANGE_MARGIN, largest_trainable_norm, record_training_range
+    from protocols.floor import at_least, at_most
+    from protocols.privacy import (
+        FLOAT64_ROUNDOFF,
+        FLOAT_RANGE_MARGIN,
+        largest_trainable_norm,
+        record_training_range,
+        record_training_resolution,
+        smallest_resolvable,
+    )
     from protocols.task.models import get_weights
     from protocols.task.training import clipped_sgd
 
@@ -204,10 +213,17 @@ def record_level_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weight
         at_most("global model L2 norm", norm, largest_trainable_norm(env.cfg, len(env.y), FLOAT64_ROUNDOFF),
                 "even float64 training would round one record's influence past the sensitivity the noise is sized for")
     span = record_training_range(env.cfg, len(env.y), norm)
-    if not span <= _largest_value(model) / FLOAT_RANGE_MARGIN or (recentre and limit <= 0.0):
-        at_most("record-level training range", span, float(np.finfo(np.float64).max) / FLOAT_RANGE_MARGIN,
+    fine = record_training_resolution(env.cfg, len(env.y))
+    info = _float_info(model)
+    if not (span <= info.max / FLOAT_RANGE_MARGIN and fine >= smallest_resolvable(info.max, info.tiny)) or (
+            recentre and limit <= 0.0):
+        f64 = np.finfo(np.float64)
+        at_most("record-level training range", span, float(f64.max) / FLOAT_RANGE_MARGIN,
                 "even float64 training may overflow a weight where the records' steps add up (run-config 'lr', "
                 "'clip', 'batch-size' and the model's norm)")
+        at_least("record-level training resolution", fine, smallest_resolvable(float(f64.max), float(f64.tiny)),
+                 "even float64 training would round a record's clipping factor or step on its subnormal grid "
+                 "(run-config 'clip', 'lr' and 'batch-size')")
         model = model.double()
     rnd = TrainIns.from_config(msg.content["config"]).round
     cfg = env.cfg
@@ -216,12 +232,12 @@ def record_level_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weight
     return global_w, get_weights(model), loss, frac
 
 
-def _largest_value(model: nn.Module) -> float:
-    """The largest finite value of the dtype ``model`` trains in (its first parameter's; float32 without one)."""
+def _float_info(model: nn.Module):
+    """``torch.finfo`` of the dtype ``model`` trains in (its first parameter's; float32 without one)."""
     import torch
 
     first = next(model.parameters(), torch.empty(0))
-    return float(torch.finfo(first.dtype).max) if first.is_floating_point() else float(np.finfo(np.float32).max)
+    return torch.finfo(first.dtype if first.is_floating_point() else torch.float32)
 
 
 def reply(msg: Message, arrays, num_examples: int, **metrics: float) -> Message:

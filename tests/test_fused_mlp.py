@@ -178,8 +178,10 @@ def _step(make, x: torch.Tensor, y: torch.Tensor, clip: float, step: float, **kw
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kind", ["saturated", "huge", "bright", "dead", "logits", "plain"])
 def test_one_record_moves_a_fused_step_by_at_most_two_clips(kind: str, dtype: torch.dtype) -> None:
-    """Neighbouring batches (record 0 replaced), tiny to huge clips, batches of 7 and 1: the step moves by at most
-    ``2 clip step``, stays finite, and equals the layer-wise engine's and the vmap reference's.
+    """One record moves a step of the real clipper by at most ``2 clip step`` on a model a server may send.
+
+    Neighbouring batches (record 0 replaced), tiny to huge clips, batches of 7 and 1: the step stays finite and
+    equals the layer-wise engine's and the vmap reference's.
 
     ``saturated`` measured without :func:`protocols.per_example.norms.outer_norms_sq` (``|d|^2`` rounding to 0):
     a class-0 record entered unclipped, 1.1e5 times the clip at clip 1e-13 (float32, fused and layer-wise alike).

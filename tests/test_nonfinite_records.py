@@ -18,6 +18,7 @@ import client.methods.ddpsa as ddpsa_client
 from client.app import app as client_app
 from protocols.config import RunConfig
 from protocols.per_example import PerExampleClipper, clipped_grad_sum, vmap_clipped_grad_sum
+from protocols.privacy import record_sensitivity
 from protocols.task.data import dataset_for
 from protocols.task.models import build_model, get_weights
 from protocols.wire.common import TrainIns
@@ -334,3 +335,48 @@ def test_record_level_training_that_float32_cannot_hold_trains_in_float64(method
         masks.append(np.isfinite(up[0]))
     assert masks[0].all() and masks[1].all()
 
+
+
+@pytest.mark.parametrize(("hidden", "clip", "lr"), [("4", 1e-13, 1e15), ("", 1e-30, 1e21)])
+def test_record_level_ldp_on_a_saturated_model_keeps_the_record_sensitivity(hidden, clip, lr, monkeypatch) -> None:
+    """The real ldp client (noise 0) on neighbouring datasets: the uploads differ by at most the record sensitivity.
+
+    The server's model saturates class 0 (output biases ``-gap`` on the others): a class-0 record's output delta is
+    ``~e^-gap`` and its squared gradient norm rounds to 0 in float32, so it entered the step unclipped.  ``hidden``:
+    a hidden unit at ``1e14`` makes the gradient ``|d| |a|`` far above the clip while ``|d|^2`` alone underflows
+    (:mod:`protocols.per_example.norms`); measured without it the uploads differed by 5.3e3 times the sensitivity.
+    Linear: at clip ``1e-30`` the whole squared norm (``~4e-47``) underflows float32, which then trains in float64
+    (:func:`protocols.privacy.record_training_resolution`); measured without that rule, 2.1e6 times the sensitivity.
+    """
+    raw = {**app_defaults(), "method": "ldp", "num-clients": 2, "num-rounds": 3, "local-epochs": 1, "batch-size": 100,
+           "hidden": hidden, "train-subset": 400, "test-subset": 100, "clip": clip, "lr": lr,
+           "adjacency": "replace-one"}
+    cfg = RunConfig.from_mapping(raw)
+    ds = dataset_for(cfg)
+    x, y = ds.x_train[:100], ds.y_train[:100]
+    target, other = int(np.flatnonzero(y == 0)[0]), int(np.flatnonzero(y == 1)[0])
+    xr, yr = x.copy(), y.copy()
+    xr[target], yr[target] = x[other], 1  # replace-one: the same size
+    weights = get_weights(build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed))
+    for w in weights.values():
+        w[...] = 0.0
+    *first, last = list(weights)
+    if first[1:]:
+        weights[first[1]][0] = 1e14  # hidden unit 0
+    weights[last][1:] = -54.0 if hidden else -56.0
+    monkeypatch.setattr("protocols.prg.gaussian", lambda seed, n, std: np.zeros(n))
+    data: list = []
+    _patch_data(monkeypatch, data)
+    uploads = []
+    for xs, ys in ((x, y), (xr, yr)):
+        data[:] = [(xs, ys, ds.num_classes, ds.input_shape)]
+        grid = LocalGrid(client_app, cfg.num_clients, raw)
+        strategy = build_strategy(cfg)
+        msgs = list(strategy.configure_train(1, to_record(weights, np.float64), ConfigRecord(TrainIns(1).to_config()),
+                                             grid))
+        replies = list(grid.send_and_receive(msgs))
+        assert replies and not any(r.has_error() for r in replies), [r.error.reason for r in replies if r.has_error()]
+        uploads.append(np.concatenate([np.asarray(a.numpy(), np.float64).ravel()
+                                       for a in replies[0].content["arrays"].values()]))
+    moved = float(np.linalg.norm(uploads[0] - uploads[1]))
+    assert moved <= record_sensitivity(cfg, len(y)) * (1 + 1e-4), moved / record_sensitivity(cfg, len(y))

@@ -81,6 +81,8 @@ from protocols.privacy.sensitivity import (
     record_sensitivity,
     record_training_movement,
     record_training_range,
+    record_training_resolution,
+    smallest_resolvable,
 )
 
 __all__ = [
@@ -137,5 +139,7 @@ __all__ = [
     "record_sensitivity",
     "record_training_movement",
     "record_training_range",
+    "record_training_resolution",
+    "smallest_resolvable",
     "uniform_allocation",
 ]

@@ -18,7 +18,8 @@ from protocols.privacy.events import Event, at_sensitivity
 
 __all__ = ["ADJACENCIES", "CLIENT_RECORD_FACTOR", "FLOAT32_ROUNDING_MARGIN", "FLOAT32_ROUNDOFF", "FLOAT64_ROUNDOFF",
            "FLOAT_RANGE_MARGIN", "adjacency_factor", "l1_sensitivity", "largest_trainable_norm", "local_sgd_sensitivity",
-           "local_sgd_steps", "per_record", "record_sensitivity", "record_training_movement", "record_training_range"]
+           "local_sgd_steps", "per_record", "record_sensitivity", "record_training_movement", "record_training_range",
+           "record_training_resolution", "smallest_resolvable"]
 
 #: A record moves a client-level release by up to this many times its sensitivity: the client-level unit's
 #: sensitivity is the clip ``C`` of the whole update (the update against none), while one record, changed under
@@ -151,6 +152,31 @@ def record_training_range(cfg, dataset_size: int, model_norm: float) -> float:
     """
     batch = min(int(cfg.batch_size), max(int(dataset_size), 1))
     return max(float(model_norm) + record_training_movement(cfg, dataset_size), batch * float(cfg.clip), float(cfg.lr))
+
+
+def record_training_resolution(cfg, dataset_size: int) -> float:
+    """The smallest magnitude per-example-clipped local SGD must resolve: ``min(clip, lr / b, lr clip / b)``.
+
+    The clip (each record's clipped gradient, whose norm is compared with it), a step's factor ``lr / b`` and one
+    record's step ``lr clip / b`` (``b`` the batch).  A training dtype resolves them when this is at least
+    :func:`smallest_resolvable` of it.  Public: the run config and ``|D_i|``.
+    """
+    batch = min(int(cfg.batch_size), max(int(dataset_size), 1))
+    lr, clip = float(cfg.lr), float(cfg.clip)
+    return min(clip, lr / batch, lr * clip / batch)
+
+
+def smallest_resolvable(largest: float, smallest_normal: float) -> float:
+    """The smallest :func:`record_training_resolution` a dtype (its largest finite and smallest normal numbers) holds.
+
+    ``FLOAT_RANGE_MARGIN sqrt(largest) smallest_normal``: a kept record's gradient norm is at most ``sqrt(largest)``
+    (its square is finite; a larger one drops the record, :func:`protocols.per_example.clip_factors`), so its
+    clipping factor ``clip / norm`` and every step are normal numbers, rounded relative to their size.  Below it
+    they are subnormal, rounded to a fixed grid: a clip of ``1e-30`` in float32 (a record's squared gradient norm
+    rounds to 0, its factor to 1) let one record's gradient of norm ``2e-24`` into the sum unclipped, 2 million
+    times the clip.  float32: about ``8.7e-19``; float64: about ``1.2e-153``.
+    """
+    return FLOAT_RANGE_MARGIN * math.sqrt(float(largest)) * float(smallest_normal)
 
 
 def per_record(event: Event) -> Event:
