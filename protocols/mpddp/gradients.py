@@ -25,6 +25,7 @@ from torch import Tensor
 
 from protocols.mpddp.expansion import augment_input, forward_expanded
 from protocols.per_example import clip_factors, kept_rows
+from protocols.per_example.norms import outer_norms_sq, row_norms
 
 __all__ = ["ClientUpload", "client_gradients", "client_gradients_autograd", "clipped_client_gradients",
            "per_example_grad_norms"]
@@ -215,11 +216,15 @@ def per_example_grad_norms(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.
 
 
 def _grad_norms(mats: Sequence[Tensor], fwd: _Forward) -> Tensor:
-    h, err = fwd.h, fwd.err
-    sq = torch.linalg.vecdot(err, err) * torch.linalg.vecdot(h, h)  # last layer: err_b h_b^T (not trimmed)
+    """(B,) per example: the L2 norm of its perturbed gradient, each layer's ``||d_b|| ||h_b||`` formed before squaring.
+
+    A tiny output signal times a large input (:func:`protocols.per_example.norms.outer_norms_sq`): written
+    ``||d||^2 ||h||^2``, a signal of ``1e-23`` at a unit of ``2^63`` rounded a record's norm ``6e-5`` to ``6e-8`` in
+    float32.
+    """
+    sq = outer_norms_sq(fwd.err, fwd.h, bias=False)  # last layer: err_b h_b^T (not trimmed)
     for j, d in _signals(mats, fwd).items():  # an uploaded block; its last row (constant unit) is trimmed
-        kept = d[:, 0, :-1]
-        sq = sq + torch.linalg.vecdot(kept, kept) * torch.linalg.vecdot(fwd.inputs[j], fwd.inputs[j])
+        sq = sq + outer_norms_sq(d[:, 0, :-1], fwd.inputs[j], bias=False)
     return sq.sqrt()
 
 
@@ -228,20 +233,21 @@ def _side_norms(mats: Sequence[Tensor], fwd: _Forward) -> tuple[Tensor, Tensor]:
 
     Over the uploaded blocks.  ``||r^T Psi_b|| <= ||r|| sigma_max(Psi_b)``, ``sigma_max^2`` the largest eigenvalue of
     the n_L x n_L Gram matrix ``<Psi_bk, Psi_bl>``.  As :func:`_grad_norms`: a linear layer's per-example gradient
-    of a scalar is the outer product ``d_b h_b^T``, so the Gram matrix sums ``(d d^T) ||h_b||^2`` over layers.
+    of a scalar is the outer product ``d_b h_b^T``, so the Gram matrix sums ``(d ||h_b||) (d ||h_b||)^T`` over layers
+    (the input's norm multiplied in before squaring).
     """
     h, last = fwd.h, mats[-1]
     alpha = h.sum(dim=1)
     n_out = last.shape[0]
-    hh = torch.linalg.vecdot(h, h)
+    nh = row_norms(h)
     eye = torch.eye(n_out, dtype=h.dtype)
-    gram = (alpha.square() * hh)[:, None, None] * eye  # last matrix: Psi_k's row k is alpha_b h_b
-    phi_sq = torch.zeros_like(hh)  # last matrix: Phi is zero
+    gram = (alpha * nh).square()[:, None, None] * eye  # last matrix: Psi_k's row k is alpha_b h_b
+    phi_sq = torch.zeros_like(nh)  # last matrix: Phi is zero
     for j, d in _signals(mats, fwd).items():  # an uploaded block; its last row (constant unit) is trimmed
-        psi = d[:, 1 : n_out + 1, :-1]
-        xx = torch.linalg.vecdot(fwd.inputs[j], fwd.inputs[j])
-        gram = gram + (psi @ psi.transpose(1, 2)) * xx[:, None, None]
-        phi_sq = phi_sq + d[:, n_out + 1, :-1].square().sum(dim=1) * xx
+        nx = row_norms(fwd.inputs[j])
+        psi = d[:, 1 : n_out + 1, :-1] * nx[:, None, None]
+        gram = gram + psi @ psi.transpose(1, 2)
+        phi_sq = phi_sq + outer_norms_sq(d[:, n_out + 1, :-1], fwd.inputs[j], bias=False)
     finite = torch.isfinite(gram).flatten(1).all(1)  # an overflowed example: inf (eigvalsh fails on NaN)
     top = torch.linalg.eigvalsh(kept_rows(finite, gram))[:, -1].clamp_min(0.0).sqrt()
     return torch.where(finite, top, torch.inf), phi_sq.sqrt()
@@ -278,7 +284,11 @@ def clipped_client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | n
     if rho is not None:
         psi_n, phi_n = _side_norms(mats, fwd)
         norms = norms + rho * psi_n + rho * rho * phi_n
-    factors = clip_factors(norms, 0.5 * torch.linalg.vecdot(fwd.err, fwd.err), clip)
+    # The weighted sums multiply w_b x_b (w_b = scale_b / B) by the signals, the last layer's w_b err_b by h_b.
+    widest = torch.maximum(fwd.h.abs().amax(1), fwd.err.abs().amax(1))
+    for d in _signals(mats, fwd).values():
+        widest = torch.maximum(widest, d.abs().flatten(1).amax(1))
+    factors = clip_factors(norms, 0.5 * torch.linalg.vecdot(fwd.err, fwd.err), clip, widest * norms.shape[0])
     if (keep := factors.keep) is not None:
         fwd = _Forward([kept_rows(keep, a) for a in fwd.inputs], [m & keep[:, None] for m in fwd.masks],
                        kept_rows(keep, fwd.h), kept_rows(keep, fwd.err))

@@ -60,7 +60,8 @@ def layerwise_forms(model: nn.Module, layers: list[nn.Module], recorder: Recorde
 def clip_scales(forms: list[ClosedForm], losses: Tensor, clip: float, norm: Norm) -> ClipFactors:
     """Each example's :func:`protocols.per_example.interface.clip_factors` from its norm over the layers and its loss.
 
-    The examples it drops get their rows zeroed in every form (:meth:`ClosedForm.keep_only`) whenever the rule
+    Its ``multipliers``: each example's largest layer input (a weight's clipped sum multiplies it by the scaled output
+    gradient).  The examples it drops get their rows zeroed in every form (:meth:`ClosedForm.keep_only`) whenever the rule
     checked them one by one (``keep`` set).
     """
     norms = forms[0].norm_term(norm)
@@ -68,7 +69,10 @@ def clip_scales(forms: list[ClosedForm], losses: Tensor, clip: float, norm: Norm
         norms = norms.add_(f.norm_term(norm))
     if norm == "l2":
         norms = norms.sqrt_()
-    factors = clip_factors(norms, losses, clip)
+    widest = _row_max(forms[0].a)  # each weight's clipped sum multiplies the scaled output gradient by the input
+    for f in forms[1:]:
+        widest = torch.maximum(widest, _row_max(f.a))
+    factors = clip_factors(norms, losses, clip, widest)
     if factors.keep is not None:
         for f in forms:
             f.keep_only(factors.keep)

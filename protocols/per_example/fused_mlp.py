@@ -81,8 +81,10 @@ class FusedMLP:
 
     def _scales(self, inputs: list[Tensor], deltas: list[Tensor], losses: Tensor, clip: float):
         """:func:`clip_factors` from the per-example norms; rows of dropped examples zeroed in ``deltas``."""
-        norms = None
+        norms = widest = None
         for a, d in zip(inputs, deltas, strict=True):
+            top = a.abs().amax(1)  # the weight's clipped sum multiplies the scaled delta by it
+            widest = top if widest is None else torch.maximum(widest, top)
             if self.norm == "l2":
                 term = outer_norms_sq(d, a, bias=True)
             else:
@@ -92,7 +94,7 @@ class FusedMLP:
         assert norms is not None
         if self.norm == "l2":
             norms = norms.sqrt_()
-        factors = clip_factors(norms, losses, clip)
+        factors = clip_factors(norms, losses, clip, widest)
         if factors.keep is not None:  # 0 * inf is NaN: zero a dropped example's terms, as the other engines do
             keep = factors.keep[:, None]
             inputs[:] = [torch.where(keep, a, 0.0) for a in inputs]
