@@ -66,7 +66,15 @@ from protocols.identity import Identity
 from protocols.methods.ddpsa import sharing_threshold
 from protocols.node_config import DDPSA_CA, DDPSA_SERVERS
 from protocols.per_example import PerExampleClipper, cross_entropy
-from protocols.privacy import Event, GaussianEvent, LaplaceEvent, l1_sensitivity, laplace_scale
+from protocols.privacy import (
+    Event,
+    GaussianEvent,
+    LaplaceEvent,
+    l1_sensitivity,
+    laplace_scale,
+    resolving_dtype,
+    smallest_resolvable,
+)
 from protocols.wire.arrays import from_record
 from protocols.wire.common import TrainIns
 from protocols.wire.ddpsa import RECEIPT, DdpsaRound, RosterName, ShareReceipt
@@ -101,6 +109,8 @@ def clipped_gradient_sum(model: nn.Module, x: np.ndarray, y: np.ndarray, clip: f
         raise ValueError("centred gradients are for the linear model only (they would change hidden layers' steps)")
 
     xt, yt = torch.as_tensor(x), torch.as_tensor(y)
+    first = next(model.parameters())
+    xt = xt.to(first.dtype) if xt.is_floating_point() else xt  # a model widened to float64 takes its data so
     sums = [torch.zeros(p.shape, dtype=torch.float64) for _, p in model.named_parameters()]
     clipped, loss_sum = 0, 0.0
     model.eval()  # no dropout/batch-norm in our models; per-sample grads need a per-sample forward
@@ -239,6 +249,10 @@ def train(msg: Message, env: ClientEnv) -> Message:
     if plan.noise == "gaussian":  # more noise than the client's own z is taken (the server charges the plan's)
         at_least("ddpsa-noise-multiplier", plan.multiplier, ddpsa_noise_multiplier(env.cfg),
                  "this client's noise multiplier from its run config (cdp's calibration)")
+    if resolving_dtype(env.cfg.clip) is None:  # float32 that does not resolve it computes in float64 (_noisy_sum)
+        at_least("clip", env.cfg.clip, smallest_resolvable(float(np.finfo(np.float64).max),
+                                                           float(np.finfo(np.float64).tiny)),
+                 "even float64 would round a record's gradient norm or clip factor on its subnormal grid")
     weights = from_record(msg.content["arrays"])
     length = sum(int(np.asarray(a).size) for a in weights.values())  # the gradient vector's (state_dict order)
     terms = ShareTerms(plan.participants, ddpsa_min_summed(env.cfg, plan.noise, len(plan.participants),
@@ -266,6 +280,8 @@ def _noisy_sum(env: ClientEnv, plan: DdpsaRound, weights: dict[str, np.ndarray],
                ) -> tuple[np.ndarray, float, float, Event]:
     """The client's noisy clipped gradient sum of the round, its loss and clipped fraction, and the release."""
     model = env.model(weights)
+    if resolving_dtype(env.cfg.clip) == "float64" and next(model.parameters()).dtype == torch.float32:
+        model = model.double()  # float32 rounds the clip's records on its subnormal grid
     if plan.noise == "gaussian":
         assert honest is not None  # ddpsa_noise_share splits every Gaussian round
         noisy, loss, frac = gaussian_gradient_sum(model, env.x, env.y, env.cfg.clip, plan.multiplier, honest,

@@ -52,7 +52,7 @@ from protocols.mpddp import (
 )
 from protocols.mpddp import flatten as mp_flatten
 from protocols.mpddp import unflatten as mp_unflatten
-from protocols.privacy import DpEvent, Event, GaussianEvent, event_from_dict
+from protocols.privacy import DpEvent, Event, GaussianEvent, event_from_dict, resolving_dtype, smallest_resolvable
 from protocols.schedule import roster_releases
 from protocols.wire.common import TrainIns, ViewError
 from protocols.wire.keys import MaskProbe, PeerKeys, probe_metric
@@ -76,7 +76,13 @@ def _train(msg: Message, env: ClientEnv) -> Message:
     # computed in float32 (half the time; the recovery error stays far below any DP noise) and the gradient is
     # widened to float64 before the pair noise is added, so the Delta's still cancel exactly.  With float64 side
     # information everything stays float64 (exact recovery).
-    dtype = torch.float32 if np.dtype(env.cfg.mpddp_side_dtype) == np.float32 else torch.float64
+    # A clip the side dtype does not resolve (a record's squared gradient norm rounding to 0) computes in float64.
+    resolving = resolving_dtype(env.cfg.clip, str(np.dtype(env.cfg.mpddp_side_dtype)))
+    if resolving is None:
+        at_least("clip", env.cfg.clip, smallest_resolvable(float(np.finfo(np.float64).max),
+                                                           float(np.finfo(np.float64).tiny)),
+                 "even float64 would round a record's gradient norm on its subnormal grid")
+    dtype = torch.float32 if resolving == "float32" else torch.float64
     received = PerturbedModel.from_record(msg.content["arrays"]).matrices
     w_hat = [torch.from_numpy(m).to(dtype) for m in received]
     x = torch.from_numpy(np.asarray(env.x).reshape(len(env.x), -1)).to(dtype)

@@ -82,6 +82,7 @@ from protocols.privacy.sensitivity import (
     record_training_movement,
     record_training_range,
     record_training_resolution,
+    resolving_dtype,
     smallest_resolvable,
 )
 
@@ -140,6 +141,7 @@ __all__ = [
     "record_training_movement",
     "record_training_range",
     "record_training_resolution",
+    "resolving_dtype",
     "smallest_resolvable",
     "uniform_allocation",
 ]

@@ -19,7 +19,7 @@ from protocols.privacy.events import Event, at_sensitivity
 __all__ = ["ADJACENCIES", "CLIENT_RECORD_FACTOR", "FLOAT32_ROUNDING_MARGIN", "FLOAT32_ROUNDOFF", "FLOAT64_ROUNDOFF",
            "FLOAT_RANGE_MARGIN", "adjacency_factor", "l1_sensitivity", "largest_trainable_norm", "local_sgd_sensitivity",
            "local_sgd_steps", "per_record", "record_sensitivity", "record_training_movement", "record_training_range",
-           "record_training_resolution", "smallest_resolvable"]
+           "record_training_resolution", "resolving_dtype", "smallest_resolvable"]
 
 #: A record moves a client-level release by up to this many times its sensitivity: the client-level unit's
 #: sensitivity is the clip ``C`` of the whole update (the update against none), while one record, changed under
@@ -177,6 +177,22 @@ def smallest_resolvable(largest: float, smallest_normal: float) -> float:
     times the clip.  float32: about ``8.7e-19``; float64: about ``1.2e-153``.
     """
     return FLOAT_RANGE_MARGIN * math.sqrt(float(largest)) * float(smallest_normal)
+
+
+def resolving_dtype(resolution: float, dtype: str = "float32") -> str | None:
+    """``dtype``, or float64 where ``dtype`` does not resolve ``resolution`` (:func:`smallest_resolvable`); None if neither.
+
+    The dtype a full-batch per-example-clipped sum with no step (DDP-SA's, the MP family's gradient at W-hat) is
+    computed in, ``resolution`` its clip: below :func:`smallest_resolvable` a record's squared gradient norm may round
+    to 0 and the record enter the sum unclipped.  Public: the run config.
+    """
+    import numpy as np
+
+    for name in (dtype, "float64"):
+        info = np.finfo(name)
+        if float(resolution) >= smallest_resolvable(float(info.max), float(info.tiny)):
+            return name
+    return None
 
 
 def per_record(event: Event) -> Event:
