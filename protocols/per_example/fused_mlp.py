@@ -83,17 +83,20 @@ class FusedMLP:
         """:func:`clip_factors` from the per-example norms; rows of dropped examples zeroed in ``deltas``."""
         norms = widest = None
         for a, d in zip(inputs, deltas, strict=True):
-            top = a.abs().amax(1)  # the weight's clipped sum multiplies the scaled delta by it
-            widest = top if widest is None else torch.maximum(widest, top)
             if self.norm == "l2":
-                term = outer_norms_sq(d, a, bias=True)
+                aa = torch.linalg.vecdot(a, a)
+                top = aa.sqrt()
+                term = _outer_sq(d, a, aa)
             else:
-                dd = torch.linalg.vector_norm(d, 1, dim=1)
-                term = torch.addcmul(dd, dd, torch.linalg.vector_norm(a, 1, dim=1))
+                dd, top = torch.linalg.vector_norm(d, 1, dim=1), torch.linalg.vector_norm(a, 1, dim=1)
+                term = torch.addcmul(dd, dd, top)
+            # The clipped sum multiplies the scaled delta by the layer's input: at most its norm (a bound on its
+            # largest entry, the multiplier clip_factors asks for).
+            widest = top if widest is None else torch.maximum(widest, top)
             norms = term if norms is None else norms.add_(term)
-        assert norms is not None
+        assert norms is not None and widest is not None
         if self.norm == "l2":
-            norms = norms.sqrt_()
+            norms = norms.sqrt_().to(widest.dtype)
         factors = clip_factors(norms, losses, clip, widest)
         if factors.keep is not None:  # 0 * inf is NaN: zero a dropped example's terms, as the other engines do
             keep = factors.keep[:, None]
@@ -123,3 +126,17 @@ class FusedMLP:
             w.addmm_((d * factors.scale[:, None]).t(), a, alpha=-step)
             b.addmv_(d.t(), factors.scale, alpha=-step)
         return Descent(factors.losses, factors.clipped)
+
+
+def _outer_sq(d: Tensor, a: Tensor, aa: Tensor) -> Tensor:
+    """Per-example ``|d_i|^2 (|a_i|^2 + 1)`` (``aa`` = ``|a_i|^2``), a Linear layer's squared gradient norm.
+
+    Below float64 the squares are formed in float64, whose range holds the square of every float32 (and narrower)
+    value: a tiny output delta times a large input neither underflows nor overflows, and the float64 result is read
+    back in the training dtype (``inf`` above its range: the example dropped).  In float64,
+    :func:`.norms.outer_norms_sq`.
+    """
+    if d.dtype == torch.float64:
+        return outer_norms_sq(d, a, bias=True)
+    d64 = d.double()
+    return torch.linalg.vecdot(d64, d64).mul_(aa.double().add_(1.0))
