@@ -173,13 +173,19 @@ def test_mpddp_a_record_with_an_overflowing_gradient_adds_nothing(method, side, 
 
 
 # --------------------------------------------------------------------------------------- record level
-def _first_round_replies(cfg: RunConfig, raw: dict, ds) -> list:
-    """Round 1 of ``cfg``'s strategy from the seeded initial model through the real ClientApps; none failed."""
+def _first_round_replies(cfg: RunConfig, raw: dict, ds, weights: dict | None = None) -> list:
+    """Round 1 of ``cfg``'s strategy through the real ClientApps; none failed.
+
+    From ``weights`` (sent in float64), else from the seeded initial model (in the strategy's wire dtype).
+    """
     grid = LocalGrid(client_app, cfg.num_clients, raw)
     strategy = build_strategy(cfg)
-    model = build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed)
-    msgs = list(strategy.configure_train(1, to_record(get_weights(model), strategy.wire_dtype),
-                                         ConfigRecord(TrainIns(1).to_config()), grid))
+    if weights is None:
+        model = build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed)
+        record = to_record(get_weights(model), strategy.wire_dtype)
+    else:
+        record = to_record(weights, np.float64)
+    msgs = list(strategy.configure_train(1, record, ConfigRecord(TrainIns(1).to_config()), grid))
     replies = list(grid.send_and_receive(msgs))
     assert replies and not any(r.has_error() for r in replies), [r.error.reason for r in replies if r.has_error()]
     return replies
@@ -295,13 +301,7 @@ def test_client_level_update_that_diverged_is_clipped_to_zero(method, monkeypatc
     _patch_data(monkeypatch, data)
     for xs, ys in ((x, y), (x[rest], y[rest])):
         data[:] = [(xs, ys, ds.num_classes, ds.input_shape)]
-        grid = LocalGrid(client_app, cfg.num_clients, raw)
-        strategy = build_strategy(cfg)
-        msgs = list(strategy.configure_train(1, to_record(weights, np.float64), ConfigRecord(TrainIns(1).to_config()),
-                                             grid))
-        replies = list(grid.send_and_receive(msgs))
-        assert replies and not any(r.has_error() for r in replies), [r.error.reason for r in replies if r.has_error()]
-        for r in replies:
+        for r in _first_round_replies(cfg, raw, ds, weights):
             assert all(np.isfinite(a.numpy()).all() for a in r.content["arrays"].values())
 
 
@@ -370,12 +370,7 @@ def test_record_level_ldp_on_a_saturated_model_keeps_the_record_sensitivity(hidd
     uploads = []
     for xs, ys in ((x, y), (xr, yr)):
         data[:] = [(xs, ys, ds.num_classes, ds.input_shape)]
-        grid = LocalGrid(client_app, cfg.num_clients, raw)
-        strategy = build_strategy(cfg)
-        msgs = list(strategy.configure_train(1, to_record(weights, np.float64), ConfigRecord(TrainIns(1).to_config()),
-                                             grid))
-        replies = list(grid.send_and_receive(msgs))
-        assert replies and not any(r.has_error() for r in replies), [r.error.reason for r in replies if r.has_error()]
+        replies = _first_round_replies(cfg, raw, ds, weights)
         uploads.append(np.concatenate([np.asarray(a.numpy(), np.float64).ravel()
                                        for a in replies[0].content["arrays"].values()]))
     moved = float(np.linalg.norm(uploads[0] - uploads[1]))
