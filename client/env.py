@@ -232,6 +232,26 @@ def record_level_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weight
     return global_w, get_weights(model), loss, frac
 
 
+def full_batch_dtype(clip: float, dtype: str = "float32") -> str:
+    """The dtype a full-batch per-example-clipped sum at ``clip`` is computed in (:func:`protocols.privacy.resolving_dtype`).
+
+    ``dtype``, or float64 where ``dtype`` does not resolve ``clip`` (DDP-SA's sum, the MP family's gradient at W-hat).
+
+    Raises:
+        FloorViolation: before any work, a clip even float64 does not resolve.
+    """
+    from protocols.floor import at_least
+    from protocols.privacy import resolving_dtype, smallest_resolvable
+
+    resolving = resolving_dtype(clip, dtype)
+    if resolving is None:
+        f64 = np.finfo(np.float64)
+        at_least("clip", clip, smallest_resolvable(float(f64.max), float(f64.tiny)),
+                 "even float64 would round a record's gradient norm or clip factor on its subnormal grid")
+    assert resolving is not None  # refused above
+    return resolving
+
+
 def _float_info(model: nn.Module):
     """``torch.finfo`` of the dtype ``model`` trains in (its first parameter's; float32 without one)."""
     import torch

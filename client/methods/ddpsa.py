@@ -37,7 +37,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from torch import nn
 
-from client.env import ClientEnv, reply
+from client.env import ClientEnv, full_batch_dtype, reply
 from client.floor import policy, release, trust_minimum
 from client.identity import authenticating_identity, node_identity
 from protocols.ddpsa import (
@@ -72,8 +72,6 @@ from protocols.privacy import (
     LaplaceEvent,
     l1_sensitivity,
     laplace_scale,
-    resolving_dtype,
-    smallest_resolvable,
 )
 from protocols.wire.arrays import from_record
 from protocols.wire.common import TrainIns
@@ -249,17 +247,14 @@ def train(msg: Message, env: ClientEnv) -> Message:
     if plan.noise == "gaussian":  # more noise than the client's own z is taken (the server charges the plan's)
         at_least("ddpsa-noise-multiplier", plan.multiplier, ddpsa_noise_multiplier(env.cfg),
                  "this client's noise multiplier from its run config (cdp's calibration)")
-    if resolving_dtype(env.cfg.clip) is None:  # float32 that does not resolve it computes in float64 (_noisy_sum)
-        at_least("clip", env.cfg.clip, smallest_resolvable(float(np.finfo(np.float64).max),
-                                                           float(np.finfo(np.float64).tiny)),
-                 "even float64 would round a record's gradient norm or clip factor on its subnormal grid")
+    dtype = full_batch_dtype(env.cfg.clip)  # float64 where float32 does not resolve the clip
     weights = from_record(msg.content["arrays"])
     length = sum(int(np.asarray(a).size) for a in weights.values())  # the gradient vector's (state_dict order)
     terms = ShareTerms(plan.participants, ddpsa_min_summed(env.cfg, plan.noise, len(plan.participants),
                                                            threshold=plan.threshold, servers=len(servers)))
     with ThreadPoolExecutor(max_workers=1) as pool:  # the servers' answers arrive while the gradients are computed
         checked = pool.submit(preflight, servers, plan, rnd, me, length, terms)
-        noisy, loss, frac, event = _noisy_sum(env, plan, weights, eps_t, honest)
+        noisy, loss, frac, event = _noisy_sum(env, plan, weights, eps_t, honest, dtype)
         checked.result()  # a round no push could enter is refused unpaid
     if noisy.size != length:
         raise ValueError(f"the noisy sum has {noisy.size} values where the model has {length}")
@@ -276,11 +271,14 @@ def train(msg: Message, env: ClientEnv) -> Message:
     return out
 
 
-def _noisy_sum(env: ClientEnv, plan: DdpsaRound, weights: dict[str, np.ndarray], eps_t: float, honest: int | None
-               ) -> tuple[np.ndarray, float, float, Event]:
-    """The client's noisy clipped gradient sum of the round, its loss and clipped fraction, and the release."""
+def _noisy_sum(env: ClientEnv, plan: DdpsaRound, weights: dict[str, np.ndarray], eps_t: float, honest: int | None,
+               dtype: str) -> tuple[np.ndarray, float, float, Event]:
+    """The client's noisy clipped gradient sum of the round, its loss and clipped fraction, and the release.
+
+    The sum is computed in ``dtype`` (:func:`client.env.full_batch_dtype`) where the model's own is narrower.
+    """
     model = env.model(weights)
-    if resolving_dtype(env.cfg.clip) == "float64" and next(model.parameters()).dtype == torch.float32:
+    if dtype == "float64" and next(model.parameters()).dtype == torch.float32:
         model = model.double()  # float32 rounds the clip's records on its subnormal grid
     if plan.noise == "gaussian":
         assert honest is not None  # ddpsa_noise_share splits every Gaussian round

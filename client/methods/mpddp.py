@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from flwr.app import Message
 
-from client.env import ClientEnv, reply
+from client.env import ClientEnv, full_batch_dtype, reply
 from client.floor import release
 from client.identity import node_identity
 from client.pairwise_phase import mask_probe, pair_seeds
@@ -52,7 +52,7 @@ from protocols.mpddp import (
 )
 from protocols.mpddp import flatten as mp_flatten
 from protocols.mpddp import unflatten as mp_unflatten
-from protocols.privacy import DpEvent, Event, GaussianEvent, event_from_dict, resolving_dtype, smallest_resolvable
+from protocols.privacy import DpEvent, Event, GaussianEvent, event_from_dict
 from protocols.schedule import roster_releases
 from protocols.wire.common import TrainIns, ViewError
 from protocols.wire.keys import MaskProbe, PeerKeys, probe_metric
@@ -77,11 +77,7 @@ def _train(msg: Message, env: ClientEnv) -> Message:
     # widened to float64 before the pair noise is added, so the Delta's still cancel exactly.  With float64 side
     # information everything stays float64 (exact recovery).
     # A clip the side dtype does not resolve (a record's squared gradient norm rounding to 0) computes in float64.
-    resolving = resolving_dtype(env.cfg.clip, str(np.dtype(env.cfg.mpddp_side_dtype)))
-    if resolving is None:
-        at_least("clip", env.cfg.clip, smallest_resolvable(float(np.finfo(np.float64).max),
-                                                           float(np.finfo(np.float64).tiny)),
-                 "even float64 would round a record's gradient norm on its subnormal grid")
+    resolving = full_batch_dtype(env.cfg.clip, str(np.dtype(env.cfg.mpddp_side_dtype)))
     dtype = torch.float32 if resolving == "float32" else torch.float64
     received = PerturbedModel.from_record(msg.content["arrays"]).matrices
     w_hat = [torch.from_numpy(m).to(dtype) for m in received]

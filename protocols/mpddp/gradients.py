@@ -25,7 +25,7 @@ from torch import Tensor
 
 from protocols.mpddp.expansion import augment_input, forward_expanded
 from protocols.per_example import clip_factors, kept_rows
-from protocols.per_example.norms import outer_norms_sq, row_norms
+from protocols.per_example.norms import outer_norms_sq, row_max, row_norms
 
 __all__ = ["ClientUpload", "client_gradients", "client_gradients_autograd", "clipped_client_gradients",
            "per_example_grad_norms"]
@@ -285,9 +285,9 @@ def clipped_client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | n
         psi_n, phi_n = _side_norms(mats, fwd)
         norms = norms + rho * psi_n + rho * rho * phi_n
     # The weighted sums multiply w_b x_b (w_b = scale_b / B) by the signals, the last layer's w_b err_b by h_b.
-    widest = torch.maximum(fwd.h.abs().amax(1), fwd.err.abs().amax(1))
+    widest = torch.maximum(row_max(fwd.h), row_max(fwd.err))
     for d in _signals(mats, fwd).values():
-        widest = torch.maximum(widest, d.abs().flatten(1).amax(1))
+        widest = torch.maximum(widest, row_max(d))
     factors = clip_factors(norms, 0.5 * torch.linalg.vecdot(fwd.err, fwd.err), clip, widest * norms.shape[0])
     if (keep := factors.keep) is not None:
         fwd = _Forward([kept_rows(keep, a) for a in fwd.inputs], [m & keep[:, None] for m in fwd.masks],

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from protocols.per_example.interface import ClipFactors, Norm, PerExampleLoss, clip_factors, kept_rows
-from protocols.per_example.norms import outer_norms_sq, row_norms
+from protocols.per_example.norms import outer_norms_sq, row_max, row_norms
 from protocols.per_example.recorder import Recorder, Site
 
 __all__ = ["ClosedForm", "clip_scales", "layerwise_forms"]
@@ -69,9 +69,9 @@ def clip_scales(forms: list[ClosedForm], losses: Tensor, clip: float, norm: Norm
         norms = norms.add_(f.norm_term(norm))
     if norm == "l2":
         norms = norms.sqrt_()
-    widest = _row_max(forms[0].a)  # each weight's clipped sum multiplies the scaled output gradient by the input
+    widest = row_max(forms[0].a)  # each weight's clipped sum multiplies the scaled output gradient by the input
     for f in forms[1:]:
-        widest = torch.maximum(widest, _row_max(f.a))
+        widest = torch.maximum(widest, row_max(f.a))
     factors = clip_factors(norms, losses, clip, widest)
     if factors.keep is not None:
         for f in forms:
@@ -167,18 +167,13 @@ def _unfolded_norm_term(patches: Callable[[int, int], tuple[Tensor, Tensor]], ba
     for s in range(0, batch, step):
         a, d = patches(s, min(s + step, batch))
         if ghost:  # each example's A and D scaled to largest entry 1 first: a Gram product does not underflow alone
-            ma, md = _row_max(a), _row_max(d)
+            ma, md = row_max(a), row_max(d)
             a, d, scale = a / ma[:, None, None, None], d / md[:, None, None, None], ma * md
             terms.append(((a.transpose(2, 3) @ a * (d.transpose(2, 3) @ d)).flatten(1).sum(1) * scale).mul_(scale))
         else:
             g = d @ a.transpose(2, 3)  # (b, G, O, K)
             terms.append((g * g if norm == "l2" else g.abs()).flatten(1).sum(1))
     return torch.cat(terms)
-
-
-def _row_max(t: Tensor) -> Tensor:
-    """Each example's largest ``|entry|`` of ``t`` (batch axis first), at least the dtype's smallest normal number."""
-    return t.abs().flatten(1).amax(1).clamp_(min=torch.finfo(t.dtype).tiny)
 
 
 def _bias_norm_term(d: Tensor, norm: Norm) -> Tensor:

@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["outer_norms_sq", "row_norms"]
+__all__ = ["outer_norms_sq", "row_max", "row_norms"]
+
+
+def row_max(t: Tensor) -> Tensor:
+    """Each example's largest ``|entry|`` of ``t`` (batch axis first), at least the dtype's smallest normal number."""
+    return t.abs().flatten(1).amax(1).clamp_(min=torch.finfo(t.dtype).tiny)
 
 
 def row_norms(t: Tensor) -> Tensor:
@@ -14,7 +19,7 @@ def row_norms(t: Tensor) -> Tensor:
     ``m`` is the row's largest ``|t_ij|`` (the dtype's smallest normal number for a zero row).  The result is 0 or
     ``inf`` only where the norm itself is below or above the dtype's range; a non-finite entry gives NaN or ``inf``.
     """
-    m = t.abs().amax(1).clamp_(min=torch.finfo(t.dtype).tiny)
+    m = row_max(t)
     return torch.linalg.vector_norm(t / m[:, None], dim=1).mul_(m)
 
 
