@@ -218,9 +218,9 @@ def per_example_grad_norms(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.
 def _grad_norms(mats: Sequence[Tensor], fwd: _Forward) -> Tensor:
     """(B,) per example: the L2 norm of its perturbed gradient, each layer's ``||d_b|| ||h_b||`` formed before squaring.
 
-    A tiny output signal times a large input (:func:`protocols.per_example.norms.outer_norms_sq`): written
-    ``||d||^2 ||h||^2``, a signal of ``1e-23`` at a unit of ``2^63`` rounded a record's norm ``6e-5`` to ``6e-8`` in
-    float32.
+    A tiny output signal times a large input (:func:`protocols.per_example.norms.outer_norms_sq`): formed as
+    ``||d||^2 ||h||^2``, a signal of ``1e-23`` at a unit of ``2^63`` would round a record's norm ``6e-5`` to ``6e-8``
+    in float32.
     """
     sq = outer_norms_sq(fwd.err, fwd.h, bias=False)  # last layer: err_b h_b^T (not trimmed)
     for j, d in _signals(mats, fwd).items():  # an uploaded block; its last row (constant unit) is trimmed

@@ -62,8 +62,8 @@ def clip_factors(norms: Tensor, losses: Tensor, clip: float, multipliers: Tensor
     ``C / ||g_i||`` subnormal, e.g. an L1 norm near float32's largest value: rounded up to 1.5 times itself), or a
     ``multipliers_i`` above it.  ``multipliers`` ``(B,)``: each example's largest ``|entry|`` of what the engine
     multiplies its scaled terms by (a layer's input times the scaled output gradient ``scale_i d_i``, of size about
-    ``C / |a_i|``): a subnormal ``scale_i d_i``'s round-off times an input of ``1e38`` let one record into a float32
-    DDP-SA sum at 1.9 times the clip.  Below those bounds every such product's round-off is at most ``2^-24 /
+    ``C / |a_i|``): a subnormal ``scale_i d_i``'s round-off times an input of ``1e38`` would let one record into a
+    float32 DDP-SA sum at 1.9 times the clip.  Below those bounds every such product's round-off is at most ``2^-24 /
     FACTOR_MARGIN`` of the clip per coordinate.  A record's own values decide it, as for a non-finite one; no honest
     model comes near (float32 at ``C = 1``: a norm or an activation of ``2e37``).
 

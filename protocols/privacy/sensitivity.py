@@ -173,7 +173,7 @@ def smallest_resolvable(largest: float, smallest_normal: float) -> float:
     (its square is finite; a larger one drops the record, :func:`protocols.per_example.clip_factors`), so its
     clipping factor ``clip / norm`` and every step are normal numbers, rounded relative to their size.  Below it
     they are subnormal, rounded to a fixed grid: a clip of ``1e-30`` in float32 (a record's squared gradient norm
-    rounds to 0, its factor to 1) let one record's gradient of norm ``2e-24`` into the sum unclipped, 2 million
+    rounds to 0, its factor to 1) would let one record's gradient of norm ``2e-24`` into the sum unclipped, 2 million
     times the clip.  float32: about ``8.7e-19``; float64: about ``1.2e-153``.
     """
     return FLOAT_RANGE_MARGIN * math.sqrt(float(largest)) * float(smallest_normal)
