@@ -225,3 +225,32 @@ def test_clipped_gradients_weight_each_example_by_its_clip_scale(dims: list[int]
         for i, a in enumerate(getattr(got, name)):
             b = sum(wb * getattr(s, name)[i] for wb, s in zip(weights, singles, strict=True))
             assert float((a - b).abs().max()) <= 1e-12 * max(float(b.abs().max()), 1e-300) + 1e-300
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_psi_spectral_bound_is_an_upper_bound_within_n_to_the_eighth(dtype):
+    """The clip's sigma_max(Psi_b) term: never below the largest eigenvalue, at most n^(1/8) times it.
+
+    Random Gram matrices of every rank (1 = the bound is exact, full rank with equal eigenvalues = the worst case),
+    scaled from 1e-30 to 1e30; zero, non-finite and overflowing ones.  Reference: float64 ``eigvalsh``.
+    """
+    from protocols.mpddp.gradients import _top_eigenvalue_bound
+
+    gen = torch.Generator().manual_seed(7)
+    n, cases = 10, []
+    for rank in (1, 2, 5, 10, 30):
+        f = torch.randn(200, n, rank, generator=gen, dtype=torch.float64)
+        cases.append(f @ f.transpose(1, 2))
+    cases.append(torch.eye(n, dtype=torch.float64).expand(3, n, n) * 2.5)
+    for scale in (1e-30, 1e-10, 1.0, 1e15, 1e30):
+        for gram in cases:
+            g = (gram * scale).to(dtype)
+            exact = torch.linalg.eigvalsh(g.double())[:, -1]
+            bound = _top_eigenvalue_bound(g).double()
+            assert (bound >= exact).all(), (scale, float((bound / exact).min()))
+            assert (bound <= exact * n ** 0.125 * (1 + 1e-4)).all()
+    assert _top_eigenvalue_bound(torch.zeros(2, n, n, dtype=dtype)).eq(0).all()
+    odd = torch.eye(n, dtype=dtype).repeat(3, 1, 1)
+    odd[0, 1, 1], odd[1, 2, 3], odd[2, 0, 0] = float("nan"), float("inf"), torch.finfo(dtype).max
+    odd[2, 1, 1] = torch.finfo(dtype).max  # the trace overflows
+    assert torch.isinf(_top_eigenvalue_bound(odd)).all()

@@ -23,10 +23,11 @@ def row_norms(t: Tensor) -> Tensor:
     return torch.linalg.vector_norm(t / m[:, None], dim=1).mul_(m)
 
 
-def outer_norms_sq(d: Tensor, a: Tensor, bias: bool) -> Tensor:
+def outer_norms_sq(d: Tensor, a: Tensor, bias: bool, a_norms: Tensor | None = None) -> Tensor:
     """Per-example ``||d_i||^2 (||a_i||^2 + 1)`` (``bias``) or ``||d_i||^2 ||a_i||^2``, ``d: (B, O)``, ``a: (B, K)``.
 
     The squared L2 norm of a Linear layer's per-example gradient ``(d_i a_i^T, d_i)`` or ``d_i a_i^T``.
+    ``a_norms``: ``row_norms(a)`` where the caller keeps it (without ``bias`` only; computed here when None).
 
     Not ``|d|^2 (|a|^2 + 1)`` as written: a tiny output gradient (a saturated softmax: ``d ~ 1e-24``) times a large
     input is a gradient far above the clip whose ``|d|^2`` alone rounds to 0, and the example would enter the
@@ -37,4 +38,4 @@ def outer_norms_sq(d: Tensor, a: Tensor, bias: bool) -> Tensor:
     nd = row_norms(d)
     if bias:  # |a|^2 below the range is lost against the 1; above it the example is dropped either way
         return nd * (nd * torch.linalg.vecdot(a, a).add_(1.0))
-    return (nd * row_norms(a)).square_()
+    return (nd * (row_norms(a) if a_norms is None else a_norms)).square_()
