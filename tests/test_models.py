@@ -7,7 +7,7 @@ import torch
 
 from protocols.arrays import flatten, unflatten
 from protocols.task.data import load_dataset
-from protocols.task.models import build_model, get_weights, load_npz_model, save_npz_model
+from protocols.task.models import MLP, build_model, get_weights, load_npz_model, save_npz_model
 from protocols.task.training import evaluate, train
 
 
@@ -52,3 +52,21 @@ def test_a_linear_model_starts_at_zero_and_learns_one_class_mean_step():
         for p in linear.parameters():
             p -= 100.0 * p.grad
     assert evaluate(linear, ds.x_test, ds.y_test)[1] > 0.8
+
+
+def test_seeding_matches_torch_manual_seed_without_formatting_stacks(monkeypatch):
+    """build_model and train seed as torch.manual_seed does, without formatting a stack trace per seeding.
+
+    (``torch.manual_seed`` formats one per device type it cannot seed yet: about a millisecond a call.)
+    """
+    import traceback
+
+    torch.manual_seed(5)
+    reference = MLP(8, (4,), 3).state_dict()
+    formatted = []
+    monkeypatch.setattr(traceback, "format_stack", lambda *a, **k: formatted.append(1) or [])
+    for _ in range(3):
+        model = build_model("mlp", (8,), 3, (4,), seed=5)
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.values(), strict=True))
+        train(model, np.zeros((4, 8), np.float32), np.arange(4) % 3, epochs=1, batch_size=2, lr=0.1, seed=1)
+    assert not formatted

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from protocols.per_example import Descent, PerExampleClipper
+from protocols.task.models import seed_torch
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -49,7 +50,7 @@ def train(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, batch_
     ``grad_clip`` bounds each mini-batch gradient's L2 norm (used by NADP-FL and
     LaDP-FL, whose sensitivity analysis assumes clipped gradients).
     """
-    torch.manual_seed(seed)
+    seed_torch(seed)
     rng = np.random.default_rng(seed)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=lr)
