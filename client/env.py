@@ -240,14 +240,42 @@ def full_batch_dtype(clip: float, dtype: str = "float32") -> str:
     Raises:
         FloorViolation: before any work, a clip even float64 does not resolve.
     """
+    return _resolving(clip, dtype, "even float64 would round a record's gradient norm or clip factor on its subnormal grid")
+
+
+def client_level_update(msg: Message, env: ClientEnv, clip: float) -> tuple[Weights, np.ndarray, float, float]:
+    """Client-level DP's local step: train the received model, clip its update to ``clip`` (sensitivity ``clip``).
+
+    The update is clipped (:func:`protocols.clipping.clip_l2`), and noised by the method, in float64.  A clip float64
+    does not resolve (:func:`protocols.privacy.resolving_dtype`) is refused before any training: the clipped update
+    and the noise, whose std is proportional to the clip, would round on float64's subnormal grid (at ``5e-324`` a
+    noise std below half the grid rounds to 0, and the upload would leave unnoised).
+
+    Returns:
+        ``(global_weights, clipped flat update (float64), train_loss, the update's L2 norm before clipping)``.
+
+    Raises:
+        FloorViolation: before any training, a clip below float64's :func:`protocols.privacy.smallest_resolvable`.
+    """
+    from protocols.arrays import flatten
+    from protocols.clipping import clip_l2
+
+    _resolving(clip, "float64", "float64, in which the update is clipped and noised, would round the clipped update and "
+               "its noise (std proportional to the clip) on its subnormal grid")
+    global_w, local_w, loss = local_training(msg, env)
+    clipped, norm = clip_l2(flatten(local_w) - flatten(global_w), clip)
+    return global_w, clipped, loss, norm
+
+
+def _resolving(clip: float, dtype: str, why: str) -> str:
+    """:func:`protocols.privacy.resolving_dtype` of ``clip``; FloorViolation (naming ``why``) where even float64 fails."""
     from protocols.floor import at_least
     from protocols.privacy import resolving_dtype, smallest_resolvable
 
     resolving = resolving_dtype(clip, dtype)
     if resolving is None:
         f64 = np.finfo(np.float64)
-        at_least("clip", clip, smallest_resolvable(float(f64.max), float(f64.tiny)),
-                 "even float64 would round a record's gradient norm or clip factor on its subnormal grid")
+        at_least("clip", clip, smallest_resolvable(float(f64.max), float(f64.tiny)), why)
     assert resolving is not None  # refused above
     return resolving
 

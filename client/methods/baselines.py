@@ -14,11 +14,10 @@ import os
 import numpy as np
 from flwr.app import Message
 
-from client.env import ClientEnv, local_training, record_level_training, reply
+from client.env import ClientEnv, client_level_update, local_training, record_level_training, reply
 from client.floor import release
 from client.records import to_record
 from protocols.arrays import flatten, unflatten
-from protocols.clipping import clip_l2
 from protocols.floor import at_least, ldp_noise_multiplier, ldp_noise_std
 from protocols.privacy import GaussianEvent, record_sensitivity
 from protocols.wire.baselines import ClippingNorm, LocalDpNoise
@@ -39,9 +38,8 @@ def train_cdp(msg: Message, env: ClientEnv) -> Message:
     server's :class:`protocols.wire.baselines.ClippingNorm` names (Flower's ``fixedclipping_mod`` rule).
     """
     if env.cfg.privacy_unit == "client":
-        global_w, local_w, loss = local_training(msg, env)
         norm = min(ClippingNorm.from_config(msg.content["config"]).clip, env.cfg.clip)  # never above its own clip
-        clipped, _ = clip_l2(flatten(local_w) - flatten(global_w), norm)
+        global_w, clipped, loss, _ = client_level_update(msg, env, norm)
         clipped_w = unflatten(flatten(global_w) + clipped, global_w)
         return reply(msg, to_record(clipped_w, np.float32), len(env.y), train_loss=loss,
                      **release(msg, env))
@@ -72,9 +70,7 @@ def train_ldp(msg: Message, env: ClientEnv) -> Message:
     scale = max(asked / z, 1.0)  # every std below times it: 1.0 exactly unless the server asked for more
     n_k = len(env.y)
     if env.cfg.privacy_unit == "client":
-        global_w, local_w, loss = local_training(msg, env)
-        delta = flatten(local_w) - flatten(global_w)
-        clipped, norm = clip_l2(delta, env.cfg.clip)
+        global_w, clipped, loss, norm = client_level_update(msg, env, env.cfg.clip)
         std = ldp_noise_std(env.cfg) * scale
         # The noise joins the clipped update before the model: rounding the sum with a large model is then
         # post-processing of the noised update, not a function of the data the noise does not cover.

@@ -39,7 +39,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
 
-from client.env import ClientEnv, local_training, record_level_training, reply
+from client.env import ClientEnv, client_level_update, record_level_training, reply
 from client.floor import FloorViolation, check_new_round, policy, release
 from client.identity import node_identity
 from client.pairwise_phase import checked_pair_seeds, mask_probe
@@ -48,7 +48,6 @@ from client.recovery import check_unmasked, remember, seal_self_mask
 from client.recovery_ledger import Kept, charge_spec, gone, int_graph, int_keys, top_event
 from protocols import niss as niss_math
 from protocols.arrays import flatten, unflatten
-from protocols.clipping import clip_l2
 from protocols.floor import niss_floor
 from protocols.masking import SHARE_PURPOSE
 from protocols.niss import (
@@ -396,8 +395,7 @@ def _trained(msg: Message, env: ClientEnv, global_w) -> tuple[np.ndarray, float,
     """
     g = flatten(global_w)
     if env.cfg.privacy_unit == "client":
-        _, local_w, loss = local_training(msg, env)
-        clipped, norm = clip_l2(flatten(local_w) - g, env.cfg.clip)
+        _, clipped, loss, norm = client_level_update(msg, env, env.cfg.clip)
         return g + clipped, loss, norm, {}
     _, local_w, loss, frac = record_level_training(msg, env)
     w = flatten(local_w)

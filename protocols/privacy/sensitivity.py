@@ -175,6 +175,9 @@ def smallest_resolvable(largest: float, smallest_normal: float) -> float:
     they are subnormal, rounded to a fixed grid: a clip of ``1e-30`` in float32 (a record's squared gradient norm
     rounds to 0, its factor to 1) would let one record's gradient of norm ``2e-24`` into the sum unclipped, 2 million
     times the clip.  float32: about ``8.7e-19``; float64: about ``1.2e-153``.
+
+    A client-level clip (``privacy-unit = "client"``) at least float64's keeps the clipped update's factors, the
+    noise std (proportional to the clip) and their squares (the variances the floors add up) normal numbers.
     """
     return FLOAT_RANGE_MARGIN * math.sqrt(float(largest)) * float(smallest_normal)
 
@@ -184,7 +187,8 @@ def resolving_dtype(resolution: float, dtype: str = "float32") -> str | None:
 
     The dtype a full-batch per-example-clipped sum with no step (DDP-SA's, the MP family's gradient at W-hat) is
     computed in, ``resolution`` its clip: below :func:`smallest_resolvable` a record's squared gradient norm may round
-    to 0 and the record enter the sum unclipped.  Public: the run config.
+    to 0 and the record enter the sum unclipped.  Also the dtype a client-level update is clipped and noised in
+    (float64; :func:`client.env.client_level_update`), ``resolution`` its clip.  Public: the run config.
     """
     import numpy as np
 
