@@ -114,18 +114,23 @@ class RoundView:
     graph: dict[int, list[int]] | None = None
     #: with the graph: participant -> its neighbours in the roster's graph of the round, present or not.
     degrees: dict[int, int] | None = None
+    #: the round, its participants and their roster names (what :func:`remember_view` keeps).
+    round: int = 0
+    participants: tuple[int, ...] = ()
+    names: tuple[str, ...] = ()
 
 
-def check_view(env: ClientEnv, pk: PeerKeys, rnd: int, *, full: bool = False) -> RoundView:
+def check_view(env: ClientEnv, pk: PeerKeys, rnd: int, *, full: bool = False, remember: bool = True) -> RoundView:
     """Check the round's view ``pk`` against the roster graph (see the module doc); ``full``: also the graph.
 
-    Authenticates the peers' keys first (and agrees the missing secrets).  Raises IdentityError naming a
-    peer whose key is not its roster identity's, ValueError naming what the view contradicts.
+    Authenticates the peers' keys first (and agrees the missing secrets).  ``remember``: keep the checked view as
+    the round's (:func:`remember_view`); False leaves that to a caller that commits the view later.  Raises
+    IdentityError naming a peer whose key is not its roster identity's, ValueError naming what the view contradicts.
     """
-    return _checked(env, pk, rnd, full=full)[0]
+    return _checked(env, pk, rnd, full=full, remember=remember)[0]
 
 
-def _checked(env: ClientEnv, pk: PeerKeys, rnd: int, *, full: bool) -> tuple[RoundView, KeyStore]:
+def _checked(env: ClientEnv, pk: PeerKeys, rnd: int, *, full: bool, remember: bool) -> tuple[RoundView, KeyStore]:
     store = _authenticated(env, pk, rnd)
     me, parts, names = env.node_id, pk.participants, pk.participant_names
     if not parts or pk.graph_seed is None:
@@ -170,9 +175,20 @@ def _checked(env: ClientEnv, pk: PeerKeys, rnd: int, *, full: bool) -> tuple[Rou
     view = view_digest(run_id=int(env.context.run_id), round_num=rnd, key_epoch=pk.key_epoch, graph=env.cfg.graph,
                        n_out=env.cfg.n_out, graph_seed=pk.graph_seed, participants=parts, names=names,
                        settings=settings_digest(env.cfg))
-    _remember_view(env, rnd, parts, names)
     degrees = {node: len(rr.neighbours(name)) for node, name in present.items()} if full else None
-    return RoundView(view, row, present_graph(rr, present) if full else None, degrees), store
+    out = RoundView(view, row, present_graph(rr, present) if full else None, degrees, rnd, tuple(parts), tuple(names))
+    if remember:
+        remember_view(env, out)
+    return out, store
+
+
+def remember_view(env: ClientEnv, view: RoundView) -> None:
+    """Keep ``view`` as its round's checked view (:func:`participants_of`; the one a recovery of the round counts on).
+
+    A handler whose secrets for the round are committed after the check (NISS's share phase) calls this with that
+    commit, never before: a request refused after its view was checked leaves the view of the secrets in place.
+    """
+    _remember_view(env, view.round, view.participants, view.names)
 
 
 def _remember_view(env: ClientEnv, rnd: int, parts: Sequence[int], names: Sequence[str]) -> None:
@@ -207,22 +223,26 @@ def full_view(msg: Message, env: ClientEnv) -> RoundView:
     return _message_view(msg, env, full=True)[2]
 
 
-def _message_view(msg: Message | ConfigRecord, env: ClientEnv, *, full: bool
+def _message_view(msg: Message | ConfigRecord, env: ClientEnv, *, full: bool, remember: bool = True
                   ) -> tuple[PeerKeys, int, RoundView, KeyStore]:
     """``(peer keys, round, checked view, key store)`` of ``msg``, checked once per message (:func:`check_view`).
 
     The result is kept in ``env.memo`` with the message's config record itself, so a later call for the same
     record (a handler derives seeds for several purposes, the self-mask, the graph) reuses the check instead of
-    parsing and hashing the whole participant list again; any other record is checked anew.
+    parsing and hashing the whole participant list again; any other record is checked anew.  ``remember``: as
+    :func:`check_view`'s (a reused check is kept then if it was not yet).
     """
     cfg = msg.content["config"] if isinstance(msg, Message) else msg
     hit = env.memo.get(VIEW_KEY)
     if hit is not None and hit[0] is cfg and (hit[3].graph is not None or not full):
+        if remember and not hit[5]:
+            remember_view(env, hit[3])
+            env.memo[VIEW_KEY] = (*hit[:5], True)
         return hit[1], hit[2], hit[3], hit[4]
     rnd = TrainIns.from_config(cfg).round
     pk = PeerKeys.from_config(cfg)
-    view, store = _checked(env, pk, rnd, full=full)
-    env.memo[VIEW_KEY] = (cfg, pk, rnd, view, store)
+    view, store = _checked(env, pk, rnd, full=full, remember=remember)
+    env.memo[VIEW_KEY] = (cfg, pk, rnd, view, store, remember)
     return pk, rnd, view, store
 
 
@@ -240,13 +260,14 @@ def pair_seeds(msg: Message, env: ClientEnv, purpose: str,
 
 def checked_pair_seeds(msg: Message | ConfigRecord, env: ClientEnv, purposes: Sequence[str], *,
                        graph: dict[int, list[int]] | None = None, view_extra: bytes = b"",
-                       full: bool = False) -> tuple[RoundView, dict[str, dict[int, bytes]]]:
+                       full: bool = False, remember: bool = True) -> tuple[RoundView, dict[str, dict[int, bytes]]]:
     """The checked view (``full``: with the graph, :func:`check_view`) and :func:`pair_seeds` for each purpose.
 
     ``msg``: the message, or the record holding the round and the peer keys.  One check of the view per message
-    for all purposes and calls (:func:`_message_view`); raises as :func:`pair_seeds`.
+    for all purposes and calls (:func:`_message_view`); ``remember``: as :func:`check_view`'s.  Raises as
+    :func:`pair_seeds`.
     """
-    pk, rnd, view, store = _message_view(msg, env, full=full)
+    pk, rnd, view, store = _message_view(msg, env, full=full, remember=remember)
     if graph is not None and sorted(graph.get(env.node_id, ())) != view.neighbours:
         raise ViewError("the round's plan and the roster's graph give this node different neighbours")
     context = int(env.context.run_id).to_bytes(8, "big") + view.digest + bytes(view_extra)

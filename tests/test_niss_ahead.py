@@ -2,18 +2,28 @@
 
 Through the real message path (in-process LocalGrid, 5 clients): no ``query.shares`` phase while the view stays
 the same, the shares relayed still cancel exactly, and every change of the view or scale asks again in a
-``query.shares`` phase.
+``query.shares`` phase.  Against a lying server: a refused share request keeps the round's view for its recovery,
+and an ahead answer that fails leaves the round uncharged.
 """
 
 from __future__ import annotations
 
 import pytest
+from flwr.app import ConfigRecord, Message, RecordDict
 
+from client.env import ClientEnv
+from client.ledger import ClientLedger, ledger_dir
 from client.pairwise_phase import participants_of
+from client.recovery import RecoveryStore
+from protocols.masking import open_share, rebuild_seed
+from protocols.niss import aggregation_weights
+from protocols.wire.common import read_node_ids
 from protocols.wire.niss import AHEAD_RECORD
+from protocols.wire.recovery import SELF_MASK_RECORD, SelfMaskShares
 from server.local_grid import LocalGrid
-from strategies.stages import run_round
-from tests.niss_setup import niss_setup
+from strategies.stages import open_round, run_round, train_messages
+from tests.consistency_setup import recover, sign, signed
+from tests.niss_setup import niss_round, niss_setup
 
 #: The aggregate-noise figures these tests check come from the nodes' noiseless-update diagnostic.
 pytestmark = pytest.mark.usefixtures("niss_diagnostics")
@@ -184,3 +194,99 @@ def test_checking_the_next_rounds_view_again_keeps_the_rounds_own_view():
     assert own is not None and ahead is not None
     _remember_view(env, 2, list(ahead), list(ahead.values()))  # round 2's view checked once more
     assert participants_of(env, 1) == own and participants_of(env, 2) == ahead
+
+
+class _CapturingGrid(CountingGrid):
+    """CountingGrid that keeps the last ahead record each node's train message carried."""
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        for m in messages:
+            if m.metadata.message_type == "train" and AHEAD_RECORD in m.content:
+                self.__dict__.setdefault("ahead", {})[m.metadata.dst_node_id] = ConfigRecord(
+                    dict(m.content[AHEAD_RECORD].items()))
+        return super().send_and_receive(messages, timeout=timeout)
+
+
+def _narrowed(cfg, request: ConfigRecord, me: int, keep: list[int]) -> ConfigRecord:
+    """``request`` (``me``'s) over the participants ``keep`` only, its weight recomputed, at a scale below any floor."""
+    rec = ConfigRecord(dict(request.items()))
+    parts, peers = read_node_ids(request, "participants"), read_node_ids(request, "peer-ids")
+    rec["participants"] = [str(n) for n in keep]
+    rec["participant-names"] = [request["participant-names"][parts.index(n)] for n in keep]
+    kept_peers = [peers.index(n) for n in keep if n in peers]
+    for key in ("peer-ids", "peer-keys", "peer-names", "peer-signatures"):
+        rec[key] = [request[key][i] for i in kept_peers]
+    ids = read_node_ids(request, "niss-size-ids")
+    sizes = {n: request["niss-sizes"][ids.index(n)] for n in keep}
+    rec["niss-size-ids"], rec["niss-sizes"] = [str(n) for n in keep], [sizes[n] for n in keep]
+    rec["niss-weight"] = aggregation_weights(cfg, keep, sizes)[me]
+    rec["niss-noise-scale"] = 1e-6
+    return rec
+
+
+def test_a_refused_share_request_leaves_the_view_the_rounds_secrets_were_made_for():
+    """A lying server re-asks round 2 with a view that hides two of k's neighbours, refused at its scale.
+
+    Round 2's upload is made with the secrets of the request answered ahead (5 participants), so its recovery
+    counts k's neighbours in that view: v keeps its pair material with k on two signatures (its own and a
+    colluder's) where k's 4 present neighbours need 3, while b, e and the colluder hand the server k's self-mask.
+    Counted in the refused view (k's neighbours v and a only), 2 signatures would do and v would reveal it too.
+    """
+    cfg, grid, strategy, arrays = niss_setup(_CapturingGrid, num_rounds=3)
+    assert cfg.self_mask and cfg.mask_corruption_rate == 0.1
+    arrays, _ = run_round(strategy, grid, 1, arrays)
+    v = grid.node_ids[0]
+    k, a, b, e = read_node_ids(grid.ahead[v], "peer-ids")
+    env = _Env(grid, v)
+    committed = participants_of(env, 2)
+    assert len(committed) == 5
+    lie = Message(RecordDict({"config": _narrowed(cfg, grid.ahead[v], v, [v, k, a])}), v, "query.shares")
+    (refusal,) = grid.send_and_receive([lie])
+    assert refusal.has_error() and "joint-view noise scale" in refusal.error.reason
+    assert participants_of(env, 2) == committed
+    replies = {r.metadata.src_node_id: r for r in grid.send_and_receive(train_messages(strategy, open_round(
+        strategy, grid, 2, arrays)))}
+    assert not any(r.has_error() for r in replies.values())
+
+    def forwarded(node):
+        return {x: SelfMaskShares.from_config(replies[x].content[SELF_MASK_RECORD]).sealed[node]
+                for x in grid.node_ids if x != node}
+
+    shares = []
+    for j in (b, e):  # told "everyone received": each reveals its share of k's self-mask seed
+        assert not sign(grid, [j], grid.node_ids, rnd=2)[j].refused
+        rep = recover(grid, j, grid.node_ids, [], forwarded=forwarded(j), rnd=2)
+        shares += [s for x, s in zip(rep.mask_peers, rep.mask_shares, strict=True) if x == k]
+    colluder = RecoveryStore.load(ClientEnv.from_context(grid.contexts[a]))
+    shares.append(open_share(colluder.mask_keys[k], forwarded(a)[k], sender=k, receiver=a, round_num=2,
+                             context=int(grid.contexts[a].run_id).to_bytes(8, "big")))
+    commit = SelfMaskShares.from_config(replies[k].content[SELF_MASK_RECORD]).commitment
+    assert rebuild_seed(shares, colluder.threshold, commit) is not None  # the server holds k's self-mask
+    others = [n for n in grid.node_ids if n != k]
+    rep = recover(grid, v, others, [k], forwarded=forwarded(v), signatures=signed(sign(grid, [v, a], others, [k], rnd=2)),
+                  rnd=2)
+    assert not rep.refused and rep.kept == (k,) and rep.by_peer()[k] == b""
+
+
+def test_an_ahead_answer_that_fails_leaves_the_round_uncharged(monkeypatch):
+    """Whatever the ahead record makes the client raise, it raises before the round is charged: no paid upload is lost."""
+    from client.methods import niss as niss_client
+
+    cfg, grid, strategy, arrays = niss_setup(CountingGrid, num_rounds=3)
+    victim = grid.node_ids[2]
+    honest = niss_client.answer_shares
+
+    def failing(rec, env):
+        if env.node_id == victim and rec["round"] == 2:
+            raise TypeError("an unforeseen failure on the ahead record")
+        return honest(rec, env)
+
+    monkeypatch.setattr(niss_client, "answer_shares", failing)
+    _msgs, replies = niss_round(grid, strategy, 1, arrays)
+    (mine,) = [r for r in replies if r.metadata.src_node_id == victim]
+    assert mine.has_error()
+    ctx = grid.contexts[victim]
+    with ClientLedger.open(ledger_dir(ctx.node_config), int(ctx.node_config["partition-id"]), write=False) as led:
+        assert led.rounds(ctx.run_id) == []
+    assert all(not r.has_error() for r in replies if r.metadata.src_node_id != victim)

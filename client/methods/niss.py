@@ -15,9 +15,9 @@ Two steps per round (protocol: :mod:`strategies.niss`, :mod:`strategies.niss_sha
   one means no upload, the senders reported), train, and upload ``p_k w_k + sum_i n_i + sum_i s_i r_i`` in
   float64 with ``s_i ~ N(1, tau_k^2)`` per coordinate (:func:`protocols.niss.distortion_seed`); keep the round's
   pair material for :mod:`client.recovery`; with ``self-mask`` also add a self-mask ``N(0, sigma_k^2)`` whose
-  seed is Shamir-shared among the neighbours (:func:`client.recovery.seal_self_mask`); then answer the next
-  round's share request if the message carries one (a refused request gets no answer here: the server asks
-  again in a ``query.shares`` phase).
+  seed is Shamir-shared among the neighbours (:func:`client.recovery.seal_self_mask`); the next round's share
+  request the message may carry is answered before the round is charged (a refused request gets no answer here:
+  the server asks again in a ``query.shares`` phase).
 
 Payload format: :func:`encode_payload`.
 """
@@ -42,7 +42,7 @@ from flwr.common import log
 from client.env import ClientEnv, client_level_update, record_level_training, reply
 from client.floor import FloorViolation, check_new_round, policy, release
 from client.identity import node_identity
-from client.pairwise_phase import checked_pair_seeds, mask_probe
+from client.pairwise_phase import checked_pair_seeds, mask_probe, remember_view
 from client.records import to_record
 from client.recovery import check_unmasked, remember, seal_self_mask
 from client.recovery_ledger import Kept, charge_spec, gone, int_graph, int_keys, top_event
@@ -240,9 +240,11 @@ def handle_shares(msg: Message, env: ClientEnv) -> Message:
 def answer_shares(rec: ConfigRecord, env: ClientEnv) -> ShareReply:
     """The sealed payloads for the :class:`ShareRequest` in ``rec``, after every check of its view (module doc).
 
-    The round's secrets go to ``Context.state`` (replacing what is there).  Asked again for the same round, view
-    and scale, before training in it, the client seals the same shares again (:func:`share_seed`), whatever was
-    asked in between: whichever payloads the server relays, they cancel.
+    The round's secrets go to ``Context.state`` (replacing what is there) together with the checked view they were
+    made for (:func:`client.pairwise_phase.remember_view`, which the round's recovery counts on), after every
+    check: a refused request leaves both as they were.  Asked again for the same round, view and scale, before
+    training in it, the client seals the same shares again (:func:`share_seed`), whatever was asked in between:
+    whichever payloads the server relays, they cancel.
     """
     req = ShareRequest.from_config(rec)
     rnd, weight, me = req.round, req.weight, env.node_id
@@ -268,7 +270,8 @@ def answer_shares(rec: ConfigRecord, env: ClientEnv) -> ShareReply:
     # The sizes (hence every p_k) are part of the view: shown other sizes, a client derives relay keys no peer shares.
     # Double masking: keys sealing this round's self-mask shares (sent with the upload, client.recovery).
     purposes = (RELAY_PURPOSE, SHARE_PURPOSE) if env.cfg.self_mask else (RELAY_PURPOSE,)
-    view, seeds_for = checked_pair_seeds(rec, env, purposes, view_extra=sizes_digest(req.sizes), full=True)
+    view, seeds_for = checked_pair_seeds(rec, env, purposes, view_extra=sizes_digest(req.sizes), full=True,
+                                         remember=False)
     # The joint view of all uploads (the roster's graph among the participants, public sizes): refuse a smaller scale.
     # Calibrated for the most rounds the public schedule samples any client in (the server computes the same).
     releases = roster_releases(env.cfg, node_identity(env).roster)
@@ -294,23 +297,24 @@ def answer_shares(rec: ConfigRecord, env: ClientEnv) -> ShareReply:
                          "degrees": {str(n): d for n, d in (view.degrees or {}).items()}, "releases": releases})
     env.context.state[STATE_KEY] = _Stored(rnd, own_weight, sigma, encoding, nbrs, keys, bundles, tau,
                                            mask_keys, req.noise_scale, req.noise_scale / floor.scale, priced).to_record()
+    remember_view(env, view)
     return ShareReply(tuple(nbrs), tuple(payloads))
 
 
-def _answer_ahead(msg: Message, env: ClientEnv, out: Message) -> None:
-    """Answer the next round's share request the train message carries (if any) in ``out``'s ahead record.
+def _answer_ahead(msg: Message, env: ClientEnv) -> ConfigRecord | None:
+    """The answer to the next round's share request the train message carries, for the reply's ahead record.
 
-    A request this client refuses gets no answer: the server then asks in a ``query.shares`` phase, where the
-    refusal reaches it.
+    None when it carries none, or a request this client refuses: the server then asks in a ``query.shares`` phase,
+    where the refusal reaches it.  Called before the round is charged, so that nothing the record holds can make
+    the train reply fail once the ledger has paid for its upload; any other exception fails the reply uncharged.
     """
     if AHEAD_RECORD not in msg.content:
-        return
+        return None
     try:
-        shares = answer_shares(msg.content[AHEAD_RECORD], env)
+        return ConfigRecord(answer_shares(msg.content[AHEAD_RECORD], env).to_config())
     except (ValueError, RuntimeError, KeyError) as err:  # a refusal (FloorViolation, IdentityError), no state
         log(WARNING, "node %s: next round's NISS share request not answered here (%s)", env.node_id, err)
-        return
-    out.content[AHEAD_RECORD] = ConfigRecord(shares.to_config())
+        return None
 
 
 def _open_incoming(inbox: RelayedInbox, env: ClientEnv, st: _Stored, size: int) -> tuple[list, list[tuple[int, str]]]:
@@ -450,6 +454,7 @@ def train(msg: Message, env: ClientEnv) -> Message:
     # the same: the budget guard's raise is credit); none at all with tau = 0.
     z = st.credit * st.sigma / (st.scale * upload_sensitivity(env.cfg, st.weight, len(env.y))) if tau > 0 else 0.0
     charged = GaussianEvent(0.0 if diagnostic else z)
+    ahead = _answer_ahead(msg, env)  # this round's secrets are gone from Context.state; nothing charged yet
     spent = release(msg, env, charged)
     view = json.loads(st.view)
     charge = charge_spec(uplink=charged, z=client_multiplier(env.cfg, view.get("releases")), scale=st.scale,
@@ -461,7 +466,8 @@ def train(msg: Message, env: ClientEnv) -> Message:
                 update_norm=norm, **extra, **figures.to_metrics(), **probe, **spent)
     if diagnostic:
         Diagnostic(to_record(unflatten(st.weight * params, global_w), np.float64)).add_to(out.content)
-    _answer_ahead(msg, env, out)  # after this round's secrets are gone from Context.state
+    if ahead is not None:
+        out.content[AHEAD_RECORD] = ahead
     return mask.attach(out) if mask is not None else out
 
 
