@@ -27,38 +27,12 @@ import numpy as np
 from protocols import prg
 from protocols.config import RunConfig
 
-__all__ = [
-    "MIN_TAU",
-    "SHARES_PER_NEIGHBOUR",
-    "SharePlan",
-    "ShareBundle",
-    "aggregation_weights",
-    "sizes_digest",
-    "plan_shares",
-    "make_outgoing_bundles",
-    "bundle_shares",
-    "bundles_shares",
-    "sender_noise",
-    "receiver_noise",
-    "distorted_sum",
-    "distorted_partials",
-    "distorted_contribution",
-    "distortion_seed",
-    "client_upload",
-    "tau_for_collusion",
-    "collusion_variance_ratio",
-    "theorem2_variance",
-    "exact_aggregate_variance",
-    "client_multiplier",
-    "client_plan",
-    "unit_sensitivity",
-    "upload_sensitivity",
-    "client_sigma",
-    "client_tau",
-    "model_tau",
-    "sizes_tau",
-    "downlink_multiplier",
-]
+__all__ = ["MIN_TAU", "SHARES_PER_NEIGHBOUR", "SharePlan", "ShareBundle", "aggregation_weights", "sizes_digest",
+           "plan_shares", "make_outgoing_bundles", "bundle_shares", "bundles_shares", "sender_noise",
+           "receiver_noise", "distorted_sum", "distorted_partials", "distorted_contribution", "distortion_seed",
+           "client_upload", "tau_for_collusion", "collusion_variance_ratio", "theorem2_variance",
+           "exact_aggregate_variance", "client_multiplier", "client_plan", "unit_sensitivity", "upload_sensitivity",
+           "client_sigma", "client_tau", "model_tau", "sizes_tau", "downlink_multiplier"]
 
 # ----------------------------------------------------------------------------------
 # Shares
@@ -289,17 +263,23 @@ def distorted_partials(
     return {s: out[s] for s in shares}
 
 
-def client_upload(
-    params: np.ndarray,
-    weight: float,
-    own_noise: np.ndarray,
-    received_noise: np.ndarray,
-) -> np.ndarray:
-    """NISS upload ``p_k * w + sum_i (n_i + s_i r_i)`` (float64, flat)."""
-    w = np.asarray(params, dtype=np.float64).ravel()
-    if own_noise.shape != w.shape or received_noise.shape != w.shape:
-        raise ValueError("noise vectors must match the flattened parameter vector")
-    return weight * w + own_noise + received_noise
+def client_upload(model: np.ndarray, update: np.ndarray, weight: float, own_noise: np.ndarray,
+                  received_noise: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    """NISS upload ``p_k w_k + sum_i (n_i + s_i r_i)``, ``w_k = model + update`` (float64, flat; ``mask``: a self-mask).
+
+    Computed as ``p_k model + (p_k update + noise)``: the update (the only data-dependent part) meets its noise
+    before the received model, of magnitudes the server chooses, is added, so float64 rounds only the noised update
+    at the model's spacing (post-processing); ``p_k (model + update)`` would round the bare update there, by up to
+    twice its norm.  Raises ValueError when a vector's shape differs from the flattened ``model``.
+    """
+    g = np.asarray(model, dtype=np.float64).ravel()
+    noise = [own_noise, received_noise, *([] if mask is None else [mask])]
+    noised = weight * np.asarray(update, dtype=np.float64).ravel()
+    if any(v.shape != g.shape for v in (noised, *noise)):
+        raise ValueError("update and noise vectors must match the flattened model")
+    for v in noise:
+        noised += v
+    return weight * g + noised
 
 
 # ----------------------------------------------------------------------------------

@@ -144,7 +144,7 @@ def _simulate_round(
         incoming = [b for b in all_bundles if b.receiver == k]
         own = niss.sender_noise(outgoing[k], size)
         recv = niss.receiver_noise(incoming, size, float(taus[k]), rng)
-        uploads.append(niss.client_upload(params[k], float(weights[k]), own, recv))
+        uploads.append(niss.client_upload(np.zeros(size), params[k], float(weights[k]), own, recv))
     return np.sum(uploads, axis=0), all_bundles, uploads
 
 

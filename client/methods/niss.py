@@ -13,7 +13,8 @@ Two steps per round (protocol: :mod:`strategies.niss`, :mod:`strategies.niss_sha
   payload per neighbour; seeds, relay keys and parameters are kept in ``Context.state`` for the next phase.
 * :func:`train` (``train``): open every relayed payload first (a missing, duplicated, unexpected or unauthentic
   one means no upload, the senders reported), train, and upload ``p_k w_k + sum_i n_i + sum_i s_i r_i`` in
-  float64 with ``s_i ~ N(1, tau_k^2)`` per coordinate (:func:`protocols.niss.distortion_seed`); keep the round's
+  float64 with ``s_i ~ N(1, tau_k^2)`` per coordinate (:func:`protocols.niss.distortion_seed`), the weighted update
+  noised before ``p_k`` times the received model is added (:func:`protocols.niss.client_upload`); keep the round's
   pair material for :mod:`client.recovery`; with ``self-mask`` also add a self-mask ``N(0, sigma_k^2)`` whose
   seed is Shamir-shared among the neighbours (:func:`client.recovery.seal_self_mask`); the next round's share
   request the message may carry is answered before the round is charged (a refused request gets no answer here:
@@ -391,19 +392,19 @@ def _rejected(msg: Message, env: ClientEnv, failures: list[tuple[int, str]]) -> 
                    reply_to=msg)
 
 
-def _trained(msg: Message, env: ClientEnv, global_w) -> tuple[np.ndarray, float, float, dict[str, float]]:
-    """Local training per the run's privacy unit: ``(flat local model, train loss, update norm, extra metrics)``.
+def _trained(msg: Message, env: ClientEnv, g: np.ndarray) -> tuple[np.ndarray, float, float, dict[str, float]]:
+    """Local training per the run's privacy unit: ``(flat update to g, train loss, update norm, extra metrics)``.
 
-    Record level: per-example-clipped SGD (its record sensitivity is what ``sigma_k`` was calibrated for);
-    client level: ordinary local training with the update clipped to ``clip``.
+    ``g``: the received global model, flat.  Record level: per-example-clipped SGD (its record sensitivity is what
+    ``sigma_k`` was calibrated for), the update the local model minus ``g``; client level: ordinary local training
+    with the update clipped to ``clip``.
     """
-    g = flatten(global_w)
     if env.cfg.privacy_unit == "client":
         _, clipped, loss, norm = client_level_update(msg, env, env.cfg.clip)
-        return g + clipped, loss, norm, {}
+        return clipped, loss, norm, {}
     _, local_w, loss, frac = record_level_training(msg, env)
-    w = flatten(local_w)
-    return w, loss, float(np.linalg.norm(w - g)), {"clipped_fraction": frac}
+    update = flatten(local_w) - g
+    return update, loss, float(np.linalg.norm(update)), {"clipped_fraction": frac}
 
 
 def train(msg: Message, env: ClientEnv) -> Message:
@@ -425,7 +426,8 @@ def train(msg: Message, env: ClientEnv) -> Message:
     if failures:
         return _rejected(msg, env, failures)
 
-    params, loss, norm, extra = _trained(msg, env, global_w)
+    g = flatten(global_w)
+    update, loss, norm, extra = _trained(msg, env, g)
     tau = st.tau  # chosen in the share phase (the round's sizes)
     own = niss_math.sender_noise(st.outgoing, size)
     private = _fresh_seed(f"{env.node_id}/{rnd}/distortion")  # s_i: known to nobody but this client
@@ -433,11 +435,10 @@ def train(msg: Message, env: ClientEnv) -> Message:
     received = np.zeros(size)
     for s in sorted(partials):
         received += partials[s]
-    upload = niss_math.client_upload(params, st.weight, own, received)
     # Double masking: a self-mask with the std of the own noise sigma_k, its seed shared t-of-n among the neighbours.
     mask = seal_self_mask(st.mask_keys, rnd, env, size, st.sigma)
-    if mask is not None:
-        upload = upload + mask.vector
+    # The update meets its noise before the model the server sent (of any magnitude) is added.
+    upload = niss_math.client_upload(g, update, st.weight, own, received, mask.vector if mask is not None else None)
     # The measured-noise diagnostics hand the server the noise itself (the probe: its projection on a public direction,
     # which with the upload's gives the noiseless update's there) or the noiseless update: only where the node's own
     # operator allows it (DIAGNOSTICS_ENV), never on the run config's word, and then this round is charged as un-noised.
@@ -465,7 +466,7 @@ def train(msg: Message, env: ClientEnv) -> Message:
     out = reply(msg, to_record(unflatten(upload, global_w), np.float64), len(env.y), train_loss=loss,
                 update_norm=norm, **extra, **figures.to_metrics(), **probe, **spent)
     if diagnostic:
-        Diagnostic(to_record(unflatten(st.weight * params, global_w), np.float64)).add_to(out.content)
+        Diagnostic(to_record(unflatten(st.weight * (g + update), global_w), np.float64)).add_to(out.content)
     if ahead is not None:
         out.content[AHEAD_RECORD] = ahead
     return mask.attach(out) if mask is not None else out
