@@ -282,13 +282,25 @@ def verify_key(roster: Mapping[str, bytes], *, name: str, signature: bytes | Non
         raise IdentityError(f"{who}: its X25519 key is unsigned")
     statement = key_statement(run_id=run_id, key_epoch=key_epoch, name=name, node_id=node_id,
                               x25519_public=x25519_public)
-    try:
-        if len(signature) != SIGNATURE_BYTES:
-            raise InvalidSignature
-        Ed25519PublicKey.from_public_bytes(identity).verify(bytes(signature), statement)
-    except InvalidSignature:
+    if not signature_valid(bytes(identity), bytes(signature), statement):
         raise IdentityError(f"{who}: wrong signature on its X25519 key of key epoch {key_epoch} "
-                            "(not signed by the roster identity for this run, epoch and node id)") from None
+                            "(not signed by the roster identity for this run, epoch and node id)")
+
+
+@functools.lru_cache(maxsize=4096)
+def signature_valid(identity: bytes, signature: bytes, statement: bytes) -> bool:
+    """Whether ``signature`` is ``identity``'s Ed25519 signature over ``statement`` (memoised per process).
+
+    Verification is a function of its three inputs, so its result is kept: a peer's key of a key epoch is signed
+    once and shown every round, and a long-lived client process (simulation, in-process) checks it once.
+    """
+    if len(signature) != SIGNATURE_BYTES:
+        return False
+    try:
+        Ed25519PublicKey.from_public_bytes(identity).verify(signature, statement)
+    except InvalidSignature:
+        return False
+    return True
 
 
 def _digest_of(roster: Mapping[str, bytes]) -> bytes:

@@ -85,6 +85,9 @@ def test_signature_binds_run_epoch_name_node_and_key():
         verify_key(roster, signature=b"", **_statement_args())
     with pytest.raises(IdentityError, match="wrong signature"):
         verify_key(roster, signature=sig[:63], **_statement_args())
+    with pytest.raises(IdentityError, match="wrong signature"):  # one bit off, after the valid one was checked
+        verify_key(roster, signature=bytes([sig[0] ^ 1]) + sig[1:], **_statement_args())
+    verify_key(roster, signature=sig, **_statement_args())  # and again (a verification is kept per process)
 
 
 def test_roster_parsing_rejects_malformed_files():
