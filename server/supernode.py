@@ -11,8 +11,9 @@ Same arguments as ``flower-supernode`` (Flower 1.42).  Changes, none to what a m
 * each message's ClientApp reads the node's partition from ``CANCELFL_DATA_CACHE`` (default: a folder of this
   process, removed when it exits; ``off``: none) instead of loading and splitting the whole dataset
   (:mod:`protocols.task.partition_cache`);
-* its SuperExec looks for new tasks every ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` seconds (Flower's own
-  setting; default here 0.05 instead of 1).
+* its SuperExec starts a message's ClientApp as soon as the SuperNode creates the task, woken through a socket
+  (:mod:`server.superexec_wake`), and otherwise looks for tasks every ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` seconds
+  (Flower's own setting and default, 1).
 
 A ``--node-config`` holding a near miss of a key cancelfl reads (``max-epsilon-per-rnu``, ``lifetime_epsilon``:
 :mod:`protocols.node_config`) stops it before anything starts, naming the key it likely means.
@@ -32,10 +33,13 @@ import subprocess
 import sys
 import tempfile
 import time as _time
+from collections.abc import Callable
 from pathlib import Path
 
 from server.fab_pin import TRUSTED_APP_ENV, pin_own_app
 from server.flower_tuning import tune_supernode
+from server.superexec_wake import WAKE_ENV, waker
+from server.superexec_wake import write_shim as write_superexec_shim
 
 #: Seconds between the SuperNode's requests to the SuperLink (run-time: ``CANCELFL_POLL_INTERVAL``).
 DEFAULT_POLL_INTERVAL = 0.2
@@ -87,6 +91,26 @@ def start_clientapps(work: Path, *, warm: bool = True) -> subprocess.Popen | Non
     write_shim(bin_dir)
     os.environ.update({"CANCELFL_ZYGOTE": str(sock), "CANCELFL_REAL_CLIENTAPP": str(pinned)})
     return zygote
+
+
+def _waking(loop, wake: Callable[[], None]) -> None:
+    """Wrap the SuperNode loop's pull step so that every task it creates wakes the SuperExec (``wake``)."""
+    pull_and_store = loop._pull_and_store_message
+
+    def pull_and_store_message(**kw):
+        state = kw["state"]
+        if not getattr(state, "_cancelfl_wakes", False):
+            create_task = state.create_task
+
+            def create_and_wake(*args, **kwargs):
+                task_id = create_task(*args, **kwargs)
+                if task_id is not None:
+                    wake()
+                return task_id
+            state.create_task, state._cancelfl_wakes = create_and_wake, True
+        return pull_and_store(**kw)
+
+    loop._pull_and_store_message = pull_and_store_message
 
 
 def _traced(loop) -> None:
@@ -159,9 +183,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"cancelfl-supernode: runs only the app {digest} ({TRUSTED_APP_ENV}={own})", flush=True)
     check_node_config_arg(args)
     interval = poll_interval()
-    os.environ.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.05")
     work = Path(tempfile.mkdtemp(prefix="cancelfl-supernode-"))
     atexit.register(shutil.rmtree, work, ignore_errors=True)
+    wake_path = work / "superexec.wake"
+    os.environ[WAKE_ENV] = str(wake_path)
     # The node's partition, kept for the next message's process (protocols.task.partition_cache).
     os.environ.setdefault("CANCELFL_DATA_CACHE", str(work / "data-cache"))
     zygote = start_clientapps(work, warm=os.environ.get("CANCELFL_WARM_CLIENTAPP", "1") != "0")
@@ -170,6 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     import flwr.supernode.start_client_internal as loop
     from flwr.supernode.cli.flower_supernode import flower_supernode
 
+    write_superexec_shim(work / "bin")  # first on PATH (start_clientapps): the SuperExec Flower starts is woken
+    _waking(loop, waker(wake_path))
     if os.environ.get("CANCELFL_TRACE"):
         _traced(loop)
     tune_supernode(interval)

@@ -112,3 +112,20 @@ def test_tls_deployment(tmp_path):
     assert json.loads((tmp_path / "tls" / "summary.json").read_text())["final_accuracy"] > 0.2
     assert intruder.returncode != 0 and "must be registered" in out, out
     assert len(nodes) == 2 and len(online) == 2, nodes
+
+
+def test_each_message_starts_when_the_supernode_wakes_its_superexec(tmp_path, monkeypatch):
+    """The SuperExec's task poll at 60 s (Flower's longest): rounds still take seconds, each task wakes it.
+
+    Without the wake (:mod:`server.superexec_wake`) a message waits for the SuperExec's next poll: a round after the
+    first (its message ~3 s after the last poll found the previous one) would take about a minute.
+    """
+    monkeypatch.setenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "60")
+    out = tmp_path / "woken"
+    with LocalCluster(2) as cluster:
+        code = cluster.submit({"method": "fedavg", "num-rounds": 3, "dataset": "digits", "out-dir": str(out)},
+                              timeout=900)
+    assert code == 0
+    rows = read_metrics(out)
+    assert len(rows) == 3 and not any(r["failed"] for r in rows)
+    assert max(r["round_time_s"] for r in rows[1:]) < 30, [r["round_time_s"] for r in rows]

@@ -366,3 +366,24 @@ def test_the_serverapp_pulls_the_listed_replies_at_once_and_intact(monkeypatch):
 
     one_reply = iu.get_num_workers(iu.pull_objects.__kwdefaults__["max_concurrent_pulls"])
     assert probe.most > one_reply  # several replies' objects in flight at once
+
+
+def test_the_superexec_sleep_ends_at_each_wake_and_otherwise_waits(tmp_path):
+    """WakeClock: a datagram ends a long wait; two wakes make two waits end at once; none left, it waits its time."""
+    from server.superexec_wake import WakeClock, bind, waker
+
+    clock, wake = WakeClock(bind(tmp_path / "w")), waker(tmp_path / "w")
+    threading.Timer(0.2, wake).start()
+    t = time.monotonic()
+    clock.sleep(300)
+    assert time.monotonic() - t < 60  # woken, not timed out
+    wake()
+    wake()
+    t = time.monotonic()
+    clock.sleep(300)
+    clock.sleep(300)
+    assert time.monotonic() - t < 60
+    t = time.monotonic()
+    clock.sleep(0.3)
+    assert time.monotonic() - t >= 0.25  # nothing pending: the loop's own interval
+    waker(tmp_path / "gone")()  # nobody bound there: no error (the SuperExec's poll is the fallback)
