@@ -243,20 +243,29 @@ def _side_norms(mats: Sequence[Tensor], fwd: _Forward) -> tuple[Tensor, Tensor]:
     the n_L x n_L Gram matrix ``<Psi_bk, Psi_bl>`` (bounded by :func:`_top_eigenvalue_bound`).  As
     :func:`_grad_norms`: a linear layer's per-example gradient of a scalar is the outer product ``d_b h_b^T``, so the
     Gram matrix sums ``(d ||h_b||) (d ||h_b||)^T`` over layers (the input's norm multiplied in before squaring).
+
+    Nothing is squared at its own size: the clip multiplies these norms by ``rho`` and ``rho^2``, up to the square
+    root of the dtype's largest value, so a Psi_b or Phi_b whose squares underflow (entries below ``1e-19`` in
+    float32) can still weigh far above the clip.  The Gram matrix is formed from ``Psi_b`` divided by its largest
+    entry ``m_b`` (its bound times ``m_b``), Phi's norm from the per-layer norms ``||d|| ||h_b||``
+    (:func:`protocols.per_example.norms.row_norms`): each rounds to 0 only below the dtype's smallest normal number.
     """
     h, last = fwd.h, mats[-1]
-    alpha = h.sum(dim=1)
     n_out = last.shape[0]
-    nh = row_norms(h)
-    eye = torch.eye(n_out, dtype=h.dtype)
-    gram = (alpha * nh).square()[:, None, None] * eye  # last matrix: Psi_k's row k is alpha_b h_b
-    phi_sq = torch.zeros_like(nh)  # last matrix: Phi is zero
+    # Per block: Psi_b's rows (d ||h_b||) and Phi_b's norm; the last matrix's Psi_k has one row, alpha_b h_b, and no Phi.
+    last_psi = h.sum(dim=1) * row_norms(h)
+    psis, phis = [], []
     for j, d in _signals(mats, fwd).items():  # an uploaded block; its last row (constant unit) is trimmed
         nx = fwd.input_norms(j)
-        psi = d[:, 1 : n_out + 1, :-1] * nx[:, None, None]
-        gram = gram + psi @ psi.transpose(1, 2)
-        phi_sq = phi_sq + outer_norms_sq(d[:, n_out + 1, :-1], fwd.inputs[j], bias=False, a_norms=nx)
-    return _top_eigenvalue_bound(gram).sqrt(), phi_sq.sqrt()
+        psis.append(d[:, 1 : n_out + 1, :-1] * nx[:, None, None])
+        phis.append(row_norms(d[:, n_out + 1, :-1]) * nx)
+    top = torch.stack([last_psi.abs(), *(row_max(p) for p in psis)], dim=1).amax(1)
+    scale = torch.where(top > 0, top, 1.0)  # an inf or NaN entry keeps the Gram matrix non-finite
+    gram = (last_psi / scale).square()[:, None, None] * torch.eye(n_out, dtype=h.dtype)
+    for psi in psis:
+        unit = psi / scale[:, None, None]
+        gram = gram + unit @ unit.transpose(1, 2)
+    return _top_eigenvalue_bound(gram).sqrt() * scale, row_norms(torch.stack(phis, dim=1))
 
 
 def _top_eigenvalue_bound(gram: Tensor) -> Tensor:
@@ -277,6 +286,29 @@ def _top_eigenvalue_bound(gram: Tensor) -> Tensor:
     return torch.where(finite, top, torch.inf)
 
 
+def _multipliers(mats: Sequence[Tensor], fwd: _Forward, rho: float | None) -> Tensor:
+    """(B,) per example: the multipliers :func:`protocols.per_example.clip_factors` bounds (before the factor B).
+
+    The weighted sums multiply ``w_b x_b`` (``w_b = scale_b / B``) by the signals, and ``w_b err_b``, ``w_b alpha_b``
+    by ``h_b``: a factor's round-off on the dtype's subnormal grid comes out times the signal, a product's own
+    round-off on it as it is.  Given R the server multiplies Psi by ``r`` and Phi by ``v = ||r||^2`` (``rho`` and
+    ``rho^2`` at the clip's calibration), so Psi's multipliers count ``rho`` times (at least ``rho``) and Phi's
+    ``rho^2`` times (at least ``rho^2``): a float32 Phi term rounded up by one step of the grid (``1.4e-45``) moves
+    ``v Phi`` by up to ``1.4e-45 rho^2``, with rho near ``1e19`` more than a clip of ``1e-7``.  ``rho`` None:
+    the largest unscaled multiplier.
+    """
+    n_out = mats[-1].shape[0]
+    loss, psi = torch.maximum(row_max(fwd.h), row_max(fwd.err)), row_max(fwd.h)
+    phi = torch.zeros_like(loss)
+    for d in _signals(mats, fwd).values():
+        loss = torch.maximum(loss, row_max(d[:, 0]))
+        psi = torch.maximum(psi, row_max(d[:, 1 : n_out + 1]))
+        phi = torch.maximum(phi, row_max(d[:, n_out + 1]))
+    if rho is None:
+        return torch.maximum(loss, torch.maximum(psi, phi))
+    return torch.maximum(loss, torch.maximum(psi.clamp_min(1.0) * rho, phi.clamp_min(1.0) * (rho * rho)))
+
+
 def clipped_client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.ndarray, y: Tensor | np.ndarray,
                              clip: float, rho: float | None = None) -> tuple[ClientUpload, float]:
     """:func:`client_gradients` of the mean of per-example-clipped uploads; also the clipped fraction.
@@ -288,7 +320,8 @@ def clipped_client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | n
     server's secret R its recovered gradient divided by R (``g^_b - r^T Psi_b + v Phi_b``, Theorem 1) by at most
     ``kappa 2 clip / B`` (:func:`protocols.mpddp.calibration.secret_factor`); with ``rho = None`` the latter has
     no bound.  The norms and the sums share one forward pass.  An example whose ``N_b`` or loss is not finite adds
-    nothing (:func:`protocols.per_example.clip_factors`, its forward zeroed).
+    nothing (:func:`protocols.per_example.clip_factors`, its forward zeroed), and so does one whose weighted terms,
+    Psi's times ``rho`` and Phi's times ``rho^2``, would round on the dtype's subnormal grid (:func:`_multipliers`).
 
     Raises:
         ValueError: ``clip`` or ``rho`` not finite and positive, an empty batch, or a W-hat that is not finite in its
@@ -308,11 +341,8 @@ def clipped_client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | n
     if rho is not None:
         psi_n, phi_n = _side_norms(mats, fwd)
         norms = norms + rho * psi_n + rho * rho * phi_n
-    # The weighted sums multiply w_b x_b (w_b = scale_b / B) by the signals, the last layer's w_b err_b by h_b.
-    widest = torch.maximum(row_max(fwd.h), row_max(fwd.err))
-    for d in _signals(mats, fwd).values():
-        widest = torch.maximum(widest, row_max(d))
-    factors = clip_factors(norms, 0.5 * torch.linalg.vecdot(fwd.err, fwd.err), clip, widest * norms.shape[0])
+    factors = clip_factors(norms, 0.5 * torch.linalg.vecdot(fwd.err, fwd.err), clip,
+                           _multipliers(mats, fwd, rho) * norms.shape[0])
     if (keep := factors.keep) is not None:
         fwd = _Forward([kept_rows(keep, a) for a in fwd.inputs], [m & keep[:, None] for m in fwd.masks],
                        kept_rows(keep, fwd.h), kept_rows(keep, fwd.err))
