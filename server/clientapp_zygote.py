@@ -33,6 +33,8 @@ import time
 import traceback
 from pathlib import Path
 
+from server.executables import write_executable
+
 #: Libraries the zygote imports before forking (each optional); the project's modules are never preloaded.
 PRELOAD = ("numpy", "scipy.stats", "scipy.signal", "scipy.io", "torch", "torch.optim", "torch._dynamo", "torch.profiler",
            "sklearn", "sklearn.datasets", "sklearn.model_selection", "sklearn.preprocessing", "dp_accounting",
@@ -77,11 +79,7 @@ sys.exit(int(line) if line.strip() else 1)
 
 def write_shim(folder: Path, python: str = sys.executable) -> Path:
     """Write the ``flwr-clientapp`` shim into ``folder`` (put it first on ``PATH``); returns its path."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "flwr-clientapp"
-    path.write_text(f"#!{python} -S\n{SHIM}")
-    path.chmod(0o755)
-    return path
+    return write_executable(folder, "flwr-clientapp", f"#!{python} -S\n{SHIM}")
 
 
 def _preload() -> list[str]:

@@ -22,6 +22,8 @@ import time as _time
 from collections.abc import Callable
 from pathlib import Path
 
+from server.executables import write_executable
+
 #: Environment variable naming the wake socket's path (set by ``cancelfl-supernode`` for the SuperExec it starts).
 WAKE_ENV = "CANCELFL_SUPEREXEC_WAKE"
 #: The ``flower-superexec`` stand-in: Flower's, with :class:`WakeClock` in its loop.
@@ -84,11 +86,7 @@ def waker(path: Path) -> Callable[[], None]:
 
 def write_shim(folder: Path, python: str = sys.executable) -> Path:
     """Write ``folder/flower-superexec`` (:data:`SHIM`); returns its path."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "flower-superexec"
-    path.write_text(SHIM.format(python=python))
-    path.chmod(0o755)
-    return path
+    return write_executable(folder, "flower-superexec", SHIM.format(python=python))
 
 
 def main() -> None:

@@ -36,6 +36,7 @@ import time as _time
 from collections.abc import Callable
 from pathlib import Path
 
+from server.executables import write_executable
 from server.fab_pin import TRUSTED_APP_ENV, pin_own_app
 from server.flower_tuning import tune_supernode
 from server.superexec_wake import WAKE_ENV, waker
@@ -63,11 +64,7 @@ PINNED_CLIENTAPP = "#!{python}\nfrom server.fab_pin import main\nmain()\n"
 
 def pinned_clientapp(folder: Path, python: str = sys.executable) -> Path:
     """Write ``folder/flwr-clientapp-pinned``: Flower's ``flwr-clientapp`` with :mod:`server.fab_pin` applied."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "flwr-clientapp-pinned"
-    path.write_text(PINNED_CLIENTAPP.format(python=python))
-    path.chmod(0o755)
-    return path
+    return write_executable(folder, "flwr-clientapp-pinned", PINNED_CLIENTAPP.format(python=python))
 
 
 def start_clientapps(work: Path, *, warm: bool = True) -> subprocess.Popen | None:
