@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from server.intermediate.launcher import IntermediateServerCluster, local_interm
 from server.keys import make_identities, node_name
 from server.node_auth import SUPERLINK_FLAG, make_auth_keys, node_flag, register_supernodes
 from server.processes import Processes, free_port, wait_for_port, workspace
+from server.supernode import WORK_DIR_ENV, warm_count
 from strategies.run.checkpoint import IDENTITY_DIR, clear_outputs, ledger_dir, resolve_out_dir, run_outcome
 
 __all__ = ["SUPERNODE_IDLE_MB", "LocalCluster", "available_memory_mb", "check_capacity", "make_certificates",
@@ -183,6 +185,9 @@ class LocalCluster:
     def __enter__(self) -> LocalCluster:
         self.work = self._ws.__enter__()
         self.env = flower_env(self.work / "flwr-home", verbose=self.verbose)
+        self.nodes_dir = self.work / "supernodes"  # each SuperNode's work folder (server.supernode)
+        self.nodes_dir.mkdir()
+        self.env[WORK_DIR_ENV] = str(self.nodes_dir)
         self.procs = Processes(self.work, self.env)
         print(f"cancelfl: starting a SuperLink and {self.num_supernodes} SuperNodes (processes on 127.0.0.1, "
               f"{'TLS' if self.tls else 'plain HTTP: --tls for TLS'}) ...", flush=True)
@@ -225,6 +230,26 @@ class LocalCluster:
             self.__exit__(None, None, None)
             raise
         return self
+
+    def wait_warm(self, timeout: float = 300.0) -> float:
+        """Wait until every SuperNode's warm ClientApp has imported its libraries; returns the seconds waited.
+
+        Until then a message's ClientApp is a fresh interpreter (seconds of imports) and the preloads compete for
+        the CPU with the run.  Returns at once with ``CANCELFL_WARM_CLIENTAPP=0``.
+
+        Raises:
+            RuntimeError: a process of the cluster exited, or ``timeout`` seconds passed.
+        """
+        t0 = time.monotonic()
+        if self.env.get("CANCELFL_WARM_CLIENTAPP", "1") == "0":
+            return 0.0
+        while warm_count(self.nodes_dir) < self.num_supernodes:
+            self.procs.check_alive()
+            if time.monotonic() - t0 > timeout:
+                raise RuntimeError(f"{warm_count(self.nodes_dir)} of {self.num_supernodes} SuperNodes have a warm "
+                                   f"ClientApp after {timeout:.0f} s")
+            time.sleep(0.2)
+        return time.monotonic() - t0
 
     def submit(self, overrides: dict, *, timeout: float = 1800) -> int:
         """Run the app with run-config ``overrides``; returns 0 when ``summary.json`` was written."""

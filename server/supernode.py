@@ -20,6 +20,8 @@ A ``--node-config`` holding a near miss of a key cancelfl reads (``max-epsilon-p
 Every ClientApp process it starts runs only a FAB the node config's ``trusted-fab`` lists, when it sets one
 (:mod:`server.fab_pin`); ``CANCELFL_TRUSTED_APP=DIR`` pins the FAB of the app in ``DIR``.
 Set ``CANCELFL_WARM_CLIENTAPP=0`` to start a fresh ``flwr-clientapp`` per message as Flower does.
+``CANCELFL_SUPERNODE_DIR`` names the folder the node's work folder is made in (default: the system's temporary
+folder); its warm ClientApp serves ``zygote.sock`` there once it has imported its libraries (:func:`warm_count`).
 With ``CANCELFL_TRACE`` set (:mod:`protocols.trace`) the SuperNode appends a ``node_pull`` line per message it
 takes from the SuperLink and a ``node_push`` line per reply it sends.
 """
@@ -41,6 +43,11 @@ from server.fab_pin import TRUSTED_APP_ENV, pin_own_app
 from server.flower_tuning import tune_supernode
 from server.superexec_wake import WAKE_ENV, waker
 from server.superexec_wake import write_shim as write_superexec_shim
+
+#: Folder the node's work folder is made in (default: the system's temporary folder).
+WORK_DIR_ENV = "CANCELFL_SUPERNODE_DIR"
+#: The warm ClientApp's socket in the node's work folder; it exists once the preload is done.
+ZYGOTE_SOCKET = "zygote.sock"
 
 #: Seconds between the SuperNode's requests to the SuperLink (run-time: ``CANCELFL_POLL_INTERVAL``).
 DEFAULT_POLL_INTERVAL = 0.2
@@ -82,12 +89,17 @@ def start_clientapps(work: Path, *, warm: bool = True) -> subprocess.Popen | Non
     if not warm:
         pinned.rename(bin_dir / "flwr-clientapp")
         return None
-    sock = work / "zygote.sock"
+    sock = work / ZYGOTE_SOCKET
     zygote = subprocess.Popen([sys.executable, "-m", "server.clientapp_zygote", str(sock),
                                "--parent-pid", str(os.getpid())])
     write_shim(bin_dir)
     os.environ.update({"CANCELFL_ZYGOTE": str(sock), "CANCELFL_REAL_CLIENTAPP": str(pinned)})
     return zygote
+
+
+def warm_count(folder: Path) -> int:
+    """How many SuperNodes whose work folders are in ``folder`` (``CANCELFL_SUPERNODE_DIR``) serve a warm ClientApp."""
+    return sum(1 for _ in folder.glob(f"*/{ZYGOTE_SOCKET}"))
 
 
 def _waking(loop, wake: Callable[[], None]) -> None:
@@ -180,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"cancelfl-supernode: runs only the app {digest} ({TRUSTED_APP_ENV}={own})", flush=True)
     check_node_config_arg(args)
     interval = poll_interval()
-    work = Path(tempfile.mkdtemp(prefix="cancelfl-supernode-"))
+    work = Path(tempfile.mkdtemp(prefix="cancelfl-supernode-", dir=os.environ.get(WORK_DIR_ENV) or None))
     atexit.register(shutil.rmtree, work, ignore_errors=True)
     wake_path = work / "superexec.wake"
     os.environ[WAKE_ENV] = str(wake_path)

@@ -18,6 +18,7 @@ import pytest
 
 from protocols.identity import Roster
 from server.deploy import LocalCluster
+from server.supernode import warm_count
 from tests.conftest import read_metrics
 from tests.processes import pid_gone
 
@@ -123,6 +124,8 @@ def test_each_message_starts_when_the_supernode_wakes_its_superexec(tmp_path, mo
     monkeypatch.setenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "60")
     out = tmp_path / "woken"
     with LocalCluster(2) as cluster:
+        cluster.wait_warm()
+        assert warm_count(cluster.nodes_dir) == 2  # each node's warm ClientApp serves its socket
         code = cluster.submit({"method": "fedavg", "num-rounds": 3, "dataset": "digits", "out-dir": str(out)},
                               timeout=900)
     assert code == 0
