@@ -229,6 +229,34 @@ def _crafting(base: type, mats: list[np.ndarray]) -> type:
     return Crafting
 
 
+def _raw(method: str, clip: float) -> dict:
+    return {**app_defaults(), "method": method, "dataset": "digits", "hidden": "4", "num-clients": 3, "num-rounds": 1,
+            "clip": clip, "mask-corruption-rate": 0.0}
+
+
+def _nine_digits():
+    """``(rows, other, labels, dataset)``: three digits records of each class 0-2, and one of class 3."""
+    ds = dataset_for(RunConfig.from_mapping(_raw("mpcdp", 1.0)))
+    labels = np.asarray(ds.y_train)
+    pick = np.concatenate([np.flatnonzero(labels == k)[:3] for k in (0, 1, 2)])
+    return pick, int(np.flatnonzero(labels == 3)[0]), labels, ds
+
+
+def _real_replies(method: str, mats: list[np.ndarray], clip: float) -> list:
+    """Round 1 of the real ``method`` clients (digits, hidden 4, 3 nodes) given ``mats`` as W-hat: their replies."""
+    raw = _raw(method, clip)
+    cfg = RunConfig.from_mapping(raw)
+    ds = dataset_for(cfg)
+    grid = LocalGrid(client_app, cfg.num_clients, raw)
+    strategy = _crafting({"mpddp": MpddpStrategy, "mpcdp": MpcdpStrategy}[method], mats)(cfg)
+    model = build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed)
+    msgs = list(strategy.configure_train(1, to_record(get_weights(model), np.float64),
+                                         ConfigRecord(TrainIns(1).to_config()), grid))
+    assert all(np.array_equal(m, w) for m, w in zip(PerturbedModel.from_record(msgs[0].content["arrays"]).matrices,
+                                                    mats, strict=True))
+    return list(grid.send_and_receive(msgs))
+
+
 @pytest.mark.parametrize("method", ["mpcdp", "mpddp"])
 def test_the_real_clients_keep_both_bounds_on_a_crafted_w_hat(method: str, monkeypatch) -> None:
     """The mpcdp and mpddp clients (float32) on nine digits records, one of class 0 replaced by one of class 3.
@@ -240,30 +268,43 @@ def test_the_real_clients_keep_both_bounds_on_a_crafted_w_hat(method: str, monke
     size: the given-R recovery moved by 14.4 (mpcdp) and the side terms by 14.8 (mpddp) times ``2 clip / B``.
     """
     mats, rho, clip = _underflowing_side_terms(torch.float32, n_in=64, n_out=10, hidden=4)
-    raw = {**app_defaults(), "method": method, "dataset": "digits", "hidden": "4", "num-clients": 3, "num-rounds": 1,
-           "clip": clip, "mask-corruption-rate": 0.0}
-    cfg = RunConfig.from_mapping(raw)
-    ds = dataset_for(cfg)
-    labels = np.asarray(ds.y_train)
-    pick = np.concatenate([np.flatnonzero(labels == k)[:3] for k in (0, 1, 2)])
-    other = int(np.flatnonzero(labels == 3)[0])
     data: list = []
     _patch_data(monkeypatch, data)
+    pick, other, labels, ds = _nine_digits()
     uploads = []
     for rows in (pick, np.r_[other, pick[1:]]):
         data[:] = [(ds.x_train[rows], labels[rows], ds.num_classes, ds.input_shape)]
-        grid = LocalGrid(client_app, cfg.num_clients, raw)
-        strategy = _crafting({"mpddp": MpddpStrategy, "mpcdp": MpcdpStrategy}[method], mats)(cfg)
-        model = build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.hidden_sizes, cfg.seed)
-        msgs = list(strategy.configure_train(1, to_record(get_weights(model), np.float64),
-                                             ConfigRecord(TrainIns(1).to_config()), grid))
-        replies = list(grid.send_and_receive(msgs))
+        replies = _real_replies(method, mats, clip)
         assert replies and not any(r.has_error() for r in replies), [r.error.reason for r in replies if r.has_error()]
-        assert all(np.array_equal(m, w) for m, w in zip(PerturbedModel.from_record(msgs[0].content["arrays"]).matrices,
-                                                        mats, strict=True))
         uploads.append(upload_from_record(replies[0].content["arrays"], 2))
     up, given_r = _ratios((uploads[0], uploads[1]), rho, 2 * clip / len(pick), torch.Generator().manual_seed(0),
                           side_only=method == "mpddp")
     assert given_r <= 1.0 + 1e-4, given_r
     if method == "mpcdp":
         assert up <= 1.0 + 1e-4, up
+
+
+def test_a_mask_reference_float32_cannot_carry_computes_in_float64_and_one_float64_cannot_is_refused(monkeypatch) -> None:
+    """The real mpcdp client (float32 side information) on a W-hat whose last matrix makes ``rho^2`` exceed float32's limit.
+
+    Every record's Phi multiplier is at least ``rho^2`` (:func:`protocols.mpddp.gradients._multipliers`): in float32
+    each one was dropped and the upload was a silent zero (measured: every gradient entry 0, clipped fraction 1).
+    The client computes such a round in float64 and uploads the clipped gradient; a ``rho`` float64 cannot carry
+    either is refused, with a reason that names it.
+    """
+    mats, rho, clip = _underflowing_side_terms(torch.float32, n_in=64, n_out=10, hidden=4)
+    data: list = []
+    _patch_data(monkeypatch, data)
+    pick, _other, labels, ds = _nine_digits()
+    data[:] = [(ds.x_train[pick], labels[pick], ds.num_classes, ds.input_shape)]
+    wide = [*mats[:-1], mats[-1] * 1e3]
+    assert mask_reference(wide[-1]) ** 2 > clip / (4 * float(torch.finfo(torch.float32).tiny))
+    replies = _real_replies("mpcdp", wide, clip)
+    assert replies and not any(r.has_error() for r in replies), [r.error.reason for r in replies if r.has_error()]
+    for r in replies:
+        up = upload_from_record(r.content["arrays"], 2)
+        assert float(_flat(up.grads).abs().max()) > 0
+        assert r.content["metrics"]["clipped_fraction"] == 1.0
+    huge = [*mats[:-1], mats[-1] * 1e150]
+    replies = _real_replies("mpcdp", huge, clip)
+    assert replies and all(r.has_error() and "mask reference" in r.error.reason for r in replies)

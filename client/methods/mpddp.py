@@ -41,6 +41,7 @@ from protocols.mpddp import (
     ddp_client,
     delta_variance,
     eta_variance,
+    keeps_records,
     mask_reference,
     mp_record_sensitivity,
     n_out_shortfall,
@@ -76,15 +77,20 @@ def _train(msg: Message, env: ClientEnv) -> Message:
     # computed in float32 (half the time; the recovery error stays far below any DP noise) and the gradient is
     # widened to float64 before the pair noise is added, so the Delta's still cancel exactly.  With float64 side
     # information everything stays float64 (exact recovery).
-    # A clip the side dtype does not resolve (a record's squared gradient norm rounding to 0) computes in float64.
+    # A clip the side dtype does not resolve (a record's squared gradient norm rounding to 0) computes in float64,
+    # and so does a W-hat whose mask reference the side dtype cannot carry (every record would be dropped).
     resolving = full_batch_dtype(env.cfg.clip, str(np.dtype(env.cfg.mpddp_side_dtype)))
-    dtype = torch.float32 if resolving == "float32" else torch.float64
     received = PerturbedModel.from_record(msg.content["arrays"]).matrices
+    # rho from W-hat as received (float64), as the server computes it: the clip bounds a record given R too.
+    rho = mask_reference(received[-1])
+    dtype = torch.float32 if resolving == "float32" and keeps_records(rho, env.cfg.clip, torch.float32) else torch.float64
+    if not keeps_records(rho, env.cfg.clip, torch.float64):
+        raise ViewError(f"the perturbed model's mask reference rho = {rho:.3g} is too large for a clip of "
+                        f"{env.cfg.clip:g} even in float64: every record would be dropped from the upload")
     w_hat = [torch.from_numpy(m).to(dtype) for m in received]
     x = torch.from_numpy(np.asarray(env.x).reshape(len(env.x), -1)).to(dtype)
     y = one_hot(torch.from_numpy(np.asarray(env.y)), env.num_classes, dtype)
-    # rho from W-hat as received (float64), as the server computes it: the clip bounds a record given R too.
-    up, clipped = clipped_client_gradients(w_hat, x, y, env.cfg.clip, rho=mask_reference(received[-1]))
+    up, clipped = clipped_client_gradients(w_hat, x, y, env.cfg.clip, rho=rho)
     if dtype != torch.float64:
         up = up.with_grads([g.double() for g in up.grads])
     metrics: dict[str, float] = {"clipped_fraction": clipped}

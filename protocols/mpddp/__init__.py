@@ -58,6 +58,7 @@ from protocols.mpddp.gradients import (
     client_gradients,
     client_gradients_autograd,
     clipped_client_gradients,
+    keeps_records,
     per_example_grad_norms,
 )
 from protocols.mpddp.perturbation import MPSecret, draw_secret, mp_server, output_scale, perturb, relative_distance
@@ -90,6 +91,7 @@ __all__ = [
     "client_gradients",
     "client_gradients_autograd",
     "clipped_client_gradients",
+    "keeps_records",
     "ddp_client",
     "eta_noise",
     "delta_variance",

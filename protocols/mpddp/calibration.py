@@ -327,7 +327,9 @@ def mask_reference(w_hat_last: object) -> float:
     m = np.asarray(w_hat_last, dtype=np.float64)
     if m.ndim != 2 or m.size == 0:
         raise ValueError(f"expected the last perturbed matrix (2-D), got shape {m.shape}")
-    return max(math.sqrt(MASK_SHARE) * float(np.linalg.norm(m)) / math.sqrt(m.shape[1]), 1e-12)
+    top = float(np.abs(m).max())  # the norm scaled by the largest entry: no square over- or underflows
+    norm = top * float(np.linalg.norm(m / top)) if 0 < top < math.inf else top
+    return max(math.sqrt(MASK_SHARE) * norm / math.sqrt(m.shape[1]), 1e-12)
 
 
 def secret_factor(r_norm: float, rho: float) -> float:

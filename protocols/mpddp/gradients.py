@@ -16,6 +16,7 @@ Eq. 22.  Use float64: recovery cancels terms of size ``|r| * alpha``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -25,9 +26,10 @@ from torch import Tensor
 
 from protocols.mpddp.expansion import augment_input, forward_expanded
 from protocols.per_example import clip_factors, kept_rows
+from protocols.per_example.interface import FACTOR_MARGIN
 from protocols.per_example.norms import outer_norms_sq, row_max, row_norms
 
-__all__ = ["ClientUpload", "client_gradients", "client_gradients_autograd", "clipped_client_gradients",
+__all__ = ["ClientUpload", "client_gradients", "client_gradients_autograd", "clipped_client_gradients", "keeps_records",
            "per_example_grad_norms"]
 
 
@@ -307,6 +309,18 @@ def _multipliers(mats: Sequence[Tensor], fwd: _Forward, rho: float | None) -> Te
     if rho is None:
         return torch.maximum(loss, torch.maximum(psi, phi))
     return torch.maximum(loss, torch.maximum(psi.clamp_min(1.0) * rho, phi.clamp_min(1.0) * (rho * rho)))
+
+
+def keeps_records(rho: float, clip: float, dtype: torch.dtype) -> bool:
+    """Whether a record can enter a ``dtype`` upload clipped at ``clip`` given the mask reference ``rho``.
+
+    Every record's Psi multiplier is at least ``rho`` and its Phi multiplier at least ``rho^2`` (:func:`_multipliers`);
+    above :func:`protocols.per_example.clip_factors`' subnormal-grid limit every record is dropped and the upload is a
+    zero.  Public: ``rho`` comes from W-hat (:func:`protocols.mpddp.calibration.mask_reference`), ``clip`` from the
+    run config.
+    """
+    limit = clip / (FACTOR_MARGIN * torch.finfo(dtype).tiny)
+    return max(rho, rho * rho) <= limit and math.isfinite(rho * rho)
 
 
 def clipped_client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.ndarray, y: Tensor | np.ndarray,
