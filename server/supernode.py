@@ -105,10 +105,11 @@ def warm_count(folder: Path) -> int:
 def _waking(loop, wake: Callable[[], None]) -> None:
     """Wrap the SuperNode loop's pull step so that every task it creates wakes the SuperExec (``wake``)."""
     pull_and_store = loop._pull_and_store_message
+    wrapped: list = []  # the node states whose create_task wakes already (kept: no id is reused)
 
     def pull_and_store_message(**kw):
         state = kw["state"]
-        if not getattr(state, "_cancelfl_wakes", False):
+        if not any(state is seen for seen in wrapped):
             create_task = state.create_task
 
             def create_and_wake(*args, **kwargs):
@@ -116,7 +117,8 @@ def _waking(loop, wake: Callable[[], None]) -> None:
                 if task_id is not None:
                     wake()
                 return task_id
-            state.create_task, state._cancelfl_wakes = create_and_wake, True
+            state.create_task = create_and_wake
+            wrapped.append(state)
         return pull_and_store(**kw)
 
     loop._pull_and_store_message = pull_and_store_message
