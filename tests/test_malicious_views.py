@@ -50,6 +50,7 @@ from strategies.key_phase import probe_residual
 from strategies.mpddp import MpddpStrategy
 from strategies.nadp import NadpStrategy
 from strategies.niss import NissStrategy
+from strategies.validation import RoundFailed
 from tests.consistency_setup import recover, sign, signed
 
 
@@ -143,6 +144,35 @@ def test_niss_share_request_for_a_trained_round_is_refused_and_its_view_kept():
         rep = recover(grid, j, others, [k], forwarded=forwarded, signatures=sigs)
         # too few signed "k dropped": k's pair material stays secret (named kept, nothing of it revealed)
         assert not rep.refused and rep.kept == (k,) and rep.by_peer()[k] == b"", rep
+
+
+def test_niss_share_request_whose_scale_overflows_the_noise_variance_is_refused_before_any_share():
+    """A ``niss-noise-scale`` far above the floor (1.4e160): each client's noise std would square to infinity.
+
+    Every client refuses the share request with a reason naming the key, sends no share and charges nothing (the
+    round fails for lack of clients).  Without the check the shares were made and sent, and each client's train
+    failed later.
+    """
+    n = 5
+    raw = {**app_defaults(), "method": "niss", "num-clients": n, "dataset": "digits"}
+    cfg = RunConfig.from_mapping(raw)
+    grid, strategy = _Recording(client_app, n, raw), NissStrategy(cfg)
+    strategy.noise_scale = 1e160
+    replies: list = []
+    send = grid.send_and_receive
+
+    def keeping(messages, *, timeout=None):
+        out = list(send(messages, timeout=timeout))
+        replies.extend(out)
+        return out
+
+    grid.send_and_receive = keeping
+    with pytest.raises(RoundFailed, match="share exchange"):
+        list(strategy.configure_train(1, _initial(cfg), ConfigRecord({"round": 1}), grid))
+    shares = [r for r in replies if r.metadata.message_type == "query.shares"]
+    assert len(shares) == n
+    assert all(r.has_error() and "niss-noise-scale" in r.error.reason for r in shares)
+    assert all(_ledger_rounds(grid, node) == [] for node in grid.node_ids)
 
 
 def test_niss_leaving_honest_neighbours_out_does_not_shrink_the_coalition_a_client_is_protected_against():

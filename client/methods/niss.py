@@ -280,6 +280,8 @@ def answer_shares(rec: ConfigRecord, env: ClientEnv) -> ShareReply:
     # The client's own calibration (run config, its dataset size, the neighbour count): never the server's figures.
     plan = client_plan(env.cfg, own_weight, len(env.y), len(nbrs), req.noise_scale, releases)
     sigma = plan.sigma_k
+    if not math.isfinite(sigma * sigma):  # the accounting and the shares' variances square it
+        raise ViewError(f"niss-noise-scale {req.noise_scale!r} gives this node a noise std whose square overflows")
     keys, mask_keys = seeds_for[RELAY_PURPOSE], seeds_for.get(SHARE_PURPOSE, {})
     bundles = niss_math.make_outgoing_bundles(me, plan, nbrs,
                                               {n: share_seed(env, rnd, req.noise_scale, n, keys[n]) for n in nbrs})
