@@ -56,6 +56,8 @@ def quotes(path: Path) -> tuple[list[Quote], list[str]]:
     found: list[Quote] = []
     problems: list[str] = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.count("<!-- fig ") > len(_MARKER.findall(line)):
+            problems.append(f"{path.name}:{number}: a figure marker is not '<!-- fig RECORD ROW COLUMN -->'")
         for m in _MARKER.finditer(line):
             if line[:m.start()].count("`") % 2:  # quoted in code, not a marker
                 continue

@@ -164,7 +164,7 @@ def test_every_figure_quoted_in_the_docs_matches_its_record(tmp_path):
     """Prose figures carry a marker naming their recorded table cell, and equal it to the decimals shown.
 
     A re-recorded table whose prose was not updated fails here; so do a ratio typed without a marker, a marker that
-    follows no number, and a marker naming a row the table lacks.
+    follows no number, a marker naming a row the table lacks, and a comment the checker cannot read as a marker.
     """
     import figures
 
@@ -203,3 +203,5 @@ def test_every_figure_quoted_in_the_docs_matches_its_record(tmp_path):
     assert any("follows no number" in p for p in problems), problems
     assert any("0 rows of roundtime.csv match 'ldp'" in p for p in problems), problems
     assert len(problems) == 5, problems
+    page.write_text("1.2 s<!-- fig rt/trace.rounds fedavg phase cpu_s --> is no marker the checker reads.\n")
+    assert any("is not '<!-- fig RECORD ROW COLUMN -->'" in p for p in figures.check_documents([page], tmp_path))
