@@ -17,7 +17,9 @@ topology as ``docker/docker-compose.yml``, without containers.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -158,6 +160,11 @@ def _ddpsa_keys(cfg: RunConfig) -> dict[str, str]:
     return {"ddpsa-servers": cfg.ddpsa_servers, "ddpsa-ca": cfg.ddpsa_ca, "ddpsa-server-key": cfg.ddpsa_server_key}
 
 
+#: Longest folder the SuperNodes' work folders are made in: their socket paths (``cancelfl-supernode-XXXXXXXX/
+#: superexec.wake``, 44 bytes more) must fit a Unix socket address (107 bytes).
+NODES_DIR_MAX = 60
+
+
 class LocalCluster:
     """A SuperLink, N SuperNodes and (optionally) DDP-SA intermediate servers as OS processes on loopback.
 
@@ -181,12 +188,17 @@ class LocalCluster:
         self.intermediate: list[str] = []
         self._servers: IntermediateServerCluster | None = None
         self.pids: list[int] = []
+        self._cleanup: list[Path] = []
 
     def __enter__(self) -> LocalCluster:
         self.work = self._ws.__enter__()
         self.env = flower_env(self.work / "flwr-home", verbose=self.verbose)
-        self.nodes_dir = self.work / "supernodes"  # each SuperNode's work folder (server.supernode)
-        self.nodes_dir.mkdir()
+        # Each SuperNode's work folder (server.supernode) holds its Unix sockets, whose paths fit in 107 bytes.
+        self.nodes_dir = self.work / "supernodes"
+        if len(str(self.nodes_dir)) > NODES_DIR_MAX:
+            self.nodes_dir = Path(tempfile.mkdtemp(prefix="cancelfl-nodes-"))
+            self._cleanup.append(self.nodes_dir)
+        self.nodes_dir.mkdir(exist_ok=True)
         self.env[WORK_DIR_ENV] = str(self.nodes_dir)
         self.procs = Processes(self.work, self.env)
         print(f"cancelfl: starting a SuperLink and {self.num_supernodes} SuperNodes (processes on 127.0.0.1, "
@@ -273,6 +285,8 @@ class LocalCluster:
         self.procs.close()
         if self._servers:
             self._servers.stop()
+        for folder in self._cleanup:
+            shutil.rmtree(folder, ignore_errors=True)
         self._ws.__exit__(*exc)
 
 
