@@ -60,12 +60,14 @@ def _one_thread(one_thread):
 
 
 class _Recording(LocalGrid):
-    """LocalGrid that keeps every message it delivered."""
+    """LocalGrid that keeps every message it delivered (``sent``) and every reply (``received``)."""
 
     def send_and_receive(self, messages, *, timeout=None):
         messages = list(messages)
         self.sent = [*getattr(self, "sent", []), *messages]
-        return super().send_and_receive(messages, timeout=timeout)
+        replies = list(super().send_and_receive(messages, timeout=timeout))
+        self.received = [*getattr(self, "received", []), *replies]
+        return replies
 
 
 def _initial(cfg: RunConfig):
@@ -158,18 +160,9 @@ def test_niss_share_request_whose_scale_overflows_the_noise_variance_is_refused_
     cfg = RunConfig.from_mapping(raw)
     grid, strategy = _Recording(client_app, n, raw), NissStrategy(cfg)
     strategy.noise_scale = 1e160
-    replies: list = []
-    send = grid.send_and_receive
-
-    def keeping(messages, *, timeout=None):
-        out = list(send(messages, timeout=timeout))
-        replies.extend(out)
-        return out
-
-    grid.send_and_receive = keeping
     with pytest.raises(RoundFailed, match="share exchange"):
         list(strategy.configure_train(1, _initial(cfg), ConfigRecord({"round": 1}), grid))
-    shares = [r for r in replies if r.metadata.message_type == "query.shares"]
+    shares = [r for r in grid.received if r.metadata.message_type == "query.shares"]
     assert len(shares) == n
     assert all(r.has_error() and "niss-noise-scale" in r.error.reason for r in shares)
     assert all(_ledger_rounds(grid, node) == [] for node in grid.node_ids)
