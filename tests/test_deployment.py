@@ -17,7 +17,7 @@ import json
 import pytest
 
 from protocols.identity import Roster
-from server.deploy import LocalCluster
+from server.deploy import NODES_DIR_MAX, LocalCluster
 from server.supernode import warm_count
 from tests.conftest import read_metrics
 from tests.processes import pid_gone
@@ -132,3 +132,18 @@ def test_each_message_starts_when_the_supernode_wakes_its_superexec(tmp_path, mo
     rows = read_metrics(out)
     assert len(rows) == 3 and not any(r["failed"] for r in rows)
     assert max(r["round_time_s"] for r in rows[1:]) < 30, [r["round_time_s"] for r in rows]
+
+
+def test_a_long_work_folder_keeps_the_supernodes_socket_paths_short(tmp_path):
+    """A ``keep_workdir`` of ~100 bytes: the SuperNodes' work folders (Unix sockets, at most 107 bytes) go elsewhere.
+
+    Under the long folder the warm ClientApp's and the SuperExec's sockets could not be bound.  The nodes' folder
+    is removed on exit.
+    """
+    keep = tmp_path / ("w" * 100)
+    with LocalCluster(1, keep_workdir=str(keep)) as cluster:
+        assert not cluster.nodes_dir.is_relative_to(keep)
+        assert len(str(cluster.nodes_dir)) <= NODES_DIR_MAX
+        cluster.wait_warm(timeout=180)
+        assert warm_count(cluster.nodes_dir) == 1
+    assert not cluster.nodes_dir.exists()
