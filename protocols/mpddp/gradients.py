@@ -16,7 +16,6 @@ Eq. 22.  Use float64: recovery cancels terms of size ``|r| * alpha``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -26,7 +25,7 @@ from torch import Tensor
 
 from protocols.mpddp.expansion import augment_input, forward_expanded
 from protocols.per_example import clip_factors, kept_rows
-from protocols.per_example.interface import FACTOR_MARGIN
+from protocols.per_example.interface import multiplier_limit
 from protocols.per_example.norms import outer_norms_sq, row_max, row_norms
 
 __all__ = ["ClientUpload", "client_gradients", "client_gradients_autograd", "clipped_client_gradients", "keeps_records",
@@ -319,8 +318,7 @@ def keeps_records(rho: float, clip: float, dtype: torch.dtype) -> bool:
     zero.  Public: ``rho`` comes from W-hat (:func:`protocols.mpddp.calibration.mask_reference`), ``clip`` from the
     run config.
     """
-    limit = clip / (FACTOR_MARGIN * torch.finfo(dtype).tiny)
-    return max(rho, rho * rho) <= limit and math.isfinite(rho * rho)
+    return max(rho, rho * rho) <= multiplier_limit(clip, dtype)  # False for an infinite or NaN rho^2
 
 
 def clipped_client_gradients(w_hat: Sequence[Tensor | np.ndarray], x: Tensor | np.ndarray, y: Tensor | np.ndarray,

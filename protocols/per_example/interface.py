@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["FACTOR_MARGIN", "ClipFactors", "ClippedSum", "Descent", "Norm", "PerExampleLoss", "clip_factors",
-           "cross_entropy", "kept_rows"]
+           "cross_entropy", "kept_rows", "multiplier_limit"]
 
 Norm = Literal["l2", "l1"]
 #: ``loss(outputs, targets)`` -> one loss per example, shape ``(B,)``.
@@ -48,6 +48,11 @@ class ClipFactors(NamedTuple):
     clipped: Tensor
 
 
+def multiplier_limit(clip: float, dtype: torch.dtype) -> float:
+    """``C / (FACTOR_MARGIN tiny)``: the largest norm or multiplier :func:`clip_factors` keeps an example at in ``dtype``."""
+    return clip / (FACTOR_MARGIN * torch.finfo(dtype).tiny)
+
+
 def clip_factors(norms: Tensor, losses: Tensor, clip: float, multipliers: Tensor | None = None) -> ClipFactors:
     """The clipping rule of every engine: example i enters the sum as ``scale_i g_i``, ``scale_i = min(1, C / ||g_i||)``.
 
@@ -70,7 +75,7 @@ def clip_factors(norms: Tensor, losses: Tensor, clip: float, multipliers: Tensor
     On the CPU a batch whose norms and losses sum to a finite number and within those bounds (every example kept)
     takes the plain rule (``keep`` None); elsewhere each example is checked (no host synchronisation off the CPU).
     """
-    limit = clip / (FACTOR_MARGIN * torch.finfo(norms.dtype).tiny)
+    limit = multiplier_limit(clip, norms.dtype)
     widest = norms if multipliers is None else torch.maximum(norms, multipliers)
     if norms.device.type == "cpu" and math.isfinite(float(norms.sum() + losses.sum())) and float(widest.max()) <= limit:
         return ClipFactors(None, (clip / norms).clamp_(max=1.0), losses, (norms > clip).sum())
