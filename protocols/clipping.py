@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -26,15 +28,30 @@ def clip_l2(vector: np.ndarray, bound: float) -> tuple[np.ndarray, float]:
     if not bound > 0:
         raise ValueError(f"clip bound must be > 0, got {bound}")
     vector = np.array(vector, dtype=np.float64)  # a copy: the caller's array is never returned
-    with np.errstate(over="ignore", invalid="ignore"):
-        top = float(np.max(np.abs(vector))) if vector.size else 0.0
-        if not np.isfinite(top):
+    top, relative = norm_factors(vector)
+    if not np.isfinite(top):
+        with np.errstate(over="ignore", invalid="ignore"):
             return np.zeros_like(vector), float(np.linalg.norm(vector))
-        if top == 0.0:
-            return vector, 0.0
-        unit = vector / top  # entries in [-1, 1], the largest exactly 1
-        relative = float(np.linalg.norm(unit))  # in [1, sqrt(size)]
-        norm = top * relative
+    if top == 0.0:
+        return vector, 0.0
+    norm = top * relative
     if norm <= bound:
         return vector, norm
-    return unit * (float(bound) / relative), norm
+    return vector / top * (float(bound) / relative), norm
+
+
+def norm_factors(array: np.ndarray) -> tuple[float, float]:
+    """The L2 (Frobenius) norm of ``array`` as two factors ``(m, ||array / m||)``, ``m`` the largest ``|entry|``.
+
+    Their product is the norm, and no square over- or underflows on the way (``sqrt(sum of squares)`` is 0 for
+    entries below ``~1e-162`` and ``inf`` above ``~1e154``).  Returns ``(0.0, 0.0)`` for an empty or all-zero array
+    and ``(m, nan)`` when ``m`` is not finite (an ``inf`` or NaN entry).
+    """
+    values = np.asarray(array, dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        top = float(np.max(np.abs(values))) if values.size else 0.0
+        if top == 0.0:
+            return 0.0, 0.0
+        if not np.isfinite(top):
+            return top, math.nan
+        return top, float(np.linalg.norm(values / top))  # entries in [-1, 1]: the factor is in [1, sqrt(size)]

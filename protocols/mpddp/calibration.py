@@ -324,11 +324,13 @@ def mask_reference(w_hat_last: object) -> float:
     """
     import numpy as np
 
+    from protocols.clipping import norm_factors
+
     m = np.asarray(w_hat_last, dtype=np.float64)
     if m.ndim != 2 or m.size == 0:
         raise ValueError(f"expected the last perturbed matrix (2-D), got shape {m.shape}")
-    top = float(np.abs(m).max())  # the norm scaled by the largest entry: no square over- or underflows
-    norm = top * float(np.linalg.norm(m / top)) if 0 < top < math.inf else top
+    top, relative = norm_factors(m)
+    norm = top * relative if 0 < top < math.inf else top
     return max(math.sqrt(MASK_SHARE) * norm / math.sqrt(m.shape[1]), 1e-12)
 
 
