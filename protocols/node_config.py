@@ -52,11 +52,15 @@ NEAR_MISS_CUTOFF = 0.85
 class NodeConfigError(ValueError):
     """A node-config key that is a near miss of a key cancelfl reads: the node would run without the intended one.
 
-    ``intended`` None: the key is a run-config key a node cannot set (the server's run config sets it).
+    ``intended`` None: the key is a run-config key a node cannot set (the server's run config sets it);
+    ``reason``: another refusal of ``key``, in these words.
     """
 
-    def __init__(self, key: str, intended: str | None) -> None:
+    def __init__(self, key: str, intended: str | None, reason: str | None = None) -> None:
         self.key, self.intended = key, intended
+        if reason is not None:
+            super().__init__(f"node config '{key}': {reason}")
+            return
         if intended is None:
             super().__init__(f"node config '{key}' is a run-config key, which the server's run config sets: in a "
                              "node config it would be ignored. A node bounds what a run may ask with "
@@ -111,10 +115,13 @@ def intended_key(key: str, known: Iterable[str]) -> str | None:
 def check_node_config(node_config: Mapping[str, object]) -> None:
     """Refuse a near miss of a key cancelfl reads, or a run-config key a node cannot set; other unknown keys pass.
 
-    ``epsilon = 1`` in a node config does not bound a run (``max-epsilon-per-run`` does): it is refused.
+    ``epsilon = 1`` in a node config does not bound a run (``max-epsilon-per-run`` does): it is refused.  So is
+    ``ddpsa-servers`` without ``ddpsa-ca`` or the reverse: the node would check its pinned servers against the run
+    config's CA, the parameter server's choice, or trust the run config's servers.
 
     Raises:
-        NodeConfigError: naming the first such key (in sorted order) and the key it likely means.
+        NodeConfigError: naming the first such key (in sorted order) and the key it likely means, or the half of
+            the DDP-SA pin that is set.
     """
     known, run_keys = known_keys(), run_config_keys()
     for key in sorted(map(str, node_config)):
@@ -123,6 +130,12 @@ def check_node_config(node_config: Mapping[str, object]) -> None:
         intended = intended_key(key, known)
         if intended is not None:
             raise NodeConfigError(key, intended)
+    pinned = [key for key in (DDPSA_SERVERS, DDPSA_CA) if str(node_config.get(key, "")).strip()]
+    if len(pinned) == 1:
+        other = DDPSA_CA if pinned[0] == DDPSA_SERVERS else DDPSA_SERVERS
+        raise NodeConfigError(pinned[0], None, f"set '{other}' with it: the intermediate servers a node pins are "
+                              "checked against the CA it pins, never against the run config's (the parameter "
+                              "server's choice)")
 
 
 def trusted_fabs(node_config: Mapping[str, object]) -> frozenset[str] | None:

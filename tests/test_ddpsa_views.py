@@ -195,6 +195,40 @@ def test_a_node_asking_for_a_guarantee_pushes_split_noise_only_to_servers_of_its
             strategy.close()
 
 
+@pytest.mark.parametrize("pinned", ["ddpsa-servers", "ddpsa-ca"])
+def test_half_a_pin_of_the_intermediate_servers_is_refused_before_any_work(noise_seen, pinned) -> None:  # noqa: F811
+    """Half a pin of the intermediate servers is refused, naming the half set; nothing is computed or pushed.
+
+    Servers pinned without their CA would be checked against the run config's CA, the parameter server's choice
+    (with the route to the pinned addresses it serves them itself); a CA without servers trusts the run config's.
+    Every node refuses its first message, and the train message of a server that skips asking for the nodes' names.
+    """
+    from flwr.app import Message, RecordDict
+
+    from protocols.wire.ddpsa import RosterName
+    from protocols.wire.intermediate import IntermediateServerClient
+
+    def ask_names() -> list[Message]:
+        return list(grid.send_and_receive([Message(RecordDict(), n, "query.ddpsa_identity") for n in grid.node_ids]))
+
+    with _served(num_clients=4, num_rounds=2, **LINEAR) as (cfg, grid, cluster):
+        strategy = DdpsaStrategy(cfg)
+        strategy.names = {r.metadata.src_node_id: RosterName.from_content(r.content).name for r in ask_names()}
+        for ctx in grid.contexts.values():
+            ctx.node_config.pop("ddpsa-servers", None), ctx.node_config.pop("ddpsa-ca", None)
+            ctx.node_config[pinned] = cfg.ddpsa_servers if pinned == "ddpsa-servers" else cfg.ddpsa_ca
+        try:
+            for replies in (ask_names(), _train(strategy, cfg, grid)):
+                assert len(replies) == 4 and noise_seen == []
+                for r in replies:
+                    assert r.has_error() and f"node config '{pinned}'" in r.error.reason, r.content.keys()
+            for a in cluster.addresses:
+                with IntermediateServerClient(a, cluster.servers.ca) as c:
+                    assert c.status(strategy.signer).stored_bytes == 0
+        finally:
+            strategy.close()
+
+
 class _CoarseGrid(DdpsaStrategy):
     """Asks the clients to encode their noisy sums on the integer grid (``ddpsa-frac-bits = 0``)."""
 
