@@ -155,18 +155,22 @@ def admit(msg: Message, env: ClientEnv) -> None:
                     "this node's privacy ledger is spent (node config 'lifetime-epsilon')")
 
 
-def check_new_round(env: ClientEnv, rnd: int) -> None:
+def check_new_round(env: ClientEnv, rnd: int, training: int | None = None) -> None:
     """Refuse work for round ``rnd`` (e.g. a share phase) unless it is a round this node may still train in.
 
     Rounds only move forward: a round at or before the last one this node trained in (its upload is out, its
     view and secrets are fixed) is refused, so a server cannot show the node another view of a round whose
-    recovery it may still ask for.  Raises :class:`FloorViolation`.
+    recovery it may still ask for.  ``training``: the round whose train message asks (its upload not yet in the
+    ledger), which counts as trained in.  Raises :class:`FloorViolation`.
     """
     with _ledger(env, write=False) as led:
         used = led.rounds(env.context.run_id)
     check_round(rnd, env.cfg, used)
-    if used and rnd <= max(used):
-        raise FloorViolation("round", rnd, f"> {max(used)}", "this node already trained in a later round")
+    last = max([*used, *([] if training is None else [training])], default=None)
+    if last is not None and rnd <= last:
+        raise FloorViolation("round", rnd, f"> {last}", "this node already trained in a later round"
+                             if last != training else f"this node is training in round {training}: its view of "
+                             "that round is the one the round's recovery counts on")
 
 
 def release(msg: Message, env: ClientEnv, uplink: Event | None = None, downlink: Event | None = None,

@@ -277,10 +277,10 @@ def test_an_ahead_answer_that_fails_leaves_the_round_uncharged(monkeypatch):
     victim = grid.node_ids[2]
     honest = niss_client.answer_shares
 
-    def failing(rec, env):
+    def failing(rec, env, **kwargs):
         if env.node_id == victim and rec["round"] == 2:
             raise TypeError("an unforeseen failure on the ahead record")
-        return honest(rec, env)
+        return honest(rec, env, **kwargs)
 
     monkeypatch.setattr(niss_client, "answer_shares", failing)
     _msgs, replies = niss_round(grid, strategy, 1, arrays)

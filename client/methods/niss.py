@@ -238,18 +238,18 @@ def handle_shares(msg: Message, env: ClientEnv) -> Message:
     return Message(RecordDict({"config": ConfigRecord(shares.to_config())}), reply_to=msg)
 
 
-def answer_shares(rec: ConfigRecord, env: ClientEnv) -> ShareReply:
+def answer_shares(rec: ConfigRecord, env: ClientEnv, *, training: int | None = None) -> ShareReply:
     """The sealed payloads for the :class:`ShareRequest` in ``rec``, after every check of its view (module doc).
 
     The round's secrets go to ``Context.state`` (replacing what is there) together with the checked view they were
     made for (:func:`client.pairwise_phase.remember_view`, which the round's recovery counts on), after every
     check: a refused request leaves both as they were.  Asked again for the same round, view and scale, before
     training in it, the client seals the same shares again (:func:`share_seed`), whatever was asked in between:
-    whichever payloads the server relays, they cancel.
+    whichever payloads the server relays, they cancel.  ``training``: the round whose train message carries it.
     """
     req = ShareRequest.from_config(rec)
     rnd, weight, me = req.round, req.weight, env.node_id
-    check_new_round(env, rnd)  # never a round already trained in: its view must stay the one recovery counts on
+    check_new_round(env, rnd, training)  # never a round trained in (or training now): its view stays recovery's
     nbrs = list(req.peers.peer_ids)
     if not nbrs or me in nbrs:
         raise ViewError(f"invalid neighbour list from the tracker: {nbrs}")
@@ -314,7 +314,8 @@ def _answer_ahead(msg: Message, env: ClientEnv) -> ConfigRecord | None:
     if AHEAD_RECORD not in msg.content:
         return None
     try:
-        return ConfigRecord(answer_shares(msg.content[AHEAD_RECORD], env).to_config())
+        training = TrainIns.from_config(msg.content["config"]).round  # an ahead request is for a later round only
+        return ConfigRecord(answer_shares(msg.content[AHEAD_RECORD], env, training=training).to_config())
     except (ValueError, RuntimeError, KeyError) as err:  # a refusal (FloorViolation, IdentityError), no state
         log(WARNING, "node %s: next round's NISS share request not answered here (%s)", env.node_id, err)
         return None
