@@ -4,9 +4,10 @@
 with the node's Ed25519 roster identity after the checks of a recovery request
 (:func:`client.recovery.check_request`: its own upload received, the round it uploaded in, every neighbour
 received or dropped, no node both, nothing contradicting a request it already answered).  It signs one outcome
-per round: the digest stays in ``Context.state`` (:attr:`client.recovery.RecoveryStore.signed`) and a different
-outcome for the same round is refused.  The recovery phase then reveals pair material only for that outcome and
-with enough signatures of it (:func:`client.recovery.unsigned`).  Protocol: :mod:`protocols.consistency`.
+per round: the digest stays in ``Context.state`` (:attr:`client.recovery.RecoveryStore.signed`) and in the ledger
+(:func:`client.recovery.pinned`), and a different outcome for the same round is refused.  The recovery phase then
+reveals pair material only for that outcome and with enough signatures of it (:func:`client.recovery.unsigned`).
+Protocol: :mod:`protocols.consistency`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 
 from client.env import ClientEnv
 from client.identity import node_identity
-from client.recovery import RecoveryStore, check_request
+from client.recovery import RecoveryStore, check_request, pinned
 from protocols.consistency import consistency_statement, outcome_digest
 from protocols.wire.consistency import ConsistencyReply, ConsistencyRequest
 from protocols.wire.recovery import RecoveryRequest
@@ -34,6 +35,9 @@ def sign_outcome(env: ClientEnv, req: ConsistencyRequest) -> ConsistencyReply:
     digest = outcome_digest(req.round, req.received, req.dropped, req.excluded)
     if store.signed and store.signed != digest:
         return ConsistencyReply(refused=f"this node already signed a different outcome of round {req.round}")
+    why = pinned(env, RecoveryRequest(req.round, req.received, req.dropped, req.excluded))
+    if why:
+        return ConsistencyReply(refused=why)
     me = node_identity(env)
     signature = me.identity.sign(consistency_statement(run_id=int(env.context.run_id), round_num=req.round,
                                                        name=me.name, node_id=env.node_id, digest=digest))

@@ -197,6 +197,16 @@ class ClientLedger:
         run["rounds"] = sorted({*run["rounds"], int(rnd)})
         self.charge(run_id, events, accountant)
 
+    def pin_outcome(self, run_id: int, rnd: int, digest: bytes) -> bytes:
+        """The outcome digest of round ``rnd`` of run ``run_id`` this node signs and answers: the first one pinned.
+
+        Pins ``digest`` when the round has none yet, and returns the pinned one (compare it with ``digest``).  Kept
+        in the ledger, under its lock: Flower may run several ClientApps of one node at once, each on its own copy of
+        ``Context.state``, so only the ledger sees every message of the round.
+        """
+        outcomes = self.runs.setdefault(str(run_id), {"rounds": []}).setdefault("outcomes", {})
+        return bytes.fromhex(outcomes.setdefault(str(int(rnd)), bytes(digest).hex()))
+
     def charge(self, run_id: int, events: Mapping[str, Event], accountant: Accountant | None = None) -> None:
         """Compose ``events`` into the node's and run ``run_id``'s accounts without recording a new round.
 

@@ -7,8 +7,9 @@ holds because of each neighbour: nadp and mpddp the per-round pair seed, niss a
 :func:`handle_recover` answers a :class:`~protocols.wire.recovery.RecoveryRequest` with the material of the
 dropped neighbours only, after :func:`check_request`: it refuses, naming the reason, a round it did not upload in (in this run),
 a request without its own upload in ``received``, a node both received and dropped, a neighbour in neither set,
-or a different request than the one it already answered this round.  Material that would strip all pair noise
-from its own upload is kept (``kept``); for ``excluded`` peers it reveals only what leaves their own noise in.
+or a different request than the one it already signed or answered this round (:func:`pinned`, in the ledger).
+Material that would strip all pair noise from its own upload is kept (``kept``); for ``excluded`` peers it reveals
+only what leaves their own noise in.
 With double masking (:func:`answer_masked`, :mod:`protocols.masking`) it reveals per neighbour either its share of
 the neighbour's self-mask seed or their pair material, never both, and refuses when fewer than its threshold of
 neighbours are named received; pair material of a neighbour ``k`` not aggregated goes out only for the outcome this
@@ -28,6 +29,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from client.env import ClientEnv
 from client.floor import policy
 from client.identity import node_identity
+from client.ledger import ClientLedger, ledger_dir
 from client.pairwise_phase import pair_seeds, participants_of, roster_round_of
 from client.recovery_ledger import charge_recovery
 from protocols.consistency import SignedOutcome, outcome_digest, valid_signers
@@ -267,6 +269,18 @@ def check_request(store: RecoveryStore | None, req: RecoveryRequest, me: int, ru
     return ""
 
 
+def pinned(env: ClientEnv, req: RecoveryRequest) -> str:
+    """Why this node must refuse ``req``'s outcome ("" when it is the round's one), pinning it when the round has none.
+
+    One outcome per round, signed or answered, across every message (:meth:`client.ledger.ClientLedger.pin_outcome`:
+    in the ledger, as concurrent ClientApps of this node each hold their own ``Context.state``).
+    """
+    digest = outcome_digest(req.round, req.received, req.dropped, req.excluded)
+    with ClientLedger.open(ledger_dir(env.context.node_config), env.partition_id) as led:
+        first = led.pin_outcome(int(env.context.run_id), req.round, digest)
+    return "" if first == digest else f"this node already signed or answered another outcome of round {req.round}"
+
+
 def answer(store: RecoveryStore, dropped: set[int], excluded: set[int] = frozenset()) -> RecoveryReply:  # type: ignore[assignment]
     """The material of the dropped and excluded neighbours (see the module docstring for what is kept)."""
     gone = dropped | excluded
@@ -420,6 +434,8 @@ def recovery_answer(content: RecordDict, env: ClientEnv) -> ConfigRecord:
                 out = answer_masked(store, req, env, sigs)
         else:
             out = answer(store, set(req.dropped), set(req.excluded))
+        if not out.refused and (why := pinned(env, req)):
+            out = RecoveryReply(refused=why)
         if not out.refused and store.answered is None:  # the first answer of the round: charged once
             try:
                 charge_recovery(env, req, store.charge, store.noise, bool(store.mask_keys))
