@@ -200,14 +200,15 @@ def test_niss_colluders_within_rho_leave_the_conditioned_view_its_claim(monkeypa
     covered = joint_scale(joint_factors(sigmas, graph, tau, rho=0.5))
     scale, plain = max(covered, model), max(joint_scale(joint_factors(sigmas, graph, tau)), model)
     z = noise_multiplier(spec.epsilon, spec.delta, 1)
+    releases = 36  # measured: the estimate spreads ~1 % and its covariance estimate biases it up ~0.5 %
     for k in (0, 1, 2):
         predicted = 1 / (scale * math.sqrt(joint_factors(sigmas, graph, tau, rho=k / 4)[0]))
-        measured = _snr(dataclasses.replace(spec, colluders=k), 12) * z
+        measured = _snr(dataclasses.replace(spec, colluders=k), releases) * z
         assert predicted <= 1 + 1e-12 and measured == pytest.approx(predicted, rel=0.06), (k, predicted, measured)
     assert predicted == pytest.approx(covered / scale, rel=1e-12)  # 1 where the joint view sets the scale
     real = joint_factors
     monkeypatch.setattr(protocols.niss_joint, "joint_factors", lambda *a, **kw: real(*a, **{**kw, "rho": 0.0}))
-    fault = _snr(dataclasses.replace(spec, colluders=2), 12) * z
+    fault = _snr(dataclasses.replace(spec, colluders=2), releases) * z
     assert fault == pytest.approx(predicted * scale / plain, rel=0.06) and fault > 1.05, (fault, scale / plain)
 
 
