@@ -1,7 +1,8 @@
-"""niss's one-time round state under Flower's rule that a handler which raises leaves the node's Context unsaved.
+"""niss's one-time round state when a handler which raises leaves the node's Context unsaved.
 
 ``client.methods.niss.train`` deletes the round's share state from ``Context.state`` before it trains; when the
-handler then raises, Flower keeps the Context as it was, state included.  The shares stay used at most once
+handler then raises, Flower's simulation runtime keeps the Context as it was, state included (its deployment
+runtime saves the Context the handler changed, the easier case).  The shares stay used at most once
 anyway: the ledger records the round before any upload leaves and refuses it again (:func:`client.floor.release`),
 and the state, its seeds and its payloads' AAD are bound to their round.
 """
@@ -24,7 +25,7 @@ def _one_thread(one_thread):
 
 
 class FlowerGrid(LocalGrid):
-    """LocalGrid with Flower's semantics: a node whose handler raised keeps the Context it had before the message."""
+    """LocalGrid with Flower's simulation semantics: a node whose handler raised keeps its Context from before the message."""
 
     def send_and_receive(self, messages, *, timeout=None):
         messages = list(messages)
