@@ -116,24 +116,6 @@ class DdpsaStrategy(CancelStrategy):
                 "method 'ddpsa' needs at least 2 clients per round (run-config 'num-clients' x 'sample-rate'): "
                 "intermediate servers refuse a partial sum over one client, which would expose its update"
             )
-        self.addresses = parse_servers(cfg.ddpsa_servers)
-        if not self.addresses:
-            raise ConfigError(
-                "method 'ddpsa' needs its intermediate servers: set run-config 'ddpsa-servers' (host:port,...), "
-                "'ddpsa-ca' and 'ddpsa-server-key' (clients take the servers from their own configuration), or start "
-                "the run with `cancelfl run` / `cancelfl deploy`, which start local ones"
-            )
-        if len(self.addresses) != self.m:
-            raise ConfigError(
-                f"run-config 'ddpsa-servers' lists {len(self.addresses)} address(es) but 'ddpsa-num-servers' = {self.m}; "
-                "give exactly one host:port per intermediate server"
-            )
-        try:
-            self.servers = IntermediateServers.load(self.addresses, cfg.ddpsa_ca)
-            #: The parameter server's identity: the only signer the intermediate servers let read partial sums.
-            self.signer = load_signer(cfg.ddpsa_server_key)
-        except (OSError, ValueError) as err:
-            raise ConfigError(f"method 'ddpsa': cannot load run-config 'ddpsa-ca' / 'ddpsa-server-key' ({err})") from err
         self.schedule: BudgetSchedule = per_round_epsilons(
             cfg.epsilon, cfg.delta, cfg.num_rounds, allocation=cfg.ddpsa_allocation, alpha=cfg.ddpsa_decay,
             composition=cfg.ddpsa_composition,
@@ -167,6 +149,25 @@ class DdpsaStrategy(CancelStrategy):
                               f"{self.threshold}): two disjoint sets of {self.threshold} servers could each "
                               "reconstruct a sum over other clients, so every share is summed with all the "
                               "participants it was shown and no dropout is tolerated")
+        # The servers last: `cancelfl run`/`deploy` start local ones after preflight, which checks all of the above.
+        self.addresses = parse_servers(cfg.ddpsa_servers)
+        if not self.addresses:
+            raise ConfigError(
+                "method 'ddpsa' needs its intermediate servers: set run-config 'ddpsa-servers' (host:port,...), "
+                "'ddpsa-ca' and 'ddpsa-server-key' (clients take the servers from their own configuration), or start "
+                "the run with `cancelfl run` / `cancelfl deploy`, which start local ones"
+            )
+        if len(self.addresses) != self.m:
+            raise ConfigError(
+                f"run-config 'ddpsa-servers' lists {len(self.addresses)} address(es) but 'ddpsa-num-servers' = {self.m}; "
+                "give exactly one host:port per intermediate server"
+            )
+        try:
+            self.servers = IntermediateServers.load(self.addresses, cfg.ddpsa_ca)
+            #: The parameter server's identity: the only signer the intermediate servers let read partial sums.
+            self.signer = load_signer(cfg.ddpsa_server_key)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"method 'ddpsa': cannot load run-config 'ddpsa-ca' / 'ddpsa-server-key' ({err})") from err
         self.run_id = uuid.uuid4().hex
         #: The step with the reconstructed mean gradient: SGD with ``lr`` (Algorithm 2) or Adam (the paper's Sec. VI).
         self.optimizer = make_server_optimizer(cfg.server_optimizer, cfg.lr)

@@ -88,6 +88,9 @@ def test_bad_idx_files_are_refused_before_any_process(tmp_path, capsys, monkeypa
     ('method="ddpsa" num-clients=1', "at least 2 clients per round"),
     ("min-clients=11", "'min-clients' = 11 is above 'num-clients' = 10"),
     ('method="ddpsa" fault-drop-rate=0.2', "more than 'ddpsa-dropout-frac' = 0 lets a round lose"),
+    # DDP-SA's own checks come before the intermediate servers the launcher starts later.
+    ('method="ddpsa" epsilon=1e6', "'ddpsa-frac-bits' = 24 is too coarse"),
+    ('method="ddpsa" ddpsa-num-servers=4 ddpsa-threshold=2 ddpsa-dropout-frac=0.3', "needs 'ddpsa-threshold' above half"),
 ])
 def test_config_errors_before_any_process(tmp_path, capsys, monkeypatch, run_config, needle):
     monkeypatch.setattr("server.deploy.run_simulation", lambda *a, **k: pytest.fail("a process was started"))
