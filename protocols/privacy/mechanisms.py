@@ -79,14 +79,19 @@ def classic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float) -> 
 
 
 def _bracket_root(f: Callable[[float], float], lo: float, increasing: bool) -> tuple[float, float]:
-    """Find ``hi > lo`` such that ``f`` changes sign on ``[lo, hi]`` (doubling search)."""
+    """Find ``hi > lo`` such that ``f`` changes sign on ``[lo, hi]`` (doubling search).
+
+    Raises:
+        ArithmeticError: no sign change within 200 doublings (a target out of float range), as other calibration
+            overflows are reported.
+    """
     hi = max(1.0, 2.0 * lo)
     for _ in range(200):
         val = f(hi)
         if (val >= 0) if increasing else (val <= 0):
             return lo, hi
         lo, hi = hi, 2.0 * hi
-    raise RuntimeError("could not bracket the analytic Gaussian mechanism root")
+    raise ArithmeticError("could not bracket the analytic Gaussian mechanism root")
 
 
 def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float, *, tol: float = 1e-12) -> float:
