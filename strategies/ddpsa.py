@@ -53,6 +53,7 @@ from protocols.ddpsa import (
     present_multiplier,
 )
 from protocols.floor import ddpsa_min_summed, separable_sums
+from protocols.methods.ddpsa import DdpsaOptions
 from protocols.privacy import (
     BudgetSchedule,
     DpEvent,
@@ -136,10 +137,13 @@ class DdpsaStrategy(CancelStrategy):
         if cfg.ddpsa_noise != "local":  # every client refuses a grid that rounds its split noise away
             need = min_frac_bits(max(cfg.clients_per_round, 1), central_scale(
                 cfg.clip, adjacency=cfg.adjacency, epsilon=max(self.schedule.epsilons), multiplier=self.z or 0.0))
+            most = DdpsaOptions.keys()["ddpsa-frac-bits"].metadata["high"]
             if self.codec.frac_bits < need:
+                fix = (f"set it to {need} or more" if need <= most else f"the most it takes is {most}: lower "
+                       "'epsilon' or raise 'clip' for a central noise the grid can keep")
                 raise ConfigError(f"method 'ddpsa': run-config 'ddpsa-frac-bits' = {self.codec.frac_bits} is too "
                                   f"coarse for this run's noise (its clients need at least {need}: the fixed-point "
-                                  "round-off of their shares must stay far below the central noise)")
+                                  f"round-off of their shares must stay far below the central noise); {fix}")
         #: Servers whose partial sums reconstruct a round; ``shamir`` is it for Shamir sharing, None for additive.
         self.threshold = cfg.ddpsa_sharing_threshold
         self.shamir: int | None = None if self.threshold == self.m else self.threshold

@@ -90,6 +90,7 @@ def test_bad_idx_files_are_refused_before_any_process(tmp_path, capsys, monkeypa
     ('method="ddpsa" fault-drop-rate=0.2', "more than 'ddpsa-dropout-frac' = 0 lets a round lose"),
     # DDP-SA's own checks come before the intermediate servers the launcher starts later.
     ('method="ddpsa" epsilon=1e6', "'ddpsa-frac-bits' = 24 is too coarse"),
+    ('method="ddpsa" epsilon=1e12', "the most it takes is 40: lower 'epsilon' or raise 'clip'"),
     ('method="ddpsa" ddpsa-num-servers=4 ddpsa-threshold=2 ddpsa-dropout-frac=0.3', "needs 'ddpsa-threshold' above half"),
 ])
 def test_config_errors_before_any_process(tmp_path, capsys, monkeypatch, run_config, needle):
