@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from protocols.config import RunConfig
-from protocols.methods import ignored_settings, method_spec
+from protocols.methods import METHODS, ignored_settings, method_spec, options_classes
 
 
 def adjustments(cfg: RunConfig) -> list[str]:
@@ -20,4 +20,21 @@ def adjustments(cfg: RunConfig) -> list[str]:
                      + ", ".join(f"'{k}' = {v}" for k, v in ignored.items())
                      + f": each round its clients compute one gradient over all their records ({trains}); "
                      "the values given are ignored")
+    notes.extend(other_methods_keys(cfg))
+    return notes
+
+
+def other_methods_keys(cfg: RunConfig) -> list[str]:
+    """One sentence per method option set away from its default whose class the run's method does not read."""
+    active = set(method_spec(cfg.method).options)
+    notes = []
+    for cls in options_classes():
+        if cls in active:
+            continue
+        readers = ", ".join(m for m, spec in METHODS.items() if cls in spec.options)
+        defaults, values = cls().as_mapping(), cfg.options_of(cls).as_mapping()
+        for key, value in values.items():
+            if value != defaults[key]:
+                notes.append(f"method {cfg.method!r} does not read run-config '{key}' = {value!r} (a key of "
+                             f"{readers or 'no registered method'}): the value is ignored")
     return notes

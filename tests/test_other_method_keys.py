@@ -1,0 +1,23 @@
+"""A method option set for a run whose method does not read it is named at start, never silently ignored."""
+
+from __future__ import annotations
+
+from protocols.adjustments import adjustments
+from protocols.config import RunConfig
+from server.defaults import app_defaults
+
+
+def _notes(**raw) -> list[str]:
+    return [n for n in adjustments(RunConfig.from_mapping({**app_defaults(), **raw})) if "does not read" in n]
+
+
+def test_an_option_of_another_method_is_named():
+    notes = _notes(method="ldp", **{"nadp-tau": 0.3, "dropout-rate": 0.2})
+    assert any("'nadp-tau' = 0.3 (a key of nadp)" in n for n in notes), notes
+    assert any("'dropout-rate' = 0.2 (a key of nadp, niss, mpddp)" in n for n in notes), notes
+
+
+def test_defaults_and_the_methods_own_options_are_not_named():
+    for method in ("fedavg", "ldp", "cdp", "nadp", "niss", "mpddp", "ladp", "ddpsa"):
+        assert not _notes(method=method, **{"num-clients": 200}), method
+    assert not _notes(method="nadp", **{"nadp-tau": 0.3, "dropout-rate": 0.2})
