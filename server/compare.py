@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from protocols.config import RunConfig
-from protocols.methods import method_or_variant
+from protocols.methods import METHODS, VARIANTS, method_or_variant
 from server.defaults import app_defaults
 from strategies.run.report import RunData, write_report
 
@@ -120,6 +120,8 @@ def main(args: argparse.Namespace, overrides: dict, inprocess: Callable[[dict], 
     """Run ``cancelfl compare`` with parsed arguments (``inprocess``: the launcher's runner); returns the exit code."""
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     try:
+        if not names:
+            raise ValueError(f"--methods {args.methods!r} names no method; known: {', '.join((*METHODS, *VARIANTS))}")
         for name in names:
             method_or_variant(name)
     except ValueError as err:

@@ -66,6 +66,8 @@ def test_compare_exits_1_naming_a_method_that_did_not_finish(tmp_path, capsys):
 def test_compare_command_refuses_a_bad_method_or_key(tmp_path, capsys):
     assert main(["compare", "--methods", "fedavg,nope", "--out", str(tmp_path / "a")]) == 2
     assert "nope" in capsys.readouterr().err
+    assert main(["compare", "--methods", ",", "--out", str(tmp_path / "e")]) == 2
+    assert "--methods ',' names no method; known: fedavg" in capsys.readouterr().err
     assert main(["compare", "--methods", "fedavg", "--run-config", "num-roundz=2", "--out", str(tmp_path / "b")]) == 2
     assert not (tmp_path / "b" / "report.md").exists()
     (tmp_path / "c").mkdir()
