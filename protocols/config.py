@@ -249,8 +249,8 @@ class RunConfig:
         for key in ("num-clients", "num-rounds", "local-epochs", "batch-size", "min-clients"):
             if getattr(self, key.replace("-", "_")) < 1:
                 raise ConfigError(f"run-config '{key}' must be an integer >= 1")
-        if self.seed < 0:
-            raise ConfigError(f"run-config 'seed' = {self.seed} must be an integer >= 0")
+        if not 0 <= self.seed < 2**63:  # node identities and the data split take it as a signed 64-bit integer
+            raise ConfigError(f"run-config 'seed' = {self.seed} must be an integer in [0, 2^63 - 1]")
         if not 0 < self.sample_rate <= 1:
             raise ConfigError(f"run-config 'sample-rate' = {self.sample_rate} must be in (0, 1]")
         need = method_spec(self.method).min_per_round
