@@ -296,7 +296,7 @@ class RunConfig:
     def hidden_sizes(self) -> tuple[int, ...]:
         """MLP hidden layer widths."""
         try:
-            return tuple(int(h) for h in self.hidden.split(",") if h.strip())
+            return tuple(int(h) for h in self.hidden.split(",")) if self.hidden.strip() else ()
         except ValueError as err:
             raise ConfigError(f"run-config 'hidden' = {self.hidden!r} must be comma-separated integers") from err
 

@@ -83,6 +83,7 @@ def test_bad_idx_files_are_refused_before_any_process(tmp_path, capsys, monkeypa
     ("seed=-1", "'seed' = -1"),
     ("seed=9223372036854775808", "'seed' = 9223372036854775808 must be an integer in [0, 2^63 - 1]"),
     ('hidden="0"', "hidden=\"\" gives a linear model"),
+    ('hidden="64,,32"', "'hidden' = '64,,32' must be comma-separated integers"),
     ('method="mpddp" num-clients=1', "at least 2 clients per round"),
     ("num-rounds=2 num-rounds=3", "given twice"),
     ('method=fedavg', "strings must be quoted"),
