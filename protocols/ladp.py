@@ -464,5 +464,6 @@ def check_upload_grid(global_layers: Mapping[str, np.ndarray], plan: Mapping[str
         bound = float(np.max(np.abs(layer))) + movement + NOISE_TAIL * entry.sigma
         if not _grid_keeps(bound, upload_dtype, entry.sigma):
             raise ViewError(f"layer {name!r}: the received model's values (up to {float(np.max(np.abs(layer))):.3g}) "
-                             f"are too large for {np.dtype(upload_dtype).name} to keep noise of std {entry.sigma:.3g} "
-                             "(it would round away); refusing the round")
+                             f"plus what local training may move them ({movement:.3g}) are too large for "
+                             f"{np.dtype(upload_dtype).name} to keep noise of std {entry.sigma:.3g} (it would round "
+                             "away; a smaller run-config 'epsilon' gives more noise); refusing the round")

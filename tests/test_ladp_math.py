@@ -253,3 +253,12 @@ def test_noise_a_narrower_upload_dtype_would_round_away_is_refused():
     assert np.std(kept["w"] - huge["w"]) > 0.01
     small, _ = apply_layer_noise({"w": np.full(64, 3.0)}, plan, seed, upload_dtype=np.float32)
     assert small["w"].dtype == np.float32 and np.std(small["w"] - 3.0) > 0.01
+
+
+def test_a_grid_refusal_names_the_training_movement_and_epsilon():
+    """A zero model is refused when the training movement alone puts the upload where float32 loses the noise."""
+    from protocols.ladp import LayerNoise, check_upload_grid
+
+    plan = {"w": LayerNoise(selected=True, norm=1.0, kl=0.1, privacy=0.1, sigma=1e-9)}
+    with pytest.raises(ValueError, match=r"values \(up to 0\) plus what local training may move them \(4\).*'epsilon'"):
+        check_upload_grid({"w": np.zeros(8)}, plan, 4.0, np.float32)
