@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from protocols.config import RunConfig
 from protocols.methods import METHODS, ignored_settings, method_spec, options_classes
+from protocols.task.data import IDX_DATASETS
 
 
 def adjustments(cfg: RunConfig) -> list[str]:
@@ -21,6 +22,9 @@ def adjustments(cfg: RunConfig) -> list[str]:
                      + f": each round its clients compute one gradient over all their records ({trains}); "
                      "the values given are ignored")
     notes.extend(other_methods_keys(cfg))
+    if cfg.data_dir and cfg.dataset not in IDX_DATASETS:
+        notes.append(f"run-config 'data-dir' = {cfg.data_dir!r} is read for the IDX datasets ({', '.join(IDX_DATASETS)}) "
+                     f"only; dataset {cfg.dataset!r} does not read it: the value is ignored")
     return notes
 
 

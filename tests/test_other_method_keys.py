@@ -1,4 +1,4 @@
-"""A method option set for a run whose method does not read it is named at start, never silently ignored."""
+"""Keys the run does not read (another method's option, a bundled dataset's data-dir) are named at start, not ignored silently."""
 
 from __future__ import annotations
 
@@ -21,3 +21,9 @@ def test_defaults_and_the_methods_own_options_are_not_named():
     for method in ("fedavg", "ldp", "cdp", "nadp", "niss", "mpddp", "ladp", "ddpsa"):
         assert not _notes(method=method, **{"num-clients": 200}), method
     assert not _notes(method="nadp", **{"nadp-tau": 0.3, "dropout-rate": 0.2})
+
+
+def test_a_data_dir_the_dataset_does_not_read_is_named():
+    notes = adjustments(RunConfig.from_mapping({**app_defaults(), "dataset": "digits", "data-dir": "/data/idx"}))
+    assert any("'data-dir' = '/data/idx'" in n and "'digits' does not read it" in n for n in notes), notes
+    assert not adjustments(RunConfig.from_mapping({**app_defaults(), "dataset": "mnist", "data-dir": "/data/idx"}))

@@ -185,6 +185,10 @@ def center_images(x: np.ndarray) -> np.ndarray:
     return (x - x.mean(axis=(1, 2, 3), keepdims=True)).astype(x.dtype, copy=False)
 
 
+#: The datasets read from IDX files under run-config ``data-dir`` (:func:`find_idx_folder`); no other reads it.
+IDX_DATASETS = ("mnist", "fashion-mnist")
+
+
 @lru_cache(maxsize=4)
 def load_dataset(name: str, data_dir: str = "", train_subset: int = 0, test_subset: int = 0,
                  center: bool = False) -> Dataset:
@@ -195,7 +199,7 @@ def load_dataset(name: str, data_dir: str = "", train_subset: int = 0, test_subs
     """
     if name in ("digits", "breast-cancer"):
         ds = _load_sklearn(name, 0)
-    elif name in ("mnist", "fashion-mnist"):
+    elif name in IDX_DATASETS:
         ds = _load_idx(name, data_dir)
     elif name.startswith("hub:"):
         ds = _load_hub(name[4:])
