@@ -67,17 +67,18 @@ def expand(raw: Mapping[str, Any], common: Collection[str]) -> dict[str, Any]:
     and each ClientApp expand the run config they were given before anything reads it.
 
     Raises:
-        ConfigError: malformed text (:func:`parse`), a carried key that is a common key, or a key given twice
-            (itself and in ``method-options``).
+        ConfigError: malformed text (:func:`parse`), a carried key that is a common key, or a key set both as itself
+            (given, or declared by the app) and in ``method-options``.
     """
     out = {k: v for k, v in raw.items() if k != KEY}
     for key, value in parse(raw.get(KEY, "")).items():
         if key == KEY or key in common:
             raise ConfigError(f"run-config '{KEY}' carries '{key}', a key the app declares: set run-config "
                               f"'{key}' itself")
-        if key in out:
-            raise ConfigError(f"run-config '{key}' is given twice: as itself ({out[key]!r}) and in '{KEY}' "
-                              f"({value!r}); give it once")
+        if key in out:  # given by the user, or the default of a key the app declares (always in its run config)
+            raise ConfigError(f"run-config '{key}' is set as itself ({out[key]!r}; a key the app declares always is, "
+                              f"to its default) and in '{KEY}' ({value!r}): set run-config '{key}' itself and leave it "
+                              f"out of '{KEY}'")
         out[key] = value
     return out
 

@@ -55,7 +55,7 @@ def test_carried_keys_are_read_as_the_keys_themselves(text):
 
 
 @pytest.mark.parametrize(("raw", "needle"), [
-    ({"toy-boost": 3.0, "method-options": "{toy-boost = 4.0}"}, "given twice"),
+    ({"toy-boost": 3.0, "method-options": "{toy-boost = 4.0}"}, "set as itself"),
     ({"method-options": "{epsilon = 50.0}"}, "a key the app declares"),
     ({"method-options": "{method-options = '{toy-boost = 4.0}'}"}, "a key the app declares"),
     ({"method-options": "{toy-boost = 3.0}\nepsilon = 50.0"}, "one table"),
@@ -96,7 +96,7 @@ def test_the_strategy_cannot_smuggle_a_value_in_its_own_method_options():
     with pytest.raises(ConfigError, match=f"{MISMATCH}.*toy-boost"):
         settings_of({KEY: {"json": json.dumps(sent)}}, forged)
     sent["toy-boost"] = 2.0  # the key itself and in method-options: refused, whichever the client would read
-    with pytest.raises(ConfigError, match="given twice"):
+    with pytest.raises(ConfigError, match="set as itself"):
         settings_of({KEY: {"json": json.dumps(sent)}}, forged)
 
 
@@ -143,3 +143,11 @@ def test_a_card_loader_that_fails_fails_every_read_until_mended():
             list(METHODS)
     list(METHODS)  # mended: the third attempt loads
     assert len(calls) == 3 and not method_registry._PENDING
+
+
+def test_a_declared_option_in_method_options_names_the_fix_not_a_second_setting():
+    """The app's run config always holds its declared keys (their defaults): the message says so and how to set it."""
+    from server.defaults import app_defaults
+
+    with pytest.raises(ConfigError, match="a key the app declares always is.*set run-config 'nadp-tau' itself"):
+        RunConfig.from_mapping({**app_defaults(), "method": "nadp", "method-options": "{nadp-tau = 0.3}"})
