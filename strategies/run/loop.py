@@ -263,8 +263,7 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
     num_params = task.num_params
     measured = MeasuredSignal(planned_rounds=total_rounds)  # the signal the releases carried, against their noise
     warned_over_target = False
-    metrics_path = out / "metrics.jsonl"
-    metrics_path.write_text("")
+    metrics_path = out / "metrics.jsonl"  # a fresh run empties it; a resume rewrites it once its checkpoint is checked
     t_start = time.perf_counter()
     rounds: list[dict] = []
     failures: list[str] = []
@@ -294,6 +293,7 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
         resume_note = {"resumed_after_round": ckpt.round, "recharged_round": ckpt.pending is not None}
         progress(f"resuming after round {ckpt.round} of {total_rounds} from {out}")
     else:  # round 0: a crash in round 1 resumes with that round's charge kept
+        metrics_path.write_text("")
         save_checkpoint(out, Checkpoint(0, from_record(arrays), state(), [], [], 0.0, cfg.to_mapping()))
     if first <= total_rounds:  # the first round also starts the clients (a simulation's workers): say so
         progress(f"starting round {first} of {total_rounds} ...")

@@ -1,0 +1,28 @@
+"""A refused resume loses no metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.launch import run_inprocess
+from strategies.run.checkpoint import ResumeError
+
+RUN = {"dataset": "breast-cancer", "num-clients": 2, "num-rounds": 1}
+
+
+@pytest.fixture
+def finished(tmp_path):
+    """A finished one-round fedavg run folder and its metrics.jsonl text."""
+    out = tmp_path / "run"
+    run_inprocess({**RUN, "out-dir": str(out)}, progress=lambda *_: None)
+    text = (out / "metrics.jsonl").read_text()
+    assert text.strip()
+    return out, text
+
+
+def test_a_resume_with_another_run_config_keeps_the_metrics(finished):
+    out, text = finished
+    with pytest.raises(ResumeError, match="differs from the checkpoint"):
+        run_inprocess({**RUN, "lr": 0.5, "out-dir": str(out), "resume": True}, progress=lambda *_: None)
+    assert (out / "metrics.jsonl").read_text() == text
+
