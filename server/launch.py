@@ -32,7 +32,7 @@ import threading
 import traceback
 from pathlib import Path
 
-from protocols.config import ConfigError, RunConfig, parse_run_config
+from protocols.config import ConfigError, RunConfig, is_on, parse_run_config
 from protocols.methods import local_services
 from server.defaults import app_defaults, check_flower_keys
 from strategies.run.checkpoint import (
@@ -263,6 +263,8 @@ def _main(args: argparse.Namespace) -> int:
 
             RunConfig.from_mapping({**app_defaults(), **overrides})  # fail fast, naming the bad key
             return compare.main(args, overrides, run_inprocess)
+        if not args.resume and is_on(overrides.get("resume")) and overrides.get("out-dir"):
+            args.resume = overrides["out-dir"]  # run-config resume = true: as --resume, the stored run config
         if args.resume:
             overrides = resume_overrides(args.resume, overrides)
         if args.command == "deploy":
