@@ -201,8 +201,8 @@ class ClientLedger:
         """The outcome digest of round ``rnd`` of run ``run_id`` this node signs and answers: the first one pinned.
 
         Pins ``digest`` when the round has none yet, and returns the pinned one (compare it with ``digest``).  Kept
-        in the ledger, under its lock: Flower may run several ClientApps of one node at once, each on its own copy of
-        ``Context.state``, so only the ledger sees every message of the round.
+        in the ledger, under its lock: Flower's SuperNode may start a message's ClientApp on ``Context.state`` from
+        before the previous message's (a ClientApp saves it only at exit), so only the ledger sees every message.
         """
         outcomes = self.runs.setdefault(str(run_id), {"rounds": []}).setdefault("outcomes", {})
         return bytes.fromhex(outcomes.setdefault(str(int(rnd)), bytes(digest).hex()))

@@ -273,7 +273,7 @@ def pinned(env: ClientEnv, req: RecoveryRequest) -> str:
     """Why this node must refuse ``req``'s outcome ("" when it is the round's one), pinning it when the round has none.
 
     One outcome per round, signed or answered, across every message (:meth:`client.ledger.ClientLedger.pin_outcome`:
-    in the ledger, as concurrent ClientApps of this node each hold their own ``Context.state``).
+    in the ledger, as a message's ClientApp may start on ``Context.state`` from before the previous message's).
     """
     digest = outcome_digest(req.round, req.received, req.dropped, req.excluded)
     with ClientLedger.open(ledger_dir(env.context.node_config), env.partition_id) as led:
