@@ -25,8 +25,8 @@ from protocols.wire.recovery import RecoveryRequest
 def sign_outcome(env: ClientEnv, req: ConsistencyRequest) -> ConsistencyReply:
     """Sign the outcome ``req`` with this node's identity, or refuse naming why (see the module doc)."""
     store = RecoveryStore.load(env)
-    why = check_request(store, RecoveryRequest(req.round, req.received, req.dropped, req.excluded), env.node_id,
-                        int(env.context.run_id))
+    outcome = RecoveryRequest(req.round, req.received, req.dropped, req.excluded)
+    why = check_request(store, outcome, env.node_id, int(env.context.run_id))
     if why:
         return ConsistencyReply(refused=why)
     assert store is not None  # check_request refuses otherwise
@@ -35,7 +35,7 @@ def sign_outcome(env: ClientEnv, req: ConsistencyRequest) -> ConsistencyReply:
     digest = outcome_digest(req.round, req.received, req.dropped, req.excluded)
     if store.signed and store.signed != digest:
         return ConsistencyReply(refused=f"this node already signed a different outcome of round {req.round}")
-    why = pinned(env, RecoveryRequest(req.round, req.received, req.dropped, req.excluded))
+    why = pinned(env, outcome)
     if why:
         return ConsistencyReply(refused=why)
     me = node_identity(env)
