@@ -27,6 +27,7 @@ from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 
 from protocols.arrays import flatten, unflatten, weighted_average
+from protocols.clipping import clip_l2
 from protocols.config import RunConfig
 from protocols.floor import ldp_noise_multiplier
 from protocols.privacy import (
@@ -40,7 +41,7 @@ from protocols.privacy import (
 )
 from protocols.privacy.sensitivity import adjacency_factor
 from protocols.privacy.signal import NoiseEstimate, gaussian_norm
-from protocols.wire.arrays import from_record
+from protocols.wire.arrays import array_view, from_record
 from protocols.wire.baselines import ClippingNorm, LocalDpNoise
 from protocols.wire.common import merge_configs, num_examples
 from strategies.base import CancelStrategy, RoundFailed, RoundState
@@ -230,6 +231,18 @@ class CentralDPStrategy(_RecordLevel):
             return super().train_config(server_round)
         return merge_configs(super().train_config(server_round), ClippingNorm(self.cfg.clip).to_config())
 
+    def _clipped_mean(self, uploads: list) -> np.ndarray:
+        """Client level: the round model plus the uniform mean of the updates, each clipped to ``clip`` in float64.
+
+        The clients clip too, but a float32 upload ``w + u`` carries its update only to float32 rounding of ``w``:
+        the server's own clip makes the sensitivity exactly ``clip / k``.
+        """
+        flats = [flatten(u) for u in uploads]
+        base = np.zeros_like(flats[0]) if self.round_model is None else np.concatenate(
+            [np.asarray(array_view(a), dtype=np.float64).ravel() for a in self.round_model.values()])
+        updates = [clip_l2(f - base, self.cfg.clip)[0] for f in flats]
+        return base + np.mean(updates, axis=0)
+
     def aggregate(self, state: RoundState) -> ArrayRecord | None:
         """Aggregate stage, record level: example-weighted mean + N(0, (z Delta)^2), Delta = :func:`record_mean_sensitivity`.
 
@@ -244,7 +257,7 @@ class CentralDPStrategy(_RecordLevel):
         sizes = {n: num_examples(by_node[n].content["metrics"]) for n in nodes}
         uploads = [from_record(by_node[n].content["arrays"]) for n in nodes]
         mean = weighted_average(uploads, [float(sizes[n]) if self.record_level else 1.0 for n in nodes])
-        flat = flatten(mean)
+        flat = flatten(mean) if self.record_level else self._clipped_mean(uploads)
         # Client level: the uniform mean of the k clipped updates that arrived (not the k planned) has sensitivity
         # clip / k (Flower's central-DP wrappers size it on those sampled: multiplier z k / m after dropouts).
         std = z * (record_mean_sensitivity(self.cfg, sizes) if self.record_level else self.cfg.clip / len(nodes))

@@ -28,7 +28,7 @@ from strategies.baselines import CentralDPStrategy, LocalDPStrategy, record_mean
 from strategies.stages import RoundState
 from tests.test_privacy_floor import FAST, initial
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "task_identity")
 
 
 def _cfg(method: str, **extra) -> RunConfig:
@@ -174,3 +174,24 @@ def test_client_level_ldp_model_is_charged_with_the_uploads_aggregated() -> None
 
     expected = RdpAccountant([GaussianEvent(strategy.z)]).epsilon(strategy.cfg.delta)  # the strategy's accountant
     assert strategy.privacy.downlink.epsilon(strategy.cfg.delta) == pytest.approx(expected, rel=1e-3)
+
+
+def test_client_level_cdp_server_clips_each_update_to_the_clip_its_noise_is_sized_on() -> None:
+    """A float32 upload ``w + u`` carries ``u`` only to float32 rounding of ``w``, and a client may clip loosely.
+
+    Three aligned updates of norm ``1.0009 clip`` (inside the reply check's float32 slack): the mean's distance from
+    the round model is ``clip`` at most, the sensitivity ``clip / k`` the noise is sized on (noise off here).
+    """
+    strategy = CentralDPStrategy(_cfg("cdp", **{"privacy-unit": "client", "clip": 0.5}))
+    strategy.noise_scale = 0.0
+    rng = np.random.default_rng(3)
+    w0 = rng.normal(size=5_000).astype(np.float32)
+    strategy.round_model = to_record({"w": w0}, np.float32)  # the model the round sent
+    direction = rng.normal(size=5_000)
+    u = direction / np.linalg.norm(direction) * 0.5 * 1.0009
+    replies = {n: Message(RecordDict({"arrays": to_record({"w": (w0 + u).astype(np.float32)}, np.float32),
+                                      "metrics": MetricRecord(train_metrics(100))}), n, "train") for n in (11, 12, 13)}
+    for n in replies:
+        assert strategy.norm_limit(RoundState(1, [11, 12, 13]), n) > np.linalg.norm(u)  # the reply check lets it in
+    out = flatten(from_record(strategy.aggregate(RoundState(1, [11, 12, 13], replies=replies))))
+    assert np.linalg.norm(out - w0.astype(np.float64)) <= 0.5 * (1 + 1e-6)

@@ -160,15 +160,6 @@ def test_a_round_with_no_unmaskable_upload_names_the_key_that_sets_the_threshold
     assert "run-config 'mask-corruption-rate' = 0.1; 0 needs the fewest" in failure
 
 
-@pytest.fixture
-def task_identity(monkeypatch):
-    """What a ServerApp process has set before it builds messages."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    for key, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 0)):
-        monkeypatch.setattr(TaskIdentity, key, value)
-
-
 def test_fault_injection_is_deterministic_and_validated(task_identity):
     msgs = [Message(RecordDict({"config": ConfigRecord({"round": 4})}), 1000 + n, "train") for n in range(10)]
     picks = [fault_drops(msgs, 0.3, seed=5) for _ in range(2)]

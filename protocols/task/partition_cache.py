@@ -25,15 +25,15 @@ from pathlib import Path
 
 import numpy as np
 
-from protocols.config import RunConfig
+from protocols.config import DATASETS, RunConfig
 from protocols.node_config import DATA_CACHE as CACHE_KEY
 
 __all__ = ["CACHE_ENV", "CACHE_KEY", "cache_folder", "local_data", "partition_key"]
 
 #: Environment variable naming the folder when node config ``data-cache`` does not (``off`` or empty: no cache).
 CACHE_ENV = "CANCELFL_DATA_CACHE"
-#: Datasets whose source this module can identify.
-BUILTIN = ("digits", "breast-cancer", "mnist", "fashion-mnist")
+#: Datasets whose source this module can identify: the built-in ones.
+BUILTIN = DATASETS
 
 #: ``(features or a function reading them, labels, number of classes, input shape)``.
 LocalData = tuple[np.ndarray | Callable[[], np.ndarray], np.ndarray, int, tuple[int, ...]]
