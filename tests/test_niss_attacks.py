@@ -13,15 +13,23 @@
   (the aggregate's error std 0.46 against 0.35).  The scale is bound into the payloads' associated data, and the
   same request always draws the same shares (:func:`client.methods.niss.share_seed`), so a payload that opens
   carries the very shares its sender holds for the view and scale the receiver trains under.
+* One share request delivered to a node twice at once: Flower's SuperNode may start both ClientApps on the node's
+  ``Context.state`` from before either, and keeps the state the last one pushes.  A share secret made in
+  ``Context.state`` on first use gave each task its own: the node trained with the shares of one answer while its
+  neighbours held the negated shares of the other, and its noise did not cancel.  The secret is a function of the
+  node's identity and the run (:func:`client.methods.niss.share_secret`): both tasks seal the same shares.
 * A ``niss-tau`` so small that float64 cannot compute the joint view's factors (they came out too large, so the
   floor too small): refused below :data:`protocols.niss.MIN_TAU`.
 """
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from flwr.app import RecordDict
 
+from client.methods.niss import STATE_KEY
 from protocols.graphs import complete_graph
 from protocols.niss import MIN_TAU
 from protocols.niss_joint import joint_factors
@@ -100,6 +108,47 @@ def test_a_request_asked_again_after_another_scale_draws_the_same_shares():
     strategy = AskedAgain(cfg)
     strategy.factors = (1.0, 2.0, 1.0)
     run_round(strategy, grid, 1, arrays)
+    report = strategy.round_report()
+    assert report["participants"] == cfg.num_clients and report["aggregate_error_rel"] <= 1e-9
+
+
+class TwoTasks(NissStrategy):
+    """A server whose share request reaches the victim twice at once, each task on a copy of its ``Context``.
+
+    The victim keeps the first task's state (its push lands last); its neighbours get the second task's payloads.
+    ``local``: the in-process grid whose contexts the tasks run on.
+    """
+
+    local = None
+
+    def _share_phase(self, grid, kr):
+        kr, self._ahead = self._sized(kr), None
+        weights, scale, self.victim = self._weights(kr), self._scale(kr), kr.participants[0]
+
+        def ask(n):
+            return RecordDict({"config": self._share_request(kr, n, weights, scale)})
+
+        before = copy.deepcopy(self.local.contexts[self.victim])  # the second task's copy, taken before either runs
+        replies, errors = self.exchange(grid, kr.participants, ask, "shares")
+        assert not errors, errors
+        answers = {n: _share_reply(r, kr.neighbours[n]) for n, r in replies.items()}
+        first, self.local.contexts[self.victim] = self.local.contexts[self.victim], before
+        again, errors = self.exchange(grid, [self.victim], ask, "shares")
+        assert not errors, errors
+        answers[self.victim] = _share_reply(again[self.victim], kr.neighbours[self.victim])
+        self.seeds = [list(c.state[STATE_KEY]["out-seeds"]) for c in (first, before)]
+        self.local.contexts[self.victim] = first
+        return kr, answers
+
+
+@niss_diagnostics
+def test_two_tasks_of_one_node_on_copies_of_its_state_seal_the_same_shares():
+    """The victim trains on one task's shares, its neighbours hold the other's: they cancel (tau = 0: exactly)."""
+    cfg, grid, _, arrays = niss_setup(self_mask=False, niss_tau=0.0, cancellation_check=True, num_rounds=1)
+    strategy = TwoTasks(cfg)
+    strategy.local = grid
+    run_round(strategy, grid, 1, arrays)
+    assert strategy.seeds[0] == strategy.seeds[1]
     report = strategy.round_report()
     assert report["participants"] == cfg.num_clients and report["aggregate_error_rel"] <= 1e-9
 
