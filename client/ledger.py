@@ -204,8 +204,16 @@ class ClientLedger:
         in the ledger, under its lock: Flower's SuperNode may start a message's ClientApp on ``Context.state`` from
         before the previous message's (a ClientApp saves it only at exit), so only the ledger sees every message.
         """
-        outcomes = self.runs.setdefault(str(run_id), {"rounds": []}).setdefault("outcomes", {})
-        return bytes.fromhex(outcomes.setdefault(str(int(rnd)), bytes(digest).hex()))
+        return self._pin(run_id, "outcomes", str(int(rnd)), digest)
+
+    def pin_settings(self, run_id: int, digest: bytes) -> bytes:
+        """The settings digest this node acts on in run ``run_id``: the first one pinned (as :meth:`pin_outcome`)."""
+        return self._pin(run_id, "pins", "settings", digest)
+
+    def _pin(self, run_id: int, section: str, key: str, value: bytes) -> bytes:
+        """``runs[run_id][section][key]``, set to ``value`` when absent (hex in the file)."""
+        pins = self.runs.setdefault(str(run_id), {"rounds": []}).setdefault(section, {})
+        return bytes.fromhex(pins.setdefault(key, bytes(value).hex()))
 
     def charge(self, run_id: int, events: Mapping[str, Event], accountant: Accountant | None = None) -> None:
         """Compose ``events`` into the node's and run ``run_id``'s accounts without recording a new round.
