@@ -10,8 +10,9 @@ composition a method names for its releases (DDP-SA: :func:`protocols.ddpsa.comp
 server charges with); the epsilons of the accountants in use add at an equal share of ``delta`` each.  While an
 account holds only unsampled Gaussian releases its epsilon is their exact Gaussian-DP composition
 (:class:`GdpAccountant`), the figure a server that accounts exactly (LaDP) reports.  ``runs`` keeps, per Flower
-run id, the rounds this node trained (a repeated round is refused) and the run's own accounts (what node config
-``max-epsilon-per-run`` caps).
+run id, the rounds this node trained (a repeated round is refused), the run's own accounts (what node config
+``max-epsilon-per-run`` caps), and what every message of the run must agree on whatever ``Context.state`` it starts
+on: the settings digest (library mode), each round's recovery outcome, and the recovery top-ups charged.
 """
 
 from __future__ import annotations
@@ -209,6 +210,18 @@ class ClientLedger:
     def pin_settings(self, run_id: int, digest: bytes) -> bytes:
         """The settings digest this node acts on in run ``run_id``: the first one pinned (as :meth:`pin_outcome`)."""
         return self._pin(run_id, "pins", "settings", digest)
+
+    def recovery_charged(self, run_id: int, rnd: int, digest: bytes) -> bool:
+        """Whether the recovery top-up of round ``rnd``'s outcome ``digest`` is charged in run ``run_id``."""
+        charged = self.runs.get(str(run_id), {}).get("recovery-charged", {})
+        return bytes(digest).hex() in charged.get(str(int(rnd)), [])
+
+    def mark_recovery_charged(self, run_id: int, rnd: int, digest: bytes) -> None:
+        """Record that the recovery top-up of round ``rnd``'s outcome ``digest`` is charged (:meth:`recovery_charged`)."""
+        charged = self.runs.setdefault(str(run_id), {"rounds": []}).setdefault("recovery-charged", {})
+        digests = charged.setdefault(str(int(rnd)), [])
+        if bytes(digest).hex() not in digests:
+            digests.append(bytes(digest).hex())
 
     def _pin(self, run_id: int, section: str, key: str, value: bytes) -> bytes:
         """``runs[run_id][section][key]``, set to ``value`` when absent (hex in the file)."""
