@@ -13,6 +13,7 @@ account holds only unsampled Gaussian releases its epsilon is their exact Gaussi
 run id, the rounds this node trained (a repeated round is refused), the run's own accounts (what node config
 ``max-epsilon-per-run`` caps), and what every message of the run must agree on whatever ``Context.state`` it starts
 on: the settings digest (library mode), each round's recovery outcome, and the recovery top-ups charged.
+A run's secrets (:meth:`ClientLedger.run_secret`) lie beside the ledger in owner-only files of their own.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import fcntl
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from protocols.privacy import (
     RdpAccountant,
     accountant_from_state,
 )
+from protocols.private_files import write_private
 
 #: Written version; 2 added the named compositions (an older reader refuses them instead of ignoring them).
 _VERSION = 2
@@ -139,9 +141,7 @@ class ClientLedger:
     def open(cls, directory: Path, partition_id: int, *, write: bool = True) -> Iterator[ClientLedger]:
         """The ledger under an exclusive lock; written back atomically on normal exit when ``write``."""
         path = cls.file_for(directory, partition_id)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.with_suffix(".lock"), "a+") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with _locked(path):
             try:
                 data = json.loads(path.read_text()) if path.exists() else None
             except json.JSONDecodeError as err:
@@ -151,6 +151,22 @@ class ClientLedger:
             yield ledger
             if write:
                 ledger._save()
+
+    @classmethod
+    def run_secret(cls, directory: Path, partition_id: int, run_id: int, purpose: str,
+                   make: Callable[[], bytes]) -> bytes:
+        """The partition's secret ``purpose`` of run ``run_id``: the bytes of the first ``make()`` pinned.
+
+        Kept in a file of its own beside the ledger, ``client-<partition-id>.run-<run-id>.<purpose>.secret``, mode
+        0600 (the ledger file is not owner-only), written atomically under the ledger's lock when absent, so every
+        task of the node reads the one pinned, whatever ``Context.state`` it starts on.  Deleting the file after the
+        run forgets the secret.
+        """
+        path = Path(directory) / f"client-{int(partition_id)}.run-{int(run_id)}.{purpose}.secret"
+        with _locked(cls.file_for(directory, partition_id)):
+            if not path.exists():
+                write_private(path, bytes(make()))
+            return path.read_bytes()
 
     def _save(self) -> None:
         tmp = self.path.with_suffix(".tmp")
@@ -239,6 +255,15 @@ class ClientLedger:
             run_accounts.setdefault(key, Account()).compose(event, accountant)
         run = self.runs.setdefault(str(run_id), {"rounds": []})
         run["accounts"] = {k: a.to_state() for k, a in sorted(run_accounts.items())}
+
+
+@contextmanager
+def _locked(ledger: Path) -> Iterator[None]:
+    """An exclusive lock on the ledger file ``ledger`` (its ``.lock`` sibling), its folder made when missing."""
+    ledger.parent.mkdir(parents=True, exist_ok=True)
+    with open(ledger.with_suffix(".lock"), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _projected(accounts: Mapping[str, Account], events: Mapping[str, Event], delta: float,

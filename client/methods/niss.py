@@ -37,13 +37,13 @@ from dataclasses import dataclass
 from logging import WARNING
 
 import numpy as np
-from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
 
 from client.env import ClientEnv, client_level_update, record_level_training, reply
 from client.floor import FloorViolation, check_new_round, policy, release
 from client.identity import node_identity
+from client.ledger import ClientLedger, ledger_dir
 from client.methods.niss_payload import decode_payload, encode_payload
 from client.pairwise_phase import checked_pair_seeds, mask_probe, remember_view
 from client.records import to_record
@@ -84,6 +84,8 @@ from protocols.wire.recovery import NissPairMaterial, RecoveryRequest
 
 STATE_KEY = "cancelfl-niss"
 RELAY_PURPOSE = "niss-relay-key"
+#: Name of the node's pinned share secret of a run (:func:`share_secret`).
+SECRET_PURPOSE = "niss-share"
 _SCALE = struct.Struct(">d")
 
 
@@ -105,17 +107,24 @@ def _aad(sender: int, receiver: int, rnd: int, run_id: int, encoding: str, scale
 
 
 def share_secret(env: ClientEnv) -> bytes:
-    """The node's share secret of the run: HMAC-SHA256 of the run id under its identity's private key.
+    """The node's share secret of the run: 32 bytes of OS randomness, made once and pinned beside its ledger.
 
-    A function of the node's identity and the run only, so every task of the node computes the same one, whatever
-    ``Context.state`` it starts on (Flower's SuperNode may start a message's ClientApp on the state from before the
-    previous message's).  Secret as long as the identity key is (node config ``identity-key``); a simulation
-    identity derives from the public run seed (:mod:`client.identity`), and the share seeds then rest on the relay
-    keys alone.
+    Every task of the node reads the pinned one (:meth:`client.ledger.ClientLedger.run_secret`: an owner-only
+    file, first writer wins under the ledger's lock), whatever ``Context.state`` it starts on (Flower's SuperNode
+    may start a message's ClientApp on the state from before the previous message's); nothing public (run config,
+    run id, identity) determines it.  Read once per message (``env.memo``).
+
+    Raises:
+        ValueError: the pinned file does not hold 32 bytes.
     """
-    raw = node_identity(env).identity.private.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
-    return hmac.new(raw, b"cancelfl/niss/share-secret" + int(env.context.run_id).to_bytes(8, "big"),
-                    hashlib.sha256).digest()
+    secret = env.memo.get(SECRET_PURPOSE)
+    if secret is None:
+        secret = ClientLedger.run_secret(ledger_dir(env.context.node_config), env.partition_id, env.context.run_id,
+                                         SECRET_PURPOSE, lambda: _fresh_seed(f"{env.node_id}/share"))
+        if len(secret) != 32:
+            raise ValueError(f"the pinned niss share secret of run {env.context.run_id} holds {len(secret)} bytes, not 32")
+        env.memo[SECRET_PURPOSE] = secret
+    return secret
 
 
 def share_seed(env: ClientEnv, rnd: int, scale: float, peer: int, relay_key: bytes) -> bytes:
