@@ -12,8 +12,8 @@ The strategy sends its settings (``method``, ``epsilon``, ``clip``, ...) in ever
 (:mod:`protocols.wire.settings`), so the client needs no run config; settings that differ from a key the
 client's run config sets (its ``method``, ``epsilon``, ...) are refused, and so is a diagnostic
 (``cancellation-check``) the client's own run config does not turn on.  The first message of a run pins its
-settings (``Context.state``): a later message of the run with other settings is refused, so a server cannot
-recalibrate a run (e.g. announce ``num-rounds = r`` in round ``r``).
+settings (the node's ledger, :func:`pinned`): a later message of the run with other settings is refused, so a
+server cannot recalibrate a run (e.g. announce ``num-rounds = r`` in round ``r``).
 Premises of the protection: the method trains your model itself (a DP guarantee covers a training procedure,
 not an arbitrary update), ``y`` holds integer class labels, and the model's ``state_dict`` keys match the
 server's arrays.  Noise is drawn on the CPU from the OS CSPRNG; training runs on ``device``.
@@ -22,6 +22,7 @@ server's arrays.  Noise is drawn on the CPU from the OS CSPRNG; training runs on
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 from collections.abc import Callable
 
@@ -32,6 +33,7 @@ from torch import nn
 
 from client.env import ClientEnv
 from client.errors import sealed
+from client.ledger import ClientLedger, ledger_dir
 from client.methods import query_actions, query_phase, train_phase
 from protocols.config import ConfigError, RunConfig, describe_changes
 from protocols.node_config import check_node_config
@@ -71,24 +73,38 @@ def client_env(context: Context, model: nn.Module, x: np.ndarray, y: np.ndarray,
 
 
 def pinned(context: Context, cfg: RunConfig) -> RunConfig:
-    """``cfg``, once it matches the settings of this run's first message (pinned in ``context.state`` by it).
+    """``cfg``, once it matches the settings of this run's first message.
+
+    The first message of a run pins a digest of its settings in the node's ledger, under its lock
+    (:meth:`client.ledger.ClientLedger.pin_settings`), and the settings themselves in ``context.state``: Flower's
+    SuperNode may start a message's ClientApp on ``Context.state`` from before the previous message's, so only the
+    ledger sees every message.  A message on a state holding the run's settings is checked against them (its
+    refusal names the changed keys) without opening the ledger.
 
     Raises:
-        ConfigError: (:data:`~protocols.wire.settings.MISMATCH`) ``cfg`` differs from the run's pinned settings;
-            the message names the changed keys.
+        ConfigError: (:data:`~protocols.wire.settings.MISMATCH`) ``cfg`` differs from the run's pinned settings.
     """
     run_id = str(context.run_id)  # text: a Flower run id is an unsigned 64-bit value
+    text = json.dumps(cfg.to_mapping(), sort_keys=True)
     rec = context.state.get(PINNED_KEY)
-    if not isinstance(rec, ConfigRecord) or rec.get("run-id") != run_id:
-        context.state[PINNED_KEY] = ConfigRecord({"run-id": run_id, "json": json.dumps(cfg.to_mapping(), sort_keys=True)})
+    if isinstance(rec, ConfigRecord) and rec.get("run-id") == run_id:
+        shown = describe_changes(json.loads(str(rec["json"])), cfg, "", "")
+        if shown:
+            raise _changed(run_id, f" ({shown})")
         return cfg
-    first = json.loads(str(rec["json"]))
-    shown = describe_changes(first, cfg, "", "")
-    if shown:
-        raise ConfigError(f"{MISMATCH} the strategy's settings changed within run {run_id} ({shown}); this node acts "
-                          f"on the settings of the run's first message only, so the run must keep them (start a "
-                          f"new run to change them)")
+    digest = hashlib.sha256(text.encode()).digest()
+    with ClientLedger.open(ledger_dir(context.node_config), int(context.node_config.get("partition-id", 0))) as led:
+        first = led.pin_settings(int(context.run_id), digest)
+    if first != digest:
+        raise _changed(run_id, " (another message of the run pinned other settings)")
+    context.state[PINNED_KEY] = ConfigRecord({"run-id": run_id, "json": text})
     return cfg
+
+
+def _changed(run_id: str, shown: str) -> ConfigError:
+    return ConfigError(f"{MISMATCH} the strategy's settings changed within run {run_id}{shown}; this node acts on the "
+                       f"settings of the run's first message only, so the run must keep them (start a new run to "
+                       f"change them)")
 
 
 def protect(msg: Message, context: Context, model: nn.Module, x: np.ndarray, y: np.ndarray) -> Message:

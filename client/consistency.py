@@ -35,7 +35,7 @@ def sign_outcome(env: ClientEnv, req: ConsistencyRequest) -> ConsistencyReply:
     digest = outcome_digest(req.round, req.received, req.dropped, req.excluded)
     if store.signed and store.signed != digest:
         return ConsistencyReply(refused=f"this node already signed a different outcome of round {req.round}")
-    why = pinned(env, outcome)
+    why = pinned(env, req.round, digest)
     if why:
         return ConsistencyReply(refused=why)
     me = node_identity(env)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator, Mapping
+from contextlib import nullcontext
 
 from flwr.app import Message
 
@@ -198,28 +199,30 @@ def release(msg: Message, env: ClientEnv, uplink: Event | None = None, downlink:
 
 
 def top_up(env: ClientEnv, rnd: int, uplink: Event | None = None, downlink: Event | None = None,
-           accountant: Accountant | None = None) -> None:
+           accountant: Accountant | None = None, *, ledger: ClientLedger | None = None) -> None:
     """Charge round ``rnd``'s releases what its dropout recovery strips beyond their charge, before it is answered.
 
     ``uplink`` / ``downlink``: the events to compose on top of what :func:`release` recorded for the round (None:
     nothing more), in the method's privacy unit (a client-level one also to the ``record`` accounts).  The round
-    stays recorded once.  Raises :class:`FloorViolation` when the top-up would take the node past its lifetime
-    budget, or leave it without a finite epsilon while its policy wants a guarantee: nothing is charged then.
+    stays recorded once.  ``ledger``: the node's ledger, already open under its lock (None: opened here).  Raises
+    :class:`FloorViolation` when the top-up would take the node past its lifetime budget, or leave it without a
+    finite epsilon while its policy wants a guarantee: nothing is charged then.
     """
     g = guarantee(env)
     unit = g.unit if g.unit != "none" else "client"
     events = {f"{d}/{unit}": e for d, e in (("uplink", uplink), ("downlink", downlink)) if e is not None}
     if events:
-        _charge(env, rnd, events, accountant, new_round=False)
+        _charge(env, rnd, events, accountant, new_round=False, ledger=ledger)
 
 
 def _charge(env: ClientEnv, rnd: int, events: dict[str, Event], accountant: Accountant | None, *,
-            new_round: bool) -> tuple[float, int]:
+            new_round: bool, ledger: ClientLedger | None = None) -> tuple[float, int]:
     """Compose ``events`` into the ledger under its lock, after the policy's checks; (worst epsilon, rounds released).
 
     ``new_round``: a new release of round ``rnd`` (refused when the round was trained in already, then recorded);
     else a top-up of a round already recorded.  A client-level release spends every record's budget too, at
-    twice its sensitivity (:func:`protocols.privacy.per_record`).
+    twice its sensitivity (:func:`protocols.privacy.per_record`).  ``ledger``: already open under its lock (None:
+    opened here).
     """
     pol = policy(env)
     g = guarantee(env)
@@ -228,7 +231,7 @@ def _charge(env: ClientEnv, rnd: int, events: dict[str, Event], accountant: Acco
     if any(key.endswith("/client") for key in events):
         events.update({f"{key.split('/')[0]}/record": per_record(event) for key, event in list(events.items())})
     pol.check_run(env.cfg, protected=protected)
-    with _ledger(env) as led:
+    with nullcontext(ledger) if ledger is not None else _ledger(env) as led:
         if new_round:
             check_round(rnd, env.cfg, led.rounds(env.context.run_id))  # again, under the lock
         key, eps = _worst(led.projected(events, pol.lifetime_delta, accountant))

@@ -10,8 +10,10 @@ composition a method names for its releases (DDP-SA: :func:`protocols.ddpsa.comp
 server charges with); the epsilons of the accountants in use add at an equal share of ``delta`` each.  While an
 account holds only unsampled Gaussian releases its epsilon is their exact Gaussian-DP composition
 (:class:`GdpAccountant`), the figure a server that accounts exactly (LaDP) reports.  ``runs`` keeps, per Flower
-run id, the rounds this node trained (a repeated round is refused) and the run's own accounts (what node config
-``max-epsilon-per-run`` caps).
+run id, the rounds this node trained (a repeated round is refused), the run's own accounts (what node config
+``max-epsilon-per-run`` caps), and what every message of the run must agree on whatever ``Context.state`` it starts
+on: the settings digest (library mode), each round's recovery outcome, and the recovery top-ups charged.
+A run's secrets (:meth:`ClientLedger.run_secret`) lie beside the ledger in owner-only files of their own.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import fcntl
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,7 @@ from protocols.privacy import (
     RdpAccountant,
     accountant_from_state,
 )
+from protocols.private_files import write_private
 
 #: Written version; 2 added the named compositions (an older reader refuses them instead of ignoring them).
 _VERSION = 2
@@ -138,9 +141,7 @@ class ClientLedger:
     def open(cls, directory: Path, partition_id: int, *, write: bool = True) -> Iterator[ClientLedger]:
         """The ledger under an exclusive lock; written back atomically on normal exit when ``write``."""
         path = cls.file_for(directory, partition_id)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.with_suffix(".lock"), "a+") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with _locked(path):
             try:
                 data = json.loads(path.read_text()) if path.exists() else None
             except json.JSONDecodeError as err:
@@ -150,6 +151,22 @@ class ClientLedger:
             yield ledger
             if write:
                 ledger._save()
+
+    @classmethod
+    def run_secret(cls, directory: Path, partition_id: int, run_id: int, purpose: str,
+                   make: Callable[[], bytes]) -> bytes:
+        """The partition's secret ``purpose`` of run ``run_id``: the bytes of the first ``make()`` pinned.
+
+        Kept in a file of its own beside the ledger, ``client-<partition-id>.run-<run-id>.<purpose>.secret``, mode
+        0600 (the ledger file is not owner-only), written atomically under the ledger's lock when absent, so every
+        task of the node reads the one pinned, whatever ``Context.state`` it starts on.  Deleting the file after the
+        run forgets the secret.
+        """
+        path = Path(directory) / f"client-{int(partition_id)}.run-{int(run_id)}.{purpose}.secret"
+        with _locked(cls.file_for(directory, partition_id)):
+            if not path.exists():
+                write_private(path, bytes(make()))
+            return path.read_bytes()
 
     def _save(self) -> None:
         tmp = self.path.with_suffix(".tmp")
@@ -204,8 +221,28 @@ class ClientLedger:
         in the ledger, under its lock: Flower's SuperNode may start a message's ClientApp on ``Context.state`` from
         before the previous message's (a ClientApp saves it only at exit), so only the ledger sees every message.
         """
-        outcomes = self.runs.setdefault(str(run_id), {"rounds": []}).setdefault("outcomes", {})
-        return bytes.fromhex(outcomes.setdefault(str(int(rnd)), bytes(digest).hex()))
+        return self._pin(run_id, "outcomes", str(int(rnd)), digest)
+
+    def pin_settings(self, run_id: int, digest: bytes) -> bytes:
+        """The settings digest this node acts on in run ``run_id``: the first one pinned (as :meth:`pin_outcome`)."""
+        return self._pin(run_id, "pins", "settings", digest)
+
+    def recovery_charged(self, run_id: int, rnd: int, digest: bytes) -> bool:
+        """Whether the recovery top-up of round ``rnd``'s outcome ``digest`` is charged in run ``run_id``."""
+        charged = self.runs.get(str(run_id), {}).get("recovery-charged", {})
+        return bytes(digest).hex() in charged.get(str(int(rnd)), [])
+
+    def mark_recovery_charged(self, run_id: int, rnd: int, digest: bytes) -> None:
+        """Record that the recovery top-up of round ``rnd``'s outcome ``digest`` is charged (:meth:`recovery_charged`)."""
+        charged = self.runs.setdefault(str(run_id), {"rounds": []}).setdefault("recovery-charged", {})
+        digests = charged.setdefault(str(int(rnd)), [])
+        if bytes(digest).hex() not in digests:
+            digests.append(bytes(digest).hex())
+
+    def _pin(self, run_id: int, section: str, key: str, value: bytes) -> bytes:
+        """``runs[run_id][section][key]``, set to ``value`` when absent (hex in the file)."""
+        pins = self.runs.setdefault(str(run_id), {"rounds": []}).setdefault(section, {})
+        return bytes.fromhex(pins.setdefault(key, bytes(value).hex()))
 
     def charge(self, run_id: int, events: Mapping[str, Event], accountant: Accountant | None = None) -> None:
         """Compose ``events`` into the node's and run ``run_id``'s accounts without recording a new round.
@@ -218,6 +255,15 @@ class ClientLedger:
             run_accounts.setdefault(key, Account()).compose(event, accountant)
         run = self.runs.setdefault(str(run_id), {"rounds": []})
         run["accounts"] = {k: a.to_state() for k, a in sorted(run_accounts.items())}
+
+
+@contextmanager
+def _locked(ledger: Path) -> Iterator[None]:
+    """An exclusive lock on the ledger file ``ledger`` (its ``.lock`` sibling), its folder made when missing."""
+    ledger.parent.mkdir(parents=True, exist_ok=True)
+    with open(ledger.with_suffix(".lock"), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _projected(accounts: Mapping[str, Account], events: Mapping[str, Event], delta: float,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,7 +32,7 @@ from client.floor import policy
 from client.identity import node_identity
 from client.ledger import ClientLedger, ledger_dir
 from client.pairwise_phase import pair_seeds, participants_of, roster_round_of
-from client.recovery_ledger import charge_recovery
+from client.recovery_ledger import charge_recovery, recovery_events
 from protocols.consistency import SignedOutcome, outcome_digest, valid_signers
 from protocols.floor import FloorViolation
 from protocols.masking import (
@@ -269,16 +270,44 @@ def check_request(store: RecoveryStore | None, req: RecoveryRequest, me: int, ru
     return ""
 
 
-def pinned(env: ClientEnv, req: RecoveryRequest) -> str:
-    """Why this node must refuse ``req``'s outcome ("" when it is the round's one), pinning it when the round has none.
+def pinned(env: ClientEnv, rnd: int, digest: bytes) -> str:
+    """Why this node must refuse outcome ``digest`` of round ``rnd`` ("" when it is the round's one), pinning it first.
 
     One outcome per round, signed or answered, across every message (:meth:`client.ledger.ClientLedger.pin_outcome`:
     in the ledger, as a message's ClientApp may start on ``Context.state`` from before the previous message's).
+    ``digest``: :func:`protocols.consistency.outcome_digest` of the outcome.
     """
-    digest = outcome_digest(req.round, req.received, req.dropped, req.excluded)
-    with ClientLedger.open(ledger_dir(env.context.node_config), env.partition_id) as led:
-        first = led.pin_outcome(int(env.context.run_id), req.round, digest)
-    return "" if first == digest else f"this node already signed or answered another outcome of round {req.round}"
+    with _ledger(env) as led:
+        return _pin(env, led, rnd, digest)
+
+
+def _ledger(env: ClientEnv) -> AbstractContextManager[ClientLedger]:
+    return ClientLedger.open(ledger_dir(env.context.node_config), env.partition_id)
+
+
+def _pin(env: ClientEnv, led: ClientLedger, rnd: int, digest: bytes) -> str:
+    first = led.pin_outcome(int(env.context.run_id), rnd, digest)
+    return "" if first == digest else f"this node already signed or answered another outcome of round {rnd}"
+
+
+def settle(env: ClientEnv, store: RecoveryStore, req: RecoveryRequest, digest: bytes) -> str:
+    """Why the answer to ``req`` (outcome ``digest``) must be refused ("" to send it), in one ledger open.
+
+    Pins the outcome (:func:`pinned`), then charges what answering it strips
+    (:func:`client.recovery_ledger.charge_recovery`: once per round and outcome, whichever task of the node
+    answers); a charge past the node's policy is refused, the pin kept.  Priced only while ``store`` holds no
+    answer of the round (:func:`check_request` refuses an answered round's other outcomes).
+    """
+    events = (recovery_events(env, req, store.charge, store.noise, bool(store.mask_keys)) if store.answered is None
+              else (None, None))
+    with _ledger(env) as led:
+        why = _pin(env, led, req.round, digest)
+        if not why:
+            try:
+                charge_recovery(env, led, req.round, digest, events)
+            except FloorViolation as err:
+                why = str(err)
+    return why
 
 
 def answer(store: RecoveryStore, dropped: set[int], excluded: set[int] = frozenset()) -> RecoveryReply:  # type: ignore[assignment]
@@ -311,7 +340,7 @@ def answer(store: RecoveryStore, dropped: set[int], excluded: set[int] = frozens
 
 
 def unsigned(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv, gone: set[int],
-             signatures: SignedOutcomes | None) -> tuple[str, set[int]]:
+             signatures: SignedOutcomes | None, digest: bytes) -> tuple[str, set[int]]:
     """(why no pair material may go out at all, "" when some may; the neighbours of ``gone`` whose may not).
 
     Requires that this client signed the request's outcome (:func:`client.consistency.handle_consistency`) and,
@@ -319,9 +348,9 @@ def unsigned(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv, gone: s
     :func:`protocols.masking.signatures_needed` of ``k``'s present neighbours (this client counts for itself;
     :func:`protocols.masking.signature_count`, the rule the server predicts answers with),
     each checked against the roster under the name the round's checked view gives its node; a ``k`` short of them
-    is in the second set (its pair material stays secret, its pair noise in the aggregate).
+    is in the second set (its pair material stays secret, its pair noise in the aggregate).  ``digest``: the
+    request's outcome digest (:func:`protocols.consistency.outcome_digest`).
     """
-    digest = outcome_digest(req.round, req.received, req.dropped, req.excluded)
     if store.signed != digest:
         return (f"the request declares neighbour(s) {sorted(gone)} not aggregated, but this node signed "
                 f"{'another' if store.signed else 'no'} outcome of round {req.round} (consistency check)"), set()
@@ -352,7 +381,7 @@ def unsigned(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv, gone: s
     return "", short
 
 
-def answer_masked(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv,
+def answer_masked(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv, digest: bytes,
                   signatures: SignedOutcomes | None = None) -> RecoveryReply:
     """Double masking: self-mask shares of the received neighbours, pair seeds of the dropped and excluded.
 
@@ -365,7 +394,7 @@ def answer_masked(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv,
     this client signed (:func:`unsigned`).  The pair material of a neighbour not aggregated whose neighbours did
     not sign the outcome enough stays secret (its material empty, named ``kept``: that pair noise stays in the
     aggregate); the rest of the answer goes out, so one short neighbourhood does not fail the round.
-    ``signatures``: those the server collected in the consistency phase.
+    ``digest``: the request's outcome digest; ``signatures``: those the server collected in the consistency phase.
     """
     excluded = set(req.excluded)
     kept = set(req.received) - excluded
@@ -381,9 +410,9 @@ def answer_masked(store: RecoveryStore, req: RecoveryRequest, env: ClientEnv,
     conflict = sorted((alive & store.revealed_pair) | (gone & store.revealed_mask))
     if conflict:
         return RecoveryReply(refused=f"node(s) {conflict}: the other kind of material was already revealed this round")
-    if store.signed and store.signed != outcome_digest(req.round, req.received, req.dropped, req.excluded):
+    if store.signed and store.signed != digest:
         return RecoveryReply(refused=f"the request's outcome differs from the one this node signed for round {req.round}")
-    why, short = unsigned(store, req, env, gone, signatures) if gone else ("", set())
+    why, short = unsigned(store, req, env, gone, signatures, digest) if gone else ("", set())
     if why:
         return RecoveryReply(refused=why)
     forwarded = req.forwarded or {}
@@ -410,9 +439,9 @@ def recovery_answer(content: RecordDict, env: ClientEnv) -> ConfigRecord:
 
     ``content`` may also hold the consistency phase's signatures (record ``CONSISTENCY_RECORD``).  The same rules
     hold whether the request came as ``query.recover`` or in the next round's train message
-    (:func:`answer_carried`).  Before the first answer of the round leaves, the node's ledger is charged what the
-    outcome strips from the round's noise (:func:`client.recovery_ledger.charge_recovery`); a charge past the
-    node's policy is refused and the reply is the refusal, nothing revealed.
+    (:func:`answer_carried`).  Before an answer leaves, its outcome is pinned and the node's ledger charged what the
+    outcome strips from the round's noise, once per round and outcome (:func:`settle`); a charge past the node's
+    policy is refused and the reply is the refusal, nothing revealed.
     """
     try:
         req = RecoveryRequest.from_config(content["config"])
@@ -424,6 +453,7 @@ def recovery_answer(content: RecordDict, env: ClientEnv) -> ConfigRecord:
         out = RecoveryReply(refused=why)
     else:
         assert store is not None  # check_request refuses otherwise
+        digest = outcome_digest(req.round, req.received, req.dropped, req.excluded)
         if store.mask_keys:
             try:
                 sigs = (SignedOutcomes.from_config(content[CONSISTENCY_RECORD])
@@ -431,16 +461,11 @@ def recovery_answer(content: RecordDict, env: ClientEnv) -> ConfigRecord:
             except ValueError as err:
                 out = RecoveryReply(refused=f"malformed signatures ({err})")
             else:
-                out = answer_masked(store, req, env, sigs)
+                out = answer_masked(store, req, env, digest, sigs)
         else:
             out = answer(store, set(req.dropped), set(req.excluded))
-        if not out.refused and (why := pinned(env, req)):
+        if not out.refused and (why := settle(env, store, req, digest)):
             out = RecoveryReply(refused=why)
-        if not out.refused and store.answered is None:  # the first answer of the round: charged once
-            try:
-                charge_recovery(env, req, store.charge, store.noise, bool(store.mask_keys))
-            except FloorViolation as err:
-                out = RecoveryReply(refused=str(err))
         if not out.refused:
             store.answered = (tuple(sorted(req.received)), tuple(sorted(req.dropped)), tuple(sorted(req.excluded)))
             store.save(env)

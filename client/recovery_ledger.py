@@ -3,11 +3,12 @@
 A node charges its ledger at upload (:func:`client.floor.release`) with the noise its upload keeps when every
 participant is aggregated.  A recovery request names neighbours gone (dropped or excluded); the survivors reveal
 their pair material with them, which strips that pair noise from the uploads the server holds, and the
-published aggregate keeps only the survivors' noise.  :func:`charge_recovery` recomputes, from the request's
+published aggregate keeps only the survivors' noise.  :func:`recovery_events` recomputes, from the request's
 outcome and the round's public values the method kept with its pair material (:func:`charge_spec`, the
 ``charge`` of :class:`client.recovery.RecoveryStore`), the multipliers the round really keeps, with the same
-functions the server's account stage charges with, and composes the shortfall into the ledger
-(:func:`client.floor.top_up`), or refuses (:class:`protocols.floor.FloorViolation`) past the node's policy.
+functions the server's account stage charges with; :func:`charge_recovery` composes the shortfall into the ledger
+(:func:`client.floor.top_up`) once per round and outcome, or refuses (:class:`protocols.floor.FloorViolation`) past
+the node's policy.
 Each method prices its own outcome (its card's ``recovery_charge``, ``fn(env, spec, kept, request) -> (uplink,
 downlink)`` events to compose on top):
 
@@ -39,12 +40,13 @@ from typing import Any
 
 from client.env import ClientEnv
 from client.floor import top_up
+from client.ledger import ClientLedger
 from protocols.methods import MethodSpec, method_spec
 from protocols.privacy import Event, GaussianEvent, event_from_dict
 from protocols.privacy.budget import shortfall_event
 from protocols.wire.recovery import RecoveryRequest
 
-__all__ = ["Kept", "charge_recovery", "charge_spec", "gone", "int_keys", "top_event"]
+__all__ = ["Kept", "charge_recovery", "charge_spec", "gone", "int_keys", "recovery_events", "top_event"]
 
 
 def charge_spec(**values: Any) -> str:
@@ -98,19 +100,31 @@ def gone(store: Kept, req: RecoveryRequest) -> tuple[set[int], set[int]]:
     return set(req.received) - excluded, set(store.noise) & (set(req.dropped) | excluded)
 
 
-def charge_recovery(env: ClientEnv, req: RecoveryRequest, charge: str, noise: Mapping[int, float],
-                    masked: bool) -> None:
-    """Charge the ledger what answering ``req`` (checked, not yet answered) strips from round ``req.round``.
+def recovery_events(env: ClientEnv, req: RecoveryRequest, charge: str, noise: Mapping[int, float],
+                    masked: bool) -> tuple[Event | None, Event | None]:
+    """The (uplink, downlink) events answering ``req`` (checked) adds on top of round ``req.round``'s charge.
 
-    ``charge``: the round's :func:`charge_spec` (empty: a method whose pair material strips no charged noise);
-    ``noise``: neighbour -> this node's own pair noise with it; ``masked``: its upload is self-masked.  Nothing
-    for an outcome that aggregates every participant.  Raises :class:`FloorViolation` (nothing charged) past the
-    node's policy (:func:`client.floor.top_up`).
+    ``charge``: the round's :func:`charge_spec` (empty: a method whose pair material strips no charged noise:
+    nothing); ``noise``: neighbour -> this node's own pair noise with it; ``masked``: its upload is self-masked.
+    Nothing for an outcome that aggregates every participant.
     """
     if not charge:
-        return
+        return None, None
     price = method_spec(env.cfg.method).recovery_charge
     if price is None:
         raise ValueError(f"method {env.cfg.method!r} kept a recovery charge but its card names no recovery_charge")
-    uplink, downlink = MethodSpec.load(price)(env, json.loads(charge), Kept(noise, masked), req)
-    top_up(env, req.round, uplink, downlink)
+    return MethodSpec.load(price)(env, json.loads(charge), Kept(noise, masked), req)
+
+
+def charge_recovery(env: ClientEnv, ledger: ClientLedger, rnd: int, digest: bytes,
+                    events: tuple[Event | None, Event | None]) -> None:
+    """Compose ``events`` (:func:`recovery_events`) into ``ledger`` (open, under its lock) once per round and outcome.
+
+    ``digest``: the answered outcome's (:func:`protocols.consistency.outcome_digest`).  A top-up of round ``rnd``'s
+    outcome ``digest`` already in the ledger is not charged again, whichever task of the node answered it.  Raises
+    :class:`FloorViolation` (nothing charged) past the node's policy (:func:`client.floor.top_up`).
+    """
+    if all(e is None for e in events) or ledger.recovery_charged(int(env.context.run_id), rnd, digest):
+        return
+    top_up(env, rnd, *events, ledger=ledger)
+    ledger.mark_recovery_charged(int(env.context.run_id), rnd, digest)

@@ -1,11 +1,14 @@
 """The library client (:mod:`client.api`) against a server that changes its settings within a run.
 
-The api client takes its settings from the strategy's messages; a run's first message pins them, and a
+The api client takes its settings from the strategy's messages; a run's first message pins them (in the node's
+ledger, which every message sees, even two delivered together on copies of one ``Context.state``), and a
 diagnostic only the client's own run config may turn on (``cancellation-check``) is refused when only the
 server's settings record asks for it.
 """
 
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import pytest
@@ -88,9 +91,29 @@ def test_api_client_keeps_acting_on_the_settings_it_pinned():
     assert reply.has_error() and "epsilon: 1.0 -> 0.5" in reply.error.reason and "clip: " in reply.error.reason
 
 
-def test_pinned_settings_per_run():
+def test_two_tasks_of_one_node_on_copies_of_its_state_act_on_one_runs_settings():
+    """Two first messages of a run delivered together, each on a copy of the node's Context: one settings per run.
+
+    The second's settings (num-rounds 2 where the first pinned 1) are refused, as the ledger's pin says; nothing more
+    is charged.
+    """
+    from strategies.baselines import LocalDPStrategy
+
+    grid = LocalGrid(attach(ClientApp(), _load), 2, {"method": "ldp"})
+    node = grid.node_ids[0]
+    copied = copy.deepcopy(grid.contexts[node])  # task 2's copy of the state, taken before task 1 pushes back
+    first = _train(LocalDPStrategy(_settings(num_rounds=1)), grid, 1)
+    assert not first.has_error(), first.error.reason if first.has_error() else ""
+    grid.contexts[node] = copied
+    reply = _train(LocalDPStrategy(_settings(num_rounds=2)), grid, 2)
+    assert reply.has_error() and MISMATCH in reply.error.reason and "another message of the run" in reply.error.reason
+    with ClientLedger.open(ledger_dir(copied.node_config), 0, write=False) as led:
+        assert led.rounds(copied.run_id) == [1]
+
+
+def test_pinned_settings_per_run(tmp_path):
     """pinned(): the first settings of a run are kept; other ones are refused naming the keys; a new run re-pins."""
-    ctx = Context(run_id=7, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    ctx = Context(run_id=7, node_id=1, node_config={"ledger-dir": str(tmp_path)}, state=RecordDict(), run_config={})
     assert pinned(ctx, _settings()).num_rounds == 2
     assert pinned(ctx, _settings()).num_rounds == 2
     with pytest.raises(ConfigError, match=r"num-rounds: 2 -> 5"):

@@ -103,6 +103,16 @@ def test_corrupt_ledger_is_not_read_as_empty(tmp_path):
         pass
 
 
+def test_a_run_secret_is_pinned_by_its_first_writer_in_an_owner_only_file(tmp_path):
+    """The first ``make()`` is kept (mode 0600, not in the ledger JSON); a later one is ignored; runs differ."""
+    first = ClientLedger.run_secret(tmp_path, 0, 7, "test", lambda: b"a" * 32)
+    assert ClientLedger.run_secret(tmp_path, 0, 7, "test", lambda: pytest.fail("made again")) == first == b"a" * 32
+    assert ClientLedger.run_secret(tmp_path, 0, 8, "test", lambda: b"b" * 32) == b"b" * 32
+    (path,) = tmp_path.glob("client-0.run-7.test.secret")
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert not list(tmp_path.glob("*.json"))  # the ledger is neither read nor written for it
+
+
 # ------------------------------------------------------------------------------ through the ClientApp
 def test_budget_would_be_exceeded_mid_run_refused(tmp_path):
     """Lifetime between the cost of 2 and 3 rounds: rounds 1-2 train, round 3 is refused by every client."""

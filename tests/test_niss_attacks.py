@@ -13,24 +13,41 @@
   (the aggregate's error std 0.46 against 0.35).  The scale is bound into the payloads' associated data, and the
   same request always draws the same shares (:func:`client.methods.niss.share_seed`), so a payload that opens
   carries the very shares its sender holds for the view and scale the receiver trains under.
+* One share request delivered to a node twice at once: Flower's SuperNode may start both ClientApps on the node's
+  ``Context.state`` from before either, and keeps the state the last one pushes.  A share secret made in
+  ``Context.state`` on first use gives each task its own: the node trains with the shares of one answer while its
+  neighbours hold the negated shares of the other, and its noise does not cancel.  The secret is random and pinned
+  beside the node's ledger (:func:`client.methods.niss.share_secret`): both tasks seal the same shares.  A secret
+  derived from public inputs (a simulation identity derives from the run seed) would let the server compute the
+  shares and strip the noise: two nodes alike in everything public draw different secrets.
 * A ``niss-tau`` so small that float64 cannot compute the joint view's factors (they came out too large, so the
   floor too small): refused below :data:`protocols.niss.MIN_TAU`.
 """
 
 from __future__ import annotations
 
+import copy
+import stat
+
 import pytest
 from flwr.app import RecordDict
 
+from client.app import app as client_app
+from client.env import ClientEnv
+from client.identity import node_identity
+from client.ledger import ledger_dir
+from client.methods.niss import SECRET_PURPOSE, STATE_KEY, share_secret
 from protocols.graphs import complete_graph
 from protocols.niss import MIN_TAU
 from protocols.niss_joint import joint_factors
 from protocols.wire.niss import AuthFailures
+from server.defaults import app_defaults
+from server.local_grid import LocalGrid
 from strategies.base import RoundFailed
 from strategies.niss import NissStrategy
 from strategies.niss_shares import _share_reply
 from strategies.stages import run_round
-from tests.niss_setup import niss_round, niss_setup
+from tests.niss_setup import FAST, niss_round, niss_setup
 
 #: The aggregate-noise figures come from the nodes' noiseless-update diagnostic.
 niss_diagnostics = pytest.mark.usefixtures("niss_diagnostics")
@@ -102,6 +119,64 @@ def test_a_request_asked_again_after_another_scale_draws_the_same_shares():
     run_round(strategy, grid, 1, arrays)
     report = strategy.round_report()
     assert report["participants"] == cfg.num_clients and report["aggregate_error_rel"] <= 1e-9
+
+
+class TwoTasks(NissStrategy):
+    """A server whose share request reaches the victim twice at once, each task on a copy of its ``Context``.
+
+    The victim keeps the first task's state (its push lands last); its neighbours get the second task's payloads.
+    ``local``: the in-process grid whose contexts the tasks run on.
+    """
+
+    local = None
+
+    def _share_phase(self, grid, kr):
+        kr, self._ahead = self._sized(kr), None
+        weights, scale, self.victim = self._weights(kr), self._scale(kr), kr.participants[0]
+
+        def ask(n):
+            return RecordDict({"config": self._share_request(kr, n, weights, scale)})
+
+        before = copy.deepcopy(self.local.contexts[self.victim])  # the second task's copy, taken before either runs
+        replies, errors = self.exchange(grid, kr.participants, ask, "shares")
+        assert not errors, errors
+        answers = {n: _share_reply(r, kr.neighbours[n]) for n, r in replies.items()}
+        first, self.local.contexts[self.victim] = self.local.contexts[self.victim], before
+        again, errors = self.exchange(grid, [self.victim], ask, "shares")
+        assert not errors, errors
+        answers[self.victim] = _share_reply(again[self.victim], kr.neighbours[self.victim])
+        self.seeds = [list(c.state[STATE_KEY]["out-seeds"]) for c in (first, before)]
+        self.local.contexts[self.victim] = first
+        return kr, answers
+
+
+@niss_diagnostics
+def test_two_tasks_of_one_node_on_copies_of_its_state_seal_the_same_shares():
+    """The victim trains on one task's shares, its neighbours hold the other's: they cancel (tau = 0: exactly)."""
+    cfg, grid, _, arrays = niss_setup(self_mask=False, niss_tau=0.0, cancellation_check=True, num_rounds=1)
+    strategy = TwoTasks(cfg)
+    strategy.local = grid
+    run_round(strategy, grid, 1, arrays)
+    assert strategy.seeds[0] == strategy.seeds[1]
+    report = strategy.round_report()
+    assert report["participants"] == cfg.num_clients and report["aggregate_error_rel"] <= 1e-9
+
+
+def test_the_share_secret_is_no_function_of_public_inputs_and_only_its_owner_reads_it():
+    """Two fresh nodes alike in run config, run id and (seed-derived) identity draw different secrets, kept 0600."""
+    raw = {**app_defaults(), **FAST}
+    grids = [LocalGrid(client_app, 2, raw, run_id=4242, identities=False) for _ in range(2)]
+    contexts = [g.contexts[g.node_ids[0]] for g in grids]
+    envs = [ClientEnv.from_context(c) for c in contexts]
+    assert node_identity(envs[0]).identity.public_bytes == node_identity(envs[1]).identity.public_bytes
+    secrets_ = [share_secret(e) for e in envs]
+    assert secrets_[0] != secrets_[1] and all(len(s) == 32 for s in secrets_)
+    for ctx, secret in zip(contexts, secrets_, strict=True):
+        # a later task on a copy of the state from before reads the pinned secret
+        assert share_secret(ClientEnv.from_context(copy.deepcopy(ctx))) == secret
+        (path,) = ledger_dir(ctx.node_config).glob(f"*.{SECRET_PURPOSE}.secret")
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_bytes() == secret
+        assert not any(secret.hex() in p.read_text() for p in ledger_dir(ctx.node_config).glob("*.json"))
 
 
 def test_neighbours_under_other_run_settings_share_no_relay_key():

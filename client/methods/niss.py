@@ -20,7 +20,7 @@ Two steps per round (protocol: :mod:`strategies.niss`, :mod:`strategies.niss_sha
   request the message may carry is answered before the round is charged (a refused request gets no answer here:
   the server asks again in a ``query.shares`` phase).
 
-Payload format: :func:`encode_payload`.
+Payload format: :func:`client.methods.niss_payload.encode_payload`.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ from flwr.common import log
 from client.env import ClientEnv, client_level_update, record_level_training, reply
 from client.floor import FloorViolation, check_new_round, policy, release
 from client.identity import node_identity
+from client.ledger import ClientLedger, ledger_dir
+from client.methods.niss_payload import decode_payload, encode_payload
 from client.pairwise_phase import checked_pair_seeds, mask_probe, remember_view
 from client.records import to_record
 from client.recovery import check_unmasked, remember, seal_self_mask
@@ -81,14 +83,10 @@ from protocols.wire.niss import (
 from protocols.wire.recovery import NissPairMaterial, RecoveryRequest
 
 STATE_KEY = "cancelfl-niss"
-#: Context.state record of this node's share secret (:func:`share_seed`).
-SECRET_KEY = "cancelfl-niss-secret"
 RELAY_PURPOSE = "niss-relay-key"
-_MAGIC = b"NISS\x01"
-_HEADER = struct.Struct(">cId")  # encoding, count, share_std
-_SIZE = struct.Struct(">I")
+#: Name of the node's pinned share secret of a run (:func:`share_secret`).
+SECRET_PURPOSE = "niss-share"
 _SCALE = struct.Struct(">d")
-_ENC_BYTE = {"seed": b"S", "vector": b"V"}
 
 
 def _fresh_seed(label: str) -> bytes:
@@ -108,74 +106,43 @@ def _aad(sender: int, receiver: int, rnd: int, run_id: int, encoding: str, scale
                     context=int(run_id).to_bytes(8, "big") + _SCALE.pack(scale) + b"niss/" + encoding.encode())
 
 
+def share_secret(env: ClientEnv) -> bytes:
+    """The node's share secret of the run: 32 bytes of OS randomness, made once and pinned beside its ledger.
+
+    Every task of the node reads the pinned one (:meth:`client.ledger.ClientLedger.run_secret`: an owner-only
+    file, first writer wins under the ledger's lock), whatever ``Context.state`` it starts on (Flower's SuperNode
+    may start a message's ClientApp on the state from before the previous message's); nothing public (run config,
+    run id, identity) determines it.  Read once per message (``env.memo``).
+
+    Raises:
+        ValueError: the pinned file does not hold 32 bytes.
+    """
+    secret = env.memo.get(SECRET_PURPOSE)
+    if secret is None:
+        secret = ClientLedger.run_secret(ledger_dir(env.context.node_config), env.partition_id, env.context.run_id,
+                                         SECRET_PURPOSE, lambda: _fresh_seed(f"{env.node_id}/share"))
+        if len(secret) != 32:
+            raise ValueError(f"the pinned niss share secret of run {env.context.run_id} holds {len(secret)} bytes, not 32")
+        env.memo[SECRET_PURPOSE] = secret
+    return secret
+
+
 def share_seed(env: ClientEnv, rnd: int, scale: float, peer: int, relay_key: bytes) -> bytes:
     """The seed of this node's shares for neighbour ``peer`` in the request of round ``rnd`` at ``scale``.
 
     A keyed hash of the request (the round, the scale, the peer and its relay key, which binds the view and the
-    sizes) under this node's share secret (made once per run, kept in ``Context.state``): the same request
-    draws the same shares whatever was asked in between, so whichever of its answers the server relays, they
-    cancel; any other request draws independent ones.
+    sizes) under this node's :func:`share_secret`: the same request draws the same shares in every task of the
+    node, whatever was asked in between, so whichever of its answers the server relays, they cancel; any other
+    request draws independent ones.
     """
-    rec = env.context.state.get(SECRET_KEY)
-    if rec is None:
-        rec = env.context.state[SECRET_KEY] = ConfigRecord({"secret": _fresh_seed(f"{env.node_id}/share")})
     msg = b"cancelfl/niss/share" + b"".join(int(v).to_bytes(8, "big") for v in (rnd, peer)) + _SCALE.pack(scale)
     msg += bytes(relay_key)
-    return hmac.new(bytes(rec["secret"]), msg, hashlib.sha256).digest()
+    return hmac.new(share_secret(env), msg, hashlib.sha256).digest()
 
 
 def model_size(env: ClientEnv) -> int:
     """Number of model parameters (the length of every share vector)."""
     return int(sum(v.size for v in get_weights(env.model()).values()))
-
-
-# ------------------------------------------------------------------------ payloads
-def encode_payload(encoding: str, bundle: niss_math.ShareBundle, size: int) -> bytes:
-    """Plaintext of one payload.
-
-    Format (big-endian header)::
-
-        b"NISS" | version u8 = 1 | encoding u8 (b"S" or b"V") | count u32 | share_std f64 |
-        seed:   32-byte bundle seed            (both sides expand the shares with protocols.prg)
-        vector: size u32 | count*size float64  (little-endian: the negated shares r = -n)
-
-    The sealing's associated data binds (sender, receiver, round, run id, joint-view scale, encoding) (:func:`_aad`;
-    the relay key binds the view and sizes): the relaying server can neither read, alter, replay (from another
-    round, run or request) nor redirect a payload unnoticed.  Each neighbour pair exchanges exactly one
-    payload per direction holding ``SHARES_PER_NEIGHBOUR`` share(s), so a dropped payload is detected and all
-    payloads of a round have the same length.
-    """
-    head = _MAGIC + _HEADER.pack(_ENC_BYTE[encoding], bundle.count, bundle.share_std)
-    if encoding == "seed":
-        return head + bundle.seed
-    negated = -niss_math.bundle_shares(bundle, size) if bundle.count else np.zeros((0, size))
-    return head + _SIZE.pack(size) + np.ascontiguousarray(negated, dtype="<f8").tobytes()
-
-
-def decode_payload(plain: bytes, encoding: str, sender: int, receiver: int,
-                   size: int) -> tuple[niss_math.ShareBundle, np.ndarray | None]:
-    """Parse an opened payload: the bundle and, for ``vector``, the negated shares ``(count, size)``."""
-    n_head = len(_MAGIC) + _HEADER.size
-    if len(plain) < n_head or plain[:len(_MAGIC)] != _MAGIC:
-        raise ViewError("not a NISS v1 payload")
-    enc, count, std = _HEADER.unpack_from(plain, len(_MAGIC))
-    if enc != _ENC_BYTE[encoding]:
-        raise ViewError(f"payload encoding {enc!r} does not match run-config {encoding!r}")
-    if count != niss_math.SHARES_PER_NEIGHBOUR:
-        raise ViewError(f"payload holds {count} shares, the protocol sends {niss_math.SHARES_PER_NEIGHBOUR}")
-    if not (math.isfinite(std) and std >= 0):
-        raise ViewError(f"implausible payload header (share_std={std})")
-    body = plain[n_head:]
-    if encoding == "seed":
-        if len(body) != 32:
-            raise ViewError(f"seed payload body has {len(body)} bytes, expected 32")
-        return niss_math.ShareBundle(sender, receiver, count, std, body), None
-    if len(body) < _SIZE.size or _SIZE.unpack_from(body)[0] != size or len(body) != _SIZE.size + 8 * count * size:
-        raise ViewError(f"vector payload does not hold {count} shares of size {size}")
-    vectors = np.frombuffer(body, dtype="<f8", offset=_SIZE.size).reshape(count, size).astype(np.float64)
-    if not np.all(np.isfinite(vectors)):
-        raise ViewError("vector payload contains non-finite values")
-    return niss_math.ShareBundle(sender, receiver, count, std, bytes(32)), vectors
 
 
 # --------------------------------------------------------------------------- state
