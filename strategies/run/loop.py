@@ -178,6 +178,11 @@ def _kb(n: float) -> str:
     return f"{n / 1e3:.1f} kB" if n < 1e6 else f"{n / 1e6:.2f} MB"
 
 
+def _eps_text(value: float) -> str:
+    """An epsilon of the progress line: two decimals, or three significant digits from 1e7 (``1e+300``)."""
+    return f"{value:.2f}" if abs(value) < 1e7 else f"{value:.3g}"
+
+
 def round_line(row: dict, total_rounds: int, target: float | None, *, verbose: bool = False,
                figures: dict[str, float] | None = None) -> str:
     """The progress line of one round (``row``: its metrics.jsonl row).
@@ -196,7 +201,7 @@ def round_line(row: dict, total_rounds: int, target: float | None, *, verbose: b
     elif acc is not None:
         parts.append(f"acc {acc:.3f}")
     parts.append("eps none (no DP)" if target is None else
-                 f"eps {'inf' if eps is None else f'{eps:.2f}'}/{target:.2f}")
+                 f"eps {'inf' if eps is None else _eps_text(eps)}/{_eps_text(target)}")
     parts.append(f"{row['round_time_s']:.1f} s")
     line = "  ".join(parts)
     if not verbose:

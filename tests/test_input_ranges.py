@@ -1,0 +1,46 @@
+"""Extreme and ill-typed run-config values: refused at start naming the key, or run at the documented floor.
+
+Every calibration gives at least :data:`protocols.privacy.MIN_NOISE_MULTIPLIER`: a target epsilon beyond what that
+noise spends runs and reports the smaller spend (ladp as ldp); the budget guard measures such targets too.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from server.launch import main, preflight
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.err + captured.out
+
+
+# ------------------------------------------------------------------ the noise floor at a huge epsilon
+@pytest.mark.parametrize(("epsilon", "rounds"), [(1e10, 1), (1e300, 20), (1e6, 1)])
+def test_ladp_multiplier_stops_at_the_floor(epsilon, rounds):
+    from protocols import ladp
+
+    floor = 1e-3  # protocols.privacy.MIN_NOISE_MULTIPLIER, the lower end of every other calibration's bisection
+    z = ladp.round_multiplier(epsilon, 1e-5, rounds)
+    assert z >= floor * (1 - 1e-12) and z == pytest.approx(floor, rel=1e-9)
+
+
+def test_ladp_at_a_huge_epsilon_runs_at_the_floor(tmp_path, capsys):
+    """Without the floor every client refuses (noise std ~1e-7 below the float32 grid): the run trains, spending ~5.0e5."""
+    code, out = _cli(capsys, "run", "--run-config", 'method="ladp" epsilon=1e10 dataset="breast-cancer" num-rounds=1 '
+                     f'num-clients=3 out-dir="{tmp_path / "out"}"')
+    assert code == 0 and "FAILED" not in out and "eps 504263.89/1e+10" in out, out
+
+
+@pytest.mark.parametrize("kind", ["gdp", "rdp"])
+def test_precision_budget_of_a_huge_target_is_measured(kind):
+    from protocols.privacy.budget import precision_budget
+
+    assert precision_budget(1e300, 1e-5, kind) > 1e18  # far above what releases at the floor charge
+
+
+def test_ladp_at_1e300_plans_at_start():
+    preflight({"method": "ladp", "dataset": "breast-cancer", "num-clients": 4, "num-rounds": 1, "epsilon": 1e300},
+              warn=print)
