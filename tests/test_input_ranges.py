@@ -44,3 +44,20 @@ def test_precision_budget_of_a_huge_target_is_measured(kind):
 def test_ladp_at_1e300_plans_at_start():
     preflight({"method": "ladp", "dataset": "breast-cancer", "num-clients": 4, "num-rounds": 1, "epsilon": 1e300},
               warn=print)
+
+
+@pytest.mark.parametrize("epsilon", [1e300, 1e200, 1e-300])
+def test_nadp_plans_every_epsilon_the_rdp_calibration_meets(epsilon):
+    """Every epsilon plans: at the target multiplier's scale (1e-3 at the floor, as ldp; about 7e4 at 1e-300).
+
+    Eq. 3's own scale underflows the pair variances at 1e200 ("Matrix is not positive definite") and overflows at
+    1e-300.
+    """
+    from protocols.nadp import round_plan
+    from protocols.nadp_privacy import rdp_multiplier
+
+    preflight({"method": "nadp", "dataset": "breast-cancer", "num-clients": 4, "num-rounds": 1, "epsilon": epsilon},
+              warn=print)
+    sig, alloc = round_plan({1: 100, 2: 120, 3: 90}, {1: 0.02, 2: 0.02, 3: 0.02}, epsilon, 1e-5, 2)
+    z = rdp_multiplier(epsilon, 1e-5, 2)
+    assert sig.sigma_up > 0 and alloc.receiver_std / (0.02 * 120 / 310) >= z * (1 - 1e-9)  # the aggregate view
