@@ -61,3 +61,38 @@ def test_nadp_plans_every_epsilon_the_rdp_calibration_meets(epsilon):
     sig, alloc = round_plan({1: 100, 2: 120, 3: 90}, {1: 0.02, 2: 0.02, 3: 0.02}, epsilon, 1e-5, 2)
     z = rdp_multiplier(epsilon, 1e-5, 2)
     assert sig.sigma_up > 0 and alloc.receiver_std / (0.02 * 120 / 310) >= z * (1 - 1e-9)  # the aggregate view
+
+
+def _no_process(monkeypatch) -> None:
+    def started(*_a, **_k):
+        pytest.fail("a run was started")
+
+    monkeypatch.setattr("server.deploy.run_simulation", started)
+    monkeypatch.setattr("server.deploy.run_deployment", started)
+    monkeypatch.setattr("server.local_grid.LocalGrid.__init__", started)
+
+
+# ------------------------------------------------------------------ types and integer counts
+@pytest.mark.parametrize(("run_config", "needle"), [
+    ("method=true", "run-config 'method' = true must be a string, got bool (write it in quotes: method=\"...\")"),
+    ("hidden=[64,32]", "run-config 'hidden' = [64, 32] must be a string, got list"),
+    ("nadp-variant=false", "run-config 'nadp-variant' = false must be a string, got bool"),
+    ("num-rounds=1e20", "run-config 'num-rounds' = 100000000000000000000 is above the most a run takes, 1,000,000: "
+                        "lower 'num-rounds'"),
+    ("num-rounds=1000001", "'num-rounds' = 1000001 is above the most a run takes"),
+    ("local-epochs=1e9", "run-config 'local-epochs' = 1000000000 is above the most a run takes, 10,000"),
+    ("num-clients=1e20", "run-config 'num-clients' = 100000000000000000000 must be an integer in [-2^63, 2^63 - 1]"),
+    ("n-out=1e19", "run-config 'n-out' = 10000000000000000000 must be an integer in [-2^63, 2^63 - 1]"),
+    ("num-rounds=2.5", "run-config 'num-rounds' = 2.5 must be an integer"),
+])
+def test_ill_typed_and_absurd_values_are_refused_at_start(capsys, monkeypatch, run_config, needle):
+    _no_process(monkeypatch)
+    code, err = _cli(capsys, "run", "--run-config", run_config)
+    assert code == 2 and needle in err and "Traceback" not in err, err
+
+
+def test_a_number_for_a_string_key_is_its_text():
+    from protocols.config import RunConfig
+
+    assert RunConfig.from_mapping({"hidden": 64}).hidden_sizes == (64,)
+    assert RunConfig.from_mapping({"num-rounds": 1e6}).num_rounds == 1_000_000
