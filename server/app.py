@@ -38,9 +38,8 @@ def main(grid: Grid, context: Context) -> None:
             partitions_for(cfg)  # a client without records: stop before asking any node, naming the maximum
         # num-clients "auto": the federation's size; a num-clients the nodes were not started for: stop, naming the fix
         cfg = fit_federation(grid, cfg, context.run_config)
-        if local_data:
-            partitions_for(cfg)  # cached when checked above
-        for note in adjustments(cfg):
+        partitions = partitions_for(cfg) if local_data else None  # cached when checked above
+        for note in adjustments(cfg, partitions):
             log(WARNING, "%s", note)
         # DDP-SA: the ServerApp never starts intermediate servers -- the clients take them from their own
         # configuration, so whoever submits the run names them (`cancelfl run/deploy` start local ones).

@@ -104,10 +104,11 @@ def preflight(overrides: dict, *, warn=_warn) -> RunConfig:
 
     The run config (keys, types, ranges), the method's own constraints (its strategy is constructed; for
     DDP-SA up to the intermediate servers the launcher starts later), the dataset files (truncated,
-    non-gzip or mismatched IDX files) and :func:`local_checks`.  Settings the run adjusts are reported
-    through ``warn``.
+    non-gzip or mismatched IDX files) and :func:`local_checks`.  Settings the run adjusts, and a ``delta`` not
+    below 1/n (:func:`protocols.adjustments.delta_note`), are reported through ``warn``.
     """
     from protocols.adjustments import adjustments
+    from protocols.task.data import partitions_for
     from strategies.registry import build_strategy
 
     cfg = RunConfig.from_mapping({**app_defaults(), **overrides})
@@ -121,7 +122,7 @@ def preflight(overrides: dict, *, warn=_warn) -> RunConfig:
         if not (local_services(cfg) and "'ddpsa-servers'" in str(err)):
             raise
     local_checks(cfg)
-    for note in adjustments(cfg):
+    for note in adjustments(cfg, None if cfg.dataset.startswith("hub:") else partitions_for(cfg)):
         warn(note)
     return cfg
 

@@ -96,3 +96,32 @@ def test_a_number_for_a_string_key_is_its_text():
 
     assert RunConfig.from_mapping({"hidden": 64}).hidden_sizes == (64,)
     assert RunConfig.from_mapping({"num-rounds": 1e6}).num_rounds == 1_000_000
+
+
+# ------------------------------------------------------------------ delta against the records it protects
+@pytest.mark.parametrize(("raw", "needle"), [
+    ({"method": "nadp", "delta": 0.999}, "run-config 'delta' = 0.999 is at least 1/n = 0.00877 (n = 114, the records "
+                                         "of the largest client)"),
+    ({"method": "ldp", "delta": 0.3, "privacy-unit": "client"}, "'delta' = 0.3 is at least 1/n = 0.25 (n = 4, the "
+                                                                "clients)"),
+])
+def test_a_delta_not_far_below_one_over_n_is_named_at_start(raw, needle):
+    """At delta 0.999 nadp reports epsilon 0: the start names the key and the usual rule."""
+    notes: list[str] = []
+    preflight({"dataset": "breast-cancer", "num-clients": 4, "num-rounds": 1, **raw}, warn=notes.append)
+    assert any(needle in n and "delta << 1/n" in n for n in notes), notes
+
+
+@pytest.mark.parametrize("raw", [{"method": "nadp"}, {"method": "fedavg", "delta": 0.5},
+                                 {"method": "ldp", "delta": 0.05, "privacy-unit": "client"}])
+def test_a_usual_delta_is_not_named(raw):
+    notes: list[str] = []
+    preflight({"dataset": "breast-cancer", "num-clients": 4, "num-rounds": 1, **raw}, warn=notes.append)
+    assert not [n for n in notes if "'delta'" in n], notes
+
+
+@pytest.mark.parametrize("delta", [1, 1.5, 0, -1e-5])
+def test_delta_outside_the_open_unit_interval_is_refused(capsys, monkeypatch, delta):
+    _no_process(monkeypatch)
+    code, err = _cli(capsys, "run", "--run-config", f'method="nadp" delta={delta}')
+    assert code == 2 and f"run-config 'delta' = {float(delta)} must be in (0, 1)" in err, err
