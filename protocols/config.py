@@ -86,7 +86,7 @@ class RunConfig:
     partitioning: str = "iid"  # how the training split is divided among clients (flwr-datasets partitioners)
     dirichlet_alpha: float = 0.5  # concentration of the dirichlet label split (smaller = more skew)
     seed: int = 42  # partitioning, sampling, initial model, batch order (never DP noise: OS CSPRNG)
-    round_timeout: float = 600.0  # seconds a phase waits for replies
+    round_timeout: float = 600.0  # seconds a phase waits for replies (simulation, deploy; in-process waits for every reply)
     min_clients: int = 2  # fewest connected nodes a round runs with (waits node-timeout s, then fails)
     node_timeout: float = 60.0  # seconds a round waits for nodes to connect (the first round: for all num-clients)
     max_strikes: int = 3  # rounds in a row with an excluded reply after which a node is left out (0 = never)

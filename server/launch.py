@@ -127,6 +127,20 @@ def preflight(overrides: dict, *, warn=_warn) -> RunConfig:
     return cfg
 
 
+def inprocess_notes(cfg: RunConfig) -> list[str]:
+    """What the in-process engine does not apply, one sentence per setting given: run-config ``round-timeout``.
+
+    Its clients run one after another in the launcher's thread and every reply is waited for (a ClientApp call
+    cannot be cut short); the simulation and ``deploy`` engines apply the timeout.
+    """
+    default = float(app_defaults().get("round-timeout", RunConfig.round_timeout))
+    if cfg.round_timeout == default:
+        return []
+    return [f"run-config 'round-timeout' = {cfg.round_timeout:g} is not applied by the in-process engine: its clients "
+            "run one after another in this process and every reply is waited for; run with --engine simulation or "
+            "cancelfl deploy for a reply deadline"]
+
+
 def choose_out_dir(cfg: RunConfig, *, overwrite: bool = False) -> str:
     """The run's absolute out-dir, created: a fresh ``runs/<time>-<method>`` for ``""``.
 
@@ -152,7 +166,8 @@ def run_inprocess(overrides: dict, *, progress=print, grid_factory=None, keep_st
     """Run the app through an in-process grid; returns the run summary.
 
     ``grid_factory(client_app, num_nodes, run_config) -> Grid`` replaces the default
-    :class:`server.local_grid.LocalGrid` (the attack harness passes an observing grid);
+    :class:`server.local_grid.LocalGrid` (the attack harness passes an observing grid; it waits for every reply,
+    whatever run-config ``round-timeout``: :func:`inprocess_notes`);
     ``keep_strategy``, if given, receives the strategy object (for inspection after the run);
     ``verbose``: detailed round lines.
     """
@@ -284,7 +299,10 @@ def _main(args: argparse.Namespace) -> int:
             args.supernodes = args.supernodes or given or 4
             overrides["num-clients"] = args.supernodes
         cfg = preflight(overrides)
-        if not (args.command == "run" and args.engine == "inprocess"):
+        if args.command == "run" and args.engine == "inprocess":
+            for note in inprocess_notes(cfg):
+                _warn(note)
+        else:
             check_flower_keys(overrides)  # Flower's runtime takes only the keys the app declares
         if args.resume:
             from server.resume_check import check_resume_engine

@@ -125,3 +125,20 @@ def test_delta_outside_the_open_unit_interval_is_refused(capsys, monkeypatch, de
     _no_process(monkeypatch)
     code, err = _cli(capsys, "run", "--run-config", f'method="nadp" delta={delta}')
     assert code == 2 and f"run-config 'delta' = {float(delta)} must be in (0, 1)" in err, err
+
+
+# ------------------------------------------------------------------ round-timeout in-process
+@pytest.mark.parametrize(("argv", "warned"), [
+    (("run",), True), (("run", "--engine", "simulation"), False),
+])
+def test_round_timeout_the_in_process_engine_does_not_apply_is_named(tmp_path, capsys, monkeypatch, argv, warned):
+    monkeypatch.setattr("server.launch._inprocess_exit", lambda *_a, **_k: 0)
+    monkeypatch.setattr("server.deploy.run_simulation", lambda *_a, **_k: 0)
+    code, err = _cli(capsys, *argv, "--run-config", f'round-timeout=5 dataset="breast-cancer" out-dir="{tmp_path / "o"}"')
+    assert code == 0 and ("'round-timeout' = 5 is not applied by the in-process engine" in err) is warned, err
+
+
+def test_the_default_round_timeout_is_not_named(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("server.launch._inprocess_exit", lambda *_a, **_k: 0)
+    code, err = _cli(capsys, "run", "--run-config", f'dataset="breast-cancer" out-dir="{tmp_path / "o"}"')
+    assert code == 0 and "round-timeout" not in err, err
