@@ -142,3 +142,33 @@ def test_the_default_round_timeout_is_not_named(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("server.launch._inprocess_exit", lambda *_a, **_k: 0)
     code, err = _cli(capsys, "run", "--run-config", f'dataset="breast-cancer" out-dir="{tmp_path / "o"}"')
     assert code == 0 and "round-timeout" not in err, err
+
+
+# ------------------------------------------------------------------ the testing aid against the self-mask threshold
+@pytest.mark.parametrize("method", ["nadp", "niss", "mpddp"])
+def test_a_fault_drop_rate_no_round_can_unmask_is_refused_at_start(capsys, monkeypatch, method):
+    """6 clients, 2 withheld: each upload keeps 3 of 5 neighbours, below the threshold 4; every round failed."""
+    _no_process(monkeypatch)
+    code, err = _cli(capsys, "run", "--run-config", f'method="{method}" num-clients=6 fault-drop-rate=0.3')
+    assert code == 2 and "'fault-drop-rate' = 0.3 withholds 2 of the 6 clients of every round" in err, err
+    assert "keeps 3 of its 5 neighbours, fewer than its self-mask threshold 4" in err and "'self-mask' = false" in err
+
+
+@pytest.mark.parametrize("run_config", [
+    {"method": "niss", "num-clients": 8, "fault-drop-rate": 0.3},  # keeps 5 of 7, threshold 5
+    {"method": "mpddp", "num-clients": 6, "fault-drop-rate": 0.15},
+    {"method": "nadp", "num-clients": 6, "fault-drop-rate": 0.3, "self-mask": False},
+])
+def test_a_fault_drop_rate_a_round_survives_stays_allowed(run_config):
+    preflight({"dataset": "breast-cancer", "num-rounds": 1, **run_config}, warn=print)
+
+
+def test_a_budget_stop_names_no_learning_rate(tmp_path):
+    """The stop for the privacy budget says why and what is kept; the divergence stop's lr hint is not its fix."""
+    from server.launch import run_inprocess
+
+    lines: list[str] = []
+    run_inprocess({"method": "niss", "dataset": "digits", "num-clients": 8, "num-rounds": 2, "fault-drop-rate": 0.3,
+                   "out-dir": str(tmp_path / "o")}, progress=lines.append)
+    stop = [line for line in lines if "STOPPED: privacy budget" in line]
+    assert stop and "'lr'" not in stop[0] and "divergence-factor" not in stop[0], lines

@@ -305,9 +305,7 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
     for rnd in range(first, total_rounds + 1):
         if (stopped := guard.before_round(rnd)) is not None:  # before any noise of the round is released
             stopped_for = "privacy budget"
-            progress(f"round {rnd}/{total_rounds}  STOPPED: {stopped}; the model of round {kept_round} is kept "
-                     f"(a lower run-config 'lr' than {cfg.lr:g} usually trains stably; 'divergence-factor' = 0 "
-                     "disables the stop)")
+            progress(f"round {rnd}/{total_rounds}  STOPPED: {stopped}; the model of round {kept_round} is kept")
             break
         mgrid.reset()
         cpu0 = traced_cpu() if tracing() else 0.0  # (CANCELFL_TRACE) before the round's clock starts
