@@ -308,9 +308,10 @@ def _main(args: argparse.Namespace) -> int:
             from server.resume_check import check_resume_engine
 
             check_resume_engine(args.resume, "deploy" if args.command == "deploy" else args.engine, cfg)
-        if args.command == "deploy":
-            from server.deploy import check_capacity
+        from server.deploy import check_capacity, check_service_capacity
 
+        check_service_capacity(local_services(cfg))  # DDP-SA's intermediate servers: processes on this machine
+        if args.command == "deploy":
             check_capacity(args.supernodes)  # every SuperNode is a process on this machine
         overrides["out-dir"] = choose_out_dir(cfg, overwrite=args.overwrite)
     except ValueError as err:  # ConfigError and the data loader's errors: refused before any process starts

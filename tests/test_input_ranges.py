@@ -172,3 +172,15 @@ def test_a_budget_stop_names_no_learning_rate(tmp_path):
                    "out-dir": str(tmp_path / "o")}, progress=lines.append)
     stop = [line for line in lines if "STOPPED: privacy budget" in line]
     assert stop and "'lr'" not in stop[0] and "divergence-factor" not in stop[0], lines
+
+
+# ------------------------------------------------------------------ processes the launcher starts
+def test_more_intermediate_servers_than_memory_holds_are_refused_at_start(tmp_path, capsys, monkeypatch):
+    """Every locally started DDP-SA intermediate server is a process (about 67 MB idle): a typo must not start 1000."""
+    monkeypatch.setattr("server.deploy.available_memory_mb", lambda: 5.5 * 70)  # server.deploy.INTERMEDIATE_IDLE_MB
+    monkeypatch.setattr("server.launch._inprocess_exit", lambda *_a, **_k: 0)
+    _no_process(monkeypatch)
+    code, err = _cli(capsys, "run", "--run-config", 'method="ddpsa" ddpsa-num-servers=6')
+    assert code == 2 and "run-config 'ddpsa-num-servers' = 6" in err and "at most 5 fit here" in err, err
+    code, err = _cli(capsys, "run", "--run-config", f'method="ddpsa" ddpsa-num-servers=5 out-dir="{tmp_path / "o"}"')
+    assert code == 0, err
