@@ -33,7 +33,7 @@ import traceback
 from pathlib import Path
 
 from protocols.config import ConfigError, RunConfig, is_on, parse_run_config
-from protocols.methods import local_services
+from protocols.methods import check_sizes, local_services
 from server.defaults import app_defaults, check_flower_keys
 from strategies.run.checkpoint import (
     CHECKPOINT_JSON,
@@ -122,7 +122,10 @@ def preflight(overrides: dict, *, warn=_warn) -> RunConfig:
         if not (local_services(cfg) and "'ddpsa-servers'" in str(err)):
             raise
     local_checks(cfg)
-    for note in adjustments(cfg, None if cfg.dataset.startswith("hub:") else partitions_for(cfg)):
+    partitions = None if cfg.dataset.startswith("hub:") else partitions_for(cfg)
+    if partitions is not None:
+        check_sizes(cfg, partitions)
+    for note in adjustments(cfg, partitions):
         warn(note)
     return cfg
 

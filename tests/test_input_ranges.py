@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from protocols.config import ConfigError
 from server.launch import main, preflight
 
 
@@ -184,3 +185,43 @@ def test_more_intermediate_servers_than_memory_holds_are_refused_at_start(tmp_pa
     assert code == 2 and "run-config 'ddpsa-num-servers' = 6" in err and "at most 5 fit here" in err, err
     code, err = _cli(capsys, "run", "--run-config", f'method="ddpsa" ddpsa-num-servers=5 out-dir="{tmp_path / "o"}"')
     assert code == 0, err
+
+
+# ------------------------------------------------------------------ ladp's float32 upload against the client's records
+def test_ladp_noise_its_largest_client_cannot_upload_is_refused_at_start(capsys, monkeypatch):
+    """1437 records: the floor noise std 2.8e-6 is below float32's grid at 4 over 16; every client refused each round."""
+    _no_process(monkeypatch)
+    code, err = _cli(capsys, "run", "--run-config", 'method="ladp" num-clients=1 num-rounds=1 epsilon=1e10')
+    assert code == 2 and "cannot keep its noise in the float32 upload of a client with 1437 records" in err, err
+    assert "lower 'epsilon' to at most 68000 or raise 'num-clients'" in err
+
+
+def test_ladp_at_the_largest_epsilon_named_trains(tmp_path, capsys):
+    code, out = _cli(capsys, "run", "--run-config", f'method="ladp" num-clients=1 num-rounds=1 epsilon=68000 '
+                     f'out-dir="{tmp_path / "o"}"')
+    assert code == 0 and "FAILED" not in out, out
+
+
+def test_the_serverapp_applies_the_size_check_before_any_message(tmp_path):
+    """Submitted without the launcher (flwr run): the ServerApp refuses before it asks any node anything."""
+    from flwr.app import Context, RecordDict
+
+    from client.app import app as client_app
+    from server.app import main as server_main
+    from server.local_grid import LocalGrid
+
+    class Counting(LocalGrid):
+        sent = 0
+
+        def send_and_receive(self, messages, *, timeout=None):
+            messages = list(messages)
+            self.sent += len(messages)
+            return super().send_and_receive(messages, timeout=timeout)
+
+    (tmp_path / "out").mkdir()
+    raw = {"method": "ladp", "num-clients": 1, "epsilon": 1e10, "out-dir": str(tmp_path / "out")}
+    grid = Counting(client_app, 1, raw)
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=raw)
+    with pytest.raises(ConfigError, match="cannot keep its noise in the float32 upload"):
+        server_main(grid, context)
+    assert grid.sent == 0
