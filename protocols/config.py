@@ -91,7 +91,7 @@ class RunConfig:
     node_timeout: float = 60.0  # seconds a round waits for nodes to connect (the first round: for all num-clients)
     max_strikes: int = 3  # rounds in a row with an excluded reply after which a node is left out (0 = never)
     model_ema: float = 0.0  # published model = EMA of the global models with this decay (0 = the last one)
-    divergence_factor: float = 100.0  # stop the run when test loss > factor x initial loss or non-finite (0 = off)
+    divergence_factor: float = 100.0  # stop the run when test loss > factor x initial loss or non-finite (0 = off, else >= 1)
     # Local training
     local_epochs: int = 2  # local passes over the client data per round (at most 10,000)
     batch_size: int = 32  # local batch size (larger than a partition = one full-batch step)
@@ -266,7 +266,10 @@ class RunConfig:
             raise ConfigError(f"run-config 'delta' = {self.delta} must be in (0, 1)")
         if self.max_strikes < 0:
             raise ConfigError("run-config 'max-strikes' must be an integer >= 0 (0 = never leave a node out)")
-        _positive("divergence-factor", self.divergence_factor, allow_zero=True)
+        if not (math.isfinite(self.divergence_factor) and (self.divergence_factor == 0 or self.divergence_factor >= 1)):
+            raise ConfigError(f"run-config 'divergence-factor' = {self.divergence_factor} must be 0 (off) or a finite "
+                              "number >= 1: the run stops once the test loss exceeds that multiple of the initial loss, "
+                              "so a factor below 1 stops a run whose loss is falling")
         if not (math.isfinite(self.model_ema) and 0 <= self.model_ema < 1):
             raise ConfigError(f"run-config 'model-ema' = {self.model_ema} must be in [0, 1) (0 = publish the last "
                               "global model)")

@@ -225,3 +225,18 @@ def test_the_serverapp_applies_the_size_check_before_any_message(tmp_path):
     with pytest.raises(ConfigError, match="cannot keep its noise in the float32 upload"):
         server_main(grid, context)
     assert grid.sent == 0
+
+
+@pytest.mark.parametrize("factor", [0.5, 0.999, -1, "inf"])
+def test_a_divergence_factor_below_one_is_refused(capsys, monkeypatch, factor):
+    """0.5 stopped digits' fedavg in round 1 with its loss falling (2.117 > 0.5 x 2.302)."""
+    _no_process(monkeypatch)
+    code, err = _cli(capsys, "run", "--run-config", f"divergence-factor={factor}")
+    assert code == 2 and "'divergence-factor'" in err and "must be 0 (off) or a finite number >= 1" in err, err
+
+
+@pytest.mark.parametrize("factor", [0, 1, 100])
+def test_a_divergence_factor_of_zero_or_one_and_up_stays_allowed(factor):
+    from protocols.config import RunConfig
+
+    assert RunConfig.from_mapping({"divergence-factor": factor}).divergence_factor == factor
