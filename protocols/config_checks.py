@@ -47,3 +47,4 @@ def check_counts(cfg: Any) -> None:
         raise ConfigError(f"run-config 'min-clients' = {cfg.min_clients} is above 'num-clients' = {cfg.num_clients}: "
                           "a round cannot wait for more nodes than the federation has; set 'min-clients' <= "
                           f"{cfg.num_clients}")
+

@@ -33,7 +33,7 @@ import traceback
 from pathlib import Path
 
 from protocols.config import ConfigError, RunConfig, is_on, parse_run_config
-from protocols.methods import check_sizes, local_services
+from protocols.methods import local_services
 from server.defaults import app_defaults, check_flower_keys
 from strategies.run.checkpoint import (
     CHECKPOINT_JSON,
@@ -108,10 +108,12 @@ def preflight(overrides: dict, *, warn=_warn) -> RunConfig:
     below 1/n (:func:`protocols.adjustments.delta_note`), are reported through ``warn``.
     """
     from protocols.adjustments import adjustments
+    from protocols.start_checks import check_clip_floor, check_sizes
     from protocols.task.data import partitions_for
     from strategies.registry import build_strategy
 
     cfg = RunConfig.from_mapping({**app_defaults(), **overrides})
+    check_clip_floor(cfg)  # before the method's calibration, which a clip float64 does not resolve may break
     try:
         build_strategy(cfg).close()
     except ArithmeticError as err:  # a calibration out of float range: the settings, not a bug of the run

@@ -240,3 +240,25 @@ def test_a_divergence_factor_of_zero_or_one_and_up_stays_allowed(factor):
     from protocols.config import RunConfig
 
     assert RunConfig.from_mapping({"divergence-factor": factor}).divergence_factor == factor
+
+
+# ------------------------------------------------------------------ float64 floors every client applies to public values
+@pytest.mark.parametrize(("run_config", "needle"), [
+    ('method="ldp" privacy-unit="client" clip=1e-300', "run-config 'clip' = 1e-300 is below 1.19e-153"),
+    ('method="nadp" clip=1e-200', "run-config 'clip' = 1e-200 is below 1.19e-153"),  # not "Matrix is not positive"
+    ('method="ddpsa" clip=1e-200', "run-config 'clip' = 1e-200 is below 1.19e-153"),
+    ('method="ldp" lr=1e-300', "a record's clipped step (8.77e-303, lr / batch or lr x clip / batch on 114 records) "
+                               "is below 1.19e-153"),
+    ('method="ldp" lr=1e308', "local training on 114 records may reach 1e+308, beyond float64's range"),
+])
+def test_settings_every_client_would_refuse_are_refused_at_start(capsys, monkeypatch, run_config, needle):
+    """Each client's floor (client.env) refused every round: "no round succeeded" after the clients started."""
+    _no_process(monkeypatch)
+    code, err = _cli(capsys, "run", "--run-config", f'{run_config} dataset="breast-cancer" num-clients=4 num-rounds=1')
+    assert code == 2 and needle in err and "every client would refuse every round" in err, err
+
+
+@pytest.mark.parametrize("raw", [{"method": "fedavg", "clip": 1e-200}, {"method": "ldp", "clip": 1e-100},
+                                 {"method": "mpddp", "lr": 1e308}])
+def test_settings_the_floors_hold_stay_allowed(raw):
+    preflight({"dataset": "breast-cancer", "num-clients": 4, "num-rounds": 1, **raw}, warn=print)

@@ -20,7 +20,6 @@ from protocols.methods.pairwise import SPARSE_FROM, auto_graph, sparse_by_defaul
 from protocols.methods.registry import (
     METHODS,
     VARIANTS,
-    check_sizes,
     dataset_size_class,
     ignored_settings,
     local_services,
@@ -96,7 +95,7 @@ def __getattr__(name: str) -> tuple[str, ...]:
 __all__ = ["AUTO", "AUTO_KEYS", "ENTRY_POINT_GROUP", "FEDERATION", "FULL_BATCH", "LARGE_DATASETS",
            "METHODS", "METHOD_NAMES", "NO_COLLUDER", "PRIVACY_UNITS", "SPARSE_FROM", "TABULAR_DATASETS", "VARIANTS",
            "Guarantee",
-           "MethodSpec", "auto_graph", "check_sizes", "dataset_size_class", "ignored_settings", "local_services", "method_names",
+           "MethodSpec", "auto_graph", "dataset_size_class", "ignored_settings", "local_services", "method_names",
            "method_or_variant",
            "method_spec", "on_first_read", "options_classes", "query_actions", "reference_method", "regime",
            "register", "register_variant", "sparse_by_default"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
+from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -173,13 +173,6 @@ def local_services(cfg: Any) -> int:
     """Intermediate servers ``cancelfl`` must start for the run config ``cfg`` (its method's ``local_services``)."""
     hook = method_spec(cfg.method).local_services
     return int(hook(cfg)) if hook is not None else 0
-
-
-def check_sizes(cfg: Any, partitions: Sequence[Sized]) -> None:
-    """The run's method card's ``size_check`` against each client's records (``partitions``); ``ConfigError`` if any."""
-    spec = method_spec(cfg.method)
-    if spec.size_check is not None:
-        spec.load(spec.size_check)(cfg, [len(p) for p in partitions])
 
 
 def method_or_variant(name: str) -> tuple[str, dict]:
