@@ -262,3 +262,16 @@ def test_settings_every_client_would_refuse_are_refused_at_start(capsys, monkeyp
                                  {"method": "mpddp", "lr": 1e308}])
 def test_settings_the_floors_hold_stay_allowed(raw):
     preflight({"dataset": "breast-cancer", "num-clients": 4, "num-rounds": 1, **raw}, warn=print)
+
+
+# ------------------------------------------------------------------ method keys' messages name the key
+@pytest.mark.parametrize(("raw", "needle"), [
+    ({"method": "ddpsa", "num-rounds": 3, "ddpsa-allocation": "exponential", "ddpsa-decay": 1e-300},
+     "run-config 'ddpsa-allocation' = 'exponential', 'ddpsa-decay' = 1e-300"),
+    ({"method": "niss", "niss-tau": 1e160}, "run-config 'niss-tau' is too large for float64"),
+])
+def test_a_method_key_no_plan_can_meet_is_named(raw, needle):
+    """The message names the keys: not only "all per-round epsilons must be finite and > 0", nor "niss-tau = 0"."""
+    with pytest.raises(ConfigError) as err:
+        preflight({"dataset": "breast-cancer", "num-clients": 4, **raw}, warn=print)
+    assert needle in str(err.value) and "niss-tau = 0" not in str(err.value), err.value
