@@ -165,7 +165,7 @@ def test_a_fault_drop_rate_a_round_survives_stays_allowed(run_config):
 
 
 def test_a_budget_stop_names_no_learning_rate(tmp_path):
-    """The stop for the privacy budget says why and what is kept; the divergence stop's lr hint is not its fix."""
+    """The stop for the privacy budget says why and what is kept; the divergence stop's lr hint does not apply."""
     from server.launch import run_inprocess
 
     lines: list[str] = []
