@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence, Sized
+
 from protocols.config import RunConfig
 from protocols.methods import METHODS, ignored_settings, method_spec, options_classes
 from protocols.task.data import IDX_DATASETS
 
 
-def adjustments(cfg: RunConfig) -> list[str]:
-    """One sentence per adjusted or costly setting, naming the key (printed by the launcher and the ServerApp)."""
-    notes = []
+def adjustments(cfg: RunConfig, partitions: Sequence[Sized] | None = None) -> list[str]:
+    """One sentence per adjusted or costly setting, naming the key (printed by the launcher and the ServerApp).
+
+    ``partitions``: every client's training records (:func:`protocols.task.data.partitions_for`), for
+    :func:`delta_note`; None leaves that note out.
+    """
+    notes = [] if partitions is None else delta_note(cfg, partitions)
     k = cfg.clients_per_round
     if cfg.graph == "n-out" and cfg.n_out >= k - 1:
         notes.append(f"run-config 'n-out' = {cfg.n_out} >= clients per round - 1 = {k - 1}: the n-out graph "
@@ -42,3 +49,27 @@ def other_methods_keys(cfg: RunConfig) -> list[str]:
                 notes.append(f"method {cfg.method!r} does not read run-config '{key}' = {value!r} (a key of "
                              f"{readers or 'no registered method'}): the value is ignored")
     return notes
+
+
+def delta_note(cfg: RunConfig, partitions: Sequence[Sized]) -> list[str]:
+    """A sentence when run-config ``delta`` is at least ``1/n``: the usual rule is ``delta << 1/n``.
+
+    ``n``: the records of the largest client (``partitions``: each client's records) for the record unit, the
+    clients for the client unit.  At ``delta >= 1/n`` an (epsilon, delta) guarantee allows a mechanism that
+    releases a unit's data outright with probability ``delta``, whatever epsilon it reports (at ``delta`` near 1,
+    0).  Nothing for a method without a guarantee.
+    """
+    unit = method_spec(cfg.method).guarantee(cfg.privacy_unit).unit
+    if unit == "record":
+        n, what = max(len(p) for p in partitions), "the records of the largest client"
+    elif unit == "client":
+        n, what = cfg.num_clients, "the clients"
+    else:
+        return []
+    if cfg.delta < 1.0 / n:
+        return []
+    usual = 10.0 ** (math.floor(math.log10(1.0 / n)) - 1)
+    whole = "a record" if unit == "record" else "a client's data"
+    return [f"run-config 'delta' = {cfg.delta:g} is at least 1/n = {1.0 / n:.3g} (n = {n}, {what}): a guarantee at "
+            f"this delta allows releasing {whole} outright with probability delta, whatever epsilon it reports; "
+            f"the usual rule is delta << 1/n: set 'delta' to {usual:g} or less"]

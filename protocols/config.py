@@ -25,6 +25,7 @@ from typing import Any
 from protocols import method_options
 from protocols.adjacency import ADJACENCIES
 from protocols.config_checks import check_counts
+from protocols.config_values import TRUE_WORDS, coerce, field_type
 from protocols.methods import (
     AUTO,
     AUTO_KEYS,
@@ -81,18 +82,18 @@ class RunConfig:
     # Federation
     num_clients: int = 10  # nodes the server waits for (= num-partitions)
     sample_rate: float = 1.0  # fraction q of clients sampled per round
-    num_rounds: int = 20  # federated rounds; the noise is calibrated for exactly this many releases
+    num_rounds: int = 20  # federated rounds (at most 1,000,000); the noise is calibrated for exactly this many releases
     partitioning: str = "iid"  # how the training split is divided among clients (flwr-datasets partitioners)
     dirichlet_alpha: float = 0.5  # concentration of the dirichlet label split (smaller = more skew)
     seed: int = 42  # partitioning, sampling, initial model, batch order (never DP noise: OS CSPRNG)
-    round_timeout: float = 600.0  # seconds a phase waits for replies
+    round_timeout: float = 600.0  # seconds a phase waits for replies (simulation, deploy; in-process waits for every reply)
     min_clients: int = 2  # fewest connected nodes a round runs with (waits node-timeout s, then fails)
     node_timeout: float = 60.0  # seconds a round waits for nodes to connect (the first round: for all num-clients)
     max_strikes: int = 3  # rounds in a row with an excluded reply after which a node is left out (0 = never)
     model_ema: float = 0.0  # published model = EMA of the global models with this decay (0 = the last one)
-    divergence_factor: float = 100.0  # stop the run when test loss > factor x initial loss or non-finite (0 = off)
+    divergence_factor: float = 100.0  # stop the run when test loss > factor x initial loss or non-finite (0 = off, else >= 1)
     # Local training
-    local_epochs: int = 2  # local passes over the client data per round
+    local_epochs: int = 2  # local passes over the client data per round (at most 10,000)
     batch_size: int = 32  # local batch size (larger than a partition = one full-batch step)
     lr: float = 0.1  # local learning rate (ddpsa: its server step)
     input_centering: bool = False  # each image minus its own mean (per-record transform: no privacy cost; images only)
@@ -172,13 +173,13 @@ class RunConfig:
                     raise ConfigError(f"run-config '{key}' cannot be \"{AUTO}\"; only {', '.join(AUTO_KEYS)} can")
                 continue
             unset.discard(key)
-            values[_attr(key)] = _coerce(key, value, _type_of(f))
+            values[_attr(key)] = coerce(key, value, field_type(f))
         method, dataset = values.get("method", cls.method), values.get("dataset", cls.dataset)
         applied: dict[str, Any] = {}
         if method in METHODS:  # an unknown method is refused by validate() below
             for key, value in regime(method, dataset).items():
                 if key in unset:
-                    values[_attr(key)] = applied[key] = _coerce(key, value, _type_of(known[key]))
+                    values[_attr(key)] = applied[key] = coerce(key, value, field_type(known[key]))
         lr_key = method_spec(method).server_step_lr if method in METHODS else None
         if "server-optimizer" in applied and lr_key not in unset:  # the user's xi / lr is the paper's SGD step
             values["server_optimizer"] = applied["server-optimizer"] = "sgd"
@@ -265,7 +266,10 @@ class RunConfig:
             raise ConfigError(f"run-config 'delta' = {self.delta} must be in (0, 1)")
         if self.max_strikes < 0:
             raise ConfigError("run-config 'max-strikes' must be an integer >= 0 (0 = never leave a node out)")
-        _positive("divergence-factor", self.divergence_factor, allow_zero=True)
+        if not (math.isfinite(self.divergence_factor) and (self.divergence_factor == 0 or self.divergence_factor >= 1)):
+            raise ConfigError(f"run-config 'divergence-factor' = {self.divergence_factor} must be 0 (off) or a finite "
+                              "number >= 1: the run stops once the test loss exceeds that multiple of the initial loss, "
+                              "so a factor below 1 stops a run whose loss is falling")
         if not (math.isfinite(self.model_ema) and 0 <= self.model_ema < 1):
             raise ConfigError(f"run-config 'model-ema' = {self.model_ema} must be in [0, 1) (0 = publish the last "
                               "global model)")
@@ -350,10 +354,6 @@ def _attr(key: str) -> str:
     return key.replace("-", "_")
 
 
-#: Text that turns a boolean setting on (any case): run-config values, node config, environment variables.
-TRUE_WORDS = ("true", "1", "yes")
-
-
 def is_auto(key: str, value: Any) -> bool:
     """Whether run-config ``key`` = ``value`` leaves the key to the method's regime (``"auto"``, any case).
 
@@ -382,44 +382,6 @@ def describe_changes(stored: Mapping[str, Any], cfg: RunConfig, before: str, aft
     """``"key: <before> a -> <after> b, ..."`` for the keys :func:`changed_keys` finds ("" when none)."""
     now = cfg.to_mapping()
     return ", ".join(f"{k}: {before}{stored.get(k)!r} -> {after}{now.get(k)!r}" for k in changed_keys(stored, cfg))
-
-
-def _type_of(f: dataclasses.Field) -> type:
-    """The Python type of a field's default (the type a run-config value is coerced to)."""
-    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-    return type(default)
-
-
-def _coerce(key: str, value: Any, target: type) -> Any:
-    """Convert a run-config value to the field's type, or raise naming the key.
-
-    A bool key takes a boolean or one of the strings true/false/1/0/yes/no (any case), never a number; a
-    number key takes a number or its text, never a boolean (``True`` is an ``int`` to Python); an int key
-    takes no fractional value.
-    """
-    try:
-        if target is bool:
-            if isinstance(value, bool):
-                return value
-            if isinstance(value, str):
-                if value.lower() in TRUE_WORDS:
-                    return True
-                if value.lower() in ("false", "0", "no"):
-                    return False
-            raise ValueError(value)
-        if target in (int, float) and isinstance(value, bool):
-            raise ValueError(value)
-        if target is int:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError(value)
-            return int(value)
-        if target is float:
-            return float(value)
-        return str(value)
-    except (TypeError, ValueError, OverflowError) as err:
-        kind = {bool: "a boolean (true or false)", int: "an integer", float: "a number"}.get(target, target.__name__)
-        shown = str(value).lower() if isinstance(value, bool) else repr(value)  # as written in --run-config
-        raise ConfigError(f"run-config '{key}' = {shown} must be {kind}") from err
 
 
 # ---------------------------------------------------------------------------- --run-config text

@@ -16,11 +16,29 @@ def fault_withheld(rate: float, nodes: int) -> int:
     return max(min(int(round(rate * nodes)), int(nodes) - 1), 0)
 
 
+#: The integers a run-config key takes: Flower's run config carries them as 64-bit signed integers.
+INT_RANGE = (-(2**63), 2**63 - 1)
+#: Most rounds a run takes: at 0.1 s a round, 10^6 rounds take 28 hours; a larger count is a typo (``1e20``).
+MAX_ROUNDS = 1_000_000
+#: Most local epochs a round trains: 10^4 passes over a client's records take hours a round on the image datasets.
+MAX_LOCAL_EPOCHS = 10_000
+
+
 def check_counts(cfg: Any) -> None:
     """The data subsets are >= 0 (0 = all), ``min-clients`` at most ``num-clients`` (or 2); ``ConfigError`` naming them.
 
     A round waits for ``min-clients`` connected nodes; a federation of ``num-clients`` never has more.
+    ``num-rounds`` is at most :data:`MAX_ROUNDS`, ``local-epochs`` at most :data:`MAX_LOCAL_EPOCHS`, and every
+    integer key, a method's too, within :data:`INT_RANGE`.
     """
+    for key, most in (("num-rounds", MAX_ROUNDS), ("local-epochs", MAX_LOCAL_EPOCHS)):
+        if getattr(cfg, key.replace("-", "_")) > most:
+            raise ConfigError(f"run-config '{key}' = {getattr(cfg, key.replace('-', '_'))} is above the most a run "
+                              f"takes, {most:,}: lower '{key}'")
+    for key, value in cfg.to_mapping().items():
+        if isinstance(value, int) and not isinstance(value, bool) and not INT_RANGE[0] <= value <= INT_RANGE[1]:
+            raise ConfigError(f"run-config '{key}' = {value} must be an integer in [-2^63, 2^63 - 1] (Flower's run "
+                              "config carries 64-bit integers)")
     for key in ("train-subset", "test-subset"):
         if getattr(cfg, key.replace("-", "_")) < 0:
             raise ConfigError(f"run-config '{key}' must be an integer >= 0 (0 = all)")
@@ -29,3 +47,4 @@ def check_counts(cfg: Any) -> None:
         raise ConfigError(f"run-config 'min-clients' = {cfg.min_clients} is above 'num-clients' = {cfg.num_clients}: "
                           "a round cannot wait for more nodes than the federation has; set 'min-clients' <= "
                           f"{cfg.num_clients}")
+

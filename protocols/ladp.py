@@ -38,6 +38,7 @@ __all__ = [
     "theorem3_c0_paper",
     "theorem3_c0_corrected",
     "theorem3_c",
+    "floor_epsilon",
     "round_epsilon",
     "round_multiplier",
     "layer_sigma",
@@ -150,9 +151,25 @@ def theorem3_c0_corrected(epsilon: float, delta: float) -> float:
     Valid for every eps > 0 and 0 < delta < 1.
     """
     check_eps_delta(epsilon, delta)
-    l2 = math.log(2.0 / (math.pi * delta**2))
-    m = max(1.0, math.sqrt(l2)) if l2 > 0 else 1.0
+    m = _theorem3_m(delta)
     return (m + math.sqrt(m * m + 2.0 * epsilon)) / 2.0
+
+
+def _theorem3_m(delta: float) -> float:
+    """``m = max(1, sqrt(ln(2/(pi delta^2))))`` of :func:`theorem3_c0_corrected`."""
+    l2 = math.log(2.0 / (math.pi * delta**2))
+    return max(1.0, math.sqrt(l2)) if l2 > 0 else 1.0
+
+
+def floor_epsilon(delta: float) -> float:
+    """The per-round epsilon whose multiplier ``c0(e) / e`` is :data:`protocols.privacy.MIN_NOISE_MULTIPLIER`.
+
+    ``c0(e) / e = z`` solves to ``e = (1 + 2 z m) / (2 z^2)`` (``m`` of :func:`theorem3_c0_corrected`); the
+    multiplier falls as ``e`` grows, so a round at most this epsilon gets at least the floor multiplier.
+    """
+    from protocols.privacy import MIN_NOISE_MULTIPLIER as z
+
+    return (1.0 + 2.0 * z * _theorem3_m(delta)) / (2.0 * z * z)
 
 
 @lru_cache(maxsize=64)  # a pure function every client calls every round (a bisection)
@@ -162,8 +179,11 @@ def round_epsilon(epsilon: float, delta: float, rounds: int) -> float:
     Each round is a Gaussian release with multiplier ``z(e) = c0(e, delta) / e`` (corrected constant,
     :func:`theorem3_c0_corrected`); ``rounds`` of them compose exactly (Gaussian DP,
     :func:`protocols.privacy.gdp_epsilon`).  ``z`` falls as ``e`` grows, so the largest ``e`` whose
-    composition stays within ``epsilon`` is found by bisection (to 1e-9 relative).  Client and server
-    both call this: run-config ``epsilon`` is the whole-run target, as for every method.
+    composition stays within ``epsilon`` is found by bisection (to 1e-9 relative), at most :func:`floor_epsilon`:
+    as every method's calibration, the multiplier is at least :data:`protocols.privacy.MIN_NOISE_MULTIPLIER`, and a
+    target its ``rounds`` releases at that multiplier do not reach is spent only in part (a noise std far below the
+    weights' float32 grid would round away).  Client and server both call this: run-config ``epsilon`` is the
+    whole-run target, as for every method.
     """
     from protocols.privacy import gdp_epsilon
 
@@ -174,9 +194,12 @@ def round_epsilon(epsilon: float, delta: float, rounds: int) -> float:
     def spent(e: float) -> float:
         return gdp_epsilon(theorem3_c0_corrected(e, delta) / e, rounds, delta)
 
-    lo, hi = 0.0, float(epsilon)
+    cap = floor_epsilon(delta)
+    if spent(cap) <= epsilon:
+        return cap
+    lo, hi = 0.0, min(float(epsilon), cap)
     while spent(hi) <= epsilon:  # a single round's bound is loose: the per-round value may exceed the target
-        lo, hi = hi, 2.0 * hi
+        lo, hi = hi, min(2.0 * hi, cap)
     for _ in range(200):
         mid = 0.5 * (lo + hi)
         if mid > 0 and spent(mid) <= epsilon:

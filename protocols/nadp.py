@@ -235,12 +235,16 @@ def _round_plan_cached(key: tuple) -> tuple[NadpSigmas, NoiseAllocation]:
     dataset_sizes, sensitivities = dict(sizes_t), dict(sens_t)
     graph = None if graph_t is None else {c: list(nb) for c, nb in graph_t}
     sig = calibrate_from_sensitivities(epsilon, delta, rounds, sensitivities, dataset_sizes)
-    alloc = upload_noise_scales(dataset_sizes, sig.sigma_up, sig.sigma_down, graph=graph)
     if calibration == "eq3":
-        return sig, alloc
+        return sig, upload_noise_scales(dataset_sizes, sig.sigma_up, sig.sigma_down, graph=graph)
     if calibration != "rdp":
         raise ValueError(f"calibration must be 'rdp' or 'eq3', got {calibration!r}")
     target = rdp_multiplier(epsilon, delta, rounds)
+    # Eq. 3's shape (each phase's sigma proportional to its sensitivity) at the target multiplier's scale: the plan
+    # is linear in (sigma_up, sigma_down), and Eq. 3's own scale at a huge epsilon underflows the pair variances.
+    sig = NadpSigmas(sig.sensitivity_up * target, sig.sensitivity_down * target, sig.sensitivity_up,
+                     sig.sensitivity_down)
+    alloc = upload_noise_scales(dataset_sizes, sig.sigma_up, sig.sigma_down, graph=graph)
     p = alloc.weights
     d_down = max(p[c] * sensitivities[c] for c in alloc.client_ids)
 

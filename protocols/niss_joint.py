@@ -326,8 +326,12 @@ def joint_scale(factors: Mapping[int, float]) -> float:
     ``sigma^2``, so as long as every client adds at least ``c`` times its sigma (each refuses less, whatever
     the server tells the others) ``Sigma >= c^2 Sigma_0`` and every ``f_k`` bound holds.  Never below 1 (the
     per-upload calibration, which other views such as Theorem 3's colluding neighbours rely on).
-    Raises ValueError when some ``f_k = 0`` (``tau = 0``: no scale protects the joint view then).
+    Raises ValueError when some ``f_k = 0`` (``tau = 0``: no scale protects the joint view then) or is not finite
+    (a ``tau`` whose square float64 cannot carry).
     """
+    if not all(math.isfinite(v) for v in factors.values()):
+        raise ValueError("the joint view's noise factors are not finite numbers: run-config 'niss-tau' is too large "
+                         "for float64 (its square enters the uploads' covariance); lower 'niss-tau'")
     f = min(factors.values())
     if not f > 0:
         raise ValueError("niss-tau = 0: the sum of the uploads is noiseless, so the uploads together carry no "

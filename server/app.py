@@ -11,6 +11,7 @@ from flwr.serverapp import Grid, ServerApp
 from protocols.adjustments import adjustments
 from protocols.config import RunConfig
 from protocols.federation import num_clients_left_auto
+from protocols.start_checks import check_clip_floor, check_sizes
 from protocols.task.data import partitions_for
 from server.federation import fit_federation
 from server.flower_tuning import tune_serverapp
@@ -38,9 +39,11 @@ def main(grid: Grid, context: Context) -> None:
             partitions_for(cfg)  # a client without records: stop before asking any node, naming the maximum
         # num-clients "auto": the federation's size; a num-clients the nodes were not started for: stop, naming the fix
         cfg = fit_federation(grid, cfg, context.run_config)
-        if local_data:
-            partitions_for(cfg)  # cached when checked above
-        for note in adjustments(cfg):
+        partitions = partitions_for(cfg) if local_data else None  # cached when checked above
+        check_clip_floor(cfg)
+        if partitions is not None:
+            check_sizes(cfg, partitions)  # the method's rules against the clients' record counts
+        for note in adjustments(cfg, partitions):
             log(WARNING, "%s", note)
         # DDP-SA: the ServerApp never starts intermediate servers -- the clients take them from their own
         # configuration, so whoever submits the run names them (`cancelfl run/deploy` start local ones).

@@ -37,7 +37,8 @@ from server.processes import Processes, free_port, wait_for_port, workspace
 from server.supernode import WORK_DIR_ENV, warm_count
 from strategies.run.checkpoint import IDENTITY_DIR, clear_outputs, ledger_dir, resolve_out_dir, run_outcome
 
-__all__ = ["SUPERNODE_IDLE_MB", "LocalCluster", "available_memory_mb", "check_capacity", "make_certificates",
+__all__ = ["INTERMEDIATE_IDLE_MB", "SUPERNODE_IDLE_MB", "LocalCluster", "available_memory_mb", "check_capacity",
+           "check_service_capacity", "make_certificates",
            "run_deployment", "run_simulation", "run_simulations"]
 
 #: Private (anonymous) memory of one idle ``cancelfl-supernode`` in MB, Flower 1.41: the SuperNode about 95, its warm
@@ -73,6 +74,30 @@ def check_capacity(num_supernodes: int, available_mb: float | None = None) -> No
                       f"need at least {num_supernodes * SUPERNODE_IDLE_MB / 1024:.1f} GB ({SUPERNODE_IDLE_MB} MB each, "
                       f"idle), this machine has {available_mb / 1024:.1f} GB available; at most {most} fit here (use "
                       "`cancelfl run` for more simulated clients)")
+
+
+#: Resident memory of one idle DDP-SA intermediate server (``python -m server.intermediate``) in MB (about 67).
+INTERMEDIATE_IDLE_MB = 70
+
+
+def check_service_capacity(count: int, available_mb: float | None = None) -> None:
+    """Refuse more DDP-SA intermediate servers to start here than this machine's available memory holds.
+
+    ``count``: the servers ``cancelfl`` starts for the run (:func:`protocols.methods.local_services`), one process
+    each on every engine.
+
+    Raises:
+        ConfigError: naming ``ddpsa-num-servers`` and how many fit, when ``count`` x :data:`INTERMEDIATE_IDLE_MB`
+            exceeds ``available_mb`` (default: :func:`available_memory_mb`; no check where that is unknown).
+    """
+    available_mb = available_memory_mb() if available_mb is None else available_mb
+    if available_mb is None or count * INTERMEDIATE_IDLE_MB <= available_mb:
+        return
+    most = int(available_mb // INTERMEDIATE_IDLE_MB)
+    raise ConfigError(f"run-config 'ddpsa-num-servers' = {count}: cancelfl starts that many intermediate server "
+                      f"processes on this machine ({INTERMEDIATE_IDLE_MB} MB each, idle), which has "
+                      f"{available_mb / 1024:.1f} GB available; at most {most} fit here: lower 'ddpsa-num-servers' or "
+                      "name servers that run elsewhere in 'ddpsa-servers'")
 
 
 def _final_check(out_dir: str, code: int) -> int:

@@ -104,13 +104,16 @@ def preflight(overrides: dict, *, warn=_warn) -> RunConfig:
 
     The run config (keys, types, ranges), the method's own constraints (its strategy is constructed; for
     DDP-SA up to the intermediate servers the launcher starts later), the dataset files (truncated,
-    non-gzip or mismatched IDX files) and :func:`local_checks`.  Settings the run adjusts are reported
-    through ``warn``.
+    non-gzip or mismatched IDX files) and :func:`local_checks`.  Settings the run adjusts, and a ``delta`` not
+    below 1/n (:func:`protocols.adjustments.delta_note`), are reported through ``warn``.
     """
     from protocols.adjustments import adjustments
+    from protocols.start_checks import check_clip_floor, check_sizes
+    from protocols.task.data import partitions_for
     from strategies.registry import build_strategy
 
     cfg = RunConfig.from_mapping({**app_defaults(), **overrides})
+    check_clip_floor(cfg)  # before the method's calibration, which a clip float64 does not resolve may break
     try:
         build_strategy(cfg).close()
     except ArithmeticError as err:  # a calibration out of float range: the settings, not a bug of the run
@@ -121,9 +124,26 @@ def preflight(overrides: dict, *, warn=_warn) -> RunConfig:
         if not (local_services(cfg) and "'ddpsa-servers'" in str(err)):
             raise
     local_checks(cfg)
-    for note in adjustments(cfg):
+    partitions = None if cfg.dataset.startswith("hub:") else partitions_for(cfg)
+    if partitions is not None:
+        check_sizes(cfg, partitions)
+    for note in adjustments(cfg, partitions):
         warn(note)
     return cfg
+
+
+def inprocess_notes(cfg: RunConfig) -> list[str]:
+    """What the in-process engine does not apply, one sentence per setting given: run-config ``round-timeout``.
+
+    Its clients run one after another in the launcher's thread and every reply is waited for (a ClientApp call
+    cannot be cut short); the simulation and ``deploy`` engines apply the timeout.
+    """
+    default = float(app_defaults().get("round-timeout", RunConfig.round_timeout))
+    if cfg.round_timeout == default:
+        return []
+    return [f"run-config 'round-timeout' = {cfg.round_timeout:g} is not applied by the in-process engine: its clients "
+            "run one after another in this process and every reply is waited for; run with --engine simulation or "
+            "cancelfl deploy for a reply deadline"]
 
 
 def choose_out_dir(cfg: RunConfig, *, overwrite: bool = False) -> str:
@@ -151,7 +171,8 @@ def run_inprocess(overrides: dict, *, progress=print, grid_factory=None, keep_st
     """Run the app through an in-process grid; returns the run summary.
 
     ``grid_factory(client_app, num_nodes, run_config) -> Grid`` replaces the default
-    :class:`server.local_grid.LocalGrid` (the attack harness passes an observing grid);
+    :class:`server.local_grid.LocalGrid` (the attack harness passes an observing grid; it waits for every reply,
+    whatever run-config ``round-timeout``: :func:`inprocess_notes`);
     ``keep_strategy``, if given, receives the strategy object (for inspection after the run);
     ``verbose``: detailed round lines.
     """
@@ -283,15 +304,19 @@ def _main(args: argparse.Namespace) -> int:
             args.supernodes = args.supernodes or given or 4
             overrides["num-clients"] = args.supernodes
         cfg = preflight(overrides)
-        if not (args.command == "run" and args.engine == "inprocess"):
+        if args.command == "run" and args.engine == "inprocess":
+            for note in inprocess_notes(cfg):
+                _warn(note)
+        else:
             check_flower_keys(overrides)  # Flower's runtime takes only the keys the app declares
         if args.resume:
             from server.resume_check import check_resume_engine
 
             check_resume_engine(args.resume, "deploy" if args.command == "deploy" else args.engine, cfg)
-        if args.command == "deploy":
-            from server.deploy import check_capacity
+        from server.deploy import check_capacity, check_service_capacity
 
+        check_service_capacity(local_services(cfg))  # DDP-SA's intermediate servers: processes on this machine
+        if args.command == "deploy":
             check_capacity(args.supernodes)  # every SuperNode is a process on this machine
         overrides["out-dir"] = choose_out_dir(cfg, overwrite=args.overwrite)
     except ValueError as err:  # ConfigError and the data loader's errors: refused before any process starts

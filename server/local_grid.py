@@ -104,7 +104,7 @@ class LocalGrid(Grid):
         raise NotImplementedError("LocalGrid delivers synchronously: use send_and_receive")
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        """Deliver each message to its node's ClientApp and collect the replies."""
+        """Deliver each message to its node's ClientApp, one after another, and collect every reply (``timeout``: unused)."""
         messages = list(messages)
         replies = []
         for msg in messages:

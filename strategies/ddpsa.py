@@ -53,7 +53,7 @@ from protocols.ddpsa import (
     present_multiplier,
 )
 from protocols.floor import ddpsa_min_summed, separable_sums
-from protocols.methods.ddpsa import DdpsaOptions
+from protocols.methods.ddpsa import DdpsaOptions, unallocatable
 from protocols.privacy import (
     BudgetSchedule,
     DpEvent,
@@ -117,10 +117,12 @@ class DdpsaStrategy(CancelStrategy):
                 "method 'ddpsa' needs at least 2 clients per round (run-config 'num-clients' x 'sample-rate'): "
                 "intermediate servers refuse a partial sum over one client, which would expose its update"
             )
-        self.schedule: BudgetSchedule = per_round_epsilons(
-            cfg.epsilon, cfg.delta, cfg.num_rounds, allocation=cfg.ddpsa_allocation, alpha=cfg.ddpsa_decay,
-            composition=cfg.ddpsa_composition,
-        )
+        try:
+            self.schedule: BudgetSchedule = per_round_epsilons(
+                cfg.epsilon, cfg.delta, cfg.num_rounds, allocation=cfg.ddpsa_allocation, alpha=cfg.ddpsa_decay,
+                composition=cfg.ddpsa_composition)
+        except ValueError as err:
+            raise unallocatable(cfg, err) from err
         # Rounds released so far, composed as the schedule was certified and as every client's ledger composes them.
         #: ``ddpsa-noise = "gaussian"``: cdp's noise multiplier for the run's (epsilon, delta, rounds); else None.
         self.z: float | None = (gaussian_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)

@@ -147,12 +147,16 @@ def test_a_run_that_ends_above_its_epsilon_target_says_so(tmp_path, no_budget_gu
     assert "ended above its epsilon target" not in (tmp_path / "plain" / "report.md").read_text()
 
 
-def test_a_round_with_no_unmaskable_upload_names_the_key_that_sets_the_threshold(tmp_path):
-    """More than half of every client's neighbours dropped: the failure says what t needs and which key sets it."""
+def test_a_round_with_no_unmaskable_upload_names_the_key_that_sets_the_threshold(tmp_path, unplanned_dropouts):
+    """More than half of every client's neighbours dropped: the failure says what t needs and which key sets it.
+
+    The dropouts are real ones (a run-config ``fault-drop-rate`` that leaves no round unmaskable is refused at start).
+    """
     from server.launch import run_inprocess
 
+    unplanned_dropouts(0.5)
     summary = run_inprocess({"method": "nadp", "num-clients": 7, "num-rounds": 1, "epsilon": 8.0, **NADP_FAST,
-                             "fault-drop-rate": 0.5, "out-dir": str(tmp_path)})
+                             "out-dir": str(tmp_path)})
     assert summary["failed_rounds"]
     failure = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["failure"]
     assert "no upload can be unmasked" in failure and "3 of 7 uploads arrived" in failure

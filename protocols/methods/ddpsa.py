@@ -106,6 +106,15 @@ class DdpsaOptions(MethodOptions):
                               f"unreleased; set 'ddpsa-dropout-frac' >= {lost}/{n} or lower 'fault-drop-rate'")
 
 
+def unallocatable(cfg: Any, err: Exception) -> ConfigError:
+    """The ``ConfigError`` for a per-round epsilon schedule the run's keys cannot give (``err``: the allocation's)."""
+    way_out = ("raise 'ddpsa-decay' (its power over the rounds leaves the last ones no budget) or set "
+               "'ddpsa-allocation' = \"uniform\"" if cfg.ddpsa_allocation == "exponential" else "change them")
+    return ConfigError(f"method 'ddpsa' cannot allocate epsilon = {cfg.epsilon:g} over {cfg.num_rounds} rounds with "
+                       f"run-config 'ddpsa-allocation' = {cfg.ddpsa_allocation!r}, 'ddpsa-decay' = {cfg.ddpsa_decay:g}, "
+                       f"'ddpsa-composition' = {cfg.ddpsa_composition!r}: {err}; {way_out}")
+
+
 def local_servers(cfg: Any) -> int:
     """Intermediate servers ``cancelfl`` starts for a run: ``ddpsa-num-servers`` unless ``ddpsa-servers`` names them."""
     return 0 if cfg.ddpsa_servers.strip() else cfg.ddpsa_num_servers

@@ -33,4 +33,5 @@ class LadpOptions(MethodOptions):
 register(MethodSpec("ladp", "strategies.ladp:LadpStrategy", "client.methods.ladp:train", family="ladp",
                     paper="LaDP-FL", options=(LadpOptions,), regime=LADP_REGIME,
                     privacy=Guarantee("record", SERVER, MODEL),
-                    audit="server.audits.ladp:LadpAudit", **ROUND_GOALS))
+                    audit="server.audits.ladp:LadpAudit", size_check="strategies.ladp:check_client_sizes",
+                    **ROUND_GOALS))

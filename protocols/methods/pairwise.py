@@ -54,10 +54,33 @@ class PairwiseOptions(MethodOptions):
                                  trust="at-least")
 
     def validate_run(self, cfg: Any) -> None:
-        """``unmask-next-round`` carries double masking's phase and needs every client in every round."""
+        """``unmask-next-round`` carries double masking's phase and needs every client in every round.
+
+        On the complete graph a ``fault-drop-rate`` that leaves every arriving upload fewer kept neighbours than its
+        self-mask threshold (:func:`protocols.masking.mask_threshold`) fails every round: refused.
+        """
+        self._check_withheld(cfg)
         if self.unmask_next_round and not self.self_mask:
             raise ConfigError("run-config 'unmask-next-round' = true needs 'self-mask' = true (it carries the "
                               "unmasking phase of double masking in the next round's train messages)")
         if self.unmask_next_round and cfg.sample_rate < 1:
             raise ConfigError(f"run-config 'unmask-next-round' = true needs 'sample-rate' = 1, not {cfg.sample_rate:g}: "
                               "the next round's train messages must reach every client of the round")
+
+    def _check_withheld(self, cfg: Any) -> None:
+        from protocols.config_checks import fault_withheld
+        from protocols.masking import mask_threshold
+
+        k = cfg.clients_per_round
+        lost = fault_withheld(cfg.fault_drop_rate, k)
+        if not (lost and self.self_mask and self.graph == "complete"):
+            return
+        degree = k - 1
+        need = mask_threshold(degree, self.mask_corruption_rate)
+        if degree - lost < need:
+            raise ConfigError(f"run-config 'fault-drop-rate' = {cfg.fault_drop_rate:g} withholds {lost} of the {k} "
+                              f"clients of every round: each upload that arrives keeps {degree - lost} of its {degree} "
+                              f"neighbours, fewer than its self-mask threshold {need} (protocols.masking.mask_threshold, "
+                              f"'mask-corruption-rate' = {self.mask_corruption_rate:g}), so no round can be unmasked; "
+                              f"withhold at most {max(degree - need, 0)} (a lower 'fault-drop-rate'), raise "
+                              "'num-clients', or set 'self-mask' = false")

@@ -91,6 +91,9 @@ class MethodSpec:
         floor_exempt: dataset size classes (``"small"``, ``"large"``) on which ``cancelfl-bench defaults`` does not
             hold it to the accuracy floor (:data:`benchmarks.defaults.FLOOR`).
         local_services: run-config -> how many intermediate servers ``cancelfl`` must start for a run (DDP-SA's).
+        size_check: ``fn(cfg, sizes)`` raising :class:`protocols.options.ConfigError` for settings no round can run
+            with the clients' record counts (``sizes``); called at start where the data is local (the launcher's
+            preflight, the ServerApp); ``None`` = none.
         audit: its privacy-audit adapter (a :class:`server.audit_adapter.AuditAdapter` subclass or instance, usually
             ``"server.audits.<method>:<Adapter>"``): which release it drives, its canaries and planted faults;
             ``None`` = ``cancelfl audit`` refuses it as not auditable.
@@ -120,6 +123,7 @@ class MethodSpec:
     sparse_graph: bool = False
     floor_exempt: tuple[str, ...] = ()
     local_services: Callable[[Any], int] | None = None
+    size_check: str | Callable | None = None
     audit: str | Any | None = None
     recovery_charge: str | Callable | None = None
     round_time_goal: float | None = None

@@ -30,6 +30,7 @@ from protocols.privacy.accountant import (
     accountant_from_state,
 )
 from protocols.privacy.calibration import (
+    MIN_NOISE_MULTIPLIER,
     calibrate_noise_multiplier,
     gaussian_epsilon,
     gdp_epsilon,
@@ -103,6 +104,7 @@ __all__ = [
     "Headline",
     "LaplaceEvent",
     "Lemma2Accountant",
+    "MIN_NOISE_MULTIPLIER",
     "PerUnitAccountant",
     "PldAccountant",
     "PrivacyBudget",

@@ -145,7 +145,10 @@ def precision_budget(epsilon: float, delta: float, kind: str = "rdp") -> float:
     ``kind``: the accountant's conversion -- ``"rdp"`` (:class:`~protocols.privacy.accountant.RdpAccountant`:
     one Gaussian of the summed precision over :data:`~protocols.privacy.accountant.RDP_ORDERS`), ``"gdp"``
     (:class:`~protocols.privacy.accountant.GdpAccountant`, the analytic Gaussian) or ``"lemma2"``
-    (NADP-FL's Lemma 2: ``epsilon^2 / (2 ln(1/delta))``).  Bisection to a relative 1e-12, on the safe side.
+    (NADP-FL's Lemma 2: ``epsilon^2 / (2 ln(1/delta))``).  Bisection to a relative 1e-12, on the safe side.  A
+    precision whose epsilon overflows the conversion counts as over the target: for a larger ``epsilon`` the budget
+    is the largest precision the conversion measures (gdp: about 1e19), far above what releases at
+    :data:`~protocols.privacy.calibration.MIN_NOISE_MULTIPLIER` reach (1e6 per release).
 
     Raises:
         ValueError: ``epsilon`` not > 0, ``delta`` not in (0, 1), or an unknown ``kind``.
@@ -161,7 +164,10 @@ def precision_budget(epsilon: float, delta: float, kind: str = "rdp") -> float:
         raise ValueError(f"unknown precision budget kind {kind!r} (use 'rdp', 'gdp' or 'lemma2')")
 
     def eps(p: float) -> float:
-        return accountants[kind]([GaussianEvent(p**-0.5)]).epsilon(delta)
+        try:
+            return accountants[kind]([GaussianEvent(p**-0.5)]).epsilon(delta)
+        except ArithmeticError:  # past the conversion's float range (gdp: about 1e21): more than any target
+            return math.inf
 
     lo, hi = 0.0, 1.0
     while eps(hi) <= epsilon:

@@ -17,7 +17,12 @@ from functools import lru_cache
 from protocols.privacy.accountant import Accountant, GdpAccountant, RdpAccountant, accountant_from_state
 from protocols.privacy.events import GaussianEvent
 
-__all__ = ["calibrate_noise_multiplier", "gaussian_epsilon", "gdp_epsilon", "multiplier_under", "noise_multiplier"]
+__all__ = ["MIN_NOISE_MULTIPLIER", "calibrate_noise_multiplier", "gaussian_epsilon", "gdp_epsilon", "multiplier_under",
+           "noise_multiplier"]
+
+#: The smallest noise multiplier (noise std / sensitivity) a calibration returns: a target epsilon larger than its
+#: releases spend gets this noise and spends less than the target (about 5.3e5 over one release at delta 1e-5).
+MIN_NOISE_MULTIPLIER = 1e-3
 
 
 def _check(noise_multiplier: float, sampling_rate: float, steps: int, delta: float) -> None:
@@ -42,14 +47,15 @@ def calibrate_noise_multiplier(epsilon: float, delta: float, sampling_rate: floa
                                *, tol: float = 1e-4) -> float:
     """Smallest noise multiplier whose ``steps`` releases stay within (epsilon, delta) under :func:`gaussian_epsilon`.
 
-    Bisection on the monotone map z -> epsilon (relative tolerance ``tol``); the result errs on the safe side.
+    Bisection on the monotone map z -> epsilon (relative tolerance ``tol``); the result errs on the safe side and is
+    at least :data:`MIN_NOISE_MULTIPLIER`.
     """
     if not epsilon > 0:
         raise ValueError(f"epsilon must be > 0, got {epsilon}")
     _check(1.0, sampling_rate, steps, delta)
     if steps == 0:
         raise ValueError("cannot calibrate for 0 steps")
-    lo, hi = 1e-3, 1.0
+    lo, hi = MIN_NOISE_MULTIPLIER, 1.0
     while gaussian_epsilon(hi, sampling_rate, steps, delta) > epsilon:
         lo, hi = hi, hi * 2
         if hi > 1e7:
@@ -85,7 +91,8 @@ def multiplier_under(accountant: Accountant, epsilon: float, delta: float, relea
 
     ``accountant`` is empty: the composition the method charges its releases with (its strategy's ledger and its
     clients' :func:`client.floor.release` take the same), left unchanged.  Bisection on the monotone map
-    z -> epsilon (relative tolerance ``tol``); the result errs on the safe side.  With a fresh
+    z -> epsilon (relative tolerance ``tol``); the result errs on the safe side and is at least
+    :data:`MIN_NOISE_MULTIPLIER`.  With a fresh
     :class:`RdpAccountant` it is :func:`calibrate_noise_multiplier`.
 
     Raises:
@@ -106,7 +113,7 @@ def multiplier_under(accountant: Accountant, epsilon: float, delta: float, relea
         acc.compose(GaussianEvent(z, sampling_rate, releases))
         return acc.epsilon(delta)
 
-    lo, hi = 1e-3, 1.0
+    lo, hi = MIN_NOISE_MULTIPLIER, 1.0
     while spent(hi) > epsilon:
         lo, hi = hi, hi * 2
         if hi > 1e7:

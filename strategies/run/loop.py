@@ -178,6 +178,11 @@ def _kb(n: float) -> str:
     return f"{n / 1e3:.1f} kB" if n < 1e6 else f"{n / 1e6:.2f} MB"
 
 
+def _eps_text(value: float) -> str:
+    """An epsilon of the progress line: two decimals, or three significant digits from 1e7 (``1e+300``)."""
+    return f"{value:.2f}" if abs(value) < 1e7 else f"{value:.3g}"
+
+
 def round_line(row: dict, total_rounds: int, target: float | None, *, verbose: bool = False,
                figures: dict[str, float] | None = None) -> str:
     """The progress line of one round (``row``: its metrics.jsonl row).
@@ -196,7 +201,7 @@ def round_line(row: dict, total_rounds: int, target: float | None, *, verbose: b
     elif acc is not None:
         parts.append(f"acc {acc:.3f}")
     parts.append("eps none (no DP)" if target is None else
-                 f"eps {'inf' if eps is None else f'{eps:.2f}'}/{target:.2f}")
+                 f"eps {'inf' if eps is None else _eps_text(eps)}/{_eps_text(target)}")
     parts.append(f"{row['round_time_s']:.1f} s")
     line = "  ".join(parts)
     if not verbose:
@@ -300,9 +305,7 @@ def run_rounds(strategy: Strategy, grid: Grid, task: RunTask, *, num_rounds: int
     for rnd in range(first, total_rounds + 1):
         if (stopped := guard.before_round(rnd)) is not None:  # before any noise of the round is released
             stopped_for = "privacy budget"
-            progress(f"round {rnd}/{total_rounds}  STOPPED: {stopped}; the model of round {kept_round} is kept "
-                     f"(a lower run-config 'lr' than {cfg.lr:g} usually trains stably; 'divergence-factor' = 0 "
-                     "disables the stop)")
+            progress(f"round {rnd}/{total_rounds}  STOPPED: {stopped}; the model of round {kept_round} is kept")
             break
         mgrid.reset()
         cpu0 = traced_cpu() if tracing() else 0.0  # (CANCELFL_TRACE) before the round's clock starts

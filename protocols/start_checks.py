@@ -1,0 +1,85 @@
+"""Checks of a run before round 1 against the floors its clients apply (``ConfigError`` naming the keys).
+
+Each client refuses, on public values, a round it cannot run safely (:mod:`client.env`): a setting that fails such
+a rule for every client would have every round refused after the clients started.  The launcher's preflight and
+the ServerApp apply :func:`check_clip_floor` (run config) and, where the data is local, :func:`check_sizes` (the
+clients' record counts: the method card's ``size_check`` and :func:`check_training_floors`) before any message.
+:class:`protocols.config.RunConfig` leaves them out: a config is also what a server sends a client it tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence, Sized
+from typing import Any
+
+import numpy as np
+
+from protocols.methods import method_spec
+from protocols.options import ConfigError
+
+__all__ = ["check_clip_floor", "check_sizes", "check_training_floors"]
+
+
+def check_sizes(cfg: Any, partitions: Sequence[Sized]) -> None:
+    """The method card's ``size_check`` and :func:`check_training_floors` against each client's records (``partitions``).
+
+    Raises:
+        ConfigError: settings no round can run with these record counts, naming the keys.
+    """
+    sizes = sorted({len(p) for p in partitions}, reverse=True)
+    check_training_floors(cfg, sizes)
+    spec = method_spec(cfg.method)
+    if spec.size_check is not None:
+        spec.load(spec.size_check)(cfg, sizes)
+
+
+def check_training_floors(cfg: Any, sizes: Sequence[int]) -> None:
+    """Record-level local training (methods whose clients train, not FedSGD) float64 holds and resolves, per size.
+
+    :func:`protocols.privacy.record_training_resolution` at least float64's
+    :func:`protocols.privacy.smallest_resolvable` and :func:`protocols.privacy.record_training_range` of the zero
+    model within float64's range over :data:`protocols.privacy.FLOAT_RANGE_MARGIN`: the client's own rule, on the
+    same public values (run-config ``lr``, ``clip``, ``batch-size``, ``local-epochs`` and its record count).
+    """
+    from protocols.privacy.sensitivity import (
+        FLOAT_RANGE_MARGIN,
+        record_training_range,
+        record_training_resolution,
+        smallest_resolvable,
+    )
+
+    spec = method_spec(cfg.method)
+    if cfg.privacy_unit != "record" or spec.guarantee(cfg.privacy_unit).unit == "none" or spec.server_step_lr:
+        return
+    f64 = np.finfo(np.float64)
+    floor, ceiling = smallest_resolvable(float(f64.max), float(f64.tiny)), float(f64.max) / FLOAT_RANGE_MARGIN
+    keys = f"run-config 'lr' = {cfg.lr:g}, 'clip' = {cfg.clip:g}, 'batch-size' = {cfg.batch_size}"
+    for n in sizes:
+        if (fine := record_training_resolution(cfg, n)) < floor:
+            raise ConfigError(f"{keys}: a record's clipped step ({fine:.3g}, lr / batch or lr x clip / batch on {n} "
+                              f"records) is below {floor:.3g}, the smallest float64 resolves, so every client would "
+                              "refuse every round (its clipping factor or step would round on the subnormal grid); "
+                              "raise 'lr' or 'clip'")
+        if (span := record_training_range(cfg, n, 0.0)) > ceiling:
+            raise ConfigError(f"{keys}: local training on {n} records may reach {span:.3g}, beyond float64's range "
+                              f"over {FLOAT_RANGE_MARGIN:g} ({ceiling:.3g}), so every client would refuse every round; "
+                              "lower 'lr' or 'clip'")
+
+
+def check_clip_floor(cfg: Any) -> None:
+    """A DP method's ``clip`` is at least the smallest float64 resolves (``ConfigError`` naming it).
+
+    Every client path clips in float64 at the least (:func:`protocols.privacy.resolving_dtype`): below
+    :func:`protocols.privacy.smallest_resolvable` of float64 a record's clipping factor, or a client-level update
+    and its noise, round on the subnormal grid, and every client refuses every round.
+    """
+    from protocols.privacy.sensitivity import smallest_resolvable
+
+    if method_spec(cfg.method).guarantee(cfg.privacy_unit).unit == "none":
+        return
+    f64 = np.finfo(np.float64)
+    floor = smallest_resolvable(float(f64.max), float(f64.tiny))
+    if cfg.clip < floor:
+        raise ConfigError(f"run-config 'clip' = {cfg.clip:g} is below {floor:.3g}, the smallest clip float64 resolves "
+                          "(a clipping factor or the noise, proportional to the clip, would round on its subnormal "
+                          "grid), so every client would refuse every round; raise 'clip'")
