@@ -10,6 +10,7 @@ import pytest
 
 from protocols.config import ConfigError
 from server.launch import main, preflight
+from tests.test_launch_refusals import refused_before_any_message
 
 
 def _cli(capsys, *argv: str) -> tuple[int, str]:
@@ -204,27 +205,9 @@ def test_ladp_at_the_largest_epsilon_named_trains(tmp_path, capsys):
 
 def test_the_serverapp_applies_the_size_check_before_any_message(tmp_path):
     """Submitted without the launcher (flwr run): the ServerApp refuses before it asks any node anything."""
-    from flwr.app import Context, RecordDict
-
-    from client.app import app as client_app
-    from server.app import main as server_main
-    from server.local_grid import LocalGrid
-
-    class Counting(LocalGrid):
-        sent = 0
-
-        def send_and_receive(self, messages, *, timeout=None):
-            messages = list(messages)
-            self.sent += len(messages)
-            return super().send_and_receive(messages, timeout=timeout)
-
     (tmp_path / "out").mkdir()
     raw = {"method": "ladp", "num-clients": 1, "epsilon": 1e10, "out-dir": str(tmp_path / "out")}
-    grid = Counting(client_app, 1, raw)
-    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=raw)
-    with pytest.raises(ConfigError, match="cannot keep its noise in the float32 upload"):
-        server_main(grid, context)
-    assert grid.sent == 0
+    refused_before_any_message(raw, 1, "cannot keep its noise in the float32 upload")
 
 
 @pytest.mark.parametrize("factor", [0.5, 0.999, -1, "inf"])

@@ -144,14 +144,13 @@ def test_size_skew_with_empty_clients_is_refused_at_start(tmp_path, capsys, monk
     assert code == 2 and "'num-clients' = 60" in err and "'size-skew'" in err and "to 53" in err, err
 
 
-def test_size_skew_with_empty_clients_stops_the_serverapp_before_any_message(tmp_path):
-    """Submitted without the launcher (flwr run): the ServerApp refuses before it asks any node anything."""
+def refused_before_any_message(raw: dict, clients: int, match: str) -> None:
+    """Submitted without the launcher (flwr run): the ServerApp refuses ``raw`` before it asks any node anything."""
     from flwr.app import Context, RecordDict
 
     from client.app import app as client_app
     from server.app import main as server_main
     from server.local_grid import LocalGrid
-    from strategies.run.checkpoint import read_error
 
     class Counting(LocalGrid):
         sent = 0
@@ -161,13 +160,21 @@ def test_size_skew_with_empty_clients_stops_the_serverapp_before_any_message(tmp
             self.sent += len(messages)
             return super().send_and_receive(messages, timeout=timeout)
 
+    grid = Counting(client_app, clients, raw)
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=raw)
+    with pytest.raises(ConfigError, match=match):
+        server_main(grid, context)
+    assert grid.sent == 0
+
+
+def test_size_skew_with_empty_clients_stops_the_serverapp_before_any_message(tmp_path):
+    """The ServerApp refuses before any message and leaves the reason in the output folder."""
+    from strategies.run.checkpoint import read_error
+
     (tmp_path / "out").mkdir()  # the launcher makes it (server.launch.choose_out_dir)
     raw = {"partitioning": "size-skew", "num-clients": 60, "out-dir": str(tmp_path / "out")}
-    grid = Counting(client_app, 2, raw)
-    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=raw)
-    with pytest.raises(ConfigError, match="'num-clients' = 60"):
-        server_main(grid, context)
-    assert grid.sent == 0 and "'num-clients' = 60" in read_error(tmp_path / "out")
+    refused_before_any_message(raw, 2, "'num-clients' = 60")
+    assert "'num-clients' = 60" in read_error(tmp_path / "out")
 
 
 @pytest.mark.parametrize("run_config", ['method="nadp" num-clients=1', 'method="niss" num-clients=10 sample-rate=0.1'])
