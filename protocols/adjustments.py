@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence, Sized
 
@@ -29,6 +30,7 @@ def adjustments(cfg: RunConfig, partitions: Sequence[Sized] | None = None) -> li
                      + f": each round its clients compute one gradient over all their records ({trains}); "
                      "the values given are ignored")
     notes.extend(other_methods_keys(cfg))
+    notes.extend(privacy_keys_unread(cfg))
     if cfg.data_dir and cfg.dataset not in IDX_DATASETS:
         notes.append(f"run-config 'data-dir' = {cfg.data_dir!r} is read for the IDX datasets ({', '.join(IDX_DATASETS)}) "
                      f"only; dataset {cfg.dataset!r} does not read it: the value is ignored")
@@ -49,6 +51,19 @@ def other_methods_keys(cfg: RunConfig) -> list[str]:
                 notes.append(f"method {cfg.method!r} does not read run-config '{key}' = {value!r} (a key of "
                              f"{readers or 'no registered method'}): the value is ignored")
     return notes
+
+
+def privacy_keys_unread(cfg: RunConfig) -> list[str]:
+    """A sentence when a method without a guarantee (FedAvg) is given ``epsilon`` or ``delta`` away from the defaults."""
+    if method_spec(cfg.method).guarantee(cfg.privacy_unit).unit != "none":
+        return []
+    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+    given = [f"'{key.replace('_', '-')}' = {getattr(cfg, key):g}" for key in ("epsilon", "delta")
+             if getattr(cfg, key) != defaults[key]]
+    if not given:
+        return []
+    return [f"method {cfg.method!r} adds no noise and claims no privacy guarantee: run-config {' and '.join(given)} "
+            "is not read"]
 
 
 def delta_note(cfg: RunConfig, partitions: Sequence[Sized]) -> list[str]:

@@ -27,3 +27,13 @@ def test_a_data_dir_the_dataset_does_not_read_is_named():
     notes = adjustments(RunConfig.from_mapping({**app_defaults(), "dataset": "digits", "data-dir": "/data/idx"}))
     assert any("'data-dir' = '/data/idx'" in n and "'digits' does not read it" in n for n in notes), notes
     assert not adjustments(RunConfig.from_mapping({**app_defaults(), "dataset": "mnist", "data-dir": "/data/idx"}))
+
+
+def test_fedavg_names_an_epsilon_it_does_not_read():
+    from protocols.adjustments import adjustments
+    from protocols.config import RunConfig
+
+    cfg = RunConfig.from_mapping({"method": "fedavg", "epsilon": 8.0})
+    assert any("'fedavg' adds no noise" in n and "'epsilon' = 8" in n for n in adjustments(cfg))
+    assert not any("adds no noise" in n for n in adjustments(RunConfig.from_mapping({"method": "fedavg"})))
+    assert not any("adds no noise" in n for n in adjustments(RunConfig.from_mapping({"method": "ldp", "epsilon": 8.0})))
