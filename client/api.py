@@ -75,14 +75,15 @@ def client_env(context: Context, model: nn.Module, x: np.ndarray, y: np.ndarray,
 def pinned(context: Context, cfg: RunConfig) -> RunConfig:
     """``cfg``, once it matches the settings of this run's first message.
 
-    The first message of a run pins a digest of its settings in the node's ledger, under its lock
+    The first message of a run pins its node id and a digest of its settings in the node's ledger, under its lock
     (:meth:`client.ledger.ClientLedger.pin_settings`), and the settings themselves in ``context.state``: Flower's
     SuperNode may start a message's ClientApp on ``Context.state`` from before the previous message's, so only the
     ledger sees every message.  A message on a state holding the run's settings is checked against them (its
     refusal names the changed keys) without opening the ledger.
 
     Raises:
-        ConfigError: (:data:`~protocols.wire.settings.MISMATCH`) ``cfg`` differs from the run's pinned settings.
+        ConfigError: (:data:`~protocols.wire.settings.MISMATCH`) ``cfg`` differs from the run's pinned settings; or
+            the ledger already serves another node in this run (two nodes configured onto one ledger file).
     """
     run_id = str(context.run_id)  # text: a Flower run id is an unsigned 64-bit value
     text = json.dumps(cfg.to_mapping(), sort_keys=True)
@@ -93,8 +94,14 @@ def pinned(context: Context, cfg: RunConfig) -> RunConfig:
             raise _changed(run_id, f" ({shown})")
         return cfg
     digest = hashlib.sha256(text.encode()).digest()
-    with ClientLedger.open(ledger_dir(context.node_config), int(context.node_config.get("partition-id", 0))) as led:
+    folder, pid = ledger_dir(context.node_config), int(context.node_config.get("partition-id", 0))
+    with ClientLedger.open(folder, pid) as led:
+        node = led.pin_node(int(context.run_id), int(context.node_id))
         first = led.pin_settings(int(context.run_id), digest)
+    if node != int(context.node_id):
+        raise ConfigError(f"node {context.node_id}: its ledger ({folder}, partition-id {pid}) already serves node "
+                          f"{node} in run {run_id}; two nodes sharing one ledger would share its privacy account and "
+                          "its secrets: give each node its own node config 'partition-id' or 'ledger-dir'")
     if first != digest:
         raise _changed(run_id, " (another message of the run pinned other settings)")
     context.state[PINNED_KEY] = ConfigRecord({"run-id": run_id, "json": text})

@@ -223,6 +223,14 @@ class ClientLedger:
         """
         return self._pin(run_id, "outcomes", str(int(rnd)), digest)
 
+    def pin_node(self, run_id: int, node_id: int) -> int:
+        """The Flower node this ledger serves in run ``run_id``: the first one pinned (as :meth:`pin_outcome`).
+
+        Two nodes whose messages reach one ledger file (the same ``ledger-dir`` and ``partition-id``) would share
+        its account, its pins and its secrets; the caller refuses a node other than the pinned one.
+        """
+        return int.from_bytes(self._pin(run_id, "pins", "node", int(node_id).to_bytes(8, "big")), "big")
+
     def pin_settings(self, run_id: int, digest: bytes) -> bytes:
         """The settings digest this node acts on in run ``run_id``: the first one pinned (as :meth:`pin_outcome`)."""
         return self._pin(run_id, "pins", "settings", digest)

@@ -190,3 +190,17 @@ def test_api_client_refuses_settings_that_override_its_own_run_config(tmp_path):
     for key, value in (("clip", 0.5), ("privacy-unit", "record"), ("num-rounds", 5), ("adjacency", "replace-one")):
         with pytest.raises(ConfigError, match=f"{MISMATCH}.*{key}: strategy"):
             settings_of(content, {**own, key: value})
+
+
+def test_two_nodes_on_one_ledger_file_are_refused_before_any_release(tmp_path):
+    """Two library nodes left at the default partition id under one ledger folder: the second one is refused.
+
+    Sharing the file, they would share one privacy account, the round pins and niss's share secret.
+    """
+    first = Context(run_id=7, node_id=1, node_config={"ledger-dir": str(tmp_path)}, state=RecordDict(), run_config={})
+    other = Context(run_id=7, node_id=2, node_config={"ledger-dir": str(tmp_path)}, state=RecordDict(), run_config={})
+    assert pinned(first, _settings()).num_rounds == 2
+    with pytest.raises(ConfigError, match=r"already serves node 1 in run 7.*'partition-id' or 'ledger-dir'"):
+        pinned(other, _settings())
+    apart = {"ledger-dir": str(tmp_path), "partition-id": 1}
+    assert pinned(Context(run_id=7, node_id=2, node_config=apart, state=RecordDict(), run_config={}), _settings())
