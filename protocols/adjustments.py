@@ -31,6 +31,9 @@ def adjustments(cfg: RunConfig, partitions: Sequence[Sized] | None = None) -> li
                      "the values given are ignored")
     notes.extend(other_methods_keys(cfg))
     notes.extend(privacy_keys_unread(cfg))
+    spec = method_spec(cfg.method)
+    if spec.start_notes is not None:
+        notes.extend(spec.load(spec.start_notes)(cfg))
     if cfg.data_dir and cfg.dataset not in IDX_DATASETS:
         notes.append(f"run-config 'data-dir' = {cfg.data_dir!r} is read for the IDX datasets ({', '.join(IDX_DATASETS)}) "
                      f"only; dataset {cfg.dataset!r} does not read it: the value is ignored")

@@ -37,3 +37,12 @@ def test_fedavg_names_an_epsilon_it_does_not_read():
     assert any("'fedavg' adds no noise" in n and "'epsilon' = 8" in n for n in adjustments(cfg))
     assert not any("adds no noise" in n for n in adjustments(RunConfig.from_mapping({"method": "fedavg"})))
     assert not any("adds no noise" in n for n in adjustments(RunConfig.from_mapping({"method": "ldp", "epsilon": 8.0})))
+
+
+def test_a_ladp_norm_threshold_that_skips_layers_is_named_at_start():
+    from protocols.adjustments import adjustments
+    from protocols.config import RunConfig
+
+    notes = adjustments(RunConfig.from_mapping({"method": "ladp", "ladp-norm-threshold": 1e300}))
+    assert any("'ladp-norm-threshold' = 1e+300" in n and "without noise" in n for n in notes), notes
+    assert not any("ladp-norm-threshold" in n for n in adjustments(RunConfig.from_mapping({"method": "ladp"})))

@@ -30,8 +30,18 @@ class LadpOptions(MethodOptions):
                                    "this); 1 = every selected layer gets the floor noise", low=1.0)
 
 
+def start_notes(cfg) -> list[str]:
+    """A sentence when ``ladp-norm-threshold`` (R) > 0: layers below R go up without noise (Algorithm 2's selection)."""
+    r = cfg.options_of(LadpOptions).norm_threshold
+    if r <= 0:
+        return []
+    return [f"run-config 'ladp-norm-threshold' = {r:g}: a layer whose received weights have norm below R goes up "
+            "without noise, and a round with such a layer claims no guarantee (its epsilon is reported null); the "
+            "run's epsilon holds only while every layer is selected (R = 0 selects every layer)"]
+
+
 register(MethodSpec("ladp", "strategies.ladp:LadpStrategy", "client.methods.ladp:train", family="ladp",
                     paper="LaDP-FL", options=(LadpOptions,), regime=LADP_REGIME,
                     privacy=Guarantee("record", SERVER, MODEL),
                     audit="server.audits.ladp:LadpAudit", size_check="strategies.ladp:check_client_sizes",
-                    **ROUND_GOALS))
+                    start_notes=start_notes, **ROUND_GOALS))

@@ -94,6 +94,8 @@ class MethodSpec:
         size_check: ``fn(cfg, sizes)`` raising :class:`protocols.options.ConfigError` for settings no round can run
             with the clients' record counts (``sizes``); called at start where the data is local (the launcher's
             preflight, the ServerApp); ``None`` = none.
+        start_notes: ``fn(cfg) -> list[str]``, sentences the launcher and the ServerApp warn at start (settings of
+            the method that weaken or void what its epsilon says, named with their keys); ``None`` = none.
         audit: its privacy-audit adapter (a :class:`server.audit_adapter.AuditAdapter` subclass or instance, usually
             ``"server.audits.<method>:<Adapter>"``): which release it drives, its canaries and planted faults;
             ``None`` = ``cancelfl audit`` refuses it as not auditable.
@@ -124,6 +126,7 @@ class MethodSpec:
     floor_exempt: tuple[str, ...] = ()
     local_services: Callable[[Any], int] | None = None
     size_check: str | Callable | None = None
+    start_notes: str | Callable | None = None
     audit: str | Any | None = None
     recovery_charge: str | Callable | None = None
     round_time_goal: float | None = None
