@@ -58,6 +58,14 @@ def available_memory_mb() -> float | None:
     return None
 
 
+def _fitting(count: int, each_mb: float, available_mb: float | None) -> tuple[float, int | None]:
+    """(the available MB, how many processes of ``each_mb`` fit there; None when ``count`` fit or it is unknown)."""
+    available_mb = available_memory_mb() if available_mb is None else available_mb
+    if available_mb is None or count * each_mb <= available_mb:
+        return available_mb or 0.0, None
+    return available_mb, int(available_mb // each_mb)
+
+
 def check_capacity(num_supernodes: int, available_mb: float | None = None) -> None:
     """Refuse a local deployment whose idle SuperNodes alone exceed this machine's available memory.
 
@@ -66,10 +74,9 @@ def check_capacity(num_supernodes: int, available_mb: float | None = None) -> No
             :data:`SUPERNODE_IDLE_MB` exceeds ``available_mb`` (default: :func:`available_memory_mb`; no check
             where that is unknown).
     """
-    available_mb = available_memory_mb() if available_mb is None else available_mb
-    if available_mb is None or num_supernodes * SUPERNODE_IDLE_MB <= available_mb:
+    available_mb, most = _fitting(num_supernodes, SUPERNODE_IDLE_MB, available_mb)
+    if most is None:
         return
-    most = int(available_mb // SUPERNODE_IDLE_MB)
     raise ConfigError(f"--supernodes / run-config 'num-clients' = {num_supernodes}: {num_supernodes} SuperNode processes "
                       f"need at least {num_supernodes * SUPERNODE_IDLE_MB / 1024:.1f} GB ({SUPERNODE_IDLE_MB} MB each, "
                       f"idle), this machine has {available_mb / 1024:.1f} GB available; at most {most} fit here (use "
@@ -90,10 +97,9 @@ def check_service_capacity(count: int, available_mb: float | None = None) -> Non
         ConfigError: naming ``ddpsa-num-servers`` and how many fit, when ``count`` x :data:`INTERMEDIATE_IDLE_MB`
             exceeds ``available_mb`` (default: :func:`available_memory_mb`; no check where that is unknown).
     """
-    available_mb = available_memory_mb() if available_mb is None else available_mb
-    if available_mb is None or count * INTERMEDIATE_IDLE_MB <= available_mb:
+    available_mb, most = _fitting(count, INTERMEDIATE_IDLE_MB, available_mb)
+    if most is None:
         return
-    most = int(available_mb // INTERMEDIATE_IDLE_MB)
     raise ConfigError(f"run-config 'ddpsa-num-servers' = {count}: cancelfl starts that many intermediate server "
                       f"processes on this machine ({INTERMEDIATE_IDLE_MB} MB each, idle), which has "
                       f"{available_mb / 1024:.1f} GB available; at most {most} fit here: lower 'ddpsa-num-servers' or "
