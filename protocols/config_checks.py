@@ -31,10 +31,10 @@ def check_counts(cfg: Any) -> None:
     ``num-rounds`` is at most :data:`MAX_ROUNDS`, ``local-epochs`` at most :data:`MAX_LOCAL_EPOCHS`, and every
     integer key, a method's too, within :data:`INT_RANGE`.
     """
-    for key, most in (("num-rounds", MAX_ROUNDS), ("local-epochs", MAX_LOCAL_EPOCHS)):
-        if getattr(cfg, key.replace("-", "_")) > most:
-            raise ConfigError(f"run-config '{key}' = {getattr(cfg, key.replace('-', '_'))} is above the most a run "
-                              f"takes, {most:,}: lower '{key}'")
+    for key, value, most in (("num-rounds", cfg.num_rounds, MAX_ROUNDS), ("local-epochs", cfg.local_epochs,
+                                                                          MAX_LOCAL_EPOCHS)):
+        if value > most:
+            raise ConfigError(f"run-config '{key}' = {value} is above the most a run takes, {most:,}: lower '{key}'")
     for key, value in cfg.to_mapping().items():
         if isinstance(value, int) and not isinstance(value, bool) and not INT_RANGE[0] <= value <= INT_RANGE[1]:
             raise ConfigError(f"run-config '{key}' = {value} must be an integer in [-2^63, 2^63 - 1] (Flower's run "
@@ -47,4 +47,3 @@ def check_counts(cfg: Any) -> None:
         raise ConfigError(f"run-config 'min-clients' = {cfg.min_clients} is above 'num-clients' = {cfg.num_clients}: "
                           "a round cannot wait for more nodes than the federation has; set 'min-clients' <= "
                           f"{cfg.num_clients}")
-
