@@ -18,10 +18,8 @@ Round figures (from each :class:`protocols.wire.ladp.NoiseReport`): ``noised_lay
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from flwr.serverapp import Grid
 
@@ -32,7 +30,6 @@ from protocols.privacy import (
     GaussianEvent,
     GdpAccountant,
     PrivacyLedger,
-    gdp_epsilon,
     record_sensitivity,
     record_training_movement,
 )
@@ -159,42 +156,3 @@ class LadpStrategy(CancelStrategy):
             "composition": "exact Gaussian composition (GDP), epsilon at run-config delta",
         }
 
-
-def check_client_sizes(cfg: RunConfig, sizes: Sequence[int]) -> None:
-    """Refuse at start the settings where a client's float32 upload cannot keep its noise: it would refuse every round.
-
-    A client of ``n`` records noises a layer with std at least ``z Delta_f`` (``z``: :func:`protocols.ladp.round_multiplier`,
-    ``Delta_f``: :func:`protocols.privacy.record_sensitivity` of ``n``); its uploaded entries reach at least what
-    local training moves them (:func:`protocols.privacy.record_training_movement`).  Where the float32 grid there is
-    coarser than that std over :data:`protocols.ladp.ROUNDING_MARGIN` even for a model of zeros, the client's rule
-    (:func:`protocols.ladp.check_upload_grid`) refuses every round: the run is refused naming the largest epsilon
-    that passes for that client.
-
-    Raises:
-        ConfigError: naming 'epsilon' and 'num-clients'.
-    """
-    z = ladp.round_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
-    for n in sorted(set(sizes), reverse=True):
-        sens, movement = record_sensitivity(cfg, n), record_training_movement(cfg, n)
-        if _keeps(z * sens, movement):
-            continue
-        need = ladp.ROUNDING_MARGIN * float(np.spacing(np.float32(movement)))
-        while not _keeps(need, movement):
-            need *= 1.01
-        most = gdp_epsilon(need / sens, cfg.num_rounds, cfg.delta)
-        shown = 10.0 ** math.floor(math.log10(most) - 1)
-        raise ConfigError(f"method 'ladp' cannot keep its noise in the float32 upload of a client with {n} records: "
-                          f"at run-config 'epsilon' = {cfg.epsilon:g} its noise std {z * sens:.3g} is below the "
-                          f"float32 grid of the values local training reaches ({movement:.3g}) over "
-                          f"{ladp.ROUNDING_MARGIN:g}, so it would refuse every round; lower 'epsilon' to at most "
-                          f"{math.floor(most / shown) * shown:g} or raise 'num-clients' (fewer records per client)")
-
-
-def _keeps(sigma: float, movement: float) -> bool:
-    """Whether a float32 upload of a zero model moved by ``movement`` keeps noise of std ``sigma`` (the client's rule)."""
-    plan = {"w": ladp.LayerNoise(selected=True, norm=0.0, kl=None, privacy=None, sigma=sigma)}
-    try:
-        ladp.check_upload_grid({"w": np.zeros(1)}, plan, movement, np.float32)
-    except ValueError:
-        return False
-    return True

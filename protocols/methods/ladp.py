@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from protocols.methods.common import MODEL, RECORD_STEP, ROUND_GOALS, SERVER
 from protocols.methods.registry import register
 from protocols.methods.spec import Guarantee, MethodSpec
-from protocols.options import MethodOptions, option
+from protocols.options import ConfigError, MethodOptions, option
 
 #: ldp's regime: one full-batch step of per-example-clipped gradients per round (sensitivity 2 clip lr / N_i,
 #: replacing Theorem 2's 2 lr E clip), 10 rounds on the small datasets, 20 on the large.  Every selected layer gets at
@@ -40,8 +43,57 @@ def start_notes(cfg) -> list[str]:
             "run's epsilon holds only while every layer is selected (R = 0 selects every layer)"]
 
 
+def check_client_sizes(cfg: Any, sizes: Sequence[int]) -> None:
+    """Refuse at start the settings where a client's float32 upload cannot keep its noise: it would refuse every round.
+
+    A client of ``n`` records noises a layer with std at least ``z Delta_f`` (``z``: :func:`protocols.ladp.round_multiplier`,
+    ``Delta_f``: :func:`protocols.privacy.record_sensitivity` of ``n``); its uploaded entries reach at least what
+    local training moves them (:func:`protocols.privacy.record_training_movement`).  Where the float32 grid there is
+    coarser than that std over :data:`protocols.ladp.ROUNDING_MARGIN` even for a model of zeros, the client's rule
+    (:func:`protocols.ladp.check_upload_grid`) refuses every round: the run is refused naming the largest epsilon
+    that passes for that client.
+
+    Raises:
+        ConfigError: naming 'epsilon' and 'num-clients'.
+    """
+    import numpy as np
+
+    from protocols import ladp
+    from protocols.privacy import gdp_epsilon, record_sensitivity, record_training_movement
+
+    z = ladp.round_multiplier(cfg.epsilon, cfg.delta, cfg.num_rounds)
+    for n in sorted(set(sizes), reverse=True):
+        sens, movement = record_sensitivity(cfg, n), record_training_movement(cfg, n)
+        if _keeps(z * sens, movement):
+            continue
+        need = ladp.ROUNDING_MARGIN * float(np.spacing(np.float32(movement)))
+        while not _keeps(need, movement):
+            need *= 1.01
+        most = gdp_epsilon(need / sens, cfg.num_rounds, cfg.delta)
+        shown = 10.0 ** math.floor(math.log10(most) - 1)
+        raise ConfigError(f"method 'ladp' cannot keep its noise in the float32 upload of a client with {n} records: "
+                          f"at run-config 'epsilon' = {cfg.epsilon:g} its noise std {z * sens:.3g} is below the "
+                          f"float32 grid of the values local training reaches ({movement:.3g}) over "
+                          f"{ladp.ROUNDING_MARGIN:g}, so it would refuse every round; lower 'epsilon' to at most "
+                          f"{math.floor(most / shown) * shown:g} or raise 'num-clients' (fewer records per client)")
+
+
+def _keeps(sigma: float, movement: float) -> bool:
+    """Whether a float32 upload of a zero model moved by ``movement`` keeps noise of std ``sigma`` (the client's rule)."""
+    import numpy as np
+
+    from protocols import ladp
+
+    plan = {"w": ladp.LayerNoise(selected=True, norm=0.0, kl=None, privacy=None, sigma=sigma)}
+    try:
+        ladp.check_upload_grid({"w": np.zeros(1)}, plan, movement, np.float32)
+    except ValueError:
+        return False
+    return True
+
+
 register(MethodSpec("ladp", "strategies.ladp:LadpStrategy", "client.methods.ladp:train", family="ladp",
                     paper="LaDP-FL", options=(LadpOptions,), regime=LADP_REGIME,
                     privacy=Guarantee("record", SERVER, MODEL),
-                    audit="server.audits.ladp:LadpAudit", size_check="strategies.ladp:check_client_sizes",
+                    audit="server.audits.ladp:LadpAudit", size_check=check_client_sizes,
                     start_notes=start_notes, **ROUND_GOALS))
