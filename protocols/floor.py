@@ -233,7 +233,7 @@ def ddpsa_round_epsilon(cfg: RunConfig, rnd: int) -> float:
     return float(schedule.epsilons[rnd - 1])
 
 
-def ddpsa_noise_share(cfg: RunConfig, noise: str, participants: int) -> int | None:
+def ddpsa_noise_share(cfg: RunConfig, noise: str, participants: int, *, federation: int = 0) -> int | None:
     """``ddpsa``: ``n'`` such that this client adds ``Gamma(1/n', b) - Gamma(1/n', b)``, or None for a full Laplace.
 
     A ``"local"`` round gets the paper's full ``Lap(b)`` (never less than the client's floor).  A
@@ -243,6 +243,12 @@ def ddpsa_noise_share(cfg: RunConfig, noise: str, participants: int) -> int | No
     ``ddpsa-collude-frac`` and ``ddpsa-dropout-frac``, ``N`` its clients per round, however short the list); it is
     refused when the client's run config asks for local noise, or when the participant list is longer
     than the client's own ``clients_per_round`` (a longer list would shrink its share).
+    ``federation``: the population the server draws the participants from (a node's roster; 0: none given): the
+    colluders are counted among ``max(N, federation)`` clients, as a server choosing who shares a round may put
+    every colluder of the federation, ``floor(f federation)``, into it.
+
+    Raises:
+        FloorViolation: the above, or a round whose colluders and dropouts leave no share to count on.
     """
     from protocols.ddpsa import honest_participants
     if (noise == "gaussian") != (cfg.ddpsa_noise == "gaussian"):
@@ -256,8 +262,12 @@ def ddpsa_noise_share(cfg: RunConfig, noise: str, participants: int) -> int | No
                              "this client's run config adds the paper's full Laplace noise itself")
     at_most("ddpsa-participants", participants, cfg.clients_per_round,
             "the distributed noise is split over the participants: a longer list would shrink this client's share")
-    return honest_participants(participants, cfg.ddpsa_collude_frac, cfg.ddpsa_dropout_frac,
-                               per_round=cfg.clients_per_round)  # a shorter list shrinks no colluder count
+    counted = max(cfg.clients_per_round, int(federation))  # a shorter list shrinks no colluder count
+    try:
+        return honest_participants(participants, cfg.ddpsa_collude_frac, cfg.ddpsa_dropout_frac, per_round=counted)
+    except ValueError as err:
+        raise FloorViolation("ddpsa-participants", participants, "more than the colluders and dropouts counted",
+                             f"{err}, counted among {counted} clients (run-config 'ddpsa-collude-frac')") from None
 
 
 def ddpsa_min_summed(cfg: RunConfig, noise: str, participants: int, *, threshold: int, servers: int) -> int:

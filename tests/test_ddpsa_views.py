@@ -13,6 +13,7 @@ from flwr.app import ConfigRecord
 
 from protocols.config import ConfigError, RunConfig
 from protocols.ddpsa import gamma_difference_epsilon
+from protocols.floor import FloorViolation, ddpsa_noise_share
 from protocols.privacy import l1_sensitivity, laplace_scale
 from protocols.secret_sharing import shamir_reconstruct_vector
 from protocols.wire.intermediate import (
@@ -292,6 +293,40 @@ def test_a_shorter_participant_list_does_not_shrink_the_colluders_a_share_is_siz
             assert np.var(victim) == pytest.approx(2 * b * b, rel=0.2)
         finally:
             strategy.close()
+
+
+class _VictimAndTwoColluders(DdpsaStrategy):
+    """Shows a round of three: the victim (the first node) and two colluders whose noise the server knows."""
+
+    def learn_names(self, grid, nodes):
+        names = super().learn_names(grid, nodes)
+        return {n: names[n] for n in sorted(names)[:3]}
+
+
+def test_a_node_asking_for_a_guarantee_counts_its_rosters_colluders_in_a_round_the_server_chose(
+        noise_seen, tmp_path) -> None:  # noqa: F811 (fixture)
+    """8 nodes, 4 per round, ``ddpsa-collude-frac = 1/4``: the federation's 2 colluders, 1 counted per round.
+
+    The server picks who shares a round: the victim and both colluders.  Counted from the clients per round
+    (``n' = 3 - 1 = 2``) the victim's share was half the central Laplace: the colluders' shares subtracted, its sum
+    kept a Gamma(1/2, b) difference (no finite epsilon) while its ledger charged ``eps_t``.  A node asking for a
+    guarantee counts ``floor(f 8) = 2`` colluders: it adds the whole ``Lap(b)`` (variance ``2 b^2``).
+    """
+    with _served(num_clients=8, sample_rate=0.5, num_rounds=2, ddpsa_collude_frac=0.25, **LINEAR) as (cfg, grid, _):
+        assert cfg.clients_per_round == 4
+        for ctx in grid.contexts.values():
+            ctx.node_config.update({"ledger-dir": str(tmp_path), "max-epsilon-per-run": cfg.epsilon,
+                                    "ddpsa-servers": cfg.ddpsa_servers, "ddpsa-ca": cfg.ddpsa_ca})
+        strategy = _VictimAndTwoColluders(cfg)
+        try:
+            replies = _train(strategy, cfg, grid)
+            assert sum(not r.has_error() for r in replies) == 3 and len(noise_seen) == 3
+            b = laplace_scale(l1_sensitivity(cfg.clip, adjacency=cfg.adjacency), strategy.epsilon_of_round(1))
+            assert np.var(noise_seen[0]) == pytest.approx(2 * b * b, rel=0.2)
+        finally:
+            strategy.close()
+        with pytest.raises(FloorViolation, match="ddpsa-participants"):  # the victim and one colluder: no share left
+            ddpsa_noise_share(cfg, "distributed", 2, federation=8)
 
 
 class _NarrowRange(DdpsaStrategy):

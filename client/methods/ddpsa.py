@@ -7,7 +7,8 @@ Per round ``t`` on the received global model (FedSGD: one gradient over the whol
    (:mod:`protocols.per_example`);
 2. ``s_i = sum_j g_j + noise``, ``b = 2 Delta / eps_t`` with ``eps_t`` from the client's own schedule
    (:func:`protocols.floor.ddpsa_round_epsilon`, Eq. 12) and the noise share from
-   :func:`protocols.floor.ddpsa_noise_share` (the client must be on the participant list); a ``"gaussian"``
+   :func:`protocols.floor.ddpsa_noise_share` (the client must be on the participant list; a node asking for a
+   guarantee counts the colluders of its whole roster, as the server chooses who shares a round); a ``"gaussian"``
    round (:func:`gaussian_gradient_sum`) clips in L2 and adds its share of ``N(0, (z Delta_2)^2)``, ``z`` at
    least :func:`protocols.floor.ddpsa_noise_multiplier` of the client's own config;
 3. ``s_i`` (the noisy sum, not the paper's average: a shared sum cannot be weighted) fixed-point encoded
@@ -232,7 +233,9 @@ def train(msg: Message, env: ClientEnv) -> Message:
     if me.name not in plan.participants:
         raise FloorViolation("ddpsa-participants", list(plan.participants), f"a list naming {me.name!r}",
                              "the round's noise is split over the listed participants")
-    honest = ddpsa_noise_share(env.cfg, plan.noise, len(plan.participants))
+    # The participants are the server's choice: a node asking for a guarantee counts its roster's colluders.
+    federation = len(node_identity(env).roster) if policy(env).wants_guarantee else 0
+    honest = ddpsa_noise_share(env.cfg, plan.noise, len(plan.participants), federation=federation)
     node_t = trust_minimum(env, "ddpsa-threshold")  # the node's own, resolved for its own servers (0 = auto)
     at_least("ddpsa-threshold", plan.threshold, max(sharing_threshold(t, len(servers)) for t in
                                                     (env.cfg.ddpsa_threshold, *([] if node_t is None else [node_t]))),
