@@ -194,7 +194,9 @@ def record_level_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weight
     """
     from protocols.floor import at_least, at_most
     from protocols.privacy import (
+        FLOAT64_LARGEST_RANGE,
         FLOAT64_ROUNDOFF,
+        FLOAT64_SMALLEST_RESOLVABLE,
         FLOAT_RANGE_MARGIN,
         largest_trainable_norm,
         record_training_range,
@@ -217,11 +219,10 @@ def record_level_training(msg: Message, env: ClientEnv) -> tuple[Weights, Weight
     info = _float_info(model)
     if not (span <= info.max / FLOAT_RANGE_MARGIN and fine >= smallest_resolvable(info.max, info.tiny)) or (
             recentre and limit <= 0.0):
-        f64 = np.finfo(np.float64)
-        at_most("record-level training range", span, float(f64.max) / FLOAT_RANGE_MARGIN,
+        at_most("record-level training range", span, FLOAT64_LARGEST_RANGE,
                 "even float64 training may overflow a weight where the records' steps add up (run-config 'lr', "
                 "'clip', 'batch-size' and the model's norm)")
-        at_least("record-level training resolution", fine, smallest_resolvable(float(f64.max), float(f64.tiny)),
+        at_least("record-level training resolution", fine, FLOAT64_SMALLEST_RESOLVABLE,
                  "even float64 training would round a record's clipping factor or step on its subnormal grid "
                  "(run-config 'clip', 'lr' and 'batch-size')")
         model = model.double()
@@ -255,7 +256,7 @@ def client_level_update(msg: Message, env: ClientEnv, clip: float) -> tuple[Weig
         ``(global_weights, clipped flat update (float64), train_loss, the update's L2 norm before clipping)``.
 
     Raises:
-        FloorViolation: before any training, a clip below float64's :func:`protocols.privacy.smallest_resolvable`.
+        FloorViolation: before any training, a clip below :data:`protocols.privacy.FLOAT64_SMALLEST_RESOLVABLE`.
     """
     from protocols.arrays import flatten
     from protocols.clipping import clip_l2
@@ -270,12 +271,11 @@ def client_level_update(msg: Message, env: ClientEnv, clip: float) -> tuple[Weig
 def _resolving(clip: float, dtype: str, why: str) -> str:
     """:func:`protocols.privacy.resolving_dtype` of ``clip``; FloorViolation (naming ``why``) where even float64 fails."""
     from protocols.floor import at_least
-    from protocols.privacy import resolving_dtype, smallest_resolvable
+    from protocols.privacy import FLOAT64_SMALLEST_RESOLVABLE, resolving_dtype
 
     resolving = resolving_dtype(clip, dtype)
     if resolving is None:
-        f64 = np.finfo(np.float64)
-        at_least("clip", clip, smallest_resolvable(float(f64.max), float(f64.tiny)), why)
+        at_least("clip", clip, FLOAT64_SMALLEST_RESOLVABLE, why)
     assert resolving is not None  # refused above
     return resolving
 

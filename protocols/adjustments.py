@@ -12,7 +12,7 @@ from protocols.task.data import IDX_DATASETS
 
 
 def adjustments(cfg: RunConfig, partitions: Sequence[Sized] | None = None) -> list[str]:
-    """One sentence per adjusted or costly setting, naming the key (printed by the launcher and the ServerApp).
+    """One sentence per adjusted or costly setting, naming the key (shown once at start: :mod:`protocols.start_checks`).
 
     ``partitions``: every client's training records (:func:`protocols.task.data.partitions_for`), for
     :func:`delta_note`; None leaves that note out.

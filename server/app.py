@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from logging import INFO, WARNING
 
 from flwr.app import Context
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
-from protocols.adjustments import adjustments
 from protocols.config import RunConfig
 from protocols.federation import num_clients_left_auto
-from protocols.start_checks import check_clip_floor, check_sizes
+from protocols.start_checks import START_NOTES_SHOWN_ENV, start_checks
 from protocols.task.data import partitions_for
 from server.federation import fit_federation
 from server.flower_tuning import tune_serverapp
@@ -34,17 +34,14 @@ def main(grid: Grid, context: Context) -> None:
     try:
         cfg = resolve_out_dir(RunConfig.from_mapping(context.run_config))  # "" = a fresh runs/<time>-<method>
         out_dir = cfg.out_dir
-        local_data = not cfg.dataset.startswith("hub:")
-        if local_data and not num_clients_left_auto(context.run_config):
+        if not cfg.dataset.startswith("hub:") and not num_clients_left_auto(context.run_config):
             partitions_for(cfg)  # a client without records: stop before asking any node, naming the maximum
         # num-clients "auto": the federation's size; a num-clients the nodes were not started for: stop, naming the fix
         cfg = fit_federation(grid, cfg, context.run_config)
-        partitions = partitions_for(cfg) if local_data else None  # cached when checked above
-        check_clip_floor(cfg)
-        if partitions is not None:
-            check_sizes(cfg, partitions)  # the method's rules against the clients' record counts
-        for note in adjustments(cfg, partitions):
-            log(WARNING, "%s", note)
+        notes = start_checks(cfg)  # the clip floor and the method's rules against the clients' record counts
+        if os.environ.get(START_NOTES_SHOWN_ENV) != "1":  # the cancelfl launcher showed them before it started Flower
+            for note in notes:
+                log(WARNING, "%s", note)
         # DDP-SA: the ServerApp never starts intermediate servers -- the clients take them from their own
         # configuration, so whoever submits the run names them (`cancelfl run/deploy` start local ones).
         from server.runner import run_federation  # torch and the method's modules: after the check (seconds)

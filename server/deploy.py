@@ -133,22 +133,25 @@ def _absolute_out_dir(overrides: dict, defaults: dict, keep: Sequence[str] = ())
 
 
 def run_simulation(overrides: dict, *, keep_workdir: str | None = None, client_cpus: int = 1,
-                   verbose: bool = False) -> int:
+                   verbose: bool = False, notes_shown: bool = False) -> int:
     """Run through a private simulation-mode SuperLink; returns a process exit code.
 
     ``client_cpus`` = 1 by default: a ClientApp's work here is small enough that one thread is fastest
     (Ray sets OMP_NUM_THREADS to the CPUs it reserves), and one CPU per ClientApp lets as many run at
     once as there are cores; Flower's default of 2 runs one at a time on a 2-core machine.
-    ``verbose``: detailed round lines and Flower's start-up messages (:func:`flower_env`).
+    ``verbose``: detailed round lines and Flower's start-up messages; ``notes_shown``: the caller has shown the
+    run's start notes, the ServerApp does not log them again (:func:`flower_env`).
     """
-    return run_simulations([overrides], keep_workdir=keep_workdir, client_cpus=client_cpus, verbose=verbose)[0]
+    return run_simulations([overrides], keep_workdir=keep_workdir, client_cpus=client_cpus, verbose=verbose,
+                           notes_shown=notes_shown)[0]
 
 
 def run_simulations(runs: list[dict], *, keep_workdir: str | None = None, client_cpus: int = 1,
-                    verbose: bool = False) -> list[int]:
+                    verbose: bool = False, notes_shown: bool = False) -> list[int]:
     """Several runs one after another on one private simulation-mode SuperLink (started once); exit codes.
 
     Every run must have the same ``num-clients`` (the simulated SuperNodes, ``flwr run --federation-config``).
+    ``notes_shown``: as for :func:`run_simulation`, for every run.
     """
     defaults = app_defaults()
     cfgs = [RunConfig.from_mapping({**defaults, **o}) for o in runs]
@@ -159,7 +162,7 @@ def run_simulations(runs: list[dict], *, keep_workdir: str | None = None, client
     runs = [_absolute_out_dir(o, defaults) for o in runs]
     codes: list[int] = []
     with workspace(keep_workdir) as work:
-        env = flower_env(work / "flwr-home", verbose=verbose)
+        env = flower_env(work / "flwr-home", verbose=verbose, notes_shown=notes_shown)
         if len(runs) == 1 and not os.environ.get("CANCELFL_LEDGER_DIR"):
             # The simulated clients' privacy ledgers in the run folder (not the throwaway FLWR_HOME): a resumed
             # run continues them (client.ledger reads $CANCELFL_LEDGER_DIR).
@@ -206,8 +209,8 @@ class LocalCluster:
 
     def __init__(self, num_supernodes: int, *, tls: bool = False, intermediate_servers: int = 0,
                  keep_workdir: str | None = None, ledger_dir: str | None = None, identity_dir: str | None = None,
-                 node_config: dict[str, str] | None = None, verbose: bool = False) -> None:
-        self.verbose = verbose
+                 node_config: dict[str, str] | None = None, verbose: bool = False, notes_shown: bool = False) -> None:
+        self.verbose, self.notes_shown = verbose, notes_shown  # :func:`flower_env`
         #: more node-config keys for every SuperNode (e.g. ``trusted-fab``, a policy)
         self.node_config = dict(node_config or {})
         self.num_supernodes, self.tls, self.n_intermediate = num_supernodes, tls, intermediate_servers
@@ -223,7 +226,7 @@ class LocalCluster:
 
     def __enter__(self) -> LocalCluster:
         self.work = self._ws.__enter__()
-        self.env = flower_env(self.work / "flwr-home", verbose=self.verbose)
+        self.env = flower_env(self.work / "flwr-home", verbose=self.verbose, notes_shown=self.notes_shown)
         # Each SuperNode's work folder (server.supernode) holds its Unix sockets, whose paths fit in 107 bytes.
         self.nodes_dir = self.work / "supernodes"
         if len(str(self.nodes_dir)) > NODES_DIR_MAX:
@@ -322,10 +325,11 @@ class LocalCluster:
 
 
 def run_deployment(overrides: dict, *, num_supernodes: int = 4, tls: bool = False,
-                   keep_workdir: str | None = None, verbose: bool = False) -> int:
+                   keep_workdir: str | None = None, verbose: bool = False, notes_shown: bool = False) -> int:
     """SuperLink + ``num_supernodes`` SuperNodes as separate processes on loopback; returns an exit code.
 
-    ``verbose``: detailed round lines and Flower's start-up messages (:func:`flower_env`).
+    ``verbose``: detailed round lines and Flower's start-up messages; ``notes_shown``: the caller has shown the
+    run's start notes, the ServerApp does not log them again (:func:`flower_env`).
     """
     defaults = app_defaults()
     overrides = _absolute_out_dir(overrides, defaults)  # an earlier run's outputs go before this run's nodes start
@@ -336,7 +340,7 @@ def run_deployment(overrides: dict, *, num_supernodes: int = 4, tls: bool = Fals
     ledgers = str(ledger_dir(cfg.out_dir))
     identities = str(Path(cfg.out_dir) / IDENTITY_DIR)
     with LocalCluster(num_supernodes, tls=tls, intermediate_servers=n_inter, keep_workdir=keep_workdir,
-                      ledger_dir=ledgers, identity_dir=identities, verbose=verbose) as cluster:
+                      ledger_dir=ledgers, identity_dir=identities, verbose=verbose, notes_shown=notes_shown) as cluster:
         return cluster.submit(overrides)
 
 

@@ -15,6 +15,7 @@ import threading
 import uuid
 from pathlib import Path
 
+from protocols.start_checks import START_NOTES_SHOWN_ENV
 from server.defaults import APP_DIR, flower_run_config
 from server.processes import LAUNCH_MARK
 
@@ -34,16 +35,19 @@ BIN = Path(sys.executable).parent
 RAY_TIP_FILTER = "ignore::FutureWarning:ray._private.worker"
 
 
-def flower_env(flwr_home: Path, *, verbose: bool = False) -> dict[str, str]:
+def flower_env(flwr_home: Path, *, verbose: bool = False, notes_shown: bool = False) -> dict[str, str]:
     """Environment for Flower processes: private config home, no telemetry or update check.
 
     ``verbose``: the ServerApp prints detailed round lines (``CANCELFL_VERBOSE``, read by
     :func:`strategies.run.loop.run_rounds`) and :func:`submit` echoes Flower's own start-up messages.
+    ``notes_shown``: the launcher has shown the runs' start notes, so the ServerApp does not log them again
+    (:data:`protocols.start_checks.START_NOTES_SHOWN_ENV`).
     """
     env = dict(os.environ)
     env.update(FLWR_HOME=str(flwr_home), FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1",
                PYTHONUNBUFFERED="1")
     env[VERBOSE_ENV] = "1" if verbose else "0"
+    env[START_NOTES_SHOWN_ENV] = "1" if notes_shown else "0"
     env["PYTHONWARNINGS"] = ",".join(w for w in (env.get("PYTHONWARNINGS", ""), RAY_TIP_FILTER) if w)
     env[LAUNCH_MARK] = uuid.uuid4().hex
     # Ray (simulation runtime) otherwise binds its GCS and workers to the host's outward IP address; this

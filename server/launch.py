@@ -104,12 +104,11 @@ def preflight(overrides: dict, *, warn=_warn) -> RunConfig:
 
     The run config (keys, types, ranges), the method's own constraints (its strategy is constructed; for
     DDP-SA up to the intermediate servers the launcher starts later), the dataset files (truncated,
-    non-gzip or mismatched IDX files) and :func:`local_checks`.  Settings the run adjusts, and a ``delta`` not
-    below 1/n (:func:`protocols.adjustments.delta_note`), are reported through ``warn``.
+    non-gzip or mismatched IDX files), :func:`local_checks` and the start sequence every engine applies
+    (:func:`protocols.start_checks.start_checks`), whose notes (settings the run adjusts, a ``delta`` not below
+    1/n) are reported through ``warn``.
     """
-    from protocols.adjustments import adjustments
-    from protocols.start_checks import check_clip_floor, check_sizes
-    from protocols.task.data import partitions_for
+    from protocols.start_checks import check_clip_floor, start_checks
     from strategies.registry import build_strategy
 
     cfg = RunConfig.from_mapping({**app_defaults(), **overrides})
@@ -124,10 +123,7 @@ def preflight(overrides: dict, *, warn=_warn) -> RunConfig:
         if not (local_services(cfg) and "'ddpsa-servers'" in str(err)):
             raise
     local_checks(cfg)
-    partitions = None if cfg.dataset.startswith("hub:") else partitions_for(cfg)
-    if partitions is not None:
-        check_sizes(cfg, partitions)
-    for note in adjustments(cfg, partitions):
+    for note in start_checks(cfg):
         warn(note)
     return cfg
 
@@ -167,28 +163,40 @@ def choose_out_dir(cfg: RunConfig, *, overwrite: bool = False) -> str:
 
 
 def run_inprocess(overrides: dict, *, progress=print, grid_factory=None, keep_strategy: list | None = None,
-                  verbose: bool = False) -> dict:
+                  verbose: bool = False, checked: bool = False) -> dict:
     """Run the app through an in-process grid; returns the run summary.
+
+    Before any client exists it applies :func:`local_checks` and the start sequence of every engine
+    (:func:`protocols.start_checks.start_checks`), its notes as ``warning:`` lines through ``progress``.
 
     ``grid_factory(client_app, num_nodes, run_config) -> Grid`` replaces the default
     :class:`server.local_grid.LocalGrid` (the attack harness passes an observing grid; it waits for every reply,
     whatever run-config ``round-timeout``: :func:`inprocess_notes`);
     ``keep_strategy``, if given, receives the strategy object (for inspection after the run);
-    ``verbose``: detailed round lines.
+    ``verbose``: detailed round lines; ``checked``: :func:`preflight` ran on these overrides (and showed the
+    notes), so the start checks are not repeated.
+
+    Raises:
+        ConfigError: settings refused at start (as by :func:`preflight`), before any client trains.
     """
     from client.app import app as client_app
     from protocols.node_config import DDPSA_CA, DDPSA_SERVERS
+    from protocols.start_checks import start_checks
     from server.intermediate.launcher import local_intermediate_servers, roster_of
     from server.local_grid import LocalGrid
     from server.runner import run_federation
     from strategies.registry import build_strategy
 
     raw = {**app_defaults(), **overrides}
+    if not checked:  # before the out-dir is made and the grid makes num-clients identities and contexts
+        cfg = RunConfig.from_mapping(raw)
+        local_checks(cfg)
+        for note in start_checks(cfg):
+            progress(f"warning: {note}")
     raw["out-dir"] = resolve_out_dir(RunConfig.from_mapping(raw)).out_dir  # "" = a fresh runs/<time>-<method>
     cfg = RunConfig.from_mapping(raw)
     if not cfg.resume:  # an earlier run's outputs, its clients' ledgers too, before this run's clients exist
         clear_outputs(cfg.out_dir)
-    local_checks(cfg)  # before the grid makes num-clients identities and contexts
     if grid_factory is None:  # the clients' privacy ledgers live in the run folder: a resumed run continues them
         grid = LocalGrid(client_app, cfg.num_clients, raw, node_config={"ledger-dir": str(ledger_dir(cfg.out_dir))})
     else:
@@ -330,11 +338,12 @@ def _main(args: argparse.Namespace) -> int:
         elif args.command == "run":
             from server import deploy
 
-            code = deploy.run_simulation(overrides, verbose=args.verbose)
+            code = deploy.run_simulation(overrides, verbose=args.verbose, notes_shown=True)  # shown by preflight
         else:
             from server import deploy
 
-            code = deploy.run_deployment(overrides, num_supernodes=args.supernodes, tls=args.tls, verbose=args.verbose)
+            code = deploy.run_deployment(overrides, num_supernodes=args.supernodes, tls=args.tls, verbose=args.verbose,
+                                         notes_shown=True)
     except (KeyboardInterrupt, SystemExit) as stop:  # Ctrl-C, or SIGTERM (:func:`_terminated`)
         code = stop.code if isinstance(stop, SystemExit) and isinstance(stop.code, int) else 130
         print("cancelfl: interrupted; every process it started is stopped", file=sys.stderr)
@@ -373,12 +382,12 @@ def _terminated(signum: int, _frame) -> None:
 
 
 def _inprocess_exit(overrides: dict, *, verbose: bool = False) -> int:
-    """Run in-process and judge the outcome like the other engines (:func:`strategies.run.checkpoint.run_outcome`)."""
+    """Run in-process after :func:`preflight`, judged as the others are (:func:`strategies.run.checkpoint.run_outcome`)."""
     out = overrides["out-dir"]
     num_clients = RunConfig.from_mapping({**app_defaults(), **overrides}).num_clients
     print(f"cancelfl: starting {num_clients} in-process clients (loading torch and Flower) ...", flush=True)
     try:
-        run_inprocess(overrides, verbose=verbose)
+        run_inprocess(overrides, verbose=verbose, checked=True)  # after preflight
     except KeyboardInterrupt:
         print("cancelfl: interrupted", file=sys.stderr)
         code = 130

@@ -250,3 +250,27 @@ def test_a_method_key_no_plan_can_meet_is_named(raw, needle):
     with pytest.raises(ConfigError) as err:
         preflight({"dataset": "breast-cancer", "num-clients": 4, **raw}, warn=print)
     assert needle in str(err.value) and "niss-tau = 0" not in str(err.value), err.value
+
+
+# ------------------------------------------------------------------ the in-process engine called as a library
+@pytest.mark.parametrize(("raw", "needle"), [
+    ({"method": "nadp", "dataset": "breast-cancer", "num-clients": 4, "clip": 1e-200},
+     "run-config 'clip' = 1e-200 is below 1.19e-153"),
+    ({"method": "ldp", "dataset": "breast-cancer", "num-clients": 4, "lr": 1e-300},
+     "a record's clipped step (8.77e-303, lr / batch or lr x clip / batch on 114 records) is below 1.19e-153"),
+    ({"method": "ladp", "num-clients": 1, "epsilon": 1e10},
+     "cannot keep its noise in the float32 upload of a client with 1437 records"),
+])
+def test_run_inprocess_refuses_at_start_what_every_engine_refuses(tmp_path, monkeypatch, raw, needle):
+    """Benchmarks and tests call run_inprocess without the launcher's preflight: refused before any client trains.
+
+    The start sequence every engine applies (protocols.start_checks): no grid is made and no out-dir.
+    """
+    import re
+
+    from server.launch import run_inprocess
+
+    _no_process(monkeypatch)
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        run_inprocess({"num-rounds": 1, **raw, "out-dir": str(tmp_path / "o")}, progress=lambda _s: None)
+    assert not (tmp_path / "o").exists()

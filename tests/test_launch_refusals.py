@@ -322,3 +322,50 @@ def test_resume_hint_only_where_resuming_can_help(tmp_path, capsys, monkeypatch,
     code, err = _cli(capsys, "run", "--run-config", f'dataset="breast-cancer" num-rounds=2 num-clients=2 out-dir="{out}"')
     assert code == 1 and str(failure) in err, err
     assert (f"continue it with: cancelfl run --resume {out}" in err) is hinted, err
+
+
+# ------------------------------------------------------------------ the start notes: shown once on every engine
+NOTED = {"method": "nadp", "graph": "n-out", "n-out": 3, "num-clients": 4, "num-rounds": 1, "dataset": "breast-cancer"}
+NOTE = "'n-out' = 3 >= clients per round - 1"
+
+
+def test_the_launchers_in_process_run_shows_each_start_note_once(tmp_path, capsys):
+    """The launcher's preflight shows the notes; the run it starts (run_inprocess, checked) does not repeat them."""
+    code, out = _cli(capsys, "run", "--run-config", 'method="nadp" graph="n-out" n-out=3 num-clients=4 num-rounds=1 '
+                     f'dataset="breast-cancer" out-dir="{tmp_path / "o"}"')
+    assert code == 0 and out.count(NOTE) == 1, out
+
+
+def test_a_library_in_process_run_shows_the_start_notes_before_any_grid(tmp_path):
+    class NoGrid(Exception):
+        pass
+
+    def no_grid(*_a):
+        raise NoGrid
+
+    lines: list[str] = []
+    with pytest.raises(NoGrid):
+        run_inprocess({**NOTED, "out-dir": str(tmp_path / "o")}, progress=lines.append, grid_factory=no_grid)
+    assert [line for line in lines if NOTE in line and line.startswith("warning: ")], lines
+
+
+@pytest.mark.parametrize("shown", [False, True])
+def test_the_serverapp_logs_the_start_notes_unless_the_launcher_showed_them(tmp_path, monkeypatch, caplog, shown):
+    """A plain ``flwr run`` gets them from the ServerApp; under ``cancelfl run``/``deploy`` the launcher showed them."""
+    from flwr.app import Context, RecordDict
+
+    from client.app import app as client_app
+    from protocols.start_checks import START_NOTES_SHOWN_ENV
+    from server.app import main as server_main
+    from server.local_grid import LocalGrid
+
+    class Silent(LocalGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            raise RuntimeError("stop before round 1")
+
+    monkeypatch.setenv(START_NOTES_SHOWN_ENV, "1" if shown else "0")
+    raw = {**NOTED, "out-dir": str(tmp_path)}
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=raw)
+    with pytest.raises(RuntimeError, match="stop before round 1"):
+        server_main(Silent(client_app, 4, raw), context)
+    assert sum(NOTE in r.getMessage() for r in caplog.records) == (0 if shown else 1), caplog.text

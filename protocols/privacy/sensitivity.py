@@ -12,14 +12,16 @@ gradient sum: :func:`l1_sensitivity`.
 from __future__ import annotations
 
 import math
+import sys
 
 from protocols.adjacency import ADJACENCIES, adjacency_factor
 from protocols.privacy.events import Event, at_sensitivity
 
-__all__ = ["ADJACENCIES", "CLIENT_RECORD_FACTOR", "FLOAT32_ROUNDING_MARGIN", "FLOAT32_ROUNDOFF", "FLOAT64_ROUNDOFF",
-           "FLOAT_RANGE_MARGIN", "adjacency_factor", "l1_sensitivity", "largest_trainable_norm", "local_sgd_sensitivity",
-           "local_sgd_steps", "per_record", "record_sensitivity", "record_training_movement", "record_training_range",
-           "record_training_resolution", "resolving_dtype", "smallest_resolvable"]
+__all__ = ["ADJACENCIES", "CLIENT_RECORD_FACTOR", "FLOAT32_ROUNDING_MARGIN", "FLOAT32_ROUNDOFF", "FLOAT64_LARGEST_RANGE",
+           "FLOAT64_ROUNDOFF", "FLOAT64_SMALLEST_RESOLVABLE", "FLOAT_RANGE_MARGIN", "adjacency_factor", "l1_sensitivity",
+           "largest_trainable_norm", "local_sgd_sensitivity", "local_sgd_steps", "per_record", "record_sensitivity",
+           "record_training_movement", "record_training_range", "record_training_resolution", "resolving_dtype",
+           "smallest_resolvable"]
 
 #: A record moves a client-level release by up to this many times its sensitivity: the client-level unit's
 #: sensitivity is the clip ``C`` of the whole update (the update against none), while one record, changed under
@@ -180,6 +182,13 @@ def smallest_resolvable(largest: float, smallest_normal: float) -> float:
     noise std (proportional to the clip) and their squares (the variances the floors add up) normal numbers.
     """
     return FLOAT_RANGE_MARGIN * math.sqrt(float(largest)) * float(smallest_normal)
+
+
+#: :func:`smallest_resolvable` of float64 (about ``1.19e-153``): the smallest clip, and record-level training
+#: resolution, any client path resolves (every one clips in float64 at the least).
+FLOAT64_SMALLEST_RESOLVABLE = smallest_resolvable(sys.float_info.max, sys.float_info.min)
+#: The largest :func:`record_training_range` float64 holds: its largest finite value over :data:`FLOAT_RANGE_MARGIN`.
+FLOAT64_LARGEST_RANGE = sys.float_info.max / FLOAT_RANGE_MARGIN
 
 
 def resolving_dtype(resolution: float, dtype: str = "float32") -> str | None:
