@@ -92,10 +92,10 @@ class MethodSpec:
             hold it to the accuracy floor (:data:`benchmarks.defaults.FLOOR`).
         local_services: run-config -> how many intermediate servers ``cancelfl`` must start for a run (DDP-SA's).
         size_check: ``fn(cfg, sizes)`` raising :class:`protocols.options.ConfigError` for settings no round can run
-            with the clients' record counts (``sizes``); called at start where the data is local (the launcher's
-            preflight, the ServerApp); ``None`` = none.
-        start_notes: ``fn(cfg) -> list[str]``, sentences the launcher and the ServerApp warn at start (settings of
-            the method that weaken or void what its epsilon says, named with their keys); ``None`` = none.
+            with the clients' record counts (``sizes``); called at start where the data is local (every engine's
+            :func:`protocols.start_checks.start_checks`); ``None`` = none.
+        start_notes: ``fn(cfg) -> list[str]``, sentences every engine warns at start (settings of the method that
+            weaken or void what its epsilon says, named with their keys); ``None`` = none.
         audit: its privacy-audit adapter (a :class:`server.audit_adapter.AuditAdapter` subclass or instance, usually
             ``"server.audits.<method>:<Adapter>"``): which release it drives, its canaries and planted faults;
             ``None`` = ``cancelfl audit`` refuses it as not auditable.
