@@ -24,14 +24,16 @@ __all__ = ["START_NOTES_SHOWN_ENV", "check_clip_floor", "check_sizes", "check_tr
 START_NOTES_SHOWN_ENV = "CANCELFL_START_NOTES_SHOWN"
 
 
-def start_checks(cfg: Any) -> list[str]:
+def start_checks(cfg: Any, *, records: bool = True) -> list[str]:
     """The start sequence of a run: every check before round 1 on the run config and the clients' records.
 
-    :func:`check_clip_floor`, then, where the dataset is local (not ``hub:``), :func:`check_sizes` against
-    :func:`protocols.task.data.partitions_for`.
+    :func:`check_clip_floor`, then, where the dataset is local (not ``hub:``) and ``records``,
+    :func:`check_sizes` against :func:`protocols.task.data.partitions_for`.
 
     Args:
         cfg: the run config (:class:`protocols.config.RunConfig`), num-clients resolved.
+        records: the clients hold the run config's dataset partitions (False: a user's own ServerApp, whose
+            clients' records are not known to the server).
 
     Returns:
         The start notes, one sentence per adjusted or costly setting (:func:`protocols.adjustments.adjustments`),
@@ -45,7 +47,7 @@ def start_checks(cfg: Any) -> list[str]:
     from protocols.task.data import partitions_for
 
     check_clip_floor(cfg)
-    partitions = None if cfg.dataset.startswith("hub:") else partitions_for(cfg)
+    partitions = partitions_for(cfg) if records and not cfg.dataset.startswith("hub:") else None
     if partitions is not None:
         check_sizes(cfg, partitions)
     return adjustments(cfg, partitions)

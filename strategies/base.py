@@ -39,6 +39,7 @@ from protocols.config import ConfigError, RunConfig
 from protocols.methods import METHODS
 from protocols.privacy import PerUnitAccountant, PrivacyLedger
 from protocols.privacy.signal import NoiseEstimate, Release
+from protocols.start_checks import start_checks
 from protocols.wire.arrays import array_view, from_record
 from protocols.wire.common import TrainIns, mean_metrics, num_examples
 from protocols.wire.ledger import SpentReport
@@ -120,7 +121,8 @@ class CancelStrategy(Strategy):
 
         Runs :func:`strategies.run.loop.run_rounds`, so checkpoints, ``resume``, accounting, the noise and
         learning checks, ``metrics.jsonl``, ``summary.json`` and ``report.md`` work as in the cancelfl app
-        (folder: run-config ``out-dir``, default a fresh ``runs/<time>-<method>``).
+        (folder: run-config ``out-dir``, default a fresh ``runs/<time>-<method>``), after the start checks of the run
+        config (:func:`protocols.start_checks.start_checks`; the clients' records are yours: not checked).
 
         Args:
             grid: the ServerApp's grid.
@@ -136,12 +138,14 @@ class CancelStrategy(Strategy):
             Flower's ``Result``: the final global model and the central evaluation per round.
 
         Raises:
-            ConfigError: ``num_rounds`` above run-config ``num-rounds``.
+            ConfigError: ``num_rounds`` above run-config ``num-rounds``, or settings every client would refuse.
         """
         rounds = self.cfg.num_rounds if num_rounds is None else int(num_rounds)
         if rounds > self.cfg.num_rounds:
             raise ConfigError(f"start(num_rounds={rounds}): the strategy's noise is calibrated for num-rounds="
                               f"{self.cfg.num_rounds}; build it with num_rounds={rounds} to spend epsilon over more rounds")
+        for note in start_checks(self.cfg, records=False):
+            log(WARNING, "%s", note)
         if timeout is not None and timeout != self.cfg.round_timeout:
             self.cfg = dataclasses.replace(self.cfg, round_timeout=float(timeout))
         task = FlowerTask(initial_arrays, evaluate_fn)
@@ -207,8 +211,7 @@ class CancelStrategy(Strategy):
         return {r.metadata.src_node_id: r for r in good}, errors
 
     # ------------------------------------------------- Flower's Strategy API
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         """Sampling, the keys and plan stages, then the train messages (:mod:`strategies.stages`)."""
         return train_messages(self, open_round(self, grid, server_round, arrays))
 
@@ -339,11 +342,8 @@ class CancelStrategy(Strategy):
         Kept in :attr:`client_epsilon` (node -> epsilon, ``inf`` = no guarantee; the runner writes it per round)
         and reported as ``client_epsilon_max`` (over the clients with a finite figure).
         """
-        spent = {}
-        for node, r in by_node.items():
-            rep = SpentReport.from_metrics(r.content["metrics"]) if "metrics" in r.content else None
-            if rep is not None:
-                spent[node] = rep.epsilon
+        spent = {node: rep.epsilon for node, r in by_node.items()
+                 if "metrics" in r.content and (rep := SpentReport.from_metrics(r.content["metrics"])) is not None}
         self.client_epsilon: dict[int, float] = spent
         finite = [e for e in spent.values() if math.isfinite(e)]
         if finite:
@@ -354,8 +354,7 @@ class CancelStrategy(Strategy):
         """Example-weighted mean of every numeric client metric."""
         return MetricRecord(mean_metrics([r.content["metrics"] for r in replies]))
 
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                           grid: Grid) -> Iterable[Message]:
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         """No federated evaluation: the server evaluates the global model centrally."""
         return []
 

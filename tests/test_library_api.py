@@ -97,6 +97,9 @@ def test_strategies_take_keyword_arguments_and_validate_them():
     # The noise is calibrated for num-rounds: start() refuses to run more rounds than that.
     with pytest.raises(ConfigError, match="num-rounds=2"):
         strategies.LocalDPStrategy(num_rounds=2).start(grid=None, initial_arrays=ArrayRecord(), num_rounds=3)
+    # Your own ServerApp gets the start checks every engine applies, before the grid is touched.
+    with pytest.raises(ConfigError, match="run-config 'clip' = 1e-200"):
+        strategies.LocalDPStrategy(clip=1e-200).start(grid=None, initial_arrays=ArrayRecord())
 
 
 def test_model_and_dataset_by_import_path(tmp_path):
