@@ -8,7 +8,8 @@ phase, Ray's start-up under simulation) is not timed.  Sparse pairing by default
 80-out (:data:`benchmarks.common.SPARSE_PAIRING`); ddpsa goes through its 3 local intermediate servers.
 ``--dropouts``: run-config ``fault-drop-rate``, the share of each round's clients whose train message is withheld
 after the key phase (:mod:`strategies.run.faults`), so the survivors run the method's recovery; the planning
-assumption ``dropout-rate`` is set to the same rate (nadp and niss plan their noise for it).  The model is
+assumption ``dropout-rate`` (ddpsa: ``ddpsa-dropout-frac``) is set to the same rate (the methods plan their noise
+for it).  The model is
 digits-sized (a 64-16-10 MLP): the table is about what the protocols cost per client, not about training.
 
 Columns (means over the timed rounds):
@@ -89,7 +90,9 @@ def run(args: argparse.Namespace) -> int:
     todo = [(d, k, m) for k in clients for d in rates for m in methods]
     for d, k, m in tqdm(todo, desc="scale", unit="run", dynamic_ncols=True):
         run_dir = out / "runs" / f"{m}-k{k}-d{d:g}"
-        row = point(m, args.epsilon, k, d, {**base, "fault-drop-rate": d, "dropout-rate": min(d, 0.49)}, msets, run_dir,
+        # The planning assumption at the fault's rate: run-config dropout-rate, ddpsa's own ddpsa-dropout-frac.
+        sets = {**msets, "ddpsa": {"ddpsa-dropout-frac": min(d, 0.49), **msets.get("ddpsa", {})}}
+        row = point(m, args.epsilon, k, d, {**base, "fault-drop-rate": d, "dropout-rate": min(d, 0.49)}, sets, run_dir,
                     simulation=simulation)
         rows.append(row)
         common.write_table(rows, COLUMNS, out, "scale", title=TITLE, command=common.command_line(args),
@@ -113,8 +116,8 @@ def run_notes(args: argparse.Namespace, total: float) -> list[str]:
         f"local-epochs={args.local_epochs}, full-batch, epsilon={args.epsilon}, {args.rounds} rounds (round 1 not "
         "timed); the model is tiny on purpose: the figures are the protocols' cost per client and per round",
         "dropouts: run-config fault-drop-rate (the share of each round's clients whose train message is withheld "
-        "after the key phase; the survivors run the method's recovery) and the planning assumption dropout-rate, "
-        "both at that rate",
+        "after the key phase; the survivors run the method's recovery) and the planning assumption dropout-rate "
+        "(ddpsa: ddpsa-dropout-frac), both at that rate",
         "client_s: " + ("the round's time in client phases x parallel ClientApps (one per core) / clients, Flower's "
                         "per-message cost included" if simulation else "mean ClientApp time of one client, all phases")
         + "; server_s: round wall time minus the time spent waiting for clients; bytes per participating client",
