@@ -8,7 +8,7 @@ Round ``t`` (the stages of :mod:`strategies.stages`):
 2. each client (:mod:`client.methods.ddpsa`) pushes one share of its encoded noisy clipped gradient sum to every
    intermediate server and replies with a receipt;
 3. ``aggregate`` asks every server for its partial sum over the clients that replied (a distributed or Gaussian
-   round: all of its participants, :func:`protocols.floor.ddpsa_min_summed`, the terms the clients' pushes carry),
+   round: all of its participants, :func:`protocols.ddpsa_floor.ddpsa_min_summed`, the terms the clients' pushes carry),
    reconstructs from ``t`` of them (else :class:`RoundFailed`, the round sealed unreleased), divides by
    ``N = sum N_i`` and steps with the server optimizer (``server-optimizer``; SGD:
    ``theta_{t+1} = theta_t - eta * sum_i s_i / N``);
@@ -52,7 +52,7 @@ from protocols.ddpsa import (
     min_frac_bits,
     present_multiplier,
 )
-from protocols.floor import ddpsa_min_summed, separable_sums
+from protocols.ddpsa_floor import ddpsa_min_summed, separable_sums
 from protocols.methods.ddpsa import DdpsaOptions, unallocatable
 from protocols.privacy import (
     BudgetSchedule,

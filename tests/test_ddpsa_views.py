@@ -13,7 +13,8 @@ from flwr.app import ConfigRecord
 
 from protocols.config import ConfigError, RunConfig
 from protocols.ddpsa import gamma_difference_epsilon
-from protocols.floor import FloorViolation, ddpsa_noise_share
+from protocols.ddpsa_floor import ddpsa_noise_share
+from protocols.floor import FloorViolation
 from protocols.privacy import l1_sensitivity, laplace_scale
 from protocols.secret_sharing import shamir_reconstruct_vector
 from protocols.wire.intermediate import (

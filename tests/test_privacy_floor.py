@@ -19,7 +19,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from client.app import app as client_app
 from client.records import to_record
 from protocols.config import RunConfig
-from protocols.floor import FloorPolicy, FloorViolation, ddpsa_round_epsilon, ldp_noise_multiplier, ldp_noise_std
+from protocols.ddpsa_floor import ddpsa_round_epsilon
+from protocols.floor import FloorPolicy, FloorViolation, ldp_noise_multiplier, ldp_noise_std
 from protocols.methods import METHOD_NAMES, method_spec
 from protocols.privacy import FLOAT32_ROUNDING_MARGIN, largest_trainable_norm, record_sensitivity
 from protocols.task.data import dataset_for

@@ -152,7 +152,7 @@ def test_ddpsa_shares_left_to_a_receiving_participant_make_the_central_noise(n: 
     must not read less than what the rest leave.
     """
     from protocols.ddpsa import gamma_difference_epsilon, present_multiplier
-    from protocols.floor import ddpsa_noise_share
+    from protocols.ddpsa_floor import ddpsa_noise_share
     from strategies.ddpsa import DdpsaStrategy
     from tests.ddpsa_setup import ddpsa_credentials
 

@@ -6,17 +6,17 @@ Per round ``t`` on the received global model (FedSGD: one gradient over the whol
    :func:`protocols.ddpsa.centred_cross_entropy`), clipped to L1 norm ``Delta`` = run-config ``clip``
    (:mod:`protocols.per_example`);
 2. ``s_i = sum_j g_j + noise``, ``b = 2 Delta / eps_t`` with ``eps_t`` from the client's own schedule
-   (:func:`protocols.floor.ddpsa_round_epsilon`, Eq. 12) and the noise share from
-   :func:`protocols.floor.ddpsa_noise_share` (the client must be on the participant list; a node asking for a
+   (:func:`protocols.ddpsa_floor.ddpsa_round_epsilon`, Eq. 12) and the noise share from
+   :func:`protocols.ddpsa_floor.ddpsa_noise_share` (the client must be on the participant list; a node asking for a
    guarantee counts the colluders of its whole roster, as the server chooses who shares a round); a ``"gaussian"``
    round (:func:`gaussian_gradient_sum`) clips in L2 and adds its share of ``N(0, (z Delta_2)^2)``, ``z`` at
-   least :func:`protocols.floor.ddpsa_noise_multiplier` of the client's own config;
+   least :func:`protocols.ddpsa_floor.ddpsa_noise_multiplier` of the client's own config;
 3. ``s_i`` (the noisy sum, not the paper's average: a shared sum cannot be weighted) fixed-point encoded
    (:mod:`protocols.secret_sharing`, on a grid no coarser than :func:`protocols.ddpsa.min_frac_bits` allows and in
    a range no smaller than :func:`protocols.ddpsa.min_codec_range`),
    split into ``m`` shares and each pushed, signed, to its intermediate server, with the client's terms
    (:class:`protocols.wire.intermediate.ShareTerms`): the participants it was shown (a round registered for others
-   refuses the push) and :func:`protocols.floor.ddpsa_min_summed`, the fewest clients
+   refuses the push) and :func:`protocols.ddpsa_floor.ddpsa_min_summed`, the fewest clients
    a partial sum holding the share may cover (a distributed share: all the participants it was
    shown but ``floor(d n)``).  Before the round is charged, :func:`preflight` asks every server whether it would
    take the shares on those terms (a round registered there otherwise than shown is refused unpaid).
@@ -54,15 +54,8 @@ from protocols.ddpsa import (
     min_codec_range,
     min_frac_bits,
 )
-from protocols.floor import (
-    FloorViolation,
-    at_least,
-    at_most,
-    ddpsa_min_summed,
-    ddpsa_noise_multiplier,
-    ddpsa_noise_share,
-    ddpsa_round_epsilon,
-)
+from protocols.ddpsa_floor import ddpsa_min_summed, ddpsa_noise_multiplier, ddpsa_noise_share, ddpsa_round_epsilon
+from protocols.floor import FloorViolation, at_least, at_most
 from protocols.identity import Identity
 from protocols.methods.ddpsa import sharing_threshold
 from protocols.node_config import DDPSA_CA, DDPSA_SERVERS
