@@ -54,24 +54,37 @@ def method_runs(names: list[str], epsilon: float, out: Path, overrides: dict) ->
 
 def compare(names: list[str], *, epsilon: float, out: Path, engine: str = "inprocess",
             overrides: dict | None = None, command: str = "",
-            inprocess: Callable[..., object] | None = None, verbose: bool = False) -> tuple[Path, list[str]]:
+            inprocess: Callable[..., object] | None = None, verbose: bool = False,
+            check: Callable[..., object] | None = None) -> tuple[Path, list[str]]:
     """Run every method in ``names`` and write the side-by-side report.
 
     Returns ``<out>/report.md`` and the methods that did not finish (their exit code was not 0).
 
     ``inprocess(overrides, verbose=...)`` runs one method on the in-process engine (the launcher's
-    :func:`server.launch.run_inprocess`; needed for ``engine="inprocess"``); ``verbose``: detailed round lines.
+    :func:`server.launch.run_inprocess`; needed for ``engine="inprocess"``); ``verbose``: detailed round lines;
+    ``check(overrides, warn=...)``: every method's start checks before any method runs (the launcher's
+    :func:`server.launch.preflight`; its notes go to ``warn``), so a setting one method refuses stops the comparison
+    before the others spend their time.
+
+    Raises:
+        ValueError: a bad run-config key or value, or (``check``) settings a method refuses at start, naming it.
     """
     out = Path(out).resolve()
     runs = method_runs(names, epsilon, out, dict(overrides or {}))
-    for cfg in runs.values():
+    for name, cfg in runs.items():
         RunConfig.from_mapping({**app_defaults(), **cfg})  # fail fast, naming the bad key
+        if check is not None:
+            try:
+                check(cfg, warn=lambda note, name=name: print(f"cancelfl compare: {name}: warning: {note}",
+                                                               file=sys.stderr))
+            except ValueError as err:
+                raise ValueError(f"{name}: {err}") from err
     notes: list[str] = []
     t0 = time.perf_counter()
     if engine == "simulation":
         from server.deploy import run_simulations
 
-        codes = run_simulations(list(runs.values()), verbose=verbose)
+        codes = run_simulations(list(runs.values()), verbose=verbose, notes_shown=check is not None)
     else:
         if inprocess is None:
             raise ValueError("compare: the in-process engine needs the launcher's runner (inprocess=run_inprocess)")
@@ -79,7 +92,7 @@ def compare(names: list[str], *, epsilon: float, out: Path, engine: str = "inpro
         for name, cfg in runs.items():
             print(f"== {name}", flush=True)
             try:
-                inprocess(cfg, verbose=verbose)
+                inprocess(cfg, verbose=verbose, **({"checked": True} if check is not None else {}))
                 codes.append(0)
             except Exception as err:  # noqa: BLE001 - one method's failure (e.g. divergence) is reported, not fatal
                 print(f"cancelfl compare: {name}: {err}", file=sys.stderr)
@@ -116,8 +129,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-config", default="", help="run-config for every method, e.g. 'num-rounds=10 dataset=\"mnist\"'")
 
 
-def main(args: argparse.Namespace, overrides: dict, inprocess: Callable[[dict], object]) -> int:
-    """Run ``cancelfl compare`` with parsed arguments (``inprocess``: the launcher's runner); returns the exit code."""
+def main(args: argparse.Namespace, overrides: dict, inprocess: Callable[[dict], object],
+         check: Callable[..., object] | None = None) -> int:
+    """Run ``cancelfl compare`` with parsed arguments; returns the exit code (2: refused before any method ran).
+
+    ``inprocess``: the launcher's runner; ``check``: its start checks (:func:`compare`).
+    """
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     try:
         if not names:
@@ -135,7 +152,8 @@ def main(args: argparse.Namespace, overrides: dict, inprocess: Callable[[dict], 
     command = "cancelfl " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else ""
     try:
         report, failed = compare(names, epsilon=args.epsilon, out=out, engine=args.engine, overrides=overrides,
-                                 command=command, inprocess=inprocess, verbose=getattr(args, "verbose", False))
+                                 command=command, inprocess=inprocess, verbose=getattr(args, "verbose", False),
+                                 check=check)
     except ValueError as err:
         print(f"cancelfl compare: {err}", file=sys.stderr)
         return 2

@@ -291,7 +291,7 @@ def _main(args: argparse.Namespace) -> int:
             from server import compare
 
             RunConfig.from_mapping({**app_defaults(), **overrides})  # fail fast, naming the bad key
-            return compare.main(args, overrides, run_inprocess)
+            return compare.main(args, overrides, run_inprocess, check=preflight)
         if not args.resume and is_on(overrides.get("resume")) and overrides.get("out-dir"):
             args.resume = overrides["out-dir"]  # run-config resume = true: as --resume, the stored run config
         if args.resume:

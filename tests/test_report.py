@@ -63,6 +63,15 @@ def test_compare_exits_1_naming_a_method_that_did_not_finish(tmp_path, capsys):
     assert "| fedavg |" in text and "`ldp` did not finish" in text
 
 
+def test_compare_refuses_a_setting_one_method_refuses_before_any_method_runs(tmp_path, capsys):
+    """A clip float64 cannot resolve is refused for ldp at start: fedavg (listed first, no clip) does not run either."""
+    out = tmp_path / "cmp"
+    assert main(["compare", "--methods", "fedavg,ldp", "--run-config", "clip=1e-200 num-rounds=1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "ldp: run-config 'clip' = 1e-200" in err
+    assert not (out / "fedavg" / "metrics.jsonl").exists() and not (out / "report.md").exists()
+
+
 def test_compare_command_refuses_a_bad_method_or_key(tmp_path, capsys):
     assert main(["compare", "--methods", "fedavg,nope", "--out", str(tmp_path / "a")]) == 2
     assert "nope" in capsys.readouterr().err
