@@ -4,11 +4,12 @@ Run-config ``dropout-rate`` ``r`` (:class:`protocols.methods.pairwise.PairwiseOp
 a participant drops after the key phase, independently of the others.  A round of ``k`` participants plans for up
 to :func:`dropout_bound` ``m`` dropouts: the smallest ``m`` with ``P[Binomial(k, r) > m] <= DROPOUT_TAIL``.
 
-The pairwise methods lose noise when participants drop: recovery strips the pair noise (nadp) or the shares
-(niss) exchanged with the dropped, so the survivors' aggregate keeps only the survivors' own noise.  A plan that
-meets its multiplier ``z`` for every survivor set of at most ``m`` dropouts scales its noise by
-:func:`nadp_dropout_factor` (nadp) or :func:`niss_dropout_factor` (niss); both ends of the protocol compute the
-factor from the run config and public values (sizes, graph), so a client refuses a plan with less.
+The pairwise methods lose noise when participants drop: recovery strips the pair noise (nadp, mpddp) or the
+shares (niss) exchanged with the dropped, so the survivors' aggregate keeps only the survivors' own noise.  A plan
+that meets its multiplier ``z`` (mpddp: its privacy-loss variance theta) for every survivor set of at most ``m``
+dropouts scales its noise by :func:`nadp_dropout_factor` (nadp), :func:`niss_dropout_factor` (niss) or
+:func:`mpddp_dropout_factor` (mpddp); both ends of the protocol compute the factor from the run config and public
+values (sizes, graph), so a client refuses a plan with less.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-__all__ = ["DROPOUT_TAIL", "binom_tail", "dropout_bound", "nadp_dropout_factor", "niss_dropout_factor"]
+__all__ = ["DROPOUT_TAIL", "binom_tail", "dropout_bound", "mpddp_dropout_factor", "nadp_dropout_factor",
+           "niss_dropout_factor"]
 
 #: Chance, per round, that more participants drop than the plan allows for (the binomial tail the plan covers).
 DROPOUT_TAIL = 1e-3
@@ -100,3 +102,36 @@ def niss_dropout_factor(sigmas: Mapping[int, float], graph: Mapping[int, Sequenc
         raise ValueError(f"run-config 'dropout-rate' = {rate}: up to {m} of {k} participants may drop, which can "
                          "remove all of niss's shares; lower the rate or sample more clients per round")
     return math.sqrt(total / kept)
+
+
+def mpddp_dropout_factor(sigma_eta: float, sigma_delta: float, k: int, rate: float, *, complete: bool,
+                         n_out: int | None, tail: float = DROPOUT_TAIL) -> float:
+    """``sqrt(theta(k - m) / theta(k))``: mpddp's factor on ``sigma_eta`` and ``sigma_delta`` for up to ``m`` dropouts.
+
+    ``theta(K')`` = :func:`protocols.mpddp.theta_after` of the planned sigmas for ``K'`` participants: the function
+    the server charges a recovery with (:mod:`strategies.mpddp`) and each survivor's ledger tops up to
+    (:mod:`client.recovery_ledger`); ``m = dropout_bound(k, rate, tail)``.  When ``j`` drop, the server removes their
+    pair noise Delta from the survivors' mean and prices the round at ``theta(k - j)``: Theorem 10 (complete graph)
+    ``(1/sigma_eta^2 + 1/sigma_delta^2) / K'``, Theorem 11 (n-out graph) ``1/(sigma_eta^2 K') + c(K') /
+    sigma_delta^2`` with ``c(K') = 1/(floor((n-1)/3) - 1) + (12 + 6 log K')/K'``.  Both only grow as ``K'`` falls
+    (``c`` decreases for ``K' >= 1``), so ``k - m`` survivors are the worst case, and both are ``1/s^2`` times their
+    value when both sigmas are times ``s``: with the sigmas times this factor, ``theta(k - j)`` for every
+    ``j <= m`` is at most the planned ``theta(k)``, and a recovery of up to ``m`` dropouts costs no more than the
+    round's charge.  Complete graph: ``sqrt(k / (k - m))``.  A margin of 1e-12 keeps round-off from charging a
+    shortfall.  The sigmas may be absolute or per unit sensitivity (only their ratio counts).
+
+    Raises:
+        ValueError: the ``k - m`` survivors are outside the theorem (``theta_after`` refuses them), naming the rate.
+    """
+    m = dropout_bound(k, rate, tail) if k > 1 else 0
+    if m == 0:
+        return 1.0
+    from protocols.mpddp.calibration import theta_after
+
+    try:
+        planned = theta_after(sigma_eta, sigma_delta, k, complete=complete, n_out=n_out)
+        worst = max(theta_after(sigma_eta, sigma_delta, k - j, complete=complete, n_out=n_out) for j in range(1, m + 1))
+    except ValueError as err:
+        raise ValueError(f"run-config 'dropout-rate' = {rate}: up to {m} of {k} participants may drop, and the "
+                         f"theorem does not cover the {k - m} left: {err}") from err
+    return max(1.0, math.sqrt(worst / planned)) * (1 + 1e-12)

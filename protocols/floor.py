@@ -395,13 +395,17 @@ def mpddp_floor(cfg: RunConfig, k: int, min_size: int, scale: float = 1.0,
     among the participants: each pair Delta_kv = -Delta_vk needs ONE std at both ends, and with one
     sensitivity for all every participant computes the same scales from the same public sizes (the
     clients whose n_k is larger get more noise than they need: simple, and never less).
+    Run-config ``dropout-rate``: both sigmas times :func:`protocols.dropouts.mpddp_dropout_factor`, so that the
+    survivors of up to the dropouts it plans for keep the returned theta after the recovery (theta is the plan's,
+    what the round is charged).
     ``scale`` (>= 1): both sigmas times it, theta over its square (the server raises a round's noise when the
     run's epsilon budget left needs it; :mod:`strategies.run.budget`).
     ``releases``: the releases the noise is calibrated for (:func:`calibration_releases`; the public schedule's
     most participations of any client, None: ``num-rounds``).
-    Raises ValueError where the theorems do not cover the setting, FloorViolation for ``releases`` outside
-    ``1..num-rounds``.
+    Raises ValueError where the theorems do not cover the setting (or the survivors of its planned dropouts),
+    FloorViolation for ``releases`` outside ``1..num-rounds``.
     """
+    from protocols.dropouts import mpddp_dropout_factor
     from protocols.mpddp import (
         calibrate,
         mp_record_sensitivity,
@@ -411,12 +415,14 @@ def mpddp_floor(cfg: RunConfig, k: int, min_size: int, scale: float = 1.0,
     )
     sens = mp_record_sensitivity(cfg.clip, min_size, adjacency=cfg.adjacency)
     t = calibration_releases(cfg, releases)
-    if mpddp_complete(cfg, k):
+    if complete := mpddp_complete(cfg, k):
         theta = theta_for_noise_multiplier(round_multiplier(cfg.epsilon, cfg.delta, t, complete=True))
         se, sd = sigmas_for_theta(theta, k, eta_share=ETA_SHARE, sensitivity=sens)
-        return se * scale, sd * scale, theta / scale**2
-    cal = calibrate(cfg.epsilon / t, cfg.delta / t, k, cfg.n_out, eta_share=ETA_SHARE, sensitivity=sens)
-    return cal.sigma_eta * scale, cal.sigma_delta * scale, cal.theta / scale**2
+    else:
+        cal = calibrate(cfg.epsilon / t, cfg.delta / t, k, cfg.n_out, eta_share=ETA_SHARE, sensitivity=sens)
+        se, sd, theta = cal.sigma_eta, cal.sigma_delta, cal.theta
+    s = scale * mpddp_dropout_factor(se, sd, k, cfg.dropout_rate, complete=complete, n_out=cfg.n_out)
+    return se * s, sd * s, theta / scale**2
 
 
 def mpdp_naive_sigma(cfg: RunConfig, size: int) -> float:

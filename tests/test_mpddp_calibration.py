@@ -141,3 +141,55 @@ def test_round_event_is_the_accountants_gaussian_or_the_basic_composition_share(
     assert round_event(2.0, 1e-5, 4, complete=True, scale=1.5) == GaussianEvent(z * 1.5)
     assert round_multiplier(2.0, 1e-5, 4, complete=False) == max_theta(0.5, 1e-5 / 4) ** -0.5
     assert round_event(2.0, 1e-5, 4, complete=False, scale=3.0) == DpEvent(0.5, 1e-5 / 4)
+
+
+# --------------------------------------------------------------------------- planned dropouts (dropout-rate)
+@pytest.mark.parametrize(("extra", "rate"), [
+    ({"num-clients": 10}, 0.1),  # Theorem 10, m = 5 of 10
+    ({"num-clients": 100}, 0.05),
+    ({"num-clients": 100, "graph": "n-out", "n-out": 95}, 0.1),  # Theorem 11, m = 20 of 100
+    ({"num-clients": 200, "graph": "n-out", "n-out": 90, "num-rounds": 3}, 0.2),
+])
+def test_the_floor_keeps_the_planned_theta_after_up_to_m_dropouts(extra, rate):
+    """Both sigmas times mpddp_dropout_factor: recovering up to m dropouts leaves theta_after <= the planned theta.
+
+    The server charges a recovery a shortfall when ``theta_after`` (the same function, the survivors' count) exceeds
+    the round's theta (strategies.mpddp); the plan without the rate is short by far after m dropouts.
+    """
+    from protocols.config import RunConfig
+    from protocols.dropouts import dropout_bound, mpddp_dropout_factor
+    from protocols.floor import mpddp_complete, mpddp_floor
+    from protocols.mpddp import mp_record_sensitivity, theta_after
+    from server.defaults import app_defaults
+
+    def cfg_at(r: float) -> RunConfig:
+        return RunConfig.from_mapping({**app_defaults(), "method": "mpddp", **extra, "dropout-rate": r})
+
+    cfg, blind = cfg_at(rate), cfg_at(0.0)
+    k = cfg.clients_per_round
+    m, complete = dropout_bound(k, rate), mpddp_complete(cfg, k)
+    n_out = cfg.n_out if cfg.graph == "n-out" else None
+    assert m >= 1 and complete == (cfg.graph != "n-out")
+    (se, sd, theta), (se0, sd0, theta0) = mpddp_floor(cfg, k, 30), mpddp_floor(blind, k, 30)
+    factor = mpddp_dropout_factor(se0, sd0, k, rate, complete=complete, n_out=n_out)
+    assert theta == theta0 and factor > 1  # the planned theta (the round's charge) is the calibration's
+    assert se == pytest.approx(se0 * factor, rel=1e-14) and sd == pytest.approx(sd0 * factor, rel=1e-14)
+    if complete:
+        assert factor == pytest.approx(math.sqrt(k / (k - m)), rel=1e-11)
+    sens = mp_record_sensitivity(cfg.clip, 30, adjacency=cfg.adjacency)
+    for survivors in range(k - m, k):
+        assert theta_after(se / sens, sd / sens, survivors, complete=complete, n_out=n_out) <= theta, survivors
+    assert theta_after(se0 / sens, sd0 / sens, k - m, complete=complete, n_out=n_out) > 1.05 * theta  # without
+    # the budget guard's scale on top: sigmas times it, theta over its square, the same dropouts covered
+    se2, sd2, theta2 = mpddp_floor(cfg, k, 30, 1.5)
+    assert se2 == pytest.approx(1.5 * se, rel=1e-14) and theta2 == pytest.approx(theta / 2.25, rel=1e-14)
+    assert theta_after(se2 / sens, sd2 / sens, k - m, complete=complete, n_out=n_out) <= theta2
+
+
+def test_no_dropout_rate_no_factor_and_an_uncovered_survivor_count_names_the_rate():
+    from protocols.dropouts import mpddp_dropout_factor
+
+    for complete, n_out in ((True, None), (False, 95)):
+        assert mpddp_dropout_factor(0.3, 0.9, 100, 0.0, complete=complete, n_out=n_out) == 1.0
+    with pytest.raises(ValueError, match="dropout-rate"):  # Theorem 11 needs n >= 7 (theta_after refuses)
+        mpddp_dropout_factor(0.3, 0.9, 100, 0.1, complete=False, n_out=4)

@@ -27,9 +27,11 @@ from protocols.mpddp import (
     mask_reference,
     max_theta,
     relative_distance,
+    round_multiplier,
     satisfies_eq23,
     sigmas_for_theta,
     theta_complete,
+    theta_for_noise_multiplier,
 )
 from protocols.task.data import client_partition, load_dataset
 from protocols.task.models import build_model, get_weights
@@ -296,6 +298,26 @@ def test_dropout_after_key_phase_is_recovered(tmp_path):
     final = np.load(Path(cfg.out_dir) / "model.npz")
     init = initial_weights(cfg)
     assert not all(np.array_equal(final[k], init[k]) for k in init)
+
+
+def test_planned_dropouts_cost_no_shortfall(run_inprocess):
+    """dropout-rate = fault-drop-rate = 0.2: 2 of 10 drop every round and the run spends exactly its plan.
+
+    The scales cover the m = 6 dropouts the rate plans for (protocols.dropouts.mpddp_dropout_factor), so the
+    survivors' theta after each recovery stays within the round's and the budget guard never raises the noise
+    (with the rate left out, round 1 cost more than planned and later rounds ran at a raised noise scale).
+    """
+    overrides = {"method": "mpddp", "num-clients": 10, "num-rounds": 3, "seed": 7, "epsilon": 1.0,
+                 "fault-drop-rate": 0.2, "dropout-rate": 0.2}
+    summary, rows = run_inprocess(**overrides, cancellation_check=True)
+    assert summary["stopped"] is None and summary["failed_rounds"] == [] and len(rows) == 3
+    assert all(r["dropped"] == 2 and r["recovery"] == 1 for r in rows)
+    assert all(r["cancellation_residual"] <= 1e-9 for r in rows)
+    cfg = RunConfig.from_mapping({**app_defaults(), **overrides})
+    planned = theta_for_noise_multiplier(round_multiplier(cfg.epsilon, cfg.delta, 3, complete=True))
+    assert all(r["theta_after_recovery"] <= planned for r in rows), [r["theta_after_recovery"] / planned for r in rows]
+    assert not any("noise_scale" in r for r in rows)
+    assert summary["epsilon"] == pytest.approx(1.0, rel=0.02) and not summary["privacy"]["over_target"]
 
 
 def test_ablations_tolerate_dropouts(tmp_path):

@@ -20,7 +20,7 @@ from client.app import app as client_app
 from client.records import to_record
 from protocols.config import RunConfig
 from protocols.ddpsa_floor import ddpsa_round_epsilon
-from protocols.floor import FloorPolicy, FloorViolation, ldp_noise_multiplier, ldp_noise_std
+from protocols.floor import FloorPolicy, FloorViolation, ldp_noise_multiplier, ldp_noise_std, mpddp_floor
 from protocols.methods import METHOD_NAMES, method_spec
 from protocols.privacy import FLOAT32_ROUNDING_MARGIN, largest_trainable_norm, record_sensitivity
 from protocols.task.data import dataset_for
@@ -131,6 +131,14 @@ def mpddp_cut(which: str) -> type[MpddpStrategy]:
     return QuietMpddp
 
 
+class DropoutBlindMpddp(MpddpStrategy):
+    """Calibrates as if no participant dropped: the run config's ``dropout-rate`` ignored (the clients' floor has it)."""
+
+    def _calibration(self, k, min_size, scale=1.0):
+        blind = RunConfig.from_mapping({**app_defaults(), **FAST, **PER_METHOD["mpddp"], "method": "mpddp"})
+        return mpddp_floor(blind, k, min_size, scale, self._releases())
+
+
 class QuietNaive(MpdpNaiveStrategy):
     def round_noise(self, state):
         return NaiveNoise(super().round_noise(state).sigma * 1e-6)
@@ -157,6 +165,15 @@ def test_less_noise_from_the_server_is_refused_by_every_client(method, extra, st
     replies = train_round(strategy_cls(cfg), cfg, grid)
     assert len(replies) == cfg.clients_per_round
     assert_all_refused(replies, parameter)
+
+
+def test_mpddp_scales_without_the_planned_dropouts_are_refused():
+    """dropout-rate = 0.4 (m = 3 of 4): a server that leaves it out sends half the scales every client's floor has."""
+    cfg, grid = setup("mpddp", **{"dropout-rate": 0.4})
+    assert_all_refused(train_round(DropoutBlindMpddp(cfg), cfg, grid), "mpddp-sigma-eta")
+    cfg, grid = setup("mpddp", **{"dropout-rate": 0.4})
+    replies = train_round(MpddpStrategy(cfg), cfg, grid)  # the honest plan passes
+    assert len(replies) == cfg.clients_per_round and not any(r.has_error() for r in replies)
 
 
 def test_honest_servers_pass_the_floor_and_clients_report_their_spending():
