@@ -45,7 +45,7 @@ from protocols.server_optimizers import SERVER_OPTIMIZERS
 DATASETS = ("digits", "breast-cancer", "mnist", "fashion-mnist")
 #: Keys that mean nothing to this version: refused (strict mode) with the reason.
 REMOVED_KEYS = {"niss-unit-variance": "NISS sends one noise share per neighbour whatever the noise variance",
-                "mask-dropout-rate": "renamed 'dropout-rate' (it also plans nadp's and niss's noise for dropouts)"}
+                "mask-dropout-rate": "renamed 'dropout-rate' (it also plans nadp's, niss's and mpddp's noise for dropouts)"}
 MODELS = ("mlp", "cnn")
 DEVICES = ("cpu", "cuda", "auto")
 

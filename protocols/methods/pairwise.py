@@ -45,8 +45,8 @@ class PairwiseOptions(MethodOptions):
                                             "train messages (no query.recover phase; each round's update reaches "
                                             "the model one round later)")
     dropout_rate: float = option(0.0, "assumed share of a round's participants that drop after the key phase, in "
-                                      "[0, 0.5): nadp and niss plan their noise for the dropouts a 1e-3 binomial tail "
-                                      "allows (protocols.dropouts; 0 = plan for none, the budget guard then raises "
+                                      "[0, 0.5): nadp, niss and mpddp plan their noise for the dropouts a 1e-3 binomial "
+                                      "tail allows (protocols.dropouts; 0 = plan for none, the budget guard then raises "
                                       "later rounds' noise); also the logged P[< t surviving neighbours]",
                                  low=0.0, high=0.5, high_open=True)
     mask_corruption_rate: float = option(0.1, "assumed colluding share of a neighbourhood, in [0, 0.5): sets the "
