@@ -14,6 +14,7 @@ values (sizes, graph), so a client refuses a plan with less.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -33,6 +34,7 @@ def binom_tail(n: int, p: float, k: int) -> float:
     return math.fsum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1))
 
 
+@functools.lru_cache(maxsize=256)
 def dropout_bound(k: int, rate: float, tail: float = DROPOUT_TAIL) -> int:
     """The most dropouts among ``k`` participants a plan covers: smallest ``m`` with ``P[Bin(k, rate) > m] <= tail``.
 

@@ -459,7 +459,10 @@ def price_recovery(env: ClientEnv, spec: dict, store: Kept, req: RecoveryRequest
     kept = revealed_kept(sigmas, graph)
     left = math.fsum(v for p, v in store.noise.items() if p not in gone_peers)
     strip = not store.masked and sum(store.noise.values()) > 0 and left <= 0
-    kept[me] = sigmas[me] ** 2 - (0.0 if strip else math.fsum(store.noise[p] for p in gone_peers))
+    own = sigmas[me] ** 2 - (0.0 if strip else math.fsum(store.noise[p] for p in gone_peers))
+    # Priced with the least of the two (less noise, a dearer charge): the survivors of one outcome then price it
+    # with the same inputs, whose joint factors a process computes once (protocols.niss_joint.joint_factors).
+    kept[me] = min(kept[me], own)
     scale = float(spec["scale"])
     real = recovered_multiplier(float(spec["z"]), sigmas, {n: s / scale for n, s in sigmas.items()}, graph, kept,
                                 float(spec["tau"]), rho=float(spec["rho"]), degrees=int_keys(spec["degrees"]))
