@@ -8,9 +8,9 @@ phase, Ray's start-up under simulation) is not timed.  Sparse pairing by default
 80-out (:data:`benchmarks.common.SPARSE_PAIRING`); ddpsa goes through its 3 local intermediate servers.
 ``--dropouts``: run-config ``fault-drop-rate``, the share of each round's clients whose train message is withheld
 after the key phase (:mod:`strategies.run.faults`), so the survivors run the method's recovery; the planning
-assumption ``dropout-rate`` (ddpsa: ``ddpsa-dropout-frac``) is set to the same rate (the methods plan their noise
-for it).  The model is
-digits-sized (a 64-16-10 MLP): the table is about what the protocols cost per client, not about training.
+assumption ``dropout-rate`` (or a card's own ``MethodSpec.dropout_plan`` key) is set to the same rate (the
+methods plan their noise for it).  The model is digits-sized (a 64-16-10 MLP): the table is about what the
+protocols cost per client, not about training.
 
 Columns (means over the timed rounds):
 
@@ -42,6 +42,7 @@ import numpy as np
 from benchmarks import common
 from benchmarks.overhead import simulation_point
 from benchmarks.runs import RunResult, run_point, warm_up
+from protocols.methods import METHODS
 
 HELP = "per-client and server cost per round from 10 to 1,000 clients, with dropouts"
 
@@ -87,11 +88,12 @@ def run(args: argparse.Namespace) -> int:
     if not simulation:
         warm_up(base, clients, out)
     rows = []
+    own_plans = {n: spec.dropout_plan for n in methods if (spec := METHODS.get(n)) is not None and spec.dropout_plan}
     todo = [(d, k, m) for k in clients for d in rates for m in methods]
     for d, k, m in tqdm(todo, desc="scale", unit="run", dynamic_ncols=True):
         run_dir = out / "runs" / f"{m}-k{k}-d{d:g}"
-        # The planning assumption at the fault's rate: run-config dropout-rate, ddpsa's own ddpsa-dropout-frac.
-        sets = {**msets, "ddpsa": {"ddpsa-dropout-frac": min(d, 0.49), **msets.get("ddpsa", {})}}
+        # The planning assumption at the fault's rate: run-config dropout-rate, or the card's own key.
+        sets = {**msets, **{n: {key: min(d, 0.49), **msets.get(n, {})} for n, key in own_plans.items()}}
         row = point(m, args.epsilon, k, d, {**base, "fault-drop-rate": d, "dropout-rate": min(d, 0.49)}, sets, run_dir,
                     simulation=simulation)
         rows.append(row)

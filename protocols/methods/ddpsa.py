@@ -125,4 +125,5 @@ register(MethodSpec("ddpsa", "strategies.ddpsa:DdpsaStrategy", "client.methods.d
                     options=(DdpsaOptions,), regime=DDPSA_REGIME, fixed=FULL_BATCH_GRADIENT,
                     privacy=Guarantee("record", SERVER_SECAGG, MODEL),
                     min_per_round=2, server_step_lr="lr", local_services=local_servers,
-                    audit="server.audits.ddpsa:DdpsaAudit", round_time_goal=1.5, deployment_round_time_goal=1.2))
+                    audit="server.audits.ddpsa:DdpsaAudit", round_time_goal=1.5, deployment_round_time_goal=1.2,
+                    dropout_plan="ddpsa-dropout-frac"))

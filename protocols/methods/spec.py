@@ -105,6 +105,8 @@ class MethodSpec:
         round_time_goal: its round's wall time at most this multiple of the reference arm's in the same run,
             in-process and under Flower's simulation (``cancelfl-bench roundtime``); ``None`` = no goal.
         deployment_round_time_goal: the same across processes (``--engine deployment`` or ``compose``).
+        dropout_plan: the method's own run-config key for the share of a round's participants its noise plans to
+            lose, where it is not ``dropout-rate`` (benchmarks that drop clients set it to their rate); None = none.
         reference: the arm the benchmarks measure the others against (time and bytes ratios, accuracy gaps, the
             warm-up run); exactly one registered method sets it (:func:`protocols.methods.reference_method`).
     """
@@ -131,6 +133,7 @@ class MethodSpec:
     recovery_charge: str | Callable | None = None
     round_time_goal: float | None = None
     deployment_round_time_goal: float | None = None
+    dropout_plan: str | None = None
     reference: bool = False
 
     def __post_init__(self) -> None:
