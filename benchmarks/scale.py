@@ -104,22 +104,22 @@ def run(args: argparse.Namespace) -> int:
                    f"up={common.fmt(row['bytes_up'])} rss={common.fmt(row['peak_rss_mb'])}MiB "
                    f"neighbours={common.fmt(row['neighbours'])} {row['status']}")
     total = time.perf_counter() - t0
-    notes += run_notes(args, total)
+    notes += run_notes(args, total, own_plans)
     plot(rows, out / "scale.png")
     common.publish(rows, COLUMNS, args, "scale", title=TITLE, notes=notes, total=total)
     return 0
 
 
-def run_notes(args: argparse.Namespace, total: float) -> list[str]:
-    """The notes under a finished table: setting, column meanings, total time."""
+def run_notes(args: argparse.Namespace, total: float, own_plans: dict[str, str]) -> list[str]:
+    """The notes under a finished table: setting, column meanings, total time (``own_plans``: a card's planning key)."""
     simulation = args.engine == "simulation"
     return [
         f"engine={args.engine}, dataset={args.dataset} (every client holds its 1/K share), hidden={args.hidden!r}, "
         f"local-epochs={args.local_epochs}, full-batch, epsilon={args.epsilon}, {args.rounds} rounds (round 1 not "
         "timed); the model is tiny on purpose: the figures are the protocols' cost per client and per round",
         "dropouts: run-config fault-drop-rate (the share of each round's clients whose train message is withheld "
-        "after the key phase; the survivors run the method's recovery) and the planning assumption dropout-rate "
-        "(ddpsa: ddpsa-dropout-frac), both at that rate",
+        "after the key phase; the survivors run the method's recovery) and the planning assumption dropout-rate"
+        + "".join(f" ({name}: {key})" for name, key in own_plans.items()) + ", both at that rate",
         "client_s: " + ("the round's time in client phases x parallel ClientApps (one per core) / clients, Flower's "
                         "per-message cost included" if simulation else "mean ClientApp time of one client, all phases")
         + "; server_s: round wall time minus the time spent waiting for clients; bytes per participating client",

@@ -188,12 +188,12 @@ def run_inprocess(overrides: dict, *, progress=print, grid_factory=None, keep_st
     from strategies.registry import build_strategy
 
     raw = {**app_defaults(), **overrides}
+    cfg = RunConfig.from_mapping(raw)
     if not checked:  # before the out-dir is made and the grid makes num-clients identities and contexts
-        cfg = RunConfig.from_mapping(raw)
         local_checks(cfg)
         for note in start_checks(cfg):
             progress(f"warning: {note}")
-    raw["out-dir"] = resolve_out_dir(RunConfig.from_mapping(raw)).out_dir  # "" = a fresh runs/<time>-<method>
+    raw["out-dir"] = resolve_out_dir(cfg).out_dir  # "" = a fresh runs/<time>-<method>
     cfg = RunConfig.from_mapping(raw)
     if not cfg.resume:  # an earlier run's outputs, its clients' ledgers too, before this run's clients exist
         clear_outputs(cfg.out_dir)
